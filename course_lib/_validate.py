@@ -1,0 +1,81 @@
+"""Argument checks shared by the public API.
+
+Every message names the argument, says what was expected and what was given,
+so a student reading the traceback knows which line of theirs to change.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+
+def describe(value: Any) -> str:
+    """A short description of a value for an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple)) and len(value) > 6:
+        return f"a {type(value).__name__} of length {len(value)}"
+    return f"{value!r} ({type(value).__name__})"
+
+
+def tensor(name: str, value: Any, *, min_dim: int = 0, dim: int | None = None,
+           floating: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Check that ``value`` is a tensor with the given rank and kind of dtype."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {describe(value)}")
+    if dim is not None and value.dim() != dim:
+        raise ValueError(f"{name}: expected a tensor with {dim} dimension(s), "
+                         f"got shape {tuple(value.shape)} ({value.dim()} dimensions)")
+    if value.dim() < min_dim:
+        raise ValueError(f"{name}: expected at least {min_dim} dimension(s), "
+                         f"got shape {tuple(value.shape)}")
+    if floating and not value.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {value.dtype}; "
+                        f"convert it with .float()")
+    if dtype is not None and value.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {value.dtype}")
+    return value
+
+
+def token_ids(name: str, value: Any, *, dim: int | None = None) -> torch.Tensor:
+    """Check that ``value`` is an integer tensor of token ids."""
+    tensor(name, value, dim=dim)
+    if value.is_floating_point() or value.dtype == torch.bool or value.is_complex():
+        raise TypeError(f"{name}: expected integer token ids (torch.long), got dtype {value.dtype}")
+    return value
+
+
+def positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {describe(value)}")
+    return value
+
+
+def non_negative_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {describe(value)}")
+    return value
+
+
+def probability(name: str, value: Any, *, allow_one: bool = False) -> float:
+    """A dropout-like rate in [0, 1) (or [0, 1] with ``allow_one``)."""
+    ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
+    upper_ok = ok_type and (value <= 1 if allow_one else value < 1)
+    if not ok_type or value < 0 or not upper_ok:
+        bound = "[0, 1]" if allow_one else "[0, 1)"
+        raise ValueError(f"{name}: expected a number in {bound}, got {describe(value)}")
+    return float(value)
+
+
+def positive_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}: expected a number > 0, got {describe(value)}")
+    return float(value)
+
+
+def one_of(name: str, value: Any, choices: Iterable[Any]) -> Any:
+    choices = list(choices)
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {describe(value)}")
+    return value

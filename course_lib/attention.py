@@ -1,0 +1,227 @@
+"""Attention, from the toy dot-product example to multi-head causal self-attention.
+
+The names here are the ones the notebooks teach: a student who writes
+``MultiHeadMaskedAttention`` in notebook 03 finds the same class, with the same
+constructor and parameter names, in this file.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _validate as check
+
+__all__ = [
+    "toy_attention",
+    "attention_weights",
+    "scaled_dot_product_attention",
+    "causal_mask",
+    "KVCache",
+    "MaskedAttention",
+    "MultiHeadMaskedAttention",
+]
+
+
+def toy_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Weight ``values`` by how well each key matches ``query`` (no scaling, no batch).
+
+    query (d,), keys (n, d), values (n,) or (n, dv)  ->  () or (dv,)
+    """
+    check.tensor("query", query, dim=1, floating=True)
+    check.tensor("keys", keys, dim=2, floating=True)
+    check.tensor("values", values, floating=True)
+    if keys.shape[1] != query.shape[0]:
+        raise ValueError(f"keys: expected shape (n, {query.shape[0]}) to match query of shape "
+                         f"{tuple(query.shape)}, got {tuple(keys.shape)}")
+    if values.dim() not in (1, 2) or values.shape[0] != keys.shape[0]:
+        raise ValueError(f"values: expected shape ({keys.shape[0]},) or ({keys.shape[0]}, dv), "
+                         f"one value per key, got {tuple(values.shape)}")
+    scores = keys @ query                    # (n,)  one compatibility score per key
+    weights = torch.softmax(scores, dim=0)   # (n,)  positive, sums to one
+    return weights @ values                  # () or (dv,)
+
+
+def _check_mask(mask: torch.Tensor, lq: int, lk: int) -> None:
+    check.tensor("mask", mask, min_dim=2, dtype=torch.bool)
+    if mask.shape[-2] not in (1, lq) or mask.shape[-1] not in (1, lk):
+        raise ValueError(f"mask: expected a bool tensor broadcastable to (..., {lq}, {lk}) "
+                         f"(queries x keys, True = may attend), got shape {tuple(mask.shape)}")
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) with disallowed positions set to zero weight.
+
+    q (..., Lq, d), k (..., Lk, d), mask bool broadcastable to (..., Lq, Lk)  ->  (..., Lq, Lk)
+    Each row (one query) sums to one over the keys it may attend to.
+    """
+    check.tensor("q", q, min_dim=2, floating=True)
+    check.tensor("k", k, min_dim=2, floating=True)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"k: expected last dimension {q.shape[-1]} to match q {tuple(q.shape)}, "
+                         f"got {tuple(k.shape)}")
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5   # (..., Lq, Lk)
+    if mask is not None:
+        _check_mask(mask, q.shape[-2], k.shape[-2])
+        # -inf becomes exactly zero weight after the softmax, and the remaining
+        # weights of the row still sum to one.
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1)   # normalise over the keys, one distribution per query
+
+
+def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v for any leading batch dimensions.
+
+    q (..., Lq, d), k (..., Lk, d), v (..., Lk, dv), mask bool (..., Lq, Lk), True = may attend
+    ->  (..., Lq, dv)
+    """
+    check.tensor("v", v, min_dim=2, floating=True)
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"v: expected {k.shape[-2]} rows, one per key (k has shape "
+                         f"{tuple(k.shape)}), got {tuple(v.shape)}")
+    return attention_weights(q, k, mask) @ v   # (..., Lq, dv)
+
+
+def causal_mask(n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool (n, n): True on and below the diagonal, so position i sees positions 0..i."""
+    check.positive_int("n", n)
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+class KVCache:
+    """Keys and values of the tokens already seen by one attention layer.
+
+    During generation each new token only needs its own query, key and value:
+    the keys and values of earlier tokens do not change, so we keep them here
+    instead of recomputing them at every step.
+    """
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = check.positive_int("max_tokens", max_tokens)
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (N, heads, L, head_dim); return all keys and values so far."""
+        new_length = self.length + k.shape[2]
+        if new_length > self.max_tokens:
+            raise ValueError(f"cache: holds {self.length} tokens, adding {k.shape[2]} would exceed "
+                             f"max_tokens={self.max_tokens}; start a new cache (see generate.py)")
+        if self._k is None or self._k.shape[0] != k.shape[0]:
+            # Allocate once for the whole context: appending by torch.cat would copy
+            # everything seen so far at every step.
+            shape = (k.shape[0], k.shape[1], self.max_tokens, k.shape[3])
+            self._k = k.new_empty(shape)
+            self._v = v.new_empty(shape)
+        self._k[:, :, self.length:new_length] = k
+        self._v[:, :, self.length:new_length] = v
+        self.length = new_length
+        return self._k[:, :, :new_length], self._v[:, :, :new_length]   # (N, heads, length, head_dim)
+
+
+class MultiHeadMaskedAttention(nn.Module):
+    """Causal self-attention with ``num_heads`` heads of size embed_dim // num_heads.
+
+    Parameters ``query``, ``key``, ``value`` (embed_dim -> embed_dim) and ``proj``
+    (the output projection); dropout on the attention weights and after ``proj``.
+    ``fused=True`` runs ``F.scaled_dot_product_attention``; ``fused=False`` runs
+    the same computation written out step by step with einsum.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, max_tokens: int, dropout_rate: float = 0.0,
+                 *, bias: bool = False, fused: bool = True):
+        super().__init__()
+        check.positive_int("embed_dim", embed_dim)
+        check.positive_int("num_heads", num_heads)
+        check.positive_int("max_tokens", max_tokens)
+        check.probability("dropout_rate", dropout_rate)
+        if embed_dim % num_heads:
+            raise ValueError(f"num_heads: embed_dim={embed_dim} must be divisible by num_heads, "
+                             f"got num_heads={num_heads}; pick a divisor of {embed_dim}")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.max_tokens = max_tokens
+        self.dropout_rate = dropout_rate
+        self.fused = fused
+        self.query = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.key = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.value = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.attn_dropout = nn.Dropout(dropout_rate)
+        self.proj_dropout = nn.Dropout(dropout_rate)
+        # Not persistent: the mask is derived from max_tokens, not learned, so it
+        # stays out of checkpoints and out of weight-for-weight conversions.
+        self.register_buffer("mask", causal_mask(max_tokens), persistent=False)
+        # Set record_weights = True to keep the last attention weights (for plots).
+        self.record_weights = False
+        self.attention_weights: torch.Tensor | None = None
+
+    def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
+        n, length, _ = t.shape
+        # view first, then transpose: a bare .view(n, heads, length, head_dim)
+        # would cut the sequence, not the features, into heads.
+        return t.view(n, length, self.num_heads, self.head_dim).transpose(1, 2)   # (N, heads, L, head_dim)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """x (N, L, embed_dim) -> (N, L, embed_dim); with ``cache``, x holds only the new tokens."""
+        check.tensor("x", x, dim=3, floating=True)
+        n, length, embed_dim = x.shape
+        if embed_dim != self.embed_dim:
+            raise ValueError(f"x: expected last dimension embed_dim={self.embed_dim}, "
+                             f"got shape {tuple(x.shape)}")
+        start = cache.length if cache is not None else 0
+        total = start + length
+        if total > self.max_tokens:
+            raise ValueError(f"x: sequence of {total} tokens is longer than max_tokens={self.max_tokens}; "
+                             f"crop the input to its last {self.max_tokens} tokens")
+
+        q = self._split_heads(self.query(x))   # (N, heads, L, head_dim)
+        k = self._split_heads(self.key(x))     # (N, heads, L, head_dim)
+        v = self._split_heads(self.value(x))   # (N, heads, L, head_dim)
+        if cache is not None:
+            k, v = cache.append(k, v)          # (N, heads, total, head_dim)
+        # Query i sits at position start + i and may see keys 0 .. start + i.
+        mask = self.mask[start:total, :total]  # (L, total)
+
+        if self.fused and not self.record_weights:
+            out = F.scaled_dot_product_attention(
+                q, k, v,
+                attn_mask=None if start == 0 or length == 1 else mask,
+                is_causal=start == 0 and length > 1,
+                dropout_p=self.dropout_rate if self.training else 0.0,
+            )                                                                 # (N, heads, L, head_dim)
+        else:
+            # 1. compatibility of every query with every key, scaled so the logits
+            #    keep unit variance whatever the head size
+            scores = torch.einsum("nhqd,nhkd->nhqk", q, k) * self.head_dim ** -0.5   # (N, heads, L, total)
+            # 2. the future gets -inf, so exactly zero weight after the softmax
+            scores = scores.masked_fill(~mask, float("-inf"))
+            # 3. one distribution over the keys per query
+            weights = scores.softmax(dim=-1)
+            if self.record_weights:
+                self.attention_weights = weights.detach()
+            weights = self.attn_dropout(weights)
+            # 4. the weighted average of the values
+            out = torch.einsum("nhqk,nhkd->nhqd", weights, v)                        # (N, heads, L, head_dim)
+
+        out = out.transpose(1, 2).reshape(n, length, self.embed_dim)   # (N, L, embed_dim): heads side by side
+        return self.proj_dropout(self.proj(out))
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, max_tokens={self.max_tokens}, "
+                f"dropout_rate={self.dropout_rate}, fused={self.fused}")
+
+
+class MaskedAttention(MultiHeadMaskedAttention):
+    """Single-head causal self-attention: one head of size embed_dim, scaled by embed_dim**-0.5."""
+
+    def __init__(self, embed_dim: int, max_tokens: int, dropout_rate: float = 0.0,
+                 *, bias: bool = False, fused: bool = True):
+        super().__init__(embed_dim, 1, max_tokens, dropout_rate, bias=bias, fused=fused)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, max_tokens={self.max_tokens}, "
+                f"dropout_rate={self.dropout_rate}, fused={self.fused}")

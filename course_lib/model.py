@@ -1,0 +1,281 @@
+"""Positional encodings, the feed-forward layer, the transformer block and the GPT model."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _validate as check
+from .attention import KVCache, MultiHeadMaskedAttention
+
+__all__ = [
+    "sinusoidal_table",
+    "LearnedPositionalEncoding",
+    "SinusoidalPositionalEncoding",
+    "FeedForward",
+    "TransformerBlock",
+    "GPTConfig",
+    "GPT",
+]
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+POSITIONAL = ("learned", "sinusoidal")
+
+
+def sinusoidal_table(max_tokens: int, embed_dim: int) -> torch.Tensor:
+    """The fixed encodings of "Attention is all you need": (max_tokens, embed_dim).
+
+    PE[pos, 2i] = sin(pos / 10000^(2i/d)),  PE[pos, 2i+1] = cos(pos / 10000^(2i/d))
+    """
+    check.positive_int("max_tokens", max_tokens)
+    check.positive_int("embed_dim", embed_dim)
+    position = torch.arange(max_tokens, dtype=torch.float32)[:, None]             # (max_tokens, 1)
+    frequency = torch.exp(torch.arange(0, embed_dim, 2, dtype=torch.float32)
+                          * (-math.log(10000.0) / embed_dim))                      # (ceil(d/2),)
+    angles = position * frequency                                                  # (max_tokens, ceil(d/2))
+    table = torch.zeros(max_tokens, embed_dim)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles[:, : embed_dim // 2])
+    return table
+
+
+class LearnedPositionalEncoding(nn.Module):
+    """One trained vector per position (GPT-1, GPT-2)."""
+
+    def __init__(self, max_tokens: int, embed_dim: int):
+        super().__init__()
+        self.max_tokens = check.positive_int("max_tokens", max_tokens)
+        self.embedding = nn.Embedding(max_tokens, check.positive_int("embed_dim", embed_dim))
+
+    def forward(self, length: int, start: int = 0) -> torch.Tensor:
+        """Vectors for positions start .. start + length - 1: (length, embed_dim)."""
+        _check_positions(length, start, self.max_tokens)
+        positions = torch.arange(start, start + length, device=self.embedding.weight.device)
+        return self.embedding(positions)
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Fixed sine/cosine vectors per position (the original transformer); nothing to learn."""
+
+    def __init__(self, max_tokens: int, embed_dim: int):
+        super().__init__()
+        self.max_tokens = max_tokens
+        self.register_buffer("table", sinusoidal_table(max_tokens, embed_dim), persistent=False)
+
+    def forward(self, length: int, start: int = 0) -> torch.Tensor:
+        """Vectors for positions start .. start + length - 1: (length, embed_dim)."""
+        _check_positions(length, start, self.max_tokens)
+        return self.table[start:start + length]
+
+
+def _check_positions(length: int, start: int, max_tokens: int) -> None:
+    if start + length > max_tokens:
+        raise ValueError(f"length: positions {start}..{start + length - 1} go past max_tokens={max_tokens}; "
+                         f"crop the sequence to its last {max_tokens} tokens")
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: Linear(embed_dim -> hidden_dim), activation, Linear back, dropout."""
+
+    def __init__(self, embed_dim: int, hidden_dim: int | None = None, dropout_rate: float = 0.0,
+                 *, bias: bool = False, activation: str = "gelu"):
+        super().__init__()
+        check.positive_int("embed_dim", embed_dim)
+        hidden_dim = 4 * embed_dim if hidden_dim is None else check.positive_int("hidden_dim", hidden_dim)
+        check.probability("dropout_rate", dropout_rate)
+        check.one_of("activation", activation, ACTIVATIONS)
+        self.fc = nn.Linear(embed_dim, hidden_dim, bias=bias)
+        self.act = nn.ReLU() if activation == "relu" else nn.GELU(
+            approximate="tanh" if activation == "gelu_tanh" else "none")
+        self.proj = nn.Linear(hidden_dim, embed_dim, bias=bias)
+        self.dropout = nn.Dropout(dropout_rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.act(self.fc(x))))   # (N, L, embed_dim)
+
+
+class TransformerBlock(nn.Module):
+    """Attention then feed-forward, each wrapped in a residual connection and a LayerNorm.
+
+    norm_first=True (pre-norm, GPT-2):   x = x + attn(ln1(x));  x = x + mlp(ln2(x))
+    norm_first=False (post-norm, 2017):  x = ln1(x + attn(x));  x = ln2(x + mlp(x))
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, max_tokens: int, dropout_rate: float = 0.0,
+                 norm_first: bool = True, *, bias: bool = False, activation: str = "gelu",
+                 layer_norm_eps: float = 1e-5, mlp_ratio: int = 4, fused: bool = True):
+        super().__init__()
+        check.positive_int("mlp_ratio", mlp_ratio)
+        check.positive_float("layer_norm_eps", layer_norm_eps)
+        self.norm_first = bool(norm_first)
+        self.ln1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
+        self.attn = MultiHeadMaskedAttention(embed_dim, num_heads, max_tokens, dropout_rate,
+                                             bias=bias, fused=fused)
+        self.ln2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
+        self.mlp = FeedForward(embed_dim, mlp_ratio * embed_dim, dropout_rate,
+                               bias=bias, activation=activation)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """x (N, L, embed_dim) -> (N, L, embed_dim)."""
+        if self.norm_first:
+            x = x + self.attn(self.ln1(x), cache)
+            x = x + self.mlp(self.ln2(x))
+        else:
+            x = self.ln1(x + self.attn(x, cache))
+            x = self.ln2(x + self.mlp(x))
+        return x
+
+
+@dataclass
+class GPTConfig:
+    """Everything needed to build a GPT; validates itself when created."""
+
+    vocab_size: int
+    max_tokens: int = 64
+    embed_dim: int = 128
+    num_heads: int = 4
+    num_layers: int = 4
+    dropout_rate: float = 0.0
+    norm_first: bool = True
+    positional: str = "learned"
+    tie_weights: bool = False
+    # What GPT-2 needs; the course defaults leave them off.
+    bias: bool = False
+    activation: str = "gelu"
+    layer_norm_eps: float = 1e-5
+    mlp_ratio: int = 4
+    fused_attention: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_tokens", "embed_dim", "num_heads", "num_layers", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name}: expected a positive int, got {value!r}")
+        if self.embed_dim % self.num_heads:
+            divisors = [h for h in range(1, self.embed_dim + 1) if self.embed_dim % h == 0 and h <= 64]
+            raise ValueError(f"GPTConfig.embed_dim={self.embed_dim} is not divisible by "
+                             f"num_heads={self.num_heads}; choose num_heads from {divisors} "
+                             f"or change embed_dim to a multiple of {self.num_heads}")
+        if not isinstance(self.dropout_rate, (int, float)) or not 0 <= self.dropout_rate < 1:
+            raise ValueError(f"GPTConfig.dropout_rate: expected a number in [0, 1), got {self.dropout_rate!r}; "
+                             f"0.0 turns dropout off, 0.1-0.2 is typical")
+        if self.positional not in POSITIONAL:
+            raise ValueError(f"GPTConfig.positional: expected one of {list(POSITIONAL)}, got {self.positional!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"GPTConfig.activation: expected one of {list(ACTIVATIONS)}, got {self.activation!r}")
+        if not isinstance(self.layer_norm_eps, (int, float)) or not self.layer_norm_eps > 0:
+            raise ValueError(f"GPTConfig.layer_norm_eps: expected a small number > 0, got {self.layer_norm_eps!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "GPTConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"GPTConfig: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**values)
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer: token + position embeddings, blocks, final LayerNorm, output head."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config: expected a GPTConfig, got {type(config).__name__}; "
+                            f"build one with GPTConfig(vocab_size=..., ...)")
+        self.config = config
+        c = config
+        self.token_embedding = nn.Embedding(c.vocab_size, c.embed_dim)
+        encoding = LearnedPositionalEncoding if c.positional == "learned" else SinusoidalPositionalEncoding
+        self.position_encoding = encoding(c.max_tokens, c.embed_dim)
+        self.dropout = nn.Dropout(c.dropout_rate)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(c.embed_dim, c.num_heads, c.max_tokens, c.dropout_rate, c.norm_first,
+                             bias=c.bias, activation=c.activation, layer_norm_eps=c.layer_norm_eps,
+                             mlp_ratio=c.mlp_ratio, fused=c.fused_attention)
+            for _ in range(c.num_layers))
+        self.ln_f = nn.LayerNorm(c.embed_dim, eps=c.layer_norm_eps)
+        self.head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # GPT-2: the projections that write into the residual stream start smaller,
+        # so the stream's variance does not grow with depth.
+        for block in self.blocks:
+            for proj in (block.attn.proj, block.mlp.proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
+        if c.tie_weights:
+            self.head.weight = self.token_embedding.weight
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def new_cache(self) -> list[KVCache]:
+        """One empty KV cache per block, for :func:`course_lib.generate`."""
+        return [KVCache(self.config.max_tokens) for _ in self.blocks]
+
+    def forward(self, idx: torch.Tensor, cache: list[KVCache] | None = None) -> torch.Tensor:
+        """Token ids (N, L) -> logits (N, L, vocab_size).
+
+        With ``cache`` (from :meth:`new_cache`), ``idx`` holds only the tokens not yet
+        seen; their positions continue after the cached ones.
+        """
+        check.token_ids("idx", idx, dim=2)
+        n, length = idx.shape
+        start = cache[0].length if cache else 0
+        if start + length > self.config.max_tokens:
+            raise ValueError(f"idx: sequence of {start + length} tokens is longer than "
+                             f"max_tokens={self.config.max_tokens}; crop it to the last "
+                             f"{self.config.max_tokens} tokens (idx[:, -{self.config.max_tokens}:])")
+        if cache is not None and len(cache) != len(self.blocks):
+            raise ValueError(f"cache: expected {len(self.blocks)} KVCache objects (one per block), "
+                             f"got {len(cache)}; use model.new_cache()")
+        x = self.token_embedding(idx) + self.position_encoding(length, start)   # (N, L, embed_dim)
+        x = self.dropout(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache[i] if cache is not None else None)               # (N, L, embed_dim)
+        return self.head(self.ln_f(x))                                          # (N, L, vocab_size)
+
+    def num_parameters(self, include_embeddings: bool = True) -> int:
+        """Number of trainable numbers; a tied head/embedding is counted once."""
+        unique = {id(p): p for p in self.parameters()}
+        total = sum(p.numel() for p in unique.values())
+        if not include_embeddings and self.config.positional == "learned":
+            total -= self.position_encoding.embedding.weight.numel()
+        return total
+
+    @torch.no_grad()
+    def attention_maps(self, idx: torch.Tensor) -> torch.Tensor:
+        """Attention weights of every layer and head: (num_layers, N, num_heads, L, L)."""
+        was_training = self.training
+        self.eval()
+        try:
+            for block in self.blocks:
+                block.attn.record_weights = True
+            self(idx)
+            return torch.stack([block.attn.attention_weights for block in self.blocks])
+        finally:
+            for block in self.blocks:
+                block.attn.record_weights = False
+                block.attn.attention_weights = None
+            self.train(was_training)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str) -> "GPT":
+        """Load GPT-2 weights (a local folder or a Hugging Face cache) as a course GPT."""
+        from .hf import from_pretrained
+        return from_pretrained(name_or_path)

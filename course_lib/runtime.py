@@ -1,0 +1,43 @@
+"""Reproducibility and device helpers."""
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+from . import _validate as check
+
+__all__ = ["device", "set_seed"]
+
+DEVICES = ("cuda", "mps", "cpu")
+
+
+def device() -> torch.device:
+    """The fastest device here: cuda > mps > cpu, or the one named by ``COURSE_DEVICE``."""
+    wanted = os.environ.get("COURSE_DEVICE", "").strip().lower()
+    if wanted:
+        kind = wanted.split(":")[0]
+        if kind not in DEVICES:
+            raise ValueError(f"COURSE_DEVICE: expected one of {list(DEVICES)} (optionally 'cuda:N'), "
+                             f"got {wanted!r}")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"COURSE_DEVICE={wanted!r} but CUDA is not available here; "
+                               f"unset COURSE_DEVICE or set it to 'cpu'")
+        if kind == "mps" and not torch.backends.mps.is_available():
+            raise RuntimeError(f"COURSE_DEVICE={wanted!r} but Apple MPS is not available here; "
+                               f"unset COURSE_DEVICE or set it to 'cpu'")
+        return torch.device(wanted)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def set_seed(seed: int) -> torch.Generator:
+    """Seed Python, torch (CPU and GPU) and return a CPU generator seeded the same way."""
+    check.non_negative_int("seed", seed)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
