@@ -13,6 +13,8 @@ from torch import nn
 from . import _validate as check
 
 __all__ = [
+    "TOY_KEYS",
+    "TOY_VALUES",
     "toy_attention",
     "attention_weights",
     "scaled_dot_product_attention",
@@ -21,6 +23,13 @@ __all__ = [
     "MaskedAttention",
     "MultiHeadMaskedAttention",
 ]
+
+
+# The worked example of notebook 01: three keys pointing right, up and left, and
+# one scalar value each. Query [1, 0] matches the first key best; query [0, 1]
+# matches the second, and the first and third then weigh the same.
+TOY_KEYS = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+TOY_VALUES = torch.tensor([1.0, 2.0, 3.0])
 
 
 def toy_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
