@@ -19,6 +19,8 @@ __all__ = [
     "attention_weights",
     "scaled_dot_product_attention",
     "causal_mask",
+    "split_heads",
+    "merge_heads",
     "KVCache",
     "MaskedAttention",
     "MultiHeadMaskedAttention",
@@ -98,6 +100,27 @@ def causal_mask(n: int, device: torch.device | str | None = None) -> torch.Tenso
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(N, L, E) -> (N, num_heads, L, E // num_heads): each head gets its own slice of the features."""
+    check.tensor("x", x, dim=3)
+    check.positive_int("num_heads", num_heads)
+    n, length, embed_dim = x.shape
+    if embed_dim % num_heads:
+        raise ValueError(f"num_heads: the last dimension of x ({embed_dim}) must be divisible by "
+                         f"num_heads, got num_heads={num_heads}")
+    # view first, then transpose: a bare .view(n, num_heads, length, head_dim)
+    # would cut the sequence, not the features, into heads.
+    return x.view(n, length, num_heads, embed_dim // num_heads).transpose(1, 2)   # (N, heads, L, head_dim)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(N, heads, L, head_dim) -> (N, L, heads * head_dim): the heads' outputs side by side."""
+    check.tensor("x", x, dim=4)
+    n, heads, length, head_dim = x.shape
+    # transpose back before reshaping, or features of different positions get mixed
+    return x.transpose(1, 2).reshape(n, length, heads * head_dim)   # (N, L, E)
+
+
 class KVCache:
     """Keys and values of the tokens already seen by one attention layer.
 
@@ -168,12 +191,6 @@ class MultiHeadMaskedAttention(nn.Module):
         self.record_weights = False
         self.attention_weights: torch.Tensor | None = None
 
-    def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
-        n, length, _ = t.shape
-        # view first, then transpose: a bare .view(n, heads, length, head_dim)
-        # would cut the sequence, not the features, into heads.
-        return t.view(n, length, self.num_heads, self.head_dim).transpose(1, 2)   # (N, heads, L, head_dim)
-
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x (N, L, embed_dim) -> (N, L, embed_dim); with ``cache``, x holds only the new tokens."""
         check.tensor("x", x, dim=3, floating=True)
@@ -187,9 +204,9 @@ class MultiHeadMaskedAttention(nn.Module):
             raise ValueError(f"x: sequence of {total} tokens is longer than max_tokens={self.max_tokens}; "
                              f"crop the input to its last {self.max_tokens} tokens")
 
-        q = self._split_heads(self.query(x))   # (N, heads, L, head_dim)
-        k = self._split_heads(self.key(x))     # (N, heads, L, head_dim)
-        v = self._split_heads(self.value(x))   # (N, heads, L, head_dim)
+        q = split_heads(self.query(x), self.num_heads)   # (N, heads, L, head_dim)
+        k = split_heads(self.key(x), self.num_heads)     # (N, heads, L, head_dim)
+        v = split_heads(self.value(x), self.num_heads)   # (N, heads, L, head_dim)
         if cache is not None:
             k, v = cache.append(k, v)          # (N, heads, total, head_dim)
         # Query i sits at position start + i and may see keys 0 .. start + i.
@@ -216,8 +233,7 @@ class MultiHeadMaskedAttention(nn.Module):
             # 4. the weighted average of the values
             out = torch.einsum("nhqk,nhkd->nhqd", weights, v)                        # (N, heads, L, head_dim)
 
-        out = out.transpose(1, 2).reshape(n, length, self.embed_dim)   # (N, L, embed_dim): heads side by side
-        return self.proj_dropout(self.proj(out))
+        return self.proj_dropout(self.proj(merge_heads(out)))   # (N, L, embed_dim)
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, max_tokens={self.max_tokens}, "
