@@ -1,0 +1,80 @@
+"""`python -m course_lib doctor | data | train | student | bench`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .train import run_preset
+    metrics = run_preset(args.preset, args.out, seconds=args.seconds, steps=args.steps, corpus=args.corpus,
+                         device=args.device, progress=not args.quiet,
+                         compile=True if args.compile else None)
+    if metrics:   # only rank 0 reports under torchrun
+        shown = {k: metrics[k] for k in ("preset", "val_loss", "steps", "train_seconds", "tokens_per_second",
+                                         "parameters")}
+        print(json.dumps(shown, indent=2))
+        print(f"wrote {args.out}/metrics.json and {args.out}/checkpoint.pt")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from .data import CORPORA, CorpusError, corpus_path
+    status = 0
+    for name in args.names or list(CORPORA):
+        try:
+            print(f"{name}: {corpus_path(name, download=not args.no_download)}")
+        except CorpusError as exc:
+            print(f"{name}: {exc}", file=sys.stderr)
+            status = 1
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .train import PRESETS
+    parser = argparse.ArgumentParser(prog="python -m course_lib", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("doctor", help="check that this machine is ready for the workshop")
+
+    data = sub.add_parser("data", help="locate the corpora, downloading any that are missing")
+    data.add_argument("names", nargs="*", help="corpora to fetch (default: all)")
+    data.add_argument("--no-download", action="store_true", help="only look, never download")
+
+    train = sub.add_parser("train", help="train a named preset")
+    train.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    train.add_argument("--out", required=True, help="folder for metrics.json and checkpoint.pt")
+    train.add_argument("--seconds", type=float, help="stop after this many seconds of training")
+    train.add_argument("--steps", type=int, help="stop after this many steps (overrides the preset)")
+    train.add_argument("--corpus", help="a corpus name or the path of any UTF-8 text file")
+    train.add_argument("--device", help="cpu, cuda, cuda:N or mps (default: the fastest available)")
+    train.add_argument("--compile", action="store_true", help="torch.compile the model")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    student = sub.add_parser("student", help="write learner copies of the notebooks (solutions removed)")
+    student.add_argument("args", nargs=argparse.REMAINDER)
+
+    bench = sub.add_parser("bench", help="benchmarks: training | attention | generate")
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from .doctor import run_doctor
+        return run_doctor()
+    if args.command == "data":
+        return _data(args)
+    if args.command == "train":
+        return _train(args)
+    if args.command == "student":
+        from .assignments import main as student_main
+        return student_main(args.args)
+    from .bench import main as bench_main
+    return bench_main(args.args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Sampling the next token, and generating text with or without a KV cache."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _validate as check
+
+__all__ = ["sample_next_token", "generate", "generate_with_cache", "generate_text"]
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                      top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row from logits (N, vocab) -> (N,) long.
+
+    temperature 0 is greedy (argmax); below 1 sharpens the distribution, above 1 flattens it.
+    top_k keeps the k most likely tokens; top_p keeps the smallest set whose probability
+    reaches p (nucleus sampling).
+    """
+    check.tensor("logits", logits, dim=2, floating=True)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature: expected a number >= 0 (0 = greedy), got {check.describe(temperature)}")
+    if top_k is not None:
+        check.positive_int("top_k", top_k)
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p: expected a number in (0, 1], got {check.describe(top_p)}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)                                          # (N,)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_best = logits.topk(top_k, dim=-1).values[:, -1:]                  # (N, 1)
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)           # (N, vocab)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the more likely ones before it already reach top_p;
+        # the most likely token always stays
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)                    # back to vocab order
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)                                            # (N, vocab)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)       # (N,)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, stop_token: int | None = None,
+             generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor:
+    """Continue token ids idx (N, L) by up to max_new_tokens -> (N, L + new).
+
+    A prompt longer than the context is cropped to its last ``max_tokens`` tokens. When the
+    text outgrows the context, the model keeps the most recent ``max_tokens // 2`` tokens and
+    carries on. Cached and uncached generation share this rule, so greedy decoding gives
+    the same tokens both ways; the cache only saves recomputation.
+    """
+    check.token_ids("idx", idx, dim=2)
+    check.non_negative_int("max_new_tokens", max_new_tokens)
+    if idx.shape[1] == 0:
+        raise ValueError("idx: expected at least one token per row to start from, got shape "
+                         f"{tuple(idx.shape)}; use a newline or a start token as the prompt")
+    max_tokens = model.config.max_tokens
+    keep = max(1, max_tokens // 2)
+    if use_cache and not hasattr(model, "new_cache"):
+        raise TypeError(f"model: use_cache=True needs a model with new_cache(), got {type(model).__name__}")
+    was_training = model.training
+    model.eval()
+    ids = idx.to(_model_device(model))
+    start = max(0, ids.shape[1] - max_tokens)   # first position the model sees
+    cache = None
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    try:
+        for _ in range(max_new_tokens):
+            if ids.shape[1] - start > max_tokens:
+                start = ids.shape[1] - keep
+                cache = None                         # positions shifted: the old keys are stale
+            if not use_cache:
+                logits = model(ids[:, start:])       # (N, window, vocab): everything again
+            elif cache is None:
+                cache = model.new_cache()
+                logits = model(ids[:, start:], cache)
+            else:
+                logits = model(ids[:, -1:], cache)   # (N, 1, vocab): only the newest token
+            next_id = sample_next_token(logits[:, -1].float(), temperature, top_k, top_p, generator)
+            if stop_token is not None:
+                next_id = next_id.masked_fill(finished, stop_token)
+                finished |= next_id == stop_token
+            ids = torch.cat([ids, next_id[:, None]], dim=1)   # (N, L + 1)
+            if stop_token is not None and bool(finished.all()):
+                break
+    finally:
+        model.train(was_training)
+    return ids
+
+
+@torch.no_grad()
+def generate_with_cache(model: nn.Module, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Greedy generation with a KV cache, within one context window (exercise 6.1's reference)."""
+    check.token_ids("idx", idx, dim=2)
+    check.non_negative_int("max_new_tokens", max_new_tokens)
+    if idx.shape[1] + max_new_tokens - 1 > model.config.max_tokens:
+        raise ValueError(f"max_new_tokens: prompt ({idx.shape[1]}) + new tokens - 1 must fit in "
+                         f"max_tokens={model.config.max_tokens}, got max_new_tokens={max_new_tokens}")
+    cache = model.new_cache()
+    logits = model(idx, cache)                                    # 1. the whole prompt once
+    for step in range(max_new_tokens):
+        next_id = logits[:, -1].argmax(dim=-1, keepdim=True)      # (N, 1)
+        idx = torch.cat([idx, next_id], dim=1)                    # (N, L + 1)
+        if step + 1 < max_new_tokens:
+            logits = model(next_id, cache)                        # 2. only the new token
+    return idx
+
+
+def generate_text(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int = 200,
+                  **kwargs: Any) -> str:
+    """Encode ``prompt``, generate, decode: text in, text out (prompt included)."""
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt: expected a str, got {check.describe(prompt)}")
+    ids = list(tokenizer.encode(prompt)) if prompt else []
+    if not ids:
+        # An empty prompt still needs one token to condition on: start a new line.
+        ids = list(tokenizer.encode("\n")) or [0]
+    out = generate(model, torch.tensor([ids], dtype=torch.long), max_new_tokens, **kwargs)
+    text = tokenizer.decode(out[0].tolist())
+    return text if prompt else text[1:] if text.startswith("\n") else text

@@ -1,0 +1,181 @@
+"""Loss, training step, evaluation, schedule, the loop, presets and checkpoints."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import GPT, GPTConfig
+from course_lib.checkpoints import load_checkpoint, save_checkpoint
+from course_lib.data import CharTokenizer, lm_windows
+from course_lib.train import (PRESETS, Examples, TokenStream, TrainConfig, evaluate, flops_per_token,
+                              learning_rate, lm_loss, prepare_preset, run_preset, train, train_step)
+
+TEXT = "the cat sat on the mat. the dog sat on the log. " * 40
+
+
+def tiny_model(vocab_size, max_tokens=16):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=vocab_size, max_tokens=max_tokens, embed_dim=32, num_heads=2, num_layers=2))
+
+
+def test_lm_loss_is_mean_cross_entropy_and_ignores_padding():
+    logits = torch.randn(2, 3, 5)
+    targets = torch.tensor([[1, 2, -100], [0, -100, 4]])
+    keep = targets != -100
+    expected = -logits.log_softmax(-1)[keep].gather(-1, targets[keep][:, None]).mean()
+    assert torch.isclose(lm_loss(logits, targets), expected)
+    uniform = lm_loss(torch.zeros(1, 4, 7), torch.zeros(1, 4, dtype=torch.long))
+    assert math.isclose(uniform.item(), math.log(7), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("logits,targets,match", [
+    (torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.long), "logits"),
+    (torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long), "targets"),
+    (torch.randn(2, 3, 5), torch.zeros(2, 3), "targets"),
+])
+def test_lm_loss_bad_input(logits, targets, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        lm_loss(logits, targets)
+
+
+def test_train_step_updates_weights_and_lowers_loss_on_the_same_batch():
+    tok = CharTokenizer.from_text(TEXT)
+    model = tiny_model(tok.vocab_size)
+    x, y = lm_windows(torch.tensor(tok.encode(TEXT)), 16)
+    x, y = x[:8], y[:8]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    before = model.head.weight.detach().clone()
+    losses = [train_step(model, optimizer, x, y) for _ in range(15)]
+    assert isinstance(losses[0], float)
+    assert not torch.equal(before, model.head.weight)
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_evaluate_counts_every_token_once():
+    model = tiny_model(5).eval()
+    x = torch.randint(0, 5, (7, 16))
+    y = torch.randint(0, 5, (7, 16))
+    y[0, :4] = -100
+    logits = model(x)
+    expected = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100).item()
+    assert math.isclose(evaluate(model, x, y, batch_size=3), expected, rel_tol=1e-5)
+
+
+def test_learning_rate_warms_up_then_decays_to_the_minimum():
+    config = TrainConfig(steps=100, learning_rate=1e-3, min_learning_rate=1e-4, warmup_steps=10)
+    warm = [learning_rate(config, s, 0.0) for s in range(10)]
+    assert warm == sorted(warm) and warm[-1] < 1e-3
+    assert math.isclose(learning_rate(config, 10, 0.0), 1e-3)
+    assert math.isclose(learning_rate(config, 50, 0.5), 5.5e-4)
+    assert math.isclose(learning_rate(config, 99, 1.0), 1e-4)
+
+
+def test_flops_per_token_known_config():
+    # the baseline recipe: 4 layers, 4 heads of 32, context 64
+    config = GPTConfig(vocab_size=65, max_tokens=64, embed_dim=128, num_heads=4, num_layers=4)
+    assert flops_per_token(config, 1_000_000) == 6_000_000 + 12 * 4 * 4 * 32 * 64
+
+
+def test_training_loop_lowers_the_loss_and_records_history():
+    tok = CharTokenizer.from_text(TEXT)
+    ids = torch.tensor(tok.encode(TEXT))
+    model = tiny_model(tok.vocab_size)
+    config = TrainConfig(steps=80, batch_size=8, learning_rate=3e-3, warmup_steps=5, eval_interval=40,
+                         eval_windows=10, log_interval=10)
+    history = train(model, TokenStream(ids[:1600]), TokenStream(ids[1600:]), config, device="cpu", progress=False)
+    assert history.steps_taken == 80
+    assert history.step[0] == 1 and history.step[-1] == 80
+    assert history.val_step == [40, 80]
+    assert history.train_loss[-1] < history.train_loss[0] - 1.0
+    assert history.tokens_seen == 80 * 8 * 16
+
+
+def test_training_stops_on_the_wall_clock():
+    tok = CharTokenizer.from_text(TEXT)
+    ids = torch.tensor(tok.encode(TEXT))
+    config = TrainConfig(steps=100_000, seconds=0.5, batch_size=4, warmup_steps=0)
+    history = train(tiny_model(tok.vocab_size), TokenStream(ids), None, config, device="cpu", progress=False)
+    assert 0 < history.steps_taken < 100_000
+
+
+def test_examples_split_samples_rows():
+    inputs = torch.arange(12).view(4, 3)
+    split = Examples(inputs, inputs + 1)
+    x, y = split.sample(6, 3, torch.Generator().manual_seed(0))
+    assert x.shape == (6, 3) and torch.equal(y, x + 1)
+    assert torch.equal(split.eval_windows(3)[0], inputs)
+
+
+def test_checkpoint_round_trip_gives_identical_logits(tmp_path):
+    tok = CharTokenizer.from_text(TEXT)
+    model = tiny_model(tok.vocab_size).eval()
+    path = save_checkpoint(tmp_path / "ck.pt", model, tok, extra={"val_loss": 1.5})
+    loaded = load_checkpoint(path)
+    idx = torch.randint(0, tok.vocab_size, (2, 10))
+    assert torch.equal(loaded.model.eval()(idx), model(idx))
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("the cat")) == "the cat"
+    assert loaded.extra == {"val_loss": 1.5}
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]   # no temporary file left behind
+
+
+def test_checkpoint_with_a_different_config_fails_clearly(tmp_path):
+    path = save_checkpoint(tmp_path / "ck.pt", tiny_model(7))
+    other = GPT(GPTConfig(vocab_size=7, max_tokens=16, embed_dim=64, num_heads=2, num_layers=2))
+    with pytest.raises(ValueError, match="embed_dim: checkpoint has 32, your model has 64"):
+        load_checkpoint(path, model=other)
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable course checkpoint"):
+        load_checkpoint(tmp_path / "junk.pt")
+    with pytest.raises(FileNotFoundError, match="path"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_subword_tokenizer_survives_a_checkpoint(tmp_path):
+    from course_lib.data import train_subword_tokenizer
+    tok = train_subword_tokenizer(TEXT, vocab_size=300)
+    path = save_checkpoint(tmp_path / "ck.pt", tiny_model(len(tok)), tok)
+    loaded = load_checkpoint(path).tokenizer
+    assert loaded.encode("the dog sat") == tok.encode("the dog sat")
+
+
+def test_every_preset_builds_with_a_text_file(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 5)
+    for name in PRESETS:
+        if name == "names_char":
+            continue
+        model, tok, train_split, val_split, config = prepare_preset(name, corpus=str(corpus), device="cpu")
+        assert model.config.vocab_size == tok.vocab_size
+        assert not config.amp and not config.compile   # GPU switches are dropped on a CPU
+    with pytest.raises(ValueError, match="preset"):
+        prepare_preset("huge")
+
+
+def test_baseline_preset_is_the_published_recipe():
+    p = PRESETS["baseline_cpu"]
+    assert (p.model["num_layers"], p.model["num_heads"], p.model["embed_dim"], p.model["max_tokens"]) == (4, 4, 128, 64)
+    t = p.train
+    assert (t.batch_size, t.steps, t.learning_rate, t.min_learning_rate, t.warmup_steps, t.beta2) == \
+        (12, 2000, 1e-3, 1e-4, 100, 0.99)
+    assert p.model["dropout_rate"] == 0.0 and not p.model["tie_weights"]
+
+
+def test_run_preset_writes_metrics_and_a_loadable_checkpoint(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 5)
+    metrics = run_preset("tiny", tmp_path / "out", steps=30, corpus=str(corpus), device="cpu", progress=False)
+    saved = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    for key in ("val_loss", "train_seconds", "tokens_per_second", "parameters", "steps"):
+        assert saved[key] == metrics[key]
+    assert saved["steps"] == 30 and saved["val_loss"] < math.log(saved["model"]["vocab_size"])
+    loaded = load_checkpoint(tmp_path / "out" / "checkpoint.pt")
+    assert loaded.model.num_parameters() == saved["parameters"]
+
+
+def test_train_config_validates():
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ValueError, match="seconds"):
+        TrainConfig(seconds=-1)
