@@ -3,6 +3,6 @@ from .attention import (TOY_KEYS, TOY_VALUES, KVCache, MaskedAttention, MultiHea
                         causal_mask, scaled_dot_product_attention, toy_attention)
 from .model import (GPT, FeedForward, GPTConfig, LearnedPositionalEncoding,
                     SinusoidalPositionalEncoding, TransformerBlock, sinusoidal_table)
-from .runtime import device, set_seed
+from .runtime import device, set_seed, setup_notebook
 
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ import torch
 
 from . import _validate as check
 
-__all__ = ["device", "set_seed"]
+__all__ = ["device", "set_seed", "setup_notebook"]
 
 DEVICES = ("cuda", "mps", "cpu")
 
@@ -41,3 +41,20 @@ def set_seed(seed: int) -> torch.Generator:
     random.seed(seed)
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
+
+
+def setup_notebook(seed: int = 0) -> torch.device:
+    """First cell of every notebook: seed, thread count, device; prints one summary line.
+
+    ``COURSE_THREADS`` fixes the number of CPU threads (the regression runs set it, so
+    numbers do not depend on the machine's core count).
+    """
+    set_seed(seed)
+    threads = os.environ.get("COURSE_THREADS")
+    if threads:
+        torch.set_num_threads(max(1, int(threads)))
+    chosen = device()
+    from . import __version__
+    print(f"course_lib {__version__} | torch {torch.__version__.split('+')[0]} | device {chosen} | "
+          f"{torch.get_num_threads()} CPU threads | seed {seed}")
+    return chosen
