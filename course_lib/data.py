@@ -1,0 +1,645 @@
+"""Corpora, tokenizers and language-model datasets.
+
+The path from a file on disk to batches a GPT can learn from:
+text -> tokenizer -> token ids -> windows of ``max_tokens + 1`` -> (inputs, targets).
+
+Corpora are found, in order, in the folder named by ``COURSE_DATA_DIR``, then in
+the repository's ``data/`` folder, and otherwise downloaded from their canonical
+source and checked against a SHA-256 sum, so every machine trains on the same bytes.
+"""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import os
+import random
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from numbers import Integral
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from . import _validate as check
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Corpus",
+    "CORPORA",
+    "CorpusError",
+    "CorpusLocation",
+    "locate_corpus",
+    "corpus_path",
+    "load_corpus",
+    "download_corpus",
+    "load_text",
+    "CharTokenizer",
+    "train_subword_tokenizer",
+    "lm_windows",
+    "split_by_position",
+    "random_batch",
+    "load_names",
+    "names_tokenizer",
+    "split_names",
+    "names_dataset",
+    "CharCorpus",
+    "char_corpus",
+]
+
+# Targets equal to this are skipped by cross-entropy (PyTorch's default ignore_index).
+IGNORE_INDEX = -100
+
+# The repository's own data/ folder; corpora land here unless COURSE_DATA_DIR says otherwise.
+REPO_DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+DATA_DIR_ENV = "COURSE_DATA_DIR"
+DOWNLOAD_TIMEOUT = 30.0  # seconds; a classroom network that stalls should fail, not hang
+_CHUNK = 1 << 16
+
+
+# --------------------------------------------------------------------------- corpora
+
+@dataclass(frozen=True)
+class Corpus:
+    """A public text corpus: where it comes from and the exact bytes expected."""
+
+    name: str
+    filename: str
+    url: str
+    sha256: str
+    size: int
+
+
+CORPORA: dict[str, Corpus] = {
+    "names": Corpus(
+        name="names",
+        filename="names.txt",
+        url="https://raw.githubusercontent.com/karpathy/makemore/master/names.txt",
+        sha256="0a30b5557f192f32ab962680889aac5f6fda0f4cecf40a6d0b5694f58ea8cc4d",
+        size=228_145,
+    ),
+    "tinyshakespeare": Corpus(
+        name="tinyshakespeare",
+        filename="tinyshakespeare.txt",
+        url="https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+        sha256="86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
+        size=1_115_394,
+    ),
+}
+
+
+class CorpusError(RuntimeError):
+    """A corpus could not be found, verified or downloaded; the message says what to do."""
+
+    def __init__(self, message: str, *, corpus: Corpus | None = None,
+                 searched: Sequence[Path] = ()) -> None:
+        super().__init__(message)
+        self.corpus = corpus
+        self.searched = list(searched)
+        self.reason: BaseException | None = None  # the underlying error of a failed download
+
+
+@dataclass
+class CorpusLocation:
+    """Where a corpus was found (``path`` is None when nowhere) and whether its bytes are right."""
+
+    name: str
+    path: Path | None
+    checksum_ok: bool | None  # None when there was no file to check
+    searched: list[Path] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.path is not None and bool(self.checksum_ok)
+
+
+def _corpus(name: Any) -> Corpus:
+    if not isinstance(name, str) or name not in CORPORA:
+        raise ValueError(f"name: expected one of {sorted(CORPORA)}, got {check.describe(name)}; "
+                         f"for a text file of your own use load_text(path)")
+    return CORPORA[name]
+
+
+def _env_data_dir() -> Path | None:
+    # Read at call time so a notebook can set os.environ after importing course_lib.
+    value = os.environ.get(DATA_DIR_ENV, "").strip()
+    return Path(value).expanduser() if value else None
+
+
+def _search_dirs() -> list[Path]:
+    dirs = [d for d in (_env_data_dir(), REPO_DATA_DIR) if d is not None]
+    unique: list[Path] = []
+    for d in dirs:
+        if d not in unique:
+            unique.append(d)
+    return unique
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# (resolved path, mtime_ns, size) -> sha256: a notebook that reloads a corpus hashes it once.
+_SHA_CACHE: dict[tuple[str, int, int], str] = {}
+
+
+def _cache_key(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+def _file_sha256(path: Path) -> str:
+    key = _cache_key(path)
+    if key not in _SHA_CACHE:
+        _SHA_CACHE[key] = _hash_file(path)
+    return _SHA_CACHE[key]
+
+
+def _matches(path: Path, corpus: Corpus) -> bool:
+    # The size check is free and catches truncated downloads without hashing.
+    return path.stat().st_size == corpus.size and _file_sha256(path) == corpus.sha256
+
+
+def locate_corpus(name: str) -> CorpusLocation:
+    """Find a corpus on disk and verify its checksum; never downloads."""
+    corpus = _corpus(name)
+    searched = _search_dirs()
+    for folder in searched:
+        candidate = folder / corpus.filename
+        if candidate.is_file():
+            return CorpusLocation(corpus.name, candidate, _matches(candidate, corpus), searched)
+    return CorpusLocation(corpus.name, None, None, searched)
+
+
+def _where_to_put_it(corpus: Corpus, searched: Sequence[Path], target: Path | None = None) -> str:
+    env = _env_data_dir()
+    lines = ["Searched:"]
+    for folder in searched:
+        notes = []
+        if env is not None and folder == env:
+            notes.append(DATA_DIR_ENV)
+        if not folder.is_dir():
+            notes.append("folder does not exist")
+        suffix = f"  ({', '.join(notes)})" if notes else ""
+        lines.append(f"  - {folder / corpus.filename}{suffix}")
+    target = target or (env or REPO_DATA_DIR) / corpus.filename
+    lines += [
+        "To fix it, download",
+        f"  {corpus.url}",
+        f"and save it as {target}",
+        f"(or in any folder named by the {DATA_DIR_ENV} environment variable), then run this again.",
+        f"Expected: {corpus.size:,} bytes, sha256 {corpus.sha256}",
+    ]
+    return "\n".join(lines)
+
+
+def _mismatch_error(corpus: Corpus, path: Path, searched: Sequence[Path]) -> CorpusError:
+    size = path.stat().st_size
+    got = _file_sha256(path)
+    return CorpusError(
+        f"Corpus {corpus.name!r}: the file {path} is not the expected corpus "
+        f"(it has {size:,} bytes, sha256 {got}; expected {corpus.size:,} bytes, sha256 {corpus.sha256}). "
+        f"It is probably an incomplete download or a different version. Delete it and run this again "
+        f"to download a fresh copy, or replace it by hand.\n"
+        + _where_to_put_it(corpus, searched, target=path),
+        corpus=corpus, searched=searched)
+
+
+def _default_download_dir() -> Path:
+    env = _env_data_dir()
+    if env is not None:
+        try:
+            env.mkdir(parents=True, exist_ok=True)
+            if os.access(env, os.W_OK):
+                return env
+        except OSError:
+            pass  # read-only or unreachable: fall back to the repository's data/ folder
+    return REPO_DATA_DIR
+
+
+def download_corpus(name: str, dest_dir: str | os.PathLike | None = None,
+                    url: str | None = None) -> Path:
+    """Download a corpus into ``dest_dir`` (default: COURSE_DATA_DIR if writable, else data/), verified."""
+    corpus = _corpus(name)
+    if url is not None and (not isinstance(url, str) or not url):
+        raise ValueError(f"url: expected a non-empty string (a mirror of {corpus.url}), "
+                         f"got {check.describe(url)}")
+    if dest_dir is not None and not isinstance(dest_dir, (str, os.PathLike)):
+        raise TypeError(f"dest_dir: expected a folder path (str or Path), got {check.describe(dest_dir)}")
+    dest = Path(dest_dir).expanduser() if dest_dir is not None else _default_download_dir()
+    return _download(corpus, dest, url or corpus.url, what="")
+
+
+def _download(corpus: Corpus, dest: Path, source: str, what: str) -> Path:
+    target = dest / corpus.filename
+    searched = _search_dirs()
+
+    def fail(problem: str, reason: BaseException | None = None) -> CorpusError:
+        error = CorpusError(f"Corpus {corpus.name!r} ({corpus.filename}): {what}{problem} Nothing was saved.\n"
+                            + _where_to_put_it(corpus, searched), corpus=corpus, searched=searched)
+        error.reason = reason
+        return error
+
+    tmp_path: Path | None = None
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        # The temporary file sits next to the target so os.replace is an atomic rename:
+        # a file under the real name is always a verified one.
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{corpus.filename}.", suffix=".part", dir=dest)
+        tmp_path = Path(tmp_name)
+        digest = hashlib.sha256()
+        size = 0
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(source, timeout=DOWNLOAD_TIMEOUT) as response:
+            while True:
+                chunk = response.read(_CHUNK)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > corpus.size:
+                    break  # already wrong; stop rather than download something huge
+                digest.update(chunk)
+                out.write(chunk)
+        got = digest.hexdigest()
+        if size != corpus.size or got != corpus.sha256:
+            got_text = (f"more than {corpus.size:,} bytes" if size > corpus.size
+                        else f"{size:,} bytes, sha256 {got}")
+            raise fail(f"the download from {source} is not the expected file (got {got_text}; "
+                       f"expected {corpus.size:,} bytes, sha256 {corpus.sha256}).")
+        os.replace(tmp_path, target)
+        tmp_path = None
+    except CorpusError:
+        raise
+    except Exception as exc:
+        hint = " (no internet connection?)" if isinstance(exc, urllib.error.URLError) else ""
+        # from None: one clear error in a notebook; the cause is in the message and in .reason
+        raise fail(f"downloading it from {source} failed{hint}: {type(exc).__name__}: {exc}.", exc) from None
+    finally:
+        if tmp_path is not None:
+            tmp_path.unlink(missing_ok=True)
+    _SHA_CACHE[_cache_key(target)] = corpus.sha256
+    return target
+
+
+def corpus_path(name: str, download: bool = True) -> Path:
+    """The verified path of a corpus, downloading it when it is nowhere on disk."""
+    location = locate_corpus(name)
+    corpus = CORPORA[location.name]
+    if location.path is not None:
+        if not location.checksum_ok:
+            raise _mismatch_error(corpus, location.path, location.searched)
+        return location.path
+    if not download:
+        raise CorpusError(f"Corpus {corpus.name!r} ({corpus.filename}) not found, and download=False.\n"
+                          + _where_to_put_it(corpus, location.searched),
+                          corpus=corpus, searched=location.searched)
+    return _download(corpus, _default_download_dir(), corpus.url,
+                     what="not found in the folders searched, and ")
+
+
+def load_corpus(name: str, download: bool = True) -> str:
+    """The text of a corpus (found, verified, downloaded if needed)."""
+    return load_text(corpus_path(name, download=download))
+
+
+def load_text(path: str | os.PathLike) -> str:
+    """Read any UTF-8 text file (bring your own corpus); a leading byte-order mark is dropped."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a file path (str or Path), got {check.describe(path)}")
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise FileNotFoundError(f"path: no file at {file} (absolute: {file.absolute()})")
+    if not file.is_file():
+        raise ValueError(f"path: {file} is not a file (a folder?); pass the path of a text file")
+    data = file.read_bytes()
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        text = data[start:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        offset = start + exc.start
+        raise ValueError(f"path: {file} is not UTF-8 text: byte 0x{data[offset]:02x} at byte offset "
+                         f"{offset} cannot be decoded ({exc.reason}); save the file as UTF-8 "
+                         f"and try again") from None
+    if not text:
+        raise ValueError(f"path: {file} is empty; a corpus needs some text")
+    return text
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+REPLACEMENT_CHAR = "\ufffd"
+UNKNOWN_POLICIES = ("error", "skip", "replace")
+
+
+class CharTokenizer:
+    """One token per character, in the order given; ``unknown`` says what to do with unseen ones."""
+
+    def __init__(self, chars: str | Sequence[str], unknown: str = "error") -> None:
+        check.one_of("unknown", unknown, UNKNOWN_POLICIES)
+        if isinstance(chars, str):
+            chars = list(chars)
+        if not isinstance(chars, (list, tuple)) or not chars:
+            raise ValueError(f"chars: expected a non-empty string or list of characters, "
+                             f"got {check.describe(chars)}")
+        seen: set[str] = set()
+        for i, ch in enumerate(chars):
+            if not isinstance(ch, str) or len(ch) != 1:
+                raise ValueError(f"chars: expected single characters, got {ch!r} at index {i}")
+            if ch in seen:
+                raise ValueError(f"chars: each character must appear once, {ch!r} repeats at index {i}")
+            seen.add(ch)
+        chars = list(chars)
+        if unknown == "replace" and REPLACEMENT_CHAR not in seen:
+            chars.append(REPLACEMENT_CHAR)  # reserved id (the last one) for every unseen character
+        self.unknown = unknown
+        self.chars = "".join(chars)
+        self.stoi = {ch: i for i, ch in enumerate(chars)}
+        self.itos = {i: ch for i, ch in enumerate(chars)}
+
+    @classmethod
+    def from_text(cls, text: str, unknown: str = "error") -> "CharTokenizer":
+        """The vocabulary of ``text``: its distinct characters, sorted."""
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"text: expected a non-empty string, got {check.describe(text)}")
+        return cls(sorted(set(text)), unknown=unknown)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        preview = self.chars if len(self.chars) <= 40 else self.chars[:37] + "..."
+        return f"CharTokenizer(vocab_size={self.vocab_size}, unknown={self.unknown!r}, chars={preview!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CharTokenizer):
+            return NotImplemented
+        return (self.chars, self.unknown) == (other.chars, other.unknown)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable attributes, like a dict
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        if not isinstance(text, str):
+            raise TypeError(f"text: expected a str, got {check.describe(text)}")
+        stoi = self.stoi
+        try:
+            return [stoi[ch] for ch in text]  # fast path: every character known
+        except KeyError:
+            pass
+        if self.unknown == "skip":
+            return [stoi[ch] for ch in text if ch in stoi]
+        if self.unknown == "replace":
+            fallback = stoi[REPLACEMENT_CHAR]
+            return [stoi.get(ch, fallback) for ch in text]
+        unseen: dict[str, int] = {}
+        for i, ch in enumerate(text):
+            if ch not in stoi and ch not in unseen:
+                unseen[ch] = i
+        listed = [f"{ch!r} (at index {i})" for ch, i in list(unseen.items())[:10]]
+        more = f" and {len(unseen) - 10} more" if len(unseen) > 10 else ""
+        raise ValueError(f"text: characters never seen in training: {', '.join(listed)}{more}; "
+                         f'pass unknown="replace" or "skip" to the tokenizer to accept them')
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        """The text of a list of token ids or a 1-D tensor of them."""
+        if isinstance(ids, torch.Tensor):
+            check.token_ids("ids", ids, dim=1)
+            ids = ids.tolist()
+        elif not isinstance(ids, (list, tuple)):
+            raise TypeError(f"ids: expected a list of ints or a 1-D integer tensor, got {check.describe(ids)}")
+        itos = self.itos
+        out = []
+        for pos, i in enumerate(ids):
+            if isinstance(i, bool) or not isinstance(i, Integral):
+                raise TypeError(f"ids: expected integer token ids, got {i!r} at position {pos}")
+            ch = itos.get(int(i))
+            if ch is None:
+                hint = " (IGNORE_INDEX padding: drop it before decoding)" if i == IGNORE_INDEX else ""
+                raise ValueError(f"ids: token id {i} at position {pos} is outside the vocabulary "
+                                 f"0..{self.vocab_size - 1}{hint}")
+            out.append(ch)
+        return "".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe description (saved next to checkpoints)."""
+        return {"type": "CharTokenizer", "chars": self.chars, "unknown": self.unknown}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CharTokenizer":
+        """Rebuild a tokenizer saved with ``to_dict``."""
+        if not isinstance(d, dict) or "chars" not in d:
+            raise ValueError(f"d: expected a dict from CharTokenizer.to_dict() with key 'chars', "
+                             f"got {check.describe(d)}")
+        if d.get("type", "CharTokenizer") != "CharTokenizer":
+            raise ValueError(f"d: expected type 'CharTokenizer', got {d['type']!r}")
+        return cls(d["chars"], unknown=d.get("unknown", "error"))
+
+
+ENDOFTEXT = "<|endoftext|>"
+
+
+def train_subword_tokenizer(text: str, vocab_size: int = 512, min_frequency: int = 2):
+    """A byte-level BPE tokenizer (GPT-2 style) trained on ``text`` locally; nothing is downloaded.
+
+    Returns a ``transformers.PreTrainedTokenizerFast`` whose bos, eos and unk token is
+    ``"<|endoftext|>"``. Byte level means any text encodes, even characters never seen.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"text: expected a non-empty string, got {check.describe(text)}")
+    check.positive_int("vocab_size", vocab_size)
+    check.positive_int("min_frequency", min_frequency)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 byte symbols
+    smallest = len(alphabet) + 1
+    if vocab_size < smallest:
+        raise ValueError(f"vocab_size: expected at least {smallest} (256 bytes + {ENDOFTEXT}), "
+                         f"got {vocab_size}")
+
+    backend = Tokenizer(models.BPE())
+    # add_prefix_space=False keeps decode(encode(text)) == text exactly.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=[ENDOFTEXT], initial_alphabet=alphabet,
+                                  show_progress=False)
+    backend.train_from_iterator([text], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=ENDOFTEXT, eos_token=ENDOFTEXT,
+                                   unk_token=ENDOFTEXT, clean_up_tokenization_spaces=False)
+
+
+# --------------------------------------------------------------------------- LM datasets
+
+def _check_fraction(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"{name}: expected a number strictly between 0 and 1, got {check.describe(value)}")
+    return float(value)
+
+
+def _check_enough_tokens(ids: torch.Tensor, max_tokens: int) -> None:
+    if ids.numel() < max_tokens + 1:
+        raise ValueError(f"ids: need at least max_tokens + 1 = {max_tokens + 1} tokens for one "
+                         f"window (inputs and the targets one step ahead), got {ids.numel()}")
+
+
+def lm_windows(ids: torch.Tensor, max_tokens: int, stride: int | None = None):
+    """Cut ``ids`` into (inputs, targets) windows, targets being inputs shifted by one.
+
+    ids (T,) -> inputs, targets each (num_windows, max_tokens). Windows start every
+    ``stride`` tokens (default ``max_tokens``: each token is a target once); a last
+    window that does not fit is dropped. The results are views of ``ids`` when it is long.
+    """
+    check.token_ids("ids", ids, dim=1)
+    check.positive_int("max_tokens", max_tokens)
+    stride = max_tokens if stride is None else check.positive_int("stride", stride)
+    _check_enough_tokens(ids, max_tokens)
+    windows = ids.long().unfold(0, max_tokens + 1, stride)  # (num_windows, max_tokens + 1)
+    inputs = windows[:, :-1]                                # (num_windows, max_tokens)
+    targets = windows[:, 1:]                                # (num_windows, max_tokens)
+    return inputs, targets
+
+
+def split_by_position(ids: torch.Tensor, train_fraction: float = 0.9):
+    """First ``train_fraction`` of the tokens for training, the rest for validation."""
+    check.token_ids("ids", ids, dim=1)
+    fraction = _check_fraction("train_fraction", train_fraction)
+    n_train = int(ids.numel() * fraction)
+    if n_train == 0 or n_train == ids.numel():
+        raise ValueError(f"ids: {ids.numel()} tokens are too few to split with "
+                         f"train_fraction={train_fraction} (one side would be empty)")
+    return ids[:n_train], ids[n_train:]
+
+
+def random_batch(ids: torch.Tensor, batch_size: int, max_tokens: int,
+                 generator: torch.Generator | None = None, device: str | torch.device | None = None):
+    """``batch_size`` windows at random positions: (inputs, targets), each (batch_size, max_tokens), long."""
+    check.token_ids("ids", ids, dim=1)
+    check.positive_int("batch_size", batch_size)
+    check.positive_int("max_tokens", max_tokens)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got {check.describe(generator)}")
+    _check_enough_tokens(ids, max_tokens)
+    high = ids.numel() - max_tokens  # last start whose targets still fit
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    starts = torch.randint(high, (batch_size,), generator=generator, device=gen_device)  # (B,)
+    offsets = torch.arange(max_tokens + 1, device=gen_device)                            # (max_tokens + 1,)
+    index = (starts[:, None] + offsets).to(ids.device)                                   # (B, max_tokens + 1)
+    windows = ids[index].long()                                                          # (B, max_tokens + 1)
+    target_device = ids.device if device is None else torch.device(device)
+    windows = windows.to(target_device)
+    return windows[:, :-1], windows[:, 1:]                                               # (B, max_tokens) x2
+
+
+# --------------------------------------------------------------------------- names (makemore)
+
+BOUNDARY = "."  # starts and ends every name; id 0 in names_tokenizer
+
+
+def _check_names(names: Any) -> list[str]:
+    if not isinstance(names, (list, tuple)) or not names:
+        raise ValueError(f"names: expected a non-empty list of strings, got {check.describe(names)}")
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"names: expected non-empty strings, got {name!r} at index {i}")
+        if BOUNDARY in name:
+            raise ValueError(f"names: {name!r} at index {i} contains {BOUNDARY!r}, "
+                             f"which is reserved as the start/end token")
+    return list(names)
+
+
+def load_names(download: bool = True) -> list[str]:
+    """The names corpus: one lowercase name per line, empty lines dropped."""
+    return [line.strip() for line in load_corpus("names", download=download).splitlines() if line.strip()]
+
+
+def names_tokenizer(names: Sequence[str]) -> CharTokenizer:
+    """A character tokenizer for ``names`` whose id 0 is the boundary token "."."""
+    names = _check_names(names)
+    letters = sorted(set("".join(names)))
+    return CharTokenizer([BOUNDARY] + letters)
+
+
+def split_names(names: Sequence[str], train_fraction: float = 0.9, seed: int = 1234):
+    """Shuffle a copy of ``names`` with a fixed seed and split it: (train_names, val_names)."""
+    names = _check_names(names)
+    fraction = _check_fraction("train_fraction", train_fraction)
+    check.non_negative_int("seed", seed)
+    shuffled = list(names)
+    random.Random(seed).shuffle(shuffled)  # its own RNG: the split never depends on global state
+    n_train = int(len(shuffled) * fraction)
+    if n_train == 0 or n_train == len(shuffled):
+        raise ValueError(f"names: {len(shuffled)} names are too few to split with "
+                         f"train_fraction={train_fraction} (one side would be empty)")
+    return shuffled[:n_train], shuffled[n_train:]
+
+
+def names_dataset(names: Sequence[str], tokenizer: CharTokenizer, max_tokens: int):
+    """One row per name: inputs "." + name (padded with "."), targets name + "." then IGNORE_INDEX.
+
+    -> inputs, targets each (num_names, max_tokens), long.
+    """
+    names = _check_names(names)
+    if not isinstance(tokenizer, CharTokenizer) or BOUNDARY not in tokenizer.stoi:
+        raise ValueError(f"tokenizer: expected a CharTokenizer with the boundary token {BOUNDARY!r} "
+                         f"(build it with names_tokenizer(names)), got {check.describe(tokenizer)}")
+    check.positive_int("max_tokens", max_tokens)
+    longest = max(names, key=len)
+    if len(longest) + 1 > max_tokens:
+        raise ValueError(f"max_tokens: the longest name {longest!r} has {len(longest)} characters and "
+                         f"needs max_tokens >= {len(longest) + 1} (one more for the boundary), "
+                         f"got {max_tokens}")
+    boundary = tokenizer.stoi[BOUNDARY]
+    inputs = torch.full((len(names), max_tokens), boundary, dtype=torch.long)     # (num_names, max_tokens)
+    targets = torch.full((len(names), max_tokens), IGNORE_INDEX, dtype=torch.long)  # (num_names, max_tokens)
+    for row, name in enumerate(names):
+        try:
+            ids = tokenizer.encode(name)
+        except ValueError as exc:
+            raise ValueError(f"names: name {name!r} at index {row} cannot be encoded: {exc}") from None
+        n = len(ids)
+        inputs[row, 1:n + 1] = torch.tensor(ids)
+        targets[row, :n] = torch.tensor(ids)
+        targets[row, n] = boundary
+    return inputs, targets
+
+
+# --------------------------------------------------------------------------- convenience
+
+@dataclass
+class CharCorpus:
+    """A character-level corpus ready for training: its tokenizer and the two splits."""
+
+    tokenizer: CharTokenizer
+    train_ids: torch.Tensor
+    val_ids: torch.Tensor
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+
+def char_corpus(name_or_text: str | os.PathLike, train_fraction: float = 0.9) -> CharCorpus:
+    """A corpus name ("tinyshakespeare"), a Path to a UTF-8 file, or text -> tokenizer and splits."""
+    if isinstance(name_or_text, os.PathLike):
+        text = load_text(name_or_text)
+    elif isinstance(name_or_text, str) and name_or_text in CORPORA:
+        text = load_corpus(name_or_text)
+    elif isinstance(name_or_text, str) and name_or_text:
+        text = name_or_text
+    else:
+        raise ValueError(f"name_or_text: expected one of {sorted(CORPORA)}, a Path to a text file, "
+                         f"or non-empty text, got {check.describe(name_or_text)}")
+    tokenizer = CharTokenizer.from_text(text)
+    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)  # (num_chars,)
+    train_ids, val_ids = split_by_position(ids, train_fraction)
+    return CharCorpus(tokenizer, train_ids, val_ids)
