@@ -10,7 +10,7 @@ def _train(args: argparse.Namespace) -> int:
     from .train import run_preset
     metrics = run_preset(args.preset, args.out, seconds=args.seconds, steps=args.steps, corpus=args.corpus,
                          device=args.device, progress=not args.quiet,
-                         compile=True if args.compile else None)
+                         compile=True if args.compile else None, batch_size=args.batch_size)
     if metrics:   # only rank 0 reports under torchrun
         shown = {k: metrics[k] for k in ("preset", "val_loss", "steps", "train_seconds", "tokens_per_second",
                                          "parameters")}
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="folder for metrics.json and checkpoint.pt")
     train.add_argument("--seconds", type=float, help="stop after this many seconds of training")
     train.add_argument("--steps", type=int, help="stop after this many steps (overrides the preset)")
+    train.add_argument("--batch-size", type=int, help="sequences per step and per process (overrides the preset)")
     train.add_argument("--corpus", help="a corpus name or the path of any UTF-8 text file")
     train.add_argument("--device", help="cpu, cuda, cuda:N or mps (default: the fastest available)")
     train.add_argument("--compile", action="store_true", help="torch.compile the model")

@@ -29,12 +29,13 @@ def _kernel_registered() -> bool:
         return False
 
 
-def run_doctor(stream=sys.stdout) -> int:
+def run_doctor(stream=None) -> int:
     """Print what a workshop needs and whether it is here; 0 when ready, 1 otherwise."""
     from .data import CORPORA, locate_corpus
     from .runtime import device
 
     problems: list[str] = []
+    stream = stream or sys.stdout
     say = lambda text="": print(text, file=stream)   # noqa: E731
 
     say("course_lib doctor")
@@ -59,7 +60,7 @@ def run_doctor(stream=sys.stdout) -> int:
     say(f"  kernel        {KERNEL_NAME}: {'registered' if kernel else 'not registered'}")
     if not kernel:
         problems.append(f"the Jupyter kernel '{KERNEL_NAME}' is not registered: run `make lab` "
-                        f"(or `python -m ipykernel install --user --name {KERNEL_NAME}`)")
+                        f"(or `python -m ipykernel install --sys-prefix --name {KERNEL_NAME}`)")
     for name in CORPORA:
         found = locate_corpus(name)
         if found.path is None:

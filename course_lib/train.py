@@ -401,7 +401,8 @@ def prepare_preset(name: str, corpus: str | None = None, device: torch.device | 
 
 def run_preset(name: str, out_dir: str | Path, *, seconds: float | None = None, steps: int | None = None,
                corpus: str | None = None, device: torch.device | str | None = None,
-               progress: bool = True, compile: bool | None = None) -> dict[str, Any]:
+               progress: bool = True, compile: bool | None = None,
+               batch_size: int | None = None) -> dict[str, Any]:
     """Train a preset and write ``out_dir/metrics.json`` and ``out_dir/checkpoint.pt``; return the metrics."""
     out_dir = Path(out_dir)
     device = torch.device(device) if device is not None else default_device()
@@ -411,7 +412,7 @@ def run_preset(name: str, out_dir: str | Path, *, seconds: float | None = None, 
             device = torch.device("cuda", ctx.local_rank)
         torch.manual_seed(_preset(name).train.seed)   # same initial weights on every rank and every run
         model, tokenizer, train_split, val_split, config = prepare_preset(
-            name, corpus, device, seconds=seconds, steps=steps, compile=compile)
+            name, corpus, device, seconds=seconds, steps=steps, compile=compile, batch_size=batch_size)
         history = train(model, train_split, val_split, config, device=device, progress=progress, ctx=ctx)
         metrics: dict[str, Any] = {}
         if ctx.is_main:

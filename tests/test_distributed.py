@@ -1,0 +1,52 @@
+"""Two gloo processes under torchrun follow the same loss trajectory as one process with the combined batch."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from course_lib.checkpoints import load_checkpoint
+
+TEXT = "to be or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 60
+
+
+def run(args, tmp_path, name):
+    result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return json.loads((tmp_path / name / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("ddp")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    common = ["--preset", "tiny", "--steps", "20", "--corpus", str(corpus), "--device", "cpu", "--quiet"]
+    single = run([sys.executable, "-m", "course_lib", "train", *common, "--batch-size", "16", "--out", "single"],
+                 tmp_path, "single")
+    ddp = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "course_lib", "train", *common, "--batch-size", "8", "--out", "ddp"], tmp_path, "ddp")
+    return tmp_path, single, ddp
+
+
+def test_two_processes_match_one_process_with_the_combined_batch(runs):
+    _, single, ddp = runs
+    assert ddp["world_size"] == 2 and single["world_size"] == 1
+    assert ddp["history"]["step"] == single["history"]["step"]
+    for a, b in zip(ddp["history"]["train_loss"], single["history"]["train_loss"]):
+        assert abs(a - b) < 1e-3, (ddp["history"]["train_loss"], single["history"]["train_loss"])
+    assert abs(ddp["val_loss"] - single["val_loss"]) < 1e-3
+    # the loss really moved, so matching trajectories mean something
+    assert single["history"]["train_loss"][-1] < single["history"]["train_loss"][0] - 0.3
+
+
+def test_each_process_gets_its_share_of_threads(runs):
+    _, _, ddp = runs
+    assert ddp["threads"] >= 1
+
+
+def test_rank_zero_writes_a_loadable_checkpoint(runs):
+    tmp_path, _, ddp = runs
+    loaded = load_checkpoint(tmp_path / "ddp" / "checkpoint.pt")
+    assert loaded.model.num_parameters() == ddp["parameters"]
+    assert loaded.extra["steps"] == 20

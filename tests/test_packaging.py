@@ -1,0 +1,70 @@
+"""The set-up files agree with each other, so every way in installs the same course."""
+import re
+from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:   # Python 3.10: pip carries the same parser
+    from pip._vendor import tomli as tomllib
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONDA_NAMES = {"pytorch": "torch"}   # conda-forge package name -> PyPI name
+
+
+def requirement_map(lines):
+    found = {}
+    for line in lines:
+        match = re.fullmatch(r"([A-Za-z0-9_.\-]+)\s*(.*)", line.strip())
+        assert match, f"cannot parse requirement {line!r}"
+        name = match.group(1).lower()
+        found[CONDA_NAMES.get(name, name)] = match.group(2).replace(" ", "")
+    return found
+
+
+def pyproject():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_environment_yml_lists_the_same_dependencies_as_pyproject():
+    project = pyproject()["project"]
+    wanted = requirement_map(project["dependencies"] + project["optional-dependencies"]["test"])
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda = [d for d in env["dependencies"] if isinstance(d, str) and not d.startswith(("python", "pip"))]
+    assert requirement_map(conda) == wanted
+    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert "-c constraints.txt" in pip_section and any(line.startswith("-e") for line in pip_section)
+    python = next(d for d in env["dependencies"] if isinstance(d, str) and d.startswith("python"))
+    assert python.replace("python", "") == pyproject()["project"]["requires-python"]
+
+
+def test_constraints_pin_every_dependency_exactly_and_torch_to_the_tested_build():
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not an exact pin"
+            pins[name.lower().replace("_", "-")] = version
+    project = pyproject()["project"]
+    for requirement in requirement_map(project["dependencies"] + project["optional-dependencies"]["test"]):
+        assert requirement.replace("_", "-") in pins, f"{requirement} has no exact version in constraints.txt"
+    assert pins["torch"] == "2.13.0"
+
+
+def test_ci_runs_make_test_with_the_shared_corpora():
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in script
+    assert "COURSE_DATA_DIR" in script and "shared/data" in script
+
+
+def test_readme_opens_with_the_two_setup_commands():
+    text = (ROOT / "README.md").read_text()
+    first_code = re.search(r"```(?:\w+)?\n(.*?)```", text, re.S).group(1)
+    assert first_code.split() == ["make", "lab"] or first_code.strip().splitlines()[:2] == ["make lab", "make test"]
+    assert text.index("make lab") < text.index("make test") < text.index("##", text.index("make test"))
+
+
+def test_corpora_are_never_committed():
+    ignored = (ROOT / ".gitignore").read_text()
+    assert "/data/*.txt" in ignored
