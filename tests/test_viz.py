@@ -1,0 +1,431 @@
+"""Tests for course_lib.viz: the pictures show the data they were given, and the widgets work."""
+import matplotlib
+
+matplotlib.use("Agg")
+
+import sys  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from course_lib import viz  # noqa: E402
+from course_lib.attention import (TOY_KEYS, TOY_VALUES, attention_weights, causal_mask,  # noqa: E402
+                                  split_heads, toy_attention)
+from course_lib.model import sinusoidal_table  # noqa: E402
+
+TOKENS = ["the", "cat", "sat", "down"]
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def causal_weights(*batch, length=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*batch, length, 8, generator=g)
+    k = torch.randn(*batch, length, 8, generator=g)
+    return attention_weights(q, k, causal_mask(length))
+
+
+def assert_close(actual, expected):
+    # torch.testing.assert_close costs ~2 s of imports on its first call
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+def image_axes(fig):
+    return [ax for ax in fig.axes if ax.images and ax.get_label() != "<colorbar>"]
+
+
+def texts(fig):
+    found = [t.get_text() for ax in fig.axes for t in ax.texts]
+    found += [ax.get_title() for ax in fig.axes]
+    return found + [t.get_text() for t in fig.texts]
+
+
+# --------------------------------------------------------------------------- attention maps
+
+def test_plot_attention_shows_the_weights_with_token_labels():
+    w = causal_weights()
+    fig = viz.plot_attention(w, TOKENS, title="one head")
+    assert isinstance(fig, Figure)
+    [ax] = image_axes(fig)
+    assert len(fig.axes) == 2                      # heatmap and colourbar
+    np.testing.assert_allclose(ax.images[0].get_array(), w.numpy(), rtol=1e-6)
+    assert [t.get_text() for t in ax.get_xticklabels()] == TOKENS
+    assert [t.get_text() for t in ax.get_yticklabels()] == TOKENS
+    assert ax.get_title() == "one head"
+    # small matrices get every value written in its cell
+    cell_texts = [t.get_text() for t in ax.texts]
+    assert len(cell_texts) == 16 and cell_texts[4] == f"{w[1, 0].item():.2f}"
+
+
+def test_figures_show_once_in_a_notebook():
+    # not registered with pyplot (no second copy from the inline backend), and renders itself
+    fig = viz.plot_attention(causal_weights(length=2))
+    assert plt.get_fignums() == []
+    assert fig._repr_png_().startswith(b"\x89PNG")
+    assert repr(fig).startswith("<Figure size ")
+
+
+def test_plot_attention_large_matrix_has_no_cell_text_and_accepts_a_string_of_chars():
+    w = causal_weights(length=13)
+    fig = viz.plot_attention(w, "hello, world!")
+    [ax] = image_axes(fig)
+    assert len(ax.texts) == 0
+    assert [t.get_text() for t in ax.get_xticklabels()][:5] == list("hello")
+
+
+def test_plot_attention_with_fewer_queries_labels_rows_with_the_last_tokens():
+    w = torch.softmax(torch.randn(2, 4), dim=-1)     # the two newest queries, as with a KV cache
+    fig = viz.plot_attention(w, TOKENS)
+    [ax] = image_axes(fig)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["sat", "down"]
+
+
+def test_plot_attention_draws_into_a_given_axes():
+    fig, (left, right) = plt.subplots(1, 2)
+    assert viz.plot_attention(causal_weights(), ax=right) is fig
+    assert right.images and not left.images
+
+
+def test_plot_attention_makes_spaces_visible():
+    fig = viz.plot_attention(causal_weights(length=2), [" ", "a\n"])
+    [ax] = image_axes(fig)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["\u2423", "a\\n"]
+
+
+@pytest.mark.parametrize("weights, tokens, error, match", [
+    (torch.ones(2, 3, 3, 3), None, ValueError, r"weights: expected shape \(Lq, Lk\), got shape \(2, 3, 3, 3\)"),
+    ("weights", None, TypeError, "weights: expected a tensor or array"),
+    (torch.full((3, 3), float("nan")), None, ValueError, "weights: expected finite numbers, got 9 NaN"),
+    (torch.ones(3, 3), ["a", "b"], ValueError, "tokens: expected 3 tokens .* got 2"),
+    (torch.ones(3, 3), [1, 2, 3], TypeError, "tokens: expected a list of str, got items of type int"),
+    (torch.ones(4, 3), None, ValueError, r"weights: expected at most as many queries as keys"),
+])
+def test_plot_attention_rejects_bad_inputs(weights, tokens, error, match):
+    with pytest.raises(error, match=match):
+        viz.plot_attention(weights, tokens)
+
+
+def test_plot_attention_heads_one_layer_grid_with_titles():
+    w = causal_weights(6)                               # (heads, L, L)
+    fig = viz.plot_attention_heads(w, TOKENS, layer=2)
+    panels = image_axes(fig)
+    assert len(panels) == 6
+    assert [ax.get_title() for ax in panels] == [f"layer 2, head {h}" for h in range(6)]
+    for h, ax in enumerate(panels):
+        np.testing.assert_allclose(ax.images[0].get_array(), w[h].numpy(), rtol=1e-6)
+    # one shared colour scale, so colours compare across heads
+    assert len({ax.images[0].get_clim() for ax in panels}) == 1
+    assert [ax.get_title() for ax in image_axes(viz.plot_attention_heads(w))][:2] == ["head 0", "head 1"]
+
+
+def test_plot_attention_heads_layers_by_heads_and_one_layer():
+    w = causal_weights(2, 3)                            # (layers, heads, L, L)
+    panels = image_axes(viz.plot_attention_heads(w, TOKENS))
+    assert [ax.get_title() for ax in panels] == [f"layer {i}, head {h}" for i in range(2) for h in range(3)]
+    np.testing.assert_allclose(panels[4].images[0].get_array(), w[1, 1].numpy(), rtol=1e-6)
+    only = image_axes(viz.plot_attention_heads(w, TOKENS, layer=1))
+    assert [ax.get_title() for ax in only] == [f"layer 1, head {h}" for h in range(3)]
+    np.testing.assert_allclose(only[2].images[0].get_array(), w[1, 2].numpy(), rtol=1e-6)
+
+
+def test_plot_attention_heads_rejects_bad_inputs():
+    with pytest.raises(ValueError, match=r"weights: .* maps\[:, 0\]"):
+        viz.plot_attention_heads(torch.ones(2, 1, 3, 4, 4))   # GPT.attention_maps output, unsliced
+    with pytest.raises(ValueError, match="weights: expected shape"):
+        viz.plot_attention_heads(torch.ones(4, 4))
+    with pytest.raises(ValueError, match="layer: expected an index below the 2 layers"):
+        viz.plot_attention_heads(torch.ones(2, 3, 4, 4), layer=2)
+    with pytest.raises(ValueError, match="layer: expected None or an int"):
+        viz.plot_attention_heads(torch.ones(3, 4, 4), layer="last")
+
+
+def test_plot_causal_mask_two_colours_and_legend():
+    mask = causal_mask(5)
+    fig = viz.plot_causal_mask(mask, list("abcde"))
+    [ax] = image_axes(fig)
+    np.testing.assert_array_equal(ax.images[0].get_array(), mask.int().numpy())
+    assert [t.get_text() for t in ax.get_xticklabels()] == list("abcde")
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["may attend (True)", "masked (future)"]
+    with pytest.raises(TypeError, match="mask: expected a bool mask .* got dtype float32"):
+        viz.plot_causal_mask(mask.float())
+
+
+def test_plot_positional_encoding_heatmap_and_lines():
+    table = sinusoidal_table(32, 16)
+    fig = viz.plot_positional_encoding(table, title="sinusoidal")
+    [heat] = image_axes(fig)
+    np.testing.assert_allclose(heat.images[0].get_array(), table.numpy().T, rtol=1e-6)  # positions along x
+    assert heat.get_title() == "sinusoidal"
+    lines = [ax for ax in fig.axes if ax.get_xlabel() == "position in the sequence"][0].get_lines()
+    assert [line.get_label() for line in lines] == ["dim 0", "dim 1", "dim 4", "dim 8"]
+    np.testing.assert_allclose(lines[2].get_ydata(), table[:, 4].numpy(), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"table: expected shape \(max_tokens, embed_dim\)"):
+        viz.plot_positional_encoding(torch.ones(8))
+    with pytest.raises(ValueError, match=r"dims: expected a non-empty list of ints in \[0, 16\)"):
+        viz.plot_positional_encoding(table, dims=[99])
+
+
+# --------------------------------------------------------------------------- training and cost
+
+def test_plot_loss_curves_from_mapping_and_object():
+    history = {"step": [0, 10, 20], "train_loss": [3.0, 2.0, 1.5], "val_step": [0, 20], "val_loss": [3.1, 1.8]}
+    for source in (history, SimpleNamespace(**history)):
+        fig = viz.plot_loss_curves(source)
+        [ax] = fig.axes
+        train, val = ax.get_lines()
+        assert (train.get_label(), val.get_label()) == ("train", "validation")
+        np.testing.assert_allclose(train.get_xydata(), [[0, 3.0], [10, 2.0], [20, 1.5]])
+        np.testing.assert_allclose(val.get_xydata(), [[0, 3.1], [20, 1.8]])
+        assert ax.get_xscale() == ax.get_yscale() == "linear"
+        assert ax.get_xlabel() == "step" and "loss" in ax.get_ylabel()
+
+
+def test_plot_loss_curves_val_loss_without_val_step_and_train_only():
+    fig = viz.plot_loss_curves({"step": [1, 2], "train_loss": [2.0, 1.0], "val_loss": [2.5, 1.5]})
+    np.testing.assert_allclose(fig.axes[0].get_lines()[1].get_xdata(), [1, 2])
+    assert len(viz.plot_loss_curves({"step": [1, 2], "train_loss": [2.0, 1.0]}).axes[0].get_lines()) == 1
+
+
+@pytest.mark.parametrize("history, match", [
+    ({"train_loss": [1.0]}, "history: expected a mapping with key 'step'"),
+    ({"step": [1, 2], "train_loss": [1.0]},
+     "history: expected 'step' and 'train_loss' of the same length, got 2 and 1"),
+    ({"step": [1, 2], "train_loss": [1.0, 2.0], "val_loss": [1.0]},
+     "history: 'val_loss' has 1 entries .* add 'val_step'"),
+    ({"step": [1], "train_loss": ["low"]}, "history: expected 'train_loss' to hold numbers"),
+])
+def test_plot_loss_curves_rejects_bad_history(history, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        viz.plot_loss_curves(history)
+
+
+def test_plot_softmax_saturation_numbers():
+    fig = viz.plot_softmax_saturation(dims=(4, 64, 1024), samples=300, seed=1)
+    assert len(fig.axes) == 2
+    data = fig.course_data
+    assert data["dims"] == [4, 64, 1024]
+    var, var_scaled = data["variance_unscaled"], data["variance_scaled"]
+    assert var[0] < var[1] < var[2]
+    np.testing.assert_allclose(np.array(var) / np.array(data["dims"]), 1.0, atol=0.2)   # variance ~ d
+    np.testing.assert_allclose(var_scaled, 1.0, atol=0.2)                                # ~1 with the scale
+    top, top_scaled = data["max_weight_unscaled"], data["max_weight_scaled"]
+    assert top[0] < top[1] < top[2] and top[2] > 0.9          # saturates to one-hot
+    assert max(top_scaled) - min(top_scaled) < 0.1 and max(top_scaled) < 0.5
+    again = viz.plot_softmax_saturation(dims=(4, 64, 1024), samples=300, seed=1).course_data
+    assert again == data                                      # seeded: same numbers every run
+
+
+def test_plot_softmax_saturation_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="dims: expected a non-empty list of positive ints, got an item 0"):
+        viz.plot_softmax_saturation(dims=(0, 4))
+    with pytest.raises(ValueError, match="samples: expected a positive int"):
+        viz.plot_softmax_saturation(samples=-1)
+
+
+def test_plot_attention_cost_fits_c_l_squared():
+    lengths = [32, 64, 128, 256]
+    seconds = [3e-9 * n ** 2 for n in lengths]
+    fig = viz.plot_attention_cost(lengths, seconds)
+    assert len(fig.axes) == 1
+    assert fig.course_data["c"] == pytest.approx(3e-9, rel=1e-9)
+    measured = [line for line in fig.axes[0].get_lines() if line.get_label() == "measured"][0]
+    np.testing.assert_allclose(measured.get_xdata(), lengths)
+    with_flops = viz.plot_attention_cost(lengths, seconds, flops=[4 * n * n * 64 for n in lengths])
+    assert len(with_flops.axes) == 2
+    np.testing.assert_allclose(with_flops.course_data["gflops_per_s"], 4 * 64 / 3e-9 / 1e9)
+
+
+@pytest.mark.parametrize("lengths, seconds, flops, match", [
+    ([1, 2], [1.0], None, r"seconds: expected one time per length \(2 values\), got 1"),
+    ([0, 2], [1.0, 1.0], None, "lengths: expected positive sequence lengths"),
+    ([1, 2], [1.0, -1.0], None, "seconds: expected times > 0"),
+    ([1, 2], [1.0, 1.0], [5.0], "flops: expected 2 positive counts"),
+])
+def test_plot_attention_cost_rejects_bad_inputs(lengths, seconds, flops, match):
+    with pytest.raises(ValueError, match=match):
+        viz.plot_attention_cost(lengths, seconds, flops)
+
+
+# --------------------------------------------------------------------------- diagrams
+
+@pytest.mark.parametrize("kind, marker", [("markov", "look-up table"), ("rnn", "h5"), ("attention", "w = 0.42")])
+def test_architecture_diagrams(kind, marker):
+    fig = viz.plot_architecture_diagram(kind)
+    [ax] = fig.axes
+    assert len(ax.patches) >= 6 and any(marker in t for t in texts(fig))
+
+
+def test_why_attention_draws_all_three_and_bad_kind_fails():
+    fig = viz.plot_why_attention()
+    assert [ax.get_title() for ax in fig.axes] == ["Markov chain", "Recurrent network (RNN)", "Attention"]
+    with pytest.raises(ValueError, match=r"kind: expected one of \['markov', 'rnn', 'attention'\], got 'cnn'"):
+        viz.plot_architecture_diagram("cnn")
+
+
+def test_plot_heads_split_follows_split_heads():
+    fig = viz.plot_heads_split(embed_dim=6, num_heads=3, length=2)
+    expected = split_heads(torch.arange(6).expand(1, 2, 6), 3)[0]
+    assert torch.equal(fig.course_data["split"], expected)
+    shown = texts(fig)
+    assert "(N, heads, L, head_dim) = (1, 3, 2, 2)" in shown and "x  (N, L, E) = (1, 2, 6)" in shown
+    cells = [t for t in shown if t.isdigit()]
+    assert len(cells) == 3 * 2 * 6                        # three stages of L x E cells
+    with pytest.raises(ValueError, match="num_heads: embed_dim=8 must be divisible by num_heads, got 3"):
+        viz.plot_heads_split(8, 3)
+    with pytest.raises(ValueError, match="length: expected a positive int"):
+        viz.plot_heads_split(8, 2, 0)
+
+
+def test_plot_ddp_allreduce():
+    shown = "\n".join(texts(viz.plot_ddp_allreduce(3)))
+    for r in range(3):
+        assert f"batch {r}" in shown and f"grads g{r}" in shown
+    assert "all-reduce" in shown and "g0, g1, g2" in shown
+    with pytest.raises(ValueError, match="num_ranks: expected at most 8"):
+        viz.plot_ddp_allreduce(9)
+    with pytest.raises(ValueError, match="num_ranks: expected a positive int"):
+        viz.plot_ddp_allreduce(0)
+
+
+# --------------------------------------------------------------------------- query explorer
+
+@pytest.mark.parametrize("angle", [0, 90, 200.5, 360])
+def test_query_explorer_state_matches_toy_attention(angle):
+    state = viz.query_explorer_state(angle)
+    rad = np.radians(angle)
+    assert_close(state["query"], torch.tensor([np.cos(rad), np.sin(rad)], dtype=torch.float32))
+    assert state["weights"].sum().item() == pytest.approx(1.0, abs=1e-6)
+    assert_close(state["scores"], TOY_KEYS @ state["query"])
+    assert_close(state["result"], toy_attention(state["query"], TOY_KEYS, TOY_VALUES))
+
+
+def test_query_explorer_state_worked_examples_and_vector_values():
+    right = viz.query_explorer_state(0)["weights"]
+    assert right.argmax().item() == 0
+    up = viz.query_explorer_state(90)["weights"]
+    assert up.argmax().item() == 1 and up[0].item() == pytest.approx(up[2].item(), abs=1e-6)
+    values = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    state = viz.query_explorer_state(45, TOY_KEYS, values)
+    assert_close(state["result"], toy_attention(state["query"], TOY_KEYS, values))
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (("north",), ValueError, "angle_degrees: expected a finite number"),
+    ((float("nan"),), ValueError, "angle_degrees: expected a finite number"),
+    ((0, torch.ones(3, 3)), ValueError, r"keys: expected shape \(n, 2\)"),
+    ((0, TOY_KEYS, torch.ones(2)), ValueError, r"values: expected one value per key \(3 rows\)"),
+])
+def test_query_explorer_state_rejects_bad_inputs(args, error, match):
+    with pytest.raises(error, match=match):
+        viz.query_explorer_state(*args)
+
+
+def test_plot_query_explorer_bars_are_the_weights():
+    fig = viz.plot_query_explorer(90)
+    circle, bars = fig.axes
+    weights = viz.query_explorer_state(90)["weights"]
+    np.testing.assert_allclose([p.get_height() for p in bars.patches], weights.numpy(), rtol=1e-6)
+    assert bars.get_title().endswith("= 2.00")            # 0.21 * 1 + 0.58 * 2 + 0.21 * 3
+    assert circle.get_title().startswith("query at 90°")
+
+
+def test_query_explorer_static_fallbacks(monkeypatch):
+    fig = viz.query_explorer(static=True, angles=(0, 90, 180))
+    assert isinstance(fig, Figure) and len(fig.axes) == 6   # a circle and a bar chart per angle
+    assert [s["result"].item() for s in fig.course_data][1] == pytest.approx(2.0, abs=1e-6)
+    monkeypatch.setenv("COURSE_STATIC_WIDGETS", "1")
+    assert viz.use_static_widgets()
+    assert isinstance(viz.query_explorer(angles=(0,)), Figure)
+    monkeypatch.delenv("COURSE_STATIC_WIDGETS")
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)   # import ipywidgets now raises ImportError
+    assert viz.use_static_widgets()
+    assert isinstance(viz.query_explorer(static=False, angles=(0,)), Figure)
+
+
+def test_query_explorer_widget_slider_updates_state(monkeypatch):
+    import ipywidgets
+
+    monkeypatch.delenv("COURSE_STATIC_WIDGETS", raising=False)
+    assert not viz.use_static_widgets()
+    box = viz.query_explorer()
+    assert isinstance(box, ipywidgets.Widget) and box.slider in box.children
+    assert (box.slider.min, box.slider.max) == (0.0, 360.0)
+    assert_close(box.state["weights"], viz.query_explorer_state(0)["weights"])
+    box.slider.value = 90.0
+    assert_close(box.state["weights"], viz.query_explorer_state(90)["weights"])
+    assert box.state["result"].item() == pytest.approx(2.0, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- generation playground
+
+def fake_generate(calls=None):
+    def generate(prompt, temperature, top_k, max_new_tokens):
+        if calls is not None:
+            calls.append((prompt, temperature, top_k, max_new_tokens))
+        return f"{prompt}|t={temperature}|k={top_k}|n={max_new_tokens}"
+    return generate
+
+
+def test_playground_samples_calls_generate_fn_per_setting():
+    calls = []
+    rows = viz.playground_samples(fake_generate(calls), "ROMEO:", [(0.0, None), (1.5, 10)], max_new_tokens=7)
+    assert calls == [("ROMEO:", 0.0, None, 7), ("ROMEO:", 1.5, 10, 7)]
+    assert rows == [(0.0, None, "ROMEO:|t=0.0|k=None|n=7"), (1.5, 10, "ROMEO:|t=1.5|k=10|n=7")]
+
+
+@pytest.mark.parametrize("fn, prompt, settings, error, match", [
+    ("not a function", "", [(1.0, None)], TypeError, "generate_fn: expected a function"),
+    (fake_generate(), 5, [(1.0, None)], TypeError, "prompt: expected a str, got 5"),
+    (fake_generate(), "", [], ValueError, "settings: expected a non-empty list"),
+    (fake_generate(), "", [(-1.0, None)], ValueError, r"settings \(temperature\): expected a finite number in \[0"),
+    (fake_generate(), "", [(1.0, 0)], ValueError, r"settings \(top_k\): expected None \(off\) or a positive int"),
+    (lambda *a: 42, "", [(1.0, None)], TypeError, "generate_fn: expected it to return a str, got 42"),
+])
+def test_playground_samples_rejects_bad_inputs(fn, prompt, settings, error, match):
+    with pytest.raises(error, match=match):
+        viz.playground_samples(fn, prompt, settings)
+
+
+def test_generation_playground_static_table():
+    table = viz.generation_playground(fake_generate(), "To be", temperatures=(0.0, 1.0), top_k=5,
+                                      max_new_tokens=3, static=True)
+    assert isinstance(table, str) and repr(table) == str(table)     # shows without quotes in a notebook
+    assert table.rows == [(0.0, 5, "To be|t=0.0|k=5|n=3"), (1.0, 5, "To be|t=1.0|k=5|n=3")]
+    assert "temperature 0, top_k 5  (greedy)" in table and "    To be|t=1.0|k=5|n=3" in table
+    with pytest.raises(ValueError, match="temperatures: expected a finite number"):
+        viz.generation_playground(fake_generate(), temperatures=(float("inf"),), static=True)
+
+
+def test_generation_playground_widget_button_generates(monkeypatch, capsys):
+    import ipywidgets
+
+    monkeypatch.delenv("COURSE_STATIC_WIDGETS", raising=False)
+    calls = []
+    box = viz.generation_playground(fake_generate(calls), "Hi", max_new_tokens=9, static=False)
+    assert isinstance(box, ipywidgets.Widget)
+    assert (box.temperature.min, box.temperature.max, box.top_k.value) == (0.0, 2.0, 0)
+    box.prompt.value, box.temperature.value = "Once", 0.5
+    box.button.click()
+    box.top_k.value = 5
+    box.button.click()
+    assert calls == [("Once", 0.5, None, 9), ("Once", 0.5, 5, 9)]   # slider 0 means top-k off
+    assert box.samples[-1] == (0.5, 5, "Once|t=0.5|k=5|n=9") and box.error is None
+    assert not box.button.disabled
+
+
+def test_generation_playground_widget_reports_errors_instead_of_raising(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("model not trained")
+
+    box = viz.generation_playground(broken, static=False)
+    box.button.click()
+    assert isinstance(box.error, RuntimeError) and box.samples == [] and not box.button.disabled
