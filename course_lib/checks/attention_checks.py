@@ -1,2 +1,518 @@
-"""Checkers for notebooks 01-03 (attention)."""
-__all__: list[str] = []
+"""Checkers for notebooks 01-03 (attention): exercises 1.1-1.3, 2.1-2.2 and 3.1-3.3.
+
+Each checker runs the student's code next to the reference in ``course_lib.attention`` and, when
+they disagree, fits the student's output against the classic mistakes (see ``_attn_hypotheses``)
+before falling back to behavioural probes (``_attn_probes``, ``_attn_modules``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .. import attention as ref
+from ._attn_hypotheses import SDPA_HYPOTHESES, Hypothesis, sdpa_variant
+from ._attn_modules import CASES, EMBED_DIM, MAX_TOKENS, ModuleCheck
+from ._attn_probes import call_student, close, diagnose_weights, expect_finite, expect_output, first_match, \
+    identity_values, max_diff, reraise_with, shape_str, single_threaded
+from ._core import Failure, call, checker, fail, register
+
+__all__ = [
+    "check_toy_prediction",
+    "check_toy_attention",
+    "check_scaled_dot_product_attention",
+    "check_causal_mask",
+    "check_masked_attention",
+    "check_split_heads",
+    "check_merge_heads",
+    "check_multi_head_attention",
+]
+
+def _expect_callable(candidate: Any, name: str, kind: str = "function") -> None:
+    """Students sometimes pass the result, or an instance, instead of what they wrote."""
+    if kind == "class" and isinstance(candidate, torch.nn.Module):
+        fail("exception", f"You passed an instance of your module; pass the class itself, {name}, so the "
+                          f"checker can build it with its own sizes.")
+    if not callable(candidate):
+        fail("exception", f"Expected your {kind} {name} itself, got {type(candidate).__name__}: pass the {kind}, "
+                          f"not the result of calling it.")
+
+
+# ============================================================================ 1.1 toy prediction
+
+_TOY_QUERY = torch.tensor([0.0, 1.0])
+_TOY_TOLERANCE = 0.01   # predictions may be rounded to two decimals
+
+
+def _numbers(value: Any, name: str) -> torch.Tensor:
+    if value is None:
+        fail("not_implemented", f"`{name}` is still None: write down your prediction, then run this cell again.")
+    try:
+        numbers = (value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value))
+        return numbers.to(torch.float64)
+    except Exception:   # noqa: BLE001 - anything that is not numbers
+        fail("dtype", f"`{name}` should be numbers (a float, or a list or tensor of floats), got "
+                      f"{type(value).__name__}: {value!r:.60}")
+
+
+@checker("1.1")
+@single_threaded
+def check_toy_prediction(weights: Any, result: Any) -> str:
+    """Your predicted ``weights`` (3,) and ``result`` for query [0, 1] on TOY_KEYS / TOY_VALUES."""
+    w = _numbers(weights, "weights")
+    if w.numel() != 3 or w.dim() > 2:
+        fail("shape", f"`weights` should hold three numbers, one per key, got shape {tuple(w.shape)}.")
+    w = w.flatten()
+    if not torch.isfinite(w).all():
+        fail("nan", "`weights` contains NaN or infinity: every weight is a number between 0 and 1.")
+    keys, values = ref.TOY_KEYS.double(), ref.TOY_VALUES.double()
+    scores = keys @ _TOY_QUERY.double()                                       # (3,)
+    expected = scores.softmax(0)
+
+    def near(other: torch.Tensor) -> bool:
+        return bool(torch.allclose(w, other, atol=_TOY_TOLERANCE, rtol=0))
+
+    if not near(expected):
+        if near(scores):
+            fail("normalization", "These are the raw scores (the dot products of the query with each key). "
+                                  "Turn them into weights with a softmax: positive numbers that sum to one.")
+        if near((scores * 2 ** -0.5).softmax(0)):
+            fail("scale", "You scaled the scores by 1/sqrt(2). Toy attention has no scaling (that comes in "
+                          "exercise 1.3): take the softmax of the plain dot products.")
+        if abs(float(w.sum()) - 1) > 2 * _TOY_TOLERANCE:
+            fail("normalization", f"Your weights sum to {float(w.sum()):.3g}; attention weights come out of a "
+                                  f"softmax, so they sum to one.")
+        if near((keys @ torch.tensor([1.0, 0.0], dtype=torch.float64)).softmax(0)):
+            fail("mismatch", "These are the weights for the query [1, 0]; this exercise asks about the "
+                             "query [0, 1].")
+        if near(torch.full((3,), 1 / 3, dtype=torch.float64)):
+            fail("mismatch", "Equal weights ignore the query: the key that points the same way as the query "
+                             "should get the largest weight.")
+        fail("mismatch", f"Your weights {[round(float(x), 3) for x in w]} are not the softmax of the scores. "
+                         f"Compute the dot product of [0, 1] with each key, then the softmax of those three "
+                         f"scores (keep them in the order of TOY_KEYS).")
+    r = _numbers(result, "result")
+    if r.numel() != 1:
+        fail("shape", f"`result` should be a single number (the values are scalars), got shape "
+                      f"{tuple(r.shape)}.")
+    r = float(r.flatten()[0])
+    if abs(r - float(expected @ values)) > _TOY_TOLERANCE:
+        hint = (" You added the values without weighting them." if abs(r - float(values.sum())) < 1e-6
+                else " Did you use the scores instead of the weights?" if abs(r - float(scores @ values)) < 1e-6
+                else "")
+        fail("mismatch", f"Your weights are right, but the result {r:.4g} is not their weighted average of the "
+                         f"values: multiply each value by its weight and add up.{hint}")
+    return ("Right: the second key matches the query, the first and third tie, and by symmetry the "
+            "weighted average lands exactly on the middle value.")
+
+
+# ============================================================================ 1.2 toy attention
+
+def _toy_variant(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kind: str) -> torch.Tensor:
+    scores = keys @ query                                                      # (n,)
+    weights = {
+        "scaled": lambda: (scores * query.shape[0] ** -0.5).softmax(0),
+        "raw": lambda: scores,
+        "exp": lambda: scores.exp(),
+        "ones": lambda: torch.ones_like(scores),
+        "negative": lambda: (-scores).softmax(0),
+        "uniform": lambda: torch.full_like(scores, 1 / scores.shape[0]),
+    }[kind]()
+    return weights @ values
+
+
+_TOY_HYPOTHESES = (
+    Hypothesis("scale", "You scale the scores by 1/sqrt(d). Toy attention has no scaling yet (that comes in "
+                        "exercise 1.3): take the softmax of the plain dot products.", {"kind": "scaled"}),
+    Hypothesis("normalization", "You weight the values by the raw scores: turn the scores into weights with a "
+                                "softmax first, so they are positive and sum to one.", {"kind": "raw"}),
+    Hypothesis("normalization", "You exponentiate the scores but never divide by their sum, so the weights do "
+                                "not sum to one: that division is the other half of the softmax.", {"kind": "exp"}),
+    Hypothesis("softmax_dim", "Every key gets weight 1: your softmax runs over an axis of length one. Take it "
+                              "over the n scores, one per key.", {"kind": "ones"}),
+    Hypothesis("mismatch", "Your weights favour the keys that point away from the query: a larger dot product "
+                           "means a better match, and should get more weight.", {"kind": "negative"}),
+    Hypothesis("mismatch", "Every key gets the same weight, whatever the query: the weights must come from the "
+                           "dot products of the query with the keys.", {"kind": "uniform"}),
+)
+
+
+def _toy_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(11)
+    q, keys = torch.randn(3, generator=gen), torch.randn(5, 3, generator=gen)
+    return [
+        (_TOY_QUERY.clone(), ref.TOY_KEYS.clone(), ref.TOY_VALUES.clone()),
+        (q, keys, torch.randn(5, generator=gen)),
+        (q, keys, torch.randn(5, 2, generator=gen)),
+        (torch.randn(4, generator=gen), torch.randn(1, 4, generator=gen), torch.randn(1, 3, generator=gen)),
+    ]
+
+
+@checker("1.2")
+@single_threaded
+def check_toy_attention(fn: Callable[..., Any]) -> str:
+    """``fn(query (d,), keys (n, d), values (n,) or (n, dv))`` as ``course_lib.toy_attention``."""
+    _expect_callable(fn, "toy_attention")
+    cases, outputs = _toy_cases(), []
+    for query, keys, values in cases:
+        what = (f"toy_attention(query, keys, values) with query {shape_str(query.shape)}, keys "
+                f"{shape_str(keys.shape)}, values {shape_str(values.shape)}")
+        expected = ref.toy_attention(query, keys, values)
+        out = call_student(fn, query.clone(), keys.clone(), values.clone(), what=what)
+        try:
+            expect_output(out, tuple(expected.shape), what, torch.float32)
+        except Failure as failure:
+            if failure.diagnosis == "shape" and tuple(failure.details.get("got", ())) == (keys.shape[0],):
+                if close(out, torch.softmax(keys @ query, dim=0)):
+                    reraise_with(failure, "shape", " Those are the attention weights: return the weighted sum "
+                                                   "of the values.")
+                reraise_with(failure, "shape", " That is one number per key instead of a single weighted sum: "
+                                               "check how your weights and values broadcast when values has "
+                                               "shape (n,).")
+            raise
+        outputs.append((out, expected))
+    if all(close(out, expected) for out, expected in outputs):
+        return "Matches toy_attention on the worked example and on random keys with scalar and vector values."
+    found = first_match(_TOY_HYPOTHESES, [out for out, _ in outputs],
+                        lambda i, spec: _toy_variant(*cases[i], spec["kind"]))
+    if found is not None:
+        fail(found.code, found.message)
+    for (out, _), (query, keys, values) in zip(outputs, cases):
+        expect_finite(out, f"toy_attention with keys {shape_str(keys.shape)}")
+    query, keys, _ = cases[1]
+    try:   # values = one-hot rows, so the output is the weights themselves
+        weights = call(fn, query.clone(), keys.clone(), torch.eye(keys.shape[0]), what="toy_attention")
+    except Failure:
+        weights = None
+    if isinstance(weights, torch.Tensor) and weights.shape == (keys.shape[0],):
+        diagnose_weights(weights[None].double(), (keys @ query)[None].double(), None, 1.0,
+                         key_axis="the keys", scale_name="1 (no scaling in toy attention)")
+    index = next(i for i, (out, expected) in enumerate(outputs) if not close(out, expected))
+    (out, expected), (_, keys, values) = outputs[index], cases[index]
+    fail("mismatch", f"For keys of shape {shape_str(keys.shape)} and values of shape {shape_str(values.shape)} "
+                     f"your output differs from the reference by up to {max_diff(out, expected):.3g}. Check the "
+                     f"three steps: dot products of the query with each key, softmax, weighted sum of the values.")
+
+
+# ============================================================================ 1.3 scaled dot-product attention
+
+def _random_mask(lq: int, lk: int, gen: torch.Generator) -> torch.Tensor:
+    """A bool (lq, lk) mask where every query keeps at least one key and hides at least one."""
+    mask = torch.rand(lq, lk, generator=gen) < 0.5
+    order = torch.argsort(torch.rand(lq, lk, generator=gen), dim=-1)
+    mask.scatter_(1, order[:, :1], True)
+    mask.scatter_(1, order[:, 1:2], False)
+    return mask
+
+
+_LARGE = 200.0
+
+
+def _sdpa_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    gen = torch.Generator().manual_seed(13)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    head_mask = torch.stack([_random_mask(5, 5, gen) for _ in range(2)])[:, None]    # (2, 1, 5, 5)
+    return [
+        (r(2, 5, 8), r(2, 6, 8), r(2, 6, 3), None),
+        (r(2, 3, 4, 8), r(2, 3, 4, 8), r(2, 3, 4, 5), None),
+        (r(3, 4, 8), r(3, 6, 8), r(3, 6, 3), _random_mask(4, 6, gen)),
+        (r(2, 6, 16), r(2, 6, 16), r(2, 6, 4), ref.causal_mask(6).expand(2, 6, 6).clone()),
+        (r(2, 2, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 4), head_mask),
+        (r(2, 1, 8), r(2, 4, 8), r(2, 4, 3), None),
+        # large scores (hundreds): a softmax written as exp(s) / sum(exp(s)) overflows here. No mask:
+        # masking after the softmax and renormalising is right, but underflows to 0/0 with such scores.
+        (r(2, 4, 8) * _LARGE, r(2, 4, 8), r(2, 4, 3), None),
+    ]
+
+
+def _sdpa_call(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None, what: str) -> Any:
+    args = (q.clone(), k.clone(), v.clone()) + (() if mask is None else (mask.clone(),))
+    return call_student(fn, *args, what=what)
+
+
+def _works_with_a_mask(fn: Callable[..., Any], cases: list[Any]) -> bool:
+    q, k, v, mask = next(case for case in cases if case[3] is not None)
+    try:
+        out = _sdpa_call(fn, q, k, v, mask, what="scaled_dot_product_attention")
+    except Failure:
+        return False
+    return isinstance(out, torch.Tensor) and out.shape == q.shape[:-1] + v.shape[-1:]
+
+
+@checker("1.3")
+@single_threaded
+def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
+    """``fn(q, k, v, mask=None)`` as ``course_lib.scaled_dot_product_attention``."""
+    _expect_callable(fn, "scaled_dot_product_attention")
+    cases, outputs = _sdpa_cases(), []
+    for q, k, v, mask in cases:
+        what = (f"scaled_dot_product_attention with q {shape_str(q.shape)}, k {shape_str(k.shape)}, "
+                f"v {shape_str(v.shape)}" + ("" if mask is None else f" and a mask of shape {shape_str(mask.shape)}"))
+        expected = ref.scaled_dot_product_attention(q, k, v, mask)
+        try:
+            out = _sdpa_call(fn, q, k, v, mask, what)
+        except Failure as failure:
+            if mask is None and failure.diagnosis == "exception" and _works_with_a_mask(fn, cases):
+                reraise_with(failure, "exception", " Your function works when a mask is given but not without "
+                                                   "one: mask=None (the default) means every query may attend "
+                                                   "to every key, so only apply the mask when there is one.")
+            raise
+        try:
+            expect_output(out, tuple(expected.shape), what, q.dtype)
+        except Failure as failure:
+            got = tuple(failure.details.get("got", ()))
+            if failure.diagnosis == "shape" and got == tuple(q.shape[:-1]) + (k.shape[-2],):
+                reraise_with(failure, "shape", " That is the shape of the attention weights (one per query and "
+                                               "key): multiply them by v.")
+            raise
+        outputs.append((out, expected))
+    if all(close(out, expected) for out, expected in outputs):
+        return ("Matches the reference for 3-D and 4-D inputs, queries and keys of different lengths, with and "
+                "without masks.")
+    found = first_match(SDPA_HYPOTHESES, [out for out, _ in outputs],
+                        lambda i, spec: sdpa_variant(*cases[i], spec))
+    if found is not None:
+        fail(found.code, found.message)
+    finite = [bool(torch.isfinite(out).all()) for out, _ in outputs]
+    if finite[:-1] == [True] * (len(cases) - 1) and not finite[-1]:
+        q, k = cases[-1][0], cases[-1][1]
+        largest = float((q @ k.transpose(-2, -1)).abs().max()) * q.shape[-1] ** -0.5
+        fail("nan", f"Your function gives NaN when the scores are large (here up to about {largest:.0f}): exp of "
+                    f"a large number overflows to inf, and inf / inf is NaN. Subtract each row's maximum score "
+                    f"before exponentiating (the softmax does not change), or use torch.softmax, which does this "
+                    f"for you.")
+    for (out, _), (q, k, v, mask) in zip(outputs, cases):
+        expect_finite(out, f"scaled_dot_product_attention with q {shape_str(q.shape)}")
+    probed = False
+    # masked cases first: they show the most
+    for q, k, v, mask in sorted(cases, key=lambda case: case[3] is None):
+        try:
+            weights = _sdpa_call(fn, q, k, identity_values(k), mask, what="scaled_dot_product_attention")
+        except Failure:
+            continue
+        if isinstance(weights, torch.Tensor) and weights.shape == q.shape[:-1] + (k.shape[-2],):
+            allowed = None if mask is None else mask.expand(weights.shape)
+            diagnose_weights(weights.double(), (q @ k.transpose(-2, -1)).double(), allowed, q.shape[-1] ** -0.5)
+            probed = True
+    index = next(i for i, (out, expected) in enumerate(outputs) if not close(out, expected))
+    q, k, v, mask = cases[index]
+    where = ("although the attention weights look right: check how you combine them with v." if probed else
+             "Check each step: scores q k^T over the last two axes, scaling, mask, softmax over the keys, times v.")
+    fail("mismatch", f"For q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)} your output "
+                     f"differs from the reference by up to {max_diff(*outputs[index]):.3g}, {where}")
+
+
+# ============================================================================ 2.1 causal mask
+
+_MASK_PATTERNS = (
+    (lambda m: m.all(), "Nothing is hidden: every position may attend to every other one, including the future."),
+    (lambda m: not m.any(), "Everything is hidden: no position may attend to anything. True means 'may attend'."),
+    (lambda m: torch.equal(m, torch.ones_like(m).triu()),
+     "Your mask points the wrong way: True sits on and above the diagonal, so each position sees the "
+     "future. It should be on and below the diagonal (the past)."),
+    (lambda m: torch.equal(m, torch.ones_like(m).triu(1)),
+     "Your mask is inverted: you marked the positions to hide. In this course True means 'may attend': "
+     "on and below the diagonal."),
+    (lambda m: torch.equal(m, torch.ones_like(m).tril(-1)),
+     "The diagonal is missing: each position must be allowed to attend to itself."),
+    (lambda m: torch.equal(m, torch.ones_like(m).tril(1)),
+     "Your mask is off by one: it also lets each position see the next one. Keep the diagonal and below."),
+)
+
+
+@checker("2.1")
+@single_threaded
+def check_causal_mask(fn: Callable[..., Any]) -> str:
+    """``fn(n)`` -> bool (n, n), True on and below the diagonal."""
+    _expect_callable(fn, "causal_mask")
+    for n in (5, 1, 2, 8):
+        what = f"causal_mask({n})"
+        out = call_student(fn, n, what=what)
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == (n, n) and out.dtype != torch.bool:
+            expected = ref.causal_mask(n)
+            if out.is_floating_point() and torch.isinf(out).any():
+                fail("dtype", f"{what} returned a float mask with -inf in it (an additive mask). This course uses "
+                              f"a bool mask, True where a position may attend; return dtype torch.bool.")
+            if torch.equal(out != 0, expected) and bool(((out == 0) | (out == 1)).all()):
+                fail("dtype", f"{what} has the right pattern but dtype {out.dtype}: make it torch.bool, so that "
+                              f"~mask and masked_fill work as intended (pass dtype= or call .bool()).")
+        expect_output(out, (n, n), what, torch.bool)
+        expected = ref.causal_mask(n)
+        if not torch.equal(out, expected):
+            for matches, message in _MASK_PATTERNS:
+                if n > 1 and bool(matches(out)):
+                    fail("causal_mask", f"{what}: {message}")
+            i, j = (out != expected).nonzero()[0].tolist()
+            fail("causal_mask", f"{what}: entry [{i}, {j}] should be {bool(expected[i, j])}: position i may "
+                                f"attend to position j exactly when j <= i.")
+    return "Right for n = 1, 2, 5 and 8: True on and below the diagonal, dtype torch.bool."
+
+
+# ============================================================================ 2.2 masked attention
+
+def _module_check(check: ModuleCheck, heads_text: str) -> str:
+    check.run_all()
+    if not all(close(run.out, run.expected) for run in check.runs):
+        check.diagnose()
+    check.check_train_dropout()
+    lengths = sorted({length for _, length in CASES})
+    return (f"Matches the reference for batch sizes 1-3 and lengths {lengths}{heads_text}; the future never "
+            f"leaks and dropout only acts in training mode.")
+
+
+@checker("2.2")
+@single_threaded
+def check_masked_attention(cls: Callable[..., Any]) -> str:
+    """``cls(embed_dim, max_tokens, dropout_rate)`` with Linear layers query, key, value, proj."""
+    _expect_callable(cls, "MaskedAttention", "class")
+    check = ModuleCheck("MaskedAttention", lambda heads, p: cls(EMBED_DIM, MAX_TOKENS, p),
+                        lambda heads, p: ref.MaskedAttention(EMBED_DIM, MAX_TOKENS, p), heads=(1,))
+    return _module_check(check, "")
+
+
+# ============================================================================ 3.1 / 3.2 split and merge heads
+
+def _arange(*shape: int) -> torch.Tensor:
+    return torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+
+
+def _rearranged(out: torch.Tensor, x: torch.Tensor, alternatives: list[tuple[torch.Tensor, str]],
+                what: str, purpose: str) -> None:
+    """Say how a rearrangement of x went wrong (x holds 0, 1, 2, ... so every number has one place)."""
+    for alternative, message in alternatives:
+        if torch.equal(out, alternative):
+            fail("head_split", f"{what}: {message}")
+    if torch.equal(out.flatten().sort().values, x.flatten().sort().values):
+        fail("head_split", f"{what}: the right numbers end up in the wrong places. {purpose}")
+    fail("mismatch", f"{what}: your output holds different numbers from x; {purpose}")
+
+
+@checker("3.1")
+@single_threaded
+def check_split_heads(fn: Callable[..., Any]) -> str:
+    """``fn(x (N, L, E), num_heads)`` -> (N, num_heads, L, E // num_heads)."""
+    _expect_callable(fn, "split_heads")
+    for shape, heads in (((2, 3, 8), 2), ((2, 3, 8), 4), ((3, 5, 12), 3), ((1, 1, 8), 1), ((2, 4, 6), 1)):
+        x = _arange(*shape)
+        n, length, embed_dim = shape
+        head_dim = embed_dim // heads
+        what = f"split_heads(x, {heads}) with x of shape {shape}"
+        out = call_student(fn, x.clone(), heads, what=what)
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == (n, length, heads, head_dim) and length != heads:
+            fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(n, heads, length, head_dim)}: you "
+                          f"split the features into heads but left the head axis after the sequence axis. "
+                          f"Move it in front.")
+        expect_output(out, (n, heads, length, head_dim), what, x.dtype)
+        expect_finite(out, what)
+        if not torch.equal(out, ref.split_heads(x, heads)):
+            _rearranged(out, x, [
+                (x.reshape(n, heads, length, head_dim),
+                 "a reshape straight to (N, heads, L, head_dim) cuts the sequence, not the features, into "
+                 "heads. Split the last axis into (heads, head_dim) first, then move the head axis forward."),
+                (x.reshape(n, length, head_dim, heads).permute(0, 3, 1, 2),
+                 "each head takes every num_heads-th feature instead of a block of head_dim neighbouring "
+                 "features: split the last axis as (heads, head_dim), in that order."),
+            ], what, "Head h should hold features h*head_dim ... (h+1)*head_dim - 1 of every position.")
+    return "Right for 1 to 4 heads: each head holds its own block of features at every position."
+
+
+@checker("3.2")
+@single_threaded
+def check_merge_heads(fn: Callable[..., Any]) -> str:
+    """``fn(x (N, heads, L, head_dim))`` -> (N, L, heads * head_dim)."""
+    _expect_callable(fn, "merge_heads")
+    for shape in ((2, 2, 3, 4), (2, 4, 3, 2), (3, 3, 5, 4), (1, 1, 1, 8), (2, 1, 4, 4)):
+        x = _arange(*shape)
+        n, heads, length, head_dim = shape
+        what = f"merge_heads(x) with x of shape {shape}"
+        out = call_student(fn, x.clone(), what=what)
+        if isinstance(out, torch.Tensor) and out.shape != (n, length, heads * head_dim):
+            if tuple(out.shape) == (n, length, heads, head_dim):
+                fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(n, length, heads * head_dim)}: "
+                              f"the axes are in the right order; now flatten heads and head_dim into one axis.")
+            if tuple(out.shape) == (n, heads * length, head_dim):
+                fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(n, length, heads * head_dim)}: "
+                              f"you stacked the heads along the sequence; they belong side by side along the "
+                              f"features of each position.")
+        expect_output(out, (n, length, heads * head_dim), what, x.dtype)
+        expect_finite(out, what)
+        if not torch.equal(out, ref.merge_heads(x)):
+            _rearranged(out, x, [
+                (x.reshape(n, length, heads * head_dim),
+                 "a bare reshape of (N, heads, L, head_dim) to (N, L, E) mixes positions: swap the head and "
+                 "sequence axes back first, then flatten."),
+                (x.permute(0, 2, 3, 1).reshape(n, length, heads * head_dim),
+                 "the heads' features are interleaved: flatten as (heads, head_dim), head after head."),
+            ], what, "Position l of the output should hold head 0's features, then head 1's, and so on.")
+    return "Right for 1 to 4 heads: merge_heads puts the heads side by side and undoes split_heads."
+
+
+# ============================================================================ 3.3 multi-head attention
+
+@checker("3.3")
+@single_threaded
+def check_multi_head_attention(cls: Callable[..., Any]) -> str:
+    """``cls(embed_dim, num_heads, max_tokens, dropout_rate)`` with Linear layers query, key, value, proj."""
+    _expect_callable(cls, "MultiHeadMaskedAttention", "class")
+    check = ModuleCheck("MultiHeadMaskedAttention", lambda heads, p: cls(EMBED_DIM, heads, MAX_TOKENS, p),
+                        lambda heads, p: ref.MultiHeadMaskedAttention(EMBED_DIM, heads, MAX_TOKENS, p),
+                        heads=(2, 4, 1))
+    return _module_check(check, " with 1, 2 and 4 heads")
+
+
+# ============================================================================ hints
+
+register("1.1", "predict toy attention by hand", [
+    "Score each key by its dot product with the query [0, 1]: a key pointing the same way scores highest.",
+    "A softmax turns the three scores into weights: exp(score) divided by the sum of the three exps.",
+    "The result is the weighted average of TOY_VALUES: each value times its weight, added up. Notice that "
+    "the first and third keys are mirror images.",
+], solution="course_lib.attention:toy_attention")
+register("1.2", "toy_attention", [
+    "Three steps: one score per key, a softmax over those scores, a weighted sum of the values.",
+    "keys @ query gives all n scores at once; take the softmax along that single axis. No scaling here.",
+    "weights @ values works for values of shape (n,) and (n, dv) alike.",
+], solution="course_lib.attention:toy_attention")
+register("1.3", "scaled_dot_product_attention", [
+    "The same three steps as toy attention, for whole batches of queries: the scores have shape (..., Lq, Lk).",
+    "Transpose only the last two axes of k, divide the scores by sqrt(d) with d = q.shape[-1], and take the "
+    "softmax over the last axis (the keys).",
+    "With a mask, give the scores of hidden keys (mask False) the value -inf before the softmax; leave the "
+    "scores alone when mask is None.",
+], solution="course_lib.attention:scaled_dot_product_attention")
+register("2.1", "causal_mask", [
+    "Row i of the mask says which positions token i may look at: itself and everything before it.",
+    "That is a lower-triangular pattern, True on and below the diagonal; torch.tril keeps exactly that part.",
+    "Start from an (n, n) tensor of ones with dtype=torch.bool.",
+], solution="course_lib.attention:causal_mask")
+register("2.2", "MaskedAttention.forward", [
+    "Project x into q, k and v with self.query, self.key and self.value, then attend as in exercise 1.3 "
+    "with the causal mask.",
+    "The mask buffer is max_tokens x max_tokens: use only its first L rows and columns for a sequence of "
+    "L tokens, and hide the future with -inf before the softmax. One head uses all the features, so scale "
+    "by 1/sqrt(embed_dim).",
+    "After the softmax: self.attn_dropout on the weights, weights times v, then self.proj and "
+    "self.proj_dropout. Dropout layers follow model.train() / model.eval() by themselves.",
+], solution="course_lib.attention:MultiHeadMaskedAttention.forward")
+register("3.1", "split_heads", [
+    "Each head gets its own contiguous block of head_dim = E // num_heads features, at every position.",
+    "First give the last axis the shape (num_heads, head_dim): (N, L, E) -> (N, L, heads, head_dim).",
+    "Then swap the sequence and head axes to get (N, heads, L, head_dim).",
+], solution="course_lib.attention:split_heads")
+register("3.2", "merge_heads", [
+    "merge_heads undoes split_heads: the heads' outputs end up side by side along the features.",
+    "Swap the head and sequence axes back first: (N, heads, L, head_dim) -> (N, L, heads, head_dim).",
+    "Then flatten the last two axes; after a transpose use .reshape (or .contiguous() before .view).",
+], solution="course_lib.attention:merge_heads")
+register("3.3", "MultiHeadMaskedAttention.forward", [
+    "The same steps as MaskedAttention, but q, k and v are split into heads before the scores and the heads "
+    "are merged again before the output projection.",
+    "The scores are now (N, heads, L, L): the (L, L) causal mask broadcasts over batch and heads. Scale by "
+    "1/sqrt(head_dim), not 1/sqrt(embed_dim).",
+    "Softmax over the last axis, self.attn_dropout, weights times v, merge_heads, then self.proj and "
+    "self.proj_dropout.",
+], solution="course_lib.attention:MultiHeadMaskedAttention")

@@ -1,0 +1,223 @@
+"""Attention written once with the classic student mistakes switchable on.
+
+A checker computes these alternatives with the same inputs and weights as the
+student's code: when the student's output matches one of them (and not the
+reference), we know which mistake it is, without reading any source.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One mistake: the diagnosis code, what to tell the student, and the switches that reproduce it."""
+
+    code: str
+    message: str
+    spec: dict[str, Any] = field(default_factory=dict)
+
+
+def softmax_over(scores: torch.Tensor, dim: Any) -> torch.Tensor:
+    """Softmax along ``dim``; "implicit" is the axis F.softmax picks when no dim is given."""
+    if dim == "implicit":
+        dim = 0 if scores.dim() in (0, 1, 3) else 1
+    return scores.softmax(dim=dim)
+
+
+def scale_factor(mode: str, dim: int, embed_dim: int | None = None) -> float:
+    """The factor the scores get (or, for "after", the weights get)."""
+    return {"sqrt": dim ** -0.5, "after": dim ** -0.5, "none": 1.0, "d": 1.0 / dim,
+            "times": dim ** 0.5, "embed_dim": (embed_dim or dim) ** -0.5}[mode]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None, *,
+           scale: float, scale_after: bool = False, softmax_dim: Any = -1, fill: str = "-inf") -> torch.Tensor:
+    """softmax(q k^T * scale) v, with the mistakes switched on by the keyword arguments.
+
+    fill: "-inf" (right), "zero" (masked_fill with 0), "post" (zero after the softmax, no renormalising).
+    """
+    scores = q @ k.transpose(-2, -1)                                        # (..., Lq, Lk)
+    if not scale_after:
+        scores = scores * scale
+    if allowed is not None and fill != "post":
+        scores = scores.masked_fill(~allowed, NEG_INF if fill == "-inf" else 0.0)
+    weights = softmax_over(scores, softmax_dim)
+    if allowed is not None and fill == "post":
+        weights = weights.masked_fill(~allowed, 0.0)
+    if scale_after:
+        weights = weights * scale
+    return weights @ v                                                      # (..., Lq, dv)
+
+
+def sdpa_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 spec: dict[str, Any]) -> torch.Tensor:
+    """scaled_dot_product_attention with the mistakes in ``spec`` (scale, softmax_dim, mask, fill)."""
+    mode = spec.get("scale", "sqrt")
+    allowed = mask
+    if mask is not None and spec.get("mask") == "ignored":
+        allowed = None
+    elif mask is not None and spec.get("mask") == "inverted":
+        allowed = ~mask
+    return attend(q, k, v, allowed, scale=scale_factor(mode, q.shape[-1]), scale_after=mode == "after",
+                  softmax_dim=spec.get("softmax_dim", -1), fill=spec.get("fill", "-inf"))
+
+
+def allowed_pattern(length: int, kind: str = "tril") -> torch.Tensor | None:
+    """Which keys each query may see, for the mask mistakes students make."""
+    ones = torch.ones(length, length, dtype=torch.bool)
+    return {"tril": ones.tril(), "none": None, "triu": ones.triu(), "inverted": ones.triu(1),
+            "strict": ones.tril(-1), "ahead": ones.tril(1)}[kind]
+
+
+def _split(t: torch.Tensor, heads: int, how: str) -> torch.Tensor:
+    n, length, embed_dim = t.shape
+    head_dim = embed_dim // heads
+    if how == "no_transpose":
+        return t.reshape(n, heads, length, head_dim)                         # positions cut, not features
+    if how == "interleaved":
+        return t.reshape(n, length, head_dim, heads).permute(0, 3, 1, 2)     # every heads-th feature
+    return t.reshape(n, length, heads, head_dim).transpose(1, 2)            # (N, heads, L, head_dim)
+
+
+def _merge(t: torch.Tensor, how: str) -> torch.Tensor:
+    n, heads, length, head_dim = t.shape
+    if how == "bare":
+        return t.reshape(n, length, heads * head_dim)
+    if how == "interleaved":
+        return t.permute(0, 2, 3, 1).reshape(n, length, heads * head_dim)
+    return t.transpose(1, 2).reshape(n, length, heads * head_dim)           # (N, L, E)
+
+
+def module_variant(x: torch.Tensor, params: dict[str, torch.Tensor], heads: int,
+                   spec: dict[str, Any]) -> torch.Tensor:
+    """Causal multi-head self-attention (eval mode) with the mistakes in ``spec``.
+
+    spec keys: scale, softmax_dim, mask (allowed_pattern kind), fill, split ("ok", "no_transpose",
+    "interleaved", "single" = one head over all features), merge ("ok", "bare", "interleaved"),
+    proj (bool), value (bool), swap_qk (bool).
+    """
+    n, length, embed_dim = x.shape
+    head_dim = embed_dim // heads
+    q = x @ params["query.weight"].T                                         # (N, L, E)
+    k = x @ params["key.weight"].T
+    v = x @ params["value.weight"].T if spec.get("value", True) else x
+    if spec.get("swap_qk"):
+        q, k = k, q
+    split = spec.get("split", "ok")
+    used_heads = 1 if split == "single" else heads
+    q, k, v = (_split(t, used_heads, split) for t in (q, k, v))              # (N, heads, L, head_dim)
+    mode = spec.get("scale", "sqrt")
+    out = attend(q, k, v, allowed_pattern(length, spec.get("mask", "tril")),
+                 scale=scale_factor(mode, head_dim, embed_dim), scale_after=mode == "after",
+                 softmax_dim=spec.get("softmax_dim", -1), fill=spec.get("fill", "-inf"))
+    out = _merge(out, spec.get("merge", "ok"))                               # (N, L, E)
+    return out @ params["proj.weight"].T if spec.get("proj", True) else out
+
+
+# ----------------------------------------------------------------------------- the mistakes
+
+_SOFTMAX_KEYS = ("Your attention weights sum to one down the columns, not across the rows: the softmax "
+                 "runs over the queries. It should run over the keys (the last axis of the scores), "
+                 "giving one distribution per query.")
+_SOFTMAX_IMPLICIT = ("Your softmax normalises over the wrong axis: F.softmax without `dim=` picks an axis "
+                     "for you (here a batch axis). Always pass the axis of the keys, the last one of the scores.")
+_SCALE_NONE = ("Your scores are not scaled: divide the dot products by the square root of the size of the "
+               "vectors before the softmax, so the logits keep unit variance.")
+_SCALE_D = ("You divide the scores by the dimension itself; divide by its square root instead.")
+_SCALE_AFTER = ("You apply the 1/sqrt(d) factor after the softmax. It belongs to the scores that go into "
+                "the softmax; applied afterwards it only shrinks the output (each row then sums to "
+                "1/sqrt(d) instead of one).")
+_SCALE_TIMES = "You multiply the scores by sqrt(d); they should be divided by it."
+_FILL_ZERO = ("Masked positions still get weight: filling their scores with 0 leaves exp(0) = 1 in the "
+              "softmax. Fill them with -inf (float('-inf')) so they get exactly zero weight.")
+_POST = ("You zero the masked weights after the softmax, so each row no longer sums to one. Mask the "
+         "scores before the softmax instead (or renormalise every row after zeroing).")
+
+SDPA_HYPOTHESES: tuple[Hypothesis, ...] = (
+    Hypothesis("softmax_dim", _SOFTMAX_KEYS, {"softmax_dim": -2}),
+    Hypothesis("softmax_dim", _SOFTMAX_IMPLICIT, {"softmax_dim": "implicit"}),
+    Hypothesis("softmax_dim", "Your softmax runs over dim=1, which is not the key axis when q has more than "
+                              "3 dimensions. Use the last axis (dim=-1) so any batch shape works.",
+               {"softmax_dim": 1}),
+    Hypothesis("softmax_dim", "Your softmax normalises across the batch (dim 0) instead of over the keys "
+                              "(dim=-1).", {"softmax_dim": 0}),
+    Hypothesis("scale", _SCALE_NONE, {"scale": "none"}),
+    Hypothesis("scale", _SCALE_D, {"scale": "d"}),
+    Hypothesis("scale", _SCALE_AFTER, {"scale": "after"}),
+    Hypothesis("scale", _SCALE_TIMES, {"scale": "times"}),
+    Hypothesis("causal_mask", "Your function ignores `mask`: keys where the mask is False still get weight. "
+                              "Set their scores to -inf before the softmax.", {"mask": "ignored"}),
+    Hypothesis("causal_mask", "Your mask is applied the wrong way round: you hide the keys where the mask is "
+                              "True. In this course True means 'may attend', so hide the positions where it "
+                              "is False.", {"mask": "inverted"}),
+    Hypothesis("causal_mask", _FILL_ZERO, {"fill": "zero"}),
+    Hypothesis("normalization", _POST, {"fill": "post"}),
+)
+
+_MASK_NONE = ("The future leaks: the output at a position changes when later tokens change. Apply the "
+              "causal mask to the scores before the softmax.")
+
+MODULE_HYPOTHESES: tuple[Hypothesis, ...] = (
+    Hypothesis("softmax_dim", _SOFTMAX_KEYS, {"softmax_dim": -2}),
+    Hypothesis("softmax_dim", "Your softmax normalises across the batch (dim 0) instead of over the keys; "
+                              "F.softmax without `dim=` does this for 3-D scores. Pass the key axis (dim=-1).",
+               {"softmax_dim": 0}),
+    Hypothesis("softmax_dim", "Your softmax normalises across the heads (dim 1) instead of over the keys "
+                              "(the last axis of the scores).", {"softmax_dim": 1}),
+    Hypothesis("scale", _SCALE_NONE.replace("the size of the vectors", "{d}"), {"scale": "none"}),
+    Hypothesis("scale", _SCALE_D.replace("the dimension", "{d}"), {"scale": "d"}),
+    Hypothesis("scale", "You scale by 1/sqrt(embed_dim), but each head works in head_dim = embed_dim // "
+                        "num_heads dimensions: scale by 1/sqrt(head_dim).", {"scale": "embed_dim"}),
+    Hypothesis("scale", _SCALE_AFTER.replace("1/sqrt(d)", "1/sqrt({d})"), {"scale": "after"}),
+    Hypothesis("scale", _SCALE_TIMES.replace("sqrt(d)", "sqrt({d})"), {"scale": "times"}),
+    Hypothesis("causal_mask", _MASK_NONE, {"mask": "none"}),
+    Hypothesis("causal_mask", "Your mask points the wrong way: each position attends to itself and the "
+                              "future (upper triangle) instead of the past (lower triangle).", {"mask": "triu"}),
+    Hypothesis("causal_mask", "Your mask is inverted: you hide exactly the positions that should be visible "
+                              "(so the last token has no key left, which gives NaN). True in the causal mask "
+                              "means 'may attend': hide the positions where it is False.", {"mask": "inverted"}),
+    Hypothesis("causal_mask", "Each position must also see itself: your mask hides the diagonal (and the "
+                              "first token then has no key at all, which gives NaN).", {"mask": "strict"}),
+    Hypothesis("causal_mask", "Your mask is off by one: each position also sees the next token. Keep the "
+                              "diagonal and everything below it, nothing above.", {"mask": "ahead"}),
+    Hypothesis("causal_mask", _FILL_ZERO, {"fill": "zero"}),
+    Hypothesis("normalization", _POST, {"fill": "post"}),
+    Hypothesis("head_split", "Your heads are cut along the sequence instead of along the features: reshaping "
+                             "(N, L, E) straight to (N, heads, L, head_dim) mixes positions. Split the last axis "
+                             "into (heads, head_dim) first, then move the head axis in front of the sequence axis.",
+               {"split": "no_transpose"}),
+    Hypothesis("head_split", "Your heads are merged with a bare reshape: (N, heads, L, head_dim) must first "
+                             "become (N, L, heads, head_dim), head and sequence axes swapped back, before "
+                             "flattening; otherwise rows of the output mix different positions.",
+               {"merge": "bare"}),
+    Hypothesis("head_split", "Both your split and your merge skip the transpose: a reshape alone between "
+                             "(N, L, E) and (N, heads, L, head_dim) cuts the sequence, not the features, into "
+                             "heads. Split the last axis into (heads, head_dim), then swap the head and "
+                             "sequence axes (and swap them back before merging).",
+               {"split": "no_transpose", "merge": "bare"}),
+    Hypothesis("head_split", "Your heads take every num_heads-th feature instead of a block of head_dim "
+                             "neighbouring features: split the last axis as (heads, head_dim), in that order.",
+               {"split": "interleaved", "merge": "interleaved"}),
+    Hypothesis("head_split", "Your split takes every num_heads-th feature instead of a contiguous block: split "
+                             "the last axis as (heads, head_dim), in that order.", {"split": "interleaved"}),
+    Hypothesis("head_split", "Your merge puts the heads' features in the wrong order: flatten as (heads, "
+                             "head_dim), head after head.", {"merge": "interleaved"}),
+    Hypothesis("head_split", "Your module computes one big head over all embed_dim features: the heads are "
+                             "never split. Split q, k and v into num_heads heads of head_dim features each.",
+               {"split": "single"}),
+    Hypothesis("head_split", "Your module computes one big head over all embed_dim features (scaled by "
+                             "1/sqrt(embed_dim)): the heads are never split. Split q, k and v into num_heads "
+                             "heads of head_dim features each.", {"split": "single", "scale": "embed_dim"}),
+    Hypothesis("mismatch", "You never apply the output projection `proj` to the attention output.",
+               {"proj": False}),
+    Hypothesis("mismatch", "You use the input itself as the values: pass x through `value` first.",
+               {"value": False}),
+    Hypothesis("mismatch", "Queries and keys are swapped: score[i, j] compares the query of position i with "
+                           "the key of position j, so use `query` for q and `key` for k.", {"swap_qk": True}),
+)

@@ -1,0 +1,190 @@
+"""Behavioural probes shared by the attention checkers: comparisons, output checks, and reading
+attention weights back out of a student's code to say what is wrong with them."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ._core import Failure, call, fail
+
+# float32 everywhere (what students use); the mistakes we look for change outputs by far more.
+RTOL, ATOL = 1e-3, 1e-4
+
+
+def single_threaded(body: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a check on one CPU thread: on tensors this small, waking a thread pool costs far more than
+    it saves (on a busy machine up to 50x), and a check should answer at once."""
+
+    @functools.wraps(body)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before = torch.get_num_threads()
+        if before != 1:
+            torch.set_num_threads(1)
+        try:
+            return body(*args, **kwargs)
+        finally:
+            if before != 1:
+                torch.set_num_threads(before)
+    return run
+
+
+def shape_str(shape: Iterable[int]) -> str:
+    return str(tuple(shape))
+
+
+def close(a: torch.Tensor, b: torch.Tensor, *, nan_ok: bool = False) -> bool:
+    """Same shape and same numbers (NaN only matches NaN when ``nan_ok``)."""
+    if a.shape != b.shape:
+        return False
+    return bool(torch.allclose(a.double(), b.double(), rtol=RTOL, atol=ATOL, equal_nan=nan_ok))
+
+
+def matches(out: torch.Tensor, hypothesis: torch.Tensor) -> bool:
+    """Does the student's output match a mistake's output? Where the mistake leaves a query with no key
+    at all its output is undefined (NaN here, zeros from F.scaled_dot_product_attention): either counts."""
+    if out.shape != hypothesis.shape:
+        return False
+    undefined = torch.isnan(hypothesis)
+    loose = out[undefined]
+    if not bool((torch.isnan(loose) | (loose == 0)).all()):
+        return False
+    return close(out[~undefined], hypothesis[~undefined])
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    diff = (a.double() - b.double()).abs()
+    diff = diff[torch.isfinite(diff)]
+    return float(diff.max()) if diff.numel() else float("nan")
+
+
+def expect_output(value: Any, shape: tuple[int, ...], what: str, dtype: torch.dtype | None) -> torch.Tensor:
+    """Type, shape and dtype of a returned value; NaN is left for later, after the known mistakes."""
+    if not isinstance(value, torch.Tensor):
+        if value is None:
+            fail("shape", f"{what} returned nothing (did you forget `return`?); expected a tensor of shape "
+                          f"{shape}.")
+        kind = type(value).__name__
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+            extra = " It looks like you return several things: return only the output tensor."
+        elif kind == "ndarray" or isinstance(value, (tuple, list)):
+            extra = " Build it with torch functions (or convert it with torch.as_tensor)."
+        else:
+            extra = ""
+        fail("dtype", f"{what} returned a {kind}; expected a torch.Tensor of shape {shape}.{extra}")
+    if tuple(value.shape) != tuple(shape):
+        fail("shape", f"{what} returned shape {tuple(value.shape)}, expected {tuple(shape)}.",
+             got=tuple(value.shape), expected=tuple(shape))
+    if dtype is not None and value.dtype != dtype:
+        fail("dtype", f"{what} returned dtype {value.dtype}, expected {dtype} (the dtype of the inputs).")
+    return value
+
+
+def expect_finite(value: torch.Tensor, what: str) -> None:
+    if value.is_floating_point() and not torch.isfinite(value).all():
+        fail("nan", f"{what} returned NaN or infinite values. A softmax over a row whose scores are all -inf "
+                    f"gives NaN: check that every query can attend to at least one key, and that you do "
+                    f"not divide by zero.")
+
+
+def sums_to_one(w: torch.Tensor, dim: int) -> bool:
+    total = w.sum(dim)
+    return bool(torch.allclose(total, torch.ones_like(total), atol=1e-3))
+
+
+def fit_scale(weights: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor) -> float | None:
+    """The factor s with weights ~ softmax(s * scores) over the allowed keys, or None when no s fits."""
+    usable = allowed & (weights > 1e-9)
+    logw = torch.where(usable, weights.clamp_min(1e-30).double().log(), torch.zeros((), dtype=torch.float64))
+    s = torch.where(usable, scores.double(), torch.zeros((), dtype=torch.float64))
+    count = usable.sum(-1, keepdim=True).clamp_min(1)
+    # centre each row: softmax is shift-invariant, so the row constant drops out
+    dl = torch.where(usable, logw - logw.sum(-1, keepdim=True) / count, torch.zeros((), dtype=torch.float64))
+    ds = torch.where(usable, s - s.sum(-1, keepdim=True) / count, torch.zeros((), dtype=torch.float64))
+    denom = float((ds * ds).sum())
+    if denom < 1e-9:
+        return None
+    factor = float((dl * ds).sum()) / denom
+    residual = float(((dl - factor * ds) ** 2).sum()) / max(float((dl * dl).sum()), 1e-12)
+    return factor if residual < 1e-4 else None
+
+
+def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor | None,
+                     expected_scale: float, *, key_axis: str = "the keys (dim=-1)",
+                     hidden: str = "masked keys", scale_name: str = "1/sqrt(d)") -> None:
+    """Raise the Failure that best explains wrong attention weights (..., Lq, Lk); do nothing if they look right.
+
+    ``scores`` are the raw dot products q k^T (same shape), ``allowed`` which keys a query may see.
+    """
+    if not torch.isfinite(weights).all():
+        return
+    if not sums_to_one(weights, -1):
+        for dim in range(weights.dim() - 1):
+            if weights.shape[dim] > 1 and sums_to_one(weights, dim):
+                axis = "the queries" if dim == weights.dim() - 2 else f"axis {dim}"
+                fail("softmax_dim", f"Your attention weights sum to one over {axis}, not over {key_axis}: "
+                                    f"the softmax runs along the wrong axis. Each query needs its own "
+                                    f"distribution over the keys.")
+        row = weights.sum(-1).flatten()
+        fail("normalization", f"The attention weights of a query should sum to one, but yours sum to values "
+                              f"like {float(row[0]):.3g} and {float(row[-1]):.3g}. Check that you take a "
+                              f"softmax over the keys, and that nothing changes the weights after it.")
+    if weights.min() < -1e-6:
+        fail("normalization", "Some of your attention weights are negative: they should come out of a "
+                              "softmax, which gives positive weights that sum to one.")
+    if allowed is not None:
+        leak = weights.masked_fill(allowed, 0.0).abs().max()
+        if leak > 1e-5:
+            fail("causal_mask", f"The {hidden} still get weight (up to {float(leak):.3g}). Set their scores to "
+                                f"-inf before the softmax so their weight is exactly zero.")
+    full = torch.ones_like(weights, dtype=torch.bool) if allowed is None else allowed.expand_as(weights)
+    factor = fit_scale(weights, scores, full)
+    if factor is not None and abs(factor - expected_scale) > 1e-2 * expected_scale:
+        what = ("no scaling at all" if abs(factor - 1) < 1e-2 else f"a factor of {factor:.4g}")
+        fail("scale", f"Your weights are a softmax of the scores with {what}; the expected factor is "
+                      f"{scale_name} = {expected_scale:.4g}. Check how (and where) you scale the scores.")
+
+
+def identity_values(k: torch.Tensor) -> torch.Tensor:
+    """v = one-hot rows, so attention returns its own weights: out[..., i, j] = weight of key j for query i."""
+    length = k.shape[-2]
+    return torch.eye(length, dtype=k.dtype).expand(*k.shape[:-1], length).clone()   # (..., Lk, Lk)
+
+
+def first_match(hypotheses: Iterable[Any], outputs: list[torch.Tensor],
+                compute: Callable[[int, dict[str, Any]], torch.Tensor]) -> Any | None:
+    """The first hypothesis whose output matches the student's output in every case (NaN matching NaN)."""
+    for hypothesis in hypotheses:
+        try:
+            if all(matches(out, compute(i, hypothesis.spec)) for i, out in enumerate(outputs)):
+                return hypothesis
+        except (RuntimeError, ValueError):   # a hypothesis that does not apply to these shapes
+            continue
+    return None
+
+
+def reraise_with(failure: Failure, diagnosis: str, extra: str) -> None:
+    message = failure.message.rstrip()
+    if not message.endswith((".", "!", "?")):
+        message += "."
+    raise Failure(diagnosis, message + extra, **failure.details)
+
+
+_VIEW_TIP = (" Tip: after a transpose the tensor is no longer contiguous in memory, so .view cannot "
+             "reshape it; .reshape (or .contiguous() before .view) can.")
+
+
+def call_student(fn: Callable[..., Any], *args: Any, what: str) -> Any:
+    """call() with long library errors cut to their first line, plus a tip for the error every student meets."""
+    try:
+        return call(fn, *args, what=what)
+    except Failure as failure:
+        if failure.diagnosis != "exception":
+            raise
+        first, _, rest = failure.message.partition("\n")
+        if rest.strip():
+            failure = Failure("exception", first.rstrip() + " [...]", **failure.details)
+        if "view size is not compatible" in failure.message:
+            reraise_with(failure, "exception", _VIEW_TIP)
+        raise failure

@@ -1,0 +1,1 @@
+"""Banks of student-style implementations (correct and buggy) that the checker tests run against."""
