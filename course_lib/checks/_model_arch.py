@@ -1,0 +1,370 @@
+"""Checkers for notebook 04: the transformer block and the GPT model."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ._core import Failure, call, checker, expect_tensor, fail, register
+from ._model_common import (accepts, close, construct, copy_weights, randomize_, same_when_called_twice,
+                             single_threaded)
+
+__all__ = ["check_transformer_block", "check_gpt"]
+
+
+# ---------------------------------------------------------------- 4.2 TransformerBlock
+
+_EMBED, _HEADS, _MAX_TOKENS, _DROPOUT = 16, 4, 8, 0.1
+_SHAPES = ((2, 5), (1, 1), (3, 8))   # (batch, length): batch > 1, shorter than max_tokens, length 1, full
+
+
+def _residual_of_normalised(x, a, m, l1, l2):
+    x = l1(x)
+    x = x + a(x)
+    x = l2(x)
+    return x + m(x)
+
+
+def _block_variants(norm_first: bool) -> list[tuple[str, str, Callable[..., torch.Tensor]]]:
+    """(diagnosis, message, f(x, attn, mlp, ln1, ln2)) for the mistakes we have seen."""
+    def pre(x, a, m, l1, l2):
+        h = x + a(l1(x))
+        return h + m(l2(h))
+
+    def post(x, a, m, l1, l2):
+        h = l1(x + a(x))
+        return l2(h + m(h))
+
+    right = "pre-norm (GPT-2)" if norm_first else "post-norm (the 2017 paper)"
+    common = [
+        ("mismatch", "the feed-forward sublayer (self.mlp) is never applied, or its result is dropped; the "
+                     "block is attention, then feed-forward.",
+         (lambda x, a, m, l1, l2: x + a(l1(x))) if norm_first else (lambda x, a, m, l1, l2: l1(x + a(x)))),
+        ("mismatch", "the attention sublayer (self.attn) is never applied, or its result is dropped; the block "
+                     "is attention, then feed-forward.",
+         (lambda x, a, m, l1, l2: x + m(l2(x))) if norm_first else (lambda x, a, m, l1, l2: l2(x + m(x)))),
+        ("mismatch", "ln1 and ln2 are swapped: ln1 goes with the attention sublayer, ln2 with the feed-forward "
+                     "one (each LayerNorm has its own learned scale and shift).",
+         (lambda x, a, m, l1, l2: pre(x, a, m, l2, l1)) if norm_first
+         else (lambda x, a, m, l1, l2: post(x, a, m, l2, l1))),
+        ("mismatch", "you use ln1 for both sublayers; ln2 belongs to the feed-forward sublayer.",
+         (lambda x, a, m, l1, l2: pre(x, a, m, l1, l1)) if norm_first
+         else (lambda x, a, m, l1, l2: post(x, a, m, l1, l1))),
+        ("mismatch", "you use ln2 for both sublayers; ln1 belongs to the attention sublayer.",
+         (lambda x, a, m, l1, l2: pre(x, a, m, l2, l2)) if norm_first
+         else (lambda x, a, m, l1, l2: post(x, a, m, l2, l2))),
+        ("mismatch", "the LayerNorms ln1 and ln2 are never applied; each sublayer needs its own.",
+         lambda x, a, m, l1, l2: pre(x, a, m, nn.Identity(), nn.Identity())),
+        ("norm_placement", f"you normalise both before the sublayers and after the residual additions; this "
+                           f"block is {right}, so each LayerNorm is used once.",
+         lambda x, a, m, l1, l2: l2((h := l1(x + a(l1(x)))) + m(l2(h)))),
+        ("residual", "the feed-forward sublayer reads the block's input x instead of the output of the "
+                     "attention step (the two sublayers run in parallel). Feed the updated x forward.",
+         (lambda x, a, m, l1, l2: x + a(l1(x)) + m(l2(x))) if norm_first
+         else (lambda x, a, m, l1, l2: l2(l1(x + a(x)) + m(x)))),
+    ]
+    if norm_first:
+        return [
+            ("norm_placement", "you normalise after adding the residual (post-norm, as in the 2017 paper). This "
+                               "block is pre-norm (GPT-2): apply ln1 to the input of the attention and ln2 to the "
+                               "input of the feed-forward, and leave the residual stream itself un-normalised.",
+             post),
+            ("residual", "the attention sublayer has no residual connection: add its output to its input "
+                         "(the un-normalised x) instead of replacing x.",
+             lambda x, a, m, l1, l2: (h := a(l1(x))) + m(l2(h))),
+            ("residual", "the feed-forward sublayer has no residual connection: add its output to x instead of "
+                         "replacing x.",
+             lambda x, a, m, l1, l2: m(l2(x + a(l1(x))))),
+            ("residual", "neither sublayer has a residual connection: each should add its output to x, not "
+                         "replace x.",
+             lambda x, a, m, l1, l2: m(l2(a(l1(x))))),
+            ("residual", "your residual adds the normalised x: you overwrite x with ln1(x) (and ln2(x)) before "
+                         "adding. The residual stream carries the un-normalised x; normalise only what goes "
+                         "into each sublayer.",
+             _residual_of_normalised),
+        ] + common
+    return [
+        ("norm_placement", "you normalise the input of each sublayer (pre-norm, GPT-2). This block is post-norm "
+                           "(the 2017 paper): add the sublayer's output to x first, then apply the LayerNorm "
+                           "to the sum.",
+         pre),
+        ("residual", "the attention sublayer has no residual connection: normalise x plus the attention "
+                     "output, not the attention output alone.",
+         lambda x, a, m, l1, l2: l2((h := l1(a(x))) + m(h))),
+        ("residual", "the feed-forward sublayer has no residual connection: normalise the sum of its input and "
+                     "its output, not its output alone.",
+         lambda x, a, m, l1, l2: l2(m(l1(x + a(x))))),
+        ("residual", "neither sublayer has a residual connection: each LayerNorm should see x plus the "
+                     "sublayer's output.",
+         lambda x, a, m, l1, l2: l2(m(l1(a(x))))),
+    ] + common
+
+
+def _build_block(cls: Any, norm_first: bool) -> tuple[nn.Module, nn.Module]:
+    from course_lib.model import TransformerBlock
+
+    generator = torch.Generator().manual_seed(42)
+    reference = randomize_(TransformerBlock(_EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, norm_first=norm_first),
+                           generator)
+    kwargs = {"norm_first": norm_first} if accepts(cls, "norm_first") else {}
+    candidate = construct(cls, _EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, what=getattr(cls, "__name__", "cls"),
+                          **kwargs)
+    for name in ("ln1", "attn", "ln2", "mlp"):
+        if not isinstance(getattr(candidate, name, None), nn.Module):
+            fail("mismatch", f"your block has no sublayer `self.{name}`. Keep the constructor as given: it "
+                             f"builds ln1, attn, ln2 and mlp, and forward uses them.")
+    copy_weights(reference, candidate, "your block")
+    return reference.eval(), candidate.eval()
+
+
+def _inputs(generator: torch.Generator, batch: int, length: int) -> torch.Tensor:
+    # an offset and a spread per position, so that LayerNorm has something to undo
+    x = torch.randn(batch, length, _EMBED, generator=generator)
+    return 1.5 * x + torch.randn(batch, length, 1, generator=generator)
+
+
+@torch.no_grad()
+def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor, got: torch.Tensor,
+                    norm_first: bool, what: str) -> None:
+    r = reference
+    for diagnosis, message, variant in _block_variants(norm_first):
+        if close(got, variant(x, r.attn, r.mlp, r.ln1, r.ln2)):
+            fail(diagnosis, f"{what}: {message}")
+    # behaviour probes, for mistakes we did not list
+    if x.shape[1] > 1:
+        changed = x.clone()
+        changed[:, -1] += 3.0
+        later = call(candidate, changed, what=what)
+        if isinstance(later, torch.Tensor) and later.shape == got.shape and \
+                not close(later[:, :-1], got[:, :-1]):
+            fail("causal_mask", f"{what}: changing the last position changes the outputs at earlier positions, "
+                                f"so the future leaks into the past. Let self.attn do all the mixing between "
+                                f"positions (it applies the causal mask); everything else acts per position.")
+    for name in ("attn", "mlp"):
+        proj = getattr(getattr(candidate, name), "proj", None)
+        if isinstance(proj, nn.Linear):
+            saved = proj.weight.clone()
+            proj.weight.mul_(2.0)
+            try:
+                doubled = call(candidate, x, what=what)
+            finally:
+                proj.weight.copy_(saved)
+            if isinstance(doubled, torch.Tensor) and close(doubled, got):
+                fail("mismatch", f"{what}: the output does not depend on self.{name}; make sure its result "
+                                 f"goes into what forward returns.")
+    fail("mismatch", f"{what}: the output differs from the reference {('pre' if norm_first else 'post')}-norm "
+                     f"block (largest difference {(got - reference(x)).abs().max():.3g}). Check the order: "
+                     + ("x + attn(...) of ln1(x), then the same with ln2 and mlp."
+                        if norm_first else "ln1 of (x + attention of x), then ln2 of (x + mlp of x)."))
+
+
+@checker("4.2")
+@single_threaded
+def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
+    """cls(embed_dim, num_heads, max_tokens, dropout_rate) with ln1, attn, ln2, mlp; pre- or post-norm."""
+    reference, candidate = _build_block(cls, norm_first)
+    generator = torch.Generator().manual_seed(0)
+    kind = "pre-norm" if norm_first else "post-norm"
+    for batch, length in _SHAPES:
+        x = _inputs(generator, batch, length)
+        what = f"your block on x of shape {tuple(x.shape)}"
+        with torch.no_grad():
+            got = expect_tensor(call(candidate, x, what=what), tuple(x.shape), what)
+            if not same_when_called_twice(lambda: call(candidate, x, what=what)):
+                fail("dropout", f"{what}: two calls in eval mode gave different outputs, so dropout is active "
+                                f"when it should be off. Use the dropout inside self.attn and self.mlp (they "
+                                f"follow model.eval()); F.dropout(...) without training=self.training is "
+                                f"always on.")
+            if not close(got, reference(x)):
+                _diagnose_block(candidate, reference, x, got, norm_first, what)
+    candidate.train()
+    x = _inputs(generator, 2, _MAX_TOKENS)
+    with torch.no_grad():
+        no_dropout = same_when_called_twice(lambda: call(candidate, x, what="your block in training mode"))
+    if no_dropout:
+        fail("dropout", f"In training mode (dropout_rate={_DROPOUT}) your block gives the same output twice, so "
+                        f"no dropout happens. Call the sublayers self.attn and self.mlp: they carry the dropout.")
+    return f"Same outputs as the reference {kind} block, with residuals around both sublayers."
+
+
+register("4.2", "TransformerBlock.forward", [
+    "Two sublayers, each wrapped the same way: attention first, then the feed-forward network.",
+    "Residual: x = x + sublayer(...). The residual stream x itself is never replaced, only added to.",
+    "Pre-norm (norm_first=True, GPT-2) normalises what goes INTO each sublayer (ln1 before attn, ln2 before "
+    "mlp); post-norm normalises the sum AFTER each residual addition.",
+], solution="course_lib.model:TransformerBlock.forward")
+
+
+# ---------------------------------------------------------------- 4.3 GPT
+
+def _gpt_config(**overrides: Any):
+    from course_lib.model import GPTConfig
+
+    values = dict(vocab_size=13, max_tokens=8, embed_dim=16, num_heads=2, num_layers=2, dropout_rate=0.1)
+    values.update(overrides)
+    return GPTConfig(**values)
+
+
+def _gpt_variants(ref: nn.Module) -> list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]]:
+    def run(idx, *, positions=True, ln_f=True, scale=1.0, blocks=None):
+        x = ref.token_embedding(idx) * scale
+        if positions:
+            x = x + ref.position_encoding(idx.shape[1])
+        for block in (ref.blocks if blocks is None else blocks):
+            x = block(x)
+        return ref.head(ref.ln_f(x) if ln_f else x)
+
+    blocks = list(ref.blocks)
+    return [
+        ("mismatch", "the positions are missing: you never add the position encodings, so the model cannot "
+                     "tell where a token sits. Add self.position_encoding(...) to the token embeddings.",
+         lambda idx: run(idx, positions=False)),
+        ("mismatch", "the final LayerNorm self.ln_f is missing: apply it after the last block, before the "
+                     "output head.",
+         lambda idx: run(idx, ln_f=False)),
+        ("mismatch", "the positions are missing and the final LayerNorm ln_f is not applied.",
+         lambda idx: run(idx, positions=False, ln_f=False)),
+        ("mismatch", f"you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds "
+                     f"token and position embeddings as they are.",
+         lambda idx: run(idx, scale=math.sqrt(ref.config.embed_dim))),
+        ("mismatch", "the blocks run in reverse order; go through self.blocks first to last.",
+         lambda idx: run(idx, blocks=blocks[::-1])),
+        ("mismatch", "only the first block is applied; every block in self.blocks should transform x in turn, "
+                     "each one taking the previous block's output.",
+         lambda idx: run(idx, blocks=blocks[:1])),
+        ("mismatch", "only the last block's output is kept; each block should take the previous block's output, "
+                     "not the embeddings.",
+         lambda idx: run(idx, blocks=blocks[-1:])),
+    ]
+
+
+def _forward(model: nn.Module, idx: torch.Tensor, what: str, *cache: Any) -> Any:
+    return call(model, idx, *cache, what=what)
+
+
+@torch.no_grad()
+def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor, got: torch.Tensor,
+                  what: str) -> None:
+    if bool((got >= 0).all()) and close(got.sum(-1), torch.ones(got.shape[:-1]), atol=1e-3):
+        fail("mismatch", f"{what}: every row is non-negative and sums to 1, so you return probabilities. "
+                         f"Return logits, not probabilities: the loss (cross-entropy) and the sampler apply "
+                         f"the softmax themselves.")
+    if close(got.exp().sum(-1), torch.ones(got.shape[:-1]), atol=1e-3):
+        fail("mismatch", f"{what}: you return log-probabilities (a log_softmax of the logits). Return logits, "
+                         f"not probabilities: cross-entropy applies the log-softmax itself.")
+    for diagnosis, message, variant in _gpt_variants(reference):
+        if close(got, variant(idx)):
+            fail(diagnosis, f"{what}: {message}")
+    length = idx.shape[1]
+    if length > 1:
+        changed = idx.clone()
+        changed[:, -1] = (changed[:, -1] + 1) % reference.config.vocab_size
+        later = _forward(candidate, changed, what)
+        if isinstance(later, torch.Tensor) and later.shape == got.shape and \
+                not close(later[:, :-1], got[:, :-1]):
+            fail("causal_mask", f"{what}: changing the last token changes the logits at earlier positions: "
+                                f"the future leaks into the past. Only the attention layers should mix "
+                                f"positions, and they apply the causal mask.")
+        same = torch.full((1, length), 3, dtype=torch.long)
+        flat = _forward(candidate, same, what)
+        if isinstance(flat, torch.Tensor) and flat.dim() == 3 and close(flat[0, :1].expand_as(flat[0]), flat[0]):
+            fail("mismatch", f"{what}: the same token at different positions gets the same logits, so the "
+                             f"positions are missing. Add the position encodings to the token embeddings.")
+    saved = candidate.ln_f.weight.clone()
+    candidate.ln_f.weight.mul_(2.0).add_(0.5)
+    try:
+        changed_ln = _forward(candidate, idx, what)
+    finally:
+        candidate.ln_f.weight.copy_(saved)
+    if isinstance(changed_ln, torch.Tensor) and close(changed_ln, got):
+        fail("mismatch", f"{what}: the output does not depend on the final LayerNorm self.ln_f; apply it "
+                         f"after the last block, before the head.")
+    fail("mismatch", f"{what}: the logits differ from the reference (largest difference "
+                     f"{(got - reference(idx)).abs().max():.3g}). The recipe: token embeddings plus position "
+                     f"encodings, dropout, every block in turn, ln_f, then the head.")
+
+
+def _check_cache_path(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor) -> str:
+    """If forward uses its cache argument, positions must continue after the cached tokens."""
+    from course_lib.attention import KVCache
+
+    if not accepts(candidate.forward, "cache"):
+        return ""
+    config = reference.config
+    make = getattr(candidate, "new_cache", None)
+    cache = make() if callable(make) else [KVCache(config.max_tokens) for _ in range(config.num_layers)]
+    what = "your forward with a KV cache"
+    first = call(candidate, idx[:, :3], cache=cache, what=what)
+    if not cache or getattr(cache[0], "length", 0) == 0:
+        return " (Your forward does not use its cache argument yet; notebook 06 comes back to it.)"
+    step = call(candidate, idx[:, 3:4], cache=cache, what=what)
+    full = reference(idx[:, :4])
+    expect_tensor(first, (idx.shape[0], 3, config.vocab_size), what)
+    expect_tensor(step, (idx.shape[0], 1, config.vocab_size), what)
+    if not close(step[:, 0], full[:, 3]):
+        fail("mismatch", "With a KV cache, the logits of a new token differ from a full forward pass. Its "
+                         "positions must continue after the tokens already in the cache (start at "
+                         "cache[0].length, not at 0), and every block needs its own cache.")
+    return " The cached path gives the same logits too."
+
+
+@checker("4.3")
+@single_threaded
+def check_gpt(cls: Any) -> str:
+    """cls(config) with token_embedding, position_encoding, dropout, blocks, ln_f, head; forward -> logits."""
+    from course_lib.model import GPT
+
+    config = _gpt_config()
+    generator = torch.Generator().manual_seed(7)
+    reference = randomize_(GPT(config), generator).eval()
+    candidate = construct(cls, config, what=getattr(cls, "__name__", "cls"))
+    copy_weights(reference, candidate, "your GPT")
+    candidate.eval()
+    vocab = config.vocab_size
+    for batch, length in _SHAPES:
+        idx = torch.randint(0, vocab, (batch, length), generator=generator)
+        what = f"your GPT on idx of shape {tuple(idx.shape)}"
+        with torch.no_grad():
+            got = _forward(candidate, idx, what)
+            if isinstance(got, tuple) and got and isinstance(got[0], torch.Tensor):
+                fail("dtype", f"{what} returned a tuple of {len(got)}; return only the logits tensor "
+                              f"(N, L, vocab_size). The loss is computed outside the model, by lm_loss.")
+            if isinstance(got, torch.Tensor) and tuple(got.shape) == (batch, length, config.embed_dim):
+                fail("shape", f"{what} returned shape {tuple(got.shape)}: hidden states, not logits. Finish "
+                              f"with the output head self.head, which maps embed_dim to vocab_size.")
+            expect_tensor(got, (batch, length, vocab), what)
+            if not same_when_called_twice(lambda: _forward(candidate, idx, what)):
+                fail("dropout", f"{what}: two calls in eval mode gave different logits, so dropout is on when it "
+                                f"should be off. Use self.dropout (an nn.Dropout follows model.eval()).")
+            if not close(got, reference(idx)):
+                _diagnose_gpt(candidate, reference, idx, got, what)
+    too_long = torch.randint(0, vocab, (1, config.max_tokens + 1), generator=generator)
+    try:
+        with torch.no_grad():
+            candidate(too_long)
+    except Failure:
+        raise
+    except Exception:   # noqa: BLE001 - raising is what we want here
+        pass
+    else:
+        fail("mismatch", f"Your GPT accepted {config.max_tokens + 1} tokens with max_tokens={config.max_tokens}. "
+                         f"It has no positions beyond max_tokens: raise a ValueError that says so (and how to "
+                         f"crop) instead of returning something.")
+    try:
+        with torch.no_grad():
+            note = _check_cache_path(candidate, reference, torch.randint(0, vocab, (2, 6), generator=generator))
+    except Failure as failure:
+        if failure.diagnosis != "not_implemented":
+            raise
+        note = " (The cache path of your forward is not written yet; notebook 06 comes back to it.)"
+    return "Logits match the reference GPT for every batch size and length." + note
+
+
+register("4.3", "GPT.forward", [
+    "Token embeddings (N, L, E) plus position encodings (L, E) broadcast over the batch; then dropout.",
+    "Run x through every block in self.blocks, in order, then the final LayerNorm self.ln_f and the head.",
+    "Return the raw logits (N, L, vocab_size): no softmax. Check the length against max_tokens first and raise "
+    "a clear ValueError when it is too long.",
+], solution="course_lib.model:GPT.forward")

@@ -1,0 +1,150 @@
+"""Helpers shared by the checkers of notebooks 04-07: building candidates, copying weights, probes."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ._core import call, fail
+
+
+def close(a: torch.Tensor, b: torch.Tensor, *, atol: float = 1e-4, rtol: float = 1e-4) -> bool:
+    """Same shape and the same numbers up to float noise (compared in float64)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
+        return False
+    return bool(torch.allclose(a.detach().double().cpu(), b.detach().double().cpu(), atol=atol, rtol=rtol))
+
+
+def as_tensor(value: Any) -> Any:
+    """A numpy array (or anything numpy-like) becomes a tensor; everything else is left alone."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return value
+    if type(value).__module__.startswith("numpy") and hasattr(value, "shape"):
+        return torch.as_tensor(value)
+    return value
+
+
+def accepts(fn: Any, name: str) -> bool:
+    """Whether ``fn`` (a function, or a class's constructor) takes a parameter called ``name``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def positional_arity(fn: Any) -> int:
+    """How many positional arguments ``fn`` accepts (a large number for ``*args``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 99
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 99
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def construct(cls: Any, *args: Any, what: str, **kwargs: Any) -> nn.Module:
+    """Instantiate a student's class; it must give an nn.Module."""
+    if not callable(cls):
+        fail("exception", f"Pass the class itself (e.g. `{what}`), not {type(cls).__name__}: it should be an "
+                          f"nn.Module subclass.")
+    module = call(cls, *args, what=f"{what}(...) (the constructor)", **kwargs)
+    if not isinstance(module, nn.Module):
+        fail("exception", f"{what}(...) should build an nn.Module, but gave {type(module).__name__}. "
+                          f"Pass the class (not an instance) and keep `super().__init__()` in the constructor.")
+    return module
+
+
+def single_threaded(body: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a check on one CPU thread: for tensors this small a thread pool costs more than it saves,
+    and on a busy machine much more."""
+
+    @functools.wraps(body)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return body(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+    return run
+
+
+def copy_weights(reference: nn.Module, candidate: nn.Module, what: str) -> None:
+    """Give ``candidate`` the reference's parameters, matched by name."""
+    ref = dict(reference.named_parameters())
+    got = dict(candidate.named_parameters())
+    missing = [name for name in ref if name not in got]
+    extra = [name for name in got if name not in ref]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+        if extra:
+            parts.append(f"unexpected {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}")
+        fail("mismatch", f"{what}'s parameters are not named like the reference's ({'; '.join(parts)}). "
+                         f"Keep the constructor exactly as given (same attribute names), so the checker "
+                         f"can copy the same weights into your version and the reference.")
+    for name, param in ref.items():
+        if got[name].shape != param.shape:
+            fail("shape", f"{what}: parameter {name} has shape {tuple(got[name].shape)}, the reference's "
+                          f"has {tuple(param.shape)}. Keep the constructor as given.")
+    with torch.no_grad():
+        for name, param in ref.items():
+            got[name].copy_(param)
+
+
+def randomize_(module: nn.Module, generator: torch.Generator) -> nn.Module:
+    """Weights far from their defaults, so that every sublayer visibly changes the output."""
+    with torch.no_grad():
+        for sub in module.modules():
+            for name, param in sub.named_parameters(recurse=False):
+                noise = torch.randn(param.shape, generator=generator)
+                if isinstance(sub, nn.LayerNorm):
+                    param.copy_((1.0 if name == "weight" else 0.0) + 0.3 * noise)
+                elif isinstance(sub, nn.Embedding):
+                    param.copy_(noise)
+                elif param.dim() >= 2:
+                    param.copy_(noise / math.sqrt(param.shape[-1]))
+                else:
+                    param.copy_(0.2 * noise)
+    return module
+
+
+@contextlib.contextmanager
+def recording_calls(module: nn.Module) -> Iterator[list[dict[str, Any]]]:
+    """Record how ``module`` is called: its first argument's shape, the cache and its length."""
+    calls: list[dict[str, Any]] = []
+
+    def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        cache = args[1] if len(args) > 1 else kwargs.get("cache")
+        length = None
+        if cache:
+            with contextlib.suppress(Exception):
+                length = cache[0].length
+        calls.append({"shape": tuple(first.shape) if isinstance(first, torch.Tensor) else None,
+                      "cache": cache, "cache_length": length, "training": module.training})
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def extend(message: str, more: str) -> str:
+    """Append a sentence to a message that may already end with a full stop."""
+    return f"{message.rstrip().rstrip('.')}. {more}"
+
+
+def same_when_called_twice(run: Callable[[], torch.Tensor]) -> bool:
+    first = run()
+    second = run()
+    return close(first, second, atol=1e-6, rtol=1e-6)

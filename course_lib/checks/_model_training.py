@@ -1,0 +1,364 @@
+"""Checkers for notebook 05: LM windows, the loss, one training step."""
+from __future__ import annotations
+
+import copy
+import numbers
+import re
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._core import Failure, call, checker, expect_tensor, fail, register
+from ._model_common import accepts, as_tensor, close, extend, recording_calls, single_threaded
+
+__all__ = ["check_lm_windows", "check_lm_loss", "check_train_step"]
+
+IGNORE = -100
+
+
+# ---------------------------------------------------------------- 5.1 lm_windows
+
+def _window_starts(inputs: torch.Tensor, offset: int) -> list[int]:
+    return [int(v) - offset for v in inputs[:, 0]] if inputs.numel() else []
+
+
+def _diagnose_windows(inputs: torch.Tensor, targets: torch.Tensor, expected: torch.Tensor, max_tokens: int,
+                      stride: int, n: int, offset: int, what: str) -> None:
+    """inputs/targets hold token values offset + index, so each value says where it came from."""
+    count = expected.shape[0]
+    if inputs.dim() != 2 or targets.dim() != 2:
+        fail("shape", f"{what}: inputs and targets should each be 2-D, (num_windows, max_tokens) = "
+                      f"{tuple(expected.shape)}; got {tuple(inputs.shape)} and {tuple(targets.shape)}.")
+    if inputs.shape[1] == max_tokens + 1 or targets.shape[1] == max_tokens + 1:
+        fail("shape", f"{what}: your windows hold max_tokens + 1 = {max_tokens + 1} tokens. Cut max_tokens + 1 "
+                      f"tokens, then the inputs are all but the last of them and the targets all but the "
+                      f"first, max_tokens each.")
+    if inputs.shape[1] == max_tokens - 1 or targets.shape[1] == max_tokens - 1:
+        fail("shape", f"{what}: your windows hold max_tokens - 1 = {max_tokens - 1} tokens (off by one). Each "
+                      f"chunk needs max_tokens + 1 tokens, so that inputs and targets are max_tokens long.")
+    if inputs.shape != targets.shape:
+        fail("shape", f"{what}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} should have the "
+                      f"same shape, {tuple(expected.shape)}.")
+    if inputs.shape[1] != max_tokens:
+        fail("shape", f"{what}: each window should hold max_tokens = {max_tokens} tokens, yours hold "
+                      f"{inputs.shape[1]}.")
+    if inputs.shape[0] and torch.equal(targets, inputs):
+        fail("mismatch", f"{what}: the targets are the inputs themselves. The target at each position is the "
+                         f"NEXT token, so targets are the inputs shifted by one to the left (one step ahead).")
+    if inputs.shape[0] and inputs.shape[1] > 1 and torch.equal(targets[:, 1:], inputs[:, :-1]):
+        fail("mismatch", f"{what}: targets are shifted the wrong way: your target at position j is the token "
+                         f"BEFORE input j. The model predicts what comes next, so target j is the token after "
+                         f"input j.")
+    starts = _window_starts(inputs, offset)
+    steps = {b - a for a, b in zip(starts, starts[1:])}
+    if inputs.shape[0] != count:
+        if steps == {1} and stride != 1:
+            fail("shape", f"{what}: your windows overlap: one starts at every token ({len(starts)} windows). "
+                          f"Here windows start every {stride} tokens ({count} windows), so each token is a "
+                          f"target once.")
+        if steps == {max_tokens + 1} and stride == max_tokens:
+            fail("shape", f"{what}: consecutive windows start max_tokens + 1 = {max_tokens + 1} tokens apart, so "
+                          f"one token in every window is never a target. Start them max_tokens = {max_tokens} "
+                          f"apart: the last target of one window is the first input of the next.")
+        if steps <= {stride} and inputs.shape[0] == count - 1:
+            fail("shape", f"{what}: the last window is missing although it fits: a window starting at s needs "
+                          f"tokens s .. s + max_tokens, so it fits when s + max_tokens + 1 <= len(ids) "
+                          f"({n} here). Check the range of your start positions.")
+        if steps <= {stride} and inputs.shape[0] > count:
+            fail("shape", f"{what}: {inputs.shape[0]} windows, but only {count} fit completely; drop a last "
+                          f"window that would run past the end instead of padding or wrapping it.")
+        fail("shape", f"{what}: expected {count} windows (starting every {stride} tokens), got "
+                      f"{inputs.shape[0]}.")
+    if steps and steps != {stride}:
+        fail("mismatch", f"{what}: your windows start {sorted(steps)} tokens apart; they should start every "
+                         f"{stride} tokens.")
+    if starts and starts[0] != 0:
+        fail("mismatch", f"{what}: the first window starts at token {starts[0]}; it should start at the "
+                         f"beginning of ids.")
+    fail("mismatch", f"{what}: the windows hold other tokens than expected. Window w starts at token "
+                     f"w * stride; its inputs are max_tokens tokens from there and its targets the same "
+                     f"tokens one step later.")
+
+
+@checker("5.1")
+@single_threaded
+def check_lm_windows(fn: Callable[..., Any]) -> str:
+    """fn(ids (T,) long, max_tokens) -> (inputs, targets), each (num_windows, max_tokens)."""
+    from course_lib.data import lm_windows as reference
+
+    offset = 100   # token values 100, 101, ... so every value names its position
+    cases: list[tuple[int, int, int | None]] = [(21, 4, None), (20, 4, None), (9, 8, None), (30, 3, None),
+                                                (6, 1, None)]
+    if accepts(fn, "stride"):
+        cases += [(21, 4, 2), (17, 3, 5)]
+    for n, max_tokens, stride in cases:
+        ids = torch.arange(offset, offset + n)
+        kwargs = {} if stride is None else {"stride": stride}
+        what = f"lm_windows(ids of length {n}, max_tokens={max_tokens}{'' if stride is None else f', stride={stride}'})"
+        result = call(fn, ids.clone(), max_tokens, what=what, **kwargs)
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            fail("dtype" if result is not None else "shape",
+                 f"{what} should return a pair (inputs, targets), but returned "
+                 f"{'nothing (did you forget `return`?)' if result is None else type(result).__name__}.")
+        inputs, targets = (as_tensor(r) for r in result)
+        for name, value in (("inputs", inputs), ("targets", targets)):
+            if not isinstance(value, torch.Tensor):
+                fail("dtype", f"{what}: {name} should be a torch.Tensor, got {type(value).__name__}.")
+            if value.dtype != torch.long:
+                fail("dtype", f"{what}: {name} have dtype {value.dtype}; token ids must be torch.long "
+                              f"(the embedding and the cross-entropy targets need integers).")
+        exp_inputs, exp_targets = reference(ids, max_tokens, stride)
+        if not (inputs.shape == exp_inputs.shape and torch.equal(inputs, exp_inputs)
+                and torch.equal(targets, exp_targets)):
+            _diagnose_windows(inputs, targets, exp_inputs, max_tokens, stride or max_tokens, n, offset, what)
+    return "Windows of max_tokens inputs, targets one step ahead, a last window that doesn't fit dropped."
+
+
+register("5.1", "lm_windows", [
+    "A window needs max_tokens + 1 consecutive tokens: the inputs are the first max_tokens, the targets the last "
+    "max_tokens (the same tokens shifted by one).",
+    "Windows start every max_tokens tokens: 0, max_tokens, 2 * max_tokens, ... A start s fits when "
+    "s + max_tokens + 1 <= len(ids).",
+    "Tensor.unfold(0, size, step) cuts all windows at once; a list of slices stacked with torch.stack works too.",
+], solution="course_lib.data:lm_windows")
+
+
+# ---------------------------------------------------------------- 5.2 lm_loss
+
+_SHAPE_ERROR = re.compile(r"batch_size|target size|spatial targets|size mismatch|shape|dimension", re.I)
+
+
+def _loss_variants(logits: torch.Tensor, targets: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
+    n, length, vocab = logits.shape
+    flat, flat_t = logits.flatten(0, 1), targets.flatten()
+    valid = flat_t != IGNORE
+    per_token = F.cross_entropy(flat, flat_t, ignore_index=IGNORE, reduction="none")
+    variants = [
+        ("mismatch", "you apply a softmax before the cross-entropy. F.cross_entropy takes raw logits and applies "
+                     "the (log-)softmax itself, so yours is applied twice.",
+         F.cross_entropy(flat.softmax(-1), flat_t, ignore_index=IGNORE)),
+        ("mismatch", "you pass raw logits to F.nll_loss, which expects log-probabilities: use F.cross_entropy on "
+                     "the logits (or log_softmax first).",
+         F.nll_loss(flat, flat_t, ignore_index=IGNORE)),
+        ("mismatch", "your loss is the SUM over tokens; the loss is the MEAN over the target tokens (so it does "
+                     "not grow with the batch size or length).",
+         per_token.sum()),
+        ("mismatch", "you average over every position, padding included: the ignored targets (-100) should not "
+                     "count in the mean either. Divide by the number of real targets.",
+         per_token.sum() / flat_t.numel()),
+        ("mismatch", "each sequence gets averaged separately and then the sequences are averaged: every target "
+                     "token should weigh the same, so average over all real targets at once.",
+         torch.stack([F.cross_entropy(logits[i], targets[i], ignore_index=IGNORE)
+                      for i in range(n) if bool((targets[i] != IGNORE).any())]).mean()),
+        ("mismatch", "targets of -100 are not ignored: -100 marks padding and must not contribute to the loss "
+                     "(F.cross_entropy ignores it by default, unless you change ignore_index or the targets).",
+         F.cross_entropy(flat, flat_t.clamp(min=0))),
+    ]
+    if length == vocab and length > 1:
+        variants.append(("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you pass "
+                                  "(N, L, V) as it is, so it takes the positions for the classes. Flatten to "
+                                  "(N*L, V) and (N*L,), or move the vocabulary to dimension 1.",
+                         F.cross_entropy(logits, targets, ignore_index=IGNORE)))
+    if not bool(valid.all()):
+        variants.append(("mismatch", "the -100 targets are not ignored the right way; the mean runs over the real "
+                                     "targets only.", per_token[valid].sum() / flat_t.numel()))
+    return variants
+
+
+def _call_loss(fn: Callable[..., Any], logits: torch.Tensor, targets: torch.Tensor, what: str) -> Any:
+    try:
+        return call(fn, logits, targets, what=what)
+    except Failure as failure:
+        if failure.diagnosis != "exception":
+            raise
+        if "-100" in failure.message or "out of bounds" in failure.message:
+            fail("mismatch", extend(failure.message, "Targets of -100 mark padding: ignore them (F.cross_entropy "
+                             "does so by default) instead of using them as an index."))
+        if _SHAPE_ERROR.search(failure.message):
+            fail("shape", extend(failure.message, "F.cross_entropy expects logits (N, C) with targets (N,), or "
+                                                  "(N, C, L) with (N, L): the classes go in dimension 1. Flatten "
+                                                  "logits to (N*L, V) and targets to (N*L,)."))
+        raise
+
+
+@checker("5.2")
+@single_threaded
+def check_lm_loss(fn: Callable[..., Any]) -> str:
+    """fn(logits (N, L, V), targets (N, L)) -> mean cross-entropy, ignoring targets of -100."""
+    from course_lib.train import lm_loss as reference
+
+    generator = torch.Generator().manual_seed(5)
+    cases = []
+    for n, length, vocab, pad in ((2, 5, 7, 0), (3, 4, 4, 0), (1, 1, 9, 0), (3, 6, 11, 2), (2, 7, 7, 3)):
+        logits = 2.0 * torch.randn(n, length, vocab, generator=generator)
+        targets = torch.randint(0, vocab, (n, length), generator=generator)
+        if pad:
+            targets[1:, -pad:] = IGNORE   # padded rows, the first row complete
+        cases.append((logits, targets))
+    for logits, targets in cases:
+        what = f"lm_loss(logits {tuple(logits.shape)}, targets {tuple(targets.shape)}" + \
+               (", with -100 padding)" if bool((targets == IGNORE).any()) else ")")
+        leaf = logits.clone().requires_grad_(True)
+        got = _call_loss(fn, leaf, targets.clone(), what)
+        if isinstance(got, numbers.Real) and not isinstance(got, bool):
+            fail("dtype", f"{what} returned a Python number. Return the loss tensor itself: .item() cuts it off "
+                          f"from the graph, and loss.backward() needs the tensor.")
+        got = as_tensor(got)
+        if isinstance(got, torch.Tensor) and got.dim() > 0 and got.numel() == targets.numel():
+            fail("shape", f"{what} returned one loss per token, shape {tuple(got.shape)}; the loss is their "
+                          f"mean over the real targets, a single number.")
+        if isinstance(got, torch.Tensor) and got.numel() == 1 and got.dim() > 0:
+            got = got.reshape(())
+        expect_tensor(got, (), what)
+        expected = reference(logits, targets)
+        if not close(got, expected, atol=1e-5):
+            for diagnosis, message, value in _loss_variants(logits, targets):
+                if close(got, value, atol=1e-5):
+                    fail(diagnosis, f"{what}: {message}")
+            fail("mismatch", f"{what} returned {got.item():.5f}, expected {expected.item():.5f}: the mean "
+                             f"cross-entropy of the logits against the targets, ignoring -100.")
+        if not got.requires_grad:
+            fail("mismatch", f"{what}: the loss has the right value but is cut off from the logits (no gradient "
+                             f"can flow back). Avoid .item(), .detach(), torch.no_grad() or numpy inside lm_loss.")
+        got.backward()
+        if leaf.grad is None or not torch.isfinite(leaf.grad).all():
+            fail("nan", f"{what}: backward() gave no or non-finite gradients for the logits.")
+    return "Mean cross-entropy over the real targets, -100 ignored, gradients flow back."
+
+
+register("5.2", "lm_loss", [
+    "F.cross_entropy takes raw logits (it applies log_softmax itself) and averages over the targets.",
+    "It wants the classes in dimension 1: flatten logits (N, L, V) to (N*L, V) and targets (N, L) to (N*L,).",
+    "Targets of -100 are padding; F.cross_entropy skips them by default (ignore_index=-100), and the mean runs "
+    "over the remaining targets only.",
+], solution="course_lib.train:lm_loss")
+
+
+# ---------------------------------------------------------------- 5.3 train_step
+
+_LR = 0.1
+
+
+def _tiny_gpt(seed: int, **overrides: Any) -> nn.Module:
+    from course_lib.model import GPT, GPTConfig
+
+    values = dict(vocab_size=11, max_tokens=8, embed_dim=16, num_heads=2, num_layers=1, dropout_rate=0.0)
+    values.update(overrides)
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**values))
+
+
+def _gradient(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[list[torch.Tensor], float]:
+    """Gradient and loss of the reference loss at the model's current weights (on a copy)."""
+    from course_lib.train import lm_loss
+
+    clone = copy.deepcopy(model).train()
+    for p in clone.parameters():
+        p.grad = None
+    loss = lm_loss(clone(inputs), targets)
+    loss.backward()
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in clone.parameters()], loss.item()
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    denominator = a.norm() * b.norm()
+    return float((a @ b) / denominator) if denominator > 0 else 0.0
+
+
+def _loss_value(result: Any, what: str) -> tuple[float, str]:
+    if isinstance(result, torch.Tensor) and result.numel() == 1:
+        return float(result.detach().reshape(())), (" (You return a tensor; `loss.item()` gives the plain float "
+                                                     "the training loop logs, without keeping the graph alive.)")
+    if isinstance(result, numbers.Real) and not isinstance(result, bool):
+        return float(result), ""
+    fail("dtype", f"{what} should return the loss as a float (loss.item()), but returned "
+                  f"{'nothing (did you forget `return`?)' if result is None else type(result).__name__}.")
+    return 0.0, ""
+
+
+def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+              targets: torch.Tensor, what: str) -> tuple[float, str, torch.Tensor, list, bool]:
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    backward_ran = []
+    handles = [p.register_hook(lambda grad: backward_ran.append(True)) for p in params[:1]]
+    try:
+        with recording_calls(model) as calls:
+            result = call(fn, model, optimizer, inputs, targets, what=what)
+    finally:
+        for handle in handles:
+            handle.remove()
+    loss, note = _loss_value(result, what)
+    delta = _flat([p.detach() - b for p, b in zip(params, before)])
+    # model.forward(...) called directly bypasses the hook; then the mode it was left in must do
+    in_training = all(c["training"] for c in calls) if calls else model.training
+    if not float(delta.abs().max()) > 0:
+        grads = [p.grad for p in params if p.grad is not None and bool(p.grad.abs().max() > 0)]
+        if not backward_ran:
+            fail("mismatch", f"{what}: the weights did not change and no gradients were computed: call "
+                             f"loss.backward() before optimizer.step().")
+        if grads:
+            fail("mismatch", f"{what}: gradients were computed but the weights did not change: call "
+                             f"optimizer.step() after loss.backward().")
+        fail("mismatch", f"{what}: backward ran but the weights did not change, because the gradients were "
+                         f"cleared before the step could use them. Order: zero_grad, forward, loss, backward, "
+                         f"step.")
+    return loss, note, delta, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params], \
+        in_training
+
+
+@checker("5.3")
+@single_threaded
+def check_train_step(fn: Callable[..., Any]) -> str:
+    """fn(model, optimizer, inputs, targets) -> float: zero_grad, forward, loss, backward, (clip,) step."""
+    model = _tiny_gpt(seed=3)
+    model.eval()   # as after an evaluation: train_step must switch dropout back on
+    optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+    generator = torch.Generator().manual_seed(11)
+    vocab = model.config.vocab_size
+    batches = [(torch.randint(0, vocab, (3, 8), generator=generator),
+                torch.randint(0, vocab, (3, 8), generator=generator)) for _ in range(3)]
+    batches[1][1][1, -3:] = IGNORE
+    note, left_over, training = "", None, True
+    for step, (inputs, targets) in enumerate(batches, start=1):
+        what = f"train_step (step {step})"
+        grad, expected_loss = _gradient(model, inputs, targets)
+        g = _flat(grad)
+        loss, note_now, delta, left, in_training = _one_step(fn, model, optimizer, inputs, targets, what)
+        note = note or note_now
+        training = training and in_training
+        if abs(loss - expected_loss) > 1e-4 * max(1.0, abs(expected_loss)):
+            fail("mismatch", f"{what} returned loss {loss:.5f}; the loss of this batch before the update is "
+                             f"{expected_loss:.5f}. Return the lm_loss of the model's logits on these inputs "
+                             f"and targets.")
+        if _cosine(delta, -g) > 0.9999:
+            ratio = float(delta.norm() / (_LR * g.norm()))
+            if ratio > 1.01:
+                fail("mismatch", f"{what}: the update is {ratio:.2f} times the gradient step: did you call "
+                                 f"loss.backward() (or optimizer.step()) more than once?")
+        elif left_over is not None and _cosine(delta, -(left_over + g)) > 0.9999:
+            fail("mismatch", f"{what}: the gradients of the previous step were still there: without "
+                             f"optimizer.zero_grad() they accumulate, so each step also pushes in the direction "
+                             f"of every earlier batch. Clear them at the start of every step.")
+        else:
+            fail("mismatch", f"{what}: the weights moved, but not along the gradient of this batch's loss. "
+                             f"Use lm_loss(model(inputs), targets), backward, and one optimizer.step().")
+        left_over = _flat(left)
+    if not training:
+        fail("dropout", "Your train_step runs the model in eval mode, so dropout is off during training. Call "
+                        "model.train() at the start (an evaluation before may have switched it to eval).")
+    return "zero_grad, forward, loss, backward and step, in that order; the loss comes back as a number." + note
+
+
+register("5.3", "train_step", [
+    "Five lines: forget the old gradients, compute the logits, the loss, the gradients, then update.",
+    "The optimizer clears the gradients and applies the update; the loss tensor computes the gradients. Old "
+    "gradients must be gone before backward, and the update needs the new ones.",
+    "Call model.train() first (evaluation switches dropout off) and return loss.item(), a plain float.",
+], solution="course_lib.train:train_step")

@@ -1,0 +1,194 @@
+"""The checkers of notebooks 04-07 (exercises 4.1-7.2) against the references and a bank of student attempts."""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+from bank.model_bugs import BUGGY, CORRECT
+from course_lib import checks
+from course_lib.checks import _core
+from course_lib.data import lm_windows
+from course_lib.generate import generate_with_cache, sample_next_token
+from course_lib.hf import course_attention_forward, split_c_attn
+from course_lib.model import GPT, TransformerBlock, sinusoidal_table
+from course_lib.train import lm_loss, train_step
+
+CHECKERS = {
+    "4.1": checks.check_sinusoidal_table,
+    "4.2": checks.check_transformer_block,
+    "4.3": checks.check_gpt,
+    "5.1": checks.check_lm_windows,
+    "5.2": checks.check_lm_loss,
+    "5.3": checks.check_train_step,
+    "5.4": checks.check_sampling,
+    "6.1": checks.check_kv_cache,
+    "7.1": checks.check_split_c_attn,
+    "7.2": checks.check_hf_attention,
+}
+
+REFERENCES = {
+    "4.1": sinusoidal_table,
+    "4.2": TransformerBlock,
+    "4.3": GPT,
+    "5.1": lm_windows,
+    "5.2": lm_loss,
+    "5.3": train_step,
+    "5.4": sample_next_token,
+    "6.1": generate_with_cache,
+    "7.1": split_c_attn,
+    "7.2": course_attention_forward,
+}
+
+CLASS_EXERCISES = ("4.2", "4.3")
+
+
+def run(exercise, candidate, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # students' code may warn
+        return CHECKERS[exercise](candidate, **kwargs)
+
+
+# ---------------------------------------------------------------- reference and bank
+
+@pytest.mark.parametrize("exercise", sorted(CHECKERS))
+def test_reference_passes(exercise):
+    result = run(exercise, REFERENCES[exercise])
+    assert result.passed, result.message
+    assert result.diagnosis is None and result.exercise == exercise
+
+
+def test_post_norm_reference_passes_the_post_norm_check():
+    # the reference has a norm_first argument, so the checker builds it post-norm
+    assert run("4.2", TransformerBlock, norm_first=False).passed
+
+
+@pytest.mark.parametrize("attempt", CORRECT, ids=[a.id for a in CORRECT])
+def test_correct_variant_passes(attempt):
+    result = run(attempt.exercise, attempt.candidate, **attempt.kwargs)
+    assert result.passed, f"{attempt.id} rejected: {result}"
+
+
+@pytest.mark.parametrize("attempt", BUGGY, ids=[a.id for a in BUGGY])
+def test_buggy_variant_gets_its_diagnosis(attempt):
+    result = run(attempt.exercise, attempt.candidate, **attempt.kwargs)
+    assert not result.passed, f"{attempt.id} passed: {result}"
+    assert result.diagnosis == attempt.expected, f"{attempt.id}: {result}"
+    assert len(result.message) > 30 and "Traceback" not in result.message
+    for word in attempt.says:
+        assert word.lower() in result.message.lower(), f"{attempt.id}: {word!r} not in {result.message!r}"
+
+
+def test_bank_size_and_coverage():
+    assert len(BUGGY) >= 35 and len(CORRECT) >= 10
+    exercises = {a.exercise for a in BUGGY} & {a.exercise for a in CORRECT}
+    assert exercises == set(CHECKERS), "every exercise has buggy and correct attempts"
+    codes = Counter(a.expected for a in BUGGY)
+    for code in ("not_implemented", "exception", "shape", "dtype", "softmax_dim", "scale", "normalization",
+                 "causal_mask", "dropout", "residual", "norm_placement", "mismatch"):
+        assert codes[code] > 0, code
+    assert len({a.id for a in BUGGY + CORRECT}) == len(BUGGY + CORRECT), "attempt names are unique"
+
+
+# ---------------------------------------------------------------- a checker never raises
+
+def _raises_value_error(*args, **kwargs):
+    raise ValueError("operands could not be broadcast together")
+
+
+def _not_written(*args, **kwargs):
+    raise NotImplementedError("Exercise: write it")
+
+
+class _NotAModule:
+    def __init__(self, *args, **kwargs):
+        pass
+
+
+class _RaisingModule(torch.nn.Module):
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        raise NotImplementedError("Exercise: write it")
+
+
+ODD_FUNCTIONS = [
+    ("returns_none", lambda *args, **kwargs: None, {"shape", "dtype"}),
+    ("returns_string", lambda *args, **kwargs: "tokens", {"dtype", "shape"}),
+    ("returns_scalar_tensor", lambda *args, **kwargs: torch.tensor(0.5), {"shape", "dtype", "mismatch"}),
+    ("raises_value_error", _raises_value_error, {"exception"}),
+    ("not_callable", 42, {"exception"}),
+]
+
+
+@pytest.mark.parametrize("exercise", sorted(CHECKERS))
+@pytest.mark.parametrize("name,candidate,codes", ODD_FUNCTIONS, ids=[c[0] for c in ODD_FUNCTIONS])
+def test_checker_never_raises(exercise, name, candidate, codes):
+    result = run(exercise, candidate)
+    assert isinstance(result, _core.CheckResult) and not result.passed
+    if exercise in CLASS_EXERCISES:
+        # a function is not a class: what it "constructs" is not an nn.Module
+        assert result.diagnosis == "exception", result
+        assert "nn.Module" in result.message or name == "raises_value_error", result
+    else:
+        assert result.diagnosis in codes, result
+
+
+@pytest.mark.parametrize("exercise", sorted(CHECKERS))
+def test_not_implemented_is_polite(exercise):
+    candidate = _RaisingModule if exercise in CLASS_EXERCISES else _not_written
+    result = run(exercise, candidate)
+    assert result.diagnosis == "not_implemented", result
+    assert "NotImplementedError" in result.message
+
+
+@pytest.mark.parametrize("exercise", CLASS_EXERCISES)
+def test_class_checkers_report_classes_that_are_not_modules(exercise):
+    result = run(exercise, _NotAModule)
+    assert result.diagnosis == "exception" and "nn.Module" in result.message
+
+
+def test_checks_leave_global_state_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    threads = torch.get_num_threads()
+    torch.manual_seed(123)
+    run("5.4", sample_next_token)
+    run("6.1", generate_with_cache)
+    assert torch.equal(torch.rand(3), expected)
+    assert torch.get_num_threads() == threads
+
+
+# ---------------------------------------------------------------- messages, hints, solutions
+
+def test_train_step_returning_a_tensor_passes_with_a_note():
+    by_id = {a.id: a for a in CORRECT}
+    result = run("5.3", by_id["5.3-step_returns_tensor"].candidate)
+    assert result.passed and ".item()" in result.message
+
+
+def test_kv_cache_reports_the_speed():
+    result = run("6.1", generate_with_cache)
+    assert "ms with your cache" in result.message and "without" in result.message
+
+
+def test_gpt_check_says_whether_the_cache_path_was_checked():
+    by_id = {a.id: a for a in CORRECT}
+    assert "cached path gives the same logits" in run("4.3", GPT).message
+    assert "does not use its cache" in run("4.3", by_id["4.3-GPTIgnoresCache"].candidate).message
+    assert "not written yet" in run("4.3", by_id["4.3-GPTCacheLeftForLater"].candidate).message
+    assert "cache" not in run("4.3", by_id["4.3-GPTNoCache"].candidate).message
+
+
+@pytest.mark.parametrize("exercise", sorted(CHECKERS))
+def test_hints_and_solutions_are_registered(exercise, capsys):
+    entry = _core.EXERCISES[exercise]
+    entry.shown = 0
+    assert 2 <= len(entry.hints) <= 3
+    texts = [checks.hint(exercise) for _ in range(len(entry.hints) + 1)]
+    assert texts[0].startswith(f"Hint 1/{len(entry.hints)} for exercise {exercise}")
+    assert texts[-1] == texts[-2]
+    source = checks.show_solution(exercise)
+    assert "def " in source or "class " in source
+    entry.shown = 0
