@@ -14,7 +14,6 @@ from course_lib.checks import _core
 from course_lib.checks import attention_checks as ac
 from course_lib.checks._attn_hypotheses import MODULE_HYPOTHESES, SDPA_HYPOTHESES, module_variant, sdpa_variant
 from course_lib.checks._attn_modules import EMBED_DIM, MAX_TOKENS, load, random_params
-from course_lib.checks._attn_probes import single_threaded
 
 CHECKERS = {
     "1.1": lambda candidate: checks.check_toy_prediction(*candidate),
@@ -85,7 +84,6 @@ def test_bank_size_and_coverage():
         assert {"softmax_dim", "scale", "causal_mask", "normalization", "dropout", "shape"} <= module_codes
 
 
-@single_threaded
 def test_hypotheses_without_mistakes_are_the_reference():
     gen = torch.Generator().manual_seed(0)
     params = random_params(gen)

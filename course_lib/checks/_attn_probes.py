@@ -2,7 +2,6 @@
 attention weights back out of a student's code to say what is wrong with them."""
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Iterable
 
 import torch
@@ -12,22 +11,6 @@ from ._core import Failure, call, fail
 # float32 everywhere (what students use); the mistakes we look for change outputs by far more.
 RTOL, ATOL = 1e-3, 1e-4
 
-
-def single_threaded(body: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a check on one CPU thread: on tensors this small, waking a thread pool costs far more than
-    it saves (on a busy machine up to 50x), and a check should answer at once."""
-
-    @functools.wraps(body)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        before = torch.get_num_threads()
-        if before != 1:
-            torch.set_num_threads(1)
-        try:
-            return body(*args, **kwargs)
-        finally:
-            if before != 1:
-                torch.set_num_threads(before)
-    return run
 
 
 def shape_str(shape: Iterable[int]) -> str:

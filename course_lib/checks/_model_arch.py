@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from ._core import Failure, call, checker, expect_tensor, fail, register
-from ._model_common import (accepts, close, construct, copy_weights, randomize_, same_when_called_twice,
-                             single_threaded)
+from ._model_common import (accepts, close, construct, copy_weights, randomize_, same_when_called_twice)
 
 __all__ = ["check_transformer_block", "check_gpt"]
 
@@ -161,7 +160,6 @@ def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor,
 
 
 @checker("4.2")
-@single_threaded
 def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
     """cls(embed_dim, num_heads, max_tokens, dropout_rate) with ln1, attn, ln2, mlp; pre- or post-norm."""
     reference, candidate = _build_block(cls, norm_first)
@@ -311,7 +309,6 @@ def _check_cache_path(candidate: nn.Module, reference: nn.Module, idx: torch.Ten
 
 
 @checker("4.3")
-@single_threaded
 def check_gpt(cls: Any) -> str:
     """cls(config) with token_embedding, position_encoding, dropout, blocks, ln_f, head; forward -> logits."""
     from course_lib.model import GPT

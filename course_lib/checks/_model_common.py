@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import math
 from typing import Any, Callable, Iterator
@@ -60,20 +59,6 @@ def construct(cls: Any, *args: Any, what: str, **kwargs: Any) -> nn.Module:
                           f"Pass the class (not an instance) and keep `super().__init__()` in the constructor.")
     return module
 
-
-def single_threaded(body: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a check on one CPU thread: for tensors this small a thread pool costs more than it saves,
-    and on a busy machine much more."""
-
-    @functools.wraps(body)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return body(*args, **kwargs)
-        finally:
-            torch.set_num_threads(before)
-    return run
 
 
 def copy_weights(reference: nn.Module, candidate: nn.Module, what: str) -> None:

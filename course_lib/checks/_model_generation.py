@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ._core import Failure, call, checker, expect_tensor, fail, register
-from ._model_common import extend, randomize_, recording_calls, single_threaded
+from ._model_common import extend, randomize_, recording_calls
 
 __all__ = ["check_kv_cache"]
 
@@ -77,7 +77,6 @@ def _run(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, 
 
 
 @checker("6.1")
-@single_threaded
 def check_kv_cache(fn: Callable[..., Any]) -> str:
     """fn(model, idx (N, L), max_new_tokens) -> (N, L + new): greedy, with model.new_cache()."""
     from course_lib.generate import generate

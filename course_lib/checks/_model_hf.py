@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ._core import call, checker, expect_tensor, fail, register
-from ._model_common import as_tensor, close, randomize_, single_threaded
+from ._model_common import as_tensor, close, randomize_
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
 
@@ -18,7 +18,6 @@ _NAMES = ("Wq", "Wk", "Wv")
 # ---------------------------------------------------------------- 7.1 split_c_attn
 
 @checker("7.1")
-@single_threaded
 def check_split_c_attn(fn: Callable[..., Any]) -> str:
     """fn(weight (E, 3E), Conv1D layout) -> (Wq, Wk, Wv), each (E, E) in nn.Linear layout."""
     from course_lib.hf import split_c_attn as reference
@@ -187,7 +186,6 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
 
 
 @checker("7.2")
-@single_threaded
 def check_hf_attention(fn: Callable[..., Any]) -> str:
     """fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs) -> (output, weights)."""
     from course_lib.hf import run_with_attention

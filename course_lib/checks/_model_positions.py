@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 
 from ._core import call, checker, expect_tensor, fail, register
-from ._model_common import as_tensor, close, single_threaded
+from ._model_common import as_tensor, close
 
 __all__ = ["check_sinusoidal_table"]
 
@@ -84,7 +84,6 @@ def _diagnose_table(got: torch.Tensor, max_tokens: int, embed_dim: int, what: st
 
 
 @checker("4.1")
-@single_threaded
 def check_sinusoidal_table(fn: Callable[..., Any]) -> str:
     """fn(max_tokens, embed_dim) -> (max_tokens, embed_dim), as ``course_lib.model.sinusoidal_table``."""
     from course_lib.model import sinusoidal_table as reference

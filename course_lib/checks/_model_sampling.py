@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 
 from ._core import Failure, call, checker, expect_tensor, fail, register
-from ._model_common import as_tensor, extend, single_threaded
+from ._model_common import as_tensor, extend
 
 __all__ = ["check_sampling"]
 
@@ -127,7 +127,6 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
 
 
 @checker("5.4")
-@single_threaded
 def check_sampling(fn: Callable[..., Any]) -> str:
     """fn(logits (N, V), temperature=1.0, top_k=None, generator=None) -> (N,) long."""
     torch.manual_seed(0)

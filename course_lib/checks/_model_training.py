@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._core import Failure, call, checker, expect_tensor, fail, register
-from ._model_common import accepts, as_tensor, close, extend, recording_calls, single_threaded
+from ._model_common import accepts, as_tensor, close, extend, recording_calls
 
 __all__ = ["check_lm_windows", "check_lm_loss", "check_train_step"]
 
@@ -83,7 +83,6 @@ def _diagnose_windows(inputs: torch.Tensor, targets: torch.Tensor, expected: tor
 
 
 @checker("5.1")
-@single_threaded
 def check_lm_windows(fn: Callable[..., Any]) -> str:
     """fn(ids (T,) long, max_tokens) -> (inputs, targets), each (num_windows, max_tokens)."""
     from course_lib.data import lm_windows as reference
@@ -184,7 +183,6 @@ def _call_loss(fn: Callable[..., Any], logits: torch.Tensor, targets: torch.Tens
 
 
 @checker("5.2")
-@single_threaded
 def check_lm_loss(fn: Callable[..., Any]) -> str:
     """fn(logits (N, L, V), targets (N, L)) -> mean cross-entropy, ignoring targets of -100."""
     from course_lib.train import lm_loss as reference
@@ -314,7 +312,6 @@ def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.O
 
 
 @checker("5.3")
-@single_threaded
 def check_train_step(fn: Callable[..., Any]) -> str:
     """fn(model, optimizer, inputs, targets) -> float: zero_grad, forward, loss, backward, (clip,) step."""
     model = _tiny_gpt(seed=3)

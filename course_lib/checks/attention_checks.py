@@ -14,7 +14,7 @@ from .. import attention as ref
 from ._attn_hypotheses import SDPA_HYPOTHESES, Hypothesis, sdpa_variant
 from ._attn_modules import CASES, EMBED_DIM, MAX_TOKENS, ModuleCheck
 from ._attn_probes import call_student, close, diagnose_weights, expect_finite, expect_output, first_match, \
-    identity_values, max_diff, reraise_with, shape_str, single_threaded
+    identity_values, max_diff, reraise_with, shape_str
 from ._core import Failure, call, checker, fail, register
 
 __all__ = [
@@ -56,7 +56,6 @@ def _numbers(value: Any, name: str) -> torch.Tensor:
 
 
 @checker("1.1")
-@single_threaded
 def check_toy_prediction(weights: Any, result: Any) -> str:
     """Your predicted ``weights`` (3,) and ``result`` for query [0, 1] on TOY_KEYS / TOY_VALUES."""
     w = _numbers(weights, "weights")
@@ -149,7 +148,6 @@ def _toy_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
 
 
 @checker("1.2")
-@single_threaded
 def check_toy_attention(fn: Callable[..., Any]) -> str:
     """``fn(query (d,), keys (n, d), values (n,) or (n, dv))`` as ``course_lib.toy_attention``."""
     _expect_callable(fn, "toy_attention")
@@ -244,7 +242,6 @@ def _works_with_a_mask(fn: Callable[..., Any], cases: list[Any]) -> bool:
 
 
 @checker("1.3")
-@single_threaded
 def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
     """``fn(q, k, v, mask=None)`` as ``course_lib.scaled_dot_product_attention``."""
     _expect_callable(fn, "scaled_dot_product_attention")
@@ -325,7 +322,6 @@ _MASK_PATTERNS = (
 
 
 @checker("2.1")
-@single_threaded
 def check_causal_mask(fn: Callable[..., Any]) -> str:
     """``fn(n)`` -> bool (n, n), True on and below the diagonal."""
     _expect_callable(fn, "causal_mask")
@@ -365,7 +361,6 @@ def _module_check(check: ModuleCheck, heads_text: str) -> str:
 
 
 @checker("2.2")
-@single_threaded
 def check_masked_attention(cls: Callable[..., Any]) -> str:
     """``cls(embed_dim, max_tokens, dropout_rate)`` with Linear layers query, key, value, proj."""
     _expect_callable(cls, "MaskedAttention", "class")
@@ -392,7 +387,6 @@ def _rearranged(out: torch.Tensor, x: torch.Tensor, alternatives: list[tuple[tor
 
 
 @checker("3.1")
-@single_threaded
 def check_split_heads(fn: Callable[..., Any]) -> str:
     """``fn(x (N, L, E), num_heads)`` -> (N, num_heads, L, E // num_heads)."""
     _expect_callable(fn, "split_heads")
@@ -421,7 +415,6 @@ def check_split_heads(fn: Callable[..., Any]) -> str:
 
 
 @checker("3.2")
-@single_threaded
 def check_merge_heads(fn: Callable[..., Any]) -> str:
     """``fn(x (N, heads, L, head_dim))`` -> (N, L, heads * head_dim)."""
     _expect_callable(fn, "merge_heads")
@@ -454,7 +447,6 @@ def check_merge_heads(fn: Callable[..., Any]) -> str:
 # ============================================================================ 3.3 multi-head attention
 
 @checker("3.3")
-@single_threaded
 def check_multi_head_attention(cls: Callable[..., Any]) -> str:
     """``cls(embed_dim, num_heads, max_tokens, dropout_rate)`` with Linear layers query, key, value, proj."""
     _expect_callable(cls, "MultiHeadMaskedAttention", "class")
