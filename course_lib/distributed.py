@@ -37,6 +37,8 @@ def setup_distributed(device_type: str = "cpu") -> DistributedContext:
     """Join the process group torchrun described in the environment; a no-op without torchrun."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
+        if os.environ.get("COURSE_THREADS") and device_type == "cpu":
+            torch.set_num_threads(_threads_per_process(1))
         return DistributedContext()
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
