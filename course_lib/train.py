@@ -217,7 +217,9 @@ def _batches(split: Any, config: TrainConfig, max_tokens: int, ctx: DistributedC
 
 def _progress_bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
-    return tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True, leave=True)
+    # At most one redraw a second: a notebook bar redrawn thousands of times floods the
+    # kernel's message queue (and nbval, which reads it only after the cell ends).
+    return tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True, leave=True, mininterval=1.0)
 
 
 def train(model: GPT, train_split: Any, val_split: Any | None, config: TrainConfig, *,

@@ -32,6 +32,7 @@ from . import _validate as check
 from .attention import TOY_KEYS, TOY_VALUES, split_heads
 
 __all__ = [
+    "Figure",
     "use_static_widgets",
     "plot_attention",
     "plot_attention_heads",
@@ -493,8 +494,10 @@ def plot_loss_curves(history) -> Figure:
         finite = [(s, v) for s, v in zip(val_steps, val) if math.isfinite(v)]
         if finite:
             best_step, best = min(finite, key=lambda p: p[1])
+            # anchored on the right when the best point is the last one, so the label stays inside
+            at_end = best_step == val_steps[-1]
             ax.annotate(f"best {best:.3f}", (best_step, best), xytext=(0, -16), textcoords="offset points",
-                        ha="center", fontsize=8, color=PALETTE[6])
+                        ha="right" if at_end else "center", fontsize=8, color=PALETTE[6])
     _tidy(ax, grid=True)
     ax.set_xlabel("step", fontsize=10)
     ax.set_ylabel("loss (cross-entropy, nats per token)", fontsize=10)
