@@ -1,0 +1,361 @@
+"""Benchmarks: ``python -m course_lib bench training | attention | generate``.
+
+Each benchmark is also a function (``training_benchmark``, ``attention_benchmark``,
+``generation_benchmark``) that takes small sizes, so tests and notebook 06 can run it
+in a second. Timings are printed, never asserted: they depend on the machine and on
+whatever else it is doing, so compare numbers measured back to back.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import _validate as check
+
+__all__ = [
+    "measure_matmul_peak", "peak_memory_mb", "time_call", "time_alternating", "training_benchmark", "attention_benchmark",
+    "generation_benchmark", "GENERATION_CONFIG", "DEFAULT_LENGTHS", "main",
+]
+
+DEFAULT_PRESETS = ("baseline_cpu", "shakespeare_char_cpu")
+DEFAULT_LENGTHS = (64, 128, 256, 512, 1024)
+# The size of the GPU recipe (shakespeare_char_gpu) with a character vocabulary.
+GENERATION_CONFIG = dict(vocab_size=65, max_tokens=256, embed_dim=384, num_heads=6, num_layers=6)
+
+
+# ---------------------------------------------------------------- measuring
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def measure_matmul_peak(sizes: Sequence[int] = (1024, 2048), repeats: int = 3,
+                        device: torch.device | str = "cpu") -> float:
+    """The best fp32 square-matmul speed seen here, in GFLOP/s: the yardstick for "% of peak".
+
+    A matmul of two (n, n) matrices does 2n^3 floating-point operations. Best-of-``repeats``
+    because a busy machine can only make a run slower, never faster.
+    """
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes):
+        raise ValueError(f"sizes: expected a non-empty list of positive ints, got {check.describe(sizes)}")
+    check.positive_int("repeats", repeats)
+    device = torch.device(device)
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device=device)
+        b = torch.randn(n, n, device=device)
+        a @ b                                  # warm-up: thread pool, caches, kernel choice
+        _sync(device)
+        for _ in range(repeats):
+            started = time.perf_counter()
+            a @ b
+            _sync(device)
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - started) / 1e9)
+    return best
+
+
+def peak_memory_mb() -> float:
+    """This process's peak resident memory so far (max RSS), in MB. It only ever grows."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kilobytes, macOS bytes
+    return peak / 1e6 if sys.platform == "darwin" else peak / 1e3
+
+
+def time_call(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
+              device: torch.device | str = "cpu") -> float:
+    """Median seconds per call of ``fn()`` after ``warmup`` untimed calls."""
+    check.positive_int("repeats", repeats)
+    check.non_negative_int("warmup", warmup)
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def time_alternating(fns: Sequence[Callable[[], Any]], repeats: int = 5, warmup: int = 1,
+                     device: torch.device | str = "cpu") -> list[float]:
+    """Median seconds per call of each function, calling them in turn (a, b, a, b, ...)."""
+    check.positive_int("repeats", repeats)
+    check.non_negative_int("warmup", warmup)
+    device = torch.device(device)
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, spent in zip(fns, times):
+            started = time.perf_counter()
+            fn()
+            _sync(device)
+            spent.append(time.perf_counter() - started)
+    return [statistics.median(spent) for spent in times]
+
+
+# ---------------------------------------------------------------- training
+
+def training_benchmark(seconds: float | None, presets: Sequence[str] = DEFAULT_PRESETS, *,
+                       corpus: str | None = None, steps: int | None = None,
+                       out_dir: str | Path | None = None, device: torch.device | str = "cpu",
+                       peak_gflops: float | None = None, peak_sizes: Sequence[int] = (1024, 2048),
+                       verbose: bool = False) -> dict[str, dict[str, Any]]:
+    """Train each preset in turn for the same budget; return {preset: metrics}.
+
+    The metrics are :func:`course_lib.train.run_preset`'s plus ``peak_gflops`` (the matmul
+    peak, measured before and after the runs unless given), ``share_of_peak`` (achieved
+    FLOP/s / peak) and ``peak_rss_mb`` (this process's peak memory once that preset has run).
+    """
+    from .train import PRESETS, run_preset
+    if seconds is not None:
+        check.positive_float("seconds", seconds)
+    if steps is not None:
+        check.positive_int("steps", steps)
+    if isinstance(presets, str) or not presets:
+        raise ValueError(f"presets: expected a non-empty list of preset names, got {check.describe(presets)}")
+    for name in presets:
+        check.one_of("presets", name, sorted(PRESETS))
+    device = torch.device(device)
+    measure_peak = peak_gflops is None
+    if measure_peak:
+        peak_gflops = measure_matmul_peak(peak_sizes, device=device)
+    check.positive_float("peak_gflops", peak_gflops)
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="course-bench-") as scratch:
+        root = Path(out_dir) if out_dir is not None else Path(scratch)
+        for name in presets:
+            if verbose:
+                print(f"training {name} ({'%g s' % seconds if seconds else 'preset steps'}) ...", flush=True)
+            metrics = run_preset(name, root / name, seconds=seconds, steps=steps, corpus=corpus,
+                                 device=device, progress=False)
+            metrics["peak_rss_mb"] = peak_memory_mb()
+            results[name] = metrics
+    if measure_peak:
+        # measured again afterwards: a busy moment can only hide the peak, never inflate it
+        peak_gflops = max(peak_gflops, measure_matmul_peak(peak_sizes, device=device))
+    for metrics in results.values():
+        metrics["peak_gflops"] = peak_gflops
+        metrics["share_of_peak"] = metrics["achieved_flops"] / (peak_gflops * 1e9)
+    return results
+
+
+def _print_training(results: dict[str, dict[str, Any]], peak_gflops: float) -> None:
+    print(f"matmul peak (fp32, best of square matmuls): {peak_gflops:.1f} GFLOP/s, "
+          f"{torch.get_num_threads()} threads")
+    header = (f"{'preset':<22}{'val_loss':>9}{'steps':>8}{'train_s':>9}{'tokens/s':>10}"
+              f"{'GFLOP/s':>9}{'% peak':>8}{'peak MB':>9}")
+    print(header)
+    print("-" * len(header))
+    for name, m in results.items():
+        print(f"{name:<22}{m['val_loss']:>9.4f}{m['steps']:>8d}{m['train_seconds']:>9.1f}"
+              f"{m['tokens_per_second']:>10.0f}{m['achieved_flops'] / 1e9:>9.1f}"
+              f"{100 * m['share_of_peak']:>7.1f}%{m['peak_rss_mb']:>9.0f}")
+    print("(val_loss: the whole validation split in non-overlapping windows; FLOP/s from "
+          "6N + 12*L*H*Q*T per token; peak MB is this process's peak so far, so it includes "
+          "the presets run before)")
+
+
+# ---------------------------------------------------------------- attention
+
+def attention_benchmark(lengths: Sequence[int] = DEFAULT_LENGTHS, embed_dim: int = 384, num_heads: int = 6,
+                        batch: int | None = None, repeats: int = 5, *, tokens_per_call: int = 4096,
+                        device: torch.device | str = "cpu", seed: int = 0) -> list[dict[str, Any]]:
+    """Time MultiHeadMaskedAttention's plain (einsum) and fused (SDPA) paths per sequence length.
+
+    Both paths share the same weights. ``batch=None`` keeps ``batch * length`` near
+    ``tokens_per_call``, so the projections cost the same at every length and what grows is
+    attention itself. Returns one row per length: milliseconds for forward and
+    forward+backward of each path, the plain/fused ratios, and the largest difference
+    between the two paths' outputs.
+    """
+    from .attention import MultiHeadMaskedAttention
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
+        raise ValueError(f"lengths: expected a non-empty list of positive ints, got {check.describe(lengths)}")
+    check.positive_int("embed_dim", embed_dim)
+    check.positive_int("num_heads", num_heads)
+    if batch is not None:
+        check.positive_int("batch", batch)
+    check.positive_int("repeats", repeats)
+    check.positive_int("tokens_per_call", tokens_per_call)
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    plain = MultiHeadMaskedAttention(embed_dim, num_heads, max(lengths), fused=False).to(device)
+    fused = MultiHeadMaskedAttention(embed_dim, num_heads, max(lengths), fused=True).to(device)
+    fused.load_state_dict(plain.state_dict())
+
+    rows = []
+    for length in lengths:
+        n = batch or max(1, tokens_per_call // length)
+        x = torch.randn(n, length, embed_dim, device=device, requires_grad=True)   # (N, L, E)
+        with torch.no_grad():
+            difference = (plain(x) - fused(x)).abs().max().item()
+        row: dict[str, Any] = {"length": length, "batch": n, "max_abs_difference": difference}
+
+        def forward(module: torch.nn.Module) -> None:
+            with torch.no_grad():
+                module(x)
+
+        def forward_backward(module: torch.nn.Module) -> None:
+            module(x).sum().backward()
+            module.zero_grad(set_to_none=True)
+            x.grad = None
+
+        for mode, step in (("forward", forward), ("train", forward_backward)):
+            # alternate the two paths call by call, so a busy moment slows both alike
+            times = time_alternating([lambda: step(plain), lambda: step(fused)], repeats, device=device)
+            row[f"plain_{mode}_ms"], row[f"fused_{mode}_ms"] = (1e3 * t for t in times)
+        row["forward_ratio"] = row["plain_forward_ms"] / row["fused_forward_ms"]
+        row["train_ratio"] = row["plain_train_ms"] / row["fused_train_ms"]
+        rows.append(row)
+    return rows
+
+
+def _print_attention(rows: list[dict[str, Any]], embed_dim: int, num_heads: int) -> None:
+    print(f"MultiHeadMaskedAttention(embed_dim={embed_dim}, num_heads={num_heads}), "
+          f"{torch.get_num_threads()} threads; ms per call (median)")
+    header = (f"{'length':>6}{'batch':>6} | {'plain fwd':>9}{'fused fwd':>10}{'ratio':>7} | "
+              f"{'plain f+b':>9}{'fused f+b':>10}{'ratio':>7}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['length']:>6}{r['batch']:>6} | {r['plain_forward_ms']:>9.2f}{r['fused_forward_ms']:>10.2f}"
+              f"{r['forward_ratio']:>6.2f}x | {r['plain_train_ms']:>9.2f}{r['fused_train_ms']:>10.2f}"
+              f"{r['train_ratio']:>6.2f}x")
+    worst = max(r["max_abs_difference"] for r in rows)
+    print(f"(ratio = plain / fused: above 1 means the fused kernel is faster; "
+          f"largest output difference between the paths: {worst:.1e})")
+
+
+# ---------------------------------------------------------------- generation
+
+def generation_benchmark(config: Any = None, new_tokens: int = 500, *, prompt_tokens: int = 8,
+                         seed: int = 0, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Greedy generation with and without the KV cache from a random-weight model.
+
+    ``config`` is a GPTConfig or a dict of its fields (default: the GPU recipe's size,
+    ``GENERATION_CONFIG``). Returns seconds and tokens/s for both paths, the speed-up,
+    ``identical`` (token-for-token equality of the two outputs) and both outputs.
+    """
+    from .generate import generate
+    from .model import GPT, GPTConfig
+    if config is None:
+        config = GPTConfig(**GENERATION_CONFIG)
+    elif isinstance(config, dict):
+        config = GPTConfig(**config)
+    elif not isinstance(config, GPTConfig):
+        raise TypeError(f"config: expected a GPTConfig, a dict of its fields or None, got {check.describe(config)}")
+    check.positive_int("new_tokens", new_tokens)
+    check.positive_int("prompt_tokens", prompt_tokens)
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    model = GPT(config).to(device).eval()
+    prompt = torch.randint(0, config.vocab_size, (1, prompt_tokens),
+                           generator=torch.Generator().manual_seed(seed)).to(device)   # (1, prompt_tokens)
+    result: dict[str, Any] = {"config": config.to_dict(), "new_tokens": new_tokens,
+                              "prompt_tokens": prompt_tokens}
+    generate(model, prompt, 4, temperature=0, use_cache=True)   # warm-up
+    outputs = {}
+    for name, use_cache in (("cached", True), ("uncached", False)):
+        _sync(device)
+        started = time.perf_counter()
+        outputs[name] = generate(model, prompt, new_tokens, temperature=0, use_cache=use_cache)
+        _sync(device)
+        elapsed = time.perf_counter() - started
+        result[f"{name}_seconds"] = elapsed
+        result[f"{name}_tokens_per_second"] = new_tokens / elapsed
+    result["speedup"] = result["cached_tokens_per_second"] / result["uncached_tokens_per_second"]
+    result["identical"] = bool(torch.equal(outputs["cached"], outputs["uncached"]))
+    result["cached_ids"] = outputs["cached"].cpu()
+    result["uncached_ids"] = outputs["uncached"].cpu()
+    return result
+
+
+def _print_generation(r: dict[str, Any]) -> None:
+    c = r["config"]
+    print(f"GPT: {c['num_layers']} layers, {c['num_heads']} heads, embed {c['embed_dim']}, "
+          f"context {c['max_tokens']}, vocab {c['vocab_size']} (random weights), greedy, "
+          f"{r['new_tokens']} new tokens from a {r['prompt_tokens']}-token prompt, "
+          f"{torch.get_num_threads()} threads")
+    print(f"without cache: {r['uncached_tokens_per_second']:8.1f} tokens/s ({r['uncached_seconds']:.2f} s)")
+    print(f"with cache:    {r['cached_tokens_per_second']:8.1f} tokens/s ({r['cached_seconds']:.2f} s)")
+    print(f"speed-up: {r['speedup']:.1f}x")
+    print(f"identical outputs: {r['identical']}")
+
+
+# ---------------------------------------------------------------- command line
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m course_lib bench",
+                                     description="Performance benchmarks (figures are printed, not asserted).")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or mps")
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+
+    training = sub.add_parser("training", help="baseline_cpu vs shakespeare_char_cpu for the same wall-clock budget")
+    training.add_argument("--seconds", type=float, required=True, help="wall-clock training budget per preset")
+    training.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), help="presets to run, in order")
+    training.add_argument("--out", help="keep each preset's metrics.json and checkpoint.pt under this folder")
+    # for tests and smoke runs: another text file, fewer steps
+    training.add_argument("--corpus", help=argparse.SUPPRESS)
+    training.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    training.add_argument("--peak-sizes", type=int, nargs="+", default=[1024, 2048], help=argparse.SUPPRESS)
+
+    attention = sub.add_parser("attention", help="plain (einsum) vs fused (SDPA) attention, per length")
+    attention.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS))
+    attention.add_argument("--embed-dim", type=int, default=384)
+    attention.add_argument("--heads", type=int, default=6)
+    attention.add_argument("--batch", type=int, help="default: about 4096 tokens per call")
+    attention.add_argument("--repeats", type=int, default=5)
+
+    gen = sub.add_parser("generate", help="tokens/s with and without the KV cache")
+    gen.add_argument("--new-tokens", type=int, default=500)
+    gen.add_argument("--layers", type=int, default=GENERATION_CONFIG["num_layers"], help=argparse.SUPPRESS)
+    gen.add_argument("--embed-dim", type=int, default=GENERATION_CONFIG["embed_dim"], help=argparse.SUPPRESS)
+    gen.add_argument("--context", type=int, default=GENERATION_CONFIG["max_tokens"], help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one benchmark from the command line; returns the exit status."""
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    if args.threads is not None:
+        torch.set_num_threads(check.positive_int("threads", args.threads))
+    device = torch.device(args.device)
+    if args.benchmark == "training":
+        results = training_benchmark(args.seconds, args.presets, corpus=args.corpus, steps=args.steps,
+                                     out_dir=args.out, device=device, peak_sizes=args.peak_sizes, verbose=True)
+        _print_training(results, next(iter(results.values()))["peak_gflops"])
+        if "shakespeare_char_cpu" in results and "baseline_cpu" in results:
+            print(f"val_loss course={results['shakespeare_char_cpu']['val_loss']:.4f} "
+                  f"baseline={results['baseline_cpu']['val_loss']:.4f}")
+        return 0
+    if args.benchmark == "attention":
+        rows = attention_benchmark(args.lengths, args.embed_dim, args.heads, args.batch, args.repeats,
+                                   device=device)
+        _print_attention(rows, args.embed_dim, args.heads)
+        return 0
+    config = dict(GENERATION_CONFIG, num_layers=args.layers, embed_dim=args.embed_dim, max_tokens=args.context)
+    result = generation_benchmark(config, args.new_tokens, device=device)
+    _print_generation(result)
+    if not result["identical"]:
+        print("error: cached and uncached greedy outputs differ", file=sys.stderr)
+        return 1
+    return 0

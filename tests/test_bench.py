@@ -1,0 +1,113 @@
+"""The benchmarks measure the right things: correctness only, never speed."""
+import contextlib
+import io
+import re
+
+import pytest
+import torch
+
+from course_lib import GPTConfig
+from course_lib import bench
+from course_lib.train import PRESETS, flops_per_token
+
+# Short lines of varied text: enough characters for a few dozen windows of the small presets.
+TEXT = "".join(f"{w} said the {a} to the {b}, and it was {c}.\n"
+               for w, a, b, c in zip(["ann", "bob", "cy", "di", "ed", "flo"] * 40,
+                                     ["cat", "dog", "owl", "fox", "hen"] * 48,
+                                     ["moon", "sea", "king", "queen"] * 60,
+                                     ["good", "late", "cold", "odd", "fine", "true"] * 40))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # correctness only: one thread keeps these tests quick on a busy shared CI machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "tiny.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return str(path)
+
+
+def test_matmul_peak_is_a_positive_speed():
+    peak = bench.measure_matmul_peak(sizes=(64, 128), repeats=2)
+    assert isinstance(peak, float) and peak > 0
+    with pytest.raises(ValueError, match="sizes"):
+        bench.measure_matmul_peak(sizes=())
+
+
+def test_peak_memory_is_reported_in_megabytes():
+    # this process holds torch, so it has used more than 10 MB and (surely) less than 1 TB
+    assert 10 < bench.peak_memory_mb() < 1e6
+
+
+def test_fused_and_plain_attention_agree_in_the_benchmark_setup():
+    rows = bench.attention_benchmark([8, 24], embed_dim=32, num_heads=4, batch=2, repeats=1)
+    assert [r["length"] for r in rows] == [8, 24]
+    for r in rows:
+        assert r["max_abs_difference"] < 1e-5
+        for key in ("plain_forward_ms", "fused_forward_ms", "plain_train_ms", "fused_train_ms"):
+            assert r[key] > 0
+        assert r["train_ratio"] == pytest.approx(r["plain_train_ms"] / r["fused_train_ms"])
+
+
+def test_attention_benchmark_keeps_tokens_per_call_when_batch_is_not_given():
+    rows = bench.attention_benchmark([8, 32], embed_dim=16, num_heads=2, repeats=1, tokens_per_call=64)
+    assert [r["batch"] for r in rows] == [8, 2]
+    with pytest.raises(ValueError, match="lengths"):
+        bench.attention_benchmark([0])
+
+
+def test_generation_benchmark_cached_equals_uncached():
+    config = GPTConfig(vocab_size=13, max_tokens=16, embed_dim=32, num_heads=4, num_layers=2)
+    # 40 new tokens on a context of 16 crosses the window rule (keep the last 8) several times
+    result = bench.generation_benchmark(config, new_tokens=40, prompt_tokens=3)
+    assert result["identical"] is True
+    assert result["cached_ids"].shape == (1, 43)
+    assert torch.equal(result["cached_ids"], result["uncached_ids"])
+    assert result["speedup"] == pytest.approx(result["cached_tokens_per_second"]
+                                              / result["uncached_tokens_per_second"])
+    with pytest.raises(TypeError, match="config"):
+        bench.generation_benchmark("big", new_tokens=2)
+
+
+def test_generation_config_is_the_gpu_recipe_size():
+    gpu = PRESETS["shakespeare_char_gpu"].model
+    for key in ("max_tokens", "embed_dim", "num_heads", "num_layers"):
+        assert bench.GENERATION_CONFIG[key] == gpu[key]
+
+
+def test_flop_formula_on_the_baseline_config():
+    # 6 FLOPs per weight per token (2 forward, 4 backward) + 12·L·H·Q·T for attention
+    config = GPTConfig(vocab_size=65, **{k: v for k, v in PRESETS["baseline_cpu"].model.items()})
+    assert flops_per_token(config, 800_000) == 6 * 800_000 + 12 * 4 * 4 * 32 * 64
+
+
+def test_training_benchmark_stops_on_the_budget_and_reports_metrics(corpus):
+    # baseline_cpu's 2000 steps take minutes: half a second must stop it early
+    results = bench.training_benchmark(0.5, ["baseline_cpu"], corpus=corpus, peak_gflops=100.0)
+    metrics = results["baseline_cpu"]
+    for key in ("val_loss", "steps", "tokens_per_second", "achieved_flops", "share_of_peak", "peak_rss_mb",
+                "train_seconds", "parameters"):
+        assert key in metrics
+    assert 0 < metrics["steps"] < PRESETS["baseline_cpu"].train.steps
+    assert metrics["share_of_peak"] == pytest.approx(metrics["achieved_flops"] / 100e9)
+    assert metrics["val_loss"] > 0
+
+
+def test_training_command_ends_with_the_machine_readable_line(corpus, tmp_path):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = bench.main(["training", "--seconds", "30", "--steps", "3", "--corpus", corpus,
+                             "--peak-sizes", "64", "--out", str(tmp_path / "runs")])
+    assert status == 0
+    lines = out.getvalue().strip().splitlines()
+    assert re.fullmatch(r"val_loss course=\d+\.\d{4} baseline=\d+\.\d{4}", lines[-1])
+    assert sum(line.startswith("val_loss ") for line in lines) == 1
+    assert (tmp_path / "runs" / "baseline_cpu" / "metrics.json").exists()
+    assert (tmp_path / "runs" / "shakespeare_char_cpu" / "metrics.json").exists()
