@@ -97,6 +97,19 @@ def use_static_widgets() -> bool:
     return False
 
 
+def _widgets_or_none(static: bool | None) -> Any:
+    """The ipywidgets module, or None when the static fallback should be shown instead."""
+    if static is None:
+        static = use_static_widgets()
+    if static:
+        return None
+    try:
+        import ipywidgets
+    except ImportError:
+        return None
+    return ipywidgets
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"a {value.dtype} array of shape {value.shape}"
@@ -949,14 +962,8 @@ def query_explorer(keys=None, values=None, *, static: bool | None = None,
     if isinstance(angles, (str, bytes)) or not isinstance(angles, Sequence) or not angles:
         raise ValueError(f"angles: expected a non-empty list of angles in degrees, got {_describe(angles)}")
     angles = [_number("angles", a) for a in angles]
-    if static is None:
-        static = use_static_widgets()
-    if not static:
-        try:
-            import ipywidgets as widgets
-        except ImportError:
-            static = True
-    if static:
+    widgets = _widgets_or_none(static)
+    if widgets is None:
         return _static_query_figure(k, v, angles)
 
     from IPython.display import display
@@ -1067,14 +1074,8 @@ def generation_playground(generate_fn: Callable[..., str], prompt: str = "",
     top_k = _top_k("top_k", top_k)
     check.positive_int("max_new_tokens", max_new_tokens)
     check.positive_int("max_top_k", max_top_k)
-    if static is None:
-        static = use_static_widgets()
-    if not static:
-        try:
-            import ipywidgets as widgets
-        except ImportError:
-            static = True
-    if static:
+    widgets = _widgets_or_none(static)
+    if widgets is None:
         rows = playground_samples(generate_fn, prompt, [(t, top_k) for t in temperatures], max_new_tokens)
         return _format_samples(prompt, rows)
 
