@@ -78,6 +78,14 @@ def test_flops_per_token_known_config():
     assert flops_per_token(config, 1_000_000) == 6_000_000 + 12 * 4 * 4 * 32 * 64
 
 
+def test_flops_per_token_names_the_wrong_argument():
+    config = GPTConfig(vocab_size=65, max_tokens=64, embed_dim=128, num_heads=4, num_layers=4)
+    with pytest.raises(TypeError, match="config: expected a GPTConfig, got dict"):
+        flops_per_token(config.to_dict(), 1_000_000)
+    with pytest.raises(ValueError, match="num_parameters"):
+        flops_per_token(config, 0)
+
+
 def test_training_loop_lowers_the_loss_and_records_history():
     tok = CharTokenizer.from_text(TEXT)
     ids = torch.tensor(tok.encode(TEXT))
