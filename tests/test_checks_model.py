@@ -14,7 +14,7 @@ from course_lib.data import lm_windows
 from course_lib.generate import generate_with_cache, sample_next_token
 from course_lib.hf import course_attention_forward, split_c_attn
 from course_lib.model import GPT, TransformerBlock, sinusoidal_table
-from course_lib.train import lm_loss, train_step
+from course_lib.train import flops_per_token, lm_loss, train_step
 
 CHECKERS = {
     "4.1": checks.check_sinusoidal_table,
@@ -25,6 +25,7 @@ CHECKERS = {
     "5.3": checks.check_train_step,
     "5.4": checks.check_sampling,
     "6.1": checks.check_kv_cache,
+    "6.2": checks.check_flops_per_token,
     "7.1": checks.check_split_c_attn,
     "7.2": checks.check_hf_attention,
 }
@@ -38,6 +39,7 @@ REFERENCES = {
     "5.3": train_step,
     "5.4": sample_next_token,
     "6.1": generate_with_cache,
+    "6.2": flops_per_token,
     "7.1": split_c_attn,
     "7.2": course_attention_forward,
 }

@@ -1061,6 +1061,122 @@ def cached_samples_instead(model, idx, max_new_tokens):
     return idx
 
 
+# ============================================================================ 6.2 flops_per_token
+
+@correct("6.2")
+def flops_formula(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@correct("6.2")
+def flops_with_embed_dim(config, num_weights):
+    # H·Q is embed_dim
+    return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens
+
+
+@correct("6.2")
+def flops_forward_times_three(config, num_weights):
+    forward = 2 * num_weights + 2 * 2 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+    return 3 * forward   # backward is twice the forward
+
+
+@correct("6.2")
+def flops_as_float_tensor(config, num_weights):
+    per_layer = torch.tensor(12.0 * config.embed_dim * config.max_tokens)
+    return 6.0 * num_weights + config.num_layers * per_layer
+
+
+@correct("6.2")
+def flops_as_numpy(config, num_weights):
+    return np.int64(6 * num_weights) + np.int64(12 * config.num_layers * config.embed_dim * config.max_tokens)
+
+
+@bug("6.2", "mismatch", "forward pass only")
+def flops_forward_only(config, num_weights):
+    return 2 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.2", "mismatch", "2N", "6N")
+def flops_weights_forward_only(config, num_weights):
+    return 2 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.2", "mismatch", "dL/dW")
+def flops_four_n(config, num_weights):
+    return 4 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.2", "mismatch", "not attention")
+def flops_weights_only(config, num_weights):
+    return 6 * num_weights
+
+
+@bug("6.2", "mismatch", "only the forward pass", "12·L·H·Q·T")
+def flops_attention_forward_only(config, num_weights):
+    return 6 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.2", "mismatch", "weighted sum")
+def flops_attention_one_product(config, num_weights):
+    return 6 * num_weights + 6 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.2", "mismatch", "number of heads")
+def flops_no_heads(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.head_dim * config.max_tokens
+
+
+@bug("6.2", "mismatch", "head_dim")
+def flops_embed_dim_per_head(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.num_heads * config.embed_dim * config.max_tokens
+
+
+@bug("6.2", "mismatch", "number of layers")
+def flops_no_layers(config, num_weights):
+    return 6 * num_weights + 12 * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.2", "mismatch", "T twice")
+def flops_context_squared(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens ** 2
+
+
+@bug("6.2", "mismatch", "whole window")
+def flops_per_window(config, num_weights):
+    return (6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens) * config.max_tokens
+
+
+@bug("6.2", "mismatch", "GFLOPs")
+def flops_in_gflops(config, num_weights):
+    return (6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens) / 1e9
+
+
+@bug("6.2", "mismatch", "num_weights argument")
+def flops_counts_its_own_weights(config, num_weights):
+    n = 12 * config.num_layers * config.embed_dim ** 2   # the blocks only, ignoring the argument
+    return 6 * n + 12 * config.num_layers * config.embed_dim * config.max_tokens
+
+
+@bug("6.2", "mismatch", "expected")
+def flops_vocab_in_attention(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.vocab_size
+
+
+@bug("6.2", "dtype", "forget `return`")
+def flops_prints_instead_of_returning(config, num_weights):
+    print(6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens)
+
+
+@bug("6.2", "dtype", "str")
+def flops_formatted_string(config, num_weights):
+    return f"{6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens:,}"
+
+
+@bug("6.2", "exception", "AttributeError")
+def flops_wrong_attribute(config, num_weights):
+    return 6 * num_weights + 12 * config.n_layer * config.n_head * config.head_dim * config.max_tokens
+
+
 # ============================================================================ 7.1 split_c_attn
 
 @correct("7.1")
