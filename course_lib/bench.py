@@ -22,12 +22,15 @@ import torch
 from . import _validate as check
 
 __all__ = [
-    "measure_matmul_peak", "peak_memory_mb", "time_call", "time_alternating", "training_benchmark", "attention_benchmark",
-    "generation_benchmark", "GENERATION_CONFIG", "DEFAULT_LENGTHS", "main",
+    "measure_matmul_peak", "peak_memory_mb", "time_call", "time_alternating", "training_benchmark",
+    "attention_benchmark", "generation_benchmark", "GENERATION_CONFIG", "DEFAULT_LENGTHS",
+    "ATTENTION_WIDTHS", "main",
 ]
 
 DEFAULT_PRESETS = ("baseline_cpu", "shakespeare_char_cpu")
 DEFAULT_LENGTHS = (64, 128, 256, 512, 1024)
+# (embed_dim, num_heads) of the two training recipes: shakespeare_char_cpu and shakespeare_char_gpu
+ATTENTION_WIDTHS = ((128, 4), (384, 6))
 # The size of the GPU recipe (shakespeare_char_gpu) with a character vocabulary.
 GENERATION_CONFIG = dict(vocab_size=65, max_tokens=256, embed_dim=384, num_heads=6, num_layers=6)
 
@@ -177,14 +180,17 @@ def _print_training(results: dict[str, dict[str, Any]], peak_gflops: float) -> N
 
 def attention_benchmark(lengths: Sequence[int] = DEFAULT_LENGTHS, embed_dim: int = 384, num_heads: int = 6,
                         batch: int | None = None, repeats: int = 5, *, tokens_per_call: int = 4096,
-                        device: torch.device | str = "cpu", seed: int = 0) -> list[dict[str, Any]]:
+                        core: bool = True, device: torch.device | str = "cpu",
+                        seed: int = 0) -> list[dict[str, Any]]:
     """Time MultiHeadMaskedAttention's plain (einsum) and fused (SDPA) paths per sequence length.
 
     Both paths share the same weights. ``batch=None`` keeps ``batch * length`` near
     ``tokens_per_call``, so the projections cost the same at every length and what grows is
     attention itself. Returns one row per length: milliseconds for forward and
     forward+backward of each path, the plain/fused ratios, and the largest difference
-    between the two paths' outputs.
+    between the two paths' outputs. With ``core``, also forward+backward of the attention
+    alone (q, k, v given, no projections): ``plain_core_train_ms``, ``fused_core_train_ms``,
+    ``core_train_ratio``.
     """
     from .attention import MultiHeadMaskedAttention
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
@@ -224,24 +230,57 @@ def attention_benchmark(lengths: Sequence[int] = DEFAULT_LENGTHS, embed_dim: int
             row[f"plain_{mode}_ms"], row[f"fused_{mode}_ms"] = (1e3 * t for t in times)
         row["forward_ratio"] = row["plain_forward_ms"] / row["fused_forward_ms"]
         row["train_ratio"] = row["plain_train_ms"] / row["fused_train_ms"]
+        if core:
+            times = _time_attention_core(n, num_heads, length, embed_dim // num_heads, repeats, device)
+            row["plain_core_train_ms"], row["fused_core_train_ms"] = (1e3 * t for t in times)
+            row["core_train_ratio"] = row["plain_core_train_ms"] / row["fused_core_train_ms"]
         rows.append(row)
     return rows
 
 
+def _time_attention_core(n: int, heads: int, length: int, head_dim: int, repeats: int,
+                         device: torch.device) -> list[float]:
+    """Forward+backward of softmax(q k^T / sqrt(d) + mask) v alone, the two ways the module computes it."""
+    import torch.nn.functional as F
+    from .attention import causal_mask
+    q, k, v = (torch.randn(n, heads, length, head_dim, device=device, requires_grad=True)
+               for _ in range(3))                                               # (N, heads, L, head_dim)
+    mask = causal_mask(length, device=device)                                   # (L, L)
+
+    def plain() -> torch.Tensor:   # the fused=False path of MultiHeadMaskedAttention.forward
+        scores = torch.einsum("nhqd,nhkd->nhqk", q, k) * head_dim ** -0.5      # (N, heads, L, L)
+        weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return torch.einsum("nhqk,nhkd->nhqd", weights, v)                     # (N, heads, L, head_dim)
+
+    def fused() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)        # (N, heads, L, head_dim)
+
+    def train(attend: Callable[[], torch.Tensor]) -> None:
+        attend().sum().backward()
+        q.grad = k.grad = v.grad = None
+
+    return time_alternating([lambda: train(plain), lambda: train(fused)], repeats, device=device)
+
+
 def _print_attention(rows: list[dict[str, Any]], embed_dim: int, num_heads: int) -> None:
-    print(f"MultiHeadMaskedAttention(embed_dim={embed_dim}, num_heads={num_heads}), "
+    recipe = {ATTENTION_WIDTHS[0]: " (the CPU recipe's width)",
+              ATTENTION_WIDTHS[1]: " (the GPU recipe's width)"}.get((embed_dim, num_heads), "")
+    print(f"MultiHeadMaskedAttention(embed_dim={embed_dim}, num_heads={num_heads}){recipe}, "
           f"{torch.get_num_threads()} threads; ms per call (median)")
+    core = "core_train_ratio" in rows[0]
     header = (f"{'length':>6}{'batch':>6} | {'plain fwd':>9}{'fused fwd':>10}{'ratio':>7} | "
-              f"{'plain f+b':>9}{'fused f+b':>10}{'ratio':>7}")
+              f"{'plain f+b':>9}{'fused f+b':>10}{'ratio':>7}" + (f" | {'core f+b ratio':>14}" if core else ""))
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['length']:>6}{r['batch']:>6} | {r['plain_forward_ms']:>9.2f}{r['fused_forward_ms']:>10.2f}"
               f"{r['forward_ratio']:>6.2f}x | {r['plain_train_ms']:>9.2f}{r['fused_train_ms']:>10.2f}"
-              f"{r['train_ratio']:>6.2f}x")
+              f"{r['train_ratio']:>6.2f}x" + (f" | {r['core_train_ratio']:>13.2f}x" if core else ""))
     worst = max(r["max_abs_difference"] for r in rows)
-    print(f"(ratio = plain / fused: above 1 means the fused kernel is faster; "
+    print(f"(ratio = plain / fused: above 1 means the fused kernel is faster; f+b = forward + backward; "
           f"largest output difference between the paths: {worst:.1e})")
+    if core:
+        print("(core = the attention alone, softmax(q k^T / sqrt(d) + mask) v, without the projections)")
 
 
 # ---------------------------------------------------------------- generation
@@ -305,11 +344,14 @@ def _print_generation(r: dict[str, Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m course_lib bench",
                                      description="Performance benchmarks (figures are printed, not asserted).")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or mps")
+    # options after the benchmark's name, so `python -m course_lib bench training --threads 2` reaches them
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    common.add_argument("--device", default="cpu", help="cpu (default), cuda or mps")
     sub = parser.add_subparsers(dest="benchmark", required=True)
 
-    training = sub.add_parser("training", help="baseline_cpu vs shakespeare_char_cpu for the same wall-clock budget")
+    training = sub.add_parser("training", parents=[common],
+                              help="baseline_cpu vs shakespeare_char_cpu for the same wall-clock budget")
     training.add_argument("--seconds", type=float, required=True, help="wall-clock training budget per preset")
     training.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), help="presets to run, in order")
     training.add_argument("--out", help="keep each preset's metrics.json and checkpoint.pt under this folder")
@@ -318,14 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     training.add_argument("--peak-sizes", type=int, nargs="+", default=[1024, 2048], help=argparse.SUPPRESS)
 
-    attention = sub.add_parser("attention", help="plain (einsum) vs fused (SDPA) attention, per length")
+    attention = sub.add_parser("attention", parents=[common],
+                               help="plain (einsum) vs fused (SDPA) attention, per length")
     attention.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS))
-    attention.add_argument("--embed-dim", type=int, default=384)
-    attention.add_argument("--heads", type=int, default=6)
+    attention.add_argument("--embed-dim", type=int, nargs="+", default=[w[0] for w in ATTENTION_WIDTHS],
+                           help="one table per width (default: the CPU recipe's 128 and the GPU recipe's 384)")
+    attention.add_argument("--heads", type=int, nargs="+", default=[w[1] for w in ATTENTION_WIDTHS],
+                           help="heads for each --embed-dim, in the same order")
     attention.add_argument("--batch", type=int, help="default: about 4096 tokens per call")
-    attention.add_argument("--repeats", type=int, default=5)
+    attention.add_argument("--repeats", type=int, default=15)
 
-    gen = sub.add_parser("generate", help="tokens/s with and without the KV cache")
+    gen = sub.add_parser("generate", parents=[common], help="tokens/s with and without the KV cache")
     gen.add_argument("--new-tokens", type=int, default=500)
     gen.add_argument("--layers", type=int, default=GENERATION_CONFIG["num_layers"], help=argparse.SUPPRESS)
     gen.add_argument("--embed-dim", type=int, default=GENERATION_CONFIG["embed_dim"], help=argparse.SUPPRESS)
@@ -348,9 +393,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"baseline={results['baseline_cpu']['val_loss']:.4f}")
         return 0
     if args.benchmark == "attention":
-        rows = attention_benchmark(args.lengths, args.embed_dim, args.heads, args.batch, args.repeats,
-                                   device=device)
-        _print_attention(rows, args.embed_dim, args.heads)
+        if len(args.embed_dim) != len(args.heads):
+            raise ValueError(f"heads: expected one value per --embed-dim ({len(args.embed_dim)}), "
+                             f"got {len(args.heads)}: {args.heads}")
+        for i, (embed_dim, heads) in enumerate(zip(args.embed_dim, args.heads)):
+            rows = attention_benchmark(args.lengths, embed_dim, heads, args.batch, args.repeats, device=device)
+            if i:
+                print()
+            _print_attention(rows, embed_dim, heads)
         return 0
     config = dict(GENERATION_CONFIG, num_layers=args.layers, embed_dim=args.embed_dim, max_tokens=args.context)
     result = generation_benchmark(config, args.new_tokens, device=device)

@@ -75,6 +75,25 @@ def test_fused_and_plain_paths_agree(build):
 
 
 @pytest.mark.parametrize("build", ATTENTION_MODULES)
+def test_fused_and_plain_paths_give_the_same_gradients(build):
+    # training uses the fused path: its backward pass must give every weight the plain path's gradient
+    torch.manual_seed(0)
+    module = build(True).train()
+    x = torch.randn(3, 9, 16, requires_grad=True)
+    grads = {}
+    for fused in (True, False):
+        module.fused = fused
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        module(x).pow(2).sum().backward()
+        grads[fused] = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in module.named_parameters()}}
+    assert grads[True].keys() == grads[False].keys()
+    assert {"query.weight", "key.weight", "value.weight"} <= grads[True].keys()
+    for name in grads[True]:
+        assert torch.allclose(grads[True][name], grads[False][name], atol=1e-5), name
+
+
+@pytest.mark.parametrize("build", ATTENTION_MODULES)
 def test_module_matches_functional_reference(build):
     torch.manual_seed(1)
     module = build(False).eval()

@@ -54,6 +54,8 @@ def test_fused_and_plain_attention_agree_in_the_benchmark_setup():
         for key in ("plain_forward_ms", "fused_forward_ms", "plain_train_ms", "fused_train_ms"):
             assert r[key] > 0
         assert r["train_ratio"] == pytest.approx(r["plain_train_ms"] / r["fused_train_ms"])
+        assert r["core_train_ratio"] == pytest.approx(r["plain_core_train_ms"] / r["fused_core_train_ms"])
+    assert "core_train_ratio" not in bench.attention_benchmark([8], 32, 4, batch=1, repeats=1, core=False)[0]
 
 
 def test_attention_benchmark_keeps_tokens_per_call_when_batch_is_not_given():
@@ -111,3 +113,22 @@ def test_training_command_ends_with_the_machine_readable_line(corpus, tmp_path):
     assert sum(line.startswith("val_loss ") for line in lines) == 1
     assert (tmp_path / "runs" / "baseline_cpu" / "metrics.json").exists()
     assert (tmp_path / "runs" / "shakespeare_char_cpu" / "metrics.json").exists()
+
+
+def test_course_command_line_reaches_the_benchmarks_with_their_options(capsys):
+    from course_lib.__main__ import main as course_main
+    status = course_main(["bench", "generate", "--threads", "1", "--new-tokens", "5", "--layers", "1",
+                          "--embed-dim", "12", "--context", "16"])
+    assert status == 0
+    assert "identical outputs: True" in capsys.readouterr().out
+
+
+def test_attention_command_prints_one_table_per_width(capsys):
+    status = bench.main(["attention", "--lengths", "8", "16", "--embed-dim", "16", "32", "--heads", "2", "4",
+                         "--batch", "1", "--repeats", "1", "--threads", "1"])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "embed_dim=16, num_heads=2" in out and "embed_dim=32, num_heads=4" in out
+    assert sum(line.strip().startswith(("8 ", "16 ")) for line in out.splitlines()) == 4   # 2 lengths x 2 widths
+    with pytest.raises(ValueError, match="heads: expected one value per --embed-dim"):
+        bench.main(["attention", "--lengths", "8", "--embed-dim", "16", "32", "--heads", "2"])
