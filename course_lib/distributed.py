@@ -54,6 +54,15 @@ def setup_distributed(device_type: str = "cpu") -> DistributedContext:
     return DistributedContext(rank, local_rank, world_size)
 
 
-def teardown_distributed() -> None:
+def teardown_distributed(wait_for_all: bool = True) -> None:
+    """Leave the process group (a no-op without one).
+
+    ``wait_for_all``: first wait until every rank is here, so no rank exits while another
+    (rank 0 evaluating and saving, say) still holds the group's connections open.
+    """
+    if not isinstance(wait_for_all, bool):
+        raise TypeError(f"wait_for_all: expected True or False, got {type(wait_for_all).__name__}")
     if dist.is_initialized():
+        if wait_for_all:
+            dist.barrier()
         dist.destroy_process_group()

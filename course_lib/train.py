@@ -1,6 +1,7 @@
 """Training a GPT: the loss, one step, evaluation, the schedule, the loop, and named presets."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -318,6 +319,13 @@ def train(model: GPT, train_split: Any, val_split: Any | None, config: TrainConf
         torch.cuda.synchronize()
     history.train_seconds = time.perf_counter() - started - eval_seconds
     history.eval_seconds = eval_seconds
+    if ctx.enabled:
+        # Let the DDP wrapper and whatever it left behind (autograd hooks, gloo work objects
+        # that hold tensors) go now, while Python is fully alive. Left to interpreter shutdown,
+        # gloo's threads can abort the process: "terminate called without an active exception",
+        # 3 runs in 20-30 on a loaded 2-core machine, none in 30 with this collection.
+        del model
+        gc.collect()
     return history
 
 
@@ -421,6 +429,7 @@ def run_preset(name: str, out_dir: str | Path, *, seconds: float | None = None, 
     out_dir = Path(out_dir)
     device = torch.device(device) if device is not None else default_device()
     ctx = setup_distributed(device.type)
+    finished = False
     try:
         if ctx.enabled and device.type == "cuda":
             device = torch.device("cuda", ctx.local_rank)
@@ -460,6 +469,8 @@ def run_preset(name: str, out_dir: str | Path, *, seconds: float | None = None, 
             tmp = out_dir / ".metrics.json.tmp"
             tmp.write_text(json.dumps(metrics, indent=2))
             tmp.replace(out_dir / "metrics.json")
+        finished = True
         return metrics
     finally:
-        teardown_distributed()
+        # After a failure the other ranks may never arrive: wait for them only on success.
+        teardown_distributed(wait_for_all=finished)

@@ -50,3 +50,9 @@ def test_rank_zero_writes_a_loadable_checkpoint(runs):
     loaded = load_checkpoint(tmp_path / "ddp" / "checkpoint.pt")
     assert loaded.model.num_parameters() == ddp["parameters"]
     assert loaded.extra["steps"] == 20
+
+
+def test_teardown_names_a_wrong_argument():
+    from course_lib.distributed import teardown_distributed
+    with pytest.raises(TypeError, match="wait_for_all: expected True or False, got str"):
+        teardown_distributed(wait_for_all="yes")
