@@ -242,15 +242,13 @@ def _time_attention_core(n: int, heads: int, length: int, head_dim: int, repeats
                          device: torch.device) -> list[float]:
     """Forward+backward of softmax(q k^T / sqrt(d) + mask) v alone, the two ways the module computes it."""
     import torch.nn.functional as F
-    from .attention import causal_mask
+    from .attention import causal_mask, scaled_dot_product_attention
     q, k, v = (torch.randn(n, heads, length, head_dim, device=device, requires_grad=True)
                for _ in range(3))                                               # (N, heads, L, head_dim)
     mask = causal_mask(length, device=device)                                   # (L, L)
 
-    def plain() -> torch.Tensor:   # the fused=False path of MultiHeadMaskedAttention.forward
-        scores = torch.einsum("nhqd,nhkd->nhqk", q, k) * head_dim ** -0.5      # (N, heads, L, L)
-        weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        return torch.einsum("nhqk,nhkd->nhqd", weights, v)                     # (N, heads, L, head_dim)
+    def plain() -> torch.Tensor:   # step by step: scores, mask, softmax, weighted sum (notebook 01)
+        return scaled_dot_product_attention(q, k, v, mask)                     # (N, heads, L, head_dim)
 
     def fused() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)        # (N, heads, L, head_dim)

@@ -20,15 +20,20 @@ _CONFIGS = (
 )
 
 
+def _lhqt(config: Any) -> int:
+    """L·H·Q·T: layers x heads x head size x context."""
+    return config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
 def _terms(config: Any, weights: int) -> tuple[float, float]:
     """(weights' FLOPs per token, attention's FLOPs per token) for a correct count."""
-    return 6 * weights, 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+    return 6 * weights, 12 * _lhqt(config)
 
 
 # Known slips: (name, what they compute, what to tell the student). The attention term is
 # written from the parts of 12·L·H·Q·T so each slip changes exactly one thing.
 _SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (
-    ("forward only", lambda c, n: 2 * n + 4 * c.num_layers * c.num_heads * c.head_dim * c.max_tokens,
+    ("forward only", lambda c, n: 2 * n + 4 * _lhqt(c),
      "you count the forward pass only (2N + 4·L·H·Q·T). Training also runs the backward pass, which needs two "
      "matrix multiplies for every one of the forward pass: three times the forward in all, so 6N and 12·L·H·Q·T."),
     ("weights forward only", lambda c, n: 2 * n + _terms(c, n)[1],
@@ -40,10 +45,10 @@ _SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (
     ("no attention", lambda c, n: 6 * n,
      "you count the weights (6N) but not attention. The scores QK^T and the weighted sum of the values multiply "
      "activations by activations, so they are not in N: add 12·L·H·Q·T."),
-    ("attention forward only", lambda c, n: 6 * n + 4 * c.num_layers * c.num_heads * c.head_dim * c.max_tokens,
+    ("attention forward only", lambda c, n: 6 * n + 4 * _lhqt(c),
      "the attention term counts only the forward pass (4·L·H·Q·T). Backward costs twice the forward here too: "
      "12·L·H·Q·T."),
-    ("attention one product", lambda c, n: 6 * n + 6 * c.num_layers * c.num_heads * c.head_dim * c.max_tokens,
+    ("attention one product", lambda c, n: 6 * n + 6 * _lhqt(c),
      "the attention term counts one product per head. There are two: the scores (QK^T) and the weighted sum of "
      "the values, 2·Q·T FLOPs each per token in the forward pass, so 12·L·H·Q·T with the backward pass."),
     ("no heads", lambda c, n: 6 * n + 12 * c.num_layers * c.head_dim * c.max_tokens,
@@ -55,7 +60,7 @@ _SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (
     ("no layers", lambda c, n: 6 * n + 12 * c.num_heads * c.head_dim * c.max_tokens,
      "the attention term leaves out the number of layers: every block has its own attention. "
      "Multiply by L = config.num_layers."),
-    ("T squared", lambda c, n: 6 * n + 12 * c.num_layers * c.num_heads * c.head_dim * c.max_tokens ** 2,
+    ("T squared", lambda c, n: 6 * n + 12 * _lhqt(c) * c.max_tokens,
      "the attention term has T twice. Per token, its query meets T keys (and T values): T appears once. "
      "Per window of T tokens it is T², but this function counts per token."),
     ("per window", lambda c, n: (6 * n + _terms(c, n)[1]) * c.max_tokens,
@@ -91,7 +96,6 @@ def check_flops_per_token(fn: Callable[..., Any]) -> str:
     cases = []   # (config, N, what, returned, expected)
     for sizes in _CONFIGS:
         config = GPTConfig(**sizes)
-        torch.manual_seed(0)
         weights = GPT(config).num_parameters(include_embeddings=False)
         what = (f"flops_per_token(config with L={config.num_layers} layers, H={config.num_heads} heads of "
                 f"Q={config.head_dim}, T={config.max_tokens}; num_weights={weights:,})")
