@@ -39,16 +39,18 @@ import ast
 import json
 import os
 import re
+import shlex
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import nbformat
 
 from ._validate import describe
+from .copy_policy import CopyOutcome, place_learner_copy
 
-__all__ = ["strip_solutions", "make_learner_copy", "make_learner_copies", "main"]
+__all__ = ["strip_solutions", "make_learner_copy", "make_learner_copies", "update_learner_copies", "main",
+           "start_main"]
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
@@ -223,19 +225,6 @@ def _learner_notebook(notebook_path: Path) -> tuple[nbformat.NotebookNode, dict[
     return nb, counts
 
 
-def _write_atomic(nb: nbformat.NotebookNode, out_path: Path) -> None:
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    # Temp file in the same folder so os.replace is a rename: readers never see half a notebook.
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            nbformat.write(nb, handle)
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _same_path(a: Path, b: Path) -> bool:
     try:
         if a.exists() and b.exists():
@@ -246,13 +235,17 @@ def _same_path(a: Path, b: Path) -> bool:
 
 
 def make_learner_copy(notebook_path: str | os.PathLike, out_path: str | os.PathLike) -> dict[str, int]:
-    """Write the learner copy of one notebook; returns counts (regions, exercises, cells, code_cells)."""
+    """Write the learner copy of one notebook; returns counts (regions, exercises, cells, code_cells).
+
+    A copy at ``out_path`` that the student edited is never overwritten: the new version is
+    written beside it (see ``course_lib.copy_policy``).
+    """
     src, dst = _as_path("notebook_path", notebook_path), _as_path("out_path", out_path)
     if _same_path(src, dst):
         raise ValueError(f"out_path: expected a different file from notebook_path, got '{dst}' for both; "
                          f"writing there would overwrite the solutions")
     nb, counts = _learner_notebook(src)
-    _write_atomic(nb, dst)
+    place_learner_copy(nb, dst, note=_summary(counts))
     return counts
 
 
@@ -273,20 +266,23 @@ def _check_dirs(src_dir: Path, out_dir: Path) -> None:
                          f"the learner copies would overwrite the solution notebooks")
 
 
-def make_learner_copies(src_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
-    """Write a learner copy of every ``*.ipynb`` directly in ``src_dir`` into ``out_dir``."""
-    return [path for path, _ in _make_learner_copies(_as_path("src_dir", src_dir),
-                                                     _as_path("out_dir", out_dir))]
+def update_learner_copies(src_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[CopyOutcome]:
+    """Write or refresh the learner copy of every ``*.ipynb`` directly in ``src_dir`` in ``out_dir``.
 
-
-def _make_learner_copies(src_dir: Path, out_dir: Path) -> list[tuple[Path, dict[str, int]]]:
-    _check_dirs(src_dir, out_dir)
+    Copies the student edited are kept; the new version goes beside them. Returns one
+    ``CopyOutcome`` per notebook, in teaching order, saying what was done.
+    """
+    src, out = _as_path("src_dir", src_dir), _as_path("out_dir", out_dir)
+    _check_dirs(src, out)
     # Strip everything before writing anything: one bad marker leaves out_dir untouched.
-    prepared = [(out_dir / src.name, *_learner_notebook(src)) for src in _source_notebooks(src_dir)]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for dst, nb, _ in prepared:
-        _write_atomic(nb, dst)
-    return [(dst, counts) for dst, _, counts in prepared]
+    prepared = [(out / path.name, *_learner_notebook(path)) for path in _source_notebooks(src)]
+    out.mkdir(parents=True, exist_ok=True)
+    return [place_learner_copy(nb, dst, note=_summary(counts)) for dst, nb, counts in prepared]
+
+
+def make_learner_copies(src_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+    """Like ``update_learner_copies``; returns the file holding each notebook's new learner version."""
+    return [outcome.written for outcome in update_learner_copies(src_dir, out_dir)]
 
 
 def _summary(counts: dict[str, int]) -> str:
@@ -297,35 +293,79 @@ def _summary(counts: dict[str, int]) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib student SRC OUT``; ``argv`` is the arguments after ``student``."""
+def _arguments_or_exit_code(parser: argparse.ArgumentParser, argv: list[str] | None,
+                            command: str) -> argparse.Namespace | int:
     if argv is not None and (isinstance(argv, str) or not all(isinstance(a, str) for a in argv)):
-        print(f"error: argv: expected a list of str (the arguments after 'student'), "
+        print(f"error: argv: expected a list of str (the arguments after '{command}'), "
               f"got {describe(argv)}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(
-        prog="python -m course_lib student",
-        description="Write learner copies of the notebooks: each '### BEGIN SOLUTION' ... "
-                    "'### END SOLUTION' region becomes a NotImplementedError naming the exercise; "
-                    "outputs are cleared.")
-    parser.add_argument("src", help="folder with the solution notebooks (e.g. notebooks/)")
-    parser.add_argument("out", help="folder for the learner copies (created; must differ from SRC)")
     try:
-        args = parser.parse_args(argv)
+        return parser.parse_args(argv)
     except SystemExit as exit_:  # usage errors and --help: argparse has already printed
         return exit_.code if isinstance(exit_.code, int) else 2
+
+
+def _write_and_report(src_dir: Path, out_dir: Path) -> list[CopyOutcome] | None:
+    """Write the copies and print one line per notebook; None (after printing why) on failure."""
     try:
-        src_dir, out_dir = Path(args.src), Path(args.out)
         _check_dirs(src_dir, out_dir)
         if not _source_notebooks(src_dir):
             raise FileNotFoundError(f"src_dir: expected a folder containing *.ipynb notebooks, "
                                     f"got '{src_dir}', which has none")
-        written = _make_learner_copies(src_dir, out_dir)
+        outcomes = update_learner_copies(src_dir, out_dir)
     except (ValueError, TypeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return None
+    for outcome in outcomes:
+        print(outcome.line())
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m course_lib student SRC OUT``; ``argv`` is the arguments after ``student``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m course_lib student",
+        description="Write learner copies of the notebooks: each '### BEGIN SOLUTION' ... "
+                    "'### END SOLUTION' region becomes a NotImplementedError naming the exercise; "
+                    "outputs are cleared. A copy you edited is never overwritten: the new version "
+                    "is written beside it as NAME.updated.ipynb.")
+    parser.add_argument("src", help="folder with the solution notebooks (e.g. notebooks/)")
+    parser.add_argument("out", help="folder for the learner copies (created; must differ from SRC)")
+    args = _arguments_or_exit_code(parser, argv, "student")
+    if isinstance(args, int):
+        return args
+    return 0 if _write_and_report(Path(args.src), Path(args.out)) is not None else 2
+
+
+DEFAULT_START_DIR = "attention-course"
+
+
+def start_main(argv: list[str] | None = None) -> int:
+    """``python -m course_lib start [DIR]``: your own copies of the course, from the installed package."""
+    parser = argparse.ArgumentParser(
+        prog="python -m course_lib start",
+        description="Write your own copies of the course notebooks (exercises left for you) into DIR. "
+                    "Run it again after updating the course: copies you edited are kept as they are, "
+                    "and the new version is written beside them as NAME.updated.ipynb.")
+    parser.add_argument("dir", nargs="?", default=DEFAULT_START_DIR,
+                        help=f"folder for your copies (default: ./{DEFAULT_START_DIR})")
+    args = _arguments_or_exit_code(parser, argv, "start")
+    if isinstance(args, int):
+        return args
+    from .course_files import notebooks_dir
+    try:
+        source = notebooks_dir()
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    for path, counts in written:
-        print(f"wrote {path} ({_summary(counts)})")
+    out_dir = Path(args.dir).expanduser()
+    outcomes = _write_and_report(source, out_dir)
+    if outcomes is None:
+        return 2
+    first = outcomes[0].path if outcomes else out_dir
+    print(f"\nYour copies are in {out_dir.resolve()}. Open the first notebook with\n"
+          f"    jupyter lab {shlex.quote(str(first))}\n"
+          f"or, on a JupyterHub or a hosted notebook, open {first} from the file browser.")
     return 0
 
 

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["PACKAGE_DIR", "CHECKOUT_DIR", "running_from_checkout", "notebooks_dir", "course_notebooks",
+__all__ = ["KERNEL_NAME", "PACKAGE_DIR", "CHECKOUT_DIR", "running_from_checkout", "notebooks_dir", "course_notebooks",
            "data_readme"]
+
+# The kernel every notebook names: the one each Jupyter has, so the notebooks run in any Jupyter
+# (`make lab` starts JupyterLab from the course's venv, whose python3 kernel is that venv's Python).
+KERNEL_NAME = "python3"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # The repository root when course_lib is imported from a checkout (an editable install, or PYTHONPATH).

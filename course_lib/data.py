@@ -3,20 +3,15 @@
 The path from a file on disk to batches a GPT can learn from:
 text -> tokenizer -> token ids -> windows of ``max_tokens + 1`` -> (inputs, targets).
 
-Corpora are found, in order, in the folder named by ``COURSE_DATA_DIR``, then in
-the repository's ``data/`` folder, and otherwise downloaded from their canonical
-source and checked against a SHA-256 sum, so every machine trains on the same bytes.
+The two corpora are found, verified and downloaded by ``course_lib.corpora`` (its names
+are re-exported here, so ``data.load_corpus("tinyshakespeare")`` works as the notebooks teach).
 """
 from __future__ import annotations
 
 import codecs
-import hashlib
 import os
 import random
-import tempfile
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,6 +19,8 @@ from typing import Any, Sequence
 import torch
 
 from . import _validate as check
+from .corpora import (CORPORA, Corpus, CorpusError, CorpusLocation, corpus_path, download_corpus,
+                      load_corpus, locate_corpus)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -52,260 +49,8 @@ __all__ = [
 # Targets equal to this are skipped by cross-entropy (PyTorch's default ignore_index).
 IGNORE_INDEX = -100
 
-# The repository's own data/ folder; corpora land here unless COURSE_DATA_DIR says otherwise.
-REPO_DATA_DIR = Path(__file__).resolve().parents[1] / "data"
-DATA_DIR_ENV = "COURSE_DATA_DIR"
-DOWNLOAD_TIMEOUT = 30.0  # seconds; a classroom network that stalls should fail, not hang
-_CHUNK = 1 << 16
 
-
-# --------------------------------------------------------------------------- corpora
-
-@dataclass(frozen=True)
-class Corpus:
-    """A public text corpus: where it comes from and the exact bytes expected."""
-
-    name: str
-    filename: str
-    url: str
-    sha256: str
-    size: int
-
-
-CORPORA: dict[str, Corpus] = {
-    "names": Corpus(
-        name="names",
-        filename="names.txt",
-        url="https://raw.githubusercontent.com/karpathy/makemore/master/names.txt",
-        sha256="0a30b5557f192f32ab962680889aac5f6fda0f4cecf40a6d0b5694f58ea8cc4d",
-        size=228_145,
-    ),
-    "tinyshakespeare": Corpus(
-        name="tinyshakespeare",
-        filename="tinyshakespeare.txt",
-        url="https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
-        sha256="86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
-        size=1_115_394,
-    ),
-}
-
-
-class CorpusError(RuntimeError):
-    """A corpus could not be found, verified or downloaded; the message says what to do."""
-
-    def __init__(self, message: str, *, corpus: Corpus | None = None,
-                 searched: Sequence[Path] = ()) -> None:
-        super().__init__(message)
-        self.corpus = corpus
-        self.searched = list(searched)
-        self.reason: BaseException | None = None  # the underlying error of a failed download
-
-
-@dataclass
-class CorpusLocation:
-    """Where a corpus was found (``path`` is None when nowhere) and whether its bytes are right."""
-
-    name: str
-    path: Path | None
-    checksum_ok: bool | None  # None when there was no file to check
-    searched: list[Path] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.path is not None and bool(self.checksum_ok)
-
-
-def _corpus(name: Any) -> Corpus:
-    if not isinstance(name, str) or name not in CORPORA:
-        raise ValueError(f"name: expected one of {sorted(CORPORA)}, got {check.describe(name)}; "
-                         f"for a text file of your own use load_text(path)")
-    return CORPORA[name]
-
-
-def _env_data_dir() -> Path | None:
-    # Read at call time so a notebook can set os.environ after importing course_lib.
-    value = os.environ.get(DATA_DIR_ENV, "").strip()
-    return Path(value).expanduser() if value else None
-
-
-def _search_dirs() -> list[Path]:
-    dirs = [d for d in (_env_data_dir(), REPO_DATA_DIR) if d is not None]
-    unique: list[Path] = []
-    for d in dirs:
-        if d not in unique:
-            unique.append(d)
-    return unique
-
-
-def _hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# (resolved path, mtime_ns, size) -> sha256: a notebook that reloads a corpus hashes it once.
-_SHA_CACHE: dict[tuple[str, int, int], str] = {}
-
-
-def _cache_key(path: Path) -> tuple[str, int, int]:
-    stat = path.stat()
-    return (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-
-
-def _file_sha256(path: Path) -> str:
-    key = _cache_key(path)
-    if key not in _SHA_CACHE:
-        _SHA_CACHE[key] = _hash_file(path)
-    return _SHA_CACHE[key]
-
-
-def _matches(path: Path, corpus: Corpus) -> bool:
-    # The size check is free and catches truncated downloads without hashing.
-    return path.stat().st_size == corpus.size and _file_sha256(path) == corpus.sha256
-
-
-def locate_corpus(name: str) -> CorpusLocation:
-    """Find a corpus on disk and verify its checksum; never downloads."""
-    corpus = _corpus(name)
-    searched = _search_dirs()
-    for folder in searched:
-        candidate = folder / corpus.filename
-        if candidate.is_file():
-            return CorpusLocation(corpus.name, candidate, _matches(candidate, corpus), searched)
-    return CorpusLocation(corpus.name, None, None, searched)
-
-
-def _where_to_put_it(corpus: Corpus, searched: Sequence[Path], target: Path | None = None) -> str:
-    env = _env_data_dir()
-    lines = ["Searched:"]
-    for folder in searched:
-        notes = []
-        if env is not None and folder == env:
-            notes.append(DATA_DIR_ENV)
-        if not folder.is_dir():
-            notes.append("folder does not exist")
-        suffix = f"  ({', '.join(notes)})" if notes else ""
-        lines.append(f"  - {folder / corpus.filename}{suffix}")
-    target = target or (env or REPO_DATA_DIR) / corpus.filename
-    lines += [
-        "To fix it, download",
-        f"  {corpus.url}",
-        f"and save it as {target}",
-        f"(or in any folder named by the {DATA_DIR_ENV} environment variable), then run this again.",
-        f"Expected: {corpus.size:,} bytes, sha256 {corpus.sha256}",
-    ]
-    return "\n".join(lines)
-
-
-def _mismatch_error(corpus: Corpus, path: Path, searched: Sequence[Path]) -> CorpusError:
-    size = path.stat().st_size
-    got = _file_sha256(path)
-    return CorpusError(
-        f"Corpus {corpus.name!r}: the file {path} is not the expected corpus "
-        f"(it has {size:,} bytes, sha256 {got}; expected {corpus.size:,} bytes, sha256 {corpus.sha256}). "
-        f"It is probably an incomplete download or a different version. Delete it and run this again "
-        f"to download a fresh copy, or replace it by hand.\n"
-        + _where_to_put_it(corpus, searched, target=path),
-        corpus=corpus, searched=searched)
-
-
-def _default_download_dir() -> Path:
-    env = _env_data_dir()
-    if env is not None:
-        try:
-            env.mkdir(parents=True, exist_ok=True)
-            if os.access(env, os.W_OK):
-                return env
-        except OSError:
-            pass  # read-only or unreachable: fall back to the repository's data/ folder
-    return REPO_DATA_DIR
-
-
-def download_corpus(name: str, dest_dir: str | os.PathLike | None = None,
-                    url: str | None = None) -> Path:
-    """Download a corpus into ``dest_dir`` (default: COURSE_DATA_DIR if writable, else data/), verified."""
-    corpus = _corpus(name)
-    if url is not None and (not isinstance(url, str) or not url):
-        raise ValueError(f"url: expected a non-empty string (a mirror of {corpus.url}), "
-                         f"got {check.describe(url)}")
-    if dest_dir is not None and not isinstance(dest_dir, (str, os.PathLike)):
-        raise TypeError(f"dest_dir: expected a folder path (str or Path), got {check.describe(dest_dir)}")
-    dest = Path(dest_dir).expanduser() if dest_dir is not None else _default_download_dir()
-    return _download(corpus, dest, url or corpus.url, what="")
-
-
-def _download(corpus: Corpus, dest: Path, source: str, what: str) -> Path:
-    target = dest / corpus.filename
-    searched = _search_dirs()
-
-    def fail(problem: str, reason: BaseException | None = None) -> CorpusError:
-        error = CorpusError(f"Corpus {corpus.name!r} ({corpus.filename}): {what}{problem} Nothing was saved.\n"
-                            + _where_to_put_it(corpus, searched), corpus=corpus, searched=searched)
-        error.reason = reason
-        return error
-
-    tmp_path: Path | None = None
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-        # The temporary file sits next to the target so os.replace is an atomic rename:
-        # a file under the real name is always a verified one.
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{corpus.filename}.", suffix=".part", dir=dest)
-        tmp_path = Path(tmp_name)
-        digest = hashlib.sha256()
-        size = 0
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(source, timeout=DOWNLOAD_TIMEOUT) as response:
-            while True:
-                chunk = response.read(_CHUNK)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > corpus.size:
-                    break  # already wrong; stop rather than download something huge
-                digest.update(chunk)
-                out.write(chunk)
-        got = digest.hexdigest()
-        if size != corpus.size or got != corpus.sha256:
-            got_text = (f"more than {corpus.size:,} bytes" if size > corpus.size
-                        else f"{size:,} bytes, sha256 {got}")
-            raise fail(f"the download from {source} is not the expected file (got {got_text}; "
-                       f"expected {corpus.size:,} bytes, sha256 {corpus.sha256}).")
-        os.replace(tmp_path, target)
-        tmp_path = None
-    except CorpusError:
-        raise
-    except Exception as exc:
-        hint = " (no internet connection?)" if isinstance(exc, urllib.error.URLError) else ""
-        # from None: one clear error in a notebook; the cause is in the message and in .reason
-        raise fail(f"downloading it from {source} failed{hint}: {type(exc).__name__}: {exc}.", exc) from None
-    finally:
-        if tmp_path is not None:
-            tmp_path.unlink(missing_ok=True)
-    _SHA_CACHE[_cache_key(target)] = corpus.sha256
-    return target
-
-
-def corpus_path(name: str, download: bool = True) -> Path:
-    """The verified path of a corpus, downloading it when it is nowhere on disk."""
-    location = locate_corpus(name)
-    corpus = CORPORA[location.name]
-    if location.path is not None:
-        if not location.checksum_ok:
-            raise _mismatch_error(corpus, location.path, location.searched)
-        return location.path
-    if not download:
-        raise CorpusError(f"Corpus {corpus.name!r} ({corpus.filename}) not found, and download=False.\n"
-                          + _where_to_put_it(corpus, location.searched),
-                          corpus=corpus, searched=location.searched)
-    return _download(corpus, _default_download_dir(), corpus.url,
-                     what="not found in the folders searched, and ")
-
-
-def load_corpus(name: str, download: bool = True) -> str:
-    """The text of a corpus (found, verified, downloaded if needed)."""
-    return load_text(corpus_path(name, download=download))
-
+# --------------------------------------------------------------------------- text files
 
 def load_text(path: str | os.PathLike) -> str:
     """Read any UTF-8 text file (bring your own corpus); a leading byte-order mark is dropped."""

@@ -1,6 +1,8 @@
 """Learner copies: solution regions replaced, outputs cleared, everything else kept."""
 from __future__ import annotations
 
+import io
+import json
 import re
 from pathlib import Path
 
@@ -281,7 +283,7 @@ def test_failed_write_leaves_no_temp_file_and_keeps_the_old_copy(tmp_path, monke
         handle.write("{half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(assignments.nbformat, "write", broken_write)
+    monkeypatch.setattr(assignments.nbformat, "writes", lambda nb, **kwargs: broken_write(nb, io.StringIO()))
     with pytest.raises(OSError, match="disk full"):
         make_learner_copy(src, out)
     assert out.read_text(encoding="utf-8") == "previous copy"
@@ -319,7 +321,8 @@ def test_copies_every_notebook_sorted_and_nothing_else(tmp_path):
     out_dir = tmp_path / "student" / "copies"
     written = make_learner_copies(src_dir, out_dir)
     assert written == [out_dir / "01_attention_toy.ipynb", out_dir / "02_masked_attention.ipynb"]
-    assert sorted(p.name for p in out_dir.iterdir()) == ["01_attention_toy.ipynb", "02_masked_attention.ipynb"]
+    assert sorted(p.name for p in out_dir.iterdir()) == [".course-copies.json", "01_attention_toy.ipynb",
+                                                         "02_masked_attention.ipynb"]
 
 
 def test_copies_are_all_or_nothing(tmp_path):
@@ -361,8 +364,11 @@ def test_cli_writes_copies_and_reports_each(tmp_path, capsys):
     out_dir = tmp_path / "OUT"
     assert assignments.main([str(src_dir), str(out_dir)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"wrote {out_dir / '01_attention_toy.ipynb'} (1 exercise)",
-                     f"wrote {out_dir / '02_masked_attention.ipynb'} (5 exercises)"]
+    assert lines == [f"created    {out_dir / '01_attention_toy.ipynb'} (1 exercise)",
+                     f"created    {out_dir / '02_masked_attention.ipynb'} (5 exercises)"]
+    assert assignments.main([str(src_dir), str(out_dir)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"up to date {out_dir / '01_attention_toy.ipynb'}",
+                                                    f"up to date {out_dir / '02_masked_attention.ipynb'}"]
 
 
 @pytest.mark.parametrize("case", ["bad_marker", "missing_src", "same_dir", "no_notebooks", "usage"])
@@ -454,3 +460,142 @@ def test_learner_copy_runs_top_to_bottom(tmp_path):
                 exec(compile(cell.source, "cell", "exec"), namespace)
         printed = buffer.getvalue()
     assert printed == "checker says: Exercise 3.3: write split_heads\nreached the end\n"
+
+
+# ---------------------------------------------------------------- a student's work is never overwritten
+
+
+def _course(src_dir: Path, *extra_sources: str) -> Path:
+    """A one-notebook course; ``extra_sources`` stand for what a later version of the course adds."""
+    return _notebook_with(src_dir / "01_attention_toy.ipynb",
+                          "### BEGIN SOLUTION (Exercise 1.1: predict)\nw = 1\n### END SOLUTION\n",
+                          "print(w)\n", *extra_sources)
+
+
+def _edit(path: Path, new_source: str) -> bytes:
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[0].source = new_source
+    nbformat.write(nb, path)
+    return path.read_bytes()
+
+
+def _update(src_dir: Path, out_dir: Path) -> dict[str, str]:
+    return {o.path.name: o.action for o in assignments.update_learner_copies(src_dir, out_dir)}
+
+
+def test_regenerating_keeps_the_students_edit_and_writes_the_new_version_beside_it(tmp_path, capsys):
+    src_dir, out_dir = tmp_path / "notebooks", tmp_path / "student"
+    _course(src_dir)
+    assert assignments.main([str(src_dir), str(out_dir)]) == 0
+    mine = out_dir / "01_attention_toy.ipynb"
+    edited = _edit(mine, "w = 0.5  # my answer\n")
+    _course(src_dir, "print('a cell the course added later')\n")   # a git pull changed the course
+    capsys.readouterr()
+
+    assert assignments.main([str(src_dir), str(out_dir)]) == 0
+    line = capsys.readouterr().out.strip()
+    updated = out_dir / "01_attention_toy.updated.ipynb"
+    assert line == (f"kept       {mine}: it holds your work, so it was not touched; "
+                    f"the course's new version is {updated}")
+    assert mine.read_bytes() == edited, "the student's copy is byte for byte what they saved"
+    new = nbformat.read(updated, as_version=4)
+    assert [c.source for c in new.cells][1:] == ["print(w)\n", "print('a cell the course added later')\n"]
+    assert "NotImplementedError" in new.cells[0].source
+
+    # Running it again changes nothing: the new version is already beside the student's copy.
+    assert _update(src_dir, out_dir) == {"01_attention_toy.ipynb": "kept"}
+    assert mine.read_bytes() == edited
+    assert sorted(p.name for p in out_dir.glob("*.ipynb")) == ["01_attention_toy.ipynb",
+                                                               "01_attention_toy.updated.ipynb"]
+
+
+def test_a_copy_the_student_never_changed_is_refreshed_even_after_running_it(tmp_path):
+    src_dir, out_dir = tmp_path / "notebooks", tmp_path / "student"
+    _course(src_dir)
+    assert _update(src_dir, out_dir) == {"01_attention_toy.ipynb": "created"}
+    assert _update(src_dir, out_dir) == {"01_attention_toy.ipynb": "up to date"}
+    mine = out_dir / "01_attention_toy.ipynb"
+    ran = nbformat.read(mine, as_version=4)   # what JupyterLab saves after "Run All": outputs, counts, metadata
+    ran.cells[1].outputs = [v4.new_output("stream", name="stdout", text="1\n")]
+    ran.cells[1].execution_count = 1
+    ran.metadata["widgets"] = {"state": {}}
+    nbformat.write(ran, mine)
+    _course(src_dir, "print('new')\n")
+    assert _update(src_dir, out_dir) == {"01_attention_toy.ipynb": "refreshed"}
+    assert [c.source for c in nbformat.read(mine, as_version=4).cells][-1] == "print('new')\n"
+    assert not (out_dir / "01_attention_toy.updated.ipynb").exists()
+
+
+def test_without_the_record_a_differing_copy_counts_as_the_students(tmp_path):
+    src_dir, out_dir = tmp_path / "notebooks", tmp_path / "student"
+    _course(src_dir)
+    _update(src_dir, out_dir)
+    (out_dir / ".course-copies.json").unlink()
+    before = (out_dir / "01_attention_toy.ipynb").read_bytes()
+    _course(src_dir, "print('new')\n")
+    assert _update(src_dir, out_dir) == {"01_attention_toy.ipynb": "kept"}
+    assert (out_dir / "01_attention_toy.ipynb").read_bytes() == before
+    assert (out_dir / "01_attention_toy.updated.ipynb").exists()
+
+
+@pytest.mark.parametrize("damage", ["not a notebook", "record is garbage"])
+def test_an_unreadable_copy_or_record_is_kept_not_overwritten(tmp_path, damage):
+    src_dir, out_dir = tmp_path / "notebooks", tmp_path / "student"
+    _course(src_dir)
+    _update(src_dir, out_dir)
+    mine = out_dir / "01_attention_toy.ipynb"
+    if damage == "not a notebook":
+        mine.write_text("{half a notebook", encoding="utf-8")
+    else:
+        _edit(mine, "w = 2\n")
+        (out_dir / ".course-copies.json").write_text("[1, 2", encoding="utf-8")
+    before = mine.read_bytes()
+    _course(src_dir, "print('new')\n")
+    assert _update(src_dir, out_dir) == {"01_attention_toy.ipynb": "kept"}
+    assert mine.read_bytes() == before
+
+
+def test_an_edited_updated_version_is_kept_too(tmp_path):
+    src_dir, out_dir = tmp_path / "notebooks", tmp_path / "student"
+    _course(src_dir)
+    _update(src_dir, out_dir)
+    _edit(out_dir / "01_attention_toy.ipynb", "w = 3\n")
+    _course(src_dir, "print('v2')\n")
+    _update(src_dir, out_dir)
+    updated = out_dir / "01_attention_toy.updated.ipynb"
+    edited_update = _edit(updated, "w = 4  # I worked in the updated copy\n")
+    _course(src_dir, "print('v3')\n")
+    outcomes = assignments.update_learner_copies(src_dir, out_dir)
+    assert [o.action for o in outcomes] == ["kept"]
+    assert outcomes[0].new_version == out_dir / "01_attention_toy.updated-2.ipynb"
+    assert updated.read_bytes() == edited_update
+    assert nbformat.read(outcomes[0].new_version, as_version=4).cells[-1].source == "print('v3')\n"
+
+
+def test_make_learner_copy_follows_the_same_rule(tmp_path):
+    src = _course(tmp_path / "notebooks")
+    out = tmp_path / "student" / "01_attention_toy.ipynb"
+    make_learner_copy(src, out)
+    edited = _edit(out, "w = 7\n")
+    _course(tmp_path / "notebooks", "print('new')\n")
+    make_learner_copy(src, out)
+    assert out.read_bytes() == edited
+    assert (out.parent / "01_attention_toy.updated.ipynb").exists()
+    record = json.loads((out.parent / ".course-copies.json").read_text())
+    assert set(record["written"]) == {"01_attention_toy.ipynb", "01_attention_toy.updated.ipynb"}
+
+
+def test_start_writes_the_shipped_course_into_attention_course_and_says_how_to_open_it(tmp_path, monkeypatch,
+                                                                                      capsys):
+    monkeypatch.chdir(tmp_path)
+    assert assignments.start_main([]) == 0
+    out = capsys.readouterr().out
+    folder = tmp_path / "attention-course"
+    names = sorted(p.name for p in folder.glob("*.ipynb"))
+    assert names == [p.name for p in REPO_NOTEBOOKS]
+    assert out.count("created    ") == len(REPO_NOTEBOOKS)
+    assert f"jupyter lab {Path('attention-course') / names[0]}" in out
+    for path in folder.glob("*.ipynb"):
+        assert "### BEGIN SOLUTION" not in path.read_text(encoding="utf-8"), f"{path.name} leaks a solution"
+    assert assignments.start_main(["mine"]) == 0 and (tmp_path / "mine" / names[0]).is_file()
+    assert assignments.start_main(["--nope"]) == 2

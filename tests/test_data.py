@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib import data
+from course_lib import corpora, data
 from course_lib.data import (CORPORA, IGNORE_INDEX, CharTokenizer, Corpus, CorpusError, char_corpus,
                              corpus_path, download_corpus, lm_windows, load_corpus, load_names,
                              load_text, locate_corpus, names_dataset, names_tokenizer, random_batch,
@@ -32,13 +32,14 @@ def shared_data(monkeypatch):
 
 
 @pytest.fixture
-def empty_dirs(tmp_path, monkeypatch):
-    """COURSE_DATA_DIR and the repo data/ folder both empty temporary folders."""
+def empty_dirs(tmp_path, monkeypatch, isolated_user_data_dir):
+    """COURSE_DATA_DIR, the per-user folder and the checkout's data/ folder, all empty."""
     env_dir, repo_dir = tmp_path / "env", tmp_path / "repo"
     env_dir.mkdir()
     repo_dir.mkdir()
+    isolated_user_data_dir.mkdir()
     monkeypatch.setenv("COURSE_DATA_DIR", str(env_dir))
-    monkeypatch.setattr(data, "REPO_DATA_DIR", repo_dir)
+    monkeypatch.setattr(corpora, "REPO_DATA_DIR", repo_dir)
     return env_dir, repo_dir
 
 
@@ -109,8 +110,8 @@ def test_checksum_is_cached_per_path_mtime_and_size(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_DATA_DIR", str(tmp_path))
     (tmp_path / "names.txt").write_bytes(payload)
     hashed = []
-    real_hash = data._hash_file
-    monkeypatch.setattr(data, "_hash_file", lambda path: hashed.append(path) or real_hash(path))
+    real_hash = corpora._hash_file
+    monkeypatch.setattr(corpora, "_hash_file", lambda path: hashed.append(path) or real_hash(path))
     assert locate_corpus("names").checksum_ok is True
     assert locate_corpus("names").checksum_ok is True
     assert load_corpus("names") == "anna\nbob\n"
@@ -128,7 +129,7 @@ def test_locate_never_downloads(empty_dirs, monkeypatch):
     monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: pytest.fail("locate_corpus downloaded"))
     location = locate_corpus("tinyshakespeare")
     assert location.path is None and location.checksum_ok is None and not location.ok
-    assert location.searched == [env_dir, repo_dir]
+    assert location.searched == [env_dir, corpora.user_data_dir(), repo_dir]
 
 
 def test_offline_missing_corpus_says_where_to_put_it(empty_dirs, monkeypatch):
@@ -201,14 +202,16 @@ def test_good_download_lands_verified_in_course_data_dir(empty_dirs, monkeypatch
     assert load_names() == ["anna", "bob", "zoë"]
 
 
-def test_download_without_course_data_dir_goes_to_repo_data(tmp_path, monkeypatch):
+def test_download_without_course_data_dir_goes_to_the_per_user_folder(tmp_path, monkeypatch,
+                                                                      isolated_user_data_dir):
     monkeypatch.delenv("COURSE_DATA_DIR", raising=False)
-    monkeypatch.setattr(data, "REPO_DATA_DIR", tmp_path / "repo")
+    monkeypatch.setattr(corpora, "REPO_DATA_DIR", tmp_path / "repo")
     payload = b"anna\n"
     _small_corpus(monkeypatch, payload)
     _serve(monkeypatch, payload)
     assert load_corpus("names") == "anna\n"
-    assert (tmp_path / "repo" / "names.txt").read_bytes() == payload
+    assert (isolated_user_data_dir / "names.txt").read_bytes() == payload
+    assert not (tmp_path / "repo").exists(), "downloads never go into the checkout"
 
 
 def test_download_corpus_to_folder_from_mirror(tmp_path, monkeypatch):
@@ -218,6 +221,73 @@ def test_download_corpus_to_folder_from_mirror(tmp_path, monkeypatch):
     path = download_corpus("names", dest_dir=tmp_path / "mine", url="http://127.0.0.1:1/names.txt")
     assert path == tmp_path / "mine" / "names.txt" and path.read_bytes() == payload
     assert calls[0][0] == "http://127.0.0.1:1/names.txt"
+
+
+# --------------------------------------------------------------------------- where corpora are looked for
+
+def _put(folder: Path, payload: bytes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "names.txt").write_bytes(payload)
+    return folder / "names.txt"
+
+
+def test_search_order_is_env_then_user_folder_then_checkout(empty_dirs, monkeypatch, isolated_user_data_dir):
+    env_dir, repo_dir = empty_dirs
+    payload = b"anna\n"
+    _small_corpus(monkeypatch, payload)
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: pytest.fail("downloaded"))
+    in_env, in_user, in_repo = (_put(d, payload) for d in (env_dir, isolated_user_data_dir, repo_dir))
+    assert corpus_path("names") == in_env
+    monkeypatch.delenv("COURSE_DATA_DIR")
+    assert corpus_path("names") == in_user
+    in_user.unlink()
+    assert corpus_path("names") == in_repo
+    assert locate_corpus("names").searched == [isolated_user_data_dir, repo_dir]
+
+
+def test_an_installed_course_never_looks_in_or_writes_to_its_package_folder(tmp_path, monkeypatch,
+                                                                             isolated_user_data_dir):
+    """Installed from a wheel, course_lib sits in site-packages: no data/ is searched or created there."""
+    site = tmp_path / "site-packages"
+    package = site / "course_lib"
+    package.mkdir(parents=True)
+    monkeypatch.setattr(corpora, "running_from_checkout", lambda: False)
+    monkeypatch.setattr(corpora, "PACKAGE_DIR", package)
+    monkeypatch.setattr(corpora, "REPO_DATA_DIR", site / "data")
+    monkeypatch.delenv("COURSE_DATA_DIR", raising=False)
+    _put(site / "data", b"anna\n")   # even a file there is not used
+    _small_corpus(monkeypatch, b"anna\n")
+    monkeypatch.setattr(urllib.request, "urlopen", _no_network)
+    location = locate_corpus("names")
+    assert location.path is None and location.searched == [isolated_user_data_dir]
+    with pytest.raises(CorpusError) as info:
+        corpus_path("names")
+    assert str(isolated_user_data_dir / "names.txt") in str(info.value), "the message names the user's folder"
+    assert "site-packages" not in str(info.value)
+    assert not isolated_user_data_dir.exists(), "a failed download leaves no empty folder behind"
+    assert sorted(p.name for p in site.iterdir()) == ["course_lib", "data"]
+    assert list(package.iterdir()) == []
+    with pytest.raises(CorpusError, match="inside the installed course_lib package"):
+        download_corpus("names", dest_dir=package / "data")
+    assert list(package.iterdir()) == []
+
+
+def test_a_failed_download_removes_the_folders_it_created(tmp_path, monkeypatch):
+    monkeypatch.setenv("COURSE_DATA_DIR", str(tmp_path / "new" / "deeper"))
+    monkeypatch.setattr(urllib.request, "urlopen", _no_network)
+    with pytest.raises(CorpusError, match="no internet connection"):
+        corpus_path("names")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_missing_corpus_shows_in_a_notebook_as_one_message_without_a_traceback(empty_dirs, monkeypatch):
+    monkeypatch.setattr(urllib.request, "urlopen", _no_network)
+    with pytest.raises(CorpusError) as info:
+        load_corpus("tinyshakespeare")
+    shown = info.value._render_traceback_()   # what IPython prints instead of a traceback
+    assert shown[0].startswith("CorpusError: Corpus 'tinyshakespeare'")
+    assert "\n".join(shown[1:]) == str(info.value).split("\n", 1)[1]
+    assert not any("Traceback" in line or 'File "' in line for line in shown)
 
 
 def test_unknown_corpus_name():
