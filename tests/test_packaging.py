@@ -68,3 +68,30 @@ def test_readme_opens_with_the_two_setup_commands():
 def test_corpora_are_never_committed():
     ignored = (ROOT / ".gitignore").read_text()
     assert "/data/*.txt" in ignored
+
+
+def _make_dry_run(target: str) -> str:
+    import subprocess
+    done = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_make_lab_opens_the_students_own_copy_and_never_the_solutions():
+    steps = _make_dry_run("lab")
+    assert "-m course_lib start student" in steps, "make lab writes the learner copies (keeping edits)"
+    opening = [line for line in steps.splitlines() if "jupyter lab" in line]
+    assert len(opening) == 1 and opening[0].startswith("cd student && ") \
+        and opening[0].endswith(" 01_attention_toy.ipynb"), opening
+    assert "notebooks/" not in opening[0]
+    assert "notebooks/01_attention_toy.ipynb" in _make_dry_run("lab-solutions")
+    assert "data --warn-only" in steps, "offline without corpora, make lab still opens"
+
+
+def test_nothing_in_the_makefile_deletes_the_students_work():
+    assert "/student/" in (ROOT / ".gitignore").read_text().split()
+    for target in ("clean", "test", "lab", "student"):
+        for command in re.split(r"&&|;|\n", _make_dry_run(target)):
+            words = command.split()
+            if words[:1] == ["rm"]:
+                assert not {"student", "student/", "./student"} & set(words), f"make {target}: {command}"

@@ -1,0 +1,129 @@
+"""The learner's path with nothing but `pip install`: a wheel in a fresh venv, `start`, and the notebooks.
+
+This is what a JupyterHub room, a hosted notebook or a class venv does: no checkout, no make.
+The venv is built once for the module (about a minute: pip takes the dependencies from its cache).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+INSTALL_TIMEOUT = 1200   # seconds; a cold pip cache on a slow mirror is the worst case
+
+
+def _run(args: list, cwd: Path, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    return done
+
+
+def _without_course(environ: dict) -> dict:
+    """No checkout, venv or course setting leaks in from the environment running the tests."""
+    return {k: v for k, v in environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "COURSE_"))}
+
+
+def _student_env(home: Path) -> dict:
+    """The environment of a student who has only the fresh venv, in a home of their own, offline."""
+    env = {k: v for k, v in _without_course(dict(os.environ)).items()
+           if not k.startswith(("JUPYTER", "XDG_")) and k.lower() not in ("http_proxy", "https_proxy")}
+    env.update(HOME=str(home), MPLBACKEND="Agg", COURSE_STATIC_WIDGETS="1", COURSE_THREADS="2",
+               PYTHONNOUSERSITE="1",
+               # Offline for sure: a download goes to a closed port on this machine and fails at once.
+               HTTPS_PROXY="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9")
+    return env
+
+
+def _package_files(folder: Path) -> dict[str, tuple[int, int]]:
+    # Python's own bytecode cache is the interpreter's business, not the course's.
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fresh")
+    wheels, venv, home = base / "wheels", base / "venv", base / "home"
+    home.mkdir()
+    env = _without_course(dict(os.environ))   # pip keeps its own cache and configuration
+    built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, ROOT],
+                 cwd=base, env=env)
+    assert built.returncode == 0, built.stdout + built.stderr
+    wheel = next(wheels.glob("course_lib-*.whl"))
+    made = _run([sys.executable, "-m", "venv", venv], cwd=base, env=env)
+    assert made.returncode == 0, made.stderr
+    python = venv / "bin" / "python"
+    installed = _run([python, "-m", "pip", "install", "--quiet", "--no-compile", "--disable-pip-version-check",
+                      "-c", ROOT / "constraints.txt", wheel], cwd=base, env=env, timeout=INSTALL_TIMEOUT)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    package = Path(_run([python, "-c", "import course_lib, os; print(os.path.dirname(course_lib.__file__))"],
+                        cwd=base, env=env).stdout.strip())
+    assert package.parent.name == "site-packages", f"course_lib imported from {package}, not the fresh venv"
+    return {"python": python, "venv": venv, "home": home, "env": _student_env(home), "package": package,
+            "base": base}
+
+
+def test_start_writes_the_learner_copies_from_the_installed_package(fresh_venv):
+    work = fresh_venv["base"] / "start-here"
+    work.mkdir()
+    done = _run([fresh_venv["python"], "-m", "course_lib", "start"], cwd=work, env=fresh_venv["env"])
+    assert done.returncode == 0, done.stderr
+    copies = sorted(p.name for p in (work / "attention-course").glob("*.ipynb"))
+    shipped = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert copies == shipped
+    assert "jupyter lab attention-course/01_attention_toy.ipynb" in done.stdout
+    again = _run([fresh_venv["python"], "-m", "course_lib", "start"], cwd=work, env=fresh_venv["env"])
+    assert again.stdout.count("up to date") == len(shipped)
+
+
+def _execute(fresh_venv: dict, notebook: Path, env: dict, *options: str) -> subprocess.CompletedProcess:
+    """nbconvert from the notebook's own folder, naming no kernel: the notebook's python3 is used."""
+    jupyter = fresh_venv["venv"] / "bin" / "jupyter"
+    return _run([jupyter, "nbconvert", "--to", "notebook", "--execute", *options,
+                 "--output", f"{notebook.stem}.ran", notebook.name], cwd=notebook.parent, env=env)
+
+
+def test_learner_copies_run_in_the_fresh_venv_and_nothing_is_written_into_the_package(fresh_venv):
+    package_before = _package_files(fresh_venv["package"])
+    work = fresh_venv["base"] / "class"
+    work.mkdir()
+    assert _run([fresh_venv["python"], "-m", "course_lib", "start", "mine"], cwd=work,
+                env=fresh_venv["env"]).returncode == 0
+    copies = work / "mine"
+
+    first = _execute(fresh_venv, copies / "01_attention_toy.ipynb", fresh_venv["env"])
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    with_data = dict(fresh_venv["env"], COURSE_DATA_DIR=str(SHARED))
+    second = _execute(fresh_venv, copies / "02_masked_attention.ipynb", with_data)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert (copies / "01_attention_toy.ran.ipynb").is_file() and (copies / "02_masked_attention.ran.ipynb").is_file()
+
+    # Offline, with no corpus anywhere: the cell that needs it shows one clear message naming the
+    # per-user folder, not a traceback.
+    offline = _execute(fresh_venv, copies / "02_masked_attention.ipynb", fresh_venv["env"], "--allow-errors")
+    assert offline.returncode == 0, offline.stderr[-3000:]
+    ran = json.loads((copies / "02_masked_attention.ran.ipynb").read_text(encoding="utf-8"))
+    errors = [o for c in ran["cells"] if c["cell_type"] == "code" for o in c["outputs"]
+              if o["output_type"] == "error"]
+    assert errors and errors[0]["ename"] == "CorpusError", [e["ename"] for e in errors]
+    shown = "\n".join(errors[0]["traceback"])
+    user_folder = fresh_venv["home"] / ".cache" / "attention-course"
+    assert shown.startswith("CorpusError: Corpus 'tinyshakespeare'")
+    assert f"save it as {user_folder / 'tinyshakespeare.txt'}" in shown
+    assert "Traceback" not in shown and 'File "' not in shown and "site-packages" not in shown
+    assert not user_folder.exists(), "a failed download leaves no folder behind"
+
+    doctor = _run([fresh_venv["python"], "-m", "course_lib", "doctor"], cwd=work, env=fresh_venv["env"])
+    assert f"1. {user_folder}  (per-user folder" in doctor.stdout
+    assert "site-packages" not in doctor.stdout.split("corpora are looked for in")[1]
+    assert _package_files(fresh_venv["package"]) == package_before, "something wrote into site-packages/course_lib"
+    assert not (fresh_venv["package"].parent / "data").exists()
