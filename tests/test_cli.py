@@ -72,3 +72,13 @@ def test_data_command_without_download_reports_missing(monkeypatch, tmp_path, ca
     monkeypatch.setattr("course_lib.corpora.REPO_DATA_DIR", tmp_path / "nothing-here")
     assert main(["data", "names", "--no-download"]) == 1
     assert "names" in capsys.readouterr().err
+
+
+def test_data_warn_only_lets_make_lab_open_offline(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("COURSE_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr("course_lib.corpora.REPO_DATA_DIR", tmp_path / "nothing-here")
+    assert main(["data", "--no-download", "--warn-only"]) == 0
+    err = capsys.readouterr().err
+    assert "WARNING: names, tinyshakespeare not available yet" in err
+    assert f"save it as {tmp_path / 'names.txt'}" in err, "the warning carries the exact fix"
+    assert main(["data", "--no-download"]) == 1
