@@ -76,6 +76,16 @@ class CollectedPart:
     def is_yours(self) -> bool:
         return self.status == "yours"
 
+    @property
+    def is_the_solution(self) -> bool:
+        """True when the student's part is the course's solution up to comments and layout."""
+        if not self.is_yours:
+            return False
+        try:
+            return ast.dump(ast.parse(self.source)) == ast.dump(ast.parse(self.exercise.solution))
+        except SyntaxError:
+            return False
+
 
 def _segment(source: str, node: ast.stmt) -> str:
     """The source of one statement, decorators included (ast's own segment starts at ``def``)."""
@@ -232,6 +242,20 @@ class Collection:
             else:
                 _execute(part.exercise.solution, namespace, f"<course solution, Exercise {ex_id}>")
         return namespace
+
+    def with_part(self, exercise_id: str, source: str) -> "Collection":
+        """A copy of this collection whose part for ``exercise_id`` is ``source`` (to try a variant)."""
+        if exercise_id not in self.parts:
+            raise ValueError(f"exercise_id: expected one of {sorted(self.parts)}, got {exercise_id!r}")
+        if not isinstance(source, str):
+            raise TypeError(f"source: expected the definition's source code as a str, got {describe(source)}")
+        try:
+            compile(source, f"<Exercise {exercise_id}>", "exec")
+        except SyntaxError as err:
+            raise ValueError(f"source: does not compile (line {err.lineno}: {err.msg})") from None
+        parts = dict(self.parts)
+        parts[exercise_id] = CollectedPart(self.parts[exercise_id].exercise, "yours", source)
+        return Collection(self.folder, parts)
 
     def table(self) -> str:
         """A plain-text table: each exercise, its name, and whose part is used."""

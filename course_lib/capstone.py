@@ -1,0 +1,302 @@
+"""Notebook 08: your parts, trained beside the course's, judged, and blamed when they lag.
+
+``train_parts`` trains a GPT put together from a ``Collection`` (``course_lib.collect``):
+the student's ``GPT``, blocks, attention, mask, loss and training step where they wrote them,
+the course's elsewhere. Every run of one ``TrainingSetup`` starts from the same weights and
+sees the same batches in the same order, so two runs differ only by the parts they use.
+
+``judge`` says whether the student's GPT trains like the reference (exercise 8.1), and
+``find_blame`` adds the student's parts one at a time, in the order they compose, and names
+the first after which the loss turns NaN, diverges or stalls.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ._validate import describe
+from .checks import CheckResult
+from .collect import Collection
+from .data import char_corpus, load_names, names_dataset, names_tokenizer, random_batch, split_names
+from .model import GPT, GPTConfig
+from .train import evaluate
+
+__all__ = ["TrainingSetup", "TrainingRun", "Blame", "names_setup", "shakespeare_setup", "train_parts",
+           "judge", "find_blame", "sample_text", "plot_side_by_side", "CHECKERS", "TOLERANCE"]
+
+# The checker of each part (by exercise id), to say what it missed when a part it passed breaks training.
+CHECKERS = {"2.1": "check_causal_mask", "3.1": "check_split_heads", "3.2": "check_merge_heads",
+            "3.3": "check_multi_head_attention", "4.2": "check_transformer_block", "4.3": "check_gpt",
+            "5.2": "check_lm_loss", "5.3": "check_train_step", "5.4": "check_sampling"}
+
+# A correct part gives the reference's numbers up to float rounding: same start, same batches.
+# Over a few hundred AdamW steps rounding differences grow to about 1e-3 in the loss (measured:
+# reordered but equivalent attention code ends within 0.002). A part that changes what is computed
+# moves the loss by far more (a missing scale: +0.05; dropout in the wrong place: NaN or +0.1).
+TOLERANCE = 0.02
+# A run stalls when its loss falls by less than this from the first steps to the last.
+STALL = 0.05
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """One corpus and model for side-by-side runs: data, config, steps and the batches' seed."""
+
+    name: str
+    config: GPTConfig
+    batches: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    val_inputs: torch.Tensor
+    val_targets: torch.Tensor
+    steps: int
+    learning_rate: float = 3e-3
+    eval_every: int = 50
+    seed: int = 0
+    decode: Callable[[list[int]], str] | None = None
+    start_token: int = 0
+
+
+@dataclass
+class TrainingRun:
+    """The losses of one run; ``failure`` says why it stopped early, if it did."""
+
+    label: str
+    step: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    val_step: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    failure: str | None = None    # "nan" or "exception: ..." when the run could not go on
+    model: torch.nn.Module | None = field(default=None, repr=False)
+    namespace: dict | None = field(default=None, repr=False)
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.val_loss[-1] if self.val_loss else float("nan")
+
+    def summary(self) -> str:
+        end = f"validation loss {self.final_val_loss:.4f}" if self.failure is None else f"stopped: {self.failure}"
+        return f"{self.label}: {len(self.step)} steps, {end}"
+
+
+@dataclass(frozen=True)
+class Blame:
+    """The part after which training breaks, how it breaks, and what its own checker said."""
+
+    exercise: str
+    name: str
+    verdict: str            # "nan", "diverges", "stalls" or "raises"
+    run: TrainingRun
+    checker: CheckResult | None
+
+    def __str__(self) -> str:
+        how = {"nan": "the loss becomes NaN", "diverges": "the loss ends well above the reference's",
+               "stalls": "the loss stops going down", "raises": "training raises an error"}[self.verdict]
+        text = f"Exercise {self.exercise} ({self.name}): with your {self.name}, {how}."
+        if self.checker is not None and self.checker.passed:
+            text += (f" Its checker passed: the mistake shows only in training (dropout acting in train "
+                     f"mode, gradients, many steps), which the checker's probes did not cover.")
+        elif self.checker is not None:
+            text += f" Its checker also says: {self.checker.message}"
+        return text
+
+
+# --------------------------------------------------------------------------- the two setups
+
+def names_setup(steps: int = 300, seed: int = 0) -> TrainingSetup:
+    """Character-level names: a small GPT that learns in a few seconds."""
+    names = load_names()
+    tokenizer = names_tokenizer(names)
+    train_names, val_names = split_names(names)
+    max_tokens = 16
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, embed_dim=64, num_heads=4, num_layers=2,
+                       max_tokens=max_tokens, dropout_rate=0.1)
+    inputs, targets = names_dataset(train_names, tokenizer, max_tokens)        # (names, max_tokens) each
+    val_inputs, val_targets = names_dataset(val_names[:1000], tokenizer, max_tokens)
+
+    def batches(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.randint(inputs.shape[0], (64,), generator=generator)      # (64,)
+        return inputs[rows], targets[rows]                                     # (64, max_tokens) each
+
+    return TrainingSetup("names", config, batches, val_inputs, val_targets, steps, learning_rate=3e-3,
+                         eval_every=max(1, steps // 6), seed=seed, decode=tokenizer.decode, start_token=0)
+
+
+def shakespeare_setup(steps: int = 300, seed: int = 0) -> TrainingSetup:
+    """Character-level Shakespeare, the corpus of notebook 05, with a model small enough for a CPU."""
+    corpus = char_corpus("tinyshakespeare")
+    max_tokens = 64
+    config = GPTConfig(vocab_size=corpus.vocab_size, embed_dim=96, num_heads=4, num_layers=2,
+                       max_tokens=max_tokens, dropout_rate=0.1)
+    val_generator = torch.Generator().manual_seed(1234)
+    val_inputs, val_targets = random_batch(corpus.val_ids, 64, max_tokens, generator=val_generator)
+
+    def batches(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return random_batch(corpus.train_ids, 32, max_tokens, generator=generator)
+
+    return TrainingSetup("tinyshakespeare", config, batches, val_inputs, val_targets, steps, learning_rate=3e-3,
+                         eval_every=max(1, steps // 6), seed=seed, decode=corpus.tokenizer.decode,
+                         start_token=corpus.tokenizer.encode("\n")[0])
+
+
+# --------------------------------------------------------------------------- training
+
+def _build(namespace: dict, setup: TrainingSetup) -> torch.nn.Module:
+    torch.manual_seed(setup.seed)
+    model = namespace["GPT"](setup.config)
+    # Every run starts from the reference's initial weights (copied by name where they fit), so a
+    # part that only creates its layers in another order does not change where training starts.
+    torch.manual_seed(setup.seed)
+    start = GPT(setup.config).state_dict()
+    own = model.state_dict()
+    fitting = {k: v for k, v in start.items() if k in own and own[k].shape == v.shape}
+    model.load_state_dict(fitting, strict=False)
+    return model
+
+
+def train_parts(collection: Collection, yours: Sequence[str] | None, setup: TrainingSetup, *,
+                steps: int | None = None, label: str = "") -> TrainingRun:
+    """Train the GPT made of the student's parts ``yours`` (None: every usable one) and the course's others."""
+    if not isinstance(collection, Collection):
+        raise TypeError(f"collection: expected the result of collect_student_parts(...), got {describe(collection)}")
+    if not isinstance(setup, TrainingSetup):
+        raise TypeError(f"setup: expected names_setup() or shakespeare_setup(), got {describe(setup)}")
+    steps = setup.steps if steps is None else steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: expected a positive int, got {describe(steps)}")
+    run = TrainingRun(label or ("yours" if yours is None else f"yours: {', '.join(yours) or 'none'}"))
+    try:
+        namespace = collection.namespace(yours)
+        model = _build(namespace, setup)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=setup.learning_rate, weight_decay=0.01)
+        generator = torch.Generator().manual_seed(setup.seed)
+        for step in range(1, steps + 1):
+            inputs, targets = setup.batches(generator)
+            loss = float(namespace["train_step"](model, optimizer, inputs, targets, 1.0))
+            run.step.append(step)
+            run.train_loss.append(loss)
+            if not math.isfinite(loss):
+                run.failure = "nan"
+                break
+            if step % setup.eval_every == 0 or step == steps:
+                run.val_step.append(step)
+                run.val_loss.append(evaluate(model, setup.val_inputs, setup.val_targets))
+                if not math.isfinite(run.val_loss[-1]):
+                    run.failure = "nan"
+                    break
+    except Exception as err:  # noqa: BLE001 - the student's parts: any error ends this run with a verdict
+        run.failure = f"exception: {type(err).__name__}: {err}"
+        return run
+    run.model, run.namespace = model, namespace
+    return run
+
+
+# --------------------------------------------------------------------------- judging and blaming
+
+def _verdict(run: TrainingRun, reference: TrainingRun, tolerance: float) -> str | None:
+    """None when ``run`` trains like ``reference``, else how it fails."""
+    if run.failure == "nan":
+        return "nan"
+    if run.failure is not None:
+        return "raises"
+    first, last = sum(run.train_loss[:10]) / min(10, len(run.train_loss)), run.final_val_loss
+    if first - last < STALL and reference.train_loss[0] - reference.final_val_loss >= STALL:
+        return "stalls"
+    if last > reference.final_val_loss + tolerance:
+        return "diverges"
+    return None
+
+
+def judge(yours: TrainingRun, reference: TrainingRun, tolerance: float = TOLERANCE) -> CheckResult:
+    """Exercise 8.1: does your GPT train like the reference (final validation loss within ``tolerance``)?"""
+    for name, run in (("yours", yours), ("reference", reference)):
+        if not isinstance(run, TrainingRun):
+            raise TypeError(f"{name}: expected a TrainingRun from train_parts(...), got {describe(run)}")
+    if reference.failure is not None:
+        raise ValueError(f"reference: the reference run itself failed ({reference.failure}); "
+                         f"this is a bug in the course, please report it")
+    verdict = _verdict(yours, reference, tolerance)
+    if verdict is None:
+        gap = yours.final_val_loss - reference.final_val_loss
+        return CheckResult("8.1", True, None,
+                           f"Your GPT trains like the reference: validation loss {yours.final_val_loss:.4f} "
+                           f"against {reference.final_val_loss:.4f} ({gap:+.4f}, tolerance {tolerance}).")
+    message = {"nan": f"Your GPT's loss became NaN at step {len(yours.step)}.",
+               "raises": f"Training your GPT failed: {yours.failure}.",
+               "stalls": "Your GPT's loss does not go down.",
+               "diverges": (f"Your GPT ends at validation loss {yours.final_val_loss:.4f}, the reference at "
+                            f"{reference.final_val_loss:.4f}: more than {tolerance} behind.")}[verdict]
+    diagnosis = {"nan": "nan", "raises": "exception"}.get(verdict, "mismatch")
+    return CheckResult("8.1", False, diagnosis, message + " find_blame(...) names the part.")
+
+
+def _checker_result(collection: Collection, exercise: str, namespace: dict) -> CheckResult | None:
+    from . import checks
+    checker = getattr(checks, CHECKERS.get(exercise, ""), None)
+    if checker is None:
+        return None
+    return checker(namespace[collection.parts[exercise].exercise.name])
+
+
+def find_blame(collection: Collection, setup: TrainingSetup, *, steps: int = 120,
+               tolerance: float = TOLERANCE) -> Blame | None:
+    """Add the student's parts one at a time, in the order they compose; name the first that breaks training.
+
+    Every trial is a short run on the same batches; the search stops at the first part to blame.
+    A part whose code is the solution's (up to comments and layout) needs no trial. None when
+    every part trains like the reference on its own terms (the lag needs them together).
+    """
+    if not isinstance(collection, Collection):
+        raise TypeError(f"collection: expected the result of collect_student_parts(...), got {describe(collection)}")
+    reference = train_parts(collection, [], setup, steps=steps, label="reference")
+    added: list[str] = []
+    for exercise in collection.yours():
+        added.append(exercise)
+        if collection.parts[exercise].is_the_solution:
+            continue
+        trial = train_parts(collection, list(added), setup, steps=steps)
+        verdict = _verdict(trial, reference, tolerance)
+        if verdict is not None:
+            namespace = collection.namespace(added)
+            return Blame(exercise, collection.parts[exercise].exercise.name, verdict, trial,
+                         _checker_result(collection, exercise, namespace))
+    return None
+
+
+def plot_side_by_side(yours: TrainingRun, reference: TrainingRun, title: str = ""):
+    """Both runs' training loss (thin) and validation loss (dots) against the step, on one figure."""
+    from .viz import PALETTE, Figure
+    for name, run in (("yours", yours), ("reference", reference)):
+        if not isinstance(run, TrainingRun):
+            raise TypeError(f"{name}: expected a TrainingRun from train_parts(...), got {describe(run)}")
+    fig = Figure(figsize=(7.5, 4.0))
+    ax = fig.add_subplot()
+    for run, colour, style in ((reference, PALETTE[0], "-"), (yours, PALETTE[6], "--")):
+        ax.plot(run.step, run.train_loss, color=colour, linewidth=1.0, alpha=0.6, linestyle=style,
+                label=f"{run.label}, training batches")
+        ax.plot(run.val_step, run.val_loss, color=colour, marker="o", markersize=4, linewidth=1.8,
+                linestyle=style, label=f"{run.label}, validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title or "your GPT and the reference, same start and same batches", fontsize=11)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    return fig
+
+
+def sample_text(run: TrainingRun, setup: TrainingSetup, length: int = 200, seed: int = 0,
+                temperature: float = 0.8) -> str:
+    """Text from a trained run's model, drawn with the run's own ``sample_next_token``."""
+    if not isinstance(run, TrainingRun) or run.model is None:
+        raise ValueError(f"run: expected a finished TrainingRun with its model, got {describe(run)}")
+    model, sample = run.model.eval(), run.namespace["sample_next_token"]
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([[setup.start_token]])                                   # (1, 1)
+    with torch.no_grad():
+        for _ in range(length):
+            logits = model(ids[:, -setup.config.max_tokens:])[:, -1, :]          # (1, vocab)
+            next_id = sample(logits, temperature=temperature, generator=generator)
+            ids = torch.cat([ids, next_id.reshape(1, 1)], dim=1)                # (1, T + 1)
+    return setup.decode(ids[0].tolist()) if setup.decode else str(ids[0].tolist())
+
