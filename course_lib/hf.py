@@ -25,8 +25,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from . import _validate as check
+from . import _validate as validate
 from .attention import attention_weights
+from .data import REPLACEMENT_CHAR, UNKNOWN_POLICIES
 from .model import GPT, GPTConfig, sinusoidal_table
 
 try:
@@ -88,7 +89,7 @@ class WeightPair:
 
 def weight_pairs(num_layers: int) -> list[WeightPair]:
     """Every tensor of a GPT-2 model with ``num_layers`` blocks, in model order."""
-    check.positive_int("num_layers", num_layers)
+    validate.positive_int("num_layers", num_layers)
     pairs = [WeightPair(("token_embedding.weight",), "transformer.wte.weight"),
              WeightPair(("position_encoding.embedding.weight",), "transformer.wpe.weight")]
     for i in range(num_layers):
@@ -129,7 +130,7 @@ def split_c_attn(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     Conv1D computes x @ W, nn.Linear computes x @ W.T: split along the output
     (last) dimension first, then transpose each third.
     """
-    check.tensor("weight", weight, dim=2, floating=True)
+    validate.tensor("weight", weight, dim=2, floating=True)
     in_dim, out_dim = weight.shape
     if out_dim != 3 * in_dim:
         raise ValueError(f"weight: expected Conv1D layout (embed_dim, 3 * embed_dim), e.g. ({in_dim}, "
@@ -151,7 +152,7 @@ def gpt2_config_from_course(config: GPTConfig) -> GPT2Config:
     blocks cannot be expressed in GPT-2 and are refused.
     """
     if not isinstance(config, GPTConfig):
-        raise TypeError(f"config: expected a course_lib GPTConfig, got {check.describe(config)}")
+        raise TypeError(f"config: expected a course_lib GPTConfig, got {validate.describe(config)}")
     if not config.norm_first:
         raise ValueError("config.norm_first: GPT-2 normalises before attention and MLP (pre-norm, "
                          "norm_first=True); got norm_first=False (post-norm), which GPT-2 cannot "
@@ -179,7 +180,7 @@ def gpt2_config_from_course(config: GPTConfig) -> GPT2Config:
 def course_config_from_gpt2(hf_config: GPT2Config) -> GPTConfig:
     """The course ``GPTConfig`` of a GPT-2 architecture (always bias=True, learned positions, pre-norm)."""
     if not isinstance(hf_config, GPT2Config):
-        raise TypeError(f"hf_config: expected a transformers.GPT2Config, got {check.describe(hf_config)}")
+        raise TypeError(f"hf_config: expected a transformers.GPT2Config, got {validate.describe(hf_config)}")
     c = hf_config
     unsupported = [
         (not c.scale_attn_weights, "scale_attn_weights=False",
@@ -244,7 +245,7 @@ def _expected_course_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
 def _check_state_dict(name: str, state_dict: Any, expected: dict[str, tuple[int, ...]],
                       what: str, ignore: Callable[[str], bool] = lambda key: False) -> None:
     if not isinstance(state_dict, dict):
-        raise TypeError(f"{name}: expected a dict of tensors (a state_dict), got {check.describe(state_dict)}")
+        raise TypeError(f"{name}: expected a dict of tensors (a state_dict), got {validate.describe(state_dict)}")
     missing = [key for key in expected if key not in state_dict]
     if missing:
         raise KeyError(f"{name}: tensor {missing[0]!r} is missing ({len(missing)} missing in all); "
@@ -256,7 +257,7 @@ def _check_state_dict(name: str, state_dict: Any, expected: dict[str, tuple[int,
     for key, shape in expected.items():
         given = state_dict[key]
         if not isinstance(given, torch.Tensor):
-            raise TypeError(f"{name}[{key!r}]: expected a tensor, got {check.describe(given)}")
+            raise TypeError(f"{name}[{key!r}]: expected a tensor, got {validate.describe(given)}")
         if tuple(given.shape) != shape:
             raise ValueError(f"{name}[{key!r}]: expected shape {shape} for {what}, got {tuple(given.shape)}")
 
@@ -295,7 +296,7 @@ def _old_gpt2_buffer(key: str) -> bool:
 def hf_to_course_state_dict(state_dict: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """A GPT-2 state_dict -> course tensor names and layouts, for a course model built with ``config``."""
     if not isinstance(config, GPTConfig):
-        raise TypeError(f"config: expected a course_lib GPTConfig, got {check.describe(config)}")
+        raise TypeError(f"config: expected a course_lib GPTConfig, got {validate.describe(config)}")
     if config != _gpt2_like(config):
         raise ValueError(f"config: a GPT-2 state_dict fills a course GPT with bias=True, positional='learned', "
                          f"norm_first=True; got bias={config.bias}, positional={config.positional!r}, "
@@ -319,7 +320,7 @@ def _first_parameter(module: torch.nn.Module) -> torch.Tensor:
 def to_hf_gpt2(model: GPT) -> GPT2LMHeadModel:
     """A ``transformers.GPT2LMHeadModel`` computing the same logits as the course ``model``."""
     if not isinstance(model, GPT):
-        raise TypeError(f"model: expected a course_lib GPT, got {check.describe(model)}")
+        raise TypeError(f"model: expected a course_lib GPT, got {validate.describe(model)}")
     hf_config = gpt2_config_from_course(model.config)
     state = course_to_hf_state_dict(model.state_dict(), model.config)
     reference = _first_parameter(model)
@@ -333,7 +334,7 @@ def to_hf_gpt2(model: GPT) -> GPT2LMHeadModel:
 def from_hf_gpt2(hf_model: GPT2LMHeadModel) -> GPT:
     """A course ``GPT`` computing the same logits as a ``transformers.GPT2LMHeadModel``."""
     if not isinstance(hf_model, GPT2LMHeadModel):
-        raise TypeError(f"hf_model: expected a transformers.GPT2LMHeadModel, got {check.describe(hf_model)}")
+        raise TypeError(f"hf_model: expected a transformers.GPT2LMHeadModel, got {validate.describe(hf_model)}")
     config = course_config_from_gpt2(hf_model.config)
     state = hf_to_course_state_dict(hf_model.state_dict(), config)
     reference = _first_parameter(hf_model)
@@ -368,7 +369,7 @@ def from_pretrained(name_or_path: str | os.PathLike, *, local_files_only: bool |
     """
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
         raise TypeError(f"name_or_path: expected a model name such as 'gpt2' or a folder path, "
-                        f"got {check.describe(name_or_path)}")
+                        f"got {validate.describe(name_or_path)}")
     name = os.fspath(name_or_path)
     if _looks_like_path(name):
         folder = Path(name).expanduser()
@@ -412,39 +413,41 @@ def char_tokenizer_to_hf(tokenizer: Any, *, model_max_length: int | None = None)
     """The course's character tokenizer as a transformers tokenizer: one token per character, decode = concatenate.
 
     Needs ``tokenizer.stoi`` (character -> id, ids 0 .. n-1). Characters outside the
-    vocabulary follow ``tokenizer.unknown``: "skip" drops them, "error" (the default) fails.
+    vocabulary follow ``tokenizer.unknown``, as in ``CharTokenizer.encode``: "replace" gives
+    them the id of the replacement character, "skip" drops them, "error" (the default) fails.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     stoi = getattr(tokenizer, "stoi", None)
     if not isinstance(stoi, dict) or not stoi:
         raise TypeError(f"tokenizer: expected a CharTokenizer with a non-empty .stoi dict (character -> id), "
-                        f"got {check.describe(tokenizer)}")
+                        f"got {validate.describe(tokenizer)}")
     bad = [c for c in stoi if not isinstance(c, str) or len(c) != 1]
     if bad:
         raise ValueError(f"tokenizer.stoi: expected single characters as keys, got {bad[0]!r}")
     if sorted(stoi.values()) != list(range(len(stoi))):
         raise ValueError(f"tokenizer.stoi: expected ids 0 .. {len(stoi) - 1}, each once; "
                          f"got {sorted(stoi.values())[:10]}...")
-    core = Tokenizer(models.WordLevel(vocab=dict(stoi), unk_token=None))
-    # Every character is its own token, spaces and newlines included; no normaliser
-    # (no lower-casing, no unicode folding): the ids are exactly tokenizer.encode's.
+    unknown = getattr(tokenizer, "unknown", "error")
+    validate.one_of("tokenizer.unknown", unknown, UNKNOWN_POLICIES)
+    if unknown == "replace" and REPLACEMENT_CHAR not in stoi:
+        raise ValueError(f"tokenizer.stoi: unknown='replace' maps unseen characters to {REPLACEMENT_CHAR!r}, "
+                         f"which is not in the vocabulary; build the tokenizer with CharTokenizer(..., "
+                         f"unknown='replace'), which adds it")
+    # "replace": the word-level model's unknown token is the replacement character, so an
+    # unseen character gets its id, as in CharTokenizer.encode.
+    core = Tokenizer(models.WordLevel(vocab=dict(stoi),
+                                      unk_token=REPLACEMENT_CHAR if unknown == "replace" else None))
+    # Every character is its own token, spaces and newlines included; no lower-casing or
+    # unicode folding: the ids are exactly tokenizer.encode's.
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     # Fuse joins tokens with nothing in between; the default would put spaces between characters.
     core.decoder = decoders.Fuse()
-    unknown = getattr(tokenizer, "unknown", "error")
     if unknown == "skip":
+        # Unseen characters are removed before splitting, so they get no id at all.
         known = "".join(f"\\x{{{ord(c):X}}}" for c in stoi)
         core.normalizer = normalizers.Replace(Regex(f"[^{known}]"), "")
-    elif unknown == "replace":
-        replacement = next((getattr(tokenizer, attr) for attr in ("replacement", "unknown_char", "unk")
-                            if getattr(tokenizer, attr, None) in stoi), None)
-        if replacement is None:
-            raise ValueError("tokenizer.unknown: 'replace' needs the replacement character (tokenizer.replacement) "
-                             "to be in the vocabulary; build the tokenizer with unknown='skip' or 'error' to export it")
-        known = "".join(f"\\x{{{ord(c):X}}}" for c in stoi)
-        core.normalizer = normalizers.Replace(Regex(f"[^{known}]"), replacement)
-    kwargs = {} if model_max_length is None else {"model_max_length": check.positive_int("model_max_length",
+    kwargs = {} if model_max_length is None else {"model_max_length": validate.positive_int("model_max_length",
                                                                                          model_max_length)}
     return transformers.PreTrainedTokenizerFast(tokenizer_object=core, clean_up_tokenization_spaces=False,
                                                 **kwargs)
@@ -457,9 +460,9 @@ def save_pretrained(model: GPT, tokenizer: Any, folder: str | os.PathLike) -> Pa
     course's CharTokenizer. Returns the folder.
     """
     if not isinstance(model, GPT):
-        raise TypeError(f"model: expected a course_lib GPT, got {check.describe(model)}")
+        raise TypeError(f"model: expected a course_lib GPT, got {validate.describe(model)}")
     if not isinstance(folder, (str, os.PathLike)) or not str(folder):
-        raise TypeError(f"folder: expected a folder path, got {check.describe(folder)}")
+        raise TypeError(f"folder: expected a folder path, got {validate.describe(folder)}")
     max_tokens = model.config.max_tokens
     if isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
         hf_tokenizer = copy.deepcopy(tokenizer)   # set the context length on a copy, not on the caller's
@@ -515,9 +518,9 @@ def course_attention_forward(module: torch.nn.Module | None, query: torch.Tensor
     float, broadcastable to (N, heads, Lq, Lk), or None. Returns (output (N, Lq, heads, d),
     weights (N, heads, Lq, Lk)) — the shapes GPT2Attention and friends expect.
     """
-    check.tensor("query", query, dim=4, floating=True)
-    check.tensor("key", key, dim=4, floating=True)
-    check.tensor("value", value, dim=4, floating=True)
+    validate.tensor("query", query, dim=4, floating=True)
+    validate.tensor("key", key, dim=4, floating=True)
+    validate.tensor("value", value, dim=4, floating=True)
     n, heads, q_len, head_dim = query.shape
     if key.shape[0] != n or key.shape[-1] != head_dim or key.shape[:3] != value.shape[:3]:
         raise ValueError(f"key: expected (N={n}, kv_heads, Lk, {head_dim}) and value with the same "
@@ -526,8 +529,8 @@ def course_attention_forward(module: torch.nn.Module | None, query: torch.Tensor
         raise ValueError(f"key: {key.shape[1]} key/value heads must divide the {heads} query heads, "
                          f"got key {tuple(key.shape)}")
     if scaling is not None:
-        check.positive_float("scaling", scaling)
-    dropout = check.probability("dropout", dropout)
+        validate.positive_float("scaling", scaling)
+    dropout = validate.probability("dropout", dropout)
     if key.shape[1] != heads:   # grouped-query attention: each key/value head serves several query heads
         key = key.repeat_interleave(heads // key.shape[1], dim=1)       # (N, heads, Lk, d)
         value = value.repeat_interleave(heads // value.shape[1], dim=1)  # (N, heads, Lk, dv)
@@ -542,7 +545,7 @@ def course_attention_forward(module: torch.nn.Module | None, query: torch.Tensor
         mask = (torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
                 if is_causal and q_len > 1 else None)                  # (Lq, Lk)
     else:
-        check.tensor("attention_mask", attention_mask, min_dim=2)
+        validate.tensor("attention_mask", attention_mask, min_dim=2)
         if attention_mask.shape[-1] != k_len or attention_mask.shape[-2] not in (1, q_len):
             raise ValueError(f"attention_mask: expected shape (..., {q_len}, {k_len}) (queries x keys), "
                              f"got {tuple(attention_mask.shape)}")
@@ -572,7 +575,7 @@ _BUILT_IN = {"eager", "sdpa", "flex_attention", "paged|eager", "flash_attention_
 def _check_name(name: Any) -> str:
     if not isinstance(name, str) or not name or "/" in name or name in _BUILT_IN:
         raise ValueError(f"name: expected a new attention implementation name (no '/', not one of "
-                         f"{sorted(_BUILT_IN)}), got {check.describe(name)}")
+                         f"{sorted(_BUILT_IN)}), got {validate.describe(name)}")
     return name
 
 
@@ -587,7 +590,7 @@ def register_course_attention(name: str = "course", fn: Callable[..., Any] = cou
     _check_name(name)
     if not callable(fn):
         raise TypeError(f"fn: expected an attention function (module, query, key, value, attention_mask, "
-                        f"scaling=None, dropout=0.0, **kwargs), got {check.describe(fn)}")
+                        f"scaling=None, dropout=0.0, **kwargs), got {validate.describe(fn)}")
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
@@ -604,7 +607,7 @@ def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         result = fn(module, query, key, value, attention_mask, *args, **kwargs)
         if not isinstance(result, tuple) or len(result) != 2:
-            raise TypeError(f"fn: expected a tuple (attn_output, attn_weights or None), got {check.describe(result)}")
+            raise TypeError(f"fn: expected a tuple (attn_output, attn_weights or None), got {validate.describe(result)}")
         output = result[0]
         n, heads, q_len, _ = query.shape
         expected = (n, q_len, heads, value.shape[-1])
@@ -613,7 +616,7 @@ def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
                     if isinstance(output, torch.Tensor) and tuple(output.shape) == (n, heads, q_len, value.shape[-1])
                     else "")
             raise ValueError(f"fn: expected attn_output of shape (N, L, heads, head_dim) = {expected}, "
-                             f"got {check.describe(output)}{hint}")
+                             f"got {validate.describe(output)}{hint}")
         return result
     return attention
 
@@ -640,13 +643,13 @@ def run_with_attention(hf_model: transformers.PreTrainedModel, fn: Callable[...,
     """
     if not isinstance(hf_model, transformers.PreTrainedModel):
         raise TypeError(f"hf_model: expected a transformers model (e.g. GPT2LMHeadModel), "
-                        f"got {check.describe(hf_model)}")
+                        f"got {validate.describe(hf_model)}")
     if not callable(fn):
         raise TypeError(f"fn: expected an attention function (module, query, key, value, attention_mask, "
-                        f"scaling=None, dropout=0.0, **kwargs), got {check.describe(fn)}")
-    check.token_ids("input_ids", input_ids, dim=2)
+                        f"scaling=None, dropout=0.0, **kwargs), got {validate.describe(fn)}")
+    validate.token_ids("input_ids", input_ids, dim=2)
     if attention_mask is not None:
-        check.tensor("attention_mask", attention_mask, dim=2)
+        validate.tensor("attention_mask", attention_mask, dim=2)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask: expected the shape of input_ids {tuple(input_ids.shape)} "
                              f"(1 = token, 0 = padding), got {tuple(attention_mask.shape)}")

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from course_lib import hf
+from course_lib.data import REPLACEMENT_CHAR, CharTokenizer
 from course_lib.model import GPT, GPTConfig
 
 TOL = 1e-5
@@ -30,32 +31,8 @@ def course_attention():
     hf._unregister(name)
 
 
-class StandInCharTokenizer:
-    """The attributes of course_lib.data.CharTokenizer that the export reads."""
-
-    def __init__(self, chars, unknown="error"):
-        self.itos = sorted(set(chars))
-        self.stoi = {c: i for i, c in enumerate(self.itos)}
-        self.unknown = unknown
-        self.vocab_size = len(self.itos)
-
-    @classmethod
-    def from_text(cls, text, unknown="error"):
-        return cls(text, unknown=unknown)
-
-    def encode(self, text):
-        return [self.stoi[c] for c in text if c in self.stoi or self.unknown != "skip"]
-
-    def decode(self, ids):
-        return "".join(self.itos[i] for i in ids)
-
-
-try:   # the real one once course_lib/data.py exists; the export only needs its attributes
-    from course_lib.data import CharTokenizer
-except ImportError:
-    CharTokenizer = StandInCharTokenizer
-
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
+TEXT_CHARS = sorted(set(TEXT))
 
 
 def gpt2_config(**kwargs) -> GPT2Config:
@@ -311,14 +288,48 @@ def test_char_tokenizer_export_is_one_token_per_character():
     assert hf_tok.decode(ids) == text   # no spaces inserted between characters, newlines kept
     assert len(hf_tok) == tok.vocab_size and hf_tok.model_max_length == 32
 
-    skipping = hf.char_tokenizer_to_hf(StandInCharTokenizer(TEXT, unknown="skip"))
-    assert skipping.decode(skipping("hear ~me~ 😀")["input_ids"]) == "hear me "
     with pytest.raises(TypeError, match="tokenizer"):
         hf.char_tokenizer_to_hf("abc")
     with pytest.raises(ValueError, match="tokenizer.stoi"):
         hf.char_tokenizer_to_hf(type("T", (), {"stoi": {"a": 0, "bc": 1}})())
     with pytest.raises(ValueError, match="tokenizer.stoi"):
         hf.char_tokenizer_to_hf(type("T", (), {"stoi": {"a": 0, "b": 2}})())
+
+
+@pytest.mark.parametrize("unknown", ["error", "skip", "replace"])
+def test_char_tokenizer_export_follows_the_unknown_character_policy(unknown):
+    tok = CharTokenizer.from_text(TEXT, unknown=unknown)
+    hf_tok = hf.char_tokenizer_to_hf(tok)
+    known = "hear me\n"
+    assert hf_tok(known)["input_ids"] == tok.encode(known)
+    unseen = "hear ~me~ 😀"
+    if unknown == "error":
+        with pytest.raises(ValueError, match="never seen"):
+            tok.encode(unseen)
+        with pytest.raises(Exception, match="Missing"):   # tokenizers has no unknown token to fall back on
+            hf_tok(unseen)
+        return
+    ids = hf_tok(unseen)["input_ids"]
+    assert ids == tok.encode(unseen)
+    expected = "hear me " if unknown == "skip" else f"hear {REPLACEMENT_CHAR}me{REPLACEMENT_CHAR} {REPLACEMENT_CHAR}"
+    assert hf_tok.decode(ids) == tok.decode(ids) == expected
+
+
+def test_char_tokenizer_export_refuses_a_replace_policy_without_its_character():
+    tok = CharTokenizer.from_text(TEXT, unknown="replace")
+    broken = type("T", (), {"stoi": {c: i for i, c in enumerate(TEXT_CHARS)}, "unknown": "replace"})()
+    assert len(tok.stoi) == len(broken.stoi) + 1   # CharTokenizer adds the replacement character itself
+    with pytest.raises(ValueError, match="tokenizer.stoi.*replace"):
+        hf.char_tokenizer_to_hf(broken)
+    with pytest.raises(ValueError, match="tokenizer.unknown"):
+        hf.char_tokenizer_to_hf(type("T", (), {"stoi": {"a": 0}, "unknown": "drop"})())
+
+
+def test_save_pretrained_exports_a_model_with_a_replacing_tokenizer(tmp_path):
+    tok = CharTokenizer.from_text(TEXT, unknown="replace")
+    folder = hf.save_pretrained(tiny_course_gpt(tok.vocab_size), tok, tmp_path / "export")
+    reloaded = transformers.AutoTokenizer.from_pretrained(folder)
+    assert reloaded("a~b")["input_ids"] == tok.encode("a~b")
 
 
 def test_pipeline_generates_from_an_exported_char_model(tmp_path):
