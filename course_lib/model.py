@@ -273,9 +273,3 @@ class GPT(nn.Module):
                 block.attn.record_weights = False
                 block.attn.attention_weights = None
             self.train(was_training)
-
-    @classmethod
-    def from_pretrained(cls, name_or_path: str) -> "GPT":
-        """Load GPT-2 weights (a local folder or a Hugging Face cache) as a course GPT."""
-        from .hf import from_pretrained
-        return from_pretrained(name_or_path)

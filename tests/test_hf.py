@@ -1,8 +1,10 @@
 """course_lib.hf: our GPT next to Hugging Face GPT-2, weight for weight, and our attention inside theirs."""
 from __future__ import annotations
 
+import ast
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,7 +232,7 @@ def test_configs_convert_and_refuse_what_they_cannot_express():
 def test_from_pretrained_loads_a_save_pretrained_folder(tmp_path):
     hf_model = random_hf(**SIZES["untied-gelu"])
     hf_model.save_pretrained(tmp_path / "tiny-gpt2")
-    ours = GPT.from_pretrained(str(tmp_path / "tiny-gpt2"))   # the classmethod delegates to hf.from_pretrained
+    ours = hf.from_pretrained(str(tmp_path / "tiny-gpt2"))
     ids = random_ids(50, (2, 20))
     with torch.no_grad():
         assert max_diff(ours(ids), hf_model(ids).logits) < TOL
@@ -542,3 +544,28 @@ def test_run_with_attention_explains_wrong_outputs_and_restores_the_model():
     with pytest.raises(TypeError, match="fn"):
         hf.register_course_attention("course_bad", fn=None)
     assert math.isclose(hf_model.transformer.h[0].attn.scaling, 8 ** -0.5)
+
+
+# ---------------------------------------------------------------------------
+# A leaf
+# ---------------------------------------------------------------------------
+
+def test_no_course_module_imports_hf_at_import_time():
+    # hf is a leaf: the rest of the course must import (and run) without transformers.
+    package = Path(hf.__file__).resolve().parents[1]
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if "hf" in path.relative_to(package).parts[:-1]:
+            continue
+        for node in ast.parse(path.read_text()).body:   # top-level statements only
+            if isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" if node.module else a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(name.split(".")[-1] == "hf" or ".hf." in f".{name}." for name in names):
+                offenders.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert not offenders, f"modules importing course_lib.hf at import time: {offenders}"
+    assert "hf" not in (package / "model.py").read_text().replace("hf_", "")
+
