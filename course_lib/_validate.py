@@ -46,6 +46,13 @@ def token_ids(name: str, value: Any, *, dim: int | None = None) -> torch.Tensor:
     return value
 
 
+def boolean(name: str, value: Any) -> bool:
+    """True or False, not a truthy stand-in such as "yes" or 1."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {describe(value)}")
+    return value
+
+
 def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {describe(value)}")
