@@ -14,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from course_lib import hf
 from course_lib.data import REPLACEMENT_CHAR, CharTokenizer
+from course_lib.hf.attention_interface import _unregister as unregister
 from course_lib.model import GPT, GPTConfig
 
 TOL = 1e-5
@@ -30,7 +31,7 @@ def offline(monkeypatch):
 def course_attention():
     name = hf.register_course_attention()
     yield name
-    hf._unregister(name)
+    unregister(name)
 
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"

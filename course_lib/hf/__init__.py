@@ -20,12 +20,7 @@ except ImportError as error:   # pragma: no cover - the course environment alway
     raise ImportError("course_lib.hf needs the transformers package (>= 5); install the course "
                       "environment (environment.yml) or `pip install transformers`") from error
 
-from .attention_interface import (
-    _unregister,
-    course_attention_forward,
-    register_course_attention,
-    run_with_attention,
-)
+from .attention_interface import course_attention_forward, register_course_attention, run_with_attention
 from .gpt2 import (
     WeightPair,
     course_config_from_gpt2,
