@@ -13,6 +13,10 @@ from typing import Any, Iterable
 import torch
 
 
+def _then(hint: str) -> str:
+    return f"; {hint}" if hint else ""
+
+
 def describe(value: Any) -> str:
     """A short description of a value for an error message."""
     if isinstance(value, torch.Tensor):
@@ -111,19 +115,19 @@ def int_list(name: str, value: Any, *, minimum: int = 1, below: int | None = Non
     return list(value)
 
 
-def probability(name: str, value: Any, *, allow_one: bool = False) -> float:
-    """A dropout-like rate in [0, 1) (or [0, 1] with ``allow_one``)."""
+def probability(name: str, value: Any, *, allow_one: bool = False, hint: str = "") -> float:
+    """A dropout-like rate in [0, 1) (or [0, 1] with ``allow_one``); ``hint`` ends the message."""
     ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
     upper_ok = ok_type and (value <= 1 if allow_one else value < 1)
     if not ok_type or value < 0 or not upper_ok:
         bound = "[0, 1]" if allow_one else "[0, 1)"
-        raise ValueError(f"{name}: expected a number in {bound}, got {describe(value)}")
+        raise ValueError(f"{name}: expected a number in {bound}, got {describe(value)}{_then(hint)}")
     return float(value)
 
 
-def positive_float(name: str, value: Any) -> float:
+def positive_float(name: str, value: Any, *, hint: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: expected a number > 0, got {describe(value)}")
+        raise ValueError(f"{name}: expected a number > 0, got {describe(value)}{_then(hint)}")
     return float(value)
 
 

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from . import _validate as check
+from . import _validate as validate
 
 __all__ = ["device", "set_seed", "setup_notebook"]
 
@@ -37,7 +37,7 @@ def device() -> torch.device:
 
 def set_seed(seed: int) -> torch.Generator:
     """Seed Python, torch (CPU and GPU) and return a CPU generator seeded the same way."""
-    check.non_negative_int("seed", seed)
+    validate.non_negative_int("seed", seed)
     random.seed(seed)
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
