@@ -15,50 +15,65 @@ __all__ = ["ARCHITECTURES", "plot_architecture_diagram", "plot_why_attention", "
 
 ARCHITECTURES = ("markov", "rnn", "attention")
 
+# The sentence each architecture reads, and the attention weights drawn on its arrows.
 _SENTENCE = ["the", "cat", "sat", "on", "the"]
 _ATTENTION_EXAMPLE = [0.08, 0.42, 0.12, 0.30, 0.08]
+_TITLES = {"markov": "Markov chain", "rnn": "Recurrent network (RNN)", "attention": "Attention"}
+_CAPTIONS = {
+    "markov": "Markov chain: the next token depends\non the last one (or last n) only",
+    "rnn": "RNN: the past is squeezed into one hidden\nstate, passed along one step at a time",
+    "attention": "Attention: every earlier token is one step\naway, weighted by how well it matches",
+}
+# Three rows, bottom to top: the tokens, what the model keeps of them, the prediction.
+_XS = [1.0 + 2.0 * i for i in range(len(_SENTENCE))]
+_Y_TOKENS, _Y_MIDDLE, _Y_NEXT = 1.2, 3.3, 5.3
+
+
+def _markov_middle(ax) -> None:
+    last = _XS[-1]
+    draw_box(ax, last, _Y_MIDDLE, 2.6, 0.95, "P(next | 'the')\nlook-up table", face=lighten(PALETTE[0], 0.8),
+             edge=PALETTE[0], fontsize=9)
+    draw_arrow(ax, (last, _Y_TOKENS + 0.4), (last, _Y_MIDDLE - 0.5))
+    draw_arrow(ax, (last, _Y_MIDDLE + 0.5), (last, _Y_NEXT - 0.4))
+    ax.text((_XS[0] + _XS[-2]) / 2, _Y_TOKENS + 0.7, "forgotten: only the last token counts",
+            ha="center", fontsize=9, color=MUTED, style="italic")
+
+
+def _rnn_middle(ax) -> None:
+    for i, x in enumerate(_XS):
+        draw_box(ax, x, _Y_MIDDLE, 1.1, 0.75, f"h{i + 1}", face=lighten(PALETTE[2], 0.75), edge=PALETTE[2])
+        draw_arrow(ax, (x, _Y_TOKENS + 0.4), (x, _Y_MIDDLE - 0.4))
+        if i:   # the hidden state passed along
+            draw_arrow(ax, (_XS[i - 1] + 0.55, _Y_MIDDLE), (x - 0.55, _Y_MIDDLE), color=PALETTE[2], lw=1.6)
+    draw_arrow(ax, (_XS[-1], _Y_MIDDLE + 0.4), (_XS[-1], _Y_NEXT - 0.4))
+
+
+def _attention_middle(ax) -> None:
+    last = _XS[-1]
+    draw_box(ax, last - 0.3, _Y_MIDDLE, 2.6, 0.95, "weighted sum\nof the values", face=lighten(PALETTE[0], 0.8),
+             edge=PALETTE[0], fontsize=9)
+    for i, (x, weight) in enumerate(zip(_XS, _ATTENTION_EXAMPLE)):
+        # arrows land spread along the bottom of the box, so each stays visible; thicker = more weight
+        end = (last - 1.3 + 2.0 * i / (len(_XS) - 1), _Y_MIDDLE - 0.5)
+        draw_arrow(ax, (x, _Y_TOKENS + 0.4), end, color=PALETTE[0], lw=0.8 + 9 * weight)
+        ax.text(x, _Y_TOKENS - 0.6, f"w = {weight:.2f}", ha="center", va="center", fontsize=8.5,
+                color=PALETTE[0])
+    draw_arrow(ax, (last, _Y_MIDDLE + 0.5), (last, _Y_NEXT - 0.4))
+
+
+_MIDDLES = {"markov": _markov_middle, "rnn": _rnn_middle, "attention": _attention_middle}
 
 
 def _draw_architecture(ax, kind: str) -> None:
     blank_canvas(ax, 10.6, 6.0)
-    xs = [1.0 + 2.0 * i for i in range(len(_SENTENCE))]
-    y_tok, y_mid, y_out = 1.2, 3.3, 5.3
-    last = xs[-1]
-    faded = kind == "markov"
-    for i, (x, word) in enumerate(zip(xs, _SENTENCE)):
-        old = faded and i < len(xs) - 1
-        draw_box(ax, x, y_tok, 1.5, 0.75, word, face=LIGHT if old else "white",
-             edge=MUTED if old else INK, color=MUTED if old else INK)
-    draw_box(ax, last, y_out, 2.0, 0.75, "next: mat?", face=lighten(ACCENT, 0.75), edge=ACCENT, color=INK,
-         weight="bold")
-    if kind == "markov":
-        draw_box(ax, last, y_mid, 2.6, 0.95, "P(next | 'the')\nlook-up table", face=lighten(PALETTE[0], 0.8),
-             edge=PALETTE[0], fontsize=9)
-        draw_arrow(ax, (last, y_tok + 0.4), (last, y_mid - 0.5))
-        draw_arrow(ax, (last, y_mid + 0.5), (last, y_out - 0.4))
-        ax.text((xs[0] + xs[-2]) / 2, y_tok + 0.7, "forgotten: only the last token counts",
-                ha="center", fontsize=9, color=MUTED, style="italic")
-        caption = "Markov chain: the next token depends\non the last one (or last n) only"
-    elif kind == "rnn":
-        for i, x in enumerate(xs):
-            draw_box(ax, x, y_mid, 1.1, 0.75, f"h{i + 1}", face=lighten(PALETTE[2], 0.75), edge=PALETTE[2])
-            draw_arrow(ax, (x, y_tok + 0.4), (x, y_mid - 0.4))
-            if i:
-                draw_arrow(ax, (xs[i - 1] + 0.55, y_mid), (x - 0.55, y_mid), color=PALETTE[2], lw=1.6)
-        draw_arrow(ax, (last, y_mid + 0.4), (last, y_out - 0.4))
-        caption = "RNN: the past is squeezed into one hidden\nstate, passed along one step at a time"
-    else:
-        draw_box(ax, last - 0.3, y_mid, 2.6, 0.95, "weighted sum\nof the values", face=lighten(PALETTE[0], 0.8),
-             edge=PALETTE[0], fontsize=9)
-        for i, (x, weight) in enumerate(zip(xs, _ATTENTION_EXAMPLE)):
-            # arrows land spread along the bottom of the box, so each stays visible
-            end = (last - 1.3 + 2.0 * i / (len(xs) - 1), y_mid - 0.5)
-            draw_arrow(ax, (x, y_tok + 0.4), end, color=PALETTE[0], lw=0.8 + 9 * weight)
-            ax.text(x, y_tok - 0.6, f"w = {weight:.2f}", ha="center", va="center", fontsize=8.5,
-                    color=PALETTE[0])
-        draw_arrow(ax, (last, y_mid + 0.5), (last, y_out - 0.4))
-        caption = "Attention: every earlier token is one step\naway, weighted by how well it matches"
-    ax.text(5.3, -0.1, caption, ha="center", va="top", fontsize=9.5, color=INK)
+    for i, (x, word) in enumerate(zip(_XS, _SENTENCE)):
+        forgotten = kind == "markov" and i < len(_XS) - 1
+        draw_box(ax, x, _Y_TOKENS, 1.5, 0.75, word, face=LIGHT if forgotten else "white",
+                 edge=MUTED if forgotten else INK, color=MUTED if forgotten else INK)
+    draw_box(ax, _XS[-1], _Y_NEXT, 2.0, 0.75, "next: mat?", face=lighten(ACCENT, 0.75), edge=ACCENT, color=INK,
+             weight="bold")
+    _MIDDLES[kind](ax)
+    ax.text(5.3, -0.1, _CAPTIONS[kind], ha="center", va="top", fontsize=9.5, color=INK)
     ax.set_ylim(-1.1, 5.9)
 
 
@@ -68,18 +83,16 @@ def plot_architecture_diagram(kind: str) -> Figure:
     fig = new_figure(5.2, 4.2)
     ax = fig.add_subplot()
     _draw_architecture(ax, kind)
-    ax.set_title({"markov": "Markov chain", "rnn": "Recurrent network (RNN)", "attention": "Attention"}[kind],
-                 fontsize=12, fontweight="bold")
+    ax.set_title(_TITLES[kind], fontsize=12, fontweight="bold")
     return fig
 
 
 def plot_why_attention() -> Figure:
     """The three ways of looking back, side by side (notebook 01)."""
     fig = new_figure(15, 4.4)
-    for ax, kind, title in zip(fig.subplots(1, 3), ARCHITECTURES,
-                               ("Markov chain", "Recurrent network (RNN)", "Attention")):
+    for ax, kind in zip(fig.subplots(1, 3), ARCHITECTURES):
         _draw_architecture(ax, kind)
-        ax.set_title(title, fontsize=12, fontweight="bold")
+        ax.set_title(_TITLES[kind], fontsize=12, fontweight="bold")
     return fig
 
 
@@ -178,32 +191,30 @@ def plot_ddp_allreduce(num_ranks: int = 2) -> Figure:
         raise ValueError(f"num_ranks: expected at most 8 ranks for a readable drawing, got {num_ranks}")
     row = 1.3
     height = num_ranks * row
-    xs = {"batch": 1.0, "model": 3.3, "grad": 5.6, "reduce": 8.0, "step": 10.4, "weights": 12.7}
+    reduce_x, reduce_w = 8.0, 1.9
     fig = new_figure(13, 1.0 + 1.0 * height + 0.9)
     ax = fig.add_subplot()
     blank_canvas(ax, 13.8, height + 1.6)
-    reduce_colour = REDUCE
     for r in range(num_ranks):
         y = 0.6 + (num_ranks - 1 - r + 0.5) * row
         colour = PALETTE[r % len(PALETTE)]
+        own, shared = dict(face=lighten(colour, 0.7), edge=colour), dict(face=lighten(REDUCE, 0.75), edge=REDUCE)
         ax.text(0.05, y, f"rank {r}", ha="left", va="center", fontsize=9, color=colour, fontweight="bold",
                 rotation=90)
-        draw_box(ax, xs["batch"], y, 1.5, 0.8, f"batch {r}", face=lighten(colour, 0.7), edge=colour, fontsize=9)
-        draw_box(ax, xs["model"], y, 1.8, 0.8, "model copy\nforward+backward", fontsize=8)
-        draw_box(ax, xs["grad"], y, 1.3, 0.8, f"grads g{r}", face=lighten(colour, 0.7), edge=colour, fontsize=9)
-        draw_box(ax, xs["step"], y, 1.7, 0.8, "optimizer.step()\nwith the mean g", fontsize=8)
-        draw_box(ax, xs["weights"], y, 1.4, 0.8, "same new\nweights", face=lighten(reduce_colour, 0.75),
-             edge=reduce_colour, fontsize=8)
-        draw_arrow(ax, (xs["batch"] + 0.75, y), (xs["model"] - 0.9, y))
-        draw_arrow(ax, (xs["model"] + 0.9, y), (xs["grad"] - 0.65, y))
-        draw_arrow(ax, (xs["grad"] + 0.65, y), (xs["reduce"] - 0.95, y), color=colour)
-        draw_arrow(ax, (xs["reduce"] + 0.95, y), (xs["step"] - 0.85, y), color=reduce_colour)
-        draw_arrow(ax, (xs["step"] + 0.85, y), (xs["weights"] - 0.7, y))
-    reduce_h = height - 0.3
-    draw_box(ax, xs["reduce"], 0.6 + height / 2, 1.9, reduce_h,
-         "all-reduce\n\ng = mean of\n" + (", ".join(f"g{r}" for r in range(num_ranks)) if num_ranks <= 3
-                                            else f"g0, ..., g{num_ranks - 1}"),
-         face=lighten(reduce_colour, 0.8), edge=reduce_colour, fontsize=8.5)
+        # One row of boxes, left to right: (centre x, width, text, fontsize, colours). The all-reduce
+        # box (text None) spans every row, so it is drawn once, after the rows.
+        boxes = [(1.0, 1.5, f"batch {r}", 9, own), (3.3, 1.8, "model copy\nforward+backward", 8, {}),
+                 (5.6, 1.3, f"grads g{r}", 9, own), (reduce_x, reduce_w, None, 0, {}),
+                 (10.4, 1.7, "optimizer.step()\nwith the mean g", 8, {}), (12.7, 1.4, "same new\nweights", 8, shared)]
+        for x, w, text, fontsize, colours in boxes:
+            if text is not None:
+                draw_box(ax, x, y, w, 0.8, text, fontsize=fontsize, **colours)
+        # arrows join neighbouring boxes edge to edge; gradients go in in the rank's colour, come out shared
+        for (x0, w0, *_), (x1, w1, *_), arrow_colour in zip(boxes, boxes[1:], (INK, INK, colour, REDUCE, INK)):
+            draw_arrow(ax, (x0 + w0 / 2, y), (x1 - w1 / 2, y), color=arrow_colour)
+    grads = ", ".join(f"g{r}" for r in range(num_ranks)) if num_ranks <= 3 else f"g0, ..., g{num_ranks - 1}"
+    draw_box(ax, reduce_x, 0.6 + height / 2, reduce_w, height - 0.3, "all-reduce\n\ng = mean of\n" + grads,
+             face=lighten(REDUCE, 0.8), edge=REDUCE, fontsize=8.5)
     ax.text(6.9, height + 1.1, f"data-parallel training: one step on {num_ranks} "
             f"{'rank' if num_ranks == 1 else 'ranks'}", ha="center", fontsize=11, fontweight="bold")
     ax.text(6.9, 0.2, "different data on each rank, averaged gradients, so every copy of the model stays identical",
