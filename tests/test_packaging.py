@@ -55,6 +55,13 @@ def test_constraints_pin_every_dependency_exactly_inside_the_pyproject_range():
             f"constraints.txt pins {requirement}=={pinned}, outside pyproject's range {spec!r}"
 
 
+def test_every_course_lib_package_is_listed_for_setuptools():
+    # pyproject lists packages explicitly; a subpackage missing there is missing from the wheel
+    listed = set(pyproject()["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "course_lib").rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
+
+
 def test_ci_runs_make_test_with_the_shared_corpora():
     script = (ROOT / ".ci" / "run").read_text()
     assert "make test" in script
