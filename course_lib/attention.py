@@ -150,6 +150,8 @@ class MaskedAttention(nn.Module):
         validate.boolean("bias", bias)
         self.dropout_rate = dropout_rate
         self.fused = validate.boolean("fused", fused)
+        # one head as wide as the embedding, named as in MultiHeadMaskedAttention so code reads both
+        self.num_heads, self.head_dim = 1, embed_dim
         self.query = nn.Linear(embed_dim, embed_dim, bias=bias)   # W_Q
         self.key = nn.Linear(embed_dim, embed_dim, bias=bias)     # W_K
         self.value = nn.Linear(embed_dim, embed_dim, bias=bias)   # W_V
@@ -165,26 +167,26 @@ class MaskedAttention(nn.Module):
         self.attention_weights: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (N, L, embed_dim) -> (N, L, embed_dim)."""
+        """x (N, L, embed_dim) -> (N, L, embed_dim): the steps of notebook 02, exercise 2.2."""
         _check_input(x, self.embed_dim, self.max_tokens)
         length = x.shape[1]
         # 1. project every position to its query, key and value
         q, k, v = self.query(x), self.key(x), self.value(x)                        # each (N, L, E)
         if self.fused and not self.record_weights:
+            # steps 2-4 in one fused kernel (notebook 06): the same numbers, without storing the (L, L) weights
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  dropout_p=self.dropout_rate if self.training else 0.0)
-        else:
-            # 2. compatibility of every query with every key, scaled so the logits keep unit variance
-            scores = q @ k.transpose(-2, -1) / self.embed_dim ** 0.5              # (N, L, L)
-            # 3. the future gets -inf, so exactly zero weight after the softmax
-            scores = scores.masked_fill(~self.mask[:length, :length], float("-inf"))
-            # 4. one distribution over the keys per query
-            weights = torch.softmax(scores, dim=-1)                               # (N, L, L)
-            if self.record_weights:
-                self.attention_weights = weights.detach().unsqueeze(1)            # (N, 1, L, L)
-            # 5. the weighted average of the values
-            out = self.attn_dropout(weights) @ v                                  # (N, L, E)
-        return self.proj_dropout(self.proj(out))                                  # (N, L, E)
+            return self.proj_dropout(self.proj(out))                                  # (N, L, E)
+        # 2. scores q @ k^T, scaled by 1/sqrt(E) so they keep unit variance whatever the size
+        scores = q @ k.transpose(-2, -1) / self.embed_dim ** 0.5                  # (N, L, L)
+        # 3. the future gets -inf, so exactly zero weight after the softmax
+        scores = scores.masked_fill(~self.mask[:length, :length], float("-inf"))
+        # 4. one distribution over the keys per query
+        weights = torch.softmax(scores, dim=-1)                                   # (N, L, L)
+        if self.record_weights:   # before dropout: the weights the model computed
+            self.attention_weights = weights.detach().unsqueeze(1)                # (N, 1, L, L)
+        # 5. the weighted average of the values, then the output projection
+        return self.proj_dropout(self.proj(self.attn_dropout(weights) @ v))       # (N, L, E)
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, max_tokens={self.max_tokens}, "

@@ -98,7 +98,7 @@ def test_module_matches_functional_reference(build):
     torch.manual_seed(1)
     module = build(False).eval()
     x = torch.randn(2, 7, 16)
-    heads = getattr(module, "num_heads", 1)
+    heads = module.num_heads
     q, k, v = (split_heads(layer(x), heads) for layer in (module.query, module.key, module.value))
     expected = module.proj(merge_heads(scaled_dot_product_attention(q, k, v, causal_mask(7))))
     assert torch.allclose(module(x), expected, atol=1e-6)

@@ -10,7 +10,8 @@
   model that uses the interface, and ``run_with_attention`` runs a model with any
   attention function (notebook 07, exercise 7.2).
 
-A leaf: nothing in course_lib imports it, so the rest of the course runs without transformers.
+A leaf: no course_lib module imports it at import time (only its callers do: notebook 07 and the
+checks of exercises 7.x), so the rest of the course runs without transformers.
 """
 from __future__ import annotations
 
