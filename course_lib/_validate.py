@@ -6,9 +6,9 @@ so a student reading the traceback knows which line of theirs to change.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from numbers import Integral, Real
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 

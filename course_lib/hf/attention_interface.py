@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -15,13 +15,25 @@ own pyplot ``ax``, the figure is pyplot's: show it as you normally would.
 """
 from __future__ import annotations
 
-from .attention_maps import (plot_attention, plot_attention_heads, plot_causal_mask, plot_positional_encoding,
-                             plot_softmax_saturation)
+from .attention_maps import (
+    plot_attention,
+    plot_attention_heads,
+    plot_causal_mask,
+    plot_positional_encoding,
+    plot_softmax_saturation,
+)
 from .diagrams import plot_architecture_diagram, plot_ddp_allreduce, plot_heads_split, plot_why_attention
 from .style import Figure
 from .training import plot_attention_cost, plot_loss_curves
-from .widgets import (SampleTable, generation_playground, playground_samples, plot_query_explorer,
-                      query_explorer, query_explorer_state, use_static_widgets)
+from .widgets import (
+    SampleTable,
+    generation_playground,
+    playground_samples,
+    plot_query_explorer,
+    query_explorer,
+    query_explorer_state,
+    use_static_widgets,
+)
 
 __all__ = [
     "Figure",

@@ -12,8 +12,21 @@ from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
 from .. import _validate as validate
-from .style import (ACCENT, ANNOTATE_MAX_TOKENS, MASKED, MAY_ATTEND, MUTED, PALETTE, Figure, as_array,
-                    heatmap, label_ticks, new_figure, tidy, token_labels)
+from .style import (
+    ACCENT,
+    ANNOTATE_MAX_TOKENS,
+    MASKED,
+    MAY_ATTEND,
+    MUTED,
+    PALETTE,
+    Figure,
+    as_array,
+    heatmap,
+    label_ticks,
+    new_figure,
+    tidy,
+    token_labels,
+)
 
 __all__ = ["plot_attention", "plot_attention_heads", "plot_causal_mask", "plot_positional_encoding",
            "plot_softmax_saturation"]

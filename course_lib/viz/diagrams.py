@@ -7,8 +7,20 @@ from matplotlib.patches import FancyBboxPatch
 
 from .. import _validate as validate
 from ..attention import split_heads
-from .style import (ACCENT, INK, LIGHT, MUTED, PALETTE, REDUCE, Figure, blank_canvas, draw_arrow, draw_box,
-                    lighten, new_figure)
+from .style import (
+    ACCENT,
+    INK,
+    LIGHT,
+    MUTED,
+    PALETTE,
+    REDUCE,
+    Figure,
+    blank_canvas,
+    draw_arrow,
+    draw_box,
+    lighten,
+    new_figure,
+)
 
 __all__ = ["ARCHITECTURES", "plot_architecture_diagram", "plot_why_attention", "plot_heads_split",
            "plot_ddp_allreduce"]
