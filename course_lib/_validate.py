@@ -5,15 +5,24 @@ so a student reading the traceback knows which line of theirs to change.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+import math
+from collections.abc import Iterable, Sequence
+from numbers import Integral, Real
+from typing import Any
 
 import torch
+
+
+def _then(hint: str) -> str:
+    return f"; {hint}" if hint else ""
 
 
 def describe(value: Any) -> str:
     """A short description of a value for an error message."""
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if type(value).__module__ == "numpy" and hasattr(value, "ndim") and value.ndim > 0:
+        return f"a {value.dtype} array of shape {value.shape}"
     if isinstance(value, (list, tuple)) and len(value) > 6:
         return f"a {type(value).__name__} of length {len(value)}"
     return f"{value!r} ({type(value).__name__})"
@@ -46,6 +55,30 @@ def token_ids(name: str, value: Any, *, dim: int | None = None) -> torch.Tensor:
     return value
 
 
+def boolean(name: str, value: Any) -> bool:
+    """True or False, not a truthy stand-in such as "yes" or 1."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {describe(value)}")
+    return value
+
+
+def is_number(value: Any) -> bool:
+    """A real number (numpy's included), and not a bool: True + True is 2, but never meant as one."""
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def finite_number(name: str, value: Any, *, minimum: float | None = None,
+                  maximum: float | None = None) -> float:
+    """A finite real number in [minimum, maximum], returned as a float."""
+    ok = is_number(value) and math.isfinite(value) and (minimum is None or value >= minimum) \
+        and (maximum is None or value <= maximum)
+    if not ok:
+        lo = "-inf" if minimum is None else f"{minimum:g}"
+        hi = "inf" if maximum is None else f"{maximum:g}"
+        raise ValueError(f"{name}: expected a finite number in [{lo}, {hi}], got {describe(value)}")
+    return float(value)
+
+
 def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {describe(value)}")
@@ -58,19 +91,43 @@ def non_negative_int(name: str, value: Any) -> int:
     return value
 
 
-def probability(name: str, value: Any, *, allow_one: bool = False) -> float:
-    """A dropout-like rate in [0, 1) (or [0, 1] with ``allow_one``)."""
+def positive_int_or_none(name: str, value: Any) -> int | None:
+    """None (the feature is off) or a positive int (numpy's included), returned as an int."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
+        raise ValueError(f"{name}: expected None or a positive int, got {describe(value)}")
+    return int(value)
+
+
+def int_list(name: str, value: Any, *, minimum: int = 1, below: int | None = None) -> list[int]:
+    """A non-empty list (or tuple) of ints, each in [minimum, below)."""
+    if below is not None:
+        what = f"ints in [{minimum}, {below})"
+    else:
+        what = "positive ints" if minimum == 1 else f"ints >= {minimum}"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise ValueError(f"{name}: expected a non-empty list of {what}, got {describe(value)}")
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or item < minimum \
+                or (below is not None and item >= below):
+            raise ValueError(f"{name}: expected a non-empty list of {what}, got an item {describe(item)}")
+    return list(value)
+
+
+def probability(name: str, value: Any, *, allow_one: bool = False, hint: str = "") -> float:
+    """A dropout-like rate in [0, 1) (or [0, 1] with ``allow_one``); ``hint`` ends the message."""
     ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
     upper_ok = ok_type and (value <= 1 if allow_one else value < 1)
     if not ok_type or value < 0 or not upper_ok:
         bound = "[0, 1]" if allow_one else "[0, 1)"
-        raise ValueError(f"{name}: expected a number in {bound}, got {describe(value)}")
+        raise ValueError(f"{name}: expected a number in {bound}, got {describe(value)}{_then(hint)}")
     return float(value)
 
 
-def positive_float(name: str, value: Any) -> float:
+def positive_float(name: str, value: Any, *, hint: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: expected a number > 0, got {describe(value)}")
+        raise ValueError(f"{name}: expected a number > 0, got {describe(value)}{_then(hint)}")
     return float(value)
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _validate as check
+from . import _validate as validate
 
 __all__ = [
     "TOY_KEYS",
@@ -39,9 +39,9 @@ def toy_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
 
     query (d,), keys (n, d), values (n,) or (n, dv)  ->  () or (dv,)
     """
-    check.tensor("query", query, dim=1, floating=True)
-    check.tensor("keys", keys, dim=2, floating=True)
-    check.tensor("values", values, floating=True)
+    validate.tensor("query", query, dim=1, floating=True)
+    validate.tensor("keys", keys, dim=2, floating=True)
+    validate.tensor("values", values, floating=True)
     if keys.shape[1] != query.shape[0]:
         raise ValueError(f"keys: expected shape (n, {query.shape[0]}) to match query of shape "
                          f"{tuple(query.shape)}, got {tuple(keys.shape)}")
@@ -54,7 +54,7 @@ def toy_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
 
 
 def _check_mask(mask: torch.Tensor, lq: int, lk: int) -> None:
-    check.tensor("mask", mask, min_dim=2, dtype=torch.bool)
+    validate.tensor("mask", mask, min_dim=2, dtype=torch.bool)
     if mask.shape[-2] not in (1, lq) or mask.shape[-1] not in (1, lk):
         raise ValueError(f"mask: expected a bool tensor broadcastable to (..., {lq}, {lk}) "
                          f"(queries x keys, True = may attend), got shape {tuple(mask.shape)}")
@@ -66,8 +66,8 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | Non
     q (..., Lq, d), k (..., Lk, d), mask bool broadcastable to (..., Lq, Lk)  ->  (..., Lq, Lk)
     Each row (one query) sums to one over the keys it may attend to.
     """
-    check.tensor("q", q, min_dim=2, floating=True)
-    check.tensor("k", k, min_dim=2, floating=True)
+    validate.tensor("q", q, min_dim=2, floating=True)
+    validate.tensor("k", k, min_dim=2, floating=True)
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"k: expected last dimension {q.shape[-1]} to match q {tuple(q.shape)}, "
                          f"got {tuple(k.shape)}")
@@ -87,7 +87,7 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     q (..., Lq, d), k (..., Lk, d), v (..., Lk, dv), mask bool (..., Lq, Lk), True = may attend
     ->  (..., Lq, dv)
     """
-    check.tensor("v", v, min_dim=2, floating=True)
+    validate.tensor("v", v, min_dim=2, floating=True)
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"v: expected {k.shape[-2]} rows, one per key (k has shape "
                          f"{tuple(k.shape)}), got {tuple(v.shape)}")
@@ -96,14 +96,14 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 def causal_mask(n: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Bool (n, n): True on and below the diagonal, so position i sees positions 0..i."""
-    check.positive_int("n", n)
+    validate.positive_int("n", n)
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """(N, L, E) -> (N, num_heads, L, E // num_heads): each head gets its own slice of the features."""
-    check.tensor("x", x, dim=3)
-    check.positive_int("num_heads", num_heads)
+    validate.tensor("x", x, dim=3)
+    validate.positive_int("num_heads", num_heads)
     n, length, embed_dim = x.shape
     if embed_dim % num_heads:
         raise ValueError(f"num_heads: the last dimension of x ({embed_dim}) must be divisible by "
@@ -115,10 +115,82 @@ def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """(N, heads, L, head_dim) -> (N, L, heads * head_dim): the heads' outputs side by side."""
-    check.tensor("x", x, dim=4)
+    validate.tensor("x", x, dim=4)
     n, heads, length, head_dim = x.shape
     # transpose back before reshaping, or features of different positions get mixed
     return x.transpose(1, 2).reshape(n, length, heads * head_dim)   # (N, L, E)
+
+
+def _check_input(x: torch.Tensor, embed_dim: int, max_tokens: int, start: int = 0) -> None:
+    """x (N, L, embed_dim) with start + L <= max_tokens, or a message naming x."""
+    validate.tensor("x", x, dim=3, floating=True)
+    if x.shape[-1] != embed_dim:
+        raise ValueError(f"x: expected last dimension embed_dim={embed_dim}, got shape {tuple(x.shape)}")
+    total = start + x.shape[1]
+    if total > max_tokens:
+        raise ValueError(f"x: sequence of {total} tokens is longer than max_tokens={max_tokens}; "
+                         f"crop the input to its last {max_tokens} tokens")
+
+
+class MaskedAttention(nn.Module):
+    """Causal self-attention with a single head: the layer written in notebook 02 (exercise 2.2).
+
+    Parameters ``query``, ``key``, ``value`` (embed_dim -> embed_dim) and ``proj``
+    (the output projection); dropout on the attention weights and after ``proj``.
+    ``fused=True`` runs steps 2-4 as one ``F.scaled_dot_product_attention`` call (notebook 06):
+    the same numbers, computed without keeping the (L, L) weights.
+    """
+
+    def __init__(self, embed_dim: int, max_tokens: int, dropout_rate: float = 0.0,
+                 *, bias: bool = False, fused: bool = True):
+        super().__init__()
+        self.embed_dim = validate.positive_int("embed_dim", embed_dim)
+        self.max_tokens = validate.positive_int("max_tokens", max_tokens)
+        validate.probability("dropout_rate", dropout_rate)
+        validate.boolean("bias", bias)
+        self.dropout_rate = dropout_rate
+        self.fused = validate.boolean("fused", fused)
+        # one head as wide as the embedding, named as in MultiHeadMaskedAttention so code reads both
+        self.num_heads, self.head_dim = 1, embed_dim
+        self.query = nn.Linear(embed_dim, embed_dim, bias=bias)   # W_Q
+        self.key = nn.Linear(embed_dim, embed_dim, bias=bias)     # W_K
+        self.value = nn.Linear(embed_dim, embed_dim, bias=bias)   # W_V
+        self.proj = nn.Linear(embed_dim, embed_dim, bias=bias)    # output projection
+        self.attn_dropout = nn.Dropout(dropout_rate)              # on the attention weights
+        self.proj_dropout = nn.Dropout(dropout_rate)              # on the output
+        # Not persistent: the mask is derived from max_tokens, not learned, so it
+        # stays out of checkpoints and out of weight-for-weight conversions.
+        self.register_buffer("mask", causal_mask(max_tokens), persistent=False)
+        # Set record_weights = True to keep the last attention weights (for plots), laid out
+        # (N, 1, L, L) like MultiHeadMaskedAttention's, so the same plotting code reads both.
+        self.record_weights = False
+        self.attention_weights: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, L, embed_dim) -> (N, L, embed_dim): the steps of notebook 02, exercise 2.2."""
+        _check_input(x, self.embed_dim, self.max_tokens)
+        length = x.shape[1]
+        # 1. project every position to its query, key and value
+        q, k, v = self.query(x), self.key(x), self.value(x)                        # each (N, L, E)
+        if self.fused and not self.record_weights:
+            # steps 2-4 in one fused kernel (notebook 06): the same numbers, without storing the (L, L) weights
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 dropout_p=self.dropout_rate if self.training else 0.0)
+            return self.proj_dropout(self.proj(out))                                  # (N, L, E)
+        # 2. scores q @ k^T, scaled by 1/sqrt(E) so they keep unit variance whatever the size
+        scores = q @ k.transpose(-2, -1) / self.embed_dim ** 0.5                  # (N, L, L)
+        # 3. the future gets -inf, so exactly zero weight after the softmax
+        scores = scores.masked_fill(~self.mask[:length, :length], float("-inf"))
+        # 4. one distribution over the keys per query
+        weights = torch.softmax(scores, dim=-1)                                   # (N, L, L)
+        if self.record_weights:   # before dropout: the weights the model computed
+            self.attention_weights = weights.detach().unsqueeze(1)                # (N, 1, L, L)
+        # 5. the weighted average of the values, then the output projection
+        return self.proj_dropout(self.proj(self.attn_dropout(weights) @ v))       # (N, L, E)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, max_tokens={self.max_tokens}, "
+                f"dropout_rate={self.dropout_rate}, fused={self.fused}")
 
 
 class KVCache:
@@ -130,7 +202,7 @@ class KVCache:
     """
 
     def __init__(self, max_tokens: int):
-        self.max_tokens = check.positive_int("max_tokens", max_tokens)
+        self.max_tokens = validate.positive_int("max_tokens", max_tokens)
         self.length = 0
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
@@ -165,10 +237,12 @@ class MultiHeadMaskedAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, max_tokens: int, dropout_rate: float = 0.0,
                  *, bias: bool = False, fused: bool = True):
         super().__init__()
-        check.positive_int("embed_dim", embed_dim)
-        check.positive_int("num_heads", num_heads)
-        check.positive_int("max_tokens", max_tokens)
-        check.probability("dropout_rate", dropout_rate)
+        validate.positive_int("embed_dim", embed_dim)
+        validate.positive_int("num_heads", num_heads)
+        validate.positive_int("max_tokens", max_tokens)
+        validate.probability("dropout_rate", dropout_rate)
+        validate.boolean("bias", bias)
+        validate.boolean("fused", fused)
         if embed_dim % num_heads:
             raise ValueError(f"num_heads: embed_dim={embed_dim} must be divisible by num_heads, "
                              f"got num_heads={num_heads}; pick a divisor of {embed_dim}")
@@ -193,16 +267,10 @@ class MultiHeadMaskedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x (N, L, embed_dim) -> (N, L, embed_dim); with ``cache``, x holds only the new tokens."""
-        check.tensor("x", x, dim=3, floating=True)
-        n, length, embed_dim = x.shape
-        if embed_dim != self.embed_dim:
-            raise ValueError(f"x: expected last dimension embed_dim={self.embed_dim}, "
-                             f"got shape {tuple(x.shape)}")
         start = cache.length if cache is not None else 0
+        _check_input(x, self.embed_dim, self.max_tokens, start)
+        length = x.shape[1]
         total = start + length
-        if total > self.max_tokens:
-            raise ValueError(f"x: sequence of {total} tokens is longer than max_tokens={self.max_tokens}; "
-                             f"crop the input to its last {self.max_tokens} tokens")
 
         q = split_heads(self.query(x), self.num_heads)   # (N, heads, L, head_dim)
         k = split_heads(self.key(x), self.num_heads)     # (N, heads, L, head_dim)
@@ -237,16 +305,4 @@ class MultiHeadMaskedAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, max_tokens={self.max_tokens}, "
-                f"dropout_rate={self.dropout_rate}, fused={self.fused}")
-
-
-class MaskedAttention(MultiHeadMaskedAttention):
-    """Single-head causal self-attention: one head of size embed_dim, scaled by embed_dim**-0.5."""
-
-    def __init__(self, embed_dim: int, max_tokens: int, dropout_rate: float = 0.0,
-                 *, bias: bool = False, fused: bool = True):
-        super().__init__(embed_dim, 1, max_tokens, dropout_rate, bias=bias, fused=fused)
-
-    def extra_repr(self) -> str:
-        return (f"embed_dim={self.embed_dim}, max_tokens={self.max_tokens}, "
                 f"dropout_rate={self.dropout_rate}, fused={self.fused}")

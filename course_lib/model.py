@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import _validate as check
+from . import _validate as validate
 from .attention import KVCache, MultiHeadMaskedAttention
 
 __all__ = [
@@ -32,8 +31,8 @@ def sinusoidal_table(max_tokens: int, embed_dim: int) -> torch.Tensor:
 
     PE[pos, 2i] = sin(pos / 10000^(2i/d)),  PE[pos, 2i+1] = cos(pos / 10000^(2i/d))
     """
-    check.positive_int("max_tokens", max_tokens)
-    check.positive_int("embed_dim", embed_dim)
+    validate.positive_int("max_tokens", max_tokens)
+    validate.positive_int("embed_dim", embed_dim)
     position = torch.arange(max_tokens, dtype=torch.float32)[:, None]             # (max_tokens, 1)
     frequency = torch.exp(torch.arange(0, embed_dim, 2, dtype=torch.float32)
                           * (-math.log(10000.0) / embed_dim))                      # (ceil(d/2),)
@@ -49,8 +48,8 @@ class LearnedPositionalEncoding(nn.Module):
 
     def __init__(self, max_tokens: int, embed_dim: int):
         super().__init__()
-        self.max_tokens = check.positive_int("max_tokens", max_tokens)
-        self.embedding = nn.Embedding(max_tokens, check.positive_int("embed_dim", embed_dim))
+        self.max_tokens = validate.positive_int("max_tokens", max_tokens)
+        self.embedding = nn.Embedding(max_tokens, validate.positive_int("embed_dim", embed_dim))
 
     def forward(self, length: int, start: int = 0) -> torch.Tensor:
         """Vectors for positions start .. start + length - 1: (length, embed_dim)."""
@@ -85,10 +84,10 @@ class FeedForward(nn.Module):
     def __init__(self, embed_dim: int, hidden_dim: int | None = None, dropout_rate: float = 0.0,
                  *, bias: bool = False, activation: str = "gelu"):
         super().__init__()
-        check.positive_int("embed_dim", embed_dim)
-        hidden_dim = 4 * embed_dim if hidden_dim is None else check.positive_int("hidden_dim", hidden_dim)
-        check.probability("dropout_rate", dropout_rate)
-        check.one_of("activation", activation, ACTIVATIONS)
+        validate.positive_int("embed_dim", embed_dim)
+        hidden_dim = 4 * embed_dim if hidden_dim is None else validate.positive_int("hidden_dim", hidden_dim)
+        validate.probability("dropout_rate", dropout_rate)
+        validate.one_of("activation", activation, ACTIVATIONS)
         self.fc = nn.Linear(embed_dim, hidden_dim, bias=bias)
         self.act = nn.ReLU() if activation == "relu" else nn.GELU(
             approximate="tanh" if activation == "gelu_tanh" else "none")
@@ -110,8 +109,8 @@ class TransformerBlock(nn.Module):
                  norm_first: bool = True, *, bias: bool = False, activation: str = "gelu",
                  layer_norm_eps: float = 1e-5, mlp_ratio: int = 4, fused: bool = True):
         super().__init__()
-        check.positive_int("mlp_ratio", mlp_ratio)
-        check.positive_float("layer_norm_eps", layer_norm_eps)
+        validate.positive_int("mlp_ratio", mlp_ratio)
+        validate.positive_float("layer_norm_eps", layer_norm_eps)
         self.norm_first = bool(norm_first)
         self.ln1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
         self.attn = MultiHeadMaskedAttention(embed_dim, num_heads, max_tokens, dropout_rate,
@@ -153,23 +152,19 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_tokens", "embed_dim", "num_heads", "num_layers", "mlp_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name}: expected a positive int, got {value!r}")
+            validate.positive_int(f"GPTConfig.{name}", getattr(self, name))
         if self.embed_dim % self.num_heads:
             divisors = [h for h in range(1, self.embed_dim + 1) if self.embed_dim % h == 0 and h <= 64]
             raise ValueError(f"GPTConfig.embed_dim={self.embed_dim} is not divisible by "
                              f"num_heads={self.num_heads}; choose num_heads from {divisors} "
                              f"or change embed_dim to a multiple of {self.num_heads}")
-        if not isinstance(self.dropout_rate, (int, float)) or not 0 <= self.dropout_rate < 1:
-            raise ValueError(f"GPTConfig.dropout_rate: expected a number in [0, 1), got {self.dropout_rate!r}; "
-                             f"0.0 turns dropout off, 0.1-0.2 is typical")
-        if self.positional not in POSITIONAL:
-            raise ValueError(f"GPTConfig.positional: expected one of {list(POSITIONAL)}, got {self.positional!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"GPTConfig.activation: expected one of {list(ACTIVATIONS)}, got {self.activation!r}")
-        if not isinstance(self.layer_norm_eps, (int, float)) or not self.layer_norm_eps > 0:
-            raise ValueError(f"GPTConfig.layer_norm_eps: expected a small number > 0, got {self.layer_norm_eps!r}")
+        validate.probability("GPTConfig.dropout_rate", self.dropout_rate,
+                             hint="0.0 turns dropout off, 0.1-0.2 is typical")
+        validate.one_of("GPTConfig.positional", self.positional, POSITIONAL)
+        validate.one_of("GPTConfig.activation", self.activation, ACTIVATIONS)
+        validate.positive_float("GPTConfig.layer_norm_eps", self.layer_norm_eps, hint="1e-5 is typical")
+        for name in ("norm_first", "tie_weights", "bias", "fused_attention"):
+            validate.boolean(f"GPTConfig.{name}", getattr(self, name))
 
     @property
     def head_dim(self) -> int:
@@ -179,7 +174,7 @@ class GPTConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "GPTConfig":
+    def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -234,7 +229,7 @@ class GPT(nn.Module):
         With ``cache`` (from :meth:`new_cache`), ``idx`` holds only the tokens not yet
         seen; their positions continue after the cached ones.
         """
-        check.token_ids("idx", idx, dim=2)
+        validate.token_ids("idx", idx, dim=2)
         n, length = idx.shape
         start = cache[0].length if cache else 0
         if start + length > self.config.max_tokens:
@@ -273,9 +268,3 @@ class GPT(nn.Module):
                 block.attn.record_weights = False
                 block.attn.attention_weights = None
             self.train(was_training)
-
-    @classmethod
-    def from_pretrained(cls, name_or_path: str) -> "GPT":
-        """Load GPT-2 weights (a local folder or a Hugging Face cache) as a course GPT."""
-        from .hf import from_pretrained
-        return from_pretrained(name_or_path)

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from . import _validate as check
+from . import _validate as validate
 
 __all__ = ["device", "set_seed", "setup_notebook"]
 
@@ -37,7 +37,7 @@ def device() -> torch.device:
 
 def set_seed(seed: int) -> torch.Generator:
     """Seed Python, torch (CPU and GPU) and return a CPU generator seeded the same way."""
-    check.non_negative_int("seed", seed)
+    validate.non_negative_int("seed", seed)
     random.seed(seed)
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
@@ -50,9 +50,14 @@ def setup_notebook(seed: int = 0) -> torch.device:
     numbers do not depend on the machine's core count).
     """
     set_seed(seed)
-    threads = os.environ.get("COURSE_THREADS")
+    threads = os.environ.get("COURSE_THREADS", "").strip()
     if threads:
-        torch.set_num_threads(max(1, int(threads)))
+        try:
+            count = int(threads)
+        except ValueError:
+            raise ValueError(f"COURSE_THREADS: expected a whole number of CPU threads, got {threads!r}; "
+                             f"set e.g. COURSE_THREADS=2, or unset it to use every core") from None
+        torch.set_num_threads(max(1, count))   # as distributed.py reads it: 0 or less means one thread
     chosen = device()
     from . import __version__
     print(f"course_lib {__version__} | torch {torch.__version__.split('+')[0]} | device {chosen} | "

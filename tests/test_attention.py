@@ -129,7 +129,7 @@ def test_future_tokens_never_change_earlier_outputs(build, fused):
     assert not torch.allclose(before[:, 6:], after[:, 6:])
 
 
-@pytest.mark.parametrize("build", ATTENTION_MODULES)
+@pytest.mark.parametrize("build", ATTENTION_MODULES[1:])   # the single-head layer of notebook 02 has no cache
 def test_cache_gives_the_same_outputs_as_one_pass(build):
     torch.manual_seed(4)
     module = build(True).eval()
@@ -173,6 +173,22 @@ def test_parameter_names_are_the_taught_ones():
     assert MultiHeadMaskedAttention(8, 2, 4, 0.0).head_dim == 4
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_single_head_layer_is_one_head_of_the_multi_head_layer(fused):
+    # notebook 03 builds on notebook 02: with one head the two layers compute the same thing
+    torch.manual_seed(6)
+    single = MaskedAttention(16, 12, 0.0, fused=fused).eval()
+    multi = MultiHeadMaskedAttention(16, 1, 12, 0.0, fused=fused).eval()
+    multi.load_state_dict(single.state_dict())
+    x = torch.randn(2, 7, 16)
+    assert torch.allclose(single(x), multi(x), atol=1e-6)
+    for module in (single, multi):
+        module.record_weights = True
+        module(x)
+    assert single.attention_weights.shape == (2, 1, 7, 7)   # laid out (N, heads, L, L), as notebook 02 reads it
+    assert torch.allclose(single.attention_weights, multi.attention_weights, atol=1e-6)
+
+
 def test_split_heads_cuts_features_not_positions():
     x = torch.arange(2 * 3 * 4.0).view(2, 3, 4)
     heads = split_heads(x, 2)
@@ -199,6 +215,9 @@ def test_split_heads_cuts_features_not_positions():
     (lambda: MaskedAttention(8, 4)(torch.randn(1, 5, 8)), "max_tokens"),
     (lambda: MaskedAttention(8, 4)(torch.randn(5, 8)), "x"),
     (lambda: MaskedAttention(8, 4)(torch.randn(1, 3, 6)), "embed_dim"),
+    (lambda: MaskedAttention(0, 4), "embed_dim"),
+    (lambda: MaskedAttention(8, 4, fused="yes"), "fused"),
+    (lambda: MultiHeadMaskedAttention(8, 2, 4, bias=1), "bias"),
 ])
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises((TypeError, ValueError), match=match):

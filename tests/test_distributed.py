@@ -1,10 +1,12 @@
 """Two gloo processes under torchrun follow the same loss trajectory as one process with the combined batch."""
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from course_lib import distributed
 from course_lib.checkpoints import load_checkpoint
 
 TEXT = "to be or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 60
@@ -29,6 +31,7 @@ def runs(tmp_path_factory):
     return tmp_path, single, ddp
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_the_combined_batch(runs):
     _, single, ddp = runs
     assert ddp["world_size"] == 2 and single["world_size"] == 1
@@ -40,11 +43,24 @@ def test_two_processes_match_one_process_with_the_combined_batch(runs):
     assert single["history"]["train_loss"][-1] < single["history"]["train_loss"][0] - 0.3
 
 
+@pytest.mark.slow
 def test_each_process_gets_its_share_of_threads(runs):
     _, _, ddp = runs
-    assert ddp["threads"] >= 1
+    wanted = os.environ.get("COURSE_THREADS")
+    # torchrun alone would leave every process at OMP_NUM_THREADS=1
+    expected = max(1, int(wanted)) if wanted else max(1, (os.cpu_count() or 1) // 2)
+    assert ddp["threads"] == expected
 
 
+def test_the_cores_are_split_between_the_processes_of_one_machine(monkeypatch):
+    monkeypatch.delenv("COURSE_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert [distributed._threads_per_process(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    monkeypatch.setenv("COURSE_THREADS", "3")
+    assert distributed._threads_per_process(2) == 3
+
+
+@pytest.mark.slow
 def test_rank_zero_writes_a_loadable_checkpoint(runs):
     tmp_path, _, ddp = runs
     loaded = load_checkpoint(tmp_path / "ddp" / "checkpoint.pt")

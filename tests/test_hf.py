@@ -1,8 +1,10 @@
 """course_lib.hf: our GPT next to Hugging Face GPT-2, weight for weight, and our attention inside theirs."""
 from __future__ import annotations
 
+import ast
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,8 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from course_lib import hf
+from course_lib.data import REPLACEMENT_CHAR, CharTokenizer
+from course_lib.hf.attention_interface import _unregister as unregister
 from course_lib.model import GPT, GPTConfig
 
 TOL = 1e-5
@@ -27,35 +31,11 @@ def offline(monkeypatch):
 def course_attention():
     name = hf.register_course_attention()
     yield name
-    hf._unregister(name)
+    unregister(name)
 
-
-class StandInCharTokenizer:
-    """The attributes of course_lib.data.CharTokenizer that the export reads."""
-
-    def __init__(self, chars, unknown="error"):
-        self.itos = sorted(set(chars))
-        self.stoi = {c: i for i, c in enumerate(self.itos)}
-        self.unknown = unknown
-        self.vocab_size = len(self.itos)
-
-    @classmethod
-    def from_text(cls, text, unknown="error"):
-        return cls(text, unknown=unknown)
-
-    def encode(self, text):
-        return [self.stoi[c] for c in text if c in self.stoi or self.unknown != "skip"]
-
-    def decode(self, ids):
-        return "".join(self.itos[i] for i in ids)
-
-
-try:   # the real one once course_lib/data.py exists; the export only needs its attributes
-    from course_lib.data import CharTokenizer
-except ImportError:
-    CharTokenizer = StandInCharTokenizer
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
+TEXT_CHARS = sorted(set(TEXT))
 
 
 def gpt2_config(**kwargs) -> GPT2Config:
@@ -253,7 +233,7 @@ def test_configs_convert_and_refuse_what_they_cannot_express():
 def test_from_pretrained_loads_a_save_pretrained_folder(tmp_path):
     hf_model = random_hf(**SIZES["untied-gelu"])
     hf_model.save_pretrained(tmp_path / "tiny-gpt2")
-    ours = GPT.from_pretrained(str(tmp_path / "tiny-gpt2"))   # the classmethod delegates to hf.from_pretrained
+    ours = hf.from_pretrained(str(tmp_path / "tiny-gpt2"))
     ids = random_ids(50, (2, 20))
     with torch.no_grad():
         assert max_diff(ours(ids), hf_model(ids).logits) < TOL
@@ -311,14 +291,48 @@ def test_char_tokenizer_export_is_one_token_per_character():
     assert hf_tok.decode(ids) == text   # no spaces inserted between characters, newlines kept
     assert len(hf_tok) == tok.vocab_size and hf_tok.model_max_length == 32
 
-    skipping = hf.char_tokenizer_to_hf(StandInCharTokenizer(TEXT, unknown="skip"))
-    assert skipping.decode(skipping("hear ~me~ 😀")["input_ids"]) == "hear me "
     with pytest.raises(TypeError, match="tokenizer"):
         hf.char_tokenizer_to_hf("abc")
     with pytest.raises(ValueError, match="tokenizer.stoi"):
         hf.char_tokenizer_to_hf(type("T", (), {"stoi": {"a": 0, "bc": 1}})())
     with pytest.raises(ValueError, match="tokenizer.stoi"):
         hf.char_tokenizer_to_hf(type("T", (), {"stoi": {"a": 0, "b": 2}})())
+
+
+@pytest.mark.parametrize("unknown", ["error", "skip", "replace"])
+def test_char_tokenizer_export_follows_the_unknown_character_policy(unknown):
+    tok = CharTokenizer.from_text(TEXT, unknown=unknown)
+    hf_tok = hf.char_tokenizer_to_hf(tok)
+    known = "hear me\n"
+    assert hf_tok(known)["input_ids"] == tok.encode(known)
+    unseen = "hear ~me~ 😀"
+    if unknown == "error":
+        with pytest.raises(ValueError, match="never seen"):
+            tok.encode(unseen)
+        with pytest.raises(Exception, match="Missing"):   # tokenizers has no unknown token to fall back on
+            hf_tok(unseen)
+        return
+    ids = hf_tok(unseen)["input_ids"]
+    assert ids == tok.encode(unseen)
+    expected = "hear me " if unknown == "skip" else f"hear {REPLACEMENT_CHAR}me{REPLACEMENT_CHAR} {REPLACEMENT_CHAR}"
+    assert hf_tok.decode(ids) == tok.decode(ids) == expected
+
+
+def test_char_tokenizer_export_refuses_a_replace_policy_without_its_character():
+    tok = CharTokenizer.from_text(TEXT, unknown="replace")
+    broken = type("T", (), {"stoi": {c: i for i, c in enumerate(TEXT_CHARS)}, "unknown": "replace"})()
+    assert len(tok.stoi) == len(broken.stoi) + 1   # CharTokenizer adds the replacement character itself
+    with pytest.raises(ValueError, match="tokenizer.stoi.*replace"):
+        hf.char_tokenizer_to_hf(broken)
+    with pytest.raises(ValueError, match="tokenizer.unknown"):
+        hf.char_tokenizer_to_hf(type("T", (), {"stoi": {"a": 0}, "unknown": "drop"})())
+
+
+def test_save_pretrained_exports_a_model_with_a_replacing_tokenizer(tmp_path):
+    tok = CharTokenizer.from_text(TEXT, unknown="replace")
+    folder = hf.save_pretrained(tiny_course_gpt(tok.vocab_size), tok, tmp_path / "export")
+    reloaded = transformers.AutoTokenizer.from_pretrained(folder)
+    assert reloaded("a~b")["input_ids"] == tok.encode("a~b")
 
 
 def test_pipeline_generates_from_an_exported_char_model(tmp_path):
@@ -531,3 +545,28 @@ def test_run_with_attention_explains_wrong_outputs_and_restores_the_model():
     with pytest.raises(TypeError, match="fn"):
         hf.register_course_attention("course_bad", fn=None)
     assert math.isclose(hf_model.transformer.h[0].attn.scaling, 8 ** -0.5)
+
+
+# ---------------------------------------------------------------------------
+# A leaf
+# ---------------------------------------------------------------------------
+
+def test_no_course_module_imports_hf_at_import_time():
+    # hf is a leaf: the rest of the course must import (and run) without transformers.
+    package = Path(hf.__file__).resolve().parents[1]
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if "hf" in path.relative_to(package).parts[:-1]:
+            continue
+        for node in ast.parse(path.read_text()).body:   # top-level statements only
+            if isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" if node.module else a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(name.split(".")[-1] == "hf" or ".hf." in f".{name}." for name in names):
+                offenders.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert not offenders, f"modules importing course_lib.hf at import time: {offenders}"
+    assert "hf" not in (package / "model.py").read_text().replace("hf_", "")
+

@@ -153,6 +153,15 @@ def test_config_validates_itself(overrides, match):
         small_config(**overrides)
 
 
+def test_config_messages_say_what_to_do_and_flags_must_be_bools():
+    with pytest.raises(ValueError, match=r"GPTConfig.dropout_rate: .*0.0 turns dropout off"):
+        small_config(dropout_rate=-0.1)
+    with pytest.raises(ValueError, match=r"GPTConfig.layer_norm_eps: expected a number > 0"):
+        small_config(layer_norm_eps=0)
+    with pytest.raises(TypeError, match=r"GPTConfig.tie_weights: expected True or False, got 'yes'"):
+        small_config(tie_weights="yes")
+
+
 def test_gpt_input_errors():
     model = GPT(small_config())
     with pytest.raises(ValueError, match="longer than max_tokens=16"):

@@ -37,17 +37,6 @@ def accepts(fn: Any, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def positional_arity(fn: Any) -> int:
-    """How many positional arguments ``fn`` accepts (a large number for ``*args``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return 99
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return 99
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
-
-
 def construct(cls: Any, *args: Any, what: str, **kwargs: Any) -> nn.Module:
     """Instantiate a student's class; it must give an nn.Module."""
     if not callable(cls):

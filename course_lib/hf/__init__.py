@@ -1,0 +1,55 @@
+"""Interop with Hugging Face transformers: our GPT next to GPT-2, weight for weight.
+
+- :mod:`.gpt2`: ``to_hf_gpt2`` / ``from_hf_gpt2`` convert whole models; the name pairs
+  come from :func:`weight_pairs`, the one table both directions read.
+- :mod:`.pretrained`: ``from_pretrained`` loads real GPT-2 weights (a local folder or
+  the hub cache) as a course GPT; ``save_pretrained`` writes a course model and its
+  tokenizer as a folder that ``transformers.pipeline("text-generation", model=folder)`` can run.
+- :mod:`.attention_interface`: ``course_attention_forward`` is the course's attention in
+  transformers' AttentionInterface form; ``register_course_attention`` plugs it into any
+  model that uses the interface, and ``run_with_attention`` runs a model with any
+  attention function (notebook 07, exercise 7.2).
+
+A leaf: no course_lib module imports it at import time (only its callers do: notebook 07 and the
+checks of exercises 7.x), so the rest of the course runs without transformers.
+"""
+from __future__ import annotations
+
+try:
+    import transformers  # noqa: F401  (only to fail early with a useful message)
+except ImportError as error:   # pragma: no cover - the course environment always has it
+    raise ImportError("course_lib.hf needs the transformers package (>= 5); install the course "
+                      "environment (environment.yml) or `pip install transformers`") from error
+
+from .attention_interface import course_attention_forward, register_course_attention, run_with_attention
+from .gpt2 import (
+    WeightPair,
+    course_config_from_gpt2,
+    course_to_hf_state_dict,
+    from_hf_gpt2,
+    gpt2_config_from_course,
+    hf_to_course_state_dict,
+    split_c_attn,
+    to_hf_gpt2,
+    weight_pairs,
+)
+from .pretrained import PretrainedWeightsNotFound, char_tokenizer_to_hf, from_pretrained, save_pretrained
+
+__all__ = [
+    "WeightPair",
+    "weight_pairs",
+    "split_c_attn",
+    "gpt2_config_from_course",
+    "course_config_from_gpt2",
+    "course_to_hf_state_dict",
+    "hf_to_course_state_dict",
+    "to_hf_gpt2",
+    "from_hf_gpt2",
+    "PretrainedWeightsNotFound",
+    "from_pretrained",
+    "char_tokenizer_to_hf",
+    "save_pretrained",
+    "course_attention_forward",
+    "register_course_attention",
+    "run_with_attention",
+]

@@ -1,0 +1,44 @@
+"""The shared argument checks: each message names the argument, what was expected and what was given."""
+import numpy as np
+import pytest
+import torch
+
+from course_lib import _validate as validate
+
+
+def test_accepted_values_come_back_in_a_plain_type():
+    assert validate.finite_number("x", np.float32(0.5), minimum=0.0) == 0.5
+    assert type(validate.positive_int_or_none("k", np.int64(3))) is int
+    assert validate.positive_int_or_none("k", None) is None
+    assert validate.int_list("dims", (0, 3), minimum=0, below=4) == [0, 3]
+    assert validate.boolean("flag", False) is False
+    assert validate.is_number(np.float64("nan")) and not validate.is_number(True)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: validate.boolean("fused", 1), TypeError, "fused: expected True or False, got 1 (int)"),
+    (lambda: validate.finite_number("angle", "north"), ValueError,
+     "angle: expected a finite number in [-inf, inf], got 'north' (str)"),
+    (lambda: validate.finite_number("t", -1, minimum=0), ValueError, "t: expected a finite number in [0, inf]"),
+    (lambda: validate.finite_number("t", float("inf")), ValueError, "t: expected a finite number"),
+    (lambda: validate.positive_int_or_none("top_k", 0), ValueError, "top_k: expected None or a positive int, got 0"),
+    (lambda: validate.positive_int_or_none("top_k", True), ValueError, "top_k: expected None or a positive int"),
+    (lambda: validate.int_list("dims", [4, True]), ValueError,
+     "dims: expected a non-empty list of positive ints, got an item True (bool)"),
+    (lambda: validate.int_list("dims", "12"), ValueError, "dims: expected a non-empty list of positive ints, got '12'"),
+    (lambda: validate.int_list("dims", [5], minimum=0, below=5), ValueError,
+     "dims: expected a non-empty list of ints in [0, 5), got an item 5 (int)"),
+    (lambda: validate.probability("p", 1.0, hint="0.1 is typical"), ValueError,
+     "p: expected a number in [0, 1), got 1.0 (float); 0.1 is typical"),
+    (lambda: validate.positive_float("eps", 0), ValueError, "eps: expected a number > 0, got 0 (int)"),
+])
+def test_messages_name_the_argument(call, error, message):
+    with pytest.raises(error) as raised:
+        call()
+    assert str(raised.value).startswith(message)
+
+
+def test_describe_gives_shapes_not_contents():
+    assert validate.describe(torch.zeros(2, 3)) == "a torch.float32 tensor of shape (2, 3)"
+    assert validate.describe(np.zeros((2, 3))) == "a float64 array of shape (2, 3)"
+    assert validate.describe(list(range(10))) == "a list of length 10"
