@@ -31,7 +31,11 @@ EXPECTED_NAMES = {
     "05": "05_training_gpt",
     "06": "06_fast_attention_and_generation",
     "07": "07_huggingface_and_scaling",
+    "08": "08_train_your_gpt",
 }
+# Notebooks whose exercise is the student's earlier work put together, judged by one checker call
+# instead of a solution region of their own.
+ASSEMBLED_EXERCISES = {"08_train_your_gpt": "capstone.judge("}
 
 _BEGIN = re.compile(r"^[ \t]*### BEGIN SOLUTION\b", re.MULTILINE)
 _STRIPPED_ID = re.compile(r'raise NotImplementedError\("Exercise (\d+(?:\.\d+)*[a-z]?)\b')
@@ -249,6 +253,10 @@ def _checked_ids(path: Path) -> tuple[set[str], list[str]]:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_every_exercise_is_checked_and_registered(path):
     ids, _ = _solution_ids(_read(path))
+    if path.stem in ASSEMBLED_EXERCISES:
+        assert not ids and any(ASSEMBLED_EXERCISES[path.stem] in c.source for _, c in _code_cells(_read(path))), \
+            f"{path.name}: expected no solution regions and a call to {ASSEMBLED_EXERCISES[path.stem]}...)"
+        return
     assert ids, f"{path.name}: no exercises (### BEGIN SOLUTION regions) found"
     checked, unknown = _checked_ids(path)
     assert not unknown, f"{path.name}: calls to unknown checker(s) {unknown} (not in course_lib.checks)"

@@ -1,0 +1,146 @@
+"""Notebook 08's machinery: side-by-side training of collected parts, the 8.1 verdict, and the blame."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from course_lib import capstone
+from course_lib.assignments import update_learner_copies
+from course_lib.capstone import TrainingRun, TrainingSetup, find_blame, judge, train_parts
+from course_lib.collect import collect_student_parts, course_exercises
+from course_lib.model import GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def _tiny_setup(steps: int = 60) -> TrainingSetup:
+    """A repetitive token stream a tiny GPT learns in a few dozen steps; no corpus needed."""
+    ids = torch.arange(4000) % 7                                                   # 0 1 2 ... 6 0 1 ...
+    config = GPTConfig(vocab_size=7, embed_dim=16, num_heads=2, num_layers=1, max_tokens=8, dropout_rate=0.1)
+
+    def batches(generator):
+        starts = torch.randint(len(ids) - 9, (16,), generator=generator)           # (16,)
+        windows = torch.stack([ids[s:s + 9] for s in starts.tolist()])             # (16, 9)
+        return windows[:, :-1], windows[:, 1:]
+
+    val = torch.stack([ids[s:s + 9] for s in range(0, 400, 9)])
+    return TrainingSetup("tiny", config, batches, val[:, :-1], val[:, 1:], steps, eval_every=20)
+
+
+def _solution_source(exercise_id: str, old: str, new: str) -> str:
+    exercise = course_exercises()[exercise_id]
+    assert old in exercise.solution, f"the planted edit no longer matches exercise {exercise_id}'s solution"
+    return exercise.solution.replace(old, new)
+
+
+DROPOUT_ON_SCORES = ('        scores = scores.masked_fill(~self.mask[:length, :length], float("-inf"))\n'
+                     '        weights = self.attn_dropout(torch.softmax(scores, dim=-1))',
+                     '        scores = self.attn_dropout(scores.masked_fill(~self.mask[:length, :length], '
+                     'float("-inf")))\n        weights = torch.softmax(scores, dim=-1)')
+NO_SCALE = (" / self.head_dim ** 0.5", "")
+
+
+@pytest.fixture(scope="module")
+def solutions():
+    return collect_student_parts(ROOT / "notebooks")
+
+
+def test_correct_parts_train_exactly_like_the_reference(solutions):
+    setup = _tiny_setup()
+    reference = train_parts(solutions, [], setup, label="reference")
+    yours = train_parts(solutions, None, setup)
+    assert reference.failure is None and reference.final_val_loss < reference.train_loss[0] - 0.5, "it learns"
+    assert yours.val_loss == reference.val_loss, "same code, same start, same batches: the same numbers"
+    assert judge(yours, reference).passed
+
+
+def test_dropout_on_the_masked_scores_is_nan_in_training_and_blamed_on_3_3(solutions):
+    planted = solutions.with_part("3.3", _solution_source("3.3", *DROPOUT_ON_SCORES))
+    setup = _tiny_setup()
+    yours = train_parts(planted, None, setup)
+    verdict = judge(yours, train_parts(planted, [], setup))
+    assert yours.failure == "nan" and not verdict.passed and verdict.diagnosis == "nan"
+    blame = find_blame(planted, setup)
+    assert blame is not None and (blame.exercise, blame.verdict) == ("3.3", "nan")
+    assert "Exercise 3.3 (MultiHeadMaskedAttention)" in str(blame)
+
+
+def test_a_missing_scale_is_judged_behind_and_blamed(solutions):
+    planted = solutions.with_part("3.3", _solution_source("3.3", *NO_SCALE))
+    setup = _tiny_setup(steps=80)
+    reference = train_parts(planted, [], setup)
+    yours = train_parts(planted, None, setup)
+    assert yours.failure is None and yours.val_loss != reference.val_loss
+    blame = find_blame(planted, setup, steps=80, tolerance=0.0)
+    assert blame is not None and blame.exercise == "3.3"
+
+
+def test_a_training_step_that_raises_ends_in_a_verdict_not_a_crash(solutions):
+    broken = solutions.with_part("5.3", "def train_step(model, optimizer, inputs, targets, max_grad_norm=1.0):\n"
+                                        "    raise RuntimeError('oops')\n")
+    setup = _tiny_setup()
+    yours = train_parts(broken, None, setup)
+    assert yours.failure == "exception: RuntimeError: oops"
+    verdict = judge(yours, train_parts(broken, [], setup))
+    assert not verdict.passed and verdict.diagnosis == "exception"
+    assert find_blame(broken, setup).verdict == "raises"
+
+
+def test_judge_verdicts_on_recorded_runs():
+    reference = TrainingRun("reference", [1, 2], [3.0, 2.0], [2], [1.5])
+    assert judge(TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.51]), reference).passed
+    behind = judge(TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.6]), reference)
+    assert not behind.passed and behind.diagnosis == "mismatch" and "1.6000" in behind.message
+    stalled = judge(TrainingRun("y", [1, 2], [3.0, 3.0], [2], [3.0]), reference)
+    assert not stalled.passed and "does not go down" in stalled.message
+    with pytest.raises(TypeError, match="yours: expected a TrainingRun"):
+        judge({"val_loss": [1.0]}, reference)
+    with pytest.raises(ValueError, match="reference: the reference run itself failed"):
+        judge(reference, TrainingRun("r", failure="nan"))
+
+
+def test_arguments_are_checked(solutions):
+    with pytest.raises(TypeError, match="collection: expected the result of collect_student_parts"):
+        train_parts("notebooks", None, _tiny_setup())
+    with pytest.raises(TypeError, match="setup: expected names_setup"):
+        train_parts(solutions, None, "names")
+    with pytest.raises(ValueError, match="steps: expected a positive int"):
+        train_parts(solutions, None, _tiny_setup(), steps=0)
+    with pytest.raises(ValueError, match="source: does not compile"):
+        solutions.with_part("3.3", "class (")
+
+
+@pytest.mark.slow
+def test_the_learner_copy_of_notebook_08_blames_a_planted_part(tmp_path):
+    """The notebook as a student runs it: their copies in one folder, one part with a classic mistake."""
+    folder = tmp_path / "student"
+    update_learner_copies(ROOT / "notebooks", folder)
+    exercise = course_exercises()["3.3"]
+    path = folder / exercise.notebook
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if c.get("id") == exercise.cell_id)
+    cell.source = _solution_source("3.3", *DROPOUT_ON_SCORES) + '\n\nprint("MultiHeadMaskedAttention defined")\n'
+    nbformat.write(nb, path)
+
+    env = dict(os.environ, COURSE_DATA_DIR=str(SHARED), COURSE_THREADS="2", MPLBACKEND="Agg",
+               COURSE_STATIC_WIDGETS="1")
+    done = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+                           "--output", "08_ran", "08_train_your_gpt.ipynb"], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran = json.loads((folder / "08_ran.ipynb").read_text(encoding="utf-8"))
+    printed = "".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+                      for c in ran["cells"] if c["cell_type"] == "code" for o in c["outputs"])
+    assert re.search(r"3\.3\s+MultiHeadMaskedAttention\s+yours", printed), "the table shows the planted part"
+    assert "Exercise 8.1: NOT YET (nan)" in printed
+    assert "Exercise 3.3 (MultiHeadMaskedAttention): with your MultiHeadMaskedAttention, the loss becomes NaN" \
+        in printed.split("Nothing to blame")[0], "the blame cell names the planted part"
