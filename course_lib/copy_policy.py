@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+
+from ._atomic import atomic_file
 
 __all__ = ["MANIFEST_NAME", "CopyOutcome", "fingerprint", "place_learner_copy", "write_notebook_atomic"]
 
@@ -68,23 +68,11 @@ def _file_fingerprint(path: Path) -> str | None:
         return None
 
 
-def _write_text_atomic(text: str, out_path: Path) -> None:
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    # Temp file in the same folder so os.replace is a rename: readers never see half a file.
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(text)
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_notebook_atomic(nb: nbformat.NotebookNode, out_path: Path) -> None:
     """Write a notebook so that a reader sees the old file or the new one, never half of one."""
     text = nbformat.writes(nb)
-    _write_text_atomic(text if text.endswith("\n") else text + "\n", out_path)
+    with atomic_file(out_path) as handle:
+        handle.write(text if text.endswith("\n") else text + "\n")
 
 
 class _Manifest:
@@ -103,7 +91,8 @@ class _Manifest:
         text = json.dumps({"about": "what `python -m course_lib start` last wrote to each learner copy; "
                                     "safe to delete", "written": dict(sorted(self.written.items()))},
                           indent=1) + "\n"
-        _write_text_atomic(text, self.path)
+        with atomic_file(self.path) as handle:
+            handle.write(text)
 
 
 def _updated_path(dst: Path, new: str, manifest: _Manifest) -> tuple[Path, bool]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import _validate as validate
+from ._atomic import atomic_file
 from .course_files import CHECKOUT_DIR, PACKAGE_DIR, running_from_checkout
 
 __all__ = ["Corpus", "CORPORA", "CorpusError", "CorpusLocation", "DATA_DIR_ENV", "user_data_dir",
@@ -270,16 +270,13 @@ def _download(corpus: Corpus, dest: Path, source: str, what: str) -> Path:
     # Folders this call creates are removed again if the download fails: a failed
     # download leaves nothing behind, not even an empty folder.
     created = [folder for folder in (dest, *dest.parents) if not folder.exists()]
-    tmp_path: Path | None = None
     try:
-        dest.mkdir(parents=True, exist_ok=True)
-        # The temporary file sits next to the target so os.replace is an atomic rename:
-        # a file under the real name is always a verified one.
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{corpus.filename}.", suffix=".part", dir=dest)
-        tmp_path = Path(tmp_name)
-        digest = hashlib.sha256()
-        size = 0
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(source, timeout=DOWNLOAD_TIMEOUT) as response:
+        # A file under the real name is always a verified one: the bytes go to a temporary
+        # file beside it, renamed only once size and checksum match.
+        with atomic_file(target, "wb", suffix=".part") as out, \
+                urllib.request.urlopen(source, timeout=DOWNLOAD_TIMEOUT) as response:
+            digest = hashlib.sha256()
+            size = 0
             while True:
                 chunk = response.read(_CHUNK)
                 if not chunk:
@@ -289,14 +286,13 @@ def _download(corpus: Corpus, dest: Path, source: str, what: str) -> Path:
                     break  # already wrong; stop rather than download something huge
                 digest.update(chunk)
                 out.write(chunk)
-        got = digest.hexdigest()
-        if size != corpus.size or got != corpus.sha256:
-            got_text = (f"more than {corpus.size:,} bytes" if size > corpus.size
-                        else f"{size:,} bytes, sha256 {got}")
-            raise fail(f"the download from {source} is not the expected file (got {got_text}; "
-                       f"expected {corpus.size:,} bytes, sha256 {corpus.sha256}).")
-        os.replace(tmp_path, target)
-        tmp_path, created = None, []
+            got = digest.hexdigest()
+            if size != corpus.size or got != corpus.sha256:
+                got_text = (f"more than {corpus.size:,} bytes" if size > corpus.size
+                            else f"{size:,} bytes, sha256 {got}")
+                raise fail(f"the download from {source} is not the expected file (got {got_text}; "
+                           f"expected {corpus.size:,} bytes, sha256 {corpus.sha256}).")
+        created = []
     except CorpusError:
         raise
     except Exception as exc:
@@ -304,8 +300,6 @@ def _download(corpus: Corpus, dest: Path, source: str, what: str) -> Path:
         # from None: one clear error in a notebook; the cause is in the message and in .reason
         raise fail(f"downloading it from {source} failed{hint}: {type(exc).__name__}: {exc}.", exc) from None
     finally:
-        if tmp_path is not None:
-            tmp_path.unlink(missing_ok=True)
         _remove_if_empty(created)
     _SHA_CACHE[_cache_key(target)] = corpus.sha256
     return target

@@ -1,0 +1,36 @@
+"""Writing a file so that readers see the old version or the new one, never half of one."""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+__all__ = ["atomic_file"]
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "w", *, suffix: str = ".tmp") -> Iterator[IO]:
+    """Open a temporary file beside ``path``; on a clean exit it replaces ``path`` in one rename.
+
+    If the block raises (a failed download, a checksum that does not match, Ctrl-C), the
+    temporary file is removed and ``path`` is left as it was. ``mode`` is "w" (UTF-8 text,
+    "\\n" line endings) or "wb".
+    """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"mode: expected 'w' or 'wb', got {mode!r}")
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Same folder as the target, so os.replace is a rename on one file system.
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
+    try:
+        with (os.fdopen(fd, "wb") if mode == "wb" else os.fdopen(fd, "w", encoding="utf-8", newline="\n")) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,31 @@
+"""The one atomic-write helper: the old file or the new one, never half of one, and no leftovers."""
+import pytest
+
+from course_lib._atomic import atomic_file
+
+
+def test_a_clean_exit_replaces_the_file(tmp_path):
+    target = tmp_path / "deeper" / "notes.txt"
+    with atomic_file(target) as handle:
+        handle.write("zoë\n")
+        assert not target.exists(), "nothing appears under the real name before the block ends"
+    assert target.read_bytes() == "zoë\n".encode()
+    assert [p.name for p in target.parent.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("error", [ValueError("checksum"), KeyboardInterrupt()])
+def test_an_error_inside_keeps_the_old_file_and_leaves_no_temporary(tmp_path, error):
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(type(error)):
+        with atomic_file(target, "wb") as handle:
+            handle.write(b"half of the new")
+            raise error
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.bin"]
+
+
+def test_mode_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="mode: expected 'w' or 'wb', got 'a'"):
+        with atomic_file(tmp_path / "x", "a"):
+            pass
