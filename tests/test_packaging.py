@@ -105,3 +105,10 @@ def test_nothing_in_the_makefile_deletes_the_students_work():
             words = command.split()
             if words[:1] == ["rm"]:
                 assert not {"student", "student/", "./student"} & set(words), f"make {target}: {command}"
+
+
+def test_the_transformers_range_stated_in_hf_is_pyprojects():
+    from course_lib.hf import TRANSFORMERS_REQUIREMENT
+    wanted = requirement_map(pyproject()["project"]["dependencies"])["transformers"]
+    assert TRANSFORMERS_REQUIREMENT == wanted, (f"course_lib/hf says transformers{TRANSFORMERS_REQUIREMENT}, "
+                                                f"pyproject.toml says transformers{wanted}")

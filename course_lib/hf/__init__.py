@@ -15,11 +15,15 @@ checks of exercises 7.x), so the rest of the course runs without transformers.
 """
 from __future__ import annotations
 
+# The range pyproject.toml declares (a test keeps the two equal); tested with constraints.txt's version.
+TRANSFORMERS_REQUIREMENT = ">=5.0"
+
 try:
     import transformers  # noqa: F401  (only to fail early with a useful message)
 except ImportError as error:   # pragma: no cover - the course environment always has it
-    raise ImportError("course_lib.hf needs the transformers package (>= 5); install the course "
-                      "environment (environment.yml) or `pip install transformers`") from error
+    raise ImportError(f"course_lib.hf needs the transformers package ({TRANSFORMERS_REQUIREMENT}); install the "
+                      f"course environment (environment.yml) or `pip install 'transformers{TRANSFORMERS_REQUIREMENT}'`"
+                      ) from error
 
 from .attention_interface import course_attention_forward, register_course_attention, run_with_attention
 from .gpt2 import (
