@@ -134,7 +134,7 @@ def test_checkpoint_with_a_different_config_fails_clearly(tmp_path):
     with pytest.raises(ValueError, match="embed_dim: checkpoint has 32, your model has 64"):
         load_checkpoint(path, model=other)
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable course checkpoint"):
+    with pytest.raises(ValueError, match="junk.pt is not a course checkpoint"):
         load_checkpoint(tmp_path / "junk.pt")
     with pytest.raises(FileNotFoundError, match="path"):
         load_checkpoint(tmp_path / "missing.pt")
