@@ -235,6 +235,7 @@ class History:
     tokens_seen: int = 0
     train_seconds: float = 0.0
     eval_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0     # spent writing checkpoints (not counted in train_seconds)
     stop_reason: str = ""               # "steps", "seconds" or "stopped" (a signal asked)
 
     def to_dict(self) -> dict[str, Any]:
@@ -406,29 +407,35 @@ def train(model: GPT, train_split: Split, val_split: Split | None, config: Train
         running_count = state.running_count
     batches = _batches(train_split, config, max_tokens, ctx, device, generator)
     bar = _progress_bar(config.steps, step, progress and ctx.is_main)
-    prior_train_seconds, prior_eval_seconds = history.train_seconds, history.eval_seconds
+    prior = (history.train_seconds, history.eval_seconds, history.checkpoint_seconds)
     started = last_save = time.perf_counter()
-    eval_seconds = 0.0   # this session's
+    eval_seconds = checkpoint_seconds = 0.0   # this session's
+    saved_step = step if state is not None else -1
 
     def checkpoint() -> None:
+        nonlocal checkpoint_seconds, saved_step
         # Only finite weights and losses are ever saved, so the last checkpoint is always a good one.
         if not (_all_finite(raw_model.parameters()) and bool(torch.isfinite(running))):
             raise NonFiniteLoss(step, "loss" if not torch.isfinite(running) else "weights", config)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        history.train_seconds = prior_train_seconds + time.perf_counter() - started - eval_seconds
-        history.eval_seconds = prior_eval_seconds + eval_seconds
+        t0 = time.perf_counter()
+        history.train_seconds = prior[0] + t0 - started - eval_seconds - checkpoint_seconds
+        history.eval_seconds = prior[1] + eval_seconds
         history.steps_taken = step
         if on_checkpoint is not None and ctx.is_main:
             on_checkpoint(TrainState(
                 step, history, optimizer.state_dict(), generator.get_state(), torch.get_rng_state(),
                 torch.cuda.get_rng_state_all() if device.type == "cuda" else [],
                 running.detach().cpu().clone(), running_count))
+        checkpoint_seconds += time.perf_counter() - t0
+        history.checkpoint_seconds = prior[2] + checkpoint_seconds
+        saved_step = step
 
     try:
         while step < config.steps:
             now = time.perf_counter()
-            elapsed = prior_train_seconds + now - started - eval_seconds
+            elapsed = prior[0] + now - started - eval_seconds - checkpoint_seconds
             time_up, stop_asked, save_due = _agree(
                 [config.seconds is not None and elapsed >= config.seconds,
                  should_stop is not None and should_stop(),
@@ -480,7 +487,10 @@ def train(model: GPT, train_split: Split, val_split: Split | None, config: Train
             bar.update(1)
         else:
             history.stop_reason = "steps"
-        checkpoint()
+        if step != saved_step:
+            checkpoint()
+        else:   # saved at this very step (an evaluation): only the clocks move on
+            history.train_seconds = prior[0] + time.perf_counter() - started - eval_seconds - checkpoint_seconds
     finally:
         bar.close()
         if ctx.enabled:
