@@ -7,16 +7,38 @@ import sys
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import run_preset
-    metrics = run_preset(args.preset, args.out, seconds=args.seconds, steps=args.steps, corpus=args.corpus,
-                         device=args.device, progress=not args.quiet,
-                         compile=True if args.compile else None, batch_size=args.batch_size)
-    if metrics:   # only rank 0 reports under torchrun
-        shown = {k: metrics[k] for k in ("preset", "val_loss", "steps", "train_seconds", "tokens_per_second",
-                                         "parameters")}
-        print(json.dumps(shown, indent=2))
-        print(f"wrote {args.out}/metrics.json and {args.out}/checkpoint.pt")
+    from .stopping import EXIT_STATUS
+    from .train import NonFiniteLoss, run_preset
+    out = args.resume or args.out
+    try:
+        metrics = run_preset(args.preset, out, seconds=args.seconds, steps=args.steps, corpus=args.corpus,
+                             device=args.device, progress=not args.quiet,
+                             compile=True if args.compile else None, batch_size=args.batch_size,
+                             resume=args.resume is not None, overwrite=args.overwrite)
+    except NonFiniteLoss as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        # a second Ctrl-C during the stop: saves are atomic, so the last checkpoint is whole
+        print(f"interrupted again: exited without saving the last step(s); the last checkpoint in {out} "
+              f"is intact; resume with: python -m course_lib train --resume {out}", file=sys.stderr)
+        return 130
+    if not metrics:   # only rank 0 reports under torchrun, and a finished run has nothing to do
+        return 0
+    if metrics["status"] == "stopped":
+        print(f"stopped at step {metrics['steps']} ({metrics.get('signal', 'signal')}); saved in {out}; "
+              f"resume with: python -m course_lib train --resume {out}", file=sys.stderr)
+        return EXIT_STATUS(_signal_number(metrics.get("signal")))
+    shown = {k: metrics[k] for k in ("preset", "val_loss", "steps", "train_seconds", "tokens_per_second",
+                                     "parameters")}
+    print(json.dumps(shown, indent=2))
+    print(f"wrote {out}/metrics.json and {out}/checkpoint.pt")
     return 0
+
+
+def _signal_number(name: str | None) -> int:
+    import signal
+    return int(getattr(signal, name or "SIGTERM", signal.SIGTERM))
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -34,6 +56,19 @@ def _data(args: argparse.Namespace) -> int:
               f"notebooks 01, 03 and 04 need no corpus.", file=sys.stderr)
         return 0
     return 1 if missing else 0
+
+
+TRAIN_EPILOG = """\
+checkpoints: DIR/checkpoint.pt and DIR/metrics.json are written at every evaluation, at least
+every few minutes, and at the end, as one unit (the same run_id and step in both).
+
+exit status:
+  0    finished (or a resumed run that had already finished)
+  1    stopped by a NaN or infinite loss (the last good checkpoint is kept)
+  2    refused before the first step: a bad argument, folder, corpus or device
+  130  stopped cleanly by Ctrl-C (SIGINT), saved: continue with --resume DIR
+  143  stopped cleanly by SIGTERM (SLURM's time limit, kill), saved: continue with --resume DIR
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,11 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a corpus that cannot be had is a warning (exit 0), not an error: notebooks "
                            "01, 03 and 04 need none")
 
-    train = sub.add_parser("train", help="train a named preset")
-    train.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    train.add_argument("--out", required=True, help="folder for metrics.json and checkpoint.pt")
-    train.add_argument("--seconds", type=float, help="stop after this many seconds of training")
-    train.add_argument("--steps", type=int, help="stop after this many steps (overrides the preset)")
+    train = sub.add_parser(
+        "train", help="train a named preset", epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--preset", choices=sorted(PRESETS), help="the recipe (not needed with --resume)")
+    start = train.add_mutually_exclusive_group(required=True)
+    start.add_argument("--out", help="folder for checkpoint.pt and metrics.json (kept up to date while training)")
+    start.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR from its last checkpoint")
+    train.add_argument("--overwrite", action="store_true", help="replace the run that --out already holds")
+    budget = train.add_mutually_exclusive_group()
+    budget.add_argument("--seconds", type=float, help="the run's training-time budget in seconds")
+    budget.add_argument("--steps", type=int, help="the run's total steps (overrides the preset)")
     train.add_argument("--batch-size", type=int, help="sequences per step and per process (overrides the preset)")
     train.add_argument("--corpus", help="a corpus name or the path of any UTF-8 text file")
     train.add_argument("--device", help="cpu, cuda, cuda:N or mps (default: the fastest available)")
@@ -75,6 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except Exception as exc:   # noqa: BLE001 - only a refused run is shown without its traceback
+        from .run_folder import RunRefused
+        if not isinstance(exc, RunRefused):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "doctor":
         from .doctor import run_doctor
         return run_doctor()

@@ -213,7 +213,11 @@ class KVCache:
         if new_length > self.max_tokens:
             raise ValueError(f"cache: holds {self.length} tokens, adding {k.shape[2]} would exceed "
                              f"max_tokens={self.max_tokens}; start a new cache (see generate.py)")
-        if self._k is None or self._k.shape[0] != k.shape[0]:
+        if self._k is not None and self._k.shape[0] != k.shape[0]:
+            # The rows already cached belong to other sequences: mixing them would attend to garbage.
+            raise ValueError(f"k: this cache holds a batch of {self._k.shape[0]} sequences, got a batch "
+                             f"of {k.shape[0]}; start a new cache (model.new_cache()) for a new batch")
+        if self._k is None:
             # Allocate once for the whole context: appending by torch.cat would copy
             # everything seen so far at every step.
             shape = (k.shape[0], k.shape[1], self.max_tokens, k.shape[3])

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import _validate as check
+from . import _validate as validate
 
 __all__ = [
     "measure_matmul_peak", "peak_memory_mb", "time_call", "time_alternating", "training_benchmark",
@@ -52,8 +52,8 @@ def measure_matmul_peak(sizes: Sequence[int] = (1024, 2048), repeats: int = 3,
     because a busy machine can only make a run slower, never faster.
     """
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes):
-        raise ValueError(f"sizes: expected a non-empty list of positive ints, got {check.describe(sizes)}")
-    check.positive_int("repeats", repeats)
+        raise ValueError(f"sizes: expected a non-empty list of positive ints, got {validate.describe(sizes)}")
+    validate.positive_int("repeats", repeats)
     device = torch.device(device)
     best = 0.0
     for n in sizes:
@@ -79,8 +79,8 @@ def peak_memory_mb() -> float:
 def time_call(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
               device: torch.device | str = "cpu") -> float:
     """Median seconds per call of ``fn()`` after ``warmup`` untimed calls."""
-    check.positive_int("repeats", repeats)
-    check.non_negative_int("warmup", warmup)
+    validate.positive_int("repeats", repeats)
+    validate.non_negative_int("warmup", warmup)
     device = torch.device(device)
     for _ in range(warmup):
         fn()
@@ -97,8 +97,8 @@ def time_call(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
 def time_alternating(fns: Sequence[Callable[[], Any]], repeats: int = 5, warmup: int = 1,
                      device: torch.device | str = "cpu") -> list[float]:
     """Median seconds per call of each function, calling them in turn (a, b, a, b, ...)."""
-    check.positive_int("repeats", repeats)
-    check.non_negative_int("warmup", warmup)
+    validate.positive_int("repeats", repeats)
+    validate.non_negative_int("warmup", warmup)
     device = torch.device(device)
     for fn in fns:
         for _ in range(warmup):
@@ -129,18 +129,23 @@ def training_benchmark(seconds: float | None, presets: Sequence[str] = DEFAULT_P
     """
     from .train import PRESETS, run_preset
     if seconds is not None:
-        check.positive_float("seconds", seconds)
+        validate.positive_float("seconds", seconds)
     if steps is not None:
-        check.positive_int("steps", steps)
+        validate.positive_int("steps", steps)
     if isinstance(presets, str) or not presets:
-        raise ValueError(f"presets: expected a non-empty list of preset names, got {check.describe(presets)}")
+        raise ValueError(f"presets: expected a non-empty list of preset names, got {validate.describe(presets)}")
     for name in presets:
-        check.one_of("presets", name, sorted(PRESETS))
+        validate.one_of("presets", name, sorted(PRESETS))
     device = torch.device(device)
+    if out_dir is not None:
+        # refused before the peak measurement and the first preset, not after them
+        from .run_folder import RunFolder
+        for name in presets:
+            RunFolder(Path(out_dir) / name, overwrite=True).prepare()
     measure_peak = peak_gflops is None
     if measure_peak:
         peak_gflops = measure_matmul_peak(peak_sizes, device=device)
-    check.positive_float("peak_gflops", peak_gflops)
+    validate.positive_float("peak_gflops", peak_gflops)
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="course-bench-") as scratch:
         root = Path(out_dir) if out_dir is not None else Path(scratch)
@@ -148,7 +153,7 @@ def training_benchmark(seconds: float | None, presets: Sequence[str] = DEFAULT_P
             if verbose:
                 print(f"training {name} ({'%g s' % seconds if seconds else 'preset steps'}) ...", flush=True)
             metrics = run_preset(name, root / name, seconds=seconds, steps=steps, corpus=corpus,
-                                 device=device, progress=False)
+                                 device=device, progress=False, overwrite=True)
             metrics["peak_rss_mb"] = peak_memory_mb()
             results[name] = metrics
     if measure_peak:
@@ -194,13 +199,13 @@ def attention_benchmark(lengths: Sequence[int] = DEFAULT_LENGTHS, embed_dim: int
     """
     from .attention import MultiHeadMaskedAttention
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
-        raise ValueError(f"lengths: expected a non-empty list of positive ints, got {check.describe(lengths)}")
-    check.positive_int("embed_dim", embed_dim)
-    check.positive_int("num_heads", num_heads)
+        raise ValueError(f"lengths: expected a non-empty list of positive ints, got {validate.describe(lengths)}")
+    validate.positive_int("embed_dim", embed_dim)
+    validate.positive_int("num_heads", num_heads)
     if batch is not None:
-        check.positive_int("batch", batch)
-    check.positive_int("repeats", repeats)
-    check.positive_int("tokens_per_call", tokens_per_call)
+        validate.positive_int("batch", batch)
+    validate.positive_int("repeats", repeats)
+    validate.positive_int("tokens_per_call", tokens_per_call)
     device = torch.device(device)
     torch.manual_seed(seed)
     plain = MultiHeadMaskedAttention(embed_dim, num_heads, max(lengths), fused=False).to(device)
@@ -298,9 +303,9 @@ def generation_benchmark(config: Any = None, new_tokens: int = 500, *, prompt_to
     elif isinstance(config, dict):
         config = GPTConfig(**config)
     elif not isinstance(config, GPTConfig):
-        raise TypeError(f"config: expected a GPTConfig, a dict of its fields or None, got {check.describe(config)}")
-    check.positive_int("new_tokens", new_tokens)
-    check.positive_int("prompt_tokens", prompt_tokens)
+        raise TypeError(f"config: expected a GPTConfig, a dict of its fields or None, got {validate.describe(config)}")
+    validate.positive_int("new_tokens", new_tokens)
+    validate.positive_int("prompt_tokens", prompt_tokens)
     device = torch.device(device)
     torch.manual_seed(seed)
     model = GPT(config).to(device).eval()
@@ -352,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help="baseline_cpu vs shakespeare_char_cpu for the same wall-clock budget")
     training.add_argument("--seconds", type=float, required=True, help="wall-clock training budget per preset")
     training.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), help="presets to run, in order")
-    training.add_argument("--out", help="keep each preset's metrics.json and checkpoint.pt under this folder")
+    training.add_argument("--out", help="keep each preset's metrics.json and checkpoint.pt under this folder "
+                               "(a benchmark replaces the runs it finds there)")
     # for tests and smoke runs: another text file, fewer steps
     training.add_argument("--corpus", help=argparse.SUPPRESS)
     training.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -378,11 +384,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one benchmark from the command line; returns the exit status."""
+    from .run_folder import RunRefused
+    from .train import PRESETS, resolve_device
     args = build_parser().parse_args(list(argv) if argv is not None else None)
-    if args.threads is not None:
-        torch.set_num_threads(check.positive_int("threads", args.threads))
-    device = torch.device(args.device)
+    try:
+        if args.threads is not None:
+            torch.set_num_threads(validate.positive_int("threads", args.threads))
+        device = resolve_device(args.device)
+        if args.benchmark == "attention" and len(args.embed_dim) != len(args.heads):
+            raise ValueError(f"heads: expected one value per --embed-dim ({len(args.embed_dim)}), "
+                             f"got {len(args.heads)}: {args.heads}")
+    except (ValueError, TypeError) as exc:
+        raise RunRefused(str(exc)) from None
     if args.benchmark == "training":
+        try:
+            validate.positive_float("seconds", args.seconds)
+            if args.steps is not None:
+                validate.positive_int("steps", args.steps)
+            for name in args.presets:
+                validate.one_of("presets", name, sorted(PRESETS))
+        except ValueError as exc:
+            raise RunRefused(str(exc)) from None
         results = training_benchmark(args.seconds, args.presets, corpus=args.corpus, steps=args.steps,
                                      out_dir=args.out, device=device, peak_sizes=args.peak_sizes, verbose=True)
         _print_training(results, next(iter(results.values()))["peak_gflops"])
@@ -391,9 +413,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"baseline={results['baseline_cpu']['val_loss']:.4f}")
         return 0
     if args.benchmark == "attention":
-        if len(args.embed_dim) != len(args.heads):
-            raise ValueError(f"heads: expected one value per --embed-dim ({len(args.embed_dim)}), "
-                             f"got {len(args.heads)}: {args.heads}")
         for i, (embed_dim, heads) in enumerate(zip(args.embed_dim, args.heads)):
             rows = attention_benchmark(args.lengths, embed_dim, heads, args.batch, args.repeats, device=device)
             if i:

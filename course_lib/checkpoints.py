@@ -1,6 +1,9 @@
-"""Checkpoints: weights, the config that built them, and the tokenizer, saved atomically."""
+"""Checkpoints: weights, the config that built them, the tokenizer and (for resuming) the training
+state, saved atomically and verified with a checksum when loaded."""
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import tempfile
 from dataclasses import dataclass
@@ -10,11 +13,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _validate as validate
 from .model import GPT, GPTConfig
 
-__all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "unwrap_model"]
+__all__ = ["Checkpoint", "CheckpointError", "save_checkpoint", "load_checkpoint", "unwrap_model",
+           "remove_stale_temporaries"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# A checkpoint file is this line, the SHA-256 of the rest in hex, a newline, then torch.save's bytes.
+# The checksum covers every byte torch will read, so one flipped bit anywhere is refused on load
+# instead of loading with changed weights (torch's zip format checks only some of its records).
+MAGIC = b"COURSE-CHECKPOINT v2 sha256="
+_HEADER_LENGTH = len(MAGIC) + 64 + 1
+_TMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(ValueError):
+    """A file that is not a readable course checkpoint (damaged, truncated, or something else)."""
 
 
 @dataclass
@@ -22,6 +37,7 @@ class Checkpoint:
     model: GPT
     tokenizer: Any
     extra: dict[str, Any]
+    training: dict[str, Any] | None = None   # what train() needs to continue exactly; None for weights only
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -61,17 +77,92 @@ def _tokenizer_from_dict(saved: dict[str, Any] | None) -> Any:
                                    eos_token=eos, bos_token=eos, unk_token=eos)
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, tokenizer: Any = None,
-                    extra: dict[str, Any] | None = None) -> Path:
-    """Write model weights, its GPTConfig, the tokenizer and ``extra`` (plain data) to ``path``.
+def _check_plain(name: str, value: Any) -> None:
+    """Refuse, at save time, anything ``torch.load(weights_only=True)`` would refuse at load time."""
+    if value is None or isinstance(value, (bool, int, str, torch.Tensor, torch.dtype, torch.device)):
+        return
+    if isinstance(value, float):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(f"{name}[{i}]", item)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{name}: expected str or int keys, got key {validate.describe(key)}")
+            _check_plain(f"{name}[{key!r}]", item)
+        return
+    hint = "; convert it with .to_dict()" if hasattr(value, "to_dict") else ""
+    raise TypeError(f"{name}: expected plain data (None, bool, int, float, str, tensors, and lists or "
+                    f"dicts of them) that a checkpoint can load back safely, got "
+                    f"{type(value).__name__}{hint}")
 
-    The file is written next to its destination and then renamed, so an interrupted
-    save never leaves a half-written checkpoint behind.
+
+def _temporary(path: Path) -> Path:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
+    os.close(fd)
+    return Path(tmp)
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` next to ``path``, flush it to disk, then rename it over ``path``.
+
+    A reader sees the old file or the new one, never half of one, even if the process is
+    killed mid-write; the temporary file is removed on any error.
+    """
+    path = Path(path)
+    tmp = _temporary(path)
+    try:
+        # mkstemp makes the file private (0600); give it the mode a plain open() would have
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files that runs killed mid-write (SIGKILL, power loss) left in ``folder``."""
+    folder = Path(folder)
+    removed = []
+    if folder.is_dir():
+        for tmp in folder.glob(f".*{_TMP_SUFFIX}"):
+            if tmp.is_file():
+                tmp.unlink(missing_ok=True)
+                removed.append(tmp)
+    return removed
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, tokenizer: Any = None,
+                    extra: dict[str, Any] | None = None, *,
+                    training: dict[str, Any] | None = None) -> Path:
+    """Write model weights, its GPTConfig, the tokenizer, ``extra`` and ``training`` (plain data) to ``path``.
+
+    The file carries a SHA-256 checksum that :func:`load_checkpoint` verifies, and it is
+    written next to its destination and then renamed, so an interrupted save never leaves a
+    half-written checkpoint behind. ``extra`` and ``training`` must be plain data (see the
+    error message otherwise): what could not be loaded back safely is refused now, not later.
     """
     model = unwrap_model(model)
     if not isinstance(model, GPT):
         raise TypeError(f"model: expected a course_lib GPT, got {type(model).__name__}")
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra: expected a dict or None, got {validate.describe(extra)}")
+    if training is not None and not isinstance(training, dict):
+        raise TypeError(f"training: expected a dict or None, got {validate.describe(training)}")
+    _check_plain("extra", extra)
+    _check_plain("training", training)
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"path: expected a file name for the checkpoint, got the folder {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format_version": FORMAT_VERSION,
@@ -79,16 +170,40 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, tokenizer: Any = 
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "tokenizer": _tokenizer_to_dict(tokenizer),
         "extra": dict(extra or {}),
+        "training": training,
     }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    body = buffer.getvalue()
+    header = MAGIC + hashlib.sha256(body).hexdigest().encode("ascii") + b"\n"
+    return write_atomically(path, header + body)
+
+
+def _read_verified(path: Path) -> dict[str, Any]:
+    raw = path.read_bytes()
+    damaged = (f"path: {path} is damaged (its checksum does not match its contents); "
+               f"use an earlier checkpoint or train again")
+    if raw.startswith(MAGIC):
+        header, body = raw[:_HEADER_LENGTH], raw[_HEADER_LENGTH:]
+        if header[-1:] != b"\n" or hashlib.sha256(body).hexdigest().encode("ascii") != header[len(MAGIC):-1]:
+            raise CheckpointError(damaged)
+    elif raw.startswith(b"PK"):
+        body = raw   # format 1 (before checksums): a plain torch.save file, still readable
+    elif sum(a != b for a, b in zip(raw[:len(MAGIC)], MAGIC)) == 1:
+        raise CheckpointError(damaged)   # the damage hit the header itself
+    else:
+        raise CheckpointError(f"path: {path} is not a course checkpoint (it does not start like one); "
+                              f"expected a file written by save_checkpoint or `python -m course_lib train`")
     try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+        payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+    except Exception as exc:   # noqa: BLE001 - never repeat torch's advice to unpickle unsafely
+        raise CheckpointError(f"path: {path} is damaged or not a course checkpoint "
+                              f"(torch could not read it: {type(exc).__name__})") from None
+    version = payload.get("format_version") if isinstance(payload, dict) else None
+    if version not in (1, FORMAT_VERSION):
+        raise CheckpointError(f"path: {path} is not a course checkpoint (format_version {version!r}, "
+                              f"expected {FORMAT_VERSION})")
+    return payload
 
 
 def _config_differences(saved: GPTConfig, wanted: GPTConfig) -> list[str]:
@@ -98,22 +213,18 @@ def _config_differences(saved: GPTConfig, wanted: GPTConfig) -> list[str]:
 
 def load_checkpoint(path: str | os.PathLike, model: GPT | None = None,
                     device: torch.device | str | None = None) -> Checkpoint:
-    """Load a checkpoint saved by :func:`save_checkpoint` (with ``weights_only=True``).
+    """Load and verify a checkpoint saved by :func:`save_checkpoint` (never unpickling code).
 
     With ``model``, the weights go into that model, after checking that its config matches.
+    A damaged file raises :class:`CheckpointError` naming the file.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a file path, got {validate.describe(path)}")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path: no checkpoint at {path}; train one with "
                                 f"`python -m course_lib train --preset tiny --out DIR`")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:   # noqa: BLE001 - any unreadable file gets the same clear message
-        raise ValueError(f"path: {path} is not a readable course checkpoint ({exc})") from exc
-    if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"path: {path} is not a course checkpoint (format_version "
-                         f"{payload.get('format_version') if isinstance(payload, dict) else None!r}, "
-                         f"expected {FORMAT_VERSION})")
+    payload = _read_verified(path)
     config = GPTConfig.from_dict(payload["config"])
     if model is None:
         model = GPT(config)
@@ -126,7 +237,11 @@ def load_checkpoint(path: str | os.PathLike, model: GPT | None = None,
                              "do not fit:\n  " + "\n  ".join(differences)
                              + "\nBuild the model with the checkpoint's config, or call "
                                "load_checkpoint(path) without a model.")
-    model.load_state_dict(payload["state_dict"])
+    state = payload["state_dict"]
+    if not all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()):
+        raise CheckpointError(f"path: {path} holds NaN or infinite weights; use an earlier checkpoint")
+    model.load_state_dict(state)
     if device is not None:
         model.to(device)
-    return Checkpoint(model, _tokenizer_from_dict(payload["tokenizer"]), payload["extra"])
+    return Checkpoint(model, _tokenizer_from_dict(payload["tokenizer"]), payload["extra"],
+                      payload.get("training"))

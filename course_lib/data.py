@@ -210,6 +210,13 @@ def train_subword_tokenizer(text: str, vocab_size: int = 512, min_frequency: int
     if vocab_size < smallest:
         raise ValueError(f"vocab_size: expected at least {smallest} (256 bytes + {ENDOFTEXT}), "
                          f"got {vocab_size}")
+    # Each merge joins two tokens that occur in the text, so a text of n bytes allows at most
+    # n - 1 merges. Asking far more makes the trainer reserve memory for them (10**9 kills the process).
+    largest = smallest + max(len(text.encode("utf-8")) - 1, 0)
+    if vocab_size > largest:
+        raise ValueError(f"vocab_size: expected at most {largest} for this text of "
+                         f"{len(text.encode('utf-8'))} bytes (256 bytes + {ENDOFTEXT} + at most one merge "
+                         f"per byte), got {vocab_size}")
 
     backend = Tokenizer(models.BPE())
     # add_prefix_space=False keeps decode(encode(text)) == text exactly.
@@ -374,12 +381,21 @@ class CharCorpus:
 
 
 def char_corpus(name_or_text: str | os.PathLike, train_fraction: float = 0.9) -> CharCorpus:
-    """A corpus name ("tinyshakespeare"), a Path to a UTF-8 file, or text -> tokenizer and splits."""
+    """A corpus name ("tinyshakespeare"), a Path to a UTF-8 file, or the text itself -> tokenizer and splits.
+
+    A file is read only when given as a ``pathlib.Path``: a string is a corpus name or text, and a
+    string that looks like a file path (one word with a slash or a file extension) is refused,
+    rather than trained on as the characters of the path.
+    """
     if isinstance(name_or_text, os.PathLike):
         text = load_text(name_or_text)
     elif isinstance(name_or_text, str) and name_or_text in CORPORA:
         text = load_corpus(name_or_text)
     elif isinstance(name_or_text, str) and name_or_text:
+        if _looks_like_a_path(name_or_text):
+            raise ValueError(f"name_or_text: got {name_or_text!r}, which looks like a file path, not text; "
+                             f"read the file with char_corpus(Path({name_or_text!r})) (from pathlib import "
+                             f"Path), or pass the text itself")
         text = name_or_text
     else:
         raise ValueError(f"name_or_text: expected one of {sorted(CORPORA)}, a Path to a text file, "
@@ -388,3 +404,10 @@ def char_corpus(name_or_text: str | os.PathLike, train_fraction: float = 0.9) ->
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)  # (num_chars,)
     train_ids, val_ids = split_by_position(ids, train_fraction)
     return CharCorpus(tokenizer, train_ids, val_ids)
+
+
+def _looks_like_a_path(text: str) -> bool:
+    # Text worth training on has spaces or line breaks; a path, as typed, usually has neither.
+    if any(c.isspace() for c in text) or len(text) > 4096:
+        return False
+    return "/" in text or "\\" in text or Path(text).suffix != "" or Path(text).exists()

@@ -6,7 +6,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _validate as check
+from . import _validate as validate
+from .model import check_vocabulary
 
 __all__ = ["sample_next_token", "generate", "generate_with_cache", "generate_text"]
 
@@ -19,14 +20,14 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int
     top_k keeps the k most likely tokens; top_p keeps the smallest set whose probability
     reaches p (nucleus sampling).
     """
-    check.tensor("logits", logits, dim=2, floating=True)
+    validate.tensor("logits", logits, dim=2, floating=True)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature: expected a number >= 0 (0 = greedy), got {check.describe(temperature)}")
+        raise ValueError(f"temperature: expected a number >= 0 (0 = greedy), got {validate.describe(temperature)}")
     if top_k is not None:
-        check.positive_int("top_k", top_k)
+        validate.positive_int("top_k", top_k)
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                               or not 0 < top_p <= 1):
-        raise ValueError(f"top_p: expected a number in (0, 1], got {check.describe(top_p)}")
+        raise ValueError(f"top_p: expected a number in (0, 1], got {validate.describe(top_p)}")
     if temperature == 0:
         return logits.argmax(dim=-1)                                          # (N,)
     logits = logits / temperature
@@ -50,6 +51,12 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
+def _check_prompt_vocabulary(model: nn.Module, idx: torch.Tensor) -> None:
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "vocab_size"):
+        check_vocabulary("idx", idx, config.vocab_size)
+
+
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, stop_token: int | None = None,
              generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor:
@@ -60,8 +67,9 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     carries on. Cached and uncached generation share this rule, so greedy decoding gives
     the same tokens both ways; the cache only saves recomputation.
     """
-    check.token_ids("idx", idx, dim=2)
-    check.non_negative_int("max_new_tokens", max_new_tokens)
+    validate.token_ids("idx", idx, dim=2)
+    validate.non_negative_int("max_new_tokens", max_new_tokens)
+    _check_prompt_vocabulary(model, idx)
     if idx.shape[1] == 0:
         raise ValueError("idx: expected at least one token per row to start from, got shape "
                          f"{tuple(idx.shape)}; use a newline or a start token as the prompt")
@@ -102,8 +110,9 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
 @torch.no_grad()
 def generate_with_cache(model: nn.Module, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     """Greedy generation with a KV cache, within one context window (exercise 6.1's reference)."""
-    check.token_ids("idx", idx, dim=2)
-    check.non_negative_int("max_new_tokens", max_new_tokens)
+    validate.token_ids("idx", idx, dim=2)
+    validate.non_negative_int("max_new_tokens", max_new_tokens)
+    _check_prompt_vocabulary(model, idx)
     if idx.shape[1] + max_new_tokens - 1 > model.config.max_tokens:
         raise ValueError(f"max_new_tokens: prompt ({idx.shape[1]}) + new tokens - 1 must fit in "
                          f"max_tokens={model.config.max_tokens}, got max_new_tokens={max_new_tokens}")
@@ -121,7 +130,7 @@ def generate_text(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens:
                   **kwargs: Any) -> str:
     """Encode ``prompt``, generate, decode: text in, text out (prompt included)."""
     if not isinstance(prompt, str):
-        raise TypeError(f"prompt: expected a str, got {check.describe(prompt)}")
+        raise TypeError(f"prompt: expected a str, got {validate.describe(prompt)}")
     ids = list(tokenizer.encode(prompt)) if prompt else []
     if not ids:
         # An empty prompt still needs one token to condition on: start a new line.

@@ -13,6 +13,8 @@ from . import _validate as validate
 from .attention import KVCache, MultiHeadMaskedAttention
 
 __all__ = [
+    "flops_per_token",
+    "check_vocabulary",
     "sinusoidal_table",
     "LearnedPositionalEncoding",
     "SinusoidalPositionalEncoding",
@@ -230,6 +232,9 @@ class GPT(nn.Module):
         seen; their positions continue after the cached ones.
         """
         validate.token_ids("idx", idx, dim=2)
+        if not torch.compiler.is_compiling() and not (idx.is_cuda and self.training):
+            # Reading the ids back waits for a GPU, so training on one checks its data once up front.
+            check_vocabulary("idx", idx, self.config.vocab_size)
         n, length = idx.shape
         start = cache[0].length if cache else 0
         if start + length > self.config.max_tokens:
@@ -268,3 +273,26 @@ class GPT(nn.Module):
                 block.attn.record_weights = False
                 block.attn.attention_weights = None
             self.train(was_training)
+
+
+def check_vocabulary(name: str, ids: torch.Tensor, vocab_size: int) -> None:
+    """Refuse token ids outside 0..vocab_size-1 (the usual tokenizer/model mismatch) with a message."""
+    if ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = high if high >= vocab_size else low
+        raise ValueError(f"{name}: expected token ids in 0..{vocab_size - 1} (vocab_size={vocab_size}), "
+                         f"got {bad}; the tokenizer and the model disagree: build the model with "
+                         f"vocab_size=tokenizer.vocab_size (or len(tokenizer))")
+
+
+def flops_per_token(config: GPTConfig, num_parameters: int) -> float:
+    """Training FLOPs per token: 6N for the weights plus 12·L·H·Q·T for attention (PaLM, appendix B).
+
+    N = ``num_parameters``; L layers, H heads of size Q, context T, all from ``config``.
+    """
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"config: expected a GPTConfig, got {type(config).__name__}")
+    validate.positive_int("num_parameters", num_parameters)
+    return 6 * num_parameters + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens

@@ -1,67 +1,95 @@
 """Training a GPT: the loss, one step, evaluation, the schedule, the loop, and named presets."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import _validate as check
-from .checkpoints import save_checkpoint, unwrap_model
+from . import _validate as validate
+from .checkpoints import CheckpointError, load_checkpoint, write_atomically
+from .data import IGNORE_INDEX, lm_windows, random_batch
 from .distributed import DistributedContext, setup_distributed, teardown_distributed
-from .model import GPT, GPTConfig
+from .model import GPT, GPTConfig, check_vocabulary, flops_per_token
+from .run_folder import RunFolder, RunRefused
+from .runtime import DEVICES
 from .runtime import device as default_device
+from .stopping import StopRequest
 
 __all__ = [
-    "IGNORE_INDEX", "lm_loss", "train_step", "evaluate", "TokenStream", "Examples", "TrainConfig",
-    "History", "learning_rate", "train", "flops_per_token", "PRESETS", "Preset", "prepare_preset",
-    "run_preset",
+    "IGNORE_INDEX", "lm_loss", "train_step", "evaluate", "Split", "TokenStream", "Examples", "TrainConfig",
+    "History", "TrainState", "NonFiniteLoss", "RunRefused", "learning_rate", "train", "resolve_device",
+    "flops_per_token", "PRESETS", "Preset", "prepare_preset", "run_preset",
 ]
 
-from .data import IGNORE_INDEX  # noqa: E402  targets with this value (padding) add nothing to the loss
+# IGNORE_INDEX: targets with this value (padding) add nothing to the loss.
+# flops_per_token lives next to the model (model.py); it is re-exported here, where notebook 06 meets it.
 
 
 # ---------------------------------------------------------------- loss, step, evaluation
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting each target token: logits (N, L, V), targets (N, L)."""
-    check.tensor("logits", logits, dim=3, floating=True)
-    check.token_ids("targets", targets, dim=2)
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of predicting each target token: logits (N, L, V), targets (N, L).
+
+    ``reduction="mean"`` averages over the targets that count (not IGNORE_INDEX); ``"sum"`` adds them.
+    """
+    validate.tensor("logits", logits, dim=3, floating=True)
+    validate.token_ids("targets", targets, dim=2)
+    validate.one_of("reduction", reduction, ["mean", "sum"])
     if logits.shape[:2] != targets.shape:
         raise ValueError(f"targets: expected shape {tuple(logits.shape[:2])} to match logits "
                          f"{tuple(logits.shape)}, got {tuple(targets.shape)}")
+    if not torch.compiler.is_compiling() and not targets.is_cuda:
+        # padding (IGNORE_INDEX) is allowed; any other id must be a class of the logits
+        check_vocabulary("targets", targets.masked_fill(targets == IGNORE_INDEX, 0), logits.shape[-1])
     # cross_entropy wants the classes in dimension 1, so flatten positions into the batch
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),   # (N*L, V), (N*L,)
-                           ignore_index=IGNORE_INDEX)
+                           ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def _update(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
+            max_grad_norm: float | None, autocast: Any = None, parameters: Any = None) -> torch.Tensor:
+    # The one training step, shared by train_step and the loop. It returns the loss as a tensor
+    # so the loop can read it back only now and then (each read waits for the device).
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    with autocast if autocast is not None else contextlib.nullcontext():
+        loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(parameters if parameters is not None else model.parameters(),
+                                       max_grad_norm)
+    optimizer.step()
+    return loss.detach()
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                targets: torch.Tensor, max_grad_norm: float | None = 1.0) -> float:
     """One update: forget old gradients, predict, measure the loss, backpropagate, clip, step."""
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    loss = lm_loss(model(inputs), targets)
-    loss.backward()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {validate.describe(model)}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {validate.describe(optimizer)}")
     if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    return loss.item()
+        validate.positive_float("max_grad_norm", max_grad_norm)
+    return _update(model, optimizer, inputs, targets, max_grad_norm).item()
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 64) -> float:
     """Mean loss per predicted token over every window given (no sampling, no dropout)."""
-    check.token_ids("inputs", inputs, dim=2)
-    check.token_ids("targets", targets, dim=2)
-    check.positive_int("batch_size", batch_size)
+    validate.token_ids("inputs", inputs, dim=2)
+    validate.token_ids("targets", targets, dim=2)
+    validate.positive_int("batch_size", batch_size)
     if inputs.shape != targets.shape or inputs.shape[0] == 0:
         raise ValueError(f"targets: expected the shape of inputs {tuple(inputs.shape)} (at least one "
                          f"window), got {tuple(targets.shape)}")
@@ -72,9 +100,7 @@ def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batc
     for i in range(0, inputs.shape[0], batch_size):
         x = inputs[i:i + batch_size].to(device)
         y = targets[i:i + batch_size].to(device)
-        logits = model(x).float()
-        total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
-                                 reduction="sum").item()
+        total += lm_loss(model(x), y, reduction="sum").item()
         count += int((y != IGNORE_INDEX).sum())
     model.train(was_training)
     return total / max(count, 1)
@@ -82,23 +108,27 @@ def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batc
 
 # ---------------------------------------------------------------- what a split looks like
 
+@runtime_checkable
+class Split(Protocol):
+    """What train() needs from a split: random batches to train on, fixed windows to evaluate."""
+
+    def sample(self, batch_size: int, max_tokens: int,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def eval_windows(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class TokenStream:
     """One long run of token ids: random windows to train on, consecutive windows to evaluate."""
 
     def __init__(self, ids: torch.Tensor):
-        self.ids = check.token_ids("ids", ids, dim=1).long()
+        self.ids = validate.token_ids("ids", ids, dim=1).long()
 
     def sample(self, batch_size: int, max_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ids.numel() <= max_tokens:
-            raise ValueError(f"ids: a split of {self.ids.numel()} tokens is too short for windows of "
-                             f"max_tokens={max_tokens} (+1 for the target)")
-        starts = torch.randint(self.ids.numel() - max_tokens, (batch_size,), generator=generator)
-        offsets = starts[:, None] + torch.arange(max_tokens + 1)     # (B, max_tokens + 1)
-        window = self.ids[offsets]
-        return window[:, :-1], window[:, 1:]                         # (B, max_tokens) each
+        """``batch_size`` windows at random positions (the course's one batcher, data.random_batch)."""
+        return random_batch(self.ids, batch_size, max_tokens, generator=generator)   # (B, max_tokens) x2
 
     def eval_windows(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from .data import lm_windows
         return lm_windows(self.ids, max_tokens)
 
 
@@ -106,12 +136,13 @@ class Examples:
     """Fixed, padded examples (one name per row): random rows to train on, all rows to evaluate."""
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
-        self.inputs = check.token_ids("inputs", inputs, dim=2).long()
-        self.targets = check.token_ids("targets", targets, dim=2).long()
+        self.inputs = validate.token_ids("inputs", inputs, dim=2).long()
+        self.targets = validate.token_ids("targets", targets, dim=2).long()
         if inputs.shape != targets.shape:
             raise ValueError(f"targets: expected shape {tuple(inputs.shape)}, got {tuple(targets.shape)}")
 
     def sample(self, batch_size: int, max_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        validate.positive_int("batch_size", batch_size)
         rows = torch.randint(self.inputs.shape[0], (batch_size,), generator=generator)
         return self.inputs[rows], self.targets[rows]
 
@@ -121,9 +152,16 @@ class Examples:
 
 # ---------------------------------------------------------------- configuration and schedule
 
+def _finite(name: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (low_open and value == low) or value > high:
+        bound = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high != math.inf else "")
+        raise ValueError(f"{name}: expected a finite number {bound}, got {validate.describe(value)}")
+
+
 @dataclass
 class TrainConfig:
-    """How to train: budget, batch, optimiser, schedule, evaluation, speed switches."""
+    """How to train: budget, batch, optimiser, schedule, evaluation, checkpoints, speed switches."""
 
     steps: int = 2000
     seconds: float | None = None        # stop on wall-clock too; whichever comes first
@@ -135,24 +173,40 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     max_grad_norm: float | None = 1.0
-    eval_interval: int = 250            # steps between validation estimates
+    eval_interval: int = 250            # steps between validation estimates (and checkpoints)
     eval_windows: int = 200             # windows per estimate during training (the final one uses all)
     log_interval: int = 10              # steps between reading the loss back from the device
     seed: int = 1337
+    checkpoint_seconds: float = 180.0   # checkpoint at least this often, evaluations or not
     amp: bool = False                   # bf16 autocast (CUDA)
     compile: bool = False               # torch.compile the model
     pin_memory: bool = False            # page-locked batches for faster host-to-GPU copies
 
     def __post_init__(self) -> None:
-        check.positive_int("steps", self.steps)
+        validate.positive_int("steps", self.steps)
         if self.seconds is not None:
-            check.positive_float("seconds", self.seconds)
-        check.positive_int("batch_size", self.batch_size)
-        check.positive_float("learning_rate", self.learning_rate)
-        check.non_negative_int("warmup_steps", self.warmup_steps)
-        check.positive_int("eval_interval", self.eval_interval)
-        check.positive_int("eval_windows", self.eval_windows)
-        check.positive_int("log_interval", self.log_interval)
+            _finite("seconds", self.seconds, low=0, low_open=True)
+        validate.positive_int("batch_size", self.batch_size)
+        _finite("learning_rate", self.learning_rate, low=0, low_open=True)
+        # a negative floor turns the end of the cosine into gradient ascent
+        _finite("min_learning_rate", self.min_learning_rate, low=0, high=self.learning_rate)
+        validate.non_negative_int("warmup_steps", self.warmup_steps)
+        _finite("weight_decay", self.weight_decay, low=0)
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _finite(name, value, low=0)
+            if value >= 1:
+                raise ValueError(f"{name}: expected a number in [0, 1), got {validate.describe(value)}")
+        if self.max_grad_norm is not None:   # a negative norm flips the clipped gradient: ascent
+            _finite("max_grad_norm", self.max_grad_norm, low=0, low_open=True)
+        validate.positive_int("eval_interval", self.eval_interval)
+        validate.positive_int("eval_windows", self.eval_windows)
+        validate.positive_int("log_interval", self.log_interval)
+        validate.non_negative_int("seed", self.seed)
+        _finite("checkpoint_seconds", self.checkpoint_seconds, low=0, low_open=True)
+        for name in ("amp", "compile", "pin_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {validate.describe(getattr(self, name))}")
 
 
 def learning_rate(config: TrainConfig, step: int, progress: float) -> float:
@@ -168,17 +222,6 @@ def learning_rate(config: TrainConfig, step: int, progress: float) -> float:
     return config.min_learning_rate + cosine * (config.learning_rate - config.min_learning_rate)
 
 
-def flops_per_token(config: GPTConfig, num_parameters: int) -> float:
-    """Training FLOPs per token: 6N for the weights plus 12·L·H·Q·T for attention (PaLM, appendix B).
-
-    N = ``num_parameters``; L layers, H heads of size Q, context T, all from ``config``.
-    """
-    if not isinstance(config, GPTConfig):
-        raise TypeError(f"config: expected a GPTConfig, got {type(config).__name__}")
-    check.positive_int("num_parameters", num_parameters)
-    return 6 * num_parameters + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
-
-
 @dataclass
 class History:
     """What happened during training, ready for ``viz.plot_loss_curves``."""
@@ -192,9 +235,57 @@ class History:
     tokens_seen: int = 0
     train_seconds: float = 0.0
     eval_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0     # spent writing checkpoints (not counted in train_seconds)
+    stop_reason: str = ""               # "steps", "seconds" or "stopped" (a signal asked)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "History":
+        if not isinstance(d, dict):
+            raise TypeError(f"d: expected a dict from History.to_dict(), got {validate.describe(d)}")
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+class NonFiniteLoss(RuntimeError):
+    """Training produced a NaN or infinite loss; nothing after the last good checkpoint is kept."""
+
+    def __init__(self, step: int, what: str, config: TrainConfig):
+        self.step = step
+        super().__init__(
+            f"training stopped at step {step}: the {what} became NaN or infinite. Likely causes: a learning "
+            f"rate too high (learning_rate={config.learning_rate:g}; try a third of it), bad data (token ids "
+            f"or targets that are all padding), or dropout applied after the causal mask (a row of -inf "
+            f"becomes NaN)")
+
+
+@dataclass
+class TrainState:
+    """Everything the loop needs to continue exactly where it stopped (saved in checkpoints)."""
+
+    step: int
+    history: History
+    optimizer: dict[str, Any]
+    batch_rng: torch.Tensor             # the batcher's generator: which windows come next
+    torch_rng: torch.Tensor             # the global CPU generator: dropout on a CPU
+    cuda_rng: list[torch.Tensor]        # one per GPU: dropout on a GPU
+    running_loss: torch.Tensor          # sum of the losses since the last logged mean
+    running_count: int
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["history"] = self.history.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainState":
+        if not isinstance(d, dict) or not set(cls.__dataclass_fields__) <= set(d):
+            raise ValueError(f"state: expected a dict from TrainState.to_dict() (a resumable checkpoint), "
+                             f"got {validate.describe(d)}")
+        fields = {k: d[k] for k in cls.__dataclass_fields__}
+        fields["history"] = History.from_dict(d["history"])
+        return cls(**fields)
 
 
 def _optimizer(model: nn.Module, config: TrainConfig, device_type: str) -> torch.optim.AdamW:
@@ -210,11 +301,10 @@ def _optimizer(model: nn.Module, config: TrainConfig, device_type: str) -> torch
                              fused=device_type in ("cuda", "cpu"))
 
 
-def _batches(split: Any, config: TrainConfig, max_tokens: int, ctx: DistributedContext,
-             device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(split: Split, config: TrainConfig, max_tokens: int, ctx: DistributedContext,
+             device: torch.device, generator: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     # Every rank draws the same global batch and keeps its own slice, so N processes
     # see exactly what one process with an N-times larger batch would see.
-    generator = torch.Generator().manual_seed(config.seed)
     rows = slice(ctx.rank * config.batch_size, (ctx.rank + 1) * config.batch_size)
     while True:
         x, y = split.sample(config.batch_size * ctx.world_size, max_tokens, generator)
@@ -224,32 +314,66 @@ def _batches(split: Any, config: TrainConfig, max_tokens: int, ctx: DistributedC
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def _progress_bar(total: int, enabled: bool):
+def _progress_bar(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
     # At most one redraw a second: a notebook bar redrawn thousands of times floods the
     # kernel's message queue (and nbval, which reads it only after the cell ends).
-    return tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True, leave=True, mininterval=1.0)
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True,
+                leave=True, mininterval=1.0)
 
 
-def train(model: GPT, train_split: Any, val_split: Any | None, config: TrainConfig, *,
+def _check_split(name: str, split: Any, vocab_size: int, max_tokens: int) -> None:
+    if not isinstance(split, Split):
+        raise TypeError(f"{name}: expected a split with sample() and eval_windows() (TokenStream or "
+                        f"Examples), got {type(split).__name__}")
+    inputs, targets = split.eval_windows(max_tokens)
+    check_vocabulary(f"{name} inputs", inputs, vocab_size)
+    check_vocabulary(f"{name} targets", targets.masked_fill(targets == IGNORE_INDEX, 0), vocab_size)
+
+
+def _all_finite(tensors: Iterator[torch.Tensor]) -> bool:
+    return bool(torch.stack([t.isfinite().all() for t in tensors]).all())
+
+
+def _agree(flags: list[bool], ctx: DistributedContext, device: torch.device) -> list[bool]:
+    """Under torchrun every rank acts on the same decisions: any rank's yes is everyone's yes."""
+    if not ctx.enabled:
+        return flags
+    tensor = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in tensor.tolist()]
+
+
+def train(model: GPT, train_split: Split, val_split: Split | None, config: TrainConfig, *,
           device: torch.device | str | None = None, progress: bool = True,
-          ctx: DistributedContext | None = None) -> History:
+          ctx: DistributedContext | None = None, state: TrainState | None = None,
+          on_checkpoint: Callable[[TrainState], None] | None = None,
+          should_stop: Callable[[], bool] | None = None) -> History:
     """Train ``model`` in place and return its :class:`History`.
 
-    Stops after ``config.steps`` steps or ``config.seconds`` seconds, whichever comes first.
-    Under torchrun (``ctx.enabled``) the model is wrapped in DistributedDataParallel and only
-    rank 0 evaluates and reports.
+    Stops after ``config.steps`` steps or ``config.seconds`` seconds, whichever comes first, or
+    after the current step once ``should_stop()`` says so. ``state`` (from a checkpoint) continues
+    an earlier run exactly. ``on_checkpoint(state)`` is called at every evaluation, at least every
+    ``config.checkpoint_seconds``, and at the end, only with finite weights and losses; a NaN or
+    infinite loss raises :class:`NonFiniteLoss` instead. Under torchrun (``ctx.enabled``) the model
+    is wrapped in DistributedDataParallel, only rank 0 evaluates and checkpoints, and all ranks stop
+    together.
     """
-    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+    if not isinstance(model, GPT):
         raise TypeError(f"model: expected a course_lib GPT, got {type(model).__name__}")
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config: expected a TrainConfig, got {type(config).__name__}")
-    for name, split in (("train_split", train_split), ("val_split", val_split)):
-        if split is not None and not hasattr(split, "sample"):
-            raise TypeError(f"{name}: expected a TokenStream or Examples, got {type(split).__name__}")
+    max_tokens, vocab_size = model.config.max_tokens, model.config.vocab_size
+    _check_split("train_split", train_split, vocab_size, max_tokens)
+    if val_split is not None:
+        _check_split("val_split", val_split, vocab_size, max_tokens)
+    if state is not None and not isinstance(state, TrainState):
+        raise TypeError(f"state: expected a TrainState or None, got {type(state).__name__}")
+    for name, fn in (("on_checkpoint", on_checkpoint), ("should_stop", should_stop)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name}: expected a function or None, got {validate.describe(fn)}")
     ctx = ctx or DistributedContext()
-    device = torch.device(device) if device is not None else default_device()
-    max_tokens = model.config.max_tokens
+    device = resolve_device(device)
     model.to(device)
     raw_model = model
     if ctx.enabled:
@@ -260,82 +384,149 @@ def train(model: GPT, train_split: Any, val_split: Any | None, config: TrainConf
     optimizer = _optimizer(raw_model, config, device.type)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.amp)
 
-    val_inputs = val_targets = None
+    estimate_inputs = estimate_targets = None
     if val_split is not None and ctx.is_main:
         val_inputs, val_targets = val_split.eval_windows(max_tokens)
         # evenly spaced windows: a cheap estimate during training, always the same ones
         picks = torch.linspace(0, val_inputs.shape[0] - 1, min(config.eval_windows, val_inputs.shape[0])).long()
         estimate_inputs, estimate_targets = val_inputs[picks], val_targets[picks]
 
+    generator = torch.Generator().manual_seed(config.seed)
     history = History()
-    batches = _batches(train_split, config, max_tokens, ctx, device)
-    bar = _progress_bar(config.steps, progress and ctx.is_main)
-    running = torch.zeros((), device=device)
-    started = time.perf_counter()
-    eval_seconds = 0.0
     step = 0
-    for step in range(config.steps):
-        elapsed = time.perf_counter() - started - eval_seconds
-        if config.seconds is not None and _stop_now(elapsed >= config.seconds, ctx, device):
-            break
-        progress_done = max((step - config.warmup_steps) / max(1, config.steps - config.warmup_steps),
-                            elapsed / config.seconds if config.seconds else 0.0)
-        lr = learning_rate(config, step, progress_done)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    running = torch.zeros((), device=device)
+    running_count = 0
+    if state is not None:
+        step, history = state.step, History.from_dict(state.history.to_dict())
+        optimizer.load_state_dict(state.optimizer)
+        generator.set_state(state.batch_rng)
+        torch.set_rng_state(state.torch_rng)
+        if device.type == "cuda" and state.cuda_rng:
+            torch.cuda.set_rng_state_all(state.cuda_rng)
+        running = state.running_loss.to(device)
+        running_count = state.running_count
+    batches = _batches(train_split, config, max_tokens, ctx, device, generator)
+    bar = _progress_bar(config.steps, step, progress and ctx.is_main)
+    prior = (history.train_seconds, history.eval_seconds, history.checkpoint_seconds)
+    started = last_save = time.perf_counter()
+    eval_seconds = checkpoint_seconds = 0.0   # this session's
+    saved_step = step if state is not None else -1
 
-        x, y = next(batches)
-        with autocast:
-            loss = lm_loss(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if config.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), config.max_grad_norm)
-        optimizer.step()
-        running += loss.detach()
-        history.tokens_seen += x.numel() * ctx.world_size
+    def checkpoint() -> None:
+        nonlocal checkpoint_seconds, saved_step
+        # Only finite weights and losses are ever saved, so the last checkpoint is always a good one.
+        if not (_all_finite(raw_model.parameters()) and bool(torch.isfinite(running))):
+            raise NonFiniteLoss(step, "loss" if not torch.isfinite(running) else "weights", config)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        history.train_seconds = prior[0] + t0 - started - eval_seconds - checkpoint_seconds
+        history.eval_seconds = prior[1] + eval_seconds
+        history.steps_taken = step
+        if on_checkpoint is not None and ctx.is_main:
+            on_checkpoint(TrainState(
+                step, history, optimizer.state_dict(), generator.get_state(), torch.get_rng_state(),
+                torch.cuda.get_rng_state_all() if device.type == "cuda" else [],
+                running.detach().cpu().clone(), running_count))
+        checkpoint_seconds += time.perf_counter() - t0
+        history.checkpoint_seconds = prior[2] + checkpoint_seconds
+        saved_step = step
 
-        if (step + 1) % config.log_interval == 0 or step == 0:
-            # reading the loss waits for the device, so do it only every log_interval steps
-            mean_loss = running / (1 if step == 0 else config.log_interval)
-            if ctx.enabled:
-                dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
-            history.step.append(step + 1)
-            history.train_loss.append(mean_loss.item())
-            history.learning_rate.append(lr)
-            running.zero_()
-            bar.set_postfix(loss=f"{history.train_loss[-1]:.3f}", refresh=False)
-        if val_inputs is not None and (step + 1) % config.eval_interval == 0:
-            t0 = time.perf_counter()
-            history.val_step.append(step + 1)
-            history.val_loss.append(evaluate(raw_model, estimate_inputs, estimate_targets))
-            eval_seconds += time.perf_counter() - t0
-            bar.set_postfix(loss=f"{history.train_loss[-1]:.3f}", val=f"{history.val_loss[-1]:.3f}",
-                            refresh=False)
-        bar.update(1)
-        history.steps_taken = step + 1
-    bar.close()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    history.train_seconds = time.perf_counter() - started - eval_seconds
-    history.eval_seconds = eval_seconds
-    if ctx.enabled:
-        # Let the DDP wrapper and whatever it left behind (autograd hooks, gloo work objects
-        # that hold tensors) go now, while Python is fully alive. Left to interpreter shutdown,
-        # gloo's threads can abort the process: "terminate called without an active exception",
-        # 3 runs in 20-30 on a loaded 2-core machine, none in 30 with this collection.
-        del model
-        gc.collect()
+    try:
+        while step < config.steps:
+            now = time.perf_counter()
+            elapsed = prior[0] + now - started - eval_seconds - checkpoint_seconds
+            time_up, stop_asked, save_due = _agree(
+                [config.seconds is not None and elapsed >= config.seconds,
+                 should_stop is not None and should_stop(),
+                 on_checkpoint is not None and now - last_save >= config.checkpoint_seconds], ctx, device)
+            if time_up or stop_asked:
+                history.stop_reason = "seconds" if time_up else "stopped"
+                break
+            if save_due:
+                checkpoint()
+                last_save = time.perf_counter()
+            progress_done = max((step - config.warmup_steps) / max(1, config.steps - config.warmup_steps),
+                                elapsed / config.seconds if config.seconds else 0.0)
+            lr = learning_rate(config, step, progress_done)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            x, y = next(batches)
+            running += _update(model, optimizer, x, y, config.max_grad_norm, autocast, raw_model.parameters())
+            running_count += 1
+            step += 1
+            history.tokens_seen += x.numel() * ctx.world_size
+            history.steps_taken = step
+
+            if step % config.log_interval == 0 or step == 1:
+                # reading the loss waits for the device, so do it only every log_interval steps
+                mean_loss = running / running_count
+                if ctx.enabled:
+                    dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+                if not math.isfinite(mean_loss.item()):
+                    raise NonFiniteLoss(step, "training loss", config)
+                history.step.append(step)
+                history.train_loss.append(mean_loss.item())
+                history.learning_rate.append(lr)
+                running.zero_()
+                running_count = 0
+                bar.set_postfix(loss=f"{history.train_loss[-1]:.3f}", refresh=False)
+            if step % config.eval_interval == 0:
+                if estimate_inputs is not None:
+                    t0 = time.perf_counter()
+                    val_loss = evaluate(raw_model, estimate_inputs, estimate_targets)
+                    eval_seconds += time.perf_counter() - t0
+                    if not math.isfinite(val_loss):
+                        raise NonFiniteLoss(step, "validation loss", config)
+                    history.val_step.append(step)
+                    history.val_loss.append(val_loss)
+                    bar.set_postfix(loss=f"{history.train_loss[-1]:.3f}", val=f"{val_loss:.3f}", refresh=False)
+                checkpoint()
+                last_save = time.perf_counter()
+            bar.update(1)
+        else:
+            history.stop_reason = "steps"
+        if step != saved_step:
+            checkpoint()
+        else:   # saved at this very step (an evaluation): only the clocks move on
+            history.train_seconds = prior[0] + time.perf_counter() - started - eval_seconds - checkpoint_seconds
+    finally:
+        bar.close()
+        if ctx.enabled:
+            # Let the DDP wrapper and whatever it left behind (autograd hooks, gloo work objects
+            # that hold tensors) go now, while Python is fully alive. Left to interpreter shutdown,
+            # gloo's threads can abort the process: "terminate called without an active exception",
+            # 3 runs in 20-30 on a loaded 2-core machine, none in 30 with this collection.
+            del model
+            gc.collect()
     return history
 
 
-def _stop_now(local_decision: bool, ctx: DistributedContext, device: torch.device) -> bool:
-    """All ranks stop together: rank 0's clock decides."""
-    if not ctx.enabled:
-        return local_decision
-    flag = torch.tensor([1.0 if local_decision else 0.0], device=device)
-    dist.broadcast(flag, src=0)
-    return bool(flag.item())
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device`` checked like COURSE_DEVICE (None: the fastest here); raises ValueError naming it."""
+    if device is None:
+        return default_device()
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device: expected 'cpu', 'cuda', 'cuda:N', 'mps' or a torch.device, "
+                        f"got {validate.describe(device)}")
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device: expected 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}") from None
+    if chosen.type not in DEVICES:
+        raise ValueError(f"device: expected one of {list(DEVICES)} (optionally 'cuda:N'), got {str(device)!r}")
+    if chosen.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {str(device)!r} asked for, but CUDA is not available here (torch "
+                             f"{torch.__version__}); use --device cpu, or leave it out for the fastest device")
+        if chosen.index is not None and chosen.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {str(device)!r} asked for, but this machine has "
+                             f"{torch.cuda.device_count()} GPU(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    if chosen.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device: {str(device)!r} asked for, but Apple MPS is not available here; "
+                         f"use --device cpu, or leave it out for the fastest device")
+    return chosen
 
 
 # ---------------------------------------------------------------- presets
@@ -393,7 +584,7 @@ def _preset(name: str) -> Preset:
 
 
 def prepare_preset(name: str, corpus: str | None = None, device: torch.device | str | None = None,
-                   **train_overrides: Any) -> tuple[GPT, Any, Any, Any, TrainConfig]:
+                   **train_overrides: Any) -> tuple[GPT, Any, Split, Split, TrainConfig]:
     """Build (model, tokenizer, train_split, val_split, train_config) for a named preset.
 
     ``corpus`` replaces the preset's text: a corpus name or the path of any UTF-8 text file.
@@ -406,71 +597,197 @@ def prepare_preset(name: str, corpus: str | None = None, device: torch.device | 
         tokenizer = data.names_tokenizer(names)
         train_names, val_names = data.split_names(names)
         max_tokens = preset.model["max_tokens"]
-        train_split = Examples(*data.names_dataset(train_names, tokenizer, max_tokens))
-        val_split = Examples(*data.names_dataset(val_names, tokenizer, max_tokens))
+        train_split: Split = Examples(*data.names_dataset(train_names, tokenizer, max_tokens))
+        val_split: Split = Examples(*data.names_dataset(val_names, tokenizer, max_tokens))
     else:
-        text = data.load_corpus(source) if source in data.CORPORA else data.load_text(source)
-        prepared = data.char_corpus(text)
+        prepared = data.char_corpus(source if source in data.CORPORA else Path(source))
         tokenizer = prepared.tokenizer
         train_split, val_split = TokenStream(prepared.train_ids), TokenStream(prepared.val_ids)
     config = GPTConfig(vocab_size=tokenizer.vocab_size, **preset.model)
     train_config = replace(preset.train, **{k: v for k, v in train_overrides.items() if v is not None})
     if device is not None and torch.device(device).type != "cuda":
         # bf16 autocast, compile and pinned memory are the GPU recipe's; on a CPU they only cost
-        train_config = replace(train_config, amp=False, compile=False, pin_memory=False)
+        # (an explicit compile=True is kept: the CPU test of the GPU code path needs it)
+        train_config = replace(train_config, amp=False, pin_memory=False,
+                               compile=bool(train_overrides.get("compile")))
     return GPT(config), tokenizer, train_split, val_split, train_config
 
 
-def run_preset(name: str, out_dir: str | Path, *, seconds: float | None = None, steps: int | None = None,
-               corpus: str | None = None, device: torch.device | str | None = None,
-               progress: bool = True, compile: bool | None = None,
-               batch_size: int | None = None) -> dict[str, Any]:
-    """Train a preset and write ``out_dir/metrics.json`` and ``out_dir/checkpoint.pt``; return the metrics."""
-    out_dir = Path(out_dir)
-    device = torch.device(device) if device is not None else default_device()
-    ctx = setup_distributed(device.type)
+def _metrics(name: str, status: str, model: GPT, config: TrainConfig, history: History,
+             ctx: DistributedContext, device: torch.device, corpus: str | None,
+             val_loss: float | None = None, val_tokens: int | None = None,
+             final_eval_seconds: float | None = None) -> dict[str, Any]:
+    per_token = flops_per_token(model.config, model.num_parameters(include_embeddings=False))
+    tokens_per_second = history.tokens_seen / max(history.train_seconds, 1e-9)
+    if val_loss is None and history.val_loss:
+        val_loss = history.val_loss[-1]   # the latest estimate until the final evaluation
+    return {
+        "preset": name,
+        "status": status,                 # running | stopped | finished
+        "val_loss": val_loss,
+        "val_tokens": val_tokens,
+        "final_eval_seconds": final_eval_seconds,
+        "train_seconds": history.train_seconds,
+        "steps": history.steps_taken,
+        "tokens_per_second": tokens_per_second,
+        "parameters": model.num_parameters(),
+        "flops_per_token": per_token,
+        "achieved_flops": per_token * tokens_per_second,
+        "world_size": ctx.world_size,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "corpus": corpus,
+        "model": model.config.to_dict(),
+        "train": asdict(config),
+        "history": history.to_dict(),
+    }
+
+
+@dataclass
+class _Plan:
+    name: str
+    corpus: str | None
+    folder: RunFolder
+    model: GPT
+    tokenizer: Any
+    train_split: Split
+    val_split: Split
+    config: TrainConfig
+    state: TrainState | None
+
+
+def _plan(name: str | None, out_dir: Any, *, seconds: float | None, steps: int | None, corpus: str | None,
+          device: torch.device, compile: bool | None, batch_size: int | None, resume: bool, overwrite: bool,
+          ctx: DistributedContext) -> _Plan:
+    # Everything a run needs, checked before the first step: any failure here is a RunRefused.
+    folder = RunFolder(out_dir, resume=resume, overwrite=overwrite)
+    if ctx.is_main:
+        folder.prepare()
+    saved: dict[str, Any] | None = None
+    checkpoint = None
+    if resume:
+        try:
+            checkpoint = load_checkpoint(folder.checkpoint)
+        except (CheckpointError, FileNotFoundError) as exc:
+            raise RunRefused(f"resume: {exc}") from None
+        saved = checkpoint.training
+        if not saved:
+            raise RunRefused(f"resume: {folder.checkpoint} holds weights but no training state (a final or "
+                             f"hand-saved checkpoint); start a new run with --overwrite")
+        if name is not None and name != saved["preset"]:
+            raise RunRefused(f"preset: the run in {folder.path} is preset {saved['preset']!r}, got {name!r}; "
+                             f"leave --preset out when resuming")
+        name = saved["preset"]
+        corpus = corpus or saved["corpus"]
+        if batch_size is not None and batch_size != saved["train_config"]["batch_size"]:
+            raise RunRefused(f"batch_size: the run in {folder.path} uses {saved['train_config']['batch_size']}; "
+                             f"a resumed run keeps it, got {batch_size}")
+        folder.run_id = saved["run_id"]
+    elif name is None:
+        raise RunRefused("preset: expected a preset name (or --resume DIR), got none")
+    if corpus is not None and not isinstance(corpus, str):
+        raise RunRefused(f"corpus: expected a corpus name or a file path, got {corpus!r}")
+    from .data import CORPORA
+    if corpus is not None and corpus not in CORPORA and name != "names_char":
+        corpus = str(Path(corpus).expanduser().resolve())   # the resume may start elsewhere
+    torch.manual_seed(_preset(name).train.seed)   # same initial weights on every rank and every run
+    model, tokenizer, train_split, val_split, config = prepare_preset(
+        name, corpus, device, compile=compile, batch_size=batch_size)
+    state = None
+    if saved is not None:
+        config = replace(TrainConfig(**saved["train_config"]), **{
+            k: v for k, v in dict(steps=steps, seconds=seconds, compile=compile).items() if v is not None})
+        if checkpoint.tokenizer != tokenizer:
+            raise RunRefused(f"corpus: the text {corpus!r} gives a different tokenizer than the run in "
+                             f"{folder.path} was trained with; resume with the run's own corpus")
+        model.load_state_dict(checkpoint.model.state_dict())
+        state = TrainState.from_dict(saved)
+        if state.step >= config.steps:
+            raise RunFinished(f"the run in {folder.path} already finished at step {state.step} (steps="
+                              f"{config.steps}); give a larger --steps to train it further")
+    else:
+        config = replace(config, **{k: v for k, v in dict(steps=steps, seconds=seconds).items() if v is not None})
+    return _Plan(name, corpus, folder, model, tokenizer, train_split, val_split, config, state)
+
+
+class RunFinished(Exception):
+    """A resumed run had nothing left to do."""
+
+
+def run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None = None,
+               steps: int | None = None, corpus: str | None = None, device: torch.device | str | None = None,
+               progress: bool = True, compile: bool | None = None, batch_size: int | None = None,
+               resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Train a preset into ``out_dir`` (checkpoint.pt and metrics.json, kept up to date); return the metrics.
+
+    Everything is checked first (a :class:`RunRefused` names the problem). ``resume=True``
+    continues the run saved in ``out_dir`` (``name`` may be None), with ``steps``/``seconds`` as the
+    run's new total budget; ``overwrite=True`` replaces it; a folder holding a run is otherwise
+    refused. SIGINT and SIGTERM stop the run cleanly after the current step, saved: the metrics
+    then say ``"status": "stopped"`` and ``"signal"``. A NaN loss raises :class:`NonFiniteLoss`
+    and keeps the last good checkpoint.
+    """
     finished = False
+    ctx = DistributedContext()
     try:
-        if ctx.enabled and device.type == "cuda":
-            device = torch.device("cuda", ctx.local_rank)
-        torch.manual_seed(_preset(name).train.seed)   # same initial weights on every rank and every run
-        model, tokenizer, train_split, val_split, config = prepare_preset(
-            name, corpus, device, seconds=seconds, steps=steps, compile=compile, batch_size=batch_size)
-        history = train(model, train_split, val_split, config, device=device, progress=progress, ctx=ctx)
+        try:
+            device = resolve_device(device)
+            ctx = setup_distributed(device.type)
+            if ctx.enabled and device.type == "cuda":
+                device = torch.device("cuda", ctx.local_rank)
+            plan = _plan(name, out_dir, seconds=seconds, steps=steps, corpus=corpus, device=device,
+                         compile=compile, batch_size=batch_size, resume=resume, overwrite=overwrite, ctx=ctx)
+        except RunFinished as done:
+            print(done)
+            finished = True
+            return {}
+        except RunRefused:
+            raise
+        except (ValueError, TypeError, OSError, RuntimeError) as exc:   # CorpusError is a RuntimeError
+            raise RunRefused(str(exc).splitlines()[0]) from None
+        model, config, folder = plan.model, plan.config, plan.folder
+
+        def save(state: TrainState) -> None:
+            training = {**state.to_dict(), "preset": plan.name, "corpus": plan.corpus,
+                        "train_config": asdict(config), "world_size": ctx.world_size}
+            folder.save(model, plan.tokenizer, training,
+                        _metrics(plan.name, "running", model, config, state.history, ctx, device, plan.corpus))
+
+        with StopRequest() as stop:
+            try:
+                history = train(model, plan.train_split, plan.val_split, config, device=device,
+                                progress=progress, ctx=ctx, state=plan.state, on_checkpoint=save,
+                                should_stop=stop)
+            except NonFiniteLoss as exc:
+                saved = "no checkpoint was written yet" if not folder.checkpoint.exists() else \
+                    f"the last good checkpoint is kept in {folder.checkpoint}"
+                raise _with_checkpoint_note(exc, saved) from None
         metrics: dict[str, Any] = {}
         if ctx.is_main:
-            val_inputs, val_targets = val_split.eval_windows(model.config.max_tokens)
-            started = time.perf_counter()
-            val_loss = evaluate(model, val_inputs, val_targets)
-            parameters = model.num_parameters()
-            per_token = flops_per_token(model.config, model.num_parameters(include_embeddings=False))
-            tokens_per_second = history.tokens_seen / max(history.train_seconds, 1e-9)
-            metrics = {
-                "preset": name,
-                "val_loss": val_loss,
-                "val_tokens": int((val_targets != IGNORE_INDEX).sum()),
-                "final_eval_seconds": time.perf_counter() - started,
-                "train_seconds": history.train_seconds,
-                "steps": history.steps_taken,
-                "tokens_per_second": tokens_per_second,
-                "parameters": parameters,
-                "flops_per_token": per_token,
-                "achieved_flops": per_token * tokens_per_second,
-                "world_size": ctx.world_size,
-                "device": str(device),
-                "threads": torch.get_num_threads(),
-                "model": model.config.to_dict(),
-                "train": {k: v for k, v in asdict(config).items()},
-                "history": history.to_dict(),
-            }
-            out_dir.mkdir(parents=True, exist_ok=True)
-            save_checkpoint(out_dir / "checkpoint.pt", unwrap_model(model), tokenizer,
-                            extra={"preset": name, "val_loss": val_loss, "steps": history.steps_taken})
-            tmp = out_dir / ".metrics.json.tmp"
-            tmp.write_text(json.dumps(metrics, indent=2))
-            tmp.replace(out_dir / "metrics.json")
+            status = "stopped" if history.stop_reason == "stopped" else "finished"
+            extra: dict[str, Any] = {}
+            if status == "finished":
+                # the final, exact evaluation: every validation window, not the running estimate
+                val_inputs, val_targets = plan.val_split.eval_windows(model.config.max_tokens)
+                started = time.perf_counter()
+                extra = dict(val_loss=evaluate(model, val_inputs, val_targets),
+                             val_tokens=int((val_targets != IGNORE_INDEX).sum()))
+                extra["final_eval_seconds"] = time.perf_counter() - started
+            metrics = _metrics(plan.name, status, model, config, history, ctx, device, plan.corpus, **extra)
+            metrics.update(run_id=folder.run_id, step=history.steps_taken)
+            if stop.signum is not None:
+                metrics["signal"] = stop.name
+            # the same run id and step as the checkpoint saved when the loop ended
+            write_atomically(folder.metrics, json.dumps(metrics, indent=2).encode("utf-8"))
         finished = True
         return metrics
     finally:
         # After a failure the other ranks may never arrive: wait for them only on success.
         teardown_distributed(wait_for_all=finished)
+
+
+def _with_checkpoint_note(exc: NonFiniteLoss, note: str) -> NonFiniteLoss:
+    again = NonFiniteLoss.__new__(NonFiniteLoss)
+    again.step = exc.step
+    RuntimeError.__init__(again, f"{exc}; {note}")
+    return again

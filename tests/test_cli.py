@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,116 @@ def test_data_warn_only_lets_make_lab_open_offline(monkeypatch, tmp_path, capsys
     assert "WARNING: names, tinyshakespeare not available yet" in err
     assert f"save it as {tmp_path / 'names.txt'}" in err, "the warning carries the exact fix"
     assert main(["data", "--no-download"]) == 1
+
+
+# ---------------------------------------------------------------- train: checked first, stopped cleanly, resumed
+
+TEXT = "hello world, hello attention. " * 100
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Fail the test if a refused run starts training: every check must come before the first step."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("training started before the arguments were checked")
+    monkeypatch.setattr("course_lib.train.train", refuse)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--out", "{file}"], "out: expected a folder for checkpoint.pt and metrics.json, got the existing file"),
+    (["--out", "{file}/sub"], "out: expected a folder this process can write, got"),
+    (["--out", "{run}", "--device", "cuda"], "device: 'cuda' asked for, but CUDA is not available here"),
+    (["--out", "{run}", "--device", "tpu"], "device: expected 'cpu', 'cuda', 'cuda:N' or 'mps', got 'tpu'"),
+    (["--out", "{run}", "--steps", "0"], "steps: expected a positive int, got 0"),
+    (["--out", "{run}", "--seconds", "-1"], "seconds: expected a finite number > 0, got -1.0"),
+    (["--out", "{run}", "--batch-size", "0"], "batch_size: expected a positive int, got 0"),
+    (["--out", "{run}", "--corpus", "{missing}"], "missing.txt"),
+    (["--resume", "{run}"], "resume: expected a run folder holding checkpoint.pt"),
+    (["--out", "{run}", "--resume", "{run}"], "not allowed with argument"),
+])
+def test_a_bad_train_argument_is_one_line_and_status_2_before_any_training(
+        extra, message, tmp_path, corpus, capsys, no_training):
+    (tmp_path / "file").write_text("not a folder")
+    names = dict(file=tmp_path / "file", run=tmp_path / "run", missing=tmp_path / "missing.txt")
+    argv = ["train", "--preset", "tiny", "--corpus", str(corpus), "--quiet"] + [a.format(**names) for a in extra]
+    if "--device" not in extra:
+        argv += ["--device", "cpu"]
+    with pytest.raises(SystemExit) if "not allowed" in message else _returns(2) as status:
+        status.value = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err
+    if "not allowed" not in message:   # argparse prints its usage; ours is one line
+        assert len(err.splitlines()) == 1 and err.startswith("error: ")
+
+
+class _returns:
+    def __init__(self, expected):
+        self.expected = expected
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        assert exc[0] is None and self.value == self.expected, (exc, getattr(self, "value", None))
+
+
+def test_a_folder_holding_a_run_asks_for_resume_or_overwrite(tmp_path, corpus, capsys):
+    argv = ["train", "--preset", "tiny", "--steps", "3", "--corpus", str(corpus), "--device", "cpu", "--quiet",
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 0
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and f"--resume {tmp_path / 'run'}" in err and "--overwrite" in err
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before   # untouched
+    assert main(argv + ["--overwrite"]) == 0
+    assert main(["train", "--resume", str(tmp_path / "run"), "--steps", "6", "--quiet"]) == 0
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 6
+
+
+def test_bench_training_refuses_a_file_as_out_before_measuring(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("course_lib.bench.measure_matmul_peak", lambda *a, **k: pytest.fail("measured first"))
+    (tmp_path / "file").write_text("x")
+    assert main(["bench", "training", "--seconds", "1", "--out", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out: expected a folder") and "Traceback" not in err
+
+
+def _start_training(tmp_path, corpus, *extra):
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "course_lib", "train", "--preset", "tiny", "--steps", "100000", "--corpus",
+         str(corpus), "--device", "cpu", "--quiet", "--out", str(out), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # wait for the first checkpoint (the evaluation at step 50): training is under way
+    for _ in range(1200):
+        if (out / "checkpoint.pt").exists() or process.poll() is not None:
+            break
+        time.sleep(0.05)
+    return process, out
+
+
+@pytest.mark.parametrize("signum,status", [(15, 143), pytest.param(2, 130, marks=pytest.mark.slow)])
+def test_sigterm_and_ctrl_c_stop_cleanly_with_a_loadable_checkpoint(tmp_path, corpus, signum, status):
+    from course_lib.checkpoints import load_checkpoint
+    process, out = _start_training(tmp_path, corpus)
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == status, stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+    assert f"resume with: python -m course_lib train --resume {out}" in stderr
+    saved = load_checkpoint(out / "checkpoint.pt")
+    metrics = json.loads((out / "metrics.json").read_text())
+    step = saved.training["step"]
+    assert f"stopped at step {step} " in stderr and step >= 50
+    assert metrics["status"] == "stopped" and metrics["step"] == step and metrics["run_id"] == saved.training["run_id"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.json"]   # no temporaries
+    assert main(["train", "--resume", str(out), "--steps", str(step + 5), "--quiet"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["steps"] == step + 5

@@ -5,6 +5,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -330,6 +331,14 @@ def test_char_corpus_from_text_and_path(tmp_path):
         char_corpus("")
 
 
+@pytest.mark.parametrize("path_like", ["path/to/file.txt", "corpus.txt", "C:\\data\\t", "notes.md"])
+def test_char_corpus_refuses_a_path_given_as_a_string(path_like):
+    # trained on, it would be a model of the characters of the path
+    with pytest.raises(ValueError, match=rf"name_or_text: got {re.escape(repr(path_like))}, which looks like a "
+                                         rf"file path, not text; read the file with char_corpus\(Path\("):
+        char_corpus(path_like)
+
+
 # --------------------------------------------------------------------------- tokenizers
 
 def test_char_tokenizer_round_trip_and_order():
@@ -391,6 +400,13 @@ def test_char_tokenizer_bad_inputs_name_the_argument():
         CharTokenizer("aba")
     with pytest.raises(ValueError, match="chars"):
         CharTokenizer("")
+
+
+def test_subword_vocabulary_is_bounded_by_what_the_text_can_give():
+    # 10**9 once aborted the whole process (a dead kernel); now it is a message before any work
+    with pytest.raises(ValueError, match=r"vocab_size: expected at most 265 for this text of 9 bytes .*got 1000000000"):
+        train_subword_tokenizer("aaaa bbbb", vocab_size=10**9)
+    assert len(train_subword_tokenizer("aaaa bbbb", vocab_size=265)) <= 265
 
 
 def test_subword_tokenizer_round_trips():

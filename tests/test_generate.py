@@ -114,3 +114,26 @@ def test_generate_bad_arguments():
         generate(model, torch.zeros(1, 1, dtype=torch.long), -1)
     with pytest.raises(TypeError, match="prompt"):
         generate_text(model, CharTokenizer.from_text("ab"), 3)
+
+
+def test_out_of_vocabulary_ids_are_named_with_vocab_size():
+    # the usual mismatch: a tokenizer bigger than the model it feeds
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=5, max_tokens=8, embed_dim=16, num_heads=2, num_layers=1))
+    bad = torch.tensor([[1, 2, 7]])
+    for call in (lambda: model(bad), lambda: generate(model, bad, 2), lambda: generate_with_cache(model, bad, 2)):
+        with pytest.raises(ValueError, match=r"idx: expected token ids in 0..4 \(vocab_size=5\), got 7; the "
+                                             r"tokenizer and the model disagree"):
+            call()
+    with pytest.raises(ValueError, match=r"got -1"):
+        model(torch.tensor([[0, -1]]))
+
+
+def test_a_kv_cache_refuses_a_new_batch_size():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=5, max_tokens=8, embed_dim=16, num_heads=2, num_layers=1)).eval()
+    cache = model.new_cache()
+    model(torch.zeros(2, 3, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match=r"k: this cache holds a batch of 2 sequences, got a batch of 3; start "
+                                         r"a new cache \(model.new_cache\(\)\)"):
+        model(torch.zeros(3, 1, dtype=torch.long), cache)

@@ -1,0 +1,102 @@
+"""A training run's folder: checkpoint.pt and metrics.json, checked before the first step and
+always written as one consistent unit (the same run id and step in both)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .checkpoints import remove_stale_temporaries, save_checkpoint, write_atomically
+
+__all__ = ["RunFolder", "RunRefused", "CHECKPOINT", "METRICS"]
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.json"
+
+
+class RunRefused(ValueError):
+    """A run that cannot start: a bad argument, folder, corpus or device, found before any work."""
+
+
+class RunFolder:
+    """The folder ``--out`` names: checked now, written at every save.
+
+    ``resume``: continue the run it holds. ``overwrite``: replace the run it holds (its files are
+    removed before the first step, so no stale file can sit beside the new run's). Neither: a
+    folder that already holds a run is refused, never silently replaced.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, resume: bool = False, overwrite: bool = False):
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise RunRefused(f"out: expected a folder path, got {path!r}")
+        if resume and overwrite:
+            raise RunRefused("overwrite: expected either --resume or --overwrite, got both")
+        self.path = Path(path)
+        self.resume = resume
+        self.overwrite = overwrite
+        self.run_id = uuid.uuid4().hex[:12]
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.path / CHECKPOINT
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    def holds_a_run(self) -> bool:
+        return self.checkpoint.exists() or self.metrics.exists()
+
+    def prepare(self) -> None:
+        """Check the folder can take this run; create it; clear what a killed run left. Raises RunRefused."""
+        if self.path.exists() and not self.path.is_dir():
+            raise RunRefused(f"out: expected a folder for {CHECKPOINT} and {METRICS}, got the existing "
+                             f"file {self.path}; choose another --out")
+        if self.resume and not self.checkpoint.is_file():
+            raise RunRefused(f"resume: expected a run folder holding {CHECKPOINT}, got {self.path} "
+                             f"({'missing' if not self.path.exists() else 'no ' + CHECKPOINT + ' in it'}); "
+                             f"start a run with --out {self.path}")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            # mkdir succeeds on a read-only folder that exists: only a real write tells.
+            fd, probe = tempfile.mkstemp(dir=self.path, prefix=".write-test.", suffix=".tmp")
+            os.close(fd)
+            os.remove(probe)
+        except OSError as exc:
+            raise RunRefused(f"out: expected a folder this process can write, got {self.path} "
+                             f"({type(exc).__name__}: {exc.strerror or exc})") from None
+        remove_stale_temporaries(self.path)
+        if self.holds_a_run() and not self.resume:
+            if not self.overwrite:
+                raise RunRefused(f"out: {self.path} already holds a run{self._describe()}; continue it with "
+                                 f"--resume {self.path}, or replace it with --overwrite")
+            for old in (self.metrics, self.checkpoint):
+                old.unlink(missing_ok=True)
+
+    def _describe(self) -> str:
+        try:
+            saved = json.loads(self.metrics.read_text())
+            return f" (preset {saved.get('preset')!r}, step {saved.get('steps')}, {saved.get('status', 'finished')})"
+        except (OSError, ValueError, AttributeError):
+            return ""
+
+    def save(self, model: nn.Module, tokenizer: Any, training: dict[str, Any], metrics: dict[str, Any]) -> None:
+        """Write the checkpoint, then metrics.json, both stamped with this run's id and step.
+
+        Each file is replaced atomically. If the process dies between the two renames,
+        metrics.json still names the older step, and the run id and step tell the reader so;
+        the checkpoint is what a resume trusts.
+        """
+        stamp = {"run_id": self.run_id, "step": training["step"]}
+        training = {**training, **stamp}
+        metrics = {**metrics, **stamp}
+        save_checkpoint(self.checkpoint, model, tokenizer, extra={"preset": metrics.get("preset"),
+                                                                  "val_loss": metrics.get("val_loss"),
+                                                                  "steps": training["step"], **stamp},
+                        training=training)
+        write_atomically(self.metrics, json.dumps(metrics, indent=2).encode("utf-8"))

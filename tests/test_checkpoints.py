@@ -1,0 +1,126 @@
+"""Checkpoints: verified on load, refused at save time when they could not be loaded back, atomic."""
+import hashlib
+import io
+import os
+
+import pytest
+import torch
+
+from course_lib import GPT, GPTConfig
+from course_lib.checkpoints import (MAGIC, CheckpointError, load_checkpoint, remove_stale_temporaries,
+                                    save_checkpoint, write_atomically)
+from course_lib.data import CharTokenizer
+from course_lib.run_folder import RunFolder, RunRefused
+from course_lib.train import History
+
+
+def tiny_model(vocab_size=7):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=vocab_size, max_tokens=8, embed_dim=16, num_heads=2, num_layers=1))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    return save_checkpoint(tmp_path / "ck.pt", tiny_model(), CharTokenizer("abcdefg"), extra={"step": 3},
+                           training={"step": 3, "rng": torch.arange(4, dtype=torch.uint8)})
+
+
+def test_round_trip_keeps_weights_tokenizer_extra_and_training_state(saved):
+    loaded = load_checkpoint(saved)
+    for name, value in tiny_model().state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], value)
+    assert loaded.tokenizer == CharTokenizer("abcdefg")
+    assert loaded.extra == {"step": 3}
+    assert loaded.training["step"] == 3 and torch.equal(loaded.training["rng"], torch.arange(4, dtype=torch.uint8))
+
+
+def test_a_flipped_byte_anywhere_is_refused_naming_the_file(saved):
+    original = saved.read_bytes()
+    # the header, the checksum, torch's zip records and the tensor data: 40 positions across the file
+    positions = sorted({0, 5, len(MAGIC) + 3, *range(len(MAGIC) + 70, len(original), len(original) // 37)})
+    for position in positions:
+        damaged = bytearray(original)
+        damaged[position] ^= 0x01
+        saved.write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointError, match=r"ck\.pt is damaged") as info:
+            load_checkpoint(saved)
+        assert "weights_only" not in str(info.value), position
+    saved.write_bytes(original[:-100])   # truncated, as by a full disk
+    with pytest.raises(CheckpointError, match="damaged"):
+        load_checkpoint(saved)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_a_malicious_pickle_is_refused_without_suggesting_weights_only_false(tmp_path):
+    buffer = io.BytesIO()
+    torch.save({"format_version": 2, "payload": _Evil()}, buffer)
+    body = buffer.getvalue()
+    path = tmp_path / "evil.pt"
+    # a valid checksum: the file is intact, its contents are what is refused
+    path.write_bytes(MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert "evil.pt" in message and "weights_only" not in message and "\x1b[" not in message
+    torch.save({"payload": _Evil()}, tmp_path / "old.pt")   # the pre-checksum format, same refusal
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path / "old.pt")
+    assert "weights_only" not in str(info.value)
+
+
+def test_save_refuses_what_load_could_not_read_back(tmp_path):
+    with pytest.raises(TypeError, match=r"extra\['history'\]: expected plain data .* got History; "
+                                        r"convert it with \.to_dict\(\)"):
+        save_checkpoint(tmp_path / "ck.pt", tiny_model(), extra={"history": History()})
+    with pytest.raises(TypeError, match=r"training\['x'\]\[1\]: expected plain data .* got object"):
+        save_checkpoint(tmp_path / "ck.pt", tiny_model(), training={"x": [1, object()]})
+    assert not any(tmp_path.iterdir())   # refused before anything was written
+    path = save_checkpoint(tmp_path / "ck.pt", tiny_model(), extra={"history": History().to_dict()})
+    assert load_checkpoint(path).extra["history"]["steps_taken"] == 0
+
+
+def test_format_1_checkpoints_still_load(tmp_path):
+    model = tiny_model()
+    torch.save({"format_version": 1, "config": model.config.to_dict(), "state_dict": model.state_dict(),
+                "tokenizer": None, "extra": {}}, tmp_path / "v1.pt")
+    assert load_checkpoint(tmp_path / "v1.pt").training is None
+
+
+def test_interrupted_writes_leave_no_temporary_file_and_stale_ones_are_removed(tmp_path, monkeypatch):
+    target = tmp_path / "ck.pt"
+    target.write_bytes(b"old")
+
+    def fail(*args):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_atomically(target, b"new")
+    monkeypatch.undo()
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
+    (tmp_path / ".checkpoint.pt.abc123.tmp").write_bytes(b"half")   # what a SIGKILL leaves
+    (tmp_path / ".metrics.json.x.tmp").write_bytes(b"half")
+    assert len(remove_stale_temporaries(tmp_path)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
+
+
+def test_run_folder_refuses_files_and_existing_runs_and_clears_what_it_replaces(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RunRefused, match="out: expected a folder .* got the existing file"):
+        RunFolder(tmp_path / "file").prepare()
+    with pytest.raises(RunRefused, match="out: expected a folder this process can write"):
+        RunFolder(tmp_path / "file" / "sub").prepare()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text('{"preset": "tiny", "steps": 40}')
+    (run / "checkpoint.pt").write_bytes(b"x")
+    (run / ".checkpoint.pt.1.tmp").write_bytes(b"half")
+    with pytest.raises(RunRefused, match=r"already holds a run \(preset 'tiny', step 40.*--resume .*--overwrite"):
+        RunFolder(run).prepare()
+    RunFolder(run, overwrite=True).prepare()
+    assert list(run.iterdir()) == []   # old run and stale temporary gone before the first step
+    with pytest.raises(RunRefused, match="resume: expected a run folder holding checkpoint.pt"):
+        RunFolder(run, resume=True).prepare()
