@@ -6,8 +6,10 @@ so a student reading the traceback knows which line of theirs to change.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
 from numbers import Integral, Real
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,6 +131,26 @@ def positive_float(name: str, value: Any, *, hint: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}: expected a number > 0, got {describe(value)}{_then(hint)}")
     return float(value)
+
+
+def number_in(name: str, value: Any, *, low: float, high: float, low_open: bool = False,
+              high_open: bool = False, hint: str = "") -> float:
+    """A real number between ``low`` and ``high`` (each end open or closed); ``hint`` ends the message."""
+    ok = is_number(value) and (value > low if low_open else value >= low) \
+        and (value < high if high_open else value <= high)
+    if not ok:
+        span = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{name}: expected a number in {span}, got {describe(value)}{_then(hint)}")
+    return float(value)
+
+
+def path(name: str, value: Any, what: str = "a path") -> Path:
+    """A file or folder path given as a str or os.PathLike (not empty), returned as a Path."""
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name}: expected {what} (str or os.PathLike), got {describe(value)}")
+    if str(value) == "":
+        raise ValueError(f"{name}: expected {what}, got an empty string")
+    return Path(value)
 
 
 def one_of(name: str, value: Any, choices: Iterable[Any]) -> Any:

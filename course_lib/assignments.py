@@ -46,6 +46,7 @@ from typing import Any
 
 import nbformat
 
+from . import _validate as validate
 from ._validate import describe
 from .copy_policy import CopyOutcome, place_learner_copy
 
@@ -184,14 +185,6 @@ def strip_solutions(source: str, exercise_hint: str | None = None, cell_label: s
     return _strip(source, exercise_hint, cell_label)[0]
 
 
-def _as_path(name: str, value: Any) -> Path:
-    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name}: expected a path (str or os.PathLike), got {describe(value)}")
-    if str(value) == "":
-        raise ValueError(f"{name}: expected a path, got an empty string")
-    return Path(value)
-
-
 def _learner_notebook(notebook_path: Path) -> tuple[nbformat.NotebookNode, dict[str, int]]:
     """Read one notebook and return its learner version (in memory) with counts."""
     if not notebook_path.is_file():
@@ -240,7 +233,7 @@ def make_learner_copy(notebook_path: str | os.PathLike, out_path: str | os.PathL
     A copy at ``out_path`` that the student edited is never overwritten: the new version is
     written beside it (see ``course_lib.copy_policy``).
     """
-    src, dst = _as_path("notebook_path", notebook_path), _as_path("out_path", out_path)
+    src, dst = validate.path("notebook_path", notebook_path), validate.path("out_path", out_path)
     if _same_path(src, dst):
         raise ValueError(f"out_path: expected a different file from notebook_path, got '{dst}' for both; "
                          f"writing there would overwrite the solutions")
@@ -272,7 +265,7 @@ def update_learner_copies(src_dir: str | os.PathLike, out_dir: str | os.PathLike
     Copies the student edited are kept; the new version goes beside them. Returns one
     ``CopyOutcome`` per notebook, in teaching order, saying what was done.
     """
-    src, out = _as_path("src_dir", src_dir), _as_path("out_dir", out_dir)
+    src, out = validate.path("src_dir", src_dir), validate.path("out_dir", out_dir)
     _check_dirs(src, out)
     # Strip everything before writing anything: one bad marker leaves out_dir untouched.
     prepared = [(out / path.name, *_learner_notebook(path)) for path in _source_notebooks(src)]

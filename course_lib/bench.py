@@ -51,8 +51,7 @@ def measure_matmul_peak(sizes: Sequence[int] = (1024, 2048), repeats: int = 3,
     A matmul of two (n, n) matrices does 2n^3 floating-point operations. Best-of-``repeats``
     because a busy machine can only make a run slower, never faster.
     """
-    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes):
-        raise ValueError(f"sizes: expected a non-empty list of positive ints, got {validate.describe(sizes)}")
+    validate.int_list("sizes", sizes)
     validate.positive_int("repeats", repeats)
     device = torch.device(device)
     best = 0.0
@@ -198,8 +197,7 @@ def attention_benchmark(lengths: Sequence[int] = DEFAULT_LENGTHS, embed_dim: int
     ``core_train_ratio``.
     """
     from .attention import MultiHeadMaskedAttention
-    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
-        raise ValueError(f"lengths: expected a non-empty list of positive ints, got {validate.describe(lengths)}")
+    validate.int_list("lengths", lengths)
     validate.positive_int("embed_dim", embed_dim)
     validate.positive_int("num_heads", num_heads)
     if batch is not None:

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import _validate as validate
 from ._validate import describe
 from .checks import CheckResult
 from .collect import Collection
@@ -163,8 +164,7 @@ def train_parts(collection: Collection, yours: Sequence[str] | None, setup: Trai
     if not isinstance(setup, TrainingSetup):
         raise TypeError(f"setup: expected names_setup() or shakespeare_setup(), got {describe(setup)}")
     steps = setup.steps if steps is None else steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps: expected a positive int, got {describe(steps)}")
+    validate.positive_int("steps", steps)
     run = TrainingRun(label or ("yours" if yours is None else f"yours: {', '.join(yours) or 'none'}"))
     try:
         namespace = collection.namespace(yours)

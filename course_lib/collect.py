@@ -28,6 +28,7 @@ from typing import Iterable
 
 import nbformat
 
+from . import _validate as validate
 from ._validate import describe
 from .course_files import course_notebooks
 
@@ -277,9 +278,7 @@ def collect_student_parts(folder: str | os.PathLike = ".", exercises: Iterable[s
     A part that is missing, unfinished or broken falls back to the course's solution. A part
     whose definition runs but raises when executed in the namespace is marked broken too.
     """
-    if isinstance(folder, bool) or not isinstance(folder, (str, os.PathLike)):
-        raise TypeError(f"folder: expected the folder of your notebooks (str or Path), got {describe(folder)}")
-    root = Path(folder)
+    root = validate.path("folder", folder, "the folder of your notebooks")
     if not root.is_dir():
         raise FileNotFoundError(f"folder: expected a folder holding your notebooks, got '{root}' "
                                 f"({'a file' if root.exists() else 'not found'})")

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import _validate as check
+from . import _validate as validate
 from .corpora import (CORPORA, Corpus, CorpusError, CorpusLocation, corpus_path, download_corpus,
                       load_corpus, locate_corpus)
 
@@ -55,7 +55,7 @@ IGNORE_INDEX = -100
 def load_text(path: str | os.PathLike) -> str:
     """Read any UTF-8 text file (bring your own corpus); a leading byte-order mark is dropped."""
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path: expected a file path (str or Path), got {check.describe(path)}")
+        raise TypeError(f"path: expected a file path (str or Path), got {validate.describe(path)}")
     file = Path(path).expanduser()
     if not file.exists():
         raise FileNotFoundError(f"path: no file at {file} (absolute: {file.absolute()})")
@@ -85,12 +85,12 @@ class CharTokenizer:
     """One token per character, in the order given; ``unknown`` says what to do with unseen ones."""
 
     def __init__(self, chars: str | Sequence[str], unknown: str = "error") -> None:
-        check.one_of("unknown", unknown, UNKNOWN_POLICIES)
+        validate.one_of("unknown", unknown, UNKNOWN_POLICIES)
         if isinstance(chars, str):
             chars = list(chars)
         if not isinstance(chars, (list, tuple)) or not chars:
             raise ValueError(f"chars: expected a non-empty string or list of characters, "
-                             f"got {check.describe(chars)}")
+                             f"got {validate.describe(chars)}")
         seen: set[str] = set()
         for i, ch in enumerate(chars):
             if not isinstance(ch, str) or len(ch) != 1:
@@ -110,7 +110,7 @@ class CharTokenizer:
     def from_text(cls, text: str, unknown: str = "error") -> "CharTokenizer":
         """The vocabulary of ``text``: its distinct characters, sorted."""
         if not isinstance(text, str) or not text:
-            raise ValueError(f"text: expected a non-empty string, got {check.describe(text)}")
+            raise ValueError(f"text: expected a non-empty string, got {validate.describe(text)}")
         return cls(sorted(set(text)), unknown=unknown)
 
     @property
@@ -134,7 +134,7 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``."""
         if not isinstance(text, str):
-            raise TypeError(f"text: expected a str, got {check.describe(text)}")
+            raise TypeError(f"text: expected a str, got {validate.describe(text)}")
         stoi = self.stoi
         try:
             return [stoi[ch] for ch in text]  # fast path: every character known
@@ -157,10 +157,10 @@ class CharTokenizer:
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
         """The text of a list of token ids or a 1-D tensor of them."""
         if isinstance(ids, torch.Tensor):
-            check.token_ids("ids", ids, dim=1)
+            validate.token_ids("ids", ids, dim=1)
             ids = ids.tolist()
         elif not isinstance(ids, (list, tuple)):
-            raise TypeError(f"ids: expected a list of ints or a 1-D integer tensor, got {check.describe(ids)}")
+            raise TypeError(f"ids: expected a list of ints or a 1-D integer tensor, got {validate.describe(ids)}")
         itos = self.itos
         out = []
         for pos, i in enumerate(ids):
@@ -183,7 +183,7 @@ class CharTokenizer:
         """Rebuild a tokenizer saved with ``to_dict``."""
         if not isinstance(d, dict) or "chars" not in d:
             raise ValueError(f"d: expected a dict from CharTokenizer.to_dict() with key 'chars', "
-                             f"got {check.describe(d)}")
+                             f"got {validate.describe(d)}")
         if d.get("type", "CharTokenizer") != "CharTokenizer":
             raise ValueError(f"d: expected type 'CharTokenizer', got {d['type']!r}")
         return cls(d["chars"], unknown=d.get("unknown", "error"))
@@ -202,9 +202,9 @@ def train_subword_tokenizer(text: str, vocab_size: int = 512, min_frequency: int
     from transformers import PreTrainedTokenizerFast
 
     if not isinstance(text, str) or not text:
-        raise ValueError(f"text: expected a non-empty string, got {check.describe(text)}")
-    check.positive_int("vocab_size", vocab_size)
-    check.positive_int("min_frequency", min_frequency)
+        raise ValueError(f"text: expected a non-empty string, got {validate.describe(text)}")
+    validate.positive_int("vocab_size", vocab_size)
+    validate.positive_int("min_frequency", min_frequency)
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 byte symbols
     smallest = len(alphabet) + 1
     if vocab_size < smallest:
@@ -233,9 +233,7 @@ def train_subword_tokenizer(text: str, vocab_size: int = 512, min_frequency: int
 # --------------------------------------------------------------------------- LM datasets
 
 def _check_fraction(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        raise ValueError(f"{name}: expected a number strictly between 0 and 1, got {check.describe(value)}")
-    return float(value)
+    return validate.number_in(name, value, low=0, high=1, low_open=True, high_open=True)
 
 
 def _check_enough_tokens(ids: torch.Tensor, max_tokens: int) -> None:
@@ -251,9 +249,9 @@ def lm_windows(ids: torch.Tensor, max_tokens: int, stride: int | None = None):
     ``stride`` tokens (default ``max_tokens``: each token is a target once); a last
     window that does not fit is dropped. The results are views of ``ids`` when it is long.
     """
-    check.token_ids("ids", ids, dim=1)
-    check.positive_int("max_tokens", max_tokens)
-    stride = max_tokens if stride is None else check.positive_int("stride", stride)
+    validate.token_ids("ids", ids, dim=1)
+    validate.positive_int("max_tokens", max_tokens)
+    stride = max_tokens if stride is None else validate.positive_int("stride", stride)
     _check_enough_tokens(ids, max_tokens)
     windows = ids.long().unfold(0, max_tokens + 1, stride)  # (num_windows, max_tokens + 1)
     inputs = windows[:, :-1]                                # (num_windows, max_tokens)
@@ -263,7 +261,7 @@ def lm_windows(ids: torch.Tensor, max_tokens: int, stride: int | None = None):
 
 def split_by_position(ids: torch.Tensor, train_fraction: float = 0.9):
     """First ``train_fraction`` of the tokens for training, the rest for validation."""
-    check.token_ids("ids", ids, dim=1)
+    validate.token_ids("ids", ids, dim=1)
     fraction = _check_fraction("train_fraction", train_fraction)
     n_train = int(ids.numel() * fraction)
     if n_train == 0 or n_train == ids.numel():
@@ -275,11 +273,11 @@ def split_by_position(ids: torch.Tensor, train_fraction: float = 0.9):
 def random_batch(ids: torch.Tensor, batch_size: int, max_tokens: int,
                  generator: torch.Generator | None = None, device: str | torch.device | None = None):
     """``batch_size`` windows at random positions: (inputs, targets), each (batch_size, max_tokens), long."""
-    check.token_ids("ids", ids, dim=1)
-    check.positive_int("batch_size", batch_size)
-    check.positive_int("max_tokens", max_tokens)
+    validate.token_ids("ids", ids, dim=1)
+    validate.positive_int("batch_size", batch_size)
+    validate.positive_int("max_tokens", max_tokens)
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator: expected a torch.Generator or None, got {check.describe(generator)}")
+        raise TypeError(f"generator: expected a torch.Generator or None, got {validate.describe(generator)}")
     _check_enough_tokens(ids, max_tokens)
     high = ids.numel() - max_tokens  # last start whose targets still fit
     gen_device = generator.device if generator is not None else torch.device("cpu")
@@ -299,7 +297,7 @@ BOUNDARY = "."  # starts and ends every name; id 0 in names_tokenizer
 
 def _check_names(names: Any) -> list[str]:
     if not isinstance(names, (list, tuple)) or not names:
-        raise ValueError(f"names: expected a non-empty list of strings, got {check.describe(names)}")
+        raise ValueError(f"names: expected a non-empty list of strings, got {validate.describe(names)}")
     for i, name in enumerate(names):
         if not isinstance(name, str) or not name:
             raise ValueError(f"names: expected non-empty strings, got {name!r} at index {i}")
@@ -325,7 +323,7 @@ def split_names(names: Sequence[str], train_fraction: float = 0.9, seed: int = 1
     """Shuffle a copy of ``names`` with a fixed seed and split it: (train_names, val_names)."""
     names = _check_names(names)
     fraction = _check_fraction("train_fraction", train_fraction)
-    check.non_negative_int("seed", seed)
+    validate.non_negative_int("seed", seed)
     shuffled = list(names)
     random.Random(seed).shuffle(shuffled)  # its own RNG: the split never depends on global state
     n_train = int(len(shuffled) * fraction)
@@ -343,8 +341,8 @@ def names_dataset(names: Sequence[str], tokenizer: CharTokenizer, max_tokens: in
     names = _check_names(names)
     if not isinstance(tokenizer, CharTokenizer) or BOUNDARY not in tokenizer.stoi:
         raise ValueError(f"tokenizer: expected a CharTokenizer with the boundary token {BOUNDARY!r} "
-                         f"(build it with names_tokenizer(names)), got {check.describe(tokenizer)}")
-    check.positive_int("max_tokens", max_tokens)
+                         f"(build it with names_tokenizer(names)), got {validate.describe(tokenizer)}")
+    validate.positive_int("max_tokens", max_tokens)
     longest = max(names, key=len)
     if len(longest) + 1 > max_tokens:
         raise ValueError(f"max_tokens: the longest name {longest!r} has {len(longest)} characters and "
@@ -399,7 +397,7 @@ def char_corpus(name_or_text: str | os.PathLike, train_fraction: float = 0.9) ->
         text = name_or_text
     else:
         raise ValueError(f"name_or_text: expected one of {sorted(CORPORA)}, a Path to a text file, "
-                         f"or non-empty text, got {check.describe(name_or_text)}")
+                         f"or non-empty text, got {validate.describe(name_or_text)}")
     tokenizer = CharTokenizer.from_text(text)
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)  # (num_chars,)
     train_ids, val_ids = split_by_position(ids, train_fraction)

@@ -1,6 +1,8 @@
 """Sampling the next token, and generating text with or without a KV cache."""
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -21,13 +23,11 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int
     reaches p (nucleus sampling).
     """
     validate.tensor("logits", logits, dim=2, floating=True)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature: expected a number >= 0 (0 = greedy), got {validate.describe(temperature)}")
+    validate.number_in("temperature", temperature, low=0, high=math.inf, high_open=True, hint="0 = greedy")
     if top_k is not None:
         validate.positive_int("top_k", top_k)
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                              or not 0 < top_p <= 1):
-        raise ValueError(f"top_p: expected a number in (0, 1], got {validate.describe(top_p)}")
+    if top_p is not None:
+        validate.number_in("top_p", top_p, low=0, high=1, low_open=True)
     if temperature == 0:
         return logits.argmax(dim=-1)                                          # (N,)
     logits = logits / temperature

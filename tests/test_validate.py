@@ -42,3 +42,16 @@ def test_describe_gives_shapes_not_contents():
     assert validate.describe(torch.zeros(2, 3)) == "a torch.float32 tensor of shape (2, 3)"
     assert validate.describe(np.zeros((2, 3))) == "a float64 array of shape (2, 3)"
     assert validate.describe(list(range(10))) == "a list of length 10"
+
+
+def test_path_and_number_in_name_the_argument_and_what_was_given(tmp_path):
+    from course_lib import _validate as validate
+    assert validate.path("out", str(tmp_path)) == tmp_path
+    with pytest.raises(TypeError, match=r"^out: expected a folder \(str or os.PathLike\), got 3 \(int\)"):
+        validate.path("out", 3, "a folder")
+    with pytest.raises(ValueError, match="^out: expected a path, got an empty string"):
+        validate.path("out", "")
+    assert validate.number_in("p", 1, low=0, high=1, low_open=True) == 1.0
+    for bad in (0, 1.5, True, "0.5", float("nan")):
+        with pytest.raises(ValueError, match=r"^p: expected a number in \(0, 1\]"):
+            validate.number_in("p", bad, low=0, high=1, low_open=True)
