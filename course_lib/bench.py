@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import _validate as validate
+from .train import PRESETS
 
 __all__ = [
     "measure_matmul_peak", "peak_memory_mb", "time_call", "time_alternating", "training_benchmark",
@@ -29,10 +30,12 @@ __all__ = [
 
 DEFAULT_PRESETS = ("baseline_cpu", "shakespeare_char_cpu")
 DEFAULT_LENGTHS = (64, 128, 256, 512, 1024)
-# (embed_dim, num_heads) of the two training recipes: shakespeare_char_cpu and shakespeare_char_gpu
-ATTENTION_WIDTHS = ((128, 4), (384, 6))
-# The size of the GPU recipe (shakespeare_char_gpu) with a character vocabulary.
-GENERATION_CONFIG = dict(vocab_size=65, max_tokens=256, embed_dim=384, num_heads=6, num_layers=6)
+CPU_RECIPE, GPU_RECIPE = PRESETS["shakespeare_char_cpu"].model, PRESETS["shakespeare_char_gpu"].model
+# (embed_dim, num_heads) of the two training recipes, read from the presets so they cannot drift apart.
+ATTENTION_WIDTHS = tuple((recipe["embed_dim"], recipe["num_heads"]) for recipe in (CPU_RECIPE, GPU_RECIPE))
+# The size of the GPU recipe with tinyshakespeare's 65-character vocabulary.
+GENERATION_CONFIG = dict(vocab_size=65, **{key: GPU_RECIPE[key]
+                                           for key in ("max_tokens", "embed_dim", "num_heads", "num_layers")})
 
 
 # ---------------------------------------------------------------- measuring
@@ -182,7 +185,8 @@ def _print_training(results: dict[str, dict[str, Any]], peak_gflops: float) -> N
 
 # ---------------------------------------------------------------- attention
 
-def attention_benchmark(lengths: Sequence[int] = DEFAULT_LENGTHS, embed_dim: int = 384, num_heads: int = 6,
+def attention_benchmark(lengths: Sequence[int] = DEFAULT_LENGTHS, embed_dim: int = GPU_RECIPE["embed_dim"],
+                        num_heads: int = GPU_RECIPE["num_heads"],
                         batch: int | None = None, repeats: int = 5, *, tokens_per_call: int = 4096,
                         core: bool = True, device: torch.device | str = "cpu",
                         seed: int = 0) -> list[dict[str, Any]]:
@@ -366,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
                                help="plain (einsum) vs fused (SDPA) attention, per length")
     attention.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS))
     attention.add_argument("--embed-dim", type=int, nargs="+", default=[w[0] for w in ATTENTION_WIDTHS],
-                           help="one table per width (default: the CPU recipe's 128 and the GPU recipe's 384)")
+                           help=f"one table per width (default: the CPU recipe's {ATTENTION_WIDTHS[0][0]} and "
+                                f"the GPU recipe's {ATTENTION_WIDTHS[1][0]})")
     attention.add_argument("--heads", type=int, nargs="+", default=[w[1] for w in ATTENTION_WIDTHS],
                            help="heads for each --embed-dim, in the same order")
     attention.add_argument("--batch", type=int, help="default: about 4096 tokens per call")

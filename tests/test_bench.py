@@ -132,3 +132,12 @@ def test_attention_command_prints_one_table_per_width(capsys):
     assert sum(line.strip().startswith(("8 ", "16 ")) for line in out.splitlines()) == 4   # 2 lengths x 2 widths
     with pytest.raises(ValueError, match="heads: expected one value per --embed-dim"):
         bench.main(["attention", "--lengths", "8", "--embed-dim", "16", "32", "--heads", "2"])
+
+
+def test_benchmark_sizes_are_the_recipes_sizes():
+    from course_lib.bench import ATTENTION_WIDTHS, GENERATION_CONFIG
+    from course_lib.train import PRESETS
+    cpu, gpu = PRESETS["shakespeare_char_cpu"].model, PRESETS["shakespeare_char_gpu"].model
+    assert ATTENTION_WIDTHS == ((cpu["embed_dim"], cpu["num_heads"]), (gpu["embed_dim"], gpu["num_heads"]))
+    assert {k: GENERATION_CONFIG[k] for k in ("max_tokens", "embed_dim", "num_heads", "num_layers")} == \
+        {k: gpu[k] for k in ("max_tokens", "embed_dim", "num_heads", "num_layers")}
