@@ -697,6 +697,8 @@ def _plan(name: str | None, out_dir: Any, *, seconds: float | None, steps: int |
     if saved is not None:
         config = replace(TrainConfig(**saved["train_config"]), **{
             k: v for k, v in dict(steps=steps, seconds=seconds, compile=compile).items() if v is not None})
+        if device.type != "cuda":   # a GPU run continued on a CPU: as prepare_preset does
+            config = replace(config, amp=False, pin_memory=False, compile=bool(compile))
         if checkpoint.tokenizer != tokenizer:
             raise RunRefused(f"corpus: the text {corpus!r} gives a different tokenizer than the run in "
                              f"{folder.path} was trained with; resume with the run's own corpus")
@@ -707,6 +709,8 @@ def _plan(name: str | None, out_dir: Any, *, seconds: float | None, steps: int |
                               f"{config.steps}); give a larger --steps to train it further")
     else:
         config = replace(config, **{k: v for k, v in dict(steps=steps, seconds=seconds).items() if v is not None})
+    if ctx.is_main:
+        folder.clear_replaced_run()
     return _Plan(name, corpus, folder, model, tokenizer, train_split, val_split, config, state)
 
 
@@ -744,7 +748,12 @@ def run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None =
         except RunRefused:
             raise
         except (ValueError, TypeError, OSError, RuntimeError) as exc:   # CorpusError is a RuntimeError
-            raise RunRefused(str(exc).splitlines()[0]) from None
+            from .data import CorpusError
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if isinstance(exc, CorpusError):   # its full text lists the folders searched and the fix
+                first_line = (f"corpus: {first_line} `python -m course_lib data --no-download` shows where "
+                              f"to put it (or set COURSE_DATA_DIR)")
+            raise RunRefused(first_line) from None
         model, config, folder = plan.model, plan.config, plan.folder
 
         def save(state: TrainState) -> None:

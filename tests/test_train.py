@@ -366,3 +366,38 @@ def test_the_gpu_recipe_code_path_runs_on_a_cpu_with_compile():
     history = train(model, train_split, val_split, config, device="cpu", progress=False)
     assert history.steps_taken == 3 and all(math.isfinite(v) for v in history.train_loss + history.val_loss)
     assert history.train_loss[-1] < history.train_loss[0]
+
+
+def test_a_run_stopped_by_a_signal_and_resumed_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    import course_lib.train as train_module
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 5)
+    common = dict(steps=70, corpus=str(corpus), device="cpu", progress=False)
+    whole = run_preset("tiny", tmp_path / "whole", **common)
+
+    class SignalAfter37Steps:   # SIGTERM arriving during step 37, as StopRequest reports it
+        name, signum = "SIGTERM", 15
+
+        def __enter__(self):
+            self.asked = 0
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def __call__(self):
+            self.asked += 1
+            return self.asked > 37
+    monkeypatch.setattr(train_module, "StopRequest", SignalAfter37Steps)
+    stopped = run_preset("tiny", tmp_path / "split", **common)
+    assert stopped["status"] == "stopped" and stopped["steps"] == 37 and stopped["signal"] == "SIGTERM"
+    monkeypatch.undo()
+    resumed = run_preset(None, tmp_path / "split", steps=70, device="cpu", progress=False, resume=True)
+    assert resumed["status"] == "finished" and resumed["run_id"] == stopped["run_id"]
+    for key in ("step", "val_step"):
+        assert resumed["history"][key] == whole["history"][key]
+    # exact here too (see the test above); the final evaluation runs over the same weights
+    for key in ("train_loss", "val_loss"):
+        gap = max(abs(a - b) for a, b in zip(resumed["history"][key], whole["history"][key]))
+        assert gap <= 1e-6, (key, gap)
+    assert abs(resumed["val_loss"] - whole["val_loss"]) <= 1e-6
