@@ -231,10 +231,11 @@ def test_interrupted_and_resumed_training_follows_the_uninterrupted_trajectory(t
 
     assert resumed.step == whole.step and resumed.val_step == whole.val_step
     assert resumed.tokens_seen == whole.tokens_seen and resumed.steps_taken == 40
-    # Same batches, same dropout masks, same optimizer moments and the same single-threaded CPU
-    # kernels in the same order: the trajectories are bit-for-bit equal here (measured max
-    # difference 0.0). 1e-6 leaves room only for float reduction order; a missed RNG, optimizer
-    # or schedule state moves the loss by 1e-2 or more from the first step after the resume.
+    # Same batches, same dropout masks, same optimizer moments, and the same CPU kernels with the
+    # same thread count in the same order: the trajectories are bit-for-bit equal (measured max
+    # difference 0.0 with 2 threads). 1e-6 leaves room only for a float reduction order that a
+    # different thread count could change; a missed RNG, optimizer or schedule state moves the
+    # loss by 1e-2 or more from the first step after the resume (checked by breaking each).
     train_gap = max(abs(a - b) for a, b in zip(resumed.train_loss, whole.train_loss))
     val_gap = max(abs(a - b) for a, b in zip(resumed.val_loss, whole.val_loss))
     assert train_gap <= 1e-6 and val_gap <= 1e-6, (train_gap, val_gap)
