@@ -367,6 +367,8 @@ def train(model: GPT, train_split: Split, val_split: Split | None, config: Train
     _check_split("train_split", train_split, vocab_size, max_tokens)
     if val_split is not None:
         _check_split("val_split", val_split, vocab_size, max_tokens)
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress: expected True or False, got {validate.describe(progress)}")
     if state is not None and not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState or None, got {type(state).__name__}")
     for name, fn in (("on_checkpoint", on_checkpoint), ("should_stop", should_stop)):
@@ -688,8 +690,8 @@ def _plan(name: str | None, out_dir: Any, *, seconds: float | None, steps: int |
     if corpus is not None and not isinstance(corpus, str):
         raise RunRefused(f"corpus: expected a corpus name or a file path, got {corpus!r}")
     from .data import CORPORA
-    if corpus is not None and corpus not in CORPORA and name != "names_char":
-        corpus = str(Path(corpus).expanduser().resolve())   # the resume may start elsewhere
+    if corpus is not None and corpus not in CORPORA:
+        corpus = str(Path(corpus).expanduser().resolve())   # the resume may start in another folder
     torch.manual_seed(_preset(name).train.seed)   # same initial weights on every rank and every run
     model, tokenizer, train_split, val_split, config = prepare_preset(
         name, corpus, device, compile=compile, batch_size=batch_size)
