@@ -402,3 +402,14 @@ def test_a_run_stopped_by_a_signal_and_resumed_equals_the_uninterrupted_run(tmp_
         gap = max(abs(a - b) for a, b in zip(resumed["history"][key], whole["history"][key]))
         assert gap <= 1e-6, (key, gap)
     assert abs(resumed["val_loss"] - whole["val_loss"]) <= 1e-6
+
+
+def test_checkpoints_come_on_the_clock_too_not_only_at_evaluations():
+    tok, train_split, val_split = _splits()
+    config = TrainConfig(steps=5, batch_size=2, eval_interval=1000, checkpoint_seconds=1e-9)
+    saved = []
+    history = train(tiny_model(tok.vocab_size), train_split, val_split, config, device="cpu", progress=False,
+                    on_checkpoint=lambda state: saved.append((state.step, state.history.checkpoint_seconds)))
+    # no evaluation falls in these 5 steps: every checkpoint here is the clock's (and the final one)
+    assert [step for step, _ in saved] == [0, 1, 2, 3, 4, 5]
+    assert history.checkpoint_seconds >= saved[-1][1] > 0 and history.stop_reason == "steps"
