@@ -7,7 +7,7 @@ import sys
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .stopping import EXIT_STATUS
+    from .stopping import exit_status
     from .train import NonFiniteLoss, run_preset
     out = args.resume or args.out
     try:
@@ -28,7 +28,7 @@ def _train(args: argparse.Namespace) -> int:
     if metrics["status"] == "stopped":
         print(f"stopped at step {metrics['steps']} ({metrics.get('signal', 'signal')}); saved in {out}; "
               f"resume with: python -m course_lib train --resume {out}", file=sys.stderr)
-        return EXIT_STATUS(_signal_number(metrics.get("signal")))
+        return exit_status(_signal_number(metrics.get("signal")))
     shown = {k: metrics[k] for k in ("preset", "val_loss", "steps", "train_seconds", "tokens_per_second",
                                      "parameters")}
     print(json.dumps(shown, indent=2))

@@ -111,6 +111,10 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> Path:
     A reader sees the old file or the new one, never half of one, even if the process is
     killed mid-write; the temporary file is removed on any error.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a file path, got {validate.describe(path)}")
+    if not isinstance(data, bytes):
+        raise TypeError(f"data: expected bytes, got {type(data).__name__}")
     path = Path(path)
     tmp = _temporary(path)
     try:
@@ -131,6 +135,8 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> Path:
 
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
     """Delete the temporary files that runs killed mid-write (SIGKILL, power loss) left in ``folder``."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder: expected a folder path, got {validate.describe(folder)}")
     folder = Path(folder)
     removed = []
     if folder.is_dir():

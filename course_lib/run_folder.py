@@ -75,6 +75,11 @@ class RunFolder:
             if not self.overwrite:
                 raise RunRefused(f"out: {self.path} already holds a run{self._describe()}; continue it with "
                                  f"--resume {self.path}, or replace it with --overwrite")
+
+    def clear_replaced_run(self) -> None:
+        """With ``overwrite``, remove the old run's files: call it once every other check has passed,
+        so a refused run never costs the old one, and no old file sits beside the new run's."""
+        if self.overwrite and not self.resume:
             for old in (self.metrics, self.checkpoint):
                 old.unlink(missing_ok=True)
 

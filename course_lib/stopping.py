@@ -7,12 +7,14 @@ import threading
 from types import FrameType
 from typing import Any
 
-__all__ = ["StopRequest", "EXIT_STATUS"]
+__all__ = ["StopRequest", "exit_status"]
 
 
-def EXIT_STATUS(signum: int) -> int:   # noqa: N802 - reads as the constant it documents
+def exit_status(signum: int) -> int:
     """The exit status after a clean stop on ``signum``: 128 + the signal number, the shell's
     convention (130 after Ctrl-C, 143 after SIGTERM), so schedulers see the run did not finish."""
+    if isinstance(signum, bool) or not isinstance(signum, int) or signum <= 0:
+        raise ValueError(f"signum: expected a signal number such as signal.SIGTERM, got {signum!r}")
     return 128 + int(signum)
 
 
@@ -25,6 +27,8 @@ class StopRequest:
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+        if not isinstance(signals, (tuple, list)) or not all(isinstance(s, int) for s in signals):
+            raise TypeError(f"signals: expected a tuple of signal numbers (signal.SIGINT, ...), got {signals!r}")
         self.signals = tuple(signals)
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}

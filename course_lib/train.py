@@ -367,6 +367,8 @@ def train(model: GPT, train_split: Split, val_split: Split | None, config: Train
     _check_split("train_split", train_split, vocab_size, max_tokens)
     if val_split is not None:
         _check_split("val_split", val_split, vocab_size, max_tokens)
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress: expected True or False, got {validate.describe(progress)}")
     if state is not None and not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState or None, got {type(state).__name__}")
     for name, fn in (("on_checkpoint", on_checkpoint), ("should_stop", should_stop)):
@@ -688,8 +690,8 @@ def _plan(name: str | None, out_dir: Any, *, seconds: float | None, steps: int |
     if corpus is not None and not isinstance(corpus, str):
         raise RunRefused(f"corpus: expected a corpus name or a file path, got {corpus!r}")
     from .data import CORPORA
-    if corpus is not None and corpus not in CORPORA and name != "names_char":
-        corpus = str(Path(corpus).expanduser().resolve())   # the resume may start elsewhere
+    if corpus is not None and corpus not in CORPORA:
+        corpus = str(Path(corpus).expanduser().resolve())   # the resume may start in another folder
     torch.manual_seed(_preset(name).train.seed)   # same initial weights on every rank and every run
     model, tokenizer, train_split, val_split, config = prepare_preset(
         name, corpus, device, compile=compile, batch_size=batch_size)
@@ -697,6 +699,8 @@ def _plan(name: str | None, out_dir: Any, *, seconds: float | None, steps: int |
     if saved is not None:
         config = replace(TrainConfig(**saved["train_config"]), **{
             k: v for k, v in dict(steps=steps, seconds=seconds, compile=compile).items() if v is not None})
+        if device.type != "cuda":   # a GPU run continued on a CPU: as prepare_preset does
+            config = replace(config, amp=False, pin_memory=False, compile=bool(compile))
         if checkpoint.tokenizer != tokenizer:
             raise RunRefused(f"corpus: the text {corpus!r} gives a different tokenizer than the run in "
                              f"{folder.path} was trained with; resume with the run's own corpus")
@@ -707,6 +711,8 @@ def _plan(name: str | None, out_dir: Any, *, seconds: float | None, steps: int |
                               f"{config.steps}); give a larger --steps to train it further")
     else:
         config = replace(config, **{k: v for k, v in dict(steps=steps, seconds=seconds).items() if v is not None})
+    if ctx.is_main:
+        folder.clear_replaced_run()
     return _Plan(name, corpus, folder, model, tokenizer, train_split, val_split, config, state)
 
 
@@ -744,7 +750,12 @@ def run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None =
         except RunRefused:
             raise
         except (ValueError, TypeError, OSError, RuntimeError) as exc:   # CorpusError is a RuntimeError
-            raise RunRefused(str(exc).splitlines()[0]) from None
+            from .data import CorpusError
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if isinstance(exc, CorpusError):   # its full text lists the folders searched and the fix
+                first_line = (f"corpus: {first_line} `python -m course_lib data --no-download` shows where "
+                              f"to put it (or set COURSE_DATA_DIR)")
+            raise RunRefused(first_line) from None
         model, config, folder = plan.model, plan.config, plan.folder
 
         def save(state: TrainState) -> None:

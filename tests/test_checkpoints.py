@@ -120,7 +120,10 @@ def test_run_folder_refuses_files_and_existing_runs_and_clears_what_it_replaces(
     (run / ".checkpoint.pt.1.tmp").write_bytes(b"half")
     with pytest.raises(RunRefused, match=r"already holds a run \(preset 'tiny', step 40.*--resume .*--overwrite"):
         RunFolder(run).prepare()
-    RunFolder(run, overwrite=True).prepare()
-    assert list(run.iterdir()) == []   # old run and stale temporary gone before the first step
+    replacing = RunFolder(run, overwrite=True)
+    replacing.prepare()
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt", "metrics.json"]   # stale .tmp gone
+    replacing.clear_replaced_run()   # once every check has passed
+    assert list(run.iterdir()) == []
     with pytest.raises(RunRefused, match="resume: expected a run folder holding checkpoint.pt"):
         RunFolder(run, resume=True).prepare()

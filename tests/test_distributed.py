@@ -72,3 +72,28 @@ def test_teardown_names_a_wrong_argument():
     from course_lib.distributed import teardown_distributed
     with pytest.raises(TypeError, match="wait_for_all: expected True or False, got str"):
         teardown_distributed(wait_for_all="yes")
+
+
+@pytest.mark.slow
+def test_sigterm_under_torchrun_stops_every_rank_at_one_step_and_rank_zero_saves(tmp_path):
+    import signal
+    import time
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "course_lib",
+         "train", "--preset", "tiny", "--steps", "100000", "--corpus", str(corpus), "--device", "cpu", "--quiet",
+         "--out", str(out)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(2400):   # the first checkpoint (step 50): both ranks are training
+        if (out / "checkpoint.pt").exists() or process.poll() is not None:
+            break
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)   # torchrun passes it on to every worker
+    _, stderr = process.communicate(timeout=240)
+    metrics = json.loads((out / "metrics.json").read_text())
+    saved = load_checkpoint(out / "checkpoint.pt")
+    # torchrun itself reports the signal its own way; the workers stopped cleanly, together
+    assert metrics["status"] == "stopped" and metrics["world_size"] == 2, stderr[-3000:]
+    assert saved.training["step"] == metrics["step"] and f"stopped at step {metrics['step']} " in stderr
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.json"]

@@ -231,10 +231,11 @@ def test_interrupted_and_resumed_training_follows_the_uninterrupted_trajectory(t
 
     assert resumed.step == whole.step and resumed.val_step == whole.val_step
     assert resumed.tokens_seen == whole.tokens_seen and resumed.steps_taken == 40
-    # Same batches, same dropout masks, same optimizer moments and the same single-threaded CPU
-    # kernels in the same order: the trajectories are bit-for-bit equal here (measured max
-    # difference 0.0). 1e-6 leaves room only for float reduction order; a missed RNG, optimizer
-    # or schedule state moves the loss by 1e-2 or more from the first step after the resume.
+    # Same batches, same dropout masks, same optimizer moments, and the same CPU kernels with the
+    # same thread count in the same order: the trajectories are bit-for-bit equal (measured max
+    # difference 0.0 with 2 threads). 1e-6 leaves room only for a float reduction order that a
+    # different thread count could change; a missed RNG, optimizer or schedule state moves the
+    # loss by 1e-2 or more from the first step after the resume (checked by breaking each).
     train_gap = max(abs(a - b) for a, b in zip(resumed.train_loss, whole.train_loss))
     val_gap = max(abs(a - b) for a, b in zip(resumed.val_loss, whole.val_loss))
     assert train_gap <= 1e-6 and val_gap <= 1e-6, (train_gap, val_gap)
@@ -366,3 +367,49 @@ def test_the_gpu_recipe_code_path_runs_on_a_cpu_with_compile():
     history = train(model, train_split, val_split, config, device="cpu", progress=False)
     assert history.steps_taken == 3 and all(math.isfinite(v) for v in history.train_loss + history.val_loss)
     assert history.train_loss[-1] < history.train_loss[0]
+
+
+def test_a_run_stopped_by_a_signal_and_resumed_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    import course_lib.train as train_module
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 5)
+    common = dict(steps=70, corpus=str(corpus), device="cpu", progress=False)
+    whole = run_preset("tiny", tmp_path / "whole", **common)
+
+    class SignalAfter37Steps:   # SIGTERM arriving during step 37, as StopRequest reports it
+        name, signum = "SIGTERM", 15
+
+        def __enter__(self):
+            self.asked = 0
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def __call__(self):
+            self.asked += 1
+            return self.asked > 37
+    monkeypatch.setattr(train_module, "StopRequest", SignalAfter37Steps)
+    stopped = run_preset("tiny", tmp_path / "split", **common)
+    assert stopped["status"] == "stopped" and stopped["steps"] == 37 and stopped["signal"] == "SIGTERM"
+    monkeypatch.undo()
+    resumed = run_preset(None, tmp_path / "split", steps=70, device="cpu", progress=False, resume=True)
+    assert resumed["status"] == "finished" and resumed["run_id"] == stopped["run_id"]
+    for key in ("step", "val_step"):
+        assert resumed["history"][key] == whole["history"][key]
+    # exact here too (see the test above); the final evaluation runs over the same weights
+    for key in ("train_loss", "val_loss"):
+        gap = max(abs(a - b) for a, b in zip(resumed["history"][key], whole["history"][key]))
+        assert gap <= 1e-6, (key, gap)
+    assert abs(resumed["val_loss"] - whole["val_loss"]) <= 1e-6
+
+
+def test_checkpoints_come_on_the_clock_too_not_only_at_evaluations():
+    tok, train_split, val_split = _splits()
+    config = TrainConfig(steps=5, batch_size=2, eval_interval=1000, checkpoint_seconds=1e-9)
+    saved = []
+    history = train(tiny_model(tok.vocab_size), train_split, val_split, config, device="cpu", progress=False,
+                    on_checkpoint=lambda state: saved.append((state.step, state.history.checkpoint_seconds)))
+    # no evaluation falls in these 5 steps: every checkpoint here is the clock's (and the final one)
+    assert [step for step, _ in saved] == [0, 1, 2, 3, 4, 5]
+    assert history.checkpoint_seconds >= saved[-1][1] > 0 and history.stop_reason == "steps"
