@@ -389,7 +389,7 @@ def test_a_run_stopped_by_a_signal_and_resumed_equals_the_uninterrupted_run(tmp_
         def __call__(self):
             self.asked += 1
             return self.asked > 37
-    monkeypatch.setattr(train_module, "StopRequest", SignalAfter37Steps)
+    monkeypatch.setattr("course_lib.presets.StopRequest", SignalAfter37Steps)
     stopped = run_preset("tiny", tmp_path / "split", **common)
     assert stopped["status"] == "stopped" and stopped["steps"] == 37 and stopped["signal"] == "SIGTERM"
     monkeypatch.undo()
