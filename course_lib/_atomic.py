@@ -26,6 +26,10 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", *, suffix: str = ".tmp
     # Same folder as the target, so os.replace is a rename on one file system.
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
     try:
+        # mkstemp makes the file private (0600); give it the mode a plain open() would have.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with (os.fdopen(fd, "wb") if mode == "wb" else os.fdopen(fd, "w", encoding="utf-8", newline="\n")) as handle:
             yield handle
             handle.flush()

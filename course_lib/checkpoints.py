@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from . import _validate as validate
+from ._atomic import atomic_file
 from .model import GPT, GPTConfig
 
 __all__ = ["Checkpoint", "CheckpointError", "save_checkpoint", "load_checkpoint", "unwrap_model",
@@ -99,38 +99,20 @@ def _check_plain(name: str, value: Any) -> None:
                     f"{type(value).__name__}{hint}")
 
 
-def _temporary(path: Path) -> Path:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
-    os.close(fd)
-    return Path(tmp)
-
-
 def write_atomically(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` next to ``path``, flush it to disk, then rename it over ``path``.
 
     A reader sees the old file or the new one, never half of one, even if the process is
-    killed mid-write; the temporary file is removed on any error.
+    killed mid-write; the temporary file is removed on any error (``remove_stale_temporaries``
+    cleans up after a kill that gave it no chance).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a file path, got {validate.describe(path)}")
     if not isinstance(data, bytes):
         raise TypeError(f"data: expected bytes, got {type(data).__name__}")
-    path = Path(path)
-    tmp = _temporary(path)
-    try:
-        # mkstemp makes the file private (0600); give it the mode a plain open() would have
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    with atomic_file(path, "wb", suffix=_TMP_SUFFIX) as handle:
+        handle.write(data)
+    return Path(path)
 
 
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:

@@ -29,3 +29,14 @@ def test_mode_is_checked(tmp_path):
     with pytest.raises(ValueError, match="mode: expected 'w' or 'wb', got 'a'"):
         with atomic_file(tmp_path / "x", "a"):
             pass
+
+
+def test_the_new_file_has_the_mode_a_plain_open_would_give(tmp_path):
+    import os
+    umask = os.umask(0o022)
+    try:
+        with atomic_file(tmp_path / "shared.txt") as handle:
+            handle.write("readable by the group, as open() would make it")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "shared.txt").stat().st_mode & 0o777 == 0o644
