@@ -1,8 +1,34 @@
 """course_lib: the tested reference implementations behind the attention course notebooks."""
-from .attention import (TOY_KEYS, TOY_VALUES, KVCache, MaskedAttention, MultiHeadMaskedAttention, attention_weights, merge_heads, split_heads,
-                        causal_mask, scaled_dot_product_attention, toy_attention)
-from .model import (GPT, FeedForward, GPTConfig, LearnedPositionalEncoding,
-                    SinusoidalPositionalEncoding, TransformerBlock, sinusoidal_table)
+from .attention import (
+    TOY_KEYS,
+    TOY_VALUES,
+    KVCache,
+    MaskedAttention,
+    MultiHeadMaskedAttention,
+    attention_weights,
+    causal_mask,
+    merge_heads,
+    scaled_dot_product_attention,
+    split_heads,
+    toy_attention,
+)
+from .model import (
+    GPT,
+    FeedForward,
+    GPTConfig,
+    LearnedPositionalEncoding,
+    SinusoidalPositionalEncoding,
+    TransformerBlock,
+    sinusoidal_table,
+)
 from .runtime import device, set_seed, setup_notebook
 
 __version__ = "0.1.0"
+
+# What `from course_lib import ...` offers: the pieces the notebooks build, by the names they teach.
+__all__ = [
+    "TOY_KEYS", "TOY_VALUES", "KVCache", "MaskedAttention", "MultiHeadMaskedAttention", "attention_weights",
+    "causal_mask", "merge_heads", "scaled_dot_product_attention", "split_heads", "toy_attention",
+    "GPT", "FeedForward", "GPTConfig", "LearnedPositionalEncoding", "SinusoidalPositionalEncoding",
+    "TransformerBlock", "sinusoidal_table", "device", "set_seed", "setup_notebook", "__version__",
+]

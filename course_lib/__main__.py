@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except Exception as exc:   # noqa: BLE001 - only a refused run is shown without its traceback
+    except Exception as exc:  # only a refused run is shown without its traceback
         from .run_folder import RunRefused
         if not isinstance(exc, RunRefused):
             raise

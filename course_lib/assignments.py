@@ -42,7 +42,6 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 import nbformat
 
@@ -110,7 +109,7 @@ def _compiles(source: str) -> str | None:
     try:  # notebooks may hold magics (%time, !pip) that only IPython understands
         from IPython.core.inputtransformer2 import TransformerManager
         source = TransformerManager().transform_cell(source)
-    except Exception:  # noqa: BLE001 - without IPython, plain Python is the best test we have
+    except Exception:  # without IPython, plain Python is the best test we have
         pass
     try:
         compile(source, "<cell>", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
@@ -192,7 +191,7 @@ def _learner_notebook(notebook_path: Path) -> tuple[nbformat.NotebookNode, dict[
                                 + (" (a folder)" if notebook_path.is_dir() else " (not found)"))
     try:
         nb = nbformat.read(notebook_path, as_version=4)
-    except Exception as err:  # noqa: BLE001 - any parse failure means the same thing to the user
+    except Exception as err:  # any parse failure means the same thing to the user
         raise ValueError(f"notebook_path: could not read '{notebook_path}' as a Jupyter notebook "
                          f"({type(err).__name__}: {err})") from err
 

@@ -8,14 +8,14 @@ whatever else it is doing, so compare numbers measured back to back.
 from __future__ import annotations
 
 import argparse
-import math
 import resource
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -153,7 +153,7 @@ def training_benchmark(seconds: float | None, presets: Sequence[str] = DEFAULT_P
         root = Path(out_dir) if out_dir is not None else Path(scratch)
         for name in presets:
             if verbose:
-                print(f"training {name} ({'%g s' % seconds if seconds else 'preset steps'}) ...", flush=True)
+                print(f"training {name} ({f'{seconds:g} s' if seconds else 'preset steps'}) ...", flush=True)
             metrics = run_preset(name, root / name, seconds=seconds, steps=steps, corpus=corpus,
                                  device=device, progress=False, overwrite=True)
             metrics["peak_rss_mb"] = peak_memory_mb()
@@ -222,18 +222,20 @@ def attention_benchmark(lengths: Sequence[int] = DEFAULT_LENGTHS, embed_dim: int
             difference = (plain(x) - fused(x)).abs().max().item()
         row: dict[str, Any] = {"length": length, "batch": n, "max_abs_difference": difference}
 
-        def forward(module: torch.nn.Module) -> None:
+        # x and step are bound as defaults: each closure keeps this length's input, not the loop's last.
+        def forward(module: torch.nn.Module, x: torch.Tensor = x) -> None:
             with torch.no_grad():
                 module(x)
 
-        def forward_backward(module: torch.nn.Module) -> None:
+        def forward_backward(module: torch.nn.Module, x: torch.Tensor = x) -> None:
             module(x).sum().backward()
             module.zero_grad(set_to_none=True)
             x.grad = None
 
         for mode, step in (("forward", forward), ("train", forward_backward)):
             # alternate the two paths call by call, so a busy moment slows both alike
-            times = time_alternating([lambda: step(plain), lambda: step(fused)], repeats, device=device)
+            times = time_alternating([lambda step=step: step(plain), lambda step=step: step(fused)], repeats,
+                                     device=device)
             row[f"plain_{mode}_ms"], row[f"fused_{mode}_ms"] = (1e3 * t for t in times)
         row["forward_ratio"] = row["plain_forward_ms"] / row["fused_forward_ms"]
         row["train_ratio"] = row["plain_train_ms"] / row["fused_train_ms"]
@@ -249,6 +251,7 @@ def _time_attention_core(n: int, heads: int, length: int, head_dim: int, repeats
                          device: torch.device) -> list[float]:
     """Forward+backward of softmax(q k^T / sqrt(d) + mask) v alone, the two ways the module computes it."""
     import torch.nn.functional as F
+
     from .attention import causal_mask, scaled_dot_product_attention
     q, k, v = (torch.randn(n, heads, length, head_dim, device=device, requires_grad=True)
                for _ in range(3))                                               # (N, heads, L, head_dim)

@@ -12,8 +12,8 @@ the first after which the loss turns NaN, diverges or stalls.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -96,8 +96,8 @@ class Blame:
                "stalls": "the loss stops going down", "raises": "training raises an error"}[self.verdict]
         text = f"Exercise {self.exercise} ({self.name}): with your {self.name}, {how}."
         if self.checker is not None and self.checker.passed:
-            text += (f" Its checker passed: the mistake shows only in training (dropout acting in train "
-                     f"mode, gradients, many steps), which the checker's probes did not cover.")
+            text += (" Its checker passed: the mistake shows only in training (dropout acting in train "
+                     "mode, gradients, many steps), which the checker's probes did not cover.")
         elif self.checker is not None:
             text += f" Its checker also says: {self.checker.message}"
         return text
@@ -185,7 +185,7 @@ def train_parts(collection: Collection, yours: Sequence[str] | None, setup: Trai
                 if not math.isfinite(run.val_loss[-1]):
                     run.failure = "nan"
                     break
-    except Exception as err:  # noqa: BLE001 - the student's parts: any error ends this run with a verdict
+    except Exception as err:  # the student's parts: any error ends this run with a verdict
         run.failure = f"exception: {type(err).__name__}: {err}"
         return run
     run.model, run.namespace = model, namespace

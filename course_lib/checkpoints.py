@@ -184,7 +184,7 @@ def _read_verified(path: Path) -> dict[str, Any]:
                               f"expected a file written by save_checkpoint or `python -m course_lib train`")
     try:
         payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
-    except Exception as exc:   # noqa: BLE001 - never repeat torch's advice to unpickle unsafely
+    except Exception as exc:  # never repeat torch's advice to unpickle unsafely
         raise CheckpointError(f"path: {path} is damaged or not a course checkpoint "
                               f"(torch could not read it: {type(exc).__name__})") from None
     version = payload.get("format_version") if isinstance(payload, dict) else None

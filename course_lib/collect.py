@@ -22,9 +22,9 @@ import ast
 import builtins
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import nbformat
 
@@ -166,7 +166,7 @@ def _collect_one(folder: Path, exercise: Exercise, known: set[str]) -> Collected
         return CollectedPart(exercise, "missing", detail=f"no {exercise.notebook} in {folder}")
     try:
         cells = _read(path).cells
-    except Exception as err:  # noqa: BLE001 - a notebook we cannot read is a missing part, not a crash
+    except Exception as err:  # a notebook we cannot read is a missing part, not a crash
         return CollectedPart(exercise, "missing", detail=f"{exercise.notebook} cannot be read ({err})")
     index = _find_cell(cells, exercise)
     if index is None:
@@ -189,7 +189,7 @@ def _base_namespace() -> dict:
     import math
 
     import torch
-    import torch.nn.functional as F   # noqa: N812 - the name every notebook uses
+    import torch.nn.functional as F  # the name every notebook uses
     from torch import nn
 
     from . import attention, data, generate, model, train
@@ -208,7 +208,7 @@ def _base_namespace() -> dict:
 
 
 def _execute(source: str, namespace: dict, label: str) -> None:
-    exec(compile(source, label, "exec"), namespace)   # noqa: S102 - the student's own definitions
+    exec(compile(source, label, "exec"), namespace)  # the student's own definitions
 
 
 class Collection:
@@ -244,7 +244,7 @@ class Collection:
                 _execute(part.exercise.solution, namespace, f"<course solution, Exercise {ex_id}>")
         return namespace
 
-    def with_part(self, exercise_id: str, source: str) -> "Collection":
+    def with_part(self, exercise_id: str, source: str) -> Collection:
         """A copy of this collection whose part for ``exercise_id`` is ``source`` (to try a variant)."""
         if exercise_id not in self.parts:
             raise ValueError(f"exercise_id: expected one of {sorted(self.parts)}, got {exercise_id!r}")
@@ -300,7 +300,7 @@ def collect_student_parts(folder: str | os.PathLike = ".", exercises: Iterable[s
             defined = namespace.get(parts[ex_id].exercise.name)
             if not callable(defined):
                 raise TypeError(f"{parts[ex_id].exercise.name} is {describe(defined)}, not a function or class")
-        except Exception as err:  # noqa: BLE001 - the student's code: any error means "does not run"
+        except Exception as err:  # the student's code: any error means "does not run"
             parts[ex_id] = CollectedPart(parts[ex_id].exercise, "broken",
                                          detail=f"{type(err).__name__}: {err}")
     return collection

@@ -64,7 +64,7 @@ def _file_fingerprint(path: Path) -> str | None:
     """The fingerprint of a notebook on disk; None when it cannot be read as one (treated as edited)."""
     try:
         return fingerprint(nbformat.read(path, as_version=4))
-    except Exception:  # noqa: BLE001 - a file we cannot read is one we must not overwrite
+    except Exception:  # a file we cannot read is one we must not overwrite
         return None
 
 

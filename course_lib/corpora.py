@@ -17,9 +17,10 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from . import _validate as validate
 from ._atomic import atomic_file
@@ -323,5 +324,5 @@ def corpus_path(name: str, download: bool = True) -> Path:
 
 def load_corpus(name: str, download: bool = True) -> str:
     """The text of a corpus (found, verified, downloaded if needed)."""
-    from .data import load_text   # data imports this module; load_text belongs with the tokenizers' input
+    from .data import load_text  # data imports this module; load_text belongs with the tokenizers' input
     return load_text(corpus_path(name, download=download))

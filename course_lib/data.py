@@ -11,16 +11,25 @@ from __future__ import annotations
 import codecs
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from . import _validate as validate
-from .corpora import (CORPORA, Corpus, CorpusError, CorpusLocation, corpus_path, download_corpus,
-                      load_corpus, locate_corpus)
+from .corpora import (
+    CORPORA,
+    Corpus,
+    CorpusError,
+    CorpusLocation,
+    corpus_path,
+    download_corpus,
+    load_corpus,
+    locate_corpus,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -107,7 +116,7 @@ class CharTokenizer:
         self.itos = {i: ch for i, ch in enumerate(chars)}
 
     @classmethod
-    def from_text(cls, text: str, unknown: str = "error") -> "CharTokenizer":
+    def from_text(cls, text: str, unknown: str = "error") -> CharTokenizer:
         """The vocabulary of ``text``: its distinct characters, sorted."""
         if not isinstance(text, str) or not text:
             raise ValueError(f"text: expected a non-empty string, got {validate.describe(text)}")
@@ -179,7 +188,7 @@ class CharTokenizer:
         return {"type": "CharTokenizer", "chars": self.chars, "unknown": self.unknown}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CharTokenizer":
+    def from_dict(cls, d: dict[str, Any]) -> CharTokenizer:
         """Rebuild a tokenizer saved with ``to_dict``."""
         if not isinstance(d, dict) or "chars" not in d:
             raise ValueError(f"d: expected a dict from CharTokenizer.to_dict() with key 'chars', "

@@ -11,6 +11,7 @@ from importlib import metadata
 import torch
 
 from .course_files import KERNEL_NAME
+
 PACKAGES = ("torch", "transformers", "tokenizers", "jupyterlab", "ipykernel", "ipywidgets",
             "matplotlib", "nbval", "tqdm", "pytest", "numpy")
 NEEDED = {"torch", "transformers", "tokenizers", "jupyterlab", "ipykernel", "ipywidgets",
@@ -93,18 +94,15 @@ def _check_corpora(say, problems: list[str]) -> None:
 
 def run_doctor(stream=None) -> int:
     """Print what a workshop needs and whether it is here; 0 when ready, 1 otherwise."""
-    from .data import CORPORA, locate_corpus
     from .runtime import device
 
     problems: list[str] = []
     stream = stream or sys.stdout
-    say = lambda text="": print(text, file=stream)   # noqa: E731
+    say = lambda text="": print(text, file=stream)
 
     say("course_lib doctor")
     say(f"  python        {platform.python_version()} ({sys.executable})")
     say(f"  platform      {platform.platform()}")
-    if sys.version_info < (3, 10):
-        problems.append("Python 3.10 or newer is needed: create the environment with a newer python3")
     for package in PACKAGES:
         version = _version(package)
         say(f"  {package:<13} {version or 'MISSING'}")

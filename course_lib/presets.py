@@ -16,13 +16,22 @@ import torch
 
 from . import train as training
 from .checkpoints import CheckpointError, load_checkpoint, write_atomically
-from .distributed import DistributedContext, setup_distributed, teardown_distributed
 from .data import IGNORE_INDEX
+from .distributed import DistributedContext, setup_distributed, teardown_distributed
 from .model import GPT, GPTConfig, flops_per_token
 from .run_folder import RunFolder, RunRefused
 from .stopping import StopRequest
-from .train import (Examples, History, NonFiniteLoss, Split, TokenStream, TrainConfig, TrainState, evaluate,
-                    resolve_device)
+from .train import (
+    Examples,
+    History,
+    NonFiniteLoss,
+    Split,
+    TokenStream,
+    TrainConfig,
+    TrainState,
+    evaluate,
+    resolve_device,
+)
 
 __all__ = ["Preset", "PRESETS", "prepare_preset", "run_preset", "RunFinished"]
 

@@ -45,7 +45,7 @@ class StopRequest:
             raise KeyboardInterrupt
         self.signum = signum
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)

@@ -5,8 +5,9 @@ import contextlib
 import gc
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -238,7 +239,7 @@ class History:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "History":
+    def from_dict(cls, d: dict[str, Any]) -> History:
         if not isinstance(d, dict):
             raise TypeError(f"d: expected a dict from History.to_dict(), got {validate.describe(d)}")
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
@@ -275,7 +276,7 @@ class TrainState:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainState":
+    def from_dict(cls, d: dict[str, Any]) -> TrainState:
         if not isinstance(d, dict) or not set(cls.__dataclass_fields__) <= set(d):
             raise ValueError(f"state: expected a dict from TrainState.to_dict() (a resumable checkpoint), "
                              f"got {validate.describe(d)}")
@@ -529,4 +530,4 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 # The presets and the run-a-preset entry point live in presets.py (they build on everything above);
 # re-exported here, where the notebooks and the command line have always found them.
-from .presets import PRESETS, Preset, prepare_preset, run_preset  # noqa: E402
+from .presets import PRESETS, Preset, prepare_preset, run_preset

@@ -433,7 +433,7 @@ def _has_kernel(name: str) -> bool:
     try:
         from jupyter_client.kernelspec import KernelSpecManager
         return name in KernelSpecManager().find_kernel_specs()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 

@@ -4,9 +4,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import (TOY_KEYS, TOY_VALUES, KVCache, MaskedAttention, MultiHeadMaskedAttention,
-                        attention_weights, causal_mask, merge_heads, scaled_dot_product_attention,
-                        split_heads, toy_attention)
+from course_lib import (
+    TOY_KEYS,
+    TOY_VALUES,
+    KVCache,
+    MaskedAttention,
+    MultiHeadMaskedAttention,
+    attention_weights,
+    causal_mask,
+    merge_heads,
+    scaled_dot_product_attention,
+    split_heads,
+    toy_attention,
+)
 
 ATTENTION_MODULES = [
     pytest.param(lambda fused: MaskedAttention(16, 12, 0.0, fused=fused), id="MaskedAttention"),

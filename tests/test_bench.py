@@ -6,8 +6,7 @@ import re
 import pytest
 import torch
 
-from course_lib import GPTConfig
-from course_lib import bench
+from course_lib import GPTConfig, bench
 from course_lib.train import PRESETS, flops_per_token
 
 # Short lines of varied text: enough characters for a few dozen windows of the small presets.

@@ -12,7 +12,6 @@ import nbformat
 import pytest
 import torch
 
-from course_lib import capstone
 from course_lib.assignments import update_learner_copies
 from course_lib.capstone import TrainingRun, TrainingSetup, find_blame, judge, train_parts
 from course_lib.collect import collect_student_parts, course_exercises

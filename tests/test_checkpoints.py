@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from course_lib import GPT, GPTConfig
-from course_lib.checkpoints import (MAGIC, CheckpointError, load_checkpoint, remove_stale_temporaries,
-                                    save_checkpoint, write_atomically)
+from course_lib.checkpoints import (
+    MAGIC,
+    CheckpointError,
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+    write_atomically,
+)
 from course_lib.data import CharTokenizer
 from course_lib.run_folder import RunFolder, RunRefused
 from course_lib.train import History

@@ -13,11 +13,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib import corpora, data
-from course_lib.data import (CORPORA, IGNORE_INDEX, CharTokenizer, Corpus, CorpusError, char_corpus,
-                             corpus_path, download_corpus, lm_windows, load_corpus, load_names,
-                             load_text, locate_corpus, names_dataset, names_tokenizer, random_batch,
-                             split_by_position, split_names, train_subword_tokenizer)
+from course_lib import corpora
+from course_lib.data import (
+    CORPORA,
+    IGNORE_INDEX,
+    CharTokenizer,
+    Corpus,
+    CorpusError,
+    char_corpus,
+    corpus_path,
+    download_corpus,
+    lm_windows,
+    load_corpus,
+    load_names,
+    load_text,
+    locate_corpus,
+    names_dataset,
+    names_tokenizer,
+    random_batch,
+    split_by_position,
+    split_names,
+    train_subword_tokenizer,
+)
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -4,8 +4,15 @@ import math
 import pytest
 import torch
 
-from course_lib import (GPT, FeedForward, GPTConfig, LearnedPositionalEncoding, SinusoidalPositionalEncoding,
-                        TransformerBlock, sinusoidal_table)
+from course_lib import (
+    GPT,
+    FeedForward,
+    GPTConfig,
+    LearnedPositionalEncoding,
+    SinusoidalPositionalEncoding,
+    TransformerBlock,
+    sinusoidal_table,
+)
 
 
 def small_config(**overrides):

@@ -1,7 +1,7 @@
 """Loss, training step, evaluation, schedule, the loop, presets and checkpoints."""
 import json
-import re
 import math
+import re
 
 import pytest
 import torch
@@ -10,8 +10,20 @@ import torch.nn.functional as F
 from course_lib import GPT, GPTConfig
 from course_lib.checkpoints import load_checkpoint, save_checkpoint
 from course_lib.data import CharTokenizer, lm_windows
-from course_lib.train import (PRESETS, Examples, TokenStream, TrainConfig, evaluate, flops_per_token,
-                              learning_rate, lm_loss, prepare_preset, run_preset, train, train_step)
+from course_lib.train import (
+    PRESETS,
+    Examples,
+    TokenStream,
+    TrainConfig,
+    evaluate,
+    flops_per_token,
+    learning_rate,
+    lm_loss,
+    prepare_preset,
+    run_preset,
+    train,
+    train_step,
+)
 
 TEXT = "the cat sat on the mat. the dog sat on the log. " * 40
 
@@ -192,9 +204,9 @@ def test_train_config_validates():
 
 # ---------------------------------------------------------------- guarded, resumable training
 
-from course_lib.checkpoints import CheckpointError  # noqa: E402
-from course_lib.data import random_batch  # noqa: E402
-from course_lib.train import NonFiniteLoss, TrainState  # noqa: E402
+from course_lib.checkpoints import CheckpointError
+from course_lib.data import random_batch
+from course_lib.train import NonFiniteLoss, TrainState
 
 
 def _splits():
@@ -370,7 +382,6 @@ def test_the_gpu_recipe_code_path_runs_on_a_cpu_with_compile():
 
 
 def test_a_run_stopped_by_a_signal_and_resumed_equals_the_uninterrupted_run(tmp_path, monkeypatch):
-    import course_lib.train as train_module
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 5)
     common = dict(steps=70, corpus=str(corpus), device="cpu", progress=False)
