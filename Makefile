@@ -3,6 +3,7 @@
 #   make lab-solutions  for instructors: JupyterLab on the solution notebooks in notebooks/
 #   make test           set up, then all the tests, the notebooks (nbval) and the learner copies
 #   make unit           the fast unit tests only (tests marked slow are skipped)
+#   make lint           ruff (pyflakes, bugbear, import order, pyupgrade), configured in pyproject.toml
 #   make student        write or refresh the learner copies in student/ (your edits are kept)
 #   make bench          the performance benchmarks (prints figures; takes a few minutes)
 #   make doctor         is this machine ready for the workshop?
@@ -17,7 +18,7 @@ NBVAL_ENV := COURSE_STATIC_WIDGETS=1 COURSE_THREADS=2 MPLBACKEND=Agg PYTHONHASHS
 NBVAL_OPTS := -p no:cacheprovider --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
               --nbval-cell-timeout=600
 
-.PHONY: setup lab lab-solutions test unit tests-all notebooks learner-copies student bench doctor data clean
+.PHONY: setup lab lab-solutions test lint unit tests-all notebooks learner-copies student bench doctor data clean
 
 setup: $(VENV)/.installed data
 
@@ -40,7 +41,10 @@ lab: setup student
 lab-solutions: setup
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/01_attention_toy.ipynb
 
-test: setup tests-all notebooks learner-copies
+test: setup lint tests-all notebooks learner-copies
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
 
 unit: setup
 	$(PY) -m pytest -p no:cacheprovider -m "not slow" tests
