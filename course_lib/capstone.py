@@ -266,7 +266,7 @@ def find_blame(collection: Collection, setup: TrainingSetup, *, steps: int = 120
 
 def plot_side_by_side(yours: TrainingRun, reference: TrainingRun, title: str = ""):
     """Both runs' training loss (thin) and validation loss (dots) against the step, on one figure."""
-    from .viz import PALETTE, Figure
+    from .viz.style import PALETTE, Figure
     for name, run in (("yours", yours), ("reference", reference)):
         if not isinstance(run, TrainingRun):
             raise TypeError(f"{name}: expected a TrainingRun from train_parts(...), got {describe(run)}")

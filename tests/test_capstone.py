@@ -12,6 +12,7 @@ import nbformat
 import pytest
 import torch
 
+from course_lib import capstone
 from course_lib.assignments import update_learner_copies
 from course_lib.capstone import TrainingRun, TrainingSetup, find_blame, judge, train_parts
 from course_lib.collect import collect_student_parts, course_exercises
@@ -143,3 +144,16 @@ def test_the_learner_copy_of_notebook_08_blames_a_planted_part(tmp_path):
     assert "Exercise 8.1: NOT YET (nan)" in printed
     assert "Exercise 3.3 (MultiHeadMaskedAttention): with your MultiHeadMaskedAttention, the loss becomes NaN" \
         in printed.split("Nothing to blame")[0], "the blame cell names the planted part"
+
+
+def test_the_side_by_side_figure_draws_both_runs(solutions):
+    setup = _tiny_setup(steps=20)
+    reference = train_parts(solutions, [], setup, label="reference")
+    yours = train_parts(solutions, None, setup, label="yours")
+    fig = capstone.plot_side_by_side(yours, reference, title="tiny")
+    labels = [line.get_label() for line in fig.axes[0].lines]
+    assert labels == ["reference, training batches", "reference, validation", "yours, training batches",
+                      "yours, validation"]
+    assert fig._repr_png_()[:4] == b"\x89PNG", "the figure shows itself in a notebook"
+    with pytest.raises(TypeError, match="reference: expected a TrainingRun"):
+        capstone.plot_side_by_side(yours, None)
