@@ -158,7 +158,7 @@ def check_toy_attention(fn: Callable[..., Any]) -> str:
         expected = ref.toy_attention(query, keys, values)
         out = call_student(fn, query.clone(), keys.clone(), values.clone(), what=what)
         try:
-            expect_output(out, tuple(expected.shape), what, torch.float32)
+            expect_output(out, tuple(expected.shape), what, expected.dtype)   # the inputs decide: float64 notebooks too
         except Failure as failure:
             if failure.diagnosis == "shape" and tuple(failure.details.get("got", ())) == (keys.shape[0],):
                 if close(out, torch.softmax(keys @ query, dim=0)):
