@@ -1247,3 +1247,54 @@ class MultiForgotReturn(_MultiBase):
 class MultiNotWritten(GivenMultiHeadAttention):
     def forward(self, x):
         raise NotImplementedError("Exercise 3.3: write MultiHeadMaskedAttention.forward")
+
+
+# ============================================================================ issue 11: inputs changed in place,
+# float64 and in-place-safe styles (each under the exercise it belongs to)
+
+@bug("1.3", "mutation")
+def sdpa_divides_q_in_place(q, k, v, mask=None):
+    q /= math.sqrt(q.shape[-1])                 # changes the caller's q
+    scores = q @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@bug("1.3", "mutation")
+def sdpa_masks_k_in_place(q, k, v, mask=None):
+    k.mul_(1 / math.sqrt(k.shape[-1]))          # scale folded into k, in place
+    scores = q @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@correct("1.3")
+def sdpa_in_place_on_its_own_copy(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1)            # a new tensor: changing it in place is fine
+    scores /= math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return scores.softmax(dim=-1) @ v
+
+
+@correct("1.3")
+def sdpa_in_float64(q, k, v, mask=None):
+    scores = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v.double()).to(q.dtype)   # back to the inputs' dtype
+
+
+@bug("1.2", "mutation")
+def toy_rescales_values_in_place(query, keys, values):
+    weights = torch.softmax(keys @ query, dim=0)
+    values *= weights.sum()                     # "harmless" (the sum is one), but in place
+    return weights @ values
+
+
+@correct("1.2")
+def toy_in_float64(query, keys, values):
+    weights = torch.softmax(keys.double() @ query.double(), dim=0)
+    return (weights @ values.double()).to(values.dtype)

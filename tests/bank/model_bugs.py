@@ -1295,3 +1295,31 @@ def hf_attention_fixed_dropout(module, query, key, value, attention_mask, scalin
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=0.1,
                                          is_causal=attention_mask is None and query.shape[2] > 1, scale=scaling)
     return out.transpose(1, 2), None
+
+
+# ============================================================================ issue 11: inputs changed in place
+
+@bug("4.2", "mutation", "in place")
+class BlockInPlaceResidual(GivenBlock):
+    def forward(self, x):
+        x += self.attn(self.ln1(x))             # overwrites the caller's x (and what ln1 saved for backward)
+        x += self.mlp(self.ln2(x))
+        return x
+
+
+@correct("4.2")
+class BlockInPlaceOnItsOwnTensor(GivenBlock):
+    def forward(self, x):
+        h = x + self.attn(self.ln1(x))          # a new tensor ...
+        h += self.mlp(self.ln2(h))              # ... so adding to it in place harms no one
+        return h
+
+
+@bug("4.3", "mutation", "in place")
+class GPTZeroesItsInput(GPT):
+    def forward(self, idx):
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.size(1)))
+        idx.zero_()                              # "done with the ids"
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
