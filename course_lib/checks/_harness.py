@@ -49,6 +49,8 @@ DIAGNOSES = (
     "values",            # values taken from the wrong projection or the wrong tensor
     "batch_mixing",      # a reshape that mixes batch entries or positions
     "dropout", "residual", "norm_placement",
+    "clipping",          # the gradient norm not clipped to max_grad_norm, or clipped at the wrong moment
+    "generator",         # sampling ignores the generator it was given (uses the global RNG)
     "mismatch",          # wrong, and like none of the mistakes we know
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
 )

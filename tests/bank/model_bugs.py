@@ -680,33 +680,42 @@ def loss_mean_of_sequence_means(logits, targets):
 # ============================================================================ 5.3 train_step
 
 @correct("5.3")
-def step_classic(model, optimizer, inputs, targets):
+def step_classic(model, optimizer, inputs, targets, max_grad_norm=1.0):
     model.train()
     optimizer.zero_grad()
     logits = model(inputs)
     loss = lm_loss(logits, targets)
     loss.backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     return loss.item()
 
 
 @correct("5.3")
-def step_clip_and_zero_at_end(model, optimizer, inputs, targets):
+def step_clip_and_zero_at_end(model, optimizer, inputs, targets, max_grad_norm=1.0):
     model.train()
     loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(loss)
 
 
 @correct("5.3")
-def step_returns_tensor(model, optimizer, inputs, targets):
+def step_returns_tensor(model, optimizer, inputs, targets, max_grad_norm=1.0):
     model.train()
     model.zero_grad()
     loss = lm_loss(model(inputs), targets)
     loss.backward()
+    if max_grad_norm is not None:   # clip by hand: scale every gradient by the same factor
+        norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters() if p.grad is not None))
+        scale = min(1.0, max_grad_norm / (float(norm) + 1e-6))
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
     optimizer.step()
     return loss.detach()
 
@@ -795,6 +804,48 @@ def step_returns_loss_after_update(model, optimizer, inputs, targets):
     optimizer.step()
     with torch.no_grad():
         return lm_loss(model(inputs), targets).item()
+
+
+@bug("5.3", "clipping", "not clipped")
+def step_forgets_to_clip(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+@bug("5.3", "clipping", "not clipped")
+def step_clips_before_backward(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    model.train()
+    optimizer.zero_grad()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)   # nothing to clip yet
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+@bug("5.3", "clipping", "fixed number")
+def step_clips_to_a_constant(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    optimizer.step()
+    return loss.item()
+
+
+@bug("5.3", "clipping", "max_grad_norm")
+def step_without_the_parameter(model, optimizer, inputs, targets):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 
 
 # ============================================================================ 5.4 sample_next_token
