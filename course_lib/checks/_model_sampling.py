@@ -35,6 +35,10 @@ def _draw(fn: Callable[..., Any], logits: torch.Tensor, what: str, **kwargs: Any
     if isinstance(result, torch.Tensor) and result.shape == (logits.shape[0], 1):
         fail("shape", f"{what} returned shape {tuple(result.shape)}; expected ({logits.shape[0]},), one token id "
                       f"per row. torch.multinomial(..., 1) keeps a last dimension of size 1: squeeze it.")
+    if isinstance(result, torch.Tensor) and result.dim() == 0 and logits.shape[0] == 1:
+        fail("shape", f"{what} returned a single number of shape (); expected (1,), one token id per row even "
+                      f"for a batch of one. `.squeeze()` drops every axis of size 1, the batch too: use "
+                      f".squeeze(-1) (or [:, 0]).")
     expect_tensor(result, (logits.shape[0],), what)
     if result.is_floating_point() or result.dtype == torch.bool:
         fail("dtype", f"{what} returned dtype {result.dtype}; token ids are integers (torch.long).")
@@ -126,6 +130,21 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
     fail("mismatch", f"{what}: the draws do not follow softmax(logits / temperature): {_describe(freq, expected)}.")
 
 
+def _check_generator_is_used(fn: Callable[..., Any], logits: torch.Tensor) -> None:
+    """With a generator, the draws come from it: its state advances and the global RNG is left alone."""
+    what = "sample_next_token(generator=...)"
+    generator = torch.Generator().manual_seed(99)
+    before_generator, before_global = generator.get_state(), torch.get_rng_state()
+    _draw(fn, logits, what, generator=generator)
+    if not torch.equal(torch.get_rng_state(), before_global):
+        fail("generator", f"{what} used (or reseeded) the global random state although a generator was given: "
+                          f"draw with it, torch.multinomial(probs, 1, generator=generator), and never call "
+                          f"torch.manual_seed inside the sampler.")
+    if torch.equal(generator.get_state(), before_generator):
+        fail("generator", f"{what} never drew from the generator it was given: pass it on, "
+                          f"torch.multinomial(probs, 1, generator=generator).")
+
+
 @checker("5.4")
 def check_sampling(fn: Callable[..., Any]) -> str:
     """fn(logits (N, V), temperature=1.0, top_k=None, generator=None) -> (N,) long."""
@@ -134,6 +153,8 @@ def check_sampling(fn: Callable[..., Any]) -> str:
                           [2.0, -0.5, 0.3, 0.0, 1.5, -2.0],
                           [-1.0, -2.0, -0.5, -3.0, -0.7, -1.5]])
     _draw(fn, small, "sample_next_token(logits of shape (3, 6))")
+    _draw(fn, small[:1], "sample_next_token(logits of shape (1, 6))")                 # a batch of one
+    _draw(fn, small[:1], "sample_next_token(logits of shape (1, 6), temperature=0)", temperature=0)
     greedy = _draw(fn, small, "sample_next_token(temperature=0)", temperature=0)
     if not torch.equal(greedy, small.argmax(-1)):
         fail("mismatch", "With temperature=0 the sampler should be greedy and return the argmax of each row; "
@@ -152,6 +173,7 @@ def check_sampling(fn: Callable[..., Any]) -> str:
         torch.manual_seed(seed)   # a different global state each time: only the generator may decide
         runs.append(_draw(fn, logits, "sample_next_token(generator=...)",
                           generator=torch.Generator().manual_seed(1234)))
+    _check_generator_is_used(fn, logits)
     if not torch.equal(runs[0], runs[1]):
         fail("mismatch", "Two calls with generators seeded the same gave different tokens: pass `generator` on "
                          "to the random function you use (torch.multinomial(..., generator=generator)), so "

@@ -972,7 +972,7 @@ def sample_divides_by_zero(logits, temperature=1.0, top_k=None, generator=None):
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "generator")
+@bug("5.4", "generator", "generator")
 def sample_ignores_generator(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -981,6 +981,45 @@ def sample_ignores_generator(logits, temperature=1.0, top_k=None, generator=None
         kth = logits.topk(top_k).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.distributions.Categorical(logits=logits).sample()
+
+
+@bug("5.4", "shape", ".squeeze(-1)")
+def sample_squeezes_everything(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, top_k)
+        logits[logits < v[:, [-1]]] = float("-inf")
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze()   # (N,) ... or () when N = 1
+
+
+@bug("5.4", "generator", "global")
+def sample_reseeds_from_the_generator(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if generator is not None:
+        torch.manual_seed(generator.initial_seed())   # reproducible, but through the global RNG
+    return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
+
+
+@correct("5.4")
+def sample_float64_loop(logits, temperature=1.0, top_k=None, generator=None):
+    out = []
+    for row in logits.double():                       # one row at a time, in float64
+        if temperature == 0:
+            out.append(int(row.argmax()))
+            continue
+        row = row / temperature
+        if top_k is not None:
+            row = row.masked_fill(row < row.topk(top_k).values[-1], float("-inf"))
+        out.append(int(torch.multinomial(row.softmax(0), 1, generator=generator)))
+    return torch.tensor(out, dtype=torch.long)
 
 
 # ============================================================================ 6.1 generate_with_cache
