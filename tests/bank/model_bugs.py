@@ -1317,14 +1317,40 @@ def hf_attention_matmul(module, query, key, value, attention_mask, scaling=None,
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     scores = query @ key.transpose(-2, -1) * scaling
     if attention_mask is None:
-        lq, lk = scores.shape[-2:]
-        attention_mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()
+        lq, lk = scores.shape[-2:]                  # the queries are the last lq of the lk positions
+        attention_mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(diagonal=lk - lq)
     scores = scores.masked_fill(~attention_mask, float("-inf"))
     weights = F.dropout(scores.softmax(dim=-1), p=dropout, training=module.training)
     return (weights @ value).transpose(1, 2), weights
 
 
 @correct("7.2")
+def hf_attention_sdpa_with_cache(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    lq, lk = query.shape[2], key.shape[2]
+    if attention_mask is None and lq != lk:     # is_causal aligns top-left: build the cached case's mask
+        attention_mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         is_causal=attention_mask is None and lq > 1, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+@correct("7.2")
+def hf_attention_loop_float64(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    n, heads, lq, d = query.shape
+    lk = key.shape[2]
+    scale = d ** -0.5 if scaling is None else scaling
+    out = torch.zeros(n, lq, heads, d, dtype=torch.float64)
+    for i in range(lq):
+        scores = (key.double() @ query[:, :, i, :, None].double()).squeeze(-1) * scale     # (N, heads, Lk)
+        if attention_mask is None:
+            scores[..., i + (lk - lq) + 1:] = float("-inf")   # position of query i is i + (lk - lq)
+        else:
+            scores = scores.masked_fill(~attention_mask[:, :, i, :], float("-inf"))
+        out[:, i] = (scores.softmax(-1).unsqueeze(-2) @ value.double()).squeeze(-2)     # (N, heads, d)
+    return out.to(query.dtype), None
+
+
+@bug("7.2", "causal_mask", "top-left")
 def hf_attention_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          is_causal=attention_mask is None and query.shape[2] > 1,
