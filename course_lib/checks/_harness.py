@@ -45,6 +45,7 @@ DIAGNOSES = (
     "timeout",           # the student's code ran past the time limit (an endless loop?)
     "mutation",          # the student's code changed one of its inputs in place
     "shape", "dtype", "device", "nan",
+    "precision",         # the right numbers, rounded too coarsely
     "softmax_dim", "scale", "normalization", "causal_mask", "head_split",
     "values",            # values taken from the wrong projection or the wrong tensor
     "batch_mixing",      # a reshape that mixes batch entries or positions

@@ -109,6 +109,13 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
         fail("scale", f"{what}: the temperature has no effect. Divide the logits by it BEFORE the softmax "
                       f"(dividing the probabilities changes nothing once they are renormalised).")
     if top_k is not None:
+        drawn = freq > 0   # 2500 draws per row: every token of probability >= 0.5% shows up
+        for k in (top_k - 1, top_k + 1):
+            kept = _probabilities(base / temperature, k) > 0 if 1 <= k <= vocab else None
+            # judged by which tokens were drawn at all: k+1 and "no top_k" have close frequencies
+            if kept is not None and bool((drawn == kept).all()) and _matches(freq, _probabilities(base / temperature, k)):
+                fail("mismatch", f"{what}: you keep {k} tokens instead of top_k={top_k} (off by one in the "
+                                 f"threshold: keep the logits >= the k-th largest).")
         if _matches(freq, _probabilities(base / temperature)):
             fail("mismatch", f"{what}: top_k has no effect: tokens outside the {top_k} most likely are still "
                              f"drawn. Set the other logits to -inf before the softmax.")
@@ -119,10 +126,6 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
         if _matches(freq, _probabilities(base / temperature, top_k, smallest=True)):
             fail("mismatch", f"{what}: you keep the {top_k} LEAST likely tokens; keep the most likely ones "
                              f"(topk returns the largest values first).")
-        for k in (top_k - 1, top_k + 1):
-            if 1 <= k <= vocab and _matches(freq, _probabilities(base / temperature, k)):
-                fail("mismatch", f"{what}: you keep {k} tokens instead of top_k={top_k} (off by one in the "
-                                 f"threshold: keep the logits >= the k-th largest).")
         allowed = _probabilities(base / temperature, top_k) > 0
         if bool((freq[~allowed] > 0).any()):
             fail("mismatch", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the "

@@ -63,6 +63,8 @@ for _name, _weights, _result, _expected in [
     ("words", ["low", "high", "low"], 2.0, "dtype"),
     ("nan_weight", [float("nan"), 0.5, 0.5], 2.0, "nan"),
     ("two_weights", [0.5, 0.5], 2.0, "shape"),
+    ("one_decimal", [0.2, 0.6, 0.2], 2.0, "precision"),
+    ("one_decimal_tuple", (0.2, 0.6, 0.2), 2, "precision"),
 ]:
     BUGGY.append(Attempt("1.1", _name, (_weights, _result), _expected))
 
@@ -70,6 +72,8 @@ for _name, _weights, _result in [
     ("exact_tensor", torch.softmax(torch.tensor([0.0, 1.0, 0.0]), dim=0), torch.tensor(2.0)),
     ("rounded_list", [0.21, 0.58, 0.21], 2),
     ("numpy", np.array(_RIGHT), np.float64(2.0)),
+    ("from_math_exp", [1 / (2 + math.exp(1)), math.exp(1) / (2 + math.exp(1)), 1 / (2 + math.exp(1))], 2.0),
+    ("float64_tensor", torch.tensor([0.2119, 0.5761, 0.2119], dtype=torch.float64), 2.0),
 ]:
     CORRECT.append(Attempt("1.1", _name, (_weights, _result), None))
 

@@ -948,6 +948,29 @@ def sample_topk_ignored(logits, temperature=1.0, top_k=None, generator=None):
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+@bug("5.4", "mismatch", "keep 4 tokens instead of top_k=3")
+def sample_topk_keeps_one_more(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+        threshold = sorted_logits[:, top_k]               # index top_k is the (k+1)-th largest
+        logits = logits.masked_fill(logits < threshold[:, None], float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@bug("5.4", "mismatch", "keep 2 tokens instead of top_k=3")
+def sample_topk_strict_threshold(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits <= kth, float("-inf")) if top_k > 1 else logits
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
 @bug("5.4", "mismatch", "least likely")
 def sample_topk_smallest(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
