@@ -209,3 +209,16 @@ def test_show_solution_shows_that_exercises_region(exercise, must, must_not, cap
 def test_show_solution_names_the_argument():
     with pytest.raises(ValueError, match="exercise_id: expected one of .*got '9.9'"):
         checks.show_solution("9.9")
+
+
+# ---------------------------------------------------------------- 6.1's speed note
+
+def test_a_cache_slower_than_no_cache_is_called_slower():
+    from course_lib.checks import _model_generation
+    from course_lib.generate import generate
+
+    def slow_generation(model, idx, max_new_tokens):
+        time.sleep(0.02 * max_new_tokens)   # far slower than recomputing everything
+        return generate(model, idx, max_new_tokens, temperature=0, use_cache=False)
+    note = _model_generation._speed_note(slow_generation)
+    assert "SLOWER" in note and "about the same" not in note, note
