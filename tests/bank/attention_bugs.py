@@ -1038,7 +1038,7 @@ class MultiFunctionalDropout(nn.Module):
         return F.dropout(self.proj(out), self.p, self.training)
 
 
-@correct("3.3")
+@bug("3.3", "dropout")   # step 4 of the spec puts self.attn_dropout on the weights
 class MultiOnlyOutputDropout(_MultiBase):
     def forward(self, x):
         length = x.shape[1]
@@ -1302,3 +1302,62 @@ def toy_rescales_values_in_place(query, keys, values):
 def toy_in_float64(query, keys, values):
     weights = torch.softmax(keys.double() @ query.double(), dim=0)
     return (weights @ values.double()).to(values.dtype)
+
+
+# ============================================================================ issue 11: where dropout sits (2.2, 3.3)
+
+@bug("2.2", "dropout")
+class MaskedDropoutOnMaskedScores(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        scores = self.attn_dropout(self.masked(self.scores(q, k), length))   # -inf * 0 = NaN in training
+        return self.proj_dropout(self.proj(scores.softmax(-1) @ v))
+
+
+@bug("2.2", "dropout")
+class MaskedDropoutOnRawScores(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        scores = self.attn_dropout(self.scores(q, k))                        # before the mask and softmax
+        return self.proj_dropout(self.proj(self.masked(scores, length).softmax(-1) @ v))
+
+
+@bug("2.2", "dropout")
+class MaskedDropoutBeforeProj(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        weights = self.attn_dropout(self.masked(self.scores(q, k), length).softmax(-1))
+        return self.proj(self.proj_dropout(weights @ v))                     # proj_dropout before proj
+
+
+@bug("2.2", "dropout")
+class MaskedOnlyWeightDropout(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        weights = self.attn_dropout(self.masked(self.scores(q, k), length).softmax(-1))
+        return self.proj(weights @ v)                                        # proj_dropout forgotten
+
+
+@correct("2.2")
+class MaskedFunctionalDropoutFloat64(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = (layer(x).double() for layer in (self.query, self.key, self.value))   # (N, L, E) in float64
+        scores = (q @ k.transpose(1, 2)) * self.embed_dim ** -0.5
+        scores = scores.masked_fill(~self.mask[:length, :length], float("-inf"))
+        weights = F.dropout(scores.softmax(-1), self.dropout_rate, training=self.training)
+        out = self.proj((weights @ v).to(x.dtype))
+        return F.dropout(out, self.dropout_rate, training=self.training)
+
+
+@bug("3.3", "dropout")
+class MultiDropoutOnMaskedScores(_MultiBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        scores = self.attn_dropout(self.masked(self.scores(q, k), length))
+        return self.proj_dropout(self.proj(self.merge(self.normalise(scores) @ v)))
