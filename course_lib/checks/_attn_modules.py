@@ -159,6 +159,7 @@ class ModuleCheck:
         for run in self.runs:
             expect_finite(run.out, self.what(tuple(run.x.shape), run.heads))
         heads = max(self.heads)
+        self.probe_batch(heads)   # before the future: a reshape that mixes rows also "leaks" positions
         if heads > 1:
             self.probe_heads(heads)
         # reading the weights back assumes heads are kept apart, so it comes after probe_heads; it
@@ -170,6 +171,20 @@ class ModuleCheck:
                          f"to {max_diff(run.out, run.expected):.3g}, although the attention weights look right: "
                          f"check what happens after the softmax (the values, merging the heads, the output "
                          f"projection `proj`).")
+
+    def probe_batch(self, heads: int) -> None:
+        """Each sequence of a batch must give what it gives alone: rows never mix."""
+        model = self.models[heads]
+        x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=self.generator)          # (3, L, E)
+        what = self.what(tuple(x.shape), heads)
+        together = forward(model, x, what)
+        for i in range(x.shape[0]):
+            alone = forward(model, x[i:i + 1], self.what((1, MAX_TOKENS, EMBED_DIM), heads))   # (1, L, E)
+            if not close(alone[0], together[i], nan_ok=True):
+                fail("batch_mixing", f"{what}: sequence {i} gives a different output in a batch of 3 than alone, "
+                                     f"so your reshapes mix the sequences of the batch. Keep the batch axis first "
+                                     f"and untouched: view (N, L, E) as (N, L, heads, head_dim) with N and L from "
+                                     f"x.shape, then transpose(1, 2).")
 
     def probe_future(self, heads: int) -> None:
         """Changing tokens after position t must not change the outputs up to t."""

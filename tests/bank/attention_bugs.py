@@ -745,7 +745,7 @@ class MaskedSwappedQK(_MaskedBase):
         return self.proj_dropout(self.proj(weights @ v))
 
 
-@bug("2.2", "mismatch")
+@bug("2.2", "values")
 class MaskedInputAsValues(_MaskedBase):
     def forward(self, x):
         length = x.shape[1]
@@ -1361,3 +1361,58 @@ class MultiDropoutOnMaskedScores(_MultiBase):
         q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
         scores = self.attn_dropout(self.masked(self.scores(q, k), length))
         return self.proj_dropout(self.proj(self.merge(self.normalise(scores) @ v)))
+
+
+# ============================================================================ issue 11: values and batch mixing
+
+@bug("2.2", "values")
+class MaskedValuesFromKey(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k = self.query(x), self.key(x)
+        v = self.key(x)                                                      # copy-paste slip
+        weights = self.attn_dropout(self.normalise(self.masked(self.scores(q, k), length)))
+        return self.proj_dropout(self.proj(weights @ v))
+
+
+@bug("3.3", "values")
+class MultiValuesFromKey(_MultiBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.key(x))
+        weights = self.attn_dropout(self.normalise(self.masked(self.scores(q, k), length)))
+        return self.proj_dropout(self.proj(self.merge(weights @ v)))
+
+
+@bug("3.3", "head_split")
+class MultiValueSplitWithoutTranspose(_MultiBase):
+    def forward(self, x):
+        n, length, _ = x.shape
+        q, k = self.split(self.query(x)), self.split(self.key(x))
+        v = self.value(x).view(n, self.num_heads, length, self.head_dim)     # forgot the transpose for v
+        weights = self.attn_dropout(self.normalise(self.masked(self.scores(q, k), length)))
+        return self.proj_dropout(self.proj(self.merge(weights @ v)))
+
+
+@bug("3.3", "batch_mixing")
+class MultiHeadsFirstReshape(_MultiBase):
+    def split(self, t):
+        n, length, _ = t.shape
+        # positions first, then a reshape to (N, heads, L, hd): each "head" holds pieces of every sequence
+        return t.transpose(0, 1).reshape(n, self.num_heads, length, self.head_dim)
+
+    def merge(self, t):
+        n, _, length, _ = t.shape
+        return t.reshape(length, n, self.embed_dim).transpose(0, 1)         # (N, L, E), the inverse
+
+
+@correct("3.3")
+class MultiEinsumFloat64(_MultiBase):
+    def forward(self, x):
+        n, length, _ = x.shape
+        q, k, v = (self.split(layer(x)).double() for layer in (self.query, self.key, self.value))  # (N, h, L, hd)
+        scores = torch.einsum("nhqd,nhkd->nhqk", q, k) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~self.mask[:length, :length], float("-inf"))
+        weights = self.attn_dropout(scores.softmax(-1))
+        out = torch.einsum("nhqk,nhkd->nqhd", weights, v).reshape(n, length, self.embed_dim)   # (N, L, E)
+        return self.proj_dropout(self.proj(out.to(x.dtype)))
