@@ -1462,3 +1462,36 @@ class GPTZeroesItsInput(GPT):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+# ============================================================================ issue 11: GPT dropout in training mode
+
+@bug("4.3", "dropout", "logits")
+class GPTDropoutOnLogits(GPT):
+    def forward(self, idx):
+        x = self.token_embedding(idx) + self.position_encoding(idx.size(1))
+        for block in self.blocks:
+            x = block(x)
+        return self.dropout(self.head(self.ln_f(x)))                # dropout in the wrong place
+
+
+@bug("4.3", "dropout", "after the embeddings")
+class GPTForgetsEmbeddingDropout(GPT):
+    def forward(self, idx):
+        x = self.token_embedding(idx) + self.position_encoding(idx.size(1))   # (N, L, E), no dropout
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@correct("4.3")
+class GPTFunctionalDropoutWithCheck(GPT):
+    def forward(self, idx):
+        n, length = idx.shape
+        if length > self.config.max_tokens:
+            raise ValueError(f"{length} tokens > max_tokens={self.config.max_tokens}")
+        x = self.token_embedding(idx) + self.position_encoding(length)[None]    # (N, L, E)
+        x = F.dropout(x, self.config.dropout_rate, training=self.training)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
