@@ -222,3 +222,21 @@ def test_a_cache_slower_than_no_cache_is_called_slower():
         return generate(model, idx, max_new_tokens, temperature=0, use_cache=False)
     note = _model_generation._speed_note(slow_generation)
     assert "SLOWER" in note and "about the same" not in note, note
+
+
+def test_a_result_on_another_device_is_named():
+    result = checks.check_scaled_dot_product_attention(
+        lambda q, k, v, mask=None: torch.empty(*q.shape[:-1], v.shape[-1], device="meta"))
+    assert result.diagnosis == "device" and "meta" in result.message, result
+
+
+def test_a_default_device_is_set_aside_and_restored():
+    if not hasattr(torch, "get_default_device"):
+        pytest.skip("torch without default devices")
+    torch.set_default_device("meta")
+    try:
+        result = checks.check_causal_mask(attention.causal_mask)
+        assert torch.get_default_device().type == "meta"
+    finally:
+        torch.set_default_device(None)
+    assert result.passed, result

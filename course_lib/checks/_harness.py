@@ -180,6 +180,15 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     return result
 
 
+def expect_cpu(value: torch.Tensor, what: str, device: torch.device | str | None = None) -> None:
+    """Checks run on the CPU (the harness clears any default device), so results belong there too."""
+    expected = torch.device(device or "cpu")
+    if value.device.type != expected.type:
+        fail("device", f"{what} returned a tensor on {value.device}, but its inputs are on {expected}: create "
+                       f"new tensors with `device=x.device` (or `torch.zeros_like(x)`), and do not move the "
+                       f"result with .to(...) / .cuda().")
+
+
 def expect_tensor(value: Any, shape: tuple[int, ...], what: str, *,
                   dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
     """A returned value must be a tensor of the given shape (dtype, device), with finite numbers."""
@@ -194,9 +203,7 @@ def expect_tensor(value: Any, shape: tuple[int, ...], what: str, *,
     if tuple(value.shape) != tuple(shape):
         fail("shape", f"{what} returned shape {tuple(value.shape)}, expected {tuple(shape)}.",
              got=tuple(value.shape), expected=tuple(shape))
-    if device is not None and value.device.type != torch.device(device).type:
-        fail("device", f"{what} returned a tensor on {value.device}, but its inputs are on {device}: create "
-                       f"new tensors with `device=x.device` (or `torch.zeros_like(x)`).")
+    expect_cpu(value, what, device)
     if dtype is not None and value.dtype != dtype:
         fail("dtype", f"{what} returned dtype {value.dtype}, expected {dtype} (the dtype of its inputs).")
     if value.is_floating_point() and not torch.isfinite(value).all():
@@ -368,6 +375,8 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                 # saves (up to 50x on a busy machine), and a check should answer at once.
                 torch.set_num_threads(1)
                 torch.set_grad_enabled(True)
+                if hasattr(torch, "set_default_device"):
+                    torch.set_default_device(None)   # inputs and references on the CPU, whatever the notebook set
                 with _Alarm(TIME_LIMIT_S):
                     message = body(*args, **kwargs)
             except Failure as failure:
