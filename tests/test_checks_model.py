@@ -103,7 +103,8 @@ def test_bank_size_and_coverage():
     assert exercises == set(CHECKERS), "every exercise has buggy and correct attempts"
     codes = Counter(a.expected for a in BUGGY)
     for code in ("not_implemented", "exception", "shape", "dtype", "softmax_dim", "scale", "normalization",
-                 "causal_mask", "dropout", "residual", "norm_placement", "mismatch"):
+                 "causal_mask", "dropout", "residual", "norm_placement", "mismatch",
+                 "mutation", "clipping", "generator"):   # issue 11's classes
         assert codes[code] > 0, code
     assert len({a.id for a in BUGGY + CORRECT}) == len(BUGGY + CORRECT), "attempt names are unique"
 
