@@ -243,3 +243,34 @@ def test_a_default_device_is_set_aside_and_restored():
         torch.set_default_device(None)
     assert result.passed, result
 
+
+
+# ---------------------------------------------------------------- every checker's reference is bound privately
+
+_PATCHABLE = [("1.2", "course_lib.attention", "toy_attention"),
+              ("1.3", "course_lib.attention", "scaled_dot_product_attention"),
+              ("2.1", "course_lib.attention", "causal_mask"),
+              ("3.1", "course_lib.attention", "split_heads"),
+              ("3.2", "course_lib.attention", "merge_heads"),
+              ("4.1", "course_lib.model", "sinusoidal_table"),
+              ("5.1", "course_lib.data", "lm_windows"),
+              ("5.2", "course_lib.train", "lm_loss"),
+              ("5.4", "course_lib.generate", "sample_next_token"),
+              ("6.2", "course_lib.train", "flops_per_token")]
+
+
+@pytest.mark.parametrize("exercise,module,name", _PATCHABLE, ids=[e for e, _, _ in _PATCHABLE])
+def test_patching_the_reference_to_the_wrong_answer_changes_nothing(exercise, module, name, monkeypatch):
+    import importlib
+
+    from bank import attention_bugs, model_bugs
+    import test_checks_attention as ta
+    import test_checks_model as tm
+    bank, runner = (attention_bugs, ta) if int(exercise.split(".")[0]) <= 3 else (model_bugs, tm)
+    wrong = next(a for a in bank.BUGGY if a.exercise == exercise and callable(a.candidate)
+                 and a.expected not in ("not_implemented", "exception") and not getattr(a, "kwargs", None))
+    honest = runner.run(exercise, wrong.candidate)
+    monkeypatch.setattr(importlib.import_module(module), name, wrong.candidate)
+    patched = runner.run(exercise, wrong.candidate)
+    assert not patched.passed and patched.diagnosis == honest.diagnosis, (wrong.id, patched)
+    assert getattr(importlib.import_module(module), name) is wrong.candidate
