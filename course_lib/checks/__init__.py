@@ -1,6 +1,8 @@
 """Exercise checkers: each runs a student's code against the course_lib reference and says
 which mistake it looks like.  Usage in a notebook: ``checks.check_causal_mask(causal_mask)``."""
-from .. import attention as _attention, data as _data, generate as _generate, model as _model, train as _train  # noqa: F401
+# The reference modules the checkers compare against, imported before they are bound below.
+from .. import attention as _attention, data as _data, generate as _generate  # noqa: F401
+from .. import model as _model, train as _train  # noqa: F401
 from ._core import DIAGNOSES, CheckResult, hint, show_solution
 from ._harness import bind_references as _bind_references
 from .attention_checks import *   # noqa: F401,F403  exercises of notebooks 01-03

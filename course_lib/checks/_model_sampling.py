@@ -113,7 +113,8 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
         for k in (top_k - 1, top_k + 1):
             kept = _probabilities(base / temperature, k) > 0 if 1 <= k <= vocab else None
             # judged by which tokens were drawn at all: k+1 and "no top_k" have close frequencies
-            if kept is not None and bool((drawn == kept).all()) and _matches(freq, _probabilities(base / temperature, k)):
+            if kept is not None and bool((drawn == kept).all()) and \
+                    _matches(freq, _probabilities(base / temperature, k)):
                 fail("mismatch", f"{what}: you keep {k} tokens instead of top_k={top_k} (off by one in the "
                                  f"threshold: keep the logits >= the k-th largest).")
         if _matches(freq, _probabilities(base / temperature)):
