@@ -75,7 +75,8 @@ def test_bank_size_and_coverage():
     assert exercises == set(CHECKERS)
     codes = Counter(a.expected for a in BUGGY)
     for code in ("not_implemented", "exception", "shape", "dtype", "nan", "softmax_dim", "scale",
-                 "normalization", "causal_mask", "head_split", "dropout", "mismatch"):
+                 "normalization", "causal_mask", "head_split", "dropout", "mismatch",
+                 "mutation", "values", "batch_mixing", "precision"):   # issue 11's classes
         assert codes[code] > 0, code
     specific = sum(n for code, n in codes.items() if code != "mismatch")
     assert specific / len(BUGGY) >= 0.9

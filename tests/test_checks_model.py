@@ -30,6 +30,20 @@ CHECKERS = {
     "7.2": checks.check_hf_attention,
 }
 
+def _attention_forward_as_taught(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """course_lib.hf.course_attention_forward, with notebook 07's causal mask for fewer queries than keys.
+
+    The notebook (and its solution) align the queries with the LAST Lq keys; the library function aligns
+    them top-left, which transformers never asks of it (it passes a mask whenever 1 < Lq < Lk). Until
+    hf.py aligns bottom-right as well, the reference is the library call with the taught mask.
+    """
+    lq, lk = query.shape[2], key.shape[2]
+    if attention_mask is None and lq != lk:
+        attention_mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(diagonal=lk - lq)
+    return course_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                    **kwargs)
+
+
 REFERENCES = {
     "4.1": sinusoidal_table,
     "4.2": TransformerBlock,
@@ -41,7 +55,7 @@ REFERENCES = {
     "6.1": generate_with_cache,
     "6.2": flops_per_token,
     "7.1": split_c_attn,
-    "7.2": course_attention_forward,
+    "7.2": _attention_forward_as_taught,
 }
 
 CLASS_EXERCISES = ("4.2", "4.3")
@@ -89,7 +103,8 @@ def test_bank_size_and_coverage():
     assert exercises == set(CHECKERS), "every exercise has buggy and correct attempts"
     codes = Counter(a.expected for a in BUGGY)
     for code in ("not_implemented", "exception", "shape", "dtype", "softmax_dim", "scale", "normalization",
-                 "causal_mask", "dropout", "residual", "norm_placement", "mismatch"):
+                 "causal_mask", "dropout", "residual", "norm_placement", "mismatch",
+                 "mutation", "clipping", "generator"):   # issue 11's classes
         assert codes[code] > 0, code
     assert len({a.id for a in BUGGY + CORRECT}) == len(BUGGY + CORRECT), "attempt names are unique"
 

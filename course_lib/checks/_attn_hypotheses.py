@@ -99,19 +99,22 @@ def module_variant(x: torch.Tensor, params: dict[str, torch.Tensor], heads: int,
     """Causal multi-head self-attention (eval mode) with the mistakes in ``spec``.
 
     spec keys: scale, softmax_dim, mask (allowed_pattern kind), fill, split ("ok", "no_transpose",
-    "interleaved", "single" = one head over all features), merge ("ok", "bare", "interleaved"),
-    proj (bool), value (bool), swap_qk (bool).
+    "interleaved", "single" = one head over all features), split_v (the values' split, if it differs),
+    merge ("ok", "bare", "interleaved"), proj (bool), value (True, False = x itself, "key" = the key
+    projection), swap_qk (bool).
     """
     n, length, embed_dim = x.shape
     head_dim = embed_dim // heads
     q = x @ params["query.weight"].T                                         # (N, L, E)
     k = x @ params["key.weight"].T
-    v = x @ params["value.weight"].T if spec.get("value", True) else x
+    v = {True: lambda: x @ params["value.weight"].T, False: lambda: x,
+         "key": lambda: x @ params["key.weight"].T}[spec.get("value", True)]()
     if spec.get("swap_qk"):
         q, k = k, q
     split = spec.get("split", "ok")
     used_heads = 1 if split == "single" else heads
-    q, k, v = (_split(t, used_heads, split) for t in (q, k, v))              # (N, heads, L, head_dim)
+    q, k = (_split(t, used_heads, split) for t in (q, k))                    # (N, heads, L, head_dim)
+    v = _split(v, used_heads, spec.get("split_v", split))
     mode = spec.get("scale", "sqrt")
     out = attend(q, k, v, allowed_pattern(length, spec.get("mask", "tril")),
                  scale=scale_factor(mode, head_dim, embed_dim), scale_after=mode == "after",
@@ -216,8 +219,14 @@ MODULE_HYPOTHESES: tuple[Hypothesis, ...] = (
                              "heads of head_dim features each.", {"split": "single", "scale": "embed_dim"}),
     Hypothesis("mismatch", "You never apply the output projection `proj` to the attention output.",
                {"proj": False}),
-    Hypothesis("mismatch", "You use the input itself as the values: pass x through `value` first.",
+    Hypothesis("values", "You use the input itself as the values: pass x through `value` first.",
                {"value": False}),
+    Hypothesis("values", "Your values come from the key projection: v = self.value(x), not self.key(x).",
+               {"value": "key"}),
+    Hypothesis("head_split", "Your values are split into heads without the transpose: (N, L, E) reshaped straight "
+                             "to (N, heads, L, head_dim) cuts the sequence, not the features. Split v exactly "
+                             "like q and k: view as (N, L, heads, head_dim), then transpose(1, 2).",
+               {"split_v": "no_transpose"}),
     Hypothesis("mismatch", "Queries and keys are swapped: score[i, j] compares the query of position i with "
                            "the key of position j, so use `query` for q and `key` for k.", {"swap_qk": True}),
 )

@@ -159,6 +159,7 @@ class ModuleCheck:
         for run in self.runs:
             expect_finite(run.out, self.what(tuple(run.x.shape), run.heads))
         heads = max(self.heads)
+        self.probe_batch(heads)   # before the future: a reshape that mixes rows also "leaks" positions
         if heads > 1:
             self.probe_heads(heads)
         # reading the weights back assumes heads are kept apart, so it comes after probe_heads; it
@@ -170,6 +171,20 @@ class ModuleCheck:
                          f"to {max_diff(run.out, run.expected):.3g}, although the attention weights look right: "
                          f"check what happens after the softmax (the values, merging the heads, the output "
                          f"projection `proj`).")
+
+    def probe_batch(self, heads: int) -> None:
+        """Each sequence of a batch must give what it gives alone: rows never mix."""
+        model = self.models[heads]
+        x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=self.generator)          # (3, L, E)
+        what = self.what(tuple(x.shape), heads)
+        together = forward(model, x, what)
+        for i in range(x.shape[0]):
+            alone = forward(model, x[i:i + 1], self.what((1, MAX_TOKENS, EMBED_DIM), heads))   # (1, L, E)
+            if not close(alone[0], together[i], nan_ok=True):
+                fail("batch_mixing", f"{what}: sequence {i} gives a different output in a batch of 3 than alone, "
+                                     f"so your reshapes mix the sequences of the batch. Keep the batch axis first "
+                                     f"and untouched: view (N, L, E) as (N, L, heads, head_dim) with N and L from "
+                                     f"x.shape, then transpose(1, 2).")
 
     def probe_future(self, heads: int) -> None:
         """Changing tokens after position t must not change the outputs up to t."""
@@ -235,14 +250,73 @@ class ModuleCheck:
     # -------------------------------------------------------------------- training mode
 
     def check_train_dropout(self) -> None:
+        """Training mode, by behaviour: outputs stay finite, attn_dropout drops single attention weights
+        after the softmax, proj_dropout drops single output features after proj, both rescale by 1/(1-p)."""
         heads = self.heads[0]
-        model, run = self.models[heads], self.runs[0]
-        call(model.train, what=f"{self.name}.train()")
-        try:
-            out = forward(model, run.x, self.what(tuple(run.x.shape), heads) + " in training mode")
-        finally:
-            model.eval()
+        run = self.runs[0]
+        what = self.what(tuple(run.x.shape), heads) + " in training mode"
+        out = self.train_forward(run.params, run.x)
         if close(out, run.expected):
             fail("dropout", f"In training mode (model.train()) with dropout_rate={DROPOUT} your output is exactly "
                             f"the eval-mode output: dropout is missing. Apply the module's dropout to the "
                             f"attention weights (and after the output projection).")
+        batch = 64   # many copies of one sequence: each gets its own dropout draws
+        eye = torch.eye(EMBED_DIM)
+        identity = dict(run.params, **{"value.weight": eye, "proj.weight": eye})
+        dense = run.x[:1].expand(batch, -1, -1).clone()                              # (64, L, E)
+        if not torch.isfinite(self.train_forward(identity, dense)).all():
+            fail("dropout", f"{what}: NaN appears in training mode. Dropout reaches the scores after they were "
+                            f"set to -inf (0 * -inf = NaN): apply dropout to the attention weights AFTER the "
+                            f"softmax (self.attn_dropout(weights)).")
+        self.probe_weight_dropout(identity, what, batch)
+        keep = 1 - DROPOUT
+        # With value = proj = identity and a dense x, only dropout on the output features makes exact zeros;
+        # with a dense proj, only dropout after proj does.
+        rotation, _ = torch.linalg.qr(torch.randn(EMBED_DIM, EMBED_DIM, generator=self.generator))
+        zeros_identity = float((self.train_forward(identity, dense) == 0).double().mean())
+        zeros_after_proj = float((self.train_forward(dict(identity, **{"proj.weight": rotation}), dense) == 0)
+                                 .double().mean())
+        if zeros_after_proj < DROPOUT / 2:
+            where = ("on the attention output before self.proj" if zeros_identity > DROPOUT / 2 else "nowhere")
+            fail("dropout", f"{what}: the output projection's dropout is missing (your feature dropout acts "
+                            f"{where}). The spec puts it last: self.proj_dropout(self.proj(out)).")
+        if zeros_after_proj > 1 - keep ** 2 + 0.1:
+            fail("dropout", f"{what}: {zeros_after_proj:.0%} of the output features are dropped, expected about "
+                            f"{DROPOUT:.0%}: apply self.proj_dropout once, after self.proj.")
+
+    def probe_weight_dropout(self, params: dict[str, torch.Tensor], what: str, batch: int) -> None:
+        """One-hot tokens and value = proj = identity: output feature j of query i is the weight w_ij, so
+        the training-mode output over the eval output reads each weight's dropout factor directly."""
+        length = MAX_TOKENS                                                          # <= EMBED_DIM
+        x = torch.eye(EMBED_DIM)[:length].expand(batch, -1, -1).clone()              # (64, L, E) one-hot
+        load(self.models[self.heads[0]], params)
+        expected = forward(self.models[self.heads[0]], x, what)                     # eval: w_ij
+        got = self.train_forward(params, x)
+        visible = expected.abs() > 1e-3
+        ratio = (got[visible] / expected[visible]).double()                          # (entries,)
+        s = 1 / (1 - DROPOUT)
+        near = lambda value: (ratio - value).abs() <= 1e-3 * max(value, 1.0)        # noqa: E731
+        kinds = {0.0: near(0.0), s: near(s), s * s: near(s * s)}
+        known = kinds[0.0] | kinds[s] | kinds[s * s]
+        if float((~known).double().mean()) > 0.01:
+            fail("dropout", f"{what}: in training mode your attention weights are changed, not just dropped: "
+                            f"dropout acts before the softmax (on the scores), or rescales wrongly. Drop the "
+                            f"weights AFTER the softmax: self.attn_dropout(weights), which also scales the kept "
+                            f"ones by 1/(1 - p).")
+        if float(kinds[s * s].double().mean()) < 0.3:
+            fail("dropout", f"{what}: each attention weight should pass two dropouts (self.attn_dropout on the "
+                            f"weights after the softmax, then self.proj_dropout after self.proj), but yours passes "
+                            f"only one: the dropout on the attention weights is missing or sits elsewhere.")
+
+    def train_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The student's module in training mode with these weights; back to eval and the run's weights after."""
+        heads = self.heads[0]
+        model = self.models[heads]
+        load(model, params)
+        call(model.train, what=f"{self.name}.train()")
+        try:
+            torch.manual_seed(7)
+            return forward(model, x, self.what(tuple(x.shape), heads) + " in training mode")
+        finally:
+            model.eval()
+            load(model, self.runs[0].params)

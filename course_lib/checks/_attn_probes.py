@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ._core import Failure, call, fail
+from ._harness import expect_cpu
 
 # float32 everywhere (what students use); the mistakes we look for change outputs by far more.
 RTOL, ATOL = 1e-3, 1e-4
@@ -59,6 +60,7 @@ def expect_output(value: Any, shape: tuple[int, ...], what: str, dtype: torch.dt
     if tuple(value.shape) != tuple(shape):
         fail("shape", f"{what} returned shape {tuple(value.shape)}, expected {tuple(shape)}.",
              got=tuple(value.shape), expected=tuple(shape))
+    expect_cpu(value, what)
     if dtype is not None and value.dtype != dtype:
         fail("dtype", f"{what} returned dtype {value.dtype}, expected {dtype} (the dtype of the inputs).")
     return value

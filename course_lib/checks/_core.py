@@ -1,166 +1,52 @@
-"""The machinery every checker shares: results, safe calls into student code, hints.
+"""The exercise registry: each exercise's title, hints and solution (read from its notebook).
 
-A checker never raises because of the student's code. Internally a checker stops at
-the first problem by raising :class:`Failure`; the :func:`checker` decorator turns
-that (and anything else that goes wrong) into a :class:`CheckResult`.
+The harness (results, isolation, time limit, calls into student code) lives in ``_harness``;
+its names are re-exported here for the modules and tests that import them from ``_core``.
 """
 from __future__ import annotations
 
-import functools
-import html
-import importlib
-import inspect
-import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-import torch
+from ._harness import (DIAGNOSES, CheckResult, Failure, call, checker, expect_tensor,   # noqa: F401
+                       fail)
 
-DIAGNOSES = (
-    "not_implemented", "exception", "shape", "dtype", "nan", "softmax_dim", "scale",
-    "normalization", "causal_mask", "head_split", "dropout", "residual", "norm_placement",
-    "mismatch",
-)
+__all__ = ["DIAGNOSES", "CheckResult", "Failure", "call", "checker", "expect_tensor", "fail",
+           "EXERCISES", "register", "hint", "show_solution", "solution_source"]
 
-
-@dataclass
-class CheckResult:
-    """The verdict on one exercise: ``passed``, a ``diagnosis`` code and a ``message`` to act on."""
-
-    exercise: str
-    passed: bool
-    diagnosis: str | None
-    message: str
-    details: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    def __str__(self) -> str:
-        mark = "PASSED" if self.passed else f"NOT YET ({self.diagnosis})"
-        return f"Exercise {self.exercise}: {mark}. {self.message}"
-
-    def _repr_html_(self) -> str:
-        colour, border, mark = (("#e6f4ea", "#34a853", "&#10004; Passed") if self.passed
-                                else ("#fce8e6", "#d93025", f"&#10008; Not yet: <code>{self.diagnosis}</code>"))
-        return (f'<div style="background:{colour};border-left:4px solid {border};padding:6px 10px;'
-                f'margin:4px 0;font-family:sans-serif;color:#202124">'
-                f"<b>Exercise {html.escape(self.exercise)}</b> &mdash; {mark}<br>"
-                f"{html.escape(self.message)}</div>")
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        printer.text(str(self))
-
-
-class Failure(Exception):
-    """Raised inside a checker to stop at the first problem found."""
-
-    def __init__(self, diagnosis: str, message: str, **details: Any):
-        if diagnosis not in DIAGNOSES:
-            raise ValueError(f"diagnosis: expected one of {DIAGNOSES}, got {diagnosis!r}")
-        super().__init__(message)
-        self.diagnosis = diagnosis
-        self.message = message
-        self.details = details
-
-
-def fail(diagnosis: str, message: str, **details: Any) -> None:
-    raise Failure(diagnosis, message, **details)
-
-
-def _student_frame(exc: BaseException) -> str:
-    """'line 12 in forward' for the innermost frame outside course_lib and torch, if any."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        name = frame.filename.replace("\\", "/")
-        if "/course_lib/" not in name and "/torch/" not in name:
-            return f" (line {frame.lineno}, in {frame.name})"
-    return ""
-
-
-def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: Any) -> Any:
-    """Call student code; turn any exception it raises into a Failure with a readable message."""
-    try:
-        return fn(*args, **kwargs)
-    except Failure:
-        raise
-    except NotImplementedError as exc:
-        fail("not_implemented", f"{what} is not written yet ({exc or 'NotImplementedError'}). "
-                                f"Replace the `raise NotImplementedError` with your solution, then run this cell again.")
-    except Exception as exc:   # noqa: BLE001 - any student error becomes a message
-        fail("exception", f"{what} raised {type(exc).__name__}{_student_frame(exc)}: {exc}")
-
-
-def expect_tensor(value: Any, shape: tuple[int, ...], what: str, *,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A returned value must be a tensor of the given shape (and dtype), with finite numbers."""
-    if not isinstance(value, torch.Tensor):
-        fail("dtype" if value is not None else "shape",
-             f"{what} should return a torch.Tensor of shape {shape}, but returned "
-             f"{'nothing (did you forget `return`?)' if value is None else type(value).__name__}.")
-    if tuple(value.shape) != tuple(shape):
-        fail("shape", f"{what} returned shape {tuple(value.shape)}, expected {tuple(shape)}.",
-             got=tuple(value.shape), expected=tuple(shape))
-    if dtype is not None and value.dtype != dtype:
-        fail("dtype", f"{what} returned dtype {value.dtype}, expected {dtype}.")
-    if value.is_floating_point() and not torch.isfinite(value).all():
-        fail("nan", f"{what} returned NaN or infinite values. A softmax over a row whose entries are all "
-                    f"-inf gives NaN: check that every query can attend to at least one key.")
-    return value
-
-
-def checker(exercise: str) -> Callable[[Callable[..., None]], Callable[..., CheckResult]]:
-    """Decorate ``check(candidate, ...) -> str | None``: it returns a success message or raises Failure."""
-
-    def wrap(body: Callable[..., str | None]) -> Callable[..., CheckResult]:
-        @functools.wraps(body)
-        def run(*args: Any, **kwargs: Any) -> CheckResult:
-            # One thread: on tensors this small, waking a thread pool costs far more than it
-            # saves (up to 50x on a busy machine), and a check should answer at once.
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                with torch.random.fork_rng(devices=[]):
-                    message = body(*args, **kwargs)
-            except Failure as failure:
-                return CheckResult(exercise, False, failure.diagnosis, failure.message, failure.details)
-            except NotImplementedError as exc:
-                return CheckResult(exercise, False, "not_implemented",
-                                   f"Not written yet ({exc}). Replace the `raise NotImplementedError`, then re-run.")
-            except Exception as exc:   # noqa: BLE001 - a checker never raises
-                return CheckResult(exercise, False, "exception",
-                                   f"Your code raised {type(exc).__name__}{_student_frame(exc)}: {exc}")
-            finally:
-                torch.set_num_threads(threads)
-            return CheckResult(exercise, True, None, message or "Matches the reference implementation.")
-        run.exercise = exercise   # type: ignore[attr-defined]
-        return run
-    return wrap
-
-
-# ---------------------------------------------------------------- hints and solutions
 
 @dataclass
 class Exercise:
     exercise: str
     title: str
     hints: list[str]
-    solution: str          # "module:qualified.name" of the reference in course_lib
+    notebook: str          # the notebook's number, "02": its solution region is read from there
     shown: int = 0
 
 
 EXERCISES: dict[str, Exercise] = {}
 
 
-def register(exercise: str, title: str, hints: list[str], solution: str) -> None:
-    """Declare an exercise: its id ("2.1"), a title, two or three hints, and where the reference lives."""
-    EXERCISES[exercise] = Exercise(exercise, title, list(hints), solution)
+def register(exercise: str, title: str, hints: list[str], solution: str | None = None) -> None:
+    """Declare an exercise: its id ("2.1"), a title and two or three hints. ``solution`` is unused
+    (kept so older callers still work): the solution is read from the exercise's notebook."""
+    if not re.fullmatch(r"\d+\.\d+", str(exercise)):
+        raise ValueError(f"exercise: expected an id such as '2.1', got {exercise!r}")
+    EXERCISES[exercise] = Exercise(exercise, title, list(hints), f"{int(exercise.split('.')[0]):02d}")
 
 
 def _lookup(exercise: Any) -> Exercise:
     key = str(exercise)
     if key not in EXERCISES:
-        raise ValueError(f"exercise_id: expected one of {sorted(EXERCISES)}, got {exercise!r}")
+        raise ValueError(f"exercise_id: expected one of {sorted(EXERCISES, key=_order)}, got {exercise!r}")
     return EXERCISES[key]
+
+
+def _order(exercise: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in exercise.split("."))
 
 
 def hint(exercise_id: str) -> str:
@@ -173,13 +59,46 @@ def hint(exercise_id: str) -> str:
     return text
 
 
-def show_solution(exercise_id: str) -> str:
-    """Print the reference source from course_lib (for instructors, or after a real attempt)."""
+# The markers as course_lib.assignments defines them: alone on their line, indentation allowed;
+# the BEGIN marker names its exercise, "### BEGIN SOLUTION (Exercise 2.2: ...)".
+_BEGIN_RE = re.compile(r"^[ \t]*### BEGIN SOLUTION[ \t]*\([ \t]*Exercise[ \t]+(?P<id>\d+\.\d+)\b.*\)[ \t]*$")
+_END_RE = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
+
+
+def _notebook(entry: Exercise) -> Path:
+    from ..course_files import notebooks_dir
+    found = sorted(notebooks_dir().glob(f"{entry.notebook}_*.ipynb"))
+    if not found:
+        raise FileNotFoundError(f"exercise {entry.exercise}: expected notebook {entry.notebook}_*.ipynb in "
+                                f"{notebooks_dir()}, found none")
+    return found[0]
+
+
+def solution_source(exercise_id: str) -> str:
+    """The code cell holding the exercise's solution region, as written in its solution notebook."""
     entry = _lookup(exercise_id)
-    module_name, _, qualname = entry.solution.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    source = inspect.getsource(obj)
-    print(f"# Reference for exercise {entry.exercise} ({entry.title}), from {module_name}\n{source}")
+    path = _notebook(entry)
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    for cell in cells:
+        if cell.get("cell_type") != "code":
+            continue
+        source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+        lines = source.splitlines()
+        for i, line in enumerate(lines):
+            match = _BEGIN_RE.match(line)
+            if match and match["id"] == entry.exercise:
+                if not any(_END_RE.match(rest) for rest in lines[i + 1:]):
+                    raise ValueError(f"{path.name}: the solution region of exercise {entry.exercise} has no "
+                                     f"### END SOLUTION")
+                return source
+    raise LookupError(f"{path.name}: expected a code cell with '### BEGIN SOLUTION (Exercise {entry.exercise}: "
+                      f"...)', found none")
+
+
+def show_solution(exercise_id: str) -> str:
+    """Print the exercise's solution cell from its notebook (for instructors, or after a real attempt)."""
+    entry = _lookup(exercise_id)
+    source = solution_source(entry.exercise)
+    print(f"# Solution of exercise {entry.exercise} ({entry.title}), from notebook {_notebook(entry).name}\n"
+          f"{source}")
     return source

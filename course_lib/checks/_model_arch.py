@@ -308,6 +308,37 @@ def _check_cache_path(candidate: nn.Module, reference: nn.Module, idx: torch.Ten
     return " The cached path gives the same logits too."
 
 
+def _check_gpt_training(candidate: nn.Module, idx: torch.Tensor, rate: float) -> None:
+    """Training mode, by behaviour: finite logits, no dropout on the logits, dropout after the embeddings."""
+    what = f"your GPT in training mode (dropout_rate={rate}) on idx of shape {tuple(idx.shape)}"
+    with torch.no_grad():
+        eval_logits = _forward(candidate, idx, what.replace("training", "eval"))
+        call(candidate.train, what="your GPT's train()")
+        try:
+            logits = _forward(candidate, idx, what)
+            if not isinstance(logits, torch.Tensor) or not torch.isfinite(logits).all():
+                fail("nan", f"{what}: the logits are not finite numbers in training mode. Apply dropout to "
+                            f"activations (after the embeddings), never to scores that hold -inf.")
+            # dense logits are never exactly zero unless dropout zeroed them
+            if float((logits == 0).double().mean()) > rate / 3:
+                fail("dropout", f"{what}: {float((logits == 0).double().mean()):.0%} of the logits are exactly "
+                                f"zero: dropout is applied to the logits. It belongs after the embeddings "
+                                f"(self.dropout(tokens + positions)); the head's output is never dropped.")
+            # with the blocks in eval mode, only the embedding dropout can make training differ from eval
+            blocks = getattr(candidate, "blocks", None)
+            if isinstance(blocks, nn.Module):
+                blocks.eval()
+                try:
+                    without_blocks = _forward(candidate, idx, what)
+                finally:
+                    blocks.train()
+            if isinstance(blocks, nn.Module) and torch.equal(without_blocks, eval_logits):
+                fail("dropout", f"{what}: no dropout after the embeddings: x = self.dropout(token embeddings + "
+                                f"positions) before the first block.")
+        finally:
+            candidate.eval()
+
+
 @checker("4.3")
 def check_gpt(cls: Any) -> str:
     """cls(config) with token_embedding, position_encoding, dropout, blocks, ln_f, head; forward -> logits."""
@@ -337,6 +368,8 @@ def check_gpt(cls: Any) -> str:
                                 f"should be off. Use self.dropout (an nn.Dropout follows model.eval()).")
             if not close(got, reference(idx)):
                 _diagnose_gpt(candidate, reference, idx, got, what)
+    _check_gpt_training(candidate, torch.randint(0, vocab, (4, config.max_tokens), generator=generator),
+                        config.dropout_rate)
     too_long = torch.randint(0, vocab, (1, config.max_tokens + 1), generator=generator)
     try:
         with torch.no_grad():

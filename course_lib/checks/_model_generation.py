@@ -141,7 +141,8 @@ def _speed_note(fn: Callable[..., Any]) -> str:
     except Exception:   # noqa: BLE001 - the speed is only reported, never judged
         return ""
     ratio = uncached / max(cached, 1e-9)
-    verdict = f"{ratio:.1f}x faster" if ratio >= 1.1 else "about the same speed"
+    verdict = (f"{ratio:.1f}x faster" if ratio >= 1.1 else f"{1 / ratio:.1f}x SLOWER: does each step recompute "
+               f"the whole sequence, or copy the cache?" if ratio <= 1 / 1.1 else "about the same speed")
     return (f" Speed: {new} new tokens took {cached * 1000:.0f} ms with your cache and {uncached * 1000:.0f} ms "
             f"without ({verdict}). On a model this small the fixed cost of each call dominates; the saving grows "
             f"with the length and the model size.")

@@ -183,6 +183,27 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
                                 f"others. Fill the blocked positions with -inf.")
         fail("mismatch", f"{what}: with a padding mask the output differs from the reference (largest "
                          f"difference {(got - expected).abs().max():.3g}). The mask is bool, True = may attend.")
+    _check_fewer_queries(fn, module, k, v, scaling, generator)
+
+
+def _check_fewer_queries(fn: Callable[..., Any], module: nn.Module, k: torch.Tensor, v: torch.Tensor,
+                         scaling: float, generator: torch.Generator) -> None:
+    """Step 1 of the spec with a KV cache: the Lq queries are the LAST Lq of the Lk positions."""
+    n, heads, k_len, head_dim = k.shape
+    for q_len in (1, 2):
+        q = torch.randn(n, heads, q_len, head_dim, generator=generator)        # (N, heads, Lq, d)
+        what = f"your attention function ({q_len} quer{'y' if q_len == 1 else 'ies'}, {k_len} keys, no mask)"
+        got = _direct(fn, module, q, k, v, None, scaling, what)
+        bottom_right = torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)   # (Lq, Lk)
+        if close(got, _attention(q, k, v, scale=scaling, mask=bottom_right)):
+            continue
+        top_left = torch.ones(q_len, k_len, dtype=torch.bool).tril()
+        if close(got, _attention(q, k, v, scale=scaling, mask=top_left)):
+            fail("causal_mask", f"{what}: your causal mask is aligned top-left, so query i sees keys 0..i. With a "
+                                f"KV cache the queries are the last Lq of the Lk positions: query i may see keys "
+                                f"0..i + (Lk - Lq), torch.ones(Lq, Lk, dtype=torch.bool).tril(diagonal=Lk - Lq).")
+        fail("mismatch", f"{what}: the output differs from causal attention where the queries are the last "
+                         f"{q_len} of the {k_len} positions (query i sees keys 0..i + {k_len - q_len}).")
 
 
 @checker("7.2")

@@ -35,6 +35,10 @@ def _draw(fn: Callable[..., Any], logits: torch.Tensor, what: str, **kwargs: Any
     if isinstance(result, torch.Tensor) and result.shape == (logits.shape[0], 1):
         fail("shape", f"{what} returned shape {tuple(result.shape)}; expected ({logits.shape[0]},), one token id "
                       f"per row. torch.multinomial(..., 1) keeps a last dimension of size 1: squeeze it.")
+    if isinstance(result, torch.Tensor) and result.dim() == 0 and logits.shape[0] == 1:
+        fail("shape", f"{what} returned a single number of shape (); expected (1,), one token id per row even "
+                      f"for a batch of one. `.squeeze()` drops every axis of size 1, the batch too: use "
+                      f".squeeze(-1) (or [:, 0]).")
     expect_tensor(result, (logits.shape[0],), what)
     if result.is_floating_point() or result.dtype == torch.bool:
         fail("dtype", f"{what} returned dtype {result.dtype}; token ids are integers (torch.long).")
@@ -105,6 +109,14 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
         fail("scale", f"{what}: the temperature has no effect. Divide the logits by it BEFORE the softmax "
                       f"(dividing the probabilities changes nothing once they are renormalised).")
     if top_k is not None:
+        drawn = freq > 0   # 2500 draws per row: every token of probability >= 0.5% shows up
+        for k in (top_k - 1, top_k + 1):
+            kept = _probabilities(base / temperature, k) > 0 if 1 <= k <= vocab else None
+            # judged by which tokens were drawn at all: k+1 and "no top_k" have close frequencies
+            if kept is not None and bool((drawn == kept).all()) and \
+                    _matches(freq, _probabilities(base / temperature, k)):
+                fail("mismatch", f"{what}: you keep {k} tokens instead of top_k={top_k} (off by one in the "
+                                 f"threshold: keep the logits >= the k-th largest).")
         if _matches(freq, _probabilities(base / temperature)):
             fail("mismatch", f"{what}: top_k has no effect: tokens outside the {top_k} most likely are still "
                              f"drawn. Set the other logits to -inf before the softmax.")
@@ -115,15 +127,26 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
         if _matches(freq, _probabilities(base / temperature, top_k, smallest=True)):
             fail("mismatch", f"{what}: you keep the {top_k} LEAST likely tokens; keep the most likely ones "
                              f"(topk returns the largest values first).")
-        for k in (top_k - 1, top_k + 1):
-            if 1 <= k <= vocab and _matches(freq, _probabilities(base / temperature, k)):
-                fail("mismatch", f"{what}: you keep {k} tokens instead of top_k={top_k} (off by one in the "
-                                 f"threshold: keep the logits >= the k-th largest).")
         allowed = _probabilities(base / temperature, top_k) > 0
         if bool((freq[~allowed] > 0).any()):
             fail("mismatch", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the "
                              f"k highest logits may be drawn.")
     fail("mismatch", f"{what}: the draws do not follow softmax(logits / temperature): {_describe(freq, expected)}.")
+
+
+def _check_generator_is_used(fn: Callable[..., Any], logits: torch.Tensor) -> None:
+    """With a generator, the draws come from it: its state advances and the global RNG is left alone."""
+    what = "sample_next_token(generator=...)"
+    generator = torch.Generator().manual_seed(99)
+    before_generator, before_global = generator.get_state(), torch.get_rng_state()
+    _draw(fn, logits, what, generator=generator)
+    if not torch.equal(torch.get_rng_state(), before_global):
+        fail("generator", f"{what} used (or reseeded) the global random state although a generator was given: "
+                          f"draw with it, torch.multinomial(probs, 1, generator=generator), and never call "
+                          f"torch.manual_seed inside the sampler.")
+    if torch.equal(generator.get_state(), before_generator):
+        fail("generator", f"{what} never drew from the generator it was given: pass it on, "
+                          f"torch.multinomial(probs, 1, generator=generator).")
 
 
 @checker("5.4")
@@ -134,6 +157,8 @@ def check_sampling(fn: Callable[..., Any]) -> str:
                           [2.0, -0.5, 0.3, 0.0, 1.5, -2.0],
                           [-1.0, -2.0, -0.5, -3.0, -0.7, -1.5]])
     _draw(fn, small, "sample_next_token(logits of shape (3, 6))")
+    _draw(fn, small[:1], "sample_next_token(logits of shape (1, 6))")                 # a batch of one
+    _draw(fn, small[:1], "sample_next_token(logits of shape (1, 6), temperature=0)", temperature=0)
     greedy = _draw(fn, small, "sample_next_token(temperature=0)", temperature=0)
     if not torch.equal(greedy, small.argmax(-1)):
         fail("mismatch", "With temperature=0 the sampler should be greedy and return the argmax of each row; "
@@ -152,6 +177,7 @@ def check_sampling(fn: Callable[..., Any]) -> str:
         torch.manual_seed(seed)   # a different global state each time: only the generator may decide
         runs.append(_draw(fn, logits, "sample_next_token(generator=...)",
                           generator=torch.Generator().manual_seed(1234)))
+    _check_generator_is_used(fn, logits)
     if not torch.equal(runs[0], runs[1]):
         fail("mismatch", "Two calls with generators seeded the same gave different tokens: pass `generator` on "
                          "to the random function you use (torch.multinomial(..., generator=generator)), so "

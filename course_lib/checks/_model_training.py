@@ -281,14 +281,14 @@ def _loss_value(result: Any, what: str) -> tuple[float, str]:
 
 
 def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
-              targets: torch.Tensor, what: str) -> tuple[float, str, torch.Tensor, list, bool]:
+              targets: torch.Tensor, what: str, **kwargs: Any) -> tuple[float, str, torch.Tensor, list, bool]:
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
     backward_ran = []
     handles = [p.register_hook(lambda grad: backward_ran.append(True)) for p in params[:1]]
     try:
         with recording_calls(model) as calls:
-            result = call(fn, model, optimizer, inputs, targets, what=what)
+            result = call(fn, model, optimizer, inputs, targets, what=what, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
@@ -350,7 +350,37 @@ def check_train_step(fn: Callable[..., Any]) -> str:
     if not training:
         fail("dropout", "Your train_step runs the model in eval mode, so dropout is off during training. Call "
                         "model.train() at the start (an evaluation before may have switched it to eval).")
+    _check_clipping(fn, model, optimizer, batches[0])
     return "zero_grad, forward, loss, backward and step, in that order; the loss comes back as a number." + note
+
+
+def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+                    batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Step 5 of the spec: the gradient norm is clipped to ``max_grad_norm``, after backward; None clips nothing."""
+    if not accepts(fn, "max_grad_norm"):
+        fail("clipping", "Your train_step has no `max_grad_norm` parameter: keep the given signature "
+                         "`train_step(model, optimizer, inputs, targets, max_grad_norm=1.0)` and clip the gradient "
+                         "norm to it.")
+    inputs, targets = batch
+    for fraction in (0.3, None):
+        g = _flat(_gradient(model, inputs, targets)[0])
+        limit = None if fraction is None else fraction * float(g.norm())
+        what = f"train_step(..., max_grad_norm={'None' if limit is None else f'{limit:.3g}'})"
+        _, _, delta, _, _ = _one_step(fn, model, optimizer, inputs, targets, what, max_grad_norm=limit)
+        ratio = float(delta.norm() / (_LR * g.norm()))      # 1 when the full gradient step was taken
+        expected = 1.0 if fraction is None else fraction
+        if abs(ratio - expected) <= 0.01 * expected:
+            continue
+        if fraction is None:
+            fail("clipping", f"{what}: with max_grad_norm=None the step should use the whole gradient, but it "
+                             f"was {ratio:.2f} times as long. Clip only `if max_grad_norm is not None`.")
+        if abs(ratio - 1.0) <= 0.01:
+            fail("clipping", f"{what}: the gradient (norm {float(g.norm()):.3g}) was not clipped. Call "
+                             f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) after "
+                             f"loss.backward() and before optimizer.step(): before backward there is nothing "
+                             f"to clip yet.")
+        fail("clipping", f"{what}: the step was {ratio:.2f} times the gradient step, expected {expected:.2f} "
+                         f"(clipped to max_grad_norm). Clip to the `max_grad_norm` argument, not a fixed number.")
 
 
 register("5.3", "train_step", [

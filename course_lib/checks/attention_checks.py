@@ -87,6 +87,10 @@ def check_toy_prediction(weights: Any, result: Any) -> str:
         if near(torch.full((3,), 1 / 3, dtype=torch.float64)):
             fail("mismatch", "Equal weights ignore the query: the key that points the same way as the query "
                              "should get the largest weight.")
+        if bool(torch.allclose(w, expected, atol=0.05 + 1e-9, rtol=0)):   # within one-decimal rounding
+            fail("precision", f"Your weights {[round(float(x), 3) for x in w]} are the softmax of the scores, "
+                              f"but only to one decimal. Give two decimals or more (e^1 = 2.718...; or compute "
+                              f"them with math.exp).")
         fail("mismatch", f"Your weights {[round(float(x), 3) for x in w]} are not the softmax of the scores. "
                          f"Compute the dot product of [0, 1] with each key, then the softmax of those three "
                          f"scores (keep them in the order of TOY_KEYS).")
@@ -158,7 +162,7 @@ def check_toy_attention(fn: Callable[..., Any]) -> str:
         expected = ref.toy_attention(query, keys, values)
         out = call_student(fn, query.clone(), keys.clone(), values.clone(), what=what)
         try:
-            expect_output(out, tuple(expected.shape), what, torch.float32)
+            expect_output(out, tuple(expected.shape), what, expected.dtype)   # the inputs decide: float64 notebooks too
         except Failure as failure:
             if failure.diagnosis == "shape" and tuple(failure.details.get("got", ())) == (keys.shape[0],):
                 if close(out, torch.softmax(keys @ query, dim=0)):

@@ -63,6 +63,8 @@ for _name, _weights, _result, _expected in [
     ("words", ["low", "high", "low"], 2.0, "dtype"),
     ("nan_weight", [float("nan"), 0.5, 0.5], 2.0, "nan"),
     ("two_weights", [0.5, 0.5], 2.0, "shape"),
+    ("one_decimal", [0.2, 0.6, 0.2], 2.0, "precision"),
+    ("one_decimal_tuple", (0.2, 0.6, 0.2), 2, "precision"),
 ]:
     BUGGY.append(Attempt("1.1", _name, (_weights, _result), _expected))
 
@@ -70,6 +72,8 @@ for _name, _weights, _result in [
     ("exact_tensor", torch.softmax(torch.tensor([0.0, 1.0, 0.0]), dim=0), torch.tensor(2.0)),
     ("rounded_list", [0.21, 0.58, 0.21], 2),
     ("numpy", np.array(_RIGHT), np.float64(2.0)),
+    ("from_math_exp", [1 / (2 + math.exp(1)), math.exp(1) / (2 + math.exp(1)), 1 / (2 + math.exp(1))], 2.0),
+    ("float64_tensor", torch.tensor([0.2119, 0.5761, 0.2119], dtype=torch.float64), 2.0),
 ]:
     CORRECT.append(Attempt("1.1", _name, (_weights, _result), None))
 
@@ -741,7 +745,7 @@ class MaskedSwappedQK(_MaskedBase):
         return self.proj_dropout(self.proj(weights @ v))
 
 
-@bug("2.2", "mismatch")
+@bug("2.2", "values")
 class MaskedInputAsValues(_MaskedBase):
     def forward(self, x):
         length = x.shape[1]
@@ -1034,7 +1038,7 @@ class MultiFunctionalDropout(nn.Module):
         return F.dropout(self.proj(out), self.p, self.training)
 
 
-@correct("3.3")
+@bug("3.3", "dropout")   # step 4 of the spec puts self.attn_dropout on the weights
 class MultiOnlyOutputDropout(_MultiBase):
     def forward(self, x):
         length = x.shape[1]
@@ -1247,3 +1251,168 @@ class MultiForgotReturn(_MultiBase):
 class MultiNotWritten(GivenMultiHeadAttention):
     def forward(self, x):
         raise NotImplementedError("Exercise 3.3: write MultiHeadMaskedAttention.forward")
+
+
+# ============================================================================ issue 11: inputs changed in place,
+# float64 and in-place-safe styles (each under the exercise it belongs to)
+
+@bug("1.3", "mutation")
+def sdpa_divides_q_in_place(q, k, v, mask=None):
+    q /= math.sqrt(q.shape[-1])                 # changes the caller's q
+    scores = q @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@bug("1.3", "mutation")
+def sdpa_masks_k_in_place(q, k, v, mask=None):
+    k.mul_(1 / math.sqrt(k.shape[-1]))          # scale folded into k, in place
+    scores = q @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@correct("1.3")
+def sdpa_in_place_on_its_own_copy(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1)            # a new tensor: changing it in place is fine
+    scores /= math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return scores.softmax(dim=-1) @ v
+
+
+@correct("1.3")
+def sdpa_in_float64(q, k, v, mask=None):
+    scores = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v.double()).to(q.dtype)   # back to the inputs' dtype
+
+
+@bug("1.2", "mutation")
+def toy_rescales_values_in_place(query, keys, values):
+    weights = torch.softmax(keys @ query, dim=0)
+    values *= weights.sum()                     # "harmless" (the sum is one), but in place
+    return weights @ values
+
+
+@correct("1.2")
+def toy_in_float64(query, keys, values):
+    weights = torch.softmax(keys.double() @ query.double(), dim=0)
+    return (weights @ values.double()).to(values.dtype)
+
+
+# ============================================================================ issue 11: where dropout sits (2.2, 3.3)
+
+@bug("2.2", "dropout")
+class MaskedDropoutOnMaskedScores(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        scores = self.attn_dropout(self.masked(self.scores(q, k), length))   # -inf * 0 = NaN in training
+        return self.proj_dropout(self.proj(scores.softmax(-1) @ v))
+
+
+@bug("2.2", "dropout")
+class MaskedDropoutOnRawScores(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        scores = self.attn_dropout(self.scores(q, k))                        # before the mask and softmax
+        return self.proj_dropout(self.proj(self.masked(scores, length).softmax(-1) @ v))
+
+
+@bug("2.2", "dropout")
+class MaskedDropoutBeforeProj(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        weights = self.attn_dropout(self.masked(self.scores(q, k), length).softmax(-1))
+        return self.proj(self.proj_dropout(weights @ v))                     # proj_dropout before proj
+
+
+@bug("2.2", "dropout")
+class MaskedOnlyWeightDropout(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        weights = self.attn_dropout(self.masked(self.scores(q, k), length).softmax(-1))
+        return self.proj(weights @ v)                                        # proj_dropout forgotten
+
+
+@correct("2.2")
+class MaskedFunctionalDropoutFloat64(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = (layer(x).double() for layer in (self.query, self.key, self.value))   # (N, L, E) in float64
+        scores = (q @ k.transpose(1, 2)) * self.embed_dim ** -0.5
+        scores = scores.masked_fill(~self.mask[:length, :length], float("-inf"))
+        weights = F.dropout(scores.softmax(-1), self.dropout_rate, training=self.training)
+        out = self.proj((weights @ v).to(x.dtype))
+        return F.dropout(out, self.dropout_rate, training=self.training)
+
+
+@bug("3.3", "dropout")
+class MultiDropoutOnMaskedScores(_MultiBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        scores = self.attn_dropout(self.masked(self.scores(q, k), length))
+        return self.proj_dropout(self.proj(self.merge(self.normalise(scores) @ v)))
+
+
+# ============================================================================ issue 11: values and batch mixing
+
+@bug("2.2", "values")
+class MaskedValuesFromKey(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k = self.query(x), self.key(x)
+        v = self.key(x)                                                      # copy-paste slip
+        weights = self.attn_dropout(self.normalise(self.masked(self.scores(q, k), length)))
+        return self.proj_dropout(self.proj(weights @ v))
+
+
+@bug("3.3", "values")
+class MultiValuesFromKey(_MultiBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.key(x))
+        weights = self.attn_dropout(self.normalise(self.masked(self.scores(q, k), length)))
+        return self.proj_dropout(self.proj(self.merge(weights @ v)))
+
+
+@bug("3.3", "head_split")
+class MultiValueSplitWithoutTranspose(_MultiBase):
+    def forward(self, x):
+        n, length, _ = x.shape
+        q, k = self.split(self.query(x)), self.split(self.key(x))
+        v = self.value(x).view(n, self.num_heads, length, self.head_dim)     # forgot the transpose for v
+        weights = self.attn_dropout(self.normalise(self.masked(self.scores(q, k), length)))
+        return self.proj_dropout(self.proj(self.merge(weights @ v)))
+
+
+@bug("3.3", "batch_mixing")
+class MultiHeadsFirstReshape(_MultiBase):
+    def split(self, t):
+        n, length, _ = t.shape
+        # positions first, then a reshape to (N, heads, L, hd): each "head" holds pieces of every sequence
+        return t.transpose(0, 1).reshape(n, self.num_heads, length, self.head_dim)
+
+    def merge(self, t):
+        n, _, length, _ = t.shape
+        return t.reshape(length, n, self.embed_dim).transpose(0, 1)         # (N, L, E), the inverse
+
+
+@correct("3.3")
+class MultiEinsumFloat64(_MultiBase):
+    def forward(self, x):
+        n, length, _ = x.shape
+        q, k, v = (self.split(layer(x)).double() for layer in (self.query, self.key, self.value))  # (N, h, L, hd)
+        scores = torch.einsum("nhqd,nhkd->nhqk", q, k) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~self.mask[:length, :length], float("-inf"))
+        weights = self.attn_dropout(scores.softmax(-1))
+        out = torch.einsum("nhqk,nhkd->nqhd", weights, v).reshape(n, length, self.embed_dim)   # (N, L, E)
+        return self.proj_dropout(self.proj(out.to(x.dtype)))

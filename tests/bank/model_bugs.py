@@ -680,33 +680,42 @@ def loss_mean_of_sequence_means(logits, targets):
 # ============================================================================ 5.3 train_step
 
 @correct("5.3")
-def step_classic(model, optimizer, inputs, targets):
+def step_classic(model, optimizer, inputs, targets, max_grad_norm=1.0):
     model.train()
     optimizer.zero_grad()
     logits = model(inputs)
     loss = lm_loss(logits, targets)
     loss.backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     return loss.item()
 
 
 @correct("5.3")
-def step_clip_and_zero_at_end(model, optimizer, inputs, targets):
+def step_clip_and_zero_at_end(model, optimizer, inputs, targets, max_grad_norm=1.0):
     model.train()
     loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(loss)
 
 
 @correct("5.3")
-def step_returns_tensor(model, optimizer, inputs, targets):
+def step_returns_tensor(model, optimizer, inputs, targets, max_grad_norm=1.0):
     model.train()
     model.zero_grad()
     loss = lm_loss(model(inputs), targets)
     loss.backward()
+    if max_grad_norm is not None:   # clip by hand: scale every gradient by the same factor
+        norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters() if p.grad is not None))
+        scale = min(1.0, max_grad_norm / (float(norm) + 1e-6))
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
     optimizer.step()
     return loss.detach()
 
@@ -795,6 +804,48 @@ def step_returns_loss_after_update(model, optimizer, inputs, targets):
     optimizer.step()
     with torch.no_grad():
         return lm_loss(model(inputs), targets).item()
+
+
+@bug("5.3", "clipping", "not clipped")
+def step_forgets_to_clip(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+@bug("5.3", "clipping", "not clipped")
+def step_clips_before_backward(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    model.train()
+    optimizer.zero_grad()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)   # nothing to clip yet
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+@bug("5.3", "clipping", "fixed number")
+def step_clips_to_a_constant(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    optimizer.step()
+    return loss.item()
+
+
+@bug("5.3", "clipping", "max_grad_norm")
+def step_without_the_parameter(model, optimizer, inputs, targets):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 
 
 # ============================================================================ 5.4 sample_next_token
@@ -897,6 +948,29 @@ def sample_topk_ignored(logits, temperature=1.0, top_k=None, generator=None):
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+@bug("5.4", "mismatch", "keep 4 tokens instead of top_k=3")
+def sample_topk_keeps_one_more(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+        threshold = sorted_logits[:, top_k]               # index top_k is the (k+1)-th largest
+        logits = logits.masked_fill(logits < threshold[:, None], float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@bug("5.4", "mismatch", "keep 2 tokens instead of top_k=3")
+def sample_topk_strict_threshold(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits <= kth, float("-inf")) if top_k > 1 else logits
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
 @bug("5.4", "mismatch", "least likely")
 def sample_topk_smallest(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
@@ -921,7 +995,7 @@ def sample_divides_by_zero(logits, temperature=1.0, top_k=None, generator=None):
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "generator")
+@bug("5.4", "generator", "generator")
 def sample_ignores_generator(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -930,6 +1004,45 @@ def sample_ignores_generator(logits, temperature=1.0, top_k=None, generator=None
         kth = logits.topk(top_k).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.distributions.Categorical(logits=logits).sample()
+
+
+@bug("5.4", "shape", ".squeeze(-1)")
+def sample_squeezes_everything(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, top_k)
+        logits[logits < v[:, [-1]]] = float("-inf")
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze()   # (N,) ... or () when N = 1
+
+
+@bug("5.4", "generator", "global")
+def sample_reseeds_from_the_generator(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if generator is not None:
+        torch.manual_seed(generator.initial_seed())   # reproducible, but through the global RNG
+    return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
+
+
+@correct("5.4")
+def sample_float64_loop(logits, temperature=1.0, top_k=None, generator=None):
+    out = []
+    for row in logits.double():                       # one row at a time, in float64
+        if temperature == 0:
+            out.append(int(row.argmax()))
+            continue
+        row = row / temperature
+        if top_k is not None:
+            row = row.masked_fill(row < row.topk(top_k).values[-1], float("-inf"))
+        out.append(int(torch.multinomial(row.softmax(0), 1, generator=generator)))
+    return torch.tensor(out, dtype=torch.long)
 
 
 # ============================================================================ 6.1 generate_with_cache
@@ -1227,14 +1340,40 @@ def hf_attention_matmul(module, query, key, value, attention_mask, scaling=None,
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     scores = query @ key.transpose(-2, -1) * scaling
     if attention_mask is None:
-        lq, lk = scores.shape[-2:]
-        attention_mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()
+        lq, lk = scores.shape[-2:]                  # the queries are the last lq of the lk positions
+        attention_mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(diagonal=lk - lq)
     scores = scores.masked_fill(~attention_mask, float("-inf"))
     weights = F.dropout(scores.softmax(dim=-1), p=dropout, training=module.training)
     return (weights @ value).transpose(1, 2), weights
 
 
 @correct("7.2")
+def hf_attention_sdpa_with_cache(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    lq, lk = query.shape[2], key.shape[2]
+    if attention_mask is None and lq != lk:     # is_causal aligns top-left: build the cached case's mask
+        attention_mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         is_causal=attention_mask is None and lq > 1, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+@correct("7.2")
+def hf_attention_loop_float64(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    n, heads, lq, d = query.shape
+    lk = key.shape[2]
+    scale = d ** -0.5 if scaling is None else scaling
+    out = torch.zeros(n, lq, heads, d, dtype=torch.float64)
+    for i in range(lq):
+        scores = (key.double() @ query[:, :, i, :, None].double()).squeeze(-1) * scale     # (N, heads, Lk)
+        if attention_mask is None:
+            scores[..., i + (lk - lq) + 1:] = float("-inf")   # position of query i is i + (lk - lq)
+        else:
+            scores = scores.masked_fill(~attention_mask[:, :, i, :], float("-inf"))
+        out[:, i] = (scores.softmax(-1).unsqueeze(-2) @ value.double()).squeeze(-2)     # (N, heads, d)
+    return out.to(query.dtype), None
+
+
+@bug("7.2", "causal_mask", "top-left")
 def hf_attention_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          is_causal=attention_mask is None and query.shape[2] > 1,
@@ -1295,3 +1434,64 @@ def hf_attention_fixed_dropout(module, query, key, value, attention_mask, scalin
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=0.1,
                                          is_causal=attention_mask is None and query.shape[2] > 1, scale=scaling)
     return out.transpose(1, 2), None
+
+
+# ============================================================================ issue 11: inputs changed in place
+
+@bug("4.2", "mutation", "in place")
+class BlockInPlaceResidual(GivenBlock):
+    def forward(self, x):
+        x += self.attn(self.ln1(x))             # overwrites the caller's x (and what ln1 saved for backward)
+        x += self.mlp(self.ln2(x))
+        return x
+
+
+@correct("4.2")
+class BlockInPlaceOnItsOwnTensor(GivenBlock):
+    def forward(self, x):
+        h = x + self.attn(self.ln1(x))          # a new tensor ...
+        h += self.mlp(self.ln2(h))              # ... so adding to it in place harms no one
+        return h
+
+
+@bug("4.3", "mutation", "in place")
+class GPTZeroesItsInput(GPT):
+    def forward(self, idx):
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.size(1)))
+        idx.zero_()                              # "done with the ids"
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+# ============================================================================ issue 11: GPT dropout in training mode
+
+@bug("4.3", "dropout", "logits")
+class GPTDropoutOnLogits(GPT):
+    def forward(self, idx):
+        x = self.token_embedding(idx) + self.position_encoding(idx.size(1))
+        for block in self.blocks:
+            x = block(x)
+        return self.dropout(self.head(self.ln_f(x)))                # dropout in the wrong place
+
+
+@bug("4.3", "dropout", "after the embeddings")
+class GPTForgetsEmbeddingDropout(GPT):
+    def forward(self, idx):
+        x = self.token_embedding(idx) + self.position_encoding(idx.size(1))   # (N, L, E), no dropout
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@correct("4.3")
+class GPTFunctionalDropoutWithCheck(GPT):
+    def forward(self, idx):
+        n, length = idx.shape
+        if length > self.config.max_tokens:
+            raise ValueError(f"{length} tokens > max_tokens={self.config.max_tokens}")
+        x = self.token_embedding(idx) + self.position_encoding(length)[None]    # (N, L, E)
+        x = F.dropout(x, self.config.dropout_rate, training=self.training)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))

@@ -1,0 +1,407 @@
+"""The one harness every checker runs in: isolation, a time limit, and the result.
+
+A checker never raises because of the student's code. Internally it stops at the first
+problem by raising :class:`Failure`; :func:`checker` turns that, and anything else that
+goes wrong, into a :class:`CheckResult`:
+
+- the student's exception, ``SystemExit`` or an endless loop becomes a red box naming it;
+- an exception raised by the checker itself (no student frame in its traceback) is reported
+  as the checker's failure, with the exercise id, never blamed on the student;
+- ``KeyboardInterrupt`` still interrupts (Ctrl-C must work in a notebook).
+
+Isolation: a check leaves the interpreter as it found it (grad mode, default dtype and
+device, RNG states, thread count, deterministic-algorithm mode, and the attributes of
+``course_lib``'s modules and classes). While a check runs, ``course_lib`` is put back to
+the state it had when ``checks`` was imported, so a student's patch of a reference (say
+``course_lib.attention.causal_mask = ...``) cannot make a wrong answer pass or a right
+one fail; the student's patch is restored afterwards.
+
+Time limit: where the platform has ``SIGALRM`` (Linux, macOS) and the check runs on the
+main thread (a Jupyter kernel runs cells there), an interval timer stops the check after
+:data:`TIME_LIMIT_S` seconds. Elsewhere (Windows, or a check called from a worker thread)
+there is no limit: an endless loop in student code hangs until the student interrupts
+the kernel, which stops the check cleanly.
+"""
+from __future__ import annotations
+
+import functools
+import html
+import os
+import random
+import signal
+import sys
+import sysconfig
+import threading
+import traceback
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+DIAGNOSES = (
+    "not_implemented",   # the exercise still raises NotImplementedError
+    "exception",         # the student's code raised (or called sys.exit)
+    "timeout",           # the student's code ran past the time limit (an endless loop?)
+    "mutation",          # the student's code changed one of its inputs in place
+    "shape", "dtype", "device", "nan",
+    "precision",         # the right numbers, rounded too coarsely
+    "softmax_dim", "scale", "normalization", "causal_mask", "head_split",
+    "values",            # values taken from the wrong projection or the wrong tensor
+    "batch_mixing",      # a reshape that mixes batch entries or positions
+    "dropout", "residual", "norm_placement",
+    "clipping",          # the gradient norm not clipped to max_grad_norm, or clipped at the wrong moment
+    "generator",         # sampling ignores the generator it was given (uses the global RNG)
+    "mismatch",          # wrong, and like none of the mistakes we know
+    "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
+)
+
+TIME_LIMIT_S = float(os.environ.get("COURSE_CHECK_TIME_LIMIT", "60"))
+
+
+@dataclass
+class CheckResult:
+    """The verdict on one exercise: ``passed``, a ``diagnosis`` code and a ``message`` to act on."""
+
+    exercise: str
+    passed: bool
+    diagnosis: str | None
+    message: str
+    details: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        mark = "PASSED" if self.passed else f"NOT YET ({self.diagnosis})"
+        return f"Exercise {self.exercise}: {mark}. {self.message}"
+
+    def _repr_html_(self) -> str:
+        colour, border, mark = (("#e6f4ea", "#34a853", "&#10004; Passed") if self.passed
+                                else ("#fce8e6", "#d93025", f"&#10008; Not yet: <code>{self.diagnosis}</code>"))
+        return (f'<div style="background:{colour};border-left:4px solid {border};padding:6px 10px;'
+                f'margin:4px 0;font-family:sans-serif;color:#202124">'
+                f"<b>Exercise {html.escape(self.exercise)}</b> &mdash; {mark}<br>"
+                f"{html.escape(self.message)}</div>")
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+class Failure(Exception):
+    """Raised inside a checker to stop at the first problem found."""
+
+    def __init__(self, diagnosis: str, message: str, **details: Any):
+        if diagnosis not in DIAGNOSES:
+            raise ValueError(f"diagnosis: expected one of {DIAGNOSES}, got {diagnosis!r}")
+        super().__init__(message)
+        self.diagnosis = diagnosis
+        self.message = message
+        self.details = details
+
+
+class CheckTimeout(BaseException):
+    """Raised by the alarm inside student code. A BaseException, so `except Exception:` in student
+    code cannot swallow it."""
+
+
+def fail(diagnosis: str, message: str, **details: Any) -> None:
+    raise Failure(diagnosis, message, **details)
+
+
+# ---------------------------------------------------------------- whose frame is it?
+
+_LIBRARY_PREFIXES = tuple({os.path.realpath(p).replace("\\", "/") + "/" for p in
+                           (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                            sysconfig.get_paths()["platlib"]) if p})
+
+
+def _is_student_file(filename: str) -> bool:
+    name = filename.replace("\\", "/")
+    if "/course_lib/" in name or "/torch/" in name or name.startswith("<frozen"):
+        return False
+    real = os.path.realpath(filename).replace("\\", "/") if os.path.isabs(filename) else name
+    return not real.startswith(_LIBRARY_PREFIXES)
+
+
+def _student_frame(exc: BaseException) -> str:
+    """'line 12 in forward' for the innermost frame of the student's code, if any."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if _is_student_file(frame.filename):
+            return f" (line {frame.lineno}, in {frame.name})"
+    return ""
+
+
+def _raised_in_student_code(exc: BaseException) -> bool:
+    return any(_is_student_file(frame.filename) for frame in traceback.extract_tb(exc.__traceback__))
+
+
+# ---------------------------------------------------------------- calling student code
+
+def _tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    named = [(f"argument {i + 1}", a) for i, a in enumerate(args)] + [(f"`{k}`", v) for k, v in kwargs.items()]
+    return [(name, value) for name, value in named if isinstance(value, torch.Tensor)]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+                    and torch.equal(torch.isnan(a), torch.isnan(b)))
+    return bool(torch.equal(a, b))
+
+
+def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: Any) -> Any:
+    """Call student code. Its exceptions, ``sys.exit`` and in-place changes to its tensor inputs
+    become a Failure with a readable message."""
+    inputs = [(name, value, value.detach().clone()) for name, value in _tensor_args(args, kwargs)]
+    try:
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            _install_references()   # student code that patched course_lib must not change the verdict
+    except Failure:
+        raise
+    except NotImplementedError as exc:
+        fail("not_implemented", f"{what} is not written yet ({exc or 'NotImplementedError'}). "
+                                f"Replace the `raise NotImplementedError` with your solution, then run this cell again.")
+    except SystemExit as exc:
+        fail("exception", f"{what} called sys.exit({'' if exc.code is None else repr(exc.code)}) (or exit()): "
+                          f"that would stop the notebook's kernel. Return a value instead.")
+    except Exception as exc:   # noqa: BLE001 - any student error becomes a message
+        fail("exception", f"{what} raised {type(exc).__name__}{_student_frame(exc)}: {exc}")
+    for name, value, before in inputs:
+        if not _same(value.detach(), before):
+            fail("mutation", f"{what} changed its input ({name}) in place, for example with `x += ...`, "
+                             f"`q /= ...` or `t[...] = ...`. The caller still needs that tensor (and autograd "
+                             f"fails when a tensor saved for backward is overwritten): write `x = x + ...` instead.",
+                 argument=name)
+    return result
+
+
+def expect_cpu(value: torch.Tensor, what: str, device: torch.device | str | None = None) -> None:
+    """Checks run on the CPU (the harness clears any default device), so results belong there too."""
+    expected = torch.device(device or "cpu")
+    if value.device.type != expected.type:
+        fail("device", f"{what} returned a tensor on {value.device}, but its inputs are on {expected}: create "
+                       f"new tensors with `device=x.device` (or `torch.zeros_like(x)`), and do not move the "
+                       f"result with .to(...) / .cuda().")
+
+
+def expect_tensor(value: Any, shape: tuple[int, ...], what: str, *,
+                  dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """A returned value must be a tensor of the given shape (dtype, device), with finite numbers."""
+    if not isinstance(value, torch.Tensor):
+        if value is None:
+            fail("shape", f"{what} should return a torch.Tensor of shape {shape}, but returned nothing "
+                          f"(did you forget `return`?).")
+        kind = type(value).__module__.split(".")[0] + "." + type(value).__name__ \
+            if type(value).__module__ != "builtins" else type(value).__name__
+        fail("dtype", f"{what} should return a torch.Tensor of shape {shape}, but returned a {kind}. "
+                      f"Build the result with torch operations (or convert it with torch.as_tensor).")
+    if tuple(value.shape) != tuple(shape):
+        fail("shape", f"{what} returned shape {tuple(value.shape)}, expected {tuple(shape)}.",
+             got=tuple(value.shape), expected=tuple(shape))
+    expect_cpu(value, what, device)
+    if dtype is not None and value.dtype != dtype:
+        fail("dtype", f"{what} returned dtype {value.dtype}, expected {dtype} (the dtype of its inputs).")
+    if value.is_floating_point() and not torch.isfinite(value).all():
+        fail("nan", f"{what} returned NaN or infinite values. A softmax over a row whose entries are all "
+                    f"-inf gives NaN: check that every query can attend to at least one key.")
+    return value
+
+
+# ---------------------------------------------------------------- isolation
+
+def _course_modules() -> dict[str, ModuleType]:
+    return {name: module for name, module in list(sys.modules.items())
+            if module is not None and (name == "course_lib" or name.startswith("course_lib."))}
+
+
+def _snapshot_namespace(obj: Any) -> dict[str, Any]:
+    return dict(vars(obj))
+
+
+def _classes_of(module: ModuleType) -> list[type]:
+    return [v for v in vars(module).values()
+            if isinstance(v, type) and getattr(v, "__module__", None) == module.__name__]
+
+
+def _attributes() -> dict[Any, dict[str, Any]]:
+    """Every course_lib module's and class's attributes, by object."""
+    spaces: dict[Any, dict[str, Any]] = {}
+    for module in _course_modules().values():
+        spaces[module] = _snapshot_namespace(module)
+        for cls in _classes_of(module):
+            spaces[cls] = _snapshot_namespace(cls)
+    return spaces
+
+
+def _restore_namespace(obj: Any, saved: dict[str, Any]) -> None:
+    current = vars(obj)
+    for name in [n for n in current if n not in saved]:
+        try:
+            delattr(obj, name)
+        except (AttributeError, TypeError):
+            pass
+    for name, value in saved.items():
+        if name not in current or current[name] is not value:
+            try:
+                setattr(obj, name, value)
+            except (AttributeError, TypeError):
+                pass   # read-only slots such as __dict__ never differ
+
+
+_PRISTINE: dict[Any, dict[str, Any]] = {}
+
+
+def bind_references() -> None:
+    """Remember course_lib as it is now (called when ``checks`` is imported): checks run against it.
+
+    The checkers' own modules are left out: they are not references a notebook imports, and tests
+    inject faults into them (they are still restored after every check, like all of course_lib)."""
+    for obj, saved in _attributes().items():
+        owner = obj.__name__ if isinstance(obj, ModuleType) else getattr(obj, "__module__", "")
+        if not owner.startswith("course_lib.checks"):
+            _PRISTINE.setdefault(obj, saved)
+
+
+@dataclass
+class _State:
+    grad: bool
+    dtype: torch.dtype
+    device: Any
+    threads: int
+    deterministic: bool
+    torch_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    python_rng: Any
+    numpy_rng: Any
+    attributes: dict[Any, dict[str, Any]]
+
+    @classmethod
+    def save(cls) -> "_State":
+        numpy = sys.modules.get("numpy")
+        return cls(
+            grad=torch.is_grad_enabled(), dtype=torch.get_default_dtype(),
+            device=torch.get_default_device() if hasattr(torch, "get_default_device") else None,
+            threads=torch.get_num_threads(), deterministic=torch.are_deterministic_algorithms_enabled(),
+            torch_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None,
+            python_rng=random.getstate(),
+            numpy_rng=numpy.random.get_state() if numpy is not None else None,
+            attributes=_attributes(),
+        )
+
+    def restore(self) -> None:
+        torch.set_grad_enabled(self.grad)
+        torch.set_default_dtype(self.dtype)
+        if self.device is not None:
+            torch.set_default_device(self.device)
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        if torch.are_deterministic_algorithms_enabled() != self.deterministic:
+            torch.use_deterministic_algorithms(self.deterministic)
+        torch.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.python_rng)
+        numpy = sys.modules.get("numpy")
+        if self.numpy_rng is not None and numpy is not None:
+            numpy.random.set_state(self.numpy_rng)
+        for obj, saved in self.attributes.items():
+            _restore_namespace(obj, saved)
+
+
+def _install_references() -> None:
+    """Put course_lib back as it was when checks was imported (the student's patches are saved)."""
+    for obj, saved in _PRISTINE.items():
+        _restore_namespace(obj, saved)
+
+
+# ---------------------------------------------------------------- time limit
+
+class _Alarm:
+    """SIGALRM after ``seconds`` on the main thread where the platform has it; otherwise nothing."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.armed = False
+
+    def __enter__(self) -> "_Alarm":
+        usable = (hasattr(signal, "SIGALRM") and hasattr(signal, "setitimer") and self.seconds > 0
+                  and threading.current_thread() is threading.main_thread()
+                  and signal.getitimer(signal.ITIMER_REAL)[0] == 0)   # never override a timer already set
+        if usable:
+            self.previous = signal.signal(signal.SIGALRM, self._ring)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+            self.armed = True
+        return self
+
+    @staticmethod
+    def _ring(signum: int, frame: Any) -> None:
+        raise CheckTimeout
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+
+
+# ---------------------------------------------------------------- the decorator
+
+def _internal(exercise: str, exc: BaseException) -> CheckResult:
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    at = f" at {os.path.basename(where.filename)}:{where.lineno}" if where else ""
+    return CheckResult(
+        exercise, False, "checker_error",
+        f"The checker for exercise {exercise} failed ({type(exc).__name__}{at}: {exc}). This is a bug in the "
+        f"course, not necessarily in your code: please report it with this message. The cells below still "
+        f"run with the course's reference.", {"exception": exc})
+
+
+def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[..., CheckResult]]:
+    """Decorate ``check(candidate, ...) -> str | None``: it returns a success message or raises Failure."""
+
+    def wrap(body: Callable[..., str | None]) -> Callable[..., CheckResult]:
+        @functools.wraps(body)
+        def run(*args: Any, **kwargs: Any) -> CheckResult:
+            state = _State.save()
+            try:
+                _install_references()
+                # One thread: on tensors this small, waking a thread pool costs far more than it
+                # saves (up to 50x on a busy machine), and a check should answer at once.
+                torch.set_num_threads(1)
+                torch.set_grad_enabled(True)
+                if hasattr(torch, "set_default_device"):
+                    torch.set_default_device(None)   # inputs and references on the CPU, whatever the notebook set
+                with _Alarm(TIME_LIMIT_S):
+                    message = body(*args, **kwargs)
+            except Failure as failure:
+                return CheckResult(exercise, False, failure.diagnosis, failure.message, failure.details)
+            except CheckTimeout:
+                return CheckResult(exercise, False, "timeout",
+                                   f"Your code did not finish within {TIME_LIMIT_S:g} seconds, so the check was "
+                                   f"stopped. Look for a loop that never ends (a `while` whose condition never "
+                                   f"changes), or work that grows with every step.")
+            except NotImplementedError as exc:
+                return CheckResult(exercise, False, "not_implemented",
+                                   f"Not written yet ({exc}). Replace the `raise NotImplementedError`, then re-run.")
+            except SystemExit as exc:
+                return CheckResult(exercise, False, "exception",
+                                   f"Your code called sys.exit({'' if exc.code is None else repr(exc.code)}) "
+                                   f"(or exit()): that would stop the kernel. Return a value instead.")
+            except Exception as exc:   # noqa: BLE001 - a checker never raises
+                if not _raised_in_student_code(exc):
+                    return _internal(exercise, exc)
+                return CheckResult(exercise, False, "exception",
+                                   f"Your code raised {type(exc).__name__}{_student_frame(exc)}: {exc}")
+            finally:
+                state.restore()
+                bind_references()   # modules first imported during this check (course_lib.hf)
+            return CheckResult(exercise, True, None, message or "Matches the reference implementation.")
+        run.exercise = exercise   # type: ignore[attr-defined]
+        return run
+    return wrap

@@ -1,0 +1,276 @@
+"""The checkers' harness against hostile or broken code: patched references, leaked state,
+endless loops, sys.exit, Ctrl-C, inputs changed in place, and the checker's own bugs."""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import random
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import course_lib.attention as attention
+from course_lib import checks
+from course_lib.checks import _harness, attention_checks
+
+
+def _wrong_mask(n):
+    return torch.ones(n, n, dtype=torch.bool).triu()   # the classic transposed mask
+
+
+# ---------------------------------------------------------------- references bound privately
+
+def test_a_patched_reference_cannot_make_a_wrong_answer_pass(monkeypatch):
+    monkeypatch.setattr(attention, "causal_mask", _wrong_mask)
+    result = checks.check_causal_mask(_wrong_mask)
+    assert not result.passed and result.diagnosis == "causal_mask", result
+    assert attention.causal_mask is _wrong_mask   # the student's patch is back after the check
+
+
+def test_a_patched_reference_cannot_make_a_right_answer_fail(monkeypatch):
+    original = attention.causal_mask
+    monkeypatch.setattr(attention, "causal_mask", _wrong_mask)
+    monkeypatch.setattr(attention, "scaled_dot_product_attention", lambda q, k, v, mask=None: v)
+    assert checks.check_causal_mask(original).passed
+    assert checks.check_masked_attention(attention.MaskedAttention).passed
+
+
+def test_a_patched_reference_method_is_set_aside(monkeypatch):
+    def forward(self, x, *args, **kwargs):
+        return self.proj(x)   # forgets attention altogether
+
+    class Attention(attention.MultiHeadMaskedAttention):
+        pass
+    Attention.forward = forward
+    monkeypatch.setattr(attention.MultiHeadMaskedAttention, "forward", forward)   # the reference agrees now
+    result = checks.check_multi_head_attention(Attention)
+    assert not result.passed, result
+    assert attention.MultiHeadMaskedAttention.forward is forward   # the student's patch is back
+
+
+# ---------------------------------------------------------------- state left as found
+
+def _state():
+    return (torch.is_grad_enabled(), torch.get_default_dtype(), torch.get_num_threads(),
+            torch.get_rng_state().clone(), random.getstate(), np.random.get_state()[1].copy(),
+            dict(vars(attention)))
+
+
+def _meddling_mask(n):
+    torch.set_grad_enabled(False)
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(3)
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    attention.causal_mask = _wrong_mask
+    attention.SOMETHING_NEW = 1
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def test_a_check_leaves_the_kernel_as_it_found_it():
+    torch.set_num_threads(1)
+    before = _state()
+    result = checks.check_causal_mask(_meddling_mask)
+    after = _state()
+    assert result.passed, result
+    assert before[:3] == after[:3]
+    assert torch.equal(before[3], after[3]) and before[4] == after[4] and (before[5] == after[5]).all()
+    assert before[6] == after[6] and not hasattr(attention, "SOMETHING_NEW")
+    assert checks.check_causal_mask(attention.causal_mask).passed   # and later correct code still passes
+
+
+def test_state_is_restored_after_a_failure_too():
+    before = _state()
+
+    def meddles_then_fails(n):
+        torch.set_grad_enabled(False)
+        torch.set_default_dtype(torch.float64)
+        raise RuntimeError("broken")
+    result = checks.check_causal_mask(meddles_then_fails)
+    assert result.diagnosis == "exception" and "RuntimeError" in result.message
+    assert _state()[:3] == before[:3]
+
+
+def test_a_float64_notebook_is_judged_by_its_inputs_dtype():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert checks.check_toy_attention(attention.toy_attention).passed
+        assert checks.check_scaled_dot_product_attention(attention.scaled_dot_product_attention).passed
+        assert checks.check_masked_attention(attention.MaskedAttention).passed
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
+
+
+# ---------------------------------------------------------------- hostile code ends in a verdict
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGALRM"), reason="the time limit needs SIGALRM")
+def test_an_endless_loop_is_stopped(monkeypatch):
+    monkeypatch.setattr(_harness, "TIME_LIMIT_S", 0.5)
+
+    def loops(n):
+        while True:
+            try:
+                n += 1
+            except Exception:   # a student's catch-all must not swallow the time limit
+                pass
+    import signal
+    handler = signal.getsignal(signal.SIGALRM)
+    start = time.perf_counter()
+    result = checks.check_causal_mask(loops)
+    assert time.perf_counter() - start < 10
+    assert result.diagnosis == "timeout" and "0.5 seconds" in result.message
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0          # no alarm left to go off later
+    assert signal.getsignal(signal.SIGALRM) is handler            # the kernel's own handler is back
+    assert checks.check_causal_mask(attention.causal_mask).passed
+
+
+def test_sys_exit_is_caught():
+    def exits(n):
+        sys.exit(1)
+    result = checks.check_causal_mask(exits)
+    assert result.diagnosis == "exception" and "sys.exit(1)" in result.message
+
+
+def test_ctrl_c_still_interrupts_and_restores_state():
+    grad = torch.is_grad_enabled()
+
+    def interrupted(n):
+        torch.set_grad_enabled(not grad)
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        checks.check_causal_mask(interrupted)
+    assert torch.is_grad_enabled() == grad
+
+
+@pytest.mark.parametrize("returned,words", [
+    (np.tril(np.ones((4, 4), dtype=bool)), "numpy.ndarray"),
+    ([[True]], "list"),
+    (None, "nothing"),
+])
+def test_other_types_get_a_clear_diagnosis(returned, words):
+    result = checks.check_scaled_dot_product_attention(lambda q, k, v, mask=None: returned)
+    assert not result.passed and result.diagnosis in ("dtype", "shape"), result
+    assert words.split(".")[-1] in result.message or "tensor" in result.message.lower()
+
+
+# ---------------------------------------------------------------- inputs changed in place
+
+def test_dividing_q_in_place_is_named():
+    def sdpa(q, k, v, mask=None):
+        q /= math.sqrt(q.shape[-1])   # changes the caller's q
+        scores = q @ k.transpose(-2, -1)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1) @ v
+    result = checks.check_scaled_dot_product_attention(sdpa)
+    assert result.diagnosis == "mutation" and "in place" in result.message, result
+
+
+# ---------------------------------------------------------------- the checker's own failures
+
+def test_a_checker_bug_is_not_blamed_on_the_student(monkeypatch):
+    # an IndexError raised inside the checker's own code (no student frame in its traceback)
+    monkeypatch.setattr(attention_checks, "_toy_cases", functools.partial(operator.getitem, [], 0))
+    result = checks.check_toy_attention(attention.toy_attention)
+    assert result.diagnosis == "checker_error" and not result.passed
+    assert "1.2" in result.message and "IndexError" in result.message and "report" in result.message
+    assert "Your code" not in result.message
+
+
+def test_a_student_error_is_still_the_students(monkeypatch):
+    def toy(query, keys, values):
+        return [][0]
+    result = checks.check_toy_attention(toy)
+    assert result.diagnosis == "exception" and "IndexError" in result.message and "line" in result.message
+
+
+# ---------------------------------------------------------------- solutions from the notebooks
+
+@pytest.mark.parametrize("exercise,must,must_not", [
+    ("1.1", "Exercise 1.1", "Exercise 1.2"),
+    ("1.2", "def toy_attention", "Exercise 1.1"),
+    ("2.2", "Exercise 2.2", "Exercise 3.3"),
+    ("3.3", "class MultiHeadMaskedAttention", "Exercise 2.2"),
+    ("5.3", "Exercise 5.3", "Exercise 5.4"),
+    ("7.2", "Exercise 7.2", "Exercise 7.1"),
+])
+def test_show_solution_shows_that_exercises_region(exercise, must, must_not, capsys):
+    source = checks.show_solution(exercise)
+    assert "### BEGIN SOLUTION (Exercise " + exercise in source and "### END SOLUTION" in source
+    assert must in source and must_not not in source
+    assert f"exercise {exercise}" in capsys.readouterr().out
+
+
+def test_show_solution_names_the_argument():
+    with pytest.raises(ValueError, match="exercise_id: expected one of .*got '9.9'"):
+        checks.show_solution("9.9")
+
+
+# ---------------------------------------------------------------- 6.1's speed note
+
+def test_a_cache_slower_than_no_cache_is_called_slower():
+    from course_lib.checks import _model_generation
+    from course_lib.generate import generate
+
+    def slow_generation(model, idx, max_new_tokens):
+        time.sleep(0.02 * max_new_tokens)   # far slower than recomputing everything
+        return generate(model, idx, max_new_tokens, temperature=0, use_cache=False)
+    note = _model_generation._speed_note(slow_generation)
+    assert "SLOWER" in note and "about the same" not in note, note
+
+
+def test_a_result_on_another_device_is_named():
+    result = checks.check_scaled_dot_product_attention(
+        lambda q, k, v, mask=None: torch.empty(*q.shape[:-1], v.shape[-1], device="meta"))
+    assert result.diagnosis == "device" and "meta" in result.message, result
+
+
+def test_a_default_device_is_set_aside_and_restored():
+    if not hasattr(torch, "get_default_device"):
+        pytest.skip("torch without default devices")
+    torch.set_default_device("meta")
+    try:
+        result = checks.check_causal_mask(attention.causal_mask)
+        assert torch.get_default_device().type == "meta"
+    finally:
+        torch.set_default_device(None)
+    assert result.passed, result
+
+
+
+# ---------------------------------------------------------------- every checker's reference is bound privately
+
+_PATCHABLE = [("1.2", "course_lib.attention", "toy_attention"),
+              ("1.3", "course_lib.attention", "scaled_dot_product_attention"),
+              ("2.1", "course_lib.attention", "causal_mask"),
+              ("3.1", "course_lib.attention", "split_heads"),
+              ("3.2", "course_lib.attention", "merge_heads"),
+              ("4.1", "course_lib.model", "sinusoidal_table"),
+              ("5.1", "course_lib.data", "lm_windows"),
+              ("5.2", "course_lib.train", "lm_loss"),
+              ("5.4", "course_lib.generate", "sample_next_token"),
+              ("6.2", "course_lib.train", "flops_per_token")]
+
+
+@pytest.mark.parametrize("exercise,module,name", _PATCHABLE, ids=[e for e, _, _ in _PATCHABLE])
+def test_patching_the_reference_to_the_wrong_answer_changes_nothing(exercise, module, name, monkeypatch):
+    import importlib
+
+    from bank import attention_bugs, model_bugs
+    import test_checks_attention as ta
+    import test_checks_model as tm
+    bank, runner = (attention_bugs, ta) if int(exercise.split(".")[0]) <= 3 else (model_bugs, tm)
+    wrong = next(a for a in bank.BUGGY if a.exercise == exercise and callable(a.candidate)
+                 and a.expected not in ("not_implemented", "exception") and not getattr(a, "kwargs", None))
+    honest = runner.run(exercise, wrong.candidate)
+    monkeypatch.setattr(importlib.import_module(module), name, wrong.candidate)
+    patched = runner.run(exercise, wrong.candidate)
+    assert not patched.passed and patched.diagnosis == honest.diagnosis, (wrong.id, patched)
+    assert getattr(importlib.import_module(module), name) is wrong.candidate
