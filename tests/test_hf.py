@@ -570,3 +570,18 @@ def test_no_course_module_imports_hf_at_import_time():
     assert not offenders, f"modules importing course_lib.hf at import time: {offenders}"
     assert "hf" not in (package / "model.py").read_text().replace("hf_", "")
 
+
+
+def test_course_attention_without_a_mask_aligns_fewer_queries_with_the_last_keys():
+    """Cached decoding: 2 new queries after 3 cached keys see keys 0..3 and 0..4, not 0..0 and 0..1."""
+    import types
+
+    from course_lib.hf import course_attention_forward
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    module = types.SimpleNamespace(is_causal=True, training=False)
+    out, _ = course_attention_forward(module, query, key, value, None, scaling=0.5)
+    scores = (query @ key.transpose(-2, -1)) * 0.5                                  # (1, 2, 2, 5)
+    taught = torch.ones(2, 5, dtype=torch.bool).tril(diagonal=3)
+    expected = torch.softmax(scores.masked_fill(~taught, float("-inf")), dim=-1) @ value   # (1, 2, 2, 4)
+    assert torch.allclose(out, expected.transpose(1, 2), atol=1e-6)

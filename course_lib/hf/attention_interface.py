@@ -72,9 +72,10 @@ def course_attention_forward(module: torch.nn.Module | None, query: torch.Tensor
         is_causal = kwargs.get("is_causal")
         is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         # transformers passes no mask when a plain causal mask would do (sdpa's is_causal
-        # shortcut): the causality is then ours to apply, never to drop. Upper-left aligned,
-        # as torch's is_causal: query i sees keys 0..i.
-        mask = (torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
+        # shortcut): the causality is then ours to apply, never to drop. The queries are the
+        # last q_len positions (cached decoding: new tokens after the cached ones), so query i
+        # sees keys 0..i + (k_len - q_len), as notebook 07 teaches.
+        mask = (torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(diagonal=k_len - q_len)
                 if is_causal and q_len > 1 else None)                  # (Lq, Lk)
     else:
         validate.tensor("attention_mask", attention_mask, min_dim=2)
