@@ -26,7 +26,7 @@ from .model import GPT, GPTConfig
 from .train import evaluate
 
 __all__ = ["TrainingSetup", "TrainingRun", "Blame", "names_setup", "shakespeare_setup", "train_parts",
-           "judge", "find_blame", "sample_text", "plot_side_by_side", "CHECKERS", "TOLERANCE"]
+           "judge", "find_blame", "sample_text", "sample_names", "plot_side_by_side", "CHECKERS", "TOLERANCE"]
 
 # The checker of each part (by exercise id), to say what it missed when a part it passed breaks training.
 CHECKERS = {"2.1": "check_causal_mask", "3.1": "check_split_heads", "3.2": "check_merge_heads",
@@ -90,16 +90,25 @@ class Blame:
     verdict: str            # "nan", "diverges", "stalls" or "raises"
     run: TrainingRun
     checker: CheckResult | None
+    notebook: str = ""      # where the part is written, to say where to fix it
+    whose: str = "your"     # "your", or e.g. "the planted" for a demonstration
 
     def __str__(self) -> str:
-        how = {"nan": "the loss becomes NaN", "diverges": "the loss ends well above the reference's",
-               "stalls": "the loss stops going down", "raises": "training raises an error"}[self.verdict]
-        text = f"Exercise {self.exercise} ({self.name}): with your {self.name}, {how}."
+        steps = len(self.run.step)
+        how = {"nan": f"the loss becomes NaN at step {steps}",
+               "diverges": "the loss ends well above the reference's",
+               "stalls": "the loss stops going down",
+               "raises": f"training fails ({self.run.failure})"}[self.verdict]
+        text = f"Exercise {self.exercise} ({self.name}): with {self.whose} {self.name}, {how}."
+        if self.verdict == "nan":
+            text += (" Look for what acts only in training mode or on the -inf of the mask: dropout applied "
+                     "before the softmax turns 0 x (-inf) into NaN.")
         if self.checker is not None and self.checker.passed:
-            text += (" Its checker passed: the mistake shows only in training (dropout acting in train "
-                     "mode, gradients, many steps), which the checker's probes did not cover.")
+            text += " Its checker passed: this mistake shows only when the parts train together."
         elif self.checker is not None:
-            text += f" Its checker also says: {self.checker.message}"
+            text += f" Its checker says: {self.checker.message}"
+        if self.whose == "your" and self.notebook:
+            text += f" Fix it in {self.notebook}, save it, and run this notebook again from section 1."
         return text
 
 
@@ -240,27 +249,30 @@ def _checker_result(collection: Collection, exercise: str, namespace: dict) -> C
 
 
 def find_blame(collection: Collection, setup: TrainingSetup, *, steps: int = 120,
-               tolerance: float = TOLERANCE) -> Blame | None:
+               tolerance: float = TOLERANCE, only: Sequence[str] | None = None, whose: str = "your") -> Blame | None:
     """Add the student's parts one at a time, in the order they compose; name the first that breaks training.
 
     Every trial is a short run on the same batches; the search stops at the first part to blame.
-    A part whose code is the solution's (up to comments and layout) needs no trial. None when
-    every part trains like the reference on its own terms (the lag needs them together).
+    A part whose code is the solution's (up to comments and layout) needs no trial; ``only``
+    limits the search to some exercises. None when every part trains like the reference on its
+    own terms (the lag needs them together).
     """
     if not isinstance(collection, Collection):
         raise TypeError(f"collection: expected the result of collect_student_parts(...), got {describe(collection)}")
+    candidates = collection.yours() if only is None else [ex for ex in collection.yours() if ex in set(only)]
     reference = train_parts(collection, [], setup, steps=steps, label="reference")
     added: list[str] = []
-    for exercise in collection.yours():
+    for exercise in candidates:
         added.append(exercise)
         if collection.parts[exercise].is_the_solution:
             continue
         trial = train_parts(collection, list(added), setup, steps=steps)
         verdict = _verdict(trial, reference, tolerance)
         if verdict is not None:
-            namespace = collection.namespace(added)
-            return Blame(exercise, collection.parts[exercise].exercise.name, verdict, trial,
-                         _checker_result(collection, exercise, namespace))
+            part = collection.parts[exercise]
+            return Blame(exercise, part.exercise.name, verdict, trial,
+                         _checker_result(collection, exercise, collection.namespace(added)),
+                         notebook=part.exercise.notebook, whose=whose)
     return None
 
 
@@ -273,6 +285,10 @@ def plot_side_by_side(yours: TrainingRun, reference: TrainingRun, title: str = "
     fig = Figure(figsize=(7.5, 4.0))
     ax = fig.add_subplot()
     for run, colour, style in ((reference, PALETTE[0], "-"), (yours, PALETTE[6], "--")):
+        if run.failure is not None:   # a NaN is not drawn: say so where the curve would be
+            ax.plot([], [], color=colour, linestyle=style,
+                    label=f"{run.label}: stopped at step {len(run.step)} ({run.failure}), not drawn")
+            continue
         ax.plot(run.step, run.train_loss, color=colour, linewidth=1.0, alpha=0.6, linestyle=style,
                 label=f"{run.label}, training batches")
         ax.plot(run.val_step, run.val_loss, color=colour, marker="o", markersize=4, linewidth=1.8,
@@ -283,6 +299,28 @@ def plot_side_by_side(yours: TrainingRun, reference: TrainingRun, title: str = "
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
     return fig
+
+
+def sample_names(run: TrainingRun, setup: TrainingSetup, count: int = 12, seed: int = 0,
+                 temperature: float = 0.8) -> list[str]:
+    """``count`` names, each drawn from its own boundary token ``.`` until the next one (as in notebook 05)."""
+    if not isinstance(run, TrainingRun) or run.model is None:
+        raise ValueError(f"run: expected a finished TrainingRun with its model, got {describe(run)}")
+    validate.positive_int("count", count)
+    model, sample = run.model.eval(), run.namespace["sample_next_token"]
+    generator = torch.Generator().manual_seed(seed)
+    names = []
+    with torch.no_grad():
+        for _ in range(count):
+            ids = torch.tensor([[setup.start_token]])                             # (1, 1): the boundary "."
+            while ids.shape[1] < setup.config.max_tokens:
+                logits = model(ids)[:, -1, :]                                      # (1, vocab)
+                next_id = sample(logits, temperature=temperature, generator=generator).reshape(1, 1)
+                if int(next_id) == setup.start_token:
+                    break                                                          # the name is complete
+                ids = torch.cat([ids, next_id], dim=1)                             # (1, T + 1)
+            names.append(setup.decode(ids[0, 1:].tolist()) if setup.decode else str(ids[0, 1:].tolist()))
+    return names
 
 
 def sample_text(run: TrainingRun, setup: TrainingSetup, length: int = 200, seed: int = 0,

@@ -50,6 +50,8 @@ class CopyOutcome:
             return f"up to date {self.path}"
         if self.action == "refreshed":
             return f"refreshed  {self.path}{note}: the course changed and you had not edited this copy"
+        if self.new_version is None:
+            return f"kept       {self.path}: it holds your work, and the course has not changed"
         return (f"kept       {self.path}: it holds your work, so it was not touched; "
                 f"the course's new version is {self.new_version}")
 
@@ -130,6 +132,10 @@ def place_learner_copy(nb: nbformat.NotebookNode, dst: Path, note: str = "") -> 
             write_notebook_atomic(nb, dst)
             manifest.written[dst.name] = new
             outcome = CopyOutcome(dst, "refreshed", note=note)
+        elif manifest.written.get(dst.name) == new:
+            # The student edited the copy and the course has not changed since it was written:
+            # there is nothing new to put beside it.
+            outcome = CopyOutcome(dst, "kept", note=note)
         else:
             beside, must_write = _updated_path(dst, new, manifest)
             if must_write:

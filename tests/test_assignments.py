@@ -509,6 +509,18 @@ def test_regenerating_keeps_the_students_edit_and_writes_the_new_version_beside_
                                                                "01_attention_toy.updated.ipynb"]
 
 
+def test_an_edited_copy_of_an_unchanged_course_is_kept_with_nothing_written_beside_it(tmp_path, capsys):
+    src_dir, out_dir = tmp_path / "notebooks", tmp_path / "student"
+    _course(src_dir)
+    _update(src_dir, out_dir)
+    mine = out_dir / "01_attention_toy.ipynb"
+    edited = _edit(mine, "w = 0.5\n")
+    assert assignments.main([str(src_dir), str(out_dir)]) == 0
+    assert capsys.readouterr().out.strip() == f"kept       {mine}: it holds your work, and the course has not changed"
+    assert mine.read_bytes() == edited
+    assert sorted(p.name for p in out_dir.glob("*.ipynb")) == ["01_attention_toy.ipynb"]
+
+
 def test_a_copy_the_student_never_changed_is_refreshed_even_after_running_it(tmp_path):
     src_dir, out_dir = tmp_path / "notebooks", tmp_path / "student"
     _course(src_dir)
