@@ -15,7 +15,7 @@ import torch
 
 import course_lib.attention as attention
 from course_lib import checks
-from course_lib.checks import _harness, attention_checks
+from course_lib.checks import _harness, notebook01
 
 
 def _wrong_mask(n):
@@ -177,7 +177,7 @@ def test_dividing_q_in_place_is_named():
 
 def test_a_checker_bug_is_not_blamed_on_the_student(monkeypatch):
     # an IndexError raised inside the checker's own code (no student frame in its traceback)
-    monkeypatch.setattr(attention_checks, "_toy_cases", functools.partial(operator.getitem, [], 0))
+    monkeypatch.setattr(notebook01, "_toy_cases", functools.partial(operator.getitem, [], 0))
     result = checks.check_toy_attention(attention.toy_attention)
     assert result.diagnosis == "checker_error" and not result.passed
     assert "1.2" in result.message and "IndexError" in result.message and "report" in result.message
@@ -216,13 +216,13 @@ def test_show_solution_names_the_argument():
 # ---------------------------------------------------------------- 6.1's speed note
 
 def test_a_cache_slower_than_no_cache_is_called_slower():
-    from course_lib.checks import _model_generation
+    from course_lib.checks import notebook06
     from course_lib.generate import generate
 
     def slow_generation(model, idx, max_new_tokens):
         time.sleep(0.02 * max_new_tokens)   # far slower than recomputing everything
         return generate(model, idx, max_new_tokens, temperature=0, use_cache=False)
-    note = _model_generation._speed_note(slow_generation)
+    note = notebook06._speed_note(slow_generation)
     assert "SLOWER" in note and "about the same" not in note, note
 
 

@@ -173,3 +173,13 @@ def call_student(fn: Callable[..., Any], *args: Any, what: str) -> Any:
         if "view size is not compatible" in failure.message:
             reraise_with(failure, "exception", _VIEW_TIP)
         raise failure
+
+
+def expect_callable(candidate: Any, name: str, kind: str = "function") -> None:
+    """Students sometimes pass the result, or an instance, instead of what they wrote."""
+    if kind == "class" and isinstance(candidate, torch.nn.Module):
+        fail("exception", f"You passed an instance of your module; pass the class itself, {name}, so the "
+                          f"checker can build it with its own sizes.")
+    if not callable(candidate):
+        fail("exception", f"Expected your {kind} {name} itself, got {type(candidate).__name__}: pass the {kind}, "
+                          f"not the result of calling it.")

@@ -1,4 +1,7 @@
-"""Checkers for notebook 07: GPT-2's fused c_attn weight, and an attention function for transformers."""
+"""Exercises of notebook 07 (Hugging Face): 7.1 split_c_attn, 7.2 an attention function for transformers.
+
+Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+"""
 from __future__ import annotations
 
 import itertools
@@ -11,6 +14,7 @@ from ._core import call, checker, expect_tensor, fail, register
 from ._model_common import as_tensor, close, randomize_
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
+
 
 _NAMES = ("Wq", "Wk", "Wv")
 
