@@ -213,7 +213,7 @@ def test_show_solution_names_the_argument():
         checks.show_solution("9.9")
 
 
-# ---------------------------------------------------------------- 6.1's speed note
+# ---------------------------------------------------------------- 6.2's speed note
 
 def test_a_cache_slower_than_no_cache_is_called_slower():
     from course_lib.checks import notebook06
@@ -256,7 +256,7 @@ _PATCHABLE = [("1.2", "course_lib.attention", "toy_attention"),
               ("5.1", "course_lib.data", "lm_windows"),
               ("5.2", "course_lib.train", "lm_loss"),
               ("5.4", "course_lib.generate", "sample_next_token"),
-              ("6.2", "course_lib.train", "flops_per_token")]
+              ("6.1", "course_lib.train", "flops_per_token")]
 
 
 @pytest.mark.parametrize("exercise,module,name", _PATCHABLE, ids=[e for e, _, _ in _PATCHABLE])

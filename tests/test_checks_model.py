@@ -24,8 +24,8 @@ CHECKERS = {
     "5.2": checks.check_lm_loss,
     "5.3": checks.check_train_step,
     "5.4": checks.check_sampling,
-    "6.1": checks.check_kv_cache,
-    "6.2": checks.check_flops_per_token,
+    "6.1": checks.check_flops_per_token,
+    "6.2": checks.check_kv_cache,
     "7.1": checks.check_split_c_attn,
     "7.2": checks.check_hf_attention,
 }
@@ -52,8 +52,8 @@ REFERENCES = {
     "5.2": lm_loss,
     "5.3": train_step,
     "5.4": sample_next_token,
-    "6.1": generate_with_cache,
-    "6.2": flops_per_token,
+    "6.1": flops_per_token,
+    "6.2": generate_with_cache,
     "7.1": split_c_attn,
     "7.2": _attention_forward_as_taught,
 }
@@ -172,7 +172,7 @@ def test_checks_leave_global_state_alone():
     threads = torch.get_num_threads()
     torch.manual_seed(123)
     run("5.4", sample_next_token)
-    run("6.1", generate_with_cache)
+    run("6.2", generate_with_cache)
     assert torch.equal(torch.rand(3), expected)
     assert torch.get_num_threads() == threads
 
@@ -186,7 +186,7 @@ def test_train_step_returning_a_tensor_passes_with_a_note():
 
 
 def test_kv_cache_reports_the_speed():
-    result = run("6.1", generate_with_cache)
+    result = run("6.2", generate_with_cache)
     assert "ms with your cache" in result.message and "without" in result.message
 
 
@@ -209,3 +209,4 @@ def test_hints_and_solutions_are_registered(exercise, capsys):
     source = checks.show_solution(exercise)
     assert "def " in source or "class " in source
     entry.shown = 0
+

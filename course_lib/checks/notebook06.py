@@ -93,7 +93,7 @@ def _same(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6)
 
 
-@checker("6.2")
+@checker("6.1")
 def check_flops_per_token(fn: Callable[..., Any]) -> str:
     """fn(config, num_weights) -> training FLOPs per token (6N + 12·L·H·Q·T)."""
     from course_lib.model import GPT, GPTConfig
@@ -135,7 +135,7 @@ def check_flops_per_token(fn: Callable[..., Any]) -> str:
                      f"12·{config.num_layers}·{config.num_heads}·{config.head_dim}·{config.max_tokens}.")
 
 
-register("6.2", "flops_per_token", [
+register("6.1", "flops_per_token", [
     "Two terms: the weights (6 FLOPs per weight per token) and attention (12·L·H·Q·T per token).",
     "Read the sizes from config: L = config.num_layers, H = config.num_heads, Q = config.head_dim, "
     "T = config.max_tokens. N is the num_weights argument.",
@@ -206,7 +206,7 @@ def _run(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, 
     return result, calls
 
 
-@checker("6.1")
+@checker("6.2")
 def check_kv_cache(fn: Callable[..., Any]) -> str:
     """fn(model, idx (N, L), max_new_tokens) -> (N, L + new): greedy, with model.new_cache()."""
     from course_lib.generate import generate
@@ -278,7 +278,7 @@ def _speed_note(fn: Callable[..., Any]) -> str:
             f"with the length and the model size.")
 
 
-register("6.1", "generate_with_cache", [
+register("6.2", "generate_with_cache", [
     "One cache for the whole generation: cache = model.new_cache(), before the loop.",
     "Feed the prompt once with the cache; afterwards feed ONLY the newest token (shape (N, 1)) with the same cache: "
     "the model continues its positions after the cached ones.",
