@@ -210,3 +210,22 @@ def test_hints_and_solutions_are_registered(exercise, capsys):
     assert "def " in source or "class " in source
     entry.shown = 0
 
+
+# ---------------------------------------------------------------- 8.1 trains like the reference
+
+def test_check_trains_like_reference_returns_judges_verdict(capsys):
+    from course_lib.capstone import TrainingRun, judge
+    reference = TrainingRun("reference", [1, 2], [3.0, 2.0], [2], [1.5])
+    runs = [TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.51]),            # within the tolerance
+            TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.6]),             # behind
+            TrainingRun("y", [1], [3.0], [], [], failure="nan")]          # NaN in training
+    for run in runs:
+        assert checks.check_trains_like_reference(run, reference) == judge(run, reference)
+    assert checks.check_trains_like_reference(runs[1], reference, tolerance=0.2) == judge(runs[1], reference, 0.2)
+    assert checks.check_trains_like_reference(runs[1], reference, tolerance=0.2).passed
+    wrong = checks.check_trains_like_reference("not a run", reference)   # answers, never raises
+    assert not wrong.passed and wrong.exercise == "8.1" and "TrainingRun" in wrong.message
+    _core.EXERCISES["8.1"].shown = 0
+    assert checks.hint("8.1").startswith("Hint 1/2 for exercise 8.1") and "train_parts" in capsys.readouterr().out
+    _core.EXERCISES["8.1"].shown = 0
+    assert "no solution" in checks.show_solution("8.1") and "no solution" in capsys.readouterr().out

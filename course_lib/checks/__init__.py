@@ -15,6 +15,7 @@ from .notebook04 import *   # noqa: F401,F403  4.1-4.3 positions, block, GPT
 from .notebook05 import *   # noqa: F401,F403  5.1-5.4 windows, loss, train step, sampling
 from .notebook06 import *   # noqa: F401,F403  6.1-6.2 FLOPs per token, KV cache
 from .notebook07 import *   # noqa: F401,F403  7.1-7.2 Hugging Face
+from .notebook08 import *   # noqa: F401,F403  8.1 train your GPT like the reference
 
 # The references the checkers compare against, bound now: a later patch of course_lib by a
 # student's notebook is set aside while a check runs (see _harness).
