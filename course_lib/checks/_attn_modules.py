@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from ._attn_hypotheses import MODULE_HYPOTHESES, module_variant
-from ._attn_probes import call_student, close, diagnose_weights, expect_finite, expect_output, first_match, \
-    max_diff, reraise_with, shape_str
+from ._attn_probes import call_student, diagnose_weights, expect_finite, expect_output, first_match, reraise_with, \
+    shape_str
+from ._compare import close, max_diff
 from ._core import Failure, call, fail
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2

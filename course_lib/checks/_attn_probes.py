@@ -6,41 +6,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ._compare import matches, sums_to_one
 from ._core import Failure, call, fail
 from ._harness import expect_cpu
 
-# float32 everywhere (what students use); the mistakes we look for change outputs by far more.
-RTOL, ATOL = 1e-3, 1e-4
-
-
-
 def shape_str(shape: Iterable[int]) -> str:
     return str(tuple(shape))
-
-
-def close(a: torch.Tensor, b: torch.Tensor, *, nan_ok: bool = False) -> bool:
-    """Same shape and same numbers (NaN only matches NaN when ``nan_ok``)."""
-    if a.shape != b.shape:
-        return False
-    return bool(torch.allclose(a.double(), b.double(), rtol=RTOL, atol=ATOL, equal_nan=nan_ok))
-
-
-def matches(out: torch.Tensor, hypothesis: torch.Tensor) -> bool:
-    """Does the student's output match a mistake's output? Where the mistake leaves a query with no key
-    at all its output is undefined (NaN here, zeros from F.scaled_dot_product_attention): either counts."""
-    if out.shape != hypothesis.shape:
-        return False
-    undefined = torch.isnan(hypothesis)
-    loose = out[undefined]
-    if not bool((torch.isnan(loose) | (loose == 0)).all()):
-        return False
-    return close(out[~undefined], hypothesis[~undefined])
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    diff = (a.double() - b.double()).abs()
-    diff = diff[torch.isfinite(diff)]
-    return float(diff.max()) if diff.numel() else float("nan")
 
 
 def expect_output(value: Any, shape: tuple[int, ...], what: str, dtype: torch.dtype | None) -> torch.Tensor:
@@ -71,11 +42,6 @@ def expect_finite(value: torch.Tensor, what: str) -> None:
         fail("nan", f"{what} returned NaN or infinite values. A softmax over a row whose scores are all -inf "
                     f"gives NaN: check that every query can attend to at least one key, and that you do "
                     f"not divide by zero.")
-
-
-def sums_to_one(w: torch.Tensor, dim: int) -> bool:
-    total = w.sum(dim)
-    return bool(torch.allclose(total, torch.ones_like(total), atol=1e-3))
 
 
 def fit_scale(weights: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor) -> float | None:

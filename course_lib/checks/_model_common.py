@@ -9,14 +9,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ._compare import close
 from ._core import call, fail
-
-
-def close(a: torch.Tensor, b: torch.Tensor, *, atol: float = 1e-4, rtol: float = 1e-4) -> bool:
-    """Same shape and the same numbers up to float noise (compared in float64)."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
-        return False
-    return bool(torch.allclose(a.detach().double().cpu(), b.detach().double().cpu(), atol=atol, rtol=rtol))
 
 
 def as_tensor(value: Any) -> Any:
@@ -121,4 +115,4 @@ def extend(message: str, more: str) -> str:
 def same_when_called_twice(run: Callable[[], torch.Tensor]) -> bool:
     first = run()
     second = run()
-    return close(first, second, atol=1e-6, rtol=1e-6)
+    return close(first, second)

@@ -13,8 +13,9 @@ import torch
 
 from .. import attention as ref
 from ._attn_hypotheses import SDPA_HYPOTHESES, Hypothesis, sdpa_variant
-from ._attn_probes import call_student, close, diagnose_weights, expect_callable, expect_finite, expect_output, \
-    first_match, identity_values, max_diff, reraise_with, shape_str
+from ._attn_probes import call_student, diagnose_weights, expect_callable, expect_finite, expect_output, first_match, \
+    identity_values, reraise_with, shape_str
+from ._compare import close, max_diff
 from ._core import Failure, call, checker, fail, register
 
 __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ._core import Failure, call, checker, expect_tensor, fail, register
-from ._model_common import (accepts, as_tensor, close, construct, copy_weights, randomize_,
+from ._compare import close
+from ._model_common import (accepts, as_tensor, construct, copy_weights, randomize_,
                             same_when_called_twice)
 
 __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
@@ -75,8 +76,8 @@ def _diagnose_table(got: torch.Tensor, max_tokens: int, embed_dim: int, what: st
     # sin and cos of one angle per pair, starting at angle 0, but other angles: the frequencies are off
     if embed_dim >= 2 and max_tokens >= 2:
         even, odd = got[:, 0:2 * (embed_dim // 2):2], got[:, 1:2 * (embed_dim // 2):2]
-        on_circle = torch.allclose(even ** 2 + odd ** 2, torch.ones_like(even), atol=1e-3)
-        starts_at_zero = torch.allclose(even[0], torch.zeros_like(even[0]), atol=1e-4)
+        on_circle = torch.allclose(even ** 2 + odd ** 2, torch.ones_like(even))
+        starts_at_zero = torch.allclose(even[0], torch.zeros_like(even[0]))
         if on_circle and starts_at_zero:
             fail("scale", f"{what}: every pair of dimensions holds the sine and cosine of one angle, but the "
                           f"angles are wrong: dimension pair i should turn at the rate 1 / 10000^(2i/embed_dim) "
@@ -352,11 +353,11 @@ def _forward(model: nn.Module, idx: torch.Tensor, what: str, *cache: Any) -> Any
 @torch.no_grad()
 def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor, got: torch.Tensor,
                   what: str) -> None:
-    if bool((got >= 0).all()) and close(got.sum(-1), torch.ones(got.shape[:-1]), atol=1e-3):
+    if bool((got >= 0).all()) and close(got.sum(-1), torch.ones(got.shape[:-1])):
         fail("mismatch", f"{what}: every row is non-negative and sums to 1, so you return probabilities. "
                          f"Return logits, not probabilities: the loss (cross-entropy) and the sampler apply "
                          f"the softmax themselves.")
-    if close(got.exp().sum(-1), torch.ones(got.shape[:-1]), atol=1e-3):
+    if close(got.exp().sum(-1), torch.ones(got.shape[:-1])):
         fail("mismatch", f"{what}: you return log-probabilities (a log_softmax of the logits). Return logits, "
                          f"not probabilities: cross-entropy applies the log-softmax itself.")
     for diagnosis, message, variant in _gpt_variants(reference):

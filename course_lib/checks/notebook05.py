@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._core import Failure, call, checker, expect_tensor, fail, register
-from ._model_common import accepts, as_tensor, close, extend, recording_calls
+from ._compare import close
+from ._model_common import accepts, as_tensor, extend, recording_calls
 
 __all__ = ["check_lm_windows", "check_lm_loss", "check_train_step", "check_sampling"]
 
@@ -216,9 +217,9 @@ def check_lm_loss(fn: Callable[..., Any]) -> str:
             got = got.reshape(())
         expect_tensor(got, (), what)
         expected = reference(logits, targets)
-        if not close(got, expected, atol=1e-5):
+        if not close(got, expected):
             for diagnosis, message, value in _loss_variants(logits, targets):
-                if close(got, value, atol=1e-5):
+                if close(got, value):
                     fail(diagnosis, f"{what}: {message}")
             fail("mismatch", f"{what} returned {got.item():.5f}, expected {expected.item():.5f}: the mean "
                              f"cross-entropy of the logits against the targets, ignoring -100.")

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ._core import call, checker, expect_tensor, fail, register
-from ._model_common import as_tensor, close, randomize_
+from ._compare import close
+from ._model_common import as_tensor, randomize_
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
 
@@ -45,12 +46,12 @@ def check_split_c_attn(fn: Callable[..., Any]) -> str:
                               f"(the 3 * embed_dim outputs of c_attn), not the first.")
             expect_tensor(part, (embed_dim, embed_dim), f"{what}: {name}")
         expected = reference(weight)
-        if all(close(p, e, atol=1e-6) for p, e in zip(parts, expected)):
+        if all(close(p, e) for p, e in zip(parts, expected)):
             continue
         raw = [e.T for e in expected]   # the thirds as Conv1D stores them
         for order in itertools.permutations(range(3)):
             for candidates, transposed in ((expected, True), (raw, False)):
-                if not all(close(parts[i], candidates[j], atol=1e-6) for i, j in enumerate(order)):
+                if not all(close(parts[i], candidates[j]) for i, j in enumerate(order)):
                     continue
                 problems = []
                 if not transposed:
@@ -62,7 +63,7 @@ def check_split_c_attn(fn: Callable[..., Any]) -> str:
                                     f"then the value; you returned them as ({', '.join(_NAMES[j] for j in order)})")
                 fail("mismatch", f"{what}: " + "; and ".join(problems) + ".")
         interleaved = weight.view(embed_dim, embed_dim, 3).unbind(-1)
-        if all(close(p, w.T, atol=1e-6) or close(p, w, atol=1e-6) for p, w in zip(parts, interleaved)):
+        if all(close(p, w.T) or close(p, w) for p, w in zip(parts, interleaved)):
             fail("mismatch", f"{what}: you took every third column. The query, key and value are three "
                              f"consecutive blocks of embed_dim columns each.")
         fail("mismatch", f"{what}: the matrices differ from the reference. Split the columns into three "
@@ -136,7 +137,7 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     what = "your attention function (attention_mask=None)"
     got = _direct(fn, module, q, k, v, None, scaling, what)
-    if not close(got, _direct(fn, module, q, k, v, None, scaling, what), atol=1e-6):
+    if not close(got, _direct(fn, module, q, k, v, None, scaling, what)):
         fail("dropout", f"{what}: two identical calls gave different outputs with dropout=0.0. Use the `dropout` "
                         f"argument (and module.training) instead of a fixed rate.")
     expected = reference(module, q, k, v, None, scaling=scaling)[0]
@@ -233,7 +234,7 @@ def check_hf_attention(fn: Callable[..., Any]) -> str:
             expected = model(input_ids=ids, attention_mask=mask if padded else None).logits
         got = expect_tensor(got, tuple(expected.shape), what)
         real = mask.bool()
-        if not close(got[real], expected[real], atol=1e-4):
+        if not close(got[real], expected[real]):
             changed = ids.clone()
             changed[:, -1] = (changed[:, -1] + 1) % vocab
             later = call(run_with_attention, model, fn, changed, None, what=what) if length > 1 and not padded \
