@@ -8,40 +8,9 @@ import torch
 
 from ._compare import matches, sums_to_one
 from ._core import Failure, call, fail
-from ._harness import expect_cpu
 
 def shape_str(shape: Iterable[int]) -> str:
     return str(tuple(shape))
-
-
-def expect_output(value: Any, shape: tuple[int, ...], what: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """Type, shape and dtype of a returned value; NaN is left for later, after the known mistakes."""
-    if not isinstance(value, torch.Tensor):
-        if value is None:
-            fail("shape", f"{what} returned nothing (did you forget `return`?); expected a tensor of shape "
-                          f"{shape}.")
-        kind = type(value).__name__
-        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-            extra = " It looks like you return several things: return only the output tensor."
-        elif kind == "ndarray" or isinstance(value, (tuple, list)):
-            extra = " Build it with torch functions (or convert it with torch.as_tensor)."
-        else:
-            extra = ""
-        fail("dtype", f"{what} returned a {kind}; expected a torch.Tensor of shape {shape}.{extra}")
-    if tuple(value.shape) != tuple(shape):
-        fail("shape", f"{what} returned shape {tuple(value.shape)}, expected {tuple(shape)}.",
-             got=tuple(value.shape), expected=tuple(shape))
-    expect_cpu(value, what)
-    if dtype is not None and value.dtype != dtype:
-        fail("dtype", f"{what} returned dtype {value.dtype}, expected {dtype} (the dtype of the inputs).")
-    return value
-
-
-def expect_finite(value: torch.Tensor, what: str) -> None:
-    if value.is_floating_point() and not torch.isfinite(value).all():
-        fail("nan", f"{what} returned NaN or infinite values. A softmax over a row whose scores are all -inf "
-                    f"gives NaN: check that every query can attend to at least one key, and that you do "
-                    f"not divide by zero.")
 
 
 def fit_scale(weights: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor) -> float | None:

@@ -1,7 +1,7 @@
 """The exercise registry: each exercise's title, hints and solution (read from its notebook).
 
 The harness (results, isolation, time limit, calls into student code) lives in ``_harness``;
-its names are re-exported here for the modules and tests that import them from ``_core``.
+its names (and ``_expect.expect_tensor``) are re-exported here for the modules and tests that import them from ``_core``.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._harness import (DIAGNOSES, CheckResult, Failure, call, checker, expect_tensor,   # noqa: F401
-                       fail)
+from ._expect import expect_tensor  # noqa: F401
+from ._harness import DIAGNOSES, CheckResult, Failure, call, checker, fail  # noqa: F401
 
 __all__ = ["DIAGNOSES", "CheckResult", "Failure", "call", "checker", "expect_tensor", "fail",
            "EXERCISES", "register", "hint", "show_solution", "solution_source"]

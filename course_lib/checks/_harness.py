@@ -180,38 +180,6 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     return result
 
 
-def expect_cpu(value: torch.Tensor, what: str, device: torch.device | str | None = None) -> None:
-    """Checks run on the CPU (the harness clears any default device), so results belong there too."""
-    expected = torch.device(device or "cpu")
-    if value.device.type != expected.type:
-        fail("device", f"{what} returned a tensor on {value.device}, but its inputs are on {expected}: create "
-                       f"new tensors with `device=x.device` (or `torch.zeros_like(x)`), and do not move the "
-                       f"result with .to(...) / .cuda().")
-
-
-def expect_tensor(value: Any, shape: tuple[int, ...], what: str, *,
-                  dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
-    """A returned value must be a tensor of the given shape (dtype, device), with finite numbers."""
-    if not isinstance(value, torch.Tensor):
-        if value is None:
-            fail("shape", f"{what} should return a torch.Tensor of shape {shape}, but returned nothing "
-                          f"(did you forget `return`?).")
-        kind = type(value).__module__.split(".")[0] + "." + type(value).__name__ \
-            if type(value).__module__ != "builtins" else type(value).__name__
-        fail("dtype", f"{what} should return a torch.Tensor of shape {shape}, but returned a {kind}. "
-                      f"Build the result with torch operations (or convert it with torch.as_tensor).")
-    if tuple(value.shape) != tuple(shape):
-        fail("shape", f"{what} returned shape {tuple(value.shape)}, expected {tuple(shape)}.",
-             got=tuple(value.shape), expected=tuple(shape))
-    expect_cpu(value, what, device)
-    if dtype is not None and value.dtype != dtype:
-        fail("dtype", f"{what} returned dtype {value.dtype}, expected {dtype} (the dtype of its inputs).")
-    if value.is_floating_point() and not torch.isfinite(value).all():
-        fail("nan", f"{what} returned NaN or infinite values. A softmax over a row whose entries are all "
-                    f"-inf gives NaN: check that every query can attend to at least one key.")
-    return value
-
-
 # ---------------------------------------------------------------- isolation
 
 def _course_modules() -> dict[str, ModuleType]:

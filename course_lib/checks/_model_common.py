@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._compare import close
-from ._core import call, fail
+from ._core import fail
 
 
 def as_tensor(value: Any) -> Any:
@@ -29,19 +29,6 @@ def accepts(fn: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def construct(cls: Any, *args: Any, what: str, **kwargs: Any) -> nn.Module:
-    """Instantiate a student's class; it must give an nn.Module."""
-    if not callable(cls):
-        fail("exception", f"Pass the class itself (e.g. `{what}`), not {type(cls).__name__}: it should be an "
-                          f"nn.Module subclass.")
-    module = call(cls, *args, what=f"{what}(...) (the constructor)", **kwargs)
-    if not isinstance(module, nn.Module):
-        fail("exception", f"{what}(...) should build an nn.Module, but gave {type(module).__name__}. "
-                          f"Pass the class (not an instance) and keep `super().__init__()` in the constructor.")
-    return module
-
 
 
 def copy_weights(reference: nn.Module, candidate: nn.Module, what: str) -> None:

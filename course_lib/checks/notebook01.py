@@ -13,9 +13,10 @@ import torch
 
 from .. import attention as ref
 from ._attn_hypotheses import SDPA_HYPOTHESES, Hypothesis, sdpa_variant
-from ._attn_probes import call_student, diagnose_weights, expect_callable, expect_finite, expect_output, first_match, \
+from ._attn_probes import call_student, diagnose_weights, expect_callable, first_match, \
     identity_values, reraise_with, shape_str
 from ._compare import close, max_diff
+from ._expect import expect_finite, expect_tensor
 from ._core import Failure, call, checker, fail, register
 
 __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]
@@ -145,7 +146,7 @@ def check_toy_attention(fn: Callable[..., Any]) -> str:
         expected = ref.toy_attention(query, keys, values)
         out = call_student(fn, query.clone(), keys.clone(), values.clone(), what=what)
         try:
-            expect_output(out, tuple(expected.shape), what, expected.dtype)   # the inputs decide: float64 notebooks too
+            expect_tensor(out, tuple(expected.shape), what, dtype=expected.dtype, finite=False)   # the inputs decide: float64 notebooks too
         except Failure as failure:
             if failure.diagnosis == "shape" and tuple(failure.details.get("got", ())) == (keys.shape[0],):
                 if close(out, torch.softmax(keys @ query, dim=0)):
@@ -246,7 +247,7 @@ def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
                                                    "to every key, so only apply the mask when there is one.")
             raise
         try:
-            expect_output(out, tuple(expected.shape), what, q.dtype)
+            expect_tensor(out, tuple(expected.shape), what, dtype=q.dtype, finite=False)
         except Failure as failure:
             got = tuple(failure.details.get("got", ()))
             if failure.diagnosis == "shape" and got == tuple(q.shape[:-1]) + (k.shape[-2],):

@@ -10,7 +10,8 @@ import torch
 
 from .. import attention as ref
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
-from ._attn_probes import call_student, expect_callable, expect_output
+from ._attn_probes import call_student, expect_callable
+from ._expect import expect_tensor
 from ._core import checker, fail, register
 
 __all__ = ["check_causal_mask", "check_masked_attention"]
@@ -49,7 +50,7 @@ def check_causal_mask(fn: Callable[..., Any]) -> str:
             if torch.equal(out != 0, expected) and bool(((out == 0) | (out == 1)).all()):
                 fail("dtype", f"{what} has the right pattern but dtype {out.dtype}: make it torch.bool, so that "
                               f"~mask and masked_fill work as intended (pass dtype= or call .bool()).")
-        expect_output(out, (n, n), what, torch.bool)
+        expect_tensor(out, (n, n), what, dtype=torch.bool, finite=False)
         expected = ref.causal_mask(n)
         if not torch.equal(out, expected):
             for matches, message in _MASK_PATTERNS:

@@ -11,7 +11,8 @@ import torch
 
 from .. import attention as ref
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
-from ._attn_probes import call_student, expect_callable, expect_finite, expect_output
+from ._attn_probes import call_student, expect_callable
+from ._expect import expect_tensor
 from ._core import checker, fail, register
 
 __all__ = ["check_split_heads", "check_merge_heads", "check_multi_head_attention"]
@@ -48,8 +49,7 @@ def check_split_heads(fn: Callable[..., Any]) -> str:
             fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(n, heads, length, head_dim)}: you "
                           f"split the features into heads but left the head axis after the sequence axis. "
                           f"Move it in front.")
-        expect_output(out, (n, heads, length, head_dim), what, x.dtype)
-        expect_finite(out, what)
+        expect_tensor(out, (n, heads, length, head_dim), what, dtype=x.dtype)
         if not torch.equal(out, ref.split_heads(x, heads)):
             _rearranged(out, x, [
                 (x.reshape(n, heads, length, head_dim),
@@ -79,8 +79,7 @@ def check_merge_heads(fn: Callable[..., Any]) -> str:
                 fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(n, length, heads * head_dim)}: "
                               f"you stacked the heads along the sequence; they belong side by side along the "
                               f"features of each position.")
-        expect_output(out, (n, length, heads * head_dim), what, x.dtype)
-        expect_finite(out, what)
+        expect_tensor(out, (n, length, heads * head_dim), what, dtype=x.dtype)
         if not torch.equal(out, ref.merge_heads(x)):
             _rearranged(out, x, [
                 (x.reshape(n, length, heads * head_dim),

@@ -12,8 +12,8 @@ from torch import nn
 
 from ._core import Failure, call, checker, expect_tensor, fail, register
 from ._compare import close
-from ._model_common import (accepts, as_tensor, construct, copy_weights, randomize_,
-                            same_when_called_twice)
+from ._expect import construct
+from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice
 
 __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
 
