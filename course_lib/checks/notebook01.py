@@ -12,11 +12,12 @@ from typing import Any, Callable
 import torch
 
 from .. import attention as ref
-from ._attn_hypotheses import SDPA_HYPOTHESES, Hypothesis, sdpa_variant
+from ._attn_hypotheses import SDPA_HYPOTHESES, sdpa_variant
 from ._attn_probes import call_student, diagnose_weights, expect_callable, first_match, \
     identity_values, reraise_with, shape_str
 from ._compare import close, max_diff
 from ._expect import expect_finite, expect_tensor
+from ._mistake import Mistake
 from ._core import Failure, call, checker, fail, register
 
 __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]
@@ -109,17 +110,17 @@ def _toy_variant(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 _TOY_HYPOTHESES = (
-    Hypothesis("scale", "You scale the scores by 1/sqrt(d). Toy attention has no scaling yet (that comes in "
+    Mistake("scale", "You scale the scores by 1/sqrt(d). Toy attention has no scaling yet (that comes in "
                         "exercise 1.3): take the softmax of the plain dot products.", {"kind": "scaled"}),
-    Hypothesis("normalization", "You weight the values by the raw scores: turn the scores into weights with a "
+    Mistake("normalization", "You weight the values by the raw scores: turn the scores into weights with a "
                                 "softmax first, so they are positive and sum to one.", {"kind": "raw"}),
-    Hypothesis("normalization", "You exponentiate the scores but never divide by their sum, so the weights do "
+    Mistake("normalization", "You exponentiate the scores but never divide by their sum, so the weights do "
                                 "not sum to one: that division is the other half of the softmax.", {"kind": "exp"}),
-    Hypothesis("softmax_dim", "Every key gets weight 1: your softmax runs over an axis of length one. Take it "
+    Mistake("softmax_dim", "Every key gets weight 1: your softmax runs over an axis of length one. Take it "
                               "over the n scores, one per key.", {"kind": "ones"}),
-    Hypothesis("mismatch", "Your weights favour the keys that point away from the query: a larger dot product "
+    Mistake("mismatch", "Your weights favour the keys that point away from the query: a larger dot product "
                            "means a better match, and should get more weight.", {"kind": "negative"}),
-    Hypothesis("mismatch", "Every key gets the same weight, whatever the query: the weights must come from the "
+    Mistake("mismatch", "Every key gets the same weight, whatever the query: the weights must come from the "
                            "dot products of the query with the keys.", {"kind": "uniform"}),
 )
 

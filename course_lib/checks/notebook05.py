@@ -16,6 +16,7 @@ from torch import nn
 
 from ._core import Failure, call, checker, expect_tensor, fail, register
 from ._compare import close
+from ._mistake import Mistake
 from ._model_common import accepts, as_tensor, extend, recording_calls
 
 __all__ = ["check_lm_windows", "check_lm_loss", "check_train_step", "check_sampling"]
@@ -135,40 +136,41 @@ register("5.1", "lm_windows", [
 _SHAPE_ERROR = re.compile(r"batch_size|target size|spatial targets|size mismatch|shape|dimension", re.I)
 
 
-def _loss_variants(logits: torch.Tensor, targets: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
+def _loss_variants(logits: torch.Tensor, targets: torch.Tensor) -> list[Mistake]:
     n, length, vocab = logits.shape
     flat, flat_t = logits.flatten(0, 1), targets.flatten()
     valid = flat_t != IGNORE
     per_token = F.cross_entropy(flat, flat_t, ignore_index=IGNORE, reduction="none")
     variants = [
-        ("mismatch", "you apply a softmax before the cross-entropy. F.cross_entropy takes raw logits and applies "
-                     "the (log-)softmax itself, so yours is applied twice.",
-         F.cross_entropy(flat.softmax(-1), flat_t, ignore_index=IGNORE)),
-        ("mismatch", "you pass raw logits to F.nll_loss, which expects log-probabilities: use F.cross_entropy on "
-                     "the logits (or log_softmax first).",
-         F.nll_loss(flat, flat_t, ignore_index=IGNORE)),
-        ("mismatch", "your loss is the SUM over tokens; the loss is the MEAN over the target tokens (so it does "
-                     "not grow with the batch size or length).",
-         per_token.sum()),
-        ("mismatch", "you average over every position, padding included: the ignored targets (-100) should not "
-                     "count in the mean either. Divide by the number of real targets.",
-         per_token.sum() / flat_t.numel()),
-        ("mismatch", "each sequence gets averaged separately and then the sequences are averaged: every target "
-                     "token should weigh the same, so average over all real targets at once.",
-         torch.stack([F.cross_entropy(logits[i], targets[i], ignore_index=IGNORE)
+        Mistake("mismatch", "you apply a softmax before the cross-entropy. F.cross_entropy takes raw logits and applies "
+                            "the (log-)softmax itself, so yours is applied twice.",
+                output=F.cross_entropy(flat.softmax(-1), flat_t, ignore_index=IGNORE)),
+        Mistake("mismatch", "you pass raw logits to F.nll_loss, which expects log-probabilities: use F.cross_entropy on "
+                            "the logits (or log_softmax first).",
+                output=F.nll_loss(flat, flat_t, ignore_index=IGNORE)),
+        Mistake("mismatch", "your loss is the SUM over tokens; the loss is the MEAN over the target tokens (so it does "
+                            "not grow with the batch size or length).",
+                output=per_token.sum()),
+        Mistake("mismatch", "you average over every position, padding included: the ignored targets (-100) should not "
+                            "count in the mean either. Divide by the number of real targets.",
+                output=per_token.sum() / flat_t.numel()),
+        Mistake("mismatch", "each sequence gets averaged separately and then the sequences are averaged: every target "
+                            "token should weigh the same, so average over all real targets at once.",
+                output=torch.stack([F.cross_entropy(logits[i], targets[i], ignore_index=IGNORE)
                       for i in range(n) if bool((targets[i] != IGNORE).any())]).mean()),
-        ("mismatch", "targets of -100 are not ignored: -100 marks padding and must not contribute to the loss "
-                     "(F.cross_entropy ignores it by default, unless you change ignore_index or the targets).",
-         F.cross_entropy(flat, flat_t.clamp(min=0))),
+        Mistake("mismatch", "targets of -100 are not ignored: -100 marks padding and must not contribute to the loss "
+                            "(F.cross_entropy ignores it by default, unless you change ignore_index or the targets).",
+                output=F.cross_entropy(flat, flat_t.clamp(min=0))),
     ]
     if length == vocab and length > 1:
-        variants.append(("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you pass "
-                                  "(N, L, V) as it is, so it takes the positions for the classes. Flatten to "
-                                  "(N*L, V) and (N*L,), or move the vocabulary to dimension 1.",
-                         F.cross_entropy(logits, targets, ignore_index=IGNORE)))
+        variants.append(Mistake("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you pass "
+                                         "(N, L, V) as it is, so it takes the positions for the classes. Flatten to "
+                                         "(N*L, V) and (N*L,), or move the vocabulary to dimension 1.",
+                                output=F.cross_entropy(logits, targets, ignore_index=IGNORE)))
     if not bool(valid.all()):
-        variants.append(("mismatch", "the -100 targets are not ignored the right way; the mean runs over the real "
-                                     "targets only.", per_token[valid].sum() / flat_t.numel()))
+        variants.append(Mistake("mismatch", "the -100 targets are not ignored the right way; the mean runs over the real "
+                                            "targets only.",
+                                output=per_token[valid].sum() / flat_t.numel()))
     return variants
 
 
@@ -218,9 +220,9 @@ def check_lm_loss(fn: Callable[..., Any]) -> str:
         expect_tensor(got, (), what)
         expected = reference(logits, targets)
         if not close(got, expected):
-            for diagnosis, message, value in _loss_variants(logits, targets):
-                if close(got, value):
-                    fail(diagnosis, f"{what}: {message}")
+            for mistake in _loss_variants(logits, targets):
+                if close(got, mistake.output):
+                    fail(mistake.code, f"{what}: {mistake.message}")
             fail("mismatch", f"{what} returned {got.item():.5f}, expected {expected.item():.5f}: the mean "
                              f"cross-entropy of the logits against the targets, ignoring -100.")
         if not got.requires_grad:

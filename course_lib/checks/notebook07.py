@@ -12,6 +12,7 @@ from torch import nn
 
 from ._core import call, checker, expect_tensor, fail, register
 from ._compare import close
+from ._mistake import Mistake
 from ._model_common import as_tensor, randomize_
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
@@ -143,24 +144,24 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
     expected = reference(module, q, k, v, None, scaling=scaling)[0]
     if not close(got, expected):
         variants = [
-            ("causal_mask", "attention_mask is None, and you then let every query see every key. transformers "
-                            "passes no mask when a plain causal mask would do: apply causality yourself "
-                            "(module.is_causal tells you), so query i sees keys 0..i only.",
-             _attention(q, k, v, scale=scaling)),
-            ("causal_mask", "the causal mask points the wrong way: query i should see keys 0..i (on and below "
-                            "the diagonal), not the future ones.",
-             _attention(q, k, v, scale=scaling, mask=causal.T)),
-            ("softmax_dim", "the softmax runs over the queries (dim -2); each query's weights should sum to one "
-                            "over the keys, dim -1.",
-             _attention(q, k, v, scale=scaling, mask=causal, dim=-2)),
-            ("scale", "the scores are not scaled: multiply them by the `scaling` argument.",
-             _attention(q, k, v, scale=1.0, mask=causal)),
-            ("scale", "the scores are scaled by 1/head_dim; use the `scaling` argument (head_dim ** -0.5 here).",
-             _attention(q, k, v, scale=1.0 / head_dim, mask=causal)),
+            Mistake("causal_mask", "attention_mask is None, and you then let every query see every key. transformers "
+                                   "passes no mask when a plain causal mask would do: apply causality yourself "
+                                   "(module.is_causal tells you), so query i sees keys 0..i only.",
+                    output=_attention(q, k, v, scale=scaling)),
+            Mistake("causal_mask", "the causal mask points the wrong way: query i should see keys 0..i (on and below "
+                                   "the diagonal), not the future ones.",
+                    output=_attention(q, k, v, scale=scaling, mask=causal.T)),
+            Mistake("softmax_dim", "the softmax runs over the queries (dim -2); each query's weights should sum to one "
+                                   "over the keys, dim -1.",
+                    output=_attention(q, k, v, scale=scaling, mask=causal, dim=-2)),
+            Mistake("scale", "the scores are not scaled: multiply them by the `scaling` argument.",
+                    output=_attention(q, k, v, scale=1.0, mask=causal)),
+            Mistake("scale", "the scores are scaled by 1/head_dim; use the `scaling` argument (head_dim ** -0.5 here).",
+                    output=_attention(q, k, v, scale=1.0 / head_dim, mask=causal)),
         ]
-        for diagnosis, message, value in variants:
-            if close(got, value):
-                fail(diagnosis, f"{what}: {message}")
+        for mistake in variants:
+            if close(got, mistake.output):
+                fail(mistake.code, f"{what}: {mistake.message}")
         fail("mismatch", f"{what}: the output differs from causal scaled dot-product attention (largest "
                          f"difference {(got - expected).abs().max():.3g}).")
     what = "your attention function (scaling=0.5)"
