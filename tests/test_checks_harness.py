@@ -274,3 +274,22 @@ def test_patching_the_reference_to_the_wrong_answer_changes_nothing(exercise, mo
     patched = runner.run(exercise, wrong.candidate)
     assert not patched.passed and patched.diagnosis == honest.diagnosis, (wrong.id, patched)
     assert getattr(importlib.import_module(module), name) is wrong.candidate
+
+
+# ---------------------------------------------------------------- one comparison, one mistake type
+
+def test_one_tolerance_derived_from_the_dtype():
+    from course_lib.checks import _compare
+    x = torch.ones(4)
+    assert _compare.tolerance(x) == _compare.tolerance(x.double()) == (1e-3, 1e-4)
+    assert _compare.tolerance(x.half())[0] > 1e-3                       # coarser dtype, looser tolerance
+    assert _compare.close(x, x + 5e-4) and not _compare.close(x, x + 5e-3)
+    assert not _compare.close(x, torch.ones(5)) and not _compare.close(x, [1.0] * 4)
+
+
+def test_every_hypothesised_mistake_is_a_mistake():
+    from course_lib.checks import _attn_hypotheses, notebook01
+    from course_lib.checks._mistake import Mistake
+    hypotheses = _attn_hypotheses.SDPA_HYPOTHESES + _attn_hypotheses.MODULE_HYPOTHESES + notebook01._TOY_HYPOTHESES
+    assert all(isinstance(h, Mistake) for h in hypotheses)
+    assert all(h.code in checks.DIAGNOSES for h in hypotheses)

@@ -1,7 +1,8 @@
 """The exercise registry: each exercise's title, hints and solution (read from its notebook).
 
 The harness (results, isolation, time limit, calls into student code) lives in ``_harness``;
-its names (and ``_expect.expect_tensor``) are re-exported here for the modules and tests that import them from ``_core``.
+its names (and ``_expect.expect_tensor``) are re-exported here for the modules and tests that
+import them from ``_core``.
 """
 from __future__ import annotations
 

@@ -40,16 +40,26 @@ from typing import Any, Callable
 import torch
 
 DIAGNOSES = (
+    # What a CheckResult's ``diagnosis`` can say, one code per kind of mistake (Failure rejects others).
     "not_implemented",   # the exercise still raises NotImplementedError
-    "exception",         # the student's code raised (or called sys.exit)
+    "exception",         # the student's code raised (or called sys.exit), or was passed the wrong thing
     "timeout",           # the student's code ran past the time limit (an endless loop?)
     "mutation",          # the student's code changed one of its inputs in place
-    "shape", "dtype", "device", "nan",
+    "shape",             # the result (or a parameter) has the wrong shape, or nothing was returned
+    "dtype",             # the result has the wrong dtype, or is not a tensor at all
+    "device",            # the result is on another device than its inputs
+    "nan",               # the result holds NaN or infinity (or training went NaN, 8.1)
     "precision",         # the right numbers, rounded too coarsely
-    "softmax_dim", "scale", "normalization", "causal_mask", "head_split",
+    "softmax_dim",       # the softmax runs over the wrong axis
+    "scale",             # the scores (or positional frequencies) are scaled by the wrong factor
+    "normalization",     # weights that do not sum to one: no softmax, or half of one
+    "causal_mask",       # the mask is wrong: the future leaks, or the wrong positions are hidden
+    "head_split",        # heads split or merged along the wrong axes
     "values",            # values taken from the wrong projection or the wrong tensor
     "batch_mixing",      # a reshape that mixes batch entries or positions
-    "dropout", "residual", "norm_placement",
+    "dropout",           # dropout missing, in the wrong place, or active in eval mode
+    "residual",          # a residual connection missing or adding the wrong tensor
+    "norm_placement",    # LayerNorm before/after the sublayer the other way from the block asked for
     "clipping",          # the gradient norm not clipped to max_grad_norm, or clipped at the wrong moment
     "generator",         # sampling ignores the generator it was given (uses the global RNG)
     "mismatch",          # wrong, and like none of the mistakes we know

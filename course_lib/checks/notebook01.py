@@ -147,7 +147,8 @@ def check_toy_attention(fn: Callable[..., Any]) -> str:
         expected = ref.toy_attention(query, keys, values)
         out = call_student(fn, query.clone(), keys.clone(), values.clone(), what=what)
         try:
-            expect_tensor(out, tuple(expected.shape), what, dtype=expected.dtype, finite=False)   # the inputs decide: float64 notebooks too
+            # the inputs decide the dtype: float64 notebooks too
+            expect_tensor(out, tuple(expected.shape), what, dtype=expected.dtype, finite=False)
         except Failure as failure:
             if failure.diagnosis == "shape" and tuple(failure.details.get("got", ())) == (keys.shape[0],):
                 if close(out, torch.softmax(keys @ query, dim=0)):

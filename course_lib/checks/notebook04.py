@@ -45,8 +45,8 @@ def _frequency_variants(embed_dim: int) -> list[Mistake]:
                    "the exponent uses the pair index i over embed_dim; it should be the even dimension index 2i over "
                    "embed_dim (i.e. step through 0, 2, 4, ... or multiply i by 2)"),
         _frequency(10000.0 ** (-2 * even / embed_dim),
-                   "the exponent counts the dimension index twice: you step through the even indices (0, 2, 4, ...) and "
-                   "then multiply by 2 again"),
+                   "the exponent counts the dimension index twice: you step through the even indices "
+                   "(0, 2, 4, ...) and then multiply by 2 again"),
         _frequency(10000.0 ** (even / embed_dim),
                    "the frequencies grow with the dimension instead of shrinking: you multiply the position by "
                    "10000^(2i/d) where you should divide by it"),
@@ -153,10 +153,12 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
     common = [
         Mistake("mismatch", "the feed-forward sublayer (self.mlp) is never applied, or its result is dropped; the "
                             "block is attention, then feed-forward.",
-                output=(lambda x, a, m, l1, l2: x + a(l1(x))) if norm_first else (lambda x, a, m, l1, l2: l1(x + a(x)))),
+                output=(lambda x, a, m, l1, l2: x + a(l1(x))) if norm_first
+                else (lambda x, a, m, l1, l2: l1(x + a(x)))),
         Mistake("mismatch", "the attention sublayer (self.attn) is never applied, or its result is dropped; the block "
                             "is attention, then feed-forward.",
-                output=(lambda x, a, m, l1, l2: x + m(l2(x))) if norm_first else (lambda x, a, m, l1, l2: l2(x + m(x)))),
+                output=(lambda x, a, m, l1, l2: x + m(l2(x))) if norm_first
+                else (lambda x, a, m, l1, l2: l2(x + m(x)))),
         Mistake("mismatch", "ln1 and ln2 are swapped: ln1 goes with the attention sublayer, ln2 with the feed-forward "
                             "one (each LayerNorm has its own learned scale and shift).",
                 output=(lambda x, a, m, l1, l2: pre(x, a, m, l2, l1)) if norm_first
@@ -179,9 +181,10 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
     ]
     if norm_first:
         return [
-            Mistake("norm_placement", "you normalise after adding the residual (post-norm, as in the 2017 paper). This "
-                                      "block is pre-norm (GPT-2): apply ln1 to the input of the attention and ln2 to the "
-                                      "input of the feed-forward, and leave the residual stream itself un-normalised.",
+            Mistake("norm_placement", "you normalise after adding the residual (post-norm, as in the 2017 paper). This"
+                                      " block is pre-norm (GPT-2): apply ln1 to the input of the attention and ln2 to "
+                                      "the input of the feed-forward, and leave the residual stream itself "
+                                      "un-normalised.",
                     output=post),
             Mistake("residual", "the attention sublayer has no residual connection: add its output to its input "
                                 "(the un-normalised x) instead of replacing x.",

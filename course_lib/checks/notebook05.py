@@ -142,11 +142,11 @@ def _loss_variants(logits: torch.Tensor, targets: torch.Tensor) -> list[Mistake]
     valid = flat_t != IGNORE
     per_token = F.cross_entropy(flat, flat_t, ignore_index=IGNORE, reduction="none")
     variants = [
-        Mistake("mismatch", "you apply a softmax before the cross-entropy. F.cross_entropy takes raw logits and applies "
-                            "the (log-)softmax itself, so yours is applied twice.",
+        Mistake("mismatch", "you apply a softmax before the cross-entropy. F.cross_entropy takes raw logits and "
+                            "applies the (log-)softmax itself, so yours is applied twice.",
                 output=F.cross_entropy(flat.softmax(-1), flat_t, ignore_index=IGNORE)),
-        Mistake("mismatch", "you pass raw logits to F.nll_loss, which expects log-probabilities: use F.cross_entropy on "
-                            "the logits (or log_softmax first).",
+        Mistake("mismatch", "you pass raw logits to F.nll_loss, which expects log-probabilities: use F.cross_entropy "
+                            "on the logits (or log_softmax first).",
                 output=F.nll_loss(flat, flat_t, ignore_index=IGNORE)),
         Mistake("mismatch", "your loss is the SUM over tokens; the loss is the MEAN over the target tokens (so it does "
                             "not grow with the batch size or length).",
@@ -163,13 +163,13 @@ def _loss_variants(logits: torch.Tensor, targets: torch.Tensor) -> list[Mistake]
                 output=F.cross_entropy(flat, flat_t.clamp(min=0))),
     ]
     if length == vocab and length > 1:
-        variants.append(Mistake("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you pass "
-                                         "(N, L, V) as it is, so it takes the positions for the classes. Flatten to "
-                                         "(N*L, V) and (N*L,), or move the vocabulary to dimension 1.",
+        variants.append(Mistake("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you "
+                                         "pass (N, L, V) as it is, so it takes the positions for the classes. Flatten "
+                                         "to (N*L, V) and (N*L,), or move the vocabulary to dimension 1.",
                                 output=F.cross_entropy(logits, targets, ignore_index=IGNORE)))
     if not bool(valid.all()):
-        variants.append(Mistake("mismatch", "the -100 targets are not ignored the right way; the mean runs over the real "
-                                            "targets only.",
+        variants.append(Mistake("mismatch", "the -100 targets are not ignored the right way; the mean runs over the "
+                                            "real targets only.",
                                 output=per_token[valid].sum() / flat_t.numel()))
     return variants
 
