@@ -10,8 +10,8 @@ from torch import nn
 from ._attn_hypotheses import MODULE_HYPOTHESES, module_variant
 from ._attn_probes import call_student, diagnose_weights, first_match, reraise_with, shape_str
 from ._compare import close, max_diff
-from ._expect import construct, expect_finite, expect_tensor
 from ._core import Failure, call, fail
+from ._expect import construct, expect_finite, expect_tensor
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart

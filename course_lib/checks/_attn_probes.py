@@ -9,6 +9,7 @@ import torch
 from ._compare import matches, sums_to_one
 from ._core import Failure, call, fail
 
+
 def shape_str(shape: Iterable[int]) -> str:
     return str(tuple(shape))
 

@@ -13,12 +13,19 @@ import torch
 
 from .. import attention as ref
 from ._attn_hypotheses import SDPA_HYPOTHESES, sdpa_variant
-from ._attn_probes import call_student, diagnose_weights, expect_callable, first_match, \
-    identity_values, reraise_with, shape_str
+from ._attn_probes import (
+    call_student,
+    diagnose_weights,
+    expect_callable,
+    first_match,
+    identity_values,
+    reraise_with,
+    shape_str,
+)
 from ._compare import close, max_diff
+from ._core import Failure, call, checker, fail, register
 from ._expect import expect_finite, expect_tensor
 from ._mistake import Mistake
-from ._core import Failure, call, checker, fail, register
 
 __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]
 

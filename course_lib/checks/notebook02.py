@@ -11,8 +11,8 @@ import torch
 from .. import attention as ref
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
 from ._attn_probes import call_student, expect_callable
-from ._expect import expect_tensor
 from ._core import checker, fail, register
+from ._expect import expect_tensor
 
 __all__ = ["check_causal_mask", "check_masked_attention"]
 

@@ -10,8 +10,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._core import Failure, call, checker, expect_tensor, fail, register
 from ._compare import close
+from ._core import Failure, call, checker, expect_tensor, fail, register
 from ._expect import construct
 from ._mistake import Mistake
 from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._core import Failure, call, checker, expect_tensor, fail, register
 from ._compare import close
+from ._core import Failure, call, checker, expect_tensor, fail, register
 from ._mistake import Mistake
 from ._model_common import accepts, as_tensor, extend, recording_calls
 

@@ -10,8 +10,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._core import call, checker, expect_tensor, fail, register
 from ._compare import close
+from ._core import call, checker, expect_tensor, fail, register
 from ._mistake import Mistake
 from ._model_common import as_tensor, randomize_
 
