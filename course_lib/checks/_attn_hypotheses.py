@@ -2,7 +2,8 @@
 
 A checker computes these alternatives with the same inputs and weights as the
 student's code: when the student's output matches one of them (and not the
-reference), we know which mistake it is, without reading any source.
+reference), we know which mistake it is, without reading any source. Each mistake is a
+``_mistake.Mistake`` whose ``spec`` holds the switches.
 """
 from __future__ import annotations
 

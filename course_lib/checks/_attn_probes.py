@@ -1,5 +1,6 @@
-"""Behavioural probes shared by the attention checkers: comparisons, output checks, and reading
-attention weights back out of a student's code to say what is wrong with them."""
+"""Behavioural probes shared by the attention checkers (notebooks 01-03): reading attention weights
+back out of a student's code to say what is wrong with them. Comparisons are in ``_compare``,
+output checks in ``_expect``."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable

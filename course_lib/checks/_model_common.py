@@ -1,4 +1,5 @@
-"""Helpers shared by the checkers of notebooks 04-07: building candidates, copying weights, probes."""
+"""Helpers shared by the checkers of notebooks 04-07: copying weights, randomising them, recording
+calls. Building a candidate is ``_expect.construct``; comparing is ``_compare.close``."""
 from __future__ import annotations
 
 import contextlib
