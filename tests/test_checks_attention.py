@@ -11,7 +11,7 @@ from bank.attention_bugs import BUGGY, CORRECT
 from course_lib import attention
 from course_lib import checks
 from course_lib.checks import _core
-from course_lib.checks import attention_checks as ac
+from course_lib.checks import notebook01, notebook02, notebook03
 from course_lib.checks._attn_hypotheses import MODULE_HYPOTHESES, SDPA_HYPOTHESES, module_variant, sdpa_variant
 from course_lib.checks._attn_modules import EMBED_DIM, MAX_TOKENS, load, random_params
 
@@ -219,7 +219,21 @@ def test_show_solution_prints_the_reference(exercise, name, capsys):
     assert name in source and name in capsys.readouterr().out
 
 
+ATTENTION_CHECKERS = notebook01.__all__ + notebook02.__all__ + notebook03.__all__
+
+
 def test_exports():
-    assert set(ac.__all__) <= set(dir(checks))
-    assert all(callable(getattr(checks, name)) for name in ac.__all__)
-    assert all(getattr(checks, name).exercise for name in ac.__all__)
+    assert set(ATTENTION_CHECKERS) <= set(dir(checks))
+    assert all(callable(getattr(checks, name)) for name in ATTENTION_CHECKERS)
+    assert all(getattr(checks, name).exercise for name in ATTENTION_CHECKERS)
+
+
+def test_each_checker_lives_in_the_module_of_its_notebook():
+    # exercise X.Y is found in checks/notebook0X.py: checker, hints and registration together
+    names = [name for name in dir(checks) if name.startswith("check_")]
+    assert len(names) >= 20
+    for name in names:
+        fn = getattr(checks, name)
+        notebook = f"{int(fn.exercise.split('.')[0]):02d}"
+        assert fn.__module__ == f"course_lib.checks.notebook{notebook}", (name, fn.__module__)
+        assert fn.exercise in _core.EXERCISES and _core.EXERCISES[fn.exercise].notebook == notebook

@@ -15,7 +15,7 @@ import torch
 
 import course_lib.attention as attention
 from course_lib import checks
-from course_lib.checks import _harness, attention_checks
+from course_lib.checks import _harness, notebook01
 
 
 def _wrong_mask(n):
@@ -177,7 +177,7 @@ def test_dividing_q_in_place_is_named():
 
 def test_a_checker_bug_is_not_blamed_on_the_student(monkeypatch):
     # an IndexError raised inside the checker's own code (no student frame in its traceback)
-    monkeypatch.setattr(attention_checks, "_toy_cases", functools.partial(operator.getitem, [], 0))
+    monkeypatch.setattr(notebook01, "_toy_cases", functools.partial(operator.getitem, [], 0))
     result = checks.check_toy_attention(attention.toy_attention)
     assert result.diagnosis == "checker_error" and not result.passed
     assert "1.2" in result.message and "IndexError" in result.message and "report" in result.message
@@ -213,16 +213,16 @@ def test_show_solution_names_the_argument():
         checks.show_solution("9.9")
 
 
-# ---------------------------------------------------------------- 6.1's speed note
+# ---------------------------------------------------------------- 6.2's speed note
 
 def test_a_cache_slower_than_no_cache_is_called_slower():
-    from course_lib.checks import _model_generation
+    from course_lib.checks import notebook06
     from course_lib.generate import generate
 
     def slow_generation(model, idx, max_new_tokens):
         time.sleep(0.02 * max_new_tokens)   # far slower than recomputing everything
         return generate(model, idx, max_new_tokens, temperature=0, use_cache=False)
-    note = _model_generation._speed_note(slow_generation)
+    note = notebook06._speed_note(slow_generation)
     assert "SLOWER" in note and "about the same" not in note, note
 
 
@@ -256,7 +256,7 @@ _PATCHABLE = [("1.2", "course_lib.attention", "toy_attention"),
               ("5.1", "course_lib.data", "lm_windows"),
               ("5.2", "course_lib.train", "lm_loss"),
               ("5.4", "course_lib.generate", "sample_next_token"),
-              ("6.2", "course_lib.train", "flops_per_token")]
+              ("6.1", "course_lib.train", "flops_per_token")]
 
 
 @pytest.mark.parametrize("exercise,module,name", _PATCHABLE, ids=[e for e, _, _ in _PATCHABLE])
@@ -274,3 +274,22 @@ def test_patching_the_reference_to_the_wrong_answer_changes_nothing(exercise, mo
     patched = runner.run(exercise, wrong.candidate)
     assert not patched.passed and patched.diagnosis == honest.diagnosis, (wrong.id, patched)
     assert getattr(importlib.import_module(module), name) is wrong.candidate
+
+
+# ---------------------------------------------------------------- one comparison, one mistake type
+
+def test_one_tolerance_derived_from_the_dtype():
+    from course_lib.checks import _compare
+    x = torch.ones(4)
+    assert _compare.tolerance(x) == _compare.tolerance(x.double()) == (1e-3, 1e-4)
+    assert _compare.tolerance(x.half())[0] > 1e-3                       # coarser dtype, looser tolerance
+    assert _compare.close(x, x + 5e-4) and not _compare.close(x, x + 5e-3)
+    assert not _compare.close(x, torch.ones(5)) and not _compare.close(x, [1.0] * 4)
+
+
+def test_every_hypothesised_mistake_is_a_mistake():
+    from course_lib.checks import _attn_hypotheses, notebook01
+    from course_lib.checks._mistake import Mistake
+    hypotheses = _attn_hypotheses.SDPA_HYPOTHESES + _attn_hypotheses.MODULE_HYPOTHESES + notebook01._TOY_HYPOTHESES
+    assert all(isinstance(h, Mistake) for h in hypotheses)
+    assert all(h.code in checks.DIAGNOSES for h in hypotheses)

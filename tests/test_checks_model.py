@@ -24,8 +24,8 @@ CHECKERS = {
     "5.2": checks.check_lm_loss,
     "5.3": checks.check_train_step,
     "5.4": checks.check_sampling,
-    "6.1": checks.check_kv_cache,
-    "6.2": checks.check_flops_per_token,
+    "6.1": checks.check_flops_per_token,
+    "6.2": checks.check_kv_cache,
     "7.1": checks.check_split_c_attn,
     "7.2": checks.check_hf_attention,
 }
@@ -52,8 +52,8 @@ REFERENCES = {
     "5.2": lm_loss,
     "5.3": train_step,
     "5.4": sample_next_token,
-    "6.1": generate_with_cache,
-    "6.2": flops_per_token,
+    "6.1": flops_per_token,
+    "6.2": generate_with_cache,
     "7.1": split_c_attn,
     "7.2": _attention_forward_as_taught,
 }
@@ -172,7 +172,7 @@ def test_checks_leave_global_state_alone():
     threads = torch.get_num_threads()
     torch.manual_seed(123)
     run("5.4", sample_next_token)
-    run("6.1", generate_with_cache)
+    run("6.2", generate_with_cache)
     assert torch.equal(torch.rand(3), expected)
     assert torch.get_num_threads() == threads
 
@@ -186,7 +186,7 @@ def test_train_step_returning_a_tensor_passes_with_a_note():
 
 
 def test_kv_cache_reports_the_speed():
-    result = run("6.1", generate_with_cache)
+    result = run("6.2", generate_with_cache)
     assert "ms with your cache" in result.message and "without" in result.message
 
 
@@ -209,3 +209,23 @@ def test_hints_and_solutions_are_registered(exercise, capsys):
     source = checks.show_solution(exercise)
     assert "def " in source or "class " in source
     entry.shown = 0
+
+
+# ---------------------------------------------------------------- 8.1 trains like the reference
+
+def test_check_trains_like_reference_returns_judges_verdict(capsys):
+    from course_lib.capstone import TrainingRun, judge
+    reference = TrainingRun("reference", [1, 2], [3.0, 2.0], [2], [1.5])
+    runs = [TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.51]),            # within the tolerance
+            TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.6]),             # behind
+            TrainingRun("y", [1], [3.0], [], [], failure="nan")]          # NaN in training
+    for run in runs:
+        assert checks.check_trains_like_reference(run, reference) == judge(run, reference)
+    assert checks.check_trains_like_reference(runs[1], reference, tolerance=0.2) == judge(runs[1], reference, 0.2)
+    assert checks.check_trains_like_reference(runs[1], reference, tolerance=0.2).passed
+    wrong = checks.check_trains_like_reference("not a run", reference)   # answers, never raises
+    assert not wrong.passed and wrong.exercise == "8.1" and "TrainingRun" in wrong.message
+    _core.EXERCISES["8.1"].shown = 0
+    assert checks.hint("8.1").startswith("Hint 1/2 for exercise 8.1") and "train_parts" in capsys.readouterr().out
+    _core.EXERCISES["8.1"].shown = 0
+    assert "no solution" in checks.show_solution("8.1") and "no solution" in capsys.readouterr().out

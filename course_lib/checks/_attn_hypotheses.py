@@ -2,25 +2,18 @@
 
 A checker computes these alternatives with the same inputs and weights as the
 student's code: when the student's output matches one of them (and not the
-reference), we know which mistake it is, without reading any source.
+reference), we know which mistake it is, without reading any source. Each mistake is a
+``_mistake.Mistake`` whose ``spec`` holds the switches.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ._mistake import Mistake
+
 NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True)
-class Hypothesis:
-    """One mistake: the diagnosis code, what to tell the student, and the switches that reproduce it."""
-
-    code: str
-    message: str
-    spec: dict[str, Any] = field(default_factory=dict)
 
 
 def softmax_over(scores: torch.Tensor, dim: Any) -> torch.Tensor:
@@ -142,91 +135,91 @@ _FILL_ZERO = ("Masked positions still get weight: filling their scores with 0 le
 _POST = ("You zero the masked weights after the softmax, so each row no longer sums to one. Mask the "
          "scores before the softmax instead (or renormalise every row after zeroing).")
 
-SDPA_HYPOTHESES: tuple[Hypothesis, ...] = (
-    Hypothesis("softmax_dim", _SOFTMAX_KEYS, {"softmax_dim": -2}),
-    Hypothesis("softmax_dim", _SOFTMAX_IMPLICIT, {"softmax_dim": "implicit"}),
-    Hypothesis("softmax_dim", "Your softmax runs over dim=1, which is not the key axis when q has more than "
+SDPA_HYPOTHESES: tuple[Mistake, ...] = (
+    Mistake("softmax_dim", _SOFTMAX_KEYS, {"softmax_dim": -2}),
+    Mistake("softmax_dim", _SOFTMAX_IMPLICIT, {"softmax_dim": "implicit"}),
+    Mistake("softmax_dim", "Your softmax runs over dim=1, which is not the key axis when q has more than "
                               "3 dimensions. Use the last axis (dim=-1) so any batch shape works.",
                {"softmax_dim": 1}),
-    Hypothesis("softmax_dim", "Your softmax normalises across the batch (dim 0) instead of over the keys "
+    Mistake("softmax_dim", "Your softmax normalises across the batch (dim 0) instead of over the keys "
                               "(dim=-1).", {"softmax_dim": 0}),
-    Hypothesis("scale", _SCALE_NONE, {"scale": "none"}),
-    Hypothesis("scale", _SCALE_D, {"scale": "d"}),
-    Hypothesis("scale", _SCALE_AFTER, {"scale": "after"}),
-    Hypothesis("scale", _SCALE_TIMES, {"scale": "times"}),
-    Hypothesis("causal_mask", "Your function ignores `mask`: keys where the mask is False still get weight. "
+    Mistake("scale", _SCALE_NONE, {"scale": "none"}),
+    Mistake("scale", _SCALE_D, {"scale": "d"}),
+    Mistake("scale", _SCALE_AFTER, {"scale": "after"}),
+    Mistake("scale", _SCALE_TIMES, {"scale": "times"}),
+    Mistake("causal_mask", "Your function ignores `mask`: keys where the mask is False still get weight. "
                               "Set their scores to -inf before the softmax.", {"mask": "ignored"}),
-    Hypothesis("causal_mask", "Your mask is applied the wrong way round: you hide the keys where the mask is "
+    Mistake("causal_mask", "Your mask is applied the wrong way round: you hide the keys where the mask is "
                               "True. In this course True means 'may attend', so hide the positions where it "
                               "is False.", {"mask": "inverted"}),
-    Hypothesis("causal_mask", _FILL_ZERO, {"fill": "zero"}),
-    Hypothesis("normalization", _POST, {"fill": "post"}),
+    Mistake("causal_mask", _FILL_ZERO, {"fill": "zero"}),
+    Mistake("normalization", _POST, {"fill": "post"}),
 )
 
 _MASK_NONE = ("The future leaks: the output at a position changes when later tokens change. Apply the "
               "causal mask to the scores before the softmax.")
 
-MODULE_HYPOTHESES: tuple[Hypothesis, ...] = (
-    Hypothesis("softmax_dim", _SOFTMAX_KEYS, {"softmax_dim": -2}),
-    Hypothesis("softmax_dim", "Your softmax normalises across the batch (dim 0) instead of over the keys; "
+MODULE_HYPOTHESES: tuple[Mistake, ...] = (
+    Mistake("softmax_dim", _SOFTMAX_KEYS, {"softmax_dim": -2}),
+    Mistake("softmax_dim", "Your softmax normalises across the batch (dim 0) instead of over the keys; "
                               "F.softmax without `dim=` does this for 3-D scores. Pass the key axis (dim=-1).",
                {"softmax_dim": 0}),
-    Hypothesis("softmax_dim", "Your softmax normalises across the heads (dim 1) instead of over the keys "
+    Mistake("softmax_dim", "Your softmax normalises across the heads (dim 1) instead of over the keys "
                               "(the last axis of the scores).", {"softmax_dim": 1}),
-    Hypothesis("scale", _SCALE_NONE.replace("the size of the vectors", "{d}"), {"scale": "none"}),
-    Hypothesis("scale", _SCALE_D.replace("the dimension", "{d}"), {"scale": "d"}),
-    Hypothesis("scale", "You scale by 1/sqrt(embed_dim), but each head works in head_dim = embed_dim // "
+    Mistake("scale", _SCALE_NONE.replace("the size of the vectors", "{d}"), {"scale": "none"}),
+    Mistake("scale", _SCALE_D.replace("the dimension", "{d}"), {"scale": "d"}),
+    Mistake("scale", "You scale by 1/sqrt(embed_dim), but each head works in head_dim = embed_dim // "
                         "num_heads dimensions: scale by 1/sqrt(head_dim).", {"scale": "embed_dim"}),
-    Hypothesis("scale", _SCALE_AFTER.replace("1/sqrt(d)", "1/sqrt({d})"), {"scale": "after"}),
-    Hypothesis("scale", _SCALE_TIMES.replace("sqrt(d)", "sqrt({d})"), {"scale": "times"}),
-    Hypothesis("causal_mask", _MASK_NONE, {"mask": "none"}),
-    Hypothesis("causal_mask", "Your mask points the wrong way: each position attends to itself and the "
+    Mistake("scale", _SCALE_AFTER.replace("1/sqrt(d)", "1/sqrt({d})"), {"scale": "after"}),
+    Mistake("scale", _SCALE_TIMES.replace("sqrt(d)", "sqrt({d})"), {"scale": "times"}),
+    Mistake("causal_mask", _MASK_NONE, {"mask": "none"}),
+    Mistake("causal_mask", "Your mask points the wrong way: each position attends to itself and the "
                               "future (upper triangle) instead of the past (lower triangle).", {"mask": "triu"}),
-    Hypothesis("causal_mask", "Your mask is inverted: you hide exactly the positions that should be visible "
+    Mistake("causal_mask", "Your mask is inverted: you hide exactly the positions that should be visible "
                               "(so the last token has no key left, which gives NaN). True in the causal mask "
                               "means 'may attend': hide the positions where it is False.", {"mask": "inverted"}),
-    Hypothesis("causal_mask", "Each position must also see itself: your mask hides the diagonal (and the "
+    Mistake("causal_mask", "Each position must also see itself: your mask hides the diagonal (and the "
                               "first token then has no key at all, which gives NaN).", {"mask": "strict"}),
-    Hypothesis("causal_mask", "Your mask is off by one: each position also sees the next token. Keep the "
+    Mistake("causal_mask", "Your mask is off by one: each position also sees the next token. Keep the "
                               "diagonal and everything below it, nothing above.", {"mask": "ahead"}),
-    Hypothesis("causal_mask", _FILL_ZERO, {"fill": "zero"}),
-    Hypothesis("normalization", _POST, {"fill": "post"}),
-    Hypothesis("head_split", "Your heads are cut along the sequence instead of along the features: reshaping "
+    Mistake("causal_mask", _FILL_ZERO, {"fill": "zero"}),
+    Mistake("normalization", _POST, {"fill": "post"}),
+    Mistake("head_split", "Your heads are cut along the sequence instead of along the features: reshaping "
                              "(N, L, E) straight to (N, heads, L, head_dim) mixes positions. Split the last axis "
                              "into (heads, head_dim) first, then move the head axis in front of the sequence axis.",
                {"split": "no_transpose"}),
-    Hypothesis("head_split", "Your heads are merged with a bare reshape: (N, heads, L, head_dim) must first "
+    Mistake("head_split", "Your heads are merged with a bare reshape: (N, heads, L, head_dim) must first "
                              "become (N, L, heads, head_dim), head and sequence axes swapped back, before "
                              "flattening; otherwise rows of the output mix different positions.",
                {"merge": "bare"}),
-    Hypothesis("head_split", "Both your split and your merge skip the transpose: a reshape alone between "
+    Mistake("head_split", "Both your split and your merge skip the transpose: a reshape alone between "
                              "(N, L, E) and (N, heads, L, head_dim) cuts the sequence, not the features, into "
                              "heads. Split the last axis into (heads, head_dim), then swap the head and "
                              "sequence axes (and swap them back before merging).",
                {"split": "no_transpose", "merge": "bare"}),
-    Hypothesis("head_split", "Your heads take every num_heads-th feature instead of a block of head_dim "
+    Mistake("head_split", "Your heads take every num_heads-th feature instead of a block of head_dim "
                              "neighbouring features: split the last axis as (heads, head_dim), in that order.",
                {"split": "interleaved", "merge": "interleaved"}),
-    Hypothesis("head_split", "Your split takes every num_heads-th feature instead of a contiguous block: split "
+    Mistake("head_split", "Your split takes every num_heads-th feature instead of a contiguous block: split "
                              "the last axis as (heads, head_dim), in that order.", {"split": "interleaved"}),
-    Hypothesis("head_split", "Your merge puts the heads' features in the wrong order: flatten as (heads, "
+    Mistake("head_split", "Your merge puts the heads' features in the wrong order: flatten as (heads, "
                              "head_dim), head after head.", {"merge": "interleaved"}),
-    Hypothesis("head_split", "Your module computes one big head over all embed_dim features: the heads are "
+    Mistake("head_split", "Your module computes one big head over all embed_dim features: the heads are "
                              "never split. Split q, k and v into num_heads heads of head_dim features each.",
                {"split": "single"}),
-    Hypothesis("head_split", "Your module computes one big head over all embed_dim features (scaled by "
+    Mistake("head_split", "Your module computes one big head over all embed_dim features (scaled by "
                              "1/sqrt(embed_dim)): the heads are never split. Split q, k and v into num_heads "
                              "heads of head_dim features each.", {"split": "single", "scale": "embed_dim"}),
-    Hypothesis("mismatch", "You never apply the output projection `proj` to the attention output.",
+    Mistake("mismatch", "You never apply the output projection `proj` to the attention output.",
                {"proj": False}),
-    Hypothesis("values", "You use the input itself as the values: pass x through `value` first.",
+    Mistake("values", "You use the input itself as the values: pass x through `value` first.",
                {"value": False}),
-    Hypothesis("values", "Your values come from the key projection: v = self.value(x), not self.key(x).",
+    Mistake("values", "Your values come from the key projection: v = self.value(x), not self.key(x).",
                {"value": "key"}),
-    Hypothesis("head_split", "Your values are split into heads without the transpose: (N, L, E) reshaped straight "
+    Mistake("head_split", "Your values are split into heads without the transpose: (N, L, E) reshaped straight "
                              "to (N, heads, L, head_dim) cuts the sequence, not the features. Split v exactly "
                              "like q and k: view as (N, L, heads, head_dim), then transpose(1, 2).",
                {"split_v": "no_transpose"}),
-    Hypothesis("mismatch", "Queries and keys are swapped: score[i, j] compares the query of position i with "
+    Mistake("mismatch", "Queries and keys are swapped: score[i, j] compares the query of position i with "
                            "the key of position j, so use `query` for q and `key` for k.", {"swap_qk": True}),
 )

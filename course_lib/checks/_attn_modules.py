@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from ._attn_hypotheses import MODULE_HYPOTHESES, module_variant
-from ._attn_probes import call_student, close, diagnose_weights, expect_finite, expect_output, first_match, \
-    max_diff, reraise_with, shape_str
+from ._attn_probes import call_student, diagnose_weights, first_match, reraise_with, shape_str
+from ._compare import close, max_diff
 from ._core import Failure, call, fail
+from ._expect import construct, expect_finite, expect_tensor
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -25,13 +26,6 @@ class Run:
     x: torch.Tensor
     out: torch.Tensor
     expected: torch.Tensor
-
-
-def build(factory: Callable[[], Any], what: str) -> nn.Module:
-    model = call(factory, what=what)
-    if not isinstance(model, nn.Module):
-        fail("exception", f"{what} should build an nn.Module, but gave {type(model).__name__}.")
-    return model
 
 
 def check_parameters(model: nn.Module, what: str) -> None:
@@ -77,7 +71,7 @@ def load(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
 def forward(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
     with torch.no_grad():
         out = call_student(model, x.clone(), what=what)
-    return expect_output(out, tuple(x.shape), what, x.dtype)
+    return expect_tensor(out, tuple(x.shape), what, dtype=x.dtype, finite=False)
 
 
 class ModuleCheck:
@@ -104,7 +98,8 @@ class ModuleCheck:
         for heads in self.heads:
             label = self.name + (f"(embed_dim={EMBED_DIM}, num_heads={heads}, max_tokens={MAX_TOKENS}, "
                                  if len(self.heads) > 1 else f"(embed_dim={EMBED_DIM}, max_tokens={MAX_TOKENS}, ")
-            model = build(lambda h=heads: self.make_candidate(h, DROPOUT), label + f"dropout_rate={DROPOUT})")
+            model = construct(self.make_candidate, heads, DROPOUT, what=self.name,
+                              shown=label + f"dropout_rate={DROPOUT})")
             check_parameters(model, self.name)
             reference = self.make_reference(heads, DROPOUT).eval()
             params = random_params(self.generator)
@@ -320,3 +315,14 @@ class ModuleCheck:
         finally:
             model.eval()
             load(model, self.runs[0].params)
+
+
+def module_check(check: ModuleCheck, heads_text: str) -> str:
+    """Run a ModuleCheck through: outputs, the known mistakes, then dropout; the success message."""
+    check.run_all()
+    if not all(close(run.out, run.expected) for run in check.runs):
+        check.diagnose()
+    check.check_train_dropout()
+    lengths = sorted({length for _, length in CASES})
+    return (f"Matches the reference for batch sizes 1-3 and lengths {lengths}{heads_text}; the future never "
+            f"leaks and dropout only acts in training mode.")

@@ -1,81 +1,18 @@
-"""Behavioural probes shared by the attention checkers: comparisons, output checks, and reading
-attention weights back out of a student's code to say what is wrong with them."""
+"""Behavioural probes shared by the attention checkers (notebooks 01-03): reading attention weights
+back out of a student's code to say what is wrong with them. Comparisons are in ``_compare``,
+output checks in ``_expect``."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
 import torch
 
+from ._compare import matches, sums_to_one
 from ._core import Failure, call, fail
-from ._harness import expect_cpu
-
-# float32 everywhere (what students use); the mistakes we look for change outputs by far more.
-RTOL, ATOL = 1e-3, 1e-4
-
 
 
 def shape_str(shape: Iterable[int]) -> str:
     return str(tuple(shape))
-
-
-def close(a: torch.Tensor, b: torch.Tensor, *, nan_ok: bool = False) -> bool:
-    """Same shape and same numbers (NaN only matches NaN when ``nan_ok``)."""
-    if a.shape != b.shape:
-        return False
-    return bool(torch.allclose(a.double(), b.double(), rtol=RTOL, atol=ATOL, equal_nan=nan_ok))
-
-
-def matches(out: torch.Tensor, hypothesis: torch.Tensor) -> bool:
-    """Does the student's output match a mistake's output? Where the mistake leaves a query with no key
-    at all its output is undefined (NaN here, zeros from F.scaled_dot_product_attention): either counts."""
-    if out.shape != hypothesis.shape:
-        return False
-    undefined = torch.isnan(hypothesis)
-    loose = out[undefined]
-    if not bool((torch.isnan(loose) | (loose == 0)).all()):
-        return False
-    return close(out[~undefined], hypothesis[~undefined])
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    diff = (a.double() - b.double()).abs()
-    diff = diff[torch.isfinite(diff)]
-    return float(diff.max()) if diff.numel() else float("nan")
-
-
-def expect_output(value: Any, shape: tuple[int, ...], what: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """Type, shape and dtype of a returned value; NaN is left for later, after the known mistakes."""
-    if not isinstance(value, torch.Tensor):
-        if value is None:
-            fail("shape", f"{what} returned nothing (did you forget `return`?); expected a tensor of shape "
-                          f"{shape}.")
-        kind = type(value).__name__
-        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-            extra = " It looks like you return several things: return only the output tensor."
-        elif kind == "ndarray" or isinstance(value, (tuple, list)):
-            extra = " Build it with torch functions (or convert it with torch.as_tensor)."
-        else:
-            extra = ""
-        fail("dtype", f"{what} returned a {kind}; expected a torch.Tensor of shape {shape}.{extra}")
-    if tuple(value.shape) != tuple(shape):
-        fail("shape", f"{what} returned shape {tuple(value.shape)}, expected {tuple(shape)}.",
-             got=tuple(value.shape), expected=tuple(shape))
-    expect_cpu(value, what)
-    if dtype is not None and value.dtype != dtype:
-        fail("dtype", f"{what} returned dtype {value.dtype}, expected {dtype} (the dtype of the inputs).")
-    return value
-
-
-def expect_finite(value: torch.Tensor, what: str) -> None:
-    if value.is_floating_point() and not torch.isfinite(value).all():
-        fail("nan", f"{what} returned NaN or infinite values. A softmax over a row whose scores are all -inf "
-                    f"gives NaN: check that every query can attend to at least one key, and that you do "
-                    f"not divide by zero.")
-
-
-def sums_to_one(w: torch.Tensor, dim: int) -> bool:
-    total = w.sum(dim)
-    return bool(torch.allclose(total, torch.ones_like(total), atol=1e-3))
 
 
 def fit_scale(weights: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor) -> float | None:
@@ -173,3 +110,13 @@ def call_student(fn: Callable[..., Any], *args: Any, what: str) -> Any:
         if "view size is not compatible" in failure.message:
             reraise_with(failure, "exception", _VIEW_TIP)
         raise failure
+
+
+def expect_callable(candidate: Any, name: str, kind: str = "function") -> None:
+    """Students sometimes pass the result, or an instance, instead of what they wrote."""
+    if kind == "class" and isinstance(candidate, torch.nn.Module):
+        fail("exception", f"You passed an instance of your module; pass the class itself, {name}, so the "
+                          f"checker can build it with its own sizes.")
+    if not callable(candidate):
+        fail("exception", f"Expected your {kind} {name} itself, got {type(candidate).__name__}: pass the {kind}, "
+                          f"not the result of calling it.")

@@ -1,7 +1,8 @@
 """The exercise registry: each exercise's title, hints and solution (read from its notebook).
 
 The harness (results, isolation, time limit, calls into student code) lives in ``_harness``;
-its names are re-exported here for the modules and tests that import them from ``_core``.
+its names (and ``_expect.expect_tensor``) are re-exported here for the modules and tests that
+import them from ``_core``.
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._harness import (DIAGNOSES, CheckResult, Failure, call, checker, expect_tensor,   # noqa: F401
-                       fail)
+from ._expect import expect_tensor  # noqa: F401
+from ._harness import DIAGNOSES, CheckResult, Failure, call, checker, fail  # noqa: F401
 
 __all__ = ["DIAGNOSES", "CheckResult", "Failure", "call", "checker", "expect_tensor", "fail",
            "EXERCISES", "register", "hint", "show_solution", "solution_source"]
@@ -25,17 +26,20 @@ class Exercise:
     hints: list[str]
     notebook: str          # the notebook's number, "02": its solution region is read from there
     shown: int = 0
+    has_solution: bool = True   # False where the notebook has no solution region (8.1 assembles parts)
 
 
 EXERCISES: dict[str, Exercise] = {}
 
 
-def register(exercise: str, title: str, hints: list[str], solution: str | None = None) -> None:
-    """Declare an exercise: its id ("2.1"), a title and two or three hints. ``solution`` is unused
-    (kept so older callers still work): the solution is read from the exercise's notebook."""
+def register(exercise: str, title: str, hints: list[str], solution: str | bool | None = None) -> None:
+    """Declare an exercise: its id ("2.1"), a title and two or three hints. The solution is read from
+    the exercise's notebook; ``solution=False`` says the notebook has none (any other value is unused,
+    kept so older callers still work)."""
     if not re.fullmatch(r"\d+\.\d+", str(exercise)):
         raise ValueError(f"exercise: expected an id such as '2.1', got {exercise!r}")
-    EXERCISES[exercise] = Exercise(exercise, title, list(hints), f"{int(exercise.split('.')[0]):02d}")
+    EXERCISES[exercise] = Exercise(exercise, title, list(hints), f"{int(exercise.split('.')[0]):02d}",
+                                   has_solution=solution is not False)
 
 
 def _lookup(exercise: Any) -> Exercise:
@@ -98,6 +102,11 @@ def solution_source(exercise_id: str) -> str:
 def show_solution(exercise_id: str) -> str:
     """Print the exercise's solution cell from its notebook (for instructors, or after a real attempt)."""
     entry = _lookup(exercise_id)
+    if not entry.has_solution:
+        text = (f"Exercise {entry.exercise} ({entry.title}) has no solution to show: notebook {entry.notebook} "
+                f"assembles the parts you wrote in earlier notebooks. Use checks.hint({entry.exercise!r}).")
+        print(text)
+        return text
     source = solution_source(entry.exercise)
     print(f"# Solution of exercise {entry.exercise} ({entry.title}), from notebook {_notebook(entry).name}\n"
           f"{source}")

@@ -40,16 +40,26 @@ from typing import Any, Callable
 import torch
 
 DIAGNOSES = (
+    # What a CheckResult's ``diagnosis`` can say, one code per kind of mistake (Failure rejects others).
     "not_implemented",   # the exercise still raises NotImplementedError
-    "exception",         # the student's code raised (or called sys.exit)
+    "exception",         # the student's code raised (or called sys.exit), or was passed the wrong thing
     "timeout",           # the student's code ran past the time limit (an endless loop?)
     "mutation",          # the student's code changed one of its inputs in place
-    "shape", "dtype", "device", "nan",
+    "shape",             # the result (or a parameter) has the wrong shape, or nothing was returned
+    "dtype",             # the result has the wrong dtype, or is not a tensor at all
+    "device",            # the result is on another device than its inputs
+    "nan",               # the result holds NaN or infinity (or training went NaN, 8.1)
     "precision",         # the right numbers, rounded too coarsely
-    "softmax_dim", "scale", "normalization", "causal_mask", "head_split",
+    "softmax_dim",       # the softmax runs over the wrong axis
+    "scale",             # the scores (or positional frequencies) are scaled by the wrong factor
+    "normalization",     # weights that do not sum to one: no softmax, or half of one
+    "causal_mask",       # the mask is wrong: the future leaks, or the wrong positions are hidden
+    "head_split",        # heads split or merged along the wrong axes
     "values",            # values taken from the wrong projection or the wrong tensor
     "batch_mixing",      # a reshape that mixes batch entries or positions
-    "dropout", "residual", "norm_placement",
+    "dropout",           # dropout missing, in the wrong place, or active in eval mode
+    "residual",          # a residual connection missing or adding the wrong tensor
+    "norm_placement",    # LayerNorm before/after the sublayer the other way from the block asked for
     "clipping",          # the gradient norm not clipped to max_grad_norm, or clipped at the wrong moment
     "generator",         # sampling ignores the generator it was given (uses the global RNG)
     "mismatch",          # wrong, and like none of the mistakes we know
@@ -178,38 +188,6 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
                              f"fails when a tensor saved for backward is overwritten): write `x = x + ...` instead.",
                  argument=name)
     return result
-
-
-def expect_cpu(value: torch.Tensor, what: str, device: torch.device | str | None = None) -> None:
-    """Checks run on the CPU (the harness clears any default device), so results belong there too."""
-    expected = torch.device(device or "cpu")
-    if value.device.type != expected.type:
-        fail("device", f"{what} returned a tensor on {value.device}, but its inputs are on {expected}: create "
-                       f"new tensors with `device=x.device` (or `torch.zeros_like(x)`), and do not move the "
-                       f"result with .to(...) / .cuda().")
-
-
-def expect_tensor(value: Any, shape: tuple[int, ...], what: str, *,
-                  dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
-    """A returned value must be a tensor of the given shape (dtype, device), with finite numbers."""
-    if not isinstance(value, torch.Tensor):
-        if value is None:
-            fail("shape", f"{what} should return a torch.Tensor of shape {shape}, but returned nothing "
-                          f"(did you forget `return`?).")
-        kind = type(value).__module__.split(".")[0] + "." + type(value).__name__ \
-            if type(value).__module__ != "builtins" else type(value).__name__
-        fail("dtype", f"{what} should return a torch.Tensor of shape {shape}, but returned a {kind}. "
-                      f"Build the result with torch operations (or convert it with torch.as_tensor).")
-    if tuple(value.shape) != tuple(shape):
-        fail("shape", f"{what} returned shape {tuple(value.shape)}, expected {tuple(shape)}.",
-             got=tuple(value.shape), expected=tuple(shape))
-    expect_cpu(value, what, device)
-    if dtype is not None and value.dtype != dtype:
-        fail("dtype", f"{what} returned dtype {value.dtype}, expected {dtype} (the dtype of its inputs).")
-    if value.is_floating_point() and not torch.isfinite(value).all():
-        fail("nan", f"{what} returned NaN or infinite values. A softmax over a row whose entries are all "
-                    f"-inf gives NaN: check that every query can attend to at least one key.")
-    return value
 
 
 # ---------------------------------------------------------------- isolation

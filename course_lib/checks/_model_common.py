@@ -1,4 +1,5 @@
-"""Helpers shared by the checkers of notebooks 04-07: building candidates, copying weights, probes."""
+"""Helpers shared by the checkers of notebooks 04-07: copying weights, randomising them, recording
+calls. Building a candidate is ``_expect.construct``; comparing is ``_compare.close``."""
 from __future__ import annotations
 
 import contextlib
@@ -9,14 +10,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ._core import call, fail
-
-
-def close(a: torch.Tensor, b: torch.Tensor, *, atol: float = 1e-4, rtol: float = 1e-4) -> bool:
-    """Same shape and the same numbers up to float noise (compared in float64)."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
-        return False
-    return bool(torch.allclose(a.detach().double().cpu(), b.detach().double().cpu(), atol=atol, rtol=rtol))
+from ._compare import close
+from ._core import fail
 
 
 def as_tensor(value: Any) -> Any:
@@ -35,19 +30,6 @@ def accepts(fn: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def construct(cls: Any, *args: Any, what: str, **kwargs: Any) -> nn.Module:
-    """Instantiate a student's class; it must give an nn.Module."""
-    if not callable(cls):
-        fail("exception", f"Pass the class itself (e.g. `{what}`), not {type(cls).__name__}: it should be an "
-                          f"nn.Module subclass.")
-    module = call(cls, *args, what=f"{what}(...) (the constructor)", **kwargs)
-    if not isinstance(module, nn.Module):
-        fail("exception", f"{what}(...) should build an nn.Module, but gave {type(module).__name__}. "
-                          f"Pass the class (not an instance) and keep `super().__init__()` in the constructor.")
-    return module
-
 
 
 def copy_weights(reference: nn.Module, candidate: nn.Module, what: str) -> None:
@@ -121,4 +103,4 @@ def extend(message: str, more: str) -> str:
 def same_when_called_twice(run: Callable[[], torch.Tensor]) -> bool:
     first = run()
     second = run()
-    return close(first, second, atol=1e-6, rtol=1e-6)
+    return close(first, second)

@@ -1045,9 +1045,125 @@ def sample_float64_loop(logits, temperature=1.0, top_k=None, generator=None):
     return torch.tensor(out, dtype=torch.long)
 
 
-# ============================================================================ 6.1 generate_with_cache
+# ============================================================================ 6.1 flops_per_token
 
 @correct("6.1")
+def flops_formula(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@correct("6.1")
+def flops_with_embed_dim(config, num_weights):
+    # H·Q is embed_dim
+    return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens
+
+
+@correct("6.1")
+def flops_forward_times_three(config, num_weights):
+    forward = 2 * num_weights + 2 * 2 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+    return 3 * forward   # backward is twice the forward
+
+
+@correct("6.1")
+def flops_as_float_tensor(config, num_weights):
+    per_layer = torch.tensor(12.0 * config.embed_dim * config.max_tokens)
+    return 6.0 * num_weights + config.num_layers * per_layer
+
+
+@correct("6.1")
+def flops_as_numpy(config, num_weights):
+    return np.int64(6 * num_weights) + np.int64(12 * config.num_layers * config.embed_dim * config.max_tokens)
+
+
+@bug("6.1", "mismatch", "forward pass only")
+def flops_forward_only(config, num_weights):
+    return 2 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.1", "mismatch", "2N", "6N")
+def flops_weights_forward_only(config, num_weights):
+    return 2 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.1", "mismatch", "dL/dW")
+def flops_four_n(config, num_weights):
+    return 4 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.1", "mismatch", "not attention")
+def flops_weights_only(config, num_weights):
+    return 6 * num_weights
+
+
+@bug("6.1", "mismatch", "only the forward pass", "12·L·H·Q·T")
+def flops_attention_forward_only(config, num_weights):
+    return 6 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.1", "mismatch", "weighted sum")
+def flops_attention_one_product(config, num_weights):
+    return 6 * num_weights + 6 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.1", "mismatch", "number of heads")
+def flops_no_heads(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.head_dim * config.max_tokens
+
+
+@bug("6.1", "mismatch", "head_dim")
+def flops_embed_dim_per_head(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.num_heads * config.embed_dim * config.max_tokens
+
+
+@bug("6.1", "mismatch", "number of layers")
+def flops_no_layers(config, num_weights):
+    return 6 * num_weights + 12 * config.num_heads * config.head_dim * config.max_tokens
+
+
+@bug("6.1", "mismatch", "T twice")
+def flops_context_squared(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens ** 2
+
+
+@bug("6.1", "mismatch", "whole window")
+def flops_per_window(config, num_weights):
+    return (6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens) * config.max_tokens
+
+
+@bug("6.1", "mismatch", "GFLOPs")
+def flops_in_gflops(config, num_weights):
+    return (6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens) / 1e9
+
+
+@bug("6.1", "mismatch", "num_weights argument")
+def flops_counts_its_own_weights(config, num_weights):
+    n = 12 * config.num_layers * config.embed_dim ** 2   # the blocks only, ignoring the argument
+    return 6 * n + 12 * config.num_layers * config.embed_dim * config.max_tokens
+
+
+@bug("6.1", "mismatch", "expected")
+def flops_vocab_in_attention(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.vocab_size
+
+
+@bug("6.1", "dtype", "forget `return`")
+def flops_prints_instead_of_returning(config, num_weights):
+    print(6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens)
+
+
+@bug("6.1", "dtype", "str")
+def flops_formatted_string(config, num_weights):
+    return f"{6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens:,}"
+
+
+@bug("6.1", "exception", "AttributeError")
+def flops_wrong_attribute(config, num_weights):
+    return 6 * num_weights + 12 * config.n_layer * config.n_head * config.head_dim * config.max_tokens
+
+
+# ============================================================================ 6.2 generate_with_cache
+
+@correct("6.2")
 @torch.no_grad()
 def cached_classic(model, idx, max_new_tokens):
     cache = model.new_cache()
@@ -1059,7 +1175,7 @@ def cached_classic(model, idx, max_new_tokens):
     return idx
 
 
-@correct("6.1")
+@correct("6.2")
 def cached_token_by_token(model, idx, max_new_tokens):
     cache = model.new_cache()
     out = idx
@@ -1074,7 +1190,7 @@ def cached_token_by_token(model, idx, max_new_tokens):
     return out
 
 
-@bug("6.1", "exception", "whole sequence")
+@bug("6.2", "exception", "whole sequence")
 def cached_refeeds_everything(model, idx, max_new_tokens):
     cache = model.new_cache()
     for _ in range(max_new_tokens):
@@ -1084,7 +1200,7 @@ def cached_refeeds_everything(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.1", "mismatch", "new cache")
+@bug("6.2", "mismatch", "new cache")
 def cached_new_cache_every_step(model, idx, max_new_tokens):
     logits = model(idx, model.new_cache())
     for _ in range(max_new_tokens):
@@ -1094,7 +1210,7 @@ def cached_new_cache_every_step(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.1", "mismatch", "never pass a cache")
+@bug("6.2", "mismatch", "never pass a cache")
 def cached_without_cache(model, idx, max_new_tokens):
     for _ in range(max_new_tokens):
         logits = model(idx)
@@ -1102,7 +1218,7 @@ def cached_without_cache(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.1", "mismatch", "without the cache")
+@bug("6.2", "mismatch", "without the cache")
 def cached_forgets_cache_later(model, idx, max_new_tokens):
     cache = model.new_cache()
     logits = model(idx, cache)
@@ -1113,7 +1229,7 @@ def cached_forgets_cache_later(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.1", "mismatch", "position 0")
+@bug("6.2", "mismatch", "position 0")
 def cached_positions_not_offset(model, idx, max_new_tokens):
     # their own forward for the new token, to "save" the position lookup
     cache = model.new_cache()
@@ -1128,7 +1244,7 @@ def cached_positions_not_offset(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.1", "shape", "prompt unchanged")
+@bug("6.2", "shape", "prompt unchanged")
 def cached_collects_but_returns_prompt(model, idx, max_new_tokens):
     cache = model.new_cache()
     logits = model(idx, cache)
@@ -1140,7 +1256,7 @@ def cached_collects_but_returns_prompt(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.1", "shape", "only the")
+@bug("6.2", "shape", "only the")
 def cached_returns_new_tokens_only(model, idx, max_new_tokens):
     cache = model.new_cache()
     logits = model(idx, cache)
@@ -1152,7 +1268,7 @@ def cached_returns_new_tokens_only(model, idx, max_new_tokens):
     return torch.cat(new, dim=1)
 
 
-@bug("6.1", "shape", "exactly")
+@bug("6.2", "shape", "exactly")
 def cached_one_short(model, idx, max_new_tokens):
     cache = model.new_cache()
     logits = model(idx, cache)
@@ -1163,7 +1279,7 @@ def cached_one_short(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.1", "mismatch", "differ")
+@bug("6.2", "mismatch", "differ")
 def cached_samples_instead(model, idx, max_new_tokens):
     cache = model.new_cache()
     logits = model(idx, cache)
@@ -1172,122 +1288,6 @@ def cached_samples_instead(model, idx, max_new_tokens):
         idx = torch.cat([idx, next_id], dim=1)
         logits = model(next_id, cache)
     return idx
-
-
-# ============================================================================ 6.2 flops_per_token
-
-@correct("6.2")
-def flops_formula(config, num_weights):
-    return 6 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
-
-
-@correct("6.2")
-def flops_with_embed_dim(config, num_weights):
-    # H·Q is embed_dim
-    return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens
-
-
-@correct("6.2")
-def flops_forward_times_three(config, num_weights):
-    forward = 2 * num_weights + 2 * 2 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
-    return 3 * forward   # backward is twice the forward
-
-
-@correct("6.2")
-def flops_as_float_tensor(config, num_weights):
-    per_layer = torch.tensor(12.0 * config.embed_dim * config.max_tokens)
-    return 6.0 * num_weights + config.num_layers * per_layer
-
-
-@correct("6.2")
-def flops_as_numpy(config, num_weights):
-    return np.int64(6 * num_weights) + np.int64(12 * config.num_layers * config.embed_dim * config.max_tokens)
-
-
-@bug("6.2", "mismatch", "forward pass only")
-def flops_forward_only(config, num_weights):
-    return 2 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
-
-
-@bug("6.2", "mismatch", "2N", "6N")
-def flops_weights_forward_only(config, num_weights):
-    return 2 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
-
-
-@bug("6.2", "mismatch", "dL/dW")
-def flops_four_n(config, num_weights):
-    return 4 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
-
-
-@bug("6.2", "mismatch", "not attention")
-def flops_weights_only(config, num_weights):
-    return 6 * num_weights
-
-
-@bug("6.2", "mismatch", "only the forward pass", "12·L·H·Q·T")
-def flops_attention_forward_only(config, num_weights):
-    return 6 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
-
-
-@bug("6.2", "mismatch", "weighted sum")
-def flops_attention_one_product(config, num_weights):
-    return 6 * num_weights + 6 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
-
-
-@bug("6.2", "mismatch", "number of heads")
-def flops_no_heads(config, num_weights):
-    return 6 * num_weights + 12 * config.num_layers * config.head_dim * config.max_tokens
-
-
-@bug("6.2", "mismatch", "head_dim")
-def flops_embed_dim_per_head(config, num_weights):
-    return 6 * num_weights + 12 * config.num_layers * config.num_heads * config.embed_dim * config.max_tokens
-
-
-@bug("6.2", "mismatch", "number of layers")
-def flops_no_layers(config, num_weights):
-    return 6 * num_weights + 12 * config.num_heads * config.head_dim * config.max_tokens
-
-
-@bug("6.2", "mismatch", "T twice")
-def flops_context_squared(config, num_weights):
-    return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens ** 2
-
-
-@bug("6.2", "mismatch", "whole window")
-def flops_per_window(config, num_weights):
-    return (6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens) * config.max_tokens
-
-
-@bug("6.2", "mismatch", "GFLOPs")
-def flops_in_gflops(config, num_weights):
-    return (6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens) / 1e9
-
-
-@bug("6.2", "mismatch", "num_weights argument")
-def flops_counts_its_own_weights(config, num_weights):
-    n = 12 * config.num_layers * config.embed_dim ** 2   # the blocks only, ignoring the argument
-    return 6 * n + 12 * config.num_layers * config.embed_dim * config.max_tokens
-
-
-@bug("6.2", "mismatch", "expected")
-def flops_vocab_in_attention(config, num_weights):
-    return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.vocab_size
-
-
-@bug("6.2", "dtype", "forget `return`")
-def flops_prints_instead_of_returning(config, num_weights):
-    print(6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens)
-
-
-@bug("6.2", "dtype", "str")
-def flops_formatted_string(config, num_weights):
-    return f"{6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens:,}"
-
-
-@bug("6.2", "exception", "AttributeError")
-def flops_wrong_attribute(config, num_weights):
-    return 6 * num_weights + 12 * config.n_layer * config.n_head * config.head_dim * config.max_tokens
 
 
 # ============================================================================ 7.1 split_c_attn

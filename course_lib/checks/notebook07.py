@@ -1,4 +1,7 @@
-"""Checkers for notebook 07: GPT-2's fused c_attn weight, and an attention function for transformers."""
+"""Exercises of notebook 07 (Hugging Face): 7.1 split_c_attn, 7.2 an attention function for transformers.
+
+Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+"""
 from __future__ import annotations
 
 import itertools
@@ -7,10 +10,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ._compare import close
 from ._core import call, checker, expect_tensor, fail, register
-from ._model_common import as_tensor, close, randomize_
+from ._mistake import Mistake
+from ._model_common import as_tensor, randomize_
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
+
 
 _NAMES = ("Wq", "Wk", "Wv")
 
@@ -41,12 +47,12 @@ def check_split_c_attn(fn: Callable[..., Any]) -> str:
                               f"(the 3 * embed_dim outputs of c_attn), not the first.")
             expect_tensor(part, (embed_dim, embed_dim), f"{what}: {name}")
         expected = reference(weight)
-        if all(close(p, e, atol=1e-6) for p, e in zip(parts, expected)):
+        if all(close(p, e) for p, e in zip(parts, expected)):
             continue
         raw = [e.T for e in expected]   # the thirds as Conv1D stores them
         for order in itertools.permutations(range(3)):
             for candidates, transposed in ((expected, True), (raw, False)):
-                if not all(close(parts[i], candidates[j], atol=1e-6) for i, j in enumerate(order)):
+                if not all(close(parts[i], candidates[j]) for i, j in enumerate(order)):
                     continue
                 problems = []
                 if not transposed:
@@ -58,7 +64,7 @@ def check_split_c_attn(fn: Callable[..., Any]) -> str:
                                     f"then the value; you returned them as ({', '.join(_NAMES[j] for j in order)})")
                 fail("mismatch", f"{what}: " + "; and ".join(problems) + ".")
         interleaved = weight.view(embed_dim, embed_dim, 3).unbind(-1)
-        if all(close(p, w.T, atol=1e-6) or close(p, w, atol=1e-6) for p, w in zip(parts, interleaved)):
+        if all(close(p, w.T) or close(p, w) for p, w in zip(parts, interleaved)):
             fail("mismatch", f"{what}: you took every third column. The query, key and value are three "
                              f"consecutive blocks of embed_dim columns each.")
         fail("mismatch", f"{what}: the matrices differ from the reference. Split the columns into three "
@@ -132,30 +138,30 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     what = "your attention function (attention_mask=None)"
     got = _direct(fn, module, q, k, v, None, scaling, what)
-    if not close(got, _direct(fn, module, q, k, v, None, scaling, what), atol=1e-6):
+    if not close(got, _direct(fn, module, q, k, v, None, scaling, what)):
         fail("dropout", f"{what}: two identical calls gave different outputs with dropout=0.0. Use the `dropout` "
                         f"argument (and module.training) instead of a fixed rate.")
     expected = reference(module, q, k, v, None, scaling=scaling)[0]
     if not close(got, expected):
         variants = [
-            ("causal_mask", "attention_mask is None, and you then let every query see every key. transformers "
-                            "passes no mask when a plain causal mask would do: apply causality yourself "
-                            "(module.is_causal tells you), so query i sees keys 0..i only.",
-             _attention(q, k, v, scale=scaling)),
-            ("causal_mask", "the causal mask points the wrong way: query i should see keys 0..i (on and below "
-                            "the diagonal), not the future ones.",
-             _attention(q, k, v, scale=scaling, mask=causal.T)),
-            ("softmax_dim", "the softmax runs over the queries (dim -2); each query's weights should sum to one "
-                            "over the keys, dim -1.",
-             _attention(q, k, v, scale=scaling, mask=causal, dim=-2)),
-            ("scale", "the scores are not scaled: multiply them by the `scaling` argument.",
-             _attention(q, k, v, scale=1.0, mask=causal)),
-            ("scale", "the scores are scaled by 1/head_dim; use the `scaling` argument (head_dim ** -0.5 here).",
-             _attention(q, k, v, scale=1.0 / head_dim, mask=causal)),
+            Mistake("causal_mask", "attention_mask is None, and you then let every query see every key. transformers "
+                                   "passes no mask when a plain causal mask would do: apply causality yourself "
+                                   "(module.is_causal tells you), so query i sees keys 0..i only.",
+                    output=_attention(q, k, v, scale=scaling)),
+            Mistake("causal_mask", "the causal mask points the wrong way: query i should see keys 0..i (on and below "
+                                   "the diagonal), not the future ones.",
+                    output=_attention(q, k, v, scale=scaling, mask=causal.T)),
+            Mistake("softmax_dim", "the softmax runs over the queries (dim -2); each query's weights should sum to one "
+                                   "over the keys, dim -1.",
+                    output=_attention(q, k, v, scale=scaling, mask=causal, dim=-2)),
+            Mistake("scale", "the scores are not scaled: multiply them by the `scaling` argument.",
+                    output=_attention(q, k, v, scale=1.0, mask=causal)),
+            Mistake("scale", "the scores are scaled by 1/head_dim; use the `scaling` argument (head_dim ** -0.5 here).",
+                    output=_attention(q, k, v, scale=1.0 / head_dim, mask=causal)),
         ]
-        for diagnosis, message, value in variants:
-            if close(got, value):
-                fail(diagnosis, f"{what}: {message}")
+        for mistake in variants:
+            if close(got, mistake.output):
+                fail(mistake.code, f"{what}: {mistake.message}")
         fail("mismatch", f"{what}: the output differs from causal scaled dot-product attention (largest "
                          f"difference {(got - expected).abs().max():.3g}).")
     what = "your attention function (scaling=0.5)"
@@ -229,7 +235,7 @@ def check_hf_attention(fn: Callable[..., Any]) -> str:
             expected = model(input_ids=ids, attention_mask=mask if padded else None).logits
         got = expect_tensor(got, tuple(expected.shape), what)
         real = mask.bool()
-        if not close(got[real], expected[real], atol=1e-4):
+        if not close(got[real], expected[real]):
             changed = ids.clone()
             changed[:, -1] = (changed[:, -1] + 1) % vocab
             later = call(run_with_attention, model, fn, changed, None, what=what) if length > 1 and not padded \

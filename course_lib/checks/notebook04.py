@@ -1,4 +1,7 @@
-"""Checkers for notebook 04: the transformer block and the GPT model."""
+"""Exercises of notebook 04 (the GPT model): 4.1 sinusoidal_table, 4.2 TransformerBlock, 4.3 GPT.
+
+Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+"""
 from __future__ import annotations
 
 import math
@@ -7,10 +10,120 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ._compare import close
 from ._core import Failure, call, checker, expect_tensor, fail, register
-from ._model_common import (accepts, close, construct, copy_weights, randomize_, same_when_called_twice)
+from ._expect import construct
+from ._mistake import Mistake
+from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice
 
-__all__ = ["check_transformer_block", "check_gpt"]
+__all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
+
+
+# ---------------------------------------------------------------- 4.1 sinusoidal_table
+
+def _table(max_tokens: int, embed_dim: int, *, frequency: torch.Tensor | None = None, first: str = "sin",
+           layout: str = "interleave", offset: int = 0) -> torch.Tensor:
+    """A family of tables: the reference and the ways students get it wrong."""
+    half = embed_dim // 2
+    if frequency is None:
+        frequency = 10000.0 ** (-torch.arange(0, embed_dim, 2, dtype=torch.float64)[:half] / embed_dim)
+    angles = (torch.arange(max_tokens, dtype=torch.float64)[:, None] + offset) * frequency   # (T, d/2)
+    a, b = (angles.sin(), angles.cos()) if first == "sin" else (angles.cos(), angles.sin())
+    if layout == "interleave":
+        return torch.stack([a, b], dim=-1).flatten(1)   # (T, d): a b a b ...
+    return torch.cat([a, b], dim=-1)                    # (T, d): a a ... b b ...
+
+
+def _frequency_variants(embed_dim: int) -> list[Mistake]:
+    def _frequency(frequency: torch.Tensor, why: str) -> Mistake:
+        return Mistake("scale", why, {"frequency": frequency})
+
+    pair = torch.arange(embed_dim // 2, dtype=torch.float64)   # i = 0, 1, ...
+    even = 2 * pair                                             # 2i = 0, 2, ...
+    return [
+        _frequency(10000.0 ** (-pair / embed_dim),
+                   "the exponent uses the pair index i over embed_dim; it should be the even dimension index 2i over "
+                   "embed_dim (i.e. step through 0, 2, 4, ... or multiply i by 2)"),
+        _frequency(10000.0 ** (-2 * even / embed_dim),
+                   "the exponent counts the dimension index twice: you step through the even indices "
+                   "(0, 2, 4, ...) and then multiply by 2 again"),
+        _frequency(10000.0 ** (even / embed_dim),
+                   "the frequencies grow with the dimension instead of shrinking: you multiply the position by "
+                   "10000^(2i/d) where you should divide by it"),
+        _frequency(1000.0 ** (-even / embed_dim), "the base is 1000; the paper uses 10000"),
+        _frequency(100.0 ** (-even / embed_dim), "the base is 100; the paper uses 10000"),
+        _frequency(math.e ** (-even / embed_dim),
+                   "the base is e: if you write it with exp(), remember the factor log(10000)"),
+        _frequency(10000.0 ** (-even / (embed_dim - 1 if embed_dim > 1 else 1)),
+                   "the exponent divides by embed_dim - 1; it should divide by embed_dim"),
+    ]
+
+
+def _diagnose_table(got: torch.Tensor, max_tokens: int, embed_dim: int, what: str) -> None:
+    got = got.double()
+    if close(got, _table(max_tokens, embed_dim, first="cos")):
+        fail("mismatch", f"{what}: sine and cosine are swapped. Even dimensions (0, 2, 4, ...) hold the sines "
+                         f"and odd dimensions the cosines, so row 0 (position 0) should read 0, 1, 0, 1, ...")
+    for first, second in (("sines", "cosines"), ("cosines", "sines")):
+        if close(got, _table(max_tokens, embed_dim, layout="concat", first=first[:3])):
+            fail("mismatch", f"{what}: you concatenated the halves: all the {first} first, then all the "
+                             f"{second}. The table interleaves them: dimension 2i "
+                             f"is the sine and dimension 2i+1 the cosine of the same angle. Fill the even and "
+                             f"odd columns separately, or stack the two along a new last dimension and flatten.")
+    if close(got, _table(max_tokens, embed_dim, offset=1)):
+        fail("mismatch", f"{what}: your positions start at 1. Row 0 is position 0 (sin 0 = 0, cos 0 = 1).")
+    for mistake in _frequency_variants(embed_dim):
+        frequency, why = mistake.spec["frequency"], mistake.message
+        for layout in ("interleave", "concat"):
+            if close(got, _table(max_tokens, embed_dim, frequency=frequency, layout=layout)):
+                extra = "" if layout == "interleave" else " (and the sines and cosines should interleave)"
+                fail(mistake.code, f"{what}: the wavelengths are wrong: {why}{extra}.")
+    # sin and cos of one angle per pair, starting at angle 0, but other angles: the frequencies are off
+    if embed_dim >= 2 and max_tokens >= 2:
+        even, odd = got[:, 0:2 * (embed_dim // 2):2], got[:, 1:2 * (embed_dim // 2):2]
+        on_circle = torch.allclose(even ** 2 + odd ** 2, torch.ones_like(even))
+        starts_at_zero = torch.allclose(even[0], torch.zeros_like(even[0]))
+        if on_circle and starts_at_zero:
+            fail("scale", f"{what}: every pair of dimensions holds the sine and cosine of one angle, but the "
+                          f"angles are wrong: dimension pair i should turn at the rate 1 / 10000^(2i/embed_dim) "
+                          f"per position. Check the base, the exponent and that you divide the position by it.")
+    diff = (got - _table(max_tokens, embed_dim)).abs()
+    pos, dim = divmod(int(diff.argmax()), embed_dim)
+    fail("mismatch", f"{what}: values differ from the reference, first at position {pos}, dimension {dim} "
+                     f"(got {got[pos, dim]:.4f}, expected {_table(max_tokens, embed_dim)[pos, dim]:.4f}). "
+                     f"Even dimension 2i holds sin(pos / 10000^(2i/d)), odd dimension 2i+1 the cosine.")
+
+
+@checker("4.1")
+def check_sinusoidal_table(fn: Callable[..., Any]) -> str:
+    """fn(max_tokens, embed_dim) -> (max_tokens, embed_dim), as ``course_lib.model.sinusoidal_table``."""
+    from course_lib.model import sinusoidal_table as reference
+
+    for max_tokens, embed_dim in ((12, 8), (5, 6), (1, 4), (40, 16)):
+        what = f"sinusoidal_table({max_tokens}, {embed_dim})"
+        got = as_tensor(call(fn, max_tokens, embed_dim, what=what))
+        if (isinstance(got, torch.Tensor) and tuple(got.shape) == (embed_dim, max_tokens)
+                and max_tokens != embed_dim):
+            fail("shape", f"{what} returned shape {tuple(got.shape)}: one row per dimension. The table has one "
+                          f"row per position, (max_tokens, embed_dim): positions should run down the rows "
+                          f"(a column of positions) and frequencies across the columns (a row of frequencies).")
+        expect_tensor(got, (max_tokens, embed_dim), what)
+        if not got.is_floating_point():
+            fail("dtype", f"{what} returned dtype {got.dtype}; sines and cosines need a float tensor "
+                          f"(start from torch.arange(..., dtype=torch.float32)).")
+        if not close(got, reference(max_tokens, embed_dim)):
+            _diagnose_table(got, max_tokens, embed_dim, what)
+    return "Sines on the even dimensions, cosines on the odd ones, wavelengths from 2π to 10000·2π."
+
+
+register("4.1", "sinusoidal_table", [
+    "Build a column of positions (max_tokens, 1) and a row of frequencies (1, embed_dim // 2); their product "
+    "is every angle at once, by broadcasting.",
+    "Frequency of pair i: 1 / 10000^(2i / embed_dim). Computing it as exp(2i * -log(10000) / embed_dim) is the "
+    "same number and numerically kinder.",
+    "Start from torch.zeros(max_tokens, embed_dim) and fill the even columns (0::2) with the sines and the odd "
+    "columns (1::2) with the cosines of the same angles.",
+], solution="course_lib.model:sinusoidal_table")
 
 
 # ---------------------------------------------------------------- 4.2 TransformerBlock
@@ -26,8 +139,8 @@ def _residual_of_normalised(x, a, m, l1, l2):
     return x + m(x)
 
 
-def _block_variants(norm_first: bool) -> list[tuple[str, str, Callable[..., torch.Tensor]]]:
-    """(diagnosis, message, f(x, attn, mlp, ln1, ln2)) for the mistakes we have seen."""
+def _block_variants(norm_first: bool) -> list[Mistake]:
+    """The mistakes we have seen; each output is f(x, attn, mlp, ln1, ln2)."""
     def pre(x, a, m, l1, l2):
         h = x + a(l1(x))
         return h + m(l2(h))
@@ -38,66 +151,69 @@ def _block_variants(norm_first: bool) -> list[tuple[str, str, Callable[..., torc
 
     right = "pre-norm (GPT-2)" if norm_first else "post-norm (the 2017 paper)"
     common = [
-        ("mismatch", "the feed-forward sublayer (self.mlp) is never applied, or its result is dropped; the "
-                     "block is attention, then feed-forward.",
-         (lambda x, a, m, l1, l2: x + a(l1(x))) if norm_first else (lambda x, a, m, l1, l2: l1(x + a(x)))),
-        ("mismatch", "the attention sublayer (self.attn) is never applied, or its result is dropped; the block "
-                     "is attention, then feed-forward.",
-         (lambda x, a, m, l1, l2: x + m(l2(x))) if norm_first else (lambda x, a, m, l1, l2: l2(x + m(x)))),
-        ("mismatch", "ln1 and ln2 are swapped: ln1 goes with the attention sublayer, ln2 with the feed-forward "
-                     "one (each LayerNorm has its own learned scale and shift).",
-         (lambda x, a, m, l1, l2: pre(x, a, m, l2, l1)) if norm_first
-         else (lambda x, a, m, l1, l2: post(x, a, m, l2, l1))),
-        ("mismatch", "you use ln1 for both sublayers; ln2 belongs to the feed-forward sublayer.",
-         (lambda x, a, m, l1, l2: pre(x, a, m, l1, l1)) if norm_first
-         else (lambda x, a, m, l1, l2: post(x, a, m, l1, l1))),
-        ("mismatch", "you use ln2 for both sublayers; ln1 belongs to the attention sublayer.",
-         (lambda x, a, m, l1, l2: pre(x, a, m, l2, l2)) if norm_first
-         else (lambda x, a, m, l1, l2: post(x, a, m, l2, l2))),
-        ("mismatch", "the LayerNorms ln1 and ln2 are never applied; each sublayer needs its own.",
-         lambda x, a, m, l1, l2: pre(x, a, m, nn.Identity(), nn.Identity())),
-        ("norm_placement", f"you normalise both before the sublayers and after the residual additions; this "
-                           f"block is {right}, so each LayerNorm is used once.",
-         lambda x, a, m, l1, l2: l2((h := l1(x + a(l1(x)))) + m(l2(h)))),
-        ("residual", "the feed-forward sublayer reads the block's input x instead of the output of the "
-                     "attention step (the two sublayers run in parallel). Feed the updated x forward.",
-         (lambda x, a, m, l1, l2: x + a(l1(x)) + m(l2(x))) if norm_first
-         else (lambda x, a, m, l1, l2: l2(l1(x + a(x)) + m(x)))),
+        Mistake("mismatch", "the feed-forward sublayer (self.mlp) is never applied, or its result is dropped; the "
+                            "block is attention, then feed-forward.",
+                output=(lambda x, a, m, l1, l2: x + a(l1(x))) if norm_first
+                else (lambda x, a, m, l1, l2: l1(x + a(x)))),
+        Mistake("mismatch", "the attention sublayer (self.attn) is never applied, or its result is dropped; the block "
+                            "is attention, then feed-forward.",
+                output=(lambda x, a, m, l1, l2: x + m(l2(x))) if norm_first
+                else (lambda x, a, m, l1, l2: l2(x + m(x)))),
+        Mistake("mismatch", "ln1 and ln2 are swapped: ln1 goes with the attention sublayer, ln2 with the feed-forward "
+                            "one (each LayerNorm has its own learned scale and shift).",
+                output=(lambda x, a, m, l1, l2: pre(x, a, m, l2, l1)) if norm_first
+                else (lambda x, a, m, l1, l2: post(x, a, m, l2, l1))),
+        Mistake("mismatch", "you use ln1 for both sublayers; ln2 belongs to the feed-forward sublayer.",
+                output=(lambda x, a, m, l1, l2: pre(x, a, m, l1, l1)) if norm_first
+                else (lambda x, a, m, l1, l2: post(x, a, m, l1, l1))),
+        Mistake("mismatch", "you use ln2 for both sublayers; ln1 belongs to the attention sublayer.",
+                output=(lambda x, a, m, l1, l2: pre(x, a, m, l2, l2)) if norm_first
+                else (lambda x, a, m, l1, l2: post(x, a, m, l2, l2))),
+        Mistake("mismatch", "the LayerNorms ln1 and ln2 are never applied; each sublayer needs its own.",
+                output=lambda x, a, m, l1, l2: pre(x, a, m, nn.Identity(), nn.Identity())),
+        Mistake("norm_placement", f"you normalise both before the sublayers and after the residual additions; this "
+                                  f"block is {right}, so each LayerNorm is used once.",
+                output=lambda x, a, m, l1, l2: l2((h := l1(x + a(l1(x)))) + m(l2(h)))),
+        Mistake("residual", "the feed-forward sublayer reads the block's input x instead of the output of the "
+                            "attention step (the two sublayers run in parallel). Feed the updated x forward.",
+                output=(lambda x, a, m, l1, l2: x + a(l1(x)) + m(l2(x))) if norm_first
+                else (lambda x, a, m, l1, l2: l2(l1(x + a(x)) + m(x)))),
     ]
     if norm_first:
         return [
-            ("norm_placement", "you normalise after adding the residual (post-norm, as in the 2017 paper). This "
-                               "block is pre-norm (GPT-2): apply ln1 to the input of the attention and ln2 to the "
-                               "input of the feed-forward, and leave the residual stream itself un-normalised.",
-             post),
-            ("residual", "the attention sublayer has no residual connection: add its output to its input "
-                         "(the un-normalised x) instead of replacing x.",
-             lambda x, a, m, l1, l2: (h := a(l1(x))) + m(l2(h))),
-            ("residual", "the feed-forward sublayer has no residual connection: add its output to x instead of "
-                         "replacing x.",
-             lambda x, a, m, l1, l2: m(l2(x + a(l1(x))))),
-            ("residual", "neither sublayer has a residual connection: each should add its output to x, not "
-                         "replace x.",
-             lambda x, a, m, l1, l2: m(l2(a(l1(x))))),
-            ("residual", "your residual adds the normalised x: you overwrite x with ln1(x) (and ln2(x)) before "
-                         "adding. The residual stream carries the un-normalised x; normalise only what goes "
-                         "into each sublayer.",
-             _residual_of_normalised),
+            Mistake("norm_placement", "you normalise after adding the residual (post-norm, as in the 2017 paper). This"
+                                      " block is pre-norm (GPT-2): apply ln1 to the input of the attention and ln2 to "
+                                      "the input of the feed-forward, and leave the residual stream itself "
+                                      "un-normalised.",
+                    output=post),
+            Mistake("residual", "the attention sublayer has no residual connection: add its output to its input "
+                                "(the un-normalised x) instead of replacing x.",
+                    output=lambda x, a, m, l1, l2: (h := a(l1(x))) + m(l2(h))),
+            Mistake("residual", "the feed-forward sublayer has no residual connection: add its output to x instead of "
+                                "replacing x.",
+                    output=lambda x, a, m, l1, l2: m(l2(x + a(l1(x))))),
+            Mistake("residual", "neither sublayer has a residual connection: each should add its output to x, not "
+                                "replace x.",
+                    output=lambda x, a, m, l1, l2: m(l2(a(l1(x))))),
+            Mistake("residual", "your residual adds the normalised x: you overwrite x with ln1(x) (and ln2(x)) before "
+                                "adding. The residual stream carries the un-normalised x; normalise only what goes "
+                                "into each sublayer.",
+                    output=_residual_of_normalised),
         ] + common
     return [
-        ("norm_placement", "you normalise the input of each sublayer (pre-norm, GPT-2). This block is post-norm "
-                           "(the 2017 paper): add the sublayer's output to x first, then apply the LayerNorm "
-                           "to the sum.",
-         pre),
-        ("residual", "the attention sublayer has no residual connection: normalise x plus the attention "
-                     "output, not the attention output alone.",
-         lambda x, a, m, l1, l2: l2((h := l1(a(x))) + m(h))),
-        ("residual", "the feed-forward sublayer has no residual connection: normalise the sum of its input and "
-                     "its output, not its output alone.",
-         lambda x, a, m, l1, l2: l2(m(l1(x + a(x))))),
-        ("residual", "neither sublayer has a residual connection: each LayerNorm should see x plus the "
-                     "sublayer's output.",
-         lambda x, a, m, l1, l2: l2(m(l1(a(x))))),
+        Mistake("norm_placement", "you normalise the input of each sublayer (pre-norm, GPT-2). This block is post-norm "
+                                  "(the 2017 paper): add the sublayer's output to x first, then apply the LayerNorm "
+                                  "to the sum.",
+                output=pre),
+        Mistake("residual", "the attention sublayer has no residual connection: normalise x plus the attention "
+                            "output, not the attention output alone.",
+                output=lambda x, a, m, l1, l2: l2((h := l1(a(x))) + m(h))),
+        Mistake("residual", "the feed-forward sublayer has no residual connection: normalise the sum of its input and "
+                            "its output, not its output alone.",
+                output=lambda x, a, m, l1, l2: l2(m(l1(x + a(x))))),
+        Mistake("residual", "neither sublayer has a residual connection: each LayerNorm should see x plus the "
+                            "sublayer's output.",
+                output=lambda x, a, m, l1, l2: l2(m(l1(a(x))))),
     ] + common
 
 
@@ -128,9 +244,9 @@ def _inputs(generator: torch.Generator, batch: int, length: int) -> torch.Tensor
 def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor, got: torch.Tensor,
                     norm_first: bool, what: str) -> None:
     r = reference
-    for diagnosis, message, variant in _block_variants(norm_first):
-        if close(got, variant(x, r.attn, r.mlp, r.ln1, r.ln2)):
-            fail(diagnosis, f"{what}: {message}")
+    for mistake in _block_variants(norm_first):
+        if close(got, mistake.output(x, r.attn, r.mlp, r.ln1, r.ln2)):
+            fail(mistake.code, f"{what}: {mistake.message}")
     # behaviour probes, for mistakes we did not list
     if x.shape[1] > 1:
         changed = x.clone()
@@ -205,7 +321,7 @@ def _gpt_config(**overrides: Any):
     return GPTConfig(**values)
 
 
-def _gpt_variants(ref: nn.Module) -> list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]]:
+def _gpt_variants(ref: nn.Module) -> list[Mistake]:
     def run(idx, *, positions=True, ln_f=True, scale=1.0, blocks=None):
         x = ref.token_embedding(idx) * scale
         if positions:
@@ -216,25 +332,25 @@ def _gpt_variants(ref: nn.Module) -> list[tuple[str, str, Callable[[torch.Tensor
 
     blocks = list(ref.blocks)
     return [
-        ("mismatch", "the positions are missing: you never add the position encodings, so the model cannot "
-                     "tell where a token sits. Add self.position_encoding(...) to the token embeddings.",
-         lambda idx: run(idx, positions=False)),
-        ("mismatch", "the final LayerNorm self.ln_f is missing: apply it after the last block, before the "
-                     "output head.",
-         lambda idx: run(idx, ln_f=False)),
-        ("mismatch", "the positions are missing and the final LayerNorm ln_f is not applied.",
-         lambda idx: run(idx, positions=False, ln_f=False)),
-        ("mismatch", f"you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds "
-                     f"token and position embeddings as they are.",
-         lambda idx: run(idx, scale=math.sqrt(ref.config.embed_dim))),
-        ("mismatch", "the blocks run in reverse order; go through self.blocks first to last.",
-         lambda idx: run(idx, blocks=blocks[::-1])),
-        ("mismatch", "only the first block is applied; every block in self.blocks should transform x in turn, "
-                     "each one taking the previous block's output.",
-         lambda idx: run(idx, blocks=blocks[:1])),
-        ("mismatch", "only the last block's output is kept; each block should take the previous block's output, "
-                     "not the embeddings.",
-         lambda idx: run(idx, blocks=blocks[-1:])),
+        Mistake("mismatch", "the positions are missing: you never add the position encodings, so the model cannot "
+                            "tell where a token sits. Add self.position_encoding(...) to the token embeddings.",
+                output=lambda idx: run(idx, positions=False)),
+        Mistake("mismatch", "the final LayerNorm self.ln_f is missing: apply it after the last block, before the "
+                            "output head.",
+                output=lambda idx: run(idx, ln_f=False)),
+        Mistake("mismatch", "the positions are missing and the final LayerNorm ln_f is not applied.",
+                output=lambda idx: run(idx, positions=False, ln_f=False)),
+        Mistake("mismatch", f"you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds "
+                            f"token and position embeddings as they are.",
+                output=lambda idx: run(idx, scale=math.sqrt(ref.config.embed_dim))),
+        Mistake("mismatch", "the blocks run in reverse order; go through self.blocks first to last.",
+                output=lambda idx: run(idx, blocks=blocks[::-1])),
+        Mistake("mismatch", "only the first block is applied; every block in self.blocks should transform x in turn, "
+                            "each one taking the previous block's output.",
+                output=lambda idx: run(idx, blocks=blocks[:1])),
+        Mistake("mismatch", "only the last block's output is kept; each block should take the previous block's output, "
+                            "not the embeddings.",
+                output=lambda idx: run(idx, blocks=blocks[-1:])),
     ]
 
 
@@ -245,16 +361,16 @@ def _forward(model: nn.Module, idx: torch.Tensor, what: str, *cache: Any) -> Any
 @torch.no_grad()
 def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor, got: torch.Tensor,
                   what: str) -> None:
-    if bool((got >= 0).all()) and close(got.sum(-1), torch.ones(got.shape[:-1]), atol=1e-3):
+    if bool((got >= 0).all()) and close(got.sum(-1), torch.ones(got.shape[:-1])):
         fail("mismatch", f"{what}: every row is non-negative and sums to 1, so you return probabilities. "
                          f"Return logits, not probabilities: the loss (cross-entropy) and the sampler apply "
                          f"the softmax themselves.")
-    if close(got.exp().sum(-1), torch.ones(got.shape[:-1]), atol=1e-3):
+    if close(got.exp().sum(-1), torch.ones(got.shape[:-1])):
         fail("mismatch", f"{what}: you return log-probabilities (a log_softmax of the logits). Return logits, "
                          f"not probabilities: cross-entropy applies the log-softmax itself.")
-    for diagnosis, message, variant in _gpt_variants(reference):
-        if close(got, variant(idx)):
-            fail(diagnosis, f"{what}: {message}")
+    for mistake in _gpt_variants(reference):
+        if close(got, mistake.output(idx)):
+            fail(mistake.code, f"{what}: {mistake.message}")
     length = idx.shape[1]
     if length > 1:
         changed = idx.clone()

@@ -1,8 +1,9 @@
-"""Checkers for notebooks 01-03 (attention): exercises 1.1-1.3, 2.1-2.2 and 3.1-3.3.
+"""Exercises of notebook 01 (attention from scratch): 1.1 toy prediction, 1.2 toy_attention,
+1.3 scaled_dot_product_attention.
 
 Each checker runs the student's code next to the reference in ``course_lib.attention`` and, when
-they disagree, fits the student's output against the classic mistakes (see ``_attn_hypotheses``)
-before falling back to behavioural probes (``_attn_probes``, ``_attn_modules``).
+they disagree, fits the student's output against the classic mistakes (``_attn_hypotheses``)
+before falling back to behavioural probes (``_attn_probes``). Hints are registered at the end.
 """
 from __future__ import annotations
 
@@ -11,31 +12,22 @@ from typing import Any, Callable
 import torch
 
 from .. import attention as ref
-from ._attn_hypotheses import SDPA_HYPOTHESES, Hypothesis, sdpa_variant
-from ._attn_modules import CASES, EMBED_DIM, MAX_TOKENS, ModuleCheck
-from ._attn_probes import call_student, close, diagnose_weights, expect_finite, expect_output, first_match, \
-    identity_values, max_diff, reraise_with, shape_str
+from ._attn_hypotheses import SDPA_HYPOTHESES, sdpa_variant
+from ._attn_probes import (
+    call_student,
+    diagnose_weights,
+    expect_callable,
+    first_match,
+    identity_values,
+    reraise_with,
+    shape_str,
+)
+from ._compare import close, max_diff
 from ._core import Failure, call, checker, fail, register
+from ._expect import expect_finite, expect_tensor
+from ._mistake import Mistake
 
-__all__ = [
-    "check_toy_prediction",
-    "check_toy_attention",
-    "check_scaled_dot_product_attention",
-    "check_causal_mask",
-    "check_masked_attention",
-    "check_split_heads",
-    "check_merge_heads",
-    "check_multi_head_attention",
-]
-
-def _expect_callable(candidate: Any, name: str, kind: str = "function") -> None:
-    """Students sometimes pass the result, or an instance, instead of what they wrote."""
-    if kind == "class" and isinstance(candidate, torch.nn.Module):
-        fail("exception", f"You passed an instance of your module; pass the class itself, {name}, so the "
-                          f"checker can build it with its own sizes.")
-    if not callable(candidate):
-        fail("exception", f"Expected your {kind} {name} itself, got {type(candidate).__name__}: pass the {kind}, "
-                          f"not the result of calling it.")
+__all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]
 
 
 # ============================================================================ 1.1 toy prediction
@@ -125,17 +117,17 @@ def _toy_variant(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 _TOY_HYPOTHESES = (
-    Hypothesis("scale", "You scale the scores by 1/sqrt(d). Toy attention has no scaling yet (that comes in "
+    Mistake("scale", "You scale the scores by 1/sqrt(d). Toy attention has no scaling yet (that comes in "
                         "exercise 1.3): take the softmax of the plain dot products.", {"kind": "scaled"}),
-    Hypothesis("normalization", "You weight the values by the raw scores: turn the scores into weights with a "
+    Mistake("normalization", "You weight the values by the raw scores: turn the scores into weights with a "
                                 "softmax first, so they are positive and sum to one.", {"kind": "raw"}),
-    Hypothesis("normalization", "You exponentiate the scores but never divide by their sum, so the weights do "
+    Mistake("normalization", "You exponentiate the scores but never divide by their sum, so the weights do "
                                 "not sum to one: that division is the other half of the softmax.", {"kind": "exp"}),
-    Hypothesis("softmax_dim", "Every key gets weight 1: your softmax runs over an axis of length one. Take it "
+    Mistake("softmax_dim", "Every key gets weight 1: your softmax runs over an axis of length one. Take it "
                               "over the n scores, one per key.", {"kind": "ones"}),
-    Hypothesis("mismatch", "Your weights favour the keys that point away from the query: a larger dot product "
+    Mistake("mismatch", "Your weights favour the keys that point away from the query: a larger dot product "
                            "means a better match, and should get more weight.", {"kind": "negative"}),
-    Hypothesis("mismatch", "Every key gets the same weight, whatever the query: the weights must come from the "
+    Mistake("mismatch", "Every key gets the same weight, whatever the query: the weights must come from the "
                            "dot products of the query with the keys.", {"kind": "uniform"}),
 )
 
@@ -154,7 +146,7 @@ def _toy_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
 @checker("1.2")
 def check_toy_attention(fn: Callable[..., Any]) -> str:
     """``fn(query (d,), keys (n, d), values (n,) or (n, dv))`` as ``course_lib.toy_attention``."""
-    _expect_callable(fn, "toy_attention")
+    expect_callable(fn, "toy_attention")
     cases, outputs = _toy_cases(), []
     for query, keys, values in cases:
         what = (f"toy_attention(query, keys, values) with query {shape_str(query.shape)}, keys "
@@ -162,7 +154,8 @@ def check_toy_attention(fn: Callable[..., Any]) -> str:
         expected = ref.toy_attention(query, keys, values)
         out = call_student(fn, query.clone(), keys.clone(), values.clone(), what=what)
         try:
-            expect_output(out, tuple(expected.shape), what, expected.dtype)   # the inputs decide: float64 notebooks too
+            # the inputs decide the dtype: float64 notebooks too
+            expect_tensor(out, tuple(expected.shape), what, dtype=expected.dtype, finite=False)
         except Failure as failure:
             if failure.diagnosis == "shape" and tuple(failure.details.get("got", ())) == (keys.shape[0],):
                 if close(out, torch.softmax(keys @ query, dim=0)):
@@ -248,7 +241,7 @@ def _works_with_a_mask(fn: Callable[..., Any], cases: list[Any]) -> bool:
 @checker("1.3")
 def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
     """``fn(q, k, v, mask=None)`` as ``course_lib.scaled_dot_product_attention``."""
-    _expect_callable(fn, "scaled_dot_product_attention")
+    expect_callable(fn, "scaled_dot_product_attention")
     cases, outputs = _sdpa_cases(), []
     for q, k, v, mask in cases:
         what = (f"scaled_dot_product_attention with q {shape_str(q.shape)}, k {shape_str(k.shape)}, "
@@ -263,7 +256,7 @@ def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
                                                    "to every key, so only apply the mask when there is one.")
             raise
         try:
-            expect_output(out, tuple(expected.shape), what, q.dtype)
+            expect_tensor(out, tuple(expected.shape), what, dtype=q.dtype, finite=False)
         except Failure as failure:
             got = tuple(failure.details.get("got", ()))
             if failure.diagnosis == "shape" and got == tuple(q.shape[:-1]) + (k.shape[-2],):
@@ -306,160 +299,6 @@ def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
     fail("mismatch", f"For q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)} your output "
                      f"differs from the reference by up to {max_diff(*outputs[index]):.3g}, {where}")
 
-
-# ============================================================================ 2.1 causal mask
-
-_MASK_PATTERNS = (
-    (lambda m: m.all(), "Nothing is hidden: every position may attend to every other one, including the future."),
-    (lambda m: not m.any(), "Everything is hidden: no position may attend to anything. True means 'may attend'."),
-    (lambda m: torch.equal(m, torch.ones_like(m).triu()),
-     "Your mask points the wrong way: True sits on and above the diagonal, so each position sees the "
-     "future. It should be on and below the diagonal (the past)."),
-    (lambda m: torch.equal(m, torch.ones_like(m).triu(1)),
-     "Your mask is inverted: you marked the positions to hide. In this course True means 'may attend': "
-     "on and below the diagonal."),
-    (lambda m: torch.equal(m, torch.ones_like(m).tril(-1)),
-     "The diagonal is missing: each position must be allowed to attend to itself."),
-    (lambda m: torch.equal(m, torch.ones_like(m).tril(1)),
-     "Your mask is off by one: it also lets each position see the next one. Keep the diagonal and below."),
-)
-
-
-@checker("2.1")
-def check_causal_mask(fn: Callable[..., Any]) -> str:
-    """``fn(n)`` -> bool (n, n), True on and below the diagonal."""
-    _expect_callable(fn, "causal_mask")
-    for n in (5, 1, 2, 8):
-        what = f"causal_mask({n})"
-        out = call_student(fn, n, what=what)
-        if isinstance(out, torch.Tensor) and tuple(out.shape) == (n, n) and out.dtype != torch.bool:
-            expected = ref.causal_mask(n)
-            if out.is_floating_point() and torch.isinf(out).any():
-                fail("dtype", f"{what} returned a float mask with -inf in it (an additive mask). This course uses "
-                              f"a bool mask, True where a position may attend; return dtype torch.bool.")
-            if torch.equal(out != 0, expected) and bool(((out == 0) | (out == 1)).all()):
-                fail("dtype", f"{what} has the right pattern but dtype {out.dtype}: make it torch.bool, so that "
-                              f"~mask and masked_fill work as intended (pass dtype= or call .bool()).")
-        expect_output(out, (n, n), what, torch.bool)
-        expected = ref.causal_mask(n)
-        if not torch.equal(out, expected):
-            for matches, message in _MASK_PATTERNS:
-                if n > 1 and bool(matches(out)):
-                    fail("causal_mask", f"{what}: {message}")
-            i, j = (out != expected).nonzero()[0].tolist()
-            fail("causal_mask", f"{what}: entry [{i}, {j}] should be {bool(expected[i, j])}: position i may "
-                                f"attend to position j exactly when j <= i.")
-    return "Right for n = 1, 2, 5 and 8: True on and below the diagonal, dtype torch.bool."
-
-
-# ============================================================================ 2.2 masked attention
-
-def _module_check(check: ModuleCheck, heads_text: str) -> str:
-    check.run_all()
-    if not all(close(run.out, run.expected) for run in check.runs):
-        check.diagnose()
-    check.check_train_dropout()
-    lengths = sorted({length for _, length in CASES})
-    return (f"Matches the reference for batch sizes 1-3 and lengths {lengths}{heads_text}; the future never "
-            f"leaks and dropout only acts in training mode.")
-
-
-@checker("2.2")
-def check_masked_attention(cls: Callable[..., Any]) -> str:
-    """``cls(embed_dim, max_tokens, dropout_rate)`` with Linear layers query, key, value, proj."""
-    _expect_callable(cls, "MaskedAttention", "class")
-    check = ModuleCheck("MaskedAttention", lambda heads, p: cls(EMBED_DIM, MAX_TOKENS, p),
-                        lambda heads, p: ref.MaskedAttention(EMBED_DIM, MAX_TOKENS, p), heads=(1,))
-    return _module_check(check, "")
-
-
-# ============================================================================ 3.1 / 3.2 split and merge heads
-
-def _arange(*shape: int) -> torch.Tensor:
-    return torch.arange(float(torch.Size(shape).numel())).reshape(shape)
-
-
-def _rearranged(out: torch.Tensor, x: torch.Tensor, alternatives: list[tuple[torch.Tensor, str]],
-                what: str, purpose: str) -> None:
-    """Say how a rearrangement of x went wrong (x holds 0, 1, 2, ... so every number has one place)."""
-    for alternative, message in alternatives:
-        if torch.equal(out, alternative):
-            fail("head_split", f"{what}: {message}")
-    if torch.equal(out.flatten().sort().values, x.flatten().sort().values):
-        fail("head_split", f"{what}: the right numbers end up in the wrong places. {purpose}")
-    fail("mismatch", f"{what}: your output holds different numbers from x; {purpose}")
-
-
-@checker("3.1")
-def check_split_heads(fn: Callable[..., Any]) -> str:
-    """``fn(x (N, L, E), num_heads)`` -> (N, num_heads, L, E // num_heads)."""
-    _expect_callable(fn, "split_heads")
-    for shape, heads in (((2, 3, 8), 2), ((2, 3, 8), 4), ((3, 5, 12), 3), ((1, 1, 8), 1), ((2, 4, 6), 1)):
-        x = _arange(*shape)
-        n, length, embed_dim = shape
-        head_dim = embed_dim // heads
-        what = f"split_heads(x, {heads}) with x of shape {shape}"
-        out = call_student(fn, x.clone(), heads, what=what)
-        if isinstance(out, torch.Tensor) and tuple(out.shape) == (n, length, heads, head_dim) and length != heads:
-            fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(n, heads, length, head_dim)}: you "
-                          f"split the features into heads but left the head axis after the sequence axis. "
-                          f"Move it in front.")
-        expect_output(out, (n, heads, length, head_dim), what, x.dtype)
-        expect_finite(out, what)
-        if not torch.equal(out, ref.split_heads(x, heads)):
-            _rearranged(out, x, [
-                (x.reshape(n, heads, length, head_dim),
-                 "a reshape straight to (N, heads, L, head_dim) cuts the sequence, not the features, into "
-                 "heads. Split the last axis into (heads, head_dim) first, then move the head axis forward."),
-                (x.reshape(n, length, head_dim, heads).permute(0, 3, 1, 2),
-                 "each head takes every num_heads-th feature instead of a block of head_dim neighbouring "
-                 "features: split the last axis as (heads, head_dim), in that order."),
-            ], what, "Head h should hold features h*head_dim ... (h+1)*head_dim - 1 of every position.")
-    return "Right for 1 to 4 heads: each head holds its own block of features at every position."
-
-
-@checker("3.2")
-def check_merge_heads(fn: Callable[..., Any]) -> str:
-    """``fn(x (N, heads, L, head_dim))`` -> (N, L, heads * head_dim)."""
-    _expect_callable(fn, "merge_heads")
-    for shape in ((2, 2, 3, 4), (2, 4, 3, 2), (3, 3, 5, 4), (1, 1, 1, 8), (2, 1, 4, 4)):
-        x = _arange(*shape)
-        n, heads, length, head_dim = shape
-        what = f"merge_heads(x) with x of shape {shape}"
-        out = call_student(fn, x.clone(), what=what)
-        if isinstance(out, torch.Tensor) and out.shape != (n, length, heads * head_dim):
-            if tuple(out.shape) == (n, length, heads, head_dim):
-                fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(n, length, heads * head_dim)}: "
-                              f"the axes are in the right order; now flatten heads and head_dim into one axis.")
-            if tuple(out.shape) == (n, heads * length, head_dim):
-                fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(n, length, heads * head_dim)}: "
-                              f"you stacked the heads along the sequence; they belong side by side along the "
-                              f"features of each position.")
-        expect_output(out, (n, length, heads * head_dim), what, x.dtype)
-        expect_finite(out, what)
-        if not torch.equal(out, ref.merge_heads(x)):
-            _rearranged(out, x, [
-                (x.reshape(n, length, heads * head_dim),
-                 "a bare reshape of (N, heads, L, head_dim) to (N, L, E) mixes positions: swap the head and "
-                 "sequence axes back first, then flatten."),
-                (x.permute(0, 2, 3, 1).reshape(n, length, heads * head_dim),
-                 "the heads' features are interleaved: flatten as (heads, head_dim), head after head."),
-            ], what, "Position l of the output should hold head 0's features, then head 1's, and so on.")
-    return "Right for 1 to 4 heads: merge_heads puts the heads side by side and undoes split_heads."
-
-
-# ============================================================================ 3.3 multi-head attention
-
-@checker("3.3")
-def check_multi_head_attention(cls: Callable[..., Any]) -> str:
-    """``cls(embed_dim, num_heads, max_tokens, dropout_rate)`` with Linear layers query, key, value, proj."""
-    _expect_callable(cls, "MultiHeadMaskedAttention", "class")
-    check = ModuleCheck("MultiHeadMaskedAttention", lambda heads, p: cls(EMBED_DIM, heads, MAX_TOKENS, p),
-                        lambda heads, p: ref.MultiHeadMaskedAttention(EMBED_DIM, heads, MAX_TOKENS, p),
-                        heads=(2, 4, 1))
-    return _module_check(check, " with 1, 2 and 4 heads")
-
-
 # ============================================================================ hints
 
 register("1.1", "predict toy attention by hand", [
@@ -468,11 +307,13 @@ register("1.1", "predict toy attention by hand", [
     "The result is the weighted average of TOY_VALUES: each value times its weight, added up. Notice that "
     "the first and third keys are mirror images.",
 ], solution="course_lib.attention:toy_attention")
+
 register("1.2", "toy_attention", [
     "Three steps: one score per key, a softmax over those scores, a weighted sum of the values.",
     "keys @ query gives all n scores at once; take the softmax along that single axis. No scaling here.",
     "weights @ values works for values of shape (n,) and (n, dv) alike.",
 ], solution="course_lib.attention:toy_attention")
+
 register("1.3", "scaled_dot_product_attention", [
     "The same three steps as toy attention, for whole batches of queries: the scores have shape (..., Lq, Lk).",
     "Transpose only the last two axes of k, divide the scores by sqrt(d) with d = q.shape[-1], and take the "
@@ -480,35 +321,3 @@ register("1.3", "scaled_dot_product_attention", [
     "With a mask, give the scores of hidden keys (mask False) the value -inf before the softmax; leave the "
     "scores alone when mask is None.",
 ], solution="course_lib.attention:scaled_dot_product_attention")
-register("2.1", "causal_mask", [
-    "Row i of the mask says which positions token i may look at: itself and everything before it.",
-    "That is a lower-triangular pattern, True on and below the diagonal; torch.tril keeps exactly that part.",
-    "Start from an (n, n) tensor of ones with dtype=torch.bool.",
-], solution="course_lib.attention:causal_mask")
-register("2.2", "MaskedAttention.forward", [
-    "Project x into q, k and v with self.query, self.key and self.value, then attend as in exercise 1.3 "
-    "with the causal mask.",
-    "The mask buffer is max_tokens x max_tokens: use only its first L rows and columns for a sequence of "
-    "L tokens, and hide the future with -inf before the softmax. One head uses all the features, so scale "
-    "by 1/sqrt(embed_dim).",
-    "After the softmax: self.attn_dropout on the weights, weights times v, then self.proj and "
-    "self.proj_dropout. Dropout layers follow model.train() / model.eval() by themselves.",
-], solution="course_lib.attention:MultiHeadMaskedAttention.forward")
-register("3.1", "split_heads", [
-    "Each head gets its own contiguous block of head_dim = E // num_heads features, at every position.",
-    "First give the last axis the shape (num_heads, head_dim): (N, L, E) -> (N, L, heads, head_dim).",
-    "Then swap the sequence and head axes to get (N, heads, L, head_dim).",
-], solution="course_lib.attention:split_heads")
-register("3.2", "merge_heads", [
-    "merge_heads undoes split_heads: the heads' outputs end up side by side along the features.",
-    "Swap the head and sequence axes back first: (N, heads, L, head_dim) -> (N, L, heads, head_dim).",
-    "Then flatten the last two axes; after a transpose use .reshape (or .contiguous() before .view).",
-], solution="course_lib.attention:merge_heads")
-register("3.3", "MultiHeadMaskedAttention.forward", [
-    "The same steps as MaskedAttention, but q, k and v are split into heads before the scores and the heads "
-    "are merged again before the output projection.",
-    "The scores are now (N, heads, L, L): the (L, L) causal mask broadcasts over batch and heads. Scale by "
-    "1/sqrt(head_dim), not 1/sqrt(embed_dim).",
-    "Softmax over the last axis, self.attn_dropout, weights times v, merge_heads, then self.proj and "
-    "self.proj_dropout.",
-], solution="course_lib.attention:MultiHeadMaskedAttention")
