@@ -346,3 +346,34 @@ def test_comparisons_are_asserted_not_printed(path):
     printed_output = [(i, m.group(0).strip()) for i, cell in _code_cells(nb) for out in cell.outputs
                       if out.output_type == "stream" for m in _PRINTED_BOOL.finditer(out.get("text", ""))]
     assert not printed_output, f"{path.name}: saved output(s) print a comparison's result: {printed_output}"
+
+
+_FIGURE_NOTE = re.compile(r"^\s*\*The figure:\*\s+\S.{15,}", re.DOTALL)
+
+
+def _draws_a_figure(cell) -> bool:
+    return cell.cell_type == "code" and any("image/png" in out.get("data", {}) or "image/svg+xml" in out.get("data", {})
+                                            for out in cell.outputs)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_every_figure_has_a_text_description_next_to_it(path):
+    """For screen readers and text-only views: a markdown cell '*The figure:* ...' right before or after."""
+    cells = _read(path).cells
+    missing = []
+    for i, cell in enumerate(cells):
+        if not _draws_a_figure(cell):
+            continue
+        neighbours = [cells[j] for j in (i - 1, i + 1) if 0 <= j < len(cells)]
+        if not any(c.cell_type == "markdown" and _FIGURE_NOTE.match(c.source) for c in neighbours):
+            missing.append(i + 1)
+    assert not missing, (f"{path.name}: code cell(s) {missing} (counting all cells from 1) draw a figure without a "
+                         f"markdown cell starting '*The figure:* ...' (one sentence: what to look at) right before or after")
+
+
+def test_figure_description_rule_sees_a_figure_without_one():
+    cell = nbformat.v4.new_code_cell("fig", outputs=[nbformat.v4.new_output(
+        "execute_result", data={"image/png": "iVBOR", "text/plain": "<Figure>"}, execution_count=1)])
+    assert _draws_a_figure(cell)
+    assert _FIGURE_NOTE.match("*The figure:* the loss falls, then levels off.")
+    assert not _FIGURE_NOTE.match("How to read the curve: the loss falls.")
