@@ -352,8 +352,8 @@ _FIGURE_NOTE = re.compile(r"^\s*\*The figure:\*\s+\S.{15,}", re.DOTALL)
 
 
 def _draws_a_figure(cell) -> bool:
-    return cell.cell_type == "code" and any("image/png" in out.get("data", {}) or "image/svg+xml" in out.get("data", {})
-                                            for out in cell.outputs)
+    images = ("image/png", "image/svg+xml")
+    return cell.cell_type == "code" and any(kind in out.get("data", {}) for out in cell.outputs for kind in images)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
@@ -367,8 +367,9 @@ def test_every_figure_has_a_text_description_next_to_it(path):
         neighbours = [cells[j] for j in (i - 1, i + 1) if 0 <= j < len(cells)]
         if not any(c.cell_type == "markdown" and _FIGURE_NOTE.match(c.source) for c in neighbours):
             missing.append(i + 1)
-    assert not missing, (f"{path.name}: code cell(s) {missing} (counting all cells from 1) draw a figure without a "
-                         f"markdown cell starting '*The figure:* ...' (one sentence: what to look at) right before or after")
+    assert not missing, (f"{path.name}: code cell(s) {missing} (counting all cells from 1) draw a figure without "
+                         f"a markdown cell starting '*The figure:* ...' (one sentence: what to look at) right "
+                         f"before or after")
 
 
 def test_figure_description_rule_sees_a_figure_without_one():
