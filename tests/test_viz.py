@@ -60,9 +60,52 @@ def test_plot_attention_shows_the_weights_with_token_labels():
     assert [t.get_text() for t in ax.get_xticklabels()] == TOKENS
     assert [t.get_text() for t in ax.get_yticklabels()] == TOKENS
     assert ax.get_title() == "one head"
-    # small matrices get every value written in its cell
+    # small matrices get every allowed value written in its cell; the 6 masked (future) cells get none
     cell_texts = [t.get_text() for t in ax.texts]
-    assert len(cell_texts) == 16 and cell_texts[4] == f"{w[1, 0].item():.2f}"
+    assert len(cell_texts) == 10 and cell_texts[1] == f"{w[1, 0].item():.2f}"
+
+
+def _hatched_cells(ax):
+    return sorted((round(p.get_x() + 0.5), round(p.get_y() + 0.5)) for p in ax.patches if p.get_hatch())
+
+
+def test_plot_attention_draws_masked_cells_apart_from_zero_weights():
+    w = causal_weights()
+    fig = viz.plot_attention(w, TOKENS)
+    [ax] = image_axes(fig)
+    shown = ax.images[0].get_array()
+    future = np.triu(np.ones((4, 4), dtype=bool), k=1)
+    # masked cells are "bad" pixels (drawn in the grey of the causal-mask picture), hatched, and named in a legend
+    np.testing.assert_array_equal(np.ma.getmaskarray(shown), future)
+    assert _hatched_cells(ax) == sorted((j, i) for i, j in zip(*np.nonzero(future)))
+    grey = ax.images[0].cmap.get_bad()
+    assert tuple(np.round(grey[:3], 3)) != tuple(np.round(ax.images[0].cmap(0.0)[:3], 3))
+    [legend] = [a.get_legend() for a in fig.axes if a.get_legend()]
+    assert "masked" in legend.get_texts()[0].get_text()
+    # a real weight of exactly 0 outside the causal pattern is not called masked
+    zero_somewhere = torch.full((3, 3), 1 / 3)
+    zero_somewhere[2] = torch.tensor([0.0, 0.5, 0.5])
+    [ax] = image_axes(viz.plot_attention(zero_somewhere))
+    assert not np.ma.getmaskarray(ax.images[0].get_array()).any() and not _hatched_cells(ax)
+
+
+def test_plot_attention_takes_an_explicit_mask_and_checks_its_shape():
+    w = torch.full((3, 3), 1 / 3)
+    allowed = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
+    [ax] = image_axes(viz.plot_attention(w, mask=allowed))
+    np.testing.assert_array_equal(np.ma.getmaskarray(ax.images[0].get_array()), ~allowed.numpy())
+    with pytest.raises(ValueError, match="mask"):
+        viz.plot_attention(w, mask=torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_plot_attention_heads_marks_masked_cells_in_every_panel():
+    w = causal_weights(2, length=5)                       # (heads, L, L)
+    fig = viz.plot_attention_heads(w)
+    future = np.triu(np.ones((5, 5), dtype=bool), k=1)
+    for ax in image_axes(fig):
+        np.testing.assert_array_equal(np.ma.getmaskarray(ax.images[0].get_array()), future)
+        assert len(_hatched_cells(ax)) == future.sum()
+    assert fig.legends and "masked" in fig.legends[0].get_texts()[0].get_text()
 
 
 def test_figures_show_once_in_a_notebook():

@@ -15,6 +15,7 @@ from .. import _validate as validate
 from .style import (
     ACCENT,
     ANNOTATE_MAX_TOKENS,
+    MASK_HATCH,
     MASKED,
     MAY_ATTEND,
     MUTED,
@@ -32,8 +33,36 @@ __all__ = ["plot_attention", "plot_attention_heads", "plot_causal_mask", "plot_p
            "plot_softmax_saturation"]
 
 
-def plot_attention(weights, tokens=None, title: str | None = None, ax=None) -> Figure:
+def _masked_cells(w: np.ndarray, mask) -> np.ndarray | None:
+    """Cells (..., Lq, Lk) that may not be attended to, or None.
+
+    ``mask`` (Lq, Lk), True = may attend, says so explicitly. Without it, a causal pattern is recognised:
+    when every weight above the (bottom-aligned) diagonal is exactly 0, as a softmax over -inf gives,
+    those cells are masked. Weights that merely happen to be small are never taken for masked.
+    """
+    lq, lk = w.shape[-2:]
+    if mask is not None:
+        allowed = as_array("mask", mask, ndims=(2,), shape="(Lq, Lk)", kind="bool")
+        if allowed.shape != (lq, lk):
+            raise ValueError(f"mask: expected shape {(lq, lk)} like the weights, got {allowed.shape}")
+        return np.broadcast_to(~allowed, w.shape)
+    future = np.triu(np.ones((lq, lk), dtype=bool), k=lk - lq + 1)
+    if not future.any() or np.any(w[..., future] != 0):
+        return None
+    return np.broadcast_to(future, w.shape)
+
+
+def _masked_legend(fig_or_ax, **where) -> None:
+    fig_or_ax.legend(handles=[Patch(facecolor=MASKED, edgecolor=MUTED, hatch=MASK_HATCH,
+                                    label="masked: no weight (not a weight of 0)")],
+                     fontsize=8, frameon=False, **where)
+
+
+def plot_attention(weights, tokens=None, title: str | None = None, ax=None, mask=None) -> Figure:
     """Heatmap of one attention matrix (Lq, Lk): queries are rows, keys are columns.
+
+    Masked cells (future positions) are drawn grey and hatched, not in the colour of a 0 weight: give
+    ``mask`` (Lq, Lk, True = may attend), or let a causal pattern of exact zeros be recognised.
 
     ``tokens`` labels the keys (a list of Lk str; a str is read one character per
     token). When Lq < Lk (queries of the newest tokens only, as with a KV cache)
@@ -56,8 +85,11 @@ def plot_attention(weights, tokens=None, title: str | None = None, ax=None) -> F
     fig = ax.figure
     fontsize = 10 if max(lq, lk) <= 16 else 8
     vmin, vmax = min(0.0, float(w.min())), max(float(w.max()), 1e-12)
+    masked = _masked_cells(w, mask)
     im = heatmap(ax, w, labels, labels[lk - lq:] if labels else None, vmin=vmin, vmax=vmax,
-                  annotate=max(lq, lk) <= ANNOTATE_MAX_TOKENS, fontsize=fontsize)
+                  annotate=max(lq, lk) <= ANNOTATE_MAX_TOKENS, fontsize=fontsize, masked=masked)
+    if masked is not None:
+        _masked_legend(ax, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncols=1)
     ax.set_xlabel("key (attended to)", fontsize=10)
     ax.set_ylabel("query (attending)", fontsize=10)
     ax.xaxis.set_label_position("top")
@@ -69,8 +101,10 @@ def plot_attention(weights, tokens=None, title: str | None = None, ax=None) -> F
     return fig
 
 
-def plot_attention_heads(weights, tokens=None, layer: int | None = None) -> Figure:
+def plot_attention_heads(weights, tokens=None, layer: int | None = None, mask=None) -> Figure:
     """One heatmap per head: weights (heads, L, L) or (layers, heads, L, L).
+
+    Masked cells are drawn grey and hatched, as in ``plot_attention`` (``mask``: (L, L), True = may attend).
 
     For 4-D weights ``layer=None`` draws every layer (one row each) and ``layer=i``
     only row i. For 3-D weights ``layer`` only names the layer in the titles.
@@ -106,6 +140,7 @@ def plot_attention_heads(weights, tokens=None, layer: int | None = None) -> Figu
     vmax = max(float(w.max()), 1e-12)
     vmin = min(0.0, float(w.min()))
     fontsize = 8 if max(lq, lk) <= 16 else 6
+    masked = _masked_cells(w, mask)
     im = None
     for k, ax in enumerate(axes):
         if k >= len(panels):
@@ -113,7 +148,7 @@ def plot_attention_heads(weights, tokens=None, layer: int | None = None) -> Figu
             continue
         i, h = panels[k]
         im = heatmap(ax, w[i, h], labels, labels[lk - lq:] if labels else None, vmin=vmin, vmax=vmax,
-                      annotate=False, fontsize=fontsize)
+                      annotate=False, fontsize=fontsize, masked=None if masked is None else masked[i, h])
         name = f"head {h}" if layer_ids[i] is None else f"layer {layer_ids[i]}, head {h}"
         ax.set_title(name, fontsize=10)
         # labels only on the outer edge: inner ones repeat and crowd the grid
@@ -126,6 +161,8 @@ def plot_attention_heads(weights, tokens=None, layer: int | None = None) -> Figu
     cbar.ax.tick_params(labelsize=8)
     fig.supxlabel("key (attended to)", fontsize=10)
     fig.supylabel("query (attending)", fontsize=10)
+    if masked is not None:
+        _masked_legend(fig, loc="lower right")
     return fig
 
 

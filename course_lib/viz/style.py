@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from matplotlib import figure as mpl_figure
 from matplotlib.colors import to_rgb
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+from matplotlib import colormaps
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
 from .. import _validate as validate
 
@@ -150,9 +151,22 @@ def crowded(labels: list[str] | None, n: int) -> bool:
     return bool(labels) and n > 6 and max(len(t) for t in labels) > 2
 
 
+MASK_HATCH = "////"   # masked cells: light grey, hatched, and no number: not a weight of 0 but no weight at all
+
+
 def heatmap(ax, data: np.ndarray, xlabels, ylabels, *, vmin: float, vmax: float, annotate: bool,
-             fontsize: float):
-    im = ax.imshow(data, cmap=CMAP, vmin=vmin, vmax=vmax, interpolation="nearest", aspect="equal")
+             fontsize: float, masked: np.ndarray | None = None):
+    """Draw ``data`` as a heatmap; cells where ``masked`` is True are drawn grey and hatched, without a number."""
+    if masked is not None and masked.any():
+        shown = np.ma.masked_array(data, mask=masked)
+        im = ax.imshow(shown, cmap=colormaps[CMAP].with_extremes(bad=MASKED), vmin=vmin, vmax=vmax,
+                       interpolation="nearest", aspect="equal")
+        for i, j in zip(*np.nonzero(masked)):
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="none", edgecolor=MUTED,
+                                   hatch=MASK_HATCH, linewidth=0.0))
+    else:
+        masked = None
+        im = ax.imshow(data, cmap=CMAP, vmin=vmin, vmax=vmax, interpolation="nearest", aspect="equal")
     label_ticks(ax, xlabels, data.shape[1], "x", fontsize)
     label_ticks(ax, ylabels, data.shape[0], "y", fontsize)
     ax.tick_params(length=0)
@@ -161,6 +175,8 @@ def heatmap(ax, data: np.ndarray, xlabels, ylabels, *, vmin: float, vmax: float,
     if annotate:
         span = vmax - vmin or 1.0
         for (i, j), v in np.ndenumerate(data):
+            if masked is not None and masked[i, j]:
+                continue
             # viridis is dark at the low end: white text there, dark text on yellow
             colour = "white" if (v - vmin) / span < 0.6 else INK
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=fontsize - 1, color=colour)
