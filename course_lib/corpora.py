@@ -315,7 +315,7 @@ def corpus_path(name: str, download: bool = True) -> Path:
             raise _mismatch_error(corpus, location.path, location.searched)
         return location.path
     if not download:
-        raise CorpusError(f"Corpus {corpus.name!r} ({corpus.filename}) not found, and download=False.\n"
+        raise CorpusError(f"Corpus {corpus.name!r} ({corpus.filename}) not found, and downloading was turned off (download=False, or --no-download).\n"
                           + _where_to_put_it(corpus, location.searched),
                           corpus=corpus, searched=location.searched)
     return _download(corpus, _default_download_dir(), corpus.url,

@@ -108,7 +108,7 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
 
 @torch.no_grad()
 def generate_with_cache(model: nn.Module, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy generation with a KV cache, within one context window (exercise 6.1's reference)."""
+    """Greedy generation with a KV cache, within one context window (exercise 6.2's reference)."""
     validate.token_ids("idx", idx, dim=2)
     validate.non_negative_int("max_new_tokens", max_new_tokens)
     _check_prompt_vocabulary(model, idx)

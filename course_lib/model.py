@@ -288,7 +288,7 @@ def check_vocabulary(name: str, ids: torch.Tensor, vocab_size: int) -> None:
 
 
 def flops_per_token(config: GPTConfig, num_parameters: int) -> float:
-    """Training FLOPs per token: 6N for the weights plus 12·L·H·Q·T for attention (PaLM, appendix B).
+    """Training FLOPs per token: 6N for the weights plus 12·n·H·Q·T for attention (PaLM, appendix B).
 
     N = ``num_parameters``; L layers, H heads of size Q, context T, all from ``config``.
     """

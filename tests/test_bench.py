@@ -84,7 +84,7 @@ def test_generation_config_is_the_gpu_recipe_size():
 
 
 def test_flop_formula_on_the_baseline_config():
-    # 6 FLOPs per weight per token (2 forward, 4 backward) + 12·L·H·Q·T for attention
+    # 6 FLOPs per weight per token (2 forward, 4 backward) + 12·n·H·Q·T for attention
     config = GPTConfig(vocab_size=65, **{k: v for k, v in PRESETS["baseline_cpu"].model.items()})
     assert flops_per_token(config, 800_000) == 6 * 800_000 + 12 * 4 * 4 * 32 * 64
 

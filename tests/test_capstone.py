@@ -71,7 +71,14 @@ def test_dropout_on_the_masked_scores_is_nan_in_training_and_blamed_on_3_3(solut
     assert yours.failure == "nan" and not verdict.passed and verdict.diagnosis == "nan"
     blame = find_blame(planted, setup)
     assert blame is not None and (blame.exercise, blame.verdict) == ("3.3", "nan")
-    assert "Exercise 3.3 (MultiHeadMaskedAttention)" in str(blame)
+    said = str(blame)
+    assert said.startswith("Exercise 3.3 (MultiHeadMaskedAttention): with your MultiHeadMaskedAttention, "
+                           "the loss becomes NaN at step 1.")
+    assert "dropout applied before the softmax" in said
+    assert "Fix it in 03_multi_head_attention.ipynb, save it, and run this notebook again" in said
+    demo = find_blame(planted, setup, only=["3.3"], whose="the planted")
+    assert str(demo).startswith("Exercise 3.3 (MultiHeadMaskedAttention): with the planted ") and "Fix it" not in str(demo)
+    assert find_blame(planted, setup, only=["2.1"]) is None, "only= limits the parts tried"
 
 
 def test_a_missing_scale_is_judged_behind_and_blamed(solutions):
@@ -157,3 +164,20 @@ def test_the_side_by_side_figure_draws_both_runs(solutions):
     assert fig._repr_png_()[:4] == b"\x89PNG", "the figure shows itself in a notebook"
     with pytest.raises(TypeError, match="reference: expected a TrainingRun"):
         capstone.plot_side_by_side(yours, None)
+
+
+def test_names_are_sampled_one_per_boundary_token(solutions):
+    ids = torch.tensor([0, 1, 2, 3, 0] * 400)                                  # ".abc." repeated: one name, "abc"
+    config = GPTConfig(vocab_size=4, embed_dim=16, num_heads=2, num_layers=1, max_tokens=8)
+
+    def batches(generator):
+        starts = torch.randint(0, 395, (16,), generator=generator) // 5 * 5    # (16,): every window starts at "."
+        windows = torch.stack([ids[s:s + 9] for s in starts.tolist()])         # (16, 9)
+        return windows[:, :-1], windows[:, 1:]
+
+    val = torch.stack([ids[s:s + 9] for s in range(0, 100, 5)])
+    setup = TrainingSetup("abc", config, batches, val[:, :-1], val[:, 1:], 150, eval_every=50,
+                          decode=lambda t: "".join(".abc"[i] for i in t), start_token=0)
+    run = train_parts(solutions, [], setup)
+    names = capstone.sample_names(run, setup, count=5, seed=0, temperature=0.5)
+    assert names == ["abc"] * 5, names

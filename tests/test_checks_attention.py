@@ -6,12 +6,10 @@ from collections import Counter
 
 import pytest
 import torch
-
 from bank.attention_bugs import BUGGY, CORRECT
-from course_lib import attention
-from course_lib import checks
-from course_lib.checks import _core
-from course_lib.checks import notebook01, notebook02, notebook03
+
+from course_lib import attention, checks
+from course_lib.checks import _core, notebook01, notebook02, notebook03
 from course_lib.checks._attn_hypotheses import MODULE_HYPOTHESES, SDPA_HYPOTHESES, module_variant, sdpa_variant
 from course_lib.checks._attn_modules import EMBED_DIM, MAX_TOKENS, load, random_params
 

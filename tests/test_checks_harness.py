@@ -263,9 +263,9 @@ _PATCHABLE = [("1.2", "course_lib.attention", "toy_attention"),
 def test_patching_the_reference_to_the_wrong_answer_changes_nothing(exercise, module, name, monkeypatch):
     import importlib
 
-    from bank import attention_bugs, model_bugs
     import test_checks_attention as ta
     import test_checks_model as tm
+    from bank import attention_bugs, model_bugs
     bank, runner = (attention_bugs, ta) if int(exercise.split(".")[0]) <= 3 else (model_bugs, tm)
     wrong = next(a for a in bank.BUGGY if a.exercise == exercise and callable(a.candidate)
                  and a.expected not in ("not_implemented", "exception") and not getattr(a, "kwargs", None))
@@ -293,3 +293,17 @@ def test_every_hypothesised_mistake_is_a_mistake():
     hypotheses = _attn_hypotheses.SDPA_HYPOTHESES + _attn_hypotheses.MODULE_HYPOTHESES + notebook01._TOY_HYPOTHESES
     assert all(isinstance(h, Mistake) for h in hypotheses)
     assert all(h.code in checks.DIAGNOSES for h in hypotheses)
+
+
+def test_a_module_that_imports_checks_is_whole_during_a_check():
+    """capstone imports checks while it is itself being imported; a check must not see it half-built."""
+    import subprocess
+    import sys
+    code = ("from course_lib import capstone, checks\n"
+            "from course_lib.capstone import TrainingRun\n"
+            "ref = TrainingRun('reference', [1, 2], [3.0, 2.0], [2], [1.5])\n"
+            "result = checks.check_trains_like_reference(TrainingRun('y', [1, 2], [3.0, 2.0], [2], [1.5]), ref)\n"
+            "assert result.passed, result\n"
+            "assert hasattr(capstone, 'judge')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

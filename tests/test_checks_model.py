@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 import torch
-
 from bank.model_bugs import BUGGY, CORRECT
+
 from course_lib import checks
 from course_lib.checks import _core
 from course_lib.data import lm_windows

@@ -35,7 +35,7 @@ EXPECTED_NAMES = {
 }
 # Notebooks whose exercise is the student's earlier work put together, judged by one checker call
 # instead of a solution region of their own.
-ASSEMBLED_EXERCISES = {"08_train_your_gpt": "capstone.judge("}
+ASSEMBLED_EXERCISES = {"08_train_your_gpt": "checks.check_trains_like_reference("}
 
 _BEGIN = re.compile(r"^[ \t]*### BEGIN SOLUTION\b", re.MULTILINE)
 _STRIPPED_ID = re.compile(r'raise NotImplementedError\("Exercise (\d+(?:\.\d+)*[a-z]?)\b')

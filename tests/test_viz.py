@@ -3,19 +3,18 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import sys  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
+import sys
+from types import SimpleNamespace
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+import torch
+from matplotlib.figure import Figure
 
-from course_lib import viz  # noqa: E402
-from course_lib.attention import (TOY_KEYS, TOY_VALUES, attention_weights, causal_mask,  # noqa: E402
-                                  split_heads, toy_attention)
-from course_lib.model import sinusoidal_table  # noqa: E402
+from course_lib import viz
+from course_lib.attention import TOY_KEYS, TOY_VALUES, attention_weights, causal_mask, split_heads, toy_attention
+from course_lib.model import sinusoidal_table
 
 TOKENS = ["the", "cat", "sat", "down"]
 

@@ -4,18 +4,21 @@ which mistake it looks like.  Usage in a notebook: ``checks.check_causal_mask(ca
 Exercise X.Y is checked, hinted and registered in ``notebookXX.py`` (``checks.notebook02`` for 2.1).
 """
 # The reference modules the checkers compare against, imported before they are bound below.
-from .. import attention as _attention, data as _data, generate as _generate  # noqa: F401
-from .. import model as _model, train as _train  # noqa: F401
+from .. import attention as _attention
+from .. import data as _data
+from .. import generate as _generate
+from .. import model as _model
+from .. import train as _train
 from ._core import DIAGNOSES, CheckResult, hint, show_solution
 from ._harness import bind_references as _bind_references
-from .notebook01 import *   # noqa: F401,F403  1.1-1.3 toy and scaled dot-product attention
-from .notebook02 import *   # noqa: F401,F403  2.1-2.2 causal mask, masked attention
-from .notebook03 import *   # noqa: F401,F403  3.1-3.3 heads, multi-head attention
-from .notebook04 import *   # noqa: F401,F403  4.1-4.3 positions, block, GPT
-from .notebook05 import *   # noqa: F401,F403  5.1-5.4 windows, loss, train step, sampling
-from .notebook06 import *   # noqa: F401,F403  6.1-6.2 FLOPs per token, KV cache
-from .notebook07 import *   # noqa: F401,F403  7.1-7.2 Hugging Face
-from .notebook08 import *   # noqa: F401,F403  8.1 train your GPT like the reference
+from .notebook01 import *  # 1.1-1.3 toy and scaled dot-product attention
+from .notebook02 import *  # 2.1-2.2 causal mask, masked attention
+from .notebook03 import *  # 3.1-3.3 heads, multi-head attention
+from .notebook04 import *  # 4.1-4.3 positions, block, GPT
+from .notebook05 import *  # 5.1-5.4 windows, loss, train step, sampling
+from .notebook06 import *  # 6.1-6.2 FLOPs per token, KV cache
+from .notebook07 import *  # 7.1-7.2 Hugging Face
+from .notebook08 import *  # 8.1 train your GPT like the reference
 
 # The references the checkers compare against, bound now: a later patch of course_lib by a
 # student's notebook is set aside while a check runs (see _harness).

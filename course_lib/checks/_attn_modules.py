@@ -1,8 +1,9 @@
 """Running a student's attention module next to the reference: build, copy weights by name, probe."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ def check_parameters(model: nn.Module, what: str) -> None:
     """The constructor's parameters must be exactly query, key, value, proj (E x E, no bias)."""
     try:
         got = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    except Exception as exc:   # noqa: BLE001 - a broken module is the student's to fix
+    except Exception as exc:  # a broken module is the student's to fix
         fail("exception", f"Listing the parameters of {what} raised {type(exc).__name__}: {exc}")
     missing = [name for name in PARAMETERS if name not in got]
     extra = [name for name in got if name not in PARAMETERS]
@@ -290,7 +291,7 @@ class ModuleCheck:
         visible = expected.abs() > 1e-3
         ratio = (got[visible] / expected[visible]).double()                          # (entries,)
         s = 1 / (1 - DROPOUT)
-        near = lambda value: (ratio - value).abs() <= 1e-3 * max(value, 1.0)        # noqa: E731
+        near = lambda value: (ratio - value).abs() <= 1e-3 * max(value, 1.0)
         kinds = {0.0: near(0.0), s: near(s), s * s: near(s * s)}
         known = kinds[0.0] | kinds[s] | kinds[s * s]
         if float((~known).double().mean()) > 0.01:

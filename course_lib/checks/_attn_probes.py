@@ -3,7 +3,8 @@ back out of a student's code to say what is wrong with them. Comparisons are in 
 output checks in ``_expect``."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 

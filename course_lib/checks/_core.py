@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._expect import expect_tensor  # noqa: F401
-from ._harness import DIAGNOSES, CheckResult, Failure, call, checker, fail  # noqa: F401
+from ._expect import expect_tensor
+from ._harness import DIAGNOSES, CheckResult, Failure, call, checker, fail
 
 __all__ = ["DIAGNOSES", "CheckResult", "Failure", "call", "checker", "expect_tensor", "fail",
            "EXERCISES", "register", "hint", "show_solution", "solution_source"]

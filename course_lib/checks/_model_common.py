@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn

@@ -7,7 +7,8 @@ before falling back to behavioural probes (``_attn_probes``). Hints are register
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ def _numbers(value: Any, name: str) -> torch.Tensor:
     try:
         numbers = (value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value))
         return numbers.to(torch.float64)
-    except Exception:   # noqa: BLE001 - anything that is not numbers
+    except Exception:  # anything that is not numbers
         fail("dtype", f"`{name}` should be numbers (a float, or a list or tensor of floats), got "
                       f"{type(value).__name__}: {value!r:.60}")
 
@@ -172,7 +173,7 @@ def check_toy_attention(fn: Callable[..., Any]) -> str:
                         lambda i, spec: _toy_variant(*cases[i], spec["kind"]))
     if found is not None:
         fail(found.code, found.message)
-    for (out, _), (query, keys, values) in zip(outputs, cases):
+    for (out, _), (_query, keys, _values) in zip(outputs, cases):
         expect_finite(out, f"toy_attention with keys {shape_str(keys.shape)}")
     query, keys, _ = cases[1]
     try:   # values = one-hot rows, so the output is the weights themselves
@@ -279,11 +280,11 @@ def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
                     f"a large number overflows to inf, and inf / inf is NaN. Subtract each row's maximum score "
                     f"before exponentiating (the softmax does not change), or use torch.softmax, which does this "
                     f"for you.")
-    for (out, _), (q, k, v, mask) in zip(outputs, cases):
+    for (out, _), (q, _k, _v, _mask) in zip(outputs, cases):
         expect_finite(out, f"scaled_dot_product_attention with q {shape_str(q.shape)}")
     probed = False
     # masked cases first: they show the most
-    for q, k, v, mask in sorted(cases, key=lambda case: case[3] is None):
+    for q, k, _v, mask in sorted(cases, key=lambda case: case[3] is None):
         try:
             weights = _sdpa_call(fn, q, k, identity_values(k), mask, what="scaled_dot_product_attention")
         except Failure:

@@ -5,7 +5,8 @@ The module check runs through ``_attn_modules.ModuleCheck``. Hints are registere
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -5,7 +5,8 @@ Each checker sits next to its hints (``register``); the shared helpers are in ``
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -286,7 +287,7 @@ def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
         what = f"your block on x of shape {tuple(x.shape)}"
         with torch.no_grad():
             got = expect_tensor(call(candidate, x, what=what), tuple(x.shape), what)
-            if not same_when_called_twice(lambda: call(candidate, x, what=what)):
+            if not same_when_called_twice(lambda x=x, what=what: call(candidate, x, what=what)):
                 fail("dropout", f"{what}: two calls in eval mode gave different outputs, so dropout is active "
                                 f"when it should be off. Use the dropout inside self.attn and self.mlp (they "
                                 f"follow model.eval()); F.dropout(...) without training=self.training is "
@@ -340,8 +341,8 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
                 output=lambda idx: run(idx, ln_f=False)),
         Mistake("mismatch", "the positions are missing and the final LayerNorm ln_f is not applied.",
                 output=lambda idx: run(idx, positions=False, ln_f=False)),
-        Mistake("mismatch", f"you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds "
-                            f"token and position embeddings as they are.",
+        Mistake("mismatch", "you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds "
+                            "token and position embeddings as they are.",
                 output=lambda idx: run(idx, scale=math.sqrt(ref.config.embed_dim))),
         Mistake("mismatch", "the blocks run in reverse order; go through self.blocks first to last.",
                 output=lambda idx: run(idx, blocks=blocks[::-1])),
@@ -479,7 +480,7 @@ def check_gpt(cls: Any) -> str:
                 fail("shape", f"{what} returned shape {tuple(got.shape)}: hidden states, not logits. Finish "
                               f"with the output head self.head, which maps embed_dim to vocab_size.")
             expect_tensor(got, (batch, length, vocab), what)
-            if not same_when_called_twice(lambda: _forward(candidate, idx, what)):
+            if not same_when_called_twice(lambda idx=idx, what=what: _forward(candidate, idx, what)):
                 fail("dropout", f"{what}: two calls in eval mode gave different logits, so dropout is on when it "
                                 f"should be off. Use self.dropout (an nn.Dropout follows model.eval()).")
             if not close(got, reference(idx)):
@@ -492,7 +493,7 @@ def check_gpt(cls: Any) -> str:
             candidate(too_long)
     except Failure:
         raise
-    except Exception:   # noqa: BLE001 - raising is what we want here
+    except Exception:  # raising is what we want here
         pass
     else:
         fail("mismatch", f"Your GPT accepted {config.max_tokens + 1} tokens with max_tokens={config.max_tokens}. "

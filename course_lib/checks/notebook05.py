@@ -8,7 +8,8 @@ from __future__ import annotations
 import copy
 import numbers
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

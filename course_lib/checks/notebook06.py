@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ _CONFIGS = (
 
 
 def _lhqt(config: Any) -> int:
-    """L·H·Q·T: layers x heads x head size x context."""
+    """n·H·Q·T: layers x heads x head size x context."""
     return config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
@@ -38,11 +39,11 @@ def _terms(config: Any, weights: int) -> tuple[float, float]:
 
 
 # Known slips: (name, what they compute, what to tell the student). The attention term is
-# written from the parts of 12·L·H·Q·T so each slip changes exactly one thing.
+# written from the parts of 12·n·H·Q·T so each slip changes exactly one thing.
 _SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (
     ("forward only", lambda c, n: 2 * n + 4 * _lhqt(c),
-     "you count the forward pass only (2N + 4·L·H·Q·T). Training also runs the backward pass, which needs two "
-     "matrix multiplies for every one of the forward pass: three times the forward in all, so 6N and 12·L·H·Q·T."),
+     "you count the forward pass only (2N + 4·n·H·Q·T). Training also runs the backward pass, which needs two "
+     "matrix multiplies for every one of the forward pass: three times the forward in all, so 6N and 12·n·H·Q·T."),
     ("weights forward only", lambda c, n: 2 * n + _terms(c, n)[1],
      "the weights' term counts only the forward pass (2N). Backward needs the gradient for the input and the "
      "gradient for the weight, 4N more: 6N in all."),
@@ -51,16 +52,16 @@ _SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (
      "pass computes both dL/dX and dL/dW, 2N each: 6N in all."),
     ("no attention", lambda c, n: 6 * n,
      "you count the weights (6N) but not attention. The scores QK^T and the weighted sum of the values multiply "
-     "activations by activations, so they are not in N: add 12·L·H·Q·T."),
+     "activations by activations, so they are not in N: add 12·n·H·Q·T."),
     ("attention forward only", lambda c, n: 6 * n + 4 * _lhqt(c),
-     "the attention term counts only the forward pass (4·L·H·Q·T). Backward costs twice the forward here too: "
-     "12·L·H·Q·T."),
+     "the attention term counts only the forward pass (4·n·H·Q·T). Backward costs twice the forward here too: "
+     "12·n·H·Q·T."),
     ("attention one product", lambda c, n: 6 * n + 6 * _lhqt(c),
      "the attention term counts one product per head. There are two: the scores (QK^T) and the weighted sum of "
-     "the values, 2·Q·T FLOPs each per token in the forward pass, so 12·L·H·Q·T with the backward pass."),
+     "the values, 2·Q·T FLOPs each per token in the forward pass, so 12·n·H·Q·T with the backward pass."),
     ("no heads", lambda c, n: 6 * n + 12 * c.num_layers * c.head_dim * c.max_tokens,
      "the attention term leaves out the number of heads: each of the H heads has its own scores and weighted "
-     "sum. Use 12·L·H·Q·T (H·Q is embed_dim)."),
+     "sum. Use 12·n·H·Q·T (H·Q is embed_dim)."),
     ("embed_dim as head size", lambda c, n: 6 * n + 12 * c.num_layers * c.num_heads * c.embed_dim * c.max_tokens,
      "the attention term multiplies the number of heads by embed_dim. Q is the size of ONE head, "
      "config.head_dim = embed_dim // num_heads, so H·Q = embed_dim."),
@@ -95,7 +96,7 @@ def _same(a: float, b: float) -> bool:
 
 @checker("6.1")
 def check_flops_per_token(fn: Callable[..., Any]) -> str:
-    """fn(config, num_weights) -> training FLOPs per token (6N + 12·L·H·Q·T)."""
+    """fn(config, num_weights) -> training FLOPs per token (6N + 12·n·H·Q·T)."""
     from course_lib.model import GPT, GPTConfig
 
     if not callable(fn):
@@ -112,9 +113,9 @@ def check_flops_per_token(fn: Callable[..., Any]) -> str:
     if not wrong:
         config, weights = cases[0][:2]
         share = _terms(config, weights)[0] / _terms(config, weights)[1]
-        return (f"6N + 12·L·H·Q·T, right for every configuration tried. With embed {config.embed_dim} and a "
+        return (f"6N + 12·n·H·Q·T, right for every configuration tried. With embed {config.embed_dim} and a "
                 f"context of {config.max_tokens} the weights' term is {share:.0f} times the attention term: "
-                f"6N ≈ 72·L·E² against 12·L·E·T, so attention takes over once the context T is longer than "
+                f"6N ≈ 72·n·E² against 12·n·E·T, so attention takes over once the context T is longer than "
                 f"about 6 × embed_dim.")
 
     config, weights, what, got, expected = wrong[0]
@@ -136,7 +137,7 @@ def check_flops_per_token(fn: Callable[..., Any]) -> str:
 
 
 register("6.1", "flops_per_token", [
-    "Two terms: the weights (6 FLOPs per weight per token) and attention (12·L·H·Q·T per token).",
+    "Two terms: the weights (6 FLOPs per weight per token) and attention (12·n·H·Q·T per token).",
     "Read the sizes from config: L = config.num_layers, H = config.num_heads, Q = config.head_dim, "
     "T = config.max_tokens. N is the num_weights argument.",
     "return 6 * num_weights + 12 * L * H * Q * T, with each letter taken from config.",
@@ -264,11 +265,11 @@ def _speed_note(fn: Callable[..., Any]) -> str:
 
     try:
         with torch.no_grad():
-            ours = lambda tokens: fn(model, idx, tokens)   # noqa: E731
-            plain = lambda tokens: generate(model, idx, tokens, temperature=0, use_cache=False)   # noqa: E731
+            ours = lambda tokens: fn(model, idx, tokens)
+            plain = lambda tokens: generate(model, idx, tokens, temperature=0, use_cache=False)
             timed(ours, 3), timed(plain, 3)   # warm-up: the first calls pay for allocations
             cached, uncached = timed(ours, new), timed(plain, new)
-    except Exception:   # noqa: BLE001 - the speed is only reported, never judged
+    except Exception:  # the speed is only reported, never judged
         return ""
     ratio = uncached / max(cached, 1e-9)
     verdict = (f"{ratio:.1f}x faster" if ratio >= 1.1 else f"{1 / ratio:.1f}x SLOWER: does each step recompute "

@@ -5,7 +5,8 @@ Each checker sits next to its hints (``register``); the shared helpers are in ``
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

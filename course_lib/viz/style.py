@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from matplotlib import colormaps
 from matplotlib import figure as mpl_figure
 from matplotlib.colors import to_rgb
-from matplotlib import colormaps
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
 from .. import _validate as validate

@@ -120,7 +120,7 @@ def plot_attention_cost(lengths, seconds, flops=None) -> Figure:
     ax.plot(lengths_, seconds_ * scale, "o", color=ACCENT, markersize=6, label="measured")
     ax.set_xlabel("sequence length L (tokens)", fontsize=10)
     ax.set_ylabel(f"time per call ({unit})", fontsize=10)
-    ax.set_title("attention cost grows like L²", fontsize=11)
+    ax.set_title("attention cost against the sequence length L", fontsize=11)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     data: dict[str, Any] = {"c": c, "lengths": lengths_.tolist(), "seconds": seconds_.tolist(),

@@ -7,8 +7,9 @@ with and without a mask buffer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -276,7 +277,7 @@ def sdpa_softmax_no_dim(q, k, v, mask=None):
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return F.softmax(scores) @ v   # noqa: the implicit-dim warning is the bug
+    return F.softmax(scores) @ v   # the implicit-dim warning is the bug
 
 
 @bug("1.3", "softmax_dim")
@@ -560,7 +561,7 @@ def split_transpose_then_reshape(x, num_heads):
 @bug("3.1", "shape")
 def split_forgot_return(x, num_heads):
     n, length, embed_dim = x.shape
-    x = x.view(n, length, num_heads, embed_dim // num_heads).transpose(1, 2)   # noqa: F841
+    x = x.view(n, length, num_heads, embed_dim // num_heads).transpose(1, 2)
 
 
 # ============================================================================ 3.2 merge_heads
@@ -725,7 +726,7 @@ class MaskedRenormalise(_MaskedBase):
 @correct("2.2")
 class MaskedSmallNegative(_MaskedBase):
     def masked(self, scores, length):
-        return scores.masked_fill(self.mask[:length, :length] == False, -1e4)   # noqa: E712
+        return scores.masked_fill(self.mask[:length, :length] == False, -1e4)
 
 
 @correct("2.2")
@@ -1028,7 +1029,7 @@ class MultiFunctionalDropout(nn.Module):
 
     def forward(self, x):
         n, length, embed_dim = x.shape
-        split = lambda t: t.unflatten(-1, (self.num_heads, -1)).permute(0, 2, 1, 3)   # noqa: E731
+        split = lambda t: t.unflatten(-1, (self.num_heads, -1)).permute(0, 2, 1, 3)
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
         scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
         allowed = torch.arange(length)[:, None] >= torch.arange(length)

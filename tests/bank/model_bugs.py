@@ -7,8 +7,9 @@ notebook's given constructor and only write ``forward``, as the exercise asks.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -1095,7 +1096,7 @@ def flops_weights_only(config, num_weights):
     return 6 * num_weights
 
 
-@bug("6.1", "mismatch", "only the forward pass", "12·L·H·Q·T")
+@bug("6.1", "mismatch", "only the forward pass", "12·n·H·Q·T")
 def flops_attention_forward_only(config, num_weights):
     return 6 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
