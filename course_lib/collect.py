@@ -185,7 +185,7 @@ def _collect_one(folder: Path, exercise: Exercise, known: set[str]) -> Collected
 
 
 def _base_namespace() -> dict:
-    """What every exercise cell may name: torch and the course's building blocks that are not exercises."""
+    """What every exercise cell may name: torch, and the course's version of every building block."""
     import math
 
     import torch

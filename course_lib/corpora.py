@@ -136,8 +136,6 @@ def search_dirs() -> list[Path]:
     return unique
 
 
-_search_dirs = search_dirs
-
 
 def _hash_file(path: Path) -> str:
     digest = hashlib.sha256()
@@ -171,7 +169,7 @@ def _matches(path: Path, corpus: Corpus) -> bool:
 def locate_corpus(name: str) -> CorpusLocation:
     """Find a corpus on disk and verify its checksum; never downloads."""
     corpus = _corpus(name)
-    searched = _search_dirs()
+    searched = search_dirs()
     for folder in searched:
         candidate = folder / corpus.filename
         if candidate.is_file():
@@ -256,7 +254,7 @@ def download_corpus(name: str, dest_dir: str | os.PathLike | None = None,
 
 def _download(corpus: Corpus, dest: Path, source: str, what: str) -> Path:
     target = dest / corpus.filename
-    searched = _search_dirs()
+    searched = search_dirs()
 
     def fail(problem: str, reason: BaseException | None = None) -> CorpusError:
         error = CorpusError(f"Corpus {corpus.name!r} ({corpus.filename}): {what}{problem} Nothing was saved.\n"

@@ -1,4 +1,4 @@
-"""Where the course's own files are: the solution notebooks and the data README.
+"""Where the course's own files are: the solution notebooks (and, shipped beside them, the data README).
 
 They ship inside the package (``course_lib/notebooks/``, ``course_lib/data_notes/README.md`` in a
 wheel), so ``pip install`` alone carries the whole course. In a checkout they are read from
@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["KERNEL_NAME", "PACKAGE_DIR", "CHECKOUT_DIR", "running_from_checkout", "notebooks_dir", "course_notebooks",
-           "data_readme"]
+__all__ = ["KERNEL_NAME", "PACKAGE_DIR", "CHECKOUT_DIR", "running_from_checkout", "notebooks_dir", "course_notebooks"]
 
 # The kernel every notebook names: the one each Jupyter has, so the notebooks run in any Jupyter
 # (`make lab` starts JupyterLab from the course's venv, whose python3 kernel is that venv's Python).
@@ -42,13 +41,3 @@ def notebooks_dir() -> Path:
 def course_notebooks() -> list[Path]:
     """The solution notebooks, in teaching order (``01_...`` first)."""
     return _notebooks_in(notebooks_dir())
-
-
-def data_readme() -> Path:
-    """``data/README.md``: the corpora's sources, licences and SHA-256 sums."""
-    candidates = ([CHECKOUT_DIR / "data" / "README.md"] if running_from_checkout() else []) + \
-                 [PACKAGE_DIR / "data_notes" / "README.md"]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"data README: expected {' or '.join(str(c) for c in candidates)}, found none")
