@@ -344,12 +344,21 @@ def _internal(exercise: str, exc: BaseException) -> CheckResult:
         f"run with the course's reference.", {"exception": exc})
 
 
+def _finish(result: CheckResult) -> CheckResult:
+    """Every verdict passes here on its way back to the notebook, after the student's state is restored:
+    the place for what is done with a verdict besides showing it."""
+    return result
+
+
 def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[..., CheckResult]]:
     """Decorate ``check(candidate, ...) -> str | None``: it returns a success message or raises Failure."""
 
     def wrap(body: Callable[..., str | None]) -> Callable[..., CheckResult]:
         @functools.wraps(body)
         def run(*args: Any, **kwargs: Any) -> CheckResult:
+            return _finish(_judge(*args, **kwargs))
+
+        def _judge(*args: Any, **kwargs: Any) -> CheckResult:
             state = _State.save()
             try:
                 _install_references()
