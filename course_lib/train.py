@@ -18,6 +18,7 @@ from . import _validate as validate
 from .data import IGNORE_INDEX, lm_windows, random_batch
 from .distributed import DistributedContext
 from .model import GPT, check_vocabulary, flops_per_token
+from .optimizers import build_optimizer
 from .run_folder import RunRefused
 from .runtime import DEVICES
 from .runtime import device as default_device
@@ -170,6 +171,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     max_grad_norm: float | None = 1.0
+    optimizer: str = "adamw"            # "adamw", or "muon": Muon for the blocks' matrices, AdamW for the rest
+    muon_learning_rate: float = 0.02    # Muon's peak learning rate (its scale differs from AdamW's)
+    muon_momentum: float = 0.95
     eval_interval: int = 250            # steps between validation estimates (and checkpoints)
     eval_windows: int = 200             # windows per estimate during training (the final one uses all)
     log_interval: int = 10              # steps between reading the loss back from the device
@@ -196,6 +200,11 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected a number in [0, 1), got {validate.describe(value)}")
         if self.max_grad_norm is not None:   # a negative norm flips the clipped gradient: ascent
             _finite("max_grad_norm", self.max_grad_norm, low=0, low_open=True)
+        validate.one_of("optimizer", self.optimizer, ("adamw", "muon"))
+        _finite("muon_learning_rate", self.muon_learning_rate, low=0, low_open=True)
+        _finite("muon_momentum", self.muon_momentum, low=0)
+        if self.muon_momentum >= 1:
+            raise ValueError(f"muon_momentum: expected a number in [0, 1), got {validate.describe(self.muon_momentum)}")
         validate.positive_int("eval_interval", self.eval_interval)
         validate.positive_int("eval_windows", self.eval_windows)
         validate.positive_int("log_interval", self.log_interval)
@@ -285,19 +294,6 @@ class TrainState:
         return cls(**fields)
 
 
-def _optimizer(model: nn.Module, config: TrainConfig, device_type: str) -> torch.optim.AdamW:
-    # Decay matrices and embeddings, not biases and LayerNorm gains (as GPT-2 and nanoGPT do).
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel updates every weight in one pass instead of one small op per tensor and
-    # step: a few percent of a CPU step for the course's small models, more on a GPU.
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.beta1, config.beta2),
-                             fused=device_type in ("cuda", "cpu"))
-
-
 def _batches(split: Split, config: TrainConfig, max_tokens: int, ctx: DistributedContext,
              device: torch.device, generator: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     # Every rank draws the same global batch and keeps its own slice, so N processes
@@ -380,7 +376,7 @@ def train(model: GPT, train_split: Split, val_split: Split | None, config: Train
         model = DistributedDataParallel(model, device_ids=[ctx.local_rank] if device.type == "cuda" else None)
     if config.compile:
         model = torch.compile(model)
-    optimizer = _optimizer(raw_model, config, device.type)
+    optimizer = build_optimizer(raw_model, config, device.type)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.amp)
 
     estimate_inputs = estimate_targets = None
@@ -449,7 +445,7 @@ def train(model: GPT, train_split: Split, val_split: Split | None, config: Train
                                 elapsed / config.seconds if config.seconds else 0.0)
             lr = learning_rate(config, step, progress_done)
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)   # Muon's groups run at their own scale
 
             x, y = next(batches)
             running += _update(model, optimizer, x, y, config.max_grad_norm, autocast, raw_model.parameters())
