@@ -62,7 +62,7 @@ learner-copies: setup
 bench: setup
 	$(PY) -m course_lib bench attention
 	$(PY) -m course_lib bench generate
-	$(PY) -m course_lib bench training --seconds 130
+	$(PY) -m course_lib bench training
 
 doctor: $(VENV)/.installed
 	$(PY) -m course_lib doctor

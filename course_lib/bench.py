@@ -118,12 +118,17 @@ def time_alternating(fns: Sequence[Callable[[], Any]], repeats: int = 5, warmup:
 
 # ---------------------------------------------------------------- training
 
-def training_benchmark(seconds: float | None, presets: Sequence[str] = DEFAULT_PRESETS, *,
+def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DEFAULT_PRESETS, *,
                        corpus: str | None = None, steps: int | None = None,
                        out_dir: str | Path | None = None, device: torch.device | str = "cpu",
                        peak_gflops: float | None = None, peak_sizes: Sequence[int] = (1024, 2048),
                        verbose: bool = False) -> dict[str, dict[str, Any]]:
     """Train each preset in turn for the same budget; return {preset: metrics}.
+
+    With ``seconds=None`` the first preset (the baseline) runs its own steps, untimed, and every
+    later preset gets exactly the training time the baseline took: the comparison is at the
+    baseline's own wall time on this machine, whatever the machine. With ``seconds``, every preset
+    gets that budget. Training time excludes evaluations and checkpoints, for every preset alike.
 
     The metrics are :func:`course_lib.train.run_preset`'s plus ``peak_gflops`` (the matmul
     peak, measured before and after the runs unless given), ``share_of_peak`` (achieved
@@ -151,11 +156,15 @@ def training_benchmark(seconds: float | None, presets: Sequence[str] = DEFAULT_P
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="course-bench-") as scratch:
         root = Path(out_dir) if out_dir is not None else Path(scratch)
-        for name in presets:
+        budget = seconds
+        for i, name in enumerate(presets):
             if verbose:
-                print(f"training {name} ({f'{seconds:g} s' if seconds else 'preset steps'}) ...", flush=True)
-            metrics = run_preset(name, root / name, seconds=seconds, steps=steps, corpus=corpus,
+                print(f"training {name} ({f'{budget:.1f} s' if budget else 'its own steps'}) ...", flush=True)
+            metrics = run_preset(name, root / name, seconds=budget, steps=steps, corpus=corpus,
                                  device=device, progress=False, overwrite=True)
+            if i == 0 and seconds is None:
+                budget = metrics["train_seconds"]   # the baseline's own time, for every later preset
+            metrics["budget_seconds"] = budget if i or seconds is not None else None
             metrics["peak_rss_mb"] = peak_memory_mb()
             results[name] = metrics
     if measure_peak:
@@ -359,8 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="benchmark", required=True)
 
     training = sub.add_parser("training", parents=[common],
-                              help="baseline_cpu vs shakespeare_char_cpu for the same wall-clock budget")
-    training.add_argument("--seconds", type=float, required=True, help="wall-clock training budget per preset")
+                              help="baseline_cpu for its own steps, then shakespeare_char_cpu for exactly the "
+                                   "baseline's training time")
+    training.add_argument("--seconds", type=float,
+                          help="give every preset this wall-clock budget instead (default: the first preset "
+                               "runs its own steps, the others get the time it took)")
     training.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), help="presets to run, in order")
     training.add_argument("--out", help="keep each preset's metrics.json and checkpoint.pt under this folder "
                                "(a benchmark replaces the runs it finds there)")
@@ -404,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise RunRefused(str(exc)) from None
     if args.benchmark == "training":
         try:
-            validate.positive_float("seconds", args.seconds)
+            if args.seconds is not None:
+                validate.positive_float("seconds", args.seconds)
             if args.steps is not None:
                 validate.positive_int("steps", args.steps)
             for name in args.presets:
@@ -415,8 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      out_dir=args.out, device=device, peak_sizes=args.peak_sizes, verbose=True)
         _print_training(results, next(iter(results.values()))["peak_gflops"])
         if "shakespeare_char_cpu" in results and "baseline_cpu" in results:
-            print(f"val_loss course={results['shakespeare_char_cpu']['val_loss']:.4f} "
-                  f"baseline={results['baseline_cpu']['val_loss']:.4f}")
+            course, baseline = results["shakespeare_char_cpu"], results["baseline_cpu"]
+            when = (f"at the baseline's own time ({baseline['train_seconds']:.1f} s)" if args.seconds is None
+                    else f"at {args.seconds:g} s each")
+            print(f"val_loss course={course['val_loss']:.4f} baseline={baseline['val_loss']:.4f} {when}: "
+                  f"the course recipe is {baseline['val_loss'] - course['val_loss']:.3f} lower")
         return 0
     if args.benchmark == "attention":
         for i, (embed_dim, heads) in enumerate(zip(args.embed_dim, args.heads)):

@@ -14,7 +14,7 @@ from torch import nn
 
 from . import _validate as validate
 from ._atomic import atomic_file
-from .model import GPT, GPTConfig
+from .model import ARCHITECTURES, GPT, ModernGPT, architecture_of
 
 __all__ = ["Checkpoint", "CheckpointError", "save_checkpoint", "load_checkpoint", "unwrap_model",
            "remove_stale_temporaries"]
@@ -34,7 +34,7 @@ class CheckpointError(ValueError):
 
 @dataclass
 class Checkpoint:
-    model: GPT
+    model: GPT | ModernGPT
     tokenizer: Any
     extra: dict[str, Any]
     training: dict[str, Any] | None = None   # what train() needs to continue exactly; None for weights only
@@ -140,8 +140,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, tokenizer: Any = 
     error message otherwise): what could not be loaded back safely is refused now, not later.
     """
     model = unwrap_model(model)
-    if not isinstance(model, GPT):
-        raise TypeError(f"model: expected a course_lib GPT, got {type(model).__name__}")
+    architecture = architecture_of(model)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra: expected a dict or None, got {validate.describe(extra)}")
     if training is not None and not isinstance(training, dict):
@@ -154,6 +153,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, tokenizer: Any = 
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format_version": FORMAT_VERSION,
+        "architecture": architecture,
         "config": model.config.to_dict(),
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "tokenizer": _tokenizer_to_dict(tokenizer),
@@ -194,12 +194,12 @@ def _read_verified(path: Path) -> dict[str, Any]:
     return payload
 
 
-def _config_differences(saved: GPTConfig, wanted: GPTConfig) -> list[str]:
+def _config_differences(saved: Any, wanted: Any) -> list[str]:
     a, b = saved.to_dict(), wanted.to_dict()
     return [f"{k}: checkpoint has {a[k]!r}, your model has {b[k]!r}" for k in a if a[k] != b.get(k)]
 
 
-def load_checkpoint(path: str | os.PathLike, model: GPT | None = None,
+def load_checkpoint(path: str | os.PathLike, model: GPT | ModernGPT | None = None,
                     device: torch.device | str | None = None) -> Checkpoint:
     """Load and verify a checkpoint saved by :func:`save_checkpoint` (never unpickling code).
 
@@ -213,12 +213,19 @@ def load_checkpoint(path: str | os.PathLike, model: GPT | None = None,
         raise FileNotFoundError(f"path: no checkpoint at {path}; train one with "
                                 f"`python -m course_lib train --preset tiny --out DIR`")
     payload = _read_verified(path)
-    config = GPTConfig.from_dict(payload["config"])
+    # Checkpoints from before notebook 09 name no architecture: they hold a GPT.
+    architecture = payload.get("architecture", "gpt")
+    if architecture not in ARCHITECTURES:
+        raise CheckpointError(f"path: {path} holds a model of unknown architecture {architecture!r}; "
+                              f"expected one of {sorted(ARCHITECTURES)} (a newer course_lib wrote it?)")
+    model_class, config_class = ARCHITECTURES[architecture]
+    config = config_class.from_dict(payload["config"])
     if model is None:
-        model = GPT(config)
+        model = model_class(config)
     else:
-        if not isinstance(model, GPT):
-            raise TypeError(f"model: expected a course_lib GPT, got {type(model).__name__}")
+        if architecture_of(model) != architecture:
+            raise TypeError(f"model: the checkpoint holds a {model_class.__name__}, got a {type(model).__name__}; "
+                            f"call load_checkpoint(path) without a model to build the right one")
         differences = _config_differences(config, model.config)
         if differences:
             raise ValueError("model: the checkpoint was trained with a different config, so its weights "

@@ -306,3 +306,14 @@ def flops_per_token(config: GPTConfig | ModernGPTConfig, num_parameters: int) ->
 # The Llama-style model of notebook 09 lives in its own file, built from course_lib.modern's parts;
 # it is found here with the other models. Imported last: modern_gpt reads check_vocabulary from this module.
 from .modern_gpt import ModernBlock, ModernGPT, ModernGPTConfig  # noqa: E402
+
+# The model classes a preset or a checkpoint may name, with their configs.
+ARCHITECTURES: dict[str, tuple[type[nn.Module], type]] = {"gpt": (GPT, GPTConfig), "modern": (ModernGPT, ModernGPTConfig)}
+
+
+def architecture_of(model: nn.Module) -> str:
+    """``"gpt"`` or ``"modern"``: which of :data:`ARCHITECTURES` ``model`` is."""
+    for name, (cls, _) in ARCHITECTURES.items():
+        if type(model) is cls:
+            return name
+    raise TypeError(f"model: expected a course_lib GPT or ModernGPT, got {type(model).__name__}")

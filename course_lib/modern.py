@@ -86,8 +86,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: 
 class RMSNorm(nn.Module):
     r""":math:`y = x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot w`: LayerNorm without centring or bias.
 
-    Computed in float32 whatever the input's dtype (the mean of squares overflows in float16),
-    then cast back, as Llama does.
+    Computed in float32 for half-precision inputs (the mean of squares overflows in float16),
+    then cast back, as Llama does; float64 stays float64.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -100,9 +100,11 @@ class RMSNorm(nn.Module):
         validate.tensor("x", x, min_dim=1)
         if x.shape[-1] != self.dim:
             raise ValueError(f"x: expected a last dimension of {self.dim}, got shape {tuple(x.shape)}")
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        # at least float32: the mean of squares overflows float16's range (float64 stays float64)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        xw = x.to(wide)
+        normed = xw * torch.rsqrt(xw.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight.to(wide)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

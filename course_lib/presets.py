@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
+from . import _validate as validate
 from . import train as training
 from .checkpoints import CheckpointError, load_checkpoint, write_atomically
 from .data import IGNORE_INDEX
 from .distributed import DistributedContext, setup_distributed, teardown_distributed
-from .model import GPT, GPTConfig, flops_per_token
+from .model import ARCHITECTURES, GPT, ModernGPT, flops_per_token
 from .run_folder import RunFolder, RunRefused
 from .stopping import StopRequest
 from .train import (
@@ -42,8 +43,12 @@ class Preset:
     name: str
     description: str
     corpus: str                      # "tinyshakespeare", "names", or a path to a UTF-8 text file
-    model: dict[str, Any]            # GPTConfig fields except vocab_size
+    model: dict[str, Any]            # the config's fields except vocab_size
     train: TrainConfig
+    architecture: str = "gpt"        # "gpt" (GPTConfig, notebook 04) or "modern" (ModernGPTConfig, notebook 09)
+
+    def __post_init__(self) -> None:
+        validate.one_of("architecture", self.architecture, sorted(ARCHITECTURES))
 
 
 PRESETS: dict[str, Preset] = {
@@ -88,7 +93,7 @@ def _preset(name: str) -> Preset:
 
 
 def prepare_preset(name: str, corpus: str | None = None, device: torch.device | str | None = None,
-                   **train_overrides: Any) -> tuple[GPT, Any, Split, Split, TrainConfig]:
+                   **train_overrides: Any) -> tuple[GPT | ModernGPT, Any, Split, Split, TrainConfig]:
     """Build (model, tokenizer, train_split, val_split, train_config) for a named preset.
 
     ``corpus`` replaces the preset's text: a corpus name or the path of any UTF-8 text file.
@@ -107,17 +112,18 @@ def prepare_preset(name: str, corpus: str | None = None, device: torch.device | 
         prepared = data.char_corpus(source if source in data.CORPORA else Path(source))
         tokenizer = prepared.tokenizer
         train_split, val_split = TokenStream(prepared.train_ids), TokenStream(prepared.val_ids)
-    config = GPTConfig(vocab_size=tokenizer.vocab_size, **preset.model)
+    model_class, config_class = ARCHITECTURES[preset.architecture]
+    config = config_class(vocab_size=tokenizer.vocab_size, **preset.model)
     train_config = replace(preset.train, **{k: v for k, v in train_overrides.items() if v is not None})
     if device is not None and torch.device(device).type != "cuda":
         # bf16 autocast, compile and pinned memory are the GPU recipe's; on a CPU they only cost
         # (an explicit compile=True is kept: the CPU test of the GPU code path needs it)
         train_config = replace(train_config, amp=False, pin_memory=False,
                                compile=bool(train_overrides.get("compile")))
-    return GPT(config), tokenizer, train_split, val_split, train_config
+    return model_class(config), tokenizer, train_split, val_split, train_config
 
 
-def _metrics(name: str, status: str, model: GPT, config: TrainConfig, history: History,
+def _metrics(name: str, status: str, model: GPT | ModernGPT, config: TrainConfig, history: History,
              ctx: DistributedContext, device: torch.device, corpus: str | None,
              val_loss: float | None = None, val_tokens: int | None = None,
              final_eval_seconds: float | None = None) -> dict[str, Any]:
@@ -152,7 +158,7 @@ class _Plan:
     name: str
     corpus: str | None
     folder: RunFolder
-    model: GPT
+    model: GPT | ModernGPT
     tokenizer: Any
     train_split: Split
     val_split: Split

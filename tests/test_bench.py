@@ -101,14 +101,24 @@ def test_training_benchmark_stops_on_the_budget_and_reports_metrics(corpus):
     assert metrics["val_loss"] > 0
 
 
+def test_by_default_every_later_preset_gets_exactly_the_baselines_training_time(corpus):
+    results = bench.training_benchmark(None, ["tiny", "baseline_cpu"], corpus=corpus, steps=4, peak_gflops=100.0)
+    first, second = results["tiny"], results["baseline_cpu"]
+    assert first["steps"] == 4 and first["budget_seconds"] is None
+    assert second["budget_seconds"] == first["train_seconds"] > 0
+    # the later preset stops on that budget (or on the shared step cap), never runs past it by a step's worth
+    assert second["steps"] == 4 or second["train_seconds"] >= second["budget_seconds"]
+
+
 def test_training_command_ends_with_the_machine_readable_line(corpus, tmp_path):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = bench.main(["training", "--seconds", "30", "--steps", "3", "--corpus", corpus,
+        status = bench.main(["training", "--steps", "3", "--corpus", corpus,
                              "--peak-sizes", "64", "--out", str(tmp_path / "runs")])
     assert status == 0
     lines = out.getvalue().strip().splitlines()
-    assert re.fullmatch(r"val_loss course=\d+\.\d{4} baseline=\d+\.\d{4}", lines[-1])
+    assert re.fullmatch(r"val_loss course=\d+\.\d{4} baseline=\d+\.\d{4} at the baseline's own time "
+                        r"\(\d+\.\d s\): the course recipe is -?\d+\.\d{3} lower", lines[-1]), lines[-1]
     assert sum(line.startswith("val_loss ") for line in lines) == 1
     assert (tmp_path / "runs" / "baseline_cpu" / "metrics.json").exists()
     assert (tmp_path / "runs" / "shakespeare_char_cpu" / "metrics.json").exists()
