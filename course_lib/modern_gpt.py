@@ -23,7 +23,7 @@ from .attention import KVCache
 from .model import check_vocabulary
 from .modern import GroupedQueryAttention, ReLUSquared, RMSNorm, SwiGLU
 
-__all__ = ["MLP_KINDS", "ModernGPTConfig", "ModernBlock", "ModernGPT"]
+__all__ = ["MLP_KINDS", "default_hidden_dim", "ModernGPTConfig", "ModernBlock", "ModernGPT"]
 
 MLP_KINDS = ("swiglu", "relu2")
 
@@ -31,6 +31,8 @@ MLP_KINDS = ("swiglu", "relu2")
 def default_hidden_dim(embed_dim: int, mlp: str) -> int:
     """SwiGLU: 8/3 of embed_dim rounded up to a multiple of 8 (three matrices, about the parameters of
     GPT-2's two at 4x); ReLU²: 4 * embed_dim."""
+    validate.positive_int("embed_dim", embed_dim)
+    validate.one_of("mlp", mlp, MLP_KINDS)
     if mlp == "relu2":
         return 4 * embed_dim
     return 8 * math.ceil(8 * embed_dim / 3 / 8)

@@ -340,6 +340,18 @@ def test_model_shapes_parts_and_parameter_count():
     assert isinstance(ModernGPT(small(mlp="relu2")).blocks[1].mlp, ReLUSquared)
 
 
+def test_block_normalises_before_each_branch_and_adds_it_back():
+    torch.manual_seed(31)
+    block = ModernBlock(small(norm_eps=1e-5)).eval()
+    with torch.no_grad():
+        block.attn_norm.weight.normal_(1.0, 0.5)
+        block.mlp_norm.weight.normal_(1.0, 0.5)
+    x = 3 * torch.randn(2, 6, 32, generator=gen(32))
+    mid = x + block.attn(block.attn_norm(x))
+    assert (block(x) - (mid + block.mlp(block.mlp_norm(mid)))).abs().max() < 1e-5
+    assert block.attn_norm.eps == block.mlp_norm.eps == 1e-5
+
+
 def test_residual_projections_start_smaller():
     model = ModernGPT(small(embed_dim=64, num_layers=8))
     block = model.blocks[3]
