@@ -63,6 +63,7 @@ bench: setup
 	$(PY) -m course_lib bench attention
 	$(PY) -m course_lib bench generate
 	$(PY) -m course_lib bench training
+	$(PY) -m course_lib bench ablation
 
 doctor: $(VENV)/.installed
 	$(PY) -m course_lib doctor

@@ -28,7 +28,7 @@ __all__ = [
     "ATTENTION_WIDTHS", "main",
 ]
 
-DEFAULT_PRESETS = ("baseline_cpu", "shakespeare_char_cpu")
+DEFAULT_PRESETS = ("baseline_cpu", "shakespeare_char_cpu", "shakespeare_char_modern_cpu")
 DEFAULT_LENGTHS = (64, 128, 256, 512, 1024)
 CPU_RECIPE, GPU_RECIPE = PRESETS["shakespeare_char_cpu"].model, PRESETS["shakespeare_char_gpu"].model
 # (embed_dim, num_heads) of the two training recipes, read from the presets so they cannot drift apart.
@@ -368,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="benchmark", required=True)
 
     training = sub.add_parser("training", parents=[common],
-                              help="baseline_cpu for its own steps, then shakespeare_char_cpu for exactly the "
+                              help="baseline_cpu for its own steps, then the course's CPU recipes for exactly the "
                                    "baseline's training time")
     training.add_argument("--seconds", type=float,
                           help="give every preset this wall-clock budget instead (default: the first preset "
@@ -391,6 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
                            help="heads for each --embed-dim, in the same order")
     attention.add_argument("--batch", type=int, help="default: about 4096 tokens per call")
     attention.add_argument("--repeats", type=int, default=15)
+
+    ablation = sub.add_parser("ablation", parents=[common],
+                              help="what each change of the CPU recipe bought, at the baseline's own time")
+    ablation.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (10 steps each)")
+    # for tests and smoke runs: another text file, fewer steps
+    ablation.add_argument("--corpus", help=argparse.SUPPRESS)
+    ablation.add_argument("--baseline-steps", type=int, help=argparse.SUPPRESS)
 
     gen = sub.add_parser("generate", parents=[common], help="tokens/s with and without the KV cache")
     gen.add_argument("--new-tokens", type=int, default=500)
@@ -427,12 +434,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = training_benchmark(args.seconds, args.presets, corpus=args.corpus, steps=args.steps,
                                      out_dir=args.out, device=device, peak_sizes=args.peak_sizes, verbose=True)
         _print_training(results, next(iter(results.values()))["peak_gflops"])
-        if "shakespeare_char_cpu" in results and "baseline_cpu" in results:
-            course, baseline = results["shakespeare_char_cpu"], results["baseline_cpu"]
-            when = (f"at the baseline's own time ({baseline['train_seconds']:.1f} s)" if args.seconds is None
-                    else f"at {args.seconds:g} s each")
-            print(f"val_loss course={course['val_loss']:.4f} baseline={baseline['val_loss']:.4f} {when}: "
-                  f"the course recipe is {baseline['val_loss'] - course['val_loss']:.3f} lower")
+        baseline = results.get("baseline_cpu")
+        for name in ("shakespeare_char_cpu", "shakespeare_char_modern_cpu"):
+            if baseline is not None and name in results:
+                course = results[name]
+                when = (f"at the baseline's own time ({baseline['train_seconds']:.1f} s)" if args.seconds is None
+                        else f"at {args.seconds:g} s each")
+                print(f"val_loss {name}={course['val_loss']:.4f} baseline={baseline['val_loss']:.4f} {when}: "
+                      f"{baseline['val_loss'] - course['val_loss']:.3f} lower")
+        return 0
+    if args.benchmark == "ablation":
+        from .ablation import ablation_benchmark, print_ablation
+        if device.type != "cpu":
+            raise RunRefused(f"device: the ablation measures the CPU recipe, so it runs on the CPU; got {device}")
+        try:
+            rows = ablation_benchmark(corpus=args.corpus, baseline_steps=args.baseline_steps, rounds=args.rounds,
+                                      verbose=True)
+        except ValueError as exc:
+            raise RunRefused(str(exc)) from None
+        print_ablation(rows)
         return 0
     if args.benchmark == "attention":
         for i, (embed_dim, heads) in enumerate(zip(args.embed_dim, args.heads)):

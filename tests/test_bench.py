@@ -117,11 +117,13 @@ def test_training_command_ends_with_the_machine_readable_line(corpus, tmp_path):
                              "--peak-sizes", "64", "--out", str(tmp_path / "runs")])
     assert status == 0
     lines = out.getvalue().strip().splitlines()
-    assert re.fullmatch(r"val_loss course=\d+\.\d{4} baseline=\d+\.\d{4} at the baseline's own time "
-                        r"\(\d+\.\d s\): the course recipe is -?\d+\.\d{3} lower", lines[-1]), lines[-1]
-    assert sum(line.startswith("val_loss ") for line in lines) == 1
+    for line, name in zip(lines[-2:], ("shakespeare_char_cpu", "shakespeare_char_modern_cpu")):
+        assert re.fullmatch(rf"val_loss {name}=\d+\.\d{{4}} baseline=\d+\.\d{{4}} at the baseline's own "
+                            r"time \(\d+\.\d s\): -?\d+\.\d{3} lower", line), line
+    assert sum(line.startswith("val_loss ") for line in lines) == 2
     assert (tmp_path / "runs" / "baseline_cpu" / "metrics.json").exists()
     assert (tmp_path / "runs" / "shakespeare_char_cpu" / "metrics.json").exists()
+    assert (tmp_path / "runs" / "shakespeare_char_modern_cpu" / "metrics.json").exists()
 
 
 def test_course_command_line_reaches_the_benchmarks_with_their_options(capsys):
@@ -150,3 +152,28 @@ def test_benchmark_sizes_are_the_recipes_sizes():
     assert ATTENTION_WIDTHS == ((cpu["embed_dim"], cpu["num_heads"]), (gpu["embed_dim"], gpu["num_heads"]))
     assert {k: GENERATION_CONFIG[k] for k in ("max_tokens", "embed_dim", "num_heads", "num_layers")} == \
         {k: gpu[k] for k in ("max_tokens", "embed_dim", "num_heads", "num_layers")}
+
+
+def test_ablation_trains_each_variant_for_the_steps_it_takes_in_the_baselines_time(corpus):
+    from dataclasses import replace
+
+    from course_lib.ablation import Variant, ablation_benchmark
+    tiny = PRESETS["tiny"]
+    variants = [Variant("tiny", tiny),
+                Variant("tiny, batch 4x", replace(tiny, train=replace(tiny.train, batch_size=64)))]
+    rows = ablation_benchmark(variants, corpus=corpus, baseline_steps=12, rounds=3, steps_per_round=2)
+    assert [r["label"] for r in rows] == ["tiny", "tiny, batch 4x"]
+    assert rows[0]["steps"] == 12
+    # a step on 4x the batch takes longer, so fewer of them fit in the baseline's time
+    assert rows[1]["steps"] == max(1, round(rows[0]["budget_seconds"] / rows[1]["seconds_per_step"]))
+    assert rows[0]["budget_seconds"] == pytest.approx(12 * rows[0]["seconds_per_step"])
+    assert all(0 < r["val_loss"] < 10 for r in rows)
+
+
+def test_ablation_command_prints_every_change_of_the_recipe(corpus, capsys):
+    from course_lib.ablation import ABLATION
+    assert bench.main(["ablation", "--corpus", corpus, "--baseline-steps", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for variant in ABLATION:
+        assert variant.label in out
+    assert "the best row is" in out

@@ -1,4 +1,6 @@
 """Muon for the blocks' matrices beside AdamW; ModernGPT through the loop, checkpoints and --resume."""
+import math
+
 import pytest
 import torch
 
@@ -48,8 +50,8 @@ def test_muon_takes_exactly_the_blocks_matrices_and_adamw_everything_else(build)
     assert sorted(id(p) for p in muon + adamw) == sorted(everything)
     embedding = model.token_embedding.weight
     assert any(p is embedding for p in adamw)
-    scales = {g["lr_scale"] for g in optimizer.muon.param_groups}
-    assert scales == {pytest.approx(0.02 / 3e-3)}
+    assert [g["lr_scale"] for g in optimizer.muon.param_groups] == [pytest.approx(0.02 / 3e-3)]
+    assert all(g["lr_scale"] == 1.0 for g in optimizer.adamw.param_groups)
 
 
 def test_the_loop_sets_each_group_its_own_learning_rate():
@@ -64,7 +66,8 @@ def test_muon_lowers_the_loss_of_a_modern_gpt():
     tok, train_split, val_split = _splits()
     config = TrainConfig(steps=60, batch_size=8, eval_interval=30, eval_windows=8, log_interval=5, **MUON)
     history = train(_modern(tok.vocab_size), train_split, val_split, config, device="cpu", progress=False)
-    assert history.val_loss[-1] < 0.6 * history.val_loss[0]
+    # from ln(vocab) (uniform guessing) at the start to well under half of it
+    assert history.val_loss[-1] < 0.5 * math.log(tok.vocab_size)
 
 
 def test_muon_and_a_modern_gpt_resume_exactly_from_a_checkpoint(tmp_path):

@@ -1,0 +1,147 @@
+"""What each change of the CPU recipe bought: ``python -m course_lib bench ablation``.
+
+The recipe went from GPT-2's parts with AdamW to notebook 09's parts with Muon one change at a
+time. Each row of the table adds one change to the row above and is measured the way the issue
+asks for every change: at the baseline's own wall time, with an interleaved A/B for the time.
+
+1. **Time, interleaved.** Every variant's training step is timed in one process, the variants
+   taking turns (a, b, c, a, b, c, ...), so a machine that speeds up or slows down during the
+   measurement moves them all alike. The baseline's 2,000 steps take ``2000 * t_baseline``; a
+   variant gets the steps it completes in that time, ``2000 * t_baseline / t_variant``.
+2. **Loss, deterministic.** Each variant then trains for exactly those steps, its schedule
+   ending with them, and is scored on the whole validation split. Same seed, same batches:
+   running it again on any machine with the same step counts gives the same losses.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from . import _validate as validate
+from .presets import PRESETS, Preset
+
+__all__ = ["Variant", "ABLATION", "ablation_benchmark", "print_ablation"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row: a label and the preset it trains (a change applied to the row above)."""
+
+    label: str
+    preset: Preset
+
+
+def _variant(label: str, base: Preset, *, architecture: str | None = None, model: dict[str, Any] | None = None,
+             **train: Any) -> Variant:
+    return Variant(label, replace(base, architecture=architecture or base.architecture,
+                                  model=model if model is not None else base.model,
+                                  train=replace(base.train, **train)))
+
+
+def _ablation() -> list[Variant]:
+    baseline, before = PRESETS["baseline_cpu"], PRESETS["shakespeare_char_cpu"]
+    course = PRESETS["shakespeare_char_modern_cpu"]
+    llama = dict(course.model, mlp="swiglu", hidden_dim=None)
+    return [
+        Variant("baseline_cpu (4 layers of 128, AdamW)", baseline),
+        Variant("shakespeare_char_cpu (2 layers of 192, GPT-2 parts, AdamW)", before),
+        _variant("+ Muon for the blocks' matrices", before, optimizer="muon"),
+        _variant("+ RoPE, RMSNorm, SwiGLU (notebook 09's parts)", course, model=llama, warmup_steps=100),
+        _variant("ReLU² instead of SwiGLU", course, warmup_steps=100),
+        _variant("warmup 30 steps instead of 100 (shakespeare_char_modern_cpu)", course),
+        _variant("+ QK-norm (tried)", course, model=dict(course.model, qk_norm=True)),
+    ]
+
+
+ABLATION: list[Variant] = _ablation()
+
+
+def _build(preset: Preset, corpus: str | None, steps: int | None = None):
+    from .presets import prepare_preset
+    return prepare_preset(preset, corpus, "cpu", steps=steps)
+
+
+def _stepper(preset: Preset, corpus: str | None):
+    from .optimizers import build_optimizer
+    from .train import _update
+    model, _, train_split, _, config = _build(preset, corpus)
+    optimizer = build_optimizer(model, config, "cpu")
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        x, y = train_split.sample(config.batch_size, model.config.max_tokens, generator)
+        _update(model, optimizer, x, y, config.max_grad_norm, None, model.parameters())
+    return step
+
+
+def _time_steps(variants: Sequence[Variant], corpus: str | None, rounds: int, steps_per_round: int) -> list[float]:
+    """Median seconds per training step of each variant, timed in turns."""
+    steppers = [_stepper(v.preset, corpus) for v in variants]
+    for step in steppers:            # warm up: first calls allocate and pick kernels
+        for _ in range(3):
+            step()
+    times: list[list[float]] = [[] for _ in steppers]
+    for _ in range(rounds):
+        for step, spent in zip(steppers, times):
+            started = time.perf_counter()
+            for _ in range(steps_per_round):
+                step()
+            spent.append((time.perf_counter() - started) / steps_per_round)
+    return [statistics.median(spent) for spent in times]
+
+
+def ablation_benchmark(variants: Sequence[Variant] | None = None, *, corpus: str | None = None,
+                       baseline_steps: int | None = None, rounds: int = 7, steps_per_round: int = 10,
+                       verbose: bool = False) -> list[dict[str, Any]]:
+    """Time every variant (interleaved), then train each for the steps it takes in the first's time.
+
+    The first variant is the baseline: it trains its own preset's steps (or ``baseline_steps``).
+    Returns one dict per variant: label, seconds per step, steps, val_loss.
+    """
+    from .train import evaluate, train
+    variants = list(ABLATION if variants is None else variants)
+    if not variants or not all(isinstance(v, Variant) for v in variants):
+        raise TypeError(f"variants: expected a non-empty list of Variant, got {validate.describe(variants)}")
+    if baseline_steps is not None:
+        validate.positive_int("baseline_steps", baseline_steps)
+    validate.positive_int("rounds", rounds)
+    validate.positive_int("steps_per_round", steps_per_round)
+    if verbose:
+        print(f"timing {len(variants)} variants in turns ({rounds} rounds of {steps_per_round} steps) ...", flush=True)
+    per_step = _time_steps(variants, corpus, rounds, steps_per_round)
+    budget_steps = baseline_steps or variants[0].preset.train.steps
+    budget = budget_steps * per_step[0]
+    rows = []
+    for variant, seconds in zip(variants, per_step):
+        steps = budget_steps if not rows else max(1, round(budget / seconds))
+        model, _, train_split, val_split, config = _build(variant.preset, corpus, steps)
+        config = replace(config, eval_interval=steps + 1, log_interval=max(1, min(config.log_interval, steps)))
+        if verbose:
+            print(f"training {variant.label}: {steps} steps ...", flush=True)
+        train(model, train_split, None, config, device="cpu", progress=False)
+        val_loss = evaluate(model, *val_split.eval_windows(model.config.max_tokens))
+        rows.append(dict(label=variant.label, seconds_per_step=seconds, steps=steps, val_loss=val_loss,
+                         budget_seconds=budget))
+    return rows
+
+
+def print_ablation(rows: Sequence[dict[str, Any]]) -> None:
+    print(f"At the baseline's time ({rows[0]['budget_seconds']:.1f} s of training by the interleaved timing, "
+          f"{torch.get_num_threads()} threads):")
+    header = f"{'change':<58}{'ms/step':>9}{'steps':>7}{'val_loss':>10}{'bought':>9}"
+    print(header)
+    print("-" * len(header))
+    previous = None
+    for row in rows:
+        bought = "" if previous is None or row is rows[1] else f"{previous - row['val_loss']:+.3f}"
+        print(f"{row['label']:<58}{1000 * row['seconds_per_step']:>9.1f}{row['steps']:>7d}"
+              f"{row['val_loss']:>10.4f}{bought:>9}")
+        if row is not rows[0]:
+            previous = row["val_loss"]
+    lead = rows[0]["val_loss"] - min(r["val_loss"] for r in rows[1:]) if len(rows) > 1 else 0.0
+    print(f"(bought: the row above minus this row; the best row is {lead:.3f} below the baseline)")
