@@ -9,10 +9,13 @@ In a *code* cell, the solution sits between two comment lines::
     ### END SOLUTION
 
 * Each marker is alone on its line, spelled exactly ``### BEGIN SOLUTION`` /
-  ``### END SOLUTION`` (nbgrader's markers); leading indentation is allowed
-  and should match the code the region replaces, because the replacement is
-  written at the BEGIN marker's indentation.
-* The BEGIN marker may carry ``(Exercise X.Y: what to write)``. Without it,
+  ``### END SOLUTION`` (nbgrader's markers: with the cell metadata that
+  ``course_lib.nbgrader_metadata`` writes, nbgrader grades the notebooks too);
+  leading indentation is allowed and should match the code the region
+  replaces, because the replacement is written at the BEGIN marker's
+  indentation.
+* The BEGIN marker may carry ``(Exercise X.Y: what to write)``, and must for
+  ``course_lib.nbgrader_metadata`` (the course's notebooks do). Without it,
   the label comes from the nearest ``# Exercise X.Y: what to write`` comment
   line above the marker in the same cell, then from ``exercise_hint``, else
   ``"Exercise: write this part"``. A marker text without an id
