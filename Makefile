@@ -1,7 +1,8 @@
 # Every target sets up what it needs; running one twice does the work once.
 #   make lab            set up, write your own copies into student/ (never overwriting your edits), open the first
 #   make lab-solutions  for instructors: JupyterLab on the solution notebooks in notebooks/
-#   make test           set up, then all the tests, the notebooks (nbval) and the learner copies
+#   make test           set up (with nbgrader, for its test), then all the tests, the notebooks (nbval)
+#                       and the learner copies
 #   make unit           the fast unit tests only (tests marked slow are skipped)
 #   make lint           ruff (pyflakes, bugbear, import order, pyupgrade), configured in pyproject.toml
 #   make student        write or refresh the learner copies in student/ (your edits are kept)
@@ -27,6 +28,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
 	@touch $@
 
+# nbgrader (the instructor extra), for the test suite's real nbgrader run; make lab never needs it.
+$(VENV)/.instructor: $(VENV)/.installed
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,instructor]"
+	@touch $@
+
 # Offline with no corpora is a warning with the exact fix: notebooks 01, 03 and 04 need none.
 data: $(VENV)/.installed
 	@$(PY) -m course_lib data --warn-only
@@ -49,7 +55,7 @@ lint: $(VENV)/.installed
 unit: setup
 	$(PY) -m pytest -p no:cacheprovider -m "not slow" tests
 
-tests-all: setup
+tests-all: setup $(VENV)/.instructor
 	$(PY) -m pytest -p no:cacheprovider tests
 
 notebooks: setup

@@ -9,10 +9,13 @@ In a *code* cell, the solution sits between two comment lines::
     ### END SOLUTION
 
 * Each marker is alone on its line, spelled exactly ``### BEGIN SOLUTION`` /
-  ``### END SOLUTION`` (nbgrader's markers); leading indentation is allowed
-  and should match the code the region replaces, because the replacement is
-  written at the BEGIN marker's indentation.
-* The BEGIN marker may carry ``(Exercise X.Y: what to write)``. Without it,
+  ``### END SOLUTION`` (nbgrader's markers: with the cell metadata that
+  ``course_lib.nbgrader_metadata`` writes, nbgrader grades the notebooks too);
+  leading indentation is allowed and should match the code the region
+  replaces, because the replacement is written at the BEGIN marker's
+  indentation.
+* The BEGIN marker may carry ``(Exercise X.Y: what to write)``, and must for
+  ``course_lib.nbgrader_metadata`` (the course's notebooks do). Without it,
   the label comes from the nearest ``# Exercise X.Y: what to write`` comment
   line above the marker in the same cell, then from ``exercise_hint``, else
   ``"Exercise: write this part"``. A marker text without an id
@@ -63,9 +66,10 @@ _LOOKALIKE_RE = re.compile(r"^[ \t]*#+[ \t]*(BEGIN|END)[ \t_]+SOLUTION\b", re.IG
 _EXERCISE_COMMENT_RE = re.compile(r"^[ \t]*#[ \t]*(?P<text>Exercise[ \t]+\d+(?:\.\d+)*[a-z]?\b.*?)[ \t]*$")
 _LABEL_RE = re.compile(r"^Exercise[ \t]+(?P<id>\d+(?:\.\d+)*[a-z]?)\b[ \t]*:?[ \t]*(?P<what>.*)$")
 
-# Cell metadata written by tools that know the solution (nbgrader's checksum of the solution source,
-# solution flags of exercise extensions) or by the run that produced the cleared outputs.
-_REVEALING_CELL_METADATA = ("nbgrader", "solution", "solution2", "solution2_first", "execution")
+# Cell metadata written by tools that know the solution (solution flags of exercise extensions) or by
+# the run that produced the cleared outputs. nbgrader's entry is kept unless nbgrader itself wrote it
+# (see _keeps_nbgrader_metadata).
+_REVEALING_CELL_METADATA = ("solution", "solution2", "solution2_first", "execution")
 # Notebook metadata that stores output state (saved ipywidgets), cleared along with the outputs.
 _OUTPUT_NOTEBOOK_METADATA = ("widgets",)
 
@@ -207,6 +211,8 @@ def _learner_notebook(notebook_path: Path) -> tuple[nbformat.NotebookNode, dict[
         cell.execution_count = None
         for key in _REVEALING_CELL_METADATA:
             cell.metadata.pop(key, None)
+        if "nbgrader" in cell.metadata and not _keeps_nbgrader_metadata(cell.metadata["nbgrader"]):
+            del cell.metadata["nbgrader"]
     for key in _OUTPUT_NOTEBOOK_METADATA:
         nb.metadata.pop(key, None)
 
@@ -215,6 +221,13 @@ def _learner_notebook(notebook_path: Path) -> tuple[nbformat.NotebookNode, dict[
     counts = {"regions": len(labels), "exercises": len(named) + unnamed,
               "cells": len(nb.cells), "code_cells": code_cells}
     return nb, counts
+
+
+def _keeps_nbgrader_metadata(entry: object) -> bool:
+    """The source metadata of course_lib.nbgrader_metadata travels into the learner copy, so that nbgrader
+    can autograde a copy made by `course_lib start` too. An entry with a checksum was written by nbgrader
+    itself (a release or a submission, for its own gradebook) and is dropped, like anything malformed."""
+    return isinstance(entry, dict) and "checksum" not in entry
 
 
 def _same_path(a: Path, b: Path) -> bool:

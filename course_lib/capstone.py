@@ -245,7 +245,8 @@ def _checker_result(collection: Collection, exercise: str, namespace: dict) -> C
     checker = getattr(checks, CHECKERS.get(exercise, ""), None)
     if checker is None:
         return None
-    return checker(namespace[collection.parts[exercise].exercise.name])
+    # not a test of the student's work here (it explains a blame), so never a failed cell under nbgrader
+    return checker(namespace[collection.parts[exercise].exercise.name], graded=False)
 
 
 def find_blame(collection: Collection, setup: TrainingSetup, *, steps: int = 120,

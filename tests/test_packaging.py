@@ -48,11 +48,20 @@ def test_constraints_pin_every_dependency_exactly_inside_the_pyproject_range():
             assert version, f"constraints.txt: {line!r} is not an exact pin"
             pins[name.lower().replace("_", "-")] = version
     project = pyproject()["project"]
-    for requirement, spec in requirement_map(project["dependencies"] + project["optional-dependencies"]["test"]).items():
+    extras = [line for lines in project["optional-dependencies"].values() for line in lines]
+    for requirement, spec in requirement_map(project["dependencies"] + extras).items():
         pinned = pins.get(requirement.replace("_", "-"))
         assert pinned, f"{requirement} has no exact version in constraints.txt"
         assert SpecifierSet(spec).contains(pinned, prereleases=True), \
             f"constraints.txt pins {requirement}=={pinned}, outside pyproject's range {spec!r}"
+
+
+def test_nbgrader_comes_only_with_the_instructor_extra():
+    project = pyproject()["project"]
+    assert "nbgrader" in requirement_map(project["optional-dependencies"]["instructor"])
+    assert "nbgrader" not in requirement_map(project["dependencies"] + project["optional-dependencies"]["test"])
+    makefile = (ROOT / "Makefile").read_text()
+    assert '".[test,instructor]"' in makefile   # CI's `make test` runs tests/test_nbgrader.py with it
 
 
 def test_every_course_lib_package_is_listed_for_setuptools():

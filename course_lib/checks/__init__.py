@@ -2,6 +2,8 @@
 which mistake it looks like.  Usage in a notebook: ``checks.check_causal_mask(causal_mask)``.
 
 Exercise X.Y is checked, hinted and registered in ``notebookXX.py`` (``checks.notebook02`` for 2.1).
+A check that does not test the student's work (a demonstration on planted buggy code) passes
+``graded=False``: under nbgrader it never fails its cell (see ``_nbgrader``).
 """
 # The reference modules the checkers compare against, imported before they are bound below.
 from .. import attention as _attention

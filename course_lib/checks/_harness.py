@@ -9,6 +9,9 @@ goes wrong, into a :class:`CheckResult`:
   as the checker's failure, with the exercise id, never blamed on the student;
 - ``KeyboardInterrupt`` still interrupts (Ctrl-C must work in a notebook).
 
+The one exception is grading: while nbgrader executes a notebook, a failed graded check raises,
+so that its test cell scores zero (see ``_nbgrader``).
+
 Isolation: a check leaves the interpreter as it found it (grad mode, default dtype and
 device, RNG states, thread count, deterministic-algorithm mode, and the attributes of
 ``course_lib``'s modules and classes). While a check runs, ``course_lib`` is put back to
@@ -39,6 +42,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from .. import _validate as validate
 
 DIAGNOSES = (
     # What a CheckResult's ``diagnosis`` can say, one code per kind of mistake (Failure rejects others).
@@ -175,7 +180,7 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     except Failure:
         raise
     except NotImplementedError as exc:
-        fail("not_implemented", f"{what} is not written yet ({exc or 'NotImplementedError'}). "
+        fail("not_implemented", f"{what} is not written yet ({str(exc) or 'NotImplementedError'}). "
                                 f"Replace the `raise NotImplementedError` with your solution, then run this cell again.")
     except SystemExit as exc:
         fail("exception", f"{what} called sys.exit({'' if exc.code is None else repr(exc.code)}) (or exit()): "
@@ -344,19 +349,24 @@ def _internal(exercise: str, exc: BaseException) -> CheckResult:
         f"run with the course's reference.", {"exception": exc})
 
 
-def _finish(result: CheckResult) -> CheckResult:
+def _finish(result: CheckResult, graded: bool = True) -> CheckResult:
     """Every verdict passes here on its way back to the notebook, after the student's state is restored:
-    the place for what is done with a verdict besides showing it."""
-    return result
+    the place for what is done with a verdict besides showing it. ``graded`` is False for a check that
+    does not test the student's work (a demonstration on planted buggy code, a re-check used as a condition)."""
+    from . import _nbgrader  # imported here: it builds on this module's CheckResult
+    return _nbgrader.for_nbgrader(result, graded)   # last: under nbgrader a failed graded check raises
 
 
 def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[..., CheckResult]]:
-    """Decorate ``check(candidate, ...) -> str | None``: it returns a success message or raises Failure."""
+    """Decorate ``check(candidate, ...) -> str | None``: it returns a success message or raises Failure.
+
+    The decorated checker takes one more keyword, ``graded`` (default True): see ``_nbgrader``."""
 
     def wrap(body: Callable[..., str | None]) -> Callable[..., CheckResult]:
         @functools.wraps(body)
-        def run(*args: Any, **kwargs: Any) -> CheckResult:
-            return _finish(_judge(*args, **kwargs))
+        def run(*args: Any, graded: bool = True, **kwargs: Any) -> CheckResult:
+            validate.boolean("graded", graded)
+            return _finish(_judge(*args, **kwargs), graded)
 
         def _judge(*args: Any, **kwargs: Any) -> CheckResult:
             state = _State.save()
@@ -379,7 +389,8 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                                    f"changes), or work that grows with every step.")
             except NotImplementedError as exc:
                 return CheckResult(exercise, False, "not_implemented",
-                                   f"Not written yet ({exc}). Replace the `raise NotImplementedError`, then re-run.")
+                                   f"Not written yet ({str(exc) or 'NotImplementedError'}). Replace the "
+                                   f"`raise NotImplementedError`, then re-run.")
             except SystemExit as exc:
                 return CheckResult(exercise, False, "exception",
                                    f"Your code called sys.exit({'' if exc.code is None else repr(exc.code)}) "
