@@ -119,7 +119,8 @@ def plot_rope_scores(scores, curves: Mapping[str, Any] | None = None, title: str
         ax_lines.set_xlabel("offset m - n (tokens)", fontsize=10)
         ax_lines.set_ylabel("score", fontsize=10)
         ax_lines.set_title("the score against the offset", fontsize=11)
-        ax_lines.legend(frameon=False, fontsize=8)
+        # under the axes: inside, the legend would cover the curves that cross the whole panel
+        ax_lines.legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.course_data = {"scores": s, "curves": lines}
     return fig
 
