@@ -52,7 +52,7 @@ def plot_rope_rotation(rotated, pairs: Sequence[int] | None = None) -> Figure:
     # the turn from one position to the next, wrapped to (-pi, pi], averaged over the steps
     steps = np.angle(np.exp(1j * np.diff(angles, axis=1))).mean(axis=1)               # (pairs,)
 
-    fig = new_figure(2.9 * len(pairs) + 0.6, 3.4)
+    fig = new_figure(2.9 * len(pairs) + 0.6, 3.8)
     axes = fig.subplots(1, len(pairs), squeeze=False).ravel()
     colours = colormaps["viridis"](np.linspace(0.0, 0.9, positions))
     for ax, i, pts, step in zip(axes, pairs, points, steps):
