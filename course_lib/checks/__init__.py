@@ -10,6 +10,7 @@ from .. import attention as _attention
 from .. import data as _data
 from .. import generate as _generate
 from .. import model as _model
+from .. import modern as _modern
 from .. import train as _train
 from ._core import DIAGNOSES, CheckResult, hint, show_solution
 from ._harness import bind_references as _bind_references
@@ -21,6 +22,7 @@ from .notebook05 import *  # 5.1-5.4 windows, loss, train step, sampling
 from .notebook06 import *  # 6.1-6.2 FLOPs per token, KV cache
 from .notebook07 import *  # 7.1-7.2 Hugging Face
 from .notebook08 import *  # 8.1 train your GPT like the reference
+from .notebook09 import *  # 9.1-9.6 RoPE, RMSNorm, SwiGLU, repeat_kv, grouped-query attention
 
 # The references the checkers compare against, bound now: a later patch of course_lib by a
 # student's notebook is set aside while a check runs (see _harness).

@@ -98,10 +98,10 @@ _VIEW_TIP = (" Tip: after a transpose the tensor is no longer contiguous in memo
              "reshape it; .reshape (or .contiguous() before .view) can.")
 
 
-def call_student(fn: Callable[..., Any], *args: Any, what: str) -> Any:
+def call_student(fn: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -> Any:
     """call() with long library errors cut to their first line, plus a tip for the error every student meets."""
     try:
-        return call(fn, *args, what=what)
+        return call(fn, *args, what=what, **kwargs)
     except Failure as failure:
         if failure.diagnosis != "exception":
             raise

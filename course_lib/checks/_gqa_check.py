@@ -1,0 +1,362 @@
+"""Exercise 9.6: a student's GroupedQueryAttention next to the reference, in a full pass and with a KV cache.
+
+The class is built with the notebook's constructor for multi-head (num_kv_heads = num_heads), grouped-query
+and multi-query attention, plus QK-norm and a sliding window when its constructor takes them; the
+reference's weights are copied in by name. A wrong output is named by the mistake in ``_gqa_variants``
+it matches. The forward uses the notebook's own apply_rotary and repeat_kv: when one of them fails its
+own exercise's check, the message says so.
+"""
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import modern as ref
+from ..attention import KVCache
+from . import _rope_variants as rope
+from ._attn_probes import call_student, expect_callable, first_match, reraise_with, shape_str
+from ._compare import close, max_diff
+from ._core import Failure, call, fail
+from ._expect import construct, expect_finite, expect_tensor
+from ._gqa_variants import CACHED, FULL_PASS, Setup, simulate
+from ._model_common import accepts, copy_weights
+
+EMBED_DIM, NUM_HEADS, MAX_TOKENS = 32, 4, 8
+HEAD_DIM = EMBED_DIM // NUM_HEADS
+# (num_kv_heads, rope_theta, constructor extras): multi-head first, so a module that only fails with
+# fewer key/value heads is told so; then grouped-query and multi-query attention.
+CONFIGS: tuple[tuple[int, float, dict[str, Any]], ...] = (
+    (NUM_HEADS, 500.0, {}),
+    (2, 10000.0, {}),
+    (1, 10000.0, {}),
+)
+OPTIONAL = (
+    (2, 10000.0, {"qk_norm": True}),
+    (2, 10000.0, {"sliding_window": 3}),
+)
+# (batch, length) of the full passes: the full length first, so a failure at a shorter one is told apart
+CASES = ((2, MAX_TOKENS), (3, 5), (1, 1))
+# the cached run: a prompt of 3, three tokens one at a time, then two at once
+PLAN = ((0, 3), (3, 1), (4, 1), (5, 1), (6, 2))
+
+
+class RecordingCache(KVCache):
+    """A KVCache that keeps a copy of what was appended, to read back what the student's module caches."""
+
+    def __init__(self, max_tokens: int):
+        super().__init__(max_tokens)
+        self.appended: list[tuple[Any, Any]] = []
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        copy = (lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t)
+        self.appended.append((copy(k), copy(v)))
+        return super().append(k, v)
+
+
+@dataclass
+class Built:
+    kv_heads: int
+    extra: dict[str, Any]
+    model: nn.Module
+    reference: nn.Module
+    setup: Setup
+    runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)   # (x, out, expected)
+
+    @property
+    def label(self) -> str:
+        extra = "".join(f", {k}={v}" for k, v in self.extra.items())
+        return f"num_kv_heads={self.kv_heads}{extra}"
+
+
+def _describe(kv_heads: int, theta: float, extra: dict[str, Any]) -> str:
+    more = "".join(f", {k}={v!r}" for k, v in extra.items())
+    return f"GroupedQueryAttention({EMBED_DIM}, {NUM_HEADS}, {kv_heads}, {MAX_TOKENS}, {theta:g}{more})"
+
+
+def _randomize(reference: nn.Module, generator: torch.Generator) -> None:
+    # queries and keys a bit larger than the default: the softmax is neither flat nor one-hot
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.4 * torch.randn(p.shape, generator=generator))
+            else:
+                gain = 1.5 if name.split(".")[0] in ("query", "key") else 1.0
+                p.copy_(torch.randn(p.shape, generator=generator) * gain / math.sqrt(p.shape[1]))
+
+
+def _check_tables(model: nn.Module, reference: nn.Module, theta: float, shown: str,
+                  tables: Callable[..., None]) -> None:
+    """The constructor builds self.rope_cos / self.rope_sin, with the notebook's rope_tables (exercise 9.1)."""
+    cos, sin = getattr(model, "rope_cos", None), getattr(model, "rope_sin", None)
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        return
+    if cos.shape == reference.rope_cos.shape and close(cos, reference.rope_cos) and close(sin, reference.rope_sin):
+        return
+    try:
+        if cos.shape != reference.rope_cos.shape or sin.shape != cos.shape:
+            fail("shape", f"they have shapes {shape_str(cos.shape)} and {shape_str(sin.shape)}, expected "
+                          f"{shape_str(reference.rope_cos.shape)} (max_tokens, head_dim).")
+        tables(cos, sin, HEAD_DIM, MAX_TOKENS, theta, f"rope_tables({HEAD_DIM}, {MAX_TOKENS}, theta={theta:g})",
+               False)
+    except Failure as failure:
+        raise Failure(failure.diagnosis, f"The RoPE tables your constructor builds for {shown} (self.rope_cos, "
+                                         f"self.rope_sin, from your rope_tables of exercise 9.1) are wrong: "
+                                         f"{failure.message} Fix rope_tables first "
+                                         f"(checks.check_rope_tables(rope_tables)).") from None
+
+
+def _build(cls: Any, kv_heads: int, theta: float, extra: dict[str, Any], generator: torch.Generator,
+           tables: Callable[..., None]) -> Built:
+    shown = _describe(kv_heads, theta, extra)
+    reference = ref.GroupedQueryAttention(EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, theta, **extra)
+    _randomize(reference, generator)
+    model = construct(cls, EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, theta, what="GroupedQueryAttention",
+                      shown=shown, **extra)
+    copy_weights(reference, model, "your GroupedQueryAttention")
+    call(model.eval, what="GroupedQueryAttention.eval()")
+    _check_tables(model, reference, theta, shown, tables)
+    cos, sin = rope.tables(HEAD_DIM, MAX_TOKENS, theta)
+    params = {name: p.detach().double() for name, p in reference.named_parameters()}
+    setup = Setup(EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, theta, params, cos, sin,
+                  qk_norm=bool(extra.get("qk_norm")), window=extra.get("sliding_window"),
+                  eps=reference.q_norm.eps if reference.q_norm is not None else 1e-6)
+    return Built(kv_heads, extra, model, reference.eval(), setup)
+
+
+def _rope_frame(failure: BaseException) -> dict[str, Any] | None:
+    """The locals of apply_rotary (or rotate_half) where the student's code raised, if it raised there."""
+    exc: BaseException | None = failure
+    while exc is not None and isinstance(exc, Failure):
+        exc = exc.__context__
+    tb = exc.__traceback__ if exc is not None else None
+    found = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in ("apply_rotary", "rotate_half"):
+            found = tb.tb_frame.f_locals
+        tb = tb.tb_next
+    return found
+
+
+def _forward(built: Built, x: torch.Tensor, what: str, **kwargs: Any) -> torch.Tensor:
+    with torch.no_grad():
+        try:
+            out = call_student(built.model, x.clone(), what=what, **kwargs)
+        except Failure as failure:
+            names = _rope_frame(failure) if failure.diagnosis == "exception" else None
+            turned = names.get("x") if names else None
+            if isinstance(turned, torch.Tensor) and (turned.dim() != 4 or turned.shape[-1] != HEAD_DIM):
+                reraise_with(failure, "rope_axes", f" apply_rotary was given a tensor of shape "
+                             f"{shape_str(turned.shape)}: it takes queries or keys split into heads, "
+                             f"(N, heads, L, head_dim) with head_dim={HEAD_DIM}. Rotate after the head split "
+                             f"and the transpose, not the (N, L, features) projections.")
+            raise
+    return expect_tensor(out, (x.shape[0], x.shape[1], EMBED_DIM), what, dtype=x.dtype, finite=False)
+
+
+def _full_passes(built: Built, generator: torch.Generator, mha_right: bool) -> None:
+    for n, length in CASES:
+        x = torch.randn(n, length, EMBED_DIM, generator=generator)
+        what = f"GroupedQueryAttention({built.label}).forward(x) with x of shape {(n, length, EMBED_DIM)}"
+        try:
+            out = _forward(built, x, what)
+        except Failure as failure:
+            if failure.diagnosis in ("exception", "shape") and built.kv_heads < NUM_HEADS and mha_right:
+                reraise_with(failure, "kv_grouping", f" Your module works with num_kv_heads = num_heads but not "
+                             f"with num_kv_heads={built.kv_heads} < num_heads={NUM_HEADS}: split k and v into "
+                             f"num_kv_heads heads (self.num_kv_heads) and repeat each for its group of query "
+                             f"heads (repeat_kv) before the scores.")
+            full = built.runs[0] if built.runs else None
+            if full is not None and failure.diagnosis in ("exception", "shape") and close(full[1], full[2]):
+                reraise_with(failure, "causal_mask", f" Your module works for {MAX_TOKENS} tokens but not for "
+                             f"{length}: cut the causal mask to the current length.")
+            raise
+        with torch.no_grad():
+            built.runs.append((x, out, built.reference(x)))
+
+
+def _diagnose_full(built_all: list[Built], generator: torch.Generator) -> None:
+    runs = [(b, x, out) for b in built_all for x, out, _ in b.runs]
+    qk = any(b.setup.qk_norm for b in built_all)
+    window = any(b.setup.window for b in built_all)
+    hypotheses = [m for m in FULL_PASS if (qk or "qk_norm" not in m.spec) and (window or "window" not in m.spec)]
+    found = first_match(hypotheses, [out for _, _, out in runs],
+                        lambda i, spec: simulate(runs[i][0].setup, runs[i][1], [(0, runs[i][1].shape[1])], spec))
+    if found is not None:
+        fail(found.code, found.message)
+    for b, x, out in runs:
+        expect_finite(out, f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)}")
+    built = built_all[0]
+    _probe_batch(built, generator)
+    _probe_future(built, generator)
+    b, x, out, expected = next((b, x, out, e) for b in built_all for x, out, e in b.runs if not close(out, e))
+    fail("mismatch", f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)} differs from the "
+                     f"reference by up to {max_diff(out, expected):.3g}, and like none of the mistakes we know. The "
+                     f"steps: project, split into heads (num_heads for q, num_kv_heads for k and v), rotate q and k, "
+                     f"repeat k and v per group, causal attention scaled by 1/sqrt(head_dim), merge, self.proj.")
+
+
+def _probe_batch(built: Built, generator: torch.Generator) -> None:
+    x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=generator)
+    what = f"GroupedQueryAttention({built.label}) on x of shape {shape_str(x.shape)}"
+    together = _forward(built, x, what)
+    for i in range(3):
+        alone = _forward(built, x[i:i + 1], what.replace("(3,", "(1,"))
+        if not close(alone[0], together[i], nan_ok=True):
+            fail("batch_mixing", f"{what}: sequence {i} gives a different output in a batch of 3 than alone: your "
+                                 f"reshapes mix the sequences. Keep the batch axis first and take N and L from "
+                                 f"x.shape.")
+
+
+def _probe_future(built: Built, generator: torch.Generator) -> None:
+    x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=generator)
+    what = f"GroupedQueryAttention({built.label}) on x of shape {shape_str(x.shape)}"
+    out = _forward(built, x, what)
+    changed = x.clone()
+    changed[:, MAX_TOKENS // 2:] += torch.randn(2, MAX_TOKENS - MAX_TOKENS // 2, EMBED_DIM, generator=generator)
+    if not close(_forward(built, changed, what)[:, :MAX_TOKENS // 2], out[:, :MAX_TOKENS // 2]):
+        fail("causal_mask", f"{what}: the future leaks: changing the tokens after position {MAX_TOKENS // 2 - 1} "
+                            f"changes the outputs before. Each query may see only keys at its position or earlier.")
+
+
+# ---------------------------------------------------------------- the KV cache
+
+def _cached(built: Built, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RecordingCache]:
+    """Prompt, then one token at a time, then two: (x, the student's outputs, the reference full pass, cache)."""
+    x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=generator)
+    cache = RecordingCache(MAX_TOKENS)
+    outs = []
+    for start, length in PLAN:
+        what = (f"GroupedQueryAttention({built.label}).forward(x, cache) with {length} new token(s) and "
+                f"{start} cached")
+        out = _forward(built, x[:, start:start + length], what, cache=cache)
+        if start == 0 and not cache.appended:
+            fail("kv_cache", f"{what}: your forward never appends to the cache it is given, so the next tokens "
+                             f"cannot see the earlier ones. With a cache: read start = cache.length, rotate the new "
+                             f"keys, then k, v = cache.append(k, v) and attend over what it returns.")
+        outs.append(out)
+    with torch.no_grad():
+        expected = built.reference(x)
+    return x, torch.cat(outs, dim=1), expected, cache
+
+
+def _check_cache_contents(built: Built, x: torch.Tensor, cache: RecordingCache) -> None:
+    """The cache must hold num_kv_heads heads of rotated keys (so GQA's cache is smaller, and never re-rotated)."""
+    k, v = cache.appended[0]
+    length = PLAN[0][1]
+    what = f"GroupedQueryAttention({built.label}) with a cache"
+    if isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] != built.kv_heads:
+        fail("kv_cache", f"{what}: your cache receives keys of shape {shape_str(k.shape)}, {k.shape[1]} heads. It "
+                         f"should hold the num_kv_heads={built.kv_heads} heads: append k and v BEFORE repeat_kv, "
+                         f"and repeat what the cache returns. That is the point of GQA: the cache is "
+                         f"num_heads / num_kv_heads times smaller.")
+    s = built.setup
+    raw = (x[:, :length].double() @ s.params["key.weight"].T).reshape(2, length, built.kv_heads, HEAD_DIM)
+    raw = raw.transpose(1, 2)                                                   # (N, kv_heads, L, head_dim)
+    if s.qk_norm:
+        raw = raw * torch.rsqrt(raw.pow(2).mean(-1, keepdim=True) + s.eps) * s.params["k_norm.weight"]
+    turned = rope.rotate(raw, s.cos, s.sin, 0)
+    if isinstance(k, torch.Tensor) and close(k, raw) and not close(k, turned):
+        fail("kv_cache", f"{what}: your cache holds the keys before RoPE, so every step turns all the cached keys "
+                         f"again. Rotate the new keys (offset = cache.length) and append them rotated: each key is "
+                         f"turned once, to its own position, and never again.")
+
+
+def _diagnose_cached(built_all: list[Built], cached: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    found = first_match(CACHED, [got for _, got, _ in cached],
+                        lambda i, spec: simulate(built_all[i].setup, cached[i][0], list(PLAN), spec, cached=True))
+    if found is not None:
+        fail(found.code, found.message)
+    index = next(i for i, (_, got, expected) in enumerate(cached) if not close(got, expected))
+    built, (_, got, expected) = built_all[index], cached[index]
+    wrong = [t for t in range(MAX_TOKENS) if not close(got[:, t], expected[:, t])]
+    prompt = PLAN[0][1]
+    if wrong and wrong[0] < prompt:
+        where = (f"already for the prompt ({prompt} tokens into an empty cache): with an empty cache the "
+                 f"forward must give what it gives without one")
+    elif wrong and wrong[0] >= PLAN[-1][0]:
+        where = ("only when two new tokens come at once: the second may see the first, not the reverse. Mask the "
+                 "new queries with the rows start .. total-1 of a (total, total) causal mask")
+    else:
+        where = (f"from position {wrong[0]} on: a new token must get position cache.length (its RoPE offset) and "
+                 f"attend to every cached key")
+    fail("kv_cache", f"GroupedQueryAttention({built.label}) with a KV cache differs from the full pass {where} "
+                     f"(largest difference {max_diff(got, expected):.3g}).")
+
+
+# ---------------------------------------------------------------- which part is at fault
+
+def _calls(cls: Any) -> tuple[set[str], dict[str, Any]]:
+    """The global names the class's methods use, and the namespace they are looked up in."""
+    names: set[str] = set()
+    namespace: dict[str, Any] = {}
+    for value in vars(cls).values() if isinstance(cls, type) else ():
+        fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+        if isinstance(fn, types.FunctionType):
+            names |= set(fn.__code__.co_names)
+            namespace = namespace or fn.__globals__
+    return names, namespace
+
+
+def _parts_note(cls: Any, parts: dict[str, tuple[str, Callable[[Any], Any]]]) -> str:
+    """A sentence per helper of an earlier exercise that the class calls and that fails its own check."""
+    names, namespace = _calls(cls)
+    notes = []
+    for name, (exercise, judge) in parts.items():
+        fn = namespace.get(name)
+        if name not in names or not callable(fn):
+            continue
+        try:
+            judge(fn)
+        except Failure as failure:
+            notes.append(f" Your class calls your {name} (exercise {exercise}), which fails its own check "
+                         f"({failure.diagnosis}): fix it first, checks.check_{name}({name}).")
+    return "".join(notes)
+
+
+# ---------------------------------------------------------------- the check
+
+def check_class(cls: Any, *, parts: dict[str, tuple[str, Callable[[Any], Any]]],
+                tables: Callable[..., None]) -> str:
+    expect_callable(cls, "GroupedQueryAttention", "class")
+    try:
+        return _check(cls, tables)
+    except Failure as failure:
+        if failure.diagnosis in ("not_implemented", "timeout"):
+            raise
+        note = _parts_note(cls, parts)
+        if not note:
+            raise
+        raise Failure(failure.diagnosis, failure.message.rstrip() + note, **failure.details) from None
+
+
+def _check(cls: Any, tables: Callable[..., None]) -> str:
+    torch.manual_seed(0)   # any dropout draws; the @checker decorator restores the caller's RNG state
+    generator = torch.Generator().manual_seed(96)
+    configs = list(CONFIGS) + [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
+    built_all: list[Built] = []
+    for kv_heads, theta, extra in configs:
+        built = _build(cls, kv_heads, theta, extra, generator, tables)
+        mha_right = bool(built_all) and all(close(out, e) for _, out, e in built_all[0].runs)
+        _full_passes(built, generator, mha_right)
+        built_all.append(built)
+    if not all(close(out, e) for b in built_all for _, out, e in b.runs):
+        _diagnose_full(built_all, generator)
+    cached = []
+    for built in built_all:
+        x, got, expected, cache = _cached(built, generator)
+        cached.append((x, got, expected))
+        if close(got, expected):
+            _check_cache_contents(built, x, cache)
+    if not all(close(got, expected) for _, got, expected in cached):
+        _diagnose_cached(built_all, cached)
+    extras = [key for _, _, extra in configs for key in extra]
+    also = f", and with {' and '.join(extras)}" if extras else ""
+    return (f"Matches the reference for multi-head ({NUM_HEADS} kv heads), grouped-query (2) and multi-query (1) "
+            f"attention{also}, in a full pass and token by token with a KV cache that holds num_kv_heads heads of "
+            f"rotated keys.")

@@ -1,0 +1,239 @@
+"""Grouped-query attention written once with the classic student mistakes switchable on (exercise 9.6).
+
+``simulate`` runs a whole sequence of calls (a full pass, or a prefix and then new tokens with a KV
+cache) as a student's module with one mistake would run it, in float64; ``GQA_MISTAKES`` lists the
+mistakes with what to tell the student. A checker names the first mistake whose outputs the
+student's match in every run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._mistake import Mistake
+from ._rope_variants import rotate
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration of the module, and its weights (float64), as the checker built them."""
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    max_tokens: int
+    theta: float
+    params: dict[str, torch.Tensor]
+    cos: torch.Tensor                 # (max_tokens, head_dim), float64
+    sin: torch.Tensor
+    qk_norm: bool = False
+    window: int | None = None
+    eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _split(t: torch.Tensor, heads: int, how: str) -> torch.Tensor:
+    n, length, features = t.shape
+    if how == "no_transpose":
+        return t.reshape(n, heads, length, features // heads)                   # positions cut, not features
+    return t.reshape(n, length, heads, features // heads).transpose(1, 2)       # (N, heads, L, head_dim)
+
+
+def _merge(t: torch.Tensor, how: str) -> torch.Tensor:
+    n, heads, length, head_dim = t.shape
+    if how == "bare":
+        return t.reshape(n, length, heads * head_dim)
+    return t.transpose(1, 2).reshape(n, length, heads * head_dim)               # (N, L, heads * head_dim)
+
+
+def _group(t: torch.Tensor, groups: int, how: str) -> torch.Tensor:
+    if how == "tile":
+        return t.repeat(1, groups, 1, 1)                                        # head h reads h % kv_heads
+    return t.repeat_interleave(groups, dim=1)                                   # head h reads h // groups
+
+
+def _rms(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _offset(how: str, start: int, length: int) -> int:
+    return {"ok": start, "zero": 0, "after_append": start + length, "plus_one": start + 1}[how]
+
+
+def _allowed(how: str, start: int, length: int, total: int, window: int | None, window_how: str,
+             cached: bool) -> torch.Tensor:
+    """Bool (L, total): which keys each new query sees under the mistake ``how``."""
+    i = torch.arange(start, start + length)[:, None]          # the queries' true positions
+    j = torch.arange(total)[None, :]
+    if how == "top_left_chunks":                              # is_causal=(L > 1) whatever the cache holds
+        how = "top_left" if length > 1 else "none"
+    if how == "none" or (how == "none_cached" and cached):
+        causal = torch.ones(length, total, dtype=torch.bool)
+    elif how == "top_left":                                   # is_causal=True with fewer queries than keys
+        causal = j <= i - start
+    else:
+        causal = j <= i
+    if window is None or window_how == "ignored":
+        return causal
+    reach = window + 1 if window_how == "plus_one" else window
+    return causal & (i - j < reach)
+
+
+def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: dict[str, Any], *,
+             cached: bool = False) -> torch.Tensor:
+    """The outputs (N, sum of lengths, E), in float64, of a module with the mistakes in ``spec`` called
+    once per (start, length) of ``plan``, with a KV cache when ``cached`` (a prefix, then new tokens).
+
+    spec keys (right value first): group "interleave"/"tile"; rope_q, rope_k True/False; rope_v False/True;
+    kind "half"/... and axis "length"/"heads" (see _rope_variants.rotate); offset "ok"/"zero"/
+    "after_append"/"plus_one"; keys "before_cache"/"after_cache" (unrotated keys cached, then all of them
+    turned from the new tokens' offset); mask "causal"/"none"/"top_left"/"top_left_chunks"/"none_cached"; window
+    "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"; split and merge "ok"/
+    "no_transpose"/"bare"; value "value"/"key"; qk_norm "ok"/"none"/"after_rope"/"q_only".
+    """
+    p = setup.params
+    x = x.double()
+    heads, kv_heads, head_dim = setup.num_heads, setup.num_kv_heads, setup.head_dim
+    rope = dict(kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
+    norm = spec.get("qk_norm", "ok") if setup.qk_norm else "off"
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    outputs = []
+    for start, length in plan:
+        chunk = x[:, start:start + length]                                       # (N, L, E)
+        split = spec.get("split", "ok")
+        q = _split(chunk @ p["query.weight"].T, heads, split)                   # (N, heads, L, head_dim)
+        k = _split(chunk @ p["key.weight"].T, kv_heads, split)                  # (N, kv_heads, L, head_dim)
+        v = _split(chunk @ p[f"{spec.get('value', 'value')}.weight"].T, kv_heads, split)
+        if norm in ("ok", "q_only"):
+            q = _rms(q, p["q_norm.weight"], setup.eps)
+        if norm == "ok":
+            k = _rms(k, p["k_norm.weight"], setup.eps)
+        offset = _offset(spec.get("offset", "ok"), start, length)
+        if spec.get("rope_q", True):
+            q = rotate(q, setup.cos, setup.sin, offset, **rope)
+        if spec.get("rope_k", True) and spec.get("keys", "before_cache") == "before_cache":
+            k = rotate(k, setup.cos, setup.sin, offset, **rope)
+        if spec.get("rope_v", False):
+            v = rotate(v, setup.cos, setup.sin, offset, **rope)
+        if norm == "after_rope":
+            q, k = _rms(q, p["q_norm.weight"], setup.eps), _rms(k, p["k_norm.weight"], setup.eps)
+        keys.append(k)
+        values.append(v)
+        total = start + length
+        all_k, all_v = torch.cat(keys, dim=2), torch.cat(values, dim=2)         # (N, kv_heads, total, head_dim)
+        if spec.get("keys") == "after_cache" and spec.get("rope_k", True):
+            all_k = rotate(all_k, setup.cos, setup.sin, offset, **rope)          # every key turned from `offset`
+        all_k = _group(all_k, setup.groups, spec.get("group", "interleave"))    # (N, heads, total, head_dim)
+        all_v = _group(all_v, setup.groups, spec.get("group", "interleave"))
+        scale = {"head_dim": head_dim ** -0.5, "none": 1.0, "embed_dim": setup.embed_dim ** -0.5,
+                 "d": 1.0 / head_dim}[spec.get("scale", "head_dim")]
+        scores = q @ all_k.transpose(-2, -1) * scale                             # (N, heads, L, total)
+        allowed = _allowed(spec.get("mask", "causal"), start, length, total, setup.window,
+                           spec.get("window", "ok"), cached)
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out = _merge(weights @ all_v, spec.get("merge", "ok"))                  # (N, L, heads * head_dim)
+        outputs.append(out @ p["proj.weight"].T)                                 # (N, L, E)
+    return torch.cat(outputs, dim=1)
+
+
+# ----------------------------------------------------------------------------- the mistakes
+
+_INTERLEAVED = ("Your queries and keys are turned in interleaved pairs (2i, 2i+1) (GPT-J's and Meta's original "
+                "Llama layout), but the tables and the weights of this course (and of Hugging Face Llama) pair "
+                "dimension i with i + head_dim/2: rotate_half(x) = cat(-x2, x1) of the two halves.")
+
+# Mistakes visible in a full pass (one call, no cache), most specific first.
+FULL_PASS: tuple[Mistake, ...] = (
+    Mistake("kv_grouping", "Your key/value heads are shared in the wrong order: query head h reads key/value "
+                           "head h % num_kv_heads, as `repeat` (or expand on a new first axis) tiles the whole "
+                           "stack. Each key/value head serves num_heads // num_kv_heads NEIGHBOURING query heads: "
+                           "h reads h // groups, which is repeat_interleave(groups, dim=1).", {"group": "tile"}),
+    Mistake("rotated_values", "You rotate the values too. RoPE turns only the queries and the keys, so that "
+                              "their dot product depends on the offset between positions; the values are "
+                              "mixed by the attention weights as they are.", {"rope_v": True}),
+    Mistake("rotated_values", "You rotate the values instead of the keys: turn q and k, and leave v as it is.",
+            {"rope_v": True, "rope_k": False}),
+    Mistake("rope_missing", "Neither the queries nor the keys are rotated: without RoPE the attention cannot "
+                            "tell positions apart. Apply apply_rotary to q and k after the head split.",
+            {"rope_q": False, "rope_k": False}),
+    Mistake("rope_missing", "Only the queries are rotated: turn the keys too (with the same offset), so that "
+                            "the score of a query and a key depends on their offset.", {"rope_k": False}),
+    Mistake("rope_missing", "Only the keys are rotated: turn the queries too (with the same offset).",
+            {"rope_q": False}),
+    Mistake("rope_layout", _INTERLEAVED, {"kind": "pairs"}),
+    Mistake("rope_layout", _INTERLEAVED.replace("(GPT-J's and Meta's original Llama layout), but",
+                                                "against the half-split tables, but"), {"kind": "pairs_table"}),
+    Mistake("rope_rotation", "Your rotation turns the wrong way: x*cos + rotate_half(x)*sin with rotate_half(x) "
+                             "= cat(-x2, x1); yours has the minus sign on the other half.", {"kind": "reverse"}),
+    Mistake("rope_rotation", "Your rotation swaps sin and cos: x*cos + rotate_half(x)*sin.", {"kind": "swapped"}),
+    Mistake("rope_axes", "You rotate q and k while they are (N, L, heads, head_dim), before the transpose: "
+                         "apply_rotary reads positions along the second-to-last axis, which is then the heads, "
+                         "so each head is turned by its head index instead of each token by its position. "
+                         "Rotate after transpose(1, 2), on (N, heads, L, head_dim).", {"axis": "heads"}),
+    Mistake("causal_mask", "The future leaks: no causal mask. Each query may only see keys at its own position "
+                           "or earlier (is_causal=True, or mask the scores with -inf before the softmax).",
+            {"mask": "none"}),
+    Mistake("causal_mask", "Your sliding window is ignored: each token should see only itself and the "
+                           "sliding_window - 1 tokens before it.", {"window": "ignored"}),
+    Mistake("causal_mask", "Your sliding window is one token too wide: query i may see key j when "
+                           "0 <= i - j < sliding_window.", {"window": "plus_one"}),
+    Mistake("scale", "Your scores are not scaled: divide them by sqrt(head_dim) before the softmax.",
+            {"scale": "none"}),
+    Mistake("scale", "You scale by 1/sqrt(embed_dim), but each head works in head_dim dimensions: scale by "
+                     "1/sqrt(head_dim).", {"scale": "embed_dim"}),
+    Mistake("scale", "You divide the scores by head_dim; divide by its square root.", {"scale": "d"}),
+    Mistake("head_split", "Your heads are cut along the sequence: reshaping (N, L, features) straight to "
+                          "(N, heads, L, head_dim) mixes positions. View as (N, L, heads, head_dim), then "
+                          "transpose(1, 2).", {"split": "no_transpose"}),
+    Mistake("head_split", "Your heads are merged with a bare reshape: (N, heads, L, head_dim) must become "
+                          "(N, L, heads, head_dim) (transpose(1, 2)) before flattening.", {"merge": "bare"}),
+    Mistake("head_split", "Both your split and your merge skip the transpose between (N, L, heads, head_dim) "
+                          "and (N, heads, L, head_dim).", {"split": "no_transpose", "merge": "bare"}),
+    Mistake("values", "Your values come from the key projection: v = self.value(x), not self.key(x).",
+            {"value": "key"}),
+    Mistake("norm_placement", "QK-norm is missing: with qk_norm=True, normalise each query and key head with "
+                              "self.q_norm and self.k_norm right after the head split, before RoPE.",
+            {"qk_norm": "none"}),
+    Mistake("norm_placement", "You normalise the queries but not the keys: apply self.k_norm to k as well.",
+            {"qk_norm": "q_only"}),
+    Mistake("norm_placement", "You apply QK-norm after RoPE: normalise q and k (self.q_norm, self.k_norm) right "
+                              "after the head split, then rotate them.", {"qk_norm": "after_rope"}),
+)
+
+# Mistakes visible only with a KV cache (the full pass is right).
+CACHED: tuple[Mistake, ...] = (
+    Mistake("rope_positions", "With a KV cache your new tokens are rotated as if they started at position 0: "
+                              "pass offset=cache.length (the number of tokens already cached, read BEFORE "
+                              "appending) to apply_rotary, for the queries and the keys.", {"offset": "zero"}),
+    Mistake("rope_positions", "With a KV cache your new tokens are rotated one position too far: the offset is "
+                              "the cache length read AFTER appending the new keys. Read start = cache.length "
+                              "before cache.append(...).", {"offset": "after_append"}),
+    Mistake("rope_positions", "With a KV cache your new tokens are rotated one position too far: the offset is "
+                              "cache.length, not cache.length + 1.", {"offset": "plus_one"}),
+    Mistake("kv_cache", "You append the keys to the cache before rotating them, then rotate all the cached keys "
+                        "from the new tokens' offset: every old key is turned again, to the wrong position. "
+                        "Rotate the new keys first (offset=cache.length), then append them: the cache holds "
+                        "keys already turned to their own positions.", {"keys": "after_cache"}),
+    Mistake("causal_mask", "With a KV cache your new queries see only the first keys: is_causal=True (or a "
+                           "top-left triangle) aligns query i with key i, but the new queries sit at the END, "
+                           "at positions cache.length ... total-1. Use a mask whose rows are those positions "
+                           "(e.g. causal_mask(total)[start:total]), or no mask for a single new token.",
+            {"mask": "top_left"}),
+    Mistake("causal_mask", "With several new tokens at once and a cache, your queries see only the first keys: "
+                           "is_causal=(L > 1) aligns query i with key i, but the new queries sit at positions "
+                           "cache.length ... total-1. Mask with the rows of those positions, "
+                           "causal_mask(total)[start:total].", {"mask": "top_left_chunks"}),
+    Mistake("causal_mask", "With a KV cache you drop the causal mask, but the tokens of one call still must not "
+                           "see each other's future (a prompt, or several new tokens at once): query i, at "
+                           "position cache.length + i, may see keys up to there only.", {"mask": "none_cached"}),
+)
