@@ -16,7 +16,9 @@ PY     := $(VENV)/bin/python
 ROOT_FLAG := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root,)
 # nbval compares outputs, so the notebooks run with fixed threads and static widgets
 NBVAL_ENV := COURSE_STATIC_WIDGETS=1 COURSE_THREADS=2 MPLBACKEND=Agg PYTHONHASHSEED=0
-NBVAL_OPTS := -p no:cacheprovider --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+# Tests and notebooks run on JOBS worker processes (pytest-xdist); a notebook stays on one worker.
+JOBS ?= 2
+NBVAL_OPTS := -n $(JOBS) --dist loadfile -p no:cacheprovider --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
               --nbval-cell-timeout=600
 
 .PHONY: setup lab lab-solutions test lint unit tests-all notebooks learner-copies student bench doctor data clean
@@ -56,7 +58,7 @@ unit: setup
 	$(PY) -m pytest -p no:cacheprovider -m "not slow" tests
 
 tests-all: setup $(VENV)/.instructor
-	$(PY) -m pytest -p no:cacheprovider tests
+	$(PY) -m pytest -n $(JOBS) -p no:cacheprovider tests
 
 notebooks: setup
 	$(NBVAL_ENV) $(PY) -m pytest $(NBVAL_OPTS) --nbval notebooks
