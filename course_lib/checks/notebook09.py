@@ -363,6 +363,9 @@ def _judge_rms_norm(cls: Any) -> str:
                     reraise_with(failure, "norm_statistic", f" Your forward works for (N, L, dim) inputs but not "
                                  f"for {x.dim()}-D ones: normalise over the last axis, dim=-1 with keepdim=True, "
                                  f"whatever the number of axes (QK-norm calls it on (N, heads, L, head_dim)).")
+                if failure.diagnosis == "exception" and "must match the size of tensor" in failure.message:
+                    reraise_with(failure, "exception", " Tip: keep the averaged axis, .mean(dim=-1, keepdim=True), "
+                                 "so the (..., 1) root mean square broadcasts against x (..., dim).")
                 raise
             expected = reference(x)
         runs.append((x, reference, out, expected, shown))

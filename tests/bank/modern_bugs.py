@@ -412,6 +412,14 @@ class RMSNormDimTwo(RMSNorm):
         return (x32 * torch.rsqrt(x32.pow(2).mean(2, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 
 
+@bug("9.3", "exception", "keepdim=True")
+class RMSNormNoKeepdim(RMSNorm):
+    def forward(self, x):
+        x32 = x.float()
+        rms = x32.pow(2).mean(-1).add(self.eps).sqrt()
+        return (x32 / rms * self.weight).to(x.dtype)
+
+
 @bug("9.3", "precision", "float32", "65504")
 class RMSNormInInputDtype(RMSNorm):
     def forward(self, x):
