@@ -22,6 +22,9 @@ __all__ = [
     "TransformerBlock",
     "GPTConfig",
     "GPT",
+    "ModernGPTConfig",
+    "ModernBlock",
+    "ModernGPT",
 ]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -287,12 +290,19 @@ def check_vocabulary(name: str, ids: torch.Tensor, vocab_size: int) -> None:
                          f"vocab_size=tokenizer.vocab_size (or len(tokenizer))")
 
 
-def flops_per_token(config: GPTConfig, num_parameters: int) -> float:
+def flops_per_token(config: GPTConfig | ModernGPTConfig, num_parameters: int) -> float:
     """Training FLOPs per token: 6N for the weights plus 12·n·H·Q·T for attention (PaLM, appendix B).
 
-    N = ``num_parameters``; L layers, H heads of size Q, context T, all from ``config``.
+    N = ``num_parameters``; L layers, H heads of size Q, context T, all from ``config``. With a
+    sliding window, each query attends to at most ``sliding_window`` keys, so T is the smaller of the two.
     """
-    if not isinstance(config, GPTConfig):
-        raise TypeError(f"config: expected a GPTConfig, got {type(config).__name__}")
+    if not isinstance(config, (GPTConfig, ModernGPTConfig)):
+        raise TypeError(f"config: expected a GPTConfig or ModernGPTConfig, got {type(config).__name__}")
     validate.positive_int("num_parameters", num_parameters)
-    return 6 * num_parameters + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+    context = min(config.max_tokens, getattr(config, "sliding_window", None) or config.max_tokens)
+    return 6 * num_parameters + 12 * config.num_layers * config.num_heads * config.head_dim * context
+
+
+# The Llama-style model of notebook 09 lives in its own file, built from course_lib.modern's parts;
+# it is found here with the other models. Imported last: modern_gpt reads check_vocabulary from this module.
+from .modern_gpt import ModernBlock, ModernGPT, ModernGPTConfig  # noqa: E402

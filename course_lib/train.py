@@ -17,7 +17,7 @@ from torch import nn
 from . import _validate as validate
 from .data import IGNORE_INDEX, lm_windows, random_batch
 from .distributed import DistributedContext
-from .model import GPT, check_vocabulary, flops_per_token
+from .model import GPT, ModernGPT, check_vocabulary, flops_per_token
 from .run_folder import RunRefused
 from .runtime import DEVICES
 from .runtime import device as default_device
@@ -341,7 +341,7 @@ def _agree(flags: list[bool], ctx: DistributedContext, device: torch.device) -> 
     return [bool(v) for v in tensor.tolist()]
 
 
-def train(model: GPT, train_split: Split, val_split: Split | None, config: TrainConfig, *,
+def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, config: TrainConfig, *,
           device: torch.device | str | None = None, progress: bool = True,
           ctx: DistributedContext | None = None, state: TrainState | None = None,
           on_checkpoint: Callable[[TrainState], None] | None = None,
@@ -356,8 +356,8 @@ def train(model: GPT, train_split: Split, val_split: Split | None, config: Train
     is wrapped in DistributedDataParallel, only rank 0 evaluates and checkpoints, and all ranks stop
     together.
     """
-    if not isinstance(model, GPT):
-        raise TypeError(f"model: expected a course_lib GPT, got {type(model).__name__}")
+    if not isinstance(model, (GPT, ModernGPT)):
+        raise TypeError(f"model: expected a course_lib GPT or ModernGPT, got {type(model).__name__}")
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config: expected a TrainConfig, got {type(config).__name__}")
     max_tokens, vocab_size = model.config.max_tokens, model.config.vocab_size

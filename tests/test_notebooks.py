@@ -32,6 +32,7 @@ EXPECTED_NAMES = {
     "06": "06_fast_attention_and_generation",
     "07": "07_huggingface_and_scaling",
     "08": "08_train_your_gpt",
+    "09": "09_modern_attention",
 }
 # Notebooks whose exercise is the student's earlier work put together, judged by one checker call
 # instead of a solution region of their own.

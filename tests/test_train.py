@@ -93,7 +93,7 @@ def test_flops_per_token_known_config():
 
 def test_flops_per_token_names_the_wrong_argument():
     config = GPTConfig(vocab_size=65, max_tokens=64, embed_dim=128, num_heads=4, num_layers=4)
-    with pytest.raises(TypeError, match="config: expected a GPTConfig, got dict"):
+    with pytest.raises(TypeError, match="config: expected a GPTConfig or ModernGPTConfig, got dict"):
         flops_per_token(config.to_dict(), 1_000_000)
     with pytest.raises(ValueError, match="num_parameters"):
         flops_per_token(config, 0)

@@ -338,6 +338,105 @@ def test_plot_ddp_allreduce():
         viz.plot_ddp_allreduce(0)
 
 
+# --------------------------------------------------------------------------- notebook 09: modern attention
+
+def rotated_rows(angles_per_token, positions=6, start=(0.3, 0.5)):
+    """One vector at positions 0..P-1: pair i turned by p * angles_per_token[i] (half-split layout)."""
+    half = len(angles_per_token)
+    rows = np.zeros((positions, 2 * half))
+    for i, omega in enumerate(angles_per_token):
+        radius, phase = (i + 1.0), np.arctan2(start[1], start[0])
+        for p in range(positions):
+            rows[p, i], rows[p, i + half] = radius * np.cos(phase + p * omega), radius * np.sin(phase + p * omega)
+    return rows
+
+
+def test_plot_rope_rotation_draws_each_pair_and_measures_its_turn():
+    rows = rotated_rows([1.0, 0.25, 0.01])
+    fig = viz.plot_rope_rotation(torch.tensor(rows), pairs=[0, 2])
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert len(panels) == 2
+    np.testing.assert_allclose(fig.course_data["step"], [1.0, 0.01], rtol=1e-9)
+    np.testing.assert_allclose(fig.course_data["points"][1], rows[:, [2, 5]])   # pair 2 = dims 2 and 2 + 3
+    assert "pair 2: dims 2 and 5" in panels[1].get_title() and "0.01 rad per token" in panels[1].get_title()
+    assert [t.get_text() for t in panels[0].texts if t.get_text()] == [str(p) for p in range(6)]   # per row
+    default = viz.plot_rope_rotation(rows)
+    assert default.course_data["pairs"] == [0, 1, 2]
+
+
+def test_plot_rope_rotation_measures_a_turn_past_pi_wrapped():
+    fig = viz.plot_rope_rotation(rotated_rows([-2.5]), pairs=[0])
+    assert fig.course_data["step"] == pytest.approx([-2.5])
+
+
+@pytest.mark.parametrize("rotated, pairs, match", [
+    (np.zeros((4, 5)), None, "rotated: expected an even head_dim"),
+    (np.zeros((1, 4)), None, "rotated: expected at least 2 positions"),
+    (np.zeros((4, 4)), [2], r"pairs: expected a non-empty list of ints in \[0, 2\)"),
+    (np.zeros(4), None, r"rotated: expected shape \(positions, head_dim\)"),
+])
+def test_plot_rope_rotation_rejects_bad_inputs(rotated, pairs, match):
+    with pytest.raises(ValueError, match=match):
+        viz.plot_rope_rotation(rotated, pairs)
+
+
+def test_plot_rope_scores_shows_the_scores_and_the_curves():
+    scores = np.add.outer(np.arange(5.0), -np.arange(5.0))                      # m - n: constant diagonals
+    fig = viz.plot_rope_scores(scores, {"a": [1.0, 0.5, 0.0], "b": torch.tensor([0.0, 1.0, 2.0])})
+    [heat] = image_axes(fig)
+    np.testing.assert_allclose(heat.images[0].get_array(), scores)
+    lines = {line.get_label(): line.get_ydata() for line in fig.axes[1].get_lines() if not line.get_label().startswith("_")}
+    assert list(lines) == ["a", "b"]
+    np.testing.assert_allclose(lines["b"], [0.0, 1.0, 2.0])
+    assert len(viz.plot_rope_scores(scores).axes) == 2                           # heat map and colour bar
+
+
+@pytest.mark.parametrize("scores, curves, error, match", [
+    (np.zeros(3), None, ValueError, r"scores: expected shape \(query positions, key positions\)"),
+    (np.zeros((3, 3)), [1.0, 2.0], TypeError, "curves: expected a non-empty dict of label"),
+    (np.zeros((3, 3)), {1: [1.0]}, TypeError, "curves: expected str labels"),
+    (np.zeros((3, 3)), {"a": np.zeros((2, 2))}, ValueError, r"curves\['a'\]: expected shape \(offsets,\)"),
+])
+def test_plot_rope_scores_rejects_bad_inputs(scores, curves, error, match):
+    with pytest.raises(error, match=match):
+        viz.plot_rope_scores(scores, curves)
+
+
+def test_plot_kv_cache_per_token_bars_are_the_measurements():
+    measured = {"MHA": 4096, "GQA": 1024.0, "MQA": 512}
+    fig = viz.plot_kv_cache_per_token(measured, formula=dict(measured))
+    [ax] = fig.axes
+    assert [p.get_height() for p in ax.patches] == [4096, 1024, 512]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["MHA", "GQA", "MQA"]
+    assert [t.get_text() for t in ax.texts] == ["4 KiB", "1 KiB", "512 B"]
+    [marks] = [line for line in ax.get_lines() if line.get_label() == "formula"]
+    np.testing.assert_allclose(marks.get_ydata(), [4096, 1024, 512])
+    assert fig.course_data["formula"] == {"MHA": 4096.0, "GQA": 1024.0, "MQA": 512.0}
+
+
+@pytest.mark.parametrize("measured, formula, error, match", [
+    ({}, None, TypeError, "measured: expected a non-empty dict"),
+    ({"MHA": -1}, None, ValueError, r"measured\['MHA'\]: expected a finite number in \[0, inf\]"),
+    ({"MHA": 1}, {"MQA": 1}, ValueError, r"formula: expected the same labels as measured, \['MHA'\]"),
+])
+def test_plot_kv_cache_per_token_rejects_bad_inputs(measured, formula, error, match):
+    with pytest.raises(error, match=match):
+        viz.plot_kv_cache_per_token(measured, formula)
+
+
+def test_plot_masks_draws_each_mask_with_its_label():
+    causal = causal_mask(5)
+    window = causal & ~causal_mask(5).tril(-2)                                   # each query sees 2 keys at most
+    fig = viz.plot_masks({"causal": causal, "window 2": window})
+    panels = image_axes(fig)
+    assert len(panels) == 2
+    np.testing.assert_array_equal(panels[1].images[0].get_array(), window.int().numpy())
+    assert panels[1].get_title() == "window 2\n2 keys at most per query"
+    assert fig.course_data["keys_per_query"]["window 2"] == [1, 2, 2, 2, 2]
+    with pytest.raises(TypeError, match=r"masks\['f'\]: expected a bool mask"):
+        viz.plot_masks({"f": torch.ones(3, 3)})
+
+
 # --------------------------------------------------------------------------- query explorer
 
 @pytest.mark.parametrize("angle", [0, 90, 200.5, 360])

@@ -2,6 +2,9 @@
 
 - :mod:`.gpt2`: ``to_hf_gpt2`` / ``from_hf_gpt2`` convert whole models; the name pairs
   come from :func:`weight_pairs`, the one table both directions read.
+- :mod:`.llama`: ``from_hf_llama`` / ``to_hf_llama`` convert a ``LlamaForCausalLM`` to and from the
+  course's ``ModernGPT`` (notebook 09), built from any attention, norm and MLP classes with the
+  reference's parameter names; the name pairs come from :func:`llama_weight_pairs`.
 - :mod:`.pretrained`: ``from_pretrained`` loads real GPT-2 weights (a local folder or
   the hub cache) as a course GPT; ``save_pretrained`` writes a course model and its
   tokenizer as a folder that ``transformers.pipeline("text-generation", model=folder)`` can run.
@@ -37,6 +40,13 @@ from .gpt2 import (
     to_hf_gpt2,
     weight_pairs,
 )
+from .llama import (
+    course_config_from_llama,
+    from_hf_llama,
+    llama_config_from_course,
+    llama_weight_pairs,
+    to_hf_llama,
+)
 from .pretrained import PretrainedWeightsNotFound, char_tokenizer_to_hf, from_pretrained, save_pretrained
 
 __all__ = [
@@ -49,6 +59,11 @@ __all__ = [
     "hf_to_course_state_dict",
     "to_hf_gpt2",
     "from_hf_gpt2",
+    "llama_weight_pairs",
+    "course_config_from_llama",
+    "llama_config_from_course",
+    "to_hf_llama",
+    "from_hf_llama",
     "PretrainedWeightsNotFound",
     "from_pretrained",
     "char_tokenizer_to_hf",

@@ -4,6 +4,7 @@
 - :mod:`.attention_maps`: attention weights, heads, the causal mask, position tables, softmax saturation;
 - :mod:`.training`: loss curves and the measured cost of attention;
 - :mod:`.diagrams`: Markov chain / RNN / attention, splitting heads, data-parallel training;
+- :mod:`.modern`: RoPE's rotation, scores against the offset, KV-cache bytes per token, masks side by side;
 - :mod:`.widgets`: the query explorer and the generation playground, each with a static fallback.
 
 Every ``plot_*`` function checks its inputs and returns a matplotlib ``Figure``.
@@ -23,6 +24,7 @@ from .attention_maps import (
     plot_softmax_saturation,
 )
 from .diagrams import plot_architecture_diagram, plot_ddp_allreduce, plot_heads_split, plot_why_attention
+from .modern import plot_kv_cache_per_token, plot_masks, plot_rope_rotation, plot_rope_scores
 from .style import Figure
 from .training import plot_attention_cost, plot_loss_curves
 from .widgets import (
@@ -49,6 +51,10 @@ __all__ = [
     "plot_why_attention",
     "plot_heads_split",
     "plot_ddp_allreduce",
+    "plot_rope_rotation",
+    "plot_rope_scores",
+    "plot_kv_cache_per_token",
+    "plot_masks",
     "query_explorer_state",
     "plot_query_explorer",
     "query_explorer",

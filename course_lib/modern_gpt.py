@@ -1,0 +1,281 @@
+"""A Llama-style GPT built from notebook 09's parts: RoPE attention with grouped-query heads, RMSNorm, SwiGLU.
+
+:class:`ModernGPT` has the interface of :class:`course_lib.model.GPT` (``forward(idx, cache=None)``,
+``new_cache()``, ``num_parameters()``, ``config.max_tokens``, ``config.vocab_size``), so
+:func:`course_lib.generate.generate` and :func:`course_lib.train.train` take it unchanged. Its parts are
+passed in as classes, so a student's own ``GroupedQueryAttention``, ``RMSNorm`` and ``SwiGLU`` build the
+same model, and :func:`course_lib.hf.from_hf_llama` loads a Hugging Face Llama into them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _validate as validate
+from .attention import KVCache
+from .model import check_vocabulary
+from .modern import GroupedQueryAttention, ReLUSquared, RMSNorm, SwiGLU
+
+__all__ = ["MLP_KINDS", "default_hidden_dim", "ModernGPTConfig", "ModernBlock", "ModernGPT"]
+
+MLP_KINDS = ("swiglu", "relu2")
+
+
+def default_hidden_dim(embed_dim: int, mlp: str) -> int:
+    """SwiGLU: 8/3 of embed_dim rounded up to a multiple of 8 (three matrices, about the parameters of
+    GPT-2's two at 4x); ReLU²: 4 * embed_dim."""
+    validate.positive_int("embed_dim", embed_dim)
+    validate.one_of("mlp", mlp, MLP_KINDS)
+    if mlp == "relu2":
+        return 4 * embed_dim
+    return 8 * math.ceil(8 * embed_dim / 3 / 8)
+
+
+@dataclass
+class ModernGPTConfig:
+    """Everything needed to build a :class:`ModernGPT`; validates itself when created.
+
+    ``num_kv_heads``, ``hidden_dim`` and ``head_dim`` left at None are filled in when the config is
+    created (``num_heads``; :func:`default_hidden_dim`; ``embed_dim // num_heads``), so a config always
+    reads as the concrete architecture. ``dataclasses.replace`` keeps those filled-in values: pass
+    ``None`` again to have them recomputed from a new ``embed_dim`` or ``num_heads``.
+    """
+
+    vocab_size: int
+    max_tokens: int = 64
+    embed_dim: int = 128
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    num_layers: int = 4
+    hidden_dim: int | None = None
+    mlp: str = "swiglu"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    tie_weights: bool = False
+    dropout_rate: float = 0.0
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_tokens", "embed_dim", "num_heads", "num_layers"):
+            validate.positive_int(f"ModernGPTConfig.{name}", getattr(self, name))
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        validate.positive_int("ModernGPTConfig.num_kv_heads", self.num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            divisors = [k for k in range(1, self.num_heads + 1) if self.num_heads % k == 0]
+            raise ValueError(f"ModernGPTConfig.num_kv_heads: must divide num_heads={self.num_heads} (each "
+                             f"key/value head serves a whole group of query heads); got {self.num_kv_heads}, "
+                             f"choose from {divisors}")
+        validate.one_of("ModernGPTConfig.mlp", self.mlp, MLP_KINDS)
+        if self.hidden_dim is None:
+            self.hidden_dim = default_hidden_dim(self.embed_dim, self.mlp)
+        validate.positive_int("ModernGPTConfig.hidden_dim", self.hidden_dim)
+        if self.head_dim is None:
+            if self.embed_dim % self.num_heads:
+                divisors = [h for h in range(1, self.embed_dim + 1) if self.embed_dim % h == 0 and h <= 64]
+                raise ValueError(f"ModernGPTConfig.embed_dim={self.embed_dim} is not divisible by "
+                                 f"num_heads={self.num_heads}; choose num_heads from {divisors}, or set "
+                                 f"head_dim explicitly")
+            self.head_dim = self.embed_dim // self.num_heads
+        validate.positive_int("ModernGPTConfig.head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"ModernGPTConfig.head_dim: expected an even number (RoPE turns pairs of "
+                             f"dimensions), got {self.head_dim} (embed_dim={self.embed_dim}, "
+                             f"num_heads={self.num_heads})")
+        self.rope_theta = validate.positive_float("ModernGPTConfig.rope_theta", self.rope_theta,
+                                                  hint="Llama uses 10000.0 or 500000.0")
+        self.norm_eps = validate.positive_float("ModernGPTConfig.norm_eps", self.norm_eps,
+                                                hint="Llama uses 1e-5 or 1e-6")
+        validate.boolean("ModernGPTConfig.qk_norm", self.qk_norm)
+        validate.boolean("ModernGPTConfig.tie_weights", self.tie_weights)
+        self.sliding_window = validate.positive_int_or_none("ModernGPTConfig.sliding_window",
+                                                            self.sliding_window)
+        validate.probability("ModernGPTConfig.dropout_rate", self.dropout_rate,
+                             hint="0.0 turns dropout off, 0.1-0.2 is typical")
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head: 1 is multi-head attention, num_heads is multi-query."""
+        return self.num_heads // self.num_kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModernGPTConfig:
+        if not isinstance(values, dict):
+            raise TypeError(f"values: expected a dict from ModernGPTConfig.to_dict(), got {validate.describe(values)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"ModernGPTConfig: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**values)
+
+
+# ---------------------------------------------------------------- building the parts
+
+def _check_part_class(name: str, cls: Any) -> None:
+    if not callable(cls):
+        raise TypeError(f"{name}: expected a class (an nn.Module subclass), got {validate.describe(cls)}")
+
+
+def _accepts(cls: Callable[..., Any], keyword: str) -> bool:
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):   # no signature to read (a builtin): let the call decide
+        return True
+    return any(p.name == keyword and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.kind == p.VAR_KEYWORD
+               for p in parameters)
+
+
+def _built(name: str, cls: Any, module: Any) -> nn.Module:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{name}: {getattr(cls, '__name__', cls)!s}(...) should build an nn.Module, "
+                        f"got {validate.describe(module)}")
+    return module
+
+
+def _attention_options(config: ModernGPTConfig) -> dict[str, Any]:
+    """The optional keyword arguments of GroupedQueryAttention that this config needs.
+
+    Only those that differ from the defaults, so a class with the plain signature
+    ``(embed_dim, num_heads, num_kv_heads, max_tokens, rope_theta=10000.0)`` builds a Llama.
+    ``norm_eps`` only matters to the QK-norm, so it goes along only with ``qk_norm=True``.
+    """
+    options: dict[str, Any] = {}
+    if config.qk_norm:
+        options["qk_norm"] = True
+        if config.norm_eps != 1e-6:
+            options["norm_eps"] = config.norm_eps
+    if config.sliding_window is not None:
+        options["sliding_window"] = config.sliding_window
+    if config.dropout_rate:
+        options["dropout_rate"] = config.dropout_rate
+    if config.head_dim * config.num_heads != config.embed_dim:
+        options["head_dim"] = config.head_dim
+    return options
+
+
+class ModernBlock(nn.Module):
+    """Pre-norm residual block: ``x + attn(attn_norm(x))``, then ``x + mlp(mlp_norm(x))``.
+
+    The parts are built from the classes given: ``attention_cls(embed_dim, num_heads, num_kv_heads,
+    max_tokens, rope_theta, **options)``, ``norm_cls(embed_dim, norm_eps)`` and
+    ``mlp_cls(embed_dim, hidden_dim)`` (``mlp_cls=None``: SwiGLU or ReLUSquared as ``config.mlp`` says).
+    """
+
+    def __init__(self, config: ModernGPTConfig, *, attention_cls: Callable[..., nn.Module] = GroupedQueryAttention,
+                 norm_cls: Callable[..., nn.Module] = RMSNorm, mlp_cls: Callable[..., nn.Module] | None = None):
+        super().__init__()
+        if not isinstance(config, ModernGPTConfig):
+            raise TypeError(f"config: expected a ModernGPTConfig, got {validate.describe(config)}")
+        mlp_cls = mlp_cls if mlp_cls is not None else (SwiGLU if config.mlp == "swiglu" else ReLUSquared)
+        for name, cls in (("attention_cls", attention_cls), ("norm_cls", norm_cls), ("mlp_cls", mlp_cls)):
+            _check_part_class(name, cls)
+        c = config
+        options = _attention_options(c)
+        refused = [key for key in options if not _accepts(attention_cls, key)]
+        if refused:
+            settings = ", ".join(f"{key}={options[key]!r}" for key in refused)
+            raise TypeError(f"attention_cls: {getattr(attention_cls, '__name__', attention_cls)} does not take "
+                            f"{', '.join(refused)}, and the config asks for {settings}; use "
+                            f"course_lib.modern.GroupedQueryAttention or a config without them")
+        self.attn_norm = _built("norm_cls", norm_cls, norm_cls(c.embed_dim, c.norm_eps))
+        self.attn = _built("attention_cls", attention_cls,
+                           attention_cls(c.embed_dim, c.num_heads, c.num_kv_heads, c.max_tokens, c.rope_theta,
+                                         **options))
+        self.mlp_norm = _built("norm_cls", norm_cls, norm_cls(c.embed_dim, c.norm_eps))
+        self.mlp = _built("mlp_cls", mlp_cls, mlp_cls(c.embed_dim, c.hidden_dim))
+        # On each branch's output, as GPT's attention and FeedForward drop theirs.
+        self.dropout = nn.Dropout(c.dropout_rate)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """x (N, L, embed_dim) -> (N, L, embed_dim)."""
+        x = x + self.dropout(self.attn(self.attn_norm(x), cache))
+        x = x + self.dropout(self.mlp(self.mlp_norm(x)))
+        return x
+
+
+class ModernGPT(nn.Module):
+    """A Llama-style decoder: token embeddings (no position vectors: RoPE turns q and k inside attention),
+    pre-norm blocks of grouped-query attention and a gated MLP, a final RMSNorm, the output head."""
+
+    def __init__(self, config: ModernGPTConfig, *, attention_cls: Callable[..., nn.Module] = GroupedQueryAttention,
+                 norm_cls: Callable[..., nn.Module] = RMSNorm, mlp_cls: Callable[..., nn.Module] | None = None):
+        super().__init__()
+        if not isinstance(config, ModernGPTConfig):
+            raise TypeError(f"config: expected a ModernGPTConfig, got {validate.describe(config)}; "
+                            f"build one with ModernGPTConfig(vocab_size=..., ...)")
+        _check_part_class("norm_cls", norm_cls)
+        self.config = config
+        c = config
+        self.token_embedding = nn.Embedding(c.vocab_size, c.embed_dim)
+        self.dropout = nn.Dropout(c.dropout_rate)
+        self.blocks = nn.ModuleList(
+            ModernBlock(c, attention_cls=attention_cls, norm_cls=norm_cls, mlp_cls=mlp_cls)
+            for _ in range(c.num_layers))
+        self.norm_f = _built("norm_cls", norm_cls, norm_cls(c.embed_dim, c.norm_eps))
+        self.head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # As in GPT: the projections that write into the residual stream start smaller,
+        # so the stream's variance does not grow with depth.
+        for block in self.blocks:
+            for proj in (getattr(block.attn, "proj", None), getattr(block.mlp, "down", None)):
+                if isinstance(proj, nn.Linear):
+                    nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
+        if c.tie_weights:
+            self.head.weight = self.token_embedding.weight
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def new_cache(self) -> list[KVCache]:
+        """One empty KV cache per block, for :func:`course_lib.generate`."""
+        return [KVCache(self.config.max_tokens) for _ in self.blocks]
+
+    def forward(self, idx: torch.Tensor, cache: list[KVCache] | None = None) -> torch.Tensor:
+        """Token ids (N, L) -> logits (N, L, vocab_size).
+
+        With ``cache`` (from :meth:`new_cache`), ``idx`` holds only the tokens not yet seen; the
+        attention layers rotate them to positions that continue after the cached ones.
+        """
+        validate.token_ids("idx", idx, dim=2)
+        if not torch.compiler.is_compiling() and not (idx.is_cuda and self.training):
+            # Reading the ids back waits for a GPU, so training on one checks its data once up front.
+            check_vocabulary("idx", idx, self.config.vocab_size)
+        length = idx.shape[1]
+        start = cache[0].length if cache else 0
+        if start + length > self.config.max_tokens:
+            raise ValueError(f"idx: sequence of {start + length} tokens is longer than "
+                             f"max_tokens={self.config.max_tokens}; crop it to the last "
+                             f"{self.config.max_tokens} tokens (idx[:, -{self.config.max_tokens}:])")
+        if cache is not None and len(cache) != len(self.blocks):
+            raise ValueError(f"cache: expected {len(self.blocks)} KVCache objects (one per block), "
+                             f"got {len(cache)}; use model.new_cache()")
+        x = self.dropout(self.token_embedding(idx))                   # (N, L, embed_dim)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache[i] if cache is not None else None)     # (N, L, embed_dim)
+        return self.head(self.norm_f(x))                              # (N, L, vocab_size)
+
+    def num_parameters(self, include_embeddings: bool = True) -> int:
+        """Number of trainable numbers; a tied head/embedding is counted once.
+
+        RoPE has no position table, so ``include_embeddings=False`` subtracts nothing: as in
+        :meth:`GPT.num_parameters`, the token embedding stays in the count (tied, it is the head too).
+        """
+        validate.boolean("include_embeddings", include_embeddings)
+        unique = {id(p): p for p in self.parameters()}
+        return sum(p.numel() for p in unique.values())
