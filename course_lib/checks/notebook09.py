@@ -142,7 +142,7 @@ _ROTARY_CASES = (
     ((2, 3, 5, 8), 12, 10000.0, 0, torch.float32),
     ((1, 2, 7, 4), 12, 100.0, 0, torch.float32),
     ((2, 3, 5, 8), 12, 10000.0, 4, torch.float32),
-    ((1, 4, 1, 8), 12, 10000.0, 7, torch.float32),    # one new token during cached decoding
+    ((1, 4, 1, 8), 14, 10000.0, 9, torch.float32),    # one new token during cached decoding
     ((2, 2, 6, 16), 16, 500000.0, 2, torch.float64),
     ((2, 3, 5, 8), 12, 10.0, 1, torch.float16),       # a half-precision model: tables in x's dtype too
 )
@@ -212,7 +212,7 @@ def _judge_apply_rotary(fn: Callable[..., Any]) -> str:
             raise
         runs.append((x, cos, sin, offset, out, ref.apply_rotary(x, cos, sin, offset=offset)))
     if all(close(out, expected) for *_, out, expected in runs):
-        return ("Right for offsets 0 to 7, one to four heads and float16 to float64: pair (i, i + head_dim/2) "
+        return ("Right for offsets 0 to 9, one to four heads and float16 to float64: pair (i, i + head_dim/2) "
                 "of each token turns to the token's position.")
     found = first_match(_ROTARY_MISTAKES, [out for *_, out, _ in runs],
                         lambda i, spec: _rotary_hypothesis(*runs[i][:4], spec))
