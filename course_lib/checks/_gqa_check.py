@@ -27,7 +27,7 @@ from ._expect import construct, expect_finite, expect_tensor
 from ._gqa_variants import CACHED, FULL_PASS, Setup, simulate
 from ._model_common import accepts, copy_weights
 
-EMBED_DIM, NUM_HEADS, MAX_TOKENS = 32, 4, 8
+EMBED_DIM, NUM_HEADS, MAX_TOKENS = 32, 4, 10
 HEAD_DIM = EMBED_DIM // NUM_HEADS
 # (num_kv_heads, rope_theta, constructor extras): multi-head first, so a module that only fails with
 # fewer key/value heads is told so; then grouped-query and multi-query attention.
@@ -42,8 +42,10 @@ OPTIONAL = (
 )
 # (batch, length) of the full passes: the full length first, so a failure at a shorter one is told apart
 CASES = ((2, MAX_TOKENS), (3, 5), (1, 1))
-# the cached run: a prompt of 3, three tokens one at a time, then two at once
+# the cached run: a prompt of 3, three tokens one at a time, then two at once; it stops short of
+# max_tokens, so an offset that runs ahead still finds rows in the tables and its outputs can be named
 PLAN = ((0, 3), (3, 1), (4, 1), (5, 1), (6, 2))
+PLAN_TOKENS = sum(length for _, length in PLAN)
 
 
 class RecordingCache(KVCache):
@@ -137,26 +139,46 @@ def _rope_frame(failure: BaseException) -> dict[str, Any] | None:
     tb = exc.__traceback__ if exc is not None else None
     found = None
     while tb is not None:
-        if tb.tb_frame.f_code.co_name in ("apply_rotary", "rotate_half"):
-            found = tb.tb_frame.f_locals
+        code = tb.tb_frame.f_code
+        if code.co_name in ("apply_rotary", "rotate_half") and code.co_argcount:
+            # the tensor it turns is its first argument, whatever the student named it
+            found = dict(tb.tb_frame.f_locals, x=tb.tb_frame.f_locals.get(code.co_varnames[0]))
         tb = tb.tb_next
     return found
 
 
-def _forward(built: Built, x: torch.Tensor, what: str, **kwargs: Any) -> torch.Tensor:
+def _forward(built: Built, x: torch.Tensor, what: str, *, start: int | None = None, **kwargs: Any) -> torch.Tensor:
+    """The student's module on x (``start``: the tokens already in the cache passed in kwargs)."""
     with torch.no_grad():
         try:
             out = call_student(built.model, x.clone(), what=what, **kwargs)
         except Failure as failure:
-            names = _rope_frame(failure) if failure.diagnosis == "exception" else None
-            turned = names.get("x") if names else None
-            if isinstance(turned, torch.Tensor) and (turned.dim() != 4 or turned.shape[-1] != HEAD_DIM):
-                reraise_with(failure, "rope_axes", f" apply_rotary was given a tensor of shape "
-                             f"{shape_str(turned.shape)}: it takes queries or keys split into heads, "
-                             f"(N, heads, L, head_dim) with head_dim={HEAD_DIM}. Rotate after the head split "
-                             f"and the transpose, not the (N, L, features) projections.")
+            _explain_rope_error(failure, x.shape[1], start)
             raise
     return expect_tensor(out, (x.shape[0], x.shape[1], EMBED_DIM), what, dtype=x.dtype, finite=False)
+
+
+def _explain_rope_error(failure: Failure, length: int, start: int | None) -> None:
+    """When the student's code raised inside apply_rotary, say what it was given that it cannot take."""
+    names = _rope_frame(failure) if failure.diagnosis == "exception" else None
+    turned, offset = (names.get("x"), names.get("offset")) if names else (None, None)
+    if not isinstance(turned, torch.Tensor):
+        return
+    if turned.dim() != 4 or turned.shape[-1] != HEAD_DIM:
+        reraise_with(failure, "rope_axes", f" apply_rotary was given a tensor of shape {shape_str(turned.shape)}: "
+                     f"it takes queries or keys split into heads, (N, heads, L, head_dim) with head_dim={HEAD_DIM}. "
+                     f"Rotate after the head split and the transpose, not the (N, L, features) projections.")
+    if start is None or not isinstance(offset, int):
+        return
+    if turned.shape[-2] > length:
+        reraise_with(failure, "kv_cache", f" apply_rotary was given {turned.shape[-2]} positions from offset "
+                     f"{offset} although only {length} token(s) are new: you rotate the keys after appending "
+                     f"them to the cache, so the cached keys are turned again, to the wrong positions (and past "
+                     f"the tables). Rotate the new keys first (offset=cache.length), then append them rotated.")
+    if offset != start:
+        reraise_with(failure, "rope_positions", f" apply_rotary was given offset={offset} for {length} new "
+                     f"token(s) after {start} cached ones: the offset is the number of tokens already cached, "
+                     f"cache.length read BEFORE cache.append(...).")
 
 
 def _full_passes(built: Built, generator: torch.Generator, mha_right: bool) -> None:
@@ -226,22 +248,22 @@ def _probe_future(built: Built, generator: torch.Generator) -> None:
 
 # ---------------------------------------------------------------- the KV cache
 
-def _cached(built: Built, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RecordingCache]:
-    """Prompt, then one token at a time, then two: (x, the student's outputs, the reference full pass, cache)."""
-    x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=generator)
+def _cached(built: Built) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RecordingCache]:
+    """Prompt, then one token at a time, then two: (x, the student's outputs, the reference full pass, cache).
+    The tokens are those of the first full pass (already right), so its reference outputs serve again."""
+    full, _, reference = built.runs[0]
+    x, expected = full[:, :PLAN_TOKENS], reference[:, :PLAN_TOKENS]    # causal: the first tokens' outputs
     cache = RecordingCache(MAX_TOKENS)
     outs = []
     for start, length in PLAN:
         what = (f"GroupedQueryAttention({built.label}).forward(x, cache) with {length} new token(s) and "
                 f"{start} cached")
-        out = _forward(built, x[:, start:start + length], what, cache=cache)
+        out = _forward(built, x[:, start:start + length], what, start=start, cache=cache)
         if start == 0 and not cache.appended:
             fail("kv_cache", f"{what}: your forward never appends to the cache it is given, so the next tokens "
                              f"cannot see the earlier ones. With a cache: read start = cache.length, rotate the new "
                              f"keys, then k, v = cache.append(k, v) and attend over what it returns.")
         outs.append(out)
-    with torch.no_grad():
-        expected = built.reference(x)
     return x, torch.cat(outs, dim=1), expected, cache
 
 
@@ -262,8 +284,8 @@ def _check_cache_contents(built: Built, x: torch.Tensor, cache: RecordingCache) 
         raw = raw * torch.rsqrt(raw.pow(2).mean(-1, keepdim=True) + s.eps) * s.params["k_norm.weight"]
     turned = rope.rotate(raw, s.cos, s.sin, 0)
     if isinstance(k, torch.Tensor) and close(k, raw) and not close(k, turned):
-        fail("kv_cache", f"{what}: your cache holds the keys before RoPE, so every step turns all the cached keys "
-                         f"again. Rotate the new keys (offset = cache.length) and append them rotated: each key is "
+        fail("kv_cache", f"{what}: your outputs are right, but your cache holds the keys before RoPE, so every "
+                         f"step turns all the cached keys again. Rotate the new keys (offset = cache.length) and append them rotated: each key is "
                          f"turned once, to its own position, and never again.")
 
 
@@ -274,7 +296,7 @@ def _diagnose_cached(built_all: list[Built], cached: list[tuple[torch.Tensor, to
         fail(found.code, found.message)
     index = next(i for i, (_, got, expected) in enumerate(cached) if not close(got, expected))
     built, (_, got, expected) = built_all[index], cached[index]
-    wrong = [t for t in range(MAX_TOKENS) if not close(got[:, t], expected[:, t])]
+    wrong = [t for t in range(PLAN_TOKENS) if not close(got[:, t], expected[:, t])]
     prompt = PLAN[0][1]
     if wrong and wrong[0] < prompt:
         where = (f"already for the prompt ({prompt} tokens into an empty cache): with an empty cache the "
@@ -338,25 +360,34 @@ def check_class(cls: Any, *, parts: dict[str, tuple[str, Callable[[Any], Any]]],
 def _check(cls: Any, tables: Callable[..., None]) -> str:
     torch.manual_seed(0)   # any dropout draws; the @checker decorator restores the caller's RNG state
     generator = torch.Generator().manual_seed(96)
-    configs = list(CONFIGS) + [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
+    # The optional features (QK-norm, a sliding window) are judged after the plain module is right, so that
+    # a mistake in the common path is named from the plain configurations alone.
+    optional = [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
+    for configs in (CONFIGS, optional):
+        if configs:
+            _check_configs(cls, configs, generator, tables)
+    extras = [key for _, _, extra in optional for key in extra]
+    also = f", and with {' and '.join(extras)}" if extras else ""
+    return (f"Matches the reference for multi-head ({NUM_HEADS} kv heads), grouped-query (2) and multi-query (1) "
+            f"attention{also}, in a full pass and token by token with a KV cache that holds num_kv_heads heads of "
+            f"rotated keys.")
+
+
+def _check_configs(cls: Any, configs: Any, generator: torch.Generator, tables: Callable[..., None]) -> None:
     built_all: list[Built] = []
     for kv_heads, theta, extra in configs:
         built = _build(cls, kv_heads, theta, extra, generator, tables)
-        mha_right = bool(built_all) and all(close(out, e) for _, out, e in built_all[0].runs)
+        mha_right = (bool(built_all) and built_all[0].kv_heads == NUM_HEADS
+                     and all(close(out, e) for _, out, e in built_all[0].runs))
         _full_passes(built, generator, mha_right)
         built_all.append(built)
     if not all(close(out, e) for b in built_all for _, out, e in b.runs):
         _diagnose_full(built_all, generator)
     cached = []
     for built in built_all:
-        x, got, expected, cache = _cached(built, generator)
+        x, got, expected, cache = _cached(built)
         cached.append((x, got, expected))
         if close(got, expected):
             _check_cache_contents(built, x, cache)
     if not all(close(got, expected) for _, got, expected in cached):
         _diagnose_cached(built_all, cached)
-    extras = [key for _, _, extra in configs for key in extra]
-    also = f", and with {' and '.join(extras)}" if extras else ""
-    return (f"Matches the reference for multi-head ({NUM_HEADS} kv heads), grouped-query (2) and multi-query (1) "
-            f"attention{also}, in a full pass and token by token with a KV cache that holds num_kv_heads heads of "
-            f"rotated keys.")

@@ -58,7 +58,8 @@ def _merge(t: torch.Tensor, how: str) -> torch.Tensor:
 def _group(t: torch.Tensor, groups: int, how: str) -> torch.Tensor:
     if how == "tile":
         return t.repeat(1, groups, 1, 1)                                        # head h reads h % kv_heads
-    return t.repeat_interleave(groups, dim=1)                                   # head h reads h // groups
+    n, kv_heads, length, head_dim = t.shape                                     # head h reads h // groups
+    return t[:, :, None].expand(n, kv_heads, groups, length, head_dim).reshape(n, kv_heads * groups, length, head_dim)
 
 
 def _rms(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,7 +67,8 @@ def _rms(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _offset(how: str, start: int, length: int) -> int:
-    return {"ok": start, "zero": 0, "after_append": start + length, "plus_one": start + 1}[how]
+    # (A constant shift of every position is no mistake the outputs can show: RoPE only sees offsets.)
+    return {"ok": start, "zero": 0, "after_append": start + length}[how]
 
 
 def _allowed(how: str, start: int, length: int, total: int, window: int | None, window_how: str,
@@ -94,10 +96,9 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     once per (start, length) of ``plan``, with a KV cache when ``cached`` (a prefix, then new tokens).
 
     spec keys (right value first): group "interleave"/"tile"; rope_q, rope_k True/False; rope_v False/True;
-    kind "half"/... and axis "length"/"heads" (see _rope_variants.rotate); offset "ok"/"zero"/
-    "after_append"/"plus_one"; keys "before_cache"/"after_cache" (unrotated keys cached, then all of them
-    turned from the new tokens' offset); mask "causal"/"none"/"top_left"/"top_left_chunks"/"none_cached"; window
-    "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"; split and merge "ok"/
+    kind "half"/... and axis "length"/"heads" (see _rope_variants.rotate); offset (and offset_q, the
+    queries' alone) "ok"/"zero"/"after_append"; mask "causal"/"none"/"top_left"/"top_left_chunks"/
+    "none_cached"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"; split and merge "ok"/
     "no_transpose"/"bare"; value "value"/"key"; qk_norm "ok"/"none"/"after_rope"/"q_only".
     """
     p = setup.params
@@ -120,8 +121,9 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
             k = _rms(k, p["k_norm.weight"], setup.eps)
         offset = _offset(spec.get("offset", "ok"), start, length)
         if spec.get("rope_q", True):
-            q = rotate(q, setup.cos, setup.sin, offset, **rope)
-        if spec.get("rope_k", True) and spec.get("keys", "before_cache") == "before_cache":
+            q = rotate(q, setup.cos, setup.sin, _offset(spec.get("offset_q", spec.get("offset", "ok")), start, length),
+                       **rope)
+        if spec.get("rope_k", True):
             k = rotate(k, setup.cos, setup.sin, offset, **rope)
         if spec.get("rope_v", False):
             v = rotate(v, setup.cos, setup.sin, offset, **rope)
@@ -131,8 +133,6 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         values.append(v)
         total = start + length
         all_k, all_v = torch.cat(keys, dim=2), torch.cat(values, dim=2)         # (N, kv_heads, total, head_dim)
-        if spec.get("keys") == "after_cache" and spec.get("rope_k", True):
-            all_k = rotate(all_k, setup.cos, setup.sin, offset, **rope)          # every key turned from `offset`
         all_k = _group(all_k, setup.groups, spec.get("group", "interleave"))    # (N, heads, total, head_dim)
         all_v = _group(all_v, setup.groups, spec.get("group", "interleave"))
         scale = {"head_dim": head_dim ** -0.5, "none": 1.0, "embed_dim": setup.embed_dim ** -0.5,
@@ -215,15 +215,12 @@ CACHED: tuple[Mistake, ...] = (
     Mistake("rope_positions", "With a KV cache your new tokens are rotated as if they started at position 0: "
                               "pass offset=cache.length (the number of tokens already cached, read BEFORE "
                               "appending) to apply_rotary, for the queries and the keys.", {"offset": "zero"}),
-    Mistake("rope_positions", "With a KV cache your new tokens are rotated one position too far: the offset is "
-                              "the cache length read AFTER appending the new keys. Read start = cache.length "
-                              "before cache.append(...).", {"offset": "after_append"}),
-    Mistake("rope_positions", "With a KV cache your new tokens are rotated one position too far: the offset is "
-                              "cache.length, not cache.length + 1.", {"offset": "plus_one"}),
-    Mistake("kv_cache", "You append the keys to the cache before rotating them, then rotate all the cached keys "
-                        "from the new tokens' offset: every old key is turned again, to the wrong position. "
-                        "Rotate the new keys first (offset=cache.length), then append them: the cache holds "
-                        "keys already turned to their own positions.", {"keys": "after_cache"}),
+    Mistake("rope_positions", "With a KV cache your queries are rotated too far: their offset is the cache length "
+                              "read AFTER appending the new keys. Read start = cache.length once, before "
+                              "cache.append(...), and rotate q and k with it.", {"offset_q": "after_append"}),
+    Mistake("rope_positions", "With a KV cache your new tokens are rotated too far: the offset is the cache length "
+                              "read AFTER appending them. Read start = cache.length before cache.append(...).",
+            {"offset": "after_append"}),
     Mistake("causal_mask", "With a KV cache your new queries see only the first keys: is_causal=True (or a "
                            "top-left triangle) aligns query i with key i, but the new queries sit at the END, "
                            "at positions cache.length ... total-1. Use a mask whose rows are those positions "

@@ -64,14 +64,14 @@ DIAGNOSES = (
     "values",            # values taken from the wrong projection or the wrong tensor
     "batch_mixing",      # a reshape that mixes batch entries or positions
     "dropout",           # dropout missing, in the wrong place, or active in eval mode
-    "residual",          # a residual connection missing or adding the wrong tensor
-    "norm_placement",    # LayerNorm before/after the sublayer the other way from the block asked for
+    "residual",          # a residual connection missing, adding the wrong tensor, or added where none belongs
+    "norm_placement",    # a norm in the wrong place: LayerNorm pre/post the other way, QK-norm missing or after RoPE
     "clipping",          # the gradient norm not clipped to max_grad_norm, or clipped at the wrong moment
     "generator",         # sampling ignores the generator it was given (uses the global RNG)
     "rope_layout",       # RoPE pairs the wrong dimensions: interleaved (2i, 2i+1) against the half-split tables
     "rope_rotation",     # RoPE turns each pair the wrong way: sign, sin and cos swapped, or no rotate_half term
     "rope_frequencies",  # RoPE's angles turn at the wrong rates: theta ignored, the wrong exponent or base
-    "rope_positions",    # RoPE turns tokens by the wrong positions: offset ignored or off by one, counted from 1
+    "rope_positions",    # RoPE turns tokens to the wrong positions: offset ignored or read after appending, from 1
     "rope_axes",         # RoPE applied on the wrong axes: before the head split, or along the head axis
     "rope_missing",      # RoPE left out on the queries, the keys, or both
     "rotated_values",    # RoPE applied to the values too (only queries and keys turn)
@@ -80,7 +80,7 @@ DIAGNOSES = (
     "norm_statistic",    # RMSNorm divides by the wrong statistic: centred, a plain norm, over the wrong axis
     "gating",            # SwiGLU's gate is wrong: SiLU on the wrong branch, no gate, another activation
     "kv_grouping",       # key/value heads shared in the wrong order (repeat where repeat_interleave is meant)
-    "kv_cache",          # the KV cache ignored, or holding the repeated heads or the unrotated keys
+    "kv_cache",          # the KV cache ignored, its keys turned again, or holding repeated heads or unrotated keys
     "mismatch",          # wrong, and like none of the mistakes we know
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
 )

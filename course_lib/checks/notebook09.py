@@ -142,7 +142,7 @@ _ROTARY_CASES = (
     ((2, 3, 5, 8), 12, 10000.0, 0, torch.float32),
     ((1, 2, 7, 4), 12, 100.0, 0, torch.float32),
     ((2, 3, 5, 8), 12, 10000.0, 4, torch.float32),
-    ((1, 4, 1, 8), 12, 10000.0, 9, torch.float32),    # one new token during cached decoding
+    ((1, 4, 1, 8), 14, 10000.0, 9, torch.float32),    # one new token during cached decoding
     ((2, 2, 6, 16), 16, 500000.0, 2, torch.float64),
     ((2, 3, 5, 8), 12, 10.0, 1, torch.float16),       # a half-precision model: tables in x's dtype too
 )
@@ -201,7 +201,8 @@ def _judge_apply_rotary(fn: Callable[..., Any]) -> str:
             expect_tensor(out, shape, shown, dtype=dtype)
         except Failure as failure:
             earlier_right = all(close(o, e) for _, _, _, _, o, e in runs)
-            if offset and earlier_right and failure.diagnosis in ("exception", "shape"):
+            without_offset_right = all(close(o, e) for _, _, _, off, o, e in runs if not off)
+            if offset and without_offset_right and failure.diagnosis in ("exception", "shape"):
                 reraise_with(failure, "rope_positions", " Your function works with offset=0 but not with "
                              f"offset={offset}: take the table rows offset .. offset+L-1, cos[offset:offset + L] "
                              f"with L = x.shape[-2].")
@@ -267,7 +268,7 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> list[Mistake
     """Each known slip of RMSNorm.forward and what it outputs for x (float64) with weight w and self.eps."""
     ms = x.pow(2).mean(-1, keepdim=True)
     centred = x - x.mean(-1, keepdim=True)
-    out = [
+    fixed = [
         Mistake("epsilon", "epsilon is missing: x / sqrt(mean(x^2)) blows up for rows near zero. Add self.eps "
                            "inside the square root: x / sqrt(mean(x^2) + eps).", output=x / ms.sqrt() * w),
         Mistake("epsilon", "epsilon is outside the square root: x / (sqrt(mean(x^2)) + eps). It belongs inside: "
@@ -304,17 +305,34 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> list[Mistake
                                   "RMSNorm uses sqrt(mean(x^2) + eps).",
                 output=x / (x.std(-1, keepdim=True) + eps) * w),
     ]
+    # keyed, so the same slip can be followed from one input to the next
+    out = [Mistake(m.code, m.message, {"key": f"fixed{i}"}, m.output) for i, m in enumerate(fixed)]
     for axis in range(x.dim() - 1):
         out.append(Mistake("norm_statistic", f"you take the mean over axis {axis}, not over the features: RMSNorm "
                                              f"normalises each vector on its own, over the last axis (dim=-1, also "
                                              f"for 4-D inputs such as (N, heads, L, head_dim)).",
-                           output=x / _rms(x, eps, axis) * w))
+                           {"key": f"axis{axis}"}, x / _rms(x, eps, axis) * w))
     for constant in (1e-5, 1e-6, 1e-8):
         if constant != eps:
             out.append(Mistake("epsilon", f"you use the constant {constant:g} instead of self.eps (here {eps:g}): the "
                                           f"module was built with its own eps.",
-                               output=x / _rms(x, constant) * w))
+                               {"key": f"eps{constant}"}, x / _rms(x, constant) * w))
     return out
+
+
+def _diagnose_norm(runs: list[tuple[torch.Tensor, nn.Module, torch.Tensor, torch.Tensor, str]]) -> None:
+    """The first mistake whose output the student's matches in every run where it is defined."""
+    per_run = [{m.spec["key"]: m for m in _norm_mistakes(x.double(), reference.weight.detach().double(),
+                                                          reference.eps)}
+               for x, reference, _, _, _ in runs]
+    first = next(i for i, (_, _, out, expected, _) in enumerate(runs) if not close(out, expected))
+    for key, mistake in per_run[first].items():
+        if all(key not in mistakes or close(out, mistakes[key].output)
+               for (_, _, out, _, _), mistakes in zip(runs, per_run)):
+            fail(mistake.code, f"{runs[first][4]}: {mistake.message}")
+    _, _, out, expected, shown = runs[first]
+    fail("mismatch", f"{shown}: the output differs from x / sqrt(mean(x^2) + eps) * weight by up to "
+                     f"{max_diff(out, expected):.3g} (mean over the last axis, eps = self.eps).")
 
 
 def _build_norm(cls: Any, dim: int, eps: float | None, generator: torch.Generator) -> tuple[nn.Module, nn.Module]:
@@ -337,19 +355,22 @@ def _judge_rms_norm(cls: Any) -> str:
         x = _norm_input(shape, kind, generator)
         shown = f"RMSNorm({dim}{'' if eps is None else f', eps={eps:g}'}) on x of shape {shape}"
         with torch.no_grad():
-            out = expect_tensor(call_student(candidate, x.clone(), what=shown), shape, shown, dtype=x.dtype)
+            try:
+                out = expect_tensor(call_student(candidate, x.clone(), what=shown), shape, shown, dtype=x.dtype)
+            except Failure as failure:
+                if failure.diagnosis in ("exception", "shape") and x.dim() != 3 and runs and \
+                        all(close(o, e) for _, _, o, e, _ in runs):
+                    reraise_with(failure, "norm_statistic", f" Your forward works for (N, L, dim) inputs but not "
+                                 f"for {x.dim()}-D ones: normalise over the last axis, dim=-1 with keepdim=True, "
+                                 f"whatever the number of axes (QK-norm calls it on (N, heads, L, head_dim)).")
+                if failure.diagnosis == "exception" and "must match the size of tensor" in failure.message:
+                    reraise_with(failure, "exception", " Tip: keep the averaged axis, .mean(dim=-1, keepdim=True), "
+                                 "so the (..., 1) root mean square broadcasts against x (..., dim).")
+                raise
             expected = reference(x)
         runs.append((x, reference, out, expected, shown))
     if not all(close(out, expected) for _, _, out, expected, _ in runs):
-        for x, reference, out, expected, shown in runs:
-            if close(out, expected):
-                continue
-            w, eps = reference.weight.detach().double(), reference.eps
-            for mistake in _norm_mistakes(x.double(), w, eps):
-                if close(out, mistake.output):
-                    fail(mistake.code, f"{shown}: {mistake.message}")
-            fail("mismatch", f"{shown}: the output differs from x / sqrt(mean(x^2) + eps) * weight by up to "
-                             f"{max_diff(out, expected):.3g} (mean over the last axis, eps = self.eps).")
+        _diagnose_norm(runs)
     _check_half_precision(cls, generator)
     return ("Right in float32 and float16, for 2-D to 4-D inputs and any eps: x / sqrt(mean(x^2) + eps) * weight "
             "over the last axis.")
