@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import _validate as validate
-from .presets import PRESETS, Preset
+from .train import PRESETS, Preset  # through train: presets and train import each other
 
 __all__ = ["Variant", "ABLATION", "ablation_benchmark", "print_ablation"]
 
@@ -46,15 +46,21 @@ def _variant(label: str, base: Preset, *, architecture: str | None = None, model
 def _ablation() -> list[Variant]:
     baseline, before = PRESETS["baseline_cpu"], PRESETS["shakespeare_char_cpu"]
     course = PRESETS["shakespeare_char_modern_cpu"]
-    llama = dict(course.model, mlp="swiglu", hidden_dim=None)
+
+    def modern(**model: Any) -> dict[str, Any]:
+        return dict(course.model, **model)
     return [
         Variant("baseline_cpu (4 layers of 128, AdamW)", baseline),
         Variant("shakespeare_char_cpu (2 layers of 192, GPT-2 parts, AdamW)", before),
         _variant("+ Muon for the blocks' matrices", before, optimizer="muon"),
-        _variant("+ RoPE, RMSNorm, SwiGLU (notebook 09's parts)", course, model=llama, warmup_steps=100),
-        _variant("ReLU² instead of SwiGLU", course, warmup_steps=100),
+        _variant("+ RoPE, RMSNorm, SwiGLU (notebook 09's parts)", course,
+                 model=modern(mlp="swiglu", hidden_dim=None, tie_weights=True), warmup_steps=100),
+        _variant("ReLU² (hidden 4E) instead of SwiGLU", course,
+                 model=modern(hidden_dim=4 * course.model["embed_dim"], tie_weights=True), warmup_steps=100),
+        _variant("ReLU² hidden 3E instead of 4E", course, model=modern(tie_weights=True), warmup_steps=100),
+        _variant("untied output head", course, warmup_steps=100),
         _variant("warmup 30 steps instead of 100 (shakespeare_char_modern_cpu)", course),
-        _variant("+ QK-norm (tried)", course, model=dict(course.model, qk_norm=True)),
+        _variant("+ QK-norm (tried, not kept)", course, model=modern(qk_norm=True)),
     ]
 
 
