@@ -49,16 +49,18 @@ def _ablation() -> list[Variant]:
 
     def modern(**model: Any) -> dict[str, Any]:
         return dict(course.model, **model)
+    first = dict(warmup_steps=100, muon_momentum=0.95)   # the schedule and momentum before their own rows
     return [
         Variant("baseline_cpu (4 layers of 128, AdamW)", baseline),
         Variant("shakespeare_char_cpu (2 layers of 192, GPT-2 parts, AdamW)", before),
         _variant("+ Muon for the blocks' matrices", before, optimizer="muon"),
         _variant("+ RoPE, RMSNorm, SwiGLU (notebook 09's parts)", course,
-                 model=modern(mlp="swiglu", hidden_dim=None, tie_weights=True), warmup_steps=100),
+                 model=modern(mlp="swiglu", hidden_dim=None, tie_weights=True), **first),
         _variant("ReLU² (hidden 4E) instead of SwiGLU", course,
-                 model=modern(hidden_dim=4 * course.model["embed_dim"], tie_weights=True), warmup_steps=100),
-        _variant("ReLU² hidden 3E instead of 4E", course, model=modern(tie_weights=True), warmup_steps=100),
-        _variant("untied output head", course, warmup_steps=100),
+                 model=modern(hidden_dim=4 * course.model["embed_dim"], tie_weights=True), **first),
+        _variant("ReLU² hidden 3E instead of 4E", course, model=modern(tie_weights=True), **first),
+        _variant("untied output head", course, **first),
+        _variant("Muon momentum 0.9 instead of 0.95", course, warmup_steps=100),
         _variant("warmup 30 steps instead of 100 (shakespeare_char_modern_cpu)", course),
         _variant("+ QK-norm (tried, not kept)", course, model=modern(qk_norm=True)),
     ]

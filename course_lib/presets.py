@@ -88,7 +88,7 @@ PRESETS: dict[str, Preset] = {
                     dropout_rate=0.0, tie_weights=False),
                TrainConfig(steps=5000, batch_size=32, learning_rate=3e-3, min_learning_rate=1e-4,
                            warmup_steps=30, beta2=0.99, weight_decay=0.1, eval_interval=500,
-                           optimizer="muon", muon_learning_rate=0.02),
+                           optimizer="muon", muon_learning_rate=0.02, muon_momentum=0.9),
                architecture="modern"),
         Preset("shakespeare_char_gpu", "the larger GPU recipe: bf16, fused AdamW, compile", "tinyshakespeare",
                dict(max_tokens=256, embed_dim=384, num_heads=6, num_layers=6, dropout_rate=0.2),
