@@ -65,6 +65,8 @@ DIAGNOSES = (
     "generator",         # sampling ignores the generator it was given (uses the global RNG)
     "mismatch",          # wrong, and like none of the mistakes we know
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
+    "missing",           # grading: the exercise (its notebook, or its cell) is not in the submission
+    "crashed",           # grading: the process running the student's code died (os._exit, a signal, memory)
 )
 
 TIME_LIMIT_S = float(os.environ.get("COURSE_CHECK_TIME_LIMIT", "60"))
@@ -347,6 +349,8 @@ def _internal(exercise: str, exc: BaseException) -> CheckResult:
 def _finish(result: CheckResult) -> CheckResult:
     """Every verdict passes here on its way back to the notebook, after the student's state is restored:
     the place for what is done with a verdict besides showing it."""
+    from .. import progress  # the live room: one line appended when COURSE_PROGRESS_DIR is set; never raises
+    progress.record(result)
     return result
 
 
