@@ -60,7 +60,12 @@ def _literal(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"np.array({value.tolist()!r})"
     if isinstance(value, np.generic):
-        return f"np.{type(value).__name__}({value.item()!r})"
+        return f"np.{type(value).__name__}({_literal(value.item())})"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_literal(item) for item in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if isinstance(value, float) and value != value:
+        return "float('nan')"
     return repr(value)
 
 
@@ -107,8 +112,10 @@ def random_class(root: Path, students: int, notebooks: list[str], seed: int = 0)
     for bank in (attention_bugs, model_bugs):
         for attempt in bank.CORRECT + bank.BUGGY:
             kind = "correct" if attempt.expected is None else "buggy"
-            if attempt.expected == "not_implemented" or getattr(attempt, "kwargs", None):
-                continue   # unfinished is drawn on its own; 4.2's post-norm variants need both checks
+            if attempt.expected == "not_implemented":
+                continue   # unfinished is drawn on its own
+            if attempt.exercise == "4.2" and (attempt.kwargs if kind == "buggy" else attempt.name != "BlockBothWays"):
+                continue   # 4.2 is checked pre-norm, then post-norm: a right block must be right both ways
             attempts.setdefault(attempt.exercise, {}).setdefault(kind, []).append(attempt)
     rng = random.Random(seed)
     drawn: dict[str, dict[str, str]] = {}

@@ -43,7 +43,7 @@ from pathlib import Path
 from .grades import Grade
 from .plan import CAPSTONE, ExercisePlan, default_exercises, grading_plan
 from .pool import GradingOptions, forks, grade_submissions
-from .report import RunInfo, check_report_folder, write_report
+from .report import RunInfo, claim_report_folder, write_report
 from .submissions import Submission, find_submissions
 
 __all__ = ["grade", "GradeRun", "Grade", "ExercisePlan", "grading_plan", "default_exercises", "find_submissions",
@@ -88,11 +88,11 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
         raise ValueError(f"out: expected a folder outside the submissions (and not holding them), got '{report}' "
                          f"for submissions in '{root_in}'")
     plans = grading_plan(exercises)
-    check_report_folder(report)
     found = find_submissions(root_in)
     if not found:
         raise FileNotFoundError(f"submissions: expected one folder per student (or notebooks) in '{root_in}', "
                                 f"found none")
+    claim_report_folder(report)
     if on_start is not None:
         on_start(len(found))
     start = time.monotonic()
@@ -109,7 +109,7 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
                else "each student in one fresh process (no fork here: no per-exercise process or memory limit)")
     notes = [f"{s.student}: {note}" for s in found for note in s.notes]
     if CAPSTONE not in plans:
-        notes.append("8.1 (train your GPT) was not graded; add it with --exercises all (about 10 s more per student)")
+        notes.append("8.1 (train your GPT) was not graded; add it with --exercises all (10 to 20 s more per student)")
     info = RunInfo(len(found), min(workers, len(found)), timeout, memory_mb, seconds, sandbox, notes, errors)
     written = write_report(report, grades, info, gradescope=gradescope)
     return GradeRun(grades, written, errors, seconds, found)

@@ -89,9 +89,9 @@ def _from_checks(plan: ExercisePlan, recorder: RecordingChecks, error: BaseExcep
 
 def _judge_capstone(plan: ExercisePlan) -> dict[str, Any]:
     from .. import capstone
-    from ..collect import STATUS_TEXT, collect_student_parts
+    from ..collect import collect_student_parts
     parts = collect_student_parts(".")
-    not_yours = [f"{ex_id} ({STATUS_TEXT[parts.parts[ex_id].status]})" for ex_id in GPT_EXERCISES
+    not_yours = [f"{ex_id} ({parts.parts[ex_id].detail or parts.parts[ex_id].status})" for ex_id in GPT_EXERCISES
                  if not parts.parts[ex_id].is_yours]
     if not_yours:
         return _verdict(plan.id, False, "not_implemented",

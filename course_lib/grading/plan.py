@@ -8,7 +8,7 @@ The grader runs that text, the course's and never the student's, on the student'
 
 Exercise 8.1 has no exercise cell: its check compares a GPT built from the student's parts of
 notebooks 02-05 with the reference after both trained on names, as notebook 08 does. It trains two
-small models per student (about 10 s on a 2-core laptop), so it is graded only when asked for.
+small models per student (17 s on a busy 2-core machine), so it is graded only when asked for.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ __all__ = ["ExercisePlan", "grading_plan", "default_exercises", "CAPSTONE", "CAP
 
 CAPSTONE = "8.1"
 CAPSTONE_NOTEBOOK = "08_train_your_gpt.ipynb"
-# Notebook 08's first check (its section 1), without the prints and plots between its cells.
+# Notebook 08's first check (its section 1), without the prints and plots between its cells; ``parts``
+# (``collect_student_parts(".")`` in the notebook) is collected by the grader first, see ``judge``.
 CAPSTONE_CHECK = """\
-parts = collect_student_parts(".")
 names = capstone.names_setup(steps=300)
 reference = capstone.train_parts(parts, [], names, label="reference")
 yours = capstone.train_parts(parts, None, names, label="yours")

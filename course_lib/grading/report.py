@@ -24,7 +24,7 @@ from .grades import Grade
 from .gradescope import results_json
 from .submissions import safe_file_name
 
-__all__ = ["RunInfo", "check_report_folder", "write_report", "grades_csv", "summary_markdown",
+__all__ = ["RunInfo", "check_report_folder", "claim_report_folder", "write_report", "grades_csv", "summary_markdown",
            "feedback_markdown", "summary_figure", "MARKER", "COLUMNS"]
 
 MARKER = ".course-grade-report"
@@ -55,6 +55,16 @@ def check_report_folder(out: Path) -> None:
         if clash:
             raise ValueError(f"--out: '{out}' already holds {', '.join(clash)}, not written by `grade`; "
                              f"choose a new or empty folder (nothing was overwritten)")
+
+
+def claim_report_folder(out: Path) -> None:
+    """Check ``out`` (see :func:`check_report_folder`) and mark it as the grader's now, before any student
+    code runs: a file a submission managed to put there cannot make the final report refused."""
+    check_report_folder(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out / MARKER) as handle:
+        handle.write(json.dumps({"written_by": "python -m course_lib grade",
+                                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
 
 
 def _order(exercise: str) -> tuple[int, ...]:
