@@ -84,6 +84,8 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
     timeout = validate.positive_float("timeout", timeout)
     if memory_mb is not None:
         validate.positive_int("memory_mb", memory_mb)
+    if isinstance(exercises, str):
+        raise TypeError(f"exercises: expected a list of exercise ids such as ['2.1', '2.2'], got {exercises!r}")
     if _inside(report, root_in) or _inside(root_in, report):
         raise ValueError(f"out: expected a folder outside the submissions (and not holding them), got '{report}' "
                          f"for submissions in '{root_in}'")

@@ -236,6 +236,9 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
                     submission = todo.get_nowait()
                 except queue.Empty:
                     return
+                if worker is not None and not worker.alive():   # died between students: not this one's doing
+                    worker.stop()
+                    worker = None
                 if worker is None:
                     worker = _Worker(exercises, options, number)
                     worker.wait_ready()

@@ -161,19 +161,25 @@ def student_part(notebook_text: str | None, plan: ExercisePlan, known: set[str],
         return StudentPart(plan.id, None, "missing", f"the exercise cell no longer defines {plan.name}")
     chosen = {s.position for s in definitions}
     chosen |= {s.position for s in own if isinstance(s.node, (ast.Import, ast.ImportFrom))}
-    # Follow the names the definition reads to the last statement binding each, transitively.
-    others = [s for s in statements if s.position not in chosen]
-    wanted = set().union(*(_global_names(s.source) for s in definitions)) - known - {plan.name}
+    try:
+        chosen |= _needed(definitions, [s for s in statements if s.position not in chosen], known | {plan.name})
+    except (SyntaxError, ValueError):
+        pass   # code symtable cannot read alone: the definition and its cell's imports, as collect takes them
+    source = "\n\n".join(s.source for s in statements if s.position in chosen)
+    return StudentPart(plan.id, source)
+
+
+def _needed(definitions: list[_Statement], others: list[_Statement], known: set[str]) -> set[tuple[int, int]]:
+    """The positions of the statements the definitions need: for each global name they read, the last
+    statement binding it, then what that one reads, and so on."""
+    chosen: set[tuple[int, int]] = set()
+    wanted = set().union(*(_global_names(s.source) for s in definitions)) - known
     seen: set[str] = set()
     while wanted - seen:
         name = min(wanted - seen)
         seen.add(name)
-        binders = [s for s in others if name in s.binds and s.position not in chosen]
-        if binders:
+        binders = [s for s in others if name in s.binds]
+        if binders and binders[-1].position not in chosen:
             chosen.add(binders[-1].position)
-            try:
-                wanted |= _global_names(binders[-1].source) - known - {plan.name}
-            except SyntaxError:
-                pass
-    source = "\n\n".join(s.source for s in statements if s.position in chosen)
-    return StudentPart(plan.id, source)
+            wanted |= _global_names(binders[-1].source) - known
+    return chosen

@@ -200,9 +200,12 @@ def _write_files(home: str, files: dict[str, str], notebooks: set[str]) -> dict[
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:
             continue   # the grader sends plain relative names; anything else is not written
         data = base64.b64decode(encoded)
-        target = Path(home, relative)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+        try:
+            target = Path(home, relative)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        except OSError:
+            continue   # a name this system cannot hold: the file is not there, as if not handed in
         contents[relative.as_posix()] = data
     texts: dict[str, str] = {}
     why: dict[str, str] = {}
