@@ -1,4 +1,4 @@
-"""`python -m course_lib start | doctor | data | train | student | bench`."""
+"""`python -m course_lib start | doctor | data | train | student | grade | progress | bench`."""
 from __future__ import annotations
 
 import argparse
@@ -108,12 +108,37 @@ def build_parser() -> argparse.ArgumentParser:
     student = sub.add_parser("student", help="write learner copies of the notebooks (solutions removed)")
     student.add_argument("args", nargs=argparse.REMAINDER)
 
+    grade = sub.add_parser("grade", help="grade a class's notebooks (sandboxed); write grades, the class's "
+                                         "summary and each student's feedback")
+    grade.add_argument("args", nargs=argparse.REMAINDER)
+
+    progress = sub.add_parser("progress", help="the live room: per exercise, who passes now and the most "
+                                               "common mistake (from COURSE_PROGRESS_DIR)")
+    progress.add_argument("args", nargs=argparse.REMAINDER)
+
     bench = sub.add_parser("bench", help="benchmarks: training | attention | generate")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
+def _grade(argv: list[str]) -> int:
+    from .grading.cli import main as grade_main
+    return grade_main(argv)
+
+
+def _progress(argv: list[str]) -> int:
+    from .progress import main as progress_main
+    return progress_main(argv)
+
+
+# Subcommands with parsers of their own: their arguments (--help included) go straight to them.
+DELEGATED = {"grade": _grade, "progress": _progress}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        return DELEGATED[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return _run(args)

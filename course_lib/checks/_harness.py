@@ -83,6 +83,8 @@ DIAGNOSES = (
     "kv_cache",          # the KV cache ignored, its keys turned again, or holding repeated heads or unrotated keys
     "mismatch",          # wrong, and like none of the mistakes we know
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
+    "missing",           # grading: the exercise (its notebook, or its cell) is not in the submission
+    "crashed",           # grading: the process running the student's code died (os._exit, a signal, memory)
 )
 
 TIME_LIMIT_S = float(os.environ.get("COURSE_CHECK_TIME_LIMIT", "60"))
@@ -366,7 +368,10 @@ def _finish(result: CheckResult, graded: bool = True) -> CheckResult:
     """Every verdict passes here on its way back to the notebook, after the student's state is restored:
     the place for what is done with a verdict besides showing it. ``graded`` is False for a check that
     does not test the student's work (a demonstration on planted buggy code, a re-check used as a condition)."""
+    from .. import progress  # the live room: one line appended when COURSE_PROGRESS_DIR is set; never raises
     from . import _nbgrader  # imported here: it builds on this module's CheckResult
+    if graded:
+        progress.record(result)
     return _nbgrader.for_nbgrader(result, graded)   # last: under nbgrader a failed graded check raises
 
 

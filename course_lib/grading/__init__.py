@@ -1,0 +1,117 @@
+"""Grading a class's notebooks, and seeing which mistakes the room makes.
+
+``python -m course_lib grade SUBMISSIONS --out REPORT`` (or :func:`grade`) grades every student's
+notebooks with the course's own checkers and writes ``REPORT/grades.csv``, ``summary.md`` and
+``summary.png`` (the class view: per exercise, how many passed and which mistakes, with what to
+tell the room), and ``feedback/<student>.md``; ``--format gradescope`` adds Gradescope's
+``results.json``. The live room (``course_lib.progress``) is the same view while the class works.
+
+How a submission is run, and what it cannot do:
+
+- ``submissions``: every student's files are read into memory first (nothing is read back from
+  disk later, so a submission rewriting files cannot change what is graded);
+- ``sources``: per exercise, only the student's definition and what it names (helpers, imports,
+  constants) is taken from their notebook, by parsing it; nothing else of the notebook runs;
+- ``worker``/``sandbox``: worker processes, which never run student code, fork one child per
+  exercise in a fresh folder holding only that student's files, with a time limit (a notebook's
+  exercises share ``timeout``), a memory limit, and an audit-hook policy against reading other
+  submissions or the report, writing outside its folder, starting processes or signalling others;
+- ``judge``: the child runs the definition, then the course's own check cell (read from the
+  solution notebook, ``plan``), and sends its one verdict back on its own pipe;
+- ``pool``: the grader hands students to workers and takes only well-formed verdicts for the
+  student and exercise it asked for; a timeout, a crash or a killed worker becomes that student's
+  ``timeout`` / ``crashed`` and never stops the run;
+- ``report``/``gradescope``: written by the grader alone, at the end, each file atomically.
+
+What it does not guarantee: a submission runs in its own process and can, with deliberate
+effort, tamper with that process (and so with its own verdicts, say by patching the checkers
+from its definition's code): read the code of a pass that surprises you. The audit hook is a
+tripwire for the ordinary ways out, not a kernel-enforced wall. On Windows there is no fork: each
+student is graded in one fresh process of its own, with the policy but no per-exercise process
+and no memory limit, and a total time limit only.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .grades import Grade
+from .plan import CAPSTONE, ExercisePlan, default_exercises, grading_plan
+from .pool import GradingOptions, forks, grade_submissions
+from .report import RunInfo, claim_report_folder, write_report
+from .submissions import Submission, find_submissions
+
+__all__ = ["grade", "GradeRun", "Grade", "ExercisePlan", "grading_plan", "default_exercises", "find_submissions",
+           "CAPSTONE"]
+
+
+@dataclass
+class GradeRun:
+    """What a run produced: every grade, the report's files, grading's own errors, and its wall time."""
+
+    grades: list[Grade]
+    written: list[Path]
+    errors: list[str]
+    seconds: float
+    submissions: list[Submission]
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: int | None = None,
+          timeout: float = 60.0, memory_mb: int | None = 2048, exercises: list[str] | None = None,
+          gradescope: bool = False, inline: bool = False,
+          on_student: Callable[[Submission, list[Grade]], None] | None = None,
+          on_start: Callable[[int], None] | None = None) -> GradeRun:
+    """Grade every submission in ``submissions`` and write the report into ``out``.
+
+    ``workers``: students graded at once (default: the machine's cores); ``timeout``: seconds per
+    notebook; ``memory_mb``: memory per exercise (None: no limit); ``exercises``: ids (default:
+    1.1-7.2; 8.1 trains two models per student); ``gradescope``: also write results.json;
+    ``inline``: grade each student in one fresh process, as on Windows.
+    """
+    from .. import _validate as validate
+    root_in = validate.path("submissions", submissions, "the folder of the students' submissions").resolve()
+    report = validate.path("out", out, "the report's folder").resolve()
+    workers = (os.cpu_count() or 1) if workers is None else validate.positive_int("workers", workers)
+    timeout = validate.positive_float("timeout", timeout)
+    if memory_mb is not None:
+        validate.positive_int("memory_mb", memory_mb)
+    if isinstance(exercises, str):
+        raise TypeError(f"exercises: expected a list of exercise ids such as ['2.1', '2.2'], got {exercises!r}")
+    if _inside(report, root_in) or _inside(root_in, report):
+        raise ValueError(f"out: expected a folder outside the submissions (and not holding them), got '{report}' "
+                         f"for submissions in '{root_in}'")
+    plans = grading_plan(exercises)
+    found = find_submissions(root_in)
+    if not found:
+        raise FileNotFoundError(f"submissions: expected one folder per student (or notebooks) in '{root_in}', "
+                                f"found none")
+    claim_report_folder(report)
+    if on_start is not None:
+        on_start(len(found))
+    start = time.monotonic()
+    work = tempfile.mkdtemp(prefix="course-grade-")
+    try:
+        options = GradingOptions(workers=workers, timeout=timeout, memory_mb=memory_mb,
+                                 deny=(str(root_in), str(report), work), root=work,
+                                 inline=inline or not forks())
+        grades, errors = grade_submissions(found, plans, options, on_student or (lambda s, g: None))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    seconds = time.monotonic() - start
+    sandbox = ("each exercise in its own limited process" if not options.inline
+               else "each student in one fresh process (no fork here: no per-exercise process or memory limit)")
+    notes = [f"{s.student}: {note}" for s in found for note in s.notes]
+    if CAPSTONE not in plans:
+        notes.append("8.1 (train your GPT) was not graded; add it with --exercises all (10 to 20 s more per student)")
+    info = RunInfo(len(found), min(workers, len(found)), timeout, memory_mb, seconds, sandbox, notes, errors)
+    written = write_report(report, grades, info, gradescope=gradescope)
+    return GradeRun(grades, written, errors, seconds, found)

@@ -1,0 +1,147 @@
+"""``python -m course_lib grade SUBMISSIONS --out REPORT``: grade a class, print the room's summary.
+
+Exit status: 0 when every submission was graded (whatever the grades); 1 when grading itself
+failed (a worker could not start, or the grader hit a bug of its own: the report is still written,
+and says which grades it affects); 2 for arguments that cannot work; 130 on Ctrl-C (no report).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+__all__ = ["main", "build_parser"]
+
+EPILOG = """\
+report files:
+  REPORT/grades.csv           student, exercise, passed, diagnosis, message, seconds
+  REPORT/summary.md, .png     per exercise: passed, mistakes with counts, what to tell the room
+  REPORT/feedback/NAME.md     each student's verdicts, messages and hints
+  REPORT/results.json         --format gradescope, one student (REPORT/gradescope/NAME/ for several)
+
+exit status: 0 graded (whatever the grades); 1 grading itself failed; 2 bad arguments; 130 Ctrl-C
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _memory(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0 or 0 < value < 64:
+        raise argparse.ArgumentTypeError(f"expected megabytes (64 or more), or 0 for no limit, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _exercises(text: str) -> list[str] | None:
+    """"all", or ids and notebook numbers: "2.1,2.2", "02,03"."""
+    from .plan import CAPSTONE, default_exercises
+    known = default_exercises() + [CAPSTONE]
+    if text.strip() == "all":
+        return known
+    chosen: list[str] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if item.isdigit():
+            matches = [ex for ex in known if int(ex.split(".")[0]) == int(item)]
+        else:
+            matches = [item] if item in known else []
+        if not matches:
+            raise argparse.ArgumentTypeError(f"expected exercise ids ({', '.join(known)}), notebook numbers "
+                                             f"(01 to {known[-1].split('.')[0].zfill(2)}) or 'all', got {item!r}")
+        chosen += [ex for ex in matches if ex not in chosen]
+    if not chosen:
+        raise argparse.ArgumentTypeError(f"expected at least one exercise, got {text!r}")
+    return chosen
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m course_lib grade", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Grade a class's notebooks with the course's checkers, each submission sandboxed; write "
+                    "grades, the class's summary and each student's feedback.")
+    parser.add_argument("submissions", metavar="SUBMISSIONS",
+                        help="one folder per student holding their notebooks (nbgrader's submitted/ works too)")
+    parser.add_argument("--out", metavar="REPORT", required=True, help="the report's folder")
+    parser.add_argument("--workers", type=_positive_int, default=os.cpu_count() or 1,
+                        help="students graded at once (default: the machine's cores, %(default)s here)")
+    parser.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS",
+                        help="time limit per notebook; its exercises share it (default %(default)g)")
+    parser.add_argument("--memory-mb", type=_memory, default=2048, metavar="MB",
+                        help="memory per exercise beyond the course's own, 0 for none (default %(default)s)")
+    parser.add_argument("--exercises", type=_exercises, default=None, metavar="IDS",
+                        help="'2.1,2.2', notebook numbers '02,03', or 'all' (default: 1.1 to 7.2; 8.1 trains "
+                             "two models per student)")
+    parser.add_argument("--format", choices=("report", "gradescope"), default="report",
+                        help="'gradescope' also writes Gradescope's results.json")
+    parser.add_argument("--inline", action="store_true",
+                        help="grade each student in one fresh process, without a process per exercise "
+                             "(what Windows does; for testing that path)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from tqdm import tqdm
+
+    from . import grade
+    bar = None
+
+    def started(total: int) -> None:
+        nonlocal bar
+        bar = tqdm(total=total, unit="student", file=sys.stderr, disable=args.quiet, desc="grading")
+
+    def graded(submission, grades) -> None:
+        bar.set_postfix_str(f"{submission.student}: {sum(g.passed for g in grades)}/{len(grades)}", refresh=False)
+        bar.update(1)
+
+    try:
+        run = grade(args.submissions, args.out, workers=args.workers, timeout=args.timeout,
+                    memory_mb=args.memory_mb or None, exercises=args.exercises,
+                    gradescope=args.format == "gradescope", inline=args.inline, on_student=graded,
+                    on_start=started)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: no report written", file=sys.stderr)
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
+    students = len(run.submissions)
+    exercises = sorted({g.exercise for g in run.grades}, key=lambda e: tuple(int(p) for p in e.split(".")))
+    passed = sum(g.passed for g in run.grades)
+    print(f"graded {students} student(s) x {len(exercises)} exercise(s) in {run.seconds:.1f} s with "
+          f"{min(args.workers, students)} worker(s): {passed}/{len(run.grades)} passed")
+    for ex in exercises:
+        mine = [g for g in run.grades if g.exercise == ex]
+        mistakes = Counter(g.diagnosis for g in mine if not g.passed).most_common()
+        tail = "; " + ", ".join(f"{code} {n}" for code, n in mistakes) if mistakes else ""
+        print(f"  {ex}: {sum(g.passed for g in mine)}/{len(mine)} passed{tail}")
+    print(f"report: {args.out} (grades.csv, summary.md, summary.png, feedback/"
+          f"{', results.json' if args.format == 'gradescope' else ''})")
+    for error in run.errors:
+        print(f"error: grading failed: {error}", file=sys.stderr)
+    return 1 if run.errors else 0

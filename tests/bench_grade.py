@@ -1,0 +1,65 @@
+"""Benchmark (not a test): grade a synthetic class with `python -m course_lib grade` and print the time.
+
+    nice python tests/bench_grade.py --students 30 --workers 2
+
+Each student's notebooks 01-07 are learner copies whose exercise cells hold, drawn at random (seed
+fixed), a correct attempt from the banks (tests/bank), a bank mistake, or nothing (unfinished).
+The class is written into a temporary folder and removed afterwards (``--keep DIR`` keeps it).
+The script also counts how many grades match the diagnosis each bank attempt is registered with.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from synthetic_class import random_class  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--students", type=int, default=30)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--notebooks", default="01,02,03,04,05,06,07")
+    parser.add_argument("--keep", metavar="DIR", help="write the class and the report here and keep them")
+    args = parser.parse_args()
+    base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="grade-bench-"))
+    submissions, report = base / "class", base / "report"
+    drawn = random_class(submissions, args.students, args.notebooks.split(","), seed=0)
+    exercises = sorted({ex for holds in drawn.values() for ex in holds}, key=lambda e: tuple(map(int, e.split("."))))
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "course_lib", "grade", str(submissions), "--out", str(report),
+               "--workers", str(args.workers), "--exercises", ",".join(exercises), "--quiet"]
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    print(done.stdout)
+    if done.returncode != 0:
+        print(done.stderr, file=sys.stderr)
+        return done.returncode
+    rows = list(csv.DictReader(open(report / "grades.csv", encoding="utf-8")))
+    expected = {"correct": None, "unfinished": "not_implemented"}
+    matches = sum((None if r["passed"] == "true" else r["diagnosis"]) ==
+                  expected.get(drawn[r["student"]][r["exercise"]], drawn[r["student"]][r["exercise"]])
+                  for r in rows)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"{args.students} students x {len(exercises)} exercises ({args.notebooks}) with {args.workers} workers: "
+          f"{seconds:.1f} s wall for the whole command ({seconds / args.students:.2f} s per student); "
+          f"{matches}/{len(rows)} grades are the diagnosis the bank registers; load average now {load:.2f}, "
+          f"{os.cpu_count()} cores")
+    if not args.keep:
+        import shutil
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Synthetic classes for the grader's tests and benchmark: copies of the course notebooks whose
+exercise cells hold attempts from the banks (tests/bank), written the way a student writes them.
+
+Nothing here is committed output: every class is written into a temporary folder when needed.
+"""
+from __future__ import annotations
+
+import inspect
+import random
+import re
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+from course_lib.assignments import strip_solutions
+from course_lib.course_files import course_notebooks
+from course_lib.grading.plan import grading_plan
+
+# What the bank modules import, so that an attempt's source runs the same way in a notebook cell.
+_IMPORTS = """\
+import math
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+"""
+_MODEL_IMPORTS = "from course_lib.model import GPT, FeedForward\n"
+
+
+def attempt_source(candidate: Any, name: str) -> str:
+    """A cell defining ``name`` as the bank's ``candidate`` does (its bank-local bases included)."""
+    module = inspect.getmodule(candidate)
+    pieces: list[str] = []
+
+    def bases(cls: type) -> None:
+        for base in cls.__bases__:
+            if base.__module__ == module.__name__:
+                bases(base)
+                source = textwrap.dedent(inspect.getsource(base))
+                if source not in pieces:
+                    pieces.append(source)
+
+    if inspect.isclass(candidate):
+        bases(candidate)
+    own = textwrap.dedent(inspect.getsource(candidate))
+    own = re.sub(r"^@(bug|correct)\(.*\n", "", own, flags=re.M)
+    own = re.sub(rf"^(class|def) {re.escape(candidate.__name__)}\b", rf"\1 {name}", own, count=1, flags=re.M)
+    imports = _IMPORTS + (_MODEL_IMPORTS if "GPT" in own or "FeedForward" in own else "")
+    return "\n\n".join([imports, *pieces, own])
+
+
+def _literal(value: Any) -> str:
+    """Python source that makes ``value`` (a tensor, a numpy array or number, or a plain value)."""
+    import numpy as np
+    import torch
+    if isinstance(value, torch.Tensor):
+        return f"torch.tensor({value.tolist()!r}, dtype={value.dtype})"
+    if isinstance(value, np.ndarray):
+        return f"np.array({value.tolist()!r})"
+    if isinstance(value, np.generic):
+        return f"np.{type(value).__name__}({_literal(value.item())})"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_literal(item) for item in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if isinstance(value, float) and value != value:
+        return "float('nan')"
+    return repr(value)
+
+
+def prediction_source(weights: Any, result: Any) -> str:
+    """Exercise 1.1's cell returning the given prediction."""
+    return f"{_IMPORTS}\n\ndef my_prediction():\n    return {_literal(weights)}, {_literal(result)}\n"
+
+
+def write_student(folder: Path, notebooks: list[str], parts: dict[str, str] | None = None, *,
+                  solved: bool = False, rename: dict[str, str] | None = None) -> Path:
+    """Write a student's notebooks ("01", "02", ...) into ``folder``: learner copies (or the solutions
+    with ``solved``), with the exercise cell of each id in ``parts`` replaced by the given source.
+    ``rename`` maps a course notebook's number to the file name the student saved it under."""
+    plans = grading_plan()
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = parts or {}
+    for path in course_notebooks():
+        number = path.name[:2]
+        if number not in notebooks:
+            continue
+        notebook = nbformat.read(path, as_version=4)
+        for cell in notebook.cells:
+            if cell.cell_type != "code":
+                continue
+            if not solved and "### BEGIN SOLUTION" in cell.source:
+                cell.source = strip_solutions(cell.source)
+            for ex_id, source in parts.items():
+                if plans[ex_id].notebook == path.name and cell.get("id") == plans[ex_id].cell_id:
+                    cell.source = source
+            cell.outputs = []
+            cell.execution_count = None
+        name = (rename or {}).get(number, path.name)
+        nbformat.write(notebook, folder / name)
+    return folder
+
+
+def random_class(root: Path, students: int, notebooks: list[str], seed: int = 0) -> dict[str, dict[str, str]]:
+    """A class of ``students``, each exercise drawn: a correct attempt (45%), a bank mistake (35%),
+    or left unfinished (20%). Returns what each student's exercise holds ("correct", "unfinished" or
+    the bank's expected diagnosis)."""
+    from bank import attention_bugs, model_bugs
+    plans = grading_plan()
+    attempts: dict[str, dict[str, list]] = {}
+    for bank in (attention_bugs, model_bugs):
+        for attempt in bank.CORRECT + bank.BUGGY:
+            kind = "correct" if attempt.expected is None else "buggy"
+            if attempt.expected == "not_implemented":
+                continue   # unfinished is drawn on its own
+            if attempt.exercise == "4.2" and (attempt.kwargs if kind == "buggy" else attempt.name != "BlockBothWays"):
+                continue   # 4.2 is checked pre-norm, then post-norm: a right block must be right both ways
+            attempts.setdefault(attempt.exercise, {}).setdefault(kind, []).append(attempt)
+    rng = random.Random(seed)
+    drawn: dict[str, dict[str, str]] = {}
+    for number in range(students):
+        student = f"student{number:02d}"
+        parts: dict[str, str] = {}
+        holds: dict[str, str] = {}
+        for ex_id, plan in plans.items():
+            if plan.number not in notebooks or ex_id not in attempts:
+                continue
+            roll = rng.random()
+            kind = "correct" if roll < 0.45 else "buggy" if roll < 0.8 else "unfinished"
+            if kind == "unfinished" or not attempts[ex_id].get(kind):
+                holds[ex_id] = "unfinished"
+                continue
+            attempt = rng.choice(attempts[ex_id][kind])
+            if ex_id == "1.1":
+                parts[ex_id] = prediction_source(*attempt.candidate)
+            else:
+                parts[ex_id] = attempt_source(attempt.candidate, plan.name)
+            holds[ex_id] = attempt.expected or "correct"
+        write_student(root / student, notebooks, parts)
+        drawn[student] = holds
+    return drawn
+
+
+def hostile_parts(victim: Path, submissions: Path, report: Path) -> dict[str, str]:
+    """Exercise cells of notebooks 01-03 that attack the grader, one attack (or family) per exercise.
+
+    Where an attack is one the sandbox should refuse, the cell does the exercise right after trying
+    it, and raises if the attack got through: a pass means every attempt was refused.
+    """
+    return {
+        # signalling others: the worker that runs us, every process of ours; starting processes
+        "1.1": '''
+import os, signal, subprocess
+
+def my_prediction():
+    attacks = {"kill the worker": lambda: os.kill(os.getppid(), signal.SIGKILL),
+               "kill a process group": lambda: os.killpg(os.getpgid(os.getppid()), signal.SIGKILL),
+               "subprocess": lambda: subprocess.run(["true"]), "os.system": lambda: os.system("true"),
+               "fork": os.fork}
+    for name, attack in attacks.items():
+        try:
+            pid = attack()
+        except Exception:
+            continue
+        if name == "fork" and pid == 0:
+            os._exit(0)
+        raise RuntimeError(f"attack got through: {name}")
+    return [0.21, 0.58, 0.21], 2.0
+''',
+        # an endless loop that swallows the checker's own timer
+        "1.2": '''
+def toy_attention(query, keys, values):
+    while True:
+        try:
+            while True:
+                pass
+        except BaseException:
+            pass
+''',
+        "1.3": '''
+import sys
+
+def scaled_dot_product_attention(q, k, v, mask=None):
+    sys.exit(3)
+''',
+        "2.1": '''
+import os
+
+def causal_mask(n):
+    os._exit(7)
+''',
+        "2.2": '''
+import os, signal
+
+class MaskedAttention(MaskedAttention):
+    def forward(self, x):
+        os.kill(os.getpid(), signal.SIGKILL)
+''',
+        # 3 GB of address space: fine without a limit, refused under a smaller one
+        "3.1": '''
+def split_heads(x, num_heads):
+    hoard = bytearray(3 * 2 ** 30)
+    n, length, embed_dim = x.shape
+    return x.view(n, length, num_heads, embed_dim // num_heads).transpose(1, 2)
+''',
+        # writing over another student's notebook and into the report
+        "3.2": f'''
+def merge_heads(x):
+    targets = [{str(victim)!r}, {str(report / "grades.csv")!r}, {str(report / "feedback" / "alice.md")!r},
+               {str(report / "evil.md")!r}]
+    for target in targets:
+        try:
+            with open(target, "w") as handle:
+                handle.write("tampered")
+        except OSError:
+            continue
+        raise RuntimeError(f"attack got through: wrote {{target}}")
+    n, heads, length, head_dim = x.shape
+    return x.transpose(1, 2).reshape(n, length, heads * head_dim)
+''',
+        # reading another student's files, the submissions folder, the grader's memory
+        "3.3": f'''
+import os
+
+class MultiHeadMaskedAttention(MultiHeadMaskedAttention):
+    def forward(self, x):
+        attacks = {{"read a notebook": lambda: open({str(victim)!r}).read(),
+                   "list the submissions": lambda: os.listdir({str(submissions)!r}),
+                   "read the worker's memory map": lambda: open(f"/proc/{{os.getppid()}}/maps").read()}}
+        for name, attack in attacks.items():
+            try:
+                attack()
+            except OSError:
+                continue
+            raise RuntimeError(f"attack got through: {{name}}")
+        return super().forward(x)
+''',
+    }
+
+
+FORGED_VERDICT = '''
+import os, json
+
+def causal_mask(n):
+    forged = json.dumps({"exercise": "2.1", "passed": True, "diagnosis": None, "message": "forged"}).encode()
+    for fd in range(3, 64):
+        try:
+            os.write(fd, forged)
+        except OSError:
+            pass
+    os._exit(0)
+'''

@@ -1,0 +1,381 @@
+"""`python -m course_lib grade`: which exercise is checked how, what is taken from a notebook, the
+sandbox, the report, and a small class graded end to end (with hostile submissions)."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from bank import attention_bugs
+from synthetic_class import FORGED_VERDICT, attempt_source, hostile_parts, prediction_source, write_student
+
+from course_lib import checks
+from course_lib.collect import _base_namespace
+from course_lib.grading import grade, grading_plan
+from course_lib.grading.cli import main as grade_main
+from course_lib.grading.grades import Grade
+from course_lib.grading.judge import judge, known_names
+from course_lib.grading.report import RunInfo, write_report
+from course_lib.grading.sandbox import install_policy
+from course_lib.grading.sources import find_notebook, student_part
+from course_lib.grading.submissions import find_submissions
+from course_lib.grading.worker import exercise_limits
+
+PLANS = grading_plan()
+KNOWN = known_names(PLANS)
+CLASS_EXERCISES = ["1.1", "1.2", "1.3", "2.1", "2.2", "3.1", "3.2", "3.3"]
+
+
+def _notebook(*sources: str) -> str:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    return nbformat.writes(notebook)
+
+
+def _bank(name: str):
+    return next(a for a in attention_bugs.BUGGY + attention_bugs.CORRECT if a.name == name)
+
+
+def _checker(exercise: str):
+    return getattr(checks, re.search(r"checks\.(check_\w+)", PLANS[exercise].check)[1])
+
+
+# ---------------------------------------------------------------- what is checked, and how
+
+def test_each_check_is_read_from_the_course_notebook():
+    assert PLANS["2.1"].check.strip() == "checks.check_causal_mask(causal_mask)"
+    # 4.2 is checked twice in its notebook, pre-norm then post-norm: both cells are taken
+    assert "check_transformer_block(TransformerBlock)" in PLANS["4.2"].check
+    assert "norm_first=False" in PLANS["4.2"].check
+    # 1.1's check cell calls the student's my_prediction() itself
+    assert "my_prediction()" in PLANS["1.1"].check
+    # the notebooks' demonstrations of planted bugs are not part of any exercise's check
+    assert all("Buggy" not in plan.check and "buggy" not in plan.check for plan in PLANS.values())
+    assert "8.1" not in PLANS and "8.1" in grading_plan(["8.1"])
+    with pytest.raises(ValueError, match="exercises: expected ids"):
+        grading_plan(["9.9"])
+
+
+def test_a_definition_comes_with_what_it_names_and_nothing_else():
+    text = _notebook(
+        "import numpy as np\nSCALE = 1.0",
+        "x = expensive_setup()\nprint('hello')",
+        "def _lower(n):\n    return np.tril(np.ones((n, n))) * SCALE",
+        "%timeit 1 + 1\ndef as_bool(t):\n    return torch.as_tensor(t).bool()\n\n"
+        "def causal_mask(n):\n    return as_bool(_lower(n))\n\nprint(causal_mask(3))")
+    part = student_part(text, PLANS["2.1"], KNOWN)
+    assert part.diagnosis is None
+    for needed in ("import numpy as np", "SCALE = 1.0", "def _lower", "def as_bool", "def causal_mask"):
+        assert needed in part.source
+    for unwanted in ("expensive_setup", "print(", "timeit"):
+        assert unwanted not in part.source
+    assert judge(PLANS["2.1"], part.source)["passed"] is True
+
+
+def test_a_name_the_course_provides_is_never_taken_from_the_students_other_cells():
+    # the notebook carries on with the course's causal_mask after 2.1: so does 2.2, whatever 2.1 holds
+    text = _notebook("def causal_mask(n):\n    raise NotImplementedError('Exercise 2.1: ...')",
+                     PLANS["2.2"].solution)
+    part = student_part(text, PLANS["2.2"], KNOWN)
+    assert "def causal_mask" not in part.source
+    assert judge(PLANS["2.2"], part.source)["passed"] is True
+
+
+def test_an_unfinished_exercise_gets_its_own_verdict_never_the_solutions_pass(tmp_path):
+    write_student(tmp_path / "learner", ["01", "02"])
+    for ex_id, name in (("1.1", "01_attention_toy.ipynb"), ("2.1", "02_masked_attention.ipynb"),
+                        ("2.2", "02_masked_attention.ipynb")):
+        part = student_part((tmp_path / "learner" / name).read_text(), PLANS[ex_id], KNOWN)
+        assert "NotImplementedError" in part.source
+        verdict = judge(PLANS[ex_id], part.source)
+        assert (verdict["passed"], verdict["diagnosis"]) == (False, "not_implemented")
+
+
+def test_missing_and_broken_exercises_say_why():
+    assert student_part(None, PLANS["2.1"], KNOWN, missing_detail="no 02 here").diagnosis == "missing"
+    unreadable = student_part("{not json", PLANS["2.1"], KNOWN)
+    assert unreadable.diagnosis == "missing" and "cannot be read" in unreadable.message
+    assert student_part(_notebook("x = 1"), PLANS["2.1"], KNOWN).diagnosis == "missing"
+    broken = student_part(_notebook("def causal_mask(n):\n    return (n"), PLANS["2.1"], KNOWN)
+    assert broken.diagnosis == "exception" and "SyntaxError" in broken.message
+    defined_badly = judge(PLANS["2.1"], "@undefined_decorator\ndef causal_mask(n):\n    pass")
+    assert defined_badly["diagnosis"] == "exception" and "NameError" in defined_badly["message"]
+
+
+def test_a_renamed_notebook_is_found_by_its_number_unless_it_is_ambiguous():
+    assert find_notebook(["02_masked_attention (1).ipynb"], "02_masked_attention.ipynb")[0] == \
+        "02_masked_attention (1).ipynb"
+    found, why = find_notebook(["02_a.ipynb", "02_b.ipynb"], "02_masked_attention.ipynb")
+    assert found is None and "several" in why
+    assert find_notebook(["020_x.ipynb"], "02_masked_attention.ipynb")[0] is None
+
+
+def test_a_notebooks_exercises_share_its_time_limit():
+    used, budget = 0.0, 60.0
+    for left in (4, 3, 2, 1):   # each exercise takes all it is given: the total still fits the budget
+        used += exercise_limits(budget, used, left)
+    assert used == pytest.approx(budget)
+    assert exercise_limits(60.0, 0.0, 4) == 15.0
+    assert exercise_limits(60.0, 1.0, 3) > 15.0   # the first took 1 s of its 15: the others share the rest
+
+
+# ---------------------------------------------------------------- finding submissions
+
+def test_submissions_in_both_layouts_are_read_into_memory(tmp_path, monkeypatch):
+    plain = tmp_path / "plain"
+    (plain / "ada").mkdir(parents=True)
+    (plain / "ada" / "02_masked_attention.ipynb").write_text("{}")
+    (plain / "ada" / ".ipynb_checkpoints").mkdir()
+    (plain / "ada" / ".ipynb_checkpoints" / "02_masked_attention-checkpoint.ipynb").write_text("{}")
+    (plain / "ada" / "big.bin").write_bytes(b"x" * 200)
+    (plain / "ada" / "link.ipynb").symlink_to(plain / "ada" / "02_masked_attention.ipynb")
+    (plain / "bo").mkdir()   # handed in nothing: still a student, graded as missing
+    monkeypatch.setattr("course_lib.grading.submissions.FILE_LIMIT", 100)
+    found = {s.student: s for s in find_submissions(plain)}
+    assert sorted(found) == ["ada", "bo"]
+    assert sorted(found["ada"].files) == ["02_masked_attention.ipynb"]
+    assert any("big.bin" in note for note in found["ada"].notes)
+    assert found["bo"].files == {}
+
+    nbgrader = tmp_path / "submitted"
+    for assignment, text in (("week1", "old"), ("week2", "new")):
+        folder = nbgrader / "ada" / assignment
+        folder.mkdir(parents=True)
+        (folder / "02_masked_attention.ipynb").write_text(text)
+        os.utime(folder / "02_masked_attention.ipynb", (1, 1 if text == "old" else 2))
+    (nbgrader / "ada" / "week1" / "01_attention_toy.ipynb").write_text("one")
+    ada = find_submissions(nbgrader)[0]
+    assert ada.files == {"01_attention_toy.ipynb": b"one", "02_masked_attention.ipynb": b"new"}
+    assert any("two places" in note for note in ada.notes)
+
+    single = tmp_path / "submission"   # Gradescope's /autograder/submission: the notebooks themselves
+    single.mkdir()
+    (single / "02_masked_attention.ipynb").write_text("{}")
+    assert [s.student for s in find_submissions(single)] == ["submission"]
+
+
+# ---------------------------------------------------------------- the sandbox's policy
+
+def test_the_policy_refuses_what_reaches_beyond_the_submission(tmp_path):
+    home, other = tmp_path / "home", tmp_path / "other"
+    home.mkdir()
+    other.mkdir()
+    (other / "notebook.ipynb").write_text("theirs")
+    attempts = {
+        "read another's file": lambda: open(other / "notebook.ipynb").read(),
+        "list another's folder": lambda: os.listdir(other),
+        "write outside": lambda: open(tmp_path / "outside.txt", "w").close(),
+        "remove another's file": lambda: os.remove(other / "notebook.ipynb"),
+        "signal the parent": lambda: os.kill(os.getppid(), 0),
+        "start a process": lambda: subprocess.run(["true"]),
+        "read the parent's memory map": lambda: open(f"/proc/{os.getppid()}/maps").read(),
+        "write in its own folder": lambda: (home / "mine.txt").write_text("ok"),
+        "read a course file": lambda: Path(checks.__file__).read_text()[:1],
+    }
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: installs the policy for good, tries everything, reports, exits
+        try:
+            install_policy(str(home), [str(other)])
+            outcome = {}
+            for name, attempt in attempts.items():
+                try:
+                    attempt()
+                    outcome[name] = "allowed"
+                except PermissionError:
+                    outcome[name] = "refused"
+            os.write(write_end, json.dumps(outcome).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        outcome = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    allowed = {"write in its own folder", "read a course file"}
+    assert outcome == {name: "allowed" if name in allowed else "refused" for name in attempts}
+    assert (other / "notebook.ipynb").read_text() == "theirs"
+
+
+def test_the_hostile_submissions_attacks_are_real_outside_the_sandbox(tmp_path):
+    """Without the sandbox, the test class's file attacks get through (so the class test can fail)."""
+    victim = tmp_path / "alice.ipynb"
+    victim.write_text("alice's work")
+    parts = hostile_parts(victim, tmp_path, tmp_path / "report")
+    namespace = _base_namespace()
+    exec(parts["3.2"], namespace)
+    import torch
+    with pytest.raises(RuntimeError, match="attack got through"):
+        namespace["merge_heads"](torch.zeros(1, 2, 3, 4))
+    assert victim.read_text() == "tampered"
+
+
+# ---------------------------------------------------------------- the report, from known grades
+
+def _grades() -> list[Grade]:
+    rows = [("ada", "2.1", True, None, "Right."), ("bo", "2.1", False, "causal_mask", "The future leaks."),
+            ("cy", "2.1", False, "not_implemented", "Not written yet."),
+            ("dee", "2.1", False, "not_implemented", "Not written yet."),
+            ("ada", "3.1", False, "shape", "Wrong shape | really."), ("bo", "3.1", True, None, "Right."),
+            ("cy", "3.1", True, None, "Right."), ("dee", "3.1", True, None, "Right.")]
+    return [Grade(s, e, p, d, m, 0.25) for s, e, p, d, m in rows]
+
+
+def _info() -> RunInfo:
+    return RunInfo(students=4, workers=2, timeout=60, memory_mb=2048, seconds=3.0, sandbox="test")
+
+
+def test_the_report_says_per_exercise_who_passed_and_what_to_tell_the_room(tmp_path):
+    out = tmp_path / "report"
+    write_report(out, _grades(), _info(), gradescope=True)
+    rows = list(csv.DictReader(io.StringIO((out / "grades.csv").read_text())))
+    assert list(rows[0]) == ["student", "exercise", "passed", "diagnosis", "message", "seconds"]
+    assert [(r["student"], r["exercise"], r["passed"], r["diagnosis"]) for r in rows][:3] == [
+        ("ada", "2.1", "true", ""), ("ada", "3.1", "false", "shape"), ("bo", "2.1", "false", "causal_mask")]
+    summary = (out / "summary.md").read_text()
+    assert "## 2.1: 1/4 passed; not_implemented 2, causal_mask 1" in summary
+    # the room's hint is for the most common real mistake, not for "not written yet"
+    assert re.search(r"\*\*Tell the room\*\* \(causal_mask, 1 student\(s\)\): .*tril", summary)
+    assert "Wrong shape \\| really." not in summary and "shape 1" in summary
+    feedback = (out / "feedback" / "bo.md").read_text()
+    assert "The future leaks." in feedback and "Hint:" in feedback
+    assert "torch.ones(n, n, dtype=torch.bool).tril()" not in feedback   # never the solution
+    assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((out / "gradescope" / "bo" / "results.json").read_text())
+    assert results["score"] == 1.0 and len(results["tests"]) == 2
+    test = next(t for t in results["tests"] if t["number"] == "2.1")
+    assert (test["score"], test["max_score"], test["status"]) == (0.0, 1.0, "failed")
+    assert "causal_mask" in test["output"] and "The future leaks." in test["output"]
+
+
+def test_a_second_run_replaces_its_own_report_and_refuses_anyone_elses(tmp_path):
+    out = tmp_path / "report"
+    write_report(out, _grades(), _info())
+    write_report(out, [g for g in _grades() if g.student != "dee"], _info())
+    assert not (out / "feedback" / "dee.md").exists()   # a student no longer in the class
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "grades.csv").write_text("the instructor's own spreadsheet")
+    with pytest.raises(ValueError, match="--out: .* already holds grades.csv"):
+        write_report(mine, _grades(), _info())
+    assert (mine / "grades.csv").read_text() == "the instructor's own spreadsheet"
+
+
+def test_bad_arguments_are_refused_naming_the_argument(tmp_path, capsys):
+    (tmp_path / "class").mkdir()
+    for argv, named in ((["--workers", "0"], "--workers"), (["--timeout", "-1"], "--timeout"),
+                        (["--memory-mb", "10"], "--memory-mb"), (["--exercises", "9.9"], "--exercises"),
+                        (["--format", "pdf"], "--format")):
+        with pytest.raises(SystemExit) as stop:
+            grade_main([str(tmp_path / "class"), "--out", str(tmp_path / "out"), *argv])
+        assert stop.value.code == 2 and named in capsys.readouterr().err
+    assert grade_main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 2
+    assert "SUBMISSIONS" in capsys.readouterr().err
+    assert grade_main([str(tmp_path / "class"), "--out", str(tmp_path / "class" / "report")]) == 2
+    assert "out:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- a class, graded end to end
+
+BOB = {"1.1": "one_decimal", "1.2": "toy_no_softmax", "1.3": "sdpa_scale_after_softmax", "2.1": "mask_triu",
+       "2.2": "MaskedNoScale", "3.1": "split_view_only", "3.2": "merge_cat", "3.3": "MultiSoftmaxQueries"}
+CAROL_1_2 = """
+ONE = 1.0
+
+def _weights(scores):
+    return torch.softmax(scores * ONE, dim=0)
+
+def toy_attention(query, keys, values):
+    return _weights(keys @ query) @ values
+"""
+
+
+def _bob_parts() -> dict[str, str]:
+    parts = {}
+    for ex_id, name in BOB.items():
+        candidate = _bank(name).candidate
+        parts[ex_id] = prediction_source(*candidate) if ex_id == "1.1" else \
+            attempt_source(candidate, PLANS[ex_id].name)
+    return parts
+
+
+@pytest.fixture(scope="module")
+def graded_class(tmp_path_factory):
+    root = tmp_path_factory.mktemp("class")
+    submissions, report = root / "submitted", root / "report"
+    victim = submissions / "alice" / "01_attention_toy.ipynb"
+    write_student(submissions / "alice", ["01", "02", "03"], solved=True)
+    write_student(submissions / "learner", ["01", "02", "03"])
+    write_student(submissions / "bob", ["01", "02", "03"], _bob_parts())
+    write_student(submissions / "carol", ["01", "02"], {"1.2": CAROL_1_2}, solved=True,
+                  rename={"02": "02_masked_attention (1).ipynb"})
+    write_student(submissions / "mallory", ["01", "02", "03"], hostile_parts(victim, submissions, report))
+    write_student(submissions / "eve", ["02"], {"2.1": FORGED_VERDICT})
+    before = victim.read_bytes()
+    run = grade(submissions, report, workers=2, timeout=8, memory_mb=512, exercises=CLASS_EXERCISES)
+    return {"run": run, "report": report, "victim": victim, "before": before,
+            "grades": {(g.student, g.exercise): g for g in run.grades}}
+
+
+@pytest.mark.slow
+def test_the_grades_are_what_the_checkers_say(graded_class):
+    grades = graded_class["grades"]
+    assert graded_class["run"].errors == []
+    assert len(graded_class["run"].grades) == 6 * len(CLASS_EXERCISES)
+    for ex_id in CLASS_EXERCISES:
+        assert grades["alice", ex_id].passed, grades["alice", ex_id]
+        assert (grades["learner", ex_id].passed, grades["learner", ex_id].diagnosis) == (False, "not_implemented")
+        candidate = _bank(BOB[ex_id]).candidate
+        expected = _checker(ex_id)(*candidate) if ex_id == "1.1" else _checker(ex_id)(candidate)
+        got = grades["bob", ex_id]
+        assert (got.passed, got.diagnosis, got.message) == (expected.passed, expected.diagnosis, expected.message)
+    assert not all(grades["bob", ex].passed for ex in CLASS_EXERCISES)   # the class holds real mistakes
+    assert grades["carol", "1.2"].passed   # a helper and a constant of its own cell came with it
+    assert grades["carol", "2.1"].passed   # found in "02_masked_attention (1).ipynb"
+    assert [grades["carol", ex].diagnosis for ex in ("3.1", "3.2", "3.3")] == ["missing"] * 3
+
+
+@pytest.mark.slow
+def test_hostile_submissions_change_nothing_but_their_own_grades(graded_class):
+    grades, report = graded_class["grades"], graded_class["report"]
+    mallory = {ex: grades["mallory", ex] for ex in CLASS_EXERCISES}
+    assert mallory["1.1"].passed, mallory["1.1"].message          # killing the worker, processes: refused
+    assert mallory["1.2"].diagnosis == "timeout"                   # an endless loop swallowing the timer
+    assert mallory["1.3"].diagnosis == "exception" and "sys.exit" in mallory["1.3"].message
+    assert mallory["2.1"].diagnosis == "crashed" and "status 7" in mallory["2.1"].message        # os._exit(7)
+    assert mallory["2.2"].diagnosis == "crashed" and "SIGKILL" in mallory["2.2"].message         # killed itself
+    assert mallory["3.1"].diagnosis == "exception" and "MemoryError" in mallory["3.1"].message   # 3 GB
+    assert mallory["3.2"].passed, mallory["3.2"].message          # writing other notebooks, the report: refused
+    assert mallory["3.3"].passed, mallory["3.3"].message          # reading others' files and memory: refused
+    assert not grades["eve", "2.1"].passed                        # a forged verdict is not taken
+    assert graded_class["victim"].read_bytes() == graded_class["before"]
+    assert not (report / "evil.md").exists()
+    assert "tampered" not in (report / "feedback" / "alice.md").read_text()
+    rows = list(csv.DictReader(io.StringIO((report / "grades.csv").read_text())))
+    assert {(r["student"], r["exercise"], r["passed"] == "true") for r in rows} == \
+        {(g.student, g.exercise, g.passed) for g in graded_class["run"].grades}
+
+
+@pytest.mark.slow
+def test_the_command_grades_a_gradescope_submission(tmp_path):
+    """Through the CLI, once: Gradescope's layout (the notebooks themselves), --inline (Windows' path)."""
+    submission = write_student(tmp_path / "submission", ["02"], {"2.1": attempt_source(_bank("mask_triu").candidate,
+                                                                                        "causal_mask")})
+    out = tmp_path / "results"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(checks.__file__).parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "course_lib", "grade", str(submission), "--out", str(out),
+                           "--workers", "1", "--exercises", "2.1,2.2", "--format", "gradescope", "--inline",
+                           "--timeout", "30"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "2.1: 0/1 passed; causal_mask 1" in done.stdout and "2.2: 0/1 passed; not_implemented 1" in done.stdout
+    assert "grading" in done.stderr   # the progress bar
+    results = json.loads((out / "results.json").read_text())
+    assert [(t["number"], t["status"]) for t in results["tests"]] == [("2.1", "failed"), ("2.2", "failed")]
+    assert (out / "feedback" / "submission.md").exists()
