@@ -179,12 +179,13 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
 def _print_training(results: dict[str, dict[str, Any]], peak_gflops: float) -> None:
     print(f"matmul peak (fp32, best of square matmuls): {peak_gflops:.1f} GFLOP/s, "
           f"{torch.get_num_threads()} threads")
-    header = (f"{'preset':<22}{'val_loss':>9}{'steps':>8}{'train_s':>9}{'tokens/s':>10}"
+    width = max(22, 2 + max(len(name) for name in results))
+    header = (f"{'preset':<{width}}{'val_loss':>9}{'steps':>8}{'train_s':>9}{'tokens/s':>10}"
               f"{'GFLOP/s':>9}{'% peak':>8}{'peak MB':>9}")
     print(header)
     print("-" * len(header))
     for name, m in results.items():
-        print(f"{name:<22}{m['val_loss']:>9.4f}{m['steps']:>8d}{m['train_seconds']:>9.1f}"
+        print(f"{name:<{width}}{m['val_loss']:>9.4f}{m['steps']:>8d}{m['train_seconds']:>9.1f}"
               f"{m['tokens_per_second']:>10.0f}{m['achieved_flops'] / 1e9:>9.1f}"
               f"{100 * m['share_of_peak']:>7.1f}%{m['peak_rss_mb']:>9.0f}")
     print("(val_loss: the whole validation split in non-overlapping windows; FLOP/s from "

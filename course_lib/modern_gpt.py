@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _validate as validate
 from .attention import KVCache
-from .model import check_vocabulary
+from .model import GPT, check_vocabulary
 from .modern import GroupedQueryAttention, ReLUSquared, RMSNorm, SwiGLU
 
 __all__ = ["MLP_KINDS", "default_hidden_dim", "ModernGPTConfig", "ModernBlock", "ModernGPT"]
@@ -225,7 +225,7 @@ class ModernGPT(nn.Module):
             for _ in range(c.num_layers))
         self.norm_f = _built("norm_cls", norm_cls, norm_cls(c.embed_dim, c.norm_eps))
         self.head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        self.apply(GPT._init_weights)   # GPT-2's: normal(0, 0.02) weights, zero biases
         # As in GPT: the projections that write into the residual stream start smaller,
         # so the stream's variance does not grow with depth.
         for block in self.blocks:
@@ -234,13 +234,6 @@ class ModernGPT(nn.Module):
                     nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
         if c.tie_weights:
             self.head.weight = self.token_embedding.weight
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def new_cache(self) -> list[KVCache]:
         """One empty KV cache per block, for :func:`course_lib.generate`."""
