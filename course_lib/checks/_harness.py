@@ -237,9 +237,15 @@ def _attributes() -> dict[Any, dict[str, Any]]:
     return spaces
 
 
+def _is_submodule(obj: Any, value: Any, name: str) -> bool:
+    return isinstance(obj, ModuleType) and isinstance(value, ModuleType) and value.__name__ == f"{obj.__name__}.{name}"
+
+
 def _restore_namespace(obj: Any, saved: dict[str, Any]) -> None:
     current = vars(obj)
     for name in [n for n in current if n not in saved]:
+        if _is_submodule(obj, current[name], name):
+            continue   # a submodule imported during the check (course_lib.progress) stays bound, as Python left it
         try:
             delattr(obj, name)
         except (AttributeError, TypeError):
