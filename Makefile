@@ -16,9 +16,11 @@ PY     := $(VENV)/bin/python
 ROOT_FLAG := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root,)
 # nbval compares outputs, so the notebooks run with fixed threads and static widgets
 NBVAL_ENV := COURSE_STATIC_WIDGETS=1 COURSE_THREADS=2 MPLBACKEND=Agg PYTHONHASHSEED=0
-# Tests and notebooks run on JOBS worker processes (pytest-xdist); a notebook stays on one worker.
+# The tests run on JOBS worker processes (pytest-xdist). The notebooks run one at a time: each already
+# uses both cores (COURSE_THREADS=2, which their stored outputs were computed with), and two at once
+# made CPU threads wait on each other (notebook 05 took over 8 minutes instead of 3).
 JOBS ?= 2
-NBVAL_OPTS := -n $(JOBS) --dist loadfile -p no:cacheprovider --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+NBVAL_OPTS := -p no:cacheprovider --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
               --nbval-cell-timeout=600
 
 .PHONY: setup lab lab-solutions test lint unit tests-all notebooks learner-copies student bench doctor data clean
