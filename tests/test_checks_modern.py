@@ -289,6 +289,15 @@ def test_a_patched_reference_class_is_set_aside(monkeypatch):
 
 # ---------------------------------------------------------------- messages, hints, solutions
 
+def test_the_theta_default_note_only_when_the_default_is_wrong():
+    by_id = {a.id: a for a in BUGGY}
+    wrong_default = run("9.1", by_id["9.1-rope_default_theta_1000"].candidate)
+    right_default = run("9.1", by_id["9.1-rope_exp_without_log"].candidate)
+    assert "left theta at its default" in wrong_default.message, wrong_default
+    assert right_default.diagnosis == "rope_frequencies", right_default
+    assert "left theta at its default" not in right_default.message, right_default
+
+
 def test_gqa_success_says_what_was_checked():
     message = run("9.6", modern.GroupedQueryAttention).message
     assert "multi-query" in message and "KV cache" in message and "qk_norm" in message

@@ -23,7 +23,10 @@ from . import _rope_variants as rope
 from ._attn_probes import call_student, expect_callable, first_match, reraise_with, shape_str
 from ._compare import close, max_diff
 from ._core import Failure, call, fail
+from ._device_probe import meta, module_on_meta
+from ._device_probe import probe as probe_device
 from ._expect import construct, expect_finite, expect_tensor
+from ._gradients import check_module_gradients
 from ._gqa_variants import CACHED, FULL_PASS, Setup, simulate
 from ._model_common import accepts, copy_weights
 
@@ -153,17 +156,28 @@ def _forward(built: Built, x: torch.Tensor, what: str, *, start: int | None = No
         try:
             out = call_student(built.model, x.clone(), what=what, **kwargs)
         except Failure as failure:
-            _explain_rope_error(failure, x.shape[1], start)
+            _explain_rope_error(failure, built, x.shape[1], start)
             raise
     return expect_tensor(out, (x.shape[0], x.shape[1], EMBED_DIM), what, dtype=x.dtype, finite=False)
 
 
-def _explain_rope_error(failure: Failure, length: int, start: int | None) -> None:
+def _explain_rope_error(failure: Failure, built: Built, length: int, start: int | None) -> None:
     """When the student's code raised inside apply_rotary, say what it was given that it cannot take."""
     names = _rope_frame(failure) if failure.diagnosis == "exception" else None
     turned, offset = (names.get("x"), names.get("offset")) if names else (None, None)
     if not isinstance(turned, torch.Tensor):
         return
+    if turned.dim() == 4 and turned.shape[-1] != HEAD_DIM and turned.shape[-2] == length:
+        features = turned.shape[1] * turned.shape[-1]
+        which = {NUM_HEADS * HEAD_DIM: "queries", built.kv_heads * HEAD_DIM: "keys or values"}.get(features)
+        if which is not None:
+            right = NUM_HEADS if which == "queries" else built.kv_heads
+            code = "kv_grouping" if which != "queries" else "head_split"
+            reraise_with(failure, code, f" apply_rotary was given {which} split into {turned.shape[1]} heads of "
+                         f"{turned.shape[-1]} features, shape {shape_str(turned.shape)}: the {which} have "
+                         f"{features} features, {right} heads of head_dim={HEAD_DIM} "
+                         f"({'self.num_heads' if which == 'queries' else 'self.num_kv_heads'} heads). Split them "
+                         f"into that many heads; head_dim is embed_dim // num_heads for all three.")
     if turned.dim() != 4 or turned.shape[-1] != HEAD_DIM:
         reraise_with(failure, "rope_axes", f" apply_rotary was given a tensor of shape {shape_str(turned.shape)}: "
                      f"it takes queries or keys split into heads, (N, heads, L, head_dim) with head_dim={HEAD_DIM}. "
@@ -267,6 +281,31 @@ def _cached(built: Built) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Rec
     return x, torch.cat(outs, dim=1), expected, cache
 
 
+def _fill_context(built: Built, cache: RecordingCache) -> None:
+    """After the plan, token by token to the last position: a position that runs ahead of cache.length
+    (say the keys placed one late) is invisible to RoPE's offsets until the tables run out."""
+    full, _, reference = built.runs[0]
+    for start in range(PLAN_TOKENS, MAX_TOKENS):
+        what = (f"GroupedQueryAttention({built.label}).forward(x, cache) with 1 new token and {start} cached "
+                f"(the context fills at {MAX_TOKENS})")
+        try:
+            out = _forward(built, full[:, start:start + 1], what, start=start, cache=cache)
+        except Failure as failure:
+            if failure.diagnosis in ("exception", "shape"):
+                reraise_with(failure, "rope_positions", f" Your module is right for the first {start} tokens and "
+                             f"fails only as the context fills: your positions run ahead of the cache (a new "
+                             f"token at cache.length + 1, or the keys placed one position late), which RoPE's "
+                             f"relative angles hide until the tables run out. Rotate the new tokens with "
+                             f"offset=cache.length, read before cache.append(...).")
+            raise
+        if not close(out, reference[:, start:start + 1]):
+            fail("rope_positions", f"{what}: your output differs from the full pass only now that the context "
+                                   f"fills ({max_diff(out, reference[:, start:start + 1]):.3g}): your positions run "
+                                   f"ahead of the cache (a new token at cache.length + 1, or the keys placed one "
+                                   f"position late), which RoPE's relative angles hide until the tables run out. "
+                                   f"Rotate with offset=cache.length, read before cache.append(...).")
+
+
 def _check_cache_contents(built: Built, x: torch.Tensor, cache: RecordingCache) -> None:
     """The cache must hold num_kv_heads heads of rotated keys (so GQA's cache is smaller, and never re-rotated)."""
     k, v = cache.appended[0]
@@ -363,9 +402,8 @@ def _check(cls: Any, tables: Callable[..., None]) -> str:
     # The optional features (QK-norm, a sliding window) are judged after the plain module is right, so that
     # a mistake in the common path is named from the plain configurations alone.
     optional = [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
-    for configs in (CONFIGS, optional):
-        if configs:
-            _check_configs(cls, configs, generator, tables)
+    built = [_check_configs(cls, configs, generator, tables) for configs in (CONFIGS, optional) if configs]
+    _learns_and_stays_on_device(built[0][1], generator)   # grouped-query: 2 key/value heads
     extras = [key for _, _, extra in optional for key in extra]
     also = f", and with {' and '.join(extras)}" if extras else ""
     return (f"Matches the reference for multi-head ({NUM_HEADS} kv heads), grouped-query (2) and multi-query (1) "
@@ -373,7 +411,7 @@ def _check(cls: Any, tables: Callable[..., None]) -> str:
             f"rotated keys.")
 
 
-def _check_configs(cls: Any, configs: Any, generator: torch.Generator, tables: Callable[..., None]) -> None:
+def _check_configs(cls: Any, configs: Any, generator: torch.Generator, tables: Callable[..., None]) -> list[Built]:
     built_all: list[Built] = []
     for kv_heads, theta, extra in configs:
         built = _build(cls, kv_heads, theta, extra, generator, tables)
@@ -384,10 +422,25 @@ def _check_configs(cls: Any, configs: Any, generator: torch.Generator, tables: C
     if not all(close(out, e) for b in built_all for _, out, e in b.runs):
         _diagnose_full(built_all, generator)
     cached = []
+    caches = []
     for built in built_all:
         x, got, expected, cache = _cached(built)
         cached.append((x, got, expected))
+        caches.append(cache)
         if close(got, expected):
             _check_cache_contents(built, x, cache)
     if not all(close(got, expected) for _, got, expected in cached):
         _diagnose_cached(built_all, cached)
+    for built, cache in zip(built_all, caches):
+        _fill_context(built, cache)
+    return built_all
+
+
+def _learns_and_stays_on_device(built: Built, generator: torch.Generator) -> None:
+    """One backward pass (every projection must learn), then the module on the meta device."""
+    x = torch.randn(2, 5, EMBED_DIM, generator=generator)
+    what = f"GroupedQueryAttention({built.label}) on x of shape {shape_str(x.shape)}"
+    check_module_gradients(built.model, built.reference, x, what=what)
+    moved = module_on_meta(built.model)
+    if moved is not None:
+        probe_device(lambda: moved(meta(x)), what)

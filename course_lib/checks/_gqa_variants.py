@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ._mistake import Mistake
-from ._rope_variants import rotate
+from ._rope_variants import rotate, rotate_flat, tables
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,15 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     kind "half"/... and axis "length"/"heads" (see _rope_variants.rotate); offset (and offset_q, the
     queries' alone) "ok"/"zero"/"after_append"; mask "causal"/"none"/"top_left"/"top_left_chunks"/
     "none_cached"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"; split and merge "ok"/
-    "no_transpose"/"bare"; value "value"/"key"; qk_norm "ok"/"none"/"after_rope"/"q_only".
+    "no_transpose"/"bare"; value "value"/"key"; qk_norm "ok"/"none"/"after_rope"/"q_only"; softmax "keys"/
+    "queries"; theta (tables rebuilt with this theta); flat False/True (the flat projection turned with tiled
+    tables, before the head split).
     """
     p = setup.params
     x = x.double()
     heads, kv_heads, head_dim = setup.num_heads, setup.num_kv_heads, setup.head_dim
     rope = dict(kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
+    cos, sin = (setup.cos, setup.sin) if "theta" not in spec else tables(head_dim, setup.max_tokens, spec["theta"])
     norm = spec.get("qk_norm", "ok") if setup.qk_norm else "off"
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -112,21 +115,24 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     for start, length in plan:
         chunk = x[:, start:start + length]                                       # (N, L, E)
         split = spec.get("split", "ok")
-        q = _split(chunk @ p["query.weight"].T, heads, split)                   # (N, heads, L, head_dim)
-        k = _split(chunk @ p["key.weight"].T, kv_heads, split)                  # (N, kv_heads, L, head_dim)
+        offset = _offset(spec.get("offset", "ok"), start, length)
+        q, k = chunk @ p["query.weight"].T, chunk @ p["key.weight"].T            # (N, L, features)
+        if spec.get("flat"):
+            q, k = rotate_flat(q, cos, sin, offset, heads), rotate_flat(k, cos, sin, offset, kv_heads)
+        q = _split(q, heads, split)                                             # (N, heads, L, head_dim)
+        k = _split(k, kv_heads, split)                                          # (N, kv_heads, L, head_dim)
         v = _split(chunk @ p[f"{spec.get('value', 'value')}.weight"].T, kv_heads, split)
         if norm in ("ok", "q_only"):
             q = _rms(q, p["q_norm.weight"], setup.eps)
         if norm == "ok":
             k = _rms(k, p["k_norm.weight"], setup.eps)
-        offset = _offset(spec.get("offset", "ok"), start, length)
-        if spec.get("rope_q", True):
-            q = rotate(q, setup.cos, setup.sin, _offset(spec.get("offset_q", spec.get("offset", "ok")), start, length),
-                       **rope)
-        if spec.get("rope_k", True):
-            k = rotate(k, setup.cos, setup.sin, offset, **rope)
+        turn = not spec.get("flat")
+        if turn and spec.get("rope_q", True):
+            q = rotate(q, cos, sin, _offset(spec.get("offset_q", spec.get("offset", "ok")), start, length), **rope)
+        if turn and spec.get("rope_k", True):
+            k = rotate(k, cos, sin, offset, **rope)
         if spec.get("rope_v", False):
-            v = rotate(v, setup.cos, setup.sin, offset, **rope)
+            v = rotate(v, cos, sin, offset, **rope)
         if norm == "after_rope":
             q, k = _rms(q, p["q_norm.weight"], setup.eps), _rms(k, p["k_norm.weight"], setup.eps)
         keys.append(k)
@@ -140,7 +146,8 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         scores = q @ all_k.transpose(-2, -1) * scale                             # (N, heads, L, total)
         allowed = _allowed(spec.get("mask", "causal"), start, length, total, setup.window,
                            spec.get("window", "ok"), cached)
-        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        axis = -2 if spec.get("softmax") == "queries" else -1
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(axis)
         out = _merge(weights @ all_v, spec.get("merge", "ok"))                  # (N, L, heads * head_dim)
         outputs.append(out @ p["proj.weight"].T)                                 # (N, L, E)
     return torch.cat(outputs, dim=1)
@@ -180,6 +187,16 @@ FULL_PASS: tuple[Mistake, ...] = (
                          "apply_rotary reads positions along the second-to-last axis, which is then the heads, "
                          "so each head is turned by its head index instead of each token by its position. "
                          "Rotate after transpose(1, 2), on (N, heads, L, head_dim).", {"axis": "heads"}),
+    Mistake("softmax_dim", "Your softmax runs over the queries (dim=-2): each KEY's weights sum to one. Each "
+                           "query's weights over the keys must sum to one: softmax over the last axis, dim=-1.",
+            {"softmax": "queries"}),
+    Mistake("rope_frequencies", "You rebuild the RoPE tables in forward with theta=10000 (the default), ignoring "
+                                "the module's rope_theta: use the tables the constructor built, self.rope_cos and "
+                                "self.rope_sin.", {"theta": 10000.0}),
+    Mistake("rope_axes", "You rotate the flat projections (N, L, heads * head_dim) with the tables tiled across "
+                         "the heads: rotate_half then swaps the halves of ALL the features, mixing the heads. "
+                         "Split the heads first, then rotate each (N, heads, L, head_dim) with the (L, head_dim) "
+                         "rows.", {"flat": True}),
     Mistake("causal_mask", "The future leaks: no causal mask. Each query may only see keys at its own position "
                            "or earlier (is_causal=True, or mask the scores with -inf before the softmax).",
             {"mask": "none"}),
@@ -215,6 +232,12 @@ CACHED: tuple[Mistake, ...] = (
     Mistake("rope_positions", "With a KV cache your new tokens are rotated as if they started at position 0: "
                               "pass offset=cache.length (the number of tokens already cached, read BEFORE "
                               "appending) to apply_rotary, for the queries and the keys.", {"offset": "zero"}),
+    Mistake("rope_positions", "With a KV cache your new QUERIES are rotated as if they started at position 0 (the "
+                              "keys get their offset): pass offset=cache.length to apply_rotary for the queries "
+                              "too.", {"offset_q": "zero"}),
+    Mistake("rope_positions", "With a KV cache your new KEYS are rotated as if they started at position 0 (the "
+                              "queries get their offset): pass offset=cache.length to apply_rotary for the keys "
+                              "too.", {"offset": "zero", "offset_q": "ok"}),
     Mistake("rope_positions", "With a KV cache your queries are rotated too far: their offset is the cache length "
                               "read AFTER appending the new keys. Read start = cache.length once, before "
                               "cache.append(...), and rotate q and k with it.", {"offset_q": "after_append"}),

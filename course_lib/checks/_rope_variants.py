@@ -91,7 +91,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, *
 
     kind: "half" (right), "reverse" (the other way), "swapped" (sin and cos swapped), "no_rotate_half"
     (x * sin instead of rotate_half(x) * sin), "pairs_table" (interleaved pairs with the half-split tables
-    as they are), "pairs" (interleaved pairs with their own angles, GPT-J / Meta's Llama code).
+    as they are), "pairs" (interleaved pairs with their own angles, GPT-J / Meta's Llama code),
+    "first_half" / "second_half" (only that half of the last axis turned, the other passed through).
     axis: "length" (right) or "heads" (positions read along the head axis, as for (N, L, heads, head_dim)).
     """
     x = x.double()
@@ -106,4 +107,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, *
               "pairs_table": rotate_pairs, "pairs": rotate_pairs}
     if kind == "swapped":
         return x * s + rotate_half(x) * c
+    if kind in ("first_half", "second_half"):
+        half = x.shape[-1] // 2
+        full = x * c + rotate_half(x) * s
+        keep = slice(half, None) if kind == "first_half" else slice(None, half)
+        full[..., keep] = x[..., keep]
+        return full
     return x * c + turned[kind](x) * s
+
+
+def rotate_flat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, heads: int) -> torch.Tensor:
+    """The mistake of turning the flat projection (N, L, heads * head_dim) with the tables tiled across the
+    heads: rotate_half then swaps the halves of ALL features, mixing the heads."""
+    x = x.double()
+    length = x.shape[-2]
+    c = cos[offset:offset + length].double().repeat(1, heads)                   # (L, heads * head_dim)
+    s = sin[offset:offset + length].double().repeat(1, heads)
+    return x * c + rotate_half(x) * s

@@ -7,6 +7,7 @@ sits next to its hints (``register``).
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,9 @@ from . import _rope_variants as rope
 from ._attn_probes import call_student, expect_callable, first_match, reraise_with
 from ._compare import close, max_diff
 from ._core import Failure, checker, fail, register
+from ._device_probe import meta, module_on_meta
+from ._device_probe import probe as probe_device
+from ._gradients import check_gradients, check_module_gradients
 from ._expect import construct, expect_tensor
 from ._mistake import Mistake
 from ._model_common import as_tensor, copy_weights
@@ -79,6 +83,14 @@ def _diagnose_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, max_to
     if close(pair[0], right[1]) and close(pair[1], right[0]):
         fail("rope_rotation", f"{what}: sin and cos are swapped: return the cosines first, `return cos, sin`. "
                               f"Row 0 (position 0) of cos is all ones, of sin all zeros.")
+    if close(pair[0], right[0]) and not close(pair[1], right[1]):
+        if close(pair[1], right[0]):
+            fail("rope_rotation", f"{what}: your cos table is right, but the second table is the cosines again: "
+                                  f"return the sines as the second table, `return angles.cos(), angles.sin()`.")
+        if close(pair[1], -right[1]):
+            fail("rope_rotation", f"{what}: your cos table is right, but your sines have the wrong sign (sin of "
+                                  f"minus the angle): every pair would turn backwards. Take sin of m * w_i, with "
+                                  f"positive angles.")
     default = " (This call left theta at its default: the default in your signature should be 10000.0.)" \
         if defaulted else ""
     for code, why, kwargs in rope.table_mistakes(theta):
@@ -91,21 +103,40 @@ def _diagnose_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, max_to
                          " Also, the angles should be repeated as two halves, cat([angles, angles], dim=-1), "
                          "not element by element.")
                 fail(code, f"{what}: {why}.{extra}{default if code == 'rope_frequencies' else ''}")
+    off_by = max(max_diff(pair[0], right[0]), max_diff(pair[1], right[1]))
+    if off_by < 0.05:
+        fail("precision", f"{what}: your tables are right to about {off_by:.2g} but not to 1e-3: the angles (or the frequencies) are "
+                          f"rounded too coarsely, e.g. computed in float16 or bfloat16. Compute the angles in "
+                          f"float32 or float64 (torch.arange(..., dtype=torch.float64)), then cast the tables.")
     on_circle = close(pair[0] ** 2 + pair[1] ** 2, torch.ones_like(pair[0]))
     starts_at_zero = close(pair[1][0], torch.zeros_like(pair[1][0])) and close(pair[0][0], torch.ones_like(pair[0][0]))
     if on_circle and starts_at_zero and max_tokens > 1:
         fail("rope_frequencies", f"{what}: each entry is the cosine and sine of one angle, starting from 0 at "
                                  f"position 0, but the angles are wrong: position m turns pair i by "
                                  f"m * theta^(-2i/head_dim). Check the base, the exponent and the positions.{default}")
-    diff = (pair[0] - right[0]).abs() + (pair[1] - right[1]).abs()
-    pos, dim = divmod(int(diff.argmax()), head_dim)
-    fail("mismatch", f"{what}: the tables differ from the reference, first at position {pos}, dimension {dim} "
-                     f"(cos {float(pair[0][pos, dim]):.4f}, expected {float(right[0][pos, dim]):.4f}). Entry "
-                     f"(m, j) is the cos (and sin) of m * theta^(-2i/head_dim) with i = j mod head_dim/2.")
+    cos_diff, sin_diff = (pair[0] - right[0]).abs(), (pair[1] - right[1]).abs()
+    name, index = ("cos", 0) if float(cos_diff.max()) >= float(sin_diff.max()) else ("sin", 1)
+    pos, dim = divmod(int((cos_diff if index == 0 else sin_diff).argmax()), head_dim)
+    fail("mismatch", f"{what}: the tables differ from the reference, most at position {pos}, dimension {dim} of "
+                     f"the {name} table ({name} {float(pair[index][pos, dim]):.4f}, expected "
+                     f"{float(right[index][pos, dim]):.4f}). Entry (m, j) is the cos (and sin) of "
+                     f"m * theta^(-2i/head_dim) with i = j mod head_dim/2.")
+
+
+def _default_theta_wrong(fn: Callable[..., Any]) -> bool:
+    """Whether fn's signature gives theta a default other than 10000 (the note on defaults is only for that)."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    named = [p for p in parameters if p.name == "theta"] or parameters[2:3]
+    default = named[0].default if named else inspect.Parameter.empty
+    return default is not inspect.Parameter.empty and default != 10000.0
 
 
 def _judge_rope_tables(fn: Callable[..., Any]) -> str:
     expect_callable(fn, "rope_tables")
+    default_wrong = _default_theta_wrong(fn)
     for head_dim, max_tokens, theta in _TABLE_CASES:
         shown = f"rope_tables({head_dim}, {max_tokens}" + ("" if theta is None else f", theta={theta:g}") + ")"
         args = (head_dim, max_tokens) if theta is None else (head_dim, max_tokens, theta)
@@ -113,7 +144,7 @@ def _judge_rope_tables(fn: Callable[..., Any]) -> str:
         cos, sin = _two_tables(result, shown, (max_tokens, head_dim))
         right = rope.tables(head_dim, max_tokens, theta or 10000.0)
         if not (close(cos, right[0]) and close(sin, right[1])):
-            _diagnose_tables(cos, sin, head_dim, max_tokens, theta or 10000.0, shown, theta is None)
+            _diagnose_tables(cos, sin, head_dim, max_tokens, theta or 10000.0, shown, theta is None and default_wrong)
     return ("Both tables right for head_dim 2 to 16 and several theta: pair (i, i + head_dim/2) turns by "
             "theta^(-2i/head_dim) per position.")
 
@@ -146,6 +177,8 @@ _ROTARY_CASES = (
     ((2, 2, 6, 16), 16, 500000.0, 2, torch.float64),
     ((2, 3, 5, 8), 12, 10.0, 1, torch.float16),       # a half-precision model: tables in x's dtype too
 )
+# float16 queries with the float32 tables a model keeps as buffers: the result stays in x's dtype
+_MIXED_CASE = ((2, 3, 5, 8), 12, 10.0, 1, torch.float16, torch.float32)
 
 _ROTARY_MISTAKES: tuple[Mistake, ...] = (
     Mistake("rope_layout", "you turn interleaved pairs (2i, 2i+1) (GPT-J's and Meta's original Llama layout, e.g. "
@@ -166,6 +199,14 @@ _ROTARY_MISTAKES: tuple[Mistake, ...] = (
             {"offset": "zero"}),
     Mistake("rope_positions", "your rows are one position too far: take cos[offset : offset + L].",
             {"offset": "plus_one"}),
+    Mistake("rope_positions", "you take the LAST L rows of the tables (cos[-L:]): row m is position m, so the "
+                              "rows for x are offset .. offset+L-1, cos[offset : offset + L].", {"offset": "end"}),
+    Mistake("rope_rotation", "only the first half of the head turns: both halves of each pair change, "
+                             "x * cos + rotate_half(x) * sin over the whole last axis (the second half gets "
+                             "x2 * cos + x1 * sin).", {"kind": "first_half"}),
+    Mistake("rope_rotation", "only the second half of the head turns: both halves of each pair change, "
+                             "x * cos + rotate_half(x) * sin over the whole last axis (the first half gets "
+                             "x1 * cos - x2 * sin).", {"kind": "second_half"}),
     Mistake("rope_axes", "you read the positions along the head axis: x is (N, heads, L, head_dim), so the "
                          "sequence length is x.shape[-2] and the table rows (L, head_dim) broadcast as they are "
                          "over N and heads. Yours turn each head by its head index, as if x were "
@@ -181,7 +222,8 @@ _ROTARY_MISTAKES: tuple[Mistake, ...] = (
 
 def _rotary_hypothesis(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int,
                        spec: dict[str, Any]) -> torch.Tensor:
-    used = {"ok": offset, "zero": 0, "plus_one": offset + 1}[spec.get("offset", "ok")]
+    used = {"ok": offset, "zero": 0, "plus_one": offset + 1,
+            "end": cos.shape[0] - x.shape[-2]}[spec.get("offset", "ok")]
     return rope.rotate(x, cos, sin, used, kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
 
 
@@ -189,9 +231,9 @@ def _judge_apply_rotary(fn: Callable[..., Any]) -> str:
     expect_callable(fn, "apply_rotary")
     generator = torch.Generator().manual_seed(9)
     runs = []
-    for shape, rows, theta, offset, dtype in _ROTARY_CASES:
+    for shape, rows, theta, offset, dtype, table_dtype in [(*case, case[-1]) for case in _ROTARY_CASES]:
         head_dim = shape[-1]
-        cos, sin = ref.rope_tables(head_dim, rows, theta, dtype=dtype)
+        cos, sin = ref.rope_tables(head_dim, rows, theta, dtype=table_dtype)
         x = torch.randn(shape, generator=generator).to(dtype)
         shown = (f"apply_rotary(x, cos, sin{f', offset={offset}' if offset else ''}) with x of shape {shape}"
                  f"{'' if dtype == torch.float32 else f' ({dtype})'} and tables of {rows} rows")
@@ -212,8 +254,14 @@ def _judge_apply_rotary(fn: Callable[..., Any]) -> str:
             raise
         runs.append((x, cos, sin, offset, out, ref.apply_rotary(x, cos, sin, offset=offset)))
     if all(close(out, expected) for *_, out, expected in runs):
-        return ("Right for offsets 0 to 9, one to four heads and float16 to float64: pair (i, i + head_dim/2) "
-                "of each token turns to the token's position.")
+        _rotary_keeps_dtype(fn)
+        _rotary_learns(fn, runs[2])
+        x, cos, sin, offset = runs[2][:4]
+        probe_device(lambda: fn(meta(x), meta(cos), meta(sin), offset=offset),
+                     f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {_shape(x)}")
+        return ("Right for offsets 0 to 9, one to four heads and float16 to float64 (also with float32 tables), "
+                "and gradients flow back to x: pair (i, i + head_dim/2) of each token turns to the token's "
+                "position.")
     found = first_match(_ROTARY_MISTAKES, [out for *_, out, _ in runs],
                         lambda i, spec: _rotary_hypothesis(*runs[i][:4], spec))
     if found is not None:
@@ -225,6 +273,32 @@ def _judge_apply_rotary(fn: Callable[..., Any]) -> str:
     fail("mismatch", f"apply_rotary with x of shape {_shape(x)} and offset={offset} differs from the reference by up "
                      f"to {max_diff(out, expected):.3g}. It should return x * cos + rotate_half(x) * sin, with the "
                      f"table rows offset .. offset+L-1 and rotate_half(x) = cat(-x2, x1) of the two halves.")
+
+
+def _rotary_keeps_dtype(fn: Callable[..., Any]) -> None:
+    """A float16 model keeps float32 tables as buffers: the text says the result stays in x's dtype."""
+    shape, rows, theta, offset, dtype, table_dtype = _MIXED_CASE
+    cos, sin = ref.rope_tables(shape[-1], rows, theta, dtype=table_dtype)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(92)).to(dtype)
+    shown = (f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {shape} in {dtype} and {table_dtype} "
+             f"tables")
+    out = call_student(fn, x.clone(), cos, sin, what=shown, offset=offset)
+    if isinstance(out, torch.Tensor) and _shape(out) == shape and out.dtype != dtype:
+        fail("dtype", f"{shown} returned {out.dtype}: the float32 table rows promote the product. Keep x's dtype: "
+                      f"cast the rows you take, cos[...].to(x.dtype) (or the result, .to(x.dtype)).")
+    expect_tensor(out, shape, shown, dtype=dtype)
+    if not close(out, ref.apply_rotary(x, cos, sin, offset=offset)):
+        fail("precision", f"{shown}: your result is wrong here though right when x and the tables share a dtype. "
+                          f"Cast the table rows to x's dtype, then turn: x * cos + rotate_half(x) * sin.")
+
+
+def _rotary_learns(fn: Callable[..., Any], run: tuple[Any, ...]) -> None:
+    """One backward pass: the gradient must reach x (``x.detach()``, ``.data`` or no_grad would cut it)."""
+    x, cos, sin, offset = run[:4]
+    mine, theirs = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    check_gradients(lambda: fn(mine, cos, sin, offset=offset), lambda: ref.apply_rotary(theirs, cos, sin, offset),
+                    {"x": mine}, {"x": theirs}, inputs=["x"],
+                    what=f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {_shape(x)}")
 
 
 @checker("9.2")
@@ -295,6 +369,15 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> list[Mistake
         Mistake("norm_statistic", "you divide by the norm of x, not by its root mean square sqrt(mean(x^2)): the "
                                   "result is sqrt(dim) times too small.",
                 output=x / (x.pow(2).sum(-1, keepdim=True).sqrt() + eps) * w),
+        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
+                                  "mean square, sqrt(mean(x^2) + eps).",
+                output=x / (x.abs().mean(-1, keepdim=True) + eps) * w),
+        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
+                                  "mean square, sqrt(mean(x^2) + eps).",
+                output=x / (x.abs().mean(-1, keepdim=True) + eps).sqrt() * w),
+        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
+                                  "mean square, sqrt(mean(x^2) + eps).",
+                output=x / x.abs().mean(-1, keepdim=True) * w),
         Mistake("norm_statistic", "you divide by the mean of the squares itself; take its square root: "
                                   "x / sqrt(mean(x^2) + eps).", output=x / (ms + eps) * w),
         Mistake("norm_statistic", "you multiply by the root mean square; divide by it (or multiply by rsqrt).",
@@ -371,9 +454,19 @@ def _judge_rms_norm(cls: Any) -> str:
         runs.append((x, reference, out, expected, shown))
     if not all(close(out, expected) for _, _, out, expected, _ in runs):
         _diagnose_norm(runs)
+    x, reference, _, _, shown = runs[0]
+    candidate, reference = _build_norm(cls, x.shape[-1], None, generator)
+    check_module_gradients(candidate, reference, x, what=shown)
+    probe_device(lambda: _meta_call(candidate, x), shown)
     _check_half_precision(cls, generator)
     return ("Right in float32 and float16, for 2-D to 4-D inputs and any eps: x / sqrt(mean(x^2) + eps) * weight "
             "over the last axis.")
+
+
+def _meta_call(module: nn.Module, *args: torch.Tensor) -> Any:
+    """The student's module, copied to the meta device, on meta copies of args (None: inconclusive)."""
+    moved = module_on_meta(module)
+    return None if moved is None else moved(*(meta(a) for a in args))
 
 
 def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
@@ -442,6 +535,10 @@ def _swiglu_mistakes() -> list[Mistake]:
                 output=lambda x, g, u, d: d(silu(g(x)) * silu(u(x)))),
         Mistake("gating", "you add the two branches; the gate multiplies: silu(gate(x)) * up(x).",
                 output=lambda x, g, u, d: d(silu(g(x)) + u(x))),
+        Mistake("gating", "SiLU comes after self.down; it goes on the gate branch, before the product: "
+                          "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: silu(d(g(x) * u(x)))),
+        Mistake("gating", "you apply SiLU again after self.down; SwiGLU ends with the linear down projection: "
+                          "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: silu(d(silu(g(x)) * u(x)))),
         Mistake("residual", "you add x to the output. The residual connection belongs to the block around the "
                             "MLP (x = x + mlp(norm(x))), not inside SwiGLU.",
                 output=lambda x, g, u, d: x + d(silu(g(x)) * u(x))),
@@ -475,6 +572,10 @@ def _judge_swiglu(cls: Any) -> str:
                         fail(mistake.code, f"{what}: {mistake.message}")
                 fail("mismatch", f"{what}: the output differs from down(silu(gate(x)) * up(x)) by up to "
                                  f"{max_diff(out, expected):.3g}.")
+    x = torch.randn(_SWIGLU_SHAPES[0], generator=generator)
+    what = f"{shown} on x of shape {_SWIGLU_SHAPES[0]}"
+    check_module_gradients(candidate, reference, x, what=what)
+    probe_device(lambda: _meta_call(candidate, x), what)
     return "down(silu(gate(x)) * up(x)) for 2-D and 3-D inputs: the gate branch through SiLU scales the up branch."
 
 
@@ -543,6 +644,12 @@ def _judge_repeat_kv(fn: Callable[..., Any]) -> str:
                                 f"head h // groups, each head repeated `groups` times in a row.")
         fail("mismatch", f"{what}: your output holds numbers that are not copies of x's heads. Output head h is a "
                          f"copy of x[:, h // groups].")
+    x = torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(95))
+    what = "repeat_kv(x, 2) with x of shape (2, 2, 3, 4)"
+    mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    check_gradients(lambda: fn(mine, 2), lambda: ref.repeat_kv(theirs, 2), {"x": mine}, {"x": theirs},
+                    inputs=["x"], what=what)
+    probe_device(lambda: fn(meta(x), 2), what)
     return ("Each key/value head repeated for its group of neighbouring query heads, for GQA, MQA (one kv head) "
             "and MHA (groups = 1).")
 

@@ -213,26 +213,27 @@ def rotary_own_rotate_half(x, cos, sin, offset=0):
         t1, t2 = t.chunk(2, dim=-1)
         return torch.cat((-t2, t1), dim=-1)
     length = x.shape[-2]
-    cos = cos[offset:offset + length]
-    sin = sin[offset:offset + length]
+    cos = cos[offset:offset + length].type_as(x)
+    sin = sin[offset:offset + length].type_as(x)
     return x * cos + rotate(x) * sin
 
 
 @correct("9.2")
 def rotary_positions_index(x, cos, sin, offset=0):
     positions = torch.arange(offset, offset + x.shape[2])
-    return x * cos[positions][None, None] + rotate_half(x) * sin[positions][None, None]
+    out = x * cos[positions][None, None] + rotate_half(x) * sin[positions][None, None]
+    return out.to(x.dtype)
 
 
 @correct("9.2")
 def rotary_einsum_matrix(x, cos, sin, offset=0):
     d = x.shape[-1]
     half = d // 2
-    turn = torch.zeros(d, d, dtype=x.dtype)           # rotate_half(x) == x @ turn
-    turn[half:, :half] = -torch.eye(half, dtype=x.dtype)
-    turn[:half, half:] = torch.eye(half, dtype=x.dtype)
+    turn = torch.zeros(d, d, dtype=x.dtype, device=x.device)           # rotate_half(x) == x @ turn
+    turn[half:, :half] = -torch.eye(half, dtype=x.dtype, device=x.device)
+    turn[:half, half:] = torch.eye(half, dtype=x.dtype, device=x.device)
     rows = slice(offset, offset + x.shape[-2])
-    return x * cos[rows] + torch.einsum("nhld,de->nhle", x, turn) * sin[rows]
+    return x * cos[rows].to(x.dtype) + torch.einsum("nhld,de->nhle", x, turn) * sin[rows].to(x.dtype)
 
 
 @correct("9.2")
@@ -563,9 +564,9 @@ def repeat_kv_with_view(x, groups):
 def _attend(self, q, k, v, start):
     """The end of every attempt below that gets it right: causal attention over the cached keys, merge, proj."""
     total = k.shape[2]
-    mask = causal_mask(total)[start:total]
+    mask = causal_mask(total, device=q.device)[start:total]
     if self.sliding_window is not None:
-        mask = mask & sliding_window_mask(total, self.sliding_window)[start:total]
+        mask = mask & sliding_window_mask(total, self.sliding_window, device=q.device)[start:total]
     return self.proj(merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))
 
 
@@ -584,9 +585,9 @@ class GQAWithMask(GroupedQueryAttention):
             k, v = cache.append(k, v)
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
         total = k.shape[2]
-        mask = causal_mask(total)[start:total]
+        mask = causal_mask(total, device=x.device)[start:total]
         if self.sliding_window is not None:
-            mask = mask & sliding_window_mask(total, self.sliding_window)[start:total]
+            mask = mask & sliding_window_mask(total, self.sliding_window, device=x.device)[start:total]
         return self.proj(merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))
 
 
@@ -607,8 +608,8 @@ class GQAManualScores(GroupedQueryAttention):
         k = torch.repeat_interleave(k, self.groups, dim=1)
         v = torch.repeat_interleave(v, self.groups, dim=1)
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-        i = torch.arange(start, start + length)[:, None]
-        j = torch.arange(k.shape[2])[None, :]
+        i = torch.arange(start, start + length, device=x.device)[:, None]
+        j = torch.arange(k.shape[2], device=x.device)[None, :]
         allowed = j <= i
         if self.sliding_window is not None:
             allowed = allowed & (i - j < self.sliding_window)
@@ -634,9 +635,9 @@ class GQAEnableGqa(GroupedQueryAttention):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             total = k.shape[2]
-            mask = causal_mask(total)[start:total]
+            mask = causal_mask(total, device=x.device)[start:total]
             if self.sliding_window is not None:
-                mask = mask & sliding_window_mask(total, self.sliding_window)[start:total]
+                mask = mask & sliding_window_mask(total, self.sliding_window, device=x.device)[start:total]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.proj(merge_heads(out))
 
@@ -666,7 +667,7 @@ class GQAPlainConstructor(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
-        mask = causal_mask(k.shape[2])[start:]
+        mask = causal_mask(k.shape[2], device=x.device)[start:]
         return self.proj(merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))
 
 
@@ -966,3 +967,288 @@ class GQAIgnoresWindow(GroupedQueryAttention):
 class GQANotWritten(GroupedQueryAttention):
     def forward(self, x, cache=None):
         raise NotImplementedError("Exercise 9.6: write GroupedQueryAttention.forward")
+
+
+# ============================================================================ issue 20: the classes that passed or got
+# the wrong name (each with its expected diagnosis), and more of the same classes
+
+def _half_angles(head_dim, max_tokens, theta):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    return torch.outer(torch.arange(max_tokens, dtype=torch.float64), inv_freq)      # (max_tokens, head_dim/2)
+
+
+@bug("9.1", "rope_rotation", "wrong sign")
+def rope_negative_sine(head_dim, max_tokens, theta=10000.0):
+    angles = _half_angles(head_dim, max_tokens, theta).repeat(1, 2)
+    return angles.cos().float(), torch.sin(-angles).float()
+
+
+@bug("9.1", "precision", "float16")
+def rope_float16_angles(head_dim, max_tokens, theta=10000.0):
+    inv_freq = (1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))).half()
+    angles = torch.outer(torch.arange(max_tokens).half(), inv_freq)                   # rounded to float16
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.float().cos(), angles.float().sin()
+
+
+@bug("9.1", "precision", "rounded")
+def rope_bfloat16_angles(head_dim, max_tokens, theta=10000.0):
+    angles = _half_angles(head_dim, max_tokens, theta).to(torch.bfloat16).float()
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+@bug("9.1", "rope_rotation", "cosines again")
+def rope_cos_twice(head_dim, max_tokens, theta=10000.0):
+    angles = _half_angles(head_dim, max_tokens, theta).repeat(1, 2)
+    cos = angles.cos().float()
+    return cos, cos
+
+
+@bug("9.1", "mismatch", "of the sin table")
+def rope_sin_half_angles(head_dim, max_tokens, theta=10000.0):
+    angles = _half_angles(head_dim, max_tokens, theta).repeat(1, 2)
+    return angles.cos().float(), (angles / 2).sin().float()     # the message must point at sin, not cos
+
+
+@bug("9.2", "dtype", "x's dtype")
+def rotary_float32_tables_promote(x, cos, sin, offset=0):
+    rows = slice(offset, offset + x.shape[-2])
+    return x * cos[rows] + rotate_half(x) * sin[rows]        # float16 x times float32 rows: float32
+
+
+@bug("9.2", "gradient", "no gradient")
+def rotary_detached(x, cos, sin, offset=0):
+    x = x.detach()
+    rows = slice(offset, offset + x.shape[-2])
+    return x * cos[rows].to(x.dtype) + rotate_half(x) * sin[rows].to(x.dtype)
+
+
+@bug("9.2", "gradient", "no_grad")
+def rotary_under_no_grad(x, cos, sin, offset=0):
+    with torch.no_grad():
+        rows = slice(offset, offset + x.shape[-2])
+        return x * cos[rows].to(x.dtype) + rotate_half(x) * sin[rows].to(x.dtype)
+
+
+@bug("9.2", "rope_positions", "cos[-L:]", "LAST")
+def rotary_last_rows(x, cos, sin, offset=0):
+    length = x.shape[-2]
+    return x * cos[-length:].to(x.dtype) + rotate_half(x) * sin[-length:].to(x.dtype)
+
+
+@bug("9.2", "rope_rotation", "first half")
+def rotary_first_half_only(x, cos, sin, offset=0):
+    half = x.shape[-1] // 2
+    rows = slice(offset, offset + x.shape[-2])
+    c, s = cos[rows, :half].to(x.dtype), sin[rows, :half].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2], dim=-1)
+
+
+@bug("9.2", "device", "meta")
+def rotary_result_on_cpu(x, cos, sin, offset=0):
+    rows = slice(offset, offset + x.shape[-2])
+    return (x * cos[rows].to(x.dtype) + rotate_half(x) * sin[rows].to(x.dtype)).cpu()
+
+
+@bug("9.2", "device", "device=x.device")
+def rotary_buffer_without_device(x, cos, sin, offset=0):
+    out = torch.empty(x.shape, dtype=x.dtype)                 # on the CPU whatever x is on
+    rows = slice(offset, offset + x.shape[-2])
+    out[:] = x * cos[rows].to(x.dtype) + rotate_half(x) * sin[rows].to(x.dtype)
+    return out
+
+
+@bug("9.3", "norm_statistic", "mean absolute")
+class RMSNormMeanAbs(RMSNorm):
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 / (x32.abs().mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+
+
+@bug("9.3", "gradient", "`weight`")
+class RMSNormDetachedWeight(RMSNorm):
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.detach()).to(x.dtype)
+
+
+@bug("9.3", "gradient", "`x`")
+class RMSNormStatisticUnderNoGrad(RMSNorm):
+    def forward(self, x):
+        x32 = x.float()
+        with torch.no_grad():              # "the statistic is a constant": but its gradient is part of x's
+            scale = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * scale * self.weight).to(x.dtype)
+
+
+@bug("9.4", "gating", "after self.down")
+class SwiGLUSiluAfterDown(SwiGLU):
+    def forward(self, x):
+        return F.silu(self.down(self.gate(x) * self.up(x)))
+
+
+@bug("9.4", "gradient", "`gate.weight`")
+class SwiGLUGateUnderNoGrad(SwiGLU):
+    def forward(self, x):
+        with torch.no_grad():
+            gate = F.silu(self.gate(x))
+        return self.down(gate * self.up(x))
+
+
+@bug("9.4", "gradient", "`up.weight`")
+class SwiGLUUpFromItem(SwiGLU):
+    def forward(self, x):
+        up = torch.tensor(self.up(x).tolist())                # a copy of the numbers: no graph
+        return self.down(F.silu(self.gate(x)) * up)
+
+
+@bug("9.5", "gradient", "no gradient")
+def repeat_kv_detached(x, groups):
+    return torch.repeat_interleave(x.detach(), groups, dim=1)
+
+
+@bug("9.5", "device", "meta")
+def repeat_kv_on_cpu(x, groups):
+    return torch.repeat_interleave(x, groups, dim=1).cpu()
+
+
+class _GQAPlain(GroupedQueryAttention):
+    """The steps of the notebook's solution, with hooks for one slip each."""
+
+    def offsets(self, start, length):
+        return start, start                     # (queries, keys)
+
+    def turn(self, q, k, start, length):
+        q_offset, k_offset = self.offsets(start, length)
+        return (apply_rotary(q, self.rope_cos, self.rope_sin, offset=q_offset),
+                apply_rotary(k, self.rope_cos, self.rope_sin, offset=k_offset))
+
+    def project(self, x):
+        return (split_heads(self.query(x), self.num_heads), split_heads(self.key(x), self.num_kv_heads),
+                split_heads(self.value(x), self.num_kv_heads))
+
+    def normed(self, x):
+        q, k, v = self.project(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x, cache=None):
+        start = 0 if cache is None else cache.length
+        q, k, v = self.normed(x)
+        q, k = self.turn(q, k, start, x.shape[1])
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return _attend(self, q, repeat_kv(k, self.groups), repeat_kv(v, self.groups), start)
+
+
+@bug("9.6", "softmax_dim", "dim=-1")
+class GQASoftmaxOverQueries(GroupedQueryAttention):
+    def forward(self, x, cache=None):
+        start = 0 if cache is None else cache.length
+        q, k, v = _GQAPlain.project(self, x)
+        q = apply_rotary(q, self.rope_cos, self.rope_sin, offset=start)
+        k = apply_rotary(k, self.rope_cos, self.rope_sin, offset=start)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
+        total = k.shape[2]
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~causal_mask(total, device=x.device)[start:total], float("-inf"))
+        return self.proj(merge_heads(scores.softmax(dim=-2) @ v))
+
+
+@bug("9.6", "kv_grouping", "num_kv_heads", "keys or values")
+class GQAKeysWithNumHeads(_GQAPlain):
+    def project(self, x):
+        return (split_heads(self.query(x), self.num_heads), split_heads(self.key(x), self.num_heads),
+                split_heads(self.value(x), self.num_heads))
+
+
+@bug("9.6", "rope_positions", "QUERIES")
+class GQAQueriesWithoutOffset(_GQAPlain):
+    def offsets(self, start, length):
+        return 0, start
+
+
+@bug("9.6", "rope_positions", "KEYS")
+class GQAKeysWithoutOffset(_GQAPlain):
+    def offsets(self, start, length):
+        return start, 0
+
+
+@bug("9.6", "rope_positions", "context fills")
+class GQAKeysOneLate(_GQAPlain):
+    def forward(self, x, cache=None):
+        if cache is None:
+            return _GQAPlain.forward(self, x)
+        start = cache.length
+        late = start + 1                      # the cached tokens and the new ones, all one position late
+        q, k, v = self.normed(x)
+        q = apply_rotary(q, self.rope_cos, self.rope_sin, offset=late)
+        k = apply_rotary(k, self.rope_cos, self.rope_sin, offset=late)
+        k, v = cache.append(k, v)
+        return _attend(self, q, repeat_kv(k, self.groups), repeat_kv(v, self.groups), start)
+
+
+@bug("9.6", "rope_axes", "tiled")
+class GQARotatesFlatWithTiledTables(GroupedQueryAttention):
+    def forward(self, x, cache=None):
+        start = 0 if cache is None else cache.length
+        length = x.shape[1]
+        cos_q = self.rope_cos[start:start + length].repeat(1, self.num_heads)        # (L, heads * head_dim)
+        sin_q = self.rope_sin[start:start + length].repeat(1, self.num_heads)
+        cos_k = self.rope_cos[start:start + length].repeat(1, self.num_kv_heads)
+        sin_k = self.rope_sin[start:start + length].repeat(1, self.num_kv_heads)
+        q, k = self.query(x), self.key(x)
+        q = q * cos_q + rotate_half(q) * sin_q
+        k = k * cos_k + rotate_half(k) * sin_k
+        q, k = split_heads(q, self.num_heads), split_heads(k, self.num_kv_heads)
+        v = split_heads(self.value(x), self.num_kv_heads)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return _attend(self, q, repeat_kv(k, self.groups), repeat_kv(v, self.groups), start)
+
+
+@bug("9.6", "rope_frequencies", "rope_theta")
+class GQARebuildsTablesWithDefaultTheta(_GQAPlain):
+    def turn(self, q, k, start, length):
+        cos, sin = rope_tables(self.head_dim, self.max_tokens)
+        return apply_rotary(q, cos, sin, offset=start), apply_rotary(k, cos, sin, offset=start)
+
+
+@bug("9.6", "device", "register_buffer")
+class GQAMaskOnCpu(_GQAPlain):
+    def forward(self, x, cache=None):
+        start = 0 if cache is None else cache.length
+        q, k, v = self.normed(x)
+        q, k = self.turn(q, k, start, x.shape[1])
+        if cache is not None:
+            k, v = cache.append(k, v)
+        total = k.shape[2]
+        mask = torch.ones(total, total, dtype=torch.bool).tril()[start:total]     # on the CPU
+        if self.sliding_window is not None:
+            mask = mask & sliding_window_mask(total, self.sliding_window)[start:total]
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, self.groups), repeat_kv(v, self.groups), attn_mask=mask)
+        return self.proj(merge_heads(out))
+
+
+@bug("9.6", "gradient", "`key.weight`")
+class GQAKeysDetached(_GQAPlain):
+    def project(self, x):
+        return (split_heads(self.query(x), self.num_heads), split_heads(self.key(x).detach(), self.num_kv_heads),
+                split_heads(self.value(x), self.num_kv_heads))
+
+
+@bug("9.6", "gradient", "no_grad")
+class GQAProjectionsUnderNoGrad(_GQAPlain):
+    def project(self, x):
+        with torch.no_grad():
+            return _GQAPlain.project(self, x)
+
+
+@correct("9.6")
+class GQAHelpersAsMethods(_GQAPlain):
+    """The same steps split over small methods, as tidy students write them."""
