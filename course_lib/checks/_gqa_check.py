@@ -26,8 +26,8 @@ from ._core import Failure, call, fail
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
 from ._expect import construct, expect_finite, expect_tensor
-from ._gradients import check_module_gradients
 from ._gqa_variants import CACHED, FULL_PASS, Setup, simulate
+from ._gradients import check_module_gradients
 from ._model_common import accepts, copy_weights
 
 EMBED_DIM, NUM_HEADS, MAX_TOKENS = 32, 4, 10

@@ -22,8 +22,8 @@ from ._compare import close, max_diff
 from ._core import Failure, checker, fail, register
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
-from ._gradients import check_gradients, check_module_gradients
 from ._expect import construct, expect_tensor
+from ._gradients import check_gradients, check_module_gradients
 from ._mistake import Mistake
 from ._model_common import as_tensor, copy_weights
 
