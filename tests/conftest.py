@@ -10,3 +10,13 @@ def isolated_user_data_dir(tmp_path, monkeypatch):
     folder = tmp_path / "user-data"
     monkeypatch.setattr("course_lib.corpora.user_data_dir", lambda: folder)
     return folder
+
+
+@pytest.fixture(autouse=True)
+def no_remembered_checks():
+    """checks.hint and show_solution follow the last check of an exercise in this process: start each
+    test with none, as a fresh kernel does."""
+    from course_lib.checks import _counterexample
+    _counterexample.forget()
+    yield
+    _counterexample.forget()

@@ -202,7 +202,7 @@ def test_a_student_error_is_still_the_students(monkeypatch):
     ("7.2", "Exercise 7.2", "Exercise 7.1"),
 ])
 def test_show_solution_shows_that_exercises_region(exercise, must, must_not, capsys):
-    source = checks.show_solution(exercise)
+    source = checks.show_solution(exercise, force=True)
     assert "### BEGIN SOLUTION (Exercise " + exercise in source and "### END SOLUTION" in source
     assert must in source and must_not not in source
     assert f"exercise {exercise}" in capsys.readouterr().out

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import _validate as validate
+from . import _counterexample
 from ._expect import expect_tensor
 from ._harness import DIAGNOSES, CheckResult, Failure, call, checker, fail
+from ._nudges import nudge
 
 __all__ = ["DIAGNOSES", "CheckResult", "Failure", "call", "checker", "expect_tensor", "fail",
-           "EXERCISES", "register", "hint", "show_solution", "solution_source"]
+           "EXERCISES", "register", "hint", "show_solution", "solution_source", "Shown"]
 
 
 @dataclass
@@ -27,6 +30,16 @@ class Exercise:
     notebook: str          # the notebook's number, "02": its solution region is read from there
     shown: int = 0
     has_solution: bool = True   # False where the notebook has no solution region (8.1 assembles parts)
+    followed: Any = None        # the failed verdict the hints follow now, and how far they went
+    step: int = 0
+
+
+class Shown(str):
+    """Text that hint and show_solution print once. As a cell's last value it displays nothing more
+    (``_ipython_display_``), so a notebook shows it once, never a second time as a quoted string."""
+
+    def _ipython_display_(self) -> None:
+        return None
 
 
 EXERCISES: dict[str, Exercise] = {}
@@ -53,14 +66,43 @@ def _order(exercise: str) -> tuple[int, ...]:
     return tuple(int(part) for part in exercise.split("."))
 
 
-def hint(exercise_id: str) -> str:
-    """The next hint for an exercise (each call goes one level deeper, never the full code)."""
+def hint(exercise_id: str) -> Shown:
+    """The next hint for an exercise, printed once (each call goes one level deeper, never the full code).
+
+    After a failed check of the exercise the hints follow that verdict: first a nudge written for its
+    mistake, then a counter-example (the smallest input on which your code and the reference differ,
+    side by side), then the next step of the spec. Without one, the spec's hints in order."""
     entry = _lookup(exercise_id)
+    result = _counterexample.last(entry.exercise)
+    if result is not None and not result.passed and result.diagnosis not in ("not_implemented", "checker_error"):
+        if entry.followed is not result:
+            entry.followed, entry.step = result, 0
+        text = _following(entry, result)
+    else:
+        text = _spec_hint(entry)
+    print(text)
+    return Shown(text)
+
+
+def _spec_hint(entry: Exercise) -> str:
     level = min(entry.shown, len(entry.hints) - 1)
     entry.shown += 1
-    text = f"Hint {level + 1}/{len(entry.hints)} for exercise {entry.exercise} ({entry.title}): {entry.hints[level]}"
-    print(text)
-    return text
+    return f"Hint {level + 1}/{len(entry.hints)} for exercise {entry.exercise} ({entry.title}): {entry.hints[level]}"
+
+
+def _following(entry: Exercise, result: CheckResult) -> str:
+    """Hints that follow the last failed verdict: the nudge, the counter-example, then the spec's steps."""
+    example = result.details.get("counterexample") if isinstance(result.details, dict) else None
+    steps = ["nudge"] + (["example"] if example is not None else [])
+    step, entry.step = entry.step, entry.step + 1
+    head = f"Hint for exercise {entry.exercise} ({entry.title}), after your last check ({result.diagnosis})"
+    if step < len(steps) and steps[step] == "nudge":
+        more = " The next hint shows a counter-example." if example is not None else ""
+        return f"{head}: {nudge(result.diagnosis)}{more}"
+    if step < len(steps):
+        return (f"{head}: a counter-example.\n{example.text()}\nFind the first entry that differs and work it "
+                f"out by hand from the inputs above.")
+    return _spec_hint(entry)
 
 
 # The markers as course_lib.assignments defines them: alone on their line, indentation allowed;
@@ -99,15 +141,23 @@ def solution_source(exercise_id: str) -> str:
                       f"...)', found none")
 
 
-def show_solution(exercise_id: str) -> str:
-    """Print the exercise's solution cell from its notebook (for instructors, or after a real attempt)."""
+def show_solution(exercise_id: str, force: bool = False) -> Shown:
+    """Print the exercise's solution cell from its notebook, once you have tried: after a check of the
+    exercise has run in this kernel, or with ``force=True`` (instructors)."""
     entry = _lookup(exercise_id)
+    validate.boolean("force", force)
     if not entry.has_solution:
         text = (f"Exercise {entry.exercise} ({entry.title}) has no solution to show: notebook {entry.notebook} "
                 f"assembles the parts you wrote in earlier notebooks. Use checks.hint({entry.exercise!r}).")
         print(text)
-        return text
+        return Shown(text)
+    if not force and _counterexample.last(entry.exercise) is None:
+        text = (f"Try exercise {entry.exercise} ({entry.title}) first: run its check cell at least once, and "
+                f"checks.hint({entry.exercise!r}) when stuck. The solution is shown after a checked attempt "
+                f"(or with checks.show_solution({entry.exercise!r}, force=True)).")
+        print(text)
+        return Shown(text)
     source = solution_source(entry.exercise)
     print(f"# Solution of exercise {entry.exercise} ({entry.title}), from notebook {_notebook(entry).name}\n"
           f"{source}")
-    return source
+    return Shown(source)

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from .. import _validate as validate
+from . import _counterexample
 
 DIAGNOSES = (
     # What a CheckResult's ``diagnosis`` can say, one code per kind of mistake (Failure rejects others).
@@ -385,6 +386,7 @@ def _finish(result: CheckResult, graded: bool = True) -> CheckResult:
     from . import _nbgrader  # imported here: it builds on this module's CheckResult
     if graded:
         progress.record(result)
+        _counterexample.remember(result)   # checks.hint follows the last verdict
     return _nbgrader.for_nbgrader(result, graded)   # last: under nbgrader a failed graded check raises
 
 
@@ -410,7 +412,11 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                 if hasattr(torch, "set_default_device"):
                     torch.set_default_device(None)   # inputs and references on the CPU, whatever the notebook set
                 with _Alarm(TIME_LIMIT_S):
-                    message = body(*args, **kwargs)
+                    try:
+                        message = body(*args, **kwargs)
+                    except Failure as failure:   # the smallest input that shows the mistake, for checks.hint
+                        _counterexample.attach(exercise, failure, args, kwargs)
+                        raise
             except Failure as failure:
                 return CheckResult(exercise, False, failure.diagnosis, failure.message, failure.details)
             except CheckTimeout:
