@@ -20,7 +20,7 @@ import torch
 from . import _validate as validate
 from ._validate import describe
 from .checks import CheckResult
-from .collect import Collection
+from .collect import GPT_EXERCISES, STATUS_TEXT, Collection
 from .data import char_corpus, load_names, names_dataset, names_tokenizer, random_batch, split_names
 from .model import GPT, GPTConfig
 from .train import evaluate
@@ -71,6 +71,9 @@ class TrainingRun:
     failure: str | None = None    # "nan" or "exception: ..." when the run could not go on
     model: torch.nn.Module | None = field(default=None, repr=False)
     namespace: dict | None = field(default=None, repr=False)
+    # the parts of the GPT that are not the student's in this run, with why ("2.1 (not written yet)"),
+    # when the run was asked to use all of them (train_parts(..., None)); None when unknown
+    not_yours: tuple[str, ...] | None = None
 
     @property
     def final_val_loss(self) -> float:
@@ -92,6 +95,8 @@ class Blame:
     checker: CheckResult | None
     notebook: str = ""      # where the part is written, to say where to fix it
     whose: str = "your"     # "your", or e.g. "the planted" for a demonstration
+    alone: bool | None = None   # whether this part alone (the others the course's) breaks training too
+    earlier: tuple[str, ...] = ()   # the student's parts added before it
 
     def __str__(self) -> str:
         steps = len(self.run.step)
@@ -103,6 +108,11 @@ class Blame:
         if self.verdict == "nan":
             text += (" Look for what acts only in training mode or on the -inf of the mask: dropout applied "
                      "before the softmax turns 0 x (-inf) into NaN.")
+        if self.alone is True and self.earlier:
+            text += " This part alone (the others the course's) does it too: the lag is its own."
+        elif self.alone is False:
+            text += (f" On its own this part trains like the reference: the lag needs it together with the "
+                     f"parts added before it ({', '.join(self.earlier)}).")
         if self.checker is not None and self.checker.passed:
             text += " Its checker passed: this mistake shows only when the parts train together."
         elif self.checker is not None:
@@ -175,6 +185,9 @@ def train_parts(collection: Collection, yours: Sequence[str] | None, setup: Trai
     steps = setup.steps if steps is None else steps
     validate.positive_int("steps", steps)
     run = TrainingRun(label or ("yours" if yours is None else f"yours: {', '.join(yours) or 'none'}"))
+    if yours is None:
+        run.not_yours = tuple(f"{ex} ({STATUS_TEXT[part.status]})" for ex, part in collection.parts.items()
+                              if ex in GPT_EXERCISES and not part.is_yours)
     try:
         namespace = collection.namespace(yours)
         model = _build(namespace, setup)
@@ -226,6 +239,14 @@ def judge(yours: TrainingRun, reference: TrainingRun, tolerance: float = TOLERAN
         raise ValueError(f"reference: the reference run itself failed ({reference.failure}); "
                          f"this is a bug in the course, please report it")
     verdict = _verdict(yours, reference, tolerance)
+    if verdict is None and yours.not_yours:
+        # as the grader: 8.1 judges the student's GPT, and a run where the course's parts stand in for some
+        # of it (in a fresh learner copy, all of it) trains like the reference trivially: not written yet
+        return CheckResult("8.1", False, "not_implemented",
+                           f"Not yours to judge yet: 8.1 trains the GPT built from your parts of notebooks 02-05, "
+                           f"and the course's parts stand in for {len(yours.not_yours)} of {len(GPT_EXERCISES)}: "
+                           f"{', '.join(yours.not_yours)}. Write them, save the notebooks, and run this notebook "
+                           f"again.")
     if verdict is None:
         gap = yours.final_val_loss - reference.final_val_loss
         return CheckResult("8.1", True, None,
@@ -249,18 +270,32 @@ def _checker_result(collection: Collection, exercise: str, namespace: dict) -> C
     return checker(namespace[collection.parts[exercise].exercise.name], graded=False)
 
 
-def find_blame(collection: Collection, setup: TrainingSetup, *, steps: int = 120,
+def find_blame(collection: Collection, setup: TrainingSetup, *, steps: int | None = None,
                tolerance: float = TOLERANCE, only: Sequence[str] | None = None, whose: str = "your") -> Blame | None:
     """Add the student's parts one at a time, in the order they compose; name the first that breaks training.
 
-    Every trial is a short run on the same batches; the search stops at the first part to blame.
-    A part whose code is the solution's (up to comments and layout) needs no trial; ``only``
-    limits the search to some exercises. None when every part trains like the reference on its
-    own terms (the lag needs them together).
+    Every trial is a run on the same batches; the search stops at the first part to blame. It first
+    tries short runs (``steps``, default 120), and when none of them lags, runs as long as check 8.1
+    does (``setup.steps``): a slow lag shows only there. A blamed part that came after others is tried
+    once more alone, and the blame says whether it breaks training on its own. A part whose code is
+    the solution's (up to comments and layout) needs no trial; ``only`` limits the search to some
+    exercises. None when no part breaks training even at 8.1's length.
     """
     if not isinstance(collection, Collection):
         raise TypeError(f"collection: expected the result of collect_student_parts(...), got {describe(collection)}")
+    if steps is not None:
+        validate.positive_int("steps", steps)
     candidates = collection.yours() if only is None else [ex for ex in collection.yours() if ex in set(only)]
+    first = min(120, setup.steps) if steps is None else steps
+    for length in (first, setup.steps) if setup.steps > first else (first,):
+        blame = _blame_at(collection, setup, candidates, length, tolerance, whose)
+        if blame is not None:
+            return blame
+    return None
+
+
+def _blame_at(collection: Collection, setup: TrainingSetup, candidates: Sequence[str], steps: int,
+              tolerance: float, whose: str) -> Blame | None:
     reference = train_parts(collection, [], setup, steps=steps, label="reference")
     added: list[str] = []
     for exercise in candidates:
@@ -269,11 +304,16 @@ def find_blame(collection: Collection, setup: TrainingSetup, *, steps: int = 120
             continue
         trial = train_parts(collection, list(added), setup, steps=steps)
         verdict = _verdict(trial, reference, tolerance)
-        if verdict is not None:
-            part = collection.parts[exercise]
-            return Blame(exercise, part.exercise.name, verdict, trial,
-                         _checker_result(collection, exercise, collection.namespace(added)),
-                         notebook=part.exercise.notebook, whose=whose)
+        if verdict is None:
+            continue
+        part = collection.parts[exercise]
+        earlier = tuple(ex for ex in added[:-1] if not collection.parts[ex].is_the_solution)
+        alone = None
+        if earlier:   # does it lag without the student's earlier parts? Then never "only together"
+            alone = _verdict(train_parts(collection, [exercise], setup, steps=steps), reference, tolerance) is not None
+        return Blame(exercise, part.exercise.name, verdict, trial,
+                     _checker_result(collection, exercise, collection.namespace(added)),
+                     notebook=part.exercise.notebook, whose=whose, alone=alone, earlier=earlier)
     return None
 
 

@@ -1,6 +1,7 @@
 """Notebook 08's machinery: side-by-side training of collected parts, the 8.1 verdict, and the blame."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -12,10 +13,10 @@ import nbformat
 import pytest
 import torch
 
-from course_lib import capstone
+from course_lib import capstone, checks
 from course_lib.assignments import update_learner_copies
 from course_lib.capstone import TrainingRun, TrainingSetup, find_blame, judge, train_parts
-from course_lib.collect import collect_student_parts, course_exercises
+from course_lib.collect import Collection, collect_student_parts, course_exercises
 from course_lib.model import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,3 +182,38 @@ def test_names_are_sampled_one_per_boundary_token(solutions):
     run = train_parts(solutions, [], setup)
     names = capstone.sample_names(run, setup, count=5, seed=0, temperature=0.5)
     assert names == ["abc"] * 5, names
+
+
+def test_a_learner_copy_with_none_of_its_parts_is_not_implemented(solutions):
+    """Issue 27: with the course's parts standing in for the student's, both runs are the same code;
+    8.1 must say not_implemented (as the grader does), never a green 'trains like the reference'."""
+    blank = Collection(solutions.folder, {ex: dataclasses.replace(part, status="unfinished", source=None)
+                                          for ex, part in solutions.parts.items()})
+    assert blank.yours() == []
+    setup = _tiny_setup(steps=20)
+    reference = train_parts(blank, [], setup, label="reference")
+    yours = train_parts(blank, None, setup, label="yours")
+    assert yours.val_loss == reference.val_loss, "the same code: a pass would be trivial"
+    verdict = judge(yours, reference)
+    assert not verdict.passed and verdict.diagnosis == "not_implemented", verdict
+    assert "9 of 9" in verdict.message and "2.1 (course's (yours is not written yet))" in verdict.message
+    checked = checks.check_trains_like_reference(yours, reference, graded=False)
+    assert not checked.passed and checked.diagnosis == "not_implemented"
+    assert judge(train_parts(solutions, None, setup), reference).passed, "all parts the student's: judged"
+
+
+@pytest.mark.slow
+def test_blame_lengthens_a_run_that_shows_no_lag_and_says_whether_the_part_lags_alone(solutions, monkeypatch):
+    """Issue 20: blame trained shorter than 8.1 and answered 'only together' for a lag one part made.
+    Here the short runs are made to show no lag: the blame must come from a run as long as 8.1's."""
+    equivalent_mask = _solution_source("2.1", ".tril()", ".tril(diagonal=0)")      # the student's own, right
+    planted = solutions.with_part("2.1", equivalent_mask).with_part("3.3", _solution_source("3.3", *NO_SCALE))
+    setup = _tiny_setup(steps=80)   # as the missing-scale test above: at 80 steps the lag shows
+    real = capstone._verdict
+    monkeypatch.setattr(capstone, "_verdict",
+                        lambda run, ref, tol: real(run, ref, tol) if len(run.step) == setup.steps else None)
+    blame = find_blame(planted, setup, steps=20, tolerance=0.0)
+    assert blame is not None and blame.exercise == "3.3", blame
+    assert len(blame.run.step) == setup.steps, "the lag was found at 8.1's length"
+    assert blame.earlier == ("2.1",) and blame.alone is True
+    assert "This part alone" in str(blame) and "together" not in str(blame)
