@@ -13,6 +13,7 @@ from ._attn_probes import call_student, diagnose_weights, first_match, reraise_w
 from ._compare import close, max_diff
 from ._core import Failure, call, fail
 from ._expect import construct, expect_finite, expect_tensor
+from ._gradients import check_module_gradients
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -86,6 +87,7 @@ class ModuleCheck:
         self.heads = heads
         self.generator = torch.Generator().manual_seed(1234)
         self.models: dict[int, nn.Module] = {}
+        self.references: dict[int, nn.Module] = {}
         self.runs: list[Run] = []
 
     def what(self, shape: tuple[int, ...], heads: int) -> str:
@@ -108,6 +110,7 @@ class ModuleCheck:
             load(reference, params)
             call(model.eval, what=f"{self.name}.eval()")
             self.models[heads] = model
+            self.references[heads] = reference
             for index, (n, length) in enumerate(CASES):
                 x = torch.randn(n, length, EMBED_DIM, generator=self.generator)
                 what = self.what(tuple(x.shape), heads)
@@ -243,6 +246,17 @@ class ModuleCheck:
                          key_axis="the keys (the last axis of the scores)", hidden="future positions",
                          scale_name="1/sqrt(head_dim)")
 
+    # -------------------------------------------------------------------- learning
+
+    def check_gradients(self) -> None:
+        """One backward pass per head count (eval mode, the run's weights): every projection and the input
+        must get the reference's gradient."""
+        for run in self.runs:
+            if run.x.shape[1] != MAX_TOKENS or any(r.heads == run.heads for r in self.runs[:self.runs.index(run)]):
+                continue   # the first, full-length run of each head count
+            check_module_gradients(self.models[run.heads], self.references[run.heads], run.x,
+                                   what=self.what(tuple(run.x.shape), run.heads))
+
     # -------------------------------------------------------------------- training mode
 
     def check_train_dropout(self) -> None:
@@ -323,6 +337,7 @@ def module_check(check: ModuleCheck, heads_text: str) -> str:
     check.run_all()
     if not all(close(run.out, run.expected) for run in check.runs):
         check.diagnose()
+    check.check_gradients()
     check.check_train_dropout()
     lengths = sorted({length for _, length in CASES})
     return (f"Matches the reference for batch sizes 1-3 and lengths {lengths}{heads_text}; the future never "

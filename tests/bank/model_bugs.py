@@ -403,7 +403,7 @@ class GPTNoPositions(GPT):
         return self.head(self.ln_f(x))
 
 
-@bug("4.3", "mismatch", "ln_f")
+@bug("4.3", "final_norm", "ln_f")
 class GPTNoFinalNorm(GPT):
     def forward(self, idx, cache=None):
         x = self.token_embedding(idx) + self.position_encoding(idx.shape[1])
@@ -561,7 +561,7 @@ def windows_too_long(ids, max_tokens):
     return torch.stack(inputs), torch.stack(targets)
 
 
-@bug("5.1", "shape", "overlap")
+@bug("5.1", "overlapping_windows", "overlap")
 def windows_every_token(ids, max_tokens):
     inputs = torch.stack([ids[i:i + max_tokens] for i in range(len(ids) - max_tokens)])
     targets = torch.stack([ids[i + 1:i + max_tokens + 1] for i in range(len(ids) - max_tokens)])
@@ -721,7 +721,7 @@ def step_returns_tensor(model, optimizer, inputs, targets, max_grad_norm=1.0):
     return loss.detach()
 
 
-@bug("5.3", "mismatch", "zero_grad")
+@bug("5.3", "zero_grad", "zero_grad")
 def step_no_zero_grad(model, optimizer, inputs, targets):
     model.train()
     loss = lm_loss(model(inputs), targets)
@@ -748,7 +748,7 @@ def step_no_backward(model, optimizer, inputs, targets):
     return loss.item()
 
 
-@bug("5.3", "mismatch", "cleared")
+@bug("5.3", "zero_grad", "cleared")
 def step_zero_grad_before_step(model, optimizer, inputs, targets):
     model.train()
     loss = lm_loss(model(inputs), targets)
@@ -1076,17 +1076,17 @@ def flops_as_numpy(config, num_weights):
     return np.int64(6 * num_weights) + np.int64(12 * config.num_layers * config.embed_dim * config.max_tokens)
 
 
-@bug("6.1", "mismatch", "forward pass only")
+@bug("6.1", "flops_factor", "forward pass only")
 def flops_forward_only(config, num_weights):
     return 2 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "2N", "6N")
+@bug("6.1", "flops_factor", "2N", "6N")
 def flops_weights_forward_only(config, num_weights):
     return 2 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "dL/dW")
+@bug("6.1", "flops_factor", "dL/dW")
 def flops_four_n(config, num_weights):
     return 4 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
@@ -1096,7 +1096,7 @@ def flops_weights_only(config, num_weights):
     return 6 * num_weights
 
 
-@bug("6.1", "mismatch", "only the forward pass", "12·n·H·Q·T")
+@bug("6.1", "flops_factor", "only the forward pass", "12·n·H·Q·T")
 def flops_attention_forward_only(config, num_weights):
     return 6 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
@@ -1201,7 +1201,7 @@ def cached_refeeds_everything(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.2", "mismatch", "new cache")
+@bug("6.2", "no_kv_cache", "new cache")
 def cached_new_cache_every_step(model, idx, max_new_tokens):
     logits = model(idx, model.new_cache())
     for _ in range(max_new_tokens):
@@ -1211,7 +1211,7 @@ def cached_new_cache_every_step(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.2", "mismatch", "never pass a cache")
+@bug("6.2", "no_kv_cache", "never pass a cache")
 def cached_without_cache(model, idx, max_new_tokens):
     for _ in range(max_new_tokens):
         logits = model(idx)
@@ -1219,7 +1219,7 @@ def cached_without_cache(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.2", "mismatch", "without the cache")
+@bug("6.2", "no_kv_cache", "without the cache")
 def cached_forgets_cache_later(model, idx, max_new_tokens):
     cache = model.new_cache()
     logits = model(idx, cache)
@@ -1311,7 +1311,7 @@ def split_slices(weight):
     return [weight[:, i * e:(i + 1) * e].t().contiguous() for i in range(3)]
 
 
-@bug("7.1", "mismatch", "transpose")
+@bug("7.1", "split_transpose", "transpose")
 def split_no_transpose(weight):
     return weight.split(weight.shape[0], dim=1)
 
@@ -1447,11 +1447,11 @@ class BlockInPlaceResidual(GivenBlock):
         return x
 
 
-@correct("4.2")
+@bug("4.2", "gradient", "in-place")
 class BlockInPlaceOnItsOwnTensor(GivenBlock):
     def forward(self, x):
-        h = x + self.attn(self.ln1(x))          # a new tensor ...
-        h += self.mlp(self.ln2(h))              # ... so adding to it in place harms no one
+        h = x + self.attn(self.ln1(x))          # a new tensor, so the forward is right ...
+        h += self.mlp(self.ln2(h))              # ... but ln2 saved h for backward: loss.backward() fails
         return h
 
 
