@@ -279,6 +279,7 @@ class ModuleCheck:
                             f"set to -inf (0 * -inf = NaN): apply dropout to the attention weights AFTER the "
                             f"softmax (self.attn_dropout(weights)).")
         self.probe_weight_dropout(identity, what, batch)
+        self.probe_dense_dropout(identity, run.x[:1], what)
         keep = 1 - DROPOUT
         # With value = proj = identity and a dense x, only dropout on the output features makes exact zeros;
         # with a dense proj, only dropout after proj does.
@@ -317,6 +318,24 @@ class ModuleCheck:
             fail("dropout", f"{what}: each attention weight should pass two dropouts (self.attn_dropout on the "
                             f"weights after the softmax, then self.proj_dropout after self.proj), but yours passes "
                             f"only one: the dropout on the attention weights is missing or sits elsewhere.")
+
+    def probe_dense_dropout(self, params: dict[str, torch.Tensor], x: torch.Tensor, what: str) -> None:
+        """Dense values, value = proj = identity: position 0 sees only itself, with weight 1, so its output is
+        x_0 times that one weight's dropout factor, per head. Dropping the weight zeroes a head's whole block of
+        features; dropout on v or on the merged heads zeroes single features, which one-hot values cannot tell
+        from dropping a weight."""
+        heads, batch = self.heads[0], 256
+        dense = x.expand(batch, -1, -1).clone()                                     # (256, L, E)
+        first = self.train_forward(params, dense)[:, 0]                             # (256, E)
+        blocks = first.reshape(batch, heads, EMBED_DIM // heads)                    # (256, heads, head_dim)
+        whole = float((blocks == 0).all(-1).double().mean())
+        if whole < 0.4 * DROPOUT:
+            fail("dropout", f"{what}: with dense values, your dropout zeroes single features, never a whole "
+                            f"attention weight: at position 0 (which sees only itself, with weight 1) a dropped "
+                            f"weight would zero all {EMBED_DIM // heads} features it carries, but only "
+                            f"{whole:.0%} of the heads' blocks there are zero (expected about {DROPOUT:.0%}). "
+                            f"Dropout acts on v or on the attention output before self.proj: apply "
+                            f"self.attn_dropout to the attention WEIGHTS, right after the softmax.")
 
     def train_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """The student's module in training mode with these weights; back to eval and the run's weights after."""

@@ -118,18 +118,27 @@ def _describe(name: str, inputs: set[str]) -> str:
 def _compare(got: Mapping[str, torch.Tensor | None], expected: Mapping[str, torch.Tensor | None], what: str,
              inputs: set[str]) -> None:
     wrong: list[tuple[str, float, float]] = []
+    cut = [name for name, reference in expected.items()
+           if name in got and reference is not None and reference.numel() and bool(reference.abs().max() > 0)
+           and (got[name] is None or not bool(got[name].abs().max() > 0))]   # type: ignore[union-attr]
+    if cut:
+        shown = [f"`{n}`" + (" (an input)" if n in inputs else "") for n in cut[:4]]
+        listed = ", ".join(shown) + (f" and {len(cut) - 4} more" if len(cut) > 4 else "")
+        first = cut[0]
+        if len(cut) == 1:
+            whom = (f"the input `{first}`, so nothing that computed it could learn" if first in inputs
+                    else f"parameter `{first}`, so it would never learn")
+        else:
+            whom = f"{listed}, so they would never learn"
+        fail("gradient", f"{what}: no gradient reaches {whom}. The path to the output was {CAUSES}. The forward "
+                         f"values can be right and still carry no gradient.", parameter=first, cut=cut)
     for name, reference in expected.items():
         if name not in got or reference is None:
             continue
         grad = got[name]
         scale = float(reference.abs().max()) if reference.numel() else 0.0
-        if scale == 0.0:
+        if scale == 0.0 or grad is None:
             continue   # nothing flows there in the reference either
-        if grad is None or not bool(grad.abs().max() > 0):
-            fail("gradient", f"{what}: no gradient reaches {_describe(name, inputs)}, so "
-                             f"{'nothing that computed it' if name in inputs else 'it'} could learn. Its "
-                             f"path to the output was {CAUSES}. The forward values can be right and "
-                             f"still carry no gradient.", parameter=name)
         if grad.shape != reference.shape:
             continue   # a parameter of another shape is the parameter checks' business
         if not torch.isfinite(grad).all():
