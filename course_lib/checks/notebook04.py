@@ -362,8 +362,8 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
         Mistake("mismatch", "the positions are missing: you never add the position encodings, so the model cannot "
                             "tell where a token sits. Add self.position_encoding(...) to the token embeddings.",
                 output=lambda idx: run(idx, positions=False)),
-        Mistake("final_norm", "the final LayerNorm self.ln_f is missing: apply it after the last block, before the "
-                            "output head.",
+        Mistake("final_norm", "the final LayerNorm self.ln_f is missing: apply it after the last block, before "
+                              "the output head.",
                 output=lambda idx: run(idx, ln_f=False)),
         Mistake("mismatch", "the positions are missing and the final LayerNorm ln_f is not applied.",
                 output=lambda idx: run(idx, positions=False, ln_f=False)),
@@ -421,7 +421,7 @@ def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor,
         candidate.ln_f.weight.copy_(saved)
     if isinstance(changed_ln, torch.Tensor) and close(changed_ln, got):
         fail("final_norm", f"{what}: the output does not depend on the final LayerNorm self.ln_f; apply it "
-                         f"after the last block, before the head.")
+                           f"after the last block, before the head.")
     fail("mismatch", f"{what}: the logits differ from the reference (largest difference "
                      f"{(got - reference(idx)).abs().max():.3g}). The recipe: token embeddings plus position "
                      f"encodings, dropout, every block in turn, ln_f, then the head.")

@@ -182,8 +182,8 @@ def _explain_calls(calls: list[dict[str, Any]]) -> tuple[str, str] | None:
         return ("shape", f"you feed the model token ids of shape {flat['shape']}; it takes (N, L). Keep the new "
                          f"token as (N, 1): argmax(-1, keepdim=True), or next_id[:, None].")
     if all(c["cache"] is None for c in calls):
-        return ("no_kv_cache", "you never pass a cache to the model, so every step recomputes the whole sequence. Create one "
-                "with model.new_cache() before the loop and pass it to every call.")
+        return ("no_kv_cache", "you never pass a cache to the model, so every step recomputes the whole sequence. "
+                               "Create one with model.new_cache() before the loop and pass it to every call.")
     later = calls[1:]
     if any(c["cache"] is None for c in later):
         return ("no_kv_cache", "after the first call you call the model without the cache: the new token then sees "

@@ -193,7 +193,7 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
                                 f"others. Fill the blocked positions with -inf.")
         fail("mismatch", f"{what}: with a padding mask the output differs from the reference (largest "
                          f"difference {(got - expected).abs().max():.3g}). The mask is bool, True = may attend.")
-    check_function_gradients(lambda *qkv: _direct(fn, module, *qkv, causal[None, None], scaling, what), 
+    check_function_gradients(lambda *qkv: _direct(fn, module, *qkv, causal[None, None], scaling, what),
                              lambda *qkv: reference(module, *qkv, causal[None, None], scaling=scaling)[0],
                              q, k, v, names=("query", "key", "value"), what="your attention function")
     _check_fewer_queries(fn, module, k, v, scaling, generator)
