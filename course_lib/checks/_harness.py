@@ -86,12 +86,12 @@ DIAGNOSES = (
     "kv_grouping",       # key/value heads shared in the wrong order (repeat where repeat_interleave is meant)
     "kv_cache",          # the KV cache ignored, its keys turned again, or holding repeated heads or unrotated keys
     "gradient",          # the right outputs, but a parameter or input gets no gradient or a wrong one (a cut graph)
-    "zero_grad",         # a training step that never clears the gradients (optimizer.zero_grad missing)
+    "zero_grad",         # optimizer.zero_grad missing (gradients pile up), or placed where it wipes the new ones
     "flops_factor",      # FLOPs per token counted as 2N (the forward pass) where 6N (forward and backward) is meant
     "split_transpose",   # the head split reshapes without the transpose that puts heads before positions
     "final_norm",        # the final LayerNorm (ln_f) left out before the language-model head
-    "no_kv_cache",       # generation that recomputes the whole context instead of feeding the KV cache
-    "overlapping_windows",  # training windows that overlap (a stride of 1 or less than max_tokens)
+    "no_kv_cache",       # generation without the KV cache: none passed, a new one each step, or dropped later
+    "overlapping_windows",  # training windows that overlap: they start closer together than the stride
     "mismatch",          # wrong, and like none of the mistakes we know
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
     "missing",           # grading: the exercise (its notebook, or its cell) is not in the submission
