@@ -44,6 +44,9 @@ _SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (   # (name, 
     ("forward only", lambda c, n: 2 * n + 4 * _lhqt(c),
      "you count the forward pass only (2N + 4·n·H·Q·T). Training also runs the backward pass, which needs two "
      "matrix multiplies for every one of the forward pass: three times the forward in all, so 6N and 12·n·H·Q·T."),
+    ("2N only", lambda c, n: 2 * n,
+     "you count 2N, the forward pass of the weights alone. Training also runs the backward pass (two more matrix "
+     "multiplies for every one of the forward pass, 6N in all), and attention adds 12·n·H·Q·T."),
     ("weights forward only", lambda c, n: 2 * n + _terms(c, n)[1],
      "the weights' term counts only the forward pass (2N). Backward needs the gradient for the input and the "
      "gradient for the weight, 4N more: 6N in all."),
@@ -78,7 +81,7 @@ _SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (   # (name, 
 
 
 # The slips of the forward/backward factor (2N or 4N where training costs 6N): diagnosis flops_factor.
-_FACTOR_SLIPS = ("forward only", "weights forward only", "4N", "attention forward only")
+_FACTOR_SLIPS = ("2N only", "forward only", "weights forward only", "4N", "attention forward only")
 
 
 def _as_number(value: Any, what: str) -> float:

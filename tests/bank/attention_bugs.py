@@ -1592,3 +1592,25 @@ class MultiFusedDropoutFromModule(GivenMultiHeadAttention):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                              dropout_p=self.attn_dropout.p if self.training else 0.0)
         return self.proj_dropout(self.proj(out.transpose(1, 2).reshape(n, length, self.embed_dim)))
+
+
+@bug("2.2", "gradient")
+class MaskedOutputDetached(_MaskedBase):
+    def forward(self, x):
+        return super().forward(x).detach()                  # "the caller only needs the numbers"
+
+
+@bug("3.3", "gradient")
+class MultiWholeForwardUnderNoGrad(_MultiBase):
+    @torch.no_grad()
+    def forward(self, x):
+        return super().forward(x)
+
+
+@bug("1.3", "gradient")
+def sdpa_weights_through_a_list(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.tensor(scores.softmax(-1).tolist(), dtype=q.dtype)   # rebuilt from Python numbers
+    return weights @ v

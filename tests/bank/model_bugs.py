@@ -1710,3 +1710,49 @@ class GPTNoFinalNormWithCheck(GPT):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+# ============================================================================ issue 20/21: more of our own
+
+@bug("6.1", "flops_factor", "2N")
+def flops_two_n(config, num_weights):
+    return 2 * num_weights                                  # "two FLOPs per weight": the forward pass alone
+
+
+@bug("5.1", "overlapping_windows", "overlap")
+def windows_half_overlap(ids, max_tokens):
+    step = max(1, max_tokens // 2)                          # "more examples from the same text"
+    starts = range(0, len(ids) - max_tokens, step)
+    return (torch.stack([ids[s:s + max_tokens] for s in starts]),
+            torch.stack([ids[s + 1:s + max_tokens + 1] for s in starts]))
+
+
+@bug("4.2", "norm_placement", "output", norm_first=False)
+class BlockPostNormOnSublayerOutput(GivenBlock):
+    def forward(self, x):
+        x = x + self.ln1(self.attn(x))
+        return x + self.ln2(self.mlp(x))
+
+
+@bug("4.2", "gradient", "residual", norm_first=False)
+class BlockPostNormDetachedResidual(GivenBlock):
+    def forward(self, x):
+        x = self.ln1(x.detach() + self.attn(x))
+        return self.ln2(x + self.mlp(x))
+
+
+@bug("4.3", "gradient", "token_embedding")
+class GPTDetachedEmbeddings(GPT):
+    def forward(self, idx):
+        if idx.shape[1] > self.config.max_tokens:
+            raise ValueError("too long")
+        x = self.token_embedding(idx).detach() + self.position_encoding(idx.shape[1])
+        x = self.dropout(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@correct("7.1")
+def split_transpose_then_chunk_rows(weight):
+    return tuple(weight.T.chunk(3, dim=0))                  # one transpose, then rows: already (out, in)
