@@ -74,8 +74,10 @@ def test_bank_size_and_coverage():
     codes = Counter(a.expected for a in BUGGY)
     for code in ("not_implemented", "exception", "shape", "dtype", "nan", "softmax_dim", "scale",
                  "normalization", "causal_mask", "head_split", "dropout", "mismatch",
-                 "mutation", "values", "batch_mixing", "precision"):   # issue 11's classes
+                 "mutation", "values", "batch_mixing", "precision", "gradient"):   # issues 11 and 20
         assert codes[code] > 0, code
+    gradient = {a.exercise for a in BUGGY if a.expected == "gradient"}
+    assert {"1.2", "1.3", "2.2", "3.1", "3.2", "3.3"} <= gradient, "every differentiable checker meets a cut graph"
     specific = sum(n for code, n in codes.items() if code != "mismatch")
     assert specific / len(BUGGY) >= 0.9
     for exercise in ("2.2", "3.3"):   # both module exercises show every module mistake

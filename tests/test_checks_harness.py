@@ -3,10 +3,13 @@ endless loops, sys.exit, Ctrl-C, inputs changed in place, and the checker's own 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
+import os
 import random
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -15,6 +18,7 @@ import torch
 
 import course_lib.attention as attention
 from course_lib import checks
+from course_lib.checks import _gradients as gradients
 from course_lib.checks import _harness, notebook01
 
 
@@ -307,3 +311,126 @@ def test_a_module_that_imports_checks_is_whole_during_a_check():
             "assert hasattr(capstone, 'judge')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- issue 27 section 4: more state, the checkers' own options
+
+def _meddling_more(n):
+    torch.autograd.set_detect_anomaly(True)
+    torch.set_float32_matmul_precision("medium")
+    os.chdir(tempfile.gettempdir())
+    os.environ["COURSE_TEST_MEDDLED"] = "1"
+    os.environ.pop("COURSE_TEST_KEPT", None)
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def test_anomaly_mode_matmul_precision_cwd_and_environ_are_restored(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COURSE_TEST_KEPT", "yes")
+    before = (torch.is_anomaly_enabled(), torch.get_float32_matmul_precision(), os.getcwd(), dict(os.environ))
+    result = checks.check_causal_mask(_meddling_more)
+    assert result.passed, result
+    after = (torch.is_anomaly_enabled(), torch.get_float32_matmul_precision(), os.getcwd(), dict(os.environ))
+    assert after == before
+
+
+def test_a_working_directory_deleted_by_the_student_does_not_crash_the_check(tmp_path):
+    doomed = tmp_path / "doomed"
+    doomed.mkdir()
+
+    def removes_its_folder(n):
+        if doomed.exists():   # the checker calls it several times
+            os.chdir(doomed)
+            os.rmdir(doomed)
+        return torch.ones(n, n, dtype=torch.bool).tril()
+    here = os.getcwd()
+    try:
+        assert checks.check_causal_mask(removes_its_folder).passed
+        assert os.getcwd() == here
+    finally:
+        os.chdir(here)
+
+
+def _checkers_with_options():
+    """Every public checker and its options (the parameters with a default), found by inspection."""
+    found = []
+    for name in dir(checks):
+        fn = getattr(checks, name)
+        if name.startswith("check_") and callable(fn) and hasattr(fn, "exercise"):
+            body = inspect.unwrap(fn)
+            for option, parameter in inspect.signature(body).parameters.items():
+                if parameter.default is not inspect.Parameter.empty:
+                    found.append((name, option, parameter.default))
+    return found
+
+
+def test_every_checker_option_is_found():
+    names = {(name, option) for name, option, _ in _checkers_with_options()}
+    assert ("check_transformer_block", "norm_first") in names
+
+
+@pytest.mark.parametrize("name, option, default", _checkers_with_options())
+@pytest.mark.parametrize("wrong", ["no", [1], float("nan")])
+def test_a_wrong_option_is_refused_naming_it(name, option, default, wrong):
+    with pytest.raises(TypeError, match=option):
+        getattr(checks, name)(None, **{option: wrong}) if name != "check_trains_like_reference" else \
+            getattr(checks, name)(None, None, **{option: wrong})
+
+
+def test_a_string_is_not_a_boolean():
+    from course_lib.model import TransformerBlock
+    with pytest.raises(TypeError, match=r"norm_first: expected True or False \(a bool\), got 'no'"):
+        checks.check_transformer_block(TransformerBlock, norm_first="no")
+    assert checks.check_transformer_block(TransformerBlock, norm_first=False).passed
+
+
+def test_an_unknown_option_or_a_missing_argument_is_named():
+    with pytest.raises(TypeError, match="check_causal_mask: .*unexpected keyword argument 'strict'"):
+        checks.check_causal_mask(attention.causal_mask, strict=True)
+    with pytest.raises(TypeError, match="check_causal_mask: .*missing a required argument: 'fn'"):
+        checks.check_causal_mask()
+
+
+# ---------------------------------------------------------------- issue 20 section 1: the gradient probe itself
+
+def _sdpa_by_einsum(q, k, v):
+    scores = torch.einsum("nqd,nkd->nqk", q, k) * q.shape[-1] ** -0.5
+    return torch.einsum("nqk,nkd->nqd", scores.softmax(-1), v)
+
+
+def test_gradients_of_another_layout_pass_and_a_cut_graph_fails():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 8, generator=gen) for _ in range(3))
+    gradients.check_function_gradients(_sdpa_by_einsum, attention.scaled_dot_product_attention, q, k, v,
+                                       names=("q", "k", "v"), what="sdpa")
+    with pytest.raises(_harness.Failure) as failure:
+        gradients.check_function_gradients(lambda q, k, v: _sdpa_by_einsum(q, k.detach(), v),
+                                           attention.scaled_dot_product_attention, q, k, v,
+                                           names=("q", "k", "v"), what="sdpa")
+    assert failure.value.diagnosis == "gradient" and "`k`" in failure.value.message
+
+
+def test_a_partly_cut_path_names_the_wrong_gradient():
+    x = torch.randn(3, 4)
+    with pytest.raises(_harness.Failure) as failure:   # right value, half the gradient
+        gradients.check_function_gradients(lambda x: x * x.detach(), lambda x: x * x, x, names=("x",), what="f")
+    assert failure.value.diagnosis == "gradient" and "differs" in failure.value.message
+
+
+def test_a_module_with_a_frozen_parameter_is_named():
+    reference = torch.nn.Linear(4, 3)
+    frozen = torch.nn.Linear(4, 3)
+    frozen.load_state_dict(reference.state_dict())
+    frozen.bias.requires_grad_(False)
+    with pytest.raises(_harness.Failure) as failure:
+        gradients.check_module_gradients(frozen, reference, torch.randn(2, 4), what="layer")
+    assert failure.value.diagnosis == "gradient" and "bias" in failure.value.message
+    frozen.bias.requires_grad_(True)
+    gradients.check_module_gradients(frozen, reference, torch.randn(2, 4), what="layer")
+    assert all(p.grad is None for p in (*frozen.parameters(), *reference.parameters()))   # left as given
+
+
+def test_the_new_diagnoses_are_registered():
+    for code in ("gradient", "zero_grad", "flops_factor", "split_transpose", "final_norm", "no_kv_cache",
+                 "overlapping_windows"):
+        assert code in checks.DIAGNOSES

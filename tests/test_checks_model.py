@@ -104,8 +104,13 @@ def test_bank_size_and_coverage():
     codes = Counter(a.expected for a in BUGGY)
     for code in ("not_implemented", "exception", "shape", "dtype", "softmax_dim", "scale", "normalization",
                  "causal_mask", "dropout", "residual", "norm_placement", "mismatch",
-                 "mutation", "clipping", "generator"):   # issue 11's classes
+                 "mutation", "clipping", "generator",   # issue 11's classes
+                 "gradient", "batch_mixing", "kv_cache",   # issue 20's
+                 "zero_grad", "flops_factor", "split_transpose", "final_norm", "no_kv_cache",
+                 "overlapping_windows"):   # issue 21's own codes
         assert codes[code] > 0, code
+    gradient = {a.exercise for a in BUGGY if a.expected == "gradient"}
+    assert {"4.2", "4.3", "5.2", "7.2"} <= gradient, "every differentiable checker meets a cut graph"
     assert len({a.id for a in BUGGY + CORRECT}) == len(BUGGY + CORRECT), "attempt names are unique"
 
 

@@ -13,6 +13,7 @@ from ._attn_probes import call_student, diagnose_weights, first_match, reraise_w
 from ._compare import close, max_diff
 from ._core import Failure, call, fail
 from ._expect import construct, expect_finite, expect_tensor
+from ._gradients import check_module_gradients
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -86,6 +87,7 @@ class ModuleCheck:
         self.heads = heads
         self.generator = torch.Generator().manual_seed(1234)
         self.models: dict[int, nn.Module] = {}
+        self.references: dict[int, nn.Module] = {}
         self.runs: list[Run] = []
 
     def what(self, shape: tuple[int, ...], heads: int) -> str:
@@ -108,6 +110,7 @@ class ModuleCheck:
             load(reference, params)
             call(model.eval, what=f"{self.name}.eval()")
             self.models[heads] = model
+            self.references[heads] = reference
             for index, (n, length) in enumerate(CASES):
                 x = torch.randn(n, length, EMBED_DIM, generator=self.generator)
                 what = self.what(tuple(x.shape), heads)
@@ -243,6 +246,17 @@ class ModuleCheck:
                          key_axis="the keys (the last axis of the scores)", hidden="future positions",
                          scale_name="1/sqrt(head_dim)")
 
+    # -------------------------------------------------------------------- learning
+
+    def check_gradients(self) -> None:
+        """One backward pass per head count (eval mode, the run's weights): every projection and the input
+        must get the reference's gradient."""
+        for run in self.runs:
+            if run.x.shape[1] != MAX_TOKENS or any(r.heads == run.heads for r in self.runs[:self.runs.index(run)]):
+                continue   # the first, full-length run of each head count
+            check_module_gradients(self.models[run.heads], self.references[run.heads], run.x,
+                                   what=self.what(tuple(run.x.shape), run.heads))
+
     # -------------------------------------------------------------------- training mode
 
     def check_train_dropout(self) -> None:
@@ -265,6 +279,7 @@ class ModuleCheck:
                             f"set to -inf (0 * -inf = NaN): apply dropout to the attention weights AFTER the "
                             f"softmax (self.attn_dropout(weights)).")
         self.probe_weight_dropout(identity, what, batch)
+        self.probe_dense_dropout(identity, run.x[:1], what)
         keep = 1 - DROPOUT
         # With value = proj = identity and a dense x, only dropout on the output features makes exact zeros;
         # with a dense proj, only dropout after proj does.
@@ -304,6 +319,24 @@ class ModuleCheck:
                             f"weights after the softmax, then self.proj_dropout after self.proj), but yours passes "
                             f"only one: the dropout on the attention weights is missing or sits elsewhere.")
 
+    def probe_dense_dropout(self, params: dict[str, torch.Tensor], x: torch.Tensor, what: str) -> None:
+        """Dense values, value = proj = identity: position 0 sees only itself, with weight 1, so its output is
+        x_0 times that one weight's dropout factor, per head. Dropping the weight zeroes a head's whole block of
+        features; dropout on v or on the merged heads zeroes single features, which one-hot values cannot tell
+        from dropping a weight."""
+        heads, batch = self.heads[0], 256
+        dense = x.expand(batch, -1, -1).clone()                                     # (256, L, E)
+        first = self.train_forward(params, dense)[:, 0]                             # (256, E)
+        blocks = first.reshape(batch, heads, EMBED_DIM // heads)                    # (256, heads, head_dim)
+        whole = float((blocks == 0).all(-1).double().mean())
+        if whole < 0.4 * DROPOUT:
+            fail("dropout", f"{what}: with dense values, your dropout zeroes single features, never a whole "
+                            f"attention weight: at position 0 (which sees only itself, with weight 1) a dropped "
+                            f"weight would zero all {EMBED_DIM // heads} features it carries, but only "
+                            f"{whole:.0%} of the heads' blocks there are zero (expected about {DROPOUT:.0%}). "
+                            f"Dropout acts on v or on the attention output before self.proj: apply "
+                            f"self.attn_dropout to the attention WEIGHTS, right after the softmax.")
+
     def train_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """The student's module in training mode with these weights; back to eval and the run's weights after."""
         heads = self.heads[0]
@@ -323,6 +356,7 @@ def module_check(check: ModuleCheck, heads_text: str) -> str:
     check.run_all()
     if not all(close(run.out, run.expected) for run in check.runs):
         check.diagnose()
+    check.check_gradients()
     check.check_train_dropout()
     lengths = sorted({length for _, length in CASES})
     return (f"Matches the reference for batch sizes 1-3 and lengths {lengths}{heads_text}; the future never "

@@ -118,18 +118,27 @@ def _describe(name: str, inputs: set[str]) -> str:
 def _compare(got: Mapping[str, torch.Tensor | None], expected: Mapping[str, torch.Tensor | None], what: str,
              inputs: set[str]) -> None:
     wrong: list[tuple[str, float, float]] = []
+    cut = [name for name, reference in expected.items()
+           if name in got and reference is not None and reference.numel() and bool(reference.abs().max() > 0)
+           and (got[name] is None or not bool(got[name].abs().max() > 0))]   # type: ignore[union-attr]
+    if cut:
+        shown = [f"`{n}`" + (" (an input)" if n in inputs else "") for n in cut[:4]]
+        listed = ", ".join(shown) + (f" and {len(cut) - 4} more" if len(cut) > 4 else "")
+        first = cut[0]
+        if len(cut) == 1:
+            whom = (f"the input `{first}`, so nothing that computed it could learn" if first in inputs
+                    else f"parameter `{first}`, so it would never learn")
+        else:
+            whom = f"{listed}, so they would never learn"
+        fail("gradient", f"{what}: no gradient reaches {whom}. The path to the output was {CAUSES}. The forward "
+                         f"values can be right and still carry no gradient.", parameter=first, cut=cut)
     for name, reference in expected.items():
         if name not in got or reference is None:
             continue
         grad = got[name]
         scale = float(reference.abs().max()) if reference.numel() else 0.0
-        if scale == 0.0:
+        if scale == 0.0 or grad is None:
             continue   # nothing flows there in the reference either
-        if grad is None or not bool(grad.abs().max() > 0):
-            fail("gradient", f"{what}: no gradient reaches {_describe(name, inputs)}, so "
-                             f"{'nothing that computed it' if name in inputs else 'it'} could learn. Its "
-                             f"path to the output was {CAUSES}. The forward values can be right and "
-                             f"still carry no gradient.", parameter=name)
         if grad.shape != reference.shape:
             continue   # a parameter of another shape is the parameter checks' business
         if not torch.isfinite(grad).all():
@@ -161,6 +170,24 @@ def _leaf(value: torch.Tensor) -> torch.Tensor:
     return value.detach().clone().requires_grad_(True)
 
 
+def _as_leaves(args: Sequence[Any], names: Sequence[str]
+               ) -> tuple[list[Any], list[Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Two copies of ``args`` whose floating-point tensors are fresh leaves (one set per side), and those
+    leaves by name, in order."""
+    floats = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    cand_args, ref_args = list(args), list(args)
+    cand_leaves: dict[str, torch.Tensor] = {}
+    ref_leaves: dict[str, torch.Tensor] = {}
+    for name, i in zip(names, floats):
+        cand_args[i] = cand_leaves[name] = _leaf(args[i])
+        ref_args[i] = ref_leaves[name] = _leaf(args[i])
+    return cand_args, ref_args, cand_leaves, ref_leaves
+
+
+def _float_count(args: Sequence[Any]) -> int:
+    return sum(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args)
+
+
 def check_module_gradients(candidate: nn.Module, reference: nn.Module, *args: Any, what: str,
                            input_names: Sequence[str] | None = None, seed: int = 0,
                            forward: Callable[..., Any] | None = None, **kwargs: Any) -> None:
@@ -171,25 +198,19 @@ def check_module_gradients(candidate: nn.Module, reference: nn.Module, *args: An
     leaves named by ``input_names`` (default ``x``, ``x2``, ...). ``forward(module, *args, **kwargs)``
     replaces ``module(*args, **kwargs)`` where the call differs (e.g. picks the logits out of a tuple)."""
     run = forward or (lambda module, *a, **k: module(*a, **k))
-    floats = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-    names = list(input_names) if input_names is not None else [("x" if n == 0 else f"x{n + 1}")
-                                                               for n in range(len(floats))]
-    cand_args, ref_args = list(args), list(args)
-    cand_inputs: dict[str, torch.Tensor] = {}
-    ref_inputs: dict[str, torch.Tensor] = {}
-    for name, i in zip(names, floats):
-        cand_args[i] = cand_inputs[name] = _leaf(args[i])
-        ref_args[i] = ref_inputs[name] = _leaf(args[i])
+    names = list(input_names) if input_names is not None else ["x" if n == 0 else f"x{n + 1}"
+                                                               for n in range(_float_count(args))]
+    cand_args, ref_args, cand_inputs, ref_inputs = _as_leaves(args, names)
     try:
         cand_params = dict(candidate.named_parameters())
     except Exception as exc:  # a broken module is the student's to fix
         fail("exception", f"Listing the parameters of {what} raised {type(exc).__name__}: {exc}")
     ref_params = dict(reference.named_parameters())
-    missing = [n for n, p in ref_params.items() if n in cand_params and not cand_params[n].requires_grad]
-    if missing:
-        fail("gradient", f"{what}: parameter `{missing[0]}` has requires_grad=False, so it would never learn. "
+    frozen = [n for n, p in ref_params.items() if n in cand_params and not cand_params[n].requires_grad]
+    if frozen:
+        fail("gradient", f"{what}: parameter `{frozen[0]}` has requires_grad=False, so it would never learn. "
                          f"Leave parameters trainable (do not call .requires_grad_(False) on them, nor wrap "
-                         f"them in a plain tensor).", parameter=missing[0])
+                         f"them in a plain tensor).", parameter=frozen[0])
     check_gradients(lambda: run(candidate, *cand_args, **kwargs), lambda: run(reference, *ref_args, **kwargs),
                     {**cand_params, **cand_inputs}, {**ref_params, **ref_inputs},
                     what=what, seed=seed, inputs=list(cand_inputs))
@@ -199,13 +220,8 @@ def check_function_gradients(fn: Callable[..., Any], reference: Callable[..., An
                              names: Sequence[str] | None = None, seed: int = 0, **kwargs: Any) -> None:
     """Backpropagate the same loss through ``fn(*args, **kwargs)`` and ``reference(...)``; compare the
     gradients of the floating-point tensors among ``args`` (named by ``names``, default ``argument 1``, ...)."""
-    floats = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-    labels = list(names) if names is not None else [f"argument {i + 1}" for i in floats]
-    cand_args, ref_args = list(args), list(args)
-    cand_leaves: dict[str, torch.Tensor] = {}
-    ref_leaves: dict[str, torch.Tensor] = {}
-    for label, i in zip(labels, floats):
-        cand_args[i] = cand_leaves[label] = _leaf(args[i])
-        ref_args[i] = ref_leaves[label] = _leaf(args[i])
+    labels = list(names) if names is not None else [f"argument {i + 1}" for i, a in enumerate(args)
+                                                    if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    cand_args, ref_args, cand_leaves, ref_leaves = _as_leaves(args, labels)
     check_gradients(lambda: fn(*cand_args, **kwargs), lambda: reference(*ref_args, **kwargs),
                     cand_leaves, ref_leaves, what=what, seed=seed, inputs=list(cand_leaves))

@@ -12,9 +12,10 @@ goes wrong, into a :class:`CheckResult`:
 The one exception is grading: while nbgrader executes a notebook, a failed graded check raises,
 so that its test cell scores zero (see ``_nbgrader``).
 
-Isolation: a check leaves the interpreter as it found it (grad mode, default dtype and
-device, RNG states, thread count, deterministic-algorithm mode, and the attributes of
-``course_lib``'s modules and classes). While a check runs, ``course_lib`` is put back to
+Isolation: a check leaves the interpreter as it found it (grad mode, anomaly detection, default
+dtype and device, float32 matmul precision, RNG states, thread count, deterministic-algorithm
+mode, the working directory, ``os.environ``, and the attributes of ``course_lib``'s modules and
+classes). While a check runs, ``course_lib`` is put back to
 the state it had when ``checks`` was imported, so a student's patch of a reference (say
 ``course_lib.attention.causal_mask = ...``) cannot make a wrong answer pass or a right
 one fail; the student's patch is restored afterwards.
@@ -29,6 +30,9 @@ from __future__ import annotations
 
 import functools
 import html
+import inspect
+import math
+import numbers
 import os
 import random
 import signal
@@ -38,8 +42,8 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any
+from types import ModuleType, NoneType, UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -83,12 +87,12 @@ DIAGNOSES = (
     "kv_grouping",       # key/value heads shared in the wrong order (repeat where repeat_interleave is meant)
     "kv_cache",          # the KV cache ignored, its keys turned again, or holding repeated heads or unrotated keys
     "gradient",          # the right outputs, but a parameter or input gets no gradient or a wrong one (a cut graph)
-    "zero_grad",         # a training step that never clears the gradients (optimizer.zero_grad missing)
+    "zero_grad",         # optimizer.zero_grad missing (gradients pile up), or placed where it wipes the new ones
     "flops_factor",      # FLOPs per token counted as 2N (the forward pass) where 6N (forward and backward) is meant
     "split_transpose",   # the head split reshapes without the transpose that puts heads before positions
     "final_norm",        # the final LayerNorm (ln_f) left out before the language-model head
-    "no_kv_cache",       # generation that recomputes the whole context instead of feeding the KV cache
-    "overlapping_windows",  # training windows that overlap (a stride of 1 or less than max_tokens)
+    "no_kv_cache",       # generation without the KV cache: none passed, a new one each step, or dropped later
+    "overlapping_windows",  # training windows that overlap: they start closer together than the stride
     "mismatch",          # wrong, and like none of the mistakes we know
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
     "missing",           # grading: the exercise (its notebook, or its cell) is not in the submission
@@ -290,6 +294,10 @@ class _State:
     device: Any
     threads: int
     deterministic: bool
+    anomaly: tuple[bool, bool]
+    matmul_precision: str
+    cwd: str | None
+    environ: dict[str, str]
     torch_rng: torch.Tensor
     cuda_rng: list[torch.Tensor] | None
     python_rng: Any
@@ -303,6 +311,9 @@ class _State:
             grad=torch.is_grad_enabled(), dtype=torch.get_default_dtype(),
             device=torch.get_default_device() if hasattr(torch, "get_default_device") else None,
             threads=torch.get_num_threads(), deterministic=torch.are_deterministic_algorithms_enabled(),
+            anomaly=(torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+            matmul_precision=torch.get_float32_matmul_precision(),
+            cwd=_cwd(), environ=dict(os.environ),
             torch_rng=torch.get_rng_state(),
             cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized()
             else None,
@@ -320,6 +331,21 @@ class _State:
             torch.set_num_threads(self.threads)
         if torch.are_deterministic_algorithms_enabled() != self.deterministic:
             torch.use_deterministic_algorithms(self.deterministic)
+        if (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) != self.anomaly:
+            torch.set_anomaly_enabled(*self.anomaly)
+        if torch.get_float32_matmul_precision() != self.matmul_precision:
+            torch.set_float32_matmul_precision(self.matmul_precision)
+        if self.cwd is not None and _cwd() != self.cwd:
+            try:
+                os.chdir(self.cwd)
+            except OSError:
+                pass   # the folder is gone (the student's code deleted it): nothing to go back to
+        if dict(os.environ) != self.environ:
+            for name in [n for n in os.environ if n not in self.environ]:
+                del os.environ[name]
+            for name, value in self.environ.items():
+                if os.environ.get(name) != value:
+                    os.environ[name] = value
         torch.set_rng_state(self.torch_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
@@ -329,6 +355,13 @@ class _State:
             numpy.random.set_state(self.numpy_rng)
         for obj, saved in self.attributes.items():
             _restore_namespace(obj, saved)
+
+
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:   # the working directory was deleted under us
+        return None
 
 
 def _install_references() -> None:
@@ -390,15 +423,71 @@ def _finish(result: CheckResult, graded: bool = True) -> CheckResult:
     return _nbgrader.for_nbgrader(result, graded)   # last: under nbgrader a failed graded check raises
 
 
+def _accepts(value: Any, hint: Any) -> bool | None:
+    """Whether ``value`` fits the annotation ``hint`` (None: the hint says nothing checkable)."""
+    if hint is Any or hint is inspect.Parameter.empty:
+        return None
+    if get_origin(hint) in (Union, UnionType):
+        verdicts = [_accepts(value, arg) for arg in get_args(hint)]
+        return None if None in verdicts and not any(verdicts) else any(v for v in verdicts)
+    if hint is NoneType:
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    return None
+
+
+def _expected(hint: Any) -> str:
+    if get_origin(hint) in (Union, UnionType):
+        return " or ".join(_expected(arg) for arg in get_args(hint))
+    return {bool: "True or False (a bool)", int: "an int", float: "a finite number", str: "a str",
+            NoneType: "None"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _validate_options(name: str, signature: inspect.Signature, hints: dict[str, Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> None:
+    """A checker's own options (its parameters with a default, such as ``norm_first``) are validated like the
+    public API's arguments; the student's work (the parameters without a default) is judged, never rejected."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        shown = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+                          for p in signature.parameters.values())
+        raise TypeError(f"{name}: {exc}. Call it as {name}({shown}).") from None
+    for option, value in bound.arguments.items():
+        parameter = signature.parameters[option]
+        if parameter.default is inspect.Parameter.empty or parameter.kind in (parameter.VAR_POSITIONAL,
+                                                                             parameter.VAR_KEYWORD):
+            continue
+        hint = hints.get(option, inspect.Parameter.empty)
+        if hint is inspect.Parameter.empty and parameter.default is not None:
+            hint = type(parameter.default)
+        if _accepts(value, hint) is False:
+            raise TypeError(f"{name}: {option}: expected {_expected(hint)}, got {validate.describe(value)}")
+
+
 def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[..., CheckResult]]:
     """Decorate ``check(candidate, ...) -> str | None``: it returns a success message or raises Failure.
 
     The decorated checker takes one more keyword, ``graded`` (default True): see ``_nbgrader``."""
 
     def wrap(body: Callable[..., str | None]) -> Callable[..., CheckResult]:
+        signature = inspect.signature(body)
+        try:
+            hints = get_type_hints(body)
+        except Exception:  # an annotation that cannot be resolved: validate by the defaults' types only
+            hints = {}
+
         @functools.wraps(body)
         def run(*args: Any, graded: bool = True, **kwargs: Any) -> CheckResult:
             validate.boolean("graded", graded)
+            _validate_options(body.__name__, signature, hints, args, kwargs)
             return _finish(_judge(*args, **kwargs), graded)
 
         def _judge(*args: Any, **kwargs: Any) -> CheckResult:

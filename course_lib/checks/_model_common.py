@@ -76,7 +76,7 @@ def randomize_(module: nn.Module, generator: torch.Generator) -> nn.Module:
 
 @contextlib.contextmanager
 def recording_calls(module: nn.Module) -> Iterator[list[dict[str, Any]]]:
-    """Record how ``module`` is called: its first argument's shape, the cache and its length."""
+    """Record how ``module`` is called: its first argument (and shape), the cache and its length."""
     calls: list[dict[str, Any]] = []
 
     def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -87,6 +87,7 @@ def recording_calls(module: nn.Module) -> Iterator[list[dict[str, Any]]]:
             with contextlib.suppress(Exception):
                 length = cache[0].length
         calls.append({"shape": tuple(first.shape) if isinstance(first, torch.Tensor) else None,
+                      "ids": first.detach().clone() if isinstance(first, torch.Tensor) else None,
                       "cache": cache, "cache_length": length, "training": module.training})
 
     handle = module.register_forward_pre_hook(hook, with_kwargs=True)

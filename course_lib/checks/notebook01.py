@@ -26,6 +26,7 @@ from ._attn_probes import (
 from ._compare import close, max_diff
 from ._core import Failure, call, checker, fail, register
 from ._expect import expect_finite, expect_tensor
+from ._gradients import check_function_gradients
 from ._mistake import Mistake
 
 __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]
@@ -168,6 +169,9 @@ def check_toy_attention(fn: Callable[..., Any]) -> str:
             raise
         outputs.append((out, expected))
     if all(close(out, expected) for out, expected in outputs):
+        query, keys, values = cases[2]
+        check_function_gradients(fn, ref.toy_attention, query, keys, values, names=("query", "keys", "values"),
+                                 what="toy_attention(query, keys, values) with values (n, dv)")
         return "Matches toy_attention on the worked example and on random keys with scalar and vector values."
     found = first_match(_TOY_HYPOTHESES, [out for out, _ in outputs],
                         lambda i, spec: _toy_variant(*cases[i], spec["kind"]))
@@ -266,6 +270,11 @@ def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
             raise
         outputs.append((out, expected))
     if all(close(out, expected) for out, expected in outputs):
+        for q, k, v, mask in (cases[1], cases[2]):   # without and with a mask
+            args = (q, k, v) + (() if mask is None else (mask,))
+            check_function_gradients(fn, ref.scaled_dot_product_attention, *args, names=("q", "k", "v"),
+                                     what=f"scaled_dot_product_attention with q {shape_str(q.shape)}"
+                                          + ("" if mask is None else " and a mask"))
         return ("Matches the reference for 3-D and 4-D inputs, queries and keys of different lengths, with and "
                 "without masks.")
     found = first_match(SDPA_HYPOTHESES, [out for out, _ in outputs],

@@ -15,6 +15,7 @@ from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
 from ._attn_probes import call_student, expect_callable
 from ._core import checker, fail, register
 from ._expect import expect_tensor
+from ._gradients import check_function_gradients
 
 __all__ = ["check_split_heads", "check_merge_heads", "check_multi_head_attention"]
 
@@ -60,6 +61,8 @@ def check_split_heads(fn: Callable[..., Any]) -> str:
                  "each head takes every num_heads-th feature instead of a block of head_dim neighbouring "
                  "features: split the last axis as (heads, head_dim), in that order."),
             ], what, "Head h should hold features h*head_dim ... (h+1)*head_dim - 1 of every position.")
+    check_function_gradients(fn, ref.split_heads, torch.randn(2, 3, 8), 2, names=("x",),
+                             what="split_heads(x, 2) with x of shape (2, 3, 8)")
     return "Right for 1 to 4 heads: each head holds its own block of features at every position."
 
 
@@ -89,6 +92,8 @@ def check_merge_heads(fn: Callable[..., Any]) -> str:
                 (x.permute(0, 2, 3, 1).reshape(n, length, heads * head_dim),
                  "the heads' features are interleaved: flatten as (heads, head_dim), head after head."),
             ], what, "Position l of the output should hold head 0's features, then head 1's, and so on.")
+    check_function_gradients(fn, ref.merge_heads, torch.randn(2, 2, 3, 4), names=("x",),
+                             what="merge_heads(x) with x of shape (2, 2, 3, 4)")
     return "Right for 1 to 4 heads: merge_heads puts the heads side by side and undoes split_heads."
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from ._compare import close
 from ._core import Failure, call, checker, expect_tensor, fail, register
 from ._expect import construct
+from ._gradients import check_module_gradients
 from ._mistake import Mistake
 from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice
 
@@ -175,6 +176,12 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
         Mistake("norm_placement", f"you normalise both before the sublayers and after the residual additions; this "
                                   f"block is {right}, so each LayerNorm is used once.",
                 output=lambda x, a, m, l1, l2: l2((h := l1(x + a(l1(x)))) + m(l2(h)))),
+        Mistake("norm_placement", "you apply each LayerNorm to the sublayer's OUTPUT (x + ln1(attn(x))). A "
+                                  "LayerNorm there undoes the sublayer's scale, so the block can no longer learn "
+                                  "how much each sublayer adds. "
+                                  + ("Pre-norm normalises the sublayer's INPUT: x + attn(ln1(x))."
+                                     if norm_first else "Post-norm normalises the SUM: ln1(x + attn(x))."),
+                output=lambda x, a, m, l1, l2: (h := x + l1(a(x))) + l2(m(h))),
         Mistake("residual", "the feed-forward sublayer reads the block's input x instead of the output of the "
                             "attention step (the two sublayers run in parallel). Feed the updated x forward.",
                 output=(lambda x, a, m, l1, l2: x + a(l1(x)) + m(l2(x))) if norm_first
@@ -268,12 +275,29 @@ def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor,
             finally:
                 proj.weight.copy_(saved)
             if isinstance(doubled, torch.Tensor) and close(doubled, got):
-                fail("mismatch", f"{what}: the output does not depend on self.{name}; make sure its result "
-                                 f"goes into what forward returns.")
+                _no_effect(candidate, proj, x, got, name, what)
     fail("mismatch", f"{what}: the output differs from the reference {('pre' if norm_first else 'post')}-norm "
                      f"block (largest difference {(got - reference(x)).abs().max():.3g}). Check the order: "
                      + ("x + attn(...) of ln1(x), then the same with ln2 and mlp."
                         if norm_first else "ln1 of (x + attention of x), then ln2 of (x + mlp of x)."))
+
+
+def _no_effect(candidate: nn.Module, proj: nn.Linear, x: torch.Tensor, got: torch.Tensor, name: str,
+               what: str) -> None:
+    """Doubling self.{name}'s output projection left the output unchanged: ignored, or only its scale lost?"""
+    saved = proj.weight.clone()
+    proj.weight.copy_(torch.flip(saved, dims=(0,)))   # the same numbers, other directions
+    try:
+        other = call(candidate, x, what=what)
+    finally:
+        proj.weight.copy_(saved)
+    if isinstance(other, torch.Tensor) and other.shape == got.shape and not close(other, got):
+        fail("norm_placement", f"{what}: your block is blind to the SCALE of self.{name} (doubling its output "
+                               f"changes nothing), though not to its direction: a LayerNorm sits on the "
+                               f"sublayer's output. Normalise the sublayer's input (pre-norm) or the residual "
+                               f"sum (post-norm), never the sublayer's output alone.")
+    fail("mismatch", f"{what}: the output does not depend on self.{name}; make sure its result "
+                     f"goes into what forward returns.")
 
 
 @checker("4.2")
@@ -294,6 +318,8 @@ def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
                                 f"always on.")
             if not close(got, reference(x)):
                 _diagnose_block(candidate, reference, x, got, norm_first, what)
+    x = _inputs(generator, 2, _MAX_TOKENS)
+    check_module_gradients(candidate, reference, x, what=f"your block on x of shape {tuple(x.shape)}")
     candidate.train()
     x = _inputs(generator, 2, _MAX_TOKENS)
     with torch.no_grad():
@@ -336,8 +362,8 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
         Mistake("mismatch", "the positions are missing: you never add the position encodings, so the model cannot "
                             "tell where a token sits. Add self.position_encoding(...) to the token embeddings.",
                 output=lambda idx: run(idx, positions=False)),
-        Mistake("mismatch", "the final LayerNorm self.ln_f is missing: apply it after the last block, before the "
-                            "output head.",
+        Mistake("final_norm", "the final LayerNorm self.ln_f is missing: apply it after the last block, before "
+                              "the output head.",
                 output=lambda idx: run(idx, ln_f=False)),
         Mistake("mismatch", "the positions are missing and the final LayerNorm ln_f is not applied.",
                 output=lambda idx: run(idx, positions=False, ln_f=False)),
@@ -394,8 +420,8 @@ def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor,
     finally:
         candidate.ln_f.weight.copy_(saved)
     if isinstance(changed_ln, torch.Tensor) and close(changed_ln, got):
-        fail("mismatch", f"{what}: the output does not depend on the final LayerNorm self.ln_f; apply it "
-                         f"after the last block, before the head.")
+        fail("final_norm", f"{what}: the output does not depend on the final LayerNorm self.ln_f; apply it "
+                           f"after the last block, before the head.")
     fail("mismatch", f"{what}: the logits differ from the reference (largest difference "
                      f"{(got - reference(idx)).abs().max():.3g}). The recipe: token embeddings plus position "
                      f"encodings, dropout, every block in turn, ln_f, then the head.")
@@ -485,6 +511,8 @@ def check_gpt(cls: Any) -> str:
                                 f"should be off. Use self.dropout (an nn.Dropout follows model.eval()).")
             if not close(got, reference(idx)):
                 _diagnose_gpt(candidate, reference, idx, got, what)
+    idx = torch.randint(0, vocab, (2, config.max_tokens), generator=generator)
+    check_module_gradients(candidate, reference, idx, what=f"your GPT on idx of shape {tuple(idx.shape)}")
     _check_gpt_training(candidate, torch.randint(0, vocab, (4, config.max_tokens), generator=generator),
                         config.dropout_rate)
     too_long = torch.randint(0, vocab, (1, config.max_tokens + 1), generator=generator)

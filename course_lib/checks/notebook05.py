@@ -17,6 +17,7 @@ from torch import nn
 
 from ._compare import close
 from ._core import Failure, call, checker, expect_tensor, fail, register
+from ._gradients import check_function_gradients
 from ._mistake import Mistake
 from ._model_common import accepts, as_tensor, extend, recording_calls
 
@@ -61,11 +62,12 @@ def _diagnose_windows(inputs: torch.Tensor, targets: torch.Tensor, expected: tor
                          f"input j.")
     starts = _window_starts(inputs, offset)
     steps = {b - a for a, b in zip(starts, starts[1:])}
+    if steps and 0 < min(steps) and max(steps) < stride:
+        every = "at every token" if steps == {1} else f"every {sorted(steps)[0]} tokens"
+        fail("overlapping_windows", f"{what}: your windows overlap: one starts {every} ({len(starts)} windows). "
+                                    f"Here windows start every {stride} tokens ({count} windows), so each token "
+                                    f"is a target once.")
     if inputs.shape[0] != count:
-        if steps == {1} and stride != 1:
-            fail("shape", f"{what}: your windows overlap: one starts at every token ({len(starts)} windows). "
-                          f"Here windows start every {stride} tokens ({count} windows), so each token is a "
-                          f"target once.")
         if steps == {max_tokens + 1} and stride == max_tokens:
             fail("shape", f"{what}: consecutive windows start max_tokens + 1 = {max_tokens + 1} tokens apart, so "
                           f"one token in every window is never a target. Start them max_tokens = {max_tokens} "
@@ -227,11 +229,9 @@ def check_lm_loss(fn: Callable[..., Any]) -> str:
             fail("mismatch", f"{what} returned {got.item():.5f}, expected {expected.item():.5f}: the mean "
                              f"cross-entropy of the logits against the targets, ignoring -100.")
         if not got.requires_grad:
-            fail("mismatch", f"{what}: the loss has the right value but is cut off from the logits (no gradient "
+            fail("gradient", f"{what}: the loss has the right value but is cut off from the logits (no gradient "
                              f"can flow back). Avoid .item(), .detach(), torch.no_grad() or numpy inside lm_loss.")
-        got.backward()
-        if leaf.grad is None or not torch.isfinite(leaf.grad).all():
-            fail("nan", f"{what}: backward() gave no or non-finite gradients for the logits.")
+        check_function_gradients(fn, reference, logits, targets, names=("logits",), what=what)
     return "Mean cross-entropy over the real targets, -100 ignored, gradients flow back."
 
 
@@ -313,9 +313,9 @@ def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.O
         if grads:
             fail("mismatch", f"{what}: gradients were computed but the weights did not change: call "
                              f"optimizer.step() after loss.backward().")
-        fail("mismatch", f"{what}: backward ran but the weights did not change, because the gradients were "
-                         f"cleared before the step could use them. Order: zero_grad, forward, loss, backward, "
-                         f"step.")
+        fail("zero_grad", f"{what}: backward ran but the weights did not change, because the gradients were "
+                          f"cleared before the step could use them. Order: zero_grad, forward, loss, backward, "
+                          f"step.")
     return loss, note, delta, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params], \
         in_training
 
@@ -349,7 +349,7 @@ def check_train_step(fn: Callable[..., Any]) -> str:
                 fail("mismatch", f"{what}: the update is {ratio:.2f} times the gradient step: did you call "
                                  f"loss.backward() (or optimizer.step()) more than once?")
         elif left_over is not None and _cosine(delta, -(left_over + g)) > 0.9999:
-            fail("mismatch", f"{what}: the gradients of the previous step were still there: without "
+            fail("zero_grad", f"{what}: the gradients of the previous step were still there: without "
                              f"optimizer.zero_grad() they accumulate, so each step also pushes in the direction "
                              f"of every earlier batch. Clear them at the start of every step.")
         else:
@@ -375,7 +375,13 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
         g = _flat(_gradient(model, inputs, targets)[0])
         limit = None if fraction is None else fraction * float(g.norm())
         what = f"train_step(..., max_grad_norm={'None' if limit is None else f'{limit:.3g}'})"
-        _, _, delta, _, _ = _one_step(fn, model, optimizer, inputs, targets, what, max_grad_norm=limit)
+        try:
+            _, _, delta, _, _ = _one_step(fn, model, optimizer, inputs, targets, what, max_grad_norm=limit)
+        except Failure as failure:
+            if limit is None and failure.diagnosis == "exception":
+                fail("clipping", extend(failure.message, "max_grad_norm=None means: do not clip (the exercise's "
+                                        "step 5). Clip only `if max_grad_norm is not None`."))
+            raise
         ratio = float(delta.norm() / (_LR * g.norm()))      # 1 when the full gradient step was taken
         expected = 1.0 if fraction is None else fraction
         if abs(ratio - expected) <= 0.01 * expected:
@@ -396,7 +402,8 @@ register("5.3", "train_step", [
     "Five lines: forget the old gradients, compute the logits, the loss, the gradients, then update.",
     "The optimizer clears the gradients and applies the update; the loss tensor computes the gradients. Old "
     "gradients must be gone before backward, and the update needs the new ones.",
-    "Call model.train() first (evaluation switches dropout off) and return loss.item(), a plain float.",
+    "Call model.train() first (evaluation switches dropout off), clip between backward and step unless "
+    "max_grad_norm is None, and return loss.item(), a plain float.",
 ], solution="course_lib.train:train_step")
 
 
@@ -539,6 +546,35 @@ def _check_generator_is_used(fn: Callable[..., Any], logits: torch.Tensor) -> No
                           f"torch.multinomial(probs, 1, generator=generator).")
 
 
+def _check_top_k_per_row(fn: Callable[..., Any]) -> None:
+    """top_k keeps the k largest logits OF EACH ROW: rows of very different scales show a threshold taken
+    over the whole batch (each row alone is fine, together they are not)."""
+    rows = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0],
+                         [-5.0, -4.0, -3.0, -2.0, -1.0, 0.0]])
+    allowed = _probabilities(rows, 2) > 0                              # (2, 6): tokens 0, 1 and 4, 5
+    repeats = 200
+    what = "sample_next_token(top_k=2) on rows of different scales"
+
+    def kept_top_2(logits: torch.Tensor, row: torch.Tensor) -> bool:
+        """Were only each row's own top 2 tokens drawn? ``row`` says which of ``rows`` each line is."""
+        try:
+            draws = as_tensor(call(fn, logits.clone(), top_k=2, what=what))
+        except Failure:
+            return False
+        if not isinstance(draws, torch.Tensor) or draws.shape != row.shape or draws.is_floating_point():
+            return False
+        return bool(allowed[row, draws.long().clamp(0, 5)].all())
+
+    mixed = torch.arange(2).repeat(repeats)                            # (400,): 0, 1, 0, 1, ...
+    if kept_top_2(rows[mixed], mixed):
+        return
+    if all(kept_top_2(rows[i:i + 1].repeat(repeats, 1), torch.full((repeats,), i)) for i in range(2)):
+        fail("batch_mixing", f"{what}: each row alone keeps its own top 2 tokens, but in a batch the rows change "
+                             f"each other's result: you take the k-th largest logit over the whole batch. Take it "
+                             f"per row, logits.topk(top_k, dim=-1).values[:, -1:] (shape (N, 1)), and compare "
+                             f"each row with its own threshold.")
+
+
 @checker("5.4")
 def check_sampling(fn: Callable[..., Any]) -> str:
     """fn(logits (N, V), temperature=1.0, top_k=None, generator=None) -> (N,) long."""
@@ -556,6 +592,7 @@ def check_sampling(fn: Callable[..., Any]) -> str:
     _check_distribution(fn, _BASE, 1.0, None)
     _check_distribution(fn, _BASE + 3.0, 1.0, None)   # all positive: raw logits would not crash multinomial
     _check_distribution(fn, _BASE, 0.5, None)
+    _check_top_k_per_row(fn)
     _check_distribution(fn, _BASE, 1.0, 3)
     _check_distribution(fn, _BASE, 2.0, 2)
     top1 = _draw(fn, _BASE.repeat(50, 1), "sample_next_token(top_k=1)", top_k=1)

@@ -40,10 +40,13 @@ def _terms(config: Any, weights: int) -> tuple[float, float]:
 
 # Known slips: (name, what they compute, what to tell the student). The attention term is
 # written from the parts of 12·n·H·Q·T so each slip changes exactly one thing.
-_SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (
+_SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (   # (name, count, advice)
     ("forward only", lambda c, n: 2 * n + 4 * _lhqt(c),
      "you count the forward pass only (2N + 4·n·H·Q·T). Training also runs the backward pass, which needs two "
      "matrix multiplies for every one of the forward pass: three times the forward in all, so 6N and 12·n·H·Q·T."),
+    ("2N only", lambda c, n: 2 * n,
+     "you count 2N, the forward pass of the weights alone. Training also runs the backward pass (two more matrix "
+     "multiplies for every one of the forward pass, 6N in all), and attention adds 12·n·H·Q·T."),
     ("weights forward only", lambda c, n: 2 * n + _terms(c, n)[1],
      "the weights' term counts only the forward pass (2N). Backward needs the gradient for the input and the "
      "gradient for the weight, 4N more: 6N in all."),
@@ -75,6 +78,10 @@ _SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (
      "the result is T = max_tokens times too large: that is the count for a whole window of T tokens. "
      "The function returns FLOPs per token."),
 )
+
+
+# The slips of the forward/backward factor (2N or 4N where training costs 6N): diagnosis flops_factor.
+_FACTOR_SLIPS = ("2N only", "forward only", "weights forward only", "4N", "attention forward only")
 
 
 def _as_number(value: Any, what: str) -> float:
@@ -121,9 +128,10 @@ def check_flops_per_token(fn: Callable[..., Any]) -> str:
     config, weights, what, got, expected = wrong[0]
     # A slip is named only when it explains every configuration: with L = 2, say, leaving out
     # the layers and counting one product per head give the same number.
-    for _name, slip, advice in _SLIPS:
+    for name, slip, advice in _SLIPS:
         if all(_same(c[3], slip(c[0], c[1])) for c in cases):
-            fail("mismatch", f"{what} returned {got:,.0f}, expected {expected:,.0f}: {advice}")
+            fail("flops_factor" if name in _FACTOR_SLIPS else "mismatch",
+                 f"{what} returned {got:,.0f}, expected {expected:,.0f}: {advice}")
     for unit, scale in (("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3)):
         if all(_same(c[3] * scale, c[4]) for c in cases):
             fail("mismatch", f"{what} returned {got:g}, which is the right count in {unit}. Return plain "
@@ -168,29 +176,45 @@ def _without_offset(model: nn.Module, idx: torch.Tensor, new: int) -> torch.Tens
     return idx
 
 
-def _explain_calls(calls: list[dict[str, Any]]) -> str | None:
-    """What the recorded model calls say about how the cache was used, if it was misused."""
+def _explain_calls(calls: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(diagnosis, explanation) of what the recorded model calls say about a misused cache, if it was."""
     if not calls:
         return None   # model.forward(...) called directly bypasses the hook: nothing to say
+    flat = next((c for c in calls if c["shape"] is not None and len(c["shape"]) != 2), None)
+    if flat is not None:
+        return ("shape", f"you feed the model token ids of shape {flat['shape']}; it takes (N, L). Keep the new "
+                         f"token as (N, 1): argmax(-1, keepdim=True), or next_id[:, None].")
     if all(c["cache"] is None for c in calls):
-        return ("you never pass a cache to the model, so every step recomputes the whole sequence. Create one "
-                "with model.new_cache() before the loop and pass it to every call.")
+        return ("no_kv_cache", "you never pass a cache to the model, so every step recomputes the whole sequence. "
+                               "Create one with model.new_cache() before the loop and pass it to every call.")
     later = calls[1:]
     if any(c["cache"] is None for c in later):
-        return ("after the first call you call the model without the cache: the new token then sees no earlier "
-                "token. Pass the same cache to every call.")
+        return ("no_kv_cache", "after the first call you call the model without the cache: the new token then sees "
+                               "no earlier token. Pass the same cache to every call.")
     if any(c["cache_length"] and c["shape"] and c["shape"][1] > 1 for c in later):
-        return ("you feed the whole sequence again at every step into a cache that already holds it, so the cache "
-                "stores the same tokens twice (and soon overflows). Once the prompt is in the cache, feed only "
-                "the newest token.")
+        return ("kv_cache", "you feed the whole sequence again at every step into a cache that already holds it, so "
+                            "the cache stores the same tokens twice (and soon overflows). Once the prompt is in the "
+                            "cache, feed only the newest token.")
     fresh = [c for c in later if c["cache_length"] == 0]
     if fresh and all(c["shape"] and c["shape"][1] == 1 for c in fresh):
-        return ("you start a new cache at every step, so each new token sees only itself. Create the cache once, "
-                "before the loop, and keep passing it.")
+        return ("no_kv_cache", "you start a new cache at every step, so each new token sees only itself. Create "
+                               "the cache once, before the loop, and keep passing it.")
     if fresh:
-        return ("you create a new cache at every step and feed it the whole sequence, so nothing is saved. Create "
-                "the cache once before the loop, then feed only the newest token.")
+        return ("no_kv_cache", "you create a new cache at every step and feed it the whole sequence, so nothing is "
+                               "saved. Create the cache once before the loop, then feed only the newest token.")
     return None
+
+
+@torch.no_grad()
+def _refeeding_last_prompt_token(model: nn.Module, idx: torch.Tensor, new: int) -> torch.Tensor:
+    """Greedy decoding that feeds the prompt, then its last token again before the first argmax (the slip of a
+    loop that feeds idx[:, -1:] at the top): the cache holds that token twice, and each new token sits late."""
+    cache = model.new_cache()
+    model(idx, cache)
+    for _ in range(new):
+        logits = model(idx[:, -1:], cache)
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)   # (N, L + 1)
+    return idx
 
 
 def _run(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, what: str
@@ -202,7 +226,8 @@ def _run(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, 
         except Failure as failure:
             explanation = _explain_calls(calls) if failure.diagnosis == "exception" else None
             if explanation:
-                fail("exception", extend(failure.message, f"It looks like {explanation}"))
+                code = "shape" if explanation[0] == "shape" else "exception"
+                fail(code, extend(failure.message, f"It looks like {explanation[1]}"))
             raise
     return result, calls
 
@@ -236,7 +261,14 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
         explanation = _explain_calls(calls)
         if not torch.equal(got, expected):
             if explanation:
-                fail("mismatch", f"{what}: the tokens differ from generation without a cache; {explanation}")
+                fail(explanation[0], f"{what}: the tokens differ from generation without a cache; {explanation[1]}")
+            if length + new <= model.config.max_tokens - 1 and torch.equal(got, _refeeding_last_prompt_token(
+                    model, idx, new)):
+                fail("kv_cache", f"{what}: the tokens differ from generation without a cache: after the prompt you "
+                                 f"feed its LAST token again, so the cache holds it twice and every new token sits "
+                                 f"one position late. The prompt's call already gives the logits for the first new "
+                                 f"token: take the argmax of its last position, then feed only the tokens you "
+                                 f"generate.")
             if torch.equal(got, _without_offset(model, idx, new)):
                 fail("mismatch", f"{what}: the positions of the new tokens are not offset: each new token is "
                                  f"encoded at position 0. It sits at position cache length (the number of "
@@ -246,7 +278,7 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
                              f"{step} on. Each step: argmax of the last position's logits, append it, feed only "
                              f"it to the model with the cache.")
         if explanation:
-            fail("mismatch", f"{what}: the tokens are right, but {explanation}")
+            fail(explanation[0], f"{what}: the tokens are right, but {explanation[1]}")
     return "Token for token the same as generation without a cache." + _speed_note(fn)
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from ._compare import close
 from ._core import call, checker, expect_tensor, fail, register
+from ._gradients import check_function_gradients
 from ._mistake import Mistake
 from ._model_common import as_tensor, randomize_
 
@@ -57,13 +58,15 @@ def check_split_c_attn(fn: Callable[..., Any]) -> str:
                     continue
                 problems = []
                 if not transposed:
-                    problems.append("you forgot to transpose: Conv1D stores its weight as (in, out) and computes "
-                                    "x @ W, while nn.Linear stores (out, in) and computes x @ W.T, so each third "
-                                    "needs a .T")
+                    problems.append("each third is still in Conv1D's (in, out) layout: either it was never "
+                                    "transposed, or it was transposed twice (the whole weight, then each block "
+                                    "again), and two transposes cancel. Conv1D stores its weight as (in, out) and "
+                                    "computes x @ W, while nn.Linear stores (out, in) and computes x @ W.T, so "
+                                    "each third needs exactly one .T")
                 if order != (0, 1, 2):
                     problems.append(f"the order is wrong: c_attn's output holds the query first, then the key, "
                                     f"then the value; you returned them as ({', '.join(_NAMES[j] for j in order)})")
-                fail("mismatch", f"{what}: " + "; and ".join(problems) + ".")
+                fail("split_transpose" if not transposed else "mismatch", f"{what}: " + "; and ".join(problems) + ".")
         interleaved = weight.view(embed_dim, embed_dim, 3).unbind(-1)
         if all(close(p, w.T) or close(p, w) for p, w in zip(parts, interleaved)):
             fail("mismatch", f"{what}: you took every third column. The query, key and value are three "
@@ -190,6 +193,9 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
                                 f"others. Fill the blocked positions with -inf.")
         fail("mismatch", f"{what}: with a padding mask the output differs from the reference (largest "
                          f"difference {(got - expected).abs().max():.3g}). The mask is bool, True = may attend.")
+    check_function_gradients(lambda *qkv: _direct(fn, module, *qkv, causal[None, None], scaling, what),
+                             lambda *qkv: reference(module, *qkv, causal[None, None], scaling=scaling)[0],
+                             q, k, v, names=("query", "key", "value"), what="your attention function")
     _check_fewer_queries(fn, module, k, v, scaling, generator)
 
 

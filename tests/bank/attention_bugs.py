@@ -1417,3 +1417,200 @@ class MultiEinsumFloat64(_MultiBase):
         weights = self.attn_dropout(scores.softmax(-1))
         out = torch.einsum("nhqk,nhkd->nqhd", weights, v).reshape(n, length, self.embed_dim)   # (N, L, E)
         return self.proj_dropout(self.proj(out.to(x.dtype)))
+
+
+# ============================================================================ issue 20: code that cannot learn
+# Each computes the right numbers, so only the gradient probe sees it.
+
+@bug("1.2", "gradient")
+def toy_weights_under_no_grad(query, keys, values):
+    with torch.no_grad():
+        weights = torch.softmax(keys @ query, dim=0)
+    return weights @ values
+
+
+@bug("1.2", "gradient")
+def toy_values_detached(query, keys, values):
+    return torch.softmax(keys @ query, dim=0) @ values.detach()
+
+
+@bug("1.2", "gradient")
+def toy_rebuilt_from_python_numbers(query, keys, values):
+    weights = torch.tensor([w.item() for w in torch.softmax(keys @ query, dim=0)])
+    return weights.to(values.dtype) @ values
+
+
+@correct("1.2")
+def toy_written_out_softmax(query, keys, values):
+    scores = keys @ query
+    e = torch.exp(scores - scores.max())
+    return (e / e.sum()) @ values
+
+
+@bug("1.3", "gradient")
+def sdpa_v_detached(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v.detach()
+
+
+@bug("1.3", "gradient")
+def sdpa_scores_under_no_grad(q, k, v, mask=None):
+    with torch.no_grad():   # "the scores are only an intermediate step"
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@bug("1.3", "gradient")
+def sdpa_key_data(q, k, v, mask=None):
+    scores = q @ k.data.transpose(-2, -1) / math.sqrt(q.shape[-1])   # .data: an old idiom, cuts the graph
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@correct("1.3")
+def sdpa_baddbmm_style(q, k, v, mask=None):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))                # scaling q first: same numbers
+    if mask is not None:
+        scores = torch.where(mask, scores, torch.full_like(scores, float("-inf")))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+@bug("3.1", "gradient")
+def split_detached(x, num_heads):
+    n, length, embed_dim = x.shape
+    return x.detach().view(n, length, num_heads, embed_dim // num_heads).transpose(1, 2)
+
+
+@bug("3.2", "gradient")
+def merge_through_numpy(x):
+    n, heads, length, head_dim = x.shape
+    merged = x.detach().numpy().transpose(0, 2, 1, 3).reshape(n, length, heads * head_dim)
+    return torch.from_numpy(merged.copy())
+
+
+@bug("2.2", "gradient")
+class MaskedProjectionsUnderNoGrad(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        with torch.no_grad():   # copied from notebook 02's section 1, where it is right for a demonstration
+            q, k, v = self.query(x), self.key(x), self.value(x)
+        weights = self.attn_dropout(self.normalise(self.masked(self.scores(q, k), length)))
+        return self.proj_dropout(self.proj(weights @ v))
+
+
+@bug("2.2", "gradient")
+class MaskedKeyDetached(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x).detach(), self.value(x)
+        weights = self.attn_dropout(self.normalise(self.masked(self.scores(q, k), length)))
+        return self.proj_dropout(self.proj(weights @ v))
+
+
+@bug("3.3", "gradient")
+class MultiValuesDetached(_MultiBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x)).detach()
+        weights = self.attn_dropout(self.normalise(self.masked(self.scores(q, k), length)))
+        return self.proj_dropout(self.proj(self.merge(weights @ v)))
+
+
+@bug("3.3", "gradient")
+class MultiProjectionWeightDetached(_MultiBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        weights = self.attn_dropout(self.normalise(self.masked(self.scores(q, k), length)))
+        return self.proj_dropout(F.linear(self.merge(weights @ v), self.proj.weight.detach()))
+
+
+@bug("3.3", "gradient")
+class MultiProjectionsUnderNoGrad(_MultiBase):
+    def forward(self, x):
+        length = x.shape[1]
+        with torch.no_grad():
+            q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        weights = self.attn_dropout(self.normalise(self.masked(self.scores(q, k), length)))
+        return self.proj_dropout(self.proj(self.merge(weights @ v)))
+
+
+@bug("3.3", "gradient")
+class MultiScoresInPlaceOnSavedTensor(_MultiBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        weights = self.normalise(self.masked(self.scores(q, k), length))
+        out = weights @ v
+        weights.mul_(1.0)   # "harmless" in place: but the matmul saved weights for backward
+        return self.proj_dropout(self.proj(self.merge(out)))
+
+
+# ============================================================================ issue 20: dropout one-hot probes miss
+
+@bug("3.3", "dropout")
+class MultiDropoutOnMergedHeads(_MultiBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        weights = self.normalise(self.masked(self.scores(q, k), length))
+        merged = self.attn_dropout(self.merge(weights @ v))       # dropout on the heads' outputs, not the weights
+        return self.proj_dropout(self.proj(merged))
+
+
+@bug("3.3", "dropout")
+class MultiDropoutOnValues(_MultiBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k = self.split(self.query(x)), self.split(self.key(x))
+        v = self.attn_dropout(self.split(self.value(x)))          # dropout on v instead of the weights
+        weights = self.normalise(self.masked(self.scores(q, k), length))
+        return self.proj_dropout(self.proj(self.merge(weights @ v)))
+
+
+@bug("2.2", "dropout")
+class MaskedDropoutOnOutputBeforeProj(_MaskedBase):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        weights = self.normalise(self.masked(self.scores(q, k), length))
+        return self.proj_dropout(self.proj(self.attn_dropout(weights @ v)))
+
+
+@correct("3.3")
+class MultiFusedDropoutFromModule(GivenMultiHeadAttention):
+    def forward(self, x):
+        n, length, _ = x.shape
+        q, k, v = (layer(x).view(n, length, self.num_heads, self.head_dim).transpose(1, 2)
+                   for layer in (self.query, self.key, self.value))                    # (N, h, L, hd)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             dropout_p=self.attn_dropout.p if self.training else 0.0)
+        return self.proj_dropout(self.proj(out.transpose(1, 2).reshape(n, length, self.embed_dim)))
+
+
+@bug("2.2", "gradient")
+class MaskedOutputDetached(_MaskedBase):
+    def forward(self, x):
+        return super().forward(x).detach()                  # "the caller only needs the numbers"
+
+
+@bug("3.3", "gradient")
+class MultiWholeForwardUnderNoGrad(_MultiBase):
+    @torch.no_grad()
+    def forward(self, x):
+        return super().forward(x)
+
+
+@bug("1.3", "gradient")
+def sdpa_weights_through_a_list(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.tensor(scores.softmax(-1).tolist(), dtype=q.dtype)   # rebuilt from Python numbers
+    return weights @ v

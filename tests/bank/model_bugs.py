@@ -403,7 +403,7 @@ class GPTNoPositions(GPT):
         return self.head(self.ln_f(x))
 
 
-@bug("4.3", "mismatch", "ln_f")
+@bug("4.3", "final_norm", "ln_f")
 class GPTNoFinalNorm(GPT):
     def forward(self, idx, cache=None):
         x = self.token_embedding(idx) + self.position_encoding(idx.shape[1])
@@ -561,7 +561,7 @@ def windows_too_long(ids, max_tokens):
     return torch.stack(inputs), torch.stack(targets)
 
 
-@bug("5.1", "shape", "overlap")
+@bug("5.1", "overlapping_windows", "overlap")
 def windows_every_token(ids, max_tokens):
     inputs = torch.stack([ids[i:i + max_tokens] for i in range(len(ids) - max_tokens)])
     targets = torch.stack([ids[i + 1:i + max_tokens + 1] for i in range(len(ids) - max_tokens)])
@@ -721,7 +721,7 @@ def step_returns_tensor(model, optimizer, inputs, targets, max_grad_norm=1.0):
     return loss.detach()
 
 
-@bug("5.3", "mismatch", "zero_grad")
+@bug("5.3", "zero_grad", "zero_grad")
 def step_no_zero_grad(model, optimizer, inputs, targets):
     model.train()
     loss = lm_loss(model(inputs), targets)
@@ -748,7 +748,7 @@ def step_no_backward(model, optimizer, inputs, targets):
     return loss.item()
 
 
-@bug("5.3", "mismatch", "cleared")
+@bug("5.3", "zero_grad", "cleared")
 def step_zero_grad_before_step(model, optimizer, inputs, targets):
     model.train()
     loss = lm_loss(model(inputs), targets)
@@ -1076,17 +1076,17 @@ def flops_as_numpy(config, num_weights):
     return np.int64(6 * num_weights) + np.int64(12 * config.num_layers * config.embed_dim * config.max_tokens)
 
 
-@bug("6.1", "mismatch", "forward pass only")
+@bug("6.1", "flops_factor", "forward pass only")
 def flops_forward_only(config, num_weights):
     return 2 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "2N", "6N")
+@bug("6.1", "flops_factor", "2N", "6N")
 def flops_weights_forward_only(config, num_weights):
     return 2 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "dL/dW")
+@bug("6.1", "flops_factor", "dL/dW")
 def flops_four_n(config, num_weights):
     return 4 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
@@ -1096,7 +1096,7 @@ def flops_weights_only(config, num_weights):
     return 6 * num_weights
 
 
-@bug("6.1", "mismatch", "only the forward pass", "12·n·H·Q·T")
+@bug("6.1", "flops_factor", "only the forward pass", "12·n·H·Q·T")
 def flops_attention_forward_only(config, num_weights):
     return 6 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
@@ -1201,7 +1201,7 @@ def cached_refeeds_everything(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.2", "mismatch", "new cache")
+@bug("6.2", "no_kv_cache", "new cache")
 def cached_new_cache_every_step(model, idx, max_new_tokens):
     logits = model(idx, model.new_cache())
     for _ in range(max_new_tokens):
@@ -1211,7 +1211,7 @@ def cached_new_cache_every_step(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.2", "mismatch", "never pass a cache")
+@bug("6.2", "no_kv_cache", "never pass a cache")
 def cached_without_cache(model, idx, max_new_tokens):
     for _ in range(max_new_tokens):
         logits = model(idx)
@@ -1219,7 +1219,7 @@ def cached_without_cache(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.2", "mismatch", "without the cache")
+@bug("6.2", "no_kv_cache", "without the cache")
 def cached_forgets_cache_later(model, idx, max_new_tokens):
     cache = model.new_cache()
     logits = model(idx, cache)
@@ -1311,7 +1311,7 @@ def split_slices(weight):
     return [weight[:, i * e:(i + 1) * e].t().contiguous() for i in range(3)]
 
 
-@bug("7.1", "mismatch", "transpose")
+@bug("7.1", "split_transpose", "transpose")
 def split_no_transpose(weight):
     return weight.split(weight.shape[0], dim=1)
 
@@ -1447,11 +1447,11 @@ class BlockInPlaceResidual(GivenBlock):
         return x
 
 
-@correct("4.2")
+@bug("4.2", "gradient", "in-place")
 class BlockInPlaceOnItsOwnTensor(GivenBlock):
     def forward(self, x):
-        h = x + self.attn(self.ln1(x))          # a new tensor ...
-        h += self.mlp(self.ln2(h))              # ... so adding to it in place harms no one
+        h = x + self.attn(self.ln1(x))          # a new tensor, so the forward is right ...
+        h += self.mlp(self.ln2(h))              # ... but ln2 saved h for backward: loss.backward() fails
         return h
 
 
@@ -1496,3 +1496,263 @@ class GPTFunctionalDropoutWithCheck(GPT):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+# ============================================================================ issue 20: code that cannot learn
+
+@bug("4.2", "gradient", "residual", "x")
+class BlockDetachedResidual(GivenBlock):
+    def forward(self, x):
+        x = x.detach() + self.attn(self.ln1(x))      # "the residual is just a copy"
+        return x + self.mlp(self.ln2(x))
+
+
+@bug("4.2", "gradient", "mlp.")
+class BlockMlpUnderNoGrad(GivenBlock):
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        with torch.no_grad():
+            update = self.mlp(self.ln2(x))
+        return x + update
+
+
+@bug("4.2", "gradient", "ln1.weight")
+class BlockLayerNormWeightDetached(GivenBlock):
+    def forward(self, x):
+        normed = F.layer_norm(x, x.shape[-1:], self.ln1.weight.detach(), self.ln1.bias, self.ln1.eps)
+        x = x + self.attn(normed)
+        return x + self.mlp(self.ln2(x))
+
+
+@correct("4.2")
+class BlockFunctionalLayerNorm(GivenBlock):
+    def forward(self, x):
+        eps = self.ln1.eps
+        h = F.layer_norm(x, (x.shape[-1],), self.ln1.weight, self.ln1.bias, eps)
+        x = torch.add(x, self.attn(h))
+        return x + self.mlp(F.layer_norm(x, (x.shape[-1],), self.ln2.weight, self.ln2.bias, eps))
+
+
+@bug("4.2", "norm_placement", "output")
+class BlockNormOnSublayerOutput(GivenBlock):
+    def forward(self, x):
+        x = x + self.ln1(self.attn(x))               # the norm on the sublayer's output
+        return x + self.ln2(self.mlp(x))
+
+
+@bug("4.2", "norm_placement", "scale")
+class BlockNormOnAttentionOutputOnly(GivenBlock):
+    def forward(self, x):
+        x = x + self.ln1(self.attn(x))
+        return x + self.mlp(self.ln2(x))             # right for the feed-forward sublayer only
+
+
+@bug("4.3", "gradient", "token_embedding")
+class GPTEmbeddingsUnderNoGrad(GPT):
+    def forward(self, idx):
+        with torch.no_grad():                        # "a lookup needs no gradient"
+            x = self.token_embedding(idx) + self.position_encoding(idx.shape[1])
+        x = self.dropout(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@bug("4.3", "gradient", "ln_f.weight")
+class GPTFinalNormWeightDetached(GPT):
+    def forward(self, idx):
+        if idx.shape[1] > self.config.max_tokens:
+            raise ValueError("too long")
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        x = F.layer_norm(x, x.shape[-1:], self.ln_f.weight.detach(), self.ln_f.bias, self.ln_f.eps)
+        return self.head(x)
+
+
+@bug("5.2", "gradient", "cut off")
+def loss_of_detached_logits(logits, targets):
+    return F.cross_entropy(logits.detach().flatten(0, 1), targets.flatten())
+
+
+@bug("5.2", "gradient", "logits")
+def loss_half_detached(logits, targets):
+    # a log-sum-exp whose max is detached is fine; one whose whole normaliser is detached is not
+    flat, flat_t = logits.flatten(0, 1), targets.flatten()
+    keep = flat_t != -100
+    log_z = torch.logsumexp(flat.detach(), dim=-1)
+    picked = flat.gather(1, flat_t.clamp(min=0)[:, None])[:, 0]
+    return (log_z - picked)[keep].mean()
+
+
+@correct("5.2")
+def loss_logsumexp_by_hand(logits, targets):
+    flat, flat_t = logits.flatten(0, 1), targets.flatten()
+    keep = flat_t != -100
+    m = flat.max(-1, keepdim=True).values.detach()          # the max is a constant for the gradient anyway
+    log_z = (flat - m).exp().sum(-1).log() + m[:, 0]
+    picked = flat.gather(1, flat_t.clamp(min=0)[:, None])[:, 0]
+    return (log_z - picked)[keep].mean()
+
+
+@bug("7.2", "gradient", "value")
+def hf_attention_values_detached(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    out = F.scaled_dot_product_attention(query, key, value.detach(), attn_mask=attention_mask, dropout_p=dropout,
+                                         is_causal=attention_mask is None and query.shape[2] > 1, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# ============================================================================ issue 20: the spec's edges
+
+@correct("5.3")
+def step_as_the_prose_says(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    if max_grad_norm:                                  # None means no clipping, as step 5 says
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return loss.item()
+
+
+@bug("5.3", "clipping", "None")
+def step_clips_even_none(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), float(max_grad_norm))   # float(None) raises
+    optimizer.step()
+    return loss.item()
+
+
+@bug("5.3", "zero_grad", "zero_grad")
+def step_zero_grad_only_once(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    model.train()
+    if not getattr(optimizer, "_cleared", False):   # "once at the start is enough"
+        optimizer.zero_grad()
+        optimizer._cleared = True
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return loss.item()
+
+
+@bug("5.4", "batch_mixing", "per row")
+def sample_top_k_over_the_batch(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.flatten().topk(top_k).values[-1]            # one threshold for the whole batch
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+@bug("5.4", "batch_mixing", "per row")
+def sample_top_k_smallest_threshold(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(top_k, dim=-1).values.min()          # the min over all rows
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+@bug("5.1", "overlapping_windows", "overlap")
+def windows_stride_one_short(ids, max_tokens):
+    starts = range(0, len(ids) - max_tokens, max_tokens - 1) if max_tokens > 1 else range(len(ids) - 1)
+    inputs = torch.stack([ids[s:s + max_tokens] for s in starts])
+    targets = torch.stack([ids[s + 1:s + max_tokens + 1] for s in starts])
+    return inputs, targets
+
+
+@bug("6.2", "shape", "(N, 1)")
+@torch.no_grad()
+def cached_flat_new_token(model, idx, max_new_tokens):
+    cache = model.new_cache()
+    logits = model(idx, cache)
+    for _ in range(max_new_tokens):
+        next_id = logits[:, -1].argmax(-1)                 # (N,): the keepdim is missing
+        idx = torch.cat([idx, next_id[:, None]], dim=1)
+        logits = model(next_id, cache)
+    return idx
+
+
+@bug("6.2", "kv_cache", "last token again")
+@torch.no_grad()
+def cached_refeeds_last_prompt_token(model, idx, max_new_tokens):
+    cache = model.new_cache()
+    model(idx, cache)
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -1:], cache)                 # the first time: the prompt's last token, again
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+@bug("7.1", "split_transpose", "twice")
+def split_double_transpose(weight):
+    embed_dim = weight.shape[0]
+    wq, wk, wv = weight.T.split(embed_dim, dim=0)          # already (out, in) ...
+    return wq.T, wk.T, wv.T                                # ... and transposed back
+
+
+@bug("4.3", "final_norm", "ln_f")
+class GPTNoFinalNormWithCheck(GPT):
+    def forward(self, idx):
+        if idx.shape[1] > self.config.max_tokens:
+            raise ValueError("too long")
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+# ============================================================================ issue 20/21: more of our own
+
+@bug("6.1", "flops_factor", "2N")
+def flops_two_n(config, num_weights):
+    return 2 * num_weights                                  # "two FLOPs per weight": the forward pass alone
+
+
+@bug("5.1", "overlapping_windows", "overlap")
+def windows_half_overlap(ids, max_tokens):
+    step = max(1, max_tokens // 2)                          # "more examples from the same text"
+    starts = range(0, len(ids) - max_tokens, step)
+    return (torch.stack([ids[s:s + max_tokens] for s in starts]),
+            torch.stack([ids[s + 1:s + max_tokens + 1] for s in starts]))
+
+
+@bug("4.2", "norm_placement", "output", norm_first=False)
+class BlockPostNormOnSublayerOutput(GivenBlock):
+    def forward(self, x):
+        x = x + self.ln1(self.attn(x))
+        return x + self.ln2(self.mlp(x))
+
+
+@bug("4.2", "gradient", "residual", norm_first=False)
+class BlockPostNormDetachedResidual(GivenBlock):
+    def forward(self, x):
+        x = self.ln1(x.detach() + self.attn(x))
+        return self.ln2(x + self.mlp(x))
+
+
+@bug("4.3", "gradient", "token_embedding")
+class GPTDetachedEmbeddings(GPT):
+    def forward(self, idx):
+        if idx.shape[1] > self.config.max_tokens:
+            raise ValueError("too long")
+        x = self.token_embedding(idx).detach() + self.position_encoding(idx.shape[1])
+        x = self.dropout(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@correct("7.1")
+def split_transpose_then_chunk_rows(weight):
+    return tuple(weight.T.chunk(3, dim=0))                  # one transpose, then rows: already (out, in)
