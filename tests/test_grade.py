@@ -2,7 +2,9 @@
 sandbox, the report, and a small class graded end to end (with hostile submissions)."""
 from __future__ import annotations
 
+import base64
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -19,14 +21,17 @@ from synthetic_class import FORGED_VERDICT, attempt_source, hostile_parts, predi
 from course_lib import checks
 from course_lib.collect import _base_namespace
 from course_lib.grading import grade, grading_plan
+from course_lib.grading.cli import build_parser
 from course_lib.grading.cli import main as grade_main
 from course_lib.grading.grades import Grade
 from course_lib.grading.judge import judge, known_names
+from course_lib.grading.pool import SelfCheckFailed
 from course_lib.grading.report import RunInfo, write_report
 from course_lib.grading.sandbox import install_policy
-from course_lib.grading.sources import find_notebook, student_part
+from course_lib.grading.selfcheck import self_check
+from course_lib.grading.sources import _without_magics, find_notebook, student_part, unfinished_exercises
 from course_lib.grading.submissions import find_submissions
-from course_lib.grading.worker import exercise_limits
+from course_lib.grading.worker import _write_files, exercise_limits
 
 PLANS = grading_plan()
 KNOWN = known_names(PLANS)
@@ -115,6 +120,92 @@ def test_a_renamed_notebook_is_found_by_its_number_unless_it_is_ambiguous():
     found, why = find_notebook(["02_a.ipynb", "02_b.ipynb"], "02_masked_attention.ipynb")
     assert found is None and "several" in why
     assert find_notebook(["020_x.ipynb"], "02_masked_attention.ipynb")[0] is None
+
+
+def test_a_renamed_copy_holding_the_work_is_graded_and_the_report_says_which_file(tmp_path):
+    original, copy = "01_attention_toy.ipynb", "01_attention_toy (1).ipynb"
+    write_student(tmp_path / "s", ["01"])
+    untouched = (tmp_path / "s" / original).read_text()
+    write_student(tmp_path / "w", ["01"], solved=True)
+    worked = (tmp_path / "w" / original).read_text()
+    counts = {original: unfinished_exercises(untouched), copy: unfinished_exercises(worked)}
+    assert counts == {original: 3, copy: 0}
+    found, note = find_notebook([original, copy], original, counts)
+    assert found == copy and note == f"graded {copy} as {original}; ignored {original}"
+    # both written (or both untouched): the course's name wins, and the note names the copy left aside
+    found, note = find_notebook([original, copy], original, {original: 0, copy: 0})
+    assert found == original and note.endswith(f"ignored {copy}")
+    files = {original: base64.b64encode(untouched.encode()).decode(), copy: base64.b64encode(worked.encode()).decode()}
+    home = tmp_path / "home"
+    home.mkdir()
+    found = _write_files(str(home), files, {original})
+    assert found["texts"][original] == worked and found["notes"] == [f"graded {copy} as {original}; ignored {original}"]
+
+
+def test_magic_lines_are_dropped_only_where_a_statement_starts():
+    source = ("%%time\n!pip list\ndef causal_mask(n):\n    keep = (torch.ones(n, n)\n            != 0)\n"
+              "    rows = (n\n            % 7)\n    %time x = 1\n    return keep.tril()\n")
+    cleaned = _without_magics(source)
+    assert cleaned.splitlines()[:2] == ["pass", "pass"] and "            != 0)" in cleaned and "% 7)" in cleaned
+    assert "    pass" in cleaned.splitlines()   # an indented magic inside the body, at a statement's start
+    part = student_part(_notebook(source), PLANS["2.1"], KNOWN)
+    assert part.diagnosis is None, part.message
+    assert judge(PLANS["2.1"], part.source)["passed"] is True
+
+
+def test_a_definition_moved_to_another_cell_is_graded_with_a_note():
+    learner = nbformat.v4.new_notebook()
+    exercise = nbformat.v4.new_code_cell("# moved below")
+    exercise["id"] = PLANS["2.1"].cell_id
+    learner.cells = [exercise, nbformat.v4.new_code_cell("x = 1"),
+                     nbformat.v4.new_code_cell("def causal_mask(n):\n    return torch.ones(n, n, dtype=torch.bool)")]
+    part = student_part(nbformat.writes(learner), PLANS["2.1"], KNOWN)
+    assert part.source is not None and "code cell 3" in part.note and "no longer defines it" in part.note
+    assert judge(PLANS["2.1"], part.source)["diagnosis"] == "causal_mask"   # graded, not "missing"
+
+
+def test_a_name_rebound_from_itself_takes_the_definition_before_it():
+    """Notebook 09's ``apply_rotary = apply_rotary if checks.check_apply_rotary(...) else ...`` kind of line."""
+    text = _notebook("def _tri(n):\n    return torch.ones(n, n, dtype=torch.bool).tril()",
+                     "_tri = _tri if checks.check_causal_mask(_tri, graded=False) else None",
+                     "def causal_mask(n):\n    return _tri(n)")
+    part = student_part(text, PLANS["2.1"], KNOWN)
+    assert part.source.index("def _tri") < part.source.index("_tri = _tri")
+    assert judge(PLANS["2.1"], part.source)["passed"] is True
+
+
+def test_the_default_exercises_are_every_exercise_cell_9_2_and_9_6_included():
+    assert list(PLANS) == ["1.1", "1.2", "1.3", "2.1", "2.2", "3.1", "3.2", "3.3", "4.1", "4.2", "4.3", "5.1", "5.2",
+                           "5.3", "5.4", "6.1", "6.2", "7.1", "7.2", "9.1", "9.2", "9.3", "9.4", "9.5", "9.6"]
+    assert PLANS["9.2"].name == "apply_rotary" and "def rotate_half" in PLANS["9.2"].solution
+    help_text = build_parser().format_help()
+    assert "1.1 to 7.2 and 9.1 to 9.6" in " ".join(help_text.split())
+
+
+@pytest.mark.slow
+def test_the_grader_passes_every_solution_and_fails_every_blank_exercise():
+    """The self-check each grading run starts with, on the course as it is: 25 exercises."""
+    assert self_check(PLANS) == []
+
+
+def test_a_broken_judge_is_caught_by_the_self_check_naming_the_exercise():
+    broken = {"2.1": dataclasses.replace(PLANS["2.1"], check="checks.check_causal_mask(lambda n: None)"),
+              "3.2": dataclasses.replace(PLANS["3.2"], check="from course_lib.attention import merge_heads as ours\n"
+                                                         "checks.check_merge_heads(ours)")}
+    problems = self_check(broken)
+    assert any(p.startswith("exercise 2.1 (causal_mask): the course's solution failed") for p in problems)
+    assert any(p.startswith("exercise 3.2 (merge_heads): the learner copy's blank exercise passed") for p in problems)
+
+
+def test_the_command_stops_with_an_error_when_the_self_check_fails(tmp_path, monkeypatch, capsys):
+    (tmp_path / "class" / "ada").mkdir(parents=True)
+
+    def failing(*args, **kwargs):
+        raise SelfCheckFailed(["exercise 9.6 (GroupedQueryAttention): the course's solution failed (exception: x)"])
+    monkeypatch.setattr("course_lib.grading.grade", failing)
+    assert grade_main([str(tmp_path / "class"), "--out", str(tmp_path / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "self-check failed" in err and "exercise 9.6" in err
 
 
 def test_a_notebooks_exercises_share_its_time_limit():

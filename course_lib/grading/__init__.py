@@ -16,6 +16,8 @@ How a submission is run, and what it cannot do:
   exercise in a fresh folder holding only that student's files, with a time limit (a notebook's
   exercises share ``timeout``), a memory limit, and an audit-hook policy against reading other
   submissions or the report, writing outside its folder, starting processes or signalling others;
+- ``selfcheck``: before anyone is graded, the course's solution notebooks and learner copies are
+  graded; a solution that fails or a blank that passes stops the run (``SelfCheckFailed``);
 - ``judge``: the child runs the definition, then the course's own check cell (read from the
   solution notebook, ``plan``), and sends its one verdict back on its own pipe;
 - ``pool``: the grader hands students to workers and takes only well-formed verdicts for the
@@ -74,7 +76,8 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
 
     ``workers``: students graded at once (default: the machine's cores); ``timeout``: seconds per
     notebook; ``memory_mb``: memory per exercise (None: no limit); ``exercises``: ids (default:
-    1.1-7.2; 8.1 trains two models per student); ``gradescope``: also write results.json;
+    every exercise with an exercise cell, 1.1-7.2 and 9.1-9.6; 8.1, which trains two models per
+    student, only when asked for); ``gradescope``: also write results.json;
     ``inline``: grade each student in one fresh process, as on Windows.
     """
     from .. import _validate as validate
@@ -112,6 +115,7 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
     notes = [f"{s.student}: {note}" for s in found for note in s.notes]
     if CAPSTONE not in plans:
         notes.append("8.1 (train your GPT) was not graded; add it with --exercises all (10 to 20 s more per student)")
-    info = RunInfo(len(found), min(workers, len(found)), timeout, memory_mb, seconds, sandbox, notes, errors)
+    info = RunInfo(len(found), min(workers, len(found)), timeout, memory_mb, seconds, sandbox, notes, errors,
+                   {s.student: list(s.notes) for s in found})
     written = write_report(report, grades, info, gradescope=gradescope)
     return GradeRun(grades, written, errors, seconds, found)

@@ -20,6 +20,9 @@ report files:
   REPORT/feedback/NAME.md     each student's verdicts, messages and hints
   REPORT/results.json         --format gradescope, one student (REPORT/gradescope/NAME/ for several)
 
+before anyone is graded, the course's own solution notebooks and learner copies are graded: a
+solution that fails, or a blank exercise that passes, stops the run (exit status 1) naming it.
+
 exit status: 0 graded (whatever the grades); 1 grading itself failed; 2 bad arguments; 130 Ctrl-C
 """
 
@@ -90,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-mb", type=_memory, default=2048, metavar="MB",
                         help="memory per exercise beyond the course's own, 0 for none (default %(default)s)")
     parser.add_argument("--exercises", type=_exercises, default=None, metavar="IDS",
-                        help="'2.1,2.2', notebook numbers '02,03', or 'all' (default: 1.1 to 7.2; 8.1 trains "
-                             "two models per student)")
+                        help="'2.1,2.2', notebook numbers '02,03', or 'all' (default: every exercise but 8.1, "
+                             "that is 1.1 to 7.2 and 9.1 to 9.6; 8.1 trains two models per student)")
     parser.add_argument("--format", choices=("report", "gradescope"), default="report",
                         help="'gradescope' also writes Gradescope's results.json")
     parser.add_argument("--inline", action="store_true",
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from . import grade
+    from .pool import SelfCheckFailed
     bar = None
 
     def started(total: int) -> None:
@@ -124,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except SelfCheckFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: no report written", file=sys.stderr)
         return 130

@@ -36,7 +36,7 @@ from .grades import Grade, grade_from_message
 from .plan import ExercisePlan
 from .submissions import Submission
 
-__all__ = ["GradingOptions", "GradingFailed", "grade_submissions", "forks"]
+__all__ = ["GradingOptions", "GradingFailed", "SelfCheckFailed", "grade_submissions", "forks"]
 
 START_TIMEOUT = 600.0     # seconds for a worker to import torch and warm up, on a very busy machine
 MARGIN = 30.0             # seconds per student beyond the notebooks' limits, for the worker's own work
@@ -49,6 +49,15 @@ def forks() -> bool:
 
 class GradingFailed(RuntimeError):
     """Grading itself failed (a worker could not start, or reported an error of the grader's)."""
+
+
+class SelfCheckFailed(GradingFailed):
+    """The course's own solutions did not all pass, or a blank exercise passed: nobody is graded."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("the grader's self-check failed, so nobody was graded (a bug in the course or in this "
+                         "installation): grading the course's own notebooks,\n  " + "\n  ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,8 @@ class _Worker:
         if isinstance(message, dict) and message.get("type") == "ready":
             return
         self.stop()
+        if isinstance(message, dict) and message.get("type") == "self_check":
+            raise SelfCheckFailed([str(p) for p in message.get("problems", [])])
         why = message.get("message") if isinstance(message, dict) else "no answer" if message is False \
             else "it exited"
         raise GradingFailed(f"a grading worker did not start ({why}); its log:\n{self.log_tail()}")
@@ -187,6 +198,11 @@ def _grade_one(worker: _Worker, submission: Submission, plans: dict[str, Exercis
             outcome.errors.append(f"{submission.student}: {message.get('message')}")
             ended = "error"
             break
+        if kind == "note" and message.get("student") == submission.student and isinstance(message.get("note"), str):
+            note = message["note"][:500]
+            if note not in submission.notes:
+                submission.notes.append(note)
+            continue
         if kind == "grade" and message.get("student") == submission.student:
             exercise = message.get("exercise")
             if exercise in plans and exercise not in outcome.grades:
@@ -227,11 +243,12 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
     grades: list[Grade] = []
     errors: list[str] = []
     lock = threading.Lock()
+    stopped: list[SelfCheckFailed] = []
 
     def slot(number: int) -> None:
         worker: _Worker | None = None
         try:
-            while True:
+            while not stopped:
                 try:
                     submission = todo.get_nowait()
                 except queue.Empty:
@@ -251,6 +268,9 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
                     grades.extend(ordered)
                     errors.extend(outcome.errors)
                     on_student(submission, ordered)
+        except SelfCheckFailed as exc:
+            with lock:
+                stopped.append(exc)
         except GradingFailed as exc:
             with lock:
                 errors.append(str(exc))
@@ -271,6 +291,8 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
         for worker in running:
             worker.stop(wait=0)
         raise
+    if stopped:
+        raise stopped[0]
     graded = {g.student for g in grades}
     for submission in submissions:   # students no worker could take (every worker failed to start)
         if submission.student not in graded:

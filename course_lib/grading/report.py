@@ -44,6 +44,7 @@ class RunInfo:
     sandbox: str
     notes: list[str] = field(default_factory=list)    # files skipped, notebooks found twice
     errors: list[str] = field(default_factory=list)   # grading's own failures
+    student_notes: dict[str, list[str]] = field(default_factory=dict)   # the same, per student, for feedback
 
 
 def check_report_folder(out: Path) -> None:
@@ -155,11 +156,13 @@ def summary_markdown(grades: list[Grade], info: RunInfo) -> str:
     return "\n".join(lines) + "\n"
 
 
-def feedback_markdown(student: str, grades: list[Grade]) -> str:
-    """One student's verdicts, messages and hints (never the solution)."""
+def feedback_markdown(student: str, grades: list[Grade], notes: list[str] | tuple[str, ...] = ()) -> str:
+    """One student's verdicts, messages and hints (never the solution), and notes on their files
+    (which file was graded where several could be the same notebook, what was skipped)."""
     passed = sum(g.passed for g in grades)
-    lines = [f"# Feedback for {student}", "", f"{passed} of {len(grades)} exercises passed.", "",
-             "| exercise | verdict |", "|---|---|"]
+    lines = [f"# Feedback for {student}", "", f"{passed} of {len(grades)} exercises passed.", ""]
+    lines += [f"- {note}" for note in notes] + ([""] if notes else [])
+    lines += ["| exercise | verdict |", "|---|---|"]
     for g in grades:
         verdict = "passed" if g.passed else f"not yet ({g.diagnosis})"
         lines.append(f"| {g.exercise} {_cell(exercise_title(g.exercise))} | {verdict} |")
@@ -243,7 +246,8 @@ def write_report(out: Path, grades: list[Grade], info: RunInfo, *, gradescope: b
         while name.casefold() in used:   # two students whose names differ only in odd characters
             name += "_"
         used.add(name.casefold())
-        _write(out / "feedback" / f"{name}.md", feedback_markdown(student, student_grades), written)
+        _write(out / "feedback" / f"{name}.md", feedback_markdown(student, student_grades, info.student_notes.get(student, ())),
+               written)
         if gradescope and len(students) > 1:
             _write(out / "gradescope" / name / "results.json",
                    json.dumps(results_json(student_grades), indent=2) + "\n", written)
