@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import isolation
 from .grades import Grade
 from .plan import CAPSTONE, ExercisePlan, default_exercises, grading_plan
 from .pool import GradingOptions, forks, grade_submissions
@@ -69,7 +70,7 @@ def _inside(path: Path, folder: Path) -> bool:
 
 def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: int | None = None,
           timeout: float = 60.0, memory_mb: int | None = 2048, exercises: list[str] | None = None,
-          gradescope: bool = False, inline: bool = False,
+          gradescope: bool = False, inline: bool = False, isolate: bool | None = None,
           on_student: Callable[[Submission, list[Grade]], None] | None = None,
           on_start: Callable[[int], None] | None = None) -> GradeRun:
     """Grade every submission in ``submissions`` and write the report into ``out``.
@@ -78,7 +79,9 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
     notebook; ``memory_mb``: memory per exercise (None: no limit); ``exercises``: ids (default:
     every exercise with an exercise cell, 1.1-7.2 and 9.1-9.6; 8.1, which trains two models per
     student, only when asked for); ``gradescope``: also write results.json;
-    ``inline``: grade each student in one fresh process, as on Windows.
+    ``inline``: grade each student in one fresh process, as on Windows; ``isolate``: each student's
+    worker in a bubblewrap sandbox of its own (``isolation``): None (default) where bwrap runs here,
+    True to require it (``RuntimeError`` where it cannot run), False for the process sandbox only.
     """
     from .. import _validate as validate
     root_in = validate.path("submissions", submissions, "the folder of the students' submissions").resolve()
@@ -92,6 +95,11 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
     if _inside(report, root_in) or _inside(root_in, report):
         raise ValueError(f"out: expected a folder outside the submissions (and not holding them), got '{report}' "
                          f"for submissions in '{root_in}'")
+    if isolate is not None and not isinstance(isolate, bool):
+        raise TypeError(f"isolate: expected True, False or None (where available), got {isolate!r}")
+    isolated, isolation_line = isolation.status() if isolate is not False else (False, "not isolated: turned off")
+    if isolate and not isolated:
+        raise RuntimeError(f"isolate: expected bubblewrap to run here, but it does not ({isolation_line})")
     plans = grading_plan(exercises)
     found = find_submissions(root_in)
     if not found:
@@ -105,13 +113,14 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
     try:
         options = GradingOptions(workers=workers, timeout=timeout, memory_mb=memory_mb,
                                  deny=(str(root_in), str(report), work), root=work,
-                                 inline=inline or not forks())
+                                 inline=inline or not forks(), isolated=isolated)
         grades, errors = grade_submissions(found, plans, options, on_student or (lambda s, g: None))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     seconds = time.monotonic() - start
     sandbox = ("each exercise in its own limited process" if not options.inline
                else "each student in one fresh process (no fork here: no per-exercise process or memory limit)")
+    sandbox = f"{sandbox}; {isolation_line}"
     notes = [f"{s.student}: {note}" for s in found for note in s.notes]
     if CAPSTONE not in plans:
         notes.append("8.1 (train your GPT) was not graded; add it with --exercises all (10 to 20 s more per student)")

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--inline", action="store_true",
                         help="grade each student in one fresh process, without a process per exercise "
                              "(what Windows does; for testing that path)")
+    parser.add_argument("--isolation", choices=("auto", "on", "off"), default="auto",
+                        help="each student in a bubblewrap sandbox of their own: 'auto' where bwrap runs here "
+                             "(default), 'on' to require it, 'off' for the per-process sandbox only")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -120,17 +123,22 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str(f"{submission.student}: {sum(g.passed for g in grades)}/{len(grades)}", refresh=False)
         bar.update(1)
 
+    isolate = {"auto": None, "on": True, "off": False}[args.isolation]
+    if isolate is not False:   # one line at the start, whichever way it goes
+        from .isolation import status
+        isolated, line = status()
+        print(f"grading {line}" if isolated else f"warning: grading {line}", file=sys.stderr)
     try:
         run = grade(args.submissions, args.out, workers=args.workers, timeout=args.timeout,
                     memory_mb=args.memory_mb or None, exercises=args.exercises,
-                    gradescope=args.format == "gradescope", inline=args.inline, on_student=graded,
-                    on_start=started)
-    except (ValueError, FileNotFoundError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+                    gradescope=args.format == "gradescope", inline=args.inline, isolate=isolate,
+                    on_student=graded, on_start=started)
     except SelfCheckFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (ValueError, FileNotFoundError, TypeError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted: no report written", file=sys.stderr)
         return 130

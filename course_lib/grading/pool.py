@@ -19,6 +19,7 @@ Without ``os.fork`` (Windows) each student gets a fresh worker that grades in it
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import queue
@@ -68,6 +69,7 @@ class GradingOptions:
     deny: tuple[str, ...]   # folders no submission may read: the submissions, the report, our root
     root: str               # the grader's private working folder (workers' folders go inside)
     inline: bool = False    # grade each student in a fresh worker's own process (forced without fork)
+    isolated: bool = False  # each student's worker in a bubblewrap sandbox of its own (``isolation``)
 
 
 @dataclass
@@ -93,9 +95,19 @@ class _Worker:
         command = [sys.executable, "-m", "course_lib.grading.worker", ",".join(exercises)]
         if options.inline or not forks():
             command.append("--inline")
+        cwd = options.root
+        if options.isolated:
+            from . import isolation
+            command.append("--isolated")
+            if os.geteuid() == 0:
+                command.append(f"--uid={isolation.BASE_UID + number}")
+            env.update(HOME="/tmp", TMPDIR="/tmp", PATH="/usr/bin:/bin", PYTHONDONTWRITEBYTECODE="1",
+                       HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+            command = isolation.command(command, env=env, masked=options.deny)
+            cwd = "/"
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=options.root, env=env,
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=cwd, env=env,
                 start_new_session=forks(),
                 creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0) if not forks() else 0)
         self.messages: queue.Queue = queue.Queue()
@@ -169,7 +181,8 @@ class _Worker:
 
 def _job(submission: Submission, exercises: list[str], options: GradingOptions) -> dict[str, Any]:
     return {"student": submission.student, "exercises": exercises, "timeout": options.timeout,
-            "memory_mb": options.memory_mb, "root": options.root, "deny": list(options.deny),
+            "memory_mb": options.memory_mb, "root": "/tmp" if options.isolated else options.root,
+            "deny": list(options.deny),
             "files": {name: base64.b64encode(data).decode("ascii") for name, data in submission.files.items()}}
 
 
@@ -228,7 +241,7 @@ def _grade_one(worker: _Worker, submission: Submission, plans: dict[str, Exercis
                                          "checker_error": "the grader failed on an earlier exercise."}[diagnosis]
             outcome.grades[exercise] = Grade(submission.student, exercise, False, diagnosis, text, 0.0)
             first = False
-    reusable = ended == "done" and worker.alive() and not (options.inline or not forks())
+    reusable = ended == "done" and worker.alive() and not (options.inline or options.isolated or not forks())
     return outcome, reusable
 
 
@@ -244,6 +257,25 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
     errors: list[str] = []
     lock = threading.Lock()
     stopped: list[SelfCheckFailed] = []
+    judged = threading.Event()   # set once the course's own notebooks were graded right: students may start
+
+    def self_check() -> None:
+        """Isolated workers do not check the judge themselves: one worker outside does, first."""
+        try:
+            checker = _Worker(exercises, dataclasses.replace(options, isolated=False), len(submissions) + 1)
+            checker.wait_ready()
+            checker.stop()
+        except SelfCheckFailed as exc:
+            stopped.append(exc)
+        except GradingFailed as exc:
+            stopped.append(SelfCheckFailed([f"the self-check could not run: {exc}"]))
+        finally:
+            judged.set()
+
+    if options.isolated:
+        threading.Thread(target=self_check, daemon=True).start()
+    else:
+        judged.set()   # each worker checks the judge itself before it says it is ready
 
     def slot(number: int) -> None:
         worker: _Worker | None = None
@@ -259,6 +291,10 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
                 if worker is None:
                     worker = _Worker(exercises, options, number)
                     worker.wait_ready()
+                judged.wait()
+                if stopped:
+                    todo.put(submission)
+                    return
                 outcome, reusable = _grade_one(worker, submission, plans, options)
                 if not reusable:
                     worker.stop()
