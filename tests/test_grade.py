@@ -19,18 +19,28 @@ from bank import attention_bugs
 from synthetic_class import FORGED_VERDICT, attempt_source, hostile_parts, prediction_source, write_student
 
 from course_lib import checks
+from course_lib.checks._harness import DIAGNOSES
 from course_lib.collect import _base_namespace
-from course_lib.grading import grade, grading_plan
+from course_lib.grading import grade, grading_plan, handed_in
+from course_lib.grading.advice import room_advice
 from course_lib.grading.cli import build_parser
 from course_lib.grading.cli import main as grade_main
 from course_lib.grading.grades import Grade
 from course_lib.grading.judge import judge, known_names
 from course_lib.grading.pool import SelfCheckFailed
-from course_lib.grading.report import RunInfo, write_report
+from course_lib.grading.report import (
+    FIXED_STYLES,
+    OKABE_ITO,
+    RunInfo,
+    figure_styles,
+    grades_csv,
+    summary_figure,
+    write_report,
+)
 from course_lib.grading.sandbox import install_policy
 from course_lib.grading.selfcheck import self_check
 from course_lib.grading.sources import _without_magics, find_notebook, student_part, unfinished_exercises
-from course_lib.grading.submissions import find_submissions
+from course_lib.grading.submissions import Submission, find_submissions
 from course_lib.grading.worker import _write_files, exercise_limits
 
 PLANS = grading_plan()
@@ -343,6 +353,65 @@ def test_the_report_says_per_exercise_who_passed_and_what_to_tell_the_room(tmp_p
     test = next(t for t in results["tests"] if t["number"] == "2.1")
     assert (test["score"], test["max_score"], test["status"]) == (0.0, 1.0, "failed")
     assert "causal_mask" in test["output"] and "The future leaks." in test["output"]
+
+
+def test_the_rooms_advice_is_chosen_per_exercise_and_diagnosis():
+    # one code, several meanings: 5.4's ignored temperature is not attention's 1/sqrt(d)
+    assert "temperature" in room_advice("5.4", "scale") and "square root" not in room_advice("5.4", "scale")
+    assert "square root" in room_advice("1.3", "scale")
+    assert "no scaling" in room_advice("1.2", "scale")
+    # a code with no advice written for this exercise: what the checker told most of them, never another's advice
+    said = ["You add the residual after the norm.", "You add the residual after the norm.", "Other."]
+    assert room_advice("9.3", "residual", said) == 'The checker told 2 of them: "You add the residual after the norm."'
+    assert "none of the known mistakes" not in room_advice("6.1", "mismatch", ["Your FLOPs count is 2N."])
+    assert "2N" in room_advice("6.1", "mismatch", ["Your FLOPs count is 2N."])
+    # the codes for the mistakes that had none, each with advice for its exercise
+    for key, word in {("5.3", "zero_grad"): "zero_grad", ("6.1", "flops_factor"): "6 FLOPs",
+                      ("7.1", "split_transpose"): "head axis", ("4.3", "final_norm"): "ln_f",
+                      ("6.2", "no_kv_cache"): "cache", ("5.1", "overlapping_windows"): "share tokens"}.items():
+        assert word in room_advice(*key), key
+    # codes that mean the same everywhere keep their one sentence
+    assert room_advice("9.6", "timeout") == room_advice("2.1", "timeout") != ""
+
+
+def test_csv_cells_that_a_spreadsheet_would_run_are_escaped(tmp_path):
+    hostile = [Grade("=1+2", "2.1", False, "exception", "=HYPERLINK(\"http://x\",\"click\")", 0.1),
+               Grade("@bob", "2.1", False, "exception", "+cmd|' /C calc'!A0", 0.1),
+               Grade("-eve", "2.1", False, "exception", "-2+3", 0.1),
+               Grade("ada", "2.1", True, None, "Right: scores - max.", 0.1)]
+    rows = list(csv.DictReader(io.StringIO(grades_csv(hostile))))
+    assert {r["student"] for r in rows} == {"'=1+2", "'@bob", "'-eve", "ada"}
+    assert {r["message"] for r in rows} == {"'=HYPERLINK(\"http://x\",\"click\")", "'+cmd|' /C calc'!A0", "'-2+3",
+                                            "Right: scores - max."}
+    assert all(not cell.startswith(("=", "+", "-", "@")) for r in rows for cell in r.values())
+
+
+def test_a_one_notebook_gradescope_submission_is_scored_on_that_notebooks_exercises(tmp_path):
+    plans = grading_plan()
+    one = Submission("ada", {"02_masked_attention (1).ipynb": b"{}", "notes.txt": b""})
+    assert handed_in(one, plans) == {"2.1", "2.2"}
+    grades = [Grade("ada", ex, ex == "2.1", None if ex == "2.1" else "missing" if ex[0] != "2" else "causal_mask",
+                    "m", 0.1) for ex in plans]
+    out = tmp_path / "results"
+    info = dataclasses.replace(_info(), students=1, scored={"ada": handed_in(one, plans)})
+    write_report(out, grades, info, gradescope=True)
+    results = json.loads((out / "results.json").read_text())
+    assert [t["number"] for t in results["tests"]] == ["2.1", "2.2"]
+    assert results["score"] == 1.0 and results["output"] == "1 of 2 exercises passed."
+    # chosen exercises (or nothing handed in): scored on all of them
+    write_report(out, grades, _info(), gradescope=True)
+    assert len(json.loads((out / "results.json").read_text())["tests"]) == len(plans)
+
+
+def test_the_figures_colours_are_colour_blind_safe_and_never_repeat():
+    codes = list(DIAGNOSES)
+    styles = figure_styles(codes)
+    assert len(set(styles.values())) == len(styles)   # no two labels drawn alike
+    safe = set(OKABE_ITO) | {colour for colour, _ in FIXED_STYLES.values()}
+    assert all(colour in safe for colour, _ in styles.values())
+    assert styles["passed"][0] == "#009E73"
+    png = summary_figure(_grades())
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_second_run_replaces_its_own_report_and_refuses_anyone_elses(tmp_path):

@@ -47,6 +47,7 @@ from .grades import Grade
 from .plan import CAPSTONE, ExercisePlan, default_exercises, grading_plan
 from .pool import GradingOptions, forks, grade_submissions
 from .report import RunInfo, claim_report_folder, write_report
+from .sources import candidates
 from .submissions import Submission, find_submissions
 
 __all__ = ["grade", "GradeRun", "Grade", "ExercisePlan", "grading_plan", "default_exercises", "find_submissions",
@@ -68,6 +69,13 @@ def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
+def handed_in(submission: Submission, plans: dict[str, ExercisePlan]) -> set[str]:
+    """The exercises of the notebooks a submission holds (by name or renamed copy): what Gradescope
+    scores it on when no exercises were chosen (a one-notebook submission: that notebook's)."""
+    names = [name for name in submission.files if "/" not in name]
+    return {plan.id for plan in plans.values() if candidates(names, plan.notebook)}
+
+
 def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: int | None = None,
           timeout: float = 60.0, memory_mb: int | None = 2048, exercises: list[str] | None = None,
           gradescope: bool = False, inline: bool = False, isolate: bool | None = None,
@@ -78,7 +86,8 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
     ``workers``: students graded at once (default: the machine's cores); ``timeout``: seconds per
     notebook; ``memory_mb``: memory per exercise (None: no limit); ``exercises``: ids (default:
     every exercise with an exercise cell, 1.1-7.2 and 9.1-9.6; 8.1, which trains two models per
-    student, only when asked for); ``gradescope``: also write results.json;
+    student, only when asked for); ``gradescope``: also write results.json (with ``exercises`` None, each student scored on
+    the exercises of the notebooks they handed in);
     ``inline``: grade each student in one fresh process, as on Windows; ``isolate``: each student's
     worker in a bubblewrap sandbox of its own (``isolation``): None (default) where bwrap runs here,
     True to require it (``RuntimeError`` where it cannot run), False for the process sandbox only.
@@ -125,6 +134,7 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
     if CAPSTONE not in plans:
         notes.append("8.1 (train your GPT) was not graded; add it with --exercises all (10 to 20 s more per student)")
     info = RunInfo(len(found), min(workers, len(found)), timeout, memory_mb, seconds, sandbox, notes, errors,
-                   {s.student: list(s.notes) for s in found})
+                   {s.student: list(s.notes) for s in found},
+                   {s.student: handed_in(s, plans) for s in found} if exercises is None else {})
     written = write_report(report, grades, info, gradescope=gradescope)
     return GradeRun(grades, written, errors, seconds, found)

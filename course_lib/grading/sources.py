@@ -31,6 +31,11 @@ __all__ = ["StudentPart", "candidates", "find_notebook", "unfinished_exercises",
 _MAGIC_RE = re.compile(r"^(?P<indent>[ \t]*)[%!].*$")
 
 
+# What parsing a student's code may raise: a syntax error, or a "parse bomb" (nesting so deep that the
+# parser runs out of stack or memory); either way that code is not taken, and nothing else fails.
+_UNPARSABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
+
+
 @dataclass(frozen=True)
 class StudentPart:
     """What was found for one exercise: ``source`` to run, or why there is nothing to run."""
@@ -160,8 +165,8 @@ def _statements(cells: list, upto: int) -> list[_Statement]:
         source = _without_magics(cell.source)
         try:
             tree = ast.parse(source)
-        except SyntaxError:
-            continue   # a broken cell elsewhere is not this exercise's problem
+        except _UNPARSABLE:
+            continue   # a broken cell elsewhere (or a parse bomb) is not this exercise's problem
         found += [_Statement((index, i), _segment(source, node), frozenset(_bound_names(node)), node)
                   for i, node in enumerate(tree.body)]
     return found
@@ -171,7 +176,7 @@ def _defines(source: str, name: str) -> bool:
     """True when the cell defines ``name`` at its top level (``def``/``class``)."""
     try:
         tree = ast.parse(_without_magics(source))
-    except SyntaxError:
+    except _UNPARSABLE:
         return bool(re.search(rf"^(class|def)\s+{re.escape(name)}\b", source, re.M))   # reported as not compiling
     return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name
                for n in tree.body)
@@ -222,6 +227,10 @@ def student_part(notebook_text: str | None, plan: ExercisePlan, known: set[str],
         return StudentPart(plan.id, None, "exception",
                            f"Your cell defining {plan.name} does not compile (SyntaxError, line {err.lineno}: "
                            f"{err.msg}). Fix it, run the cell, then save the notebook.")
+    except (RecursionError, MemoryError, ValueError) as err:
+        return StudentPart(plan.id, None, "exception",
+                           f"Your cell defining {plan.name} is too deeply nested for Python to compile "
+                           f"({type(err).__name__}). Simplify it, run the cell, then save the notebook.")
     statements = _statements(cells, index)
     own = [s for s in statements if s.position[0] == index]
     definitions = [s for s in own if plan.name in s.binds
@@ -232,7 +241,7 @@ def student_part(notebook_text: str | None, plan: ExercisePlan, known: set[str],
     chosen |= {s.position for s in own if isinstance(s.node, (ast.Import, ast.ImportFrom))}
     try:
         chosen |= _needed(definitions, [s for s in statements if s.position not in chosen], known | {plan.name})
-    except (SyntaxError, ValueError):
+    except _UNPARSABLE:
         pass   # code symtable cannot read alone: the definition and its cell's imports, as collect takes them
     source = "\n\n".join(s.source for s in statements if s.position in chosen)
     return StudentPart(plan.id, source, note=note)

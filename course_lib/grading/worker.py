@@ -230,12 +230,22 @@ def _write_files(home: str, files: dict[str, str], notebooks: set[str]) -> dict[
     return {"texts": texts, "why": why, "notes": notes}
 
 
+def _read_part(text: str | None, plan: Any, known: set[str], why: str) -> Any:
+    """The student's part for ``plan``; whatever their notebook makes the parser do, a verdict of theirs."""
+    from .sources import StudentPart, student_part
+    try:
+        return student_part(text, plan, known, missing_detail=why)
+    except Exception as exc:  # their notebook (a parse bomb, say): never "a bug in the course"
+        return StudentPart(plan.id, None, "exception",
+                           f"Your {plan.notebook} could not be read for exercise {plan.id} ({type(exc).__name__}): "
+                           f"look for a cell with code nested thousands of levels deep.")
+
+
 def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *, inline: bool,
                   close: list[int]) -> None:
     """Grade one student's job; each grade is sent as soon as it is known."""
     from .judge import judge, known_names
     from .plan import CAPSTONE, grading_plan
-    from .sources import student_part
     student = job["student"]
     plans = grading_plan(job["exercises"])
     known = known_names(plans)
@@ -248,8 +258,8 @@ def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *
         for plan in plans.values():
             by_notebook.setdefault(plan.notebook, []).append(plan)
         # Every part is read before any of the student's code runs.
-        parts = {plan.id: student_part(found["texts"].get(plan.notebook), plan, known,
-                                       missing_detail=found["why"].get(plan.notebook, ""))
+        parts = {plan.id: _read_part(found["texts"].get(plan.notebook), plan, known,
+                                     found["why"].get(plan.notebook, ""))
                  for plan in plans.values() if plan.id != CAPSTONE}
         if inline:   # this process is the student's alone from here on: it runs their code itself
             from . import sandbox
