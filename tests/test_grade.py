@@ -539,3 +539,22 @@ def test_the_command_grades_a_gradescope_submission(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert [(t["number"], t["status"]) for t in results["tests"]] == [("2.1", "failed"), ("2.2", "failed")]
     assert (out / "feedback" / "submission.md").exists()
+
+
+def test_without_bubblewrap_the_run_says_it_is_not_isolated(tmp_path, monkeypatch, capsys):
+    from course_lib.grading import isolation
+    monkeypatch.setattr(isolation.shutil, "which", lambda name: None)
+    isolation.status.cache_clear()
+    try:
+        assert isolation.status() == (False, isolation.NOT_ISOLATED)
+        with pytest.raises(RuntimeError, match="isolate: expected bubblewrap"):
+            grade(tmp_path / "class", tmp_path / "out", isolate=True)
+        info = dataclasses.replace(_info(), sandbox="each exercise in its own limited process; "
+                                                    + isolation.NOT_ISOLATED)
+        write_report(tmp_path / "out", _grades(), info)
+        assert "not isolated: bubblewrap (bwrap) is not available" in (tmp_path / "out" / "summary.md").read_text()
+        (tmp_path / "class").mkdir()
+        grade_main([str(tmp_path / "class"), "--out", str(tmp_path / "o2"), "--quiet"])   # no student: exit 2
+        assert capsys.readouterr().err.startswith("warning: grading not isolated")
+    finally:
+        isolation.status.cache_clear()
