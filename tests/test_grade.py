@@ -478,7 +478,8 @@ def graded_class(tmp_path_factory):
     write_student(submissions / "mallory", ["01", "02", "03"], hostile_parts(victim, submissions, report))
     write_student(submissions / "eve", ["02"], {"2.1": FORGED_VERDICT})
     before = victim.read_bytes()
-    run = grade(submissions, report, workers=2, timeout=8, memory_mb=512, exercises=CLASS_EXERCISES)
+    # the process sandbox alone (what runs where bwrap does not); isolation: tests/test_grade_isolation.py
+    run = grade(submissions, report, workers=2, timeout=8, memory_mb=512, exercises=CLASS_EXERCISES, isolate=False)
     return {"run": run, "report": report, "victim": victim, "before": before,
             "grades": {(g.student, g.exercise): g for g in run.grades}}
 

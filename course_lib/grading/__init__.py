@@ -23,12 +23,19 @@ How a submission is run, and what it cannot do:
 - ``pool``: the grader hands students to workers and takes only well-formed verdicts for the
   student and exercise it asked for; a timeout, a crash or a killed worker becomes that student's
   ``timeout`` / ``crashed`` and never stops the run;
+- ``isolation``: where bubblewrap runs (Linux with ``bwrap``), each student's worker runs in a
+  sandbox of its own: no other process, no network, nothing of the disk but the system, Python
+  and the course read-only, and a size-limited scratch folder; an unprivileged user with a
+  process limit; everything it started dies with it. Its notebooks are parsed in there too;
 - ``report``/``gradescope``: written by the grader alone, at the end, each file atomically.
 
 What it does not guarantee: a submission runs in its own process and can, with deliberate
 effort, tamper with that process (and so with its own verdicts, say by patching the checkers
-from its definition's code): read the code of a pass that surprises you. The audit hook is a
-tripwire for the ordinary ways out, not a kernel-enforced wall. On Windows there is no fork: each
+from its definition's code): read the code of a pass that surprises you. Isolated, that is all
+it can do. Not isolated (no bwrap: macOS, Windows, a machine without it; the run says so at the
+start and in summary.md), the audit hook is a tripwire for the ordinary ways out, not a
+kernel-enforced wall: a deliberate submission can then read and change what the grader's user
+can reach, other students' grades included. On Windows there is no fork: each
 student is graded in one fresh process of its own, with the policy but no per-exercise process
 and no memory limit, and a total time limit only.
 """
