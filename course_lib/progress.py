@@ -195,6 +195,18 @@ class Room:
     lines: int
     skipped: int
     last: str | None
+    names: dict[str, str] = field(default_factory=dict)   # student id -> the name they chose (latest)
+
+    def who(self, student: str) -> str | None:
+        return self.names.get(student)
+
+
+def _shown_name(value: Any) -> str | None:
+    """A name as the room shows it: printable characters only (no terminal escapes), at most NAME_LIMIT."""
+    if not isinstance(value, str):
+        return None
+    text = "".join(c for c in value if c.isprintable()).strip()[:NAME_LIMIT]
+    return text or None
 
 
 def _order(exercise_id: str) -> tuple:
@@ -210,6 +222,7 @@ def read_room(folder: str | os.PathLike) -> Room:
                                 f"({'a file' if root.exists() else 'not found'})")
     exercises: dict[str, ExerciseRoom] = {}
     students: set[str] = set()
+    names: dict[str, tuple[str, str]] = {}   # id -> (time, name)
     lines = skipped = 0
     last = None
     for path in sorted(root.glob("*.jsonl")):
@@ -229,13 +242,17 @@ def read_room(folder: str | os.PathLike) -> Room:
                 skipped += 1
                 continue
             who = student   # a name, when set, is only shown; the id is who it is
+            name = _shown_name(entry.get("name"))
+            if name and (who not in names or names[who][0] <= stamp):
+                names[who] = (stamp, name)
             room = exercises.setdefault(exercise, ExerciseRoom(exercise))
             room.attempts += 1
             if who not in room.latest or room.latest[who][0] <= stamp:
                 room.latest[who] = (stamp, passed, diagnosis if isinstance(diagnosis, str) else None)
             students.add(who)
             last = max(last or stamp, stamp)
-    return Room(dict(sorted(exercises.items(), key=lambda kv: _order(kv[0]))), students, lines, skipped, last)
+    return Room(dict(sorted(exercises.items(), key=lambda kv: _order(kv[0]))), students, lines, skipped, last,
+                {who: name for who, (_, name) in names.items()})
 
 
 def _titles() -> dict[str, str]:
@@ -252,12 +269,20 @@ def room_table(room: Room, titles: dict[str, str] | None = None) -> str:
     head = (f"The room: {len(room.students)} student(s), {room.lines - room.skipped} check(s)"
             + (f", the last at {room.last}" if room.last else "")
             + (f"; {room.skipped} unreadable line(s) skipped" if room.skipped else ""))
+    named = sorted({room.names[s] for s in room.students if s in room.names}, key=str.casefold)
+    if named:
+        anonymous = sum(1 for s in room.students if s not in room.names)
+        head += f"\nNamed: {', '.join(named)}" + (f"; {anonymous} anonymous" if anonymous else "")
     if not room.exercises:
         return head + "\nNo checks recorded yet."
     rows = [("exercise", "title", "tried", "passing", "attempts", "most common mistake now (students)")]
     for ex_id, ex in room.exercises.items():
         failing = ex.failing_now()
         mistake = "-" if not failing else ", ".join(f"{d} {n}" for d, n in failing.most_common(3))
+        stuck = sorted({room.names[s] for s, (_, passed, _) in ex.latest.items() if not passed and s in room.names},
+                       key=str.casefold)
+        if stuck:   # the students who chose to be named, failing now
+            mistake += f" ({', '.join(stuck[:6])}{', ...' if len(stuck) > 6 else ''})"
         rows.append((ex_id, titles.get(ex_id, "")[:40], str(ex.students), str(ex.passing), str(ex.attempts),
                      mistake))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]

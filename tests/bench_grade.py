@@ -1,6 +1,6 @@
 """Benchmark (not a test): grade a synthetic class with `python -m course_lib grade` and print the time.
 
-    nice python tests/bench_grade.py --students 30 --workers 2
+    nice python tests/bench_grade.py --students 30 --workers 2 [--isolation on|off]
 
 Each student's notebooks 01-07 are learner copies whose exercise cells hold, drawn at random (seed
 fixed), a correct attempt from the banks (tests/bank), a bank mistake, or nothing (unfinished).
@@ -29,6 +29,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--notebooks", default="01,02,03,04,05,06,07")
     parser.add_argument("--keep", metavar="DIR", help="write the class and the report here and keep them")
+    parser.add_argument("--isolation", choices=("auto", "on", "off"), default="auto",
+                        help="passed to the command: each student in a bubblewrap sandbox, or not")
     args = parser.parse_args()
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="grade-bench-"))
     submissions, report = base / "class", base / "report"
@@ -37,7 +39,8 @@ def main() -> int:
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "course_lib", "grade", str(submissions), "--out", str(report),
-               "--workers", str(args.workers), "--exercises", ",".join(exercises), "--quiet"]
+               "--workers", str(args.workers), "--exercises", ",".join(exercises), "--isolation", args.isolation,
+               "--quiet"]
     start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -51,7 +54,8 @@ def main() -> int:
                   expected.get(drawn[r["student"]][r["exercise"]], drawn[r["student"]][r["exercise"]])
                   for r in rows)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"{args.students} students x {len(exercises)} exercises ({args.notebooks}) with {args.workers} workers: "
+    print(f"isolation {args.isolation}: "
+          f"{args.students} students x {len(exercises)} exercises ({args.notebooks}) with {args.workers} workers: "
           f"{seconds:.1f} s wall for the whole command ({seconds / args.students:.2f} s per student); "
           f"{matches}/{len(rows)} grades are the diagnosis the bank registers; load average now {load:.2f}, "
           f"{os.cpu_count()} cores")

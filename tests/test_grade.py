@@ -2,7 +2,9 @@
 sandbox, the report, and a small class graded end to end (with hostile submissions)."""
 from __future__ import annotations
 
+import base64
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -17,16 +19,29 @@ from bank import attention_bugs
 from synthetic_class import FORGED_VERDICT, attempt_source, hostile_parts, prediction_source, write_student
 
 from course_lib import checks
+from course_lib.checks._harness import DIAGNOSES
 from course_lib.collect import _base_namespace
-from course_lib.grading import grade, grading_plan
+from course_lib.grading import grade, grading_plan, handed_in
+from course_lib.grading.advice import room_advice
+from course_lib.grading.cli import build_parser
 from course_lib.grading.cli import main as grade_main
 from course_lib.grading.grades import Grade
 from course_lib.grading.judge import judge, known_names
-from course_lib.grading.report import RunInfo, write_report
+from course_lib.grading.pool import SelfCheckFailed
+from course_lib.grading.report import (
+    FIXED_STYLES,
+    OKABE_ITO,
+    RunInfo,
+    figure_styles,
+    grades_csv,
+    summary_figure,
+    write_report,
+)
 from course_lib.grading.sandbox import install_policy
-from course_lib.grading.sources import find_notebook, student_part
-from course_lib.grading.submissions import find_submissions
-from course_lib.grading.worker import exercise_limits
+from course_lib.grading.selfcheck import self_check
+from course_lib.grading.sources import _without_magics, find_notebook, student_part, unfinished_exercises
+from course_lib.grading.submissions import Submission, find_submissions
+from course_lib.grading.worker import _write_files, exercise_limits
 
 PLANS = grading_plan()
 KNOWN = known_names(PLANS)
@@ -115,6 +130,92 @@ def test_a_renamed_notebook_is_found_by_its_number_unless_it_is_ambiguous():
     found, why = find_notebook(["02_a.ipynb", "02_b.ipynb"], "02_masked_attention.ipynb")
     assert found is None and "several" in why
     assert find_notebook(["020_x.ipynb"], "02_masked_attention.ipynb")[0] is None
+
+
+def test_a_renamed_copy_holding_the_work_is_graded_and_the_report_says_which_file(tmp_path):
+    original, copy = "01_attention_toy.ipynb", "01_attention_toy (1).ipynb"
+    write_student(tmp_path / "s", ["01"])
+    untouched = (tmp_path / "s" / original).read_text()
+    write_student(tmp_path / "w", ["01"], solved=True)
+    worked = (tmp_path / "w" / original).read_text()
+    counts = {original: unfinished_exercises(untouched), copy: unfinished_exercises(worked)}
+    assert counts == {original: 3, copy: 0}
+    found, note = find_notebook([original, copy], original, counts)
+    assert found == copy and note == f"graded {copy} as {original}; ignored {original}"
+    # both written (or both untouched): the course's name wins, and the note names the copy left aside
+    found, note = find_notebook([original, copy], original, {original: 0, copy: 0})
+    assert found == original and note.endswith(f"ignored {copy}")
+    files = {original: base64.b64encode(untouched.encode()).decode(), copy: base64.b64encode(worked.encode()).decode()}
+    home = tmp_path / "home"
+    home.mkdir()
+    found = _write_files(str(home), files, {original})
+    assert found["texts"][original] == worked and found["notes"] == [f"graded {copy} as {original}; ignored {original}"]
+
+
+def test_magic_lines_are_dropped_only_where_a_statement_starts():
+    source = ("%%time\n!pip list\ndef causal_mask(n):\n    keep = (torch.ones(n, n)\n            != 0)\n"
+              "    rows = (n\n            % 7)\n    %time x = 1\n    return keep.tril()\n")
+    cleaned = _without_magics(source)
+    assert cleaned.splitlines()[:2] == ["pass", "pass"] and "            != 0)" in cleaned and "% 7)" in cleaned
+    assert "    pass" in cleaned.splitlines()   # an indented magic inside the body, at a statement's start
+    part = student_part(_notebook(source), PLANS["2.1"], KNOWN)
+    assert part.diagnosis is None, part.message
+    assert judge(PLANS["2.1"], part.source)["passed"] is True
+
+
+def test_a_definition_moved_to_another_cell_is_graded_with_a_note():
+    learner = nbformat.v4.new_notebook()
+    exercise = nbformat.v4.new_code_cell("# moved below")
+    exercise["id"] = PLANS["2.1"].cell_id
+    learner.cells = [exercise, nbformat.v4.new_code_cell("x = 1"),
+                     nbformat.v4.new_code_cell("def causal_mask(n):\n    return torch.ones(n, n, dtype=torch.bool)")]
+    part = student_part(nbformat.writes(learner), PLANS["2.1"], KNOWN)
+    assert part.source is not None and "code cell 3" in part.note and "no longer defines it" in part.note
+    assert judge(PLANS["2.1"], part.source)["diagnosis"] == "causal_mask"   # graded, not "missing"
+
+
+def test_a_name_rebound_from_itself_takes_the_definition_before_it():
+    """Notebook 09's ``apply_rotary = apply_rotary if checks.check_apply_rotary(...) else ...`` kind of line."""
+    text = _notebook("def _tri(n):\n    return torch.ones(n, n, dtype=torch.bool).tril()",
+                     "_tri = _tri if checks.check_causal_mask(_tri, graded=False) else None",
+                     "def causal_mask(n):\n    return _tri(n)")
+    part = student_part(text, PLANS["2.1"], KNOWN)
+    assert part.source.index("def _tri") < part.source.index("_tri = _tri")
+    assert judge(PLANS["2.1"], part.source)["passed"] is True
+
+
+def test_the_default_exercises_are_every_exercise_cell_9_2_and_9_6_included():
+    assert list(PLANS) == ["1.1", "1.2", "1.3", "2.1", "2.2", "3.1", "3.2", "3.3", "4.1", "4.2", "4.3", "5.1", "5.2",
+                           "5.3", "5.4", "6.1", "6.2", "7.1", "7.2", "9.1", "9.2", "9.3", "9.4", "9.5", "9.6"]
+    assert PLANS["9.2"].name == "apply_rotary" and "def rotate_half" in PLANS["9.2"].solution
+    help_text = build_parser().format_help()
+    assert "1.1 to 7.2 and 9.1 to 9.6" in " ".join(help_text.split())
+
+
+@pytest.mark.slow
+def test_the_grader_passes_every_solution_and_fails_every_blank_exercise():
+    """The self-check each grading run starts with, on the course as it is: 25 exercises."""
+    assert self_check(PLANS) == []
+
+
+def test_a_broken_judge_is_caught_by_the_self_check_naming_the_exercise():
+    broken = {"2.1": dataclasses.replace(PLANS["2.1"], check="checks.check_causal_mask(lambda n: None)"),
+              "3.2": dataclasses.replace(PLANS["3.2"], check="from course_lib.attention import merge_heads as ours\n"
+                                                         "checks.check_merge_heads(ours)")}
+    problems = self_check(broken)
+    assert any(p.startswith("exercise 2.1 (causal_mask): the course's solution failed") for p in problems)
+    assert any(p.startswith("exercise 3.2 (merge_heads): the learner copy's blank exercise passed") for p in problems)
+
+
+def test_the_command_stops_with_an_error_when_the_self_check_fails(tmp_path, monkeypatch, capsys):
+    (tmp_path / "class" / "ada").mkdir(parents=True)
+
+    def failing(*args, **kwargs):
+        raise SelfCheckFailed(["exercise 9.6 (GroupedQueryAttention): the course's solution failed (exception: x)"])
+    monkeypatch.setattr("course_lib.grading.grade", failing)
+    assert grade_main([str(tmp_path / "class"), "--out", str(tmp_path / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "self-check failed" in err and "exercise 9.6" in err
 
 
 def test_a_notebooks_exercises_share_its_time_limit():
@@ -254,6 +355,65 @@ def test_the_report_says_per_exercise_who_passed_and_what_to_tell_the_room(tmp_p
     assert "causal_mask" in test["output"] and "The future leaks." in test["output"]
 
 
+def test_the_rooms_advice_is_chosen_per_exercise_and_diagnosis():
+    # one code, several meanings: 5.4's ignored temperature is not attention's 1/sqrt(d)
+    assert "temperature" in room_advice("5.4", "scale") and "square root" not in room_advice("5.4", "scale")
+    assert "square root" in room_advice("1.3", "scale")
+    assert "no scaling" in room_advice("1.2", "scale")
+    # a code with no advice written for this exercise: what the checker told most of them, never another's advice
+    said = ["You add the residual after the norm.", "You add the residual after the norm.", "Other."]
+    assert room_advice("9.3", "residual", said) == 'The checker told 2 of them: "You add the residual after the norm."'
+    assert "none of the known mistakes" not in room_advice("6.1", "mismatch", ["Your FLOPs count is 2N."])
+    assert "2N" in room_advice("6.1", "mismatch", ["Your FLOPs count is 2N."])
+    # the codes for the mistakes that had none, each with advice for its exercise
+    for key, word in {("5.3", "zero_grad"): "zero_grad", ("6.1", "flops_factor"): "6 FLOPs",
+                      ("7.1", "split_transpose"): "head axis", ("4.3", "final_norm"): "ln_f",
+                      ("6.2", "no_kv_cache"): "cache", ("5.1", "overlapping_windows"): "share tokens"}.items():
+        assert word in room_advice(*key), key
+    # codes that mean the same everywhere keep their one sentence
+    assert room_advice("9.6", "timeout") == room_advice("2.1", "timeout") != ""
+
+
+def test_csv_cells_that_a_spreadsheet_would_run_are_escaped(tmp_path):
+    hostile = [Grade("=1+2", "2.1", False, "exception", "=HYPERLINK(\"http://x\",\"click\")", 0.1),
+               Grade("@bob", "2.1", False, "exception", "+cmd|' /C calc'!A0", 0.1),
+               Grade("-eve", "2.1", False, "exception", "-2+3", 0.1),
+               Grade("ada", "2.1", True, None, "Right: scores - max.", 0.1)]
+    rows = list(csv.DictReader(io.StringIO(grades_csv(hostile))))
+    assert {r["student"] for r in rows} == {"'=1+2", "'@bob", "'-eve", "ada"}
+    assert {r["message"] for r in rows} == {"'=HYPERLINK(\"http://x\",\"click\")", "'+cmd|' /C calc'!A0", "'-2+3",
+                                            "Right: scores - max."}
+    assert all(not cell.startswith(("=", "+", "-", "@")) for r in rows for cell in r.values())
+
+
+def test_a_one_notebook_gradescope_submission_is_scored_on_that_notebooks_exercises(tmp_path):
+    plans = grading_plan()
+    one = Submission("ada", {"02_masked_attention (1).ipynb": b"{}", "notes.txt": b""})
+    assert handed_in(one, plans) == {"2.1", "2.2"}
+    grades = [Grade("ada", ex, ex == "2.1", None if ex == "2.1" else "missing" if ex[0] != "2" else "causal_mask",
+                    "m", 0.1) for ex in plans]
+    out = tmp_path / "results"
+    info = dataclasses.replace(_info(), students=1, scored={"ada": handed_in(one, plans)})
+    write_report(out, grades, info, gradescope=True)
+    results = json.loads((out / "results.json").read_text())
+    assert [t["number"] for t in results["tests"]] == ["2.1", "2.2"]
+    assert results["score"] == 1.0 and results["output"] == "1 of 2 exercises passed."
+    # chosen exercises (or nothing handed in): scored on all of them
+    write_report(out, grades, _info(), gradescope=True)
+    assert len(json.loads((out / "results.json").read_text())["tests"]) == len(plans)
+
+
+def test_the_figures_colours_are_colour_blind_safe_and_never_repeat():
+    codes = list(DIAGNOSES)
+    styles = figure_styles(codes)
+    assert len(set(styles.values())) == len(styles)   # no two labels drawn alike
+    safe = set(OKABE_ITO) | {colour for colour, _ in FIXED_STYLES.values()}
+    assert all(colour in safe for colour, _ in styles.values())
+    assert styles["passed"][0] == "#009E73"
+    png = summary_figure(_grades())
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_second_run_replaces_its_own_report_and_refuses_anyone_elses(tmp_path):
     out = tmp_path / "report"
     write_report(out, _grades(), _info())
@@ -318,7 +478,8 @@ def graded_class(tmp_path_factory):
     write_student(submissions / "mallory", ["01", "02", "03"], hostile_parts(victim, submissions, report))
     write_student(submissions / "eve", ["02"], {"2.1": FORGED_VERDICT})
     before = victim.read_bytes()
-    run = grade(submissions, report, workers=2, timeout=8, memory_mb=512, exercises=CLASS_EXERCISES)
+    # the process sandbox alone (what runs where bwrap does not); isolation: tests/test_grade_isolation.py
+    run = grade(submissions, report, workers=2, timeout=8, memory_mb=512, exercises=CLASS_EXERCISES, isolate=False)
     return {"run": run, "report": report, "victim": victim, "before": before,
             "grades": {(g.student, g.exercise): g for g in run.grades}}
 
@@ -379,3 +540,22 @@ def test_the_command_grades_a_gradescope_submission(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert [(t["number"], t["status"]) for t in results["tests"]] == [("2.1", "failed"), ("2.2", "failed")]
     assert (out / "feedback" / "submission.md").exists()
+
+
+def test_without_bubblewrap_the_run_says_it_is_not_isolated(tmp_path, monkeypatch, capsys):
+    from course_lib.grading import isolation
+    monkeypatch.setattr(isolation.shutil, "which", lambda name: None)
+    isolation.status.cache_clear()
+    try:
+        assert isolation.status() == (False, isolation.NOT_ISOLATED)
+        with pytest.raises(RuntimeError, match="isolate: expected bubblewrap"):
+            grade(tmp_path / "class", tmp_path / "out", isolate=True)
+        info = dataclasses.replace(_info(), sandbox="each exercise in its own limited process; "
+                                                    + isolation.NOT_ISOLATED)
+        write_report(tmp_path / "out", _grades(), info)
+        assert "not isolated: bubblewrap (bwrap) is not available" in (tmp_path / "out" / "summary.md").read_text()
+        (tmp_path / "class").mkdir()
+        grade_main([str(tmp_path / "class"), "--out", str(tmp_path / "o2"), "--quiet"])   # no student: exit 2
+        assert capsys.readouterr().err.startswith("warning: grading not isolated")
+    finally:
+        isolation.status.cache_clear()

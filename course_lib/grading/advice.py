@@ -1,12 +1,24 @@
 """What to tell the room about each kind of mistake: one or two sentences, never the answer's code.
 
-``ROOM_ADVICE`` has one line per diagnosis code; ``EXERCISE_ADVICE`` says it more precisely where
-an exercise's version of a mistake has a better pointer. :func:`room_hint` adds the exercise's
-first hint from the checks registry (the hint a student gets from ``checks.hint(...)``).
+Advice is chosen per (exercise, diagnosis), because one code means different things in different
+exercises (``scale`` is the 1/sqrt(d) of attention in 1.3, the ignored temperature in 5.4, the
+frequencies of 4.1): ``EXERCISE_ADVICE`` holds what to say for an exercise's own mistakes. Where
+it has nothing, ``ROOM_ADVICE`` speaks only for the codes that mean the same everywhere
+(``GENERAL``: not written, raises, too slow, wrong shape ...); for any other code the room is told
+what the checker told most of those students (its message names the mistake), never a sentence
+written for another exercise. :func:`room_hint` adds the exercise's first hint from the checks
+registry (the hint a student gets from ``checks.hint(...)``).
 """
 from __future__ import annotations
 
-__all__ = ["ROOM_ADVICE", "EXERCISE_ADVICE", "room_hint", "exercise_title", "first_hint"]
+from collections import Counter
+from collections.abc import Iterable
+
+__all__ = ["ROOM_ADVICE", "EXERCISE_ADVICE", "GENERAL", "room_advice", "room_hint", "exercise_title", "first_hint"]
+
+# Codes whose advice is the same in every exercise.
+GENERAL = frozenset({"not_implemented", "missing", "exception", "timeout", "crashed", "mutation", "shape", "dtype",
+                     "device", "nan", "precision", "checker_error"})
 
 ROOM_ADVICE = {
     "not_implemented": "Not written yet: give the room time, or walk through the exercise's first step together.",
@@ -40,10 +52,39 @@ ROOM_ADVICE = {
     "generator": "Sampling must draw from the generator it is given, not the global random state.",
     "mismatch": "Wrong in a way none of the known mistakes explains: compare with the exercise's steps one by one.",
     "checker_error": "The checker itself failed: a bug in the course; please report it with the message.",
+    "zero_grad": "Clear the gradients before each backward (optimizer.zero_grad()): they add up otherwise.",
+    "flops_factor": "Training costs 6 FLOPs per weight and token (2 forward, 4 backward), not 2.",
+    "split_transpose": "After the split into heads, move the head axis before the positions (transpose).",
+    "final_norm": "The last block's output is normalised (ln_f) before the output layer.",
+    "no_kv_cache": "After the prompt, feed only the new token: earlier keys and values come from the cache.",
+    "overlapping_windows": "Training windows must not overlap: step by the window's length, not by one.",
 }
 
 EXERCISE_ADVICE = {
     ("1.1", "normalization"): "The weights are the softmax of the scores: e^s over the sum of e^s, summing to one.",
+    ("1.2", "scale"): "Toy attention has no scaling yet (1/sqrt(d) comes in 1.3): softmax of the raw scores.",
+    ("1.3", "scale"): "Divide the scores by the square root of the key size, before the softmax.",
+    ("2.2", "scale"): "Divide the scores by the square root of the head size, before the softmax.",
+    ("3.3", "scale"): "Each head works in head_dim dimensions: divide its scores by sqrt(head_dim), before the softmax.",
+    ("4.1", "scale"): "Each pair of dimensions turns at its own frequency, 1/10000^(2i/d): check the exponent and "
+                      "which dimensions share an angle.",
+    ("5.4", "scale"): "The temperature divides the logits before the softmax: below 1 it sharpens, above 1 it "
+                      "flattens; a temperature that changes nothing is not applied.",
+    ("7.2", "scale"): "Multiply the scores by the `scaling` argument the layer is given (head_dim ** -0.5).",
+    ("5.3", "zero_grad"): "Gradients add up across backward() calls: clear them (optimizer.zero_grad()) before each "
+                          "backward, or every step uses the sum of all steps so far.",
+    ("6.1", "flops_factor"): "Training costs 6 FLOPs per weight and token (2 forward, 4 backward), not 2: the "
+                             "forward pass alone is a third of it.",
+    ("7.1", "split_transpose"): "After splitting c_attn's output into heads, (N, L, heads, head_dim) must become "
+                                "(N, heads, L, head_dim): move the head axis before the positions.",
+    ("4.3", "final_norm"): "The GPT normalises the last block's output (ln_f) before the output layer.",
+    ("6.2", "no_kv_cache"): "Generation with the cache feeds only the new token once the prompt is in: the keys and "
+                            "values of earlier positions come from the cache, not from running the whole prefix again.",
+    ("5.1", "overlapping_windows"): "Consecutive training windows must not share tokens: step by the window's "
+                                    "length (block_size + 1 tokens, or block_size with the target shifted), "
+                                    "not by one.",
+    ("2.1", "causal_mask"): "The mask is lower-triangular (tril): True on and below the diagonal, so a position "
+                            "sees itself and the past, never the future.",
     ("1.3", "causal_mask"): "Where the mask is False the score becomes -inf, before the softmax (not 0, not after "
                             "it); with no mask, nothing is hidden.",
     ("2.2", "causal_mask"): "Use the mask buffer, cropped to the sequence's length: -inf where it is False, before "
@@ -53,7 +94,6 @@ EXERCISE_ADVICE = {
     ("2.1", "dtype"): "The mask is a bool tensor (True = may attend), not 0/1 numbers or -inf.",
     ("4.3", "dropout"): "The GPT's dropout must follow train() and eval(): use its nn.Dropout module.",
     ("5.3", "dropout"): "A training step starts by putting the model in training mode.",
-    ("6.1", "mismatch"): "FLOPs per token: 6 per weight (forward 2, backward 4) plus 12·n·H·Q·T for attention.",
     ("7.2", "causal_mask"): "With no mask given, the queries are the last positions of the keys: the causal "
                             "mask's diagonal is shifted to the bottom-right corner.",
 }
@@ -71,9 +111,25 @@ def first_hint(exercise: str) -> str:
     return entry.hints[0] if entry and entry.hints else ""
 
 
-def room_hint(exercise: str, diagnosis: str) -> str:
-    """The advice for the room when ``diagnosis`` is the most common mistake on ``exercise``."""
-    advice = EXERCISE_ADVICE.get((exercise, diagnosis)) or ROOM_ADVICE.get(diagnosis, "")
+def room_advice(exercise: str, diagnosis: str, messages: Iterable[str] = ()) -> str:
+    """What to tell the room about ``diagnosis`` on ``exercise`` (see the module docstring); ``messages``:
+    the checker's messages to the students with that mistake."""
+    if (exercise, diagnosis) in EXERCISE_ADVICE:
+        return EXERCISE_ADVICE[exercise, diagnosis]
+    if diagnosis in GENERAL:
+        return ROOM_ADVICE.get(diagnosis, "")
+    said = Counter(m.strip() for m in messages if m and m.strip()).most_common(1)
+    if said:
+        message, count = said[0]
+        message = message if len(message) <= 400 else message[:400].rsplit(" ", 1)[0] + " ..."
+        return f"The checker told {count} of them: \"{message}\""
+    return ROOM_ADVICE.get(diagnosis, "")
+
+
+def room_hint(exercise: str, diagnosis: str, messages: Iterable[str] = ()) -> str:
+    """The advice for the room when ``diagnosis`` is the most common mistake on ``exercise``, and the
+    exercise's first hint."""
+    advice = room_advice(exercise, diagnosis, messages)
     hint = first_hint(exercise)
     if hint and diagnosis not in ("missing", "crashed", "checker_error"):
         return f"{advice} The exercise's first hint: {hint}".strip()

@@ -20,6 +20,9 @@ report files:
   REPORT/feedback/NAME.md     each student's verdicts, messages and hints
   REPORT/results.json         --format gradescope, one student (REPORT/gradescope/NAME/ for several)
 
+before anyone is graded, the course's own solution notebooks and learner copies are graded: a
+solution that fails, or a blank exercise that passes, stops the run (exit status 1) naming it.
+
 exit status: 0 graded (whatever the grades); 1 grading itself failed; 2 bad arguments; 130 Ctrl-C
 """
 
@@ -90,13 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-mb", type=_memory, default=2048, metavar="MB",
                         help="memory per exercise beyond the course's own, 0 for none (default %(default)s)")
     parser.add_argument("--exercises", type=_exercises, default=None, metavar="IDS",
-                        help="'2.1,2.2', notebook numbers '02,03', or 'all' (default: 1.1 to 7.2; 8.1 trains "
-                             "two models per student)")
+                        help="'2.1,2.2', notebook numbers '02,03', or 'all' (default: every exercise but 8.1, "
+                             "that is 1.1 to 7.2 and 9.1 to 9.6; 8.1 trains two models per student)")
     parser.add_argument("--format", choices=("report", "gradescope"), default="report",
                         help="'gradescope' also writes Gradescope's results.json")
     parser.add_argument("--inline", action="store_true",
                         help="grade each student in one fresh process, without a process per exercise "
                              "(what Windows does; for testing that path)")
+    parser.add_argument("--isolation", choices=("auto", "on", "off"), default="auto",
+                        help="each student in a bubblewrap sandbox of their own: 'auto' where bwrap runs here "
+                             "(default), 'on' to require it, 'off' for the per-process sandbox only")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from . import grade
+    from .pool import SelfCheckFailed
     bar = None
 
     def started(total: int) -> None:
@@ -116,12 +123,20 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str(f"{submission.student}: {sum(g.passed for g in grades)}/{len(grades)}", refresh=False)
         bar.update(1)
 
+    isolate = {"auto": None, "on": True, "off": False}[args.isolation]
+    if isolate is not False:   # one line at the start, whichever way it goes
+        from .isolation import status
+        isolated, line = status()
+        print(f"grading {line}" if isolated else f"warning: grading {line}", file=sys.stderr)
     try:
         run = grade(args.submissions, args.out, workers=args.workers, timeout=args.timeout,
                     memory_mb=args.memory_mb or None, exercises=args.exercises,
-                    gradescope=args.format == "gradescope", inline=args.inline, on_student=graded,
-                    on_start=started)
-    except (ValueError, FileNotFoundError, TypeError) as exc:
+                    gradescope=args.format == "gradescope", inline=args.inline, isolate=isolate,
+                    on_student=graded, on_start=started)
+    except SelfCheckFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError, TypeError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -22,9 +22,26 @@ from .grades import MESSAGE_LIMIT
 
 def known_names(plans: dict[str, ExercisePlan]) -> set[str]:
     """Names every exercise finds provided by the course: never taken from the student's other code."""
-    from ..collect import course_exercises
-    return ({ex.name for ex in course_exercises().values()} | {p.name for p in plans.values() if p.name}
-            | set(_base_namespace()) | set(ALIASES) | {"checks"})
+    from .plan import graded_exercises
+    return ({ex.name for ex in graded_exercises().values()} | {p.name for p in plans.values() if p.name}
+            | set(course_namespace()) | set(ALIASES) | {"checks"})
+
+
+def course_namespace() -> dict[str, Any]:
+    """What an exercise's definition runs in: ``collect``'s namespace (torch and the course's building
+    blocks), plus the course's version of every other graded exercise's name (``modern.apply_rotary``
+    for 9.6, ...), as the notebooks carry on with the course's version after each exercise."""
+    from .. import attention, generate, model, modern
+    from .plan import graded_exercises
+    namespace = _base_namespace()
+    for ex in graded_exercises().values():
+        for module in (modern, attention, model, generate):
+            if ex.name not in namespace and hasattr(module, ex.name):
+                namespace[ex.name] = getattr(module, ex.name)
+    namespace.setdefault("modern", modern)
+    for alias, target in ALIASES.items():
+        namespace[alias] = namespace[target]
+    return namespace
 
 
 class RecordingChecks:
@@ -57,6 +74,10 @@ class RecordingChecks:
 
     def verdicts(self) -> list[CheckResult]:
         return list(self._verdicts)
+
+    def forget(self) -> None:
+        """Drop the verdicts so far (checks the student's own code made while being defined)."""
+        self._verdicts.clear()
 
 
 def _verdict(exercise: str, passed: bool, diagnosis: str | None, message: str) -> dict[str, Any]:
@@ -113,14 +134,14 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
     try:
         if plan.id == CAPSTONE:
             return _judge_capstone(plan)
-        namespace = _base_namespace()
-        for alias, target in ALIASES.items():
-            namespace[alias] = namespace[target]
+        namespace = course_namespace()
+        recorder = RecordingChecks()   # the course's checkers, taken before any student code runs
+        namespace["checks"] = recorder   # a line of theirs may call one (9.6's cell before: yours or ours)
         try:
             exec(compile(source or "", f"<your {plan.notebook}, Exercise {plan.id}>", "exec"), namespace)
         except BaseException as exc:  # the student's definition itself failed to run
             return _raised(plan.id, f"Defining {plan.name}", exc)
-        recorder = RecordingChecks()
+        recorder.forget()
         namespace["checks"] = recorder
         error = None
         try:

@@ -6,6 +6,10 @@ causal_mask)``; 1.1's cell also calls ``my_prediction()`` first), plus any code 
 it that only call a checker on the exercise's name again (4.2 is checked pre-norm, then post-norm).
 The grader runs that text, the course's and never the student's, on the student's definition.
 
+Which name an exercise defines: the one ``def``/``class`` of its cell, or, where the cell defines
+several (9.2's ``rotate_half`` and ``apply_rotary``), the one holding the ``### BEGIN SOLUTION``
+marker; the cell's other definitions are the exercise's helpers and come with the student's part.
+
 Exercise 8.1 has no exercise cell: its check compares a GPT built from the student's parts of
 notebooks 02-05 with the reference after both trained on names, as notebook 08 does. It trains two
 small models per student (17 s on a busy 2-core machine), so it is graded only when asked for.
@@ -13,15 +17,16 @@ small models per student (17 s on a busy 2-core machine), so it is graded only w
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
-from ..collect import course_exercises
+from ..collect import _BEGIN_RE, Exercise, _segment, course_exercises
 from ..course_files import course_notebooks
 
-__all__ = ["ExercisePlan", "grading_plan", "default_exercises", "CAPSTONE", "CAPSTONE_CHECK"]
+__all__ = ["ExercisePlan", "grading_plan", "graded_exercises", "default_exercises", "CAPSTONE", "CAPSTONE_CHECK"]
 
 CAPSTONE = "8.1"
 CAPSTONE_NOTEBOOK = "08_train_your_gpt.ipynb"
@@ -98,13 +103,46 @@ def _calls_checker_anywhere(source: str) -> bool:
         return False
 
 
+def _marked_definition(source: str) -> tuple[str, str] | None:
+    """For a cell defining several names: the one whose body holds the solution marker, and the
+    cell's imports and definitions (its helpers) as the course's solution."""
+    tree = ast.parse(source)
+    marker = next(i for i, line in enumerate(source.splitlines(), 1) if _BEGIN_RE.search(line))
+    definitions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
+    holding = [n for n in definitions if n.lineno <= marker <= n.end_lineno]
+    if len(holding) != 1:
+        return None
+    kept = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) or n in definitions]
+    return holding[0].name, "\n\n".join(_segment(source, n) for n in kept)
+
+
+def graded_exercises(notebooks: list[Path] | None = None) -> dict[str, Exercise]:
+    """Every exercise with an exercise cell, by id: ``collect``'s (one name per cell), and the cells
+    that define helpers beside the exercise's name (9.2), which ``collect`` leaves out."""
+    return dict(_graded_exercises(tuple(course_notebooks() if notebooks is None else notebooks)))
+
+
+@functools.lru_cache(maxsize=4)
+def _graded_exercises(notebooks: tuple[Path, ...]) -> dict[str, Exercise]:
+    found = dict(course_exercises(notebooks))
+    for path in notebooks:
+        for cell in nbformat.read(path, as_version=4).cells:
+            match = _BEGIN_RE.search(cell.source) if cell.cell_type == "code" else None
+            if not match or match["id"] in found:
+                continue
+            marked = _marked_definition(cell.source)
+            if marked is not None:
+                found[match["id"]] = Exercise(match["id"], marked[0], path.name, cell.get("id", ""), marked[1])
+    return found
+
+
 def grading_plan(exercises: list[str] | None = None) -> dict[str, ExercisePlan]:
     """The plan of each exercise in ``exercises`` (default: :func:`default_exercises`), in course order.
 
     Raises ``ValueError`` naming ``exercises`` for an id the course does not have.
     """
     notebooks = course_notebooks()
-    found = course_exercises(notebooks)
+    found = graded_exercises(notebooks)
     by_name = {path.name: path for path in notebooks}
     known = sorted([*found, CAPSTONE], key=_order)
     wanted = default_exercises() if exercises is None else list(exercises)
@@ -123,5 +161,6 @@ def grading_plan(exercises: list[str] | None = None) -> dict[str, ExercisePlan]:
 
 
 def default_exercises() -> list[str]:
-    """Every exercise with an exercise cell (1.1 to 7.2): all but 8.1, which trains models."""
-    return sorted(course_exercises(), key=_order)
+    """Every exercise with an exercise cell (1.1 to 7.2 and 9.1 to 9.6): all but 8.1, which trains
+    two models per student and is graded only when asked for (``--exercises all`` or ``8.1``)."""
+    return sorted(graded_exercises(), key=_order)

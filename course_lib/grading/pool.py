@@ -19,6 +19,7 @@ Without ``os.fork`` (Windows) each student gets a fresh worker that grades in it
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import queue
@@ -36,7 +37,7 @@ from .grades import Grade, grade_from_message
 from .plan import ExercisePlan
 from .submissions import Submission
 
-__all__ = ["GradingOptions", "GradingFailed", "grade_submissions", "forks"]
+__all__ = ["GradingOptions", "GradingFailed", "SelfCheckFailed", "grade_submissions", "forks"]
 
 START_TIMEOUT = 600.0     # seconds for a worker to import torch and warm up, on a very busy machine
 MARGIN = 30.0             # seconds per student beyond the notebooks' limits, for the worker's own work
@@ -51,6 +52,15 @@ class GradingFailed(RuntimeError):
     """Grading itself failed (a worker could not start, or reported an error of the grader's)."""
 
 
+class SelfCheckFailed(GradingFailed):
+    """The course's own solutions did not all pass, or a blank exercise passed: nobody is graded."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("the grader's self-check failed, so nobody was graded (a bug in the course or in this "
+                         "installation): grading the course's own notebooks,\n  " + "\n  ".join(problems))
+
+
 @dataclass(frozen=True)
 class GradingOptions:
     workers: int
@@ -59,6 +69,7 @@ class GradingOptions:
     deny: tuple[str, ...]   # folders no submission may read: the submissions, the report, our root
     root: str               # the grader's private working folder (workers' folders go inside)
     inline: bool = False    # grade each student in a fresh worker's own process (forced without fork)
+    isolated: bool = False  # each student's worker in a bubblewrap sandbox of its own (``isolation``)
 
 
 @dataclass
@@ -84,9 +95,19 @@ class _Worker:
         command = [sys.executable, "-m", "course_lib.grading.worker", ",".join(exercises)]
         if options.inline or not forks():
             command.append("--inline")
+        cwd = options.root
+        if options.isolated:
+            from . import isolation
+            command.append("--isolated")
+            if os.geteuid() == 0:
+                command.append(f"--uid={isolation.BASE_UID + number}")
+            env.update(HOME="/tmp", TMPDIR="/tmp", PATH="/usr/bin:/bin", PYTHONDONTWRITEBYTECODE="1",
+                       HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+            command = isolation.command(command, env=env, masked=options.deny)
+            cwd = "/"
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=options.root, env=env,
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=cwd, env=env,
                 start_new_session=forks(),
                 creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0) if not forks() else 0)
         self.messages: queue.Queue = queue.Queue()
@@ -114,6 +135,8 @@ class _Worker:
         if isinstance(message, dict) and message.get("type") == "ready":
             return
         self.stop()
+        if isinstance(message, dict) and message.get("type") == "self_check":
+            raise SelfCheckFailed([str(p) for p in message.get("problems", [])])
         why = message.get("message") if isinstance(message, dict) else "no answer" if message is False \
             else "it exited"
         raise GradingFailed(f"a grading worker did not start ({why}); its log:\n{self.log_tail()}")
@@ -158,7 +181,8 @@ class _Worker:
 
 def _job(submission: Submission, exercises: list[str], options: GradingOptions) -> dict[str, Any]:
     return {"student": submission.student, "exercises": exercises, "timeout": options.timeout,
-            "memory_mb": options.memory_mb, "root": options.root, "deny": list(options.deny),
+            "memory_mb": options.memory_mb, "root": "/tmp" if options.isolated else options.root,
+            "deny": list(options.deny),
             "files": {name: base64.b64encode(data).decode("ascii") for name, data in submission.files.items()}}
 
 
@@ -187,6 +211,11 @@ def _grade_one(worker: _Worker, submission: Submission, plans: dict[str, Exercis
             outcome.errors.append(f"{submission.student}: {message.get('message')}")
             ended = "error"
             break
+        if kind == "note" and message.get("student") == submission.student and isinstance(message.get("note"), str):
+            note = message["note"][:500]
+            if note not in submission.notes:
+                submission.notes.append(note)
+            continue
         if kind == "grade" and message.get("student") == submission.student:
             exercise = message.get("exercise")
             if exercise in plans and exercise not in outcome.grades:
@@ -212,7 +241,7 @@ def _grade_one(worker: _Worker, submission: Submission, plans: dict[str, Exercis
                                          "checker_error": "the grader failed on an earlier exercise."}[diagnosis]
             outcome.grades[exercise] = Grade(submission.student, exercise, False, diagnosis, text, 0.0)
             first = False
-    reusable = ended == "done" and worker.alive() and not (options.inline or not forks())
+    reusable = ended == "done" and worker.alive() and not (options.inline or options.isolated or not forks())
     return outcome, reusable
 
 
@@ -227,11 +256,31 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
     grades: list[Grade] = []
     errors: list[str] = []
     lock = threading.Lock()
+    stopped: list[SelfCheckFailed] = []
+    judged = threading.Event()   # set once the course's own notebooks were graded right: students may start
+
+    def self_check() -> None:
+        """Isolated workers do not check the judge themselves: one worker outside does, first."""
+        try:
+            checker = _Worker(exercises, dataclasses.replace(options, isolated=False), len(submissions) + 1)
+            checker.wait_ready()
+            checker.stop()
+        except SelfCheckFailed as exc:
+            stopped.append(exc)
+        except GradingFailed as exc:
+            stopped.append(SelfCheckFailed([f"the self-check could not run: {exc}"]))
+        finally:
+            judged.set()
+
+    if options.isolated:
+        threading.Thread(target=self_check, daemon=True).start()
+    else:
+        judged.set()   # each worker checks the judge itself before it says it is ready
 
     def slot(number: int) -> None:
         worker: _Worker | None = None
         try:
-            while True:
+            while not stopped:
                 try:
                     submission = todo.get_nowait()
                 except queue.Empty:
@@ -242,6 +291,10 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
                 if worker is None:
                     worker = _Worker(exercises, options, number)
                     worker.wait_ready()
+                judged.wait()
+                if stopped:
+                    todo.put(submission)
+                    return
                 outcome, reusable = _grade_one(worker, submission, plans, options)
                 if not reusable:
                     worker.stop()
@@ -251,6 +304,9 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
                     grades.extend(ordered)
                     errors.extend(outcome.errors)
                     on_student(submission, ordered)
+        except SelfCheckFailed as exc:
+            with lock:
+                stopped.append(exc)
         except GradingFailed as exc:
             with lock:
                 errors.append(str(exc))
@@ -271,6 +327,8 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
         for worker in running:
             worker.stop(wait=0)
         raise
+    if stopped:
+        raise stopped[0]
     graded = {g.student for g in grades}
     for submission in submissions:   # students no worker could take (every worker failed to start)
         if submission.student not in graded:

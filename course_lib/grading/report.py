@@ -25,7 +25,7 @@ from .gradescope import results_json
 from .submissions import safe_file_name
 
 __all__ = ["RunInfo", "check_report_folder", "claim_report_folder", "write_report", "grades_csv", "summary_markdown",
-           "feedback_markdown", "summary_figure", "MARKER", "COLUMNS"]
+           "feedback_markdown", "summary_figure", "figure_styles", "spreadsheet_safe", "MARKER", "COLUMNS"]
 
 MARKER = ".course-grade-report"
 COLUMNS = ("student", "exercise", "passed", "diagnosis", "message", "seconds")
@@ -44,6 +44,8 @@ class RunInfo:
     sandbox: str
     notes: list[str] = field(default_factory=list)    # files skipped, notebooks found twice
     errors: list[str] = field(default_factory=list)   # grading's own failures
+    student_notes: dict[str, list[str]] = field(default_factory=dict)   # the same, per student, for feedback
+    scored: dict[str, set[str]] = field(default_factory=dict)   # Gradescope: the exercises each student is scored on
 
 
 def check_report_folder(out: Path) -> None:
@@ -105,14 +107,24 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(text: str) -> str:
+    """A cell a spreadsheet shows as text: one starting like a formula (``= + - @``, a tab or a carriage
+    return) gets a leading apostrophe, so that ``=HYPERLINK(...)`` in a student's name or message
+    is never run when the instructor opens grades.csv (OWASP's advice on CSV injection)."""
+    return "'" + text if text.startswith(_FORMULA_START) else text
+
+
 def grades_csv(grades: list[Grade]) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(COLUMNS)
     for student_grades in _by_student(grades).values():
         for g in student_grades:
-            writer.writerow([g.student, g.exercise, "true" if g.passed else "false", g.diagnosis or "", g.message,
-                             f"{g.seconds:.3f}"])
+            writer.writerow([spreadsheet_safe(g.student), g.exercise, "true" if g.passed else "false",
+                             spreadsheet_safe(g.diagnosis or ""), spreadsheet_safe(g.message), f"{g.seconds:.3f}"])
     return buffer.getvalue()
 
 
@@ -143,7 +155,8 @@ def summary_markdown(grades: list[Grade], info: RunInfo) -> str:
             who = ", ".join(g.student for g in ex_grades if g.diagnosis == code)
             lines.append(f"| {code} | {count} | {_cell(who)} |")
         top, count = _most_common_mistake(mistakes)
-        lines += ["", f"**Tell the room** ({top}, {count} student(s)): {room_hint(ex_id, top)}"]
+        said = [g.message for g in ex_grades if g.diagnosis == top]
+        lines += ["", f"**Tell the room** ({top}, {count} student(s)): {_cell(room_hint(ex_id, top, said))}"]
     lines += ["", "## Students", "", "| student | passed | not yet |", "|---|---|---|"]
     for student, student_grades in students.items():
         failing = ", ".join(f"{g.exercise} ({g.diagnosis})" for g in student_grades if not g.passed) or "-"
@@ -155,11 +168,13 @@ def summary_markdown(grades: list[Grade], info: RunInfo) -> str:
     return "\n".join(lines) + "\n"
 
 
-def feedback_markdown(student: str, grades: list[Grade]) -> str:
-    """One student's verdicts, messages and hints (never the solution)."""
+def feedback_markdown(student: str, grades: list[Grade], notes: list[str] | tuple[str, ...] = ()) -> str:
+    """One student's verdicts, messages and hints (never the solution), and notes on their files
+    (which file was graded where several could be the same notebook, what was skipped)."""
     passed = sum(g.passed for g in grades)
-    lines = [f"# Feedback for {student}", "", f"{passed} of {len(grades)} exercises passed.", "",
-             "| exercise | verdict |", "|---|---|"]
+    lines = [f"# Feedback for {student}", "", f"{passed} of {len(grades)} exercises passed.", ""]
+    lines += [f"- {note}" for note in notes] + ([""] if notes else [])
+    lines += ["| exercise | verdict |", "|---|---|"]
     for g in grades:
         verdict = "passed" if g.passed else f"not yet ({g.diagnosis})"
         lines.append(f"| {g.exercise} {_cell(exercise_title(g.exercise))} | {verdict} |")
@@ -172,6 +187,22 @@ def feedback_markdown(student: str, grades: list[Grade]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Okabe and Ito's palette (2008), told apart with every kind of colour vision; passed is its bluish
+# green, the not-yet-done grey. Beyond its seven colours, the colours come round again with a hatch.
+OKABE_ITO = ("#E69F00", "#56B4E9", "#D55E00", "#0072B2", "#CC79A7", "#F0E442", "#000000")
+HATCHES = ("", "///", "...", "xxx", "\\\\\\", "++", "oo", "--")
+FIXED_STYLES = {"passed": ("#009E73", ""), "not_implemented": ("#DDDDDD", ""), "missing": ("#999999", "")}
+
+
+def figure_styles(codes: list[str]) -> dict[str, tuple[str, str]]:
+    """The (colour, hatch) of "passed" and of each diagnosis in ``codes``: no two alike."""
+    styles = dict(FIXED_STYLES)
+    others = [code for code in codes if code not in styles]
+    for i, code in enumerate(others):
+        styles[code] = (OKABE_ITO[i % len(OKABE_ITO)], HATCHES[(i // len(OKABE_ITO)) % len(HATCHES)])
+    return styles
+
+
 def summary_figure(grades: list[Grade]) -> bytes:
     """A PNG: one horizontal bar per exercise, passed and each diagnosis stacked."""
     from matplotlib.figure import Figure
@@ -181,17 +212,14 @@ def summary_figure(grades: list[Grade]) -> bytes:
     fig = Figure(figsize=(9, 1.2 + 0.32 * len(names)))
     ax = fig.add_subplot()
     left = [0] * len(names)
-    colours = {"passed": "#34a853", "not_implemented": "#dadce0", "missing": "#9aa0a6"}
-    palette = ["#d93025", "#f29900", "#a142f4", "#12b5cb", "#e52592", "#1a73e8", "#795548", "#ff6d01",
-               "#46bdc6", "#fbbc04", "#3c4043", "#ee675c", "#8430ce", "#0b8043", "#b06000", "#185abc",
-               "#c5221f", "#007b83", "#a50e0e", "#5e35b1", "#f06292", "#00897b"]
-    for i, code in enumerate(c for c in codes if c not in colours):
-        colours[code] = palette[i % len(palette)]
+    styles = figure_styles(codes)
     for label in ["passed", *codes]:
         counts = [sum((g.passed if label == "passed" else g.diagnosis == label) for g in exercises[ex])
                   for ex in names]
         if any(counts):
-            ax.barh(names, counts, left=left, color=colours[label], label=label, edgecolor="white", linewidth=0.5)
+            colour, hatch = styles[label]
+            ax.barh(names, counts, left=left, color=colour, hatch=hatch, label=label, edgecolor="white",
+                    linewidth=0.5)
             left = [a + b for a, b in zip(left, counts)]
         if label == "passed":
             for y, count in enumerate(counts):
@@ -243,13 +271,13 @@ def write_report(out: Path, grades: list[Grade], info: RunInfo, *, gradescope: b
         while name.casefold() in used:   # two students whose names differ only in odd characters
             name += "_"
         used.add(name.casefold())
-        _write(out / "feedback" / f"{name}.md", feedback_markdown(student, student_grades), written)
-        if gradescope and len(students) > 1:
-            _write(out / "gradescope" / name / "results.json",
-                   json.dumps(results_json(student_grades), indent=2) + "\n", written)
-    if gradescope and len(students) == 1:
-        _write(out / "results.json", json.dumps(results_json(next(iter(students.values()))), indent=2) + "\n",
+        _write(out / "feedback" / f"{name}.md", feedback_markdown(student, student_grades, info.student_notes.get(student, ())),
                written)
+        if gradescope:
+            scored = info.scored.get(student)
+            result = results_json([g for g in student_grades if not scored or g.exercise in scored])
+            _write(out / "results.json" if len(students) == 1 else out / "gradescope" / name / "results.json",
+                   json.dumps(result, indent=2) + "\n", written)
     for folder in ("feedback", "gradescope"):
         _remove_others(out / folder, written)
     return sorted(written)

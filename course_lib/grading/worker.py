@@ -190,10 +190,11 @@ def _run_child(plan: Any, source: str | None, home: str, deny: list[str], limit:
                        f"{memory_mb} MB limit."}, seconds
 
 
-def _write_files(home: str, files: dict[str, str], notebooks: set[str]) -> dict[str, str]:
-    """Write the student's files into ``home``; returns the text of each course notebook found,
-    by the course's name (a renamed copy, "02_masked_attention (1).ipynb", is written under it too)."""
-    from .sources import find_notebook
+def _write_files(home: str, files: dict[str, str], notebooks: set[str]) -> dict[str, Any]:
+    """Write the student's files into ``home``; returns the text of each course notebook found, by the
+    course's name (a renamed copy, "02_masked_attention (1).ipynb", is written under it too), why a
+    notebook was not found, and notes on which file was graded where several could be it."""
+    from .sources import candidates, find_notebook, unfinished_exercises
     contents = {}
     for name, encoded in files.items():
         relative = Path(name)
@@ -209,16 +210,35 @@ def _write_files(home: str, files: dict[str, str], notebooks: set[str]) -> dict[
         contents[relative.as_posix()] = data
     texts: dict[str, str] = {}
     why: dict[str, str] = {}
+    notes: list[str] = []
     flat = [n for n in contents if "/" not in n]
     for notebook in sorted(notebooks):
-        found, reason = find_notebook(flat, notebook)
+        possible = candidates(flat, notebook)
+        unfinished = {name: unfinished_exercises(contents[name].decode("utf-8", errors="replace"))
+                      for name in possible} if len(possible) > 1 else {}
+        found, note = find_notebook(flat, notebook, unfinished)
         if found is None:
-            why[notebook] = reason
+            why[notebook] = note
+            if possible:
+                notes.append(note)
             continue
+        if note:
+            notes.append(note)
         texts[notebook] = contents[found].decode("utf-8", errors="replace")
         if found != notebook:
             Path(home, notebook).write_bytes(contents[found])   # 8.1 collects by the course's names
-    return {"texts": texts, "why": why}
+    return {"texts": texts, "why": why, "notes": notes}
+
+
+def _read_part(text: str | None, plan: Any, known: set[str], why: str) -> Any:
+    """The student's part for ``plan``; whatever their notebook makes the parser do, a verdict of theirs."""
+    from .sources import StudentPart, student_part
+    try:
+        return student_part(text, plan, known, missing_detail=why)
+    except Exception as exc:  # their notebook (a parse bomb, say): never "a bug in the course"
+        return StudentPart(plan.id, None, "exception",
+                           f"Your {plan.notebook} could not be read for exercise {plan.id} ({type(exc).__name__}): "
+                           f"look for a cell with code nested thousands of levels deep.")
 
 
 def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *, inline: bool,
@@ -226,19 +246,20 @@ def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *
     """Grade one student's job; each grade is sent as soon as it is known."""
     from .judge import judge, known_names
     from .plan import CAPSTONE, grading_plan
-    from .sources import student_part
     student = job["student"]
     plans = grading_plan(job["exercises"])
     known = known_names(plans)
     home = tempfile.mkdtemp(prefix="student-", dir=job["root"])
     try:
         found = _write_files(home, job["files"], {p.notebook for p in plans.values()})
+        for note in found["notes"]:
+            send({"type": "note", "student": student, "note": note})
         by_notebook: dict[str, list] = {}
         for plan in plans.values():
             by_notebook.setdefault(plan.notebook, []).append(plan)
         # Every part is read before any of the student's code runs.
-        parts = {plan.id: student_part(found["texts"].get(plan.notebook), plan, known,
-                                       missing_detail=found["why"].get(plan.notebook, ""))
+        parts = {plan.id: _read_part(found["texts"].get(plan.notebook), plan, known,
+                                     found["why"].get(plan.notebook, ""))
                  for plan in plans.values() if plan.id != CAPSTONE}
         if inline:   # this process is the student's alone from here on: it runs their code itself
             from . import sandbox
@@ -262,18 +283,21 @@ def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *
                     seconds = time.monotonic() - began
                 else:
                     verdict, seconds = _run_child(plan, source, home, job["deny"], limit, job["memory_mb"], close)
+                if part is not None and part.note and isinstance(verdict, dict) \
+                        and isinstance(verdict.get("message"), str):
+                    verdict = {**verdict, "message": f"{verdict['message']} {part.note}"}
                 send({"type": "grade", "student": student, "exercise": plan.id, "seconds": round(seconds, 3),
                       "verdict": verdict})
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def _warm_up(exercises: list[str]) -> None:
-    """Import what the checks need and run them once on the course's solutions, here in the worker,
-    so that each forked child starts with every import done and every lazy initialisation paid."""
+def _warm_up(exercises: list[str], *, check: bool = True) -> list[str]:
+    """Import what the checks need and (``check``) grade the course's own solutions and learner copies
+    here in the worker (``selfcheck``), so that each forked child starts with every import done and
+    every lazy initialisation paid; returns the self-check's problems (none: the judge is sound)."""
     import torch
     torch.set_num_threads(1)   # before any torch work: a forked child must not inherit a thread pool
-    from .judge import judge
     from .plan import CAPSTONE, grading_plan
     plans = grading_plan(exercises)
     if any(p.notebook.startswith("07") for p in plans.values()):
@@ -283,23 +307,36 @@ def _warm_up(exercises: list[str]) -> None:
         from .. import hf  # noqa: F401
     if CAPSTONE in plans:
         from .. import capstone  # noqa: F401
-    for plan in plans.values():
-        if plan.id != CAPSTONE:
-            judge(plan, plan.solution)
+    if not check:
+        from .judge import course_namespace
+        course_namespace()
+        return []
+    from .selfcheck import self_check
+    return self_check(plans)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.grading.worker EXERCISES [--inline]``: EXERCISES is "1.1,1.2,..."."""
+    """``python -m course_lib.grading.worker EXERCISES [--inline] [--isolated [--uid=N]]``: EXERCISES is
+    "1.1,1.2,...". ``--isolated``: inside the grader's bubblewrap sandbox (``isolation``), for one
+    student; the grader ran the self-check elsewhere, so this one only imports what the checks need."""
     argv = sys.argv[1:] if argv is None else argv
+    isolated = "--isolated" in argv
+    if isolated:   # before anything else: an unprivileged user with a process limit, no inherited descriptor
+        from .isolation import enter_worker
+        uid = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--uid=")), None)
+        enter_worker(uid)
     inline = "--inline" in argv or not hasattr(os, "fork")
     exercises = next((a for a in argv if not a.startswith("--")), "").split(",")
     channel = _Channel(os.dup(1))
     os.dup2(2, 1)   # whatever a library prints goes to the worker's log, never into the channel
     try:
-        _warm_up(exercises)
+        problems = _warm_up(exercises, check=not isolated)
         _become_subreaper()
     except Exception as exc:  # the grader reports this as grading itself failing
         channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
+        return 1
+    if problems:   # never a class graded against a broken judge
+        channel.send({"type": "self_check", "problems": problems})
         return 1
     channel.send({"type": "ready", "pid": os.getpid()})
     for line in sys.stdin.buffer:
@@ -310,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
             return 1
         channel.send({"type": "done", "student": job["student"]})
-        if inline:
+        if inline or isolated:   # one student per process
             return 0
     return 0
 

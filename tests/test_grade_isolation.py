@@ -1,0 +1,265 @@
+"""The grader's isolation (bubblewrap): hostile submissions graded beside honest ones change nothing of theirs.
+
+Each attack below got through the audit-hook sandbox alone (issue 21); isolated, each must leave
+the honest students' grades, their files and the report as they would be without the attacker.
+An attack cell does the exercise right after trying its attack, and raises "attack got through"
+if the attack worked: so a pass means the attack was stopped. The class is graded once, through
+the command, in a fresh process (a frozen or killed grader cannot take pytest with it).
+
+Skipped only where bwrap cannot run (macOS, Windows, a machine without it); CI installs it.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from synthetic_class import write_student
+
+import course_lib
+from course_lib.grading import isolation
+from course_lib.grading.plan import grading_plan
+
+pytestmark = pytest.mark.skipif(not isolation.available(), reason=f"bubblewrap cannot run here: "
+                                                                  f"{isolation.status()[1]}")
+
+EXERCISES = ["1.1", "1.2", "1.3", "2.1", "2.2"]
+MARKER = "alice-secret-7f3a"   # in alice's notebook: must never reach anyone's feedback
+PLANS = grading_plan(EXERCISES)
+RIGHT = {  # a right answer to finish each attack cell with
+    "1.1": "    return [0.21, 0.58, 0.21], 2.0\n",
+    "1.2": "    return torch.softmax(keys @ query, dim=0) @ values\n",
+    "1.3": ("    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])\n"
+            "    if mask is not None:\n        scores = scores.masked_fill(~mask, float('-inf'))\n"
+            "    return torch.softmax(scores, dim=-1) @ v\n"),
+    "2.1": "    return torch.ones(n, n, dtype=torch.bool).tril()\n",
+}
+SIGNATURES = {"1.1": "my_prediction()", "1.2": "toy_attention(query, keys, values)",
+              "1.3": "scaled_dot_product_attention(q, k, v, mask=None)", "2.1": "causal_mask(n)"}
+
+
+def _cell(exercise: str, attack: str) -> str:
+    """An exercise cell that runs ``attack`` (a function body returning None when it was stopped, else
+    what got through) on its first call, then answers right."""
+    body = "\n".join("    " + line for line in attack.strip("\n").splitlines())
+    return (f"import math, os, sys, json, signal, _posixsubprocess, time\nimport torch\n\n{SPAWN}\n\n"
+            f"def _attack():\n{body}\n\n"
+            f"def {SIGNATURES[exercise]}:\n"
+            f"    got = _attack()\n    if got:\n        raise RuntimeError(f'attack got through: {{got}}')\n"
+            + RIGHT[exercise])
+
+
+# Starts a process with _posixsubprocess.fork_exec, which no audit hook sees (its arguments vary by version).
+SPAWN = """
+def _spawn(argv):
+    args = [os.fsencode(a) for a in argv]
+    errors_read, errors_write = os.pipe()
+    head = [args, [args[0]], True, (), None, None, -1, -1, -1, -1, -1, -1, errors_read, errors_write, False, False]
+    for tail in ([-1, None, None, None, -1, None, False], [-1, None, None, None, -1, None],
+                 [None, None, None, -1, None, False]):
+        try:
+            return _posixsubprocess.fork_exec(*head, *tail)
+        except TypeError:
+            continue
+    raise RuntimeError("no fork_exec signature fits")
+"""
+
+
+def _attacks(root: Path) -> dict[str, dict[str, str]]:
+    alice = root / "class" / "alice" / "01_attention_toy.ipynb"
+    report = root / "report"
+    grades_csv = report / "grades.csv"
+    package = Path(course_lib.__file__).parent
+    forged = ('{"type": "grade", "student": "alice", "exercise": "2.1", "seconds": 0, "verdict": {"exercise": '
+              '"2.1", "passed": false, "diagnosis": "crashed", "message": "forged"}}\n')
+    late_edit = (f"import time, os\nfor _ in range(150):\n    for p in ({str(grades_csv)!r}, {str(alice)!r}):\n"
+                 f"        try:\n            open(p, 'a').write('tampered')\n        except OSError:\n"
+                 f"            pass\n    time.sleep(0.1)\n")
+    return {
+        "trudy": {
+            # read another student's notebook through dir_fd (the audit hook once resolved it wrongly)
+            "1.1": f"""
+root = os.open("/", os.O_RDONLY)
+try:
+    fd = os.open({str(alice)[1:]!r}, os.O_RDONLY, dir_fd=root)
+except OSError:
+    return None
+return os.read(fd, 1 << 20).decode(errors="replace")[:3000]
+""",
+            # write through dir_fd: another's notebook, the report, the installed package
+            "1.2": f"""
+root = os.open("/", os.O_RDONLY)
+got = []
+for target in ({str(alice)[1:]!r}, {str(grades_csv)[1:]!r}, {str(package / "attack_probe.py")[1:]!r}):
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644, dir_fd=root)
+        os.write(fd, b"tampered")
+        got.append(target)
+    except OSError:
+        pass
+return got
+""",
+            # forge other students' grades: write verdict lines into every pipe of every process in /proc
+            "1.3": f"""
+got = []
+for pid in os.listdir("/proc"):
+    if not pid.isdigit() or int(pid) == os.getpid():
+        continue
+    try:
+        fds = os.listdir(f"/proc/{{pid}}/fd")
+    except OSError:
+        continue
+    for fd in fds:
+        try:
+            handle = os.open(f"/proc/{{pid}}/fd/{{fd}}", os.O_WRONLY | os.O_NONBLOCK)
+            os.write(handle, {forged!r}.encode())
+            got.append((pid, fd))
+        except OSError:
+            pass
+return None   # writing into our own worker only forges our own grades: the check is on alice's
+""",
+            # leave a process behind that keeps editing the report and alice's notebook, then kill our worker
+            "2.1": f"_spawn([sys.executable, '-c', {late_edit!r}])\n" + """
+_spawn([sys.executable, "-c", f"import os; os.kill({os.getppid()}, 9)"])   # our worker, past the audit hook
+time.sleep(5)
+return None
+""",
+        },
+        "oscar": {
+            # a process storm that no audit hook sees
+            "1.1": """
+started = 0
+for _ in range(300):
+    try:
+        _spawn(["/bin/sleep", "30"])
+        started += 1
+    except OSError:
+        break
+return f"{started} processes" if started >= 100 else None
+""",
+            # fill the temporary folder every student shares (it is each sandbox's own now)
+            "1.2": """
+import tempfile
+written = 0
+try:
+    for i in range(64):
+        with open(os.path.join(tempfile.gettempdir(), f"fill{i}"), "wb") as handle:
+            for _ in range(16):
+                handle.write(b"x" * (1 << 20))
+                written += 1
+except OSError:
+    pass
+return f"{written} MB" if written > 1024 else None
+""",
+            # freeze the grader: SIGSTOP every process of the grading command it can see
+            "1.3": """
+stopped = []
+for pid in os.listdir("/proc"):
+    if not pid.isdigit() or int(pid) == os.getpid():
+        continue
+    try:
+        command = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        continue
+    if b"course_lib" in command and b"grade" in command and b"worker" not in command:
+        try:
+            os.kill(int(pid), signal.SIGSTOP)
+            stopped.append(pid)
+        except OSError:
+            pass
+return stopped
+""",
+        },
+    }
+
+
+PARSE_BOMB = "x = " + "-" * 100000 + "1"
+
+
+@pytest.fixture(scope="module")
+def attacked(tmp_path_factory):
+    root = tmp_path_factory.mktemp("isolated")
+    submissions, report = root / "class", root / "report"
+    write_student(submissions / "alice", ["01", "02"], solved=True)
+    alice = submissions / "alice" / "01_attention_toy.ipynb"
+    alice.write_text(alice.read_text().replace("Toy attention", f"Toy attention {MARKER}", 1))
+    write_student(submissions / "learner", ["01", "02"])
+    for student, attacks in _attacks(root).items():
+        write_student(submissions / student, ["01", "02"], {ex: _cell(ex, attack) for ex, attack in attacks.items()})
+    # a parse bomb in a cell before oscar's 2.1 (which is right): parsed inside his sandbox
+    import nbformat
+    path = submissions / "oscar" / "02_masked_attention.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    index = next(i for i, c in enumerate(notebook.cells) if c.get("id") == PLANS["2.1"].cell_id)
+    notebook.cells[index].source = _cell("2.1", "return None")
+    notebook.cells.insert(index, nbformat.v4.new_code_cell(PARSE_BOMB))
+    nbformat.write(notebook, path)
+    before = {p: p.read_bytes() for p in submissions.rglob("*") if p.is_file() and "alice" in p.parts}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(course_lib.__file__).parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "course_lib", "grade", str(submissions), "--out", str(report),
+                           "--workers", "2", "--exercises", ",".join(EXERCISES), "--timeout", "40",
+                           "--isolation", "on", "--quiet"], capture_output=True, text=True, env=env, timeout=400,
+                          start_new_session=True)
+    seconds = time.monotonic() - start
+    csv_after_run = (report / "grades.csv").read_bytes() if (report / "grades.csv").exists() else b""
+    time.sleep(3)   # a process left behind would edit the report now
+    rows = list(csv.DictReader(io.StringIO((report / "grades.csv").read_text())))
+    return {"done": done, "seconds": seconds, "root": root, "report": report, "before": before,
+            "csv_after_run": csv_after_run, "grades": {(r["student"], r["exercise"]): r for r in rows}}
+
+
+@pytest.mark.slow
+def test_honest_students_are_graded_as_without_attackers(attacked):
+    done, grades = attacked["done"], attacked["grades"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "grading isolated" in done.stderr
+    for ex in EXERCISES:
+        assert grades["alice", ex]["passed"] == "true", grades["alice", ex]
+        assert grades["learner", ex]["diagnosis"] == "not_implemented", grades["learner", ex]
+    assert all("forged" not in row["message"] for row in grades.values())
+
+
+@pytest.mark.slow
+def test_files_and_report_are_untouched_after_the_run(attacked):
+    for path, data in attacked["before"].items():
+        assert path.read_bytes() == data, path
+    assert (attacked["report"] / "grades.csv").read_bytes() == attacked["csv_after_run"]
+    assert "tampered" not in (attacked["report"] / "grades.csv").read_text()
+    assert not (Path(course_lib.__file__).parent / "attack_probe.py").exists()
+    feedback = "".join(p.read_text() for p in (attacked["report"] / "feedback").iterdir())
+    assert MARKER not in feedback
+
+
+@pytest.mark.slow
+def test_every_attack_was_stopped_and_only_hurt_the_attacker(attacked):
+    grades = attacked["grades"]
+    outcome = {(s, ex): (g["passed"], g["diagnosis"], g["message"][:160]) for (s, ex), g in grades.items()
+               if s in ("trudy", "oscar")}
+    for key in [("trudy", "1.1"), ("trudy", "1.2"), ("trudy", "1.3"), ("oscar", "1.1"), ("oscar", "1.2")]:
+        assert outcome[key][0] == "true", (key, outcome[key])          # refused, then the right answer
+    assert outcome["trudy", "2.1"][1] in ("crashed", "timeout")       # it killed its own worker: its loss only
+    assert outcome["oscar", "1.3"][0] == "true", outcome["oscar", "1.3"]   # the grader was not visible
+    assert outcome["oscar", "2.1"][0] == "true", outcome["oscar", "2.1"]   # the parse bomb cell is skipped
+    assert all(g["diagnosis"] != "checker_error" for g in grades.values())
+
+
+@pytest.mark.slow
+def test_nothing_the_submissions_started_outlives_the_run(attacked):
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"tampered" in command or (b"sleep\x0030" in command):
+            left.append(pid)
+            os.kill(int(pid), signal.SIGKILL)
+    assert left == []
