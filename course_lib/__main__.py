@@ -19,12 +19,15 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # a second Ctrl-C during the stop: saves are atomic, so the last checkpoint is whole
-        print(f"interrupted again: exited without saving the last step(s); the last checkpoint in {out} "
-              f"is intact; resume with: python -m course_lib train --resume {out}", file=sys.stderr)
+        print(_interrupted_note(out), file=sys.stderr)
         return 130
     if not metrics:   # only rank 0 reports under torchrun, and a finished run has nothing to do
         return 0
+    if metrics["status"] == "stopped" and metrics.get("pending") == "final evaluation":
+        print(f"stopped during the final evaluation ({metrics.get('signal', 'signal')}): all {metrics['steps']} "
+              f"steps are trained and saved in {out}, but the final validation loss is not measured yet; "
+              f"finish it with: python -m course_lib train --resume {out}", file=sys.stderr)
+        return exit_status(_signal_number(metrics.get("signal")))
     if metrics["status"] == "stopped":
         print(f"stopped at step {metrics['steps']} ({metrics.get('signal', 'signal')}); saved in {out}; "
               f"resume with: python -m course_lib train --resume {out}", file=sys.stderr)
@@ -34,6 +37,25 @@ def _train(args: argparse.Namespace) -> int:
     print(json.dumps(shown, indent=2))
     print(f"wrote {out}/metrics.json and {out}/checkpoint.pt")
     return 0
+
+
+def _interrupted_note(out: str) -> str:
+    """What an interrupt left on disk, read from the disk itself (saves are atomic: a checkpoint
+    there is whole)."""
+    from pathlib import Path
+
+    from .run_folder import CHECKPOINT, METRICS
+    checkpoint = Path(out) / CHECKPOINT
+    if not checkpoint.is_file():
+        return (f"interrupted: no checkpoint was saved in {out}, so there is nothing to resume; start "
+                f"again with: python -m course_lib train --out {out} ...")
+    try:
+        step = json.loads((Path(out) / METRICS).read_text(encoding="utf-8")).get("step")
+    except (OSError, ValueError, AttributeError):
+        step = None
+    at = f" (step {step})" if isinstance(step, int) else ""
+    return (f"interrupted: the steps since the last save are lost; the last checkpoint in {out}{at} is "
+            f"intact; resume with: python -m course_lib train --resume {out}")
 
 
 def _signal_number(name: str | None) -> int:

@@ -107,10 +107,11 @@ def test_interrupted_writes_leave_no_temporary_file_and_stale_ones_are_removed(t
         write_atomically(target, b"new")
     monkeypatch.undo()
     assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
-    (tmp_path / ".checkpoint.pt.abc123.tmp").write_bytes(b"half")   # what a SIGKILL leaves
-    (tmp_path / ".metrics.json.x.tmp").write_bytes(b"half")
+    (tmp_path / ".checkpoint.pt.abc123.course_lib-partial").write_bytes(b"half")   # what a SIGKILL leaves
+    (tmp_path / ".metrics.json.x.course_lib-partial").write_bytes(b"half")
+    (tmp_path / ".notes.tmp").write_bytes(b"the user's")   # not ours: never removed
     assert len(remove_stale_temporaries(tmp_path)) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.tmp", "ck.pt"]
 
 
 def test_run_folder_refuses_files_and_existing_runs_and_clears_what_it_replaces(tmp_path):
@@ -123,13 +124,16 @@ def test_run_folder_refuses_files_and_existing_runs_and_clears_what_it_replaces(
     run.mkdir()
     (run / "metrics.json").write_text('{"preset": "tiny", "steps": 40}')
     (run / "checkpoint.pt").write_bytes(b"x")
-    (run / ".checkpoint.pt.1.tmp").write_bytes(b"half")
+    (run / ".checkpoint.pt.1.course_lib-partial").write_bytes(b"half")
+    (run / ".draft.tmp").write_bytes(b"the user's")
     with pytest.raises(RunRefused, match=r"already holds a run \(preset 'tiny', step 40.*--resume .*--overwrite"):
         RunFolder(run).prepare()
     replacing = RunFolder(run, overwrite=True)
     replacing.prepare()
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt", "metrics.json"]   # stale .tmp gone
+    assert sorted(p.name for p in run.iterdir()) == [".course_lib-run.lock", ".draft.tmp", "checkpoint.pt",
+                                                     "metrics.json"]   # our stale temporary gone, theirs kept
     replacing.clear_replaced_run()   # once every check has passed
-    assert list(run.iterdir()) == []
+    assert sorted(p.name for p in run.iterdir()) == [".course_lib-run.lock", ".draft.tmp"]
+    replacing.release()
     with pytest.raises(RunRefused, match="resume: expected a run folder holding checkpoint.pt"):
         RunFolder(run, resume=True).prepare()

@@ -193,7 +193,7 @@ def test_sigterm_and_ctrl_c_stop_cleanly_with_a_loadable_checkpoint(tmp_path, co
     step = saved.training["step"]
     assert f"stopped at step {step} " in stderr and step >= 1
     assert metrics["status"] == "stopped" and metrics["step"] == step and metrics["run_id"] == saved.training["run_id"]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.json"]   # no temporaries
+    assert sorted(p.name for p in out.iterdir()) == [".course_lib-run.lock", "checkpoint.pt", "metrics.json"]   # no temporaries
     assert main(["train", "--resume", str(out), "--steps", str(step + 5), "--quiet"]) == 0
     assert json.loads((out / "metrics.json").read_text())["steps"] == step + 5
 
