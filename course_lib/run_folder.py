@@ -102,12 +102,11 @@ class RunFolder:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = _read_holder(fd)
+            pid, holder = _read_holder(fd)
             os.close(fd)
             raise RunRefused(f"out: {self.path} is in use by another run ({holder}); wait for it to end, "
-                             f"stop it (kill {holder.split()[1] if holder.startswith('PID ') else 'it'}), or "
-                             f"choose another --out") from None
-        self.previous_holder = _read_holder(fd) if os.fstat(fd).st_size else ""
+                             f"stop it ({f'kill {pid}' if pid else 'kill it'}), or choose another --out") from None
+        self.previous_holder = _read_holder(fd)[1] if os.fstat(fd).st_size else ""
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "started": started}).encode("utf-8") + b"\n", 0)
@@ -153,10 +152,11 @@ class RunFolder:
         write_atomically(self.metrics, json.dumps(metrics, indent=2).encode("utf-8"))
 
 
-def _read_holder(fd: int) -> str:
-    """'PID 1234, started 2026-11-24T14:35:02+00:00', from a lock file's contents."""
+def _read_holder(fd: int) -> tuple[int | None, str]:
+    """(1234, 'PID 1234, started 2026-11-24T14:35:02+00:00'), from a lock file's contents."""
     try:
         saved = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
-        return f"PID {int(saved['pid'])}, started {saved['started']}"
+        pid = int(saved["pid"])
+        return pid, f"PID {pid}, started {saved['started']}"
     except (OSError, ValueError, KeyError, TypeError):
-        return "its PID is not written yet: it is starting"
+        return None, "its PID is not written yet: it is starting"
