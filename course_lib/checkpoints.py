@@ -115,7 +115,7 @@ def _plain(name: str, value: Any) -> Any:
             "; convert it with torch.as_tensor()" if type(value).__module__ == "numpy" else "")
     raise TypeError(f"{name}: expected plain data (None, bool, int, float, str, tensors, and lists or "
                     f"dicts of them) that a checkpoint can load back safely, got "
-                    f"{type(value).__module__}.{type(value).__qualname__}{hint}")
+                    f"{type(value).__name__}{hint}")
 
 
 def write_atomically(path: str | os.PathLike, data: bytes) -> Path:

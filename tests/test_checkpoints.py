@@ -137,3 +137,33 @@ def test_run_folder_refuses_files_and_existing_runs_and_clears_what_it_replaces(
     replacing.release()
     with pytest.raises(RunRefused, match="resume: expected a run folder holding checkpoint.pt"):
         RunFolder(run, resume=True).prepare()
+
+
+def test_numpy_scalars_and_other_near_plain_values_are_saved_as_what_load_accepts(tmp_path):
+    import collections
+    import enum
+
+    import numpy as np
+
+    class Colour(enum.IntEnum):
+        RED = 1
+    model = GPT(GPTConfig(vocab_size=5, max_tokens=4, embed_dim=8, num_heads=2, num_layers=1))
+    extra = {"v": np.float64(1.5), "n": np.int64(3), "c": Colour.RED,
+             "o": collections.OrderedDict(a=np.float32(2.0)), "d": collections.defaultdict(int, b=2)}
+    save_checkpoint(tmp_path / "ck.pt", model, extra=extra)
+    loaded = load_checkpoint(tmp_path / "ck.pt").extra
+    assert loaded == {"v": 1.5, "n": 3, "c": 1, "o": {"a": 2.0}, "d": {"b": 2}}
+    assert type(loaded["v"]) is float and type(loaded["n"]) is int
+    with pytest.raises(TypeError, match=r"extra\['a'\]\['b'\]: expected plain data .* got ndarray; convert it with torch.as_tensor"):
+        save_checkpoint(tmp_path / "bad.pt", model, extra={"a": {"b": np.zeros(3)}})
+    assert not (tmp_path / "bad.pt").exists()
+
+
+def test_load_checkpoint_leaves_the_callers_random_numbers_alone(tmp_path):
+    model = GPT(GPTConfig(vocab_size=5, max_tokens=4, embed_dim=8, num_heads=2, num_layers=1))
+    save_checkpoint(tmp_path / "ck.pt", model)
+    torch.manual_seed(0)
+    load_checkpoint(tmp_path / "ck.pt")
+    after_load = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after_load, torch.rand(3))

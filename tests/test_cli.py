@@ -207,3 +207,17 @@ def test_a_refused_overwrite_keeps_the_old_run(tmp_path, corpus, capsys):
                  "--device", "cpu", "--quiet", "--out", out, "--overwrite"]) == 2
     assert "missing.txt" in capsys.readouterr().err
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before
+
+
+def test_start_on_a_symlink_loop_and_progress_watch_inf_are_clear_errors(tmp_path, capsys):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for target in (loop, loop / "deeper"):
+        assert main(["start", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Symlink loop" in err and "Traceback" not in err
+    for value in ("inf", "nan", "1e300"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["progress", "--watch", value, str(tmp_path)])
+        assert exit_.value.code == 2
+        assert "--watch: expected a number of seconds > 0 and at most 86400" in capsys.readouterr().err
