@@ -300,7 +300,8 @@ def run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None =
     """
     # The run seeds and draws from the global generators (initial weights, dropout); fork them so
     # the caller's random numbers are the same after the call as before it.
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    # (only the current GPU's: touching every GPU would make each torchrun rank a context on all of them)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         return _run_preset(name, out_dir, seconds=seconds, steps=steps, corpus=corpus, device=device,
                            progress=progress, compile=compile, batch_size=batch_size, resume=resume,

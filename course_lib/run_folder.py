@@ -119,7 +119,10 @@ class RunFolder:
             self._lock_fd = None
 
     def __del__(self) -> None:
-        self.release()
+        try:
+            self.release()
+        except Exception:  # at interpreter shutdown os may already be gone; the OS drops the lock anyway
+            pass
 
     def clear_replaced_run(self) -> None:
         """With ``overwrite``, remove the old run's files: call it once every other check has passed,
