@@ -40,22 +40,24 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _interrupted_note(out: str) -> str:
-    """What an interrupt left on disk, read from the disk itself (saves are atomic: a checkpoint
-    there is whole)."""
+    """What an interrupt left on disk, read from the disk itself: the checkpoint is loaded (and so
+    verified) before the message calls it intact."""
     from pathlib import Path
 
-    from .run_folder import CHECKPOINT, METRICS
+    from .checkpoints import load_checkpoint
+    from .run_folder import CHECKPOINT
     checkpoint = Path(out) / CHECKPOINT
     if not checkpoint.is_file():
         return (f"interrupted: no checkpoint was saved in {out}, so there is nothing to resume; start "
                 f"again with: python -m course_lib train --out {out} ...")
     try:
-        step = json.loads((Path(out) / METRICS).read_text(encoding="utf-8")).get("step")
-    except (OSError, ValueError, AttributeError):
-        step = None
-    at = f" (step {step})" if isinstance(step, int) else ""
-    return (f"interrupted: the steps since the last save are lost; the last checkpoint in {out}{at} is "
-            f"intact; resume with: python -m course_lib train --resume {out}")
+        training = load_checkpoint(checkpoint).training
+    except Exception as exc:  # whatever is wrong with it, say so rather than call it intact
+        return f"interrupted; the checkpoint in {out} cannot be loaded ({exc})"
+    if not training:
+        return f"interrupted; {checkpoint} holds weights but no training state, so it cannot be resumed"
+    return (f"interrupted: anything trained after the last save is not kept; the checkpoint in {out} "
+            f"(step {training['step']}) is intact; resume with: python -m course_lib train --resume {out}")
 
 
 def _signal_number(name: str | None) -> int:

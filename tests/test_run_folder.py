@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+import course_lib.train  # noqa: F401  (before course_lib.presets, which it imports)
 from course_lib.__main__ import main
 from course_lib.run_folder import RunFolder, RunRefused
 
@@ -146,7 +147,7 @@ def test_ctrl_c_before_any_save_says_nothing_was_saved(tmp_path, corpus, monkeyp
     monkeypatch.setattr("course_lib.presets.prepare_preset", interrupted)
     assert main(["train", "--resume", str(run), "--steps", "6", "--quiet"]) == 130
     err = capsys.readouterr().err
-    assert f"the last checkpoint in {run} (step 3) is intact" in err and f"--resume {run}" in err
+    assert f"the checkpoint in {run} (step 3) is intact" in err and f"--resume {run}" in err
 
 
 def test_resume_refuses_another_text_with_the_same_characters(tmp_path, corpus, capsys):
