@@ -84,14 +84,18 @@ def _data(args: argparse.Namespace) -> int:
 
 TRAIN_EPILOG = """\
 checkpoints: DIR/checkpoint.pt and DIR/metrics.json are written at every evaluation, at least
-every few minutes, and at the end, as one unit (the same run_id and step in both).
+every few minutes, and at the end, as one unit (the same run_id and step in both). One run at a
+time holds DIR (DIR/.course_lib-run.lock names its PID and start time); the OS lets go of it when
+that run ends, however it ends.
 
 exit status:
   0    finished (or a resumed run that had already finished)
   1    stopped by a NaN or infinite loss (the last good checkpoint is kept)
-  2    refused before the first step: a bad argument, folder, corpus or device
-  130  stopped cleanly by Ctrl-C (SIGINT), saved: continue with --resume DIR
-  143  stopped cleanly by SIGTERM (SLURM's time limit, kill), saved: continue with --resume DIR
+  2    refused before the first step: a bad argument, folder, corpus or device, or a folder
+       another run holds
+  130  stopped cleanly by Ctrl-C (SIGINT), saved: continue with --resume DIR (after the last
+       step, --resume DIR finishes the final evaluation)
+  143  stopped cleanly by SIGTERM (SLURM's time limit, kill), saved: as for 130
 """
 
 
