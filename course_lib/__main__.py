@@ -19,12 +19,15 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # a second Ctrl-C during the stop: saves are atomic, so the last checkpoint is whole
-        print(f"interrupted again: exited without saving the last step(s); the last checkpoint in {out} "
-              f"is intact; resume with: python -m course_lib train --resume {out}", file=sys.stderr)
+        print(_interrupted_note(out), file=sys.stderr)
         return 130
     if not metrics:   # only rank 0 reports under torchrun, and a finished run has nothing to do
         return 0
+    if metrics["status"] == "stopped" and metrics.get("pending") == "final evaluation":
+        print(f"stopped during the final evaluation ({metrics.get('signal', 'signal')}): all {metrics['steps']} "
+              f"steps are trained and saved in {out}, but the final validation loss is not measured yet; "
+              f"finish it with: python -m course_lib train --resume {out}", file=sys.stderr)
+        return exit_status(_signal_number(metrics.get("signal")))
     if metrics["status"] == "stopped":
         print(f"stopped at step {metrics['steps']} ({metrics.get('signal', 'signal')}); saved in {out}; "
               f"resume with: python -m course_lib train --resume {out}", file=sys.stderr)
@@ -34,6 +37,27 @@ def _train(args: argparse.Namespace) -> int:
     print(json.dumps(shown, indent=2))
     print(f"wrote {out}/metrics.json and {out}/checkpoint.pt")
     return 0
+
+
+def _interrupted_note(out: str) -> str:
+    """What an interrupt left on disk, read from the disk itself: the checkpoint is loaded (and so
+    verified) before the message calls it intact."""
+    from pathlib import Path
+
+    from .checkpoints import load_checkpoint
+    from .run_folder import CHECKPOINT
+    checkpoint = Path(out) / CHECKPOINT
+    if not checkpoint.is_file():
+        return (f"interrupted: no checkpoint was saved in {out}, so there is nothing to resume; start "
+                f"again with: python -m course_lib train --out {out} ...")
+    try:
+        training = load_checkpoint(checkpoint).training
+    except Exception as exc:  # whatever is wrong with it, say so rather than call it intact
+        return f"interrupted; the checkpoint in {out} cannot be loaded ({exc})"
+    if not training:
+        return f"interrupted; {checkpoint} holds weights but no training state, so it cannot be resumed"
+    return (f"interrupted: anything trained after the last save is not kept; the checkpoint in {out} "
+            f"(step {training['step']}) is intact; resume with: python -m course_lib train --resume {out}")
 
 
 def _signal_number(name: str | None) -> int:
@@ -60,14 +84,18 @@ def _data(args: argparse.Namespace) -> int:
 
 TRAIN_EPILOG = """\
 checkpoints: DIR/checkpoint.pt and DIR/metrics.json are written at every evaluation, at least
-every few minutes, and at the end, as one unit (the same run_id and step in both).
+every few minutes, and at the end, as one unit (the same run_id and step in both). One run at a
+time holds DIR (DIR/.course_lib-run.lock names its PID and start time); the OS lets go of it when
+that run ends, however it ends.
 
 exit status:
   0    finished (or a resumed run that had already finished)
   1    stopped by a NaN or infinite loss (the last good checkpoint is kept)
-  2    refused before the first step: a bad argument, folder, corpus or device
-  130  stopped cleanly by Ctrl-C (SIGINT), saved: continue with --resume DIR
-  143  stopped cleanly by SIGTERM (SLURM's time limit, kill), saved: continue with --resume DIR
+  2    refused before the first step: a bad argument, folder, corpus or device, or a folder
+       another run holds
+  130  stopped cleanly by Ctrl-C (SIGINT), saved: continue with --resume DIR (after the last
+       step, --resume DIR finishes the final evaluation)
+  143  stopped cleanly by SIGTERM (SLURM's time limit, kill), saved: as for 130
 """
 
 

@@ -321,6 +321,12 @@ def _write_and_report(src_dir: Path, out_dir: Path) -> list[CopyOutcome] | None:
     except (ValueError, TypeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
+    except RuntimeError as err:   # pathlib's "Symlink loop from ..." (a RuntimeError before Python 3.13)
+        if "Symlink loop" not in str(err):
+            raise
+        print(f"error: {err}; expected a folder (or a path that does not exist yet), not a link that "
+              f"points back to itself", file=sys.stderr)
+        return None
     for outcome in outcomes:
         print(outcome.line())
     return outcomes

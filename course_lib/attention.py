@@ -121,9 +121,23 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(n, length, heads * head_dim)   # (N, L, E)
 
 
-def _check_input(x: torch.Tensor, embed_dim: int, max_tokens: int, start: int = 0) -> None:
-    """x (N, L, embed_dim) with start + L <= max_tokens, or a message naming x."""
+def check_input_dtype(name: str, x: torch.Tensor, module: nn.Module) -> None:
+    """``x`` in the dtype of ``module``'s weights (float16 into a float32 layer is refused here,
+    not deep inside a matmul); under autocast, which mixes dtypes on purpose, anything goes."""
+    weight = next(module.parameters(), None)
+    if weight is None or x.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type):
+        return
+    raise TypeError(f"{name}: expected dtype {weight.dtype} (the dtype of this {type(module).__name__}'s "
+                    f"weights), got {x.dtype}; convert the input with {name}.to({weight.dtype}), or the "
+                    f"module with .to({x.dtype})")
+
+
+def _check_input(x: torch.Tensor, embed_dim: int, max_tokens: int, start: int = 0,
+                 module: nn.Module | None = None) -> None:
+    """x (N, L, embed_dim) with start + L <= max_tokens, in the module's dtype, or a message naming x."""
     validate.tensor("x", x, dim=3, floating=True)
+    if module is not None:
+        check_input_dtype("x", x, module)
     if x.shape[-1] != embed_dim:
         raise ValueError(f"x: expected last dimension embed_dim={embed_dim}, got shape {tuple(x.shape)}")
     total = start + x.shape[1]
@@ -168,7 +182,7 @@ class MaskedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, L, embed_dim) -> (N, L, embed_dim): the steps of notebook 02, exercise 2.2."""
-        _check_input(x, self.embed_dim, self.max_tokens)
+        _check_input(x, self.embed_dim, self.max_tokens, module=self)
         length = x.shape[1]
         # 1. project every position to its query, key and value
         q, k, v = self.query(x), self.key(x), self.value(x)                        # each (N, L, E)
@@ -209,6 +223,18 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (N, heads, L, head_dim); return all keys and values so far."""
+        validate.tensor("k", k, dim=4, floating=True)
+        validate.tensor("v", v, dim=4, floating=True)
+        if v.shape != k.shape:
+            raise ValueError(f"v: expected the shape of k {tuple(k.shape)} (N, heads, L, head_dim), "
+                             f"got {tuple(v.shape)}")
+        if self._k is not None:
+            held = (self._k.shape[1], self._k.shape[3], self._k.dtype, self._k.device)
+            if (k.shape[1], k.shape[3], k.dtype, k.device) != held:
+                # A cache filled by another layer or model: writing into it would fail or mix them.
+                raise ValueError(f"cache: holds {held[0]} heads of size {held[1]} ({held[2]}, "
+                                 f"{held[3]}), got {k.shape[1]} heads of size {k.shape[3]} ({k.dtype}, "
+                                 f"{k.device}); use a cache made for this layer (model.new_cache())")
         new_length = self.length + k.shape[2]
         if new_length > self.max_tokens:
             raise ValueError(f"cache: holds {self.length} tokens, adding {k.shape[2]} would exceed "
@@ -227,6 +253,21 @@ class KVCache:
         self._v[:, :, self.length:new_length] = v
         self.length = new_length
         return self._k[:, :, :new_length], self._v[:, :, :new_length]   # (N, heads, length, head_dim)
+
+
+def check_caches(cache: object, num_blocks: int) -> None:
+    """A model's ``cache`` argument: None, or one KVCache per block, all at the same length."""
+    if cache is None:
+        return
+    if not isinstance(cache, (list, tuple)) or not all(isinstance(c, KVCache) for c in cache):
+        raise TypeError(f"cache: expected a list of KVCache (from model.new_cache()), got {validate.describe(cache)}")
+    if len(cache) != num_blocks:
+        raise ValueError(f"cache: expected {num_blocks} KVCache objects (one per block), "
+                         f"got {len(cache)}; use model.new_cache()")
+    lengths = {c.length for c in cache}
+    if len(lengths) > 1:
+        raise ValueError(f"cache: expected every block's cache to hold the same number of tokens, got "
+                         f"lengths {[c.length for c in cache]}; use a fresh model.new_cache()")
 
 
 class MultiHeadMaskedAttention(nn.Module):
@@ -271,8 +312,10 @@ class MultiHeadMaskedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x (N, L, embed_dim) -> (N, L, embed_dim); with ``cache``, x holds only the new tokens."""
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected a KVCache or None, got {validate.describe(cache)}")
         start = cache.length if cache is not None else 0
-        _check_input(x, self.embed_dim, self.max_tokens, start)
+        _check_input(x, self.embed_dim, self.max_tokens, start, module=self)
         length = x.shape[1]
         total = start + length
 

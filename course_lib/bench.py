@@ -148,7 +148,9 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
         # refused before the peak measurement and the first preset, not after them
         from .run_folder import RunFolder
         for name in presets:
-            RunFolder(Path(out_dir) / name, overwrite=True).prepare()
+            folder = RunFolder(Path(out_dir) / name, overwrite=True)
+            folder.prepare()
+            folder.release()   # run_preset takes it again for the run itself
     measure_peak = peak_gflops is None
     if measure_peak:
         peak_gflops = measure_matmul_peak(peak_sizes, device=device)

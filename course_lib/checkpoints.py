@@ -25,7 +25,8 @@ FORMAT_VERSION = 2
 # instead of loading with changed weights (torch's zip format checks only some of its records).
 MAGIC = b"COURSE-CHECKPOINT v2 sha256="
 _HEADER_LENGTH = len(MAGIC) + 64 + 1
-_TMP_SUFFIX = ".tmp"
+# A name no user file is likely to end with: remove_stale_temporaries deletes only these.
+_TMP_SUFFIX = ".course_lib-partial"
 
 
 class CheckpointError(ValueError):
@@ -77,23 +78,41 @@ def _tokenizer_from_dict(saved: dict[str, Any] | None) -> Any:
                                    eos_token=eos, bos_token=eos, unk_token=eos)
 
 
-def _check_plain(name: str, value: Any) -> None:
-    """Refuse, at save time, anything ``torch.load(weights_only=True)`` would refuse at load time."""
-    if value is None or isinstance(value, (bool, int, str, torch.Tensor, torch.dtype, torch.device)):
-        return
-    if isinstance(value, float):
-        return
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _plain(name: str, value: Any) -> Any:
+    """``value`` as data ``torch.load(weights_only=True)`` accepts, or a TypeError naming the key.
+
+    Types that only look plain are converted without losing their value: NumPy scalars
+    (``np.float64(1.5)`` -> ``1.5``), subclasses of int, float and str (an IntEnum), and
+    OrderedDict/defaultdict/namedtuple (-> dict, tuple). Anything else is refused now, at save time,
+    rather than making the file unloadable.
+    """
+    if type(value) in _SCALARS:
+        return value
+    if type(value) in (torch.Tensor, nn.Parameter):
+        return value
+    item = getattr(value, "item", None)
+    if type(value).__module__ == "numpy" and callable(item) and getattr(value, "ndim", None) == 0:
+        return _plain(name, item())   # a NumPy scalar: its Python value
+    for base in (bool, int, float, str):
+        if isinstance(value, base):
+            return base(value)
     if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_plain(f"{name}[{i}]", item)
-        return
+        items = [_plain(f"{name}[{i}]", item) for i, item in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
+        plain = {}
         for key, item in value.items():
-            if not isinstance(key, (str, int)):
+            if type(key).__module__ == "numpy" and getattr(key, "ndim", None) == 0:
+                key = key.item()
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise TypeError(f"{name}: expected str or int keys, got key {validate.describe(key)}")
-            _check_plain(f"{name}[{key!r}]", item)
-        return
-    hint = "; convert it with .to_dict()" if hasattr(value, "to_dict") else ""
+            plain[str(key) if isinstance(key, str) else int(key)] = _plain(f"{name}[{key!r}]", item)
+        return plain
+    hint = ("; convert it with .to_dict()" if hasattr(value, "to_dict") else
+            "; convert it with torch.as_tensor()" if type(value).__module__ == "numpy" else "")
     raise TypeError(f"{name}: expected plain data (None, bool, int, float, str, tensors, and lists or "
                     f"dicts of them) that a checkpoint can load back safely, got "
                     f"{type(value).__name__}{hint}")
@@ -116,14 +135,19 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> Path:
 
 
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files that runs killed mid-write (SIGKILL, power loss) left in ``folder``."""
+    """Delete the temporary files that runs killed mid-write (SIGKILL, power loss) left in ``folder``.
+
+    Only files this module names (``.NAME.<random>.course_lib-partial``) are removed, never a user's
+    ``.tmp``. Call it only while holding the folder (``RunFolder.prepare``): a live run's
+    half-written file has the same kind of name.
+    """
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"folder: expected a folder path, got {validate.describe(folder)}")
     folder = Path(folder)
     removed = []
     if folder.is_dir():
         for tmp in folder.glob(f".*{_TMP_SUFFIX}"):
-            if tmp.is_file():
+            if tmp.is_file() and not tmp.is_symlink():
                 tmp.unlink(missing_ok=True)
                 removed.append(tmp)
     return removed
@@ -145,8 +169,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, tokenizer: Any = 
         raise TypeError(f"extra: expected a dict or None, got {validate.describe(extra)}")
     if training is not None and not isinstance(training, dict):
         raise TypeError(f"training: expected a dict or None, got {validate.describe(training)}")
-    _check_plain("extra", extra)
-    _check_plain("training", training)
+    extra = _plain("extra", extra)
+    training = _plain("training", training)
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"path: expected a file name for the checkpoint, got the folder {path}")
@@ -221,7 +245,10 @@ def load_checkpoint(path: str | os.PathLike, model: GPT | ModernGPT | None = Non
     model_class, config_class = ARCHITECTURES[architecture]
     config = config_class.from_dict(payload["config"])
     if model is None:
-        model = model_class(config)
+        # The random initial weights are replaced below: draw them from a forked generator, so
+        # loading a checkpoint leaves the caller's random numbers as they were.
+        with torch.random.fork_rng(devices=[]):
+            model = model_class(config)
     else:
         if architecture_of(model) != architecture:
             raise TypeError(f"model: the checkpoint holds a {model_class.__name__}, got a {type(model).__name__}; "

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import _validate as validate
-from .attention import KVCache, MultiHeadMaskedAttention
+from .attention import KVCache, MultiHeadMaskedAttention, check_caches, check_input_dtype
 
 __all__ = [
     "flops_per_token",
@@ -100,6 +100,8 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        validate.tensor("x", x, min_dim=1, floating=True)
+        check_input_dtype("x", x, self)
         return self.dropout(self.proj(self.act(self.fc(x))))   # (N, L, embed_dim)
 
 
@@ -126,6 +128,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x (N, L, embed_dim) -> (N, L, embed_dim)."""
+        validate.tensor("x", x, dim=3, floating=True)
+        check_input_dtype("x", x, self)   # before ln1, whose own error would not name x
         if self.norm_first:
             x = x + self.attn(self.ln1(x), cache)
             x = x + self.mlp(self.ln2(x))
@@ -239,14 +243,12 @@ class GPT(nn.Module):
             # Reading the ids back waits for a GPU, so training on one checks its data once up front.
             check_vocabulary("idx", idx, self.config.vocab_size)
         n, length = idx.shape
+        check_caches(cache, len(self.blocks))
         start = cache[0].length if cache else 0
         if start + length > self.config.max_tokens:
             raise ValueError(f"idx: sequence of {start + length} tokens is longer than "
                              f"max_tokens={self.config.max_tokens}; crop it to the last "
                              f"{self.config.max_tokens} tokens (idx[:, -{self.config.max_tokens}:])")
-        if cache is not None and len(cache) != len(self.blocks):
-            raise ValueError(f"cache: expected {len(self.blocks)} KVCache objects (one per block), "
-                             f"got {len(cache)}; use model.new_cache()")
         x = self.token_embedding(idx) + self.position_encoding(length, start)   # (N, L, embed_dim)
         x = self.dropout(x)
         for i, block in enumerate(self.blocks):

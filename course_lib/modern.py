@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _validate as validate
-from .attention import KVCache, _check_input, merge_heads, split_heads
+from .attention import KVCache, _check_input, check_input_dtype, merge_heads, split_heads
 
 __all__ = ["rope_tables", "rotate_half", "apply_rotary", "RMSNorm", "SwiGLU", "ReLUSquared",
            "repeat_kv", "sliding_window_mask", "GroupedQueryAttention"]
@@ -127,6 +127,8 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden_dim, embed_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        validate.tensor("x", x, min_dim=1, floating=True)
+        check_input_dtype("x", x, self)
         return self.down(F.silu(self.gate(x)) * self.up(x))   # (N, L, embed_dim)
 
 
@@ -144,6 +146,8 @@ class ReLUSquared(nn.Module):
         self.down = nn.Linear(hidden_dim, embed_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        validate.tensor("x", x, min_dim=1, floating=True)
+        check_input_dtype("x", x, self)
         return self.down(F.relu(self.up(x)).square())   # (N, L, embed_dim)
 
 
@@ -235,8 +239,10 @@ class GroupedQueryAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x (N, L, embed_dim) -> (N, L, embed_dim); with ``cache``, x holds only the new tokens."""
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected a KVCache or None, got {validate.describe(cache)}")
         start = cache.length if cache is not None else 0
-        _check_input(x, self.embed_dim, self.max_tokens, start)
+        _check_input(x, self.embed_dim, self.max_tokens, start, module=self)
         length = x.shape[1]
         total = start + length
 

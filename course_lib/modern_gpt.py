@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import _validate as validate
-from .attention import KVCache
+from .attention import KVCache, check_caches
 from .model import GPT, check_vocabulary
 from .modern import GroupedQueryAttention, ReLUSquared, RMSNorm, SwiGLU
 
@@ -250,14 +250,12 @@ class ModernGPT(nn.Module):
             # Reading the ids back waits for a GPU, so training on one checks its data once up front.
             check_vocabulary("idx", idx, self.config.vocab_size)
         length = idx.shape[1]
+        check_caches(cache, len(self.blocks))
         start = cache[0].length if cache else 0
         if start + length > self.config.max_tokens:
             raise ValueError(f"idx: sequence of {start + length} tokens is longer than "
                              f"max_tokens={self.config.max_tokens}; crop it to the last "
                              f"{self.config.max_tokens} tokens (idx[:, -{self.config.max_tokens}:])")
-        if cache is not None and len(cache) != len(self.blocks):
-            raise ValueError(f"cache: expected {len(self.blocks)} KVCache objects (one per block), "
-                             f"got {len(cache)}; use model.new_cache()")
         x = self.dropout(self.token_embedding(idx))                   # (N, L, embed_dim)
         for i, block in enumerate(self.blocks):
             x = block(x, cache[i] if cache is not None else None)     # (N, L, embed_dim)

@@ -6,6 +6,7 @@ and ``--resume``, and writes ``metrics.json`` beside ``checkpoint.pt``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, replace
@@ -180,13 +181,46 @@ class _Plan:
     val_split: Split
     config: TrainConfig
     state: TrainState | None
+    corpus_checksum: str
 
 
-def _plan(name: str | None, out_dir: Any, *, seconds: float | None, steps: int | None, corpus: str | None,
+def _corpus_checksum(*splits: Split) -> str:
+    """SHA-256 of the token ids a run trains and evaluates on: the same text gives the same ids."""
+    digest = hashlib.sha256()
+    for split in splits:
+        for tensor in ((split.ids,) if isinstance(split, TokenStream) else
+                       (split.inputs, split.targets) if isinstance(split, Examples) else ()):
+            digest.update(tensor.long().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _check_long_enough(name: str, corpus: str | None, model: GPT | ModernGPT, *splits: tuple[str, Split]) -> None:
+    # Before the first step, not at the first evaluation: each split must give at least one window.
+    max_tokens = model.config.max_tokens
+    for label, split in splits:
+        try:
+            split.eval_windows(max_tokens)
+            split.sample(1, max_tokens, torch.Generator().manual_seed(0))
+        except ValueError as exc:
+            raise RunRefused(f"corpus: {corpus or _preset(name).corpus!r} is too short for preset {name!r} "
+                             f"(max_tokens={max_tokens}): its {label} part gives no window ({exc}); use a "
+                             f"longer text") from None
+
+
+def _final_evaluation_done(folder: RunFolder, step: int) -> bool:
+    """Whether metrics.json records this run's final evaluation at ``step``."""
+    try:
+        saved = json.loads(folder.metrics.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(saved, dict) and saved.get("status") == "finished" and saved.get("step") == step
+            and saved.get("run_id") == folder.run_id and saved.get("val_loss") is not None)
+
+
+def _plan(name: str | None, folder: RunFolder, *, seconds: float | None, steps: int | None, corpus: str | None,
           device: torch.device, compile: bool | None, batch_size: int | None, resume: bool, overwrite: bool,
           ctx: DistributedContext) -> _Plan:
     # Everything a run needs, checked before the first step: any failure here is a RunRefused.
-    folder = RunFolder(out_dir, resume=resume, overwrite=overwrite)
     if ctx.is_main:
         folder.prepare()
     saved: dict[str, Any] | None = None
@@ -219,25 +253,32 @@ def _plan(name: str | None, out_dir: Any, *, seconds: float | None, steps: int |
     torch.manual_seed(_preset(name).train.seed)   # same initial weights on every rank and every run
     model, tokenizer, train_split, val_split, config = prepare_preset(
         name, corpus, device, compile=compile, batch_size=batch_size)
+    _check_long_enough(name, corpus, model, ("training", train_split), ("validation", val_split))
+    checksum = _corpus_checksum(train_split, val_split)
     state = None
     if saved is not None:
         config = replace(TrainConfig(**saved["train_config"]), **{
             k: v for k, v in dict(steps=steps, seconds=seconds, compile=compile).items() if v is not None})
         if device.type != "cuda":   # a GPU run continued on a CPU: as prepare_preset does
             config = replace(config, amp=False, pin_memory=False, compile=bool(compile))
-        if checkpoint.tokenizer != tokenizer:
-            raise RunRefused(f"corpus: the text {corpus!r} gives a different tokenizer than the run in "
-                             f"{folder.path} was trained with; resume with the run's own corpus")
+        trained_on = saved.get("corpus") or _preset(name).corpus
+        if checkpoint.tokenizer != tokenizer or saved.get("corpus_checksum", checksum) != checksum:
+            raise RunRefused(f"corpus: the run in {folder.path} was trained on {trained_on!r} (checksum "
+                             f"{saved.get('corpus_checksum', 'not recorded')[:12]}), got {corpus or trained_on!r} "
+                             f"(checksum {checksum[:12]}), a different text; resume with the run's own corpus")
         model.load_state_dict(checkpoint.model.state_dict())
         state = TrainState.from_dict(saved)
         if state.step >= config.steps:
-            raise RunFinished(f"the run in {folder.path} already finished at step {state.step} (steps="
-                              f"{config.steps}); give a larger --steps to train it further")
+            if _final_evaluation_done(folder, state.step):
+                raise RunFinished(f"the run in {folder.path} already finished at step {state.step} (steps="
+                                  f"{config.steps}); give a larger --steps to train it further")
+            print(f"the run in {folder.path} trained all {state.step} steps, but its final evaluation did not "
+                  f"finish; doing it now")
     else:
         config = replace(config, **{k: v for k, v in dict(steps=steps, seconds=seconds).items() if v is not None})
     if ctx.is_main:
         folder.clear_replaced_run()
-    return _Plan(name, corpus, folder, model, tokenizer, train_split, val_split, config, state)
+    return _Plan(name, corpus, folder, model, tokenizer, train_split, val_split, config, state, checksum)
 
 
 class RunFinished(Exception):
@@ -257,15 +298,30 @@ def run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None =
     then say ``"status": "stopped"`` and ``"signal"``. A NaN loss raises :class:`NonFiniteLoss`
     and keeps the last good checkpoint.
     """
+    # The run seeds and draws from the global generators (initial weights, dropout); fork them so
+    # the caller's random numbers are the same after the call as before it.
+    # (only the current GPU's: touching every GPU would make each torchrun rank a context on all of them)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        return _run_preset(name, out_dir, seconds=seconds, steps=steps, corpus=corpus, device=device,
+                           progress=progress, compile=compile, batch_size=batch_size, resume=resume,
+                           overwrite=overwrite)
+
+
+def _run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None, steps: int | None,
+                corpus: str | None, device: torch.device | str | None, progress: bool, compile: bool | None,
+                batch_size: int | None, resume: bool, overwrite: bool) -> dict[str, Any]:
     finished = False
     ctx = DistributedContext()
+    folder: RunFolder | None = None
     try:
         try:
             device = resolve_device(device)
             ctx = setup_distributed(device.type)
             if ctx.enabled and device.type == "cuda":
                 device = torch.device("cuda", ctx.local_rank)
-            plan = _plan(name, out_dir, seconds=seconds, steps=steps, corpus=corpus, device=device,
+            folder = RunFolder(out_dir, resume=resume, overwrite=overwrite)
+            plan = _plan(name, folder, seconds=seconds, steps=steps, corpus=corpus, device=device,
                          compile=compile, batch_size=batch_size, resume=resume, overwrite=overwrite, ctx=ctx)
         except RunFinished as done:
             print(done)
@@ -284,6 +340,7 @@ def run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None =
 
         def save(state: TrainState) -> None:
             training = {**state.to_dict(), "preset": plan.name, "corpus": plan.corpus,
+                        "corpus_checksum": plan.corpus_checksum,
                         "train_config": asdict(config), "world_size": ctx.world_size}
             folder.save(model, plan.tokenizer, training,
                         _metrics(plan.name, "running", model, config, state.history, ctx, device, plan.corpus))
@@ -297,28 +354,55 @@ def run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None =
                 saved = "no checkpoint was written yet" if not folder.checkpoint.exists() else \
                     f"the last good checkpoint is kept in {folder.checkpoint}"
                 raise _with_checkpoint_note(exc, saved) from None
-        metrics: dict[str, Any] = {}
-        if ctx.is_main:
-            status = "stopped" if history.stop_reason == "stopped" else "finished"
-            extra: dict[str, Any] = {}
-            if status == "finished":
-                # the final, exact evaluation: every validation window, not the running estimate
-                val_inputs, val_targets = plan.val_split.eval_windows(model.config.max_tokens)
-                started = time.perf_counter()
-                extra = dict(val_loss=evaluate(model, val_inputs, val_targets),
-                             val_tokens=int((val_targets != IGNORE_INDEX).sum()))
-                extra["final_eval_seconds"] = time.perf_counter() - started
-            metrics = _metrics(plan.name, status, model, config, history, ctx, device, plan.corpus, **extra)
-            metrics.update(run_id=folder.run_id, step=history.steps_taken)
-            if stop.signum is not None:
-                metrics["signal"] = stop.name
-            # the same run id and step as the checkpoint saved when the loop ended
-            write_atomically(folder.metrics, json.dumps(metrics, indent=2).encode("utf-8"))
+            metrics: dict[str, Any] = {}
+            if ctx.is_main:
+                metrics = _finish(plan, history, stop, ctx, device)
         finished = True
         return metrics
     finally:
+        if folder is not None:
+            folder.release()
         # After a failure the other ranks may never arrive: wait for them only on success.
         teardown_distributed(wait_for_all=finished)
+
+
+def _finish(plan: _Plan, history: History, stop: StopRequest, ctx: DistributedContext,
+            device: torch.device) -> dict[str, Any]:
+    """The final evaluation (when training ran to its end), then metrics.json: the run's last save.
+
+    The checkpoint of the last step is already on disk. A signal now stops the evaluation at once
+    and the metrics say so ("pending": "final evaluation"), so ``--resume`` knows to finish it.
+    """
+    model, config, folder = plan.model, plan.config, plan.folder
+    status = "stopped" if history.stop_reason == "stopped" else "finished"
+    extra: dict[str, Any] = {}
+    pending = None
+    if status == "finished":
+        # the final, exact evaluation: every validation window, not the running estimate
+        stop.immediate = True
+        try:
+            if stop():   # a signal came after the last step: do not start it
+                raise KeyboardInterrupt
+            val_inputs, val_targets = plan.val_split.eval_windows(model.config.max_tokens)
+            started = time.perf_counter()
+            extra = dict(val_loss=evaluate(model, val_inputs, val_targets),
+                         val_tokens=int((val_targets != IGNORE_INDEX).sum()))
+            extra["final_eval_seconds"] = time.perf_counter() - started
+        except KeyboardInterrupt:
+            if stop.signum is None:   # not one of ours (a KeyboardInterrupt raised some other way)
+                raise
+            status, pending, extra = "stopped", "final evaluation", {}
+        finally:
+            stop.immediate = False
+    metrics = _metrics(plan.name, status, model, config, history, ctx, device, plan.corpus, **extra)
+    metrics.update(run_id=folder.run_id, step=history.steps_taken)
+    if pending:
+        metrics["pending"] = pending
+    if stop.signum is not None:
+        metrics["signal"] = stop.name
+    # the same run id and step as the checkpoint saved when the loop ended
+    write_atomically(folder.metrics, json.dumps(metrics, indent=2).encode("utf-8"))
+    return metrics
 
 
 def _with_checkpoint_note(exc: NonFiniteLoss, note: str) -> NonFiniteLoss:

@@ -299,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--watch", nargs="?", type=float, const=5.0, metavar="SECONDS",
                         help="redraw every SECONDS (default 5) until Ctrl-C")
     args = parser.parse_args(argv)
-    if args.watch is not None and not args.watch > 0:
-        parser.error(f"--watch: expected a number of seconds > 0, got {args.watch:g}")
+    # time.sleep cannot wait inf or nan seconds (and a day is more than any room needs)
+    if args.watch is not None and not 0 < args.watch <= 86400:
+        parser.error(f"--watch: expected a number of seconds > 0 and at most 86400 (a day), got {args.watch:g}")
     try:
         titles = _titles()
         while True:

@@ -2,6 +2,7 @@
 always written as one consistent unit (the same run id and step in both)."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import tempfile
@@ -11,12 +12,20 @@ from typing import Any
 
 from torch import nn
 
-from .checkpoints import remove_stale_temporaries, save_checkpoint, write_atomically
+from .checkpoints import _TMP_SUFFIX, remove_stale_temporaries, save_checkpoint, write_atomically
 
-__all__ = ["RunFolder", "RunRefused", "CHECKPOINT", "METRICS"]
+try:
+    import fcntl
+except ImportError:   # Windows: no advisory locks here; the folder is then not guarded
+    fcntl = None
+
+__all__ = ["RunFolder", "RunRefused", "CHECKPOINT", "METRICS", "LOCK"]
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.json"
+# Held (flock) for the whole run; it names the holder. The OS drops the lock when the holder's
+# process ends, however it ends, so a file left by a dead run is simply taken over.
+LOCK = ".course_lib-run.lock"
 
 
 class RunRefused(ValueError):
@@ -40,6 +49,8 @@ class RunFolder:
         self.resume = resume
         self.overwrite = overwrite
         self.run_id = uuid.uuid4().hex[:12]
+        self._lock_fd: int | None = None
+        self.previous_holder: str = ""   # what a dead run's lock file said, when one was taken over
 
     @property
     def checkpoint(self) -> Path:
@@ -64,17 +75,54 @@ class RunFolder:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             # mkdir succeeds on a read-only folder that exists: only a real write tells.
-            fd, probe = tempfile.mkstemp(dir=self.path, prefix=".write-test.", suffix=".tmp")
+            fd, probe = tempfile.mkstemp(dir=self.path, prefix=".write-test.", suffix=_TMP_SUFFIX)
             os.close(fd)
             os.remove(probe)
         except OSError as exc:
             raise RunRefused(f"out: expected a folder this process can write, got {self.path} "
                              f"({type(exc).__name__}: {exc.strerror or exc})") from None
+        self._lock()
+        # Safe now: no other run writes here while we hold the lock.
         remove_stale_temporaries(self.path)
         if self.holds_a_run() and not self.resume:
             if not self.overwrite:
                 raise RunRefused(f"out: {self.path} already holds a run{self._describe()}; continue it with "
                                  f"--resume {self.path}, or replace it with --overwrite")
+
+    def _lock(self) -> None:
+        """Hold the folder for this run, or refuse naming the run that holds it."""
+        if fcntl is None or self._lock_fd is not None:
+            return
+        path = self.path / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as exc:
+            raise RunRefused(f"out: cannot create the lock file {path} ({exc.strerror or exc}); "
+                             f"choose another --out") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pid, holder = _read_holder(fd)
+            os.close(fd)
+            raise RunRefused(f"out: {self.path} is in use by another run ({holder}); wait for it to end, "
+                             f"stop it ({f'kill {pid}' if pid else 'kill it'}), or choose another --out") from None
+        self.previous_holder = _read_holder(fd)[1] if os.fstat(fd).st_size else ""
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "started": started}).encode("utf-8") + b"\n", 0)
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Let another run use the folder (the lock file stays: removing it would race a waiting run)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)   # closing the descriptor drops the flock
+            self._lock_fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # at interpreter shutdown os may already be gone; the OS drops the lock anyway
+            pass
 
     def clear_replaced_run(self) -> None:
         """With ``overwrite``, remove the old run's files: call it once every other check has passed,
@@ -105,3 +153,13 @@ class RunFolder:
                                                                   "steps": training["step"], **stamp},
                         training=training)
         write_atomically(self.metrics, json.dumps(metrics, indent=2).encode("utf-8"))
+
+
+def _read_holder(fd: int) -> tuple[int | None, str]:
+    """(1234, 'PID 1234, started 2026-11-24T14:35:02+00:00'), from a lock file's contents."""
+    try:
+        saved = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+        pid = int(saved["pid"])
+        return pid, f"PID {pid}, started {saved['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, "its PID is not written yet: it is starting"

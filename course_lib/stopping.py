@@ -31,6 +31,8 @@ class StopRequest:
             raise TypeError(f"signals: expected a tuple of signal numbers (signal.SIGINT, ...), got {signals!r}")
         self.signals = tuple(signals)
         self.signum: int | None = None
+        # True while no step is running (a final evaluation): then any signal interrupts at once
+        self.immediate = False
         self._previous: dict[int, Any] = {}
 
     @property
@@ -41,9 +43,10 @@ class StopRequest:
         return self.signum is not None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        if self.immediate or (not first and signum == signal.SIGINT):
             raise KeyboardInterrupt
-        self.signum = signum
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():

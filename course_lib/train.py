@@ -91,6 +91,10 @@ def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batc
     if inputs.shape != targets.shape or inputs.shape[0] == 0:
         raise ValueError(f"targets: expected the shape of inputs {tuple(inputs.shape)} (at least one "
                          f"window), got {tuple(targets.shape)}")
+    if not bool((targets != IGNORE_INDEX).any()):
+        # the mean over no targets is not a loss of 0 (a perfect model): there is nothing to measure
+        raise ValueError(f"targets: expected at least one target that is not padding ({IGNORE_INDEX}), got "
+                         f"{targets.numel()} targets that are all {IGNORE_INDEX}; evaluate on windows with text")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -101,7 +105,7 @@ def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batc
         total += lm_loss(model(x), y, reduction="sum").item()
         count += int((y != IGNORE_INDEX).sum())
     model.train(was_training)
-    return total / max(count, 1)
+    return total / count
 
 
 # ---------------------------------------------------------------- what a split looks like

@@ -40,3 +40,23 @@ def test_the_new_file_has_the_mode_a_plain_open_would_give(tmp_path):
     finally:
         os.umask(umask)
     assert (tmp_path / "shared.txt").stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "link"])
+def test_a_target_that_is_not_a_regular_file_is_refused_and_left_alone(tmp_path, kind):
+    import os
+    import stat
+    target = tmp_path / "target"
+    if kind == "fifo":   # stands in for a device node: a special file a rename would replace
+        os.mkfifo(target)
+    elif kind == "folder":
+        target.mkdir()
+    else:
+        (tmp_path / "real.txt").write_text("kept")
+        target.symlink_to(tmp_path / "real.txt")
+    before = os.lstat(target).st_mode
+    with pytest.raises(ValueError, match=r"path: expected a regular file \(or a new name\), got .*target"):
+        with atomic_file(target) as handle:
+            handle.write("new")
+    assert stat.S_IFMT(os.lstat(target).st_mode) == stat.S_IFMT(before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["target"] + (["real.txt"] if kind == "link" else []))

@@ -107,10 +107,11 @@ def test_interrupted_writes_leave_no_temporary_file_and_stale_ones_are_removed(t
         write_atomically(target, b"new")
     monkeypatch.undo()
     assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
-    (tmp_path / ".checkpoint.pt.abc123.tmp").write_bytes(b"half")   # what a SIGKILL leaves
-    (tmp_path / ".metrics.json.x.tmp").write_bytes(b"half")
+    (tmp_path / ".checkpoint.pt.abc123.course_lib-partial").write_bytes(b"half")   # what a SIGKILL leaves
+    (tmp_path / ".metrics.json.x.course_lib-partial").write_bytes(b"half")
+    (tmp_path / ".notes.tmp").write_bytes(b"the user's")   # not ours: never removed
     assert len(remove_stale_temporaries(tmp_path)) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.tmp", "ck.pt"]
 
 
 def test_run_folder_refuses_files_and_existing_runs_and_clears_what_it_replaces(tmp_path):
@@ -123,13 +124,46 @@ def test_run_folder_refuses_files_and_existing_runs_and_clears_what_it_replaces(
     run.mkdir()
     (run / "metrics.json").write_text('{"preset": "tiny", "steps": 40}')
     (run / "checkpoint.pt").write_bytes(b"x")
-    (run / ".checkpoint.pt.1.tmp").write_bytes(b"half")
+    (run / ".checkpoint.pt.1.course_lib-partial").write_bytes(b"half")
+    (run / ".draft.tmp").write_bytes(b"the user's")
     with pytest.raises(RunRefused, match=r"already holds a run \(preset 'tiny', step 40.*--resume .*--overwrite"):
         RunFolder(run).prepare()
     replacing = RunFolder(run, overwrite=True)
     replacing.prepare()
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt", "metrics.json"]   # stale .tmp gone
+    assert sorted(p.name for p in run.iterdir()) == [".course_lib-run.lock", ".draft.tmp", "checkpoint.pt",
+                                                     "metrics.json"]   # our stale temporary gone, theirs kept
     replacing.clear_replaced_run()   # once every check has passed
-    assert list(run.iterdir()) == []
+    assert sorted(p.name for p in run.iterdir()) == [".course_lib-run.lock", ".draft.tmp"]
+    replacing.release()
     with pytest.raises(RunRefused, match="resume: expected a run folder holding checkpoint.pt"):
         RunFolder(run, resume=True).prepare()
+
+
+def test_numpy_scalars_and_other_near_plain_values_are_saved_as_what_load_accepts(tmp_path):
+    import collections
+    import enum
+
+    import numpy as np
+
+    class Colour(enum.IntEnum):
+        RED = 1
+    model = GPT(GPTConfig(vocab_size=5, max_tokens=4, embed_dim=8, num_heads=2, num_layers=1))
+    extra = {"v": np.float64(1.5), "n": np.int64(3), "c": Colour.RED,
+             "o": collections.OrderedDict(a=np.float32(2.0)), "d": collections.defaultdict(int, b=2)}
+    save_checkpoint(tmp_path / "ck.pt", model, extra=extra)
+    loaded = load_checkpoint(tmp_path / "ck.pt").extra
+    assert loaded == {"v": 1.5, "n": 3, "c": 1, "o": {"a": 2.0}, "d": {"b": 2}}
+    assert type(loaded["v"]) is float and type(loaded["n"]) is int
+    with pytest.raises(TypeError, match=r"extra\['a'\]\['b'\]: expected plain data .* got ndarray; convert it with torch.as_tensor"):
+        save_checkpoint(tmp_path / "bad.pt", model, extra={"a": {"b": np.zeros(3)}})
+    assert not (tmp_path / "bad.pt").exists()
+
+
+def test_load_checkpoint_leaves_the_callers_random_numbers_alone(tmp_path):
+    model = GPT(GPTConfig(vocab_size=5, max_tokens=4, embed_dim=8, num_heads=2, num_layers=1))
+    save_checkpoint(tmp_path / "ck.pt", model)
+    torch.manual_seed(0)
+    load_checkpoint(tmp_path / "ck.pt")
+    after_load = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after_load, torch.rand(3))

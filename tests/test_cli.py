@@ -193,7 +193,7 @@ def test_sigterm_and_ctrl_c_stop_cleanly_with_a_loadable_checkpoint(tmp_path, co
     step = saved.training["step"]
     assert f"stopped at step {step} " in stderr and step >= 1
     assert metrics["status"] == "stopped" and metrics["step"] == step and metrics["run_id"] == saved.training["run_id"]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.json"]   # no temporaries
+    assert sorted(p.name for p in out.iterdir()) == [".course_lib-run.lock", "checkpoint.pt", "metrics.json"]   # no temporaries
     assert main(["train", "--resume", str(out), "--steps", str(step + 5), "--quiet"]) == 0
     assert json.loads((out / "metrics.json").read_text())["steps"] == step + 5
 
@@ -207,3 +207,17 @@ def test_a_refused_overwrite_keeps_the_old_run(tmp_path, corpus, capsys):
                  "--device", "cpu", "--quiet", "--out", out, "--overwrite"]) == 2
     assert "missing.txt" in capsys.readouterr().err
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before
+
+
+def test_start_on_a_symlink_loop_and_progress_watch_inf_are_clear_errors(tmp_path, capsys):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for target in (loop, loop / "deeper"):
+        assert main(["start", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Symlink loop" in err and "Traceback" not in err
+    for value in ("inf", "nan", "1e300"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["progress", "--watch", value, str(tmp_path)])
+        assert exit_.value.code == 2
+        assert "--watch: expected a number of seconds > 0 and at most 86400" in capsys.readouterr().err

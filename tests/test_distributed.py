@@ -96,4 +96,4 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_step_and_rank_zero_saves
     # torchrun itself reports the signal its own way; the workers stopped cleanly, together
     assert metrics["status"] == "stopped" and metrics["world_size"] == 2, stderr[-3000:]
     assert saved.training["step"] == metrics["step"] and f"stopped at step {metrics['step']} " in stderr
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".course_lib-run.lock", "checkpoint.pt", "metrics.json"]

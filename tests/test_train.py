@@ -424,3 +424,23 @@ def test_checkpoints_come_on_the_clock_too_not_only_at_evaluations():
     # no evaluation falls in these 5 steps: every checkpoint here is the clock's (and the final one)
     assert [step for step, _ in saved] == [0, 1, 2, 3, 4, 5]
     assert history.checkpoint_seconds >= saved[-1][1] > 0 and history.stop_reason == "steps"
+
+
+def test_evaluate_refuses_targets_that_are_all_padding():
+    model = GPT(GPTConfig(vocab_size=6, max_tokens=4, embed_dim=8, num_heads=2, num_layers=1))
+    inputs = torch.zeros(3, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"targets: expected at least one target that is not padding \(-100\)"):
+        evaluate(model, inputs, torch.full((3, 4), -100))
+    one = torch.full((3, 4), -100)
+    one[1, 2] = 5
+    assert evaluate(model, inputs, one) > 0
+
+
+def test_run_preset_leaves_the_callers_random_numbers_alone(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 5)
+    torch.manual_seed(0)
+    run_preset("tiny", tmp_path / "out", steps=2, corpus=str(corpus), device="cpu", progress=False)
+    after_run = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after_run, torch.rand(3))

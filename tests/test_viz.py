@@ -3,6 +3,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import math
 import sys
 from types import SimpleNamespace
 
@@ -570,3 +571,75 @@ def test_generation_playground_widget_reports_errors_instead_of_raising(monkeypa
     box = viz.generation_playground(broken, static=False)
     box.button.click()
     assert isinstance(box.error, RuntimeError) and box.samples == [] and not box.button.disabled
+
+
+def test_a_live_widget_comes_with_a_note_that_survives_a_reopened_notebook(monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda *objs, **kw: shown.extend(objs))
+    monkeypatch.delenv("COURSE_STATIC_WIDGETS", raising=False)
+    for make in (lambda: viz.query_explorer(), lambda: viz.generation_playground(lambda *a: "x", static=False)):
+        shown.clear()
+        make()
+        texts = [getattr(obj, "_repr_markdown_", lambda: "")() or "" for obj in shown]
+        notes = [t for t in texts if "Error displaying widget" in t and "run this cell again" in t]
+        assert len(notes) == 1, shown
+
+
+def test_the_query_explorer_slider_reads_whole_degrees():
+    box = viz.query_explorer(static=False)
+    assert box.slider.step == 5.0 and box.slider.readout_format == ".0f"
+    assert format(190.0, box.slider.readout_format) == "190"
+
+
+def _overlaps(fig, text, line) -> bool:
+    """Whether ``line`` passes through the box of ``text`` (both in display coordinates)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    box = text.get_window_extent(canvas.get_renderer())
+    xs, ys = line.get_xdata(), line.get_ydata()
+    dense_x = np.linspace(min(xs), max(xs), 4000)
+    points = line.axes.transData.transform(np.column_stack([dense_x, np.interp(dense_x, xs, ys)]))
+    return bool(((points[:, 0] >= box.x0) & (points[:, 0] <= box.x1)
+                 & (points[:, 1] >= box.y0) & (points[:, 1] <= box.y1)).any())
+
+
+@pytest.mark.parametrize("gap", [0.18, -0.18, 0.0])
+def test_the_best_validation_label_sits_clear_of_both_curves(gap):
+    steps = list(range(10, 2001, 10))
+    train = [1.4 + 2.8 * math.exp(-s / 150) for s in steps]   # falls steeply, then slowly
+    val_steps = list(range(200, 2001, 200))
+    val = [1.4 + gap + 2.8 * math.exp(-s / 150) for s in val_steps]
+    fig = viz.plot_loss_curves({"step": steps, "train_loss": train, "val_step": val_steps, "val_loss": val})
+    ax = fig.axes[0]
+    (label,) = [t for t in ax.texts if t.get_text().startswith("best ")]
+    train_line, val_line = ax.get_lines()[:2]
+    assert not _overlaps(fig, label, train_line) and not _overlaps(fig, label, val_line)
+
+
+def test_rope_rotation_position_labels_never_pile_up():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from course_lib import modern
+    cos, sin = modern.rope_tables(16, max_tokens=64)
+    torch.manual_seed(0)
+    q = torch.randn(16)
+    q_at = modern.apply_rotary(q.expand(1, 1, 8, 16), cos, sin)[0, 0]   # (8, 16): notebook 09's figure
+    fig = viz.plot_rope_rotation(q_at, pairs=[0, 1, 2, 7])
+    assert fig.course_data["labels"][3] == ["0-7"]   # pair 7 barely turns: one label, not eight in a blob
+    for labels in fig.course_data["labels"]:   # every position named once, in order
+        named = []
+        for text in labels:
+            first, _, last = text.partition("-")
+            named.extend(range(int(first), int(last or first) + 1))
+        assert named == list(range(8))
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    for ax in fig.axes:
+        texts = [t for t in ax.texts if t.get_text()]   # the arrows are annotations without text
+        boxes = [t.get_window_extent(canvas.get_renderer()) for t in texts]
+        for a in range(len(boxes)):
+            for b in range(a + 1, len(boxes)):
+                assert not boxes[a].overlaps(boxes[b]), (ax.get_title(), texts[a].get_text(), texts[b].get_text())

@@ -55,13 +55,20 @@ def plot_rope_rotation(rotated, pairs: Sequence[int] | None = None) -> Figure:
     fig = new_figure(2.9 * len(pairs) + 0.6, 3.8)
     axes = fig.subplots(1, len(pairs), squeeze=False).ravel()
     colours = colormaps["viridis"](np.linspace(0.0, 0.9, positions))
+    labels: list[list[str]] = []
     for ax, i, pts, step in zip(axes, pairs, points, steps):
         radius = float(np.linalg.norm(pts, axis=-1).max()) or 1.0
         ax.add_patch(Circle((0, 0), radius, fill=False, color=MUTED, linestyle=":", linewidth=1.0))
         for p, (x, y) in enumerate(pts):
             ax.annotate("", xy=(x, y), xytext=(0, 0),
                         arrowprops=dict(arrowstyle="-|>", color=colours[p], linewidth=1.4, shrinkA=0, shrinkB=0))
-            ax.text(1.16 * x, 1.16 * y, str(p), ha="center", va="center", fontsize=8, color=colours[p])
+        panel_labels = []
+        for first, last in _label_runs(1.16 * pts, 0.3 * radius):
+            x, y = 1.16 * pts[first:last + 1].mean(axis=0)
+            text = str(first) if first == last else f"{first}-{last}"
+            ax.text(x, y, text, ha="center", va="center", fontsize=8, color=colours[last])
+            panel_labels.append(text)
+        labels.append(panel_labels)
         limit = 1.35 * radius
         ax.set_xlim(-limit, limit)
         ax.set_ylim(-limit, limit)
@@ -76,8 +83,20 @@ def plot_rope_rotation(rotated, pairs: Sequence[int] | None = None) -> Figure:
         ax.set_xlabel(f"dim {i}", fontsize=9, color=MUTED)
         ax.set_ylabel(f"dim {i + half}", fontsize=9, color=MUTED)
     fig.suptitle(f"one vector at positions 0-{positions - 1} (numbers: the position)", fontsize=11)
-    fig.course_data = {"pairs": list(pairs), "points": points, "step": steps.tolist()}
+    fig.course_data = {"pairs": list(pairs), "points": points, "step": steps.tolist(), "labels": labels}
     return fig
+
+
+def _label_runs(anchors: np.ndarray, gap: float) -> list[tuple[int, int]]:
+    """Runs of consecutive positions whose labels would sit on top of each other (closer than ``gap``
+    to the run's first): a slow pair gets one label "0-7" instead of eight numbers in one blob."""
+    runs: list[tuple[int, int]] = []
+    first = 0
+    for p in range(1, len(anchors) + 1):
+        if p == len(anchors) or np.linalg.norm(anchors[p] - anchors[first]) >= gap:
+            runs.append((first, p - 1))
+            first = p
+    return runs
 
 
 def plot_rope_scores(scores, curves: Mapping[str, Any] | None = None, title: str | None = None) -> Figure:

@@ -35,6 +35,14 @@ def _history_field(history: Any, name: str, required: bool) -> list[float] | Non
     return [float(v) for v in values]
 
 
+def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float | None:
+    """ys at x, read off the line through (xs, ys) (NaN points skipped); None outside its range."""
+    pairs = [(a, b) for a, b in zip(xs, ys) if math.isfinite(b)]
+    if not pairs or not pairs[0][0] <= x <= pairs[-1][0]:
+        return None
+    return float(np.interp(x, [a for a, _ in pairs], [b for _, b in pairs]))
+
+
 def plot_loss_curves(history) -> Figure:
     """Training and validation loss against the step, on linear axes.
 
@@ -74,8 +82,13 @@ def plot_loss_curves(history) -> Figure:
             best_step, best = min(finite, key=lambda p: p[1])
             # anchored on the right when the best point is the last one, so the label stays inside
             at_end = best_step == val_steps[-1]
-            ax.annotate(f"best {best:.3f}", (best_step, best), xytext=(0, -16), textcoords="offset points",
-                        ha="right" if at_end else "center", fontsize=8, color=PALETTE[6])
+            # on the side away from the training line: validation usually sits above it, so below the
+            # point the label would land on the training curve
+            train_here = _interpolate(steps, train, best_step)
+            above = train_here is None or train_here <= best
+            ax.annotate(f"best {best:.3f}", (best_step, best), xytext=(0, 7 if above else -7),
+                        textcoords="offset points", ha="right" if at_end else "center",
+                        va="bottom" if above else "top", fontsize=8, color=PALETTE[6])
     tidy(ax, grid=True)
     ax.set_xlabel("step", fontsize=10)
     ax.set_ylabel("loss (cross-entropy, nats per token)", fontsize=10)

@@ -179,7 +179,8 @@ def query_explorer(keys=None, values=None, *, static: bool | None = None,
 
     from IPython.display import display
 
-    slider = widgets.FloatSlider(value=float(angles[0]), min=0.0, max=360.0, step=5.0,
+    # whole degrees in the readout ("190", not "190.00"): the slider moves in steps of 5°
+    slider = widgets.FloatSlider(value=float(angles[0]), min=0.0, max=360.0, step=5.0, readout_format=".0f",
                                  description="query angle (°)", continuous_update=True,
                                  style={"description_width": "initial"},
                                  layout=widgets.Layout(width="420px"))
@@ -197,7 +198,20 @@ def query_explorer(keys=None, values=None, *, static: bool | None = None,
 
     slider.observe(redraw, names="value")
     redraw()
+    # A saved notebook keeps this line but not the slider (a widget lives in the kernel): reopened,
+    # JupyterLab shows "Error displaying widget: model not found" in its place.
+    display(widgets_note())
     return box
+
+
+def widgets_note():
+    """The one line printed above a live widget: what to do when the notebook is reopened."""
+    from IPython.display import Markdown
+    return Markdown(f"*{REOPENED_NOTE}*")
+
+
+REOPENED_NOTE = ("A live widget below: if this notebook was reopened and it shows \"Error displaying widget\" "
+                 "instead, run this cell again (a widget lives in the running kernel, not in the saved file).")
 
 
 # ---------------------------------------------------------------------- generation playground
@@ -312,4 +326,6 @@ def generation_playground(generate_fn: Callable[..., str], prompt: str = "",
             button.disabled = False
 
     button.on_click(on_click)
+    from IPython.display import display
+    display(widgets_note())
     return box
