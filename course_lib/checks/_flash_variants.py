@@ -63,8 +63,9 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
 def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int, causal: bool,
                     *, skip: str = "ok", diagonal_mask: bool = True, rescale_acc: bool = True,
                     rescale_sum: bool = True, scale_power: int = 1, last_block: str = "ok",
-                    normalize: str = "end") -> tuple[torch.Tensor, torch.Tensor]:
+                    normalize: str = "end", ignore_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The tiled forward of (q, k, v) (..., L, d) in float64, with the named slips switched on: (out, lse)."""
+    causal = causal and not ignore_causal
     q, k, v = q.double(), k.double(), v.double()
     scale = q.shape[-1] ** (-0.5 * scale_power)
     lq, lk = q.shape[-2], k.shape[-2]
@@ -117,6 +118,9 @@ FORWARD_MISTAKES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("block_skip", "you skip the diagonal block (the key block that crosses the diagonal): its keys up to each "
                    "query are needed. Skip only blocks whose first key is after the block's last query.",
      {"skip": "strict"}),
+    ("causal_mask", "`causal` is ignored: with causal=True, query i may only see keys 0..i; skip the key blocks "
+                    "after the query block and mask inside the blocks that cross the diagonal.",
+     {"ignore_causal": True}),
     ("causal_mask", "the key blocks that cross the diagonal are not masked: inside them, keys after the query "
                     "still get weight. Set s[row, col] = -inf where the key's position is after the query's "
                     "(use the absolute positions q_start + row and k_start + col).", {"diagonal_mask": False}),

@@ -317,6 +317,11 @@ def flash_diagonal_unmasked(q, k, v, *, block_q, block_k, causal=False):
     return _tiled(q, k, v, block_q, block_k, causal, mask_diagonal=False)
 
 
+@bug("10.2", "causal_mask", "ignored")
+def flash_ignores_causal(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, False)
+
+
 @bug("10.2", "online_rescale", "accumulator")
 def flash_accumulator_not_rescaled(q, k, v, *, block_q, block_k, causal=False):
     return _tiled(q, k, v, block_q, block_k, causal, rescale_acc=False)
