@@ -7,6 +7,7 @@ score blocks it computes).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -245,9 +246,7 @@ def _probe_forward(fn: Callable[..., Any], causal: bool) -> None:
     if record.fused:
         fail("not_tiled", f"{shown}: your code calls PyTorch's fused attention ({record.fused[0]}); write the "
                           f"loops over query and key blocks yourself.")
-    if record.score_elements and max(record.largest_tile, default=0) and \
-            record.largest_tile[-1] * (record.largest_tile[-2] if len(record.largest_tile) > 1 else 1) \
-            > block_q * block_k:
+    if math.prod(record.largest_tile) > block_q * block_k:     # () when no score product was seen: 1
         fail("not_tiled", f"{shown}: one of your score blocks has shape {record.largest_tile}, more than a "
                           f"(block_q, block_k) = ({block_q}, {block_k}) block: take the keys block_k at a time.")
     if causal and record.score_elements:
