@@ -8,6 +8,7 @@ A check that does not test the student's work (a demonstration on planted buggy 
 # The reference modules the checkers compare against, imported before they are bound below.
 from .. import attention as _attention
 from .. import data as _data
+from .. import flash as _flash
 from .. import generate as _generate
 from .. import model as _model
 from .. import modern as _modern
@@ -23,6 +24,7 @@ from .notebook06 import *  # 6.1-6.2 FLOPs per token, KV cache
 from .notebook07 import *  # 7.1-7.2 Hugging Face
 from .notebook08 import *  # 8.1 train your GPT like the reference
 from .notebook09 import *  # 9.1-9.6 RoPE, RMSNorm, SwiGLU, repeat_kv, grouped-query attention
+from .notebook10 import *  # 10.1-10.3 online softmax, tiled forward, backward by recomputation
 
 # The references the checkers compare against, bound now: a later patch of course_lib by a
 # student's notebook is set aside while a check runs (see _harness).

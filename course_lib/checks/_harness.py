@@ -93,6 +93,17 @@ DIAGNOSES = (
     "final_norm",        # the final LayerNorm (ln_f) left out before the language-model head
     "no_kv_cache",       # generation without the KV cache: none passed, a new one each step, or dropped later
     "overlapping_windows",  # training windows that overlap: they start closer together than the stride
+    "online_rescale",    # 10: the running sum (or output accumulator) not rescaled when the maximum grows
+    "running_max",       # 10: the maximum of the latest block, not the running one (the rescale overflows)
+    "overflow",          # 10: exp of unshifted scores overflows (no maximum subtracted)
+    "early_normalization",  # 10: normalised at every block instead of once at the end
+    "block_bounds",      # 10: a block boundary off by one, or a short last block dropped or padded unmasked
+    "block_skip",        # 10: causal tiling skips the wrong key blocks, or none
+    "full_scores",       # 10: the full L x L score matrix materialised where tiling should avoid it
+    "not_tiled",         # 10: whole rows reduced at once, blocks larger than asked, or a fused kernel called
+    "logsumexp",         # 10: the per-row log-sum-exp wrong (m alone, log(l) alone, unscaled)
+    "backward_delta",    # 10: D = rowsum(dO * O) computed from the wrong tensors, or left out
+    "transposed",        # 10: a gradient with a transposed factor (dV = P dO, dK = dS Q)
     "mismatch",          # wrong, and like none of the mistakes we know
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
     "missing",           # grading: the exercise (its notebook, or its cell) is not in the submission

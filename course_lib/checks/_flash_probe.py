@@ -1,0 +1,63 @@
+"""Watching a student's attention run: every tensor it creates, and every block of scores it computes.
+
+A ``TorchDispatchMode`` sees each ATen operation below autograd, so a matrix built by any route
+(``@``, einsum, a loop of ``torch.outer``...) is seen with its shape. Two things are read back:
+
+- the largest tensor created (per head): an L x L one means the full score matrix was materialised;
+- the score products, the matrix products that contract over the head size d: their output area is
+  the share of the score matrix actually computed (causal masking should skip about half).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_PRODUCTS = {"mm", "bmm", "mv", "dot", "addmm", "baddbmm", "addmv", "addbmm"}
+
+
+@dataclass
+class Record:
+    largest: tuple[int, ...] = ()          # the shape of the largest tensor any operation returned
+    largest_numel: int = 0
+    score_elements: int = 0                # scores computed: output elements of products over d
+    largest_tile: tuple[int, ...] = ()     # the largest single score product's last two axes
+    fused: list[str] = field(default_factory=list)   # fused attention kernels called
+
+
+class Recorder(TorchDispatchMode):
+    """Record what every operation run inside ``with Recorder(head_dim) as r:`` returns."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.record = Record()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        record = self.record
+        if "scaled_dot_product" in name or "flash_attention" in name:
+            record.fused.append(name)
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > record.largest_numel:
+                record.largest_numel, record.largest = tensor.numel(), tuple(tensor.shape)
+        if name in _PRODUCTS and isinstance(out, torch.Tensor):
+            operands = [a for a in args if isinstance(a, torch.Tensor)]
+            first = operands[-2] if name.startswith("add") and len(operands) >= 3 else operands[0]
+            if first.dim() and first.shape[-1] == self.head_dim:      # contracts over d: q k^T scores
+                record.score_elements += out.numel()
+                tile = tuple(out.shape[-2:]) if out.dim() >= 2 else tuple(out.shape)
+                if _area(tile) > _area(record.largest_tile):
+                    record.largest_tile = tile
+        return out
+
+
+def _area(shape: tuple[int, ...]) -> int:
+    area = 1
+    for n in shape:
+        area *= n
+    return area if shape else 0

@@ -1,0 +1,214 @@
+"""What the known slips of notebook 10 would output: the online softmax (10.1), the tiled forward (10.2)
+and the recomputing backward (10.3), each written with switches that turn one mistake on.
+
+The checkers run the student's code and these on the same inputs; a student's output that matches a
+mistake's (and not the reference) is named by it. All of it runs in float64 on the checker's small
+inputs, so a mistake is told from float noise by a wide margin.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+# ============================================================================ 10.1 online softmax
+
+
+def _blocks(length: int, size: int, bounds: str) -> list[slice]:
+    """The blocks a loop reads: right, or with one of the usual off-by-one slips."""
+    if bounds == "short":            # x[s : s + B - 1]: the last entry of every block is never read
+        return [slice(s, s + size - 1) for s in range(0, length, size)]
+    if bounds == "shifted":          # x[s + 1 : s + B + 1]: every block starts one entry late
+        return [slice(s + 1, s + size + 1) for s in range(0, length, size)]
+    if bounds == "stop_early":       # range(0, L - B, B): the last block (or two) never read
+        return [slice(s, s + size) for s in range(0, length - size, size)]
+    if bounds == "whole_blocks":     # range(L // B): a last, shorter block never read
+        return [slice(i * size, (i + 1) * size) for i in range(length // size)]
+    return [slice(s, s + size) for s in range(0, length, size)]
+
+
+def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum: str = "running",
+                    normalize: str = "end", bounds: str = "ok") -> torch.Tensor:
+    """Online softmax of x (..., L) over blocks of ``size``, with the named slips switched on. It runs in x's
+    own dtype: whether exp overflows depends on it (float32 overflows past exp(88))."""
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    total = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    out = torch.empty_like(x)
+    with torch.no_grad():
+        for cut in _blocks(x.shape[-1], size, bounds):
+            block = x[..., cut]
+            if block.shape[-1] == 0:
+                continue
+            if maximum == "none":        # no maximum subtracted at all: exp overflows for large scores
+                m_new = torch.zeros_like(m)
+            elif maximum == "last":      # the maximum of this block only, not the running one
+                m_new = block.amax(-1)
+            else:
+                m_new = torch.maximum(m, block.amax(-1))
+            old = torch.where(torch.isinf(m) & torch.isinf(m_new), torch.zeros_like(m), m - m_new)
+            factor = {"ok": torch.exp(old), "none": torch.ones_like(m), "inverted": torch.exp(-old)}[rescale]
+            total = total * factor + torch.exp(block - m_new[..., None]).sum(-1)
+            m = m_new
+            if normalize == "every":     # each block normalised with the statistics seen so far
+                out[..., cut] = torch.exp(block - m[..., None]) / total[..., None]
+    if normalize == "every":
+        return out
+    return torch.exp(x - m[..., None]) / total[..., None]
+
+
+# ============================================================================ 10.2 tiled forward
+
+
+def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int, causal: bool,
+                    *, skip: str = "ok", diagonal_mask: bool = True, rescale_acc: bool = True,
+                    rescale_sum: bool = True, scale_power: int = 1, last_block: str = "ok",
+                    normalize: str = "end", ignore_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tiled forward of (q, k, v) (..., L, d) in float64, with the named slips switched on: (out, lse)."""
+    causal = causal and not ignore_causal
+    q, k, v = q.double(), k.double(), v.double()
+    scale = q.shape[-1] ** (-0.5 * scale_power)
+    lq, lk = q.shape[-2], k.shape[-2]
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float64)
+    lse = torch.zeros(q.shape[:-1], dtype=torch.float64)
+    for i, q_start in enumerate(range(0, lq, block_q)):
+        q_end = min(q_start + block_q, lq)
+        m = torch.full(q[..., q_start:q_end, 0].shape, float("-inf"), dtype=torch.float64)
+        total = torch.zeros_like(m)
+        acc = torch.zeros(*m.shape, v.shape[-1], dtype=torch.float64)
+        for j, k_start in enumerate(range(0, lk, block_k)):
+            k_end = min(k_start + block_k, lk)
+            if last_block == "dropped" and k_end - k_start < block_k:
+                continue
+            if causal:
+                needed = {"ok": k_start <= q_end - 1, "index": j <= i, "strict": k_start < q_start,
+                          "none": True}[skip]
+                if not needed:
+                    continue
+            kb, vb = k[..., k_start:k_end, :], v[..., k_start:k_end, :]
+            if last_block == "padded" and k_end - k_start < block_k:   # zeros appended, never masked
+                pad = block_k - (k_end - k_start)
+                kb = torch.cat([kb, kb.new_zeros(*kb.shape[:-2], pad, kb.shape[-1])], -2)
+                vb = torch.cat([vb, vb.new_zeros(*vb.shape[:-2], pad, vb.shape[-1])], -2)
+            s = q[..., q_start:q_end, :] @ kb.transpose(-2, -1) * scale          # (..., Bq, Bk)
+            if causal and diagonal_mask:
+                rows = torch.arange(q_start, q_end)[:, None]
+                cols = torch.arange(k_start, k_start + s.shape[-1])[None, :]
+                s = s.masked_fill(cols > rows, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - safe[..., None])
+            correction = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf), m - safe))
+            total = (total * correction if rescale_sum else total) + p.sum(-1)
+            acc = (acc * correction[..., None] if rescale_acc else acc) + p @ vb
+            if normalize == "every":
+                acc = acc / total[..., None]
+                total = torch.ones_like(total)
+            m = m_new
+        out[..., q_start:q_end, :] = acc / total[..., None]
+        lse[..., q_start:q_end] = m + torch.log(total)
+    return out, lse
+
+
+# What each forward slip looks like, with the switches that produce it (the order is the order tried).
+FORWARD_MISTAKES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("block_skip", "you skip a key block that some query of the block still needs: query block i needs every key "
+                   "block whose FIRST key is not after the block's LAST query (k_start <= q_end - 1). Comparing the "
+                   "block numbers (j <= i) is only right when block_q == block_k.", {"skip": "index"}),
+    ("block_skip", "you skip the diagonal block (the key block that crosses the diagonal): its keys up to each "
+                   "query are needed. Skip only blocks whose first key is after the block's last query.",
+     {"skip": "strict"}),
+    ("causal_mask", "`causal` is ignored: with causal=True, query i may only see keys 0..i; skip the key blocks "
+                    "after the query block and mask inside the blocks that cross the diagonal.",
+     {"ignore_causal": True}),
+    ("causal_mask", "the key blocks that cross the diagonal are not masked: inside them, keys after the query "
+                    "still get weight. Set s[row, col] = -inf where the key's position is after the query's "
+                    "(use the absolute positions q_start + row and k_start + col).", {"diagonal_mask": False}),
+    ("online_rescale", "the output accumulator is not rescaled when the running maximum grows: the running sum "
+                       "is multiplied by exp(m_old - m_new), and so must the accumulated p @ v.",
+     {"rescale_acc": False}),
+    ("online_rescale", "the running sum is not rescaled when the running maximum grows (the accumulator is): "
+                       "multiply it by exp(m_old - m_new) before adding the new block's sum.",
+     {"rescale_sum": False}),
+    ("online_rescale", "neither the running sum nor the accumulator is rescaled when the maximum grows: both "
+                       "must be multiplied by exp(m_old - m_new).", {"rescale_sum": False, "rescale_acc": False}),
+    ("scale", "the scores are scaled by 1/sqrt(d) twice (say, q scaled once and the scores again): scale once.",
+     {"scale_power": 2}),
+    ("scale", "the scores are not scaled by 1/sqrt(d).", {"scale_power": 0}),
+    ("block_bounds", "a last key block shorter than block_k is padded with zeros that are not masked: a zero "
+                     "key scores 0 and takes weight. Slice the last block short (k[..., k_start:k_end]), or set "
+                     "the padded scores to -inf.", {"last_block": "padded"}),
+    ("block_bounds", "a last key block shorter than block_k is never read: when L is not a multiple of block_k, "
+                     "the loop must still visit range(0, L, block_k) up to the end, with k_end = min(k_start + "
+                     "block_k, L).", {"last_block": "dropped"}),
+    ("early_normalization", "you divide by the running sum after every key block: the accumulator then holds "
+                            "averages that later blocks mix up with the wrong weights. Keep the unnormalised sum "
+                            "p @ v and divide once, after the last key block.", {"normalize": "every"}),
+)
+
+
+# ============================================================================ 10.3 backward
+
+
+def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, causal: bool,
+                     block_q: int, block_k: int, *, delta: str = "ok", ds_scale: bool = True,
+                     dv_transposed: bool = False, dk_transposed: bool = False, mask: str = "ok"
+                     ) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of attention in float64 by the recomputation formulas, block by block, with the named slips
+    switched on. A transposed product (P @ dO for P^T @ dO) only fits square blocks; elsewhere it raises."""
+    q, k, v, do = q.double(), k.double(), v.double(), grad_out.double()
+    scale = q.shape[-1] ** -0.5
+    s = q @ k.transpose(-2, -1) * scale
+    future = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+    masked = s.masked_fill(future, float("-inf")) if causal else s
+    lse = torch.logsumexp(masked, -1, keepdim=True)
+    p = torch.exp((masked if mask == "ok" else s) - lse)
+    if causal and mask == "diagonal":     # unmasked inside the computed blocks; the future blocks are skipped
+        rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+        last_query = torch.clamp((rows // block_q + 1) * block_q, max=q.shape[-2]) - 1
+        p = p.masked_fill((cols // block_k) * block_k > last_query, 0.0)
+    out = torch.softmax(masked, -1) @ v
+    dp = do @ v.transpose(-2, -1)
+    d = {"ok": (do * out).sum(-1, keepdim=True), "grad_only": do.sum(-1, keepdim=True),
+         "zero": torch.zeros_like(lse), "values": (do * v).sum(-1, keepdim=True),
+         "dp": dp.sum(-1, keepdim=True)}[delta]
+    ds = p * (dp - d)
+    factor = scale if ds_scale else 1.0
+    dq = ds @ k * factor
+    dk = ds.transpose(-2, -1) @ q * factor
+    dv = p.transpose(-2, -1) @ do
+    if dv_transposed or dk_transposed:
+        lq, lk = q.shape[-2], k.shape[-2]
+        dk_blocks, dv_blocks = torch.zeros_like(dk), torch.zeros_like(dv)
+        for qs in range(0, lq, block_q):
+            qe = min(qs + block_q, lq)
+            for ks in range(0, lk, block_k):
+                ke = min(ks + block_k, lk)
+                p_blk, ds_blk = p[..., qs:qe, ks:ke], ds[..., qs:qe, ks:ke]
+                dv_blocks[..., ks:ke, :] += (p_blk @ do[..., qs:qe, :] if dv_transposed
+                                             else p_blk.transpose(-2, -1) @ do[..., qs:qe, :])
+                dk_blocks[..., ks:ke, :] += (ds_blk @ q[..., qs:qe, :] if dk_transposed
+                                             else ds_blk.transpose(-2, -1) @ q[..., qs:qe, :]) * factor
+        dk, dv = dk_blocks, dv_blocks
+    return dq, dk, dv
+
+
+BACKWARD_MISTAKES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("backward_delta", "D is computed from the wrong tensors: D = rowsum(dO * O), the gradient of the output times "
+                       "the output itself, one number per query.", {"delta": "grad_only"}),
+    ("backward_delta", "D is left out (or zero): dS = P * (dP - D) with D = rowsum(dO * O).", {"delta": "zero"}),
+    ("backward_delta", "D is computed from the wrong tensors (dO and V): D = rowsum(dO * O), with the output O.",
+     {"delta": "values"}),
+    ("backward_delta", "D is rowsum(dP), not rowsum(dO * O): D is the row sum of P * dP, which equals "
+                       "rowsum(dO * O), computed once from the saved output.", {"delta": "dp"}),
+    ("scale", "the scale 1/sqrt(d) is missing from dQ and dK: the scores are q k^T / sqrt(d), so dQ = dS @ K / "
+              "sqrt(d) and dK = dS^T @ Q / sqrt(d).", {"ds_scale": False}),
+    ("transposed", "dV is P @ dO: it should be P^T @ dO (each key's value collects the gradients of the queries "
+                   "that weighted it).", {"dv_transposed": True}),
+    ("transposed", "dK is dS @ Q: it should be dS^T @ Q (the keys are the columns of dS).",
+     {"dk_transposed": True}),
+    ("causal_mask", "the recomputed weights are not masked in the blocks that cross the diagonal: P = exp(S - lse) "
+                    "must use the masked scores, or the future keys get gradient.", {"mask": "diagonal"}),
+    ("causal_mask", "the recomputed weights are not masked: P = exp(S - lse) must use the masked scores, or the "
+                    "future keys get gradient.", {"mask": "none"}),
+)

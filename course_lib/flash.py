@@ -1,0 +1,171 @@
+"""FlashAttention in plain PyTorch: the online softmax, the tiled forward and the recomputing backward.
+
+The names are the ones notebook 10 teaches. Nothing here builds the L x L score matrix: the forward
+walks over blocks of queries and, for each, over blocks of keys, keeping a running maximum ``m``,
+a running sum ``l`` and an output accumulator, all rescaled when the maximum grows; the backward
+recomputes each block's weights from the saved per-row log-sum-exp. The Triton kernel of the same
+tiling is in ``flash_triton`` (imported only when asked for: Triton is an optional extra).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _validate as validate
+
+__all__ = ["online_softmax", "flash_attention", "FlashAttentionFunction", "naive_attention",
+           "causal_blocks", "score_bytes"]
+
+
+def online_softmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """softmax(x) over the last axis, its statistics read one block of ``block_size`` entries at a time.
+
+    x (..., L) -> (..., L). One pass keeps the running maximum m and the running sum
+    l = sum exp(x_j - m); when a block raises the maximum, the sum so far is rescaled by
+    exp(m_old - m_new). The probabilities exp(x - m) / l are formed once, at the end.
+    """
+    validate.tensor("x", x, min_dim=1, floating=True)
+    block_size = validate.positive_int("block_size", block_size)
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device)   # (...,): running max
+    total = torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)              # (...,): running sum
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]                   # (..., B); the last may be shorter
+        m_new = torch.maximum(m, block.amax(dim=-1))               # (...,)
+        total = total * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(dim=-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / total[..., None]          # (..., L)
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(d)) v with the full (..., Lq, Lk) score matrix, and its per-row log-sum-exp.
+
+    The textbook version, for comparison: its memory grows as Lq * Lk.
+    """
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])         # (..., Lq, Lk)
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)   # (Lq, Lk)
+        scores = scores.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                             # (..., Lq)
+    return torch.softmax(scores, dim=-1) @ v, lse                     # (..., Lq, d), (..., Lq)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    validate.tensor("q", q, min_dim=2, floating=True)
+    validate.tensor("k", k, min_dim=2, floating=True)
+    validate.tensor("v", v, min_dim=2, floating=True)
+    if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: expected shape (..., Lk, {q.shape[-1]}) with the batch axes of q "
+                         f"{tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v: expected one value per key, shape {tuple(k.shape[:-1])} + (dv,), got {tuple(v.shape)}")
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"causal: expected as many queries as keys for a causal mask, got Lq={q.shape[-2]} and "
+                         f"Lk={k.shape[-2]}")
+
+
+def causal_blocks(length: int, block_q: int, block_k: int) -> tuple[int, int]:
+    """(key blocks a causal tiled forward computes, key blocks there are) for a length-``length`` sequence.
+
+    Query block i (rows i*block_q .. i*block_q + block_q - 1) needs key block j when the block's first
+    key is not after the block's last query: j*block_k <= last query.
+    """
+    length, block_q, block_k = (validate.positive_int(n, v) for n, v in
+                                (("length", length), ("block_q", block_q), ("block_k", block_k)))
+    key_blocks = math.ceil(length / block_k)
+    needed = 0
+    for q_start in range(0, length, block_q):
+        last_query = min(q_start + block_q, length) - 1
+        needed += last_query // block_k + 1
+    return needed, math.ceil(length / block_q) * key_blocks
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_q: int = 64, block_k: int = 64,
+                    causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention computed tile by tile, never holding more than a (block_q, block_k) block of scores.
+
+    q (..., Lq, d), k (..., Lk, d), v (..., Lk, dv) -> out (..., Lq, dv), lse (..., Lq), where
+    lse = log sum_j exp(s_ij) is the log-sum-exp of each query's scaled scores (what the backward needs).
+    With ``causal``, query i sees keys 0..i, and key blocks wholly in a query block's future are skipped.
+    """
+    _check_qkv(q, k, v, validate.boolean("causal", causal))
+    block_q = validate.positive_int("block_q", block_q)
+    block_k = validate.positive_int("block_k", block_k)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    lq, lk = q.shape[-2], k.shape[-2]
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)   # (..., Lq, dv)
+    lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)                 # (..., Lq)
+    for q_start in range(0, lq, block_q):
+        q_end = min(q_start + block_q, lq)
+        q_blk = q[..., q_start:q_end, :] * scale                      # (..., Bq, d): scaled once, here
+        m = torch.full(q_blk.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)   # (..., Bq)
+        total = torch.zeros_like(m)                                   # (..., Bq)
+        acc = torch.zeros(*q_blk.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)   # (..., Bq, dv)
+        # causal: key blocks that start after this block's last query see nothing; stop there
+        k_stop = min(lk, q_end) if causal else lk
+        for k_start in range(0, k_stop, block_k):
+            k_end = min(k_start + block_k, lk)
+            s = q_blk @ k[..., k_start:k_end, :].transpose(-2, -1)   # (..., Bq, Bk)
+            if causal and k_end - 1 > q_start:                        # the block crosses the diagonal
+                rows = torch.arange(q_start, q_end, device=q.device)[:, None]    # (Bq, 1)
+                cols = torch.arange(k_start, k_end, device=q.device)[None, :]    # (1, Bk)
+                s = s.masked_fill(cols > rows, float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1))                  # (..., Bq)
+            p = torch.exp(s - m_new[..., None])                       # (..., Bq, Bk)
+            correction = torch.exp(m - m_new)                         # (..., Bq): old terms shrink
+            total = total * correction + p.sum(dim=-1)
+            acc = acc * correction[..., None] + p @ v[..., k_start:k_end, :]   # (..., Bq, dv)
+            m = m_new
+        out[..., q_start:q_end, :] = acc / total[..., None]
+        lse[..., q_start:q_end] = m + torch.log(total)
+    return out, lse
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """FlashAttention with a backward that recomputes each block's weights instead of storing them.
+
+    ``FlashAttentionFunction.apply(q, k, v, causal, block_q, block_k)`` -> out. Saved for the backward:
+    q, k, v, out and the per-row log-sum-exp, O(L) numbers per head; never the L x L weights.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False, block_q=64, block_k=64):
+        out, lse = flash_attention(q, k, v, block_q=block_q, block_k=block_k, causal=causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.block_q, ctx.block_k = causal, block_q, block_k
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        lq, lk = q.shape[-2], k.shape[-2]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = (grad_out * out).sum(dim=-1)                          # (..., Lq): D = rowsum(dO * O)
+        for q_start in range(0, lq, ctx.block_q):
+            q_end = min(q_start + ctx.block_q, lq)
+            q_blk, do_blk = q[..., q_start:q_end, :], grad_out[..., q_start:q_end, :]   # (..., Bq, d), (..., Bq, dv)
+            k_stop = min(lk, q_end) if ctx.causal else lk
+            for k_start in range(0, k_stop, ctx.block_k):
+                k_end = min(k_start + ctx.block_k, lk)
+                k_blk, v_blk = k[..., k_start:k_end, :], v[..., k_start:k_end, :]
+                s = q_blk @ k_blk.transpose(-2, -1) * scale           # (..., Bq, Bk)
+                if ctx.causal and k_end - 1 > q_start:
+                    rows = torch.arange(q_start, q_end, device=q.device)[:, None]
+                    cols = torch.arange(k_start, k_end, device=q.device)[None, :]
+                    s = s.masked_fill(cols > rows, float("-inf"))
+                p = torch.exp(s - lse[..., q_start:q_end, None])      # (..., Bq, Bk): the weights, recomputed
+                dv[..., k_start:k_end, :] += p.transpose(-2, -1) @ do_blk          # (..., Bk, dv)
+                dp = do_blk @ v_blk.transpose(-2, -1)                 # (..., Bq, Bk)
+                ds = p * (dp - delta[..., q_start:q_end, None])       # (..., Bq, Bk): softmax's backward
+                dq[..., q_start:q_end, :] += ds @ k_blk * scale       # (..., Bq, d)
+                dk[..., k_start:k_end, :] += ds.transpose(-2, -1) @ q_blk * scale   # (..., Bk, d)
+        return dq, dk, dv, None, None, None
+
+
+def score_bytes(length: int, *, heads: int = 1, batch: int = 1, bytes_per_number: int = 4) -> int:
+    """Bytes of one L x L matrix per head (the scores; the weights are another as many)."""
+    for name, value in (("length", length), ("heads", heads), ("batch", batch), ("bytes_per_number", bytes_per_number)):
+        validate.positive_int(name, value)
+    return batch * heads * length * length * bytes_per_number

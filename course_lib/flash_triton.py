@@ -1,0 +1,128 @@
+"""The tiled FlashAttention forward of ``course_lib.flash`` as a Triton kernel (notebook 10, section 6).
+
+Triton is an optional extra (``pip install course-lib[triton]``, Linux only). Without a GPU, Triton's
+interpreter runs the kernel on CPU tensors: importing this module sets ``TRITON_INTERPRET=1`` first when
+no CUDA device is present (the interpreter is chosen when a kernel is defined). Import it through
+:func:`load`, which returns None, with the reason, where Triton is missing.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from types import ModuleType
+
+import torch
+
+from . import _validate as validate
+
+__all__ = ["load", "flash_attention_triton", "UNAVAILABLE"]
+
+UNAVAILABLE = ""   # why Triton cannot run here ("" when it can): set by load()
+
+# Triton picks the interpreter when a jit function is defined, its own standard library included, so the
+# variable must be set before triton is first imported (torch imports it too, e.g. for a TorchDispatchMode).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _imported_without_interpreter() -> bool:
+    """Whether triton was imported (by torch, before this module) with compiled, not interpreted, builtins."""
+    if "triton.language.standard" not in sys.modules or os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+    return not isinstance(sys.modules["triton.language.standard"].max, InterpretedFunction)
+
+
+def load() -> ModuleType | None:
+    """This module with its kernel defined, or None where Triton does not import (its reason in UNAVAILABLE)."""
+    global UNAVAILABLE
+    try:
+        if _imported_without_interpreter():    # a compiled extension cannot be imported twice
+            UNAVAILABLE = ("Triton was imported before TRITON_INTERPRET=1 was set, so it cannot interpret kernels "
+                           "on the CPU: import course_lib.flash_triton first, or start Python with TRITON_INTERPRET=1")
+            return None
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError as exc:
+        UNAVAILABLE = (f"Triton is not installed ({exc.name or exc}); it ships wheels for Linux only: "
+                       f"pip install 'course-lib[triton]' there")
+        return None
+    except Exception as exc:  # a broken install: say so, never fail the notebook
+        UNAVAILABLE = f"Triton does not import here: {type(exc).__name__}: {exc}"
+        return None
+    _define()
+    return sys.modules[__name__]
+
+
+_kernel = None
+
+
+def _define() -> None:
+    global _kernel
+    if _kernel is not None:
+        return
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, length, scale,
+                             CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                             HEAD_DIM: tl.constexpr):
+        """One program per (query block, head): q, k, v, out are (heads, length, HEAD_DIM), contiguous."""
+        block, head = tl.program_id(0), tl.program_id(1)
+        rows = block * BLOCK_Q + tl.arange(0, BLOCK_Q)                     # (BLOCK_Q,) query positions
+        dims = tl.arange(0, HEAD_DIM)                                       # (HEAD_DIM,)
+        base = head * length * HEAD_DIM
+        q = tl.load(q_ptr + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=rows[:, None] < length,
+                    other=0.0)                                              # (BLOCK_Q, HEAD_DIM)
+        m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)                 # running maximum
+        total = tl.zeros((BLOCK_Q,), tl.float32)                            # running sum
+        acc = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)                     # unnormalised output
+        stop = tl.minimum(length, (block + 1) * BLOCK_Q) if CAUSAL else length
+        for start in range(0, stop, BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)                            # (BLOCK_K,) key positions
+            k = tl.load(k_ptr + base + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < length,
+                        other=0.0)                                          # (BLOCK_K, HEAD_DIM)
+            v = tl.load(v_ptr + base + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < length,
+                        other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale                              # (BLOCK_Q, BLOCK_K)
+            allowed = cols[None, :] < length                                # padded keys never count
+            if CAUSAL:
+                allowed = allowed & (cols[None, :] <= rows[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            correction = tl.exp(m - m_new)
+            total = total * correction + tl.sum(p, axis=1)
+            acc = acc * correction[:, None] + tl.dot(p, v)
+            m = m_new
+        out = acc / total[:, None]
+        tl.store(out_ptr + base + rows[:, None] * HEAD_DIM + dims[None, :], out, mask=rows[:, None] < length)
+        tl.store(lse_ptr + head * length + rows, m + tl.log(total), mask=rows < length)
+
+    _kernel = flash_forward_kernel
+
+
+def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_q: int = 16,
+                           block_k: int = 16, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash.flash_attention`` for q, k, v (..., L, d) of one length, run by the Triton kernel: (out, lse).
+
+    Block sizes and d must be powers of two of at least 16 (what ``tl.dot`` takes)."""
+    if _kernel is None:
+        raise RuntimeError(f"the Triton kernel is not defined: call flash_triton.load() first ({UNAVAILABLE})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        validate.tensor(name, t, min_dim=2, floating=True)
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"k, v: expected the shape of q {tuple(q.shape)}, got {tuple(k.shape)} and {tuple(v.shape)}")
+    for name, n in (("block_q", block_q), ("block_k", block_k), ("head_dim", q.shape[-1])):
+        if validate.positive_int(name, n) < 16 or n & (n - 1):
+            raise ValueError(f"{name}: expected a power of two of at least 16 (tl.dot's smallest tile), got {n}")
+    length, head_dim = q.shape[-2], q.shape[-1]
+    flat = [t.reshape(-1, length, head_dim).float().contiguous() for t in (q, k, v)]    # (heads, L, d)
+    out = torch.empty_like(flat[0])
+    lse = torch.empty(flat[0].shape[:-1], dtype=torch.float32, device=q.device)          # (heads, L)
+    grid = (math.ceil(length / block_q), flat[0].shape[0])
+    _kernel[grid](*flat, out, lse, length, 1.0 / math.sqrt(head_dim), CAUSAL=bool(causal), BLOCK_Q=block_q,
+                  BLOCK_K=block_k, HEAD_DIM=head_dim)
+    return out.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:-1]).to(q.dtype)

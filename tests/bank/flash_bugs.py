@@ -1,0 +1,552 @@
+"""Student attempts at the exercises of notebook 10 (10.1-10.3), correct and buggy, as students write them.
+
+Each buggy attempt carries the diagnosis its checker must give (and words its message must contain); each
+correct attempt must pass. The backward attempts keep the notebook's given forward (they subclass the
+reference) and only write ``backward``, as exercise 10.3 asks.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from course_lib import flash
+from course_lib.flash import FlashAttentionFunction
+
+
+@dataclass(frozen=True)
+class Attempt:
+    exercise: str
+    name: str
+    candidate: Any
+    expected: str | None                 # the diagnosis code, None for a correct attempt
+    says: tuple[str, ...] = ()           # words the message must contain (case-insensitive)
+
+    @property
+    def id(self) -> str:
+        return f"{self.exercise}-{self.name}"
+
+
+BUGGY: list[Attempt] = []
+CORRECT: list[Attempt] = []
+
+
+def bug(exercise: str, expected: str, *says: str) -> Callable[[Any], Any]:
+    def register(candidate: Any) -> Any:
+        BUGGY.append(Attempt(exercise, candidate.__name__, candidate, expected, says))
+        return candidate
+    return register
+
+
+def correct(exercise: str) -> Callable[[Any], Any]:
+    def register(candidate: Any) -> Any:
+        CORRECT.append(Attempt(exercise, candidate.__name__, candidate, None))
+        return candidate
+    return register
+
+
+# ============================================================================ 10.1 online_softmax
+
+def _softmax_loop(x, block_size, *, rescale="ok", maximum="running", bounds="ok", every=False):
+    """The shape most attempts share, with one slip switched on (each attempt below spells its own out)."""
+    m = torch.full(x.shape[:-1], -math.inf, dtype=x.dtype)
+    l = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    length = x.shape[-1]
+    starts = {"ok": range(0, length, block_size), "stop_early": range(0, length - block_size, block_size)}[bounds]
+    out = torch.empty_like(x)
+    for s in starts:
+        block = x[..., s:s + block_size]
+        m_new = {"running": torch.maximum(m, block.amax(-1)), "last": block.amax(-1),
+                 "none": torch.zeros_like(m)}[maximum]
+        factor = {"ok": torch.exp(m - m_new), "none": 1.0, "inverted": torch.exp(m_new - m)}[rescale]
+        l = l * factor + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+        if every:
+            out[..., s:s + block_size] = torch.exp(block - m[..., None]) / l[..., None]
+    return out if every else torch.exp(x - m[..., None]) / l[..., None]
+
+
+@correct("10.1")
+def softmax_reference_loop(x, block_size):
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.max(dim=-1).values)
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new.unsqueeze(-1)).sum(dim=-1)
+        m = m_new
+    return torch.exp(x - m.unsqueeze(-1)) / l.unsqueeze(-1)
+
+
+@correct("10.1")
+def softmax_logaddexp(x, block_size):
+    lse = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    for start in range(0, x.shape[-1], block_size):
+        lse = torch.logaddexp(lse, torch.logsumexp(x[..., start:start + block_size], dim=-1))
+    return torch.exp(x - lse[..., None])
+
+
+@correct("10.1")
+def softmax_split_blocks(x, block_size):
+    blocks = torch.split(x, block_size, dim=-1)
+    m, l = None, None
+    for block in blocks:
+        bm = block.amax(-1, keepdim=True)
+        bl = torch.exp(block - bm).sum(-1, keepdim=True)
+        if m is None:
+            m, l = bm, bl
+        else:
+            m_new = torch.maximum(m, bm)
+            l = l * torch.exp(m - m_new) + bl * torch.exp(bm - m_new)
+            m = m_new
+    return torch.exp(x - m) / l
+
+
+@correct("10.1")
+def softmax_two_passes_by_block(x, block_size):
+    # first the maximum, block by block; then the sum, block by block: per-block reductions only
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    for start in range(0, x.shape[-1], block_size):
+        m = torch.maximum(m, x[..., start:start + block_size].amax(-1))
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        l = l + torch.exp(x[..., start:start + block_size] - m[..., None]).sum(-1)
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+@bug("10.1", "online_rescale", "exp(m_old - m_new)")
+def softmax_no_rescale(x, block_size):
+    return _softmax_loop(x, block_size, rescale="none")
+
+
+@bug("10.1", "online_rescale", "upside down")
+def softmax_rescale_inverted(x, block_size):
+    return _softmax_loop(x, block_size, rescale="inverted")
+
+
+@bug("10.1", "running_max", "running maximum")
+def softmax_max_of_last_block(x, block_size):
+    return _softmax_loop(x, block_size, maximum="last")
+
+
+@bug("10.1", "overflow", "overflow")
+def softmax_no_max(x, block_size):
+    l = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    for start in range(0, x.shape[-1], block_size):
+        l = l + torch.exp(x[..., start:start + block_size]).sum(-1)
+    return torch.exp(x) / l[..., None]
+
+
+@bug("10.1", "early_normalization", "at the end")
+def softmax_normalise_every_block(x, block_size):
+    return _softmax_loop(x, block_size, every=True)
+
+
+@bug("10.1", "block_bounds", "s + block_size")
+def softmax_slice_minus_one(x, block_size):
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size - 1]
+        if block.shape[-1] == 0:
+            continue
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+@bug("10.1", "block_bounds", "last block")
+def softmax_range_stops_early(x, block_size):
+    return _softmax_loop(x, block_size, bounds="stop_early")
+
+
+@bug("10.1", "block_bounds", "shorter")
+def softmax_whole_blocks_only(x, block_size):
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for i in range(x.shape[-1] // block_size):
+        block = x[..., i * block_size:(i + 1) * block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+@bug("10.1", "not_tiled", "whole row")
+def softmax_library(x, block_size):
+    return torch.softmax(x, dim=-1)
+
+
+@bug("10.1", "not_tiled", "block")
+def softmax_safe_two_pass_whole_row(x, block_size):
+    m = x.max(dim=-1, keepdim=True).values
+    e = torch.exp(x - m)
+    return e / e.sum(-1, keepdim=True)
+
+
+@bug("10.1", "not_implemented")
+def softmax_not_written(x, block_size):
+    raise NotImplementedError("Exercise 10.1: online softmax")
+
+
+@bug("10.1", "mutation")
+def softmax_in_place(x, block_size):
+    x -= x.amax(-1, keepdim=True)
+    return _softmax_loop(x, block_size)
+
+
+@bug("10.1", "dtype", "float64")
+def softmax_always_float32(x, block_size):
+    return _softmax_loop(x.float(), block_size)
+
+
+@bug("10.1", "dtype")
+def softmax_returns_statistics(x, block_size):
+    out = _softmax_loop(x, block_size)
+    return out, out.sum(-1)
+
+
+# ============================================================================ 10.2 flash_attention
+
+def _tiled(q, k, v, block_q, block_k, causal, *, skip="ok", mask_diagonal=True, rescale_acc=True, scale_power=1,
+           pad_last=False, lse_kind="ok", every=False):
+    """The loop most forward attempts share, with one slip switched on."""
+    scale = q.shape[-1] ** (-0.5 * scale_power)
+    lq, lk = q.shape[-2], k.shape[-2]
+    outs, lses = [], []
+    for i, qs in enumerate(range(0, lq, block_q)):
+        qe = min(qs + block_q, lq)
+        qb = q[..., qs:qe, :]
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for j, ks in enumerate(range(0, lk, block_k)):
+            ke = min(ks + block_k, lk)
+            if causal and not {"ok": ks < qe, "index": j <= i, "strict": ks < qs, "none": True}[skip]:
+                continue
+            kb, vb = k[..., ks:ke, :], v[..., ks:ke, :]
+            if pad_last and ke - ks < block_k:
+                kb = F.pad(kb, (0, 0, 0, block_k - (ke - ks)))
+                vb = F.pad(vb, (0, 0, 0, block_k - (ke - ks)))
+            s = qb @ kb.transpose(-2, -1) * scale
+            if causal and mask_diagonal:
+                rows = torch.arange(qs, qe)[:, None]
+                cols = torch.arange(ks, ks + s.shape[-1])[None, :]
+                s = s.masked_fill(cols > rows, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            c = torch.exp(m - m_new)
+            l = l * c + p.sum(-1)
+            acc = (acc * c[..., None] if rescale_acc else acc) + p @ vb
+            if every:
+                acc, l = acc / l[..., None], torch.ones_like(l)
+            m = m_new
+        outs.append(acc / l[..., None])
+        lses.append({"ok": m + torch.log(l), "max": m, "log_l": torch.log(l)}[lse_kind])
+    return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+@correct("10.2")
+def flash_reference_style(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal)
+
+
+@correct("10.2")
+def flash_einsum_preallocated(q, k, v, *, block_q, block_k, causal=False):
+    lq, lk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = torch.zeros(q.shape[:-1], dtype=q.dtype)
+    for qs in range(0, lq, block_q):
+        qb = q[..., qs:qs + block_q, :] / math.sqrt(d)
+        n = qb.shape[-2]
+        m = torch.full(qb.shape[:-1], -1e30, dtype=q.dtype)    # a large negative number instead of -inf
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        last_key = min(lk, qs + n) if causal else lk
+        for ks in range(0, last_key, block_k):
+            kb, vb = k[..., ks:ks + block_k, :], v[..., ks:ks + block_k, :]
+            s = torch.einsum("...qd,...kd->...qk", qb, kb)
+            if causal:
+                allowed = torch.arange(ks, ks + kb.shape[-2])[None, :] <= torch.arange(qs, qs + n)[:, None]
+                s = torch.where(allowed, s, torch.tensor(-1e30, dtype=s.dtype))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            alpha = torch.exp(m - m_new)
+            l = alpha * l + p.sum(-1)
+            acc = alpha[..., None] * acc + torch.einsum("...qk,...kd->...qd", p, vb)
+            m = m_new
+        out[..., qs:qs + n, :] = acc / l[..., None]
+        lse[..., qs:qs + n] = m + l.log()
+    return out, lse
+
+
+@correct("10.2")
+def flash_per_head_loops(q, k, v, *, block_q, block_k, causal=False):
+    # one head at a time, each a 2-D problem: still never more than a block of scores
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = torch.empty(q.shape[:-1], dtype=q.dtype)
+    for n in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            o, s = _tiled(q[n, h], k[n, h], v[n, h], block_q, block_k, causal)
+            out[n, h], lse[n, h] = o, s
+    return out, lse
+
+
+@bug("10.2", "block_skip", "block_q == block_k")
+def flash_skips_by_block_index(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal, skip="index")
+
+
+@bug("10.2", "block_skip", "diagonal")
+def flash_skips_diagonal_block(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal, skip="strict")
+
+
+@bug("10.2", "block_skip", "skip")
+def flash_never_skips(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal, skip="none")
+
+
+@bug("10.2", "causal_mask", "cross the diagonal")
+def flash_diagonal_unmasked(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal, mask_diagonal=False)
+
+
+@bug("10.2", "causal_mask", "ignored")
+def flash_ignores_causal(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, False)
+
+
+@bug("10.2", "online_rescale", "accumulator")
+def flash_accumulator_not_rescaled(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal, rescale_acc=False)
+
+
+@bug("10.2", "scale", "twice")
+def flash_scale_twice(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q / math.sqrt(q.shape[-1]), k, v, block_q, block_k, causal)
+
+
+@bug("10.2", "scale", "not scaled")
+def flash_no_scale(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal, scale_power=0)
+
+
+@bug("10.2", "block_bounds", "padded")
+def flash_pads_last_block(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal, pad_last=True)
+
+
+@bug("10.2", "block_bounds", "never read")
+def flash_drops_short_block(q, k, v, *, block_q, block_k, causal=False):
+    keep = k.shape[-2] // block_k * block_k
+    if causal:       # a causal attempt that drops the short block drops it for keys only
+        return _tiled_dropping(q, k, v, block_q, block_k, keep)
+    return _tiled(q, k[..., :keep, :], v[..., :keep, :], block_q, block_k, False)
+
+
+def _tiled_dropping(q, k, v, block_q, block_k, keep):
+    out, lse = _tiled(q, k[..., :keep, :], v[..., :keep, :], block_q, block_k, False)
+    rows = torch.arange(q.shape[-2])[:, None]
+    # a causal version would also mask; rebuild it with the mask and the dropped keys
+    scale = q.shape[-1] ** -0.5
+    outs = []
+    for qs in range(0, q.shape[-2], block_q):
+        qe = min(qs + block_q, q.shape[-2])
+        s = q[..., qs:qe, :] @ k[..., :keep, :].transpose(-2, -1) * scale
+        s = s.masked_fill(torch.arange(keep)[None, :] > rows[qs:qe], float("-inf"))
+        outs.append(torch.softmax(s, -1) @ v[..., :keep, :])
+    return torch.cat(outs, -2), lse
+
+
+@bug("10.2", "early_normalization", "divide once")
+def flash_normalises_every_block(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal, every=True)
+
+
+@bug("10.2", "logsumexp", "m + log(l)")
+def flash_lse_is_max(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal, lse_kind="max")
+
+
+@bug("10.2", "logsumexp", "log(l)")
+def flash_lse_forgets_max(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal, lse_kind="log_l")
+
+
+@bug("10.2", "full_scores", "materialised")
+def flash_naive_with_lse(q, k, v, *, block_q, block_k, causal=False):
+    return flash.naive_attention(q, k, v, causal=causal)
+
+
+@bug("10.2", "full_scores", "mask")
+def flash_full_causal_mask(q, k, v, *, block_q, block_k, causal=False):
+    lq = q.shape[-2]
+    mask = torch.ones(lq, k.shape[-2], dtype=torch.bool).tril()        # the whole L x L mask, up front
+    scale = q.shape[-1] ** -0.5
+    outs, lses = [], []
+    for qs in range(0, lq, block_q):
+        qe = min(qs + block_q, lq)
+        m = torch.full(q[..., qs:qe, 0].shape, float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*m.shape, v.shape[-1], dtype=q.dtype)
+        for ks in range(0, k.shape[-2], block_k):
+            s = q[..., qs:qe, :] @ k[..., ks:ks + block_k, :].transpose(-2, -1) * scale
+            if causal:
+                s = s.masked_fill(~mask[qs:qe, ks:ks + block_k], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            c = torch.exp(m - m_new)
+            l, acc, m = l * c + p.sum(-1), acc * c[..., None] + p @ v[..., ks:ks + block_k, :], m_new
+        outs.append(acc / l[..., None])
+        lses.append(m + l.log())
+    return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+@bug("10.2", "not_tiled", "block_k")
+def flash_whole_key_rows(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, k.shape[-2], causal)
+
+
+@bug("10.2", "shape", "out, lse")
+def flash_returns_output_only(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, block_q, block_k, causal)[0]
+
+
+@bug("10.2", "not_implemented")
+def flash_not_written(q, k, v, *, block_q, block_k, causal=False):
+    raise NotImplementedError("Exercise 10.2: the tiled forward")
+
+
+# ============================================================================ 10.3 backward
+
+def _backward(ctx, grad_out, *, delta="ok", ds_scale=True, dv_t=False, dk_t=False, mask=True):
+    q, k, v, out, lse = ctx.saved_tensors
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d_all = {"ok": (grad_out * out).sum(-1), "grad_only": grad_out.sum(-1),
+             "zero": torch.zeros_like(lse)}[delta]
+    lq, lk = q.shape[-2], k.shape[-2]
+    for qs in range(0, lq, ctx.block_q):
+        qe = min(qs + ctx.block_q, lq)
+        qb, dob = q[..., qs:qe, :], grad_out[..., qs:qe, :]
+        for ks in range(0, min(lk, qe) if ctx.causal else lk, ctx.block_k):
+            ke = min(ks + ctx.block_k, lk)
+            kb, vb = k[..., ks:ke, :], v[..., ks:ke, :]
+            s = qb @ kb.transpose(-2, -1) * scale
+            if ctx.causal and mask:
+                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+            p = torch.exp(s - lse[..., qs:qe, None])
+            # transposed, P @ dO only fits square blocks: elsewhere the attempt crashes
+            dv[..., ks:ke, :] += (p @ dob) if dv_t else p.transpose(-2, -1) @ dob
+            dp = dob @ vb.transpose(-2, -1)
+            ds = p * (dp - d_all[..., qs:qe, None])
+            f = scale if ds_scale else 1.0
+            dq[..., qs:qe, :] += ds @ kb * f
+            dk[..., ks:ke, :] += (ds @ qb if dk_t else ds.transpose(-2, -1) @ qb) * f
+    return dq, dk, dv, None, None, None
+
+
+@correct("10.3")
+class BackwardReference(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward(ctx, grad_out)
+
+
+@correct("10.3")
+class BackwardDeltaPerBlock(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        # D of a query block from its own rows of out: the same numbers, computed where they are used
+        q, k, v, out, lse = ctx.saved_tensors
+        scale = q.shape[-1] ** -0.5
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for qs in range(0, q.shape[-2], ctx.block_q):
+            qe = min(qs + ctx.block_q, q.shape[-2])
+            dob = grad_out[..., qs:qe, :]
+            d_blk = (dob * out[..., qs:qe, :]).sum(-1, keepdim=True)
+            for ks in range(0, k.shape[-2], ctx.block_k):      # no skipping: the future blocks give p = 0
+                ke = min(ks + ctx.block_k, k.shape[-2])
+                s = q[..., qs:qe, :] @ k[..., ks:ke, :].transpose(-2, -1) * scale
+                if ctx.causal:
+                    s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                p = torch.exp(s - lse[..., qs:qe, None])
+                dv[..., ks:ke, :] += p.transpose(-2, -1) @ dob
+                ds = p * (dob @ v[..., ks:ke, :].transpose(-2, -1) - d_blk)
+                dq[..., qs:qe, :] += scale * ds @ k[..., ks:ke, :]
+                dk[..., ks:ke, :] += scale * ds.transpose(-2, -1) @ q[..., qs:qe, :]
+        return dq, dk, dv, None, None, None
+
+
+@bug("10.3", "backward_delta", "rowsum(dO * O)")
+class BackwardDeltaFromGradOnly(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward(ctx, grad_out, delta="grad_only")
+
+
+@bug("10.3", "backward_delta", "D")
+class BackwardNoDelta(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward(ctx, grad_out, delta="zero")
+
+
+@bug("10.3", "scale", "sqrt(d)")
+class BackwardNoScaleInDs(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward(ctx, grad_out, ds_scale=False)
+
+
+@bug("10.3", "transposed", "P^T")
+class BackwardDvTransposed(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward(ctx, grad_out, dv_t=True)
+
+
+@bug("10.3", "transposed", "dS^T")
+class BackwardDkTransposed(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward(ctx, grad_out, dk_t=True)
+
+
+@bug("10.3", "causal_mask", "masked")
+class BackwardRecomputeUnmasked(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward(ctx, grad_out, mask=False)
+
+
+@bug("10.3", "full_scores", "materialised")
+class BackwardThroughAutograd(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, _, _ = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out, _ = flash.naive_attention(q, k, v, causal=ctx.causal)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+        return dq, dk, dv, None, None, None
+
+
+@bug("10.3", "exception", "incorrect number")
+class BackwardThreeGradients(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward(ctx, grad_out)[:3]
+
+
+@bug("10.3", "not_implemented")
+class BackwardNotWritten(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        raise NotImplementedError("Exercise 10.3: the backward")

@@ -1,0 +1,143 @@
+"""The checkers of notebook 10 (exercises 10.1-10.3) against the references and a bank of student attempts."""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from bank.flash_bugs import BUGGY, CORRECT
+
+from course_lib import checks, flash
+from course_lib.checks import _flash_variants, notebook10
+from course_lib.checks._flash_probe import Recorder
+
+CHECKERS = {
+    "10.1": checks.check_online_softmax,
+    "10.2": checks.check_flash_attention,
+    "10.3": checks.check_flash_backward,
+}
+
+REFERENCES = {
+    "10.1": flash.online_softmax,
+    "10.2": flash.flash_attention,
+    "10.3": flash.FlashAttentionFunction,
+}
+
+# The mistakes the issue names, each with the diagnosis a bank attempt must get for it.
+ISSUE_MISTAKES = {
+    "the rescale forgotten when the maximum changes": ("10.1", "online_rescale"),
+    "the maximum of the last block only": ("10.1", "running_max"),
+    "normalising at every block instead of at the end": ("10.1", "early_normalization"),
+    "overflow from no maximum at all": ("10.1", "overflow"),
+    "a block boundary off by one": ("10.1", "block_bounds"),
+    "materialised the full score matrix": ("10.2", "full_scores"),
+    "the wrong block skipped": ("10.2", "block_skip"),
+    "the diagonal block unmasked": ("10.2", "causal_mask"),
+    "a rescale on the output accumulator forgotten": ("10.2", "online_rescale"),
+    "1/sqrt(d) applied twice": ("10.2", "scale"),
+    "padding of a last block smaller than the block size": ("10.2", "block_bounds"),
+    "D computed from the wrong tensors": ("10.3", "backward_delta"),
+    "the scale forgotten in dS": ("10.3", "scale"),
+    "a transposed dV": ("10.3", "transposed"),
+}
+
+DIAGNOSES_ADDED_FOR_10 = ("online_rescale", "running_max", "overflow", "early_normalization", "block_bounds",
+                          "block_skip", "full_scores", "not_tiled", "logsumexp", "backward_delta", "transposed")
+
+
+def run(exercise, candidate):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return CHECKERS[exercise](candidate)
+
+
+@pytest.mark.parametrize("exercise", sorted(CHECKERS))
+def test_reference_passes(exercise):
+    result = run(exercise, REFERENCES[exercise])
+    assert result.passed, result.message
+    assert result.diagnosis is None and result.exercise == exercise
+
+
+@pytest.mark.parametrize("attempt", CORRECT, ids=[a.id for a in CORRECT])
+def test_correct_variant_passes(attempt):
+    result = run(attempt.exercise, attempt.candidate)
+    assert result.passed, f"{attempt.id} rejected: {result}"
+
+
+@pytest.mark.parametrize("attempt", BUGGY, ids=[a.id for a in BUGGY])
+def test_buggy_variant_gets_its_diagnosis(attempt):
+    result = run(attempt.exercise, attempt.candidate)
+    assert not result.passed, f"{attempt.id} passed: {result}"
+    assert result.diagnosis == attempt.expected, f"{attempt.id}: {result}"
+    assert len(result.message) > 30 and "Traceback" not in result.message
+    for word in attempt.says:
+        assert word.lower() in result.message.lower(), f"{attempt.id}: {word!r} not in {result.message!r}"
+
+
+def test_bank_size_and_coverage():
+    assert len(BUGGY) >= 40 and len(CORRECT) >= 8
+    for exercise in CHECKERS:
+        assert any(a.exercise == exercise for a in BUGGY), f"no buggy attempt at {exercise}"
+        assert any(a.exercise == exercise for a in CORRECT), f"no correct attempt at {exercise}"
+    got = {(a.exercise, a.expected) for a in BUGGY}
+    missing = [mistake for mistake, key in ISSUE_MISTAKES.items() if key not in got]
+    assert not missing, f"the bank has no attempt for: {missing}"
+    codes = Counter(a.expected for a in BUGGY)
+    assert all(codes[code] > 0 for code in DIAGNOSES_ADDED_FOR_10), \
+        [code for code in DIAGNOSES_ADDED_FOR_10 if not codes[code]]
+    assert sum(n for code, n in codes.items() if code != "mismatch") / len(BUGGY) >= 0.9
+    assert len({a.id for a in BUGGY + CORRECT}) == len(BUGGY + CORRECT), "attempt names are unique"
+
+
+def test_every_hypothesis_uses_a_diagnosis():
+    assert set(DIAGNOSES_ADDED_FOR_10) <= set(checks.DIAGNOSES)
+    codes = [m[0] for m in _flash_variants.FORWARD_MISTAKES + _flash_variants.BACKWARD_MISTAKES
+             + notebook10._SOFTMAX_MISTAKES]
+    assert set(codes) <= set(checks.DIAGNOSES)
+
+
+def test_every_hypothesised_mistake_changes_what_the_checker_sees():
+    """A hypothesis equal to the reference on every case could never be told apart: each must differ somewhere."""
+    for _, _, spec in notebook10._SOFTMAX_MISTAKES:
+        assert any(not torch.allclose(_flash_variants.softmax_variant(x, size, **spec).double(),
+                                      torch.softmax(x.double(), -1), equal_nan=False)
+                   for x, size in notebook10._SOFTMAX_CASES), spec
+    for _, _, spec in _flash_variants.FORWARD_MISTAKES:
+        if spec == {"skip": "none"}:
+            continue
+        assert any(not torch.allclose(_flash_variants.forward_variant(q, k, v, bq, bk, c, **spec)[0],
+                                      flash.naive_attention(q.double(), k.double(), v.double(), causal=c)[0])
+                   for q, k, v, bq, bk, c in notebook10._FORWARD_CASES), spec
+
+
+def test_the_reference_forward_variant_is_the_reference():
+    for q, k, v, bq, bk, causal in notebook10._FORWARD_CASES:
+        out, lse = _flash_variants.forward_variant(q, k, v, bq, bk, causal)
+        right, right_lse = flash.naive_attention(q.double(), k.double(), v.double(), causal=causal)
+        assert torch.allclose(out, right) and torch.allclose(lse, right_lse)
+
+
+def test_recorder_sees_the_full_matrix_and_counts_score_blocks():
+    q = torch.randn(1, 2, 64, 12)
+    with Recorder(12) as recorder:
+        flash.naive_attention(q, q, q)
+    assert recorder.record.largest_numel >= 64 * 64
+    with Recorder(12) as recorder:
+        flash.flash_attention(q, q, q, block_q=16, block_k=8, causal=True)
+    needed, total = flash.causal_blocks(64, 16, 8)
+    assert recorder.record.largest_numel < 64 * 64
+    assert recorder.record.score_elements == needed * 16 * 8 * 2
+    assert recorder.record.largest_tile == (16, 8)
+
+
+def test_a_check_runs_on_float64_defaults_and_leaves_grad_mode_alone():
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.no_grad():
+            assert run("10.2", flash.flash_attention).passed
+            assert run("10.3", flash.FlashAttentionFunction).passed
+            assert not torch.is_grad_enabled()
+    finally:
+        torch.set_default_dtype(default)
