@@ -81,6 +81,13 @@ DIAGNOSES = (
     "gating",            # SwiGLU's gate is wrong: SiLU on the wrong branch, no gate, another activation
     "kv_grouping",       # key/value heads shared in the wrong order (repeat where repeat_interleave is meant)
     "kv_cache",          # the KV cache ignored, its keys turned again, or holding repeated heads or unrotated keys
+    "score_offset",      # a head score reads the wrong diagonal: the copy itself, the token itself, one too far
+    "score_positions",   # a head score averages over positions that have no target (position 0, the first half)
+    "score_axes",        # a head score averages over the wrong axes: batch and heads swapped, one left unaveraged
+    "no_gradient",       # the right numbers, cut off from autograd (or with the wrong gradient)
+    "ablation_method",   # a head "switched off" by changing the wrong thing (its attention pattern), or not at all
+    "ablation_slice",    # the wrong part of the merged heads zeroed: another head, the whole layer, proj's rows
+    "not_restored",      # a context manager that leaves the model changed (hooks, weights), also after an exception
     "mismatch",          # wrong, and like none of the mistakes we know
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
     "missing",           # grading: the exercise (its notebook, or its cell) is not in the submission
