@@ -61,10 +61,10 @@ def mistakes(back: int, first: int, *, copy_offset: bool) -> list[Mistake]:
         found += [
             Mistake("score_offset", "you read the main diagonal, each token's attention to ITSELF (offset 0). "
                                     "The previous token of query i is key i - 1: the diagonal just below, "
-                                    "weights.diagonal(offset=-1, dim1=-2, dim2=-1).", {"back": 0}),
+                                    "weights.diagonal(offset=-1, dim1=-2, dim2=-1).", {"back": 0, "first": 0}),
             Mistake("score_offset", "you read the diagonal ABOVE the main one (key i + 1, the next token), which a "
                                     "causal mask keeps at zero. The previous token is key i - 1: "
-                                    "diagonal(offset=-1, ...) (a negative offset is below).", {"back": -1}),
+                                    "diagonal(offset=-1, ...) (a negative offset is below).", {"back": -1, "first": 0}),
             Mistake("score_offset", "you read key i - 2, two tokens back; the previous token is key i - 1.",
                     {"back": 2}),
             Mistake("score_positions", "you include position 0, which has no previous token: your mean divides "
