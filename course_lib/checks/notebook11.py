@@ -43,6 +43,10 @@ def _axes_shape_hint(got: tuple[int, ...], n: int, heads: int) -> str:
     return " Keep one number per head: average over the batch (axis 0) and over the queries."
 
 
+def _hypothesis(weights: torch.Tensor, back: int, first: int) -> Callable[[int, dict[str, Any]], torch.Tensor]:
+    return lambda _, spec: slips.compute(weights, back, first, spec)
+
+
 def _judge_score(fn: Callable[..., Any], name: str, cases: list[tuple[tuple[int, int, int, int], int | None]],
                  reference: Callable[..., torch.Tensor], copy_offset: bool) -> None:
     expect_callable(fn, name)
@@ -62,7 +66,7 @@ def _judge_score(fn: Callable[..., Any], name: str, cases: list[tuple[tuple[int,
         if not close(out, right):
             back, first = (1, 1) if half is None else (half - 1, half)
             found = first_match(slips.mistakes(back, first, copy_offset=copy_offset), [out.detach()],
-                                lambda _, spec: slips.compute(weights.detach(), back, first, spec))
+                                _hypothesis(weights.detach(), back, first))
             if found is not None:
                 fail(found.code, f"{shown}: {found.message}")
             fail("mismatch", f"{shown} returned {[round(float(v), 4) for v in out.detach()]}, expected "
