@@ -7,24 +7,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass(frozen=True)
-class Attempt:
-    exercise: str
-    name: str
-    candidate: Any
-    expected: str | None                 # the diagnosis code, None for a correct attempt
-    says: tuple[str, ...] = ()           # words the message must contain (case-insensitive)
-
-    @property
-    def id(self) -> str:
-        return f"{self.exercise}-{self.name}"
-
+from bank.modern_bugs import Attempt  # the same record: exercise, name, candidate, expected diagnosis, words
 
 BUGGY: list[Attempt] = []
 CORRECT: list[Attempt] = []
