@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -132,7 +132,7 @@ def repeated_tokens(batch_size: int, half: int, vocab_size: int, *, length: int 
 
 @dataclass(frozen=True)
 class InductionConfig:
-    """The toy task and model of notebook 11; the defaults show the phase change in about 10 s on 2 cores."""
+    """The toy task and model of notebook 11; the defaults show the phase change in about 20 s on a quiet 2-core CPU."""
 
     vocab_size: int = 64
     half: int = 16
@@ -210,10 +210,6 @@ class InductionRun:
     first_half: list[float] = field(default_factory=list)
     second_half: list[float] = field(default_factory=list)
     seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, object]:
-        return {"config": asdict(self.config), "steps": self.steps, "first_half": self.first_half,
-                "second_half": self.second_half}
 
 
 def half_losses(model: nn.Module, tokens: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,7 +309,8 @@ def attention_patterns(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     """
     if isinstance(model, GPT):
         return model.attention_maps(idx)
-    blocks = _attention_of(model, 0) and model.blocks
+    _attention_of(model, 0)   # refuses a model without course blocks
+    blocks = model.blocks
     was_training = model.training
     model.eval()
     seen: list[torch.Tensor] = []
