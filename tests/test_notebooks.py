@@ -34,6 +34,7 @@ EXPECTED_NAMES = {
     "08": "08_train_your_gpt",
     "09": "09_modern_attention",
     "10": "10_flash_attention",
+    "11": "11_what_attention_learns",
 }
 # Notebooks whose exercise is the student's earlier work put together, judged by one checker call
 # instead of a solution region of their own.

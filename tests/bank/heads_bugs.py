@@ -1,0 +1,523 @@
+"""Student attempts at the exercises of notebook 11 (11.1-11.3), correct and buggy, as students write them.
+
+Each buggy attempt carries the diagnosis its checker must give (and words its message must contain);
+each correct attempt must pass.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bank.modern_bugs import Attempt  # the same record: exercise, name, candidate, expected diagnosis, words
+
+BUGGY: list[Attempt] = []
+CORRECT: list[Attempt] = []
+
+
+def bug(exercise: str, expected: str, *says: str) -> Callable[[Any], Any]:
+    def register(candidate: Any) -> Any:
+        BUGGY.append(Attempt(exercise, candidate.__name__, candidate, expected, says))
+        return candidate
+    return register
+
+
+def correct(exercise: str) -> Callable[[Any], Any]:
+    def register(candidate: Any) -> Any:
+        CORRECT.append(Attempt(exercise, candidate.__name__, candidate, None))
+        return candidate
+    return register
+
+
+# ============================================================================ 11.1 previous_token_score
+
+@correct("11.1")
+def prev_by_indexing(weights):
+    length = weights.shape[-1]
+    i = torch.arange(1, length)
+    return weights[:, :, i, i - 1].mean(dim=(0, 2))
+
+
+@correct("11.1")
+def prev_by_loop(weights):
+    total = 0
+    for i in range(1, weights.shape[-1]):
+        total = total + weights[:, :, i, i - 1].mean(dim=0)
+    return total / (weights.shape[-1] - 1)
+
+
+@correct("11.1")
+def prev_by_mask(weights):
+    length = weights.shape[-1]
+    below = torch.ones(length, length).tril(-1).triu(-1)
+    return (weights * below).sum(dim=(-1, -2)).mean(dim=0) / (length - 1)
+
+
+@bug("11.1", "score_offset", "itself")
+def prev_main_diagonal(weights):
+    return weights.diagonal(dim1=-2, dim2=-1).mean(dim=(0, 2))
+
+
+@bug("11.1", "score_offset", "above")
+def prev_positive_offset(weights):
+    return weights.diagonal(offset=1, dim1=-2, dim2=-1).mean(dim=(0, 2))
+
+
+@bug("11.1", "score_offset", "two tokens back")
+def prev_two_back(weights):
+    return weights.diagonal(offset=-2, dim1=-2, dim2=-1).mean(dim=(0, 2))
+
+
+@bug("11.1", "score_positions", "position 0")
+def prev_divides_by_length(weights):
+    return weights.diagonal(offset=-1, dim1=-2, dim2=-1).sum(dim=-1).mean(dim=0) / weights.shape[-1]
+
+
+@bug("11.1", "score_positions", "position 0")
+def prev_wraps_position_zero(weights):
+    i = torch.arange(weights.shape[-1])
+    return weights[:, :, i, i - 1].mean(dim=(0, 2))     # i - 1 = -1 reads the last key for position 0
+
+
+@bug("11.1", "score_axes", "batch")
+def prev_averages_heads(weights):
+    return weights.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(1, 2))
+
+
+@bug("11.1", "score_axes", "batch")
+def prev_keeps_batch(weights):
+    return weights.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=-1)
+
+
+@bug("11.1", "score_axes")
+def prev_averages_everything(weights):
+    return weights.diagonal(offset=-1, dim1=-2, dim2=-1).mean()
+
+
+@bug("11.1", "scale", "instead of averaging")
+def prev_sums(weights):
+    return weights.diagonal(offset=-1, dim1=-2, dim2=-1).sum(dim=(0, 2))
+
+
+@bug("11.1", "no_gradient", "autograd")
+def prev_through_item(weights):
+    d = weights.diagonal(offset=-1, dim1=-2, dim2=-1)
+    return torch.tensor([d[:, h].mean().item() for h in range(weights.shape[1])])
+
+
+@bug("11.1", "no_gradient")
+def prev_detached(weights):
+    return weights.detach().diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(0, 2))
+
+
+@bug("11.1", "dtype")
+def prev_returns_list(weights):
+    return weights.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(0, 2)).tolist()
+
+
+@bug("11.1", "shape", "nothing")
+def prev_forgets_return(weights):
+    weights.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(0, 2))
+
+
+@bug("11.1", "mutation")
+def prev_zeroes_in_place(weights):
+    weights.data.fill_diagonal_(0) if weights.dim() == 2 else None
+    weights.data[..., 0, 0] = 0.0
+    return weights.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(0, 2))
+
+
+@bug("11.1", "not_implemented")
+def prev_not_written(weights):
+    raise NotImplementedError("Exercise 11.1: write previous_token_score")
+
+
+# ============================================================================ 11.2 induction_score
+
+@correct("11.2")
+def induction_by_indexing(weights, half):
+    i = torch.arange(half, weights.shape[-1])
+    return weights[:, :, i, i - half + 1].mean(dim=(0, 2))
+
+
+@correct("11.2")
+def induction_by_slicing_queries(weights, half):
+    second = weights[:, :, half:, :]                                      # (N, heads, half, L)
+    return second.diagonal(offset=1, dim1=-2, dim2=-1).mean(dim=(0, 2))   # (i, i - half + 1) -> column offset +1
+
+
+@correct("11.2")
+def induction_loop(weights, half):
+    scores = []
+    for h in range(weights.shape[1]):
+        vals = [weights[:, h, i, i - half + 1] for i in range(half, weights.shape[-1])]
+        scores.append(torch.stack(vals).mean())
+    return torch.stack(scores)
+
+
+@bug("11.2", "score_offset", "copy")
+def induction_reads_the_copy(weights, half):
+    return weights.diagonal(offset=-half, dim1=-2, dim2=-1).mean(dim=(0, 2))
+
+
+@bug("11.2", "score_offset", "copy")
+def induction_reads_the_copy_by_index(weights, half):
+    i = torch.arange(half, weights.shape[-1])
+    return weights[:, :, i, i - half].mean(dim=(0, 2))
+
+
+@bug("11.2", "score_offset")
+def induction_one_too_far(weights, half):
+    i = torch.arange(half, weights.shape[-1])
+    return weights[:, :, i, i - half + 2].mean(dim=(0, 2))
+
+
+@bug("11.2", "score_positions", "first half")
+def induction_whole_diagonal(weights, half):
+    return weights.diagonal(offset=-(half - 1), dim1=-2, dim2=-1).mean(dim=(0, 2))
+
+
+@bug("11.2", "score_positions")
+def induction_divides_by_length(weights, half):
+    i = torch.arange(half, weights.shape[-1])
+    return weights[:, :, i, i - half + 1].sum(dim=-1).mean(dim=0) / weights.shape[-1]
+
+
+@bug("11.2", "score_axes", "batch")
+def induction_batch_heads_swapped(weights, half):
+    i = torch.arange(half, weights.shape[-1])
+    return weights[:, :, i, i - half + 1].mean(dim=(1, 2))   # thinks weights are (heads, N, L, L): axis 1 is the batch
+
+
+@bug("11.2", "score_axes", "batch")
+def induction_keeps_batch(weights, half):
+    i = torch.arange(half, weights.shape[-1])
+    return weights[:, :, i, i - half + 1].mean(dim=-1)
+
+
+@bug("11.2", "score_axes")
+def induction_keeps_positions(weights, half):
+    i = torch.arange(half, weights.shape[-1])
+    return weights[:, :, i, i - half + 1].mean(dim=(0, 1))
+
+
+@bug("11.2", "scale")
+def induction_sums(weights, half):
+    i = torch.arange(half, weights.shape[-1])
+    return weights[:, :, i, i - half + 1].sum(dim=(0, 2))
+
+
+@bug("11.2", "no_gradient")
+def induction_via_numpy(weights, half):
+    w = weights.detach().numpy()
+    i = list(range(half, w.shape[-1]))
+    return torch.from_numpy(w[:, :, i, [j - half + 1 for j in i]].mean(axis=(0, 2)))
+
+
+@bug("11.2", "exception")
+def induction_forgets_half(weights):
+    return weights.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(0, 2))
+
+
+@bug("11.2", "not_implemented")
+def induction_not_written(weights, half):
+    raise NotImplementedError("Exercise 11.2: write induction_score")
+
+
+# ============================================================================ 11.3 ablate_head
+
+@correct("11.3")
+@contextlib.contextmanager
+def ablate_with_pre_hook(model, layer, head):
+    attn = model.blocks[layer].attn
+    size = attn.head_dim
+
+    def hook(module, inputs):
+        x = inputs[0].clone()
+        x[..., head * size:(head + 1) * size] = 0
+        return (x,)
+
+    handle = attn.proj.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@correct("11.3")
+@contextlib.contextmanager
+def ablate_by_masking(model, layer, head):
+    attn = model.blocks[layer].attn
+    keep = torch.ones(attn.num_heads * attn.head_dim)
+    keep[head * attn.head_dim:(head + 1) * attn.head_dim] = 0
+
+    def hook(module, inputs):
+        return (inputs[0] * keep,)
+
+    handle = attn.proj.register_forward_pre_hook(hook)
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+@correct("11.3")
+@contextlib.contextmanager
+def ablate_proj_columns(model, layer, head):
+    proj = model.blocks[layer].attn.proj
+    size = model.blocks[layer].attn.head_dim
+    saved = proj.weight.detach().clone()
+    with torch.no_grad():
+        proj.weight[:, head * size:(head + 1) * size] = 0
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            proj.weight.copy_(saved)
+
+
+class _Ablation:
+    """A context manager written as a class."""
+
+    def __init__(self, model, layer, head):
+        self.attn = model.blocks[layer].attn
+        self.head = head
+
+    def __enter__(self):
+        size = self.attn.head_dim
+        cols = slice(self.head * size, (self.head + 1) * size)
+        self.handle = self.attn.proj.register_forward_pre_hook(
+            lambda m, inp: (torch.cat([inp[0][..., :cols.start], torch.zeros_like(inp[0][..., cols]),
+                                       inp[0][..., cols.stop:]], dim=-1),))
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+        return False
+
+
+@correct("11.3")
+def ablate_as_class(model, layer, head):
+    return _Ablation(model, layer, head)
+
+
+@bug("11.3", "ablation_method", "uniform")
+@contextlib.contextmanager
+def ablate_zeroes_query_key(model, layer, head):
+    attn = model.blocks[layer].attn
+    rows = slice(head * attn.head_dim, (head + 1) * attn.head_dim)
+    saved = [p.detach().clone() for p in attn.parameters()]
+    with torch.no_grad():
+        for linear in (attn.query, attn.key):
+            linear.weight[rows] = 0
+            if linear.bias is not None:
+                linear.bias[rows] = 0
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for p, s in zip(attn.parameters(), saved):
+                p.copy_(s)
+
+
+@bug("11.3", "ablation_method", "bias")
+@contextlib.contextmanager
+def ablate_zeroes_value_weight(model, layer, head):
+    attn = model.blocks[layer].attn
+    rows = slice(head * attn.head_dim, (head + 1) * attn.head_dim)
+    saved = attn.value.weight.detach().clone()
+    with torch.no_grad():
+        attn.value.weight[rows] = 0
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            attn.value.weight.copy_(saved)
+
+
+@bug("11.3", "ablation_method", "no head")
+@contextlib.contextmanager
+def ablate_a_copy(model, layer, head):
+    import copy
+    clone = copy.deepcopy(model)
+    attn = clone.blocks[layer].attn
+    handle = attn.proj.register_forward_pre_hook(lambda m, inp: (inp[0] * 0,))
+    try:
+        yield clone
+    finally:
+        handle.remove()
+
+
+@bug("11.3", "not_restored", "hook")
+@contextlib.contextmanager
+def ablate_never_removes(model, layer, head):
+    attn = model.blocks[layer].attn
+    size = attn.head_dim
+
+    def hook(module, inputs):
+        x = inputs[0].clone()
+        x[..., head * size:(head + 1) * size] = 0
+        return (x,)
+
+    attn.proj.register_forward_pre_hook(hook)
+    yield model
+
+
+@bug("11.3", "not_restored", "finally")
+@contextlib.contextmanager
+def ablate_no_finally(model, layer, head):
+    attn = model.blocks[layer].attn
+    size = attn.head_dim
+
+    def hook(module, inputs):
+        x = inputs[0].clone()
+        x[..., head * size:(head + 1) * size] = 0
+        return (x,)
+
+    handle = attn.proj.register_forward_pre_hook(hook)
+    yield model
+    handle.remove()
+
+
+@bug("11.3", "not_restored")
+@contextlib.contextmanager
+def ablate_columns_forever(model, layer, head):
+    proj = model.blocks[layer].attn.proj
+    size = model.blocks[layer].attn.head_dim
+    with torch.no_grad():
+        proj.weight[:, head * size:(head + 1) * size] = 0
+    yield model
+
+
+@bug("11.3", "not_restored", "same tensor")
+@contextlib.contextmanager
+def ablate_replaces_parameter(model, layer, head):
+    proj = model.blocks[layer].attn.proj
+    size = model.blocks[layer].attn.head_dim
+    original = proj.weight
+    changed = original.detach().clone()
+    changed[:, head * size:(head + 1) * size] = 0
+    proj.weight = torch.nn.Parameter(changed)
+    try:
+        yield model
+    finally:
+        proj.weight = torch.nn.Parameter(original.detach().clone())
+
+
+@bug("11.3", "exception", "swallowed")
+@contextlib.contextmanager
+def ablate_swallows_errors(model, layer, head):
+    attn = model.blocks[layer].attn
+    size = attn.head_dim
+
+    def hook(module, inputs):
+        x = inputs[0].clone()
+        x[..., head * size:(head + 1) * size] = 0
+        return (x,)
+
+    handle = attn.proj.register_forward_pre_hook(hook)
+    try:
+        yield model
+    except Exception:
+        pass
+    finally:
+        handle.remove()
+
+
+def _hooked(columns: Callable[[Any, int], Any]) -> Callable[..., Any]:
+    @contextlib.contextmanager
+    def ablate(model, layer, head):
+        attn = model.blocks[layer].attn
+
+        def hook(module, inputs):
+            x = inputs[0].clone()
+            x[..., columns(attn, head)] = 0
+            return (x,)
+
+        handle = attn.proj.register_forward_pre_hook(hook)
+        try:
+            yield model
+        finally:
+            handle.remove()
+    return ablate
+
+
+def _named(name: str, fn: Any) -> Any:
+    fn.__name__ = name
+    return fn
+
+
+bug("11.3", "ablation_slice", "every head")(_named("ablate_whole_layer", _hooked(lambda a, h: slice(None))))
+bug("11.3", "ablation_slice", "num_heads")(_named("ablate_strided", _hooked(lambda a, h: slice(h, None, a.num_heads))))
+bug("11.3", "ablation_slice", "head_dim")(_named("ablate_unscaled", _hooked(lambda a, h: slice(h, h + a.head_dim))))
+bug("11.3", "ablation_slice", "counting heads from 0")(
+    _named("ablate_one_based", _hooked(lambda a, h: slice((h - 1) * a.head_dim, h * a.head_dim)
+                                       if h else slice((a.num_heads - 1) * a.head_dim, None))))
+bug("11.3", "ablation_slice", "all heads but")(_named("ablate_all_but", _hooked(
+    lambda a, h: [c for c in range(a.num_heads * a.head_dim) if not h * a.head_dim <= c < (h + 1) * a.head_dim])))
+
+
+@bug("11.3", "ablation_slice", "rows")
+@contextlib.contextmanager
+def ablate_proj_rows(model, layer, head):
+    proj = model.blocks[layer].attn.proj
+    size = model.blocks[layer].attn.head_dim
+    saved = proj.weight.detach().clone()
+    with torch.no_grad():
+        proj.weight[head * size:(head + 1) * size] = 0
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            proj.weight.copy_(saved)
+
+
+@bug("11.3", "ablation_slice", "another layer")
+@contextlib.contextmanager
+def ablate_one_based_layer(model, layer, head):
+    attn = model.blocks[(layer + 1) % len(model.blocks)].attn
+    size = attn.head_dim
+    handle = attn.proj.register_forward_pre_hook(
+        lambda m, inp: (inp[0].index_fill(-1, torch.arange(head * size, (head + 1) * size), 0.0),))
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+@bug("11.3", "no_gradient", "graph")
+@contextlib.contextmanager
+def ablate_detaches(model, layer, head):
+    attn = model.blocks[layer].attn
+    size = attn.head_dim
+
+    def hook(module, inputs):
+        x = inputs[0].detach().clone()
+        x[..., head * size:(head + 1) * size] = 0
+        return (x,)
+
+    handle = attn.proj.register_forward_pre_hook(hook)
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+@bug("11.3", "exception", "contextmanager")
+def ablate_plain_generator(model, layer, head):
+    attn = model.blocks[layer].attn
+    handle = attn.proj.register_forward_pre_hook(lambda m, inp: (inp[0] * 0,))
+    yield model
+    handle.remove()
+
+
+@bug("11.3", "exception", "nothing")
+def ablate_returns_none(model, layer, head):
+    model.blocks[layer].attn.proj.register_forward_pre_hook(lambda m, inp: (inp[0] * 0,))
+
+
+@bug("11.3", "not_implemented")
+def ablate_not_written(model, layer, head):
+    raise NotImplementedError("Exercise 11.3: write ablate_head")

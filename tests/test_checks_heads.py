@@ -1,0 +1,170 @@
+"""The checkers of notebook 11 (exercises 11.1-11.3) against the references and a bank of student attempts."""
+from __future__ import annotations
+
+import random
+import warnings
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from bank.heads_bugs import BUGGY, CORRECT
+
+from course_lib import checks, heads
+from course_lib.checks import _core, _heads_ablation, _heads_scores
+
+CHECKERS = {
+    "11.1": checks.check_previous_token_score,
+    "11.2": checks.check_induction_score,
+    "11.3": checks.check_ablate_head,
+}
+
+REFERENCES = {"11.1": heads.previous_token_score, "11.2": heads.induction_score, "11.3": heads.ablate_head}
+
+# The mistakes the issue names, each with the diagnosis a bank attempt must get for it.
+ISSUE_MISTAKES = {
+    "previous-token: the wrong diagonal offset": ("11.1", "score_offset"),
+    "previous-token: the first position included": ("11.1", "score_positions"),
+    "previous-token: averaged over the wrong axis": ("11.1", "score_axes"),
+    "induction: the offset by one (the copy itself)": ("11.2", "score_offset"),
+    "induction: first-half positions included": ("11.2", "score_positions"),
+    "induction: the batch and head axes swapped": ("11.2", "score_axes"),
+    "ablation: zeroing the weights instead of the head's output": ("11.3", "ablation_method"),
+    "ablation: not restoring the model": ("11.3", "not_restored"),
+    "ablation: the wrong slice of the merged heads": ("11.3", "ablation_slice"),
+}
+
+DIAGNOSES_ADDED_FOR_11 = ("score_offset", "score_positions", "score_axes", "no_gradient", "ablation_method",
+                          "ablation_slice", "not_restored")
+
+
+def run(exercise, candidate):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return CHECKERS[exercise](candidate)
+
+
+@pytest.mark.parametrize("exercise", sorted(CHECKERS))
+def test_reference_passes(exercise):
+    result = run(exercise, REFERENCES[exercise])
+    assert result.passed, result.message
+    assert result.diagnosis is None and result.exercise == exercise
+
+
+@pytest.mark.parametrize("attempt", CORRECT, ids=[a.id for a in CORRECT])
+def test_correct_variant_passes(attempt):
+    result = run(attempt.exercise, attempt.candidate)
+    assert result.passed, f"{attempt.id} rejected: {result}"
+
+
+@pytest.mark.parametrize("attempt", BUGGY, ids=[a.id for a in BUGGY])
+def test_buggy_variant_gets_its_diagnosis(attempt):
+    result = run(attempt.exercise, attempt.candidate)
+    assert not result.passed, f"{attempt.id} passed: {result}"
+    assert result.diagnosis == attempt.expected, f"{attempt.id}: {result}"
+    assert len(result.message) > 30 and "Traceback" not in result.message
+    for word in attempt.says:
+        assert word.lower() in result.message.lower(), f"{attempt.id}: {word!r} not in {result.message!r}"
+
+
+def test_bank_size_and_coverage():
+    assert len(BUGGY) >= 40 and len(CORRECT) >= 8
+    for exercise in CHECKERS:
+        assert any(a.exercise == exercise for a in BUGGY), f"no buggy attempt at {exercise}"
+        assert any(a.exercise == exercise for a in CORRECT), f"no correct attempt at {exercise}"
+    got = {(a.exercise, a.expected) for a in BUGGY}
+    missing = [mistake for mistake, key in ISSUE_MISTAKES.items() if key not in got]
+    assert not missing, f"the bank has no attempt for: {missing}"
+    codes = Counter(a.expected for a in BUGGY)
+    assert all(codes[code] > 0 for code in DIAGNOSES_ADDED_FOR_11), codes
+    assert codes["mismatch"] == 0
+    assert len({a.id for a in BUGGY + CORRECT}) == len(BUGGY + CORRECT), "attempt names are unique"
+
+
+def test_every_new_code_is_a_diagnosis_and_every_mistake_uses_one():
+    assert set(DIAGNOSES_ADDED_FOR_11) <= set(checks.DIAGNOSES)
+    named = list(_heads_ablation._MISTAKES) + _heads_scores.mistakes(1, 1, copy_offset=False) \
+        + _heads_scores.mistakes(4, 5, copy_offset=True)
+    assert all(m.code in checks.DIAGNOSES for m in named)
+
+
+def test_every_score_mistake_changes_the_score():
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.rand(3, 4, 10, 10, generator=generator).tril().softmax(-1)   # (N, heads, L, L)
+    for back, first, copy_offset in ((1, 1, False), (4, 5, True)):
+        right = _heads_scores.score(weights, back, first)
+        for mistake in _heads_scores.mistakes(back, first, copy_offset=copy_offset):
+            wrong = _heads_scores.compute(weights, back, first, mistake.spec)
+            assert wrong.shape != right.shape or not torch.allclose(wrong, right), mistake
+
+
+def test_every_ablation_mistake_changes_the_output():
+    for _, model in _heads_ablation._models():
+        idx = torch.randint(13, (2, 10), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad(), heads.ablate_head(model, 1, 1):
+            right = model(idx)
+        for mistake in _heads_ablation._MISTAKES:
+            if mistake.spec["kind"] in ("value_weight", "layer_next") :
+                continue   # same as right without a value bias / past the last layer
+            wrong = _heads_ablation._mistaken(model, 1, 1, idx, mistake.spec["kind"])
+            assert not torch.allclose(wrong, right, atol=1e-4), mistake.spec
+
+
+_ODD = [
+    ("returns_none", lambda *a, **k: None, {"shape", "exception"}),
+    ("returns_float", lambda *a, **k: 0.5, {"dtype", "exception"}),
+    ("raises", lambda *a, **k: 1 / 0, {"exception"}),
+    ("not_callable", 42, {"exception"}),
+    ("a_string", "score", {"exception"}),
+]
+
+
+@pytest.mark.parametrize("exercise", sorted(CHECKERS))
+@pytest.mark.parametrize("name,candidate,codes", _ODD, ids=[c[0] for c in _ODD])
+def test_checker_never_raises(exercise, name, candidate, codes):
+    result = run(exercise, candidate)
+    assert isinstance(result, _core.CheckResult) and not result.passed
+    assert result.diagnosis in codes, result
+
+
+def _state():
+    return (torch.is_grad_enabled(), torch.get_default_dtype(), torch.get_num_threads(),
+            torch.get_rng_state().clone(), random.getstate(), np.random.get_state()[1].copy())
+
+
+@pytest.mark.parametrize("exercise", sorted(CHECKERS))
+def test_checks_leave_global_state_alone(exercise):
+    by_exercise = {a.exercise: a for a in BUGGY}
+    torch.manual_seed(123)
+    before = _state()
+    for candidate in (REFERENCES[exercise], by_exercise[exercise].candidate):
+        run(exercise, candidate)
+    after = _state()
+    assert before[:3] == after[:3]
+    assert torch.equal(before[3], after[3]) and before[4] == after[4] and (before[5] == after[5]).all()
+
+
+def test_a_float64_notebook_is_respected():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for exercise in CHECKERS:
+            assert run(exercise, REFERENCES[exercise]).passed, exercise
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("exercise", sorted(CHECKERS))
+def test_hints_are_registered(exercise):
+    entry = _core.EXERCISES[exercise]
+    entry.shown = 0
+    assert 2 <= len(entry.hints) <= 3
+    texts = [checks.hint(exercise) for _ in range(len(entry.hints) + 1)]
+    assert texts[0].startswith(f"Hint 1/{len(entry.hints)} for exercise {exercise}")
+    entry.shown = 0
+
+
+@pytest.mark.parametrize("exercise", sorted(CHECKERS))
+def test_solutions_come_from_notebook_11(exercise):
+    source = checks.show_solution(exercise)
+    assert f"### BEGIN SOLUTION (Exercise {exercise}" in source
