@@ -37,6 +37,7 @@ def test_calibration_measures_matmul_speed_quickly_and_leaves_the_random_stream_
     (2.4, "about 2.4x slower than the reference laptop"),
     (35.2, "about 35x slower than the reference laptop"),
     (0.5, "about 2.0x faster than the reference laptop"),
+    (402.0, "more than 20x slower than the reference laptop right now"),
     (1.1, "about as fast as the reference laptop"),
 ])
 def test_setup_notebook_prints_one_line_comparing_this_machine(capsys, monkeypatch, speed, factor, wanted):
@@ -71,6 +72,10 @@ def test_expect_time_scales_the_reference_time_and_says_so_before_the_run(capsys
                                        "expected on this machine: about 240 s (4 minutes)\n")
     speed(0.5)
     assert runtime.expect_time(30, "x") == pytest.approx(15)
+    capsys.readouterr()
+    speed(400.0)
+    runtime.expect_time(30, "x")
+    assert capsys.readouterr().out.endswith("expected on this machine: more than 600 s (10 minutes)\n")
     with pytest.raises(ValueError, match="reference_seconds"):
         runtime.expect_time(0, "a run")
     with pytest.raises(TypeError, match="what"):
