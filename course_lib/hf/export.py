@@ -95,6 +95,9 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Export
 def main(run_dir: str, out_dir: str) -> int:
     """The CLI: 0 written, 2 refused (one line on stderr)."""
     import sys
+
+    import transformers
+    transformers.utils.logging.disable_progress_bar()   # one tensor file: a bar for it is noise in the output
     try:
         done = export_run(run_dir, out_dir)
     except ExportRefused as exc:
