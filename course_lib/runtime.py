@@ -73,13 +73,15 @@ def setup_notebook(seed: int = 0) -> torch.device:
 # ---------------------------------------------------------------------------
 
 # The notebooks' times are for the reference laptop: a quiet 2-core CPU running 2 threads. On it,
-# calibrate() measures about this many GFLOP/s (the CI machine kind, 2 vCPUs Xeon, torch 2.13 CPU,
-# 2 threads; the best of repeated calibrations while the machine was otherwise idle).
+# calibrate() measures about this many GFLOP/s. Measured on the CI machine kind (2 vCPUs Xeon, torch 2.13
+# CPU, 2 threads) in its calmest moments, medians of 180 to 197: an estimate, as that machine was shared
+# while this was written; measure it again on a quiet one with `python -c "from course_lib import
+# runtime; print(runtime.calibrate(1.0))"` (COURSE_THREADS=2 set by setup_notebook, or torch's default).
 REFERENCE_GFLOPS = 190.0
 # Threads that wait on each other on a crowded machine make small matmuls hundreds of times slower, far
 # more than a whole training step, so beyond this the comparison only says "more than".
 MOST_SLOWDOWN_SHOWN = 20.0
-_CALIBRATION_SIZE = 256        # (256, 256) @ (256, 256): the size of the course's own layers' matmuls
+_CALIBRATION_SIZE = 256        # (256, 256) @ (256, 256): about the size of the CPU models' own matmuls
 _state: dict[str, float] = {}
 
 
