@@ -1,8 +1,8 @@
 # Every target sets up what it needs; running one twice does the work once.
 #   make lab            set up, write your own copies into student/ (never overwriting your edits), open the first
 #   make lab-solutions  for instructors: JupyterLab on the solution notebooks in notebooks/
-#   make test           set up (with nbgrader, for its test), then all the tests, the notebooks (nbval)
-#                       and the learner copies
+#   make test           set up (with nbgrader, for its test), then all the tests, the notebooks (nbval),
+#                       the learner copies and, when Chromium is installed, JupyterLab in a real browser
 #   make unit           the fast unit tests only (tests marked slow are skipped)
 #   make lint           ruff (pyflakes, bugbear, import order, pyupgrade), configured in pyproject.toml
 #   make student        write or refresh the learner copies in student/ (your edits are kept)
@@ -23,7 +23,7 @@ JOBS ?= 2
 NBVAL_OPTS := -p no:cacheprovider --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
               --nbval-cell-timeout=600
 
-.PHONY: setup lab lab-solutions test lint unit tests-all notebooks learner-copies student bench doctor data clean
+.PHONY: setup lab lab-solutions test lint unit tests-all notebooks learner-copies browser student bench doctor data clean
 
 setup: $(VENV)/.installed data
 
@@ -51,7 +51,7 @@ lab: setup student
 lab-solutions: setup
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/01_attention_toy.ipynb
 
-test: setup lint tests-all notebooks learner-copies
+test: setup lint tests-all notebooks learner-copies browser
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
@@ -59,8 +59,9 @@ lint: $(VENV)/.installed
 unit: setup
 	$(PY) -m pytest -p no:cacheprovider -m "not slow" tests
 
+# The browser test runs once, on its own, in `browser` below.
 tests-all: setup $(VENV)/.instructor
-	$(PY) -m pytest -n $(JOBS) -p no:cacheprovider tests
+	$(PY) -m pytest -n $(JOBS) -p no:cacheprovider --ignore=tests/test_browser.py tests
 
 notebooks: setup
 	$(NBVAL_ENV) $(PY) -m pytest $(NBVAL_OPTS) --nbval notebooks
@@ -68,6 +69,18 @@ notebooks: setup
 learner-copies: setup
 	rm -rf build/student && $(PY) -m course_lib student notebooks build/student
 	$(NBVAL_ENV) $(PY) -m pytest $(NBVAL_OPTS) --nbval-lax build/student
+
+# JupyterLab on learner copies in headless Chromium (Debian: apt-get install chromium chromium-driver;
+# .ci/run installs them). Without them, one line says it was skipped.
+BROWSER_SHOTS := build/browser
+browser: setup
+	@if command -v chromedriver >/dev/null 2>&1 && { command -v chromium >/dev/null 2>&1 || \
+	        command -v chromium-browser >/dev/null 2>&1; }; then \
+	    echo "browser test: screenshots in $(BROWSER_SHOTS)/"; \
+	    COURSE_BROWSER_SHOTS=$(BROWSER_SHOTS) $(PY) -m pytest -p no:cacheprovider -q tests/test_browser.py; \
+	else \
+	    echo "browser test skipped: no Chromium here (apt-get install chromium chromium-driver)"; \
+	fi
 
 bench: setup
 	$(PY) -m course_lib bench attention

@@ -1,4 +1,4 @@
-"""`python -m course_lib start | doctor | data | train | student | grade | progress | bench`."""
+"""`python -m course_lib start | doctor | data | train | export | student | grade | progress | bench`."""
 from __future__ import annotations
 
 import argparse
@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    export = sub.add_parser("export", help="write a trained run as a Hugging Face folder (GPT runs as GPT-2, "
+                                           "ModernGPT runs as Llama) for transformers.pipeline")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the folder a training run wrote (checkpoint.pt)")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty folder for config.json, "
+                                                           "model.safetensors, generation_config.json and the tokenizer")
+
     student = sub.add_parser("student", help="write learner copies of the notebooks (solutions removed)")
     student.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -186,6 +192,9 @@ def _run(args: argparse.Namespace) -> int:
         return _data(args)
     if args.command == "train":
         return _train(args)
+    if args.command == "export":
+        from .hf.export import main as export_main
+        return export_main(args.run_dir, args.out_dir)
     if args.command == "start":
         from .assignments import start_main
         return start_main(args.args)

@@ -1,14 +1,16 @@
 """Reproducibility and device helpers."""
 from __future__ import annotations
 
+import math
 import os
 import random
+import time
 
 import torch
 
 from . import _validate as validate
 
-__all__ = ["device", "set_seed", "setup_notebook"]
+__all__ = ["device", "set_seed", "setup_notebook", "calibrate", "slowdown", "expect_time"]
 
 DEVICES = ("cuda", "mps", "cpu")
 
@@ -62,4 +64,96 @@ def setup_notebook(seed: int = 0) -> torch.device:
     from . import __version__
     print(f"course_lib {__version__} | torch {torch.__version__.split('+')[0]} | device {chosen} | "
           f"{torch.get_num_threads()} CPU threads | seed {seed}")
+    print(_compare_with_reference(chosen))
     return chosen
+
+
+# ---------------------------------------------------------------------------
+# How this machine compares with the reference laptop
+# ---------------------------------------------------------------------------
+
+# The notebooks' times are for the reference laptop: a quiet 2-core CPU running 2 threads. On it,
+# calibrate() measures about this many GFLOP/s. Measured on the CI machine kind (2 vCPUs Xeon, torch 2.13
+# CPU, 2 threads) in its calmest moments, medians of 180 to 197: an estimate, as that machine was shared
+# while this was written; measure it again on a quiet one with `python -c "from course_lib import
+# runtime; print(runtime.calibrate(1.0))"` (COURSE_THREADS=2 set by setup_notebook, or torch's default).
+REFERENCE_GFLOPS = 190.0
+# Threads that wait on each other on a crowded machine make small matmuls hundreds of times slower, far
+# more than a whole training step, so beyond this the comparison only says "more than".
+MOST_SLOWDOWN_SHOWN = 20.0
+_CALIBRATION_SIZE = 256        # (256, 256) @ (256, 256): about the size of the CPU models' own matmuls
+_state: dict[str, float] = {}
+
+
+def calibrate(seconds: float = 0.2) -> float:
+    """This machine's float32 matmul speed now, in GFLOP/s: (256, 256) matmuls for about ``seconds``.
+
+    The median of many short products, so one interruption does not decide it, but a machine
+    busy with other work (or threads waiting on each other) measures slow, as its runs will be.
+    """
+    validate.positive_float("seconds", seconds)
+    n = _CALIBRATION_SIZE
+    generator = torch.Generator().manual_seed(0)   # its own generator: the notebook's random stream is untouched
+    a = torch.randn(n, n, generator=generator)
+    b = torch.randn(n, n, generator=generator)
+    a @ b                                          # first call: allocation and thread start-up
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    times.sort()
+    gflops = 2 * n**3 / max(times[len(times) // 2], 1e-9) / 1e9
+    _state["slowdown"] = REFERENCE_GFLOPS / gflops
+    return gflops
+
+
+def slowdown() -> float:
+    """How many times longer than the reference laptop this machine takes (calibrating once if needed)."""
+    if "slowdown" not in _state:
+        calibrate()
+    return _state["slowdown"]
+
+
+def _compare_with_reference(chosen: torch.device) -> str:
+    if chosen.type != "cpu":
+        return (f"this machine: runs on {chosen.type}; the times in the notebooks are the reference laptop's "
+                f"(2 quiet CPU cores), so expect shorter runs")
+    factor = slowdown()
+    if 0.8 <= factor <= 1.25:
+        speed = "about as fast as the reference laptop"
+    elif factor > MOST_SLOWDOWN_SHOWN:
+        speed = f"more than {MOST_SLOWDOWN_SHOWN:.0f}x slower than the reference laptop right now"
+    elif factor > 1:
+        speed = f"about {factor:.{0 if factor >= 10 else 1}f}x slower than the reference laptop"
+    else:
+        speed = f"about {1 / factor:.{0 if factor <= 0.1 else 1}f}x faster than the reference laptop"
+    line = f"this machine: {speed} (2 quiet CPU cores), for which the notebooks' times are given"
+    if factor > 3 and torch.get_num_threads() > 1:
+        line += ("; other programs seem to be using the cores: if runs crawl, set COURSE_THREADS=1 before "
+                 "starting JupyterLab")
+    return line
+
+
+def _seconds_text(seconds: float) -> str:
+    if seconds < 100:
+        return f"{seconds:.0f} s"
+    return f"{seconds:.0f} s ({math.ceil(seconds / 60)} minutes)"
+
+
+def expect_time(reference_seconds: float, what: str) -> float:
+    """Print how long ``what`` should take here, before a long run starts; return those seconds.
+
+    ``reference_seconds`` is its time on the reference laptop; this machine's calibration scales it.
+    """
+    validate.positive_float("reference_seconds", reference_seconds)
+    if not isinstance(what, str) or not what.strip():
+        raise TypeError(f"what: expected a short description such as 'training on Shakespeare', got {what!r}")
+    factor = slowdown()
+    here = reference_seconds * factor
+    estimate = (f"more than {_seconds_text(reference_seconds * MOST_SLOWDOWN_SHOWN)}"
+                if factor > MOST_SLOWDOWN_SHOWN else f"about {_seconds_text(here)}")
+    print(f"{what}: about {_seconds_text(reference_seconds)} on the reference laptop; expected on this machine: "
+          f"{estimate}")
+    return here

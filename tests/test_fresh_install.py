@@ -1,4 +1,5 @@
-"""The learner's path with nothing but `pip install`: a wheel in a fresh venv, `start`, and the notebooks.
+"""The learner's path with nothing but the wheel: README's no-checkout commands, word for word, in a folder
+holding only the wheel, in a fresh venv; then `start` and the notebooks.
 
 This is what a JupyterHub room, a hosted notebook or a class venv does: no checkout, no make.
 The venv is built once for the module (about a minute: pip takes the dependencies from its cache).
@@ -7,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
+SHARED = Path(os.environ.get("COURSE_DATA_DIR") or ROOT.parent / "shared" / "data")   # CI: ../shared/data
 INSTALL_TIMEOUT = 1200   # seconds; a cold pip cache on a slow mirror is the worst case
 
 
@@ -48,27 +52,58 @@ def _package_files(folder: Path) -> dict[str, tuple[int, int]]:
             for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
 
 
+def readme_commands() -> list[str]:
+    """README's no-checkout commands: the code block after the comment naming this file."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    marker = readme.index("<!-- tests/test_fresh_install.py")
+    block = re.search(r"```\n(.*?)```", readme[marker:], re.S)
+    assert block and block.start() < readme.index("\n\n", marker) + 3, "README: the marked code block is missing"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory):
+    """A folder holding only the wheel, a fresh venv activated, and README's commands, word for word."""
     base = tmp_path_factory.mktemp("fresh")
-    wheels, venv, home = base / "wheels", base / "venv", base / "home"
+    wheels, venv, home, folder = base / "wheels", base / "venv", base / "home", base / "no-checkout"
     home.mkdir()
+    folder.mkdir()
     env = _without_course(dict(os.environ))   # pip keeps its own cache and configuration
     built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, ROOT],
                  cwd=base, env=env)
     assert built.returncode == 0, built.stdout + built.stderr
     wheel = next(wheels.glob("course_lib-*.whl"))
+    commands = readme_commands()
+    assert commands[0] == f'pip install "{wheel.name}[pinned]"', f"README names another wheel than {wheel.name}"
+    shutil.copy(wheel, folder / wheel.name)
     made = _run([sys.executable, "-m", "venv", venv], cwd=base, env=env)
     assert made.returncode == 0, made.stderr
+    # README's lines as a student types them, in the activated venv, one failure stopping the rest.
+    script = "set -e\n. " + shlex.quote(str(venv / "bin" / "activate")) + "\n" + "\n".join(commands) + "\n"
+    ran = _run(["bash", "-c", script], cwd=folder, env=dict(env, PIP_DISABLE_PIP_VERSION_CHECK="1"),
+               timeout=INSTALL_TIMEOUT)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     python = venv / "bin" / "python"
-    installed = _run([python, "-m", "pip", "install", "--quiet", "--no-compile", "--disable-pip-version-check",
-                      "-c", ROOT / "constraints.txt", wheel], cwd=base, env=env, timeout=INSTALL_TIMEOUT)
-    assert installed.returncode == 0, installed.stdout + installed.stderr
     package = Path(_run([python, "-c", "import course_lib, os; print(os.path.dirname(course_lib.__file__))"],
                         cwd=base, env=env).stdout.strip())
     assert package.parent.name == "site-packages", f"course_lib imported from {package}, not the fresh venv"
     return {"python": python, "venv": venv, "home": home, "env": _student_env(home), "package": package,
-            "base": base}
+            "base": base, "folder": folder, "readme_output": ran.stdout}
+
+
+def test_readme_commands_install_the_tested_versions_and_write_the_copies(fresh_venv):
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    listed = _run([fresh_venv["python"], "-m", "pip", "list", "--format=json"], cwd=fresh_venv["base"],
+                  env=fresh_venv["env"])
+    installed = {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(listed.stdout)}
+    for name in ("torch", "transformers", "jupyterlab", "ipywidgets", "numpy", "matplotlib", "tokenizers"):
+        wanted = next(v for k, v in pins.items() if k.lower().replace("_", "-") == name)
+        assert installed[name].split("+")[0] == wanted, f"{name}: {installed[name]} installed, {wanted} tested"
+    copies = sorted(p.name for p in (fresh_venv["folder"] / "attention-course").glob("*.ipynb"))
+    assert copies == sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert "jupyter lab attention-course/01_attention_toy.ipynb" in fresh_venv["readme_output"]
+    assert sorted(p.name for p in fresh_venv["folder"].iterdir())[0] == "attention-course"
 
 
 def test_start_writes_the_learner_copies_from_the_installed_package(fresh_venv):

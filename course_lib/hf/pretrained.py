@@ -14,7 +14,9 @@ from transformers import GPT2LMHeadModel
 from .. import _validate as validate
 from ..data import REPLACEMENT_CHAR, UNKNOWN_POLICIES
 from ..model import GPT
+from ..modern_gpt import ModernGPT
 from .gpt2 import from_hf_gpt2, to_hf_gpt2
+from .llama import to_hf_llama
 
 __all__ = ["PretrainedWeightsNotFound", "from_pretrained", "char_tokenizer_to_hf", "save_pretrained"]
 
@@ -129,14 +131,15 @@ def char_tokenizer_to_hf(tokenizer: Any, *, model_max_length: int | None = None)
                                                 **kwargs)
 
 
-def save_pretrained(model: GPT, tokenizer: Any, folder: str | os.PathLike) -> Path:
-    """Write ``model`` (as GPT-2) and ``tokenizer`` to ``folder`` for ``transformers.pipeline("text-generation")``.
+def save_pretrained(model: GPT | ModernGPT, tokenizer: Any, folder: str | os.PathLike) -> Path:
+    """Write ``model`` (a GPT as GPT-2, a ModernGPT as Llama) and ``tokenizer`` to ``folder`` for
+    ``transformers.pipeline("text-generation")``.
 
     ``tokenizer``: a transformers fast tokenizer (data.train_subword_tokenizer) or the
     course's CharTokenizer. Returns the folder.
     """
-    if not isinstance(model, GPT):
-        raise TypeError(f"model: expected a course_lib GPT, got {validate.describe(model)}")
+    if not isinstance(model, (GPT, ModernGPT)):
+        raise TypeError(f"model: expected a course_lib GPT or ModernGPT, got {validate.describe(model)}")
     if not isinstance(folder, (str, os.PathLike)) or not str(folder):
         raise TypeError(f"folder: expected a folder path, got {validate.describe(folder)}")
     max_tokens = model.config.max_tokens
@@ -148,10 +151,12 @@ def save_pretrained(model: GPT, tokenizer: Any, folder: str | os.PathLike) -> Pa
     if len(hf_tokenizer) > model.config.vocab_size:
         raise ValueError(f"tokenizer: has {len(hf_tokenizer)} tokens but the model's vocab_size is "
                          f"{model.config.vocab_size}; export the tokenizer the model was trained with")
-    hf_model = to_hf_gpt2(model).eval()
+    hf_model = (to_hf_gpt2(model) if isinstance(model, GPT) else to_hf_llama(model)).eval()
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(hf_model.config, attr, getattr(hf_tokenizer, attr, None))
         setattr(hf_model.generation_config, attr, getattr(hf_tokenizer, attr, None))
+    # Greedy unless the caller asks otherwise: the same text as course_lib.generate(temperature=0).
+    hf_model.generation_config.do_sample = False
     # The pipeline's default of 256 new tokens would run past the position table of a
     # small model; half the context leaves room for the prompt. (A max_length cap
     # would make transformers warn whenever a caller passes max_new_tokens.)

@@ -1,0 +1,109 @@
+"""`python -m course_lib export RUN_DIR OUT_DIR`: a trained run as a Hugging Face folder.
+
+The folder holds ``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer
+files, so ``AutoModelForCausalLM.from_pretrained`` loads a ``GPT`` run as GPT-2 and a ``ModernGPT``
+run as Llama, ``AutoTokenizer.from_pretrained`` loads its tokenizer, and
+``pipeline("text-generation", model=OUT_DIR)`` decodes greedily to the text ``course_lib.generate``
+gives with ``temperature=0`` (within the model's context).
+
+What cannot be exported (a setting GPT-2 or Llama cannot express, a run without a tokenizer, a
+folder that already holds files) is refused with :class:`ExportRefused`, one line naming it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoints import CheckpointError, load_checkpoint
+from ..model import GPT
+from ..run_folder import CHECKPOINT
+from .pretrained import save_pretrained
+
+__all__ = ["ExportRefused", "Exported", "export_run", "main"]
+
+
+class ExportRefused(ValueError):
+    """A run that cannot be written as a Hugging Face folder; the message names the reason."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    folder: Path
+    hf_type: str          # "gpt2" or "llama"
+    parameters: int
+    seconds: float
+
+
+def _checked_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportRefused(f"OUT_DIR: expected a folder, got the existing file {out_dir}")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise ExportRefused(f"OUT_DIR: {out_dir} already holds files; export into a new or empty folder "
+                            f"(nothing there is replaced)")
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Exported:
+    """Write the run saved in ``run_dir`` (by ``python -m course_lib train``) as a Hugging Face folder ``out_dir``."""
+    for name, value in (("RUN_DIR", run_dir), ("OUT_DIR", out_dir)):
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise ExportRefused(f"{name}: expected a folder path, got {value!r}")
+    start = time.perf_counter()
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    checkpoint = run_dir / CHECKPOINT
+    if not checkpoint.is_file():
+        raise ExportRefused(f"RUN_DIR: expected a run folder holding {CHECKPOINT}, got {run_dir} "
+                            f"({'missing' if not run_dir.exists() else 'no ' + CHECKPOINT + ' in it'}); "
+                            f"train one with: python -m course_lib train --preset tiny --out {run_dir}")
+    _checked_out_dir(out_dir)
+    try:
+        saved = load_checkpoint(checkpoint, device="cpu")
+    except (CheckpointError, ValueError) as exc:
+        raise ExportRefused(f"RUN_DIR: {exc}") from None
+    if saved.tokenizer is None:
+        raise ExportRefused(f"RUN_DIR: {checkpoint} saved no tokenizer, and a Hugging Face folder needs one; "
+                            f"export a run trained with python -m course_lib train")
+    model = saved.model.float().eval()
+    # Written beside OUT_DIR, then renamed: an export that fails half-way leaves no half-written folder.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
+    try:
+        with torch.no_grad():
+            save_pretrained(model, saved.tokenizer, staging)
+    except ValueError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        # to_hf_gpt2 / to_hf_llama name the setting: "config.qk_norm: a Llama cannot express qk_norm=True ..."
+        message = re.sub(r"^(ours\.)?config\.", "", str(exc))
+        raise ExportRefused(f"cannot export {run_dir}: the run's {message}") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out_dir.is_dir():
+        out_dir.rmdir()   # empty (checked above): the rename needs the name free
+    os.replace(staging, out_dir)
+    return Exported(folder=out_dir, hf_type="gpt2" if isinstance(model, GPT) else "llama",
+                    parameters=sum(p.numel() for p in model.parameters()),
+                    seconds=time.perf_counter() - start)
+
+
+def main(run_dir: str, out_dir: str) -> int:
+    """The CLI: 0 written, 2 refused (one line on stderr)."""
+    import sys
+
+    import transformers
+    transformers.utils.logging.disable_progress_bar()   # one tensor file: a bar for it is noise in the output
+    try:
+        done = export_run(run_dir, out_dir)
+    except ExportRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    kind = "GPT-2 (GPT2LMHeadModel)" if done.hf_type == "gpt2" else "Llama (LlamaForCausalLM)"
+    print(f"wrote {done.folder} as {kind}, {done.parameters:,} parameters, in {done.seconds:.1f} s")
+    print(f"use it with: transformers.pipeline(\"text-generation\", model=\"{done.folder}\")")
+    return 0
