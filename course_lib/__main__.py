@@ -76,8 +76,8 @@ def _data(args: argparse.Namespace) -> int:
             missing.append(name)
     if missing and args.warn_only:
         print(f"WARNING: {', '.join(missing)} not available yet; the notebooks that need "
-              f"{'it' if len(missing) == 1 else 'them'} (02, 05, 06, 07, 08) will say so. The fix is above; "
-              f"notebooks 01, 03 and 04 need no corpus.", file=sys.stderr)
+              f"{'it' if len(missing) == 1 else 'them'} (02, 05–09 and 11) will say so. The fix is above; "
+              f"notebooks 01, 03, 04 and 10 need no corpus.", file=sys.stderr)
         return 0
     return 1 if missing else 0
 
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--no-download", action="store_true", help="only look, never download")
     data.add_argument("--warn-only", action="store_true",
                       help="a corpus that cannot be had is a warning (exit 0), not an error: notebooks "
-                           "01, 03 and 04 need none")
+                           "01, 03, 04 and 10 need none")
 
     train = sub.add_parser(
         "train", help="train a named preset", epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

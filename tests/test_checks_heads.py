@@ -34,7 +34,7 @@ ISSUE_MISTAKES = {
     "ablation: the wrong slice of the merged heads": ("11.3", "ablation_slice"),
 }
 
-DIAGNOSES_ADDED_FOR_11 = ("score_offset", "score_positions", "score_axes", "no_gradient", "ablation_method",
+DIAGNOSES_ADDED_FOR_11 = ("score_offset", "score_positions", "score_axes", "ablation_method",
                           "ablation_slice", "not_restored")
 
 

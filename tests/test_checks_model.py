@@ -230,7 +230,10 @@ def test_check_trains_like_reference_returns_judges_verdict(capsys):
     assert checks.check_trains_like_reference(runs[1], reference, tolerance=0.2).passed
     wrong = checks.check_trains_like_reference("not a run", reference)   # answers, never raises
     assert not wrong.passed and wrong.exercise == "8.1" and "TrainingRun" in wrong.message
-    _core.EXERCISES["8.1"].shown = 0
+    entry = _core.EXERCISES["8.1"]
+    entry.shown, entry.step, entry.followed = 0, 0, None
+    # after the failed check, the first hint answers that verdict; the next ones are the spec's, in order
+    assert "after your last check (exception)" in checks.hint("8.1")
     assert checks.hint("8.1").startswith("Hint 1/2 for exercise 8.1") and "train_parts" in capsys.readouterr().out
     _core.EXERCISES["8.1"].shown = 0
     assert "no solution" in checks.show_solution("8.1") and "no solution" in capsys.readouterr().out

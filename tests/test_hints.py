@@ -79,3 +79,12 @@ def test_most_forward_mistakes_of_the_banks_get_a_counterexample():
     attempts = [a for a in ATTENTION_BUGGY + MODERN_BUGGY if a.exercise in CHECKS and a.expected in shown]
     found = [a.id for a in attempts if "counterexample" in CHECKS[a.exercise](a.candidate).details]
     assert len(attempts) >= 20 and len(found) >= 0.7 * len(attempts), (len(found), len(attempts))
+
+
+def test_every_diagnosis_a_student_can_get_has_a_nudge_of_its_own():
+    from course_lib.checks._harness import DIAGNOSES
+    from course_lib.checks._nudges import NUDGES
+    without = [code for code in DIAGNOSES if code not in NUDGES and code not in ("not_implemented", "checker_error")]
+    assert not without, f"these diagnoses fall back to the generic nudge: {without}"
+    promising = [code for code, text in NUDGES.items() if "next hint" in text]
+    assert not promising, f"a nudge may not promise a counter-example that may not exist: {promising}"

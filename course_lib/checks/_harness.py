@@ -107,7 +107,6 @@ DIAGNOSES = (
     "score_offset",      # a head score reads the wrong diagonal: the copy itself, the token itself, one too far
     "score_positions",   # a head score averages over positions that have no target (position 0, the first half)
     "score_axes",        # a head score averages over the wrong axes: batch and heads swapped, one left unaveraged
-    "no_gradient",       # the right numbers, cut off from autograd (or with the wrong gradient)
     "ablation_method",   # a head "switched off" by changing the wrong thing (its attention pattern), or not at all
     "ablation_slice",    # the wrong part of the merged heads zeroed: another head, the whole layer, proj's rows
     "not_restored",      # a context manager that leaves the model changed (hooks, weights), also after an exception

@@ -206,7 +206,7 @@ def judge_ablate_head(fn: Callable[..., Any]) -> str:
                 grads = _grads(model, out, weights, layer)
             for name, grad in expected_grads.items():
                 if grad is not None and (grads[name] is None or not close(grads[name], grad)):
-                    fail("no_gradient", f"{shown}: the output is right, but gradients no longer flow as they "
+                    fail("gradient", f"{shown}: the output is right, but gradients no longer flow as they "
                                         f"should (first wrong at {name}): the ablation must stay part of the "
                                         f"graph. Replace the head's columns with zeros in a copy of proj's input "
                                         f"(clone, then assign), without torch.no_grad() or .detach().")

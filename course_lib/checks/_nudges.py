@@ -48,8 +48,57 @@ NUDGES = {
     "mutation": "Which line changes one of the inputs in place (+=, *=, a method ending in _, t[...] = )?",
     "generator": "Which random call does not use the generator you were given?",
     "clipping": "When is the gradient norm clipped: after backward, before the optimizer step?",
-    "mismatch": "Compare your output with the reference's on the smallest input where they differ (the next "
-                "hint shows one): which entries are wrong, and by how much?",
+    "exception": "Read the last line of the error in the check's message: which line of yours raised it, and "
+                 "what did it receive? Call your code on the smallest input the exercise describes and print "
+                 "each intermediate.",
+    "timeout": "Which loop could run forever, or far longer than the input's size asks for? Count its "
+               "iterations for a small input.",
+    "zero_grad": "When are the gradients of the previous step cleared: before backward, or not at all? Where "
+                 "would clearing them wipe the gradients you just computed?",
+    "flops_factor": "A training step runs the forward pass and the backward pass: how many FLOPs per parameter "
+                    "and token does each cost?",
+    "split_transpose": "After the reshape to (N, L, heads, head_dim), which axis must come before the positions "
+                       "so that each head attends over its own sequence?",
+    "final_norm": "Follow x from the last block to the language-model head: what does the reference do to it "
+                  "in between?",
+    "no_kv_cache": "At each new token, which cache does your loop pass to the model, and is it the one the "
+                   "previous step filled?",
+    "overlapping_windows": "Write the start of the first three windows for a small text: how far apart are "
+                           "they, and how far apart should they be?",
+    "online_rescale": "When a later block holds a larger score, the running maximum grows: what must happen "
+                      "to the sum (and the output) you accumulated with the old maximum?",
+    "running_max": "Which maximum do you subtract: the largest score seen so far, or only the current block's?",
+    "overflow": "What is exp(100) in float32? Which number do you subtract from the scores before exp?",
+    "early_normalization": "How many times should the output be divided by the sum of weights: once per block, "
+                           "or once, after the last block?",
+    "block_bounds": "Write the first and last index of every block for a length that is not a multiple of the "
+                    "block size: is every position in exactly one block?",
+    "block_skip": "For a causal mask, which key blocks can a query block see? Draw the grid of blocks and "
+                  "shade the ones that hold any allowed cell.",
+    "full_scores": "Which line builds a tensor as large as L x L? Every score tensor should be one block by "
+                   "one block.",
+    "not_tiled": "Does any line reduce or multiply over a whole row of keys at once, or call a fused "
+                 "attention? Each step should touch one block of keys.",
+    "logsumexp": "The log of the softmax's denominator: write it with the running maximum m and the running "
+                 "sum l, and check it on one row by hand.",
+    "backward_delta": "D is one number per query row: which two tensors of the forward pass and the incoming "
+                      "gradient does it multiply?",
+    "transposed": "Write the shape of each factor of dV, dK and dQ: which matrix must be transposed for the "
+                  "shapes to fit?",
+    "score_offset": "For a previous-token head, which key should query i look at? For an induction head, after "
+                    "the repeat, which key follows the earlier copy of the current token?",
+    "score_positions": "Which query positions have a token to look at? Average over those only.",
+    "score_axes": "Print the shape of the weights you receive: which axes are batch, heads, queries and keys, "
+                  "and which of them does the score keep?",
+    "ablation_method": "Switching a head off removes what it adds to the output: which tensor carries that, and "
+                       "does your code zero it?",
+    "ablation_slice": "In the merged output of shape (N, L, heads * head_dim), which columns belong to head h?",
+    "not_restored": "After the with-block ends (or raises), is the model exactly as before? Which hook or "
+                    "weight did you change, and where is it undone?",
+    "missing": "Is the exercise's cell in your notebook, under its own name?",
+    "crashed": "Which line could end the process: a huge allocation, os._exit, a signal?",
+    "mismatch": "Compare your output with the reference's on the smallest input where they differ: which "
+                "entries are wrong, and by how much?",
 }
 
 

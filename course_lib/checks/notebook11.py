@@ -72,14 +72,14 @@ def _judge_score(fn: Callable[..., Any], name: str, cases: list[tuple[tuple[int,
             fail("mismatch", f"{shown} returned {[round(float(v), 4) for v in out.detach()]}, expected "
                              f"{[round(float(v), 4) for v in right]} (largest difference {max_diff(out, right):.3g}).")
         if out.grad_fn is None:
-            fail("no_gradient", f"{shown} returned the right numbers, cut off from autograd (through .item(), "
+            fail("gradient", f"{shown} returned the right numbers, cut off from autograd (through .item(), "
                                 f".tolist(), numpy, torch.tensor(...) of Python numbers, or .detach()). Build the "
                                 f"score from tensor operations on `weights` (indexing, .diagonal, .mean), so that "
                                 f"it can be differentiated like any other loss.")
         (grad,) = torch.autograd.grad(out.sum(), weights, allow_unused=True)
         expected = torch.autograd.grad(reference(*((weights,) + args[1:])).sum(), weights)[0]
         if grad is None or not close(grad, expected):
-            fail("no_gradient", f"{shown}: the right numbers, but their gradient with respect to the weights is "
+            fail("gradient", f"{shown}: the right numbers, but their gradient with respect to the weights is "
                                 f"wrong: each score should change by 1/count when one of the entries it averages "
                                 f"changes by 1. Compute it from `weights` with tensor operations only.")
 

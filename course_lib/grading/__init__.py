@@ -92,7 +92,7 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
 
     ``workers``: students graded at once (default: the machine's cores); ``timeout``: seconds per
     notebook; ``memory_mb``: memory per exercise (None: no limit); ``exercises``: ids (default:
-    every exercise with an exercise cell, 1.1-7.2 and 9.1-9.6; 8.1, which trains two models per
+    every exercise with an exercise cell, 1.1-7.2 and 9.1-11.3; 8.1, which trains two models per
     student, only when asked for); ``gradescope``: also write results.json (with ``exercises`` None, each student scored on
     the exercises of the notebooks they handed in);
     ``inline``: grade each student in one fresh process, as on Windows; ``isolate``: each student's

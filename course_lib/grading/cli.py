@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory per exercise beyond the course's own, 0 for none (default %(default)s)")
     parser.add_argument("--exercises", type=_exercises, default=None, metavar="IDS",
                         help="'2.1,2.2', notebook numbers '02,03', or 'all' (default: every exercise but 8.1, "
-                             "that is 1.1 to 7.2 and 9.1 to 9.6; 8.1 trains two models per student)")
+                             "that is 1.1 to 7.2 and 9.1 to 11.3; 8.1 trains two models per student)")
     parser.add_argument("--format", choices=("report", "gradescope"), default="report",
                         help="'gradescope' also writes Gradescope's results.json")
     parser.add_argument("--inline", action="store_true",

@@ -101,13 +101,13 @@ def prev_sums(weights):
     return weights.diagonal(offset=-1, dim1=-2, dim2=-1).sum(dim=(0, 2))
 
 
-@bug("11.1", "no_gradient", "autograd")
+@bug("11.1", "gradient", "autograd")
 def prev_through_item(weights):
     d = weights.diagonal(offset=-1, dim1=-2, dim2=-1)
     return torch.tensor([d[:, h].mean().item() for h in range(weights.shape[1])])
 
 
-@bug("11.1", "no_gradient")
+@bug("11.1", "gradient")
 def prev_detached(weights):
     return weights.detach().diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(0, 2))
 
@@ -209,7 +209,7 @@ def induction_sums(weights, half):
     return weights[:, :, i, i - half + 1].sum(dim=(0, 2))
 
 
-@bug("11.2", "no_gradient")
+@bug("11.2", "gradient")
 def induction_via_numpy(weights, half):
     w = weights.detach().numpy()
     i = list(range(half, w.shape[-1]))
@@ -487,7 +487,7 @@ def ablate_one_based_layer(model, layer, head):
         handle.remove()
 
 
-@bug("11.3", "no_gradient", "graph")
+@bug("11.3", "gradient", "graph")
 @contextlib.contextmanager
 def ablate_detaches(model, layer, head):
     attn = model.blocks[layer].attn
