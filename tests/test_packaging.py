@@ -61,7 +61,17 @@ def test_nbgrader_comes_only_with_the_instructor_extra():
     assert "nbgrader" in requirement_map(project["optional-dependencies"]["instructor"])
     assert "nbgrader" not in requirement_map(project["dependencies"] + project["optional-dependencies"]["test"])
     makefile = (ROOT / "Makefile").read_text()
-    assert '".[test,instructor]"' in makefile   # CI's `make test` runs tests/test_nbgrader.py with it
+    # CI's `make test` runs tests/test_nbgrader.py with it: the instructor venv installs the extra
+    assert re.search(r'-e "\.\[\$\(EXTRAS\),instructor\]"', makefile)
+    assert re.search(r"^EXTRAS := test\b", makefile, re.MULTILINE), "the extras start with the test extra"
+
+
+def test_triton_is_installed_only_where_it_ships_wheels():
+    project = pyproject()["project"]
+    assert "triton" in requirement_map(project["optional-dependencies"]["triton"])
+    assert "triton" not in requirement_map(project["dependencies"] + project["optional-dependencies"]["test"])
+    makefile = (ROOT / "Makefile").read_text()
+    assert "Linux-x86_64" in makefile and "triton" in makefile.split("EXTRAS :=", 1)[1].splitlines()[0]
 
 
 def test_every_course_lib_package_is_listed_for_setuptools():

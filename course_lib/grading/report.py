@@ -188,18 +188,30 @@ def feedback_markdown(student: str, grades: list[Grade], notes: list[str] | tupl
 
 
 # Okabe and Ito's palette (2008), told apart with every kind of colour vision; passed is its bluish
-# green, the not-yet-done grey. Beyond its seven colours, the colours come round again with a hatch.
+# green, the not-yet-done grey. Beyond its seven colours, the colours come round again with a hatch,
+# and past the hatches, with two different hatches drawn over each other (7 x 56 diagnoses in all).
 OKABE_ITO = ("#E69F00", "#56B4E9", "#D55E00", "#0072B2", "#CC79A7", "#F0E442", "#000000")
-HATCHES = ("", "///", "...", "xxx", "\\\\\\", "++", "oo", "--")
+HATCHES = ("", "///", "...", "xxx", "\\\\\\", "++", "oo", "--", "||", "**", "OO")
 FIXED_STYLES = {"passed": ("#009E73", ""), "not_implemented": ("#DDDDDD", ""), "missing": ("#999999", "")}
+
+
+def _hatches():
+    """Every single hatch, then every pair of two different ones drawn over each other: all distinct."""
+    yield from HATCHES
+    for i, first in enumerate(HATCHES[1:], 1):
+        for second in HATCHES[i + 1:]:
+            yield first + second
 
 
 def figure_styles(codes: list[str]) -> dict[str, tuple[str, str]]:
     """The (colour, hatch) of "passed" and of each diagnosis in ``codes``: no two alike."""
     styles = dict(FIXED_STYLES)
     others = [code for code in codes if code not in styles]
+    hatches = _hatches()
     for i, code in enumerate(others):
-        styles[code] = (OKABE_ITO[i % len(OKABE_ITO)], HATCHES[(i // len(OKABE_ITO)) % len(HATCHES)])
+        if i % len(OKABE_ITO) == 0:
+            hatch = next(hatches)   # each round of the seven colours gets a hatch of its own
+        styles[code] = (OKABE_ITO[i % len(OKABE_ITO)], hatch)
     return styles
 
 
