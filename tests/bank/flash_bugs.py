@@ -7,46 +7,15 @@ reference) and only write ``backward``, as exercise 10.3 asks.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from bank.attempts import new_bank
 from course_lib import flash
 from course_lib.flash import FlashAttentionFunction
 
-
-@dataclass(frozen=True)
-class Attempt:
-    exercise: str
-    name: str
-    candidate: Any
-    expected: str | None                 # the diagnosis code, None for a correct attempt
-    says: tuple[str, ...] = ()           # words the message must contain (case-insensitive)
-
-    @property
-    def id(self) -> str:
-        return f"{self.exercise}-{self.name}"
-
-
-BUGGY: list[Attempt] = []
-CORRECT: list[Attempt] = []
-
-
-def bug(exercise: str, expected: str, *says: str) -> Callable[[Any], Any]:
-    def register(candidate: Any) -> Any:
-        BUGGY.append(Attempt(exercise, candidate.__name__, candidate, expected, says))
-        return candidate
-    return register
-
-
-def correct(exercise: str) -> Callable[[Any], Any]:
-    def register(candidate: Any) -> Any:
-        CORRECT.append(Attempt(exercise, candidate.__name__, candidate, None))
-        return candidate
-    return register
+BUGGY, CORRECT, bug, correct = new_bank()
 
 
 # ============================================================================ 10.1 online_softmax

@@ -11,24 +11,9 @@ from typing import Any
 
 import torch
 
-from bank.modern_bugs import Attempt  # the same record: exercise, name, candidate, expected diagnosis, words
+from bank.attempts import new_bank
 
-BUGGY: list[Attempt] = []
-CORRECT: list[Attempt] = []
-
-
-def bug(exercise: str, expected: str, *says: str) -> Callable[[Any], Any]:
-    def register(candidate: Any) -> Any:
-        BUGGY.append(Attempt(exercise, candidate.__name__, candidate, expected, says))
-        return candidate
-    return register
-
-
-def correct(exercise: str) -> Callable[[Any], Any]:
-    def register(candidate: Any) -> Any:
-        CORRECT.append(Attempt(exercise, candidate.__name__, candidate, None))
-        return candidate
-    return register
+BUGGY, CORRECT, bug, correct = new_bank()
 
 
 # ============================================================================ 11.1 previous_token_score

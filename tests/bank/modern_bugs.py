@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bank.attempts import new_bank
 from course_lib.attention import causal_mask, merge_heads, split_heads
 from course_lib.modern import (
     GroupedQueryAttention,
@@ -31,37 +30,7 @@ from course_lib.modern import (
     sliding_window_mask,
 )
 
-
-@dataclass(frozen=True)
-class Attempt:
-    exercise: str
-    name: str
-    candidate: Any
-    expected: str | None                 # the diagnosis code, None for a correct attempt
-    says: tuple[str, ...] = ()           # words the message must contain (case-insensitive)
-
-    @property
-    def id(self) -> str:
-        return f"{self.exercise}-{self.name}"
-
-
-BUGGY: list[Attempt] = []
-CORRECT: list[Attempt] = []
-
-
-def bug(exercise: str, expected: str, *says: str) -> Callable[[Any], Any]:
-    """Register a buggy function or class under its own name."""
-    def register(candidate: Any) -> Any:
-        BUGGY.append(Attempt(exercise, candidate.__name__, candidate, expected, says))
-        return candidate
-    return register
-
-
-def correct(exercise: str) -> Callable[[Any], Any]:
-    def register(candidate: Any) -> Any:
-        CORRECT.append(Attempt(exercise, candidate.__name__, candidate, None))
-        return candidate
-    return register
+BUGGY, CORRECT, bug, correct = new_bank()
 
 
 def in_notebook(cls: type, name: str, **helpers: Any) -> type:
