@@ -13,10 +13,10 @@ import nbformat
 import pytest
 import torch
 
-from course_lib import capstone, checks
-from course_lib.assignments import update_learner_copies
-from course_lib.capstone import TrainingRun, TrainingSetup, find_blame, judge, train_parts
-from course_lib.collect import Collection, collect_student_parts, course_exercises
+from course_lib.classroom import capstone, checks
+from course_lib.classroom.assignments import update_learner_copies
+from course_lib.classroom.capstone import TrainingRun, TrainingSetup, find_blame, judge, train_parts
+from course_lib.classroom.collect import Collection, collect_student_parts, course_exercises
 from course_lib.model import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,10 +8,16 @@ import pytest
 import torch
 from bank.attention_bugs import BUGGY, CORRECT
 
-from course_lib import attention, checks
-from course_lib.checks import _core, notebook01, notebook02, notebook03
-from course_lib.checks._attn_hypotheses import MODULE_HYPOTHESES, SDPA_HYPOTHESES, module_variant, sdpa_variant
-from course_lib.checks._attn_modules import EMBED_DIM, MAX_TOKENS, load, random_params
+from course_lib import attention
+from course_lib.classroom import checks
+from course_lib.classroom.checks import _core, notebook01, notebook02, notebook03
+from course_lib.classroom.checks._attn_hypotheses import (
+    MODULE_HYPOTHESES,
+    SDPA_HYPOTHESES,
+    module_variant,
+    sdpa_variant,
+)
+from course_lib.classroom.checks._attn_modules import EMBED_DIM, MAX_TOKENS, load, random_params
 
 CHECKERS = {
     "1.1": lambda candidate: checks.check_toy_prediction(*candidate),
@@ -235,5 +241,5 @@ def test_each_checker_lives_in_the_module_of_its_notebook():
     for name in names:
         fn = getattr(checks, name)
         notebook = f"{int(fn.exercise.split('.')[0]):02d}"
-        assert fn.__module__ == f"course_lib.checks.notebook{notebook}", (name, fn.__module__)
+        assert fn.__module__ == f"course_lib.classroom.checks.notebook{notebook}", (name, fn.__module__)
         assert fn.exercise in _core.EXERCISES and _core.EXERCISES[fn.exercise].notebook == notebook

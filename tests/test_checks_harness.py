@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import course_lib.attention as attention
-from course_lib import checks
-from course_lib.checks import _gradients as gradients
-from course_lib.checks import _harness, notebook01
+from course_lib.classroom import checks
+from course_lib.classroom.checks import _gradients as gradients
+from course_lib.classroom.checks import _harness, notebook01
 
 
 def _wrong_mask(n):
@@ -220,7 +220,7 @@ def test_show_solution_names_the_argument():
 # ---------------------------------------------------------------- 6.2's speed note
 
 def test_a_cache_slower_than_no_cache_is_called_slower():
-    from course_lib.checks import notebook06
+    from course_lib.classroom.checks import notebook06
     from course_lib.generate import generate
 
     def slow_generation(model, idx, max_new_tokens):
@@ -283,7 +283,7 @@ def test_patching_the_reference_to_the_wrong_answer_changes_nothing(exercise, mo
 # ---------------------------------------------------------------- one comparison, one mistake type
 
 def test_one_tolerance_derived_from_the_dtype():
-    from course_lib.checks import _compare
+    from course_lib.classroom.checks import _compare
     x = torch.ones(4)
     assert _compare.tolerance(x) == _compare.tolerance(x.double()) == (1e-3, 1e-4)
     assert _compare.tolerance(x.half())[0] > 1e-3                       # coarser dtype, looser tolerance
@@ -292,8 +292,8 @@ def test_one_tolerance_derived_from_the_dtype():
 
 
 def test_every_hypothesised_mistake_is_a_mistake():
-    from course_lib.checks import _attn_hypotheses, notebook01
-    from course_lib.checks._mistake import Mistake
+    from course_lib.classroom.checks import _attn_hypotheses, notebook01
+    from course_lib.classroom.checks._mistake import Mistake
     hypotheses = _attn_hypotheses.SDPA_HYPOTHESES + _attn_hypotheses.MODULE_HYPOTHESES + notebook01._TOY_HYPOTHESES
     assert all(isinstance(h, Mistake) for h in hypotheses)
     assert all(h.code in checks.DIAGNOSES for h in hypotheses)
@@ -304,7 +304,7 @@ def test_a_module_that_imports_checks_is_whole_during_a_check():
     import subprocess
     import sys
     code = ("from course_lib import capstone, checks\n"
-            "from course_lib.capstone import TrainingRun\n"
+            "from course_lib.classroom.capstone import TrainingRun\n"
             "ref = TrainingRun('reference', [1, 2], [3.0, 2.0], [2], [1.5])\n"
             "result = checks.check_trains_like_reference(TrainingRun('y', [1, 2], [3.0, 2.0], [2], [1.5]), ref)\n"
             "assert result.passed, result\n"

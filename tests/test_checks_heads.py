@@ -10,8 +10,9 @@ import pytest
 import torch
 from bank.heads_bugs import BUGGY, CORRECT
 
-from course_lib import checks, heads
-from course_lib.checks import _core, _heads_ablation, _heads_scores
+from course_lib import heads
+from course_lib.classroom import checks
+from course_lib.classroom.checks import _core, _heads_ablation, _heads_scores
 
 CHECKERS = {
     "11.1": checks.check_previous_token_score,

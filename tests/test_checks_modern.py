@@ -11,9 +11,10 @@ import pytest
 import torch
 from bank.modern_bugs import BUGGY, CORRECT
 
-from course_lib import checks, modern
-from course_lib.checks import _core, _gqa_variants, notebook09
-from course_lib.checks._mistake import Mistake
+from course_lib import modern
+from course_lib.classroom import checks
+from course_lib.classroom.checks import _core, _gqa_variants, notebook09
+from course_lib.classroom.checks._mistake import Mistake
 
 CHECKERS = {
     "9.1": checks.check_rope_tables,
@@ -119,7 +120,7 @@ def one_thread():
 
 def test_every_hypothesised_gqa_mistake_changes_the_output(one_thread):
     """A hypothesis equal to the right answer could never be told apart: each must differ somewhere."""
-    from course_lib.checks import _gqa_check as g
+    from course_lib.classroom.checks import _gqa_check as g
     generator = torch.Generator().manual_seed(0)
     setups = [g._build(modern.GroupedQueryAttention, kv, theta, extra, generator, notebook09._diagnose_tables).setup
               for kv, theta, extra in g.CONFIGS + g.OPTIONAL]

@@ -10,12 +10,12 @@ In a *code* cell, the solution sits between two comment lines::
 
 * Each marker is alone on its line, spelled exactly ``### BEGIN SOLUTION`` /
   ``### END SOLUTION`` (nbgrader's markers: with the cell metadata that
-  ``course_lib.nbgrader_metadata`` writes, nbgrader grades the notebooks too);
+  ``course_lib.classroom.nbgrader_metadata`` writes, nbgrader grades the notebooks too);
   leading indentation is allowed and should match the code the region
   replaces, because the replacement is written at the BEGIN marker's
   indentation.
 * The BEGIN marker may carry ``(Exercise X.Y: what to write)``, and must for
-  ``course_lib.nbgrader_metadata`` (the course's notebooks do). Without it,
+  ``course_lib.classroom.nbgrader_metadata`` (the course's notebooks do). Without it,
   the label comes from the nearest ``# Exercise X.Y: what to write`` comment
   line above the marker in the same cell, then from ``exercise_hint``, else
   ``"Exercise: write this part"``. A marker text without an id
@@ -48,8 +48,8 @@ from pathlib import Path
 
 import nbformat
 
-from . import _validate as validate
-from ._validate import describe
+from .. import _validate as validate
+from .._validate import describe
 from .copy_policy import CopyOutcome, place_learner_copy
 
 __all__ = ["strip_solutions", "make_learner_copy", "make_learner_copies", "update_learner_copies", "main",
@@ -224,7 +224,7 @@ def _learner_notebook(notebook_path: Path) -> tuple[nbformat.NotebookNode, dict[
 
 
 def _keeps_nbgrader_metadata(entry: object) -> bool:
-    """The source metadata of course_lib.nbgrader_metadata travels into the learner copy, so that nbgrader
+    """The source metadata of course_lib.classroom.nbgrader_metadata travels into the learner copy, so that nbgrader
     can autograde a copy made by `course_lib start` too. An entry with a checksum was written by nbgrader
     itself (a release or a submission, for its own gradebook) and is dropped, like anything malformed."""
     return isinstance(entry, dict) and "checksum" not in entry
@@ -243,7 +243,7 @@ def make_learner_copy(notebook_path: str | os.PathLike, out_path: str | os.PathL
     """Write the learner copy of one notebook; returns counts (regions, exercises, cells, code_cells).
 
     A copy at ``out_path`` that the student edited is never overwritten: the new version is
-    written beside it (see ``course_lib.copy_policy``).
+    written beside it (see ``course_lib.classroom.copy_policy``).
     """
     src, dst = validate.path("notebook_path", notebook_path), validate.path("out_path", out_path)
     if _same_path(src, dst):
@@ -363,7 +363,7 @@ def start_main(argv: list[str] | None = None) -> int:
     args = _arguments_or_exit_code(parser, argv, "start")
     if isinstance(args, int):
         return args
-    from .course_files import notebooks_dir
+    from ..course_files import notebooks_dir
     try:
         source = notebooks_dir()
     except FileNotFoundError as err:

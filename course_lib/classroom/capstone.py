@@ -1,6 +1,6 @@
 """Notebook 08: your parts, trained beside the course's, judged, and blamed when they lag.
 
-``train_parts`` trains a GPT put together from a ``Collection`` (``course_lib.collect``):
+``train_parts`` trains a GPT put together from a ``Collection`` (``course_lib.classroom.collect``):
 the student's ``GPT``, blocks, attention, mask, loss and training step where they wrote them,
 the course's elsewhere. Every run of one ``TrainingSetup`` starts from the same weights and
 sees the same batches in the same order, so two runs differ only by the parts they use.
@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _validate as validate
-from ._validate import describe
+from .. import _validate as validate
+from .._validate import describe
+from ..data import char_corpus, load_names, names_dataset, names_tokenizer, random_batch, split_names
+from ..model import GPT, GPTConfig
+from ..train import evaluate
 from .checks import CheckResult
 from .collect import GPT_EXERCISES, STATUS_TEXT, Collection
-from .data import char_corpus, load_names, names_dataset, names_tokenizer, random_batch, split_names
-from .model import GPT, GPTConfig
-from .train import evaluate
 
 __all__ = ["TrainingSetup", "TrainingRun", "Blame", "names_setup", "shakespeare_setup", "train_parts",
            "judge", "find_blame", "sample_text", "sample_names", "plot_side_by_side", "CHECKERS", "TOLERANCE"]
@@ -319,7 +319,7 @@ def _blame_at(collection: Collection, setup: TrainingSetup, candidates: Sequence
 
 def plot_side_by_side(yours: TrainingRun, reference: TrainingRun, title: str = ""):
     """Both runs' training loss (thin) and validation loss (dots) against the step, on one figure."""
-    from .viz.style import PALETTE, Figure
+    from ..viz.style import PALETTE, Figure
     for name, run in (("yours", yours), ("reference", reference)):
         if not isinstance(run, TrainingRun):
             raise TypeError(f"{name}: expected a TrainingRun from train_parts(...), got {describe(run)}")

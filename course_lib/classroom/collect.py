@@ -28,9 +28,9 @@ from pathlib import Path
 
 import nbformat
 
-from . import _validate as validate
-from ._validate import describe
-from .course_files import course_notebooks
+from .. import _validate as validate
+from .._validate import describe
+from ..course_files import course_notebooks
 
 __all__ = ["Exercise", "CollectedPart", "Collection", "course_exercises", "collect_student_parts",
            "GPT_EXERCISES"]
@@ -192,7 +192,7 @@ def _base_namespace() -> dict:
     import torch.nn.functional as F  # the name every notebook uses
     from torch import nn
 
-    from . import attention, data, generate, model, train
+    from .. import attention, data, generate, model, train
     namespace = {"__name__": "course_parts", "__builtins__": builtins, "math": math, "torch": torch, "nn": nn,
                  "F": F}
     # The course's versions of everything a cell may name; an exercise that is not collected

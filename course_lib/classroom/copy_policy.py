@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nbformat
 
-from ._atomic import atomic_file
+from .._atomic import atomic_file
 
 __all__ = ["MANIFEST_NAME", "CopyOutcome", "fingerprint", "place_learner_copy", "write_notebook_atomic"]
 

@@ -10,7 +10,7 @@ from importlib import metadata
 
 import torch
 
-from .course_files import KERNEL_NAME
+from ..course_files import KERNEL_NAME
 
 PACKAGES = ("torch", "transformers", "tokenizers", "jupyterlab", "ipykernel", "ipywidgets",
             "matplotlib", "nbval", "tqdm", "pytest", "numpy")
@@ -70,7 +70,7 @@ def _check_kernel(say, problems: list[str]) -> None:
 
 
 def _check_corpora(say, problems: list[str]) -> None:
-    from .corpora import CORPORA, DATA_DIR_ENV, REPO_DATA_DIR, locate_corpus, search_dirs, user_data_dir
+    from ..corpora import CORPORA, DATA_DIR_ENV, REPO_DATA_DIR, locate_corpus, search_dirs, user_data_dir
     say("  corpora are looked for in, in order:")
     env_set = bool(os.environ.get(DATA_DIR_ENV, "").strip())
     for number, folder in enumerate(search_dirs(), start=1):
@@ -94,7 +94,7 @@ def _check_corpora(say, problems: list[str]) -> None:
 
 def run_doctor(stream=None) -> int:
     """Print what a workshop needs and whether it is here; 0 when ready, 1 otherwise."""
-    from .runtime import device
+    from ..runtime import device
 
     problems: list[str] = []
     stream = stream or sys.stdout

@@ -1,7 +1,7 @@
 """nbgrader cell metadata for the course notebooks, written from their solution markers and check calls.
 
-    python -m course_lib.nbgrader_metadata notebooks            # write it where it differs
-    python -m course_lib.nbgrader_metadata --check notebooks    # exit 1 naming each cell that differs
+    python -m course_lib.classroom.nbgrader_metadata notebooks            # write it where it differs
+    python -m course_lib.classroom.nbgrader_metadata --check notebooks    # exit 1 naming each cell that differs
 
 With this metadata ``nbgrader generate_assignment`` and ``nbgrader autograde`` work with nbgrader's
 default settings. The rules (nbgrader's cell metadata, schema version 3):
@@ -40,16 +40,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import _validate as validate
-from ._atomic import atomic_file
-from ._validate import describe
+from .. import _validate as validate
+from .._atomic import atomic_file
+from .._validate import describe
 
 __all__ = ["POINTS_PER_CHECK", "SCHEMA_VERSION", "expected_metadata", "differences", "apply", "main"]
 
 SCHEMA_VERSION = 3          # nbgrader 0.6 to 0.9 read and write cell metadata schema 3
 POINTS_PER_CHECK = 1        # each test cell; an exercise with two check cells (4.2) is worth two
 
-# The exact markers (course_lib.assignments); a BEGIN marker must name its exercise here.
+# The exact markers (course_lib.classroom.assignments); a BEGIN marker must name its exercise here.
 _BEGIN_RE = re.compile(r"^[ \t]*### BEGIN SOLUTION\b")
 _BEGIN_WITH_ID_RE = re.compile(r"^[ \t]*### BEGIN SOLUTION[ \t]*\([ \t]*Exercise[ \t]+(?P<id>\d+\.\d+)\b.*\)[ \t]*$")
 # What nbgrader's ClearSolutions takes for a marker: these words anywhere on a line, in any cell.
@@ -285,9 +285,9 @@ def _notebooks(paths: list[str]) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.nbgrader_metadata [--check] PATH...``"""
+    """``python -m course_lib.classroom.nbgrader_metadata [--check] PATH...``"""
     parser = argparse.ArgumentParser(
-        prog="python -m course_lib.nbgrader_metadata",
+        prog="python -m course_lib.classroom.nbgrader_metadata",
         description="Write nbgrader cell metadata into the course notebooks, from their solution markers "
                     "and check calls (only cell metadata changes).")
     parser.add_argument("paths", nargs="+", help="notebooks, or folders of notebooks (e.g. notebooks/)")
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in problems:
                 print(line)
             if problems:
-                print(f"\nrun: python -m course_lib.nbgrader_metadata {' '.join(args.paths)}", file=sys.stderr)
+                print(f"\nrun: python -m course_lib.classroom.nbgrader_metadata {' '.join(args.paths)}", file=sys.stderr)
             return 1 if problems else 0
         for path in notebooks:
             changed = apply(path)

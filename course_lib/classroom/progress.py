@@ -80,7 +80,7 @@ def student_id() -> str:
     """This student's anonymous id: made once, kept in the per-user folder (see the module docstring)."""
     if _STATE["id"]:
         return _STATE["id"]
-    from .corpora import user_data_dir
+    from ..corpora import user_data_dir
     new = os.urandom(8).hex()
     found = None
     try:
@@ -215,7 +215,7 @@ def _order(exercise_id: str) -> tuple:
 
 def read_room(folder: str | os.PathLike) -> Room:
     """Every ``*.jsonl`` line of ``folder``; lines that do not parse (a write in progress) are skipped."""
-    from . import _validate as validate
+    from .. import _validate as validate
     root = validate.path("folder", folder, "the live room's folder")
     if not root.is_dir():
         raise FileNotFoundError(f"folder: expected the live room's folder (COURSE_PROGRESS_DIR), got '{root}' "

@@ -6,13 +6,13 @@ A check that does not test the student's work (a demonstration on planted buggy 
 ``graded=False``: under nbgrader it never fails its cell (see ``_nbgrader``).
 """
 # The reference modules the checkers compare against, imported before they are bound below.
-from .. import attention as _attention
-from .. import data as _data
-from .. import flash as _flash
-from .. import generate as _generate
-from .. import model as _model
-from .. import modern as _modern
-from .. import train as _train
+from ... import attention as _attention
+from ... import data as _data
+from ... import flash as _flash
+from ... import generate as _generate
+from ... import model as _model
+from ... import modern as _modern
+from ... import train as _train
 from ._core import DIAGNOSES, CheckResult, hint, show_solution
 from ._harness import bind_references as _bind_references
 from .notebook01 import *  # 1.1-1.3 toy and scaled dot-product attention

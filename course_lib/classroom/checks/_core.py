@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import _validate as validate
+from ... import _validate as validate
 from . import _counterexample
 from ._expect import expect_tensor
 from ._harness import DIAGNOSES, CheckResult, Failure, call, checker, fail
@@ -105,14 +105,14 @@ def _following(entry: Exercise, result: CheckResult) -> str:
     return _spec_hint(entry)
 
 
-# The markers as course_lib.assignments defines them: alone on their line, indentation allowed;
+# The markers as course_lib.classroom.assignments defines them: alone on their line, indentation allowed;
 # the BEGIN marker names its exercise, "### BEGIN SOLUTION (Exercise 2.2: ...)".
 _BEGIN_RE = re.compile(r"^[ \t]*### BEGIN SOLUTION[ \t]*\([ \t]*Exercise[ \t]+(?P<id>\d+\.\d+)\b.*\)[ \t]*$")
 _END_RE = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
 
 
 def _notebook(entry: Exercise) -> Path:
-    from ..course_files import notebooks_dir
+    from ...course_files import notebooks_dir
     found = sorted(notebooks_dir().glob(f"{entry.notebook}_*.ipynb"))
     if not found:
         raise FileNotFoundError(f"exercise {entry.exercise}: expected notebook {entry.notebook}_*.ipynb in "

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import modern as ref
-from ..attention import KVCache
+from ... import modern as ref
+from ...attention import KVCache
 from . import _rope_variants as rope
 from ._attn_probes import call_student, expect_callable, first_match, reraise_with, shape_str
 from ._compare import close, max_diff

@@ -47,7 +47,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
-from .. import _validate as validate
+from ... import _validate as validate
 from . import _counterexample
 
 DIAGNOSES = (
@@ -274,7 +274,7 @@ def _restore_namespace(obj: Any, saved: dict[str, Any]) -> None:
     current = vars(obj)
     for name in [n for n in current if n not in saved]:
         if _is_submodule(obj, current[name], name):
-            continue   # a submodule imported during the check (course_lib.progress) stays bound, as Python left it
+            continue   # a submodule imported during the check (course_lib.classroom.progress) stays bound, as Python left it
         try:
             delattr(obj, name)
         except (AttributeError, TypeError):
@@ -300,7 +300,7 @@ def bind_references() -> None:
         # A module still being imported (capstone imports checks at its top) holds only part of its
         # names yet: pinning that half would strip the rest during every check.
         initializing = isinstance(obj, ModuleType) and getattr(obj.__spec__, "_initializing", False)
-        if not owner.startswith("course_lib.checks") and not initializing:
+        if not owner.startswith("course_lib.classroom.checks") and not initializing:
             _PRISTINE.setdefault(obj, saved)
 
 

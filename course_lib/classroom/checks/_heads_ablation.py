@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import heads as ref
-from ..model import GPT, GPTConfig
+from ... import heads as ref
+from ...model import GPT, GPTConfig
 from ._attn_probes import call_student, expect_callable
 from ._compare import close
 from ._core import fail

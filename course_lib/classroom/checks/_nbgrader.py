@@ -14,7 +14,7 @@ result, so while nbgrader runs a notebook (``nbgrader autograde`` and ``nbgrader
 A check is not graded when it is called with ``graded=False`` (a demonstration on planted buggy
 code, or a re-check used as a condition: ``yours if checks.check_x(yours, graded=False) else
 reference``), or when its exercise has no solution region (8.1 assembles the parts of earlier
-notebooks; nbgrader does not grade it, see ``course_lib.nbgrader_metadata``). Outside nbgrader
+notebooks; nbgrader does not grade it, see ``course_lib.classroom.nbgrader_metadata``). Outside nbgrader
 nothing changes: the verdict comes back as always.
 """
 from __future__ import annotations

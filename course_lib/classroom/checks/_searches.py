@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import attention as attn
-from .. import modern
+from ... import attention as attn
+from ... import modern
 from ._counterexample import Example, differs, first_difference, searcher
 from ._model_common import as_tensor, copy_weights
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .. import attention as ref
+from ... import attention as ref
 from ._attn_hypotheses import SDPA_HYPOTHESES, sdpa_variant
 from ._attn_probes import (
     call_student,

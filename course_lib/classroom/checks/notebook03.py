@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import attention as ref
+from ... import attention as ref
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
 from ._attn_probes import call_student, expect_callable
 from ._core import checker, fail, register

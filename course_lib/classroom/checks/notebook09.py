@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import modern as ref
+from ... import modern as ref
 from . import _rope_variants as rope
 from ._attn_probes import call_student, expect_callable, first_match, reraise_with
 from ._compare import close, max_diff

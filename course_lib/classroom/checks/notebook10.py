@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import flash as ref
+from ... import flash as ref
 from . import _flash_variants as variants
 from ._attn_probes import call_student, expect_callable
 from ._compare import close, matches, max_diff

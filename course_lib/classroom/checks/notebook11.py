@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .. import heads as ref
+from ... import heads as ref
 from . import _heads_scores as slips
 from ._attn_probes import call_student, expect_callable, first_match
 from ._compare import close, max_diff

@@ -4,7 +4,7 @@
 notebooks with the course's own checkers and writes ``REPORT/grades.csv``, ``summary.md`` and
 ``summary.png`` (the class view: per exercise, how many passed and which mistakes, with what to
 tell the room), and ``feedback/<student>.md``; ``--format gradescope`` adds Gradescope's
-``results.json``. The live room (``course_lib.progress``) is the same view while the class works.
+``results.json``. The live room (``course_lib.classroom.progress``) is the same view while the class works.
 
 How a submission is run, and what it cannot do:
 
@@ -99,7 +99,7 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
     worker in a bubblewrap sandbox of its own (``isolation``): None (default) where bwrap runs here,
     True to require it (``RuntimeError`` where it cannot run), False for the process sandbox only.
     """
-    from .. import _validate as validate
+    from ... import _validate as validate
     root_in = validate.path("submissions", submissions, "the folder of the students' submissions").resolve()
     report = validate.path("out", out, "the report's folder").resolve()
     workers = (os.cpu_count() or 1) if workers is None else validate.positive_int("workers", workers)

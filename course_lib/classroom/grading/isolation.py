@@ -60,7 +60,7 @@ def _visible() -> list[str]:
     paths = {sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix,
              str(Path(__file__).resolve().parents[2]), os.environ.get("COURSE_DATA_DIR", "")}
     paths |= {entry for entry in sys.path if entry}
-    from ..course_files import notebooks_dir
+    from ...course_files import notebooks_dir
     paths.add(str(notebooks_dir()))
     found: set[str] = set()
     for path in filter(None, paths):

@@ -2,7 +2,7 @@
 
 This runs inside the sandboxed child (``sandbox.enter`` was called before). The namespace is the
 one every exercise cell sees in the course (torch, ``nn``, ``F``, ``math`` and the course's
-building blocks, see ``course_lib.collect``), with the student's definition executed in it; then
+building blocks, see ``course_lib.classroom.collect``), with the student's definition executed in it; then
 the course's check cell runs there with ``checks`` standing for the course's checkers, whose
 verdicts are kept. The verdict is the first failing check of the exercise, else its (last) pass.
 """
@@ -31,7 +31,7 @@ def course_namespace() -> dict[str, Any]:
     """What an exercise's definition runs in: ``collect``'s namespace (torch and the course's building
     blocks), plus the course's version of every other graded exercise's name (``modern.apply_rotary``
     for 9.6, ...), as the notebooks carry on with the course's version after each exercise."""
-    from .. import attention, generate, model, modern
+    from ... import attention, generate, model, modern
     from .plan import graded_exercises
     namespace = _base_namespace()
     for ex in graded_exercises().values():

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import nbformat
 
+from ...course_files import course_notebooks
 from ..collect import _BEGIN_RE, Exercise, _segment, course_exercises
-from ..course_files import course_notebooks
 
 __all__ = ["ExercisePlan", "grading_plan", "graded_exercises", "default_exercises", "CAPSTONE", "CAPSTONE_CHECK"]
 

@@ -1,7 +1,7 @@
 """The grader's side: worker processes, the students handed to them, and every way a student can fail.
 
 The grader (this process) never imports or runs student code. It starts ``workers`` worker
-processes (``python -m course_lib.grading.worker``, each in a session of its own), hands each
+processes (``python -m course_lib.classroom.grading.worker``, each in a session of its own), hands each
 student's files to a free one as one JSON line, and reads the grades back as JSON lines. A grade
 is taken only for an exercise of the student being graded, and only once; anything else on the
 line is ignored. Whatever happens to a worker while it grades a student, the run goes on:
@@ -92,7 +92,7 @@ class _Worker:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MPLBACKEND="Agg",
                    PYTHONPATH=os.pathsep.join([package_parent, *filter(None, [os.environ.get("PYTHONPATH")])]))
         self.log = Path(options.root, f"worker-{number}.log")
-        command = [sys.executable, "-m", "course_lib.grading.worker", ",".join(exercises)]
+        command = [sys.executable, "-m", "course_lib.classroom.grading.worker", ",".join(exercises)]
         if options.inline or not forks():
             command.append("--inline")
         cwd = options.root

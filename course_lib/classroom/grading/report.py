@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._atomic import atomic_file
+from ..._atomic import atomic_file
 from ..checks._harness import DIAGNOSES
 from .advice import exercise_title, first_hint, room_hint
 from .grades import Grade

@@ -21,7 +21,7 @@ An audit hook is a tripwire, not a wall: code determined to escape its own proce
 corrupting the interpreter's memory) can. What keeps the grades safe even then is the design
 around it: the grader never imports student code, reads every submission into memory before
 any student code runs, takes results only from the pipes of the processes it started, and
-writes the report itself at the end (see ``course_lib.grading``).
+writes the report itself at the end (see ``course_lib.classroom.grading``).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import _validate as validate
+from ... import _validate as validate
 
 __all__ = ["Submission", "find_submissions", "FILE_LIMIT", "STUDENT_LIMIT", "safe_file_name"]
 

@@ -1,6 +1,6 @@
 """The grading worker: a process that never runs student code itself, and forks one child per exercise.
 
-The grader starts a few of these (``--workers``) with ``python -m course_lib.grading.worker`` and
+The grader starts a few of these (``--workers``) with ``python -m course_lib.classroom.grading.worker`` and
 sends each, on stdin, one JSON line per student: the student's files (read into memory by the
 grader before any student code ran), the exercises, the limits. The worker writes the files into
 a fresh folder of its own, reads the student's definitions (parsing, never running them), and for
@@ -304,7 +304,7 @@ def _warm_up(exercises: list[str], *, check: bool = True) -> list[str]:
         import transformers  # noqa: F401  (notebook 07's checks build GPT-2 models)
         from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401
 
-        from .. import hf  # noqa: F401
+        from ... import hf  # noqa: F401
     if CAPSTONE in plans:
         from .. import capstone  # noqa: F401
     if not check:
@@ -316,7 +316,7 @@ def _warm_up(exercises: list[str], *, check: bool = True) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.grading.worker EXERCISES [--inline] [--isolated [--uid=N]]``: EXERCISES is
+    """``python -m course_lib.classroom.grading.worker EXERCISES [--inline] [--isolated [--uid=N]]``: EXERCISES is
     "1.1,1.2,...". ``--isolated``: inside the grader's bubblewrap sandbox (``isolation``), for one
     student; the grader ran the self-check elsewhere, so this one only imports what the checks need."""
     argv = sys.argv[1:] if argv is None else argv
