@@ -9,7 +9,7 @@ import torch
 from bank.attention_bugs import BUGGY, CORRECT
 
 from course_lib import attention
-from course_lib.classroom import checks
+from course_lib.classroom import checks, verdict
 from course_lib.classroom.checks import _core, notebook01, notebook02, notebook03
 from course_lib.classroom.checks._attn_hypotheses import (
     MODULE_HYPOTHESES,
@@ -69,7 +69,7 @@ def test_buggy_variant_gets_its_diagnosis(attempt):
     result = run(attempt.exercise, attempt.candidate)
     assert not result.passed, f"{attempt.id} passed"
     assert result.diagnosis == attempt.expected, f"{attempt.id}: {result}"
-    assert result.diagnosis in _core.DIAGNOSES
+    assert result.diagnosis in verdict.DIAGNOSES
     assert len(result.message) > 30 and "Traceback" not in result.message
 
 
@@ -141,7 +141,7 @@ ODD_CANDIDATES = [
 @pytest.mark.parametrize("name,candidate,codes", ODD_CANDIDATES, ids=[c[0] for c in ODD_CANDIDATES])
 def test_checker_never_raises(exercise, name, candidate, codes):
     result = run(exercise, candidate)
-    assert isinstance(result, _core.CheckResult) and not result.passed
+    assert isinstance(result, verdict.CheckResult) and not result.passed
     if exercise in ("2.2", "3.3"):
         # a function is not a class: calling it "constructs" something that is not an nn.Module
         assert result.diagnosis == "exception", result

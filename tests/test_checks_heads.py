@@ -11,7 +11,7 @@ import torch
 from bank.heads_bugs import BUGGY, CORRECT
 
 from course_lib import heads
-from course_lib.classroom import checks
+from course_lib.classroom import checks, verdict
 from course_lib.classroom.checks import _core, _heads_ablation, _heads_scores
 
 CHECKERS = {
@@ -124,7 +124,7 @@ _ODD = [
 @pytest.mark.parametrize("name,candidate,codes", _ODD, ids=[c[0] for c in _ODD])
 def test_checker_never_raises(exercise, name, candidate, codes):
     result = run(exercise, candidate)
-    assert isinstance(result, _core.CheckResult) and not result.passed
+    assert isinstance(result, verdict.CheckResult) and not result.passed
     assert result.diagnosis in codes, result
 
 

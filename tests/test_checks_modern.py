@@ -12,7 +12,7 @@ import torch
 from bank.modern_bugs import BUGGY, CORRECT
 
 from course_lib import modern
-from course_lib.classroom import checks
+from course_lib.classroom import checks, verdict
 from course_lib.classroom.checks import _core, _gqa_variants, notebook09
 from course_lib.classroom.checks._mistake import Mistake
 
@@ -171,7 +171,7 @@ ODD_FUNCTIONS = [
 @pytest.mark.parametrize("name,candidate,codes", ODD_FUNCTIONS, ids=[c[0] for c in ODD_FUNCTIONS])
 def test_checker_never_raises(exercise, name, candidate, codes):
     result = run(exercise, candidate)
-    assert isinstance(result, _core.CheckResult) and not result.passed
+    assert isinstance(result, verdict.CheckResult) and not result.passed
     assert result.diagnosis != "checker_error", result
     if exercise in CLASS_EXERCISES and callable(candidate):
         # a function is not a class: what it "constructs" is not an nn.Module

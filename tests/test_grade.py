@@ -19,7 +19,6 @@ from bank import attention_bugs
 from synthetic_class import FORGED_VERDICT, attempt_source, hostile_parts, prediction_source, write_student
 
 from course_lib.classroom import checks
-from course_lib.classroom.checks._harness import DIAGNOSES
 from course_lib.classroom.collect import _base_namespace
 from course_lib.classroom.grading import grade, grading_plan, handed_in
 from course_lib.classroom.grading.advice import room_advice
@@ -42,6 +41,7 @@ from course_lib.classroom.grading.selfcheck import self_check
 from course_lib.classroom.grading.sources import _without_magics, find_notebook, student_part, unfinished_exercises
 from course_lib.classroom.grading.submissions import Submission, find_submissions
 from course_lib.classroom.grading.worker import _write_files, exercise_limits
+from course_lib.classroom.verdict import DIAGNOSES
 
 PLANS = grading_plan()
 KNOWN = known_names(PLANS)

@@ -5,15 +5,15 @@ the student's ``GPT``, blocks, attention, mask, loss and training step where the
 the course's elsewhere. Every run of one ``TrainingSetup`` starts from the same weights and
 sees the same batches in the same order, so two runs differ only by the parts they use.
 
-``judge`` says whether the student's GPT trains like the reference (exercise 8.1), and
-``find_blame`` adds the student's parts one at a time, in the order they compose, and names
+``judge`` (from ``training_runs``) says whether the student's GPT trains like the reference
+(exercise 8.1), and ``find_blame`` adds the student's parts one at a time, in the order they compose, and names
 the first after which the loss turns NaN, diverges or stalls.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,25 +22,17 @@ from .._validate import describe
 from ..data import char_corpus, load_names, names_dataset, names_tokenizer, random_batch, split_names
 from ..model import GPT, GPTConfig
 from ..train import evaluate
-from .checks import CheckResult
 from .collect import GPT_EXERCISES, STATUS_TEXT, Collection
+from .training_runs import TOLERANCE, TrainingRun, how_it_fails
+from .verdict import CheckResult
 
 __all__ = ["TrainingSetup", "TrainingRun", "Blame", "names_setup", "shakespeare_setup", "train_parts",
-           "judge", "find_blame", "sample_text", "sample_names", "plot_side_by_side", "CHECKERS", "TOLERANCE"]
+           "find_blame", "sample_text", "sample_names", "plot_side_by_side", "CHECKERS", "TOLERANCE"]
 
 # The checker of each part (by exercise id), to say what it missed when a part it passed breaks training.
 CHECKERS = {"2.1": "check_causal_mask", "3.1": "check_split_heads", "3.2": "check_merge_heads",
             "3.3": "check_multi_head_attention", "4.2": "check_transformer_block", "4.3": "check_gpt",
             "5.2": "check_lm_loss", "5.3": "check_train_step", "5.4": "check_sampling"}
-
-# A correct part gives the reference's numbers up to float rounding: same start, same batches.
-# Over a few hundred AdamW steps rounding differences grow to about 1e-3 in the loss (measured:
-# reordered but equivalent attention code ends within 0.002). A part that changes what is computed
-# moves the loss by far more (a missing scale: +0.05; dropout in the wrong place: NaN or +0.1).
-TOLERANCE = 0.02
-# A run stalls when its loss falls by less than this from the first steps to the last.
-STALL = 0.05
-
 
 @dataclass(frozen=True)
 class TrainingSetup:
@@ -57,31 +49,6 @@ class TrainingSetup:
     seed: int = 0
     decode: Callable[[list[int]], str] | None = None
     start_token: int = 0
-
-
-@dataclass
-class TrainingRun:
-    """The losses of one run; ``failure`` says why it stopped early, if it did."""
-
-    label: str
-    step: list[int] = field(default_factory=list)
-    train_loss: list[float] = field(default_factory=list)
-    val_step: list[int] = field(default_factory=list)
-    val_loss: list[float] = field(default_factory=list)
-    failure: str | None = None    # "nan" or "exception: ..." when the run could not go on
-    model: torch.nn.Module | None = field(default=None, repr=False)
-    namespace: dict | None = field(default=None, repr=False)
-    # the parts of the GPT that are not the student's in this run, with why ("2.1 (not written yet)"),
-    # when the run was asked to use all of them (train_parts(..., None)); None when unknown
-    not_yours: tuple[str, ...] | None = None
-
-    @property
-    def final_val_loss(self) -> float:
-        return self.val_loss[-1] if self.val_loss else float("nan")
-
-    def summary(self) -> str:
-        end = f"validation loss {self.final_val_loss:.4f}" if self.failure is None else f"stopped: {self.failure}"
-        return f"{self.label}: {len(self.step)} steps, {end}"
 
 
 @dataclass(frozen=True)
@@ -216,51 +183,6 @@ def train_parts(collection: Collection, yours: Sequence[str] | None, setup: Trai
 
 # --------------------------------------------------------------------------- judging and blaming
 
-def _verdict(run: TrainingRun, reference: TrainingRun, tolerance: float) -> str | None:
-    """None when ``run`` trains like ``reference``, else how it fails."""
-    if run.failure == "nan":
-        return "nan"
-    if run.failure is not None:
-        return "raises"
-    first, last = sum(run.train_loss[:10]) / min(10, len(run.train_loss)), run.final_val_loss
-    if first - last < STALL and reference.train_loss[0] - reference.final_val_loss >= STALL:
-        return "stalls"
-    if last > reference.final_val_loss + tolerance:
-        return "diverges"
-    return None
-
-
-def judge(yours: TrainingRun, reference: TrainingRun, tolerance: float = TOLERANCE) -> CheckResult:
-    """Exercise 8.1: does your GPT train like the reference (final validation loss within ``tolerance``)?"""
-    for name, run in (("yours", yours), ("reference", reference)):
-        if not isinstance(run, TrainingRun):
-            raise TypeError(f"{name}: expected a TrainingRun from train_parts(...), got {describe(run)}")
-    if reference.failure is not None:
-        raise ValueError(f"reference: the reference run itself failed ({reference.failure}); "
-                         f"this is a bug in the course, please report it")
-    verdict = _verdict(yours, reference, tolerance)
-    if verdict is None and yours.not_yours:
-        # as the grader: 8.1 judges the student's GPT, and a run where the course's parts stand in for some
-        # of it (in a fresh learner copy, all of it) trains like the reference trivially: not written yet
-        return CheckResult("8.1", False, "not_implemented",
-                           f"Not yours to judge yet: 8.1 trains the GPT built from your parts of notebooks 02-05, "
-                           f"and the course's parts stand in for {len(yours.not_yours)} of {len(GPT_EXERCISES)}: "
-                           f"{', '.join(yours.not_yours)}. Write them, save the notebooks, and run this notebook "
-                           f"again.")
-    if verdict is None:
-        gap = yours.final_val_loss - reference.final_val_loss
-        return CheckResult("8.1", True, None,
-                           f"Your GPT trains like the reference: validation loss {yours.final_val_loss:.4f} "
-                           f"against {reference.final_val_loss:.4f} ({gap:+.4f}, tolerance {tolerance}).")
-    message = {"nan": f"Your GPT's loss became NaN at step {len(yours.step)}.",
-               "raises": f"Training your GPT failed: {yours.failure}.",
-               "stalls": "Your GPT's loss does not go down.",
-               "diverges": (f"Your GPT ends at validation loss {yours.final_val_loss:.4f}, the reference at "
-                            f"{reference.final_val_loss:.4f}: more than {tolerance} behind.")}[verdict]
-    diagnosis = {"nan": "nan", "raises": "exception"}.get(verdict, "mismatch")
-    return CheckResult("8.1", False, diagnosis, message + " find_blame(...) names the part.")
-
-
 def _checker_result(collection: Collection, exercise: str, namespace: dict) -> CheckResult | None:
     from . import checks
     checker = getattr(checks, CHECKERS.get(exercise, ""), None)
@@ -303,14 +225,14 @@ def _blame_at(collection: Collection, setup: TrainingSetup, candidates: Sequence
         if collection.parts[exercise].is_the_solution:
             continue
         trial = train_parts(collection, list(added), setup, steps=steps)
-        verdict = _verdict(trial, reference, tolerance)
+        verdict = how_it_fails(trial, reference, tolerance)
         if verdict is None:
             continue
         part = collection.parts[exercise]
         earlier = tuple(ex for ex in added[:-1] if not collection.parts[ex].is_the_solution)
         alone = None
         if earlier:   # does it lag without the student's earlier parts? Then never "only together"
-            alone = _verdict(train_parts(collection, [exercise], setup, steps=steps), reference, tolerance) is not None
+            alone = how_it_fails(train_parts(collection, [exercise], setup, steps=steps), reference, tolerance) is not None
         return Blame(exercise, part.exercise.name, verdict, trial,
                      _checker_result(collection, exercise, collection.namespace(added)),
                      notebook=part.exercise.notebook, whose=whose, alone=alone, earlier=earlier)

@@ -106,20 +106,6 @@ def student_id() -> str:
 
 # ---------------------------------------------------------------- writing
 
-def _subject_name() -> str | None | bool:
-    """The ``__name__`` of what the check running now judges (its first argument); None when that has
-    no name (1.1's numbers, 8.1's runs); False when it cannot be told."""
-    from .checks import _harness
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "run" and code.co_filename == _harness.__file__:
-            args = frame.f_locals.get("args") or ()
-            return getattr(args[0], "__name__", None) if args else None
-        frame = frame.f_back
-    return False
-
-
 def _exercise_names() -> dict[str, str]:
     if _STATE["subjects"] is None:
         from .collect import course_exercises
@@ -142,13 +128,15 @@ def _append(folder: Path, entry: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def record(result: Any) -> None:
-    """Append ``result`` (a CheckResult) to the live room when ``COURSE_PROGRESS_DIR`` is set. Never raises."""
+def record(result: Any, subject: str | None = None) -> None:
+    """Append ``result`` (a CheckResult) to the live room when ``COURSE_PROGRESS_DIR`` is set. Never raises.
+
+    ``subject`` is the ``__name__`` of what the check judged (its first argument), None when that has no
+    name (1.1's numbers, 8.1's runs): a check of another name than the exercise's is a demonstration."""
     folder = os.environ.get(PROGRESS_DIR_ENV, "").strip()
     if not folder:
         return
     try:
-        subject = _subject_name()
         expected = _exercise_names().get(result.exercise)
         if subject and expected and subject != expected:
             return   # a demonstration (BuggyAttention, buggy_split_heads, ...), not the student's attempt

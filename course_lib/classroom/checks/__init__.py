@@ -13,7 +13,9 @@ from ... import generate as _generate
 from ... import model as _model
 from ... import modern as _modern
 from ... import train as _train
-from ._core import DIAGNOSES, CheckResult, hint, show_solution
+from ..verdict import DIAGNOSES, CheckResult
+from . import _searches  # noqa: F401 - the counter-example searchers register themselves
+from ._core import hint, show_solution
 from ._harness import bind_references as _bind_references
 from .notebook01 import *  # 1.1-1.3 toy and scaled dot-product attention
 from .notebook02 import *  # 2.1-2.2 causal mask, masked attention

@@ -8,12 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..verdict import Failure, fail
 from ._attn_hypotheses import MODULE_HYPOTHESES, module_variant
 from ._attn_probes import call_student, diagnose_weights, first_match, reraise_with, shape_str
 from ._compare import close, max_diff
-from ._core import Failure, call, fail
 from ._expect import construct, expect_finite, expect_tensor
 from ._gradients import check_module_gradients
+from ._harness import call
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
+from ..verdict import Failure, fail
 from ._compare import matches, sums_to_one
-from ._core import Failure, call, fail
+from ._harness import call
 
 
 def shape_str(shape: Iterable[int]) -> str:

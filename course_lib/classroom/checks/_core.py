@@ -1,8 +1,7 @@
 """The exercise registry: each exercise's title, hints and solution (read from its notebook).
 
-The harness (results, isolation, time limit, calls into student code) lives in ``_harness``;
-its names (and ``_expect.expect_tensor``) are re-exported here for the modules and tests that
-import them from ``_core``.
+The verdict and its diagnoses live in ``classroom.verdict``; the harness that runs a checker
+(isolation, time limit, calls into student code) in ``_harness``.
 """
 from __future__ import annotations
 
@@ -13,13 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from ... import _validate as validate
+from ..verdict import CheckResult
 from . import _counterexample
-from ._expect import expect_tensor
-from ._harness import DIAGNOSES, CheckResult, Failure, call, checker, fail
 from ._nudges import nudge
 
-__all__ = ["DIAGNOSES", "CheckResult", "Failure", "call", "checker", "expect_tensor", "fail",
-           "EXERCISES", "register", "hint", "show_solution", "solution_source", "Shown"]
+__all__ = ["EXERCISES", "register", "hint", "show_solution", "solution_source", "Shown"]
 
 
 @dataclass

@@ -123,7 +123,6 @@ def attach(exercise: str, failure: Any, args: tuple[Any, ...], kwargs: dict[str,
     """Put a counter-example on a Failure of ``exercise`` (details["counterexample"]) when one is found."""
     if failure.diagnosis in _NOTHING_TO_SHOW or "counterexample" in failure.details or not args:
         return
-    from . import _searches  # noqa: F401 - registers the searchers
     search = _SEARCHERS.get(exercise)
     if search is None:
         return

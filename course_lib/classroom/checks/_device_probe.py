@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._harness import fail
+from ..verdict import fail
 
 # what torch says when meta meets the CPU: mixed in one operation, or copied out to it (.cpu(), a CPU buffer)
 _MIXED = ("is not on the expected device", "Expected all tensors to be on the same device",

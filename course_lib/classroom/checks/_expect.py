@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._harness import call, fail
+from ..verdict import fail
+from ._harness import call
 
 
 def expect_cpu(value: torch.Tensor, what: str, device: torch.device | str | None = None) -> None:

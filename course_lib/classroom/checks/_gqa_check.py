@@ -19,15 +19,16 @@ from torch import nn
 
 from ... import modern as ref
 from ...attention import KVCache
+from ..verdict import Failure, fail
 from . import _rope_variants as rope
 from ._attn_probes import call_student, expect_callable, first_match, reraise_with, shape_str
 from ._compare import close, max_diff
-from ._core import Failure, call, fail
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
 from ._expect import construct, expect_finite, expect_tensor
 from ._gqa_variants import CACHED, FULL_PASS, Setup, simulate
 from ._gradients import check_module_gradients
+from ._harness import call
 from ._model_common import accepts, copy_weights
 
 EMBED_DIM, NUM_HEADS, MAX_TOKENS = 32, 4, 10

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._harness import Failure, call, fail
+from ..verdict import Failure, fail
+from ._harness import call
 
 # Why relative to the largest reference gradient, not element by element: a correct solution in
 # another layout (einsum, a fused projection, softmax written out) moves float32 gradients by ~1e-6

@@ -17,9 +17,9 @@ from torch import nn
 
 from ... import heads as ref
 from ...model import GPT, GPTConfig
+from ..verdict import fail
 from ._attn_probes import call_student, expect_callable
 from ._compare import close
-from ._core import fail
 from ._mistake import Mistake
 from ._model_common import randomize_
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..verdict import fail
 from ._compare import close
-from ._core import fail
 
 
 def as_tensor(value: Any) -> Any:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import os
 
+from ..verdict import CheckResult
 from ._core import EXERCISES
-from ._harness import CheckResult
 
 NBGRADER_EXECUTION = "NBGRADER_EXECUTION"   # set by nbgrader while it executes a notebook
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ... import attention as ref
+from ..verdict import Failure, fail
 from ._attn_hypotheses import SDPA_HYPOTHESES, sdpa_variant
 from ._attn_probes import (
     call_student,
@@ -24,9 +25,10 @@ from ._attn_probes import (
     shape_str,
 )
 from ._compare import close, max_diff
-from ._core import Failure, call, checker, fail, register
+from ._core import register
 from ._expect import expect_finite, expect_tensor
 from ._gradients import check_function_gradients
+from ._harness import call, checker
 from ._mistake import Mistake
 
 __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]

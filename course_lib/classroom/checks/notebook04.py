@@ -11,10 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..verdict import Failure, fail
 from ._compare import close
-from ._core import Failure, call, checker, expect_tensor, fail, register
-from ._expect import construct
+from ._core import register
+from ._expect import construct, expect_tensor
 from ._gradients import check_module_gradients
+from ._harness import call, checker
 from ._mistake import Mistake
 from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice
 

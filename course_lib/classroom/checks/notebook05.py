@@ -15,9 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..verdict import Failure, fail
 from ._compare import close
-from ._core import Failure, call, checker, expect_tensor, fail, register
+from ._core import register
+from ._expect import expect_tensor
 from ._gradients import check_function_gradients
+from ._harness import call, checker
 from ._mistake import Mistake
 from ._model_common import accepts, as_tensor, extend, recording_calls
 

@@ -13,7 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._core import Failure, call, checker, expect_tensor, fail, register
+from ..verdict import Failure, fail
+from ._core import register
+from ._expect import expect_tensor
+from ._harness import call, checker
 from ._model_common import extend, randomize_, recording_calls
 
 __all__ = ["check_flops_per_token", "check_kv_cache"]

@@ -11,9 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..verdict import fail
 from ._compare import close
-from ._core import call, checker, expect_tensor, fail, register
+from ._core import register
+from ._expect import expect_tensor
 from ._gradients import check_function_gradients
+from ._harness import call, checker
 from ._mistake import Mistake
 from ._model_common import as_tensor, randomize_
 

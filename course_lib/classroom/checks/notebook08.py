@@ -2,28 +2,29 @@
 
 Notebook 08 has no solution region: the learner assembles parts written in earlier notebooks
 (``capstone.train_parts``), so 8.1 is registered with ``solution=False`` and its checker only
-compares two finished runs through ``capstone.judge``.
+compares two finished runs through ``training_runs.judge``.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from ._core import checker, fail, register
+from ..training_runs import TOLERANCE, TrainingRun, judge
+from ..verdict import fail
+from ._core import register
+from ._harness import checker
 
 __all__ = ["check_trains_like_reference"]
 
 
 @checker("8.1")
 def check_trains_like_reference(yours: Any, reference: Any, tolerance: float | None = None) -> str:
-    """``yours`` and ``reference``: TrainingRuns from ``capstone.train_parts``; the verdict is ``capstone.judge``'s."""
-    # Imported here: capstone imports checks, so a module-level import would be circular.
-    from .. import capstone
+    """``yours`` and ``reference``: TrainingRuns from ``capstone.train_parts``; the verdict is ``judge``'s."""
     for name, run in (("yours", yours), ("reference", reference)):
-        if not isinstance(run, capstone.TrainingRun):
+        if not isinstance(run, TrainingRun):
             # judge raises on this; a checker answers instead (a wrong argument is the learner's slip)
             fail("exception", f"`{name}` should be a TrainingRun, the result of capstone.train_parts(...), "
                               f"got {type(run).__name__}.")
-    verdict = capstone.judge(yours, reference, capstone.TOLERANCE if tolerance is None else tolerance)
+    verdict = judge(yours, reference, TOLERANCE if tolerance is None else tolerance)
     if not verdict.passed:
         # the harness builds the same CheckResult (8.1, not passed, judge's diagnosis and message)
         fail(verdict.diagnosis, verdict.message, **verdict.details)

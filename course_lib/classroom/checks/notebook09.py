@@ -16,14 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import modern as ref
+from ..verdict import Failure, fail
 from . import _rope_variants as rope
 from ._attn_probes import call_student, expect_callable, first_match, reraise_with
 from ._compare import close, max_diff
-from ._core import Failure, checker, fail, register
+from ._core import register
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
 from ._expect import construct, expect_tensor
 from ._gradients import check_gradients, check_module_gradients
+from ._harness import checker
 from ._mistake import Mistake
 from ._model_common import as_tensor, copy_weights
 

@@ -13,11 +13,13 @@ from typing import Any
 import torch
 
 from ... import heads as ref
+from ..verdict import fail
 from . import _heads_scores as slips
 from ._attn_probes import call_student, expect_callable, first_match
 from ._compare import close, max_diff
-from ._core import checker, fail, register
+from ._core import register
 from ._expect import expect_tensor
+from ._harness import checker
 from ._heads_ablation import judge_ablate_head
 
 __all__ = ["check_previous_token_score", "check_induction_score", "check_ablate_head"]

@@ -5,7 +5,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..checks._harness import DIAGNOSES
+from ..verdict import DIAGNOSES
 
 __all__ = ["Grade", "grade_from_message", "MESSAGE_LIMIT"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..checks import _harness
-from ..checks._harness import CheckResult
 from ..collect import ALIASES, GPT_EXERCISES, _base_namespace
+from ..verdict import CheckResult
 from .plan import CAPSTONE, ExercisePlan
 
 __all__ = ["judge", "known_names", "RecordingChecks"]

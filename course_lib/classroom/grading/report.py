@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..._atomic import atomic_file
-from ..checks._harness import DIAGNOSES
+from ..verdict import DIAGNOSES
 from .advice import exercise_title, first_hint, room_hint
 from .grades import Grade
 from .gradescope import results_json
