@@ -21,9 +21,7 @@ from .model import (
     TransformerBlock,
     sinusoidal_table,
 )
-from .runtime import device, set_seed, setup_notebook
-
-__version__ = "0.1.0"
+from .runtime import __version__, device, set_seed, setup_notebook
 
 # What `from course_lib import ...` offers: the pieces the notebooks build, by the names they teach.
 __all__ = [
