@@ -42,14 +42,13 @@ class Shown(str):
 EXERCISES: dict[str, Exercise] = {}
 
 
-def register(exercise: str, title: str, hints: list[str], solution: str | bool | None = None) -> None:
+def register(exercise: str, title: str, hints: list[str], has_solution: bool = True) -> None:
     """Declare an exercise: its id ("2.1"), a title and two or three hints. The solution is read from
-    the exercise's notebook; ``solution=False`` says the notebook has none (any other value is unused,
-    kept so older callers still work)."""
+    the exercise's notebook; ``has_solution=False`` says the notebook has none (8.1 assembles parts)."""
     if not re.fullmatch(r"\d+\.\d+", str(exercise)):
         raise ValueError(f"exercise: expected an id such as '2.1', got {exercise!r}")
     EXERCISES[exercise] = Exercise(exercise, title, list(hints), f"{int(exercise.split('.')[0]):02d}",
-                                   has_solution=solution is not False)
+                                   has_solution=has_solution)
 
 
 def _lookup(exercise: Any) -> Exercise:

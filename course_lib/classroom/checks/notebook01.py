@@ -318,13 +318,13 @@ register("1.1", "predict toy attention by hand", [
     "A softmax turns the three scores into weights: exp(score) divided by the sum of the three exps.",
     "The result is the weighted average of TOY_VALUES: each value times its weight, added up. Notice that "
     "the first and third keys are mirror images.",
-], solution="course_lib.attention:toy_attention")
+])
 
 register("1.2", "toy_attention", [
     "Three steps: one score per key, a softmax over those scores, a weighted sum of the values.",
     "keys @ query gives all n scores at once; take the softmax along that single axis. No scaling here.",
     "weights @ values works for values of shape (n,) and (n, dv) alike.",
-], solution="course_lib.attention:toy_attention")
+])
 
 register("1.3", "scaled_dot_product_attention", [
     "The same three steps as toy attention, for whole batches of queries: the scores have shape (..., Lq, Lk).",
@@ -332,4 +332,4 @@ register("1.3", "scaled_dot_product_attention", [
     "softmax over the last axis (the keys).",
     "With a mask, give the scores of hidden keys (mask False) the value -inf before the softmax; leave the "
     "scores alone when mask is None.",
-], solution="course_lib.attention:scaled_dot_product_attention")
+])

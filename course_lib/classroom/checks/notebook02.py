@@ -81,7 +81,7 @@ register("2.1", "causal_mask", [
     "Row i of the mask says which positions token i may look at: itself and everything before it.",
     "That is a lower-triangular pattern, True on and below the diagonal; torch.tril keeps exactly that part.",
     "Start from an (n, n) tensor of ones with dtype=torch.bool.",
-], solution="course_lib.attention:causal_mask")
+])
 
 register("2.2", "MaskedAttention.forward", [
     "Project x into q, k and v with self.query, self.key and self.value, then attend as in exercise 1.3 "
@@ -91,4 +91,4 @@ register("2.2", "MaskedAttention.forward", [
     "by 1/sqrt(embed_dim).",
     "After the softmax: self.attn_dropout on the weights, weights times v, then self.proj and "
     "self.proj_dropout. Dropout layers follow model.train() / model.eval() by themselves.",
-], solution="course_lib.attention:MultiHeadMaskedAttention.forward")
+])

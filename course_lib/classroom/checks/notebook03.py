@@ -116,13 +116,13 @@ register("3.1", "split_heads", [
     "Each head gets its own contiguous block of head_dim = E // num_heads features, at every position.",
     "First give the last axis the shape (num_heads, head_dim): (N, L, E) -> (N, L, heads, head_dim).",
     "Then swap the sequence and head axes to get (N, heads, L, head_dim).",
-], solution="course_lib.attention:split_heads")
+])
 
 register("3.2", "merge_heads", [
     "merge_heads undoes split_heads: the heads' outputs end up side by side along the features.",
     "Swap the head and sequence axes back first: (N, heads, L, head_dim) -> (N, L, heads, head_dim).",
     "Then flatten the last two axes; after a transpose use .reshape (or .contiguous() before .view).",
-], solution="course_lib.attention:merge_heads")
+])
 
 register("3.3", "MultiHeadMaskedAttention.forward", [
     "The same steps as MaskedAttention, but q, k and v are split into heads before the scores and the heads "
@@ -131,4 +131,4 @@ register("3.3", "MultiHeadMaskedAttention.forward", [
     "1/sqrt(head_dim), not 1/sqrt(embed_dim).",
     "Softmax over the last axis, self.attn_dropout, weights times v, merge_heads, then self.proj and "
     "self.proj_dropout.",
-], solution="course_lib.attention:MultiHeadMaskedAttention")
+])

@@ -127,7 +127,7 @@ register("4.1", "sinusoidal_table", [
     "same number and numerically kinder.",
     "Start from torch.zeros(max_tokens, embed_dim) and fill the even columns (0::2) with the sines and the odd "
     "columns (1::2) with the cosines of the same angles.",
-], solution="course_lib.model:sinusoidal_table")
+])
 
 
 # ---------------------------------------------------------------- 4.2 TransformerBlock
@@ -337,7 +337,7 @@ register("4.2", "TransformerBlock.forward", [
     "Residual: x = x + sublayer(...). The residual stream x itself is never replaced, only added to.",
     "Pre-norm (norm_first=True, GPT-2) normalises what goes INTO each sublayer (ln1 before attn, ln2 before "
     "mlp); post-norm normalises the sum AFTER each residual addition.",
-], solution="course_lib.model:TransformerBlock.forward")
+])
 
 
 # ---------------------------------------------------------------- 4.3 GPT
@@ -544,4 +544,4 @@ register("4.3", "GPT.forward", [
     "Run x through every block in self.blocks, in order, then the final LayerNorm self.ln_f and the head.",
     "Return the raw logits (N, L, vocab_size): no softmax. Check the length against max_tokens first and raise "
     "a clear ValueError when it is too long.",
-], solution="course_lib.model:GPT.forward")
+])

@@ -134,7 +134,7 @@ register("5.1", "lm_windows", [
     "Windows start every max_tokens tokens: 0, max_tokens, 2 * max_tokens, ... A start s fits when "
     "s + max_tokens + 1 <= len(ids).",
     "Tensor.unfold(0, size, step) cuts all windows at once; a list of slices stacked with torch.stack works too.",
-], solution="course_lib.data:lm_windows")
+])
 
 
 # ---------------------------------------------------------------- 5.2 lm_loss
@@ -243,7 +243,7 @@ register("5.2", "lm_loss", [
     "It wants the classes in dimension 1: flatten logits (N, L, V) to (N*L, V) and targets (N, L) to (N*L,).",
     "Targets of -100 are padding; F.cross_entropy skips them by default (ignore_index=-100), and the mean runs "
     "over the remaining targets only.",
-], solution="course_lib.train:lm_loss")
+])
 
 
 # ---------------------------------------------------------------- 5.3 train_step
@@ -407,7 +407,7 @@ register("5.3", "train_step", [
     "gradients must be gone before backward, and the update needs the new ones.",
     "Call model.train() first (evaluation switches dropout off), clip between backward and step unless "
     "max_grad_norm is None, and return loss.item(), a plain float.",
-], solution="course_lib.train:train_step")
+])
 
 
 # two different rows, so that a batch mixes distributions; no ties anywhere
@@ -622,4 +622,4 @@ register("5.4", "sample_next_token", [
     "with torch.multinomial (pass the generator).",
     "top_k: find the k-th largest logit of each row (torch.topk) and set every logit below it to -inf before the "
     "softmax.",
-], solution="course_lib.generate:sample_next_token")
+])

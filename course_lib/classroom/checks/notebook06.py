@@ -152,7 +152,7 @@ register("6.1", "flops_per_token", [
     "Read the sizes from config: L = config.num_layers, H = config.num_heads, Q = config.head_dim, "
     "T = config.max_tokens. N is the num_weights argument.",
     "return 6 * num_weights + 12 * L * H * Q * T, with each letter taken from config.",
-], solution="course_lib.train:flops_per_token")
+])
 
 
 def _model(max_tokens: int, embed_dim: int, seed: int) -> nn.Module:
@@ -319,4 +319,4 @@ register("6.2", "generate_with_cache", [
     "Feed the prompt once with the cache; afterwards feed ONLY the newest token (shape (N, 1)) with the same cache: "
     "the model continues its positions after the cached ones.",
     "Each step: take the argmax of the last position's logits (keepdim), append it to idx, and feed it back.",
-], solution="course_lib.generate:generate_with_cache")
+])

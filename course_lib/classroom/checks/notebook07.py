@@ -84,7 +84,7 @@ register("7.1", "split_c_attn", [
     "c_attn is one Conv1D whose 3E outputs are the query, key and value side by side: split the last dimension.",
     "Conv1D computes x @ W with W of shape (in, out); nn.Linear computes x @ W.T with W of shape (out, in).",
     "weight.split(embed_dim, dim=1) (or chunk(3, dim=-1)) gives three (E, E) blocks; each needs a transpose.",
-], solution="course_lib.hf:split_c_attn")
+])
 
 
 # ---------------------------------------------------------------- 7.2 attention function for transformers
@@ -265,4 +265,4 @@ register("7.2", "attention function for transformers", [
     "Use the `scaling` argument for the scores. attention_mask is bool (True = may attend) or None; None means a "
     "plain causal mask, which you then apply yourself.",
     "Dropout on the weights: F.dropout(weights, p=dropout, training=module.training).",
-], solution="course_lib.hf:course_attention_forward")
+])

@@ -1,7 +1,7 @@
 """Exercise of notebook 08 (train your GPT): 8.1, your parts train like the reference.
 
 Notebook 08 has no solution region: the learner assembles parts written in earlier notebooks
-(``capstone.train_parts``), so 8.1 is registered with ``solution=False`` and its checker only
+(``capstone.train_parts``), so 8.1 is registered with ``has_solution=False`` and its checker only
 compares two finished runs through ``training_runs.judge``.
 """
 from __future__ import annotations
@@ -36,4 +36,4 @@ register("8.1", "train your GPT like the reference", [
     "parts ends within the tolerance of the reference's validation loss.",
     "A NaN means a part misbehaves in training mode (dropout, masking with -inf): run capstone.find_blame to "
     "swap your parts in one at a time and see which one moves the loss.",
-], solution=False)
+], has_solution=False)
