@@ -188,7 +188,7 @@ def bind_references() -> None:
     inject faults into them (they are still restored after every check, like all of course_lib)."""
     for obj, saved in _attributes().items():
         owner = obj.__name__ if isinstance(obj, ModuleType) else getattr(obj, "__module__", "")
-        # A module still being imported (capstone imports checks at its top) holds only part of its
+        # A module still being imported (one that imports checks at its top) holds only part of its
         # names yet: pinning that half would strip the rest during every check.
         initializing = isinstance(obj, ModuleType) and getattr(obj.__spec__, "_initializing", False)
         if not owner.startswith("course_lib.classroom.checks") and not initializing:
