@@ -49,7 +49,7 @@ __all__ = ["POINTS_PER_CHECK", "SCHEMA_VERSION", "expected_metadata", "differenc
 SCHEMA_VERSION = 3          # nbgrader 0.6 to 0.9 read and write cell metadata schema 3
 POINTS_PER_CHECK = 1        # each test cell; an exercise with two check cells (4.2) is worth two
 
-# The exact markers (course_lib.classroom.assignments); a BEGIN marker must name its exercise here.
+# The exact markers (course_lib.assignments); a BEGIN marker must name its exercise here.
 _BEGIN_RE = re.compile(r"^[ \t]*### BEGIN SOLUTION\b")
 _BEGIN_WITH_ID_RE = re.compile(r"^[ \t]*### BEGIN SOLUTION[ \t]*\([ \t]*Exercise[ \t]+(?P<id>\d+\.\d+)\b.*\)[ \t]*$")
 # What nbgrader's ClearSolutions takes for a marker: these words anywhere on a line, in any cell.

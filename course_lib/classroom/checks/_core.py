@@ -101,7 +101,7 @@ def _following(entry: Exercise, result: CheckResult) -> str:
     return _spec_hint(entry)
 
 
-# The markers as course_lib.classroom.assignments defines them: alone on their line, indentation allowed;
+# The markers as course_lib.assignments defines them: alone on their line, indentation allowed;
 # the BEGIN marker names its exercise, "### BEGIN SOLUTION (Exercise 2.2: ...)".
 _BEGIN_RE = re.compile(r"^[ \t]*### BEGIN SOLUTION[ \t]*\([ \t]*Exercise[ \t]+(?P<id>\d+\.\d+)\b.*\)[ \t]*$")
 _END_RE = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
