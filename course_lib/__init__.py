@@ -21,9 +21,7 @@ from .model import (
     TransformerBlock,
     sinusoidal_table,
 )
-from .runtime import device, set_seed, setup_notebook
-
-__version__ = "0.1.0"
+from .runtime import __version__, device, set_seed, setup_notebook
 
 # What `from course_lib import ...` offers: the pieces the notebooks build, by the names they teach.
 __all__ = [
@@ -32,3 +30,12 @@ __all__ = [
     "GPT", "FeedForward", "GPTConfig", "LearnedPositionalEncoding", "SinusoidalPositionalEncoding",
     "TransformerBlock", "sinusoidal_table", "device", "set_seed", "setup_notebook", "__version__",
 ]
+
+
+def __getattr__(name: str):
+    """``from course_lib import checks`` (every notebook's first cell) and ``capstone`` (notebook 08)
+    load the classroom only when asked for: importing the reference never imports the classroom."""
+    if name in ("checks", "capstone"):
+        import importlib
+        return importlib.import_module(f"{__name__}.classroom.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

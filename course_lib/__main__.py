@@ -156,12 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _grade(argv: list[str]) -> int:
-    from .grading.cli import main as grade_main
+    from .classroom.grading.cli import main as grade_main
     return grade_main(argv)
 
 
 def _progress(argv: list[str]) -> int:
-    from .progress import main as progress_main
+    from .classroom.progress import main as progress_main
     return progress_main(argv)
 
 
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "doctor":
-        from .doctor import run_doctor
+        from .classroom.doctor import run_doctor
         return run_doctor()
     if args.command == "data":
         return _data(args)
@@ -196,10 +196,10 @@ def _run(args: argparse.Namespace) -> int:
         from .hf.export import main as export_main
         return export_main(args.run_dir, args.out_dir)
     if args.command == "start":
-        from .assignments import start_main
+        from .classroom.assignments import start_main
         return start_main(args.args)
     if args.command == "student":
-        from .assignments import main as student_main
+        from .classroom.assignments import main as student_main
         return student_main(args.args)
     from .bench import main as bench_main
     return bench_main(args.args)

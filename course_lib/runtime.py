@@ -10,6 +10,8 @@ import torch
 
 from . import _validate as validate
 
+__version__ = "0.1.0"   # course_lib's version, printed by setup_notebook (pyproject.toml says the same)
+
 __all__ = ["device", "set_seed", "setup_notebook", "calibrate", "slowdown", "expect_time"]
 
 DEVICES = ("cuda", "mps", "cpu")
@@ -61,7 +63,6 @@ def setup_notebook(seed: int = 0) -> torch.device:
                              f"set e.g. COURSE_THREADS=2, or unset it to use every core") from None
         torch.set_num_threads(max(1, count))   # as distributed.py reads it: 0 or less means one thread
     chosen = device()
-    from . import __version__
     print(f"course_lib {__version__} | torch {torch.__version__.split('+')[0]} | device {chosen} | "
           f"{torch.get_num_threads()} CPU threads | seed {seed}")
     print(_compare_with_reference(chosen))

@@ -16,7 +16,7 @@ def isolated_user_data_dir(tmp_path, monkeypatch):
 def no_remembered_checks():
     """checks.hint and show_solution follow the last check of an exercise in this process: start each
     test with none, as a fresh kernel does."""
-    from course_lib.checks import _counterexample
+    from course_lib.classroom.checks import _counterexample
     _counterexample.forget()
     yield
     _counterexample.forget()

@@ -14,9 +14,9 @@ from typing import Any
 
 import nbformat
 
-from course_lib.assignments import strip_solutions
+from course_lib.classroom.assignments import strip_solutions
+from course_lib.classroom.grading.plan import grading_plan
 from course_lib.course_files import course_notebooks
-from course_lib.grading.plan import grading_plan
 
 # What the bank modules import, so that an attempt's source runs the same way in a notebook cell.
 _IMPORTS = """\

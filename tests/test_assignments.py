@@ -10,8 +10,8 @@ import nbformat
 import pytest
 from nbformat import v4
 
-from course_lib import assignments
-from course_lib.assignments import make_learner_copies, make_learner_copy, strip_solutions
+from course_lib.classroom import assignments
+from course_lib.classroom.assignments import make_learner_copies, make_learner_copy, strip_solutions
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO_NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

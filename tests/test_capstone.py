@@ -13,10 +13,11 @@ import nbformat
 import pytest
 import torch
 
-from course_lib import capstone, checks
-from course_lib.assignments import update_learner_copies
-from course_lib.capstone import TrainingRun, TrainingSetup, find_blame, judge, train_parts
-from course_lib.collect import Collection, collect_student_parts, course_exercises
+from course_lib.classroom import capstone, checks
+from course_lib.classroom.assignments import update_learner_copies
+from course_lib.classroom.capstone import TrainingRun, TrainingSetup, find_blame, train_parts
+from course_lib.classroom.collect import Collection, collect_student_parts, course_exercises
+from course_lib.classroom.training_runs import judge
 from course_lib.model import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,8 +210,8 @@ def test_blame_lengthens_a_run_that_shows_no_lag_and_says_whether_the_part_lags_
     equivalent_mask = _solution_source("2.1", ".tril()", ".tril(diagonal=0)")      # the student's own, right
     planted = solutions.with_part("2.1", equivalent_mask).with_part("3.3", _solution_source("3.3", *NO_SCALE))
     setup = _tiny_setup(steps=80)   # as the missing-scale test above: at 80 steps the lag shows
-    real = capstone._verdict
-    monkeypatch.setattr(capstone, "_verdict",
+    real = capstone.how_it_fails
+    monkeypatch.setattr(capstone, "how_it_fails",
                         lambda run, ref, tol: real(run, ref, tol) if len(run.step) == setup.steps else None)
     blame = find_blame(planted, setup, steps=20, tolerance=0.0)
     assert blame is not None and blame.exercise == "3.3", blame

@@ -8,10 +8,16 @@ import pytest
 import torch
 from bank.attention_bugs import BUGGY, CORRECT
 
-from course_lib import attention, checks
-from course_lib.checks import _core, notebook01, notebook02, notebook03
-from course_lib.checks._attn_hypotheses import MODULE_HYPOTHESES, SDPA_HYPOTHESES, module_variant, sdpa_variant
-from course_lib.checks._attn_modules import EMBED_DIM, MAX_TOKENS, load, random_params
+from course_lib import attention
+from course_lib.classroom import checks, verdict
+from course_lib.classroom.checks import _core, notebook01, notebook02, notebook03
+from course_lib.classroom.checks._attn_hypotheses import (
+    MODULE_HYPOTHESES,
+    SDPA_HYPOTHESES,
+    module_variant,
+    sdpa_variant,
+)
+from course_lib.classroom.checks._attn_modules import EMBED_DIM, MAX_TOKENS, load, random_params
 
 CHECKERS = {
     "1.1": lambda candidate: checks.check_toy_prediction(*candidate),
@@ -63,7 +69,7 @@ def test_buggy_variant_gets_its_diagnosis(attempt):
     result = run(attempt.exercise, attempt.candidate)
     assert not result.passed, f"{attempt.id} passed"
     assert result.diagnosis == attempt.expected, f"{attempt.id}: {result}"
-    assert result.diagnosis in _core.DIAGNOSES
+    assert result.diagnosis in verdict.DIAGNOSES
     assert len(result.message) > 30 and "Traceback" not in result.message
 
 
@@ -135,7 +141,7 @@ ODD_CANDIDATES = [
 @pytest.mark.parametrize("name,candidate,codes", ODD_CANDIDATES, ids=[c[0] for c in ODD_CANDIDATES])
 def test_checker_never_raises(exercise, name, candidate, codes):
     result = run(exercise, candidate)
-    assert isinstance(result, _core.CheckResult) and not result.passed
+    assert isinstance(result, verdict.CheckResult) and not result.passed
     if exercise in ("2.2", "3.3"):
         # a function is not a class: calling it "constructs" something that is not an nn.Module
         assert result.diagnosis == "exception", result
@@ -235,5 +241,5 @@ def test_each_checker_lives_in_the_module_of_its_notebook():
     for name in names:
         fn = getattr(checks, name)
         notebook = f"{int(fn.exercise.split('.')[0]):02d}"
-        assert fn.__module__ == f"course_lib.checks.notebook{notebook}", (name, fn.__module__)
+        assert fn.__module__ == f"course_lib.classroom.checks.notebook{notebook}", (name, fn.__module__)
         assert fn.exercise in _core.EXERCISES and _core.EXERCISES[fn.exercise].notebook == notebook

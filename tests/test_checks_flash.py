@@ -9,9 +9,10 @@ import torch
 from bank.attempts import assert_judged
 from bank.flash_bugs import BUGGY, CORRECT
 
-from course_lib import checks, flash
-from course_lib.checks import _flash_variants, notebook10
-from course_lib.checks._flash_probe import Recorder
+from course_lib import flash
+from course_lib.classroom import checks
+from course_lib.classroom.checks import _flash_variants, notebook10
+from course_lib.classroom.checks._flash_probe import Recorder
 
 CHECKERS = {
     "10.1": checks.check_online_softmax,

@@ -11,8 +11,9 @@ import torch
 from bank.attempts import assert_judged
 from bank.heads_bugs import BUGGY, CORRECT
 
-from course_lib import checks, heads
-from course_lib.checks import _core, _heads_ablation, _heads_scores
+from course_lib import heads
+from course_lib.classroom import checks, verdict
+from course_lib.classroom.checks import _core, _heads_ablation, _heads_scores
 
 CHECKERS = {
     "11.1": checks.check_previous_token_score,
@@ -118,7 +119,7 @@ _ODD = [
 @pytest.mark.parametrize("name,candidate,codes", _ODD, ids=[c[0] for c in _ODD])
 def test_checker_never_raises(exercise, name, candidate, codes):
     result = run(exercise, candidate)
-    assert isinstance(result, _core.CheckResult) and not result.passed
+    assert isinstance(result, verdict.CheckResult) and not result.passed
     assert result.diagnosis in codes, result
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from bank.model_bugs import BUGGY, CORRECT
 
-from course_lib import checks
-from course_lib.checks import _core
+from course_lib.classroom import checks, verdict
+from course_lib.classroom.checks import _core
 from course_lib.data import lm_windows
 from course_lib.generate import generate_with_cache, sample_next_token
 from course_lib.hf import course_attention_forward, split_c_attn
@@ -148,7 +148,7 @@ ODD_FUNCTIONS = [
 @pytest.mark.parametrize("name,candidate,codes", ODD_FUNCTIONS, ids=[c[0] for c in ODD_FUNCTIONS])
 def test_checker_never_raises(exercise, name, candidate, codes):
     result = run(exercise, candidate)
-    assert isinstance(result, _core.CheckResult) and not result.passed
+    assert isinstance(result, verdict.CheckResult) and not result.passed
     if exercise in CLASS_EXERCISES:
         # a function is not a class: what it "constructs" is not an nn.Module
         assert result.diagnosis == "exception", result
@@ -219,7 +219,7 @@ def test_hints_and_solutions_are_registered(exercise, capsys):
 # ---------------------------------------------------------------- 8.1 trains like the reference
 
 def test_check_trains_like_reference_returns_judges_verdict(capsys):
-    from course_lib.capstone import TrainingRun, judge
+    from course_lib.classroom.training_runs import TrainingRun, judge
     reference = TrainingRun("reference", [1, 2], [3.0, 2.0], [2], [1.5])
     runs = [TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.51]),            # within the tolerance
             TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.6]),             # behind

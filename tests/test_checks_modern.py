@@ -12,9 +12,10 @@ import torch
 from bank.attempts import assert_judged
 from bank.modern_bugs import BUGGY, CORRECT
 
-from course_lib import checks, modern
-from course_lib.checks import _core, _gqa_variants, notebook09
-from course_lib.checks._mistake import Mistake
+from course_lib import modern
+from course_lib.classroom import checks, verdict
+from course_lib.classroom.checks import _core, _gqa_variants, notebook09
+from course_lib.classroom.checks._mistake import Mistake
 
 CHECKERS = {
     "9.1": checks.check_rope_tables,
@@ -114,7 +115,7 @@ def one_thread():
 
 def test_every_hypothesised_gqa_mistake_changes_the_output(one_thread):
     """A hypothesis equal to the right answer could never be told apart: each must differ somewhere."""
-    from course_lib.checks import _gqa_check as g
+    from course_lib.classroom.checks import _gqa_check as g
     generator = torch.Generator().manual_seed(0)
     setups = [g._build(modern.GroupedQueryAttention, kv, theta, extra, generator, notebook09._diagnose_tables).setup
               for kv, theta, extra in g.CONFIGS + g.OPTIONAL]
@@ -165,7 +166,7 @@ ODD_FUNCTIONS = [
 @pytest.mark.parametrize("name,candidate,codes", ODD_FUNCTIONS, ids=[c[0] for c in ODD_FUNCTIONS])
 def test_checker_never_raises(exercise, name, candidate, codes):
     result = run(exercise, candidate)
-    assert isinstance(result, _core.CheckResult) and not result.passed
+    assert isinstance(result, verdict.CheckResult) and not result.passed
     assert result.diagnosis != "checker_error", result
     if exercise in CLASS_EXERCISES and callable(candidate):
         # a function is not a class: what it "constructs" is not an nn.Module

@@ -8,9 +8,11 @@ import types
 import pytest
 import torch
 
-from course_lib import capstone, checks
-from course_lib.checks import _nbgrader
-from course_lib.checks._core import EXERCISES, Exercise, checker, fail
+from course_lib.classroom import capstone, checks
+from course_lib.classroom.checks import _nbgrader
+from course_lib.classroom.checks._core import EXERCISES, Exercise
+from course_lib.classroom.checks._harness import checker
+from course_lib.classroom.verdict import fail
 
 
 def _wrong_mask(n):

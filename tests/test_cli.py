@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.__main__ import main
-from course_lib.doctor import run_doctor
+from course_lib.classroom.doctor import run_doctor
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -16,7 +16,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 def test_doctor_is_ready_with_the_corpora(monkeypatch, capsys):
     assert SHARED.is_dir(), f"expected the shared corpora at {SHARED}"
     monkeypatch.setenv("COURSE_DATA_DIR", str(SHARED))
-    monkeypatch.setattr("course_lib.doctor._kernel_python", lambda: (sys.executable, ""))
+    monkeypatch.setattr("course_lib.classroom.doctor._kernel_python", lambda: (sys.executable, ""))
     assert run_doctor() == 0
     out = capsys.readouterr().out
     assert "READY" in out and "tinyshakespeare" in out and "checksum OK" in out
@@ -27,7 +27,7 @@ def test_doctor_is_ready_with_the_corpora(monkeypatch, capsys):
 def test_doctor_says_what_to_run_when_a_corpus_is_missing(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("COURSE_DATA_DIR", str(tmp_path))
     monkeypatch.setattr("course_lib.corpora.REPO_DATA_DIR", tmp_path / "nothing-here")
-    monkeypatch.setattr("course_lib.doctor._kernel_python", lambda: (None, "Jupyter here has no 'python3' kernel"))
+    monkeypatch.setattr("course_lib.classroom.doctor._kernel_python", lambda: (None, "Jupyter here has no 'python3' kernel"))
     assert run_doctor() == 1
     out = capsys.readouterr().out
     assert "NOT READY" in out and "python -m course_lib data" in out and "make lab" in out
@@ -39,14 +39,14 @@ def test_doctor_tells_when_the_kernel_cannot_import_course_lib(monkeypatch, tmp_
     elsewhere = tmp_path / "python"
     elsewhere.write_text("#!/bin/sh\nexit 1\n")   # a Python without the course: its import fails
     elsewhere.chmod(0o755)
-    monkeypatch.setattr("course_lib.doctor._kernel_python", lambda: (str(elsewhere), ""))
+    monkeypatch.setattr("course_lib.classroom.doctor._kernel_python", lambda: (str(elsewhere), ""))
     assert run_doctor() == 1
     out = capsys.readouterr().out
     assert f"{elsewhere} CANNOT IMPORT course_lib" in out and "make lab" in out
 
 
 def test_the_kernel_doctor_finds_here_is_this_environments_python(capsys):
-    from course_lib.doctor import _kernel_python
+    from course_lib.classroom.doctor import _kernel_python
     python, why = _kernel_python()
     assert why == "" and Path(python).resolve() == Path(sys.executable).resolve()
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from course_lib import GPT
-from course_lib.assignments import update_learner_copies
-from course_lib.collect import GPT_EXERCISES, collect_student_parts, course_exercises
+from course_lib.classroom.assignments import update_learner_copies
+from course_lib.classroom.collect import GPT_EXERCISES, collect_student_parts, course_exercises
 from course_lib.model import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]

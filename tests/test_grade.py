@@ -18,17 +18,16 @@ import pytest
 from bank import attention_bugs
 from synthetic_class import FORGED_VERDICT, attempt_source, hostile_parts, prediction_source, write_student
 
-from course_lib import checks
-from course_lib.checks._harness import DIAGNOSES
-from course_lib.collect import _base_namespace
-from course_lib.grading import grade, grading_plan, handed_in
-from course_lib.grading.advice import room_advice
-from course_lib.grading.cli import build_parser
-from course_lib.grading.cli import main as grade_main
-from course_lib.grading.grades import Grade
-from course_lib.grading.judge import judge, known_names
-from course_lib.grading.pool import SelfCheckFailed
-from course_lib.grading.report import (
+from course_lib.classroom import checks
+from course_lib.classroom.collect import _base_namespace
+from course_lib.classroom.grading import grade, grading_plan, handed_in
+from course_lib.classroom.grading.advice import room_advice
+from course_lib.classroom.grading.cli import build_parser
+from course_lib.classroom.grading.cli import main as grade_main
+from course_lib.classroom.grading.grades import Grade
+from course_lib.classroom.grading.judge import judge, known_names
+from course_lib.classroom.grading.pool import SelfCheckFailed
+from course_lib.classroom.grading.report import (
     FIXED_STYLES,
     OKABE_ITO,
     RunInfo,
@@ -37,11 +36,12 @@ from course_lib.grading.report import (
     summary_figure,
     write_report,
 )
-from course_lib.grading.sandbox import install_policy
-from course_lib.grading.selfcheck import self_check
-from course_lib.grading.sources import _without_magics, find_notebook, student_part, unfinished_exercises
-from course_lib.grading.submissions import Submission, find_submissions
-from course_lib.grading.worker import _write_files, exercise_limits
+from course_lib.classroom.grading.sandbox import install_policy
+from course_lib.classroom.grading.selfcheck import self_check
+from course_lib.classroom.grading.sources import _without_magics, find_notebook, student_part, unfinished_exercises
+from course_lib.classroom.grading.submissions import Submission, find_submissions
+from course_lib.classroom.grading.worker import _write_files, exercise_limits
+from course_lib.classroom.verdict import DIAGNOSES
 
 PLANS = grading_plan()
 KNOWN = known_names(PLANS)
@@ -213,7 +213,7 @@ def test_the_command_stops_with_an_error_when_the_self_check_fails(tmp_path, mon
 
     def failing(*args, **kwargs):
         raise SelfCheckFailed(["exercise 9.6 (GroupedQueryAttention): the course's solution failed (exception: x)"])
-    monkeypatch.setattr("course_lib.grading.grade", failing)
+    monkeypatch.setattr("course_lib.classroom.grading.grade", failing)
     assert grade_main([str(tmp_path / "class"), "--out", str(tmp_path / "out"), "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "self-check failed" in err and "exercise 9.6" in err
@@ -239,7 +239,7 @@ def test_submissions_in_both_layouts_are_read_into_memory(tmp_path, monkeypatch)
     (plain / "ada" / "big.bin").write_bytes(b"x" * 200)
     (plain / "ada" / "link.ipynb").symlink_to(plain / "ada" / "02_masked_attention.ipynb")
     (plain / "bo").mkdir()   # handed in nothing: still a student, graded as missing
-    monkeypatch.setattr("course_lib.grading.submissions.FILE_LIMIT", 100)
+    monkeypatch.setattr("course_lib.classroom.grading.submissions.FILE_LIMIT", 100)
     found = {s.student: s for s in find_submissions(plain)}
     assert sorted(found) == ["ada", "bo"]
     assert sorted(found["ada"].files) == ["02_masked_attention.ipynb"]
@@ -544,7 +544,7 @@ def test_the_command_grades_a_gradescope_submission(tmp_path):
 
 
 def test_without_bubblewrap_the_run_says_it_is_not_isolated(tmp_path, monkeypatch, capsys):
-    from course_lib.grading import isolation
+    from course_lib.classroom.grading import isolation
     monkeypatch.setattr(isolation.shutil, "which", lambda name: None)
     isolation.status.cache_clear()
     try:

@@ -23,8 +23,8 @@ import pytest
 from synthetic_class import write_student
 
 import course_lib
-from course_lib.grading import isolation
-from course_lib.grading.plan import grading_plan
+from course_lib.classroom.grading import isolation
+from course_lib.classroom.grading.plan import grading_plan
 
 pytestmark = pytest.mark.skipif(not isolation.available(), reason=f"bubblewrap cannot run here: "
                                                                   f"{isolation.status()[1]}")

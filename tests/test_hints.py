@@ -6,8 +6,9 @@ import torch
 from bank.attention_bugs import BUGGY as ATTENTION_BUGGY
 from bank.modern_bugs import BUGGY as MODERN_BUGGY
 
-from course_lib import attention, checks, modern
-from course_lib.checks import _core
+from course_lib import attention, modern
+from course_lib.classroom import checks
+from course_lib.classroom.checks import _core
 
 BY_ID = {a.id: a for a in ATTENTION_BUGGY + MODERN_BUGGY}
 CHECKS = {"1.3": checks.check_scaled_dot_product_attention, "2.1": checks.check_causal_mask,
@@ -82,8 +83,8 @@ def test_most_forward_mistakes_of_the_banks_get_a_counterexample():
 
 
 def test_every_diagnosis_a_student_can_get_has_a_nudge_of_its_own():
-    from course_lib.checks._harness import DIAGNOSES
-    from course_lib.checks._nudges import NUDGES
+    from course_lib.classroom.checks._nudges import NUDGES
+    from course_lib.classroom.verdict import DIAGNOSES
     without = [code for code in DIAGNOSES if code not in NUDGES and code not in ("not_implemented", "checker_error")]
     assert not without, f"these diagnoses fall back to the generic nudge: {without}"
     promising = [code for code, text in NUDGES.items() if "next hint" in text]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.assignments import make_learner_copy
+from course_lib.classroom.assignments import make_learner_copy
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ import nbformat
 import pytest
 from nbformat import v4
 
-from course_lib import nbgrader_metadata
-from course_lib.assignments import make_learner_copy
-from course_lib.nbgrader_metadata import apply, differences, expected_metadata, main
+from course_lib.classroom import nbgrader_metadata
+from course_lib.classroom.assignments import make_learner_copy
+from course_lib.classroom.nbgrader_metadata import apply, differences, expected_metadata, main
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
@@ -53,7 +53,7 @@ def test_the_course_has_notebooks_to_check():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_every_notebook_carries_the_metadata_the_script_writes(path):
     problems = differences(path)
-    assert not problems, ("\n".join(problems) + "\nrun: python -m course_lib.nbgrader_metadata notebooks")
+    assert not problems, ("\n".join(problems) + "\nrun: python -m course_lib.classroom.nbgrader_metadata notebooks")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -184,7 +184,7 @@ def test_the_command_checks_and_writes(tmp_path, capsys):
     assert main(["--check", str(tmp_path)]) == 1
     out, err = capsys.readouterr()
     assert "02_masks.ipynb, cell 1: nbgrader metadata is none, expected" in out
-    assert "python -m course_lib.nbgrader_metadata" in err
+    assert "python -m course_lib.classroom.nbgrader_metadata" in err
 
     assert main([str(tmp_path)]) == 0
     assert "updated 2 cell(s)" in capsys.readouterr().out

@@ -12,9 +12,9 @@ from urllib.parse import unquote
 import nbformat
 import pytest
 
-from course_lib import checks
-from course_lib.assignments import strip_solutions
-from course_lib.checks._core import EXERCISES
+from course_lib.classroom import checks
+from course_lib.classroom.assignments import strip_solutions
+from course_lib.classroom.checks._core import EXERCISES
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -254,13 +254,13 @@ def test_every_exercise_is_checked_and_registered(path):
         return
     assert ids, f"{path.name}: no exercises (### BEGIN SOLUTION regions) found"
     checked, unknown = _checked_ids(path)
-    assert not unknown, f"{path.name}: calls to unknown checker(s) {unknown} (not in course_lib.checks)"
+    assert not unknown, f"{path.name}: calls to unknown checker(s) {unknown} (not in course_lib.classroom.checks)"
     unchecked = sorted(set(ids) - checked)
     assert not unchecked, (f"{path.name}: exercise(s) {unchecked} have no checker call "
                            f"(checks.check_...(...)) in the notebook")
     unregistered = sorted(set(ids) - set(EXERCISES))
     assert not unregistered, (f"{path.name}: exercise(s) {unregistered} are not registered in "
-                              f"course_lib.checks (no hints or solution for checks.hint)")
+                              f"course_lib.classroom.checks (no hints or solution for checks.hint)")
 
 
 def test_readme_lists_every_notebook_with_its_time():

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from course_lib import checks, progress
 from course_lib.__main__ import main as course_main
+from course_lib.classroom import checks, progress
 
 
 def causal_mask(n):   # a student's right answer, under the exercise's name
@@ -155,7 +155,7 @@ def test_the_room_per_exercise_latest_attempts_count(tmp_path, capsys, monkeypat
 
     def stop(seconds):
         raise KeyboardInterrupt
-    monkeypatch.setattr("course_lib.progress.time.sleep", stop)
+    monkeypatch.setattr("course_lib.classroom.progress.time.sleep", stop)
     assert progress.main([str(tmp_path), "--watch", "0.5"]) == 0
     assert "every 0.5 s" in capsys.readouterr().out
     assert progress.main([str(tmp_path / "nowhere")]) == 2

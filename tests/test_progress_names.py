@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from course_lib import progress
+from course_lib.classroom import progress
 
 
 def _line(folder, student, stamp, exercise, passed, diagnosis=None, name=None):

@@ -1,0 +1,364 @@
+"""Running a student's attention module next to the reference: build, copy weights by name, probe."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..verdict import Failure, fail
+from ._attn_hypotheses import MODULE_HYPOTHESES, module_variant
+from ._attn_probes import call_student, diagnose_weights, first_match, reraise_with, shape_str
+from ._compare import close, max_diff
+from ._expect import construct, expect_finite, expect_tensor
+from ._gradients import check_module_gradients
+from ._harness import call
+
+EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
+# (batch, length): full length first, so a failure at a shorter length can be told apart
+CASES = ((2, MAX_TOKENS), (3, 5), (1, 1), (2, 3))
+PARAMETERS = ("query.weight", "key.weight", "value.weight", "proj.weight")
+
+
+@dataclass
+class Run:
+    heads: int
+    params: dict[str, torch.Tensor]
+    x: torch.Tensor
+    out: torch.Tensor
+    expected: torch.Tensor
+
+
+def check_parameters(model: nn.Module, what: str) -> None:
+    """The constructor's parameters must be exactly query, key, value, proj (E x E, no bias)."""
+    try:
+        got = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    except Exception as exc:  # a broken module is the student's to fix
+        fail("exception", f"Listing the parameters of {what} raised {type(exc).__name__}: {exc}")
+    missing = [name for name in PARAMETERS if name not in got]
+    extra = [name for name in got if name not in PARAMETERS]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"no parameter {', '.join(missing)}")
+        if extra:
+            bias = any(name.endswith(".bias") for name in extra)
+            parts.append(f"unexpected parameter(s) {', '.join(extra)}" +
+                         (" (the course's linear layers use bias=False)" if bias else ""))
+        fail("shape", f"{what} has {' and '.join(parts)}. The constructor should create exactly four "
+                      f"nn.Linear(embed_dim, embed_dim, bias=False) layers named query, key, value and proj "
+                      f"(the names are how the checker copies the reference weights into your module).",
+             found=sorted(got))
+    for name in PARAMETERS:
+        if got[name] != (EMBED_DIM, EMBED_DIM):
+            fail("shape", f"Parameter {name} of {what} has shape {got[name]}, expected "
+                          f"{(EMBED_DIM, EMBED_DIM)}: every projection maps embed_dim to embed_dim.")
+
+
+def random_params(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    # Queries and keys a bit larger than the default init: the softmax is then neither flat nor
+    # one-hot, and every mistake moves the output well past the tolerance.
+    scale = {"query.weight": 1.2, "key.weight": 1.2, "value.weight": 1.0, "proj.weight": 1.0}
+    return {name: torch.randn(EMBED_DIM, EMBED_DIM, generator=generator) * scale[name] * EMBED_DIM ** -0.5
+            for name in PARAMETERS}
+
+
+def load(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+
+
+def forward(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
+    with torch.no_grad():
+        out = call_student(model, x.clone(), what=what)
+    return expect_tensor(out, tuple(x.shape), what, dtype=x.dtype, finite=False)
+
+
+class ModuleCheck:
+    """Everything one exercise (2.2 or 3.3) does with the student's class."""
+
+    def __init__(self, name: str, make_candidate: Callable[[int, float], Any],
+                 make_reference: Callable[[int, float], nn.Module], heads: tuple[int, ...]):
+        self.name = name
+        self.make_candidate = make_candidate
+        self.make_reference = make_reference
+        self.heads = heads
+        self.generator = torch.Generator().manual_seed(1234)
+        self.models: dict[int, nn.Module] = {}
+        self.references: dict[int, nn.Module] = {}
+        self.runs: list[Run] = []
+
+    def what(self, shape: tuple[int, ...], heads: int) -> str:
+        extra = f", num_heads={heads}" if len(self.heads) > 1 else ""
+        return f"{self.name}.forward(x) with x of shape {shape}{extra}"
+
+    # -------------------------------------------------------------------- running
+
+    def run_all(self) -> None:
+        torch.manual_seed(0)   # dropout draws; the @checker decorator restores the caller's RNG state
+        for heads in self.heads:
+            label = self.name + (f"(embed_dim={EMBED_DIM}, num_heads={heads}, max_tokens={MAX_TOKENS}, "
+                                 if len(self.heads) > 1 else f"(embed_dim={EMBED_DIM}, max_tokens={MAX_TOKENS}, ")
+            model = construct(self.make_candidate, heads, DROPOUT, what=self.name,
+                              shown=label + f"dropout_rate={DROPOUT})")
+            check_parameters(model, self.name)
+            reference = self.make_reference(heads, DROPOUT).eval()
+            params = random_params(self.generator)
+            load(model, params)
+            load(reference, params)
+            call(model.eval, what=f"{self.name}.eval()")
+            self.models[heads] = model
+            self.references[heads] = reference
+            for index, (n, length) in enumerate(CASES):
+                x = torch.randn(n, length, EMBED_DIM, generator=self.generator)
+                what = self.what(tuple(x.shape), heads)
+                try:
+                    out = forward(model, x, what)
+                except Failure as failure:
+                    full = self.runs[-index] if index else None
+                    if (full is not None and failure.diagnosis in ("exception", "shape")
+                            and close(full.out, full.expected)):
+                        reraise_with(failure, "shape", f" Your module works for sequences of max_tokens="
+                                     f"{MAX_TOKENS} tokens but not for {length}: the causal mask must be "
+                                     f"cut to the current sequence length, not used at its full max_tokens "
+                                     f"size.")
+                    raise
+                if index == 0:
+                    self.check_eval_deterministic(model, x, out, what)
+                with torch.no_grad():
+                    expected = reference(x)
+                self.runs.append(Run(heads, params, x, out, expected))
+
+    def check_eval_deterministic(self, model: nn.Module, x: torch.Tensor, out: torch.Tensor, what: str) -> None:
+        again = forward(model, x, what)
+        if not close(again, out, nan_ok=True):
+            fail("dropout", f"In eval mode your module gives different outputs for the same input: dropout is "
+                            f"still active (dropout_rate={DROPOUT}). Use dropout that follows the module's mode "
+                            f"(the nn.Dropout layers, or training=self.training), so model.eval() switches it off.")
+
+    # -------------------------------------------------------------------- diagnosing
+
+    def diagnose(self) -> None:
+        """Called when some outputs differ from the reference: raise the most specific Failure we can."""
+        bad = [run for run in self.runs if not close(run.out, run.expected)]
+        several = any(h > 1 for h in self.heads)
+        hypotheses = [h for h in MODULE_HYPOTHESES
+                      if several or not ({"split", "merge"} & set(h.spec) or h.spec.get("scale") == "embed_dim")]
+        found = first_match(hypotheses, [run.out for run in self.runs],
+                            lambda i, spec: module_variant(self.runs[i].x, self.runs[i].params,
+                                                           self.runs[i].heads, spec))
+        if found is not None:
+            fail(found.code, found.message.format(d="head_dim" if several else "embed_dim"))
+        if all(run.x.shape[1] < MAX_TOKENS for run in bad):
+            fail("causal_mask", f"Your output is right for sequences of max_tokens={MAX_TOKENS} tokens but wrong "
+                                f"for shorter ones (e.g. x of shape {shape_str(bad[0].x.shape)}): the causal "
+                                f"mask must be cut to the current sequence length, its top-left L x L corner.")
+        for run in self.runs:
+            expect_finite(run.out, self.what(tuple(run.x.shape), run.heads))
+        heads = max(self.heads)
+        self.probe_batch(heads)   # before the future: a reshape that mixes rows also "leaks" positions
+        if heads > 1:
+            self.probe_heads(heads)
+        # reading the weights back assumes heads are kept apart, so it comes after probe_heads; it
+        # comes before probe_future because a softmax over the wrong axis also leaks the future
+        self.probe_weights(2 if 2 in self.heads else self.heads[0])
+        self.probe_future(heads)
+        run = bad[0]
+        fail("mismatch", f"For x of shape {shape_str(run.x.shape)} your output differs from the reference by up "
+                         f"to {max_diff(run.out, run.expected):.3g}, although the attention weights look right: "
+                         f"check what happens after the softmax (the values, merging the heads, the output "
+                         f"projection `proj`).")
+
+    def probe_batch(self, heads: int) -> None:
+        """Each sequence of a batch must give what it gives alone: rows never mix."""
+        model = self.models[heads]
+        x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=self.generator)          # (3, L, E)
+        what = self.what(tuple(x.shape), heads)
+        together = forward(model, x, what)
+        for i in range(x.shape[0]):
+            alone = forward(model, x[i:i + 1], self.what((1, MAX_TOKENS, EMBED_DIM), heads))   # (1, L, E)
+            if not close(alone[0], together[i], nan_ok=True):
+                fail("batch_mixing", f"{what}: sequence {i} gives a different output in a batch of 3 than alone, "
+                                     f"so your reshapes mix the sequences of the batch. Keep the batch axis first "
+                                     f"and untouched: view (N, L, E) as (N, L, heads, head_dim) with N and L from "
+                                     f"x.shape, then transpose(1, 2).")
+
+    def probe_future(self, heads: int) -> None:
+        """Changing tokens after position t must not change the outputs up to t."""
+        model, params = self.models[heads], self.runs[0].params
+        load(model, params)
+        x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
+        what = self.what(tuple(x.shape), heads)
+        out = forward(model, x, what)
+        for t in (0, MAX_TOKENS // 2, MAX_TOKENS - 2):
+            changed = x.clone()
+            changed[:, t + 1:] = torch.randn(2, MAX_TOKENS - t - 1, EMBED_DIM, generator=self.generator)
+            if not close(forward(model, changed, what)[:, :t + 1], out[:, :t + 1]):
+                fail("causal_mask", f"The future leaks: changing the tokens after position {t} changes your "
+                                    f"output at position {t} or before. Each query may only attend to keys at "
+                                    f"its own position or earlier; mask the scores before the softmax.")
+
+    def probe_heads(self, heads: int) -> None:
+        """With proj = identity, changing the query weights of head 1 may only change head 1's output block."""
+        model = self.models[heads]
+        head_dim = EMBED_DIM // heads
+        params = dict(self.runs[0].params, **{"proj.weight": torch.eye(EMBED_DIM)})
+        x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
+        load(model, params)
+        what = self.what(tuple(x.shape), heads)
+        before = forward(model, x, what)
+        query = params["query.weight"].clone()
+        query[head_dim:2 * head_dim] = torch.randn(head_dim, EMBED_DIM, generator=self.generator)
+        load(model, dict(params, **{"query.weight": query}))
+        after = forward(model, x, what)
+        load(model, self.runs[0].params)
+        block = slice(head_dim, 2 * head_dim)
+        others = torch.ones(EMBED_DIM, dtype=torch.bool)
+        others[block] = False
+        if not close(after[..., others], before[..., others]):
+            fail("head_split", "Heads are mixed: changing only the query weights of head 1 (features "
+                               f"{head_dim}..{2 * head_dim - 1}) changed the output of other heads. Each head must "
+                               "work on its own contiguous block of head_dim features, from the split to the merge.")
+        if close(after[..., block], before[..., block]):
+            fail("head_split", "Head 1 ignores its own query features: changing the query weights of head 1 "
+                               "did not change its output. Each head must use its own block of head_dim features.")
+
+    def probe_weights(self, heads: int) -> None:
+        """With value = proj = identity the output is the weights times x, so the weights can be read back."""
+        model = self.models[heads]
+        head_dim = EMBED_DIM // heads
+        length = min(6, head_dim)
+        params = dict(self.runs[0].params, **{"value.weight": torch.eye(EMBED_DIM),
+                                              "proj.weight": torch.eye(EMBED_DIM)})
+        x = torch.randn(1, length, EMBED_DIM, generator=self.generator)
+        load(model, params)
+        out = forward(model, x, self.what(tuple(x.shape), heads))
+        load(model, self.runs[0].params)
+        xs = x.double().reshape(length, heads, head_dim).transpose(0, 1)               # (heads, L, head_dim)
+        ys = out.double().reshape(length, heads, head_dim).transpose(0, 1)
+        weights = ys @ torch.linalg.pinv(xs)                                            # (heads, L, L)
+        q = (x.double() @ params["query.weight"].double().T).reshape(length, heads, head_dim).transpose(0, 1)
+        k = (x.double() @ params["key.weight"].double().T).reshape(length, heads, head_dim).transpose(0, 1)
+        allowed = torch.ones(length, length, dtype=torch.bool).tril()
+        diagnose_weights(weights, q @ k.transpose(-2, -1), allowed, head_dim ** -0.5,
+                         key_axis="the keys (the last axis of the scores)", hidden="future positions",
+                         scale_name="1/sqrt(head_dim)")
+
+    # -------------------------------------------------------------------- learning
+
+    def check_gradients(self) -> None:
+        """One backward pass per head count (eval mode, the run's weights): every projection and the input
+        must get the reference's gradient."""
+        for run in self.runs:
+            if run.x.shape[1] != MAX_TOKENS or any(r.heads == run.heads for r in self.runs[:self.runs.index(run)]):
+                continue   # the first, full-length run of each head count
+            check_module_gradients(self.models[run.heads], self.references[run.heads], run.x,
+                                   what=self.what(tuple(run.x.shape), run.heads))
+
+    # -------------------------------------------------------------------- training mode
+
+    def check_train_dropout(self) -> None:
+        """Training mode, by behaviour: outputs stay finite, attn_dropout drops single attention weights
+        after the softmax, proj_dropout drops single output features after proj, both rescale by 1/(1-p)."""
+        heads = self.heads[0]
+        run = self.runs[0]
+        what = self.what(tuple(run.x.shape), heads) + " in training mode"
+        out = self.train_forward(run.params, run.x)
+        if close(out, run.expected):
+            fail("dropout", f"In training mode (model.train()) with dropout_rate={DROPOUT} your output is exactly "
+                            f"the eval-mode output: dropout is missing. Apply the module's dropout to the "
+                            f"attention weights (and after the output projection).")
+        batch = 64   # many copies of one sequence: each gets its own dropout draws
+        eye = torch.eye(EMBED_DIM)
+        identity = dict(run.params, **{"value.weight": eye, "proj.weight": eye})
+        dense = run.x[:1].expand(batch, -1, -1).clone()                              # (64, L, E)
+        if not torch.isfinite(self.train_forward(identity, dense)).all():
+            fail("dropout", f"{what}: NaN appears in training mode. Dropout reaches the scores after they were "
+                            f"set to -inf (0 * -inf = NaN): apply dropout to the attention weights AFTER the "
+                            f"softmax (self.attn_dropout(weights)).")
+        self.probe_weight_dropout(identity, what, batch)
+        self.probe_dense_dropout(identity, run.x[:1], what)
+        keep = 1 - DROPOUT
+        # With value = proj = identity and a dense x, only dropout on the output features makes exact zeros;
+        # with a dense proj, only dropout after proj does.
+        rotation, _ = torch.linalg.qr(torch.randn(EMBED_DIM, EMBED_DIM, generator=self.generator))
+        zeros_identity = float((self.train_forward(identity, dense) == 0).double().mean())
+        zeros_after_proj = float((self.train_forward(dict(identity, **{"proj.weight": rotation}), dense) == 0)
+                                 .double().mean())
+        if zeros_after_proj < DROPOUT / 2:
+            where = ("on the attention output before self.proj" if zeros_identity > DROPOUT / 2 else "nowhere")
+            fail("dropout", f"{what}: the output projection's dropout is missing (your feature dropout acts "
+                            f"{where}). The spec puts it last: self.proj_dropout(self.proj(out)).")
+        if zeros_after_proj > 1 - keep ** 2 + 0.1:
+            fail("dropout", f"{what}: {zeros_after_proj:.0%} of the output features are dropped, expected about "
+                            f"{DROPOUT:.0%}: apply self.proj_dropout once, after self.proj.")
+
+    def probe_weight_dropout(self, params: dict[str, torch.Tensor], what: str, batch: int) -> None:
+        """One-hot tokens and value = proj = identity: output feature j of query i is the weight w_ij, so
+        the training-mode output over the eval output reads each weight's dropout factor directly."""
+        length = MAX_TOKENS                                                          # <= EMBED_DIM
+        x = torch.eye(EMBED_DIM)[:length].expand(batch, -1, -1).clone()              # (64, L, E) one-hot
+        load(self.models[self.heads[0]], params)
+        expected = forward(self.models[self.heads[0]], x, what)                     # eval: w_ij
+        got = self.train_forward(params, x)
+        visible = expected.abs() > 1e-3
+        ratio = (got[visible] / expected[visible]).double()                          # (entries,)
+        s = 1 / (1 - DROPOUT)
+        near = lambda value: (ratio - value).abs() <= 1e-3 * max(value, 1.0)
+        kinds = {0.0: near(0.0), s: near(s), s * s: near(s * s)}
+        known = kinds[0.0] | kinds[s] | kinds[s * s]
+        if float((~known).double().mean()) > 0.01:
+            fail("dropout", f"{what}: in training mode your attention weights are changed, not just dropped: "
+                            f"dropout acts before the softmax (on the scores), or rescales wrongly. Drop the "
+                            f"weights AFTER the softmax: self.attn_dropout(weights), which also scales the kept "
+                            f"ones by 1/(1 - p).")
+        if float(kinds[s * s].double().mean()) < 0.3:
+            fail("dropout", f"{what}: each attention weight should pass two dropouts (self.attn_dropout on the "
+                            f"weights after the softmax, then self.proj_dropout after self.proj), but yours passes "
+                            f"only one: the dropout on the attention weights is missing or sits elsewhere.")
+
+    def probe_dense_dropout(self, params: dict[str, torch.Tensor], x: torch.Tensor, what: str) -> None:
+        """Dense values, value = proj = identity: position 0 sees only itself, with weight 1, so its output is
+        x_0 times that one weight's dropout factor, per head. Dropping the weight zeroes a head's whole block of
+        features; dropout on v or on the merged heads zeroes single features, which one-hot values cannot tell
+        from dropping a weight."""
+        heads, batch = self.heads[0], 256
+        dense = x.expand(batch, -1, -1).clone()                                     # (256, L, E)
+        first = self.train_forward(params, dense)[:, 0]                             # (256, E)
+        blocks = first.reshape(batch, heads, EMBED_DIM // heads)                    # (256, heads, head_dim)
+        whole = float((blocks == 0).all(-1).double().mean())
+        if whole < 0.4 * DROPOUT:
+            fail("dropout", f"{what}: with dense values, your dropout zeroes single features, never a whole "
+                            f"attention weight: at position 0 (which sees only itself, with weight 1) a dropped "
+                            f"weight would zero all {EMBED_DIM // heads} features it carries, but only "
+                            f"{whole:.0%} of the heads' blocks there are zero (expected about {DROPOUT:.0%}). "
+                            f"Dropout acts on v or on the attention output before self.proj: apply "
+                            f"self.attn_dropout to the attention WEIGHTS, right after the softmax.")
+
+    def train_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The student's module in training mode with these weights; back to eval and the run's weights after."""
+        heads = self.heads[0]
+        model = self.models[heads]
+        load(model, params)
+        call(model.train, what=f"{self.name}.train()")
+        try:
+            torch.manual_seed(7)
+            return forward(model, x, self.what(tuple(x.shape), heads) + " in training mode")
+        finally:
+            model.eval()
+            load(model, self.runs[0].params)
+
+
+def module_check(check: ModuleCheck, heads_text: str) -> str:
+    """Run a ModuleCheck through: outputs, the known mistakes, then dropout; the success message."""
+    check.run_all()
+    if not all(close(run.out, run.expected) for run in check.runs):
+        check.diagnose()
+    check.check_gradients()
+    check.check_train_dropout()
+    lengths = sorted({length for _, length in CASES})
+    return (f"Matches the reference for batch sizes 1-3 and lengths {lengths}{heads_text}; the future never "
+            f"leaks and dropout only acts in training mode.")

@@ -1,0 +1,68 @@
+"""Device slips seen on a CPU-only machine: run the student's code once more on the ``meta`` device.
+
+A meta tensor has a shape, a dtype and a device but no numbers, so every operation is free. A
+tensor the student's code creates without ``device=x.device`` (a mask from ``torch.ones(L, L)``, a
+table from ``torch.arange``) lands on the CPU, and mixing it with meta inputs raises at once; a
+result moved with ``.cpu()`` comes back on the CPU. On a GPU the same code would fail or slow down.
+
+The probe only ever *adds* a diagnosis: code that cannot run on meta for another reason (it reads
+numbers, ``.item()``, a data-dependent branch) is not judged by it.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..verdict import fail
+
+# what torch says when meta meets the CPU: mixed in one operation, or copied out to it (.cpu(), a CPU buffer)
+_MIXED = ("is not on the expected device", "Expected all tensors to be on the same device",
+          "Cannot copy out of meta tensor")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _advice(what: str) -> str:
+    return (f"{what}: on inputs of another device (here the `meta` device; on a GPU it would be cuda) your code "
+            f"mixes in a tensor it created on the CPU. Create new tensors on the input's device, "
+            f"`torch.ones(L, L, device=x.device)` or `torch.zeros_like(x)`; register fixed tensors such as masks "
+            f"with self.register_buffer(...) so that model.to(device) moves them; never call .cpu() on a result.")
+
+
+def probe(run: Callable[[], Any], what: str) -> None:
+    """Call ``run()`` (the student's code on meta inputs); fail with ``device`` on a device slip."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = run()
+    except Exception as exc:  # noqa: BLE001 - only a device mix is judged; anything else is inconclusive
+        if any(marker in str(exc) for marker in _MIXED):
+            fail("device", _advice(what))
+        return
+    for tensor in _tensors(out):
+        if tensor.device.type != "meta":
+            fail("device", f"{what} returned a tensor on {tensor.device} for inputs on the meta device. "
+                           + _advice(what).split(": ", 1)[1])
+
+
+def meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def module_on_meta(module: nn.Module) -> nn.Module | None:
+    """A copy of the student's module on meta; None when it cannot be copied or moved (inconclusive)."""
+    try:
+        return copy.deepcopy(module).to("meta")
+    except Exception:  # noqa: BLE001
+        return None

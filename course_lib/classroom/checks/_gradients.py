@@ -1,0 +1,228 @@
+"""Can the student's code learn? One backward pass, compared with the reference's, gradient by gradient.
+
+Forward outputs alone cannot see code that computes the right numbers through a cut graph:
+``torch.no_grad()`` around a projection, ``.detach()`` on a weight or a residual, a value rebuilt
+from ``.item()``. So every checker of a module or a differentiable function runs both the student's
+code and the reference once more, with gradients on, takes the same fixed loss of each output
+(a weighted sum with fixed random weights, so every output element matters) and compares the
+gradients of every parameter and of every floating-point input.
+
+The public API (stable: notebook 09's checkers reuse it):
+
+- :func:`check_module_gradients` for two ``nn.Module`` s whose parameters share names;
+- :func:`check_function_gradients` for two functions of tensors;
+- :func:`check_gradients`, the core both use: two zero-argument runs and their named leaves.
+
+A failure is diagnosis ``gradient``; the message names the parameter (or input) and the likely cause.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..verdict import Failure, fail
+from ._harness import call
+
+# Why relative to the largest reference gradient, not element by element: a correct solution in
+# another layout (einsum, a fused projection, softmax written out) moves float32 gradients by ~1e-6
+# of their scale, while a cut path removes a whole term, a change of order one. Element-wise
+# tolerances would trip on gradients that are near zero by cancellation.
+GRAD_RTOL = 1e-3
+GRAD_ATOL = 1e-6
+
+CAUSES = ("computed under `torch.no_grad()`, cut with `.detach()` (or `.data`), or rebuilt from Python "
+          "numbers (`.item()`, `.tolist()`, `torch.tensor(...)` of a result)")
+
+
+def _outputs(value: Any) -> list[torch.Tensor] | None:
+    """The tensors a run returned (one, or a tuple/list of them); None when it returned something else."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    return None
+
+
+def _loss(outputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    return sum((out.double() * w).sum() for out, w in zip(outputs, weights))  # type: ignore[return-value]
+
+
+def _is_inplace_error(exc: BaseException) -> bool:
+    text = str(exc)
+    return "in-place operation" in text or "inplace operation" in text
+
+
+def _inplace_message(what: str, exc: BaseException) -> str:
+    return (f"Backpropagating through {what} failed: {exc}. An in-place operation (`x += ...`, `t[...] = ...`, "
+            f"`.masked_fill_`, `relu_`, `out=`) overwrote a tensor autograd still needed, or changed a leaf that "
+            f"requires grad. Write `y = x + ...` (or the operation without the trailing underscore) instead.")
+
+
+def check_gradients(run_candidate: Callable[[], Any], run_reference: Callable[[], Any],
+                    candidate_leaves: Mapping[str, torch.Tensor], reference_leaves: Mapping[str, torch.Tensor],
+                    *, what: str, seed: int = 0, inputs: Sequence[str] = ()) -> None:
+    """Fail with diagnosis ``gradient`` unless the student's run backpropagates like the reference's.
+
+    ``run_candidate`` / ``run_reference`` take no argument and return a tensor or a tuple of tensors
+    (the candidate is called through the harness, so its errors are the student's). The leaves are
+    the tensors whose gradients are compared, by name; a name missing from ``candidate_leaves`` is
+    not compared. ``inputs`` lists the leaf names that are inputs rather than parameters (messages
+    differ: a wrong input gradient alone points at a detached residual). Leaves' ``.grad`` are
+    cleared before and after, so the modules are left as they were given.
+    """
+    leaves = [t for t in (*candidate_leaves.values(), *reference_leaves.values())]
+    for leaf in leaves:
+        leaf.grad = None
+    try:
+        with torch.enable_grad():
+            expected_out = _outputs(run_reference())
+            if expected_out is None:
+                raise TypeError("the reference run returned no tensor")
+            generator = torch.Generator().manual_seed(seed)
+            weights = [torch.randn(out.shape, generator=generator, dtype=torch.float64) for out in expected_out]
+            _loss(expected_out, weights).backward()
+            expected = {name: (None if leaf.grad is None else leaf.grad.detach().clone())
+                        for name, leaf in reference_leaves.items()}
+            try:
+                got_value = call(run_candidate, what=what)
+            except Failure as failure:
+                if failure.diagnosis == "exception" and _is_inplace_error(failure):
+                    fail("gradient", _inplace_message(what, failure))
+                raise
+            got_out = _outputs(got_value)
+            if got_out is None or [o.shape for o in got_out] != [o.shape for o in expected_out]:
+                return   # the forward checks judge the output itself; nothing to compare here
+            if not any(out.requires_grad for out in got_out):
+                fail("gradient", f"{what} returns the right numbers, but no gradient can flow back through them: "
+                                 f"the output was {CAUSES}. Training would never change anything. Compute the "
+                                 f"output with ordinary torch operations on the inputs and parameters.")
+            try:
+                _loss([o for o in got_out], weights).backward()
+            except Exception as exc:  # the student's graph: a broken backward is their mistake
+                if _is_inplace_error(exc):
+                    fail("gradient", _inplace_message(what, exc))
+                fail("gradient", f"Backpropagating through {what} raised {type(exc).__name__}: {exc}")
+        got = {name: leaf.grad for name, leaf in candidate_leaves.items()}
+        _compare(got, expected, what, set(inputs))
+    finally:
+        for leaf in leaves:
+            leaf.grad = None
+
+
+def _describe(name: str, inputs: set[str]) -> str:
+    return f"the input `{name}`" if name in inputs else f"parameter `{name}`"
+
+
+def _compare(got: Mapping[str, torch.Tensor | None], expected: Mapping[str, torch.Tensor | None], what: str,
+             inputs: set[str]) -> None:
+    wrong: list[tuple[str, float, float]] = []
+    cut = [name for name, reference in expected.items()
+           if name in got and reference is not None and reference.numel() and bool(reference.abs().max() > 0)
+           and (got[name] is None or not bool(got[name].abs().max() > 0))]   # type: ignore[union-attr]
+    if cut:
+        shown = [f"`{n}`" + (" (an input)" if n in inputs else "") for n in cut[:4]]
+        listed = ", ".join(shown) + (f" and {len(cut) - 4} more" if len(cut) > 4 else "")
+        first = cut[0]
+        if len(cut) == 1:
+            whom = (f"the input `{first}`, so nothing that computed it could learn" if first in inputs
+                    else f"parameter `{first}`, so it would never learn")
+        else:
+            whom = f"{listed}, so they would never learn"
+        fail("gradient", f"{what}: no gradient reaches {whom}. The path to the output was {CAUSES}. The forward "
+                         f"values can be right and still carry no gradient.", parameter=first, cut=cut)
+    for name, reference in expected.items():
+        if name not in got or reference is None:
+            continue
+        grad = got[name]
+        scale = float(reference.abs().max()) if reference.numel() else 0.0
+        if scale == 0.0 or grad is None:
+            continue   # nothing flows there in the reference either
+        if grad.shape != reference.shape:
+            continue   # a parameter of another shape is the parameter checks' business
+        if not torch.isfinite(grad).all():
+            fail("gradient", f"{what}: the gradient of {_describe(name, inputs)} holds NaN or infinity "
+                             f"although the reference's is finite. Look for a square root or a division "
+                             f"at zero, or -inf masking whose gradient leaks (mask before the softmax).",
+                 parameter=name)
+        diff = float((grad.double() - reference.double()).abs().max())
+        if diff > GRAD_RTOL * scale + GRAD_ATOL:
+            wrong.append((name, diff, scale))
+    if not wrong:
+        return
+    names = [name for name, _, _ in wrong]
+    name, diff, scale = wrong[0]
+    if set(names) <= inputs and set(expected) - inputs:
+        cause = ("the parameters' gradients are right, so a path that skips them was cut: most likely a "
+                 "residual added as `x.detach()` (or a copy made under `torch.no_grad()`), or the input "
+                 "modified in place")
+    else:
+        cause = ("part of its path to the output was " + CAUSES + ", or the forward pass uses a tensor "
+                 "other than the one the gradient should reach (an in-place op on a leaf, a detached weight)")
+    listed = ", ".join(f"`{n}`" for n in names)
+    fail("gradient", f"{what} computes the right output, but the gradient of {_describe(name, inputs)} differs "
+                     f"from the reference's by up to {diff:.3g} (its scale is {scale:.3g}); wrong gradients: "
+                     f"{listed}. The cause: {cause}.", parameter=name, wrong=names)
+
+
+def _leaf(value: torch.Tensor) -> torch.Tensor:
+    return value.detach().clone().requires_grad_(True)
+
+
+def _as_leaves(args: Sequence[Any], names: Sequence[str]
+               ) -> tuple[list[Any], list[Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Two copies of ``args`` whose floating-point tensors are fresh leaves (one set per side), and those
+    leaves by name, in order."""
+    floats = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    cand_args, ref_args = list(args), list(args)
+    cand_leaves: dict[str, torch.Tensor] = {}
+    ref_leaves: dict[str, torch.Tensor] = {}
+    for name, i in zip(names, floats):
+        cand_args[i] = cand_leaves[name] = _leaf(args[i])
+        ref_args[i] = ref_leaves[name] = _leaf(args[i])
+    return cand_args, ref_args, cand_leaves, ref_leaves
+
+
+def _float_count(args: Sequence[Any]) -> int:
+    return sum(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args)
+
+
+def check_module_gradients(candidate: nn.Module, reference: nn.Module, *args: Any, what: str,
+                           input_names: Sequence[str] | None = None, seed: int = 0,
+                           forward: Callable[..., Any] | None = None, **kwargs: Any) -> None:
+    """Backpropagate the same loss through both modules (same weights, eval mode is the caller's);
+    compare every parameter's gradient, by name, and every floating-point input's.
+
+    ``args``/``kwargs`` are the forward's inputs; floating tensors among the positional ones become
+    leaves named by ``input_names`` (default ``x``, ``x2``, ...). ``forward(module, *args, **kwargs)``
+    replaces ``module(*args, **kwargs)`` where the call differs (e.g. picks the logits out of a tuple)."""
+    run = forward or (lambda module, *a, **k: module(*a, **k))
+    names = list(input_names) if input_names is not None else ["x" if n == 0 else f"x{n + 1}"
+                                                               for n in range(_float_count(args))]
+    cand_args, ref_args, cand_inputs, ref_inputs = _as_leaves(args, names)
+    try:
+        cand_params = dict(candidate.named_parameters())
+    except Exception as exc:  # a broken module is the student's to fix
+        fail("exception", f"Listing the parameters of {what} raised {type(exc).__name__}: {exc}")
+    ref_params = dict(reference.named_parameters())
+    frozen = [n for n, p in ref_params.items() if n in cand_params and not cand_params[n].requires_grad]
+    if frozen:
+        fail("gradient", f"{what}: parameter `{frozen[0]}` has requires_grad=False, so it would never learn. "
+                         f"Leave parameters trainable (do not call .requires_grad_(False) on them, nor wrap "
+                         f"them in a plain tensor).", parameter=frozen[0])
+    check_gradients(lambda: run(candidate, *cand_args, **kwargs), lambda: run(reference, *ref_args, **kwargs),
+                    {**cand_params, **cand_inputs}, {**ref_params, **ref_inputs},
+                    what=what, seed=seed, inputs=list(cand_inputs))
+
+
+def check_function_gradients(fn: Callable[..., Any], reference: Callable[..., Any], *args: Any, what: str,
+                             names: Sequence[str] | None = None, seed: int = 0, **kwargs: Any) -> None:
+    """Backpropagate the same loss through ``fn(*args, **kwargs)`` and ``reference(...)``; compare the
+    gradients of the floating-point tensors among ``args`` (named by ``names``, default ``argument 1``, ...)."""
+    labels = list(names) if names is not None else [f"argument {i + 1}" for i, a in enumerate(args)
+                                                    if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    cand_args, ref_args, cand_leaves, ref_leaves = _as_leaves(args, labels)
+    check_gradients(lambda: fn(*cand_args, **kwargs), lambda: reference(*ref_args, **kwargs),
+                    cand_leaves, ref_leaves, what=what, seed=seed, inputs=list(cand_leaves))

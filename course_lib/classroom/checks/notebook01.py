@@ -1,0 +1,335 @@
+"""Exercises of notebook 01 (attention from scratch): 1.1 toy prediction, 1.2 toy_attention,
+1.3 scaled_dot_product_attention.
+
+Each checker runs the student's code next to the reference in ``course_lib.attention`` and, when
+they disagree, fits the student's output against the classic mistakes (``_attn_hypotheses``)
+before falling back to behavioural probes (``_attn_probes``). Hints are registered at the end.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ... import attention as ref
+from ..verdict import Failure, fail
+from ._attn_hypotheses import SDPA_HYPOTHESES, sdpa_variant
+from ._attn_probes import (
+    call_student,
+    diagnose_weights,
+    expect_callable,
+    first_match,
+    identity_values,
+    reraise_with,
+    shape_str,
+)
+from ._compare import close, max_diff
+from ._core import register
+from ._expect import expect_finite, expect_tensor
+from ._gradients import check_function_gradients
+from ._harness import call, checker
+from ._mistake import Mistake
+
+__all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]
+
+
+# ============================================================================ 1.1 toy prediction
+
+_TOY_QUERY = torch.tensor([0.0, 1.0])
+_TOY_TOLERANCE = 0.01   # predictions may be rounded to two decimals
+
+
+def _numbers(value: Any, name: str) -> torch.Tensor:
+    if value is None:
+        fail("not_implemented", f"`{name}` is still None: write down your prediction, then run this cell again.")
+    try:
+        numbers = (value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value))
+        return numbers.to(torch.float64)
+    except Exception:  # anything that is not numbers
+        fail("dtype", f"`{name}` should be numbers (a float, or a list or tensor of floats), got "
+                      f"{type(value).__name__}: {value!r:.60}")
+
+
+@checker("1.1")
+def check_toy_prediction(weights: Any, result: Any) -> str:
+    """Your predicted ``weights`` (3,) and ``result`` for query [0, 1] on TOY_KEYS / TOY_VALUES."""
+    w = _numbers(weights, "weights")
+    if w.numel() != 3 or w.dim() > 2:
+        fail("shape", f"`weights` should hold three numbers, one per key, got shape {tuple(w.shape)}.")
+    w = w.flatten()
+    if not torch.isfinite(w).all():
+        fail("nan", "`weights` contains NaN or infinity: every weight is a number between 0 and 1.")
+    keys, values = ref.TOY_KEYS.double(), ref.TOY_VALUES.double()
+    scores = keys @ _TOY_QUERY.double()                                       # (3,)
+    expected = scores.softmax(0)
+
+    def near(other: torch.Tensor) -> bool:
+        return bool(torch.allclose(w, other, atol=_TOY_TOLERANCE, rtol=0))
+
+    if not near(expected):
+        if near(scores):
+            fail("normalization", "These are the raw scores (the dot products of the query with each key). "
+                                  "Turn them into weights with a softmax: positive numbers that sum to one.")
+        if near((scores * 2 ** -0.5).softmax(0)):
+            fail("scale", "You scaled the scores by 1/sqrt(2). Toy attention has no scaling (that comes in "
+                          "exercise 1.3): take the softmax of the plain dot products.")
+        if abs(float(w.sum()) - 1) > 2 * _TOY_TOLERANCE:
+            fail("normalization", f"Your weights sum to {float(w.sum()):.3g}; attention weights come out of a "
+                                  f"softmax, so they sum to one.")
+        if near((keys @ torch.tensor([1.0, 0.0], dtype=torch.float64)).softmax(0)):
+            fail("mismatch", "These are the weights for the query [1, 0]; this exercise asks about the "
+                             "query [0, 1].")
+        if near(torch.full((3,), 1 / 3, dtype=torch.float64)):
+            fail("mismatch", "Equal weights ignore the query: the key that points the same way as the query "
+                             "should get the largest weight.")
+        if bool(torch.allclose(w, expected, atol=0.05 + 1e-9, rtol=0)):   # within one-decimal rounding
+            fail("precision", f"Your weights {[round(float(x), 3) for x in w]} are the softmax of the scores, "
+                              f"but only to one decimal. Give two decimals or more (e^1 = 2.718...; or compute "
+                              f"them with math.exp).")
+        fail("mismatch", f"Your weights {[round(float(x), 3) for x in w]} are not the softmax of the scores. "
+                         f"Compute the dot product of [0, 1] with each key, then the softmax of those three "
+                         f"scores (keep them in the order of TOY_KEYS).")
+    r = _numbers(result, "result")
+    if r.numel() != 1:
+        fail("shape", f"`result` should be a single number (the values are scalars), got shape "
+                      f"{tuple(r.shape)}.")
+    r = float(r.flatten()[0])
+    if abs(r - float(expected @ values)) > _TOY_TOLERANCE:
+        hint = (" You added the values without weighting them." if abs(r - float(values.sum())) < 1e-6
+                else " Did you use the scores instead of the weights?" if abs(r - float(scores @ values)) < 1e-6
+                else "")
+        fail("mismatch", f"Your weights are right, but the result {r:.4g} is not their weighted average of the "
+                         f"values: multiply each value by its weight and add up.{hint}")
+    return ("Right: the second key matches the query, the first and third tie, and by symmetry the "
+            "weighted average lands exactly on the middle value.")
+
+
+# ============================================================================ 1.2 toy attention
+
+def _toy_variant(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kind: str) -> torch.Tensor:
+    scores = keys @ query                                                      # (n,)
+    weights = {
+        "scaled": lambda: (scores * query.shape[0] ** -0.5).softmax(0),
+        "raw": lambda: scores,
+        "exp": lambda: scores.exp(),
+        "ones": lambda: torch.ones_like(scores),
+        "negative": lambda: (-scores).softmax(0),
+        "uniform": lambda: torch.full_like(scores, 1 / scores.shape[0]),
+    }[kind]()
+    return weights @ values
+
+
+_TOY_HYPOTHESES = (
+    Mistake("scale", "You scale the scores by 1/sqrt(d). Toy attention has no scaling yet (that comes in "
+                        "exercise 1.3): take the softmax of the plain dot products.", {"kind": "scaled"}),
+    Mistake("normalization", "You weight the values by the raw scores: turn the scores into weights with a "
+                                "softmax first, so they are positive and sum to one.", {"kind": "raw"}),
+    Mistake("normalization", "You exponentiate the scores but never divide by their sum, so the weights do "
+                                "not sum to one: that division is the other half of the softmax.", {"kind": "exp"}),
+    Mistake("softmax_dim", "Every key gets weight 1: your softmax runs over an axis of length one. Take it "
+                              "over the n scores, one per key.", {"kind": "ones"}),
+    Mistake("mismatch", "Your weights favour the keys that point away from the query: a larger dot product "
+                           "means a better match, and should get more weight.", {"kind": "negative"}),
+    Mistake("mismatch", "Every key gets the same weight, whatever the query: the weights must come from the "
+                           "dot products of the query with the keys.", {"kind": "uniform"}),
+)
+
+
+def _toy_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(11)
+    q, keys = torch.randn(3, generator=gen), torch.randn(5, 3, generator=gen)
+    return [
+        (_TOY_QUERY.clone(), ref.TOY_KEYS.clone(), ref.TOY_VALUES.clone()),
+        (q, keys, torch.randn(5, generator=gen)),
+        (q, keys, torch.randn(5, 2, generator=gen)),
+        (torch.randn(4, generator=gen), torch.randn(1, 4, generator=gen), torch.randn(1, 3, generator=gen)),
+    ]
+
+
+@checker("1.2")
+def check_toy_attention(fn: Callable[..., Any]) -> str:
+    """``fn(query (d,), keys (n, d), values (n,) or (n, dv))`` as ``course_lib.toy_attention``."""
+    expect_callable(fn, "toy_attention")
+    cases, outputs = _toy_cases(), []
+    for query, keys, values in cases:
+        what = (f"toy_attention(query, keys, values) with query {shape_str(query.shape)}, keys "
+                f"{shape_str(keys.shape)}, values {shape_str(values.shape)}")
+        expected = ref.toy_attention(query, keys, values)
+        out = call_student(fn, query.clone(), keys.clone(), values.clone(), what=what)
+        try:
+            # the inputs decide the dtype: float64 notebooks too
+            expect_tensor(out, tuple(expected.shape), what, dtype=expected.dtype, finite=False)
+        except Failure as failure:
+            if failure.diagnosis == "shape" and tuple(failure.details.get("got", ())) == (keys.shape[0],):
+                if close(out, torch.softmax(keys @ query, dim=0)):
+                    reraise_with(failure, "shape", " Those are the attention weights: return the weighted sum "
+                                                   "of the values.")
+                reraise_with(failure, "shape", " That is one number per key instead of a single weighted sum: "
+                                               "check how your weights and values broadcast when values has "
+                                               "shape (n,).")
+            raise
+        outputs.append((out, expected))
+    if all(close(out, expected) for out, expected in outputs):
+        query, keys, values = cases[2]
+        check_function_gradients(fn, ref.toy_attention, query, keys, values, names=("query", "keys", "values"),
+                                 what="toy_attention(query, keys, values) with values (n, dv)")
+        return "Matches toy_attention on the worked example and on random keys with scalar and vector values."
+    found = first_match(_TOY_HYPOTHESES, [out for out, _ in outputs],
+                        lambda i, spec: _toy_variant(*cases[i], spec["kind"]))
+    if found is not None:
+        fail(found.code, found.message)
+    for (out, _), (_query, keys, _values) in zip(outputs, cases):
+        expect_finite(out, f"toy_attention with keys {shape_str(keys.shape)}")
+    query, keys, _ = cases[1]
+    try:   # values = one-hot rows, so the output is the weights themselves
+        weights = call(fn, query.clone(), keys.clone(), torch.eye(keys.shape[0]), what="toy_attention")
+    except Failure:
+        weights = None
+    if isinstance(weights, torch.Tensor) and weights.shape == (keys.shape[0],):
+        diagnose_weights(weights[None].double(), (keys @ query)[None].double(), None, 1.0,
+                         key_axis="the keys", scale_name="1 (no scaling in toy attention)")
+    index = next(i for i, (out, expected) in enumerate(outputs) if not close(out, expected))
+    (out, expected), (_, keys, values) = outputs[index], cases[index]
+    fail("mismatch", f"For keys of shape {shape_str(keys.shape)} and values of shape {shape_str(values.shape)} "
+                     f"your output differs from the reference by up to {max_diff(out, expected):.3g}. Check the "
+                     f"three steps: dot products of the query with each key, softmax, weighted sum of the values.")
+
+
+# ============================================================================ 1.3 scaled dot-product attention
+
+def _random_mask(lq: int, lk: int, gen: torch.Generator) -> torch.Tensor:
+    """A bool (lq, lk) mask where every query keeps at least one key and hides at least one."""
+    mask = torch.rand(lq, lk, generator=gen) < 0.5
+    order = torch.argsort(torch.rand(lq, lk, generator=gen), dim=-1)
+    mask.scatter_(1, order[:, :1], True)
+    mask.scatter_(1, order[:, 1:2], False)
+    return mask
+
+
+_LARGE = 200.0
+
+
+def _sdpa_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    gen = torch.Generator().manual_seed(13)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    head_mask = torch.stack([_random_mask(5, 5, gen) for _ in range(2)])[:, None]    # (2, 1, 5, 5)
+    return [
+        (r(2, 5, 8), r(2, 6, 8), r(2, 6, 3), None),
+        (r(2, 3, 4, 8), r(2, 3, 4, 8), r(2, 3, 4, 5), None),
+        (r(3, 4, 8), r(3, 6, 8), r(3, 6, 3), _random_mask(4, 6, gen)),
+        (r(2, 6, 16), r(2, 6, 16), r(2, 6, 4), ref.causal_mask(6).expand(2, 6, 6).clone()),
+        (r(2, 2, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 4), head_mask),
+        (r(2, 1, 8), r(2, 4, 8), r(2, 4, 3), None),
+        # large scores (hundreds): a softmax written as exp(s) / sum(exp(s)) overflows here. No mask:
+        # masking after the softmax and renormalising is right, but underflows to 0/0 with such scores.
+        (r(2, 4, 8) * _LARGE, r(2, 4, 8), r(2, 4, 3), None),
+    ]
+
+
+def _sdpa_call(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None, what: str) -> Any:
+    args = (q.clone(), k.clone(), v.clone()) + (() if mask is None else (mask.clone(),))
+    return call_student(fn, *args, what=what)
+
+
+def _works_with_a_mask(fn: Callable[..., Any], cases: list[Any]) -> bool:
+    q, k, v, mask = next(case for case in cases if case[3] is not None)
+    try:
+        out = _sdpa_call(fn, q, k, v, mask, what="scaled_dot_product_attention")
+    except Failure:
+        return False
+    return isinstance(out, torch.Tensor) and out.shape == q.shape[:-1] + v.shape[-1:]
+
+
+@checker("1.3")
+def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
+    """``fn(q, k, v, mask=None)`` as ``course_lib.scaled_dot_product_attention``."""
+    expect_callable(fn, "scaled_dot_product_attention")
+    cases, outputs = _sdpa_cases(), []
+    for q, k, v, mask in cases:
+        what = (f"scaled_dot_product_attention with q {shape_str(q.shape)}, k {shape_str(k.shape)}, "
+                f"v {shape_str(v.shape)}" + ("" if mask is None else f" and a mask of shape {shape_str(mask.shape)}"))
+        expected = ref.scaled_dot_product_attention(q, k, v, mask)
+        try:
+            out = _sdpa_call(fn, q, k, v, mask, what)
+        except Failure as failure:
+            if mask is None and failure.diagnosis == "exception" and _works_with_a_mask(fn, cases):
+                reraise_with(failure, "exception", " Your function works when a mask is given but not without "
+                                                   "one: mask=None (the default) means every query may attend "
+                                                   "to every key, so only apply the mask when there is one.")
+            raise
+        try:
+            expect_tensor(out, tuple(expected.shape), what, dtype=q.dtype, finite=False)
+        except Failure as failure:
+            got = tuple(failure.details.get("got", ()))
+            if failure.diagnosis == "shape" and got == tuple(q.shape[:-1]) + (k.shape[-2],):
+                reraise_with(failure, "shape", " That is the shape of the attention weights (one per query and "
+                                               "key): multiply them by v.")
+            raise
+        outputs.append((out, expected))
+    if all(close(out, expected) for out, expected in outputs):
+        for q, k, v, mask in (cases[1], cases[2]):   # without and with a mask
+            args = (q, k, v) + (() if mask is None else (mask,))
+            check_function_gradients(fn, ref.scaled_dot_product_attention, *args, names=("q", "k", "v"),
+                                     what=f"scaled_dot_product_attention with q {shape_str(q.shape)}"
+                                          + ("" if mask is None else " and a mask"))
+        return ("Matches the reference for 3-D and 4-D inputs, queries and keys of different lengths, with and "
+                "without masks.")
+    found = first_match(SDPA_HYPOTHESES, [out for out, _ in outputs],
+                        lambda i, spec: sdpa_variant(*cases[i], spec))
+    if found is not None:
+        fail(found.code, found.message)
+    finite = [bool(torch.isfinite(out).all()) for out, _ in outputs]
+    if finite[:-1] == [True] * (len(cases) - 1) and not finite[-1]:
+        q, k = cases[-1][0], cases[-1][1]
+        largest = float((q @ k.transpose(-2, -1)).abs().max()) * q.shape[-1] ** -0.5
+        fail("nan", f"Your function gives NaN when the scores are large (here up to about {largest:.0f}): exp of "
+                    f"a large number overflows to inf, and inf / inf is NaN. Subtract each row's maximum score "
+                    f"before exponentiating (the softmax does not change), or use torch.softmax, which does this "
+                    f"for you.")
+    for (out, _), (q, _k, _v, _mask) in zip(outputs, cases):
+        expect_finite(out, f"scaled_dot_product_attention with q {shape_str(q.shape)}")
+    probed = False
+    # masked cases first: they show the most
+    for q, k, _v, mask in sorted(cases, key=lambda case: case[3] is None):
+        try:
+            weights = _sdpa_call(fn, q, k, identity_values(k), mask, what="scaled_dot_product_attention")
+        except Failure:
+            continue
+        if isinstance(weights, torch.Tensor) and weights.shape == q.shape[:-1] + (k.shape[-2],):
+            allowed = None if mask is None else mask.expand(weights.shape)
+            diagnose_weights(weights.double(), (q @ k.transpose(-2, -1)).double(), allowed, q.shape[-1] ** -0.5)
+            probed = True
+    index = next(i for i, (out, expected) in enumerate(outputs) if not close(out, expected))
+    q, k, v, mask = cases[index]
+    where = ("although the attention weights look right: check how you combine them with v." if probed else
+             "Check each step: scores q k^T over the last two axes, scaling, mask, softmax over the keys, times v.")
+    fail("mismatch", f"For q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)} your output "
+                     f"differs from the reference by up to {max_diff(*outputs[index]):.3g}, {where}")
+
+# ============================================================================ hints
+
+register("1.1", "predict toy attention by hand", [
+    "Score each key by its dot product with the query [0, 1]: a key pointing the same way scores highest.",
+    "A softmax turns the three scores into weights: exp(score) divided by the sum of the three exps.",
+    "The result is the weighted average of TOY_VALUES: each value times its weight, added up. Notice that "
+    "the first and third keys are mirror images.",
+])
+
+register("1.2", "toy_attention", [
+    "Three steps: one score per key, a softmax over those scores, a weighted sum of the values.",
+    "keys @ query gives all n scores at once; take the softmax along that single axis. No scaling here.",
+    "weights @ values works for values of shape (n,) and (n, dv) alike.",
+])
+
+register("1.3", "scaled_dot_product_attention", [
+    "The same three steps as toy attention, for whole batches of queries: the scores have shape (..., Lq, Lk).",
+    "Transpose only the last two axes of k, divide the scores by sqrt(d) with d = q.shape[-1], and take the "
+    "softmax over the last axis (the keys).",
+    "With a mask, give the scores of hidden keys (mask False) the value -inf before the softmax; leave the "
+    "scores alone when mask is None.",
+])

@@ -1,0 +1,547 @@
+"""Exercises of notebook 04 (the GPT model): 4.1 sinusoidal_table, 4.2 TransformerBlock, 4.3 GPT.
+
+Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..verdict import Failure, fail
+from ._compare import close
+from ._core import register
+from ._expect import construct, expect_tensor
+from ._gradients import check_module_gradients
+from ._harness import call, checker
+from ._mistake import Mistake
+from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice
+
+__all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
+
+
+# ---------------------------------------------------------------- 4.1 sinusoidal_table
+
+def _table(max_tokens: int, embed_dim: int, *, frequency: torch.Tensor | None = None, first: str = "sin",
+           layout: str = "interleave", offset: int = 0) -> torch.Tensor:
+    """A family of tables: the reference and the ways students get it wrong."""
+    half = embed_dim // 2
+    if frequency is None:
+        frequency = 10000.0 ** (-torch.arange(0, embed_dim, 2, dtype=torch.float64)[:half] / embed_dim)
+    angles = (torch.arange(max_tokens, dtype=torch.float64)[:, None] + offset) * frequency   # (T, d/2)
+    a, b = (angles.sin(), angles.cos()) if first == "sin" else (angles.cos(), angles.sin())
+    if layout == "interleave":
+        return torch.stack([a, b], dim=-1).flatten(1)   # (T, d): a b a b ...
+    return torch.cat([a, b], dim=-1)                    # (T, d): a a ... b b ...
+
+
+def _frequency_variants(embed_dim: int) -> list[Mistake]:
+    def _frequency(frequency: torch.Tensor, why: str) -> Mistake:
+        return Mistake("scale", why, {"frequency": frequency})
+
+    pair = torch.arange(embed_dim // 2, dtype=torch.float64)   # i = 0, 1, ...
+    even = 2 * pair                                             # 2i = 0, 2, ...
+    return [
+        _frequency(10000.0 ** (-pair / embed_dim),
+                   "the exponent uses the pair index i over embed_dim; it should be the even dimension index 2i over "
+                   "embed_dim (i.e. step through 0, 2, 4, ... or multiply i by 2)"),
+        _frequency(10000.0 ** (-2 * even / embed_dim),
+                   "the exponent counts the dimension index twice: you step through the even indices "
+                   "(0, 2, 4, ...) and then multiply by 2 again"),
+        _frequency(10000.0 ** (even / embed_dim),
+                   "the frequencies grow with the dimension instead of shrinking: you multiply the position by "
+                   "10000^(2i/d) where you should divide by it"),
+        _frequency(1000.0 ** (-even / embed_dim), "the base is 1000; the paper uses 10000"),
+        _frequency(100.0 ** (-even / embed_dim), "the base is 100; the paper uses 10000"),
+        _frequency(math.e ** (-even / embed_dim),
+                   "the base is e: if you write it with exp(), remember the factor log(10000)"),
+        _frequency(10000.0 ** (-even / (embed_dim - 1 if embed_dim > 1 else 1)),
+                   "the exponent divides by embed_dim - 1; it should divide by embed_dim"),
+    ]
+
+
+def _diagnose_table(got: torch.Tensor, max_tokens: int, embed_dim: int, what: str) -> None:
+    got = got.double()
+    if close(got, _table(max_tokens, embed_dim, first="cos")):
+        fail("mismatch", f"{what}: sine and cosine are swapped. Even dimensions (0, 2, 4, ...) hold the sines "
+                         f"and odd dimensions the cosines, so row 0 (position 0) should read 0, 1, 0, 1, ...")
+    for first, second in (("sines", "cosines"), ("cosines", "sines")):
+        if close(got, _table(max_tokens, embed_dim, layout="concat", first=first[:3])):
+            fail("mismatch", f"{what}: you concatenated the halves: all the {first} first, then all the "
+                             f"{second}. The table interleaves them: dimension 2i "
+                             f"is the sine and dimension 2i+1 the cosine of the same angle. Fill the even and "
+                             f"odd columns separately, or stack the two along a new last dimension and flatten.")
+    if close(got, _table(max_tokens, embed_dim, offset=1)):
+        fail("mismatch", f"{what}: your positions start at 1. Row 0 is position 0 (sin 0 = 0, cos 0 = 1).")
+    for mistake in _frequency_variants(embed_dim):
+        frequency, why = mistake.spec["frequency"], mistake.message
+        for layout in ("interleave", "concat"):
+            if close(got, _table(max_tokens, embed_dim, frequency=frequency, layout=layout)):
+                extra = "" if layout == "interleave" else " (and the sines and cosines should interleave)"
+                fail(mistake.code, f"{what}: the wavelengths are wrong: {why}{extra}.")
+    # sin and cos of one angle per pair, starting at angle 0, but other angles: the frequencies are off
+    if embed_dim >= 2 and max_tokens >= 2:
+        even, odd = got[:, 0:2 * (embed_dim // 2):2], got[:, 1:2 * (embed_dim // 2):2]
+        on_circle = torch.allclose(even ** 2 + odd ** 2, torch.ones_like(even))
+        starts_at_zero = torch.allclose(even[0], torch.zeros_like(even[0]))
+        if on_circle and starts_at_zero:
+            fail("scale", f"{what}: every pair of dimensions holds the sine and cosine of one angle, but the "
+                          f"angles are wrong: dimension pair i should turn at the rate 1 / 10000^(2i/embed_dim) "
+                          f"per position. Check the base, the exponent and that you divide the position by it.")
+    diff = (got - _table(max_tokens, embed_dim)).abs()
+    pos, dim = divmod(int(diff.argmax()), embed_dim)
+    fail("mismatch", f"{what}: values differ from the reference, first at position {pos}, dimension {dim} "
+                     f"(got {got[pos, dim]:.4f}, expected {_table(max_tokens, embed_dim)[pos, dim]:.4f}). "
+                     f"Even dimension 2i holds sin(pos / 10000^(2i/d)), odd dimension 2i+1 the cosine.")
+
+
+@checker("4.1")
+def check_sinusoidal_table(fn: Callable[..., Any]) -> str:
+    """fn(max_tokens, embed_dim) -> (max_tokens, embed_dim), as ``course_lib.model.sinusoidal_table``."""
+    from course_lib.model import sinusoidal_table as reference
+
+    for max_tokens, embed_dim in ((12, 8), (5, 6), (1, 4), (40, 16)):
+        what = f"sinusoidal_table({max_tokens}, {embed_dim})"
+        got = as_tensor(call(fn, max_tokens, embed_dim, what=what))
+        if (isinstance(got, torch.Tensor) and tuple(got.shape) == (embed_dim, max_tokens)
+                and max_tokens != embed_dim):
+            fail("shape", f"{what} returned shape {tuple(got.shape)}: one row per dimension. The table has one "
+                          f"row per position, (max_tokens, embed_dim): positions should run down the rows "
+                          f"(a column of positions) and frequencies across the columns (a row of frequencies).")
+        expect_tensor(got, (max_tokens, embed_dim), what)
+        if not got.is_floating_point():
+            fail("dtype", f"{what} returned dtype {got.dtype}; sines and cosines need a float tensor "
+                          f"(start from torch.arange(..., dtype=torch.float32)).")
+        if not close(got, reference(max_tokens, embed_dim)):
+            _diagnose_table(got, max_tokens, embed_dim, what)
+    return "Sines on the even dimensions, cosines on the odd ones, wavelengths from 2π to 10000·2π."
+
+
+register("4.1", "sinusoidal_table", [
+    "Build a column of positions (max_tokens, 1) and a row of frequencies (1, embed_dim // 2); their product "
+    "is every angle at once, by broadcasting.",
+    "Frequency of pair i: 1 / 10000^(2i / embed_dim). Computing it as exp(2i * -log(10000) / embed_dim) is the "
+    "same number and numerically kinder.",
+    "Start from torch.zeros(max_tokens, embed_dim) and fill the even columns (0::2) with the sines and the odd "
+    "columns (1::2) with the cosines of the same angles.",
+])
+
+
+# ---------------------------------------------------------------- 4.2 TransformerBlock
+
+_EMBED, _HEADS, _MAX_TOKENS, _DROPOUT = 16, 4, 8, 0.1
+_SHAPES = ((2, 5), (1, 1), (3, 8))   # (batch, length): batch > 1, shorter than max_tokens, length 1, full
+
+
+def _residual_of_normalised(x, a, m, l1, l2):
+    x = l1(x)
+    x = x + a(x)
+    x = l2(x)
+    return x + m(x)
+
+
+def _block_variants(norm_first: bool) -> list[Mistake]:
+    """The mistakes we have seen; each output is f(x, attn, mlp, ln1, ln2)."""
+    def pre(x, a, m, l1, l2):
+        h = x + a(l1(x))
+        return h + m(l2(h))
+
+    def post(x, a, m, l1, l2):
+        h = l1(x + a(x))
+        return l2(h + m(h))
+
+    right = "pre-norm (GPT-2)" if norm_first else "post-norm (the 2017 paper)"
+    common = [
+        Mistake("mismatch", "the feed-forward sublayer (self.mlp) is never applied, or its result is dropped; the "
+                            "block is attention, then feed-forward.",
+                output=(lambda x, a, m, l1, l2: x + a(l1(x))) if norm_first
+                else (lambda x, a, m, l1, l2: l1(x + a(x)))),
+        Mistake("mismatch", "the attention sublayer (self.attn) is never applied, or its result is dropped; the block "
+                            "is attention, then feed-forward.",
+                output=(lambda x, a, m, l1, l2: x + m(l2(x))) if norm_first
+                else (lambda x, a, m, l1, l2: l2(x + m(x)))),
+        Mistake("mismatch", "ln1 and ln2 are swapped: ln1 goes with the attention sublayer, ln2 with the feed-forward "
+                            "one (each LayerNorm has its own learned scale and shift).",
+                output=(lambda x, a, m, l1, l2: pre(x, a, m, l2, l1)) if norm_first
+                else (lambda x, a, m, l1, l2: post(x, a, m, l2, l1))),
+        Mistake("mismatch", "you use ln1 for both sublayers; ln2 belongs to the feed-forward sublayer.",
+                output=(lambda x, a, m, l1, l2: pre(x, a, m, l1, l1)) if norm_first
+                else (lambda x, a, m, l1, l2: post(x, a, m, l1, l1))),
+        Mistake("mismatch", "you use ln2 for both sublayers; ln1 belongs to the attention sublayer.",
+                output=(lambda x, a, m, l1, l2: pre(x, a, m, l2, l2)) if norm_first
+                else (lambda x, a, m, l1, l2: post(x, a, m, l2, l2))),
+        Mistake("mismatch", "the LayerNorms ln1 and ln2 are never applied; each sublayer needs its own.",
+                output=lambda x, a, m, l1, l2: pre(x, a, m, nn.Identity(), nn.Identity())),
+        Mistake("norm_placement", f"you normalise both before the sublayers and after the residual additions; this "
+                                  f"block is {right}, so each LayerNorm is used once.",
+                output=lambda x, a, m, l1, l2: l2((h := l1(x + a(l1(x)))) + m(l2(h)))),
+        Mistake("norm_placement", "you apply each LayerNorm to the sublayer's OUTPUT (x + ln1(attn(x))). A "
+                                  "LayerNorm there undoes the sublayer's scale, so the block can no longer learn "
+                                  "how much each sublayer adds. "
+                                  + ("Pre-norm normalises the sublayer's INPUT: x + attn(ln1(x))."
+                                     if norm_first else "Post-norm normalises the SUM: ln1(x + attn(x))."),
+                output=lambda x, a, m, l1, l2: (h := x + l1(a(x))) + l2(m(h))),
+        Mistake("residual", "the feed-forward sublayer reads the block's input x instead of the output of the "
+                            "attention step (the two sublayers run in parallel). Feed the updated x forward.",
+                output=(lambda x, a, m, l1, l2: x + a(l1(x)) + m(l2(x))) if norm_first
+                else (lambda x, a, m, l1, l2: l2(l1(x + a(x)) + m(x)))),
+    ]
+    if norm_first:
+        return [
+            Mistake("norm_placement", "you normalise after adding the residual (post-norm, as in the 2017 paper). This"
+                                      " block is pre-norm (GPT-2): apply ln1 to the input of the attention and ln2 to "
+                                      "the input of the feed-forward, and leave the residual stream itself "
+                                      "un-normalised.",
+                    output=post),
+            Mistake("residual", "the attention sublayer has no residual connection: add its output to its input "
+                                "(the un-normalised x) instead of replacing x.",
+                    output=lambda x, a, m, l1, l2: (h := a(l1(x))) + m(l2(h))),
+            Mistake("residual", "the feed-forward sublayer has no residual connection: add its output to x instead of "
+                                "replacing x.",
+                    output=lambda x, a, m, l1, l2: m(l2(x + a(l1(x))))),
+            Mistake("residual", "neither sublayer has a residual connection: each should add its output to x, not "
+                                "replace x.",
+                    output=lambda x, a, m, l1, l2: m(l2(a(l1(x))))),
+            Mistake("residual", "your residual adds the normalised x: you overwrite x with ln1(x) (and ln2(x)) before "
+                                "adding. The residual stream carries the un-normalised x; normalise only what goes "
+                                "into each sublayer.",
+                    output=_residual_of_normalised),
+        ] + common
+    return [
+        Mistake("norm_placement", "you normalise the input of each sublayer (pre-norm, GPT-2). This block is post-norm "
+                                  "(the 2017 paper): add the sublayer's output to x first, then apply the LayerNorm "
+                                  "to the sum.",
+                output=pre),
+        Mistake("residual", "the attention sublayer has no residual connection: normalise x plus the attention "
+                            "output, not the attention output alone.",
+                output=lambda x, a, m, l1, l2: l2((h := l1(a(x))) + m(h))),
+        Mistake("residual", "the feed-forward sublayer has no residual connection: normalise the sum of its input and "
+                            "its output, not its output alone.",
+                output=lambda x, a, m, l1, l2: l2(m(l1(x + a(x))))),
+        Mistake("residual", "neither sublayer has a residual connection: each LayerNorm should see x plus the "
+                            "sublayer's output.",
+                output=lambda x, a, m, l1, l2: l2(m(l1(a(x))))),
+    ] + common
+
+
+def _build_block(cls: Any, norm_first: bool) -> tuple[nn.Module, nn.Module]:
+    from course_lib.model import TransformerBlock
+
+    generator = torch.Generator().manual_seed(42)
+    reference = randomize_(TransformerBlock(_EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, norm_first=norm_first),
+                           generator)
+    kwargs = {"norm_first": norm_first} if accepts(cls, "norm_first") else {}
+    candidate = construct(cls, _EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, what=getattr(cls, "__name__", "cls"),
+                          **kwargs)
+    for name in ("ln1", "attn", "ln2", "mlp"):
+        if not isinstance(getattr(candidate, name, None), nn.Module):
+            fail("mismatch", f"your block has no sublayer `self.{name}`. Keep the constructor as given: it "
+                             f"builds ln1, attn, ln2 and mlp, and forward uses them.")
+    copy_weights(reference, candidate, "your block")
+    return reference.eval(), candidate.eval()
+
+
+def _inputs(generator: torch.Generator, batch: int, length: int) -> torch.Tensor:
+    # an offset and a spread per position, so that LayerNorm has something to undo
+    x = torch.randn(batch, length, _EMBED, generator=generator)
+    return 1.5 * x + torch.randn(batch, length, 1, generator=generator)
+
+
+@torch.no_grad()
+def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor, got: torch.Tensor,
+                    norm_first: bool, what: str) -> None:
+    r = reference
+    for mistake in _block_variants(norm_first):
+        if close(got, mistake.output(x, r.attn, r.mlp, r.ln1, r.ln2)):
+            fail(mistake.code, f"{what}: {mistake.message}")
+    # behaviour probes, for mistakes we did not list
+    if x.shape[1] > 1:
+        changed = x.clone()
+        changed[:, -1] += 3.0
+        later = call(candidate, changed, what=what)
+        if isinstance(later, torch.Tensor) and later.shape == got.shape and \
+                not close(later[:, :-1], got[:, :-1]):
+            fail("causal_mask", f"{what}: changing the last position changes the outputs at earlier positions, "
+                                f"so the future leaks into the past. Let self.attn do all the mixing between "
+                                f"positions (it applies the causal mask); everything else acts per position.")
+    for name in ("attn", "mlp"):
+        proj = getattr(getattr(candidate, name), "proj", None)
+        if isinstance(proj, nn.Linear):
+            saved = proj.weight.clone()
+            proj.weight.mul_(2.0)
+            try:
+                doubled = call(candidate, x, what=what)
+            finally:
+                proj.weight.copy_(saved)
+            if isinstance(doubled, torch.Tensor) and close(doubled, got):
+                _no_effect(candidate, proj, x, got, name, what)
+    fail("mismatch", f"{what}: the output differs from the reference {('pre' if norm_first else 'post')}-norm "
+                     f"block (largest difference {(got - reference(x)).abs().max():.3g}). Check the order: "
+                     + ("x + attn(...) of ln1(x), then the same with ln2 and mlp."
+                        if norm_first else "ln1 of (x + attention of x), then ln2 of (x + mlp of x)."))
+
+
+def _no_effect(candidate: nn.Module, proj: nn.Linear, x: torch.Tensor, got: torch.Tensor, name: str,
+               what: str) -> None:
+    """Doubling self.{name}'s output projection left the output unchanged: ignored, or only its scale lost?"""
+    saved = proj.weight.clone()
+    proj.weight.copy_(torch.flip(saved, dims=(0,)))   # the same numbers, other directions
+    try:
+        other = call(candidate, x, what=what)
+    finally:
+        proj.weight.copy_(saved)
+    if isinstance(other, torch.Tensor) and other.shape == got.shape and not close(other, got):
+        fail("norm_placement", f"{what}: your block is blind to the SCALE of self.{name} (doubling its output "
+                               f"changes nothing), though not to its direction: a LayerNorm sits on the "
+                               f"sublayer's output. Normalise the sublayer's input (pre-norm) or the residual "
+                               f"sum (post-norm), never the sublayer's output alone.")
+    fail("mismatch", f"{what}: the output does not depend on self.{name}; make sure its result "
+                     f"goes into what forward returns.")
+
+
+@checker("4.2")
+def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
+    """cls(embed_dim, num_heads, max_tokens, dropout_rate) with ln1, attn, ln2, mlp; pre- or post-norm."""
+    reference, candidate = _build_block(cls, norm_first)
+    generator = torch.Generator().manual_seed(0)
+    kind = "pre-norm" if norm_first else "post-norm"
+    for batch, length in _SHAPES:
+        x = _inputs(generator, batch, length)
+        what = f"your block on x of shape {tuple(x.shape)}"
+        with torch.no_grad():
+            got = expect_tensor(call(candidate, x, what=what), tuple(x.shape), what)
+            if not same_when_called_twice(lambda x=x, what=what: call(candidate, x, what=what)):
+                fail("dropout", f"{what}: two calls in eval mode gave different outputs, so dropout is active "
+                                f"when it should be off. Use the dropout inside self.attn and self.mlp (they "
+                                f"follow model.eval()); F.dropout(...) without training=self.training is "
+                                f"always on.")
+            if not close(got, reference(x)):
+                _diagnose_block(candidate, reference, x, got, norm_first, what)
+    x = _inputs(generator, 2, _MAX_TOKENS)
+    check_module_gradients(candidate, reference, x, what=f"your block on x of shape {tuple(x.shape)}")
+    candidate.train()
+    x = _inputs(generator, 2, _MAX_TOKENS)
+    with torch.no_grad():
+        no_dropout = same_when_called_twice(lambda: call(candidate, x, what="your block in training mode"))
+    if no_dropout:
+        fail("dropout", f"In training mode (dropout_rate={_DROPOUT}) your block gives the same output twice, so "
+                        f"no dropout happens. Call the sublayers self.attn and self.mlp: they carry the dropout.")
+    return f"Same outputs as the reference {kind} block, with residuals around both sublayers."
+
+
+register("4.2", "TransformerBlock.forward", [
+    "Two sublayers, each wrapped the same way: attention first, then the feed-forward network.",
+    "Residual: x = x + sublayer(...). The residual stream x itself is never replaced, only added to.",
+    "Pre-norm (norm_first=True, GPT-2) normalises what goes INTO each sublayer (ln1 before attn, ln2 before "
+    "mlp); post-norm normalises the sum AFTER each residual addition.",
+])
+
+
+# ---------------------------------------------------------------- 4.3 GPT
+
+def _gpt_config(**overrides: Any):
+    from course_lib.model import GPTConfig
+
+    values = dict(vocab_size=13, max_tokens=8, embed_dim=16, num_heads=2, num_layers=2, dropout_rate=0.1)
+    values.update(overrides)
+    return GPTConfig(**values)
+
+
+def _gpt_variants(ref: nn.Module) -> list[Mistake]:
+    def run(idx, *, positions=True, ln_f=True, scale=1.0, blocks=None):
+        x = ref.token_embedding(idx) * scale
+        if positions:
+            x = x + ref.position_encoding(idx.shape[1])
+        for block in (ref.blocks if blocks is None else blocks):
+            x = block(x)
+        return ref.head(ref.ln_f(x) if ln_f else x)
+
+    blocks = list(ref.blocks)
+    return [
+        Mistake("mismatch", "the positions are missing: you never add the position encodings, so the model cannot "
+                            "tell where a token sits. Add self.position_encoding(...) to the token embeddings.",
+                output=lambda idx: run(idx, positions=False)),
+        Mistake("final_norm", "the final LayerNorm self.ln_f is missing: apply it after the last block, before "
+                              "the output head.",
+                output=lambda idx: run(idx, ln_f=False)),
+        Mistake("mismatch", "the positions are missing and the final LayerNorm ln_f is not applied.",
+                output=lambda idx: run(idx, positions=False, ln_f=False)),
+        Mistake("mismatch", "you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds "
+                            "token and position embeddings as they are.",
+                output=lambda idx: run(idx, scale=math.sqrt(ref.config.embed_dim))),
+        Mistake("mismatch", "the blocks run in reverse order; go through self.blocks first to last.",
+                output=lambda idx: run(idx, blocks=blocks[::-1])),
+        Mistake("mismatch", "only the first block is applied; every block in self.blocks should transform x in turn, "
+                            "each one taking the previous block's output.",
+                output=lambda idx: run(idx, blocks=blocks[:1])),
+        Mistake("mismatch", "only the last block's output is kept; each block should take the previous block's output, "
+                            "not the embeddings.",
+                output=lambda idx: run(idx, blocks=blocks[-1:])),
+    ]
+
+
+def _forward(model: nn.Module, idx: torch.Tensor, what: str, *cache: Any) -> Any:
+    return call(model, idx, *cache, what=what)
+
+
+@torch.no_grad()
+def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor, got: torch.Tensor,
+                  what: str) -> None:
+    if bool((got >= 0).all()) and close(got.sum(-1), torch.ones(got.shape[:-1])):
+        fail("mismatch", f"{what}: every row is non-negative and sums to 1, so you return probabilities. "
+                         f"Return logits, not probabilities: the loss (cross-entropy) and the sampler apply "
+                         f"the softmax themselves.")
+    if close(got.exp().sum(-1), torch.ones(got.shape[:-1])):
+        fail("mismatch", f"{what}: you return log-probabilities (a log_softmax of the logits). Return logits, "
+                         f"not probabilities: cross-entropy applies the log-softmax itself.")
+    for mistake in _gpt_variants(reference):
+        if close(got, mistake.output(idx)):
+            fail(mistake.code, f"{what}: {mistake.message}")
+    length = idx.shape[1]
+    if length > 1:
+        changed = idx.clone()
+        changed[:, -1] = (changed[:, -1] + 1) % reference.config.vocab_size
+        later = _forward(candidate, changed, what)
+        if isinstance(later, torch.Tensor) and later.shape == got.shape and \
+                not close(later[:, :-1], got[:, :-1]):
+            fail("causal_mask", f"{what}: changing the last token changes the logits at earlier positions: "
+                                f"the future leaks into the past. Only the attention layers should mix "
+                                f"positions, and they apply the causal mask.")
+        same = torch.full((1, length), 3, dtype=torch.long)
+        flat = _forward(candidate, same, what)
+        if isinstance(flat, torch.Tensor) and flat.dim() == 3 and close(flat[0, :1].expand_as(flat[0]), flat[0]):
+            fail("mismatch", f"{what}: the same token at different positions gets the same logits, so the "
+                             f"positions are missing. Add the position encodings to the token embeddings.")
+    saved = candidate.ln_f.weight.clone()
+    candidate.ln_f.weight.mul_(2.0).add_(0.5)
+    try:
+        changed_ln = _forward(candidate, idx, what)
+    finally:
+        candidate.ln_f.weight.copy_(saved)
+    if isinstance(changed_ln, torch.Tensor) and close(changed_ln, got):
+        fail("final_norm", f"{what}: the output does not depend on the final LayerNorm self.ln_f; apply it "
+                           f"after the last block, before the head.")
+    fail("mismatch", f"{what}: the logits differ from the reference (largest difference "
+                     f"{(got - reference(idx)).abs().max():.3g}). The recipe: token embeddings plus position "
+                     f"encodings, dropout, every block in turn, ln_f, then the head.")
+
+
+def _check_cache_path(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor) -> str:
+    """If forward uses its cache argument, positions must continue after the cached tokens."""
+    from course_lib.attention import KVCache
+
+    if not accepts(candidate.forward, "cache"):
+        return ""
+    config = reference.config
+    make = getattr(candidate, "new_cache", None)
+    cache = make() if callable(make) else [KVCache(config.max_tokens) for _ in range(config.num_layers)]
+    what = "your forward with a KV cache"
+    first = call(candidate, idx[:, :3], cache=cache, what=what)
+    if not cache or getattr(cache[0], "length", 0) == 0:
+        return " (Your forward does not use its cache argument yet; notebook 06 comes back to it.)"
+    step = call(candidate, idx[:, 3:4], cache=cache, what=what)
+    full = reference(idx[:, :4])
+    expect_tensor(first, (idx.shape[0], 3, config.vocab_size), what)
+    expect_tensor(step, (idx.shape[0], 1, config.vocab_size), what)
+    if not close(step[:, 0], full[:, 3]):
+        fail("mismatch", "With a KV cache, the logits of a new token differ from a full forward pass. Its "
+                         "positions must continue after the tokens already in the cache (start at "
+                         "cache[0].length, not at 0), and every block needs its own cache.")
+    return " The cached path gives the same logits too."
+
+
+def _check_gpt_training(candidate: nn.Module, idx: torch.Tensor, rate: float) -> None:
+    """Training mode, by behaviour: finite logits, no dropout on the logits, dropout after the embeddings."""
+    what = f"your GPT in training mode (dropout_rate={rate}) on idx of shape {tuple(idx.shape)}"
+    with torch.no_grad():
+        eval_logits = _forward(candidate, idx, what.replace("training", "eval"))
+        call(candidate.train, what="your GPT's train()")
+        try:
+            logits = _forward(candidate, idx, what)
+            if not isinstance(logits, torch.Tensor) or not torch.isfinite(logits).all():
+                fail("nan", f"{what}: the logits are not finite numbers in training mode. Apply dropout to "
+                            f"activations (after the embeddings), never to scores that hold -inf.")
+            # dense logits are never exactly zero unless dropout zeroed them
+            if float((logits == 0).double().mean()) > rate / 3:
+                fail("dropout", f"{what}: {float((logits == 0).double().mean()):.0%} of the logits are exactly "
+                                f"zero: dropout is applied to the logits. It belongs after the embeddings "
+                                f"(self.dropout(tokens + positions)); the head's output is never dropped.")
+            # with the blocks in eval mode, only the embedding dropout can make training differ from eval
+            blocks = getattr(candidate, "blocks", None)
+            if isinstance(blocks, nn.Module):
+                blocks.eval()
+                try:
+                    without_blocks = _forward(candidate, idx, what)
+                finally:
+                    blocks.train()
+            if isinstance(blocks, nn.Module) and torch.equal(without_blocks, eval_logits):
+                fail("dropout", f"{what}: no dropout after the embeddings: x = self.dropout(token embeddings + "
+                                f"positions) before the first block.")
+        finally:
+            candidate.eval()
+
+
+@checker("4.3")
+def check_gpt(cls: Any) -> str:
+    """cls(config) with token_embedding, position_encoding, dropout, blocks, ln_f, head; forward -> logits."""
+    from course_lib.model import GPT
+
+    config = _gpt_config()
+    generator = torch.Generator().manual_seed(7)
+    reference = randomize_(GPT(config), generator).eval()
+    candidate = construct(cls, config, what=getattr(cls, "__name__", "cls"))
+    copy_weights(reference, candidate, "your GPT")
+    candidate.eval()
+    vocab = config.vocab_size
+    for batch, length in _SHAPES:
+        idx = torch.randint(0, vocab, (batch, length), generator=generator)
+        what = f"your GPT on idx of shape {tuple(idx.shape)}"
+        with torch.no_grad():
+            got = _forward(candidate, idx, what)
+            if isinstance(got, tuple) and got and isinstance(got[0], torch.Tensor):
+                fail("dtype", f"{what} returned a tuple of {len(got)}; return only the logits tensor "
+                              f"(N, L, vocab_size). The loss is computed outside the model, by lm_loss.")
+            if isinstance(got, torch.Tensor) and tuple(got.shape) == (batch, length, config.embed_dim):
+                fail("shape", f"{what} returned shape {tuple(got.shape)}: hidden states, not logits. Finish "
+                              f"with the output head self.head, which maps embed_dim to vocab_size.")
+            expect_tensor(got, (batch, length, vocab), what)
+            if not same_when_called_twice(lambda idx=idx, what=what: _forward(candidate, idx, what)):
+                fail("dropout", f"{what}: two calls in eval mode gave different logits, so dropout is on when it "
+                                f"should be off. Use self.dropout (an nn.Dropout follows model.eval()).")
+            if not close(got, reference(idx)):
+                _diagnose_gpt(candidate, reference, idx, got, what)
+    idx = torch.randint(0, vocab, (2, config.max_tokens), generator=generator)
+    check_module_gradients(candidate, reference, idx, what=f"your GPT on idx of shape {tuple(idx.shape)}")
+    _check_gpt_training(candidate, torch.randint(0, vocab, (4, config.max_tokens), generator=generator),
+                        config.dropout_rate)
+    too_long = torch.randint(0, vocab, (1, config.max_tokens + 1), generator=generator)
+    try:
+        with torch.no_grad():
+            candidate(too_long)
+    except Failure:
+        raise
+    except Exception:  # raising is what we want here
+        pass
+    else:
+        fail("mismatch", f"Your GPT accepted {config.max_tokens + 1} tokens with max_tokens={config.max_tokens}. "
+                         f"It has no positions beyond max_tokens: raise a ValueError that says so (and how to "
+                         f"crop) instead of returning something.")
+    try:
+        with torch.no_grad():
+            note = _check_cache_path(candidate, reference, torch.randint(0, vocab, (2, 6), generator=generator))
+    except Failure as failure:
+        if failure.diagnosis != "not_implemented":
+            raise
+        note = " (The cache path of your forward is not written yet; notebook 06 comes back to it.)"
+    return "Logits match the reference GPT for every batch size and length." + note
+
+
+register("4.3", "GPT.forward", [
+    "Token embeddings (N, L, E) plus position encodings (L, E) broadcast over the batch; then dropout.",
+    "Run x through every block in self.blocks, in order, then the final LayerNorm self.ln_f and the head.",
+    "Return the raw logits (N, L, vocab_size): no softmax. Check the length against max_tokens first and raise "
+    "a clear ValueError when it is too long.",
+])

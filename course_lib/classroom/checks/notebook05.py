@@ -1,0 +1,625 @@
+"""Exercises of notebook 05 (training and sampling): 5.1 lm_windows, 5.2 lm_loss, 5.3 train_step,
+5.4 sample_next_token.
+
+Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+"""
+from __future__ import annotations
+
+import copy
+import numbers
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..verdict import Failure, fail
+from ._compare import close
+from ._core import register
+from ._expect import expect_tensor
+from ._gradients import check_function_gradients
+from ._harness import call, checker
+from ._mistake import Mistake
+from ._model_common import accepts, as_tensor, extend, recording_calls
+
+__all__ = ["check_lm_windows", "check_lm_loss", "check_train_step", "check_sampling"]
+
+
+IGNORE = -100
+
+
+# ---------------------------------------------------------------- 5.1 lm_windows
+
+def _window_starts(inputs: torch.Tensor, offset: int) -> list[int]:
+    return [int(v) - offset for v in inputs[:, 0]] if inputs.numel() else []
+
+
+def _diagnose_windows(inputs: torch.Tensor, targets: torch.Tensor, expected: torch.Tensor, max_tokens: int,
+                      stride: int, n: int, offset: int, what: str) -> None:
+    """inputs/targets hold token values offset + index, so each value says where it came from."""
+    count = expected.shape[0]
+    if inputs.dim() != 2 or targets.dim() != 2:
+        fail("shape", f"{what}: inputs and targets should each be 2-D, (num_windows, max_tokens) = "
+                      f"{tuple(expected.shape)}; got {tuple(inputs.shape)} and {tuple(targets.shape)}.")
+    if inputs.shape[1] == max_tokens + 1 or targets.shape[1] == max_tokens + 1:
+        fail("shape", f"{what}: your windows hold max_tokens + 1 = {max_tokens + 1} tokens. Cut max_tokens + 1 "
+                      f"tokens, then the inputs are all but the last of them and the targets all but the "
+                      f"first, max_tokens each.")
+    if inputs.shape[1] == max_tokens - 1 or targets.shape[1] == max_tokens - 1:
+        fail("shape", f"{what}: your windows hold max_tokens - 1 = {max_tokens - 1} tokens (off by one). Each "
+                      f"chunk needs max_tokens + 1 tokens, so that inputs and targets are max_tokens long.")
+    if inputs.shape != targets.shape:
+        fail("shape", f"{what}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} should have the "
+                      f"same shape, {tuple(expected.shape)}.")
+    if inputs.shape[1] != max_tokens:
+        fail("shape", f"{what}: each window should hold max_tokens = {max_tokens} tokens, yours hold "
+                      f"{inputs.shape[1]}.")
+    if inputs.shape[0] and torch.equal(targets, inputs):
+        fail("mismatch", f"{what}: the targets are the inputs themselves. The target at each position is the "
+                         f"NEXT token, so targets are the inputs shifted by one to the left (one step ahead).")
+    if inputs.shape[0] and inputs.shape[1] > 1 and torch.equal(targets[:, 1:], inputs[:, :-1]):
+        fail("mismatch", f"{what}: targets are shifted the wrong way: your target at position j is the token "
+                         f"BEFORE input j. The model predicts what comes next, so target j is the token after "
+                         f"input j.")
+    starts = _window_starts(inputs, offset)
+    steps = {b - a for a, b in zip(starts, starts[1:])}
+    if steps and 0 < min(steps) and max(steps) < stride:
+        every = "at every token" if steps == {1} else f"every {sorted(steps)[0]} tokens"
+        fail("overlapping_windows", f"{what}: your windows overlap: one starts {every} ({len(starts)} windows). "
+                                    f"Here windows start every {stride} tokens ({count} windows), so each token "
+                                    f"is a target once.")
+    if inputs.shape[0] != count:
+        if steps == {max_tokens + 1} and stride == max_tokens:
+            fail("shape", f"{what}: consecutive windows start max_tokens + 1 = {max_tokens + 1} tokens apart, so "
+                          f"one token in every window is never a target. Start them max_tokens = {max_tokens} "
+                          f"apart: the last target of one window is the first input of the next.")
+        if steps <= {stride} and inputs.shape[0] == count - 1:
+            fail("shape", f"{what}: the last window is missing although it fits: a window starting at s needs "
+                          f"tokens s .. s + max_tokens, so it fits when s + max_tokens + 1 <= len(ids) "
+                          f"({n} here). Check the range of your start positions.")
+        if steps <= {stride} and inputs.shape[0] > count:
+            fail("shape", f"{what}: {inputs.shape[0]} windows, but only {count} fit completely; drop a last "
+                          f"window that would run past the end instead of padding or wrapping it.")
+        fail("shape", f"{what}: expected {count} windows (starting every {stride} tokens), got "
+                      f"{inputs.shape[0]}.")
+    if steps and steps != {stride}:
+        fail("mismatch", f"{what}: your windows start {sorted(steps)} tokens apart; they should start every "
+                         f"{stride} tokens.")
+    if starts and starts[0] != 0:
+        fail("mismatch", f"{what}: the first window starts at token {starts[0]}; it should start at the "
+                         f"beginning of ids.")
+    fail("mismatch", f"{what}: the windows hold other tokens than expected. Window w starts at token "
+                     f"w * stride; its inputs are max_tokens tokens from there and its targets the same "
+                     f"tokens one step later.")
+
+
+@checker("5.1")
+def check_lm_windows(fn: Callable[..., Any]) -> str:
+    """fn(ids (T,) long, max_tokens) -> (inputs, targets), each (num_windows, max_tokens)."""
+    from course_lib.data import lm_windows as reference
+
+    offset = 100   # token values 100, 101, ... so every value names its position
+    cases: list[tuple[int, int, int | None]] = [(21, 4, None), (20, 4, None), (9, 8, None), (30, 3, None),
+                                                (6, 1, None)]
+    if accepts(fn, "stride"):
+        cases += [(21, 4, 2), (17, 3, 5)]
+    for n, max_tokens, stride in cases:
+        ids = torch.arange(offset, offset + n)
+        kwargs = {} if stride is None else {"stride": stride}
+        what = f"lm_windows(ids of length {n}, max_tokens={max_tokens}{'' if stride is None else f', stride={stride}'})"
+        result = call(fn, ids.clone(), max_tokens, what=what, **kwargs)
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            fail("dtype" if result is not None else "shape",
+                 f"{what} should return a pair (inputs, targets), but returned "
+                 f"{'nothing (did you forget `return`?)' if result is None else type(result).__name__}.")
+        inputs, targets = (as_tensor(r) for r in result)
+        for name, value in (("inputs", inputs), ("targets", targets)):
+            if not isinstance(value, torch.Tensor):
+                fail("dtype", f"{what}: {name} should be a torch.Tensor, got {type(value).__name__}.")
+            if value.dtype != torch.long:
+                fail("dtype", f"{what}: {name} have dtype {value.dtype}; token ids must be torch.long "
+                              f"(the embedding and the cross-entropy targets need integers).")
+        exp_inputs, exp_targets = reference(ids, max_tokens, stride)
+        if not (inputs.shape == exp_inputs.shape and torch.equal(inputs, exp_inputs)
+                and torch.equal(targets, exp_targets)):
+            _diagnose_windows(inputs, targets, exp_inputs, max_tokens, stride or max_tokens, n, offset, what)
+    return "Windows of max_tokens inputs, targets one step ahead, a last window that doesn't fit dropped."
+
+
+register("5.1", "lm_windows", [
+    "A window needs max_tokens + 1 consecutive tokens: the inputs are the first max_tokens, the targets the last "
+    "max_tokens (the same tokens shifted by one).",
+    "Windows start every max_tokens tokens: 0, max_tokens, 2 * max_tokens, ... A start s fits when "
+    "s + max_tokens + 1 <= len(ids).",
+    "Tensor.unfold(0, size, step) cuts all windows at once; a list of slices stacked with torch.stack works too.",
+])
+
+
+# ---------------------------------------------------------------- 5.2 lm_loss
+
+_SHAPE_ERROR = re.compile(r"batch_size|target size|spatial targets|size mismatch|shape|dimension", re.I)
+
+
+def _loss_variants(logits: torch.Tensor, targets: torch.Tensor) -> list[Mistake]:
+    n, length, vocab = logits.shape
+    flat, flat_t = logits.flatten(0, 1), targets.flatten()
+    valid = flat_t != IGNORE
+    per_token = F.cross_entropy(flat, flat_t, ignore_index=IGNORE, reduction="none")
+    variants = [
+        Mistake("mismatch", "you apply a softmax before the cross-entropy. F.cross_entropy takes raw logits and "
+                            "applies the (log-)softmax itself, so yours is applied twice.",
+                output=F.cross_entropy(flat.softmax(-1), flat_t, ignore_index=IGNORE)),
+        Mistake("mismatch", "you pass raw logits to F.nll_loss, which expects log-probabilities: use F.cross_entropy "
+                            "on the logits (or log_softmax first).",
+                output=F.nll_loss(flat, flat_t, ignore_index=IGNORE)),
+        Mistake("mismatch", "your loss is the SUM over tokens; the loss is the MEAN over the target tokens (so it does "
+                            "not grow with the batch size or length).",
+                output=per_token.sum()),
+        Mistake("mismatch", "you average over every position, padding included: the ignored targets (-100) should not "
+                            "count in the mean either. Divide by the number of real targets.",
+                output=per_token.sum() / flat_t.numel()),
+        Mistake("mismatch", "each sequence gets averaged separately and then the sequences are averaged: every target "
+                            "token should weigh the same, so average over all real targets at once.",
+                output=torch.stack([F.cross_entropy(logits[i], targets[i], ignore_index=IGNORE)
+                      for i in range(n) if bool((targets[i] != IGNORE).any())]).mean()),
+        Mistake("mismatch", "targets of -100 are not ignored: -100 marks padding and must not contribute to the loss "
+                            "(F.cross_entropy ignores it by default, unless you change ignore_index or the targets).",
+                output=F.cross_entropy(flat, flat_t.clamp(min=0))),
+    ]
+    if length == vocab and length > 1:
+        variants.append(Mistake("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you "
+                                         "pass (N, L, V) as it is, so it takes the positions for the classes. Flatten "
+                                         "to (N*L, V) and (N*L,), or move the vocabulary to dimension 1.",
+                                output=F.cross_entropy(logits, targets, ignore_index=IGNORE)))
+    if not bool(valid.all()):
+        variants.append(Mistake("mismatch", "the -100 targets are not ignored the right way; the mean runs over the "
+                                            "real targets only.",
+                                output=per_token[valid].sum() / flat_t.numel()))
+    return variants
+
+
+def _call_loss(fn: Callable[..., Any], logits: torch.Tensor, targets: torch.Tensor, what: str) -> Any:
+    try:
+        return call(fn, logits, targets, what=what)
+    except Failure as failure:
+        if failure.diagnosis != "exception":
+            raise
+        if "-100" in failure.message or "out of bounds" in failure.message:
+            fail("mismatch", extend(failure.message, "Targets of -100 mark padding: ignore them (F.cross_entropy "
+                             "does so by default) instead of using them as an index."))
+        if _SHAPE_ERROR.search(failure.message):
+            fail("shape", extend(failure.message, "F.cross_entropy expects logits (N, C) with targets (N,), or "
+                                                  "(N, C, L) with (N, L): the classes go in dimension 1. Flatten "
+                                                  "logits to (N*L, V) and targets to (N*L,)."))
+        raise
+
+
+@checker("5.2")
+def check_lm_loss(fn: Callable[..., Any]) -> str:
+    """fn(logits (N, L, V), targets (N, L)) -> mean cross-entropy, ignoring targets of -100."""
+    from course_lib.train import lm_loss as reference
+
+    generator = torch.Generator().manual_seed(5)
+    cases = []
+    for n, length, vocab, pad in ((2, 5, 7, 0), (3, 4, 4, 0), (1, 1, 9, 0), (3, 6, 11, 2), (2, 7, 7, 3)):
+        logits = 2.0 * torch.randn(n, length, vocab, generator=generator)
+        targets = torch.randint(0, vocab, (n, length), generator=generator)
+        if pad:
+            targets[1:, -pad:] = IGNORE   # padded rows, the first row complete
+        cases.append((logits, targets))
+    for logits, targets in cases:
+        what = f"lm_loss(logits {tuple(logits.shape)}, targets {tuple(targets.shape)}" + \
+               (", with -100 padding)" if bool((targets == IGNORE).any()) else ")")
+        leaf = logits.clone().requires_grad_(True)
+        got = _call_loss(fn, leaf, targets.clone(), what)
+        if isinstance(got, numbers.Real) and not isinstance(got, bool):
+            fail("dtype", f"{what} returned a Python number. Return the loss tensor itself: .item() cuts it off "
+                          f"from the graph, and loss.backward() needs the tensor.")
+        got = as_tensor(got)
+        if isinstance(got, torch.Tensor) and got.dim() > 0 and got.numel() == targets.numel():
+            fail("shape", f"{what} returned one loss per token, shape {tuple(got.shape)}; the loss is their "
+                          f"mean over the real targets, a single number.")
+        if isinstance(got, torch.Tensor) and got.numel() == 1 and got.dim() > 0:
+            got = got.reshape(())
+        expect_tensor(got, (), what)
+        expected = reference(logits, targets)
+        if not close(got, expected):
+            for mistake in _loss_variants(logits, targets):
+                if close(got, mistake.output):
+                    fail(mistake.code, f"{what}: {mistake.message}")
+            fail("mismatch", f"{what} returned {got.item():.5f}, expected {expected.item():.5f}: the mean "
+                             f"cross-entropy of the logits against the targets, ignoring -100.")
+        if not got.requires_grad:
+            fail("gradient", f"{what}: the loss has the right value but is cut off from the logits (no gradient "
+                             f"can flow back). Avoid .item(), .detach(), torch.no_grad() or numpy inside lm_loss.")
+        check_function_gradients(fn, reference, logits, targets, names=("logits",), what=what)
+    return "Mean cross-entropy over the real targets, -100 ignored, gradients flow back."
+
+
+register("5.2", "lm_loss", [
+    "F.cross_entropy takes raw logits (it applies log_softmax itself) and averages over the targets.",
+    "It wants the classes in dimension 1: flatten logits (N, L, V) to (N*L, V) and targets (N, L) to (N*L,).",
+    "Targets of -100 are padding; F.cross_entropy skips them by default (ignore_index=-100), and the mean runs "
+    "over the remaining targets only.",
+])
+
+
+# ---------------------------------------------------------------- 5.3 train_step
+
+_LR = 0.1
+
+
+def _tiny_gpt(seed: int, **overrides: Any) -> nn.Module:
+    from course_lib.model import GPT, GPTConfig
+
+    values = dict(vocab_size=11, max_tokens=8, embed_dim=16, num_heads=2, num_layers=1, dropout_rate=0.0)
+    values.update(overrides)
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**values))
+
+
+def _gradient(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[list[torch.Tensor], float]:
+    """Gradient and loss of the reference loss at the model's current weights (on a copy)."""
+    from course_lib.train import lm_loss
+
+    clone = copy.deepcopy(model).train()
+    for p in clone.parameters():
+        p.grad = None
+    loss = lm_loss(clone(inputs), targets)
+    loss.backward()
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in clone.parameters()], loss.item()
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    denominator = a.norm() * b.norm()
+    return float((a @ b) / denominator) if denominator > 0 else 0.0
+
+
+def _loss_value(result: Any, what: str) -> tuple[float, str]:
+    if isinstance(result, torch.Tensor) and result.numel() == 1:
+        return float(result.detach().reshape(())), (" (You return a tensor; `loss.item()` gives the plain float "
+                                                     "the training loop logs, without keeping the graph alive.)")
+    if isinstance(result, numbers.Real) and not isinstance(result, bool):
+        return float(result), ""
+    fail("dtype", f"{what} should return the loss as a float (loss.item()), but returned "
+                  f"{'nothing (did you forget `return`?)' if result is None else type(result).__name__}.")
+    return 0.0, ""
+
+
+def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+              targets: torch.Tensor, what: str, **kwargs: Any) -> tuple[float, str, torch.Tensor, list, bool]:
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    backward_ran = []
+    handles = [p.register_hook(lambda grad: backward_ran.append(True)) for p in params[:1]]
+    try:
+        with recording_calls(model) as calls:
+            result = call(fn, model, optimizer, inputs, targets, what=what, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    loss, note = _loss_value(result, what)
+    delta = _flat([p.detach() - b for p, b in zip(params, before)])
+    # model.forward(...) called directly bypasses the hook; then the mode it was left in must do
+    in_training = all(c["training"] for c in calls) if calls else model.training
+    if not float(delta.abs().max()) > 0:
+        grads = [p.grad for p in params if p.grad is not None and bool(p.grad.abs().max() > 0)]
+        if not backward_ran:
+            fail("mismatch", f"{what}: the weights did not change and no gradients were computed: call "
+                             f"loss.backward() before optimizer.step().")
+        if grads:
+            fail("mismatch", f"{what}: gradients were computed but the weights did not change: call "
+                             f"optimizer.step() after loss.backward().")
+        fail("zero_grad", f"{what}: backward ran but the weights did not change, because the gradients were "
+                          f"cleared before the step could use them. Order: zero_grad, forward, loss, backward, "
+                          f"step.")
+    return loss, note, delta, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params], \
+        in_training
+
+
+@checker("5.3")
+def check_train_step(fn: Callable[..., Any]) -> str:
+    """fn(model, optimizer, inputs, targets) -> float: zero_grad, forward, loss, backward, (clip,) step."""
+    model = _tiny_gpt(seed=3)
+    model.eval()   # as after an evaluation: train_step must switch dropout back on
+    optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+    generator = torch.Generator().manual_seed(11)
+    vocab = model.config.vocab_size
+    batches = [(torch.randint(0, vocab, (3, 8), generator=generator),
+                torch.randint(0, vocab, (3, 8), generator=generator)) for _ in range(3)]
+    batches[1][1][1, -3:] = IGNORE
+    note, left_over, training = "", None, True
+    for step, (inputs, targets) in enumerate(batches, start=1):
+        what = f"train_step (step {step})"
+        grad, expected_loss = _gradient(model, inputs, targets)
+        g = _flat(grad)
+        loss, note_now, delta, left, in_training = _one_step(fn, model, optimizer, inputs, targets, what)
+        note = note or note_now
+        training = training and in_training
+        if abs(loss - expected_loss) > 1e-4 * max(1.0, abs(expected_loss)):
+            fail("mismatch", f"{what} returned loss {loss:.5f}; the loss of this batch before the update is "
+                             f"{expected_loss:.5f}. Return the lm_loss of the model's logits on these inputs "
+                             f"and targets.")
+        if _cosine(delta, -g) > 0.9999:
+            ratio = float(delta.norm() / (_LR * g.norm()))
+            if ratio > 1.01:
+                fail("mismatch", f"{what}: the update is {ratio:.2f} times the gradient step: did you call "
+                                 f"loss.backward() (or optimizer.step()) more than once?")
+        elif left_over is not None and _cosine(delta, -(left_over + g)) > 0.9999:
+            fail("zero_grad", f"{what}: the gradients of the previous step were still there: without "
+                             f"optimizer.zero_grad() they accumulate, so each step also pushes in the direction "
+                             f"of every earlier batch. Clear them at the start of every step.")
+        else:
+            fail("mismatch", f"{what}: the weights moved, but not along the gradient of this batch's loss. "
+                             f"Use lm_loss(model(inputs), targets), backward, and one optimizer.step().")
+        left_over = _flat(left)
+    if not training:
+        fail("dropout", "Your train_step runs the model in eval mode, so dropout is off during training. Call "
+                        "model.train() at the start (an evaluation before may have switched it to eval).")
+    _check_clipping(fn, model, optimizer, batches[0])
+    return "zero_grad, forward, loss, backward and step, in that order; the loss comes back as a number." + note
+
+
+def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+                    batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Step 5 of the spec: the gradient norm is clipped to ``max_grad_norm``, after backward; None clips nothing."""
+    if not accepts(fn, "max_grad_norm"):
+        fail("clipping", "Your train_step has no `max_grad_norm` parameter: keep the given signature "
+                         "`train_step(model, optimizer, inputs, targets, max_grad_norm=1.0)` and clip the gradient "
+                         "norm to it.")
+    inputs, targets = batch
+    for fraction in (0.3, None):
+        g = _flat(_gradient(model, inputs, targets)[0])
+        limit = None if fraction is None else fraction * float(g.norm())
+        what = f"train_step(..., max_grad_norm={'None' if limit is None else f'{limit:.3g}'})"
+        try:
+            _, _, delta, _, _ = _one_step(fn, model, optimizer, inputs, targets, what, max_grad_norm=limit)
+        except Failure as failure:
+            if limit is None and failure.diagnosis == "exception":
+                fail("clipping", extend(failure.message, "max_grad_norm=None means: do not clip (the exercise's "
+                                        "step 5). Clip only `if max_grad_norm is not None`."))
+            raise
+        ratio = float(delta.norm() / (_LR * g.norm()))      # 1 when the full gradient step was taken
+        expected = 1.0 if fraction is None else fraction
+        if abs(ratio - expected) <= 0.01 * expected:
+            continue
+        if fraction is None:
+            fail("clipping", f"{what}: with max_grad_norm=None the step should use the whole gradient, but it "
+                             f"was {ratio:.2f} times as long. Clip only `if max_grad_norm is not None`.")
+        if abs(ratio - 1.0) <= 0.01:
+            fail("clipping", f"{what}: the gradient (norm {float(g.norm()):.3g}) was not clipped. Call "
+                             f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) after "
+                             f"loss.backward() and before optimizer.step(): before backward there is nothing "
+                             f"to clip yet.")
+        fail("clipping", f"{what}: the step was {ratio:.2f} times the gradient step, expected {expected:.2f} "
+                         f"(clipped to max_grad_norm). Clip to the `max_grad_norm` argument, not a fixed number.")
+
+
+register("5.3", "train_step", [
+    "Five lines: forget the old gradients, compute the logits, the loss, the gradients, then update.",
+    "The optimizer clears the gradients and applies the update; the loss tensor computes the gradients. Old "
+    "gradients must be gone before backward, and the update needs the new ones.",
+    "Call model.train() first (evaluation switches dropout off), clip between backward and step unless "
+    "max_grad_norm is None, and return loss.item(), a plain float.",
+])
+
+
+# two different rows, so that a batch mixes distributions; no ties anywhere
+_BASE = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -2.0],
+                      [-1.0, 0.0, 2.5, 0.5, 1.0, -0.5]])
+_REPEATS = 2500     # draws per row: a frequency's standard deviation is at most 0.01
+_TOLERANCE = 0.045  # 4.5 standard deviations: a correct sampler fails by chance about once in 2000 checks
+
+
+def _draw(fn: Callable[..., Any], logits: torch.Tensor, what: str, **kwargs: Any) -> torch.Tensor:
+    try:
+        result = as_tensor(call(fn, logits.clone(), what=what, **kwargs))
+    except Failure as failure:
+        text = failure.message
+        if failure.diagnosis != "exception":
+            raise
+        if kwargs.get("temperature") == 0:
+            fail("exception", extend(text, "With temperature=0 the sampler is greedy: return the argmax before "
+                                           "dividing by the temperature."))
+        if "probability tensor contains" in text or "invalid multinomial distribution" in text:
+            fail("normalization", extend(text, "torch.multinomial needs non-negative weights, one distribution "
+                                               "per row: turn the logits into probabilities with a softmax over "
+                                               "the vocabulary (the last dimension) first."))
+        raise
+    if isinstance(result, torch.Tensor) and result.shape == (logits.shape[0], 1):
+        fail("shape", f"{what} returned shape {tuple(result.shape)}; expected ({logits.shape[0]},), one token id "
+                      f"per row. torch.multinomial(..., 1) keeps a last dimension of size 1: squeeze it.")
+    if isinstance(result, torch.Tensor) and result.dim() == 0 and logits.shape[0] == 1:
+        fail("shape", f"{what} returned a single number of shape (); expected (1,), one token id per row even "
+                      f"for a batch of one. `.squeeze()` drops every axis of size 1, the batch too: use "
+                      f".squeeze(-1) (or [:, 0]).")
+    expect_tensor(result, (logits.shape[0],), what)
+    if result.is_floating_point() or result.dtype == torch.bool:
+        fail("dtype", f"{what} returned dtype {result.dtype}; token ids are integers (torch.long).")
+    if result.dtype != torch.long:
+        fail("dtype", f"{what} returned dtype {result.dtype}; return torch.long token ids, as argmax and "
+                      f"multinomial do.")
+    if bool((result < 0).any()) or bool((result >= logits.shape[1]).any()):
+        fail("mismatch", f"{what} returned ids outside 0 .. {logits.shape[1] - 1}; the id of a token is its "
+                         f"column in the logits.")
+    return result
+
+
+def _frequencies(draws: torch.Tensor, vocab: int) -> torch.Tensor:
+    rows = draws.view(_REPEATS, _BASE.shape[0]).T                       # (2, repeats)
+    return torch.stack([torch.bincount(r, minlength=vocab).double() / _REPEATS for r in rows])   # (2, vocab)
+
+
+def _probabilities(logits: torch.Tensor, top_k: int | None = None, fill: float = float("-inf"),
+                   smallest: bool = False) -> torch.Tensor:
+    logits = logits.double()
+    if top_k is not None:
+        kth = logits.topk(top_k, dim=-1, largest=not smallest).values[:, -1:]
+        drop = logits > kth if smallest else logits < kth
+        logits = logits.masked_fill(drop, fill)
+    return logits.softmax(-1)
+
+
+def _matches(freq: torch.Tensor, probs: torch.Tensor) -> bool:
+    return bool((freq - probs).abs().max() < _TOLERANCE)
+
+
+def _describe(freq: torch.Tensor, probs: torch.Tensor) -> str:
+    row, token = divmod(int((freq - probs).abs().argmax()), probs.shape[1])
+    return (f"token {token} of row {row} came up {freq[row, token]:.1%} of the time; it should be "
+            f"{probs[row, token]:.1%}")
+
+
+def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature: float,
+                        top_k: int | None) -> None:
+    logits = base.repeat(_REPEATS, 1)                                  # (2 * repeats, vocab)
+    vocab = logits.shape[1]
+    kwargs: dict[str, Any] = {"temperature": temperature}
+    if top_k is not None:
+        kwargs["top_k"] = top_k
+    setting = f"temperature={temperature}" + (f", top_k={top_k}" if top_k is not None else "")
+    what = f"sample_next_token({setting}) on {logits.shape[0]} rows"
+    freq = _frequencies(_draw(fn, logits, what, **kwargs), vocab)
+    expected = _probabilities(base / temperature, top_k)
+    if _matches(freq, expected):
+        return
+    onehot = torch.nn.functional.one_hot(base.argmax(-1), vocab).double()
+    if _matches(freq, onehot):
+        fail("mismatch", f"{what}: you always return the most likely token, so there is no randomness. At "
+                         f"{setting} draw from the distribution (torch.multinomial on the probabilities); only "
+                         f"temperature=0 means argmax.")
+    if bool((base > 0).all()) and _matches(freq, base.double() / base.double().sum(-1, keepdim=True)):
+        fail("normalization", f"{what}: you sample in proportion to the raw logits. Logits are not "
+                              f"probabilities: apply a softmax over the vocabulary first.")
+    over_batch = (base / temperature).double().exp() / (base / temperature).double().exp().sum(0)
+    if _matches(freq, over_batch / over_batch.sum(-1, keepdim=True)) or \
+            _matches(freq, torch.full_like(freq, 1.0 / vocab)):
+        fail("softmax_dim", f"{what}: the softmax runs over the batch (dim 0), not over the vocabulary; "
+                            f"normalise each row, dim=-1.")
+    if temperature != 1 and _matches(freq, _probabilities(base * temperature, top_k)):
+        fail("scale", f"{what}: you multiply the logits by the temperature; divide them by it, so that a low "
+                      f"temperature sharpens the distribution and a high one flattens it.")
+    if temperature != 1 and _matches(freq, _probabilities(base, top_k)):
+        fail("scale", f"{what}: the temperature has no effect. Divide the logits by it BEFORE the softmax "
+                      f"(dividing the probabilities changes nothing once they are renormalised).")
+    if top_k is not None:
+        drawn = freq > 0   # 2500 draws per row: every token of probability >= 0.5% shows up
+        for k in (top_k - 1, top_k + 1):
+            kept = _probabilities(base / temperature, k) > 0 if 1 <= k <= vocab else None
+            # judged by which tokens were drawn at all: k+1 and "no top_k" have close frequencies
+            if kept is not None and bool((drawn == kept).all()) and \
+                    _matches(freq, _probabilities(base / temperature, k)):
+                fail("mismatch", f"{what}: you keep {k} tokens instead of top_k={top_k} (off by one in the "
+                                 f"threshold: keep the logits >= the k-th largest).")
+        if _matches(freq, _probabilities(base / temperature)):
+            fail("mismatch", f"{what}: top_k has no effect: tokens outside the {top_k} most likely are still "
+                             f"drawn. Set the other logits to -inf before the softmax.")
+        if _matches(freq, _probabilities(base / temperature, top_k, fill=0.0)):
+            fail("mismatch", f"{what}: the tokens outside the top {top_k} are still drawn sometimes: you set "
+                             f"their logits to 0, which is still a fair chance. Use -inf, which gives exactly "
+                             f"zero probability.")
+        if _matches(freq, _probabilities(base / temperature, top_k, smallest=True)):
+            fail("mismatch", f"{what}: you keep the {top_k} LEAST likely tokens; keep the most likely ones "
+                             f"(topk returns the largest values first).")
+        allowed = _probabilities(base / temperature, top_k) > 0
+        if bool((freq[~allowed] > 0).any()):
+            fail("mismatch", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the "
+                             f"k highest logits may be drawn.")
+    fail("mismatch", f"{what}: the draws do not follow softmax(logits / temperature): {_describe(freq, expected)}.")
+
+
+def _check_generator_is_used(fn: Callable[..., Any], logits: torch.Tensor) -> None:
+    """With a generator, the draws come from it: its state advances and the global RNG is left alone."""
+    what = "sample_next_token(generator=...)"
+    generator = torch.Generator().manual_seed(99)
+    before_generator, before_global = generator.get_state(), torch.get_rng_state()
+    _draw(fn, logits, what, generator=generator)
+    if not torch.equal(torch.get_rng_state(), before_global):
+        fail("generator", f"{what} used (or reseeded) the global random state although a generator was given: "
+                          f"draw with it, torch.multinomial(probs, 1, generator=generator), and never call "
+                          f"torch.manual_seed inside the sampler.")
+    if torch.equal(generator.get_state(), before_generator):
+        fail("generator", f"{what} never drew from the generator it was given: pass it on, "
+                          f"torch.multinomial(probs, 1, generator=generator).")
+
+
+def _check_top_k_per_row(fn: Callable[..., Any]) -> None:
+    """top_k keeps the k largest logits OF EACH ROW: rows of very different scales show a threshold taken
+    over the whole batch (each row alone is fine, together they are not)."""
+    rows = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0],
+                         [-5.0, -4.0, -3.0, -2.0, -1.0, 0.0]])
+    allowed = _probabilities(rows, 2) > 0                              # (2, 6): tokens 0, 1 and 4, 5
+    repeats = 200
+    what = "sample_next_token(top_k=2) on rows of different scales"
+
+    def kept_top_2(logits: torch.Tensor, row: torch.Tensor) -> bool:
+        """Were only each row's own top 2 tokens drawn? ``row`` says which of ``rows`` each line is."""
+        try:
+            draws = as_tensor(call(fn, logits.clone(), top_k=2, what=what))
+        except Failure:
+            return False
+        if not isinstance(draws, torch.Tensor) or draws.shape != row.shape or draws.is_floating_point():
+            return False
+        return bool(allowed[row, draws.long().clamp(0, 5)].all())
+
+    mixed = torch.arange(2).repeat(repeats)                            # (400,): 0, 1, 0, 1, ...
+    if kept_top_2(rows[mixed], mixed):
+        return
+    if all(kept_top_2(rows[i:i + 1].repeat(repeats, 1), torch.full((repeats,), i)) for i in range(2)):
+        fail("batch_mixing", f"{what}: each row alone keeps its own top 2 tokens, but in a batch the rows change "
+                             f"each other's result: you take the k-th largest logit over the whole batch. Take it "
+                             f"per row, logits.topk(top_k, dim=-1).values[:, -1:] (shape (N, 1)), and compare "
+                             f"each row with its own threshold.")
+
+
+@checker("5.4")
+def check_sampling(fn: Callable[..., Any]) -> str:
+    """fn(logits (N, V), temperature=1.0, top_k=None, generator=None) -> (N,) long."""
+    torch.manual_seed(0)
+    small = torch.tensor([[0.1, 3.0, -1.0, 0.5, 0.0, 1.0],
+                          [2.0, -0.5, 0.3, 0.0, 1.5, -2.0],
+                          [-1.0, -2.0, -0.5, -3.0, -0.7, -1.5]])
+    _draw(fn, small, "sample_next_token(logits of shape (3, 6))")
+    _draw(fn, small[:1], "sample_next_token(logits of shape (1, 6))")                 # a batch of one
+    _draw(fn, small[:1], "sample_next_token(logits of shape (1, 6), temperature=0)", temperature=0)
+    greedy = _draw(fn, small, "sample_next_token(temperature=0)", temperature=0)
+    if not torch.equal(greedy, small.argmax(-1)):
+        fail("mismatch", "With temperature=0 the sampler should be greedy and return the argmax of each row; "
+                         f"yours returned {greedy.tolist()}, expected {small.argmax(-1).tolist()}.")
+    _check_distribution(fn, _BASE, 1.0, None)
+    _check_distribution(fn, _BASE + 3.0, 1.0, None)   # all positive: raw logits would not crash multinomial
+    _check_distribution(fn, _BASE, 0.5, None)
+    _check_top_k_per_row(fn)
+    _check_distribution(fn, _BASE, 1.0, 3)
+    _check_distribution(fn, _BASE, 2.0, 2)
+    top1 = _draw(fn, _BASE.repeat(50, 1), "sample_next_token(top_k=1)", top_k=1)
+    if not torch.equal(top1, _BASE.argmax(-1).repeat(50)):
+        fail("mismatch", "With top_k=1 only the most likely token may be drawn; yours drew others.")
+    logits = _BASE.repeat(20, 1)
+    runs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)   # a different global state each time: only the generator may decide
+        runs.append(_draw(fn, logits, "sample_next_token(generator=...)",
+                          generator=torch.Generator().manual_seed(1234)))
+    _check_generator_is_used(fn, logits)
+    if not torch.equal(runs[0], runs[1]):
+        fail("mismatch", "Two calls with generators seeded the same gave different tokens: pass `generator` on "
+                         "to the random function you use (torch.multinomial(..., generator=generator)), so "
+                         "that results can be reproduced.")
+    return ("Greedy at temperature 0; otherwise draws follow softmax(logits / temperature), restricted to the top k "
+            "when asked, and the generator makes them reproducible.")
+
+
+register("5.4", "sample_next_token", [
+    "Temperature 0 is the greedy special case: handle it first, with argmax over the vocabulary.",
+    "Otherwise divide the logits by the temperature, softmax over the last dimension, then draw one token per row "
+    "with torch.multinomial (pass the generator).",
+    "top_k: find the k-th largest logit of each row (torch.topk) and set every logit below it to -inf before the "
+    "softmax.",
+])

@@ -1,0 +1,322 @@
+"""Exercises of notebook 06 (inference cost): 6.1 flops_per_token, 6.2 generate_with_cache.
+
+Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..verdict import Failure, fail
+from ._core import register
+from ._expect import expect_tensor
+from ._harness import call, checker
+from ._model_common import extend, randomize_, recording_calls
+
+__all__ = ["check_flops_per_token", "check_kv_cache"]
+
+
+# Sizes that differ in every factor, so that together they tell the slips below apart
+# (the first has the baseline recipe's width and context).
+_CONFIGS = (
+    dict(vocab_size=65, max_tokens=64, embed_dim=128, num_heads=4, num_layers=2),
+    dict(vocab_size=23, max_tokens=40, embed_dim=96, num_heads=3, num_layers=3),
+    dict(vocab_size=11, max_tokens=128, embed_dim=64, num_heads=8, num_layers=1),
+)
+
+
+def _lhqt(config: Any) -> int:
+    """n·H·Q·T: layers x heads x head size x context."""
+    return config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+def _terms(config: Any, weights: int) -> tuple[float, float]:
+    """(weights' FLOPs per token, attention's FLOPs per token) for a correct count."""
+    return 6 * weights, 12 * _lhqt(config)
+
+
+# Known slips: (name, what they compute, what to tell the student). The attention term is
+# written from the parts of 12·n·H·Q·T so each slip changes exactly one thing.
+_SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (   # (name, count, advice)
+    ("forward only", lambda c, n: 2 * n + 4 * _lhqt(c),
+     "you count the forward pass only (2N + 4·n·H·Q·T). Training also runs the backward pass, which needs two "
+     "matrix multiplies for every one of the forward pass: three times the forward in all, so 6N and 12·n·H·Q·T."),
+    ("2N only", lambda c, n: 2 * n,
+     "you count 2N, the forward pass of the weights alone. Training also runs the backward pass (two more matrix "
+     "multiplies for every one of the forward pass, 6N in all), and attention adds 12·n·H·Q·T."),
+    ("weights forward only", lambda c, n: 2 * n + _terms(c, n)[1],
+     "the weights' term counts only the forward pass (2N). Backward needs the gradient for the input and the "
+     "gradient for the weight, 4N more: 6N in all."),
+    ("4N", lambda c, n: 4 * n + _terms(c, n)[1],
+     "the weights' term is 4N: forward (2N) plus only one of the two backward matrix multiplies. The backward "
+     "pass computes both dL/dX and dL/dW, 2N each: 6N in all."),
+    ("no attention", lambda c, n: 6 * n,
+     "you count the weights (6N) but not attention. The scores QK^T and the weighted sum of the values multiply "
+     "activations by activations, so they are not in N: add 12·n·H·Q·T."),
+    ("attention forward only", lambda c, n: 6 * n + 4 * _lhqt(c),
+     "the attention term counts only the forward pass (4·n·H·Q·T). Backward costs twice the forward here too: "
+     "12·n·H·Q·T."),
+    ("attention one product", lambda c, n: 6 * n + 6 * _lhqt(c),
+     "the attention term counts one product per head. There are two: the scores (QK^T) and the weighted sum of "
+     "the values, 2·Q·T FLOPs each per token in the forward pass, so 12·n·H·Q·T with the backward pass."),
+    ("no heads", lambda c, n: 6 * n + 12 * c.num_layers * c.head_dim * c.max_tokens,
+     "the attention term leaves out the number of heads: each of the H heads has its own scores and weighted "
+     "sum. Use 12·n·H·Q·T (H·Q is embed_dim)."),
+    ("embed_dim as head size", lambda c, n: 6 * n + 12 * c.num_layers * c.num_heads * c.embed_dim * c.max_tokens,
+     "the attention term multiplies the number of heads by embed_dim. Q is the size of ONE head, "
+     "config.head_dim = embed_dim // num_heads, so H·Q = embed_dim."),
+    ("no layers", lambda c, n: 6 * n + 12 * c.num_heads * c.head_dim * c.max_tokens,
+     "the attention term leaves out the number of layers: every block has its own attention. "
+     "Multiply by L = config.num_layers."),
+    ("T squared", lambda c, n: 6 * n + 12 * _lhqt(c) * c.max_tokens,
+     "the attention term has T twice. Per token, its query meets T keys (and T values): T appears once. "
+     "Per window of T tokens it is T², but this function counts per token."),
+    ("per window", lambda c, n: (6 * n + _terms(c, n)[1]) * c.max_tokens,
+     "the result is T = max_tokens times too large: that is the count for a whole window of T tokens. "
+     "The function returns FLOPs per token."),
+)
+
+
+# The slips of the forward/backward factor (2N or 4N where training costs 6N): diagnosis flops_factor.
+_FACTOR_SLIPS = ("2N only", "forward only", "weights forward only", "4N", "attention forward only")
+
+
+def _as_number(value: Any, what: str) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    elif type(value).__module__.startswith("numpy") and hasattr(value, "item") and getattr(value, "size", 1) == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail("dtype", f"{what} should return a number of FLOPs (an int or a float), but returned "
+                      f"{'nothing (did you forget `return`?)' if value is None else type(value).__name__}.")
+    if not math.isfinite(value):
+        fail("nan", f"{what} returned {value}; expected a finite number of FLOPs.")
+    return float(value)
+
+
+def _same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6)
+
+
+@checker("6.1")
+def check_flops_per_token(fn: Callable[..., Any]) -> str:
+    """fn(config, num_weights) -> training FLOPs per token (6N + 12·n·H·Q·T)."""
+    from course_lib.model import GPT, GPTConfig
+
+    if not callable(fn):
+        fail("exception", f"Pass your function itself, flops_per_token, not {type(fn).__name__}.")
+    cases = []   # (config, N, what, returned, expected)
+    for sizes in _CONFIGS:
+        config = GPTConfig(**sizes)
+        weights = GPT(config).num_parameters(include_embeddings=False)
+        what = (f"flops_per_token(config with L={config.num_layers} layers, H={config.num_heads} heads of "
+                f"Q={config.head_dim}, T={config.max_tokens}; num_weights={weights:,})")
+        got = _as_number(call(fn, config, weights, what=what), what)
+        cases.append((config, weights, what, got, sum(_terms(config, weights))))
+    wrong = [case for case in cases if not _same(case[3], case[4])]
+    if not wrong:
+        config, weights = cases[0][:2]
+        share = _terms(config, weights)[0] / _terms(config, weights)[1]
+        return (f"6N + 12·n·H·Q·T, right for every configuration tried. With embed {config.embed_dim} and a "
+                f"context of {config.max_tokens} the weights' term is {share:.0f} times the attention term: "
+                f"6N ≈ 72·n·E² against 12·n·E·T, so attention takes over once the context T is longer than "
+                f"about 6 × embed_dim.")
+
+    config, weights, what, got, expected = wrong[0]
+    # A slip is named only when it explains every configuration: with L = 2, say, leaving out
+    # the layers and counting one product per head give the same number.
+    for name, slip, advice in _SLIPS:
+        if all(_same(c[3], slip(c[0], c[1])) for c in cases):
+            fail("flops_factor" if name in _FACTOR_SLIPS else "mismatch",
+                 f"{what} returned {got:,.0f}, expected {expected:,.0f}: {advice}")
+    for unit, scale in (("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3)):
+        if all(_same(c[3] * scale, c[4]) for c in cases):
+            fail("mismatch", f"{what} returned {got:g}, which is the right count in {unit}. Return plain "
+                             f"FLOPs ({expected:,.0f}); divide only when you print.")
+    other = _as_number(call(fn, config, weights + 1000, what=what), what)
+    if _same(other, got):
+        fail("mismatch", f"{what} returned {got:,.0f}, expected {expected:,.0f}, and gives the same number "
+                         f"when num_weights changes: use the num_weights argument (N) for the 6N term.")
+    fail("mismatch", f"{what} returned {got:,.0f}, expected {expected:,.0f} = 6·{weights:,} + "
+                     f"12·{config.num_layers}·{config.num_heads}·{config.head_dim}·{config.max_tokens}.")
+
+
+register("6.1", "flops_per_token", [
+    "Two terms: the weights (6 FLOPs per weight per token) and attention (12·n·H·Q·T per token).",
+    "Read the sizes from config: L = config.num_layers, H = config.num_heads, Q = config.head_dim, "
+    "T = config.max_tokens. N is the num_weights argument.",
+    "return 6 * num_weights + 12 * L * H * Q * T, with each letter taken from config.",
+])
+
+
+def _model(max_tokens: int, embed_dim: int, seed: int) -> nn.Module:
+    from course_lib.model import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=17, max_tokens=max_tokens, embed_dim=embed_dim, num_heads=2, num_layers=2)
+    torch.manual_seed(seed)
+    # large random weights: clear winners at every step, so float noise never flips an argmax
+    return randomize_(GPT(config), torch.Generator().manual_seed(seed)).eval()
+
+
+@torch.no_grad()
+def _without_offset(model: nn.Module, idx: torch.Tensor, new: int) -> torch.Tensor:
+    """Greedy decoding with a cache whose new tokens all sit at position 0 (the classic slip)."""
+    cache = model.new_cache()
+    logits = model(idx, cache)
+    for _ in range(new):
+        next_id = logits[:, -1].argmax(-1, keepdim=True)           # (N, 1)
+        idx = torch.cat([idx, next_id], dim=1)
+        x = model.token_embedding(next_id) + model.position_encoding(1, 0)
+        for block, layer_cache in zip(model.blocks, cache):
+            x = block(x, layer_cache)
+        logits = model.head(model.ln_f(x))
+    return idx
+
+
+def _explain_calls(calls: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(diagnosis, explanation) of what the recorded model calls say about a misused cache, if it was."""
+    if not calls:
+        return None   # model.forward(...) called directly bypasses the hook: nothing to say
+    flat = next((c for c in calls if c["shape"] is not None and len(c["shape"]) != 2), None)
+    if flat is not None:
+        return ("shape", f"you feed the model token ids of shape {flat['shape']}; it takes (N, L). Keep the new "
+                         f"token as (N, 1): argmax(-1, keepdim=True), or next_id[:, None].")
+    if all(c["cache"] is None for c in calls):
+        return ("no_kv_cache", "you never pass a cache to the model, so every step recomputes the whole sequence. "
+                               "Create one with model.new_cache() before the loop and pass it to every call.")
+    later = calls[1:]
+    if any(c["cache"] is None for c in later):
+        return ("no_kv_cache", "after the first call you call the model without the cache: the new token then sees "
+                               "no earlier token. Pass the same cache to every call.")
+    if any(c["cache_length"] and c["shape"] and c["shape"][1] > 1 for c in later):
+        return ("kv_cache", "you feed the whole sequence again at every step into a cache that already holds it, so "
+                            "the cache stores the same tokens twice (and soon overflows). Once the prompt is in the "
+                            "cache, feed only the newest token.")
+    fresh = [c for c in later if c["cache_length"] == 0]
+    if fresh and all(c["shape"] and c["shape"][1] == 1 for c in fresh):
+        return ("no_kv_cache", "you start a new cache at every step, so each new token sees only itself. Create "
+                               "the cache once, before the loop, and keep passing it.")
+    if fresh:
+        return ("no_kv_cache", "you create a new cache at every step and feed it the whole sequence, so nothing is "
+                               "saved. Create the cache once before the loop, then feed only the newest token.")
+    return None
+
+
+@torch.no_grad()
+def _refeeding_last_prompt_token(model: nn.Module, idx: torch.Tensor, new: int) -> torch.Tensor:
+    """Greedy decoding that feeds the prompt, then its last token again before the first argmax (the slip of a
+    loop that feeds idx[:, -1:] at the top): the cache holds that token twice, and each new token sits late."""
+    cache = model.new_cache()
+    model(idx, cache)
+    for _ in range(new):
+        logits = model(idx[:, -1:], cache)
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)   # (N, L + 1)
+    return idx
+
+
+def _run(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, what: str
+         ) -> tuple[Any, list[dict[str, Any]]]:
+    with recording_calls(model) as calls:
+        try:
+            with torch.no_grad():
+                result = call(fn, model, idx.clone(), new, what=what)
+        except Failure as failure:
+            explanation = _explain_calls(calls) if failure.diagnosis == "exception" else None
+            if explanation:
+                code = "shape" if explanation[0] == "shape" else "exception"
+                fail(code, extend(failure.message, f"It looks like {explanation[1]}"))
+            raise
+    return result, calls
+
+
+@checker("6.2")
+def check_kv_cache(fn: Callable[..., Any]) -> str:
+    """fn(model, idx (N, L), max_new_tokens) -> (N, L + new): greedy, with model.new_cache()."""
+    from course_lib.generate import generate
+
+    model = _model(max_tokens=16, embed_dim=16, seed=2)
+    generator = torch.Generator().manual_seed(3)
+    for batch, length, new in ((1, 1, 8), (2, 3, 6), (3, 7, 9), (2, 5, 1)):
+        idx = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator)
+        what = f"generate_with_cache(model, idx of shape {tuple(idx.shape)}, max_new_tokens={new})"
+        got, calls = _run(fn, model, idx, new, what)
+        if isinstance(got, torch.Tensor) and got.dim() == 2 and got.shape[0] == batch:
+            starts_with_prompt = got.shape[1] >= length and torch.equal(got[:, :length], idx)
+            if got.shape[1] == new and not starts_with_prompt:
+                fail("shape", f"{what} returned only the {new} new tokens; return the prompt followed by them, "
+                              f"shape {(batch, length + new)}.")
+            if got.shape[1] == length and starts_with_prompt:
+                fail("shape", f"{what} returned the prompt unchanged: append each new token to idx "
+                              f"(torch.cat along dim 1).")
+            if got.shape[1] in (length + new - 1, length + new + 1):
+                fail("shape", f"{what} returned {got.shape[1] - length} new tokens; generate exactly "
+                              f"max_new_tokens = {new}.")
+        expect_tensor(got, (batch, length + new), what, dtype=torch.long)
+        expected = generate(model, idx, new, temperature=0, use_cache=False)
+        if not torch.equal(got[:, :length], idx):
+            fail("mismatch", f"{what}: the first {length} tokens of the result should be the prompt itself.")
+        explanation = _explain_calls(calls)
+        if not torch.equal(got, expected):
+            if explanation:
+                fail(explanation[0], f"{what}: the tokens differ from generation without a cache; {explanation[1]}")
+            if length + new <= model.config.max_tokens - 1 and torch.equal(got, _refeeding_last_prompt_token(
+                    model, idx, new)):
+                fail("kv_cache", f"{what}: the tokens differ from generation without a cache: after the prompt you "
+                                 f"feed its LAST token again, so the cache holds it twice and every new token sits "
+                                 f"one position late. The prompt's call already gives the logits for the first new "
+                                 f"token: take the argmax of its last position, then feed only the tokens you "
+                                 f"generate.")
+            if torch.equal(got, _without_offset(model, idx, new)):
+                fail("mismatch", f"{what}: the positions of the new tokens are not offset: each new token is "
+                                 f"encoded at position 0. It sits at position cache length (the number of "
+                                 f"tokens already in the cache).")
+            step = int((got != expected).any(0).nonzero()[0]) - length
+            fail("mismatch", f"{what}: the tokens differ from greedy generation without a cache from new token "
+                             f"{step} on. Each step: argmax of the last position's logits, append it, feed only "
+                             f"it to the model with the cache.")
+        if explanation:
+            fail(explanation[0], f"{what}: the tokens are right, but {explanation[1]}")
+    return "Token for token the same as generation without a cache." + _speed_note(fn)
+
+
+def _speed_note(fn: Callable[..., Any]) -> str:
+    """Time the student's cached generation against the uncached reference (reported, never judged)."""
+    from course_lib.generate import generate
+
+    model = _model(max_tokens=64, embed_dim=64, seed=4)
+    idx = torch.zeros(1, 1, dtype=torch.long)
+    new = model.config.max_tokens - 1
+
+    def timed(run: Callable[[int], Any], tokens: int) -> float:
+        start = time.perf_counter()
+        run(tokens)
+        return time.perf_counter() - start
+
+    try:
+        with torch.no_grad():
+            ours = lambda tokens: fn(model, idx, tokens)
+            plain = lambda tokens: generate(model, idx, tokens, temperature=0, use_cache=False)
+            timed(ours, 3), timed(plain, 3)   # warm-up: the first calls pay for allocations
+            cached, uncached = timed(ours, new), timed(plain, new)
+    except Exception:  # the speed is only reported, never judged
+        return ""
+    ratio = uncached / max(cached, 1e-9)
+    verdict = (f"{ratio:.1f}x faster" if ratio >= 1.1 else f"{1 / ratio:.1f}x SLOWER: does each step recompute "
+               f"the whole sequence, or copy the cache?" if ratio <= 1 / 1.1 else "about the same speed")
+    return (f" Speed: {new} new tokens took {cached * 1000:.0f} ms with your cache and {uncached * 1000:.0f} ms "
+            f"without ({verdict}). On a model this small the fixed cost of each call dominates; the saving grows "
+            f"with the length and the model size.")
+
+
+register("6.2", "generate_with_cache", [
+    "One cache for the whole generation: cache = model.new_cache(), before the loop.",
+    "Feed the prompt once with the cache; afterwards feed ONLY the newest token (shape (N, 1)) with the same cache: "
+    "the model continues its positions after the cached ones.",
+    "Each step: take the argmax of the last position's logits (keepdim), append it to idx, and feed it back.",
+])

@@ -1,0 +1,268 @@
+"""Exercises of notebook 07 (Hugging Face): 7.1 split_c_attn, 7.2 an attention function for transformers.
+
+Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..verdict import fail
+from ._compare import close
+from ._core import register
+from ._expect import expect_tensor
+from ._gradients import check_function_gradients
+from ._harness import call, checker
+from ._mistake import Mistake
+from ._model_common import as_tensor, randomize_
+
+__all__ = ["check_split_c_attn", "check_hf_attention"]
+
+
+_NAMES = ("Wq", "Wk", "Wv")
+
+
+# ---------------------------------------------------------------- 7.1 split_c_attn
+
+@checker("7.1")
+def check_split_c_attn(fn: Callable[..., Any]) -> str:
+    """fn(weight (E, 3E), Conv1D layout) -> (Wq, Wk, Wv), each (E, E) in nn.Linear layout."""
+    from course_lib.hf import split_c_attn as reference
+
+    generator = torch.Generator().manual_seed(9)
+    for embed_dim in (8, 6, 4):
+        weight = torch.randn(embed_dim, 3 * embed_dim, generator=generator)
+        what = f"split_c_attn(weight of shape {tuple(weight.shape)})"
+        result = as_tensor(call(fn, weight.clone(), what=what))
+        if isinstance(result, torch.Tensor) and result.dim() == 3 and result.shape[0] == 3:
+            result = tuple(result.unbind(0))   # a stacked (3, E, E) unpacks just as well
+        if not isinstance(result, (tuple, list)) or len(result) != 3:
+            fail("dtype" if result is not None else "shape",
+                 f"{what} should return three tensors (Wq, Wk, Wv), but returned "
+                 f"{'nothing (did you forget `return`?)' if result is None else type(result).__name__}"
+                 f"{f' of length {len(result)}' if isinstance(result, (tuple, list)) else ''}.")
+        parts = [as_tensor(p) for p in result]
+        for name, part in zip(_NAMES, parts):
+            if isinstance(part, torch.Tensor) and part.dim() == 2 and part.shape[1] == 3 * embed_dim:
+                fail("shape", f"{what}: {name} has shape {tuple(part.shape)}. Split along the last dimension "
+                              f"(the 3 * embed_dim outputs of c_attn), not the first.")
+            expect_tensor(part, (embed_dim, embed_dim), f"{what}: {name}")
+        expected = reference(weight)
+        if all(close(p, e) for p, e in zip(parts, expected)):
+            continue
+        raw = [e.T for e in expected]   # the thirds as Conv1D stores them
+        for order in itertools.permutations(range(3)):
+            for candidates, transposed in ((expected, True), (raw, False)):
+                if not all(close(parts[i], candidates[j]) for i, j in enumerate(order)):
+                    continue
+                problems = []
+                if not transposed:
+                    problems.append("each third is still in Conv1D's (in, out) layout: either it was never "
+                                    "transposed, or it was transposed twice (the whole weight, then each block "
+                                    "again), and two transposes cancel. Conv1D stores its weight as (in, out) and "
+                                    "computes x @ W, while nn.Linear stores (out, in) and computes x @ W.T, so "
+                                    "each third needs exactly one .T")
+                if order != (0, 1, 2):
+                    problems.append(f"the order is wrong: c_attn's output holds the query first, then the key, "
+                                    f"then the value; you returned them as ({', '.join(_NAMES[j] for j in order)})")
+                fail("split_transpose" if not transposed else "mismatch", f"{what}: " + "; and ".join(problems) + ".")
+        interleaved = weight.view(embed_dim, embed_dim, 3).unbind(-1)
+        if all(close(p, w.T) or close(p, w) for p, w in zip(parts, interleaved)):
+            fail("mismatch", f"{what}: you took every third column. The query, key and value are three "
+                             f"consecutive blocks of embed_dim columns each.")
+        fail("mismatch", f"{what}: the matrices differ from the reference. Split the columns into three "
+                         f"consecutive blocks (query, key, value), then transpose each block into nn.Linear's "
+                         f"(out, in) layout.")
+    return "Three (E, E) matrices in nn.Linear layout, in the order query, key, value."
+
+
+register("7.1", "split_c_attn", [
+    "c_attn is one Conv1D whose 3E outputs are the query, key and value side by side: split the last dimension.",
+    "Conv1D computes x @ W with W of shape (in, out); nn.Linear computes x @ W.T with W of shape (out, in).",
+    "weight.split(embed_dim, dim=1) (or chunk(3, dim=-1)) gives three (E, E) blocks; each needs a transpose.",
+])
+
+
+# ---------------------------------------------------------------- 7.2 attention function for transformers
+
+def _tiny_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=None,
+                        eos_token_id=None)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    return randomize_(model, torch.Generator().manual_seed(1)).eval()
+
+
+def _attention(q, k, v, *, scale: float, mask: torch.Tensor | None = None, dim: int = -1,
+               additive: bool = False) -> torch.Tensor:
+    """Attention in the layout transformers wants back, (N, L, heads, d), with a chosen mistake."""
+    scores = q @ k.transpose(-2, -1) * scale                              # (N, heads, Lq, Lk)
+    if mask is not None:
+        scores = scores + mask.float() if additive else scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim) @ v).transpose(1, 2)                      # (N, Lq, heads, d)
+
+
+def _direct(fn: Callable[..., Any], module: nn.Module, q, k, v, mask, scaling: float, what: str) -> torch.Tensor:
+    result = call(fn, module, q.clone(), k.clone(), v.clone(), None if mask is None else mask.clone(),
+                  scaling=scaling, dropout=0.0, what=what)
+    if isinstance(result, torch.Tensor):
+        fail("dtype", f"{what} returned a single tensor; an attention-interface function returns a tuple "
+                      f"(attn_output, attn_weights), where attn_weights may be None.")
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        fail("dtype" if result is not None else "shape",
+             f"{what} should return a tuple (attn_output, attn_weights), but returned "
+             f"{'nothing (did you forget `return`?)' if result is None else type(result).__name__}.")
+    output = as_tensor(result[0])
+    n, heads, length, head_dim = q.shape
+    if isinstance(output, torch.Tensor) and tuple(output.shape) == (n, heads, length, head_dim) and heads != length:
+        fail("shape", f"{what}: attn_output has shape {tuple(output.shape)} = (N, heads, L, head_dim). "
+                      f"transformers wants (N, L, heads, head_dim): swap the heads and positions back before "
+                      f"returning.")
+    if isinstance(output, torch.Tensor) and tuple(output.shape) == (n, length, heads * head_dim):
+        fail("shape", f"{what}: attn_output has shape {tuple(output.shape)}: the heads are already merged. "
+                      f"Return (N, L, heads, head_dim); the model merges the heads itself.")
+    if mask is not None and isinstance(output, torch.Tensor) and output.is_floating_point() and \
+            not torch.isfinite(output).all():
+        fail("causal_mask", f"{what}: NaN in the output with an attention mask: some query had every key "
+                            f"blocked, as when the mask is inverted. The mask is bool with True = may attend; "
+                            f"block the positions where it is False.")
+    return expect_tensor(output, (n, length, heads, head_dim), f"{what}: attn_output")
+
+
+def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Generator) -> None:
+    from course_lib.hf import course_attention_forward as reference
+
+    n, heads, length, head_dim = 2, 2, 5, 8
+    q, k, v = (torch.randn(n, heads, length, head_dim, generator=generator) for _ in range(3))
+    scaling = head_dim ** -0.5
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    what = "your attention function (attention_mask=None)"
+    got = _direct(fn, module, q, k, v, None, scaling, what)
+    if not close(got, _direct(fn, module, q, k, v, None, scaling, what)):
+        fail("dropout", f"{what}: two identical calls gave different outputs with dropout=0.0. Use the `dropout` "
+                        f"argument (and module.training) instead of a fixed rate.")
+    expected = reference(module, q, k, v, None, scaling=scaling)[0]
+    if not close(got, expected):
+        variants = [
+            Mistake("causal_mask", "attention_mask is None, and you then let every query see every key. transformers "
+                                   "passes no mask when a plain causal mask would do: apply causality yourself "
+                                   "(module.is_causal tells you), so query i sees keys 0..i only.",
+                    output=_attention(q, k, v, scale=scaling)),
+            Mistake("causal_mask", "the causal mask points the wrong way: query i should see keys 0..i (on and below "
+                                   "the diagonal), not the future ones.",
+                    output=_attention(q, k, v, scale=scaling, mask=causal.T)),
+            Mistake("softmax_dim", "the softmax runs over the queries (dim -2); each query's weights should sum to one "
+                                   "over the keys, dim -1.",
+                    output=_attention(q, k, v, scale=scaling, mask=causal, dim=-2)),
+            Mistake("scale", "the scores are not scaled: multiply them by the `scaling` argument.",
+                    output=_attention(q, k, v, scale=1.0, mask=causal)),
+            Mistake("scale", "the scores are scaled by 1/head_dim; use the `scaling` argument (head_dim ** -0.5 here).",
+                    output=_attention(q, k, v, scale=1.0 / head_dim, mask=causal)),
+        ]
+        for mistake in variants:
+            if close(got, mistake.output):
+                fail(mistake.code, f"{what}: {mistake.message}")
+        fail("mismatch", f"{what}: the output differs from causal scaled dot-product attention (largest "
+                         f"difference {(got - expected).abs().max():.3g}).")
+    what = "your attention function (scaling=0.5)"
+    got = _direct(fn, module, q, k, v, None, 0.5, what)
+    if not close(got, reference(module, q, k, v, None, scaling=0.5)[0]):
+        if close(got, expected):
+            fail("scale", f"{what}: you ignore the `scaling` argument and compute your own factor. Models "
+                          f"choose their own scale (some divide by the layer index as well): use the one given.")
+        fail("scale", f"{what}: with scaling=0.5 the output is wrong: multiply the scores by `scaling` before the "
+                      f"softmax.")
+    keep = torch.ones(n, length, dtype=torch.bool)
+    keep[1, -2:] = False                                                  # right padding in the second row
+    mask = causal[None, None] & keep[:, None, None, :]                    # (N, 1, Lq, Lk)
+    what = "your attention function (with a padding attention_mask)"
+    got = _direct(fn, module, q, k, v, mask, scaling, what)
+    expected = reference(module, q, k, v, mask, scaling=scaling)[0]
+    if not close(got, expected):
+        if close(got, _attention(q, k, v, scale=scaling, mask=causal)):
+            fail("causal_mask", f"{what}: the attention_mask you were given is ignored, so padding tokens are "
+                                f"attended to. When a mask is passed, use it (bool, True = may attend).")
+        if close(got, _attention(q, k, v, scale=scaling, mask=mask, additive=True)) or \
+                close(got, _attention(q, k, v, scale=scaling, mask=causal & mask, additive=True)):
+            fail("causal_mask", f"{what}: you add the mask to the scores, but it is a bool mask (True = may "
+                                f"attend): adding it shifts the allowed scores by one instead of blocking the "
+                                f"others. Fill the blocked positions with -inf.")
+        fail("mismatch", f"{what}: with a padding mask the output differs from the reference (largest "
+                         f"difference {(got - expected).abs().max():.3g}). The mask is bool, True = may attend.")
+    check_function_gradients(lambda *qkv: _direct(fn, module, *qkv, causal[None, None], scaling, what),
+                             lambda *qkv: reference(module, *qkv, causal[None, None], scaling=scaling)[0],
+                             q, k, v, names=("query", "key", "value"), what="your attention function")
+    _check_fewer_queries(fn, module, k, v, scaling, generator)
+
+
+def _check_fewer_queries(fn: Callable[..., Any], module: nn.Module, k: torch.Tensor, v: torch.Tensor,
+                         scaling: float, generator: torch.Generator) -> None:
+    """Step 1 of the spec with a KV cache: the Lq queries are the LAST Lq of the Lk positions."""
+    n, heads, k_len, head_dim = k.shape
+    for q_len in (1, 2):
+        q = torch.randn(n, heads, q_len, head_dim, generator=generator)        # (N, heads, Lq, d)
+        what = f"your attention function ({q_len} quer{'y' if q_len == 1 else 'ies'}, {k_len} keys, no mask)"
+        got = _direct(fn, module, q, k, v, None, scaling, what)
+        bottom_right = torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)   # (Lq, Lk)
+        if close(got, _attention(q, k, v, scale=scaling, mask=bottom_right)):
+            continue
+        top_left = torch.ones(q_len, k_len, dtype=torch.bool).tril()
+        if close(got, _attention(q, k, v, scale=scaling, mask=top_left)):
+            fail("causal_mask", f"{what}: your causal mask is aligned top-left, so query i sees keys 0..i. With a "
+                                f"KV cache the queries are the last Lq of the Lk positions: query i may see keys "
+                                f"0..i + (Lk - Lq), torch.ones(Lq, Lk, dtype=torch.bool).tril(diagonal=Lk - Lq).")
+        fail("mismatch", f"{what}: the output differs from causal attention where the queries are the last "
+                         f"{q_len} of the {k_len} positions (query i sees keys 0..i + {k_len - q_len}).")
+
+
+@checker("7.2")
+def check_hf_attention(fn: Callable[..., Any]) -> str:
+    """fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs) -> (output, weights)."""
+    from course_lib.hf import run_with_attention
+
+    if not callable(fn):
+        fail("exception", f"Pass your attention function itself, not {type(fn).__name__}.")
+    model = _tiny_gpt2()
+    generator = torch.Generator().manual_seed(2)
+    _check_direct(fn, model.transformer.h[0].attn, generator)
+    vocab = model.config.vocab_size
+    for batch, length, padded in ((2, 6, False), (1, 1, False), (2, 7, True)):
+        ids = torch.randint(0, vocab, (batch, length), generator=generator)
+        mask = torch.ones(batch, length, dtype=torch.long)
+        if padded:
+            mask[1, -3:] = 0
+        what = f"GPT-2 with your attention on input_ids of shape {tuple(ids.shape)}" + \
+               (" with padding" if padded else "")
+        got = call(run_with_attention, model, fn, ids, mask if padded else None, what=what)
+        with torch.no_grad():
+            expected = model(input_ids=ids, attention_mask=mask if padded else None).logits
+        got = expect_tensor(got, tuple(expected.shape), what)
+        real = mask.bool()
+        if not close(got[real], expected[real]):
+            changed = ids.clone()
+            changed[:, -1] = (changed[:, -1] + 1) % vocab
+            later = call(run_with_attention, model, fn, changed, None, what=what) if length > 1 and not padded \
+                else got
+            if not close(later[:, :-1], got[:, :-1]):
+                fail("causal_mask", f"{what}: changing the last token changes the logits at earlier positions, "
+                                    f"so your attention lets the future leak into the past. Apply the mask (or "
+                                    f"causality when attention_mask is None).")
+            fail("mismatch", f"{what}: the logits differ from GPT-2's own attention (largest difference "
+                             f"{(got[real] - expected[real]).abs().max():.3g}).")
+    return "GPT-2 gives the same logits with your attention as with its own, padding included."
+
+
+register("7.2", "attention function for transformers", [
+    "The function gets query, key, value as (N, heads, L, head_dim) and returns (attn_output, attn_weights), with "
+    "attn_output as (N, L, heads, head_dim): the model merges the heads itself.",
+    "Use the `scaling` argument for the scores. attention_mask is bool (True = may attend) or None; None means a "
+    "plain causal mask, which you then apply yourself.",
+    "Dropout on the weights: F.dropout(weights, p=dropout, training=module.training).",
+])

@@ -1,0 +1,693 @@
+"""Exercises of notebook 09 (modern attention): 9.1 rope_tables, 9.2 apply_rotary, 9.3 RMSNorm,
+9.4 SwiGLU, 9.5 repeat_kv, 9.6 GroupedQueryAttention.
+
+Mistakes are named by hypothesis: what each known slip would output on the same inputs
+(``_rope_variants``, ``_gqa_variants``). The class check of 9.6 is in ``_gqa_check``. Each checker
+sits next to its hints (``register``).
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import modern as ref
+from ..verdict import Failure, fail
+from . import _rope_variants as rope
+from ._attn_probes import call_student, expect_callable, first_match, reraise_with
+from ._compare import close, max_diff
+from ._core import register
+from ._device_probe import meta, module_on_meta
+from ._device_probe import probe as probe_device
+from ._expect import construct, expect_tensor
+from ._gradients import check_gradients, check_module_gradients
+from ._harness import checker
+from ._mistake import Mistake
+from ._model_common import as_tensor, copy_weights
+
+__all__ = ["check_rope_tables", "check_apply_rotary", "check_rms_norm", "check_swiglu", "check_repeat_kv",
+           "check_grouped_query_attention"]
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+# ============================================================================ 9.1 rope_tables
+
+# (head_dim, max_tokens, theta); None leaves theta at its default. Small head_dims with several theta,
+# so every slip of the frequencies moves some entry well past the tolerance.
+_TABLE_CASES = ((8, 12, None), (4, 5, None), (16, 40, 500000.0), (6, 9, 100.0), (2, 1, None))
+
+
+def _two_tables(result: Any, what: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_tables returns (cos, sin): a pair (a tensor of two stacked tables unpacks the same way)."""
+    if isinstance(result, torch.Tensor) and result.dim() == 3 and result.shape[0] == 2:
+        result = tuple(result)
+    if not isinstance(result, (tuple, list)):
+        if isinstance(result, torch.Tensor) or result is None:
+            got = "nothing" if result is None else f"one tensor of shape {_shape(result)}"
+            fail("shape", f"{what} returned {got}; it should return two tables, `return cos, sin`, each of "
+                          f"shape {shape}.")
+        fail("dtype", f"{what} returned a {type(result).__name__}; it should return two tensors, `return cos, sin`.")
+    if len(result) != 2:
+        fail("shape", f"{what} returned {len(result)} values; it should return two, the cosines and the sines: "
+                      f"`return cos, sin`.")
+    tables = [as_tensor(t) for t in result]
+    head_dim = shape[1]
+    for name, table in zip(("cos", "sin"), tables):
+        if isinstance(table, torch.Tensor) and _shape(table) == (shape[0], head_dim // 2) and head_dim > 1:
+            fail("shape", f"{what} returned a {name} table of shape {_shape(table)}, expected {shape}: one angle per "
+                          f"pair of dimensions, but each row needs them for all head_dim dimensions. Repeat the "
+                          f"head_dim/2 angles as two halves, torch.cat([angles, angles], dim=-1), before cos and sin.")
+        if isinstance(table, torch.Tensor) and _shape(table) == shape[::-1] and shape[0] != shape[1]:
+            fail("shape", f"{what} returned a {name} table of shape {_shape(table)}, expected {shape}: one row per "
+                          f"position, one column per dimension (positions down, frequencies across).")
+        expect_tensor(table, shape, f"{what} (its {name} table)")
+        if not table.is_floating_point():
+            fail("dtype", f"{what} returned a {name} table of dtype {table.dtype}; cosines and sines need floats.")
+        if table.dtype not in (torch.float32, torch.get_default_dtype()):
+            fail("dtype", f"{what} returned a {name} table of dtype {table.dtype}, expected torch.float32: the "
+                          f"model's queries and keys are float32, and float64 tables would turn them into float64. "
+                          f"Compute in float64 if you like, then .float() the tables.")
+    return tables[0], tables[1]
+
+
+def _diagnose_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, max_tokens: int, theta: float,
+                     what: str, defaulted: bool) -> None:
+    """Raise the Failure that names the mistake in tables (cos, sin) that differ from the reference."""
+    pair = (cos.double(), sin.double())
+    right = rope.tables(head_dim, max_tokens, theta)
+    if close(pair[0], right[1]) and close(pair[1], right[0]):
+        fail("rope_rotation", f"{what}: sin and cos are swapped: return the cosines first, `return cos, sin`. "
+                              f"Row 0 (position 0) of cos is all ones, of sin all zeros.")
+    if close(pair[0], right[0]) and not close(pair[1], right[1]):
+        if close(pair[1], right[0]):
+            fail("rope_rotation", f"{what}: your cos table is right, but the second table is the cosines again: "
+                                  f"return the sines as the second table, `return angles.cos(), angles.sin()`.")
+        if close(pair[1], -right[1]):
+            fail("rope_rotation", f"{what}: your cos table is right, but your sines have the wrong sign (sin of "
+                                  f"minus the angle): every pair would turn backwards. Take sin of m * w_i, with "
+                                  f"positive angles.")
+    default = " (This call left theta at its default: the default in your signature should be 10000.0.)" \
+        if defaulted else ""
+    for code, why, kwargs in rope.table_mistakes(theta):
+        for layout in ("half", "interleaved"):
+            if layout == "interleaved" and kwargs.get("layout"):
+                continue
+            mistaken = rope.tables(head_dim, max_tokens, theta, **dict(kwargs, layout=kwargs.get("layout", layout)))
+            if close(pair[0], mistaken[0]) and close(pair[1], mistaken[1]):
+                extra = ("" if layout == "half" else
+                         " Also, the angles should be repeated as two halves, cat([angles, angles], dim=-1), "
+                         "not element by element.")
+                fail(code, f"{what}: {why}.{extra}{default if code == 'rope_frequencies' else ''}")
+    off_by = max(max_diff(pair[0], right[0]), max_diff(pair[1], right[1]))
+    if off_by < 0.05:
+        fail("precision", f"{what}: your tables are right to about {off_by:.2g} but not to 1e-3: the angles (or the frequencies) are "
+                          f"rounded too coarsely, e.g. computed in float16 or bfloat16. Compute the angles in "
+                          f"float32 or float64 (torch.arange(..., dtype=torch.float64)), then cast the tables.")
+    on_circle = close(pair[0] ** 2 + pair[1] ** 2, torch.ones_like(pair[0]))
+    starts_at_zero = close(pair[1][0], torch.zeros_like(pair[1][0])) and close(pair[0][0], torch.ones_like(pair[0][0]))
+    if on_circle and starts_at_zero and max_tokens > 1:
+        fail("rope_frequencies", f"{what}: each entry is the cosine and sine of one angle, starting from 0 at "
+                                 f"position 0, but the angles are wrong: position m turns pair i by "
+                                 f"m * theta^(-2i/head_dim). Check the base, the exponent and the positions.{default}")
+    cos_diff, sin_diff = (pair[0] - right[0]).abs(), (pair[1] - right[1]).abs()
+    name, index = ("cos", 0) if float(cos_diff.max()) >= float(sin_diff.max()) else ("sin", 1)
+    pos, dim = divmod(int((cos_diff if index == 0 else sin_diff).argmax()), head_dim)
+    fail("mismatch", f"{what}: the tables differ from the reference, most at position {pos}, dimension {dim} of "
+                     f"the {name} table ({name} {float(pair[index][pos, dim]):.4f}, expected "
+                     f"{float(right[index][pos, dim]):.4f}). Entry (m, j) is the cos (and sin) of "
+                     f"m * theta^(-2i/head_dim) with i = j mod head_dim/2.")
+
+
+def _default_theta_wrong(fn: Callable[..., Any]) -> bool:
+    """Whether fn's signature gives theta a default other than 10000 (the note on defaults is only for that)."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    named = [p for p in parameters if p.name == "theta"] or parameters[2:3]
+    default = named[0].default if named else inspect.Parameter.empty
+    return default is not inspect.Parameter.empty and default != 10000.0
+
+
+def _judge_rope_tables(fn: Callable[..., Any]) -> str:
+    expect_callable(fn, "rope_tables")
+    default_wrong = _default_theta_wrong(fn)
+    for head_dim, max_tokens, theta in _TABLE_CASES:
+        shown = f"rope_tables({head_dim}, {max_tokens}" + ("" if theta is None else f", theta={theta:g}") + ")"
+        args = (head_dim, max_tokens) if theta is None else (head_dim, max_tokens, theta)
+        result = call_student(fn, *args, what=shown)
+        cos, sin = _two_tables(result, shown, (max_tokens, head_dim))
+        right = rope.tables(head_dim, max_tokens, theta or 10000.0)
+        if not (close(cos, right[0]) and close(sin, right[1])):
+            _diagnose_tables(cos, sin, head_dim, max_tokens, theta or 10000.0, shown, theta is None and default_wrong)
+    return ("Both tables right for head_dim 2 to 16 and several theta: pair (i, i + head_dim/2) turns by "
+            "theta^(-2i/head_dim) per position.")
+
+
+@checker("9.1")
+def check_rope_tables(fn: Callable[..., Any]) -> str:
+    """``fn(head_dim, max_tokens, theta=10000.0)`` -> (cos, sin), each (max_tokens, head_dim), half-split."""
+    return _judge_rope_tables(fn)
+
+
+register("9.1", "rope_tables", [
+    "Pair i (dimensions i and i + head_dim/2) turns by the angle m * w_i at position m, with "
+    "w_i = theta^(-2i/head_dim): the first pair turns fastest, the last slowest.",
+    "Build the head_dim/2 frequencies from torch.arange(0, head_dim, 2) / head_dim, and the angles as the outer "
+    "product of the positions 0 .. max_tokens-1 with them: shape (max_tokens, head_dim/2).",
+    "Each row needs the angles for both halves of the head: concatenate the angles with themselves (not "
+    "repeat_interleave), then take .cos() and .sin(); return float32 tables.",
+])
+
+
+# ============================================================================ 9.2 apply_rotary
+
+# (x shape (N, heads, L, head_dim), table rows, theta, offset, dtype). heads != L everywhere, so positions
+# read along the wrong axis show; the offset-0 cases come first, so an offset slip is told apart.
+_ROTARY_CASES = (
+    ((2, 3, 5, 8), 12, 10000.0, 0, torch.float32),
+    ((1, 2, 7, 4), 12, 100.0, 0, torch.float32),
+    ((2, 3, 5, 8), 12, 10000.0, 4, torch.float32),
+    ((1, 4, 1, 8), 14, 10000.0, 9, torch.float32),    # one new token during cached decoding
+    ((2, 2, 6, 16), 16, 500000.0, 2, torch.float64),
+    ((2, 3, 5, 8), 12, 10.0, 1, torch.float16),       # a half-precision model: tables in x's dtype too
+)
+# float16 queries with the float32 tables a model keeps as buffers: the result stays in x's dtype
+_MIXED_CASE = ((2, 3, 5, 8), 12, 10.0, 1, torch.float16, torch.float32)
+
+_ROTARY_MISTAKES: tuple[Mistake, ...] = (
+    Mistake("rope_layout", "you turn interleaved pairs (2i, 2i+1) (GPT-J's and Meta's original Llama layout, e.g. "
+                           "through view_as_complex). This course, like Hugging Face Llama, pairs dimension i with "
+                           "i + head_dim/2: x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) of "
+                           "the two halves of the last axis.", {"kind": "pairs"}),
+    Mistake("rope_layout", "you turn interleaved pairs (2i, 2i+1) (x[..., ::2] and x[..., 1::2]) against the "
+                           "half-split tables, whose angle for dimension j is that of pair j mod head_dim/2. The "
+                           "tables pair dimension i with i + head_dim/2: rotate_half(x) = cat(-x2, x1) of the two "
+                           "HALVES of the last axis.", {"kind": "pairs_table"}),
+    Mistake("rope_rotation", "your rotation turns the wrong way: rotate_half(x) is cat(-x2, x1), the minus on "
+                             "the second half moved to the front; yours is cat(x2, -x1).", {"kind": "reverse"}),
+    Mistake("rope_rotation", "sin and cos are swapped: x * cos + rotate_half(x) * sin.", {"kind": "swapped"}),
+    Mistake("rope_rotation", "you multiply x itself by sin; the sin term needs the quarter-turned x: "
+                             "x * cos + rotate_half(x) * sin.", {"kind": "no_rotate_half"}),
+    Mistake("rope_positions", "you ignore `offset`: the rows of the tables for x are offset .. offset+L-1 (with a "
+                              "KV cache, the new tokens come after the cached ones), not 0 .. L-1.",
+            {"offset": "zero"}),
+    Mistake("rope_positions", "your rows are one position too far: take cos[offset : offset + L].",
+            {"offset": "plus_one"}),
+    Mistake("rope_positions", "you take the LAST L rows of the tables (cos[-L:]): row m is position m, so the "
+                              "rows for x are offset .. offset+L-1, cos[offset : offset + L].", {"offset": "end"}),
+    Mistake("rope_rotation", "only the first half of the head turns: both halves of each pair change, "
+                             "x * cos + rotate_half(x) * sin over the whole last axis (the second half gets "
+                             "x2 * cos + x1 * sin).", {"kind": "first_half"}),
+    Mistake("rope_rotation", "only the second half of the head turns: both halves of each pair change, "
+                             "x * cos + rotate_half(x) * sin over the whole last axis (the first half gets "
+                             "x1 * cos - x2 * sin).", {"kind": "second_half"}),
+    Mistake("rope_axes", "you read the positions along the head axis: x is (N, heads, L, head_dim), so the "
+                         "sequence length is x.shape[-2] and the table rows (L, head_dim) broadcast as they are "
+                         "over N and heads. Yours turn each head by its head index, as if x were "
+                         "(N, L, heads, head_dim).", {"axis": "heads"}),
+    Mistake("rope_axes", "you read the positions along the head axis (as if x were (N, L, heads, head_dim)) and "
+                         "ignore `offset`: x is (N, heads, L, head_dim), so L = x.shape[-2] and the rows are "
+                         "offset .. offset+L-1.", {"axis": "heads", "offset": "zero"}),
+    Mistake("rope_layout", "you turn interleaved pairs (2i, 2i+1) and ignore `offset`. Pair i is (i, i + "
+                           "head_dim/2) here (rotate_half), and the rows are offset .. offset+L-1.",
+            {"kind": "pairs", "offset": "zero"}),
+)
+
+
+def _rotary_hypothesis(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int,
+                       spec: dict[str, Any]) -> torch.Tensor:
+    used = {"ok": offset, "zero": 0, "plus_one": offset + 1,
+            "end": cos.shape[0] - x.shape[-2]}[spec.get("offset", "ok")]
+    return rope.rotate(x, cos, sin, used, kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
+
+
+def _judge_apply_rotary(fn: Callable[..., Any]) -> str:
+    expect_callable(fn, "apply_rotary")
+    generator = torch.Generator().manual_seed(9)
+    runs = []
+    for shape, rows, theta, offset, dtype, table_dtype in [(*case, case[-1]) for case in _ROTARY_CASES]:
+        head_dim = shape[-1]
+        cos, sin = ref.rope_tables(head_dim, rows, theta, dtype=table_dtype)
+        x = torch.randn(shape, generator=generator).to(dtype)
+        shown = (f"apply_rotary(x, cos, sin{f', offset={offset}' if offset else ''}) with x of shape {shape}"
+                 f"{'' if dtype == torch.float32 else f' ({dtype})'} and tables of {rows} rows")
+        kwargs = {"offset": offset} if offset else {}
+        try:
+            out = call_student(fn, x.clone(), cos, sin, what=shown, **kwargs)
+            expect_tensor(out, shape, shown, dtype=dtype)
+        except Failure as failure:
+            earlier_right = all(close(o, e) for _, _, _, _, o, e in runs)
+            without_offset_right = all(close(o, e) for _, _, _, off, o, e in runs if not off)
+            if offset and without_offset_right and failure.diagnosis in ("exception", "shape"):
+                reraise_with(failure, "rope_positions", " Your function works with offset=0 but not with "
+                             f"offset={offset}: take the table rows offset .. offset+L-1, cos[offset:offset + L] "
+                             f"with L = x.shape[-2].")
+            if earlier_right and dtype != torch.float32 and failure.diagnosis == "dtype":
+                reraise_with(failure, "dtype", " Keep x's dtype: the tables here are already in it, so do not "
+                             "build new float32 tensors (or .float() x) on the way.")
+            raise
+        runs.append((x, cos, sin, offset, out, ref.apply_rotary(x, cos, sin, offset=offset)))
+    if all(close(out, expected) for *_, out, expected in runs):
+        _rotary_keeps_dtype(fn)
+        _rotary_learns(fn, runs[2])
+        x, cos, sin, offset = runs[2][:4]
+        probe_device(lambda: fn(meta(x), meta(cos), meta(sin), offset=offset),
+                     f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {_shape(x)}")
+        return ("Right for offsets 0 to 9, one to four heads and float16 to float64 (also with float32 tables), "
+                "and gradients flow back to x: pair (i, i + head_dim/2) of each token turns to the token's "
+                "position.")
+    found = first_match(_ROTARY_MISTAKES, [out for *_, out, _ in runs],
+                        lambda i, spec: _rotary_hypothesis(*runs[i][:4], spec))
+    if found is not None:
+        fail(found.code, f"apply_rotary: {found.message}")
+    x, cos, sin, offset, out, expected = next(r for r in runs if not close(r[4], r[5]))
+    if all(close(o, e) for _, _, _, off, o, e in runs if not off):
+        fail("rope_positions", f"apply_rotary is right with offset=0 but not with offset={offset}: the rows of the "
+                               f"tables for x are offset .. offset+L-1.")
+    fail("mismatch", f"apply_rotary with x of shape {_shape(x)} and offset={offset} differs from the reference by up "
+                     f"to {max_diff(out, expected):.3g}. It should return x * cos + rotate_half(x) * sin, with the "
+                     f"table rows offset .. offset+L-1 and rotate_half(x) = cat(-x2, x1) of the two halves.")
+
+
+def _rotary_keeps_dtype(fn: Callable[..., Any]) -> None:
+    """A float16 model keeps float32 tables as buffers: the text says the result stays in x's dtype."""
+    shape, rows, theta, offset, dtype, table_dtype = _MIXED_CASE
+    cos, sin = ref.rope_tables(shape[-1], rows, theta, dtype=table_dtype)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(92)).to(dtype)
+    shown = (f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {shape} in {dtype} and {table_dtype} "
+             f"tables")
+    out = call_student(fn, x.clone(), cos, sin, what=shown, offset=offset)
+    if isinstance(out, torch.Tensor) and _shape(out) == shape and out.dtype != dtype:
+        fail("dtype", f"{shown} returned {out.dtype}: the float32 table rows promote the product. Keep x's dtype: "
+                      f"cast the rows you take, cos[...].to(x.dtype) (or the result, .to(x.dtype)).")
+    expect_tensor(out, shape, shown, dtype=dtype)
+    if not close(out, ref.apply_rotary(x, cos, sin, offset=offset)):
+        fail("precision", f"{shown}: your result is wrong here though right when x and the tables share a dtype. "
+                          f"Cast the table rows to x's dtype, then turn: x * cos + rotate_half(x) * sin.")
+
+
+def _rotary_learns(fn: Callable[..., Any], run: tuple[Any, ...]) -> None:
+    """One backward pass: the gradient must reach x (``x.detach()``, ``.data`` or no_grad would cut it)."""
+    x, cos, sin, offset = run[:4]
+    mine, theirs = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    check_gradients(lambda: fn(mine, cos, sin, offset=offset), lambda: ref.apply_rotary(theirs, cos, sin, offset),
+                    {"x": mine}, {"x": theirs}, inputs=["x"],
+                    what=f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {_shape(x)}")
+
+
+@checker("9.2")
+def check_apply_rotary(fn: Callable[..., Any]) -> str:
+    """``fn(x (N, heads, L, head_dim), cos, sin, offset=0)`` -> x turned to positions offset .. offset+L-1."""
+    return _judge_apply_rotary(fn)
+
+
+register("9.2", "apply_rotary", [
+    "x is (N, heads, L, head_dim): the tokens run along the second-to-last axis, so L = x.shape[-2], and their "
+    "positions are offset, offset+1, ..., offset+L-1.",
+    "Cut the rows of those positions out of cos and sin: (L, head_dim) broadcasts over N and heads by itself. "
+    "rotate_half(x) splits the last axis into two halves x1, x2 and returns cat(-x2, x1).",
+    "The turn is x * cos + rotate_half(x) * sin: write it as a new tensor (never in place), in x's dtype.",
+])
+
+
+# ============================================================================ 9.3 RMSNorm
+
+# (dim, eps or None for the default, x shape, scale of the rows); the last case runs in float16.
+_NORM_CASES = (
+    (16, None, (2, 5, 16), "mixed"),     # some rows tiny: the default eps (1e-6) changes them
+    (8, 0.1, (3, 8), "normal"),          # a large eps: inside or outside the square root differs
+    (8, None, (2, 3, 4, 8), "normal"),   # (N, heads, L, head_dim), as QK-norm calls it
+)
+
+
+def _norm_input(shape: tuple[int, ...], kind: str, generator: torch.Generator) -> torch.Tensor:
+    x = torch.randn(shape, generator=generator) * 1.5 + 0.5          # a mean, so centring shows
+    if kind == "mixed":
+        rows = torch.rand((*shape[:-1], 1), generator=generator)
+        x = x * torch.where(rows < 0.4, torch.full_like(rows, 1e-3), torch.ones_like(rows))
+    return x
+
+
+def _rms(x: torch.Tensor, eps: float, dim: Any = -1) -> torch.Tensor:
+    return (x.pow(2).mean(dim=dim, keepdim=True) + eps).sqrt()
+
+
+def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> list[Mistake]:
+    """Each known slip of RMSNorm.forward and what it outputs for x (float64) with weight w and self.eps."""
+    ms = x.pow(2).mean(-1, keepdim=True)
+    centred = x - x.mean(-1, keepdim=True)
+    fixed = [
+        Mistake("epsilon", "epsilon is missing: x / sqrt(mean(x^2)) blows up for rows near zero. Add self.eps "
+                           "inside the square root: x / sqrt(mean(x^2) + eps).", output=x / ms.sqrt() * w),
+        Mistake("epsilon", "epsilon is outside the square root: x / (sqrt(mean(x^2)) + eps). It belongs inside: "
+                           "x / sqrt(mean(x^2) + eps) (or x * rsqrt(mean(x^2) + eps)).",
+                output=x / (ms.sqrt() + eps) * w),
+        Mistake("norm_weight", "the learned weight is missing: multiply the normalised x by self.weight.",
+                output=x / _rms(x, eps)),
+        Mistake("norm_weight", "you multiply by (1 + weight), Gemma's convention; here the weight starts at one "
+                               "and multiplies directly: normalised x * self.weight.", output=x / _rms(x, eps) * (1 + w)),
+        Mistake("norm_weight", "you add self.weight; it multiplies: normalised x * self.weight.",
+                output=x / _rms(x, eps) + w),
+        Mistake("norm_statistic", "you subtract the mean first, as LayerNorm does. RMSNorm does not centre: divide "
+                                  "x itself by sqrt(mean(x^2) + eps).",
+                output=centred / (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w),
+        Mistake("norm_statistic", "you divide by the variance (x.var), which subtracts the mean. RMSNorm uses the "
+                                  "mean of the squares, x.pow(2).mean(-1, keepdim=True).",
+                output=x / (x.var(-1, keepdim=True) + eps).sqrt() * w),
+        Mistake("norm_statistic", "you divide by the (biased) variance, which subtracts the mean. RMSNorm uses the "
+                                  "mean of the squares, x.pow(2).mean(-1, keepdim=True).",
+                output=x / (x.var(-1, keepdim=True, unbiased=False) + eps).sqrt() * w),
+        Mistake("norm_statistic", "you divide by the norm of x, sqrt(sum(x^2)), not by its root mean square "
+                                  "sqrt(mean(x^2)): the result is sqrt(dim) times too small. Use the mean, or "
+                                  "divide the norm by sqrt(dim).", output=x / (x.pow(2).sum(-1, keepdim=True) + eps).sqrt() * w),
+        Mistake("norm_statistic", "you divide by the norm of x, not by its root mean square sqrt(mean(x^2)): the "
+                                  "result is sqrt(dim) times too small.",
+                output=x / (x.pow(2).sum(-1, keepdim=True).sqrt() + eps) * w),
+        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
+                                  "mean square, sqrt(mean(x^2) + eps).",
+                output=x / (x.abs().mean(-1, keepdim=True) + eps) * w),
+        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
+                                  "mean square, sqrt(mean(x^2) + eps).",
+                output=x / (x.abs().mean(-1, keepdim=True) + eps).sqrt() * w),
+        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
+                                  "mean square, sqrt(mean(x^2) + eps).",
+                output=x / x.abs().mean(-1, keepdim=True) * w),
+        Mistake("norm_statistic", "you divide by the mean of the squares itself; take its square root: "
+                                  "x / sqrt(mean(x^2) + eps).", output=x / (ms + eps) * w),
+        Mistake("norm_statistic", "you multiply by the root mean square; divide by it (or multiply by rsqrt).",
+                output=x * _rms(x, eps) * w),
+        Mistake("norm_statistic", "you take the mean over every element of x, not over each vector: pass "
+                                  "dim=-1, keepdim=True to .mean().", output=x / _rms(x, eps, None) * w),
+        Mistake("norm_statistic", "you normalise with the standard deviation (x.std), which subtracts the mean; "
+                                  "RMSNorm uses sqrt(mean(x^2) + eps).",
+                output=x / (x.std(-1, keepdim=True) + eps) * w),
+    ]
+    # keyed, so the same slip can be followed from one input to the next
+    out = [Mistake(m.code, m.message, {"key": f"fixed{i}"}, m.output) for i, m in enumerate(fixed)]
+    for axis in range(x.dim() - 1):
+        out.append(Mistake("norm_statistic", f"you take the mean over axis {axis}, not over the features: RMSNorm "
+                                             f"normalises each vector on its own, over the last axis (dim=-1, also "
+                                             f"for 4-D inputs such as (N, heads, L, head_dim)).",
+                           {"key": f"axis{axis}"}, x / _rms(x, eps, axis) * w))
+    for constant in (1e-5, 1e-6, 1e-8):
+        if constant != eps:
+            out.append(Mistake("epsilon", f"you use the constant {constant:g} instead of self.eps (here {eps:g}): the "
+                                          f"module was built with its own eps.",
+                               {"key": f"eps{constant}"}, x / _rms(x, constant) * w))
+    return out
+
+
+def _diagnose_norm(runs: list[tuple[torch.Tensor, nn.Module, torch.Tensor, torch.Tensor, str]]) -> None:
+    """The first mistake whose output the student's matches in every run where it is defined."""
+    per_run = [{m.spec["key"]: m for m in _norm_mistakes(x.double(), reference.weight.detach().double(),
+                                                          reference.eps)}
+               for x, reference, _, _, _ in runs]
+    first = next(i for i, (_, _, out, expected, _) in enumerate(runs) if not close(out, expected))
+    for key, mistake in per_run[first].items():
+        if all(key not in mistakes or close(out, mistakes[key].output)
+               for (_, _, out, _, _), mistakes in zip(runs, per_run)):
+            fail(mistake.code, f"{runs[first][4]}: {mistake.message}")
+    _, _, out, expected, shown = runs[first]
+    fail("mismatch", f"{shown}: the output differs from x / sqrt(mean(x^2) + eps) * weight by up to "
+                     f"{max_diff(out, expected):.3g} (mean over the last axis, eps = self.eps).")
+
+
+def _build_norm(cls: Any, dim: int, eps: float | None, generator: torch.Generator) -> tuple[nn.Module, nn.Module]:
+    shown = f"RMSNorm({dim}" + ("" if eps is None else f", eps={eps:g}") + ")"
+    kwargs = {} if eps is None else {"eps": eps}
+    candidate = construct(cls, dim, what="RMSNorm", shown=shown, **kwargs)
+    reference = ref.RMSNorm(dim, **kwargs)
+    with torch.no_grad():
+        reference.weight.copy_(1.0 + 0.5 * torch.randn(dim, generator=generator))
+    copy_weights(reference, candidate, "your RMSNorm")
+    return candidate, reference
+
+
+def _judge_rms_norm(cls: Any) -> str:
+    expect_callable(cls, "RMSNorm", "class")
+    generator = torch.Generator().manual_seed(3)
+    runs = []
+    for dim, eps, shape, kind in _NORM_CASES:
+        candidate, reference = _build_norm(cls, dim, eps, generator)
+        x = _norm_input(shape, kind, generator)
+        shown = f"RMSNorm({dim}{'' if eps is None else f', eps={eps:g}'}) on x of shape {shape}"
+        with torch.no_grad():
+            try:
+                out = expect_tensor(call_student(candidate, x.clone(), what=shown), shape, shown, dtype=x.dtype)
+            except Failure as failure:
+                if failure.diagnosis in ("exception", "shape") and x.dim() != 3 and runs and \
+                        all(close(o, e) for _, _, o, e, _ in runs):
+                    reraise_with(failure, "norm_statistic", f" Your forward works for (N, L, dim) inputs but not "
+                                 f"for {x.dim()}-D ones: normalise over the last axis, dim=-1 with keepdim=True, "
+                                 f"whatever the number of axes (QK-norm calls it on (N, heads, L, head_dim)).")
+                if failure.diagnosis == "exception" and "must match the size of tensor" in failure.message:
+                    reraise_with(failure, "exception", " Tip: keep the averaged axis, .mean(dim=-1, keepdim=True), "
+                                 "so the (..., 1) root mean square broadcasts against x (..., dim).")
+                raise
+            expected = reference(x)
+        runs.append((x, reference, out, expected, shown))
+    if not all(close(out, expected) for _, _, out, expected, _ in runs):
+        _diagnose_norm(runs)
+    x, reference, _, _, shown = runs[0]
+    candidate, reference = _build_norm(cls, x.shape[-1], None, generator)
+    check_module_gradients(candidate, reference, x, what=shown)
+    probe_device(lambda: _meta_call(candidate, x), shown)
+    _check_half_precision(cls, generator)
+    return ("Right in float32 and float16, for 2-D to 4-D inputs and any eps: x / sqrt(mean(x^2) + eps) * weight "
+            "over the last axis.")
+
+
+def _meta_call(module: nn.Module, *args: torch.Tensor) -> Any:
+    """The student's module, copied to the meta device, on meta copies of args (None: inconclusive)."""
+    moved = module_on_meta(module)
+    return None if moved is None else moved(*(meta(a) for a in args))
+
+
+def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
+    """A float16 model: the squares of activations of a few hundred overflow float16 (max 65504)."""
+    candidate, reference = _build_norm(cls, 16, None, generator)
+    candidate, reference = candidate.half(), reference.half()
+    x = (torch.randn(2, 4, 16, generator=generator) * 300).half()
+    shown = "RMSNorm(16) in float16 (model.half()) on x of shape (2, 4, 16) with values of a few hundred"
+    with torch.no_grad():
+        out = call_student(candidate, x.clone(), what=shown)
+        if isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == torch.float32:
+            fail("dtype", f"{shown} returned float32: computing in float32 is right, but cast the result back to "
+                          f"x's dtype (.to(x.dtype) or .type_as(x)) so the rest of the model stays in float16.")
+        expect_tensor(out, _shape(x), shown, dtype=torch.float16, finite=False)
+        expected = reference(x)
+    if not close(out, expected):
+        fail("precision", f"{shown}: your output is wrong in float16 (it is right in float32). x**2 overflows "
+                          f"float16 (largest value 65504) for x of a few hundred: compute in float32 "
+                          f"(x.float()), then cast the result back with .to(x.dtype).")
+
+
+@checker("9.3")
+def check_rms_norm(cls: Any) -> str:
+    """``cls(dim, eps=1e-6)`` with ``weight``; forward -> x / sqrt(mean(x^2) + eps) * weight, in x's dtype."""
+    return _judge_rms_norm(cls)
+
+
+register("9.3", "RMSNorm.forward", [
+    "RMSNorm is LayerNorm without the mean and the bias: divide each vector (the last axis) by its root mean "
+    "square, then multiply by the learned self.weight.",
+    "The root mean square is sqrt(mean(x^2) + eps) with the mean over dim=-1, keepdim=True; eps (self.eps) goes "
+    "inside the square root. torch.rsqrt(...) multiplies by 1/sqrt in one step.",
+    "float16 squares overflow above 65504: compute in float32 (x.float()) and cast the result back to x's dtype.",
+])
+
+
+# ============================================================================ 9.4 SwiGLU
+
+_SWIGLU_EMBED, _SWIGLU_HIDDEN = 16, 40
+_SWIGLU_SHAPES = ((2, 5, _SWIGLU_EMBED), (3, _SWIGLU_EMBED), (1, 1, _SWIGLU_EMBED))
+
+
+def _swiglu_mistakes() -> list[Mistake]:
+    """What each slip outputs, as f(x, gate, up, down) with the reference's Linear layers."""
+    silu, sigmoid = F.silu, torch.sigmoid
+    return [
+        Mistake("gating", "SiLU is on the wrong branch: it goes on self.gate(x), and self.up(x) stays linear: "
+                          "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: d(g(x) * silu(u(x)))),
+        Mistake("gating", "there is no SiLU: the gate branch goes through SiLU before the product, "
+                          "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: d(g(x) * u(x))),
+        Mistake("gating", "the gate is missing: SiLU of self.up(x) alone is an ordinary MLP. SwiGLU multiplies "
+                          "silu(gate(x)) by up(x), element by element.", output=lambda x, g, u, d: d(silu(u(x)))),
+        Mistake("gating", "the up branch is missing: SwiGLU multiplies silu(gate(x)) by up(x), element by "
+                          "element, before down.", output=lambda x, g, u, d: d(silu(g(x)))),
+        Mistake("gating", "you use the sigmoid as the activation; SiLU is x * sigmoid(x) (F.silu): "
+                          "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: d(sigmoid(g(x)) * u(x))),
+        Mistake("gating", "you use GELU; SwiGLU's activation is SiLU (F.silu), on the gate branch.",
+                output=lambda x, g, u, d: d(F.gelu(g(x)) * u(x))),
+        Mistake("gating", "you use GELU (tanh approximation); SwiGLU's activation is SiLU (F.silu).",
+                output=lambda x, g, u, d: d(F.gelu(g(x), approximate="tanh") * u(x))),
+        Mistake("gating", "you use ReLU; SwiGLU's activation is SiLU (F.silu), on the gate branch.",
+                output=lambda x, g, u, d: d(F.relu(g(x)) * u(x))),
+        Mistake("gating", "SiLU comes after the product; it goes on the gate branch alone: "
+                          "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: d(silu(g(x) * u(x)))),
+        Mistake("gating", "SiLU is on both branches; only the gate branch goes through it.",
+                output=lambda x, g, u, d: d(silu(g(x)) * silu(u(x)))),
+        Mistake("gating", "you add the two branches; the gate multiplies: silu(gate(x)) * up(x).",
+                output=lambda x, g, u, d: d(silu(g(x)) + u(x))),
+        Mistake("gating", "SiLU comes after self.down; it goes on the gate branch, before the product: "
+                          "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: silu(d(g(x) * u(x)))),
+        Mistake("gating", "you apply SiLU again after self.down; SwiGLU ends with the linear down projection: "
+                          "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: silu(d(silu(g(x)) * u(x)))),
+        Mistake("residual", "you add x to the output. The residual connection belongs to the block around the "
+                            "MLP (x = x + mlp(norm(x))), not inside SwiGLU.",
+                output=lambda x, g, u, d: x + d(silu(g(x)) * u(x))),
+    ]
+
+
+def _judge_swiglu(cls: Any) -> str:
+    expect_callable(cls, "SwiGLU", "class")
+    generator = torch.Generator().manual_seed(4)
+    shown = f"SwiGLU({_SWIGLU_EMBED}, {_SWIGLU_HIDDEN})"
+    candidate = construct(cls, _SWIGLU_EMBED, _SWIGLU_HIDDEN, what="SwiGLU", shown=shown)
+    reference = ref.SwiGLU(_SWIGLU_EMBED, _SWIGLU_HIDDEN)
+    with torch.no_grad():
+        for p in reference.parameters():   # weights large enough that SiLU is far from linear
+            p.copy_(torch.randn(p.shape, generator=generator) * 1.5 / p.shape[1] ** 0.5)
+    copy_weights(reference, candidate, "your SwiGLU")
+    for shape in _SWIGLU_SHAPES:
+        x = torch.randn(shape, generator=generator)
+        what = f"{shown} on x of shape {shape}"
+        with torch.no_grad():
+            out = call_student(candidate, x.clone(), what=what)
+            if isinstance(out, torch.Tensor) and _shape(out) == (*shape[:-1], _SWIGLU_HIDDEN):
+                fail("shape", f"{what} returned shape {_shape(out)}: the hidden width. Finish with self.down, "
+                              f"which maps hidden_dim back to embed_dim.")
+            expect_tensor(out, shape, what, dtype=x.dtype)
+            expected = reference(x)
+            if not close(out, expected):
+                r = reference
+                for mistake in _swiglu_mistakes():
+                    if close(out, mistake.output(x, r.gate, r.up, r.down)):
+                        fail(mistake.code, f"{what}: {mistake.message}")
+                fail("mismatch", f"{what}: the output differs from down(silu(gate(x)) * up(x)) by up to "
+                                 f"{max_diff(out, expected):.3g}.")
+    x = torch.randn(_SWIGLU_SHAPES[0], generator=generator)
+    what = f"{shown} on x of shape {_SWIGLU_SHAPES[0]}"
+    check_module_gradients(candidate, reference, x, what=what)
+    probe_device(lambda: _meta_call(candidate, x), what)
+    return "down(silu(gate(x)) * up(x)) for 2-D and 3-D inputs: the gate branch through SiLU scales the up branch."
+
+
+@checker("9.4")
+def check_swiglu(cls: Any) -> str:
+    """``cls(embed_dim, hidden_dim)`` with gate, up, down; forward -> down(silu(gate(x)) * up(x))."""
+    return _judge_swiglu(cls)
+
+
+register("9.4", "SwiGLU.forward", [
+    "Two projections of x to hidden_dim: self.gate(x) goes through SiLU, self.up(x) stays linear.",
+    "Multiply the two element by element (the gate scales each hidden feature), then project back with self.down.",
+    "SiLU(z) = z * sigmoid(z) is F.silu; no residual here, the block adds it.",
+])
+
+
+# ============================================================================ 9.5 repeat_kv
+
+# (x shape (N, kv_heads, L, head_dim), groups, contiguous): v comes from a transpose, so not contiguous.
+_REPEAT_CASES = (
+    ((2, 2, 3, 4), 3, True),
+    ((1, 4, 5, 2), 2, False),
+    ((2, 1, 3, 4), 4, False),    # multi-query: one key/value head for all
+    ((2, 3, 2, 4), 1, True),     # groups = 1: multi-head attention, nothing to repeat
+    ((1, 2, 1, 8), 2, False),    # one new token with a cache
+)
+
+
+def _numbered(shape: tuple[int, ...], contiguous: bool) -> torch.Tensor:
+    """0, 1, 2, ... so every entry has one place; non-contiguous like split_heads' output when asked."""
+    n, heads, length, head_dim = shape
+    x = torch.arange(float(n * heads * length * head_dim)).reshape(n, length, heads, head_dim).transpose(1, 2)
+    return x.contiguous() if contiguous else x                                  # (N, kv_heads, L, head_dim)
+
+
+def _judge_repeat_kv(fn: Callable[..., Any]) -> str:
+    expect_callable(fn, "repeat_kv")
+    for shape, groups, contiguous in _REPEAT_CASES:
+        n, kv, length, head_dim = shape
+        x = _numbered(shape, contiguous)
+        what = f"repeat_kv(x, {groups}) with x of shape {shape}"
+        out = as_tensor(call_student(fn, x, groups, what=what))
+        expected_shape = (n, kv * groups, length, head_dim)
+        if isinstance(out, torch.Tensor) and _shape(out) != expected_shape and groups > 1:
+            wrong = {(n, kv, length * groups, head_dim): "along the sequence axis (dim 2)",
+                     (n, kv, length, head_dim * groups): "along the features (the last axis)",
+                     (n * groups, kv, length, head_dim): "along the batch (dim 0)"}.get(_shape(out))
+            if wrong:
+                fail("shape", f"{what} returned shape {_shape(out)}, expected {expected_shape}: you repeat {wrong}. "
+                              f"Repeat the key/value heads, dim 1.")
+            if _shape(out) in ((n, kv, groups, length, head_dim), (n, groups, kv, length, head_dim)):
+                fail("shape", f"{what} returned shape {_shape(out)}, expected {expected_shape}: the head and group "
+                              f"axes are still apart. Flatten them into one axis of kv_heads * groups heads "
+                              f"(.reshape, which copies the expanded view).")
+        expect_tensor(out, expected_shape, what, dtype=x.dtype)
+        if torch.equal(out, ref.repeat_kv(x, groups)):
+            continue
+        if torch.equal(out, x.repeat(1, groups, 1, 1)):
+            fail("kv_grouping", f"{what}: the heads come out tiled, [0, 1, 0, 1, ...] (x.repeat, or expand on a new "
+                                f"axis in front of the heads): query head h would read key/value head h % kv_heads. "
+                                f"Each key/value head serves `groups` NEIGHBOURING query heads, so repeat each one "
+                                f"`groups` times in a row, [0, 0, 1, 1, ...]: repeat_interleave(groups, dim=1), or "
+                                f"expand on a new axis after the heads.")
+        if torch.equal(out.flatten().sort().values, ref.repeat_kv(x, groups).flatten().sort().values):
+            fail("kv_grouping", f"{what}: the right numbers in the wrong places. Output head h must be key/value "
+                                f"head h // groups, each head repeated `groups` times in a row.")
+        fail("mismatch", f"{what}: your output holds numbers that are not copies of x's heads. Output head h is a "
+                         f"copy of x[:, h // groups].")
+    x = torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(95))
+    what = "repeat_kv(x, 2) with x of shape (2, 2, 3, 4)"
+    mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    check_gradients(lambda: fn(mine, 2), lambda: ref.repeat_kv(theirs, 2), {"x": mine}, {"x": theirs},
+                    inputs=["x"], what=what)
+    probe_device(lambda: fn(meta(x), 2), what)
+    return ("Each key/value head repeated for its group of neighbouring query heads, for GQA, MQA (one kv head) "
+            "and MHA (groups = 1).")
+
+
+@checker("9.5")
+def check_repeat_kv(fn: Callable[..., Any]) -> str:
+    """``fn(x (N, kv_heads, L, head_dim), groups)`` -> (N, kv_heads * groups, L, head_dim), interleaved order."""
+    return _judge_repeat_kv(fn)
+
+
+register("9.5", "repeat_kv", [
+    "Query head h shares key/value head h // groups: heads 0 .. groups-1 read kv head 0, the next group kv head 1.",
+    "So each kv head appears `groups` times in a row: [0, 0, 1, 1], not [0, 1, 0, 1] (which is what x.repeat "
+    "gives).",
+    "torch.repeat_interleave(x, groups, dim=1) does it; so does expanding a new axis right after the heads, "
+    "then reshaping to (N, kv_heads * groups, L, head_dim).",
+])
+
+
+# ============================================================================ 9.6 GroupedQueryAttention
+
+@checker("9.6")
+def check_grouped_query_attention(cls: Any) -> str:
+    """``cls(embed_dim, num_heads, num_kv_heads, max_tokens, rope_theta)``; forward(x, cache=None)."""
+    from ._gqa_check import check_class
+
+    return check_class(cls, parts={"apply_rotary": ("9.2", _judge_apply_rotary),
+                                   "repeat_kv": ("9.5", _judge_repeat_kv)},
+                       tables=_diagnose_tables)
+
+
+register("9.6", "GroupedQueryAttention.forward", [
+    "Project x to q (num_heads heads) and to k, v (num_kv_heads heads each); split them into (N, heads, L, "
+    "head_dim); rotate q and k (never v) with apply_rotary, offset = the number of tokens already cached.",
+    "With a cache, append the ROTATED new keys and the values (num_kv_heads heads) and use everything it returns; "
+    "only then repeat_kv each to num_heads heads for the scores.",
+    "Causal attention scaled by 1/sqrt(head_dim): with a cache the new queries sit at positions start .. total-1, "
+    "so their mask rows are those of a (total, total) causal mask. Merge the heads, then self.proj.",
+])

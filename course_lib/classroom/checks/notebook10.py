@@ -1,0 +1,391 @@
+"""Exercises of notebook 10 (FlashAttention): 10.1 online_softmax, 10.2 flash_attention (the tiled forward),
+10.3 FlashAttentionFunction (the backward by recomputation).
+
+Mistakes are named by hypothesis (``_flash_variants``: what each slip outputs on the same inputs); whether the
+student tiled at all is watched while their code runs (``_flash_probe``: the largest tensor it creates and the
+score blocks it computes).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ... import flash as ref
+from ..verdict import fail
+from . import _flash_variants as variants
+from ._attn_probes import call_student, expect_callable
+from ._compare import close, matches, max_diff
+from ._core import register
+from ._expect import expect_tensor
+from ._flash_probe import Recorder
+from ._harness import checker
+
+__all__ = ["check_online_softmax", "check_flash_attention", "check_flash_backward"]
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+# ============================================================================ 10.1 online_softmax
+
+def _rows(seed: int, shape: tuple[int, ...], ramp: float = 0.0, scale: float = 1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator) * scale
+    return x + torch.linspace(0.0, ramp, shape[-1])       # a rising ramp: the maximum moves to later blocks
+
+
+def _large(first: bool) -> torch.Tensor:
+    """Scores near 100 (exp overflows float32 past 88) in the first block, or in the last, others near -100."""
+    x = _rows(7, (2, 12), scale=0.5) - 100.0
+    x[:, :4 if first else 0] += 200.0
+    if not first:
+        x[:, -4:] += 200.0
+    return x
+
+
+# (x, block_size): blocks that divide L and blocks that do not, a block of 1, a block longer than the row,
+# a maximum that keeps rising, float64, and large scores first or last (overflow, and which maximum is used).
+_SOFTMAX_CASES = (
+    (_rows(1, (3, 10), ramp=6.0, scale=2.0), 3),
+    (_rows(2, (2, 8), ramp=4.0, scale=3.0), 4),
+    (_rows(3, (2, 2, 7), ramp=-3.0, scale=2.0), 1),
+    (_rows(4, (2, 6), scale=2.0), 8),
+    (_rows(5, (2, 9), ramp=5.0, scale=2.0).double(), 2),
+    (_large(first=True), 4),
+    (_large(first=False), 4),
+)
+
+_SOFTMAX_MISTAKES = (
+    ("online_rescale", "the running sum is not rescaled when the maximum changes: every earlier term was "
+                       "exp(x - m_old), so when a block raises the maximum the sum must be multiplied by "
+                       "exp(m_old - m_new) before the new block's terms are added", {"rescale": "none"}),
+    ("online_rescale", "the rescale factor is upside down: when the maximum grows from m_old to m_new, the old sum "
+                       "shrinks, l * exp(m_old - m_new), a factor of at most 1", {"rescale": "inverted"}),
+    ("running_max", "you keep the maximum of the latest block, not the running maximum of all blocks so far: "
+                    "it is right in exact arithmetic, but when a later block is much smaller than an earlier "
+                    "one the rescale factor exp(m_old - m_new) overflows. Use m_new = max(m, block.max())",
+     {"maximum": "last"}),
+    ("overflow", "no maximum is subtracted, so exp overflows to inf for scores above about 88 in float32 and "
+                 "you divide inf by inf. Subtract the running maximum m inside every exp", {"maximum": "none"}),
+    ("early_normalization", "each block is normalised with the sum seen so far; the earlier blocks never learn "
+                            "about the later ones. Only the statistics (m, l) are updated per block: divide by "
+                            "the final sum once, at the end", {"normalize": "every"}),
+    ("block_bounds", "the last entry of every block is never read: block s covers x[..., s : s + block_size] "
+                     "(the end is excluded already, no -1)", {"bounds": "short"}),
+    ("block_bounds", "every block starts one entry late: block s covers x[..., s : s + block_size]",
+     {"bounds": "shifted"}),
+    ("block_bounds", "your loop stops before the last block: range(0, L, block_size) visits every start, the last "
+                     "block may be shorter", {"bounds": "stop_early"}),
+    ("block_bounds", "a last block shorter than block_size is never read (L is not always a multiple of the "
+                     "block size): loop over range(0, L, block_size) and slice to the end", {"bounds": "whole_blocks"}),
+)
+
+
+def _whole_row_reduction(fn: Callable[..., Any], x: torch.Tensor, size: int) -> str | None:
+    """An operation that reduces over a whole row at once (softmax, max, logsumexp...), if the student ran one."""
+    seen: list[str] = []
+
+    class Watch(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = func.overloadpacket.__name__
+            first = args[0] if args else None
+            if (name in ("_softmax", "_log_softmax", "logsumexp", "amax", "max", "sum", "mean", "amin", "min",
+                         "cumsum") and isinstance(first, torch.Tensor) and first.dim() and first.shape[-1] == x.shape[-1]
+                    and x.shape[-1] > size):
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        call_student(fn, x.clone(), size, what=f"online_softmax(x, {size})")
+    return seen[0] if seen else None
+
+
+@checker("10.1")
+def check_online_softmax(fn: Callable[..., Any]) -> str:
+    """``fn(x, block_size)`` -> softmax over the last axis of x (..., L), computed one block at a time."""
+    expect_callable(fn, "online_softmax")
+    outputs = []
+    for x, size in _SOFTMAX_CASES:
+        shown = f"online_softmax(x, {size}) with x of shape {_shape(x)}"
+        out = call_student(fn, x.clone(), size, what=shown)
+        outputs.append(expect_tensor(out, _shape(x), shown, dtype=x.dtype, finite=False))
+    wrong = [i for i, (out, (x, _)) in enumerate(zip(outputs, _SOFTMAX_CASES))
+             if not close(out, torch.softmax(x.double(), -1))]
+    if wrong:
+        for code, why, spec in _SOFTMAX_MISTAKES:
+            if all(matches(out, variants.softmax_variant(x, size, **spec))
+                   for out, (x, size) in zip(outputs, _SOFTMAX_CASES)):
+                fail(code, f"online_softmax: {why}.")
+        x, size = _SOFTMAX_CASES[wrong[0]]
+        out = outputs[wrong[0]]
+        if not torch.isfinite(out).all():
+            fail("overflow" if x.abs().max() > 50 else "nan",
+                 f"online_softmax(x, {size}) gave NaN or inf for x of shape {_shape(x)} (scores up to "
+                 f"{float(x.max()):.0f}). Subtract the running maximum inside every exp, and rescale the sum "
+                 f"with exp(m_old - m_new), which is at most 1.")
+        fail("mismatch", f"online_softmax(x, {size}) differs from torch.softmax(x, dim=-1) by up to "
+                         f"{max_diff(out, torch.softmax(x.double(), -1)):.3g} for x of shape {_shape(x)}. Keep the "
+                         f"running maximum m and sum l over the blocks, then return exp(x - m) / l.")
+    x, size = _SOFTMAX_CASES[0]
+    whole = _whole_row_reduction(fn, x, size)
+    if whole:
+        fail("not_tiled", f"online_softmax reduces over the whole row at once ({whole} over all {x.shape[-1]} "
+                          f"entries): the point is to read the row one block of block_size entries at a time, "
+                          f"keeping only the running maximum and sum between blocks.")
+    return ("Equal to torch.softmax for blocks that divide the row and blocks that do not, and stable for scores "
+            "near 100 wherever they are: the running sum is rescaled whenever the maximum grows.")
+
+
+register("10.1", "online_softmax", [
+    "Keep two numbers per row while reading the blocks: the largest score so far, m, and the sum so far, "
+    "l = sum of exp(x_j - m) over the entries read.",
+    "For a new block: m_new = max(m, block.max(-1)). The old sum was measured against m, so it becomes "
+    "l * exp(m - m_new) + exp(block - m_new).sum(-1). Start with m = -inf and l = 0 (exp(-inf) is 0).",
+    "After the last block every statistic is final: return torch.exp(x - m[..., None]) / l[..., None].",
+])
+
+
+# ============================================================================ 10.2 flash_attention
+
+def _qkv(seed: int, shape_q: tuple[int, ...], length_k: int | None = None, spread: float = 2.0
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape_k = shape_q[:-2] + (length_k or shape_q[-2], shape_q[-1])
+    q = torch.randn(shape_q, generator=generator) * spread    # spread: peaked weights, so rescaling matters
+    k = torch.randn(shape_k, generator=generator) * spread
+    v = torch.randn(shape_k, generator=generator)
+    return q, k, v
+
+
+# (q, k, v, block_q, block_k, causal): blocks that divide L and blocks that do not, block_q != block_k
+# (where comparing block numbers goes wrong), Lq != Lk, blocks longer than the sequence.
+_FORWARD_CASES = (
+    (*_qkv(11, (1, 2, 13, 4)), 4, 5, False),
+    (*_qkv(12, (2, 1, 12, 8)), 4, 4, True),
+    (*_qkv(13, (1, 2, 11, 4)), 4, 3, True),
+    (*_qkv(14, (1, 1, 6, 4), length_k=10), 4, 4, False),
+    (*_qkv(15, (1, 1, 7, 4)), 16, 16, True),
+    (*_qkv(16, (1, 2, 10, 4)), 3, 4, True),
+)
+
+# The watched run: per head, the full score matrix is 64 x 64 = 4096 numbers, q is 64 x 12; d = 12 differs
+# from both block sizes so a score product (contracting over d) is told from weights @ values.
+_PROBE = dict(length=64, head_dim=12, block_q=16, block_k=8)
+
+
+def _pair(result: Any, shown: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    if isinstance(result, torch.Tensor) or not isinstance(result, (tuple, list)) or len(result) != 2:
+        got = (f"one tensor of shape {_shape(result)}" if isinstance(result, torch.Tensor) else
+               "nothing" if result is None else f"a {type(result).__name__}"
+               + (f" of {len(result)} values" if isinstance(result, (tuple, list)) else ""))
+        fail("shape", f"{shown} returned {got}; it should return two tensors, `return out, lse`: the output "
+                      f"{shape} and the log-sum-exp of each query's scores {shape[:-1]}.")
+    return result[0], result[1]
+
+
+def _call_forward(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int,
+                  block_k: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, str]:
+    shown = (f"flash_attention(q, k, v, block_q={block_q}, block_k={block_k}, causal={causal}) with q of shape "
+             f"{_shape(q)}" + (f" and k of shape {_shape(k)}" if k.shape != q.shape else ""))
+    result = call_student(fn, q.clone(), k.clone(), v.clone(), block_q=block_q, block_k=block_k, causal=causal,
+                          what=shown)
+    shape = _shape(q)[:-1] + (v.shape[-1],)
+    out, lse = _pair(result, shown, shape)
+    out = expect_tensor(out, shape, f"{shown} (its output)", dtype=q.dtype, finite=False)
+    lse = expect_tensor(lse, shape[:-1], f"{shown} (its log-sum-exp)", finite=False)
+    return out, lse, shown
+
+
+def _diagnose_forward(outputs: list[torch.Tensor]) -> None:
+    for code, why, spec in variants.FORWARD_MISTAKES:
+        if all(matches(out, variants.forward_variant(q, k, v, bq, bk, causal, **spec)[0])
+               for out, (q, k, v, bq, bk, causal) in zip(outputs, _FORWARD_CASES)):
+            fail(code, f"flash_attention: {why}")
+
+
+def _judge_lse(lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, causal: bool, shown: str) -> None:
+    scores = (q.double() @ k.double().transpose(-2, -1)) / q.shape[-1] ** 0.5       # (..., Lq, Lk)
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    right = torch.logsumexp(scores, -1)
+    if close(lse, right):
+        return
+    maximum = scores.amax(-1)
+    if close(lse, maximum):
+        why = "you return the running maximum m alone; the log-sum-exp is m + log(l)"
+    elif close(lse, right - maximum):
+        why = "you return log(l) alone; the sum l was measured against the maximum, so lse = m + log(l)"
+    elif close(lse, torch.exp(right)) or close(lse, torch.exp(right - maximum)):
+        why = "you return the sum itself, not its logarithm: lse = m + log(l)"
+    elif close(lse, right * q.shape[-1] ** 0.5) or close(lse, torch.logsumexp(scores * q.shape[-1] ** 0.5, -1)):
+        why = "your log-sum-exp is of the unscaled scores q k^T; it should be of the scores the softmax saw, q k^T / sqrt(d)"
+    else:
+        why = (f"it differs from log(sum_j exp(s_ij)) by up to {max_diff(lse, right):.3g}; with the running "
+               f"maximum m and sum l of each row, lse = m + log(l)")
+    fail("logsumexp", f"{shown}: the output is right but the log-sum-exp is not: {why}. The backward (10.3) "
+                      f"rebuilds every weight from it, as exp(s - lse).")
+
+
+def _probe_forward(fn: Callable[..., Any], causal: bool) -> None:
+    """Run the student's forward under the recorder: no L x L tensor, key blocks of block_k, future blocks skipped."""
+    length, head_dim, block_q, block_k = (_PROBE[key] for key in ("length", "head_dim", "block_q", "block_k"))
+    q, k, v = _qkv(21, (1, 2, length, head_dim))
+    shown = f"flash_attention(q, k, v, block_q={block_q}, block_k={block_k}, causal={causal}) with L = {length}"
+    recorder = Recorder(head_dim)
+    with recorder:
+        call_student(fn, q, k, v, block_q=block_q, block_k=block_k, causal=causal, what=shown)
+    record = recorder.record
+    per_head = q.shape[0] * q.shape[1]
+    if record.largest_numel >= length * length:
+        fail("full_scores", f"{shown}: your code materialised the full score matrix: it built a tensor of shape "
+                            f"{record.largest} ({record.largest_numel} numbers, at least L x L = {length * length}). "
+                            f"The point of tiling is that no tensor bigger than a (block_q, block_k) block of "
+                            f"scores ever exists; build the causal mask per block too, from the positions.")
+    if record.fused:
+        fail("not_tiled", f"{shown}: your code calls PyTorch's fused attention ({record.fused[0]}); write the "
+                          f"loops over query and key blocks yourself.")
+    if math.prod(record.largest_tile) > block_q * block_k:     # () when no score product was seen: 1
+        fail("not_tiled", f"{shown}: one of your score blocks has shape {record.largest_tile}, more than a "
+                          f"(block_q, block_k) = ({block_q}, {block_k}) block: take the keys block_k at a time.")
+    if causal and record.score_elements:
+        needed, total = ref.causal_blocks(length, block_q, block_k)
+        expected = needed * block_q * block_k * per_head
+        if record.score_elements > expected * 1.01:
+            share = record.score_elements / (total * block_q * block_k * per_head)
+            fail("block_skip", f"{shown}: you computed {share:.0%} of the score matrix, but with causal masking "
+                               f"only {needed} of the {total} key blocks ({needed / total:.0%}) hold any key a "
+                               f"query of its block may see. Skip (do not compute) every key block whose first "
+                               f"key comes after the query block's last query.")
+
+
+@checker("10.2")
+def check_flash_attention(fn: Callable[..., Any]) -> str:
+    """``fn(q, k, v, *, block_q, block_k, causal)`` -> (out, lse), tiled, never building the L x L scores."""
+    expect_callable(fn, "flash_attention")
+    outputs, lses, shown_all = [], [], []
+    for q, k, v, block_q, block_k, causal in _FORWARD_CASES:
+        out, lse, shown = _call_forward(fn, q, k, v, block_q, block_k, causal)
+        outputs.append(out)
+        lses.append(lse)
+        shown_all.append(shown)
+    for i, (out, (q, k, v, _, _, causal)) in enumerate(zip(outputs, _FORWARD_CASES)):
+        right = ref.naive_attention(q.double(), k.double(), v.double(), causal=causal)[0]
+        if not close(out, right):
+            _diagnose_forward(outputs)
+            if not torch.isfinite(out).all():
+                fail("nan", f"{shown_all[i]} gave NaN or inf. Start each query block with m = -inf, l = 0 and "
+                            f"acc = 0, and take exp(s - m_new) after updating m_new; a query must see key 0.")
+            fail("mismatch", f"{shown_all[i]} differs from attention by up to {max_diff(out, right):.3g}. For "
+                             f"every query block: loop over the key blocks, update m, l and acc (rescaled by "
+                             f"exp(m - m_new)), and divide acc by l at the end.")
+    for lse, shown, (q, k, _, _, _, causal) in zip(lses, shown_all, _FORWARD_CASES):
+        _judge_lse(lse, q, k, causal, shown)
+    _probe_forward(fn, causal=False)
+    _probe_forward(fn, causal=True)
+    needed, total = ref.causal_blocks(_PROBE["length"], _PROBE["block_q"], _PROBE["block_k"])
+    return (f"Output and log-sum-exp equal to attention's, for blocks that do not divide L and block_q != "
+            f"block_k; no L x L tensor built, and causal masking computed {needed} of {total} key blocks.")
+
+
+register("10.2", "flash_attention", [
+    "Two loops: over query blocks q[..., qs:qe, :] (qe = min(qs + block_q, Lq)), and inside over key blocks. "
+    "Per query block keep m (-inf), l (0) and acc (zeros, (..., Bq, dv)); scale q once by 1/sqrt(d).",
+    "Per key block: s = q_blk @ k_blk^T; m_new = max(m, s.amax(-1)); p = exp(s - m_new); c = exp(m - m_new); "
+    "l = l * c + p.sum(-1); acc = acc * c + p @ v_blk; m = m_new. At the end out = acc / l, lse = m + log(l).",
+    "Causal: query block [qs, qe) needs the key blocks starting before qe only (stop the key loop there), and "
+    "in a block crossing the diagonal, s = -inf where the key's position k_start + col is after the query's "
+    "q_start + row.",
+])
+
+
+# ============================================================================ 10.3 the backward
+
+# (q shape, block_q, block_k, causal). Square blocks first: a transposed product fits them (and only them),
+# so it is named there before the blocks that do not divide L, or block_q != block_k, make it crash.
+_BACKWARD_CASES = (((2, 1, 12, 4), 4, 4, True), ((1, 2, 12, 8), 4, 4, False), ((1, 2, 13, 8), 4, 5, False),
+                   ((2, 1, 11, 4), 4, 3, True), ((1, 1, 9, 4), 16, 16, True))
+
+
+def _grads(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, causal: bool,
+           block_q: int, block_k: int, shown: str) -> tuple[torch.Tensor, ...]:
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    with torch.enable_grad():
+        out = call_student(cls.apply, q, k, v, causal, block_q, block_k, what=f"{shown} (the forward)")
+        expect_tensor(out, _shape(q), f"{shown} (the forward)", finite=False)
+        if out.grad_fn is None:
+            fail("exception", f"{shown}: the output has no gradient function; return the forward's output "
+                              f"from forward, as given.")
+        grads = call_student(torch.autograd.grad, out, (q, k, v), grad_out, allow_unused=True,
+                             what=f"{shown}: your backward")
+    result = []
+    for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        if grad is None:
+            fail("shape", f"{shown}: your backward returned None for {name}; return dq, dk, dv (and None for "
+                          f"causal, block_q and block_k).")
+        result.append(expect_tensor(grad, _shape(like), f"{shown}: your backward's {name}", finite=False))
+    return tuple(result)
+
+
+@checker("10.3")
+def check_flash_backward(cls: Any) -> str:
+    """``cls.apply(q, k, v, causal, block_q, block_k)``: gradients of q, k, v equal attention's, by recomputation."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+        fail("exception", f"Expected your class FlashAttentionFunction itself, a subclass of "
+                          f"torch.autograd.Function, got {cls!r}.")
+    runs: list[tuple[Any, ...]] = []
+    for seed, (shape, block_q, block_k, causal) in enumerate(_BACKWARD_CASES):
+        q, k, v = _qkv(31 + seed, shape, spread=1.5)
+        grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(41 + seed))
+        shown = f"FlashAttentionFunction.apply(q, k, v, {causal}, {block_q}, {block_k}) with q of shape {shape}"
+        grads = _grads(cls, q, k, v, grad_out, causal, block_q, block_k, shown)
+        runs.append((q, k, v, grad_out, causal, block_q, block_k, grads))
+        right = variants.backward_variant(q, k, v, grad_out, causal, block_q, block_k)
+        if not all(close(g, r) for g, r in zip(grads, right)):
+            _diagnose_backward(runs)
+            wrong = [name for name, g, r in zip(("dq", "dk", "dv"), grads, right) if not close(g, r)]
+            fail("mismatch", f"{shown}: {', '.join(wrong)} differ from attention's gradients (by up to "
+                             f"{max(max_diff(g, r) for g, r in zip(grads, right)):.3g}). Per block: P = exp(S - "
+                             f"lse), dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K / sqrt(d), dK += "
+                             f"dS^T Q / sqrt(d), with D = rowsum(dO * O).")
+    _probe_backward(cls)
+    return ("dq, dk and dv equal attention's gradients, causal or not, for blocks that do not divide L; no L x L "
+            "tensor stored or built: each block's weights are recomputed from the log-sum-exp.")
+
+
+def _diagnose_backward(runs: list[tuple[Any, ...]]) -> None:
+    for code, why, spec in variants.BACKWARD_MISTAKES:
+        try:
+            if all(all(close(g, h) for g, h in zip(grads, variants.backward_variant(*run[:7], **spec)))
+                   for *run, grads in runs):
+                fail(code, f"Your backward: {why}")
+        except RuntimeError:      # a transposed product does not fit these blocks: not this mistake
+            continue
+
+
+def _probe_backward(cls: Any) -> None:
+    length, head_dim, block_q, block_k = (_PROBE[key] for key in ("length", "head_dim", "block_q", "block_k"))
+    q, k, v = _qkv(22, (1, 2, length, head_dim))
+    grad_out = torch.randn_like(q)
+    shown = f"FlashAttentionFunction with L = {length}"
+    recorder = Recorder(head_dim)
+    with recorder:
+        _grads(cls, q, k, v, grad_out, True, block_q, block_k, shown)
+    if recorder.record.largest_numel >= length * length:
+        fail("full_scores", f"{shown}: your forward or backward materialised a tensor of shape "
+                            f"{recorder.record.largest} (at least L x L = {length * length} numbers). The backward "
+                            f"should rebuild one (block_q, block_k) block of weights at a time, exp(s - lse), and "
+                            f"never store or build them all.")
+
+
+register("10.3", "FlashAttentionFunction", [
+    "The forward saved q, k, v, out and lse. First D = (dO * out).sum(-1), one number per query; then loop over "
+    "query blocks and, inside, key blocks (skip the future ones when causal), as in the forward.",
+    "Per block: s = q_blk @ k_blk^T * scale (masked when causal), p = exp(s - lse_blk[..., None]): the weights, "
+    "exactly, without any running maximum. dv_blk += p^T @ do_blk; dp = do_blk @ v_blk^T.",
+    "ds = p * (dp - D_blk[..., None]); dq_blk += ds @ k_blk * scale; dk_blk += ds^T @ q_blk * scale. Return "
+    "dq, dk, dv, None, None, None: one gradient per forward argument.",
+])

@@ -1,0 +1,306 @@
+"""Collecting a student's own parts from their saved learner copies, to use them together.
+
+Each exercise of the course defines one name (``causal_mask``, ``MultiHeadMaskedAttention``,
+``GPT``, ``train_step``, ...) in one code cell. ``collect_student_parts(folder)`` reads the
+student's notebooks in ``folder`` and takes, for every exercise, only that definition: the
+``def``/``class`` statements of the exercise cell, the imports of that cell, and any helper
+function or class of the student's own that the definition names. Nothing else from those
+notebooks runs: no prints, no training cells, no checks.
+
+An exercise that is missing, unfinished (still raises the learner copy's
+``NotImplementedError``) or broken (does not compile, or fails to define its name) falls back
+to the course's solution, and ``Collection.table()`` says so.
+
+``Collection.namespace(yours)`` executes the definitions in one fresh namespace, the student's
+for the exercises in ``yours`` and the solution's for the rest, so parts compose by name as in
+the notebooks: a ``GPT`` built there uses the ``TransformerBlock`` defined there, which uses
+that namespace's ``MultiHeadMaskedAttention``, whose mask comes from its ``causal_mask``.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from .. import _validate as validate
+from .._validate import describe
+from ..course_files import course_notebooks
+
+__all__ = ["Exercise", "CollectedPart", "Collection", "course_exercises", "collect_student_parts",
+           "GPT_EXERCISES"]
+
+# The exercises a GPT of your own is built and trained from, in the order they compose.
+GPT_EXERCISES = ("2.1", "3.1", "3.2", "3.3", "4.2", "4.3", "5.2", "5.3", "5.4")
+
+# Notebook 04's GPT cell builds its blocks from ``ReferenceBlock`` (the tested block), so that an
+# unfinished 4.2 cannot break 4.3. Put together, your GPT is built from the block defined beside it.
+ALIASES = {"ReferenceBlock": "TransformerBlock"}
+
+_BEGIN_RE = re.compile(r"### BEGIN SOLUTION \(Exercise (?P<id>\d+\.\d+)\b")
+_UNFINISHED_RE = re.compile(r"raise NotImplementedError\(\s*[\"']Exercise (?P<id>\d+\.\d+)")
+
+STATUS_TEXT = {
+    "yours": "yours",
+    "missing": "course's (yours is missing)",
+    "unfinished": "course's (yours is not written yet)",
+    "broken": "course's (yours does not run)",
+}
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise: the name it defines and where, with the course's solution of it."""
+
+    id: str
+    name: str
+    notebook: str     # file name, e.g. "03_multi_head_attention.ipynb"
+    cell_id: str
+    solution: str     # the solution cell's imports and definitions, as source
+
+
+@dataclass(frozen=True)
+class CollectedPart:
+    """What was found for one exercise in the student's notebooks."""
+
+    exercise: Exercise
+    status: str               # a key of STATUS_TEXT
+    source: str | None = None  # the student's definitions (with their helpers and imports), when usable
+    detail: str = ""          # why it fell back, for the table
+
+    @property
+    def is_yours(self) -> bool:
+        return self.status == "yours"
+
+    @property
+    def is_the_solution(self) -> bool:
+        """True when the student's part is the course's solution up to comments and layout."""
+        if not self.is_yours:
+            return False
+        try:
+            return ast.dump(ast.parse(self.source)) == ast.dump(ast.parse(self.exercise.solution))
+        except SyntaxError:
+            return False
+
+
+def _segment(source: str, node: ast.stmt) -> str:
+    """The source of one statement, decorators included (ast's own segment starts at ``def``)."""
+    lines = source.splitlines()
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    return "\n".join(lines[first - 1:node.end_lineno])
+
+
+def _definition_source(cell_source: str, name: str) -> str | None:
+    """The cell's imports and top-level definitions of ``name``; None when the cell defines no ``name``."""
+    tree = ast.parse(cell_source)
+    keep = [node for node in tree.body
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            or (isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and node.name == name)]
+    if not any(getattr(node, "name", None) == name for node in keep):
+        return None
+    return "\n\n".join(_segment(cell_source, node) for node in keep)
+
+
+def _read(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def course_exercises(notebooks: Iterable[Path] | None = None) -> dict[str, Exercise]:
+    """Every exercise of the solution notebooks, by id, with the name its cell defines."""
+    found: dict[str, Exercise] = {}
+    for path in (course_notebooks() if notebooks is None else notebooks):
+        for cell in _read(Path(path)).cells:
+            match = _BEGIN_RE.search(cell.source) if cell.cell_type == "code" else None
+            if not match:
+                continue
+            defined = [n.name for n in ast.parse(cell.source).body
+                       if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
+            if len(defined) != 1:
+                continue   # an exercise that defines no single name (1.1's numbers) cannot be collected
+            name = defined[0]
+            found[match["id"]] = Exercise(match["id"], name, Path(path).name, cell.get("id", ""),
+                                          _definition_source(cell.source, name) or "")
+    return found
+
+
+def _free_names(source: str) -> set[str]:
+    tree = ast.parse(source)
+    loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return loaded - set(dir(builtins))
+
+
+def _helpers(cells: list, before: int, wanted: set[str]) -> list[str]:
+    """Top-level functions and classes of the student's earlier cells that the definition names."""
+    sources: list[str] = []
+    for cell in cells[:before]:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue   # a broken cell elsewhere is not this exercise's problem
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in wanted:
+                sources.append(_segment(cell.source, node))
+    return sources
+
+
+def _find_cell(cells: list, exercise: Exercise) -> int | None:
+    """The student's cell for the exercise: the same cell id, else the last cell defining its name."""
+    for index, cell in enumerate(cells):
+        if cell.get("id") == exercise.cell_id and cell.cell_type == "code":
+            return index
+    pattern = re.compile(rf"^(class|def)\s+{re.escape(exercise.name)}\b", re.M)
+    matches = [i for i, cell in enumerate(cells) if cell.cell_type == "code" and pattern.search(cell.source)]
+    return matches[-1] if matches else None
+
+
+def _collect_one(folder: Path, exercise: Exercise, known: set[str]) -> CollectedPart:
+    path = folder / exercise.notebook
+    if not path.is_file():
+        return CollectedPart(exercise, "missing", detail=f"no {exercise.notebook} in {folder}")
+    try:
+        cells = _read(path).cells
+    except Exception as err:  # a notebook we cannot read is a missing part, not a crash
+        return CollectedPart(exercise, "missing", detail=f"{exercise.notebook} cannot be read ({err})")
+    index = _find_cell(cells, exercise)
+    if index is None:
+        return CollectedPart(exercise, "missing", detail=f"no cell defines {exercise.name}")
+    cell_source = cells[index].source
+    if _UNFINISHED_RE.search(cell_source):
+        return CollectedPart(exercise, "unfinished", detail="still raises NotImplementedError")
+    try:
+        source = _definition_source(cell_source, exercise.name)
+    except SyntaxError as err:
+        return CollectedPart(exercise, "broken", detail=f"SyntaxError, line {err.lineno}: {err.msg}")
+    if source is None:
+        return CollectedPart(exercise, "missing", detail=f"the exercise cell no longer defines {exercise.name}")
+    helpers = _helpers(cells, index, _free_names(source) - known)
+    return CollectedPart(exercise, "yours", "\n\n".join([*helpers, source]))
+
+
+def _base_namespace() -> dict:
+    """What every exercise cell may name: torch, and the course's version of every building block."""
+    import math
+
+    import torch
+    import torch.nn.functional as F  # the name every notebook uses
+    from torch import nn
+
+    from .. import attention, data, generate, model, train
+    namespace = {"__name__": "course_parts", "__builtins__": builtins, "math": math, "torch": torch, "nn": nn,
+                 "F": F}
+    # The course's versions of everything a cell may name; an exercise that is not collected
+    # (or whose definition is executed later) resolves to these, as in the notebooks.
+    for module, names in ((attention, ("scaled_dot_product_attention", "causal_mask", "split_heads",
+                                       "merge_heads", "MaskedAttention", "MultiHeadMaskedAttention")),
+                          (model, ("FeedForward", "GPTConfig", "LearnedPositionalEncoding",
+                                   "SinusoidalPositionalEncoding", "sinusoidal_table", "TransformerBlock", "GPT")),
+                          (data, ("lm_windows",)), (train, ("lm_loss", "train_step")),
+                          (generate, ("sample_next_token",))):
+        namespace.update({name: getattr(module, name) for name in names})
+    return namespace
+
+
+def _execute(source: str, namespace: dict, label: str) -> None:
+    exec(compile(source, label, "exec"), namespace)  # the student's own definitions
+
+
+class Collection:
+    """The parts collected from one folder of learner copies, by exercise id."""
+
+    def __init__(self, folder: Path, parts: dict[str, CollectedPart]) -> None:
+        self.folder = folder
+        self.parts = parts
+
+    def yours(self) -> list[str]:
+        """The ids of the exercises whose part is the student's."""
+        return [ex_id for ex_id, part in self.parts.items() if part.is_yours]
+
+    def namespace(self, yours: Iterable[str] | None = None) -> dict:
+        """A fresh namespace with every part defined: the student's for ``yours`` (default: all
+        usable ones), the course's solution for the rest."""
+        chosen = set(self.yours() if yours is None else yours)
+        unknown = chosen - set(self.parts)
+        if unknown:
+            raise ValueError(f"yours: expected exercise ids among {sorted(self.parts)}, got {sorted(unknown)}")
+        not_usable = sorted(ex_id for ex_id in chosen if not self.parts[ex_id].is_yours)
+        if not_usable:
+            raise ValueError(f"yours: exercises {not_usable} have no usable part of yours "
+                             f"({'; '.join(self.parts[i].detail for i in not_usable)})")
+        namespace = _base_namespace()
+        for ex_id, part in self.parts.items():
+            for alias, target in ALIASES.items():
+                if target in namespace:
+                    namespace[alias] = namespace[target]
+            if ex_id in chosen:
+                _execute(part.source, namespace, f"<your {part.exercise.notebook}, Exercise {ex_id}>")
+            else:
+                _execute(part.exercise.solution, namespace, f"<course solution, Exercise {ex_id}>")
+        return namespace
+
+    def with_part(self, exercise_id: str, source: str) -> Collection:
+        """A copy of this collection whose part for ``exercise_id`` is ``source`` (to try a variant)."""
+        if exercise_id not in self.parts:
+            raise ValueError(f"exercise_id: expected one of {sorted(self.parts)}, got {exercise_id!r}")
+        if not isinstance(source, str):
+            raise TypeError(f"source: expected the definition's source code as a str, got {describe(source)}")
+        try:
+            compile(source, f"<Exercise {exercise_id}>", "exec")
+        except SyntaxError as err:
+            raise ValueError(f"source: does not compile (line {err.lineno}: {err.msg})") from None
+        parts = dict(self.parts)
+        parts[exercise_id] = CollectedPart(self.parts[exercise_id].exercise, "yours", source)
+        return Collection(self.folder, parts)
+
+    def table(self) -> str:
+        """A plain-text table: each exercise, its name, and whose part is used."""
+        rows = [("exercise", "name", "used", "why")]
+        rows += [(ex_id, part.exercise.name, STATUS_TEXT[part.status], part.detail)
+                 for ex_id, part in self.parts.items()]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}".rstrip()
+                         for a, b, c, d in rows)
+
+    def __repr__(self) -> str:
+        return f"parts collected from {self.folder}:\n{self.table()}"
+
+
+def collect_student_parts(folder: str | os.PathLike = ".", exercises: Iterable[str] = GPT_EXERCISES,
+                          notebooks: Iterable[Path] | None = None) -> Collection:
+    """Collect the student's parts for ``exercises`` from the learner copies in ``folder``.
+
+    A part that is missing, unfinished or broken falls back to the course's solution. A part
+    whose definition runs but raises when executed in the namespace is marked broken too.
+    """
+    root = validate.path("folder", folder, "the folder of your notebooks")
+    if not root.is_dir():
+        raise FileNotFoundError(f"folder: expected a folder holding your notebooks, got '{root}' "
+                                f"({'a file' if root.exists() else 'not found'})")
+    if isinstance(exercises, str):
+        raise TypeError(f"exercises: expected a list of exercise ids such as ['2.1', '3.3'], got {exercises!r}")
+    known = course_exercises(notebooks)
+    wanted = list(exercises)
+    unknown = [ex_id for ex_id in wanted if ex_id not in known]
+    if unknown:
+        raise ValueError(f"exercises: expected ids among {sorted(known)}, got {unknown}")
+    names = {known[ex_id].name for ex_id in wanted} | set(_base_namespace()) | set(ALIASES)
+    parts = {ex_id: _collect_one(root, known[ex_id], names) for ex_id in wanted}
+    collection = Collection(root, parts)
+    # A definition that compiles may still fail when it runs (a bad decorator, a name that is
+    # nowhere): try each of the student's parts once, alone among the course's.
+    for ex_id in collection.yours():
+        try:
+            namespace = collection.namespace([ex_id])
+            defined = namespace.get(parts[ex_id].exercise.name)
+            if not callable(defined):
+                raise TypeError(f"{parts[ex_id].exercise.name} is {describe(defined)}, not a function or class")
+        except Exception as err:  # the student's code: any error means "does not run"
+            parts[ex_id] = CollectedPart(parts[ex_id].exercise, "broken",
+                                         detail=f"{type(err).__name__}: {err}")
+    return collection

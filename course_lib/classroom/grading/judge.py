@@ -1,0 +1,154 @@
+"""Judging one exercise: the student's definition, then the course's check cell, in one namespace.
+
+This runs inside the sandboxed child (``sandbox.enter`` was called before). The namespace is the
+one every exercise cell sees in the course (torch, ``nn``, ``F``, ``math`` and the course's
+building blocks, see ``course_lib.classroom.collect``), with the student's definition executed in it; then
+the course's check cell runs there with ``checks`` standing for the course's checkers, whose
+verdicts are kept. The verdict is the first failing check of the exercise, else its (last) pass.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..checks import _harness
+from ..collect import ALIASES, GPT_EXERCISES, _base_namespace
+from ..verdict import CheckResult
+from .plan import CAPSTONE, ExercisePlan
+
+__all__ = ["judge", "known_names", "RecordingChecks"]
+
+from .grades import MESSAGE_LIMIT
+
+
+def known_names(plans: dict[str, ExercisePlan]) -> set[str]:
+    """Names every exercise finds provided by the course: never taken from the student's other code."""
+    from .plan import graded_exercises
+    return ({ex.name for ex in graded_exercises().values()} | {p.name for p in plans.values() if p.name}
+            | set(course_namespace()) | set(ALIASES) | {"checks"})
+
+
+def course_namespace() -> dict[str, Any]:
+    """What an exercise's definition runs in: ``collect``'s namespace (torch and the course's building
+    blocks), plus the course's version of every other graded exercise's name (``modern.apply_rotary``
+    for 9.6, ...), as the notebooks carry on with the course's version after each exercise."""
+    from ... import attention, generate, model, modern
+    from .plan import graded_exercises
+    namespace = _base_namespace()
+    for ex in graded_exercises().values():
+        for module in (modern, attention, model, generate):
+            if ex.name not in namespace and hasattr(module, ex.name):
+                namespace[ex.name] = getattr(module, ex.name)
+    namespace.setdefault("modern", modern)
+    for alias, target in ALIASES.items():
+        namespace[alias] = namespace[target]
+    return namespace
+
+
+class RecordingChecks:
+    """Stands for ``checks`` in the course's check cell: each ``check_*`` call is the course's checker
+    (taken when this object is made, before any student code runs), and its verdict is kept."""
+
+    def __init__(self) -> None:
+        from .. import checks
+        checkers = {name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")}
+        verdicts: list[CheckResult] = []
+
+        def checker(name: str) -> Any:
+            real = checkers[name]
+
+            def run(*args: Any, **kwargs: Any) -> CheckResult:
+                result = real(*args, **kwargs)
+                verdicts.append(result)
+                return result
+            return run
+
+        self._checker = checker
+        self._verdicts = verdicts
+        self._names = frozenset(checkers)
+        self._module = checks
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._names:
+            return self._checker(name)
+        return getattr(self._module, name)   # checks.hint(...) and the like, as in the notebook
+
+    def verdicts(self) -> list[CheckResult]:
+        return list(self._verdicts)
+
+    def forget(self) -> None:
+        """Drop the verdicts so far (checks the student's own code made while being defined)."""
+        self._verdicts.clear()
+
+
+def _verdict(exercise: str, passed: bool, diagnosis: str | None, message: str) -> dict[str, Any]:
+    return {"exercise": exercise, "passed": bool(passed), "diagnosis": diagnosis,
+            "message": str(message)[:MESSAGE_LIMIT]}
+
+
+def _raised(exercise: str, what: str, exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, NotImplementedError):
+        return _verdict(exercise, False, "not_implemented", f"{what} is not written yet ({exc}).")
+    if isinstance(exc, SystemExit):
+        return _verdict(exercise, False, "exception", f"{what} called sys.exit() (or exit()): that would stop "
+                                                      f"the notebook's kernel.")
+    return _verdict(exercise, False, "exception",
+                    f"{what} raised {type(exc).__name__}{_harness._student_frame(exc)}: {exc}")
+
+
+def _from_checks(plan: ExercisePlan, recorder: RecordingChecks, error: BaseException | None) -> dict[str, Any]:
+    mine = [r for r in recorder.verdicts() if isinstance(r, CheckResult) and r.exercise == plan.id]
+    failing = [r for r in mine if not r.passed]
+    if failing:
+        return _verdict(plan.id, False, failing[0].diagnosis, failing[0].message)
+    if error is not None:
+        return _raised(plan.id, "Your code", error)
+    if mine:
+        return _verdict(plan.id, True, None, mine[-1].message)
+    return _verdict(plan.id, False, "checker_error", f"The course's check of exercise {plan.id} gave no verdict "
+                                                     f"(a bug in the course, not in your code).")
+
+
+def _judge_capstone(plan: ExercisePlan) -> dict[str, Any]:
+    from .. import capstone
+    from ..collect import collect_student_parts
+    parts = collect_student_parts(".")
+    not_yours = [f"{ex_id} ({parts.parts[ex_id].detail or parts.parts[ex_id].status})" for ex_id in GPT_EXERCISES
+                 if not parts.parts[ex_id].is_yours]
+    if not_yours:
+        return _verdict(plan.id, False, "not_implemented",
+                        f"8.1 trains the GPT built from your parts of notebooks 02-05, and these are not usable "
+                        f"yet: {', '.join(not_yours)}.")
+    recorder = RecordingChecks()
+    namespace = {"__name__": "course_check", "parts": parts, "capstone": capstone, "checks": recorder}
+    error = None
+    try:
+        exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), namespace)
+    except BaseException as exc:  # the student's parts train in here
+        error = exc
+    return _from_checks(plan, recorder, error)
+
+
+def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
+    """The verdict on ``source`` (the student's definition) for ``plan``, as a plain dict
+    (exercise, passed, diagnosis, message). Never raises."""
+    try:
+        if plan.id == CAPSTONE:
+            return _judge_capstone(plan)
+        namespace = course_namespace()
+        recorder = RecordingChecks()   # the course's checkers, taken before any student code runs
+        namespace["checks"] = recorder   # a line of theirs may call one (9.6's cell before: yours or ours)
+        try:
+            exec(compile(source or "", f"<your {plan.notebook}, Exercise {plan.id}>", "exec"), namespace)
+        except BaseException as exc:  # the student's definition itself failed to run
+            return _raised(plan.id, f"Defining {plan.name}", exc)
+        recorder.forget()
+        namespace["checks"] = recorder
+        error = None
+        try:
+            exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), namespace)
+        except BaseException as exc:  # 1.1's cell calls the student's my_prediction() itself
+            error = exc
+        return _from_checks(plan, recorder, error)
+    except BaseException as exc:  # never let anything escape: the worker needs one verdict
+        return _verdict(plan.id, False, "checker_error", f"The grader failed on exercise {plan.id} "
+                                                         f"({type(exc).__name__}: {exc}).")

@@ -1,0 +1,295 @@
+"""The report: ``grades.csv``, ``summary.md`` and ``summary.png`` for the class, ``feedback/<student>.md``.
+
+Everything is written by the grader at the end of the run, from the grades it received from its
+workers (never from a file a submission could have touched), each file atomically. The folder is
+the grader's: a folder holding a ``grades.csv``, ``summary.md``, ``feedback/`` ... that a previous
+``grade`` did not write (it leaves a ``.course-grade-report`` marker) is refused rather than
+overwritten; other files in it are left alone, so ``--out`` may be Gradescope's results folder.
+In ``feedback/`` and ``gradescope/`` (wholly the grader's) files this run did not write are removed.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..._atomic import atomic_file
+from ..verdict import DIAGNOSES
+from .advice import exercise_title, first_hint, room_hint
+from .grades import Grade
+from .gradescope import results_json
+from .submissions import safe_file_name
+
+__all__ = ["RunInfo", "check_report_folder", "claim_report_folder", "write_report", "grades_csv", "summary_markdown",
+           "feedback_markdown", "summary_figure", "figure_styles", "spreadsheet_safe", "MARKER", "COLUMNS"]
+
+MARKER = ".course-grade-report"
+COLUMNS = ("student", "exercise", "passed", "diagnosis", "message", "seconds")
+OURS = ("grades.csv", "summary.md", "summary.png", "results.json", "feedback", "gradescope")
+
+
+@dataclass
+class RunInfo:
+    """How the run went, for the summary's first lines."""
+
+    students: int
+    workers: int
+    timeout: float
+    memory_mb: int | None
+    seconds: float
+    sandbox: str
+    notes: list[str] = field(default_factory=list)    # files skipped, notebooks found twice
+    errors: list[str] = field(default_factory=list)   # grading's own failures
+    student_notes: dict[str, list[str]] = field(default_factory=dict)   # the same, per student, for feedback
+    scored: dict[str, set[str]] = field(default_factory=dict)   # Gradescope: the exercises each student is scored on
+
+
+def check_report_folder(out: Path) -> None:
+    """Refuse ``out`` when it is a file, or holds report files that ``grade`` did not write."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: expected a folder for the report, got '{out}' (a file)")
+    if out.is_dir() and not (out / MARKER).exists():
+        clash = sorted(name for name in OURS if (out / name).exists())
+        if clash:
+            raise ValueError(f"--out: '{out}' already holds {', '.join(clash)}, not written by `grade`; "
+                             f"choose a new or empty folder (nothing was overwritten)")
+
+
+def claim_report_folder(out: Path) -> None:
+    """Check ``out`` (see :func:`check_report_folder`) and mark it as the grader's now, before any student
+    code runs: a file a submission managed to put there cannot make the final report refused."""
+    check_report_folder(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out / MARKER) as handle:
+        handle.write(json.dumps({"written_by": "python -m course_lib grade",
+                                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+
+
+def _order(exercise: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in exercise.split("."))
+
+
+def _by_student(grades: list[Grade]) -> dict[str, list[Grade]]:
+    students: dict[str, list[Grade]] = {}
+    for grade in sorted(grades, key=lambda g: (g.student.casefold(), g.student, _order(g.exercise))):
+        students.setdefault(grade.student, []).append(grade)
+    return students
+
+
+def _by_exercise(grades: list[Grade]) -> dict[str, list[Grade]]:
+    exercises: dict[str, list[Grade]] = {}
+    for grade in sorted(grades, key=lambda g: (_order(g.exercise), g.student.casefold())):
+        exercises.setdefault(grade.exercise, []).append(grade)
+    return exercises
+
+
+def _mistakes(grades: list[Grade]) -> list[tuple[str, int]]:
+    """Diagnosis counts, most common first (ties in the order of DIAGNOSES)."""
+    counts = Counter(g.diagnosis for g in grades if not g.passed)
+    rank = {code: i for i, code in enumerate(DIAGNOSES)}
+    return sorted(counts.items(), key=lambda kv: (-kv[1], rank.get(kv[0], len(rank))))
+
+
+NOT_MISTAKES = ("not_implemented", "missing", "checker_error")   # nothing the room got wrong
+
+
+def _most_common_mistake(mistakes: list[tuple[str, int]]) -> tuple[str, int]:
+    """The most common real mistake (not "not written yet" or "not handed in"), else the most common."""
+    real = [(code, n) for code, n in mistakes if code not in NOT_MISTAKES]
+    return (real or mistakes)[0]
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(text: str) -> str:
+    """A cell a spreadsheet shows as text: one starting like a formula (``= + - @``, a tab or a carriage
+    return) gets a leading apostrophe, so that ``=HYPERLINK(...)`` in a student's name or message
+    is never run when the instructor opens grades.csv (OWASP's advice on CSV injection)."""
+    return "'" + text if text.startswith(_FORMULA_START) else text
+
+
+def grades_csv(grades: list[Grade]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(COLUMNS)
+    for student_grades in _by_student(grades).values():
+        for g in student_grades:
+            writer.writerow([spreadsheet_safe(g.student), g.exercise, "true" if g.passed else "false",
+                             spreadsheet_safe(g.diagnosis or ""), spreadsheet_safe(g.message), f"{g.seconds:.3f}"])
+    return buffer.getvalue()
+
+
+def summary_markdown(grades: list[Grade], info: RunInfo) -> str:
+    exercises = _by_exercise(grades)
+    students = _by_student(grades)
+    lines = ["# The class's grades", "",
+             f"{info.students} student(s), {len(exercises)} exercise(s) "
+             f"({', '.join(exercises)}); graded {time.strftime('%Y-%m-%d %H:%M')} in {info.seconds:.0f} s with "
+             f"{info.workers} worker(s), {info.timeout:g} s per notebook, "
+             + (f"{info.memory_mb} MB per exercise" if info.memory_mb else "no memory limit")
+             + f"; {info.sandbox}.", "",
+             "| exercise | passed | mistakes (students) |", "|---|---|---|"]
+    for ex_id, ex_grades in exercises.items():
+        passed = sum(g.passed for g in ex_grades)
+        mistakes = ", ".join(f"{code} {n}" for code, n in _mistakes(ex_grades)) or "-"
+        lines.append(f"| {ex_id} {_cell(exercise_title(ex_id))} | {passed}/{len(ex_grades)} | {mistakes} |")
+    for ex_id, ex_grades in exercises.items():
+        passed = sum(g.passed for g in ex_grades)
+        mistakes = _mistakes(ex_grades)
+        summary = "; " + ", ".join(f"{code} {n}" for code, n in mistakes) if mistakes else ""
+        lines += ["", f"## {ex_id}: {passed}/{len(ex_grades)} passed{summary}", "",
+                  f"*{exercise_title(ex_id)}*"]
+        if not mistakes:
+            continue
+        lines += ["", "| diagnosis | students | who |", "|---|---|---|"]
+        for code, count in mistakes:
+            who = ", ".join(g.student for g in ex_grades if g.diagnosis == code)
+            lines.append(f"| {code} | {count} | {_cell(who)} |")
+        top, count = _most_common_mistake(mistakes)
+        said = [g.message for g in ex_grades if g.diagnosis == top]
+        lines += ["", f"**Tell the room** ({top}, {count} student(s)): {_cell(room_hint(ex_id, top, said))}"]
+    lines += ["", "## Students", "", "| student | passed | not yet |", "|---|---|---|"]
+    for student, student_grades in students.items():
+        failing = ", ".join(f"{g.exercise} ({g.diagnosis})" for g in student_grades if not g.passed) or "-"
+        lines.append(f"| {_cell(student)} | {sum(g.passed for g in student_grades)}/{len(student_grades)} | "
+                     f"{_cell(failing)} |")
+    if info.notes or info.errors:
+        lines += ["", "## Notes", ""] + [f"- {_cell(note)}" for note in info.notes] + \
+            [f"- grading error: {_cell(error)}" for error in info.errors]
+    return "\n".join(lines) + "\n"
+
+
+def feedback_markdown(student: str, grades: list[Grade], notes: list[str] | tuple[str, ...] = ()) -> str:
+    """One student's verdicts, messages and hints (never the solution), and notes on their files
+    (which file was graded where several could be the same notebook, what was skipped)."""
+    passed = sum(g.passed for g in grades)
+    lines = [f"# Feedback for {student}", "", f"{passed} of {len(grades)} exercises passed.", ""]
+    lines += [f"- {note}" for note in notes] + ([""] if notes else [])
+    lines += ["| exercise | verdict |", "|---|---|"]
+    for g in grades:
+        verdict = "passed" if g.passed else f"not yet ({g.diagnosis})"
+        lines.append(f"| {g.exercise} {_cell(exercise_title(g.exercise))} | {verdict} |")
+    for g in grades:
+        verdict = "passed" if g.passed else f"not yet ({g.diagnosis})"
+        lines += ["", f"## {g.exercise} {exercise_title(g.exercise)}: {verdict}", "", g.message]
+        hint = first_hint(g.exercise)
+        if not g.passed and hint and g.diagnosis not in ("missing", "crashed", "checker_error"):
+            lines += ["", f"Hint: {hint} (more with `checks.hint(\"{g.exercise}\")` in the notebook)"]
+    return "\n".join(lines) + "\n"
+
+
+# Okabe and Ito's palette (2008), told apart with every kind of colour vision; passed is its bluish
+# green, the not-yet-done grey. Beyond its seven colours, the colours come round again with a hatch,
+# and past the hatches, with two different hatches drawn over each other (7 x 56 diagnoses in all).
+OKABE_ITO = ("#E69F00", "#56B4E9", "#D55E00", "#0072B2", "#CC79A7", "#F0E442", "#000000")
+HATCHES = ("", "///", "...", "xxx", "\\\\\\", "++", "oo", "--", "||", "**", "OO")
+FIXED_STYLES = {"passed": ("#009E73", ""), "not_implemented": ("#DDDDDD", ""), "missing": ("#999999", "")}
+
+
+def _hatches():
+    """Every single hatch, then every pair of two different ones drawn over each other: all distinct."""
+    yield from HATCHES
+    for i, first in enumerate(HATCHES[1:], 1):
+        for second in HATCHES[i + 1:]:
+            yield first + second
+
+
+def figure_styles(codes: list[str]) -> dict[str, tuple[str, str]]:
+    """The (colour, hatch) of "passed" and of each diagnosis in ``codes``: no two alike."""
+    styles = dict(FIXED_STYLES)
+    others = [code for code in codes if code not in styles]
+    hatches = _hatches()
+    for i, code in enumerate(others):
+        if i % len(OKABE_ITO) == 0:
+            hatch = next(hatches)   # each round of the seven colours gets a hatch of its own
+        styles[code] = (OKABE_ITO[i % len(OKABE_ITO)], hatch)
+    return styles
+
+
+def summary_figure(grades: list[Grade]) -> bytes:
+    """A PNG: one horizontal bar per exercise, passed and each diagnosis stacked."""
+    from matplotlib.figure import Figure
+    exercises = _by_exercise(grades)
+    codes = [code for code in DIAGNOSES if any(g.diagnosis == code for g in grades)]
+    names = list(exercises)[::-1]   # first exercise at the top
+    fig = Figure(figsize=(9, 1.2 + 0.32 * len(names)))
+    ax = fig.add_subplot()
+    left = [0] * len(names)
+    styles = figure_styles(codes)
+    for label in ["passed", *codes]:
+        counts = [sum((g.passed if label == "passed" else g.diagnosis == label) for g in exercises[ex])
+                  for ex in names]
+        if any(counts):
+            colour, hatch = styles[label]
+            ax.barh(names, counts, left=left, color=colour, hatch=hatch, label=label, edgecolor="white",
+                    linewidth=0.5)
+            left = [a + b for a, b in zip(left, counts)]
+        if label == "passed":
+            for y, count in enumerate(counts):
+                if count:
+                    ax.text(count - 0.1, y, str(count), va="center", ha="right", color="white", fontsize=8)
+    ax.set_xlabel("students")
+    students = len({g.student for g in grades})
+    ax.set_title(f"{students} student(s): passed, and each kind of mistake")
+    ax.set_xlim(0, max(students, 1))
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    return buffer.getvalue()
+
+
+def _write(path: Path, data: str | bytes, written: set[Path]) -> None:
+    with atomic_file(path, "wb" if isinstance(data, bytes) else "w") as handle:
+        handle.write(data)
+    written.add(path.resolve())
+
+
+def _remove_others(folder: Path, written: set[Path]) -> None:
+    """In a folder that is wholly the grader's, remove what this run did not write."""
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_symlink() or path.is_file():
+            if path.resolve() not in written:
+                path.unlink()
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+
+
+def write_report(out: Path, grades: list[Grade], info: RunInfo, *, gradescope: bool = False) -> list[Path]:
+    """Write the report into ``out`` (see the module docstring); the paths written."""
+    check_report_folder(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written: set[Path] = set()
+    _write(out / MARKER, json.dumps({"written_by": "python -m course_lib grade",
+                                     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n", written)
+    _write(out / "grades.csv", grades_csv(grades), written)
+    _write(out / "summary.md", summary_markdown(grades, info), written)
+    _write(out / "summary.png", summary_figure(grades), written)
+    students = _by_student(grades)
+    used: set[str] = set()
+    for student, student_grades in students.items():
+        name = safe_file_name(student)
+        while name.casefold() in used:   # two students whose names differ only in odd characters
+            name += "_"
+        used.add(name.casefold())
+        _write(out / "feedback" / f"{name}.md", feedback_markdown(student, student_grades, info.student_notes.get(student, ())),
+               written)
+        if gradescope:
+            scored = info.scored.get(student)
+            result = results_json([g for g in student_grades if not scored or g.exercise in scored])
+            _write(out / "results.json" if len(students) == 1 else out / "gradescope" / name / "results.json",
+                   json.dumps(result, indent=2) + "\n", written)
+    for folder in ("feedback", "gradescope"):
+        _remove_others(out / folder, written)
+    return sorted(written)

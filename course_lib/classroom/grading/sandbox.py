@@ -1,0 +1,216 @@
+"""What the process that runs a student's code may do: limits, and a policy on what it touches.
+
+:func:`enter` is called in a fresh child process (forked by the worker for one exercise) before
+any of the student's code runs. It
+
+- puts the child in its own process group, so the worker can kill it and anything it started;
+- sets resource limits (Linux, macOS): address space (``memory_mb`` above what the child already
+  maps: torch and the course, about 0.8 GB), CPU seconds (a backstop behind the worker's
+  wall-clock limit), 64 MiB per written file, no core dumps;
+- points stdin, stdout and stderr at /dev/null and closes the worker's channel to the grader, so
+  nothing the student prints or writes there can reach the grader;
+- installs a Python audit hook (``sys.addaudithook``, which cannot be removed) that refuses, with
+  a PermissionError the checker reports like any error of the student's code: writing outside the
+  student's own working folder; reading or listing the other students' submissions, the report
+  folder, the grader's working folders (other students' copies) and other processes' ``/proc``
+  entries; starting processes (fork, exec, subprocess, os.system); signalling any process but
+  itself; opening sockets to anything; loading or calling C functions through ctypes; and raising
+  its own resource limits.
+
+An audit hook is a tripwire, not a wall: code determined to escape its own process (say, by
+corrupting the interpreter's memory) can. What keeps the grades safe even then is the design
+around it: the grader never imports student code, reads every submission into memory before
+any student code runs, takes results only from the pipes of the processes it started, and
+writes the report itself at the end (see ``course_lib.classroom.grading``).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["enter", "enter_inline", "install_policy", "SandboxRefused"]
+
+FILE_SIZE_LIMIT = 64 * 2 ** 20   # bytes per file the student's code writes
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+_SPAWN_EVENTS = ("os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+                 "subprocess.Popen", "os.startfile", "pty.spawn")
+_REFUSED_EVENTS = {
+    **{event: "starting another process" for event in _SPAWN_EVENTS},
+    "socket.connect": "network connections", "socket.bind": "network connections",
+    "socket.sendto": "network connections", "socket.sendmsg": "network connections",
+    "ctypes.dlopen": "loading C libraries through ctypes", "ctypes.dlsym": "C functions through ctypes",
+    "ctypes.dlsym/handle": "C functions through ctypes", "ctypes.call_function": "C functions through ctypes",
+    "resource.setrlimit": "changing the resource limits", "resource.prlimit": "changing the resource limits",
+}
+# Events whose first argument (or first two) is a path that is changed.
+_WRITE_PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1,
+                      "os.utime": 1, "os.truncate": 1, "os.chflags": 1, "os.lchflags": 1, "os.setxattr": 1,
+                      "os.removexattr": 1, "shutil.rmtree": 1, "shutil.chown": 1, "os.rename": 2,
+                      "os.link": 2, "shutil.copyfile": 2, "shutil.copymode": 2, "shutil.copystat": 2,
+                      "shutil.copytree": 2, "shutil.move": 2}
+
+
+class SandboxRefused(PermissionError):
+    """What the student's code tried and the grader's sandbox does not allow."""
+
+
+def _limit(resource_module: Any, which: str, soft: int, hard: int | None = None) -> None:
+    kind = getattr(resource_module, which, None)
+    if kind is None:
+        return
+    try:
+        resource_module.setrlimit(kind, (soft, soft if hard is None else hard))
+    except (ValueError, OSError):
+        pass   # a platform that does not enforce this limit (macOS and RLIMIT_AS): the wall clock still does
+
+
+def _mapped_bytes() -> int:
+    """The address space this process maps now (Linux); 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _set_limits(memory_mb: int | None, cpu_seconds: float | None) -> None:
+    try:
+        import resource
+    except ImportError:   # Windows: no resource limits (the grader still kills on its wall clock)
+        return
+    if memory_mb:
+        mapped = _mapped_bytes()
+        if mapped:
+            _limit(resource, "RLIMIT_AS", mapped + memory_mb * 2 ** 20)
+    if cpu_seconds:
+        soft = int(cpu_seconds) + 2
+        _limit(resource, "RLIMIT_CPU", soft, soft + 3)
+    _limit(resource, "RLIMIT_FSIZE", FILE_SIZE_LIMIT)
+    _limit(resource, "RLIMIT_CORE", 0)
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a too-large write fails (OSError), not kills
+
+
+def _quiet_standard_streams(close: Iterable[int]) -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    for fd in close:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], None]:
+    """Install (for good) the audit hook that keeps this process's reads and writes to ``home``
+    and away from ``deny``; returns the hook (for tests)."""
+    home_dir = os.path.realpath(home)
+    denied = tuple(os.path.realpath(os.fspath(path)) for path in deny)
+    writable = (home_dir,)
+    own_pid = os.getpid()
+    own_group = os.getpgid(0) if hasattr(os, "getpgid") else own_pid
+    proc = os.path.realpath("/proc") + os.sep if os.path.isdir("/proc") else None
+    own_proc = (f"{proc}{own_pid}", f"{proc}self", f"{proc}thread-self") if proc else ()
+
+    def inside(path: str, roots: tuple[str, ...]) -> bool:
+        return any(path == root or path.startswith(root + os.sep) for root in roots)
+
+    def resolve(path: Any) -> str | None:
+        if path is None or isinstance(path, int):
+            return None   # an already open file descriptor was allowed when it was opened
+        try:
+            return os.path.realpath(os.fsdecode(path))
+        except (TypeError, ValueError):
+            return None
+
+    def refuse(what: str) -> None:
+        raise SandboxRefused(f"the grader's sandbox does not allow {what}")
+
+    def check_read(path: Any) -> None:
+        real = resolve(path)
+        if real is None or inside(real, writable):
+            return
+        if inside(real, denied):
+            refuse(f"reading {os.fsdecode(path)!s}: other submissions and the grader's files are off limits")
+        if proc and real.startswith(proc) and real[len(proc):].split(os.sep)[0].isdigit() \
+                and not inside(real, own_proc):
+            refuse(f"reading {real}: other processes are off limits")
+
+    def check_write(path: Any) -> None:
+        real = resolve(path)
+        if real is None or real == os.devnull or inside(real, writable):
+            return
+        refuse(f"writing {os.fsdecode(path)!s}: only the submission's own working folder is writable")
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = (tuple(args) + (None, None, None))[:3]
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
+                (isinstance(flags, int) and bool(flags & _WRITE_FLAGS))
+            check_write(path) if writes else check_read(path)
+        elif event in ("os.listdir", "os.scandir", "os.chdir"):
+            check_read(args[0] if args else None)
+            if event == "os.chdir":
+                real = resolve(args[0] if args else None)
+                if real is not None and not inside(real, writable):
+                    refuse("leaving the submission's working folder (os.chdir)")
+        elif event in _WRITE_PATH_EVENTS:
+            for path in args[:_WRITE_PATH_EVENTS[event]]:
+                check_write(path)
+        elif event == "os.symlink":
+            check_write(args[1])
+        elif event in ("os.kill", "os.killpg"):
+            target = args[0]
+            if event == "os.kill" and target not in (own_pid, 0, -own_group):
+                refuse(f"signalling process {target}: a submission may only signal itself")
+            if event == "os.killpg" and target not in (own_group, 0):
+                refuse(f"signalling process group {target}: a submission may only signal itself")
+        elif event in _REFUSED_EVENTS:
+            refuse(_REFUSED_EVENTS[event])
+
+    sys.addaudithook(hook)
+    return hook
+
+
+def _work_in(home: str) -> None:
+    os.chdir(home)
+    tmp = os.path.join(home, ".tmp")
+    os.makedirs(tmp, exist_ok=True)
+    os.environ["TMPDIR"] = tmp
+    import tempfile
+    tempfile.tempdir = tmp
+
+
+def enter_inline(home: str, deny: Iterable[str], *, memory_mb: int | None) -> None:
+    """The sandbox where a worker grades one student in its own process (no fork: Windows, ``--inline``):
+    the folder and the policy, the memory limit where the platform has one; the streams stay."""
+    _work_in(home)
+    _set_limits(memory_mb, None)
+    install_policy(home, deny)
+
+
+def enter(home: str, deny: Iterable[str], *, memory_mb: int | None, cpu_seconds: float | None,
+          close: Iterable[int] = ()) -> None:
+    """Turn this (freshly forked) process into the sandbox for one student's exercise.
+
+    ``home``: the student's working folder (made the current folder, the only writable one);
+    ``deny``: folders it may not read; ``close``: descriptors of the worker's to close.
+    """
+    if hasattr(os, "setpgid"):
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            pass   # already a group leader
+    _work_in(home)
+    _set_limits(memory_mb, cpu_seconds)
+    _quiet_standard_streams(close)
+    install_policy(home, deny)

@@ -1,0 +1,114 @@
+"""Finding the students' submissions in a folder, and reading them into memory.
+
+Layouts understood (``SUBMISSIONS`` is the folder given to ``grade``):
+
+- one folder per student holding that student's notebooks: ``SUBMISSIONS/ada/02_masked_attention.ipynb``;
+- nbgrader's ``submitted/<student>/<assignment>/``: give ``submitted`` as ``SUBMISSIONS``; the
+  notebooks of every assignment folder of a student are taken together (a name found in two
+  assignments: the most recently modified is kept, and a note says so);
+- a folder holding notebooks itself (Gradescope's ``/autograder/submission``): one student, named
+  after the folder.
+
+Every file is read now, before any student code runs anywhere, so that a submission changing
+files on disk during the run (its own or another student's) cannot change what is graded. Hidden
+files and folders, ``.ipynb_checkpoints``, ``__pycache__`` and symbolic links are skipped; so are
+files over ``FILE_LIMIT`` bytes, and files beyond ``STUDENT_LIMIT`` bytes in all, with a note.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ... import _validate as validate
+
+__all__ = ["Submission", "find_submissions", "FILE_LIMIT", "STUDENT_LIMIT", "safe_file_name"]
+
+FILE_LIMIT = 25 * 2 ** 20
+STUDENT_LIMIT = 100 * 2 ** 20
+_SKIPPED_DIRS = {".ipynb_checkpoints", "__pycache__"}
+
+
+@dataclass
+class Submission:
+    """One student's files (relative path -> bytes), and notes about what was skipped."""
+
+    student: str
+    files: dict[str, bytes] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def safe_file_name(student: str) -> str:
+    """A file name for the student's feedback: letters, digits, ``.``, ``-`` and ``_``; the rest ``_``."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", student).strip(".") or "student"
+    return name[:100]
+
+
+def _visible(path: Path) -> bool:
+    return not path.name.startswith(".") and path.name not in _SKIPPED_DIRS and not path.is_symlink()
+
+
+def _walk(folder: Path, depth: int) -> list[Path]:
+    """The regular files under ``folder`` (not following links), at most ``depth`` folders down."""
+    found: list[Path] = []
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return found
+    for entry in entries:
+        if not _visible(entry):
+            continue
+        if entry.is_file():
+            found.append(entry)
+        elif entry.is_dir() and depth > 0:
+            found += _walk(entry, depth - 1)
+    return found
+
+
+def _has_notebooks(folder: Path) -> bool:
+    return any(p.suffix == ".ipynb" and _visible(p) and p.is_file() for p in folder.iterdir())
+
+
+def _read_student(student: str, folder: Path) -> Submission:
+    submission = Submission(student)
+    if _has_notebooks(folder):
+        roots = [folder]
+    else:   # nbgrader: one folder per assignment
+        roots = sorted(p for p in folder.iterdir() if _visible(p) and p.is_dir() and _has_notebooks(p))
+    chosen: dict[str, Path] = {}
+    for root in roots:
+        for path in _walk(root, 2):
+            name = path.relative_to(root).as_posix()
+            if name in chosen:
+                older, newer = sorted([chosen[name], path], key=lambda p: p.stat().st_mtime)
+                submission.notes.append(f"{name} is in two places; graded {newer.parent.name}/{name}, "
+                                        f"not {older.parent.name}/{name}")
+                chosen[name] = newer
+            else:
+                chosen[name] = path
+    total = 0
+    for name, path in sorted(chosen.items(), key=lambda kv: (not kv[0].endswith(".ipynb"), kv[0])):
+        size = path.stat().st_size
+        if size > FILE_LIMIT or total + size > STUDENT_LIMIT:
+            submission.notes.append(f"{name} skipped: {size:,} bytes, over the grader's limit")
+            continue
+        try:
+            submission.files[name] = path.read_bytes()
+        except OSError as err:
+            submission.notes.append(f"{name} skipped: cannot be read ({err.strerror})")
+            continue
+        total += size
+    return submission
+
+
+def find_submissions(folder: str | os.PathLike) -> list[Submission]:
+    """Every student's submission in ``folder`` (see the module docstring), sorted by student."""
+    root = validate.path("submissions", folder, "the folder of the students' submissions")
+    if not root.is_dir():
+        raise FileNotFoundError(f"SUBMISSIONS: expected a folder holding one folder per student, got '{root}' "
+                                f"({'a file' if root.exists() else 'not found'})")
+    if _has_notebooks(root):
+        return [_read_student(root.resolve().name or "submission", root)]
+    students = sorted(p for p in root.iterdir() if _visible(p) and p.is_dir())
+    return [_read_student(path.name, path) for path in students]

@@ -1,0 +1,356 @@
+"""The grading worker: a process that never runs student code itself, and forks one child per exercise.
+
+The grader starts a few of these (``--workers``) with ``python -m course_lib.classroom.grading.worker`` and
+sends each, on stdin, one JSON line per student: the student's files (read into memory by the
+grader before any student code ran), the exercises, the limits. The worker writes the files into
+a fresh folder of its own, reads the student's definitions (parsing, never running them), and for
+each exercise forks a child that enters the sandbox (``sandbox.enter``), runs the student's
+definition and the course's check cell (``judge``), and sends its one verdict back on a pipe of
+its own. The worker waits on that pipe with the exercise's time limit, then kills the child's
+process group (and, on Linux, any process the child left behind: the worker is a subreaper), and
+writes the grade to the grader on its stdout, a descriptor the children close before running
+anything. Student code can thus only ever reach the pipe of its own exercise.
+
+Time limit per notebook: a notebook's exercises share ``timeout`` seconds. Each exercise may use
+an equal share of what is left when it starts, so the notebook never takes longer than
+``timeout``, and one endless loop cannot starve the exercises after it.
+
+Without ``os.fork`` (Windows), or with ``--inline``, the worker grades a single student in its own
+process instead (the grader starts one per student): the same judging and sandbox policy, but no
+per-exercise process, no resource limits, and only the grader's kill of the whole worker when the
+student's total time runs out.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import select
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "exercise_limits"]
+
+READ_LIMIT = 1 << 20   # bytes of a child's verdict: more is not a verdict
+
+
+def exercise_limits(budget: float, elapsed: float, left: int) -> float:
+    """The time an exercise may use: an equal share of what the notebook has left."""
+    return max(0.0, budget - elapsed) / max(1, left)
+
+
+class _Channel:
+    """The worker's line to the grader: JSON lines on a descriptor no child keeps."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = (json.dumps(message) + "\n").encode("utf-8")
+        while data:
+            data = data[os.write(self.fd, data):]
+
+
+def _become_subreaper() -> None:
+    """Linux: orphans of our children are re-parented to us, so none outlives its exercise."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER
+    except Exception:  # best effort: the process-group kill still applies
+        pass
+
+
+def _kill_strays() -> None:
+    """Kill every child of this worker still there (a grandchild a submission left behind)."""
+    for _ in range(20):
+        pids: set[int] = set()
+        for task in Path("/proc/self/task").glob("*/children") if os.path.isdir("/proc/self/task") else []:
+            try:
+                pids |= {int(p) for p in task.read_text().split()}
+            except (OSError, ValueError):
+                continue
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+
+
+def _describe_status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        why = " (by itself, or by the system when it ran out of memory)" if name == "SIGKILL" else \
+            " (the CPU-time limit)" if name in ("SIGXCPU",) else ""
+        return f"was killed by {name}{why}"
+    if os.WIFEXITED(status):
+        return f"exited with status {os.WEXITSTATUS(status)} (os._exit, or a crash in native code)"
+    return f"ended with wait status {status}"
+
+
+def _run_child(plan: Any, source: str | None, home: str, deny: list[str], limit: float, memory_mb: int | None,
+               close: list[int]) -> tuple[dict[str, Any], float]:
+    """Fork a child to judge one exercise; its verdict (or why there is none) and the seconds it took."""
+    from . import sandbox
+    from .judge import judge
+    read_end, write_end = os.pipe()
+    # The child's verdict must carry this token: bytes a submission writes into the pipe on its own
+    # (without digging the token out of its process's memory) are not taken for a verdict.
+    token = os.urandom(16).hex()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:   # the child: it never returns
+        try:
+            os.close(read_end)
+            sandbox.enter(home, deny, memory_mb=memory_mb, cpu_seconds=limit, close=close)
+            from ..checks import _harness
+            _harness.TIME_LIMIT_S = max(0.5, 0.9 * limit)   # the checker's own timer rings first
+            data = json.dumps({"token": token, "verdict": judge(plan, source)}).encode("utf-8")
+            while data:
+                data = data[os.write(write_end, data):]
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        os.setpgid(pid, pid)   # also here: the kill below must find the group even if the child is slow to start
+    except OSError:
+        pass
+    chunks: list[bytes] = []
+    size = 0
+    timed_out = False
+    while True:
+        remaining = start + limit - time.monotonic()
+        if remaining <= 0:
+            timed_out = True
+            break
+        ready, _, _ = select.select([read_end], [], [], remaining)
+        if not ready:
+            continue
+        data = os.read(read_end, 65536)
+        if not data:
+            break
+        chunks.append(data)
+        size += len(data)
+        if size > READ_LIMIT:
+            break
+    # A verdict may be complete while the child is still exiting: take it, then stop everything.
+    seconds = time.monotonic() - start
+    status = None
+    if not timed_out:
+        for _ in range(50):   # up to 0.5 s for a child that sent its verdict to exit on its own
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            status = None
+            time.sleep(0.01)
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):   # the group, and the child should it have left it
+        try:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if status is None:
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            status = 0
+    os.close(read_end)
+    _kill_strays()
+    try:
+        sent = json.loads(b"".join(chunks)) if chunks and size <= READ_LIMIT else None
+    except ValueError:
+        sent = None
+    verdict = sent.get("verdict") if isinstance(sent, dict) and sent.get("token") == token else None
+    if isinstance(verdict, dict) and verdict.get("exercise") == plan.id:
+        return verdict, seconds
+    if timed_out:
+        return {"exercise": plan.id, "passed": False, "diagnosis": "timeout",
+                "message": f"Stopped after {limit:.0f} s, this exercise's share of the notebook's time limit: "
+                           f"look for a loop that never ends, or work that grows with every step."}, seconds
+    if chunks:
+        return {"exercise": plan.id, "passed": False, "diagnosis": "crashed",
+                "message": "Your code wrote into the channel that carries the check's verdict back to the "
+                           "grader, so no verdict could be read."}, seconds
+    return {"exercise": plan.id, "passed": False, "diagnosis": "crashed",
+            "message": f"The process running your code {_describe_status(status)} before the check finished: "
+                       f"look for os._exit, os.kill or signal calls, or memory use far beyond the "
+                       f"{memory_mb} MB limit."}, seconds
+
+
+def _write_files(home: str, files: dict[str, str], notebooks: set[str]) -> dict[str, Any]:
+    """Write the student's files into ``home``; returns the text of each course notebook found, by the
+    course's name (a renamed copy, "02_masked_attention (1).ipynb", is written under it too), why a
+    notebook was not found, and notes on which file was graded where several could be it."""
+    from .sources import candidates, find_notebook, unfinished_exercises
+    contents = {}
+    for name, encoded in files.items():
+        relative = Path(name)
+        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+            continue   # the grader sends plain relative names; anything else is not written
+        data = base64.b64decode(encoded)
+        try:
+            target = Path(home, relative)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        except OSError:
+            continue   # a name this system cannot hold: the file is not there, as if not handed in
+        contents[relative.as_posix()] = data
+    texts: dict[str, str] = {}
+    why: dict[str, str] = {}
+    notes: list[str] = []
+    flat = [n for n in contents if "/" not in n]
+    for notebook in sorted(notebooks):
+        possible = candidates(flat, notebook)
+        unfinished = {name: unfinished_exercises(contents[name].decode("utf-8", errors="replace"))
+                      for name in possible} if len(possible) > 1 else {}
+        found, note = find_notebook(flat, notebook, unfinished)
+        if found is None:
+            why[notebook] = note
+            if possible:
+                notes.append(note)
+            continue
+        if note:
+            notes.append(note)
+        texts[notebook] = contents[found].decode("utf-8", errors="replace")
+        if found != notebook:
+            Path(home, notebook).write_bytes(contents[found])   # 8.1 collects by the course's names
+    return {"texts": texts, "why": why, "notes": notes}
+
+
+def _read_part(text: str | None, plan: Any, known: set[str], why: str) -> Any:
+    """The student's part for ``plan``; whatever their notebook makes the parser do, a verdict of theirs."""
+    from .sources import StudentPart, student_part
+    try:
+        return student_part(text, plan, known, missing_detail=why)
+    except Exception as exc:  # their notebook (a parse bomb, say): never "a bug in the course"
+        return StudentPart(plan.id, None, "exception",
+                           f"Your {plan.notebook} could not be read for exercise {plan.id} ({type(exc).__name__}): "
+                           f"look for a cell with code nested thousands of levels deep.")
+
+
+def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *, inline: bool,
+                  close: list[int]) -> None:
+    """Grade one student's job; each grade is sent as soon as it is known."""
+    from .judge import judge, known_names
+    from .plan import CAPSTONE, grading_plan
+    student = job["student"]
+    plans = grading_plan(job["exercises"])
+    known = known_names(plans)
+    home = tempfile.mkdtemp(prefix="student-", dir=job["root"])
+    try:
+        found = _write_files(home, job["files"], {p.notebook for p in plans.values()})
+        for note in found["notes"]:
+            send({"type": "note", "student": student, "note": note})
+        by_notebook: dict[str, list] = {}
+        for plan in plans.values():
+            by_notebook.setdefault(plan.notebook, []).append(plan)
+        # Every part is read before any of the student's code runs.
+        parts = {plan.id: _read_part(found["texts"].get(plan.notebook), plan, known,
+                                     found["why"].get(plan.notebook, ""))
+                 for plan in plans.values() if plan.id != CAPSTONE}
+        if inline:   # this process is the student's alone from here on: it runs their code itself
+            from . import sandbox
+            sandbox.enter_inline(home, job["deny"], memory_mb=job["memory_mb"])
+        for group in by_notebook.values():
+            start = time.monotonic()
+            for index, plan in enumerate(group):
+                part = parts.get(plan.id)
+                if part is not None and part.source is None:
+                    send({"type": "grade", "student": student, "exercise": plan.id, "seconds": 0.0,
+                          "verdict": {"exercise": plan.id, "passed": False, "diagnosis": part.diagnosis,
+                                      "message": part.message}})
+                    continue
+                source = part.source if part is not None else None
+                limit = exercise_limits(job["timeout"], time.monotonic() - start, len(group) - index)
+                if inline:   # only the checker's own timer here; the grader's kill of the whole process behind it
+                    from ..checks import _harness
+                    _harness.TIME_LIMIT_S = max(0.5, 0.9 * limit)
+                    began = time.monotonic()
+                    verdict = judge(plan, source)
+                    seconds = time.monotonic() - began
+                else:
+                    verdict, seconds = _run_child(plan, source, home, job["deny"], limit, job["memory_mb"], close)
+                if part is not None and part.note and isinstance(verdict, dict) \
+                        and isinstance(verdict.get("message"), str):
+                    verdict = {**verdict, "message": f"{verdict['message']} {part.note}"}
+                send({"type": "grade", "student": student, "exercise": plan.id, "seconds": round(seconds, 3),
+                      "verdict": verdict})
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _warm_up(exercises: list[str], *, check: bool = True) -> list[str]:
+    """Import what the checks need and (``check``) grade the course's own solutions and learner copies
+    here in the worker (``selfcheck``), so that each forked child starts with every import done and
+    every lazy initialisation paid; returns the self-check's problems (none: the judge is sound)."""
+    import torch
+    torch.set_num_threads(1)   # before any torch work: a forked child must not inherit a thread pool
+    from .plan import CAPSTONE, grading_plan
+    plans = grading_plan(exercises)
+    if any(p.notebook.startswith("07") for p in plans.values()):
+        import transformers  # noqa: F401  (notebook 07's checks build GPT-2 models)
+        from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401
+
+        from ... import hf  # noqa: F401
+    if CAPSTONE in plans:
+        from .. import capstone  # noqa: F401
+    if not check:
+        from .judge import course_namespace
+        course_namespace()
+        return []
+    from .selfcheck import self_check
+    return self_check(plans)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m course_lib.classroom.grading.worker EXERCISES [--inline] [--isolated [--uid=N]]``: EXERCISES is
+    "1.1,1.2,...". ``--isolated``: inside the grader's bubblewrap sandbox (``isolation``), for one
+    student; the grader ran the self-check elsewhere, so this one only imports what the checks need."""
+    argv = sys.argv[1:] if argv is None else argv
+    isolated = "--isolated" in argv
+    if isolated:   # before anything else: an unprivileged user with a process limit, no inherited descriptor
+        from .isolation import enter_worker
+        uid = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--uid=")), None)
+        enter_worker(uid)
+    inline = "--inline" in argv or not hasattr(os, "fork")
+    exercises = next((a for a in argv if not a.startswith("--")), "").split(",")
+    channel = _Channel(os.dup(1))
+    os.dup2(2, 1)   # whatever a library prints goes to the worker's log, never into the channel
+    try:
+        problems = _warm_up(exercises, check=not isolated)
+        _become_subreaper()
+    except Exception as exc:  # the grader reports this as grading itself failing
+        channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
+        return 1
+    if problems:   # never a class graded against a broken judge
+        channel.send({"type": "self_check", "problems": problems})
+        return 1
+    channel.send({"type": "ready", "pid": os.getpid()})
+    for line in sys.stdin.buffer:
+        job = json.loads(line)
+        try:
+            grade_student(job, channel.send, inline=inline, close=[channel.fd])
+        except Exception as exc:  # a bug of ours: the grader marks the student's remaining exercises
+            channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
+            return 1
+        channel.send({"type": "done", "student": job["student"]})
+        if inline or isolated:   # one student per process
+            return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""A training run's losses, and exercise 8.1's verdict on two of them: does the student's GPT
+train like the reference?
+
+``capstone.train_parts`` makes the runs; the 8.1 checker (``checks.notebook08``) and
+``capstone.find_blame`` judge them here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .._validate import describe
+from .collect import GPT_EXERCISES
+from .verdict import CheckResult
+
+__all__ = ["TOLERANCE", "STALL", "TrainingRun", "how_it_fails", "judge"]
+
+# A correct part gives the reference's numbers up to float rounding: same start, same batches.
+# Over a few hundred AdamW steps rounding differences grow to about 1e-3 in the loss (measured:
+# reordered but equivalent attention code ends within 0.002). A part that changes what is computed
+# moves the loss by far more (a missing scale: +0.05; dropout in the wrong place: NaN or +0.1).
+TOLERANCE = 0.02
+# A run stalls when its loss falls by less than this from the first steps to the last.
+STALL = 0.05
+
+
+
+@dataclass
+class TrainingRun:
+    """The losses of one run; ``failure`` says why it stopped early, if it did."""
+
+    label: str
+    step: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    val_step: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    failure: str | None = None    # "nan" or "exception: ..." when the run could not go on
+    model: torch.nn.Module | None = field(default=None, repr=False)
+    namespace: dict | None = field(default=None, repr=False)
+    # the parts of the GPT that are not the student's in this run, with why ("2.1 (not written yet)"),
+    # when the run was asked to use all of them (train_parts(..., None)); None when unknown
+    not_yours: tuple[str, ...] | None = None
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.val_loss[-1] if self.val_loss else float("nan")
+
+    def summary(self) -> str:
+        end = f"validation loss {self.final_val_loss:.4f}" if self.failure is None else f"stopped: {self.failure}"
+        return f"{self.label}: {len(self.step)} steps, {end}"
+
+
+def how_it_fails(run: TrainingRun, reference: TrainingRun, tolerance: float) -> str | None:
+    """None when ``run`` trains like ``reference``, else how it fails."""
+    if run.failure == "nan":
+        return "nan"
+    if run.failure is not None:
+        return "raises"
+    first, last = sum(run.train_loss[:10]) / min(10, len(run.train_loss)), run.final_val_loss
+    if first - last < STALL and reference.train_loss[0] - reference.final_val_loss >= STALL:
+        return "stalls"
+    if last > reference.final_val_loss + tolerance:
+        return "diverges"
+    return None
+
+
+def judge(yours: TrainingRun, reference: TrainingRun, tolerance: float = TOLERANCE) -> CheckResult:
+    """Exercise 8.1: does your GPT train like the reference (final validation loss within ``tolerance``)?"""
+    for name, run in (("yours", yours), ("reference", reference)):
+        if not isinstance(run, TrainingRun):
+            raise TypeError(f"{name}: expected a TrainingRun from train_parts(...), got {describe(run)}")
+    if reference.failure is not None:
+        raise ValueError(f"reference: the reference run itself failed ({reference.failure}); "
+                         f"this is a bug in the course, please report it")
+    verdict = how_it_fails(yours, reference, tolerance)
+    if verdict is None and yours.not_yours:
+        # as the grader: 8.1 judges the student's GPT, and a run where the course's parts stand in for some
+        # of it (in a fresh learner copy, all of it) trains like the reference trivially: not written yet
+        return CheckResult("8.1", False, "not_implemented",
+                           f"Not yours to judge yet: 8.1 trains the GPT built from your parts of notebooks 02-05, "
+                           f"and the course's parts stand in for {len(yours.not_yours)} of {len(GPT_EXERCISES)}: "
+                           f"{', '.join(yours.not_yours)}. Write them, save the notebooks, and run this notebook "
+                           f"again.")
+    if verdict is None:
+        gap = yours.final_val_loss - reference.final_val_loss
+        return CheckResult("8.1", True, None,
+                           f"Your GPT trains like the reference: validation loss {yours.final_val_loss:.4f} "
+                           f"against {reference.final_val_loss:.4f} ({gap:+.4f}, tolerance {tolerance}).")
+    message = {"nan": f"Your GPT's loss became NaN at step {len(yours.step)}.",
+               "raises": f"Training your GPT failed: {yours.failure}.",
+               "stalls": "Your GPT's loss does not go down.",
+               "diverges": (f"Your GPT ends at validation loss {yours.final_val_loss:.4f}, the reference at "
+                            f"{reference.final_val_loss:.4f}: more than {tolerance} behind.")}[verdict]
+    diagnosis = {"nan": "nan", "raises": "exception"}.get(verdict, "mismatch")
+    return CheckResult("8.1", False, diagnosis, message + " find_blame(...) names the part.")

@@ -1,0 +1,121 @@
+"""The verdict on one exercise, and the mistakes it can name.
+
+A checker stops at the first problem it finds by raising :class:`Failure` (``fail(...)``) with one
+of the :data:`DIAGNOSES`; the harness (``checks._harness``) turns that into a :class:`CheckResult`,
+which the notebook shows, the grader records and the live room counts.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import Any
+
+DIAGNOSES = (
+    # What a CheckResult's ``diagnosis`` can say, one code per kind of mistake (Failure rejects others).
+    "not_implemented",   # the exercise still raises NotImplementedError
+    "exception",         # the student's code raised (or called sys.exit), or was passed the wrong thing
+    "timeout",           # the student's code ran past the time limit (an endless loop?)
+    "mutation",          # the student's code changed one of its inputs in place
+    "shape",             # the result (or a parameter) has the wrong shape, or nothing was returned
+    "dtype",             # the result has the wrong dtype, or is not a tensor at all
+    "device",            # the result is on another device than its inputs
+    "nan",               # the result holds NaN or infinity (or training went NaN, 8.1)
+    "precision",         # the right numbers, rounded too coarsely
+    "softmax_dim",       # the softmax runs over the wrong axis
+    "scale",             # the scores (or positional frequencies) are scaled by the wrong factor
+    "normalization",     # weights that do not sum to one: no softmax, or half of one
+    "causal_mask",       # the mask is wrong: the future leaks, or the wrong positions are hidden
+    "head_split",        # heads split or merged along the wrong axes
+    "values",            # values taken from the wrong projection or the wrong tensor
+    "batch_mixing",      # a reshape that mixes batch entries or positions
+    "dropout",           # dropout missing, in the wrong place, or active in eval mode
+    "residual",          # a residual connection missing, adding the wrong tensor, or added where none belongs
+    "norm_placement",    # a norm in the wrong place: LayerNorm pre/post the other way, QK-norm missing or after RoPE
+    "clipping",          # the gradient norm not clipped to max_grad_norm, or clipped at the wrong moment
+    "generator",         # sampling ignores the generator it was given (uses the global RNG)
+    "rope_layout",       # RoPE pairs the wrong dimensions: interleaved (2i, 2i+1) against the half-split tables
+    "rope_rotation",     # RoPE turns each pair the wrong way: sign, sin and cos swapped, or no rotate_half term
+    "rope_frequencies",  # RoPE's angles turn at the wrong rates: theta ignored, the wrong exponent or base
+    "rope_positions",    # RoPE turns tokens to the wrong positions: offset ignored or read after appending, from 1
+    "rope_axes",         # RoPE applied on the wrong axes: before the head split, or along the head axis
+    "rope_missing",      # RoPE left out on the queries, the keys, or both
+    "rotated_values",    # RoPE applied to the values too (only queries and keys turn)
+    "epsilon",           # RMSNorm's epsilon forgotten, outside the square root, or not self.eps
+    "norm_weight",       # a norm's learned weight forgotten or applied the wrong way (added, 1 + weight)
+    "norm_statistic",    # RMSNorm divides by the wrong statistic: centred, a plain norm, over the wrong axis
+    "gating",            # SwiGLU's gate is wrong: SiLU on the wrong branch, no gate, another activation
+    "kv_grouping",       # key/value heads shared in the wrong order (repeat where repeat_interleave is meant)
+    "kv_cache",          # the KV cache ignored, its keys turned again, or holding repeated heads or unrotated keys
+    "gradient",          # the right outputs, but a parameter or input gets no gradient or a wrong one (a cut graph)
+    "zero_grad",         # optimizer.zero_grad missing (gradients pile up), or placed where it wipes the new ones
+    "flops_factor",      # FLOPs per token counted as 2N (the forward pass) where 6N (forward and backward) is meant
+    "split_transpose",   # the head split reshapes without the transpose that puts heads before positions
+    "final_norm",        # the final LayerNorm (ln_f) left out before the language-model head
+    "no_kv_cache",       # generation without the KV cache: none passed, a new one each step, or dropped later
+    "overlapping_windows",  # training windows that overlap: they start closer together than the stride
+    "online_rescale",    # 10: the running sum (or output accumulator) not rescaled when the maximum grows
+    "running_max",       # 10: the maximum of the latest block, not the running one (the rescale overflows)
+    "overflow",          # 10: exp of unshifted scores overflows (no maximum subtracted)
+    "early_normalization",  # 10: normalised at every block instead of once at the end
+    "block_bounds",      # 10: a block boundary off by one, or a short last block dropped or padded unmasked
+    "block_skip",        # 10: causal tiling skips the wrong key blocks, or none
+    "full_scores",       # 10: the full L x L score matrix materialised where tiling should avoid it
+    "not_tiled",         # 10: whole rows reduced at once, blocks larger than asked, or a fused kernel called
+    "logsumexp",         # 10: the per-row log-sum-exp wrong (m alone, log(l) alone, unscaled)
+    "backward_delta",    # 10: D = rowsum(dO * O) computed from the wrong tensors, or left out
+    "transposed",        # 10: a gradient with a transposed factor (dV = P dO, dK = dS Q)
+    "score_offset",      # a head score reads the wrong diagonal: the copy itself, the token itself, one too far
+    "score_positions",   # a head score averages over positions that have no target (position 0, the first half)
+    "score_axes",        # a head score averages over the wrong axes: batch and heads swapped, one left unaveraged
+    "ablation_method",   # a head "switched off" by changing the wrong thing (its attention pattern), or not at all
+    "ablation_slice",    # the wrong part of the merged heads zeroed: another head, the whole layer, proj's rows
+    "not_restored",      # a context manager that leaves the model changed (hooks, weights), also after an exception
+    "mismatch",          # wrong, and like none of the mistakes we know
+    "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
+    "missing",           # grading: the exercise (its notebook, or its cell) is not in the submission
+    "crashed",           # grading: the process running the student's code died (os._exit, a signal, memory)
+)
+
+@dataclass
+class CheckResult:
+    """The verdict on one exercise: ``passed``, a ``diagnosis`` code and a ``message`` to act on."""
+
+    exercise: str
+    passed: bool
+    diagnosis: str | None
+    message: str
+    details: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        mark = "PASSED" if self.passed else f"NOT YET ({self.diagnosis})"
+        return f"Exercise {self.exercise}: {mark}. {self.message}"
+
+    def _repr_html_(self) -> str:
+        colour, border, mark = (("#e6f4ea", "#34a853", "&#10004; Passed") if self.passed
+                                else ("#fce8e6", "#d93025", f"&#10008; Not yet: <code>{self.diagnosis}</code>"))
+        return (f'<div style="background:{colour};border-left:4px solid {border};padding:6px 10px;'
+                f'margin:4px 0;font-family:sans-serif;color:#202124">'
+                f"<b>Exercise {html.escape(self.exercise)}</b> &mdash; {mark}<br>"
+                f"{html.escape(self.message)}</div>")
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+class Failure(Exception):
+    """Raised inside a checker to stop at the first problem found."""
+
+    def __init__(self, diagnosis: str, message: str, **details: Any):
+        if diagnosis not in DIAGNOSES:
+            raise ValueError(f"diagnosis: expected one of {DIAGNOSES}, got {diagnosis!r}")
+        super().__init__(message)
+        self.diagnosis = diagnosis
+        self.message = message
+        self.details = details
+
+
+def fail(diagnosis: str, message: str, **details: Any) -> None:
+    raise Failure(diagnosis, message, **details)

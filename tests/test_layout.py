@@ -1,0 +1,183 @@
+"""The package's two rules of layout, read from the source with ``ast`` (nothing is imported):
+
+- the reference (every module of ``course_lib`` outside ``runs/`` and ``classroom/``) imports nothing
+  from ``course_lib.runs`` or ``course_lib.classroom``: a student reads it without the machinery;
+- the import graph of ``course_lib`` has no circle.
+
+Every import counts, at module level or inside a function; relative imports are resolved. The wings
+are found from the folders, so moving a module between them needs no change here.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "course_lib"
+WINGS = ("course_lib.runs", "course_lib.classroom")   # the wings the reference may not import
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    return {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute name of ``from <dots><name> import ...`` written in ``module``."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if _is_package(path) else module.split(".")[:-1]
+    base = package[:len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _targets(name: str, known: dict[str, Path], top: str) -> str | None:
+    """The module of ``known`` that importing ``name`` loads: itself, or the package that holds it."""
+    if name in known:
+        return name
+    if not name.startswith(top + ".") and name != top:
+        return None
+    parent = name.rsplit(".", 1)[0]
+    return _targets(parent, known, top) if parent != name else None
+
+
+def imports(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """For each module of the package under ``root``, the modules of the package it imports."""
+    known = _modules(root)
+    top = root.name
+    lazy = {name.rsplit(".", 1)[1] for name in known if name.count(".") == 2 and name.startswith(f"{top}.classroom.")}
+    graph: dict[str, set[str]] = {}
+    for module, path in known.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(module, path, node)
+                names = []
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    if full in known:
+                        names.append(full)            # from package import submodule
+                    elif base == top and alias.name in lazy and f"{top}.{alias.name}" not in known:
+                        names.append(f"{top}.classroom.{alias.name}")   # course_lib's lazy `checks`
+                    else:
+                        names.append(base)
+            else:
+                continue
+            found.update(t for t in (_targets(name, known, top) for name in names) if t and t != module)
+        graph[module] = found
+    return graph
+
+
+def reference_wing_violations(root: Path = PACKAGE) -> list[str]:
+    top = root.name
+    wings = tuple(w.replace("course_lib", top, 1) for w in WINGS)
+    broken = []
+    for module, targets in imports(root).items():
+        if module.startswith(wings) or module == f"{top}.__main__":
+            continue   # the wings themselves, and the command line that starts them
+        # (course_lib/__init__.py is read too: its lazy `checks` is an importlib call, no import statement)
+        for target in sorted(targets):
+            if target.startswith(wings):
+                broken.append(f"{module} imports {target}")
+    return broken
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle (a -> b -> ... -> a) for each strongly connected group of modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_circle(graph, set(group)) for group in groups]
+
+
+def _circle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """A shortest path from the group's first module back to itself, inside the group."""
+    start = min(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & group):
+                if nxt == start:
+                    return paths[node] + [start]
+                if nxt not in paths:
+                    paths[nxt] = paths[node] + [nxt]
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"no circle through {start} in {sorted(group)}")
+
+
+def test_the_reference_imports_nothing_from_runs_or_the_classroom():
+    broken = reference_wing_violations()
+    assert not broken, ("the reference (course_lib outside runs/ and classroom/) must not import those wings:\n  "
+                        + "\n  ".join(broken))
+
+
+def test_the_package_has_no_import_circle():
+    found = cycles(imports())
+    assert not found, "import circles in course_lib:\n  " + "\n  ".join(" -> ".join(c) for c in found)
+
+
+def test_the_reading_sees_function_level_and_relative_imports(tmp_path):
+    """The rules above can fail: a planted function-level import back up the tree is a circle, and a
+    reference module's relative import of the classroom is a violation."""
+    pkg = tmp_path / "course_lib"
+    (pkg / "classroom" / "checks").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .attention import f\n")
+    (pkg / "attention.py").write_text("def f():\n    from .classroom.checks import g\n    return g\n")
+    (pkg / "classroom" / "__init__.py").write_text("")
+    (pkg / "classroom" / "checks" / "__init__.py").write_text("from ... import attention\n\ndef g():\n    pass\n")
+    assert reference_wing_violations(pkg) == ["course_lib.attention imports course_lib.classroom.checks"]
+    assert cycles(imports(pkg)) == [["course_lib.attention", "course_lib.classroom.checks", "course_lib.attention"]]
+    (pkg / "model.py").write_text("from course_lib import checks\n")   # the lazy name counts as the classroom
+    assert "course_lib.model imports course_lib.classroom.checks" in reference_wing_violations(pkg)
+
+
+def test_importing_the_reference_loads_no_classroom_and_checks_stays_importable():
+    """Notebooks (and students' own copies) write `from course_lib import checks`: it still works, and only
+    asking for it loads the classroom."""
+    import subprocess
+    import sys
+    code = ("import sys\nimport course_lib, course_lib.train, course_lib.generate\n"
+            "assert not [m for m in sys.modules if m.startswith('course_lib.classroom')], 'eager classroom'\n"
+            "from course_lib import checks\n"
+            "assert checks.__name__ == 'course_lib.classroom.checks' and callable(checks.check_causal_mask)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
