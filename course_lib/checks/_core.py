@@ -105,12 +105,6 @@ def _following(entry: Exercise, result: CheckResult) -> str:
     return _spec_hint(entry)
 
 
-# The markers as course_lib.assignments defines them: alone on their line, indentation allowed;
-# the BEGIN marker names its exercise, "### BEGIN SOLUTION (Exercise 2.2: ...)".
-_BEGIN_RE = re.compile(r"^[ \t]*### BEGIN SOLUTION[ \t]*\([ \t]*Exercise[ \t]+(?P<id>\d+\.\d+)\b.*\)[ \t]*$")
-_END_RE = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
-
-
 def _notebook(entry: Exercise) -> Path:
     from ..course_files import notebooks_dir
     found = sorted(notebooks_dir().glob(f"{entry.notebook}_*.ipynb"))
@@ -129,11 +123,13 @@ def solution_source(exercise_id: str) -> str:
         if cell.get("cell_type") != "code":
             continue
         source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+        # the markers as the one notebook reader reads them (course_lib.classroom.notebook_reader)
+        from course_lib.classroom.notebook_reader import marker
         lines = source.splitlines()
         for i, line in enumerate(lines):
-            match = _BEGIN_RE.match(line)
-            if match and match["id"] == entry.exercise:
-                if not any(_END_RE.match(rest) for rest in lines[i + 1:]):
+            found = marker(line)
+            if found is not None and found.kind == "begin" and found.exercise == entry.exercise:
+                if not any((m := marker(rest)) is not None and m.kind == "end" for rest in lines[i + 1:]):
                     raise ValueError(f"{path.name}: the solution region of exercise {entry.exercise} has no "
                                      f"### END SOLUTION")
                 return source

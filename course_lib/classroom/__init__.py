@@ -1,0 +1,1 @@
+"""Everything around a student: checks, grading, collection, learner copies and the notebook reader."""
