@@ -116,8 +116,10 @@ def _collect_one(folder: Path, exercise: Exercise, known: set[str]) -> Collected
         return CollectedPart(exercise, "missing", detail=f"no cell defines {exercise.name}")
     if reader.unfinished_exercises(cells[found.cell].source):
         return CollectedPart(exercise, "unfinished", detail="still raises NotImplementedError")
-    if found.problem in ("syntax", "too_deep"):
+    if found.problem == "syntax":
         return CollectedPart(exercise, "broken", detail=found.detail)
+    if found.problem == "too_deep":
+        return CollectedPart(exercise, "broken", detail=f"too deeply nested to compile ({found.detail})")
     if found.problem == "not_defined":
         return CollectedPart(exercise, "missing", detail=f"the exercise cell no longer defines {exercise.name}")
     return CollectedPart(exercise, "yours", found.source)

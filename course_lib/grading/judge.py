@@ -3,9 +3,8 @@
 This runs inside the sandboxed child (``sandbox.enter`` was called before). The namespace is the
 one every exercise cell sees in the course (torch, ``nn``, ``F``, ``math`` and the course's
 building blocks: ``collect.course_namespace``, the one notebook 08 trains your parts in), with
-the student's definition executed in it; then
-the course's check cell runs there with ``checks`` standing for the course's checkers, whose
-verdicts are kept. The verdict is the first failing check of the exercise, else its (last) pass.
+the student's definition executed in it; then the course's check cell runs there with ``checks``
+standing for the course's checkers, whose verdicts are kept. The verdict is the first failing check of the exercise, else its (last) pass.
 """
 from __future__ import annotations
 
