@@ -194,3 +194,21 @@ def test_load_checkpoint_leaves_the_callers_random_numbers_alone(tmp_path):
     after_load = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(after_load, torch.rand(3))
+
+
+def test_a_modern_gpt_checkpoint_holds_only_plain_values(tmp_path):
+    from course_lib.modern_gpt import ModernGPT, ModernGPTConfig
+    torch.manual_seed(0)
+    model = ModernGPT(ModernGPTConfig(vocab_size=7, max_tokens=8, embed_dim=16, num_heads=2, num_layers=1))
+    path = save_checkpoint(tmp_path / "modern.pt", model, CharTokenizer("abcdefg"))
+    payload = torch.load(path, weights_only=True)
+
+    def plain(value):
+        if isinstance(value, dict):
+            return all(isinstance(k, (str, int)) and plain(v) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return all(plain(v) for v in value)
+        return value is None or isinstance(value, (bool, int, float, str, torch.Tensor))
+    assert payload["architecture"] == "modern" and plain(payload)
+    assert ModernGPTConfig.from_dict(payload["config"]) == model.config
+    assert type(load_checkpoint(path).model) is ModernGPT
