@@ -1,5 +1,13 @@
 """Checkpoints: weights, the config that built them, the tokenizer and (for resuming) the training
-state, saved atomically and verified with a checksum when loaded."""
+state, saved atomically and verified with a checksum when loaded.
+
+A checkpoint is what ``torch.save`` writes for a dict of tensors and plain values, so that
+``torch.load(path, weights_only=True)`` opens it like any PyTorch file. Its SHA-256 travels inside
+the file: torch's file is a zip archive, and a zip archive may end with a comment; ours is
+``course_lib sha256=<hex>``, the hash of every byte before the comment's length field. The hash
+covers every byte torch reads (torch checks only some of its records), the comment checks itself,
+and copying the file alone keeps it.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -19,12 +27,13 @@ from .model import ARCHITECTURES, GPT, ModernGPT, architecture_of
 __all__ = ["Checkpoint", "CheckpointError", "save_checkpoint", "load_checkpoint", "unwrap_model",
            "remove_stale_temporaries"]
 
-FORMAT_VERSION = 2
-# A checkpoint file is this line, the SHA-256 of the rest in hex, a newline, then torch.save's bytes.
-# The checksum covers every byte torch will read, so one flipped bit anywhere is refused on load
-# instead of loading with changed weights (torch's zip format checks only some of its records).
-MAGIC = b"COURSE-CHECKPOINT v2 sha256="
-_HEADER_LENGTH = len(MAGIC) + 64 + 1
+FORMAT_VERSION = 3
+# The zip archive's comment holding the checksum; it is the file's last bytes, after the 2-byte
+# comment length that closes the end-of-central-directory record (whose 4-byte signature is EOCD).
+CHECKSUM_PREFIX = b"course_lib sha256="
+_COMMENT_LENGTH = len(CHECKSUM_PREFIX) + 64
+_EOCD = b"PK\x05\x06"
+_EOCD_SIZE = 22   # the record without its comment
 # A name no user file is likely to end with: remove_stale_temporaries deletes only these.
 _TMP_SUFFIX = ".course_lib-partial"
 
@@ -158,7 +167,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, tokenizer: Any = 
                     training: dict[str, Any] | None = None) -> Path:
     """Write model weights, its GPTConfig, the tokenizer, ``extra`` and ``training`` (plain data) to ``path``.
 
-    The file carries a SHA-256 checksum that :func:`load_checkpoint` verifies, and it is
+    ``torch.load(path, weights_only=True)`` reads the file as a dict. It ends with a SHA-256
+    checksum (see the module's docstring) that :func:`load_checkpoint` verifies, and it is
     written next to its destination and then renamed, so an interrupted save never leaves a
     half-written checkpoint behind. ``extra`` and ``training`` must be plain data (see the
     error message otherwise): what could not be loaded back safely is refused now, not later.
@@ -186,33 +196,41 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, tokenizer: Any = 
     }
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    body = buffer.getvalue()
-    header = MAGIC + hashlib.sha256(body).hexdigest().encode("ascii") + b"\n"
-    return write_atomically(path, header + body)
+    return write_atomically(path, _with_checksum(buffer.getvalue()))
+
+
+def _with_checksum(archive: bytes) -> bytes:
+    """torch.save's zip archive with our checksum as its comment (torch writes it without one)."""
+    if archive[-_EOCD_SIZE:-_EOCD_SIZE + 4] != _EOCD or archive[-2:] != b"\x00\x00":
+        raise RuntimeError("torch.save wrote a file that does not end like a zip archive without a comment; "
+                           "this torch version is not supported by course_lib's checkpoints")
+    body = archive[:-2]
+    comment = CHECKSUM_PREFIX + hashlib.sha256(body).hexdigest().encode("ascii")
+    return body + len(comment).to_bytes(2, "little") + comment
 
 
 def _read_verified(path: Path) -> dict[str, Any]:
     raw = path.read_bytes()
-    damaged = (f"path: {path} is damaged (its checksum does not match its contents); "
-               f"use an earlier checkpoint or train again")
-    if raw.startswith(MAGIC):
-        header, body = raw[:_HEADER_LENGTH], raw[_HEADER_LENGTH:]
-        if header[-1:] != b"\n" or hashlib.sha256(body).hexdigest().encode("ascii") != header[len(MAGIC):-1]:
-            raise CheckpointError(damaged)
-    elif raw.startswith(b"PK"):
-        body = raw   # format 1 (before checksums): a plain torch.save file, still readable
-    elif sum(a != b for a, b in zip(raw[:len(MAGIC)], MAGIC)) == 1:
-        raise CheckpointError(damaged)   # the damage hit the header itself
-    else:
-        raise CheckpointError(f"path: {path} is not a course checkpoint (it does not start like one); "
-                              f"expected a file written by save_checkpoint or `python -m course_lib train`")
+    body, length, comment = raw[:-_COMMENT_LENGTH - 2], raw[-_COMMENT_LENGTH - 2:-_COMMENT_LENGTH], \
+        raw[-_COMMENT_LENGTH:]
+    if not raw.startswith(b"PK\x03\x04"):
+        raise CheckpointError(f"path: {path} is not a course checkpoint (it does not start like a torch.save "
+                              f"file); expected a file written by save_checkpoint or `python -m course_lib train`")
+    if (len(raw) < _EOCD_SIZE + _COMMENT_LENGTH or not comment.startswith(CHECKSUM_PREFIX)
+            or int.from_bytes(length, "little") != _COMMENT_LENGTH
+            or body[-_EOCD_SIZE + 2:-_EOCD_SIZE + 6] != _EOCD):
+        raise CheckpointError(f"path: {path} is damaged or was not written by save_checkpoint (it does not end "
+                              f"with course_lib's checksum); use an earlier checkpoint or train again")
+    if hashlib.sha256(body).hexdigest().encode("ascii") != comment[len(CHECKSUM_PREFIX):]:
+        raise CheckpointError(f"path: {path} is damaged (its SHA-256 does not match the one recorded at its "
+                              f"end); use an earlier checkpoint or train again")
     try:
-        payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+        payload = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as exc:  # never repeat torch's advice to unpickle unsafely
-        raise CheckpointError(f"path: {path} is damaged or not a course checkpoint "
-                              f"(torch could not read it: {type(exc).__name__})") from None
+        raise CheckpointError(f"path: {path} is not a course checkpoint: its checksum is right but torch "
+                              f"refuses its contents ({type(exc).__name__})") from None
     version = payload.get("format_version") if isinstance(payload, dict) else None
-    if version not in (1, FORMAT_VERSION):
+    if version != FORMAT_VERSION:
         raise CheckpointError(f"path: {path} is not a course checkpoint (format_version {version!r}, "
                               f"expected {FORMAT_VERSION})")
     return payload
@@ -237,8 +255,7 @@ def load_checkpoint(path: str | os.PathLike, model: GPT | ModernGPT | None = Non
         raise FileNotFoundError(f"path: no checkpoint at {path}; train one with "
                                 f"`python -m course_lib train --preset tiny --out DIR`")
     payload = _read_verified(path)
-    # Checkpoints from before notebook 09 name no architecture: they hold a GPT.
-    architecture = payload.get("architecture", "gpt")
+    architecture = payload.get("architecture")
     if architecture not in ARCHITECTURES:
         raise CheckpointError(f"path: {path} holds a model of unknown architecture {architecture!r}; "
                               f"expected one of {sorted(ARCHITECTURES)} (a newer course_lib wrote it?)")

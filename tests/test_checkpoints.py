@@ -1,5 +1,4 @@
 """Checkpoints: verified on load, refused at save time when they could not be loaded back, atomic."""
-import hashlib
 import io
 import os
 
@@ -8,7 +7,7 @@ import torch
 
 from course_lib import GPT, GPTConfig
 from course_lib.checkpoints import (
-    MAGIC,
+    CHECKSUM_PREFIX,
     CheckpointError,
     load_checkpoint,
     remove_stale_temporaries,
@@ -40,20 +39,55 @@ def test_round_trip_keeps_weights_tokenizer_extra_and_training_state(saved):
     assert loaded.training["step"] == 3 and torch.equal(loaded.training["rng"], torch.arange(4, dtype=torch.uint8))
 
 
+def test_plain_torch_load_with_weights_only_opens_a_checkpoint(saved):
+    payload = torch.load(saved, weights_only=True)
+    model = tiny_model()
+    assert payload["state_dict"].keys() == model.state_dict().keys()
+    assert all(torch.equal(payload["state_dict"][k], v) for k, v in model.state_dict().items())
+    assert payload["config"] == model.config.to_dict() and payload["extra"] == {"step": 3}
+    assert payload["tokenizer"]["kind"] == "char" and payload["training"]["step"] == 3
+    fresh = GPT(GPTConfig(**payload["config"]))
+    fresh.load_state_dict(payload["state_dict"])   # what a PyTorch user does with no course_lib at hand
+
+
+def test_the_checksum_travels_inside_the_file(saved, tmp_path):
+    """Copying the checkpoint alone keeps it verifiable: no sidecar file, the hash ends the file itself."""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
+    copy = tmp_path / "elsewhere" / "copy.pt"
+    copy.parent.mkdir()
+    copy.write_bytes(saved.read_bytes())
+    assert CHECKSUM_PREFIX in copy.read_bytes()[-100:]
+    assert torch.equal(load_checkpoint(copy).model.state_dict()["head.weight"], tiny_model().head.weight)
+
+
 def test_a_flipped_byte_anywhere_is_refused_naming_the_file(saved):
     original = saved.read_bytes()
-    # the header, the checksum, torch's zip records and the tensor data: 40 positions across the file
-    positions = sorted({0, 5, len(MAGIC) + 3, *range(len(MAGIC) + 70, len(original), len(original) // 37)})
+    # torch's zip records and the tensor data (about 40 positions across the file), then every byte of
+    # the end-of-archive record and of the checksum comment
+    positions = sorted({0, 5, *range(70, len(original), len(original) // 37), *range(len(original) - 110,
+                                                                                     len(original))})
     for position in positions:
         damaged = bytearray(original)
         damaged[position] ^= 0x01
         saved.write_bytes(bytes(damaged))
-        with pytest.raises(CheckpointError, match=r"ck\.pt is damaged") as info:
+        with pytest.raises(CheckpointError, match=r"ck\.pt is (damaged|not a course checkpoint)") as info:
             load_checkpoint(saved)
         assert "weights_only" not in str(info.value), position
     saved.write_bytes(original[:-100])   # truncated, as by a full disk
     with pytest.raises(CheckpointError, match="damaged"):
         load_checkpoint(saved)
+    saved.write_bytes(original + b"\n")   # something appended
+    with pytest.raises(CheckpointError, match="damaged"):
+        load_checkpoint(saved)
+
+
+def test_a_plain_torch_save_without_the_checksum_is_refused(tmp_path):
+    model = tiny_model()
+    torch.save({"format_version": 3, "architecture": "gpt", "config": model.config.to_dict(),
+                "state_dict": model.state_dict(), "tokenizer": None, "extra": {}, "training": None},
+               tmp_path / "plain.pt")
+    with pytest.raises(CheckpointError, match=r"plain\.pt is damaged or was not written by save_checkpoint"):
+        load_checkpoint(tmp_path / "plain.pt")
 
 
 class _Evil:
@@ -62,19 +96,19 @@ class _Evil:
 
 
 def test_a_malicious_pickle_is_refused_without_suggesting_weights_only_false(tmp_path):
+    from course_lib.checkpoints import _with_checksum
     buffer = io.BytesIO()
-    torch.save({"format_version": 2, "payload": _Evil()}, buffer)
-    body = buffer.getvalue()
+    torch.save({"format_version": 3, "payload": _Evil()}, buffer)
     path = tmp_path / "evil.pt"
     # a valid checksum: the file is intact, its contents are what is refused
-    path.write_bytes(MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+    path.write_bytes(_with_checksum(buffer.getvalue()))
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path)
     message = str(info.value)
     assert "evil.pt" in message and "weights_only" not in message and "\x1b[" not in message
-    torch.save({"payload": _Evil()}, tmp_path / "old.pt")   # the pre-checksum format, same refusal
+    torch.save({"payload": _Evil()}, tmp_path / "unchecked.pt")   # no checksum at all: refused too
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint(tmp_path / "old.pt")
+        load_checkpoint(tmp_path / "unchecked.pt")
     assert "weights_only" not in str(info.value)
 
 
@@ -87,13 +121,6 @@ def test_save_refuses_what_load_could_not_read_back(tmp_path):
     assert not any(tmp_path.iterdir())   # refused before anything was written
     path = save_checkpoint(tmp_path / "ck.pt", tiny_model(), extra={"history": History().to_dict()})
     assert load_checkpoint(path).extra["history"]["steps_taken"] == 0
-
-
-def test_format_1_checkpoints_still_load(tmp_path):
-    model = tiny_model()
-    torch.save({"format_version": 1, "config": model.config.to_dict(), "state_dict": model.state_dict(),
-                "tokenizer": None, "extra": {}}, tmp_path / "v1.pt")
-    assert load_checkpoint(tmp_path / "v1.pt").training is None
 
 
 def test_interrupted_writes_leave_no_temporary_file_and_stale_ones_are_removed(tmp_path, monkeypatch):
@@ -167,3 +194,21 @@ def test_load_checkpoint_leaves_the_callers_random_numbers_alone(tmp_path):
     after_load = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(after_load, torch.rand(3))
+
+
+def test_a_modern_gpt_checkpoint_holds_only_plain_values(tmp_path):
+    from course_lib.modern_gpt import ModernGPT, ModernGPTConfig
+    torch.manual_seed(0)
+    model = ModernGPT(ModernGPTConfig(vocab_size=7, max_tokens=8, embed_dim=16, num_heads=2, num_layers=1))
+    path = save_checkpoint(tmp_path / "modern.pt", model, CharTokenizer("abcdefg"))
+    payload = torch.load(path, weights_only=True)
+
+    def plain(value):
+        if isinstance(value, dict):
+            return all(isinstance(k, (str, int)) and plain(v) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return all(plain(v) for v in value)
+        return value is None or isinstance(value, (bool, int, float, str, torch.Tensor))
+    assert payload["architecture"] == "modern" and plain(payload)
+    assert ModernGPTConfig.from_dict(payload["config"]) == model.config
+    assert type(load_checkpoint(path).model) is ModernGPT

@@ -19,7 +19,7 @@ from bank import attention_bugs
 from synthetic_class import FORGED_VERDICT, attempt_source, hostile_parts, prediction_source, write_student
 
 from course_lib.classroom import checks
-from course_lib.classroom.collect import _base_namespace
+from course_lib.classroom.collect import course_namespace
 from course_lib.classroom.grading import grade, grading_plan, handed_in
 from course_lib.classroom.grading.advice import room_advice
 from course_lib.classroom.grading.cli import build_parser
@@ -38,9 +38,10 @@ from course_lib.classroom.grading.report import (
 )
 from course_lib.classroom.grading.sandbox import install_policy
 from course_lib.classroom.grading.selfcheck import self_check
-from course_lib.classroom.grading.sources import _without_magics, find_notebook, student_part, unfinished_exercises
+from course_lib.classroom.grading.sources import find_notebook, student_part, unfinished_exercises
 from course_lib.classroom.grading.submissions import Submission, find_submissions
 from course_lib.classroom.grading.worker import _write_files, exercise_limits
+from course_lib.classroom.notebook_reader import without_magics
 from course_lib.classroom.verdict import DIAGNOSES
 
 PLANS = grading_plan()
@@ -155,7 +156,7 @@ def test_a_renamed_copy_holding_the_work_is_graded_and_the_report_says_which_fil
 def test_magic_lines_are_dropped_only_where_a_statement_starts():
     source = ("%%time\n!pip list\ndef causal_mask(n):\n    keep = (torch.ones(n, n)\n            != 0)\n"
               "    rows = (n\n            % 7)\n    %time x = 1\n    return keep.tril()\n")
-    cleaned = _without_magics(source)
+    cleaned = without_magics(source)
     assert cleaned.splitlines()[:2] == ["pass", "pass"] and "            != 0)" in cleaned and "% 7)" in cleaned
     assert "    pass" in cleaned.splitlines()   # an indented magic inside the body, at a statement's start
     part = student_part(_notebook(source), PLANS["2.1"], KNOWN)
@@ -310,7 +311,7 @@ def test_the_hostile_submissions_attacks_are_real_outside_the_sandbox(tmp_path):
     victim = tmp_path / "alice.ipynb"
     victim.write_text("alice's work")
     parts = hostile_parts(victim, tmp_path, tmp_path / "report")
-    namespace = _base_namespace()
+    namespace = course_namespace()
     exec(parts["3.2"], namespace)
     import torch
     with pytest.raises(RuntimeError, match="attack got through"):

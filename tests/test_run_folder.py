@@ -144,6 +144,12 @@ def test_ctrl_c_before_any_save_says_nothing_was_saved(tmp_path, corpus, monkeyp
     assert "no checkpoint was saved" in err and "intact" not in err and "--resume" not in err
     monkeypatch.undo()
     assert main(["train", *FAST, "--steps", "3", "--corpus", str(corpus), "--out", str(run)]) == 0
+    # the run's checkpoint is a plain torch file: its state and stamp, read without course_lib
+    import torch
+    payload = torch.load(run / "checkpoint.pt", weights_only=True)
+    stamp = json.loads((run / "metrics.json").read_text())
+    assert payload["training"]["step"] == 3 and payload["extra"]["run_id"] == stamp["run_id"]
+    assert "head.weight" in payload["state_dict"]
     monkeypatch.setattr("course_lib.presets.prepare_preset", interrupted)
     assert main(["train", "--resume", str(run), "--steps", "6", "--quiet"]) == 130
     err = capsys.readouterr().err

@@ -50,6 +50,7 @@ import nbformat
 
 from .. import _validate as validate
 from .._validate import describe
+from . import notebook_reader as reader  # the solution markers, as every tool reads them
 from .copy_policy import CopyOutcome, place_learner_copy
 
 __all__ = ["strip_solutions", "make_learner_copy", "make_learner_copies", "update_learner_copies", "main",
@@ -59,10 +60,6 @@ BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 DEFAULT_LABEL = "Exercise: write this part"
 
-_BEGIN_RE = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION(?:[ \t]*\((?P<text>.*)\))?[ \t]*$")
-_END_RE = re.compile(r"^(?P<indent>[ \t]*)### END SOLUTION[ \t]*$")
-# Anything a human would read as a marker; checked after the exact forms so typos are refused.
-_LOOKALIKE_RE = re.compile(r"^[ \t]*#+[ \t]*(BEGIN|END)[ \t_]+SOLUTION\b", re.IGNORECASE)
 _EXERCISE_COMMENT_RE = re.compile(r"^[ \t]*#[ \t]*(?P<text>Exercise[ \t]+\d+(?:\.\d+)*[a-z]?\b.*?)[ \t]*$")
 _LABEL_RE = re.compile(r"^Exercise[ \t]+(?P<id>\d+(?:\.\d+)*[a-z]?)\b[ \t]*:?[ \t]*(?P<what>.*)$")
 
@@ -129,11 +126,13 @@ def _strip(source: str, exercise_hint: str | None, cell_label: str) -> tuple[str
     labels: list[str] = []
     comment: str | None = None
     open_at: int | None = None
-    begin: re.Match | None = None
+    begin: reader.Marker | None = None
 
     for number, line in enumerate(lines, start=1):
         text = line.rstrip("\r\n")
-        begin_match, end_match = _BEGIN_RE.match(text), _END_RE.match(text)
+        found = reader.marker(text)
+        begin_match = found if found is not None and found.kind == "begin" else None
+        end_match = found if found is not None and found.kind == "end" else None
         if begin_match:
             if open_at is not None:
                 raise ValueError(f"{_where(cell_label, number)}: nested '{BEGIN}' inside the region "
@@ -144,8 +143,8 @@ def _strip(source: str, exercise_hint: str | None, cell_label: str) -> tuple[str
             if open_at is None:
                 raise ValueError(f"{_where(cell_label, number)}: '{END}' without a matching "
                                  f"'{BEGIN}' above it in the same cell")
-            full, what = _label(begin["text"], comment, exercise_hint)
-            indent, newline = begin["indent"], _ending(line) or "\n"
+            full, what = _label(begin.text, comment, exercise_hint)
+            indent, newline = begin.indent, _ending(line) or "\n"
             out.append(f"{indent}# YOUR CODE HERE: {what}{newline}")
             # json gives a valid, escaped Python string literal with the house double quotes
             out.append(f"{indent}raise NotImplementedError({json.dumps(full, ensure_ascii=False)})"
@@ -153,7 +152,7 @@ def _strip(source: str, exercise_hint: str | None, cell_label: str) -> tuple[str
             labels.append(full)
             open_at, begin = None, None
             continue
-        if _LOOKALIKE_RE.match(text):
+        if reader.looks_like_marker(text):
             raise ValueError(f"{_where(cell_label, number)}: {text.strip()!r} looks like a solution marker "
                              f"but is not one; expected exactly '{BEGIN}' (optionally followed by "
                              f"'(Exercise X.Y: what to write)') or '{END}', alone on the line")

@@ -2,10 +2,11 @@
 
 Each exercise of the course defines one name (``causal_mask``, ``MultiHeadMaskedAttention``,
 ``GPT``, ``train_step``, ...) in one code cell. ``collect_student_parts(folder)`` reads the
-student's notebooks in ``folder`` and takes, for every exercise, only that definition: the
-``def``/``class`` statements of the exercise cell, the imports of that cell, and any helper
-function or class of the student's own that the definition names. Nothing else from those
-notebooks runs: no prints, no training cells, no checks.
+student's notebooks in ``folder`` and takes, for every exercise, only that definition with what it
+needs, read by ``classroom.notebook_reader`` exactly as the grader reads it: the ``def``/``class``
+of the exercise cell, the imports of that cell, and the student's own helpers, helpers of helpers,
+imports and constants it names. Nothing else from those notebooks runs: no prints, no training
+cells, no checks.
 
 An exercise that is missing, unfinished (still raises the learner copy's
 ``NotImplementedError``) or broken (does not compile, or fails to define its name) falls back
@@ -20,20 +21,19 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import nbformat
-
 from .. import _validate as validate
 from .._validate import describe
 from ..course_files import course_notebooks
+from . import notebook_reader as reader
 
 __all__ = ["Exercise", "CollectedPart", "Collection", "course_exercises", "collect_student_parts",
-           "GPT_EXERCISES"]
+           "course_namespace", "course_names", "GPT_EXERCISES"]
 
 # The exercises a GPT of your own is built and trained from, in the order they compose.
 GPT_EXERCISES = ("2.1", "3.1", "3.2", "3.3", "4.2", "4.3", "5.2", "5.3", "5.4")
@@ -41,9 +41,6 @@ GPT_EXERCISES = ("2.1", "3.1", "3.2", "3.3", "4.2", "4.3", "5.2", "5.3", "5.4")
 # Notebook 04's GPT cell builds its blocks from ``ReferenceBlock`` (the tested block), so that an
 # unfinished 4.2 cannot break 4.3. Put together, your GPT is built from the block defined beside it.
 ALIASES = {"ReferenceBlock": "TransformerBlock"}
-
-_BEGIN_RE = re.compile(r"### BEGIN SOLUTION \(Exercise (?P<id>\d+\.\d+)\b")
-_UNFINISHED_RE = re.compile(r"raise NotImplementedError\(\s*[\"']Exercise (?P<id>\d+\.\d+)")
 
 STATUS_TEXT = {
     "yours": "yours",
@@ -88,76 +85,21 @@ class CollectedPart:
             return False
 
 
-def _segment(source: str, node: ast.stmt) -> str:
-    """The source of one statement, decorators included (ast's own segment starts at ``def``)."""
-    lines = source.splitlines()
-    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-    return "\n".join(lines[first - 1:node.end_lineno])
-
-
-def _definition_source(cell_source: str, name: str) -> str | None:
-    """The cell's imports and top-level definitions of ``name``; None when the cell defines no ``name``."""
-    tree = ast.parse(cell_source)
-    keep = [node for node in tree.body
-            if isinstance(node, (ast.Import, ast.ImportFrom))
-            or (isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and node.name == name)]
-    if not any(getattr(node, "name", None) == name for node in keep):
-        return None
-    return "\n\n".join(_segment(cell_source, node) for node in keep)
-
-
-def _read(path: Path) -> nbformat.NotebookNode:
-    return nbformat.read(path, as_version=4)
-
-
 def course_exercises(notebooks: Iterable[Path] | None = None) -> dict[str, Exercise]:
-    """Every exercise of the solution notebooks, by id, with the name its cell defines."""
+    """Every exercise of the solution notebooks whose cell defines one name, by id, with that name
+    (9.2's cell also defines a helper, and 1.1's only numbers: they are not collected)."""
     found: dict[str, Exercise] = {}
     for path in (course_notebooks() if notebooks is None else notebooks):
-        for cell in _read(Path(path)).cells:
-            match = _BEGIN_RE.search(cell.source) if cell.cell_type == "code" else None
-            if not match:
-                continue
-            defined = [n.name for n in ast.parse(cell.source).body
-                       if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
-            if len(defined) != 1:
-                continue   # an exercise that defines no single name (1.1's numbers) cannot be collected
-            name = defined[0]
-            found[match["id"]] = Exercise(match["id"], name, Path(path).name, cell.get("id", ""),
-                                          _definition_source(cell.source, name) or "")
+        for cell in reader.exercise_cells(reader.read_cells(path)):
+            if cell.alone:
+                found[cell.id] = Exercise(cell.id, cell.name, Path(path).name, cell.cell_id, cell.solution)
     return found
 
 
-def _free_names(source: str) -> set[str]:
-    tree = ast.parse(source)
-    loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    return loaded - set(dir(builtins))
-
-
-def _helpers(cells: list, before: int, wanted: set[str]) -> list[str]:
-    """Top-level functions and classes of the student's earlier cells that the definition names."""
-    sources: list[str] = []
-    for cell in cells[:before]:
-        if cell.cell_type != "code":
-            continue
-        try:
-            tree = ast.parse(cell.source)
-        except SyntaxError:
-            continue   # a broken cell elsewhere is not this exercise's problem
-        for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in wanted:
-                sources.append(_segment(cell.source, node))
-    return sources
-
-
-def _find_cell(cells: list, exercise: Exercise) -> int | None:
-    """The student's cell for the exercise: the same cell id, else the last cell defining its name."""
-    for index, cell in enumerate(cells):
-        if cell.get("id") == exercise.cell_id and cell.cell_type == "code":
-            return index
-    pattern = re.compile(rf"^(class|def)\s+{re.escape(exercise.name)}\b", re.M)
-    matches = [i for i, cell in enumerate(cells) if cell.cell_type == "code" and pattern.search(cell.source)]
-    return matches[-1] if matches else None
+@functools.lru_cache(maxsize=4)
+def _exercise_names(notebooks: tuple[Path, ...]) -> tuple[str, ...]:
+    """The name every exercise cell of the course defines, 9.2's (beside a helper) included."""
+    return tuple(cell.name for path in notebooks for cell in reader.exercise_cells(reader.read_cells(path)))
 
 
 def _collect_one(folder: Path, exercise: Exercise, known: set[str]) -> CollectedPart:
@@ -165,23 +107,21 @@ def _collect_one(folder: Path, exercise: Exercise, known: set[str]) -> Collected
     if not path.is_file():
         return CollectedPart(exercise, "missing", detail=f"no {exercise.notebook} in {folder}")
     try:
-        cells = _read(path).cells
+        cells = reader.read_cells(path)
     except Exception as err:  # a notebook we cannot read is a missing part, not a crash
         return CollectedPart(exercise, "missing", detail=f"{exercise.notebook} cannot be read ({err})")
-    index = _find_cell(cells, exercise)
-    if index is None:
+    found = reader.student_definition(cells, exercise.name, exercise.cell_id, known)
+    if found.problem == "no_cell":
         return CollectedPart(exercise, "missing", detail=f"no cell defines {exercise.name}")
-    cell_source = cells[index].source
-    if _UNFINISHED_RE.search(cell_source):
+    if reader.unfinished_exercises(cells[found.cell].source):
         return CollectedPart(exercise, "unfinished", detail="still raises NotImplementedError")
-    try:
-        source = _definition_source(cell_source, exercise.name)
-    except SyntaxError as err:
-        return CollectedPart(exercise, "broken", detail=f"SyntaxError, line {err.lineno}: {err.msg}")
-    if source is None:
+    if found.problem == "syntax":
+        return CollectedPart(exercise, "broken", detail=found.detail)
+    if found.problem == "too_deep":
+        return CollectedPart(exercise, "broken", detail=f"too deeply nested to compile ({found.detail})")
+    if found.problem == "not_defined":
         return CollectedPart(exercise, "missing", detail=f"the exercise cell no longer defines {exercise.name}")
-    helpers = _helpers(cells, index, _free_names(source) - known)
-    return CollectedPart(exercise, "yours", "\n\n".join([*helpers, source]))
+    return CollectedPart(exercise, "yours", found.source)
 
 
 def _base_namespace() -> dict:
@@ -205,6 +145,30 @@ def _base_namespace() -> dict:
                           (generate, ("sample_next_token",))):
         namespace.update({name: getattr(module, name) for name in names})
     return namespace
+
+
+def course_namespace() -> dict:
+    """What a student's definition runs in, in notebook 08's collection and in the grader alike:
+    torch, ``nn``, ``F``, ``math``, the course's building blocks, and the course's version of every
+    other exercise's name (``modern.apply_rotary`` for 9.6, ...), as the notebooks carry on with the
+    course's version after each exercise."""
+    from .. import attention, generate, model, modern
+    namespace = _base_namespace()
+    for name in _exercise_names(tuple(course_notebooks())):
+        for module in (modern, attention, model, generate):
+            if name not in namespace and hasattr(module, name):
+                namespace[name] = getattr(module, name)
+    namespace.setdefault("modern", modern)
+    for alias, target in ALIASES.items():
+        namespace[alias] = namespace[target]
+    return namespace
+
+
+def course_names() -> set[str]:
+    """The names the course provides wherever a student's definition runs: never taken from the
+    student's other code (``checks``: the course's checkers, in every notebook)."""
+    return (set(_exercise_names(tuple(course_notebooks()))) | set(course_namespace()) | set(ALIASES)
+            | {"checks"})
 
 
 def _execute(source: str, namespace: dict, label: str) -> None:
@@ -233,7 +197,7 @@ class Collection:
         if not_usable:
             raise ValueError(f"yours: exercises {not_usable} have no usable part of yours "
                              f"({'; '.join(self.parts[i].detail for i in not_usable)})")
-        namespace = _base_namespace()
+        namespace = course_namespace()
         for ex_id, part in self.parts.items():
             for alias, target in ALIASES.items():
                 if target in namespace:
@@ -289,7 +253,7 @@ def collect_student_parts(folder: str | os.PathLike = ".", exercises: Iterable[s
     unknown = [ex_id for ex_id in wanted if ex_id not in known]
     if unknown:
         raise ValueError(f"exercises: expected ids among {sorted(known)}, got {unknown}")
-    names = {known[ex_id].name for ex_id in wanted} | set(_base_namespace()) | set(ALIASES)
+    names = course_names()
     parts = {ex_id: _collect_one(root, known[ex_id], names) for ex_id in wanted}
     collection = Collection(root, parts)
     # A definition that compiles may still fail when it runs (a bad decorator, a name that is

@@ -33,7 +33,6 @@ import argparse
 import ast
 import json
 import os
-import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,15 +42,13 @@ from typing import Any
 from .. import _validate as validate
 from .._atomic import atomic_file
 from .._validate import describe
+from . import notebook_reader as reader
 
 __all__ = ["POINTS_PER_CHECK", "SCHEMA_VERSION", "expected_metadata", "differences", "apply", "main"]
 
 SCHEMA_VERSION = 3          # nbgrader 0.6 to 0.9 read and write cell metadata schema 3
 POINTS_PER_CHECK = 1        # each test cell; an exercise with two check cells (4.2) is worth two
 
-# The exact markers (course_lib.assignments); a BEGIN marker must name its exercise here.
-_BEGIN_RE = re.compile(r"^[ \t]*### BEGIN SOLUTION\b")
-_BEGIN_WITH_ID_RE = re.compile(r"^[ \t]*### BEGIN SOLUTION[ \t]*\([ \t]*Exercise[ \t]+(?P<id>\d+\.\d+)\b.*\)[ \t]*$")
 # What nbgrader's ClearSolutions takes for a marker: these words anywhere on a line, in any cell.
 _NBGRADER_DELIMITERS = ("BEGIN SOLUTION", "END SOLUTION")
 
@@ -69,19 +66,20 @@ class _Cell:
 
 
 def _solution_exercise(source: str, where: str) -> str | None:
-    found: set[str] = set()
+    exercises: set[str] = set()
+    # the markers as the one notebook reader reads them; a BEGIN marker must name its exercise here
     for number, line in enumerate(source.splitlines(), start=1):
-        if not _BEGIN_RE.match(line):
+        if reader.looks_like_marker(line) != "begin":
             continue
-        match = _BEGIN_WITH_ID_RE.match(line)
-        if match is None:
+        found = reader.marker(line)
+        if found is None or found.exercise is None:
             raise ValueError(f"{where}, line {number}: a solution marker must name its exercise for nbgrader's "
                              f"grade_id: '### BEGIN SOLUTION (Exercise X.Y: what to write)', got {line.strip()!r}")
-        found.add(match["id"])
-    if len(found) > 1:
-        raise ValueError(f"{where}: solution regions of exercises {sorted(found)} in one cell; nbgrader grades a "
-                         f"cell as one answer, so give each exercise its own cell")
-    return found.pop() if found else None
+        exercises.add(found.exercise)
+    if len(exercises) > 1:
+        raise ValueError(f"{where}: solution regions of exercises {sorted(exercises)} in one cell; nbgrader grades "
+                         f"a cell as one answer, so give each exercise its own cell")
+    return exercises.pop() if exercises else None
 
 
 def _python(source: str) -> ast.Module | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import _validate as validate
+from ..notebook_reader import marker  # the solution markers, as every tool reads them
 from ..verdict import CheckResult
 from . import _counterexample
 from ._nudges import nudge
@@ -101,12 +102,6 @@ def _following(entry: Exercise, result: CheckResult) -> str:
     return _spec_hint(entry)
 
 
-# The markers as course_lib.assignments defines them: alone on their line, indentation allowed;
-# the BEGIN marker names its exercise, "### BEGIN SOLUTION (Exercise 2.2: ...)".
-_BEGIN_RE = re.compile(r"^[ \t]*### BEGIN SOLUTION[ \t]*\([ \t]*Exercise[ \t]+(?P<id>\d+\.\d+)\b.*\)[ \t]*$")
-_END_RE = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
-
-
 def _notebook(entry: Exercise) -> Path:
     from ...course_files import notebooks_dir
     found = sorted(notebooks_dir().glob(f"{entry.notebook}_*.ipynb"))
@@ -127,9 +122,9 @@ def solution_source(exercise_id: str) -> str:
         source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
         lines = source.splitlines()
         for i, line in enumerate(lines):
-            match = _BEGIN_RE.match(line)
-            if match and match["id"] == entry.exercise:
-                if not any(_END_RE.match(rest) for rest in lines[i + 1:]):
+            found = marker(line)
+            if found is not None and found.kind == "begin" and found.exercise == entry.exercise:
+                if not any((m := marker(rest)) is not None and m.kind == "end" for rest in lines[i + 1:]):
                     raise ValueError(f"{path.name}: the solution region of exercise {entry.exercise} has no "
                                      f"### END SOLUTION")
                 return source

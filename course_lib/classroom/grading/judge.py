@@ -2,16 +2,16 @@
 
 This runs inside the sandboxed child (``sandbox.enter`` was called before). The namespace is the
 one every exercise cell sees in the course (torch, ``nn``, ``F``, ``math`` and the course's
-building blocks, see ``course_lib.classroom.collect``), with the student's definition executed in it; then
-the course's check cell runs there with ``checks`` standing for the course's checkers, whose
-verdicts are kept. The verdict is the first failing check of the exercise, else its (last) pass.
+building blocks: ``collect.course_namespace``, the one notebook 08 trains your parts in), with
+the student's definition executed in it; then the course's check cell runs there with ``checks``
+standing for the course's checkers, whose verdicts are kept. The verdict is the first failing check of the exercise, else its (last) pass.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from ..checks import _harness
-from ..collect import ALIASES, GPT_EXERCISES, _base_namespace
+from ..collect import GPT_EXERCISES, course_names, course_namespace
 from ..verdict import CheckResult
 from .plan import CAPSTONE, ExercisePlan
 
@@ -21,27 +21,9 @@ from .grades import MESSAGE_LIMIT
 
 
 def known_names(plans: dict[str, ExercisePlan]) -> set[str]:
-    """Names every exercise finds provided by the course: never taken from the student's other code."""
-    from .plan import graded_exercises
-    return ({ex.name for ex in graded_exercises().values()} | {p.name for p in plans.values() if p.name}
-            | set(course_namespace()) | set(ALIASES) | {"checks"})
-
-
-def course_namespace() -> dict[str, Any]:
-    """What an exercise's definition runs in: ``collect``'s namespace (torch and the course's building
-    blocks), plus the course's version of every other graded exercise's name (``modern.apply_rotary``
-    for 9.6, ...), as the notebooks carry on with the course's version after each exercise."""
-    from ... import attention, generate, model, modern
-    from .plan import graded_exercises
-    namespace = _base_namespace()
-    for ex in graded_exercises().values():
-        for module in (modern, attention, model, generate):
-            if ex.name not in namespace and hasattr(module, ex.name):
-                namespace[ex.name] = getattr(module, ex.name)
-    namespace.setdefault("modern", modern)
-    for alias, target in ALIASES.items():
-        namespace[alias] = namespace[target]
-    return namespace
+    """Names every exercise finds provided by the course: never taken from the student's other code
+    (the same names notebook 08's collection leaves to the course)."""
+    return course_names() | {p.name for p in plans.values() if p.name}
 
 
 class RecordingChecks:

@@ -24,7 +24,8 @@ from pathlib import Path
 import nbformat
 
 from ...course_files import course_notebooks
-from ..collect import _BEGIN_RE, Exercise, _segment, course_exercises
+from .. import notebook_reader as reader
+from ..collect import Exercise, course_exercises
 
 __all__ = ["ExercisePlan", "grading_plan", "graded_exercises", "default_exercises", "CAPSTONE", "CAPSTONE_CHECK"]
 
@@ -103,19 +104,6 @@ def _calls_checker_anywhere(source: str) -> bool:
         return False
 
 
-def _marked_definition(source: str) -> tuple[str, str] | None:
-    """For a cell defining several names: the one whose body holds the solution marker, and the
-    cell's imports and definitions (its helpers) as the course's solution."""
-    tree = ast.parse(source)
-    marker = next(i for i, line in enumerate(source.splitlines(), 1) if _BEGIN_RE.search(line))
-    definitions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
-    holding = [n for n in definitions if n.lineno <= marker <= n.end_lineno]
-    if len(holding) != 1:
-        return None
-    kept = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) or n in definitions]
-    return holding[0].name, "\n\n".join(_segment(source, n) for n in kept)
-
-
 def graded_exercises(notebooks: list[Path] | None = None) -> dict[str, Exercise]:
     """Every exercise with an exercise cell, by id: ``collect``'s (one name per cell), and the cells
     that define helpers beside the exercise's name (9.2), which ``collect`` leaves out."""
@@ -126,13 +114,8 @@ def graded_exercises(notebooks: list[Path] | None = None) -> dict[str, Exercise]
 def _graded_exercises(notebooks: tuple[Path, ...]) -> dict[str, Exercise]:
     found = dict(course_exercises(notebooks))
     for path in notebooks:
-        for cell in nbformat.read(path, as_version=4).cells:
-            match = _BEGIN_RE.search(cell.source) if cell.cell_type == "code" else None
-            if not match or match["id"] in found:
-                continue
-            marked = _marked_definition(cell.source)
-            if marked is not None:
-                found[match["id"]] = Exercise(match["id"], marked[0], path.name, cell.get("id", ""), marked[1])
+        for cell in reader.exercise_cells(reader.read_cells(path)):
+            found.setdefault(cell.id, Exercise(cell.id, cell.name, path.name, cell.cell_id, cell.solution))
     return found
 
 
