@@ -1,4 +1,5 @@
 """course_lib: the tested reference implementations behind the attention course notebooks."""
+from . import _moved
 from .attention import (
     TOY_KEYS,
     TOY_VALUES,
@@ -22,6 +23,9 @@ from .model import (
     sinusoidal_table,
 )
 from .runtime import __version__, device, set_seed, setup_notebook
+
+# A notebook copy a student edited before the classroom moved keeps its old imports working.
+_moved.install()
 
 # What `from course_lib import ...` offers: the pieces the notebooks build, by the names they teach.
 __all__ = [

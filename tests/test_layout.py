@@ -10,6 +10,8 @@ are found from the folders, so moving a module between them needs no change here
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "course_lib"
@@ -181,3 +183,27 @@ def test_importing_the_reference_loads_no_classroom_and_checks_stays_importable(
             "assert checks.__name__ == 'course_lib.classroom.checks' and callable(checks.check_causal_mask)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_old_import_paths_of_moved_modules_still_work_and_give_the_same_module():
+    """A student's edited copy of notebook 08 written before the move (`from course_lib.collect import ...`)
+    is never rewritten, so the old paths must keep working, lazily, handing back the very module."""
+    code = ("import sys\n"
+            "import course_lib\n"
+            "assert not any(m.startswith('course_lib.classroom') for m in sys.modules), 'imported eagerly'\n"
+            "from course_lib.collect import collect_student_parts\n"
+            "from course_lib.grading.cli import build_parser\n"
+            "import course_lib.classroom.collect as new, course_lib.classroom.grading.cli as cli\n"
+            "assert collect_student_parts is new.collect_student_parts and build_parser is cli.build_parser\n"
+            "import course_lib.checks\n"
+            "from course_lib import checks\n"
+            "assert checks is sys.modules['course_lib.classroom.checks']\n"
+            "assert new.__spec__.name == 'course_lib.classroom.collect'\n"
+            "try:\n"
+            "    import course_lib.no_such_module\n"
+            "except ModuleNotFoundError:\n"
+            "    pass\n"
+            "else:\n"
+            "    raise AssertionError('an unknown module imported')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
