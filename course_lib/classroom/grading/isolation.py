@@ -65,8 +65,9 @@ def _visible() -> list[str]:
     found: set[str] = set()
     for path in filter(None, paths):
         for candidate in (os.path.abspath(path), os.path.realpath(path)):
-            if os.path.isdir(candidate) and not candidate.startswith(("/usr", "/etc", "/proc", "/dev", "/tmp")) \
-                    and candidate != "/":
+            # a checkout or venv under /tmp is mounted inside the scratch /tmp; /tmp itself never is
+            if os.path.isdir(candidate) and not candidate.startswith(("/usr", "/etc", "/proc", "/dev")) \
+                    and candidate not in ("/", "/tmp"):
                 found.add(candidate)
     # a folder inside another is mounted with it
     return sorted(p for p in found if not any(p != q and p.startswith(q + os.sep) for q in found))
@@ -86,9 +87,12 @@ def command(argv: list[str], *, env: dict[str, str], masked: Iterable[str], scra
     namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                   "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if root \
         else ["--unshare-all"]
-    args = ["bwrap", *namespaces, "--die-with-parent", "--new-session", *_system_binds()]
+    args = ["bwrap", *namespaces, "--die-with-parent", "--new-session", *_system_binds(),
+            "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(scratch_mb * 2 ** 20),
+            "--tmpfs", "/tmp"]   # the scratch first: what is mounted below may lie inside /tmp
     visible = _visible()
-    parents = sorted({str(parent) for path in visible for parent in Path(path).parents if str(parent) != "/"},
+    parents = sorted({str(parent) for path in visible for parent in Path(path).parents
+                      if str(parent) not in ("/", "/tmp")},   # the scratch keeps its 1777
                      key=lambda p: p.count(os.sep))
     for parent in parents:   # traversable by the sandbox's user (bwrap makes them 0700 otherwise)
         args += ["--perms", "0755", "--dir", parent]
@@ -97,8 +101,7 @@ def command(argv: list[str], *, env: dict[str, str], masked: Iterable[str], scra
     for path in sorted({os.path.realpath(p) for p in masked} | {os.path.expanduser("~")}):
         if _inside(path, visible) and os.path.isdir(path):
             args += ["--tmpfs", path]   # an empty folder where the submissions, the report ... were
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(scratch_mb * 2 ** 20),
-             "--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv"]
+    args += ["--chdir", "/tmp", "--clearenv"]
     for key, value in sorted(env.items()):
         args += ["--setenv", key, value]
     return args + ["--", *argv]
