@@ -14,7 +14,8 @@ from torch import nn
 
 from . import _validate as validate
 from ._atomic import atomic_file
-from .model import ARCHITECTURES, GPT, ModernGPT, architecture_of
+from .model import GPT
+from .modern_gpt import ARCHITECTURES, ModernGPT, architecture_of
 
 __all__ = ["Checkpoint", "CheckpointError", "save_checkpoint", "load_checkpoint", "unwrap_model",
            "remove_stale_temporaries"]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -51,6 +51,9 @@ __all__ = [
     "names_tokenizer",
     "split_names",
     "names_dataset",
+    "Split",
+    "TokenStream",
+    "Examples",
     "CharCorpus",
     "char_corpus",
 ]
@@ -370,6 +373,50 @@ def names_dataset(names: Sequence[str], tokenizer: CharTokenizer, max_tokens: in
         targets[row, :n] = torch.tensor(ids)
         targets[row, n] = boundary
     return inputs, targets
+
+
+# --------------------------------------------------------------------------- splits: what train() reads
+
+@runtime_checkable
+class Split(Protocol):
+    """What train() needs from a split: random batches to train on, fixed windows to evaluate."""
+
+    def sample(self, batch_size: int, max_tokens: int,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def eval_windows(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class TokenStream:
+    """One long run of token ids: random windows to train on, consecutive windows to evaluate."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = validate.token_ids("ids", ids, dim=1).long()
+
+    def sample(self, batch_size: int, max_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch_size`` windows at random positions (the course's one batcher, random_batch)."""
+        return random_batch(self.ids, batch_size, max_tokens, generator=generator)   # (B, max_tokens) x2
+
+    def eval_windows(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return lm_windows(self.ids, max_tokens)
+
+
+class Examples:
+    """Fixed, padded examples (one name per row): random rows to train on, all rows to evaluate."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
+        self.inputs = validate.token_ids("inputs", inputs, dim=2).long()
+        self.targets = validate.token_ids("targets", targets, dim=2).long()
+        if inputs.shape != targets.shape:
+            raise ValueError(f"targets: expected shape {tuple(inputs.shape)}, got {tuple(targets.shape)}")
+
+    def sample(self, batch_size: int, max_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        validate.positive_int("batch_size", batch_size)
+        rows = torch.randint(self.inputs.shape[0], (batch_size,), generator=generator)
+        return self.inputs[rows], self.targets[rows]
+
+    def eval_windows(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs, self.targets
 
 
 # --------------------------------------------------------------------------- convenience

@@ -16,7 +16,7 @@ from course_lib.checkpoints import (
     write_atomically,
 )
 from course_lib.data import CharTokenizer
-from course_lib.run_folder import RunFolder, RunRefused
+from course_lib.runs.run_folder import RunFolder, RunRefused
 from course_lib.train import History
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from .checkpoints import _TMP_SUFFIX, remove_stale_temporaries, save_checkpoint, write_atomically
+from ..checkpoints import _TMP_SUFFIX, remove_stale_temporaries, save_checkpoint, write_atomically
 
 try:
     import fcntl
