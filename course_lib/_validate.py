@@ -145,9 +145,12 @@ def probability(name: str, value: Any, *, allow_one: bool = False, hint: str = "
     return float(value)
 
 
-def positive_float(name: str, value: Any, *, hint: str = "") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: expected a number > 0, got {describe(value)}{_then(hint)}")
+def positive_float(name: str, value: Any, *, finite: bool = False, hint: str = "") -> float:
+    """A number > 0 (and not infinite, with ``finite``), returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or (finite and not math.isfinite(value)):
+        raise ValueError(f"{name}: expected a {'finite ' if finite else ''}number > 0, got "
+                         f"{describe(value)}{_then(hint)}")
     return float(value)
 
 

@@ -8,7 +8,6 @@ are re-exported here, so ``data.load_corpus("tinyshakespeare")`` works as the no
 """
 from __future__ import annotations
 
-import codecs
 import os
 import random
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from .corpora import (
     corpus_path,
     download_corpus,
     load_corpus,
+    load_text,
     locate_corpus,
 )
 
@@ -56,35 +56,11 @@ __all__ = [
     "Examples",
     "CharCorpus",
     "char_corpus",
+    "corpus_splits",
 ]
 
 # Targets equal to this are skipped by cross-entropy (PyTorch's default ignore_index).
 IGNORE_INDEX = -100
-
-
-# --------------------------------------------------------------------------- text files
-
-def load_text(path: str | os.PathLike) -> str:
-    """Read any UTF-8 text file (bring your own corpus); a leading byte-order mark is dropped."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path: expected a file path (str or Path), got {validate.describe(path)}")
-    file = Path(path).expanduser()
-    if not file.exists():
-        raise FileNotFoundError(f"path: no file at {file} (absolute: {file.absolute()})")
-    if not file.is_file():
-        raise ValueError(f"path: {file} is not a file (a folder?); pass the path of a text file")
-    data = file.read_bytes()
-    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-    try:
-        text = data[start:].decode("utf-8")
-    except UnicodeDecodeError as exc:
-        offset = start + exc.start
-        raise ValueError(f"path: {file} is not UTF-8 text: byte 0x{data[offset]:02x} at byte offset "
-                         f"{offset} cannot be decoded ({exc.reason}); save the file as UTF-8 "
-                         f"and try again") from None
-    if not text:
-        raise ValueError(f"path: {file} is empty; a corpus needs some text")
-    return text
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -458,6 +434,22 @@ def char_corpus(name_or_text: str | os.PathLike, train_fraction: float = 0.9) ->
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)  # (num_chars,)
     train_ids, val_ids = split_by_position(ids, train_fraction)
     return CharCorpus(tokenizer, train_ids, val_ids)
+
+
+def corpus_splits(corpus: str | os.PathLike, max_tokens: int) -> tuple[CharTokenizer, Split, Split]:
+    """A corpus ready for train(): (tokenizer, train_split, val_split).
+
+    ``"names"``: one padded row per name (:class:`Examples`); any other corpus name, or the path of
+    a UTF-8 text file: one long run of characters (:class:`TokenStream`).
+    """
+    if corpus == "names":
+        names = load_names()
+        tokenizer = names_tokenizer(names)
+        train_names, val_names = split_names(names)
+        return (tokenizer, Examples(*names_dataset(train_names, tokenizer, max_tokens)),
+                Examples(*names_dataset(val_names, tokenizer, max_tokens)))
+    prepared = char_corpus(corpus if corpus in CORPORA else Path(corpus))
+    return prepared.tokenizer, TokenStream(prepared.train_ids), TokenStream(prepared.val_ids)
 
 
 def _looks_like_a_path(text: str) -> bool:

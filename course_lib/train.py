@@ -93,20 +93,22 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
     if max_grad_norm is not None:
         validate.positive_float("max_grad_norm", max_grad_norm)
     validate.token_ids("inputs", inputs, dim=2)
-    validate.token_ids("targets", targets, dim=2)
-    if inputs.shape != targets.shape:
-        raise ValueError(f"targets: expected the shape of inputs {tuple(inputs.shape)}, got {tuple(targets.shape)}")
+    if not isinstance(targets, torch.Tensor) or inputs.shape != targets.shape:
+        raise ValueError(f"targets: expected a tensor of the shape of inputs {tuple(inputs.shape)}, "
+                         f"got {validate.describe(targets)}")
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab_size is not None and not targets.is_cuda:   # the inputs are the model's to check
-        validate.in_vocabulary("targets", targets.masked_fill(targets == IGNORE_INDEX, 0), vocab_size)
+    # the inputs' vocabulary is the model's forward to check; reading ids back waits for a GPU
+    validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX,
+                       vocab_size=None if targets.is_cuda else vocab_size)
     return update(model, optimizer, inputs, targets, max_grad_norm).item()
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 64) -> float:
     """Mean loss per predicted token over every window given (no sampling, no dropout)."""
-    validate.token_ids("inputs", inputs, dim=2)
-    validate.token_ids("targets", targets, dim=2)
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    validate.token_ids("inputs", inputs, dim=2)   # their vocabulary: the model's forward checks it
+    validate.token_ids("targets", targets, dim=2, vocab_size=vocab_size, padding=IGNORE_INDEX)
     validate.positive_int("batch_size", batch_size)
     if inputs.shape != targets.shape or inputs.shape[0] == 0:
         raise ValueError(f"targets: expected the shape of inputs {tuple(inputs.shape)} (at least one "
@@ -115,9 +117,12 @@ def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batc
         # the mean over no targets is not a loss of 0 (a perfect model): there is nothing to measure
         raise ValueError(f"targets: expected at least one target that is not padding ({IGNORE_INDEX}), got "
                          f"{targets.numel()} targets that are all {IGNORE_INDEX}; evaluate on windows with text")
-    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab_size is not None:   # once for all windows: the loop below trusts them
-        validate.in_vocabulary("targets", targets.masked_fill(targets == IGNORE_INDEX, 0), vocab_size)
+    return _evaluate(model, inputs, targets, batch_size)
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 64) -> float:
+    # evaluate() without its checks: train() checked its validation split once, up front.
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -160,27 +165,26 @@ class TrainConfig:
     pin_memory: bool = False            # page-locked batches for faster host-to-GPU copies
 
     def __post_init__(self) -> None:
-        positive, inf = dict(low=0, high=math.inf, low_open=True, high_open=True), math.inf
         validate.positive_int("steps", self.steps)
         if self.seconds is not None:
-            validate.number_in("seconds", self.seconds, **positive)
+            validate.positive_float("seconds", self.seconds, finite=True)
         validate.positive_int("batch_size", self.batch_size)
-        validate.number_in("learning_rate", self.learning_rate, **positive)
+        validate.positive_float("learning_rate", self.learning_rate, finite=True)
         # a negative floor turns the end of the cosine into gradient ascent
         validate.number_in("min_learning_rate", self.min_learning_rate, low=0, high=self.learning_rate)
         validate.non_negative_int("warmup_steps", self.warmup_steps)
-        validate.number_in("weight_decay", self.weight_decay, low=0, high=inf, high_open=True)
+        validate.number_in("weight_decay", self.weight_decay, low=0, high=math.inf, high_open=True)
         for name in ("beta1", "beta2", "muon_momentum"):
             validate.number_in(name, getattr(self, name), low=0, high=1, high_open=True)
         if self.max_grad_norm is not None:   # a negative norm flips the clipped gradient: ascent
-            validate.number_in("max_grad_norm", self.max_grad_norm, **positive)
+            validate.positive_float("max_grad_norm", self.max_grad_norm, finite=True)
         validate.one_of("optimizer", self.optimizer, ("adamw", "muon"))
-        validate.number_in("muon_learning_rate", self.muon_learning_rate, **positive)
+        validate.positive_float("muon_learning_rate", self.muon_learning_rate, finite=True)
         validate.positive_int("eval_interval", self.eval_interval)
         validate.positive_int("eval_windows", self.eval_windows)
         validate.positive_int("log_interval", self.log_interval)
         validate.non_negative_int("seed", self.seed)
-        validate.number_in("checkpoint_seconds", self.checkpoint_seconds, **positive)
+        validate.positive_float("checkpoint_seconds", self.checkpoint_seconds, finite=True)
         for name in ("amp", "compile", "pin_memory"):
             validate.boolean(name, getattr(self, name))
 
@@ -306,8 +310,8 @@ def _check_split(name: str, split: Any, vocab_size: int, max_tokens: int) -> Non
         raise TypeError(f"{name}: expected a split with sample() and eval_windows() (TokenStream or "
                         f"Examples), got {type(split).__name__}")
     inputs, targets = split.eval_windows(max_tokens)
-    validate.in_vocabulary(f"{name} inputs", inputs, vocab_size)
-    validate.in_vocabulary(f"{name} targets", targets.masked_fill(targets == IGNORE_INDEX, 0), vocab_size)
+    validate.token_ids(f"{name} inputs", inputs, vocab_size=vocab_size)
+    validate.token_ids(f"{name} targets", targets, vocab_size=vocab_size, padding=IGNORE_INDEX)
 
 
 def _all_finite(tensors: Iterator[torch.Tensor]) -> bool:
@@ -457,7 +461,7 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
             if step % config.eval_interval == 0:
                 if estimate_inputs is not None:
                     t0 = time.perf_counter()
-                    val_loss = evaluate(raw_model, estimate_inputs, estimate_targets)
+                    val_loss = _evaluate(raw_model, estimate_inputs, estimate_targets)
                     eval_seconds += time.perf_counter() - t0
                     if not math.isfinite(val_loss):
                         raise NonFiniteLoss(step, "validation loss", config)
