@@ -92,14 +92,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {validate.describe(optimizer)}")
     if max_grad_norm is not None:
         validate.positive_float("max_grad_norm", max_grad_norm)
-    validate.token_ids("inputs", inputs, dim=2)
-    if not isinstance(targets, torch.Tensor) or inputs.shape != targets.shape:
-        raise ValueError(f"targets: expected a tensor of the shape of inputs {tuple(inputs.shape)}, "
-                         f"got {validate.describe(targets)}")
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    # the inputs' vocabulary is the model's forward to check; reading ids back waits for a GPU
+    validate.token_ids("inputs", inputs, dim=2)   # their vocabulary: the model's forward checks it
+    # reading the ids back waits for a GPU, so there only their type is checked
     validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX,
                        vocab_size=None if targets.is_cuda else vocab_size)
+    if inputs.shape != targets.shape:
+        raise ValueError(f"targets: expected the shape of inputs {tuple(inputs.shape)}, got {tuple(targets.shape)}")
     return update(model, optimizer, inputs, targets, max_grad_norm).item()
 
 
