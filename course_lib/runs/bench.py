@@ -130,7 +130,7 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
     baseline's own wall time on this machine, whatever the machine. With ``seconds``, every preset
     gets that budget. Training time excludes evaluations and checkpoints, for every preset alike.
 
-    The metrics are :func:`course_lib.train.run_preset`'s plus ``peak_gflops`` (the matmul
+    The metrics are :func:`course_lib.runs.run_preset`'s plus ``peak_gflops`` (the matmul
     peak, measured before and after the runs unless given), ``share_of_peak`` (achieved
     FLOP/s / peak) and ``peak_rss_mb`` (this process's peak memory once that preset has run).
     """
