@@ -25,7 +25,7 @@ JOBS ?= 2
 comma := ,
 EXTRAS := test$(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),$(comma)triton,)
 NBVAL_OPTS := -p no:cacheprovider --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
-              --nbval-cell-timeout=600
+              --nbval-cell-timeout=1200
 
 .PHONY: setup lab lab-solutions test lint unit tests-all notebooks learner-copies browser student bench doctor data clean
 

@@ -7,8 +7,9 @@ import sys
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .stopping import exit_status
-    from .train import NonFiniteLoss, run_preset
+    from .runs.presets import run_preset
+    from .runs.stopping import exit_status
+    from .train import NonFiniteLoss
     out = args.resume or args.out
     try:
         metrics = run_preset(args.preset, out, seconds=args.seconds, steps=args.steps, corpus=args.corpus,
@@ -45,7 +46,7 @@ def _interrupted_note(out: str) -> str:
     from pathlib import Path
 
     from .checkpoints import load_checkpoint
-    from .run_folder import CHECKPOINT
+    from .runs.run_folder import CHECKPOINT
     checkpoint = Path(out) / CHECKPOINT
     if not checkpoint.is_file():
         return (f"interrupted: no checkpoint was saved in {out}, so there is nothing to resume; start "
@@ -100,7 +101,7 @@ exit status:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .train import PRESETS
+    from .runs.presets import PRESETS
     parser = argparse.ArgumentParser(prog="python -m course_lib", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except Exception as exc:  # only a refused run is shown without its traceback
-        from .run_folder import RunRefused
+        from .runs.run_folder import RunRefused
         if not isinstance(exc, RunRefused):
             raise
         print(f"error: {exc}", file=sys.stderr)
@@ -193,7 +194,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         return _train(args)
     if args.command == "export":
-        from .hf.export import main as export_main
+        from .runs.export import main as export_main
         return export_main(args.run_dir, args.out_dir)
     if args.command == "start":
         from .classroom.assignments import start_main
@@ -201,7 +202,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "student":
         from .classroom.assignments import main as student_main
         return student_main(args.args)
-    from .bench import main as bench_main
+    from .runs.bench import main as bench_main
     return bench_main(args.args)
 
 

@@ -1,9 +1,11 @@
-"""Old import paths of the modules that moved into ``course_lib.classroom``: a student's own copy of a
-notebook, written before the move and never overwritten, keeps importing what it imported.
+"""Old import paths of what moved into ``course_lib.classroom`` and ``course_lib.runs``: a student's own
+copy of a notebook, written before the move and never overwritten, keeps importing what it imported.
 
 ``from course_lib.collect import collect_student_parts`` finds the module at its new path and hands
 that very module back (not a copy), so its names, classes and state are the ones the course uses.
-Nothing of the classroom loads until an old path is asked for: the reference still imports none of it.
+A name that left a module which still exists (``from course_lib.train import PRESETS``) is found by
+that module's ``__getattr__ = forwarder(__name__)``. Nothing moved loads until an old path or name is
+asked for, so the reference still imports nothing of the classroom or the runs.
 """
 from __future__ import annotations
 
@@ -17,6 +19,31 @@ from types import ModuleType
 MOVED = {f"course_lib.{name}": f"course_lib.classroom.{name}"
          for name in ("checks", "grading", "collect", "assignments", "copy_policy", "nbgrader_metadata",
                       "capstone", "progress", "doctor")}
+MOVED |= {f"course_lib.{name}": f"course_lib.runs.{name}"
+          for name in ("presets", "run_folder", "stopping", "bench", "ablation")}
+MOVED["course_lib.hf.export"] = "course_lib.runs.export"
+
+# module -> {old name: "new.module" or "new.module:new_name"}: names that left a module that stays
+MOVED_NAMES = {
+    "course_lib.train": {**dict.fromkeys(("PRESETS", "Preset", "prepare_preset", "run_preset"),
+                                         "course_lib.runs.presets"),
+                         **dict.fromkeys(("Split", "TokenStream", "Examples"), "course_lib.data"),
+                         "_batches": "course_lib.train:batches", "_update": "course_lib.train:update"},
+    "course_lib.model": {**dict.fromkeys(("ModernGPT", "ModernGPTConfig", "ModernBlock"), "course_lib.modern_gpt"),
+                         "check_vocabulary": "course_lib._validate:in_vocabulary"},
+}
+
+
+def forwarder(module_name: str):
+    """A module's ``__getattr__``: the names that left it, fetched from where they live now."""
+    moved = MOVED_NAMES.get(module_name, {})
+
+    def __getattr__(name: str) -> object:
+        if name not in moved:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        where, _, new_name = moved[name].partition(":")
+        return getattr(importlib.import_module(where), new_name or name)
+    return __getattr__
 
 
 def new_path(fullname: str) -> str | None:

@@ -49,12 +49,30 @@ def tensor(name: str, value: Any, *, min_dim: int = 0, dim: int | None = None,
     return value
 
 
-def token_ids(name: str, value: Any, *, dim: int | None = None) -> torch.Tensor:
-    """Check that ``value`` is an integer tensor of token ids."""
+def token_ids(name: str, value: Any, *, dim: int | None = None, vocab_size: int | None = None,
+              padding: int | None = None) -> torch.Tensor:
+    """Check that ``value`` is an integer tensor of token ids, each in 0..vocab_size-1 when given.
+
+    ``padding`` (IGNORE_INDEX in targets) is allowed besides the vocabulary.
+    """
     tensor(name, value, dim=dim)
     if value.is_floating_point() or value.dtype == torch.bool or value.is_complex():
         raise TypeError(f"{name}: expected integer token ids (torch.long), got dtype {value.dtype}")
+    if vocab_size is not None:
+        in_vocabulary(name, value if padding is None else value.masked_fill(value == padding, 0), vocab_size)
     return value
+
+
+def in_vocabulary(name: str, ids: torch.Tensor, vocab_size: int) -> None:
+    """Refuse token ids outside 0..vocab_size-1 (the usual tokenizer/model mismatch) with a message."""
+    if ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = high if high >= vocab_size else low
+        raise ValueError(f"{name}: expected token ids in 0..{vocab_size - 1} (vocab_size={vocab_size}), "
+                         f"got {bad}; the tokenizer and the model disagree: build the model with "
+                         f"vocab_size=tokenizer.vocab_size (or len(tokenizer))")
 
 
 def boolean(name: str, value: Any) -> bool:
@@ -127,9 +145,12 @@ def probability(name: str, value: Any, *, allow_one: bool = False, hint: str = "
     return float(value)
 
 
-def positive_float(name: str, value: Any, *, hint: str = "") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: expected a number > 0, got {describe(value)}{_then(hint)}")
+def positive_float(name: str, value: Any, *, finite: bool = False, hint: str = "") -> float:
+    """A number > 0 (and not infinite, with ``finite``), returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or (finite and not math.isfinite(value)):
+        raise ValueError(f"{name}: expected a {'finite ' if finite else ''}number > 0, got "
+                         f"{describe(value)}{_then(hint)}")
     return float(value)
 
 

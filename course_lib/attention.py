@@ -132,7 +132,7 @@ def check_input_dtype(name: str, x: torch.Tensor, module: nn.Module) -> None:
                     f"module with .to({x.dtype})")
 
 
-def _check_input(x: torch.Tensor, embed_dim: int, max_tokens: int, start: int = 0,
+def check_input(x: torch.Tensor, embed_dim: int, max_tokens: int, start: int = 0,
                  module: nn.Module | None = None) -> None:
     """x (N, L, embed_dim) with start + L <= max_tokens, in the module's dtype, or a message naming x."""
     validate.tensor("x", x, dim=3, floating=True)
@@ -182,7 +182,7 @@ class MaskedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, L, embed_dim) -> (N, L, embed_dim): the steps of notebook 02, exercise 2.2."""
-        _check_input(x, self.embed_dim, self.max_tokens, module=self)
+        check_input(x, self.embed_dim, self.max_tokens, module=self)
         length = x.shape[1]
         # 1. project every position to its query, key and value
         q, k, v = self.query(x), self.key(x), self.value(x)                        # each (N, L, E)
@@ -315,7 +315,7 @@ class MultiHeadMaskedAttention(nn.Module):
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache: expected a KVCache or None, got {validate.describe(cache)}")
         start = cache.length if cache is not None else 0
-        _check_input(x, self.embed_dim, self.max_tokens, start, module=self)
+        check_input(x, self.embed_dim, self.max_tokens, start, module=self)
         length = x.shape[1]
         total = start + length
 

@@ -22,7 +22,8 @@ from torch import nn
 
 from . import _validate as validate
 from ._atomic import atomic_file
-from .model import ARCHITECTURES, GPT, ModernGPT, architecture_of
+from .model import GPT
+from .modern_gpt import ARCHITECTURES, ModernGPT, architecture_of
 
 __all__ = ["Checkpoint", "CheckpointError", "save_checkpoint", "load_checkpoint", "unwrap_model",
            "remove_stale_temporaries"]
@@ -35,7 +36,7 @@ _COMMENT_LENGTH = len(CHECKSUM_PREFIX) + 64
 _EOCD = b"PK\x05\x06"
 _EOCD_SIZE = 22   # the record without its comment
 # A name no user file is likely to end with: remove_stale_temporaries deletes only these.
-_TMP_SUFFIX = ".course_lib-partial"
+TMP_SUFFIX = ".course_lib-partial"
 
 
 class CheckpointError(ValueError):
@@ -138,7 +139,7 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> Path:
         raise TypeError(f"path: expected a file path, got {validate.describe(path)}")
     if not isinstance(data, bytes):
         raise TypeError(f"data: expected bytes, got {type(data).__name__}")
-    with atomic_file(path, "wb", suffix=_TMP_SUFFIX) as handle:
+    with atomic_file(path, "wb", suffix=TMP_SUFFIX) as handle:
         handle.write(data)
     return Path(path)
 
@@ -155,7 +156,7 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
     folder = Path(folder)
     removed = []
     if folder.is_dir():
-        for tmp in folder.glob(f".*{_TMP_SUFFIX}"):
+        for tmp in folder.glob(f".*{TMP_SUFFIX}"):
             if tmp.is_file() and not tmp.is_symlink():
                 tmp.unlink(missing_ok=True)
                 removed.append(tmp)
@@ -213,6 +214,10 @@ def _read_verified(path: Path) -> dict[str, Any]:
     raw = path.read_bytes()
     body, length, comment = raw[:-_COMMENT_LENGTH - 2], raw[-_COMMENT_LENGTH - 2:-_COMMENT_LENGTH], \
         raw[-_COMMENT_LENGTH:]
+    if raw.startswith(b"COURSE-CHECKPOINT"):
+        raise CheckpointError(f"path: {path} was written by an earlier course_lib (a text header before the "
+                              f"data), which this version no longer reads; train the run again (its checkpoints "
+                              f"are now plain PyTorch files)")
     if not raw.startswith(b"PK\x03\x04"):
         raise CheckpointError(f"path: {path} is not a course checkpoint (it does not start like a torch.save "
                               f"file); expected a file written by save_checkpoint or `python -m course_lib train`")

@@ -12,6 +12,7 @@ per-user folder, and checked against its SHA-256 sum, so every machine trains on
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import sys
@@ -27,7 +28,7 @@ from ._atomic import atomic_file
 from .course_files import CHECKOUT_DIR, PACKAGE_DIR, running_from_checkout
 
 __all__ = ["Corpus", "CORPORA", "CorpusError", "CorpusLocation", "DATA_DIR_ENV", "user_data_dir",
-           "search_dirs", "locate_corpus", "corpus_path", "load_corpus", "download_corpus"]
+           "search_dirs", "locate_corpus", "corpus_path", "load_corpus", "download_corpus", "load_text"]
 
 # The repository's own data/ folder: searched only when running from a checkout.
 REPO_DATA_DIR = CHECKOUT_DIR / "data"
@@ -322,5 +323,27 @@ def corpus_path(name: str, download: bool = True) -> Path:
 
 def load_corpus(name: str, download: bool = True) -> str:
     """The text of a corpus (found, verified, downloaded if needed)."""
-    from .data import load_text  # data imports this module; load_text belongs with the tokenizers' input
     return load_text(corpus_path(name, download=download))
+
+
+def load_text(path: str | os.PathLike) -> str:
+    """Read any UTF-8 text file (bring your own corpus); a leading byte-order mark is dropped."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a file path (str or Path), got {validate.describe(path)}")
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise FileNotFoundError(f"path: no file at {file} (absolute: {file.absolute()})")
+    if not file.is_file():
+        raise ValueError(f"path: {file} is not a file (a folder?); pass the path of a text file")
+    data = file.read_bytes()
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        text = data[start:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        offset = start + exc.start
+        raise ValueError(f"path: {file} is not UTF-8 text: byte 0x{data[offset]:02x} at byte offset "
+                         f"{offset} cannot be decoded ({exc.reason}); save the file as UTF-8 "
+                         f"and try again") from None
+    if not text:
+        raise ValueError(f"path: {file} is empty; a corpus needs some text")
+    return text

@@ -8,14 +8,13 @@ are re-exported here, so ``data.load_corpus("tinyshakespeare")`` works as the no
 """
 from __future__ import annotations
 
-import codecs
 import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -28,6 +27,7 @@ from .corpora import (
     corpus_path,
     download_corpus,
     load_corpus,
+    load_text,
     locate_corpus,
 )
 
@@ -51,37 +51,16 @@ __all__ = [
     "names_tokenizer",
     "split_names",
     "names_dataset",
+    "Split",
+    "TokenStream",
+    "Examples",
     "CharCorpus",
     "char_corpus",
+    "corpus_splits",
 ]
 
 # Targets equal to this are skipped by cross-entropy (PyTorch's default ignore_index).
 IGNORE_INDEX = -100
-
-
-# --------------------------------------------------------------------------- text files
-
-def load_text(path: str | os.PathLike) -> str:
-    """Read any UTF-8 text file (bring your own corpus); a leading byte-order mark is dropped."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path: expected a file path (str or Path), got {validate.describe(path)}")
-    file = Path(path).expanduser()
-    if not file.exists():
-        raise FileNotFoundError(f"path: no file at {file} (absolute: {file.absolute()})")
-    if not file.is_file():
-        raise ValueError(f"path: {file} is not a file (a folder?); pass the path of a text file")
-    data = file.read_bytes()
-    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-    try:
-        text = data[start:].decode("utf-8")
-    except UnicodeDecodeError as exc:
-        offset = start + exc.start
-        raise ValueError(f"path: {file} is not UTF-8 text: byte 0x{data[offset]:02x} at byte offset "
-                         f"{offset} cannot be decoded ({exc.reason}); save the file as UTF-8 "
-                         f"and try again") from None
-    if not text:
-        raise ValueError(f"path: {file} is empty; a corpus needs some text")
-    return text
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -372,6 +351,50 @@ def names_dataset(names: Sequence[str], tokenizer: CharTokenizer, max_tokens: in
     return inputs, targets
 
 
+# --------------------------------------------------------------------------- splits: what train() reads
+
+@runtime_checkable
+class Split(Protocol):
+    """What train() needs from a split: random batches to train on, fixed windows to evaluate."""
+
+    def sample(self, batch_size: int, max_tokens: int,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def eval_windows(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class TokenStream:
+    """One long run of token ids: random windows to train on, consecutive windows to evaluate."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = validate.token_ids("ids", ids, dim=1).long()
+
+    def sample(self, batch_size: int, max_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch_size`` windows at random positions (the course's one batcher, random_batch)."""
+        return random_batch(self.ids, batch_size, max_tokens, generator=generator)   # (B, max_tokens) x2
+
+    def eval_windows(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return lm_windows(self.ids, max_tokens)
+
+
+class Examples:
+    """Fixed, padded examples (one name per row): random rows to train on, all rows to evaluate."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
+        self.inputs = validate.token_ids("inputs", inputs, dim=2).long()
+        self.targets = validate.token_ids("targets", targets, dim=2).long()
+        if inputs.shape != targets.shape:
+            raise ValueError(f"targets: expected shape {tuple(inputs.shape)}, got {tuple(targets.shape)}")
+
+    def sample(self, batch_size: int, max_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        validate.positive_int("batch_size", batch_size)
+        rows = torch.randint(self.inputs.shape[0], (batch_size,), generator=generator)
+        return self.inputs[rows], self.targets[rows]
+
+    def eval_windows(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs, self.targets
+
+
 # --------------------------------------------------------------------------- convenience
 
 @dataclass
@@ -411,6 +434,22 @@ def char_corpus(name_or_text: str | os.PathLike, train_fraction: float = 0.9) ->
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)  # (num_chars,)
     train_ids, val_ids = split_by_position(ids, train_fraction)
     return CharCorpus(tokenizer, train_ids, val_ids)
+
+
+def corpus_splits(corpus: str | os.PathLike, max_tokens: int) -> tuple[CharTokenizer, Split, Split]:
+    """A corpus ready for train(): (tokenizer, train_split, val_split).
+
+    ``"names"``: one padded row per name (:class:`Examples`); any other corpus name, or the path of
+    a UTF-8 text file: one long run of characters (:class:`TokenStream`).
+    """
+    if corpus == "names":
+        names = load_names()
+        tokenizer = names_tokenizer(names)
+        train_names, val_names = split_names(names)
+        return (tokenizer, Examples(*names_dataset(train_names, tokenizer, max_tokens)),
+                Examples(*names_dataset(val_names, tokenizer, max_tokens)))
+    prepared = char_corpus(corpus if corpus in CORPORA else Path(corpus))
+    return prepared.tokenizer, TokenStream(prepared.train_ids), TokenStream(prepared.val_ids)
 
 
 def _looks_like_a_path(text: str) -> bool:

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from . import _validate as validate
-from .model import check_vocabulary
 
 __all__ = ["sample_next_token", "generate", "generate_with_cache", "generate_text"]
 
@@ -53,7 +52,7 @@ def _model_device(model: nn.Module) -> torch.device:
 def _check_prompt_vocabulary(model: nn.Module, idx: torch.Tensor) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "vocab_size"):
-        check_vocabulary("idx", idx, config.vocab_size)
+        validate.in_vocabulary("idx", idx, config.vocab_size)
 
 
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

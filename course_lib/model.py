@@ -9,12 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _moved
 from . import _validate as validate
 from .attention import KVCache, MultiHeadMaskedAttention, check_caches, check_input_dtype
 
 __all__ = [
-    "flops_per_token",
-    "check_vocabulary",
     "sinusoidal_table",
     "LearnedPositionalEncoding",
     "SinusoidalPositionalEncoding",
@@ -22,9 +21,6 @@ __all__ = [
     "TransformerBlock",
     "GPTConfig",
     "GPT",
-    "ModernGPTConfig",
-    "ModernBlock",
-    "ModernGPT",
 ]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -241,7 +237,7 @@ class GPT(nn.Module):
         validate.token_ids("idx", idx, dim=2)
         if not torch.compiler.is_compiling() and not (idx.is_cuda and self.training):
             # Reading the ids back waits for a GPU, so training on one checks its data once up front.
-            check_vocabulary("idx", idx, self.config.vocab_size)
+            validate.in_vocabulary("idx", idx, self.config.vocab_size)
         n, length = idx.shape
         check_caches(cache, len(self.blocks))
         start = cache[0].length if cache else 0
@@ -280,42 +276,5 @@ class GPT(nn.Module):
             self.train(was_training)
 
 
-def check_vocabulary(name: str, ids: torch.Tensor, vocab_size: int) -> None:
-    """Refuse token ids outside 0..vocab_size-1 (the usual tokenizer/model mismatch) with a message."""
-    if ids.numel() == 0:
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= vocab_size:
-        bad = high if high >= vocab_size else low
-        raise ValueError(f"{name}: expected token ids in 0..{vocab_size - 1} (vocab_size={vocab_size}), "
-                         f"got {bad}; the tokenizer and the model disagree: build the model with "
-                         f"vocab_size=tokenizer.vocab_size (or len(tokenizer))")
-
-
-def flops_per_token(config: GPTConfig | ModernGPTConfig, num_parameters: int) -> float:
-    """Training FLOPs per token: 6N for the weights plus 12·n·H·Q·T for attention (PaLM, appendix B).
-
-    N = ``num_parameters``; L layers, H heads of size Q, context T, all from ``config``. With a
-    sliding window, each query attends to at most ``sliding_window`` keys, so T is the smaller of the two.
-    """
-    if not isinstance(config, (GPTConfig, ModernGPTConfig)):
-        raise TypeError(f"config: expected a GPTConfig or ModernGPTConfig, got {type(config).__name__}")
-    validate.positive_int("num_parameters", num_parameters)
-    context = min(config.max_tokens, getattr(config, "sliding_window", None) or config.max_tokens)
-    return 6 * num_parameters + 12 * config.num_layers * config.num_heads * config.head_dim * context
-
-
-# The Llama-style model of notebook 09 lives in its own file, built from course_lib.modern's parts;
-# it is found here with the other models. Imported last: modern_gpt reads check_vocabulary from this module.
-from .modern_gpt import ModernBlock, ModernGPT, ModernGPTConfig  # noqa: E402
-
-# The model classes a preset or a checkpoint may name, with their configs.
-ARCHITECTURES: dict[str, tuple[type[nn.Module], type]] = {"gpt": (GPT, GPTConfig), "modern": (ModernGPT, ModernGPTConfig)}
-
-
-def architecture_of(model: nn.Module) -> str:
-    """``"gpt"`` or ``"modern"``: which of :data:`ARCHITECTURES` ``model`` is."""
-    for name, (cls, _) in ARCHITECTURES.items():
-        if type(model) is cls:
-            return name
-    raise TypeError(f"model: expected a course_lib GPT or ModernGPT, got {type(model).__name__}")
+# Names that moved out of this module (a student's older notebook copy may still import them from here).
+__getattr__ = _moved.forwarder(__name__)

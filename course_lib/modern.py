@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _validate as validate
-from .attention import KVCache, _check_input, check_input_dtype, merge_heads, split_heads
+from .attention import KVCache, check_input, check_input_dtype, merge_heads, split_heads
 
 __all__ = ["rope_tables", "rotate_half", "apply_rotary", "RMSNorm", "SwiGLU", "ReLUSquared",
            "repeat_kv", "sliding_window_mask", "GroupedQueryAttention"]
@@ -242,7 +242,7 @@ class GroupedQueryAttention(nn.Module):
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache: expected a KVCache or None, got {validate.describe(cache)}")
         start = cache.length if cache is not None else 0
-        _check_input(x, self.embed_dim, self.max_tokens, start, module=self)
+        check_input(x, self.embed_dim, self.max_tokens, start, module=self)
         length = x.shape[1]
         total = start + length
 

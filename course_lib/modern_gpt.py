@@ -20,10 +20,11 @@ from torch import nn
 
 from . import _validate as validate
 from .attention import KVCache, check_caches
-from .model import GPT, check_vocabulary
+from .model import GPT, GPTConfig
 from .modern import GroupedQueryAttention, ReLUSquared, RMSNorm, SwiGLU
 
-__all__ = ["MLP_KINDS", "default_hidden_dim", "ModernGPTConfig", "ModernBlock", "ModernGPT"]
+__all__ = ["MLP_KINDS", "default_hidden_dim", "ModernGPTConfig", "ModernBlock", "ModernGPT", "ARCHITECTURES",
+           "architecture_of"]
 
 MLP_KINDS = ("swiglu", "relu2")
 
@@ -248,7 +249,7 @@ class ModernGPT(nn.Module):
         validate.token_ids("idx", idx, dim=2)
         if not torch.compiler.is_compiling() and not (idx.is_cuda and self.training):
             # Reading the ids back waits for a GPU, so training on one checks its data once up front.
-            check_vocabulary("idx", idx, self.config.vocab_size)
+            validate.in_vocabulary("idx", idx, self.config.vocab_size)
         length = idx.shape[1]
         check_caches(cache, len(self.blocks))
         start = cache[0].length if cache else 0
@@ -270,3 +271,15 @@ class ModernGPT(nn.Module):
         validate.boolean("include_embeddings", include_embeddings)
         unique = {id(p): p for p in self.parameters()}
         return sum(p.numel() for p in unique.values())
+
+
+# The model classes a preset or a checkpoint may name, with their configs: GPT-2's (notebook 04) and this one.
+ARCHITECTURES: dict[str, tuple[type[nn.Module], type]] = {"gpt": (GPT, GPTConfig), "modern": (ModernGPT, ModernGPTConfig)}
+
+
+def architecture_of(model: nn.Module) -> str:
+    """``"gpt"`` or ``"modern"``: which of :data:`ARCHITECTURES` ``model`` is."""
+    for name, (cls, _) in ARCHITECTURES.items():
+        if type(model) is cls:
+            return name
+    raise TypeError(f"model: expected a course_lib GPT or ModernGPT, got {type(model).__name__}")

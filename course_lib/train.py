@@ -1,4 +1,7 @@
-"""Training a GPT: the loss, one step, evaluation, the schedule, the loop, and named presets."""
+"""Training a GPT: the loss, one step, evaluation, the schedule and the loop.
+
+Named recipes and runs from the command line build on this file: :mod:`course_lib.runs`.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -7,30 +10,31 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import _moved
 from . import _validate as validate
-from .data import IGNORE_INDEX, lm_windows, random_batch
+from .data import IGNORE_INDEX, Split
 from .distributed import DistributedContext
-from .model import GPT, ModernGPT, check_vocabulary, flops_per_token
+from .model import GPT, GPTConfig
+from .modern_gpt import ModernGPT, ModernGPTConfig
 from .optimizers import build_optimizer
-from .run_folder import RunRefused
 from .runtime import DEVICES
 from .runtime import device as default_device
 
 __all__ = [
-    "IGNORE_INDEX", "lm_loss", "train_step", "evaluate", "Split", "TokenStream", "Examples", "TrainConfig",
-    "History", "TrainState", "NonFiniteLoss", "RunRefused", "learning_rate", "train", "resolve_device",
-    "flops_per_token", "PRESETS", "Preset", "prepare_preset", "run_preset",
+    "lm_loss", "update", "train_step", "evaluate",
+    "TrainConfig", "History", "TrainState", "NonFiniteLoss", "learning_rate", "batches", "train",
+    "resolve_device", "flops_per_token",
 ]
 
-# IGNORE_INDEX: targets with this value (padding) add nothing to the loss.
-# flops_per_token lives next to the model (model.py); it is re-exported here, where notebook 06 meets it.
+# IGNORE_INDEX (data.py): targets with this value (padding) add nothing to the loss.
+# train() reads batches from a data.Split: data.TokenStream (one long text) or data.Examples (one row each).
 
 
 # ---------------------------------------------------------------- loss, step, evaluation
@@ -41,27 +45,37 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     ``reduction="mean"`` averages over the targets that count (not IGNORE_INDEX); ``"sum"`` adds them.
     """
     validate.tensor("logits", logits, dim=3, floating=True)
-    validate.token_ids("targets", targets, dim=2)
+    # padding (IGNORE_INDEX) is allowed; any other id must be a class of the logits (reading the
+    # ids back waits for a GPU, so there only their type is checked)
+    checkable = not torch.compiler.is_compiling() and not targets.is_cuda
+    validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX,
+                       vocab_size=logits.shape[-1] if checkable and logits.shape[:2] == targets.shape else None)
     validate.one_of("reduction", reduction, ["mean", "sum"])
     if logits.shape[:2] != targets.shape:
         raise ValueError(f"targets: expected shape {tuple(logits.shape[:2])} to match logits "
                          f"{tuple(logits.shape)}, got {tuple(targets.shape)}")
-    if not torch.compiler.is_compiling() and not targets.is_cuda:
-        # padding (IGNORE_INDEX) is allowed; any other id must be a class of the logits
-        check_vocabulary("targets", targets.masked_fill(targets == IGNORE_INDEX, 0), logits.shape[-1])
+    return _cross_entropy(logits, targets, reduction)
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    # lm_loss without its checks: the loop and evaluate() call it on batches checked once, up front.
     # cross_entropy wants the classes in dimension 1, so flatten positions into the batch
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),   # (N*L, V), (N*L,)
                            ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
-def _update(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
-            max_grad_norm: float | None, autocast: Any = None, parameters: Any = None) -> torch.Tensor:
-    # The one training step, shared by train_step and the loop. It returns the loss as a tensor
-    # so the loop can read it back only now and then (each read waits for the device).
+def update(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
+           max_grad_norm: float | None = 1.0, *, autocast: Any = None, parameters: Any = None) -> torch.Tensor:
+    """The one training step of train_step and of the loop, on a batch already checked.
+
+    It returns the loss as a tensor, so the loop reads it back only now and then (each read waits
+    for the device). ``autocast``: a torch.autocast context; ``parameters``: what to clip (the
+    model's own, when ``model`` is a wrapper).
+    """
     model.train()
     optimizer.zero_grad(set_to_none=True)
     with autocast if autocast is not None else contextlib.nullcontext():
-        loss = lm_loss(model(inputs), targets)
+        loss = _cross_entropy(model(inputs), targets)
     loss.backward()
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(parameters if parameters is not None else model.parameters(),
@@ -79,14 +93,22 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {validate.describe(optimizer)}")
     if max_grad_norm is not None:
         validate.positive_float("max_grad_norm", max_grad_norm)
-    return _update(model, optimizer, inputs, targets, max_grad_norm).item()
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    validate.token_ids("inputs", inputs, dim=2)   # their vocabulary: the model's forward checks it
+    # reading the ids back waits for a GPU, so there only their type is checked
+    validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX,
+                       vocab_size=None if targets.is_cuda else vocab_size)
+    if inputs.shape != targets.shape:
+        raise ValueError(f"targets: expected the shape of inputs {tuple(inputs.shape)}, got {tuple(targets.shape)}")
+    return update(model, optimizer, inputs, targets, max_grad_norm).item()
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 64) -> float:
     """Mean loss per predicted token over every window given (no sampling, no dropout)."""
-    validate.token_ids("inputs", inputs, dim=2)
-    validate.token_ids("targets", targets, dim=2)
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    validate.token_ids("inputs", inputs, dim=2)   # their vocabulary: the model's forward checks it
+    validate.token_ids("targets", targets, dim=2, vocab_size=vocab_size, padding=IGNORE_INDEX)
     validate.positive_int("batch_size", batch_size)
     if inputs.shape != targets.shape or inputs.shape[0] == 0:
         raise ValueError(f"targets: expected the shape of inputs {tuple(inputs.shape)} (at least one "
@@ -95,6 +117,12 @@ def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batc
         # the mean over no targets is not a loss of 0 (a perfect model): there is nothing to measure
         raise ValueError(f"targets: expected at least one target that is not padding ({IGNORE_INDEX}), got "
                          f"{targets.numel()} targets that are all {IGNORE_INDEX}; evaluate on windows with text")
+    return _evaluate(model, inputs, targets, batch_size)
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 64) -> float:
+    # evaluate() without its checks: train() checked its validation split once, up front.
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -102,64 +130,13 @@ def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batc
     for i in range(0, inputs.shape[0], batch_size):
         x = inputs[i:i + batch_size].to(device)
         y = targets[i:i + batch_size].to(device)
-        total += lm_loss(model(x), y, reduction="sum").item()
+        total += _cross_entropy(model(x), y, reduction="sum").item()
         count += int((y != IGNORE_INDEX).sum())
     model.train(was_training)
     return total / count
 
 
-# ---------------------------------------------------------------- what a split looks like
-
-@runtime_checkable
-class Split(Protocol):
-    """What train() needs from a split: random batches to train on, fixed windows to evaluate."""
-
-    def sample(self, batch_size: int, max_tokens: int,
-               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def eval_windows(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class TokenStream:
-    """One long run of token ids: random windows to train on, consecutive windows to evaluate."""
-
-    def __init__(self, ids: torch.Tensor):
-        self.ids = validate.token_ids("ids", ids, dim=1).long()
-
-    def sample(self, batch_size: int, max_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """``batch_size`` windows at random positions (the course's one batcher, data.random_batch)."""
-        return random_batch(self.ids, batch_size, max_tokens, generator=generator)   # (B, max_tokens) x2
-
-    def eval_windows(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return lm_windows(self.ids, max_tokens)
-
-
-class Examples:
-    """Fixed, padded examples (one name per row): random rows to train on, all rows to evaluate."""
-
-    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
-        self.inputs = validate.token_ids("inputs", inputs, dim=2).long()
-        self.targets = validate.token_ids("targets", targets, dim=2).long()
-        if inputs.shape != targets.shape:
-            raise ValueError(f"targets: expected shape {tuple(inputs.shape)}, got {tuple(targets.shape)}")
-
-    def sample(self, batch_size: int, max_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        validate.positive_int("batch_size", batch_size)
-        rows = torch.randint(self.inputs.shape[0], (batch_size,), generator=generator)
-        return self.inputs[rows], self.targets[rows]
-
-    def eval_windows(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inputs, self.targets
-
-
 # ---------------------------------------------------------------- configuration and schedule
-
-def _finite(name: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < low or (low_open and value == low) or value > high:
-        bound = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high != math.inf else "")
-        raise ValueError(f"{name}: expected a finite number {bound}, got {validate.describe(value)}")
-
 
 @dataclass
 class TrainConfig:
@@ -190,33 +167,26 @@ class TrainConfig:
     def __post_init__(self) -> None:
         validate.positive_int("steps", self.steps)
         if self.seconds is not None:
-            _finite("seconds", self.seconds, low=0, low_open=True)
+            validate.positive_float("seconds", self.seconds, finite=True)
         validate.positive_int("batch_size", self.batch_size)
-        _finite("learning_rate", self.learning_rate, low=0, low_open=True)
+        validate.positive_float("learning_rate", self.learning_rate, finite=True)
         # a negative floor turns the end of the cosine into gradient ascent
-        _finite("min_learning_rate", self.min_learning_rate, low=0, high=self.learning_rate)
+        validate.number_in("min_learning_rate", self.min_learning_rate, low=0, high=self.learning_rate)
         validate.non_negative_int("warmup_steps", self.warmup_steps)
-        _finite("weight_decay", self.weight_decay, low=0)
-        for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            _finite(name, value, low=0)
-            if value >= 1:
-                raise ValueError(f"{name}: expected a number in [0, 1), got {validate.describe(value)}")
+        validate.number_in("weight_decay", self.weight_decay, low=0, high=math.inf, high_open=True)
+        for name in ("beta1", "beta2", "muon_momentum"):
+            validate.number_in(name, getattr(self, name), low=0, high=1, high_open=True)
         if self.max_grad_norm is not None:   # a negative norm flips the clipped gradient: ascent
-            _finite("max_grad_norm", self.max_grad_norm, low=0, low_open=True)
+            validate.positive_float("max_grad_norm", self.max_grad_norm, finite=True)
         validate.one_of("optimizer", self.optimizer, ("adamw", "muon"))
-        _finite("muon_learning_rate", self.muon_learning_rate, low=0, low_open=True)
-        _finite("muon_momentum", self.muon_momentum, low=0)
-        if self.muon_momentum >= 1:
-            raise ValueError(f"muon_momentum: expected a number in [0, 1), got {validate.describe(self.muon_momentum)}")
+        validate.positive_float("muon_learning_rate", self.muon_learning_rate, finite=True)
         validate.positive_int("eval_interval", self.eval_interval)
         validate.positive_int("eval_windows", self.eval_windows)
         validate.positive_int("log_interval", self.log_interval)
         validate.non_negative_int("seed", self.seed)
-        _finite("checkpoint_seconds", self.checkpoint_seconds, low=0, low_open=True)
+        validate.positive_float("checkpoint_seconds", self.checkpoint_seconds, finite=True)
         for name in ("amp", "compile", "pin_memory"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected True or False, got {validate.describe(getattr(self, name))}")
+            validate.boolean(name, getattr(self, name))
 
 
 def learning_rate(config: TrainConfig, step: int, progress: float) -> float:
@@ -230,6 +200,19 @@ def learning_rate(config: TrainConfig, step: int, progress: float) -> float:
     progress = min(max(progress, 0.0), 1.0)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return config.min_learning_rate + cosine * (config.learning_rate - config.min_learning_rate)
+
+
+def flops_per_token(config: GPTConfig | ModernGPTConfig, num_parameters: int) -> float:
+    """Training FLOPs per token: 6N for the weights plus 12·n·H·Q·T for attention (PaLM, appendix B).
+
+    N = ``num_parameters``; L layers, H heads of size Q, context T, all from ``config``. With a
+    sliding window, each query attends to at most ``sliding_window`` keys, so T is the smaller of the two.
+    """
+    if not isinstance(config, (GPTConfig, ModernGPTConfig)):
+        raise TypeError(f"config: expected a GPTConfig or ModernGPTConfig, got {type(config).__name__}")
+    validate.positive_int("num_parameters", num_parameters)
+    context = min(config.max_tokens, getattr(config, "sliding_window", None) or config.max_tokens)
+    return 6 * num_parameters + 12 * config.num_layers * config.num_heads * config.head_dim * context
 
 
 @dataclass
@@ -298,10 +281,13 @@ class TrainState:
         return cls(**fields)
 
 
-def _batches(split: Split, config: TrainConfig, max_tokens: int, ctx: DistributedContext,
-             device: torch.device, generator: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    # Every rank draws the same global batch and keeps its own slice, so N processes
-    # see exactly what one process with an N-times larger batch would see.
+def batches(split: Split, config: TrainConfig, max_tokens: int, ctx: DistributedContext,
+            device: torch.device, generator: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """train()'s endless batches from ``split``, on ``device``: under torchrun, this rank's slice.
+
+    Every rank draws the same global batch and keeps its own slice, so N processes see exactly
+    what one process with an N-times larger batch would see.
+    """
     rows = slice(ctx.rank * config.batch_size, (ctx.rank + 1) * config.batch_size)
     while True:
         x, y = split.sample(config.batch_size * ctx.world_size, max_tokens, generator)
@@ -324,8 +310,8 @@ def _check_split(name: str, split: Any, vocab_size: int, max_tokens: int) -> Non
         raise TypeError(f"{name}: expected a split with sample() and eval_windows() (TokenStream or "
                         f"Examples), got {type(split).__name__}")
     inputs, targets = split.eval_windows(max_tokens)
-    check_vocabulary(f"{name} inputs", inputs, vocab_size)
-    check_vocabulary(f"{name} targets", targets.masked_fill(targets == IGNORE_INDEX, 0), vocab_size)
+    validate.token_ids(f"{name} inputs", inputs, vocab_size=vocab_size)
+    validate.token_ids(f"{name} targets", targets, vocab_size=vocab_size, padding=IGNORE_INDEX)
 
 
 def _all_finite(tensors: Iterator[torch.Tensor]) -> bool:
@@ -404,7 +390,7 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
             torch.cuda.set_rng_state_all(state.cuda_rng)
         running = state.running_loss.to(device)
         running_count = state.running_count
-    batches = _batches(train_split, config, max_tokens, ctx, device, generator)
+    stream = batches(train_split, config, max_tokens, ctx, device, generator)
     bar = _progress_bar(config.steps, step, progress and ctx.is_main)
     prior = (history.train_seconds, history.eval_seconds, history.checkpoint_seconds)
     started = last_save = time.perf_counter()
@@ -451,8 +437,9 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)   # Muon's groups run at their own scale
 
-            x, y = next(batches)
-            running += _update(model, optimizer, x, y, config.max_grad_norm, autocast, raw_model.parameters())
+            x, y = next(stream)
+            running += update(model, optimizer, x, y, config.max_grad_norm, autocast=autocast,
+                              parameters=raw_model.parameters())
             running_count += 1
             step += 1
             history.tokens_seen += x.numel() * ctx.world_size
@@ -474,7 +461,7 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
             if step % config.eval_interval == 0:
                 if estimate_inputs is not None:
                     t0 = time.perf_counter()
-                    val_loss = evaluate(raw_model, estimate_inputs, estimate_targets)
+                    val_loss = _evaluate(raw_model, estimate_inputs, estimate_targets)
                     eval_seconds += time.perf_counter() - t0
                     if not math.isfinite(val_loss):
                         raise NonFiniteLoss(step, "validation loss", config)
@@ -528,6 +515,6 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return chosen
 
 
-# The presets and the run-a-preset entry point live in presets.py (they build on everything above);
-# re-exported here, where the notebooks and the command line have always found them.
-from .presets import PRESETS, Preset, prepare_preset, run_preset
+
+# Names that moved out of this module (a student's older notebook copy may still import them from here).
+__getattr__ = _moved.forwarder(__name__)

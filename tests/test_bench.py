@@ -6,8 +6,9 @@ import re
 import pytest
 import torch
 
-from course_lib import GPTConfig, bench
-from course_lib.train import PRESETS, flops_per_token
+from course_lib import GPTConfig
+from course_lib.runs import PRESETS, bench
+from course_lib.train import flops_per_token
 
 # Short lines of varied text: enough characters for a few dozen windows of the small presets.
 TEXT = "".join(f"{w} said the {a} to the {b}, and it was {c}.\n"
@@ -146,8 +147,7 @@ def test_attention_command_prints_one_table_per_width(capsys):
 
 
 def test_benchmark_sizes_are_the_recipes_sizes():
-    from course_lib.bench import ATTENTION_WIDTHS, GENERATION_CONFIG
-    from course_lib.train import PRESETS
+    from course_lib.runs.bench import ATTENTION_WIDTHS, GENERATION_CONFIG
     cpu, gpu = PRESETS["shakespeare_char_cpu"].model, PRESETS["shakespeare_char_gpu"].model
     assert ATTENTION_WIDTHS == ((cpu["embed_dim"], cpu["num_heads"]), (gpu["embed_dim"], gpu["num_heads"]))
     assert {k: GENERATION_CONFIG[k] for k in ("max_tokens", "embed_dim", "num_heads", "num_layers")} == \
@@ -157,7 +157,7 @@ def test_benchmark_sizes_are_the_recipes_sizes():
 def test_ablation_trains_each_variant_for_the_steps_it_takes_in_the_baselines_time(corpus):
     from dataclasses import replace
 
-    from course_lib.ablation import Variant, ablation_benchmark
+    from course_lib.runs.ablation import Variant, ablation_benchmark
     tiny = PRESETS["tiny"]
     variants = [Variant("tiny", tiny),
                 Variant("tiny, batch 4x", replace(tiny, train=replace(tiny.train, batch_size=64)))]
@@ -171,7 +171,7 @@ def test_ablation_trains_each_variant_for_the_steps_it_takes_in_the_baselines_ti
 
 
 def test_ablation_command_prints_every_change_of_the_recipe(corpus, capsys):
-    from course_lib.ablation import ABLATION
+    from course_lib.runs.ablation import ABLATION
     assert bench.main(["ablation", "--corpus", corpus, "--baseline-steps", "2", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     for variant in ABLATION:

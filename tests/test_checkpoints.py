@@ -15,7 +15,7 @@ from course_lib.checkpoints import (
     write_atomically,
 )
 from course_lib.data import CharTokenizer
-from course_lib.run_folder import RunFolder, RunRefused
+from course_lib.runs.run_folder import RunFolder, RunRefused
 from course_lib.train import History
 
 
@@ -88,6 +88,13 @@ def test_a_plain_torch_save_without_the_checksum_is_refused(tmp_path):
                tmp_path / "plain.pt")
     with pytest.raises(CheckpointError, match=r"plain\.pt is damaged or was not written by save_checkpoint"):
         load_checkpoint(tmp_path / "plain.pt")
+
+
+def test_a_checkpoint_of_an_earlier_course_lib_is_refused_saying_so(saved, tmp_path):
+    old = tmp_path / "old.pt"   # the earlier format: a text header, then the torch.save bytes
+    old.write_bytes(b"COURSE-CHECKPOINT v2 sha256=" + b"0" * 64 + b"\n" + saved.read_bytes())
+    with pytest.raises(CheckpointError, match=r"old\.pt was written by an earlier course_lib.*train the run again"):
+        load_checkpoint(old)
 
 
 class _Evil:

@@ -158,7 +158,7 @@ def test_a_folder_holding_a_run_asks_for_resume_or_overwrite(tmp_path, corpus, c
 
 
 def test_bench_training_refuses_a_file_as_out_before_measuring(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("course_lib.bench.measure_matmul_peak", lambda *a, **k: pytest.fail("measured first"))
+    monkeypatch.setattr("course_lib.runs.bench.measure_matmul_peak", lambda *a, **k: pytest.fail("measured first"))
     (tmp_path / "file").write_text("x")
     assert main(["bench", "training", "--seconds", "1", "--out", str(tmp_path / "file")]) == 2
     err = capsys.readouterr().err

@@ -348,6 +348,16 @@ def test_char_corpus_from_text_and_path(tmp_path):
         char_corpus("")
 
 
+def test_corpus_splits_of_a_text_file_are_the_char_corpus_streams(tmp_path):
+    from course_lib.data import TokenStream, corpus_splits
+    (tmp_path / "t.txt").write_text("abcabcabcd" * 10)
+    tokenizer, train_split, val_split = corpus_splits(tmp_path / "t.txt", max_tokens=4)
+    corpus = char_corpus(tmp_path / "t.txt")
+    assert tokenizer == corpus.tokenizer
+    assert isinstance(train_split, TokenStream) and isinstance(val_split, TokenStream)
+    assert torch.equal(train_split.ids, corpus.train_ids) and torch.equal(val_split.ids, corpus.val_ids)
+
+
 @pytest.mark.parametrize("path_like", ["path/to/file.txt", "corpus.txt", "C:\\data\\t", "notes.md"])
 def test_char_corpus_refuses_a_path_given_as_a_string(path_like):
     # trained on, it would be a model of the characters of the path

@@ -16,9 +16,9 @@ import transformers
 from course_lib.checkpoints import save_checkpoint
 from course_lib.data import CharTokenizer, train_subword_tokenizer
 from course_lib.generate import generate_text
-from course_lib.hf.export import ExportRefused, export_run
 from course_lib.model import GPT, GPTConfig
 from course_lib.modern_gpt import ModernGPT, ModernGPTConfig
+from course_lib.runs.export import ExportRefused, export_run
 from course_lib.train import train_step
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -115,7 +115,7 @@ def test_attention_patterns_of_the_attention_only_model_and_a_modern_gpt():
     assert torch.allclose(maps.sum(-1), torch.ones(2, 2, 3, 8))
     assert maps.triu(1).abs().max() == 0
     assert not model.blocks[0].attn.record_weights
-    from course_lib.model import ModernGPT, ModernGPTConfig
+    from course_lib.modern_gpt import ModernGPT, ModernGPTConfig
     modern = ModernGPT(ModernGPTConfig(vocab_size=11, max_tokens=8, embed_dim=16, num_heads=4, num_kv_heads=2,
                                        num_layers=2, qk_norm=True)).eval()
     maps = heads.attention_patterns(modern, idx)

@@ -12,8 +12,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from course_lib import hf
 from course_lib.attention import KVCache
 from course_lib.generate import generate, generate_with_cache
-from course_lib.model import GPT, GPTConfig, ModernGPT, ModernGPTConfig
+from course_lib.model import GPT, GPTConfig
 from course_lib.modern import GroupedQueryAttention, RMSNorm, SwiGLU
+from course_lib.modern_gpt import ModernGPT, ModernGPTConfig
 
 TOL = 1e-5   # float32, logits of standard deviation about 1
 

@@ -10,8 +10,9 @@ from transformers import LlamaConfig
 from transformers.models.llama import modeling_llama as llama
 
 from course_lib.attention import KVCache, MultiHeadMaskedAttention
+from course_lib.data import TokenStream
 from course_lib.generate import generate, generate_with_cache
-from course_lib.model import GPTConfig, ModernBlock, ModernGPT, ModernGPTConfig, flops_per_token
+from course_lib.model import GPTConfig
 from course_lib.modern import (
     GroupedQueryAttention,
     ReLUSquared,
@@ -23,7 +24,8 @@ from course_lib.modern import (
     rotate_half,
     sliding_window_mask,
 )
-from course_lib.train import TokenStream, TrainConfig, train
+from course_lib.modern_gpt import ModernBlock, ModernGPT, ModernGPTConfig
+from course_lib.train import TrainConfig, flops_per_token, train
 
 
 def gen(seed: int) -> torch.Generator:

@@ -6,10 +6,10 @@ import torch
 
 from course_lib import GPT, GPTConfig
 from course_lib.checkpoints import CheckpointError, load_checkpoint, save_checkpoint
-from course_lib.data import CharTokenizer
-from course_lib.model import ModernGPT, ModernGPTConfig
+from course_lib.data import CharTokenizer, TokenStream
+from course_lib.modern_gpt import ModernGPT, ModernGPTConfig
 from course_lib.optimizers import MuonWithAdamW, build_optimizer, hidden_matrices
-from course_lib.train import TokenStream, TrainConfig, TrainState, train
+from course_lib.train import TrainConfig, TrainState, train
 
 TEXT = "the cat sat on the mat. the dog sat on the log. " * 40
 

@@ -8,11 +8,10 @@ import textwrap
 
 import pytest
 
-import course_lib.train  # noqa: F401  (before course_lib.presets, which it imports)
 from course_lib.__main__ import main
-from course_lib.run_folder import RunFolder, RunRefused
+from course_lib.runs.run_folder import RunFolder, RunRefused
 
-LOCK = ".course_lib-run.lock"   # the file a run holds (course_lib.run_folder.LOCK)
+LOCK = ".course_lib-run.lock"   # the file a run holds (course_lib.runs.run_folder.LOCK)
 
 TEXT = "".join(f"line {i}: to be, or not to be, that is the question.\n" for i in range(60))
 FAST = ["--preset", "tiny", "--device", "cpu", "--quiet"]
@@ -31,7 +30,7 @@ def holder(tmp_path):
     run = tmp_path / "run"
     code = textwrap.dedent(f"""
         import time
-        from course_lib.run_folder import RunFolder
+        from course_lib.runs.run_folder import RunFolder
         folder = RunFolder({str(run)!r}, overwrite=True)
         folder.prepare()
         print("held", flush=True)
@@ -102,7 +101,7 @@ def test_only_our_own_temporaries_are_removed(tmp_path):
 
 def _interrupt_final_evaluation(monkeypatch, signum):
     """Deliver ``signum`` while the final evaluation (the one over every window) runs."""
-    import course_lib.presets as presets
+    import course_lib.runs.presets as presets
     real = presets.evaluate
 
     def evaluate(*args, **kwargs):
@@ -137,7 +136,7 @@ def test_an_interrupted_final_evaluation_is_finished_by_resume(tmp_path, corpus,
 def test_ctrl_c_before_any_save_says_nothing_was_saved(tmp_path, corpus, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr("course_lib.presets.prepare_preset", interrupted)
+    monkeypatch.setattr("course_lib.runs.presets.prepare_preset", interrupted)
     run = tmp_path / "run"
     assert main(["train", *FAST, "--steps", "3", "--corpus", str(corpus), "--out", str(run)]) == 130
     err = capsys.readouterr().err
@@ -150,7 +149,7 @@ def test_ctrl_c_before_any_save_says_nothing_was_saved(tmp_path, corpus, monkeyp
     stamp = json.loads((run / "metrics.json").read_text())
     assert payload["training"]["step"] == 3 and payload["extra"]["run_id"] == stamp["run_id"]
     assert "head.weight" in payload["state_dict"]
-    monkeypatch.setattr("course_lib.presets.prepare_preset", interrupted)
+    monkeypatch.setattr("course_lib.runs.presets.prepare_preset", interrupted)
     assert main(["train", "--resume", str(run), "--steps", "6", "--quiet"]) == 130
     err = capsys.readouterr().err
     assert f"the checkpoint in {run} (step 3) is intact" in err and f"--resume {run}" in err

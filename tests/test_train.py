@@ -9,18 +9,14 @@ import torch.nn.functional as F
 
 from course_lib import GPT, GPTConfig
 from course_lib.checkpoints import load_checkpoint, save_checkpoint
-from course_lib.data import CharTokenizer, lm_windows
+from course_lib.data import CharTokenizer, Examples, TokenStream, lm_windows
+from course_lib.runs import PRESETS, prepare_preset, run_preset
 from course_lib.train import (
-    PRESETS,
-    Examples,
-    TokenStream,
     TrainConfig,
     evaluate,
     flops_per_token,
     learning_rate,
     lm_loss,
-    prepare_preset,
-    run_preset,
     train,
     train_step,
 )
@@ -290,13 +286,13 @@ def test_run_preset_keeps_the_last_good_checkpoint_when_the_loss_turns_nan(tmp_p
     import course_lib.train as train_module
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 5)
-    real_update, steps = train_module._update, []
+    real_update, steps = train_module.update, []
 
     def update(*args, **kwargs):
         steps.append(1)
         loss = real_update(*args, **kwargs)
         return loss * float("nan") if len(steps) > 55 else loss
-    monkeypatch.setattr(train_module, "_update", update)
+    monkeypatch.setattr(train_module, "update", update)
     with pytest.raises(NonFiniteLoss, match=r"last good checkpoint is kept in .*checkpoint\.pt"):
         run_preset("tiny", tmp_path / "run", steps=150, corpus=str(corpus), device="cpu", progress=False)
     kept = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
@@ -311,7 +307,8 @@ def test_run_preset_keeps_the_last_good_checkpoint_when_the_loss_turns_nan(tmp_p
     ("weight_decay", -0.1), ("seconds", math.inf), ("seed", -1), ("checkpoint_seconds", 0), ("amp", "yes"),
 ])
 def test_train_config_refuses_values_that_would_train_badly(field, value):
-    with pytest.raises(ValueError, match=f"^{field}: expected .*got {re.escape(repr(value))}"):
+    # _validate's vocabulary: a value of the wrong type (a str for a switch) is a TypeError
+    with pytest.raises((ValueError, TypeError), match=f"^{field}: expected .*got {re.escape(repr(value))}"):
         TrainConfig(**{field: value})
 
 
@@ -343,7 +340,7 @@ def test_lm_loss_names_out_of_vocabulary_targets():
 
 
 def test_resume_with_a_bigger_budget_and_refusals(tmp_path):
-    from course_lib.run_folder import RunRefused
+    from course_lib.runs.run_folder import RunRefused
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 5)
     out = tmp_path / "run"
@@ -400,7 +397,7 @@ def test_a_run_stopped_by_a_signal_and_resumed_equals_the_uninterrupted_run(tmp_
         def __call__(self):
             self.asked += 1
             return self.asked > 37
-    monkeypatch.setattr("course_lib.presets.StopRequest", SignalAfter37Steps)
+    monkeypatch.setattr("course_lib.runs.presets.StopRequest", SignalAfter37Steps)
     stopped = run_preset("tiny", tmp_path / "split", **common)
     assert stopped["status"] == "stopped" and stopped["steps"] == 37 and stopped["signal"] == "SIGTERM"
     monkeypatch.undo()

@@ -31,6 +31,14 @@ def test_accepted_values_come_back_in_a_plain_type():
     (lambda: validate.probability("p", 1.0, hint="0.1 is typical"), ValueError,
      "p: expected a number in [0, 1), got 1.0 (float); 0.1 is typical"),
     (lambda: validate.positive_float("eps", 0), ValueError, "eps: expected a number > 0, got 0 (int)"),
+    (lambda: validate.positive_float("seconds", float("inf"), finite=True), ValueError,
+     "seconds: expected a finite number > 0, got inf (float)"),
+    (lambda: validate.token_ids("ids", torch.tensor([0, 5]), vocab_size=5), ValueError,
+     "ids: expected token ids in 0..4 (vocab_size=5), got 5"),
+    (lambda: validate.token_ids("targets", torch.tensor([-100, -1]), vocab_size=5, padding=-100), ValueError,
+     "targets: expected token ids in 0..4 (vocab_size=5), got -1"),
+    (lambda: validate.token_ids("ids", torch.tensor([0.0]), vocab_size=5), TypeError,
+     "ids: expected integer token ids (torch.long), got dtype torch.float32"),
 ])
 def test_messages_name_the_argument(call, error, message):
     with pytest.raises(error) as raised:
@@ -55,3 +63,9 @@ def test_path_and_number_in_name_the_argument_and_what_was_given(tmp_path):
     for bad in (0, 1.5, True, "0.5", float("nan")):
         with pytest.raises(ValueError, match=r"^p: expected a number in \(0, 1\]"):
             validate.number_in("p", bad, low=0, high=1, low_open=True)
+
+
+def test_token_ids_in_the_vocabulary_pass_with_their_padding():
+    ids = torch.tensor([[0, 4, -100]])
+    assert validate.token_ids("targets", ids, dim=2, vocab_size=5, padding=-100) is ids
+    assert validate.positive_float("seconds", 1e9, finite=True) == 1e9

@@ -8,8 +8,8 @@
 - :mod:`.pretrained`: ``from_pretrained`` loads real GPT-2 weights (a local folder or
   the hub cache) as a course GPT; ``save_pretrained`` writes a course GPT or ModernGPT and its
   tokenizer as a folder that ``transformers.pipeline("text-generation", model=folder)`` can run.
-- :mod:`.export`: ``export_run`` writes a training run's folder as a Hugging Face folder (GPT as GPT-2,
-  ModernGPT as Llama): ``python -m course_lib export RUN_DIR OUT_DIR``.
+- ``course_lib.runs.export`` (beside the run folders it reads) builds on ``save_pretrained``: ``export_run``
+  writes a training run's folder as a Hugging Face folder: ``python -m course_lib export RUN_DIR OUT_DIR``.
 - :mod:`.attention_interface`: ``course_attention_forward`` is the course's attention in
   transformers' AttentionInterface form; ``register_course_attention`` plugs it into any
   model that uses the interface, and ``run_with_attention`` runs a model with any

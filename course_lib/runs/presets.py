@@ -15,25 +15,24 @@ from typing import Any
 
 import torch
 
-from . import _validate as validate
-from . import train as training
-from .checkpoints import CheckpointError, load_checkpoint, write_atomically
-from .data import IGNORE_INDEX
-from .distributed import DistributedContext, setup_distributed, teardown_distributed
-from .model import ARCHITECTURES, GPT, ModernGPT, flops_per_token
-from .run_folder import RunFolder, RunRefused
-from .stopping import StopRequest
-from .train import (
-    Examples,
+from .. import _validate as validate
+from .. import train as training
+from ..checkpoints import CheckpointError, load_checkpoint, write_atomically
+from ..data import CORPORA, IGNORE_INDEX, CorpusError, Examples, Split, TokenStream, corpus_splits
+from ..distributed import DistributedContext, setup_distributed, teardown_distributed
+from ..model import GPT
+from ..modern_gpt import ARCHITECTURES, ModernGPT
+from ..train import (
     History,
     NonFiniteLoss,
-    Split,
-    TokenStream,
     TrainConfig,
     TrainState,
     evaluate,
+    flops_per_token,
     resolve_device,
 )
+from .run_folder import RunFolder, RunRefused
+from .stopping import StopRequest
 
 __all__ = ["Preset", "PRESETS", "prepare_preset", "run_preset", "RunFinished"]
 
@@ -115,20 +114,8 @@ def prepare_preset(name: str | Preset, corpus: str | None = None, device: torch.
 
     ``corpus`` replaces the preset's text: a corpus name or the path of any UTF-8 text file.
     """
-    from . import data
     preset = _preset(name)
-    source = corpus or preset.corpus
-    if source == "names":
-        names = data.load_names()
-        tokenizer = data.names_tokenizer(names)
-        train_names, val_names = data.split_names(names)
-        max_tokens = preset.model["max_tokens"]
-        train_split: Split = Examples(*data.names_dataset(train_names, tokenizer, max_tokens))
-        val_split: Split = Examples(*data.names_dataset(val_names, tokenizer, max_tokens))
-    else:
-        prepared = data.char_corpus(source if source in data.CORPORA else Path(source))
-        tokenizer = prepared.tokenizer
-        train_split, val_split = TokenStream(prepared.train_ids), TokenStream(prepared.val_ids)
+    tokenizer, train_split, val_split = corpus_splits(corpus or preset.corpus, preset.model["max_tokens"])
     model_class, config_class = ARCHITECTURES[preset.architecture]
     config = config_class(vocab_size=tokenizer.vocab_size, **preset.model)
     train_config = replace(preset.train, **{k: v for k, v in train_overrides.items() if v is not None})
@@ -247,7 +234,6 @@ def _plan(name: str | None, folder: RunFolder, *, seconds: float | None, steps: 
         raise RunRefused("preset: expected a preset name (or --resume DIR), got none")
     if corpus is not None and not isinstance(corpus, str):
         raise RunRefused(f"corpus: expected a corpus name or a file path, got {corpus!r}")
-    from .data import CORPORA
     if corpus is not None and corpus not in CORPORA:
         corpus = str(Path(corpus).expanduser().resolve())   # the resume may start in another folder
     torch.manual_seed(_preset(name).train.seed)   # same initial weights on every rank and every run
@@ -330,7 +316,6 @@ def _run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None,
         except RunRefused:
             raise
         except (ValueError, TypeError, OSError, RuntimeError) as exc:   # CorpusError is a RuntimeError
-            from .data import CorpusError
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if isinstance(exc, CorpusError):   # its full text lists the folders searched and the fix
                 first_line = (f"corpus: {first_line} `python -m course_lib data --no-download` shows where "

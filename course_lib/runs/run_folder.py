@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from .checkpoints import _TMP_SUFFIX, remove_stale_temporaries, save_checkpoint, write_atomically
+from ..checkpoints import TMP_SUFFIX, remove_stale_temporaries, save_checkpoint, write_atomically
 
 try:
     import fcntl
@@ -75,7 +75,7 @@ class RunFolder:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             # mkdir succeeds on a read-only folder that exists: only a real write tells.
-            fd, probe = tempfile.mkstemp(dir=self.path, prefix=".write-test.", suffix=_TMP_SUFFIX)
+            fd, probe = tempfile.mkstemp(dir=self.path, prefix=".write-test.", suffix=TMP_SUFFIX)
             os.close(fd)
             os.remove(probe)
         except OSError as exc:

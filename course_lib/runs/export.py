@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from ..checkpoints import CheckpointError, load_checkpoint
+from ..hf.pretrained import save_pretrained
 from ..model import GPT
-from ..run_folder import CHECKPOINT
-from .pretrained import save_pretrained
+from .run_folder import CHECKPOINT
 
 __all__ = ["ExportRefused", "Exported", "export_run", "main"]
 

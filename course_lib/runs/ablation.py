@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from . import _validate as validate
-from .train import PRESETS, Preset  # through train: presets and train import each other
+from .. import _validate as validate
+from .presets import PRESETS, Preset, prepare_preset
 
 __all__ = ["Variant", "ABLATION", "ablation_benchmark", "print_ablation"]
 
@@ -74,21 +74,20 @@ ABLATION: list[Variant] = _ablation()
 
 
 def _build(preset: Preset, corpus: str | None, steps: int | None = None):
-    from .presets import prepare_preset
     torch.manual_seed(preset.train.seed)   # the initial weights run_preset gives this preset
     return prepare_preset(preset, corpus, "cpu", steps=steps)
 
 
 def _stepper(preset: Preset, corpus: str | None):
-    from .optimizers import build_optimizer
-    from .train import _update
+    from ..optimizers import build_optimizer
+    from ..train import update
     model, _, train_split, _, config = _build(preset, corpus)
     optimizer = build_optimizer(model, config, "cpu")
     generator = torch.Generator().manual_seed(0)
 
     def step() -> None:
         x, y = train_split.sample(config.batch_size, model.config.max_tokens, generator)
-        _update(model, optimizer, x, y, config.max_grad_norm, None, model.parameters())
+        update(model, optimizer, x, y, config.max_grad_norm)
     return step
 
 
@@ -116,7 +115,7 @@ def ablation_benchmark(variants: Sequence[Variant] | None = None, *, corpus: str
     The first variant is the baseline: it trains its own preset's steps (or ``baseline_steps``).
     Returns one dict per variant: label, seconds per step, steps, val_loss.
     """
-    from .train import evaluate, train
+    from ..train import evaluate, train
     variants = list(ABLATION if variants is None else variants)
     if not variants or not all(isinstance(v, Variant) for v in variants):
         raise TypeError(f"variants: expected a non-empty list of Variant, got {validate.describe(variants)}")

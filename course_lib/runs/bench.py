@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from . import _validate as validate
-from .train import PRESETS
+from .. import _validate as validate
+from .presets import PRESETS, run_preset
 
 __all__ = [
     "measure_matmul_peak", "peak_memory_mb", "time_call", "time_alternating", "training_benchmark",
@@ -130,11 +130,10 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
     baseline's own wall time on this machine, whatever the machine. With ``seconds``, every preset
     gets that budget. Training time excludes evaluations and checkpoints, for every preset alike.
 
-    The metrics are :func:`course_lib.train.run_preset`'s plus ``peak_gflops`` (the matmul
+    The metrics are :func:`course_lib.runs.run_preset`'s plus ``peak_gflops`` (the matmul
     peak, measured before and after the runs unless given), ``share_of_peak`` (achieved
     FLOP/s / peak) and ``peak_rss_mb`` (this process's peak memory once that preset has run).
     """
-    from .train import PRESETS, run_preset
     if seconds is not None:
         validate.positive_float("seconds", seconds)
     if steps is not None:
@@ -212,7 +211,7 @@ def attention_benchmark(lengths: Sequence[int] = DEFAULT_LENGTHS, embed_dim: int
     alone (q, k, v given, no projections): ``plain_core_train_ms``, ``fused_core_train_ms``,
     ``core_train_ratio``.
     """
-    from .attention import MultiHeadMaskedAttention
+    from ..attention import MultiHeadMaskedAttention
     validate.int_list("lengths", lengths)
     validate.positive_int("embed_dim", embed_dim)
     validate.positive_int("num_heads", num_heads)
@@ -264,7 +263,7 @@ def _time_attention_core(n: int, heads: int, length: int, head_dim: int, repeats
     """Forward+backward of softmax(q k^T / sqrt(d) + mask) v alone, the two ways the module computes it."""
     import torch.nn.functional as F
 
-    from .attention import causal_mask, scaled_dot_product_attention
+    from ..attention import causal_mask, scaled_dot_product_attention
     q, k, v = (torch.randn(n, heads, length, head_dim, device=device, requires_grad=True)
                for _ in range(3))                                               # (N, heads, L, head_dim)
     mask = causal_mask(length, device=device)                                   # (L, L)
@@ -313,8 +312,8 @@ def generation_benchmark(config: Any = None, new_tokens: int = 500, *, prompt_to
     ``GENERATION_CONFIG``). Returns seconds and tokens/s for both paths, the speed-up,
     ``identical`` (token-for-token equality of the two outputs) and both outputs.
     """
-    from .generate import generate
-    from .model import GPT, GPTConfig
+    from ..generate import generate
+    from ..model import GPT, GPTConfig
     if config is None:
         config = GPTConfig(**GENERATION_CONFIG)
     elif isinstance(config, dict):
@@ -412,8 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one benchmark from the command line; returns the exit status."""
+    from ..train import resolve_device
     from .run_folder import RunRefused
-    from .train import PRESETS, resolve_device
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     try:
         if args.threads is not None:
