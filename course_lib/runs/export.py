@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from ..checkpoints import CheckpointError, load_checkpoint
-from ..hf.pretrained import save_pretrained
 from ..model import GPT
 from .run_folder import CHECKPOINT
 
@@ -69,6 +68,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Export
     if saved.tokenizer is None:
         raise ExportRefused(f"RUN_DIR: {checkpoint} saved no tokenizer, and a Hugging Face folder needs one; "
                             f"export a run trained with python -m course_lib train")
+    from ..hf.pretrained import save_pretrained  # transformers only when exporting: hf is a leaf
     model = saved.model.float().eval()
     # Written beside OUT_DIR, then renamed: an export that fails half-way leaves no half-written folder.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
