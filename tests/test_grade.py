@@ -561,3 +561,42 @@ def test_without_bubblewrap_the_run_says_it_is_not_isolated(tmp_path, monkeypatc
         assert capsys.readouterr().err.startswith("warning: grading not isolated")
     finally:
         isolation.status.cache_clear()
+
+
+def test_grading_8_1_without_the_corpora_is_refused_before_anyone_is_graded(tmp_path, monkeypatch):
+    """Without the corpora every 8.1, the course's own solution included, would fail through no fault of
+    the student's: the run is refused up front, naming the fix, rather than graded as `exception`."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("COURSE_DATA_DIR", str(empty))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(empty))
+    monkeypatch.setattr("course_lib.corpora.search_dirs", lambda: [empty])
+    submissions = tmp_path / "submitted"
+    (submissions / "ada").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"8\.1 trains on the course's corpora.*course_lib data"):
+        grade(submissions, tmp_path / "report", exercises=["8.1"], isolate=False)
+    assert not (tmp_path / "report").exists(), "refused before writing anything"
+
+
+def test_the_sandbox_sees_the_course_and_the_corpora_wherever_the_grader_is_started(tmp_path):
+    """The checkout (its notebooks/) is mounted whatever the grader's folder, and the corpora the grader
+    found (in COURSE_DATA_DIR or the per-user folder inside the masked home) appear at one fixed path."""
+    code = ("import json, sys\n"
+            "from course_lib.classroom.grading import isolation\n"
+            "from course_lib.course_files import CHECKOUT_DIR, running_from_checkout\n"
+            "visible = isolation._visible()\n"
+            "args = isolation.command(['true'], env={}, masked=[])\n"
+            "print(json.dumps({'checkout': str(CHECKOUT_DIR) if running_from_checkout() else None,\n"
+            "                  'visible': visible, 'args': args, 'data': isolation.corpora_folder()}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    from course_lib.classroom.grading import isolation
+    if seen["checkout"]:
+        assert any(seen["checkout"] == v or seen["checkout"].startswith(v + os.sep) for v in seen["visible"])
+    if seen["data"]:
+        args = seen["args"]
+        i = args.index(isolation.SANDBOX_DATA_DIR)
+        assert args[i - 2:i] == ["--ro-bind", seen["data"]]
+        assert args[args.index("COURSE_DATA_DIR") + 1] == isolation.SANDBOX_DATA_DIR

@@ -117,6 +117,8 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
     if isolate and not isolated:
         raise RuntimeError(f"isolate: expected bubblewrap to run here, but it does not ({isolation_line})")
     plans = grading_plan(exercises)
+    if CAPSTONE in plans:
+        _require_corpora_for_capstone()
     found = find_submissions(root_in)
     if not found:
         raise FileNotFoundError(f"submissions: expected one folder per student (or notebooks) in '{root_in}', "
@@ -145,3 +147,16 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
                    {s.student: handed_in(s, plans) for s in found} if exercises is None else {})
     written = write_report(report, grades, info, gradescope=gradescope)
     return GradeRun(grades, written, errors, seconds, found)
+
+
+def _require_corpora_for_capstone() -> None:
+    """8.1 trains on both corpora: without them every student, the course's solution included, would
+    fail it through no fault of theirs. Refuse before grading anyone, with the fix."""
+    from ...corpora import CORPORA, locate_corpus
+    missing = [location for location in map(locate_corpus, CORPORA) if not location.ok]
+    if missing:
+        where = "; ".join(f"{m.name}: {'wrong checksum at ' + str(m.path) if m.path else 'not found'}"
+                          for m in missing)
+        raise FileNotFoundError(f"exercises: 8.1 trains on the course's corpora, which are not all here ({where}); "
+                                f"run `python -m course_lib data` (or set COURSE_DATA_DIR to the folder that "
+                                f"holds them), or grade without 8.1")

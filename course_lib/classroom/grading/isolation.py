@@ -39,6 +39,7 @@ __all__ = ["available", "status", "command", "SCRATCH_MB", "PROCESS_LIMIT", "BAS
 SCRATCH_MB = 512        # the sandbox's /tmp: the student's files, their scratch, each exercise's folder
 PROCESS_LIMIT = 64      # processes and threads of the sandbox's user: the worker, a child, torch's threads
 BASE_UID = 61000        # the sandbox's user when the grader is root: BASE_UID + slot
+SANDBOX_DATA_DIR = "/course-data"   # where the corpora the grader found appear inside the sandbox
 NOT_ISOLATED = ("not isolated: bubblewrap (bwrap) is not available here, so a hostile submission can read, "
                 "and in part change, what the grader's user can reach (see INSTRUCTORS.md)")
 
@@ -57,8 +58,9 @@ def _system_binds() -> list[str]:
 
 def _visible() -> list[str]:
     """The folders the worker needs, read-only: Python, the environment, the course, the corpora."""
-    paths = {sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix,
-             str(Path(__file__).resolve().parents[2]), os.environ.get("COURSE_DATA_DIR", "")}
+    from ...course_files import PACKAGE_DIR
+    # the package's parent: the checkout's root (pyproject.toml, notebooks/) or site-packages
+    paths = {sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix, str(PACKAGE_DIR.parent)}
     paths |= {entry for entry in sys.path if entry}
     from ...course_files import notebooks_dir
     paths.add(str(notebooks_dir()))
@@ -101,10 +103,23 @@ def command(argv: list[str], *, env: dict[str, str], masked: Iterable[str], scra
     for path in sorted({os.path.realpath(p) for p in masked} | {os.path.expanduser("~")}):
         if _inside(path, visible) and os.path.isdir(path):
             args += ["--tmpfs", path]   # an empty folder where the submissions, the report ... were
+    data = corpora_folder()
+    if data is not None:   # at a path of its own: the per-user data folder lies inside the masked home
+        args += ["--ro-bind", data, SANDBOX_DATA_DIR]
+        env = {**env, "COURSE_DATA_DIR": SANDBOX_DATA_DIR}
     args += ["--chdir", "/tmp", "--clearenv"]
     for key, value in sorted(env.items()):
         args += ["--setenv", key, value]
     return args + ["--", *argv]
+
+
+def corpora_folder() -> str | None:
+    """The folder where the grader finds the corpora (COURSE_DATA_DIR, the per-user folder or the
+    checkout's data/), so that 8.1's training finds them inside the sandbox too; None if none is here."""
+    from ...corpora import CORPORA, locate_corpus
+    found = [locate_corpus(name).path for name in CORPORA]
+    folders = {os.path.realpath(path.parent) for path in found if path is not None}
+    return sorted(folders)[0] if folders else None
 
 
 @functools.lru_cache(maxsize=1)
