@@ -67,12 +67,18 @@ unit: setup
 tests-all: setup $(VENV)/.instructor
 	$(PY) -m pytest -n $(JOBS) -p no:cacheprovider --ignore=tests/test_browser.py tests
 
+# Train once: the solution pass records each training it runs (course_lib/train_replay.py), and the
+# learner copies, whose training cells are the same, replay it rather than train it again; a training
+# with any different input runs. Run alone, learner-copies trains everything itself.
+TRAIN_RECORD := $(CURDIR)/build/train-record
+
 notebooks: setup
-	$(NBVAL_ENV) $(PY) -m pytest $(NBVAL_OPTS) --nbval notebooks
+	rm -rf $(TRAIN_RECORD)
+	$(NBVAL_ENV) COURSE_TRAIN_RECORD=$(TRAIN_RECORD) $(PY) -m pytest $(NBVAL_OPTS) --nbval notebooks
 
 learner-copies: setup
 	rm -rf build/student && $(PY) -m course_lib student notebooks build/student
-	$(NBVAL_ENV) $(PY) -m pytest $(NBVAL_OPTS) --nbval-lax build/student
+	$(NBVAL_ENV) COURSE_TRAIN_REPLAY=$(TRAIN_RECORD) $(PY) -m pytest $(NBVAL_OPTS) --nbval-lax build/student
 
 # JupyterLab on learner copies in headless Chromium (Debian: apt-get install chromium chromium-driver;
 # .ci/run installs them). Without them, one line says it was skipped.
