@@ -177,3 +177,30 @@ def test_ablation_command_prints_every_change_of_the_recipe(corpus, capsys):
     for variant in ABLATION:
         assert variant.label in out
     assert "the best row is" in out
+
+
+def test_training_over_seeds_reports_each_lead_with_its_spread(corpus, capsys):
+    status = bench.main(["training", "--steps", "2", "--corpus", corpus, "--peak-sizes", "64",
+                         "--presets", "baseline_cpu", "shakespeare_char_cpu", "--seeds", "3", "4"])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert out.count("val_loss shakespeare_char_cpu=") == 2   # one line per seed
+    losses = [float(v) for v in re.findall(r"val_loss shakespeare_char_cpu=(\d+\.\d+)", out)]
+    assert losses[0] != losses[1], "another seed must give other initial weights and batches"
+    assert "over 2 seeds (3, 4):" in out
+    assert re.search(r"lead shakespeare_char_cpu over baseline_cpu: mean -?\d+\.\d{4}, sd \d+\.\d{4}, "
+                     r"range -?\d+\.\d{4} to -?\d+\.\d{4}", out)
+
+
+def test_training_refuses_repeated_or_negative_seeds(corpus):
+    from course_lib.runs.run_folder import RunRefused
+    for seeds in (["3", "3"], ["-1", "2"]):
+        with pytest.raises(RunRefused, match="seeds"):
+            bench.main(["training", "--steps", "2", "--corpus", corpus, "--seeds", *seeds])
+
+
+def test_a_seed_changes_the_run_and_the_same_seed_repeats_it(corpus, tmp_path):
+    from course_lib.runs import run_preset
+    runs = [run_preset("tiny", tmp_path / str(i), steps=3, corpus=corpus, progress=False, seed=seed)
+            for i, seed in enumerate((5, 5, 6))]
+    assert runs[0]["val_loss"] == runs[1]["val_loss"] != runs[2]["val_loss"]

@@ -45,15 +45,22 @@ def _variant(label: str, base: Preset, *, architecture: str | None = None, model
 
 
 def _ablation() -> list[Variant]:
-    baseline, before = PRESETS["baseline_cpu"], PRESETS["shakespeare_char_cpu"]
+    baseline, notebook05 = PRESETS["baseline_cpu"], PRESETS["shakespeare_char_cpu"]
     course = PRESETS["shakespeare_char_modern_cpu"]
+    # The modern recipe grew from GPT-2's parts at the modern recipe's width (notebook 05's recipe
+    # until it became narrower): the path starts there, so that each row changes one thing.
+    before = replace(notebook05, model=dict(notebook05.model, embed_dim=course.model["embed_dim"],
+                                            num_heads=course.model["num_heads"], activation="gelu"),
+                     train=replace(notebook05.train, learning_rate=course.train.learning_rate))
 
     def modern(**model: Any) -> dict[str, Any]:
         return dict(course.model, **model)
     first = dict(muon_momentum=0.95)   # the momentum before its own row
     return [
         Variant("baseline_cpu (4 layers of 128, AdamW)", baseline),
-        Variant("shakespeare_char_cpu (2 layers of 192, GPT-2 parts, AdamW)", before),
+        Variant("GPT-2 parts, 2 layers of 192, AdamW", before),
+        Variant("notebook 05's shakespeare_char_cpu: 2 layers of 96, GELU-tanh, lr 1e-2 (side)", notebook05,
+                side=True),
         _variant("+ Muon for the blocks' matrices", before, optimizer="muon"),
         _variant("+ RoPE, RMSNorm, SwiGLU (notebook 09's parts)", course,
                  model=modern(mlp="swiglu", hidden_dim=None, tie_weights=True, qk_norm=False), **first),

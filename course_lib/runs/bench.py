@@ -122,13 +122,14 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
                        corpus: str | None = None, steps: int | None = None,
                        out_dir: str | Path | None = None, device: torch.device | str = "cpu",
                        peak_gflops: float | None = None, peak_sizes: Sequence[int] = (1024, 2048),
-                       verbose: bool = False) -> dict[str, dict[str, Any]]:
+                       seed: int | None = None, verbose: bool = False) -> dict[str, dict[str, Any]]:
     """Train each preset in turn for the same budget; return {preset: metrics}.
 
     With ``seconds=None`` the first preset (the baseline) runs its own steps, untimed, and every
     later preset gets exactly the training time the baseline took: the comparison is at the
     baseline's own wall time on this machine, whatever the machine. With ``seconds``, every preset
     gets that budget. Training time excludes evaluations and checkpoints, for every preset alike.
+    ``seed`` replaces every preset's own seed (initial weights, batches, dropout).
 
     The metrics are :func:`course_lib.runs.run_preset`'s plus ``peak_gflops`` (the matmul
     peak, measured before and after the runs unless given), ``share_of_peak`` (achieved
@@ -162,7 +163,7 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
             if verbose:
                 print(f"training {name} ({f'{budget:.1f} s' if budget else 'its own steps'}) ...", flush=True)
             metrics = run_preset(name, root / name, seconds=budget, steps=steps, corpus=corpus,
-                                 device=device, progress=False, overwrite=True)
+                                 device=device, progress=False, seed=seed, overwrite=True)
             if i == 0 and seconds is None:
                 budget = metrics["train_seconds"]   # the baseline's own time, for every later preset
             metrics["budget_seconds"] = budget if i or seconds is not None else None
@@ -192,6 +193,35 @@ def _print_training(results: dict[str, dict[str, Any]], peak_gflops: float) -> N
     print("(val_loss: the whole validation split in non-overlapping windows; FLOP/s from "
           "6N + 12*L*H*Q*T per token; peak MB is this process's peak so far, so it includes "
           "the presets run before)")
+
+
+COURSE_RECIPES = ("shakespeare_char_cpu", "shakespeare_char_modern_cpu")
+
+
+def _print_leads(results: dict[str, dict[str, Any]], seconds: float | None) -> None:
+    baseline = results.get("baseline_cpu")
+    for name in COURSE_RECIPES:
+        if baseline is not None and name in results:
+            course = results[name]
+            when = (f"at the baseline's own time ({baseline['train_seconds']:.1f} s)" if seconds is None
+                    else f"at {seconds:g} s each")
+            print(f"val_loss {name}={course['val_loss']:.4f} baseline={baseline['val_loss']:.4f} {when}: "
+                  f"{baseline['val_loss'] - course['val_loss']:.3f} lower")
+
+
+def _print_lead_spread(runs: list[dict[str, dict[str, Any]]], seeds: Sequence[int]) -> None:
+    """Each preset's loss and each lead over the baseline, as mean and spread over the seeds."""
+    def summary(values: list[float]) -> str:
+        return (f"mean {statistics.mean(values):.4f}, sd {statistics.stdev(values):.4f}, "
+                f"range {min(values):.4f} to {max(values):.4f}")
+    print(f"over {len(runs)} seeds ({', '.join(map(str, seeds))}):")
+    for name in runs[0]:
+        print(f"  val_loss {name}: {summary([r[name]['val_loss'] for r in runs])}")
+    if "baseline_cpu" in runs[0]:
+        for name in COURSE_RECIPES:
+            if name in runs[0]:
+                leads = [r["baseline_cpu"]["val_loss"] - r[name]["val_loss"] for r in runs]
+                print(f"lead {name} over baseline_cpu: {summary(leads)}")
 
 
 # ---------------------------------------------------------------- attention
@@ -378,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), help="presets to run, in order")
     training.add_argument("--out", help="keep each preset's metrics.json and checkpoint.pt under this folder "
                                "(a benchmark replaces the runs it finds there)")
+    training.add_argument("--seeds", type=int, nargs="+",
+                          help="run the whole comparison once per seed and report each lead's mean and spread "
+                               "(default: once, with each preset's own seed)")
     # for tests and smoke runs: another text file, fewer steps
     training.add_argument("--corpus", help=argparse.SUPPRESS)
     training.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -431,19 +464,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 validate.positive_int("steps", args.steps)
             for name in args.presets:
                 validate.one_of("presets", name, sorted(PRESETS))
+            if args.seeds is not None:
+                if any(seed < 0 for seed in args.seeds) or len(set(args.seeds)) != len(args.seeds):
+                    raise ValueError(f"seeds: expected different whole numbers >= 0, got {args.seeds}")
         except ValueError as exc:
             raise RunRefused(str(exc)) from None
-        results = training_benchmark(args.seconds, args.presets, corpus=args.corpus, steps=args.steps,
-                                     out_dir=args.out, device=device, peak_sizes=args.peak_sizes, verbose=True)
-        _print_training(results, next(iter(results.values()))["peak_gflops"])
-        baseline = results.get("baseline_cpu")
-        for name in ("shakespeare_char_cpu", "shakespeare_char_modern_cpu"):
-            if baseline is not None and name in results:
-                course = results[name]
-                when = (f"at the baseline's own time ({baseline['train_seconds']:.1f} s)" if args.seconds is None
-                        else f"at {args.seconds:g} s each")
-                print(f"val_loss {name}={course['val_loss']:.4f} baseline={baseline['val_loss']:.4f} {when}: "
-                      f"{baseline['val_loss'] - course['val_loss']:.3f} lower")
+        runs = []
+        for seed in args.seeds or [None]:
+            if seed is not None:
+                print(f"seed {seed}:", flush=True)
+            out = None if args.out is None else Path(args.out) / (f"seed-{seed}" if args.seeds else "")
+            results = training_benchmark(args.seconds, args.presets, corpus=args.corpus, steps=args.steps,
+                                         out_dir=out, device=device, peak_sizes=args.peak_sizes, seed=seed,
+                                         verbose=True)
+            _print_training(results, next(iter(results.values()))["peak_gflops"])
+            _print_leads(results, args.seconds)
+            runs.append(results)
+        if len(runs) > 1:
+            _print_lead_spread(runs, args.seeds)
         return 0
     if args.benchmark == "ablation":
         from .ablation import ablation_benchmark, print_ablation
