@@ -21,6 +21,7 @@ __all__ = [
     "TransformerBlock",
     "GPTConfig",
     "GPT",
+    "gpt2_init",
 ]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -187,6 +188,14 @@ class GPTConfig:
         return cls(**values)
 
 
+def gpt2_init(module: nn.Module) -> None:
+    """GPT-2's initialisation of one module (for ``model.apply``): weights normal(0, 0.02), biases zero."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class GPT(nn.Module):
     """A decoder-only transformer: token + position embeddings, blocks, final LayerNorm, output head."""
 
@@ -208,7 +217,7 @@ class GPT(nn.Module):
             for _ in range(c.num_layers))
         self.ln_f = nn.LayerNorm(c.embed_dim, eps=c.layer_norm_eps)
         self.head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        self.apply(gpt2_init)
         # GPT-2: the projections that write into the residual stream start smaller,
         # so the stream's variance does not grow with depth.
         for block in self.blocks:
@@ -216,13 +225,6 @@ class GPT(nn.Module):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
         if c.tie_weights:
             self.head.weight = self.token_embedding.weight
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def new_cache(self) -> list[KVCache]:
         """One empty KV cache per block, for :func:`course_lib.generate`."""

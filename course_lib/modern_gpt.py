@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _validate as validate
 from .attention import KVCache, check_caches
-from .model import GPT, GPTConfig
+from .model import GPT, GPTConfig, gpt2_init
 from .modern import GroupedQueryAttention, ReLUSquared, RMSNorm, SwiGLU
 
 __all__ = ["MLP_KINDS", "default_hidden_dim", "ModernGPTConfig", "ModernBlock", "ModernGPT", "ARCHITECTURES",
@@ -226,7 +226,7 @@ class ModernGPT(nn.Module):
             for _ in range(c.num_layers))
         self.norm_f = _built("norm_cls", norm_cls, norm_cls(c.embed_dim, c.norm_eps))
         self.head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
-        self.apply(GPT._init_weights)   # GPT-2's: normal(0, 0.02) weights, zero biases
+        self.apply(gpt2_init)   # GPT-2's: normal(0, 0.02) weights, zero biases
         # As in GPT: the projections that write into the residual stream start smaller,
         # so the stream's variance does not grow with depth.
         for block in self.blocks:

@@ -2,7 +2,10 @@
 
 - the reference (every module of ``course_lib`` outside ``runs/`` and ``classroom/``) imports nothing
   from ``course_lib.runs`` or ``course_lib.classroom``: a student reads it without the machinery;
-- the import graph of ``course_lib`` has no circle.
+- the import graph of ``course_lib`` has no circle;
+- no module uses another module's private name (``_name``): ``from .x import _name`` or ``x._name``.
+  The package's private modules themselves (``_validate``, ``checks/_harness``, ...) are shared
+  inside the package and may be imported; what they define without an underscore is theirs to share.
 
 Every import counts, at module level or inside a function; relative imports are resolved. The wings
 are found from the folders, so moving a module between them needs no change here.
@@ -93,6 +96,38 @@ def reference_wing_violations(root: Path = PACKAGE) -> list[str]:
     return broken
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_name_uses(root: Path = PACKAGE) -> list[str]:
+    """Every use, in a module of the package, of a private name defined in another of its modules."""
+    known = _modules(root)
+    top = root.name
+    found = []
+    for module, path in known.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        bound: dict[str, str] = {}   # a local name -> the module or object of the package it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(module, path, node)
+                if not (base == top or base.startswith(top + ".")):
+                    continue
+                for alias in node.names:
+                    if _private(alias.name) and f"{base}.{alias.name}" not in known:
+                        found.append(f"{module}: from {base} import {alias.name}")
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name == top or alias.name.startswith(top + "."):
+                        bound[alias.asname or alias.name.split(".")[0]] = alias.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                    and node.value.id in bound and f"{bound[node.value.id]}.{node.attr}" not in known):
+                found.append(f"{module}: {node.value.id}.{node.attr}")
+    return found
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """One circle (a -> b -> ... -> a) for each strongly connected group of modules (Tarjan)."""
     index: dict[str, int] = {}
@@ -155,6 +190,25 @@ def test_the_reference_imports_nothing_from_runs_or_the_classroom():
 def test_the_package_has_no_import_circle():
     found = cycles(imports())
     assert not found, "import circles in course_lib:\n  " + "\n  ".join(" -> ".join(c) for c in found)
+
+
+def test_no_module_uses_another_modules_private_name():
+    found = private_name_uses()
+    assert not found, "private names used outside their module:\n  " + "\n  ".join(found)
+
+
+def test_the_private_name_rule_sees_imports_and_attributes(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "_shared.py").write_text("def helper():\n    pass\n")
+    (package / "a.py").write_text("def _secret():\n    pass\n\nclass Model:\n    def _init(self):\n        pass\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "b.py").write_text(
+        "from .. import _shared\nfrom .. import a\nfrom ..a import _secret, Model\n\n"
+        "def f():\n    _shared.helper()\n    a._secret()\n    Model._init(None)\n")
+    assert sorted(private_name_uses(package)) == ["pkg.sub.b: Model._init", "pkg.sub.b: a._secret",
+                                                  "pkg.sub.b: from pkg.a import _secret"]
 
 
 def test_the_reading_sees_function_level_and_relative_imports(tmp_path):

@@ -53,8 +53,8 @@ from .._validate import describe
 from . import notebook_reader as reader  # the solution markers, as every tool reads them
 from .copy_policy import CopyOutcome, place_learner_copy
 
-__all__ = ["strip_solutions", "make_learner_copy", "make_learner_copies", "update_learner_copies", "main",
-           "start_main"]
+__all__ = ["strip_solutions", "learner_notebook", "make_learner_copy", "make_learner_copies", "update_learner_copies",
+           "main", "start_main"]
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
@@ -187,7 +187,7 @@ def strip_solutions(source: str, exercise_hint: str | None = None, cell_label: s
     return _strip(source, exercise_hint, cell_label)[0]
 
 
-def _learner_notebook(notebook_path: Path) -> tuple[nbformat.NotebookNode, dict[str, int]]:
+def learner_notebook(notebook_path: Path) -> tuple[nbformat.NotebookNode, dict[str, int]]:
     """Read one notebook and return its learner version (in memory) with counts."""
     if not notebook_path.is_file():
         raise FileNotFoundError(f"notebook_path: expected an existing .ipynb file, got '{notebook_path}'"
@@ -248,7 +248,7 @@ def make_learner_copy(notebook_path: str | os.PathLike, out_path: str | os.PathL
     if _same_path(src, dst):
         raise ValueError(f"out_path: expected a different file from notebook_path, got '{dst}' for both; "
                          f"writing there would overwrite the solutions")
-    nb, counts = _learner_notebook(src)
+    nb, counts = learner_notebook(src)
     place_learner_copy(nb, dst, note=_summary(counts))
     return counts
 
@@ -279,7 +279,7 @@ def update_learner_copies(src_dir: str | os.PathLike, out_dir: str | os.PathLike
     src, out = validate.path("src_dir", src_dir), validate.path("out_dir", out_dir)
     _check_dirs(src, out)
     # Strip everything before writing anything: one bad marker leaves out_dir untouched.
-    prepared = [(out / path.name, *_learner_notebook(path)) for path in _source_notebooks(src)]
+    prepared = [(out / path.name, *learner_notebook(path)) for path in _source_notebooks(src)]
     out.mkdir(parents=True, exist_ok=True)
     return [place_learner_copy(nb, dst, note=_summary(counts)) for dst, nb, counts in prepared]
 

@@ -75,7 +75,7 @@ def _is_student_file(filename: str) -> bool:
     return not real.startswith(_LIBRARY_PREFIXES)
 
 
-def _student_frame(exc: BaseException) -> str:
+def student_frame(exc: BaseException) -> str:
     """'line 12 in forward' for the innermost frame of the student's code, if any."""
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         if _is_student_file(frame.filename):
@@ -121,7 +121,7 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
         fail("exception", f"{what} called sys.exit({'' if exc.code is None else repr(exc.code)}) (or exit()): "
                           f"that would stop the notebook's kernel. Return a value instead.")
     except Exception as exc:  # any student error becomes a message
-        fail("exception", f"{what} raised {type(exc).__name__}{_student_frame(exc)}: {exc}")
+        fail("exception", f"{what} raised {type(exc).__name__}{student_frame(exc)}: {exc}")
     for name, value, before in inputs:
         if not _same(value.detach(), before):
             fail("mutation", f"{what} changed its input ({name}) in place, for example with `x += ...`, "
@@ -433,7 +433,7 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                 if not _raised_in_student_code(exc):
                     return _internal(exercise, exc)
                 return CheckResult(exercise, False, "exception",
-                                   f"Your code raised {type(exc).__name__}{_student_frame(exc)}: {exc}")
+                                   f"Your code raised {type(exc).__name__}{student_frame(exc)}: {exc}")
             finally:
                 state.restore()
                 bind_references()   # modules first imported during this check (course_lib.hf)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checks import _harness
+from ..checks.running import student_frame
 from ..collect import GPT_EXERCISES, course_names, course_namespace
 from ..verdict import CheckResult
 from .plan import CAPSTONE, ExercisePlan
@@ -74,7 +74,7 @@ def _raised(exercise: str, what: str, exc: BaseException) -> dict[str, Any]:
         return _verdict(exercise, False, "exception", f"{what} called sys.exit() (or exit()): that would stop "
                                                       f"the notebook's kernel.")
     return _verdict(exercise, False, "exception",
-                    f"{what} raised {type(exc).__name__}{_harness._student_frame(exc)}: {exc}")
+                    f"{what} raised {type(exc).__name__}{student_frame(exc)}: {exc}")
 
 
 def _from_checks(plan: ExercisePlan, recorder: RecordingChecks, error: BaseException | None) -> dict[str, Any]:

@@ -23,9 +23,9 @@ __all__ = ["self_check", "course_texts"]
 def course_texts(notebook: str) -> tuple[str, str]:
     """The text of the course's solution notebook ``notebook`` and of its learner copy."""
     from ...course_files import course_notebooks
-    from ..assignments import _learner_notebook
+    from ..assignments import learner_notebook
     path = next(p for p in course_notebooks() if p.name == notebook)
-    learner, _ = _learner_notebook(Path(path))
+    learner, _ = learner_notebook(Path(path))
     return Path(path).read_text(encoding="utf-8"), nbformat.writes(learner)
 
 

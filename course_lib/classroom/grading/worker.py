@@ -117,8 +117,8 @@ def _run_child(plan: Any, source: str | None, home: str, deny: list[str], limit:
         try:
             os.close(read_end)
             sandbox.enter(home, deny, memory_mb=memory_mb, cpu_seconds=limit, close=close)
-            from ..checks import _harness
-            _harness.TIME_LIMIT_S = max(0.5, 0.9 * limit)   # the checker's own timer rings first
+            from ..checks.running import set_time_limit
+            set_time_limit(max(0.5, 0.9 * limit))   # the checker's own timer rings first
             data = json.dumps({"token": token, "verdict": judge(plan, source)}).encode("utf-8")
             while data:
                 data = data[os.write(write_end, data):]
@@ -276,8 +276,8 @@ def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *
                 source = part.source if part is not None else None
                 limit = exercise_limits(job["timeout"], time.monotonic() - start, len(group) - index)
                 if inline:   # only the checker's own timer here; the grader's kill of the whole process behind it
-                    from ..checks import _harness
-                    _harness.TIME_LIMIT_S = max(0.5, 0.9 * limit)
+                    from ..checks.running import set_time_limit
+                    set_time_limit(max(0.5, 0.9 * limit))
                     began = time.monotonic()
                     verdict = judge(plan, source)
                     seconds = time.monotonic() - began
