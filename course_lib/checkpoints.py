@@ -23,9 +23,9 @@ from torch import nn
 from . import _validate as validate
 from ._atomic import atomic_file
 from .model import GPT
-from .modern_gpt import ARCHITECTURES, ModernGPT, architecture_of
+from .modern_gpt import ARCHITECTURES, ModernGPT
 
-__all__ = ["Checkpoint", "CheckpointError", "save_checkpoint", "load_checkpoint", "unwrap_model",
+__all__ = ["Checkpoint", "CheckpointError", "save_checkpoint", "load_checkpoint", "unwrap_model", "architecture_of",
            "remove_stale_temporaries"]
 
 FORMAT_VERSION = 3
@@ -60,6 +60,14 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def architecture_of(model: nn.Module) -> str:
+    """``"gpt"`` or ``"modern"``: which of :data:`ARCHITECTURES` ``model`` is."""
+    for name, (cls, _) in ARCHITECTURES.items():
+        if type(model) is cls:
+            return name
+    raise TypeError(f"model: expected a course_lib GPT or ModernGPT, got {type(model).__name__}")
 
 
 def _tokenizer_to_dict(tokenizer: Any) -> dict[str, Any] | None:

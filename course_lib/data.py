@@ -250,6 +250,11 @@ def lm_windows(ids: torch.Tensor, max_tokens: int, stride: int | None = None):
 def split_by_position(ids: torch.Tensor, train_fraction: float = 0.9):
     """First ``train_fraction`` of the tokens for training, the rest for validation."""
     validate.token_ids("ids", ids, dim=1)
+    return _split_at(ids, train_fraction)
+
+
+def _split_at(ids: torch.Tensor, train_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # ids already checked (or made here by a tokenizer)
     fraction = _check_fraction("train_fraction", train_fraction)
     n_train = int(ids.numel() * fraction)
     if n_train == 0 or n_train == ids.numel():
@@ -345,8 +350,8 @@ def names_dataset(names: Sequence[str], tokenizer: CharTokenizer, max_tokens: in
         except ValueError as exc:
             raise ValueError(f"names: name {name!r} at index {row} cannot be encoded: {exc}") from None
         n = len(ids)
-        inputs[row, 1:n + 1] = torch.tensor(ids)
-        targets[row, :n] = torch.tensor(ids)
+        inputs[row, 1:n + 1] = torch.as_tensor(ids)
+        targets[row, :n] = torch.as_tensor(ids)
         targets[row, n] = boundary
     return inputs, targets
 
@@ -369,6 +374,13 @@ class TokenStream:
     def __init__(self, ids: torch.Tensor):
         self.ids = validate.token_ids("ids", ids, dim=1).long()
 
+    @classmethod
+    def _of(cls, ids: torch.Tensor) -> TokenStream:
+        """From ids a tokenizer here just made: checked once, where they came in (the text)."""
+        stream = cls.__new__(cls)
+        stream.ids = ids
+        return stream
+
     def sample(self, batch_size: int, max_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch_size`` windows at random positions (the course's one batcher, random_batch)."""
         return random_batch(self.ids, batch_size, max_tokens, generator=generator)   # (B, max_tokens) x2
@@ -385,6 +397,13 @@ class Examples:
         self.targets = validate.token_ids("targets", targets, dim=2).long()
         if inputs.shape != targets.shape:
             raise ValueError(f"targets: expected shape {tuple(inputs.shape)}, got {tuple(targets.shape)}")
+
+    @classmethod
+    def _of(cls, inputs: torch.Tensor, targets: torch.Tensor) -> Examples:
+        """From rows names_dataset just made: checked once, where they came in (the names)."""
+        examples = cls.__new__(cls)
+        examples.inputs, examples.targets = inputs, targets
+        return examples
 
     def sample(self, batch_size: int, max_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         validate.positive_int("batch_size", batch_size)
@@ -431,8 +450,8 @@ def char_corpus(name_or_text: str | os.PathLike, train_fraction: float = 0.9) ->
         raise ValueError(f"name_or_text: expected one of {sorted(CORPORA)}, a Path to a text file, "
                          f"or non-empty text, got {validate.describe(name_or_text)}")
     tokenizer = CharTokenizer.from_text(text)
-    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)  # (num_chars,)
-    train_ids, val_ids = split_by_position(ids, train_fraction)
+    ids = torch.as_tensor(tokenizer.encode(text), dtype=torch.long)  # (num_chars,)
+    train_ids, val_ids = _split_at(ids, train_fraction)
     return CharCorpus(tokenizer, train_ids, val_ids)
 
 
@@ -446,10 +465,10 @@ def corpus_splits(corpus: str | os.PathLike, max_tokens: int) -> tuple[CharToken
         names = load_names()
         tokenizer = names_tokenizer(names)
         train_names, val_names = split_names(names)
-        return (tokenizer, Examples(*names_dataset(train_names, tokenizer, max_tokens)),
-                Examples(*names_dataset(val_names, tokenizer, max_tokens)))
+        return (tokenizer, Examples._of(*names_dataset(train_names, tokenizer, max_tokens)),
+                Examples._of(*names_dataset(val_names, tokenizer, max_tokens)))
     prepared = char_corpus(corpus if corpus in CORPORA else Path(corpus))
-    return prepared.tokenizer, TokenStream(prepared.train_ids), TokenStream(prepared.val_ids)
+    return prepared.tokenizer, TokenStream._of(prepared.train_ids), TokenStream._of(prepared.val_ids)
 
 
 def _looks_like_a_path(text: str) -> bool:

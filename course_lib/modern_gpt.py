@@ -23,8 +23,7 @@ from .attention import KVCache, check_caches
 from .model import GPT, GPTConfig, gpt2_init
 from .modern import GroupedQueryAttention, ReLUSquared, RMSNorm, SwiGLU
 
-__all__ = ["MLP_KINDS", "default_hidden_dim", "ModernGPTConfig", "ModernBlock", "ModernGPT", "ARCHITECTURES",
-           "architecture_of"]
+__all__ = ["MLP_KINDS", "default_hidden_dim", "ModernGPTConfig", "ModernBlock", "ModernGPT", "ARCHITECTURES"]
 
 MLP_KINDS = ("swiglu", "relu2")
 
@@ -275,11 +274,3 @@ class ModernGPT(nn.Module):
 
 # The model classes a preset or a checkpoint may name, with their configs: GPT-2's (notebook 04) and this one.
 ARCHITECTURES: dict[str, tuple[type[nn.Module], type]] = {"gpt": (GPT, GPTConfig), "modern": (ModernGPT, ModernGPTConfig)}
-
-
-def architecture_of(model: nn.Module) -> str:
-    """``"gpt"`` or ``"modern"``: which of :data:`ARCHITECTURES` ``model`` is."""
-    for name, (cls, _) in ARCHITECTURES.items():
-        if type(model) is cls:
-            return name
-    raise TypeError(f"model: expected a course_lib GPT or ModernGPT, got {type(model).__name__}")

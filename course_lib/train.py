@@ -327,6 +327,8 @@ def _agree(flags: list[bool], ctx: DistributedContext, device: torch.device) -> 
     return [bool(v) for v in tensor.tolist()]
 
 
+# Under the Makefile's notebook tests only, the learner copies replay what the solutions trained.
+@train_replay.replayable(History.from_dict)
 def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, config: TrainConfig, *,
           device: torch.device | str | None = None, progress: bool = True,
           ctx: DistributedContext | None = None, state: TrainState | None = None,
@@ -359,14 +361,6 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
             raise TypeError(f"{name}: expected a function or None, got {validate.describe(fn)}")
     ctx = ctx or DistributedContext()
     device = resolve_device(device)
-    # Under the Makefile's notebook tests only: the learner copies replay what the solutions trained.
-    replay_key = None
-    if (train_replay.active() and state is None and not ctx.enabled and config.seconds is None
-            and on_checkpoint is None and should_stop is None):
-        replay_key = train_replay.run_key(model, (train_split, val_split), config, device)
-        replayed = train_replay.replay(replay_key, model.to(device))
-        if replayed is not None:
-            return History.from_dict(replayed)
     model.to(device)
     raw_model = model
     if ctx.enabled:
@@ -494,8 +488,6 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
             # 3 runs in 20-30 on a loaded 2-core machine, none in 30 with this collection.
             del model
             gc.collect()
-    if replay_key is not None:
-        train_replay.record(replay_key, raw_model, history.to_dict())
     return history
 
 

@@ -13,9 +13,10 @@ Neither variable is set anywhere but the Makefile's test targets: students and i
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,9 @@ from torch import nn
 
 from ._atomic import atomic_file
 from .runtime import __version__
+from .runtime import device as default_device
 
-__all__ = ["RECORD_ENV", "REPLAY_ENV", "active", "run_key", "replay", "record"]
+__all__ = ["RECORD_ENV", "REPLAY_ENV", "active", "run_key", "replay", "record", "replayable"]
 
 RECORD_ENV = "COURSE_TRAIN_RECORD"
 REPLAY_ENV = "COURSE_TRAIN_REPLAY"
@@ -103,3 +105,47 @@ def record(key: str, model: nn.Module, history: dict[str, Any]) -> None:
                 "training": model.training, "rng_state": torch.get_rng_state(), "history": history}
     with atomic_file(path, "wb") as handle:
         torch.save(recorded, handle)
+
+
+def _key_if_replayable(model: nn.Module, splits: tuple[Any, Any], config: Any,
+                       options: dict[str, Any]) -> tuple[str, torch.device] | None:
+    """The run's key and device when this training may be recorded or replayed, else None.
+
+    Only a whole training from scratch on one process, stopped by its step count: a resumed run,
+    torchrun, a clock, a stop request or a checkpoint callback each make it one of a kind.
+    Anything that cannot even be keyed (a wrong argument) is left to the training loop to refuse.
+    """
+    ctx = options.get("ctx")
+    if (not active() or options.get("state") is not None or (ctx is not None and ctx.enabled)
+            or options.get("on_checkpoint") is not None or options.get("should_stop") is not None
+            or getattr(config, "seconds", 0) is not None):
+        return None
+    try:
+        device = options.get("device")
+        device = torch.device(device) if device is not None else default_device()
+        return run_key(model, splits, config, device), device
+    except Exception:   # the loop's own checks name the wrong argument
+        return None
+
+
+def replayable(history_from_dict: Callable[[dict[str, Any]], Any]):
+    """Decorate the training loop ``train(model, train_split, val_split, config, **options)``.
+
+    Outside the Makefile's notebook tests it calls the loop and nothing else. Under them it
+    replays a recorded training with the same key, or trains and records the result.
+    """
+    def decorate(train: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(train)
+        def replaying_train(model, train_split, val_split, config, **options):
+            keyed = _key_if_replayable(model, (train_split, val_split), config, options)
+            if keyed is not None:
+                key, device = keyed
+                replayed = replay(key, model.to(device))
+                if replayed is not None:
+                    return history_from_dict(replayed)
+            history = train(model, train_split, val_split, config, **options)
+            if keyed is not None:
+                record(keyed[0], model, history.to_dict())
+            return history
+        return replaying_train
+    return decorate

@@ -133,7 +133,8 @@ def _metrics(name: str, status: str, model: GPT | ModernGPT, config: TrainConfig
              ctx: DistributedContext, device: torch.device, corpus: str | None,
              val_loss: float | None = None, val_tokens: int | None = None,
              final_eval_seconds: float | None = None) -> dict[str, Any]:
-    per_token = flops_per_token(model.config, model.num_parameters(include_embeddings=False))
+    non_embedding = model.num_parameters(include_embeddings=False)
+    per_token = flops_per_token(model.config, non_embedding)
     tokens_per_second = history.tokens_seen / max(history.train_seconds, 1e-9)
     if val_loss is None and history.val_loss:
         val_loss = history.val_loss[-1]   # the latest estimate until the final evaluation
