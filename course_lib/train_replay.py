@@ -134,18 +134,18 @@ def replayable(history_from_dict: Callable[[dict[str, Any]], Any]):
     Outside the Makefile's notebook tests it calls the loop and nothing else. Under them it
     replays a recorded training with the same key, or trains and records the result.
     """
-    def decorate(train: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(train)
-        def replaying_train(model, train_split, val_split, config, **options):
+    def decorate(loop: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(loop)
+        def train(model, train_split, val_split, config, **options):   # named as the loop: errors say train()
             keyed = _key_if_replayable(model, (train_split, val_split), config, options)
             if keyed is not None:
                 key, device = keyed
                 replayed = replay(key, model.to(device))
                 if replayed is not None:
                     return history_from_dict(replayed)
-            history = train(model, train_split, val_split, config, **options)
+            history = loop(model, train_split, val_split, config, **options)
             if keyed is not None:
                 record(keyed[0], model, history.to_dict())
             return history
-        return replaying_train
+        return train
     return decorate

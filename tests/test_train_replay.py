@@ -69,3 +69,11 @@ def test_nothing_is_recorded_or_replayed_without_the_variables(tmp_path, monkeyp
     _, history, _ = _run()
     assert history.steps_taken == CONFIG.steps
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_wrong_call_names_train_as_the_student_wrote_it():
+    model, train_split, _ = _setup()
+    with pytest.raises(TypeError, match=r"^train\(\)"):
+        train(model, train_split)                              # val_split and config missing
+    with pytest.raises(TypeError, match=r"config: expected a TrainConfig"):
+        train(model, train_split, None, {"steps": 3})
