@@ -118,7 +118,7 @@ def _key_if_replayable(model: nn.Module, splits: tuple[Any, Any], config: Any,
     ctx = options.get("ctx")
     if (not active() or options.get("state") is not None or (ctx is not None and ctx.enabled)
             or options.get("on_checkpoint") is not None or options.get("should_stop") is not None
-            or getattr(config, "seconds", 0) is not None):
+            or getattr(config, "seconds", 0) is not None):   # (no .seconds: not a TrainConfig; the loop says so)
         return None
     try:
         device = options.get("device")

@@ -464,9 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 validate.positive_int("steps", args.steps)
             for name in args.presets:
                 validate.one_of("presets", name, sorted(PRESETS))
-            if args.seeds is not None:
-                if any(seed < 0 for seed in args.seeds) or len(set(args.seeds)) != len(args.seeds):
-                    raise ValueError(f"seeds: expected different whole numbers >= 0, got {args.seeds}")
+            for seed in args.seeds or []:
+                validate.non_negative_int("seeds", seed)
+            if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+                raise ValueError(f"seeds: expected different seeds, got {args.seeds}")
         except ValueError as exc:
             raise RunRefused(str(exc)) from None
         runs = []
