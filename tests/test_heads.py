@@ -147,4 +147,10 @@ def test_training_shows_the_phase_change_and_the_two_heads():
     maps = heads.attention_patterns(run.model, probe)
     prev = torch.stack([heads.previous_token_score(w) for w in maps])
     ind = torch.stack([heads.induction_score(w, 16) for w in maps])
-    assert int(prev.argmax()) // 2 == 0 and int(ind.argmax()) // 2 == 1
+    assert prev.shape == ind.shape == (2, 1), "one head per layer"
+    assert prev[0, 0] > 3 * prev[1, 0], "layer 0's head looks at the previous token"
+    assert ind[1, 0] > 4 * ind[0, 0], "layer 1's head is the induction head, far above the other"
+    with heads.ablate_head(run.model, 1, 0):
+        _, ablated = heads.half_losses(run.model, probe, 16)
+    _, clean = heads.half_losses(run.model, probe, 16)
+    assert ablated > clean + 2.0, "without the induction head the repeat cannot be copied"

@@ -132,7 +132,8 @@ def plot_attention_heads(weights, tokens=None, layer: int | None = None, mask=No
     labels = token_labels(tokens, lk)
 
     panels = [(i, h) for i in range(layers) for h in range(heads)]
-    cols = heads if layers > 1 else min(heads, 4)
+    # one row per layer; with one head per layer, the layers side by side
+    cols = heads if layers > 1 and heads > 1 else min(len(panels), 4)
     rows = math.ceil(len(panels) / cols)
     size = 2.6 if max(lq, lk) <= 16 else 3.2
     fig = new_figure(size * cols + 1.0, size * rows + 0.4)
