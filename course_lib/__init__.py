@@ -24,7 +24,9 @@ from .model import (
 )
 from .runtime import __version__, device, set_seed, setup_notebook
 
-# A notebook copy a student edited before the classroom moved keeps its old imports working.
+# `from course_lib import checks` (every notebook's first cell) and `capstone` (notebook 08) find the
+# classroom through the same finder that keeps a student's older notebook copy importing what it imported;
+# importing the reference alone never loads the classroom.
 _moved.install()
 
 # What `from course_lib import ...` offers: the pieces the notebooks build, by the names they teach.
@@ -35,11 +37,3 @@ __all__ = [
     "TransformerBlock", "sinusoidal_table", "device", "set_seed", "setup_notebook", "__version__",
 ]
 
-
-def __getattr__(name: str):
-    """``from course_lib import checks`` (every notebook's first cell) and ``capstone`` (notebook 08)
-    load the classroom only when asked for: importing the reference never imports the classroom."""
-    if name in ("checks", "capstone"):
-        import importlib
-        return importlib.import_module(f"{__name__}.classroom.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
