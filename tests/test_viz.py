@@ -179,6 +179,14 @@ def test_plot_attention_heads_layers_by_heads_and_one_layer():
     np.testing.assert_allclose(only[2].images[0].get_array(), w[1, 2].numpy(), rtol=1e-6)
 
 
+def test_plot_attention_heads_puts_single_head_layers_side_by_side():
+    w = causal_weights(2, 1)                            # (layers, 1 head, L, L): notebook 11's toy model
+    panels = image_axes(viz.plot_attention_heads(w, TOKENS))
+    assert [ax.get_title() for ax in panels] == ["layer 0, head 0", "layer 1, head 0"]
+    rows = {round(ax.get_position().y0, 3) for ax in panels}
+    assert len(rows) == 1, "one row, not a column of two"
+
+
 def test_plot_attention_heads_rejects_bad_inputs():
     with pytest.raises(ValueError, match=r"weights: .* maps\[:, 0\]"):
         viz.plot_attention_heads(torch.ones(2, 1, 3, 4, 4))   # GPT.attention_maps output, unsliced
