@@ -69,8 +69,8 @@ PRESETS: dict[str, Preset] = {
                            warmup_steps=100, beta2=0.99, weight_decay=0.1, eval_interval=250)),
         # Notebook 05's recipe, GPT-2's parts with AdamW. In a budget of a minute or two a small model
         # learns most: 2 layers of width 96 take about a third of the time per step of 2 layers of 192
-        # and, at a learning rate of 1e-2 (a model this small takes it), end 0.05 below the wider model
-        # in its training time, or within 0.01 of it in half that time (README, performance). Few
+        # and, at a learning rate of 1e-2 (a model this small takes it), end 0.04 below the wider model
+        # in its training time, or 0.02 above it in half that time (three seeds; README, performance). Few
         # layers, since depth costs time per step without paying for it this early. The GELU is
         # GPT-2's own tanh approximation, which a CPU also runs 2.7 times faster than the exact erf.
         Preset("shakespeare_char_cpu", "the course's CPU recipe for tinyshakespeare (notebook 05)",
