@@ -12,4 +12,3 @@ __all__ = ["set_time_limit", "student_frame"]
 def set_time_limit(seconds: float) -> None:
     """Give every later check ``seconds`` for the student's code (the grader sets it below its own kill)."""
     _harness.TIME_LIMIT_S = validate.positive_float("seconds", seconds)
-
