@@ -17,7 +17,8 @@ from course_lib.classroom.checks._attn_hypotheses import (
     module_variant,
     sdpa_variant,
 )
-from course_lib.classroom.checks._attn_modules import EMBED_DIM, MAX_TOKENS, load, random_params
+from course_lib.classroom.checks._attn_modules import EMBED_DIM, MAX_TOKENS, random_params
+from course_lib.classroom.checks._student_code import load_parameters as load
 
 CHECKERS = {
     "1.1": lambda candidate: checks.check_toy_prediction(*candidate),

@@ -283,7 +283,7 @@ def test_patching_the_reference_to_the_wrong_answer_changes_nothing(exercise, mo
 # ---------------------------------------------------------------- one comparison, one mistake type
 
 def test_one_tolerance_derived_from_the_dtype():
-    from course_lib.classroom.checks import _compare
+    from course_lib.classroom.checks import _student_code as _compare
     x = torch.ones(4)
     assert _compare.tolerance(x) == _compare.tolerance(x.double()) == (1e-3, 1e-4)
     assert _compare.tolerance(x.half())[0] > 1e-3                       # coarser dtype, looser tolerance

@@ -16,7 +16,7 @@ from ... import train as _train
 from ..verdict import DIAGNOSES, CheckResult
 from . import _searches  # noqa: F401 - the counter-example searchers register themselves
 from ._core import hint, show_solution
-from ._harness import bind_references as _bind_references
+from ._references import bind_references as _bind_references
 from .notebook01 import *  # 1.1-1.3 toy and scaled dot-product attention
 from .notebook02 import *  # 2.1-2.2 causal mask, masked attention
 from .notebook03 import *  # 3.1-3.3 heads, multi-head attention

@@ -10,11 +10,19 @@ from torch import nn
 
 from ..verdict import Failure, fail
 from ._attn_hypotheses import MODULE_HYPOTHESES, module_variant
-from ._attn_probes import call_student, diagnose_weights, first_match, reraise_with, shape_str
-from ._compare import close, max_diff
-from ._expect import construct, expect_finite, expect_tensor
+from ._attn_probes import diagnose_weights, first_match, shape_str
 from ._gradients import check_module_gradients
-from ._harness import call
+from ._student_code import (
+    call,
+    close,
+    construct,
+    expect_finite,
+    expect_parameters,
+    load_parameters,
+    max_diff,
+    module_output,
+    reraise_with,
+)
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -31,30 +39,10 @@ class Run:
     expected: torch.Tensor
 
 
-def check_parameters(model: nn.Module, what: str) -> None:
-    """The constructor's parameters must be exactly query, key, value, proj (E x E, no bias)."""
-    try:
-        got = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    except Exception as exc:  # a broken module is the student's to fix
-        fail("exception", f"Listing the parameters of {what} raised {type(exc).__name__}: {exc}")
-    missing = [name for name in PARAMETERS if name not in got]
-    extra = [name for name in got if name not in PARAMETERS]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"no parameter {', '.join(missing)}")
-        if extra:
-            bias = any(name.endswith(".bias") for name in extra)
-            parts.append(f"unexpected parameter(s) {', '.join(extra)}" +
-                         (" (the course's linear layers use bias=False)" if bias else ""))
-        fail("shape", f"{what} has {' and '.join(parts)}. The constructor should create exactly four "
-                      f"nn.Linear(embed_dim, embed_dim, bias=False) layers named query, key, value and proj "
-                      f"(the names are how the checker copies the reference weights into your module).",
-             found=sorted(got))
-    for name in PARAMETERS:
-        if got[name] != (EMBED_DIM, EMBED_DIM):
-            fail("shape", f"Parameter {name} of {what} has shape {got[name]}, expected "
-                          f"{(EMBED_DIM, EMBED_DIM)}: every projection maps embed_dim to embed_dim.")
+# What the parameter check tells a student whose module is built differently.
+PARAMETER_ADVICE = ("The constructor should create exactly four nn.Linear(embed_dim, embed_dim, bias=False) "
+                    "layers named query, key, value and proj (the names are how the checker copies the "
+                    "reference weights into your module).")
 
 
 def random_params(generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -63,18 +51,6 @@ def random_params(generator: torch.Generator) -> dict[str, torch.Tensor]:
     scale = {"query.weight": 1.2, "key.weight": 1.2, "value.weight": 1.0, "proj.weight": 1.0}
     return {name: torch.randn(EMBED_DIM, EMBED_DIM, generator=generator) * scale[name] * EMBED_DIM ** -0.5
             for name in PARAMETERS}
-
-
-def load(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[name])
-
-
-def forward(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
-    with torch.no_grad():
-        out = call_student(model, x.clone(), what=what)
-    return expect_tensor(out, tuple(x.shape), what, dtype=x.dtype, finite=False)
 
 
 class ModuleCheck:
@@ -98,17 +74,19 @@ class ModuleCheck:
     # -------------------------------------------------------------------- running
 
     def run_all(self) -> None:
+        """Every case through the student's module in eval mode, next to the reference with the same weights."""
         torch.manual_seed(0)   # dropout draws; the @checker decorator restores the caller's RNG state
         for heads in self.heads:
+            params = random_params(self.generator)
             label = self.name + (f"(embed_dim={EMBED_DIM}, num_heads={heads}, max_tokens={MAX_TOKENS}, "
                                  if len(self.heads) > 1 else f"(embed_dim={EMBED_DIM}, max_tokens={MAX_TOKENS}, ")
             model = construct(self.make_candidate, heads, DROPOUT, what=self.name,
                               shown=label + f"dropout_rate={DROPOUT})")
-            check_parameters(model, self.name)
+            expect_parameters(model, {name: (EMBED_DIM, EMBED_DIM) for name in PARAMETERS}, self.name,
+                              PARAMETER_ADVICE)
             reference = self.make_reference(heads, DROPOUT).eval()
-            params = random_params(self.generator)
-            load(model, params)
-            load(reference, params)
+            load_parameters(model, params)
+            load_parameters(reference, params)
             call(model.eval, what=f"{self.name}.eval()")
             self.models[heads] = model
             self.references[heads] = reference
@@ -116,7 +94,7 @@ class ModuleCheck:
                 x = torch.randn(n, length, EMBED_DIM, generator=self.generator)
                 what = self.what(tuple(x.shape), heads)
                 try:
-                    out = forward(model, x, what)
+                    out = module_output(model, x, what)
                 except Failure as failure:
                     full = self.runs[-index] if index else None
                     if (full is not None and failure.diagnosis in ("exception", "shape")
@@ -126,24 +104,20 @@ class ModuleCheck:
                                      f"cut to the current sequence length, not used at its full max_tokens "
                                      f"size.")
                     raise
-                if index == 0:
-                    self.check_eval_deterministic(model, x, out, what)
+                # eval mode is deterministic: the same input twice gives the same output
+                if index == 0 and not close(module_output(model, x, what), out, nan_ok=True):
+                    fail("dropout", f"In eval mode your module gives different outputs for the same input: "
+                                    f"dropout is still active (dropout_rate={DROPOUT}). Use dropout that follows "
+                                    f"the module's mode (the nn.Dropout layers, or training=self.training), so "
+                                    f"model.eval() switches it off.")
                 with torch.no_grad():
                     expected = reference(x)
                 self.runs.append(Run(heads, params, x, out, expected))
 
-    def check_eval_deterministic(self, model: nn.Module, x: torch.Tensor, out: torch.Tensor, what: str) -> None:
-        again = forward(model, x, what)
-        if not close(again, out, nan_ok=True):
-            fail("dropout", f"In eval mode your module gives different outputs for the same input: dropout is "
-                            f"still active (dropout_rate={DROPOUT}). Use dropout that follows the module's mode "
-                            f"(the nn.Dropout layers, or training=self.training), so model.eval() switches it off.")
-
     # -------------------------------------------------------------------- diagnosing
 
-    def diagnose(self) -> None:
-        """Called when some outputs differ from the reference: raise the most specific Failure we can."""
-        bad = [run for run in self.runs if not close(run.out, run.expected)]
+    def diagnose(self, bad: list[Run]) -> None:
+        """Called with the runs whose outputs differ from the reference: raise the most specific Failure we can."""
         several = any(h > 1 for h in self.heads)
         hypotheses = [h for h in MODULE_HYPOTHESES
                       if several or not ({"split", "merge"} & set(h.spec) or h.spec.get("scale") == "embed_dim")]
@@ -177,9 +151,9 @@ class ModuleCheck:
         model = self.models[heads]
         x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=self.generator)          # (3, L, E)
         what = self.what(tuple(x.shape), heads)
-        together = forward(model, x, what)
+        together = module_output(model, x, what)
         for i in range(x.shape[0]):
-            alone = forward(model, x[i:i + 1], self.what((1, MAX_TOKENS, EMBED_DIM), heads))   # (1, L, E)
+            alone = module_output(model, x[i:i + 1], self.what((1, MAX_TOKENS, EMBED_DIM), heads))   # (1, L, E)
             if not close(alone[0], together[i], nan_ok=True):
                 fail("batch_mixing", f"{what}: sequence {i} gives a different output in a batch of 3 than alone, "
                                      f"so your reshapes mix the sequences of the batch. Keep the batch axis first "
@@ -189,14 +163,14 @@ class ModuleCheck:
     def probe_future(self, heads: int) -> None:
         """Changing tokens after position t must not change the outputs up to t."""
         model, params = self.models[heads], self.runs[0].params
-        load(model, params)
+        load_parameters(model, params)
         x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
         what = self.what(tuple(x.shape), heads)
-        out = forward(model, x, what)
+        out = module_output(model, x, what)
         for t in (0, MAX_TOKENS // 2, MAX_TOKENS - 2):
             changed = x.clone()
             changed[:, t + 1:] = torch.randn(2, MAX_TOKENS - t - 1, EMBED_DIM, generator=self.generator)
-            if not close(forward(model, changed, what)[:, :t + 1], out[:, :t + 1]):
+            if not close(module_output(model, changed, what)[:, :t + 1], out[:, :t + 1]):
                 fail("causal_mask", f"The future leaks: changing the tokens after position {t} changes your "
                                     f"output at position {t} or before. Each query may only attend to keys at "
                                     f"its own position or earlier; mask the scores before the softmax.")
@@ -207,14 +181,14 @@ class ModuleCheck:
         head_dim = EMBED_DIM // heads
         params = dict(self.runs[0].params, **{"proj.weight": torch.eye(EMBED_DIM)})
         x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
-        load(model, params)
+        load_parameters(model, params)
         what = self.what(tuple(x.shape), heads)
-        before = forward(model, x, what)
+        before = module_output(model, x, what)
         query = params["query.weight"].clone()
         query[head_dim:2 * head_dim] = torch.randn(head_dim, EMBED_DIM, generator=self.generator)
-        load(model, dict(params, **{"query.weight": query}))
-        after = forward(model, x, what)
-        load(model, self.runs[0].params)
+        load_parameters(model, dict(params, **{"query.weight": query}))
+        after = module_output(model, x, what)
+        load_parameters(model, self.runs[0].params)
         block = slice(head_dim, 2 * head_dim)
         others = torch.ones(EMBED_DIM, dtype=torch.bool)
         others[block] = False
@@ -234,9 +208,9 @@ class ModuleCheck:
         params = dict(self.runs[0].params, **{"value.weight": torch.eye(EMBED_DIM),
                                               "proj.weight": torch.eye(EMBED_DIM)})
         x = torch.randn(1, length, EMBED_DIM, generator=self.generator)
-        load(model, params)
-        out = forward(model, x, self.what(tuple(x.shape), heads))
-        load(model, self.runs[0].params)
+        load_parameters(model, params)
+        out = module_output(model, x, self.what(tuple(x.shape), heads))
+        load_parameters(model, self.runs[0].params)
         xs = x.double().reshape(length, heads, head_dim).transpose(0, 1)               # (heads, L, head_dim)
         ys = out.double().reshape(length, heads, head_dim).transpose(0, 1)
         weights = ys @ torch.linalg.pinv(xs)                                            # (heads, L, L)
@@ -301,8 +275,8 @@ class ModuleCheck:
         the training-mode output over the eval output reads each weight's dropout factor directly."""
         length = MAX_TOKENS                                                          # <= EMBED_DIM
         x = torch.eye(EMBED_DIM)[:length].expand(batch, -1, -1).clone()              # (64, L, E) one-hot
-        load(self.models[self.heads[0]], params)
-        expected = forward(self.models[self.heads[0]], x, what)                     # eval: w_ij
+        load_parameters(self.models[self.heads[0]], params)
+        expected = module_output(self.models[self.heads[0]], x, what)                     # eval: w_ij
         got = self.train_forward(params, x)
         visible = expected.abs() > 1e-3
         ratio = (got[visible] / expected[visible]).double()                          # (entries,)
@@ -342,21 +316,22 @@ class ModuleCheck:
         """The student's module in training mode with these weights; back to eval and the run's weights after."""
         heads = self.heads[0]
         model = self.models[heads]
-        load(model, params)
+        load_parameters(model, params)
         call(model.train, what=f"{self.name}.train()")
         try:
             torch.manual_seed(7)
-            return forward(model, x, self.what(tuple(x.shape), heads) + " in training mode")
+            return module_output(model, x, self.what(tuple(x.shape), heads) + " in training mode")
         finally:
             model.eval()
-            load(model, self.runs[0].params)
+            load_parameters(model, self.runs[0].params)
 
 
 def module_check(check: ModuleCheck, heads_text: str) -> str:
     """Run a ModuleCheck through: outputs, the known mistakes, then dropout; the success message."""
     check.run_all()
-    if not all(close(run.out, run.expected) for run in check.runs):
-        check.diagnose()
+    bad = [run for run in check.runs if not close(run.out, run.expected)]
+    if bad:
+        check.diagnose(bad)
     check.check_gradients()
     check.check_train_dropout()
     lengths = sorted({length for _, length in CASES})

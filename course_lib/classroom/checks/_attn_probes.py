@@ -1,6 +1,6 @@
 """Behavioural probes shared by the attention checkers (notebooks 01-03): reading attention weights
-back out of a student's code to say what is wrong with them. Comparisons are in ``_compare``,
-output checks in ``_expect``."""
+back out of a student's code to say what is wrong with them. Calling the student's code, output
+checks and comparisons are in ``_student_code``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-from ..verdict import Failure, fail
-from ._compare import matches, sums_to_one
-from ._harness import call
+from ..verdict import fail
+from ._student_code import matches, sums_to_one
 
 
 def shape_str(shape: Iterable[int]) -> str:
@@ -86,39 +85,3 @@ def first_match(hypotheses: Iterable[Any], outputs: list[torch.Tensor],
         except (RuntimeError, ValueError):   # a hypothesis that does not apply to these shapes
             continue
     return None
-
-
-def reraise_with(failure: Failure, diagnosis: str, extra: str) -> None:
-    message = failure.message.rstrip()
-    if not message.endswith((".", "!", "?")):
-        message += "."
-    raise Failure(diagnosis, message + extra, **failure.details)
-
-
-_VIEW_TIP = (" Tip: after a transpose the tensor is no longer contiguous in memory, so .view cannot "
-             "reshape it; .reshape (or .contiguous() before .view) can.")
-
-
-def call_student(fn: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -> Any:
-    """call() with long library errors cut to their first line, plus a tip for the error every student meets."""
-    try:
-        return call(fn, *args, what=what, **kwargs)
-    except Failure as failure:
-        if failure.diagnosis != "exception":
-            raise
-        first, _, rest = failure.message.partition("\n")
-        if rest.strip():
-            failure = Failure("exception", first.rstrip() + " [...]", **failure.details)
-        if "view size is not compatible" in failure.message:
-            reraise_with(failure, "exception", _VIEW_TIP)
-        raise failure
-
-
-def expect_callable(candidate: Any, name: str, kind: str = "function") -> None:
-    """Students sometimes pass the result, or an instance, instead of what they wrote."""
-    if kind == "class" and isinstance(candidate, torch.nn.Module):
-        fail("exception", f"You passed an instance of your module; pass the class itself, {name}, so the "
-                          f"checker can build it with its own sizes.")
-    if not callable(candidate):
-        fail("exception", f"Expected your {kind} {name} itself, got {type(candidate).__name__}: pass the {kind}, "
-                          f"not the result of calling it.")

@@ -1,7 +1,7 @@
 """The exercise registry: each exercise's title, hints and solution (read from its notebook).
 
 The verdict and its diagnoses live in ``classroom.verdict``; the harness that runs a checker
-(isolation, time limit, calls into student code) in ``_harness``.
+(isolation, time limit) in ``_harness``; calls into student code in ``_student_code``.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ._compare import close
+from ._student_code import close
 
 # Diagnoses with nothing to show side by side: no output, a crash, or a verdict about the course
 _NOTHING_TO_SHOW = ("not_implemented", "exception", "timeout", "checker_error", "missing", "crashed", "mutation")

@@ -21,15 +21,23 @@ from ... import modern as ref
 from ...attention import KVCache
 from ..verdict import Failure, fail
 from . import _rope_variants as rope
-from ._attn_probes import call_student, expect_callable, first_match, reraise_with, shape_str
-from ._compare import close, max_diff
+from ._attn_probes import first_match, shape_str
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
-from ._expect import construct, expect_finite, expect_tensor
 from ._gqa_variants import CACHED, FULL_PASS, Setup, simulate
 from ._gradients import check_module_gradients
-from ._harness import call
 from ._model_common import accepts, copy_weights
+from ._student_code import (
+    call,
+    call_student,
+    close,
+    construct,
+    expect_callable,
+    expect_finite,
+    expect_tensor,
+    max_diff,
+    reraise_with,
+)
 
 EMBED_DIM, NUM_HEADS, MAX_TOKENS = 32, 4, 10
 HEAD_DIM = EMBED_DIM // NUM_HEADS

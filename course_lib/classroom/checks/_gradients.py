@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..verdict import Failure, fail
-from ._harness import call
+from ._student_code import call
 
 # Why relative to the largest reference gradient, not element by element: a correct solution in
 # another layout (einsum, a fused projection, softmax written out) moves float32 gradients by ~1e-6

@@ -36,20 +36,21 @@ import os
 import random
 import signal
 import sys
-import sysconfig
 import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType, NoneType, UnionType
+from types import NoneType, UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
 from ... import _validate as validate
 from .. import progress
-from ..verdict import CheckResult, Failure, fail
+from ..verdict import CheckResult, Failure
 from . import _counterexample, _nbgrader
+from ._references import attributes, bind_references, install_references, restore_namespace
+from ._student_code import raised_in_student_code, student_frame
 
 TIME_LIMIT_S = float(os.environ.get("COURSE_CHECK_TIME_LIMIT", "60"))
 
@@ -60,140 +61,7 @@ class CheckTimeout(BaseException):
 
 
 
-# ---------------------------------------------------------------- whose frame is it?
-
-_LIBRARY_PREFIXES = tuple({os.path.realpath(p).replace("\\", "/") + "/" for p in
-                           (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-                            sysconfig.get_paths()["platlib"]) if p})
-
-
-def _is_student_file(filename: str) -> bool:
-    name = filename.replace("\\", "/")
-    if "/course_lib/" in name or "/torch/" in name or name.startswith("<frozen"):
-        return False
-    real = os.path.realpath(filename).replace("\\", "/") if os.path.isabs(filename) else name
-    return not real.startswith(_LIBRARY_PREFIXES)
-
-
-def student_frame(exc: BaseException) -> str:
-    """'line 12 in forward' for the innermost frame of the student's code, if any."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if _is_student_file(frame.filename):
-            return f" (line {frame.lineno}, in {frame.name})"
-    return ""
-
-
-def _raised_in_student_code(exc: BaseException) -> bool:
-    return any(_is_student_file(frame.filename) for frame in traceback.extract_tb(exc.__traceback__))
-
-
-# ---------------------------------------------------------------- calling student code
-
-def _tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    named = [(f"argument {i + 1}", a) for i, a in enumerate(args)] + [(f"`{k}`", v) for k, v in kwargs.items()]
-    return [(name, value) for name, value in named if isinstance(value, torch.Tensor)]
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
-                    and torch.equal(torch.isnan(a), torch.isnan(b)))
-    return bool(torch.equal(a, b))
-
-
-def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: Any) -> Any:
-    """Call student code. Its exceptions, ``sys.exit`` and in-place changes to its tensor inputs
-    become a Failure with a readable message."""
-    inputs = [(name, value, value.detach().clone()) for name, value in _tensor_args(args, kwargs)]
-    try:
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            _install_references()   # student code that patched course_lib must not change the verdict
-    except Failure:
-        raise
-    except NotImplementedError as exc:
-        fail("not_implemented", f"{what} is not written yet ({str(exc) or 'NotImplementedError'}). "
-                                f"Replace the `raise NotImplementedError` with your solution, then run this cell again.")
-    except SystemExit as exc:
-        fail("exception", f"{what} called sys.exit({'' if exc.code is None else repr(exc.code)}) (or exit()): "
-                          f"that would stop the notebook's kernel. Return a value instead.")
-    except Exception as exc:  # any student error becomes a message
-        fail("exception", f"{what} raised {type(exc).__name__}{student_frame(exc)}: {exc}")
-    for name, value, before in inputs:
-        if not _same(value.detach(), before):
-            fail("mutation", f"{what} changed its input ({name}) in place, for example with `x += ...`, "
-                             f"`q /= ...` or `t[...] = ...`. The caller still needs that tensor (and autograd "
-                             f"fails when a tensor saved for backward is overwritten): write `x = x + ...` instead.",
-                 argument=name)
-    return result
-
-
 # ---------------------------------------------------------------- isolation
-
-def _course_modules() -> dict[str, ModuleType]:
-    return {name: module for name, module in list(sys.modules.items())
-            if module is not None and (name == "course_lib" or name.startswith("course_lib."))}
-
-
-def _snapshot_namespace(obj: Any) -> dict[str, Any]:
-    return dict(vars(obj))
-
-
-def _classes_of(module: ModuleType) -> list[type]:
-    return [v for v in vars(module).values()
-            if isinstance(v, type) and getattr(v, "__module__", None) == module.__name__]
-
-
-def _attributes() -> dict[Any, dict[str, Any]]:
-    """Every course_lib module's and class's attributes, by object."""
-    spaces: dict[Any, dict[str, Any]] = {}
-    for module in _course_modules().values():
-        spaces[module] = _snapshot_namespace(module)
-        for cls in _classes_of(module):
-            spaces[cls] = _snapshot_namespace(cls)
-    return spaces
-
-
-def _is_submodule(obj: Any, value: Any, name: str) -> bool:
-    return isinstance(obj, ModuleType) and isinstance(value, ModuleType) and value.__name__ == f"{obj.__name__}.{name}"
-
-
-def _restore_namespace(obj: Any, saved: dict[str, Any]) -> None:
-    current = vars(obj)
-    for name in [n for n in current if n not in saved]:
-        if _is_submodule(obj, current[name], name):
-            continue   # a submodule imported during the check (course_lib.classroom.progress) stays bound, as Python left it
-        try:
-            delattr(obj, name)
-        except (AttributeError, TypeError):
-            pass
-    for name, value in saved.items():
-        if name not in current or current[name] is not value:
-            try:
-                setattr(obj, name, value)
-            except (AttributeError, TypeError):
-                pass   # read-only slots such as __dict__ never differ
-
-
-_PRISTINE: dict[Any, dict[str, Any]] = {}
-
-
-def bind_references() -> None:
-    """Remember course_lib as it is now (called when ``checks`` is imported): checks run against it.
-
-    The checkers' own modules are left out: they are not references a notebook imports, and tests
-    inject faults into them (they are still restored after every check, like all of course_lib)."""
-    for obj, saved in _attributes().items():
-        owner = obj.__name__ if isinstance(obj, ModuleType) else getattr(obj, "__module__", "")
-        # A module still being imported (one that imports checks at its top) holds only part of its
-        # names yet: pinning that half would strip the rest during every check.
-        initializing = isinstance(obj, ModuleType) and getattr(obj.__spec__, "_initializing", False)
-        if not owner.startswith("course_lib.classroom.checks") and not initializing:
-            _PRISTINE.setdefault(obj, saved)
-
 
 @dataclass
 class _State:
@@ -227,7 +95,7 @@ class _State:
             else None,
             python_rng=random.getstate(),
             numpy_rng=numpy.random.get_state() if numpy is not None else None,
-            attributes=_attributes(),
+            attributes=attributes(),
         )
 
     def restore(self) -> None:
@@ -262,7 +130,7 @@ class _State:
         if self.numpy_rng is not None and numpy is not None:
             numpy.random.set_state(self.numpy_rng)
         for obj, saved in self.attributes.items():
-            _restore_namespace(obj, saved)
+            restore_namespace(obj, saved)
 
 
 def _cwd() -> str | None:
@@ -270,12 +138,6 @@ def _cwd() -> str | None:
         return os.getcwd()
     except OSError:   # the working directory was deleted under us
         return None
-
-
-def _install_references() -> None:
-    """Put course_lib back as it was when checks was imported (the student's patches are saved)."""
-    for obj, saved in _PRISTINE.items():
-        _restore_namespace(obj, saved)
 
 
 # ---------------------------------------------------------------- time limit
@@ -401,7 +263,7 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
         def _judge(*args: Any, **kwargs: Any) -> CheckResult:
             state = _State.save()
             try:
-                _install_references()
+                install_references()
                 # One thread: on tensors this small, waking a thread pool costs far more than it
                 # saves (up to 50x on a busy machine), and a check should answer at once.
                 torch.set_num_threads(1)
@@ -430,7 +292,7 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                                    f"Your code called sys.exit({'' if exc.code is None else repr(exc.code)}) "
                                    f"(or exit()): that would stop the kernel. Return a value instead.")
             except Exception as exc:  # a checker never raises
-                if not _raised_in_student_code(exc):
+                if not raised_in_student_code(exc):
                     return _internal(exercise, exc)
                 return CheckResult(exercise, False, "exception",
                                    f"Your code raised {type(exc).__name__}{student_frame(exc)}: {exc}")

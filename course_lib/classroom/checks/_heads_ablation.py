@@ -18,10 +18,9 @@ from torch import nn
 from ... import heads as ref
 from ...model import GPT, GPTConfig
 from ..verdict import fail
-from ._attn_probes import call_student, expect_callable
-from ._compare import close
 from ._mistake import Mistake
 from ._model_common import randomize_
+from ._student_code import call_student, close, expect_callable
 
 _MISTAKES = (
     Mistake("ablation_method", "the head's query and key weights are zeroed. That makes its attention uniform, "

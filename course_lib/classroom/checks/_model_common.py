@@ -1,5 +1,5 @@
 """Helpers shared by the checkers of notebooks 04-07: copying weights, randomising them, recording
-calls. Building a candidate is ``_expect.construct``; comparing is ``_compare.close``."""
+calls. Building a candidate is ``_student_code.construct``; comparing is ``_student_code.close``."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..verdict import fail
-from ._compare import close
+from ._student_code import close
 
 
 def as_tensor(value: Any) -> Any:

@@ -15,21 +15,21 @@ import torch
 from ... import attention as ref
 from ..verdict import Failure, fail
 from ._attn_hypotheses import SDPA_HYPOTHESES, sdpa_variant
-from ._attn_probes import (
-    call_student,
-    diagnose_weights,
-    expect_callable,
-    first_match,
-    identity_values,
-    reraise_with,
-    shape_str,
-)
-from ._compare import close, max_diff
+from ._attn_probes import diagnose_weights, first_match, identity_values, shape_str
 from ._core import register
-from ._expect import expect_finite, expect_tensor
 from ._gradients import check_function_gradients
-from ._harness import call, checker
+from ._harness import checker
 from ._mistake import Mistake
+from ._student_code import (
+    call,
+    call_student,
+    close,
+    expect_callable,
+    expect_finite,
+    expect_tensor,
+    max_diff,
+    reraise_with,
+)
 
 __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]
 

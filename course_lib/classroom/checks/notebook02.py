@@ -12,10 +12,9 @@ import torch
 from ... import attention as ref
 from ..verdict import fail
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
-from ._attn_probes import call_student, expect_callable
 from ._core import register
-from ._expect import expect_tensor
 from ._harness import checker
+from ._student_code import call_student, expect_callable, expect_tensor
 
 __all__ = ["check_causal_mask", "check_masked_attention"]
 

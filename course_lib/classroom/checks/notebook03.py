@@ -13,11 +13,10 @@ import torch
 from ... import attention as ref
 from ..verdict import fail
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
-from ._attn_probes import call_student, expect_callable
 from ._core import register
-from ._expect import expect_tensor
 from ._gradients import check_function_gradients
 from ._harness import checker
+from ._student_code import call_student, expect_callable, expect_tensor
 
 __all__ = ["check_split_heads", "check_merge_heads", "check_multi_head_attention"]
 

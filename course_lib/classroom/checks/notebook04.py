@@ -12,13 +12,12 @@ import torch
 from torch import nn
 
 from ..verdict import Failure, fail
-from ._compare import close
 from ._core import register
-from ._expect import construct, expect_tensor
 from ._gradients import check_module_gradients
-from ._harness import call, checker
+from ._harness import checker
 from ._mistake import Mistake
 from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice
+from ._student_code import call, close, construct, expect_tensor
 
 __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
 

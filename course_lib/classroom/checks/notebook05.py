@@ -16,13 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..verdict import Failure, fail
-from ._compare import close
 from ._core import register
-from ._expect import expect_tensor
 from ._gradients import check_function_gradients
-from ._harness import call, checker
+from ._harness import checker
 from ._mistake import Mistake
 from ._model_common import accepts, as_tensor, extend, recording_calls
+from ._student_code import call, close, expect_tensor
 
 __all__ = ["check_lm_windows", "check_lm_loss", "check_train_step", "check_sampling"]
 

@@ -15,9 +15,9 @@ from torch import nn
 
 from ..verdict import Failure, fail
 from ._core import register
-from ._expect import expect_tensor
-from ._harness import call, checker
+from ._harness import checker
 from ._model_common import extend, randomize_, recording_calls
+from ._student_code import call, expect_tensor
 
 __all__ = ["check_flops_per_token", "check_kv_cache"]
 

@@ -12,13 +12,12 @@ import torch
 from torch import nn
 
 from ..verdict import fail
-from ._compare import close
 from ._core import register
-from ._expect import expect_tensor
 from ._gradients import check_function_gradients
-from ._harness import call, checker
+from ._harness import checker
 from ._mistake import Mistake
 from ._model_common import as_tensor, randomize_
+from ._student_code import call, close, expect_tensor
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
 

@@ -18,16 +18,15 @@ from torch import nn
 from ... import modern as ref
 from ..verdict import Failure, fail
 from . import _rope_variants as rope
-from ._attn_probes import call_student, expect_callable, first_match, reraise_with
-from ._compare import close, max_diff
+from ._attn_probes import first_match
 from ._core import register
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
-from ._expect import construct, expect_tensor
 from ._gradients import check_gradients, check_module_gradients
 from ._harness import checker
 from ._mistake import Mistake
 from ._model_common import as_tensor, copy_weights
+from ._student_code import call_student, close, construct, expect_callable, expect_tensor, max_diff, reraise_with
 
 __all__ = ["check_rope_tables", "check_apply_rotary", "check_rms_norm", "check_swiglu", "check_repeat_kv",
            "check_grouped_query_attention"]

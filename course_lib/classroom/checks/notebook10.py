@@ -16,12 +16,10 @@ import torch
 from ... import flash as ref
 from ..verdict import fail
 from . import _flash_variants as variants
-from ._attn_probes import call_student, expect_callable
-from ._compare import close, matches, max_diff
 from ._core import register
-from ._expect import expect_tensor
 from ._flash_probe import Recorder
 from ._harness import checker
+from ._student_code import call_student, close, expect_callable, expect_tensor, matches, max_diff
 
 __all__ = ["check_online_softmax", "check_flash_attention", "check_flash_backward"]
 

@@ -15,12 +15,11 @@ import torch
 from ... import heads as ref
 from ..verdict import fail
 from . import _heads_scores as slips
-from ._attn_probes import call_student, expect_callable, first_match
-from ._compare import close, max_diff
+from ._attn_probes import first_match
 from ._core import register
-from ._expect import expect_tensor
 from ._harness import checker
 from ._heads_ablation import judge_ablate_head
+from ._student_code import call_student, close, expect_callable, expect_tensor, max_diff
 
 __all__ = ["check_previous_token_score", "check_induction_score", "check_ablate_head"]
 

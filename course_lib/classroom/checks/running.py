@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ... import _validate as validate
 from . import _harness
-from ._harness import student_frame
+from ._student_code import student_frame
 
 __all__ = ["set_time_limit", "student_frame"]
 

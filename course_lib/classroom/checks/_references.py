@@ -1,0 +1,81 @@
+"""course_lib as it was when ``checks`` was imported: what every check runs against.
+
+A student's notebook may patch a reference (``course_lib.attention.causal_mask = ...``). While a
+check runs, and again after each call into the student's code, course_lib is put back to these
+pinned attributes, so a patch can neither make a wrong answer pass nor a right one fail. The
+harness saves the student's own attributes before a check and restores them after.
+"""
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any
+
+
+def _course_modules() -> dict[str, ModuleType]:
+    return {name: module for name, module in list(sys.modules.items())
+            if module is not None and (name == "course_lib" or name.startswith("course_lib."))}
+
+
+def _snapshot_namespace(obj: Any) -> dict[str, Any]:
+    return dict(vars(obj))
+
+
+def _classes_of(module: ModuleType) -> list[type]:
+    return [v for v in vars(module).values()
+            if isinstance(v, type) and getattr(v, "__module__", None) == module.__name__]
+
+
+def attributes() -> dict[Any, dict[str, Any]]:
+    """Every course_lib module's and class's attributes, by object."""
+    spaces: dict[Any, dict[str, Any]] = {}
+    for module in _course_modules().values():
+        spaces[module] = _snapshot_namespace(module)
+        for cls in _classes_of(module):
+            spaces[cls] = _snapshot_namespace(cls)
+    return spaces
+
+
+def _is_submodule(obj: Any, value: Any, name: str) -> bool:
+    return isinstance(obj, ModuleType) and isinstance(value, ModuleType) and value.__name__ == f"{obj.__name__}.{name}"
+
+
+def restore_namespace(obj: Any, saved: dict[str, Any]) -> None:
+    current = vars(obj)
+    for name in [n for n in current if n not in saved]:
+        if _is_submodule(obj, current[name], name):
+            continue   # a submodule imported during the check (course_lib.classroom.progress) stays bound, as Python left it
+        try:
+            delattr(obj, name)
+        except (AttributeError, TypeError):
+            pass
+    for name, value in saved.items():
+        if name not in current or current[name] is not value:
+            try:
+                setattr(obj, name, value)
+            except (AttributeError, TypeError):
+                pass   # read-only slots such as __dict__ never differ
+
+
+_PRISTINE: dict[Any, dict[str, Any]] = {}
+
+
+def bind_references() -> None:
+    """Remember course_lib as it is now (called when ``checks`` is imported): checks run against it.
+
+    The checkers' own modules are left out: they are not references a notebook imports, and tests
+    inject faults into them (they are still restored after every check, like all of course_lib)."""
+    for obj, saved in attributes().items():
+        owner = obj.__name__ if isinstance(obj, ModuleType) else getattr(obj, "__module__", "")
+        # A module still being imported (one that imports checks at its top) holds only part of its
+        # names yet: pinning that half would strip the rest during every check.
+        initializing = isinstance(obj, ModuleType) and getattr(obj.__spec__, "_initializing", False)
+        if not owner.startswith("course_lib.classroom.checks") and not initializing:
+            _PRISTINE.setdefault(obj, saved)
+
+
+def install_references() -> None:
+    """Put course_lib back as it was when checks was imported (the student's patches are saved)."""
+    for obj, saved in _PRISTINE.items():
+        restore_namespace(obj, saved)
+

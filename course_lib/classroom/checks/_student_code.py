@@ -1,0 +1,288 @@
+"""The one door to a student's code: calling it, what it must hand back, and how it compares.
+
+Every checker goes through here to touch the student's code:
+
+- :func:`call` runs it. Its exceptions, ``sys.exit`` and in-place changes to its tensor inputs
+  become a Failure that names them; :func:`call_student` also cuts long library errors to their
+  first line. After every call course_lib is put back to its pinned references (``_references``).
+- :func:`construct`, :func:`expect_callable` and :func:`expect_tensor` say what must come back:
+  a module, the function itself, a tensor of the right shape, dtype and device, finite numbers.
+- :func:`load_parameters` and :func:`module_output` copy weights into a student's module by name
+  and run it without gradients.
+- :func:`close` is the only tensor comparison the checkers use, with one tolerance derived from
+  the dtype; :func:`matches` and :func:`sums_to_one` are built on it. Tolerances that are not about
+  float noise (a prediction rounded by hand in 1.1, a FLOP count in 6.1) stay with their exercise.
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..verdict import Failure, fail
+from ._references import install_references
+
+# ---------------------------------------------------------------- whose frame is it?
+
+_LIBRARY_PREFIXES = tuple({os.path.realpath(p).replace("\\", "/") + "/" for p in
+                           (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                            sysconfig.get_paths()["platlib"]) if p})
+
+
+def _is_student_file(filename: str) -> bool:
+    name = filename.replace("\\", "/")
+    if "/course_lib/" in name or "/torch/" in name or name.startswith("<frozen"):
+        return False
+    real = os.path.realpath(filename).replace("\\", "/") if os.path.isabs(filename) else name
+    return not real.startswith(_LIBRARY_PREFIXES)
+
+
+def student_frame(exc: BaseException) -> str:
+    """'line 12 in forward' for the innermost frame of the student's code, if any."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if _is_student_file(frame.filename):
+            return f" (line {frame.lineno}, in {frame.name})"
+    return ""
+
+
+def raised_in_student_code(exc: BaseException) -> bool:
+    return any(_is_student_file(frame.filename) for frame in traceback.extract_tb(exc.__traceback__))
+
+
+# ---------------------------------------------------------------- calling student code
+
+def _tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    named = [(f"argument {i + 1}", a) for i, a in enumerate(args)] + [(f"`{k}`", v) for k, v in kwargs.items()]
+    return [(name, value) for name, value in named if isinstance(value, torch.Tensor)]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+                    and torch.equal(torch.isnan(a), torch.isnan(b)))
+    return bool(torch.equal(a, b))
+
+
+def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: Any) -> Any:
+    """Call student code. Its exceptions, ``sys.exit`` and in-place changes to its tensor inputs
+    become a Failure with a readable message."""
+    inputs = [(name, value, value.detach().clone()) for name, value in _tensor_args(args, kwargs)]
+    try:
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            install_references()   # student code that patched course_lib must not change the verdict
+    except Failure:
+        raise
+    except NotImplementedError as exc:
+        fail("not_implemented", f"{what} is not written yet ({str(exc) or 'NotImplementedError'}). "
+                                f"Replace the `raise NotImplementedError` with your solution, then run this cell again.")
+    except SystemExit as exc:
+        fail("exception", f"{what} called sys.exit({'' if exc.code is None else repr(exc.code)}) (or exit()): "
+                          f"that would stop the notebook's kernel. Return a value instead.")
+    except Exception as exc:  # any student error becomes a message
+        fail("exception", f"{what} raised {type(exc).__name__}{student_frame(exc)}: {exc}")
+    for name, value, before in inputs:
+        if not _same(value.detach(), before):
+            fail("mutation", f"{what} changed its input ({name}) in place, for example with `x += ...`, "
+                             f"`q /= ...` or `t[...] = ...`. The caller still needs that tensor (and autograd "
+                             f"fails when a tensor saved for backward is overwritten): write `x = x + ...` instead.",
+                 argument=name)
+    return result
+
+
+def reraise_with(failure: Failure, diagnosis: str, extra: str) -> None:
+    message = failure.message.rstrip()
+    if not message.endswith((".", "!", "?")):
+        message += "."
+    raise Failure(diagnosis, message + extra, **failure.details)
+
+
+_VIEW_TIP = (" Tip: after a transpose the tensor is no longer contiguous in memory, so .view cannot "
+             "reshape it; .reshape (or .contiguous() before .view) can.")
+
+
+def call_student(fn: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -> Any:
+    """call() with long library errors cut to their first line, plus a tip for the error every student meets."""
+    try:
+        return call(fn, *args, what=what, **kwargs)
+    except Failure as failure:
+        if failure.diagnosis != "exception":
+            raise
+        first, _, rest = failure.message.partition("\n")
+        if rest.strip():
+            failure = Failure("exception", first.rstrip() + " [...]", **failure.details)
+        if "view size is not compatible" in failure.message:
+            reraise_with(failure, "exception", _VIEW_TIP)
+        raise failure
+
+
+def expect_callable(candidate: Any, name: str, kind: str = "function") -> None:
+    """Students sometimes pass the result, or an instance, instead of what they wrote."""
+    if kind == "class" and isinstance(candidate, torch.nn.Module):
+        fail("exception", f"You passed an instance of your module; pass the class itself, {name}, so the "
+                          f"checker can build it with its own sizes.")
+    if not callable(candidate):
+        fail("exception", f"Expected your {kind} {name} itself, got {type(candidate).__name__}: pass the {kind}, "
+                          f"not the result of calling it.")
+
+
+# ---------------------------------------------------------------- what must come back
+
+def expect_cpu(value: torch.Tensor, what: str, device: torch.device | str | None = None) -> None:
+    """Checks run on the CPU (the harness clears any default device), so results belong there too."""
+    expected = torch.device(device or "cpu")
+    if value.device.type != expected.type:
+        fail("device", f"{what} returned a tensor on {value.device}, but its inputs are on {expected}: create "
+                       f"new tensors with `device=x.device` (or `torch.zeros_like(x)`), and do not move the "
+                       f"result with .to(...) / .cuda().")
+
+
+def expect_finite(value: torch.Tensor, what: str) -> None:
+    if value.is_floating_point() and not torch.isfinite(value).all():
+        fail("nan", f"{what} returned NaN or infinite values. A softmax over a row whose scores are all -inf "
+                    f"gives NaN: check that every query can attend to at least one key, and that you do "
+                    f"not divide by zero.")
+
+
+def _kind(value: Any) -> str:
+    module = type(value).__module__
+    return type(value).__name__ if module == "builtins" else module.split(".")[0] + "." + type(value).__name__
+
+
+def expect_tensor(value: Any, shape: tuple[int, ...], what: str, *, dtype: torch.dtype | None = None,
+                  device: torch.device | None = None, finite: bool = True) -> torch.Tensor:
+    """A returned value must be a tensor of the given shape (dtype, device), with finite numbers.
+
+    ``finite=False`` leaves NaN for later: the attention checkers first look for a known mistake,
+    which says more than "NaN" (a mask applied after the softmax gives NaN too)."""
+    if not isinstance(value, torch.Tensor):
+        if value is None:
+            fail("shape", f"{what} should return a torch.Tensor of shape {shape}, but returned nothing "
+                          f"(did you forget `return`?).")
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+            extra = " It looks like you return several things: return only the output tensor."
+        else:
+            extra = " Build the result with torch operations (or convert it with torch.as_tensor)."
+        fail("dtype", f"{what} should return a torch.Tensor of shape {shape}, but returned a {_kind(value)}.{extra}")
+    if tuple(value.shape) != tuple(shape):
+        fail("shape", f"{what} returned shape {tuple(value.shape)}, expected {tuple(shape)}.",
+             got=tuple(value.shape), expected=tuple(shape))
+    expect_cpu(value, what, device)
+    if dtype is not None and value.dtype != dtype:
+        fail("dtype", f"{what} returned dtype {value.dtype}, expected {dtype} (the dtype of its inputs).")
+    if finite:
+        expect_finite(value, what)
+    return value
+
+
+def construct(cls: Any, *args: Any, what: str, shown: str | None = None, **kwargs: Any) -> nn.Module:
+    """Instantiate a student's class; it must give an nn.Module. ``shown`` is the call as messages
+    name it (default ``what(...)``)."""
+    shown = shown or f"{what}(...)"
+    if not callable(cls):
+        fail("exception", f"Pass the class itself (e.g. `{what}`), not {type(cls).__name__}: it should be an "
+                          f"nn.Module subclass.")
+    module = call(cls, *args, what=f"{shown} (the constructor)", **kwargs)
+    if not isinstance(module, nn.Module):
+        fail("exception", f"{shown} should build an nn.Module, but gave {type(module).__name__}. "
+                          f"Pass the class (not an instance) and keep `super().__init__()` in the constructor.")
+    return module
+
+
+def expect_parameters(model: nn.Module, expected: dict[str, tuple[int, ...]], what: str, advice: str) -> None:
+    """A student's module must have exactly these parameters, by name and shape: the checker copies the
+    reference's weights into it by name. ``advice`` says how the constructor should build them."""
+    try:
+        got = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    except Exception as exc:  # a broken module is the student's to fix
+        fail("exception", f"Listing the parameters of {what} raised {type(exc).__name__}: {exc}")
+    missing = [name for name in expected if name not in got]
+    extra = [name for name in got if name not in expected]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"no parameter {', '.join(missing)}")
+        if extra:
+            bias = any(name.endswith(".bias") for name in extra)
+            parts.append(f"unexpected parameter(s) {', '.join(extra)}" +
+                         (" (the course's linear layers use bias=False)" if bias else ""))
+        fail("shape", f"{what} has {' and '.join(parts)}. {advice}", found=sorted(got))
+    for name, shape in expected.items():
+        if got[name] != shape:
+            fail("shape", f"Parameter {name} of {what} has shape {got[name]}, expected {shape}. {advice}")
+
+
+def load_parameters(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Copy weights into a student's module by parameter name (the names were checked before)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+
+
+def module_output(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
+    """A student's module on x, without gradients: a tensor of x's shape and dtype comes back.
+    NaN is left for the caller, which first looks for a known mistake that explains it."""
+    with torch.no_grad():
+        out = call_student(model, x.clone(), what=what)
+    return expect_tensor(out, tuple(x.shape), what, dtype=x.dtype, finite=False)
+
+
+# ---------------------------------------------------------------- comparing with the reference
+
+# Why 1e-3 relative (1e-4 absolute) for float32 and float64 alike: the student's code and the
+# reference compute the same thing in a different order (another reduction order, softmax written
+# out, a float32 constant in a float64 notebook), which moves float32 results by up to ~1e-5
+# relative after softmax, layer norm and gradients. The mistakes the checkers diagnose (a missing
+# scale, a leaked mask, a wrong axis) move outputs by 1e-2 or more, so 1e-3 sits safely between.
+# Half precision rounds far more coarsely, so the tolerance grows with the dtype's resolution.
+_FLOOR_RTOL = 1e-3
+_EPS_FACTOR = 8          # a few roundings of the coarsest dtype in the comparison
+
+
+def tolerance(*tensors: torch.Tensor) -> tuple[float, float]:
+    """(rtol, atol) for comparing these tensors: from the coarsest floating dtype among them."""
+    eps = max((torch.finfo(t.dtype).eps for t in tensors if t.is_floating_point()), default=0.0)
+    rtol = max(_FLOOR_RTOL, _EPS_FACTOR * eps)
+    return rtol, rtol / 10
+
+
+def close(a: object, b: object, *, nan_ok: bool = False) -> bool:
+    """Both tensors, same shape, same numbers up to :func:`tolerance` (NaN matches NaN only when ``nan_ok``)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
+        return False
+    rtol, atol = tolerance(a, b)
+    return bool(torch.allclose(a.detach().double().cpu(), b.detach().double().cpu(), rtol=rtol, atol=atol,
+                               equal_nan=nan_ok))
+
+
+def matches(out: torch.Tensor, hypothesis: torch.Tensor) -> bool:
+    """Does the student's output match a mistake's output? Where the mistake leaves a query with no key
+    at all its output is undefined (NaN here, zeros from F.scaled_dot_product_attention): either counts."""
+    if out.shape != hypothesis.shape:
+        return False
+    undefined = torch.isnan(hypothesis)
+    loose = out[undefined]
+    if not bool((torch.isnan(loose) | (loose == 0)).all()):
+        return False
+    return close(out[~undefined], hypothesis[~undefined])
+
+
+def sums_to_one(w: torch.Tensor, dim: int) -> bool:
+    """Whether the weights along ``dim`` sum to one (attention weights, probabilities)."""
+    total = w.sum(dim)
+    return close(total, torch.ones_like(total))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest finite difference, for messages."""
+    diff = (a.double() - b.double()).abs()
+    diff = diff[torch.isfinite(diff)]
+    return float(diff.max()) if diff.numel() else float("nan")
