@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..verdict import fail
-from ._student_code import close
+from ._student_code import close, expect_parameters, load_parameters
 
 
 def as_tensor(value: Any) -> Any:
@@ -35,26 +34,11 @@ def accepts(fn: Any, name: str) -> bool:
 
 def copy_weights(reference: nn.Module, candidate: nn.Module, what: str) -> None:
     """Give ``candidate`` the reference's parameters, matched by name."""
-    ref = dict(reference.named_parameters())
-    got = dict(candidate.named_parameters())
-    missing = [name for name in ref if name not in got]
-    extra = [name for name in got if name not in ref]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-        if extra:
-            parts.append(f"unexpected {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}")
-        fail("mismatch", f"{what}'s parameters are not named like the reference's ({'; '.join(parts)}). "
-                         f"Keep the constructor exactly as given (same attribute names), so the checker "
-                         f"can copy the same weights into your version and the reference.")
-    for name, param in ref.items():
-        if got[name].shape != param.shape:
-            fail("shape", f"{what}: parameter {name} has shape {tuple(got[name].shape)}, the reference's "
-                          f"has {tuple(param.shape)}. Keep the constructor as given.")
-    with torch.no_grad():
-        for name, param in ref.items():
-            got[name].copy_(param)
+    params = dict(reference.named_parameters())
+    expect_parameters(candidate, {name: tuple(p.shape) for name, p in params.items()}, what,
+                      "Keep the constructor exactly as given (same attribute names and sizes), so the checker "
+                      "can copy the same weights into your version and the reference.", diagnosis="mismatch")
+    load_parameters(candidate, params)
 
 
 def randomize_(module: nn.Module, generator: torch.Generator) -> nn.Module:

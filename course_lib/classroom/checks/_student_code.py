@@ -197,9 +197,15 @@ def construct(cls: Any, *args: Any, what: str, shown: str | None = None, **kwarg
     return module
 
 
-def expect_parameters(model: nn.Module, expected: dict[str, tuple[int, ...]], what: str, advice: str) -> None:
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+
+
+def expect_parameters(model: nn.Module, expected: dict[str, tuple[int, ...]], what: str, advice: str, *,
+                      diagnosis: str = "shape") -> None:
     """A student's module must have exactly these parameters, by name and shape: the checker copies the
-    reference's weights into it by name. ``advice`` says how the constructor should build them."""
+    reference's weights into it by name. ``advice`` says how the constructor should build them;
+    ``diagnosis`` is the one a wrong set of names gets (a wrong shape is always ``shape``)."""
     try:
         got = {name: tuple(p.shape) for name, p in model.named_parameters()}
     except Exception as exc:  # a broken module is the student's to fix
@@ -209,12 +215,12 @@ def expect_parameters(model: nn.Module, expected: dict[str, tuple[int, ...]], wh
     if missing or extra:
         parts = []
         if missing:
-            parts.append(f"no parameter {', '.join(missing)}")
+            parts.append(f"no parameter {_names(missing)}")
         if extra:
             bias = any(name.endswith(".bias") for name in extra)
-            parts.append(f"unexpected parameter(s) {', '.join(extra)}" +
+            parts.append(f"unexpected parameter(s) {_names(extra)}" +
                          (" (the course's linear layers use bias=False)" if bias else ""))
-        fail("shape", f"{what} has {' and '.join(parts)}. {advice}", found=sorted(got))
+        fail(diagnosis, f"{what} has {' and '.join(parts)}. {advice}", found=sorted(got))
     for name, shape in expected.items():
         if got[name] != shape:
             fail("shape", f"Parameter {name} of {what} has shape {got[name]}, expected {shape}. {advice}")
