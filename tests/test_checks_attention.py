@@ -196,6 +196,25 @@ def test_messages_name_the_mistake():
     assert "contiguous" in view.message
 
 
+def test_parameter_names_and_shapes_are_checked_before_any_output():
+    """A module built with a bias, or with a projection of the wrong size, is told so by name and shape."""
+    class WithBias(attention.MaskedAttention):
+        def __init__(self, embed_dim, max_tokens, dropout_rate):
+            super().__init__(embed_dim, max_tokens, dropout_rate)
+            self.query = torch.nn.Linear(embed_dim, embed_dim)               # bias=True by default
+
+    class Wide(attention.MaskedAttention):
+        def __init__(self, embed_dim, max_tokens, dropout_rate):
+            super().__init__(embed_dim, max_tokens, dropout_rate)
+            self.value = torch.nn.Linear(embed_dim, 2 * embed_dim, bias=False)
+
+    bias = run("2.2", WithBias)
+    assert bias.diagnosis == "shape" and "query.bias" in bias.message and "bias=False" in bias.message, bias
+    wide = run("2.2", Wide)
+    assert wide.diagnosis == "shape", wide
+    assert "value.weight" in wide.message and f"({2 * EMBED_DIM}, {EMBED_DIM})" in wide.message, wide
+
+
 def test_result_renders():
     good = run("2.1", attention.causal_mask)
     bad = run("2.1", next(a.candidate for a in BUGGY if a.id == "2.1-mask_triu"))
