@@ -276,7 +276,7 @@ class ModuleCheck:
         length = MAX_TOKENS                                                          # <= EMBED_DIM
         x = torch.eye(EMBED_DIM)[:length].expand(batch, -1, -1).clone()              # (64, L, E) one-hot
         load_parameters(self.models[self.heads[0]], params)
-        expected = module_output(self.models[self.heads[0]], x, what)                     # eval: w_ij
+        expected = module_output(self.models[self.heads[0]], x, what)               # eval: w_ij
         got = self.train_forward(params, x)
         visible = expected.abs() > 1e-3
         ratio = (got[visible] / expected[visible]).double()                          # (entries,)

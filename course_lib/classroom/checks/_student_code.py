@@ -1,14 +1,14 @@
 """The one door to a student's code: calling it, what it must hand back, and how it compares.
 
-Every checker goes through here to touch the student's code:
+What the checkers use to touch a student's code:
 
 - :func:`call` runs it. Its exceptions, ``sys.exit`` and in-place changes to its tensor inputs
   become a Failure that names them; :func:`call_student` also cuts long library errors to their
   first line. After every call course_lib is put back to its pinned references (``_references``).
 - :func:`construct`, :func:`expect_callable` and :func:`expect_tensor` say what must come back:
   a module, the function itself, a tensor of the right shape, dtype and device, finite numbers.
-- :func:`load_parameters` and :func:`module_output` copy weights into a student's module by name
-  and run it without gradients.
+- :func:`expect_parameters`, :func:`load_parameters` and :func:`module_output` check a student's
+  module's parameter names and shapes, copy weights into it by name, and run it without gradients.
 - :func:`close` is the only tensor comparison the checkers use, with one tolerance derived from
   the dtype; :func:`matches` and :func:`sums_to_one` are built on it. Tolerances that are not about
   float noise (a prediction rounded by hand in 1.1, a FLOP count in 6.1) stay with their exercise.
