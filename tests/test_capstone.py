@@ -140,7 +140,9 @@ def test_the_learner_copy_of_notebook_08_blames_a_planted_part(tmp_path):
     cell.source = _solution_source("3.3", *DROPOUT_ON_SCORES) + '\n\nprint("MultiHeadMaskedAttention defined")\n'
     nbformat.write(nb, path)
 
-    env = dict(os.environ, COURSE_DATA_DIR=str(SHARED), COURSE_THREADS="2", MPLBACKEND="Agg",
+    # One thread: the suite runs on two xdist workers, and a kernel with two threads beside the other worker
+    # made them wait on each other (338 s instead of 47 s). Nothing below depends on the thread count.
+    env = dict(os.environ, COURSE_DATA_DIR=str(SHARED), COURSE_THREADS="1", MPLBACKEND="Agg",
                COURSE_STATIC_WIDGETS="1")
     done = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
                            "--output", "08_ran", "08_train_your_gpt.ipynb"], cwd=folder, env=env,
