@@ -51,6 +51,7 @@ def student_frame(exc: BaseException) -> str:
 
 
 def raised_in_student_code(exc: BaseException) -> bool:
+    """Whether any frame of the traceback is the student's: the harness blames the student, or itself."""
     return any(_is_student_file(frame.filename) for frame in traceback.extract_tb(exc.__traceback__))
 
 
@@ -126,7 +127,7 @@ def call_student(fn: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -
 
 def expect_callable(candidate: Any, name: str, kind: str = "function") -> None:
     """Students sometimes pass the result, or an instance, instead of what they wrote."""
-    if kind == "class" and isinstance(candidate, torch.nn.Module):
+    if kind == "class" and isinstance(candidate, nn.Module):
         fail("exception", f"You passed an instance of your module; pass the class itself, {name}, so the "
                           f"checker can build it with its own sizes.")
     if not callable(candidate):
