@@ -19,6 +19,7 @@ from course_lib.classroom.checks._attn_hypotheses import (
 )
 from course_lib.classroom.checks._attn_modules import EMBED_DIM, MAX_TOKENS, random_params
 from course_lib.classroom.checks._student_code import load_parameters as load
+from course_lib.classroom.checks._student_code import module_output
 
 CHECKERS = {
     "1.1": lambda candidate: checks.check_toy_prediction(*candidate),
@@ -213,6 +214,30 @@ def test_parameter_names_and_shapes_are_checked_before_any_output():
     wide = run("2.2", Wide)
     assert wide.diagnosis == "shape", wide
     assert "value.weight" in wide.message and f"({2 * EMBED_DIM}, {EMBED_DIM})" in wide.message, wide
+
+
+def test_a_probe_gives_the_module_its_weights_and_mode_back():
+    """module_output(params=..., train_seed=...) runs the student's module with other weights in training
+    mode, and leaves it as it was afterwards, also when the student's forward raises."""
+    class Recording(torch.nn.Linear):
+        modes: list[bool] = []
+
+        def forward(self, x):
+            self.modes.append(self.training)
+            if x.shape[0] == 3:
+                raise ValueError("the student's bug")
+            return super().forward(x)
+
+    model = Recording(4, 4, bias=False).eval()
+    own = model.weight.detach().clone()
+    x = torch.randn(2, 5, 4)
+    out = module_output(model, x, "Recording.forward(x)", params={"weight": torch.eye(4)}, train_seed=7)
+    assert torch.equal(out, x) and Recording.modes == [True]       # identity weights, in training mode
+    assert torch.equal(model.weight, own) and not model.training
+    with pytest.raises(verdict.Failure):
+        module_output(model, torch.randn(3, 5, 4), "Recording.forward(x)", params={"weight": torch.eye(4)},
+                      train_seed=7)
+    assert torch.equal(model.weight, own) and not model.training
 
 
 def test_result_renders():

@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from ..verdict import Failure, fail
-from ._attn_hypotheses import MODULE_HYPOTHESES, module_variant
-from ._attn_probes import diagnose_weights, first_match, shape_str
+from ._attn_hypotheses import MODULE_HYPOTHESES, diagnose_weights, first_match, module_variant, shape_str
 from ._gradients import check_module_gradients
 from ._student_code import (
     call,
@@ -37,6 +36,22 @@ class Run:
     x: torch.Tensor
     out: torch.Tensor
     expected: torch.Tensor
+    what: str   # how messages name this call, e.g. "MaskedAttention.forward(x) with x of shape (2, 8, 16)"
+
+
+@dataclass
+class Probes:
+    """What the student's module answered to the diagnosis probes (eval mode)."""
+    batch_what: str
+    together: torch.Tensor                      # (3, L, E): three sequences in one batch
+    alone: list[torch.Tensor]                   # 3 x (1, L, E): each of them on its own
+    head_before: torch.Tensor | None            # (2, L, E) with proj = identity (None with one head)
+    head_after: torch.Tensor | None             # the same after changing head 1's query weights
+    weights_heads: int
+    weights_x: torch.Tensor                     # (1, L, E) with L <= head_dim
+    weights_out: torch.Tensor                   # with value = proj = identity: the weights times x
+    future_out: torch.Tensor                    # (2, L, E)
+    future_changed: list[tuple[int, torch.Tensor]]   # (t, the output with the tokens after t changed)
 
 
 # What the parameter check tells a student whose module is built differently.
@@ -112,12 +127,17 @@ class ModuleCheck:
                                     f"model.eval() switches it off.")
                 with torch.no_grad():
                     expected = reference(x)
-                self.runs.append(Run(heads, params, x, out, expected))
+                self.runs += [Run(heads, params, x, out, expected, what)]
 
     # -------------------------------------------------------------------- diagnosing
 
     def diagnose(self, bad: list[Run]) -> None:
-        """Called with the runs whose outputs differ from the reference: raise the most specific Failure we can."""
+        """Called with the runs whose outputs differ from the reference: raise the most specific Failure we can.
+
+        The probes' answers are read from the student's module first; then every judgement runs in turn,
+        from a known mistake that reproduces the output exactly to "something after the softmax"."""
+        heads = max(self.heads)
+        probes = self.probe_answers(heads, 2 if 2 in self.heads else self.heads[0])
         several = any(h > 1 for h in self.heads)
         hypotheses = [h for h in MODULE_HYPOTHESES
                       if several or not ({"split", "merge"} & set(h.spec) or h.spec.get("scale") == "embed_dim")]
@@ -131,160 +151,135 @@ class ModuleCheck:
                                 f"for shorter ones (e.g. x of shape {shape_str(bad[0].x.shape)}): the causal "
                                 f"mask must be cut to the current sequence length, its top-left L x L corner.")
         for run in self.runs:
-            expect_finite(run.out, self.what(tuple(run.x.shape), run.heads))
-        heads = max(self.heads)
-        self.probe_batch(heads)   # before the future: a reshape that mixes rows also "leaks" positions
-        if heads > 1:
-            self.probe_heads(heads)
-        # reading the weights back assumes heads are kept apart, so it comes after probe_heads; it
-        # comes before probe_future because a softmax over the wrong axis also leaks the future
-        self.probe_weights(2 if 2 in self.heads else self.heads[0])
-        self.probe_future(heads)
+            expect_finite(run.out, run.what)
+
+        # Rows never mix: each sequence of a batch gives what it gives alone. This comes before the future,
+        # since a reshape that mixes rows also "leaks" positions.
+        for i, alone in enumerate(probes.alone):
+            if not close(alone[0], probes.together[i], nan_ok=True):
+                fail("batch_mixing", f"{probes.batch_what}: sequence {i} gives a different output in a batch of 3 "
+                                     f"than alone, so your reshapes mix the sequences of the batch. Keep the batch "
+                                     f"axis first and untouched: view (N, L, E) as (N, L, heads, head_dim) with N "
+                                     f"and L from x.shape, then transpose(1, 2).")
+
+        # Heads stay apart: with proj = identity, changing the query weights of head 1 may only change head 1's
+        # block of output features.
+        if probes.head_before is not None and probes.head_after is not None:
+            head_dim = EMBED_DIM // heads
+            block = slice(head_dim, 2 * head_dim)
+            others = torch.ones(EMBED_DIM, dtype=torch.bool)
+            others[block] = False
+            if not close(probes.head_after[..., others], probes.head_before[..., others]):
+                fail("head_split", "Heads are mixed: changing only the query weights of head 1 (features "
+                                   f"{head_dim}..{2 * head_dim - 1}) changed the output of other heads. Each head "
+                                   "must work on its own contiguous block of head_dim features, from the split to "
+                                   "the merge.")
+            if close(probes.head_after[..., block], probes.head_before[..., block]):
+                fail("head_split", "Head 1 ignores its own query features: changing the query weights of head 1 "
+                                   "did not change its output. Each head must use its own block of head_dim "
+                                   "features.")
+
+        # The weights, read back: with value = proj = identity the output is the weights times x. Reading them
+        # assumes heads are kept apart (judged above); it comes before the future because a softmax over the
+        # wrong axis also leaks the future.
+        x, w_heads = probes.weights_x, probes.weights_heads
+        length, head_dim = x.shape[1], EMBED_DIM // w_heads
+        split = lambda t: t.double().reshape(length, w_heads, head_dim).transpose(0, 1)   # (heads, L, head_dim)
+        weights = split(probes.weights_out) @ torch.linalg.pinv(split(x))                 # (heads, L, L)
+        params = self.runs[0].params
+        q = split(x.double() @ params["query.weight"].double().T)                         # (heads, L, head_dim)
+        k = split(x.double() @ params["key.weight"].double().T)
+        diagnose_weights(weights, q @ k.transpose(-2, -1), torch.ones(length, length, dtype=torch.bool).tril(),
+                         head_dim ** -0.5, key_axis="the keys (the last axis of the scores)",
+                         hidden="future positions", scale_name="1/sqrt(head_dim)")
+
+        # The future never leaks: changing the tokens after position t leaves the outputs up to t as they were.
+        for t, changed in probes.future_changed:
+            if not close(changed[:, :t + 1], probes.future_out[:, :t + 1]):
+                fail("causal_mask", f"The future leaks: changing the tokens after position {t} changes your "
+                                    f"output at position {t} or before. Each query may only attend to keys at "
+                                    f"its own position or earlier; mask the scores before the softmax.")
         run = bad[0]
         fail("mismatch", f"For x of shape {shape_str(run.x.shape)} your output differs from the reference by up "
                          f"to {max_diff(run.out, run.expected):.3g}, although the attention weights look right: "
                          f"check what happens after the softmax (the values, merging the heads, the output "
                          f"projection `proj`).")
 
-    def probe_batch(self, heads: int) -> None:
-        """Each sequence of a batch must give what it gives alone: rows never mix."""
-        model = self.models[heads]
-        x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=self.generator)          # (3, L, E)
-        what = self.what(tuple(x.shape), heads)
-        together = module_output(model, x, what)
-        for i in range(x.shape[0]):
-            alone = module_output(model, x[i:i + 1], self.what((1, MAX_TOKENS, EMBED_DIM), heads))   # (1, L, E)
-            if not close(alone[0], together[i], nan_ok=True):
-                fail("batch_mixing", f"{what}: sequence {i} gives a different output in a batch of 3 than alone, "
-                                     f"so your reshapes mix the sequences of the batch. Keep the batch axis first "
-                                     f"and untouched: view (N, L, E) as (N, L, heads, head_dim) with N and L from "
-                                     f"x.shape, then transpose(1, 2).")
+    def probe_answers(self, heads: int, weights_heads: int) -> Probes:
+        """The student's module on every diagnosis probe's input, in eval mode, before any judging.
 
-    def probe_future(self, heads: int) -> None:
-        """Changing tokens after position t must not change the outputs up to t."""
-        model, params = self.models[heads], self.runs[0].params
-        load_parameters(model, params)
-        x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
-        what = self.what(tuple(x.shape), heads)
-        out = module_output(model, x, what)
+        An exception here is reported at once: the cases before ran with the same shapes, so a probe that
+        raises has found a bug of its own."""
+        model = self.models[heads]
+        what = lambda x, h=heads: self.what(tuple(x.shape), h)
+        batch_x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=self.generator)    # (3, L, E)
+        together = module_output(model, batch_x, what(batch_x))
+        alone = [module_output(model, batch_x[i:i + 1], what(batch_x[i:i + 1])) for i in range(3)]   # (1, L, E)
+        head_before = head_after = None
+        if heads > 1:
+            params = dict(self.runs[0].params, **{"proj.weight": torch.eye(EMBED_DIM)})
+            x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
+            head_before = module_output(model, x, what(x), params=params)
+            head_dim = EMBED_DIM // heads
+            query = params["query.weight"].clone()
+            query[head_dim:2 * head_dim] = torch.randn(head_dim, EMBED_DIM, generator=self.generator)
+            head_after = module_output(model, x, what(x), params=dict(params, **{"query.weight": query}))
+        eye = torch.eye(EMBED_DIM)
+        weights_x = torch.randn(1, min(6, EMBED_DIM // weights_heads), EMBED_DIM, generator=self.generator)
+        weights_out = module_output(self.models[weights_heads], weights_x, what(weights_x, weights_heads),
+                                    params=dict(self.runs[0].params, **{"value.weight": eye, "proj.weight": eye}))
+        future_x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
+        future_out = module_output(model, future_x, what(future_x))
+        future_changed = []
         for t in (0, MAX_TOKENS // 2, MAX_TOKENS - 2):
-            changed = x.clone()
+            changed = future_x.clone()
             changed[:, t + 1:] = torch.randn(2, MAX_TOKENS - t - 1, EMBED_DIM, generator=self.generator)
-            if not close(module_output(model, changed, what)[:, :t + 1], out[:, :t + 1]):
-                fail("causal_mask", f"The future leaks: changing the tokens after position {t} changes your "
-                                    f"output at position {t} or before. Each query may only attend to keys at "
-                                    f"its own position or earlier; mask the scores before the softmax.")
-
-    def probe_heads(self, heads: int) -> None:
-        """With proj = identity, changing the query weights of head 1 may only change head 1's output block."""
-        model = self.models[heads]
-        head_dim = EMBED_DIM // heads
-        params = dict(self.runs[0].params, **{"proj.weight": torch.eye(EMBED_DIM)})
-        x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
-        load_parameters(model, params)
-        what = self.what(tuple(x.shape), heads)
-        before = module_output(model, x, what)
-        query = params["query.weight"].clone()
-        query[head_dim:2 * head_dim] = torch.randn(head_dim, EMBED_DIM, generator=self.generator)
-        load_parameters(model, dict(params, **{"query.weight": query}))
-        after = module_output(model, x, what)
-        load_parameters(model, self.runs[0].params)
-        block = slice(head_dim, 2 * head_dim)
-        others = torch.ones(EMBED_DIM, dtype=torch.bool)
-        others[block] = False
-        if not close(after[..., others], before[..., others]):
-            fail("head_split", "Heads are mixed: changing only the query weights of head 1 (features "
-                               f"{head_dim}..{2 * head_dim - 1}) changed the output of other heads. Each head must "
-                               "work on its own contiguous block of head_dim features, from the split to the merge.")
-        if close(after[..., block], before[..., block]):
-            fail("head_split", "Head 1 ignores its own query features: changing the query weights of head 1 "
-                               "did not change its output. Each head must use its own block of head_dim features.")
-
-    def probe_weights(self, heads: int) -> None:
-        """With value = proj = identity the output is the weights times x, so the weights can be read back."""
-        model = self.models[heads]
-        head_dim = EMBED_DIM // heads
-        length = min(6, head_dim)
-        params = dict(self.runs[0].params, **{"value.weight": torch.eye(EMBED_DIM),
-                                              "proj.weight": torch.eye(EMBED_DIM)})
-        x = torch.randn(1, length, EMBED_DIM, generator=self.generator)
-        load_parameters(model, params)
-        out = module_output(model, x, self.what(tuple(x.shape), heads))
-        load_parameters(model, self.runs[0].params)
-        xs = x.double().reshape(length, heads, head_dim).transpose(0, 1)               # (heads, L, head_dim)
-        ys = out.double().reshape(length, heads, head_dim).transpose(0, 1)
-        weights = ys @ torch.linalg.pinv(xs)                                            # (heads, L, L)
-        q = (x.double() @ params["query.weight"].double().T).reshape(length, heads, head_dim).transpose(0, 1)
-        k = (x.double() @ params["key.weight"].double().T).reshape(length, heads, head_dim).transpose(0, 1)
-        allowed = torch.ones(length, length, dtype=torch.bool).tril()
-        diagnose_weights(weights, q @ k.transpose(-2, -1), allowed, head_dim ** -0.5,
-                         key_axis="the keys (the last axis of the scores)", hidden="future positions",
-                         scale_name="1/sqrt(head_dim)")
-
-    # -------------------------------------------------------------------- learning
-
-    def check_gradients(self) -> None:
-        """One backward pass per head count (eval mode, the run's weights): every projection and the input
-        must get the reference's gradient."""
-        for run in self.runs:
-            if run.x.shape[1] != MAX_TOKENS or any(r.heads == run.heads for r in self.runs[:self.runs.index(run)]):
-                continue   # the first, full-length run of each head count
-            check_module_gradients(self.models[run.heads], self.references[run.heads], run.x,
-                                   what=self.what(tuple(run.x.shape), run.heads))
+            future_changed.append((t, module_output(model, changed, what(changed))))
+        return Probes(what(batch_x), together, alone, head_before, head_after, weights_heads, weights_x,
+                      weights_out, future_out, future_changed)
 
     # -------------------------------------------------------------------- training mode
 
     def check_train_dropout(self) -> None:
         """Training mode, by behaviour: outputs stay finite, attn_dropout drops single attention weights
-        after the softmax, proj_dropout drops single output features after proj, both rescale by 1/(1-p)."""
-        heads = self.heads[0]
-        run = self.runs[0]
-        what = self.what(tuple(run.x.shape), heads) + " in training mode"
-        out = self.train_forward(run.params, run.x)
-        if close(out, run.expected):
+        after the softmax, proj_dropout drops single output features after proj, both rescale by 1/(1-p).
+
+        Every answer is read from the student's module first, each with the same dropout draws (seed 7),
+        then judged, the plainest mistake first."""
+        heads, run = self.heads[0], self.runs[0]
+        head_dim = EMBED_DIM // heads
+        eye = torch.eye(EMBED_DIM)
+        identity = dict(run.params, **{"value.weight": eye, "proj.weight": eye})   # the output is weights @ x
+        rotation, _ = torch.linalg.qr(torch.randn(EMBED_DIM, EMBED_DIM, generator=self.generator))
+        # Many copies of one sequence: each copy gets its own dropout draws.
+        dense = run.x[:1].expand(64, -1, -1).clone()                                 # (64, L, E)
+        one_hot = eye[:MAX_TOKENS].expand(64, -1, -1).clone()                        # (64, L, E), L <= E
+        inputs = {"plain": (run.params, run.x), "dense": (identity, dense), "one_hot": (identity, one_hot),
+                  "many": (identity, run.x[:1].expand(256, -1, -1).clone()),         # (256, L, E)
+                  "rotated": (dict(identity, **{"proj.weight": rotation}), dense)}
+        labels = {name: self.what(tuple(x.shape), heads) + " in training mode" for name, (_, x) in inputs.items()}
+        model, what = self.models[heads], labels["plain"]
+        eval_one_hot = module_output(model, one_hot, labels["one_hot"], params=identity)   # eval: w_ij
+        got = {name: module_output(model, x, labels[name], params=params, train_seed=7)
+               for name, (params, x) in inputs.items()}
+
+        if close(got["plain"], run.expected):
             fail("dropout", f"In training mode (model.train()) with dropout_rate={DROPOUT} your output is exactly "
                             f"the eval-mode output: dropout is missing. Apply the module's dropout to the "
                             f"attention weights (and after the output projection).")
-        batch = 64   # many copies of one sequence: each gets its own dropout draws
-        eye = torch.eye(EMBED_DIM)
-        identity = dict(run.params, **{"value.weight": eye, "proj.weight": eye})
-        dense = run.x[:1].expand(batch, -1, -1).clone()                              # (64, L, E)
-        if not torch.isfinite(self.train_forward(identity, dense)).all():
+        if not torch.isfinite(got["dense"]).all():
             fail("dropout", f"{what}: NaN appears in training mode. Dropout reaches the scores after they were "
                             f"set to -inf (0 * -inf = NaN): apply dropout to the attention weights AFTER the "
                             f"softmax (self.attn_dropout(weights)).")
-        self.probe_weight_dropout(identity, what, batch)
-        self.probe_dense_dropout(identity, run.x[:1], what)
-        keep = 1 - DROPOUT
-        # With value = proj = identity and a dense x, only dropout on the output features makes exact zeros;
-        # with a dense proj, only dropout after proj does.
-        rotation, _ = torch.linalg.qr(torch.randn(EMBED_DIM, EMBED_DIM, generator=self.generator))
-        zeros_identity = float((self.train_forward(identity, dense) == 0).double().mean())
-        zeros_after_proj = float((self.train_forward(dict(identity, **{"proj.weight": rotation}), dense) == 0)
-                                 .double().mean())
-        if zeros_after_proj < DROPOUT / 2:
-            where = ("on the attention output before self.proj" if zeros_identity > DROPOUT / 2 else "nowhere")
-            fail("dropout", f"{what}: the output projection's dropout is missing (your feature dropout acts "
-                            f"{where}). The spec puts it last: self.proj_dropout(self.proj(out)).")
-        if zeros_after_proj > 1 - keep ** 2 + 0.1:
-            fail("dropout", f"{what}: {zeros_after_proj:.0%} of the output features are dropped, expected about "
-                            f"{DROPOUT:.0%}: apply self.proj_dropout once, after self.proj.")
 
-    def probe_weight_dropout(self, params: dict[str, torch.Tensor], what: str, batch: int) -> None:
-        """One-hot tokens and value = proj = identity: output feature j of query i is the weight w_ij, so
-        the training-mode output over the eval output reads each weight's dropout factor directly."""
-        length = MAX_TOKENS                                                          # <= EMBED_DIM
-        x = torch.eye(EMBED_DIM)[:length].expand(batch, -1, -1).clone()              # (64, L, E) one-hot
-        load_parameters(self.models[self.heads[0]], params)
-        expected = module_output(self.models[self.heads[0]], x, what)               # eval: w_ij
-        got = self.train_forward(params, x)
-        visible = expected.abs() > 1e-3
-        ratio = (got[visible] / expected[visible]).double()                          # (entries,)
+        # One-hot tokens and value = proj = identity: output feature j of query i is the weight w_ij, so the
+        # training-mode output over the eval output reads each weight's dropout factor directly.
+        visible = eval_one_hot.abs() > 1e-3
+        ratio = (got["one_hot"][visible] / eval_one_hot[visible]).double()          # (entries,)
         s = 1 / (1 - DROPOUT)
         near = lambda value: (ratio - value).abs() <= 1e-3 * max(value, 1.0)
         kinds = {0.0: near(0.0), s: near(s), s * s: near(s * s)}
-        known = kinds[0.0] | kinds[s] | kinds[s * s]
-        if float((~known).double().mean()) > 0.01:
+        if float((~(kinds[0.0] | kinds[s] | kinds[s * s])).double().mean()) > 0.01:
             fail("dropout", f"{what}: in training mode your attention weights are changed, not just dropped: "
                             f"dropout acts before the softmax (on the scores), or rescales wrongly. Drop the "
                             f"weights AFTER the softmax: self.attn_dropout(weights), which also scales the kept "
@@ -294,45 +289,44 @@ class ModuleCheck:
                             f"weights after the softmax, then self.proj_dropout after self.proj), but yours passes "
                             f"only one: the dropout on the attention weights is missing or sits elsewhere.")
 
-    def probe_dense_dropout(self, params: dict[str, torch.Tensor], x: torch.Tensor, what: str) -> None:
-        """Dense values, value = proj = identity: position 0 sees only itself, with weight 1, so its output is
-        x_0 times that one weight's dropout factor, per head. Dropping the weight zeroes a head's whole block of
-        features; dropout on v or on the merged heads zeroes single features, which one-hot values cannot tell
-        from dropping a weight."""
-        heads, batch = self.heads[0], 256
-        dense = x.expand(batch, -1, -1).clone()                                     # (256, L, E)
-        first = self.train_forward(params, dense)[:, 0]                             # (256, E)
-        blocks = first.reshape(batch, heads, EMBED_DIM // heads)                    # (256, heads, head_dim)
+        # Dense values, value = proj = identity: position 0 sees only itself, with weight 1, so its output is
+        # x_0 times that one weight's dropout factor, per head. Dropping the weight zeroes a head's whole block
+        # of features; dropout on v or on the merged heads zeroes single features, which one-hot values cannot
+        # tell from dropping a weight.
+        blocks = got["many"][:, 0].reshape(-1, heads, head_dim)                     # (256, heads, head_dim)
         whole = float((blocks == 0).all(-1).double().mean())
         if whole < 0.4 * DROPOUT:
             fail("dropout", f"{what}: with dense values, your dropout zeroes single features, never a whole "
                             f"attention weight: at position 0 (which sees only itself, with weight 1) a dropped "
-                            f"weight would zero all {EMBED_DIM // heads} features it carries, but only "
+                            f"weight would zero all {head_dim} features it carries, but only "
                             f"{whole:.0%} of the heads' blocks there are zero (expected about {DROPOUT:.0%}). "
                             f"Dropout acts on v or on the attention output before self.proj: apply "
                             f"self.attn_dropout to the attention WEIGHTS, right after the softmax.")
 
-    def train_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """The student's module in training mode with these weights; back to eval and the run's weights after."""
-        heads = self.heads[0]
-        model = self.models[heads]
-        load_parameters(model, params)
-        call(model.train, what=f"{self.name}.train()")
-        try:
-            torch.manual_seed(7)
-            return module_output(model, x, self.what(tuple(x.shape), heads) + " in training mode")
-        finally:
-            model.eval()
-            load_parameters(model, self.runs[0].params)
+        # With value = proj = identity and a dense x, only dropout on the output features makes exact zeros;
+        # with a dense proj, only dropout after proj does.
+        zeros_identity = float((got["dense"] == 0).double().mean())
+        zeros_after_proj = float((got["rotated"] == 0).double().mean())
+        if zeros_after_proj < DROPOUT / 2:
+            where = ("on the attention output before self.proj" if zeros_identity > DROPOUT / 2 else "nowhere")
+            fail("dropout", f"{what}: the output projection's dropout is missing (your feature dropout acts "
+                            f"{where}). The spec puts it last: self.proj_dropout(self.proj(out)).")
+        if zeros_after_proj > 1 - (1 - DROPOUT) ** 2 + 0.1:
+            fail("dropout", f"{what}: {zeros_after_proj:.0%} of the output features are dropped, expected about "
+                            f"{DROPOUT:.0%}: apply self.proj_dropout once, after self.proj.")
 
 
 def module_check(check: ModuleCheck, heads_text: str) -> str:
-    """Run a ModuleCheck through: outputs, the known mistakes, then dropout; the success message."""
+    """Run a ModuleCheck through: outputs, the known mistakes, gradients, then dropout; the success message."""
     check.run_all()
     bad = [run for run in check.runs if not close(run.out, run.expected)]
     if bad:
         check.diagnose(bad)
-    check.check_gradients()
+    # Learning: one backward pass per head count, on its first (full-length) case, in eval mode with the
+    # run's weights. Every projection and the input must get the reference's gradient.
+    for heads in check.heads:
+        run = next(run for run in check.runs if run.heads == heads)
+        check_module_gradients(check.models[heads], check.references[heads], run.x, what=run.what)
     check.check_train_dropout()
     lengths = sorted({length for _, length in CASES})
     return (f"Matches the reference for batch sizes 1-3 and lengths {lengths}{heads_text}; the future never "

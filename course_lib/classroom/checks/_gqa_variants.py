@@ -135,8 +135,8 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
             v = rotate(v, cos, sin, offset, **rope)
         if norm == "after_rope":
             q, k = _rms(q, p["q_norm.weight"], setup.eps), _rms(k, p["k_norm.weight"], setup.eps)
-        keys.append(k)
-        values.append(v)
+        keys += [k]
+        values += [v]
         total = start + length
         all_k, all_v = torch.cat(keys, dim=2), torch.cat(values, dim=2)         # (N, kv_heads, total, head_dim)
         all_k = _group(all_k, setup.groups, spec.get("group", "interleave"))    # (N, heads, total, head_dim)
@@ -149,7 +149,7 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         axis = -2 if spec.get("softmax") == "queries" else -1
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(axis)
         out = _merge(weights @ all_v, spec.get("merge", "ok"))                  # (N, L, heads * head_dim)
-        outputs.append(out @ p["proj.weight"].T)                                 # (N, L, E)
+        outputs += [out @ p["proj.weight"].T]                                    # (N, L, E)
     return torch.cat(outputs, dim=1)
 
 

@@ -234,11 +234,29 @@ def load_parameters(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
             p.copy_(params[name])
 
 
-def module_output(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
+def module_output(model: nn.Module, x: torch.Tensor, what: str, *, params: dict[str, torch.Tensor] | None = None,
+                  train_seed: int | None = None) -> torch.Tensor:
     """A student's module on x, without gradients: a tensor of x's shape and dtype comes back.
-    NaN is left for the caller, which first looks for a known mistake that explains it."""
-    with torch.no_grad():
-        out = call_student(model, x.clone(), what=what)
+    NaN is left for the caller, which first looks for a known mistake that explains it.
+
+    ``params`` runs the module with these weights (by name) and gives it its own back afterwards.
+    ``train_seed`` runs it in training mode, with torch's generator seeded so that every call draws
+    the same dropout masks, and puts it back in eval mode afterwards.
+    """
+    own = {name: p.detach().clone() for name, p in model.named_parameters()} if params is not None else None
+    try:
+        if params is not None:
+            load_parameters(model, params)
+        if train_seed is not None:
+            call(model.train, what=f"model.train() before {what}")
+            torch.manual_seed(train_seed)
+        with torch.no_grad():
+            out = call_student(model, x.clone(), what=what)
+    finally:
+        if train_seed is not None:
+            model.eval()
+        if own is not None:
+            load_parameters(model, own)
     return expect_tensor(out, tuple(x.shape), what, dtype=x.dtype, finite=False)
 
 

@@ -3,7 +3,7 @@
 
 Each checker runs the student's code next to the reference in ``course_lib.attention`` and, when
 they disagree, fits the student's output against the classic mistakes (``_attn_hypotheses``)
-before falling back to behavioural probes (``_attn_probes``). Hints are registered at the end.
+before falling back to behavioural probes (``_attn_hypotheses``). Hints are registered at the end.
 """
 from __future__ import annotations
 
@@ -14,8 +14,14 @@ import torch
 
 from ... import attention as ref
 from ..verdict import Failure, fail
-from ._attn_hypotheses import SDPA_HYPOTHESES, sdpa_variant
-from ._attn_probes import diagnose_weights, first_match, identity_values, shape_str
+from ._attn_hypotheses import (
+    SDPA_HYPOTHESES,
+    diagnose_weights,
+    first_match,
+    identity_values,
+    sdpa_variant,
+    shape_str,
+)
 from ._core import register
 from ._gradients import check_function_gradients
 from ._harness import checker

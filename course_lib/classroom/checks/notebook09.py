@@ -18,7 +18,7 @@ from torch import nn
 from ... import modern as ref
 from ..verdict import Failure, fail
 from . import _rope_variants as rope
-from ._attn_probes import first_match
+from ._attn_hypotheses import first_match
 from ._core import register
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device

@@ -15,7 +15,7 @@ import torch
 from ... import heads as ref
 from ..verdict import fail
 from . import _heads_scores as slips
-from ._attn_probes import first_match
+from ._attn_hypotheses import first_match
 from ._core import register
 from ._harness import checker
 from ._heads_ablation import judge_ablate_head
