@@ -233,7 +233,6 @@ MODULE_HYPOTHESES: tuple[Mistake, ...] = (
 
 # ---------------------------------------------------------------- recognising a mistake
 
-
 def shape_str(shape: Iterable[int]) -> str:
     return str(tuple(shape))
 

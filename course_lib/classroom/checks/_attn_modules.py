@@ -208,8 +208,8 @@ class ModuleCheck:
     def probe_answers(self, heads: int, weights_heads: int) -> Probes:
         """The student's module on every diagnosis probe's input, in eval mode, before any judging.
 
-        An exception here is reported at once: the cases before ran with the same shapes, so a probe that
-        raises has found a bug of its own."""
+        An exception here is reported at once, before any judgement: the cases before already ran batch
+        sizes 1 to 3 and lengths 1 to 8, so a probe that raises has found a bug of its own."""
         model = self.models[heads]
         what = lambda x, h=heads: self.what(tuple(x.shape), h)
         batch_x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=self.generator)    # (3, L, E)

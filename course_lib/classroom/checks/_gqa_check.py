@@ -228,7 +228,7 @@ def _full_passes(built: Built, generator: torch.Generator, mha_right: bool) -> N
 def _diagnose_full(built_all: list[Built], generator: torch.Generator) -> None:
     """Some full pass differs from the reference: raise the most specific Failure we can. The probes'
     answers are read from the student's module first (an exception there is reported at once: the
-    cases before ran with the same shapes); then every judgement runs in turn."""
+    full passes before already used these batch sizes and this length); then every judgement runs in turn."""
     built = built_all[0]
     x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=generator)
     batch_what = f"GroupedQueryAttention({built.label}) on x of shape {shape_str(x.shape)}"
