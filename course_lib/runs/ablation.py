@@ -51,7 +51,7 @@ def _ablation() -> list[Variant]:
     # until it became narrower): the path starts there, so that each row changes one thing.
     before = replace(notebook05, model=dict(notebook05.model, embed_dim=course.model["embed_dim"],
                                             num_heads=course.model["num_heads"], activation="gelu"),
-                     train=replace(notebook05.train, learning_rate=course.train.learning_rate))
+                     train=replace(notebook05.train, learning_rate=course.train.learning_rate, weight_decay=0.1))
 
     def modern(**model: Any) -> dict[str, Any]:
         return dict(course.model, **model)
@@ -59,7 +59,7 @@ def _ablation() -> list[Variant]:
     return [
         Variant("baseline_cpu (4 layers of 128, AdamW)", baseline),
         Variant("GPT-2 parts, 2 layers of 192, AdamW", before),
-        Variant("notebook 05's shakespeare_char_cpu: 2 layers of 96, GELU-tanh, lr 1e-2 (side)", notebook05,
+        Variant("notebook 05's shakespeare_char_cpu: 2 layers of 96, GELU-tanh, lr 1e-2, weight decay 0.2 (side)", notebook05,
                 side=True),
         _variant("+ Muon for the blocks' matrices", before, optimizer="muon"),
         _variant("+ RoPE, RMSNorm, SwiGLU (notebook 09's parts)", course,
