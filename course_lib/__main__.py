@@ -36,6 +36,11 @@ def _train(args: argparse.Namespace) -> int:
     shown = {k: metrics[k] for k in ("preset", "val_loss", "steps", "train_seconds", "tokens_per_second",
                                      "parameters")}
     print(json.dumps(shown, indent=2))
+    history, train = metrics["history"], metrics["train"]
+    if history["stop_reason"] == "patience":
+        estimates = "1 validation estimate" if train["patience"] == 1 else f"{train['patience']} validation estimates"
+        print(f"stopped early, at step {metrics['steps']} of {train['steps']}: {estimates} in a row beat no "
+              f"earlier one, so the run kept the weights of step {history['best_step']}, its best")
     print(f"wrote {out}/metrics.json and {out}/checkpoint.pt")
     return 0
 
@@ -90,7 +95,8 @@ time holds DIR (DIR/.course_lib-run.lock names its PID and start time); the OS l
 that run ends, however it ends.
 
 exit status:
-  0    finished (or a resumed run that had already finished)
+  0    finished (or a resumed run that had already finished); a preset with patience (the GPU
+       recipe) finishes early once validation stops improving, on its best weights
   1    stopped by a NaN or infinite loss (the last good checkpoint is kept)
   2    refused before the first step: a bad argument, folder, corpus or device, or a folder
        another run holds

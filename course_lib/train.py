@@ -5,6 +5,7 @@ Named recipes and runs from the command line build on this file: :mod:`course_li
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import time
@@ -157,6 +158,8 @@ class TrainConfig:
     muon_momentum: float = 0.95
     eval_interval: int = 250            # steps between validation estimates (and checkpoints)
     eval_windows: int = 200             # windows per estimate during training (the final one uses all)
+    patience: int | None = None         # stop once this many estimates in a row beat no earlier one, and
+                                        # go back to the best weights (None: train the whole budget)
     log_interval: int = 10              # steps between reading the loss back from the device
     seed: int = 1337
     checkpoint_seconds: float = 180.0   # checkpoint at least this often, evaluations or not
@@ -182,6 +185,7 @@ class TrainConfig:
         validate.positive_float("muon_learning_rate", self.muon_learning_rate, finite=True)
         validate.positive_int("eval_interval", self.eval_interval)
         validate.positive_int("eval_windows", self.eval_windows)
+        validate.positive_int_or_none("patience", self.patience)
         validate.positive_int("log_interval", self.log_interval)
         validate.non_negative_int("seed", self.seed)
         validate.positive_float("checkpoint_seconds", self.checkpoint_seconds, finite=True)
@@ -229,7 +233,13 @@ class History:
     train_seconds: float = 0.0
     eval_seconds: float = 0.0
     checkpoint_seconds: float = 0.0     # spent writing checkpoints (not counted in train_seconds)
-    stop_reason: str = ""               # "steps", "seconds" or "stopped" (a signal asked)
+    stop_reason: str = ""               # "steps", "seconds", "patience" or "stopped" (a signal asked)
+    best_step: int | None = None        # the step of the lowest validation estimate so far
+    best_val_loss: float | None = None
+
+    def estimates_since_best(self) -> int:
+        """How many validation estimates came after the best one (0 when the latest is the best)."""
+        return sum(1 for s in self.val_step if self.best_step is not None and s > self.best_step)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -265,6 +275,7 @@ class TrainState:
     cuda_rng: list[torch.Tensor]        # one per GPU: dropout on a GPU
     running_loss: torch.Tensor          # sum of the losses since the last logged mean
     running_count: int
+    best_weights: dict[str, torch.Tensor] | None = None   # kept only under TrainConfig.patience
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -273,10 +284,12 @@ class TrainState:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainState:
-        if not isinstance(d, dict) or not set(cls.__dataclass_fields__) <= set(d):
+        # best_weights came later: a checkpoint written before it still resumes
+        required = {k for k, f in cls.__dataclass_fields__.items() if f.default is dataclasses.MISSING}
+        if not isinstance(d, dict) or not required <= set(d):
             raise ValueError(f"state: expected a dict from TrainState.to_dict() (a resumable checkpoint), "
                              f"got {validate.describe(d)}")
-        fields = {k: d[k] for k in cls.__dataclass_fields__}
+        fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         fields["history"] = History.from_dict(d["history"])
         return cls(**fields)
 
@@ -337,7 +350,9 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
     """Train ``model`` in place and return its :class:`History`.
 
     Stops after ``config.steps`` steps or ``config.seconds`` seconds, whichever comes first, or
-    after the current step once ``should_stop()`` says so. ``state`` (from a checkpoint) continues
+    after the current step once ``should_stop()`` says so. With ``config.patience`` it also stops once
+    that many validation estimates in a row beat no earlier one, and goes back to the weights of the
+    best (``history.best_step``). ``state`` (from a checkpoint) continues
     an earlier run exactly. ``on_checkpoint(state)`` is called at every evaluation, at least every
     ``config.checkpoint_seconds``, and at the end, only with finite weights and losses; a NaN or
     infinite loss raises :class:`NonFiniteLoss` instead. Under torchrun (``ctx.enabled``) the model
@@ -383,6 +398,7 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
     step = 0
     running = torch.zeros((), device=device)
     running_count = 0
+    best_weights: dict[str, torch.Tensor] | None = None   # a CPU copy, only under config.patience
     if state is not None:
         step, history = state.step, History.from_dict(state.history.to_dict())
         optimizer.load_state_dict(state.optimizer)
@@ -392,6 +408,7 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
             torch.cuda.set_rng_state_all(state.cuda_rng)
         running = state.running_loss.to(device)
         running_count = state.running_count
+        best_weights = state.best_weights
     stream = batches(train_split, config, max_tokens, ctx, device, generator)
     bar = _progress_bar(config.steps, step, progress and ctx.is_main)
     prior = (history.train_seconds, history.eval_seconds, history.checkpoint_seconds)
@@ -414,7 +431,7 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
             on_checkpoint(TrainState(
                 step, history, optimizer.state_dict(), generator.get_state(), torch.get_rng_state(),
                 torch.cuda.get_rng_state_all() if device.type == "cuda" else [],
-                running.detach().cpu().clone(), running_count))
+                running.detach().cpu().clone(), running_count, best_weights))
         checkpoint_seconds += time.perf_counter() - t0
         history.checkpoint_seconds = prior[2] + checkpoint_seconds
         saved_step = step
@@ -423,12 +440,14 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
         while step < config.steps:
             now = time.perf_counter()
             elapsed = prior[0] + now - started - eval_seconds - checkpoint_seconds
-            time_up, stop_asked, save_due = _agree(
+            time_up, stop_asked, save_due, out_of_patience = _agree(
                 [config.seconds is not None and elapsed >= config.seconds,
                  should_stop is not None and should_stop(),
-                 on_checkpoint is not None and now - last_save >= config.checkpoint_seconds], ctx, device)
-            if time_up or stop_asked:
-                history.stop_reason = "seconds" if time_up else "stopped"
+                 on_checkpoint is not None and now - last_save >= config.checkpoint_seconds,
+                 # only the main rank evaluates, so only its history can say so
+                 config.patience is not None and history.estimates_since_best() >= config.patience], ctx, device)
+            if time_up or stop_asked or out_of_patience:
+                history.stop_reason = "seconds" if time_up else "stopped" if stop_asked else "patience"
                 break
             if save_due:
                 checkpoint()
@@ -469,13 +488,23 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
                         raise NonFiniteLoss(step, "validation loss", config)
                     history.val_step.append(step)
                     history.val_loss.append(val_loss)
+                    if history.best_val_loss is None or val_loss < history.best_val_loss:
+                        history.best_step, history.best_val_loss = step, val_loss
+                        if config.patience is not None:
+                            best_weights = {name: t.detach().to("cpu", copy=True)
+                                            for name, t in raw_model.state_dict().items()}
                     bar.set_postfix(loss=f"{history.train_loss[-1]:.3f}", val=f"{val_loss:.3f}", refresh=False)
                 checkpoint()
                 last_save = time.perf_counter()
             bar.update(1)
         else:
             history.stop_reason = "steps"
-        if step != saved_step:
+        went_back = history.stop_reason == "patience" and best_weights is not None
+        if went_back:
+            # the estimates stopped improving: the run ends with the weights of its best one
+            raw_model.load_state_dict(best_weights)
+            best_weights = None   # the model holds them now; the checkpoint need not keep them twice
+        if step != saved_step or went_back:
             checkpoint()
         else:   # saved at this very step (an evaluation): only the clocks move on
             history.train_seconds = prior[0] + time.perf_counter() - started - eval_seconds - checkpoint_seconds

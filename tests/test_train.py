@@ -305,6 +305,7 @@ def test_run_preset_keeps_the_last_good_checkpoint_when_the_loss_turns_nan(tmp_p
     ("max_grad_norm", -1.0), ("max_grad_norm", 0.0), ("min_learning_rate", -1e-4), ("learning_rate", math.inf),
     ("learning_rate", math.nan), ("min_learning_rate", 1.0), ("beta1", 1.0), ("beta2", -0.1),
     ("weight_decay", -0.1), ("seconds", math.inf), ("seed", -1), ("checkpoint_seconds", 0), ("amp", "yes"),
+    ("patience", 0), ("patience", 1.5),
 ])
 def test_train_config_refuses_values_that_would_train_badly(field, value):
     # _validate's vocabulary: a value of the wrong type (a str for a switch) is a TypeError
@@ -441,3 +442,95 @@ def test_run_preset_leaves_the_callers_random_numbers_alone(tmp_path):
     after_run = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(after_run, torch.rand(3))
+
+
+# ---------------------------------------------------------------- stopping chosen by validation
+
+def _scripted_estimates(monkeypatch, losses):
+    """train()'s validation estimates come from ``losses`` in turn, then from the model again."""
+    import course_lib.train as training
+    real, script = training._evaluate, list(losses)
+    monkeypatch.setattr(training, "_evaluate", lambda *args, **kw: script.pop(0) if script else real(*args, **kw))
+
+
+def _weights(model):
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def _same(a, b):
+    return all(torch.equal(a[name], b[name]) for name in a)
+
+
+# the best at the 2nd estimate, then 2 that beat no earlier one (an equal estimate is no better)
+PATIENCE_SCRIPT = [3.0, 2.0, 2.0, 2.6, 1.0, 0.5]
+
+
+def _train_with_script(monkeypatch, patience, steps=40, should_stop=None, state=None, model=None):
+    tok, train_split, val_split = _splits()
+    _scripted_estimates(monkeypatch, PATIENCE_SCRIPT[2:] if state is not None else PATIENCE_SCRIPT)
+    model = model or _dropout_model(tok.vocab_size)
+    config = TrainConfig(steps=steps, batch_size=4, learning_rate=3e-3, warmup_steps=5, eval_interval=5,
+                         eval_windows=8, log_interval=5, patience=patience)
+    saved = []
+    history = train(model, train_split, val_split, config, device="cpu", progress=False, state=state,
+                    should_stop=should_stop, on_checkpoint=lambda s: saved.append((s.step, _weights(model), s)))
+    return model, history, saved
+
+
+def test_patience_stops_when_the_estimates_stop_improving_and_keeps_the_best_weights(monkeypatch):
+    model, history, saved = _train_with_script(monkeypatch, patience=2)
+    # estimates at steps 5, 10, 15, 20: the best at 10, then two worse ones, so it stops after step 20
+    assert history.stop_reason == "patience" and history.steps_taken == 20
+    assert history.val_step == [5, 10, 15, 20] and (history.best_step, history.best_val_loss) == (10, 2.0)
+    assert history.estimates_since_best() == 2
+    at = {step: weights for step, weights, _ in saved[:-1]}
+    assert [step for step, _, _ in saved] == [5, 10, 15, 20, 20]   # the last save holds the weights gone back to
+    assert _same(_weights(model), at[10]) and not _same(_weights(model), at[20])
+    assert _same(saved[-1][1], at[10]) and saved[-1][2].best_weights is None
+    # the saves between the best estimate and the stop carry its weights, so a resumed run can go back too
+    assert _same(saved[2][2].best_weights, at[10])
+
+
+def test_without_patience_the_whole_budget_trains_and_the_best_estimate_is_only_recorded(monkeypatch):
+    model, history, saved = _train_with_script(monkeypatch, patience=None)
+    assert history.stop_reason == "steps" and history.steps_taken == 40
+    assert (history.best_step, history.best_val_loss) == (30, 0.5)   # the 6th estimate, at step 30
+    assert _same(_weights(model), saved[-1][1]) and all(s.best_weights is None for _, _, s in saved)
+
+
+def test_a_patient_run_interrupted_and_resumed_goes_back_to_the_same_weights(monkeypatch, tmp_path):
+    whole, whole_history, _ = _train_with_script(monkeypatch, patience=2)
+    tok = _splits()[0]
+    part, _, saved = _train_with_script(monkeypatch, patience=2, should_stop=_stop_after(12))
+    path = save_checkpoint(tmp_path / "ck.pt", part, tok, training=saved[-1][2].to_dict())
+    last = load_checkpoint(path)
+    assert last.training["step"] == 12 and last.training["best_weights"] is not None
+    resumed_model, resumed, _ = _train_with_script(monkeypatch, patience=2, model=last.model,
+                                                    state=TrainState.from_dict(last.training))
+    assert resumed.stop_reason == "patience" and resumed.steps_taken == 20 and resumed.best_step == 10
+    assert resumed.val_step == whole_history.val_step
+    assert _same(_weights(resumed_model), _weights(whole))
+    # a checkpoint written before TrainState had best_weights still resumes
+    older = dict(last.training)
+    del older["best_weights"]
+    assert TrainState.from_dict(older).best_weights is None
+
+
+def test_a_run_stopped_by_patience_is_finished_for_good(tmp_path, monkeypatch, capsys):
+    from dataclasses import replace
+    tiny = PRESETS["tiny"]
+    monkeypatch.setitem(PRESETS, "tiny", replace(tiny, train=replace(tiny.train, eval_interval=10, patience=1)))
+    _scripted_estimates(monkeypatch, [2.0, 2.5])   # then the model's own: the final evaluation is real
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 5)
+    from course_lib.__main__ import main
+    assert main(["train", "--preset", "tiny", "--steps", "100", "--corpus", str(corpus), "--device", "cpu",
+                 "--quiet", "--out", str(tmp_path / "run")]) == 0
+    assert ("stopped early, at step 20 of 100: 1 validation estimate in a row beat no earlier one, so the run "
+            "kept the weights of step 10, its best") in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and metrics["step"] == 20
+    assert metrics["history"]["stop_reason"] == "patience" and metrics["history"]["best_step"] == 10
+    assert math.isfinite(metrics["val_loss"]) and metrics["val_loss"] not in (2.0, 2.5)
+    assert run_preset(None, tmp_path / "run", steps=200, device="cpu", progress=False, resume=True) == {}
+    assert "already finished at step 20" in capsys.readouterr().out
