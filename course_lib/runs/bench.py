@@ -48,19 +48,22 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_matmul_peak(sizes: Sequence[int] = (1024, 2048), repeats: int = 3,
-                        device: torch.device | str = "cpu") -> float:
-    """The best fp32 square-matmul speed seen here, in GFLOP/s: the yardstick for "% of peak".
+                        device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """The best square-matmul speed seen here, in GFLOP/s: the yardstick for "% of peak".
 
     A matmul of two (n, n) matrices does 2n^3 floating-point operations. Best-of-``repeats``
-    because a busy machine can only make a run slower, never faster.
+    because a busy machine can only make a run slower, never faster. ``dtype``: fp32 for CPU
+    training, bf16 for a GPU that trains under bf16 autocast.
     """
     validate.int_list("sizes", sizes)
     validate.positive_int("repeats", repeats)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
     device = torch.device(device)
     best = 0.0
     for n in sizes:
-        a = torch.randn(n, n, device=device)
-        b = torch.randn(n, n, device=device)
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
         a @ b                                  # warm-up: thread pool, caches, kernel choice
         _sync(device)
         for _ in range(repeats):
@@ -434,12 +437,51 @@ def build_parser() -> argparse.ArgumentParser:
     ablation.add_argument("--corpus", help=argparse.SUPPRESS)
     ablation.add_argument("--baseline-steps", type=int, help=argparse.SUPPRESS)
 
+    nanogpt = sub.add_parser("nanogpt", parents=[common],
+                             help="nanoGPT's own Shakespeare recipe, then ours, on the same device (give --device cuda)")
+    nanogpt.add_argument("--nanogpt", required=True, metavar="DIR",
+                         help="a nanoGPT checkout (git clone https://github.com/karpathy/nanoGPT); it is copied, "
+                              "never written to")
+    nanogpt.add_argument("--preset", default="shakespeare_char_gpu", help="our recipe (default: %(default)s)")
+    nanogpt.add_argument("--nanogpt-args", default="", metavar="'ARGS'",
+                         help="more of nanoGPT's overrides, in one quoted string: '--max_iters=20 --compile=False'")
+    nanogpt.add_argument("--course-args", default="", metavar="'ARGS'",
+                         help="more words for our train command, in one quoted string: '--steps 20'")
+    nanogpt.add_argument("--peak-sizes", type=int, nargs="+", default=[4096, 8192],
+                         help="square matmuls for the peak: bf16 on a GPU, fp32 on a CPU (default: %(default)s)")
+    nanogpt.add_argument("--corpus", help=argparse.SUPPRESS)
+
     gen = sub.add_parser("generate", parents=[common], help="tokens/s with and without the KV cache")
     gen.add_argument("--new-tokens", type=int, default=500)
     gen.add_argument("--layers", type=int, default=GENERATION_CONFIG["num_layers"], help=argparse.SUPPRESS)
     gen.add_argument("--embed-dim", type=int, default=GENERATION_CONFIG["embed_dim"], help=argparse.SUPPRESS)
     gen.add_argument("--context", type=int, default=GENERATION_CONFIG["max_tokens"], help=argparse.SUPPRESS)
     return parser
+
+
+def _nanogpt(args: argparse.Namespace, device: torch.device) -> int:
+    import shlex
+
+    from .run_folder import RunRefused
+    from .side_by_side import check_nanogpt, print_side_by_side, side_by_side
+    try:
+        # refused before the peak measurement, not after it
+        check_nanogpt(args.nanogpt)
+        validate.one_of("preset", args.preset, sorted(PRESETS))
+        nanogpt_args, course_args = shlex.split(args.nanogpt_args), shlex.split(args.course_args)
+        validate.int_list("peak_sizes", args.peak_sizes)
+        if device.type == "cuda":
+            dtype, name = torch.bfloat16, torch.cuda.get_device_name(device)
+        else:
+            dtype, name = torch.float32, f"{device.type} ({torch.get_num_threads()} threads)"
+        peak = measure_matmul_peak(args.peak_sizes, device=device, dtype=dtype) * 1e9
+        result = side_by_side(args.nanogpt, preset=args.preset, device=str(device),
+                              corpus=args.corpus or "tinyshakespeare", nanogpt_args=nanogpt_args,
+                              course_args=course_args, peak_flops=peak)
+    except (ValueError, TypeError) as exc:
+        raise RunRefused(str(exc)) from None
+    print_side_by_side(result, name)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -495,6 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise RunRefused(str(exc)) from None
         print_ablation(rows)
         return 0
+    if args.benchmark == "nanogpt":
+        return _nanogpt(args, device)
     if args.benchmark == "attention":
         for i, (embed_dim, heads) in enumerate(zip(args.embed_dim, args.heads)):
             rows = attention_benchmark(args.lengths, embed_dim, heads, args.batch, args.repeats, device=device)
