@@ -9,7 +9,7 @@ import sys
 def _train(args: argparse.Namespace) -> int:
     from .runs.presets import run_preset
     from .runs.stopping import exit_status
-    from .train import NonFiniteLoss
+    from .train import NonFiniteLoss, patience_stop_note
     out = args.resume or args.out
     try:
         metrics = run_preset(args.preset, out, seconds=args.seconds, steps=args.steps, corpus=args.corpus,
@@ -38,9 +38,8 @@ def _train(args: argparse.Namespace) -> int:
     print(json.dumps(shown, indent=2))
     history, train = metrics["history"], metrics["train"]
     if history["stop_reason"] == "patience":
-        estimates = "1 validation estimate" if train["patience"] == 1 else f"{train['patience']} validation estimates"
-        print(f"stopped early, at step {metrics['steps']} of {train['steps']}: {estimates} in a row beat no "
-              f"earlier one, so the run kept the weights of step {history['best_step']}, its best")
+        print(f"stopped early, at step {metrics['steps']} of {train['steps']}: "
+              f"{patience_stop_note(train['patience'], history['best_step'])}")
     print(f"wrote {out}/metrics.json and {out}/checkpoint.pt")
     return 0
 

@@ -31,7 +31,7 @@ from .runtime import device as default_device
 __all__ = [
     "lm_loss", "update", "train_step", "evaluate",
     "TrainConfig", "History", "TrainState", "NonFiniteLoss", "learning_rate", "batches", "train",
-    "resolve_device", "flops_per_token",
+    "resolve_device", "flops_per_token", "patience_stop_note",
 ]
 
 # IGNORE_INDEX (data.py): targets with this value (padding) add nothing to the loss.
@@ -249,6 +249,12 @@ class History:
         if not isinstance(d, dict):
             raise TypeError(f"d: expected a dict from History.to_dict(), got {validate.describe(d)}")
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def patience_stop_note(patience: int, best_step: int | None) -> str:
+    """Why a run stopped early under ``TrainConfig.patience``, in words, for the command line."""
+    latest = "the latest validation estimate" if patience == 1 else f"the latest {patience} validation estimates"
+    return f"{latest} beat no earlier one, so the run kept the weights of step {best_step}, its best"
 
 
 class NonFiniteLoss(RuntimeError):

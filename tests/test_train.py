@@ -526,11 +526,11 @@ def test_a_run_stopped_by_patience_is_finished_for_good(tmp_path, monkeypatch, c
     from course_lib.__main__ import main
     assert main(["train", "--preset", "tiny", "--steps", "100", "--corpus", str(corpus), "--device", "cpu",
                  "--quiet", "--out", str(tmp_path / "run")]) == 0
-    assert ("stopped early, at step 20 of 100: 1 validation estimate in a row beat no earlier one, so the run "
+    assert ("stopped early, at step 20 of 100: the latest validation estimate beat no earlier one, so the run "
             "kept the weights of step 10, its best") in capsys.readouterr().out
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["status"] == "finished" and metrics["step"] == 20
     assert metrics["history"]["stop_reason"] == "patience" and metrics["history"]["best_step"] == 10
     assert math.isfinite(metrics["val_loss"]) and metrics["val_loss"] not in (2.0, 2.5)
     assert run_preset(None, tmp_path / "run", steps=200, device="cpu", progress=False, resume=True) == {}
-    assert "already finished at step 20" in capsys.readouterr().out
+    assert "already finished at step 20: the latest validation estimate beat no" in capsys.readouterr().out

@@ -271,9 +271,9 @@ def _plan(name: str | None, folder: RunFolder, *, seconds: float | None, steps: 
         if state.history.stop_reason == "patience":
             # its validation estimates had stopped improving: it ended on its best weights, for good
             if _final_evaluation_done(folder, state.step):
-                raise RunFinished(f"the run in {folder.path} already finished at step {state.step}: {config.patience} "
-                                  f"validation estimates in a row beat no earlier one, so it kept the weights of "
-                                  f"step {state.history.best_step}, its best; a larger --steps would not change that")
+                raise RunFinished(f"the run in {folder.path} already finished at step {state.step}: "
+                                  f"{training.patience_stop_note(config.patience, state.history.best_step)}; a "
+                                  f"larger --steps would not change that")
             print(f"the run in {folder.path} stopped at step {state.step} on its best weights (step "
                   f"{state.history.best_step}), but its final evaluation did not finish; doing it now")
         elif state.step >= config.steps:
