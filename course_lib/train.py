@@ -358,7 +358,8 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
     Stops after ``config.steps`` steps or ``config.seconds`` seconds, whichever comes first, or
     after the current step once ``should_stop()`` says so. With ``config.patience`` it also stops once
     that many validation estimates in a row beat no earlier one, and goes back to the weights of the
-    best (``history.best_step``). ``state`` (from a checkpoint) continues
+    best (``history.best_step``); a run whose budget ends first keeps its last weights, so that a
+    resume with a larger budget continues exactly. ``state`` (from a checkpoint) continues
     an earlier run exactly. ``on_checkpoint(state)`` is called at every evaluation, at least every
     ``config.checkpoint_seconds``, and at the end, only with finite weights and losses; a NaN or
     infinite loss raises :class:`NonFiniteLoss` instead. Under torchrun (``ctx.enabled``) the model
