@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import statistics
@@ -100,7 +101,6 @@ def _nanogpt_env(scratch: Path) -> dict[str, str] | None:
     # is missing, a stand-in that refuses to download lets the script run as written.
     if _can_import("requests"):
         return None
-    import os
     stub = scratch / "no-download"
     stub.mkdir()
     (stub / "requests.py").write_text(
