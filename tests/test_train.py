@@ -468,7 +468,7 @@ PATIENCE_SCRIPT = [3.0, 2.0, 2.0, 2.6, 1.0, 0.5]
 def _train_with_script(monkeypatch, patience, steps=40, should_stop=None, state=None, model=None):
     tok, train_split, val_split = _splits()
     _scripted_estimates(monkeypatch, PATIENCE_SCRIPT[2:] if state is not None else PATIENCE_SCRIPT)
-    model = model or _dropout_model(tok.vocab_size)
+    model = model if model is not None else _dropout_model(tok.vocab_size)
     config = TrainConfig(steps=steps, batch_size=4, learning_rate=3e-3, warmup_steps=5, eval_interval=5,
                          eval_windows=8, log_interval=5, patience=patience)
     saved = []
