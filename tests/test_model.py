@@ -154,6 +154,9 @@ def test_config_round_trip():
     ({"positional": "rotary"}, "positional"),
     ({"activation": "swish"}, "activation"),
     ({"max_tokens": 2.5}, "max_tokens"),
+    ({"input_init_std": 0}, r"GPTConfig.input_init_std: expected a finite number > 0, got 0.*GPT-2 uses 0.02"),
+    ({"input_init_std": float("inf")}, "input_init_std"),
+    ({"input_init_std": True}, "input_init_std"),
 ])
 def test_config_validates_itself(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -167,6 +170,20 @@ def test_config_messages_say_what_to_do_and_flags_must_be_bools():
         small_config(layer_norm_eps=0)
     with pytest.raises(TypeError, match=r"GPTConfig.tie_weights: expected True or False, got 'yes'"):
         small_config(tie_weights="yes")
+
+
+def test_input_init_std_sets_the_matrices_that_read_the_stream_and_only_those():
+    torch.manual_seed(0)
+    gpt2 = GPT(small_config(embed_dim=64, tie_weights=True))
+    torch.manual_seed(0)
+    wider = GPT(small_config(embed_dim=64, tie_weights=True, input_init_std=0.05))
+    reads_the_stream = ("attn.query.weight", "attn.key.weight", "attn.value.weight", "mlp.fc.weight")
+    for (name, before), (_, after) in zip(gpt2.named_parameters(), wider.named_parameters()):
+        if name.endswith(reads_the_stream):
+            assert abs(before.std().item() - 0.02) < 0.004, name      # GPT-2's spread by default
+            assert abs(after.std().item() - 0.05) < 0.006, name
+        else:   # the embeddings, the shrunk output projections, the norms: GPT-2's draws, unchanged
+            assert torch.equal(before, after), name
 
 
 def test_gpt_input_errors():

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import _validate as validate
+from ..model import GPT2_INIT_STD
 from .presets import PRESETS, Preset, prepare_preset
 
 __all__ = ["Variant", "ABLATION", "ablation_benchmark", "print_ablation"]
@@ -50,7 +51,8 @@ def _ablation() -> list[Variant]:
     # The modern recipe grew from GPT-2's parts at the modern recipe's width (notebook 05's recipe
     # until it became narrower): the path starts there, so that each row changes one thing.
     before = replace(notebook05, model=dict(notebook05.model, embed_dim=course.model["embed_dim"],
-                                            num_heads=course.model["num_heads"], activation="gelu"),
+                                            num_heads=course.model["num_heads"], activation="gelu",
+                                            input_init_std=GPT2_INIT_STD),
                      train=replace(notebook05.train, learning_rate=course.train.learning_rate, weight_decay=0.1))
 
     def modern(**model: Any) -> dict[str, Any]:
@@ -59,8 +61,8 @@ def _ablation() -> list[Variant]:
     return [
         Variant("baseline_cpu (4 layers of 128, AdamW)", baseline),
         Variant("GPT-2 parts, 2 layers of 192, AdamW", before),
-        Variant("notebook 05's shakespeare_char_cpu: 2 layers of 96, GELU-tanh, lr 1e-2, weight decay 0.2 (side)", notebook05,
-                side=True),
+        Variant("notebook 05's shakespeare_char_cpu: 2 layers of 96, GELU-tanh, lr 1e-2, weight decay 0.2, "
+                "input init 0.05 (side)", notebook05, side=True),
         _variant("+ Muon for the blocks' matrices", before, optimizer="muon"),
         _variant("+ RoPE, RMSNorm, SwiGLU (notebook 09's parts)", course,
                  model=modern(mlp="swiglu", hidden_dim=None, tie_weights=True, qk_norm=False), **first),
