@@ -1,6 +1,6 @@
 """The training loop's optimisers: AdamW for everything, or Muon for the blocks' matrices.
 
-Muon (Jordan et al., 2024; ``torch.optim.Muon``) orthogonalises each weight matrix's momentum
+Muon (Jordan et al., 2024; :class:`course_lib.muon.Muon`) orthogonalises each weight matrix's momentum
 with a few Newton-Schulz iterations before the step, so every direction of the matrix moves at
 the same rate. It only makes sense for the 2-D weights inside the transformer blocks; the token
 embedding, the output head and the norms' gains keep AdamW. In the speed runs of 2024-25 it
@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .muon import Muon
 
 __all__ = ["build_optimizer", "MuonWithAdamW", "hidden_matrices"]
 
@@ -49,7 +51,7 @@ class MuonWithAdamW:
         hidden_ids = {id(p) for p in hidden}
         others = [p for p in {id(p): p for p in model.parameters()}.values()
                   if p.requires_grad and id(p) not in hidden_ids]
-        self.muon = torch.optim.Muon(hidden, lr=muon_learning_rate, weight_decay=weight_decay,
+        self.muon = Muon(hidden, lr=muon_learning_rate, weight_decay=weight_decay,
                                      momentum=muon_momentum)
         self.adamw = _adamw(others, learning_rate, weight_decay, betas, device_type)
         for group in self.muon.param_groups:
