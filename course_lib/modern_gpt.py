@@ -22,6 +22,7 @@ from . import _validate as validate
 from .attention import KVCache, check_caches
 from .model import GPT, GPTConfig, gpt2_init
 from .modern import GroupedQueryAttention, ReLUSquared, RMSNorm, SwiGLU
+from .ngram_embedding import HashedNgramEmbedding
 
 __all__ = ["MLP_KINDS", "default_hidden_dim", "ModernGPTConfig", "ModernBlock", "ModernGPT", "ARCHITECTURES"]
 
@@ -63,6 +64,8 @@ class ModernGPTConfig:
     tie_weights: bool = False
     dropout_rate: float = 0.0
     head_dim: int | None = None
+    hashed_ngrams: int = 0       # the longest n-gram with an embedding of its own (0: none; 4: 2-, 3- and 4-grams)
+    ngram_buckets: int = 8192    # rows of each n-gram table (course_lib.ngram_embedding)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_tokens", "embed_dim", "num_heads", "num_layers"):
@@ -101,6 +104,11 @@ class ModernGPTConfig:
                                                             self.sliding_window)
         validate.probability("ModernGPTConfig.dropout_rate", self.dropout_rate,
                              hint="0.0 turns dropout off, 0.1-0.2 is typical")
+        if isinstance(self.hashed_ngrams, bool) or not isinstance(self.hashed_ngrams, int) \
+                or self.hashed_ngrams < 0 or self.hashed_ngrams == 1:
+            raise ValueError(f"ModernGPTConfig.hashed_ngrams: expected 0 (none) or an int >= 2 (the longest n-gram "
+                             f"embedded; 4 embeds 2-, 3- and 4-grams), got {validate.describe(self.hashed_ngrams)}")
+        validate.positive_int("ModernGPTConfig.ngram_buckets", self.ngram_buckets)
 
     @property
     def groups(self) -> int:
@@ -234,10 +242,14 @@ class ModernGPT(nn.Module):
                     nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
         if c.tie_weights:
             self.head.weight = self.token_embedding.weight
+        # after gpt2_init, which would draw its tables: they start at zero, so the model starts without them
+        self.ngram_embedding = HashedNgramEmbedding(c.embed_dim, c.hashed_ngrams, c.ngram_buckets) \
+            if c.hashed_ngrams else None
 
     def new_cache(self) -> list[KVCache]:
         """One empty KV cache per block, for :func:`course_lib.generate`."""
-        return [KVCache(self.config.max_tokens) for _ in self.blocks]
+        caches = [KVCache(self.config.max_tokens) for _ in self.blocks]
+        return _CacheWithRecentTokens(caches) if self.ngram_embedding is not None else caches
 
     def forward(self, idx: torch.Tensor, cache: list[KVCache] | None = None) -> torch.Tensor:
         """Token ids (N, L) -> logits (N, L, vocab_size).
@@ -256,20 +268,46 @@ class ModernGPT(nn.Module):
             raise ValueError(f"idx: sequence of {start + length} tokens is longer than "
                              f"max_tokens={self.config.max_tokens}; crop it to the last "
                              f"{self.config.max_tokens} tokens (idx[:, -{self.config.max_tokens}:])")
-        x = self.dropout(self.token_embedding(idx))                   # (N, L, embed_dim)
+        x = self.token_embedding(idx)                                 # (N, L, embed_dim)
+        if self.ngram_embedding is not None:
+            x = x + self._ngrams(idx, cache, start)                   # (N, L, embed_dim)
+        x = self.dropout(x)
         for i, block in enumerate(self.blocks):
             x = block(x, cache[i] if cache is not None else None)     # (N, L, embed_dim)
         return self.head(self.norm_f(x))                              # (N, L, vocab_size)
 
+    def _ngrams(self, idx: torch.Tensor, cache: list[KVCache] | None, start: int) -> torch.Tensor:
+        """The n-gram embeddings of ``idx``; with a cache, the n-grams reach back over the tokens it saw."""
+        if cache is None:
+            return self.ngram_embedding(idx)
+        if not isinstance(cache, _CacheWithRecentTokens):
+            raise TypeError("cache: this model embeds n-grams, so its cache also keeps the last tokens seen; "
+                            "use model.new_cache(), got a plain list of KVCache")
+        recent = cache.recent if start else None
+        out = self.ngram_embedding(idx, recent)                       # (N, L, embed_dim)
+        seen = idx if recent is None else torch.cat([recent, idx], dim=1)
+        cache.recent = seen[:, -(self.config.hashed_ngrams - 1):]     # (N, up to n-1)
+        return out
+
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Number of trainable numbers; a tied head/embedding is counted once.
 
-        RoPE has no position table, so ``include_embeddings=False`` subtracts nothing: as in
-        :meth:`GPT.num_parameters`, the token embedding stays in the count (tied, it is the head too).
+        RoPE has no position table: as in :meth:`GPT.num_parameters`, the token embedding stays in the
+        count (tied, it is the head too), and ``include_embeddings=False`` subtracts only the n-gram
+        tables, lookups that cost no multiply-adds (the FLOP counts use this number).
         """
         validate.boolean("include_embeddings", include_embeddings)
         unique = {id(p): p for p in self.parameters()}
+        if not include_embeddings and self.ngram_embedding is not None:
+            for p in self.ngram_embedding.parameters():
+                unique.pop(id(p))
         return sum(p.numel() for p in unique.values())
+
+
+class _CacheWithRecentTokens(list):
+    """A ModernGPT's KV caches, one per block, and the last tokens seen: its n-grams reach back over them."""
+
+    recent: torch.Tensor | None = None
 
 
 # The model classes a preset or a checkpoint may name, with their configs: GPT-2's (notebook 04) and this one.

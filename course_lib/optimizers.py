@@ -51,8 +51,7 @@ class MuonWithAdamW:
         hidden_ids = {id(p) for p in hidden}
         others = [p for p in {id(p): p for p in model.parameters()}.values()
                   if p.requires_grad and id(p) not in hidden_ids]
-        self.muon = Muon(hidden, lr=muon_learning_rate, weight_decay=weight_decay,
-                                     momentum=muon_momentum)
+        self.muon = Muon(hidden, lr=muon_learning_rate, weight_decay=weight_decay, momentum=muon_momentum)
         self.adamw = _adamw(others, learning_rate, weight_decay, betas, device_type)
         for group in self.muon.param_groups:
             group["lr_scale"] = muon_learning_rate / learning_rate

@@ -127,11 +127,13 @@ def _llama_config(config: Any, name: str) -> LlamaConfig:
         (config.sliding_window is not None, "sliding_window", repr(config.sliding_window),
          "Llama attends to the whole context (Mistral has a sliding window)"),
         (config.mlp != "swiglu", "mlp", repr(config.mlp), "Llama's MLP is SwiGLU (mlp='swiglu')"),
+        (config.hashed_ngrams != 0, "hashed_ngrams", repr(config.hashed_ngrams),
+         "Llama embeds each token alone, with no n-gram tables"),
     ]
     for bad, field, value, why in refused:
         if bad:
             raise ValueError(f"{name}.{field}: a Llama cannot express {field}={value} ({why}); only a ModernGPT "
-                             f"with qk_norm=False, sliding_window=None, mlp='swiglu' converts")
+                             f"with qk_norm=False, sliding_window=None, mlp='swiglu', hashed_ngrams=0 converts")
     return LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.embed_dim,
@@ -156,7 +158,8 @@ def _llama_config(config: Any, name: str) -> LlamaConfig:
 
 
 def llama_config_from_course(config: ModernGPTConfig) -> LlamaConfig:
-    """The ``LlamaConfig`` of a course ``ModernGPTConfig`` (refuses qk_norm, sliding_window and mlp='relu2')."""
+    """The ``LlamaConfig`` of a course ``ModernGPTConfig`` (refuses qk_norm, sliding_window, mlp='relu2' and
+    hashed_ngrams)."""
     return _llama_config(config, "config")
 
 
@@ -238,7 +241,7 @@ def from_hf_llama(model: LlamaForCausalLM, *,
 def to_hf_llama(ours: ModernGPT) -> LlamaForCausalLM:
     """A ``transformers.LlamaForCausalLM`` computing the same logits as the course ``ours``.
 
-    Refuses a model Llama cannot express: ``qk_norm``, ``sliding_window`` or ``mlp='relu2'``.
+    Refuses a model Llama cannot express: ``qk_norm``, ``sliding_window``, ``mlp='relu2'`` or ``hashed_ngrams``.
     """
     if not isinstance(ours, ModernGPT):
         raise TypeError(f"ours: expected a course_lib ModernGPT, got {validate.describe(ours)}")

@@ -55,8 +55,8 @@ def _ablation() -> list[Variant]:
                                             input_init_std=GPT2_INIT_STD),
                      train=replace(notebook05.train, learning_rate=course.train.learning_rate, weight_decay=0.1))
 
-    def modern(**model: Any) -> dict[str, Any]:
-        return dict(course.model, **model)
+    def modern(**model: Any) -> dict[str, Any]:   # the recipe before its n-gram embeddings
+        return dict(course.model, **{"hashed_ngrams": 0, **model})
     first = dict(muon_momentum=0.95)   # the momentum before its own row
     return [
         Variant("baseline_cpu (4 layers of 128, AdamW)", baseline),
@@ -71,7 +71,8 @@ def _ablation() -> list[Variant]:
         _variant("ReLU² hidden 3E instead of 4E", course, model=modern(tie_weights=True, qk_norm=False), **first),
         _variant("untied output head", course, model=modern(qk_norm=False), **first),
         _variant("Muon momentum 0.9 instead of 0.95", course, model=modern(qk_norm=False)),
-        _variant("+ QK-norm (shakespeare_char_modern_cpu)", course),
+        _variant("+ QK-norm", course, model=modern()),
+        _variant("+ hashed 2- to 4-gram embeddings (shakespeare_char_modern_cpu)", course),
         _variant("warmup 30 steps instead of 100 (tried, not kept)", course, warmup_steps=30, side=True),
         # The control: every change but notebook 09's parts, on GPT-2's (GELU feed-forward of 3E).
         _variant("control: GPT-2 parts, every other change but QK-norm", course, architecture="gpt",
