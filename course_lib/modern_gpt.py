@@ -215,7 +215,10 @@ class ModernBlock(nn.Module):
 
 class ModernGPT(nn.Module):
     """A Llama-style decoder: token embeddings (no position vectors: RoPE turns q and k inside attention),
-    pre-norm blocks of grouped-query attention and a gated MLP, a final RMSNorm, the output head."""
+    pre-norm blocks of grouped-query attention and a gated MLP, a final RMSNorm, the output head.
+
+    With ``config.hashed_ngrams``, the embeddings of the n-grams ending at each token are added to its own
+    (:class:`course_lib.ngram_embedding.HashedNgramEmbedding`)."""
 
     def __init__(self, config: ModernGPTConfig, *, attention_cls: Callable[..., nn.Module] = GroupedQueryAttention,
                  norm_cls: Callable[..., nn.Module] = RMSNorm, mlp_cls: Callable[..., nn.Module] | None = None):

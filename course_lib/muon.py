@@ -97,5 +97,6 @@ class Muon(torch.optim.Optimizer):
                 dtype = torch.bfloat16 if p.is_cuda else torch.float32
                 update = orthogonalize(update, group["ns_steps"], dtype)
                 p.mul_(1 - lr * decay)
-                # an orthogonal matrix's entries shrink as 1/sqrt(cols): scale tall matrices back up
+                # as torch.optim.Muon: a tall matrix's orthonormal columns have entries of 1/sqrt(rows);
+                # sqrt(rows/cols) makes them 1/sqrt(cols), as large as a wide matrix's
                 p.add_(update, alpha=-lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])))

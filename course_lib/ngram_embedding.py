@@ -45,6 +45,12 @@ class HashedNgramEmbedding(nn.Module):
         ``before`` (N, k), k < max_n, holds the tokens just before ``idx`` (with a KV cache, the end of
         what was already seen), so the n-grams that reach back over them count too.
         """
+        validate.token_ids("idx", idx, dim=2)
+        if before is not None:
+            validate.token_ids("before", before, dim=2)
+            if before.shape[0] != idx.shape[0] or before.shape[1] >= self.max_n:
+                raise ValueError(f"before: expected the last tokens of the same {idx.shape[0]} sequences, at most "
+                                 f"{self.max_n - 1} of them (N, k), got shape {tuple(before.shape)}")
         tokens = idx if before is None else torch.cat([before, idx], dim=1)   # (N, k + L)
         skip = tokens.shape[1] - idx.shape[1]
         total = torch.arange(tokens.shape[1], device=idx.device)              # position in tokens

@@ -113,7 +113,12 @@ def test_the_config_names_a_bad_ngram_setting(field, value, match):
         ModernGPTConfig(**{**CONFIG, field: value})
 
 
-def test_the_embedding_names_a_bad_setting():
+def test_the_embedding_names_a_bad_setting_or_input():
+    embed = HashedNgramEmbedding(8, max_n=3, buckets=10)
+    with pytest.raises(TypeError, match="idx: expected integer token ids"):
+        embed(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"before: expected the last tokens of the same 1 sequences, at most 2"):
+        embed(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="max_n: expected an int >= 2"):
         HashedNgramEmbedding(8, max_n=1, buckets=10)
     with pytest.raises(ValueError, match="buckets: expected a positive int"):
