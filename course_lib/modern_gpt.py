@@ -20,9 +20,11 @@ from torch import nn
 
 from . import _validate as validate
 from .attention import KVCache, check_caches
+from .data import IGNORE_INDEX
 from .model import GPT, GPTConfig, gpt2_init
 from .modern import GroupedQueryAttention, ReLUSquared, RMSNorm, SwiGLU
 from .ngram_embedding import HashedNgramEmbedding
+from .ngram_prior import NgramPrior
 
 __all__ = ["MLP_KINDS", "default_hidden_dim", "ModernGPTConfig", "ModernBlock", "ModernGPT", "ARCHITECTURES"]
 
@@ -66,6 +68,8 @@ class ModernGPTConfig:
     head_dim: int | None = None
     hashed_ngrams: int = 0       # the longest n-gram with an embedding of its own (0: none; 4: 2-, 3- and 4-grams)
     ngram_buckets: int = 8192    # rows of each n-gram table (course_lib.ngram_embedding)
+    ngram_prior: int = 0         # the order of a counted n-gram model the logits are added to (0: none; course_lib.ngram_prior)
+    prior_features: bool = False # the network also reads the counted model's probabilities at its input
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_tokens", "embed_dim", "num_heads", "num_layers"):
@@ -109,6 +113,13 @@ class ModernGPTConfig:
             raise ValueError(f"ModernGPTConfig.hashed_ngrams: expected 0 (none) or an int >= 2 (the longest n-gram "
                              f"embedded; 4 embeds 2-, 3- and 4-grams), got {validate.describe(self.hashed_ngrams)}")
         validate.positive_int("ModernGPTConfig.ngram_buckets", self.ngram_buckets)
+        if isinstance(self.ngram_prior, bool) or not isinstance(self.ngram_prior, int) or self.ngram_prior < 0:
+            raise ValueError(f"ModernGPTConfig.ngram_prior: expected 0 (none) or an int >= 1 (the order of the counted "
+                             f"model; 7 counts 6 tokens of context), got {validate.describe(self.ngram_prior)}")
+        validate.boolean("ModernGPTConfig.prior_features", self.prior_features)
+        if self.prior_features and not self.ngram_prior:
+            raise ValueError("ModernGPTConfig.prior_features: the network reads the counted model's probabilities, "
+                             "so it needs one; set ngram_prior (7, say) too, or prior_features=False")
 
     @property
     def groups(self) -> int:
@@ -218,7 +229,9 @@ class ModernGPT(nn.Module):
     pre-norm blocks of grouped-query attention and a gated MLP, a final RMSNorm, the output head.
 
     With ``config.hashed_ngrams``, the embeddings of the n-grams ending at each token are added to its own
-    (:class:`course_lib.ngram_embedding.HashedNgramEmbedding`)."""
+    (:class:`course_lib.ngram_embedding.HashedNgramEmbedding`). With ``config.ngram_prior``, a counted n-gram
+    model's log-probabilities are added to the logits, and with ``config.prior_features`` the network also
+    reads its probabilities at its input (:class:`course_lib.ngram_prior.NgramPrior`)."""
 
     def __init__(self, config: ModernGPTConfig, *, attention_cls: Callable[..., nn.Module] = GroupedQueryAttention,
                  norm_cls: Callable[..., nn.Module] = RMSNorm, mlp_cls: Callable[..., nn.Module] | None = None):
@@ -248,17 +261,30 @@ class ModernGPT(nn.Module):
         # after gpt2_init, which would draw its tables: they start at zero, so the model starts without them
         self.ngram_embedding = HashedNgramEmbedding(c.embed_dim, c.hashed_ngrams, c.ngram_buckets) \
             if c.hashed_ngrams else None
+        # Counted from the training text when training starts (course_lib.train); it has no weights to learn,
+        # only how much to trust it, which starts at 1. With prior_features the network also reads its
+        # probabilities, through a matrix that starts at zero: a fresh model is the model without it.
+        self.ngram_prior = NgramPrior(c.vocab_size, c.ngram_prior) if c.ngram_prior else None
+        self.prior_weight = nn.Parameter(torch.ones(())) if c.ngram_prior else None
+        self.prior_in = nn.Linear(c.vocab_size, c.embed_dim, bias=False) if c.prior_features else None
+        if self.prior_in is not None:
+            nn.init.zeros_(self.prior_in.weight)
+        # how many tokens a cache keeps, for the n-grams that reach back over what it already saw
+        self._recent_tokens = max(c.hashed_ngrams, c.ngram_prior, 1) - 1
 
     def new_cache(self) -> list[KVCache]:
         """One empty KV cache per block, for :func:`course_lib.generate`."""
         caches = [KVCache(self.config.max_tokens) for _ in self.blocks]
-        return _CacheWithRecentTokens(caches) if self.ngram_embedding is not None else caches
+        return _CacheWithRecentTokens(caches) if self._recent_tokens > 0 else caches
 
-    def forward(self, idx: torch.Tensor, cache: list[KVCache] | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: list[KVCache] | None = None, *,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (N, L) -> logits (N, L, vocab_size).
 
         With ``cache`` (from :meth:`new_cache`), ``idx`` holds only the tokens not yet seen; the
-        attention layers rotate them to positions that continue after the cached ones.
+        attention layers rotate them to positions that continue after the cached ones. ``targets``
+        (N, L), given by the training loop, matter only to the counted n-gram model: in training it
+        leaves each position's own occurrence out of its counts (:mod:`course_lib.ngram_prior`).
         """
         validate.token_ids("idx", idx, dim=2)
         if not torch.compiler.is_compiling() and not (idx.is_cuda and self.training):
@@ -271,26 +297,40 @@ class ModernGPT(nn.Module):
             raise ValueError(f"idx: sequence of {start + length} tokens is longer than "
                              f"max_tokens={self.config.max_tokens}; crop it to the last "
                              f"{self.config.max_tokens} tokens (idx[:, -{self.config.max_tokens}:])")
+        if targets is not None and self.ngram_prior is not None:
+            validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX)
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets: expected the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        recent = self._recent(idx, cache, start)
         x = self.token_embedding(idx)                                 # (N, L, embed_dim)
+        prior = None
+        if self.ngram_prior is not None:
+            # only in training: evaluation scores text the counts never saw, as it should
+            prior = self.ngram_prior(idx, targets if self.training else None, recent)   # (N, L, vocab_size)
+            if self.prior_in is not None:
+                x = x + self.prior_in(prior.exp())                    # (N, L, embed_dim)
         if self.ngram_embedding is not None:
-            x = x + self._ngrams(idx, cache, start)                   # (N, L, embed_dim)
+            before = None if recent is None else recent[:, -(self.config.hashed_ngrams - 1):]
+            x = x + self.ngram_embedding(idx, before)                 # (N, L, embed_dim)
         x = self.dropout(x)
         for i, block in enumerate(self.blocks):
             x = block(x, cache[i] if cache is not None else None)     # (N, L, embed_dim)
-        return self.head(self.norm_f(x))                              # (N, L, vocab_size)
+        logits = self.head(self.norm_f(x))                            # (N, L, vocab_size)
+        if prior is not None:
+            logits = logits + self.prior_weight * prior
+        return logits
 
-    def _ngrams(self, idx: torch.Tensor, cache: list[KVCache] | None, start: int) -> torch.Tensor:
-        """The n-gram embeddings of ``idx``; with a cache, the n-grams reach back over the tokens it saw."""
-        if cache is None:
-            return self.ngram_embedding(idx)
+    def _recent(self, idx: torch.Tensor, cache: list[KVCache] | None, start: int) -> torch.Tensor | None:
+        """The tokens a cache saw just before ``idx``, for the n-grams that reach back over them; keeps the new ones."""
+        if cache is None or self._recent_tokens == 0:
+            return None
         if not isinstance(cache, _CacheWithRecentTokens):
-            raise TypeError("cache: this model embeds n-grams, so its cache also keeps the last tokens seen; "
+            raise TypeError("cache: this model looks at n-grams, so its cache also keeps the last tokens seen; "
                             "use model.new_cache(), got a plain list of KVCache")
         recent = cache.recent if start else None
-        out = self.ngram_embedding(idx, recent)                       # (N, L, embed_dim)
         seen = idx if recent is None else torch.cat([recent, idx], dim=1)
-        cache.recent = seen[:, -(self.config.hashed_ngrams - 1):]     # (N, up to n-1)
-        return out
+        cache.recent = seen[:, -self._recent_tokens:]                 # (N, up to the longest n-gram - 1)
+        return recent
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Number of trainable numbers; a tied head/embedding is counted once.

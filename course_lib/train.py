@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _moved, train_replay
 from . import _validate as validate
-from .data import IGNORE_INDEX, Split
+from .data import IGNORE_INDEX, Examples, Split, TokenStream
 from .distributed import DistributedContext
 from .model import GPT, GPTConfig
 from .modern_gpt import ModernGPT, ModernGPTConfig
@@ -66,17 +66,20 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str =
 
 
 def update(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
-           max_grad_norm: float | None = 1.0, *, autocast: Any = None, parameters: Any = None) -> torch.Tensor:
+           max_grad_norm: float | None = 1.0, *, autocast: Any = None, parameters: Any = None,
+           show_targets: bool = False) -> torch.Tensor:
     """The one training step of train_step and of the loop, on a batch already checked.
 
     It returns the loss as a tensor, so the loop reads it back only now and then (each read waits
     for the device). ``autocast``: a torch.autocast context; ``parameters``: what to clip (the
-    model's own, when ``model`` is a wrapper).
+    model's own, when ``model`` is a wrapper); ``show_targets``: hand the model the targets too (a
+    ModernGPT with a counted n-gram model leaves each target out of its counts).
     """
     model.train()
     optimizer.zero_grad(set_to_none=True)
     with autocast if autocast is not None else contextlib.nullcontext():
-        loss = _cross_entropy(model(inputs), targets)
+        logits = model(inputs, targets=targets) if show_targets else model(inputs)
+        loss = _cross_entropy(logits, targets)
     loss.backward()
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(parameters if parameters is not None else model.parameters(),
@@ -101,7 +104,23 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
                        vocab_size=None if targets.is_cuda else vocab_size)
     if inputs.shape != targets.shape:
         raise ValueError(f"targets: expected the shape of inputs {tuple(inputs.shape)}, got {tuple(targets.shape)}")
-    return update(model, optimizer, inputs, targets, max_grad_norm).item()
+    return update(model, optimizer, inputs, targets, max_grad_norm,
+                  show_targets=_counts_ngrams(model)).item()
+
+
+def _counts_ngrams(model: nn.Module) -> bool:
+    return getattr(model, "ngram_prior", None) is not None
+
+
+def _one_text(split: Split) -> torch.Tensor:
+    """The token ids of a split as one run (T,), for counting n-grams: names' rows one after the other."""
+    if isinstance(split, TokenStream):
+        return split.ids
+    if isinstance(split, Examples):
+        rows = torch.cat([split.inputs[:, :1], split.targets], dim=1)   # each row's whole sequence
+        return rows[rows != IGNORE_INDEX]
+    raise TypeError(f"train_split: a model with a counted n-gram model (ngram_prior) counts a TokenStream or "
+                    f"Examples, got {type(split).__name__}")
 
 
 @torch.no_grad()
@@ -421,6 +440,10 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
     prior = (history.train_seconds, history.eval_seconds, history.checkpoint_seconds)
     started = last_save = time.perf_counter()
     eval_seconds = checkpoint_seconds = 0.0   # this session's
+    show_targets = _counts_ngrams(raw_model)
+    if show_targets and not raw_model.ngram_prior.counted:
+        # counting is part of training, so its seconds count as training time
+        raw_model.ngram_prior.count(_one_text(train_split))
     saved_step = step if state is not None else -1
 
     def checkpoint() -> None:
@@ -467,7 +490,7 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
 
             x, y = next(stream)
             running += update(model, optimizer, x, y, config.max_grad_norm, autocast=autocast,
-                              parameters=raw_model.parameters())
+                              parameters=raw_model.parameters(), show_targets=show_targets)
             running_count += 1
             step += 1
             history.tokens_seen += x.numel() * ctx.world_size

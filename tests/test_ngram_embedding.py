@@ -69,7 +69,7 @@ def test_a_forward_in_pieces_through_the_cache_is_the_whole_forward():
 def test_a_plain_list_of_caches_is_refused_with_the_fix():
     from course_lib.attention import KVCache
     model = _model()
-    with pytest.raises(TypeError, match=r"cache: this model embeds n-grams.*model.new_cache\(\)"):
+    with pytest.raises(TypeError, match=r"cache: this model looks at n-grams.*model.new_cache\(\)"):
         model(torch.zeros(1, 3, dtype=torch.long), [KVCache(16) for _ in model.blocks])
 
 

@@ -129,11 +129,13 @@ def _llama_config(config: Any, name: str) -> LlamaConfig:
         (config.mlp != "swiglu", "mlp", repr(config.mlp), "Llama's MLP is SwiGLU (mlp='swiglu')"),
         (config.hashed_ngrams != 0, "hashed_ngrams", repr(config.hashed_ngrams),
          "Llama embeds each token alone, with no n-gram tables"),
+        (config.ngram_prior != 0, "ngram_prior", repr(config.ngram_prior),
+         "Llama's logits come from the network alone, with no counted n-gram model"),
     ]
     for bad, field, value, why in refused:
         if bad:
             raise ValueError(f"{name}.{field}: a Llama cannot express {field}={value} ({why}); only a ModernGPT "
-                             f"with qk_norm=False, sliding_window=None, mlp='swiglu', hashed_ngrams=0 converts")
+                             f"with qk_norm=False, sliding_window=None, mlp='swiglu', hashed_ngrams=0, ngram_prior=0 converts")
     return LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.embed_dim,
@@ -158,8 +160,8 @@ def _llama_config(config: Any, name: str) -> LlamaConfig:
 
 
 def llama_config_from_course(config: ModernGPTConfig) -> LlamaConfig:
-    """The ``LlamaConfig`` of a course ``ModernGPTConfig`` (refuses qk_norm, sliding_window, mlp='relu2' and
-    hashed_ngrams)."""
+    """The ``LlamaConfig`` of a course ``ModernGPTConfig`` (refuses qk_norm, sliding_window, mlp='relu2',
+    hashed_ngrams and ngram_prior)."""
     return _llama_config(config, "config")
 
 
@@ -241,7 +243,8 @@ def from_hf_llama(model: LlamaForCausalLM, *,
 def to_hf_llama(ours: ModernGPT) -> LlamaForCausalLM:
     """A ``transformers.LlamaForCausalLM`` computing the same logits as the course ``ours``.
 
-    Refuses a model Llama cannot express: ``qk_norm``, ``sliding_window``, ``mlp='relu2'`` or ``hashed_ngrams``.
+    Refuses a model Llama cannot express: ``qk_norm``, ``sliding_window``, ``mlp='relu2'``, ``hashed_ngrams`` or
+    ``ngram_prior``.
     """
     if not isinstance(ours, ModernGPT):
         raise TypeError(f"ours: expected a course_lib ModernGPT, got {validate.describe(ours)}")
