@@ -170,6 +170,24 @@ def test_ablation_trains_each_variant_for_the_steps_it_takes_in_the_baselines_ti
     assert all(0 < r["val_loss"] < 10 for r in rows)
 
 
+def test_ablation_counts_the_ngrams_inside_the_time_and_scores_every_row_on_the_baselines_windows(corpus):
+    from dataclasses import replace
+
+    from course_lib.runs.ablation import Variant, ablation_benchmark
+    tiny = PRESETS["tiny"]
+    counted = replace(tiny, architecture="modern",
+                      model=dict(tiny.model, max_tokens=48, mlp="relu2", ngram_prior=3))
+    rows = ablation_benchmark([Variant("tiny", tiny), Variant("tiny, modern, counted 3-grams, context 48", counted)],
+                              corpus=corpus, baseline_steps=12, rounds=3, steps_per_round=2)
+    budget, second = rows[0]["budget_seconds"], rows[1]
+    # counting is training time: what it took leaves fewer seconds for steps
+    assert second["setup_seconds"] > 0 and rows[0]["setup_seconds"] == 0
+    assert second["steps"] == max(1, round((budget - second["setup_seconds"]) / second["seconds_per_step"]))
+    # the same model on the baseline's 32-token windows: another number, since fewer tokens come before each
+    assert rows[0]["val_loss_on_first_windows"] == rows[0]["val_loss"]
+    assert second["first_windows"] == 32 and second["val_loss_on_first_windows"] != second["val_loss"]
+
+
 def test_ablation_command_prints_every_change_of_the_recipe(corpus, capsys):
     from course_lib.runs.ablation import ABLATION
     assert bench.main(["ablation", "--corpus", corpus, "--baseline-steps", "2", "--rounds", "1"]) == 0
@@ -177,6 +195,21 @@ def test_ablation_command_prints_every_change_of_the_recipe(corpus, capsys):
     for variant in ABLATION:
         assert variant.label in out
     assert "the best row is" in out
+
+
+def test_a_preset_with_another_context_is_also_scored_on_the_first_presets_windows(corpus, tmp_path):
+    from course_lib.checkpoints import load_checkpoint
+    from course_lib.data import corpus_splits
+    from course_lib.train import evaluate
+    results = bench.training_benchmark(None, ["tiny", "baseline_cpu", "names_char"], corpus=corpus,
+                                       steps=2, peak_gflops=100.0, out_dir=tmp_path)
+    assert "val_loss_at_first_windows" not in results["names_char"]   # a shorter context cannot read them
+    longer = results["baseline_cpu"]
+    assert longer["first_windows"] == PRESETS["tiny"].model["max_tokens"] == 32
+    model = load_checkpoint(tmp_path / "baseline_cpu" / "checkpoint.pt").model
+    _, _, val = corpus_splits(corpus, 32)
+    assert longer["val_loss_at_first_windows"] == pytest.approx(evaluate(model, *val.eval_windows(32)))
+    assert longer["val_loss_at_first_windows"] != longer["val_loss"]
 
 
 def test_training_over_seeds_reports_each_lead_with_its_spread(corpus, capsys):

@@ -55,27 +55,39 @@ def _ablation() -> list[Variant]:
                                             input_init_std=GPT2_INIT_STD),
                      train=replace(notebook05.train, learning_rate=course.train.learning_rate, weight_decay=0.1))
 
-    def modern(**model: Any) -> dict[str, Any]:   # the recipe before its n-gram embeddings
-        return dict(course.model, **{"hashed_ngrams": 0, **model})
+    # The rows before the counted model read 64 characters, 32 windows a step, as the recipe did then.
+    short = replace(course, model=dict(course.model, max_tokens=64, ngram_prior=0, prior_features=False),
+                    train=replace(course.train, batch_size=32))
+
+    def modern(**model: Any) -> dict[str, Any]:   # the recipe before the counted n-grams
+        return dict(short.model, **model)
     first = dict(muon_momentum=0.95)   # the momentum before its own row
+    hashed = dict(hashed_ngrams=4, ngram_buckets=8192)   # the hashed n-gram embeddings of 2026-11-26
+    counted = dict(short.model, ngram_prior=course.model["ngram_prior"])
     return [
         Variant("baseline_cpu (4 layers of 128, AdamW)", baseline),
         Variant("GPT-2 parts, 2 layers of 192, AdamW", before),
         Variant("notebook 05's shakespeare_char_cpu: 2 layers of 96, GELU-tanh, lr 1e-2, weight decay 0.2, "
                 "input init 0.05 (side)", notebook05, side=True),
         _variant("+ Muon for the blocks' matrices", before, optimizer="muon"),
-        _variant("+ RoPE, RMSNorm, SwiGLU (notebook 09's parts)", course,
+        _variant("+ RoPE, RMSNorm, SwiGLU (notebook 09's parts)", short,
                  model=modern(mlp="swiglu", hidden_dim=None, tie_weights=True, qk_norm=False), **first),
-        _variant("ReLU² (hidden 4E) instead of SwiGLU", course,
+        _variant("ReLU² (hidden 4E) instead of SwiGLU", short,
                  model=modern(hidden_dim=4 * course.model["embed_dim"], tie_weights=True, qk_norm=False), **first),
-        _variant("ReLU² hidden 3E instead of 4E", course, model=modern(tie_weights=True, qk_norm=False), **first),
-        _variant("untied output head", course, model=modern(qk_norm=False), **first),
-        _variant("Muon momentum 0.9 instead of 0.95", course, model=modern(qk_norm=False)),
-        _variant("+ QK-norm", course, model=modern()),
-        _variant("+ hashed 2- to 4-gram embeddings (shakespeare_char_modern_cpu)", course),
+        _variant("ReLU² hidden 3E instead of 4E", short, model=modern(tie_weights=True, qk_norm=False), **first),
+        _variant("untied output head", short, model=modern(qk_norm=False), **first),
+        _variant("Muon momentum 0.9 instead of 0.95", short, model=modern(qk_norm=False)),
+        _variant("+ QK-norm", short, model=modern()),
+        _variant("hashed 2- to 4-gram embeddings (the recipe on 2026-11-26, side)", short, model=modern(**hashed),
+                 side=True),
+        _variant("+ a counted 7-gram model added to the logits", short, model=counted),
+        _variant("+ the network reads its probabilities", short, model=dict(counted, prior_features=True)),
+        _variant("+ context 256, 8 windows a step (shakespeare_char_modern_cpu)", course),
+        _variant("hashed 2- to 4-gram embeddings as well (tried, not kept)", course,
+                 model=dict(course.model, **hashed), side=True),
         _variant("warmup 30 steps instead of 100 (tried, not kept)", course, warmup_steps=30, side=True),
-        # The control: every change but notebook 09's parts, on GPT-2's (GELU feed-forward of 3E).
-        _variant("control: GPT-2 parts, every other change but QK-norm", course, architecture="gpt",
+        # The control: every change but notebook 09's parts and the n-grams, on GPT-2's (GELU feed-forward of 3E).
+        _variant("control: GPT-2 parts, every other change but QK-norm and the n-grams", short, architecture="gpt",
                  model=dict(before.model, mlp_ratio=3, tie_weights=False), side=True),
     ]
 
@@ -88,22 +100,31 @@ def _build(preset: Preset, corpus: str | None, steps: int | None = None):
     return prepare_preset(preset, corpus, "cpu", steps=steps)
 
 
-def _stepper(preset: Preset, corpus: str | None):
+def _stepper(preset: Preset, corpus: str | None) -> tuple[Any, float]:
+    """A function that takes one training step of ``preset``, and the seconds training spends before its first
+    step (counting the n-grams of a counted n-gram model; 0 without one)."""
     from ..optimizers import build_optimizer
-    from ..train import update
+    from ..train import _counts_ngrams, _one_text, update
     model, _, train_split, _, config = _build(preset, corpus)
     optimizer = build_optimizer(model, config, "cpu")
     generator = torch.Generator().manual_seed(0)
+    show_targets = _counts_ngrams(model)
+    setup = 0.0
+    if show_targets:
+        started = time.perf_counter()
+        model.ngram_prior.count(_one_text(train_split))
+        setup = time.perf_counter() - started
 
     def step() -> None:
         x, y = train_split.sample(config.batch_size, model.config.max_tokens, generator)
-        update(model, optimizer, x, y, config.max_grad_norm)
-    return step
+        update(model, optimizer, x, y, config.max_grad_norm, show_targets=show_targets)
+    return step, setup
 
 
-def _time_steps(variants: Sequence[Variant], corpus: str | None, rounds: int, steps_per_round: int) -> list[float]:
-    """Median seconds per training step of each variant, timed in turns."""
-    steppers = [_stepper(v.preset, corpus) for v in variants]
+def _time_steps(variants: Sequence[Variant], corpus: str | None, rounds: int,
+                steps_per_round: int) -> tuple[list[float], list[float]]:
+    """Median seconds per training step of each variant, timed in turns, and each one's set-up seconds."""
+    steppers, setups = zip(*(_stepper(v.preset, corpus) for v in variants))
     for step in steppers:            # warm up: first calls allocate and pick kernels
         for _ in range(3):
             step()
@@ -114,7 +135,7 @@ def _time_steps(variants: Sequence[Variant], corpus: str | None, rounds: int, st
             for _ in range(steps_per_round):
                 step()
             spent.append((time.perf_counter() - started) / steps_per_round)
-    return [statistics.median(spent) for spent in times]
+    return [statistics.median(spent) for spent in times], list(setups)
 
 
 def ablation_benchmark(variants: Sequence[Variant] | None = None, *, corpus: str | None = None,
@@ -135,20 +156,27 @@ def ablation_benchmark(variants: Sequence[Variant] | None = None, *, corpus: str
     validate.positive_int("steps_per_round", steps_per_round)
     if verbose:
         print(f"timing {len(variants)} variants in turns ({rounds} rounds of {steps_per_round} steps) ...", flush=True)
-    per_step = _time_steps(variants, corpus, rounds, steps_per_round)
+    per_step, setups = _time_steps(variants, corpus, rounds, steps_per_round)
     budget_steps = baseline_steps or variants[0].preset.train.steps
     budget = budget_steps * per_step[0]
     rows = []
-    for variant, seconds in zip(variants, per_step):
-        steps = budget_steps if not rows else max(1, round(budget / seconds))
+    for variant, seconds, setup in zip(variants, per_step, setups):
+        # counting n-grams is part of the training time: it leaves fewer seconds for steps
+        steps = budget_steps if not rows else max(1, round((budget - setup) / seconds))
         model, _, train_split, val_split, config = _build(variant.preset, corpus, steps)
         config = replace(config, eval_interval=steps + 1, log_interval=max(1, min(config.log_interval, steps)))
         if verbose:
             print(f"training {variant.label}: {steps} steps ...", flush=True)
         train(model, train_split, None, config, device="cpu", progress=False)
         val_loss = evaluate(model, *val_split.eval_windows(model.config.max_tokens))
+        # a longer context lowers the loss by itself, so a row with a longer one is also scored on the baseline's
+        # windows (a shorter context cannot read them: its own score stands)
+        first_windows = variants[0].preset.model["max_tokens"]
+        on_first_windows = val_loss if model.config.max_tokens <= first_windows else \
+            evaluate(model, *val_split.eval_windows(first_windows))
         rows.append(dict(label=variant.label, seconds_per_step=seconds, steps=steps, val_loss=val_loss,
-                         budget_seconds=budget, side=variant.side))
+                         val_loss_on_first_windows=on_first_windows, first_windows=first_windows,
+                         budget_seconds=budget, setup_seconds=setup, side=variant.side))
     return rows
 
 
@@ -156,17 +184,20 @@ def print_ablation(rows: Sequence[dict[str, Any]]) -> None:
     print(f"At the baseline's time ({rows[0]['budget_seconds']:.1f} s of training by the interleaved timing, "
           f"{torch.get_num_threads()} threads):")
     width = max(58, 2 + max(len(row["label"]) for row in rows))
-    header = f"{'change':<{width}}{'ms/step':>9}{'steps':>7}{'val_loss':>10}{'bought':>9}"
+    windows = f"at {rows[0]['first_windows']}" if "first_windows" in rows[0] else ""
+    header = f"{'change':<{width}}{'ms/step':>9}{'steps':>7}{'val_loss':>10}{'bought':>9}{windows:>10}"
     print(header)
     print("-" * len(header))
     previous = None
     for i, row in enumerate(rows):
         # rows 0 and 1 are the two starting points; each later row is measured against the main row above
         bought = "" if previous is None or i < 2 else f"{previous - row['val_loss']:+.3f}"
+        on_first = f"{row['val_loss_on_first_windows']:.4f}" if windows else ""
         print(f"{row['label']:<{width}}{1000 * row['seconds_per_step']:>9.1f}{row['steps']:>7d}"
-              f"{row['val_loss']:>10.4f}{bought:>9}")
+              f"{row['val_loss']:>10.4f}{bought:>9}{on_first:>10}")
         if i > 0 and not row.get("side"):
             previous = row["val_loss"]
     lead = rows[0]["val_loss"] - min(r["val_loss"] for r in rows[1:]) if len(rows) > 1 else 0.0
     print(f"(bought: the main row above minus this row; side rows are compared with the main row above them; "
-          f"the best row is {lead:.3f} below the baseline)")
+          f"the best row is {lead:.3f} below the baseline; {windows or 'at'}: the same model scored on the baseline's "
+          f"windows, since a longer context lowers the loss by itself)")

@@ -171,6 +171,12 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
                 budget = metrics["train_seconds"]   # the baseline's own time, for every later preset
             metrics["budget_seconds"] = budget if i or seconds is not None else None
             metrics["peak_rss_mb"] = peak_memory_mb()
+            windows = PRESETS[presets[0]].model["max_tokens"]
+            if i and PRESETS[name].model["max_tokens"] > windows:
+                # A longer context lowers the loss by itself (each prediction sees more), so a preset
+                # with longer windows than the first one's is also scored on the first one's windows.
+                metrics["val_loss_at_first_windows"] = _score_on_windows(root / name, windows, corpus or PRESETS[name].corpus)
+                metrics["first_windows"] = windows
             results[name] = metrics
     if measure_peak:
         # measured again afterwards: a busy moment can only hide the peak, never inflate it
@@ -179,6 +185,16 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
         metrics["peak_gflops"] = peak_gflops
         metrics["share_of_peak"] = metrics["achieved_flops"] / (peak_gflops * 1e9)
     return results
+
+
+def _score_on_windows(folder: Path, max_tokens: int, corpus: str) -> float:
+    """The validation loss of the run in ``folder`` over windows of ``max_tokens`` tokens."""
+    from ..checkpoints import load_checkpoint
+    from ..data import corpus_splits
+    from ..train import evaluate
+    model = load_checkpoint(folder / "checkpoint.pt").model
+    _, _, val_split = corpus_splits(corpus, max_tokens)
+    return evaluate(model, *val_split.eval_windows(max_tokens))
 
 
 def _print_training(results: dict[str, dict[str, Any]], peak_gflops: float) -> None:
@@ -193,7 +209,11 @@ def _print_training(results: dict[str, dict[str, Any]], peak_gflops: float) -> N
         print(f"{name:<{width}}{m['val_loss']:>9.4f}{m['steps']:>8d}{m['train_seconds']:>9.1f}"
               f"{m['tokens_per_second']:>10.0f}{m['achieved_flops'] / 1e9:>9.1f}"
               f"{100 * m['share_of_peak']:>7.1f}%{m['peak_rss_mb']:>9.0f}")
-    print("(val_loss: the whole validation split in non-overlapping windows; FLOP/s from "
+    for name, m in results.items():
+        if "val_loss_at_first_windows" in m:
+            print(f"{name}: val_loss {m['val_loss_at_first_windows']:.4f} on {m['first_windows']}-token windows, "
+                  f"as the first preset's (its own are {m['model']['max_tokens']})")
+    print("(val_loss: the whole validation split in non-overlapping windows of each preset's context; FLOP/s from "
           "6N + 12*L*H*Q*T per token; peak MB is this process's peak so far, so it includes "
           "the presets run before)")
 
@@ -225,6 +245,10 @@ def _print_lead_spread(runs: list[dict[str, dict[str, Any]]], seeds: Sequence[in
             if name in runs[0]:
                 leads = [r["baseline_cpu"]["val_loss"] - r[name]["val_loss"] for r in runs]
                 print(f"lead {name} over baseline_cpu: {summary(leads)}")
+                if next(iter(runs[0])) == "baseline_cpu" and "val_loss_at_first_windows" in runs[0][name]:
+                    leads = [r["baseline_cpu"]["val_loss"] - r[name]["val_loss_at_first_windows"] for r in runs]
+                    print(f"lead {name} over baseline_cpu, both on the baseline's "
+                          f"{runs[0][name]['first_windows']}-token windows: {summary(leads)}")
 
 
 # ---------------------------------------------------------------- attention
