@@ -404,6 +404,14 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
     device = resolve_device(device)
     model.to(device)
     raw_model = model
+    # Counting a counted n-gram model is part of training, so its seconds count as training time. It comes
+    # before any wrapper, so DistributedDataParallel and compile see the counted tables.
+    show_targets = _counts_ngrams(raw_model)
+    counting_seconds = 0.0
+    if show_targets and not raw_model.ngram_prior.counted:
+        counting_started = time.perf_counter()
+        raw_model.ngram_prior.count(_one_text(train_split).to(device))
+        counting_seconds = time.perf_counter() - counting_started
     if ctx.enabled:
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[ctx.local_rank] if device.type == "cuda" else None)
@@ -437,13 +445,9 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
         best_weights = state.best_weights
     stream = batches(train_split, config, max_tokens, ctx, device, generator)
     bar = _progress_bar(config.steps, step, progress and ctx.is_main)
-    prior = (history.train_seconds, history.eval_seconds, history.checkpoint_seconds)
+    prior = (history.train_seconds + counting_seconds, history.eval_seconds, history.checkpoint_seconds)
     started = last_save = time.perf_counter()
     eval_seconds = checkpoint_seconds = 0.0   # this session's
-    show_targets = _counts_ngrams(raw_model)
-    if show_targets and not raw_model.ngram_prior.counted:
-        # counting is part of training, so its seconds count as training time
-        raw_model.ngram_prior.count(_one_text(train_split))
     saved_step = step if state is not None else -1
 
     def checkpoint() -> None:

@@ -1,4 +1,5 @@
 """The counted n-gram model: Kneser-Ney as counted by hand, leave-one-out, and its place in ModernGPT."""
+import time
 from collections import Counter
 
 import pytest
@@ -193,9 +194,17 @@ def test_training_counts_the_training_text_once_and_leaves_each_target_out(monke
         seen.append(targets is not None)
         return forward(self, idx, targets, before)
 
+    count = NgramPrior.count
+
+    def slow_count(self, ids):   # counting is training: its time is training time
+        time.sleep(0.5)
+        count(self, ids)
+
     monkeypatch.setattr(NgramPrior, "forward", spy)
+    monkeypatch.setattr(NgramPrior, "count", slow_count)
     config = TrainConfig(steps=3, batch_size=2, eval_interval=3, eval_windows=2, warmup_steps=1)
-    train(model, split, TokenStream(_text(100, seed=5)), config, progress=False)
+    history = train(model, split, TokenStream(_text(100, seed=5)), config, progress=False)
+    assert history.train_seconds >= 0.5
     assert int(model.ngram_prior.counted_tokens) == split.ids.numel()
     assert seen.count(True) == 3                       # each training step left its targets out
     assert not all(seen)                               # and the evaluations did not
