@@ -27,8 +27,11 @@ and 4.
 **Leave one out.** Scored on the text it was counted from, a counted model is overconfident: every
 7-gram there occurred at least once, the one being predicted. A network trained on top would learn to
 trust it more than it deserves on new text. So in training (``targets`` given) each position's own
-occurrence is taken out of the counts first, as if that character had never been counted. A target
-the counts never saw (other text) is left as it is.
+occurrence is taken out of the counts first, as if that character had never been counted: one
+occurrence fewer of each n-gram that ends with it, and so one context fewer in a continuation count
+whose longer n-gram occurred only there. A target the counts never saw (other text) is left as it is.
+In a window's first tokens, where that longer n-gram would reach back before the window, its
+continuation count is left as counted.
 """
 from __future__ import annotations
 
@@ -41,8 +44,8 @@ from .data import IGNORE_INDEX
 __all__ = ["NgramPrior"]
 
 # The tables of each order, as buffers: contexts (sorted keys), where each context's entries start,
-# the entries' tokens and counts, each context's total and number of distinct next tokens; and, for
-# orders 2 and up, the raw counts of every n-gram of that length (leave-one-out needs them).
+# the entries' tokens and counts; for orders 2 and up, the raw counts of every n-gram of that length
+# (leave-one-out needs them); and, for an order with few contexts, its counts as dense rows.
 _TABLES = ("context_keys", "context_starts", "entry_tokens", "entry_counts", "raw_keys", "raw_counts", "dense_counts")
 # An order with few contexts also keeps its counts as one dense row per context (at most this many
 # numbers): reading rows is faster than assembling them from the entries.

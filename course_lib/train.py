@@ -29,7 +29,7 @@ from .runtime import DEVICES
 from .runtime import device as default_device
 
 __all__ = [
-    "lm_loss", "update", "train_step", "evaluate",
+    "lm_loss", "update", "train_step", "evaluate", "count_ngrams",
     "TrainConfig", "History", "TrainState", "NonFiniteLoss", "learning_rate", "batches", "train",
     "resolve_device", "flops_per_token", "patience_stop_note",
 ]
@@ -110,6 +110,21 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
 
 def _counts_ngrams(model: nn.Module) -> bool:
     return getattr(model, "ngram_prior", None) is not None
+
+
+def count_ngrams(model: nn.Module, train_split: Split) -> float:
+    """Count a ModernGPT's n-gram model (``ngram_prior``) from ``train_split``, unless it is counted already.
+
+    Returns the seconds it took (0.0 with nothing to count): training time, which :func:`train` and the
+    benchmarks spend out of their budgets.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module (a course_lib GPT or ModernGPT), got {validate.describe(model)}")
+    if not _counts_ngrams(model) or model.ngram_prior.counted:
+        return 0.0
+    started = time.perf_counter()
+    model.ngram_prior.count(_one_text(train_split).to(model.ngram_prior.discounts.device))
+    return time.perf_counter() - started
 
 
 def _one_text(split: Split) -> torch.Tensor:
@@ -407,11 +422,7 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
     # Counting a counted n-gram model is part of training, so its seconds count as training time. It comes
     # before any wrapper, so DistributedDataParallel and compile see the counted tables.
     show_targets = _counts_ngrams(raw_model)
-    counting_seconds = 0.0
-    if show_targets and not raw_model.ngram_prior.counted:
-        counting_started = time.perf_counter()
-        raw_model.ngram_prior.count(_one_text(train_split).to(device))
-        counting_seconds = time.perf_counter() - counting_started
+    counting_seconds = count_ngrams(raw_model, train_split)
     if ctx.enabled:
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[ctx.local_rank] if device.type == "cuda" else None)

@@ -214,6 +214,19 @@ def test_training_counts_the_training_text_once_and_leaves_each_target_out(monke
     assert torch.equal(model.ngram_prior.entry_counts_4, before)   # counted already: not counted again
 
 
+def test_count_ngrams_counts_once_and_names_what_it_cannot_count():
+    from course_lib.train import count_ngrams
+    model = _model()
+    assert count_ngrams(model, TokenStream(_text())) > 0 and model.ngram_prior.counted
+    assert count_ngrams(model, TokenStream(_text())) == 0.0                    # counted already
+    torch.manual_seed(0)
+    assert count_ngrams(ModernGPT(ModernGPTConfig(**CONFIG)), TokenStream(_text())) == 0.0   # nothing to count
+    with pytest.raises(TypeError, match="train_split: a model with a counted n-gram model .* got list"):
+        count_ngrams(_model(), [1, 2, 3])
+    with pytest.raises(TypeError, match="model: expected an nn.Module"):
+        count_ngrams("gpt", TokenStream(_text()))
+
+
 def test_names_are_counted_one_row_after_another():
     model = _model(max_tokens=6)
     inputs = torch.tensor([[0, 1, 2, 3, 0, 0], [0, 4, 3, 0, 0, 0]])
