@@ -197,6 +197,28 @@ def test_ablation_command_prints_every_change_of_the_recipe(corpus, capsys):
     assert "the best row is" in out
 
 
+def test_a_row_that_names_another_is_compared_with_that_row(capsys):
+    from course_lib.runs.ablation import print_ablation
+
+    def row(label, loss, **more):
+        return dict(label=label, seconds_per_step=0.1, steps=10, val_loss=loss, val_loss_on_first_windows=loss,
+                    first_windows=64, budget_seconds=1.0, setup_seconds=0.0, **more)
+    print_ablation([row("base", 2.0), row("start", 1.9), row("parts", 1.7), row("more", 1.5),
+                    row("control", 1.75, side=True, against="parts"), row("tried", 1.52, side=True)])
+    bought = {line.split()[0]: line.split()[4] for line in capsys.readouterr().out.splitlines()[5:9]}
+    assert bought == {"parts": "+0.200", "more": "+0.200", "control": "-0.050", "tried": "-0.020"}
+
+
+def test_a_row_cannot_name_a_row_that_does_not_come_before_it():
+    from course_lib.runs.ablation import ABLATION, Variant, ablation_benchmark
+    rows = [Variant("a", PRESETS["tiny"]), Variant("b", PRESETS["tiny"], against="c"), Variant("c", PRESETS["tiny"])]
+    with pytest.raises(ValueError, match=r"variants\[1\]\.against: expected the label of an earlier row.*'c'"):
+        ablation_benchmark(rows)
+    assert sum(v.against is not None for v in ABLATION) == 1   # the control, against the same changes on 09's parts
+    control = next(v for v in ABLATION if v.against)
+    assert control.against in [v.label for v in ABLATION[:ABLATION.index(control)]]
+
+
 def test_a_preset_with_another_context_is_also_scored_on_the_first_presets_windows(corpus, tmp_path):
     from course_lib.checkpoints import load_checkpoint
     from course_lib.data import corpus_splits

@@ -36,13 +36,14 @@ class Variant:
     label: str
     preset: Preset
     side: bool = False   # a side row (tried and dropped, a control): compared with the last main row
+    against: str | None = None   # the label of an earlier row to compare with instead of the last main row
 
 
 def _variant(label: str, base: Preset, *, architecture: str | None = None, model: dict[str, Any] | None = None,
-             side: bool = False, **train: Any) -> Variant:
+             side: bool = False, against: str | None = None, **train: Any) -> Variant:
     return Variant(label, replace(base, architecture=architecture or base.architecture,
                                   model=model if model is not None else base.model,
-                                  train=replace(base.train, **train)), side)
+                                  train=replace(base.train, **train)), side, against)
 
 
 def _ablation() -> list[Variant]:
@@ -64,6 +65,7 @@ def _ablation() -> list[Variant]:
     first = dict(muon_momentum=0.95)   # the momentum before its own row
     hashed = dict(hashed_ngrams=4, ngram_buckets=8192)   # the hashed n-gram embeddings of 2026-11-26
     counted = dict(short.model, ngram_prior=course.model["ngram_prior"])
+    no_qk_norm = "Muon momentum 0.9 instead of 0.95"   # the last row with notebook 09's parts and nothing after them
     return [
         Variant("baseline_cpu (4 layers of 128, AdamW)", baseline),
         Variant("GPT-2 parts, 2 layers of 192, AdamW", before),
@@ -76,7 +78,7 @@ def _ablation() -> list[Variant]:
                  model=modern(hidden_dim=4 * course.model["embed_dim"], tie_weights=True, qk_norm=False), **first),
         _variant("ReLU² hidden 3E instead of 4E", short, model=modern(tie_weights=True, qk_norm=False), **first),
         _variant("untied output head", short, model=modern(qk_norm=False), **first),
-        _variant("Muon momentum 0.9 instead of 0.95", short, model=modern(qk_norm=False)),
+        _variant(no_qk_norm, short, model=modern(qk_norm=False)),
         _variant("+ QK-norm", short, model=modern()),
         _variant("hashed 2- to 4-gram embeddings (the recipe on 2026-11-26, side)", short, model=modern(**hashed),
                  side=True),
@@ -87,8 +89,10 @@ def _ablation() -> list[Variant]:
                  model=dict(course.model, **hashed), side=True),
         _variant("warmup 30 steps instead of 100 (tried, not kept)", course, warmup_steps=30, side=True),
         # The control: every change but notebook 09's parts and the n-grams, on GPT-2's (GELU feed-forward of 3E).
+        # It is compared with the row that has the same changes on notebook 09's parts, so that its difference is
+        # what those parts buy, not what QK-norm, the counts and the context buy as well.
         _variant("control: GPT-2 parts, every other change but QK-norm and the n-grams", short, architecture="gpt",
-                 model=dict(before.model, mlp_ratio=3, tie_weights=False), side=True),
+                 model=dict(before.model, mlp_ratio=3, tie_weights=False), side=True, against=no_qk_norm),
     ]
 
 
@@ -146,6 +150,10 @@ def ablation_benchmark(variants: Sequence[Variant] | None = None, *, corpus: str
     variants = list(ABLATION if variants is None else variants)
     if not variants or not all(isinstance(v, Variant) for v in variants):
         raise TypeError(f"variants: expected a non-empty list of Variant, got {validate.describe(variants)}")
+    for i, variant in enumerate(variants):
+        if variant.against is not None and variant.against not in [v.label for v in variants[1:i]]:
+            raise ValueError(f"variants[{i}].against: expected the label of an earlier row after the baseline, "
+                             f"got {variant.against!r}")
     if baseline_steps is not None:
         validate.positive_int("baseline_steps", baseline_steps)
     validate.positive_int("rounds", rounds)
@@ -172,7 +180,7 @@ def ablation_benchmark(variants: Sequence[Variant] | None = None, *, corpus: str
             evaluate(model, *val_split.eval_windows(first_windows))
         rows.append(dict(label=variant.label, seconds_per_step=seconds, steps=steps, val_loss=val_loss,
                          val_loss_on_first_windows=on_first_windows, first_windows=first_windows,
-                         budget_seconds=budget, setup_seconds=setup, side=variant.side))
+                         budget_seconds=budget, setup_seconds=setup, side=variant.side, against=variant.against))
     return rows
 
 
@@ -185,15 +193,21 @@ def print_ablation(rows: Sequence[dict[str, Any]]) -> None:
     print(header)
     print("-" * len(header))
     previous = None
+    losses: dict[str, float] = {}
     for i, row in enumerate(rows):
-        # rows 0 and 1 are the two starting points; each later row is measured against the main row above
-        bought = "" if previous is None or i < 2 else f"{previous - row['val_loss']:+.3f}"
+        # rows 0 and 1 are the two starting points; each later row is measured against the main row above, or
+        # against the row it names
+        against = losses[row["against"]] if row.get("against") in losses else previous
+        bought = "" if against is None or i < 2 else f"{against - row['val_loss']:+.3f}"
         on_first = f"{row['val_loss_on_first_windows']:.4f}" if windows else ""
         print(f"{row['label']:<{width}}{1000 * row['seconds_per_step']:>9.1f}{row['steps']:>7d}"
               f"{row['val_loss']:>10.4f}{bought:>9}{on_first:>10}")
-        if i > 0 and not row.get("side"):
-            previous = row["val_loss"]
+        if i > 0:
+            losses[row["label"]] = row["val_loss"]
+            if not row.get("side"):
+                previous = row["val_loss"]
     lead = rows[0]["val_loss"] - min(r["val_loss"] for r in rows[1:]) if len(rows) > 1 else 0.0
-    print(f"(bought: the main row above minus this row; side rows are compared with the main row above them; "
+    named = "".join(f", {row['label']!r} with {row['against']!r}" for row in rows if row.get("against"))
+    print(f"(bought: the main row above minus this row; side rows are compared with the main row above them{named}; "
           f"the best row is {lead:.3f} below the baseline; {windows or 'at'}: the same model scored on the baseline's "
           f"windows, since a longer context lowers the loss by itself)")
