@@ -65,7 +65,7 @@ def _ablation() -> list[Variant]:
     first = dict(muon_momentum=0.95)   # the momentum before its own row
     hashed = dict(hashed_ngrams=4, ngram_buckets=8192)   # the hashed n-gram embeddings of 2026-11-26
     counted = dict(short.model, ngram_prior=course.model["ngram_prior"])
-    no_qk_norm = "Muon momentum 0.9 instead of 0.95"   # the last row with notebook 09's parts and nothing after them
+    no_qk_norm = "Muon momentum 0.9 instead of 0.95"   # the control's changes, on notebook 09's parts
     return [
         Variant("baseline_cpu (4 layers of 128, AdamW)", baseline),
         Variant("GPT-2 parts, 2 layers of 192, AdamW", before),
