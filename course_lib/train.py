@@ -29,7 +29,7 @@ from .runtime import DEVICES
 from .runtime import device as default_device
 
 __all__ = [
-    "lm_loss", "update", "train_step", "evaluate", "count_ngrams",
+    "lm_loss", "update", "train_step", "evaluate", "count_ngrams", "has_ngram_prior",
     "TrainConfig", "History", "TrainState", "NonFiniteLoss", "learning_rate", "batches", "train",
     "resolve_device", "flops_per_token", "patience_stop_note",
 ]
@@ -105,10 +105,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
     if inputs.shape != targets.shape:
         raise ValueError(f"targets: expected the shape of inputs {tuple(inputs.shape)}, got {tuple(targets.shape)}")
     return update(model, optimizer, inputs, targets, max_grad_norm,
-                  show_targets=_counts_ngrams(model)).item()
+                  show_targets=has_ngram_prior(model)).item()
 
 
-def _counts_ngrams(model: nn.Module) -> bool:
+def has_ngram_prior(model: nn.Module) -> bool:
+    """Whether ``model`` (unwrapped) has a counted n-gram model, and so wants the targets in training steps."""
     return getattr(model, "ngram_prior", None) is not None
 
 
@@ -120,7 +121,7 @@ def count_ngrams(model: nn.Module, train_split: Split) -> float:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module (a course_lib GPT or ModernGPT), got {validate.describe(model)}")
-    if not _counts_ngrams(model) or model.ngram_prior.counted:
+    if not has_ngram_prior(model) or model.ngram_prior.counted:
         return 0.0
     started = time.perf_counter()
     model.ngram_prior.count(_one_text(train_split).to(model.ngram_prior.discounts.device))
@@ -421,7 +422,7 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
     raw_model = model
     # Counting a counted n-gram model is part of training, so its seconds count as training time. It comes
     # before any wrapper, so DistributedDataParallel and compile see the counted tables.
-    show_targets = _counts_ngrams(raw_model)
+    show_targets = has_ngram_prior(raw_model)
     counting_seconds = count_ngrams(raw_model, train_split)
     if ctx.enabled:
         from torch.nn.parallel import DistributedDataParallel

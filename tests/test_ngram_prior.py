@@ -215,8 +215,9 @@ def test_training_counts_the_training_text_once_and_leaves_each_target_out(monke
 
 
 def test_count_ngrams_counts_once_and_names_what_it_cannot_count():
-    from course_lib.train import count_ngrams
+    from course_lib.train import count_ngrams, has_ngram_prior
     model = _model()
+    assert has_ngram_prior(model) and not has_ngram_prior(ModernGPT(ModernGPTConfig(**CONFIG)))
     assert count_ngrams(model, TokenStream(_text())) > 0 and model.ngram_prior.counted
     assert count_ngrams(model, TokenStream(_text())) == 0.0                    # counted already
     torch.manual_seed(0)

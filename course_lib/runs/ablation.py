@@ -108,11 +108,11 @@ def _stepper(preset: Preset, corpus: str | None) -> tuple[Any, float]:
     """A function that takes one training step of ``preset``, and the seconds training spends before its first
     step (counting the n-grams of a counted n-gram model; 0 without one)."""
     from ..optimizers import build_optimizer
-    from ..train import count_ngrams, update
+    from ..train import count_ngrams, has_ngram_prior, update
     model, _, train_split, _, config = _build(preset, corpus)
     optimizer = build_optimizer(model, config, "cpu")
     generator = torch.Generator().manual_seed(0)
-    show_targets = getattr(model, "ngram_prior", None) is not None
+    show_targets = has_ngram_prior(model)
     setup = count_ngrams(model, train_split)
 
     def step() -> None:
