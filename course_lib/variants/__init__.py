@@ -1,0 +1,13 @@
+"""Where attention is going (notebook 12): three ways to make generation's memory smaller.
+
+- :mod:`.cache_size`: bytes per generated token in the KV cache, for MHA, GQA, MQA and MLA;
+- :mod:`.sliding`: a window of ``w`` keys per query, attention sinks, and the ring-buffer KV cache
+  whose memory stays flat however long the generation;
+- :mod:`.latent`: multi-head latent attention (DeepSeek-V2/V3): a cache of one small latent per token;
+- :mod:`.linear`: linear attention (Katharopoulos et al. 2020): a state of fixed size instead of a cache.
+"""
+from .sliding import RingKVCache, SlidingWindowAttention, rope_rows, sliding_window_mask, window_mask_at
+
+__all__ = [
+    "RingKVCache", "SlidingWindowAttention", "rope_rows", "sliding_window_mask", "window_mask_at",
+]
