@@ -6,8 +6,12 @@
 - :mod:`.latent`: multi-head latent attention (DeepSeek-V2/V3): a cache of one small latent per token;
 - :mod:`.linear`: linear attention (Katharopoulos et al. 2020): a state of fixed size instead of a cache.
 """
+from .cache_size import ATTENTION_KINDS, kv_cache_bytes_per_token
+from .latent import LatentCache, MultiHeadLatentAttention
 from .sliding import RingKVCache, SlidingWindowAttention, rope_rows, sliding_window_mask, window_mask_at
 
 __all__ = [
+    "ATTENTION_KINDS", "kv_cache_bytes_per_token",
+    "LatentCache", "MultiHeadLatentAttention",
     "RingKVCache", "SlidingWindowAttention", "rope_rows", "sliding_window_mask", "window_mask_at",
 ]
