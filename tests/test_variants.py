@@ -209,5 +209,7 @@ def test_the_layer_names_its_bad_arguments():
 
 
 def test_the_package_offers_what_the_notebook_names():
-    for name in ("sliding_window_mask", "RingKVCache", "SlidingWindowAttention", "window_mask_at", "rope_rows"):
+    for name in ("sliding_window_mask", "RingKVCache", "SlidingWindowAttention", "MultiHeadLatentAttention",
+                 "LatentCache", "kv_cache_bytes_per_token", "linear_attention", "linear_attention_recurrent",
+                 "elu_feature_map"):
         assert name in variants.__all__ and hasattr(variants, name)

@@ -8,10 +8,12 @@
 """
 from .cache_size import ATTENTION_KINDS, kv_cache_bytes_per_token
 from .latent import LatentCache, MultiHeadLatentAttention
+from .linear import elu_feature_map, linear_attention, linear_attention_recurrent
 from .sliding import RingKVCache, SlidingWindowAttention, rope_rows, sliding_window_mask, window_mask_at
 
 __all__ = [
     "ATTENTION_KINDS", "kv_cache_bytes_per_token",
     "LatentCache", "MultiHeadLatentAttention",
+    "elu_feature_map", "linear_attention", "linear_attention_recurrent",
     "RingKVCache", "SlidingWindowAttention", "rope_rows", "sliding_window_mask", "window_mask_at",
 ]
