@@ -17,17 +17,18 @@ The absorbed form (``absorb=True``) never builds the keys and values:
 space once, the scores are taken against the cached latents directly, and :math:`W^{UV}_h` is applied to
 the attention-weighted latent afterwards. Same outputs, less work per generated token.
 
-Parameter names are Hugging Face DeepSeek-V3's, so its weights load unchanged both ways:
+Parameter names are Hugging Face DeepSeek-V3's, so its weights load unchanged both ways
+(E = embed_dim, H = num_heads, dn, dr, dv = qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
 
-============================  ===================================  ======================================
-here (and in DeepSeek-V3)     the paper                            shape (out, in)
-============================  ===================================  ======================================
-``q_a_proj``, ``q_b_proj``    :math:`W^{DQ}`, :math:`W^{UQ};W^{QR}`  (q_lora_rank, E), (H (dn + dr), q_lora_rank)
-``q_proj`` (no q_lora_rank)   :math:`W^{Q}`                        (H (dn + dr), E)
-``kv_a_proj_with_mqa``        :math:`W^{DKV}` and :math:`W^{KR}`   (kv_lora_rank + dr, E)
-``kv_b_proj``                 :math:`W^{UK}` and :math:`W^{UV}`    (H (dn + dv), kv_lora_rank)
-``o_proj``                    :math:`W^{O}`                        (E, H dv)
-============================  ===================================  ======================================
+- ``q_a_proj`` (q_lora_rank, E), then ``q_a_layernorm``, then ``q_b_proj`` (H (dn + dr), q_lora_rank):
+  the paper's :math:`W^{DQ}`, then :math:`W^{UQ}` and :math:`W^{QR}` side by side; or ``q_proj``
+  (H (dn + dr), E) when ``q_lora_rank`` is None;
+- ``kv_a_proj_with_mqa`` (kv_lora_rank + dr, E): :math:`W^{DKV}` and :math:`W^{KR}` stacked, then
+  ``kv_a_layernorm`` on the latent part;
+- ``kv_b_proj`` (H (dn + dv), kv_lora_rank): per head, :math:`W^{UK}_h` then :math:`W^{UV}_h`;
+- ``o_proj`` (E, H dv): :math:`W^{O}`.
+
+The two latent norms use ``norm_eps`` = 1e-6, as DeepSeek-V3's do (they do not read its ``rms_norm_eps``).
 
 ``rope_interleave=True`` (DeepSeek's checkpoints) pairs the rotary dimensions as (0, 1), (2, 3), ...; the
 course's :func:`~course_lib.modern.apply_rotary` pairs ``i`` with ``i + d/2``, so the rotary part is first
