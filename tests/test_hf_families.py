@@ -270,3 +270,19 @@ def test_each_weight_table_names_every_tensor_once(family):
     assert sorted(name for name, _ in pairs) == sorted(ModernGPT(config).state_dict())
     assert sorted(name for _, name in pairs) == sorted(theirs.state_dict())
     assert len(set(pairs)) == len(pairs)
+
+
+@pytest.mark.parametrize("name", ["apertus-relu2-qk_norm-head_dim12", "qwen3-window5", "mistral-window1"])
+def test_a_saved_folder_keeps_what_the_family_config_does_not_declare(tmp_path, name):
+    """Apertus's config has no head_dim field (it reads one when given); Qwen 3 keeps its window in
+    layer_types: both must survive save_pretrained and AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM
+
+    theirs = hf.to_hf_modern(hf.from_hf_modern(random_hf(name)))
+    theirs.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is type(theirs) and loaded.config.head_dim == theirs.config.head_dim
+    assert hf.from_hf_modern(loaded).config == hf.from_hf_modern(theirs).config
+    idx = tokens(1, seed=9)
+    with torch.no_grad():
+        assert max_difference(loaded(idx).logits, theirs(idx).logits) == 0.0

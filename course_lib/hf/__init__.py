@@ -1,4 +1,5 @@
-"""Interop with Hugging Face transformers: our GPT next to GPT-2, weight for weight.
+"""Interop with Hugging Face transformers: our GPT next to GPT-2, our ModernGPT next to Llama, Mistral,
+Qwen 3, Arcee and Apertus, weight for weight.
 
 - :mod:`.gpt2`: ``to_hf_gpt2`` / ``from_hf_gpt2`` convert whole models; the name pairs
   come from :func:`weight_pairs`, the one table both directions read.
