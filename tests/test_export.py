@@ -91,18 +91,35 @@ def test_a_gpt_run_exports_as_gpt2_with_its_char_tokenizer(tmp_path, unknown):
     assert_same_greedy_text(run, done.folder, model, tok, "All:\nSpe", 12)
 
 
-def test_a_modern_run_exports_as_llama_and_generates_the_same_text(tmp_path):
+# The ModernGPT's options -> the transformers class that has them (course_lib.hf.families).
+MODERN_EXPORTS = {
+    "llama": (dict(rope_theta=500.0), transformers.LlamaForCausalLM),
+    "qwen3-qk_norm": (dict(qk_norm=True, norm_eps=1e-5), transformers.Qwen3ForCausalLM),
+    "qwen3-qk_norm-window8": (dict(qk_norm=True, sliding_window=8, tie_weights=True), transformers.Qwen3ForCausalLM),
+    "mistral-window8": (dict(sliding_window=8), transformers.MistralForCausalLM),
+    "arcee-relu2": (dict(mlp="relu2"), transformers.ArceeForCausalLM),
+    "apertus-relu2-qk_norm": (dict(mlp="relu2", qk_norm=True), transformers.ApertusForCausalLM),
+}
+
+
+@pytest.mark.parametrize("name", list(MODERN_EXPORTS))
+def test_a_modern_run_exports_as_the_family_with_its_options_and_generates_the_same_text(tmp_path, name):
+    changes, cls = MODERN_EXPORTS[name]
     tok = CharTokenizer.from_text(TEXT, unknown="replace")
-    model = modern(tok.vocab_size, rope_theta=500.0)
+    model = modern(tok.vocab_size, **changes)
     run = make_run(tmp_path / "run", model, tok)
     done = export_run(run, tmp_path / "hf")
-    assert done.hf_type == "llama"
+    assert done.hf_type == cls.config_class.model_type
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(done.folder)
-    assert isinstance(hf_model, transformers.LlamaForCausalLM)
+    assert type(hf_model) is cls
     assert hf_model.config.num_key_value_heads == 2
-    ids = torch.tensor([tok.encode(TEXT[:32])])
+    assert getattr(hf_model.config, "sliding_window", None) == changes.get("sliding_window")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(done.folder)
+    assert hf_tok("hear me\n")["input_ids"] == tok.encode("hear me\n")
+    ids = torch.tensor([tok.encode(TEXT[:32])])   # 32 tokens: four windows of 8
     with torch.no_grad():
         torch.testing.assert_close(hf_model(ids).logits, model.eval()(ids), atol=1e-5, rtol=1e-5)
+    # 9 + 14 tokens (and the pipeline's default 9 + 16): past a window of 8
     assert_same_greedy_text(run, done.folder, model, tok, "First Cit", 14)
 
 
@@ -121,9 +138,9 @@ def test_a_subword_run_exports_its_tokenizer(tmp_path):
 
 @pytest.mark.parametrize("architecture, changes, setting", [
     ("gpt", {"norm_first": False}, "norm_first"),
-    ("modern", {"qk_norm": True}, "qk_norm"),
-    ("modern", {"sliding_window": 8}, "sliding_window"),
-    ("modern", {"mlp": "relu2"}, "mlp"),
+    ("modern", {"ngram_prior": 3, "prior_features": True}, "ngram_prior: no transformers architecture"),
+    ("modern", {"hashed_ngrams": 3, "qk_norm": True}, "hashed_ngrams: no transformers architecture"),
+    ("modern", {"mlp": "relu2", "sliding_window": 8}, "sliding_window: no transformers architecture has both"),
 ])
 def test_what_hf_cannot_express_is_refused_in_one_line_naming_the_setting(tmp_path, architecture, changes, setting):
     tok = CharTokenizer.from_text(TEXT)
@@ -176,3 +193,18 @@ def test_the_command_exports_a_trained_preset_and_refuses_in_one_line(tmp_path):
     again = course("export", "run", "hf")
     assert again.returncode == 2 and again.stdout == ""
     assert again.stderr.count("\n") == 1 and again.stderr.startswith("error: OUT_DIR: hf already holds files")
+
+
+def test_the_command_names_the_family_it_wrote(tmp_path, capsys):
+    from course_lib.runs.export import main
+
+    tok = CharTokenizer.from_text(TEXT)
+    save_checkpoint(tmp_path / "run" / "checkpoint.pt", modern(tok.vocab_size, qk_norm=True, sliding_window=8), tok)
+    assert main(str(tmp_path / "run"), str(tmp_path / "hf")) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"wrote {tmp_path / 'hf'} as Qwen 3 (Qwen3ForCausalLM), ")
+    save_checkpoint(tmp_path / "prior" / "checkpoint.pt", modern(tok.vocab_size, ngram_prior=3), tok)
+    assert main(str(tmp_path / "prior"), str(tmp_path / "hf2")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: cannot export {tmp_path / 'prior'}: the run's ngram_prior: ")
+    assert "mlp='swiglu' converts as Llama" in err

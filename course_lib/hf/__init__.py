@@ -1,12 +1,18 @@
-"""Interop with Hugging Face transformers: our GPT next to GPT-2, weight for weight.
+"""Interop with Hugging Face transformers: our GPT next to GPT-2, our ModernGPT next to Llama, Mistral,
+Qwen 3, Arcee and Apertus, weight for weight.
 
 - :mod:`.gpt2`: ``to_hf_gpt2`` / ``from_hf_gpt2`` convert whole models; the name pairs
   come from :func:`weight_pairs`, the one table both directions read.
 - :mod:`.llama`: ``from_hf_llama`` / ``to_hf_llama`` convert a ``LlamaForCausalLM`` to and from the
   course's ``ModernGPT`` (notebook 09), built from any attention, norm and MLP classes with the
   reference's parameter names; the name pairs come from :func:`llama_weight_pairs`.
+- :mod:`.qwen3`: ``from_hf_qwen3`` / ``to_hf_qwen3`` do the same for ``Qwen3ForCausalLM``: a ModernGPT with
+  QK-norm (``qk_norm=True``), with or without a sliding window.
+- :mod:`.families`: the table of which transformers decoder expresses which ModernGPT (Llama, Mistral for a
+  sliding window, Qwen 3 for QK-norm, Arcee and Apertus for the ReLU² MLP); ``to_hf_modern`` picks the row
+  from the config and ``from_hf_modern`` reads any of them.
 - :mod:`.pretrained`: ``from_pretrained`` loads real GPT-2 weights (a local folder or
-  the hub cache) as a course GPT; ``save_pretrained`` writes a course GPT or ModernGPT and its
+  the hub cache) as a course GPT; ``save_pretrained`` writes a course GPT (as GPT-2) or ModernGPT (as its family) and its
   tokenizer as a folder that ``transformers.pipeline("text-generation", model=folder)`` can run.
 - ``course_lib.runs.export`` (beside the run folders it reads) builds on ``save_pretrained``: ``export_run``
   writes a training run's folder as a Hugging Face folder: ``python -m course_lib export RUN_DIR OUT_DIR``.
@@ -31,6 +37,16 @@ except ImportError as error:   # pragma: no cover - the course environment alway
                       ) from error
 
 from .attention_interface import course_attention_forward, register_course_attention, run_with_attention
+from .families import (
+    FAMILIES,
+    Family,
+    course_config_from_hf,
+    family_for,
+    from_hf_modern,
+    hf_config_from_course,
+    modern_weight_pairs,
+    to_hf_modern,
+)
 from .gpt2 import (
     WeightPair,
     course_config_from_gpt2,
@@ -50,6 +66,13 @@ from .llama import (
     to_hf_llama,
 )
 from .pretrained import PretrainedWeightsNotFound, char_tokenizer_to_hf, from_pretrained, save_pretrained
+from .qwen3 import (
+    course_config_from_qwen3,
+    from_hf_qwen3,
+    qwen3_config_from_course,
+    qwen3_weight_pairs,
+    to_hf_qwen3,
+)
 
 __all__ = [
     "WeightPair",
@@ -66,6 +89,19 @@ __all__ = [
     "llama_config_from_course",
     "to_hf_llama",
     "from_hf_llama",
+    "qwen3_weight_pairs",
+    "course_config_from_qwen3",
+    "qwen3_config_from_course",
+    "to_hf_qwen3",
+    "from_hf_qwen3",
+    "Family",
+    "FAMILIES",
+    "family_for",
+    "modern_weight_pairs",
+    "hf_config_from_course",
+    "course_config_from_hf",
+    "to_hf_modern",
+    "from_hf_modern",
     "PretrainedWeightsNotFound",
     "from_pretrained",
     "char_tokenizer_to_hf",

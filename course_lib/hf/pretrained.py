@@ -15,8 +15,8 @@ from .. import _validate as validate
 from ..data import REPLACEMENT_CHAR, UNKNOWN_POLICIES
 from ..model import GPT
 from ..modern_gpt import ModernGPT
+from .families import to_hf_modern
 from .gpt2 import from_hf_gpt2, to_hf_gpt2
-from .llama import to_hf_llama
 
 __all__ = ["PretrainedWeightsNotFound", "from_pretrained", "char_tokenizer_to_hf", "save_pretrained"]
 
@@ -132,8 +132,10 @@ def char_tokenizer_to_hf(tokenizer: Any, *, model_max_length: int | None = None)
 
 
 def save_pretrained(model: GPT | ModernGPT, tokenizer: Any, folder: str | os.PathLike) -> Path:
-    """Write ``model`` (a GPT as GPT-2, a ModernGPT as Llama) and ``tokenizer`` to ``folder`` for
-    ``transformers.pipeline("text-generation")``.
+    """Write ``model`` and ``tokenizer`` to ``folder`` for ``transformers.pipeline("text-generation")``.
+
+    A GPT goes as GPT-2; a ModernGPT as the transformers decoder that expresses its options
+    (:func:`course_lib.hf.families.family_for`: Llama, Mistral, Qwen 3, Arcee or Apertus).
 
     ``tokenizer``: a transformers fast tokenizer (data.train_subword_tokenizer) or the
     course's CharTokenizer. Returns the folder.
@@ -151,7 +153,7 @@ def save_pretrained(model: GPT | ModernGPT, tokenizer: Any, folder: str | os.Pat
     if len(hf_tokenizer) > model.config.vocab_size:
         raise ValueError(f"tokenizer: has {len(hf_tokenizer)} tokens but the model's vocab_size is "
                          f"{model.config.vocab_size}; export the tokenizer the model was trained with")
-    hf_model = (to_hf_gpt2(model) if isinstance(model, GPT) else to_hf_llama(model)).eval()
+    hf_model = (to_hf_gpt2(model) if isinstance(model, GPT) else to_hf_modern(model)).eval()
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(hf_model.config, attr, getattr(hf_tokenizer, attr, None))
         setattr(hf_model.generation_config, attr, getattr(hf_tokenizer, attr, None))

@@ -2,15 +2,19 @@
 
 The folder holds ``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer
 files, so ``AutoModelForCausalLM.from_pretrained`` loads a ``GPT`` run as GPT-2 and a ``ModernGPT``
-run as Llama, ``AutoTokenizer.from_pretrained`` loads its tokenizer, and
+run as the decoder that has its options (``course_lib.hf.families``: QK-norm as Qwen 3, a sliding
+window as Mistral or Qwen 3, the ReLU² MLP as Arcee or Apertus, the rest as Llama),
+``AutoTokenizer.from_pretrained`` loads its tokenizer, and
 ``pipeline("text-generation", model=OUT_DIR)`` decodes greedily to the text ``course_lib.generate``
 gives with ``temperature=0`` (within the model's context).
 
-What cannot be exported (a setting GPT-2 or Llama cannot express, a run without a tokenizer, a
+What cannot be exported (a setting no transformers architecture expresses: post-norm GPT blocks,
+hashed n-gram tables, a counted n-gram prior, ReLU² with a sliding window; a run without a tokenizer, a
 folder that already holds files) is refused with :class:`ExportRefused`, one line naming it.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,7 +26,6 @@ from pathlib import Path
 import torch
 
 from ..checkpoints import CheckpointError, load_checkpoint
-from ..model import GPT
 from .run_folder import CHECKPOINT
 
 __all__ = ["ExportRefused", "Exported", "export_run", "main"]
@@ -35,7 +38,7 @@ class ExportRefused(ValueError):
 @dataclass(frozen=True)
 class Exported:
     folder: Path
-    hf_type: str          # "gpt2" or "llama"
+    hf_type: str          # transformers' model_type: "gpt2", "llama", "mistral", "qwen3", "arcee" or "apertus"
     parameters: int
     seconds: float
 
@@ -78,18 +81,27 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Export
             save_pretrained(model, saved.tokenizer, staging)
     except ValueError as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        # to_hf_gpt2 / to_hf_llama name the setting: "config.qk_norm: a Llama cannot express qk_norm=True ..."
+        # to_hf_gpt2 / to_hf_modern name the setting: "ours.config.ngram_prior: no transformers architecture ..."
         message = re.sub(r"^(ours\.)?config\.", "", str(exc))
         raise ExportRefused(f"cannot export {run_dir}: the run's {message}") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    hf_type = json.loads((staging / "config.json").read_text(encoding="utf-8"))["model_type"]
     if out_dir.is_dir():
         out_dir.rmdir()   # empty (checked above): the rename needs the name free
     os.replace(staging, out_dir)
-    return Exported(folder=out_dir, hf_type="gpt2" if isinstance(model, GPT) else "llama",
+    return Exported(folder=out_dir, hf_type=hf_type,
                     parameters=sum(p.numel() for p in model.parameters()),
                     seconds=time.perf_counter() - start)
+
+
+def _kinds() -> dict[str, str]:
+    """model_type -> what the command line calls it: "Qwen 3 (Qwen3ForCausalLM)"."""
+    from ..hf.families import FAMILIES  # transformers only when exporting
+    kinds = {"gpt2": "GPT-2 (GPT2LMHeadModel)"}
+    kinds.update((f.config_class.model_type, f.label) for f in FAMILIES)
+    return kinds
 
 
 def main(run_dir: str, out_dir: str) -> int:
@@ -103,7 +115,7 @@ def main(run_dir: str, out_dir: str) -> int:
     except ExportRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    kind = "GPT-2 (GPT2LMHeadModel)" if done.hf_type == "gpt2" else "Llama (LlamaForCausalLM)"
+    kind = _kinds().get(done.hf_type, done.hf_type)
     print(f"wrote {done.folder} as {kind}, {done.parameters:,} parameters, in {done.seconds:.1f} s")
     print(f"use it with: transformers.pipeline(\"text-generation\", model=\"{done.folder}\")")
     return 0
