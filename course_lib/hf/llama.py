@@ -19,6 +19,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .. import _validate as validate
+from .._rng import leaves_rng_alone
 from ..modern import GroupedQueryAttention, RMSNorm, SwiGLU
 from ..modern_gpt import ModernGPT, ModernGPTConfig
 
@@ -212,6 +213,7 @@ def _first_parameter(module: nn.Module) -> torch.Tensor:
     return next(module.parameters())
 
 
+@leaves_rng_alone   # builds a model (random initial weights) only to overwrite them
 def from_hf_llama(model: LlamaForCausalLM, *,
                   attention_cls: Callable[..., nn.Module] = GroupedQueryAttention,
                   norm_cls: Callable[..., nn.Module] = RMSNorm,
@@ -240,6 +242,7 @@ def from_hf_llama(model: LlamaForCausalLM, *,
     return ours.train(model.training)
 
 
+@leaves_rng_alone   # builds a model (random initial weights) only to overwrite them
 def to_hf_llama(ours: ModernGPT) -> LlamaForCausalLM:
     """A ``transformers.LlamaForCausalLM`` computing the same logits as the course ``ours``.
 
