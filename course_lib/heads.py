@@ -196,7 +196,7 @@ class AttentionOnly(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (N, L) -> logits (N, L, vocab_size)."""
-        validate.token_ids("idx", idx, dim=2)
+        validate.token_ids("idx", idx, dim=2, vocab_size=self.config.vocab_size)   # not the embedding's IndexError
         x = self.token_embedding(idx) + self.position_encoding(idx.shape[1])   # (N, L, embed_dim)
         for block in self.blocks:
             x = block(x)                                                       # (N, L, embed_dim)
