@@ -15,10 +15,13 @@ import torch
 
 from course_lib import flash, generate, heads
 from course_lib.checkpoints import load_checkpoint, save_checkpoint
-from course_lib.data import CharTokenizer
+from course_lib.data import CharTokenizer, char_corpus
 from course_lib.model import GPT, GPTConfig
 from course_lib.modern_gpt import ModernGPT, ModernGPTConfig
 from course_lib.runs import bench
+from course_lib.runs.export import export_run
+from course_lib.runtime import calibrate
+from course_lib.train import evaluate
 
 transformers = pytest.importorskip("transformers")
 from course_lib import hf  # noqa: E402  (after the importorskip)
@@ -43,7 +46,7 @@ def _saved(tmp_path):
 
 
 def _checkpoint(tmp_path):
-    path = tmp_path / "model.pt"
+    path = tmp_path / "run" / "checkpoint.pt"
     if not path.exists():
         save_checkpoint(path, gpt(), TOKENIZER)
     return path
@@ -76,9 +79,20 @@ CALLS = {
     "measure_matmul_peak": lambda m, tmp: bench.measure_matmul_peak(sizes=(8,), repeats=1),
     "attention_benchmark": lambda m, tmp: bench.attention_benchmark(lengths=[4], embed_dim=8, num_heads=2,
                                                                     repeats=1, tokens_per_call=8),
+    "export_run": lambda m, tmp: export_run(m["checkpoint"].parent, tmp / "exported"),
+    "evaluate": lambda m, tmp: evaluate(m["gpt"], IDX, IDX),
+    "half_losses": lambda m, tmp: heads.half_losses(m["gpt"], torch.tensor([[1, 2, 1, 2]]), 2),
+    "ablate_head": lambda m, tmp: _ablated(m["gpt"]),
+    "char_corpus": lambda m, tmp: char_corpus("abcdefgh " * 20),
+    "calibrate": lambda m, tmp: calibrate(0.01),
     "generation_benchmark": lambda m, tmp: bench.generation_benchmark(
         dict(vocab_size=8, max_tokens=8, embed_dim=8, num_heads=2, num_layers=1), new_tokens=2, prompt_tokens=2),
 }
+
+
+def _ablated(model):
+    with heads.ablate_head(model, 0, 0):
+        return model(IDX)
 
 
 def _streams():
