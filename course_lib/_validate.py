@@ -173,7 +173,7 @@ def device(name: str, value: Any) -> torch.device:
     try:
         chosen = torch.device(value)
     except (RuntimeError, ValueError):
-        raise ValueError(f"{name}: expected one of {list(kinds)} (optionally 'cuda:N'), got {value!r}") from None
+        raise ValueError(f"{name}: expected 'cpu', 'cuda', 'cuda:N' or 'mps', got {value!r}") from None
     if chosen.type not in kinds:
         raise ValueError(f"{name}: expected one of {list(kinds)} (optionally 'cuda:N'), got {str(value)!r}")
     if chosen.type == "cuda":
