@@ -3,13 +3,82 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_file", "check_replaceable"]
+__all__ = ["atomic_file", "check_replaceable", "staging_prefix", "remove_stale_staging"]
+
+# A staging name says which process writes it (".NAME.pid1234.abcd1234.tmp"), so a later run can tell one left
+# by a killed run from one a live run is still writing. A stale one is removed only once it is this old: a
+# process that has just died cannot be writing, but its pid could already belong to another process.
+STALE_AFTER_S = 60.0
+# Names without a pid (written by an older course_lib), or where a pid cannot be checked (Windows): an hour.
+UNKNOWN_HOLDER_STALE_AFTER_S = 3600.0
+
+
+def staging_prefix(name: str) -> str:
+    """The start of the hidden name a file (or folder) called ``name`` is written under before its rename."""
+    return f".{name}.pid{os.getpid()}."
+
+
+def _holder_alive(pid: int | None) -> bool | None:
+    """Whether process ``pid`` still runs (None: cannot tell here)."""
+    if pid is None or os.name != "posix":
+        return None
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)   # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True       # it exists, under another user
+    return True
+
+
+def remove_stale_staging(folder: str | os.PathLike, name: str, suffix: str = ".tmp") -> list[Path]:
+    """Remove what a killed writer of ``folder/name`` left behind: its hidden ``.NAME.*SUFFIX`` staging files or
+    folders, and only those whose process is gone (or, where that cannot be told, that are an hour old).
+
+    Only this module's own naming pattern for that one ``name`` matches, never a user's ``.tmp``; a link is
+    never followed or removed. Returns what was removed.
+    """
+    pattern = re.compile(rf"^\.{re.escape(name)}\.(?:pid(\d+)\.)?[a-z0-9_]{{8}}{re.escape(suffix)}$")
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    removed = []
+    now = time.time()
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match is None:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISLNK(info.st_mode) or not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            continue
+        alive = _holder_alive(int(match.group(1)) if match.group(1) else None)
+        age = now - info.st_mtime
+        if alive or age < (STALE_AFTER_S if alive is False else UNKNOWN_HOLDER_STALE_AFTER_S):
+            continue
+        try:
+            if stat.S_ISDIR(info.st_mode):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            continue   # another run removed it first, or it is not ours to remove: leave it
+        removed.append(Path(entry.path))
+    return removed
 
 
 def check_replaceable(target: Path) -> None:
@@ -50,8 +119,9 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", *, suffix: str = ".tmp
     target = Path(path)
     check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(target.parent, target.name, suffix)   # what a killed writer of this file left
     # Same folder as the target, so os.replace is a rename on one file system.
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=staging_prefix(target.name), suffix=suffix, dir=target.parent)
     try:
         # mkstemp makes the file private (0600); give it the mode a plain open() would have.
         umask = os.umask(0)

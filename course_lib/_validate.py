@@ -165,6 +165,30 @@ def number_in(name: str, value: Any, *, low: float, high: float, low_open: bool 
     return float(value)
 
 
+def device(name: str, value: Any) -> torch.device:
+    """A device that exists here: 'cpu', 'cuda', 'cuda:N', 'mps' or a torch.device, checked before any work."""
+    kinds = ("cuda", "mps", "cpu")
+    if isinstance(value, bool) or not isinstance(value, (str, torch.device)):
+        raise TypeError(f"{name}: expected 'cpu', 'cuda', 'cuda:N', 'mps' or a torch.device, got {describe(value)}")
+    try:
+        chosen = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{name}: expected 'cpu', 'cuda', 'cuda:N' or 'mps', got {value!r}") from None
+    if chosen.type not in kinds:
+        raise ValueError(f"{name}: expected one of {list(kinds)} (optionally 'cuda:N'), got {str(value)!r}")
+    if chosen.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}: {str(value)!r} asked for, but CUDA is not available here (torch "
+                             f"{torch.__version__}); use 'cpu', or leave it out for the fastest device")
+        if chosen.index is not None and chosen.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}: {str(value)!r} asked for, but this machine has "
+                             f"{torch.cuda.device_count()} GPU(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    if chosen.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{name}: {str(value)!r} asked for, but Apple MPS is not available here; "
+                         f"use 'cpu', or leave it out for the fastest device")
+    return chosen
+
+
 def path(name: str, value: Any, what: str = "a path") -> Path:
     """A file or folder path given as a str or os.PathLike (not empty), returned as a Path."""
     if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):

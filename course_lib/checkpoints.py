@@ -264,6 +264,8 @@ def load_checkpoint(path: str | os.PathLike, model: GPT | ModernGPT | None = Non
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a file path, got {validate.describe(path)}")
     path = Path(path)
+    if device is not None:
+        device = validate.device("device", device)   # before reading: 'gpu' is named, not torch's own error
     if not path.is_file():
         raise FileNotFoundError(f"path: no checkpoint at {path}; train one with "
                                 f"`python -m course_lib train --preset tiny --out DIR`")
@@ -272,8 +274,13 @@ def load_checkpoint(path: str | os.PathLike, model: GPT | ModernGPT | None = Non
     if architecture not in ARCHITECTURES:
         raise CheckpointError(f"path: {path} holds a model of unknown architecture {architecture!r}; "
                               f"expected one of {sorted(ARCHITECTURES)} (a newer course_lib wrote it?)")
+    _check_payload(path, payload)
     model_class, config_class = ARCHITECTURES[architecture]
-    config = config_class.from_dict(payload["config"])
+    try:
+        config = config_class.from_dict(payload["config"])
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"path: {path} holds a config that builds no model "
+                              f"({_first_line(exc)}); use an earlier checkpoint or train again") from None
     if model is None:
         # The random initial weights are replaced below: draw them from a forked generator, so
         # loading a checkpoint leaves the caller's random numbers as they were.
@@ -292,8 +299,62 @@ def load_checkpoint(path: str | os.PathLike, model: GPT | ModernGPT | None = Non
     state = payload["state_dict"]
     if not all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()):
         raise CheckpointError(f"path: {path} holds NaN or infinite weights; use an earlier checkpoint")
+    _check_weights_fit(path, state, model)
+    try:
+        tokenizer = _tokenizer_from_dict(payload["tokenizer"])
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise CheckpointError(f"path: {path} holds a tokenizer that cannot be rebuilt ({_first_line(exc)}); "
+                              f"use an earlier checkpoint or train again") from None
     model.load_state_dict(state)
     if device is not None:
         model.to(device)
-    return Checkpoint(model, _tokenizer_from_dict(payload["tokenizer"]), payload["extra"],
-                      payload.get("training"))
+    return Checkpoint(model, tokenizer, payload["extra"], payload.get("training"))
+
+
+# What save_checkpoint writes under each key: a file edited by hand (its checksum recomputed) is named here,
+# in one line, rather than failing later with a KeyError or load_state_dict's page of text.
+_PAYLOAD_KINDS = {"config": (dict,), "state_dict": (dict,), "tokenizer": (dict, type(None)), "extra": (dict,),
+                  "training": (dict, type(None))}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _check_payload(path: Path, payload: dict[str, Any]) -> None:
+    for key, kinds in _PAYLOAD_KINDS.items():
+        if key == "training" and key not in payload:
+            continue   # checkpoints from before training state was saved
+        if key not in payload:
+            raise CheckpointError(f"path: {path} has no {key!r} entry (changed by hand?); expected what "
+                                  f"save_checkpoint writes: {sorted(_PAYLOAD_KINDS)}")
+        if not isinstance(payload[key], kinds):
+            raise CheckpointError(f"path: {path} has a {key!r} entry of type {type(payload[key]).__name__}, "
+                                  f"expected {' or '.join(k.__name__ for k in kinds)} (changed by hand?)")
+    for name, value in payload["state_dict"].items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"path: {path} has a state_dict entry {name!r} that is "
+                                  f"{validate.describe(value)}, expected a tensor (changed by hand?)")
+
+
+def _check_weights_fit(path: Path, state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Every weight the model has, of its shape, and no other: or one line naming the first that is not."""
+    wanted = model.state_dict()
+    missing = [k for k in wanted if k not in state]
+    extra = [k for k in state if k not in wanted]
+    if missing or extra:
+        what = (f"no weight {missing[0]!r}" + (f" ({len(missing)} missing)" if len(missing) > 1 else "")
+                if missing else f"a weight {extra[0]!r} the model does not have"
+                + (f" ({len(extra)} such)" if len(extra) > 1 else ""))
+        raise CheckpointError(f"path: {path} has {what} for its config (changed by hand?); use an earlier "
+                              f"checkpoint or train again")
+    # parameters only: buffers such as a counted n-gram model's tables take the size of what was counted
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for key, value in state.items():
+        if key in parameters and tuple(value.shape) != tuple(wanted[key].shape):
+            raise CheckpointError(f"path: {path} has weight {key!r} of shape {tuple(value.shape)}, its config "
+                                  f"needs {tuple(wanted[key].shape)} (changed by hand?); use an earlier checkpoint")
+        if value.is_floating_point() != wanted[key].is_floating_point():
+            raise CheckpointError(f"path: {path} has weight {key!r} of dtype {value.dtype}, expected "
+                                  f"{wanted[key].dtype} (changed by hand?); use an earlier checkpoint")

@@ -258,9 +258,13 @@ def _split_at(ids: torch.Tensor, train_fraction: float) -> tuple[torch.Tensor, t
     fraction = _check_fraction("train_fraction", train_fraction)
     n_train = int(ids.numel() * fraction)
     if n_train == 0 or n_train == ids.numel():
-        raise ValueError(f"ids: {ids.numel()} tokens are too few to split with "
-                         f"train_fraction={train_fraction} (one side would be empty)")
+        raise _TooFewToSplit(f"ids: {ids.numel()} tokens are too few to split with "
+                             f"train_fraction={train_fraction} (one side would be empty)")
     return ids[:n_train], ids[n_train:]
+
+
+class _TooFewToSplit(ValueError):
+    """A text too short for a training and a validation part (corpus_splits says what it needs)."""
 
 
 def random_batch(ids: torch.Tensor, batch_size: int, max_tokens: int,
@@ -278,7 +282,7 @@ def random_batch(ids: torch.Tensor, batch_size: int, max_tokens: int,
     offsets = torch.arange(max_tokens + 1, device=gen_device)                            # (max_tokens + 1,)
     index = (starts[:, None] + offsets).to(ids.device)                                   # (B, max_tokens + 1)
     windows = ids[index].long()                                                          # (B, max_tokens + 1)
-    target_device = ids.device if device is None else torch.device(device)
+    target_device = ids.device if device is None else validate.device("device", device)
     windows = windows.to(target_device)
     return windows[:, :-1], windows[:, 1:]                                               # (B, max_tokens) x2
 
@@ -467,8 +471,34 @@ def corpus_splits(corpus: str | os.PathLike, max_tokens: int) -> tuple[CharToken
         train_names, val_names = split_names(names)
         return (tokenizer, Examples._of(*names_dataset(train_names, tokenizer, max_tokens)),
                 Examples._of(*names_dataset(val_names, tokenizer, max_tokens)))
-    prepared = char_corpus(corpus if corpus in CORPORA else Path(corpus))
+    source = corpus if corpus in CORPORA else _corpus_file(corpus)
+    # each part must hold at least one window of max_tokens + 1 characters; the validation part is 10%
+    too_short = ValueError(f"corpus: {source} is too short to train on: a character-level run with "
+                           f"max_tokens={max_tokens} needs at least {10 * (max_tokens + 1)} characters (a training "
+                           f"part and a validation part of 10%, each at least one window of {max_tokens + 1}), "
+                           f"and a few thousand to learn anything; use a longer text")
+    try:
+        prepared = char_corpus(source)
+    except _TooFewToSplit:
+        raise too_short from None
+    if min(prepared.train_ids.numel(), prepared.val_ids.numel()) < max_tokens + 1:
+        raise too_short
     return prepared.tokenizer, TokenStream._of(prepared.train_ids), TokenStream._of(prepared.val_ids)
+
+
+def _corpus_file(corpus: str | os.PathLike) -> Path:
+    """The file a corpus argument names; a name that is neither a known corpus nor a file lists the corpora."""
+    if not isinstance(corpus, (str, os.PathLike)) or not str(corpus).strip():
+        raise TypeError(f"corpus: expected one of {sorted(CORPORA)} or the path of a UTF-8 text file, got "
+                        f"{validate.describe(corpus)}")
+    file = Path(corpus).expanduser()
+    if not file.exists():
+        close = [name for name in CORPORA if name.lower() == str(corpus).strip().lower()]
+        hint = f"; did you mean {close[0]!r}? (names are lower case)" if close else \
+            f" (no file at {file.absolute()})"
+        raise FileNotFoundError(f"corpus: expected one of {sorted(CORPORA)} or the path of a UTF-8 text file, "
+                                f"got {str(corpus)!r}{hint}")
+    return file
 
 
 def _looks_like_a_path(text: str) -> bool:

@@ -24,6 +24,11 @@ def online_softmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     x (..., L) -> (..., L). One pass keeps the running maximum m and the running sum
     l = sum exp(x_j - m); when a block raises the maximum, the sum so far is rescaled by
     exp(m_old - m_new). The probabilities exp(x - m) / l are formed once, at the end.
+
+    A block whose entries are all -inf (a padded prefix) leaves m at -inf, and -inf - (-inf) is NaN:
+    while nothing has been seen, the maximum is subtracted as 0 instead (every term is exp(-inf) = 0 then).
+    A row that is -inf everywhere has nothing to weigh: its probabilities are all 0, as attention over no
+    keys gives in :func:`naive_attention` (``torch.softmax`` would give NaN).
     """
     validate.tensor("x", x, min_dim=1, floating=True)
     block_size = validate.positive_int("block_size", block_size)
@@ -32,17 +37,31 @@ def online_softmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     for start in range(0, x.shape[-1], block_size):
         block = x[..., start:start + block_size]                   # (..., B); the last may be shorter
         m_new = torch.maximum(m, block.amax(dim=-1))               # (...,)
-        total = total * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(dim=-1)
+        shift = _finite_or_zero(m_new)                             # (...,): -inf (nothing yet) counts as 0
+        total = total * torch.exp(m - shift) + torch.exp(block - shift[..., None]).sum(dim=-1)
         m = m_new
-    return torch.exp(x - m[..., None]) / total[..., None]          # (..., L)
+    return _divide_or_zero(torch.exp(x - _finite_or_zero(m)[..., None]), total[..., None])   # (..., L)
+
+
+def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    """The running maximum to subtract: 0 where it is still -inf, so that -inf - m is -inf and not NaN."""
+    return torch.where(m == float("-inf"), torch.zeros_like(m), m)
+
+
+def _divide_or_zero(numerator: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """numerator / total, and 0 where the total is 0 (a row with no key to weigh)."""
+    return torch.where(total > 0, numerator / torch.where(total > 0, total, torch.ones_like(total)),
+                       torch.zeros_like(numerator))
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(d)) v with the full (..., Lq, Lk) score matrix, and its per-row log-sum-exp.
 
-    The textbook version, for comparison: its memory grows as Lq * Lk.
+    The textbook version, for comparison: its memory grows as Lq * Lk. With no keys (Lk = 0) each
+    output row is zeros and its log-sum-exp is -inf.
     """
+    _check_qkv(q, k, v, validate.boolean("causal", causal))
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])         # (..., Lq, Lk)
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)   # (Lq, Lk)
@@ -55,6 +74,14 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) 
     validate.tensor("q", q, min_dim=2, floating=True)
     validate.tensor("k", k, min_dim=2, floating=True)
     validate.tensor("v", v, min_dim=2, floating=True)
+    if q.shape[-1] == 0:
+        raise ValueError(f"q: expected a head dimension d >= 1 (the scores divide by sqrt(d)), got shape {tuple(q.shape)}")
+    for name, other in (("k", k), ("v", v)):
+        if other.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {other.dtype}; "
+                            f"convert it with .to(q.dtype)")
+        if other.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device} (the device of q), got {other.device}")
     if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"k: expected shape (..., Lk, {q.shape[-1]}) with the batch axes of q "
                          f"{tuple(q.shape)}, got {tuple(k.shape)}")
@@ -112,12 +139,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_
                 cols = torch.arange(k_start, k_end, device=q.device)[None, :]    # (1, Bk)
                 s = s.masked_fill(cols > rows, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))                  # (..., Bq)
-            p = torch.exp(s - m_new[..., None])                       # (..., Bq, Bk)
-            correction = torch.exp(m - m_new)                         # (..., Bq): old terms shrink
+            shift = _finite_or_zero(m_new)                            # (..., Bq): -inf - -inf would be NaN
+            p = torch.exp(s - shift[..., None])                       # (..., Bq, Bk)
+            correction = torch.exp(m - shift)                         # (..., Bq): old terms shrink
             total = total * correction + p.sum(dim=-1)
             acc = acc * correction[..., None] + p @ v[..., k_start:k_end, :]   # (..., Bq, dv)
             m = m_new
-        out[..., q_start:q_end, :] = acc / total[..., None]
+        out[..., q_start:q_end, :] = _divide_or_zero(acc, total[..., None])   # no keys: zeros, as naive
         lse[..., q_start:q_end] = m + torch.log(total)
     return out, lse
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -26,9 +27,14 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int
         validate.positive_int("top_k", top_k)
     if top_p is not None:
         validate.number_in("top_p", top_p, low=0, high=1, low_open=True)
+    _check_samplable(logits)
     if temperature == 0:
         return logits.argmax(dim=-1)                                          # (N,)
-    logits = logits / temperature
+    # Subtract each row's maximum first (softmax does not change): the best token's score is then exactly 0,
+    # and 0 / temperature stays 0 however small the temperature, where x / 1e-40 overflows to inf and
+    # inf - inf is NaN. A tiny temperature is then the greedy choice it tends to, not a crash.
+    shifted = logits - logits.amax(dim=-1, keepdim=True)                      # (N, vocab), each row's best is 0
+    logits = torch.where(shifted == 0, shifted, shifted / temperature)
     if top_k is not None and top_k < logits.shape[-1]:
         kth_best = logits.topk(top_k, dim=-1).values[:, -1:]                  # (N, 1)
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
@@ -44,8 +50,57 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)       # (N,)
 
 
+def _check_samplable(logits: torch.Tensor) -> None:
+    """Refuse logits no token can be drawn from: no vocabulary, NaN, +inf, or a row that bans every token."""
+    if logits.shape[-1] == 0:
+        raise ValueError(f"logits: expected at least one token to choose from, got shape {tuple(logits.shape)}")
+    bad = logits.isnan() | (logits == math.inf)
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"logits: expected finite scores (-inf bans a token), got {float(logits[row, col].detach())} "
+                         f"at row {row}, token {col}; the model's output is broken (look for a NaN in its weights)")
+    banned = (logits == -math.inf).all(dim=-1)
+    if bool(banned.any()):
+        row = int(banned.nonzero()[0])
+        raise ValueError(f"logits: expected at least one token per row that is not -inf, got row {row} "
+                         f"banning all {logits.shape[-1]} tokens")
+
+
+def _check_stop_token(stop_token: Any, vocab_size: int | None) -> int | None:
+    """None, or one token id (an int, a numpy or 0-d tensor integer) in 0..vocab_size-1."""
+    if stop_token is None:
+        return None
+    value = stop_token
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype != torch.bool and value.dim() == 0:
+        value = int(value)
+    span = f"0..{vocab_size - 1}" if vocab_size is not None else "0..vocab_size-1"
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0 \
+            or (vocab_size is not None and value >= vocab_size):
+        raise (TypeError if not isinstance(value, Integral) or isinstance(value, bool) else ValueError)(
+            f"stop_token: expected None or a token id in {span}, got {validate.describe(stop_token)}")
+    return int(value)
+
+
 def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def _context_length(model: nn.Module) -> int:
+    """The model's context length, config.max_tokens, or a message saying the model has none."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {validate.describe(model)}")
+    size = getattr(getattr(model, "config", None), "max_tokens", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise TypeError(f"model: expected a model whose config.max_tokens gives its context length (a GPT or "
+                        f"ModernGPT), got {type(model).__name__} with config.max_tokens={size!r}; generate() "
+                        f"crops the text to that length")
+    return size
 
 
 @torch.no_grad()
@@ -67,11 +122,13 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     """
     validate.token_ids("idx", idx, dim=2)
     validate.non_negative_int("max_new_tokens", max_new_tokens)
+    validate.boolean("use_cache", use_cache)
     _check_prompt_vocabulary(model, idx)
     if idx.shape[1] == 0:
         raise ValueError("idx: expected at least one token per row to start from, got shape "
                          f"{tuple(idx.shape)}; use a newline or a start token as the prompt")
-    max_tokens = model.config.max_tokens
+    max_tokens = _context_length(model)
+    stop_token = _check_stop_token(stop_token, _vocab_size(model))
     keep = max(1, max_tokens // 2)
     if use_cache and not hasattr(model, "new_cache"):
         raise TypeError(f"model: use_cache=True needs a model with new_cache(), got {type(model).__name__}")
@@ -111,7 +168,7 @@ def generate_with_cache(model: nn.Module, idx: torch.Tensor, max_new_tokens: int
     validate.token_ids("idx", idx, dim=2)
     validate.non_negative_int("max_new_tokens", max_new_tokens)
     _check_prompt_vocabulary(model, idx)
-    if idx.shape[1] + max_new_tokens - 1 > model.config.max_tokens:
+    if idx.shape[1] + max_new_tokens - 1 > _context_length(model):
         raise ValueError(f"max_new_tokens: prompt ({idx.shape[1]}) + new tokens - 1 must fit in "
                          f"max_tokens={model.config.max_tokens}, got max_new_tokens={max_new_tokens}")
     cache = model.new_cache()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _validate as validate
+from ._rng import leaves_rng_alone
 from .attention import MultiHeadMaskedAttention
 from .model import GPT, LearnedPositionalEncoding
 from .modern import apply_rotary, repeat_kv, sliding_window_mask, split_heads
@@ -195,7 +196,7 @@ class AttentionOnly(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (N, L) -> logits (N, L, vocab_size)."""
-        validate.token_ids("idx", idx, dim=2)
+        validate.token_ids("idx", idx, dim=2, vocab_size=self.config.vocab_size)   # not the embedding's IndexError
         x = self.token_embedding(idx) + self.position_encoding(idx.shape[1])   # (N, L, embed_dim)
         for block in self.blocks:
             x = block(x)                                                       # (N, L, embed_dim)
@@ -229,6 +230,7 @@ def half_losses(model: nn.Module, tokens: torch.Tensor, half: int) -> tuple[torc
     return losses[:, :half - 1].mean(), losses[:, half - 1:].mean()
 
 
+@leaves_rng_alone   # seeds its own model and data: the notebook's random stream is untouched
 def train_induction(config: InductionConfig | None = None) -> InductionRun:
     """Train an :class:`AttentionOnly` model on repeated random tokens for ``config.steps`` steps (AdamW).
 

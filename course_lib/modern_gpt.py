@@ -328,6 +328,9 @@ class ModernGPT(nn.Module):
             raise TypeError("cache: this model looks at n-grams, so its cache also keeps the last tokens seen; "
                             "use model.new_cache(), got a plain list of KVCache")
         recent = cache.recent if start else None
+        if recent is not None and recent.shape[0] != idx.shape[0]:
+            raise ValueError(f"cache: holds the last tokens of a batch of {recent.shape[0]} sequences, got a batch "
+                             f"of {idx.shape[0]}; start a new cache (model.new_cache()) for a new batch")
         seen = idx if recent is None else torch.cat([recent, idx], dim=1)
         cache.recent = seen[:, -self._recent_tokens:]                 # (N, up to the longest n-gram - 1)
         return recent

@@ -145,13 +145,14 @@ class NgramPrior(nn.Module):
         ``targets`` (N, L), in training: leave each position's own occurrence out of the counts.
         ``before`` (N, k): the tokens just before ``idx`` (a KV cache's recent ones), used as context.
         """
-        validate.token_ids("idx", idx, dim=2)
+        # An id outside the vocabulary would index another context's counts (or none): name it instead.
+        validate.token_ids("idx", idx, dim=2, vocab_size=self.vocab_size)
         if targets is not None:
-            validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX)
+            validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX, vocab_size=self.vocab_size)
             if targets.shape != idx.shape:
                 raise ValueError(f"targets: expected the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
         if before is not None:
-            validate.token_ids("before", before, dim=2)
+            validate.token_ids("before", before, dim=2, vocab_size=self.vocab_size)
             if before.shape[0] != idx.shape[0]:
                 raise ValueError(f"before: expected the last tokens of the same {idx.shape[0]} sequences (N, k), "
                                  f"got shape {tuple(before.shape)}")

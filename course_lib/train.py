@@ -25,7 +25,6 @@ from .distributed import DistributedContext
 from .model import GPT, GPTConfig
 from .modern_gpt import ModernGPT, ModernGPTConfig
 from .optimizers import build_optimizer
-from .runtime import DEVICES
 from .runtime import device as default_device
 
 __all__ = [
@@ -570,26 +569,7 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     """``device`` checked like COURSE_DEVICE (None: the fastest here); raises ValueError naming it."""
     if device is None:
         return default_device()
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device: expected 'cpu', 'cuda', 'cuda:N', 'mps' or a torch.device, "
-                        f"got {validate.describe(device)}")
-    try:
-        chosen = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"device: expected 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}") from None
-    if chosen.type not in DEVICES:
-        raise ValueError(f"device: expected one of {list(DEVICES)} (optionally 'cuda:N'), got {str(device)!r}")
-    if chosen.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device: {str(device)!r} asked for, but CUDA is not available here (torch "
-                             f"{torch.__version__}); use --device cpu, or leave it out for the fastest device")
-        if chosen.index is not None and chosen.index >= torch.cuda.device_count():
-            raise ValueError(f"device: {str(device)!r} asked for, but this machine has "
-                             f"{torch.cuda.device_count()} GPU(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
-    if chosen.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device: {str(device)!r} asked for, but Apple MPS is not available here; "
-                         f"use --device cpu, or leave it out for the fastest device")
-    return chosen
+    return validate.device("device", device)
 
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nbformat
 
-from .._atomic import atomic_file
+from .._atomic import atomic_file, remove_stale_staging
 
 __all__ = ["MANIFEST_NAME", "CopyOutcome", "fingerprint", "place_learner_copy", "write_notebook_atomic"]
 
@@ -117,6 +117,9 @@ def _updated_path(dst: Path, new: str, manifest: _Manifest) -> tuple[Path, bool]
 
 def place_learner_copy(nb: nbformat.NotebookNode, dst: Path, note: str = "") -> CopyOutcome:
     """Write the learner version ``nb`` to ``dst`` unless that would overwrite a student's edits."""
+    # what an earlier run killed mid-write left beside this copy and the manifest (never a student's file)
+    for name in (dst.name, MANIFEST_NAME):
+        remove_stale_staging(dst.parent, name)
     manifest = _Manifest(dst.parent)
     new = fingerprint(nb)
     if not dst.exists():

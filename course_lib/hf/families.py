@@ -47,6 +47,7 @@ from transformers import (
 )
 
 from .. import _validate as validate
+from .._rng import leaves_rng_alone
 from ..modern_gpt import ModernGPT, ModernGPTConfig
 
 __all__ = ["Family", "FAMILIES", "family_named", "family_for", "modern_weight_pairs", "hf_config_from_course",
@@ -363,6 +364,7 @@ def _family_of_model(model: Any) -> Family:
                     f"got {validate.describe(model)}")
 
 
+@leaves_rng_alone   # builds a model (random initial weights) only to overwrite them
 def from_hf_modern(model: PreTrainedModel, *, family: Family | None = None,
                    attention_cls: Callable[..., nn.Module] | None = None,
                    norm_cls: Callable[..., nn.Module] | None = None,
@@ -395,6 +397,7 @@ def from_hf_modern(model: PreTrainedModel, *, family: Family | None = None,
     return ours.train(model.training)
 
 
+@leaves_rng_alone   # builds a model (random initial weights) only to overwrite them
 def to_hf_modern(ours: ModernGPT, *, family: Family | None = None) -> PreTrainedModel:
     """The transformers model computing the same logits as the course ``ours``.
 

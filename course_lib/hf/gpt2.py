@@ -15,6 +15,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from .. import _validate as validate
+from .._rng import leaves_rng_alone
 from ..model import GPT, GPTConfig, sinusoidal_table
 
 __all__ = [
@@ -289,6 +290,7 @@ def _first_parameter(module: torch.nn.Module) -> torch.Tensor:
     return next(module.parameters())
 
 
+@leaves_rng_alone   # builds a model (random initial weights) only to overwrite them
 def to_hf_gpt2(model: GPT) -> GPT2LMHeadModel:
     """A ``transformers.GPT2LMHeadModel`` computing the same logits as the course ``model``."""
     if not isinstance(model, GPT):
@@ -303,6 +305,7 @@ def to_hf_gpt2(model: GPT) -> GPT2LMHeadModel:
     return hf_model.train(model.training)
 
 
+@leaves_rng_alone   # builds a model (random initial weights) only to overwrite them
 def from_hf_gpt2(hf_model: GPT2LMHeadModel) -> GPT:
     """A course ``GPT`` computing the same logits as a ``transformers.GPT2LMHeadModel``."""
     if not isinstance(hf_model, GPT2LMHeadModel):

@@ -12,6 +12,7 @@ import transformers
 from transformers import GPT2LMHeadModel
 
 from .. import _validate as validate
+from .._rng import leaves_rng_alone
 from ..data import REPLACEMENT_CHAR, UNKNOWN_POLICIES
 from ..model import GPT
 from ..modern_gpt import ModernGPT
@@ -39,6 +40,7 @@ def _looks_like_path(name: str) -> bool:
             or name.count("/") > 1 or "\\" in name)
 
 
+@leaves_rng_alone   # builds a model (random initial weights) only to overwrite them
 def from_pretrained(name_or_path: str | os.PathLike, *, local_files_only: bool | None = None) -> GPT:
     """Load GPT-2 weights ("gpt2", "openai-community/gpt2-medium", or a save_pretrained folder) as a course GPT.
 
@@ -131,6 +133,7 @@ def char_tokenizer_to_hf(tokenizer: Any, *, model_max_length: int | None = None)
                                                 **kwargs)
 
 
+@leaves_rng_alone   # builds a model (random initial weights) only to overwrite them
 def save_pretrained(model: GPT | ModernGPT, tokenizer: Any, folder: str | os.PathLike) -> Path:
     """Write ``model`` and ``tokenizer`` to ``folder`` for ``transformers.pipeline("text-generation")``.
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import _validate as validate
+from .._rng import leaves_rng_alone
 from ..model import GPT2_INIT_STD
 from .presets import PRESETS, Preset, prepare_preset
 
@@ -138,6 +139,7 @@ def _time_steps(variants: Sequence[Variant], corpus: str | None, rounds: int,
     return [statistics.median(spent) for spent in times], list(setups)
 
 
+@leaves_rng_alone   # a benchmark seeds its own inputs
 def ablation_benchmark(variants: Sequence[Variant] | None = None, *, corpus: str | None = None,
                        baseline_steps: int | None = None, rounds: int = 7, steps_per_round: int = 10,
                        verbose: bool = False) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .. import _validate as validate
+from .._rng import leaves_rng_alone
 from .presets import PRESETS, run_preset
 
 __all__ = [
@@ -47,6 +48,7 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+@leaves_rng_alone   # a benchmark seeds its own inputs
 def measure_matmul_peak(sizes: Sequence[int] = (1024, 2048), repeats: int = 3,
                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> float:
     """The best square-matmul speed seen here, in GFLOP/s: the yardstick for "% of peak".
@@ -121,6 +123,7 @@ def time_alternating(fns: Sequence[Callable[[], Any]], repeats: int = 5, warmup:
 
 # ---------------------------------------------------------------- training
 
+@leaves_rng_alone   # a benchmark seeds its own inputs
 def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DEFAULT_PRESETS, *,
                        corpus: str | None = None, steps: int | None = None,
                        out_dir: str | Path | None = None, device: torch.device | str = "cpu",
@@ -253,6 +256,7 @@ def _print_lead_spread(runs: list[dict[str, dict[str, Any]]], seeds: Sequence[in
 
 # ---------------------------------------------------------------- attention
 
+@leaves_rng_alone   # a benchmark seeds its own inputs
 def attention_benchmark(lengths: Sequence[int] = DEFAULT_LENGTHS, embed_dim: int = GPU_RECIPE["embed_dim"],
                         num_heads: int = GPU_RECIPE["num_heads"],
                         batch: int | None = None, repeats: int = 5, *, tokens_per_call: int = 4096,
@@ -361,6 +365,7 @@ def _print_attention(rows: list[dict[str, Any]], embed_dim: int, num_heads: int)
 
 # ---------------------------------------------------------------- generation
 
+@leaves_rng_alone   # a benchmark seeds its own inputs
 def generation_benchmark(config: Any = None, new_tokens: int = 500, *, prompt_tokens: int = 8,
                          seed: int = 0, device: torch.device | str = "cpu") -> dict[str, Any]:
     """Greedy generation with and without the KV cache from a random-weight model.

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .._atomic import remove_stale_staging, staging_prefix
 from ..checkpoints import CheckpointError, load_checkpoint
 from .run_folder import CHECKPOINT
 
@@ -44,11 +45,39 @@ class Exported:
 
 
 def _checked_out_dir(out_dir: Path) -> None:
+    if out_dir.is_symlink():
+        # the export is renamed into place: over a link it would replace the link, not fill its target
+        target = os.readlink(out_dir)
+        what = "a link to nothing" if not out_dir.exists() else "a symbolic link"
+        raise ExportRefused(f"OUT_DIR: {out_dir} is {what} (to {target}); name the folder itself, "
+                            f"not a link to it")
+    limit = _name_max(out_dir.parent)
+    room = len(staging_prefix(out_dir.name).encode()) + 8 + len(".tmp")   # the staging folder's longer name
+    if len(out_dir.name.encode()) > limit or room > limit:
+        raise ExportRefused(f"OUT_DIR: the folder name {out_dir.name[:40]!r}... is {len(out_dir.name.encode())} "
+                            f"bytes long; expected at most {limit - (room - len(out_dir.name.encode()))} here "
+                            f"(the file system's limit is {limit}, less room for the staging name)")
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportRefused(f"OUT_DIR: expected a folder, got the existing file {out_dir}")
     if out_dir.is_dir() and any(out_dir.iterdir()):
         raise ExportRefused(f"OUT_DIR: {out_dir} already holds files; export into a new or empty folder "
                             f"(nothing there is replaced)")
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name the file system under ``folder`` takes (255 where it cannot be asked)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (AttributeError, OSError, ValueError):
+        return 255
+
+
+def _cannot_write(out_dir: Path, exc: OSError) -> ExportRefused:
+    return ExportRefused(f"OUT_DIR: cannot write {out_dir} ({exc.strerror or type(exc).__name__}"
+                         f"{': ' + exc.filename if isinstance(exc.filename, str) else ''}); choose a folder "
+                         f"you can write to, with room for the model")
 
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Exported:
@@ -63,7 +92,10 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Export
         raise ExportRefused(f"RUN_DIR: expected a run folder holding {CHECKPOINT}, got {run_dir} "
                             f"({'missing' if not run_dir.exists() else 'no ' + CHECKPOINT + ' in it'}); "
                             f"train one with: python -m course_lib train --preset tiny --out {run_dir}")
-    _checked_out_dir(out_dir)
+    try:
+        _checked_out_dir(out_dir)
+    except OSError as exc:   # a path too long to look up, a folder we may not read
+        raise _cannot_write(out_dir, exc) from None
     try:
         saved = load_checkpoint(checkpoint, device="cpu")
     except (CheckpointError, ValueError) as exc:
@@ -74,11 +106,18 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Export
     from ..hf.pretrained import save_pretrained  # transformers only when exporting: hf is a leaf
     model = saved.model.float().eval()
     # Written beside OUT_DIR, then renamed: an export that fails half-way leaves no half-written folder.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(out_dir.parent, out_dir.name)   # what an export of this name killed earlier left
+        staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=staging_prefix(out_dir.name), suffix=".tmp"))
+    except OSError as exc:
+        raise _cannot_write(out_dir, exc) from None
     try:
         with torch.no_grad():
             save_pretrained(model, saved.tokenizer, staging)
+    except OSError as exc:   # a full disk
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _cannot_write(out_dir, exc) from None
     except ValueError as exc:
         shutil.rmtree(staging, ignore_errors=True)
         # to_hf_gpt2 / to_hf_modern name the setting: "ours.config.ngram_prior: no transformers architecture ..."
@@ -88,9 +127,13 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Export
         shutil.rmtree(staging, ignore_errors=True)
         raise
     hf_type = json.loads((staging / "config.json").read_text(encoding="utf-8"))["model_type"]
-    if out_dir.is_dir():
-        out_dir.rmdir()   # empty (checked above): the rename needs the name free
-    os.replace(staging, out_dir)
+    try:
+        if out_dir.is_dir():
+            out_dir.rmdir()   # empty (checked above): the rename needs the name free
+        os.replace(staging, out_dir)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _cannot_write(out_dir, exc) from None
     return Exported(folder=out_dir, hf_type=hf_type,
                     parameters=sum(p.numel() for p in model.parameters()),
                     seconds=time.perf_counter() - start)

@@ -6,10 +6,12 @@ and ``--resume``, and writes ``metrics.json`` beside ``checkpoint.pt``.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from ..train import (
     flops_per_token,
     resolve_device,
 )
-from .run_folder import RunFolder, RunRefused
+from .run_folder import RunFolder, RunRefused, SaveFailed
 from .stopping import StopRequest
 
 __all__ = ["Preset", "PRESETS", "prepare_preset", "run_preset", "RunFinished"]
@@ -48,7 +50,25 @@ class Preset:
     architecture: str = "gpt"        # "gpt" (GPTConfig, notebook 04) or "modern" (ModernGPTConfig, notebook 09)
 
     def __post_init__(self) -> None:
+        # Checked here, when the recipe is written, rather than at the first save of a run that trained it.
+        for field_name in ("name", "corpus"):
+            value = getattr(self, field_name)
+            if not isinstance(value, str) or not value.strip():
+                raise TypeError(f"Preset.{field_name}: expected a non-empty str, got {validate.describe(value)}")
+        if not isinstance(self.description, str):
+            raise TypeError(f"Preset.description: expected a str, got {validate.describe(self.description)}")
         validate.one_of("architecture", self.architecture, sorted(ARCHITECTURES))
+        if not isinstance(self.train, TrainConfig):
+            raise TypeError(f"Preset.train: expected a TrainConfig, got {validate.describe(self.train)}")
+        config_class = ARCHITECTURES[self.architecture][1]
+        known = {f.name for f in fields(config_class)} - {"vocab_size"}
+        if not isinstance(self.model, dict) or not all(isinstance(k, str) for k in self.model):
+            raise TypeError(f"Preset.model: expected a dict of {config_class.__name__}'s fields (all but "
+                            f"vocab_size), got {validate.describe(self.model)}")
+        unknown = sorted(set(self.model) - known)
+        if unknown:
+            raise ValueError(f"Preset.model: {config_class.__name__} has no field {unknown[0]!r}; expected some "
+                             f"of {sorted(known)}")
 
 
 PRESETS: dict[str, Preset] = {
@@ -211,6 +231,19 @@ def _check_long_enough(name: str, corpus: str | None, model: GPT | ModernGPT, *s
                              f"longer text") from None
 
 
+def _registered_name(name: Any) -> str | None:
+    """The name a run saves (and ``--resume`` looks up again): a registered Preset stands for its name."""
+    if isinstance(name, Preset):
+        if PRESETS.get(name.name) != name:
+            raise RunRefused(f"preset: a run saves its preset by name, so that --resume finds the recipe again; "
+                             f"got Preset {name.name!r}, which is not in PRESETS: register it first "
+                             f"(PRESETS[{name.name!r}] = preset), or pass one of {sorted(PRESETS)}")
+        return name.name
+    if name is not None and (not isinstance(name, str) or name not in PRESETS):
+        raise RunRefused(f"preset: expected one of {sorted(PRESETS)}, got {validate.describe(name)}")
+    return name
+
+
 def _final_evaluation_done(folder: RunFolder, step: int) -> bool:
     """Whether metrics.json records this run's final evaluation at ``step``."""
     try:
@@ -225,6 +258,7 @@ def _plan(name: str | None, folder: RunFolder, *, seconds: float | None, steps: 
           device: torch.device, compile: bool | None, batch_size: int | None, seed: int | None, resume: bool,
           overwrite: bool, ctx: DistributedContext) -> _Plan:
     # Everything a run needs, checked before the first step: any failure here is a RunRefused.
+    name = _registered_name(name)
     if ctx.is_main:
         folder.prepare()
     saved: dict[str, Any] | None = None
@@ -251,7 +285,7 @@ def _plan(name: str | None, folder: RunFolder, *, seconds: float | None, steps: 
         raise RunRefused("preset: expected a preset name (or --resume DIR), got none")
     if corpus is not None and not isinstance(corpus, str):
         raise RunRefused(f"corpus: expected a corpus name or a file path, got {corpus!r}")
-    if corpus is not None and corpus not in CORPORA:
+    if corpus is not None and corpus not in CORPORA and Path(corpus).expanduser().exists():
         corpus = str(Path(corpus).expanduser().resolve())   # the resume may start in another folder
     if seed is not None:
         validate.non_negative_int("seed", seed)   # _run_preset turns it into a RunRefused
@@ -356,12 +390,16 @@ def _run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None,
             raise RunRefused(first_line) from None
         model, config, folder = plan.model, plan.config, plan.folder
 
+        saved_step = [plan.state.step if plan.state is not None else None]
+
         def save(state: TrainState) -> None:
             training = {**state.to_dict(), "preset": plan.name, "corpus": plan.corpus,
                         "corpus_checksum": plan.corpus_checksum,
                         "train_config": asdict(config), "world_size": ctx.world_size}
-            folder.save(model, plan.tokenizer, training,
-                        _metrics(plan.name, "running", model, config, state.history, ctx, device, plan.corpus))
+            with _saving(folder, state.step, saved_step[0]):
+                folder.save(model, plan.tokenizer, training,
+                            _metrics(plan.name, "running", model, config, state.history, ctx, device, plan.corpus))
+            saved_step[0] = state.step
 
         with StopRequest() as stop:
             try:
@@ -374,7 +412,8 @@ def _run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None,
                 raise _with_checkpoint_note(exc, saved) from None
             metrics: dict[str, Any] = {}
             if ctx.is_main:
-                metrics = _finish(plan, history, stop, ctx, device)
+                with _saving(folder, history.steps_taken, saved_step[0], what="the final metrics"):
+                    metrics = _finish(plan, history, stop, ctx, device)
         finished = True
         return metrics
     finally:
@@ -421,6 +460,19 @@ def _finish(plan: _Plan, history: History, stop: StopRequest, ctx: DistributedCo
     # the same run id and step as the checkpoint saved when the loop ended
     write_atomically(folder.metrics, json.dumps(metrics, indent=2).encode("utf-8"))
     return metrics
+
+
+@contextlib.contextmanager
+def _saving(folder: RunFolder, step: int, last_saved: int | None, what: str = "the checkpoint") -> Iterator[None]:
+    """A write that fails (a full disk, a folder made read-only) ends the run in one line, naming what is kept."""
+    try:
+        yield
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        kept = (f"the checkpoint of step {last_saved} in {folder.checkpoint} is intact: make room, then "
+                f"resume with: python -m course_lib train --resume {folder.path}" if last_saved is not None
+                else "no checkpoint was written yet: make room, then start again")
+        raise SaveFailed(f"out: could not write {what} of step {step} to {folder.path} ({why}); {kept}") from None
 
 
 def _with_checkpoint_note(exc: NonFiniteLoss, note: str) -> NonFiniteLoss:

@@ -32,6 +32,11 @@ class RunRefused(ValueError):
     """A run that cannot start: a bad argument, folder, corpus or device, found before any work."""
 
 
+class SaveFailed(RunRefused):
+    """A run that could not write its checkpoint or metrics (a full disk, a folder made read-only):
+    the last checkpoint written is intact, and the command line shows this in one line."""
+
+
 class RunFolder:
     """The folder ``--out`` names: checked now, written at every save.
 

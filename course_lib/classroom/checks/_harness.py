@@ -20,11 +20,13 @@ the state it had when ``checks`` was imported, so a student's patch of a referen
 ``course_lib.attention.causal_mask = ...``) cannot make a wrong answer pass or a right
 one fail; the student's patch is restored afterwards.
 
-Time limit: where the platform has ``SIGALRM`` (Linux, macOS) and the check runs on the
-main thread (a Jupyter kernel runs cells there), an interval timer stops the check after
-:data:`TIME_LIMIT_S` seconds. Elsewhere (Windows, or a check called from a worker thread)
-there is no limit: an endless loop in student code hangs until the student interrupts
-the kernel, which stops the check cleanly.
+Time limit: where the platform can fork (Linux), the check runs in a forked child that the kernel
+kills after :data:`TIME_LIMIT_S` seconds (``_watchdog``): no ``except:`` or ignored signal in the
+student's code can outlast it. Elsewhere, where the platform has ``SIGALRM`` (macOS) and the check
+runs on the main thread (a Jupyter kernel runs cells there), an interval timer raises
+:class:`CheckTimeout` in the student's code, and again every 0.1 s should the code catch it. On
+Windows, or from a worker thread, there is no limit: an endless loop hangs until the student
+interrupts the kernel, which stops the check cleanly.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ import torch
 from ... import _validate as validate
 from .. import progress
 from ..verdict import CheckResult, Failure
-from . import _counterexample, _nbgrader
+from . import _counterexample, _nbgrader, _watchdog
 from ._references import attributes, bind_references, install_references, restore_namespace
 from ._student_code import raised_in_student_code, student_frame
 
@@ -155,7 +157,7 @@ class _Alarm:
                   and signal.getitimer(signal.ITIMER_REAL)[0] == 0)   # never override a timer already set
         if usable:
             self.previous = signal.signal(signal.SIGALRM, self._ring)
-            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds, 0.1)   # again and again, should it be caught
             self.armed = True
         return self
 
@@ -170,6 +172,13 @@ class _Alarm:
 
 
 # ---------------------------------------------------------------- the decorator
+
+def _timed_out(exercise: str) -> CheckResult:
+    return CheckResult(exercise, False, "timeout",
+                       f"Your code did not finish within {TIME_LIMIT_S:g} seconds, so the check was "
+                       f"stopped. Look for a loop that never ends (a `while` whose condition never "
+                       f"changes), or work that grows with every step.")
+
 
 def _internal(exercise: str, exc: BaseException) -> CheckResult:
     where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
@@ -261,6 +270,14 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
             return _finish(_judge(*args, **kwargs), graded, subject)
 
         def _judge(*args: Any, **kwargs: Any) -> CheckResult:
+            if _watchdog.available():
+                forked = _watchdog.run(lambda: _judge_here(*args, **kwargs), exercise, TIME_LIMIT_S,
+                                       lambda: _timed_out(exercise))
+                if forked is not None:
+                    return forked
+            return _judge_here(*args, **kwargs)
+
+        def _judge_here(*args: Any, **kwargs: Any) -> CheckResult:
             state = _State.save()
             try:
                 install_references()
@@ -279,10 +296,7 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
             except Failure as failure:
                 return CheckResult(exercise, False, failure.diagnosis, failure.message, failure.details)
             except CheckTimeout:
-                return CheckResult(exercise, False, "timeout",
-                                   f"Your code did not finish within {TIME_LIMIT_S:g} seconds, so the check was "
-                                   f"stopped. Look for a loop that never ends (a `while` whose condition never "
-                                   f"changes), or work that grows with every step.")
+                return _timed_out(exercise)
             except NotImplementedError as exc:
                 return CheckResult(exercise, False, "not_implemented",
                                    f"Not written yet ({str(exc) or 'NotImplementedError'}). Replace the "
@@ -291,7 +305,9 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                 return CheckResult(exercise, False, "exception",
                                    f"Your code called sys.exit({'' if exc.code is None else repr(exc.code)}) "
                                    f"(or exit()): that would stop the kernel. Return a value instead.")
-            except Exception as exc:  # a checker never raises
+            except KeyboardInterrupt:   # the stop button: it must still stop
+                raise
+            except BaseException as exc:  # a checker never raises: GeneratorExit, BaseException subclasses too
                 if not raised_in_student_code(exc):
                     return _internal(exercise, exc)
                 return CheckResult(exercise, False, "exception",
