@@ -209,7 +209,7 @@ def bare_kernel(tmp_path_factory):
     done = subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"), *kernel],
                           env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
-    missing = subprocess.run([str(python), "-c", "import course_lib"], capture_output=True, env=env)
+    missing = subprocess.run([str(python), "-c", "import course_lib"], capture_output=True, env=env, cwd=base)
     assert missing.returncode != 0, "the bare kernel must not have the course"
     return {"python": python, "venv": venv, "base": base, "env": env, "index": _wheelhouse(base)}
 
