@@ -122,16 +122,19 @@ def write_autograder(out: str | os.PathLike, exercises: list[str] | None = None,
         config = {"course": __version__, "exercises": exercises, "timeout": timeout, "memory_mb": memory_mb}
         files = {"setup.sh": SETUP_SH.format(torch=torch, course=course), "run_autograder": RUN_AUTOGRADER,
                  "autograder.json": json.dumps(config, indent=1) + "\n"}
-        partial = target.with_name(target.name + ".partial")
-        with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as archive:
-            for name, text in files.items():
-                info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))
-                info.external_attr = (0o755 if name != "autograder.json" else 0o644) << 16
-                info.compress_type = zipfile.ZIP_DEFLATED
-                archive.writestr(info, text)
-            if wheel:
-                archive.write(wheel, wheel.name)
-        os.replace(partial, target)
+        partial = target.with_name(target.name + ".partial")   # a finished archive or none, never half of one
+        try:
+            with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as archive:
+                for name, text in files.items():
+                    info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))
+                    info.external_attr = (0o755 if name != "autograder.json" else 0o644) << 16   # Gradescope runs them
+                    info.compress_type = zipfile.ZIP_DEFLATED
+                    archive.writestr(info, text)
+                if wheel:
+                    archive.write(wheel, wheel.name)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
         return list(files) + ([wheel.name] if wheel else [])
 
 
