@@ -31,9 +31,26 @@ NBVAL_OPTS := -p no:cacheprovider --nbval-current-env --nbval-sanitize-with test
 
 setup: $(VENV)/.installed data
 
+# The installer: uv when it is on PATH (the venv and the install in seconds), pip otherwise (`make setup UV=`
+# forces pip). Both install constraints.txt's exact versions.
+UV ?= $(shell command -v uv 2>/dev/null)
+# Linux without an NVIDIA GPU gets torch's CPU build: PyPI's Linux torch is the CUDA one, gigabytes of GPU
+# libraries that cannot run there. `make setup TORCH_CPU=` turns the choice off; TORCH_CPU=yes forces it.
+TORCH_CPU ?= $(if $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi 2>/dev/null),,yes),)
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check
+# With pip, torch is installed alone first with the CPU index added (a torch already installed, or on pip's
+# find-links, is kept): only torch's own page is asked there, so an index out of reach costs one short retry.
+
 $(VENV)/.installed: pyproject.toml constraints.txt
+ifneq ($(UV),)
+	@test -x $(PY) || $(UV) venv --seed --python $(PYTHON) $(VENV)
+	$(UV) pip install --python $(PY) $(if $(TORCH_CPU),--torch-backend=cpu,) -c constraints.txt -e ".[$(EXTRAS)]"
+else
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[$(EXTRAS)]"
+	$(if $(TORCH_CPU),$(PIP_INSTALL) --retries 1 --no-deps -c constraints.txt --extra-index-url $(TORCH_CPU_INDEX) torch,)
+	$(PIP_INSTALL) -c constraints.txt -e ".[$(EXTRAS)]"
+endif
 	@touch $@
 
 # nbgrader (the instructor extra), for the test suite's real nbgrader run; make lab never needs it.

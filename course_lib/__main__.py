@@ -1,4 +1,4 @@
-"""`python -m course_lib start | doctor | data | train | export | student | grade | progress | bench`."""
+"""`python -m course_lib start | doctor | data | train | export | student | grade | autograder | progress | bench`."""
 from __future__ import annotations
 
 import argparse
@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                "common mistake (from COURSE_PROGRESS_DIR)")
     progress.add_argument("args", nargs=argparse.REMAINDER)
 
+    autograder = sub.add_parser("autograder", help="write Gradescope's autograder archive (setup.sh, run_autograder) "
+                                                   "that grades each submission with the course's checkers")
+    autograder.add_argument("args", nargs=argparse.REMAINDER)
+
     bench = sub.add_parser("bench", help="benchmarks: training | attention | generate")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser
@@ -171,8 +175,13 @@ def _progress(argv: list[str]) -> int:
     return progress_main(argv)
 
 
+def _autograder(argv: list[str]) -> int:
+    from .classroom.grading.autograder import main as autograder_main
+    return autograder_main(argv)
+
+
 # Subcommands with parsers of their own: their arguments (--help included) go straight to them.
-DELEGATED = {"grade": _grade, "progress": _progress}
+DELEGATED = {"grade": _grade, "progress": _progress, "autograder": _autograder}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from . import _validate as validate
 
-__version__ = "0.1.0"   # course_lib's version, printed by setup_notebook (pyproject.toml says the same)
+__version__ = "0.1.0"   # the one place of the version: printed by setup_notebook, read by pyproject.toml
 
 __all__ = ["device", "set_seed", "setup_notebook", "calibrate", "slowdown", "expect_time"]
 

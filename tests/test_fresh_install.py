@@ -1,5 +1,6 @@
-"""The learner's path with nothing but the wheel: README's no-checkout commands, word for word, in a folder
-holding only the wheel, in a fresh venv; then `start` and the notebooks.
+"""The learner's path without a checkout: README's commands (`pip install "attention-course[pinned]"`), word for
+word, in an empty folder and a fresh venv, the package index stood in for by a folder holding the wheel built
+from this checkout; then `start` and the notebooks.
 
 This is what a JupyterHub room, a hosted notebook or a class venv does: no checkout, no make.
 The venv is built once for the module (about a minute: pip takes the dependencies from its cache).
@@ -10,7 +11,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,9 +61,13 @@ def readme_commands() -> list[str]:
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 
+DISTRIBUTION = "attention-course"   # pyproject.toml's [project] name
+
+
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory):
-    """A folder holding only the wheel, a fresh venv activated, and README's commands, word for word."""
+    """An empty folder, a fresh venv activated, and README's commands, word for word; the wheel built from
+    this checkout is the package index's `attention-course` (and nothing newer of that name can be taken)."""
     base = tmp_path_factory.mktemp("fresh")
     wheels, venv, home, folder = base / "wheels", base / "venv", base / "home", base / "no-checkout"
     home.mkdir()
@@ -72,10 +76,15 @@ def fresh_venv(tmp_path_factory):
     built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, ROOT],
                  cwd=base, env=env)
     assert built.returncode == 0, built.stdout + built.stderr
-    wheel = next(wheels.glob("course_lib-*.whl"))
+    wheel = next(wheels.glob(DISTRIBUTION.replace("-", "_") + "-*.whl"))
+    version = wheel.name.split("-")[1]
     commands = readme_commands()
-    assert commands[0] == f'pip install "{wheel.name}[pinned]"', f"README names another wheel than {wheel.name}"
-    shutil.copy(wheel, folder / wheel.name)
+    assert commands[0] == f'pip install "{DISTRIBUTION}[pinned]"', \
+        f"README's no-checkout block should start with: pip install \"{DISTRIBUTION}[pinned]\" (got {commands[0]!r})"
+    only_this = base / "only-this-course.txt"
+    only_this.write_text(f"{DISTRIBUTION}=={version}\n")
+    env = dict(env, PIP_FIND_LINKS=" ".join(filter(None, [str(wheels), os.environ.get("PIP_FIND_LINKS")])),
+               PIP_CONSTRAINT=" ".join(filter(None, [str(only_this), os.environ.get("PIP_CONSTRAINT")])))
     made = _run([sys.executable, "-m", "venv", venv], cwd=base, env=env)
     assert made.returncode == 0, made.stderr
     # README's lines as a student types them, in the activated venv, one failure stopping the rest.

@@ -2,6 +2,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 try:
     import tomllib
 except ImportError:   # Python 3.10: pip carries the same parser
@@ -11,7 +13,7 @@ import yaml
 from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[1]
-CONDA_NAMES = {"pytorch": "torch"}   # conda-forge package name -> PyPI name
+CONDA_NAMES = {"pytorch": "torch", "python-build": "build"}   # conda-forge package name -> PyPI name
 
 
 def requirement_map(lines):
@@ -32,7 +34,7 @@ def test_environment_yml_lists_the_same_dependencies_as_pyproject():
     project = pyproject()["project"]
     wanted = requirement_map(project["dependencies"] + project["optional-dependencies"]["test"])
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
-    conda = [d for d in env["dependencies"] if isinstance(d, str) and not d.startswith(("python", "pip"))]
+    conda = [d for d in env["dependencies"] if isinstance(d, str) and re.split(r"[<>=! ]", d)[0] not in ("python", "pip")]
     assert requirement_map(conda) == wanted
     pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     assert "-c constraints.txt" in pip_section and any(line.startswith("-e") for line in pip_section)
@@ -131,3 +133,119 @@ def test_the_transformers_range_stated_in_hf_is_pyprojects():
     wanted = requirement_map(pyproject()["project"]["dependencies"])["transformers"]
     assert TRANSFORMERS_REQUIREMENT == wanted, (f"course_lib/hf says transformers{TRANSFORMERS_REQUIREMENT}, "
                                                 f"pyproject.toml says transformers{wanted}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The release: one name, one version, the sdist and the wheel as `python -m build` makes them
+# --------------------------------------------------------------------------------------------------------
+
+def _version() -> str:
+    return re.search(r'^__version__ = "([^"]+)"', (ROOT / "course_lib" / "runtime.py").read_text(), re.M).group(1)
+
+
+def test_the_version_lives_in_one_place_and_the_changelog_has_its_section():
+    project = pyproject()["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "course_lib.runtime.__version__"}
+    others = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "build" not in p.parts
+              and re.search(r'^__version__ = "', p.read_text(encoding="utf-8", errors="replace"), re.M)]
+    assert others == [ROOT / "course_lib" / "runtime.py"], others
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert "## [Unreleased]" in changelog and f"## [{_version()}]" in changelog
+
+
+def test_the_distribution_name_says_what_the_course_is_and_the_import_name_stays():
+    project = pyproject()["project"]
+    assert project["name"] == "attention-course"
+    assert all(p == "course_lib" or p.startswith("course_lib.") for p in pyproject()["tool"]["setuptools"]["packages"])
+    from course_lib.classroom.grading.autograder import DISTRIBUTION as graded
+    from course_lib.hosted_setup import DISTRIBUTION as hosted
+    assert hosted == graded == project["name"]
+
+
+@pytest.mark.slow
+def test_python_m_build_makes_the_sdist_and_the_wheel_with_the_whole_course(tmp_path):
+    import subprocess
+    import sys
+    import tarfile
+    import zipfile
+    # As the release workflow builds them (there in an isolated build env; here with this venv's setuptools,
+    # the build being offline).
+    built = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel", "--outdir",
+                            str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    version = _version()
+    wheel, sdist = tmp_path / f"attention_course-{version}-py3-none-any.whl", tmp_path / f"attention_course-{version}.tar.gz"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([wheel.name, sdist.name])
+    notebooks = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        meta = z.read(f"attention_course-{version}.dist-info/METADATA").decode()
+    assert sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("course_lib/notebooks/")) == notebooks
+    assert "course_lib/hosted_setup.py" in names and "course_lib/classroom/grading/autograder.py" in names
+    assert not [n for n in names if n.endswith(".txt") and "data" in n], "corpora never ship"
+    assert "Name: attention-course\n" in meta and f"Version: {version}\n" in meta
+    requires = {line.split(" ", 1)[1] for line in meta.splitlines() if line.startswith("Requires-Dist: ")}
+    assert "torch>=2.13" in requires and not [r for r in requires if "==" in r and "extra ==" not in r], \
+        "the plain install declares ranges; exact pins only in the pinned extra"
+    with tarfile.open(sdist) as t:
+        members = {m.name.split("/", 1)[1] for m in t.getmembers() if "/" in m.name}
+    assert {"pyproject.toml", "README.md", "course_lib/runtime.py"} <= members
+    assert {f"notebooks/{n}" for n in notebooks} <= members, "the sdist builds the same wheel"
+
+
+# --------------------------------------------------------------------------------------------------------
+# make setup: uv where it is, pip otherwise; torch's CPU build on Linux without an NVIDIA GPU
+# --------------------------------------------------------------------------------------------------------
+
+def _install_steps(tmp_path, *, uv: bool, nvidia: bool, **variables) -> list[str]:
+    """The commands `make setup` would run with only these tools on PATH (dry run: nothing installed)."""
+    import os
+    import shutil
+    import subprocess
+    tools = tmp_path / ("uv" if uv else "pip") / ("gpu" if nvidia else "cpu")
+    tools.mkdir(parents=True)
+    for name in ("sh", "id", "python3"):
+        (tools / name).symlink_to(shutil.which(name))
+    # A Linux x86-64 machine, wherever the test runs
+    (tools / "uname").write_text('#!/bin/sh\n[ "$1" = -m ] && echo x86_64 || echo Linux\n')
+    (tools / "uname").chmod(0o755)
+    for fake, wanted in (("uv", uv), ("nvidia-smi", nvidia)):
+        if wanted:
+            (tools / fake).write_text("#!/bin/sh\nexit 0\n")
+            (tools / fake).chmod(0o755)
+    make = shutil.which("make")
+    args = [make, "-n", "-B", ".venv/.installed"] + [f"{k}={v}" for k, v in variables.items()]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PATH=str(tools)))
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stdout.splitlines() if line.strip()]
+
+
+def test_make_setup_uses_uv_when_it_is_on_path_with_the_same_exact_versions(tmp_path):
+    steps = _install_steps(tmp_path, uv=True, nvidia=False)
+    installs = [s for s in steps if " pip install " in s]
+    assert len(installs) == 1 and "/uv pip install --python .venv/bin/python" in installs[0]
+    assert "-c constraints.txt" in installs[0] and '-e ".[test' in installs[0]
+    assert "--torch-backend=cpu" in installs[0]
+    assert any("/uv venv --seed" in s for s in steps), "the venv keeps pip, for the targets that use it"
+
+
+def test_make_setup_falls_back_to_pip_and_asks_the_cpu_index_for_torch_alone(tmp_path):
+    steps = _install_steps(tmp_path, uv=False, nvidia=False)
+    installs = [s for s in steps if " pip install " in s]
+    assert len(installs) == 2 and all(s.startswith(".venv/bin/python -m pip install") for s in installs)
+    torch_step, course_step = installs
+    assert torch_step.endswith(" torch") and "--no-deps" in torch_step and "-c constraints.txt" in torch_step
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in torch_step
+    assert "download.pytorch.org" not in course_step and "-c constraints.txt" in course_step
+    assert any(s.startswith("test -x .venv/bin/python || python3 -m venv .venv") for s in steps)
+
+
+def test_make_setup_leaves_torch_to_the_index_where_an_nvidia_gpu_is(tmp_path):
+    for uv in (True, False):
+        steps = "\n".join(_install_steps(tmp_path / str(uv), uv=uv, nvidia=True))
+        assert "download.pytorch.org" not in steps and "--torch-backend" not in steps
+        assert "-c constraints.txt" in steps
+    forced_pip = "\n".join(_install_steps(tmp_path / "forced", uv=True, nvidia=False, UV=""))
+    assert "uv " not in forced_pip and "download.pytorch.org/whl/cpu" in forced_pip

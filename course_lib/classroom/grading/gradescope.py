@@ -12,6 +12,9 @@ On Gradescope itself ``run_autograder`` grades the one submission in ``/autograd
 
 which writes ``/autograder/results/results.json`` (a folder holding the notebooks themselves is one
 student). With several students, each gets ``REPORT/gradescope/<student>/results.json``.
+
+``python -m course_lib autograder OUT.zip`` (``autograder.py``) writes the whole archive Gradescope asks
+for, ``setup.sh`` and ``run_autograder`` included.
 """
 from __future__ import annotations
 

@@ -1,0 +1,246 @@
+"""Gradescope's autograder archive, and what it runs for each submission.
+
+``python -m course_lib autograder OUT.zip [--exercises IDS]`` (:func:`write_autograder`) writes the archive
+Gradescope asks for: ``setup.sh`` (a venv with the course and its exact tested versions, torch's CPU build
+and no CUDA package), ``run_autograder`` (:func:`run_autograder`: grades ``/autograder/submission`` into
+``/autograder/results/results.json``, in Gradescope's format, ``gradescope.py``), ``autograder.json`` (the
+exercises and limits) and, from a checkout, the course's wheel. Gradescope's default container has 768 MB,
+half a CPU and 10 minutes; the limits below keep a whole course's grading inside them.
+``AUTOGRADER_ROOT`` moves ``/autograder`` (for testing the archive elsewhere).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_autograder", "run_autograder", "failed_results", "main", "CONTAINER_LINE",
+           "DISTRIBUTION", "TIMEOUT", "MEMORY_MB"]
+
+DISTRIBUTION = "attention-course"   # pyproject.toml's [project] name
+# Per notebook, its exercises together: eleven notebooks of a hostile submission stay under Gradescope's
+# 10 minutes (11 x 40 s), with the self-check and the start-up beside them.
+TIMEOUT = 40.0
+# Per exercise, beyond the course's own: the grader, one worker and one exercise inside 768 MB.
+MEMORY_MB = 256
+CONTAINER_LINE = ("isolation: bubblewrap cannot run in this container, so Gradescope's container, one per "
+                  "submission, is the isolation")
+
+
+def failed_results(message: str) -> dict[str, Any]:
+    """A results.json that gives no score and says why (Gradescope shows ``output`` to the student)."""
+    return {"score": 0.0, "output": message, "visibility": "visible", "stdout_visibility": "visible", "tests": []}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The archive
+# ---------------------------------------------------------------------------------------------------------
+
+SETUP_SH = r"""#!/usr/bin/env bash
+# Gradescope runs this once, when it builds the autograder's image (Ubuntu 22.04 base image).
+# A venv in $ROOT/venv with the course and the exact versions it is tested with; torch is the CPU build,
+# so no CUDA package is installed. AUTOGRADER_ROOT moves /autograder (for testing elsewhere).
+set -euo pipefail
+ROOT="${{AUTOGRADER_ROOT:-/autograder}}"
+SOURCE="$ROOT/source"
+PYTHON="${{AUTOGRADER_PYTHON:-python3.11}}"
+if ! command -v "$PYTHON" >/dev/null 2>&1 || ! "$PYTHON" -c "import ensurepip, venv" 2>/dev/null; then
+    apt-get update -q && apt-get install -y -q --no-install-recommends python3.11 python3.11-venv
+fi
+"$PYTHON" -m venv "$ROOT/venv"
+pip_install() {{ "$ROOT/venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@"; }}
+# torch alone first, from PyTorch's CPU index (PyPI's Linux torch is the CUDA build, gigabytes)
+pip_install --no-deps --retries 1 --extra-index-url https://download.pytorch.org/whl/cpu "{torch}"
+# then the course with its pinned extra: the exact tested versions (torch already satisfied)
+pip_install "{course}"
+if "$ROOT/venv/bin/python" -m pip list --format=freeze | grep -i '^nvidia-'; then
+    echo "setup.sh: CUDA packages were installed; expected torch's CPU build only" >&2
+    exit 1
+fi
+# The corpora, for the exercises that read them (a warning, not a failure, when offline)
+COURSE_DATA_DIR="$ROOT/data" "$ROOT/venv/bin/python" -m course_lib data --warn-only
+"""
+
+RUN_AUTOGRADER = r"""#!/usr/bin/env bash
+# Gradescope runs this once per submission: grades $ROOT/submission into $ROOT/results/results.json.
+ROOT="${AUTOGRADER_ROOT:-/autograder}"
+export COURSE_DATA_DIR="$ROOT/data" MPLBACKEND=Agg OMP_NUM_THREADS=1
+exec "$ROOT/venv/bin/python" -m course_lib.classroom.grading.autograder "$ROOT"
+"""
+
+
+def _pinned_torch() -> str:
+    """torch's exact tested version, as the package's pinned extra declares it."""
+    for requirement in metadata.requires(DISTRIBUTION) or []:
+        name, _, rest = requirement.partition("==")
+        if name.strip() == "torch" and 'extra == "pinned"' in rest:
+            return "torch==" + rest.split(";")[0].strip()
+    raise RuntimeError(f"{DISTRIBUTION}: its metadata has no pinned torch; reinstall the course "
+                       f"(pip install -e . in a checkout)")
+
+
+def _course_wheel(folder: Path) -> Path | None:
+    """From a checkout, the course's wheel built now; installed from the index, None (setup.sh names it)."""
+    from ...course_files import CHECKOUT_DIR, running_from_checkout
+    if not running_from_checkout():
+        return None
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                            "-w", str(folder), str(CHECKOUT_DIR)], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise RuntimeError(f"the course's wheel could not be built from {CHECKOUT_DIR}: {built.stderr.strip()}")
+    return next(folder.glob(DISTRIBUTION.replace("-", "_") + "-*.whl"))
+
+
+def write_autograder(out: str | os.PathLike, exercises: list[str] | None = None, *, timeout: float = TIMEOUT,
+                     memory_mb: int = MEMORY_MB) -> list[str]:
+    """Write Gradescope's autograder archive to ``out`` (a .zip); returns the names it holds.
+
+    ``exercises``: ids to grade (None: each submission on the exercises of the notebooks it holds)."""
+    from ... import _validate as validate
+    from ...runtime import __version__
+    from .plan import grading_plan
+    target = validate.path("out", out, "the archive to write, e.g. autograder.zip")
+    if target.suffix != ".zip":
+        raise ValueError(f"out: expected a file name ending in .zip (Gradescope's upload), got '{target}'")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"out: expected an existing folder for '{target.name}', got '{target.parent}'")
+    timeout = validate.positive_float("timeout", timeout)
+    validate.positive_int("memory_mb", memory_mb)
+    if exercises is not None:
+        exercises = list(grading_plan(exercises))   # refuses unknown ids, with the known ones
+    torch = _pinned_torch()
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = _course_wheel(Path(tmp))
+        course = (f"$SOURCE/{wheel.name}[pinned]" if wheel else f"{DISTRIBUTION}[pinned]=={__version__}")
+        config = {"course": __version__, "exercises": exercises, "timeout": timeout, "memory_mb": memory_mb}
+        files = {"setup.sh": SETUP_SH.format(torch=torch, course=course), "run_autograder": RUN_AUTOGRADER,
+                 "autograder.json": json.dumps(config, indent=1) + "\n"}
+        partial = target.with_name(target.name + ".partial")   # a finished archive or none, never half of one
+        try:
+            with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as archive:
+                for name, text in files.items():
+                    info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))
+                    info.external_attr = (0o755 if name != "autograder.json" else 0o644) << 16   # Gradescope runs them
+                    info.compress_type = zipfile.ZIP_DEFLATED
+                    archive.writestr(info, text)
+                if wheel:
+                    archive.write(wheel, wheel.name)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return list(files) + ([wheel.name] if wheel else [])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One submission, on Gradescope
+# ---------------------------------------------------------------------------------------------------------
+
+def _write_results(results: Path, content: dict[str, Any]) -> None:
+    from ..._atomic import atomic_file
+    with atomic_file(results / "results.json") as handle:
+        handle.write(json.dumps(content, indent=1) + "\n")
+
+
+def run_autograder(root: str | os.PathLike) -> dict[str, Any]:
+    """Grade ``root``/submission into ``root``/results/results.json with ``root``/source/autograder.json's
+    exercises and limits; a submission that cannot be graded gets a results.json that says why."""
+    from . import grade, isolation
+    root = Path(root)
+    results = root / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    config = json.loads((root / "source" / "autograder.json").read_text(encoding="utf-8"))
+    isolated, line = isolation.status()
+    print(line if isolated else CONTAINER_LINE, flush=True)   # once, and never the not-isolated warning
+    try:
+        run = grade(root / "submission", results, workers=1, timeout=config["timeout"],
+                    memory_mb=config["memory_mb"], exercises=config["exercises"], gradescope=True)
+    except Exception as exc:   # any refusal (no notebooks, a broken upload) is the student's to read
+        content = failed_results(f"This submission could not be graded: {exc}")
+        _write_results(results, content)
+        return content
+    if len(run.submissions) != 1 or not (results / "results.json").is_file():
+        names = ", ".join(s.student for s in run.submissions)
+        content = failed_results(f"This submission could not be graded: expected the notebooks themselves (or one "
+                                 f"folder holding them), found {len(run.submissions)} folders ({names}); upload "
+                                 f"the .ipynb files")
+        _write_results(results, content)
+        return content
+    content = json.loads((results / "results.json").read_text(encoding="utf-8"))
+    if run.errors:   # grading's own failure, not the student's: say so beside the scores
+        content["output"] += " The grader hit an error of its own; ask your instructor: " + "; ".join(run.errors)
+        _write_results(results, content)
+    return content
+
+
+def _exercise_ids(text: str) -> list[str]:
+    """"all", or ids and notebook numbers ("2.1,2.2", "02,03"), as ``grade --exercises`` takes them."""
+    from .plan import CAPSTONE, default_exercises
+    known = default_exercises() + [CAPSTONE]
+    if text.strip() == "all":
+        return known
+    chosen: list[str] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        matches = [ex for ex in known if item.isdigit() and int(ex.split(".")[0]) == int(item)] or \
+            [ex for ex in known if ex == item]
+        if not matches:
+            raise argparse.ArgumentTypeError(f"expected exercise ids ({', '.join(known)}), notebook numbers or "
+                                             f"'all', got {item!r}")
+        chosen += [ex for ex in matches if ex not in chosen]
+    if not chosen:
+        raise argparse.ArgumentTypeError(f"expected at least one exercise, got {text!r}")
+    return chosen
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m course_lib autograder",
+        description="Write Gradescope's autograder archive (setup.sh, run_autograder): upload it as a "
+                    "programming assignment's autograder; each submission is graded by the course's checkers.")
+    parser.add_argument("out", metavar="OUT.zip", help="the archive to write")
+    parser.add_argument("--exercises", type=_exercise_ids, default=None, metavar="IDS",
+                        help="'2.1,2.2', notebook numbers '02,03', or 'all' (default: each submission on the "
+                             "exercises of the notebooks it holds)")
+    parser.add_argument("--timeout", type=_positive(float), default=TIMEOUT, metavar="SECONDS",
+                        help="time limit per notebook; its exercises share it (default %(default)g, so that "
+                             "eleven notebooks stay inside Gradescope's 10 minutes)")
+    parser.add_argument("--memory-mb", type=_positive(int), default=MEMORY_MB, metavar="MB",
+                        help="memory per exercise beyond the course's own (default %(default)s, inside "
+                             "Gradescope's 768 MB)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        names = write_autograder(args.out, args.exercises, timeout=args.timeout,
+                                 memory_mb=args.memory_mb)
+    except (ValueError, FileNotFoundError, RuntimeError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {', '.join(names)}")
+    print("Gradescope: a programming assignment, Configure Autograder, Zip file upload, base image Ubuntu 22.04; "
+          "students upload their .ipynb files.")
+    return 0
+
+
+if __name__ == "__main__":   # run_autograder: python -m course_lib.classroom.grading.autograder /autograder
+    run_autograder(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("AUTOGRADER_ROOT", "/autograder"))
