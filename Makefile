@@ -70,11 +70,13 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 
 unit: setup
-	$(PY) -m pytest -p no:cacheprovider -m "not slow" tests
+	$(PY) -m pytest -n $(JOBS) --dist worksteal -p no:cacheprovider -m "not slow" tests
 
-# The browser test runs once, on its own, in `browser` below.
+# The browser test runs once, on its own, in `browser` below. worksteal: a worker that runs out of tests
+# takes queued ones from the other, so the slow tests do not leave one core idle at the end; the log ends
+# with the 20 slowest tests, so a slow one is seen.
 tests-all: setup $(VENV)/.instructor
-	$(PY) -m pytest -n $(JOBS) -p no:cacheprovider --ignore=tests/test_browser.py tests
+	$(PY) -m pytest -n $(JOBS) --dist worksteal --durations=20 -p no:cacheprovider --ignore=tests/test_browser.py tests
 
 # Train once: the solution pass records each training it runs (course_lib/train_replay.py), and the
 # learner copies, whose training cells are the same, replay it rather than train it again; a training
