@@ -8,14 +8,22 @@
 #   make student        write or refresh the learner copies in student/ (your edits are kept)
 #   make bench          the performance benchmarks (prints figures; takes a few minutes)
 #   make doctor         is this machine ready for the workshop?
+#   make outputs NB="05 08"  re-record those notebooks' outputs (all when NB is empty) as nbval runs them
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 # JupyterLab refuses to run as root (every Docker container) unless told; pass the flag only then.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root,)
-# nbval compares outputs, so the notebooks run with fixed threads and static widgets
-NBVAL_ENV := COURSE_STATIC_WIDGETS=1 COURSE_THREADS=2 MPLBACKEND=Agg PYTHONHASHSEED=0
+# nbval compares outputs, so the notebooks run with fixed threads, static widgets and one CPU code path.
+# PyTorch's own kernels (ATen), MKL's (matrix products) and oneDNN's each pick the widest instructions
+# the CPU has, so an AVX-512 machine printed other losses than an AVX2 one (notebook 05: 1.601 against
+# 1.599). Capped at AVX2, every CPU with AVX2 or wider (Intel since 2013) takes the same path, at full
+# speed on the CI's AVX2 machine; the lowest path (ATEN_CPU_CAPABILITY=default, MKL_CBWR=COMPATIBLE,
+# ONEDNN_MAX_CPU_ISA=SSE41) would hold on older CPUs too but trains at half speed. Each of the three
+# changes the bits of a training when set lower, so none of them is redundant.
+CPU_PATH_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+NBVAL_ENV := COURSE_STATIC_WIDGETS=1 COURSE_THREADS=2 MPLBACKEND=Agg PYTHONHASHSEED=0 $(CPU_PATH_ENV)
 # The tests run on JOBS worker processes (pytest-xdist). The notebooks run one at a time: each already
 # uses both cores (COURSE_THREADS=2, which their stored outputs were computed with), and two at once
 # made CPU threads wait on each other (notebook 05 took over 8 minutes instead of 3).
@@ -28,6 +36,7 @@ NBVAL_OPTS := -p no:cacheprovider --nbval-current-env --nbval-sanitize-with test
               --nbval-cell-timeout=1200
 
 .PHONY: setup lab lab-solutions test lint unit tests-all notebooks learner-copies browser student bench doctor data clean
+.PHONY: outputs
 
 setup: $(VENV)/.installed data
 
@@ -78,11 +87,13 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 
 unit: setup
-	$(PY) -m pytest -p no:cacheprovider -m "not slow" tests
+	$(PY) -m pytest -n $(JOBS) --dist worksteal -p no:cacheprovider -m "not slow" tests
 
-# The browser test runs once, on its own, in `browser` below.
+# The browser test runs once, on its own, in `browser` below. worksteal: a worker that runs out of tests
+# takes queued ones from the other, so the slow tests do not leave one core idle at the end; the log ends
+# with the 20 slowest tests, so a slow one is seen.
 tests-all: setup $(VENV)/.instructor
-	$(PY) -m pytest -n $(JOBS) -p no:cacheprovider --ignore=tests/test_browser.py tests
+	$(PY) -m pytest -n $(JOBS) --dist worksteal --durations=20 -p no:cacheprovider --ignore=tests/test_browser.py tests
 
 # Train once: the solution pass records each training it runs (course_lib/train_replay.py), and the
 # learner copies, whose training cells are the same, replay it rather than train it again; a training
@@ -92,6 +103,13 @@ TRAIN_RECORD := $(CURDIR)/build/train-record
 notebooks: setup
 	rm -rf $(TRAIN_RECORD)
 	$(NBVAL_ENV) COURSE_TRAIN_RECORD=$(TRAIN_RECORD) $(PY) -m pytest $(NBVAL_OPTS) --nbval notebooks
+
+# Re-record stored outputs after changing a notebook: run in place exactly as `make notebooks` runs them
+# (NBVAL_ENV, the threads, the train record), then list the cells whose compared outputs changed.
+NB ?=
+outputs: setup
+	$(if $(strip $(NB)),,rm -rf $(TRAIN_RECORD))
+	$(NBVAL_ENV) COURSE_TRAIN_RECORD=$(TRAIN_RECORD) $(PY) tests/nbval_outputs.py $(NB)
 
 learner-copies: setup
 	rm -rf build/student && $(PY) -m course_lib student notebooks build/student

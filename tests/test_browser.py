@@ -33,10 +33,10 @@ if not (CHROMIUM and CHROMEDRIVER):
     pytest.skip("no Chromium: apt-get install chromium chromium-driver (Debian) to run the browser test",
                 allow_module_level=True)
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the test extra")
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
 
 
 def _free_port() -> int:
@@ -137,6 +137,34 @@ def _open_and_run_all(driver, lab: dict, name: str) -> list[dict]:
                                  "outputs: c.model.type === 'code' ? c.model.outputs.toJSON() : []}));")
 
 
+# Notebook 01's query explorer, found anew by every script that uses it (as `e`).
+EXPLORER = ("const e = [...document.querySelectorAll('.widget-vbox')].find(b => "
+            "b.querySelector('.widget-slider') && b.textContent.includes('query angle') && "
+            "b.querySelector('.widget-output img'));")
+STALE_WAIT = 30.0   # seconds a redraw may keep replacing what a step looks up
+
+
+def _unstale(driver, step, what: str, timeout: float = STALE_WAIT):
+    """Run `step`, which looks up the elements it needs itself, again while a redraw made one stale."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return step()
+        except StaleElementReferenceException:
+            ActionChains(driver).reset_actions()   # release a button a failed drag may have pressed
+            if time.monotonic() > deadline:
+                driver.save_screenshot(str(SHOTS / f"stale-{what.replace(' ', '-')}.png"))
+                pytest.fail(f"{what}: the page kept redrawing for {timeout:.0f} s")
+            time.sleep(0.2)
+
+
+def _read_explorer(driver, expression: str) -> str:
+    """One value read from the explorer as it is now: a string, so nothing is held that a redraw could make
+    stale; while a redraw has it half-drawn, read again (bounded)."""
+    return _wait(driver, EXPLORER + f"try {{ return e ? {expression} : null; }} catch (_) {{ return null; }}",
+                 STALE_WAIT, "the query explorer after a redraw")
+
+
 def _assert_ran_without_errors(driver, cells: list[dict], name: str) -> None:
     code = [c for c in cells if c["type"] == "code"]
     assert code and all(c["count"] is not None for c in code), f"{name}: not every code cell ran"
@@ -156,16 +184,20 @@ def test_notebook_01_runs_in_jupyterlab_and_the_query_explorer_redraws(lab, brow
     browser.save_screenshot(str(SHOTS / "01-run-all.png"))
     _assert_ran_without_errors(browser, cells, "01_attention_toy.ipynb")
 
-    # The explorer: an ipywidgets slider above an Output holding the figure.
-    explorer = _wait(browser, "return [...document.querySelectorAll('.widget-vbox')].find(b => "
-                              "b.querySelector('.widget-slider') && b.textContent.includes('query angle') && "
-                              "b.querySelector('.widget-output img'));", 60, "the query explorer")
-    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", explorer)
-    figure = lambda: explorer.find_element(By.CSS_SELECTOR, ".widget-output img").get_attribute("src")  # noqa: E731
-    readout = lambda: explorer.find_element(By.CSS_SELECTOR, ".widget-readout").text  # noqa: E731
+    # The explorer: an ipywidgets slider above an Output holding the figure. Every redraw replaces the
+    # figure (and may re-render the box), so nothing found in the page is held across one: each read
+    # looks the explorer up again.
+    _wait(browser, EXPLORER + "return e && e.querySelector('.widget-output img');", 60, "the query explorer")
+    browser.execute_script(EXPLORER + "e.scrollIntoView({block: 'center'});")
+    figure = lambda: _read_explorer(browser, "e.querySelector('.widget-output img').getAttribute('src')")  # noqa: E731
+    readout = lambda: _read_explorer(browser, "e.querySelector('.widget-readout').textContent")  # noqa: E731
     before_figure, before_angle = figure(), readout()
-    handle = explorer.find_element(By.CSS_SELECTOR, ".noUi-handle")
-    ActionChains(browser).click_and_hold(handle).move_by_offset(40, 0).move_by_offset(60, 0).release().perform()
+
+    def drag() -> None:
+        handle = browser.execute_script(EXPLORER + "return e.querySelector('.noUi-handle');")
+        ActionChains(browser).click_and_hold(handle).move_by_offset(40, 0).move_by_offset(60, 0).release().perform()
+
+    _unstale(browser, drag, "dragging the explorer's slider")
     deadline = time.monotonic() + 60
     while (readout() == before_angle or figure() == before_figure) and time.monotonic() < deadline:
         time.sleep(0.5)
