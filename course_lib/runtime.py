@@ -129,12 +129,16 @@ def _small_op_step(generator: torch.Generator) -> tuple[torch.Tensor, ...]:
     return x, w.requires_grad_()
 
 
-def _time_small_ops(count: int, tensors: tuple[torch.Tensor, ...], repeats: int) -> float:
-    """Median seconds of one small-op step (projection, scores, softmax, layer norm, backward) on ``count`` threads."""
+def _time_small_ops(count: int, tensors: tuple[torch.Tensor, ...], repeats: int, budget: float = 0.25) -> float:
+    """Median seconds of one small-op step (projection, scores, softmax, layer norm, backward) on ``count`` threads.
+
+    At most ``repeats`` steps, and no more once ``budget`` seconds are spent: on a crowded machine a thread count
+    that waits can take half a second a step, and the first cell must stay quick.
+    """
     x, w = tensors
     torch.set_num_threads(count)
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats and sum(times) < budget:
         start = time.perf_counter()
         q, k, v = (x @ w).split(64, dim=-1)                       # (N, L, E) each
         scores = torch.softmax(q @ k.transpose(-2, -1) / 8, dim=-1)   # (N, L, L)

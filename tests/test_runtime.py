@@ -53,7 +53,7 @@ def crowded(monkeypatch):
     runtime._state["slowdown"] = 8.0
     timings = {}
 
-    def fake_time(count, tensors, repeats):
+    def fake_time(count, tensors, repeats, budget=0.25):
         torch.set_num_threads(count)
         return timings[count]
     monkeypatch.setattr(runtime, "_time_small_ops", fake_time)
@@ -106,6 +106,8 @@ def test_choose_threads_measures_the_real_step_in_turns_and_leaves_the_random_st
     torch.set_num_threads(2)
     before = torch.random.get_rng_state()
     choice = runtime.choose_threads(repeats=2)
+    assert runtime._time_small_ops(1, runtime._small_op_step(torch.Generator()), 10**6, budget=0.05) > 0, \
+        "the budget ends a measurement however many repeats are asked for"
     assert set(choice.seconds) == {1, 2} and all(s > 0 for s in choice.seconds.values())
     assert choice.chosen == min(choice.seconds, key=choice.seconds.get)
     assert torch.get_num_threads() == choice.chosen
