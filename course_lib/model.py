@@ -231,7 +231,7 @@ class GPT(nn.Module):
             for proj in (block.attn.proj, block.mlp.proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=GPT2_INIT_STD / math.sqrt(2 * c.num_layers))
         if c.input_init_std != GPT2_INIT_STD:
-            # drawn again after every other weight, as in the runs that chose 0.05 (README), so the
+            # drawn again after every other weight, as in the runs that chose 0.05 (PERFORMANCE.md), so the
             # preset reproduces them; only when the value differs, so GPT-2's models keep their draws
             for block in self.blocks:
                 for layer in (block.attn.query, block.attn.key, block.attn.value, block.mlp.fc):

@@ -13,7 +13,7 @@ learning-rate scale and the state's names are ``torch.optim.Muon``'s, so a check
 into the other. Ours differs in one thing: the Newton-Schulz iterations run in bfloat16 only on a GPU. On a
 CPU without native bfloat16 matrix units (AVX2 chips, most laptops) torch emulates bfloat16 matmuls, about 25
 times slower than float32: ``torch.optim.Muon`` then spent 1.36 s a step on the course's CPU recipe, where
-float32 takes 45 ms (README, performance).
+float32 takes 45 ms (PERFORMANCE.md).
 """
 from __future__ import annotations
 

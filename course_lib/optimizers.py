@@ -5,7 +5,7 @@ with a few Newton-Schulz iterations before the step, so every direction of the m
 the same rate. It only makes sense for the 2-D weights inside the transformer blocks; the token
 embedding, the output head and the norms' gains keep AdamW. In the speed runs of 2024-25 it
 reaches a given loss in fewer steps than AdamW; on the course's CPU recipe it buys more than its
-extra cost per step (README, "what each change bought").
+extra cost per step (PERFORMANCE.md, "what each change bought").
 """
 from __future__ import annotations
 

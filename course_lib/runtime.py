@@ -12,7 +12,8 @@ from . import _validate as validate
 
 __version__ = "0.1.0"   # the one place of the version: printed by setup_notebook, read by pyproject.toml
 
-__all__ = ["device", "set_seed", "setup_notebook", "calibrate", "slowdown", "expect_time"]
+__all__ = ["device", "set_seed", "setup_notebook", "set_threads", "choose_threads", "calibrate", "slowdown",
+           "expect_time"]
 
 DEVICES = ("cuda", "mps", "cpu")
 
@@ -51,7 +52,10 @@ def setup_notebook(seed: int = 0) -> torch.device:
     """First cell of every notebook: seed, thread count, device; prints one summary line.
 
     ``COURSE_THREADS`` fixes the number of CPU threads (the regression runs set it, so
-    numbers do not depend on the machine's core count).
+    numbers do not depend on the machine's core count); then nothing is measured or changed.
+    Without it, a CPU that calibrates as crowded (other programs using the cores) gets the thread
+    count that runs small operations fastest here, measured (``choose_threads``), and a line saying
+    what was chosen and how to change it mid-notebook (``set_threads``).
     """
     set_seed(seed)
     threads = os.environ.get("COURSE_THREADS", "").strip()
@@ -63,10 +67,115 @@ def setup_notebook(seed: int = 0) -> torch.device:
                              f"set e.g. COURSE_THREADS=2, or unset it to use every core") from None
         torch.set_num_threads(max(1, count))   # as distributed.py reads it: 0 or less means one thread
     chosen = device()
+    choice = None
+    if not threads and chosen.type == "cpu" and torch.get_num_threads() > 1 and slowdown() > CROWDED_SLOWDOWN:
+        choice = choose_threads()
+        _state.pop("slowdown", None)           # compare this machine as it now runs, with the chosen threads
     print(f"course_lib {__version__} | torch {torch.__version__.split('+')[0]} | device {chosen} | "
           f"{torch.get_num_threads()} CPU threads | seed {seed}")
-    print(_compare_with_reference(chosen))
+    print(_compare_with_reference(chosen, advise=choice is None))
+    if choice is not None:
+        print(choice.message())
     return chosen
+
+
+# ---------------------------------------------------------------------------
+# Threads on a crowded machine
+# ---------------------------------------------------------------------------
+
+# Beyond this slowdown against the reference laptop, the cores are probably shared with other work. Then
+# threads wait on each other at every small operation: on a loaded 2-core machine two threads made small-op
+# cells 10 to 20 times slower than one (notebook 09's RoPE cell 89 s against 4 s). So it is measured.
+CROWDED_SLOWDOWN = 3.0
+
+
+class ThreadChoice:
+    """What ``choose_threads`` measured: seconds of the small-op step per thread count, and the count chosen."""
+
+    def __init__(self, seconds: dict[int, float], chosen: int, before: int):
+        self.seconds, self.chosen, self.before = dict(seconds), chosen, before
+
+    def message(self) -> str:
+        timed = ", ".join(f"{count} thread{'s' if count > 1 else ''} {seconds * 1000:.1f} ms"
+                          for count, seconds in sorted(self.seconds.items()))
+        others = [count for count in sorted(self.seconds) if count != self.chosen]
+        other = self.before if self.chosen != self.before else (others[0] if others else self.chosen)
+        verb = "chosen" if self.chosen != self.before else "kept"
+        return (f"threads: {self.chosen} {verb}, the fastest here for small operations ({timed} a step); "
+                f"to change it in this notebook: course_lib.runtime.set_threads({other})")
+
+    def __repr__(self) -> str:
+        return f"ThreadChoice(chosen={self.chosen}, seconds={self.seconds})"
+
+
+def set_threads(count: int) -> int:
+    """Use ``count`` CPU threads from now on in this Python process (the notebook's kernel); returns it.
+
+    For a machine shared with other work, mid-notebook: ``course_lib.runtime.set_threads(1)``.
+    """
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(f"count: expected a whole number of CPU threads such as 1 or 2, got {count!r}")
+    if count < 1:
+        raise ValueError(f"count: expected a whole number of CPU threads >= 1, got {count}")
+    torch.set_num_threads(count)
+    _state.pop("slowdown", None)               # the machine now runs differently: calibrate again when asked
+    return torch.get_num_threads()
+
+
+def _small_op_step(generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Tensors for one small training-like step: the sizes of the course's CPU models (width 64, 32 tokens)."""
+    x = torch.randn(4, 32, 64, generator=generator)               # (N, L, E)
+    w = torch.randn(64, 192, generator=generator) / 8             # (E, 3E): a fused q, k, v projection
+    return x, w.requires_grad_()
+
+
+def _time_small_ops(count: int, tensors: tuple[torch.Tensor, ...], repeats: int, budget: float = 0.25) -> float:
+    """Median seconds of one small-op step (projection, scores, softmax, layer norm, backward) on ``count`` threads.
+
+    At most ``repeats`` steps, and no more once ``budget`` seconds are spent: on a crowded machine a thread count
+    that waits can take half a second a step, and the first cell must stay quick.
+    """
+    x, w = tensors
+    torch.set_num_threads(count)
+    times: list[float] = []
+    while len(times) < repeats and sum(times) < budget:
+        start = time.perf_counter()
+        q, k, v = (x @ w).split(64, dim=-1)                       # (N, L, E) each
+        scores = torch.softmax(q @ k.transpose(-2, -1) / 8, dim=-1)   # (N, L, L)
+        out = torch.nn.functional.layer_norm(scores @ v, (64,))   # (N, L, E)
+        out.square().mean().backward()
+        w.grad = None
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def choose_threads(candidates: list[int] | None = None, repeats: int = 15) -> ThreadChoice:
+    """Measure a small-op step on each thread count, in turns, and keep the fastest; returns what it measured.
+
+    ``candidates`` defaults to 1, 2 and the current count (no more than it). Turns, not one count after the
+    other, so that a machine whose load changes moves every count alike. The notebook's random stream is
+    untouched (the step draws from its own generator).
+    """
+    before = torch.get_num_threads()
+    if candidates is None:
+        candidates = sorted({1, min(2, before), before})
+    candidates = validate.int_list("candidates", candidates)
+    repeats = validate.positive_int("repeats", repeats)
+    tensors = _small_op_step(torch.Generator().manual_seed(0))
+    samples: dict[int, list[float]] = {count: [] for count in candidates}
+    try:
+        for count in candidates:                                   # a first, untimed round: threads start up
+            _time_small_ops(count, tensors, 1)
+        for _ in range(3):
+            for count in candidates:
+                samples[count].append(_time_small_ops(count, tensors, repeats))
+    finally:
+        torch.set_num_threads(before)
+    seconds = {count: sorted(times)[1] for count, times in samples.items()}   # the middle of three turns
+    chosen = min(seconds, key=lambda count: (seconds[count], count))
+    torch.set_num_threads(chosen)
+    return ThreadChoice(seconds, chosen, before)
 
 
 # ---------------------------------------------------------------------------
@@ -117,7 +226,7 @@ def slowdown() -> float:
     return _state["slowdown"]
 
 
-def _compare_with_reference(chosen: torch.device) -> str:
+def _compare_with_reference(chosen: torch.device, advise: bool = True) -> str:
     if chosen.type != "cpu":
         return (f"this machine: runs on {chosen.type}; the times in the notebooks are the reference laptop's "
                 f"(2 quiet CPU cores), so expect shorter runs")
@@ -131,9 +240,9 @@ def _compare_with_reference(chosen: torch.device) -> str:
     else:
         speed = f"about {1 / factor:.{0 if factor <= 0.1 else 1}f}x faster than the reference laptop"
     line = f"this machine: {speed} (2 quiet CPU cores), for which the notebooks' times are given"
-    if factor > 3 and torch.get_num_threads() > 1:
-        line += ("; other programs seem to be using the cores: if runs crawl, set COURSE_THREADS=1 before "
-                 "starting JupyterLab")
+    if advise and factor > CROWDED_SLOWDOWN and torch.get_num_threads() > 1:
+        line += ("; other programs seem to be using the cores: if runs crawl, run "
+                 "course_lib.runtime.set_threads(1) (or set COURSE_THREADS=1 before starting JupyterLab)")
     return line
 
 

@@ -42,6 +42,8 @@ def test_calibration_measures_matmul_speed_quickly_and_leaves_the_random_stream_
 ])
 def test_setup_notebook_prints_one_line_comparing_this_machine(capsys, monkeypatch, speed, factor, wanted):
     monkeypatch.setenv("COURSE_DEVICE", "cpu")
+    # the count it has: a crowded machine's thread choice is tested in test_runtime.py
+    monkeypatch.setenv("COURSE_THREADS", str(torch.get_num_threads()))
     speed(factor)
     runtime.setup_notebook(seed=3)
     lines = capsys.readouterr().out.splitlines()
@@ -93,6 +95,7 @@ def _sanitized(text: str) -> str:
 def test_nbval_sees_the_same_output_on_any_machine(capsys, monkeypatch, speed):
     """A notebook's stored first output stays valid on a faster, slower or busier machine."""
     monkeypatch.setenv("COURSE_DEVICE", "cpu")
+    monkeypatch.setenv("COURSE_THREADS", "2")   # as the notebook runs set it: then threads are never measured
     outputs = []
     for factor in (0.3, 1.0, 2.4, 400.0):
         speed(factor)

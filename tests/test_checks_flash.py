@@ -137,3 +137,62 @@ def test_a_check_runs_on_float64_defaults_and_leaves_grad_mode_alone():
             assert not torch.is_grad_enabled()
     finally:
         torch.set_default_dtype(default)
+
+
+# ---------------------------------------------------------------- issue 44: an off-by-one block bound is named
+
+def _tiled_with_bounds(q, k, v, block_q, block_k, causal, key_stop):
+    """The reference's loop with the key loop's stop written by the student (key_stop(lk, qe, causal))."""
+    scale = q.shape[-1] ** -0.5
+    lq, lk = q.shape[-2], k.shape[-2]
+    outs, lses = [], []
+    for qs in range(0, lq, block_q):
+        qe = min(qs + block_q, lq)
+        qb = q[..., qs:qe, :] * scale
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for ks in range(0, key_stop(lk, qe, causal), block_k):
+            ke = min(ks + block_k, lk)
+            s = qb @ k[..., ks:ke, :].transpose(-2, -1)
+            if causal:
+                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            c = torch.exp(m - m_new)
+            l, acc, m = l * c + p.sum(-1), acc * c[..., None] + p @ v[..., ks:ke, :], m_new
+        outs.append(acc / l[..., None])
+        lses.append(m + torch.log(l))
+    return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+def flash_causal_stop_plus_one(q, k, v, *, block_q, block_k, causal=False):
+    # "stop the key loop before the first block that starts after qe - 1", read as qe + 1
+    return _tiled_with_bounds(q, k, v, block_q, block_k, causal, lambda lk, qe, c: qe + 1 if c else lk)
+
+
+def flash_key_loop_one_block_too_far(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_with_bounds(q, k, v, block_q, block_k, causal,
+                              lambda lk, qe, c: (min(lk, qe) if c else lk) + block_k)
+
+
+def flash_bounds_right(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_with_bounds(q, k, v, block_q, block_k, causal, lambda lk, qe, c: min(lk, qe) if c else lk)
+
+
+@pytest.mark.parametrize("candidate", [flash_causal_stop_plus_one, flash_key_loop_one_block_too_far])
+def test_a_loop_bound_one_block_too_far_is_named_not_an_exception(candidate):
+    """The student's code raises inside torch (amax over an empty dim); the verdict names the bound instead."""
+    result = checks.check_flash_attention(candidate)
+    assert not result.passed and result.diagnosis == "block_bounds", result
+    assert "empty block" in result.message and "range(0, min(Lk, qe), block_k)" in result.message
+    assert "amax" not in result.message and "non-zero size" not in result.message
+
+
+def test_the_same_loop_with_the_right_bounds_passes_and_other_exceptions_stay_exceptions():
+    assert checks.check_flash_attention(flash_bounds_right).passed
+
+    def raises_elsewhere(q, k, v, *, block_q, block_k, causal=False):
+        raise IndexError("a slip of the student's own")
+    result = checks.check_flash_attention(raises_elsewhere)
+    assert result.diagnosis == "exception" and "IndexError" in result.message

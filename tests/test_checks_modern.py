@@ -321,5 +321,5 @@ def test_hints_are_registered(exercise):
 @pytest.mark.parametrize("exercise", sorted(CHECKERS))
 def test_solutions_come_from_notebook_09(exercise, capsys):
     source = checks.show_solution(exercise, force=True)
-    assert f"### BEGIN SOLUTION (Exercise {exercise}" in source
+    assert source.startswith(f"# Solution of exercise {exercise} (") and "SOLUTION" not in source
     assert "def " in source or "class " in source

@@ -2,11 +2,12 @@
 show_solution print once; show_solution waits for a checked attempt (or force=True)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from bank.attention_bugs import BUGGY as ATTENTION_BUGGY
 from bank.modern_bugs import BUGGY as MODERN_BUGGY
 
-from course_lib import attention, modern
+from course_lib import attention, flash, modern
 from course_lib.classroom import checks
 from course_lib.classroom.checks import _core
 
@@ -67,10 +68,10 @@ def test_hint_and_solution_display_once_in_a_notebook():
 def test_show_solution_waits_for_an_attempt(capsys):
     before = checks.show_solution("9.5")
     assert "Try exercise 9.5" in before and "BEGIN SOLUTION" not in before
-    assert "BEGIN SOLUTION" in checks.show_solution("9.5", force=True)
+    assert "def repeat_kv" in checks.show_solution("9.5", force=True)
     checks.check_repeat_kv(BY_ID["9.5-repeat_kv_tiled"].candidate)
-    assert "BEGIN SOLUTION (Exercise 9.5" in checks.show_solution("9.5")
-    assert capsys.readouterr().out.count("BEGIN SOLUTION (Exercise 9.5") == 2
+    assert "def repeat_kv" in checks.show_solution("9.5")
+    assert capsys.readouterr().out.count("# Solution of exercise 9.5 (repeat_kv)") == 2
 
 
 def test_most_forward_mistakes_of_the_banks_get_a_counterexample():
@@ -89,3 +90,107 @@ def test_every_diagnosis_a_student_can_get_has_a_nudge_of_its_own():
     assert not without, f"these diagnoses fall back to the generic nudge: {without}"
     promising = [code for code, text in NUDGES.items() if "next hint" in text]
     assert not promising, f"a nudge may not promise a counter-example that may not exist: {promising}"
+
+
+# ---------------------------------------------------------------- issue 44: hints show what they promise
+
+def _module_from_notes(module, notes):
+    """Load the weights a counter-example shows (named self.<parameter> (...)) into a module of that kind."""
+    with torch.no_grad():
+        for label, value in notes:
+            if label.startswith("self."):
+                name = label.split(" ")[0][len("self."):]
+                module.get_parameter(name).copy_(value)
+    return module.eval()
+
+
+
+@pytest.mark.parametrize("attempt_id, make, check", [
+    ("9.3-RMSNormNoWeight", lambda: modern.RMSNorm, lambda: checks.check_rms_norm),
+    ("9.3-RMSNormCentred", lambda: modern.RMSNorm, lambda: checks.check_rms_norm),
+    ("9.4-SwiGLUSiluOnUp", lambda: modern.SwiGLU, lambda: checks.check_swiglu),
+    ("9.4-SwiGLUNoActivation", lambda: modern.SwiGLU, lambda: checks.check_swiglu),
+])
+def test_a_modules_counterexample_shows_every_weight_needed_to_redo_it(attempt_id, make, check, capsys):
+    """With only x shown, a student cannot redo RMSNorm or SwiGLU by hand: the weights must be there, and be
+    the ones used (the reference and the student's module, rebuilt from what is printed, give both outputs)."""
+    attempt = BY_ID[attempt_id]
+    result = check()(attempt.candidate)
+    example = result.details["counterexample"]
+    shown = {label.split(" ")[0] for label, _ in example.notes}
+    reference_cls = make()
+    sizes = (2, 3) if reference_cls is modern.SwiGLU else None
+    x = dict(example.inputs)["x"]
+    if sizes is None:
+        sizes = (x.shape[-1],)
+    reference = reference_cls(*sizes)
+    assert shown == {f"self.{name}" for name, _ in reference.named_parameters()}, shown
+    _module_from_notes(reference, example.notes)
+    student = _module_from_notes(attempt.candidate(*sizes), example.notes)
+    with torch.no_grad():
+        assert torch.allclose(reference(x), example.expected, atol=1e-6)
+        assert torch.allclose(student(x), example.yours, atol=1e-6)
+    # printed with every digit they have: two decimals, shown with three
+    for _, value in example.notes:
+        assert torch.equal(value, value.round(decimals=2))
+    exercise = attempt.exercise
+    _reset(exercise)
+    texts = [checks.hint(exercise) for _ in range(2)]
+    assert "counter-example" in texts[1] and ("self.weight" in texts[1] or "self.gate.weight" in texts[1])
+    assert "from the inputs and weights above" in texts[1]
+    _reset(exercise)
+
+
+def _flash_mismatch(q, k, v, *, block_q, block_k, causal=False):
+    """A forward whose output is wrong in a way no named mistake explains: a plain mismatch."""
+    out, lse = flash.flash_attention(q, k, v, block_q=block_q, block_k=block_k, causal=causal)
+    return out * 1.01, lse
+
+
+class _BackwardMismatch(flash.FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        dq, dk, dv, *rest = flash.FlashAttentionFunction.backward(ctx, grad_out)
+        return (dq * 1.01, dk, dv, *rest)
+
+
+@pytest.mark.parametrize("exercise, check, candidate", [
+    ("10.2", lambda: checks.check_flash_attention, _flash_mismatch),
+    ("10.3", lambda: checks.check_flash_backward, _BackwardMismatch),
+])
+def test_a_plain_mismatch_without_a_counterexample_promises_none(exercise, check, candidate):
+    """10.2 and 10.3 have no counter-example searcher: their hints may not speak of an input they never show."""
+    _reset(exercise)
+    result = check()(candidate)
+    assert result.diagnosis == "mismatch", result
+    assert "counterexample" not in result.details
+    ladder = [checks.hint(exercise) for _ in range(4)]
+    for text in ladder:
+        assert "smallest input where" not in text and "counter-example" not in text, text
+    assert "small input of your own" in ladder[0]
+    assert ladder[1].startswith("Hint 1/"), "no counter-example step: the spec's hints come next"
+    _reset(exercise)
+
+
+def test_the_mismatch_nudge_promises_a_counterexample_only_where_one_is_shown():
+    from course_lib.classroom.checks._nudges import nudge
+    assert "smallest input where they differ" in nudge("mismatch", example=True)
+    assert "smallest input where" not in nudge("mismatch", example=False)
+    assert "smallest input where" not in nudge("no_such_diagnosis", example=False)
+
+
+@pytest.mark.parametrize("exercise", ["1.2", "2.2", "9.3", "10.1", "10.2", "11.3"])
+def test_show_solution_prints_the_code_without_the_markers(exercise, capsys):
+    from course_lib.classroom.notebook_reader import looks_like_marker
+    shown = checks.show_solution(exercise, force=True)
+    printed = capsys.readouterr().out
+    assert shown.strip() == printed.strip()
+    for line in printed.splitlines():
+        assert looks_like_marker(line) is None, f"a solution marker was printed: {line!r}"
+    assert "SOLUTION" not in printed
+    # the code itself is all there: every line of the solution cell but the two markers
+    cell = _core.solution_source(exercise).splitlines()
+    kept = [line for line in cell if looks_like_marker(line) is None]
+    assert len(kept) == len(cell) - 2 and "\n".join(kept).strip() in printed
+    header = printed.splitlines()[0]
+    assert header.startswith(f"# Solution of exercise {exercise} (")

@@ -90,7 +90,7 @@ PRESETS: dict[str, Preset] = {
         # Notebook 05's recipe, GPT-2's parts with AdamW. In a budget of a minute or two a small model
         # learns most: 2 layers of width 96 take about a third of the time per step of 2 layers of 192
         # and, at a learning rate of 1e-2 (a model this small takes it), end below the wider model in
-        # its training time, and a little above it in half that time (five seeds; README, performance).
+        # its training time, and a little above it in half that time (five seeds; PERFORMANCE.md).
         # Few layers, since depth costs time per step without paying for it this early. The GELU is
         # GPT-2's own tanh approximation, which a CPU also runs 2.7 times faster than the exact erf.
         # Weight decay 0.2 beat 0.1 in each of five seeds; 3 heads beat 2, 4 and 6, and batch 32 beat 16
@@ -103,7 +103,7 @@ PRESETS: dict[str, Preset] = {
                     tie_weights=True, activation="gelu_tanh", input_init_std=0.05),
                TrainConfig(steps=5000, batch_size=32, learning_rate=1e-2, min_learning_rate=1e-4,
                            warmup_steps=100, beta2=0.99, weight_decay=0.2, eval_interval=500)),
-        # Notebook 09's parts and Muon, at the baseline's own wall time (README: "what each change bought",
+        # Notebook 09's parts and Muon, at the baseline's own wall time (PERFORMANCE.md: "what each change bought",
         # `bench ablation`): Muon for the blocks' matrices reaches a given loss in far fewer steps than
         # AdamW, which more than pays for its extra cost per step; RoPE and RMSNorm replace learned
         # positions and LayerNorm; a ReLU² feed-forward of 3x the width runs more steps in the time than

@@ -95,10 +95,11 @@ def _following(entry: Exercise, result: CheckResult) -> str:
     head = f"Hint for exercise {entry.exercise} ({entry.title}), after your last check ({result.diagnosis})"
     if step < len(steps) and steps[step] == "nudge":
         more = " The next hint shows a counter-example." if example is not None else ""
-        return f"{head}: {nudge(result.diagnosis)}{more}"
+        return f"{head}: {nudge(result.diagnosis, example=example is not None)}{more}"
     if step < len(steps):
+        given = "inputs and weights" if any(name.startswith("self.") for name, _ in example.notes) else "inputs"
         return (f"{head}: a counter-example.\n{example.text()}\nFind the first entry that differs and work it "
-                f"out by hand from the inputs above.")
+                f"out by hand from the {given} above.")
     return _spec_hint(entry)
 
 
@@ -148,7 +149,21 @@ def show_solution(exercise_id: str, force: bool = False) -> Shown:
                 f"(or with checks.show_solution({entry.exercise!r}, force=True)).")
         print(text)
         return Shown(text)
-    source = solution_source(entry.exercise)
-    print(f"# Solution of exercise {entry.exercise} ({entry.title}), from notebook {_notebook(entry).name}\n"
-          f"{source}")
-    return Shown(source)
+    code, summary = _without_markers(solution_source(entry.exercise))
+    text = (f"# Solution of exercise {entry.exercise} ({entry.title}), from notebook {_notebook(entry).name}"
+            + (f"\n# {summary}" if summary else "") + f"\n{code}")
+    print(text)
+    return Shown(text)
+
+
+def _without_markers(source: str) -> tuple[str, str | None]:
+    """The cell's code with its ### BEGIN/END SOLUTION lines left out (the code a student would type), and the
+    BEGIN marker's summary of the exercise ("running maximum m and sum l ...") without its "Exercise X.Y: "."""
+    kept, summary = [], None
+    for line in source.splitlines():
+        found = marker(line)
+        if found is None:
+            kept.append(line)
+        elif found.kind == "begin" and found.text and summary is None:
+            summary = re.sub(r"^\s*Exercise\s+\d+\.\d+\s*:?\s*", "", found.text).strip() or None
+    return "\n".join(kept).rstrip() + "\n", summary

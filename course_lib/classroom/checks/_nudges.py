@@ -101,6 +101,16 @@ NUDGES = {
                 "entries are wrong, and by how much?",
 }
 
+# The same question where no counter-example can be shown (no searcher for the exercise, or none found): it
+# never promises an input it does not show; the student makes one, small enough to follow by hand.
+_MISMATCH_WITHOUT_EXAMPLE = (
+    "Make a small input of your own (a length of 3 to 5, a width of 2; blocks of 2 where there are blocks), run "
+    "your code and the reference from course_lib on it, print both outputs, and find the first entry that "
+    "differs: which part of your code computes it?")
 
-def nudge(diagnosis: str) -> str:
-    return NUDGES.get(diagnosis, NUDGES["mismatch"])
+
+def nudge(diagnosis: str, example: bool = True) -> str:
+    """The nudge for a diagnosis; ``example`` says whether a counter-example will be shown after it."""
+    if diagnosis not in NUDGES or diagnosis == "mismatch":
+        return NUDGES["mismatch"] if example else _MISMATCH_WITHOUT_EXAMPLE
+    return NUDGES[diagnosis]

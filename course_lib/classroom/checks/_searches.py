@@ -43,8 +43,8 @@ def _module_pair(make: Callable[[], nn.Module], make_reference: Callable[[], nn.
                  generator: torch.Generator) -> tuple[nn.Module, nn.Module]:
     reference = make_reference()
     with torch.no_grad():
-        for p in reference.parameters():
-            p.copy_(_values(generator, *p.shape) / max(1, p.shape[-1]) ** 0.5)
+        for p in reference.parameters():   # two decimals: the weights are shown, and redone by hand
+            p.copy_((_values(generator, *p.shape) / max(1, p.shape[-1]) ** 0.5).round(decimals=2))
     candidate = make()
     copy_weights(reference, candidate, "your module")
     return candidate.eval(), reference.eval()
@@ -57,9 +57,27 @@ def _module_search(name: str, make: Callable[[], nn.Module], make_reference: Cal
             candidate, reference = _module_pair(make, make_reference, generator)
             x = _values(generator, 1, length, embed)
             return _compare(f"{name} on x of shape (1, {length}, {embed}) (the reference's weights copied in)",
-                            [("x", x)], lambda: candidate(x.clone()), lambda: reference(x))
+                            [("x", x)], lambda: candidate(x.clone()), lambda: reference(x), _weights(reference))
         return run
     return first_difference([case(length, g) for length, g in _cases(list(lengths))])
+
+
+# Modules up to this many parameters have every weight shown beside a counter-example (RMSNorm, SwiGLU, a
+# tiny attention): without them a student cannot redo the computation by hand.
+_SHOWN_PARAMETERS = 100
+
+
+def _weights(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's weights as notes of a counter-example, named as the student's module names them."""
+    named = list(module.named_parameters())
+    if sum(p.numel() for _, p in named) > _SHOWN_PARAMETERS:
+        return []
+    notes = []
+    for name, p in named:
+        linear = name.endswith(".weight") and p.dim() == 2     # nn.Linear: y = x @ weight.T
+        notes.append((f"self.{name}" + (f" (shape {tuple(p.shape)}; nn.Linear computes x @ weight.T)" if linear
+                                        else f" (shape {tuple(p.shape)})"), p.detach().clone()))
+    return notes
 
 
 # ---------------------------------------------------------------- notebooks 01-03

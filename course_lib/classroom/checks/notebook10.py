@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ... import flash as ref
-from ..verdict import fail
+from ..verdict import Failure, fail
 from . import _flash_variants as variants
 from ._core import register
 from ._flash_probe import Recorder
@@ -189,13 +189,56 @@ def _call_forward(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: t
                   block_k: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, str]:
     shown = (f"flash_attention(q, k, v, block_q={block_q}, block_k={block_k}, causal={causal}) with q of shape "
              f"{_shape(q)}" + (f" and k of shape {_shape(k)}" if k.shape != q.shape else ""))
-    result = call_student(fn, q.clone(), k.clone(), v.clone(), block_q=block_q, block_k=block_k, causal=causal,
-                          what=shown)
+    try:
+        result = call_student(fn, q.clone(), k.clone(), v.clone(), block_q=block_q, block_k=block_k, causal=causal,
+                              what=shown)
+    except Failure as failure:
+        if failure.diagnosis == "exception":
+            _name_an_empty_block(fn, q, k, v, block_q, block_k, causal, shown)
+        raise
     shape = _shape(q)[:-1] + (v.shape[-1],)
     out, lse = _pair(result, shown, shape)
     out = expect_tensor(out, shape, f"{shown} (its output)", dtype=q.dtype, finite=False)
     lse = expect_tensor(lse, shape[:-1], f"{shown} (its log-sum-exp)", finite=False)
     return out, lse, shown
+
+
+class _EmptyBlocks(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every slice along the positions axis (-2) of a (..., L, d) tensor that leaves no rows."""
+
+    def __init__(self, lengths: set[int]):
+        super().__init__()
+        self.lengths, self.seen = lengths, []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "slice" and args and isinstance(args[0], torch.Tensor) \
+                and isinstance(out, torch.Tensor) and args[0].dim() >= 2:
+            source, dim = args[0], (args[1] if len(args) > 1 else 0) % args[0].dim()
+            if dim == source.dim() - 2 and source.shape[dim] in self.lengths and out.shape[dim] == 0:
+                start = args[2] if len(args) > 2 and args[2] is not None else 0
+                self.seen.append((int(source.shape[dim]), int(min(start, source.shape[dim]))))
+        return out
+
+
+def _name_an_empty_block(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int,
+                         block_k: int, causal: bool, shown: str) -> None:
+    """After the student's forward raised: was it on a block of 0 positions (a loop bound one block too far)?"""
+    watch = _EmptyBlocks({q.shape[-2], k.shape[-2]})
+    try:
+        with watch:
+            call_student(fn, q.clone(), k.clone(), v.clone(), block_q=block_q, block_k=block_k, causal=causal,
+                         what=shown)
+    except Failure:
+        pass
+    if not watch.seen:
+        return
+    length, start = watch.seen[0]
+    fail("block_bounds", f"{shown}: your code took an empty block, positions {start}:{start} of {length}, and "
+                         f"then raised on it (a max or a softmax over no scores). A loop bound goes one block too "
+                         f"far. The query blocks start at range(0, Lq, block_q) and the key blocks at range(0, Lk, "
+                         f"block_k); with causal, the key loop stops before the query block's end qe, which is "
+                         f"already one past its last query: range(0, min(Lk, qe), block_k), no + 1.")
 
 
 def _diagnose_forward(outputs: list[torch.Tensor]) -> None:
