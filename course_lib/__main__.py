@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--quiet", action="store_true", help="no progress bar")
 
     export = sub.add_parser("export", help="write a trained run as a Hugging Face folder (GPT runs as GPT-2, "
-                                           "ModernGPT runs as Llama) for transformers.pipeline")
+                                           "ModernGPT runs as Llama, Mistral, Qwen 3, Arcee or Apertus, as its options need) "
+                                           "for transformers.pipeline")
     export.add_argument("run_dir", metavar="RUN_DIR", help="the folder a training run wrote (checkpoint.pt)")
     export.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty folder for config.json, "
                                                            "model.safetensors, generation_config.json and the tokenizer")

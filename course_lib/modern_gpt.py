@@ -4,7 +4,8 @@
 ``new_cache()``, ``num_parameters()``, ``config.max_tokens``, ``config.vocab_size``), so
 :func:`course_lib.generate.generate` and :func:`course_lib.train.train` take it unchanged. Its parts are
 passed in as classes, so a student's own ``GroupedQueryAttention``, ``RMSNorm`` and ``SwiGLU`` build the
-same model, and :func:`course_lib.hf.from_hf_llama` loads a Hugging Face Llama into them.
+same model, and :func:`course_lib.hf.from_hf_llama` loads a Hugging Face Llama into them
+(``hf.from_hf_modern``: a Qwen 3, Mistral, Arcee or Apertus too).
 """
 from __future__ import annotations
 
