@@ -56,7 +56,7 @@ PROC_MASKED = ("cmdline", "config.gz", "kallsyms", "modules", "sched_debug", "ti
 
 
 def _system_binds() -> list[str]:
-    args = ["--ro-bind", "/usr", "/usr"]
+    args = ["--ro-bind", "/usr", "/usr", "--perms", "0755", "--dir", "/etc"]   # readable by the sandbox's user
     for name in ETC_FILES:
         if os.path.exists(os.path.join("/etc", name)):
             args += ["--ro-bind", os.path.realpath(os.path.join("/etc", name)), f"/etc/{name}"]
