@@ -3,8 +3,9 @@
 The grader (this process) never imports or runs student code. It keeps ``workers`` worker processes
 busy (``python -m course_lib.classroom.grading.worker``, each in a session of its own, with an
 allow-listed environment), hands each one student's files as one JSON line, and reads the grades
-back as JSON lines. A worker grades one student and exits: the next student gets a fresh process,
-so nothing of one student is left in the memory another's code runs in. One more worker, first,
+back as JSON lines. A student is graded in a process that held no other student: the next gets a fresh one,
+so nothing of one student is left in the memory another's code runs in (unisolated, the worker
+stays, and a fresh child it forks, before reading anything, reads and grades each student). One more worker, first,
 grades the course's own notebooks (``selfcheck``); no student is graded before it passed. A grade
 is taken only for an exercise of the student being graded, and only once; anything else on the
 line is ignored. Whatever happens to a worker while it grades a student, the run goes on:
@@ -262,7 +263,10 @@ def _grade_one(worker: _Worker, submission: Submission, plans: dict[str, Exercis
                                          "checker_error": "the grader failed on an earlier exercise."}[diagnosis]
             outcome.grades[exercise] = Grade(submission.student, exercise, False, diagnosis, text, 0.0)
             first = False
-    return outcome, False   # a fresh worker for every student: nothing of one student is in the next one's memory
+    # Isolated or inline: a fresh worker (sandbox) per student. Otherwise the worker forks a fresh child per
+    # student and never reads a job itself, so it may take the next student.
+    reusable = ended == "done" and worker.alive() and not (options.inline or options.isolated or not forks())
+    return outcome, reusable
 
 
 def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePlan], options: GradingOptions,

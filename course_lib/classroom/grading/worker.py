@@ -369,19 +369,45 @@ def main(argv: list[str] | None = None) -> int:
         channel.send({"type": "self_check", "problems": problems})
         return 1
     channel.send({"type": "ready", "pid": os.getpid()})
-    for line in sys.stdin.buffer:
-        job = json.loads(line)
-        if not inline:   # this worker grades this one student: bound it, and all it forks, before parsing anything
-            from .sandbox import bound_worker
-            notebooks = len({name.split(".")[0] for name in job["exercises"]})
-            bound_worker(job["memory_mb"], job["timeout"] * notebooks + 60)
-        try:
-            grade_student(job, channel.send, inline=inline, close=[channel.fd])
-        except Exception as exc:  # a bug of ours: the grader marks the student's remaining exercises
-            channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
-            return 1
-        channel.send({"type": "done", "student": job["student"]})
-        return 0   # one student per process: the next one's starts fresh, with nothing of this one's in memory
+    if inline or isolated:   # one student per process (isolated: per sandbox)
+        return _grade_next(channel, inline=inline)
+    # Not isolated: this process never reads a student's job. Each student is read and graded by a fresh
+    # child forked from it, so nothing of one student is ever in the memory another's code runs in.
+    while True:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _become_subreaper()
+                code = _grade_next(channel, inline=False)
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        _kill_strays()
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+        if code != 0:   # no more students (NO_MORE), our error, or the child was killed: the grader sees us go
+            return 0 if code == NO_MORE else 1
+
+
+NO_MORE = 3   # a child's exit status: stdin ended, no student to grade
+
+
+def _grade_next(channel: _Channel, *, inline: bool) -> int:
+    """Read one student's job from stdin and grade it; 0 when graded, NO_MORE at the end of stdin."""
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return NO_MORE
+    job = json.loads(line)
+    if not inline:   # this process grades this one student: bound it, and all it forks, before parsing anything
+        from .sandbox import bound_worker
+        notebooks = len({name.split(".")[0] for name in job["exercises"]})
+        bound_worker(job["memory_mb"], job["timeout"] * notebooks + 60)
+    try:
+        grade_student(job, channel.send, inline=inline, close=[channel.fd])
+    except Exception as exc:  # a bug of ours: the grader marks the student's remaining exercises
+        channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
+        return 1
+    channel.send({"type": "done", "student": job["student"]})
     return 0
 
 
