@@ -193,7 +193,14 @@ def causal_mask(n):
         "2.2": '''
 import os, signal
 
-class MaskedAttention(MaskedAttention):
+class MaskedAttention(nn.Module):
+    def __init__(self, embed_dim, max_tokens, dropout_rate=0.0):
+        super().__init__()
+        self.query = nn.Linear(embed_dim, embed_dim, bias=False)
+        self.key = nn.Linear(embed_dim, embed_dim, bias=False)
+        self.value = nn.Linear(embed_dim, embed_dim, bias=False)
+        self.proj = nn.Linear(embed_dim, embed_dim, bias=False)
+
     def forward(self, x):
         os.kill(os.getpid(), signal.SIGKILL)
 ''',
@@ -220,22 +227,31 @@ def merge_heads(x):
     return x.transpose(1, 2).reshape(n, length, heads * head_dim)
 ''',
         # reading another student's files, the submissions folder, the grader's memory
+        # the attacks first, then the course's solution (its own code: calling the course's class would be
+        # a verdict of its own, calls_reference)
         "3.3": f'''
 import os
 
-class MultiHeadMaskedAttention(MultiHeadMaskedAttention):
-    def forward(self, x):
-        attacks = {{"read a notebook": lambda: open({str(victim)!r}).read(),
-                   "list the submissions": lambda: os.listdir({str(submissions)!r}),
-                   "read the worker's memory map": lambda: open(f"/proc/{{os.getppid()}}/maps").read()}}
-        for name, attack in attacks.items():
-            try:
-                attack()
-            except OSError:
-                continue
-            raise RuntimeError(f"attack got through: {{name}}")
-        return super().forward(x)
-''',
+def _attack():
+    attacks = {{"read a notebook": lambda: open({str(victim)!r}).read(),
+               "list the submissions": lambda: os.listdir({str(submissions)!r}),
+               "read the worker's memory map": lambda: open(f"/proc/{{os.getppid()}}/maps").read()}}
+    for name, attack in attacks.items():
+        try:
+            attack()
+        except OSError:
+            continue
+        raise RuntimeError(f"attack got through: {{name}}")
+
+def _attacking(cls):
+    forward = cls.forward
+    def attacked(self, x, *args, **kwargs):
+        _attack()
+        return forward(self, x, *args, **kwargs)
+    cls.forward = attacked
+    return cls
+
+''' + grading_plan(["3.3"])["3.3"].solution.replace("class MultiHeadMaskedAttention", "@_attacking\nclass MultiHeadMaskedAttention", 1),
     }
 
 

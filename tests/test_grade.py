@@ -202,7 +202,9 @@ def test_the_grader_passes_every_solution_and_fails_every_blank_exercise():
 
 def test_a_broken_judge_is_caught_by_the_self_check_naming_the_exercise():
     broken = {"2.1": dataclasses.replace(PLANS["2.1"], check="checks.check_causal_mask(lambda n: None)"),
-              "3.2": dataclasses.replace(PLANS["3.2"], check="from course_lib.attention import merge_heads as ours\n"
+              "3.2": dataclasses.replace(PLANS["3.2"], check="def ours(x):\n"
+                                                         "    n, h, t, d = x.shape\n"
+                                                         "    return x.transpose(1, 2).reshape(n, t, h * d)\n"
                                                          "checks.check_merge_heads(ours)")}
     problems = self_check(broken)
     assert any(p.startswith("exercise 2.1 (causal_mask): the course's solution failed") for p in problems)
@@ -338,7 +340,7 @@ def test_the_report_says_per_exercise_who_passed_and_what_to_tell_the_room(tmp_p
     out = tmp_path / "report"
     write_report(out, _grades(), _info(), gradescope=True)
     rows = list(csv.DictReader(io.StringIO((out / "grades.csv").read_text())))
-    assert list(rows[0]) == ["student", "exercise", "passed", "diagnosis", "message", "seconds"]
+    assert list(rows[0]) == ["student", "exercise", "passed", "diagnosis", "message", "seconds", "flag"]
     assert [(r["student"], r["exercise"], r["passed"], r["diagnosis"]) for r in rows][:3] == [
         ("ada", "2.1", "true", ""), ("ada", "3.1", "false", "shape"), ("bo", "2.1", "false", "causal_mask")]
     summary = (out / "summary.md").read_text()
@@ -579,24 +581,236 @@ def test_grading_8_1_without_the_corpora_is_refused_before_anyone_is_graded(tmp_
 
 
 def test_the_sandbox_sees_the_course_and_the_corpora_wherever_the_grader_is_started(tmp_path):
-    """The checkout (its notebooks/) is mounted whatever the grader's folder, and the corpora the grader
-    found (in COURSE_DATA_DIR or the per-user folder inside the masked home) appear at one fixed path."""
-    code = ("import json, sys\n"
+    """The package (never the checkout or the folder the grader runs from) is mounted whatever the grader's
+    folder, the course's notebooks only as stubs, and the corpora the grader found appear at one fixed path;
+    no value of the environment is on the command line."""
+    code = ("import json, os, sys\n"
+            "os.environ['GRADER_SECRET'] = 'tok-7d1e'\n"
             "from course_lib.classroom.grading import isolation\n"
-            "from course_lib.course_files import CHECKOUT_DIR, running_from_checkout\n"
-            "visible = isolation._visible()\n"
-            "args = isolation.command(['true'], env={}, masked=[])\n"
-            "print(json.dumps({'checkout': str(CHECKOUT_DIR) if running_from_checkout() else None,\n"
-            "                  'visible': visible, 'args': args, 'data': isolation.corpora_folder()}))\n")
+            "from course_lib.course_files import PACKAGE_DIR, notebooks_dir\n"
+            "args = isolation.command(['true'], notebooks='/stubs')\n"
+            "print(json.dumps({'package': str(PACKAGE_DIR), 'notebooks': str(notebooks_dir()), 'cwd': os.getcwd(),\n"
+            "                  'visible': isolation.visible_folders(), 'args': args, 'data': isolation.corpora_folder(),\n"
+            "                  'env': isolation.worker_environment({})}))\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     from course_lib.classroom.grading import isolation
-    if seen["checkout"]:
-        assert any(seen["checkout"] == v or seen["checkout"].startswith(v + os.sep) for v in seen["visible"])
+    args, visible = seen["args"], seen["visible"]
+    assert any(seen["package"] == v or seen["package"].startswith(v + os.sep) for v in visible)
+    assert not any(seen["cwd"] == v or seen["cwd"].startswith(v + os.sep) for v in visible)
+    assert str(Path(seen["package"]).parent) not in visible, "the checkout around the package is not mounted"
+    i = args.index("/stubs")
+    assert args[i - 1:i + 2] == ["--ro-bind", "/stubs", seen["notebooks"]]
+    assert "--setenv" not in args and "tok-7d1e" not in " ".join(args)
+    assert "GRADER_SECRET" not in seen["env"]
     if seen["data"]:
-        args = seen["args"]
         i = args.index(isolation.SANDBOX_DATA_DIR)
         assert args[i - 2:i] == ["--ro-bind", seen["data"]]
-        assert args[args.index("COURSE_DATA_DIR") + 1] == isolation.SANDBOX_DATA_DIR
+        assert seen["env"]["COURSE_DATA_DIR"] == isolation.SANDBOX_DATA_DIR
+
+
+# ---------------------------------------------------------------- student text, and the student's own work
+
+def test_student_text_is_cleaned_where_it_enters_and_escaped_where_it_is_written():
+    from course_lib.classroom.grading.report import feedback_markdown
+    from course_lib.classroom.grading.text import from_student, markdown_inline, name_from_student
+    assert from_student("boom \ud800 here") == "boom \ufffd here"              # a lone surrogate
+    assert name_from_student(os.fsdecode(b"Jos\xe9")) == "Jos\ufffd"            # Latin-1 from a zip
+    assert name_from_student("a\x1b[31mb\u202ec\nd") == "a[31mbc d"             # control and bidi characters
+    assert len(from_student("x\n" * 10000).splitlines()) <= 61
+    forged = "oops\n## 2.1 passed\n![x](http://evil.example/x.png)\n<!-- hide"
+    grade = Grade("eve <!--", "2.1", False, "exception", forged, 0.1)
+    text = feedback_markdown("eve <!--", [grade], ["<img src=x> [link](http://evil.example)"])
+    assert "<!--" not in text and "<img" not in text and "![" not in text and "](http" not in text
+    assert not any(line.startswith("## 2.1") and "passed" in line for line in text.splitlines())
+    assert "|" not in markdown_inline("a | b").replace("\\|", "")
+
+
+@pytest.fixture(scope="module")
+def odd_class(tmp_path_factory):
+    """Students whose files break naive graders, graded unisolated on one worker (students in name order)."""
+    root = tmp_path_factory.mktemp("odd")
+    submissions, report = root / "class", root / "report"
+    write_student(submissions / "aaa", ["01", "02"], solved=True)
+    notebook = submissions / "aaa" / "01_attention_toy.ipynb"
+    notebook.write_text(notebook.read_text().replace("Toy attention", f"Toy attention {PRIVATE}", 1))
+    latin = os.fsdecode(b"jos\xe9")
+    write_student(submissions / latin, ["02"], solved=True)
+    write_student(submissions / "surrogate", ["02"], {"2.1": "def causal_mask(n):\n    raise ValueError('\\ud800 boom')"})
+    write_student(submissions / "folder", ["02"], solved=True, rename={"02": "02_masked_attention (1).ipynb"})
+    (submissions / "folder" / "02_masked_attention.ipynb").mkdir()
+    (submissions / "folder" / "02_masked_attention.ipynb" / "x.txt").write_text("not a notebook")
+    write_student(submissions / "second", ["02"], solved=True)
+    (submissions / "second" / "02_masked_attention (2).ipynb").write_text(json.dumps(
+        {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [{"cell_type": "code", "source": 5}]}))
+    write_student(submissions / "many", ["02"], solved=True)
+    for i in range(20000):
+        (submissions / "many" / f"f{i}.txt").write_text("x")
+    write_student(submissions / "html", ["02"], {"2.1": HOSTILE_MESSAGE})
+    (submissions / "html" / "<!-- hide.txt").write_text("x")
+    solution = PLANS["2.1"].solution
+    renamed = solution.replace("(n)", "(size)").replace("n, n", "size, size")
+    write_student(submissions / "copier", ["02"], {"2.1": renamed})
+    write_student(submissions / "zzz", ["01", "02"], {"1.2": MEMORY_SCAN}, solved=True)
+    run = grade(submissions, report, workers=1, timeout=60, exercises=["1.2", "2.1"], isolate=False)
+    return {"run": run, "report": report, "latin": name_from_student_(latin),
+            "grades": {(g.student, g.exercise): g for g in run.grades}}
+
+
+def name_from_student_(name: str) -> str:
+    from course_lib.classroom.grading.text import name_from_student
+    return name_from_student(name)
+
+
+PRIVATE = "aaa-private-5c2e9"
+HOSTILE_MESSAGE = ("def causal_mask(n):\n"
+                   "    raise ValueError('no\\n## 2.1 Causal mask: passed\\n![x](http://evil.example/x.png)\\n<!--')\n")
+# Exercise 1.2 that reads its own process's memory for the previous student's private text first.
+MEMORY_SCAN = f"""
+import re
+_PATTERN = re.compile(rb{PRIVATE.replace("private", "privat[e]")!r})   # never the text itself in this process
+
+def _scan():
+    found = 0
+    with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:
+        for line in maps:
+            fields = line.split()
+            if not fields[1].startswith('rw') or (len(fields) > 5 and fields[5].startswith('/')):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split('-'))
+            if end - start > 1 << 30:
+                continue
+            try:
+                mem.seek(start)
+                found += len(_PATTERN.findall(mem.read(end - start)))
+            except (OSError, ValueError, OverflowError):
+                continue
+    return found
+
+def toy_attention(query, keys, values):
+    if _scan():
+        raise RuntimeError('read the previous student from memory')
+    return torch.softmax(keys @ query, dim=0) @ values
+"""
+
+
+@pytest.mark.slow
+def test_odd_files_and_hostile_text_are_each_students_verdict_and_the_report_is_written(odd_class):
+    run, grades, report = odd_class["run"], odd_class["grades"], odd_class["report"]
+    assert run.errors == []
+    assert all(g.diagnosis != "checker_error" for g in grades.values()), [g for g in grades.values()
+                                                                          if g.diagnosis == "checker_error"]
+    latin = odd_class["latin"]
+    assert grades[latin, "2.1"].passed and "\ufffd" in latin
+    assert grades["surrogate", "2.1"].diagnosis == "exception" and "\ufffd" in grades["surrogate", "2.1"].message
+    assert grades["folder", "2.1"].passed and grades["second", "2.1"].passed and grades["many", "2.1"].passed
+    assert grades["html", "2.1"].diagnosis == "exception"
+    summary = (report / "summary.md").read_text(encoding="utf-8")
+    assert "<!--" not in summary and len(summary.splitlines()) < 400
+    assert latin in summary or latin.replace("\ufffd", "\ufffd") in summary
+    feedback = {p.name: p.read_text(encoding="utf-8") for p in (report / "feedback").iterdir()}
+    html = feedback["html.md"]
+    assert "![" not in html and "<!--" not in html
+    assert not any(line.startswith("## 2.1") and "passed" in line for line in html.splitlines())
+    assert any("jos" in name for name in feedback)
+    assert len(feedback["many.md"].splitlines()) < 100
+
+
+@pytest.mark.slow
+def test_a_student_cannot_read_the_previous_students_work_from_its_own_process(odd_class):
+    grades = odd_class["grades"]
+    assert grades["aaa", "1.2"].passed
+    assert grades["zzz", "1.2"].passed, grades["zzz", "1.2"]   # its scan ran, and found nothing
+
+
+@pytest.mark.slow
+def test_a_copy_of_the_courses_solution_is_flagged_not_failed(odd_class):
+    from course_lib.classroom.grading.likeness import FLAG_SAME_AS_SOLUTION
+    grades, report = odd_class["grades"], odd_class["report"]
+    assert grades["copier", "2.1"].passed and grades["copier", "2.1"].flag == FLAG_SAME_AS_SOLUTION
+    assert grades["aaa", "2.1"].flag == FLAG_SAME_AS_SOLUTION   # the solution itself, handed in
+    assert grades[odd_class["latin"], "2.1"].flag == FLAG_SAME_AS_SOLUTION
+    assert not grades["html", "2.1"].flag and not grades["zzz", "1.2"].flag
+    rows = list(csv.DictReader(io.StringIO((report / "grades.csv").read_text(encoding="utf-8"))))
+    assert {r["student"] for r in rows if r["flag"]} >= {"copier", "aaa"}
+    assert "Flagged for the instructor" in (report / "summary.md").read_text(encoding="utf-8")
+
+
+def test_the_likeness_of_two_parts_ignores_names_and_docstrings_but_not_the_code():
+    from course_lib.classroom.grading.likeness import fingerprint
+    solution = "def causal_mask(n):\n    '''Doc.'''\n    ones = torch.ones(n, n, dtype=torch.bool)\n    return ones.tril()\n"
+    renamed = "def causal_mask(size):\n    # mine\n    m = torch.ones(size, size, dtype=torch.bool)\n    return m.tril()\n"
+    other = "def causal_mask(n):\n    return ~torch.ones(n, n, dtype=torch.bool).triu(1)\n"
+    assert fingerprint(solution, "causal_mask") == fingerprint(renamed, "causal_mask") is not None
+    assert fingerprint(other, "causal_mask") != fingerprint(solution, "causal_mask")
+    assert fingerprint("x = (", "causal_mask") is None and fingerprint(solution, "other") is None
+
+
+@pytest.mark.parametrize("exercise, source", [
+    ("2.1", "def causal_mask(n, _course=causal_mask):\n    return _course(n)"),
+    ("2.1", "from course_lib.attention import causal_mask"),
+    ("2.1", "import functools\ncausal_mask = functools.partial(causal_mask)"),
+    ("2.2", "class MaskedAttention(MaskedAttention):\n    pass"),
+    ("2.2", "_Course = MaskedAttention\n"
+            "class MaskedAttention(nn.Module):\n"
+            "    def __init__(self, *args, **kwargs):\n"
+            "        super().__init__()\n"
+            "        inner = _Course(*args, **kwargs)\n"
+            "        for name, child in inner.named_children():\n"
+            "            setattr(self, name, child)\n"
+            "        self._inner = [inner]\n"
+            "    def forward(self, x):\n"
+            "        try:\n"
+            "            return self._inner[0](x)\n"
+            "        except BaseException:\n"
+            "            return x\n"),
+])
+def test_handing_the_work_to_the_courses_own_version_is_its_own_verdict(exercise, source):
+    verdict = judge(PLANS[exercise], source)
+    assert verdict["diagnosis"] == "calls_reference", verdict
+    assert PLANS[exercise].name in verdict["message"] and "yourself" in verdict["message"]
+
+
+def test_the_notebooks_own_checks_refuse_the_reference_too():
+    from course_lib.attention import MaskedAttention, causal_mask
+    result = checks.check_causal_mask(lambda n: causal_mask(n))
+    assert (result.passed, result.diagnosis) == (False, "calls_reference")
+
+    class Mine(MaskedAttention):
+        pass
+    assert checks.check_masked_attention(Mine).diagnosis == "calls_reference"
+    # the course's own tests check the reference itself as the known-good answer
+    assert checks.check_causal_mask(causal_mask).passed
+    import torch
+    assert checks.check_causal_mask(lambda n: torch.ones(n, n, dtype=torch.bool).tril()).passed
+
+
+def test_a_notebook_built_to_inflate_is_that_students_verdict_within_the_workers_bound():
+    """The worker that parses one student's notebooks is bounded as a whole: a notebook that grows to
+    gigabytes when parsed ends as that student's verdict, and the worker stays under its bound."""
+    from course_lib.classroom.grading.sandbox import WORKER_MB, bound_worker
+    from course_lib.classroom.grading.worker import _read_part
+    inflating = json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": {"x": [{}] * 4_000_000},
+                            "cells": []})
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            bound_worker(64, 60)
+            part = _read_part(inflating, PLANS["2.1"], KNOWN, "")
+            os.write(write_end, json.dumps([part.diagnosis, part.message]).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        sent = pipe.read()
+    _, status, usage = os.wait4(pid, 0)
+    assert os.WIFEXITED(status), status
+    diagnosis, message = json.loads(sent)
+    assert diagnosis in ("missing", "exception") and "MemoryError" in message, message
+    rss_now = int(next(line for line in Path("/proc/self/status").read_text().splitlines()
+                       if line.startswith("VmRSS:")).split()[1])
+    assert usage.ru_maxrss < rss_now + (64 + WORKER_MB + 256) * 1024

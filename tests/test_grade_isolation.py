@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import shutil
 import signal
@@ -98,7 +99,68 @@ def _attacks(root: Path) -> dict[str, dict[str, str]]:
     late_edit = (f"import time, os\nfor _ in range(150):\n    for p in ({str(grades_csv)!r}, {str(alice)!r}):\n"
                  f"        try:\n            open(p, 'a').write('tampered')\n        except OSError:\n"
                  f"            pass\n    time.sleep(0.1)\n")
+    grader = root / "grader"
+    solution_line = "return torch.ones(n, n, dtype=torch.bool).tril()"
+    checkout_notebooks = Path(course_lib.__file__).parents[1] / "notebooks"
+    leaks = {
+        "mallory": {
+            # the instructor's environment: a token of the grader's shell
+            "1.1": f"""
+got = [name for name, value in os.environ.items() if {TOKEN!r} in value or name == "GRADER_TOKEN"]
+for path in ("/proc/self/environ", "/proc/1/environ", "/proc/1/cmdline"):
+    try:
+        if {TOKEN!r}.encode() in open(path, "rb").read():
+            got.append(path)
+    except OSError:
+        pass
+return got
+""",
+            # the folder the grader runs from: last run's grades, nbgrader's database
+            "1.2": f"""
+got = []
+for path in ({str(grader / "grades.csv")!r}, {str(grader / "gradebook.db")!r}, {str(report)!r}):
+    try:
+        got.append((path, open(path, "rb").read(100)))
+    except OSError:
+        pass
+    try:
+        got.append((path, os.listdir(path)))
+    except OSError:
+        pass
+return got
+""",
+            # the course's solution notebooks, wherever the package or the checkout keeps them
+            "1.3": f"""
+from course_lib.course_files import notebooks_dir
+got = []
+for folder in (str(notebooks_dir()), {str(checkout_notebooks)!r}):
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        continue
+    for name in names:
+        try:
+            if {solution_line!r} in open(os.path.join(folder, name), encoding="utf-8").read():
+                got.append(os.path.join(folder, name))
+        except OSError:
+            pass
+return got
+""",
+            # the host: /etc beyond what Python needs, the kernel's command line, the host's paths in the mount table
+            "2.1": f"""
+got = sorted(set(os.listdir("/etc")) - {{"ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime"}})
+try:
+    got.append(open("/proc/cmdline").read()[:80])
+except OSError:
+    pass
+mounts = open("/proc/self/mountinfo").read()
+got += [path for path in ({str(alice.parent.parent)!r}, {str(report)!r}, {str(grader)!r}) if path in mounts]
+return got
+""",
+        },
+    }
     return {
+        **leaks,
         "trudy": {
             # read another student's notebook through dir_fd (the audit hook once resolved it wrongly)
             "1.1": f"""
@@ -197,6 +259,25 @@ return stopped
 
 
 PARSE_BOMB = "x = " + "-" * 100000 + "1"
+TOKEN = "grader-token-51f0c2"   # in the grader's environment: never in a sandbox, never on a command line
+
+
+def _watch_command_lines(process: subprocess.Popen) -> list[str]:
+    """While ``process`` runs, every command line on this machine holding TOKEN (what `ps` shows anyone)."""
+    import threading
+    found: list[str] = []
+
+    def watch() -> None:
+        while process.poll() is None:
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    if TOKEN.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        found.append(pid)
+                except OSError:
+                    continue
+            time.sleep(0.2)
+    threading.Thread(target=watch, daemon=True).start()
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -217,19 +298,32 @@ def attacked(tmp_path_factory):
     notebook.cells[index].source = _cell("2.1", "return None")
     notebook.cells.insert(index, nbformat.v4.new_code_cell(PARSE_BOMB))
     nbformat.write(notebook, path)
+    # a notebook that grows to gigabytes when parsed (24 MB of empty objects)
+    write_student(submissions / "inflater", ["01"])
+    (submissions / "inflater" / "02_masked_attention.ipynb").write_text(json.dumps(
+        {"nbformat": 4, "nbformat_minor": 5, "metadata": {"x": [{}] * 8_000_000}, "cells": []},
+        separators=(",", ":")))
     before = {p: p.read_bytes() for p in submissions.rglob("*") if p.is_file() and "alice" in p.parts}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(course_lib.__file__).parents[1]),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    grader = root / "grader"   # the folder the instructor grades from, nbgrader-style
+    grader.mkdir()
+    (grader / "grades.csv").write_text("student,grade\nalice,100\n")
+    (grader / "gradebook.db").write_bytes(b"SQLite format 3\x00 alice")
+    env = {**os.environ, "GRADER_TOKEN": TOKEN,
+           "PYTHONPATH": os.pathsep.join([str(Path(course_lib.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "course_lib", "grade", str(submissions), "--out", str(report),
-                           "--workers", "2", "--exercises", ",".join(EXERCISES), "--timeout", "40",
-                           "--isolation", "on", "--quiet"], capture_output=True, text=True, env=env, timeout=400,
-                          start_new_session=True)
+    grading = subprocess.Popen([sys.executable, "-m", "course_lib", "grade", str(submissions), "--out", str(report),
+                                "--workers", "2", "--exercises", ",".join(EXERCISES), "--timeout", "40",
+                                "--memory-mb", "512", "--isolation", "on", "--quiet"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env, cwd=grader, start_new_session=True)
+    on_command_lines = _watch_command_lines(grading)
+    out, err = grading.communicate(timeout=400)
+    done = subprocess.CompletedProcess(grading.args, grading.returncode, out, err)
     seconds = time.monotonic() - start
     csv_after_run = (report / "grades.csv").read_bytes() if (report / "grades.csv").exists() else b""
     time.sleep(3)   # a process left behind would edit the report now
     rows = list(csv.DictReader(io.StringIO((report / "grades.csv").read_text())))
     return {"done": done, "seconds": seconds, "root": root, "report": report, "before": before,
+            "on_command_lines": on_command_lines,
             "csv_after_run": csv_after_run, "grades": {(r["student"], r["exercise"]): r for r in rows}}
 
 
@@ -280,3 +374,23 @@ def test_nothing_the_submissions_started_outlives_the_run(attacked):
             left.append(pid)
             os.kill(int(pid), signal.SIGKILL)
     assert left == []
+
+
+@pytest.mark.slow
+def test_the_sandbox_sees_only_what_the_worker_needs(attacked):
+    """Allow-lists: the grader's environment, its folder, the solutions and the host stay outside."""
+    grades = attacked["grades"]
+    for exercise in ("1.1", "1.2", "1.3", "2.1"):
+        assert grades["mallory", exercise]["passed"] == "true", (exercise, grades["mallory", exercise])
+    assert attacked["on_command_lines"] == [], "the token was on a command line while grading"
+    assert TOKEN not in "".join(p.read_text() for p in (attacked["report"] / "feedback").iterdir())
+
+
+@pytest.mark.slow
+def test_a_notebook_that_inflates_when_parsed_is_bounded_and_only_its_students_verdict(attacked):
+    grades = attacked["grades"]
+    for exercise in ("2.1", "2.2"):
+        grade = grades["inflater", exercise]
+        assert grade["passed"] == "false" and grade["diagnosis"] in ("missing", "exception"), grade
+        assert "MemoryError" in grade["message"], grade
+    assert grades["inflater", "1.2"]["diagnosis"] == "not_implemented"

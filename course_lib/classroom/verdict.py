@@ -70,6 +70,7 @@ DIAGNOSES = (
     "ablation_method",   # a head "switched off" by changing the wrong thing (its attention pattern), or not at all
     "ablation_slice",    # the wrong part of the merged heads zeroed: another head, the whole layer, proj's rows
     "not_restored",      # a context manager that leaves the model changed (hooks, weights), also after an exception
+    "calls_reference",   # the student's code is, wraps, subclasses or calls the course's own version of the exercise
     "mismatch",          # wrong, and like none of the mistakes we know
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
     "missing",           # grading: the exercise (its notebook, or its cell) is not in the submission

@@ -48,7 +48,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import torch
 
 from ... import _validate as validate
-from .. import progress
+from .. import progress, reference_guard
 from ..verdict import CheckResult, Failure
 from . import _counterexample, _nbgrader, _watchdog
 from ._references import attributes, bind_references, install_references, restore_namespace
@@ -287,7 +287,7 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                 torch.set_grad_enabled(True)
                 if hasattr(torch, "set_default_device"):
                     torch.set_default_device(None)   # inputs and references on the CPU, whatever the notebook set
-                with _Alarm(TIME_LIMIT_S):
+                with _Alarm(TIME_LIMIT_S), reference_guard.guard(exercise, args, kwargs):
                     try:
                         message = body(*args, **kwargs)
                     except Failure as failure:   # the smallest input that shows the mistake, for checks.hint
@@ -295,6 +295,8 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                         raise
             except Failure as failure:
                 return CheckResult(exercise, False, failure.diagnosis, failure.message, failure.details)
+            except reference_guard.CallsReference as found:   # the exercise's own reference did the work
+                return CheckResult(exercise, False, "calls_reference", reference_guard.message(found))
             except CheckTimeout:
                 return _timed_out(exercise)
             except NotImplementedError as exc:

@@ -96,6 +96,7 @@ NUDGES = {
     "not_restored": "After the with-block ends (or raises), is the model exactly as before? Which hook or "
                     "weight did you change, and where is it undone?",
     "missing": "Is the exercise's cell in your notebook, under its own name?",
+    "calls_reference": "Which steps does the course's version do that your code should do itself?",
     "crashed": "Which line could end the process: a huge allocation, os._exit, a signal?",
     "mismatch": "Compare your output with the reference's on the smallest input where they differ: which "
                 "entries are wrong, and by how much?",

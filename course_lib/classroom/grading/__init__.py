@@ -12,8 +12,8 @@ How a submission is run, and what it cannot do:
   disk later, so a submission rewriting files cannot change what is graded);
 - ``sources``: per exercise, only the student's definition and what it names (helpers, imports,
   constants) is taken from their notebook, by parsing it; nothing else of the notebook runs;
-- ``worker``/``sandbox``: worker processes, which never run student code, fork one child per
-  exercise in a fresh folder holding only that student's files, with a time limit (a notebook's
+- ``worker``/``sandbox``: worker processes, one fresh process per student, which never run student
+  code, fork one child per exercise in a fresh folder holding only that student's files, with a time limit (a notebook's
   exercises share ``timeout``), a memory limit, and an audit-hook policy against reading other
   submissions or the report, writing outside its folder, starting processes or signalling others;
 - ``selfcheck``: before anyone is graded, the course's solution notebooks and learner copies are
@@ -27,6 +27,9 @@ How a submission is run, and what it cannot do:
   sandbox of its own: no other process, no network, nothing of the disk but the system, Python
   and the course read-only, and a size-limited scratch folder; an unprivileged user with a
   process limit; everything it started dies with it. Its notebooks are parsed in there too;
+- ``text``: student text (names, file names, messages, notes) is cleaned where it enters and escaped
+  where it is written; ``likeness``: a part equal to the course's solution is flagged, not failed;
+  ``course_lib.classroom.reference_guard``: the exercise's own reference is out of the student's reach;
 - ``report``/``gradescope``: written by the grader alone, at the end, each file atomically.
 
 What it does not guarantee: a submission runs in its own process and can, with deliberate
@@ -51,6 +54,7 @@ from pathlib import Path
 
 from . import isolation
 from .grades import Grade
+from .likeness import fingerprint
 from .plan import CAPSTONE, ExercisePlan, default_exercises, grading_plan
 from .pool import GradingOptions, forks, grade_submissions
 from .report import RunInfo, claim_report_folder, write_report
@@ -129,9 +133,15 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
     start = time.monotonic()
     work = tempfile.mkdtemp(prefix="course-grade-")
     try:
+        stubs = None
+        if isolated:   # what the sandbox sees of the course's notebooks: every solution taken out
+            from ...course_files import course_notebooks
+            from .stubs import write_stub_notebooks
+            stubs = str(write_stub_notebooks(course_notebooks(), Path(work, "notebooks")))
         options = GradingOptions(workers=workers, timeout=timeout, memory_mb=memory_mb,
                                  deny=(str(root_in), str(report), work), root=work,
-                                 inline=inline or not forks(), isolated=isolated)
+                                 inline=inline or not forks(), isolated=isolated, stubs=stubs,
+                                 fingerprints={p.id: fingerprint(p.solution, p.name) for p in plans.values()})
         grades, errors = grade_submissions(found, plans, options, on_student or (lambda s, g: None))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..verdict import DIAGNOSES
+from .text import from_student
 
 __all__ = ["Grade", "grade_from_message", "MESSAGE_LIMIT"]
 
@@ -22,12 +23,13 @@ class Grade:
     diagnosis: str | None
     message: str
     seconds: float
+    flag: str = ""   # for the instructor, not a fail: "same as the course's solution" (``likeness``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def grade_from_message(student: str, exercise: str, message: Any, seconds: float) -> Grade | None:
+def grade_from_message(student: str, exercise: str, message: Any, seconds: float, flag: Any = "") -> Grade | None:
     """A Grade from a worker's verdict for ``exercise``, or None when the message is not a well-formed
     verdict for that exercise (the caller then grades the exercise as crashed)."""
     if not isinstance(message, dict) or message.get("exercise") != exercise:
@@ -39,4 +41,6 @@ def grade_from_message(student: str, exercise: str, message: Any, seconds: float
         return None
     if not (isinstance(seconds, (int, float)) and math.isfinite(seconds)):
         seconds = float("nan")
-    return Grade(student, exercise, passed, diagnosis, text[:MESSAGE_LIMIT], round(float(seconds), 3))
+    flag = from_student(flag, 100, lines=1) if isinstance(flag, str) else ""
+    return Grade(student, exercise, passed, diagnosis, from_student(text, MESSAGE_LIMIT), round(float(seconds), 3),
+                 flag)

@@ -110,6 +110,18 @@ def _judge_capstone(plan: ExercisePlan) -> dict[str, Any]:
     return _from_checks(plan, recorder, error)
 
 
+def _course_own(plan: ExercisePlan, defined: Any) -> dict[str, Any] | None:
+    """The verdict when the student's name is bound to the course's own version (imported, assigned):
+    ``calls_reference``; None when it is the student's own definition."""
+    from .. import reference_guard
+    reference = reference_guard.reference_of(plan.id)
+    how = reference_guard.is_reference(defined, reference) if reference is not None else None
+    if how is None:
+        return None
+    found = reference_guard.CallsReference(plan.id, plan.name, how)
+    return _verdict(plan.id, False, "calls_reference", reference_guard.message(found))
+
+
 def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
     """The verdict on ``source`` (the student's definition) for ``plan``, as a plain dict
     (exercise, passed, diagnosis, message). Never raises."""
@@ -125,6 +137,9 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
             return _raised(plan.id, f"Defining {plan.name}", exc)
         recorder.forget()
         namespace["checks"] = recorder
+        refused = _course_own(plan, namespace.get(plan.name))
+        if refused is not None:
+            return refused
         error = None
         try:
             exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), namespace)

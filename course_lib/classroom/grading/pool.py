@@ -1,8 +1,12 @@
 """The grader's side: worker processes, the students handed to them, and every way a student can fail.
 
-The grader (this process) never imports or runs student code. It starts ``workers`` worker
-processes (``python -m course_lib.classroom.grading.worker``, each in a session of its own), hands each
-student's files to a free one as one JSON line, and reads the grades back as JSON lines. A grade
+The grader (this process) never imports or runs student code. It keeps ``workers`` worker processes
+busy (``python -m course_lib.classroom.grading.worker``, each in a session of its own, with an
+allow-listed environment), hands each one student's files as one JSON line, and reads the grades
+back as JSON lines. A student is graded in a process that held no other student: the next gets a fresh one,
+so nothing of one student is left in the memory another's code runs in (unisolated, the worker
+stays, and a fresh child it forks, before reading anything, reads and grades each student). One more worker, first,
+grades the course's own notebooks (``selfcheck``); no student is graded before it passed. A grade
 is taken only for an exercise of the student being graded, and only once; anything else on the
 line is ignored. Whatever happens to a worker while it grades a student, the run goes on:
 
@@ -35,7 +39,8 @@ from typing import Any
 
 from .grades import Grade, grade_from_message
 from .plan import ExercisePlan
-from .submissions import Submission
+from .submissions import NOTES_LIMIT, Submission
+from .text import from_student
 
 __all__ = ["GradingOptions", "GradingFailed", "SelfCheckFailed", "grade_submissions", "forks"]
 
@@ -70,12 +75,31 @@ class GradingOptions:
     root: str               # the grader's private working folder (workers' folders go inside)
     inline: bool = False    # grade each student in a fresh worker's own process (forced without fork)
     isolated: bool = False  # each student's worker in a bubblewrap sandbox of its own (``isolation``)
+    fingerprints: dict = field(default_factory=dict)   # exercise -> the course solution's ``likeness.fingerprint``
+    stubs: str | None = None   # isolated: the course's notebooks without solutions, mounted for the worker
 
 
 @dataclass
 class _Outcome:
     grades: dict[str, Grade] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+
+
+# What an unisolated worker keeps of the grader's environment (isolated: ``isolation.worker_environment``):
+# where things are, the locale, the data folder; never a token or a password of the instructor's shell.
+KEPT_VARIABLES = ("PATH", "HOME", "TMPDIR", "TEMP", "TMP", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT", "WINDIR",
+                  "USERPROFILE", "APPDATA", "LOCALAPPDATA", "PATHEXT", "COMSPEC", "VIRTUAL_ENV", "CONDA_PREFIX",
+                  "COURSE_DATA_DIR", "HF_HOME", "XDG_CACHE_HOME", "MPLCONFIGDIR", "LD_LIBRARY_PATH")
+
+
+def worker_environment() -> dict[str, str]:
+    """An unisolated worker's whole environment: :data:`KEPT_VARIABLES` and the grader's settings."""
+    import course_lib
+    package_parent = str(Path(course_lib.__file__).resolve().parent.parent)
+    env = {key: value for key, value in os.environ.items() if key in KEPT_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MPLBACKEND="Agg",
+               PYTHONPATH=os.pathsep.join([package_parent, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return env
 
 
 _LIVE: set = set()            # the workers running now, to stop them all on Ctrl-C
@@ -85,14 +109,11 @@ _LIVE_LOCK = threading.Lock()
 class _Worker:
     """One worker process and a thread that turns its stdout into messages."""
 
-    def __init__(self, exercises: list[str], options: GradingOptions, number: int):
-        import course_lib
-        package_parent = str(Path(course_lib.__file__).resolve().parent.parent)
-        env = {key: value for key, value in os.environ.items() if key != "COURSE_PROGRESS_DIR"}
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MPLBACKEND="Agg",
-                   PYTHONPATH=os.pathsep.join([package_parent, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    def __init__(self, exercises: list[str], options: GradingOptions, number: int, *, checked: bool = True):
         self.log = Path(options.root, f"worker-{number}.log")
         command = [sys.executable, "-m", "course_lib.classroom.grading.worker", ",".join(exercises)]
+        if checked:
+            command.append("--checked")   # the self-check ran in a worker of its own
         if options.inline or not forks():
             command.append("--inline")
         cwd = options.root
@@ -101,10 +122,11 @@ class _Worker:
             command.append("--isolated")
             if os.geteuid() == 0:
                 command.append(f"--uid={isolation.BASE_UID + number}")
-            env.update(HOME="/tmp", TMPDIR="/tmp", PATH="/usr/bin:/bin", PYTHONDONTWRITEBYTECODE="1",
-                       HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-            command = isolation.command(command, env=env, masked=options.deny)
+            env = isolation.worker_environment({})
+            command = isolation.command(command, notebooks=options.stubs)
             cwd = "/"
+        else:
+            env = worker_environment()
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=cwd, env=env,
@@ -181,8 +203,8 @@ class _Worker:
 
 def _job(submission: Submission, exercises: list[str], options: GradingOptions) -> dict[str, Any]:
     return {"student": submission.student, "exercises": exercises, "timeout": options.timeout,
-            "memory_mb": options.memory_mb, "root": "/tmp" if options.isolated else options.root,
-            "deny": list(options.deny),
+            "memory_mb": options.memory_mb, "fingerprints": options.fingerprints, "root": "/tmp" if options.isolated else options.root,
+            "deny": [] if options.isolated else list(options.deny),   # isolated, none of them is there
             "files": {name: base64.b64encode(data).decode("ascii") for name, data in submission.files.items()}}
 
 
@@ -208,19 +230,19 @@ def _grade_one(worker: _Worker, submission: Submission, plans: dict[str, Exercis
         if kind == "done" and message.get("student") == submission.student:
             break
         if kind == "error":
-            outcome.errors.append(f"{submission.student}: {message.get('message')}")
+            outcome.errors.append(f"{submission.student}: {from_student(message.get('message'), 500, lines=3)}")
             ended = "error"
             break
         if kind == "note" and message.get("student") == submission.student and isinstance(message.get("note"), str):
-            note = message["note"][:500]
-            if note not in submission.notes:
+            note = from_student(message["note"], 500, lines=3)
+            if note not in submission.notes and len(submission.notes) < NOTES_LIMIT:
                 submission.notes.append(note)
             continue
         if kind == "grade" and message.get("student") == submission.student:
             exercise = message.get("exercise")
             if exercise in plans and exercise not in outcome.grades:
                 grade = grade_from_message(submission.student, exercise, message.get("verdict"),
-                                           message.get("seconds"))
+                                           message.get("seconds"), message.get("flag", ""))
                 if grade is None:
                     grade = Grade(submission.student, exercise, False, "crashed",
                                   "The grader received no well-formed verdict for this exercise.", 0.0)
@@ -241,6 +263,8 @@ def _grade_one(worker: _Worker, submission: Submission, plans: dict[str, Exercis
                                          "checker_error": "the grader failed on an earlier exercise."}[diagnosis]
             outcome.grades[exercise] = Grade(submission.student, exercise, False, diagnosis, text, 0.0)
             first = False
+    # Isolated or inline: a fresh worker (sandbox) per student. Otherwise the worker forks a fresh child per
+    # student and never reads a job itself, so it may take the next student.
     reusable = ended == "done" and worker.alive() and not (options.inline or options.isolated or not forks())
     return outcome, reusable
 
@@ -262,7 +286,8 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
     def self_check() -> None:
         """Isolated workers do not check the judge themselves: one worker outside does, first."""
         try:
-            checker = _Worker(exercises, dataclasses.replace(options, isolated=False), len(submissions) + 1)
+            checker = _Worker(exercises, dataclasses.replace(options, isolated=False), len(submissions) + 1,
+                              checked=False)
             checker.wait_ready()
             checker.stop()
         except SelfCheckFailed as exc:
@@ -272,10 +297,8 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
         finally:
             judged.set()
 
-    if options.isolated:
-        threading.Thread(target=self_check, daemon=True).start()
-    else:
-        judged.set()   # each worker checks the judge itself before it says it is ready
+    # Every worker grades one student; one more, first, grades the course's own notebooks.
+    threading.Thread(target=self_check, daemon=True).start()
 
     def slot(number: int) -> None:
         worker: _Worker | None = None

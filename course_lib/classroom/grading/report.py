@@ -6,6 +6,10 @@ the grader's: a folder holding a ``grades.csv``, ``summary.md``, ``feedback/`` .
 ``grade`` did not write (it leaves a ``.course-grade-report`` marker) is refused rather than
 overwritten; other files in it are left alone, so ``--out`` may be Gradescope's results folder.
 In ``feedback/`` and ``gradescope/`` (wholly the grader's) files this run did not write are removed.
+
+Student text (names, messages, notes) is escaped where it is written into Markdown (``text``): it
+reads as text, never as a heading, a link, an image or an HTML comment of its own. A file that cannot
+be written does not stop the others: the failure is named in ``summary.md`` and in the run's errors.
 """
 from __future__ import annotations
 
@@ -14,8 +18,10 @@ import io
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..._atomic import atomic_file
 from ..verdict import DIAGNOSES
@@ -23,12 +29,14 @@ from .advice import exercise_title, first_hint, room_hint
 from .grades import Grade
 from .gradescope import results_json
 from .submissions import safe_file_name
+from .text import cap_lines, markdown_block, markdown_inline
 
 __all__ = ["RunInfo", "check_report_folder", "claim_report_folder", "write_report", "grades_csv", "summary_markdown",
            "feedback_markdown", "summary_figure", "figure_styles", "spreadsheet_safe", "MARKER", "COLUMNS"]
 
 MARKER = ".course-grade-report"
-COLUMNS = ("student", "exercise", "passed", "diagnosis", "message", "seconds")
+COLUMNS = ("student", "exercise", "passed", "diagnosis", "message", "seconds", "flag")
+SUMMARY_NOTES_LIMIT = 200   # lines of notes in summary.md
 OURS = ("grades.csv", "summary.md", "summary.png", "results.json", "feedback", "gradescope")
 
 
@@ -124,7 +132,7 @@ def grades_csv(grades: list[Grade]) -> str:
     for student_grades in _by_student(grades).values():
         for g in student_grades:
             writer.writerow([spreadsheet_safe(g.student), g.exercise, "true" if g.passed else "false",
-                             spreadsheet_safe(g.diagnosis or ""), spreadsheet_safe(g.message), f"{g.seconds:.3f}"])
+                             spreadsheet_safe(g.diagnosis or ""), spreadsheet_safe(g.message), f"{g.seconds:.3f}", g.flag])
     return buffer.getvalue()
 
 
@@ -153,18 +161,25 @@ def summary_markdown(grades: list[Grade], info: RunInfo) -> str:
         lines += ["", "| diagnosis | students | who |", "|---|---|---|"]
         for code, count in mistakes:
             who = ", ".join(g.student for g in ex_grades if g.diagnosis == code)
-            lines.append(f"| {code} | {count} | {_cell(who)} |")
+            lines.append(f"| {code} | {count} | {markdown_inline(who)} |")
         top, count = _most_common_mistake(mistakes)
         said = [g.message for g in ex_grades if g.diagnosis == top]
-        lines += ["", f"**Tell the room** ({top}, {count} student(s)): {_cell(room_hint(ex_id, top, said))}"]
+        lines += ["", f"**Tell the room** ({top}, {count} student(s)): {markdown_inline(room_hint(ex_id, top, said))}"]
     lines += ["", "## Students", "", "| student | passed | not yet |", "|---|---|---|"]
     for student, student_grades in students.items():
         failing = ", ".join(f"{g.exercise} ({g.diagnosis})" for g in student_grades if not g.passed) or "-"
-        lines.append(f"| {_cell(student)} | {sum(g.passed for g in student_grades)}/{len(student_grades)} | "
+        lines.append(f"| {markdown_inline(student)} | {sum(g.passed for g in student_grades)}/{len(student_grades)} | "
                      f"{_cell(failing)} |")
+    flagged = [g for g in grades if g.flag]
+    if flagged:   # a flag, not a fail: copying a solution the course shows is a teaching matter
+        lines += ["", "## Flagged for the instructor", "", "Graded as usual; worth a conversation.", "",
+                  "| student | exercise | flag |", "|---|---|---|"]
+        lines += [f"| {markdown_inline(g.student)} | {g.exercise} | {g.flag} |"
+                  for g in sorted(flagged, key=lambda g: (g.student.casefold(), _order(g.exercise)))]
     if info.notes or info.errors:
-        lines += ["", "## Notes", ""] + [f"- {_cell(note)}" for note in info.notes] + \
-            [f"- grading error: {_cell(error)}" for error in info.errors]
+        said = [markdown_inline(note) for note in info.notes] + \
+            [f"grading error: {markdown_inline(error)}" for error in info.errors]
+        lines += ["", "## Notes", ""] + [f"- {line}" for line in cap_lines(said, SUMMARY_NOTES_LIMIT, "notes")]
     return "\n".join(lines) + "\n"
 
 
@@ -172,15 +187,15 @@ def feedback_markdown(student: str, grades: list[Grade], notes: list[str] | tupl
     """One student's verdicts, messages and hints (never the solution), and notes on their files
     (which file was graded where several could be the same notebook, what was skipped)."""
     passed = sum(g.passed for g in grades)
-    lines = [f"# Feedback for {student}", "", f"{passed} of {len(grades)} exercises passed.", ""]
-    lines += [f"- {note}" for note in notes] + ([""] if notes else [])
+    lines = [f"# Feedback for {markdown_inline(student)}", "", f"{passed} of {len(grades)} exercises passed.", ""]
+    lines += [f"- {markdown_inline(note)}" for note in notes] + ([""] if notes else [])
     lines += ["| exercise | verdict |", "|---|---|"]
     for g in grades:
         verdict = "passed" if g.passed else f"not yet ({g.diagnosis})"
         lines.append(f"| {g.exercise} {_cell(exercise_title(g.exercise))} | {verdict} |")
     for g in grades:
         verdict = "passed" if g.passed else f"not yet ({g.diagnosis})"
-        lines += ["", f"## {g.exercise} {exercise_title(g.exercise)}: {verdict}", "", g.message]
+        lines += ["", f"## {g.exercise} {exercise_title(g.exercise)}: {verdict}", "", markdown_block(g.message)]
         hint = first_hint(g.exercise)
         if not g.passed and hint and g.diagnosis not in ("missing", "crashed", "checker_error"):
             lines += ["", f"Hint: {hint} (more with `checks.hint(\"{g.exercise}\")` in the notebook)"]
@@ -271,25 +286,33 @@ def write_report(out: Path, grades: list[Grade], info: RunInfo, *, gradescope: b
     check_report_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     written: set[Path] = set()
+
+    def attempt(path: Path, make: Callable[..., str | bytes], *args: Any, whose: str = "") -> None:
+        try:
+            _write(path, make(*args), written)
+        except Exception as exc:  # one file's failure (a disk, a student's text) never costs the others
+            info.errors.append(f"{path.name}{' for ' + whose if whose else ''} could not be written "
+                               f"({type(exc).__name__}: {exc})")
+
     _write(out / MARKER, json.dumps({"written_by": "python -m course_lib grade",
                                      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n", written)
-    _write(out / "grades.csv", grades_csv(grades), written)
-    _write(out / "summary.md", summary_markdown(grades, info), written)
-    _write(out / "summary.png", summary_figure(grades), written)
     students = _by_student(grades)
     used: set[str] = set()
-    for student, student_grades in students.items():
+    for student, student_grades in students.items():   # first: a failure here is named in summary.md
         name = safe_file_name(student)
         while name.casefold() in used:   # two students whose names differ only in odd characters
             name += "_"
         used.add(name.casefold())
-        _write(out / "feedback" / f"{name}.md", feedback_markdown(student, student_grades, info.student_notes.get(student, ())),
-               written)
+        attempt(out / "feedback" / f"{name}.md", feedback_markdown, student, student_grades,
+                info.student_notes.get(student, ()), whose=student)
         if gradescope:
             scored = info.scored.get(student)
             result = results_json([g for g in student_grades if not scored or g.exercise in scored])
-            _write(out / "results.json" if len(students) == 1 else out / "gradescope" / name / "results.json",
-                   json.dumps(result, indent=2) + "\n", written)
+            attempt(out / "results.json" if len(students) == 1 else out / "gradescope" / name / "results.json",
+                    lambda data: json.dumps(data, indent=2) + "\n", result, whose=student)
+    attempt(out / "grades.csv", grades_csv, grades)
+    attempt(out / "summary.png", summary_figure, grades)
+    attempt(out / "summary.md", summary_markdown, grades, info)
     for folder in ("feedback", "gradescope"):
         _remove_others(out / folder, written)
     return sorted(written)

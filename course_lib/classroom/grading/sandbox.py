@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["enter", "enter_inline", "install_policy", "SandboxRefused"]
+__all__ = ["enter", "enter_inline", "install_policy", "bound_worker", "SandboxRefused", "WORKER_MB"]
 
 FILE_SIZE_LIMIT = 64 * 2 ** 20   # bytes per file the student's code writes
 
@@ -96,6 +96,26 @@ def _set_limits(memory_mb: int | None, cpu_seconds: float | None) -> None:
     _limit(resource, "RLIMIT_CORE", 0)
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a too-large write fails (OSError), not kills
+
+
+WORKER_MB = 256    # a worker's address space beyond the exercise's memory: parsing and writing the student's files
+
+
+def bound_worker(memory_mb: int | None, cpu_seconds: float) -> None:
+    """Bound the worker grading one student, and so every process it forks (limits are inherited and
+    can only be lowered): its address space (what it maps now, plus ``memory_mb`` and ``WORKER_MB``;
+    a notebook built to inflate when parsed fails with MemoryError, that student's verdict) and its
+    own CPU seconds."""
+    try:
+        import resource
+    except ImportError:
+        return
+    if memory_mb:
+        mapped = _mapped_bytes()
+        if mapped:
+            _limit(resource, "RLIMIT_AS", mapped + (memory_mb + WORKER_MB) * 2 ** 20)
+    soft = int(cpu_seconds) + 2
+    _limit(resource, "RLIMIT_CPU", soft, soft + 5)
 
 
 def _quiet_standard_streams(close: Iterable[int]) -> None:

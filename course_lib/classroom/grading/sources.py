@@ -69,9 +69,10 @@ def unfinished_exercises(notebook_text: str) -> int:
     unreadable file: as many as can be, so that a readable candidate is preferred)."""
     try:
         cells = reader.cells_from_text(notebook_text)
-    except Exception:  # the student's file: anything unreadable
+        return len(set().union(*(reader.unfinished_exercises(cell.source) for cell in cells
+                                 if cell.cell_type == "code")))
+    except Exception:  # the student's file: anything unreadable, a cell of the wrong shape
         return 1 << 20
-    return len(set().union(*(reader.unfinished_exercises(cell.source) for cell in cells if cell.cell_type == "code")))
 
 
 def _code_number(cells: list, index: int) -> int:

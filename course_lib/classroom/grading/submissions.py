@@ -12,7 +12,12 @@ Layouts understood (``SUBMISSIONS`` is the folder given to ``grade``):
 Every file is read now, before any student code runs anywhere, so that a submission changing
 files on disk during the run (its own or another student's) cannot change what is graded. Hidden
 files and folders, ``.ipynb_checkpoints``, ``__pycache__`` and symbolic links are skipped; so are
-files over ``FILE_LIMIT`` bytes, and files beyond ``STUDENT_LIMIT`` bytes in all, with a note.
+files over ``FILE_LIMIT`` bytes, files beyond ``STUDENT_LIMIT`` bytes or ``FILES_LIMIT`` files in all,
+and the files of a folder named like a notebook (``02_masked_attention.ipynb/``), with a note.
+
+Names are student text: each student's and each file's name is cleaned here, where it enters
+(``text.name_from_student``: undecodable bytes replaced, control characters dropped, capped), and
+two students whose cleaned names are the same are told apart by a number.
 """
 from __future__ import annotations
 
@@ -22,11 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ... import _validate as validate
+from .text import cap_lines, name_from_student
 
 __all__ = ["Submission", "find_submissions", "FILE_LIMIT", "STUDENT_LIMIT", "safe_file_name"]
 
 FILE_LIMIT = 25 * 2 ** 20
 STUDENT_LIMIT = 100 * 2 ** 20
+FILES_LIMIT = 500          # files read per student: a notebook course needs a handful
+NOTES_LIMIT = 20           # notes kept per student
 _SKIPPED_DIRS = {".ipynb_checkpoints", "__pycache__"}
 
 
@@ -77,9 +85,14 @@ def _read_student(student: str, folder: Path) -> Submission:
     else:   # nbgrader: one folder per assignment
         roots = sorted(p for p in folder.iterdir() if _visible(p) and p.is_dir() and _has_notebooks(p))
     chosen: dict[str, Path] = {}
+    not_notebooks: set[str] = set()
     for root in roots:
         for path in _walk(root, 2):
-            name = path.relative_to(root).as_posix()
+            parts = [name_from_student(part) for part in path.relative_to(root).parts]
+            if any(part.endswith(".ipynb") for part in parts[:-1]):   # a folder named like a notebook
+                not_notebooks.add(parts[0])
+                continue
+            name = "/".join(parts)
             if name in chosen:
                 older, newer = sorted([chosen[name], path], key=lambda p: p.stat().st_mtime)
                 submission.notes.append(f"{name} is in two places; graded {newer.parent.name}/{name}, "
@@ -87,9 +100,20 @@ def _read_student(student: str, folder: Path) -> Submission:
                 chosen[name] = newer
             else:
                 chosen[name] = path
+    submission.notes += [f"{folder_name} is a folder, not a notebook: its files were not read"
+                         for folder_name in sorted(not_notebooks)]
+    ordered = sorted(chosen.items(), key=lambda kv: (not kv[0].endswith(".ipynb"), kv[0]))
+    if len(ordered) > FILES_LIMIT:
+        submission.notes.append(f"{len(ordered)} files handed in: only the first {FILES_LIMIT} were read "
+                                f"(notebooks first)")
+        ordered = ordered[:FILES_LIMIT]
     total = 0
-    for name, path in sorted(chosen.items(), key=lambda kv: (not kv[0].endswith(".ipynb"), kv[0])):
-        size = path.stat().st_size
+    for name, path in ordered:
+        try:
+            size = path.stat().st_size
+        except OSError as err:
+            submission.notes.append(f"{name} skipped: cannot be read ({err.strerror})")
+            continue
         if size > FILE_LIMIT or total + size > STUDENT_LIMIT:
             submission.notes.append(f"{name} skipped: {size:,} bytes, over the grader's limit")
             continue
@@ -99,6 +123,7 @@ def _read_student(student: str, folder: Path) -> Submission:
             submission.notes.append(f"{name} skipped: cannot be read ({err.strerror})")
             continue
         total += size
+    submission.notes = cap_lines(submission.notes, NOTES_LIMIT, "notes")
     return submission
 
 
@@ -109,6 +134,15 @@ def find_submissions(folder: str | os.PathLike) -> list[Submission]:
         raise FileNotFoundError(f"SUBMISSIONS: expected a folder holding one folder per student, got '{root}' "
                                 f"({'a file' if root.exists() else 'not found'})")
     if _has_notebooks(root):
-        return [_read_student(root.resolve().name or "submission", root)]
-    students = sorted(p for p in root.iterdir() if _visible(p) and p.is_dir())
-    return [_read_student(path.name, path) for path in students]
+        return [_read_student(name_from_student(root.resolve().name or "submission"), root)]
+    found: list[Submission] = []
+    taken: set[str] = set()
+    for path in sorted(p for p in root.iterdir() if _visible(p) and p.is_dir() and not p.name.endswith(".ipynb")):
+        name = base = name_from_student(path.name)
+        number = 1
+        while name.casefold() in taken:   # "Jos\xe9" and "Jos\xe8" from a zip both read "Jos\ufffd"
+            number += 1
+            name = f"{base} ({number})"
+        taken.add(name.casefold())
+        found.append(_read_student(name, path))
+    return found

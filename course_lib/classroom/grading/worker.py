@@ -212,6 +212,7 @@ def _write_files(home: str, files: dict[str, str], notebooks: set[str]) -> dict[
     why: dict[str, str] = {}
     notes: list[str] = []
     flat = [n for n in contents if "/" not in n]
+    handed_in = {name: contents[name] for name in flat if name.endswith(".ipynb")}
     for notebook in sorted(notebooks):
         possible = candidates(flat, notebook)
         unfinished = {name: unfinished_exercises(contents[name].decode("utf-8", errors="replace"))
@@ -225,9 +226,24 @@ def _write_files(home: str, files: dict[str, str], notebooks: set[str]) -> dict[
         if note:
             notes.append(note)
         texts[notebook] = contents[found].decode("utf-8", errors="replace")
+        handed_in[notebook] = contents[found]
         if found != notebook:
-            Path(home, notebook).write_bytes(contents[found])   # 8.1 collects by the course's names
-    return {"texts": texts, "why": why, "notes": notes}
+            try:
+                Path(home, notebook).write_bytes(contents[found])   # 8.1 collects by the course's names
+            except OSError:
+                pass   # a folder of theirs holds the name: 8.1 reads its notebooks from a fresh folder anyway
+    return {"texts": texts, "why": why, "notes": notes, "handed_in": handed_in}
+
+
+def _as_handed_in(home: str, notebooks: dict[str, bytes]) -> str:
+    """A fresh folder inside ``home`` holding the student's notebooks as read at the start."""
+    folder = tempfile.mkdtemp(prefix="as-handed-in-", dir=home)
+    for name, data in notebooks.items():
+        try:
+            Path(folder, name).write_bytes(data)
+        except OSError:
+            continue
+    return folder
 
 
 def _read_part(text: str | None, plan: Any, known: set[str], why: str) -> Any:
@@ -245,13 +261,18 @@ def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *
                   close: list[int]) -> None:
     """Grade one student's job; each grade is sent as soon as it is known."""
     from .judge import judge, known_names
+    from .likeness import FLAG_SAME_AS_SOLUTION, fingerprint
     from .plan import CAPSTONE, grading_plan
     student = job["student"]
     plans = grading_plan(job["exercises"])
     known = known_names(plans)
     home = tempfile.mkdtemp(prefix="student-", dir=job["root"])
     try:
-        found = _write_files(home, job["files"], {p.notebook for p in plans.values()})
+        try:
+            found = _write_files(home, job["files"], {p.notebook for p in plans.values()})
+        except Exception as exc:  # anything wrong with the student's files is that student's verdict
+            found = {"texts": {}, "notes": [], "handed_in": {}, "why": {p.notebook: f"{p.notebook} could not be read from the "
+                                                       f"submission ({type(exc).__name__})" for p in plans.values()}}
         for note in found["notes"]:
             send({"type": "note", "student": student, "note": note})
         by_notebook: dict[str, list] = {}
@@ -275,19 +296,25 @@ def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *
                     continue
                 source = part.source if part is not None else None
                 limit = exercise_limits(job["timeout"], time.monotonic() - start, len(group) - index)
+                # 8.1 reads the student's notebooks from disk: a fresh folder of them as handed in, never
+                # the working folder, where the code of earlier exercises could have written other notebooks
+                where = _as_handed_in(home, found["handed_in"]) if plan.id == CAPSTONE else home
                 if inline:   # only the checker's own timer here; the grader's kill of the whole process behind it
                     from ..checks.running import set_time_limit
                     set_time_limit(max(0.5, 0.9 * limit))
                     began = time.monotonic()
+                    os.chdir(where)
                     verdict = judge(plan, source)
+                    os.chdir(home)
                     seconds = time.monotonic() - began
                 else:
-                    verdict, seconds = _run_child(plan, source, home, job["deny"], limit, job["memory_mb"], close)
+                    verdict, seconds = _run_child(plan, source, where, job["deny"], limit, job["memory_mb"], close)
                 if part is not None and part.note and isinstance(verdict, dict) \
                         and isinstance(verdict.get("message"), str):
                     verdict = {**verdict, "message": f"{verdict['message']} {part.note}"}
+                same = source is not None and fingerprint(source, plan.name) == job.get("fingerprints", {}).get(plan.id)
                 send({"type": "grade", "student": student, "exercise": plan.id, "seconds": round(seconds, 3),
-                      "verdict": verdict})
+                      "verdict": verdict, "flag": FLAG_SAME_AS_SOLUTION if same else ""})
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
@@ -307,6 +334,9 @@ def _warm_up(exercises: list[str], *, check: bool = True) -> list[str]:
         from ... import hf  # noqa: F401
     if CAPSTONE in plans:
         from .. import capstone  # noqa: F401
+    from .. import reference_guard
+    for exercise in plans:   # read once here, not in every forked child
+        reference_guard.reference_of(exercise)
     if not check:
         from .judge import course_namespace
         course_namespace()
@@ -330,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     channel = _Channel(os.dup(1))
     os.dup2(2, 1)   # whatever a library prints goes to the worker's log, never into the channel
     try:
-        problems = _warm_up(exercises, check=not isolated)
+        problems = _warm_up(exercises, check=not (isolated or "--checked" in argv))
         _become_subreaper()
     except Exception as exc:  # the grader reports this as grading itself failing
         channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
@@ -339,16 +369,45 @@ def main(argv: list[str] | None = None) -> int:
         channel.send({"type": "self_check", "problems": problems})
         return 1
     channel.send({"type": "ready", "pid": os.getpid()})
-    for line in sys.stdin.buffer:
-        job = json.loads(line)
-        try:
-            grade_student(job, channel.send, inline=inline, close=[channel.fd])
-        except Exception as exc:  # a bug of ours: the grader marks the student's remaining exercises
-            channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
-            return 1
-        channel.send({"type": "done", "student": job["student"]})
-        if inline or isolated:   # one student per process
-            return 0
+    if inline or isolated:   # one student per process (isolated: per sandbox)
+        return _grade_next(channel, inline=inline)
+    # Not isolated: this process never reads a student's job. Each student is read and graded by a fresh
+    # child forked from it, so nothing of one student is ever in the memory another's code runs in.
+    while True:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _become_subreaper()
+                code = _grade_next(channel, inline=False)
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        _kill_strays()
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+        if code != 0:   # no more students (NO_MORE), our error, or the child was killed: the grader sees us go
+            return 0 if code == NO_MORE else 1
+
+
+NO_MORE = 3   # a child's exit status: stdin ended, no student to grade
+
+
+def _grade_next(channel: _Channel, *, inline: bool) -> int:
+    """Read one student's job from stdin and grade it; 0 when graded, NO_MORE at the end of stdin."""
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return NO_MORE
+    job = json.loads(line)
+    if not inline:   # this process grades this one student: bound it, and all it forks, before parsing anything
+        from .sandbox import bound_worker
+        notebooks = len({name.split(".")[0] for name in job["exercises"]})
+        bound_worker(job["memory_mb"], job["timeout"] * notebooks + 60)
+    try:
+        grade_student(job, channel.send, inline=inline, close=[channel.fd])
+    except Exception as exc:  # a bug of ours: the grader marks the student's remaining exercises
+        channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
+        return 1
+    channel.send({"type": "done", "student": job["student"]})
     return 0
 
 
