@@ -1,6 +1,6 @@
 """The tiled FlashAttention forward of ``course_lib.flash`` as a Triton kernel (notebook 10, section 6).
 
-Triton is an optional extra (``pip install course-lib[triton]``, Linux only). Without a GPU, Triton's
+Triton is an optional extra (``pip install attention-course[triton]``, Linux only). Without a GPU, Triton's
 interpreter runs the kernel on CPU tensors: importing this module sets ``TRITON_INTERPRET=1`` first when
 no CUDA device is present (the interpreter is chosen when a kernel is defined). Import it through
 :func:`load`, which returns None, with the reason, where Triton is missing.
@@ -46,7 +46,7 @@ def load() -> ModuleType | None:
         import triton.language  # noqa: F401
     except ImportError as exc:
         UNAVAILABLE = (f"Triton is not installed ({exc.name or exc}); it ships wheels for Linux only: "
-                       f"pip install 'course-lib[triton]' there")
+                       f"pip install 'attention-course[triton]' there")
         return None
     except Exception as exc:  # a broken install: say so, never fail the notebook
         UNAVAILABLE = f"Triton does not import here: {type(exc).__name__}: {exc}"
