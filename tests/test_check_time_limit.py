@@ -23,12 +23,14 @@ pytestmark = pytest.mark.skipif(not _watchdog.available(), reason="checks run in
                                                                     "platform forks (Linux); see _watchdog")
 
 LIMIT_S = 0.5
+FULL_LIMIT_S = _harness.TIME_LIMIT_S   # what a notebook's checks get
 
 
 @pytest.fixture
 def short_limit(monkeypatch):
     monkeypatch.setattr(_harness, "TIME_LIMIT_S", LIMIT_S)
     monkeypatch.setattr(_watchdog, "GRACE_S", 1.0)
+    return monkeypatch
 
 
 # Function checkers, each called with a hostile function that takes whatever it is given.
@@ -101,7 +103,10 @@ def test_no_student_code_outlasts_the_time_limit(name, hang, short_limit):
     assert took < 30, took   # not a timing claim: a bound that a check that never returns would break
     after = _kernel()
     assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
-    assert checks.check_causal_mask(attention.causal_mask).passed   # the kernel still checks
+    # the kernel still checks, under a notebook's own limit: half a second is too short for a whole check
+    # on a loaded machine
+    short_limit.setattr(_harness, "TIME_LIMIT_S", FULL_LIMIT_S)
+    assert checks.check_causal_mask(attention.causal_mask).passed
 
 
 class Escapes(BaseException):
