@@ -197,7 +197,7 @@ def test_messages_name_the_mistake():
     assert "contiguous" in view.message
 
 
-def test_parameter_names_and_shapes_are_checked_before_any_output():
+def test_parameter_names_and_shapes_are_checked_before_any_output(unguarded):
     """A module built with a bias, or with a projection of the wrong size, is told so by name and shape."""
     class WithBias(attention.MaskedAttention):
         def __init__(self, embed_dim, max_tokens, dropout_rate):

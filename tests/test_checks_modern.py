@@ -208,7 +208,7 @@ def _wrong_shape_gqa_forward(self, x, cache=None):
     return x[:, :, :4]
 
 
-def test_a_class_with_wrong_parameters_or_outputs_gets_a_verdict():
+def test_a_class_with_wrong_parameters_or_outputs_gets_a_verdict(unguarded):
     class NoBiasFree(modern.GroupedQueryAttention):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)

@@ -753,6 +753,10 @@ def test_the_likeness_of_two_parts_ignores_names_and_docstrings_but_not_the_code
     ("2.1", "from course_lib.attention import causal_mask"),
     ("2.1", "import functools\ncausal_mask = functools.partial(causal_mask)"),
     ("2.2", "class MaskedAttention(MaskedAttention):\n    pass"),
+    ("2.2", "class MaskedAttention(MaskedAttention):\n    forward = MaskedAttention.forward"),
+    ("2.2", "class MaskedAttention(MaskedAttention):\n"
+            "    def forward(self, x):\n"
+            "        return super().forward(x)\n"),
     ("2.2", "_Course = MaskedAttention\n"
             "class MaskedAttention(nn.Module):\n"
             "    def __init__(self, *args, **kwargs):\n"
@@ -774,6 +778,8 @@ def test_handing_the_work_to_the_courses_own_version_is_its_own_verdict(exercise
 
 
 def test_the_notebooks_own_checks_refuse_the_reference_too():
+    import torch
+
     from course_lib.attention import MaskedAttention, causal_mask
     result = checks.check_causal_mask(lambda n: causal_mask(n))
     assert (result.passed, result.diagnosis) == (False, "calls_reference")
@@ -781,9 +787,20 @@ def test_the_notebooks_own_checks_refuse_the_reference_too():
     class Mine(MaskedAttention):
         pass
     assert checks.check_masked_attention(Mine).diagnosis == "calls_reference"
+
+    class Renamed(MaskedAttention):
+        forward = MaskedAttention.forward   # the reference's own method under the subclass's name
+    assert checks.check_masked_attention(Renamed).diagnosis == "calls_reference"
+
+    class OwnForward(MaskedAttention):   # the given constructor, its own (wrong: no mask) forward
+        def forward(self, x):
+            q, k, v = self.query(x), self.key(x), self.value(x)
+            weights = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)
+            return self.proj(self.attn_dropout(weights) @ v)
+    own = checks.check_masked_attention(OwnForward)
+    assert not own.passed and own.diagnosis != "calls_reference", own
     # the course's own tests check the reference itself as the known-good answer
     assert checks.check_causal_mask(causal_mask).passed
-    import torch
     assert checks.check_causal_mask(lambda n: torch.ones(n, n, dtype=torch.bool).tril()).passed
 
 

@@ -158,7 +158,7 @@ class _BackwardMismatch(flash.FlashAttentionFunction):
     ("10.2", lambda: checks.check_flash_attention, _flash_mismatch),
     ("10.3", lambda: checks.check_flash_backward, _BackwardMismatch),
 ])
-def test_a_plain_mismatch_without_a_counterexample_promises_none(exercise, check, candidate):
+def test_a_plain_mismatch_without_a_counterexample_promises_none(exercise, check, candidate, unguarded):
     """10.2 and 10.3 have no counter-example searcher: their hints may not speak of an input they never show."""
     _reset(exercise)
     result = check()(candidate)

@@ -7,7 +7,8 @@ it (``def causal_mask(n, _course=causal_mask): return _course(n)``), subclasses 
 causal_mask``) would pass without being the student's work. :func:`guard` refuses that, in the
 notebooks' checks and in the grader alike (the harness of ``checks`` runs every checker in it):
 
-- before the check: the student's candidate wraps the reference or subclasses it (the reference itself
+- before the check: the student's candidate wraps the reference, or subclasses it and inherits the work
+  (a subclass that writes its own forward on the given constructor is judged like any code; the reference itself
   is the course's known-good answer in its own tests; the grader refuses a student's name bound to it);
 - during the check: the reference's own code starts running while the student's code is on the
   stack between it and the checker (a profile hook that watches only the reference's code objects).
@@ -89,7 +90,9 @@ def _own_code(function: Any) -> CodeType | None:
 
 def _codes(reference: Any) -> frozenset[CodeType]:
     """The code objects that are the reference's own work: the function's, or the methods a class defines."""
-    values = list(vars(reference).values()) if isinstance(reference, type) else [reference]
+    # a class's constructor is left out: the exercise cell gives it, so super().__init__() reuses no work
+    values = ([value for name, value in vars(reference).items() if name != "__init__"]
+              if isinstance(reference, type) else [reference])
     found = set()
     for value in values:
         value = getattr(value, "__func__", value)   # staticmethod, classmethod
@@ -101,13 +104,43 @@ def _codes(reference: Any) -> frozenset[CodeType]:
     return frozenset(found)
 
 
+def _work(reference: type) -> set[str]:
+    """The names of the methods a reference class defines that do its work: all but the constructor and
+    the other special methods (every defined function, should it have no other)."""
+    defined = set()
+    for name, value in vars(reference).items():
+        value = getattr(value, "__func__", value)   # staticmethod, classmethod
+        if isinstance(value, property):
+            value = value.fget
+        if _own_code(value) is not None:
+            defined.add(name)
+    work = {name for name in defined if not (name.startswith("__") and name.endswith("__"))}
+    return work or (defined - {"__init__"})
+
+
+def _overrides_the_work(candidate: type, reference: type) -> bool:
+    """Whether a class between ``candidate`` and ``reference`` in the MRO defines one of the reference's work methods."""
+    above = candidate.__mro__[:candidate.__mro__.index(reference)]
+    codes = _codes(reference)
+    for klass in above:
+        for name in _work(reference) & set(vars(klass)):
+            value = getattr(vars(klass)[name], "__func__", vars(klass)[name])
+            code = _own_code(value.fget if isinstance(value, property) else value)
+            if code is None or code not in codes:   # not the reference's method set on the subclass by name
+                return True
+    return False
+
+
 def is_reference(candidate: Any, reference: Any) -> str | None:
     """How ``candidate`` is the reference without being the student's code: "is", "subclasses", "wraps",
     "is a copy of", or None when it is not."""
     if candidate is reference:
         return "is"
     if isinstance(reference, type) and isinstance(candidate, type) and issubclass(candidate, reference):
-        return "subclasses"
+        # A subclass that writes the work itself (its own forward, say, on the constructor the exercise
+        # gives) is the student's code; one that inherits all of it is not. Its calls of the reference's
+        # methods are caught while it runs (``_Guard``).
+        return None if _overrides_the_work(candidate, reference) else "subclasses"
     inner = candidate
     for _ in range(10):   # functools.partial, functools.wraps, bound methods
         inner = getattr(inner, "func", None) or getattr(inner, "__wrapped__", None) or getattr(inner, "__func__", None)
