@@ -196,3 +196,22 @@ def test_a_verdict_with_details_that_cannot_be_pickled_still_comes_back():
         return torch.ones(n, n, dtype=torch.bool).triu()   # wrong: a counter-example rides on the verdict
     result = checks.check_causal_mask(local_mask)
     assert not result.passed and result.diagnosis == "causal_mask", result
+
+
+def _asks_for_threads(n):
+    torch.set_num_threads(3)
+    x = torch.randn(256, 256)
+    (x @ x).sum()
+    torch.randn(1_000_000).exp().sum()
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def test_code_that_asks_for_more_threads_does_not_hang_the_forked_check():
+    """A thread pool copied by fork hangs at its next parallel op: the child keeps one thread, whatever
+    the student's code asks for, and the kernel keeps its own count."""
+    torch.set_num_threads(2)
+    x = torch.randn(256, 256)
+    (x @ x).sum()   # the kernel's pool has run, as it has in any notebook
+    result = checks.check_causal_mask(_asks_for_threads)
+    assert result.passed, result
+    assert torch.get_num_threads() == 2

@@ -75,6 +75,9 @@ def _child(judge: Callable[[], CheckResult], write_end: int) -> None:
         except OSError:
             pass
         torch.set_num_threads(1)   # a thread pool copied by fork is not usable; one thread needs none
+        # and stays at one: code that asks for more threads here would wake the copied pool and hang
+        # (seen: set_num_threads(3) in a student's function, then a matmul, never returned)
+        torch.set_num_threads = lambda threads: None
         try:
             payload = _portable(judge())
         except KeyboardInterrupt:
