@@ -21,6 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .cli import exercise_ids
+
 __all__ = ["write_autograder", "run_autograder", "failed_results", "main", "CONTAINER_LINE",
            "DISTRIBUTION", "TIMEOUT", "MEMORY_MB"]
 
@@ -179,25 +181,6 @@ def run_autograder(root: str | os.PathLike) -> dict[str, Any]:
     return content
 
 
-def _exercise_ids(text: str) -> list[str]:
-    """"all", or ids and notebook numbers ("2.1,2.2", "02,03"), as ``grade --exercises`` takes them."""
-    from .plan import CAPSTONE, default_exercises
-    known = default_exercises() + [CAPSTONE]
-    if text.strip() == "all":
-        return known
-    chosen: list[str] = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        matches = [ex for ex in known if item.isdigit() and int(ex.split(".")[0]) == int(item)] or \
-            [ex for ex in known if ex == item]
-        if not matches:
-            raise argparse.ArgumentTypeError(f"expected exercise ids ({', '.join(known)}), notebook numbers or "
-                                             f"'all', got {item!r}")
-        chosen += [ex for ex in matches if ex not in chosen]
-    if not chosen:
-        raise argparse.ArgumentTypeError(f"expected at least one exercise, got {text!r}")
-    return chosen
-
-
 def _positive(kind: type) -> Any:
     def parse(text: str) -> Any:
         try:
@@ -216,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write Gradescope's autograder archive (setup.sh, run_autograder): upload it as a "
                     "programming assignment's autograder; each submission is graded by the course's checkers.")
     parser.add_argument("out", metavar="OUT.zip", help="the archive to write")
-    parser.add_argument("--exercises", type=_exercise_ids, default=None, metavar="IDS",
+    parser.add_argument("--exercises", type=exercise_ids, default=None, metavar="IDS",
                         help="'2.1,2.2', notebook numbers '02,03', or 'all' (default: each submission on the "
                              "exercises of the notebooks it holds)")
     parser.add_argument("--timeout", type=_positive(float), default=TIMEOUT, metavar="SECONDS",

@@ -57,8 +57,8 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _exercises(text: str) -> list[str] | None:
-    """"all", or ids and notebook numbers: "2.1,2.2", "02,03"."""
+def exercise_ids(text: str) -> list[str]:
+    """"all", or ids and notebook numbers: "2.1,2.2", "02,03" (``grade`` and ``autograder`` take them so)."""
     from .plan import CAPSTONE, default_exercises
     known = default_exercises() + [CAPSTONE]
     if text.strip() == "all":
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="time limit per notebook; its exercises share it (default %(default)g)")
     parser.add_argument("--memory-mb", type=_memory, default=2048, metavar="MB",
                         help="memory per exercise beyond the course's own, 0 for none (default %(default)s)")
-    parser.add_argument("--exercises", type=_exercises, default=None, metavar="IDS",
+    parser.add_argument("--exercises", type=exercise_ids, default=None, metavar="IDS",
                         help="'2.1,2.2', notebook numbers '02,03', or 'all' (default: every exercise but 8.1, "
                              "that is 1.1 to 7.2 and 9.1 to 11.3; 8.1 trains two models per student)")
     parser.add_argument("--format", choices=("report", "gradescope"), default="report",
