@@ -71,7 +71,7 @@ def exercise_ids(text: str) -> list[str]:
             matches = [item] if item in known else []
         if not matches:
             raise argparse.ArgumentTypeError(f"expected exercise ids ({', '.join(known)}), notebook numbers "
-                                             f"(01 to {known[-1].split('.')[0].zfill(2)}) or 'all', got {item!r}")
+                                             f"(01 to {max(int(ex.split('.')[0]) for ex in known):02d}) or 'all', got {item!r}")
         chosen += [ex for ex in matches if ex not in chosen]
     if not chosen:
         raise argparse.ArgumentTypeError(f"expected at least one exercise, got {text!r}")
