@@ -293,7 +293,7 @@ def test_one_tolerance_derived_from_the_dtype():
 
 def test_every_hypothesised_mistake_is_a_mistake():
     from course_lib.classroom.checks import _attn_hypotheses, notebook01
-    from course_lib.classroom.checks._mistake import Mistake
+    from course_lib.classroom.exercises import Mistake
     hypotheses = _attn_hypotheses.SDPA_HYPOTHESES + _attn_hypotheses.MODULE_HYPOTHESES + notebook01._TOY_HYPOTHESES
     assert all(isinstance(h, Mistake) for h in hypotheses)
     assert all(h.code in checks.DIAGNOSES for h in hypotheses)

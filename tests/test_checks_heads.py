@@ -12,7 +12,7 @@ from bank.attempts import assert_judged
 from bank.heads_bugs import BUGGY, CORRECT
 
 from course_lib import heads
-from course_lib.classroom import checks, verdict
+from course_lib.classroom import checks, exercises, verdict
 from course_lib.classroom.checks import _core, _heads_ablation, _heads_scores
 
 CHECKERS = {
@@ -152,12 +152,12 @@ def test_a_float64_notebook_is_respected():
 
 @pytest.mark.parametrize("exercise", sorted(CHECKERS))
 def test_hints_are_registered(exercise):
-    entry = _core.EXERCISES[exercise]
-    entry.shown = 0
+    entry, state = exercises.exercise(exercise), _core.hint_state(exercise)
+    state.shown = 0
     assert 2 <= len(entry.hints) <= 3
     texts = [checks.hint(exercise) for _ in range(len(entry.hints) + 1)]
     assert texts[0].startswith(f"Hint 1/{len(entry.hints)} for exercise {exercise}")
-    entry.shown = 0
+    state.shown = 0
 
 
 @pytest.mark.parametrize("exercise", sorted(CHECKERS))

@@ -13,9 +13,9 @@ from bank.attempts import assert_judged
 from bank.modern_bugs import BUGGY, CORRECT
 
 from course_lib import modern
-from course_lib.classroom import checks, verdict
+from course_lib.classroom import checks, exercises, verdict
 from course_lib.classroom.checks import _core, _gqa_variants, notebook09
-from course_lib.classroom.checks._mistake import Mistake
+from course_lib.classroom.exercises import Mistake
 
 CHECKERS = {
     "9.1": checks.check_rope_tables,
@@ -309,13 +309,13 @@ def test_a_helper_that_fails_its_own_check_is_named_only_when_it_is_wrong():
 
 @pytest.mark.parametrize("exercise", sorted(CHECKERS))
 def test_hints_are_registered(exercise):
-    entry = _core.EXERCISES[exercise]
-    entry.shown = 0
+    entry, state = exercises.exercise(exercise), _core.hint_state(exercise)
+    state.shown = 0
     assert 2 <= len(entry.hints) <= 3
     texts = [checks.hint(exercise) for _ in range(len(entry.hints) + 1)]
     assert texts[0].startswith(f"Hint 1/{len(entry.hints)} for exercise {exercise}")
     assert texts[-1] == texts[-2]
-    entry.shown = 0
+    state.shown = 0
 
 
 @pytest.mark.parametrize("exercise", sorted(CHECKERS))

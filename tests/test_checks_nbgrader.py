@@ -10,8 +10,8 @@ import torch
 
 from course_lib.classroom import capstone, checks
 from course_lib.classroom.checks import _nbgrader
-from course_lib.classroom.checks._core import EXERCISES, Exercise
 from course_lib.classroom.checks._harness import checker
+from course_lib.classroom.exercises import BY_ID, Exercise
 from course_lib.classroom.verdict import fail
 
 
@@ -82,8 +82,9 @@ def test_graded_false_never_fails_a_cell(nbgrader_runs):
 
 
 def test_an_exercise_without_a_solution_region_is_not_graded(nbgrader_runs, monkeypatch):
-    assert EXERCISES["8.1"].has_solution is False   # the capstone: nbgrader does not grade it
-    monkeypatch.setitem(EXERCISES, "99.1", Exercise("99.1", "assembled", ["h"], "99", has_solution=False))
+    assert BY_ID["8.1"].has_solution is False   # the capstone: nbgrader does not grade it
+    monkeypatch.setitem(BY_ID, "99.1", Exercise("99.1", "assembled", "assembled", "check_assembled",
+                                                has_solution=False, hints=("h", "i")))
 
     @checker("99.1")
     def check_assembled(candidate):

@@ -18,8 +18,8 @@ CHECKS = {"1.3": checks.check_scaled_dot_product_attention, "2.1": checks.check_
 
 
 def _reset(exercise):
-    entry = _core.EXERCISES[exercise]
-    entry.shown, entry.step, entry.followed = 0, 0, None
+    state = _core.hint_state(exercise)
+    state.shown, state.step, state.followed = 0, 0, None
 
 
 def test_hints_follow_the_last_failed_check_nudge_then_counterexample_then_spec(capsys):

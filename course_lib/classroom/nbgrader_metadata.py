@@ -43,6 +43,7 @@ from .. import _validate as validate
 from .._atomic import atomic_file
 from .._validate import describe
 from . import notebook_reader as reader
+from .exercises import BY_ID, EXERCISES
 
 __all__ = ["POINTS_PER_CHECK", "SCHEMA_VERSION", "expected_metadata", "differences", "apply", "main"]
 
@@ -113,8 +114,7 @@ def _graded_check_exercise(source: str, where: str) -> str | None:
     if tree is None:
         raise ValueError(f"{where}: the cell calls checks but is not valid Python, so its check calls "
                          f"cannot be read")
-    from . import checks
-    from .checks._core import EXERCISES
+    checkers = {entry.checker: entry.id for entry in EXERCISES}
     found: set[str] = set()
     for node in _calls(tree):
         if not (isinstance(node.func, ast.Attribute)
@@ -122,14 +122,14 @@ def _graded_check_exercise(source: str, where: str) -> str | None:
                 and node.func.attr.startswith("check_")):
             continue
         name = node.func.attr
-        exercise = getattr(getattr(checks, name, None), "exercise", None)
+        exercise = checkers.get(name)
         if exercise is None:
             raise ValueError(f"{where}: checks.{name} is not one of the course's checkers")
         graded = next((kw.value for kw in node.keywords if kw.arg == "graded"), ast.Constant(True))
         if not (isinstance(graded, ast.Constant) and isinstance(graded.value, bool)):
             raise ValueError(f"{where}: checks.{name}(..., graded=...) must be the literal True or False, "
                              f"so that this script can tell test cells from demonstrations")
-        if graded.value and EXERCISES[exercise].has_solution:
+        if graded.value and BY_ID[exercise].has_solution:
             found.add(exercise)
     if len(found) > 1:
         raise ValueError(f"{where}: graded checks of exercises {sorted(found)} in one cell; nbgrader scores a "

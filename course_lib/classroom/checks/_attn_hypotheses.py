@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from ..exercises import Mistake
 from ..verdict import fail
-from ._mistake import Mistake
 from ._student_code import matches, sums_to_one
 
 NEG_INF = float("-inf")

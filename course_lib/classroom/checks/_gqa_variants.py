@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._mistake import Mistake
+from ..exercises import Mistake
 from ._rope_variants import rotate, rotate_flat, tables
 
 

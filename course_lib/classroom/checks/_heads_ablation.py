@@ -17,8 +17,8 @@ from torch import nn
 
 from ... import heads as ref
 from ...model import GPT, GPTConfig
+from ..exercises import Mistake
 from ..verdict import fail
-from ._mistake import Mistake
 from ._model_common import randomize_
 from ._student_code import call_student, close, expect_callable
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ._mistake import Mistake
+from ..exercises import Mistake
 
 
 def score(weights: torch.Tensor, back: int, first: int, *, divide: str = "count",

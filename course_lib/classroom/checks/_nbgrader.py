@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import os
 
+from ..exercises import BY_ID
 from ..verdict import CheckResult
-from ._core import EXERCISES
 
 NBGRADER_EXECUTION = "NBGRADER_EXECUTION"   # set by nbgrader while it executes a notebook
 
@@ -49,7 +49,7 @@ def under_nbgrader() -> bool:
 
 
 def _graded(result: CheckResult, graded: bool) -> bool:
-    entry = EXERCISES.get(result.exercise)
+    entry = BY_ID.get(result.exercise)
     return graded and (entry is None or entry.has_solution) and under_nbgrader()
 
 

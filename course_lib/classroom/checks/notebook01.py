@@ -3,7 +3,7 @@
 
 Each checker runs the student's code next to the reference in ``course_lib.attention`` and, when
 they disagree, fits the student's output against the classic mistakes (``_attn_hypotheses``)
-before falling back to behavioural probes (``_attn_hypotheses``). Hints are registered at the end.
+before falling back to behavioural probes (``_attn_hypotheses``). Hints are in ``classroom.exercises``.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ... import attention as ref
+from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._attn_hypotheses import (
     SDPA_HYPOTHESES,
@@ -22,10 +23,8 @@ from ._attn_hypotheses import (
     sdpa_variant,
     shape_str,
 )
-from ._core import register
 from ._gradients import check_function_gradients
 from ._harness import checker
-from ._mistake import Mistake
 from ._student_code import (
     call,
     call_student,
@@ -316,26 +315,3 @@ def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
              "Check each step: scores q k^T over the last two axes, scaling, mask, softmax over the keys, times v.")
     fail("mismatch", f"For q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)} your output "
                      f"differs from the reference by up to {max_diff(*outputs[index]):.3g}, {where}")
-
-# ============================================================================ hints
-
-register("1.1", "predict toy attention by hand", [
-    "Score each key by its dot product with the query [0, 1]: a key pointing the same way scores highest.",
-    "A softmax turns the three scores into weights: exp(score) divided by the sum of the three exps.",
-    "The result is the weighted average of TOY_VALUES: each value times its weight, added up. Notice that "
-    "the first and third keys are mirror images.",
-])
-
-register("1.2", "toy_attention", [
-    "Three steps: one score per key, a softmax over those scores, a weighted sum of the values.",
-    "keys @ query gives all n scores at once; take the softmax along that single axis. No scaling here.",
-    "weights @ values works for values of shape (n,) and (n, dv) alike.",
-])
-
-register("1.3", "scaled_dot_product_attention", [
-    "The same three steps as toy attention, for whole batches of queries: the scores have shape (..., Lq, Lk).",
-    "Transpose only the last two axes of k, divide the scores by sqrt(d) with d = q.shape[-1], and take the "
-    "softmax over the last axis (the keys).",
-    "With a mask, give the scores of hidden keys (mask False) the value -inf before the softmax; leave the "
-    "scores alone when mask is None.",
-])

@@ -1,6 +1,6 @@
 """Exercises of notebook 02 (masking): 2.1 causal_mask, 2.2 MaskedAttention.
 
-The module checks run through ``_attn_modules.ModuleCheck``. Hints are registered at the end.
+The module checks run through ``_attn_modules.ModuleCheck``. Hints are in ``classroom.exercises``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 from ... import attention as ref
 from ..verdict import fail
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
-from ._core import register
 from ._harness import checker
 from ._student_code import call_student, expect_callable, expect_tensor
 
@@ -73,21 +72,3 @@ def check_masked_attention(cls: Callable[..., Any]) -> str:
     check = ModuleCheck("MaskedAttention", lambda heads, p: cls(EMBED_DIM, MAX_TOKENS, p),
                         lambda heads, p: ref.MaskedAttention(EMBED_DIM, MAX_TOKENS, p), heads=(1,))
     return module_check(check, "")
-
-# ============================================================================ hints
-
-register("2.1", "causal_mask", [
-    "Row i of the mask says which positions token i may look at: itself and everything before it.",
-    "That is a lower-triangular pattern, True on and below the diagonal; torch.tril keeps exactly that part.",
-    "Start from an (n, n) tensor of ones with dtype=torch.bool.",
-])
-
-register("2.2", "MaskedAttention.forward", [
-    "Project x into q, k and v with self.query, self.key and self.value, then attend as in exercise 1.3 "
-    "with the causal mask.",
-    "The mask buffer is max_tokens x max_tokens: use only its first L rows and columns for a sequence of "
-    "L tokens, and hide the future with -inf before the softmax. One head uses all the features, so scale "
-    "by 1/sqrt(embed_dim).",
-    "After the softmax: self.attn_dropout on the weights, weights times v, then self.proj and "
-    "self.proj_dropout. Dropout layers follow model.train() / model.eval() by themselves.",
-])

@@ -1,7 +1,7 @@
 """Exercises of notebook 03 (multi-head attention): 3.1 split_heads, 3.2 merge_heads,
 3.3 MultiHeadMaskedAttention.
 
-The module check runs through ``_attn_modules.ModuleCheck``. Hints are registered at the end.
+The module check runs through ``_attn_modules.ModuleCheck``. Hints are in ``classroom.exercises``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 from ... import attention as ref
 from ..verdict import fail
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
-from ._core import register
 from ._gradients import check_function_gradients
 from ._harness import checker
 from ._student_code import call_student, expect_callable, expect_tensor
@@ -108,26 +107,3 @@ def check_multi_head_attention(cls: Callable[..., Any]) -> str:
                         lambda heads, p: ref.MultiHeadMaskedAttention(EMBED_DIM, heads, MAX_TOKENS, p),
                         heads=(2, 4, 1))
     return module_check(check, " with 1, 2 and 4 heads")
-
-# ============================================================================ hints
-
-register("3.1", "split_heads", [
-    "Each head gets its own contiguous block of head_dim = E // num_heads features, at every position.",
-    "First give the last axis the shape (num_heads, head_dim): (N, L, E) -> (N, L, heads, head_dim).",
-    "Then swap the sequence and head axes to get (N, heads, L, head_dim).",
-])
-
-register("3.2", "merge_heads", [
-    "merge_heads undoes split_heads: the heads' outputs end up side by side along the features.",
-    "Swap the head and sequence axes back first: (N, heads, L, head_dim) -> (N, L, heads, head_dim).",
-    "Then flatten the last two axes; after a transpose use .reshape (or .contiguous() before .view).",
-])
-
-register("3.3", "MultiHeadMaskedAttention.forward", [
-    "The same steps as MaskedAttention, but q, k and v are split into heads before the scores and the heads "
-    "are merged again before the output projection.",
-    "The scores are now (N, heads, L, L): the (L, L) causal mask broadcasts over batch and heads. Scale by "
-    "1/sqrt(head_dim), not 1/sqrt(embed_dim).",
-    "Softmax over the last axis, self.attn_dropout, weights times v, merge_heads, then self.proj and "
-    "self.proj_dropout.",
-])

@@ -1,6 +1,6 @@
 """Exercises of notebook 04 (the GPT model): 4.1 sinusoidal_table, 4.2 TransformerBlock, 4.3 GPT.
 
-Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common``.
 """
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..exercises import Mistake
 from ..verdict import Failure, fail
-from ._core import register
 from ._gradients import check_module_gradients
 from ._harness import checker
-from ._mistake import Mistake
 from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice
 from ._student_code import call, close, construct, expect_tensor
 
@@ -117,16 +116,6 @@ def check_sinusoidal_table(fn: Callable[..., Any]) -> str:
         if not close(got, reference(max_tokens, embed_dim)):
             _diagnose_table(got, max_tokens, embed_dim, what)
     return "Sines on the even dimensions, cosines on the odd ones, wavelengths from 2π to 10000·2π."
-
-
-register("4.1", "sinusoidal_table", [
-    "Build a column of positions (max_tokens, 1) and a row of frequencies (1, embed_dim // 2); their product "
-    "is every angle at once, by broadcasting.",
-    "Frequency of pair i: 1 / 10000^(2i / embed_dim). Computing it as exp(2i * -log(10000) / embed_dim) is the "
-    "same number and numerically kinder.",
-    "Start from torch.zeros(max_tokens, embed_dim) and fill the even columns (0::2) with the sines and the odd "
-    "columns (1::2) with the cosines of the same angles.",
-])
 
 
 # ---------------------------------------------------------------- 4.2 TransformerBlock
@@ -331,14 +320,6 @@ def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
     return f"Same outputs as the reference {kind} block, with residuals around both sublayers."
 
 
-register("4.2", "TransformerBlock.forward", [
-    "Two sublayers, each wrapped the same way: attention first, then the feed-forward network.",
-    "Residual: x = x + sublayer(...). The residual stream x itself is never replaced, only added to.",
-    "Pre-norm (norm_first=True, GPT-2) normalises what goes INTO each sublayer (ln1 before attn, ln2 before "
-    "mlp); post-norm normalises the sum AFTER each residual addition.",
-])
-
-
 # ---------------------------------------------------------------- 4.3 GPT
 
 def _gpt_config(**overrides: Any):
@@ -536,11 +517,3 @@ def check_gpt(cls: Any) -> str:
             raise
         note = " (The cache path of your forward is not written yet; notebook 06 comes back to it.)"
     return "Logits match the reference GPT for every batch size and length." + note
-
-
-register("4.3", "GPT.forward", [
-    "Token embeddings (N, L, E) plus position encodings (L, E) broadcast over the batch; then dropout.",
-    "Run x through every block in self.blocks, in order, then the final LayerNorm self.ln_f and the head.",
-    "Return the raw logits (N, L, vocab_size): no softmax. Check the length against max_tokens first and raise "
-    "a clear ValueError when it is too long.",
-])

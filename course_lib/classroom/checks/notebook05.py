@@ -1,7 +1,7 @@
 """Exercises of notebook 05 (training and sampling): 5.1 lm_windows, 5.2 lm_loss, 5.3 train_step,
 5.4 sample_next_token.
 
-Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common``.
 """
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..exercises import Mistake
 from ..verdict import Failure, fail
-from ._core import register
 from ._gradients import check_function_gradients
 from ._harness import checker
-from ._mistake import Mistake
 from ._model_common import accepts, as_tensor, extend, recording_calls
 from ._student_code import call, close, expect_tensor
 
@@ -127,15 +126,6 @@ def check_lm_windows(fn: Callable[..., Any]) -> str:
     return "Windows of max_tokens inputs, targets one step ahead, a last window that doesn't fit dropped."
 
 
-register("5.1", "lm_windows", [
-    "A window needs max_tokens + 1 consecutive tokens: the inputs are the first max_tokens, the targets the last "
-    "max_tokens (the same tokens shifted by one).",
-    "Windows start every max_tokens tokens: 0, max_tokens, 2 * max_tokens, ... A start s fits when "
-    "s + max_tokens + 1 <= len(ids).",
-    "Tensor.unfold(0, size, step) cuts all windows at once; a list of slices stacked with torch.stack works too.",
-])
-
-
 # ---------------------------------------------------------------- 5.2 lm_loss
 
 _SHAPE_ERROR = re.compile(r"batch_size|target size|spatial targets|size mismatch|shape|dimension", re.I)
@@ -235,14 +225,6 @@ def check_lm_loss(fn: Callable[..., Any]) -> str:
                              f"can flow back). Avoid .item(), .detach(), torch.no_grad() or numpy inside lm_loss.")
         check_function_gradients(fn, reference, logits, targets, names=("logits",), what=what)
     return "Mean cross-entropy over the real targets, -100 ignored, gradients flow back."
-
-
-register("5.2", "lm_loss", [
-    "F.cross_entropy takes raw logits (it applies log_softmax itself) and averages over the targets.",
-    "It wants the classes in dimension 1: flatten logits (N, L, V) to (N*L, V) and targets (N, L) to (N*L,).",
-    "Targets of -100 are padding; F.cross_entropy skips them by default (ignore_index=-100), and the mean runs "
-    "over the remaining targets only.",
-])
 
 
 # ---------------------------------------------------------------- 5.3 train_step
@@ -398,15 +380,6 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                              f"to clip yet.")
         fail("clipping", f"{what}: the step was {ratio:.2f} times the gradient step, expected {expected:.2f} "
                          f"(clipped to max_grad_norm). Clip to the `max_grad_norm` argument, not a fixed number.")
-
-
-register("5.3", "train_step", [
-    "Five lines: forget the old gradients, compute the logits, the loss, the gradients, then update.",
-    "The optimizer clears the gradients and applies the update; the loss tensor computes the gradients. Old "
-    "gradients must be gone before backward, and the update needs the new ones.",
-    "Call model.train() first (evaluation switches dropout off), clip between backward and step unless "
-    "max_grad_norm is None, and return loss.item(), a plain float.",
-])
 
 
 # two different rows, so that a batch mixes distributions; no ties anywhere
@@ -613,12 +586,3 @@ def check_sampling(fn: Callable[..., Any]) -> str:
                          "that results can be reproduced.")
     return ("Greedy at temperature 0; otherwise draws follow softmax(logits / temperature), restricted to the top k "
             "when asked, and the generator makes them reproducible.")
-
-
-register("5.4", "sample_next_token", [
-    "Temperature 0 is the greedy special case: handle it first, with argmax over the vocabulary.",
-    "Otherwise divide the logits by the temperature, softmax over the last dimension, then draw one token per row "
-    "with torch.multinomial (pass the generator).",
-    "top_k: find the k-th largest logit of each row (torch.topk) and set every logit below it to -inf before the "
-    "softmax.",
-])

@@ -1,6 +1,6 @@
 """Exercises of notebook 06 (inference cost): 6.1 flops_per_token, 6.2 generate_with_cache.
 
-Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common``.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from ..verdict import Failure, fail
-from ._core import register
 from ._harness import checker
 from ._model_common import extend, randomize_, recording_calls
 from ._student_code import call, expect_tensor
@@ -145,14 +144,6 @@ def check_flops_per_token(fn: Callable[..., Any]) -> str:
                          f"when num_weights changes: use the num_weights argument (N) for the 6N term.")
     fail("mismatch", f"{what} returned {got:,.0f}, expected {expected:,.0f} = 6·{weights:,} + "
                      f"12·{config.num_layers}·{config.num_heads}·{config.head_dim}·{config.max_tokens}.")
-
-
-register("6.1", "flops_per_token", [
-    "Two terms: the weights (6 FLOPs per weight per token) and attention (12·n·H·Q·T per token).",
-    "Read the sizes from config: L = config.num_layers, H = config.num_heads, Q = config.head_dim, "
-    "T = config.max_tokens. N is the num_weights argument.",
-    "return 6 * num_weights + 12 * L * H * Q * T, with each letter taken from config.",
-])
 
 
 def _model(max_tokens: int, embed_dim: int, seed: int) -> nn.Module:
@@ -312,11 +303,3 @@ def _speed_note(fn: Callable[..., Any]) -> str:
     return (f" Speed: {new} new tokens took {cached * 1000:.0f} ms with your cache and {uncached * 1000:.0f} ms "
             f"without ({verdict}). On a model this small the fixed cost of each call dominates; the saving grows "
             f"with the length and the model size.")
-
-
-register("6.2", "generate_with_cache", [
-    "One cache for the whole generation: cache = model.new_cache(), before the loop.",
-    "Feed the prompt once with the cache; afterwards feed ONLY the newest token (shape (N, 1)) with the same cache: "
-    "the model continues its positions after the cached ones.",
-    "Each step: take the argmax of the last position's logits (keepdim), append it to idx, and feed it back.",
-])

@@ -1,6 +1,6 @@
 """Exercises of notebook 07 (Hugging Face): 7.1 split_c_attn, 7.2 an attention function for transformers.
 
-Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common``.
 """
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..exercises import Mistake
 from ..verdict import fail
-from ._core import register
 from ._gradients import check_function_gradients
 from ._harness import checker
-from ._mistake import Mistake
 from ._model_common import as_tensor, randomize_
 from ._student_code import call, close, expect_tensor
 
@@ -77,13 +76,6 @@ def check_split_c_attn(fn: Callable[..., Any]) -> str:
                          f"consecutive blocks (query, key, value), then transpose each block into nn.Linear's "
                          f"(out, in) layout.")
     return "Three (E, E) matrices in nn.Linear layout, in the order query, key, value."
-
-
-register("7.1", "split_c_attn", [
-    "c_attn is one Conv1D whose 3E outputs are the query, key and value side by side: split the last dimension.",
-    "Conv1D computes x @ W with W of shape (in, out); nn.Linear computes x @ W.T with W of shape (out, in).",
-    "weight.split(embed_dim, dim=1) (or chunk(3, dim=-1)) gives three (E, E) blocks; each needs a transpose.",
-])
 
 
 # ---------------------------------------------------------------- 7.2 attention function for transformers
@@ -256,12 +248,3 @@ def check_hf_attention(fn: Callable[..., Any]) -> str:
             fail("mismatch", f"{what}: the logits differ from GPT-2's own attention (largest difference "
                              f"{(got[real] - expected[real]).abs().max():.3g}).")
     return "GPT-2 gives the same logits with your attention as with its own, padding included."
-
-
-register("7.2", "attention function for transformers", [
-    "The function gets query, key, value as (N, heads, L, head_dim) and returns (attn_output, attn_weights), with "
-    "attn_output as (N, L, heads, head_dim): the model merges the heads itself.",
-    "Use the `scaling` argument for the scores. attention_mask is bool (True = may attend) or None; None means a "
-    "plain causal mask, which you then apply yourself.",
-    "Dropout on the weights: F.dropout(weights, p=dropout, training=module.training).",
-])

@@ -2,8 +2,8 @@
 9.4 SwiGLU, 9.5 repeat_kv, 9.6 GroupedQueryAttention.
 
 Mistakes are named by hypothesis: what each known slip would output on the same inputs
-(``_rope_variants``, ``_gqa_variants``). The class check of 9.6 is in ``_gqa_check``. Each checker
-sits next to its hints (``register``).
+(``_rope_variants``, ``_gqa_variants``). The class check of 9.6 is in ``_gqa_check``. Hints are in
+``classroom.exercises``.
 """
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import modern as ref
+from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _rope_variants as rope
 from ._attn_hypotheses import first_match
-from ._core import register
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
 from ._gradients import check_gradients, check_module_gradients
 from ._harness import checker
-from ._mistake import Mistake
 from ._model_common import as_tensor, copy_weights
 from ._student_code import call_student, close, construct, expect_callable, expect_tensor, max_diff, reraise_with
 
@@ -154,16 +153,6 @@ def _judge_rope_tables(fn: Callable[..., Any]) -> str:
 def check_rope_tables(fn: Callable[..., Any]) -> str:
     """``fn(head_dim, max_tokens, theta=10000.0)`` -> (cos, sin), each (max_tokens, head_dim), half-split."""
     return _judge_rope_tables(fn)
-
-
-register("9.1", "rope_tables", [
-    "Pair i (dimensions i and i + head_dim/2) turns by the angle m * w_i at position m, with "
-    "w_i = theta^(-2i/head_dim): the first pair turns fastest, the last slowest.",
-    "Build the head_dim/2 frequencies from torch.arange(0, head_dim, 2) / head_dim, and the angles as the outer "
-    "product of the positions 0 .. max_tokens-1 with them: shape (max_tokens, head_dim/2).",
-    "Each row needs the angles for both halves of the head: concatenate the angles with themselves (not "
-    "repeat_interleave), then take .cos() and .sin(); return float32 tables.",
-])
 
 
 # ============================================================================ 9.2 apply_rotary
@@ -306,15 +295,6 @@ def _rotary_learns(fn: Callable[..., Any], run: tuple[Any, ...]) -> None:
 def check_apply_rotary(fn: Callable[..., Any]) -> str:
     """``fn(x (N, heads, L, head_dim), cos, sin, offset=0)`` -> x turned to positions offset .. offset+L-1."""
     return _judge_apply_rotary(fn)
-
-
-register("9.2", "apply_rotary", [
-    "x is (N, heads, L, head_dim): the tokens run along the second-to-last axis, so L = x.shape[-2], and their "
-    "positions are offset, offset+1, ..., offset+L-1.",
-    "Cut the rows of those positions out of cos and sin: (L, head_dim) broadcasts over N and heads by itself. "
-    "rotate_half(x) splits the last axis into two halves x1, x2 and returns cat(-x2, x1).",
-    "The turn is x * cos + rotate_half(x) * sin: write it as a new tensor (never in place), in x's dtype.",
-])
 
 
 # ============================================================================ 9.3 RMSNorm
@@ -495,15 +475,6 @@ def check_rms_norm(cls: Any) -> str:
     return _judge_rms_norm(cls)
 
 
-register("9.3", "RMSNorm.forward", [
-    "RMSNorm is LayerNorm without the mean and the bias: divide each vector (the last axis) by its root mean "
-    "square, then multiply by the learned self.weight.",
-    "The root mean square is sqrt(mean(x^2) + eps) with the mean over dim=-1, keepdim=True; eps (self.eps) goes "
-    "inside the square root. torch.rsqrt(...) multiplies by 1/sqrt in one step.",
-    "float16 squares overflow above 65504: compute in float32 (x.float()) and cast the result back to x's dtype.",
-])
-
-
 # ============================================================================ 9.4 SwiGLU
 
 _SWIGLU_EMBED, _SWIGLU_HIDDEN = 16, 40
@@ -586,13 +557,6 @@ def check_swiglu(cls: Any) -> str:
     return _judge_swiglu(cls)
 
 
-register("9.4", "SwiGLU.forward", [
-    "Two projections of x to hidden_dim: self.gate(x) goes through SiLU, self.up(x) stays linear.",
-    "Multiply the two element by element (the gate scales each hidden feature), then project back with self.down.",
-    "SiLU(z) = z * sigmoid(z) is F.silu; no residual here, the block adds it.",
-])
-
-
 # ============================================================================ 9.5 repeat_kv
 
 # (x shape (N, kv_heads, L, head_dim), groups, contiguous): v comes from a transpose, so not contiguous.
@@ -661,15 +625,6 @@ def check_repeat_kv(fn: Callable[..., Any]) -> str:
     return _judge_repeat_kv(fn)
 
 
-register("9.5", "repeat_kv", [
-    "Query head h shares key/value head h // groups: heads 0 .. groups-1 read kv head 0, the next group kv head 1.",
-    "So each kv head appears `groups` times in a row: [0, 0, 1, 1], not [0, 1, 0, 1] (which is what x.repeat "
-    "gives).",
-    "torch.repeat_interleave(x, groups, dim=1) does it; so does expanding a new axis right after the heads, "
-    "then reshaping to (N, kv_heads * groups, L, head_dim).",
-])
-
-
 # ============================================================================ 9.6 GroupedQueryAttention
 
 @checker("9.6")
@@ -680,13 +635,3 @@ def check_grouped_query_attention(cls: Any) -> str:
     return check_class(cls, parts={"apply_rotary": ("9.2", _judge_apply_rotary),
                                    "repeat_kv": ("9.5", _judge_repeat_kv)},
                        tables=_diagnose_tables)
-
-
-register("9.6", "GroupedQueryAttention.forward", [
-    "Project x to q (num_heads heads) and to k, v (num_kv_heads heads each); split them into (N, heads, L, "
-    "head_dim); rotate q and k (never v) with apply_rotary, offset = the number of tokens already cached.",
-    "With a cache, append the ROTATED new keys and the values (num_kv_heads heads) and use everything it returns; "
-    "only then repeat_kv each to num_heads heads for the scores.",
-    "Causal attention scaled by 1/sqrt(head_dim): with a cache the new queries sit at positions start .. total-1, "
-    "so their mask rows are those of a (total, total) causal mask. Merge the heads, then self.proj.",
-])

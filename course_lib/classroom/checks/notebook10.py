@@ -16,7 +16,6 @@ import torch
 from ... import flash as ref
 from ..verdict import Failure, fail
 from . import _flash_variants as variants
-from ._core import register
 from ._flash_probe import Recorder
 from ._harness import checker
 from ._student_code import call_student, close, expect_callable, expect_tensor, matches, max_diff
@@ -136,15 +135,6 @@ def check_online_softmax(fn: Callable[..., Any]) -> str:
                           f"keeping only the running maximum and sum between blocks.")
     return ("Equal to torch.softmax for blocks that divide the row and blocks that do not, and stable for scores "
             "near 100 wherever they are: the running sum is rescaled whenever the maximum grows.")
-
-
-register("10.1", "online_softmax", [
-    "Keep two numbers per row while reading the blocks: the largest score so far, m, and the sum so far, "
-    "l = sum of exp(x_j - m) over the entries read.",
-    "For a new block: m_new = max(m, block.max(-1)). The old sum was measured against m, so it becomes "
-    "l * exp(m - m_new) + exp(block - m_new).sum(-1). Start with m = -inf and l = 0 (exp(-inf) is 0).",
-    "After the last block every statistic is final: return torch.exp(x - m[..., None]) / l[..., None].",
-])
 
 
 # ============================================================================ 10.2 flash_attention
@@ -332,17 +322,6 @@ def check_flash_attention(fn: Callable[..., Any]) -> str:
             f"block_k; no L x L tensor built, and causal masking computed {needed} of {total} key blocks.")
 
 
-register("10.2", "flash_attention", [
-    "Two loops: over query blocks q[..., qs:qe, :] (qe = min(qs + block_q, Lq)), and inside over key blocks. "
-    "Per query block keep m (-inf), l (0) and acc (zeros, (..., Bq, dv)); scale q once by 1/sqrt(d).",
-    "Per key block: s = q_blk @ k_blk^T; m_new = max(m, s.amax(-1)); p = exp(s - m_new); c = exp(m - m_new); "
-    "l = l * c + p.sum(-1); acc = acc * c + p @ v_blk; m = m_new. At the end out = acc / l, lse = m + log(l).",
-    "Causal: query block [qs, qe) needs the key blocks starting before qe only (stop the key loop there), and "
-    "in a block crossing the diagonal, s = -inf where the key's position k_start + col is after the query's "
-    "q_start + row.",
-])
-
-
 # ============================================================================ 10.3 the backward
 
 # (q shape, block_q, block_k, causal). Square blocks first: a transposed product fits them (and only them),
@@ -420,13 +399,3 @@ def _probe_backward(cls: Any) -> None:
                             f"{recorder.record.largest} (at least L x L = {length * length} numbers). The backward "
                             f"should rebuild one (block_q, block_k) block of weights at a time, exp(s - lse), and "
                             f"never store or build them all.")
-
-
-register("10.3", "FlashAttentionFunction", [
-    "The forward saved q, k, v, out and lse. First D = (dO * out).sum(-1), one number per query; then loop over "
-    "query blocks and, inside, key blocks (skip the future ones when causal), as in the forward.",
-    "Per block: s = q_blk @ k_blk^T * scale (masked when causal), p = exp(s - lse_blk[..., None]): the weights, "
-    "exactly, without any running maximum. dv_blk += p^T @ do_blk; dp = do_blk @ v_blk^T.",
-    "ds = p * (dp - D_blk[..., None]); dq_blk += ds @ k_blk * scale; dk_blk += ds^T @ q_blk * scale. Return "
-    "dq, dk, dv, None, None, None: one gradient per forward argument.",
-])

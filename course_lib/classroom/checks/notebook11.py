@@ -3,7 +3,7 @@
 
 The scores are judged on random causal attention weights against the slips of ``_heads_scores`` (and on
 their gradients: a score built from tensor operations stays differentiable). The context manager is
-judged in ``_heads_ablation``. Each checker sits next to its hints (``register``).
+judged in ``_heads_ablation``. Hints are in ``classroom.exercises``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from ... import heads as ref
 from ..verdict import fail
 from . import _heads_scores as slips
 from ._attn_hypotheses import first_match
-from ._core import register
 from ._harness import checker
 from ._heads_ablation import judge_ablate_head
 from ._student_code import call_student, close, expect_callable, expect_tensor, max_diff
@@ -98,16 +97,6 @@ def check_previous_token_score(fn: Callable[..., Any]) -> str:
             "(i, i - 1) for i >= 1, per head, with its gradient.")
 
 
-register("11.1", "previous_token_score", [
-    "Entry [n, h, i, j] is how much query i of sequence n attends to key j in head h. The previous token of "
-    "query i is key i - 1: the entries (1, 0), (2, 1), ..., (L-1, L-2), just below the main diagonal.",
-    "weights.diagonal(offset=-1, dim1=-2, dim2=-1) gathers them: shape (N, heads, L-1). Position 0 has no "
-    "previous token and is not among them.",
-    "Average over the batch (axis 0) and over the L-1 positions (the last axis): .mean(dim=(0, 2)) gives "
-    "(heads,).",
-])
-
-
 # ============================================================================ 11.2 induction_score
 
 _INDUCTION_CASES = [((3, 4, 12, 12), 6), ((2, 3, 10, 10), 5), ((4, 4, 8, 8), 4), ((1, 2, 6, 6), 3)]
@@ -121,30 +110,9 @@ def check_induction_score(fn: Callable[..., Any]) -> str:
             "the second half's queries, per head, with its gradient.")
 
 
-register("11.2", "induction_score", [
-    "Query i of the second half (i >= half) holds the same token as position i - half. An induction head "
-    "attends to the token that FOLLOWED that copy: key i - half + 1.",
-    "The entries (i, i - half + 1) lie on the diagonal at offset -(half - 1). That diagonal starts at query "
-    "half - 1, which is still in the first half: keep only queries half .. L-1 (drop its first entry).",
-    "weights.diagonal(offset=-(half - 1), dim1=-2, dim2=-1)[..., 1:] has shape (N, heads, half) for L = 2*half; "
-    "average over the batch and the last axis: .mean(dim=(0, 2)).",
-])
-
-
 # ============================================================================ 11.3 ablate_head
 
 @checker("11.3")
 def check_ablate_head(fn: Callable[..., Any]) -> str:
     """``fn(model, layer, head)``: a context manager that zeroes one head's output and restores the model."""
     return judge_ablate_head(fn)
-
-
-register("11.3", "ablate_head", [
-    "Each block's attention computes the heads' outputs, merges them into (N, L, heads * head_dim) and passes "
-    "that to its output projection `proj`. Head h owns the columns h * head_dim .. (h+1) * head_dim - 1 of it.",
-    "A forward pre-hook on model.blocks[layer].attn.proj sees proj's input before proj runs and may return a "
-    "replacement: a copy of the input with the head's columns set to 0 (register_forward_pre_hook returns a "
-    "handle whose .remove() takes the hook off).",
-    "With @contextlib.contextmanager: register the hook, then `try: yield model` and `finally: handle.remove()`, "
-    "so the hook is removed even when the code inside the `with` raises.",
-])
