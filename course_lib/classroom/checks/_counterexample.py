@@ -1,7 +1,8 @@
 """Counter-examples: the smallest input on which the student's code and the reference differ.
 
-When a check fails, the harness asks :func:`attach` for a counter-example: the searcher registered
-for the exercise (``_searches``) runs the student's code and the reference on growing tiny inputs
+When a check fails, the harness asks :func:`attach` for a counter-example: the exercise's own searcher
+(from ``engine.example``, given to ``checker``; until notebooks 05-11 are ported, the one registered
+for the exercise in ``_searches``) runs the student's code and the reference on growing tiny inputs
 (a 1x1 case first, then 2x2, 3x3, ...) and keeps the first on which they differ. The
 :class:`Example` rides on the verdict (``details["counterexample"]``); :func:`remember` keeps the
 last verdict of each exercise for ``checks.hint`` and ``checks.show_solution``.
@@ -119,15 +120,19 @@ def searcher(exercise: str) -> Callable[[Callable[..., Example | None]], Callabl
     return register
 
 
-def attach(exercise: str, failure: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Put a counter-example on a Failure of ``exercise`` (details["counterexample"]) when one is found."""
+def attach(exercise: str, failure: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+           search: Callable[..., Example | None] | None = None) -> None:
+    """Put a counter-example on a Failure of ``exercise`` (details["counterexample"]) when one is found:
+    ``search(*args, **kwargs)`` is the exercise's own (the engine's, given to ``checker``); an exercise not
+    yet ported to the engine has one registered by ``searcher``, called with the student's work alone."""
     if failure.diagnosis in _NOTHING_TO_SHOW or "counterexample" in failure.details or not args:
         return
-    search = _SEARCHERS.get(exercise)
+    if search is None and exercise in _SEARCHERS:
+        search, args, kwargs = _SEARCHERS[exercise], args[:1], {}
     if search is None:
         return
     try:
-        example = search(args[0])
+        example = search(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - the time limit, or anything else: no counter-example
         if isinstance(exc, KeyboardInterrupt):
             raise

@@ -250,8 +250,10 @@ def _validate_options(name: str, signature: inspect.Signature, hints: dict[str, 
             raise TypeError(f"{name}: {option}: expected {_expected(hint)}, got {validate.describe(value)}")
 
 
-def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[..., CheckResult]]:
+def checker(exercise: str, example: Callable[..., Any] | None = None
+            ) -> Callable[[Callable[..., str | None]], Callable[..., CheckResult]]:
     """Decorate ``check(candidate, ...) -> str | None``: it returns a success message or raises Failure.
+    ``example(candidate, ...)`` finds the counter-example of a failure (``engine.example``).
 
     The decorated checker takes one more keyword, ``graded`` (default True): see ``_nbgrader``."""
 
@@ -291,7 +293,7 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                     try:
                         message = body(*args, **kwargs)
                     except Failure as failure:   # the smallest input that shows the mistake, for checks.hint
-                        _counterexample.attach(exercise, failure, args, kwargs)
+                        _counterexample.attach(exercise, failure, args, kwargs, example)
                         raise
             except Failure as failure:
                 return CheckResult(exercise, False, failure.diagnosis, failure.message, failure.details)
