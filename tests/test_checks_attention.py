@@ -60,21 +60,6 @@ def test_reference_passes(exercise):
     assert result.diagnosis is None and result.exercise == exercise
 
 
-@pytest.mark.parametrize("attempt", CORRECT, ids=[a.id for a in CORRECT])
-def test_correct_variant_passes(attempt):
-    result = run(attempt.exercise, attempt.candidate)
-    assert result.passed, f"{attempt.id} rejected: {result}"
-
-
-@pytest.mark.parametrize("attempt", BUGGY, ids=[a.id for a in BUGGY])
-def test_buggy_variant_gets_its_diagnosis(attempt):
-    result = run(attempt.exercise, attempt.candidate)
-    assert not result.passed, f"{attempt.id} passed"
-    assert result.diagnosis == attempt.expected, f"{attempt.id}: {result}"
-    assert result.diagnosis in verdict.DIAGNOSES
-    assert len(result.message) > 30 and "Traceback" not in result.message
-
-
 def test_bank_size_and_coverage():
     assert len(BUGGY) >= 40 and len(CORRECT) >= 12
     exercises = {a.exercise for a in BUGGY} | {a.exercise for a in CORRECT}

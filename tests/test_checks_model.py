@@ -81,22 +81,6 @@ def test_post_norm_reference_passes_the_post_norm_check():
     assert run("4.2", TransformerBlock, norm_first=False).passed
 
 
-@pytest.mark.parametrize("attempt", CORRECT, ids=[a.id for a in CORRECT])
-def test_correct_variant_passes(attempt):
-    result = run(attempt.exercise, attempt.candidate, **attempt.kwargs)
-    assert result.passed, f"{attempt.id} rejected: {result}"
-
-
-@pytest.mark.parametrize("attempt", BUGGY, ids=[a.id for a in BUGGY])
-def test_buggy_variant_gets_its_diagnosis(attempt):
-    result = run(attempt.exercise, attempt.candidate, **attempt.kwargs)
-    assert not result.passed, f"{attempt.id} passed: {result}"
-    assert result.diagnosis == attempt.expected, f"{attempt.id}: {result}"
-    assert len(result.message) > 30 and "Traceback" not in result.message
-    for word in attempt.says:
-        assert word.lower() in result.message.lower(), f"{attempt.id}: {word!r} not in {result.message!r}"
-
-
 def test_bank_size_and_coverage():
     assert len(BUGGY) >= 35 and len(CORRECT) >= 10
     exercises = {a.exercise for a in BUGGY} & {a.exercise for a in CORRECT}

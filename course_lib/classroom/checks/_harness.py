@@ -321,5 +321,6 @@ def checker(exercise: str, example: Callable[..., Any] | None = None
                 bind_references()   # modules first imported during this check (course_lib.hf)
             return CheckResult(exercise, True, None, message or "Matches the reference implementation.")
         run.exercise = exercise   # type: ignore[attr-defined]
+        run.example = example     # type: ignore[attr-defined]   # its counter-example searcher, if declared
         return run
     return wrap

@@ -1,5 +1,7 @@
 """Exercises of notebook 04 (the GPT model): 4.1 sinusoidal_table, 4.2 TransformerBlock, 4.3 GPT.
 
+4.1 is a declaration the engine runs (``engine.judge``); 4.2 and 4.3 build a module beside the reference
+and judge it with procedures of their own, their counter-examples from the engine (``module_example``).
 Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common``.
 """
 from __future__ import annotations
@@ -11,12 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import model as model_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._gradients import check_module_gradients
 from ._harness import checker
-from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice
+from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
 from ._student_code import call, close, construct, expect_tensor
+from .engine import Case, FunctionExercise, function_example, judge, module_example
+from .engine.function import Run
 
 __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
 
@@ -36,86 +41,102 @@ def _table(max_tokens: int, embed_dim: int, *, frequency: torch.Tensor | None = 
     return torch.cat([a, b], dim=-1)                    # (T, d): a a ... b b ...
 
 
-def _frequency_variants(embed_dim: int) -> list[Mistake]:
-    def _frequency(frequency: torch.Tensor, why: str) -> Mistake:
-        return Mistake("scale", why, {"frequency": frequency})
-
-    pair = torch.arange(embed_dim // 2, dtype=torch.float64)   # i = 0, 1, ...
-    even = 2 * pair                                             # 2i = 0, 2, ...
-    return [
-        _frequency(10000.0 ** (-pair / embed_dim),
-                   "the exponent uses the pair index i over embed_dim; it should be the even dimension index 2i over "
-                   "embed_dim (i.e. step through 0, 2, 4, ... or multiply i by 2)"),
-        _frequency(10000.0 ** (-2 * even / embed_dim),
-                   "the exponent counts the dimension index twice: you step through the even indices "
-                   "(0, 2, 4, ...) and then multiply by 2 again"),
-        _frequency(10000.0 ** (even / embed_dim),
-                   "the frequencies grow with the dimension instead of shrinking: you multiply the position by "
-                   "10000^(2i/d) where you should divide by it"),
-        _frequency(1000.0 ** (-even / embed_dim), "the base is 1000; the paper uses 10000"),
-        _frequency(100.0 ** (-even / embed_dim), "the base is 100; the paper uses 10000"),
-        _frequency(math.e ** (-even / embed_dim),
-                   "the base is e: if you write it with exp(), remember the factor log(10000)"),
-        _frequency(10000.0 ** (-even / (embed_dim - 1 if embed_dim > 1 else 1)),
-                   "the exponent divides by embed_dim - 1; it should divide by embed_dim"),
-    ]
+# The wavelengths students get wrong: (the frequency of pair i for embed_dim d, why it is wrong).
+_FREQUENCIES: tuple[tuple[Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], str], ...] = (
+    (lambda pair, even, d: 10000.0 ** (-pair / d),
+     "the exponent uses the pair index i over embed_dim; it should be the even dimension index 2i over "
+     "embed_dim (i.e. step through 0, 2, 4, ... or multiply i by 2)"),
+    (lambda pair, even, d: 10000.0 ** (-2 * even / d),
+     "the exponent counts the dimension index twice: you step through the even indices (0, 2, 4, ...) and then "
+     "multiply by 2 again"),
+    (lambda pair, even, d: 10000.0 ** (even / d),
+     "the frequencies grow with the dimension instead of shrinking: you multiply the position by 10000^(2i/d) "
+     "where you should divide by it"),
+    (lambda pair, even, d: 1000.0 ** (-even / d), "the base is 1000; the paper uses 10000"),
+    (lambda pair, even, d: 100.0 ** (-even / d), "the base is 100; the paper uses 10000"),
+    (lambda pair, even, d: math.e ** (-even / d),
+     "the base is e: if you write it with exp(), remember the factor log(10000)"),
+    (lambda pair, even, d: 10000.0 ** (-even / (d - 1 if d > 1 else 1)),
+     "the exponent divides by embed_dim - 1; it should divide by embed_dim"),
+)
 
 
-def _diagnose_table(got: torch.Tensor, max_tokens: int, embed_dim: int, what: str) -> None:
-    got = got.double()
-    if close(got, _table(max_tokens, embed_dim, first="cos")):
-        fail("mismatch", f"{what}: sine and cosine are swapped. Even dimensions (0, 2, 4, ...) hold the sines "
-                         f"and odd dimensions the cosines, so row 0 (position 0) should read 0, 1, 0, 1, ...")
-    for first, second in (("sines", "cosines"), ("cosines", "sines")):
-        if close(got, _table(max_tokens, embed_dim, layout="concat", first=first[:3])):
-            fail("mismatch", f"{what}: you concatenated the halves: all the {first} first, then all the "
-                             f"{second}. The table interleaves them: dimension 2i "
-                             f"is the sine and dimension 2i+1 the cosine of the same angle. Fill the even and "
-                             f"odd columns separately, or stack the two along a new last dimension and flatten.")
-    if close(got, _table(max_tokens, embed_dim, offset=1)):
-        fail("mismatch", f"{what}: your positions start at 1. Row 0 is position 0 (sin 0 = 0, cos 0 = 1).")
-    for mistake in _frequency_variants(embed_dim):
-        frequency, why = mistake.spec["frequency"], mistake.message
-        for layout in ("interleave", "concat"):
-            if close(got, _table(max_tokens, embed_dim, frequency=frequency, layout=layout)):
-                extra = "" if layout == "interleave" else " (and the sines and cosines should interleave)"
-                fail(mistake.code, f"{what}: the wavelengths are wrong: {why}{extra}.")
-    # sin and cos of one angle per pair, starting at angle 0, but other angles: the frequencies are off
+def _wavelength(frequency: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], layout: str
+                ) -> Callable[[int, int], torch.Tensor]:
+    def table(max_tokens: int, embed_dim: int) -> torch.Tensor:
+        pair = torch.arange(embed_dim // 2, dtype=torch.float64)   # i = 0, 1, ...
+        return _table(max_tokens, embed_dim, frequency=frequency(pair, 2 * pair, embed_dim), layout=layout)
+    return table
+
+
+_TABLE_MISTAKES = (
+    Mistake("mismatch", "sine and cosine are swapped. Even dimensions (0, 2, 4, ...) hold the sines and odd "
+                        "dimensions the cosines, so row 0 (position 0) should read 0, 1, 0, 1, ...",
+            output=lambda t, d: _table(t, d, first="cos")),
+    *(Mistake("mismatch", f"you concatenated the halves: all the {first} first, then all the {second}. The table "
+                          f"interleaves them: dimension 2i is the sine and dimension 2i+1 the cosine of the same "
+                          f"angle. Fill the even and odd columns separately, or stack the two along a new last "
+                          f"dimension and flatten.",
+              output=lambda t, d, first=first: _table(t, d, layout="concat", first=first[:3]))
+      for first, second in (("sines", "cosines"), ("cosines", "sines"))),
+    Mistake("mismatch", "your positions start at 1. Row 0 is position 0 (sin 0 = 0, cos 0 = 1).",
+            output=lambda t, d: _table(t, d, offset=1)),
+    *(Mistake("scale", f"the wavelengths are wrong: {why}"
+                       + ("." if layout == "interleave" else " (and the sines and cosines should interleave)."),
+              output=_wavelength(frequency, layout))
+      for frequency, why in _FREQUENCIES for layout in ("interleave", "concat")),
+)
+
+
+def _table_layout(case: Case, out: Any) -> None:
+    max_tokens, embed_dim = case.args
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == (embed_dim, max_tokens) and max_tokens != embed_dim:
+        fail("shape", f"{case.what} returned shape {tuple(out.shape)}: one row per dimension. The table has one "
+                      f"row per position, (max_tokens, embed_dim): positions should run down the rows "
+                      f"(a column of positions) and frequencies across the columns (a row of frequencies).")
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == (max_tokens, embed_dim) and not out.is_floating_point():
+        fail("dtype", f"{case.what} returned dtype {out.dtype}; sines and cosines need a float tensor "
+                      f"(start from torch.arange(..., dtype=torch.float32)).")
+
+
+def _table_angles(runs: list[Run], fn: Any) -> None:
+    """sin and cos of one angle per pair, starting at angle 0, but other angles: the frequencies are off."""
+    run = runs[0]
+    (max_tokens, embed_dim), got = run.case.args, run.out.double()
     if embed_dim >= 2 and max_tokens >= 2:
         even, odd = got[:, 0:2 * (embed_dim // 2):2], got[:, 1:2 * (embed_dim // 2):2]
         on_circle = torch.allclose(even ** 2 + odd ** 2, torch.ones_like(even))
         starts_at_zero = torch.allclose(even[0], torch.zeros_like(even[0]))
         if on_circle and starts_at_zero:
-            fail("scale", f"{what}: every pair of dimensions holds the sine and cosine of one angle, but the "
-                          f"angles are wrong: dimension pair i should turn at the rate 1 / 10000^(2i/embed_dim) "
+            fail("scale", f"{run.case.what}: every pair of dimensions holds the sine and cosine of one angle, but "
+                          f"the angles are wrong: dimension pair i should turn at the rate 1 / 10000^(2i/embed_dim) "
                           f"per position. Check the base, the exponent and that you divide the position by it.")
-    diff = (got - _table(max_tokens, embed_dim)).abs()
-    pos, dim = divmod(int(diff.argmax()), embed_dim)
-    fail("mismatch", f"{what}: values differ from the reference, first at position {pos}, dimension {dim} "
-                     f"(got {got[pos, dim]:.4f}, expected {_table(max_tokens, embed_dim)[pos, dim]:.4f}). "
-                     f"Even dimension 2i holds sin(pos / 10000^(2i/d)), odd dimension 2i+1 the cosine.")
 
 
-@checker("4.1")
+def _table_mismatch(run: Run) -> str:
+    (max_tokens, embed_dim), got = run.case.args, run.out.double()
+    expected = _table(max_tokens, embed_dim)
+    pos, dim = divmod(int((got - expected).abs().argmax()), embed_dim)
+    return (f"{run.case.what}: values differ from the reference, first at position {pos}, dimension {dim} "
+            f"(got {got[pos, dim]:.4f}, expected {expected[pos, dim]:.4f}). Even dimension 2i holds "
+            f"sin(pos / 10000^(2i/d)), odd dimension 2i+1 the cosine.")
+
+
+SINUSOIDAL_TABLE = FunctionExercise(
+    "4.1", "sinusoidal_table", lambda max_tokens, embed_dim: model_ref.sinusoidal_table(max_tokens, embed_dim),
+    lambda: [Case(size, f"sinusoidal_table{size}") for size in ((12, 8), (5, 6), (1, 4), (40, 16))],
+    ("max_tokens", "embed_dim"),
+    success="Sines on the even dimensions, cosines on the odd ones, wavelengths from 2π to 10000·2π.",
+    mismatch=_table_mismatch, mistakes=_TABLE_MISTAKES, each_case=True, dtype=False, finite=True, numpy_ok=True,
+    raw=_table_layout, diagnose=_table_angles,
+    examples=lambda: [Case(size, f"sinusoidal_table{size}") for size in ((1, 2), (2, 2), (3, 2), (2, 4), (3, 4))],
+)
+
+
+@checker("4.1", example=function_example(SINUSOIDAL_TABLE))
 def check_sinusoidal_table(fn: Callable[..., Any]) -> str:
     """fn(max_tokens, embed_dim) -> (max_tokens, embed_dim), as ``course_lib.model.sinusoidal_table``."""
-    from course_lib.model import sinusoidal_table as reference
-
-    for max_tokens, embed_dim in ((12, 8), (5, 6), (1, 4), (40, 16)):
-        what = f"sinusoidal_table({max_tokens}, {embed_dim})"
-        got = as_tensor(call(fn, max_tokens, embed_dim, what=what))
-        if (isinstance(got, torch.Tensor) and tuple(got.shape) == (embed_dim, max_tokens)
-                and max_tokens != embed_dim):
-            fail("shape", f"{what} returned shape {tuple(got.shape)}: one row per dimension. The table has one "
-                          f"row per position, (max_tokens, embed_dim): positions should run down the rows "
-                          f"(a column of positions) and frequencies across the columns (a row of frequencies).")
-        expect_tensor(got, (max_tokens, embed_dim), what)
-        if not got.is_floating_point():
-            fail("dtype", f"{what} returned dtype {got.dtype}; sines and cosines need a float tensor "
-                          f"(start from torch.arange(..., dtype=torch.float32)).")
-        if not close(got, reference(max_tokens, embed_dim)):
-            _diagnose_table(got, max_tokens, embed_dim, what)
-    return "Sines on the even dimensions, cosines on the odd ones, wavelengths from 2π to 10000·2π."
+    return judge(SINUSOIDAL_TABLE, fn)
 
 
 # ---------------------------------------------------------------- 4.2 TransformerBlock
@@ -290,7 +311,14 @@ def _no_effect(candidate: nn.Module, proj: nn.Linear, x: torch.Tensor, got: torc
                      f"goes into what forward returns.")
 
 
-@checker("4.2")
+def _block_example(cls: Any, norm_first: bool = True, **_: Any) -> Any:
+    kwargs = {"norm_first": norm_first} if accepts(cls, "norm_first") else {}
+    return module_example(f"{getattr(cls, '__name__', 'TransformerBlock')}(4, 2, 4, 0.0, norm_first={norm_first})",
+                          lambda: cls(4, 2, 4, 0.0, **kwargs),
+                          lambda: model_ref.TransformerBlock(4, 2, 4, 0.0, norm_first=norm_first), 4)
+
+
+@checker("4.2", example=_block_example)
 def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
     """cls(embed_dim, num_heads, max_tokens, dropout_rate) with ln1, attn, ln2, mlp; pre- or post-norm."""
     reference, candidate = _build_block(cls, norm_first)
@@ -464,7 +492,16 @@ def _check_gpt_training(candidate: nn.Module, idx: torch.Tensor, rate: float) ->
             candidate.eval()
 
 
-@checker("4.3")
+def _gpt_example(cls: Any, *_: Any, **__: Any) -> Any:
+    sizes = dict(vocab_size=5, max_tokens=4, embed_dim=4, num_heads=2, num_layers=1, dropout_rate=0.0)
+    config = _gpt_config(**sizes)
+    shown = f"{getattr(cls, '__name__', 'GPT')}(GPTConfig({', '.join(f'{k}={v}' for k, v in sizes.items())}))"
+    return module_example(shown, lambda: cls(config),
+                          lambda: model_ref.GPT(config), 4,
+                          inputs=lambda generator, length: torch.randint(0, 5, (1, length), generator=generator))
+
+
+@checker("4.3", example=_gpt_example)
 def check_gpt(cls: Any) -> str:
     """cls(config) with token_embedding, position_encoding, dropout, blocks, ln_f, head; forward -> logits."""
     from course_lib.model import GPT

@@ -1,0 +1,91 @@
+"""The one runner of every bank of student attempts (tests/bank), driven by the exercise table.
+
+Each attempt is judged by the checker the table names for its exercise (``classroom.exercises``): a
+correct attempt passes, a buggy one gets its diagnosis and a message with the words the bank asks for.
+The table and the checkers agree both ways, and every checker ported to the engine has a counter-example.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+from bank import attention_bugs, flash_bugs, heads_bugs, model_bugs, modern_bugs
+
+from course_lib.classroom import checks, verdict
+from course_lib.classroom.checks.engine import PROBES, FunctionExercise
+from course_lib.classroom.exercises import BY_ID, EXERCISES
+
+BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs)
+BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
+CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
+
+# Notebooks whose exercises run on the engine (checks/DESIGN.md): each declares its counter-example.
+PORTED = ("01", "02", "03", "04")
+
+
+def _answers(check) -> int:
+    """How many answers a checker takes from the student: its parameters without a default."""
+    return sum(p.default is inspect.Parameter.empty for p in inspect.signature(check).parameters.values())
+
+
+def judged(attempt):
+    """The verdict of the exercise's checker on the attempt. A checker of several answers (1.1: the weights and
+    the result) gets them from a tuple; some attempts carry options of the checker (``norm_first=False``)."""
+    check = getattr(checks, BY_ID[attempt.exercise].checker)
+    answers = attempt.candidate if _answers(check) > 1 else (attempt.candidate,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # students' code may warn (implicit softmax dim, ...)
+        return check(*answers, **getattr(attempt, "kwargs", {}))
+
+
+@pytest.mark.parametrize("attempt", CORRECT, ids=[a.id for a in CORRECT])
+def test_correct_attempt_passes(attempt):
+    result = judged(attempt)
+    assert result.passed, f"{attempt.id} rejected: {result}"
+
+
+@pytest.mark.parametrize("attempt", BUGGY, ids=[a.id for a in BUGGY])
+def test_buggy_attempt_gets_its_diagnosis(attempt):
+    result = judged(attempt)
+    assert not result.passed, f"{attempt.id} passed: {result}"
+    assert result.diagnosis == attempt.expected, f"{attempt.id}: {result}"
+    assert result.diagnosis in verdict.DIAGNOSES
+    assert len(result.message) > 30 and "Traceback" not in result.message
+    for word in getattr(attempt, "says", ()):   # the older banks name no words
+        assert word.lower() in result.message.lower(), f"{attempt.id}: {word!r} not in {result.message!r}"
+
+
+def test_every_attempt_is_at_an_exercise_of_the_table():
+    assert {a.exercise for a in BUGGY + CORRECT} <= set(BY_ID)
+    ids = [a.id for a in BUGGY + CORRECT]
+    assert len(ids) == len(set(ids)), "two attempts share a name"
+
+
+def test_the_table_and_the_checkers_agree():
+    checkers = {name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")}
+    assert {entry.checker for entry in EXERCISES} == set(checkers)
+    for entry in EXERCISES:
+        assert checkers[entry.checker].exercise == entry.id, entry
+    assert [entry.id for entry in EXERCISES] == sorted(BY_ID, key=lambda i: tuple(map(int, i.split("."))))
+
+
+def _declarations():
+    return [value for name in dir(checks) if name.startswith("notebook")
+            for value in vars(getattr(checks, name)).values() if isinstance(value, FunctionExercise)]
+
+
+def test_every_ported_checker_declares_its_counterexample():
+    ported = [entry for entry in EXERCISES if entry.notebook in PORTED]
+    assert len(ported) == 11
+    missing = [entry.id for entry in ported if getattr(checks, entry.checker).example is None]
+    assert not missing, f"checkers without a counter-example: {missing}"
+
+
+def test_every_declaration_is_in_the_table_and_lists_known_probes():
+    declared = _declarations()
+    assert {d.id for d in declared} >= {"1.2", "1.3", "2.1", "3.1", "3.2", "4.1"}
+    for declaration in declared:
+        assert BY_ID[declaration.id].name == declaration.name, declaration.id
+        assert set(declaration.probes) <= set(PROBES), (declaration.id, declaration.probes)
+        assert {"mutation", "reference_guard", "counterexample"} <= set(declaration.probes), declaration.id
