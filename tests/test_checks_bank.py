@@ -89,3 +89,18 @@ def test_every_declaration_is_in_the_table_and_lists_known_probes():
         assert BY_ID[declaration.id].name == declaration.name, declaration.id
         assert set(declaration.probes) <= set(PROBES), (declaration.id, declaration.probes)
         assert {"mutation", "reference_guard", "counterexample"} <= set(declaration.probes), declaration.id
+
+
+def test_every_declared_mistake_differs_from_the_reference_somewhere():
+    """A mistake whose output is the reference's on every case would name a correct attempt."""
+    for declaration in _declarations():
+        cases = declaration.cases()
+        for mistake in declaration.mistakes:
+            outputs = []
+            for case in cases:
+                try:
+                    outputs.append((declaration.mistaken(mistake, case), declaration.reference(*case.args)))
+                except (RuntimeError, ValueError):   # a mistake that does not apply to this case's shapes
+                    continue
+            assert any(wrong is not None and not declaration.same(wrong, right) for wrong, right in outputs), \
+                (declaration.id, mistake.message[:60])

@@ -292,9 +292,13 @@ def test_one_tolerance_derived_from_the_dtype():
 
 
 def test_every_hypothesised_mistake_is_a_mistake():
-    from course_lib.classroom.checks import _attn_hypotheses, notebook01
+    from course_lib.classroom.checks import _attn_hypotheses, notebook01, notebook02, notebook03, notebook04
     from course_lib.classroom.exercises import Mistake
-    hypotheses = _attn_hypotheses.SDPA_HYPOTHESES + _attn_hypotheses.MODULE_HYPOTHESES + notebook01._TOY_HYPOTHESES
+    declared = [d for module in (notebook01, notebook02, notebook03, notebook04) for d in vars(module).values()
+                if isinstance(d, checks.engine.FunctionExercise)]
+    assert len(declared) == 6
+    hypotheses = (_attn_hypotheses.SDPA_HYPOTHESES + _attn_hypotheses.MODULE_HYPOTHESES
+                  + tuple(m for d in declared for m in d.mistakes))
     assert all(isinstance(h, Mistake) for h in hypotheses)
     assert all(h.code in checks.DIAGNOSES for h in hypotheses)
 
