@@ -51,14 +51,19 @@ PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check
 # With pip, torch is installed alone first with the CPU index added (a torch already installed, or on pip's
 # find-links, is kept): only torch's own page is asked there, so an index out of reach costs one short retry.
 
+PIP_SETUP := $(if $(TORCH_CPU),$(PIP_INSTALL) --retries 1 --no-deps -c constraints.txt --extra-index-url $(TORCH_CPU_INDEX) torch &&,) \
+             $(PIP_INSTALL) -c constraints.txt -e ".[$(EXTRAS)]"
+
+# uv has no fallback of its own: where its index cannot be reached (PyTorch's CPU index behind a firewall, a
+# mirror only pip is configured for), pip installs the same pins instead, rather than the set-up stopping.
 $(VENV)/.installed: pyproject.toml constraints.txt
 ifneq ($(UV),)
 	@test -x $(PY) || $(UV) venv --seed --python $(PYTHON) $(VENV)
-	$(UV) pip install --python $(PY) $(if $(TORCH_CPU),--torch-backend=cpu,) -c constraints.txt -e ".[$(EXTRAS)]"
+	$(UV) pip install --python $(PY) $(if $(TORCH_CPU),--torch-backend=cpu,) -c constraints.txt -e ".[$(EXTRAS)]" \
+	  || { echo "uv could not install the course (above); installing the same versions with pip"; $(PIP_SETUP); }
 else
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(if $(TORCH_CPU),$(PIP_INSTALL) --retries 1 --no-deps -c constraints.txt --extra-index-url $(TORCH_CPU_INDEX) torch,)
-	$(PIP_INSTALL) -c constraints.txt -e ".[$(EXTRAS)]"
+	$(PIP_SETUP)
 endif
 	@touch $@
 
