@@ -263,10 +263,21 @@ def _grade_one(worker: _Worker, submission: Submission, plans: dict[str, Exercis
                                          "checker_error": "the grader failed on an earlier exercise."}[diagnosis]
             outcome.grades[exercise] = Grade(submission.student, exercise, False, diagnosis, text, 0.0)
             first = False
-    # Isolated or inline: a fresh worker (sandbox) per student. Otherwise the worker forks a fresh child per
-    # student and never reads a job itself, so it may take the next student.
-    reusable = ended == "done" and worker.alive() and not (options.inline or options.isolated or not forks())
+    # Inline: a fresh worker per student. Otherwise the worker (isolated: the sandbox's zygote) forks a fresh
+    # child per student and never reads a job itself, so it may take the next student once it says ``idle``:
+    # every process the student left is gone and (isolated) the scratch is empty, so the next job is never
+    # in the sandbox while anything of this student still runs there.
+    reusable = ended == "done" and not (options.inline or not forks()) and _idle(worker)
     return outcome, reusable
+
+
+IDLE_TIMEOUT = 60.0   # seconds for a worker to clear away what a student left
+
+
+def _idle(worker: _Worker) -> bool:
+    """Whether ``worker`` says it is ready for the next student (else it is stopped by the caller)."""
+    message = worker.next(time.monotonic() + IDLE_TIMEOUT)
+    return isinstance(message, dict) and message.get("type") == "idle" and worker.alive()
 
 
 def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePlan], options: GradingOptions,
