@@ -20,6 +20,7 @@ exits, as a sandbox per student did.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import sys
@@ -65,15 +66,21 @@ def alone_in_sandbox() -> bool:
     return alone
 
 
+def _mount_points() -> set[str]:
+    """Every mount point of this process's mount namespace (``/proc/self/mountinfo``), files included."""
+    points = set()
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
+        for line in table:
+            fields = line.split()
+            if len(fields) > 4:   # octal escapes: a space is \040
+                points.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+    return points
+
+
 def _skeleton(scratch: str) -> set[str]:
-    """What the scratch holds that is not a student's: the folders bubblewrap made to mount the
-    environment or the course inside it (a venv under /tmp) and those mounts. Nothing else is kept."""
-    kept: set[str] = set()
-    for top, folders, _ in os.walk(scratch):
-        for name in list(folders):
-            if os.path.ismount(os.path.join(top, name)):
-                kept.add(os.path.join(top, name))
-                folders.remove(name)   # read-only, not ours to walk
+    """What the scratch holds that is not a student's: the mounts bubblewrap made inside it (a venv, the
+    course or its notebooks under /tmp; folders and files) and the folders that lead to them."""
+    kept = {path for path in _mount_points() if path.startswith(scratch + os.sep)}
     for path in list(kept):
         while (path := os.path.dirname(path)).startswith(scratch + os.sep):
             kept.add(path)
@@ -108,11 +115,12 @@ def sweep() -> bool:
         time.sleep(0.01)
     scratch = tempfile.gettempdir()
     kept = _SKELETON.get(scratch, set())
+    mounts = _mount_points()
     for top, folders, files in os.walk(scratch):
         for name in list(folders):
             path = os.path.join(top, name)
-            if path in kept:
-                if os.path.ismount(path):
+            if path in kept:   # a folder leading to a mount: walk it; a mount: leave it alone
+                if path in mounts:
                     folders.remove(name)
                 continue
             folders.remove(name)
@@ -121,20 +129,22 @@ def sweep() -> bool:
             else:
                 _remove_tree(path)
         for name in files:
+            if os.path.join(top, name) in kept:
+                continue
             try:
                 os.unlink(os.path.join(top, name))
             except FileNotFoundError:
                 pass
             except OSError:
                 return False
-    return _only_skeleton_left(scratch, kept)
+    return _only_skeleton_left(scratch, kept, mounts)
 
 
-def _only_skeleton_left(scratch: str, kept: set[str]) -> bool:
+def _only_skeleton_left(scratch: str, kept: set[str], mounts: set[str]) -> bool:
     for top, folders, files in os.walk(scratch):
-        if files or any(os.path.join(top, name) not in kept for name in folders):
+        if any(os.path.join(top, name) not in kept for name in folders + files):
             return False
-        folders[:] = [name for name in folders if not os.path.ismount(os.path.join(top, name))]
+        folders[:] = [name for name in folders if os.path.join(top, name) not in mounts]
     return True
 
 
