@@ -30,7 +30,8 @@ How a submission is run, and what it cannot do:
 - ``text``: student text (names, file names, messages, notes) is cleaned where it enters and escaped
   where it is written; ``likeness``: a part equal to the course's solution is flagged, not failed;
   ``course_lib.classroom.reference_guard``: the exercise's own reference is out of the student's reach;
-- ``report``/``gradescope``: written by the grader alone, at the end, each file atomically.
+- ``report``/``gradescope``: written by the grader alone, at the end, whole into a hidden staging folder and
+  swapped in by renames: an interrupted run leaves the previous report as it was, never two runs mixed.
 
 What it does not guarantee: a submission runs in its own process and can, with deliberate
 effort, tamper with that process (and so with its own verdicts, say by patching the checkers
