@@ -3,9 +3,10 @@
 The grader (this process) never imports or runs student code. It keeps ``workers`` worker processes
 busy (``python -m course_lib.classroom.grading.worker``, each in a session of its own, with an
 allow-listed environment), hands each one student's files as one JSON line, and reads the grades
-back as JSON lines. A student is graded in a process that held no other student: the next gets a fresh one,
-so nothing of one student is left in the memory another's code runs in (unisolated, the worker
-stays, and a fresh child it forks, before reading anything, reads and grades each student). One more worker, first,
+back as JSON lines. A student is graded in a process that held no other student: the worker stays, and a
+fresh child it forks, before reading anything, reads and grades each student, so nothing of one student is
+left in the memory another's code runs in; the next student is sent only once the worker says ``idle``
+(isolated: every process of the last student killed, the scratch emptied: ``zygote``). One more worker, first,
 grades the course's own notebooks (``selfcheck``); no student is graded before it passed. A grade
 is taken only for an exercise of the student being graded, and only once; anything else on the
 line is ignored. Whatever happens to a worker while it grades a student, the run goes on:
