@@ -276,17 +276,6 @@ def _setup_line(ran: nbformat.NotebookNode, torch_version: str, corpora: list[st
     assert ours[0].endswith("local host, static")
 
 
-@pytest.mark.slow
-def test_a_learner_copy_opened_alone_in_a_kernel_without_the_course_runs_and_leaves_torch_as_it_was(bare_kernel):
-    python, base = bare_kernel["python"], bare_kernel["base"]
-    _uninstall_course(bare_kernel)
-    torch_before = _torch_fingerprint(python)
-    notebook = _learner_copy("01", base)
-    ran = _run_offline(bare_kernel, notebook, base / "home-01", corpora=False)
-    assert _torch_fingerprint(python) == torch_before, "the set-up cell changed the kernel's torch"
-    _setup_line(ran, torch_before[0], [])
-
-
 def _imports(path: Path) -> list[str]:
     """The import statements of a notebook's code cells (its set-up cell's aside), as written."""
     import ast
@@ -300,11 +289,20 @@ def _imports(path: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_after_the_setup_cell_every_notebooks_imports_resolve_and_every_corpus_is_found(bare_kernel):
-    """The set-up cell of a notebook that reads both corpora, then each notebook's imports, in a bare kernel."""
+def test_in_a_kernel_without_the_course_a_learner_copy_runs_and_every_notebooks_imports_resolve(bare_kernel):
+    """One test, so that the bare kernel (a venv with torch) is built once, whichever pytest-xdist worker runs it.
+
+    First learner copy 01, alone in an empty folder, top to bottom; then, in the kernel without the course
+    again, the set-up cell of a notebook that reads both corpora followed by every notebook's imports.
+    Neither changes the kernel's torch."""
     python, base = bare_kernel["python"], bare_kernel["base"]
     _uninstall_course(bare_kernel)
     torch_before = _torch_fingerprint(python)
+    ran = _run_offline(bare_kernel, _learner_copy("01", base), base / "home-01", corpora=False)
+    assert _torch_fingerprint(python) == torch_before, "the set-up cell changed the kernel's torch"
+    _setup_line(ran, torch_before[0], [])
+
+    _uninstall_course(bare_kernel)
     both = next(p for p in NOTEBOOKS if "'names', 'tinyshakespeare'" in _setup_cells(p)[0][1].source)
     nb = nbformat.v4.new_notebook()
     nb.cells = [_setup_cells(both)[0][1]]
