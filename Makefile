@@ -101,24 +101,27 @@ tests-all: setup $(VENV)/.instructor
 	$(PY) -m pytest -n $(JOBS) --dist worksteal --durations=20 -p no:cacheprovider --ignore=tests/test_browser.py tests
 
 # Train once: the solution pass records each training it runs (course_lib/train_replay.py), and the
-# learner copies, whose training cells are the same, replay it rather than train it again; a training
-# with any different input runs. Run alone, learner-copies trains everything itself.
+# learner copies and the browser test, whose training cells are the same, replay it rather than train it
+# again; a training with any different input runs. Run alone, learner-copies trains everything itself.
+# The lesson's code knows nothing of it: tests/train_replay_hook's sitecustomize wraps the training entry
+# points (train, the capstone's train_parts, train_induction) in every kernel these targets start.
 TRAIN_RECORD := $(CURDIR)/build/train-record
+REPLAY_HOOK := PYTHONPATH=$(CURDIR)/tests/train_replay_hook$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 notebooks: setup
 	rm -rf $(TRAIN_RECORD)
-	$(NBVAL_ENV) COURSE_TRAIN_RECORD=$(TRAIN_RECORD) $(PY) -m pytest $(NBVAL_OPTS) --nbval notebooks
+	$(NBVAL_ENV) $(REPLAY_HOOK) COURSE_TRAIN_RECORD=$(TRAIN_RECORD) $(PY) -m pytest $(NBVAL_OPTS) --nbval notebooks
 
 # Re-record stored outputs after changing a notebook: run in place exactly as `make notebooks` runs them
 # (NBVAL_ENV, the threads, the train record), then list the cells whose compared outputs changed.
 NB ?=
 outputs: setup
 	$(if $(strip $(NB)),,rm -rf $(TRAIN_RECORD))
-	$(NBVAL_ENV) COURSE_TRAIN_RECORD=$(TRAIN_RECORD) $(PY) tests/nbval_outputs.py $(NB)
+	$(NBVAL_ENV) $(REPLAY_HOOK) COURSE_TRAIN_RECORD=$(TRAIN_RECORD) $(PY) tests/nbval_outputs.py $(NB)
 
 learner-copies: setup
 	rm -rf build/student && $(PY) -m course_lib student notebooks build/student
-	$(NBVAL_ENV) COURSE_TRAIN_REPLAY=$(TRAIN_RECORD) $(PY) -m pytest $(NBVAL_OPTS) --nbval-lax build/student
+	$(NBVAL_ENV) $(REPLAY_HOOK) COURSE_TRAIN_REPLAY=$(TRAIN_RECORD) $(PY) -m pytest $(NBVAL_OPTS) --nbval-lax build/student
 
 # JupyterLab on learner copies in headless Chromium (Debian: apt-get install chromium chromium-driver;
 # .ci/run installs them). Without them, one line says it was skipped.
@@ -127,7 +130,7 @@ browser: setup
 	@if command -v chromedriver >/dev/null 2>&1 && { command -v chromium >/dev/null 2>&1 || \
 	        command -v chromium-browser >/dev/null 2>&1; }; then \
 	    echo "browser test: screenshots in $(BROWSER_SHOTS)/"; \
-	    COURSE_BROWSER_SHOTS=$(BROWSER_SHOTS) $(PY) -m pytest -p no:cacheprovider -q tests/test_browser.py; \
+	    COURSE_BROWSER_SHOTS=$(BROWSER_SHOTS) $(REPLAY_HOOK) COURSE_TRAIN_REPLAY=$(TRAIN_RECORD) $(PY) -m pytest -p no:cacheprovider -q tests/test_browser.py; \
 	else \
 	    echo "browser test skipped: no Chromium here (apt-get install chromium chromium-driver)"; \
 	fi
