@@ -1,8 +1,8 @@
 # Every target sets up what it needs; running one twice does the work once.
 #   make lab            set up, write your own copies into student/ (never overwriting your edits), open the first
 #   make lab-solutions  for instructors: JupyterLab on the solution notebooks in notebooks/
-#   make test           set up (with nbgrader, for its test), then all the tests, the notebooks (nbval),
-#                       the learner copies and, when Chromium is installed, JupyterLab in a real browser
+#   make test           set up (with nbgrader, for its test), then the notebooks (nbval), the learner
+#                       copies, all the tests and, when Chromium is installed, JupyterLab in a real browser
 #   make unit           the fast unit tests only (tests marked slow are skipped)
 #   make lint           ruff (pyflakes, bugbear, import order, pyupgrade), configured in pyproject.toml
 #   make student        write or refresh the learner copies in student/ (your edits are kept)
@@ -86,7 +86,9 @@ lab: setup student
 lab-solutions: setup
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/01_attention_toy.ipynb
 
-test: setup lint tests-all notebooks learner-copies browser
+# The notebooks run first: they record the trainings that the learner copies, the hosted set-up test and the
+# browser test replay.
+test: setup lint notebooks learner-copies tests-all browser
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

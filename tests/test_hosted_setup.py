@@ -3,10 +3,10 @@
 
 The slow tests meet the cell as a hosted kernel would: a fresh venv with only torch (the CPU build) and
 Jupyter's kernel, a folder of wheels built from the checkout standing in for the package index. The cell
-is the same in every notebook but for the corpora it prepares (a fast test holds that), so one learner copy
-(01, the quickest) runs top to bottom there, copied alone into an empty folder, and a second kernel runs
-the cell that prepares every corpus followed by every notebook's imports: torch is the same files after
-each. What the notebooks do after their imports is the course's own code, which nbval runs in full.
+is the same in every notebook but for the corpora it prepares (a fast test holds that). Learner copies 01, 02
+and 05 (no corpus, one, both and a training) run top to bottom there, each copied alone into an empty folder,
+and a last kernel runs the cell that prepares every corpus followed by every notebook's imports: torch is the
+same files after each. What the notebooks do after their imports is the course's own code, which nbval runs in full.
 """
 from __future__ import annotations
 
@@ -248,6 +248,13 @@ def _uninstall_course(bare_kernel: dict) -> None:
                    env=bare_kernel["env"], capture_output=True, timeout=300)
 
 
+# `make test` runs the notebooks (which record their trainings) before these tests: a whole hosted run of a
+# notebook that trains replays what the solutions trained, as the learner copies do (course_lib/train_replay.py;
+# any training whose code, data or settings differ runs for real, and so does everything without a record).
+TRAIN_RECORD = ROOT / "build" / "train-record"
+REPLAY_HOOK = ROOT / "tests" / "train_replay_hook"
+
+
 def _run_offline(bare_kernel: dict, notebook: Path, home: Path, corpora: bool) -> nbformat.NotebookNode:
     """``notebook`` run top to bottom in the bare kernel, pip offline with the wheelhouse as its index."""
     home.mkdir()
@@ -256,6 +263,8 @@ def _run_offline(bare_kernel: dict, notebook: Path, home: Path, corpora: bool) -
                HTTPS_PROXY="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9")   # offline for sure
     if corpora:
         env["COURSE_DATA_DIR"] = str(SHARED)   # the corpora already where the learner was told to put them
+    if TRAIN_RECORD.is_dir():
+        env.update(PYTHONPATH=str(REPLAY_HOOK), COURSE_TRAIN_REPLAY=str(TRAIN_RECORD))
     ran = subprocess.run([str(bare_kernel["venv"] / "bin" / "jupyter"), "nbconvert", "--to", "notebook", "--execute",
                           "--ExecutePreprocessor.timeout=1800", "--output", "ran", notebook.name],
                          cwd=notebook.parent, env=env, capture_output=True, text=True, timeout=3600)
@@ -289,11 +298,11 @@ def _imports(path: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_in_a_kernel_without_the_course_a_learner_copy_runs_and_every_notebooks_imports_resolve(bare_kernel):
+def test_in_a_kernel_without_the_course_learner_copies_run_and_every_notebooks_imports_resolve(bare_kernel):
     """One test, so that the bare kernel (a venv with torch) is built once, whichever pytest-xdist worker runs it.
 
-    First learner copy 01, alone in an empty folder, top to bottom; then, in the kernel without the course
-    again, the set-up cell of a notebook that reads both corpora followed by every notebook's imports.
+    Learner copies 01, 02 and 05, each alone in an empty folder, top to bottom, in a kernel without the course;
+    then, in it again, the set-up cell of a notebook that reads both corpora followed by every notebook's imports.
     Neither changes the kernel's torch."""
     python, base = bare_kernel["python"], bare_kernel["base"]
     _uninstall_course(bare_kernel)
@@ -301,6 +310,13 @@ def test_in_a_kernel_without_the_course_a_learner_copy_runs_and_every_notebooks_
     ran = _run_offline(bare_kernel, _learner_copy("01", base), base / "home-01", corpora=False)
     assert _torch_fingerprint(python) == torch_before, "the set-up cell changed the kernel's torch"
     _setup_line(ran, torch_before[0], [])
+
+    # The issue's three: 02 (one corpus) and 05 (both, and it trains) run whole as well.
+    for number, corpora in (("02", ["tinyshakespeare"]), ("05", ["names", "tinyshakespeare"])):
+        _uninstall_course(bare_kernel)
+        ran = _run_offline(bare_kernel, _learner_copy(number, base), base / f"home-{number}", corpora=True)
+        assert _torch_fingerprint(python) == torch_before, f"{number}'s set-up cell changed the kernel's torch"
+        _setup_line(ran, torch_before[0], corpora)
 
     _uninstall_course(bare_kernel)
     both = next(p for p in NOTEBOOKS if "'names', 'tinyshakespeare'" in _setup_cells(p)[0][1].source)
