@@ -620,3 +620,42 @@ def test_one_sandbox_grades_student_after_student(tmp_path, monkeypatch):
     passed = {(g.student, g.exercise): g.passed for g in run.grades}
     assert all(passed[s, ex] for s in ("ann", "cat") for ex in ("1.1", "1.2", "1.3")), run.grades
     assert not any(passed["ben", ex] for ex in ("1.1", "1.2", "1.3")), run.grades
+
+
+_SWEEP_PROBE = r"""
+import os, subprocess, sys, time
+from course_lib.classroom.grading import zygote
+assert zygote.alone_in_sandbox(), sorted(os.listdir("/proc"))
+before = sorted(os.listdir("/dev"))
+# What one student could leave for the next: a process, and files in every folder it can write here
+# (a grader that is not root leaves bubblewrap's /dev, /dev/shm among it, writable by the students' user).
+child = os.fork()
+if child == 0:
+    for path in ("/tmp/planted.py", "/dev/shm/planted", "/dev/planted"):
+        with open(path, "w") as out:
+            out.write("for the next student")
+    os.makedirs("/dev/shm/nested/deeper")
+    os.symlink("/etc/passwd", "/dev/shm/link")
+    subprocess.Popen(["sleep", "60"], start_new_session=True)
+    os._exit(0)
+os.waitpid(child, 0)
+assert os.path.exists("/dev/shm/planted") and os.path.exists("/dev/planted")
+assert zygote.sweep(), "the sweep failed"
+left = [p for p in ("/tmp/planted.py", "/dev/shm/planted", "/dev/planted", "/dev/shm/nested", "/dev/shm/link")
+        if os.path.lexists(p)]
+assert left == [], left
+assert sorted(os.listdir("/dev")) == before, (before, sorted(os.listdir("/dev")))
+assert [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, os.getpid())] == []
+print("SWEPT")
+"""
+
+
+def test_the_sweep_between_students_empties_every_folder_a_student_can_write():
+    """What a student leaves in /tmp, /dev or /dev/shm, and any process it started, is gone before the next
+    student; /dev is back to its device nodes (run in a sandbox as the grader makes one)."""
+    package_root = str(Path(course_lib.__file__).resolve().parents[1])
+    done = subprocess.run(
+        ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+         "--tmpfs", "/tmp", "--setenv", "PYTHONPATH", package_root, sys.executable, "-c", _SWEEP_PROBE],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "SWEPT" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -7,8 +7,10 @@ must hold that a sandbox per student gave for free:
 
 - nothing of one student reaches the next: before the grader may send the next job (``idle``), every
   process left in the sandbox but the worker is killed (the sandbox has a PID namespace of its own, so
-  ``kill(-1)`` reaches exactly the students' processes, and none can fork while it runs) and the
-  scratch ``/tmp`` is emptied (the student's folder, and anything planted there for the next one);
+  ``kill(-1)`` reaches exactly the students' processes, and none can fork while it runs) and every
+  folder a student can write in the sandbox is brought back to what it held before the first student:
+  the scratch ``/tmp`` (the student's folder, and anything planted there for the next one) and ``/dev``
+  with ``/dev/shm`` (bubblewrap's own tmpfs, which a grader that is not root leaves writable);
 - nothing of the worker is readable by a student: it is not dumpable (no ``/proc/PID/mem``, ``fd``,
   ``environ``, no ptrace, for any process of the sandbox's user), and no folder a student can write is
   on ``sys.path``.
@@ -31,7 +33,9 @@ __all__ = ["seal", "alone_in_sandbox", "sweep", "SWEEP_SECONDS"]
 
 SWEEP_SECONDS = 10.0   # to end every process a student left, and empty the scratch; else the sandbox goes
 
-_SKELETON: dict[str, set[str]] = {}   # per scratch folder: what it held before the first student
+_SKELETON: dict[str, set[str]] = {}   # per writable folder: what it held before the first student
+DEV = "/dev"   # a tmpfs of bubblewrap's: owned by the grader's own user where that is not root
+SHM = "/dev/shm"
 
 
 def seal() -> None:
@@ -63,7 +67,18 @@ def alone_in_sandbox() -> bool:
     if alone:
         scratch = tempfile.gettempdir()
         _SKELETON[scratch] = _skeleton(scratch)
+        _SKELETON[DEV] = _skeleton(DEV) | _present(DEV)
+        _SKELETON[SHM] = set()   # a mount of its own below /dev, which the walk of /dev leaves alone
     return alone
+
+
+def _present(root: str) -> set[str]:
+    """Every path below ``root`` now (device nodes, ``shm``, the ``fd`` link), not walking into mounts."""
+    found, mounts = set(), _mount_points()
+    for top, folders, files in os.walk(root):
+        found.update(os.path.join(top, name) for name in folders + files)
+        folders[:] = [name for name in folders if os.path.join(top, name) not in mounts]
+    return found
 
 
 def _mount_points() -> set[str]:
@@ -89,7 +104,8 @@ def _skeleton(scratch: str) -> set[str]:
 
 def sweep() -> bool:
     """Between two students: kill every process in the sandbox but this one (the kernel spares the
-    sandbox's init), reap them, and empty the scratch but its skeleton. True when that is done; False
+    sandbox's init), reap them, and bring every folder a student can write (the scratch, ``/dev``) back
+    to what it held before the first student. True when that is done; False
     (the worker then exits, and the sandbox with it) when a process or a file could not be removed."""
     me = os.getpid()
     deadline = time.monotonic() + SWEEP_SECONDS
@@ -113,10 +129,13 @@ def sweep() -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
-    scratch = tempfile.gettempdir()
-    kept = _SKELETON.get(scratch, set())
     mounts = _mount_points()
-    for top, folders, files in os.walk(scratch):
+    return all(_restore(root, kept, mounts) for root, kept in _SKELETON.items() if os.path.isdir(root))
+
+
+def _restore(root: str, kept: set[str], mounts: set[str]) -> bool:
+    """Remove everything below ``root`` that is not in ``kept``; True when only ``kept`` is left."""
+    for top, folders, files in os.walk(root):
         for name in list(folders):
             path = os.path.join(top, name)
             if path in kept:   # a folder leading to a mount: walk it; a mount: leave it alone
@@ -137,7 +156,7 @@ def sweep() -> bool:
                 pass
             except OSError:
                 return False
-    return _only_skeleton_left(scratch, kept, mounts)
+    return _only_skeleton_left(root, kept, mounts)
 
 
 def _only_skeleton_left(scratch: str, kept: set[str], mounts: set[str]) -> bool:
