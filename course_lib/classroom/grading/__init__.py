@@ -28,7 +28,7 @@ How a submission is run, and what it cannot do:
   read-only, and a size-limited scratch folder; an unprivileged user with a process limit; everything
   it started dies with it. Its notebooks are parsed in there too. ``zygote``: the sandbox's worker
   imports torch once and forks a fresh child per student; between two students every process left
-  in the sandbox is killed and its scratch emptied;
+  in the sandbox is killed and every folder a student can write (``/tmp``, ``/dev``) is emptied;
 - ``text``: student text (names, file names, messages, notes) is cleaned where it enters and escaped
   where it is written; ``likeness``: a part equal to the course's solution is flagged, not failed;
   ``course_lib.classroom.reference_guard``: the exercise's own reference is out of the student's reach;

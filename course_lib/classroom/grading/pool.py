@@ -6,7 +6,7 @@ allow-listed environment), hands each one student's files as one JSON line, and 
 back as JSON lines. A student is graded in a process that held no other student: the worker stays, and a
 fresh child it forks, before reading anything, reads and grades each student, so nothing of one student is
 left in the memory another's code runs in; the next student is sent only once the worker says ``idle``
-(isolated: every process of the last student killed, the scratch emptied: ``zygote``). One more worker, first,
+(isolated: every process of the last student killed, the writable folders emptied: ``zygote``). One more worker, first,
 grades the course's own notebooks (``selfcheck``); no student is graded before it passed. A grade
 is taken only for an exercise of the student being graded, and only once; anything else on the
 line is ignored. Whatever happens to a worker while it grades a student, the run goes on:
@@ -266,7 +266,7 @@ def _grade_one(worker: _Worker, submission: Submission, plans: dict[str, Exercis
             first = False
     # Inline: a fresh worker per student. Otherwise the worker (isolated: the sandbox's zygote) forks a fresh
     # child per student and never reads a job itself, so it may take the next student once it says ``idle``:
-    # every process the student left is gone and (isolated) the scratch is empty, so the next job is never
+    # every process the student left is gone and (isolated) its writable folders are empty, so the next job is never
     # in the sandbox while anything of this student still runs there.
     reusable = ended == "done" and not (options.inline or not forks()) and _idle(worker)
     return outcome, reusable
