@@ -1,8 +1,8 @@
 # Every target sets up what it needs; running one twice does the work once.
 #   make lab            set up, write your own copies into student/ (never overwriting your edits), open the first
 #   make lab-solutions  for instructors: JupyterLab on the solution notebooks in notebooks/
-#   make test           set up (with nbgrader, for its test), then all the tests, the notebooks (nbval),
-#                       the learner copies and, when Chromium is installed, JupyterLab in a real browser
+#   make test           set up (with nbgrader, for its test), then the notebooks (nbval), the learner
+#                       copies, all the tests and, when Chromium is installed, JupyterLab in a real browser
 #   make unit           the fast unit tests only (tests marked slow are skipped)
 #   make lint           ruff (pyflakes, bugbear, import order, pyupgrade), configured in pyproject.toml
 #   make student        write or refresh the learner copies in student/ (your edits are kept)
@@ -51,14 +51,19 @@ PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check
 # With pip, torch is installed alone first with the CPU index added (a torch already installed, or on pip's
 # find-links, is kept): only torch's own page is asked there, so an index out of reach costs one short retry.
 
+PIP_SETUP := $(if $(TORCH_CPU),$(PIP_INSTALL) --retries 1 --no-deps -c constraints.txt --extra-index-url $(TORCH_CPU_INDEX) torch &&,) \
+             $(PIP_INSTALL) -c constraints.txt -e ".[$(EXTRAS)]"
+
+# uv has no fallback of its own: where its index cannot be reached (PyTorch's CPU index behind a firewall, a
+# mirror only pip is configured for), pip installs the same pins instead, rather than the set-up stopping.
 $(VENV)/.installed: pyproject.toml constraints.txt
 ifneq ($(UV),)
 	@test -x $(PY) || $(UV) venv --seed --python $(PYTHON) $(VENV)
-	$(UV) pip install --python $(PY) $(if $(TORCH_CPU),--torch-backend=cpu,) -c constraints.txt -e ".[$(EXTRAS)]"
+	$(UV) pip install --python $(PY) $(if $(TORCH_CPU),--torch-backend=cpu,) -c constraints.txt -e ".[$(EXTRAS)]" \
+	  || { echo "uv could not install the course (above); installing the same versions with pip"; $(PIP_SETUP); }
 else
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(if $(TORCH_CPU),$(PIP_INSTALL) --retries 1 --no-deps -c constraints.txt --extra-index-url $(TORCH_CPU_INDEX) torch,)
-	$(PIP_INSTALL) -c constraints.txt -e ".[$(EXTRAS)]"
+	$(PIP_SETUP)
 endif
 	@touch $@
 
@@ -81,7 +86,9 @@ lab: setup student
 lab-solutions: setup
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/01_attention_toy.ipynb
 
-test: setup lint tests-all notebooks learner-copies browser
+# The notebooks run first: they record the trainings that the learner copies, the hosted set-up test and the
+# browser test replay.
+test: setup lint notebooks learner-copies tests-all browser
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
@@ -96,24 +103,27 @@ tests-all: setup $(VENV)/.instructor
 	$(PY) -m pytest -n $(JOBS) --dist worksteal --durations=20 -p no:cacheprovider --ignore=tests/test_browser.py tests
 
 # Train once: the solution pass records each training it runs (course_lib/train_replay.py), and the
-# learner copies, whose training cells are the same, replay it rather than train it again; a training
-# with any different input runs. Run alone, learner-copies trains everything itself.
+# learner copies and the browser test, whose training cells are the same, replay it rather than train it
+# again; a training with any different input runs. Run alone, learner-copies trains everything itself.
+# The lesson's code knows nothing of it: tests/train_replay_hook's sitecustomize wraps the training entry
+# points (train, the capstone's train_parts, train_induction) in every kernel these targets start.
 TRAIN_RECORD := $(CURDIR)/build/train-record
+REPLAY_HOOK := PYTHONPATH=$(CURDIR)/tests/train_replay_hook$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 notebooks: setup
 	rm -rf $(TRAIN_RECORD)
-	$(NBVAL_ENV) COURSE_TRAIN_RECORD=$(TRAIN_RECORD) $(PY) -m pytest $(NBVAL_OPTS) --nbval notebooks
+	$(NBVAL_ENV) $(REPLAY_HOOK) COURSE_TRAIN_RECORD=$(TRAIN_RECORD) $(PY) -m pytest $(NBVAL_OPTS) --nbval notebooks
 
 # Re-record stored outputs after changing a notebook: run in place exactly as `make notebooks` runs them
 # (NBVAL_ENV, the threads, the train record), then list the cells whose compared outputs changed.
 NB ?=
 outputs: setup
 	$(if $(strip $(NB)),,rm -rf $(TRAIN_RECORD))
-	$(NBVAL_ENV) COURSE_TRAIN_RECORD=$(TRAIN_RECORD) $(PY) tests/nbval_outputs.py $(NB)
+	$(NBVAL_ENV) $(REPLAY_HOOK) COURSE_TRAIN_RECORD=$(TRAIN_RECORD) $(PY) tests/nbval_outputs.py $(NB)
 
 learner-copies: setup
 	rm -rf build/student && $(PY) -m course_lib student notebooks build/student
-	$(NBVAL_ENV) COURSE_TRAIN_REPLAY=$(TRAIN_RECORD) $(PY) -m pytest $(NBVAL_OPTS) --nbval-lax build/student
+	$(NBVAL_ENV) $(REPLAY_HOOK) COURSE_TRAIN_REPLAY=$(TRAIN_RECORD) $(PY) -m pytest $(NBVAL_OPTS) --nbval-lax build/student
 
 # JupyterLab on learner copies in headless Chromium (Debian: apt-get install chromium chromium-driver;
 # .ci/run installs them). Without them, one line says it was skipped.
@@ -122,7 +132,7 @@ browser: setup
 	@if command -v chromedriver >/dev/null 2>&1 && { command -v chromium >/dev/null 2>&1 || \
 	        command -v chromium-browser >/dev/null 2>&1; }; then \
 	    echo "browser test: screenshots in $(BROWSER_SHOTS)/"; \
-	    COURSE_BROWSER_SHOTS=$(BROWSER_SHOTS) $(PY) -m pytest -p no:cacheprovider -q tests/test_browser.py; \
+	    COURSE_BROWSER_SHOTS=$(BROWSER_SHOTS) $(REPLAY_HOOK) COURSE_TRAIN_REPLAY=$(TRAIN_RECORD) $(PY) -m pytest -p no:cacheprovider -q tests/test_browser.py; \
 	else \
 	    echo "browser test skipped: no Chromium here (apt-get install chromium chromium-driver)"; \
 	fi

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import _moved, train_replay
+from . import _moved
 from . import _validate as validate
 from .data import IGNORE_INDEX, Examples, Split, TokenStream
 from .distributed import DistributedContext
@@ -380,8 +380,6 @@ def _agree(flags: list[bool], ctx: DistributedContext, device: torch.device) -> 
     return [bool(v) for v in tensor.tolist()]
 
 
-# Under the Makefile's notebook tests only, the learner copies replay what the solutions trained.
-@train_replay.replayable(History.from_dict)
 def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, config: TrainConfig, *,
           device: torch.device | str | None = None, progress: bool = True,
           ctx: DistributedContext | None = None, state: TrainState | None = None,

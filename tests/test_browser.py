@@ -53,7 +53,9 @@ def lab(tmp_path_factory):
     home.mkdir()
     env = {k: v for k, v in os.environ.items()
            if k not in ("COURSE_STATIC_WIDGETS", "MPLBACKEND") and not k.startswith(("JUPYTER", "PYTEST"))}
-    env.update(HOME=str(home), COURSE_THREADS=env.get("COURSE_THREADS", "2"), PYTHONPATH=str(ROOT))
+    # PYTHONPATH: the checkout first, then what the Makefile put there (the train-replay hook, when set)
+    env.update(HOME=str(home), COURSE_THREADS=env.get("COURSE_THREADS", "2"),
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p))
     started = subprocess.run([sys.executable, "-m", "course_lib", "start", "class"], cwd=base, env=env,
                              capture_output=True, text=True, timeout=300)
     assert started.returncode == 0, started.stderr

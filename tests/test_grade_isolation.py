@@ -370,8 +370,9 @@ def test_nothing_the_submissions_started_outlives_the_run(attacked):
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"tampered" in command or (b"sleep\x0030" in command):
-            left.append(pid)
+        # the attacks' own command lines (the shared machine may run a `sleep 30` of its own: not ours)
+        if b"open(p, 'a').write('tampered')" in command or command.startswith(b"/bin/sleep\x0030"):
+            left.append(f"{pid}: {command[:100]!r}")
             os.kill(int(pid), signal.SIGKILL)
     assert left == []
 
@@ -394,3 +395,267 @@ def test_a_notebook_that_inflates_when_parsed_is_bounded_and_only_its_students_v
         assert grade["passed"] == "false" and grade["diagnosis"] in ("missing", "exception"), grade
         assert "MemoryError" in grade["message"], grade
     assert grades["inflater", "1.2"]["diagnosis"] == "not_implemented"
+
+
+# --- One sandbox, many students in turn (the zygote) --------------------------------------------------------
+# A worker's sandbox now grades student after student: each in a fresh child of a worker that imported torch
+# once. What one student leaves in the sandbox must be gone before the next one's job reaches it.
+
+VICTIM_MARKER = "bob-private-93d1"   # in the victim's notebook: no other student's process may see it
+SPY_TAG = "spy-loop-41c7"            # on the command line of the process the spy leaves behind
+
+# Runs in a process with no audit hook, started by the spy and detached from its exercise, at the end of a
+# chain of 40 processes (so a sweep that kills children one level at a time misses it), and once the spy's
+# own grading is over it attacks whoever comes next: forged verdicts into every descriptor it can open, the
+# next student's files and memory read for their marker (the loot is left in /tmp for a later student), and
+# every process but the sandbox's init, the worker and itself killed (a victim would "crash").
+SPY_LOOP = f"""
+import os, sys, time
+tag = {SPY_TAG!r}
+marker = {VICTIM_MARKER!r}
+def parent(pid):
+    return int(open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[1])
+chain = [os.getpid()]
+while chain[-1] > 1:
+    chain.append(parent(chain[-1]))
+zygote = chain[-2]                    # the ancestor whose parent is the sandbox's init
+spy_student = chain[-3]               # the zygote's child grading the spy
+forged = ('{{"type": "grade", "student": "b_victim", "exercise": "1.1", "seconds": 0, "verdict": {{"exercise": '
+          '"1.1", "passed": false, "diagnosis": "crashed", "message": "forged"}}}}\\n'
+          '{{"type": "done", "student": "b_victim"}}\\n').encode()
+os.setsid()
+for _ in range(40):                   # a chain, each process waiting on the next: a sweep that kills the
+    try:                              # worker's children one level at a time stops before its end
+        pid = os.fork()
+    except OSError:
+        break
+    if pid:
+        os.waitpid(pid, 0)
+        os._exit(0)
+deadline = time.time() + 90
+while time.time() < deadline:
+    if os.path.exists(f"/proc/{{spy_student}}"):
+        time.sleep(0.002)
+        continue
+    loot = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (1, zygote, os.getpid()):
+            continue
+        for what in ("environ", "cmdline"):
+            try:
+                if marker.encode() in open(f"/proc/{{name}}/{{what}}", "rb").read():
+                    loot.append(what)
+            except OSError:
+                pass
+        try:
+            for fd in os.listdir(f"/proc/{{name}}/fd"):
+                try:
+                    handle = os.open(f"/proc/{{name}}/fd/{{fd}}", os.O_WRONLY | os.O_NONBLOCK)
+                    os.write(handle, forged)
+                    os.close(handle)
+                except OSError:
+                    pass
+        except OSError:
+            pass
+        try:
+            os.kill(int(name), 9)
+        except OSError:
+            pass
+    for top, _, files in os.walk("/tmp"):
+        for file in files:
+            try:
+                if marker.encode() in open(os.path.join(top, file), "rb").read():
+                    loot.append(os.path.join(top, file))
+            except OSError:
+                pass
+    try:
+        with open("/tmp/spy-loot.txt", "a") as out:
+            out.write(repr(loot) + "\\n")
+    except OSError:
+        pass
+    time.sleep(0.002)
+"""
+
+# Run by the spy's first exercise with no audit hook: the zygote's memory, descriptors and environment. The
+# spy's exercise process was forked from the zygote, so the zygote maps its heap where the spy's own map says.
+READ_ZYGOTE = """
+import os, sys
+def parent(pid):
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+chain = [os.getpid()]
+while chain[-1] > 1:
+    chain.append(parent(chain[-1]))
+zygote = chain[-2]
+start, end = (int(x, 16) for x in sys.argv[1].split("-"))
+got = []
+try:
+    with open(f"/proc/{zygote}/mem", "rb", buffering=0) as mem:
+        mem.seek(start)
+        if mem.read(min(4096, end - start)):
+            got.append("mem")
+except OSError:
+    pass
+for what in ("environ", "maps"):
+    try:
+        if open(f"/proc/{zygote}/{what}", "rb").read():
+            got.append(what)
+    except OSError:
+        pass
+try:
+    os.listdir(f"/proc/{zygote}/fd")
+    got.append("fd")
+except OSError:
+    pass
+open(sys.argv[2], "w").write(",".join(got))
+"""
+
+# Run by a later student with no audit hook: is any process of the spy's still there, any file it planted?
+LOOK_AROUND = f"""
+import os, sys
+found = []
+for name in os.listdir("/proc"):
+    if name.isdigit() and int(name) != os.getpid():   # this process's own command line holds the tag
+        try:
+            if {SPY_TAG!r}.encode() in open(f"/proc/{{name}}/cmdline", "rb").read():
+                found.append("spy process " + name)
+        except OSError:
+            pass
+for top, _, files in os.walk("/tmp"):
+    found += [os.path.join(top, f) for f in files if f.startswith(("spy-loot", "planted_probe_41"))]
+open(sys.argv[1], "w").write(", ".join(found))
+"""
+
+
+def _unhooked(code: str, args: str = "") -> str:
+    """An attack body: run ``code`` in a fresh interpreter (no audit hook) with argv ``[*args, out]``, wait for
+    it, and return what it wrote into ``out`` (None when it wrote nothing: nothing got through)."""
+    return (f"out = os.path.join(os.getcwd(), 'found-' + str(time.time_ns()))\n"
+            f"pid = _spawn([sys.executable, '-c', {code!r}{args}, out])\n"
+            "os.waitpid(pid, 0)\n"
+            "if not os.path.exists(out):\n    return 'the unhooked process did not run'\n"
+            "return open(out).read() or None\n")
+
+
+def _zygote_attacks() -> dict[str, dict[str, str]]:
+    return {
+        "a_spy": {
+            # the zygote's memory (where the spy's own map puts its heap: both were forked from it), its
+            # descriptors and its environment: none readable, since it is not dumpable
+            "1.1": "maps = open('/proc/self/maps').read().splitlines()\n"
+                   "region = next(line.split()[0] for line in maps if '[heap]' in line or ' rw-p ' in line)\n"
+                   + _unhooked(READ_ZYGOTE, ", region"),
+            # a module planted where the next student's interpreter might import it, and a file for later
+            "1.2": ("_spawn(['/bin/sh', '-c', 'echo \"raise SystemExit(7)\" > /tmp/planted_probe_41.py; "
+                    "echo x > /tmp/spy-loot-planted.txt'])\ntime.sleep(1)\nreturn None\n"),
+            # a process left behind that attacks whoever the sandbox grades next
+            "1.3": f"_spawn([sys.executable, '-c', {SPY_LOOP!r}, {SPY_TAG!r}])\ntime.sleep(1)\nreturn None\n",
+        },
+        "c_collector": {
+            # what the spy left: a process of its, its loot, its planted module
+            "1.1": ("import importlib.util\nif importlib.util.find_spec('planted_probe_41') is not None:\n"
+                    "    return 'the planted module is importable'\n" + _unhooked(LOOK_AROUND)),
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def one_sandbox(tmp_path_factory):
+    """A spy, its victim, a later student and a learner, graded in turn in ONE sandbox (one worker)."""
+    root = tmp_path_factory.mktemp("zygote")
+    submissions, report = root / "class", root / "report"
+    for student, attacks in _zygote_attacks().items():
+        write_student(submissions / student, ["01"], {ex: _cell(ex, attack) for ex, attack in attacks.items()})
+    write_student(submissions / "b_victim", ["01"], solved=True)
+    victim = submissions / "b_victim" / "01_attention_toy.ipynb"
+    victim.write_text(victim.read_text().replace("Toy attention", f"Toy attention {VICTIM_MARKER}", 1))
+    write_student(submissions / "d_learner", ["01"])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(course_lib.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "course_lib", "grade", str(submissions), "--out", str(report),
+                           "--workers", "1", "--exercises", "1.1,1.2,1.3", "--timeout", "60",
+                           "--isolation", "on", "--quiet"], capture_output=True, text=True, env=env, timeout=600,
+                          start_new_session=True)
+    rows = list(csv.DictReader(io.StringIO((report / "grades.csv").read_text()))) \
+        if (report / "grades.csv").exists() else []
+    return {"done": done, "report": report, "grades": {(r["student"], r["exercise"]): r for r in rows}}
+
+
+@pytest.mark.slow
+def test_a_process_left_by_one_student_never_meets_the_next(one_sandbox):
+    """The spy's process is gone before the victim's job enters the sandbox: no forged or crashed grade for
+    the victim, no marker of theirs anywhere, nothing of the spy's (process, loot, module) for the next."""
+    done, grades = one_sandbox["done"], one_sandbox["grades"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    for exercise in ("1.1", "1.2", "1.3"):
+        assert grades["b_victim", exercise]["passed"] == "true", grades["b_victim", exercise]
+        assert grades["d_learner", exercise]["diagnosis"] == "not_implemented", grades["d_learner", exercise]
+    assert grades["c_collector", "1.1"]["passed"] == "true", grades["c_collector", "1.1"]["message"]
+    report = one_sandbox["report"]
+    written = (report / "grades.csv").read_text() + "".join(p.read_text() for p in (report / "feedback").iterdir())
+    assert VICTIM_MARKER not in written and "forged" not in written
+
+
+@pytest.mark.slow
+def test_a_student_cannot_read_the_zygotes_memory_descriptors_or_environment(one_sandbox):
+    grade = one_sandbox["grades"]["a_spy", "1.1"]
+    assert grade["passed"] == "true", grade   # the attack read nothing, then the right answer
+
+
+def test_one_sandbox_grades_student_after_student(tmp_path, monkeypatch):
+    """Isolated, a worker's sandbox serves every student it is handed (the zygote forks one child per student),
+    not one sandbox per student; honest students' grades are what they are alone."""
+    from course_lib.classroom.grading import grade, pool
+    started = []
+    original = pool._Worker.__init__
+
+    def counted(self, exercises, options, number, *, checked=True):
+        started.append((options.isolated, checked))
+        original(self, exercises, options, number, checked=checked)
+
+    monkeypatch.setattr(pool._Worker, "__init__", counted)
+    for name in ("ann", "ben", "cat"):
+        write_student(tmp_path / "class" / name, ["01"], solved=name != "ben")
+    run = grade(tmp_path / "class", tmp_path / "report", workers=1, exercises=["1.1", "1.2", "1.3"], isolate=True)
+    assert started == [(False, False), (True, True)] or started == [(True, True), (False, False)], started
+    passed = {(g.student, g.exercise): g.passed for g in run.grades}
+    assert all(passed[s, ex] for s in ("ann", "cat") for ex in ("1.1", "1.2", "1.3")), run.grades
+    assert not any(passed["ben", ex] for ex in ("1.1", "1.2", "1.3")), run.grades
+
+
+_SWEEP_PROBE = r"""
+import os, subprocess, sys, time
+from course_lib.classroom.grading import zygote
+assert zygote.alone_in_sandbox(), sorted(os.listdir("/proc"))
+before = sorted(os.listdir("/dev"))
+# What one student could leave for the next: a process, and files in every folder it can write here
+# (a grader that is not root leaves bubblewrap's /dev, /dev/shm among it, writable by the students' user).
+child = os.fork()
+if child == 0:
+    for path in ("/tmp/planted.py", "/dev/shm/planted", "/dev/planted"):
+        with open(path, "w") as out:
+            out.write("for the next student")
+    os.makedirs("/dev/shm/nested/deeper")
+    os.symlink("/etc/passwd", "/dev/shm/link")
+    subprocess.Popen(["sleep", "60"], start_new_session=True)
+    os._exit(0)
+os.waitpid(child, 0)
+assert os.path.exists("/dev/shm/planted") and os.path.exists("/dev/planted")
+assert zygote.sweep(), "the sweep failed"
+left = [p for p in ("/tmp/planted.py", "/dev/shm/planted", "/dev/planted", "/dev/shm/nested", "/dev/shm/link")
+        if os.path.lexists(p)]
+assert left == [], left
+assert sorted(os.listdir("/dev")) == before, (before, sorted(os.listdir("/dev")))
+assert [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, os.getpid())] == []
+print("SWEPT")
+"""
+
+
+def test_the_sweep_between_students_empties_every_folder_a_student_can_write():
+    """What a student leaves in /tmp, /dev or /dev/shm, and any process it started, is gone before the next
+    student; /dev is back to its device nodes (run in a sandbox as the grader makes one)."""
+    package_root = str(Path(course_lib.__file__).resolve().parents[1])
+    done = subprocess.run(
+        ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+         "--tmpfs", "/tmp", "--setenv", "PYTHONPATH", package_root, sys.executable, "-c", _SWEEP_PROBE],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "SWEPT" in done.stdout, done.stdout + done.stderr[-3000:]

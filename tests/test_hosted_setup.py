@@ -1,9 +1,12 @@
 """Every notebook's set-up cell: a no-op where the course is installed, and in a kernel without it
 (a hosted one: Colab, Kaggle, a JupyterHub) it installs the course beside the kernel's own torch.
 
-The slow test meets the cell as a hosted kernel would: a fresh venv with only torch (the CPU build) and
-Jupyter's kernel, a folder of wheels built from the checkout standing in for the package index, and a
-learner copy copied alone into an empty folder, run top to bottom; torch is the same files afterwards.
+The slow tests meet the cell as a hosted kernel would: a fresh venv with only torch (the CPU build) and
+Jupyter's kernel, a folder of wheels built from the checkout standing in for the package index. The cell
+is the same in every notebook but for the corpora it prepares (a fast test holds that). Learner copies 01, 02
+and 05 (no corpus, one, both and a training) run top to bottom there, each copied alone into an empty folder,
+and a last kernel runs the cell that prepares every corpus followed by every notebook's imports: torch is the
+same files after each. What the notebooks do after their imports is the course's own code, which nbval runs in full.
 """
 from __future__ import annotations
 
@@ -36,6 +39,18 @@ SHARED = Path(os.environ.get("COURSE_DATA_DIR") or ROOT.parent / "shared" / "dat
 def _setup_cells(path: Path) -> list[tuple[int, nbformat.NotebookNode]]:
     nb = nbformat.read(path, as_version=4)
     return [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.startswith(MARKER)]
+
+
+def _without_corpora(source: str) -> str:
+    return re.sub(r"finish\(corpora=\[.*?\]", "finish(corpora=[...]", source)
+
+
+def test_every_notebook_carries_the_same_setup_cell_but_for_its_corpora():
+    """So that running the cell in a hosted kernel for one notebook proves it for all of them."""
+    sources = {path.name: _without_corpora(_setup_cells(path)[0][1].source) for path in NOTEBOOKS}
+    first = sources[NOTEBOOKS[0].name]
+    assert "finish(corpora=[...]" in first
+    assert [name for name, source in sources.items() if source != first] == []
 
 
 def _as_python(source: str) -> str:
@@ -227,39 +242,96 @@ def _learner_copy(number: str, base: Path) -> Path:
     return Path(shutil.copy(source, alone / source.name))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("number", ["01", "02", "05"])
-def test_a_learner_copy_opened_alone_in_a_kernel_without_the_course_runs_and_leaves_torch_as_it_was(
-        bare_kernel, number):
-    python, base = bare_kernel["python"], bare_kernel["base"]
-    # Each notebook meets a kernel without the course (its dependencies may remain from the one before).
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", hosted_setup.DISTRIBUTION],
+def _uninstall_course(bare_kernel: dict) -> None:
+    """Each test meets a kernel without the course (its dependencies may remain from the one before)."""
+    subprocess.run([str(bare_kernel["python"]), "-m", "pip", "uninstall", "-y", "-q", hosted_setup.DISTRIBUTION],
                    env=bare_kernel["env"], capture_output=True, timeout=300)
-    torch_before = _torch_fingerprint(python)
-    notebook = _learner_copy(number, base)
-    home = base / f"home-{number}"
+
+
+# `make test` runs the notebooks (which record their trainings) before these tests: a whole hosted run of a
+# notebook that trains replays what the solutions trained, as the learner copies do (course_lib/train_replay.py;
+# any training whose code, data or settings differ runs for real, and so does everything without a record).
+TRAIN_RECORD = ROOT / "build" / "train-record"
+REPLAY_HOOK = ROOT / "tests" / "train_replay_hook"
+
+
+def _run_offline(bare_kernel: dict, notebook: Path, home: Path, corpora: bool) -> nbformat.NotebookNode:
+    """``notebook`` run top to bottom in the bare kernel, pip offline with the wheelhouse as its index."""
     home.mkdir()
     env = dict(bare_kernel["env"], HOME=str(home), MPLBACKEND="Agg", COURSE_STATIC_WIDGETS="1", COURSE_THREADS="2",
                PYTHONNOUSERSITE="1", PIP_NO_INDEX="1", PIP_FIND_LINKS=str(bare_kernel["index"]),
                HTTPS_PROXY="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9")   # offline for sure
-    if number != "01":
+    if corpora:
         env["COURSE_DATA_DIR"] = str(SHARED)   # the corpora already where the learner was told to put them
+    if TRAIN_RECORD.is_dir():
+        env.update(PYTHONPATH=str(REPLAY_HOOK), COURSE_TRAIN_REPLAY=str(TRAIN_RECORD))
     ran = subprocess.run([str(bare_kernel["venv"] / "bin" / "jupyter"), "nbconvert", "--to", "notebook", "--execute",
                           "--ExecutePreprocessor.timeout=1800", "--output", "ran", notebook.name],
                          cwd=notebook.parent, env=env, capture_output=True, text=True, timeout=3600)
     assert ran.returncode == 0, ran.stderr[-4000:]
-    assert _torch_fingerprint(python) == torch_before, "the set-up cell changed the kernel's torch"
-    out = nbformat.read(notebook.parent / "ran.ipynb", as_version=4)
-    (_, cell), = [(i, c) for i, c in enumerate(out.cells) if c.cell_type == "code" and c.source.startswith(MARKER)]
+    return nbformat.read(notebook.parent / "ran.ipynb", as_version=4)
+
+
+def _setup_line(ran: nbformat.NotebookNode, torch_version: str, corpora: list[str]) -> None:
+    """The set-up cell said, in one line, that it installed the course, kept torch and found the corpora."""
+    (_, cell), = [(i, c) for i, c in enumerate(ran.cells) if c.cell_type == "code" and c.source.startswith(MARKER)]
     said = [line for o in cell.outputs if o.get("name") == "stdout" for line in o["text"].splitlines()]
     ours = [line for line in said if line.startswith("set-up:")]
     assert len(ours) == 1, said
     assert ours[0].startswith(f"set-up: installed course_lib {_version()} from {hosted_setup.DISTRIBUTION}, "
-                              f"kept torch {torch_before[0]}"), ours[0]
-    wanted = {"01": [], "02": ["tinyshakespeare"], "05": ["names", "tinyshakespeare"]}[number]
-    for corpus in wanted:
+                              f"kept torch {torch_version}"), ours[0]
+    for corpus in corpora:
         assert f"{corpus} found" in ours[0]
     assert ours[0].endswith("local host, static")
+
+
+def _imports(path: Path) -> list[str]:
+    """The import statements of a notebook's code cells (its set-up cell's aside), as written."""
+    import ast
+    found = []
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "code" or cell.source.startswith(MARKER):
+            continue
+        tree = ast.parse(_as_python(cell.source))
+        found += [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    return found
+
+
+@pytest.mark.slow
+def test_in_a_kernel_without_the_course_learner_copies_run_and_every_notebooks_imports_resolve(bare_kernel):
+    """One test, so that the bare kernel (a venv with torch) is built once, whichever pytest-xdist worker runs it.
+
+    Learner copies 01, 02 and 05, each alone in an empty folder, top to bottom, in a kernel without the course;
+    then, in it again, the set-up cell of a notebook that reads both corpora followed by every notebook's imports.
+    Neither changes the kernel's torch."""
+    python, base = bare_kernel["python"], bare_kernel["base"]
+    _uninstall_course(bare_kernel)
+    torch_before = _torch_fingerprint(python)
+    ran = _run_offline(bare_kernel, _learner_copy("01", base), base / "home-01", corpora=False)
+    assert _torch_fingerprint(python) == torch_before, "the set-up cell changed the kernel's torch"
+    _setup_line(ran, torch_before[0], [])
+
+    # The issue's three: 02 (one corpus) and 05 (both, and it trains) run whole as well.
+    for number, corpora in (("02", ["tinyshakespeare"]), ("05", ["names", "tinyshakespeare"])):
+        _uninstall_course(bare_kernel)
+        ran = _run_offline(bare_kernel, _learner_copy(number, base), base / f"home-{number}", corpora=True)
+        assert _torch_fingerprint(python) == torch_before, f"{number}'s set-up cell changed the kernel's torch"
+        _setup_line(ran, torch_before[0], corpora)
+
+    _uninstall_course(bare_kernel)
+    both = next(p for p in NOTEBOOKS if "'names', 'tinyshakespeare'" in _setup_cells(p)[0][1].source)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [_setup_cells(both)[0][1]]
+    for path in NOTEBOOKS:
+        imports = _imports(path)
+        assert any("course_lib" in line for line in imports), f"{path.name}: no course import found"
+        nb.cells.append(nbformat.v4.new_code_cell(f"# {path.name}\n" + "\n".join(imports)))
+    folder = base / "imports"
+    folder.mkdir()
+    nbformat.write(nb, folder / "imports.ipynb")
+    ran = _run_offline(bare_kernel, folder / "imports.ipynb", base / "home-imports", corpora=True)
+    assert _torch_fingerprint(python) == torch_before, "the set-up cell changed the kernel's torch"
+    _setup_line(ran, torch_before[0], ["names", "tinyshakespeare"])
 
 
 def _version() -> str:

@@ -224,7 +224,7 @@ def _install_steps(tmp_path, *, uv: bool, nvidia: bool, **variables) -> list[str
 
 def test_make_setup_uses_uv_when_it_is_on_path_with_the_same_exact_versions(tmp_path):
     steps = _install_steps(tmp_path, uv=True, nvidia=False)
-    installs = [s for s in steps if " pip install " in s]
+    installs = [s for s in steps if "/uv pip install" in s]
     assert len(installs) == 1 and "/uv pip install --python .venv/bin/python" in installs[0]
     assert "-c constraints.txt" in installs[0] and '-e ".[test' in installs[0]
     assert "--torch-backend=cpu" in installs[0]
@@ -233,13 +233,48 @@ def test_make_setup_uses_uv_when_it_is_on_path_with_the_same_exact_versions(tmp_
 
 def test_make_setup_falls_back_to_pip_and_asks_the_cpu_index_for_torch_alone(tmp_path):
     steps = _install_steps(tmp_path, uv=False, nvidia=False)
-    installs = [s for s in steps if " pip install " in s]
+    installs = [step.strip() for s in steps if " pip install " in s for step in s.split(" && ")]
     assert len(installs) == 2 and all(s.startswith(".venv/bin/python -m pip install") for s in installs)
     torch_step, course_step = installs
     assert torch_step.endswith(" torch") and "--no-deps" in torch_step and "-c constraints.txt" in torch_step
     assert "--extra-index-url https://download.pytorch.org/whl/cpu" in torch_step
     assert "download.pytorch.org" not in course_step and "-c constraints.txt" in course_step
     assert any(s.startswith("test -x .venv/bin/python || python3 -m venv .venv") for s in steps)
+
+
+def test_make_setup_installs_with_pip_when_uv_fails(tmp_path):
+    """uv cannot reach an index (PyTorch's CPU one behind a firewall): the set-up goes on with pip, same pins."""
+    import os
+    import shutil
+    import subprocess
+    project = tmp_path / "course"
+    project.mkdir()
+    for name in ("Makefile", "pyproject.toml", "constraints.txt"):
+        shutil.copy(ROOT / name, project / name)
+    log = tmp_path / "calls.log"
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("sh", "id", "python3", "test", "touch", "echo"):
+        if shutil.which(name):
+            (tools / name).symlink_to(shutil.which(name))
+    (tools / "uname").write_text('#!/bin/sh\n[ "$1" = -m ] && echo x86_64 || echo Linux\n')
+    (tools / "uv").write_text(f'#!/bin/sh\necho "uv $*" >> {log}\necho "error: dns error" >&2\nexit 2\n')
+    venv_python = project / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    # The venv's python only records what it is asked to install.
+    venv_python.write_text(f'#!/bin/sh\necho "python $*" >> {log}\n')
+    for script in (tools / "uname", tools / "uv", venv_python):
+        script.chmod(0o755)
+    done = subprocess.run([shutil.which("make"), ".venv/.installed"], cwd=project, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, PATH=str(tools)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "installing the same versions with pip" in done.stdout
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("uv pip install"), calls
+    pip_calls = [c for c in calls[1:] if c.startswith("python -m pip install")]
+    assert len(pip_calls) == 2 and all("-c constraints.txt" in c for c in pip_calls), calls
+    assert pip_calls[0].endswith(" torch") and "download.pytorch.org/whl/cpu" in pip_calls[0]
+    assert (project / ".venv" / ".installed").exists()
 
 
 def test_make_setup_leaves_torch_to_the_index_where_an_nvidia_gpu_is(tmp_path):

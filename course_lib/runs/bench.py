@@ -465,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     # for tests and smoke runs: another text file, fewer steps
     ablation.add_argument("--corpus", help=argparse.SUPPRESS)
     ablation.add_argument("--baseline-steps", type=int, help=argparse.SUPPRESS)
+    ablation.add_argument("--steps-per-round", type=int, default=10, help=argparse.SUPPRESS)
 
     nanogpt = sub.add_parser("nanogpt", parents=[common],
                              help="nanoGPT's own Shakespeare recipe, then ours, on the same device (give --device cuda)")
@@ -561,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise RunRefused(f"device: the ablation measures the CPU recipe, so it runs on the CPU; got {device}")
         try:
             rows = ablation_benchmark(corpus=args.corpus, baseline_steps=args.baseline_steps, rounds=args.rounds,
-                                      verbose=True)
+                                      steps_per_round=args.steps_per_round, verbose=True)
         except ValueError as exc:
             raise RunRefused(str(exc)) from None
         print_ablation(rows)

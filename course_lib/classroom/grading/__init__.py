@@ -12,7 +12,7 @@ How a submission is run, and what it cannot do:
   disk later, so a submission rewriting files cannot change what is graded);
 - ``sources``: per exercise, only the student's definition and what it names (helpers, imports,
   constants) is taken from their notebook, by parsing it; nothing else of the notebook runs;
-- ``worker``/``sandbox``: worker processes, one fresh process per student, which never run student
+- ``worker``/``sandbox``: worker processes, a fresh child of one per student, which never run student
   code, fork one child per exercise in a fresh folder holding only that student's files, with a time limit (a notebook's
   exercises share ``timeout``), a memory limit, and an audit-hook policy against reading other
   submissions or the report, writing outside its folder, starting processes or signalling others;
@@ -23,14 +23,17 @@ How a submission is run, and what it cannot do:
 - ``pool``: the grader hands students to workers and takes only well-formed verdicts for the
   student and exercise it asked for; a timeout, a crash or a killed worker becomes that student's
   ``timeout`` / ``crashed`` and never stops the run;
-- ``isolation``: where bubblewrap runs (Linux with ``bwrap``), each student's worker runs in a
-  sandbox of its own: no other process, no network, nothing of the disk but the system, Python
-  and the course read-only, and a size-limited scratch folder; an unprivileged user with a
-  process limit; everything it started dies with it. Its notebooks are parsed in there too;
+- ``isolation``: where bubblewrap runs (Linux with ``bwrap``), each worker runs in a sandbox of its
+  own: no other process, no network, nothing of the disk but the system, Python and the course
+  read-only, and a size-limited scratch folder; an unprivileged user with a process limit; everything
+  it started dies with it. Its notebooks are parsed in there too. ``zygote``: the sandbox's worker
+  imports torch once and forks a fresh child per student; between two students every process left
+  in the sandbox is killed and every folder a student can write (``/tmp``, ``/dev``) is emptied;
 - ``text``: student text (names, file names, messages, notes) is cleaned where it enters and escaped
   where it is written; ``likeness``: a part equal to the course's solution is flagged, not failed;
   ``course_lib.classroom.reference_guard``: the exercise's own reference is out of the student's reach;
-- ``report``/``gradescope``: written by the grader alone, at the end, each file atomically.
+- ``report``/``gradescope``: written by the grader alone, at the end, whole into a hidden staging folder and
+  swapped in by renames: an interrupted run leaves the previous report as it was, never two runs mixed.
 
 What it does not guarantee: a submission runs in its own process and can, with deliberate
 effort, tamper with that process (and so with its own verdicts, say by patching the checkers

@@ -2,12 +2,15 @@
 
 Exit status: 0 when every submission was graded (whatever the grades); 1 when grading itself
 failed (a worker could not start, or the grader hit a bug of its own: the report is still written,
-and says which grades it affects); 2 for arguments that cannot work; 130 on Ctrl-C (no report).
+and says which grades it affects); 2 for arguments that cannot work; 130 on Ctrl-C, 143 on SIGTERM
+(the report is the whole new one or, if the run stopped before it, the previous one untouched; the
+message says which).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections import Counter
 
@@ -23,7 +26,12 @@ report files:
 before anyone is graded, the course's own solution notebooks and learner copies are graded: a
 solution that fails, or a blank exercise that passes, stops the run (exit status 1) naming it.
 
-exit status: 0 graded (whatever the grades); 1 grading itself failed; 2 bad arguments; 130 Ctrl-C
+interrupted (Ctrl-C, SIGTERM, a kill), a run leaves the previous report as it was, or the whole new
+one, never two mixed; only a kill (SIGKILL) landing inside the last step, a dozen renames, can leave
+part of the new one, and the folder's .course-grade-report marker then says "replacing".
+
+exit status: 0 graded (whatever the grades); 1 grading itself failed; 2 bad arguments; 130 Ctrl-C;
+143 SIGTERM
 """
 
 
@@ -123,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str(f"{submission.student}: {sum(g.passed for g in grades)}/{len(grades)}", refresh=False)
         bar.update(1)
 
+    terminated: list[int] = []
+
+    def on_sigterm(number, frame) -> None:   # like Ctrl-C: the workers are stopped, the message is printed
+        terminated.append(number)
+        raise KeyboardInterrupt
+
+    previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
     isolate = {"auto": None, "on": True, "off": False}[args.isolation]
     if isolate is not False:   # one line at the start, whichever way it goes
         from .isolation import status
@@ -140,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: no report written", file=sys.stderr)
-        return 130
+        print(f"interrupted: {_what_was_left(args.out)}", file=sys.stderr)
+        return 143 if terminated else 130
     finally:
+        signal.signal(signal.SIGTERM, previous_handler)
         if bar is not None:
             bar.close()
     students = len(run.submissions)
@@ -160,3 +176,17 @@ def main(argv: list[str] | None = None) -> int:
     for error in run.errors:
         print(f"error: grading failed: {error}", file=sys.stderr)
     return 1 if run.errors else 0
+
+
+def _what_was_left(out: str) -> str:
+    """What an interrupted run left in ``out``, as the report's marker says it (see ``report``)."""
+    from pathlib import Path
+
+    from .report import OURS, report_state
+    folder = Path(out)
+    state, pid = report_state(folder)
+    if state == "whole" and pid == os.getpid():
+        return f"the report in {out} is this run's, whole (it was written before the interruption)"
+    if any((folder / name).exists() for name in OURS):
+        return f"no new report written; {out} holds the previous report, unchanged"
+    return "no report written"

@@ -2,8 +2,9 @@
 
 The audit hook of ``sandbox`` is a tripwire inside the student's process; what keeps one
 submission away from another's files, grades and processes is this: where bubblewrap (``bwrap``,
-Flatpak's sandbox, Debian/Ubuntu's ``bubblewrap`` package) runs, the grader starts a fresh worker
-for each student inside ``bwrap`` with
+Flatpak's sandbox, Debian/Ubuntu's ``bubblewrap`` package) runs, the grader starts each worker
+inside ``bwrap`` (it grades student after student there, each in a fresh child, the sandbox swept
+between them: ``zygote``) with
 
 - new PID, IPC, UTS, network and mount namespaces (and a user namespace where the grader is not
   root): no other process is visible, no network, nothing the grader did not put there;

@@ -3,9 +3,10 @@
 The grader (this process) never imports or runs student code. It keeps ``workers`` worker processes
 busy (``python -m course_lib.classroom.grading.worker``, each in a session of its own, with an
 allow-listed environment), hands each one student's files as one JSON line, and reads the grades
-back as JSON lines. A student is graded in a process that held no other student: the next gets a fresh one,
-so nothing of one student is left in the memory another's code runs in (unisolated, the worker
-stays, and a fresh child it forks, before reading anything, reads and grades each student). One more worker, first,
+back as JSON lines. A student is graded in a process that held no other student: the worker stays, and a
+fresh child it forks, before reading anything, reads and grades each student, so nothing of one student is
+left in the memory another's code runs in; the next student is sent only once the worker says ``idle``
+(isolated: every process of the last student killed, the writable folders emptied: ``zygote``). One more worker, first,
 grades the course's own notebooks (``selfcheck``); no student is graded before it passed. A grade
 is taken only for an exercise of the student being graded, and only once; anything else on the
 line is ignored. Whatever happens to a worker while it grades a student, the run goes on:
@@ -263,10 +264,21 @@ def _grade_one(worker: _Worker, submission: Submission, plans: dict[str, Exercis
                                          "checker_error": "the grader failed on an earlier exercise."}[diagnosis]
             outcome.grades[exercise] = Grade(submission.student, exercise, False, diagnosis, text, 0.0)
             first = False
-    # Isolated or inline: a fresh worker (sandbox) per student. Otherwise the worker forks a fresh child per
-    # student and never reads a job itself, so it may take the next student.
-    reusable = ended == "done" and worker.alive() and not (options.inline or options.isolated or not forks())
+    # Inline: a fresh worker per student. Otherwise the worker (isolated: the sandbox's zygote) forks a fresh
+    # child per student and never reads a job itself, so it may take the next student once it says ``idle``:
+    # every process the student left is gone and (isolated) its writable folders are empty, so the next job is never
+    # in the sandbox while anything of this student still runs there.
+    reusable = ended == "done" and not (options.inline or not forks()) and _idle(worker)
     return outcome, reusable
+
+
+IDLE_TIMEOUT = 60.0   # seconds for a worker to clear away what a student left
+
+
+def _idle(worker: _Worker) -> bool:
+    """Whether ``worker`` says it is ready for the next student (else it is stopped by the caller)."""
+    message = worker.next(time.monotonic() + IDLE_TIMEOUT)
+    return isinstance(message, dict) and message.get("type") == "idle" and worker.alive()
 
 
 def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePlan], options: GradingOptions,

@@ -1,11 +1,20 @@
 """The report: ``grades.csv``, ``summary.md`` and ``summary.png`` for the class, ``feedback/<student>.md``.
 
 Everything is written by the grader at the end of the run, from the grades it received from its
-workers (never from a file a submission could have touched), each file atomically. The folder is
-the grader's: a folder holding a ``grades.csv``, ``summary.md``, ``feedback/`` ... that a previous
-``grade`` did not write (it leaves a ``.course-grade-report`` marker) is refused rather than
-overwritten; other files in it are left alone, so ``--out`` may be Gradescope's results folder.
-In ``feedback/`` and ``gradescope/`` (wholly the grader's) files this run did not write are removed.
+workers (never from a file a submission could have touched). The folder is the grader's: a folder
+holding a ``grades.csv``, ``summary.md``, ``feedback/`` ... that a previous ``grade`` did not write (it
+leaves a ``.course-grade-report`` marker) is refused rather than overwritten; other files in it are
+left alone, so ``--out`` may be Gradescope's results folder.
+
+A report is whole or not there, never half of one and never two runs mixed: every file is first written
+into a hidden staging folder inside ``out`` (``.course-grade-report.pidNNN.xxxxxxxx.tmp``); only when all
+are written does the run swap them in, by renames, with Ctrl-C and SIGTERM held off meanwhile: the
+previous report's files (all of them, a ``results.json`` or ``gradescope/`` this run does not write
+included) are moved out first, then the new ones in. A run interrupted before the swap leaves the
+previous report exactly as it was; a SIGKILL inside the swap's few renames can leave some of the new
+files and none of the old. What an interrupted run leaves hidden is removed by a later run (once its
+writer is gone: ``_atomic.remove_stale_staging``). The marker says how the last run ended
+(``state``: ``grading``, ``replacing``, ``whole``).
 
 Student text (names, messages, notes) is escaped where it is written into Markdown (``text``): it
 reads as text, never as a heading, a link, an image or an HTML comment of its own. A file that cannot
@@ -13,9 +22,15 @@ be written does not stop the others: the failure is named in ``summary.md`` and 
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -23,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..._atomic import atomic_file
+from ..._atomic import atomic_file, remove_stale_staging, staging_prefix
 from ..verdict import DIAGNOSES
 from .advice import exercise_title, first_hint, room_hint
 from .grades import Grade
@@ -31,13 +46,18 @@ from .gradescope import results_json
 from .submissions import safe_file_name
 from .text import cap_lines, markdown_block, markdown_inline
 
-__all__ = ["RunInfo", "check_report_folder", "claim_report_folder", "write_report", "grades_csv", "summary_markdown",
+__all__ = ["RunInfo", "check_report_folder", "claim_report_folder", "write_report", "report_state", "grades_csv", "summary_markdown",
            "feedback_markdown", "summary_figure", "figure_styles", "spreadsheet_safe", "MARKER", "COLUMNS"]
 
 MARKER = ".course-grade-report"
 COLUMNS = ("student", "exercise", "passed", "diagnosis", "message", "seconds", "flag")
 SUMMARY_NOTES_LIMIT = 200   # lines of notes in summary.md
 OURS = ("grades.csv", "summary.md", "summary.png", "results.json", "feedback", "gradescope")
+STAGING = "course-grade-report"   # the hidden folders a run writes its report into (and moves the old one to)
+# A test hook: "POINT:PATH" makes a run that reaches POINT (a file's name once written into staging, "staged",
+# or "swapping": the old report moved out) create PATH and wait there until PATH is removed, so that a test
+# can interrupt it at that point.
+PAUSE_VARIABLE = "COURSE_GRADE_TEST_PAUSE"
 
 
 @dataclass
@@ -67,14 +87,31 @@ def check_report_folder(out: Path) -> None:
                              f"choose a new or empty folder (nothing was overwritten)")
 
 
+def _mark(out: Path, state: str) -> None:
+    with atomic_file(out / MARKER) as handle:
+        handle.write(json.dumps({"written_by": "python -m course_lib grade", "state": state, "pid": os.getpid(),
+                                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+
+
 def claim_report_folder(out: Path) -> None:
     """Check ``out`` (see :func:`check_report_folder`) and mark it as the grader's now, before any student
     code runs: a file a submission managed to put there cannot make the final report refused."""
     check_report_folder(out)
     out.mkdir(parents=True, exist_ok=True)
-    with atomic_file(out / MARKER) as handle:
-        handle.write(json.dumps({"written_by": "python -m course_lib grade",
-                                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+    remove_stale_staging(out, STAGING)   # what a killed run left hidden: its staging, the report it replaced
+    _mark(out, "grading")
+
+
+def report_state(out: Path) -> tuple[str, int | None]:
+    """How the last run on ``out`` left it, by its marker: ("grading" | "replacing" | "whole" | "none", its pid)."""
+    try:
+        marker = json.loads((out / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "none", None
+    if not isinstance(marker, dict):
+        return "none", None
+    pid = marker.get("pid")
+    return str(marker.get("state", "whole")), pid if isinstance(pid, int) else None
 
 
 def _order(exercise: str) -> tuple[int, ...]:
@@ -263,28 +300,83 @@ def summary_figure(grades: list[Grade]) -> bytes:
     return buffer.getvalue()
 
 
-def _write(path: Path, data: str | bytes, written: set[Path]) -> None:
-    with atomic_file(path, "wb" if isinstance(data, bytes) else "w") as handle:
-        handle.write(data)
-    written.add(path.resolve())
-
-
-def _remove_others(folder: Path, written: set[Path]) -> None:
-    """In a folder that is wholly the grader's, remove what this run did not write."""
-    if not folder.is_dir():
+def _pause_at(point: str) -> None:
+    """The test hook (:data:`PAUSE_VARIABLE`): at ``point``, say so in a file and wait to be killed."""
+    wanted = os.environ.get(PAUSE_VARIABLE, "")
+    if ":" not in wanted or wanted.split(":", 1)[0] != point:
         return
-    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if path.is_symlink() or path.is_file():
-            if path.resolve() not in written:
-                path.unlink()
-        elif path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
+    flag = Path(wanted.split(":", 1)[1])
+    flag.write_text(str(os.getpid()))
+    deadline = time.monotonic() + 120
+    while flag.exists() and time.monotonic() < deadline:   # until the test removes it (or kills us)
+        time.sleep(0.05)
+
+
+def _write(path: Path, data: str | bytes, written: set[Path]) -> None:
+    """Write a file of the staging folder (private to this run: no other writer, no reader yet)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(data if isinstance(data, bytes) else data.encode("utf-8"))
+        handle.flush()
+        os.fsync(handle.fileno())
+    written.add(path)
+    _pause_at(path.name)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Any:
+    """Ctrl-C and SIGTERM wait until the block is done, then take effect as they would have. Python runs
+    handlers in the main thread whichever thread the system gave the signal to, so the handlers are
+    swapped (masking the main thread alone would not hold a signal delivered to another thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {number: signal.signal(number, lambda n, frame: caught.append(n))
+                for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
+def _swap_in(out: Path, staging: Path) -> None:
+    """Replace the report in ``out`` by what ``staging`` holds: the old files out first, then the new in."""
+    _mark(out, "replacing")
+    old = Path(tempfile.mkdtemp(prefix=staging_prefix(STAGING), suffix=".tmp", dir=out))
+    with _signals_held():
+        for name in OURS:
+            if os.path.lexists(out / name):
+                os.replace(out / name, old / name)
+        _pause_at("swapping")
+        for name in OURS:
+            if os.path.lexists(staging / name):
+                os.replace(staging / name, out / name)
+        _mark(out, "whole")
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_report(out: Path, grades: list[Grade], info: RunInfo, *, gradescope: bool = False) -> list[Path]:
     """Write the report into ``out`` (see the module docstring); the paths written."""
     check_report_folder(out)
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(out, STAGING)
+    staging = Path(tempfile.mkdtemp(prefix=staging_prefix(STAGING), suffix=".tmp", dir=out))
+    try:
+        written = _write_all(staging, grades, info, gradescope)
+        _pause_at("staged")
+        _swap_in(out, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)   # the previous report stays as it was
+        raise
+    return sorted(out / path.relative_to(staging) for path in written)
+
+
+def _write_all(staging: Path, grades: list[Grade], info: RunInfo, gradescope: bool) -> set[Path]:
     written: set[Path] = set()
 
     def attempt(path: Path, make: Callable[..., str | bytes], *args: Any, whose: str = "") -> None:
@@ -294,25 +386,23 @@ def write_report(out: Path, grades: list[Grade], info: RunInfo, *, gradescope: b
             info.errors.append(f"{path.name}{' for ' + whose if whose else ''} could not be written "
                                f"({type(exc).__name__}: {exc})")
 
-    _write(out / MARKER, json.dumps({"written_by": "python -m course_lib grade",
-                                     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n", written)
     students = _by_student(grades)
     used: set[str] = set()
+    (staging / "feedback").mkdir()
     for student, student_grades in students.items():   # first: a failure here is named in summary.md
         name = safe_file_name(student)
         while name.casefold() in used:   # two students whose names differ only in odd characters
             name += "_"
         used.add(name.casefold())
-        attempt(out / "feedback" / f"{name}.md", feedback_markdown, student, student_grades,
+        attempt(staging / "feedback" / f"{name}.md", feedback_markdown, student, student_grades,
                 info.student_notes.get(student, ()), whose=student)
         if gradescope:
             scored = info.scored.get(student)
             result = results_json([g for g in student_grades if not scored or g.exercise in scored])
-            attempt(out / "results.json" if len(students) == 1 else out / "gradescope" / name / "results.json",
+            attempt(staging / "results.json" if len(students) == 1 else staging / "gradescope" / name / "results.json",
                     lambda data: json.dumps(data, indent=2) + "\n", result, whose=student)
-    attempt(out / "grades.csv", grades_csv, grades)
-    attempt(out / "summary.png", summary_figure, grades)
-    attempt(out / "summary.md", summary_markdown, grades, info)
-    for folder in ("feedback", "gradescope"):
-        _remove_others(out / folder, written)
-    return sorted(written)
+    _pause_at("feedback")
+    attempt(staging / "grades.csv", grades_csv, grades)
+    attempt(staging / "summary.png", summary_figure, grades)
+    attempt(staging / "summary.md", summary_markdown, grades, info)
+    return written

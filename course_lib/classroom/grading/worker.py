@@ -368,11 +368,18 @@ def main(argv: list[str] | None = None) -> int:
     if problems:   # never a class graded against a broken judge
         channel.send({"type": "self_check", "problems": problems})
         return 1
+    alone = False
+    if not inline:
+        from .zygote import alone_in_sandbox, seal
+        seal()
+        alone = isolated and alone_in_sandbox()
     channel.send({"type": "ready", "pid": os.getpid()})
-    if inline or isolated:   # one student per process (isolated: per sandbox)
+    if inline or (isolated and not alone):   # one student per process (per sandbox, where it cannot be swept)
         return _grade_next(channel, inline=inline)
-    # Not isolated: this process never reads a student's job. Each student is read and graded by a fresh
-    # child forked from it, so nothing of one student is ever in the memory another's code runs in.
+    # This process (isolated: the sandbox's zygote, torch and the course imported) never reads a student's
+    # job. Each student is read and graded by a fresh child forked from it, so nothing of one student is
+    # ever in the memory another's code runs in; after each, what the student left is swept away
+    # (``zygote``) before the grader is told (``idle``) that the next student's job may be sent.
     while True:
         pid = os.fork()
         if pid == 0:
@@ -384,9 +391,14 @@ def main(argv: list[str] | None = None) -> int:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         _kill_strays()
+        if isolated:
+            from .zygote import sweep
+            if not sweep():   # a process or a file we could not remove: the sandbox goes, with all in it
+                return 1
         code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
         if code != 0:   # no more students (NO_MORE), our error, or the child was killed: the grader sees us go
             return 0 if code == NO_MORE else 1
+        channel.send({"type": "idle"})
 
 
 NO_MORE = 3   # a child's exit status: stdin ended, no student to grade
