@@ -18,9 +18,8 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._attn_hypotheses import SDPA_HYPOTHESES, diagnose_weights, identity_values, sdpa_variant, shape_str
 from ._counterexample import Example
-from ._harness import checker
 from ._student_code import call, call_student, close, expect_finite, max_diff, reraise_with
-from .engine import Case, FunctionExercise, function_example, judge
+from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import SEEDS, tiny
 from .engine.function import Run
 

@@ -16,9 +16,8 @@ from ... import attention as ref
 from ..exercises import Mistake
 from ..verdict import fail
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
-from ._harness import checker
 from ._student_code import expect_callable
-from .engine import Case, FunctionExercise, function_example, judge, module_example
+from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.function import Run
 
 __all__ = ["check_split_heads", "check_merge_heads", "check_multi_head_attention"]

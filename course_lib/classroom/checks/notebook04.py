@@ -17,10 +17,9 @@ from ... import model as model_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._gradients import check_module_gradients
-from ._harness import checker
 from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
 from ._student_code import call, close, construct, expect_tensor
-from .engine import Case, FunctionExercise, function_example, judge, module_example
+from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.function import Run
 
 __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]

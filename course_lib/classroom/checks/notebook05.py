@@ -18,9 +18,9 @@ from torch import nn
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._gradients import check_function_gradients
-from ._harness import checker
 from ._model_common import accepts, as_tensor, extend, recording_calls
 from ._student_code import call, close, expect_tensor
+from .engine import checker
 
 __all__ = ["check_lm_windows", "check_lm_loss", "check_train_step", "check_sampling"]
 

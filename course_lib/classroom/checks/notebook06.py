@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from ..verdict import Failure, fail
-from ._harness import checker
 from ._model_common import extend, randomize_, recording_calls
 from ._student_code import call, expect_tensor
+from .engine import checker
 
 __all__ = ["check_flops_per_token", "check_kv_cache"]
 

@@ -14,9 +14,9 @@ from torch import nn
 from ..exercises import Mistake
 from ..verdict import fail
 from ._gradients import check_function_gradients
-from ._harness import checker
 from ._model_common import as_tensor, randomize_
 from ._student_code import call, close, expect_tensor
+from .engine import checker
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..training_runs import TOLERANCE, TrainingRun, judge
 from ..verdict import fail
-from ._harness import checker
+from .engine import checker
 
 __all__ = ["check_trains_like_reference"]
 

@@ -23,9 +23,9 @@ from ._attn_hypotheses import first_match
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
 from ._gradients import check_gradients, check_module_gradients
-from ._harness import checker
 from ._model_common import as_tensor, copy_weights
 from ._student_code import call_student, close, construct, expect_callable, expect_tensor, max_diff, reraise_with
+from .engine import checker
 
 __all__ = ["check_rope_tables", "check_apply_rotary", "check_rms_norm", "check_swiglu", "check_repeat_kv",
            "check_grouped_query_attention"]

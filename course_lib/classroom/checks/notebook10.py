@@ -17,8 +17,8 @@ from ... import flash as ref
 from ..verdict import Failure, fail
 from . import _flash_variants as variants
 from ._flash_probe import Recorder
-from ._harness import checker
 from ._student_code import call_student, close, expect_callable, expect_tensor, matches, max_diff
+from .engine import checker
 
 __all__ = ["check_online_softmax", "check_flash_attention", "check_flash_backward"]
 

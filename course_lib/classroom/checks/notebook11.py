@@ -16,9 +16,9 @@ from ... import heads as ref
 from ..verdict import fail
 from . import _heads_scores as slips
 from ._attn_hypotheses import first_match
-from ._harness import checker
 from ._heads_ablation import judge_ablate_head
 from ._student_code import call_student, close, expect_callable, expect_tensor, max_diff
+from .engine import checker
 
 __all__ = ["check_previous_token_score", "check_induction_score", "check_ablate_head"]
 

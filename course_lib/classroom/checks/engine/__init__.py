@@ -12,8 +12,9 @@ Running a check (isolation, time limit, pinned references, the reference guard) 
 calling student code in ``_student_code``. A checker is ``checker(id, example=...)(body)``; see
 ``checks/DESIGN.md`` for how to add an exercise.
 """
+from .._harness import checker  # its home until the runner moves into the engine
 from .example import function_example, module_example
 from .function import Case, FunctionExercise, judge
 from .probes import PROBES
 
-__all__ = ["Case", "FunctionExercise", "judge", "function_example", "module_example", "PROBES"]
+__all__ = ["checker", "Case", "FunctionExercise", "judge", "function_example", "module_example", "PROBES"]
