@@ -215,3 +215,20 @@ def test_code_that_asks_for_more_threads_does_not_hang_the_forked_check():
     result = checks.check_causal_mask(_asks_for_threads)
     assert result.passed, result
     assert torch.get_num_threads() == 2
+
+
+def test_a_failed_verdict_of_the_child_is_not_judged_again_in_the_kernel():
+    calls = []
+
+    def wrong(n):
+        calls.append(n)   # in the forked child: the kernel's list never sees it
+        return torch.ones(n, n, dtype=torch.bool).triu()
+    result = checks.check_causal_mask(wrong)
+    assert not result.passed and result.diagnosis == "causal_mask", result
+    assert calls == []
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), "60"])
+def test_the_graders_time_limit_names_its_argument(seconds):
+    with pytest.raises((TypeError, ValueError), match="seconds: expected"):
+        run.set_time_limit(seconds)
