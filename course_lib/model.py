@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _moved
 from . import _validate as validate
 from .attention import KVCache, MultiHeadMaskedAttention, check_caches, check_input_dtype
 
@@ -289,7 +288,3 @@ class GPT(nn.Module):
                 block.attn.record_weights = False
                 block.attn.attention_weights = None
             self.train(was_training)
-
-
-# Names that moved out of this module (a student's older notebook copy may still import them from here).
-__getattr__ = _moved.forwarder(__name__)

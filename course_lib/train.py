@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import _moved
 from . import _validate as validate
 from .data import IGNORE_INDEX, Examples, Split, TokenStream
 from .distributed import DistributedContext
@@ -568,8 +567,3 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     if device is None:
         return default_device()
     return validate.device("device", device)
-
-
-
-# Names that moved out of this module (a student's older notebook copy may still import them from here).
-__getattr__ = _moved.forwarder(__name__)

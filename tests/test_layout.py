@@ -331,6 +331,28 @@ def test_the_notebooks_imports_run_with_the_shim_switched_off():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_only_the_shim_hooks_imports_or_answers_missing_module_names():
+    """The shim is the one module that touches the import system or gives a module a ``__getattr__``; the
+    files students read (model.py, train.py, ...) hold only the lesson."""
+    found = []
+    for module, path in _modules(PACKAGE).items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if module == SHIM:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("meta_path", "path_hooks"):
+                found.append(f"{module}: sys.{node.attr}")
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if (isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+                    or any(isinstance(t, ast.Name) and t.id == "__getattr__" for t in targets)):
+                found.append(f"{module}: a module-level __getattr__ (line {node.lineno})")
+            if isinstance(node, ast.ImportFrom) and any(a.name == "_moved" for a in node.names) \
+                    and module != "course_lib":
+                found.append(f"{module}: imports the shim")
+    assert not found, "only course_lib/_moved.py may hook imports:\n  " + "\n  ".join(found)
+
+
 def test_old_import_paths_of_moved_modules_still_work_and_give_the_same_module():
     """A student's edited copy written before the move (`from course_lib import checks`,
     `from course_lib.collect import ...`) is never rewritten, so until the shim's end date the old paths keep
