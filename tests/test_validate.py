@@ -39,11 +39,22 @@ def test_accepted_values_come_back_in_a_plain_type():
      "targets: expected token ids in 0..4 (vocab_size=5), got -1"),
     (lambda: validate.token_ids("ids", torch.tensor([0.0]), vocab_size=5), TypeError,
      "ids: expected integer token ids (torch.long), got dtype torch.float32"),
+    (lambda: validate.expect(False, "keys", "shape (n, 2) to match query of shape (2,)", (3, 3)), ValueError,
+     "keys: expected shape (n, 2) to match query of shape (2,), got (3, 3)"),
+    (lambda: validate.expect(False, "cache", "a KVCache or None", "3 (int)", TypeError), TypeError,
+     "cache: expected a KVCache or None, got 3 (int)"),
+    (lambda: validate.divisor("num_heads", 3, 10, "embed_dim=10", "pick a divisor of 10"), ValueError,
+     "num_heads: embed_dim=10 must be divisible by num_heads, got num_heads=3; pick a divisor of 10"),
 ])
 def test_messages_name_the_argument(call, error, message):
     with pytest.raises(error) as raised:
         call()
     assert str(raised.value).startswith(message)
+
+
+def test_one_line_checks_pass_what_they_should():
+    validate.expect(True, "k", "anything", "never formatted")
+    assert validate.divisor("num_heads", 4, 8, "embed_dim=8") == 4
 
 
 def test_describe_gives_shapes_not_contents():
