@@ -219,3 +219,13 @@ def divisor(name: str, value: int, total: int, of: str, hint: str = "") -> int:
     if total % value:
         raise ValueError(f"{name}: {of} must be divisible by {name}, got {name}={value}{_then(hint)}")
     return value
+
+
+def instance(name: str, value: Any, types: type | tuple[type, ...], what: str, *, or_none: bool = False,
+             brief: bool = False, hint: str = "") -> Any:
+    """``value`` is one of ``types`` (or None, with ``or_none``); the message says ``what`` was expected and
+    what was given (its type name alone with ``brief``: a model's repr is pages long)."""
+    if (or_none and value is None) or isinstance(value, types):
+        return value
+    raise TypeError(f"{name}: expected {what}, got {type(value).__name__ if brief else describe(value)}"
+                    f"{_then(hint)}")

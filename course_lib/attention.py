@@ -292,8 +292,7 @@ class MultiHeadMaskedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x (N, L, embed_dim) -> (N, L, embed_dim); with ``cache``, x holds only the new tokens."""
-        validate.expect(cache is None or isinstance(cache, KVCache), "cache", "a KVCache or None",
-                        validate.describe(cache), TypeError)
+        validate.instance("cache", cache, KVCache, "a KVCache or None", or_none=True)
         start = cache.length if cache is not None else 0
         check_input(x, self.embed_dim, self.max_tokens, start, module=self)
         length = x.shape[1]

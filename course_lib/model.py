@@ -207,9 +207,8 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        if not isinstance(config, GPTConfig):
-            raise TypeError(f"config: expected a GPTConfig, got {type(config).__name__}; "
-                            f"build one with GPTConfig(vocab_size=..., ...)")
+        validate.instance("config", config, GPTConfig, "a GPTConfig", brief=True,
+                          hint="build one with GPTConfig(vocab_size=..., ...)")
         self.config = config
         c = config
         self.token_embedding = nn.Embedding(c.vocab_size, c.embed_dim)
