@@ -92,17 +92,27 @@ class _WithOldNames(importlib.abc.Loader):
 
 
 class MovedModules(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self._finding: set[str] = set()   # a finder after us that asks every finder again gets None
+
     def find_spec(self, fullname: str, path: object = None, target: object = None
                   ) -> importlib.machinery.ModuleSpec | None:
         moved = new_path(fullname)
         if moved:
             return importlib.util.spec_from_loader(fullname, _Alias(moved))
-        if fullname in MOVED_NAMES:
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _WithOldNames(spec.loader)
-            return spec
-        return None
+        if fullname not in MOVED_NAMES or fullname in self._finding:
+            return None
+        # the module as the finders after this one find it (another hook, such as the notebook tests'
+        # train replay, keeps its turn), then its old names on top
+        self._finding.add(fullname)
+        try:
+            spec = next((found for finder in sys.meta_path if finder is not self and hasattr(finder, "find_spec")
+                         for found in [finder.find_spec(fullname, path, target)] if found is not None), None)
+        finally:
+            self._finding.discard(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _WithOldNames(spec.loader)
+        return spec
 
 
 def install() -> None:
