@@ -140,6 +140,59 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+@dataclass(frozen=True)
+class RunRequest:
+    """One training run, as asked for: the one value the command line and :func:`run_preset` hand down.
+
+    Checked whole when it is made, before any folder, device or corpus is touched: a wrong field is
+    a :class:`RunRefused` naming the field, what was expected and what was given. ``None`` keeps the
+    preset's own value (or, with ``resume``, the saved run's). After the checks ``preset`` is a name
+    (a registered Preset stands for its name) and ``device`` a torch.device.
+    """
+
+    preset: str | Preset | None            # a name in PRESETS; None only with resume (the saved run's)
+    out: str | os.PathLike                 # the run's folder: checkpoint.pt and metrics.json
+    _: KW_ONLY
+    seconds: float | None = None           # the training-time budget
+    steps: int | None = None               # the total steps (resumed: the new total)
+    corpus: str | None = None              # a corpus name or the path of any UTF-8 text file
+    device: torch.device | str | None = None   # None: the fastest here
+    progress: bool = True                  # show a progress bar
+    compile: bool | None = None            # torch.compile the model (None: as the preset says)
+    batch_size: int | None = None          # sequences per step and per process
+    seed: int | None = None                # initial weights, batches and dropout (None: the preset's)
+    resume: bool = False                   # continue the run saved in ``out``
+    overwrite: bool = False                # replace the run that ``out`` holds
+
+    def __post_init__(self) -> None:
+        settle = partial(object.__setattr__, self)   # frozen: checked values replace the given ones, once, here
+        try:
+            RunFolder.check_arguments(self.out, resume=self.resume, overwrite=self.overwrite)
+            settle("preset", _registered_name(self.preset))
+            if self.preset is None and not self.resume:
+                raise RunRefused("preset: expected a preset name (or --resume DIR), got none")
+            if self.corpus is not None and not isinstance(self.corpus, str):
+                raise RunRefused(f"corpus: expected a corpus name or a file path, got {self.corpus!r}")
+            for field_name, check in (("seconds", _positive_seconds), ("steps", validate.positive_int),
+                                      ("batch_size", validate.positive_int), ("seed", validate.non_negative_int),
+                                      ("compile", validate.boolean)):
+                if getattr(self, field_name) is not None:
+                    check(field_name, getattr(self, field_name))
+            validate.boolean("progress", self.progress)
+            settle("device", resolve_device(self.device))   # None: the fastest here
+        except RunRefused:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise RunRefused(str(exc)) from None
+        # taken as truth values, as they always were (RunFolder reads them so too)
+        settle("resume", bool(self.resume))
+        settle("overwrite", bool(self.overwrite))
+
+
+def _positive_seconds(name: str, value: Any) -> float:
+    return validate.positive_float(name, value, finite=True)
+
+
 def _preset(name: str | Preset) -> Preset:
     if isinstance(name, Preset):
         return name
@@ -395,59 +448,6 @@ def _plan(request: RunRequest, folder: RunFolder, device: torch.device, ctx: Dis
 
 class RunFinished(Exception):
     """A resumed run had nothing left to do."""
-
-
-@dataclass(frozen=True)
-class RunRequest:
-    """One training run, as asked for: the one value the command line and :func:`run_preset` hand down.
-
-    Checked whole when it is made, before any folder, device or corpus is touched: a wrong field is
-    a :class:`RunRefused` naming the field, what was expected and what was given. ``None`` keeps the
-    preset's own value (or, with ``resume``, the saved run's). After the checks ``preset`` is a name
-    (a registered Preset stands for its name) and ``device`` a torch.device.
-    """
-
-    preset: str | Preset | None            # a name in PRESETS; None only with resume (the saved run's)
-    out: str | os.PathLike                 # the run's folder: checkpoint.pt and metrics.json
-    _: KW_ONLY
-    seconds: float | None = None           # the training-time budget
-    steps: int | None = None               # the total steps (resumed: the new total)
-    corpus: str | None = None              # a corpus name or the path of any UTF-8 text file
-    device: torch.device | str | None = None   # None: the fastest here
-    progress: bool = True                  # show a progress bar
-    compile: bool | None = None            # torch.compile the model (None: as the preset says)
-    batch_size: int | None = None          # sequences per step and per process
-    seed: int | None = None                # initial weights, batches and dropout (None: the preset's)
-    resume: bool = False                   # continue the run saved in ``out``
-    overwrite: bool = False                # replace the run that ``out`` holds
-
-    def __post_init__(self) -> None:
-        settle = partial(object.__setattr__, self)   # frozen: checked values replace the given ones, once, here
-        try:
-            RunFolder.check_arguments(self.out, resume=self.resume, overwrite=self.overwrite)
-            settle("preset", _registered_name(self.preset))
-            if self.preset is None and not self.resume:
-                raise RunRefused("preset: expected a preset name (or --resume DIR), got none")
-            if self.corpus is not None and not isinstance(self.corpus, str):
-                raise RunRefused(f"corpus: expected a corpus name or a file path, got {self.corpus!r}")
-            for field_name, check in (("seconds", _positive_seconds), ("steps", validate.positive_int),
-                                      ("batch_size", validate.positive_int), ("seed", validate.non_negative_int),
-                                      ("compile", validate.boolean)):
-                if getattr(self, field_name) is not None:
-                    check(field_name, getattr(self, field_name))
-            validate.boolean("progress", self.progress)
-            settle("device", resolve_device(self.device))   # None: the fastest here
-        except RunRefused:
-            raise
-        except (TypeError, ValueError) as exc:
-            raise RunRefused(str(exc)) from None
-        # taken as truth values, as they always were (RunFolder reads them so too)
-        settle("resume", bool(self.resume))
-        settle("overwrite", bool(self.overwrite))
-
-
-def _positive_seconds(name: str, value: Any) -> float:
-    return validate.positive_float(name, value, finite=True)
 
 
 def run_preset(name: str | Preset | None, out_dir: str | os.PathLike, **options: Any) -> dict[str, Any]:
