@@ -19,13 +19,15 @@ from ... import modern as ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _rope_variants as rope
-from ._attn_hypotheses import first_match
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
-from ._gradients import check_gradients, check_module_gradients
+from ._gradients import check_module_gradients
 from ._model_common import as_tensor, copy_weights
 from ._student_code import call_student, close, construct, expect_callable, expect_tensor, max_diff, reraise_with
-from .engine import checker
+from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine.example import SEEDS, tiny
+from .engine.function import Run
+from .engine.probes import gradient_probe
 
 __all__ = ["check_rope_tables", "check_apply_rotary", "check_rms_norm", "check_swiglu", "check_repeat_kv",
            "check_grouped_query_attention"]
@@ -210,59 +212,99 @@ _ROTARY_MISTAKES: tuple[Mistake, ...] = (
 )
 
 
-def _rotary_hypothesis(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int,
+def _rotary_hypothesis(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, *,
                        spec: dict[str, Any]) -> torch.Tensor:
     used = {"ok": offset, "zero": 0, "plus_one": offset + 1,
             "end": cos.shape[0] - x.shape[-2]}[spec.get("offset", "ok")]
     return rope.rotate(x, cos, sin, used, kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
 
 
-def _judge_apply_rotary(fn: Callable[..., Any]) -> str:
-    expect_callable(fn, "apply_rotary")
-    generator = torch.Generator().manual_seed(9)
-    runs = []
-    for shape, rows, theta, offset, dtype, table_dtype in [(*case, case[-1]) for case in _ROTARY_CASES]:
-        head_dim = shape[-1]
-        cos, sin = ref.rope_tables(head_dim, rows, theta, dtype=table_dtype)
-        x = torch.randn(shape, generator=generator).to(dtype)
-        shown = (f"apply_rotary(x, cos, sin{f', offset={offset}' if offset else ''}) with x of shape {shape}"
-                 f"{'' if dtype == torch.float32 else f' ({dtype})'} and tables of {rows} rows")
-        kwargs = {"offset": offset} if offset else {}
+def _rotary_case(generator: torch.Generator, shape: tuple[int, ...], rows: int, theta: float, offset: int,
+                 dtype: torch.dtype, table_dtype: torch.dtype | None = None) -> Case:
+    cos, sin = ref.rope_tables(shape[-1], rows, theta, dtype=table_dtype or dtype)
+    x = torch.randn(shape, generator=generator).to(dtype)
+    return Case((x, cos, sin, offset), f"apply_rotary(x, cos, sin{f', offset={offset}' if offset else ''}) with x "
+                                       f"of shape {shape}{'' if dtype == torch.float32 else f' ({dtype})'} and "
+                                       f"tables of {rows} rows")
+
+
+def _offset_by_keyword(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The student's apply_rotary called as the notebook calls it: offset by keyword, and only when not 0."""
+    return lambda x, cos, sin, offset: fn(x, cos, sin, offset=offset) if offset else fn(x, cos, sin)
+
+
+def _rotary_reword(failure: Failure, case: Case, out: Any, fn: Any) -> None:
+    """A call or shape that fails only with an offset, or a dtype lost only in half precision, says so."""
+    cases = APPLY_ROTARY.cases()
+    earlier = cases[:next(i for i, c in enumerate(cases) if c.what == case.what)]
+
+    def right(c: Case) -> bool:
         try:
-            out = call_student(fn, x.clone(), cos, sin, what=shown, **kwargs)
-            expect_tensor(out, shape, shown, dtype=dtype)
-        except Failure as failure:
-            earlier_right = all(close(o, e) for _, _, _, _, o, e in runs)
-            without_offset_right = all(close(o, e) for _, _, _, off, o, e in runs if not off)
-            if offset and without_offset_right and failure.diagnosis in ("exception", "shape"):
-                reraise_with(failure, "rope_positions", " Your function works with offset=0 but not with "
-                             f"offset={offset}: take the table rows offset .. offset+L-1, cos[offset:offset + L] "
-                             f"with L = x.shape[-2].")
-            if earlier_right and dtype != torch.float32 and failure.diagnosis == "dtype":
-                reraise_with(failure, "dtype", " Keep x's dtype: the tables here are already in it, so do not "
-                             "build new float32 tensors (or .float() x) on the way.")
-            raise
-        runs.append((x, cos, sin, offset, out, ref.apply_rotary(x, cos, sin, offset=offset)))
-    if all(close(out, expected) for *_, out, expected in runs):
-        _rotary_keeps_dtype(fn)
-        _rotary_learns(fn, runs[2])
-        x, cos, sin, offset = runs[2][:4]
-        probe_device(lambda: fn(meta(x), meta(cos), meta(sin), offset=offset),
-                     f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {_shape(x)}")
-        return ("Right for offsets 0 to 9, one to four heads and float16 to float64 (also with float32 tables), "
-                "and gradients flow back to x: pair (i, i + head_dim/2) of each token turns to the token's "
-                "position.")
-    found = first_match(_ROTARY_MISTAKES, [out for *_, out, _ in runs],
-                        lambda i, spec: _rotary_hypothesis(*runs[i][:4], spec))
-    if found is not None:
-        fail(found.code, f"apply_rotary: {found.message}")
-    x, cos, sin, offset, out, expected = next(r for r in runs if not close(r[4], r[5]))
-    if all(close(o, e) for _, _, _, off, o, e in runs if not off):
+            return close(call_student(fn, *c.given(), what=c.what), APPLY_ROTARY.reference(*c.args))
+        except Failure:
+            return False
+    x, offset = case.args[0], case.args[3]
+    if offset and failure.diagnosis in ("exception", "shape") and all(right(c) for c in earlier if not c.args[3]):
+        reraise_with(failure, "rope_positions", " Your function works with offset=0 but not with "
+                     f"offset={offset}: take the table rows offset .. offset+L-1, cos[offset:offset + L] "
+                     f"with L = x.shape[-2].")
+    if x.dtype != torch.float32 and failure.diagnosis == "dtype" and all(right(c) for c in earlier):
+        reraise_with(failure, "dtype", " Keep x's dtype: the tables here are already in it, so do not "
+                     "build new float32 tensors (or .float() x) on the way.")
+
+
+def _rotary_offsets(runs: list[Run], fn: Any) -> None:
+    offset = next(run for run in runs if not close(run.out, run.expected)).case.args[3]
+    if all(close(run.out, run.expected) for run in runs if not run.case.args[3]):
         fail("rope_positions", f"apply_rotary is right with offset=0 but not with offset={offset}: the rows of the "
                                f"tables for x are offset .. offset+L-1.")
-    fail("mismatch", f"apply_rotary with x of shape {_shape(x)} and offset={offset} differs from the reference by up "
-                     f"to {max_diff(out, expected):.3g}. It should return x * cos + rotate_half(x) * sin, with the "
-                     f"table rows offset .. offset+L-1 and rotate_half(x) = cat(-x2, x1) of the two halves.")
+
+
+def _rotary_mismatch(run: Run) -> str:
+    x, _, _, offset = run.case.args
+    return (f"apply_rotary with x of shape {_shape(x)} and offset={offset} differs from the reference by up "
+            f"to {max_diff(run.out, run.expected):.3g}. It should return x * cos + rotate_half(x) * sin, with the "
+            f"table rows offset .. offset+L-1 and rotate_half(x) = cat(-x2, x1) of the two halves.")
+
+
+def _rotary_cases() -> list[Case]:
+    generator = torch.Generator().manual_seed(9)
+    return [_rotary_case(generator, *case) for case in _ROTARY_CASES]
+
+
+def _rotary_examples() -> list[Case]:
+    cases = []
+    for (length, d, offset), seed in [(size, seed) for size in ((1, 2, 0), (2, 2, 0), (1, 2, 1), (2, 4, 0), (2, 4, 1))
+                                      for seed in SEEDS]:
+        x, (cos, sin) = tiny(torch.Generator().manual_seed(seed), 1, 1, length, d), ref.rope_tables(d, 4, 10.0)
+        cases.append(Case((x, cos, sin, offset), f"apply_rotary(x, cos, sin, offset={offset}) with the tables of "
+                                                 f"rope_tables({d}, 4, theta=10)"))
+    return cases
+
+
+APPLY_ROTARY = FunctionExercise(
+    "9.2", "apply_rotary", lambda x, cos, sin, offset: ref.apply_rotary(x, cos, sin, offset=offset), _rotary_cases,
+    ("x", "cos", "sin", "offset"),
+    success="Right for offsets 0 to 9, one to four heads and float16 to float64 (also with float32 tables), and "
+            "gradients flow back to x: pair (i, i + head_dim/2) of each token turns to the token's position.",
+    mismatch=_rotary_mismatch,
+    mistakes=tuple(Mistake(m.code, f"apply_rotary: {m.message}", m.spec) for m in _ROTARY_MISTAKES),
+    variant=_rotary_hypothesis, finite=True, reword=_rotary_reword, diagnose=_rotary_offsets,
+    examples=_rotary_examples,
+    probes=("gradient", "mutation", "reference_guard", "counterexample", "device"),
+)
+
+
+def _judge_apply_rotary(fn: Callable[..., Any]) -> str:
+    """The declaration, then x's dtype kept with float32 tables, the gradient reaching x, the device."""
+    expect_callable(fn, "apply_rotary")
+    message = judge(APPLY_ROTARY, _offset_by_keyword(fn))
+    _rotary_keeps_dtype(fn)
+    x, cos, sin, offset = APPLY_ROTARY.cases()[2].args
+    what = f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {_shape(x)}"
+    gradient_probe(_offset_by_keyword(fn), APPLY_ROTARY.reference, (x, cos, sin, offset), ("x",), what)
+    probe_device(lambda: fn(meta(x), meta(cos), meta(sin), offset=offset), what)
+    return message
 
 
 def _rotary_keeps_dtype(fn: Callable[..., Any]) -> None:
@@ -282,16 +324,7 @@ def _rotary_keeps_dtype(fn: Callable[..., Any]) -> None:
                           f"Cast the table rows to x's dtype, then turn: x * cos + rotate_half(x) * sin.")
 
 
-def _rotary_learns(fn: Callable[..., Any], run: tuple[Any, ...]) -> None:
-    """One backward pass: the gradient must reach x (``x.detach()``, ``.data`` or no_grad would cut it)."""
-    x, cos, sin, offset = run[:4]
-    mine, theirs = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
-    check_gradients(lambda: fn(mine, cos, sin, offset=offset), lambda: ref.apply_rotary(theirs, cos, sin, offset),
-                    {"x": mine}, {"x": theirs}, inputs=["x"],
-                    what=f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {_shape(x)}")
-
-
-@checker("9.2")
+@checker("9.2", example=lambda fn, *_, **__: function_example(APPLY_ROTARY)(_offset_by_keyword(fn)))
 def check_apply_rotary(fn: Callable[..., Any]) -> str:
     """``fn(x (N, heads, L, head_dim), cos, sin, offset=0)`` -> x turned to positions offset .. offset+L-1."""
     return _judge_apply_rotary(fn)
@@ -559,16 +592,6 @@ def check_swiglu(cls: Any) -> str:
 
 # ============================================================================ 9.5 repeat_kv
 
-# (x shape (N, kv_heads, L, head_dim), groups, contiguous): v comes from a transpose, so not contiguous.
-_REPEAT_CASES = (
-    ((2, 2, 3, 4), 3, True),
-    ((1, 4, 5, 2), 2, False),
-    ((2, 1, 3, 4), 4, False),    # multi-query: one key/value head for all
-    ((2, 3, 2, 4), 1, True),     # groups = 1: multi-head attention, nothing to repeat
-    ((1, 2, 1, 8), 2, False),    # one new token with a cache
-)
-
-
 def _numbered(shape: tuple[int, ...], contiguous: bool) -> torch.Tensor:
     """0, 1, 2, ... so every entry has one place; non-contiguous like split_heads' output when asked."""
     n, heads, length, head_dim = shape
@@ -576,53 +599,74 @@ def _numbered(shape: tuple[int, ...], contiguous: bool) -> torch.Tensor:
     return x.contiguous() if contiguous else x                                  # (N, kv_heads, L, head_dim)
 
 
-def _judge_repeat_kv(fn: Callable[..., Any]) -> str:
-    expect_callable(fn, "repeat_kv")
-    for shape, groups, contiguous in _REPEAT_CASES:
-        n, kv, length, head_dim = shape
-        x = _numbered(shape, contiguous)
-        what = f"repeat_kv(x, {groups}) with x of shape {shape}"
-        out = as_tensor(call_student(fn, x, groups, what=what))
-        expected_shape = (n, kv * groups, length, head_dim)
-        if isinstance(out, torch.Tensor) and _shape(out) != expected_shape and groups > 1:
-            wrong = {(n, kv, length * groups, head_dim): "along the sequence axis (dim 2)",
-                     (n, kv, length, head_dim * groups): "along the features (the last axis)",
-                     (n * groups, kv, length, head_dim): "along the batch (dim 0)"}.get(_shape(out))
-            if wrong:
-                fail("shape", f"{what} returned shape {_shape(out)}, expected {expected_shape}: you repeat {wrong}. "
-                              f"Repeat the key/value heads, dim 1.")
-            if _shape(out) in ((n, kv, groups, length, head_dim), (n, groups, kv, length, head_dim)):
-                fail("shape", f"{what} returned shape {_shape(out)}, expected {expected_shape}: the head and group "
-                              f"axes are still apart. Flatten them into one axis of kv_heads * groups heads "
-                              f"(.reshape, which copies the expanded view).")
-        expect_tensor(out, expected_shape, what, dtype=x.dtype)
-        if torch.equal(out, ref.repeat_kv(x, groups)):
-            continue
-        if torch.equal(out, x.repeat(1, groups, 1, 1)):
-            fail("kv_grouping", f"{what}: the heads come out tiled, [0, 1, 0, 1, ...] (x.repeat, or expand on a new "
-                                f"axis in front of the heads): query head h would read key/value head h % kv_heads. "
-                                f"Each key/value head serves `groups` NEIGHBOURING query heads, so repeat each one "
-                                f"`groups` times in a row, [0, 0, 1, 1, ...]: repeat_interleave(groups, dim=1), or "
-                                f"expand on a new axis after the heads.")
-        if torch.equal(out.flatten().sort().values, ref.repeat_kv(x, groups).flatten().sort().values):
-            fail("kv_grouping", f"{what}: the right numbers in the wrong places. Output head h must be key/value "
-                                f"head h // groups, each head repeated `groups` times in a row.")
-        fail("mismatch", f"{what}: your output holds numbers that are not copies of x's heads. Output head h is a "
-                         f"copy of x[:, h // groups].")
-    x = torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(95))
-    what = "repeat_kv(x, 2) with x of shape (2, 2, 3, 4)"
-    mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    check_gradients(lambda: fn(mine, 2), lambda: ref.repeat_kv(theirs, 2), {"x": mine}, {"x": theirs},
-                    inputs=["x"], what=what)
-    probe_device(lambda: fn(meta(x), 2), what)
-    return ("Each key/value head repeated for its group of neighbouring query heads, for GQA, MQA (one kv head) "
-            "and MHA (groups = 1).")
+def _repeat_case(shape: tuple[int, ...], groups: int, contiguous: bool = True) -> Case:
+    return Case((_numbered(shape, contiguous), groups), f"repeat_kv(x, {groups}) with x of shape {shape}")
 
 
-@checker("9.5")
+def _repeat_axes(case: Case, out: Any) -> None:
+    """A repeat along another axis, or the group axis left apart, named before the shape check."""
+    x, groups = case.args
+    n, kv, length, head_dim = x.shape
+    expected = (n, kv * groups, length, head_dim)
+    if not isinstance(out, torch.Tensor) or _shape(out) == expected or groups == 1:
+        return
+    wrong = {(n, kv, length * groups, head_dim): "along the sequence axis (dim 2)",
+             (n, kv, length, head_dim * groups): "along the features (the last axis)",
+             (n * groups, kv, length, head_dim): "along the batch (dim 0)"}.get(_shape(out))
+    if wrong:
+        fail("shape", f"{case.what} returned shape {_shape(out)}, expected {expected}: you repeat {wrong}. "
+                      f"Repeat the key/value heads, dim 1.")
+    if _shape(out) in ((n, kv, groups, length, head_dim), (n, groups, kv, length, head_dim)):
+        fail("shape", f"{case.what} returned shape {_shape(out)}, expected {expected}: the head and group "
+                      f"axes are still apart. Flatten them into one axis of kv_heads * groups heads "
+                      f"(.reshape, which copies the expanded view).")
+
+
+def _misplaced(runs: list[Run], fn: Any) -> None:
+    run = runs[0]
+    if torch.equal(run.out.flatten().sort().values, run.expected.flatten().sort().values):
+        fail("kv_grouping", f"{run.case.what}: the right numbers in the wrong places. Output head h must be "
+                            f"key/value head h // groups, each head repeated `groups` times in a row.")
+
+
+REPEAT_KV = FunctionExercise(
+    "9.5", "repeat_kv", lambda x, groups: ref.repeat_kv(x, groups),
+    # v comes from a transpose, so not contiguous; kv_heads 1 is multi-query, groups 1 multi-head attention
+    lambda: [_repeat_case((2, 2, 3, 4), 3), _repeat_case((1, 4, 5, 2), 2, False),
+             _repeat_case((2, 1, 3, 4), 4, False), _repeat_case((2, 3, 2, 4), 1),
+             _repeat_case((1, 2, 1, 8), 2, False)],
+    ("x", "groups"),
+    success="Each key/value head repeated for its group of neighbouring query heads, for GQA, MQA (one kv head) "
+            "and MHA (groups = 1).",
+    mismatch=lambda run: (f"{run.case.what}: your output holds numbers that are not copies of x's heads. Output "
+                          f"head h is a copy of x[:, h // groups]."),
+    mistakes=(Mistake("kv_grouping", "the heads come out tiled, [0, 1, 0, 1, ...] (x.repeat, or expand on a new "
+                                     "axis in front of the heads): query head h would read key/value head h % "
+                                     "kv_heads. Each key/value head serves `groups` NEIGHBOURING query heads, so "
+                                     "repeat each one `groups` times in a row, [0, 0, 1, 1, ...]: "
+                                     "repeat_interleave(groups, dim=1), or expand on a new axis after the heads.",
+                      output=lambda x, groups: x.repeat(1, groups, 1, 1)),),
+    exact=True, each_case=True, finite=True, numpy_ok=True, raw=_repeat_axes, diagnose=_misplaced,
+    gradients=lambda: [Case((torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(95)), 2),
+                            "repeat_kv(x, 2) with x of shape (2, 2, 3, 4)")],
+    examples=lambda: [Case((torch.arange(float(kv * length)).reshape(1, kv, length, 1), groups),
+                           f"repeat_kv(x, {groups})") for kv, groups, length in ((1, 2, 1), (2, 2, 1), (2, 2, 2),
+                                                                                  (2, 3, 1))],
+    probes=("gradient", "mutation", "reference_guard", "counterexample", "device"),
+)
+
+
+@checker("9.5", example=function_example(REPEAT_KV))
 def check_repeat_kv(fn: Callable[..., Any]) -> str:
     """``fn(x (N, kv_heads, L, head_dim), groups)`` -> (N, kv_heads * groups, L, head_dim), interleaved order."""
     return _judge_repeat_kv(fn)
+
+
+def _judge_repeat_kv(fn: Callable[..., Any]) -> str:
+    message = judge(REPEAT_KV, fn)
+    (x, groups), what = REPEAT_KV.gradients()[0].args, REPEAT_KV.gradients()[0].what
+    probe_device(lambda: fn(meta(x), groups), what)
+    return message
 
 
 # ============================================================================ 9.6 GroupedQueryAttention
