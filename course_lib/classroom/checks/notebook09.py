@@ -7,6 +7,7 @@ Mistakes are named by hypothesis: what each known slip would output on the same 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -19,12 +20,13 @@ from ... import modern as ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _rope_variants as rope
+from ._counterexample import first_difference
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
 from ._gradients import check_module_gradients
 from ._model_common import as_tensor, copy_weights
 from ._student_code import call_student, close, construct, expect_callable, expect_tensor, max_diff, reraise_with
-from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.example import SEEDS, tiny
 from .engine.function import Run
 from .engine.probes import gradient_probe
@@ -38,11 +40,6 @@ def _shape(t: Any) -> tuple[int, ...]:
 
 
 # ============================================================================ 9.1 rope_tables
-
-# (head_dim, max_tokens, theta); None leaves theta at its default. Small head_dims with several theta,
-# so every slip of the frequencies moves some entry well past the tolerance.
-_TABLE_CASES = ((8, 12, None), (4, 5, None), (16, 40, 500000.0), (6, 9, 100.0), (2, 1, None))
-
 
 def _two_tables(result: Any, what: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """rope_tables returns (cos, sin): a pair (a tensor of two stacked tables unpacks the same way)."""
@@ -136,25 +133,57 @@ def _default_theta_wrong(fn: Callable[..., Any]) -> bool:
     return default is not inspect.Parameter.empty and default != 10000.0
 
 
-def _judge_rope_tables(fn: Callable[..., Any]) -> str:
-    expect_callable(fn, "rope_tables")
-    default_wrong = _default_theta_wrong(fn)
-    for head_dim, max_tokens, theta in _TABLE_CASES:
-        shown = f"rope_tables({head_dim}, {max_tokens}" + ("" if theta is None else f", theta={theta:g}") + ")"
-        args = (head_dim, max_tokens) if theta is None else (head_dim, max_tokens, theta)
-        result = call_student(fn, *args, what=shown)
-        cos, sin = _two_tables(result, shown, (max_tokens, head_dim))
-        right = rope.tables(head_dim, max_tokens, theta or 10000.0)
-        if not (close(cos, right[0]) and close(sin, right[1])):
-            _diagnose_tables(cos, sin, head_dim, max_tokens, theta or 10000.0, shown, theta is None and default_wrong)
-    return ("Both tables right for head_dim 2 to 16 and several theta: pair (i, i + head_dim/2) turns by "
-            "theta^(-2i/head_dim) per position.")
+def _table_case(head_dim: int, max_tokens: int, theta: float | None = None) -> Case:
+    """theta None leaves it at the student's default."""
+    args = (head_dim, max_tokens) if theta is None else (head_dim, max_tokens, theta)
+    return Case(args, f"rope_tables({head_dim}, {max_tokens}" + ("" if theta is None else f", theta={theta:g}") + ")")
 
 
-@checker("9.1")
+def _stacked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The student's rope_tables as one tensor, its two tables stacked (2, max_tokens, head_dim), once the
+    pair it returns is judged; its signature is the student's (the default of theta is read from it)."""
+    @functools.wraps(fn)
+    def tables(head_dim: int, max_tokens: int, *theta: float) -> torch.Tensor:
+        shown = _table_case(head_dim, max_tokens, *theta).what
+        return torch.stack(_two_tables(fn(head_dim, max_tokens, *theta), shown, (max_tokens, head_dim)))
+    return tables
+
+
+def _table_diagnosis(runs: list[Run], fn: Any) -> None:
+    (head_dim, max_tokens, *theta), what = runs[0].case.args, runs[0].case.what
+    _diagnose_tables(*runs[0].out, head_dim, max_tokens, *(theta or [10000.0]), what,
+                     not theta and _default_theta_wrong(fn))
+
+
+ROPE_TABLES = FunctionExercise(
+    "9.1", "rope_tables", lambda head_dim, max_tokens, theta=10000.0: torch.stack(
+        ref.rope_tables(head_dim, max_tokens, theta)),
+    # small head_dims with several theta, so every slip of the frequencies moves some entry past the tolerance
+    lambda: [_table_case(8, 12), _table_case(4, 5), _table_case(16, 40, 500000.0), _table_case(6, 9, 100.0),
+             _table_case(2, 1)],
+    ("head_dim", "max_tokens", "theta"),
+    success="Both tables right for head_dim 2 to 16 and several theta: pair (i, i + head_dim/2) turns by "
+            "theta^(-2i/head_dim) per position.",
+    mismatch=lambda run: "",   # _diagnose_tables always decides
+    each_case=True, dtype=False, diagnose=_table_diagnosis,
+    examples=lambda: [Case(case.args, f"{case.what}  (cos table first, then sin)") for case in (
+        _table_case(2, 2), _table_case(4, 2), _table_case(4, 3), _table_case(4, 3, 100.0), _table_case(8, 3, 100.0))],
+)
+
+
+def _tables_example(fn: Callable[..., Any], *_: Any, **__: Any) -> Any:
+    """The counter-example shows whatever came back, the pair stacked (wrong shapes included)."""
+    def stacked(*args: Any) -> Any:
+        tables = fn(*args)
+        return torch.stack([as_tensor(t) for t in tables]) if isinstance(tables, (tuple, list)) else tables
+    return function_example(ROPE_TABLES)(stacked)
+
+
+@checker("9.1", example=_tables_example)
 def check_rope_tables(fn: Callable[..., Any]) -> str:
     """``fn(head_dim, max_tokens, theta=10000.0)`` -> (cos, sin), each (max_tokens, head_dim), half-split."""
-    return _judge_rope_tables(fn)
+    expect_callable(fn, "rope_tables")
+    return judge(ROPE_TABLES, _stacked(fn))
 
 
 # ============================================================================ 9.2 apply_rotary
@@ -502,7 +531,12 @@ def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
                           f"(x.float()), then cast the result back with .to(x.dtype).")
 
 
-@checker("9.3")
+def _norm_example(cls: Any, *_: Any, **__: Any) -> Any:
+    return first_difference([lambda dim=dim: module_example(f"RMSNorm({dim})", lambda: cls(dim), lambda: ref.RMSNorm(dim),
+                                                            dim, (1, 2)) for dim in (2, 3, 4)])
+
+
+@checker("9.3", example=_norm_example)
 def check_rms_norm(cls: Any) -> str:
     """``cls(dim, eps=1e-6)`` with ``weight``; forward -> x / sqrt(mean(x^2) + eps) * weight, in x's dtype."""
     return _judge_rms_norm(cls)
@@ -584,7 +618,8 @@ def _judge_swiglu(cls: Any) -> str:
     return "down(silu(gate(x)) * up(x)) for 2-D and 3-D inputs: the gate branch through SiLU scales the up branch."
 
 
-@checker("9.4")
+@checker("9.4", example=lambda cls, *_, **__: module_example("SwiGLU(2, 3)", lambda: cls(2, 3),
+                                                            lambda: ref.SwiGLU(2, 3), 2))
 def check_swiglu(cls: Any) -> str:
     """``cls(embed_dim, hidden_dim)`` with gate, up, down; forward -> down(silu(gate(x)) * up(x))."""
     return _judge_swiglu(cls)
@@ -671,7 +706,9 @@ def _judge_repeat_kv(fn: Callable[..., Any]) -> str:
 
 # ============================================================================ 9.6 GroupedQueryAttention
 
-@checker("9.6")
+@checker("9.6", example=lambda cls, *_, **__: module_example(
+    "GroupedQueryAttention(4, 2, 1, 4, 10.0)", lambda: cls(4, 2, 1, 4, 10.0),
+    lambda: ref.GroupedQueryAttention(4, 2, 1, 4, 10.0), 4))
 def check_grouped_query_attention(cls: Any) -> str:
     """``cls(embed_dim, num_heads, num_kv_heads, max_tokens, rope_theta)``; forward(x, cache=None)."""
     from ._gqa_check import check_class
