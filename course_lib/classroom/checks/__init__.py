@@ -15,7 +15,6 @@ from ... import model as _model
 from ... import modern as _modern
 from ... import train as _train
 from ..verdict import DIAGNOSES, CheckResult
-from . import _searches  # noqa: F401 - the counter-example searchers register themselves
 from ._core import hint, show_solution
 from ._references import bind_references as _bind_references
 from .notebook01 import check_scaled_dot_product_attention, check_toy_attention, check_toy_prediction
