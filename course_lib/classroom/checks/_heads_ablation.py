@@ -19,8 +19,10 @@ from ... import heads as ref
 from ...model import GPT, GPTConfig
 from ..exercises import Mistake
 from ..verdict import fail
+from ._counterexample import Example, first_difference
 from ._model_common import randomize_
 from ._student_code import call_student, close, expect_callable
+from .engine.example import compare
 
 _MISTAKES = (
     Mistake("ablation_method", "the head's query and key weights are zeroed. That makes its attention uniform, "
@@ -237,3 +239,23 @@ def judge_ablate_head(fn: Callable[..., Any]) -> str:
                                      f"however the block ends.")
     return ("Inside the `with`, exactly that head is off (both models, five layer/head pairs, gradients still "
             "flowing); afterwards, and after an exception inside, the model is exactly as before.")
+
+
+def ablation_example(fn: Callable[..., Any], *_: Any, **__: Any) -> Example | None:
+    """The counter-example: the logits of a tiny attention-only model (2 layers of 2 heads of 2 numbers) inside
+    the student's ``with`` beside the reference's, for the first layer and head where they differ."""
+    def attempt(layer: int, head: int, seed: int) -> Callable[[], Example | None]:
+        def run() -> Example | None:
+            generator = torch.Generator().manual_seed(seed)
+            config = ref.InductionConfig(vocab_size=5, half=2, embed_dim=4, num_heads=2, num_layers=2, min_period=2)
+            model = randomize_(ref.AttentionOnly(config), generator).eval()
+            reference, idx = copy.deepcopy(model), torch.randint(5, (1, 4), generator=generator)   # idx: (1, 4)
+
+            def logits(ablate: Callable[..., Any], built: nn.Module) -> torch.Tensor:
+                with ablate(built, layer, head):
+                    return built(idx)
+            return compare(f"the logits inside `with ablate_head(model, layer={layer}, head={head})`, model a "
+                           f"2-layer attention-only model with 2 heads of 2 numbers", [("idx", idx)],
+                           lambda: logits(fn, model), lambda: logits(ref.ablate_head, reference))
+        return run
+    return first_difference([attempt(layer, head, seed) for seed in (0, 1) for layer in (0, 1) for head in (0, 1)])
