@@ -14,11 +14,14 @@ from typing import Any
 import torch
 
 from ... import flash as ref
+from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _flash_variants as variants
 from ._flash_probe import Recorder
 from ._student_code import call_student, close, expect_callable, expect_tensor, matches, max_diff
-from .engine import checker
+from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine.example import tiny
+from .engine.function import Run
 
 __all__ = ["check_online_softmax", "check_flash_attention", "check_flash_backward"]
 
@@ -56,29 +59,73 @@ _SOFTMAX_CASES = (
     (_large(first=False), 4),
 )
 
+def _softmax_mistake(code: str, why: str, **spec: str) -> Mistake:
+    return Mistake(code, f"online_softmax: {why}.", spec)
+
+
 _SOFTMAX_MISTAKES = (
-    ("online_rescale", "the running sum is not rescaled when the maximum changes: every earlier term was "
-                       "exp(x - m_old), so when a block raises the maximum the sum must be multiplied by "
-                       "exp(m_old - m_new) before the new block's terms are added", {"rescale": "none"}),
-    ("online_rescale", "the rescale factor is upside down: when the maximum grows from m_old to m_new, the old sum "
-                       "shrinks, l * exp(m_old - m_new), a factor of at most 1", {"rescale": "inverted"}),
-    ("running_max", "you keep the maximum of the latest block, not the running maximum of all blocks so far: "
-                    "it is right in exact arithmetic, but when a later block is much smaller than an earlier "
-                    "one the rescale factor exp(m_old - m_new) overflows. Use m_new = max(m, block.max())",
-     {"maximum": "last"}),
-    ("overflow", "no maximum is subtracted, so exp overflows to inf for scores above about 88 in float32 and "
-                 "you divide inf by inf. Subtract the running maximum m inside every exp", {"maximum": "none"}),
-    ("early_normalization", "each block is normalised with the sum seen so far; the earlier blocks never learn "
-                            "about the later ones. Only the statistics (m, l) are updated per block: divide by "
-                            "the final sum once, at the end", {"normalize": "every"}),
-    ("block_bounds", "the last entry of every block is never read: block s covers x[..., s : s + block_size] "
-                     "(the end is excluded already, no -1)", {"bounds": "short"}),
-    ("block_bounds", "every block starts one entry late: block s covers x[..., s : s + block_size]",
-     {"bounds": "shifted"}),
-    ("block_bounds", "your loop stops before the last block: range(0, L, block_size) visits every start, the last "
-                     "block may be shorter", {"bounds": "stop_early"}),
-    ("block_bounds", "a last block shorter than block_size is never read (L is not always a multiple of the "
-                     "block size): loop over range(0, L, block_size) and slice to the end", {"bounds": "whole_blocks"}),
+    _softmax_mistake("online_rescale", "the running sum is not rescaled when the maximum changes: every earlier term "
+                     "was exp(x - m_old), so when a block raises the maximum the sum must be multiplied by "
+                     "exp(m_old - m_new) before the new block's terms are added", rescale="none"),
+    _softmax_mistake("online_rescale", "the rescale factor is upside down: when the maximum grows from m_old to "
+                     "m_new, the old sum shrinks, l * exp(m_old - m_new), a factor of at most 1", rescale="inverted"),
+    _softmax_mistake("running_max", "you keep the maximum of the latest block, not the running maximum of all blocks "
+                     "so far: it is right in exact arithmetic, but when a later block is much smaller than an earlier "
+                     "one the rescale factor exp(m_old - m_new) overflows. Use m_new = max(m, block.max())",
+                     maximum="last"),
+    _softmax_mistake("overflow", "no maximum is subtracted, so exp overflows to inf for scores above about 88 in "
+                     "float32 and you divide inf by inf. Subtract the running maximum m inside every exp",
+                     maximum="none"),
+    _softmax_mistake("early_normalization", "each block is normalised with the sum seen so far; the earlier blocks "
+                     "never learn about the later ones. Only the statistics (m, l) are updated per block: divide by "
+                     "the final sum once, at the end", normalize="every"),
+    _softmax_mistake("block_bounds", "the last entry of every block is never read: block s covers x[..., s : s + "
+                     "block_size] (the end is excluded already, no -1)", bounds="short"),
+    _softmax_mistake("block_bounds", "every block starts one entry late: block s covers x[..., s : s + block_size]",
+                     bounds="shifted"),
+    _softmax_mistake("block_bounds", "your loop stops before the last block: range(0, L, block_size) visits every "
+                     "start, the last block may be shorter", bounds="stop_early"),
+    _softmax_mistake("block_bounds", "a last block shorter than block_size is never read (L is not always a multiple "
+                     "of the block size): loop over range(0, L, block_size) and slice to the end",
+                     bounds="whole_blocks"),
+)
+
+
+def _softmax_cases(cases: Any) -> list[Case]:
+    return [Case((x, size), f"online_softmax(x, {size}) with x of shape {_shape(x)}") for x, size in cases]
+
+
+def _softmax_not_finite(runs: list[Run], fn: Any) -> None:
+    run = next(run for run in runs if not close(run.out, run.expected))
+    (x, size), out = run.case.args, run.out
+    if not torch.isfinite(out).all():
+        fail("overflow" if x.abs().max() > 50 else "nan",
+             f"online_softmax(x, {size}) gave NaN or inf for x of shape {_shape(x)} (scores up to "
+             f"{float(x.max()):.0f}). Subtract the running maximum inside every exp, and rescale the sum "
+             f"with exp(m_old - m_new), which is at most 1.")
+
+
+def _softmax_mismatch(run: Run) -> str:
+    (x, size), out = run.case.args, run.out
+    return (f"online_softmax(x, {size}) differs from torch.softmax(x, dim=-1) by up to "
+            f"{max_diff(out, torch.softmax(x.double(), -1)):.3g} for x of shape {_shape(x)}. Keep the "
+            f"running maximum m and sum l over the blocks, then return exp(x - m) / l.")
+
+
+def _tiny_rows() -> list[tuple[torch.Tensor, int]]:
+    generator = torch.Generator().manual_seed(0)
+    rows = [(tiny(generator, 1, length), size) for length, size in ((3, 1), (4, 2), (5, 2), (5, 3))]
+    return rows + [(tiny(generator, 1, 4) + torch.tensor([0.0, 0.0, 100.0, 100.0]), 2)]   # exp(100): overflow
+
+
+ONLINE_SOFTMAX = FunctionExercise(
+    "10.1", "online_softmax", lambda x, block_size: ref.online_softmax(x, block_size),
+    lambda: _softmax_cases(_SOFTMAX_CASES), ("x", "block_size"),
+    success="Equal to torch.softmax for blocks that divide the row and blocks that do not, and stable for scores "
+            "near 100 wherever they are: the running sum is rescaled whenever the maximum grows.",
+    mismatch=_softmax_mismatch, mistakes=_SOFTMAX_MISTAKES,
+    variant=lambda x, size, *, spec: variants.softmax_variant(x, size, **spec),
+    diagnose=_softmax_not_finite, examples=lambda: _softmax_cases(_tiny_rows()),
 )
 
 
@@ -101,40 +148,17 @@ def _whole_row_reduction(fn: Callable[..., Any], x: torch.Tensor, size: int) -> 
     return seen[0] if seen else None
 
 
-@checker("10.1")
+@checker("10.1", example=function_example(ONLINE_SOFTMAX))
 def check_online_softmax(fn: Callable[..., Any]) -> str:
     """``fn(x, block_size)`` -> softmax over the last axis of x (..., L), computed one block at a time."""
-    expect_callable(fn, "online_softmax")
-    outputs = []
-    for x, size in _SOFTMAX_CASES:
-        shown = f"online_softmax(x, {size}) with x of shape {_shape(x)}"
-        out = call_student(fn, x.clone(), size, what=shown)
-        outputs.append(expect_tensor(out, _shape(x), shown, dtype=x.dtype, finite=False))
-    wrong = [i for i, (out, (x, _)) in enumerate(zip(outputs, _SOFTMAX_CASES))
-             if not close(out, torch.softmax(x.double(), -1))]
-    if wrong:
-        for code, why, spec in _SOFTMAX_MISTAKES:
-            if all(matches(out, variants.softmax_variant(x, size, **spec))
-                   for out, (x, size) in zip(outputs, _SOFTMAX_CASES)):
-                fail(code, f"online_softmax: {why}.")
-        x, size = _SOFTMAX_CASES[wrong[0]]
-        out = outputs[wrong[0]]
-        if not torch.isfinite(out).all():
-            fail("overflow" if x.abs().max() > 50 else "nan",
-                 f"online_softmax(x, {size}) gave NaN or inf for x of shape {_shape(x)} (scores up to "
-                 f"{float(x.max()):.0f}). Subtract the running maximum inside every exp, and rescale the sum "
-                 f"with exp(m_old - m_new), which is at most 1.")
-        fail("mismatch", f"online_softmax(x, {size}) differs from torch.softmax(x, dim=-1) by up to "
-                         f"{max_diff(out, torch.softmax(x.double(), -1)):.3g} for x of shape {_shape(x)}. Keep the "
-                         f"running maximum m and sum l over the blocks, then return exp(x - m) / l.")
+    success = judge(ONLINE_SOFTMAX, fn)
     x, size = _SOFTMAX_CASES[0]
     whole = _whole_row_reduction(fn, x, size)
     if whole:
         fail("not_tiled", f"online_softmax reduces over the whole row at once ({whole} over all {x.shape[-1]} "
                           f"entries): the point is to read the row one block of block_size entries at a time, "
                           f"keeping only the running maximum and sum between blocks.")
-    return ("Equal to torch.softmax for blocks that divide the row and blocks that do not, and stable for scores "
-            "near 100 wherever they are: the running sum is rescaled whenever the maximum grows.")
+    return success
 
 
 # ============================================================================ 10.2 flash_attention
