@@ -1,9 +1,11 @@
 """Exercises of notebook 10 (FlashAttention): 10.1 online_softmax, 10.2 flash_attention (the tiled forward),
 10.3 FlashAttentionFunction (the backward by recomputation).
 
-Mistakes are named by hypothesis (``_flash_variants``: what each slip outputs on the same inputs); whether the
-student tiled at all is watched while their code runs (``_flash_probe``: the largest tensor it creates and the
-score blocks it computes).
+10.1 and 10.3 are declarations the engine runs (``engine.judge``; 10.3 on the stacked (dq, dk, dv) of the
+student's class). 10.2 is a procedure: two declarations (its output, then its log-sum-exp) and the tiling
+probes. The slips are ``Mistake``s with a spec of ``_flash_variants`` (what each outputs on the same inputs);
+whether the student tiled at all is watched while their code runs (``_flash_probe``: the largest tensor it
+creates, the score blocks it computes, its reductions and empty slices). Hints are in ``classroom.exercises``.
 """
 from __future__ import annotations
 
@@ -24,10 +26,6 @@ from .engine.example import tiny
 from .engine.function import Run
 
 __all__ = ["check_online_softmax", "check_flash_attention", "check_flash_backward"]
-
-
-def _shape(t: Any) -> tuple[int, ...]:
-    return tuple(t.shape)
 
 
 # ============================================================================ 10.1 online_softmax
@@ -92,7 +90,7 @@ _SOFTMAX_MISTAKES = (
 
 
 def _softmax_cases(cases: Any) -> list[Case]:
-    return [Case((x, size), f"online_softmax(x, {size}) with x of shape {_shape(x)}") for x, size in cases]
+    return [Case((x, size), f"online_softmax(x, {size}) with x of shape {tuple(x.shape)}") for x, size in cases]
 
 
 def _softmax_not_finite(runs: list[Run], fn: Any) -> None:
@@ -100,7 +98,7 @@ def _softmax_not_finite(runs: list[Run], fn: Any) -> None:
     (x, size), out = run.case.args, run.out
     if not torch.isfinite(out).all():
         fail("overflow" if x.abs().max() > 50 else "nan",
-             f"online_softmax(x, {size}) gave NaN or inf for x of shape {_shape(x)} (scores up to "
+             f"online_softmax(x, {size}) gave NaN or inf for x of shape {tuple(x.shape)} (scores up to "
              f"{float(x.max()):.0f}). Subtract the running maximum inside every exp, and rescale the sum "
              f"with exp(m_old - m_new), which is at most 1.")
 
@@ -108,7 +106,7 @@ def _softmax_not_finite(runs: list[Run], fn: Any) -> None:
 def _softmax_mismatch(run: Run) -> str:
     (x, size), out = run.case.args, run.out
     return (f"online_softmax(x, {size}) differs from torch.softmax(x, dim=-1) by up to "
-            f"{max_diff(out, torch.softmax(x.double(), -1)):.3g} for x of shape {_shape(x)}. Keep the "
+            f"{max_diff(out, torch.softmax(x.double(), -1)):.3g} for x of shape {tuple(x.shape)}. Keep the "
             f"running maximum m and sum l over the blocks, then return exp(x - m) / l.")
 
 
@@ -131,21 +129,9 @@ ONLINE_SOFTMAX = FunctionExercise(
 
 def _whole_row_reduction(fn: Callable[..., Any], x: torch.Tensor, size: int) -> str | None:
     """An operation that reduces over a whole row at once (softmax, max, logsumexp...), if the student ran one."""
-    seen: list[str] = []
-
-    class Watch(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            name = func.overloadpacket.__name__
-            first = args[0] if args else None
-            if (name in ("_softmax", "_log_softmax", "logsumexp", "amax", "max", "sum", "mean", "amin", "min",
-                         "cumsum") and isinstance(first, torch.Tensor) and first.dim() and first.shape[-1] == x.shape[-1]
-                    and x.shape[-1] > size):
-                seen.append(name)
-            return func(*args, **(kwargs or {}))
-
-    with Watch():
+    with Recorder(0) as watch:
         call_student(fn, x.clone(), size, what=f"online_softmax(x, {size})")
-    return seen[0] if seen else None
+    return next((name for name, length in watch.record.reduced if length == x.shape[-1] > size), None)
 
 
 @checker("10.1", example=function_example(ONLINE_SOFTMAX))
@@ -191,7 +177,7 @@ _PROBE = dict(length=64, head_dim=12, block_q=16, block_k=8)
 
 def _pair(result: Any, shown: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
     if isinstance(result, torch.Tensor) or not isinstance(result, (tuple, list)) or len(result) != 2:
-        got = (f"one tensor of shape {_shape(result)}" if isinstance(result, torch.Tensor) else
+        got = (f"one tensor of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor) else
                "nothing" if result is None else f"a {type(result).__name__}"
                + (f" of {len(result)} values" if isinstance(result, (tuple, list)) else ""))
         fail("shape", f"{shown} returned {got}; it should return two tensors, `return out, lse`: the output "
@@ -201,7 +187,7 @@ def _pair(result: Any, shown: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
 
 def _forward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int, causal: bool) -> str:
     return (f"flash_attention(q, k, v, block_q={block_q}, block_k={block_k}, causal={causal}) with q of shape "
-            f"{_shape(q)}" + (f" and k of shape {_shape(k)}" if k.shape != q.shape else ""))
+            f"{tuple(q.shape)}" + (f" and k of shape {tuple(k.shape)}" if k.shape != q.shape else ""))
 
 
 def _call_forward(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int,
@@ -214,44 +200,26 @@ def _call_forward(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: t
         if failure.diagnosis == "exception":
             _name_an_empty_block(fn, q, k, v, block_q, block_k, causal, shown)
         raise
-    shape = _shape(q)[:-1] + (v.shape[-1],)
+    shape = tuple(q.shape)[:-1] + (v.shape[-1],)
     out, lse = _pair(result, shown, shape)
     out = expect_tensor(out, shape, f"{shown} (its output)", dtype=q.dtype, finite=False)
     lse = expect_tensor(lse, shape[:-1], f"{shown} (its log-sum-exp)", finite=False)
     return out, lse
 
 
-class _EmptyBlocks(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records every slice along the positions axis (-2) of a (..., L, d) tensor that leaves no rows."""
-
-    def __init__(self, lengths: set[int]):
-        super().__init__()
-        self.lengths, self.seen = lengths, []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ == "slice" and args and isinstance(args[0], torch.Tensor) \
-                and isinstance(out, torch.Tensor) and args[0].dim() >= 2:
-            source, dim = args[0], (args[1] if len(args) > 1 else 0) % args[0].dim()
-            if dim == source.dim() - 2 and source.shape[dim] in self.lengths and out.shape[dim] == 0:
-                start = args[2] if len(args) > 2 and args[2] is not None else 0
-                self.seen.append((int(source.shape[dim]), int(min(start, source.shape[dim]))))
-        return out
-
-
 def _name_an_empty_block(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int,
                          block_k: int, causal: bool, shown: str) -> None:
     """After the student's forward raised: was it on a block of 0 positions (a loop bound one block too far)?"""
-    watch = _EmptyBlocks({q.shape[-2], k.shape[-2]})
-    try:
-        with watch:
+    with Recorder(0) as watch:
+        try:
             call_student(fn, q.clone(), k.clone(), v.clone(), block_q=block_q, block_k=block_k, causal=causal,
                          what=shown)
-    except Failure:
-        pass
-    if not watch.seen:
+        except Failure:
+            pass
+    seen = [(length, start) for length, start in watch.record.empty if length in (q.shape[-2], k.shape[-2])]
+    if not seen:
         return
-    length, start = watch.seen[0]
+    length, start = seen[0]
     fail("block_bounds", f"{shown}: your code took an empty block, positions {start}:{start} of {length}, and "
                          f"then raised on it (a max or a softmax over no scores). A loop bound goes one block too "
                          f"far. The query blocks start at range(0, Lq, block_q) and the key blocks at range(0, Lk, "
@@ -399,7 +367,7 @@ _GRADS = ("dq", "dk", "dv")
 def _backward_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, block_q: int,
                    block_k: int, causal: bool) -> Case:
     return Case((q, k, v, grad_out, causal, block_q, block_k), f"FlashAttentionFunction.apply(q, k, v, {causal}, "
-                f"{block_q}, {block_k}) with q of shape {_shape(q)}")
+                f"{block_q}, {block_k}) with q of shape {tuple(q.shape)}")
 
 
 def _backward_cases() -> list[Case]:
@@ -423,11 +391,11 @@ def _student_grads(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                    block_q: int, block_k: int) -> tuple[torch.Tensor, ...]:
     """dq, dk, dv of the student's class, through its forward and its backward, each checked for its shape."""
     shown = (f"FlashAttentionFunction.apply(q, k, v, {causal}, {block_q}, {block_k}) with q of shape "
-             f"{_shape(q)}")
+             f"{tuple(q.shape)}")
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     with torch.enable_grad():
         out = call_student(cls.apply, q, k, v, causal, block_q, block_k, what=f"{shown} (the forward)")
-        expect_tensor(out, _shape(q), f"{shown} (the forward)", finite=False)
+        expect_tensor(out, tuple(q.shape), f"{shown} (the forward)", finite=False)
         if out.grad_fn is None:
             fail("exception", f"{shown}: the output has no gradient function; return the forward's output "
                               f"from forward, as given.")
@@ -437,7 +405,7 @@ def _student_grads(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         if grad is None:
             fail("shape", f"{shown}: your backward returned None for {name}; return dq, dk, dv (and None for "
                           f"causal, block_q and block_k).")
-        expect_tensor(grad, _shape(like), f"{shown}: your backward's {name}", finite=False)
+        expect_tensor(grad, tuple(like.shape), f"{shown}: your backward's {name}", finite=False)
     return found
 
 

@@ -73,8 +73,10 @@ def _score(exercise_id: str, name: str, reference: Callable[..., torch.Tensor], 
                             raw=_one_per_head, examples=_cases(name, tiny, decimals=2))
 
 
-def _differentiable(exercise: FunctionExercise, fn: Any) -> None:
-    """Right numbers must keep their graph: each score moves by 1/count when an entry it averages moves by 1."""
+def _judge_score(exercise: FunctionExercise, fn: Any) -> str:
+    """The engine's verdict; then right numbers must keep their graph: each score moves by 1/count when an
+    entry it averages moves by 1."""
+    success = judge(exercise, fn)
     for case in exercise.cases():
         weights = case.args[0].clone().requires_grad_(True)
         out = call_student(fn, weights, *case.args[1:], what=case.what)
@@ -89,6 +91,7 @@ def _differentiable(exercise: FunctionExercise, fn: Any) -> None:
             fail("gradient", f"{case.what}: the right numbers, but their gradient with respect to the weights is "
                              f"wrong: each score should change by 1/count when one of the entries it averages "
                              f"changes by 1. Compute it from `weights` with tensor operations only.")
+    return success
 
 
 # ============================================================================ 11.1 previous_token_score
@@ -104,9 +107,7 @@ PREVIOUS_TOKEN_SCORE = _score(
 @checker("11.1", example=function_example(PREVIOUS_TOKEN_SCORE))
 def check_previous_token_score(fn: Callable[..., Any]) -> str:
     """``fn(weights)`` -> (heads,): each head's mean attention from i to i - 1 over i = 1 .. L-1 and the batch."""
-    success = judge(PREVIOUS_TOKEN_SCORE, fn)
-    _differentiable(PREVIOUS_TOKEN_SCORE, fn)
-    return success
+    return _judge_score(PREVIOUS_TOKEN_SCORE, fn)
 
 
 # ============================================================================ 11.2 induction_score
@@ -122,9 +123,7 @@ INDUCTION_SCORE = _score(
 @checker("11.2", example=function_example(INDUCTION_SCORE))
 def check_induction_score(fn: Callable[..., Any]) -> str:
     """``fn(weights, half)`` -> (heads,): mean attention from i to i - half + 1 over i = half .. L-1."""
-    success = judge(INDUCTION_SCORE, fn)
-    _differentiable(INDUCTION_SCORE, fn)
-    return success
+    return _judge_score(INDUCTION_SCORE, fn)
 
 
 # ============================================================================ 11.3 ablate_head
