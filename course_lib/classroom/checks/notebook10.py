@@ -377,9 +377,11 @@ def _backward_cases() -> list[Case]:
 
 
 def _tiny_backward() -> list[Case]:
+    """Tiny cases for the counter-example, which shows the gradients stacked: [0] dq, [1] dk, [2] dv."""
     generator = torch.Generator().manual_seed(0)
-    return [_backward_case(*(tiny(generator, 1, 1, length, 2) for _ in range(4)), *blocks)
-            for length, *blocks in ((2, 1, 1, True), (3, 2, 2, False), (4, 2, 2, True), (3, 2, 1, True))]
+    cases = [_backward_case(*(tiny(generator, 1, 1, length, 2) for _ in range(4)), *blocks)
+             for length, *blocks in ((2, 1, 1, True), (3, 2, 2, False), (4, 2, 2, True), (3, 2, 1, True))]
+    return [Case(case.args, f"{case.what}, its gradients stacked: [0] dq, [1] dk, [2] dv") for case in cases]
 
 
 def _gradients_of(cls: Any) -> Callable[..., torch.Tensor]:
