@@ -4,6 +4,7 @@ Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common`
 """
 from __future__ import annotations
 
+import importlib
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -15,8 +16,9 @@ from ..exercises import Mistake
 from ..verdict import fail
 from ._gradients import check_function_gradients
 from ._model_common import as_tensor, randomize_
-from ._student_code import call, close, expect_tensor
-from .engine import checker
+from ._student_code import call, close, expect_callable, expect_tensor
+from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine.example import tiny
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
 
@@ -26,16 +28,22 @@ _NAMES = ("Wq", "Wk", "Wv")
 
 # ---------------------------------------------------------------- 7.1 split_c_attn
 
-@checker("7.1")
-def check_split_c_attn(fn: Callable[..., Any]) -> str:
-    """fn(weight (E, 3E), Conv1D layout) -> (Wq, Wk, Wv), each (E, E) in nn.Linear layout."""
-    from course_lib.hf import split_c_attn as reference
+def _hf() -> Any:
+    """course_lib.hf, imported on first use: it imports transformers, which takes seconds."""
+    return importlib.import_module("course_lib.hf")
 
-    generator = torch.Generator().manual_seed(9)
-    for embed_dim in (8, 6, 4):
-        weight = torch.randn(embed_dim, 3 * embed_dim, generator=generator)
-        what = f"split_c_attn(weight of shape {tuple(weight.shape)})"
-        result = as_tensor(call(fn, weight.clone(), what=what))
+
+def _split_cases(sizes: tuple[int, ...], seed: int, small: bool = False) -> list[Case]:
+    generator = torch.Generator().manual_seed(seed)
+    weights = [tiny(generator, e, 3 * e) if small else torch.randn(e, 3 * e, generator=generator) for e in sizes]
+    return [Case((w,), f"split_c_attn(weight of shape {tuple(w.shape)})") for w in weights]
+
+
+def _thirds(fn: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The student's (Wq, Wk, Wv) as one (3, E, E) tensor, once they are three matrices of (E, E)."""
+    def split(weight: torch.Tensor) -> torch.Tensor:
+        what, embed_dim = f"split_c_attn(weight of shape {tuple(weight.shape)})", weight.shape[0]
+        result = as_tensor(fn(weight))
         if isinstance(result, torch.Tensor) and result.dim() == 3 and result.shape[0] == 3:
             result = tuple(result.unbind(0))   # a stacked (3, E, E) unpacks just as well
         if not isinstance(result, (tuple, list)) or len(result) != 3:
@@ -49,33 +57,52 @@ def check_split_c_attn(fn: Callable[..., Any]) -> str:
                 fail("shape", f"{what}: {name} has shape {tuple(part.shape)}. Split along the last dimension "
                               f"(the 3 * embed_dim outputs of c_attn), not the first.")
             expect_tensor(part, (embed_dim, embed_dim), f"{what}: {name}")
-        expected = reference(weight)
-        if all(close(p, e) for p, e in zip(parts, expected)):
-            continue
-        raw = [e.T for e in expected]   # the thirds as Conv1D stores them
-        for order in itertools.permutations(range(3)):
-            for candidates, transposed in ((expected, True), (raw, False)):
-                if not all(close(parts[i], candidates[j]) for i, j in enumerate(order)):
-                    continue
-                problems = []
-                if not transposed:
-                    problems.append("each third is still in Conv1D's (in, out) layout: either it was never "
-                                    "transposed, or it was transposed twice (the whole weight, then each block "
-                                    "again), and two transposes cancel. Conv1D stores its weight as (in, out) and "
-                                    "computes x @ W, while nn.Linear stores (out, in) and computes x @ W.T, so "
-                                    "each third needs exactly one .T")
-                if order != (0, 1, 2):
-                    problems.append(f"the order is wrong: c_attn's output holds the query first, then the key, "
-                                    f"then the value; you returned them as ({', '.join(_NAMES[j] for j in order)})")
-                fail("split_transpose" if not transposed else "mismatch", f"{what}: " + "; and ".join(problems) + ".")
-        interleaved = weight.view(embed_dim, embed_dim, 3).unbind(-1)
-        if all(close(p, w.T) or close(p, w) for p, w in zip(parts, interleaved)):
-            fail("mismatch", f"{what}: you took every third column. The query, key and value are three "
-                             f"consecutive blocks of embed_dim columns each.")
-        fail("mismatch", f"{what}: the matrices differ from the reference. Split the columns into three "
-                         f"consecutive blocks (query, key, value), then transpose each block into nn.Linear's "
-                         f"(out, in) layout.")
-    return "Three (E, E) matrices in nn.Linear layout, in the order query, key, value."
+        return torch.stack(parts)                                   # (3, E, E)
+    return split
+
+
+def _split_mistake(order: tuple[int, ...], transposed: bool) -> Mistake:
+    """The three thirds in another order, or left in Conv1D's (in, out) layout, or both."""
+    problems = [] if transposed else [
+        "each third is still in Conv1D's (in, out) layout: either it was never transposed, or it was transposed "
+        "twice (the whole weight, then each block again), and two transposes cancel. Conv1D stores its weight as "
+        "(in, out) and computes x @ W, while nn.Linear stores (out, in) and computes x @ W.T, so each third needs "
+        "exactly one .T"]
+    if order != (0, 1, 2):
+        problems.append(f"the order is wrong: c_attn's output holds the query first, then the key, then the value; "
+                        f"you returned them as ({', '.join(_NAMES[j] for j in order)})")
+    return Mistake("mismatch" if transposed else "split_transpose", "; and ".join(problems) + ".",
+                   output=lambda weight: torch.stack([p if transposed else p.T
+                                                      for p in _hf().split_c_attn(weight)])[list(order)])
+
+
+def _every_third(transposed: bool) -> Mistake:
+    return Mistake("mismatch", "you took every third column. The query, key and value are three consecutive blocks "
+                               "of embed_dim columns each.",
+                   output=lambda w: w.view(w.shape[0], w.shape[0], 3).permute(2, 1 if transposed else 0,
+                                                                             0 if transposed else 1))
+
+
+SPLIT_C_ATTN = FunctionExercise(
+    "7.1", "split_c_attn", lambda weight: torch.stack(_hf().split_c_attn(weight)),
+    lambda: _split_cases((8, 6, 4), 9), ("weight",),
+    success="Three (E, E) matrices in nn.Linear layout, in the order query, key, value.",
+    mismatch=lambda run: (f"{run.case.what}: the matrices differ from the reference. Split the columns into three "
+                          f"consecutive blocks (query, key, value), then transpose each block into nn.Linear's "
+                          f"(out, in) layout."),
+    mistakes=(*(_split_mistake(order, transposed) for order in itertools.permutations(range(3))
+                for transposed in (True, False) if (order, transposed) != ((0, 1, 2), True)),
+              _every_third(True), _every_third(False)),
+    each_case=True, dtype=False,
+    examples=lambda: _split_cases((1, 2, 3), 0, small=True),
+)
+
+
+@checker("7.1", example=lambda fn, *_, **__: function_example(SPLIT_C_ATTN)(_thirds(fn)))
+def check_split_c_attn(fn: Callable[..., Any]) -> str:
+    """fn(weight (E, 3E), Conv1D layout) -> (Wq, Wk, Wv), each (E, E) in nn.Linear layout."""
+    expect_callable(fn, "split_c_attn")
+    return judge(SPLIT_C_ATTN, _thirds(fn))
 
 
 # ---------------------------------------------------------------- 7.2 attention function for transformers
