@@ -20,7 +20,7 @@ from ... import data as data_ref
 from ... import train as train_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
-from ._model_common import accepts, as_tensor, extend, recording_calls
+from ._model_common import ProcedureExample, accepts, as_tensor, extend, recording_calls
 from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import tiny
@@ -336,7 +336,31 @@ def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.O
         in_training
 
 
-@checker("5.3")
+def _stepped(step: Callable[..., Any]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One call of ``step`` on a fresh tiny GPT (in eval mode, as after an evaluation): the loss it returns and
+    how far it moved the weights, side by side with the reference's."""
+    @torch.enable_grad()   # the engine compares under no_grad; a training step needs its backward pass
+    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        model = _tiny_gpt(seed=0, vocab_size=5, max_tokens=4, embed_dim=4).eval()
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = step(model, torch.optim.SGD(model.parameters(), lr=_LR), inputs, targets)
+        moved = _flat([p.detach() - b for p, b in zip(model.parameters(), before)]).norm()
+        return torch.stack([torch.as_tensor(float(loss), dtype=torch.float64), moved.double()])   # (2,)
+    return run
+
+
+def _step_cases() -> list[Case]:
+    generator = torch.Generator().manual_seed(0)
+    pairs = [torch.randint(0, 5, (2, 1, length), generator=generator) for length in (1, 2, 3)]
+    return [Case((x, y), f"train_step on a tiny GPT (lr={_LR}): [the loss it returns, the size of the weight "
+                         f"update]") for x, y in pairs]
+
+
+_STEP_EXAMPLE = ProcedureExample(_stepped(lambda *args: train_ref.train_step(*args)), _step_cases,
+                                 ("inputs", "targets"))
+
+
+@checker("5.3", example=lambda fn, *_, **__: function_example(_STEP_EXAMPLE)(_stepped(fn)))
 def check_train_step(fn: Callable[..., Any]) -> str:
     """fn(model, optimizer, inputs, targets) -> float: zero_grad, forward, loss, backward, (clip,) step."""
     model = _tiny_gpt(seed=3)
@@ -582,7 +606,38 @@ def _check_top_k_per_row(fn: Callable[..., Any]) -> None:
                              f"each row with its own threshold.")
 
 
-@checker("5.4")
+_EXAMPLE_DRAWS = 2000
+
+
+def _expected_frequencies(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
+    return _probabilities(logits / temperature, top_k)
+
+
+def _drawn(sample: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """How often each token comes up in 2000 draws of ``sample``: the probabilities themselves when within
+    the noise of sampling, so that only a real difference is shown."""
+    def frequencies(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+        draws = as_tensor(sample(logits.repeat(_EXAMPLE_DRAWS, 1), temperature=temperature, top_k=top_k))
+        counts = torch.bincount(draws.long().flatten(), minlength=logits.shape[-1]).double()
+        freq = (counts / _EXAMPLE_DRAWS)[None]                                             # (1, vocab)
+        expected = _expected_frequencies(logits, temperature, top_k)
+        return expected if _matches(freq, expected) else freq
+    return frequencies
+
+
+def _sampling_cases() -> list[Case]:
+    logits = tiny(torch.Generator().manual_seed(0), 1, 4)
+    return [Case((logits, t, k), f"sample_next_token(logits, temperature={t}, top_k={k}) drawn {_EXAMPLE_DRAWS} "
+                                 f"times: how often each token came up") for t, k in ((1.0, None), (0.5, None),
+                                                                                   (1.0, 2), (0, None))]
+
+
+_SAMPLING_EXAMPLE = ProcedureExample(_expected_frequencies, _sampling_cases, ("logits", "temperature", "top_k"))
+
+
+@checker("5.4", example=lambda fn, *_, **__: function_example(_SAMPLING_EXAMPLE)(_drawn(fn)))
 def check_sampling(fn: Callable[..., Any]) -> str:
     """fn(logits (N, V), temperature=1.0, top_k=None, generator=None) -> (N,) long."""
     torch.manual_seed(0)

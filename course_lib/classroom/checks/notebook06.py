@@ -4,6 +4,7 @@ Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common`
 """
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 import time
@@ -18,7 +19,7 @@ from ... import model as model_ref
 from ... import train as train_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
-from ._model_common import extend, randomize_, recording_calls
+from ._model_common import ProcedureExample, extend, randomize_, recording_calls
 from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.function import Run
@@ -84,8 +85,14 @@ class _Count(FunctionExercise):
             math.isclose(float(out), float(expected), rel_tol=1e-9, abs_tol=1e-6)
 
 
-def _ignores_weights(runs: list[Run], fn: Any) -> None:
+def _named_slip(runs: list[Run], fn: Any) -> None:
+    """A slip is named only when it explains every configuration (with L = 2, leaving out the layers and
+    counting one product per head give the same number); the message quotes the first wrong one."""
     run = next(run for run in runs if not FLOPS_PER_TOKEN.same(run.out, run.expected))
+    numbers_ = {"got": float(run.out), "expected": float(run.expected)}
+    for slip in _SLIPS:
+        if all(FLOPS_PER_TOKEN.same(r.out, slip.output(*r.case.args)) for r in runs):
+            fail(slip.code, f"{run.case.what} returned " + slip.message.format(**numbers_))
     config, weights = run.case.args
     if FLOPS_PER_TOKEN.same(call(fn, config, weights + 1000, what=run.case.what), run.out):
         fail("mismatch", f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f}, "
@@ -94,12 +101,51 @@ def _ignores_weights(runs: list[Run], fn: Any) -> None:
 
 
 def _slip(code: str, advice: str, count: Callable[[Any, int], float]) -> Mistake:
-    return Mistake(code, f"flops_per_token: {advice}", output=_flops(count))
+    return Mistake(code, "{got:,.0f}, expected {expected:,.0f}: " + advice, output=_flops(count))
 
 
-# Known slips, named only when they explain every configuration (with L = 2, leaving out the layers and
-# counting one product per head give the same number). The attention term is written from the parts of
-# 12·n·H·Q·T so that each slip changes exactly one thing; flops_factor: 2N or 4N where training costs 6N.
+# Known slips (their messages get the numbers of the first wrong configuration). The attention term is
+# written from the parts of 12·n·H·Q·T so that each slip changes exactly one thing; flops_factor: 2N or 4N
+# where training costs 6N.
+_SLIPS = (
+    _slip("flops_factor", "you count the forward pass only (2N + 4·n·H·Q·T). Training also runs the backward "
+          "pass, which needs two matrix multiplies for every one of the forward pass: three times the forward "
+          "in all, so 6N and 12·n·H·Q·T.", lambda c, n: 2 * n + 4 * _lhqt(c)),
+    _slip("flops_factor", "you count 2N, the forward pass of the weights alone. Training also runs the backward "
+          "pass (two more matrix multiplies for every one of the forward pass, 6N in all), and attention adds "
+          "12·n·H·Q·T.", lambda c, n: 2 * n),
+    _slip("flops_factor", "the weights' term counts only the forward pass (2N). Backward needs the gradient for "
+          "the input and the gradient for the weight, 4N more: 6N in all.", lambda c, n: 2 * n + 12 * _lhqt(c)),
+    _slip("flops_factor", "the weights' term is 4N: forward (2N) plus only one of the two backward matrix "
+          "multiplies. The backward pass computes both dL/dX and dL/dW, 2N each: 6N in all.",
+          lambda c, n: 4 * n + 12 * _lhqt(c)),
+    _slip("mismatch", "you count the weights (6N) but not attention. The scores QK^T and the weighted sum of the "
+          "values multiply activations by activations, so they are not in N: add 12·n·H·Q·T.",
+          lambda c, n: 6 * n),
+    _slip("flops_factor", "the attention term counts only the forward pass (4·n·H·Q·T). Backward costs twice the "
+          "forward here too: 12·n·H·Q·T.", lambda c, n: 6 * n + 4 * _lhqt(c)),
+    _slip("mismatch", "the attention term counts one product per head. There are two: the scores (QK^T) and the "
+          "weighted sum of the values, 2·Q·T FLOPs each per token in the forward pass, so 12·n·H·Q·T with the "
+          "backward pass.", lambda c, n: 6 * n + 6 * _lhqt(c)),
+    _slip("mismatch", "the attention term leaves out the number of heads: each of the H heads has its own scores "
+          "and weighted sum. Use 12·n·H·Q·T (H·Q is embed_dim).",
+          lambda c, n: 6 * n + 12 * c.num_layers * c.head_dim * c.max_tokens),
+    _slip("mismatch", "the attention term multiplies the number of heads by embed_dim. Q is the size of ONE "
+          "head, config.head_dim = embed_dim // num_heads, so H·Q = embed_dim.",
+          lambda c, n: 6 * n + 12 * c.num_layers * c.num_heads * c.embed_dim * c.max_tokens),
+    _slip("mismatch", "the attention term leaves out the number of layers: every block has its own attention. "
+          "Multiply by L = config.num_layers.", lambda c, n: 6 * n + 12 * c.num_heads * c.head_dim * c.max_tokens),
+    _slip("mismatch", "the attention term has T twice. Per token, its query meets T keys (and T values): T "
+          "appears once. Per window of T tokens it is T², but this function counts per token.",
+          lambda c, n: 6 * n + 12 * _lhqt(c) * c.max_tokens),
+    _slip("mismatch", "the result is T = max_tokens times too large: that is the count for a whole window of T "
+          "tokens. The function returns FLOPs per token.", lambda c, n: (6 * n + 12 * _lhqt(c)) * c.max_tokens),
+    *(Mistake("mismatch", "{got:g}, which is the right count in " + unit + ". Return plain FLOPs "
+                          "({expected:,.0f}); divide only when you print.",
+              output=_flops(lambda c, n, scale=scale: (6 * n + 12 * _lhqt(c)) / scale))
+      for unit, scale in (("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3))),
+)
+
 FLOPS_PER_TOKEN = _Count(
     "6.1", "flops_per_token", lambda config, weights: _flops(train_ref.flops_per_token)(config, weights),
     lambda: _flops_cases(_CONFIGS), ("config", "num_weights"),
@@ -107,44 +153,7 @@ FLOPS_PER_TOKEN = _Count(
     mismatch=lambda run: (f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f} = "
                           f"6·{run.case.args[1]:,} + 12·{run.case.args[0].num_layers}·{run.case.args[0].num_heads}·"
                           f"{run.case.args[0].head_dim}·{run.case.args[0].max_tokens}."),
-    mistakes=(
-        _slip("flops_factor", "you count the forward pass only (2N + 4·n·H·Q·T). Training also runs the backward "
-              "pass, which needs two matrix multiplies for every one of the forward pass: three times the forward "
-              "in all, so 6N and 12·n·H·Q·T.", lambda c, n: 2 * n + 4 * _lhqt(c)),
-        _slip("flops_factor", "you count 2N, the forward pass of the weights alone. Training also runs the backward "
-              "pass (two more matrix multiplies for every one of the forward pass, 6N in all), and attention adds "
-              "12·n·H·Q·T.", lambda c, n: 2 * n),
-        _slip("flops_factor", "the weights' term counts only the forward pass (2N). Backward needs the gradient for "
-              "the input and the gradient for the weight, 4N more: 6N in all.", lambda c, n: 2 * n + 12 * _lhqt(c)),
-        _slip("flops_factor", "the weights' term is 4N: forward (2N) plus only one of the two backward matrix "
-              "multiplies. The backward pass computes both dL/dX and dL/dW, 2N each: 6N in all.",
-              lambda c, n: 4 * n + 12 * _lhqt(c)),
-        _slip("mismatch", "you count the weights (6N) but not attention. The scores QK^T and the weighted sum of the "
-              "values multiply activations by activations, so they are not in N: add 12·n·H·Q·T.",
-              lambda c, n: 6 * n),
-        _slip("flops_factor", "the attention term counts only the forward pass (4·n·H·Q·T). Backward costs twice the "
-              "forward here too: 12·n·H·Q·T.", lambda c, n: 6 * n + 4 * _lhqt(c)),
-        _slip("mismatch", "the attention term counts one product per head. There are two: the scores (QK^T) and the "
-              "weighted sum of the values, 2·Q·T FLOPs each per token in the forward pass, so 12·n·H·Q·T with the "
-              "backward pass.", lambda c, n: 6 * n + 6 * _lhqt(c)),
-        _slip("mismatch", "the attention term leaves out the number of heads: each of the H heads has its own scores "
-              "and weighted sum. Use 12·n·H·Q·T (H·Q is embed_dim).",
-              lambda c, n: 6 * n + 12 * c.num_layers * c.head_dim * c.max_tokens),
-        _slip("mismatch", "the attention term multiplies the number of heads by embed_dim. Q is the size of ONE "
-              "head, config.head_dim = embed_dim // num_heads, so H·Q = embed_dim.",
-              lambda c, n: 6 * n + 12 * c.num_layers * c.num_heads * c.embed_dim * c.max_tokens),
-        _slip("mismatch", "the attention term leaves out the number of layers: every block has its own attention. "
-              "Multiply by L = config.num_layers.", lambda c, n: 6 * n + 12 * c.num_heads * c.head_dim * c.max_tokens),
-        _slip("mismatch", "the attention term has T twice. Per token, its query meets T keys (and T values): T "
-              "appears once. Per window of T tokens it is T², but this function counts per token.",
-              lambda c, n: 6 * n + 12 * _lhqt(c) * c.max_tokens),
-        _slip("mismatch", "the result is T = max_tokens times too large: that is the count for a whole window of T "
-              "tokens. The function returns FLOPs per token.", lambda c, n: (6 * n + 12 * _lhqt(c)) * c.max_tokens),
-        *(_slip("mismatch", f"you return the right count in {unit}. Return plain FLOPs; divide only when you print.",
-                lambda c, n, scale=scale: (6 * n + 12 * _lhqt(c)) / scale)
-          for unit, scale in (("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3))),
-    ),
-    exact=True, dtype=False, diagnose=_ignores_weights,
+    exact=True, dtype=False, diagnose=_named_slip,
     examples=lambda: _flops_cases((dict(vocab_size=5, max_tokens=4, embed_dim=4, num_heads=2, num_layers=2),)),
 )
 
@@ -240,7 +249,20 @@ def _run(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, 
     return result, calls
 
 
-@checker("6.2")
+def _generation_cases() -> list[Case]:
+    model = _model(max_tokens=8, embed_dim=8, seed=0)
+    prompts = [(torch.tensor([[token]]), new) for token in (1, 2) for new in (1, 2, 3)]
+    return [Case((model, idx, new), f"generate_with_cache(model, idx={idx.tolist()}, max_new_tokens={new}) on a tiny "
+                                    f"GPT") for idx, new in prompts]
+
+
+_GENERATION_EXAMPLE = ProcedureExample(
+    lambda model, idx, new: importlib.import_module("course_lib.generate").generate(model, idx, new, temperature=0,
+                                                                                    use_cache=False),
+    _generation_cases, ("model", "idx", "max_new_tokens"))
+
+
+@checker("6.2", example=function_example(_GENERATION_EXAMPLE))
 def check_kv_cache(fn: Callable[..., Any]) -> str:
     """fn(model, idx (N, L), max_new_tokens) -> (N, L + new): greedy, with model.new_cache()."""
     from course_lib.generate import generate

@@ -15,7 +15,7 @@ from torch import nn
 from ..exercises import Mistake
 from ..verdict import fail
 from ._gradients import check_function_gradients
-from ._model_common import as_tensor, randomize_
+from ._model_common import ProcedureExample, as_tensor, randomize_
 from ._student_code import call, close, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import tiny
@@ -240,7 +240,27 @@ def _check_fewer_queries(fn: Callable[..., Any], module: nn.Module, k: torch.Ten
                          f"{q_len} of the {k_len} positions (query i sees keys 0..i + {k_len - q_len}).")
 
 
-@checker("7.2")
+def _attention_cases() -> list[Case]:
+    module, generator = _tiny_gpt2().transformer.h[0].attn, torch.Generator().manual_seed(0)
+    cases = []
+    for length in (1, 2, 3):
+        q, k, v = (tiny(generator, 1, 1, length, 2) for _ in range(3))   # (N, heads, L, head_dim)
+        cases.append(Case((module, q, k, v, 0.5), f"your attention function on one head of {length} "
+                                                  f"position{'s' if length > 1 else ''} (attention_mask=None, "
+                                                  f"scaling=0.5), attn_output"))
+    return cases
+
+
+_ATTENTION_EXAMPLE = ProcedureExample(
+    lambda module, q, k, v, scaling: _hf().course_attention_forward(module, q, k, v, None, scaling=scaling)[0],
+    _attention_cases, ("module", "query", "key", "value", "scaling"))
+
+
+def _attention_output(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    return lambda module, q, k, v, scaling: _direct(fn, module, q, k, v, None, scaling, "your attention function")
+
+
+@checker("7.2", example=lambda fn, *_, **__: function_example(_ATTENTION_EXAMPLE)(_attention_output(fn)))
 def check_hf_attention(fn: Callable[..., Any]) -> str:
     """fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs) -> (output, weights)."""
     from course_lib.hf import run_with_attention
