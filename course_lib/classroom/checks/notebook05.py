@@ -504,61 +504,75 @@ def _describe(freq: torch.Tensor, probs: torch.Tensor) -> str:
             f"{probs[row, token]:.1%}")
 
 
+def _over_batch(base: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    exps = (base / temperature).double().exp()
+    over_batch = exps / exps.sum(0)                                      # each token normalised over the rows
+    return over_batch / over_batch.sum(-1, keepdim=True)
+
+
+def _top_k_mistake(code: str, message: str, make: Callable[..., torch.Tensor]) -> Mistake:
+    return Mistake(code, message, output=lambda base, temperature, top_k:
+                   make(base, temperature, top_k) if top_k is not None and 1 <= top_k <= base.shape[1] else None)
+
+
+# What a wrong sampler draws from, as the distribution its frequencies follow (None where it does not apply);
+# its message may name {setting}, {top_k}, {fewer} and {more} (top_k - 1 and top_k + 1).
+_SAMPLING_MISTAKES = (
+    Mistake("mismatch", "you always return the most likely token, so there is no randomness. At {setting} draw from "
+                        "the distribution (torch.multinomial on the probabilities); only temperature=0 means argmax.",
+            output=lambda base, t, k: F.one_hot(base.argmax(-1), base.shape[1]).double()),
+    Mistake("normalization", "you sample in proportion to the raw logits. Logits are not probabilities: apply a "
+                             "softmax over the vocabulary first.",
+            output=lambda base, t, k: base.double() / base.double().sum(-1, keepdim=True) if bool((base > 0).all())
+            else None),
+    *(Mistake("softmax_dim", "the softmax runs over the batch (dim 0), not over the vocabulary; normalise each row, "
+                             "dim=-1.", output=output)
+      for output in (_over_batch, lambda base, t, k: torch.full(base.shape, 1.0 / base.shape[1], dtype=torch.float64))),
+    Mistake("scale", "you multiply the logits by the temperature; divide them by it, so that a low temperature "
+                     "sharpens the distribution and a high one flattens it.",
+            output=lambda base, t, k: _probabilities(base * t, k) if t != 1 else None),
+    Mistake("scale", "the temperature has no effect. Divide the logits by it BEFORE the softmax (dividing the "
+                     "probabilities changes nothing once they are renormalised).",
+            output=lambda base, t, k: _probabilities(base, k) if t != 1 else None),
+    *(_top_k_mistake("mismatch", f"you keep {{{name}}} tokens instead of top_k={{top_k}} (off by one in the threshold: "
+                                 f"keep the logits >= the k-th largest).",
+                     lambda base, t, k, step=step: _probabilities(base / t, k + step) if 1 <= k + step <= base.shape[1]
+                     else None)
+      for name, step in (("fewer", -1), ("more", 1))),
+    _top_k_mistake("mismatch", "top_k has no effect: tokens outside the {top_k} most likely are still drawn. Set the "
+                               "other logits to -inf before the softmax.",
+                   lambda base, t, k: _probabilities(base / t)),
+    _top_k_mistake("mismatch", "the tokens outside the top {top_k} are still drawn sometimes: you set their logits to "
+                               "0, which is still a fair chance. Use -inf, which gives exactly zero probability.",
+                   lambda base, t, k: _probabilities(base / t, k, fill=0.0)),
+    _top_k_mistake("mismatch", "you keep the {top_k} LEAST likely tokens; keep the most likely ones (topk returns the "
+                               "largest values first).",
+                   lambda base, t, k: _probabilities(base / t, k, smallest=True)),
+)
+
+
 def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature: float,
                         top_k: int | None) -> None:
     logits = base.repeat(_REPEATS, 1)                                  # (2 * repeats, vocab)
-    vocab = logits.shape[1]
     kwargs: dict[str, Any] = {"temperature": temperature}
     if top_k is not None:
         kwargs["top_k"] = top_k
     setting = f"temperature={temperature}" + (f", top_k={top_k}" if top_k is not None else "")
     what = f"sample_next_token({setting}) on {logits.shape[0]} rows"
-    freq = _frequencies(_draw(fn, logits, what, **kwargs), vocab)
+    freq = _frequencies(_draw(fn, logits, what, **kwargs), logits.shape[1])
     expected = _probabilities(base / temperature, top_k)
     if _matches(freq, expected):
         return
-    onehot = torch.nn.functional.one_hot(base.argmax(-1), vocab).double()
-    if _matches(freq, onehot):
-        fail("mismatch", f"{what}: you always return the most likely token, so there is no randomness. At "
-                         f"{setting} draw from the distribution (torch.multinomial on the probabilities); only "
-                         f"temperature=0 means argmax.")
-    if bool((base > 0).all()) and _matches(freq, base.double() / base.double().sum(-1, keepdim=True)):
-        fail("normalization", f"{what}: you sample in proportion to the raw logits. Logits are not "
-                              f"probabilities: apply a softmax over the vocabulary first.")
-    over_batch = (base / temperature).double().exp() / (base / temperature).double().exp().sum(0)
-    if _matches(freq, over_batch / over_batch.sum(-1, keepdim=True)) or \
-            _matches(freq, torch.full_like(freq, 1.0 / vocab)):
-        fail("softmax_dim", f"{what}: the softmax runs over the batch (dim 0), not over the vocabulary; "
-                            f"normalise each row, dim=-1.")
-    if temperature != 1 and _matches(freq, _probabilities(base * temperature, top_k)):
-        fail("scale", f"{what}: you multiply the logits by the temperature; divide them by it, so that a low "
-                      f"temperature sharpens the distribution and a high one flattens it.")
-    if temperature != 1 and _matches(freq, _probabilities(base, top_k)):
-        fail("scale", f"{what}: the temperature has no effect. Divide the logits by it BEFORE the softmax "
-                      f"(dividing the probabilities changes nothing once they are renormalised).")
-    if top_k is not None:
-        drawn = freq > 0   # 2500 draws per row: every token of probability >= 0.5% shows up
-        for k in (top_k - 1, top_k + 1):
-            kept = _probabilities(base / temperature, k) > 0 if 1 <= k <= vocab else None
-            # judged by which tokens were drawn at all: k+1 and "no top_k" have close frequencies
-            if kept is not None and bool((drawn == kept).all()) and \
-                    _matches(freq, _probabilities(base / temperature, k)):
-                fail("mismatch", f"{what}: you keep {k} tokens instead of top_k={top_k} (off by one in the "
-                                 f"threshold: keep the logits >= the k-th largest).")
-        if _matches(freq, _probabilities(base / temperature)):
-            fail("mismatch", f"{what}: top_k has no effect: tokens outside the {top_k} most likely are still "
-                             f"drawn. Set the other logits to -inf before the softmax.")
-        if _matches(freq, _probabilities(base / temperature, top_k, fill=0.0)):
-            fail("mismatch", f"{what}: the tokens outside the top {top_k} are still drawn sometimes: you set "
-                             f"their logits to 0, which is still a fair chance. Use -inf, which gives exactly "
-                             f"zero probability.")
-        if _matches(freq, _probabilities(base / temperature, top_k, smallest=True)):
-            fail("mismatch", f"{what}: you keep the {top_k} LEAST likely tokens; keep the most likely ones "
-                             f"(topk returns the largest values first).")
-        allowed = _probabilities(base / temperature, top_k) > 0
-        if bool((freq[~allowed] > 0).any()):
-            fail("mismatch", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the "
-                             f"k highest logits may be drawn.")
+    for mistake in _SAMPLING_MISTAKES:
+        drawn_from = mistake.output(base, temperature, top_k)
+        # a token drawn where the mistake gives it no chance rules the mistake out (2500 draws a row: every token
+        # of probability >= 0.5% shows up), which tells k + 1 kept tokens from no top_k at all
+        if drawn_from is not None and _matches(freq, drawn_from) and not bool((freq[drawn_from == 0] > 0).any()):
+            fail(mistake.code, f"{what}: " + mistake.message.format(setting=setting, top_k=top_k, fewer=(top_k or 0) - 1,
+                                                                    more=(top_k or 0) + 1))
+    if top_k is not None and bool((freq[expected == 0] > 0).any()):
+        fail("mismatch", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the k highest "
+                         f"logits may be drawn.")
     fail("mismatch", f"{what}: the draws do not follow softmax(logits / temperature): {_describe(freq, expected)}.")
 
 
