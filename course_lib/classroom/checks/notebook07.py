@@ -154,6 +154,46 @@ def _direct(fn: Callable[..., Any], module: nn.Module, q, k, v, mask, scaling: f
     return expect_tensor(output, (n, length, heads, head_dim), f"{what}: attn_output")
 
 
+# Wrong attention on the direct calls: each output is f(q, k, v, scaling, mask), where mask is the causal
+# mask (no attention_mask given) or the padding one (attention_mask given).
+_CAUSAL_MISTAKES = (
+    Mistake("causal_mask", "attention_mask is None, and you then let every query see every key. transformers passes "
+                           "no mask when a plain causal mask would do: apply causality yourself (module.is_causal "
+                           "tells you), so query i sees keys 0..i only.",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s)),
+    Mistake("causal_mask", "the causal mask points the wrong way: query i should see keys 0..i (on and below the "
+                           "diagonal), not the future ones.",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s, mask=causal.T)),
+    Mistake("softmax_dim", "the softmax runs over the queries (dim -2); each query's weights should sum to one over "
+                           "the keys, dim -1.",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s, mask=causal, dim=-2)),
+    Mistake("scale", "the scores are not scaled: multiply them by the `scaling` argument.",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=1.0, mask=causal)),
+    Mistake("scale", "the scores are scaled by 1/head_dim; use the `scaling` argument (head_dim ** -0.5 here).",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=1.0 / q.shape[-1], mask=causal)),
+)
+_PADDING_MISTAKES = (
+    Mistake("causal_mask", "the attention_mask you were given is ignored, so padding tokens are attended to. When a "
+                           "mask is passed, use it (bool, True = may attend).",
+            output=lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=_causal(q))),
+    *(Mistake("causal_mask", "you add the mask to the scores, but it is a bool mask (True = may attend): adding it "
+                             "shifts the allowed scores by one instead of blocking the others. Fill the blocked "
+                             "positions with -inf.", output=output)
+      for output in (lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=mask, additive=True),
+                     lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=_causal(q) & mask, additive=True))),
+)
+
+
+def _causal(q: torch.Tensor) -> torch.Tensor:
+    return torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).tril()
+
+
+def _name_mistake(mistakes: tuple[Mistake, ...], got: torch.Tensor, what: str, *args: Any) -> None:
+    for mistake in mistakes:
+        if close(got, mistake.output(*args)):
+            fail(mistake.code, f"{what}: {mistake.message}")
+
+
 def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Generator) -> None:
     from course_lib.hf import course_attention_forward as reference
 
@@ -168,25 +208,7 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
                         f"argument (and module.training) instead of a fixed rate.")
     expected = reference(module, q, k, v, None, scaling=scaling)[0]
     if not close(got, expected):
-        variants = [
-            Mistake("causal_mask", "attention_mask is None, and you then let every query see every key. transformers "
-                                   "passes no mask when a plain causal mask would do: apply causality yourself "
-                                   "(module.is_causal tells you), so query i sees keys 0..i only.",
-                    output=_attention(q, k, v, scale=scaling)),
-            Mistake("causal_mask", "the causal mask points the wrong way: query i should see keys 0..i (on and below "
-                                   "the diagonal), not the future ones.",
-                    output=_attention(q, k, v, scale=scaling, mask=causal.T)),
-            Mistake("softmax_dim", "the softmax runs over the queries (dim -2); each query's weights should sum to one "
-                                   "over the keys, dim -1.",
-                    output=_attention(q, k, v, scale=scaling, mask=causal, dim=-2)),
-            Mistake("scale", "the scores are not scaled: multiply them by the `scaling` argument.",
-                    output=_attention(q, k, v, scale=1.0, mask=causal)),
-            Mistake("scale", "the scores are scaled by 1/head_dim; use the `scaling` argument (head_dim ** -0.5 here).",
-                    output=_attention(q, k, v, scale=1.0 / head_dim, mask=causal)),
-        ]
-        for mistake in variants:
-            if close(got, mistake.output):
-                fail(mistake.code, f"{what}: {mistake.message}")
+        _name_mistake(_CAUSAL_MISTAKES, got, what, q, k, v, scaling, causal)
         fail("mismatch", f"{what}: the output differs from causal scaled dot-product attention (largest "
                          f"difference {(got - expected).abs().max():.3g}).")
     what = "your attention function (scaling=0.5)"
@@ -204,14 +226,7 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
     got = _direct(fn, module, q, k, v, mask, scaling, what)
     expected = reference(module, q, k, v, mask, scaling=scaling)[0]
     if not close(got, expected):
-        if close(got, _attention(q, k, v, scale=scaling, mask=causal)):
-            fail("causal_mask", f"{what}: the attention_mask you were given is ignored, so padding tokens are "
-                                f"attended to. When a mask is passed, use it (bool, True = may attend).")
-        if close(got, _attention(q, k, v, scale=scaling, mask=mask, additive=True)) or \
-                close(got, _attention(q, k, v, scale=scaling, mask=causal & mask, additive=True)):
-            fail("causal_mask", f"{what}: you add the mask to the scores, but it is a bool mask (True = may "
-                                f"attend): adding it shifts the allowed scores by one instead of blocking the "
-                                f"others. Fill the blocked positions with -inf.")
+        _name_mistake(_PADDING_MISTAKES, got, what, q, k, v, scaling, mask)
         fail("mismatch", f"{what}: with a padding mask the output differs from the reference (largest "
                          f"difference {(got - expected).abs().max():.3g}). The mask is bool, True = may attend.")
     check_function_gradients(lambda *qkv: _direct(fn, module, *qkv, causal[None, None], scaling, what),
