@@ -4,7 +4,7 @@
   from ``course_lib.runs`` or ``course_lib.classroom``: a student reads it without the machinery;
 - the import graph of ``course_lib`` has no circle;
 - no module uses another module's private name (``_name``): ``from .x import _name`` or ``x._name``.
-  The package's private modules themselves (``_validate``, ``checks/_harness``, ...) are shared
+  The package's private modules themselves (``_validate``, ``checks/engine/run``, ...) are shared
   inside the package and may be imported; what they define without an underscore is theirs to share.
 
 Every import counts, at module level or inside a function; relative imports are resolved. The wings

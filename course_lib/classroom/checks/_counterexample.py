@@ -1,14 +1,12 @@
 """Counter-examples: the smallest input on which the student's code and the reference differ.
 
 When a check fails, the run (``engine.run``) asks the exercise's own searcher (``checker(id, example=...)``,
-built by ``engine.example``; until notebooks 05-11 are ported, the one registered for the exercise in
-``_searches``) for an :class:`Example`: the student's code and the reference on growing tiny inputs (a 1x1
+built by ``engine.example``) for an :class:`Example`: the student's code and the reference on growing tiny inputs (a 1x1
 case first, then 2x2, 3x3, ...), the first on which they differ. It rides on the verdict
 (``details["counterexample"]``) and ``checks.hint`` shows it.
 
-A module registers a searcher with ``@searcher("9.2")`` on a function of the student's work that returns
-an Example or None. A searcher never raises (an error in the student's code just ends the search) and never
-changes the student's state: it runs inside the check, under the run's isolation and time limit.
+A searcher never raises (an error in the student's code just ends the search) and never changes the
+student's state: it runs inside the check, under the run's isolation and time limit.
 """
 from __future__ import annotations
 
@@ -95,20 +93,3 @@ def first_difference(cases: Sequence[Callable[[], Example | None]]) -> Example |
         if found is not None:
             return found
     return None
-
-
-# ---------------------------------------------------------------- searchers of exercises not yet ported
-
-_SEARCHERS: dict[str, Callable[..., Example | None]] = {}
-
-
-def searcher(exercise: str) -> Callable[[Callable[..., Example | None]], Callable[..., Example | None]]:
-    def register(fn: Callable[..., Example | None]) -> Callable[..., Example | None]:
-        _SEARCHERS[exercise] = fn
-        return fn
-    return register
-
-
-def registered(exercise: str) -> Callable[..., Example | None] | None:
-    """The searcher registered for ``exercise`` (called with the student's work alone), if any."""
-    return _SEARCHERS.get(exercise)

@@ -56,7 +56,6 @@ from .... import _validate as validate
 from ... import progress
 from ...exercises import BY_ID, EXERCISES
 from ...verdict import CheckResult, Failure
-from .. import _counterexample
 from .._references import attributes, bind_references, install_references, restore_namespace
 from .._student_code import raised_in_student_code, student_frame
 
@@ -225,15 +224,12 @@ def _judge(exercise: str, body: Callable[..., str | None], example: Callable[...
 def _attach(exercise: str, failure: Failure, args: tuple, kwargs: dict,
             example: Callable[..., Any] | None) -> None:
     """Put the counter-example on ``failure`` (details["counterexample"]) when one is found: the exercise's own
-    ``example(*args, **kwargs)``, or one registered for it (called with the student's work alone). Never raises
-    but for Ctrl-C: a search that fails or runs out of time just finds none."""
-    if failure.diagnosis in _NO_EXAMPLE or "counterexample" in failure.details or not args:
-        return
-    search = example or _counterexample.registered(exercise)
-    if search is None:
+    ``example(*args, **kwargs)``. Never raises but for Ctrl-C: a search that fails or runs out of time just
+    finds none."""
+    if failure.diagnosis in _NO_EXAMPLE or "counterexample" in failure.details or not args or example is None:
         return
     try:
-        found = search(*args, **kwargs) if example else search(args[0])
+        found = example(*args, **kwargs)
     except KeyboardInterrupt:
         raise
     except BaseException:  # noqa: BLE001 - the time limit, or anything else: no counter-example
