@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 import pytest
+from scheduling import (  # noqa: F401  (how xdist spreads the tests: tests/scheduling.py)
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_unconfigure,
+    pytest_xdist_make_scheduler,
+)
 
 
 @pytest.fixture(autouse=True)

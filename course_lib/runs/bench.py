@@ -481,6 +481,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="square matmuls for the peak: bf16 on a GPU, fp32 on a CPU (default: %(default)s)")
     nanogpt.add_argument("--corpus", help=argparse.SUPPRESS)
 
+    triton = sub.add_parser("triton", parents=[common],
+                            help="notebook 10's Triton kernel against SDPA on a GPU (--device cuda)")
+    triton.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    triton.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    triton.add_argument("--heads", type=int, default=16)
+    triton.add_argument("--repeats", type=int, default=10)
     gen = sub.add_parser("generate", parents=[common], help="tokens/s with and without the KV cache")
     gen.add_argument("--new-tokens", type=int, default=500)
     gen.add_argument("--layers", type=int, default=GENERATION_CONFIG["num_layers"], help=argparse.SUPPRESS)
@@ -511,6 +517,26 @@ def _nanogpt(args: argparse.Namespace, device: torch.device) -> int:
     except (ValueError, TypeError) as exc:
         raise RunRefused(str(exc)) from None
     print_side_by_side(result, name)
+    return 0
+
+
+def _triton(args: argparse.Namespace, device: torch.device) -> int:
+    from .run_folder import RunRefused
+    from .triton_bench import check_sizes, memory_benchmark, print_triton, triton_benchmark
+    try:
+        check_sizes(args.lengths, args.head_dims, args.heads, args.repeats)
+    except (ValueError, TypeError) as exc:
+        raise RunRefused(str(exc)) from None
+    if device.type != "cuda":   # the interpreter's times say nothing about a GPU
+        print(f"bench triton: skipped on {device.type}: the compiled kernel needs a CUDA device (--device cuda); "
+              f"notebook 10 runs it in Triton's interpreter instead")
+        return 0
+    try:
+        rows = triton_benchmark(args.lengths, args.head_dims, heads=args.heads, repeats=args.repeats, device=device)
+        memory = memory_benchmark(args.lengths, device=device)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise RunRefused(str(exc)) from None
+    print_triton(rows, memory, torch.cuda.get_device_name(device))
     return 0
 
 
@@ -569,6 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.benchmark == "nanogpt":
         return _nanogpt(args, device)
+    if args.benchmark == "triton":
+        return _triton(args, device)
     if args.benchmark == "attention":
         for i, (embed_dim, heads) in enumerate(zip(args.embed_dim, args.heads)):
             rows = attention_benchmark(args.lengths, embed_dim, heads, args.batch, args.repeats, device=device)
