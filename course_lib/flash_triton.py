@@ -86,7 +86,7 @@ def _define() -> None:
                         other=0.0)                                          # (BLOCK_K, HEAD_DIM)
             v = tl.load(v_ptr + base + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < length,
                         other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale                             # (BLOCK_Q, BLOCK_K)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (BLOCK_Q, BLOCK_K)
             allowed = cols[None, :] < length                                # padded keys never count
             if CAUSAL:
                 allowed = allowed & (cols[None, :] <= rows[:, None])

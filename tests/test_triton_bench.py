@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from course_lib.runs import bench
+from course_lib.runs.bench import triton_benchmark
 from course_lib.runs.run_folder import RunRefused
-from course_lib.runs.triton_bench import triton_benchmark
 
 
 def test_on_the_cpu_the_command_says_it_skipped_in_one_line(capsys):
@@ -26,9 +26,9 @@ def test_on_the_cpu_the_command_says_it_skipped_in_one_line(capsys):
 
 _ROWS = """
 import json, torch
-from course_lib.runs.triton_bench import print_triton, triton_benchmark
+from course_lib.runs.bench import print_triton_rows, triton_benchmark
 rows = triton_benchmark([20], [16], heads=1, repeats=1, device="cuda" if torch.cuda.is_available() else "cpu")
-print_triton(rows, [], "test")
+print_triton_rows(rows, [], "test")
 print(json.dumps(rows))
 """
 

@@ -9,11 +9,11 @@ left alone, so ``--out`` may be Gradescope's results folder.
 A report is whole, or says in every file a reader opens that it is not, and two runs are never mixed:
 every file is first written into a hidden staging folder inside ``out``
 (``.course-grade-report.pidNNN.xxxxxxxx.tmp``); only when all are written does the run swap them in, by
-renames, with Ctrl-C and SIGTERM held off meanwhile. First each of the previous report's files (all of
-them, a ``results.json`` or ``gradescope/`` this run does not write included) is moved out and a stub that
-says "report incomplete" put in its place (``summary.md``, ``grades.csv``, ``results.json``, and a
-``REPORT-INCOMPLETE.md`` in ``feedback/`` and ``gradescope/``); then the new files replace the stubs,
-``summary.md`` last. So a SIGKILL inside the swap leaves each file either new and whole, or a stub saying
+renames, with Ctrl-C and SIGTERM held off meanwhile. First the previous report's files (all of them, a
+``results.json`` or ``gradescope/`` this run does not write included) are moved out, ``summary.md`` first,
+and where the new report has that file a stub that says "report incomplete" takes its place
+(``summary.md``, ``grades.csv``, ``results.json``, and a ``REPORT-INCOMPLETE.md`` in ``feedback/`` and
+``gradescope/``); then the new files replace the stubs, ``summary.md`` last. So a SIGKILL inside the swap leaves each file either new and whole, or a stub saying
 the report is incomplete (``summary.md`` says so until the very end), never one of the old report beside a
 new one. A run interrupted before the swap leaves the previous report exactly as it was. What an
 interrupted run leaves hidden is removed by a later run (once its writer is gone:
