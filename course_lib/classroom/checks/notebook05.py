@@ -282,7 +282,6 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _flat_grad(params: Any) -> torch.Tensor:
-    """Every gradient in one vector (a copy), zeros where backward left none."""
     return _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
 
 
@@ -491,7 +490,6 @@ def _matches(freq: torch.Tensor, probs: torch.Tensor) -> bool:
 
 
 def _drawn_from(freq: torch.Tensor, probs: torch.Tensor | None) -> bool:
-    """Whether draws of frequencies ``freq`` come from ``probs``: close, and nothing drawn that has no chance."""
     return probs is not None and _matches(freq, probs) and not bool((freq[probs == 0] > 0).any())
 
 

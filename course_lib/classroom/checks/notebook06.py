@@ -245,7 +245,6 @@ def _generation_cases() -> list[Case]:
 
 
 def _greedy(model: nn.Module, idx: torch.Tensor, new: int) -> torch.Tensor:
-    """The reference: greedy generation without a cache."""
     return generate_ref.generate(model, idx, new, temperature=0, use_cache=False)
 
 
