@@ -1,8 +1,5 @@
 """Exercises of notebook 05 (training and sampling): 5.1 lm_windows, 5.2 lm_loss, 5.3 train_step,
-5.4 sample_next_token.
-
-Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common``.
-"""
+5.4 sample_next_token."""
 from __future__ import annotations
 
 import copy
@@ -17,12 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import data as data_ref
+from ... import model as model_ref
 from ... import train as train_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._model_common import ProcedureExample, accepts, as_tensor, extend, recording_calls
 from ._student_code import call, expect_callable, expect_tensor
-from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
 
@@ -265,28 +263,26 @@ _LR = 0.1
 
 
 def _tiny_gpt(seed: int, **overrides: Any) -> nn.Module:
-    from course_lib.model import GPT, GPTConfig
-
-    values = dict(vocab_size=11, max_tokens=8, embed_dim=16, num_heads=2, num_layers=1, dropout_rate=0.0)
-    values.update(overrides)
     torch.manual_seed(seed)
-    return GPT(GPTConfig(**values))
+    return model_ref.GPT(model_ref.GPTConfig(**{**dict(vocab_size=11, max_tokens=8, embed_dim=16, num_heads=2,
+                                                       num_layers=1, dropout_rate=0.0), **overrides}))
 
 
-def _gradient(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[list[torch.Tensor], float]:
-    """Gradient and loss of the reference loss at the model's current weights (on a copy)."""
-    from course_lib.train import lm_loss
-
+def _gradient(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Gradient (flat) and loss of the reference loss at the model's current weights (on a copy)."""
     clone = copy.deepcopy(model).train()
-    for p in clone.parameters():
-        p.grad = None
-    loss = lm_loss(clone(inputs), targets)
+    clone.zero_grad(set_to_none=True)
+    loss = train_ref.lm_loss(clone(inputs), targets)
     loss.backward()
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in clone.parameters()], loss.item()
+    return _flat_grad(clone.parameters()), loss.item()
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _flat_grad(params: Any) -> torch.Tensor:
+    return _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -306,34 +302,31 @@ def _loss_value(result: Any, what: str) -> tuple[float, str]:
 
 
 def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
-              targets: torch.Tensor, what: str, **kwargs: Any) -> tuple[float, str, torch.Tensor, list, bool]:
+              targets: torch.Tensor, what: str, **kwargs: Any) -> tuple[float, str, torch.Tensor, torch.Tensor, bool]:
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
     backward_ran = []
-    handles = [p.register_hook(lambda grad: backward_ran.append(True)) for p in params[:1]]
+    handle = params[0].register_hook(lambda grad: backward_ran.append(True))
     try:
         with recording_calls(model) as calls:
             result = call(fn, model, optimizer, inputs, targets, what=what, **kwargs)
     finally:
-        for handle in handles:
-            handle.remove()
+        handle.remove()
     loss, note = _loss_value(result, what)
     delta = _flat([p.detach() - b for p, b in zip(params, before)])
     # model.forward(...) called directly bypasses the hook; then the mode it was left in must do
     in_training = all(c["training"] for c in calls) if calls else model.training
     if not float(delta.abs().max()) > 0:
-        grads = [p.grad for p in params if p.grad is not None and bool(p.grad.abs().max() > 0)]
         if not backward_ran:
             fail("mismatch", f"{what}: the weights did not change and no gradients were computed: call "
                              f"loss.backward() before optimizer.step().")
-        if grads:
+        if bool(_flat_grad(params).abs().max() > 0):
             fail("mismatch", f"{what}: gradients were computed but the weights did not change: call "
                              f"optimizer.step() after loss.backward().")
         fail("zero_grad", f"{what}: backward ran but the weights did not change, because the gradients were "
                           f"cleared before the step could use them. Order: zero_grad, forward, loss, backward, "
                           f"step.")
-    return loss, note, delta, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params], \
-        in_training
+    return loss, note, delta, _flat_grad(params), in_training
 
 
 def _stepped(step: Callable[..., Any]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -363,8 +356,7 @@ _STEP_EXAMPLE = ProcedureExample(_stepped(lambda *args: train_ref.train_step(*ar
 @checker("5.3", example=lambda fn, *_, **__: function_example(_STEP_EXAMPLE)(_stepped(fn)))
 def check_train_step(fn: Callable[..., Any]) -> str:
     """fn(model, optimizer, inputs, targets) -> float: zero_grad, forward, loss, backward, (clip,) step."""
-    model = _tiny_gpt(seed=3)
-    model.eval()   # as after an evaluation: train_step must switch dropout back on
+    model = _tiny_gpt(seed=3).eval()   # as after an evaluation: train_step must switch dropout back on
     optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
     generator = torch.Generator().manual_seed(11)
     vocab = model.config.vocab_size
@@ -374,8 +366,7 @@ def check_train_step(fn: Callable[..., Any]) -> str:
     note, left_over, training = "", None, True
     for step, (inputs, targets) in enumerate(batches, start=1):
         what = f"train_step (step {step})"
-        grad, expected_loss = _gradient(model, inputs, targets)
-        g = _flat(grad)
+        g, expected_loss = _gradient(model, inputs, targets)
         loss, note_now, delta, left, in_training = _one_step(fn, model, optimizer, inputs, targets, what)
         note = note or note_now
         training = training and in_training
@@ -395,7 +386,7 @@ def check_train_step(fn: Callable[..., Any]) -> str:
         else:
             fail("mismatch", f"{what}: the weights moved, but not along the gradient of this batch's loss. "
                              f"Use lm_loss(model(inputs), targets), backward, and one optimizer.step().")
-        left_over = _flat(left)
+        left_over = left
     if not training:
         fail("dropout", "Your train_step runs the model in eval mode, so dropout is off during training. Call "
                         "model.train() at the start (an evaluation before may have switched it to eval).")
@@ -412,7 +403,7 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                          "norm to it.")
     inputs, targets = batch
     for fraction in (0.3, None):
-        g = _flat(_gradient(model, inputs, targets)[0])
+        g = _gradient(model, inputs, targets)[0]
         limit = None if fraction is None else fraction * float(g.norm())
         what = f"train_step(..., max_grad_norm={'None' if limit is None else f'{limit:.3g}'})"
         try:
@@ -479,9 +470,9 @@ def _draw(fn: Callable[..., Any], logits: torch.Tensor, what: str, **kwargs: Any
     return result
 
 
-def _frequencies(draws: torch.Tensor, vocab: int) -> torch.Tensor:
-    rows = draws.view(_REPEATS, _BASE.shape[0]).T                       # (2, repeats)
-    return torch.stack([torch.bincount(r, minlength=vocab).double() / _REPEATS for r in rows])   # (2, vocab)
+def _frequencies(draws: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
+    per_row = draws.long().flatten().view(-1, rows).T                   # (rows, repeats)
+    return torch.stack([torch.bincount(r, minlength=vocab).double() / per_row.shape[1] for r in per_row])
 
 
 def _probabilities(logits: torch.Tensor, top_k: int | None = None, fill: float = float("-inf"),
@@ -496,6 +487,10 @@ def _probabilities(logits: torch.Tensor, top_k: int | None = None, fill: float =
 
 def _matches(freq: torch.Tensor, probs: torch.Tensor) -> bool:
     return bool((freq - probs).abs().max() < _TOLERANCE)
+
+
+def _drawn_from(freq: torch.Tensor, probs: torch.Tensor | None) -> bool:
+    return probs is not None and _matches(freq, probs) and not bool((freq[probs == 0] > 0).any())
 
 
 def _describe(freq: torch.Tensor, probs: torch.Tensor) -> str:
@@ -554,22 +549,17 @@ _SAMPLING_MISTAKES = (
 def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature: float,
                         top_k: int | None) -> None:
     logits = base.repeat(_REPEATS, 1)                                  # (2 * repeats, vocab)
-    kwargs: dict[str, Any] = {"temperature": temperature}
-    if top_k is not None:
-        kwargs["top_k"] = top_k
+    kwargs = {"temperature": temperature, **({} if top_k is None else {"top_k": top_k})}
     setting = f"temperature={temperature}" + (f", top_k={top_k}" if top_k is not None else "")
     what = f"sample_next_token({setting}) on {logits.shape[0]} rows"
-    freq = _frequencies(_draw(fn, logits, what, **kwargs), logits.shape[1])
+    freq = _frequencies(_draw(fn, logits, what, **kwargs), base.shape[0], logits.shape[1])   # (2, vocab)
     expected = _probabilities(base / temperature, top_k)
     if _matches(freq, expected):
         return
-    for mistake in _SAMPLING_MISTAKES:
-        drawn_from = mistake.output(base, temperature, top_k)
-        # a token drawn where the mistake gives it no chance rules the mistake out (2500 draws a row: every token
-        # of probability >= 0.5% shows up), which tells k + 1 kept tokens from no top_k at all
-        if drawn_from is not None and _matches(freq, drawn_from) and not bool((freq[drawn_from == 0] > 0).any()):
-            fail(mistake.code, f"{what}: " + mistake.message.format(setting=setting, top_k=top_k, fewer=(top_k or 0) - 1,
-                                                                    more=(top_k or 0) + 1))
+    # a token drawn where the mistake gives it no chance rules the mistake out (2500 draws a row: every token
+    # of probability >= 0.5% shows up), which tells k + 1 kept tokens from no top_k at all
+    first_mistake(_SAMPLING_MISTAKES, lambda m: _drawn_from(freq, m.output(base, temperature, top_k)), f"{what}: ",
+                  setting=setting, top_k=top_k, fewer=(top_k or 0) - 1, more=(top_k or 0) + 1)
     if top_k is not None and bool((freq[expected == 0] > 0).any()):
         fail("mismatch", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the k highest "
                          f"logits may be drawn.")
@@ -634,8 +624,7 @@ def _drawn(sample: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     the noise of sampling, so that only a real difference is shown."""
     def frequencies(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
         draws = as_tensor(sample(logits.repeat(_EXAMPLE_DRAWS, 1), temperature=temperature, top_k=top_k))
-        counts = torch.bincount(draws.long().flatten(), minlength=logits.shape[-1]).double()
-        freq = (counts / _EXAMPLE_DRAWS)[None]                                             # (1, vocab)
+        freq = _frequencies(draws, 1, logits.shape[-1])                                    # (1, vocab)
         expected = _expected_frequencies(logits, temperature, top_k)
         return expected if _matches(freq, expected) else freq
     return frequencies

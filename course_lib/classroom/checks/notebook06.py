@@ -1,10 +1,6 @@
-"""Exercises of notebook 06 (inference cost): 6.1 flops_per_token, 6.2 generate_with_cache.
-
-Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common``.
-"""
+"""Exercises of notebook 06 (inference cost): 6.1 flops_per_token, 6.2 generate_with_cache."""
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import time
@@ -15,11 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import generate as generate_ref
 from ... import model as model_ref
 from ... import train as train_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
-from ._model_common import ProcedureExample, extend, randomize_, recording_calls
+from ._model_common import ProcedureExample, as_tensor, extend, randomize_, recording_calls
 from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.function import Run
@@ -62,10 +59,8 @@ def _flops(count: Callable[[Any, int], float]) -> Callable[[Any, int], torch.Ten
 def _counted(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     """The student's count as a float64 tensor, once it is a finite number."""
     def count(config: Any, weights: int) -> torch.Tensor:
-        what, value = _flops_what(config, weights), fn(config, weights)
+        what, value = _flops_what(config, weights), as_tensor(fn(config, weights))   # numpy becomes a tensor
         if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        elif type(value).__module__.startswith("numpy") and hasattr(value, "item") and getattr(value, "size", 1) == 1:
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             fail("dtype", f"{what} should return a number of FLOPs (an int or a float), but returned "
@@ -85,14 +80,8 @@ class _Count(FunctionExercise):
             math.isclose(float(out), float(expected), rel_tol=1e-9, abs_tol=1e-6)
 
 
-def _named_slip(runs: list[Run], fn: Any) -> None:
-    """A slip is named only when it explains every configuration (with L = 2, leaving out the layers and
-    counting one product per head give the same number); the message quotes the first wrong one."""
+def _ignores_weights(runs: list[Run], fn: Any) -> None:
     run = next(run for run in runs if not FLOPS_PER_TOKEN.same(run.out, run.expected))
-    numbers_ = {"got": float(run.out), "expected": float(run.expected)}
-    for slip in _SLIPS:
-        if all(FLOPS_PER_TOKEN.same(r.out, slip.output(*r.case.args)) for r in runs):
-            fail(slip.code, f"{run.case.what} returned " + slip.message.format(**numbers_))
     config, weights = run.case.args
     if FLOPS_PER_TOKEN.same(call(fn, config, weights + 1000, what=run.case.what), run.out):
         fail("mismatch", f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f}, "
@@ -101,12 +90,13 @@ def _named_slip(runs: list[Run], fn: Any) -> None:
 
 
 def _slip(code: str, advice: str, count: Callable[[Any, int], float]) -> Mistake:
-    return Mistake(code, "{got:,.0f}, expected {expected:,.0f}: " + advice, output=_flops(count))
+    return Mistake(code, "{what} returned {got:,.0f}, expected {expected:,.0f}: " + advice, output=_flops(count))
 
 
-# Known slips (their messages get the numbers of the first wrong configuration). The attention term is
-# written from the parts of 12·n·H·Q·T so that each slip changes exactly one thing; flops_factor: 2N or 4N
-# where training costs 6N.
+# Known slips, named only when one explains every configuration (with L = 2, leaving out the layers and
+# counting one product per head give the same number); the message quotes the first wrong one. The
+# attention term is written from the parts of 12·n·H·Q·T so that each slip changes exactly one thing;
+# flops_factor: 2N or 4N where training costs 6N.
 _SLIPS = (
     _slip("flops_factor", "you count the forward pass only (2N + 4·n·H·Q·T). Training also runs the backward "
           "pass, which needs two matrix multiplies for every one of the forward pass: three times the forward "
@@ -140,7 +130,7 @@ _SLIPS = (
           lambda c, n: 6 * n + 12 * _lhqt(c) * c.max_tokens),
     _slip("mismatch", "the result is T = max_tokens times too large: that is the count for a whole window of T "
           "tokens. The function returns FLOPs per token.", lambda c, n: (6 * n + 12 * _lhqt(c)) * c.max_tokens),
-    *(Mistake("mismatch", "{got:g}, which is the right count in " + unit + ". Return plain FLOPs "
+    *(Mistake("mismatch", "{what} returned {got:g}, which is the right count in " + unit + ". Return plain FLOPs "
                           "({expected:,.0f}); divide only when you print.",
               output=_flops(lambda c, n, scale=scale: (6 * n + 12 * _lhqt(c)) / scale))
       for unit, scale in (("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3))),
@@ -153,7 +143,7 @@ FLOPS_PER_TOKEN = _Count(
     mismatch=lambda run: (f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f} = "
                           f"6·{run.case.args[1]:,} + 12·{run.case.args[0].num_layers}·{run.case.args[0].num_heads}·"
                           f"{run.case.args[0].head_dim}·{run.case.args[0].max_tokens}."),
-    exact=True, dtype=False, diagnose=_named_slip,
+    mistakes=_SLIPS, values=lambda run: {"what": run.case.what}, exact=True, dtype=False, diagnose=_ignores_weights,
     examples=lambda: _flops_cases((dict(vocab_size=5, max_tokens=4, embed_dim=4, num_heads=2, num_layers=2),)),
 )
 
@@ -170,12 +160,10 @@ def check_flops_per_token(fn: Callable[..., Any]) -> str:
 
 
 def _model(max_tokens: int, embed_dim: int, seed: int) -> nn.Module:
-    from course_lib.model import GPT, GPTConfig
-
-    config = GPTConfig(vocab_size=17, max_tokens=max_tokens, embed_dim=embed_dim, num_heads=2, num_layers=2)
+    config = model_ref.GPTConfig(vocab_size=17, max_tokens=max_tokens, embed_dim=embed_dim, num_heads=2, num_layers=2)
     torch.manual_seed(seed)
     # large random weights: clear winners at every step, so float noise never flips an argmax
-    return randomize_(GPT(config), torch.Generator().manual_seed(seed)).eval()
+    return randomize_(model_ref.GPT(config), torch.Generator().manual_seed(seed)).eval()
 
 
 @torch.no_grad()
@@ -256,17 +244,16 @@ def _generation_cases() -> list[Case]:
                                     f"GPT") for idx, new in prompts]
 
 
-_GENERATION_EXAMPLE = ProcedureExample(
-    lambda model, idx, new: importlib.import_module("course_lib.generate").generate(model, idx, new, temperature=0,
-                                                                                    use_cache=False),
-    _generation_cases, ("model", "idx", "max_new_tokens"))
+def _greedy(model: nn.Module, idx: torch.Tensor, new: int) -> torch.Tensor:
+    return generate_ref.generate(model, idx, new, temperature=0, use_cache=False)
+
+
+_GENERATION_EXAMPLE = ProcedureExample(_greedy, _generation_cases, ("model", "idx", "max_new_tokens"))
 
 
 @checker("6.2", example=function_example(_GENERATION_EXAMPLE))
 def check_kv_cache(fn: Callable[..., Any]) -> str:
     """fn(model, idx (N, L), max_new_tokens) -> (N, L + new): greedy, with model.new_cache()."""
-    from course_lib.generate import generate
-
     model = _model(max_tokens=16, embed_dim=16, seed=2)
     generator = torch.Generator().manual_seed(3)
     for batch, length, new in ((1, 1, 8), (2, 3, 6), (3, 7, 9), (2, 5, 1)):
@@ -285,7 +272,7 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
                 fail("shape", f"{what} returned {got.shape[1] - length} new tokens; generate exactly "
                               f"max_new_tokens = {new}.")
         expect_tensor(got, (batch, length + new), what, dtype=torch.long)
-        expected = generate(model, idx, new, temperature=0, use_cache=False)
+        expected = _greedy(model, idx, new)
         if not torch.equal(got[:, :length], idx):
             fail("mismatch", f"{what}: the first {length} tokens of the result should be the prompt itself.")
         explanation = _explain_calls(calls)
@@ -314,8 +301,6 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
 
 def _speed_note(fn: Callable[..., Any]) -> str:
     """Time the student's cached generation against the uncached reference (reported, never judged)."""
-    from course_lib.generate import generate
-
     model = _model(max_tokens=64, embed_dim=64, seed=4)
     idx = torch.zeros(1, 1, dtype=torch.long)
     new = model.config.max_tokens - 1
@@ -328,7 +313,7 @@ def _speed_note(fn: Callable[..., Any]) -> str:
     try:
         with torch.no_grad():
             ours = lambda tokens: fn(model, idx, tokens)
-            plain = lambda tokens: generate(model, idx, tokens, temperature=0, use_cache=False)
+            plain = lambda tokens: _greedy(model, idx, tokens)
             timed(ours, 3), timed(plain, 3)   # warm-up: the first calls pay for allocations
             cached, uncached = timed(ours, new), timed(plain, new)
     except Exception:  # the speed is only reported, never judged

@@ -1,7 +1,4 @@
-"""Exercises of notebook 07 (Hugging Face): 7.1 split_c_attn, 7.2 an attention function for transformers.
-
-Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common``.
-"""
+"""Exercises of notebook 07 (Hugging Face): 7.1 split_c_attn, 7.2 an attention function for transformers."""
 from __future__ import annotations
 
 import importlib
@@ -17,7 +14,7 @@ from ..verdict import fail
 from ._gradients import check_function_gradients
 from ._model_common import ProcedureExample, as_tensor, randomize_
 from ._student_code import call, close, expect_callable, expect_tensor
-from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
 from .engine.example import tiny
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
@@ -188,19 +185,11 @@ def _causal(q: torch.Tensor) -> torch.Tensor:
     return torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).tril()
 
 
-def _name_mistake(mistakes: tuple[Mistake, ...], got: torch.Tensor, what: str, *args: Any) -> None:
-    for mistake in mistakes:
-        if close(got, mistake.output(*args)):
-            fail(mistake.code, f"{what}: {mistake.message}")
-
-
 def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Generator) -> None:
-    from course_lib.hf import course_attention_forward as reference
-
+    reference = _hf().course_attention_forward
     n, heads, length, head_dim = 2, 2, 5, 8
     q, k, v = (torch.randn(n, heads, length, head_dim, generator=generator) for _ in range(3))
-    scaling = head_dim ** -0.5
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    scaling, causal = head_dim ** -0.5, _causal(q)
     what = "your attention function (attention_mask=None)"
     got = _direct(fn, module, q, k, v, None, scaling, what)
     if not close(got, _direct(fn, module, q, k, v, None, scaling, what)):
@@ -208,7 +197,7 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
                         f"argument (and module.training) instead of a fixed rate.")
     expected = reference(module, q, k, v, None, scaling=scaling)[0]
     if not close(got, expected):
-        _name_mistake(_CAUSAL_MISTAKES, got, what, q, k, v, scaling, causal)
+        first_mistake(_CAUSAL_MISTAKES, lambda m: close(got, m.output(q, k, v, scaling, causal)), f"{what}: ")
         fail("mismatch", f"{what}: the output differs from causal scaled dot-product attention (largest "
                          f"difference {(got - expected).abs().max():.3g}).")
     what = "your attention function (scaling=0.5)"
@@ -226,7 +215,7 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
     got = _direct(fn, module, q, k, v, mask, scaling, what)
     expected = reference(module, q, k, v, mask, scaling=scaling)[0]
     if not close(got, expected):
-        _name_mistake(_PADDING_MISTAKES, got, what, q, k, v, scaling, mask)
+        first_mistake(_PADDING_MISTAKES, lambda m: close(got, m.output(q, k, v, scaling, mask)), f"{what}: ")
         fail("mismatch", f"{what}: with a padding mask the output differs from the reference (largest "
                          f"difference {(got - expected).abs().max():.3g}). The mask is bool, True = may attend.")
     check_function_gradients(lambda *qkv: _direct(fn, module, *qkv, causal[None, None], scaling, what),
@@ -271,15 +260,11 @@ _ATTENTION_EXAMPLE = ProcedureExample(
     _attention_cases, ("module", "query", "key", "value", "scaling"))
 
 
-def _attention_output(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
-    return lambda module, q, k, v, scaling: _direct(fn, module, q, k, v, None, scaling, "your attention function")
-
-
-@checker("7.2", example=lambda fn, *_, **__: function_example(_ATTENTION_EXAMPLE)(_attention_output(fn)))
+@checker("7.2", example=lambda fn, *_, **__: function_example(_ATTENTION_EXAMPLE)(
+    lambda module, q, k, v, scaling: _direct(fn, module, q, k, v, None, scaling, "your attention function")))
 def check_hf_attention(fn: Callable[..., Any]) -> str:
     """fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs) -> (output, weights)."""
-    from course_lib.hf import run_with_attention
-
+    run_with_attention = _hf().run_with_attention
     if not callable(fn):
         fail("exception", f"Pass your attention function itself, not {type(fn).__name__}.")
     model = _tiny_gpt2()
