@@ -2,7 +2,8 @@
 
 - ``function``: an exercise whose answer is a function of tensors (``FunctionExercise``): its cases, its
   reference, its mistakes, its messages. ``judge`` runs the one probing loop (cases -> call the student ->
-  expect a tensor -> compare -> name the mistake -> fail; gradients -> success).
+  expect a tensor -> compare -> name the mistake -> fail; ``after`` probes, gradients -> success);
+  ``first_mistake`` is the one mistake loop, for judges of their own too (``fill`` formats its message).
 - ``example``: the counter-example of any exercise, derived from its own cases (a function exercise's
   ``examples``, a module exercise's tiny sizes): the smallest input on which the student and the reference
   differ, shown side by side for ``checks.hint``.
@@ -14,8 +15,9 @@
 Calling student code is ``_student_code``'s; see ``checks/DESIGN.md`` for how to add an exercise.
 """
 from .example import function_example, module_example
-from .function import Case, FunctionExercise, judge
+from .function import Case, FunctionExercise, Run, fill, first_mistake, judge
 from .probes import PROBES
 from .run import checker
 
-__all__ = ["checker", "Case", "FunctionExercise", "judge", "function_example", "module_example", "PROBES"]
+__all__ = ["checker", "Case", "FunctionExercise", "Run", "judge", "first_mistake", "fill", "function_example",
+           "module_example", "PROBES"]

@@ -4,11 +4,13 @@ An exercise declares its cases, its reference, its mistakes and its messages (``
 ``judge`` runs them: each case -> call the student (through ``_student_code.call_student``: exceptions,
 ``sys.exit`` and changed inputs become verdicts) -> expect a tensor like the reference's -> compare ->
 on a difference, the first mistake whose output matches names it, then the exercise's own diagnosis,
-then its mismatch message -> when every case agrees, the gradient probe -> the success message.
+then its mismatch message -> when every case agrees, the exercise's ``after`` probes, the gradient probe
+-> the success message. ``first_mistake`` is the one mistake loop, also for judges of their own (modules).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,13 +53,16 @@ class FunctionExercise:
       ``variant(*args, spec=...)`` for a spec); the first that matches every one of them is the verdict.
     - ``exact``: outputs are compared bit for bit (masks, rearrangements); otherwise within tolerance.
     - ``each_case``: judge a case as soon as it runs, and quote it in the mistake's message ("causal_mask(5):
-      ..."); otherwise all cases run first and a mistake must match all of them.
+      ..."; ``quote=False``: the message as written); otherwise all cases run first and a mistake must match
+      all of them. A mistake's message may name ``{got}``, ``{expected}`` (see ``quoted``) and what
+      ``values(run)`` gives, filled from the first run that differs.
     - ``dtype``: the output must have the reference's dtype; ``finite``: NaN is refused before any diagnosis;
       ``numpy_ok``: a numpy array counts as a tensor.
     - ``raw(case, out)``: judge the raw output before its shape is checked (a layout of its own).
     - ``reword(failure, case, out, fn)``: add to a failure of the call or of the shape (may raise another).
     - ``diagnose(runs, fn)``: the exercise's own probes once no mistake matched (may return: then mismatch).
     - ``mismatch(run)``: the last word on the first run that differs.
+    - ``after(runs, fn)``: the exercise's own probes once every case is right, before the gradients.
     - ``gradients()``: the cases of the gradient probe; ``examples()``: tiny cases for the counter-example.
     """
 
@@ -72,12 +77,15 @@ class FunctionExercise:
     variant: Callable[..., Any] | None = None
     exact: bool = False
     each_case: bool = False
+    quote: bool = True
     dtype: bool = True
     finite: bool = False
     numpy_ok: bool = False
     raw: Callable[[Case, Any], None] | None = None
     reword: Callable[[Failure, Case, Any, Any], None] | None = None
     diagnose: Callable[[list[Run], Any], None] | None = None
+    after: Callable[[list[Run], Any], None] | None = None
+    values: Callable[[Run], Mapping[str, Any]] = lambda run: {}
     gradients: Callable[[], Sequence[Case]] = lambda: ()
     examples: Callable[[], Sequence[Case]] | None = None
     probes: tuple[str, ...] = field(default=("gradient", "mutation", "reference_guard", "counterexample"))
@@ -119,6 +127,8 @@ def judge(exercise: FunctionExercise, fn: Any) -> str:
             _diagnose(exercise, [runs[-1]], fn)
     if any(not exercise.same(run.out, run.expected) for run in runs):
         _diagnose(exercise, runs, fn)
+    if exercise.after is not None:
+        exercise.after(runs, fn)
     for case in exercise.gradients():
         gradient_probe(fn, exercise.reference, case.args, exercise.arg_names, case.what)
     return exercise.success
@@ -126,22 +136,56 @@ def judge(exercise: FunctionExercise, fn: Any) -> str:
 
 def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any) -> None:
     """The first mistake that reproduces every run, else the exercise's own probes, else its mismatch."""
-    quote = f"{runs[0].case.what}: " if exercise.each_case else ""
-    for mistake in exercise.mistakes:
-        if all(_reproduces(exercise, mistake, run) for run in runs):
-            fail(mistake.code, quote + mistake.message)
+    first = next(run for run in runs if not exercise.same(run.out, run.expected))
+    first_mistake(exercise.mistakes, lambda mistake: all(_reproduces(exercise, mistake, run) for run in runs),
+                  f"{first.case.what}: " if exercise.each_case and exercise.quote else "",
+                  got=quoted(first.out), expected=quoted(first.expected), **exercise.values(first))
     if exercise.diagnose is not None:
         exercise.diagnose(runs, fn)
-    fail("mismatch", exercise.mismatch(next(run for run in runs if not exercise.same(run.out, run.expected))))
+    fail("mismatch", exercise.mismatch(first))
 
 
 def _reproduces(exercise: FunctionExercise, mistake: Mistake, run: Run) -> bool:
-    try:
-        wrong = exercise.mistaken(mistake, run.case)
-    except (RuntimeError, ValueError):   # a mistake that does not apply to these shapes
-        return False
+    wrong = exercise.mistaken(mistake, run.case)
     if wrong is None:
         return False
     if exercise.exact:
         return exercise.same(run.out, wrong)
     return matches(run.out, wrong)
+
+
+def first_mistake(mistakes: Iterable[Mistake], reproduces: Callable[[Mistake], bool], prefix: str = "",
+                  **values: Any) -> None:
+    """Fail with the first of ``mistakes`` that ``reproduces(mistake)`` says the student's code made, its
+    message after ``prefix`` with its placeholders filled from ``values``; return when none does. A mistake
+    that does not apply to these inputs (``reproduces`` raises RuntimeError, ValueError or IndexError) is
+    passed over."""
+    for mistake in mistakes:
+        try:
+            found = reproduces(mistake)
+        except (RuntimeError, ValueError, IndexError):   # a mistake that does not apply to these shapes
+            continue
+        if found:
+            fail(mistake.code, prefix + fill(mistake.message, values))
+
+
+# {name}, {name!r}, {name:,.0f}: the placeholders a mistake's message may hold
+_PLACEHOLDER = re.compile(r"\{(\w+)(![rsa])?(:[^{}]*)?\}")
+
+
+def fill(message: str, values: Mapping[str, Any]) -> str:
+    """``message`` with each placeholder named in ``values`` formatted (``{got:,.0f}``); any other brace is
+    left as written, so a message without placeholders is shown as it is."""
+    def one(found: re.Match[str]) -> str:
+        name, conversion, spec = found.groups()
+        if name not in values:
+            return found.group(0)
+        return ("{0" + (conversion or "") + (spec or "") + "}").format(values[name])
+    return _PLACEHOLDER.sub(one, message)
+
+
+def quoted(value: Any) -> Any:
+    """A run's output as ``{got}``/``{expected}`` quote it: a number for a one-element tensor, else the shape."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else tuple(value.shape)
+    return value
