@@ -2,8 +2,8 @@
 
 Attention is written once here with the classic mistakes switchable on (``sdpa_variant``, ``module_variant``);
 each ``Mistake``'s ``spec`` holds the switches. The first mistake whose output matches the student's names it,
-without reading any source (``first_match``); when none does, ``diagnose_weights`` reads the attention weights
-back and says what is wrong with them.
+without reading any source (``engine.first_mistake``; ``first_match`` returns it instead, for notebook 09); when
+none does, ``diagnose_weights`` reads the attention weights back and says what is wrong with them.
 """
 from __future__ import annotations
 
@@ -55,11 +55,7 @@ def sdpa_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
                  spec: dict[str, Any]) -> torch.Tensor:
     """scaled_dot_product_attention with the mistakes in ``spec`` (scale, softmax_dim, mask, fill)."""
     mode = spec.get("scale", "sqrt")
-    allowed = mask
-    if mask is not None and spec.get("mask") == "ignored":
-        allowed = None
-    elif mask is not None and spec.get("mask") == "inverted":
-        allowed = ~mask
+    allowed = None if mask is None else {"ignored": None, "inverted": ~mask}.get(spec.get("mask"), mask)
     return attend(q, k, v, allowed, scale=scale_factor(mode, q.shape[-1]), scale_after=mode == "after",
                   softmax_dim=spec.get("softmax_dim", -1), fill=spec.get("fill", "-inf"))
 

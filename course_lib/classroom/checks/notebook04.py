@@ -19,7 +19,7 @@ from ..verdict import Failure, fail
 from ._gradients import check_module_gradients
 from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
 from ._student_code import call, close, construct, expect_tensor
-from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
+from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
 from .engine.function import Run
 
 __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
@@ -272,9 +272,8 @@ def _future_leaks(candidate: nn.Module, changed: torch.Tensor, got: torch.Tensor
 def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor, got: torch.Tensor,
                     norm_first: bool, what: str) -> None:
     r = reference
-    for mistake in _block_variants(norm_first):
-        if close(got, mistake.output(x, r.attn, r.mlp, r.ln1, r.ln2)):
-            fail(mistake.code, f"{what}: {mistake.message}")
+    first_mistake(_block_variants(norm_first), lambda m: close(got, m.output(x, r.attn, r.mlp, r.ln1, r.ln2)),
+                  f"{what}: ")
     # behaviour probes, for mistakes we did not list
     if x.shape[1] > 1:
         changed = x.clone()
@@ -390,9 +389,7 @@ def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor,
     if close(got.exp().sum(-1), torch.ones(got.shape[:-1])):
         fail("mismatch", f"{what}: you return log-probabilities (a log_softmax of the logits). Return logits, "
                          f"not probabilities: cross-entropy applies the log-softmax itself.")
-    for mistake in _gpt_variants(reference):
-        if close(got, mistake.output(idx)):
-            fail(mistake.code, f"{what}: {mistake.message}")
+    first_mistake(_gpt_variants(reference), lambda mistake: close(got, mistake.output(idx)), f"{what}: ")
     length = idx.shape[1]
     if length > 1:
         changed = idx.clone()
