@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..verdict import Failure, fail
-from ._attn_hypotheses import MODULE_HYPOTHESES, diagnose_weights, first_match, module_variant, shape_str
+from ._attn_hypotheses import MODULE_HYPOTHESES, diagnose_weights, module_variant, shape_str
 from ._gradients import check_module_gradients
 from ._student_code import (
     call,
@@ -18,10 +18,12 @@ from ._student_code import (
     expect_finite,
     expect_parameters,
     load_parameters,
+    matches,
     max_diff,
     module_output,
     reraise_with,
 )
+from .engine import first_mistake
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -53,19 +55,18 @@ def random_params(generator: torch.Generator) -> dict[str, torch.Tensor]:
             for name in PARAMETERS}
 
 
+@dataclass
 class ModuleCheck:
     """Everything one exercise (2.2 or 3.3) does with the student's class."""
 
-    def __init__(self, name: str, make_candidate: Callable[[int, float], Any],
-                 make_reference: Callable[[int, float], nn.Module], heads: tuple[int, ...]):
-        self.name = name
-        self.make_candidate = make_candidate
-        self.make_reference = make_reference
-        self.heads = heads
-        self.generator = torch.Generator().manual_seed(1234)
-        self.models: dict[int, nn.Module] = {}
-        self.references: dict[int, nn.Module] = {}
-        self.runs: list[Run] = []
+    name: str
+    make_candidate: Callable[[int, float], Any]
+    make_reference: Callable[[int, float], nn.Module]
+    heads: tuple[int, ...]
+    generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(1234))
+    models: dict[int, nn.Module] = field(default_factory=dict)
+    references: dict[int, nn.Module] = field(default_factory=dict)
+    runs: list[Run] = field(default_factory=list)
 
     def what(self, shape: tuple[int, ...], heads: int) -> str:
         extra = f", num_heads={heads}" if len(self.heads) > 1 else ""
@@ -154,11 +155,9 @@ class ModuleCheck:
         several = any(h > 1 for h in self.heads)
         hypotheses = [h for h in MODULE_HYPOTHESES
                       if several or not ({"split", "merge"} & set(h.spec) or h.spec.get("scale") == "embed_dim")]
-        found = first_match(hypotheses, [run.out for run in self.runs],
-                            lambda i, spec: module_variant(self.runs[i].x, self.runs[i].params,
-                                                           self.runs[i].heads, spec))
-        if found is not None:
-            fail(found.code, found.message.format(d="head_dim" if several else "embed_dim"))
+        reproduces = lambda mistake: all(matches(run.out, module_variant(run.x, run.params, run.heads, mistake.spec))
+                                         for run in self.runs)
+        first_mistake(hypotheses, reproduces, d="head_dim" if several else "embed_dim")
         if all(run.x.shape[1] < MAX_TOKENS for run in bad):
             fail("causal_mask", f"Your output is right for sequences of max_tokens={MAX_TOKENS} tokens but wrong "
                                 f"for shorter ones (e.g. x of shape {shape_str(bad[0].x.shape)}): the causal "
