@@ -114,23 +114,6 @@ def check_toy_prediction(weights: Any, result: Any) -> str:
 
 # ============================================================================ 1.2 toy attention
 
-def _toy_variant(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kind: str) -> torch.Tensor:
-    scores = keys @ query                                                      # (n,)
-    weights = {
-        "scaled": lambda: (scores * query.shape[0] ** -0.5).softmax(0),
-        "raw": lambda: scores,
-        "exp": lambda: scores.exp(),
-        "ones": lambda: torch.ones_like(scores),
-        "negative": lambda: (-scores).softmax(0),
-        "uniform": lambda: torch.full_like(scores, 1 / scores.shape[0]),
-    }[kind]()
-    return weights @ values
-
-
-def _toy(kind: str) -> Callable[..., torch.Tensor]:
-    return lambda query, keys, values: _toy_variant(query, keys, values, kind)
-
-
 def _toy_case(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, call: str | None = None) -> Case:
     what = call or (f"toy_attention(query, keys, values) with query {shape_str(query.shape)}, keys "
                     f"{shape_str(keys.shape)}, values {shape_str(values.shape)}")
@@ -186,18 +169,23 @@ TOY_ATTENTION = FunctionExercise(
         f"softmax, weighted sum of the values."),
     mistakes=(
         Mistake("scale", "You scale the scores by 1/sqrt(d). Toy attention has no scaling yet (that comes in "
-                         "exercise 1.3): take the softmax of the plain dot products.", output=_toy("scaled")),
+                         "exercise 1.3): take the softmax of the plain dot products.",
+                output=lambda q, keys, v: (keys @ q * q.shape[0] ** -0.5).softmax(0) @ v),
         Mistake("normalization", "You weight the values by the raw scores: turn the scores into weights with a "
-                                 "softmax first, so they are positive and sum to one.", output=_toy("raw")),
+                                 "softmax first, so they are positive and sum to one.",
+                output=lambda q, keys, v: (keys @ q) @ v),
         Mistake("normalization", "You exponentiate the scores but never divide by their sum, so the weights do "
                                  "not sum to one: that division is the other half of the softmax.",
-                output=_toy("exp")),
+                output=lambda q, keys, v: (keys @ q).exp() @ v),
         Mistake("softmax_dim", "Every key gets weight 1: your softmax runs over an axis of length one. Take it "
-                               "over the n scores, one per key.", output=_toy("ones")),
+                               "over the n scores, one per key.",
+                output=lambda q, keys, v: torch.ones_like(keys @ q) @ v),
         Mistake("mismatch", "Your weights favour the keys that point away from the query: a larger dot product "
-                            "means a better match, and should get more weight.", output=_toy("negative")),
+                            "means a better match, and should get more weight.",
+                output=lambda q, keys, v: (-(keys @ q)).softmax(0) @ v),
         Mistake("mismatch", "Every key gets the same weight, whatever the query: the weights must come from the "
-                            "dot products of the query with the keys.", output=_toy("uniform")),
+                            "dot products of the query with the keys.",
+                output=lambda q, keys, v: torch.full_like(keys @ q, 1 / keys.shape[0]) @ v),
     ),
     reword=_toy_reword, diagnose=_toy_diagnose, examples=_toy_examples,
     gradients=lambda: [replace(_toy_cases()[2], what="toy_attention(query, keys, values) with values (n, dv)")],

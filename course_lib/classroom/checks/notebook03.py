@@ -15,6 +15,7 @@ import torch
 from ... import attention as ref
 from ..exercises import Mistake
 from ..verdict import fail
+from ._attn_hypotheses import merge_heads_as, split_heads_as
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
 from ._student_code import expect_callable
 from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
@@ -63,10 +64,10 @@ SPLIT_HEADS = FunctionExercise(
         Mistake("head_split", "a reshape straight to (N, heads, L, head_dim) cuts the sequence, not the features, "
                               "into heads. Split the last axis into (heads, head_dim) first, then move the head axis "
                               "forward.",
-                output=lambda x, h: x.reshape(x.shape[0], h, x.shape[1], x.shape[2] // h)),
+                output=lambda x, h: split_heads_as(x, h, "no_transpose")),
         Mistake("head_split", "each head takes every num_heads-th feature instead of a block of head_dim "
                               "neighbouring features: split the last axis as (heads, head_dim), in that order.",
-                output=lambda x, h: x.reshape(x.shape[0], x.shape[1], x.shape[2] // h, h).permute(0, 3, 1, 2)),
+                output=lambda x, h: split_heads_as(x, h, "interleaved")),
     ),
     exact=True, each_case=True, finite=True, raw=_split_layout,
     diagnose=_rearranged("Head h should hold features h*head_dim ... (h+1)*head_dim - 1 of every position."),
@@ -105,9 +106,9 @@ MERGE_HEADS = FunctionExercise(
     mistakes=(
         Mistake("head_split", "a bare reshape of (N, heads, L, head_dim) to (N, L, E) mixes positions: swap the head "
                               "and sequence axes back first, then flatten.",
-                output=lambda x: x.reshape(x.shape[0], x.shape[2], x.shape[1] * x.shape[3])),
+                output=lambda x: merge_heads_as(x, "bare")),
         Mistake("head_split", "the heads' features are interleaved: flatten as (heads, head_dim), head after head.",
-                output=lambda x: x.permute(0, 2, 3, 1).reshape(x.shape[0], x.shape[2], x.shape[1] * x.shape[3])),
+                output=lambda x: merge_heads_as(x, "interleaved")),
     ),
     exact=True, each_case=True, finite=True, raw=_merge_layout,
     diagnose=_rearranged("Position l of the output should hold head 0's features, then head 1's, and so on."),

@@ -19,7 +19,7 @@ from ..verdict import Failure, fail
 from ._gradients import check_module_gradients
 from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
 from ._student_code import call, close, construct, expect_tensor
-from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
+from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
 from .engine.function import Run
 
 __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
@@ -161,30 +161,26 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
         h = l1(x + a(x))
         return l2(h + m(h))
 
-    right = "pre-norm (GPT-2)" if norm_first else "post-norm (the 2017 paper)"
+    right, same = (pre if norm_first else post), nn.Identity()
+    kind = "pre-norm (GPT-2)" if norm_first else "post-norm (the 2017 paper)"
     common = [
         Mistake("mismatch", "the feed-forward sublayer (self.mlp) is never applied, or its result is dropped; the "
                             "block is attention, then feed-forward.",
-                output=(lambda x, a, m, l1, l2: x + a(l1(x))) if norm_first
-                else (lambda x, a, m, l1, l2: l1(x + a(x)))),
+                output=lambda x, a, m, l1, l2: right(x, a, lambda h: 0, l1, same)),   # a sublayer that adds nothing
         Mistake("mismatch", "the attention sublayer (self.attn) is never applied, or its result is dropped; the block "
                             "is attention, then feed-forward.",
-                output=(lambda x, a, m, l1, l2: x + m(l2(x))) if norm_first
-                else (lambda x, a, m, l1, l2: l2(x + m(x)))),
+                output=lambda x, a, m, l1, l2: right(x, lambda h: 0, m, same, l2)),
         Mistake("mismatch", "ln1 and ln2 are swapped: ln1 goes with the attention sublayer, ln2 with the feed-forward "
                             "one (each LayerNorm has its own learned scale and shift).",
-                output=(lambda x, a, m, l1, l2: pre(x, a, m, l2, l1)) if norm_first
-                else (lambda x, a, m, l1, l2: post(x, a, m, l2, l1))),
+                output=lambda x, a, m, l1, l2: right(x, a, m, l2, l1)),
         Mistake("mismatch", "you use ln1 for both sublayers; ln2 belongs to the feed-forward sublayer.",
-                output=(lambda x, a, m, l1, l2: pre(x, a, m, l1, l1)) if norm_first
-                else (lambda x, a, m, l1, l2: post(x, a, m, l1, l1))),
+                output=lambda x, a, m, l1, l2: right(x, a, m, l1, l1)),
         Mistake("mismatch", "you use ln2 for both sublayers; ln1 belongs to the attention sublayer.",
-                output=(lambda x, a, m, l1, l2: pre(x, a, m, l2, l2)) if norm_first
-                else (lambda x, a, m, l1, l2: post(x, a, m, l2, l2))),
+                output=lambda x, a, m, l1, l2: right(x, a, m, l2, l2)),
         Mistake("mismatch", "the LayerNorms ln1 and ln2 are never applied; each sublayer needs its own.",
-                output=lambda x, a, m, l1, l2: pre(x, a, m, nn.Identity(), nn.Identity())),
+                output=lambda x, a, m, l1, l2: right(x, a, m, same, same)),
         Mistake("norm_placement", f"you normalise both before the sublayers and after the residual additions; this "
-                                  f"block is {right}, so each LayerNorm is used once.",
+                                  f"block is {kind}, so each LayerNorm is used once.",
                 output=lambda x, a, m, l1, l2: l2((h := l1(x + a(l1(x)))) + m(l2(h)))),
         Mistake("norm_placement", "you apply each LayerNorm to the sublayer's OUTPUT (x + ln1(attn(x))). A "
                                   "LayerNorm there undoes the sublayer's scale, so the block can no longer learn "
@@ -236,10 +232,8 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
 
 
 def _build_block(cls: Any, norm_first: bool) -> tuple[nn.Module, nn.Module]:
-    from course_lib.model import TransformerBlock
-
     generator = torch.Generator().manual_seed(42)
-    reference = randomize_(TransformerBlock(_EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, norm_first=norm_first),
+    reference = randomize_(model_ref.TransformerBlock(_EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, norm_first=norm_first),
                            generator)
     kwargs = {"norm_first": norm_first} if accepts(cls, "norm_first") else {}
     candidate = construct(cls, _EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, what=getattr(cls, "__name__", "cls"),
@@ -258,56 +252,53 @@ def _inputs(generator: torch.Generator, batch: int, length: int) -> torch.Tensor
     return 1.5 * x + torch.randn(batch, length, 1, generator=generator)
 
 
+def _with_weight(weight: torch.Tensor, value: torch.Tensor, rerun: Callable[[], Any]) -> Any:
+    """The student's output with ``weight`` set to ``value`` for one call (restored afterwards, even on a failure)."""
+    saved = weight.clone()
+    weight.copy_(value)
+    try:
+        return rerun()
+    finally:
+        weight.copy_(saved)
+
+
+def _future_leaks(candidate: nn.Module, changed: torch.Tensor, got: torch.Tensor, what: str) -> bool:
+    """Whether the outputs before the last position moved, on an input whose last position alone was changed."""
+    later = call(candidate, changed, what=what)
+    return isinstance(later, torch.Tensor) and later.shape == got.shape and not close(later[:, :-1], got[:, :-1])
+
+
 @torch.no_grad()
 def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor, got: torch.Tensor,
                     norm_first: bool, what: str) -> None:
     r = reference
-    for mistake in _block_variants(norm_first):
-        if close(got, mistake.output(x, r.attn, r.mlp, r.ln1, r.ln2)):
-            fail(mistake.code, f"{what}: {mistake.message}")
+    first_mistake(_block_variants(norm_first), lambda m: close(got, m.output(x, r.attn, r.mlp, r.ln1, r.ln2)),
+                  f"{what}: ")
     # behaviour probes, for mistakes we did not list
     if x.shape[1] > 1:
         changed = x.clone()
         changed[:, -1] += 3.0
-        later = call(candidate, changed, what=what)
-        if isinstance(later, torch.Tensor) and later.shape == got.shape and \
-                not close(later[:, :-1], got[:, :-1]):
+        if _future_leaks(candidate, changed, got, what):
             fail("causal_mask", f"{what}: changing the last position changes the outputs at earlier positions, "
                                 f"so the future leaks into the past. Let self.attn do all the mixing between "
                                 f"positions (it applies the causal mask); everything else acts per position.")
+    rerun = lambda: call(candidate, x, what=what)
     for name in ("attn", "mlp"):
         proj = getattr(getattr(candidate, name), "proj", None)
-        if isinstance(proj, nn.Linear):
-            saved = proj.weight.clone()
-            proj.weight.mul_(2.0)
-            try:
-                doubled = call(candidate, x, what=what)
-            finally:
-                proj.weight.copy_(saved)
-            if isinstance(doubled, torch.Tensor) and close(doubled, got):
-                _no_effect(candidate, proj, x, got, name, what)
+        if isinstance(proj, nn.Linear) and close(_with_weight(proj.weight, proj.weight * 2.0, rerun), got):
+            # doubling self.{name}'s output projection changed nothing: ignored, or only its scale lost?
+            other = _with_weight(proj.weight, torch.flip(proj.weight, dims=(0,)), rerun)   # other directions
+            if isinstance(other, torch.Tensor) and other.shape == got.shape and not close(other, got):
+                fail("norm_placement", f"{what}: your block is blind to the SCALE of self.{name} (doubling its "
+                                       f"output changes nothing), though not to its direction: a LayerNorm sits on "
+                                       f"the sublayer's output. Normalise the sublayer's input (pre-norm) or the "
+                                       f"residual sum (post-norm), never the sublayer's output alone.")
+            fail("mismatch", f"{what}: the output does not depend on self.{name}; make sure its result "
+                             f"goes into what forward returns.")
     fail("mismatch", f"{what}: the output differs from the reference {('pre' if norm_first else 'post')}-norm "
                      f"block (largest difference {(got - reference(x)).abs().max():.3g}). Check the order: "
                      + ("x + attn(...) of ln1(x), then the same with ln2 and mlp."
                         if norm_first else "ln1 of (x + attention of x), then ln2 of (x + mlp of x)."))
-
-
-def _no_effect(candidate: nn.Module, proj: nn.Linear, x: torch.Tensor, got: torch.Tensor, name: str,
-               what: str) -> None:
-    """Doubling self.{name}'s output projection left the output unchanged: ignored, or only its scale lost?"""
-    saved = proj.weight.clone()
-    proj.weight.copy_(torch.flip(saved, dims=(0,)))   # the same numbers, other directions
-    try:
-        other = call(candidate, x, what=what)
-    finally:
-        proj.weight.copy_(saved)
-    if isinstance(other, torch.Tensor) and other.shape == got.shape and not close(other, got):
-        fail("norm_placement", f"{what}: your block is blind to the SCALE of self.{name} (doubling its output "
-                               f"changes nothing), though not to its direction: a LayerNorm sits on the "
-                               f"sublayer's output. Normalise the sublayer's input (pre-norm) or the residual "
-                               f"sum (post-norm), never the sublayer's output alone.")
-    fail("mismatch", f"{what}: the output does not depend on self.{name}; make sure its result "
-                     f"goes into what forward returns.")
 
 
 def _block_example(cls: Any, norm_first: bool = True, **_: Any) -> Any:
@@ -350,11 +341,9 @@ def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
 # ---------------------------------------------------------------- 4.3 GPT
 
 def _gpt_config(**overrides: Any):
-    from course_lib.model import GPTConfig
-
     values = dict(vocab_size=13, max_tokens=8, embed_dim=16, num_heads=2, num_layers=2, dropout_rate=0.1)
     values.update(overrides)
-    return GPTConfig(**values)
+    return model_ref.GPTConfig(**values)
 
 
 def _gpt_variants(ref: nn.Module) -> list[Mistake]:
@@ -390,10 +379,6 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
     ]
 
 
-def _forward(model: nn.Module, idx: torch.Tensor, what: str, *cache: Any) -> Any:
-    return call(model, idx, *cache, what=what)
-
-
 @torch.no_grad()
 def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor, got: torch.Tensor,
                   what: str) -> None:
@@ -404,31 +389,22 @@ def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor,
     if close(got.exp().sum(-1), torch.ones(got.shape[:-1])):
         fail("mismatch", f"{what}: you return log-probabilities (a log_softmax of the logits). Return logits, "
                          f"not probabilities: cross-entropy applies the log-softmax itself.")
-    for mistake in _gpt_variants(reference):
-        if close(got, mistake.output(idx)):
-            fail(mistake.code, f"{what}: {mistake.message}")
+    first_mistake(_gpt_variants(reference), lambda mistake: close(got, mistake.output(idx)), f"{what}: ")
     length = idx.shape[1]
     if length > 1:
         changed = idx.clone()
         changed[:, -1] = (changed[:, -1] + 1) % reference.config.vocab_size
-        later = _forward(candidate, changed, what)
-        if isinstance(later, torch.Tensor) and later.shape == got.shape and \
-                not close(later[:, :-1], got[:, :-1]):
+        if _future_leaks(candidate, changed, got, what):
             fail("causal_mask", f"{what}: changing the last token changes the logits at earlier positions: "
                                 f"the future leaks into the past. Only the attention layers should mix "
                                 f"positions, and they apply the causal mask.")
         same = torch.full((1, length), 3, dtype=torch.long)
-        flat = _forward(candidate, same, what)
+        flat = call(candidate, same, what=what)
         if isinstance(flat, torch.Tensor) and flat.dim() == 3 and close(flat[0, :1].expand_as(flat[0]), flat[0]):
             fail("mismatch", f"{what}: the same token at different positions gets the same logits, so the "
                              f"positions are missing. Add the position encodings to the token embeddings.")
-    saved = candidate.ln_f.weight.clone()
-    candidate.ln_f.weight.mul_(2.0).add_(0.5)
-    try:
-        changed_ln = _forward(candidate, idx, what)
-    finally:
-        candidate.ln_f.weight.copy_(saved)
-    if isinstance(changed_ln, torch.Tensor) and close(changed_ln, got):
+    ln_f = candidate.ln_f.weight
+    if close(_with_weight(ln_f, ln_f * 2.0 + 0.5, lambda: call(candidate, idx, what=what)), got):
         fail("final_norm", f"{what}: the output does not depend on the final LayerNorm self.ln_f; apply it "
                            f"after the last block, before the head.")
     fail("mismatch", f"{what}: the logits differ from the reference (largest difference "
@@ -464,10 +440,10 @@ def _check_gpt_training(candidate: nn.Module, idx: torch.Tensor, rate: float) ->
     """Training mode, by behaviour: finite logits, no dropout on the logits, dropout after the embeddings."""
     what = f"your GPT in training mode (dropout_rate={rate}) on idx of shape {tuple(idx.shape)}"
     with torch.no_grad():
-        eval_logits = _forward(candidate, idx, what.replace("training", "eval"))
+        eval_logits = call(candidate, idx, what=what.replace("training", "eval"))
         call(candidate.train, what="your GPT's train()")
         try:
-            logits = _forward(candidate, idx, what)
+            logits = call(candidate, idx, what=what)
             if not isinstance(logits, torch.Tensor) or not torch.isfinite(logits).all():
                 fail("nan", f"{what}: the logits are not finite numbers in training mode. Apply dropout to "
                             f"activations (after the embeddings), never to scores that hold -inf.")
@@ -481,7 +457,7 @@ def _check_gpt_training(candidate: nn.Module, idx: torch.Tensor, rate: float) ->
             if isinstance(blocks, nn.Module):
                 blocks.eval()
                 try:
-                    without_blocks = _forward(candidate, idx, what)
+                    without_blocks = call(candidate, idx, what=what)
                 finally:
                     blocks.train()
             if isinstance(blocks, nn.Module) and torch.equal(without_blocks, eval_logits):
@@ -503,11 +479,9 @@ def _gpt_example(cls: Any, *_: Any, **__: Any) -> Any:
 @checker("4.3", example=_gpt_example)
 def check_gpt(cls: Any) -> str:
     """cls(config) with token_embedding, position_encoding, dropout, blocks, ln_f, head; forward -> logits."""
-    from course_lib.model import GPT
-
     config = _gpt_config()
     generator = torch.Generator().manual_seed(7)
-    reference = randomize_(GPT(config), generator).eval()
+    reference = randomize_(model_ref.GPT(config), generator).eval()
     candidate = construct(cls, config, what=getattr(cls, "__name__", "cls"))
     copy_weights(reference, candidate, "your GPT")
     candidate.eval()
@@ -516,7 +490,7 @@ def check_gpt(cls: Any) -> str:
         idx = torch.randint(0, vocab, (batch, length), generator=generator)
         what = f"your GPT on idx of shape {tuple(idx.shape)}"
         with torch.no_grad():
-            got = _forward(candidate, idx, what)
+            got = call(candidate, idx, what=what)
             if isinstance(got, tuple) and got and isinstance(got[0], torch.Tensor):
                 fail("dtype", f"{what} returned a tuple of {len(got)}; return only the logits tensor "
                               f"(N, L, vocab_size). The loss is computed outside the model, by lm_loss.")
@@ -524,7 +498,7 @@ def check_gpt(cls: Any) -> str:
                 fail("shape", f"{what} returned shape {tuple(got.shape)}: hidden states, not logits. Finish "
                               f"with the output head self.head, which maps embed_dim to vocab_size.")
             expect_tensor(got, (batch, length, vocab), what)
-            if not same_when_called_twice(lambda idx=idx, what=what: _forward(candidate, idx, what)):
+            if not same_when_called_twice(lambda idx=idx, what=what: call(candidate, idx, what=what)):
                 fail("dropout", f"{what}: two calls in eval mode gave different logits, so dropout is on when it "
                                 f"should be off. Use self.dropout (an nn.Dropout follows model.eval()).")
             if not close(got, reference(idx)):
