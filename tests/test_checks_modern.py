@@ -106,7 +106,7 @@ def test_every_hypothesised_gqa_mistake_changes_the_output(one_thread):
     """A hypothesis equal to the right answer could never be told apart: each must differ somewhere."""
     g = notebook09
     generator = torch.Generator().manual_seed(0)
-    setups = [g._build(modern.GroupedQueryAttention, kv, theta, extra, generator, notebook09._diagnose_tables).setup
+    setups = [g._build(modern.GroupedQueryAttention, kv, theta, extra, generator).setup
               for kv, theta, extra in g.CONFIGS + g.OPTIONAL]
     x = torch.randn(2, g.PLAN_TOKENS, g.EMBED_DIM, generator=generator)
     for mistakes, plan, cached in ((_gqa_variants.FULL_PASS, [(0, g.PLAN_TOKENS)], False),

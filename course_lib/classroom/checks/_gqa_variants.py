@@ -29,18 +29,15 @@ _EXPONENTS = {
 }
 
 
-def frequencies(head_dim: int, theta: float, *, exponent: str = "2i/d", base: float | None = None) -> torch.Tensor:
-    """The turn per position of each pair, (head_dim // 2,): base ** -exponent (base = theta when right)."""
-    i = torch.arange(head_dim // 2, dtype=torch.float64)
-    return float(theta if base is None else base) ** -_EXPONENTS[exponent](i, head_dim)
-
-
 def tables(head_dim: int, max_tokens: int, theta: float, *, exponent: str = "2i/d", base: float | None = None,
            layout: str = "half", first_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (max_tokens, head_dim) in float64. layout "half" repeats the head_dim/2 angles
-    as two halves (right); "interleaved" repeats each angle twice in a row."""
+    """(cos, sin), each (max_tokens, head_dim) in float64: pair i turns by base ** -exponent per position
+    (base = theta when right). layout "half" repeats the head_dim/2 angles as two halves (right);
+    "interleaved" repeats each angle twice in a row."""
+    pairs = torch.arange(head_dim // 2, dtype=torch.float64)
+    turns = float(theta if base is None else base) ** -_EXPONENTS[exponent](pairs, head_dim)   # (d/2,)
     positions = torch.arange(max_tokens, dtype=torch.float64) + first_position             # (T,)
-    angles = torch.outer(positions, frequencies(head_dim, theta, exponent=exponent, base=base))   # (T, d/2)
+    angles = torch.outer(positions, turns)                                                  # (T, d/2)
     if layout == "half":
         angles = torch.cat([angles, angles], dim=-1)                                        # (T, d)
     else:
@@ -124,54 +121,45 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, *
     return x * c + turned[kind](x) * s
 
 
-def rotate_flat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, heads: int) -> torch.Tensor:
-    """The mistake of turning the flat projection (N, L, heads * head_dim) with the tables tiled across the
-    heads: rotate_half then swaps the halves of ALL features, mixing the heads."""
-    x = x.double()
-    length = x.shape[-2]
-    c = cos[offset:offset + length].double().repeat(1, heads)                   # (L, heads * head_dim)
-    s = sin[offset:offset + length].double().repeat(1, heads)
-    return x * c + rotate_half(x) * s
+# The slips of apply_rotary (9.2), as the switches of rotary_variant; each message names the function.
+def _rotary(code: str, why: str, **spec: str) -> Mistake:
+    return Mistake(code, f"apply_rotary: {why}", spec)
 
 
-# The slips of apply_rotary (9.2), as the switches of rotary_variant.
 ROTARY: tuple[Mistake, ...] = (
-    Mistake("rope_layout", "apply_rotary: you turn interleaved pairs (2i, 2i+1) (GPT-J's and Meta's original Llama layout, e.g. "
-                           "through view_as_complex). This course, like Hugging Face Llama, pairs dimension i with "
-                           "i + head_dim/2: x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) of "
-                           "the two halves of the last axis.", {"kind": "pairs"}),
-    Mistake("rope_layout", "apply_rotary: you turn interleaved pairs (2i, 2i+1) (x[..., ::2] and x[..., 1::2]) against the "
+    _rotary("rope_layout", "you turn interleaved pairs (2i, 2i+1) (GPT-J's and Meta's original Llama layout, e.g. "
+                           "through view_as_complex). This course, like Hugging Face Llama, pairs dimension i with i "
+                           "+ head_dim/2: x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) of the "
+                           "two halves of the last axis.", kind="pairs"),
+    _rotary("rope_layout", "you turn interleaved pairs (2i, 2i+1) (x[..., ::2] and x[..., 1::2]) against the "
                            "half-split tables, whose angle for dimension j is that of pair j mod head_dim/2. The "
                            "tables pair dimension i with i + head_dim/2: rotate_half(x) = cat(-x2, x1) of the two "
-                           "HALVES of the last axis.", {"kind": "pairs_table"}),
-    Mistake("rope_rotation", "apply_rotary: your rotation turns the wrong way: rotate_half(x) is cat(-x2, x1), the minus on "
-                             "the second half moved to the front; yours is cat(x2, -x1).", {"kind": "reverse"}),
-    Mistake("rope_rotation", "apply_rotary: sin and cos are swapped: x * cos + rotate_half(x) * sin.", {"kind": "swapped"}),
-    Mistake("rope_rotation", "apply_rotary: you multiply x itself by sin; the sin term needs the quarter-turned x: "
-                             "x * cos + rotate_half(x) * sin.", {"kind": "no_rotate_half"}),
-    Mistake("rope_positions", "apply_rotary: you ignore `offset`: the rows of the tables for x are offset .. offset+L-1 (with a "
-                              "KV cache, the new tokens come after the cached ones), not 0 .. L-1.",
-            {"offset": "zero"}),
-    Mistake("rope_positions", "apply_rotary: your rows are one position too far: take cos[offset : offset + L].",
-            {"offset": "plus_one"}),
-    Mistake("rope_positions", "apply_rotary: you take the LAST L rows of the tables (cos[-L:]): row m is position m, so the "
-                              "rows for x are offset .. offset+L-1, cos[offset : offset + L].", {"offset": "end"}),
-    Mistake("rope_rotation", "apply_rotary: only the first half of the head turns: both halves of each pair change, "
-                             "x * cos + rotate_half(x) * sin over the whole last axis (the second half gets "
-                             "x2 * cos + x1 * sin).", {"kind": "first_half"}),
-    Mistake("rope_rotation", "apply_rotary: only the second half of the head turns: both halves of each pair change, "
-                             "x * cos + rotate_half(x) * sin over the whole last axis (the first half gets "
-                             "x1 * cos - x2 * sin).", {"kind": "second_half"}),
-    Mistake("rope_axes", "apply_rotary: you read the positions along the head axis: x is (N, heads, L, head_dim), so the "
-                         "sequence length is x.shape[-2] and the table rows (L, head_dim) broadcast as they are "
-                         "over N and heads. Yours turn each head by its head index, as if x were "
-                         "(N, L, heads, head_dim).", {"axis": "heads"}),
-    Mistake("rope_axes", "apply_rotary: you read the positions along the head axis (as if x were (N, L, heads, head_dim)) and "
-                         "ignore `offset`: x is (N, heads, L, head_dim), so L = x.shape[-2] and the rows are "
-                         "offset .. offset+L-1.", {"axis": "heads", "offset": "zero"}),
-    Mistake("rope_layout", "apply_rotary: you turn interleaved pairs (2i, 2i+1) and ignore `offset`. Pair i is (i, i + "
-                           "head_dim/2) here (rotate_half), and the rows are offset .. offset+L-1.",
-            {"kind": "pairs", "offset": "zero"}),
+                           "HALVES of the last axis.", kind="pairs_table"),
+    _rotary("rope_rotation", "your rotation turns the wrong way: rotate_half(x) is cat(-x2, x1), the minus on the "
+                             "second half moved to the front; yours is cat(x2, -x1).", kind="reverse"),
+    _rotary("rope_rotation", "sin and cos are swapped: x * cos + rotate_half(x) * sin.", kind="swapped"),
+    _rotary("rope_rotation", "you multiply x itself by sin; the sin term needs the quarter-turned x: x * cos + "
+                             "rotate_half(x) * sin.", kind="no_rotate_half"),
+    _rotary("rope_positions", "you ignore `offset`: the rows of the tables for x are offset .. offset+L-1 (with a KV "
+                              "cache, the new tokens come after the cached ones), not 0 .. L-1.", offset="zero"),
+    _rotary("rope_positions", "your rows are one position too far: take cos[offset : offset + L].", offset="plus_one"),
+    _rotary("rope_positions", "you take the LAST L rows of the tables (cos[-L:]): row m is position m, so the rows "
+                              "for x are offset .. offset+L-1, cos[offset : offset + L].", offset="end"),
+    _rotary("rope_rotation", "only the first half of the head turns: both halves of each pair change, x * cos + "
+                             "rotate_half(x) * sin over the whole last axis (the second half gets x2 * cos + x1 * "
+                             "sin).", kind="first_half"),
+    _rotary("rope_rotation", "only the second half of the head turns: both halves of each pair change, x * cos + "
+                             "rotate_half(x) * sin over the whole last axis (the first half gets x1 * cos - x2 * "
+                             "sin).", kind="second_half"),
+    _rotary("rope_axes", "you read the positions along the head axis: x is (N, heads, L, head_dim), so the sequence "
+                         "length is x.shape[-2] and the table rows (L, head_dim) broadcast as they are over N and "
+                         "heads. Yours turn each head by its head index, as if x were (N, L, heads, head_dim).",
+                         axis="heads"),
+    _rotary("rope_axes", "you read the positions along the head axis (as if x were (N, L, heads, head_dim)) and "
+                         "ignore `offset`: x is (N, heads, L, head_dim), so L = x.shape[-2] and the rows are offset "
+                         ".. offset+L-1.", axis="heads", offset="zero"),
+    _rotary("rope_layout", "you turn interleaved pairs (2i, 2i+1) and ignore `offset`. Pair i is (i, i + head_dim/2) "
+                           "here (rotate_half), and the rows are offset .. offset+L-1.", kind="pairs", offset="zero"),
 )
 
 
@@ -193,21 +181,12 @@ class Setup:
     num_heads: int
     num_kv_heads: int
     max_tokens: int
-    theta: float
     params: dict[str, torch.Tensor]
     cos: torch.Tensor                 # (max_tokens, head_dim), float64
     sin: torch.Tensor
     qk_norm: bool = False
     window: int | None = None
     eps: float = 1e-6
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
-
-    @property
-    def groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
 
 def _split(t: torch.Tensor, heads: int, how: str) -> torch.Tensor:
@@ -274,7 +253,7 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     """
     p = setup.params
     x = x.double()
-    heads, kv_heads, head_dim = setup.num_heads, setup.num_kv_heads, setup.head_dim
+    heads, kv_heads, head_dim = setup.num_heads, setup.num_kv_heads, setup.embed_dim // setup.num_heads
     rope = dict(kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
     cos, sin = (setup.cos, setup.sin) if "theta" not in spec else tables(head_dim, setup.max_tokens, spec["theta"])
     norm = spec.get("qk_norm", "ok") if setup.qk_norm else "off"
@@ -286,8 +265,9 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         split = spec.get("split", "ok")
         offset = _offset(spec.get("offset", "ok"), start, length)
         q, k = chunk @ p["query.weight"].T, chunk @ p["key.weight"].T            # (N, L, features)
-        if spec.get("flat"):
-            q, k = rotate_flat(q, cos, sin, offset, heads), rotate_flat(k, cos, sin, offset, kv_heads)
+        if spec.get("flat"):   # the flat projection turned with the tables tiled across the heads
+            q = rotate(q, cos.repeat(1, heads), sin.repeat(1, heads), offset)       # (N, L, heads * head_dim)
+            k = rotate(k, cos.repeat(1, kv_heads), sin.repeat(1, kv_heads), offset)
         q = _split(q, heads, split)                                             # (N, heads, L, head_dim)
         k = _split(k, kv_heads, split)                                          # (N, kv_heads, L, head_dim)
         v = _split(chunk @ p[f"{spec.get('value', 'value')}.weight"].T, kv_heads, split)
@@ -308,8 +288,8 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         values += [v]
         total = start + length
         all_k, all_v = torch.cat(keys, dim=2), torch.cat(values, dim=2)         # (N, kv_heads, total, head_dim)
-        all_k = _group(all_k, setup.groups, spec.get("group", "interleave"))    # (N, heads, total, head_dim)
-        all_v = _group(all_v, setup.groups, spec.get("group", "interleave"))
+        all_k = _group(all_k, heads // kv_heads, spec.get("group", "interleave"))    # (N, heads, total, head_dim)
+        all_v = _group(all_v, heads // kv_heads, spec.get("group", "interleave"))
         scale = {"head_dim": head_dim ** -0.5, "none": 1.0, "embed_dim": setup.embed_dim ** -0.5,
                  "d": 1.0 / head_dim}[spec.get("scale", "head_dim")]
         scores = q @ all_k.transpose(-2, -1) * scale                             # (N, heads, L, total)

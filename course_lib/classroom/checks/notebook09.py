@@ -1,10 +1,6 @@
 """Exercises of notebook 09 (modern attention): 9.1 rope_tables, 9.2 apply_rotary, 9.3 RMSNorm,
-9.4 SwiGLU, 9.5 repeat_kv, 9.6 GroupedQueryAttention.
-
-9.1, 9.2 and 9.5 are declarations the engine runs (``engine.judge``); 9.3, 9.4 and 9.6 build a module
-beside the reference and judge it with procedures of their own, their counter-examples from the engine
-(``module_example``). RoPE's and grouped-query attention's mistakes are in their topic's module,
-``_gqa_variants``. Hints are in ``classroom.exercises``.
+9.4 SwiGLU, 9.5 repeat_kv, 9.6 GroupedQueryAttention. 9.3 and 9.6 judge a module beside the reference with
+procedures of their own; RoPE's and grouped-query attention's mistakes are in ``_gqa_variants``.
 """
 from __future__ import annotations
 
@@ -43,7 +39,7 @@ from ._student_code import (
     max_diff,
     reraise_with,
 )
-from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
+from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
 from .engine.example import SEEDS, tiny
 from .engine.function import Run
 from .engine.probes import gradient_probe
@@ -215,12 +211,10 @@ _ROTARY_CASES = (
     ((2, 2, 6, 16), 16, 500000.0, 2, torch.float64),
     ((2, 3, 5, 8), 12, 10.0, 1, torch.float16),       # a half-precision model: tables in x's dtype too
 )
-# float16 queries with the float32 tables a model keeps as buffers: the result stays in x's dtype
-_MIXED_CASE = ((2, 3, 5, 8), 12, 10.0, 1, torch.float16, torch.float32)
 
 def _rotary_case(generator: torch.Generator, shape: tuple[int, ...], rows: int, theta: float, offset: int,
-                 dtype: torch.dtype, table_dtype: torch.dtype | None = None) -> Case:
-    cos, sin = ref.rope_tables(shape[-1], rows, theta, dtype=table_dtype or dtype)
+                 dtype: torch.dtype) -> Case:
+    cos, sin = ref.rope_tables(shape[-1], rows, theta, dtype=dtype)
     x = torch.randn(shape, generator=generator).to(dtype)
     return Case((x, cos, sin, offset), f"apply_rotary(x, cos, sin{f', offset={offset}' if offset else ''}) with x "
                                        f"of shape {shape}{'' if dtype == torch.float32 else f' ({dtype})'} and "
@@ -293,8 +287,10 @@ APPLY_ROTARY = FunctionExercise(
 )
 
 
-def _judge_apply_rotary(fn: Callable[..., Any]) -> str:
-    """The declaration, then x's dtype kept with float32 tables, the gradient reaching x, the device."""
+@checker("9.2", example=lambda fn, *_, **__: function_example(APPLY_ROTARY)(_offset_by_keyword(fn)))
+def check_apply_rotary(fn: Callable[..., Any]) -> str:
+    """``fn(x (N, heads, L, head_dim), cos, sin, offset=0)`` -> x turned to positions offset .. offset+L-1.
+    The declaration, then x's dtype kept with float32 tables, the gradient reaching x, the device."""
     expect_callable(fn, "apply_rotary")
     message = judge(APPLY_ROTARY, _offset_by_keyword(fn))
     _rotary_keeps_dtype(fn)
@@ -307,7 +303,7 @@ def _judge_apply_rotary(fn: Callable[..., Any]) -> str:
 
 def _rotary_keeps_dtype(fn: Callable[..., Any]) -> None:
     """A float16 model keeps float32 tables as buffers: the text says the result stays in x's dtype."""
-    shape, rows, theta, offset, dtype, table_dtype = _MIXED_CASE
+    shape, rows, theta, offset, dtype, table_dtype = (2, 3, 5, 8), 12, 10.0, 1, torch.float16, torch.float32
     cos, sin = ref.rope_tables(shape[-1], rows, theta, dtype=table_dtype)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(92)).to(dtype)
     shown = (f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {shape} in {dtype} and {table_dtype} "
@@ -320,12 +316,6 @@ def _rotary_keeps_dtype(fn: Callable[..., Any]) -> None:
     if not close(out, ref.apply_rotary(x, cos, sin, offset=offset)):
         fail("precision", f"{shown}: your result is wrong here though right when x and the tables share a dtype. "
                           f"Cast the table rows to x's dtype, then turn: x * cos + rotate_half(x) * sin.")
-
-
-@checker("9.2", example=lambda fn, *_, **__: function_example(APPLY_ROTARY)(_offset_by_keyword(fn)))
-def check_apply_rotary(fn: Callable[..., Any]) -> str:
-    """``fn(x (N, heads, L, head_dim), cos, sin, offset=0)`` -> x turned to positions offset .. offset+L-1."""
-    return _judge_apply_rotary(fn)
 
 
 # ============================================================================ 9.3 RMSNorm
@@ -350,9 +340,10 @@ def _rms(x: torch.Tensor, eps: float, dim: Any = -1) -> torch.Tensor:
     return (x.pow(2).mean(dim=dim, keepdim=True) + eps).sqrt()
 
 
-def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> list[Mistake]:
-    """Each known slip of RMSNorm.forward and what it outputs for x (float64) with weight w and self.eps."""
-    ms = x.pow(2).mean(-1, keepdim=True)
+def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> dict[str, Mistake]:
+    """Each known slip of RMSNorm.forward and what it outputs for x (float64) with weight w and self.eps,
+    keyed, so the same slip can be followed from one input to the next."""
+    ms, mean_abs = x.pow(2).mean(-1, keepdim=True), x.abs().mean(-1, keepdim=True)
     centred = x - x.mean(-1, keepdim=True)
     fixed = [
         Mistake("epsilon", "epsilon is missing: x / sqrt(mean(x^2)) blows up for rows near zero. Add self.eps "
@@ -381,15 +372,9 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> list[Mistake
         Mistake("norm_statistic", "you divide by the norm of x, not by its root mean square sqrt(mean(x^2)): the "
                                   "result is sqrt(dim) times too small.",
                 output=x / (x.pow(2).sum(-1, keepdim=True).sqrt() + eps) * w),
-        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
-                                  "mean square, sqrt(mean(x^2) + eps).",
-                output=x / (x.abs().mean(-1, keepdim=True) + eps) * w),
-        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
-                                  "mean square, sqrt(mean(x^2) + eps).",
-                output=x / (x.abs().mean(-1, keepdim=True) + eps).sqrt() * w),
-        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
-                                  "mean square, sqrt(mean(x^2) + eps).",
-                output=x / x.abs().mean(-1, keepdim=True) * w),
+        *(Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the "
+                                    "root mean square, sqrt(mean(x^2) + eps).", output=x / d * w)
+          for d in (mean_abs + eps, (mean_abs + eps).sqrt(), mean_abs)),   # with eps, under a root, bare
         Mistake("norm_statistic", "you divide by the mean of the squares itself; take its square root: "
                                   "x / sqrt(mean(x^2) + eps).", output=x / (ms + eps) * w),
         Mistake("norm_statistic", "you multiply by the root mean square; divide by it (or multiply by rsqrt).",
@@ -400,25 +385,23 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> list[Mistake
                                   "RMSNorm uses sqrt(mean(x^2) + eps).",
                 output=x / (x.std(-1, keepdim=True) + eps) * w),
     ]
-    # keyed, so the same slip can be followed from one input to the next
-    out = [Mistake(m.code, m.message, {"key": f"fixed{i}"}, m.output) for i, m in enumerate(fixed)]
+    out = {f"fixed{i}": m for i, m in enumerate(fixed)}
     for axis in range(x.dim() - 1):
-        out.append(Mistake("norm_statistic", f"you take the mean over axis {axis}, not over the features: RMSNorm "
-                                             f"normalises each vector on its own, over the last axis (dim=-1, also "
-                                             f"for 4-D inputs such as (N, heads, L, head_dim)).",
-                           {"key": f"axis{axis}"}, x / _rms(x, eps, axis) * w))
+        out[f"axis{axis}"] = Mistake("norm_statistic", f"you take the mean over axis {axis}, not over the features: "
+                                                       f"RMSNorm normalises each vector on its own, over the last axis "
+                                                       f"(dim=-1, also for 4-D inputs such as (N, heads, L, head_dim)).",
+                                     output=x / _rms(x, eps, axis) * w)
     for constant in (1e-5, 1e-6, 1e-8):
         if constant != eps:
-            out.append(Mistake("epsilon", f"you use the constant {constant:g} instead of self.eps (here {eps:g}): the "
-                                          f"module was built with its own eps.",
-                               {"key": f"eps{constant}"}, x / _rms(x, constant) * w))
+            out[f"eps{constant}"] = Mistake("epsilon", f"you use the constant {constant:g} instead of self.eps (here "
+                                                       f"{eps:g}): the module was built with its own eps.",
+                                            output=x / _rms(x, constant) * w)
     return out
 
 
 def _diagnose_norm(runs: list[tuple[torch.Tensor, nn.Module, torch.Tensor, torch.Tensor, str]]) -> None:
     """The first mistake whose output the student's matches in every run where it is defined."""
-    per_run = [{m.spec["key"]: m for m in _norm_mistakes(x.double(), reference.weight.detach().double(),
-                                                          reference.eps)}
+    per_run = [_norm_mistakes(x.double(), reference.weight.detach().double(), reference.eps)
                for x, reference, _, _, _ in runs]
     first = next(i for i, (_, _, out, expected, _) in enumerate(runs) if not close(out, expected))
     for key, mistake in per_run[first].items():
@@ -441,7 +424,14 @@ def _build_norm(cls: Any, dim: int, eps: float | None, generator: torch.Generato
     return candidate, reference
 
 
-def _judge_rms_norm(cls: Any) -> str:
+def _norm_example(cls: Any, *_: Any, **__: Any) -> Any:
+    return first_difference([lambda dim=dim: module_example(f"RMSNorm({dim})", lambda: cls(dim), lambda: ref.RMSNorm(dim),
+                                                            dim, (1, 2)) for dim in (2, 3, 4)])
+
+
+@checker("9.3", example=_norm_example)
+def check_rms_norm(cls: Any) -> str:
+    """``cls(dim, eps=1e-6)`` with ``weight``; forward -> x / sqrt(mean(x^2) + eps) * weight, in x's dtype."""
     expect_callable(cls, "RMSNorm", "class")
     generator = torch.Generator().manual_seed(3)
     runs = []
@@ -468,17 +458,18 @@ def _judge_rms_norm(cls: Any) -> str:
         _diagnose_norm(runs)
     x, reference, _, _, shown = runs[0]
     candidate, reference = _build_norm(cls, x.shape[-1], None, generator)
-    check_module_gradients(candidate, reference, x, what=shown)
-    probe_device(lambda: _meta_call(candidate, x), shown)
+    _module_probes(candidate, reference, x, shown)
     _check_half_precision(cls, generator)
     return ("Right in float32 and float16, for 2-D to 4-D inputs and any eps: x / sqrt(mean(x^2) + eps) * weight "
             "over the last axis.")
 
 
-def _meta_call(module: nn.Module, *args: torch.Tensor) -> Any:
-    """The student's module, copied to the meta device, on meta copies of args (None: inconclusive)."""
-    moved = module_on_meta(module)
-    return None if moved is None else moved(*(meta(a) for a in args))
+def _module_probes(model: nn.Module, reference: nn.Module, x: torch.Tensor, what: str) -> None:
+    """One backward pass beside the reference's (every parameter must learn), then the module on meta."""
+    check_module_gradients(model, reference, x, what=what)
+    moved = module_on_meta(model)
+    if moved is not None:   # a module that cannot be copied or moved is inconclusive
+        probe_device(lambda: moved(meta(x)), what)
 
 
 def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
@@ -498,17 +489,6 @@ def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
         fail("precision", f"{shown}: your output is wrong in float16 (it is right in float32). x**2 overflows "
                           f"float16 (largest value 65504) for x of a few hundred: compute in float32 "
                           f"(x.float()), then cast the result back with .to(x.dtype).")
-
-
-def _norm_example(cls: Any, *_: Any, **__: Any) -> Any:
-    return first_difference([lambda dim=dim: module_example(f"RMSNorm({dim})", lambda: cls(dim), lambda: ref.RMSNorm(dim),
-                                                            dim, (1, 2)) for dim in (2, 3, 4)])
-
-
-@checker("9.3", example=_norm_example)
-def check_rms_norm(cls: Any) -> str:
-    """``cls(dim, eps=1e-6)`` with ``weight``; forward -> x / sqrt(mean(x^2) + eps) * weight, in x's dtype."""
-    return _judge_rms_norm(cls)
 
 
 # ============================================================================ 9.4 SwiGLU
@@ -553,7 +533,10 @@ def _swiglu_mistakes() -> list[Mistake]:
     ]
 
 
-def _judge_swiglu(cls: Any) -> str:
+@checker("9.4", example=lambda cls, *_, **__: module_example("SwiGLU(2, 3)", lambda: cls(2, 3),
+                                                            lambda: ref.SwiGLU(2, 3), 2))
+def check_swiglu(cls: Any) -> str:
+    """``cls(embed_dim, hidden_dim)`` with gate, up, down; forward -> down(silu(gate(x)) * up(x))."""
     expect_callable(cls, "SwiGLU", "class")
     generator = torch.Generator().manual_seed(4)
     shown = f"SwiGLU({_SWIGLU_EMBED}, {_SWIGLU_HIDDEN})"
@@ -563,6 +546,7 @@ def _judge_swiglu(cls: Any) -> str:
         for p in reference.parameters():   # weights large enough that SiLU is far from linear
             p.copy_(torch.randn(p.shape, generator=generator) * 1.5 / p.shape[1] ** 0.5)
     copy_weights(reference, candidate, "your SwiGLU")
+    layers = (reference.gate, reference.up, reference.down)   # the mistakes' outputs are f(x, *layers)
     for shape in _SWIGLU_SHAPES:
         x = torch.randn(shape, generator=generator)
         what = f"{shown} on x of shape {shape}"
@@ -574,24 +558,13 @@ def _judge_swiglu(cls: Any) -> str:
             expect_tensor(out, shape, what, dtype=x.dtype)
             expected = reference(x)
             if not close(out, expected):
-                r = reference
-                for mistake in _swiglu_mistakes():
-                    if close(out, mistake.output(x, r.gate, r.up, r.down)):
-                        fail(mistake.code, f"{what}: {mistake.message}")
+                first_mistake(_swiglu_mistakes(), lambda m, out=out, x=x: close(out, m.output(x, *layers)), f"{what}: ")
                 fail("mismatch", f"{what}: the output differs from down(silu(gate(x)) * up(x)) by up to "
                                  f"{max_diff(out, expected):.3g}.")
     x = torch.randn(_SWIGLU_SHAPES[0], generator=generator)
     what = f"{shown} on x of shape {_SWIGLU_SHAPES[0]}"
-    check_module_gradients(candidate, reference, x, what=what)
-    probe_device(lambda: _meta_call(candidate, x), what)
+    _module_probes(candidate, reference, x, what)
     return "down(silu(gate(x)) * up(x)) for 2-D and 3-D inputs: the gate branch through SiLU scales the up branch."
-
-
-@checker("9.4", example=lambda cls, *_, **__: module_example("SwiGLU(2, 3)", lambda: cls(2, 3),
-                                                            lambda: ref.SwiGLU(2, 3), 2))
-def check_swiglu(cls: Any) -> str:
-    """``cls(embed_dim, hidden_dim)`` with gate, up, down; forward -> down(silu(gate(x)) * up(x))."""
-    return _judge_swiglu(cls)
 
 
 # ============================================================================ 9.5 repeat_kv
@@ -663,10 +636,6 @@ REPEAT_KV = FunctionExercise(
 @checker("9.5", example=function_example(REPEAT_KV))
 def check_repeat_kv(fn: Callable[..., Any]) -> str:
     """``fn(x (N, kv_heads, L, head_dim), groups)`` -> (N, kv_heads * groups, L, head_dim), interleaved order."""
-    return _judge_repeat_kv(fn)
-
-
-def _judge_repeat_kv(fn: Callable[..., Any]) -> str:
     message = judge(REPEAT_KV, fn)
     (x, groups), what = REPEAT_KV.gradients()[0].args, REPEAT_KV.gradients()[0].what
     probe_device(lambda: fn(meta(x), groups), what)
@@ -730,11 +699,6 @@ class Built:
         return f"num_kv_heads={self.kv_heads}{extra}"
 
 
-def _describe(kv_heads: int, theta: float, extra: dict[str, Any]) -> str:
-    more = "".join(f", {k}={v!r}" for k, v in extra.items())
-    return f"GroupedQueryAttention({EMBED_DIM}, {NUM_HEADS}, {kv_heads}, {MAX_TOKENS}, {theta:g}{more})"
-
-
 def _randomize(reference: nn.Module, generator: torch.Generator) -> None:
     # queries and keys a bit larger than the default: the softmax is neither flat nor one-hot
     with torch.no_grad():
@@ -746,8 +710,7 @@ def _randomize(reference: nn.Module, generator: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, generator=generator) * gain / math.sqrt(p.shape[1]))
 
 
-def _check_tables(model: nn.Module, reference: nn.Module, theta: float, shown: str,
-                  tables: Callable[..., None]) -> None:
+def _check_tables(model: nn.Module, reference: nn.Module, theta: float, shown: str) -> None:
     """The constructor builds self.rope_cos / self.rope_sin, with the notebook's rope_tables (exercise 9.1)."""
     cos, sin = getattr(model, "rope_cos", None), getattr(model, "rope_sin", None)
     if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
@@ -758,8 +721,8 @@ def _check_tables(model: nn.Module, reference: nn.Module, theta: float, shown: s
         if cos.shape != reference.rope_cos.shape or sin.shape != cos.shape:
             fail("shape", f"they have shapes {shape_str(cos.shape)} and {shape_str(sin.shape)}, expected "
                           f"{shape_str(reference.rope_cos.shape)} (max_tokens, head_dim).")
-        tables(cos, sin, HEAD_DIM, MAX_TOKENS, theta, f"rope_tables({HEAD_DIM}, {MAX_TOKENS}, theta={theta:g})",
-               False)
+        _diagnose_tables(cos, sin, HEAD_DIM, MAX_TOKENS, theta, f"rope_tables({HEAD_DIM}, {MAX_TOKENS}, "
+                                                                f"theta={theta:g})", False)
     except Failure as failure:
         raise Failure(failure.diagnosis, f"The RoPE tables your constructor builds for {shown} (self.rope_cos, "
                                          f"self.rope_sin, from your rope_tables of exercise 9.1) are wrong: "
@@ -767,19 +730,19 @@ def _check_tables(model: nn.Module, reference: nn.Module, theta: float, shown: s
                                          f"(checks.check_rope_tables(rope_tables)).") from None
 
 
-def _build(cls: Any, kv_heads: int, theta: float, extra: dict[str, Any], generator: torch.Generator,
-           tables: Callable[..., None]) -> Built:
-    shown = _describe(kv_heads, theta, extra)
+def _build(cls: Any, kv_heads: int, theta: float, extra: dict[str, Any], generator: torch.Generator) -> Built:
+    more = "".join(f", {k}={v!r}" for k, v in extra.items())
+    shown = f"GroupedQueryAttention({EMBED_DIM}, {NUM_HEADS}, {kv_heads}, {MAX_TOKENS}, {theta:g}{more})"
     reference = ref.GroupedQueryAttention(EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, theta, **extra)
     _randomize(reference, generator)
     model = construct(cls, EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, theta, what="GroupedQueryAttention",
                       shown=shown, **extra)
     copy_weights(reference, model, "your GroupedQueryAttention")
     call(model.eval, what="GroupedQueryAttention.eval()")
-    _check_tables(model, reference, theta, shown, tables)
+    _check_tables(model, reference, theta, shown)
     cos, sin = variants.tables(HEAD_DIM, MAX_TOKENS, theta)
     params = {name: p.detach().double() for name, p in reference.named_parameters()}
-    setup = Setup(EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, theta, params, cos, sin,
+    setup = Setup(EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, params, cos, sin,
                   qk_norm=bool(extra.get("qk_norm")), window=extra.get("sliding_window"),
                   eps=reference.q_norm.eps if reference.q_norm is not None else 1e-6)
     return Built(kv_heads, extra, model, reference.eval(), setup)
@@ -978,13 +941,13 @@ def _check_cache_contents(built: Built, x: torch.Tensor, cache: RecordingCache) 
                          f"turned once, to its own position, and never again.")
 
 
-def _diagnose_cached(built_all: list[Built], cached: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-    found = first_match(CACHED, [got for _, got, _ in cached],
+def _diagnose_cached(built_all: list[Built], cached: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]]) -> None:
+    found = first_match(CACHED, [got for _, got, _, _ in cached],
                         lambda i, spec: simulate(built_all[i].setup, cached[i][0], list(PLAN), spec, cached=True))
     if found is not None:
         fail(found.code, found.message)
-    index = next(i for i, (_, got, expected) in enumerate(cached) if not close(got, expected))
-    built, (_, got, expected) = built_all[index], cached[index]
+    index = next(i for i, (_, got, expected, _) in enumerate(cached) if not close(got, expected))
+    built, (_, got, expected, _) = built_all[index], cached[index]
     wrong = [t for t in range(PLAN_TOKENS) if not close(got[:, t], expected[:, t])]
     prompt = PLAN[0][1]
     if wrong and wrong[0] < prompt:
@@ -1002,23 +965,19 @@ def _diagnose_cached(built_all: list[Built], cached: list[tuple[torch.Tensor, to
 
 # ---------------------------------------------------------------- which part is at fault
 
-def _calls(cls: Any) -> tuple[set[str], dict[str, Any]]:
-    """The global names the class's methods use, and the namespace they are looked up in."""
-    names: set[str] = set()
-    namespace: dict[str, Any] = {}
+def _parts_note(cls: Any) -> str:
+    """A sentence per helper of an earlier exercise that the class calls and that fails its own check."""
+    names: set[str] = set()      # the global names the class's methods use
+    namespace: dict[str, Any] = {}   # and where they are looked up
     for value in vars(cls).values() if isinstance(cls, type) else ():
         fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
         if isinstance(fn, types.FunctionType):
             names |= set(fn.__code__.co_names)
             namespace = namespace or fn.__globals__
-    return names, namespace
-
-
-def _parts_note(cls: Any, parts: dict[str, tuple[str, Callable[[Any], Any]]]) -> str:
-    """A sentence per helper of an earlier exercise that the class calls and that fails its own check."""
-    names, namespace = _calls(cls)
     notes = []
-    for name, (exercise, own_check) in parts.items():
+    # the checkers undecorated (``__wrapped__``): a helper's own verdict is neither recorded nor shown
+    for name, exercise, own_check in (("apply_rotary", "9.2", check_apply_rotary.__wrapped__),
+                                      ("repeat_kv", "9.5", check_repeat_kv.__wrapped__)):
         fn = namespace.get(name)
         if name not in names or not callable(fn):
             continue
@@ -1032,28 +991,34 @@ def _parts_note(cls: Any, parts: dict[str, tuple[str, Callable[[Any], Any]]]) ->
 
 # ---------------------------------------------------------------- the check
 
-def check_class(cls: Any, *, parts: dict[str, tuple[str, Callable[[Any], Any]]],
-                tables: Callable[..., None]) -> str:
+@checker("9.6", example=lambda cls, *_, **__: module_example(
+    "GroupedQueryAttention(4, 2, 1, 4, 10.0)", lambda: cls(4, 2, 1, 4, 10.0),
+    lambda: ref.GroupedQueryAttention(4, 2, 1, 4, 10.0), 4))
+def check_grouped_query_attention(cls: Any) -> str:
+    """``cls(embed_dim, num_heads, num_kv_heads, max_tokens, rope_theta)``; forward(x, cache=None)."""
     expect_callable(cls, "GroupedQueryAttention", "class")
     try:
-        return _check(cls, tables)
+        return _check(cls)
     except Failure as failure:
         if failure.diagnosis in ("not_implemented", "timeout"):
             raise
-        note = _parts_note(cls, parts)
+        note = _parts_note(cls)
         if not note:
             raise
         raise Failure(failure.diagnosis, failure.message.rstrip() + note, **failure.details) from None
 
 
-def _check(cls: Any, tables: Callable[..., None]) -> str:
+def _check(cls: Any) -> str:
     torch.manual_seed(0)   # any dropout draws; the @checker decorator restores the caller's RNG state
     generator = torch.Generator().manual_seed(96)
     # The optional features (QK-norm, a sliding window) are judged after the plain module is right, so that
     # a mistake in the common path is named from the plain configurations alone.
     optional = [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
-    built = [_check_configs(cls, configs, generator, tables) for configs in (CONFIGS, optional) if configs]
-    _learns_and_stays_on_device(built[0][1], generator)   # grouped-query: 2 key/value heads
+    built = [_check_configs(cls, configs, generator) for configs in (CONFIGS, optional) if configs][0][1]
+    x = torch.randn(2, 5, EMBED_DIM, generator=generator)
+    # grouped-query (2 key/value heads): every projection learns, and the module stays on its device
+    _module_probes(built.model, built.reference, x, f"GroupedQueryAttention({built.label}) on x of shape "
+                                                    f"{shape_str(x.shape)}")
     extras = [key for _, _, extra in optional for key in extra]
     also = f", and with {' and '.join(extras)}" if extras else ""
     return (f"Matches the reference for multi-head ({NUM_HEADS} kv heads), grouped-query (2) and multi-query (1) "
@@ -1061,46 +1026,24 @@ def _check(cls: Any, tables: Callable[..., None]) -> str:
             f"rotated keys.")
 
 
-def _check_configs(cls: Any, configs: Any, generator: torch.Generator, tables: Callable[..., None]) -> list[Built]:
+def _check_configs(cls: Any, configs: Any, generator: torch.Generator) -> list[Built]:
     built_all: list[Built] = []
     for kv_heads, theta, extra in configs:
-        built = _build(cls, kv_heads, theta, extra, generator, tables)
+        built = _build(cls, kv_heads, theta, extra, generator)
         mha_right = (bool(built_all) and built_all[0].kv_heads == NUM_HEADS
                      and all(close(out, e) for _, out, e in built_all[0].runs))
         _full_passes(built, generator, mha_right)
         built_all.append(built)
     if not all(close(out, e) for b in built_all for _, out, e in b.runs):
         _diagnose_full(built_all, generator)
-    cached = []
-    caches = []
+    cached = []   # (x, the student's outputs, the reference's, the cache) per configuration
     for built in built_all:
-        x, got, expected, cache = _cached(built)
-        cached.append((x, got, expected))
-        caches.append(cache)
+        cached.append(_cached(built))
+        x, got, expected, cache = cached[-1]
         if close(got, expected):
             _check_cache_contents(built, x, cache)
-    if not all(close(got, expected) for _, got, expected in cached):
+    if not all(close(got, expected) for _, got, expected, _ in cached):
         _diagnose_cached(built_all, cached)
-    for built, cache in zip(built_all, caches):
+    for built, (*_, cache) in zip(built_all, cached):
         _fill_context(built, cache)
     return built_all
-
-
-def _learns_and_stays_on_device(built: Built, generator: torch.Generator) -> None:
-    """One backward pass (every projection must learn), then the module on the meta device."""
-    x = torch.randn(2, 5, EMBED_DIM, generator=generator)
-    what = f"GroupedQueryAttention({built.label}) on x of shape {shape_str(x.shape)}"
-    check_module_gradients(built.model, built.reference, x, what=what)
-    moved = module_on_meta(built.model)
-    if moved is not None:
-        probe_device(lambda: moved(meta(x)), what)
-
-
-@checker("9.6", example=lambda cls, *_, **__: module_example(
-    "GroupedQueryAttention(4, 2, 1, 4, 10.0)", lambda: cls(4, 2, 1, 4, 10.0),
-    lambda: ref.GroupedQueryAttention(4, 2, 1, 4, 10.0), 4))
-def check_grouped_query_attention(cls: Any) -> str:
-    """``cls(embed_dim, num_heads, num_kv_heads, max_tokens, rope_theta)``; forward(x, cache=None)."""
-    return check_class(cls, parts={"apply_rotary": ("9.2", _judge_apply_rotary),
-                                   "repeat_kv": ("9.5", _judge_repeat_kv)},
-                       tables=_diagnose_tables)
