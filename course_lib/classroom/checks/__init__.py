@@ -28,6 +28,7 @@ from .notebook08 import *  # 8.1 train your GPT like the reference
 from .notebook09 import *  # 9.1-9.6 RoPE, RMSNorm, SwiGLU, repeat_kv, grouped-query attention
 from .notebook10 import *  # 10.1-10.3 online softmax, tiled forward, backward by recomputation
 from .notebook11 import *  # 11.1-11.3 previous-token and induction scores, ablate_head
+from .notebook12 import *  # 12.1-12.3 sliding-window mask, latent attention, recurrent linear attention
 
 # The references the checkers compare against, bound now: a later patch of course_lib by a
 # student's notebook is set aside while a check runs (see _harness).
