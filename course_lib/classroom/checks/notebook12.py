@@ -108,14 +108,21 @@ def check_sliding_window_mask(fn: Callable[..., Any]) -> str:
 
 # ============================================================================ 12.2 MLA with its latent cache
 
+_CALLS_LAYER = ("Your latent_attention called the layer's own forward (layer(x, cache), layer.forward, "
+                "MultiHeadLatentAttention.forward or its private _rotate): that is the course's MLA doing the work. "
+                "Use only its weights (layer.q_proj, layer.kv_a_proj_with_mqa, ...) and modern.apply_rotary, and "
+                "write the steps yourself.")
+
+
 class _Weights(ref.MultiHeadLatentAttention):
-    """The copy of the layer the student's function gets: its weights, but no forward of its own."""
+    """The copy of the layer the student's function gets: its weights, but no forward of its own (the
+    reference's forward, called unbound, goes through ``_rotate``, so that is closed too)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        fail("calls_reference", "Your latent_attention called the layer itself (layer(x, cache) or "
-                                "layer.forward): that is the course's MultiHeadLatentAttention doing the work. Use "
-                                "only its weights (layer.q_proj, layer.kv_a_proj_with_mqa, ...) and write the "
-                                "steps yourself.")
+        fail("calls_reference", _CALLS_LAYER)
+
+    def _rotate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        fail("calls_reference", _CALLS_LAYER)
 
 
 def _layer(seed: int, q_lora_rank: int | None, heads: int = 2) -> ref.MultiHeadLatentAttention:
