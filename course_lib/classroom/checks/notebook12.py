@@ -169,7 +169,7 @@ def _student(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale: str = "both",
          norm: bool = True, offset: bool = True, mask_offset: bool = True, use_cache: bool = True,
-         rotate_cached: bool = False) -> torch.Tensor:
+         rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1) -> torch.Tensor:
     """The reference MLA forward with one mistake switched on (the defaults are right)."""
     def forward(layer: Any, x: torch.Tensor, cache: Any) -> torch.Tensor:
         n, length, _ = x.shape
@@ -199,12 +199,14 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         elif rope == "whole":
             cos, sin = modern.rope_tables(dn + dr, layer.max_tokens)
             q = modern.apply_rotary(q, cos, sin, offset=pos)
-            k = modern.apply_rotary(k, cos, sin, offset=total - k.shape[2])
+            k = modern.apply_rotary(k, cos, sin)   # every key, cached or new, from position 0
         factor = {"both": (dn + dr) ** -0.5, "nope": dn ** -0.5, "none": 1.0, "value": layer.v_head_dim ** -0.5}[scale]
         scores = q @ k.transpose(-2, -1) * factor                           # (N, H, L, T)
         first = total - length if mask_offset else 0
         mask = torch.ones(total, total, dtype=torch.bool).tril()[first:first + length]
-        out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v      # (N, H, L, dv)
+        if masked:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = scores.softmax(softmax_dim) @ v                              # (N, H, L, dv)
         return layer.o_proj(out.transpose(1, 2).reshape(n, length, h * layer.v_head_dim))
     return _stream(forward, layer, x, split)
 
@@ -243,17 +245,23 @@ _MLA_MISTAKES = (
             output=lambda layer, x, split: _mla(layer, x, split, rope="none")),
     Mistake("rope_positions", "With a cache, the new tokens are rotated as if they started at position 0: turn them "
                               "to start = cache.length (read before appending), the positions they hold in the stream.",
-            output=lambda layer, x, split: _mla(layer, x, split, offset=False) if split else None),
+            output=lambda layer, x, split: _mla(layer, x, split, offset=False)),
     Mistake("kv_cache", "Your cache's rotary keys are turned again at every call: rotate k_rope once, at its own "
                         "positions, BEFORE it enters the cache, and use what the cache returns as it is.",
-            output=lambda layer, x, split: _mla(layer, x, split, rotate_cached=True) if split else None),
+            output=lambda layer, x, split: _mla(layer, x, split, rotate_cached=True)),
     Mistake("kv_cache", "With a cache, the new queries attend only to the new tokens: attend to everything "
                         "cache.append(latent, k_rope) returns (the tokens held before, then the new ones).",
-            output=lambda layer, x, split: _mla(layer, x, split, use_cache=False) if split else None),
+            output=lambda layer, x, split: _mla(layer, x, split, use_cache=False)),
     Mistake("causal_mask", "Your causal mask does not account for the cache: the new queries sit at positions "
                            "start .. start + L - 1, so query i sees keys 0 .. start + i (take rows start: of the "
                            "T x T lower triangle).",
-            output=lambda layer, x, split: _mla(layer, x, split, mask_offset=False) if split else None),
+            output=lambda layer, x, split: _mla(layer, x, split, mask_offset=False)),
+    Mistake("causal_mask", "No causal mask: each query also sees the later tokens of its chunk. Query start + i "
+                           "may see keys 0 .. start + i only.",
+            output=lambda layer, x, split: _mla(layer, x, split, masked=False)),
+    Mistake("softmax_dim", "The softmax runs over the queries (dim=-2): each query's weights must sum to one over "
+                           "the keys, the last axis of the (N, H, L, T) scores.",
+            output=lambda layer, x, split: _mla(layer, x, split, softmax_dim=-2)),
     Mistake("scale", "The scores are scaled by 1/sqrt(qk_nope_head_dim): the query and key have "
                      "qk_nope_head_dim + qk_rope_head_dim numbers, so scale by (dn + dr) ** -0.5 "
                      "(layer.softmax_scale).", output=lambda layer, x, split: _mla(layer, x, split, scale="nope")),
@@ -325,6 +333,14 @@ def _linear_examples() -> list[Case]:
                  f"linear_attention_recurrent(q, k, v) with q, k ({length}, 2), v ({length}, 1)") for length in (1, 2, 3)]
 
 
+def _tuple_returned(failure: Any, case: Case, out: Any, fn: Any) -> None:
+    """The course's version returns (outputs, state): a student who copied that shape is told what to keep."""
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        fail(failure.diagnosis, f"{failure.message} Return only the outputs (..., L, d_v): the course's "
+                                f"variants.linear_attention_recurrent also returns the state (S, z), this exercise "
+                                f"does not.")
+
+
 LINEAR_RECURRENT = FunctionExercise(
     "12.3", "linear_attention_recurrent", lambda q, k, v: ref.linear_attention_recurrent(q, k, v)[0],
     _linear_cases, ("q", "k", "v"),
@@ -350,6 +366,9 @@ LINEAR_RECURRENT = FunctionExercise(
         Mistake("feature_map", "phi is applied to the queries but not to the keys: both go through phi(x) = elu(x) "
                                "+ 1, in the state S and in the normaliser z.",
                 output=lambda q, k, v: _linear(_phi(q), k, v)),
+        Mistake("feature_map", "Your feature map is relu: it is 0 for every negative number, so whole rows of "
+                               "weights (and the normaliser) vanish. Use phi(x) = elu(x) + 1, positive everywhere.",
+                output=lambda q, k, v: _linear(q.relu(), k.relu(), v)),
         Mistake("feature_map", "Your normaliser uses the raw query: it is phi(q_i) . z_i, with the same phi(q_i) as "
                                "the numerator.", output=lambda q, k, v: _linear(_phi(q), _phi(k), v, fq_norm=q)),
         Mistake("feature_map", "That is softmax attention (weights exp(q . k / sqrt(d))): linear attention replaces "
@@ -360,7 +379,7 @@ LINEAR_RECURRENT = FunctionExercise(
                                "tokens up to i when query i reads it (update, read, then move on).",
                 output=lambda q, k, v: _linear(_phi(q), _phi(k), v, causal=False)),
     ),
-    gradients=lambda: _linear_cases()[:1], examples=_linear_examples,
+    reword=_tuple_returned, gradients=lambda: _linear_cases()[:1], examples=_linear_examples,
 )
 
 
