@@ -45,3 +45,13 @@ def test_notebook12_checkers_are_in_the_table_and_declare_counterexamples():
     for entry in ours:
         check = getattr(checks, entry.checker)
         assert check.exercise == entry.id and check.example is not None, entry.id
+
+
+@pytest.mark.parametrize("name", ["window_one_too_wide", "mla_unscaled", "mla_rope_from_zero_each_call",
+                                  "linear_reads_before_the_update"])
+def test_a_wrong_output_comes_with_a_counterexample(name):
+    """The engine's counter-example runs the student's code as the check does (12.2: a copy of the layer and a
+    LatentCache), so an output mistake is shown on a tiny input, not left without one."""
+    attempt = next(a for a in variants_bugs.BUGGY if a.name == name)
+    result = judged(attempt)
+    assert not result.passed and "counterexample" in result.details, result

@@ -288,7 +288,13 @@ LATENT_ATTENTION = FunctionExercise(
 )
 
 
-@checker("12.2", example=function_example(LATENT_ATTENTION))
+def _latent_example(fn: Callable[..., Any], *_: Any, **__: Any) -> Any:
+    """The engine's counter-example, with the student's function run as the check runs it (a copy of the layer,
+    the cache made by ``_stream``)."""
+    return function_example(LATENT_ATTENTION)(_student(fn))
+
+
+@checker("12.2", example=_latent_example)
 def check_latent_attention(fn: Callable[..., Any]) -> str:
     """``fn(layer, x, cache=None)`` -> (N, L, embed_dim), as MultiHeadLatentAttention.forward (rope_interleave=False)."""
     return judge(LATENT_ATTENTION, _student(fn))
