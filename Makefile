@@ -96,11 +96,12 @@ lint: $(VENV)/.installed
 unit: setup
 	$(PY) -m pytest -n $(JOBS) --dist worksteal -p no:cacheprovider -m "not slow" tests
 
-# The browser test runs once, on its own, in `browser` below. worksteal: a worker that runs out of tests
-# takes queued ones from the other, so the slow tests do not leave one core idle at the end; the log ends
-# with the 20 slowest tests, so a slow one is seen.
+# The browser test runs once, on its own, in `browser` below. loadgroup (tests/scheduling.py): the tests that
+# share a module's fixture (a venv, the Gradescope archive, a graded class) go to one worker together, so the
+# fixture is built once, not once per worker; the modules with slow tests are handed out first and the rest
+# one test at a time, so neither core sits idle long at the end. The log ends with the 20 slowest tests.
 tests-all: setup $(VENV)/.instructor
-	$(PY) -m pytest -n $(JOBS) --dist worksteal --durations=20 -p no:cacheprovider --ignore=tests/test_browser.py tests
+	$(PY) -m pytest -n $(JOBS) --dist loadgroup --durations=20 -p no:cacheprovider --ignore=tests/test_browser.py tests
 
 # Train once: the solution pass records each training it runs (course_lib/train_replay.py), and the
 # learner copies and the browser test, whose training cells are the same, replay it rather than train it

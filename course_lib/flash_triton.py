@@ -68,7 +68,7 @@ def _define() -> None:
     @triton.jit
     def flash_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, length, scale,
                              CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                             HEAD_DIM: tl.constexpr):
+                             HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
         """One program per (query block, head): q, k, v, out are (heads, length, HEAD_DIM), contiguous."""
         block, head = tl.program_id(0), tl.program_id(1)
         rows = block * BLOCK_Q + tl.arange(0, BLOCK_Q)                     # (BLOCK_Q,) query positions
@@ -86,7 +86,7 @@ def _define() -> None:
                         other=0.0)                                          # (BLOCK_K, HEAD_DIM)
             v = tl.load(v_ptr + base + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < length,
                         other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale                              # (BLOCK_Q, BLOCK_K)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (BLOCK_Q, BLOCK_K)
             allowed = cols[None, :] < length                                # padded keys never count
             if CAUSAL:
                 allowed = allowed & (cols[None, :] <= rows[:, None])
@@ -95,7 +95,7 @@ def _define() -> None:
             p = tl.exp(s - m_new[:, None])
             correction = tl.exp(m - m_new)
             total = total * correction + tl.sum(p, axis=1)
-            acc = acc * correction[:, None] + tl.dot(p, v)
+            acc = acc * correction[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m = m_new
         out = acc / total[:, None]
         tl.store(out_ptr + base + rows[:, None] * HEAD_DIM + dims[None, :], out, mask=rows[:, None] < length)
@@ -105,10 +105,14 @@ def _define() -> None:
 
 
 def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_q: int = 16,
-                           block_k: int = 16, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           block_k: int = 16, causal: bool = False, precision: str = "ieee"
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash.flash_attention`` for q, k, v (..., L, d) of one length, run by the Triton kernel: (out, lse).
 
-    Block sizes and d must be powers of two of at least 16 (what ``tl.dot`` takes)."""
+    Block sizes and d must be powers of two of at least 16 (what ``tl.dot`` takes). On a GPU the kernel is
+    compiled and q, k, v must be CUDA tensors. ``precision="ieee"`` multiplies in full float32, so the result
+    equals ``flash.flash_attention`` within 1e-5; ``"tf32"`` lets the tensor cores round the products' inputs
+    to 10 bits of mantissa (faster; about 1e-3 off, measured on an H200)."""
     if _kernel is None:
         raise RuntimeError(f"the Triton kernel is not defined: call flash_triton.load() first ({UNAVAILABLE})")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -118,11 +122,18 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     for name, n in (("block_q", block_q), ("block_k", block_k), ("head_dim", q.shape[-1])):
         if validate.positive_int(name, n) < 16 or n & (n - 1):
             raise ValueError(f"{name}: expected a power of two of at least 16 (tl.dot's smallest tile), got {n}")
+    validate.one_of("precision", precision, ["ieee", "tf32"])
+    compiled = os.environ.get("TRITON_INTERPRET") != "1"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != ("cuda" if compiled else "cpu"):
+            raise ValueError(f"{name}: expected a {'CUDA' if compiled else 'CPU'} tensor (the kernel is "
+                             f"{'compiled for the GPU' if compiled else 'interpreted on the CPU'} here), got one on "
+                             f"{t.device}")
     length, head_dim = q.shape[-2], q.shape[-1]
     flat = [t.reshape(-1, length, head_dim).float().contiguous() for t in (q, k, v)]    # (heads, L, d)
     out = torch.empty_like(flat[0])
     lse = torch.empty(flat[0].shape[:-1], dtype=torch.float32, device=q.device)          # (heads, L)
     grid = (math.ceil(length / block_q), flat[0].shape[0])
     _kernel[grid](*flat, out, lse, length, 1.0 / math.sqrt(head_dim), CAUSAL=bool(causal), BLOCK_Q=block_q,
-                  BLOCK_K=block_k, HEAD_DIM=head_dim)
+                  BLOCK_K=block_k, HEAD_DIM=head_dim, PRECISION=precision)
     return out.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:-1]).to(q.dtype)

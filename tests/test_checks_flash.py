@@ -77,18 +77,18 @@ def test_bank_size_and_coverage():
 
 def test_every_hypothesis_uses_a_diagnosis():
     assert set(DIAGNOSES_ADDED_FOR_10) <= set(checks.DIAGNOSES)
-    codes = [m[0] for m in _flash_variants.FORWARD_MISTAKES + _flash_variants.BACKWARD_MISTAKES
-             + notebook10._SOFTMAX_MISTAKES]
+    codes = [m.code for m in _flash_variants.FORWARD_MISTAKES + _flash_variants.BACKWARD_MISTAKES
+             + notebook10._SOFTMAX_MISTAKES + notebook10._LSE_MISTAKES]
     assert set(codes) <= set(checks.DIAGNOSES)
 
 
 def test_every_hypothesised_mistake_changes_what_the_checker_sees():
     """A hypothesis equal to the reference on every case could never be told apart: each must differ somewhere."""
-    for _, _, spec in notebook10._SOFTMAX_MISTAKES:
+    for spec in (mistake.spec for mistake in notebook10._SOFTMAX_MISTAKES):
         assert any(not torch.allclose(_flash_variants.softmax_variant(x, size, **spec).double(),
                                       torch.softmax(x.double(), -1), equal_nan=False)
                    for x, size in notebook10._SOFTMAX_CASES), spec
-    for _, _, spec in _flash_variants.FORWARD_MISTAKES:
+    for spec in (mistake.spec for mistake in _flash_variants.FORWARD_MISTAKES):
         if spec == {"skip": "none"}:
             continue
         assert any(not torch.allclose(_flash_variants.forward_variant(q, k, v, bq, bk, c, **spec)[0],

@@ -19,7 +19,8 @@ import torch
 import course_lib.attention as attention
 from course_lib.classroom import checks, verdict
 from course_lib.classroom.checks import _gradients as gradients
-from course_lib.classroom.checks import _harness, notebook01
+from course_lib.classroom.checks import notebook01
+from course_lib.classroom.checks.engine import run
 
 
 def _wrong_mask(n):
@@ -116,7 +117,7 @@ def test_a_float64_notebook_is_judged_by_its_inputs_dtype():
 
 @pytest.mark.skipif(not hasattr(__import__("signal"), "SIGALRM"), reason="the time limit needs SIGALRM")
 def test_an_endless_loop_is_stopped(monkeypatch):
-    monkeypatch.setattr(_harness, "TIME_LIMIT_S", 0.5)
+    monkeypatch.setattr(run, "TIME_LIMIT_S", 0.5)
 
     def loops(n):
         while True:
@@ -439,3 +440,12 @@ def test_the_new_diagnoses_are_registered():
     for code in ("gradient", "zero_grad", "flops_factor", "split_transpose", "final_norm", "no_kv_cache",
                  "overlapping_windows"):
         assert code in checks.DIAGNOSES
+
+
+# ---------------------------------------------------------------- the table names every checker
+
+def test_every_exercise_of_the_table_has_its_checker_in_checks():
+    from course_lib.classroom.exercises import EXERCISES
+    for entry in EXERCISES:
+        found = getattr(checks, entry.checker, None)
+        assert found is not None and found.exercise == entry.id, entry

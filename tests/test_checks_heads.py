@@ -68,18 +68,20 @@ def test_bank_size_and_coverage():
 
 def test_every_new_code_is_a_diagnosis_and_every_mistake_uses_one():
     assert set(DIAGNOSES_ADDED_FOR_11) <= set(checks.DIAGNOSES)
-    named = list(_heads_ablation._MISTAKES) + _heads_scores.mistakes(1, 1, copy_offset=False) \
-        + _heads_scores.mistakes(4, 5, copy_offset=True)
+    named = list(_heads_ablation._MISTAKES) + list(_heads_scores.PREVIOUS_MISTAKES) \
+        + list(_heads_scores.INDUCTION_MISTAKES)
     assert all(m.code in checks.DIAGNOSES for m in named)
 
 
 def test_every_score_mistake_changes_the_score():
     generator = torch.Generator().manual_seed(0)
     weights = torch.rand(3, 4, 10, 10, generator=generator).tril().softmax(-1)   # (N, heads, L, L)
-    for back, first, copy_offset in ((1, 1, False), (4, 5, True)):
-        right = _heads_scores.score(weights, back, first)
-        for mistake in _heads_scores.mistakes(back, first, copy_offset=copy_offset):
-            wrong = _heads_scores.compute(weights, back, first, mistake.spec)
+    for half, mistakes in ((None, _heads_scores.PREVIOUS_MISTAKES), (5, _heads_scores.INDUCTION_MISTAKES)):
+        right = _heads_scores.variant(weights, half, spec={})
+        assert torch.allclose(right, heads.previous_token_score(weights) if half is None
+                              else heads.induction_score(weights, half))
+        for mistake in mistakes:
+            wrong = _heads_scores.variant(weights, half, spec=mistake.spec)
             assert wrong.shape != right.shape or not torch.allclose(wrong, right), mistake
 
 

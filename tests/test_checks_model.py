@@ -208,9 +208,14 @@ def test_check_trains_like_reference_returns_judges_verdict(capsys):
     runs = [TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.51]),            # within the tolerance
             TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.6]),             # behind
             TrainingRun("y", [1], [3.0], [], [], failure="nan")]          # NaN in training
+    def verdict(result):   # a failed check also carries its counter-example (the two curves), judge's does not
+        return result.exercise, result.passed, result.diagnosis, result.message
+
     for run in runs:
-        assert checks.check_trains_like_reference(run, reference) == judge(run, reference)
-    assert checks.check_trains_like_reference(runs[1], reference, tolerance=0.2) == judge(runs[1], reference, 0.2)
+        assert verdict(checks.check_trains_like_reference(run, reference)) == verdict(judge(run, reference))
+    assert verdict(checks.check_trains_like_reference(runs[1], reference, tolerance=0.2)) == \
+        verdict(judge(runs[1], reference, 0.2))
+    assert "counterexample" in checks.check_trains_like_reference(runs[1], reference).details
     assert checks.check_trains_like_reference(runs[1], reference, tolerance=0.2).passed
     wrong = checks.check_trains_like_reference("not a run", reference)   # answers, never raises
     assert not wrong.passed and wrong.exercise == "8.1" and "TrainingRun" in wrong.message

@@ -89,7 +89,7 @@ DIAGNOSES_ADDED_FOR_09 = ("rope_layout", "rope_rotation", "rope_frequencies", "r
 
 def test_every_new_code_is_a_diagnosis_and_every_hypothesis_uses_one():
     assert set(DIAGNOSES_ADDED_FOR_09) <= set(checks.DIAGNOSES)
-    hypotheses = _gqa_variants.FULL_PASS + _gqa_variants.CACHED + notebook09._ROTARY_MISTAKES
+    hypotheses = _gqa_variants.FULL_PASS + _gqa_variants.CACHED + _gqa_variants.ROTARY
     assert all(isinstance(h, Mistake) and h.code in checks.DIAGNOSES for h in hypotheses)
 
 
@@ -104,7 +104,7 @@ def one_thread():
 
 def test_every_hypothesised_gqa_mistake_changes_the_output(one_thread):
     """A hypothesis equal to the right answer could never be told apart: each must differ somewhere."""
-    from course_lib.classroom.checks import _gqa_check as g
+    g = notebook09
     generator = torch.Generator().manual_seed(0)
     setups = [g._build(modern.GroupedQueryAttention, kv, theta, extra, generator, notebook09._diagnose_tables).setup
               for kv, theta, extra in g.CONFIGS + g.OPTIONAL]

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from course_lib.classroom import capstone, checks
-from course_lib.classroom.checks import _nbgrader
-from course_lib.classroom.checks._harness import checker
+from course_lib.classroom.checks.engine import checker, run
 from course_lib.classroom.exercises import BY_ID, Exercise
 from course_lib.classroom.verdict import fail
 
@@ -45,13 +44,13 @@ def test_under_nbgrader_a_failed_check_raises_its_verdict(monkeypatch, mode):
     expected = str(checks.check_causal_mask(_wrong_mask, graded=False))
     with pytest.raises(AssertionError) as raised:
         checks.check_causal_mask(_wrong_mask)
-    assert isinstance(raised.value, _nbgrader.CheckNotPassed)
+    assert isinstance(raised.value, run.CheckNotPassed)
     assert str(raised.value) == expected
     assert "Exercise 2.1" in expected and "(causal_mask)" in expected
 
 
 def test_the_failed_cell_shows_the_verdict_not_our_frames(nbgrader_runs):
-    with pytest.raises(_nbgrader.CheckNotPassed) as raised:
+    with pytest.raises(run.CheckNotPassed) as raised:
         checks.check_causal_mask(_wrong_mask)
     shown = raised.value._render_traceback_()   # what IPython (and nbgrader's feedback) prints
     assert len(shown) == 1 and shown[0].endswith(str(raised.value))
@@ -107,7 +106,7 @@ def test_the_students_state_is_restored_before_the_cell_fails(nbgrader_runs):
 
     torch.manual_seed(0)
     rng = torch.get_rng_state().clone()
-    with pytest.raises(_nbgrader.CheckNotPassed):
+    with pytest.raises(run.CheckNotPassed):
         checks.check_causal_mask(careless_mask)
     assert torch.is_grad_enabled()
     assert torch.equal(torch.get_rng_state(), rng)

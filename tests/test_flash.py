@@ -106,13 +106,20 @@ def test_triton_section_degrades_or_matches():
     if module is None:
         assert flash_triton.UNAVAILABLE, "a missing Triton must say why"
         return
+    on = "cuda" if torch.cuda.is_available() else "cpu"   # the kernel is compiled on a GPU, interpreted on a CPU
     torch.manual_seed(3)
-    q, k, v = torch.randn(3, 1, 1, 40, 16).unbind(0)
+    q, k, v = torch.randn(3, 1, 1, 40, 16).to(on).unbind(0)
     out, lse = module.flash_attention_triton(q, k, v, block_q=16, block_k=16, causal=True)
     ref_out, ref_lse = flash.naive_attention(q, k, v, causal=True)
     assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
     with pytest.raises(ValueError, match="block_q"):
         module.flash_attention_triton(q, k, v, block_q=12, block_k=16)
+    with pytest.raises(ValueError, match="precision: expected one of"):
+        module.flash_attention_triton(q, k, v, precision="fp16")
+    tf32, _ = module.flash_attention_triton(q, k, v, causal=True, precision="tf32")   # runs; exact only in ieee
+    assert torch.allclose(tf32, ref_out, atol=1e-2)
+    with pytest.raises(ValueError, match=f"q: expected a {'CUDA' if on == 'cuda' else 'CPU'} tensor"):
+        module.flash_attention_triton(q.to("meta"), k, v)   # a tensor on another device is refused in one line
 
 
 def test_scale_is_one_over_sqrt_d():

@@ -2,11 +2,12 @@
 
 A first run writes a whole report; a second run on another class, into the same folder, is killed
 (SIGKILL, SIGTERM, Ctrl-C) at a chosen point of writing its report: after the feedback, after
-grades.csv, after the figure, once all is staged, in the middle of the swap. The hook
-(``report.PAUSE_VARIABLE``) holds the run at that point; a run that has no such point (an older
-grader) is killed as soon as its new grades.csv appears instead. Afterwards every report file a
-reader opens must be whole and from one run, all of them from the same one; and the message printed
-on Ctrl-C or SIGTERM must say what is true.
+grades.csv, after the figure, once all is staged, in the middle of the swap (the old report out, or
+some of the new files in). The hook (``report.PAUSE_VARIABLE``) holds the run at that point; a run that
+has no such point (an older grader) is killed as soon as its new grades.csv appears instead. Afterwards
+every report file a reader opens must be whole and from one run, all of them from the same one, or, only
+for a SIGKILL inside the swap, new files beside stubs that say "report incomplete", summary.md among the
+stubs; and the message printed on Ctrl-C or SIGTERM must say what is true.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import pytest
 from synthetic_class import write_student
 
 import course_lib
-from course_lib.classroom.grading.report import MARKER, PAUSE_VARIABLE
+from course_lib.classroom.grading.report import INCOMPLETE, MARKER, PAUSE_VARIABLE
 
 FIRST = {"ann": True, "ben": False}                  # student -> solved: the first run's class
 SECOND = {"ann": False, "cat": True, "dan": True}    # the second run's: other students, other counts
@@ -53,18 +54,23 @@ def first_report(tmp_path_factory):
     return root
 
 
+def _stub(text: str) -> bool:
+    return INCOMPLETE in text.split("\n", 1)[0]
+
+
 def _run_of(report: Path, first_png: bytes) -> dict[str, str]:
-    """Which run each report file a reader opens comes from ("first", "second"), or why it is neither."""
+    """Which run each report file a reader opens comes from ("first", "second"), "incomplete" for a stub
+    that says so on its first line, or why it is neither."""
     runs: dict[str, str] = {}
     if (report / "grades.csv").exists():
         text = (report / "grades.csv").read_text()
-        students = {row["student"] for row in csv.DictReader(io.StringIO(text))}
-        runs["grades.csv"] = "first" if students == set(FIRST) else "second" if students == set(SECOND) \
-            else f"neither: {sorted(students)}"
+        students = set() if _stub(text) else {row["student"] for row in csv.DictReader(io.StringIO(text))}
+        runs["grades.csv"] = "incomplete" if _stub(text) else "first" if students == set(FIRST) else \
+            "second" if students == set(SECOND) else f"neither: {sorted(students)}"
     if (report / "summary.md").exists():
         text = (report / "summary.md").read_text()
-        runs["summary.md"] = "first" if "ben" in text and "cat" not in text else \
-            "second" if "cat" in text and "dan" in text and "ben" not in text else "neither"
+        runs["summary.md"] = "incomplete" if _stub(text) else "first" if "ben" in text and "cat" not in text \
+            else "second" if "cat" in text and "dan" in text and "ben" not in text else "neither"
     if (report / "summary.png").exists():
         data = (report / "summary.png").read_bytes()
         whole = data.startswith(b"\x89PNG") and data.rstrip().endswith(b"IEND\xaeB`\x82")
@@ -72,20 +78,21 @@ def _run_of(report: Path, first_png: bytes) -> dict[str, str]:
     if (report / "feedback").is_dir():
         names = {p.stem for p in (report / "feedback").iterdir()}
         runs["feedback/"] = "first" if names == set(FIRST) else "second" if names == set(SECOND) \
-            else f"neither: {sorted(names)}"
+            else "incomplete" if names == {"REPORT-INCOMPLETE"} else f"neither: {sorted(names)}"
         for path in (report / "feedback").iterdir():
             text = path.read_text()
             passed = "1 of 1 exercises passed" in text
             which = [run for run, students in (("first", FIRST), ("second", SECOND))
                      if path.stem in students and students[path.stem] == passed]
-            runs[f"feedback/{path.name}"] = which[0] if len(which) == 1 else \
+            runs[f"feedback/{path.name}"] = "incomplete" if _stub(text) else which[0] if len(which) == 1 else \
                 ("either" if len(which) == 2 else "neither")
     return runs
 
 
 POINTS = [("ann.md", signal.SIGKILL), ("grades.csv", signal.SIGKILL), ("grades.csv", signal.SIGTERM),
           ("grades.csv", signal.SIGINT), ("summary.png", signal.SIGINT), ("staged", signal.SIGTERM),
-          ("swapping", signal.SIGKILL), ("swapping", signal.SIGINT)]
+          ("swapping", signal.SIGKILL), ("swapping", signal.SIGINT), ("in:feedback", signal.SIGKILL),
+          ("in:grades.csv", signal.SIGKILL)]
 
 
 @pytest.mark.slow
@@ -104,7 +111,8 @@ def test_an_interrupted_run_leaves_one_whole_report_never_two_mixed(first_report
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline and grading.poll() is None and not flag.exists():
             try:
-                if (report / "grades.csv").read_bytes() != first_csv:
+                now = (report / "grades.csv").read_bytes()
+                if now != first_csv and INCOMPLETE.encode() not in now[:200]:
                     break   # a grader without the hook: its new grades.csv is out, its summary not yet
             except OSError:
                 pass
@@ -119,8 +127,15 @@ def test_an_interrupted_run_leaves_one_whole_report_never_two_mixed(first_report
             grading.kill()
             grading.communicate()
     runs = _run_of(report, first_png)
-    assert len(set(runs.values())) <= 1 and set(runs.values()) <= {"first", "second"}, runs
-    if point != "swapping":   # before the swap, the previous report is all there, untouched
+    swap = point == "swapping" or point.startswith("in:")
+    if swap and number == signal.SIGKILL:   # one run's files and stubs that say so, summary.md a stub till the end
+        values = set(runs.values())
+        assert values <= {"first", "incomplete"} or values <= {"second", "incomplete"}, runs   # never both runs
+        assert {"grades.csv", "summary.md", "feedback/"} <= set(runs), runs
+        assert runs["summary.md"] == ("second" if values == {"second"} else "incomplete"), runs
+    else:
+        assert len(set(runs.values())) <= 1 and set(runs.values()) <= {"first", "second"}, runs
+    if not swap:   # before the swap, the previous report is all there, untouched
         assert set(runs.values()) == {"first"} and len(runs) == 4 + len(FIRST), runs
         assert (report / "grades.csv").read_bytes() == first_csv
     elif number != signal.SIGKILL:   # Ctrl-C or SIGTERM inside the swap waits for it: the new report, whole

@@ -656,6 +656,7 @@ def test_the_sweep_between_students_empties_every_folder_a_student_can_write():
     package_root = str(Path(course_lib.__file__).resolve().parents[1])
     done = subprocess.run(
         ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
-         "--tmpfs", "/tmp", "--setenv", "PYTHONPATH", package_root, sys.executable, "-c", _SWEEP_PROBE],
+         "--tmpfs", "/tmp", *[arg for path in sorted({package_root, sys.prefix}) for arg in ("--ro-bind", path, path)],
+         "--setenv", "PYTHONPATH", package_root, sys.executable, "-c", _SWEEP_PROBE],   # (a checkout under /tmp too)
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "SWEPT" in done.stdout, done.stdout + done.stderr[-3000:]

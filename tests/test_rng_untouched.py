@@ -15,6 +15,8 @@ import torch
 
 from course_lib import flash, generate, heads
 from course_lib.checkpoints import load_checkpoint, save_checkpoint
+from course_lib.classroom import capstone
+from course_lib.classroom.collect import collect_student_parts
 from course_lib.data import CharTokenizer, char_corpus
 from course_lib.model import GPT, GPTConfig
 from course_lib.modern_gpt import ModernGPT, ModernGPTConfig
@@ -85,6 +87,8 @@ CALLS = {
     "ablate_head": lambda m, tmp: _ablated(m["gpt"]),
     "char_corpus": lambda m, tmp: char_corpus("abcdefgh " * 20),
     "calibrate": lambda m, tmp: calibrate(0.01),
+    "capstone.train_parts": lambda m, tmp: capstone.train_parts(
+        collect_student_parts(tmp), None, capstone.names_setup(steps=2)),
     "generation_benchmark": lambda m, tmp: bench.generation_benchmark(
         dict(vocab_size=8, max_tokens=8, embed_dim=8, num_heads=2, num_layers=1), new_tokens=2, prompt_tokens=2),
 }

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _validate as validate
+from .._rng import leaves_rng_alone
 from .._validate import describe
 from ..data import char_corpus, load_names, names_dataset, names_tokenizer, random_batch, split_names
 from ..model import GPT, GPTConfig
@@ -142,6 +143,7 @@ def _build(namespace: dict, setup: TrainingSetup) -> torch.nn.Module:
     return model
 
 
+@leaves_rng_alone   # it trains with the setup's own seed: the notebook's next torch.randn is untouched
 def train_parts(collection: Collection, yours: Sequence[str] | None, setup: TrainingSetup, *,
                 steps: int | None = None, label: str = "") -> TrainingRun:
     """Train the GPT made of the student's parts ``yours`` (None: every usable one) and the course's others."""
@@ -192,6 +194,7 @@ def _checker_result(collection: Collection, exercise: str, namespace: dict) -> C
     return checker(namespace[collection.parts[exercise].exercise.name], graded=False)
 
 
+@leaves_rng_alone
 def find_blame(collection: Collection, setup: TrainingSetup, *, steps: int | None = None,
                tolerance: float = TOLERANCE, only: Sequence[str] | None = None, whose: str = "your") -> Blame | None:
     """Add the student's parts one at a time, in the order they compose; name the first that breaks training.

@@ -11,7 +11,7 @@ default settings. The rules (nbgrader's cell metadata, schema version 3):
   (``raise NotImplementedError()``); our learner copies keep theirs, which names the exercise.
 - A code cell that calls a checker, ``checks.check_...(...)``, is an autograded test cell, read-only,
   worth :data:`POINTS_PER_CHECK` point, grade_id ``exX_Y_check`` (``exX_Y_check_2``, ... for further
-  check cells of the same exercise). Under nbgrader a failed check raises (``checks._nbgrader``),
+  check cells of the same exercise). Under nbgrader a failed check raises (``checks.engine.run``),
   so the cell scores zero and the feedback shows the diagnosis.
 - A check called with ``graded=False`` (a demonstration on planted buggy code, or a re-check used
   as a condition) is no test, and a check of an exercise without a solution region (8.1, which

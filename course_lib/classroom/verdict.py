@@ -1,7 +1,7 @@
 """The verdict on one exercise, and the mistakes it can name.
 
 A checker stops at the first problem it finds by raising :class:`Failure` (``fail(...)``) with one
-of the :data:`DIAGNOSES`; the harness (``checks._harness``) turns that into a :class:`CheckResult`,
+of the :data:`DIAGNOSES`; the run (``checks.engine.run``) turns that into a :class:`CheckResult`,
 which the notebook shows, the grader records and the live room counts.
 """
 from __future__ import annotations

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from .presets import PRESETS, run_preset
 __all__ = [
     "measure_matmul_peak", "peak_memory_mb", "time_call", "time_alternating", "training_benchmark",
     "attention_benchmark", "generation_benchmark", "GENERATION_CONFIG", "DEFAULT_LENGTHS",
-    "ATTENTION_WIDTHS", "main",
+    "ATTENTION_WIDTHS", "triton_benchmark", "triton_memory_benchmark", "check_triton_sizes", "print_triton_rows", "main",
 ]
 
 DEFAULT_PRESETS = ("baseline_cpu", "shakespeare_char_cpu", "shakespeare_char_modern_cpu")
@@ -420,6 +421,108 @@ def _print_generation(r: dict[str, Any]) -> None:
     print(f"identical outputs: {r['identical']}")
 
 
+# ---------------------------------------------------------------- notebook 10's Triton kernel on a GPU
+# ``bench triton``: the compiled kernel (``flash_triton.flash_attention_triton``) in full float32 (``ieee``)
+# and in TF32 against ``scaled_dot_product_attention`` in float32 and bfloat16, with the largest difference
+# from a float64 reference; then the peak memory of naive, tiled (PyTorch) and Triton attention and SDPA
+# against L. Without CUDA the command says so in one line: the interpreter's times say nothing about a GPU.
+
+def _triton_kernel() -> Any:
+    from .. import flash_triton  # on import it chooses Triton's interpreter where there is no GPU: only here
+    module = flash_triton.load()
+    if module is None:
+        raise RuntimeError(f"the Triton kernel cannot run here: {flash_triton.UNAVAILABLE}")
+    return module
+
+
+def check_triton_sizes(lengths: Sequence[int], head_dims: Sequence[int], heads: int, repeats: int) -> None:
+    """Refuse sizes the kernel cannot take, naming the argument."""
+    for length in lengths:
+        validate.positive_int("lengths", length)
+    for head_dim in head_dims:
+        if validate.positive_int("head_dims", head_dim) < 16 or head_dim & (head_dim - 1):
+            raise ValueError(f"head_dims: expected powers of two of at least 16 (tl.dot's smallest tile), "
+                             f"got {head_dim}")
+    validate.positive_int("heads", heads)
+    validate.positive_int("repeats", repeats)
+
+
+def triton_benchmark(lengths: Sequence[int] = (1024, 4096, 16384), head_dims: Sequence[int] = (64, 128), *,
+                     heads: int = 16, repeats: int = 10, device: str | torch.device = "cuda") -> list[dict]:
+    """One row per (head dim, causal, L): milliseconds per call and the largest difference from float64."""
+    import torch.nn.functional as F
+    check_triton_sizes(lengths, head_dims, heads, repeats)
+    device, kernel, rows = torch.device(device), _triton_kernel(), []
+    for head_dim in head_dims:
+        for causal in (False, True):
+            for length in lengths:
+                generator = torch.Generator(device=device).manual_seed(0)
+                q, k, v = (torch.randn(1, heads, length, head_dim, device=device, generator=generator)
+                           for _ in range(3))                                          # (1, heads, L, d)
+                exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+                row = {"head_dim": head_dim, "causal": causal, "length": length}
+                for precision in ("ieee", "tf32"):
+                    block_k = 32 if precision == "ieee" and head_dim > 64 else 64   # fp32 tiles fill shared memory
+                    run = partial(kernel.flash_attention_triton, q, k, v, block_q=64, block_k=block_k,
+                                  causal=causal, precision=precision)
+                    row[f"{precision}_ms"] = time_call(run, repeats, warmup=2, device=device) * 1e3
+                    row[f"{precision}_diff"] = float((run()[0] - exact).abs().max())
+                sdpa = F.scaled_dot_product_attention
+                row["sdpa_fp32_ms"] = time_call(partial(sdpa, q, k, v, is_causal=causal), repeats, 2, device) * 1e3
+                row["sdpa_bf16_ms"] = time_call(partial(sdpa, *(t.bfloat16() for t in (q, k, v)), is_causal=causal),
+                                                repeats, 2, device) * 1e3
+                rows.append(row)
+    return rows
+
+
+def triton_memory_benchmark(lengths: Sequence[int] = (1024, 4096, 16384), *, heads: int = 4, head_dim: int = 64,
+                            tiled_up_to: int = 4096, device: str | torch.device = "cuda") -> list[dict]:
+    """Peak memory above the inputs (MiB), causal, per method and L; the PyTorch tiles only up to
+    ``tiled_up_to`` (a Python loop over blocks). Needs CUDA's memory counters."""
+    import torch.nn.functional as F
+
+    from .. import flash
+    device, kernel, rows = torch.device(device), _triton_kernel(), []
+    if device.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device for its memory counters, got {device}")
+    for length in lengths:
+        q, k, v = (torch.randn(1, heads, length, head_dim, device=device) for _ in range(3))
+        methods = {"naive": partial(flash.naive_attention, q, k, v, causal=True),
+                   "tiled": partial(flash.flash_attention, q, k, v, causal=True) if length <= tiled_up_to else None,
+                   "triton": partial(kernel.flash_attention_triton, q, k, v, block_q=64, block_k=64, causal=True),
+                   "sdpa": partial(F.scaled_dot_product_attention, q, k, v, is_causal=True)}
+        row: dict[str, Any] = {"length": length}
+        for name, call in methods.items():
+            if call is None:
+                row[name] = None
+                continue
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out = call()
+            torch.cuda.synchronize()
+            row[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            del out
+        rows.append(row)
+    return rows
+
+
+def print_triton_rows(rows: list[dict], memory: list[dict], device_name: str) -> None:
+    print(f"on {device_name}: ms per call (median), largest |difference| from float64")
+    print(f"{'d':>4}{'causal':>8}{'L':>7}{'ieee':>9}{'tf32':>9}{'sdpa fp32':>10}{'sdpa bf16':>10}"
+          f"{'ieee diff':>11}{'tf32 diff':>11}")
+    for r in rows:
+        print(f"{r['head_dim']:>4}{'yes' if r['causal'] else 'no':>8}{r['length']:>7}{r['ieee_ms']:>9.3f}"
+              f"{r['tf32_ms']:>9.3f}{r['sdpa_fp32_ms']:>10.3f}{r['sdpa_bf16_ms']:>10.3f}{r['ieee_diff']:>11.1e}"
+              f"{r['tf32_diff']:>11.1e}")
+    if memory:
+        print("\npeak memory above the inputs, MiB (float32, causal)")
+        print(f"{'L':>7}{'naive':>10}{'tiled':>10}{'triton':>10}{'sdpa':>10}")
+        for r in memory:
+            print(f"{r['length']:>7}" + "".join(f"{'not run':>10}" if r[m] is None else f"{r[m]:>10.1f}"
+                                                for m in ("naive", "tiled", "triton", "sdpa")))
+
+
 # ---------------------------------------------------------------- command line
 
 def build_parser() -> argparse.ArgumentParser:
@@ -481,6 +584,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="square matmuls for the peak: bf16 on a GPU, fp32 on a CPU (default: %(default)s)")
     nanogpt.add_argument("--corpus", help=argparse.SUPPRESS)
 
+    triton = sub.add_parser("triton", parents=[common],
+                            help="notebook 10's Triton kernel against SDPA on a GPU (--device cuda)")
+    triton.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    triton.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    triton.add_argument("--heads", type=int, default=16)
+    triton.add_argument("--repeats", type=int, default=10)
     gen = sub.add_parser("generate", parents=[common], help="tokens/s with and without the KV cache")
     gen.add_argument("--new-tokens", type=int, default=500)
     gen.add_argument("--layers", type=int, default=GENERATION_CONFIG["num_layers"], help=argparse.SUPPRESS)
@@ -511,6 +620,25 @@ def _nanogpt(args: argparse.Namespace, device: torch.device) -> int:
     except (ValueError, TypeError) as exc:
         raise RunRefused(str(exc)) from None
     print_side_by_side(result, name)
+    return 0
+
+
+def _triton(args: argparse.Namespace, device: torch.device) -> int:
+    from .run_folder import RunRefused
+    try:
+        check_triton_sizes(args.lengths, args.head_dims, args.heads, args.repeats)
+    except (ValueError, TypeError) as exc:
+        raise RunRefused(str(exc)) from None
+    if device.type != "cuda":   # the interpreter's times say nothing about a GPU
+        print(f"bench triton: skipped on {device.type}: the compiled kernel needs a CUDA device (--device cuda); "
+              f"notebook 10 runs it in Triton's interpreter instead")
+        return 0
+    try:
+        rows = triton_benchmark(args.lengths, args.head_dims, heads=args.heads, repeats=args.repeats, device=device)
+        memory = triton_memory_benchmark(args.lengths, device=device)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise RunRefused(str(exc)) from None
+    print_triton_rows(rows, memory, torch.cuda.get_device_name(device))
     return 0
 
 
@@ -569,6 +697,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.benchmark == "nanogpt":
         return _nanogpt(args, device)
+    if args.benchmark == "triton":
+        return _triton(args, device)
     if args.benchmark == "attention":
         for i, (embed_dim, heads) in enumerate(zip(args.embed_dim, args.heads)):
             rows = attention_benchmark(args.lengths, embed_dim, heads, args.batch, args.repeats, device=device)

@@ -1,7 +1,7 @@
 """Hints and solutions of the exercises declared in ``classroom.exercises``, and how far each has gone.
 
-The verdict and its diagnoses live in ``classroom.verdict``; the harness that runs a checker
-(isolation, time limit) in ``_harness``; calls into student code in ``_student_code``.
+The verdict and its diagnoses live in ``classroom.verdict``; one run of a checker, which keeps the last
+verdict of each exercise that the hints follow, in ``engine.run``.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from ... import _validate as validate
 from ..exercises import Exercise, exercise
 from ..notebook_reader import marker  # the solution markers, as every tool reads them
 from ..verdict import CheckResult
-from . import _counterexample
 from ._nudges import nudge
+from .engine.run import last
 
 __all__ = ["hint", "show_solution", "solution_source", "hint_state", "Shown"]
 
@@ -56,7 +56,7 @@ def hint(exercise_id: str) -> Shown:
     side by side), then the next step of the spec. Without one, the spec's hints in order."""
     entry = exercise(exercise_id)
     state = hint_state(entry.id)
-    result = _counterexample.last(entry.id)
+    result = last(entry.id)
     if result is not None and not result.passed and result.diagnosis not in ("not_implemented", "checker_error"):
         if state.followed is not result:
             state.followed, state.step = result, 0
@@ -129,7 +129,7 @@ def show_solution(exercise_id: str, force: bool = False) -> Shown:
                 f"assembles the parts you wrote in earlier notebooks. Use checks.hint({entry.id!r}).")
         print(text)
         return Shown(text)
-    if not force and _counterexample.last(entry.id) is None:
+    if not force and last(entry.id) is None:
         text = (f"Try exercise {entry.id} ({entry.title}) first: run its check cell at least once, and "
                 f"checks.hint({entry.id!r}) when stuck. The solution is shown after a checked attempt "
                 f"(or with checks.show_solution({entry.id!r}, force=True)).")

@@ -1,24 +1,12 @@
 """Counter-examples: the smallest input on which the student's code and the reference differ.
 
-When a check fails, the harness asks :func:`attach` for a counter-example: the exercise's own searcher
-(from ``engine.example``, given to ``checker``; until notebooks 05-11 are ported, the one registered
-for the exercise in ``_searches``) runs the student's code and the reference on growing tiny inputs
-(a 1x1 case first, then 2x2, 3x3, ...) and keeps the first on which they differ. The
-:class:`Example` rides on the verdict (``details["counterexample"]``); :func:`remember` keeps the
-last verdict of each exercise for ``checks.hint`` and ``checks.show_solution``.
+When a check fails, the run (``engine.run``) asks the exercise's own searcher (``checker(id, example=...)``,
+built by ``engine.example``) for an :class:`Example`: the student's code and the reference on growing tiny inputs (a 1x1
+case first, then 2x2, 3x3, ...), the first on which they differ. It rides on the verdict
+(``details["counterexample"]``) and ``checks.hint`` shows it.
 
-The API, for a checker module that wants to register its own searcher::
-
-    @searcher("9.2")
-    def _rotary(fn) -> Example | None:
-        for x, cos, sin in tiny_inputs():
-            mine, theirs = run_both(lambda: fn(x, cos, sin), lambda: ref(x, cos, sin))
-            if differs(mine, theirs):
-                return Example("apply_rotary(x, cos, sin)", [("x", x)], mine, theirs)
-        return None
-
-A searcher never raises (an error in the student's code just ends the search) and never changes
-the student's state: it runs inside the check, under the harness's isolation and time limit.
+A searcher never raises (an error in the student's code just ends the search) and never changes the
+student's state: it runs inside the check, under the run's isolation and time limit.
 """
 from __future__ import annotations
 
@@ -105,50 +93,3 @@ def first_difference(cases: Sequence[Callable[[], Example | None]]) -> Example |
         if found is not None:
             return found
     return None
-
-
-# ---------------------------------------------------------------- registry and memory
-
-_SEARCHERS: dict[str, Callable[..., Example | None]] = {}
-_LAST: dict[str, Any] = {}
-
-
-def searcher(exercise: str) -> Callable[[Callable[..., Example | None]], Callable[..., Example | None]]:
-    def register(fn: Callable[..., Example | None]) -> Callable[..., Example | None]:
-        _SEARCHERS[exercise] = fn
-        return fn
-    return register
-
-
-def attach(exercise: str, failure: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-           search: Callable[..., Example | None] | None = None) -> None:
-    """Put a counter-example on a Failure of ``exercise`` (details["counterexample"]) when one is found:
-    ``search(*args, **kwargs)`` is the exercise's own (the engine's, given to ``checker``); an exercise not
-    yet ported to the engine has one registered by ``searcher``, called with the student's work alone."""
-    if failure.diagnosis in _NOTHING_TO_SHOW or "counterexample" in failure.details or not args:
-        return
-    if search is None and exercise in _SEARCHERS:
-        search, args, kwargs = _SEARCHERS[exercise], args[:1], {}
-    if search is None:
-        return
-    try:
-        example = search(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - the time limit, or anything else: no counter-example
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        return
-    if example is not None:
-        failure.details["counterexample"] = example
-
-
-def remember(result: Any) -> None:
-    """Keep the last verdict of each exercise (for hint and show_solution)."""
-    _LAST[result.exercise] = result
-
-
-def last(exercise: str) -> Any | None:
-    return _LAST.get(exercise)
-
-
-def forget() -> None:
-    _LAST.clear()

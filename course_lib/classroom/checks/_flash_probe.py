@@ -5,7 +5,9 @@ A ``TorchDispatchMode`` sees each ATen operation below autograd, so a matrix bui
 
 - the largest tensor created (per head): an L x L one means the full score matrix was materialised;
 - the score products, the matrix products that contract over the head size d: their output area is
-  the share of the score matrix actually computed (causal masking should skip about half).
+  the share of the score matrix actually computed (causal masking should skip about half);
+- the reductions (softmax, max, sum...) with the length of the axis they reduce: a whole row at once is
+  not a tiled loop; and the slices along the positions axis that leave no rows (a loop bound too far).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 _PRODUCTS = {"mm", "bmm", "mv", "dot", "addmm", "baddbmm", "addmv", "addbmm"}
+_REDUCTIONS = {"_softmax", "_log_softmax", "logsumexp", "amax", "max", "sum", "mean", "amin", "min", "cumsum"}
 
 
 @dataclass
@@ -26,6 +29,8 @@ class Record:
     score_elements: int = 0                # scores computed: output elements of products over d
     largest_tile: tuple[int, ...] = ()     # the largest single score product's last two axes
     fused: list[str] = field(default_factory=list)   # fused attention kernels called
+    reduced: list[tuple[str, int]] = field(default_factory=list)       # (reduction, its input's last axis)
+    empty: list[tuple[int, int]] = field(default_factory=list)         # (length, start) of empty slices along -2
 
 
 class Recorder(TorchDispatchMode):
@@ -45,6 +50,14 @@ class Recorder(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.numel() > record.largest_numel:
                 record.largest_numel, record.largest = tensor.numel(), tuple(tensor.shape)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
+        if first is not None and name in _REDUCTIONS:
+            record.reduced.append((name, first.shape[-1]))
+        if first is not None and name == "slice" and first.dim() >= 2 and isinstance(out, torch.Tensor):
+            dim = (args[1] if len(args) > 1 else 0) % first.dim()
+            if dim == first.dim() - 2 and out.shape[dim] == 0:
+                start = args[2] if len(args) > 2 and args[2] is not None else 0
+                record.empty.append((int(first.shape[dim]), int(min(start, first.shape[dim]))))
         if name in _PRODUCTS and isinstance(out, torch.Tensor):
             operands = [a for a in args if isinstance(a, torch.Tensor)]
             first = operands[-2] if name.startswith("add") and len(operands) >= 3 else operands[0]

@@ -8,9 +8,10 @@ inputs, so a mistake is told from float noise by a wide margin.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
+
+from ..exercises import Mistake
 
 # ============================================================================ 10.1 online softmax
 
@@ -111,7 +112,7 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
 
 
 # What each forward slip looks like, with the switches that produce it (the order is the order tried).
-FORWARD_MISTAKES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code, why, spec in (
     ("block_skip", "you skip a key block that some query of the block still needs: query block i needs every key "
                    "block whose FIRST key is not after the block's LAST query (k_start <= q_end - 1). Comparing the "
                    "block numbers (j <= i) is only right when block_q == block_k.", {"skip": "index"}),
@@ -144,7 +145,7 @@ FORWARD_MISTAKES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("early_normalization", "you divide by the running sum after every key block: the accumulator then holds "
                             "averages that later blocks mix up with the wrong weights. Keep the unnormalised sum "
                             "p @ v and divide once, after the last key block.", {"normalize": "every"}),
-)
+))
 
 
 # ============================================================================ 10.3 backward
@@ -193,7 +194,7 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
     return dq, dk, dv
 
 
-BACKWARD_MISTAKES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code, why, spec in (
     ("backward_delta", "D is computed from the wrong tensors: D = rowsum(dO * O), the gradient of the output times "
                        "the output itself, one number per query.", {"delta": "grad_only"}),
     ("backward_delta", "D is left out (or zero): dS = P * (dP - D) with D = rowsum(dO * O).", {"delta": "zero"}),
@@ -211,4 +212,4 @@ BACKWARD_MISTAKES: tuple[tuple[str, str, dict[str, Any]], ...] = (
                     "must use the masked scores, or the future keys get gradient.", {"mask": "diagonal"}),
     ("causal_mask", "the recomputed weights are not masked: P = exp(S - lse) must use the masked scores, or the "
                     "future keys get gradient.", {"mask": "none"}),
-)
+))

@@ -8,14 +8,26 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..training_runs import TOLERANCE, TrainingRun, judge
 from ..verdict import fail
 from .engine import checker
+from .engine.example import compare
 
 __all__ = ["check_trains_like_reference"]
 
 
-@checker("8.1")
+def _curves(yours: Any, reference: Any, *_: Any, **__: Any) -> Any:
+    """The two runs' validation losses side by side: the engine's comparison (two given runs, nothing to search)."""
+    if not (isinstance(yours, TrainingRun) and isinstance(reference, TrainingRun)):
+        return None
+    return compare(f"the validation loss at steps {reference.val_step} (your run, then the reference)", [],
+                   lambda: torch.tensor(yours.val_loss, dtype=torch.float64),
+                   lambda: torch.tensor(reference.val_loss, dtype=torch.float64))
+
+
+@checker("8.1", example=_curves)
 def check_trains_like_reference(yours: Any, reference: Any, tolerance: float | None = None) -> str:
     """``yours`` and ``reference``: TrainingRuns from ``capstone.train_parts``; the verdict is ``judge``'s."""
     for name, run in (("yours", yours), ("reference", reference)):

@@ -27,8 +27,8 @@ before anyone is graded, the course's own solution notebooks and learner copies 
 solution that fails, or a blank exercise that passes, stops the run (exit status 1) naming it.
 
 interrupted (Ctrl-C, SIGTERM, a kill), a run leaves the previous report as it was, or the whole new
-one, never two mixed; only a kill (SIGKILL) landing inside the last step, a dozen renames, can leave
-part of the new one, and the folder's .course-grade-report marker then says "replacing".
+one, never two mixed; a kill (SIGKILL) landing inside the last step, a dozen renames, leaves each file
+either new or a stub saying "report incomplete" (summary.md says so until the last rename).
 
 exit status: 0 graded (whatever the grades); 1 grading itself failed; 2 bad arguments; 130 Ctrl-C;
 143 SIGTERM

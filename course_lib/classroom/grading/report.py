@@ -6,15 +6,19 @@ holding a ``grades.csv``, ``summary.md``, ``feedback/`` ... that a previous ``gr
 leaves a ``.course-grade-report`` marker) is refused rather than overwritten; other files in it are
 left alone, so ``--out`` may be Gradescope's results folder.
 
-A report is whole or not there, never half of one and never two runs mixed: every file is first written
-into a hidden staging folder inside ``out`` (``.course-grade-report.pidNNN.xxxxxxxx.tmp``); only when all
-are written does the run swap them in, by renames, with Ctrl-C and SIGTERM held off meanwhile: the
-previous report's files (all of them, a ``results.json`` or ``gradescope/`` this run does not write
-included) are moved out first, then the new ones in. A run interrupted before the swap leaves the
-previous report exactly as it was; a SIGKILL inside the swap's few renames can leave some of the new
-files and none of the old. What an interrupted run leaves hidden is removed by a later run (once its
-writer is gone: ``_atomic.remove_stale_staging``). The marker says how the last run ended
-(``state``: ``grading``, ``replacing``, ``whole``).
+A report is whole, or says in every file a reader opens that it is not, and two runs are never mixed:
+every file is first written into a hidden staging folder inside ``out``
+(``.course-grade-report.pidNNN.xxxxxxxx.tmp``); only when all are written does the run swap them in, by
+renames, with Ctrl-C and SIGTERM held off meanwhile. First the previous report's files (all of them, a
+``results.json`` or ``gradescope/`` this run does not write included) are moved out, ``summary.md`` first,
+and where the new report has that file a stub that says "report incomplete" takes its place
+(``summary.md``, ``grades.csv``, ``results.json``, and a ``REPORT-INCOMPLETE.md`` in ``feedback/`` and
+``gradescope/``); then the new files replace the stubs, ``summary.md`` last. So a SIGKILL inside the swap leaves each file either new and whole, or a stub saying
+the report is incomplete (``summary.md`` says so until the very end), never one of the old report beside a
+new one. A run interrupted before the swap leaves the previous report exactly as it was. What an
+interrupted run leaves hidden is removed by a later run (once its writer is gone:
+``_atomic.remove_stale_staging``). The marker says how the last run ended (``state``: ``grading``,
+``replacing``, ``whole``).
 
 Student text (names, messages, notes) is escaped where it is written into Markdown (``text``): it
 reads as text, never as a heading, a link, an image or an HTML comment of its own. A file that cannot
@@ -53,10 +57,12 @@ MARKER = ".course-grade-report"
 COLUMNS = ("student", "exercise", "passed", "diagnosis", "message", "seconds", "flag")
 SUMMARY_NOTES_LIMIT = 200   # lines of notes in summary.md
 OURS = ("grades.csv", "summary.md", "summary.png", "results.json", "feedback", "gradescope")
+SWAP_ORDER = ("feedback", "gradescope", "results.json", "summary.png", "grades.csv", "summary.md")   # summary last
+INCOMPLETE = "report incomplete"   # what every stub says, first
 STAGING = "course-grade-report"   # the hidden folders a run writes its report into (and moves the old one to)
 # A test hook: "POINT:PATH" makes a run that reaches POINT (a file's name once written into staging, "staged",
-# or "swapping": the old report moved out) create PATH and wait there until PATH is removed, so that a test
-# can interrupt it at that point.
+# "swapping": the old report moved out and stubs in, or "in:NAME": the new NAME swapped in) create PATH and
+# wait there until PATH is removed, so that a test can interrupt it at that point.
 PAUSE_VARIABLE = "COURSE_GRADE_TEST_PAUSE"
 
 
@@ -343,18 +349,44 @@ def _signals_held() -> Any:
             signal.raise_signal(caught[0])
 
 
+def _stubs(folder: Path, names: set[str]) -> None:
+    """Write into ``folder`` the stub of each report file in ``names`` that a reader opens: each says, on
+    its first line, that the report is incomplete (a CSV or JSON reader fails on it rather than reading
+    an empty class). The figure has no stub: it is simply absent meanwhile."""
+    why = (f"{INCOMPLETE}: a `python -m course_lib grade` run (pid {os.getpid()}) was replacing the report "
+           f"in this folder and stopped before it finished. Run the same grade command again.")
+    texts = {"summary.md": f"# {why}\n", "grades.csv": f"# {why}\n",
+             "results.json": json.dumps({"report_incomplete": why}) + "\n"}
+    for name in names & set(texts):
+        (folder / name).write_text(texts[name], encoding="utf-8")
+    for name in names & {"feedback", "gradescope"}:
+        (folder / name).mkdir()
+        (folder / name / "REPORT-INCOMPLETE.md").write_text(f"# {why}\n", encoding="utf-8")
+
+
 def _swap_in(out: Path, staging: Path) -> None:
-    """Replace the report in ``out`` by what ``staging`` holds: the old files out first, then the new in."""
+    """Replace the report in ``out`` by what ``staging`` holds: each old file out and, where the new report
+    has that file, its stub in (``summary.md`` first); then the new files over the stubs, ``summary.md``
+    last (see the module docstring)."""
     _mark(out, "replacing")
     old = Path(tempfile.mkdtemp(prefix=staging_prefix(STAGING), suffix=".tmp", dir=out))
+    stubs = old / ".stubs"
+    stubs.mkdir()
+    _stubs(stubs, {name for name in OURS if os.path.lexists(staging / name)})
     with _signals_held():
-        for name in OURS:
+        for name in reversed(SWAP_ORDER):
             if os.path.lexists(out / name):
                 os.replace(out / name, old / name)
+            if os.path.lexists(stubs / name):
+                os.replace(stubs / name, out / name)
         _pause_at("swapping")
-        for name in OURS:
-            if os.path.lexists(staging / name):
-                os.replace(staging / name, out / name)
+        for name in SWAP_ORDER:
+            if not os.path.lexists(staging / name):
+                continue
+            if os.path.isdir(staging / name) and os.path.lexists(out / name):
+                os.replace(out / name, stubs / name)   # a folder cannot be renamed over a full one
+            os.replace(staging / name, out / name)
+            _pause_at(f"in:{name}")
         _mark(out, "whole")
     shutil.rmtree(old, ignore_errors=True)
     shutil.rmtree(staging, ignore_errors=True)

@@ -117,7 +117,7 @@ def _run_child(plan: Any, source: str | None, home: str, deny: list[str], limit:
         try:
             os.close(read_end)
             sandbox.enter(home, deny, memory_mb=memory_mb, cpu_seconds=limit, close=close)
-            from ..checks.running import set_time_limit
+            from ..checks.engine.run import set_time_limit
             set_time_limit(max(0.5, 0.9 * limit))   # the checker's own timer rings first
             data = json.dumps({"token": token, "verdict": judge(plan, source)}).encode("utf-8")
             while data:
@@ -300,7 +300,7 @@ def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *
                 # the working folder, where the code of earlier exercises could have written other notebooks
                 where = _as_handed_in(home, found["handed_in"]) if plan.id == CAPSTONE else home
                 if inline:   # only the checker's own timer here; the grader's kill of the whole process behind it
-                    from ..checks.running import set_time_limit
+                    from ..checks.engine.run import set_time_limit
                     set_time_limit(max(0.5, 0.9 * limit))
                     began = time.monotonic()
                     os.chdir(where)
@@ -334,9 +334,9 @@ def _warm_up(exercises: list[str], *, check: bool = True) -> list[str]:
         from ... import hf  # noqa: F401
     if CAPSTONE in plans:
         from .. import capstone  # noqa: F401
-    from .. import reference_guard
+    from ..checks.engine.run import reference_of
     for exercise in plans:   # read once here, not in every forked child
-        reference_guard.reference_of(exercise)
+        reference_of(exercise)
     if not check:
         from .judge import course_namespace
         course_namespace()

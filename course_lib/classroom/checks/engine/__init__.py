@@ -7,14 +7,15 @@
   ``examples``, a module exercise's tiny sizes): the smallest input on which the student and the reference
   differ, shown side by side for ``checks.hint``.
 - ``probes``: what every exercise gets besides its outputs (gradients; the slots of issue 43 are listed there).
+- ``run``: one run of a check, ``checker(id, example=...)(body)``: its options, the fork and time limit,
+  isolation, pinned references, the reference guard, the verdict, and what is done with it (the live room,
+  the last verdict for ``checks.hint``, nbgrader).
 
-Running a check (isolation, time limit, pinned references, the reference guard) stays in ``_harness``;
-calling student code in ``_student_code``. A checker is ``checker(id, example=...)(body)``; see
-``checks/DESIGN.md`` for how to add an exercise.
+Calling student code is ``_student_code``'s; see ``checks/DESIGN.md`` for how to add an exercise.
 """
-from .._harness import checker  # its home until the runner moves into the engine
 from .example import function_example, module_example
 from .function import Case, FunctionExercise, judge
 from .probes import PROBES
+from .run import checker
 
 __all__ = ["checker", "Case", "FunctionExercise", "judge", "function_example", "module_example", "PROBES"]

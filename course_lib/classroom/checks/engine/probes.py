@@ -6,7 +6,7 @@ the table to the list that applies to it (``tests/test_checks_bank.py``). Where 
 - ``gradient``: one backward pass beside the reference's, gradient by gradient (``_gradients``).
 - ``mutation``: an input changed in place is a verdict (``_student_code.call``, on every call).
 - ``reference_guard``: the exercise's own reference doing the work is a verdict (``reference_guard``,
-  entered by ``_harness`` around every check).
+  entered by ``engine.run`` around every check).
 - ``counterexample``: the smallest input on which the student and the reference differ (``example``).
 - ``device``: the output on the inputs' device (``_student_code.expect_cpu``; ``_device_probe`` for modules).
 
