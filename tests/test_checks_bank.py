@@ -120,3 +120,14 @@ def test_a_wrong_output_comes_with_a_counterexample(name):
     attempt = next(a for a in variants_bugs.BUGGY if a.name == name)
     result = judged(attempt)
     assert not result.passed and "counterexample" in result.details, result
+
+
+def test_the_guard_watches_notebook_12s_own_references():
+    """modern.sliding_window_mask (notebook 09, window only) shares 12.1's name; the guard must watch variants'
+    mask with sinks, so a student who builds 12.1 on notebook 09's mask is not told they call the reference."""
+    from course_lib.classroom.checks.engine.run import reference_of
+    found = {entry.id: reference_of(entry.id) for entry in EXERCISES if entry.notebook == "12"}
+    found = {exercise: ref for exercise, ref in found.items() if ref is not None}   # 12.2 is a function of a layer
+    assert set(found) >= {"12.1", "12.3"}
+    for exercise, ref in found.items():
+        assert ref.__module__.startswith("course_lib.variants."), (exercise, ref.__module__)

@@ -54,6 +54,19 @@ def window_by_band_and_clamp(length, window, sinks=0):
     return torch.logical_or(band, sink)
 
 
+@correct("12.1")
+def window_on_modern_s_mask(length, window, sinks=0):
+    # Notebook 09's window-only mask is the student's to reuse; only the sinks are this exercise's new part.
+    mask = modern.sliding_window_mask(length, window)
+    i, j = _grid(length)
+    return mask | ((j < sinks) & (j <= i))
+
+
+@bug("12.1", "calls_reference", "sliding_window_mask")
+def window_calls_the_course(length, window, sinks=0):
+    return variants.sliding_window_mask(length, window, sinks)
+
+
 @bug("12.1", "causal_mask", "one key too wide")
 def window_one_too_wide(length, window, sinks=0):
     i, j = _grid(length)
