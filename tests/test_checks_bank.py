@@ -10,18 +10,18 @@ import inspect
 import warnings
 
 import pytest
-from bank import attention_bugs, flash_bugs, heads_bugs, model_bugs, modern_bugs
+from bank import attention_bugs, flash_bugs, heads_bugs, model_bugs, modern_bugs, variants_bugs
 
 from course_lib.classroom import checks, verdict
 from course_lib.classroom.checks.engine import PROBES, FunctionExercise
 from course_lib.classroom.exercises import BY_ID, EXERCISES
 
-BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs)
+BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
 
 # Notebooks whose exercises run on the engine (checks/DESIGN.md): each declares its counter-example.
-PORTED = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11")   # every notebook
+PORTED = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12")   # every notebook
 
 
 def _answers(check) -> int:
@@ -104,3 +104,30 @@ def test_every_declared_mistake_differs_from_the_reference_somewhere():
                     continue
             assert any(wrong is not None and not declaration.same(wrong, right) for wrong, right in outputs), \
                 (declaration.id, mistake.message[:60])
+
+
+def test_notebook12s_bank_has_issue_48s_numbers():
+    """Issue 48 asks for at least 40 wrong and 10 correct attempts at notebook 12's exercises, all three covered."""
+    assert {a.exercise for a in variants_bugs.BUGGY + variants_bugs.CORRECT} == {"12.1", "12.2", "12.3"}
+    assert len(variants_bugs.BUGGY) >= 40 and len(variants_bugs.CORRECT) >= 10
+
+
+@pytest.mark.parametrize("name", ["window_one_too_wide", "mla_unscaled", "mla_rope_from_zero_each_call",
+                                  "linear_reads_before_the_update"])
+def test_a_wrong_output_comes_with_a_counterexample(name):
+    """The engine's counter-example runs the student's code as the check does (12.2: a copy of the layer and a
+    LatentCache), so an output mistake is shown on a tiny input, not left without one."""
+    attempt = next(a for a in variants_bugs.BUGGY if a.name == name)
+    result = judged(attempt)
+    assert not result.passed and "counterexample" in result.details, result
+
+
+def test_the_guard_watches_notebook_12s_own_references():
+    """modern.sliding_window_mask (notebook 09, window only) shares 12.1's name; the guard must watch variants'
+    mask with sinks, so a student who builds 12.1 on notebook 09's mask is not told they call the reference."""
+    from course_lib.classroom.checks.engine.run import reference_of
+    found = {entry.id: reference_of(entry.id) for entry in EXERCISES if entry.notebook == "12"}
+    found = {exercise: ref for exercise, ref in found.items() if ref is not None}   # 12.2 is a function of a layer
+    assert set(found) >= {"12.1", "12.3"}
+    for exercise, ref in found.items():
+        assert ref.__module__.startswith("course_lib.variants."), (exercise, ref.__module__)

@@ -35,6 +35,7 @@ EXPECTED_NAMES = {
     "09": "09_modern_attention",
     "10": "10_flash_attention",
     "11": "11_what_attention_learns",
+    "12": "12_where_attention_is_going",
 }
 # Notebooks whose exercise is the student's earlier work put together, judged by one checker call
 # instead of a solution region of their own.

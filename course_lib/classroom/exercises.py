@@ -316,6 +316,36 @@ EXERCISES: tuple[Exercise, ...] = (
         'With @contextlib.contextmanager: register the hook, then `try: yield model` and `finally: '
         'handle.remove()`, so the hook is removed even when the code inside the `with` raises.',
     )),
+    # notebook 12
+    Exercise('12.1', 'sliding_window_mask', 'the sliding-window mask with sinks', 'check_sliding_window_mask', hints=(
+        'Build the query index i as a column (length, 1) and the key index j as a row (1, length): i - j is then '
+        'a (length, length) grid of distances.',
+        'A key is in the window when 0 <= i - j < window: itself and the window - 1 keys before it, never the '
+        'future.',
+        'Sinks: OR the window with (j < sinks) & (j <= i), so the first sinks keys stay visible, but only once '
+        'the query has reached them. Return dtype torch.bool.',
+    )),
+    Exercise('12.2', 'latent_attention', 'multi-head latent attention with its latent cache', 'check_latent_attention',
+             hints=(
+        'Queries: split each head into its part without position (qk_nope_head_dim) and its rotary part '
+        '(qk_rope_head_dim); only the rotary part is turned, to positions start = cache.length (0 without a '
+        'cache), read before appending.',
+        'kv_a_proj_with_mqa(x) gives the latent (kv_lora_rank numbers, then kv_a_layernorm) and one rotary key '
+        'shared by every head (rotate it now). These two are what cache.append takes: never the up-projected '
+        'keys.',
+        'kv_b_proj on everything the cache returns gives, per head, k_nope then v; the key is k_nope beside the '
+        'shared k_rope. Scores times layer.softmax_scale, the causal mask rows start .. start + L - 1 of the '
+        'T x T lower triangle, softmax, values, merge heads, o_proj.',
+    )),
+    Exercise('12.3', 'linear_attention_recurrent', 'linear attention as a recurrence', 'check_linear_attention_recurrent',
+             hints=(
+        'phi(x) = elu(x) + 1 (variants.elu_feature_map) on q and k first. The state is S, zeros (..., d, d_v), '
+        'and the normaliser z, zeros (..., d).',
+        'For each token i: add the outer product phi(k_i) v_i^T to S and phi(k_i) to z FIRST (query i sees its '
+        'own key), then read: phi(q_i) S divided by phi(q_i) . z + 1e-6.',
+        'Index the token axis with [..., i, :] so any leading batch and head axes ride along; torch.stack the '
+        'outputs along dim=-2.',
+    )),
 
 )
 

@@ -75,6 +75,8 @@ DIAGNOSES = (
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
     "missing",           # grading: the exercise (its notebook, or its cell) is not in the submission
     "crashed",           # grading: the process running the student's code died (os._exit, a signal, memory)
+    "state_order",       # 12: a recurrent state read before the current token is added to it (or after the next)
+    "feature_map",       # 12: linear attention's feature map phi left out, on one side only, or another map
 )
 
 @dataclass

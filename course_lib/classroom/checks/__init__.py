@@ -35,6 +35,7 @@ from .notebook09 import (
 )
 from .notebook10 import check_flash_attention, check_flash_backward, check_online_softmax
 from .notebook11 import check_ablate_head, check_induction_score, check_previous_token_score
+from .notebook12 import check_latent_attention, check_linear_attention_recurrent, check_sliding_window_mask
 
 # The references the checkers compare against, bound now: a later patch of course_lib by a
 # student's notebook is set aside while a check runs (see engine.run).
