@@ -82,7 +82,7 @@ def _data(args: argparse.Namespace) -> int:
             missing.append(name)
     if missing and args.warn_only:
         print(f"WARNING: {', '.join(missing)} not available yet; the notebooks that need "
-              f"{'it' if len(missing) == 1 else 'them'} (02, 05–09 and 11) will say so. The fix is above; "
+              f"{'it' if len(missing) == 1 else 'them'} (02, 05–09, 11 and 12) will say so. The fix is above; "
               f"notebooks 01, 03, 04 and 10 need no corpus.", file=sys.stderr)
         return 0
     return 1 if missing else 0
