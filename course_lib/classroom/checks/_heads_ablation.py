@@ -22,6 +22,7 @@ from ..verdict import fail
 from ._counterexample import Example, first_difference
 from ._model_common import randomize_
 from ._student_code import call_student, close, expect_callable
+from .engine import first_mistake
 from .engine.example import compare
 
 _OWNS = "head h owns columns h * head_dim .. (h+1) * head_dim - 1"
@@ -171,12 +172,8 @@ def _diagnose(model: nn.Module, layer: int, head: int, idx: torch.Tensor, out: t
         fail("ablation_method", f"{shown}: inside the `with`, the model computes exactly what it computed before: "
                                 f"no head was switched off. (A hook registered on a copy of the model, or weights "
                                 f"changed only on leaving the block, do that.)")
-    for mistake in _MISTAKES:
-        try:
-            if close(out, _mistaken(model, layer, head, idx, mistake.spec["kind"])):
-                fail(mistake.code, f"{shown}: {mistake.message}")
-        except (ValueError, IndexError, RuntimeError):
-            continue   # a mistake that does not apply here (no layer before layer 0)
+    first_mistake(_MISTAKES, lambda mistake: close(out, _mistaken(model, layer, head, idx, mistake.spec["kind"])),
+                  f"{shown}: ")     # a mistake that raises does not apply here (no layer before layer 0)
     fail("mismatch", f"{shown}: inside the `with`, the model's output is not that of the model with head {head} of "
                      f"layer {layer} switched off, nor like any mistake we know. The head's output is its "
                      f"head_dim columns of the input of model.blocks[{layer}].attn.proj.")
@@ -209,9 +206,10 @@ def judge_ablate_head(fn: Callable[..., Any]) -> str:
             model, snapshot, manager = _fresh(fn, built, layer, head, shown)
             with manager:
                 out = model(idx)
-                if not isinstance(out, torch.Tensor) or not close(out, expected):
-                    _diagnose(built, layer, head, idx, out, base, shown)
-                grads = _grads(model, out, weights, layer)
+                right = isinstance(out, torch.Tensor) and close(out, expected)
+                grads = _grads(model, out, weights, layer) if right else {}
+            if not right:      # named outside the `with`: a manager that swallows exceptions would hide it
+                _diagnose(built, layer, head, idx, out, base, shown)
             for name, grad in expected_grads.items():
                 if grad is not None and (grads[name] is None or not close(grads[name], grad)):
                     fail("gradient", f"{shown}: the output is right, but gradients no longer flow as they "

@@ -1,11 +1,8 @@
 """Exercises of notebook 10 (FlashAttention): 10.1 online_softmax, 10.2 flash_attention (the tiled forward),
-10.3 FlashAttentionFunction (the backward by recomputation).
+10.3 FlashAttentionFunction (the backward by recomputation, judged on its stacked (dq, dk, dv)).
 
-10.1 and 10.3 are declarations the engine runs (``engine.judge``; 10.3 on the stacked (dq, dk, dv) of the
-student's class). 10.2 is a procedure: two declarations (its output, then its log-sum-exp) and the tiling
-probes. The slips are ``Mistake``s with a spec of ``_flash_variants`` (what each outputs on the same inputs);
-whether the student tiled at all is watched while their code runs (``_flash_probe``: the largest tensor it
-creates, the score blocks it computes, its reductions and empty slices). Hints are in ``classroom.exercises``.
+10.2 is two declarations (its output, then its log-sum-exp). Whether the student tiled at all is watched
+while their code runs (``_flash_probe``).
 """
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ from ... import flash as ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _flash_variants as variants
-from ._flash_probe import Recorder
+from ._flash_probe import Record, Recorder
 from ._student_code import call_student, close, expect_callable, expect_tensor, max_diff
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import tiny
@@ -116,6 +113,18 @@ def _tiny_rows() -> list[tuple[torch.Tensor, int]]:
     return rows + [(tiny(generator, 1, 4) + torch.tensor([0.0, 0.0, 100.0, 100.0]), 2)]   # exp(100): overflow
 
 
+def _whole_row(runs: list[Run], fn: Any) -> None:
+    """Right values from an operation that reduces a whole row at once (softmax, max, logsumexp...)."""
+    x, size = runs[0].case.args
+    with Recorder(0) as watch:
+        call_student(fn, x.clone(), size, what=f"online_softmax(x, {size})")
+    whole = next((name for name, length in watch.record.reduced if length == x.shape[-1] > size), None)
+    if whole:
+        fail("not_tiled", f"online_softmax reduces over the whole row at once ({whole} over all {x.shape[-1]} "
+                          f"entries): the point is to read the row one block of block_size entries at a time, "
+                          f"keeping only the running maximum and sum between blocks.")
+
+
 ONLINE_SOFTMAX = FunctionExercise(
     "10.1", "online_softmax", lambda x, block_size: ref.online_softmax(x, block_size),
     lambda: _softmax_cases(_SOFTMAX_CASES), ("x", "block_size"),
@@ -123,28 +132,14 @@ ONLINE_SOFTMAX = FunctionExercise(
             "near 100 wherever they are: the running sum is rescaled whenever the maximum grows.",
     mismatch=_softmax_mismatch, mistakes=_SOFTMAX_MISTAKES,
     variant=lambda x, size, *, spec: variants.softmax_variant(x, size, **spec),
-    diagnose=_softmax_not_finite, examples=lambda: _softmax_cases(_tiny_rows()),
+    diagnose=_softmax_not_finite, after=_whole_row, examples=lambda: _softmax_cases(_tiny_rows()),
 )
-
-
-def _whole_row_reduction(fn: Callable[..., Any], x: torch.Tensor, size: int) -> str | None:
-    """An operation that reduces over a whole row at once (softmax, max, logsumexp...), if the student ran one."""
-    with Recorder(0) as watch:
-        call_student(fn, x.clone(), size, what=f"online_softmax(x, {size})")
-    return next((name for name, length in watch.record.reduced if length == x.shape[-1] > size), None)
 
 
 @checker("10.1", example=function_example(ONLINE_SOFTMAX))
 def check_online_softmax(fn: Callable[..., Any]) -> str:
     """``fn(x, block_size)`` -> softmax over the last axis of x (..., L), computed one block at a time."""
-    success = judge(ONLINE_SOFTMAX, fn)
-    x, size = _SOFTMAX_CASES[0]
-    whole = _whole_row_reduction(fn, x, size)
-    if whole:
-        fail("not_tiled", f"online_softmax reduces over the whole row at once ({whole} over all {x.shape[-1]} "
-                          f"entries): the point is to read the row one block of block_size entries at a time, "
-                          f"keeping only the running maximum and sum between blocks.")
-    return success
+    return judge(ONLINE_SOFTMAX, fn)
 
 
 # ============================================================================ 10.2 flash_attention
@@ -172,7 +167,7 @@ _FORWARD_CASES = (
 
 # The watched run: per head, the full score matrix is 64 x 64 = 4096 numbers, q is 64 x 12; d = 12 differs
 # from both block sizes so a score product (contracting over d) is told from weights @ values.
-_PROBE = dict(length=64, head_dim=12, block_q=16, block_k=8)
+_PROBE_SHAPE, _BLOCK_Q, _BLOCK_K = (1, 2, 64, 12), 16, 8
 
 
 def _pair(result: Any, shown: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
@@ -209,7 +204,8 @@ def _call_forward(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: t
 
 def _name_an_empty_block(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int,
                          block_k: int, causal: bool, shown: str) -> None:
-    """After the student's forward raised: was it on a block of 0 positions (a loop bound one block too far)?"""
+    """After the student's forward raised: was it on a block of 0 positions (a loop bound one block too far)?
+    Watched in a second run only then, so that every other call runs at full speed."""
     with Recorder(0) as watch:
         try:
             call_student(fn, q.clone(), k.clone(), v.clone(), block_q=block_q, block_k=block_k, causal=causal,
@@ -258,16 +254,21 @@ _LSE_MISTAKES = (
 )
 
 
+def _watched(seed: int, run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]) -> Record:
+    """What the student's code does on the probe's q, k, v, under the recorder."""
+    q, k, v = _qkv(seed, _PROBE_SHAPE)
+    with Recorder(_PROBE_SHAPE[-1]) as recorder:
+        run(q, k, v)
+    return recorder.record
+
+
 def _probe_forward(fn: Callable[..., Any], causal: bool) -> None:
-    """Run the student's forward under the recorder: no L x L tensor, key blocks of block_k, future blocks skipped."""
-    length, head_dim, block_q, block_k = (_PROBE[key] for key in ("length", "head_dim", "block_q", "block_k"))
-    q, k, v = _qkv(21, (1, 2, length, head_dim))
+    """No L x L tensor, key blocks of block_k, future blocks skipped."""
+    batch, heads, length, _ = _PROBE_SHAPE
+    block_q, block_k, per_head = _BLOCK_Q, _BLOCK_K, batch * heads
     shown = f"flash_attention(q, k, v, block_q={block_q}, block_k={block_k}, causal={causal}) with L = {length}"
-    recorder = Recorder(head_dim)
-    with recorder:
-        call_student(fn, q, k, v, block_q=block_q, block_k=block_k, causal=causal, what=shown)
-    record = recorder.record
-    per_head = q.shape[0] * q.shape[1]
+    record = _watched(21, lambda q, k, v: call_student(fn, q, k, v, block_q=block_q, block_k=block_k,
+                                                         causal=causal, what=shown))
     if record.largest_numel >= length * length:
         fail("full_scores", f"{shown}: your code materialised the full score matrix: it built a tensor of shape "
                             f"{record.largest} ({record.largest_numel} numbers, at least L x L = {length * length}). "
@@ -350,7 +351,7 @@ def check_flash_attention(fn: Callable[..., Any]) -> str:
     judge(_FORWARD_LSE, _part(fn, 1))
     _probe_forward(fn, causal=False)
     _probe_forward(fn, causal=True)
-    needed, total = ref.causal_blocks(_PROBE["length"], _PROBE["block_q"], _PROBE["block_k"])
+    needed, total = ref.causal_blocks(_PROBE_SHAPE[-2], _BLOCK_Q, _BLOCK_K)
     return (f"Output and log-sum-exp equal to attention's, for blocks that do not divide L and block_q != "
             f"block_k; no L x L tensor built, and causal masking computed {needed} of {total} key blocks.")
 
@@ -365,9 +366,9 @@ _GRADS = ("dq", "dk", "dv")
 
 
 def _backward_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, block_q: int,
-                   block_k: int, causal: bool) -> Case:
+                   block_k: int, causal: bool, shown: str = "") -> Case:
     return Case((q, k, v, grad_out, causal, block_q, block_k), f"FlashAttentionFunction.apply(q, k, v, {causal}, "
-                f"{block_q}, {block_k}) with q of shape {tuple(q.shape)}")
+                f"{block_q}, {block_k}) with q of shape {tuple(q.shape)}{shown}")
 
 
 def _backward_cases() -> list[Case]:
@@ -379,9 +380,9 @@ def _backward_cases() -> list[Case]:
 def _tiny_backward() -> list[Case]:
     """Tiny cases for the counter-example, which shows the gradients stacked: [0] dq, [1] dk, [2] dv."""
     generator = torch.Generator().manual_seed(0)
-    cases = [_backward_case(*(tiny(generator, 1, 1, length, 2) for _ in range(4)), *blocks)
-             for length, *blocks in ((2, 1, 1, True), (3, 2, 2, False), (4, 2, 2, True), (3, 2, 1, True))]
-    return [Case(case.args, f"{case.what}, its gradients stacked: [0] dq, [1] dk, [2] dv") for case in cases]
+    return [_backward_case(*(tiny(generator, 1, 1, length, 2) for _ in range(4)), *blocks,
+                           shown=", its gradients stacked: [0] dq, [1] dk, [2] dv")
+            for length, *blocks in ((2, 1, 1, True), (3, 2, 2, False), (4, 2, 2, True), (3, 2, 1, True))]
 
 
 def _gradients_of(cls: Any) -> Callable[..., torch.Tensor]:
@@ -440,14 +441,11 @@ def check_flash_backward(cls: Any) -> str:
 
 
 def _probe_backward(cls: Any) -> None:
-    length, head_dim, block_q, block_k = (_PROBE[key] for key in ("length", "head_dim", "block_q", "block_k"))
-    q, k, v = _qkv(22, (1, 2, length, head_dim))
+    length = _PROBE_SHAPE[-2]
     shown = f"FlashAttentionFunction with L = {length}"
-    recorder = Recorder(head_dim)
-    with recorder:
-        _student_grads(cls, q, k, v, torch.randn_like(q), True, block_q, block_k)
-    if recorder.record.largest_numel >= length * length:
+    record = _watched(22, lambda q, k, v: _student_grads(cls, q, k, v, torch.randn_like(q), True, _BLOCK_Q, _BLOCK_K))
+    if record.largest_numel >= length * length:
         fail("full_scores", f"{shown}: your forward or backward materialised a tensor of shape "
-                            f"{recorder.record.largest} (at least L x L = {length * length} numbers). The backward "
+                            f"{record.largest} (at least L x L = {length * length} numbers). The backward "
                             f"should rebuild one (block_q, block_k) block of weights at a time, exp(s - lse), and "
                             f"never store or build them all.")

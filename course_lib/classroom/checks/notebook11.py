@@ -70,14 +70,13 @@ def _score(exercise_id: str, name: str, reference: Callable[..., torch.Tensor], 
            sizes: Sequence[Any], tiny: Sequence[Any], mistakes: Sequence[Any], success: str) -> FunctionExercise:
     return FunctionExercise(exercise_id, name, reference, _cases(name, sizes), arg_names, success=success,
                             mismatch=_values, mistakes=mistakes, variant=slips.variant, each_case=True, dtype=False,
-                            raw=_one_per_head, examples=_cases(name, tiny, decimals=2))
+                            raw=_one_per_head, after=lambda runs, fn: _keeps_its_graph(reference, runs, fn),
+                            examples=_cases(name, tiny, decimals=2))
 
 
-def _judge_score(exercise: FunctionExercise, fn: Any) -> str:
-    """The engine's verdict; then right numbers must keep their graph: each score moves by 1/count when an
-    entry it averages moves by 1."""
-    success = judge(exercise, fn)
-    for case in exercise.cases():
+def _keeps_its_graph(reference: Callable[..., torch.Tensor], runs: list[Run], fn: Any) -> None:
+    """Right numbers must keep their graph: each score moves by 1/count when an entry it averages moves by 1."""
+    for case in (run.case for run in runs):
         weights = case.args[0].clone().requires_grad_(True)
         out = call_student(fn, weights, *case.args[1:], what=case.what)
         if getattr(out, "grad_fn", None) is None:
@@ -86,12 +85,11 @@ def _judge_score(exercise: FunctionExercise, fn: Any) -> str:
                              f"score from tensor operations on `weights` (indexing, .diagonal, .mean), so that "
                              f"it can be differentiated like any other loss.")
         (grad,) = torch.autograd.grad(out.sum(), weights, allow_unused=True)
-        expected = torch.autograd.grad(exercise.reference(weights, *case.args[1:]).sum(), weights)[0]
+        expected = torch.autograd.grad(reference(weights, *case.args[1:]).sum(), weights)[0]
         if grad is None or not close(grad, expected):
             fail("gradient", f"{case.what}: the right numbers, but their gradient with respect to the weights is "
                              f"wrong: each score should change by 1/count when one of the entries it averages "
                              f"changes by 1. Compute it from `weights` with tensor operations only.")
-    return success
 
 
 # ============================================================================ 11.1 previous_token_score
@@ -107,7 +105,7 @@ PREVIOUS_TOKEN_SCORE = _score(
 @checker("11.1", example=function_example(PREVIOUS_TOKEN_SCORE))
 def check_previous_token_score(fn: Callable[..., Any]) -> str:
     """``fn(weights)`` -> (heads,): each head's mean attention from i to i - 1 over i = 1 .. L-1 and the batch."""
-    return _judge_score(PREVIOUS_TOKEN_SCORE, fn)
+    return judge(PREVIOUS_TOKEN_SCORE, fn)
 
 
 # ============================================================================ 11.2 induction_score
@@ -123,7 +121,7 @@ INDUCTION_SCORE = _score(
 @checker("11.2", example=function_example(INDUCTION_SCORE))
 def check_induction_score(fn: Callable[..., Any]) -> str:
     """``fn(weights, half)`` -> (heads,): mean attention from i to i - half + 1 over i = half .. L-1."""
-    return _judge_score(INDUCTION_SCORE, fn)
+    return judge(INDUCTION_SCORE, fn)
 
 
 # ============================================================================ 11.3 ablate_head
