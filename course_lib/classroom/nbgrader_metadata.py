@@ -228,42 +228,36 @@ def _shown(entry: Any) -> str:
     return "none" if entry is None else json.dumps(entry, sort_keys=True)
 
 
+def _mismatches(path: Path) -> tuple[str, dict[str, Any], list[tuple[int, dict[str, Any], dict[str, Any] | None]]]:
+    """The notebook's text and JSON, and (cell number, cell, expected entry) of each cell that differs."""
+    text, notebook = _read(path)
+    pairs = zip(_cells_of(notebook, path.name), expected_metadata(notebook, path.name))
+    return text, notebook, [(index, cell, want) for index, (cell, want) in enumerate(pairs, start=1)
+                            if cell.get("metadata", {}).get("nbgrader") != want]
+
+
 def differences(notebook_path: str | os.PathLike) -> list[str]:
     """One line per cell whose nbgrader metadata is not what :func:`expected_metadata` says; [] when all match."""
     path = validate.path("notebook_path", notebook_path)
-    _, notebook = _read(path)
-    lines = []
-    for index, (cell, want) in enumerate(zip(_cells_of(notebook, path.name),
-                                              expected_metadata(notebook, path.name)), start=1):
-        have = cell.get("metadata", {}).get("nbgrader")
-        if have != want:
-            lines.append(f"{path.name}, cell {index}: nbgrader metadata is {_shown(have)}, expected {_shown(want)}")
-    return lines
-
-
-def _dumps(notebook: dict[str, Any]) -> str:
-    return json.dumps(notebook, sort_keys=True, indent=1, ensure_ascii=False) + "\n"   # as nbformat writes
+    return [f"{path.name}, cell {index}: nbgrader metadata is {_shown(cell.get('metadata', {}).get('nbgrader'))}, "
+            f"expected {_shown(want)}" for index, cell, want in _mismatches(path)[2]]
 
 
 def apply(notebook_path: str | os.PathLike) -> int:
     """Write the expected nbgrader metadata into one notebook; returns how many cells changed (0: untouched)."""
     path = validate.path("notebook_path", notebook_path)
-    text, notebook = _read(path)
-    changed = 0
-    for cell, want in zip(_cells_of(notebook, path.name), expected_metadata(notebook, path.name)):
+    text, notebook, changed = _mismatches(path)
+    for _, cell, want in changed:
         metadata = cell.setdefault("metadata", {})
-        if metadata.get("nbgrader") == want:
-            continue
-        changed += 1
         if want is None:
             del metadata["nbgrader"]
         else:
             metadata["nbgrader"] = want
-    new_text = _dumps(notebook)
+    new_text = json.dumps(notebook, sort_keys=True, indent=1, ensure_ascii=False) + "\n"   # as nbformat writes
     if new_text != text:
         with atomic_file(path) as handle:
             handle.write(new_text)
-    return changed
+    return len(changed)
 
 
 def _notebooks(paths: list[str]) -> list[Path]:

@@ -45,6 +45,11 @@ def exercise_limits(budget: float, elapsed: float, left: int) -> float:
     return max(0.0, budget - elapsed) / max(1, left)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
 class _Channel:
     """The worker's line to the grader: JSON lines on a descriptor no child keeps."""
 
@@ -52,9 +57,7 @@ class _Channel:
         self.fd = fd
 
     def send(self, message: dict[str, Any]) -> None:
-        data = (json.dumps(message) + "\n").encode("utf-8")
-        while data:
-            data = data[os.write(self.fd, data):]
+        _write_all(self.fd, (json.dumps(message) + "\n").encode("utf-8"))
 
 
 def _become_subreaper() -> None:
@@ -119,9 +122,7 @@ def _run_child(plan: Any, source: str | None, home: str, deny: list[str], limit:
             sandbox.enter(home, deny, memory_mb=memory_mb, cpu_seconds=limit, close=close)
             from ..checks.engine.run import set_time_limit
             set_time_limit(max(0.5, 0.9 * limit))   # the checker's own timer rings first
-            data = json.dumps({"token": token, "verdict": judge(plan, source)}).encode("utf-8")
-            while data:
-                data = data[os.write(write_end, data):]
+            _write_all(write_end, json.dumps({"token": token, "verdict": judge(plan, source)}).encode("utf-8"))
         finally:
             os._exit(0)
     os.close(write_end)
