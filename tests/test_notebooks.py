@@ -14,7 +14,7 @@ import pytest
 
 from course_lib.classroom import checks
 from course_lib.classroom.assignments import strip_solutions
-from course_lib.classroom.exercises import BY_ID as EXERCISES   # "2.2" -> its exercise
+from course_lib.classroom.exercises import BY_ID as EXERCISES  # "2.2" -> its exercise
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
