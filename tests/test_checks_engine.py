@@ -84,3 +84,16 @@ def test_first_mistake_names_the_first_that_reproduces_and_passes_over_those_tha
         first_mistake(mistakes, reproduces, "probe: ", n=1)
     assert (found.value.diagnosis, found.value.message) == ("causal_mask", "probe: first 1")
     assert first_mistake(mistakes[:2], reproduces) is None   # none reproduces: the caller goes on
+
+
+def test_without_a_live_room_the_run_never_enters_progress(monkeypatch):
+    """The check walk ends at the verdict in the run: the live room is written only where one is open."""
+    from course_lib import attention
+    from course_lib.classroom import checks, progress
+    recorded = []
+    monkeypatch.setattr(progress, "record", lambda result, subject=None: recorded.append((result, subject)))
+    monkeypatch.delenv(progress.PROGRESS_DIR_ENV, raising=False)
+    assert checks.check_causal_mask(attention.causal_mask).passed and recorded == []
+    monkeypatch.setenv(progress.PROGRESS_DIR_ENV, "a room")
+    assert checks.check_causal_mask(attention.causal_mask).passed
+    assert [(r.exercise, subject) for r, subject in recorded] == [("2.1", "causal_mask")]

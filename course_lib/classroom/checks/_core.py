@@ -5,7 +5,6 @@ verdict of each exercise that the hints follow, in ``engine.run``.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 
 from ... import _validate as validate
 from ..exercises import Exercise, exercise
-from ..notebook_reader import marker  # the solution markers, as every tool reads them
+from ..notebook_reader import marked_exercises, marker, read_cells  # the solution markers, as every tool reads them
 from ..verdict import CheckResult
 from ._nudges import nudge
 from .engine.run import last
@@ -102,19 +101,12 @@ def solution_source(exercise_id: str) -> str:
     """The code cell holding the exercise's solution region, as written in its solution notebook."""
     entry = exercise(exercise_id)
     path = _notebook(entry)
-    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-    for cell in cells:
-        if cell.get("cell_type") != "code":
-            continue
-        source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
-        lines = source.splitlines()
-        for i, line in enumerate(lines):
-            found = marker(line)
-            if found is not None and found.kind == "begin" and found.exercise == entry.id:
-                if not any((m := marker(rest)) is not None and m.kind == "end" for rest in lines[i + 1:]):
-                    raise ValueError(f"{path.name}: the solution region of exercise {entry.id} has no "
-                                     f"### END SOLUTION")
-                return source
+    for cell in read_cells(path):
+        if cell.cell_type == "code" and entry.id in marked_exercises(cell.source):
+            if not any((m := marker(line)) is not None and m.kind == "end" for line in cell.source.splitlines()):
+                raise ValueError(f"{path.name}: the solution region of exercise {entry.id} has no "
+                                 f"### END SOLUTION")
+            return cell.source
     raise LookupError(f"{path.name}: expected a code cell with '### BEGIN SOLUTION (Exercise {entry.id}: "
                       f"...)', found none")
 

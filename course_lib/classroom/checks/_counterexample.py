@@ -1,25 +1,12 @@
-"""Counter-examples: the smallest input on which the student's code and the reference differ.
-
-When a check fails, the run (``engine.run``) asks the exercise's own searcher (``checker(id, example=...)``,
-built by ``engine.example``) for an :class:`Example`: the student's code and the reference on growing tiny inputs (a 1x1
-case first, then 2x2, 3x3, ...), the first on which they differ. It rides on the verdict
-(``details["counterexample"]``) and ``checks.hint`` shows it.
-
-A searcher never raises (an error in the student's code just ends the search) and never changes the
-student's state: it runs inside the check, under the run's isolation and time limit.
-"""
+"""A counter-example (:class:`Example`) as ``checks.hint`` shows it: the smallest input on which the student's
+code and the reference differ, found by ``engine.example`` and carried on the verdict
+(``details["counterexample"]``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-
-from ._student_code import close
-
-# Diagnoses with nothing to show side by side: no output, a crash, or a verdict about the course
-_NOTHING_TO_SHOW = ("not_implemented", "exception", "timeout", "checker_error", "missing", "crashed", "mutation")
 
 
 @dataclass
@@ -77,10 +64,6 @@ def _side_by_side(yours: torch.Tensor, expected: torch.Tensor) -> list[str]:
     left += [""] * (len(right) - len(left))
     right += [""] * (len(left) - len(right))
     return [f"{a.ljust(width)}  |  {b}" for a, b in zip(left, right)]
-
-
-def differs(yours: Any, expected: torch.Tensor) -> bool:
-    return not (isinstance(yours, torch.Tensor) and yours.shape == expected.shape and close(yours, expected))
 
 
 def first_difference(cases: Sequence[Callable[[], Example | None]]) -> Example | None:

@@ -1,18 +1,9 @@
-"""The one checking engine: every exercise is a declaration, and the engine runs it.
+"""The one checking engine: every exercise is a declaration, and the engine runs it (``checks/DESIGN.md``).
 
-- ``function``: an exercise whose answer is a function of tensors (``FunctionExercise``): its cases, its
-  reference, its mistakes, its messages. ``judge`` runs the one probing loop (cases -> call the student ->
-  expect a tensor -> compare -> name the mistake -> fail; ``after`` probes, gradients -> success);
-  ``first_mistake`` is the one mistake loop, for judges of their own too (``fill`` formats its message).
-- ``example``: the counter-example of any exercise, derived from its own cases (a function exercise's
-  ``examples``, a module exercise's tiny sizes): the smallest input on which the student and the reference
-  differ, shown side by side for ``checks.hint``.
-- ``probes``: what every exercise gets besides its outputs (gradients; the slots of issue 43 are listed there).
-- ``run``: one run of a check, ``checker(id, example=...)(body)``: its options, the fork and time limit,
-  isolation, pinned references, the reference guard, the verdict, and what is done with it (the live room,
-  the last verdict for ``checks.hint``, nbgrader).
-
-Calling student code is ``_student_code``'s; see ``checks/DESIGN.md`` for how to add an exercise.
+``function``: ``FunctionExercise`` and ``judge``, the one probing loop, and ``first_mistake``, the one mistake
+loop; ``example``: the counter-example of any exercise, derived from its own cases; ``probes``: what every
+exercise gets besides its outputs; ``run``: one run of a check, ``checker(id, example=...)(body)``.
+Calling student code is ``_student_code``'s.
 """
 from .example import function_example, module_example
 from .function import Case, FunctionExercise, Run, fill, first_mistake, judge

@@ -1,11 +1,5 @@
-"""The probing loop of an exercise whose answer is a function of tensors, written once.
-
-An exercise declares its cases, its reference, its mistakes and its messages (``FunctionExercise``);
-``judge`` runs them: each case -> call the student (through ``_student_code.call_student``: exceptions,
-``sys.exit`` and changed inputs become verdicts) -> expect a tensor like the reference's -> compare ->
-on a difference, the first mistake whose output matches names it, then the exercise's own diagnosis,
-then its mismatch message -> when every case agrees, the exercise's ``after`` probes, the gradient probe
--> the success message. ``first_mistake`` is the one mistake loop, also for judges of their own (modules).
+"""The probing loop of an exercise whose answer is a function of tensors, written once (``judge``), and the
+one mistake loop (``first_mistake``), which judges of their own use too. The order is ``FunctionExercise``'s.
 """
 from __future__ import annotations
 
@@ -46,7 +40,10 @@ class Run:
 
 @dataclass(frozen=True)
 class FunctionExercise:
-    """An exercise answered by a function: the declaration ``judge`` runs.
+    """An exercise answered by a function: the declaration ``judge`` runs. Each case -> call the student
+    (``_student_code.call_student``: exceptions, ``sys.exit``, changed inputs are verdicts) -> expect a tensor
+    like the reference's -> compare -> on a difference: ``mistakes``, ``diagnose``, ``mismatch``; once every
+    case agrees: ``after``, the gradient probe, ``success``.
 
     - ``cases()`` the inputs, in order; ``reference`` the course's function; ``arg_names`` name the arguments.
     - ``mistakes``: the known mistakes, tried in order on the runs that differ (``Mistake.output(*args)``, or

@@ -1,33 +1,29 @@
 """One run of a check, from a notebook's ``checks.check_x(candidate)`` to its verdict: ``checker(id, example=...)``.
 
-A checker never raises because of the student's code. Its body returns a success message or raises
-:class:`Failure`; one run turns that, and anything else, into a :class:`CheckResult`, in this order:
+A checker never raises because of the student's code: its body returns a success message or raises
+:class:`Failure`, and one run turns that, and anything else, into a :class:`CheckResult`, in this order:
 
 1. options: the checker's own options (``norm_first``) are checked like the public API's arguments; the
    student's work (the parameters without a default) is judged, never refused.
 2. time limit: where the platform can fork (Linux; not macOS, whose frameworks are unsafe after a fork; not
-   once CUDA is initialised; not inside a check's child; not in the grader's sandbox, which refuses to fork;
-   not with ``COURSE_CHECK_IN_PROCESS=1``) the rest runs in a forked child, a copy of the kernel, which the
-   kernel kills after :data:`TIME_LIMIT_S` (+ :data:`GRACE_S`): no ``except:`` or ignored signal in the
-   student's code can outlast it, and nothing the child changes reaches the kernel. In the child, and where
-   there is no fork, an interval timer (SIGALRM, main thread only) raises :class:`CheckTimeout` in the
-   student's code, and again every 0.1 s should the code catch it. On Windows or from a worker thread there is
-   no limit: Ctrl-C (the stop button) still stops the check, and always interrupts.
-3. isolation: the interpreter is left as found (grad mode, anomaly detection, dtype, device, matmul precision,
-   RNG states, threads, deterministic mode, working directory, ``os.environ``, course_lib's attributes), and
-   course_lib is put back to the references pinned when ``checks`` was imported (``_references``), so a
-   student's patch of a reference can neither make a wrong answer pass nor a right one fail.
-4. the reference guard (``classroom.reference_guard``): the exercise's own reference doing the work is the
-   verdict ``calls_reference``.
+   once CUDA is initialised; not in a check's child; not in the grader's sandbox, which refuses to fork; not
+   with ``COURSE_CHECK_IN_PROCESS=1``) the rest runs in a forked child, a copy of the kernel killed after
+   :data:`TIME_LIMIT_S` (+ :data:`GRACE_S`): no ``except:`` or ignored signal outlasts it, and nothing the child
+   changes reaches the kernel. In the child, and where there is no fork, SIGALRM (main thread only) raises
+   :class:`CheckTimeout` in the student's code, again every 0.1 s should it be caught. On Windows or from a
+   worker thread there is no limit; Ctrl-C (the stop button) always interrupts.
+3. isolation: the interpreter is left as found (``_save``), and course_lib is put back to the references
+   pinned when ``checks`` was imported (``_references``): a student's patch of a reference can neither make
+   a wrong answer pass nor a right one fail.
+4. the reference guard: the exercise's own reference doing the work is the verdict ``calls_reference``.
 5. the verdict: a ``Failure`` gets its counter-example (``example``, for ``checks.hint``); the student's
    exception, ``sys.exit`` or endless loop is named; an exception raised by the checker itself (no student
    frame in its traceback) is ``checker_error``, never blamed on the student.
 6. recording, unless ``graded=False`` (a demonstration on planted buggy code, a re-check used as a
-   condition): the live room (``progress``) and the last verdict of each exercise (:func:`last`, read by
-   ``checks.hint`` and ``show_solution``). Last, nbgrader: while it executes a notebook
-   (``NBGRADER_EXECUTION`` set) a failed graded check of an exercise with a solution region raises
-   :class:`CheckNotPassed` so its test cell scores zero, and a passed one is displayed rather than returned,
-   so nbgrader does not read the box as a partial score.
+   condition): the live room and the last verdict of each exercise (:func:`last`, for ``checks.hint`` and
+   ``show_solution``). Under nbgrader (``NBGRADER_EXECUTION`` set) a failed graded check of an exercise with
+   a solution region raises :class:`CheckNotPassed` so its test cell scores zero, and a passed one is
+   displayed rather than returned, so nbgrader does not read the box as a partial score.
 """
 from __future__ import annotations
 
@@ -42,7 +38,6 @@ import random
 import select
 import signal
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -57,7 +52,7 @@ from ... import progress
 from ...exercises import BY_ID, EXERCISES
 from ...verdict import CheckResult, Failure
 from .._references import attributes, bind_references, install_references, restore_namespace
-from .._student_code import raised_in_student_code, student_frame
+from .._student_code import is_student_file, raised_in_student_code, student_frame
 
 __all__ = ["checker", "set_time_limit", "last", "forget", "CheckNotPassed", "CheckTimeout", "TIME_LIMIT_S", "can_fork",
            "CallsReference", "reference_of", "is_reference", "reference_message"]
@@ -126,7 +121,8 @@ def checker(exercise: str, example: Callable[..., Any] | None = None
             result = judge() if result is None else result   # (a failed verdict is falsy)
             if not graded:
                 return result
-            progress.record(result, getattr(args[0], "__name__", None) if args else None)   # never raises
+            if os.environ.get(progress.PROGRESS_DIR_ENV, "").strip():   # the live room, only where one is open
+                progress.record(result, getattr(args[0], "__name__", None) if args else None)   # never raises
             _LAST[exercise] = result   # checks.hint follows the last verdict
             entry = BY_ID.get(exercise)
             if not os.environ.get("NBGRADER_EXECUTION") or (entry is not None and not entry.has_solution):
@@ -252,31 +248,30 @@ def _checker_error(exercise: str, what: str, more: str = "", exc: BaseException 
                        {"exception": exc} if exc is not None else {})
 
 
+# Settings a check may change, as (module, read, write): each is put back where it differs. Looked up by name
+# when used: a forked child replaces torch.set_num_threads.
+_SETTINGS = ((torch, "is_grad_enabled", "set_grad_enabled"), (torch, "get_default_dtype", "set_default_dtype"),
+             (torch, "get_default_device", "set_default_device"), (torch, "get_num_threads", "set_num_threads"),
+             (torch, "are_deterministic_algorithms_enabled", "use_deterministic_algorithms"),
+             (torch, "get_float32_matmul_precision", "set_float32_matmul_precision"), (random, "getstate", "setstate"))
+
+
 def _save() -> Callable[[], None]:
     """Save the interpreter's state a check may change; the function returned puts it back."""
     numpy = sys.modules.get("numpy")
-    grad, dtype, threads = torch.is_grad_enabled(), torch.get_default_dtype(), torch.get_num_threads()
-    device = torch.get_default_device() if hasattr(torch, "get_default_device") else None
-    deterministic, precision = torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()
+    settings = [(module, read, write, getattr(module, read)()) for module, read, write in _SETTINGS
+                if hasattr(module, read)]
     anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-    cwd, environ, spaces = _cwd(), dict(os.environ), attributes()
-    rng, python_rng = torch.get_rng_state(), random.getstate()
+    cwd, environ, spaces, rng = _cwd(), dict(os.environ), attributes(), torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     numpy_rng = numpy.random.get_state() if numpy is not None else None
 
     def restore() -> None:
-        torch.set_grad_enabled(grad)
-        torch.set_default_dtype(dtype)
-        if device is not None:
-            torch.set_default_device(device)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        if torch.are_deterministic_algorithms_enabled() != deterministic:
-            torch.use_deterministic_algorithms(deterministic)
+        for module, read, write, value in settings:
+            if getattr(module, read)() != value:
+                getattr(module, write)(value)
         if (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) != anomaly:
             torch.set_anomaly_enabled(*anomaly)
-        if torch.get_float32_matmul_precision() != precision:
-            torch.set_float32_matmul_precision(precision)
         if cwd is not None and _cwd() != cwd:
             try:
                 os.chdir(cwd)
@@ -289,7 +284,6 @@ def _save() -> Callable[[], None]:
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-        random.setstate(python_rng)
         if numpy_rng is not None and sys.modules.get("numpy") is not None:
             sys.modules["numpy"].random.set_state(numpy_rng)
         for obj, saved in spaces.items():
@@ -427,19 +421,6 @@ def reference_message(found: CallsReference) -> str:
             f"computation, then re-run the check.")
 
 
-@functools.lru_cache(maxsize=4096)
-def _student_file(filename: str) -> bool:
-    """Whether code from ``filename`` is the student's: not the course's, torch's, or an installed library's."""
-    name = filename.replace("\\", "/")
-    if "/course_lib/" in name or "/torch/" in name or name.startswith("<frozen"):
-        return False
-    if not os.path.isabs(filename):
-        return True   # "<your 02_masked_attention.ipynb, Exercise 2.1>", "<string>", an IPython cell
-    return not os.path.realpath(filename).replace("\\", "/").startswith(_LIBRARIES)
-
-
-_LIBRARIES = tuple({os.path.realpath(path).replace("\\", "/") + "/" for key, path in sysconfig.get_paths().items()
-                    if key in ("stdlib", "purelib", "platlib") and path})
 _GUARDED = [0]   # guards entered and not left: a checker the checker itself calls is not guarded again
 
 
@@ -462,7 +443,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
             return
         caller = frame.f_back
         while caller is not None and caller is not self.stop:
-            if caller.f_code not in self.codes and _student_file(caller.f_code.co_filename):
+            if caller.f_code not in self.codes and is_student_file(caller.f_code.co_filename):
                 self.tripped = CallsReference(self.exercise, self.name, "calls")
                 raise self.tripped
             caller = caller.f_back
@@ -521,15 +502,14 @@ def _forked(judge: Callable[[], CheckResult], exercise: str) -> CheckResult | No
                     break
                 data += chunk
     except BaseException:   # Ctrl-C in the kernel: stop the child, then interrupt as usual
-        _kill(pid)
-        _reap(pid)
-        os.close(read_end)
+        late = True
         raise
-    if late:
-        _kill(pid)
-    status = _reap(pid)   # a child with its verdict sent ends by itself, its prints flushed
-    _kill(pid)   # anything the child left in its group
-    os.close(read_end)
+    finally:
+        if late:
+            _kill(pid)
+        status = _reap(pid)   # a child with its verdict sent ends by itself, its prints flushed
+        _kill(pid)   # anything the child left in its group
+        os.close(read_end)
     kind, value = _message(data) or (None, None)
     if late:
         return _timed_out(exercise)
