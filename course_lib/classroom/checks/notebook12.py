@@ -239,40 +239,40 @@ _MLA_MISTAKES = (
     Mistake("rope_axes", "RoPE turns the whole head: only the rotary part (the last qk_rope_head_dim numbers of each "
                          "query, and the shared k_rope) is rotated; the part without position (qk_nope_head_dim) "
                          "must stay as it is, or W_UK could not be folded into the query.",
-            output=lambda layer, x, split: _mla(layer, x, split, rope="whole")),
+            spec=dict(rope="whole")),
     Mistake("rope_missing", "No rotary embedding: q_rope and k_rope must both be turned to their positions with "
                             "modern.apply_rotary(..., layer.rope_cos, layer.rope_sin, offset=start).",
-            output=lambda layer, x, split: _mla(layer, x, split, rope="none")),
+            spec=dict(rope="none")),
     Mistake("rope_positions", "With a cache, the new tokens are rotated as if they started at position 0: turn them "
                               "to start = cache.length (read before appending), the positions they hold in the stream.",
-            output=lambda layer, x, split: _mla(layer, x, split, offset=False)),
+            spec=dict(offset=False)),
     Mistake("kv_cache", "Your cache's rotary keys are turned again at every call: rotate k_rope once, at its own "
                         "positions, BEFORE it enters the cache, and use what the cache returns as it is.",
-            output=lambda layer, x, split: _mla(layer, x, split, rotate_cached=True)),
+            spec=dict(rotate_cached=True)),
     Mistake("kv_cache", "With a cache, the new queries attend only to the new tokens: attend to everything "
                         "cache.append(latent, k_rope) returns (the tokens held before, then the new ones).",
-            output=lambda layer, x, split: _mla(layer, x, split, use_cache=False)),
+            spec=dict(use_cache=False)),
     Mistake("causal_mask", "Your causal mask does not account for the cache: the new queries sit at positions "
                            "start .. start + L - 1, so query i sees keys 0 .. start + i (take rows start: of the "
                            "T x T lower triangle).",
-            output=lambda layer, x, split: _mla(layer, x, split, mask_offset=False)),
+            spec=dict(mask_offset=False)),
     Mistake("causal_mask", "No causal mask: each query also sees the later tokens of its chunk. Query start + i "
                            "may see keys 0 .. start + i only.",
-            output=lambda layer, x, split: _mla(layer, x, split, masked=False)),
+            spec=dict(masked=False)),
     Mistake("softmax_dim", "The softmax runs over the queries (dim=-2): each query's weights must sum to one over "
                            "the keys, the last axis of the (N, H, L, T) scores.",
-            output=lambda layer, x, split: _mla(layer, x, split, softmax_dim=-2)),
+            spec=dict(softmax_dim=-2)),
     Mistake("scale", "The scores are scaled by 1/sqrt(qk_nope_head_dim): the query and key have "
                      "qk_nope_head_dim + qk_rope_head_dim numbers, so scale by (dn + dr) ** -0.5 "
-                     "(layer.softmax_scale).", output=lambda layer, x, split: _mla(layer, x, split, scale="nope")),
+                     "(layer.softmax_scale).", spec=dict(scale="nope")),
     Mistake("scale", "The scores are not scaled: multiply them by layer.softmax_scale, (dn + dr) ** -0.5.",
-            output=lambda layer, x, split: _mla(layer, x, split, scale="none")),
+            spec=dict(scale="none")),
     Mistake("scale", "The scores are scaled by 1/sqrt(v_head_dim): the scale belongs to the width of the query "
                      "and key, (qk_nope_head_dim + qk_rope_head_dim) ** -0.5.",
-            output=lambda layer, x, split: _mla(layer, x, split, scale="value")),
+            spec=dict(scale="value")),
     Mistake("norm_placement", "The latent is not normalised: apply layer.kv_a_layernorm to the latent part of "
                               "kv_a_proj_with_mqa(x) (not to k_rope) before it is cached and up-projected.",
-            output=lambda layer, x, split: _mla(layer, x, split, norm=False)),
+            spec=dict(norm=False)),
 )
 
 LATENT_ATTENTION = FunctionExercise(
@@ -284,7 +284,8 @@ LATENT_ATTENTION = FunctionExercise(
                          f"Go through the steps: queries split into nope and rope parts; latent and k_rope from "
                          f"kv_a_proj_with_mqa; the norm; RoPE on the rotary parts at start; the cache; keys and "
                          f"values from kv_b_proj; scores with layer.softmax_scale; the causal mask; o_proj.",
-    mistakes=_MLA_MISTAKES, gradients=_mla_gradients, examples=_mla_examples,
+    mistakes=_MLA_MISTAKES, variant=lambda layer, x, split, spec: _mla(layer, x, split, **spec),
+    gradients=_mla_gradients, examples=_mla_examples,
 )
 
 
