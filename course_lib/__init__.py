@@ -1,5 +1,11 @@
 """course_lib: the tested reference implementations behind the attention course notebooks."""
 from . import _moved
+
+# First, before the modules below load: the shim that keeps a student's notebook copy written before the
+# classroom moved importing what it imported (`from course_lib import checks`); removed in the release
+# after 2027-06-30. The course itself imports `from course_lib.classroom import checks`.
+_moved.install()
+
 from .attention import (
     TOY_KEYS,
     TOY_VALUES,
@@ -23,11 +29,6 @@ from .model import (
     sinusoidal_table,
 )
 from .runtime import __version__, device, set_seed, setup_notebook
-
-# `from course_lib import checks` (every notebook's first cell) and `capstone` (notebook 08) find the
-# classroom through the same finder that keeps a student's older notebook copy importing what it imported;
-# importing the reference alone never loads the classroom.
-_moved.install()
 
 # What `from course_lib import ...` offers: the pieces the notebooks build, by the names they teach.
 __all__ = [

@@ -7,15 +7,16 @@ import sys
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .runs.presets import run_preset
+    from .runs.presets import RunRequest, run_request
     from .runs.stopping import exit_status
     from .train import NonFiniteLoss, patience_stop_note
     out = args.resume or args.out
+    # the command line's run is the same one value run_preset makes, checked where it is made
+    request = RunRequest(args.preset, out, seconds=args.seconds, steps=args.steps, corpus=args.corpus,
+                         device=args.device, progress=not args.quiet, compile=True if args.compile else None,
+                         batch_size=args.batch_size, resume=args.resume is not None, overwrite=args.overwrite)
     try:
-        metrics = run_preset(args.preset, out, seconds=args.seconds, steps=args.steps, corpus=args.corpus,
-                             device=args.device, progress=not args.quiet,
-                             compile=True if args.compile else None, batch_size=args.batch_size,
-                             resume=args.resume is not None, overwrite=args.overwrite)
+        metrics = run_request(request)
     except NonFiniteLoss as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -81,7 +82,7 @@ def _data(args: argparse.Namespace) -> int:
             missing.append(name)
     if missing and args.warn_only:
         print(f"WARNING: {', '.join(missing)} not available yet; the notebooks that need "
-              f"{'it' if len(missing) == 1 else 'them'} (02, 05–09 and 11) will say so. The fix is above; "
+              f"{'it' if len(missing) == 1 else 'them'} (02, 05–09, 11 and 12) will say so. The fix is above; "
               f"notebooks 01, 03, 04 and 10 need no corpus.", file=sys.stderr)
         return 0
     return 1 if missing else 0

@@ -1,16 +1,24 @@
-"""Old import paths of what moved into ``course_lib.classroom`` and ``course_lib.runs``: a student's own
-copy of a notebook, written before the move and never overwritten, keeps importing what it imported.
+"""The shim for old import paths, removed in the release after 2027-06-30.
 
-``from course_lib.collect import collect_student_parts`` finds the module at its new path and hands
-that very module back (not a copy), so its names, classes and state are the ones the course uses.
-A name that left a module which still exists (``from course_lib.train import PRESETS``) is found by
-that module's ``__getattr__ = forwarder(__name__)``. Nothing moved loads until an old path or name is
-asked for, so the reference still imports nothing of the classroom or the runs.
+Only for a student's own copy of a notebook written before ``checks``, ``capstone``, ``collect`` and
+the others moved into ``course_lib.classroom`` and ``course_lib.runs`` (a copy the student edited is
+never overwritten). The course's notebooks, their learner copies and the package itself import every
+name from where it lives (``from course_lib.classroom import checks``), and tests/test_layout.py fails
+if any of them goes through this module, the one place allowed to hook imports.
+
+``from course_lib import checks`` or ``from course_lib.collect import collect_student_parts`` finds the
+module at its new path and hands that very module back (not a copy), so its names, classes and state
+are the ones the course uses. A name that left a module which still exists
+(``from course_lib.train import PRESETS``) is fetched from where it lives now: the finder gives
+``course_lib.train`` and ``course_lib.model`` a module ``__getattr__`` as they load, so the files
+students read hold only the lesson. Nothing moved loads until an old path or name is asked for, so
+the reference still imports nothing of the classroom or the runs.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 from types import ModuleType
@@ -66,15 +74,50 @@ class _Alias(importlib.abc.Loader):
         sys.modules[module.__name__] = importlib.import_module(self.target)
 
 
+class _WithOldNames(importlib.abc.Loader):
+    """Loads a module as its own loader would, then lets it answer the names that left it."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def __getattr__(self, name: str) -> object:   # get_source, get_filename, ...: the real loader's
+        return getattr(self.loader, name)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        module.__getattr__ = forwarder(module.__name__)
+
+
 class MovedModules(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self._finding: set[str] = set()   # a finder after us that asks every finder again gets None
+
     def find_spec(self, fullname: str, path: object = None, target: object = None
                   ) -> importlib.machinery.ModuleSpec | None:
         moved = new_path(fullname)
-        return importlib.util.spec_from_loader(fullname, _Alias(moved)) if moved else None
+        if moved:
+            return importlib.util.spec_from_loader(fullname, _Alias(moved))
+        if fullname not in MOVED_NAMES or fullname in self._finding:
+            return None
+        # the module as the finders after this one find it (another hook, such as the notebook tests'
+        # train replay, keeps its turn), then its old names on top
+        self._finding.add(fullname)
+        try:
+            spec = next((found for finder in sys.meta_path if finder is not self and hasattr(finder, "find_spec")
+                         for found in [finder.find_spec(fullname, path, target)] if found is not None), None)
+        finally:
+            self._finding.discard(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _WithOldNames(spec.loader)
+        return spec
 
 
 def install() -> None:
     # first in line: under an old package name (course_lib.grading) the path finder would otherwise load
-    # a second copy of a submodule (course_lib.grading.cli) from the moved package's folder
+    # a second copy of a submodule (course_lib.grading.cli) from the moved package's folder; and before
+    # course_lib.model loads, so that it gets its old names
     if not any(isinstance(finder, MovedModules) for finder in sys.meta_path):
         sys.meta_path.insert(0, MovedModules())

@@ -203,3 +203,29 @@ def one_of(name: str, value: Any, choices: Iterable[Any]) -> Any:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {describe(value)}")
     return value
+
+
+def expect(ok: bool, name: str, expected: str, got: Any, error: type[Exception] = ValueError) -> None:
+    """A check in one line: unless ``ok``, raise ``error("{name}: expected {expected}, got {got}")``.
+
+    For the checks that relate one argument to another (keys to match the query, one value per key),
+    which the single-argument helpers above cannot say."""
+    if not ok:
+        raise error(f"{name}: expected {expected}, got {got}")
+
+
+def divisor(name: str, value: int, total: int, of: str, hint: str = "") -> int:
+    """``value`` divides ``total`` (``of`` says what ``total`` is: "embed_dim=64"), as heads split features."""
+    if total % value:
+        raise ValueError(f"{name}: {of} must be divisible by {name}, got {name}={value}{_then(hint)}")
+    return value
+
+
+def instance(name: str, value: Any, types: type | tuple[type, ...], what: str, *, or_none: bool = False,
+             brief: bool = False, hint: str = "") -> Any:
+    """``value`` is one of ``types`` (or None, with ``or_none``); the message says ``what`` was expected and
+    what was given (its type name alone with ``brief``: a model's repr is pages long)."""
+    if (or_none and value is None) or isinstance(value, types):
+        return value
+    raise TypeError(f"{name}: expected {what}, got {type(value).__name__ if brief else describe(value)}"
+                    f"{_then(hint)}")

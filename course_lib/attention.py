@@ -42,22 +42,13 @@ def toy_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     validate.tensor("query", query, dim=1, floating=True)
     validate.tensor("keys", keys, dim=2, floating=True)
     validate.tensor("values", values, floating=True)
-    if keys.shape[1] != query.shape[0]:
-        raise ValueError(f"keys: expected shape (n, {query.shape[0]}) to match query of shape "
-                         f"{tuple(query.shape)}, got {tuple(keys.shape)}")
-    if values.dim() not in (1, 2) or values.shape[0] != keys.shape[0]:
-        raise ValueError(f"values: expected shape ({keys.shape[0]},) or ({keys.shape[0]}, dv), "
-                         f"one value per key, got {tuple(values.shape)}")
+    d, n = query.shape[0], keys.shape[0]
+    validate.expect(keys.shape[1] == d, "keys", f"shape (n, {d}) to match query of shape ({d},)", tuple(keys.shape))
+    validate.expect(values.dim() in (1, 2) and values.shape[0] == n, "values",
+                    f"shape ({n},) or ({n}, dv), one value per key", tuple(values.shape))
     scores = keys @ query                    # (n,)  one compatibility score per key
     weights = torch.softmax(scores, dim=0)   # (n,)  positive, sums to one
     return weights @ values                  # () or (dv,)
-
-
-def _check_mask(mask: torch.Tensor, lq: int, lk: int) -> None:
-    validate.tensor("mask", mask, min_dim=2, dtype=torch.bool)
-    if mask.shape[-2] not in (1, lq) or mask.shape[-1] not in (1, lk):
-        raise ValueError(f"mask: expected a bool tensor broadcastable to (..., {lq}, {lk}) "
-                         f"(queries x keys, True = may attend), got shape {tuple(mask.shape)}")
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,12 +59,14 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | Non
     """
     validate.tensor("q", q, min_dim=2, floating=True)
     validate.tensor("k", k, min_dim=2, floating=True)
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"k: expected last dimension {q.shape[-1]} to match q {tuple(q.shape)}, "
-                         f"got {tuple(k.shape)}")
+    validate.expect(q.shape[-1] == k.shape[-1], "k", f"last dimension {q.shape[-1]} to match q {tuple(q.shape)}",
+                    tuple(k.shape))
     scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5   # (..., Lq, Lk)
     if mask is not None:
-        _check_mask(mask, q.shape[-2], k.shape[-2])
+        lq, lk = scores.shape[-2:]
+        validate.tensor("mask", mask, min_dim=2, dtype=torch.bool)
+        validate.expect(mask.shape[-2] in (1, lq) and mask.shape[-1] in (1, lk), "mask", f"a bool tensor broadcastable "
+                        f"to (..., {lq}, {lk}) (queries x keys, True = may attend)", f"shape {tuple(mask.shape)}")
         # -inf becomes exactly zero weight after the softmax, and the remaining
         # weights of the row still sum to one.
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -88,9 +81,8 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     ->  (..., Lq, dv)
     """
     validate.tensor("v", v, min_dim=2, floating=True)
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"v: expected {k.shape[-2]} rows, one per key (k has shape "
-                         f"{tuple(k.shape)}), got {tuple(v.shape)}")
+    validate.expect(k.shape[-2] == v.shape[-2], "v", f"{k.shape[-2]} rows, one per key (k has shape {tuple(k.shape)})",
+                    tuple(v.shape))
     return attention_weights(q, k, mask) @ v   # (..., Lq, dv)
 
 
@@ -103,11 +95,9 @@ def causal_mask(n: int, device: torch.device | str | None = None) -> torch.Tenso
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """(N, L, E) -> (N, num_heads, L, E // num_heads): each head gets its own slice of the features."""
     validate.tensor("x", x, dim=3)
-    validate.positive_int("num_heads", num_heads)
     n, length, embed_dim = x.shape
-    if embed_dim % num_heads:
-        raise ValueError(f"num_heads: the last dimension of x ({embed_dim}) must be divisible by "
-                         f"num_heads, got num_heads={num_heads}")
+    validate.divisor("num_heads", validate.positive_int("num_heads", num_heads), embed_dim,
+                     f"the last dimension of x ({embed_dim})")
     # view first, then transpose: a bare .view(n, num_heads, length, head_dim)
     # would cut the sequence, not the features, into heads.
     return x.view(n, length, num_heads, embed_dim // num_heads).transpose(1, 2)   # (N, heads, L, head_dim)
@@ -138,8 +128,7 @@ def check_input(x: torch.Tensor, embed_dim: int, max_tokens: int, start: int = 0
     validate.tensor("x", x, dim=3, floating=True)
     if module is not None:
         check_input_dtype("x", x, module)
-    if x.shape[-1] != embed_dim:
-        raise ValueError(f"x: expected last dimension embed_dim={embed_dim}, got shape {tuple(x.shape)}")
+    validate.expect(x.shape[-1] == embed_dim, "x", f"last dimension embed_dim={embed_dim}", f"shape {tuple(x.shape)}")
     total = start + x.shape[1]
     if total > max_tokens:
         raise ValueError(f"x: sequence of {total} tokens is longer than max_tokens={max_tokens}; "
@@ -225,9 +214,8 @@ class KVCache:
         """Store k, v (N, heads, L, head_dim); return all keys and values so far."""
         validate.tensor("k", k, dim=4, floating=True)
         validate.tensor("v", v, dim=4, floating=True)
-        if v.shape != k.shape:
-            raise ValueError(f"v: expected the shape of k {tuple(k.shape)} (N, heads, L, head_dim), "
-                             f"got {tuple(v.shape)}")
+        validate.expect(v.shape == k.shape, "v", f"the shape of k {tuple(k.shape)} (N, heads, L, head_dim)",
+                        tuple(v.shape))
         if self._k is not None:
             held = (self._k.shape[1], self._k.shape[3], self._k.dtype, self._k.device)
             if (k.shape[1], k.shape[3], k.dtype, k.device) != held:
@@ -259,15 +247,13 @@ def check_caches(cache: object, num_blocks: int) -> None:
     """A model's ``cache`` argument: None, or one KVCache per block, all at the same length."""
     if cache is None:
         return
-    if not isinstance(cache, (list, tuple)) or not all(isinstance(c, KVCache) for c in cache):
-        raise TypeError(f"cache: expected a list of KVCache (from model.new_cache()), got {validate.describe(cache)}")
-    if len(cache) != num_blocks:
-        raise ValueError(f"cache: expected {num_blocks} KVCache objects (one per block), "
-                         f"got {len(cache)}; use model.new_cache()")
-    lengths = {c.length for c in cache}
-    if len(lengths) > 1:
-        raise ValueError(f"cache: expected every block's cache to hold the same number of tokens, got "
-                         f"lengths {[c.length for c in cache]}; use a fresh model.new_cache()")
+    validate.expect(isinstance(cache, (list, tuple)) and all(isinstance(c, KVCache) for c in cache), "cache",
+                    "a list of KVCache (from model.new_cache())", validate.describe(cache), TypeError)
+    validate.expect(len(cache) == num_blocks, "cache", f"{num_blocks} KVCache objects (one per block)",
+                    f"{len(cache)}; use model.new_cache()")
+    lengths = [c.length for c in cache]
+    validate.expect(len(set(lengths)) <= 1, "cache", "every block's cache to hold the same number of tokens",
+                    f"lengths {lengths}; use a fresh model.new_cache()")
 
 
 class MultiHeadMaskedAttention(nn.Module):
@@ -282,21 +268,15 @@ class MultiHeadMaskedAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, max_tokens: int, dropout_rate: float = 0.0,
                  *, bias: bool = False, fused: bool = True):
         super().__init__()
-        validate.positive_int("embed_dim", embed_dim)
-        validate.positive_int("num_heads", num_heads)
-        validate.positive_int("max_tokens", max_tokens)
+        self.embed_dim = validate.positive_int("embed_dim", embed_dim)
+        self.num_heads = validate.positive_int("num_heads", num_heads)
+        self.max_tokens = validate.positive_int("max_tokens", max_tokens)
         validate.probability("dropout_rate", dropout_rate)
         validate.boolean("bias", bias)
-        validate.boolean("fused", fused)
-        if embed_dim % num_heads:
-            raise ValueError(f"num_heads: embed_dim={embed_dim} must be divisible by num_heads, "
-                             f"got num_heads={num_heads}; pick a divisor of {embed_dim}")
-        self.embed_dim = embed_dim
-        self.num_heads = num_heads
+        self.fused = validate.boolean("fused", fused)
+        validate.divisor("num_heads", num_heads, embed_dim, f"embed_dim={embed_dim}", f"pick a divisor of {embed_dim}")
         self.head_dim = embed_dim // num_heads
-        self.max_tokens = max_tokens
         self.dropout_rate = dropout_rate
-        self.fused = fused
         self.query = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.key = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.value = nn.Linear(embed_dim, embed_dim, bias=bias)
@@ -312,8 +292,7 @@ class MultiHeadMaskedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x (N, L, embed_dim) -> (N, L, embed_dim); with ``cache``, x holds only the new tokens."""
-        if cache is not None and not isinstance(cache, KVCache):
-            raise TypeError(f"cache: expected a KVCache or None, got {validate.describe(cache)}")
+        validate.instance("cache", cache, KVCache, "a KVCache or None", or_none=True)
         start = cache.length if cache is not None else 0
         check_input(x, self.embed_dim, self.max_tokens, start, module=self)
         length = x.shape[1]

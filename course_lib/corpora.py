@@ -49,22 +49,13 @@ class Corpus:
     size: int
 
 
-CORPORA: dict[str, Corpus] = {
-    "names": Corpus(
-        name="names",
-        filename="names.txt",
-        url="https://raw.githubusercontent.com/karpathy/makemore/master/names.txt",
-        sha256="0a30b5557f192f32ab962680889aac5f6fda0f4cecf40a6d0b5694f58ea8cc4d",
-        size=228_145,
-    ),
-    "tinyshakespeare": Corpus(
-        name="tinyshakespeare",
-        filename="tinyshakespeare.txt",
-        url="https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
-        sha256="86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
-        size=1_115_394,
-    ),
-}
+CORPORA: dict[str, Corpus] = {corpus.name: corpus for corpus in (
+    Corpus("names", "names.txt", "https://raw.githubusercontent.com/karpathy/makemore/master/names.txt",
+           "0a30b5557f192f32ab962680889aac5f6fda0f4cecf40a6d0b5694f58ea8cc4d", 228_145),
+    Corpus("tinyshakespeare", "tinyshakespeare.txt",
+           "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+           "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed", 1_115_394),
+)}
 
 
 class CorpusError(RuntimeError):

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _moved
 from . import _validate as validate
 from .attention import KVCache, MultiHeadMaskedAttention, check_caches, check_input_dtype
 
@@ -208,9 +207,8 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        if not isinstance(config, GPTConfig):
-            raise TypeError(f"config: expected a GPTConfig, got {type(config).__name__}; "
-                            f"build one with GPTConfig(vocab_size=..., ...)")
+        validate.instance("config", config, GPTConfig, "a GPTConfig", brief=True,
+                          hint="build one with GPTConfig(vocab_size=..., ...)")
         self.config = config
         c = config
         self.token_embedding = nn.Embedding(c.vocab_size, c.embed_dim)
@@ -289,7 +287,3 @@ class GPT(nn.Module):
                 block.attn.record_weights = False
                 block.attn.attention_weights = None
             self.train(was_training)
-
-
-# Names that moved out of this module (a student's older notebook copy may still import them from here).
-__getattr__ = _moved.forwarder(__name__)

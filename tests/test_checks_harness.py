@@ -19,7 +19,8 @@ import torch
 import course_lib.attention as attention
 from course_lib.classroom import checks, verdict
 from course_lib.classroom.checks import _gradients as gradients
-from course_lib.classroom.checks import _harness, notebook01
+from course_lib.classroom.checks import notebook01
+from course_lib.classroom.checks.engine import run
 
 
 def _wrong_mask(n):
@@ -116,7 +117,7 @@ def test_a_float64_notebook_is_judged_by_its_inputs_dtype():
 
 @pytest.mark.skipif(not hasattr(__import__("signal"), "SIGALRM"), reason="the time limit needs SIGALRM")
 def test_an_endless_loop_is_stopped(monkeypatch):
-    monkeypatch.setattr(_harness, "TIME_LIMIT_S", 0.5)
+    monkeypatch.setattr(run, "TIME_LIMIT_S", 0.5)
 
     def loops(n):
         while True:
@@ -292,9 +293,13 @@ def test_one_tolerance_derived_from_the_dtype():
 
 
 def test_every_hypothesised_mistake_is_a_mistake():
-    from course_lib.classroom.checks import _attn_hypotheses, notebook01
-    from course_lib.classroom.checks._mistake import Mistake
-    hypotheses = _attn_hypotheses.SDPA_HYPOTHESES + _attn_hypotheses.MODULE_HYPOTHESES + notebook01._TOY_HYPOTHESES
+    from course_lib.classroom.checks import _attn_hypotheses, notebook01, notebook02, notebook03, notebook04
+    from course_lib.classroom.exercises import Mistake
+    declared = [d for module in (notebook01, notebook02, notebook03, notebook04) for d in vars(module).values()
+                if isinstance(d, checks.engine.FunctionExercise)]
+    assert len(declared) == 6
+    hypotheses = (_attn_hypotheses.SDPA_HYPOTHESES + _attn_hypotheses.MODULE_HYPOTHESES
+                  + tuple(m for d in declared for m in d.mistakes))
     assert all(isinstance(h, Mistake) for h in hypotheses)
     assert all(h.code in checks.DIAGNOSES for h in hypotheses)
 
@@ -435,3 +440,12 @@ def test_the_new_diagnoses_are_registered():
     for code in ("gradient", "zero_grad", "flops_factor", "split_transpose", "final_norm", "no_kv_cache",
                  "overlapping_windows"):
         assert code in checks.DIAGNOSES
+
+
+# ---------------------------------------------------------------- the table names every checker
+
+def test_every_exercise_of_the_table_has_its_checker_in_checks():
+    from course_lib.classroom.exercises import EXERCISES
+    for entry in EXERCISES:
+        found = getattr(checks, entry.checker, None)
+        assert found is not None and found.exercise == entry.id, entry

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from course_lib.classroom import capstone, checks
-from course_lib.classroom.checks import _nbgrader
-from course_lib.classroom.checks._core import EXERCISES, Exercise
-from course_lib.classroom.checks._harness import checker
+from course_lib.classroom.checks.engine import checker, run
+from course_lib.classroom.exercises import BY_ID, Exercise
 from course_lib.classroom.verdict import fail
 
 
@@ -45,13 +44,13 @@ def test_under_nbgrader_a_failed_check_raises_its_verdict(monkeypatch, mode):
     expected = str(checks.check_causal_mask(_wrong_mask, graded=False))
     with pytest.raises(AssertionError) as raised:
         checks.check_causal_mask(_wrong_mask)
-    assert isinstance(raised.value, _nbgrader.CheckNotPassed)
+    assert isinstance(raised.value, run.CheckNotPassed)
     assert str(raised.value) == expected
     assert "Exercise 2.1" in expected and "(causal_mask)" in expected
 
 
 def test_the_failed_cell_shows_the_verdict_not_our_frames(nbgrader_runs):
-    with pytest.raises(_nbgrader.CheckNotPassed) as raised:
+    with pytest.raises(run.CheckNotPassed) as raised:
         checks.check_causal_mask(_wrong_mask)
     shown = raised.value._render_traceback_()   # what IPython (and nbgrader's feedback) prints
     assert len(shown) == 1 and shown[0].endswith(str(raised.value))
@@ -82,8 +81,9 @@ def test_graded_false_never_fails_a_cell(nbgrader_runs):
 
 
 def test_an_exercise_without_a_solution_region_is_not_graded(nbgrader_runs, monkeypatch):
-    assert EXERCISES["8.1"].has_solution is False   # the capstone: nbgrader does not grade it
-    monkeypatch.setitem(EXERCISES, "99.1", Exercise("99.1", "assembled", ["h"], "99", has_solution=False))
+    assert BY_ID["8.1"].has_solution is False   # the capstone: nbgrader does not grade it
+    monkeypatch.setitem(BY_ID, "99.1", Exercise("99.1", "assembled", "assembled", "check_assembled",
+                                                has_solution=False, hints=("h", "i")))
 
     @checker("99.1")
     def check_assembled(candidate):
@@ -106,7 +106,7 @@ def test_the_students_state_is_restored_before_the_cell_fails(nbgrader_runs):
 
     torch.manual_seed(0)
     rng = torch.get_rng_state().clone()
-    with pytest.raises(_nbgrader.CheckNotPassed):
+    with pytest.raises(run.CheckNotPassed):
         checks.check_causal_mask(careless_mask)
     assert torch.is_grad_enabled()
     assert torch.equal(torch.get_rng_state(), rng)

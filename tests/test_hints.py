@@ -18,8 +18,8 @@ CHECKS = {"1.3": checks.check_scaled_dot_product_attention, "2.1": checks.check_
 
 
 def _reset(exercise):
-    entry = _core.EXERCISES[exercise]
-    entry.shown, entry.step, entry.followed = 0, 0, None
+    state = _core.hint_state(exercise)
+    state.shown, state.step, state.followed = 0, 0, None
 
 
 def test_hints_follow_the_last_failed_check_nudge_then_counterexample_then_spec(capsys):
@@ -158,17 +158,17 @@ class _BackwardMismatch(flash.FlashAttentionFunction):
     ("10.2", lambda: checks.check_flash_attention, _flash_mismatch),
     ("10.3", lambda: checks.check_flash_backward, _BackwardMismatch),
 ])
-def test_a_plain_mismatch_without_a_counterexample_promises_none(exercise, check, candidate, unguarded):
-    """10.2 and 10.3 have no counter-example searcher: their hints may not speak of an input they never show."""
+def test_a_plain_mismatch_of_the_flash_exercises_shows_a_counterexample(exercise, check, candidate, unguarded):
+    """10.2 and 10.3 take their counter-example from the engine: a tiny case, the student's value beside the
+    reference's, and the hint ladder offers it before the spec's hints."""
     _reset(exercise)
     result = check()(candidate)
     assert result.diagnosis == "mismatch", result
-    assert "counterexample" not in result.details
-    ladder = [checks.hint(exercise) for _ in range(4)]
-    for text in ladder:
-        assert "smallest input where" not in text and "counter-example" not in text, text
-    assert "small input of your own" in ladder[0]
-    assert ladder[1].startswith("Hint 1/"), "no counter-example step: the spec's hints come next"
+    example = result.details["counterexample"]
+    assert example.yours.shape == example.expected.shape and not torch.allclose(example.yours.double(), example.expected.double())
+    assert max(value.numel() for _, value in example.inputs) <= 5 * 2, "tiny inputs a student can follow"
+    texts = [checks.hint(exercise) for _ in range(2)]
+    assert "counter-example" in texts[1], texts[1]
     _reset(exercise)
 
 

@@ -4,7 +4,7 @@
   from ``course_lib.runs`` or ``course_lib.classroom``: a student reads it without the machinery;
 - the import graph of ``course_lib`` has no circle;
 - no module uses another module's private name (``_name``): ``from .x import _name`` or ``x._name``.
-  The package's private modules themselves (``_validate``, ``checks/_harness``, ...) are shared
+  The package's private modules themselves (``_validate``, ``checks/engine/run``, ...) are shared
   inside the package and may be imported; what they define without an underscore is theirs to share.
 
 Every import counts, at module level or inside a function; relative imports are resolved. The wings
@@ -13,6 +13,7 @@ are found from the folders, so moving a module between them needs no change here
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +58,6 @@ def imports(root: Path = PACKAGE) -> dict[str, set[str]]:
     """For each module of the package under ``root``, the modules of the package it imports."""
     known = _modules(root)
     top = root.name
-    lazy = {name.rsplit(".", 1)[1] for name in known if name.count(".") == 2 and name.startswith(f"{top}.classroom.")}
     graph: dict[str, set[str]] = {}
     for module, path in known.items():
         found: set[str] = set()
@@ -69,12 +69,7 @@ def imports(root: Path = PACKAGE) -> dict[str, set[str]]:
                 names = []
                 for alias in node.names:
                     full = f"{base}.{alias.name}"
-                    if full in known:
-                        names.append(full)            # from package import submodule
-                    elif base == top and alias.name in lazy and f"{top}.{alias.name}" not in known:
-                        names.append(f"{top}.classroom.{alias.name}")   # course_lib's lazy `checks`
-                    else:
-                        names.append(base)
+                    names.append(full if full in known else base)   # from package import submodule
             else:
                 continue
             found.update(t for t in (_targets(name, known, top) for name in names) if t and t != module)
@@ -89,7 +84,6 @@ def reference_wing_violations(root: Path = PACKAGE) -> list[str]:
     for module, targets in imports(root).items():
         if module.startswith(wings) or module == f"{top}.__main__":
             continue   # the wings themselves, and the command line that starts them
-        # (course_lib/__init__.py is read too: its lazy `checks` is an importlib call, no import statement)
         for target in sorted(targets):
             if target.startswith(wings):
                 broken.append(f"{module} imports {target}")
@@ -222,26 +216,147 @@ def test_the_reading_sees_function_level_and_relative_imports(tmp_path):
     (pkg / "classroom" / "checks" / "__init__.py").write_text("from ... import attention\n\ndef g():\n    pass\n")
     assert reference_wing_violations(pkg) == ["course_lib.attention imports course_lib.classroom.checks"]
     assert cycles(imports(pkg)) == [["course_lib.attention", "course_lib.classroom.checks", "course_lib.attention"]]
-    (pkg / "model.py").write_text("from course_lib import checks\n")   # the lazy name counts as the classroom
-    assert "course_lib.model imports course_lib.classroom.checks" in reference_wing_violations(pkg)
 
 
-def test_importing_the_reference_loads_no_classroom_and_checks_stays_importable():
-    """Notebooks (and students' own copies) write `from course_lib import checks`: it still works, and only
-    asking for it loads the classroom."""
-    import subprocess
-    import sys
+def test_importing_the_reference_loads_no_classroom():
+    """Only asking for the classroom, at its real path as every notebook does, loads it."""
     code = ("import sys\nimport course_lib, course_lib.train, course_lib.generate\n"
             "assert not [m for m in sys.modules if m.startswith('course_lib.classroom')], 'eager classroom'\n"
-            "from course_lib import checks\n"
+            "from course_lib.classroom import checks\n"
             "assert checks.__name__ == 'course_lib.classroom.checks' and callable(checks.check_causal_mask)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+# --- the shim for old import paths (course_lib/_moved.py): the one exception, for old copies only -------------
+
+SHIM = "course_lib._moved"
+
+
+def _parseable(source: str) -> str:
+    """A notebook cell with IPython's magics and shell lines blanked (same line numbers), for ``ast``."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.split("\n"))
+
+
+def hooked_imports(source: str, module: str = "__main__", is_package: bool = False) -> list[str]:
+    """The import statements of ``source`` that work only through the shim: an old module path
+    (``course_lib.checks``, ``course_lib.collect``) or a name that left a module (``course_lib.train.PRESETS``).
+    ``module`` resolves relative imports when ``source`` is a module of the package."""
+    from course_lib import _moved as shim
+    found = []
+    for node in sorted((n for n in ast.walk(ast.parse(_parseable(source))) if hasattr(n, "lineno")),
+                       key=lambda n: n.lineno):
+        if isinstance(node, ast.Import):
+            old = [alias.name for alias in node.names if shim.new_path(alias.name)]
+        elif isinstance(node, ast.ImportFrom):
+            package = module.split(".") if is_package else module.split(".")[:-1]
+            base = (".".join(package[:len(package) - node.level + 1] + [node.module or ""]).rstrip(".")
+                    if node.level else node.module or "")
+            old = [base] if shim.new_path(base) else [
+                f"{base}.{alias.name}" for alias in node.names
+                if shim.new_path(f"{base}.{alias.name}") or alias.name in shim.MOVED_NAMES.get(base, {})]
+        else:
+            continue
+        found += [f"line {node.lineno}: {ast.unparse(node)}" for _ in old[:1]]
+    return found
+
+
+def _code_cells(notebook) -> list[tuple[int, str]]:
+    return [(index, cell.source) for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"]
+
+
+@functools.cache
+def _notebooks_and_learner_copies() -> list[tuple[str, list[tuple[int, str]]]]:
+    """Every solution notebook and the learner copy `course_lib student` / `start` makes of it."""
+    import nbformat
+
+    from course_lib.classroom.assignments import learner_notebook
+    found = []
+    for path in sorted((PACKAGE.parent / "notebooks").glob("*.ipynb")):
+        found.append((path.name, _code_cells(nbformat.read(path, as_version=4))))
+        found.append((f"learner copy of {path.name}", _code_cells(learner_notebook(path)[0])))
+    return found
+
+
+def test_the_hook_rule_sees_every_kind_of_old_import():
+    """The rule below can fail: each way of importing through the shim is caught, the real paths are not."""
+    old = ("from course_lib import checks, viz\n"
+           "from course_lib import capstone as cap\n"
+           "%matplotlib inline\n"
+           "import course_lib.grading.cli\n"
+           "def f():\n    from course_lib.collect import collect_student_parts\n"
+           "from course_lib.train import PRESETS, lm_loss\n"
+           "from course_lib.model import check_vocabulary\n"
+           "from course_lib.hf.export import export\n")
+    assert [line.split(":")[0] for line in hooked_imports(old)] == [f"line {n}" for n in (1, 2, 4, 6, 7, 8, 9)]
+    real = ("from course_lib import GPT, viz, setup_notebook\nfrom course_lib.classroom import capstone, checks\n"
+            "from course_lib.runs import PRESETS\nfrom course_lib.train import lm_loss, batches\n"
+            "import course_lib.classroom.grading.cli\nfrom course_lib.hf import export_run\n")
+    assert hooked_imports(real) == []
+    assert hooked_imports("from . import checks\n", "course_lib", is_package=True) == ["line 1: from . import checks"]
+    assert hooked_imports("from ..bench import x\n", "course_lib.classroom.y") == ["line 1: from ..bench import x"]
+    assert hooked_imports("from .bench import x\n", "course_lib.runs.y") == []
+
+
+def test_no_notebook_learner_copy_or_module_imports_through_the_shim():
+    """Notebooks import `checks` from its real path (`from course_lib.classroom import checks`), so "go to
+    definition" finds it; the shim is for copies students edited before the move, and nothing else."""
+    found = []
+    for name, cells in _notebooks_and_learner_copies():
+        found += [f"{name}, cell {index}, {line}" for index, source in cells for line in hooked_imports(source)]
+    for module, path in _modules(PACKAGE).items():
+        if module != SHIM:
+            found += [f"{module}, {line}" for line in
+                      hooked_imports(path.read_text(encoding="utf-8"), module, _is_package(path))]
+    assert not found, "imports through the old-path shim (course_lib/_moved.py):\n  " + "\n  ".join(found)
+
+
+def test_the_notebooks_imports_run_with_the_shim_switched_off():
+    """Every course_lib import line of every notebook and learner copy, run with the shim's finder and the
+    old names of model/train gone: none needs them."""
+    lines = sorted({ast.unparse(node) for _, cells in _notebooks_and_learner_copies() for _, source in cells
+                    for node in ast.walk(ast.parse(_parseable(source)))
+                    if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "course_lib"
+                    or isinstance(node, ast.Import) and any(a.name.split(".")[0] == "course_lib" for a in node.names)})
+    assert any("checks" in line for line in lines), lines
+    code = ("import sys\nimport course_lib, course_lib._moved as shim\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, shim.MovedModules)]\n"
+            "for module in [m for name, m in sys.modules.items() if name.startswith('course_lib')]:\n"
+            "    vars(module).pop('__getattr__', None)\n"
+            "try:\n    from course_lib import checks\nexcept ImportError:\n    pass\n"
+            "else:\n    raise AssertionError('the shim is still on')\n"
+            + "".join(f"{line}\n" for line in lines))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_only_the_shim_hooks_imports_or_answers_missing_module_names():
+    """The shim is the one module that touches the import system or gives a module a ``__getattr__``; the
+    files students read (model.py, train.py, ...) hold only the lesson."""
+    found = []
+    for module, path in _modules(PACKAGE).items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if module == SHIM:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("meta_path", "path_hooks"):
+                found.append(f"{module}: sys.{node.attr}")
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if (isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+                    or any(isinstance(t, ast.Name) and t.id == "__getattr__" for t in targets)):
+                found.append(f"{module}: a module-level __getattr__ (line {node.lineno})")
+            if isinstance(node, ast.ImportFrom) and any(a.name == "_moved" for a in node.names) \
+                    and module != "course_lib":
+                found.append(f"{module}: imports the shim")
+    assert not found, "only course_lib/_moved.py may hook imports:\n  " + "\n  ".join(found)
+
+
 def test_old_import_paths_of_moved_modules_still_work_and_give_the_same_module():
-    """A student's edited copy of notebook 08 written before the move (`from course_lib.collect import ...`)
-    is never rewritten, so the old paths must keep working, lazily, handing back the very module."""
+    """A student's edited copy written before the move (`from course_lib import checks`,
+    `from course_lib.collect import ...`) is never rewritten, so until the shim's end date the old paths keep
+    working, lazily, handing back the very module; old names of model/train come from the shim too."""
     code = ("import sys\n"
             "import course_lib\n"
             "import course_lib.train, course_lib.model\n"

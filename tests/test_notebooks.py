@@ -14,7 +14,7 @@ import pytest
 
 from course_lib.classroom import checks
 from course_lib.classroom.assignments import strip_solutions
-from course_lib.classroom.checks._core import EXERCISES
+from course_lib.classroom.exercises import BY_ID as EXERCISES  # "2.2" -> its exercise
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -35,6 +35,7 @@ EXPECTED_NAMES = {
     "09": "09_modern_attention",
     "10": "10_flash_attention",
     "11": "11_what_attention_learns",
+    "12": "12_where_attention_is_going",
 }
 # Notebooks whose exercise is the student's earlier work put together, judged by one checker call
 # instead of a solution region of their own.

@@ -39,11 +39,31 @@ def test_accepted_values_come_back_in_a_plain_type():
      "targets: expected token ids in 0..4 (vocab_size=5), got -1"),
     (lambda: validate.token_ids("ids", torch.tensor([0.0]), vocab_size=5), TypeError,
      "ids: expected integer token ids (torch.long), got dtype torch.float32"),
+    (lambda: validate.expect(False, "keys", "shape (n, 2) to match query of shape (2,)", (3, 3)), ValueError,
+     "keys: expected shape (n, 2) to match query of shape (2,), got (3, 3)"),
+    (lambda: validate.expect(False, "cache", "a KVCache or None", "3 (int)", TypeError), TypeError,
+     "cache: expected a KVCache or None, got 3 (int)"),
+    (lambda: validate.divisor("num_heads", 3, 10, "embed_dim=10", "pick a divisor of 10"), ValueError,
+     "num_heads: embed_dim=10 must be divisible by num_heads, got num_heads=3; pick a divisor of 10"),
+    (lambda: validate.instance("model", 3, torch.nn.Module, "an nn.Module"), TypeError,
+     "model: expected an nn.Module, got 3 (int)"),
+    (lambda: validate.instance("config", {}, torch.nn.Module, "a GPTConfig", brief=True, hint="build one"), TypeError,
+     "config: expected a GPTConfig, got dict; build one"),
+    (lambda: validate.instance("state", 0, dict, "a dict or None", or_none=True), TypeError,
+     "state: expected a dict or None, got 0 (int)"),
 ])
 def test_messages_name_the_argument(call, error, message):
     with pytest.raises(error) as raised:
         call()
     assert str(raised.value).startswith(message)
+
+
+def test_one_line_checks_pass_what_they_should():
+    validate.expect(True, "k", "anything", "never formatted")
+    assert validate.divisor("num_heads", 4, 8, "embed_dim=8") == 4
+    assert validate.instance("state", None, dict, "a dict or None", or_none=True) is None
+    layer = torch.nn.Linear(1, 1)
+    assert validate.instance("model", layer, torch.nn.Module, "an nn.Module") is layer
 
 
 def test_describe_gives_shapes_not_contents():

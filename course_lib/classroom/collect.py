@@ -1,12 +1,9 @@
 """Collecting a student's own parts from their saved learner copies, to use them together.
 
-Each exercise of the course defines one name (``causal_mask``, ``MultiHeadMaskedAttention``,
-``GPT``, ``train_step``, ...) in one code cell. ``collect_student_parts(folder)`` reads the
-student's notebooks in ``folder`` and takes, for every exercise, only that definition with what it
-needs, read by ``classroom.notebook_reader`` exactly as the grader reads it: the ``def``/``class``
-of the exercise cell, the imports of that cell, and the student's own helpers, helpers of helpers,
-imports and constants it names. Nothing else from those notebooks runs: no prints, no training
-cells, no checks.
+Each exercise of the course defines one name (``causal_mask``, ``GPT``, ``train_step``, ...) in one code
+cell. ``collect_student_parts(folder)`` takes, for every exercise, only that definition with what it needs,
+read by ``notebook_reader.student_definition`` exactly as the grader reads it. Nothing else from those
+notebooks runs: no prints, no training cells, no checks.
 
 An exercise that is missing, unfinished (still raises the learner copy's
 ``NotImplementedError``) or broken (does not compile, or fails to define its name) falls back
@@ -32,7 +29,7 @@ from .._validate import describe
 from ..course_files import course_notebooks
 from . import notebook_reader as reader
 
-__all__ = ["Exercise", "CollectedPart", "Collection", "course_exercises", "collect_student_parts",
+__all__ = ["CollectedPart", "Collection", "every_exercise", "course_exercises", "collect_student_parts",
            "course_namespace", "course_names", "GPT_EXERCISES"]
 
 # The exercises a GPT of your own is built and trained from, in the order they compose.
@@ -51,21 +48,10 @@ STATUS_TEXT = {
 
 
 @dataclass(frozen=True)
-class Exercise:
-    """One exercise: the name it defines and where, with the course's solution of it."""
-
-    id: str
-    name: str
-    notebook: str     # file name, e.g. "03_multi_head_attention.ipynb"
-    cell_id: str
-    solution: str     # the solution cell's imports and definitions, as source
-
-
-@dataclass(frozen=True)
 class CollectedPart:
     """What was found for one exercise in the student's notebooks."""
 
-    exercise: Exercise
+    exercise: reader.ExerciseCell
     status: str               # a key of STATUS_TEXT
     source: str | None = None  # the student's definitions (with their helpers and imports), when usable
     detail: str = ""          # why it fell back, for the table
@@ -85,24 +71,24 @@ class CollectedPart:
             return False
 
 
-def course_exercises(notebooks: Iterable[Path] | None = None) -> dict[str, Exercise]:
-    """Every exercise of the solution notebooks whose cell defines one name, by id, with that name
-    (9.2's cell also defines a helper, and 1.1's only numbers: they are not collected)."""
-    found: dict[str, Exercise] = {}
-    for path in (course_notebooks() if notebooks is None else notebooks):
-        for cell in reader.exercise_cells(reader.read_cells(path)):
-            if cell.alone:
-                found[cell.id] = Exercise(cell.id, cell.name, Path(path).name, cell.cell_id, cell.solution)
-    return found
+def every_exercise(notebooks: Iterable[Path] | None = None) -> dict[str, reader.ExerciseCell]:
+    """Every exercise cell of the solution notebooks, by id (1.1's defines only numbers: not one)."""
+    return {cell.id: cell for path in (course_notebooks() if notebooks is None else notebooks)
+            for cell in reader.exercise_cells(reader.read_cells(path), Path(path).name)}
+
+
+def course_exercises(notebooks: Iterable[Path] | None = None) -> dict[str, reader.ExerciseCell]:
+    """The exercises whose cell defines one name, by id (9.2's cell also defines a helper: not collected)."""
+    return {ex_id: cell for ex_id, cell in every_exercise(notebooks).items() if cell.alone}
 
 
 @functools.lru_cache(maxsize=4)
 def _exercise_names(notebooks: tuple[Path, ...]) -> tuple[str, ...]:
     """The name every exercise cell of the course defines, 9.2's (beside a helper) included."""
-    return tuple(cell.name for path in notebooks for cell in reader.exercise_cells(reader.read_cells(path)))
+    return tuple(cell.name for cell in every_exercise(notebooks).values())
 
 
-def _collect_one(folder: Path, exercise: Exercise, known: set[str]) -> CollectedPart:
+def _collect_one(folder: Path, exercise: reader.ExerciseCell, known: set[str]) -> CollectedPart:
     path = folder / exercise.notebook
     if not path.is_file():
         return CollectedPart(exercise, "missing", detail=f"no {exercise.notebook} in {folder}")

@@ -122,28 +122,23 @@ def place_learner_copy(nb: nbformat.NotebookNode, dst: Path, note: str = "") -> 
         remove_stale_staging(dst.parent, name)
     manifest = _Manifest(dst.parent)
     new = fingerprint(nb)
-    if not dst.exists():
-        outcome = CopyOutcome(dst, "created", note=note)
+    current = _file_fingerprint(dst) if dst.exists() else None
+    if current is not None and current == new:
+        outcome = CopyOutcome(dst, "up to date", note=note)
+    elif not dst.exists() or (current is not None and current == manifest.written.get(dst.name)):
+        outcome = CopyOutcome(dst, "refreshed" if dst.exists() else "created", note=note)
         write_notebook_atomic(nb, dst)
-        manifest.written[dst.name] = new
+    elif manifest.written.get(dst.name) == new:
+        # The student edited the copy and the course has not changed since it was written:
+        # there is nothing new to put beside it.
+        outcome = CopyOutcome(dst, "kept", note=note)
     else:
-        current = _file_fingerprint(dst)
-        if current == new:
-            manifest.written[dst.name] = new
-            outcome = CopyOutcome(dst, "up to date", note=note)
-        elif current is not None and current == manifest.written.get(dst.name):
-            write_notebook_atomic(nb, dst)
-            manifest.written[dst.name] = new
-            outcome = CopyOutcome(dst, "refreshed", note=note)
-        elif manifest.written.get(dst.name) == new:
-            # The student edited the copy and the course has not changed since it was written:
-            # there is nothing new to put beside it.
-            outcome = CopyOutcome(dst, "kept", note=note)
-        else:
-            beside, must_write = _updated_path(dst, new, manifest)
-            if must_write:
-                write_notebook_atomic(nb, beside)
-            manifest.written[beside.name] = new
-            outcome = CopyOutcome(dst, "kept", new_version=beside, note=note)
+        beside, must_write = _updated_path(dst, new, manifest)
+        if must_write:
+            write_notebook_atomic(nb, beside)
+        manifest.written[beside.name] = new
+        outcome = CopyOutcome(dst, "kept", new_version=beside, note=note)
+    if outcome.action != "kept":   # the copy now holds the new version
+        manifest.written[dst.name] = new
     manifest.save()
     return outcome

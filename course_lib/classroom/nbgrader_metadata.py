@@ -11,7 +11,7 @@ default settings. The rules (nbgrader's cell metadata, schema version 3):
   (``raise NotImplementedError()``); our learner copies keep theirs, which names the exercise.
 - A code cell that calls a checker, ``checks.check_...(...)``, is an autograded test cell, read-only,
   worth :data:`POINTS_PER_CHECK` point, grade_id ``exX_Y_check`` (``exX_Y_check_2``, ... for further
-  check cells of the same exercise). Under nbgrader a failed check raises (``checks._nbgrader``),
+  check cells of the same exercise). Under nbgrader a failed check raises (``checks.engine.run``),
   so the cell scores zero and the feedback shows the diagnosis.
 - A check called with ``graded=False`` (a demonstration on planted buggy code, or a re-check used
   as a condition) is no test, and a check of an exercise without a solution region (8.1, which
@@ -43,6 +43,7 @@ from .. import _validate as validate
 from .._atomic import atomic_file
 from .._validate import describe
 from . import notebook_reader as reader
+from .exercises import BY_ID, EXERCISES
 
 __all__ = ["POINTS_PER_CHECK", "SCHEMA_VERSION", "expected_metadata", "differences", "apply", "main"]
 
@@ -113,8 +114,7 @@ def _graded_check_exercise(source: str, where: str) -> str | None:
     if tree is None:
         raise ValueError(f"{where}: the cell calls checks but is not valid Python, so its check calls "
                          f"cannot be read")
-    from . import checks
-    from .checks._core import EXERCISES
+    checkers = {entry.checker: entry.id for entry in EXERCISES}
     found: set[str] = set()
     for node in _calls(tree):
         if not (isinstance(node.func, ast.Attribute)
@@ -122,14 +122,14 @@ def _graded_check_exercise(source: str, where: str) -> str | None:
                 and node.func.attr.startswith("check_")):
             continue
         name = node.func.attr
-        exercise = getattr(getattr(checks, name, None), "exercise", None)
+        exercise = checkers.get(name)
         if exercise is None:
             raise ValueError(f"{where}: checks.{name} is not one of the course's checkers")
         graded = next((kw.value for kw in node.keywords if kw.arg == "graded"), ast.Constant(True))
         if not (isinstance(graded, ast.Constant) and isinstance(graded.value, bool)):
             raise ValueError(f"{where}: checks.{name}(..., graded=...) must be the literal True or False, "
                              f"so that this script can tell test cells from demonstrations")
-        if graded.value and EXERCISES[exercise].has_solution:
+        if graded.value and BY_ID[exercise].has_solution:
             found.add(exercise)
     if len(found) > 1:
         raise ValueError(f"{where}: graded checks of exercises {sorted(found)} in one cell; nbgrader scores a "
@@ -228,42 +228,36 @@ def _shown(entry: Any) -> str:
     return "none" if entry is None else json.dumps(entry, sort_keys=True)
 
 
+def _mismatches(path: Path) -> tuple[str, dict[str, Any], list[tuple[int, dict[str, Any], dict[str, Any] | None]]]:
+    """The notebook's text and JSON, and (cell number, cell, expected entry) of each cell that differs."""
+    text, notebook = _read(path)
+    pairs = zip(_cells_of(notebook, path.name), expected_metadata(notebook, path.name))
+    return text, notebook, [(index, cell, want) for index, (cell, want) in enumerate(pairs, start=1)
+                            if cell.get("metadata", {}).get("nbgrader") != want]
+
+
 def differences(notebook_path: str | os.PathLike) -> list[str]:
     """One line per cell whose nbgrader metadata is not what :func:`expected_metadata` says; [] when all match."""
     path = validate.path("notebook_path", notebook_path)
-    _, notebook = _read(path)
-    lines = []
-    for index, (cell, want) in enumerate(zip(_cells_of(notebook, path.name),
-                                              expected_metadata(notebook, path.name)), start=1):
-        have = cell.get("metadata", {}).get("nbgrader")
-        if have != want:
-            lines.append(f"{path.name}, cell {index}: nbgrader metadata is {_shown(have)}, expected {_shown(want)}")
-    return lines
-
-
-def _dumps(notebook: dict[str, Any]) -> str:
-    return json.dumps(notebook, sort_keys=True, indent=1, ensure_ascii=False) + "\n"   # as nbformat writes
+    return [f"{path.name}, cell {index}: nbgrader metadata is {_shown(cell.get('metadata', {}).get('nbgrader'))}, "
+            f"expected {_shown(want)}" for index, cell, want in _mismatches(path)[2]]
 
 
 def apply(notebook_path: str | os.PathLike) -> int:
     """Write the expected nbgrader metadata into one notebook; returns how many cells changed (0: untouched)."""
     path = validate.path("notebook_path", notebook_path)
-    text, notebook = _read(path)
-    changed = 0
-    for cell, want in zip(_cells_of(notebook, path.name), expected_metadata(notebook, path.name)):
+    text, notebook, changed = _mismatches(path)
+    for _, cell, want in changed:
         metadata = cell.setdefault("metadata", {})
-        if metadata.get("nbgrader") == want:
-            continue
-        changed += 1
         if want is None:
             del metadata["nbgrader"]
         else:
             metadata["nbgrader"] = want
-    new_text = _dumps(notebook)
+    new_text = json.dumps(notebook, sort_keys=True, indent=1, ensure_ascii=False) + "\n"   # as nbformat writes
     if new_text != text:
         with atomic_file(path) as handle:
             handle.write(new_text)
-    return changed
+    return len(changed)
 
 
 def _notebooks(paths: list[str]) -> list[Path]:

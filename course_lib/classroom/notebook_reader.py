@@ -140,13 +140,14 @@ class ExerciseCell:
 
     id: str
     name: str
+    notebook: str     # the notebook's file name, "03_multi_head_attention.ipynb"
     cell_id: str
     solution: str     # the cell's imports and definitions, as source
     alone: bool       # True when the cell defines only ``name`` (False: 9.2's helpers beside it)
 
 
-def exercise_cells(cells: list) -> list[ExerciseCell]:
-    """The exercise cells among ``cells`` (a course notebook's): each cell with a BEGIN marker naming
+def exercise_cells(cells: list, notebook: str = "") -> list[ExerciseCell]:
+    """The exercise cells among ``cells`` (of the course notebook named ``notebook``): each cell with a BEGIN marker naming
     an exercise and one definition that is the exercise's. That is the cell's only ``def``/``class``,
     or, where it defines several (9.2's ``rotate_half`` and ``apply_rotary``), the one holding the
     marker; the others are its helpers. A cell defining nothing (1.1's numbers) is left out."""
@@ -165,7 +166,7 @@ def exercise_cells(cells: list) -> list[ExerciseCell]:
             continue
         kept = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, *_DEFINITIONS))]
         alone = sum(isinstance(n, _DEFINITIONS) for n in tree.body) == 1
-        found.append(ExerciseCell(ids[0], definitions[0].name, cell.get("id", ""),
+        found.append(ExerciseCell(ids[0], definitions[0].name, notebook, cell.get("id", ""),
                                   "\n\n".join(segment(cell.source, n) for n in kept), alone))
     return found
 

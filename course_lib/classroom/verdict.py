@@ -1,7 +1,7 @@
 """The verdict on one exercise, and the mistakes it can name.
 
 A checker stops at the first problem it finds by raising :class:`Failure` (``fail(...)``) with one
-of the :data:`DIAGNOSES`; the harness (``checks._harness``) turns that into a :class:`CheckResult`,
+of the :data:`DIAGNOSES`; the run (``checks.engine.run``) turns that into a :class:`CheckResult`,
 which the notebook shows, the grader records and the live room counts.
 """
 from __future__ import annotations
@@ -75,6 +75,8 @@ DIAGNOSES = (
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
     "missing",           # grading: the exercise (its notebook, or its cell) is not in the submission
     "crashed",           # grading: the process running the student's code died (os._exit, a signal, memory)
+    "state_order",       # 12: a recurrent state read before the current token is added to it (or after the next)
+    "feature_map",       # 12: linear attention's feature map phi left out, on one side only, or another map
 )
 
 @dataclass

@@ -6,8 +6,8 @@ Qwen 3, Arcee and Apertus, weight for weight.
 - :mod:`.llama`: ``from_hf_llama`` / ``to_hf_llama`` convert a ``LlamaForCausalLM`` to and from the
   course's ``ModernGPT`` (notebook 09), built from any attention, norm and MLP classes with the
   reference's parameter names; the name pairs come from :func:`llama_weight_pairs`.
-- :mod:`.qwen3`: ``from_hf_qwen3`` / ``to_hf_qwen3`` do the same for ``Qwen3ForCausalLM``: a ModernGPT with
-  QK-norm (``qk_norm=True``), with or without a sliding window.
+  ``from_hf_qwen3`` / ``to_hf_qwen3`` (the same module) do the same for ``Qwen3ForCausalLM``: a ModernGPT
+  with QK-norm (``qk_norm=True``), with or without a sliding window.
 - :mod:`.families`: the table of which transformers decoder expresses which ModernGPT (Llama, Mistral for a
   sliding window, Qwen 3 for QK-norm, Arcee and Apertus for the ReLU² MLP); ``to_hf_modern`` picks the row
   from the config and ``from_hf_modern`` reads any of them.
@@ -60,19 +60,17 @@ from .gpt2 import (
 )
 from .llama import (
     course_config_from_llama,
+    course_config_from_qwen3,
     from_hf_llama,
+    from_hf_qwen3,
     llama_config_from_course,
     llama_weight_pairs,
-    to_hf_llama,
-)
-from .pretrained import PretrainedWeightsNotFound, char_tokenizer_to_hf, from_pretrained, save_pretrained
-from .qwen3 import (
-    course_config_from_qwen3,
-    from_hf_qwen3,
     qwen3_config_from_course,
     qwen3_weight_pairs,
+    to_hf_llama,
     to_hf_qwen3,
 )
+from .pretrained import PretrainedWeightsNotFound, char_tokenizer_to_hf, from_pretrained, save_pretrained
 
 __all__ = [
     "WeightPair",

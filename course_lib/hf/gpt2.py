@@ -18,17 +18,7 @@ from .. import _validate as validate
 from .._rng import leaves_rng_alone
 from ..model import GPT, GPTConfig, sinusoidal_table
 
-__all__ = [
-    "WeightPair",
-    "weight_pairs",
-    "split_c_attn",
-    "gpt2_config_from_course",
-    "course_config_from_gpt2",
-    "course_to_hf_state_dict",
-    "hf_to_course_state_dict",
-    "to_hf_gpt2",
-    "from_hf_gpt2",
-]
+# Public names: listed once, in course_lib.hf's __all__.
 
 # Course activation name <-> GPT-2 ``activation_function``. On export "gelu_tanh"
 # becomes "gelu_pytorch_tanh", the very op the course uses (nn.GELU(approximate="tanh"));
@@ -40,6 +30,9 @@ _ACTIVATION_FROM_HF = {
     "gelu_fast": "gelu_tanh",
     "relu": "relu",
 }
+# Course GPTConfig field <-> GPT2Config field for the sizes that carry over unchanged, read both ways.
+_SIZES = (("vocab_size", "vocab_size"), ("max_tokens", "n_positions"), ("embed_dim", "n_embd"),
+          ("num_layers", "n_layer"), ("num_heads", "n_head"))
 
 
 # ---------------------------------------------------------------------------
@@ -131,11 +124,7 @@ def gpt2_config_from_course(config: GPTConfig) -> GPT2Config:
                          "norm_first=True); got norm_first=False (post-norm), which GPT-2 cannot "
                          "represent. Train with GPTConfig(norm_first=True, ...) to export to GPT-2.")
     return GPT2Config(
-        vocab_size=config.vocab_size,
-        n_positions=config.max_tokens,
-        n_embd=config.embed_dim,
-        n_layer=config.num_layers,
-        n_head=config.num_heads,
+        **{hf: getattr(config, course) for course, hf in _SIZES},
         n_inner=config.mlp_ratio * config.embed_dim,
         activation_function=_ACTIVATION_TO_HF[config.activation],
         resid_pdrop=config.dropout_rate,
@@ -180,11 +169,7 @@ def course_config_from_gpt2(hf_config: GPT2Config) -> GPTConfig:
                       f"attn {c.attn_pdrop}); the course has one, dropout_rate={c.resid_pdrop} (resid_pdrop). "
                       f"Outputs in eval mode are unaffected.", stacklevel=2)
     return GPTConfig(
-        vocab_size=c.vocab_size,
-        max_tokens=c.n_positions,
-        embed_dim=c.n_embd,
-        num_heads=c.n_head,
-        num_layers=c.n_layer,
+        **{course: getattr(c, hf) for course, hf in _SIZES},
         dropout_rate=float(c.resid_pdrop),
         norm_first=True,
         positional="learned",

@@ -1,17 +1,21 @@
 """Named training recipes and running one: ``python -m course_lib train --preset NAME``.
 
 ``PRESETS`` holds the recipes (which text, which model, how to train); ``prepare_preset`` builds
-everything one needs; ``run_preset`` checks every input, then trains with checkpoints, clean stops
-and ``--resume``, and writes ``metrics.json`` beside ``checkpoint.pt``.
+everything one needs. A run is asked for as one value, a :class:`RunRequest`, checked whole when it
+is made; :func:`run_request` trains it with checkpoints, clean stops and ``--resume``, and writes
+``metrics.json`` beside ``checkpoint.pt``. ``run_preset(name, out_dir, **options)`` is the same in
+one call. The command line makes the same request: ``python -m course_lib train``.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import KW_ONLY, asdict, dataclass, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +40,7 @@ from ..train import (
 from .run_folder import RunFolder, RunRefused, SaveFailed
 from .stopping import StopRequest
 
-__all__ = ["Preset", "PRESETS", "prepare_preset", "run_preset", "RunFinished"]
+__all__ = ["Preset", "PRESETS", "prepare_preset", "RunRequest", "run_request", "run_preset", "RunFinished"]
 
 @dataclass(frozen=True)
 class Preset:
@@ -136,6 +140,59 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+@dataclass(frozen=True)
+class RunRequest:
+    """One training run, as asked for: the one value the command line and :func:`run_preset` hand down.
+
+    Checked whole when it is made, before any folder, device or corpus is touched: a wrong field is
+    a :class:`RunRefused` naming the field, what was expected and what was given. ``None`` keeps the
+    preset's own value (or, with ``resume``, the saved run's). After the checks ``preset`` is a name
+    (a registered Preset stands for its name) and ``device`` a torch.device.
+    """
+
+    preset: str | Preset | None            # a name in PRESETS; None only with resume (the saved run's)
+    out: str | os.PathLike                 # the run's folder: checkpoint.pt and metrics.json
+    _: KW_ONLY
+    seconds: float | None = None           # the training-time budget
+    steps: int | None = None               # the total steps (resumed: the new total)
+    corpus: str | None = None              # a corpus name or the path of any UTF-8 text file
+    device: torch.device | str | None = None   # None: the fastest here
+    progress: bool = True                  # show a progress bar
+    compile: bool | None = None            # torch.compile the model (None: as the preset says)
+    batch_size: int | None = None          # sequences per step and per process
+    seed: int | None = None                # initial weights, batches and dropout (None: the preset's)
+    resume: bool = False                   # continue the run saved in ``out``
+    overwrite: bool = False                # replace the run that ``out`` holds
+
+    def __post_init__(self) -> None:
+        settle = partial(object.__setattr__, self)   # frozen: checked values replace the given ones, once, here
+        try:
+            RunFolder.check_arguments(self.out, resume=self.resume, overwrite=self.overwrite)
+            settle("preset", _registered_name(self.preset))
+            if self.preset is None and not self.resume:
+                raise RunRefused("preset: expected a preset name (or --resume DIR), got none")
+            if self.corpus is not None and not isinstance(self.corpus, str):
+                raise RunRefused(f"corpus: expected a corpus name or a file path, got {self.corpus!r}")
+            for field_name, check in (("seconds", _positive_seconds), ("steps", validate.positive_int),
+                                      ("batch_size", validate.positive_int), ("seed", validate.non_negative_int),
+                                      ("compile", validate.boolean)):
+                if getattr(self, field_name) is not None:
+                    check(field_name, getattr(self, field_name))
+            validate.boolean("progress", self.progress)
+            settle("device", resolve_device(self.device))   # None: the fastest here
+        except RunRefused:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise RunRefused(str(exc)) from None
+        # taken as truth values, as they always were (RunFolder reads them so too)
+        settle("resume", bool(self.resume))
+        settle("overwrite", bool(self.overwrite))
+
+
+def _positive_seconds(name: str, value: Any) -> float:
+    return validate.positive_float(name, value, finite=True)
+
+
 def _preset(name: str | Preset) -> Preset:
     if isinstance(name, Preset):
         return name
@@ -163,39 +220,10 @@ def prepare_preset(name: str | Preset, corpus: str | None = None, device: torch.
     return model_class(config), tokenizer, train_split, val_split, train_config
 
 
-def _metrics(name: str, status: str, model: GPT | ModernGPT, config: TrainConfig, history: History,
-             ctx: DistributedContext, device: torch.device, corpus: str | None,
-             val_loss: float | None = None, val_tokens: int | None = None,
-             final_eval_seconds: float | None = None) -> dict[str, Any]:
-    non_embedding = model.num_parameters(include_embeddings=False)
-    per_token = flops_per_token(model.config, non_embedding)
-    tokens_per_second = history.tokens_seen / max(history.train_seconds, 1e-9)
-    if val_loss is None and history.val_loss:
-        val_loss = history.val_loss[-1]   # the latest estimate until the final evaluation
-    return {
-        "preset": name,
-        "status": status,                 # running | stopped | finished
-        "val_loss": val_loss,
-        "val_tokens": val_tokens,
-        "final_eval_seconds": final_eval_seconds,
-        "train_seconds": history.train_seconds,
-        "steps": history.steps_taken,
-        "tokens_per_second": tokens_per_second,
-        "parameters": model.num_parameters(),
-        "flops_per_token": per_token,
-        "achieved_flops": per_token * tokens_per_second,
-        "world_size": ctx.world_size,
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "corpus": corpus,
-        "model": model.config.to_dict(),
-        "train": asdict(config),
-        "history": history.to_dict(),
-    }
-
-
 @dataclass
 class _Plan:
+    """A run ready for its first step: checked, built, resumed where asked; it saves itself."""
+
     name: str
     corpus: str | None
     folder: RunFolder
@@ -206,6 +234,99 @@ class _Plan:
     config: TrainConfig
     state: TrainState | None
     corpus_checksum: str
+    device: torch.device
+    ctx: DistributedContext
+
+    def __post_init__(self) -> None:
+        self.saved_step = self.state.step if self.state is not None else None   # the last checkpoint's step
+
+    def metrics(self, status: str, history: History, val_loss: float | None = None, val_tokens: int | None = None,
+                final_eval_seconds: float | None = None) -> dict[str, Any]:
+        model = self.model
+        non_embedding = model.num_parameters(include_embeddings=False)
+        per_token = flops_per_token(model.config, non_embedding)
+        tokens_per_second = history.tokens_seen / max(history.train_seconds, 1e-9)
+        if val_loss is None and history.val_loss:
+            val_loss = history.val_loss[-1]   # the latest estimate until the final evaluation
+        return {
+            "preset": self.name,
+            "status": status,                 # running | stopped | finished
+            "val_loss": val_loss,
+            "val_tokens": val_tokens,
+            "final_eval_seconds": final_eval_seconds,
+            "train_seconds": history.train_seconds,
+            "steps": history.steps_taken,
+            "tokens_per_second": tokens_per_second,
+            "parameters": model.num_parameters(),
+            "flops_per_token": per_token,
+            "achieved_flops": per_token * tokens_per_second,
+            "world_size": self.ctx.world_size,
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+            "corpus": self.corpus,
+            "model": model.config.to_dict(),
+            "train": asdict(self.config),
+            "history": history.to_dict(),
+        }
+
+    def save(self, state: TrainState) -> None:
+        """The loop's ``on_checkpoint``: the checkpoint and metrics.json of ``state``, as one unit."""
+        training = {**state.to_dict(), "preset": self.name, "corpus": self.corpus,
+                    "corpus_checksum": self.corpus_checksum,
+                    "train_config": asdict(self.config), "world_size": self.ctx.world_size}
+        with self._saving(state.step):
+            self.folder.save(self.model, self.tokenizer, training, self.metrics("running", state.history))
+        self.saved_step = state.step
+
+    def finish(self, history: History, stop: StopRequest) -> dict[str, Any]:
+        """The final evaluation (when training ran to its end), then metrics.json: the run's last save.
+
+        The checkpoint of the last step is already on disk. A signal now stops the evaluation at once
+        and the metrics say so ("pending": "final evaluation"), so ``--resume`` knows to finish it.
+        """
+        model, folder = self.model, self.folder
+        status = "stopped" if history.stop_reason == "stopped" else "finished"
+        extra: dict[str, Any] = {}
+        pending = None
+        if status == "finished":
+            # the final, exact evaluation: every validation window, not the running estimate
+            stop.immediate = True
+            try:
+                if stop():   # a signal came after the last step: do not start it
+                    raise KeyboardInterrupt
+                val_inputs, val_targets = self.val_split.eval_windows(model.config.max_tokens)
+                started = time.perf_counter()
+                extra = dict(val_loss=evaluate(model, val_inputs, val_targets),
+                             val_tokens=int((val_targets != IGNORE_INDEX).sum()))
+                extra["final_eval_seconds"] = time.perf_counter() - started
+            except KeyboardInterrupt:
+                if stop.signum is None:   # not one of ours (a KeyboardInterrupt raised some other way)
+                    raise
+                status, pending, extra = "stopped", "final evaluation", {}
+            finally:
+                stop.immediate = False
+        # the same run id and step as the checkpoint saved when the loop ended
+        metrics = {**self.metrics(status, history, **extra), "run_id": folder.run_id, "step": history.steps_taken}
+        if pending:
+            metrics["pending"] = pending
+        if stop.signum is not None:
+            metrics["signal"] = stop.name
+        with self._saving(history.steps_taken, what="the final metrics"):
+            write_atomically(folder.metrics, json.dumps(metrics, indent=2).encode("utf-8"))
+        return metrics
+
+    @contextlib.contextmanager
+    def _saving(self, step: int, what: str = "the checkpoint") -> Iterator[None]:
+        """A write that fails (a full disk, a folder made read-only) ends the run in one line, naming what is kept."""
+        folder, last_saved = self.folder, self.saved_step
+        try:
+            yield
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+            kept = (f"the checkpoint of step {last_saved} in {folder.checkpoint} is intact: make room, then "
+                    f"resume with: python -m course_lib train --resume {folder.path}" if last_saved is not None
+                    else "no checkpoint was written yet: make room, then start again")
+            raise SaveFailed(f"out: could not write {what} of step {step} to {folder.path} ({why}); {kept}") from None
 
 
 def _corpus_checksum(*splits: Split) -> str:
@@ -254,16 +375,13 @@ def _final_evaluation_done(folder: RunFolder, step: int) -> bool:
             and saved.get("run_id") == folder.run_id and saved.get("val_loss") is not None)
 
 
-def _plan(name: str | None, folder: RunFolder, *, seconds: float | None, steps: int | None, corpus: str | None,
-          device: torch.device, compile: bool | None, batch_size: int | None, seed: int | None, resume: bool,
-          overwrite: bool, ctx: DistributedContext) -> _Plan:
-    # Everything a run needs, checked before the first step: any failure here is a RunRefused.
-    name = _registered_name(name)
-    if ctx.is_main:
-        folder.prepare()
+def _plan(request: RunRequest, folder: RunFolder, device: torch.device, ctx: DistributedContext) -> _Plan:
+    # Everything a run needs beyond its checked arguments and its prepared folder (a saved run, the
+    # corpus, the model), checked before the first step: any failure here is a RunRefused.
+    name, corpus, seed = request.preset, request.corpus, request.seed
     saved: dict[str, Any] | None = None
     checkpoint = None
-    if resume:
+    if request.resume:
         try:
             checkpoint = load_checkpoint(folder.checkpoint)
         except (CheckpointError, FileNotFoundError) as exc:
@@ -272,38 +390,33 @@ def _plan(name: str | None, folder: RunFolder, *, seconds: float | None, steps: 
         if not saved:
             raise RunRefused(f"resume: {folder.checkpoint} holds weights but no training state (a final or "
                              f"hand-saved checkpoint); start a new run with --overwrite")
+        # a resumed run keeps its recipe, batch and seed: asking for others is refused, not ignored
         if name is not None and name != saved["preset"]:
             raise RunRefused(f"preset: the run in {folder.path} is preset {saved['preset']!r}, got {name!r}; "
                              f"leave --preset out when resuming")
+        for field_name, word in (("batch_size", ""), ("seed", "seed ")):
+            asked, kept = getattr(request, field_name), saved["train_config"][field_name]
+            if asked is not None and asked != kept:
+                raise RunRefused(f"{field_name}: the run in {folder.path} uses {word}{kept}; a resumed run "
+                                 f"keeps it, got {asked}")
         name = saved["preset"]
         corpus = corpus or saved["corpus"]
-        if batch_size is not None and batch_size != saved["train_config"]["batch_size"]:
-            raise RunRefused(f"batch_size: the run in {folder.path} uses {saved['train_config']['batch_size']}; "
-                             f"a resumed run keeps it, got {batch_size}")
         folder.run_id = saved["run_id"]
-    elif name is None:
-        raise RunRefused("preset: expected a preset name (or --resume DIR), got none")
-    if corpus is not None and not isinstance(corpus, str):
-        raise RunRefused(f"corpus: expected a corpus name or a file path, got {corpus!r}")
     if corpus is not None and corpus not in CORPORA and Path(corpus).expanduser().exists():
         corpus = str(Path(corpus).expanduser().resolve())   # the resume may start in another folder
-    if seed is not None:
-        validate.non_negative_int("seed", seed)   # _run_preset turns it into a RunRefused
-    if saved is not None and seed is not None and seed != saved["train_config"]["seed"]:
-        raise RunRefused(f"seed: the run in {folder.path} uses seed {saved['train_config']['seed']}; "
-                         f"a resumed run keeps it, got {seed}")
     seed = _preset(name).train.seed if seed is None else seed
     torch.manual_seed(seed)   # same initial weights on every rank and every run
     model, tokenizer, train_split, val_split, config = prepare_preset(
-        name, corpus, device, compile=compile, batch_size=batch_size, seed=seed)
+        name, corpus, device, compile=request.compile, batch_size=request.batch_size, seed=seed)
     _check_long_enough(name, corpus, model, ("training", train_split), ("validation", val_split))
     checksum = _corpus_checksum(train_split, val_split)
+    budget = {k: v for k, v in dict(steps=request.steps, seconds=request.seconds).items() if v is not None}
     state = None
     if saved is not None:
-        config = replace(TrainConfig(**saved["train_config"]), **{
-            k: v for k, v in dict(steps=steps, seconds=seconds, compile=compile).items() if v is not None})
+        config = replace(TrainConfig(**saved["train_config"]), **budget,
+                         **({} if request.compile is None else {"compile": request.compile}))
         if device.type != "cuda":   # a GPU run continued on a CPU: as prepare_preset does
-            config = replace(config, amp=False, pin_memory=False, compile=bool(compile))
+            config = replace(config, amp=False, pin_memory=False, compile=bool(request.compile))
         trained_on = saved.get("corpus") or _preset(name).corpus
         if checkpoint.tokenizer != tokenizer or saved.get("corpus_checksum", checksum) != checksum:
             raise RunRefused(f"corpus: the run in {folder.path} was trained on {trained_on!r} (checksum "
@@ -326,56 +439,64 @@ def _plan(name: str | None, folder: RunFolder, *, seconds: float | None, steps: 
             print(f"the run in {folder.path} trained all {state.step} steps, but its final evaluation did not "
                   f"finish; doing it now")
     else:
-        config = replace(config, **{k: v for k, v in dict(steps=steps, seconds=seconds).items() if v is not None})
+        config = replace(config, **budget)
     if ctx.is_main:
         folder.clear_replaced_run()
-    return _Plan(name, corpus, folder, model, tokenizer, train_split, val_split, config, state, checksum)
+    return _Plan(name, corpus, folder, model, tokenizer, train_split, val_split, config, state, checksum,
+                 device, ctx)
 
 
 class RunFinished(Exception):
     """A resumed run had nothing left to do."""
 
 
-def run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None = None,
-               steps: int | None = None, corpus: str | None = None, device: torch.device | str | None = None,
-               progress: bool = True, compile: bool | None = None, batch_size: int | None = None,
-               seed: int | None = None, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+def run_preset(name: str | Preset | None, out_dir: str | os.PathLike, **options: Any) -> dict[str, Any]:
     """Train a preset into ``out_dir`` (checkpoint.pt and metrics.json, kept up to date); return the metrics.
 
-    Everything is checked first (a :class:`RunRefused` names the problem). ``resume=True``
-    continues the run saved in ``out_dir`` (``name`` may be None), with ``steps``/``seconds`` as the
-    run's new total budget; ``overwrite=True`` replaces it; a folder holding a run is otherwise
-    refused. ``seed`` replaces the preset's (initial weights, batches, dropout): a benchmark over
-    several seeds tells a real difference from luck. SIGINT and SIGTERM stop the run cleanly after
-    the current step, saved: the metrics then say ``"status": "stopped"`` and ``"signal"``. A NaN
-    loss raises :class:`NonFiniteLoss` and keeps the last good checkpoint.
+    ``options`` are :class:`RunRequest`'s other fields: ``seconds``, ``steps``, ``corpus``, ``device``,
+    ``progress``, ``compile``, ``batch_size``, ``seed``, ``resume``, ``overwrite``. The same as
+    ``run_request(RunRequest(name, out_dir, **options))``: see :func:`run_request`.
     """
+    return run_request(RunRequest(name, out_dir, **options))
+
+
+def run_request(request: RunRequest) -> dict[str, Any]:
+    """Train what ``request`` asks for; return the metrics (also in ``request.out``/metrics.json).
+
+    Everything is checked before the first step (a :class:`RunRefused` names the problem).
+    ``resume=True`` continues the run saved in ``out`` (``preset`` may be None), with
+    ``steps``/``seconds`` as the run's new total budget; ``overwrite=True`` replaces it; a folder
+    holding a run is otherwise refused. ``seed`` replaces the preset's (initial weights, batches,
+    dropout): a benchmark over several seeds tells a real difference from luck. SIGINT and SIGTERM
+    stop the run cleanly after the current step, saved: the metrics then say ``"status": "stopped"``
+    and ``"signal"``. A NaN loss raises :class:`NonFiniteLoss` and keeps the last good checkpoint.
+    A run with nothing left to do (resumed after it finished) prints so and returns ``{}``, as
+    does every rank but the first under torchrun.
+    """
+    if not isinstance(request, RunRequest):
+        raise TypeError(f"request: expected a RunRequest, got {validate.describe(request)}")
     # The run seeds and draws from the global generators (initial weights, dropout); fork them so
     # the caller's random numbers are the same after the call as before it.
     # (only the current GPU's: touching every GPU would make each torchrun rank a context on all of them)
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
-        return _run_preset(name, out_dir, seconds=seconds, steps=steps, corpus=corpus, device=device,
-                           progress=progress, compile=compile, batch_size=batch_size, seed=seed,
-                           resume=resume, overwrite=overwrite)
+        return _run(request)
 
 
-def _run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None, steps: int | None,
-                corpus: str | None, device: torch.device | str | None, progress: bool, compile: bool | None,
-                batch_size: int | None, seed: int | None, resume: bool, overwrite: bool) -> dict[str, Any]:
+def _run(request: RunRequest) -> dict[str, Any]:
     finished = False
     ctx = DistributedContext()
     folder: RunFolder | None = None
     try:
         try:
-            device = resolve_device(device)
+            device = request.device
             ctx = setup_distributed(device.type)
             if ctx.enabled and device.type == "cuda":
                 device = torch.device("cuda", ctx.local_rank)
-            folder = RunFolder(out_dir, resume=resume, overwrite=overwrite)
-            plan = _plan(name, folder, seconds=seconds, steps=steps, corpus=corpus, device=device,
-                         compile=compile, batch_size=batch_size, seed=seed, resume=resume, overwrite=overwrite,
-                         ctx=ctx)
+            folder = RunFolder(request.out, resume=request.resume, overwrite=request.overwrite)
+            if ctx.is_main:
+                folder.prepare()   # created, writable, locked, free of a killed run's leftovers
+            plan = _plan(request, folder, device, ctx)
         except RunFinished as done:
             print(done)
             finished = True
@@ -388,32 +509,16 @@ def _run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None,
                 first_line = (f"corpus: {first_line} `python -m course_lib data --no-download` shows where "
                               f"to put it (or set COURSE_DATA_DIR)")
             raise RunRefused(first_line) from None
-        model, config, folder = plan.model, plan.config, plan.folder
-
-        saved_step = [plan.state.step if plan.state is not None else None]
-
-        def save(state: TrainState) -> None:
-            training = {**state.to_dict(), "preset": plan.name, "corpus": plan.corpus,
-                        "corpus_checksum": plan.corpus_checksum,
-                        "train_config": asdict(config), "world_size": ctx.world_size}
-            with _saving(folder, state.step, saved_step[0]):
-                folder.save(model, plan.tokenizer, training,
-                            _metrics(plan.name, "running", model, config, state.history, ctx, device, plan.corpus))
-            saved_step[0] = state.step
-
         with StopRequest() as stop:
             try:
-                history = training.train(model, plan.train_split, plan.val_split, config, device=device,
-                                progress=progress, ctx=ctx, state=plan.state, on_checkpoint=save,
-                                should_stop=stop)
+                history = training.train(plan.model, plan.train_split, plan.val_split, plan.config, device=device,
+                                         progress=request.progress, ctx=ctx, state=plan.state,
+                                         on_checkpoint=plan.save, should_stop=stop)
             except NonFiniteLoss as exc:
                 saved = "no checkpoint was written yet" if not folder.checkpoint.exists() else \
                     f"the last good checkpoint is kept in {folder.checkpoint}"
                 raise _with_checkpoint_note(exc, saved) from None
-            metrics: dict[str, Any] = {}
-            if ctx.is_main:
-                with _saving(folder, history.steps_taken, saved_step[0], what="the final metrics"):
-                    metrics = _finish(plan, history, stop, ctx, device)
+            metrics = plan.finish(history, stop) if ctx.is_main else {}
         finished = True
         return metrics
     finally:
@@ -421,58 +526,6 @@ def _run_preset(name: str | None, out_dir: str | Path, *, seconds: float | None,
             folder.release()
         # After a failure the other ranks may never arrive: wait for them only on success.
         teardown_distributed(wait_for_all=finished)
-
-
-def _finish(plan: _Plan, history: History, stop: StopRequest, ctx: DistributedContext,
-            device: torch.device) -> dict[str, Any]:
-    """The final evaluation (when training ran to its end), then metrics.json: the run's last save.
-
-    The checkpoint of the last step is already on disk. A signal now stops the evaluation at once
-    and the metrics say so ("pending": "final evaluation"), so ``--resume`` knows to finish it.
-    """
-    model, config, folder = plan.model, plan.config, plan.folder
-    status = "stopped" if history.stop_reason == "stopped" else "finished"
-    extra: dict[str, Any] = {}
-    pending = None
-    if status == "finished":
-        # the final, exact evaluation: every validation window, not the running estimate
-        stop.immediate = True
-        try:
-            if stop():   # a signal came after the last step: do not start it
-                raise KeyboardInterrupt
-            val_inputs, val_targets = plan.val_split.eval_windows(model.config.max_tokens)
-            started = time.perf_counter()
-            extra = dict(val_loss=evaluate(model, val_inputs, val_targets),
-                         val_tokens=int((val_targets != IGNORE_INDEX).sum()))
-            extra["final_eval_seconds"] = time.perf_counter() - started
-        except KeyboardInterrupt:
-            if stop.signum is None:   # not one of ours (a KeyboardInterrupt raised some other way)
-                raise
-            status, pending, extra = "stopped", "final evaluation", {}
-        finally:
-            stop.immediate = False
-    metrics = _metrics(plan.name, status, model, config, history, ctx, device, plan.corpus, **extra)
-    metrics.update(run_id=folder.run_id, step=history.steps_taken)
-    if pending:
-        metrics["pending"] = pending
-    if stop.signum is not None:
-        metrics["signal"] = stop.name
-    # the same run id and step as the checkpoint saved when the loop ended
-    write_atomically(folder.metrics, json.dumps(metrics, indent=2).encode("utf-8"))
-    return metrics
-
-
-@contextlib.contextmanager
-def _saving(folder: RunFolder, step: int, last_saved: int | None, what: str = "the checkpoint") -> Iterator[None]:
-    """A write that fails (a full disk, a folder made read-only) ends the run in one line, naming what is kept."""
-    try:
-        yield
-    except OSError as exc:
-        why = exc.strerror or type(exc).__name__
-        kept = (f"the checkpoint of step {last_saved} in {folder.checkpoint} is intact: make room, then "
-                f"resume with: python -m course_lib train --resume {folder.path}" if last_saved is not None
-                else "no checkpoint was written yet: make room, then start again")
-        raise SaveFailed(f"out: could not write {what} of step {step} to {folder.path} ({why}); {kept}") from None
 
 
 def _with_checkpoint_note(exc: NonFiniteLoss, note: str) -> NonFiniteLoss:

@@ -46,16 +46,21 @@ class RunFolder:
     """
 
     def __init__(self, path: str | os.PathLike, *, resume: bool = False, overwrite: bool = False):
-        if not isinstance(path, (str, os.PathLike)) or not str(path):
-            raise RunRefused(f"out: expected a folder path, got {path!r}")
-        if resume and overwrite:
-            raise RunRefused("overwrite: expected either --resume or --overwrite, got both")
+        self.check_arguments(path, resume=resume, overwrite=overwrite)
         self.path = Path(path)
         self.resume = resume
         self.overwrite = overwrite
         self.run_id = uuid.uuid4().hex[:12]
         self._lock_fd: int | None = None
         self.previous_holder: str = ""   # what a dead run's lock file said, when one was taken over
+
+    @staticmethod
+    def check_arguments(path: Any, *, resume: Any, overwrite: Any) -> None:
+        """Refuse what no folder could take, before anything is touched (a RunRequest checks so too)."""
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise RunRefused(f"out: expected a folder path, got {path!r}")
+        if resume and overwrite:
+            raise RunRefused("overwrite: expected either --resume or --overwrite, got both")
 
     @property
     def checkpoint(self) -> Path:

@@ -1614,3 +1614,40 @@ def sdpa_weights_through_a_list(q, k, v, mask=None):
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.tensor(scores.softmax(-1).tolist(), dtype=q.dtype)   # rebuilt from Python numbers
     return weights @ v
+
+
+# ============================================================================ the mistake rows 1.3 and the modules share
+# (one table of scale rows, one of mask rows, since issue 42): a row of each that no attempt above reached
+
+@bug("1.3", "scale")
+def sdpa_scale_times_sqrt_d(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) * math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@bug("1.3", "softmax_dim")
+def sdpa_softmax_over_batch(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=0) @ v
+
+
+@bug("3.3", "causal_mask")
+class MultiMaskHidesDiagonal(_MultiBase):
+    def masked(self, scores, length):
+        return scores.masked_fill(~self.mask[:length, :length].tril(-1), float("-inf"))
+
+
+@bug("3.3", "scale")
+class MultiScaleTimesSqrt(_MultiBase):
+    def scores(self, q, k):
+        return q @ k.transpose(-2, -1) * math.sqrt(self.head_dim)
+
+
+@bug("2.2", "scale")
+class MaskedScaleByEmbedDim(_MaskedBase):
+    def scores(self, q, k):
+        return q @ k.transpose(-2, -1) / q.shape[-1]

@@ -506,3 +506,24 @@ def ablate_returns_none(model, layer, head):
 @bug("11.3", "not_implemented")
 def ablate_not_written(model, layer, head):
     raise NotImplementedError("Exercise 11.3: write ablate_head")
+
+
+@bug("11.3", "ablation_slice", "the head after the chosen one")
+@contextlib.contextmanager
+def ablate_next_head_and_swallow(model, layer, head):
+    """Two slips at once: the wrong head, and exceptions swallowed (the checker's verdict must not vanish)."""
+    attn = model.blocks[layer].attn
+    own = slice((head + 1) % attn.num_heads * attn.head_dim, ((head + 1) % attn.num_heads + 1) * attn.head_dim)
+
+    def hook(module, inputs):
+        x = inputs[0].clone()
+        x[..., own] = 0
+        return (x,)
+
+    handle = attn.proj.register_forward_pre_hook(hook)
+    try:
+        yield model
+    except Exception:
+        pass
+    finally:
+        handle.remove()

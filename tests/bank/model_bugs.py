@@ -1756,3 +1756,79 @@ class GPTDetachedEmbeddings(GPT):
 @correct("7.1")
 def split_transpose_then_chunk_rows(weight):
     return tuple(weight.T.chunk(3, dim=0))                  # one transpose, then rows: already (out, in)
+
+
+# ---------------------------------------------------------------- 4.2: the mistakes a pre-norm and a post-norm block
+# share, each written out both ways (the checker builds them from one pre/post block; these hold its outputs)
+
+@bug("4.2", "mismatch", "self.attn", "never applied")
+class BlockAttentionDropped(GivenBlock):
+    def forward(self, x):
+        return x + self.mlp(self.ln2(x))
+
+
+@bug("4.2", "mismatch", "self.attn", "never applied", norm_first=False)
+class PostBlockAttentionDropped(GivenBlock):
+    def forward(self, x):
+        return self.ln2(x + self.mlp(x))
+
+
+@bug("4.2", "mismatch", "self.mlp", norm_first=False)
+class PostBlockFeedForwardDropped(GivenBlock):
+    def forward(self, x):
+        return self.ln1(x + self.attn(x))
+
+
+@bug("4.2", "mismatch", "ln1 for both")
+class BlockLn1Twice(GivenBlock):
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln1(x))
+
+
+@bug("4.2", "mismatch", "ln2 for both", norm_first=False)
+class PostBlockLn2Twice(GivenBlock):
+    def forward(self, x):
+        x = self.ln2(x + self.attn(x))
+        return self.ln2(x + self.mlp(x))
+
+
+@bug("4.2", "mismatch", "ln1 and ln2 are swapped", norm_first=False)
+class PostBlockNormsSwapped(GivenBlock):
+    def forward(self, x):
+        x = self.ln2(x + self.attn(x))
+        return self.ln1(x + self.mlp(x))
+
+
+@bug("4.2", "mismatch", "never applied", "LayerNorms", norm_first=False)
+class PostBlockNoNorms(GivenBlock):
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+@bug("4.2", "residual", "feed-forward", "no residual")
+class BlockNoMlpResidual(GivenBlock):
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return self.mlp(self.ln2(x))
+
+
+@bug("4.2", "residual", "attention sublayer", "no residual", norm_first=False)
+class PostBlockNoAttnResidual(GivenBlock):
+    def forward(self, x):
+        x = self.ln1(self.attn(x))
+        return self.ln2(x + self.mlp(x))
+
+
+@bug("4.2", "residual", "neither", norm_first=False)
+class PostBlockNoResiduals(GivenBlock):
+    def forward(self, x):
+        return self.ln2(self.mlp(self.ln1(self.attn(x))))
+
+
+@bug("4.2", "norm_placement", "both before", "post-norm", norm_first=False)
+class PostBlockNormalisedTwice(GivenBlock):
+    def forward(self, x):
+        x = self.ln1(x + self.attn(self.ln1(x)))
+        return self.ln2(x + self.mlp(self.ln2(x)))

@@ -1,12 +1,9 @@
-"""The attention mistakes students make, and how to recognise them in a student's output.
+"""The attention mistakes students make (1.3, 2.2, 3.x), and how to recognise them in a student's output.
 
-Attention is written once here with the classic mistakes switchable on. A checker computes
-these alternatives with the same inputs and weights as the student's code: when the
-student's output matches one of them (and not the reference), ``first_match`` names the
-mistake without reading any source. Each mistake is a ``_mistake.Mistake`` whose ``spec``
-holds the switches. When none matches, ``diagnose_weights`` reads the attention weights back
-and says what is wrong with them. Calling the student's code and comparing outputs are in
-``_student_code``.
+Attention is written once here with the classic mistakes switchable on (``sdpa_variant``, ``module_variant``);
+each ``Mistake``'s ``spec`` holds the switches. The first mistake whose output matches the student's names it,
+without reading any source (``engine.first_mistake``; ``first_match`` returns it instead, for notebook 09); when
+none does, ``diagnose_weights`` reads the attention weights back and says what is wrong with them.
 """
 from __future__ import annotations
 
@@ -15,8 +12,8 @@ from typing import Any
 
 import torch
 
+from ..exercises import Mistake
 from ..verdict import fail
-from ._mistake import Mistake
 from ._student_code import matches, sums_to_one
 
 NEG_INF = float("-inf")
@@ -58,11 +55,7 @@ def sdpa_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
                  spec: dict[str, Any]) -> torch.Tensor:
     """scaled_dot_product_attention with the mistakes in ``spec`` (scale, softmax_dim, mask, fill)."""
     mode = spec.get("scale", "sqrt")
-    allowed = mask
-    if mask is not None and spec.get("mask") == "ignored":
-        allowed = None
-    elif mask is not None and spec.get("mask") == "inverted":
-        allowed = ~mask
+    allowed = None if mask is None else {"ignored": None, "inverted": ~mask}.get(spec.get("mask"), mask)
     return attend(q, k, v, allowed, scale=scale_factor(mode, q.shape[-1]), scale_after=mode == "after",
                   softmax_dim=spec.get("softmax_dim", -1), fill=spec.get("fill", "-inf"))
 
@@ -74,7 +67,8 @@ def allowed_pattern(length: int, kind: str = "tril") -> torch.Tensor | None:
             "strict": ones.tril(-1), "ahead": ones.tril(1)}[kind]
 
 
-def _split(t: torch.Tensor, heads: int, how: str) -> torch.Tensor:
+def split_heads_as(t: torch.Tensor, heads: int, how: str) -> torch.Tensor:
+    """split_heads, right ("ok") or wrong ("no_transpose", "interleaved"): (N, L, E) -> (N, heads, L, head_dim)."""
     n, length, embed_dim = t.shape
     head_dim = embed_dim // heads
     if how == "no_transpose":
@@ -84,7 +78,8 @@ def _split(t: torch.Tensor, heads: int, how: str) -> torch.Tensor:
     return t.reshape(n, length, heads, head_dim).transpose(1, 2)            # (N, heads, L, head_dim)
 
 
-def _merge(t: torch.Tensor, how: str) -> torch.Tensor:
+def merge_heads_as(t: torch.Tensor, how: str) -> torch.Tensor:
+    """merge_heads, right ("ok") or wrong ("bare", "interleaved"): (N, heads, L, head_dim) -> (N, L, E)."""
     n, heads, length, head_dim = t.shape
     if how == "bare":
         return t.reshape(n, length, heads * head_dim)
@@ -112,13 +107,13 @@ def module_variant(x: torch.Tensor, params: dict[str, torch.Tensor], heads: int,
         q, k = k, q
     split = spec.get("split", "ok")
     used_heads = 1 if split == "single" else heads
-    q, k = (_split(t, used_heads, split) for t in (q, k))                    # (N, heads, L, head_dim)
-    v = _split(v, used_heads, spec.get("split_v", split))
+    q, k = (split_heads_as(t, used_heads, split) for t in (q, k))                    # (N, heads, L, head_dim)
+    v = split_heads_as(v, used_heads, spec.get("split_v", split))
     mode = spec.get("scale", "sqrt")
     out = attend(q, k, v, allowed_pattern(length, spec.get("mask", "tril")),
                  scale=scale_factor(mode, head_dim, embed_dim), scale_after=mode == "after",
                  softmax_dim=spec.get("softmax_dim", -1), fill=spec.get("fill", "-inf"))
-    out = _merge(out, spec.get("merge", "ok"))                               # (N, L, E)
+    out = merge_heads_as(out, spec.get("merge", "ok"))                               # (N, L, E)
     return out @ params["proj.weight"].T if spec.get("proj", True) else out
 
 
@@ -129,65 +124,75 @@ _SOFTMAX_KEYS = ("Your attention weights sum to one down the columns, not across
                  "giving one distribution per query.")
 _SOFTMAX_IMPLICIT = ("Your softmax normalises over the wrong axis: F.softmax without `dim=` picks an axis "
                      "for you (here a batch axis). Always pass the axis of the keys, the last one of the scores.")
-_SCALE_NONE = ("Your scores are not scaled: divide the dot products by the square root of the size of the "
-               "vectors before the softmax, so the logits keep unit variance.")
-_SCALE_D = ("You divide the scores by the dimension itself; divide by its square root instead.")
-_SCALE_AFTER = ("You apply the 1/sqrt(d) factor after the softmax. It belongs to the scores that go into "
-                "the softmax; applied afterwards it only shrinks the output (each row then sums to "
-                "1/sqrt(d) instead of one).")
-_SCALE_TIMES = "You multiply the scores by sqrt(d); they should be divided by it."
+# The scale mistakes of a function and of a module alike: {size}, {dim} and {d} name the dimension.
+_SCALES = {
+    "none": "Your scores are not scaled: divide the dot products by the square root of {size} before the softmax, "
+            "so the logits keep unit variance.",
+    "d": "You divide the scores by {dim} itself; divide by its square root instead.",
+    "after": "You apply the 1/sqrt({d}) factor after the softmax. It belongs to the scores that go into the softmax; "
+             "applied afterwards it only shrinks the output (each row then sums to 1/sqrt({d}) instead of one).",
+    "times": "You multiply the scores by sqrt({d}); they should be divided by it.",
+}
+
+
+def _scales(size: str, dim: str, d: str) -> dict[str, str]:
+    return {mode: why.format(size=size, dim=dim, d=d) for mode, why in _SCALES.items()}
+
+
+def _rows(code: str, switch: str, why: dict[Any, str]) -> tuple[Mistake, ...]:
+    """One mistake per value of one switch of the variant (``spec={switch: value}``), in order."""
+    return tuple(Mistake(code, message, {switch: value}) for value, message in why.items())
+
+
 _FILL_ZERO = ("Masked positions still get weight: filling their scores with 0 leaves exp(0) = 1 in the "
               "softmax. Fill them with -inf (float('-inf')) so they get exactly zero weight.")
 _POST = ("You zero the masked weights after the softmax, so each row no longer sums to one. Mask the "
          "scores before the softmax instead (or renormalise every row after zeroing).")
 
 SDPA_HYPOTHESES: tuple[Mistake, ...] = (
-    Mistake("softmax_dim", _SOFTMAX_KEYS, {"softmax_dim": -2}),
-    Mistake("softmax_dim", _SOFTMAX_IMPLICIT, {"softmax_dim": "implicit"}),
-    Mistake("softmax_dim", "Your softmax runs over dim=1, which is not the key axis when q has more than "
-                              "3 dimensions. Use the last axis (dim=-1) so any batch shape works.",
-               {"softmax_dim": 1}),
-    Mistake("softmax_dim", "Your softmax normalises across the batch (dim 0) instead of over the keys "
-                              "(dim=-1).", {"softmax_dim": 0}),
-    Mistake("scale", _SCALE_NONE, {"scale": "none"}),
-    Mistake("scale", _SCALE_D, {"scale": "d"}),
-    Mistake("scale", _SCALE_AFTER, {"scale": "after"}),
-    Mistake("scale", _SCALE_TIMES, {"scale": "times"}),
-    Mistake("causal_mask", "Your function ignores `mask`: keys where the mask is False still get weight. "
-                              "Set their scores to -inf before the softmax.", {"mask": "ignored"}),
-    Mistake("causal_mask", "Your mask is applied the wrong way round: you hide the keys where the mask is "
-                              "True. In this course True means 'may attend', so hide the positions where it "
-                              "is False.", {"mask": "inverted"}),
+    *_rows("softmax_dim", "softmax_dim", {
+        -2: _SOFTMAX_KEYS,
+        "implicit": _SOFTMAX_IMPLICIT,
+        1: "Your softmax runs over dim=1, which is not the key axis when q has more than 3 dimensions. Use the "
+           "last axis (dim=-1) so any batch shape works.",
+        0: "Your softmax normalises across the batch (dim 0) instead of over the keys (dim=-1)."}),
+    *_rows("scale", "scale", _scales("the size of the vectors", "the dimension", "d")),
+    *_rows("causal_mask", "mask", {
+        "ignored": "Your function ignores `mask`: keys where the mask is False still get weight. Set their scores "
+                   "to -inf before the softmax.",
+        "inverted": "Your mask is applied the wrong way round: you hide the keys where the mask is True. In this "
+                    "course True means 'may attend', so hide the positions where it is False."}),
     Mistake("causal_mask", _FILL_ZERO, {"fill": "zero"}),
     Mistake("normalization", _POST, {"fill": "post"}),
 )
 
-_MASK_NONE = ("The future leaks: the output at a position changes when later tokens change. Apply the "
-              "causal mask to the scores before the softmax.")
+# A module's causal mask, wrong: the allowed_pattern it builds instead of the lower triangle.
+_MASKS = {
+    "none": "The future leaks: the output at a position changes when later tokens change. Apply the causal mask "
+            "to the scores before the softmax.",
+    "triu": "Your mask points the wrong way: each position attends to itself and the future (upper triangle) "
+            "instead of the past (lower triangle).",
+    "inverted": "Your mask is inverted: you hide exactly the positions that should be visible (so the last token "
+                "has no key left, which gives NaN). True in the causal mask means 'may attend': hide the positions "
+                "where it is False.",
+    "strict": "Each position must also see itself: your mask hides the diagonal (and the first token then has no "
+              "key at all, which gives NaN).",
+    "ahead": "Your mask is off by one: each position also sees the next token. Keep the diagonal and everything "
+             "below it, nothing above.",
+}
 
 MODULE_HYPOTHESES: tuple[Mistake, ...] = (
-    Mistake("softmax_dim", _SOFTMAX_KEYS, {"softmax_dim": -2}),
-    Mistake("softmax_dim", "Your softmax normalises across the batch (dim 0) instead of over the keys; "
-                              "F.softmax without `dim=` does this for 3-D scores. Pass the key axis (dim=-1).",
-               {"softmax_dim": 0}),
-    Mistake("softmax_dim", "Your softmax normalises across the heads (dim 1) instead of over the keys "
-                              "(the last axis of the scores).", {"softmax_dim": 1}),
-    Mistake("scale", _SCALE_NONE.replace("the size of the vectors", "{d}"), {"scale": "none"}),
-    Mistake("scale", _SCALE_D.replace("the dimension", "{d}"), {"scale": "d"}),
-    Mistake("scale", "You scale by 1/sqrt(embed_dim), but each head works in head_dim = embed_dim // "
-                        "num_heads dimensions: scale by 1/sqrt(head_dim).", {"scale": "embed_dim"}),
-    Mistake("scale", _SCALE_AFTER.replace("1/sqrt(d)", "1/sqrt({d})"), {"scale": "after"}),
-    Mistake("scale", _SCALE_TIMES.replace("sqrt(d)", "sqrt({d})"), {"scale": "times"}),
-    Mistake("causal_mask", _MASK_NONE, {"mask": "none"}),
-    Mistake("causal_mask", "Your mask points the wrong way: each position attends to itself and the "
-                              "future (upper triangle) instead of the past (lower triangle).", {"mask": "triu"}),
-    Mistake("causal_mask", "Your mask is inverted: you hide exactly the positions that should be visible "
-                              "(so the last token has no key left, which gives NaN). True in the causal mask "
-                              "means 'may attend': hide the positions where it is False.", {"mask": "inverted"}),
-    Mistake("causal_mask", "Each position must also see itself: your mask hides the diagonal (and the "
-                              "first token then has no key at all, which gives NaN).", {"mask": "strict"}),
-    Mistake("causal_mask", "Your mask is off by one: each position also sees the next token. Keep the "
-                              "diagonal and everything below it, nothing above.", {"mask": "ahead"}),
+    *_rows("softmax_dim", "softmax_dim", {
+        -2: _SOFTMAX_KEYS,
+        0: "Your softmax normalises across the batch (dim 0) instead of over the keys; F.softmax without `dim=` "
+           "does this for 3-D scores. Pass the key axis (dim=-1).",
+        1: "Your softmax normalises across the heads (dim 1) instead of over the keys (the last axis of the "
+           "scores)."}),
+    *_rows("scale", "scale", {
+        **_scales("{d}", "{d}", "{d}"),   # {d}: head_dim or embed_dim, filled in by the module's check
+        "embed_dim": "You scale by 1/sqrt(embed_dim), but each head works in head_dim = embed_dim // num_heads "
+                     "dimensions: scale by 1/sqrt(head_dim)."}),
+    *_rows("causal_mask", "mask", _MASKS),
     Mistake("causal_mask", _FILL_ZERO, {"fill": "zero"}),
     Mistake("normalization", _POST, {"fill": "post"}),
     Mistake("head_split", "Your heads are cut along the sequence instead of along the features: reshaping "

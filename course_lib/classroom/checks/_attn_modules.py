@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..verdict import Failure, fail
-from ._attn_hypotheses import MODULE_HYPOTHESES, diagnose_weights, first_match, module_variant, shape_str
+from ._attn_hypotheses import MODULE_HYPOTHESES, diagnose_weights, module_variant, shape_str
 from ._gradients import check_module_gradients
 from ._student_code import (
     call,
@@ -18,10 +18,12 @@ from ._student_code import (
     expect_finite,
     expect_parameters,
     load_parameters,
+    matches,
     max_diff,
     module_output,
     reraise_with,
 )
+from .engine import first_mistake
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -39,21 +41,6 @@ class Run:
     what: str   # how messages name this call, e.g. "MaskedAttention.forward(x) with x of shape (2, 8, 16)"
 
 
-@dataclass
-class Probes:
-    """What the student's module answered to the diagnosis probes (eval mode)."""
-    batch_what: str
-    together: torch.Tensor                      # (3, L, E): three sequences in one batch
-    alone: list[torch.Tensor]                   # 3 x (1, L, E): each of them on its own
-    head_before: torch.Tensor | None            # (2, L, E) with proj = identity (None with one head)
-    head_after: torch.Tensor | None             # the same after changing head 1's query weights
-    weights_heads: int
-    weights_x: torch.Tensor                     # (1, L, E) with L <= head_dim
-    weights_out: torch.Tensor                   # with value = proj = identity: the weights times x
-    future_out: torch.Tensor                    # (2, L, E)
-    future_changed: list[tuple[int, torch.Tensor]]   # (t, the output with the tokens after t changed)
-
-
 # What the parameter check tells a student whose module is built differently.
 PARAMETER_ADVICE = ("The constructor should create exactly four nn.Linear(embed_dim, embed_dim, bias=False) "
                     "layers named query, key, value and proj (the names are how the checker copies the "
@@ -68,19 +55,18 @@ def random_params(generator: torch.Generator) -> dict[str, torch.Tensor]:
             for name in PARAMETERS}
 
 
+@dataclass
 class ModuleCheck:
     """Everything one exercise (2.2 or 3.3) does with the student's class."""
 
-    def __init__(self, name: str, make_candidate: Callable[[int, float], Any],
-                 make_reference: Callable[[int, float], nn.Module], heads: tuple[int, ...]):
-        self.name = name
-        self.make_candidate = make_candidate
-        self.make_reference = make_reference
-        self.heads = heads
-        self.generator = torch.Generator().manual_seed(1234)
-        self.models: dict[int, nn.Module] = {}
-        self.references: dict[int, nn.Module] = {}
-        self.runs: list[Run] = []
+    name: str
+    make_candidate: Callable[[int, float], Any]
+    make_reference: Callable[[int, float], nn.Module]
+    heads: tuple[int, ...]
+    generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(1234))
+    models: dict[int, nn.Module] = field(default_factory=dict)
+    references: dict[int, nn.Module] = field(default_factory=dict)
+    runs: list[Run] = field(default_factory=list)
 
     def what(self, shape: tuple[int, ...], heads: int) -> str:
         extra = f", num_heads={heads}" if len(self.heads) > 1 else ""
@@ -134,18 +120,44 @@ class ModuleCheck:
     def diagnose(self, bad: list[Run]) -> None:
         """Called with the runs whose outputs differ from the reference: raise the most specific Failure we can.
 
-        The probes' answers are read from the student's module first; then every judgement runs in turn,
-        from a known mistake that reproduces the output exactly to "something after the softmax"."""
+        The probes' answers are read from the student's module first (in eval mode), then every judgement runs
+        in turn, from a known mistake that reproduces the output exactly to "something after the softmax". A probe
+        that raises is reported at once, before any judgement: the cases before already ran batch sizes 1 to 3
+        and lengths 1 to 8, so it has found a bug of its own."""
         heads = max(self.heads)
-        probes = self.probe_answers(heads, 2 if 2 in self.heads else self.heads[0])
+        weights_heads = 2 if 2 in self.heads else self.heads[0]
+        model = self.models[heads]
+        what = lambda x, h=heads: self.what(tuple(x.shape), h)
+        batch_x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=self.generator)    # (3, L, E)
+        together = module_output(model, batch_x, what(batch_x))
+        alone = [module_output(model, batch_x[i:i + 1], what(batch_x[i:i + 1])) for i in range(3)]   # (1, L, E)
+        head_before = head_after = None
+        if heads > 1:   # with proj = identity; then with head 1's query weights changed
+            params = dict(self.runs[0].params, **{"proj.weight": torch.eye(EMBED_DIM)})
+            x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
+            head_before = module_output(model, x, what(x), params=params)
+            head_dim = EMBED_DIM // heads
+            query = params["query.weight"].clone()
+            query[head_dim:2 * head_dim] = torch.randn(head_dim, EMBED_DIM, generator=self.generator)
+            head_after = module_output(model, x, what(x), params=dict(params, **{"query.weight": query}))
+        eye = torch.eye(EMBED_DIM)   # with value = proj = identity the output is the weights times x, L <= head_dim
+        weights_x = torch.randn(1, min(6, EMBED_DIM // weights_heads), EMBED_DIM, generator=self.generator)
+        weights_out = module_output(self.models[weights_heads], weights_x, what(weights_x, weights_heads),
+                                    params=dict(self.runs[0].params, **{"value.weight": eye, "proj.weight": eye}))
+        future_x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
+        future_out = module_output(model, future_x, what(future_x))
+        future_changed = []   # (t, the output with the tokens after t changed)
+        for t in (0, MAX_TOKENS // 2, MAX_TOKENS - 2):
+            changed = future_x.clone()
+            changed[:, t + 1:] = torch.randn(2, MAX_TOKENS - t - 1, EMBED_DIM, generator=self.generator)
+            future_changed.append((t, module_output(model, changed, what(changed))))
+
         several = any(h > 1 for h in self.heads)
         hypotheses = [h for h in MODULE_HYPOTHESES
                       if several or not ({"split", "merge"} & set(h.spec) or h.spec.get("scale") == "embed_dim")]
-        found = first_match(hypotheses, [run.out for run in self.runs],
-                            lambda i, spec: module_variant(self.runs[i].x, self.runs[i].params,
-                                                           self.runs[i].heads, spec))
-        if found is not None:
-            fail(found.code, found.message.format(d="head_dim" if several else "embed_dim"))
+        reproduces = lambda mistake: all(matches(run.out, module_variant(run.x, run.params, run.heads, mistake.spec))
+                                         for run in self.runs)
+        first_mistake(hypotheses, reproduces, d="head_dim" if several else "embed_dim")
         if all(run.x.shape[1] < MAX_TOKENS for run in bad):
             fail("causal_mask", f"Your output is right for sequences of max_tokens={MAX_TOKENS} tokens but wrong "
                                 f"for shorter ones (e.g. x of shape {shape_str(bad[0].x.shape)}): the causal "
@@ -155,26 +167,26 @@ class ModuleCheck:
 
         # Rows never mix: each sequence of a batch gives what it gives alone. This comes before the future,
         # since a reshape that mixes rows also "leaks" positions.
-        for i, alone in enumerate(probes.alone):
-            if not close(alone[0], probes.together[i], nan_ok=True):
-                fail("batch_mixing", f"{probes.batch_what}: sequence {i} gives a different output in a batch of 3 "
+        for i, one in enumerate(alone):
+            if not close(one[0], together[i], nan_ok=True):
+                fail("batch_mixing", f"{what(batch_x)}: sequence {i} gives a different output in a batch of 3 "
                                      f"than alone, so your reshapes mix the sequences of the batch. Keep the batch "
                                      f"axis first and untouched: view (N, L, E) as (N, L, heads, head_dim) with N "
                                      f"and L from x.shape, then transpose(1, 2).")
 
         # Heads stay apart: with proj = identity, changing the query weights of head 1 may only change head 1's
         # block of output features.
-        if probes.head_before is not None and probes.head_after is not None:
+        if head_before is not None and head_after is not None:
             head_dim = EMBED_DIM // heads
             block = slice(head_dim, 2 * head_dim)
             others = torch.ones(EMBED_DIM, dtype=torch.bool)
             others[block] = False
-            if not close(probes.head_after[..., others], probes.head_before[..., others]):
+            if not close(head_after[..., others], head_before[..., others]):
                 fail("head_split", "Heads are mixed: changing only the query weights of head 1 (features "
                                    f"{head_dim}..{2 * head_dim - 1}) changed the output of other heads. Each head "
                                    "must work on its own contiguous block of head_dim features, from the split to "
                                    "the merge.")
-            if close(probes.head_after[..., block], probes.head_before[..., block]):
+            if close(head_after[..., block], head_before[..., block]):
                 fail("head_split", "Head 1 ignores its own query features: changing the query weights of head 1 "
                                    "did not change its output. Each head must use its own block of head_dim "
                                    "features.")
@@ -182,10 +194,10 @@ class ModuleCheck:
         # The weights, read back: with value = proj = identity the output is the weights times x. Reading them
         # assumes heads are kept apart (judged above); it comes before the future because a softmax over the
         # wrong axis also leaks the future.
-        x, w_heads = probes.weights_x, probes.weights_heads
+        x, w_heads = weights_x, weights_heads
         length, head_dim = x.shape[1], EMBED_DIM // w_heads
         split = lambda t: t.double().reshape(length, w_heads, head_dim).transpose(0, 1)   # (heads, L, head_dim)
-        weights = split(probes.weights_out) @ torch.linalg.pinv(split(x))                 # (heads, L, L)
+        weights = split(weights_out) @ torch.linalg.pinv(split(x))                 # (heads, L, L)
         params = self.runs[0].params
         q = split(x.double() @ params["query.weight"].double().T)                         # (heads, L, head_dim)
         k = split(x.double() @ params["key.weight"].double().T)
@@ -194,8 +206,8 @@ class ModuleCheck:
                          hidden="future positions", scale_name="1/sqrt(head_dim)")
 
         # The future never leaks: changing the tokens after position t leaves the outputs up to t as they were.
-        for t, changed in probes.future_changed:
-            if not close(changed[:, :t + 1], probes.future_out[:, :t + 1]):
+        for t, changed in future_changed:
+            if not close(changed[:, :t + 1], future_out[:, :t + 1]):
                 fail("causal_mask", f"The future leaks: changing the tokens after position {t} changes your "
                                     f"output at position {t} or before. Each query may only attend to keys at "
                                     f"its own position or earlier; mask the scores before the softmax.")
@@ -204,39 +216,6 @@ class ModuleCheck:
                          f"to {max_diff(run.out, run.expected):.3g}, although the attention weights look right: "
                          f"check what happens after the softmax (the values, merging the heads, the output "
                          f"projection `proj`).")
-
-    def probe_answers(self, heads: int, weights_heads: int) -> Probes:
-        """The student's module on every diagnosis probe's input, in eval mode, before any judging.
-
-        An exception here is reported at once, before any judgement: the cases before already ran batch
-        sizes 1 to 3 and lengths 1 to 8, so a probe that raises has found a bug of its own."""
-        model = self.models[heads]
-        what = lambda x, h=heads: self.what(tuple(x.shape), h)
-        batch_x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=self.generator)    # (3, L, E)
-        together = module_output(model, batch_x, what(batch_x))
-        alone = [module_output(model, batch_x[i:i + 1], what(batch_x[i:i + 1])) for i in range(3)]   # (1, L, E)
-        head_before = head_after = None
-        if heads > 1:
-            params = dict(self.runs[0].params, **{"proj.weight": torch.eye(EMBED_DIM)})
-            x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
-            head_before = module_output(model, x, what(x), params=params)
-            head_dim = EMBED_DIM // heads
-            query = params["query.weight"].clone()
-            query[head_dim:2 * head_dim] = torch.randn(head_dim, EMBED_DIM, generator=self.generator)
-            head_after = module_output(model, x, what(x), params=dict(params, **{"query.weight": query}))
-        eye = torch.eye(EMBED_DIM)
-        weights_x = torch.randn(1, min(6, EMBED_DIM // weights_heads), EMBED_DIM, generator=self.generator)
-        weights_out = module_output(self.models[weights_heads], weights_x, what(weights_x, weights_heads),
-                                    params=dict(self.runs[0].params, **{"value.weight": eye, "proj.weight": eye}))
-        future_x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=self.generator)
-        future_out = module_output(model, future_x, what(future_x))
-        future_changed = []
-        for t in (0, MAX_TOKENS // 2, MAX_TOKENS - 2):
-            changed = future_x.clone()
-            changed[:, t + 1:] = torch.randn(2, MAX_TOKENS - t - 1, EMBED_DIM, generator=self.generator)
-            future_changed.append((t, module_output(model, changed, what(changed))))
-        return Probes(what(batch_x), together, alone, head_before, head_after, weights_heads, weights_x,
-                      weights_out, future_out, future_changed)
 
     # -------------------------------------------------------------------- training mode
 

@@ -1,34 +1,32 @@
-"""The exercise registry: each exercise's title, hints and solution (read from its notebook).
+"""Hints and solutions of the exercises declared in ``classroom.exercises``, and how far each has gone.
 
-The verdict and its diagnoses live in ``classroom.verdict``; the harness that runs a checker
-(isolation, time limit) in ``_harness``; calls into student code in ``_student_code``.
+The verdict and its diagnoses live in ``classroom.verdict``; one run of a checker, which keeps the last
+verdict of each exercise that the hints follow, in ``engine.run``.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ... import _validate as validate
-from ..notebook_reader import marker  # the solution markers, as every tool reads them
+from ..exercises import Exercise, exercise
+from ..notebook_reader import marked_exercises, marker, read_cells  # the solution markers, as every tool reads them
 from ..verdict import CheckResult
-from . import _counterexample
 from ._nudges import nudge
+from .engine.run import last
 
-__all__ = ["EXERCISES", "register", "hint", "show_solution", "solution_source", "Shown"]
+__all__ = ["hint", "show_solution", "solution_source", "hint_state", "Shown"]
 
 
 @dataclass
-class Exercise:
-    exercise: str
-    title: str
-    hints: list[str]
-    notebook: str          # the notebook's number, "02": its solution region is read from there
+class HintState:
+    """How far ``checks.hint`` went for one exercise in this kernel: the spec's hints shown, and the failed
+    verdict the hints follow now with the step reached."""
+
     shown: int = 0
-    has_solution: bool = True   # False where the notebook has no solution region (8.1 assembles parts)
-    followed: Any = None        # the failed verdict the hints follow now, and how far they went
+    followed: Any = None
     step: int = 0
 
 
@@ -40,27 +38,13 @@ class Shown(str):
         return None
 
 
-EXERCISES: dict[str, Exercise] = {}
+_STATES: dict[str, HintState] = {}
 
 
-def register(exercise: str, title: str, hints: list[str], has_solution: bool = True) -> None:
-    """Declare an exercise: its id ("2.1"), a title and two or three hints. The solution is read from
-    the exercise's notebook; ``has_solution=False`` says the notebook has none (8.1 assembles parts)."""
-    if not re.fullmatch(r"\d+\.\d+", str(exercise)):
-        raise ValueError(f"exercise: expected an id such as '2.1', got {exercise!r}")
-    EXERCISES[exercise] = Exercise(exercise, title, list(hints), f"{int(exercise.split('.')[0]):02d}",
-                                   has_solution=has_solution)
-
-
-def _lookup(exercise: Any) -> Exercise:
-    key = str(exercise)
-    if key not in EXERCISES:
-        raise ValueError(f"exercise_id: expected one of {sorted(EXERCISES, key=_order)}, got {exercise!r}")
-    return EXERCISES[key]
-
-
-def _order(exercise: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in exercise.split("."))
+def hint_state(exercise_id: str) -> HintState:
+    """The hint state of an exercise in this kernel (tests reset it)."""
+    entry = exercise(exercise_id)
+    return _STATES.setdefault(entry.id, HintState())
 
 
 def hint(exercise_id: str) -> Shown:
@@ -69,30 +53,31 @@ def hint(exercise_id: str) -> Shown:
     After a failed check of the exercise the hints follow that verdict: first a nudge written for its
     mistake, then a counter-example (the smallest input on which your code and the reference differ,
     side by side), then the next step of the spec. Without one, the spec's hints in order."""
-    entry = _lookup(exercise_id)
-    result = _counterexample.last(entry.exercise)
+    entry = exercise(exercise_id)
+    state = hint_state(entry.id)
+    result = last(entry.id)
     if result is not None and not result.passed and result.diagnosis not in ("not_implemented", "checker_error"):
-        if entry.followed is not result:
-            entry.followed, entry.step = result, 0
-        text = _following(entry, result)
+        if state.followed is not result:
+            state.followed, state.step = result, 0
+        text = _following(entry, state, result)
     else:
-        text = _spec_hint(entry)
+        text = _spec_hint(entry, state)
     print(text)
     return Shown(text)
 
 
-def _spec_hint(entry: Exercise) -> str:
-    level = min(entry.shown, len(entry.hints) - 1)
-    entry.shown += 1
-    return f"Hint {level + 1}/{len(entry.hints)} for exercise {entry.exercise} ({entry.title}): {entry.hints[level]}"
+def _spec_hint(entry: Exercise, state: HintState) -> str:
+    level = min(state.shown, len(entry.hints) - 1)
+    state.shown += 1
+    return f"Hint {level + 1}/{len(entry.hints)} for exercise {entry.id} ({entry.title}): {entry.hints[level]}"
 
 
-def _following(entry: Exercise, result: CheckResult) -> str:
+def _following(entry: Exercise, state: HintState, result: CheckResult) -> str:
     """Hints that follow the last failed verdict: the nudge, the counter-example, then the spec's steps."""
     example = result.details.get("counterexample") if isinstance(result.details, dict) else None
     steps = ["nudge"] + (["example"] if example is not None else [])
-    step, entry.step = entry.step, entry.step + 1
-    head = f"Hint for exercise {entry.exercise} ({entry.title}), after your last check ({result.diagnosis})"
+    step, state.step = state.step, state.step + 1
+    head = f"Hint for exercise {entry.id} ({entry.title}), after your last check ({result.diagnosis})"
     if step < len(steps) and steps[step] == "nudge":
         more = " The next hint shows a counter-example." if example is not None else ""
         return f"{head}: {nudge(result.diagnosis, example=example is not None)}{more}"
@@ -100,57 +85,50 @@ def _following(entry: Exercise, result: CheckResult) -> str:
         given = "inputs and weights" if any(name.startswith("self.") for name, _ in example.notes) else "inputs"
         return (f"{head}: a counter-example.\n{example.text()}\nFind the first entry that differs and work it "
                 f"out by hand from the {given} above.")
-    return _spec_hint(entry)
+    return _spec_hint(entry, state)
 
 
 def _notebook(entry: Exercise) -> Path:
     from ...course_files import notebooks_dir
     found = sorted(notebooks_dir().glob(f"{entry.notebook}_*.ipynb"))
     if not found:
-        raise FileNotFoundError(f"exercise {entry.exercise}: expected notebook {entry.notebook}_*.ipynb in "
+        raise FileNotFoundError(f"exercise {entry.id}: expected notebook {entry.notebook}_*.ipynb in "
                                 f"{notebooks_dir()}, found none")
     return found[0]
 
 
 def solution_source(exercise_id: str) -> str:
     """The code cell holding the exercise's solution region, as written in its solution notebook."""
-    entry = _lookup(exercise_id)
+    entry = exercise(exercise_id)
     path = _notebook(entry)
-    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-    for cell in cells:
-        if cell.get("cell_type") != "code":
-            continue
-        source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
-        lines = source.splitlines()
-        for i, line in enumerate(lines):
-            found = marker(line)
-            if found is not None and found.kind == "begin" and found.exercise == entry.exercise:
-                if not any((m := marker(rest)) is not None and m.kind == "end" for rest in lines[i + 1:]):
-                    raise ValueError(f"{path.name}: the solution region of exercise {entry.exercise} has no "
-                                     f"### END SOLUTION")
-                return source
-    raise LookupError(f"{path.name}: expected a code cell with '### BEGIN SOLUTION (Exercise {entry.exercise}: "
+    for cell in read_cells(path):
+        if cell.cell_type == "code" and entry.id in marked_exercises(cell.source):
+            if not any((m := marker(line)) is not None and m.kind == "end" for line in cell.source.splitlines()):
+                raise ValueError(f"{path.name}: the solution region of exercise {entry.id} has no "
+                                 f"### END SOLUTION")
+            return cell.source
+    raise LookupError(f"{path.name}: expected a code cell with '### BEGIN SOLUTION (Exercise {entry.id}: "
                       f"...)', found none")
 
 
 def show_solution(exercise_id: str, force: bool = False) -> Shown:
     """Print the exercise's solution cell from its notebook, once you have tried: after a check of the
     exercise has run in this kernel, or with ``force=True`` (instructors)."""
-    entry = _lookup(exercise_id)
+    entry = exercise(exercise_id)
     validate.boolean("force", force)
     if not entry.has_solution:
-        text = (f"Exercise {entry.exercise} ({entry.title}) has no solution to show: notebook {entry.notebook} "
-                f"assembles the parts you wrote in earlier notebooks. Use checks.hint({entry.exercise!r}).")
+        text = (f"Exercise {entry.id} ({entry.title}) has no solution to show: notebook {entry.notebook} "
+                f"assembles the parts you wrote in earlier notebooks. Use checks.hint({entry.id!r}).")
         print(text)
         return Shown(text)
-    if not force and _counterexample.last(entry.exercise) is None:
-        text = (f"Try exercise {entry.exercise} ({entry.title}) first: run its check cell at least once, and "
-                f"checks.hint({entry.exercise!r}) when stuck. The solution is shown after a checked attempt "
-                f"(or with checks.show_solution({entry.exercise!r}, force=True)).")
+    if not force and last(entry.id) is None:
+        text = (f"Try exercise {entry.id} ({entry.title}) first: run its check cell at least once, and "
+                f"checks.hint({entry.id!r}) when stuck. The solution is shown after a checked attempt "
+                f"(or with checks.show_solution({entry.id!r}, force=True)).")
         print(text)
         return Shown(text)
-    code, summary = _without_markers(solution_source(entry.exercise))
-    text = (f"# Solution of exercise {entry.exercise} ({entry.title}), from notebook {_notebook(entry).name}"
+    code, summary = _without_markers(solution_source(entry.id))
+    text = (f"# Solution of exercise {entry.id} ({entry.title}), from notebook {_notebook(entry).name}"
             + (f"\n# {summary}" if summary else "") + f"\n{code}")
     print(text)
     return Shown(text)

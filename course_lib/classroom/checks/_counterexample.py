@@ -1,36 +1,12 @@
-"""Counter-examples: the smallest input on which the student's code and the reference differ.
-
-When a check fails, the harness asks :func:`attach` for a counter-example: the searcher registered
-for the exercise (``_searches``) runs the student's code and the reference on growing tiny inputs
-(a 1x1 case first, then 2x2, 3x3, ...) and keeps the first on which they differ. The
-:class:`Example` rides on the verdict (``details["counterexample"]``); :func:`remember` keeps the
-last verdict of each exercise for ``checks.hint`` and ``checks.show_solution``.
-
-The API, for a checker module that wants to register its own searcher::
-
-    @searcher("9.2")
-    def _rotary(fn) -> Example | None:
-        for x, cos, sin in tiny_inputs():
-            mine, theirs = run_both(lambda: fn(x, cos, sin), lambda: ref(x, cos, sin))
-            if differs(mine, theirs):
-                return Example("apply_rotary(x, cos, sin)", [("x", x)], mine, theirs)
-        return None
-
-A searcher never raises (an error in the student's code just ends the search) and never changes
-the student's state: it runs inside the check, under the harness's isolation and time limit.
-"""
+"""A counter-example (:class:`Example`) as ``checks.hint`` shows it: the smallest input on which the student's
+code and the reference differ, found by ``engine.example`` and carried on the verdict
+(``details["counterexample"]``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-
-from ._student_code import close
-
-# Diagnoses with nothing to show side by side: no output, a crash, or a verdict about the course
-_NOTHING_TO_SHOW = ("not_implemented", "exception", "timeout", "checker_error", "missing", "crashed", "mutation")
 
 
 @dataclass
@@ -90,10 +66,6 @@ def _side_by_side(yours: torch.Tensor, expected: torch.Tensor) -> list[str]:
     return [f"{a.ljust(width)}  |  {b}" for a, b in zip(left, right)]
 
 
-def differs(yours: Any, expected: torch.Tensor) -> bool:
-    return not (isinstance(yours, torch.Tensor) and yours.shape == expected.shape and close(yours, expected))
-
-
 def first_difference(cases: Sequence[Callable[[], Example | None]]) -> Example | None:
     """Run the cases in order (smallest first); the first that returns an Example wins."""
     for case in cases:
@@ -104,46 +76,3 @@ def first_difference(cases: Sequence[Callable[[], Example | None]]) -> Example |
         if found is not None:
             return found
     return None
-
-
-# ---------------------------------------------------------------- registry and memory
-
-_SEARCHERS: dict[str, Callable[..., Example | None]] = {}
-_LAST: dict[str, Any] = {}
-
-
-def searcher(exercise: str) -> Callable[[Callable[..., Example | None]], Callable[..., Example | None]]:
-    def register(fn: Callable[..., Example | None]) -> Callable[..., Example | None]:
-        _SEARCHERS[exercise] = fn
-        return fn
-    return register
-
-
-def attach(exercise: str, failure: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Put a counter-example on a Failure of ``exercise`` (details["counterexample"]) when one is found."""
-    if failure.diagnosis in _NOTHING_TO_SHOW or "counterexample" in failure.details or not args:
-        return
-    search = _SEARCHERS.get(exercise)
-    if search is None:
-        return
-    try:
-        example = search(args[0])
-    except BaseException as exc:  # noqa: BLE001 - the time limit, or anything else: no counter-example
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        return
-    if example is not None:
-        failure.details["counterexample"] = example
-
-
-def remember(result: Any) -> None:
-    """Keep the last verdict of each exercise (for hint and show_solution)."""
-    _LAST[result.exercise] = result
-
-
-def last(exercise: str) -> Any | None:
-    return _LAST.get(exercise)
-
-
-def forget() -> None:
-    _LAST.clear()

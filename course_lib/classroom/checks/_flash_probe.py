@@ -1,14 +1,11 @@
 """Watching a student's attention run: every tensor it creates, and every block of scores it computes.
 
 A ``TorchDispatchMode`` sees each ATen operation below autograd, so a matrix built by any route
-(``@``, einsum, a loop of ``torch.outer``...) is seen with its shape. Two things are read back:
-
-- the largest tensor created (per head): an L x L one means the full score matrix was materialised;
-- the score products, the matrix products that contract over the head size d: their output area is
-  the share of the score matrix actually computed (causal masking should skip about half).
+(``@``, einsum, a loop of ``torch.outer``...) is seen with its shape (``Record`` lists what is read back).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,15 +14,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 _PRODUCTS = {"mm", "bmm", "mv", "dot", "addmm", "baddbmm", "addmv", "addbmm"}
+_REDUCTIONS = {"_softmax", "_log_softmax", "logsumexp", "amax", "max", "sum", "mean", "amin", "min", "cumsum"}
 
 
 @dataclass
 class Record:
-    largest: tuple[int, ...] = ()          # the shape of the largest tensor any operation returned
+    """A reduction over a whole row at once is not a tiled loop; an empty slice along the positions is a loop
+    bound one block too far."""
+
+    largest: tuple[int, ...] = ()          # the largest tensor returned: L x L is the full score matrix
     largest_numel: int = 0
-    score_elements: int = 0                # scores computed: output elements of products over d
+    score_elements: int = 0                # output elements of products over d: the share of scores computed
     largest_tile: tuple[int, ...] = ()     # the largest single score product's last two axes
     fused: list[str] = field(default_factory=list)   # fused attention kernels called
+    reduced: list[tuple[str, int]] = field(default_factory=list)   # (reduction, its input's last axis)
+    empty: list[tuple[int, int]] = field(default_factory=list)     # (length, start) of empty slices along -2
 
 
 class Recorder(TorchDispatchMode):
@@ -45,19 +48,20 @@ class Recorder(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.numel() > record.largest_numel:
                 record.largest_numel, record.largest = tensor.numel(), tuple(tensor.shape)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
+        if first is not None and name in _REDUCTIONS:
+            record.reduced.append((name, first.shape[-1]))
+        if first is not None and name == "slice" and first.dim() >= 2 and isinstance(out, torch.Tensor):
+            dim = (args[1] if len(args) > 1 else 0) % first.dim()
+            if dim == first.dim() - 2 and out.shape[dim] == 0:
+                start = args[2] if len(args) > 2 and args[2] is not None else 0
+                record.empty.append((int(first.shape[dim]), int(min(start, first.shape[dim]))))
         if name in _PRODUCTS and isinstance(out, torch.Tensor):
             operands = [a for a in args if isinstance(a, torch.Tensor)]
             first = operands[-2] if name.startswith("add") and len(operands) >= 3 else operands[0]
             if first.dim() and first.shape[-1] == self.head_dim:      # contracts over d: q k^T scores
                 record.score_elements += out.numel()
                 tile = tuple(out.shape[-2:]) if out.dim() >= 2 else tuple(out.shape)
-                if _area(tile) > _area(record.largest_tile):
+                if math.prod(tile) > math.prod(record.largest_tile or (0,)):
                     record.largest_tile = tile
         return out
-
-
-def _area(shape: tuple[int, ...]) -> int:
-    area = 1
-    for n in shape:
-        area *= n
-    return area if shape else 0

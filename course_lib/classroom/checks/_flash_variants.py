@@ -1,31 +1,27 @@
 """What the known slips of notebook 10 would output: the online softmax (10.1), the tiled forward (10.2)
-and the recomputing backward (10.3), each written with switches that turn one mistake on.
-
-The checkers run the student's code and these on the same inputs; a student's output that matches a
-mistake's (and not the reference) is named by it. All of it runs in float64 on the checker's small
-inputs, so a mistake is told from float noise by a wide margin.
+and the recomputing backward (10.3), each written with switches that turn one mistake on. The forward and
+backward run in float64, so a mistake is told from float noise by a wide margin.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+from ..exercises import Mistake
 
 # ============================================================================ 10.1 online softmax
 
 
 def _blocks(length: int, size: int, bounds: str) -> list[slice]:
-    """The blocks a loop reads: right, or with one of the usual off-by-one slips."""
-    if bounds == "short":            # x[s : s + B - 1]: the last entry of every block is never read
-        return [slice(s, s + size - 1) for s in range(0, length, size)]
-    if bounds == "shifted":          # x[s + 1 : s + B + 1]: every block starts one entry late
-        return [slice(s + 1, s + size + 1) for s in range(0, length, size)]
-    if bounds == "stop_early":       # range(0, L - B, B): the last block (or two) never read
-        return [slice(s, s + size) for s in range(0, length - size, size)]
-    if bounds == "whole_blocks":     # range(L // B): a last, shorter block never read
-        return [slice(i * size, (i + 1) * size) for i in range(length // size)]
-    return [slice(s, s + size) for s in range(0, length, size)]
+    """The blocks a loop reads: right, or with one of the usual off-by-one slips (``bounds``):
+    "short" x[s : s + B - 1], "shifted" x[s + 1 : s + B + 1] (each block starts one entry late),
+    "stop_early" range(0, L - B, B) (the last block or two never read), "whole_blocks" range(L // B) blocks
+    (a last, shorter block never read)."""
+    stop = {"stop_early": length - size, "whole_blocks": length - length % size}.get(bounds, length)
+    start, end = {"shifted": (1, 1), "short": (0, -1)}.get(bounds, (0, 0))
+    return [slice(s + start, s + size + end) for s in range(0, stop, size)]
 
 
 def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum: str = "running",
@@ -81,15 +77,11 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
             if last_block == "dropped" and k_end - k_start < block_k:
                 continue
             if causal:
-                needed = {"ok": k_start <= q_end - 1, "index": j <= i, "strict": k_start < q_start,
-                          "none": True}[skip]
-                if not needed:
+                if not {"ok": k_start <= q_end - 1, "index": j <= i, "strict": k_start < q_start}[skip]:
                     continue
             kb, vb = k[..., k_start:k_end, :], v[..., k_start:k_end, :]
             if last_block == "padded" and k_end - k_start < block_k:   # zeros appended, never masked
-                pad = block_k - (k_end - k_start)
-                kb = torch.cat([kb, kb.new_zeros(*kb.shape[:-2], pad, kb.shape[-1])], -2)
-                vb = torch.cat([vb, vb.new_zeros(*vb.shape[:-2], pad, vb.shape[-1])], -2)
+                kb, vb = (F.pad(t, (0, 0, 0, block_k - (k_end - k_start))) for t in (kb, vb))
             s = q[..., q_start:q_end, :] @ kb.transpose(-2, -1) * scale          # (..., Bq, Bk)
             if causal and diagonal_mask:
                 rows = torch.arange(q_start, q_end)[:, None]
@@ -111,7 +103,7 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
 
 
 # What each forward slip looks like, with the switches that produce it (the order is the order tried).
-FORWARD_MISTAKES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code, why, spec in (
     ("block_skip", "you skip a key block that some query of the block still needs: query block i needs every key "
                    "block whose FIRST key is not after the block's LAST query (k_start <= q_end - 1). Comparing the "
                    "block numbers (j <= i) is only right when block_q == block_k.", {"skip": "index"}),
@@ -144,7 +136,7 @@ FORWARD_MISTAKES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("early_normalization", "you divide by the running sum after every key block: the accumulator then holds "
                             "averages that later blocks mix up with the wrong weights. Keep the unnormalised sum "
                             "p @ v and divide once, after the last key block.", {"normalize": "every"}),
-)
+))
 
 
 # ============================================================================ 10.3 backward
@@ -193,7 +185,7 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
     return dq, dk, dv
 
 
-BACKWARD_MISTAKES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code, why, spec in (
     ("backward_delta", "D is computed from the wrong tensors: D = rowsum(dO * O), the gradient of the output times "
                        "the output itself, one number per query.", {"delta": "grad_only"}),
     ("backward_delta", "D is left out (or zero): dS = P * (dP - D) with D = rowsum(dO * O).", {"delta": "zero"}),
@@ -211,4 +203,4 @@ BACKWARD_MISTAKES: tuple[tuple[str, str, dict[str, Any]], ...] = (
                     "must use the masked scores, or the future keys get gradient.", {"mask": "diagonal"}),
     ("causal_mask", "the recomputed weights are not masked: P = exp(S - lse) must use the masked scores, or the "
                     "future keys get gradient.", {"mask": "none"}),
-)
+))

@@ -1,20 +1,177 @@
-"""Grouped-query attention written once with the classic student mistakes switchable on (exercise 9.6).
+"""RoPE and grouped-query attention written once, with the classic student mistakes switchable on
+(exercises 9.1, 9.2 and 9.6): the topic's mistakes module.
 
-``simulate`` runs a whole sequence of calls (a full pass, or a prefix and then new tokens with a KV
-cache) as a student's module with one mistake would run it, in float64; ``GQA_MISTAKES`` lists the
-mistakes with what to tell the student. A checker names the first mistake whose outputs the
-student's match in every run.
+``tables`` and ``rotate`` are RoPE's tables and rotation with a slip switched on; ``simulate`` runs a whole
+sequence of calls of a GroupedQueryAttention (a full pass, or a prefix and then new tokens with a KV cache)
+as a student's module with one mistake would run it. ``FULL_PASS`` and ``CACHED`` list the module's
+mistakes with what to tell the student; a checker names the first whose outputs the student's match in
+every run. Everything runs in float64, so a match is never a matter of rounding.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._mistake import Mistake
-from ._rope_variants import rotate, rotate_flat, tables
+from ..exercises import Mistake
 
+# ---------------------------------------------------------------- the tables (9.1)
+
+# The exponent of theta for pair i of head_dim d, right ("2i/d") and as students slip.
+_EXPONENTS = {
+    "2i/d": lambda i, d: 2 * i / d,
+    "i/d": lambda i, d: i / d,                        # the pair index where the dimension index 2i belongs
+    "4i/d": lambda i, d: 4 * i / d,                   # stepping 0, 2, 4, ... and doubling again
+    "2i/(d-1)": lambda i, d: 2 * i / max(d - 1, 1),   # dividing by d - 1
+    "-2i/d": lambda i, d: -2 * i / d,                 # theta ** (+2i/d): frequencies that grow
+}
+
+
+def tables(head_dim: int, max_tokens: int, theta: float, *, exponent: str = "2i/d", base: float | None = None,
+           layout: str = "half", first_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (max_tokens, head_dim) in float64: pair i turns by base ** -exponent per position
+    (base = theta when right). layout "half" repeats the head_dim/2 angles as two halves (right);
+    "interleaved" repeats each angle twice in a row."""
+    pairs = torch.arange(head_dim // 2, dtype=torch.float64)
+    turns = float(theta if base is None else base) ** -_EXPONENTS[exponent](pairs, head_dim)   # (d/2,)
+    positions = torch.arange(max_tokens, dtype=torch.float64) + first_position             # (T,)
+    angles = torch.outer(positions, turns)                                                  # (T, d/2)
+    if layout == "half":
+        angles = torch.cat([angles, angles], dim=-1)                                        # (T, d)
+    else:
+        angles = angles.repeat_interleave(2, dim=-1)                                        # (T, d)
+    return angles.cos(), angles.sin()
+
+
+def table_mistakes(theta: float) -> list[Mistake]:
+    """The slips students make in rope_tables, each with its tables() keywords as its spec."""
+    default = theta == 10000.0
+    found = [
+        ("rope_layout", "the angles are repeated element by element (repeat_interleave, or stacking and "
+                        "flattening), which pairs dimensions (2i, 2i+1). This course (like Hugging Face "
+                        "Llama) pairs dimension i with i + head_dim/2: concatenate the head_dim/2 angles with "
+                        "themselves, torch.cat([angles, angles], dim=-1)", {"layout": "interleaved"}),
+        ("rope_frequencies", "the exponent uses the pair index i over head_dim; it should be 2i/head_dim "
+                             "(step through 0, 2, 4, ... or multiply i by 2)", {"exponent": "i/d"}),
+        ("rope_frequencies", "the exponent counts the dimension index twice: you step through 0, 2, 4, ... "
+                             "and multiply by 2 again", {"exponent": "4i/d"}),
+        ("rope_frequencies", "the frequencies grow with the dimension instead of shrinking: pair i turns by "
+                             "theta^(-2i/head_dim) per position, so divide by theta^(2i/head_dim), do not multiply",
+         {"exponent": "-2i/d"}),
+        ("rope_frequencies", "the exponent divides by head_dim - 1; it should divide by head_dim",
+         {"exponent": "2i/(d-1)"}),
+        ("rope_frequencies", "the base is e: with exp(), the exponent needs the factor log(theta)",
+         {"base": math.e}),
+        ("rope_positions", "your positions start at 1. Row 0 is position 0, which is not turned at all "
+                           "(cos = 1, sin = 0)", {"first_position": 1}),
+    ]
+    if not default:
+        found.insert(1, ("rope_frequencies", f"you ignore `theta`: these are the tables of theta=10000, "
+                                             f"but theta={theta:g} was asked for. Use the argument as the base",
+                         {"base": 10000.0}))
+    for base in (1000.0, 100.0, 500000.0):
+        if base != theta:
+            found.append(("rope_frequencies", f"the base is {base:g} whatever `theta` says; use theta "
+                                              f"(here {theta:g})", {"base": base}))
+    return [Mistake(*slip) for slip in found]
+
+
+# ---------------------------------------------------------------- the rotation (9.2, 9.6)
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The quarter turn of interleaved pairs (2i, 2i+1): [x0, x1, x2, x3] -> [-x1, x0, -x3, x2]."""
+    return torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, *, kind: str = "half",
+           axis: str = "length") -> torch.Tensor:
+    """x (N, heads, L, head_dim) turned to positions offset.., with the mistake ``kind`` (and ``axis``).
+
+    kind: "half" (right), "reverse" (the other way), "swapped" (sin and cos swapped), "no_rotate_half"
+    (x * sin instead of rotate_half(x) * sin), "pairs_table" (interleaved pairs with the half-split tables
+    as they are), "pairs" (interleaved pairs with their own angles, GPT-J / Meta's Llama code),
+    "first_half" / "second_half" (only that half of the last axis turned, the other passed through).
+    axis: "length" (right) or "heads" (positions read along the head axis, as for (N, L, heads, head_dim)).
+    """
+    x = x.double()
+    rows = x.shape[-2] if axis == "length" else x.shape[1]
+    c, s = cos[offset:offset + rows].double(), sin[offset:offset + rows].double()   # (rows, head_dim)
+    if axis == "heads":
+        c, s = c[:, None, :], s[:, None, :]                                         # (heads, 1, head_dim)
+    if kind == "pairs":
+        half = x.shape[-1] // 2
+        c, s = c[..., :half].repeat_interleave(2, dim=-1), s[..., :half].repeat_interleave(2, dim=-1)
+    turned = {"half": rotate_half, "reverse": lambda t: -rotate_half(t), "no_rotate_half": lambda t: t,
+              "pairs_table": rotate_pairs, "pairs": rotate_pairs}
+    if kind == "swapped":
+        return x * s + rotate_half(x) * c
+    if kind in ("first_half", "second_half"):
+        half = x.shape[-1] // 2
+        full = x * c + rotate_half(x) * s
+        keep = slice(half, None) if kind == "first_half" else slice(None, half)
+        full[..., keep] = x[..., keep]
+        return full
+    return x * c + turned[kind](x) * s
+
+
+# The slips of apply_rotary (9.2), as the switches of rotary_variant; each message names the function.
+def _rotary(code: str, why: str, **spec: str) -> Mistake:
+    return Mistake(code, f"apply_rotary: {why}", spec)
+
+
+ROTARY: tuple[Mistake, ...] = (
+    _rotary("rope_layout", "you turn interleaved pairs (2i, 2i+1) (GPT-J's and Meta's original Llama layout, e.g. "
+                           "through view_as_complex). This course, like Hugging Face Llama, pairs dimension i with i "
+                           "+ head_dim/2: x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) of the "
+                           "two halves of the last axis.", kind="pairs"),
+    _rotary("rope_layout", "you turn interleaved pairs (2i, 2i+1) (x[..., ::2] and x[..., 1::2]) against the "
+                           "half-split tables, whose angle for dimension j is that of pair j mod head_dim/2. The "
+                           "tables pair dimension i with i + head_dim/2: rotate_half(x) = cat(-x2, x1) of the two "
+                           "HALVES of the last axis.", kind="pairs_table"),
+    _rotary("rope_rotation", "your rotation turns the wrong way: rotate_half(x) is cat(-x2, x1), the minus on the "
+                             "second half moved to the front; yours is cat(x2, -x1).", kind="reverse"),
+    _rotary("rope_rotation", "sin and cos are swapped: x * cos + rotate_half(x) * sin.", kind="swapped"),
+    _rotary("rope_rotation", "you multiply x itself by sin; the sin term needs the quarter-turned x: x * cos + "
+                             "rotate_half(x) * sin.", kind="no_rotate_half"),
+    _rotary("rope_positions", "you ignore `offset`: the rows of the tables for x are offset .. offset+L-1 (with a KV "
+                              "cache, the new tokens come after the cached ones), not 0 .. L-1.", offset="zero"),
+    _rotary("rope_positions", "your rows are one position too far: take cos[offset : offset + L].", offset="plus_one"),
+    _rotary("rope_positions", "you take the LAST L rows of the tables (cos[-L:]): row m is position m, so the rows "
+                              "for x are offset .. offset+L-1, cos[offset : offset + L].", offset="end"),
+    _rotary("rope_rotation", "only the first half of the head turns: both halves of each pair change, x * cos + "
+                             "rotate_half(x) * sin over the whole last axis (the second half gets x2 * cos + x1 * "
+                             "sin).", kind="first_half"),
+    _rotary("rope_rotation", "only the second half of the head turns: both halves of each pair change, x * cos + "
+                             "rotate_half(x) * sin over the whole last axis (the first half gets x1 * cos - x2 * "
+                             "sin).", kind="second_half"),
+    _rotary("rope_axes", "you read the positions along the head axis: x is (N, heads, L, head_dim), so the sequence "
+                         "length is x.shape[-2] and the table rows (L, head_dim) broadcast as they are over N and "
+                         "heads. Yours turn each head by its head index, as if x were (N, L, heads, head_dim).",
+                         axis="heads"),
+    _rotary("rope_axes", "you read the positions along the head axis (as if x were (N, L, heads, head_dim)) and "
+                         "ignore `offset`: x is (N, heads, L, head_dim), so L = x.shape[-2] and the rows are offset "
+                         ".. offset+L-1.", axis="heads", offset="zero"),
+    _rotary("rope_layout", "you turn interleaved pairs (2i, 2i+1) and ignore `offset`. Pair i is (i, i + head_dim/2) "
+                           "here (rotate_half), and the rows are offset .. offset+L-1.", kind="pairs", offset="zero"),
+)
+
+
+def rotary_variant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, *,
+                   spec: dict[str, Any]) -> torch.Tensor:
+    """apply_rotary with the slips of ``spec`` switched on: ``offset`` and ``rotate``'s kind and axis."""
+    used = {"ok": offset, "zero": 0, "plus_one": offset + 1,
+            "end": cos.shape[0] - x.shape[-2]}[spec.get("offset", "ok")]
+    return rotate(x, cos, sin, used, kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
+
+
+# ---------------------------------------------------------------- grouped-query attention (9.6)
 
 @dataclass(frozen=True)
 class Setup:
@@ -24,21 +181,12 @@ class Setup:
     num_heads: int
     num_kv_heads: int
     max_tokens: int
-    theta: float
     params: dict[str, torch.Tensor]
     cos: torch.Tensor                 # (max_tokens, head_dim), float64
     sin: torch.Tensor
     qk_norm: bool = False
     window: int | None = None
     eps: float = 1e-6
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
-
-    @property
-    def groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
 
 def _split(t: torch.Tensor, heads: int, how: str) -> torch.Tensor:
@@ -96,7 +244,7 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     once per (start, length) of ``plan``, with a KV cache when ``cached`` (a prefix, then new tokens).
 
     spec keys (right value first): group "interleave"/"tile"; rope_q, rope_k True/False; rope_v False/True;
-    kind "half"/... and axis "length"/"heads" (see _rope_variants.rotate); offset (and offset_q, the
+    kind "half"/... and axis "length"/"heads" (see rotate above); offset (and offset_q, the
     queries' alone) "ok"/"zero"/"after_append"; mask "causal"/"none"/"top_left"/"top_left_chunks"/
     "none_cached"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"; split and merge "ok"/
     "no_transpose"/"bare"; value "value"/"key"; qk_norm "ok"/"none"/"after_rope"/"q_only"; softmax "keys"/
@@ -105,7 +253,7 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     """
     p = setup.params
     x = x.double()
-    heads, kv_heads, head_dim = setup.num_heads, setup.num_kv_heads, setup.head_dim
+    heads, kv_heads, head_dim = setup.num_heads, setup.num_kv_heads, setup.embed_dim // setup.num_heads
     rope = dict(kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
     cos, sin = (setup.cos, setup.sin) if "theta" not in spec else tables(head_dim, setup.max_tokens, spec["theta"])
     norm = spec.get("qk_norm", "ok") if setup.qk_norm else "off"
@@ -117,8 +265,9 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         split = spec.get("split", "ok")
         offset = _offset(spec.get("offset", "ok"), start, length)
         q, k = chunk @ p["query.weight"].T, chunk @ p["key.weight"].T            # (N, L, features)
-        if spec.get("flat"):
-            q, k = rotate_flat(q, cos, sin, offset, heads), rotate_flat(k, cos, sin, offset, kv_heads)
+        if spec.get("flat"):   # the flat projection turned with the tables tiled across the heads
+            q = rotate(q, cos.repeat(1, heads), sin.repeat(1, heads), offset)       # (N, L, heads * head_dim)
+            k = rotate(k, cos.repeat(1, kv_heads), sin.repeat(1, kv_heads), offset)
         q = _split(q, heads, split)                                             # (N, heads, L, head_dim)
         k = _split(k, kv_heads, split)                                          # (N, kv_heads, L, head_dim)
         v = _split(chunk @ p[f"{spec.get('value', 'value')}.weight"].T, kv_heads, split)
@@ -139,8 +288,8 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         values += [v]
         total = start + length
         all_k, all_v = torch.cat(keys, dim=2), torch.cat(values, dim=2)         # (N, kv_heads, total, head_dim)
-        all_k = _group(all_k, setup.groups, spec.get("group", "interleave"))    # (N, heads, total, head_dim)
-        all_v = _group(all_v, setup.groups, spec.get("group", "interleave"))
+        all_k = _group(all_k, heads // kv_heads, spec.get("group", "interleave"))    # (N, heads, total, head_dim)
+        all_v = _group(all_v, heads // kv_heads, spec.get("group", "interleave"))
         scale = {"head_dim": head_dim ** -0.5, "none": 1.0, "embed_dim": setup.embed_dim ** -0.5,
                  "d": 1.0 / head_dim}[spec.get("scale", "head_dim")]
         scores = q @ all_k.transpose(-2, -1) * scale                             # (N, heads, L, total)

@@ -5,15 +5,9 @@ Forward outputs alone cannot see code that computes the right numbers through a 
 from ``.item()``. So every checker of a module or a differentiable function runs both the student's
 code and the reference once more, with gradients on, takes the same fixed loss of each output
 (a weighted sum with fixed random weights, so every output element matters) and compares the
-gradients of every parameter and of every floating-point input.
-
-The public API (stable: notebook 09's checkers reuse it):
-
-- :func:`check_module_gradients` for two ``nn.Module`` s whose parameters share names;
-- :func:`check_function_gradients` for two functions of tensors;
-- :func:`check_gradients`, the core both use: two zero-argument runs and their named leaves.
-
-A failure is diagnosis ``gradient``; the message names the parameter (or input) and the likely cause.
+gradients of every parameter and of every floating-point input (:func:`check_module_gradients`,
+:func:`check_function_gradients`). A failure is diagnosis ``gradient``; the message names the parameter (or
+input) and the likely cause.
 """
 from __future__ import annotations
 
@@ -185,10 +179,6 @@ def _as_leaves(args: Sequence[Any], names: Sequence[str]
     return cand_args, ref_args, cand_leaves, ref_leaves
 
 
-def _float_count(args: Sequence[Any]) -> int:
-    return sum(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args)
-
-
 def check_module_gradients(candidate: nn.Module, reference: nn.Module, *args: Any, what: str,
                            input_names: Sequence[str] | None = None, seed: int = 0,
                            forward: Callable[..., Any] | None = None, **kwargs: Any) -> None:
@@ -199,8 +189,8 @@ def check_module_gradients(candidate: nn.Module, reference: nn.Module, *args: An
     leaves named by ``input_names`` (default ``x``, ``x2``, ...). ``forward(module, *args, **kwargs)``
     replaces ``module(*args, **kwargs)`` where the call differs (e.g. picks the logits out of a tuple)."""
     run = forward or (lambda module, *a, **k: module(*a, **k))
-    names = list(input_names) if input_names is not None else ["x" if n == 0 else f"x{n + 1}"
-                                                               for n in range(_float_count(args))]
+    floats = sum(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args)
+    names = list(input_names) if input_names is not None else ["x" if n == 0 else f"x{n + 1}" for n in range(floats)]
     cand_args, ref_args, cand_inputs, ref_inputs = _as_leaves(args, names)
     try:
         cand_params = dict(candidate.named_parameters())

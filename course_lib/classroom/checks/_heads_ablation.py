@@ -17,41 +17,44 @@ from torch import nn
 
 from ... import heads as ref
 from ...model import GPT, GPTConfig
+from ..exercises import Mistake
 from ..verdict import fail
-from ._mistake import Mistake
+from ._counterexample import Example, first_difference
 from ._model_common import randomize_
 from ._student_code import call_student, close, expect_callable
+from .engine import first_mistake
+from .engine.example import compare
 
-_MISTAKES = (
-    Mistake("ablation_method", "the head's query and key weights are zeroed. That makes its attention uniform, "
-                               "not absent: the head still outputs the average of its values. Zero the head's "
-                               "OUTPUT, its columns of the input of attn.proj.", {"kind": "qk"}),
-    Mistake("ablation_method", "the head's value weights are zeroed, but not its value bias: the head still "
-                               "outputs the bias. Zero the head's OUTPUT, its columns of the input of attn.proj.",
-            {"kind": "value_weight"}),
-    Mistake("ablation_slice", "every head of the layer is switched off (the whole input of attn.proj, or all of its "
-                              "weight). Zero only head `head`'s columns, head * head_dim .. (head+1) * head_dim - 1.",
-            {"kind": "layer"}),
-    Mistake("ablation_slice", "the ROWS of attn.proj.weight for the head are zeroed (proj.weight[slice, :]): those "
-                              "are output dimensions of the residual stream, not the head. The head's output is "
-                              "the input of proj, so its slice is the COLUMNS proj.weight[:, slice] (or zero "
-                              "proj's input there).", {"kind": "rows"}),
-    Mistake("ablation_slice", "every num_heads-th column is zeroed (head::num_heads). merge_heads puts each head's "
-                              "head_dim numbers side by side: head h owns the block of columns h * head_dim .. "
-                              "(h+1) * head_dim - 1.", {"kind": "strided"}),
-    Mistake("ablation_slice", "the zeroed block starts at column `head` instead of head * head_dim: multiply the "
-                              "head's index by head_dim.", {"kind": "unscaled"}),
-    Mistake("ablation_slice", "all heads but the chosen one are switched off: zero the chosen head's columns and "
-                              "keep the others.", {"kind": "others"}),
-    Mistake("ablation_slice", "the head after the chosen one is switched off (columns (head+1) * head_dim ..): "
-                              "head h owns columns h * head_dim .. (h+1) * head_dim - 1.", {"kind": "next"}),
-    Mistake("ablation_slice", "the head before the chosen one is switched off: head h owns columns h * head_dim "
-                              ".. (h+1) * head_dim - 1, counting heads from 0.", {"kind": "previous"}),
-    Mistake("ablation_slice", "a head of another layer is switched off: `layer` counts model.blocks from 0.",
-            {"kind": "layer_next"}),
-    Mistake("ablation_slice", "a head of another layer is switched off: `layer` counts model.blocks from 0.",
-            {"kind": "layer_previous"}),
-)
+_OWNS = "head h owns columns h * head_dim .. (h+1) * head_dim - 1"
+_OTHER_LAYER = "a head of another layer is switched off: `layer` counts model.blocks from 0."
+_OUTPUT = "Zero the head's OUTPUT, its columns of the input of attn.proj."
+
+# The slips of an ablation, each with the ``kind`` of change that ``_mistaken`` makes to a copy of the model.
+_MISTAKES = tuple(Mistake(code, why, {"kind": kind}) for code, kind, why in (
+    ("ablation_method", "qk", "the head's query and key weights are zeroed. That makes its attention uniform, not "
+                              f"absent: the head still outputs the average of its values. {_OUTPUT}"),
+    ("ablation_method", "value_weight", "the head's value weights are zeroed, but not its value bias: the head "
+                                        f"still outputs the bias. {_OUTPUT}"),
+    ("ablation_slice", "layer", "every head of the layer is switched off (the whole input of attn.proj, or all of "
+                                "its weight). Zero only head `head`'s columns, head * head_dim .. (head+1) * "
+                                "head_dim - 1."),
+    ("ablation_slice", "rows", "the ROWS of attn.proj.weight for the head are zeroed (proj.weight[slice, :]): those "
+                               "are output dimensions of the residual stream, not the head. The head's output is "
+                               "the input of proj, so its slice is the COLUMNS proj.weight[:, slice] (or zero "
+                               "proj's input there)."),
+    ("ablation_slice", "strided", "every num_heads-th column is zeroed (head::num_heads). merge_heads puts each "
+                                  "head's head_dim numbers side by side: head h owns the block of columns h * "
+                                  "head_dim .. (h+1) * head_dim - 1."),
+    ("ablation_slice", "unscaled", "the zeroed block starts at column `head` instead of head * head_dim: multiply "
+                                   "the head's index by head_dim."),
+    ("ablation_slice", "others", "all heads but the chosen one are switched off: zero the chosen head's columns "
+                                 "and keep the others."),
+    ("ablation_slice", "next", f"the head after the chosen one is switched off (columns (head+1) * head_dim ..): "
+                               f"{_OWNS}."),
+    ("ablation_slice", "previous", f"the head before the chosen one is switched off: {_OWNS}, counting heads from 0."),
+    ("ablation_slice", "layer_next", _OTHER_LAYER),
+    ("ablation_slice", "layer_previous", _OTHER_LAYER),
+))
 
 
 def _models() -> list[tuple[str, nn.Module]]:
@@ -169,15 +172,21 @@ def _diagnose(model: nn.Module, layer: int, head: int, idx: torch.Tensor, out: t
         fail("ablation_method", f"{shown}: inside the `with`, the model computes exactly what it computed before: "
                                 f"no head was switched off. (A hook registered on a copy of the model, or weights "
                                 f"changed only on leaving the block, do that.)")
-    for mistake in _MISTAKES:
-        try:
-            if close(out, _mistaken(model, layer, head, idx, mistake.spec["kind"])):
-                fail(mistake.code, f"{shown}: {mistake.message}")
-        except (ValueError, IndexError, RuntimeError):
-            continue   # a mistake that does not apply here (no layer before layer 0)
+    first_mistake(_MISTAKES, lambda mistake: close(out, _mistaken(model, layer, head, idx, mistake.spec["kind"])),
+                  f"{shown}: ")     # a mistake that raises does not apply here (no layer before layer 0)
     fail("mismatch", f"{shown}: inside the `with`, the model's output is not that of the model with head {head} of "
                      f"layer {layer} switched off, nor like any mistake we know. The head's output is its "
                      f"head_dim columns of the input of model.blocks[{layer}].attn.proj.")
+
+
+def _fresh(fn: Callable[..., Any], built: nn.Module, layer: int, head: int, shown: str
+           ) -> tuple[nn.Module, _Snapshot, Any]:
+    """A copy of the model, what it holds now, and the student's context manager on it."""
+    model = copy.deepcopy(built)
+    snapshot = _Snapshot(model)
+    manager = call_student(fn, model, layer, head, what=shown)
+    _expect_context_manager(manager, shown)
+    return model, snapshot, manager
 
 
 def judge_ablate_head(fn: Callable[..., Any]) -> str:
@@ -194,15 +203,13 @@ def judge_ablate_head(fn: Callable[..., Any]) -> str:
             with ref.ablate_head(reference, layer, head):
                 expected = reference(idx)
                 expected_grads = _grads(reference, expected, weights, layer)
-            model = copy.deepcopy(built)
-            snapshot = _Snapshot(model)
-            manager = call_student(fn, model, layer, head, what=shown)
-            _expect_context_manager(manager, shown)
+            model, snapshot, manager = _fresh(fn, built, layer, head, shown)
             with manager:
                 out = model(idx)
-                if not isinstance(out, torch.Tensor) or not close(out, expected):
-                    _diagnose(built, layer, head, idx, out, base, shown)
-                grads = _grads(model, out, weights, layer)
+                right = isinstance(out, torch.Tensor) and close(out, expected)
+                grads = _grads(model, out, weights, layer) if right else {}
+            if not right:      # named outside the `with`: a manager that swallows exceptions would hide it
+                _diagnose(built, layer, head, idx, out, base, shown)
             for name, grad in expected_grads.items():
                 if grad is not None and (grads[name] is None or not close(grads[name], grad)):
                     fail("gradient", f"{shown}: the output is right, but gradients no longer flow as they "
@@ -216,10 +223,7 @@ def judge_ablate_head(fn: Callable[..., Any]) -> str:
                 fail("not_restored", f"{shown}: after the `with`, the model is not as it was: {changed}. Undo "
                                      f"everything on leaving the block: remove the hook, or copy the saved "
                                      f"weights back.")
-            model = copy.deepcopy(built)
-            snapshot = _Snapshot(model)
-            manager = call_student(fn, model, layer, head, what=shown)
-            _expect_context_manager(manager, shown)
+            model, snapshot, manager = _fresh(fn, built, layer, head, shown)
             try:
                 with manager:
                     model(idx)
@@ -237,3 +241,23 @@ def judge_ablate_head(fn: Callable[..., Any]) -> str:
                                      f"however the block ends.")
     return ("Inside the `with`, exactly that head is off (both models, five layer/head pairs, gradients still "
             "flowing); afterwards, and after an exception inside, the model is exactly as before.")
+
+
+def ablation_example(fn: Callable[..., Any], *_: Any, **__: Any) -> Example | None:
+    """The counter-example: the logits of a tiny attention-only model (2 layers of 2 heads of 2 numbers) inside
+    the student's ``with`` beside the reference's, for the first layer and head where they differ."""
+    def attempt(layer: int, head: int, seed: int) -> Callable[[], Example | None]:
+        def run() -> Example | None:
+            generator = torch.Generator().manual_seed(seed)
+            config = ref.InductionConfig(vocab_size=5, half=2, embed_dim=4, num_heads=2, num_layers=2, min_period=2)
+            model = randomize_(ref.AttentionOnly(config), generator).eval()
+            reference, idx = copy.deepcopy(model), torch.randint(5, (1, 4), generator=generator)   # idx: (1, 4)
+
+            def logits(ablate: Callable[..., Any], built: nn.Module) -> torch.Tensor:
+                with ablate(built, layer, head):
+                    return built(idx)
+            return compare(f"the logits inside `with ablate_head(model, layer={layer}, head={head})`, model a "
+                           f"2-layer attention-only model with 2 heads of 2 numbers", [("idx", idx)],
+                           lambda: logits(fn, model), lambda: logits(ref.ablate_head, reference))
+        return run
+    return first_difference([attempt(layer, head, seed) for seed in (0, 1) for layer in (0, 1) for head in (0, 1)])

@@ -2,7 +2,7 @@
 
 Both scores read one diagonal of the attention weights (N, heads, L, L): query i looks ``back`` positions
 behind itself, for the queries ``first`` .. L-1, averaged over the batch and those queries. Each slip is a
-:class:`Mistake` whose spec changes one of those choices; :func:`score` computes what it would output.
+:class:`Mistake` whose spec changes one of those choices; :func:`variant` computes what it would output.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ._mistake import Mistake
+from ..exercises import Mistake
 
 
 def score(weights: torch.Tensor, back: int, first: int, *, divide: str = "count",
@@ -35,53 +35,48 @@ def score(weights: torch.Tensor, back: int, first: int, *, divide: str = "count"
     return total / max(count, 1)
 
 
-def mistakes(back: int, first: int, *, copy_offset: bool) -> list[Mistake]:
-    """The slips of a score that reads offset ``back`` from query ``first`` on, most specific first.
-
-    ``copy_offset``: the induction score, whose target is the token after the earlier copy (back = half - 1).
-    """
-    found: list[Mistake] = []
-    if copy_offset:
-        found += [
-            Mistake("score_offset", "you read the earlier copy of the current token itself (i - half). An "
-                                    "induction head looks at the token AFTER that copy, i - half + 1: the one "
-                                    "that came next last time, which is what it predicts now.", {"back": back + 1}),
-            Mistake("score_offset", "you read the key one place after the right one, i - half + 2; an induction "
-                                    "head attends to i - half + 1, the token after the earlier copy.",
-                    {"back": back - 1}),
-            Mistake("score_positions", "you include query half - 1, the last query of the FIRST half (the diagonal "
-                                       "at offset -(half - 1) starts there). Only queries i = half .. L-1 have an "
-                                       "earlier copy to look at: drop the first entry of that diagonal.",
-                    {"first": back}),
-            Mistake("score_positions", "you average over every query, counting the ones of the first half as zeros "
-                                       "(a sum over the second half divided by L). Average over the second-half "
-                                       "queries i = half .. L-1 only.", {"divide": "length"}),
-        ]
-    else:
-        found += [
-            Mistake("score_offset", "you read the main diagonal, each token's attention to ITSELF (offset 0). "
-                                    "The previous token of query i is key i - 1: the diagonal just below, "
-                                    "weights.diagonal(offset=-1, dim1=-2, dim2=-1).", {"back": 0, "first": 0}),
-            Mistake("score_offset", "you read the diagonal ABOVE the main one (key i + 1, the next token), which a "
-                                    "causal mask keeps at zero. The previous token is key i - 1: "
-                                    "diagonal(offset=-1, ...) (a negative offset is below).", {"back": -1, "first": 0}),
-            Mistake("score_offset", "you read key i - 2, two tokens back; the previous token is key i - 1.",
-                    {"back": 2}),
-            Mistake("score_positions", "you include position 0, which has no previous token: your mean divides "
-                                       "the L - 1 entries (i, i - 1) by L, as if position 0 gave a zero. Average "
-                                       "the L - 1 entries only.", {"divide": "length"}),
-        ]
-    found += [
-        Mistake("score_axes", "you averaged over the head axis and kept the batch axis: weights are laid out "
-                              "(N, heads, L, L), so the batch is axis 0 and the heads axis 1; average over the "
-                              "batch and the queries, keep one number per head.", {"keep": "batch"}),
-        Mistake("scale", "you add the entries instead of averaging them: divide by how many there are "
-                         "(.mean over the batch and the queries).", {"divide": "none"}),
-    ]
-    return found
+def variant(weights: torch.Tensor, half: int | None = None, *, spec: dict[str, Any]) -> torch.Tensor:
+    """What the score with the slip ``spec`` outputs: the previous-token score without ``half`` (offset 1 from
+    query 1), the induction score with it (offset half - 1 from query half). ``shift`` moves the offset,
+    ``first_shift`` the first query."""
+    back, first = (1, 1) if half is None else (half - 1, half)
+    return score(weights, back + spec.get("shift", 0), first + spec.get("first_shift", 0),
+                 divide=spec.get("divide", "count"), keep=spec.get("keep", "heads"))
 
 
-def compute(weights: torch.Tensor, back: int, first: int, spec: dict[str, Any]) -> torch.Tensor:
-    """What the mistake with ``spec`` outputs on ``weights``."""
-    return score(weights, spec.get("back", back), spec.get("first", first), divide=spec.get("divide", "count"),
-                 keep=spec.get("keep", "heads"))
+_EITHER = (
+    Mistake("score_axes", "you averaged over the head axis and kept the batch axis: weights are laid out "
+                          "(N, heads, L, L), so the batch is axis 0 and the heads axis 1; average over the "
+                          "batch and the queries, keep one number per head.", {"keep": "batch"}),
+    Mistake("scale", "you add the entries instead of averaging them: divide by how many there are "
+                     "(.mean over the batch and the queries).", {"divide": "none"}),
+)
+
+PREVIOUS_MISTAKES = (
+    Mistake("score_offset", "you read the main diagonal, each token's attention to ITSELF (offset 0). "
+                            "The previous token of query i is key i - 1: the diagonal just below, "
+                            "weights.diagonal(offset=-1, dim1=-2, dim2=-1).", {"shift": -1, "first_shift": -1}),
+    Mistake("score_offset", "you read the diagonal ABOVE the main one (key i + 1, the next token), which a "
+                            "causal mask keeps at zero. The previous token is key i - 1: "
+                            "diagonal(offset=-1, ...) (a negative offset is below).", {"shift": -2, "first_shift": -1}),
+    Mistake("score_offset", "you read key i - 2, two tokens back; the previous token is key i - 1.", {"shift": 1}),
+    Mistake("score_positions", "you include position 0, which has no previous token: your mean divides "
+                               "the L - 1 entries (i, i - 1) by L, as if position 0 gave a zero. Average "
+                               "the L - 1 entries only.", {"divide": "length"}),
+    *_EITHER,
+)
+
+INDUCTION_MISTAKES = (
+    Mistake("score_offset", "you read the earlier copy of the current token itself (i - half). An "
+                            "induction head looks at the token AFTER that copy, i - half + 1: the one "
+                            "that came next last time, which is what it predicts now.", {"shift": 1}),
+    Mistake("score_offset", "you read the key one place after the right one, i - half + 2; an induction "
+                            "head attends to i - half + 1, the token after the earlier copy.", {"shift": -1}),
+    Mistake("score_positions", "you include query half - 1, the last query of the FIRST half (the diagonal "
+                               "at offset -(half - 1) starts there). Only queries i = half .. L-1 have an "
+                               "earlier copy to look at: drop the first entry of that diagonal.", {"first_shift": -1}),
+    Mistake("score_positions", "you average over every query, counting the ones of the first half as zeros "
+                               "(a sum over the second half divided by L). Average over the second-half "
+                               "queries i = half .. L-1 only.", {"divide": "length"}),
+    *_EITHER,
+)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,3 +91,15 @@ def same_when_called_twice(run: Callable[[], torch.Tensor]) -> bool:
     first = run()
     second = run()
     return close(first, second)
+
+
+@dataclass(frozen=True)
+class ProcedureExample:
+    """What ``engine.function_example`` needs of a procedure (5.3, 5.4, 6.2, 7.2), whose verdict comes from a
+    judge of its own: the reference as a function of the cases' arguments, the tiny cases (``engine.Case``),
+    the arguments' names. The student's procedure is wrapped into the same function of those arguments."""
+
+    reference: Callable[..., Any]
+    cases: Callable[[], Sequence[Any]]
+    arg_names: tuple[str, ...]
+    examples: None = None   # the cases are tiny already

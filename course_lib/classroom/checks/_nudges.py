@@ -115,3 +115,12 @@ def nudge(diagnosis: str, example: bool = True) -> str:
     if diagnosis not in NUDGES or diagnosis == "mismatch":
         return NUDGES["mismatch"] if example else _MISMATCH_WITHOUT_EXAMPLE
     return NUDGES[diagnosis]
+
+
+# Notebook 12's diagnoses (appended: this file is shared by every notebook's checks).
+NUDGES.update({
+    "state_order": "For token i, write the two steps in order: does query i's read already include token i's "
+                   "key and value?",
+    "feature_map": "Which function turns q and k into the features whose dot product is the weight? Is it "
+                   "applied to both, in the numerator and in the normaliser, and is it positive everywhere?",
+})

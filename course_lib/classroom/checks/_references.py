@@ -3,7 +3,7 @@
 A student's notebook may patch a reference (``course_lib.attention.causal_mask = ...``). While a
 check runs, and again after each call into the student's code, course_lib is put back to these
 pinned attributes, so a patch can neither make a wrong answer pass nor a right one fail. The
-harness saves the student's own attributes before a check and restores them after.
+run (``engine.run``) saves the student's own attributes before a check and restores them after.
 """
 from __future__ import annotations
 
@@ -12,27 +12,14 @@ from types import ModuleType
 from typing import Any
 
 
-def _course_modules() -> dict[str, ModuleType]:
-    return {name: module for name, module in list(sys.modules.items())
-            if module is not None and (name == "course_lib" or name.startswith("course_lib."))}
-
-
-def _snapshot_namespace(obj: Any) -> dict[str, Any]:
-    return dict(vars(obj))
-
-
-def _classes_of(module: ModuleType) -> list[type]:
-    return [v for v in vars(module).values()
-            if isinstance(v, type) and getattr(v, "__module__", None) == module.__name__]
-
-
 def attributes() -> dict[Any, dict[str, Any]]:
     """Every course_lib module's and class's attributes, by object."""
     spaces: dict[Any, dict[str, Any]] = {}
-    for module in _course_modules().values():
-        spaces[module] = _snapshot_namespace(module)
-        for cls in _classes_of(module):
-            spaces[cls] = _snapshot_namespace(cls)
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "course_lib" or name.startswith("course_lib.")):
+            spaces[module] = dict(vars(module))
+            spaces.update({v: dict(vars(v)) for v in vars(module).values()
+                           if isinstance(v, type) and getattr(v, "__module__", None) == module.__name__})
     return spaces
 
 

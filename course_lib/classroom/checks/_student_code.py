@@ -1,20 +1,11 @@
-"""The one door to a student's code: calling it, what it must hand back, and how it compares.
-
-What the checkers use to touch a student's code:
-
-- :func:`call` runs it. Its exceptions, ``sys.exit`` and in-place changes to its tensor inputs
-  become a Failure that names them; :func:`call_student` also cuts long library errors to their
-  first line. After every call course_lib is put back to its pinned references (``_references``).
-- :func:`construct`, :func:`expect_callable` and :func:`expect_tensor` say what must come back:
-  a module, the function itself, a tensor of the right shape, dtype and device, finite numbers.
-- :func:`expect_parameters`, :func:`load_parameters` and :func:`module_output` check a student's
-  module's parameter names and shapes, copy weights into it by name, and run it without gradients.
-- :func:`close` is the only tensor comparison the checkers use, with one tolerance derived from
-  the dtype; :func:`matches` and :func:`sums_to_one` are built on it. Tolerances that are not about
-  float noise (a prediction rounded by hand in 1.1, a FLOP count in 6.1) stay with their exercise.
-"""
+"""The one door to a student's code: calling it (:func:`call`: its exceptions, ``sys.exit`` and in-place changes
+to its inputs become verdicts, and course_lib is put back to its pinned references after every call), what
+must come back (``expect_*``, :func:`construct`), and :func:`close`, the one tensor comparison, with one
+tolerance derived from the dtype. Tolerances that are not about float noise (a prediction rounded by hand in
+1.1, a FLOP count in 6.1) stay with their exercise."""
 from __future__ import annotations
 
+import functools
 import os
 import sysconfig
 import traceback
@@ -29,30 +20,32 @@ from ._references import install_references
 
 # ---------------------------------------------------------------- whose frame is it?
 
-_LIBRARY_PREFIXES = tuple({os.path.realpath(p).replace("\\", "/") + "/" for p in
-                           (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-                            sysconfig.get_paths()["platlib"]) if p})
+_LIBRARY_PREFIXES = tuple({os.path.realpath(path).replace("\\", "/") + "/" for key, path in sysconfig.get_paths().items()
+                           if key in ("stdlib", "purelib", "platlib") and path})
 
 
-def _is_student_file(filename: str) -> bool:
+@functools.lru_cache(maxsize=4096)   # the reference guard asks on every call of the reference's code
+def is_student_file(filename: str) -> bool:
+    """Whether code from ``filename`` is the student's: not the course's, torch's, or an installed library's
+    ("<your 02_masked_attention.ipynb, Exercise 2.1>", "<string>" and an IPython cell are the student's)."""
     name = filename.replace("\\", "/")
     if "/course_lib/" in name or "/torch/" in name or name.startswith("<frozen"):
         return False
-    real = os.path.realpath(filename).replace("\\", "/") if os.path.isabs(filename) else name
-    return not real.startswith(_LIBRARY_PREFIXES)
+    return not os.path.isabs(filename) or not os.path.realpath(filename).replace("\\", "/").startswith(
+        _LIBRARY_PREFIXES)
 
 
 def student_frame(exc: BaseException) -> str:
     """'line 12 in forward' for the innermost frame of the student's code, if any."""
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if _is_student_file(frame.filename):
+        if is_student_file(frame.filename):
             return f" (line {frame.lineno}, in {frame.name})"
     return ""
 
 
 def raised_in_student_code(exc: BaseException) -> bool:
     """Whether any frame of the traceback is the student's: the harness blames the student, or itself."""
-    return any(_is_student_file(frame.filename) for frame in traceback.extract_tb(exc.__traceback__))
+    return any(is_student_file(frame.filename) for frame in traceback.extract_tb(exc.__traceback__))
 
 
 # ---------------------------------------------------------------- calling student code

@@ -1,41 +1,27 @@
 """Exercises of notebook 01 (attention from scratch): 1.1 toy prediction, 1.2 toy_attention,
 1.3 scaled_dot_product_attention.
 
-Each checker runs the student's code next to the reference in ``course_lib.attention`` and, when
-they disagree, fits the student's output against the classic mistakes (``_attn_hypotheses``)
-before falling back to behavioural probes (``_attn_hypotheses``). Hints are registered at the end.
+1.2 and 1.3 are declarations the engine runs (``engine.judge``): cases, reference, mistakes, messages.
+When no known mistake reproduces the output, each probes the attention weights (``_attn_hypotheses``).
+1.1 is a prediction written by hand, judged by a procedure of its own. Hints are in ``classroom.exercises``.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ... import attention as ref
+from ..exercises import Mistake
 from ..verdict import Failure, fail
-from ._attn_hypotheses import (
-    SDPA_HYPOTHESES,
-    diagnose_weights,
-    first_match,
-    identity_values,
-    sdpa_variant,
-    shape_str,
-)
-from ._core import register
-from ._gradients import check_function_gradients
-from ._harness import checker
-from ._mistake import Mistake
-from ._student_code import (
-    call,
-    call_student,
-    close,
-    expect_callable,
-    expect_finite,
-    expect_tensor,
-    max_diff,
-    reraise_with,
-)
+from ._attn_hypotheses import SDPA_HYPOTHESES, diagnose_weights, identity_values, sdpa_variant, shape_str
+from ._counterexample import Example
+from ._student_code import call, call_student, close, expect_finite, max_diff, reraise_with
+from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine.example import SEEDS, tiny
+from .engine.function import Run
 
 __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]
 
@@ -57,7 +43,21 @@ def _numbers(value: Any, name: str) -> torch.Tensor:
                       f"{type(value).__name__}: {value!r:.60}")
 
 
-@checker("1.1")
+def _prediction_example(weights: Any, result: Any) -> Example | None:
+    """1.1's counter-example: the worked example itself, your weights beside the softmax of the scores."""
+    try:
+        w = _numbers(weights, "weights").flatten()
+    except Failure:
+        return None
+    query, keys = _TOY_QUERY.double(), ref.TOY_KEYS.double()
+    expected = (keys @ query).softmax(0)                                       # (3,)
+    if w.shape != expected.shape or torch.allclose(w, expected, atol=_TOY_TOLERANCE, rtol=0):
+        return None
+    return Example("the weights of toy attention for the query [0, 1]", [("query", query), ("TOY_KEYS", keys)],
+                   w, expected, [("scores (TOY_KEYS @ query)", keys @ query)])
+
+
+@checker("1.1", example=_prediction_example)
 def check_toy_prediction(weights: Any, result: Any) -> str:
     """Your predicted ``weights`` (3,) and ``result`` for query [0, 1] on TOY_KEYS / TOY_VALUES."""
     w = _numbers(weights, "weights")
@@ -111,83 +111,44 @@ def check_toy_prediction(weights: Any, result: Any) -> str:
             "weighted average lands exactly on the middle value.")
 
 
+
 # ============================================================================ 1.2 toy attention
 
-def _toy_variant(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kind: str) -> torch.Tensor:
-    scores = keys @ query                                                      # (n,)
-    weights = {
-        "scaled": lambda: (scores * query.shape[0] ** -0.5).softmax(0),
-        "raw": lambda: scores,
-        "exp": lambda: scores.exp(),
-        "ones": lambda: torch.ones_like(scores),
-        "negative": lambda: (-scores).softmax(0),
-        "uniform": lambda: torch.full_like(scores, 1 / scores.shape[0]),
-    }[kind]()
-    return weights @ values
+def _toy_case(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, call: str | None = None) -> Case:
+    what = call or (f"toy_attention(query, keys, values) with query {shape_str(query.shape)}, keys "
+                    f"{shape_str(keys.shape)}, values {shape_str(values.shape)}")
+    return Case((query, keys, values), what, (("scores (keys @ query)", keys @ query),))
 
 
-_TOY_HYPOTHESES = (
-    Mistake("scale", "You scale the scores by 1/sqrt(d). Toy attention has no scaling yet (that comes in "
-                        "exercise 1.3): take the softmax of the plain dot products.", {"kind": "scaled"}),
-    Mistake("normalization", "You weight the values by the raw scores: turn the scores into weights with a "
-                                "softmax first, so they are positive and sum to one.", {"kind": "raw"}),
-    Mistake("normalization", "You exponentiate the scores but never divide by their sum, so the weights do "
-                                "not sum to one: that division is the other half of the softmax.", {"kind": "exp"}),
-    Mistake("softmax_dim", "Every key gets weight 1: your softmax runs over an axis of length one. Take it "
-                              "over the n scores, one per key.", {"kind": "ones"}),
-    Mistake("mismatch", "Your weights favour the keys that point away from the query: a larger dot product "
-                           "means a better match, and should get more weight.", {"kind": "negative"}),
-    Mistake("mismatch", "Every key gets the same weight, whatever the query: the weights must come from the "
-                           "dot products of the query with the keys.", {"kind": "uniform"}),
-)
-
-
-def _toy_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _toy_cases() -> list[Case]:
     gen = torch.Generator().manual_seed(11)
     q, keys = torch.randn(3, generator=gen), torch.randn(5, 3, generator=gen)
     return [
-        (_TOY_QUERY.clone(), ref.TOY_KEYS.clone(), ref.TOY_VALUES.clone()),
-        (q, keys, torch.randn(5, generator=gen)),
-        (q, keys, torch.randn(5, 2, generator=gen)),
-        (torch.randn(4, generator=gen), torch.randn(1, 4, generator=gen), torch.randn(1, 3, generator=gen)),
+        _toy_case(_TOY_QUERY.clone(), ref.TOY_KEYS.clone(), ref.TOY_VALUES.clone()),
+        _toy_case(q, keys, torch.randn(5, generator=gen)),
+        _toy_case(q, keys, torch.randn(5, 2, generator=gen)),
+        _toy_case(torch.randn(4, generator=gen), torch.randn(1, 4, generator=gen), torch.randn(1, 3, generator=gen)),
     ]
 
 
-@checker("1.2")
-def check_toy_attention(fn: Callable[..., Any]) -> str:
-    """``fn(query (d,), keys (n, d), values (n,) or (n, dv))`` as ``course_lib.toy_attention``."""
-    expect_callable(fn, "toy_attention")
-    cases, outputs = _toy_cases(), []
-    for query, keys, values in cases:
-        what = (f"toy_attention(query, keys, values) with query {shape_str(query.shape)}, keys "
-                f"{shape_str(keys.shape)}, values {shape_str(values.shape)}")
-        expected = ref.toy_attention(query, keys, values)
-        out = call_student(fn, query.clone(), keys.clone(), values.clone(), what=what)
-        try:
-            # the inputs decide the dtype: float64 notebooks too
-            expect_tensor(out, tuple(expected.shape), what, dtype=expected.dtype, finite=False)
-        except Failure as failure:
-            if failure.diagnosis == "shape" and tuple(failure.details.get("got", ())) == (keys.shape[0],):
-                if close(out, torch.softmax(keys @ query, dim=0)):
-                    reraise_with(failure, "shape", " Those are the attention weights: return the weighted sum "
-                                                   "of the values.")
-                reraise_with(failure, "shape", " That is one number per key instead of a single weighted sum: "
-                                               "check how your weights and values broadcast when values has "
-                                               "shape (n,).")
-            raise
-        outputs.append((out, expected))
-    if all(close(out, expected) for out, expected in outputs):
-        query, keys, values = cases[2]
-        check_function_gradients(fn, ref.toy_attention, query, keys, values, names=("query", "keys", "values"),
-                                 what="toy_attention(query, keys, values) with values (n, dv)")
-        return "Matches toy_attention on the worked example and on random keys with scalar and vector values."
-    found = first_match(_TOY_HYPOTHESES, [out for out, _ in outputs],
-                        lambda i, spec: _toy_variant(*cases[i], spec["kind"]))
-    if found is not None:
-        fail(found.code, found.message)
-    for (out, _), (_query, keys, _values) in zip(outputs, cases):
-        expect_finite(out, f"toy_attention with keys {shape_str(keys.shape)}")
-    query, keys, _ = cases[1]
+def _toy_examples() -> list[Case]:   # the same cases, tiny: (n keys, d features), one decimal
+    sizes = [(n, d, torch.Generator().manual_seed(seed)) for n, d in ((1, 1), (2, 1), (2, 2), (3, 2)) for seed in SEEDS]
+    return [_toy_case(tiny(g, d), tiny(g, n, d), tiny(g, n), "toy_attention(query, keys, values)") for n, d, g in sizes]
+
+
+def _toy_reword(failure: Failure, case: Case, out: Any, fn: Any) -> None:
+    query, keys, _ = case.args
+    if failure.diagnosis == "shape" and tuple(failure.details.get("got", ())) == (keys.shape[0],):
+        if close(out, torch.softmax(keys @ query, dim=0)):
+            reraise_with(failure, "shape", " Those are the attention weights: return the weighted sum of the values.")
+        reraise_with(failure, "shape", " That is one number per key instead of a single weighted sum: check how "
+                                       "your weights and values broadcast when values has shape (n,).")
+
+
+def _toy_diagnose(runs: list[Run], fn: Any) -> None:
+    for run in runs:
+        expect_finite(run.out, f"toy_attention with keys {shape_str(run.case.args[1].shape)}")
+    query, keys, _ = runs[1].case.args
     try:   # values = one-hot rows, so the output is the weights themselves
         weights = call(fn, query.clone(), keys.clone(), torch.eye(keys.shape[0]), what="toy_attention")
     except Failure:
@@ -195,11 +156,46 @@ def check_toy_attention(fn: Callable[..., Any]) -> str:
     if isinstance(weights, torch.Tensor) and weights.shape == (keys.shape[0],):
         diagnose_weights(weights[None].double(), (keys @ query)[None].double(), None, 1.0,
                          key_axis="the keys", scale_name="1 (no scaling in toy attention)")
-    index = next(i for i, (out, expected) in enumerate(outputs) if not close(out, expected))
-    (out, expected), (_, keys, values) = outputs[index], cases[index]
-    fail("mismatch", f"For keys of shape {shape_str(keys.shape)} and values of shape {shape_str(values.shape)} "
-                     f"your output differs from the reference by up to {max_diff(out, expected):.3g}. Check the "
-                     f"three steps: dot products of the query with each key, softmax, weighted sum of the values.")
+
+
+TOY_ATTENTION = FunctionExercise(
+    "1.2", "toy_attention", lambda query, keys, values: ref.toy_attention(query, keys, values), _toy_cases,
+    ("query", "keys", "values"),
+    success="Matches toy_attention on the worked example and on random keys with scalar and vector values.",
+    mismatch=lambda run: (
+        f"For keys of shape {shape_str(run.case.args[1].shape)} and values of shape "
+        f"{shape_str(run.case.args[2].shape)} your output differs from the reference by up to "
+        f"{max_diff(run.out, run.expected):.3g}. Check the three steps: dot products of the query with each key, "
+        f"softmax, weighted sum of the values."),
+    mistakes=(
+        Mistake("scale", "You scale the scores by 1/sqrt(d). Toy attention has no scaling yet (that comes in "
+                         "exercise 1.3): take the softmax of the plain dot products.",
+                output=lambda q, keys, v: (keys @ q * q.shape[0] ** -0.5).softmax(0) @ v),
+        Mistake("normalization", "You weight the values by the raw scores: turn the scores into weights with a "
+                                 "softmax first, so they are positive and sum to one.",
+                output=lambda q, keys, v: (keys @ q) @ v),
+        Mistake("normalization", "You exponentiate the scores but never divide by their sum, so the weights do "
+                                 "not sum to one: that division is the other half of the softmax.",
+                output=lambda q, keys, v: (keys @ q).exp() @ v),
+        Mistake("softmax_dim", "Every key gets weight 1: your softmax runs over an axis of length one. Take it "
+                               "over the n scores, one per key.",
+                output=lambda q, keys, v: torch.ones_like(keys @ q) @ v),
+        Mistake("mismatch", "Your weights favour the keys that point away from the query: a larger dot product "
+                            "means a better match, and should get more weight.",
+                output=lambda q, keys, v: (-(keys @ q)).softmax(0) @ v),
+        Mistake("mismatch", "Every key gets the same weight, whatever the query: the weights must come from the "
+                            "dot products of the query with the keys.",
+                output=lambda q, keys, v: torch.full_like(keys @ q, 1 / keys.shape[0]) @ v),
+    ),
+    reword=_toy_reword, diagnose=_toy_diagnose, examples=_toy_examples,
+    gradients=lambda: [replace(_toy_cases()[2], what="toy_attention(query, keys, values) with values (n, dv)")],
+)
+
+
+@checker("1.2", example=function_example(TOY_ATTENTION))
+def check_toy_attention(fn: Callable[..., Any]) -> str:
+    """``fn(query (d,), keys (n, d), values (n,) or (n, dv))`` as ``course_lib.toy_attention``."""
+    return judge(TOY_ATTENTION, fn)
 
 
 # ============================================================================ 1.3 scaled dot-product attention
@@ -216,7 +212,17 @@ def _random_mask(lq: int, lk: int, gen: torch.Generator) -> torch.Tensor:
 _LARGE = 200.0
 
 
-def _sdpa_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+def _sdpa_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+               call: str | None = None) -> Case:
+    """Without a mask the student's function is called with three arguments: mask=None is its default."""
+    what = call or (f"scaled_dot_product_attention with q {shape_str(q.shape)}, k {shape_str(k.shape)}, "
+                    f"v {shape_str(v.shape)}"
+                    + ("" if mask is None else f" and a mask of shape {shape_str(mask.shape)}"))
+    notes = (("scores = q @ k^T / sqrt(d) (the reference's)", q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5),)
+    return Case((q, k, v) + (() if mask is None else (mask,)), what, notes)
+
+
+def _sdpa_cases() -> list[Case]:
     gen = torch.Generator().manual_seed(13)
 
     def r(*shape: int) -> torch.Tensor:
@@ -224,118 +230,104 @@ def _sdpa_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
 
     head_mask = torch.stack([_random_mask(5, 5, gen) for _ in range(2)])[:, None]    # (2, 1, 5, 5)
     return [
-        (r(2, 5, 8), r(2, 6, 8), r(2, 6, 3), None),
-        (r(2, 3, 4, 8), r(2, 3, 4, 8), r(2, 3, 4, 5), None),
-        (r(3, 4, 8), r(3, 6, 8), r(3, 6, 3), _random_mask(4, 6, gen)),
-        (r(2, 6, 16), r(2, 6, 16), r(2, 6, 4), ref.causal_mask(6).expand(2, 6, 6).clone()),
-        (r(2, 2, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 4), head_mask),
-        (r(2, 1, 8), r(2, 4, 8), r(2, 4, 3), None),
+        _sdpa_case(r(2, 5, 8), r(2, 6, 8), r(2, 6, 3)),
+        _sdpa_case(r(2, 3, 4, 8), r(2, 3, 4, 8), r(2, 3, 4, 5)),
+        _sdpa_case(r(3, 4, 8), r(3, 6, 8), r(3, 6, 3), _random_mask(4, 6, gen)),
+        _sdpa_case(r(2, 6, 16), r(2, 6, 16), r(2, 6, 4), ref.causal_mask(6).expand(2, 6, 6).clone()),
+        _sdpa_case(r(2, 2, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 4), head_mask),
+        _sdpa_case(r(2, 1, 8), r(2, 4, 8), r(2, 4, 3)),
         # large scores (hundreds): a softmax written as exp(s) / sum(exp(s)) overflows here. No mask:
         # masking after the softmax and renormalising is right, but underflows to 0/0 with such scores.
-        (r(2, 4, 8) * _LARGE, r(2, 4, 8), r(2, 4, 3), None),
+        _sdpa_case(r(2, 4, 8) * _LARGE, r(2, 4, 8), r(2, 4, 3)),
     ]
 
 
-def _sdpa_call(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | None, what: str) -> Any:
-    args = (q.clone(), k.clone(), v.clone()) + (() if mask is None else (mask.clone(),))
-    return call_student(fn, *args, what=what)
+def _sdpa_examples() -> list[Case]:   # the same cases, tiny: (length, d, masked), one decimal
+    cases = []
+    for length, d, masked in ((1, 1, False), (2, 2, False), (3, 2, False), (2, 2, True), (3, 2, True)):
+        for seed in SEEDS:
+            g = torch.Generator().manual_seed(seed)
+            q, k, v = (tiny(g, 1, length, d) for _ in range(3))
+            mask = ref.causal_mask(length)[None] if masked else None
+            shown = f"scaled_dot_product_attention(q, k, v{', mask' if masked else ''})"
+            cases.append(_sdpa_case(q, k, v, mask, shown))
+    return cases
 
 
-def _works_with_a_mask(fn: Callable[..., Any], cases: list[Any]) -> bool:
-    q, k, v, mask = next(case for case in cases if case[3] is not None)
+def _sdpa_reword(failure: Failure, case: Case, out: Any, fn: Any) -> None:
+    q, k = case.args[0], case.args[1]
+    if len(case.args) == 3 and failure.diagnosis == "exception" and _works_with_a_mask(fn):
+        reraise_with(failure, "exception", " Your function works when a mask is given but not without one: "
+                                           "mask=None (the default) means every query may attend to every key, "
+                                           "so only apply the mask when there is one.")
+    if failure.diagnosis == "shape" and tuple(failure.details.get("got", ())) == tuple(q.shape[:-1]) + (k.shape[-2],):
+        reraise_with(failure, "shape", " That is the shape of the attention weights (one per query and key): "
+                                       "multiply them by v.")
+
+
+def _works_with_a_mask(fn: Callable[..., Any]) -> bool:
+    case = next(case for case in _sdpa_cases() if len(case.args) == 4)
     try:
-        out = _sdpa_call(fn, q, k, v, mask, what="scaled_dot_product_attention")
+        out = call_student(fn, *case.given(), what="scaled_dot_product_attention")
     except Failure:
         return False
+    q, _, v, _ = case.args
     return isinstance(out, torch.Tensor) and out.shape == q.shape[:-1] + v.shape[-1:]
 
 
-@checker("1.3")
-def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
-    """``fn(q, k, v, mask=None)`` as ``course_lib.scaled_dot_product_attention``."""
-    expect_callable(fn, "scaled_dot_product_attention")
-    cases, outputs = _sdpa_cases(), []
-    for q, k, v, mask in cases:
-        what = (f"scaled_dot_product_attention with q {shape_str(q.shape)}, k {shape_str(k.shape)}, "
-                f"v {shape_str(v.shape)}" + ("" if mask is None else f" and a mask of shape {shape_str(mask.shape)}"))
-        expected = ref.scaled_dot_product_attention(q, k, v, mask)
-        try:
-            out = _sdpa_call(fn, q, k, v, mask, what)
-        except Failure as failure:
-            if mask is None and failure.diagnosis == "exception" and _works_with_a_mask(fn, cases):
-                reraise_with(failure, "exception", " Your function works when a mask is given but not without "
-                                                   "one: mask=None (the default) means every query may attend "
-                                                   "to every key, so only apply the mask when there is one.")
-            raise
-        try:
-            expect_tensor(out, tuple(expected.shape), what, dtype=q.dtype, finite=False)
-        except Failure as failure:
-            got = tuple(failure.details.get("got", ()))
-            if failure.diagnosis == "shape" and got == tuple(q.shape[:-1]) + (k.shape[-2],):
-                reraise_with(failure, "shape", " That is the shape of the attention weights (one per query and "
-                                               "key): multiply them by v.")
-            raise
-        outputs.append((out, expected))
-    if all(close(out, expected) for out, expected in outputs):
-        for q, k, v, mask in (cases[1], cases[2]):   # without and with a mask
-            args = (q, k, v) + (() if mask is None else (mask,))
-            check_function_gradients(fn, ref.scaled_dot_product_attention, *args, names=("q", "k", "v"),
-                                     what=f"scaled_dot_product_attention with q {shape_str(q.shape)}"
-                                          + ("" if mask is None else " and a mask"))
-        return ("Matches the reference for 3-D and 4-D inputs, queries and keys of different lengths, with and "
-                "without masks.")
-    found = first_match(SDPA_HYPOTHESES, [out for out, _ in outputs],
-                        lambda i, spec: sdpa_variant(*cases[i], spec))
-    if found is not None:
-        fail(found.code, found.message)
-    finite = [bool(torch.isfinite(out).all()) for out, _ in outputs]
-    if finite[:-1] == [True] * (len(cases) - 1) and not finite[-1]:
-        q, k = cases[-1][0], cases[-1][1]
+def _sdpa_diagnose(runs: list[Run], fn: Any) -> None:
+    finite = [bool(torch.isfinite(run.out).all()) for run in runs]
+    if finite[:-1] == [True] * (len(runs) - 1) and not finite[-1]:
+        q, k = runs[-1].case.args[:2]
         largest = float((q @ k.transpose(-2, -1)).abs().max()) * q.shape[-1] ** -0.5
         fail("nan", f"Your function gives NaN when the scores are large (here up to about {largest:.0f}): exp of "
                     f"a large number overflows to inf, and inf / inf is NaN. Subtract each row's maximum score "
                     f"before exponentiating (the softmax does not change), or use torch.softmax, which does this "
                     f"for you.")
-    for (out, _), (q, _k, _v, _mask) in zip(outputs, cases):
-        expect_finite(out, f"scaled_dot_product_attention with q {shape_str(q.shape)}")
+    for run in runs:
+        expect_finite(run.out, f"scaled_dot_product_attention with q {shape_str(run.case.args[0].shape)}")
     probed = False
     # masked cases first: they show the most
-    for q, k, _v, mask in sorted(cases, key=lambda case: case[3] is None):
+    for run in sorted(runs, key=lambda run: len(run.case.args) == 3):
+        q, k = run.case.args[:2]
+        mask = run.case.args[3] if len(run.case.args) == 4 else None
         try:
-            weights = _sdpa_call(fn, q, k, identity_values(k), mask, what="scaled_dot_product_attention")
+            weights = call_student(fn, *(a.clone() for a in (q, k, identity_values(k))),
+                                   *(() if mask is None else (mask.clone(),)), what="scaled_dot_product_attention")
         except Failure:
             continue
         if isinstance(weights, torch.Tensor) and weights.shape == q.shape[:-1] + (k.shape[-2],):
             allowed = None if mask is None else mask.expand(weights.shape)
             diagnose_weights(weights.double(), (q @ k.transpose(-2, -1)).double(), allowed, q.shape[-1] ** -0.5)
             probed = True
-    index = next(i for i, (out, expected) in enumerate(outputs) if not close(out, expected))
-    q, k, v, mask = cases[index]
+    run = next(run for run in runs if not close(run.out, run.expected))
+    q, k, v = run.case.args[:3]
     where = ("although the attention weights look right: check how you combine them with v." if probed else
              "Check each step: scores q k^T over the last two axes, scaling, mask, softmax over the keys, times v.")
     fail("mismatch", f"For q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)} your output "
-                     f"differs from the reference by up to {max_diff(*outputs[index]):.3g}, {where}")
+                     f"differs from the reference by up to {max_diff(run.out, run.expected):.3g}, {where}")
 
-# ============================================================================ hints
 
-register("1.1", "predict toy attention by hand", [
-    "Score each key by its dot product with the query [0, 1]: a key pointing the same way scores highest.",
-    "A softmax turns the three scores into weights: exp(score) divided by the sum of the three exps.",
-    "The result is the weighted average of TOY_VALUES: each value times its weight, added up. Notice that "
-    "the first and third keys are mirror images.",
-])
+def _sdpa_gradients() -> list[Case]:
+    cases = _sdpa_cases()
+    return [replace(cases[1], what=f"scaled_dot_product_attention with q {shape_str(cases[1].args[0].shape)}"),
+            replace(cases[2], what=f"scaled_dot_product_attention with q {shape_str(cases[2].args[0].shape)} "
+                                   f"and a mask")]
 
-register("1.2", "toy_attention", [
-    "Three steps: one score per key, a softmax over those scores, a weighted sum of the values.",
-    "keys @ query gives all n scores at once; take the softmax along that single axis. No scaling here.",
-    "weights @ values works for values of shape (n,) and (n, dv) alike.",
-])
 
-register("1.3", "scaled_dot_product_attention", [
-    "The same three steps as toy attention, for whole batches of queries: the scores have shape (..., Lq, Lk).",
-    "Transpose only the last two axes of k, divide the scores by sqrt(d) with d = q.shape[-1], and take the "
-    "softmax over the last axis (the keys).",
-    "With a mask, give the scores of hidden keys (mask False) the value -inf before the softmax; leave the "
-    "scores alone when mask is None.",
-])
+SCALED_DOT_PRODUCT_ATTENTION = FunctionExercise(
+    "1.3", "scaled_dot_product_attention",
+    lambda q, k, v, mask=None: ref.scaled_dot_product_attention(q, k, v, mask), _sdpa_cases, ("q", "k", "v", "mask"),
+    success="Matches the reference for 3-D and 4-D inputs, queries and keys of different lengths, with and "
+            "without masks.",
+    mismatch=lambda run: "",   # _sdpa_diagnose always decides
+    mistakes=SDPA_HYPOTHESES,
+    variant=lambda q, k, v, mask=None, *, spec: sdpa_variant(q, k, v, mask, spec),
+    reword=_sdpa_reword, diagnose=_sdpa_diagnose, examples=_sdpa_examples, gradients=_sdpa_gradients,
+)
+
+
+@checker("1.3", example=function_example(SCALED_DOT_PRODUCT_ATTENTION))
+def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
+    """``fn(q, k, v, mask=None)`` as ``course_lib.scaled_dot_product_attention``."""
+    return judge(SCALED_DOT_PRODUCT_ATTENTION, fn)

@@ -1,6 +1,7 @@
 """Exercises of notebook 02 (masking): 2.1 causal_mask, 2.2 MaskedAttention.
 
-The module checks run through ``_attn_modules.ModuleCheck``. Hints are registered at the end.
+2.1 is a declaration the engine runs (``engine.judge``), compared bit for bit; 2.2 runs through the
+attention modules' check (``_attn_modules.ModuleCheck``). Hints are in ``classroom.exercises``.
 """
 from __future__ import annotations
 
@@ -10,84 +11,84 @@ from typing import Any
 import torch
 
 from ... import attention as ref
+from ..exercises import Mistake
 from ..verdict import fail
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
-from ._core import register
-from ._harness import checker
-from ._student_code import call_student, expect_callable, expect_tensor
+from ._student_code import expect_callable
+from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
+from .engine.function import Run
 
 __all__ = ["check_causal_mask", "check_masked_attention"]
 
 
 # ============================================================================ 2.1 causal mask
 
-_MASK_PATTERNS = (
-    (lambda m: m.all(), "Nothing is hidden: every position may attend to every other one, including the future."),
-    (lambda m: not m.any(), "Everything is hidden: no position may attend to anything. True means 'may attend'."),
-    (lambda m: torch.equal(m, torch.ones_like(m).triu()),
-     "Your mask points the wrong way: True sits on and above the diagonal, so each position sees the "
-     "future. It should be on and below the diagonal (the past)."),
-    (lambda m: torch.equal(m, torch.ones_like(m).triu(1)),
-     "Your mask is inverted: you marked the positions to hide. In this course True means 'may attend': "
-     "on and below the diagonal."),
-    (lambda m: torch.equal(m, torch.ones_like(m).tril(-1)),
-     "The diagonal is missing: each position must be allowed to attend to itself."),
-    (lambda m: torch.equal(m, torch.ones_like(m).tril(1)),
-     "Your mask is off by one: it also lets each position see the next one. Keep the diagonal and below."),
+def _pattern(make: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], torch.Tensor | None]:
+    """A wrong mask of n x n, built from the all-True one (None for n = 1, where the patterns coincide)."""
+    return lambda n: make(torch.ones(n, n, dtype=torch.bool)) if n > 1 else None
+
+
+def _raw_mask(case: Case, out: Any) -> None:
+    """A mask of the right size but not bool: an additive mask, or the right pattern in another dtype."""
+    (n,) = case.args
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == (n, n) and out.dtype != torch.bool:
+        if out.is_floating_point() and torch.isinf(out).any():
+            fail("dtype", f"{case.what} returned a float mask with -inf in it (an additive mask). This course uses "
+                          f"a bool mask, True where a position may attend; return dtype torch.bool.")
+        if torch.equal(out != 0, ref.causal_mask(n)) and bool(((out == 0) | (out == 1)).all()):
+            fail("dtype", f"{case.what} has the right pattern but dtype {out.dtype}: make it torch.bool, so that "
+                          f"~mask and masked_fill work as intended (pass dtype= or call .bool()).")
+
+
+def _first_wrong_entry(runs: list[Run], fn: Any) -> None:
+    run = runs[0]
+    i, j = (run.out != run.expected).nonzero()[0].tolist()
+    fail("causal_mask", f"{run.case.what}: entry [{i}, {j}] should be {bool(run.expected[i, j])}: position i may "
+                        f"attend to position j exactly when j <= i.")
+
+
+CAUSAL_MASK = FunctionExercise(
+    "2.1", "causal_mask", lambda n: ref.causal_mask(n), lambda: [Case((n,), f"causal_mask({n})") for n in (5, 1, 2, 8)],
+    ("n",),
+    success="Right for n = 1, 2, 5 and 8: True on and below the diagonal, dtype torch.bool.",
+    mismatch=lambda run: "",   # _first_wrong_entry always decides
+    mistakes=(
+        Mistake("causal_mask", "Nothing is hidden: every position may attend to every other one, including the "
+                               "future.", output=_pattern(lambda ones: ones)),
+        Mistake("causal_mask", "Everything is hidden: no position may attend to anything. True means 'may "
+                               "attend'.", output=_pattern(lambda ones: ~ones)),
+        Mistake("causal_mask", "Your mask points the wrong way: True sits on and above the diagonal, so each "
+                               "position sees the future. It should be on and below the diagonal (the past).",
+                output=_pattern(lambda ones: ones.triu())),
+        Mistake("causal_mask", "Your mask is inverted: you marked the positions to hide. In this course True means "
+                               "'may attend': on and below the diagonal.", output=_pattern(lambda ones: ones.triu(1))),
+        Mistake("causal_mask", "The diagonal is missing: each position must be allowed to attend to itself.",
+                output=_pattern(lambda ones: ones.tril(-1))),
+        Mistake("causal_mask", "Your mask is off by one: it also lets each position see the next one. Keep the "
+                               "diagonal and below.", output=_pattern(lambda ones: ones.tril(1))),
+    ),
+    exact=True, each_case=True, raw=_raw_mask, diagnose=_first_wrong_entry,
+    examples=lambda: [Case((n,), f"causal_mask({n})") for n in (1, 2, 3, 4)],
 )
 
 
-@checker("2.1")
+@checker("2.1", example=function_example(CAUSAL_MASK))
 def check_causal_mask(fn: Callable[..., Any]) -> str:
     """``fn(n)`` -> bool (n, n), True on and below the diagonal."""
-    expect_callable(fn, "causal_mask")
-    for n in (5, 1, 2, 8):
-        what = f"causal_mask({n})"
-        out = call_student(fn, n, what=what)
-        if isinstance(out, torch.Tensor) and tuple(out.shape) == (n, n) and out.dtype != torch.bool:
-            expected = ref.causal_mask(n)
-            if out.is_floating_point() and torch.isinf(out).any():
-                fail("dtype", f"{what} returned a float mask with -inf in it (an additive mask). This course uses "
-                              f"a bool mask, True where a position may attend; return dtype torch.bool.")
-            if torch.equal(out != 0, expected) and bool(((out == 0) | (out == 1)).all()):
-                fail("dtype", f"{what} has the right pattern but dtype {out.dtype}: make it torch.bool, so that "
-                              f"~mask and masked_fill work as intended (pass dtype= or call .bool()).")
-        expect_tensor(out, (n, n), what, dtype=torch.bool, finite=False)
-        expected = ref.causal_mask(n)
-        if not torch.equal(out, expected):
-            for matches, message in _MASK_PATTERNS:
-                if n > 1 and bool(matches(out)):
-                    fail("causal_mask", f"{what}: {message}")
-            i, j = (out != expected).nonzero()[0].tolist()
-            fail("causal_mask", f"{what}: entry [{i}, {j}] should be {bool(expected[i, j])}: position i may "
-                                f"attend to position j exactly when j <= i.")
-    return "Right for n = 1, 2, 5 and 8: True on and below the diagonal, dtype torch.bool."
+    return judge(CAUSAL_MASK, fn)
 
 
 # ============================================================================ 2.2 masked attention
 
-@checker("2.2")
+def _masked_example(cls: Any, *_: Any, **__: Any) -> Any:
+    return module_example("MaskedAttention(2, 4, 0.0)", lambda: cls(2, 4, 0.0),
+                          lambda: ref.MaskedAttention(2, 4, 0.0), 2)
+
+
+@checker("2.2", example=_masked_example)
 def check_masked_attention(cls: Callable[..., Any]) -> str:
     """``cls(embed_dim, max_tokens, dropout_rate)`` with Linear layers query, key, value, proj."""
     expect_callable(cls, "MaskedAttention", "class")
     check = ModuleCheck("MaskedAttention", lambda heads, p: cls(EMBED_DIM, MAX_TOKENS, p),
                         lambda heads, p: ref.MaskedAttention(EMBED_DIM, MAX_TOKENS, p), heads=(1,))
     return module_check(check, "")
-
-# ============================================================================ hints
-
-register("2.1", "causal_mask", [
-    "Row i of the mask says which positions token i may look at: itself and everything before it.",
-    "That is a lower-triangular pattern, True on and below the diagonal; torch.tril keeps exactly that part.",
-    "Start from an (n, n) tensor of ones with dtype=torch.bool.",
-])
-
-register("2.2", "MaskedAttention.forward", [
-    "Project x into q, k and v with self.query, self.key and self.value, then attend as in exercise 1.3 "
-    "with the causal mask.",
-    "The mask buffer is max_tokens x max_tokens: use only its first L rows and columns for a sequence of "
-    "L tokens, and hide the future with -inf before the softmax. One head uses all the features, so scale "
-    "by 1/sqrt(embed_dim).",
-    "After the softmax: self.attn_dropout on the weights, weights times v, then self.proj and "
-    "self.proj_dropout. Dropout layers follow model.train() / model.eval() by themselves.",
-])

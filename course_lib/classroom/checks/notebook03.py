@@ -1,7 +1,9 @@
 """Exercises of notebook 03 (multi-head attention): 3.1 split_heads, 3.2 merge_heads,
 3.3 MultiHeadMaskedAttention.
 
-The module check runs through ``_attn_modules.ModuleCheck``. Hints are registered at the end.
+3.1 and 3.2 are declarations the engine runs (``engine.judge``) on inputs holding 0, 1, 2, ... so that
+every number has one place; 3.3 runs through ``_attn_modules.ModuleCheck``. Hints are in
+``classroom.exercises``.
 """
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ from typing import Any
 import torch
 
 from ... import attention as ref
+from ..exercises import Mistake
 from ..verdict import fail
+from ._attn_hypotheses import merge_heads_as, split_heads_as
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
-from ._core import register
-from ._gradients import check_function_gradients
-from ._harness import checker
-from ._student_code import call_student, expect_callable, expect_tensor
+from ._student_code import expect_callable
+from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
+from .engine.function import Run
 
 __all__ = ["check_split_heads", "check_merge_heads", "check_multi_head_attention"]
 
@@ -27,80 +30,108 @@ def _arange(*shape: int) -> torch.Tensor:
     return torch.arange(float(torch.Size(shape).numel())).reshape(shape)
 
 
-def _rearranged(out: torch.Tensor, x: torch.Tensor, alternatives: list[tuple[torch.Tensor, str]],
-                what: str, purpose: str) -> None:
-    """Say how a rearrangement of x went wrong (x holds 0, 1, 2, ... so every number has one place)."""
-    for alternative, message in alternatives:
-        if torch.equal(out, alternative):
-            fail("head_split", f"{what}: {message}")
-    if torch.equal(out.flatten().sort().values, x.flatten().sort().values):
-        fail("head_split", f"{what}: the right numbers end up in the wrong places. {purpose}")
-    fail("mismatch", f"{what}: your output holds different numbers from x; {purpose}")
+def _rearranged(purpose: str) -> Callable[[list[Run], Any], None]:
+    """After the known layouts: the same numbers in other places are heads split wrongly, others a mismatch."""
+    def diagnose(runs: list[Run], fn: Any) -> None:
+        run = runs[0]
+        x = run.case.args[0]
+        if torch.equal(run.out.flatten().sort().values, x.flatten().sort().values):
+            fail("head_split", f"{run.case.what}: the right numbers end up in the wrong places. {purpose}")
+        fail("mismatch", f"{run.case.what}: your output holds different numbers from x; {purpose}")
+    return diagnose
 
 
-@checker("3.1")
+def _split_layout(case: Case, out: Any) -> None:
+    x, heads = case.args
+    n, length, embed_dim = x.shape
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == (n, length, heads, embed_dim // heads) \
+            and length != heads:
+        fail("shape", f"{case.what} returned shape {tuple(out.shape)}, expected "
+                      f"{(n, heads, length, embed_dim // heads)}: you split the features into heads but left the "
+                      f"head axis after the sequence axis. Move it in front.")
+
+
+def _split_cases() -> list[Case]:
+    return [Case((_arange(*shape), heads), f"split_heads(x, {heads}) with x of shape {shape}")
+            for shape, heads in (((2, 3, 8), 2), ((2, 3, 8), 4), ((3, 5, 12), 3), ((1, 1, 8), 1), ((2, 4, 6), 1))]
+
+
+SPLIT_HEADS = FunctionExercise(
+    "3.1", "split_heads", lambda x, heads: ref.split_heads(x, heads), _split_cases, ("x", "num_heads"),
+    success="Right for 1 to 4 heads: each head holds its own block of features at every position.",
+    mismatch=lambda run: "",   # _rearranged always decides
+    mistakes=(
+        Mistake("head_split", "a reshape straight to (N, heads, L, head_dim) cuts the sequence, not the features, "
+                              "into heads. Split the last axis into (heads, head_dim) first, then move the head axis "
+                              "forward.",
+                output=lambda x, h: split_heads_as(x, h, "no_transpose")),
+        Mistake("head_split", "each head takes every num_heads-th feature instead of a block of head_dim "
+                              "neighbouring features: split the last axis as (heads, head_dim), in that order.",
+                output=lambda x, h: split_heads_as(x, h, "interleaved")),
+    ),
+    exact=True, each_case=True, finite=True, raw=_split_layout,
+    diagnose=_rearranged("Head h should hold features h*head_dim ... (h+1)*head_dim - 1 of every position."),
+    gradients=lambda: [Case((torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0)), 2),
+                            "split_heads(x, 2) with x of shape (2, 3, 8)")],
+    examples=lambda: [Case((_arange(1, length, 4), 2), "split_heads(x, 2)") for length in (1, 2, 3)],
+)
+
+
+@checker("3.1", example=function_example(SPLIT_HEADS))
 def check_split_heads(fn: Callable[..., Any]) -> str:
     """``fn(x (N, L, E), num_heads)`` -> (N, num_heads, L, E // num_heads)."""
-    expect_callable(fn, "split_heads")
-    for shape, heads in (((2, 3, 8), 2), ((2, 3, 8), 4), ((3, 5, 12), 3), ((1, 1, 8), 1), ((2, 4, 6), 1)):
-        x = _arange(*shape)
-        n, length, embed_dim = shape
-        head_dim = embed_dim // heads
-        what = f"split_heads(x, {heads}) with x of shape {shape}"
-        out = call_student(fn, x.clone(), heads, what=what)
-        if isinstance(out, torch.Tensor) and tuple(out.shape) == (n, length, heads, head_dim) and length != heads:
-            fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(n, heads, length, head_dim)}: you "
-                          f"split the features into heads but left the head axis after the sequence axis. "
-                          f"Move it in front.")
-        expect_tensor(out, (n, heads, length, head_dim), what, dtype=x.dtype)
-        if not torch.equal(out, ref.split_heads(x, heads)):
-            _rearranged(out, x, [
-                (x.reshape(n, heads, length, head_dim),
-                 "a reshape straight to (N, heads, L, head_dim) cuts the sequence, not the features, into "
-                 "heads. Split the last axis into (heads, head_dim) first, then move the head axis forward."),
-                (x.reshape(n, length, head_dim, heads).permute(0, 3, 1, 2),
-                 "each head takes every num_heads-th feature instead of a block of head_dim neighbouring "
-                 "features: split the last axis as (heads, head_dim), in that order."),
-            ], what, "Head h should hold features h*head_dim ... (h+1)*head_dim - 1 of every position.")
-    check_function_gradients(fn, ref.split_heads, torch.randn(2, 3, 8), 2, names=("x",),
-                             what="split_heads(x, 2) with x of shape (2, 3, 8)")
-    return "Right for 1 to 4 heads: each head holds its own block of features at every position."
+    return judge(SPLIT_HEADS, fn)
 
 
-@checker("3.2")
+def _merge_layout(case: Case, out: Any) -> None:
+    (x,) = case.args
+    n, heads, length, head_dim = x.shape
+    if isinstance(out, torch.Tensor) and out.shape != (n, length, heads * head_dim):
+        if tuple(out.shape) == (n, length, heads, head_dim):
+            fail("shape", f"{case.what} returned shape {tuple(out.shape)}, expected {(n, length, heads * head_dim)}: "
+                          f"the axes are in the right order; now flatten heads and head_dim into one axis.")
+        if tuple(out.shape) == (n, heads * length, head_dim):
+            fail("shape", f"{case.what} returned shape {tuple(out.shape)}, expected {(n, length, heads * head_dim)}: "
+                          f"you stacked the heads along the sequence; they belong side by side along the "
+                          f"features of each position.")
+
+
+MERGE_HEADS = FunctionExercise(
+    "3.2", "merge_heads", lambda x: ref.merge_heads(x),
+    lambda: [Case((_arange(*shape),), f"merge_heads(x) with x of shape {shape}")
+             for shape in ((2, 2, 3, 4), (2, 4, 3, 2), (3, 3, 5, 4), (1, 1, 1, 8), (2, 1, 4, 4))],
+    ("x",),
+    success="Right for 1 to 4 heads: merge_heads puts the heads side by side and undoes split_heads.",
+    mismatch=lambda run: "",   # _rearranged always decides
+    mistakes=(
+        Mistake("head_split", "a bare reshape of (N, heads, L, head_dim) to (N, L, E) mixes positions: swap the head "
+                              "and sequence axes back first, then flatten.",
+                output=lambda x: merge_heads_as(x, "bare")),
+        Mistake("head_split", "the heads' features are interleaved: flatten as (heads, head_dim), head after head.",
+                output=lambda x: merge_heads_as(x, "interleaved")),
+    ),
+    exact=True, each_case=True, finite=True, raw=_merge_layout,
+    diagnose=_rearranged("Position l of the output should hold head 0's features, then head 1's, and so on."),
+    gradients=lambda: [Case((torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(0)),),
+                            "merge_heads(x) with x of shape (2, 2, 3, 4)")],
+    examples=lambda: [Case((_arange(1, 2, length, 2),), "merge_heads(x)") for length in (1, 2, 3)],
+)
+
+
+@checker("3.2", example=function_example(MERGE_HEADS))
 def check_merge_heads(fn: Callable[..., Any]) -> str:
     """``fn(x (N, heads, L, head_dim))`` -> (N, L, heads * head_dim)."""
-    expect_callable(fn, "merge_heads")
-    for shape in ((2, 2, 3, 4), (2, 4, 3, 2), (3, 3, 5, 4), (1, 1, 1, 8), (2, 1, 4, 4)):
-        x = _arange(*shape)
-        n, heads, length, head_dim = shape
-        what = f"merge_heads(x) with x of shape {shape}"
-        out = call_student(fn, x.clone(), what=what)
-        if isinstance(out, torch.Tensor) and out.shape != (n, length, heads * head_dim):
-            if tuple(out.shape) == (n, length, heads, head_dim):
-                fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(n, length, heads * head_dim)}: "
-                              f"the axes are in the right order; now flatten heads and head_dim into one axis.")
-            if tuple(out.shape) == (n, heads * length, head_dim):
-                fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(n, length, heads * head_dim)}: "
-                              f"you stacked the heads along the sequence; they belong side by side along the "
-                              f"features of each position.")
-        expect_tensor(out, (n, length, heads * head_dim), what, dtype=x.dtype)
-        if not torch.equal(out, ref.merge_heads(x)):
-            _rearranged(out, x, [
-                (x.reshape(n, length, heads * head_dim),
-                 "a bare reshape of (N, heads, L, head_dim) to (N, L, E) mixes positions: swap the head and "
-                 "sequence axes back first, then flatten."),
-                (x.permute(0, 2, 3, 1).reshape(n, length, heads * head_dim),
-                 "the heads' features are interleaved: flatten as (heads, head_dim), head after head."),
-            ], what, "Position l of the output should hold head 0's features, then head 1's, and so on.")
-    check_function_gradients(fn, ref.merge_heads, torch.randn(2, 2, 3, 4), names=("x",),
-                             what="merge_heads(x) with x of shape (2, 2, 3, 4)")
-    return "Right for 1 to 4 heads: merge_heads puts the heads side by side and undoes split_heads."
+    return judge(MERGE_HEADS, fn)
 
 
 # ============================================================================ 3.3 multi-head attention
 
-@checker("3.3")
+def _multi_head_example(cls: Any, *_: Any, **__: Any) -> Any:
+    return module_example("MultiHeadMaskedAttention(4, 2, 4, 0.0)", lambda: cls(4, 2, 4, 0.0),
+                          lambda: ref.MultiHeadMaskedAttention(4, 2, 4, 0.0), 4)
+
+
+@checker("3.3", example=_multi_head_example)
 def check_multi_head_attention(cls: Callable[..., Any]) -> str:
     """``cls(embed_dim, num_heads, max_tokens, dropout_rate)`` with Linear layers query, key, value, proj."""
     expect_callable(cls, "MultiHeadMaskedAttention", "class")
@@ -108,26 +139,3 @@ def check_multi_head_attention(cls: Callable[..., Any]) -> str:
                         lambda heads, p: ref.MultiHeadMaskedAttention(EMBED_DIM, heads, MAX_TOKENS, p),
                         heads=(2, 4, 1))
     return module_check(check, " with 1, 2 and 4 heads")
-
-# ============================================================================ hints
-
-register("3.1", "split_heads", [
-    "Each head gets its own contiguous block of head_dim = E // num_heads features, at every position.",
-    "First give the last axis the shape (num_heads, head_dim): (N, L, E) -> (N, L, heads, head_dim).",
-    "Then swap the sequence and head axes to get (N, heads, L, head_dim).",
-])
-
-register("3.2", "merge_heads", [
-    "merge_heads undoes split_heads: the heads' outputs end up side by side along the features.",
-    "Swap the head and sequence axes back first: (N, heads, L, head_dim) -> (N, L, heads, head_dim).",
-    "Then flatten the last two axes; after a transpose use .reshape (or .contiguous() before .view).",
-])
-
-register("3.3", "MultiHeadMaskedAttention.forward", [
-    "The same steps as MaskedAttention, but q, k and v are split into heads before the scores and the heads "
-    "are merged again before the output projection.",
-    "The scores are now (N, heads, L, L): the (L, L) causal mask broadcasts over batch and heads. Scale by "
-    "1/sqrt(head_dim), not 1/sqrt(embed_dim).",
-    "Softmax over the last axis, self.attn_dropout, weights times v, merge_heads, then self.proj and "
-    "self.proj_dropout.",
-])

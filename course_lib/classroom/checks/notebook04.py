@@ -1,6 +1,8 @@
 """Exercises of notebook 04 (the GPT model): 4.1 sinusoidal_table, 4.2 TransformerBlock, 4.3 GPT.
 
-Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
+4.1 is a declaration the engine runs (``engine.judge``); 4.2 and 4.3 build a module beside the reference
+and judge it with procedures of their own, their counter-examples from the engine (``module_example``).
+Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common``.
 """
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import model as model_ref
+from ..exercises import Mistake
 from ..verdict import Failure, fail
-from ._core import register
 from ._gradients import check_module_gradients
-from ._harness import checker
-from ._mistake import Mistake
-from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice
+from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
 from ._student_code import call, close, construct, expect_tensor
+from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
+from .engine.function import Run
 
 __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
 
@@ -37,96 +40,102 @@ def _table(max_tokens: int, embed_dim: int, *, frequency: torch.Tensor | None = 
     return torch.cat([a, b], dim=-1)                    # (T, d): a a ... b b ...
 
 
-def _frequency_variants(embed_dim: int) -> list[Mistake]:
-    def _frequency(frequency: torch.Tensor, why: str) -> Mistake:
-        return Mistake("scale", why, {"frequency": frequency})
-
-    pair = torch.arange(embed_dim // 2, dtype=torch.float64)   # i = 0, 1, ...
-    even = 2 * pair                                             # 2i = 0, 2, ...
-    return [
-        _frequency(10000.0 ** (-pair / embed_dim),
-                   "the exponent uses the pair index i over embed_dim; it should be the even dimension index 2i over "
-                   "embed_dim (i.e. step through 0, 2, 4, ... or multiply i by 2)"),
-        _frequency(10000.0 ** (-2 * even / embed_dim),
-                   "the exponent counts the dimension index twice: you step through the even indices "
-                   "(0, 2, 4, ...) and then multiply by 2 again"),
-        _frequency(10000.0 ** (even / embed_dim),
-                   "the frequencies grow with the dimension instead of shrinking: you multiply the position by "
-                   "10000^(2i/d) where you should divide by it"),
-        _frequency(1000.0 ** (-even / embed_dim), "the base is 1000; the paper uses 10000"),
-        _frequency(100.0 ** (-even / embed_dim), "the base is 100; the paper uses 10000"),
-        _frequency(math.e ** (-even / embed_dim),
-                   "the base is e: if you write it with exp(), remember the factor log(10000)"),
-        _frequency(10000.0 ** (-even / (embed_dim - 1 if embed_dim > 1 else 1)),
-                   "the exponent divides by embed_dim - 1; it should divide by embed_dim"),
-    ]
+# The wavelengths students get wrong: (the frequency of pair i for embed_dim d, why it is wrong).
+_FREQUENCIES: tuple[tuple[Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], str], ...] = (
+    (lambda pair, even, d: 10000.0 ** (-pair / d),
+     "the exponent uses the pair index i over embed_dim; it should be the even dimension index 2i over "
+     "embed_dim (i.e. step through 0, 2, 4, ... or multiply i by 2)"),
+    (lambda pair, even, d: 10000.0 ** (-2 * even / d),
+     "the exponent counts the dimension index twice: you step through the even indices (0, 2, 4, ...) and then "
+     "multiply by 2 again"),
+    (lambda pair, even, d: 10000.0 ** (even / d),
+     "the frequencies grow with the dimension instead of shrinking: you multiply the position by 10000^(2i/d) "
+     "where you should divide by it"),
+    (lambda pair, even, d: 1000.0 ** (-even / d), "the base is 1000; the paper uses 10000"),
+    (lambda pair, even, d: 100.0 ** (-even / d), "the base is 100; the paper uses 10000"),
+    (lambda pair, even, d: math.e ** (-even / d),
+     "the base is e: if you write it with exp(), remember the factor log(10000)"),
+    (lambda pair, even, d: 10000.0 ** (-even / (d - 1 if d > 1 else 1)),
+     "the exponent divides by embed_dim - 1; it should divide by embed_dim"),
+)
 
 
-def _diagnose_table(got: torch.Tensor, max_tokens: int, embed_dim: int, what: str) -> None:
-    got = got.double()
-    if close(got, _table(max_tokens, embed_dim, first="cos")):
-        fail("mismatch", f"{what}: sine and cosine are swapped. Even dimensions (0, 2, 4, ...) hold the sines "
-                         f"and odd dimensions the cosines, so row 0 (position 0) should read 0, 1, 0, 1, ...")
-    for first, second in (("sines", "cosines"), ("cosines", "sines")):
-        if close(got, _table(max_tokens, embed_dim, layout="concat", first=first[:3])):
-            fail("mismatch", f"{what}: you concatenated the halves: all the {first} first, then all the "
-                             f"{second}. The table interleaves them: dimension 2i "
-                             f"is the sine and dimension 2i+1 the cosine of the same angle. Fill the even and "
-                             f"odd columns separately, or stack the two along a new last dimension and flatten.")
-    if close(got, _table(max_tokens, embed_dim, offset=1)):
-        fail("mismatch", f"{what}: your positions start at 1. Row 0 is position 0 (sin 0 = 0, cos 0 = 1).")
-    for mistake in _frequency_variants(embed_dim):
-        frequency, why = mistake.spec["frequency"], mistake.message
-        for layout in ("interleave", "concat"):
-            if close(got, _table(max_tokens, embed_dim, frequency=frequency, layout=layout)):
-                extra = "" if layout == "interleave" else " (and the sines and cosines should interleave)"
-                fail(mistake.code, f"{what}: the wavelengths are wrong: {why}{extra}.")
-    # sin and cos of one angle per pair, starting at angle 0, but other angles: the frequencies are off
+def _wavelength(frequency: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], layout: str
+                ) -> Callable[[int, int], torch.Tensor]:
+    def table(max_tokens: int, embed_dim: int) -> torch.Tensor:
+        pair = torch.arange(embed_dim // 2, dtype=torch.float64)   # i = 0, 1, ...
+        return _table(max_tokens, embed_dim, frequency=frequency(pair, 2 * pair, embed_dim), layout=layout)
+    return table
+
+
+_TABLE_MISTAKES = (
+    Mistake("mismatch", "sine and cosine are swapped. Even dimensions (0, 2, 4, ...) hold the sines and odd "
+                        "dimensions the cosines, so row 0 (position 0) should read 0, 1, 0, 1, ...",
+            output=lambda t, d: _table(t, d, first="cos")),
+    *(Mistake("mismatch", f"you concatenated the halves: all the {first} first, then all the {second}. The table "
+                          f"interleaves them: dimension 2i is the sine and dimension 2i+1 the cosine of the same "
+                          f"angle. Fill the even and odd columns separately, or stack the two along a new last "
+                          f"dimension and flatten.",
+              output=lambda t, d, first=first: _table(t, d, layout="concat", first=first[:3]))
+      for first, second in (("sines", "cosines"), ("cosines", "sines"))),
+    Mistake("mismatch", "your positions start at 1. Row 0 is position 0 (sin 0 = 0, cos 0 = 1).",
+            output=lambda t, d: _table(t, d, offset=1)),
+    *(Mistake("scale", f"the wavelengths are wrong: {why}"
+                       + ("." if layout == "interleave" else " (and the sines and cosines should interleave)."),
+              output=_wavelength(frequency, layout))
+      for frequency, why in _FREQUENCIES for layout in ("interleave", "concat")),
+)
+
+
+def _table_layout(case: Case, out: Any) -> None:
+    max_tokens, embed_dim = case.args
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == (embed_dim, max_tokens) and max_tokens != embed_dim:
+        fail("shape", f"{case.what} returned shape {tuple(out.shape)}: one row per dimension. The table has one "
+                      f"row per position, (max_tokens, embed_dim): positions should run down the rows "
+                      f"(a column of positions) and frequencies across the columns (a row of frequencies).")
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == (max_tokens, embed_dim) and not out.is_floating_point():
+        fail("dtype", f"{case.what} returned dtype {out.dtype}; sines and cosines need a float tensor "
+                      f"(start from torch.arange(..., dtype=torch.float32)).")
+
+
+def _table_angles(runs: list[Run], fn: Any) -> None:
+    """sin and cos of one angle per pair, starting at angle 0, but other angles: the frequencies are off."""
+    run = runs[0]
+    (max_tokens, embed_dim), got = run.case.args, run.out.double()
     if embed_dim >= 2 and max_tokens >= 2:
         even, odd = got[:, 0:2 * (embed_dim // 2):2], got[:, 1:2 * (embed_dim // 2):2]
         on_circle = torch.allclose(even ** 2 + odd ** 2, torch.ones_like(even))
         starts_at_zero = torch.allclose(even[0], torch.zeros_like(even[0]))
         if on_circle and starts_at_zero:
-            fail("scale", f"{what}: every pair of dimensions holds the sine and cosine of one angle, but the "
-                          f"angles are wrong: dimension pair i should turn at the rate 1 / 10000^(2i/embed_dim) "
+            fail("scale", f"{run.case.what}: every pair of dimensions holds the sine and cosine of one angle, but "
+                          f"the angles are wrong: dimension pair i should turn at the rate 1 / 10000^(2i/embed_dim) "
                           f"per position. Check the base, the exponent and that you divide the position by it.")
-    diff = (got - _table(max_tokens, embed_dim)).abs()
-    pos, dim = divmod(int(diff.argmax()), embed_dim)
-    fail("mismatch", f"{what}: values differ from the reference, first at position {pos}, dimension {dim} "
-                     f"(got {got[pos, dim]:.4f}, expected {_table(max_tokens, embed_dim)[pos, dim]:.4f}). "
-                     f"Even dimension 2i holds sin(pos / 10000^(2i/d)), odd dimension 2i+1 the cosine.")
 
 
-@checker("4.1")
+def _table_mismatch(run: Run) -> str:
+    (max_tokens, embed_dim), got = run.case.args, run.out.double()
+    expected = _table(max_tokens, embed_dim)
+    pos, dim = divmod(int((got - expected).abs().argmax()), embed_dim)
+    return (f"{run.case.what}: values differ from the reference, first at position {pos}, dimension {dim} "
+            f"(got {got[pos, dim]:.4f}, expected {expected[pos, dim]:.4f}). Even dimension 2i holds "
+            f"sin(pos / 10000^(2i/d)), odd dimension 2i+1 the cosine.")
+
+
+SINUSOIDAL_TABLE = FunctionExercise(
+    "4.1", "sinusoidal_table", lambda max_tokens, embed_dim: model_ref.sinusoidal_table(max_tokens, embed_dim),
+    lambda: [Case(size, f"sinusoidal_table{size}") for size in ((12, 8), (5, 6), (1, 4), (40, 16))],
+    ("max_tokens", "embed_dim"),
+    success="Sines on the even dimensions, cosines on the odd ones, wavelengths from 2π to 10000·2π.",
+    mismatch=_table_mismatch, mistakes=_TABLE_MISTAKES, each_case=True, dtype=False, finite=True, numpy_ok=True,
+    raw=_table_layout, diagnose=_table_angles,
+    examples=lambda: [Case(size, f"sinusoidal_table{size}") for size in ((1, 2), (2, 2), (3, 2), (2, 4), (3, 4))],
+)
+
+
+@checker("4.1", example=function_example(SINUSOIDAL_TABLE))
 def check_sinusoidal_table(fn: Callable[..., Any]) -> str:
     """fn(max_tokens, embed_dim) -> (max_tokens, embed_dim), as ``course_lib.model.sinusoidal_table``."""
-    from course_lib.model import sinusoidal_table as reference
-
-    for max_tokens, embed_dim in ((12, 8), (5, 6), (1, 4), (40, 16)):
-        what = f"sinusoidal_table({max_tokens}, {embed_dim})"
-        got = as_tensor(call(fn, max_tokens, embed_dim, what=what))
-        if (isinstance(got, torch.Tensor) and tuple(got.shape) == (embed_dim, max_tokens)
-                and max_tokens != embed_dim):
-            fail("shape", f"{what} returned shape {tuple(got.shape)}: one row per dimension. The table has one "
-                          f"row per position, (max_tokens, embed_dim): positions should run down the rows "
-                          f"(a column of positions) and frequencies across the columns (a row of frequencies).")
-        expect_tensor(got, (max_tokens, embed_dim), what)
-        if not got.is_floating_point():
-            fail("dtype", f"{what} returned dtype {got.dtype}; sines and cosines need a float tensor "
-                          f"(start from torch.arange(..., dtype=torch.float32)).")
-        if not close(got, reference(max_tokens, embed_dim)):
-            _diagnose_table(got, max_tokens, embed_dim, what)
-    return "Sines on the even dimensions, cosines on the odd ones, wavelengths from 2π to 10000·2π."
-
-
-register("4.1", "sinusoidal_table", [
-    "Build a column of positions (max_tokens, 1) and a row of frequencies (1, embed_dim // 2); their product "
-    "is every angle at once, by broadcasting.",
-    "Frequency of pair i: 1 / 10000^(2i / embed_dim). Computing it as exp(2i * -log(10000) / embed_dim) is the "
-    "same number and numerically kinder.",
-    "Start from torch.zeros(max_tokens, embed_dim) and fill the even columns (0::2) with the sines and the odd "
-    "columns (1::2) with the cosines of the same angles.",
-])
+    return judge(SINUSOIDAL_TABLE, fn)
 
 
 # ---------------------------------------------------------------- 4.2 TransformerBlock
@@ -152,30 +161,26 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
         h = l1(x + a(x))
         return l2(h + m(h))
 
-    right = "pre-norm (GPT-2)" if norm_first else "post-norm (the 2017 paper)"
+    right, same = (pre if norm_first else post), nn.Identity()
+    kind = "pre-norm (GPT-2)" if norm_first else "post-norm (the 2017 paper)"
     common = [
         Mistake("mismatch", "the feed-forward sublayer (self.mlp) is never applied, or its result is dropped; the "
                             "block is attention, then feed-forward.",
-                output=(lambda x, a, m, l1, l2: x + a(l1(x))) if norm_first
-                else (lambda x, a, m, l1, l2: l1(x + a(x)))),
+                output=lambda x, a, m, l1, l2: right(x, a, lambda h: 0, l1, same)),   # a sublayer that adds nothing
         Mistake("mismatch", "the attention sublayer (self.attn) is never applied, or its result is dropped; the block "
                             "is attention, then feed-forward.",
-                output=(lambda x, a, m, l1, l2: x + m(l2(x))) if norm_first
-                else (lambda x, a, m, l1, l2: l2(x + m(x)))),
+                output=lambda x, a, m, l1, l2: right(x, lambda h: 0, m, same, l2)),
         Mistake("mismatch", "ln1 and ln2 are swapped: ln1 goes with the attention sublayer, ln2 with the feed-forward "
                             "one (each LayerNorm has its own learned scale and shift).",
-                output=(lambda x, a, m, l1, l2: pre(x, a, m, l2, l1)) if norm_first
-                else (lambda x, a, m, l1, l2: post(x, a, m, l2, l1))),
+                output=lambda x, a, m, l1, l2: right(x, a, m, l2, l1)),
         Mistake("mismatch", "you use ln1 for both sublayers; ln2 belongs to the feed-forward sublayer.",
-                output=(lambda x, a, m, l1, l2: pre(x, a, m, l1, l1)) if norm_first
-                else (lambda x, a, m, l1, l2: post(x, a, m, l1, l1))),
+                output=lambda x, a, m, l1, l2: right(x, a, m, l1, l1)),
         Mistake("mismatch", "you use ln2 for both sublayers; ln1 belongs to the attention sublayer.",
-                output=(lambda x, a, m, l1, l2: pre(x, a, m, l2, l2)) if norm_first
-                else (lambda x, a, m, l1, l2: post(x, a, m, l2, l2))),
+                output=lambda x, a, m, l1, l2: right(x, a, m, l2, l2)),
         Mistake("mismatch", "the LayerNorms ln1 and ln2 are never applied; each sublayer needs its own.",
-                output=lambda x, a, m, l1, l2: pre(x, a, m, nn.Identity(), nn.Identity())),
+                output=lambda x, a, m, l1, l2: right(x, a, m, same, same)),
         Mistake("norm_placement", f"you normalise both before the sublayers and after the residual additions; this "
-                                  f"block is {right}, so each LayerNorm is used once.",
+                                  f"block is {kind}, so each LayerNorm is used once.",
                 output=lambda x, a, m, l1, l2: l2((h := l1(x + a(l1(x)))) + m(l2(h)))),
         Mistake("norm_placement", "you apply each LayerNorm to the sublayer's OUTPUT (x + ln1(attn(x))). A "
                                   "LayerNorm there undoes the sublayer's scale, so the block can no longer learn "
@@ -227,10 +232,8 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
 
 
 def _build_block(cls: Any, norm_first: bool) -> tuple[nn.Module, nn.Module]:
-    from course_lib.model import TransformerBlock
-
     generator = torch.Generator().manual_seed(42)
-    reference = randomize_(TransformerBlock(_EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, norm_first=norm_first),
+    reference = randomize_(model_ref.TransformerBlock(_EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, norm_first=norm_first),
                            generator)
     kwargs = {"norm_first": norm_first} if accepts(cls, "norm_first") else {}
     candidate = construct(cls, _EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, what=getattr(cls, "__name__", "cls"),
@@ -249,59 +252,63 @@ def _inputs(generator: torch.Generator, batch: int, length: int) -> torch.Tensor
     return 1.5 * x + torch.randn(batch, length, 1, generator=generator)
 
 
+def _with_weight(weight: torch.Tensor, value: torch.Tensor, rerun: Callable[[], Any]) -> Any:
+    """The student's output with ``weight`` set to ``value`` for one call (restored afterwards, even on a failure)."""
+    saved = weight.clone()
+    weight.copy_(value)
+    try:
+        return rerun()
+    finally:
+        weight.copy_(saved)
+
+
+def _future_leaks(candidate: nn.Module, changed: torch.Tensor, got: torch.Tensor, what: str) -> bool:
+    """Whether the outputs before the last position moved, on an input whose last position alone was changed."""
+    later = call(candidate, changed, what=what)
+    return isinstance(later, torch.Tensor) and later.shape == got.shape and not close(later[:, :-1], got[:, :-1])
+
+
 @torch.no_grad()
 def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor, got: torch.Tensor,
                     norm_first: bool, what: str) -> None:
     r = reference
-    for mistake in _block_variants(norm_first):
-        if close(got, mistake.output(x, r.attn, r.mlp, r.ln1, r.ln2)):
-            fail(mistake.code, f"{what}: {mistake.message}")
+    first_mistake(_block_variants(norm_first), lambda m: close(got, m.output(x, r.attn, r.mlp, r.ln1, r.ln2)),
+                  f"{what}: ")
     # behaviour probes, for mistakes we did not list
     if x.shape[1] > 1:
         changed = x.clone()
         changed[:, -1] += 3.0
-        later = call(candidate, changed, what=what)
-        if isinstance(later, torch.Tensor) and later.shape == got.shape and \
-                not close(later[:, :-1], got[:, :-1]):
+        if _future_leaks(candidate, changed, got, what):
             fail("causal_mask", f"{what}: changing the last position changes the outputs at earlier positions, "
                                 f"so the future leaks into the past. Let self.attn do all the mixing between "
                                 f"positions (it applies the causal mask); everything else acts per position.")
+    rerun = lambda: call(candidate, x, what=what)
     for name in ("attn", "mlp"):
         proj = getattr(getattr(candidate, name), "proj", None)
-        if isinstance(proj, nn.Linear):
-            saved = proj.weight.clone()
-            proj.weight.mul_(2.0)
-            try:
-                doubled = call(candidate, x, what=what)
-            finally:
-                proj.weight.copy_(saved)
-            if isinstance(doubled, torch.Tensor) and close(doubled, got):
-                _no_effect(candidate, proj, x, got, name, what)
+        if isinstance(proj, nn.Linear) and close(_with_weight(proj.weight, proj.weight * 2.0, rerun), got):
+            # doubling self.{name}'s output projection changed nothing: ignored, or only its scale lost?
+            other = _with_weight(proj.weight, torch.flip(proj.weight, dims=(0,)), rerun)   # other directions
+            if isinstance(other, torch.Tensor) and other.shape == got.shape and not close(other, got):
+                fail("norm_placement", f"{what}: your block is blind to the SCALE of self.{name} (doubling its "
+                                       f"output changes nothing), though not to its direction: a LayerNorm sits on "
+                                       f"the sublayer's output. Normalise the sublayer's input (pre-norm) or the "
+                                       f"residual sum (post-norm), never the sublayer's output alone.")
+            fail("mismatch", f"{what}: the output does not depend on self.{name}; make sure its result "
+                             f"goes into what forward returns.")
     fail("mismatch", f"{what}: the output differs from the reference {('pre' if norm_first else 'post')}-norm "
                      f"block (largest difference {(got - reference(x)).abs().max():.3g}). Check the order: "
                      + ("x + attn(...) of ln1(x), then the same with ln2 and mlp."
                         if norm_first else "ln1 of (x + attention of x), then ln2 of (x + mlp of x)."))
 
 
-def _no_effect(candidate: nn.Module, proj: nn.Linear, x: torch.Tensor, got: torch.Tensor, name: str,
-               what: str) -> None:
-    """Doubling self.{name}'s output projection left the output unchanged: ignored, or only its scale lost?"""
-    saved = proj.weight.clone()
-    proj.weight.copy_(torch.flip(saved, dims=(0,)))   # the same numbers, other directions
-    try:
-        other = call(candidate, x, what=what)
-    finally:
-        proj.weight.copy_(saved)
-    if isinstance(other, torch.Tensor) and other.shape == got.shape and not close(other, got):
-        fail("norm_placement", f"{what}: your block is blind to the SCALE of self.{name} (doubling its output "
-                               f"changes nothing), though not to its direction: a LayerNorm sits on the "
-                               f"sublayer's output. Normalise the sublayer's input (pre-norm) or the residual "
-                               f"sum (post-norm), never the sublayer's output alone.")
-    fail("mismatch", f"{what}: the output does not depend on self.{name}; make sure its result "
-                     f"goes into what forward returns.")
+def _block_example(cls: Any, norm_first: bool = True, **_: Any) -> Any:
+    kwargs = {"norm_first": norm_first} if accepts(cls, "norm_first") else {}
+    return module_example(f"{getattr(cls, '__name__', 'TransformerBlock')}(4, 2, 4, 0.0, norm_first={norm_first})",
+                          lambda: cls(4, 2, 4, 0.0, **kwargs),
+                          lambda: model_ref.TransformerBlock(4, 2, 4, 0.0, norm_first=norm_first), 4)
 
 
-@checker("4.2")
+@checker("4.2", example=_block_example)
 def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
     """cls(embed_dim, num_heads, max_tokens, dropout_rate) with ln1, attn, ln2, mlp; pre- or post-norm."""
     reference, candidate = _build_block(cls, norm_first)
@@ -331,22 +338,12 @@ def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
     return f"Same outputs as the reference {kind} block, with residuals around both sublayers."
 
 
-register("4.2", "TransformerBlock.forward", [
-    "Two sublayers, each wrapped the same way: attention first, then the feed-forward network.",
-    "Residual: x = x + sublayer(...). The residual stream x itself is never replaced, only added to.",
-    "Pre-norm (norm_first=True, GPT-2) normalises what goes INTO each sublayer (ln1 before attn, ln2 before "
-    "mlp); post-norm normalises the sum AFTER each residual addition.",
-])
-
-
 # ---------------------------------------------------------------- 4.3 GPT
 
 def _gpt_config(**overrides: Any):
-    from course_lib.model import GPTConfig
-
     values = dict(vocab_size=13, max_tokens=8, embed_dim=16, num_heads=2, num_layers=2, dropout_rate=0.1)
     values.update(overrides)
-    return GPTConfig(**values)
+    return model_ref.GPTConfig(**values)
 
 
 def _gpt_variants(ref: nn.Module) -> list[Mistake]:
@@ -382,10 +379,6 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
     ]
 
 
-def _forward(model: nn.Module, idx: torch.Tensor, what: str, *cache: Any) -> Any:
-    return call(model, idx, *cache, what=what)
-
-
 @torch.no_grad()
 def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor, got: torch.Tensor,
                   what: str) -> None:
@@ -396,31 +389,22 @@ def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor,
     if close(got.exp().sum(-1), torch.ones(got.shape[:-1])):
         fail("mismatch", f"{what}: you return log-probabilities (a log_softmax of the logits). Return logits, "
                          f"not probabilities: cross-entropy applies the log-softmax itself.")
-    for mistake in _gpt_variants(reference):
-        if close(got, mistake.output(idx)):
-            fail(mistake.code, f"{what}: {mistake.message}")
+    first_mistake(_gpt_variants(reference), lambda mistake: close(got, mistake.output(idx)), f"{what}: ")
     length = idx.shape[1]
     if length > 1:
         changed = idx.clone()
         changed[:, -1] = (changed[:, -1] + 1) % reference.config.vocab_size
-        later = _forward(candidate, changed, what)
-        if isinstance(later, torch.Tensor) and later.shape == got.shape and \
-                not close(later[:, :-1], got[:, :-1]):
+        if _future_leaks(candidate, changed, got, what):
             fail("causal_mask", f"{what}: changing the last token changes the logits at earlier positions: "
                                 f"the future leaks into the past. Only the attention layers should mix "
                                 f"positions, and they apply the causal mask.")
         same = torch.full((1, length), 3, dtype=torch.long)
-        flat = _forward(candidate, same, what)
+        flat = call(candidate, same, what=what)
         if isinstance(flat, torch.Tensor) and flat.dim() == 3 and close(flat[0, :1].expand_as(flat[0]), flat[0]):
             fail("mismatch", f"{what}: the same token at different positions gets the same logits, so the "
                              f"positions are missing. Add the position encodings to the token embeddings.")
-    saved = candidate.ln_f.weight.clone()
-    candidate.ln_f.weight.mul_(2.0).add_(0.5)
-    try:
-        changed_ln = _forward(candidate, idx, what)
-    finally:
-        candidate.ln_f.weight.copy_(saved)
-    if isinstance(changed_ln, torch.Tensor) and close(changed_ln, got):
+    ln_f = candidate.ln_f.weight
+    if close(_with_weight(ln_f, ln_f * 2.0 + 0.5, lambda: call(candidate, idx, what=what)), got):
         fail("final_norm", f"{what}: the output does not depend on the final LayerNorm self.ln_f; apply it "
                            f"after the last block, before the head.")
     fail("mismatch", f"{what}: the logits differ from the reference (largest difference "
@@ -456,10 +440,10 @@ def _check_gpt_training(candidate: nn.Module, idx: torch.Tensor, rate: float) ->
     """Training mode, by behaviour: finite logits, no dropout on the logits, dropout after the embeddings."""
     what = f"your GPT in training mode (dropout_rate={rate}) on idx of shape {tuple(idx.shape)}"
     with torch.no_grad():
-        eval_logits = _forward(candidate, idx, what.replace("training", "eval"))
+        eval_logits = call(candidate, idx, what=what.replace("training", "eval"))
         call(candidate.train, what="your GPT's train()")
         try:
-            logits = _forward(candidate, idx, what)
+            logits = call(candidate, idx, what=what)
             if not isinstance(logits, torch.Tensor) or not torch.isfinite(logits).all():
                 fail("nan", f"{what}: the logits are not finite numbers in training mode. Apply dropout to "
                             f"activations (after the embeddings), never to scores that hold -inf.")
@@ -473,7 +457,7 @@ def _check_gpt_training(candidate: nn.Module, idx: torch.Tensor, rate: float) ->
             if isinstance(blocks, nn.Module):
                 blocks.eval()
                 try:
-                    without_blocks = _forward(candidate, idx, what)
+                    without_blocks = call(candidate, idx, what=what)
                 finally:
                     blocks.train()
             if isinstance(blocks, nn.Module) and torch.equal(without_blocks, eval_logits):
@@ -483,14 +467,21 @@ def _check_gpt_training(candidate: nn.Module, idx: torch.Tensor, rate: float) ->
             candidate.eval()
 
 
-@checker("4.3")
+def _gpt_example(cls: Any, *_: Any, **__: Any) -> Any:
+    sizes = dict(vocab_size=5, max_tokens=4, embed_dim=4, num_heads=2, num_layers=1, dropout_rate=0.0)
+    config = _gpt_config(**sizes)
+    shown = f"{getattr(cls, '__name__', 'GPT')}(GPTConfig({', '.join(f'{k}={v}' for k, v in sizes.items())}))"
+    return module_example(shown, lambda: cls(config),
+                          lambda: model_ref.GPT(config), 4,
+                          inputs=lambda generator, length: torch.randint(0, 5, (1, length), generator=generator))
+
+
+@checker("4.3", example=_gpt_example)
 def check_gpt(cls: Any) -> str:
     """cls(config) with token_embedding, position_encoding, dropout, blocks, ln_f, head; forward -> logits."""
-    from course_lib.model import GPT
-
     config = _gpt_config()
     generator = torch.Generator().manual_seed(7)
-    reference = randomize_(GPT(config), generator).eval()
+    reference = randomize_(model_ref.GPT(config), generator).eval()
     candidate = construct(cls, config, what=getattr(cls, "__name__", "cls"))
     copy_weights(reference, candidate, "your GPT")
     candidate.eval()
@@ -499,7 +490,7 @@ def check_gpt(cls: Any) -> str:
         idx = torch.randint(0, vocab, (batch, length), generator=generator)
         what = f"your GPT on idx of shape {tuple(idx.shape)}"
         with torch.no_grad():
-            got = _forward(candidate, idx, what)
+            got = call(candidate, idx, what=what)
             if isinstance(got, tuple) and got and isinstance(got[0], torch.Tensor):
                 fail("dtype", f"{what} returned a tuple of {len(got)}; return only the logits tensor "
                               f"(N, L, vocab_size). The loss is computed outside the model, by lm_loss.")
@@ -507,7 +498,7 @@ def check_gpt(cls: Any) -> str:
                 fail("shape", f"{what} returned shape {tuple(got.shape)}: hidden states, not logits. Finish "
                               f"with the output head self.head, which maps embed_dim to vocab_size.")
             expect_tensor(got, (batch, length, vocab), what)
-            if not same_when_called_twice(lambda idx=idx, what=what: _forward(candidate, idx, what)):
+            if not same_when_called_twice(lambda idx=idx, what=what: call(candidate, idx, what=what)):
                 fail("dropout", f"{what}: two calls in eval mode gave different logits, so dropout is on when it "
                                 f"should be off. Use self.dropout (an nn.Dropout follows model.eval()).")
             if not close(got, reference(idx)):
@@ -536,11 +527,3 @@ def check_gpt(cls: Any) -> str:
             raise
         note = " (The cache path of your forward is not written yet; notebook 06 comes back to it.)"
     return "Logits match the reference GPT for every batch size and length." + note
-
-
-register("4.3", "GPT.forward", [
-    "Token embeddings (N, L, E) plus position encodings (L, E) broadcast over the batch; then dropout.",
-    "Run x through every block in self.blocks, in order, then the final LayerNorm self.ln_f and the head.",
-    "Return the raw logits (N, L, vocab_size): no softmax. Check the length against max_tokens first and raise "
-    "a clear ValueError when it is too long.",
-])

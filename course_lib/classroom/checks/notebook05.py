@@ -1,114 +1,50 @@
 """Exercises of notebook 05 (training and sampling): 5.1 lm_windows, 5.2 lm_loss, 5.3 train_step,
-5.4 sample_next_token.
-
-Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
-"""
+5.4 sample_next_token."""
 from __future__ import annotations
 
 import copy
 import numbers
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import data as data_ref
+from ... import model as model_ref
+from ... import train as train_ref
+from ..exercises import Mistake
 from ..verdict import Failure, fail
-from ._core import register
-from ._gradients import check_function_gradients
-from ._harness import checker
-from ._mistake import Mistake
-from ._model_common import accepts, as_tensor, extend, recording_calls
-from ._student_code import call, close, expect_tensor
+from ._model_common import ProcedureExample, accepts, as_tensor, extend, recording_calls
+from ._student_code import call, expect_callable, expect_tensor
+from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
+from .engine.example import tiny
+from .engine.function import Run
 
 __all__ = ["check_lm_windows", "check_lm_loss", "check_train_step", "check_sampling"]
 
 
-IGNORE = -100
-
-
 # ---------------------------------------------------------------- 5.1 lm_windows
 
-def _window_starts(inputs: torch.Tensor, offset: int) -> list[int]:
-    return [int(v) - offset for v in inputs[:, 0]] if inputs.numel() else []
+_OFFSET = 100   # token values 100, 101, ...: every value names its position
 
 
-def _diagnose_windows(inputs: torch.Tensor, targets: torch.Tensor, expected: torch.Tensor, max_tokens: int,
-                      stride: int, n: int, offset: int, what: str) -> None:
-    """inputs/targets hold token values offset + index, so each value says where it came from."""
-    count = expected.shape[0]
-    if inputs.dim() != 2 or targets.dim() != 2:
-        fail("shape", f"{what}: inputs and targets should each be 2-D, (num_windows, max_tokens) = "
-                      f"{tuple(expected.shape)}; got {tuple(inputs.shape)} and {tuple(targets.shape)}.")
-    if inputs.shape[1] == max_tokens + 1 or targets.shape[1] == max_tokens + 1:
-        fail("shape", f"{what}: your windows hold max_tokens + 1 = {max_tokens + 1} tokens. Cut max_tokens + 1 "
-                      f"tokens, then the inputs are all but the last of them and the targets all but the "
-                      f"first, max_tokens each.")
-    if inputs.shape[1] == max_tokens - 1 or targets.shape[1] == max_tokens - 1:
-        fail("shape", f"{what}: your windows hold max_tokens - 1 = {max_tokens - 1} tokens (off by one). Each "
-                      f"chunk needs max_tokens + 1 tokens, so that inputs and targets are max_tokens long.")
-    if inputs.shape != targets.shape:
-        fail("shape", f"{what}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} should have the "
-                      f"same shape, {tuple(expected.shape)}.")
-    if inputs.shape[1] != max_tokens:
-        fail("shape", f"{what}: each window should hold max_tokens = {max_tokens} tokens, yours hold "
-                      f"{inputs.shape[1]}.")
-    if inputs.shape[0] and torch.equal(targets, inputs):
-        fail("mismatch", f"{what}: the targets are the inputs themselves. The target at each position is the "
-                         f"NEXT token, so targets are the inputs shifted by one to the left (one step ahead).")
-    if inputs.shape[0] and inputs.shape[1] > 1 and torch.equal(targets[:, 1:], inputs[:, :-1]):
-        fail("mismatch", f"{what}: targets are shifted the wrong way: your target at position j is the token "
-                         f"BEFORE input j. The model predicts what comes next, so target j is the token after "
-                         f"input j.")
-    starts = _window_starts(inputs, offset)
-    steps = {b - a for a, b in zip(starts, starts[1:])}
-    if steps and 0 < min(steps) and max(steps) < stride:
-        every = "at every token" if steps == {1} else f"every {sorted(steps)[0]} tokens"
-        fail("overlapping_windows", f"{what}: your windows overlap: one starts {every} ({len(starts)} windows). "
-                                    f"Here windows start every {stride} tokens ({count} windows), so each token "
-                                    f"is a target once.")
-    if inputs.shape[0] != count:
-        if steps == {max_tokens + 1} and stride == max_tokens:
-            fail("shape", f"{what}: consecutive windows start max_tokens + 1 = {max_tokens + 1} tokens apart, so "
-                          f"one token in every window is never a target. Start them max_tokens = {max_tokens} "
-                          f"apart: the last target of one window is the first input of the next.")
-        if steps <= {stride} and inputs.shape[0] == count - 1:
-            fail("shape", f"{what}: the last window is missing although it fits: a window starting at s needs "
-                          f"tokens s .. s + max_tokens, so it fits when s + max_tokens + 1 <= len(ids) "
-                          f"({n} here). Check the range of your start positions.")
-        if steps <= {stride} and inputs.shape[0] > count:
-            fail("shape", f"{what}: {inputs.shape[0]} windows, but only {count} fit completely; drop a last "
-                          f"window that would run past the end instead of padding or wrapping it.")
-        fail("shape", f"{what}: expected {count} windows (starting every {stride} tokens), got "
-                      f"{inputs.shape[0]}.")
-    if steps and steps != {stride}:
-        fail("mismatch", f"{what}: your windows start {sorted(steps)} tokens apart; they should start every "
-                         f"{stride} tokens.")
-    if starts and starts[0] != 0:
-        fail("mismatch", f"{what}: the first window starts at token {starts[0]}; it should start at the "
-                         f"beginning of ids.")
-    fail("mismatch", f"{what}: the windows hold other tokens than expected. Window w starts at token "
-                     f"w * stride; its inputs are max_tokens tokens from there and its targets the same "
-                     f"tokens one step later.")
+def _windows_what(n: int, max_tokens: int, stride: int | None) -> str:
+    return f"lm_windows(ids of length {n}, max_tokens={max_tokens}{'' if stride is None else f', stride={stride}'})"
 
 
-@checker("5.1")
-def check_lm_windows(fn: Callable[..., Any]) -> str:
-    """fn(ids (T,) long, max_tokens) -> (inputs, targets), each (num_windows, max_tokens)."""
-    from course_lib.data import lm_windows as reference
+def _windows_cases(sizes: tuple[tuple[int, int, int | None], ...]) -> list[Case]:
+    return [Case((torch.arange(_OFFSET, _OFFSET + n), t, s), _windows_what(n, t, s)) for n, t, s in sizes]
 
-    offset = 100   # token values 100, 101, ... so every value names its position
-    cases: list[tuple[int, int, int | None]] = [(21, 4, None), (20, 4, None), (9, 8, None), (30, 3, None),
-                                                (6, 1, None)]
-    if accepts(fn, "stride"):
-        cases += [(21, 4, 2), (17, 3, 5)]
-    for n, max_tokens, stride in cases:
-        ids = torch.arange(offset, offset + n)
-        kwargs = {} if stride is None else {"stride": stride}
-        what = f"lm_windows(ids of length {n}, max_tokens={max_tokens}{'' if stride is None else f', stride={stride}'})"
-        result = call(fn, ids.clone(), max_tokens, what=what, **kwargs)
+
+def _windows_pair(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """The student's (inputs, targets) as one (2, num_windows, max_tokens) tensor, after the checks of a pair."""
+    def windows(ids: torch.Tensor, max_tokens: int, stride: int | None) -> torch.Tensor:
+        what = _windows_what(len(ids), max_tokens, stride)
+        result = fn(ids, max_tokens) if stride is None else fn(ids, max_tokens, stride=stride)
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             fail("dtype" if result is not None else "shape",
                  f"{what} should return a pair (inputs, targets), but returned "
@@ -120,99 +56,126 @@ def check_lm_windows(fn: Callable[..., Any]) -> str:
             if value.dtype != torch.long:
                 fail("dtype", f"{what}: {name} have dtype {value.dtype}; token ids must be torch.long "
                               f"(the embedding and the cross-entropy targets need integers).")
-        exp_inputs, exp_targets = reference(ids, max_tokens, stride)
-        if not (inputs.shape == exp_inputs.shape and torch.equal(inputs, exp_inputs)
-                and torch.equal(targets, exp_targets)):
-            _diagnose_windows(inputs, targets, exp_inputs, max_tokens, stride or max_tokens, n, offset, what)
-    return "Windows of max_tokens inputs, targets one step ahead, a last window that doesn't fit dropped."
+        shape = (len(range(0, len(ids) - max_tokens, stride or max_tokens)), max_tokens)
+        if inputs.dim() != 2 or targets.dim() != 2:
+            fail("shape", f"{what}: inputs and targets should each be 2-D, (num_windows, max_tokens) = "
+                          f"{shape}; got {tuple(inputs.shape)} and {tuple(targets.shape)}.")
+        if max_tokens + 1 in (inputs.shape[1], targets.shape[1]):
+            fail("shape", f"{what}: your windows hold max_tokens + 1 = {max_tokens + 1} tokens. Cut max_tokens + "
+                          f"1 tokens, then the inputs are all but the last of them and the targets all but the "
+                          f"first, max_tokens each.")
+        if max_tokens - 1 in (inputs.shape[1], targets.shape[1]):
+            fail("shape", f"{what}: your windows hold max_tokens - 1 = {max_tokens - 1} tokens (off by one). Each "
+                          f"chunk needs max_tokens + 1 tokens, so that inputs and targets are max_tokens long.")
+        if inputs.shape != targets.shape:
+            fail("shape", f"{what}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} should have "
+                          f"the same shape, {shape}.")
+        if inputs.shape[1] != max_tokens:
+            fail("shape", f"{what}: each window should hold max_tokens = {max_tokens} tokens, yours hold "
+                          f"{inputs.shape[1]}.")
+        return torch.stack([inputs, targets])                   # (2, num_windows, max_tokens)
+    return windows
 
 
-register("5.1", "lm_windows", [
-    "A window needs max_tokens + 1 consecutive tokens: the inputs are the first max_tokens, the targets the last "
-    "max_tokens (the same tokens shifted by one).",
-    "Windows start every max_tokens tokens: 0, max_tokens, 2 * max_tokens, ... A start s fits when "
-    "s + max_tokens + 1 <= len(ids).",
-    "Tensor.unfold(0, size, step) cuts all windows at once; a list of slices stacked with torch.stack works too.",
-])
+def _starts(out: torch.Tensor) -> tuple[list[int], set[int]]:
+    """Where each of the student's windows starts in ids, and the steps between them."""
+    starts = [int(v) - _OFFSET for v in out[0, :, 0]] if out.numel() else []
+    return starts, {b - a for a, b in zip(starts, starts[1:])}
+
+
+def _windows_count(case: Case, out: Any) -> None:
+    """Too many or too few windows: overlapping, spaced too far, the last missing, or one too many."""
+    ids, max_tokens, stride = case.args
+    stride = stride or max_tokens
+    count, (starts, steps) = len(range(0, len(ids) - max_tokens, stride)), _starts(out)
+    if steps and 0 < min(steps) and max(steps) < stride:
+        every = "at every token" if steps == {1} else f"every {sorted(steps)[0]} tokens"
+        fail("overlapping_windows", f"{case.what}: your windows overlap: one starts {every} ({len(starts)} "
+                                    f"windows). Here windows start every {stride} tokens ({count} windows), so "
+                                    f"each token is a target once.")
+    if out.shape[1] == count:
+        return
+    if steps == {max_tokens + 1} and stride == max_tokens:
+        fail("shape", f"{case.what}: consecutive windows start max_tokens + 1 = {max_tokens + 1} tokens apart, so "
+                      f"one token in every window is never a target. Start them max_tokens = {max_tokens} apart: "
+                      f"the last target of one window is the first input of the next.")
+    if steps <= {stride} and out.shape[1] == count - 1:
+        fail("shape", f"{case.what}: the last window is missing although it fits: a window starting at s needs "
+                      f"tokens s .. s + max_tokens, so it fits when s + max_tokens + 1 <= len(ids) ({len(ids)} "
+                      f"here). Check the range of your start positions.")
+    if steps <= {stride} and out.shape[1] > count:
+        fail("shape", f"{case.what}: {out.shape[1]} windows, but only {count} fit completely; drop a last window "
+                      f"that would run past the end instead of padding or wrapping it.")
+    fail("shape", f"{case.what}: expected {count} windows (starting every {stride} tokens), got {out.shape[1]}.")
+
+
+def _windows_spacing(runs: list[Run], fn: Any) -> None:
+    run = runs[0]
+    stride = run.case.args[2] or run.case.args[1]
+    starts, steps = _starts(run.out)
+    if steps and steps != {stride}:
+        fail("mismatch", f"{run.case.what}: your windows start {sorted(steps)} tokens apart; they should start "
+                         f"every {stride} tokens.")
+    if starts and starts[0] != 0:
+        fail("mismatch", f"{run.case.what}: the first window starts at token {starts[0]}; it should start at the "
+                         f"beginning of ids.")
+
+
+LM_WINDOWS = FunctionExercise(
+    "5.1", "lm_windows", lambda ids, max_tokens, stride: torch.stack(data_ref.lm_windows(ids, max_tokens, stride)),
+    lambda: _windows_cases(((21, 4, None), (20, 4, None), (9, 8, None), (30, 3, None), (6, 1, None))),
+    ("ids", "max_tokens", "stride"),
+    success="Windows of max_tokens inputs, targets one step ahead, a last window that doesn't fit dropped.",
+    mismatch=lambda run: (f"{run.case.what}: the windows hold other tokens than expected. Window w starts at token "
+                          f"w * stride; its inputs are max_tokens tokens from there and its targets the same "
+                          f"tokens one step later."),
+    mistakes=(
+        Mistake("mismatch", "the targets are the inputs themselves. The target at each position is the NEXT token, "
+                            "so targets are the inputs shifted by one to the left (one step ahead).",
+                output=lambda ids, t, s: data_ref.lm_windows(ids, t, s)[0].expand(2, -1, -1)),
+        Mistake("mismatch", "targets are shifted the wrong way: your target at position j is the token BEFORE input "
+                            "j. The model predicts what comes next, so target j is the token after input j.",
+                output=lambda ids, t, s: torch.stack(data_ref.lm_windows(ids, t, s)[::-1])),
+    ),
+    exact=True, each_case=True, raw=_windows_count, diagnose=_windows_spacing,
+    examples=lambda: _windows_cases(((5, 2, None), (7, 2, None), (7, 3, None))),
+)
+
+
+@checker("5.1", example=lambda fn, *_, **__: function_example(LM_WINDOWS)(_windows_pair(fn)))
+def check_lm_windows(fn: Callable[..., Any]) -> str:
+    """fn(ids (T,) long, max_tokens) -> (inputs, targets), each (num_windows, max_tokens)."""
+    expect_callable(fn, "lm_windows")
+    strided = replace(LM_WINDOWS, cases=lambda: LM_WINDOWS.cases() + _windows_cases(((21, 4, 2), (17, 3, 5))))
+    return judge(strided if accepts(fn, "stride") else LM_WINDOWS, _windows_pair(fn))
 
 
 # ---------------------------------------------------------------- 5.2 lm_loss
 
+IGNORE = -100
 _SHAPE_ERROR = re.compile(r"batch_size|target size|spatial targets|size mismatch|shape|dimension", re.I)
 
 
-def _loss_variants(logits: torch.Tensor, targets: torch.Tensor) -> list[Mistake]:
-    n, length, vocab = logits.shape
-    flat, flat_t = logits.flatten(0, 1), targets.flatten()
-    valid = flat_t != IGNORE
-    per_token = F.cross_entropy(flat, flat_t, ignore_index=IGNORE, reduction="none")
-    variants = [
-        Mistake("mismatch", "you apply a softmax before the cross-entropy. F.cross_entropy takes raw logits and "
-                            "applies the (log-)softmax itself, so yours is applied twice.",
-                output=F.cross_entropy(flat.softmax(-1), flat_t, ignore_index=IGNORE)),
-        Mistake("mismatch", "you pass raw logits to F.nll_loss, which expects log-probabilities: use F.cross_entropy "
-                            "on the logits (or log_softmax first).",
-                output=F.nll_loss(flat, flat_t, ignore_index=IGNORE)),
-        Mistake("mismatch", "your loss is the SUM over tokens; the loss is the MEAN over the target tokens (so it does "
-                            "not grow with the batch size or length).",
-                output=per_token.sum()),
-        Mistake("mismatch", "you average over every position, padding included: the ignored targets (-100) should not "
-                            "count in the mean either. Divide by the number of real targets.",
-                output=per_token.sum() / flat_t.numel()),
-        Mistake("mismatch", "each sequence gets averaged separately and then the sequences are averaged: every target "
-                            "token should weigh the same, so average over all real targets at once.",
-                output=torch.stack([F.cross_entropy(logits[i], targets[i], ignore_index=IGNORE)
-                      for i in range(n) if bool((targets[i] != IGNORE).any())]).mean()),
-        Mistake("mismatch", "targets of -100 are not ignored: -100 marks padding and must not contribute to the loss "
-                            "(F.cross_entropy ignores it by default, unless you change ignore_index or the targets).",
-                output=F.cross_entropy(flat, flat_t.clamp(min=0))),
-    ]
-    if length == vocab and length > 1:
-        variants.append(Mistake("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you "
-                                         "pass (N, L, V) as it is, so it takes the positions for the classes. Flatten "
-                                         "to (N*L, V) and (N*L,), or move the vocabulary to dimension 1.",
-                                output=F.cross_entropy(logits, targets, ignore_index=IGNORE)))
-    if not bool(valid.all()):
-        variants.append(Mistake("mismatch", "the -100 targets are not ignored the right way; the mean runs over the "
-                                            "real targets only.",
-                                output=per_token[valid].sum() / flat_t.numel()))
-    return variants
+def _loss_what(logits: torch.Tensor, targets: torch.Tensor) -> str:
+    return (f"lm_loss(logits {tuple(logits.shape)}, targets {tuple(targets.shape)}"
+            + (", with -100 padding)" if bool((targets == IGNORE).any()) else ")"))
 
 
-def _call_loss(fn: Callable[..., Any], logits: torch.Tensor, targets: torch.Tensor, what: str) -> Any:
-    try:
-        return call(fn, logits, targets, what=what)
-    except Failure as failure:
-        if failure.diagnosis != "exception":
-            raise
-        if "-100" in failure.message or "out of bounds" in failure.message:
-            fail("mismatch", extend(failure.message, "Targets of -100 mark padding: ignore them (F.cross_entropy "
-                             "does so by default) instead of using them as an index."))
-        if _SHAPE_ERROR.search(failure.message):
-            fail("shape", extend(failure.message, "F.cross_entropy expects logits (N, C) with targets (N,), or "
-                                                  "(N, C, L) with (N, L): the classes go in dimension 1. Flatten "
-                                                  "logits to (N*L, V) and targets to (N*L,)."))
-        raise
-
-
-@checker("5.2")
-def check_lm_loss(fn: Callable[..., Any]) -> str:
-    """fn(logits (N, L, V), targets (N, L)) -> mean cross-entropy, ignoring targets of -100."""
-    from course_lib.train import lm_loss as reference
-
-    generator = torch.Generator().manual_seed(5)
-    cases = []
-    for n, length, vocab, pad in ((2, 5, 7, 0), (3, 4, 4, 0), (1, 1, 9, 0), (3, 6, 11, 2), (2, 7, 7, 3)):
-        logits = 2.0 * torch.randn(n, length, vocab, generator=generator)
+def _loss_cases(sizes: tuple[tuple[int, int, int, int], ...], seed: int, small: bool = False) -> list[Case]:
+    generator, cases = torch.Generator().manual_seed(seed), []
+    for n, length, vocab, pad in sizes:
+        logits = tiny(generator, n, length, vocab) if small else 2.0 * torch.randn(n, length, vocab, generator=generator)
         targets = torch.randint(0, vocab, (n, length), generator=generator)
         if pad:
             targets[1:, -pad:] = IGNORE   # padded rows, the first row complete
-        cases.append((logits, targets))
-    for logits, targets in cases:
-        what = f"lm_loss(logits {tuple(logits.shape)}, targets {tuple(targets.shape)}" + \
-               (", with -100 padding)" if bool((targets == IGNORE).any()) else ")")
-        leaf = logits.clone().requires_grad_(True)
-        got = _call_loss(fn, leaf, targets.clone(), what)
+        cases.append(Case((logits, targets), _loss_what(logits, targets)))
+    return cases
+
+
+def _loss_of(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """The student's loss as a 0-d tensor, after the checks of a loss (a number, one loss per token, no graph)."""
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        what, got = _loss_what(logits, targets), fn(logits, targets)
         if isinstance(got, numbers.Real) and not isinstance(got, bool):
             fail("dtype", f"{what} returned a Python number. Return the loss tensor itself: .item() cuts it off "
                           f"from the graph, and loss.backward() needs the tensor.")
@@ -222,27 +185,76 @@ def check_lm_loss(fn: Callable[..., Any]) -> str:
                           f"mean over the real targets, a single number.")
         if isinstance(got, torch.Tensor) and got.numel() == 1 and got.dim() > 0:
             got = got.reshape(())
-        expect_tensor(got, (), what)
-        expected = reference(logits, targets)
-        if not close(got, expected):
-            for mistake in _loss_variants(logits, targets):
-                if close(got, mistake.output):
-                    fail(mistake.code, f"{what}: {mistake.message}")
-            fail("mismatch", f"{what} returned {got.item():.5f}, expected {expected.item():.5f}: the mean "
-                             f"cross-entropy of the logits against the targets, ignoring -100.")
-        if not got.requires_grad:
+        if logits.requires_grad and isinstance(got, torch.Tensor) and not got.requires_grad:   # the gradient probe
             fail("gradient", f"{what}: the loss has the right value but is cut off from the logits (no gradient "
                              f"can flow back). Avoid .item(), .detach(), torch.no_grad() or numpy inside lm_loss.")
-        check_function_gradients(fn, reference, logits, targets, names=("logits",), what=what)
-    return "Mean cross-entropy over the real targets, -100 ignored, gradients flow back."
+        return got
+    return loss
 
 
-register("5.2", "lm_loss", [
-    "F.cross_entropy takes raw logits (it applies log_softmax itself) and averages over the targets.",
-    "It wants the classes in dimension 1: flatten logits (N, L, V) to (N*L, V) and targets (N, L) to (N*L,).",
-    "Targets of -100 are padding; F.cross_entropy skips them by default (ignore_index=-100), and the mean runs "
-    "over the remaining targets only.",
-])
+def _loss_error(failure: Failure, case: Case, out: Any, fn: Any) -> None:
+    """A crash on -100 or on the layout of (N, L, V): say what cross-entropy expects."""
+    if failure.diagnosis != "exception":
+        return
+    if "-100" in failure.message or "out of bounds" in failure.message:
+        fail("mismatch", extend(failure.message, "Targets of -100 mark padding: ignore them (F.cross_entropy does "
+                                                 "so by default) instead of using them as an index."))
+    if _SHAPE_ERROR.search(failure.message):
+        fail("shape", extend(failure.message, "F.cross_entropy expects logits (N, C) with targets (N,), or (N, C, L) "
+                                              "with (N, L): the classes go in dimension 1. Flatten logits to "
+                                              "(N*L, V) and targets to (N*L,)."))
+
+
+def _per_token(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none")
+
+
+LM_LOSS = FunctionExercise(
+    "5.2", "lm_loss", lambda logits, targets: train_ref.lm_loss(logits, targets),
+    lambda: _loss_cases(((2, 5, 7, 0), (3, 4, 4, 0), (1, 1, 9, 0), (3, 6, 11, 2), (2, 7, 7, 3)), 5),
+    ("logits", "targets"),
+    success="Mean cross-entropy over the real targets, -100 ignored, gradients flow back.",
+    mismatch=lambda run: (f"{run.case.what} returned {run.out.item():.5f}, expected {run.expected.item():.5f}: the "
+                          f"mean cross-entropy of the logits against the targets, ignoring -100."),
+    mistakes=(
+        Mistake("mismatch", "you apply a softmax before the cross-entropy. F.cross_entropy takes raw logits and "
+                            "applies the (log-)softmax itself, so yours is applied twice.",
+                output=lambda x, y: F.cross_entropy(x.flatten(0, 1).softmax(-1), y.flatten(), ignore_index=IGNORE)),
+        Mistake("mismatch", "you pass raw logits to F.nll_loss, which expects log-probabilities: use F.cross_entropy "
+                            "on the logits (or log_softmax first).",
+                output=lambda x, y: F.nll_loss(x.flatten(0, 1), y.flatten(), ignore_index=IGNORE)),
+        Mistake("mismatch", "your loss is the SUM over tokens; the loss is the MEAN over the target tokens (so it does "
+                            "not grow with the batch size or length).", output=lambda x, y: _per_token(x, y).sum()),
+        Mistake("mismatch", "you average over every position, padding included: the ignored targets (-100) should not "
+                            "count in the mean either. Divide by the number of real targets.",
+                output=lambda x, y: _per_token(x, y).sum() / y.numel()),
+        Mistake("mismatch", "each sequence gets averaged separately and then the sequences are averaged: every target "
+                            "token should weigh the same, so average over all real targets at once.",
+                output=lambda x, y: torch.stack([F.cross_entropy(x[i], y[i], ignore_index=IGNORE)
+                                                 for i in range(len(x)) if bool((y[i] != IGNORE).any())]).mean()),
+        Mistake("mismatch", "targets of -100 are not ignored: -100 marks padding and must not contribute to the loss "
+                            "(F.cross_entropy ignores it by default, unless you change ignore_index or the targets).",
+                output=lambda x, y: F.cross_entropy(x.flatten(0, 1), y.flatten().clamp(min=0))),
+        Mistake("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you pass (N, L, V) as "
+                         "it is, so it takes the positions for the classes. Flatten to (N*L, V) and (N*L,), or move "
+                         "the vocabulary to dimension 1.",
+                output=lambda x, y: F.cross_entropy(x, y, ignore_index=IGNORE) if 1 < x.shape[1] == x.shape[2]
+                else None),
+        Mistake("mismatch", "the -100 targets are not ignored the right way; the mean runs over the real targets "
+                            "only.", output=lambda x, y: _per_token(x, y)[y.flatten() != IGNORE].sum() / y.numel()
+                if bool((y == IGNORE).any()) else None),
+    ),
+    each_case=True, dtype=False, finite=True, reword=_loss_error,
+    gradients=lambda: LM_LOSS.cases(),
+    examples=lambda: _loss_cases(((1, 1, 2, 0), (1, 2, 3, 0), (2, 2, 3, 1)), 1, small=True),
+)
+
+
+@checker("5.2", example=lambda fn, *_, **__: function_example(LM_LOSS)(_loss_of(fn)))
+def check_lm_loss(fn: Callable[..., Any]) -> str:
+    """fn(logits (N, L, V), targets (N, L)) -> mean cross-entropy, ignoring targets of -100."""
+    expect_callable(fn, "lm_loss")
+    return judge(LM_LOSS, _loss_of(fn))
 
 
 # ---------------------------------------------------------------- 5.3 train_step
@@ -251,28 +263,26 @@ _LR = 0.1
 
 
 def _tiny_gpt(seed: int, **overrides: Any) -> nn.Module:
-    from course_lib.model import GPT, GPTConfig
-
-    values = dict(vocab_size=11, max_tokens=8, embed_dim=16, num_heads=2, num_layers=1, dropout_rate=0.0)
-    values.update(overrides)
     torch.manual_seed(seed)
-    return GPT(GPTConfig(**values))
+    return model_ref.GPT(model_ref.GPTConfig(**{**dict(vocab_size=11, max_tokens=8, embed_dim=16, num_heads=2,
+                                                       num_layers=1, dropout_rate=0.0), **overrides}))
 
 
-def _gradient(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[list[torch.Tensor], float]:
-    """Gradient and loss of the reference loss at the model's current weights (on a copy)."""
-    from course_lib.train import lm_loss
-
+def _gradient(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Gradient (flat) and loss of the reference loss at the model's current weights (on a copy)."""
     clone = copy.deepcopy(model).train()
-    for p in clone.parameters():
-        p.grad = None
-    loss = lm_loss(clone(inputs), targets)
+    clone.zero_grad(set_to_none=True)
+    loss = train_ref.lm_loss(clone(inputs), targets)
     loss.backward()
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in clone.parameters()], loss.item()
+    return _flat_grad(clone.parameters()), loss.item()
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _flat_grad(params: Any) -> torch.Tensor:
+    return _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -292,41 +302,61 @@ def _loss_value(result: Any, what: str) -> tuple[float, str]:
 
 
 def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
-              targets: torch.Tensor, what: str, **kwargs: Any) -> tuple[float, str, torch.Tensor, list, bool]:
+              targets: torch.Tensor, what: str, **kwargs: Any) -> tuple[float, str, torch.Tensor, torch.Tensor, bool]:
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
     backward_ran = []
-    handles = [p.register_hook(lambda grad: backward_ran.append(True)) for p in params[:1]]
+    handle = params[0].register_hook(lambda grad: backward_ran.append(True))
     try:
         with recording_calls(model) as calls:
             result = call(fn, model, optimizer, inputs, targets, what=what, **kwargs)
     finally:
-        for handle in handles:
-            handle.remove()
+        handle.remove()
     loss, note = _loss_value(result, what)
     delta = _flat([p.detach() - b for p, b in zip(params, before)])
     # model.forward(...) called directly bypasses the hook; then the mode it was left in must do
     in_training = all(c["training"] for c in calls) if calls else model.training
     if not float(delta.abs().max()) > 0:
-        grads = [p.grad for p in params if p.grad is not None and bool(p.grad.abs().max() > 0)]
         if not backward_ran:
             fail("mismatch", f"{what}: the weights did not change and no gradients were computed: call "
                              f"loss.backward() before optimizer.step().")
-        if grads:
+        if bool(_flat_grad(params).abs().max() > 0):
             fail("mismatch", f"{what}: gradients were computed but the weights did not change: call "
                              f"optimizer.step() after loss.backward().")
         fail("zero_grad", f"{what}: backward ran but the weights did not change, because the gradients were "
                           f"cleared before the step could use them. Order: zero_grad, forward, loss, backward, "
                           f"step.")
-    return loss, note, delta, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params], \
-        in_training
+    return loss, note, delta, _flat_grad(params), in_training
 
 
-@checker("5.3")
+def _stepped(step: Callable[..., Any]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One call of ``step`` on a fresh tiny GPT (in eval mode, as after an evaluation): the loss it returns and
+    how far it moved the weights, side by side with the reference's."""
+    @torch.enable_grad()   # the engine compares under no_grad; a training step needs its backward pass
+    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        model = _tiny_gpt(seed=0, vocab_size=5, max_tokens=4, embed_dim=4).eval()
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = step(model, torch.optim.SGD(model.parameters(), lr=_LR), inputs, targets)
+        moved = _flat([p.detach() - b for p, b in zip(model.parameters(), before)]).norm()
+        return torch.stack([torch.as_tensor(float(loss), dtype=torch.float64), moved.double()])   # (2,)
+    return run
+
+
+def _step_cases() -> list[Case]:
+    generator = torch.Generator().manual_seed(0)
+    pairs = [torch.randint(0, 5, (2, 1, length), generator=generator) for length in (1, 2, 3)]
+    return [Case((x, y), f"train_step on a tiny GPT (lr={_LR}): [the loss it returns, the size of the weight "
+                         f"update]") for x, y in pairs]
+
+
+_STEP_EXAMPLE = ProcedureExample(_stepped(lambda *args: train_ref.train_step(*args)), _step_cases,
+                                 ("inputs", "targets"))
+
+
+@checker("5.3", example=lambda fn, *_, **__: function_example(_STEP_EXAMPLE)(_stepped(fn)))
 def check_train_step(fn: Callable[..., Any]) -> str:
     """fn(model, optimizer, inputs, targets) -> float: zero_grad, forward, loss, backward, (clip,) step."""
-    model = _tiny_gpt(seed=3)
-    model.eval()   # as after an evaluation: train_step must switch dropout back on
+    model = _tiny_gpt(seed=3).eval()   # as after an evaluation: train_step must switch dropout back on
     optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
     generator = torch.Generator().manual_seed(11)
     vocab = model.config.vocab_size
@@ -336,8 +366,7 @@ def check_train_step(fn: Callable[..., Any]) -> str:
     note, left_over, training = "", None, True
     for step, (inputs, targets) in enumerate(batches, start=1):
         what = f"train_step (step {step})"
-        grad, expected_loss = _gradient(model, inputs, targets)
-        g = _flat(grad)
+        g, expected_loss = _gradient(model, inputs, targets)
         loss, note_now, delta, left, in_training = _one_step(fn, model, optimizer, inputs, targets, what)
         note = note or note_now
         training = training and in_training
@@ -357,7 +386,7 @@ def check_train_step(fn: Callable[..., Any]) -> str:
         else:
             fail("mismatch", f"{what}: the weights moved, but not along the gradient of this batch's loss. "
                              f"Use lm_loss(model(inputs), targets), backward, and one optimizer.step().")
-        left_over = _flat(left)
+        left_over = left
     if not training:
         fail("dropout", "Your train_step runs the model in eval mode, so dropout is off during training. Call "
                         "model.train() at the start (an evaluation before may have switched it to eval).")
@@ -374,7 +403,7 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                          "norm to it.")
     inputs, targets = batch
     for fraction in (0.3, None):
-        g = _flat(_gradient(model, inputs, targets)[0])
+        g = _gradient(model, inputs, targets)[0]
         limit = None if fraction is None else fraction * float(g.norm())
         what = f"train_step(..., max_grad_norm={'None' if limit is None else f'{limit:.3g}'})"
         try:
@@ -398,15 +427,6 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                              f"to clip yet.")
         fail("clipping", f"{what}: the step was {ratio:.2f} times the gradient step, expected {expected:.2f} "
                          f"(clipped to max_grad_norm). Clip to the `max_grad_norm` argument, not a fixed number.")
-
-
-register("5.3", "train_step", [
-    "Five lines: forget the old gradients, compute the logits, the loss, the gradients, then update.",
-    "The optimizer clears the gradients and applies the update; the loss tensor computes the gradients. Old "
-    "gradients must be gone before backward, and the update needs the new ones.",
-    "Call model.train() first (evaluation switches dropout off), clip between backward and step unless "
-    "max_grad_norm is None, and return loss.item(), a plain float.",
-])
 
 
 # two different rows, so that a batch mixes distributions; no ties anywhere
@@ -450,9 +470,9 @@ def _draw(fn: Callable[..., Any], logits: torch.Tensor, what: str, **kwargs: Any
     return result
 
 
-def _frequencies(draws: torch.Tensor, vocab: int) -> torch.Tensor:
-    rows = draws.view(_REPEATS, _BASE.shape[0]).T                       # (2, repeats)
-    return torch.stack([torch.bincount(r, minlength=vocab).double() / _REPEATS for r in rows])   # (2, vocab)
+def _frequencies(draws: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
+    per_row = draws.long().flatten().view(-1, rows).T                   # (rows, repeats)
+    return torch.stack([torch.bincount(r, minlength=vocab).double() / per_row.shape[1] for r in per_row])
 
 
 def _probabilities(logits: torch.Tensor, top_k: int | None = None, fill: float = float("-inf"),
@@ -469,67 +489,80 @@ def _matches(freq: torch.Tensor, probs: torch.Tensor) -> bool:
     return bool((freq - probs).abs().max() < _TOLERANCE)
 
 
+def _drawn_from(freq: torch.Tensor, probs: torch.Tensor | None) -> bool:
+    return probs is not None and _matches(freq, probs) and not bool((freq[probs == 0] > 0).any())
+
+
 def _describe(freq: torch.Tensor, probs: torch.Tensor) -> str:
     row, token = divmod(int((freq - probs).abs().argmax()), probs.shape[1])
     return (f"token {token} of row {row} came up {freq[row, token]:.1%} of the time; it should be "
             f"{probs[row, token]:.1%}")
 
 
+def _over_batch(base: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    exps = (base / temperature).double().exp()
+    over_batch = exps / exps.sum(0)                                      # each token normalised over the rows
+    return over_batch / over_batch.sum(-1, keepdim=True)
+
+
+def _top_k_mistake(code: str, message: str, make: Callable[..., torch.Tensor]) -> Mistake:
+    return Mistake(code, message, output=lambda base, temperature, top_k:
+                   make(base, temperature, top_k) if top_k is not None and 1 <= top_k <= base.shape[1] else None)
+
+
+# What a wrong sampler draws from, as the distribution its frequencies follow (None where it does not apply);
+# its message may name {setting}, {top_k}, {fewer} and {more} (top_k - 1 and top_k + 1).
+_SAMPLING_MISTAKES = (
+    Mistake("mismatch", "you always return the most likely token, so there is no randomness. At {setting} draw from "
+                        "the distribution (torch.multinomial on the probabilities); only temperature=0 means argmax.",
+            output=lambda base, t, k: F.one_hot(base.argmax(-1), base.shape[1]).double()),
+    Mistake("normalization", "you sample in proportion to the raw logits. Logits are not probabilities: apply a "
+                             "softmax over the vocabulary first.",
+            output=lambda base, t, k: base.double() / base.double().sum(-1, keepdim=True) if bool((base > 0).all())
+            else None),
+    *(Mistake("softmax_dim", "the softmax runs over the batch (dim 0), not over the vocabulary; normalise each row, "
+                             "dim=-1.", output=output)
+      for output in (_over_batch, lambda base, t, k: torch.full(base.shape, 1.0 / base.shape[1], dtype=torch.float64))),
+    Mistake("scale", "you multiply the logits by the temperature; divide them by it, so that a low temperature "
+                     "sharpens the distribution and a high one flattens it.",
+            output=lambda base, t, k: _probabilities(base * t, k) if t != 1 else None),
+    Mistake("scale", "the temperature has no effect. Divide the logits by it BEFORE the softmax (dividing the "
+                     "probabilities changes nothing once they are renormalised).",
+            output=lambda base, t, k: _probabilities(base, k) if t != 1 else None),
+    *(_top_k_mistake("mismatch", f"you keep {{{name}}} tokens instead of top_k={{top_k}} (off by one in the threshold: "
+                                 f"keep the logits >= the k-th largest).",
+                     lambda base, t, k, step=step: _probabilities(base / t, k + step) if 1 <= k + step <= base.shape[1]
+                     else None)
+      for name, step in (("fewer", -1), ("more", 1))),
+    _top_k_mistake("mismatch", "top_k has no effect: tokens outside the {top_k} most likely are still drawn. Set the "
+                               "other logits to -inf before the softmax.",
+                   lambda base, t, k: _probabilities(base / t)),
+    _top_k_mistake("mismatch", "the tokens outside the top {top_k} are still drawn sometimes: you set their logits to "
+                               "0, which is still a fair chance. Use -inf, which gives exactly zero probability.",
+                   lambda base, t, k: _probabilities(base / t, k, fill=0.0)),
+    _top_k_mistake("mismatch", "you keep the {top_k} LEAST likely tokens; keep the most likely ones (topk returns the "
+                               "largest values first).",
+                   lambda base, t, k: _probabilities(base / t, k, smallest=True)),
+)
+
+
 def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature: float,
                         top_k: int | None) -> None:
     logits = base.repeat(_REPEATS, 1)                                  # (2 * repeats, vocab)
-    vocab = logits.shape[1]
-    kwargs: dict[str, Any] = {"temperature": temperature}
-    if top_k is not None:
-        kwargs["top_k"] = top_k
+    kwargs = {"temperature": temperature, **({} if top_k is None else {"top_k": top_k})}
     setting = f"temperature={temperature}" + (f", top_k={top_k}" if top_k is not None else "")
     what = f"sample_next_token({setting}) on {logits.shape[0]} rows"
-    freq = _frequencies(_draw(fn, logits, what, **kwargs), vocab)
+    freq = _frequencies(_draw(fn, logits, what, **kwargs), base.shape[0], logits.shape[1])   # (2, vocab)
     expected = _probabilities(base / temperature, top_k)
     if _matches(freq, expected):
         return
-    onehot = torch.nn.functional.one_hot(base.argmax(-1), vocab).double()
-    if _matches(freq, onehot):
-        fail("mismatch", f"{what}: you always return the most likely token, so there is no randomness. At "
-                         f"{setting} draw from the distribution (torch.multinomial on the probabilities); only "
-                         f"temperature=0 means argmax.")
-    if bool((base > 0).all()) and _matches(freq, base.double() / base.double().sum(-1, keepdim=True)):
-        fail("normalization", f"{what}: you sample in proportion to the raw logits. Logits are not "
-                              f"probabilities: apply a softmax over the vocabulary first.")
-    over_batch = (base / temperature).double().exp() / (base / temperature).double().exp().sum(0)
-    if _matches(freq, over_batch / over_batch.sum(-1, keepdim=True)) or \
-            _matches(freq, torch.full_like(freq, 1.0 / vocab)):
-        fail("softmax_dim", f"{what}: the softmax runs over the batch (dim 0), not over the vocabulary; "
-                            f"normalise each row, dim=-1.")
-    if temperature != 1 and _matches(freq, _probabilities(base * temperature, top_k)):
-        fail("scale", f"{what}: you multiply the logits by the temperature; divide them by it, so that a low "
-                      f"temperature sharpens the distribution and a high one flattens it.")
-    if temperature != 1 and _matches(freq, _probabilities(base, top_k)):
-        fail("scale", f"{what}: the temperature has no effect. Divide the logits by it BEFORE the softmax "
-                      f"(dividing the probabilities changes nothing once they are renormalised).")
-    if top_k is not None:
-        drawn = freq > 0   # 2500 draws per row: every token of probability >= 0.5% shows up
-        for k in (top_k - 1, top_k + 1):
-            kept = _probabilities(base / temperature, k) > 0 if 1 <= k <= vocab else None
-            # judged by which tokens were drawn at all: k+1 and "no top_k" have close frequencies
-            if kept is not None and bool((drawn == kept).all()) and \
-                    _matches(freq, _probabilities(base / temperature, k)):
-                fail("mismatch", f"{what}: you keep {k} tokens instead of top_k={top_k} (off by one in the "
-                                 f"threshold: keep the logits >= the k-th largest).")
-        if _matches(freq, _probabilities(base / temperature)):
-            fail("mismatch", f"{what}: top_k has no effect: tokens outside the {top_k} most likely are still "
-                             f"drawn. Set the other logits to -inf before the softmax.")
-        if _matches(freq, _probabilities(base / temperature, top_k, fill=0.0)):
-            fail("mismatch", f"{what}: the tokens outside the top {top_k} are still drawn sometimes: you set "
-                             f"their logits to 0, which is still a fair chance. Use -inf, which gives exactly "
-                             f"zero probability.")
-        if _matches(freq, _probabilities(base / temperature, top_k, smallest=True)):
-            fail("mismatch", f"{what}: you keep the {top_k} LEAST likely tokens; keep the most likely ones "
-                             f"(topk returns the largest values first).")
-        allowed = _probabilities(base / temperature, top_k) > 0
-        if bool((freq[~allowed] > 0).any()):
-            fail("mismatch", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the "
-                             f"k highest logits may be drawn.")
+    # a token drawn where the mistake gives it no chance rules the mistake out (2500 draws a row: every token
+    # of probability >= 0.5% shows up), which tells k + 1 kept tokens from no top_k at all
+    first_mistake(_SAMPLING_MISTAKES, lambda m: _drawn_from(freq, m.output(base, temperature, top_k)), f"{what}: ",
+                  setting=setting, top_k=top_k, fewer=(top_k or 0) - 1, more=(top_k or 0) + 1)
+    if top_k is not None and bool((freq[expected == 0] > 0).any()):
+        fail("mismatch", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the k highest "
+                         f"logits may be drawn.")
     fail("mismatch", f"{what}: the draws do not follow softmax(logits / temperature): {_describe(freq, expected)}.")
 
 
@@ -577,7 +610,37 @@ def _check_top_k_per_row(fn: Callable[..., Any]) -> None:
                              f"each row with its own threshold.")
 
 
-@checker("5.4")
+_EXAMPLE_DRAWS = 2000
+
+
+def _expected_frequencies(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
+    return _probabilities(logits / temperature, top_k)
+
+
+def _drawn(sample: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """How often each token comes up in 2000 draws of ``sample``: the probabilities themselves when within
+    the noise of sampling, so that only a real difference is shown."""
+    def frequencies(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+        draws = as_tensor(sample(logits.repeat(_EXAMPLE_DRAWS, 1), temperature=temperature, top_k=top_k))
+        freq = _frequencies(draws, 1, logits.shape[-1])                                    # (1, vocab)
+        expected = _expected_frequencies(logits, temperature, top_k)
+        return expected if _matches(freq, expected) else freq
+    return frequencies
+
+
+def _sampling_cases() -> list[Case]:
+    logits = tiny(torch.Generator().manual_seed(0), 1, 4)
+    return [Case((logits, t, k), f"sample_next_token(logits, temperature={t}, top_k={k}) drawn {_EXAMPLE_DRAWS} "
+                                 f"times: how often each token came up") for t, k in ((1.0, None), (0.5, None),
+                                                                                   (1.0, 2), (0, None))]
+
+
+_SAMPLING_EXAMPLE = ProcedureExample(_expected_frequencies, _sampling_cases, ("logits", "temperature", "top_k"))
+
+
+@checker("5.4", example=lambda fn, *_, **__: function_example(_SAMPLING_EXAMPLE)(_drawn(fn)))
 def check_sampling(fn: Callable[..., Any]) -> str:
     """fn(logits (N, V), temperature=1.0, top_k=None, generator=None) -> (N,) long."""
     torch.manual_seed(0)
@@ -613,12 +676,3 @@ def check_sampling(fn: Callable[..., Any]) -> str:
                          "that results can be reproduced.")
     return ("Greedy at temperature 0; otherwise draws follow softmax(logits / temperature), restricted to the top k "
             "when asked, and the generator makes them reproducible.")
-
-
-register("5.4", "sample_next_token", [
-    "Temperature 0 is the greedy special case: handle it first, with argmax over the vocabulary.",
-    "Otherwise divide the logits by the temperature, softmax over the last dimension, then draw one token per row "
-    "with torch.multinomial (pass the generator).",
-    "top_k: find the k-th largest logit of each row (torch.topk) and set every logit below it to -inf before the "
-    "softmax.",
-])

@@ -1,23 +1,25 @@
-"""Exercises of notebook 06 (inference cost): 6.1 flops_per_token, 6.2 generate_with_cache.
-
-Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
-"""
+"""Exercises of notebook 06 (inference cost): 6.1 flops_per_token, 6.2 generate_with_cache."""
 from __future__ import annotations
 
 import math
 import numbers
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ... import generate as generate_ref
+from ... import model as model_ref
+from ... import train as train_ref
+from ..exercises import Mistake
 from ..verdict import Failure, fail
-from ._core import register
-from ._harness import checker
-from ._model_common import extend, randomize_, recording_calls
-from ._student_code import call, expect_tensor
+from ._model_common import ProcedureExample, as_tensor, extend, randomize_, recording_calls
+from ._student_code import call, expect_callable, expect_tensor
+from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine.function import Run
 
 __all__ = ["check_flops_per_token", "check_kv_cache"]
 
@@ -36,132 +38,132 @@ def _lhqt(config: Any) -> int:
     return config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
-def _terms(config: Any, weights: int) -> tuple[float, float]:
-    """(weights' FLOPs per token, attention's FLOPs per token) for a correct count."""
-    return 6 * weights, 12 * _lhqt(config)
+def _flops_what(config: Any, weights: int) -> str:
+    return (f"flops_per_token(config with L={config.num_layers} layers, H={config.num_heads} heads of "
+            f"Q={config.head_dim}, T={config.max_tokens}; num_weights={weights:,})")
 
 
-# Known slips: (name, what they compute, what to tell the student). The attention term is
-# written from the parts of 12·n·H·Q·T so each slip changes exactly one thing.
-_SLIPS: tuple[tuple[str, Callable[[Any, int], float], str], ...] = (   # (name, count, advice)
-    ("forward only", lambda c, n: 2 * n + 4 * _lhqt(c),
-     "you count the forward pass only (2N + 4·n·H·Q·T). Training also runs the backward pass, which needs two "
-     "matrix multiplies for every one of the forward pass: three times the forward in all, so 6N and 12·n·H·Q·T."),
-    ("2N only", lambda c, n: 2 * n,
-     "you count 2N, the forward pass of the weights alone. Training also runs the backward pass (two more matrix "
-     "multiplies for every one of the forward pass, 6N in all), and attention adds 12·n·H·Q·T."),
-    ("weights forward only", lambda c, n: 2 * n + _terms(c, n)[1],
-     "the weights' term counts only the forward pass (2N). Backward needs the gradient for the input and the "
-     "gradient for the weight, 4N more: 6N in all."),
-    ("4N", lambda c, n: 4 * n + _terms(c, n)[1],
-     "the weights' term is 4N: forward (2N) plus only one of the two backward matrix multiplies. The backward "
-     "pass computes both dL/dX and dL/dW, 2N each: 6N in all."),
-    ("no attention", lambda c, n: 6 * n,
-     "you count the weights (6N) but not attention. The scores QK^T and the weighted sum of the values multiply "
-     "activations by activations, so they are not in N: add 12·n·H·Q·T."),
-    ("attention forward only", lambda c, n: 6 * n + 4 * _lhqt(c),
-     "the attention term counts only the forward pass (4·n·H·Q·T). Backward costs twice the forward here too: "
-     "12·n·H·Q·T."),
-    ("attention one product", lambda c, n: 6 * n + 6 * _lhqt(c),
-     "the attention term counts one product per head. There are two: the scores (QK^T) and the weighted sum of "
-     "the values, 2·Q·T FLOPs each per token in the forward pass, so 12·n·H·Q·T with the backward pass."),
-    ("no heads", lambda c, n: 6 * n + 12 * c.num_layers * c.head_dim * c.max_tokens,
-     "the attention term leaves out the number of heads: each of the H heads has its own scores and weighted "
-     "sum. Use 12·n·H·Q·T (H·Q is embed_dim)."),
-    ("embed_dim as head size", lambda c, n: 6 * n + 12 * c.num_layers * c.num_heads * c.embed_dim * c.max_tokens,
-     "the attention term multiplies the number of heads by embed_dim. Q is the size of ONE head, "
-     "config.head_dim = embed_dim // num_heads, so H·Q = embed_dim."),
-    ("no layers", lambda c, n: 6 * n + 12 * c.num_heads * c.head_dim * c.max_tokens,
-     "the attention term leaves out the number of layers: every block has its own attention. "
-     "Multiply by L = config.num_layers."),
-    ("T squared", lambda c, n: 6 * n + 12 * _lhqt(c) * c.max_tokens,
-     "the attention term has T twice. Per token, its query meets T keys (and T values): T appears once. "
-     "Per window of T tokens it is T², but this function counts per token."),
-    ("per window", lambda c, n: (6 * n + _terms(c, n)[1]) * c.max_tokens,
-     "the result is T = max_tokens times too large: that is the count for a whole window of T tokens. "
-     "The function returns FLOPs per token."),
+def _flops_cases(configs: tuple[dict[str, int], ...]) -> list[Case]:
+    cases = []
+    for sizes in configs:
+        config = model_ref.GPTConfig(**sizes)
+        weights = model_ref.GPT(config).num_parameters(include_embeddings=False)
+        cases.append(Case((config, weights), _flops_what(config, weights)))
+    return cases
+
+
+def _flops(count: Callable[[Any, int], float]) -> Callable[[Any, int], torch.Tensor]:
+    return lambda config, weights: torch.tensor(float(count(config, weights)), dtype=torch.float64)
+
+
+def _counted(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """The student's count as a float64 tensor, once it is a finite number."""
+    def count(config: Any, weights: int) -> torch.Tensor:
+        what, value = _flops_what(config, weights), as_tensor(fn(config, weights))   # numpy becomes a tensor
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            fail("dtype", f"{what} should return a number of FLOPs (an int or a float), but returned "
+                          f"{'nothing (did you forget `return`?)' if value is None else type(value).__name__}.")
+        if not math.isfinite(value):
+            fail("nan", f"{what} returned {value}; expected a finite number of FLOPs.")
+        return torch.tensor(float(value), dtype=torch.float64)
+    return count
+
+
+@dataclass(frozen=True)
+class _Count(FunctionExercise):
+    """A count is right up to float rounding, not within the tolerance of computed tensors."""
+
+    def same(self, out: Any, expected: torch.Tensor) -> bool:
+        return isinstance(out, torch.Tensor) and out.shape == expected.shape and \
+            math.isclose(float(out), float(expected), rel_tol=1e-9, abs_tol=1e-6)
+
+
+def _ignores_weights(runs: list[Run], fn: Any) -> None:
+    run = next(run for run in runs if not FLOPS_PER_TOKEN.same(run.out, run.expected))
+    config, weights = run.case.args
+    if FLOPS_PER_TOKEN.same(call(fn, config, weights + 1000, what=run.case.what), run.out):
+        fail("mismatch", f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f}, "
+                         f"and gives the same number when num_weights changes: use the num_weights argument (N) "
+                         f"for the 6N term.")
+
+
+def _slip(code: str, advice: str, count: Callable[[Any, int], float]) -> Mistake:
+    return Mistake(code, "{what} returned {got:,.0f}, expected {expected:,.0f}: " + advice, output=_flops(count))
+
+
+# Known slips, named only when one explains every configuration (with L = 2, leaving out the layers and
+# counting one product per head give the same number); the message quotes the first wrong one. The
+# attention term is written from the parts of 12·n·H·Q·T so that each slip changes exactly one thing;
+# flops_factor: 2N or 4N where training costs 6N.
+_SLIPS = (
+    _slip("flops_factor", "you count the forward pass only (2N + 4·n·H·Q·T). Training also runs the backward "
+          "pass, which needs two matrix multiplies for every one of the forward pass: three times the forward "
+          "in all, so 6N and 12·n·H·Q·T.", lambda c, n: 2 * n + 4 * _lhqt(c)),
+    _slip("flops_factor", "you count 2N, the forward pass of the weights alone. Training also runs the backward "
+          "pass (two more matrix multiplies for every one of the forward pass, 6N in all), and attention adds "
+          "12·n·H·Q·T.", lambda c, n: 2 * n),
+    _slip("flops_factor", "the weights' term counts only the forward pass (2N). Backward needs the gradient for "
+          "the input and the gradient for the weight, 4N more: 6N in all.", lambda c, n: 2 * n + 12 * _lhqt(c)),
+    _slip("flops_factor", "the weights' term is 4N: forward (2N) plus only one of the two backward matrix "
+          "multiplies. The backward pass computes both dL/dX and dL/dW, 2N each: 6N in all.",
+          lambda c, n: 4 * n + 12 * _lhqt(c)),
+    _slip("mismatch", "you count the weights (6N) but not attention. The scores QK^T and the weighted sum of the "
+          "values multiply activations by activations, so they are not in N: add 12·n·H·Q·T.",
+          lambda c, n: 6 * n),
+    _slip("flops_factor", "the attention term counts only the forward pass (4·n·H·Q·T). Backward costs twice the "
+          "forward here too: 12·n·H·Q·T.", lambda c, n: 6 * n + 4 * _lhqt(c)),
+    _slip("mismatch", "the attention term counts one product per head. There are two: the scores (QK^T) and the "
+          "weighted sum of the values, 2·Q·T FLOPs each per token in the forward pass, so 12·n·H·Q·T with the "
+          "backward pass.", lambda c, n: 6 * n + 6 * _lhqt(c)),
+    _slip("mismatch", "the attention term leaves out the number of heads: each of the H heads has its own scores "
+          "and weighted sum. Use 12·n·H·Q·T (H·Q is embed_dim).",
+          lambda c, n: 6 * n + 12 * c.num_layers * c.head_dim * c.max_tokens),
+    _slip("mismatch", "the attention term multiplies the number of heads by embed_dim. Q is the size of ONE "
+          "head, config.head_dim = embed_dim // num_heads, so H·Q = embed_dim.",
+          lambda c, n: 6 * n + 12 * c.num_layers * c.num_heads * c.embed_dim * c.max_tokens),
+    _slip("mismatch", "the attention term leaves out the number of layers: every block has its own attention. "
+          "Multiply by L = config.num_layers.", lambda c, n: 6 * n + 12 * c.num_heads * c.head_dim * c.max_tokens),
+    _slip("mismatch", "the attention term has T twice. Per token, its query meets T keys (and T values): T "
+          "appears once. Per window of T tokens it is T², but this function counts per token.",
+          lambda c, n: 6 * n + 12 * _lhqt(c) * c.max_tokens),
+    _slip("mismatch", "the result is T = max_tokens times too large: that is the count for a whole window of T "
+          "tokens. The function returns FLOPs per token.", lambda c, n: (6 * n + 12 * _lhqt(c)) * c.max_tokens),
+    *(Mistake("mismatch", "{what} returned {got:g}, which is the right count in " + unit + ". Return plain FLOPs "
+                          "({expected:,.0f}); divide only when you print.",
+              output=_flops(lambda c, n, scale=scale: (6 * n + 12 * _lhqt(c)) / scale))
+      for unit, scale in (("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3))),
+)
+
+FLOPS_PER_TOKEN = _Count(
+    "6.1", "flops_per_token", lambda config, weights: _flops(train_ref.flops_per_token)(config, weights),
+    lambda: _flops_cases(_CONFIGS), ("config", "num_weights"),
+    success="6N + 12·n·H·Q·T, right for every configuration tried.",
+    mismatch=lambda run: (f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f} = "
+                          f"6·{run.case.args[1]:,} + 12·{run.case.args[0].num_layers}·{run.case.args[0].num_heads}·"
+                          f"{run.case.args[0].head_dim}·{run.case.args[0].max_tokens}."),
+    mistakes=_SLIPS, values=lambda run: {"what": run.case.what}, exact=True, dtype=False, diagnose=_ignores_weights,
+    examples=lambda: _flops_cases((dict(vocab_size=5, max_tokens=4, embed_dim=4, num_heads=2, num_layers=2),)),
 )
 
 
-# The slips of the forward/backward factor (2N or 4N where training costs 6N): diagnosis flops_factor.
-_FACTOR_SLIPS = ("2N only", "forward only", "weights forward only", "4N", "attention forward only")
-
-
-def _as_number(value: Any, what: str) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    elif type(value).__module__.startswith("numpy") and hasattr(value, "item") and getattr(value, "size", 1) == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        fail("dtype", f"{what} should return a number of FLOPs (an int or a float), but returned "
-                      f"{'nothing (did you forget `return`?)' if value is None else type(value).__name__}.")
-    if not math.isfinite(value):
-        fail("nan", f"{what} returned {value}; expected a finite number of FLOPs.")
-    return float(value)
-
-
-def _same(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6)
-
-
-@checker("6.1")
+@checker("6.1", example=lambda fn, *_, **__: function_example(FLOPS_PER_TOKEN)(_counted(fn)))
 def check_flops_per_token(fn: Callable[..., Any]) -> str:
     """fn(config, num_weights) -> training FLOPs per token (6N + 12·n·H·Q·T)."""
-    from course_lib.model import GPT, GPTConfig
-
-    if not callable(fn):
-        fail("exception", f"Pass your function itself, flops_per_token, not {type(fn).__name__}.")
-    cases = []   # (config, N, what, returned, expected)
-    for sizes in _CONFIGS:
-        config = GPTConfig(**sizes)
-        weights = GPT(config).num_parameters(include_embeddings=False)
-        what = (f"flops_per_token(config with L={config.num_layers} layers, H={config.num_heads} heads of "
-                f"Q={config.head_dim}, T={config.max_tokens}; num_weights={weights:,})")
-        got = _as_number(call(fn, config, weights, what=what), what)
-        cases.append((config, weights, what, got, sum(_terms(config, weights))))
-    wrong = [case for case in cases if not _same(case[3], case[4])]
-    if not wrong:
-        config, weights = cases[0][:2]
-        share = _terms(config, weights)[0] / _terms(config, weights)[1]
-        return (f"6N + 12·n·H·Q·T, right for every configuration tried. With embed {config.embed_dim} and a "
-                f"context of {config.max_tokens} the weights' term is {share:.0f} times the attention term: "
-                f"6N ≈ 72·n·E² against 12·n·E·T, so attention takes over once the context T is longer than "
-                f"about 6 × embed_dim.")
-
-    config, weights, what, got, expected = wrong[0]
-    # A slip is named only when it explains every configuration: with L = 2, say, leaving out
-    # the layers and counting one product per head give the same number.
-    for name, slip, advice in _SLIPS:
-        if all(_same(c[3], slip(c[0], c[1])) for c in cases):
-            fail("flops_factor" if name in _FACTOR_SLIPS else "mismatch",
-                 f"{what} returned {got:,.0f}, expected {expected:,.0f}: {advice}")
-    for unit, scale in (("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3)):
-        if all(_same(c[3] * scale, c[4]) for c in cases):
-            fail("mismatch", f"{what} returned {got:g}, which is the right count in {unit}. Return plain "
-                             f"FLOPs ({expected:,.0f}); divide only when you print.")
-    other = _as_number(call(fn, config, weights + 1000, what=what), what)
-    if _same(other, got):
-        fail("mismatch", f"{what} returned {got:,.0f}, expected {expected:,.0f}, and gives the same number "
-                         f"when num_weights changes: use the num_weights argument (N) for the 6N term.")
-    fail("mismatch", f"{what} returned {got:,.0f}, expected {expected:,.0f} = 6·{weights:,} + "
-                     f"12·{config.num_layers}·{config.num_heads}·{config.head_dim}·{config.max_tokens}.")
-
-
-register("6.1", "flops_per_token", [
-    "Two terms: the weights (6 FLOPs per weight per token) and attention (12·n·H·Q·T per token).",
-    "Read the sizes from config: L = config.num_layers, H = config.num_heads, Q = config.head_dim, "
-    "T = config.max_tokens. N is the num_weights argument.",
-    "return 6 * num_weights + 12 * L * H * Q * T, with each letter taken from config.",
-])
+    expect_callable(fn, "flops_per_token")
+    verdict = judge(FLOPS_PER_TOKEN, _counted(fn))
+    config, weights = FLOPS_PER_TOKEN.cases()[0].args
+    return (f"{verdict} With embed {config.embed_dim} and a context of {config.max_tokens} the weights' term is "
+            f"{6 * weights / (12 * _lhqt(config)):.0f} times the attention term: 6N ≈ 72·n·E² against 12·n·E·T, so "
+            f"attention takes over once the context T is longer than about 6 × embed_dim.")
 
 
 def _model(max_tokens: int, embed_dim: int, seed: int) -> nn.Module:
-    from course_lib.model import GPT, GPTConfig
-
-    config = GPTConfig(vocab_size=17, max_tokens=max_tokens, embed_dim=embed_dim, num_heads=2, num_layers=2)
+    config = model_ref.GPTConfig(vocab_size=17, max_tokens=max_tokens, embed_dim=embed_dim, num_heads=2, num_layers=2)
     torch.manual_seed(seed)
     # large random weights: clear winners at every step, so float noise never flips an argmax
-    return randomize_(GPT(config), torch.Generator().manual_seed(seed)).eval()
+    return randomize_(model_ref.GPT(config), torch.Generator().manual_seed(seed)).eval()
 
 
 @torch.no_grad()
@@ -235,11 +237,23 @@ def _run(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, 
     return result, calls
 
 
-@checker("6.2")
+def _generation_cases() -> list[Case]:
+    model = _model(max_tokens=8, embed_dim=8, seed=0)
+    prompts = [(torch.tensor([[token]]), new) for token in (1, 2) for new in (1, 2, 3)]
+    return [Case((model, idx, new), f"generate_with_cache(model, idx={idx.tolist()}, max_new_tokens={new}) on a tiny "
+                                    f"GPT") for idx, new in prompts]
+
+
+def _greedy(model: nn.Module, idx: torch.Tensor, new: int) -> torch.Tensor:
+    return generate_ref.generate(model, idx, new, temperature=0, use_cache=False)
+
+
+_GENERATION_EXAMPLE = ProcedureExample(_greedy, _generation_cases, ("model", "idx", "max_new_tokens"))
+
+
+@checker("6.2", example=function_example(_GENERATION_EXAMPLE))
 def check_kv_cache(fn: Callable[..., Any]) -> str:
     """fn(model, idx (N, L), max_new_tokens) -> (N, L + new): greedy, with model.new_cache()."""
-    from course_lib.generate import generate
-
     model = _model(max_tokens=16, embed_dim=16, seed=2)
     generator = torch.Generator().manual_seed(3)
     for batch, length, new in ((1, 1, 8), (2, 3, 6), (3, 7, 9), (2, 5, 1)):
@@ -258,7 +272,7 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
                 fail("shape", f"{what} returned {got.shape[1] - length} new tokens; generate exactly "
                               f"max_new_tokens = {new}.")
         expect_tensor(got, (batch, length + new), what, dtype=torch.long)
-        expected = generate(model, idx, new, temperature=0, use_cache=False)
+        expected = _greedy(model, idx, new)
         if not torch.equal(got[:, :length], idx):
             fail("mismatch", f"{what}: the first {length} tokens of the result should be the prompt itself.")
         explanation = _explain_calls(calls)
@@ -287,8 +301,6 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
 
 def _speed_note(fn: Callable[..., Any]) -> str:
     """Time the student's cached generation against the uncached reference (reported, never judged)."""
-    from course_lib.generate import generate
-
     model = _model(max_tokens=64, embed_dim=64, seed=4)
     idx = torch.zeros(1, 1, dtype=torch.long)
     new = model.config.max_tokens - 1
@@ -301,7 +313,7 @@ def _speed_note(fn: Callable[..., Any]) -> str:
     try:
         with torch.no_grad():
             ours = lambda tokens: fn(model, idx, tokens)
-            plain = lambda tokens: generate(model, idx, tokens, temperature=0, use_cache=False)
+            plain = lambda tokens: _greedy(model, idx, tokens)
             timed(ours, 3), timed(plain, 3)   # warm-up: the first calls pay for allocations
             cached, uncached = timed(ours, new), timed(plain, new)
     except Exception:  # the speed is only reported, never judged
@@ -312,11 +324,3 @@ def _speed_note(fn: Callable[..., Any]) -> str:
     return (f" Speed: {new} new tokens took {cached * 1000:.0f} ms with your cache and {uncached * 1000:.0f} ms "
             f"without ({verdict}). On a model this small the fixed cost of each call dominates; the saving grows "
             f"with the length and the model size.")
-
-
-register("6.2", "generate_with_cache", [
-    "One cache for the whole generation: cache = model.new_cache(), before the loop.",
-    "Feed the prompt once with the cache; afterwards feed ONLY the newest token (shape (N, 1)) with the same cache: "
-    "the model continues its positions after the cached ones.",
-    "Each step: take the argmax of the last position's logits (keepdim), append it to idx, and feed it back.",
-])

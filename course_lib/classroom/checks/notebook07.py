@@ -1,9 +1,7 @@
-"""Exercises of notebook 07 (Hugging Face): 7.1 split_c_attn, 7.2 an attention function for transformers.
-
-Each checker sits next to its hints (``register``); the shared helpers are in ``_model_common``.
-"""
+"""Exercises of notebook 07 (Hugging Face): 7.1 split_c_attn, 7.2 an attention function for transformers."""
 from __future__ import annotations
 
+import importlib
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -11,13 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..exercises import Mistake
 from ..verdict import fail
-from ._core import register
 from ._gradients import check_function_gradients
-from ._harness import checker
-from ._mistake import Mistake
-from ._model_common import as_tensor, randomize_
-from ._student_code import call, close, expect_tensor
+from ._model_common import ProcedureExample, as_tensor, randomize_
+from ._student_code import call, close, expect_callable, expect_tensor
+from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
+from .engine.example import tiny
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
 
@@ -27,16 +25,22 @@ _NAMES = ("Wq", "Wk", "Wv")
 
 # ---------------------------------------------------------------- 7.1 split_c_attn
 
-@checker("7.1")
-def check_split_c_attn(fn: Callable[..., Any]) -> str:
-    """fn(weight (E, 3E), Conv1D layout) -> (Wq, Wk, Wv), each (E, E) in nn.Linear layout."""
-    from course_lib.hf import split_c_attn as reference
+def _hf() -> Any:
+    """course_lib.hf, imported on first use: it imports transformers, which takes seconds."""
+    return importlib.import_module("course_lib.hf")
 
-    generator = torch.Generator().manual_seed(9)
-    for embed_dim in (8, 6, 4):
-        weight = torch.randn(embed_dim, 3 * embed_dim, generator=generator)
-        what = f"split_c_attn(weight of shape {tuple(weight.shape)})"
-        result = as_tensor(call(fn, weight.clone(), what=what))
+
+def _split_cases(sizes: tuple[int, ...], seed: int, small: bool = False) -> list[Case]:
+    generator = torch.Generator().manual_seed(seed)
+    weights = [tiny(generator, e, 3 * e) if small else torch.randn(e, 3 * e, generator=generator) for e in sizes]
+    return [Case((w,), f"split_c_attn(weight of shape {tuple(w.shape)})") for w in weights]
+
+
+def _thirds(fn: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The student's (Wq, Wk, Wv) as one (3, E, E) tensor, once they are three matrices of (E, E)."""
+    def split(weight: torch.Tensor) -> torch.Tensor:
+        what, embed_dim = f"split_c_attn(weight of shape {tuple(weight.shape)})", weight.shape[0]
+        result = as_tensor(fn(weight))
         if isinstance(result, torch.Tensor) and result.dim() == 3 and result.shape[0] == 3:
             result = tuple(result.unbind(0))   # a stacked (3, E, E) unpacks just as well
         if not isinstance(result, (tuple, list)) or len(result) != 3:
@@ -50,40 +54,52 @@ def check_split_c_attn(fn: Callable[..., Any]) -> str:
                 fail("shape", f"{what}: {name} has shape {tuple(part.shape)}. Split along the last dimension "
                               f"(the 3 * embed_dim outputs of c_attn), not the first.")
             expect_tensor(part, (embed_dim, embed_dim), f"{what}: {name}")
-        expected = reference(weight)
-        if all(close(p, e) for p, e in zip(parts, expected)):
-            continue
-        raw = [e.T for e in expected]   # the thirds as Conv1D stores them
-        for order in itertools.permutations(range(3)):
-            for candidates, transposed in ((expected, True), (raw, False)):
-                if not all(close(parts[i], candidates[j]) for i, j in enumerate(order)):
-                    continue
-                problems = []
-                if not transposed:
-                    problems.append("each third is still in Conv1D's (in, out) layout: either it was never "
-                                    "transposed, or it was transposed twice (the whole weight, then each block "
-                                    "again), and two transposes cancel. Conv1D stores its weight as (in, out) and "
-                                    "computes x @ W, while nn.Linear stores (out, in) and computes x @ W.T, so "
-                                    "each third needs exactly one .T")
-                if order != (0, 1, 2):
-                    problems.append(f"the order is wrong: c_attn's output holds the query first, then the key, "
-                                    f"then the value; you returned them as ({', '.join(_NAMES[j] for j in order)})")
-                fail("split_transpose" if not transposed else "mismatch", f"{what}: " + "; and ".join(problems) + ".")
-        interleaved = weight.view(embed_dim, embed_dim, 3).unbind(-1)
-        if all(close(p, w.T) or close(p, w) for p, w in zip(parts, interleaved)):
-            fail("mismatch", f"{what}: you took every third column. The query, key and value are three "
-                             f"consecutive blocks of embed_dim columns each.")
-        fail("mismatch", f"{what}: the matrices differ from the reference. Split the columns into three "
-                         f"consecutive blocks (query, key, value), then transpose each block into nn.Linear's "
-                         f"(out, in) layout.")
-    return "Three (E, E) matrices in nn.Linear layout, in the order query, key, value."
+        return torch.stack(parts)                                   # (3, E, E)
+    return split
 
 
-register("7.1", "split_c_attn", [
-    "c_attn is one Conv1D whose 3E outputs are the query, key and value side by side: split the last dimension.",
-    "Conv1D computes x @ W with W of shape (in, out); nn.Linear computes x @ W.T with W of shape (out, in).",
-    "weight.split(embed_dim, dim=1) (or chunk(3, dim=-1)) gives three (E, E) blocks; each needs a transpose.",
-])
+def _split_mistake(order: tuple[int, ...], transposed: bool) -> Mistake:
+    """The three thirds in another order, or left in Conv1D's (in, out) layout, or both."""
+    problems = [] if transposed else [
+        "each third is still in Conv1D's (in, out) layout: either it was never transposed, or it was transposed "
+        "twice (the whole weight, then each block again), and two transposes cancel. Conv1D stores its weight as "
+        "(in, out) and computes x @ W, while nn.Linear stores (out, in) and computes x @ W.T, so each third needs "
+        "exactly one .T"]
+    if order != (0, 1, 2):
+        problems.append(f"the order is wrong: c_attn's output holds the query first, then the key, then the value; "
+                        f"you returned them as ({', '.join(_NAMES[j] for j in order)})")
+    return Mistake("mismatch" if transposed else "split_transpose", "; and ".join(problems) + ".",
+                   output=lambda weight: torch.stack([p if transposed else p.T
+                                                      for p in _hf().split_c_attn(weight)])[list(order)])
+
+
+def _every_third(transposed: bool) -> Mistake:
+    return Mistake("mismatch", "you took every third column. The query, key and value are three consecutive blocks "
+                               "of embed_dim columns each.",
+                   output=lambda w: w.view(w.shape[0], w.shape[0], 3).permute(2, 1 if transposed else 0,
+                                                                             0 if transposed else 1))
+
+
+SPLIT_C_ATTN = FunctionExercise(
+    "7.1", "split_c_attn", lambda weight: torch.stack(_hf().split_c_attn(weight)),
+    lambda: _split_cases((8, 6, 4), 9), ("weight",),
+    success="Three (E, E) matrices in nn.Linear layout, in the order query, key, value.",
+    mismatch=lambda run: (f"{run.case.what}: the matrices differ from the reference. Split the columns into three "
+                          f"consecutive blocks (query, key, value), then transpose each block into nn.Linear's "
+                          f"(out, in) layout."),
+    mistakes=(*(_split_mistake(order, transposed) for order in itertools.permutations(range(3))
+                for transposed in (True, False) if (order, transposed) != ((0, 1, 2), True)),
+              _every_third(True), _every_third(False)),
+    each_case=True, dtype=False,
+    examples=lambda: _split_cases((1, 2, 3), 0, small=True),
+)
+
+
+@checker("7.1", example=lambda fn, *_, **__: function_example(SPLIT_C_ATTN)(_thirds(fn)))
+def check_split_c_attn(fn: Callable[..., Any]) -> str:
+    """fn(weight (E, 3E), Conv1D layout) -> (Wq, Wk, Wv), each (E, E) in nn.Linear layout."""
+    expect_callable(fn, "split_c_attn")
+    return judge(SPLIT_C_ATTN, _thirds(fn))
 
 
 # ---------------------------------------------------------------- 7.2 attention function for transformers
@@ -135,13 +151,45 @@ def _direct(fn: Callable[..., Any], module: nn.Module, q, k, v, mask, scaling: f
     return expect_tensor(output, (n, length, heads, head_dim), f"{what}: attn_output")
 
 
-def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Generator) -> None:
-    from course_lib.hf import course_attention_forward as reference
+# Wrong attention on the direct calls: each output is f(q, k, v, scaling, mask), where mask is the causal
+# mask (no attention_mask given) or the padding one (attention_mask given).
+_CAUSAL_MISTAKES = (
+    Mistake("causal_mask", "attention_mask is None, and you then let every query see every key. transformers passes "
+                           "no mask when a plain causal mask would do: apply causality yourself (module.is_causal "
+                           "tells you), so query i sees keys 0..i only.",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s)),
+    Mistake("causal_mask", "the causal mask points the wrong way: query i should see keys 0..i (on and below the "
+                           "diagonal), not the future ones.",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s, mask=causal.T)),
+    Mistake("softmax_dim", "the softmax runs over the queries (dim -2); each query's weights should sum to one over "
+                           "the keys, dim -1.",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s, mask=causal, dim=-2)),
+    Mistake("scale", "the scores are not scaled: multiply them by the `scaling` argument.",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=1.0, mask=causal)),
+    Mistake("scale", "the scores are scaled by 1/head_dim; use the `scaling` argument (head_dim ** -0.5 here).",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=1.0 / q.shape[-1], mask=causal)),
+)
+_PADDING_MISTAKES = (
+    Mistake("causal_mask", "the attention_mask you were given is ignored, so padding tokens are attended to. When a "
+                           "mask is passed, use it (bool, True = may attend).",
+            output=lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=_causal(q))),
+    *(Mistake("causal_mask", "you add the mask to the scores, but it is a bool mask (True = may attend): adding it "
+                             "shifts the allowed scores by one instead of blocking the others. Fill the blocked "
+                             "positions with -inf.", output=output)
+      for output in (lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=mask, additive=True),
+                     lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=_causal(q) & mask, additive=True))),
+)
 
+
+def _causal(q: torch.Tensor) -> torch.Tensor:
+    return torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).tril()
+
+
+def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Generator) -> None:
+    reference = _hf().course_attention_forward
     n, heads, length, head_dim = 2, 2, 5, 8
     q, k, v = (torch.randn(n, heads, length, head_dim, generator=generator) for _ in range(3))
-    scaling = head_dim ** -0.5
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    scaling, causal = head_dim ** -0.5, _causal(q)
     what = "your attention function (attention_mask=None)"
     got = _direct(fn, module, q, k, v, None, scaling, what)
     if not close(got, _direct(fn, module, q, k, v, None, scaling, what)):
@@ -149,25 +197,7 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
                         f"argument (and module.training) instead of a fixed rate.")
     expected = reference(module, q, k, v, None, scaling=scaling)[0]
     if not close(got, expected):
-        variants = [
-            Mistake("causal_mask", "attention_mask is None, and you then let every query see every key. transformers "
-                                   "passes no mask when a plain causal mask would do: apply causality yourself "
-                                   "(module.is_causal tells you), so query i sees keys 0..i only.",
-                    output=_attention(q, k, v, scale=scaling)),
-            Mistake("causal_mask", "the causal mask points the wrong way: query i should see keys 0..i (on and below "
-                                   "the diagonal), not the future ones.",
-                    output=_attention(q, k, v, scale=scaling, mask=causal.T)),
-            Mistake("softmax_dim", "the softmax runs over the queries (dim -2); each query's weights should sum to one "
-                                   "over the keys, dim -1.",
-                    output=_attention(q, k, v, scale=scaling, mask=causal, dim=-2)),
-            Mistake("scale", "the scores are not scaled: multiply them by the `scaling` argument.",
-                    output=_attention(q, k, v, scale=1.0, mask=causal)),
-            Mistake("scale", "the scores are scaled by 1/head_dim; use the `scaling` argument (head_dim ** -0.5 here).",
-                    output=_attention(q, k, v, scale=1.0 / head_dim, mask=causal)),
-        ]
-        for mistake in variants:
-            if close(got, mistake.output):
-                fail(mistake.code, f"{what}: {mistake.message}")
+        first_mistake(_CAUSAL_MISTAKES, lambda m: close(got, m.output(q, k, v, scaling, causal)), f"{what}: ")
         fail("mismatch", f"{what}: the output differs from causal scaled dot-product attention (largest "
                          f"difference {(got - expected).abs().max():.3g}).")
     what = "your attention function (scaling=0.5)"
@@ -185,14 +215,7 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
     got = _direct(fn, module, q, k, v, mask, scaling, what)
     expected = reference(module, q, k, v, mask, scaling=scaling)[0]
     if not close(got, expected):
-        if close(got, _attention(q, k, v, scale=scaling, mask=causal)):
-            fail("causal_mask", f"{what}: the attention_mask you were given is ignored, so padding tokens are "
-                                f"attended to. When a mask is passed, use it (bool, True = may attend).")
-        if close(got, _attention(q, k, v, scale=scaling, mask=mask, additive=True)) or \
-                close(got, _attention(q, k, v, scale=scaling, mask=causal & mask, additive=True)):
-            fail("causal_mask", f"{what}: you add the mask to the scores, but it is a bool mask (True = may "
-                                f"attend): adding it shifts the allowed scores by one instead of blocking the "
-                                f"others. Fill the blocked positions with -inf.")
+        first_mistake(_PADDING_MISTAKES, lambda m: close(got, m.output(q, k, v, scaling, mask)), f"{what}: ")
         fail("mismatch", f"{what}: with a padding mask the output differs from the reference (largest "
                          f"difference {(got - expected).abs().max():.3g}). The mask is bool, True = may attend.")
     check_function_gradients(lambda *qkv: _direct(fn, module, *qkv, causal[None, None], scaling, what),
@@ -221,11 +244,27 @@ def _check_fewer_queries(fn: Callable[..., Any], module: nn.Module, k: torch.Ten
                          f"{q_len} of the {k_len} positions (query i sees keys 0..i + {k_len - q_len}).")
 
 
-@checker("7.2")
+def _attention_cases() -> list[Case]:
+    module, generator = _tiny_gpt2().transformer.h[0].attn, torch.Generator().manual_seed(0)
+    cases = []
+    for length in (1, 2, 3):
+        q, k, v = (tiny(generator, 1, 1, length, 2) for _ in range(3))   # (N, heads, L, head_dim)
+        cases.append(Case((module, q, k, v, 0.5), f"your attention function on one head of {length} "
+                                                  f"position{'s' if length > 1 else ''} (attention_mask=None, "
+                                                  f"scaling=0.5), attn_output"))
+    return cases
+
+
+_ATTENTION_EXAMPLE = ProcedureExample(
+    lambda module, q, k, v, scaling: _hf().course_attention_forward(module, q, k, v, None, scaling=scaling)[0],
+    _attention_cases, ("module", "query", "key", "value", "scaling"))
+
+
+@checker("7.2", example=lambda fn, *_, **__: function_example(_ATTENTION_EXAMPLE)(
+    lambda module, q, k, v, scaling: _direct(fn, module, q, k, v, None, scaling, "your attention function")))
 def check_hf_attention(fn: Callable[..., Any]) -> str:
     """fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs) -> (output, weights)."""
-    from course_lib.hf import run_with_attention
-
+    run_with_attention = _hf().run_with_attention
     if not callable(fn):
         fail("exception", f"Pass your attention function itself, not {type(fn).__name__}.")
     model = _tiny_gpt2()
@@ -256,12 +295,3 @@ def check_hf_attention(fn: Callable[..., Any]) -> str:
             fail("mismatch", f"{what}: the logits differ from GPT-2's own attention (largest difference "
                              f"{(got[real] - expected[real]).abs().max():.3g}).")
     return "GPT-2 gives the same logits with your attention as with its own, padding included."
-
-
-register("7.2", "attention function for transformers", [
-    "The function gets query, key, value as (N, heads, L, head_dim) and returns (attn_output, attn_weights), with "
-    "attn_output as (N, L, heads, head_dim): the model merges the heads itself.",
-    "Use the `scaling` argument for the scores. attention_mask is bool (True = may attend) or None; None means a "
-    "plain causal mask, which you then apply yourself.",
-    "Dropout on the weights: F.dropout(weights, p=dropout, training=module.training).",
-])

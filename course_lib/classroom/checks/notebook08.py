@@ -1,22 +1,33 @@
 """Exercise of notebook 08 (train your GPT): 8.1, your parts train like the reference.
 
 Notebook 08 has no solution region: the learner assembles parts written in earlier notebooks
-(``capstone.train_parts``), so 8.1 is registered with ``has_solution=False`` and its checker only
+(``capstone.train_parts``), so 8.1 is declared with ``has_solution=False`` (``classroom.exercises``) and its checker only
 compares two finished runs through ``training_runs.judge``.
 """
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..training_runs import TOLERANCE, TrainingRun, judge
 from ..verdict import fail
-from ._core import register
-from ._harness import checker
+from .engine import checker
+from .engine.example import compare
 
 __all__ = ["check_trains_like_reference"]
 
 
-@checker("8.1")
+def _curves(yours: Any, reference: Any, *_: Any, **__: Any) -> Any:
+    """The two runs' validation losses side by side: the engine's comparison (two given runs, nothing to search)."""
+    if not (isinstance(yours, TrainingRun) and isinstance(reference, TrainingRun)):
+        return None
+    return compare(f"the validation loss at steps {reference.val_step} (your run, then the reference)", [],
+                   lambda: torch.tensor(yours.val_loss, dtype=torch.float64),
+                   lambda: torch.tensor(reference.val_loss, dtype=torch.float64))
+
+
+@checker("8.1", example=_curves)
 def check_trains_like_reference(yours: Any, reference: Any, tolerance: float | None = None) -> str:
     """``yours`` and ``reference``: TrainingRuns from ``capstone.train_parts``; the verdict is ``judge``'s."""
     for name, run in (("yours", yours), ("reference", reference)):
@@ -29,11 +40,3 @@ def check_trains_like_reference(yours: Any, reference: Any, tolerance: float | N
         # the harness builds the same CheckResult (8.1, not passed, judge's diagnosis and message)
         fail(verdict.diagnosis, verdict.message, **verdict.details)
     return verdict.message
-
-
-register("8.1", "train your GPT like the reference", [
-    "8.1 compares two TrainingRuns from capstone.train_parts: same start, same batches, so a correct set of "
-    "parts ends within the tolerance of the reference's validation loss.",
-    "A NaN means a part misbehaves in training mode (dropout, masking with -inf): run capstone.find_blame to "
-    "swap your parts in one at a time and see which one moves the loss.",
-], has_solution=False)

@@ -1,14 +1,15 @@
 """Exercises of notebook 09 (modern attention): 9.1 rope_tables, 9.2 apply_rotary, 9.3 RMSNorm,
-9.4 SwiGLU, 9.5 repeat_kv, 9.6 GroupedQueryAttention.
-
-Mistakes are named by hypothesis: what each known slip would output on the same inputs
-(``_rope_variants``, ``_gqa_variants``). The class check of 9.6 is in ``_gqa_check``. Each checker
-sits next to its hints (``register``).
+9.4 SwiGLU, 9.5 repeat_kv, 9.6 GroupedQueryAttention. 9.3 and 9.6 judge a module beside the reference with
+procedures of their own; RoPE's and grouped-query attention's mistakes are in ``_gqa_variants``.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import math
+import types
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,17 +17,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import modern as ref
+from ...attention import KVCache
+from ..exercises import Mistake
 from ..verdict import Failure, fail
-from . import _rope_variants as rope
-from ._attn_hypotheses import first_match
-from ._core import register
+from . import _gqa_variants as variants
+from ._attn_hypotheses import first_match, shape_str
+from ._counterexample import first_difference
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
-from ._gradients import check_gradients, check_module_gradients
-from ._harness import checker
-from ._mistake import Mistake
-from ._model_common import as_tensor, copy_weights
-from ._student_code import call_student, close, construct, expect_callable, expect_tensor, max_diff, reraise_with
+from ._gqa_variants import CACHED, FULL_PASS, Setup, simulate
+from ._gradients import check_module_gradients
+from ._model_common import accepts, as_tensor, copy_weights
+from ._student_code import (
+    call,
+    call_student,
+    close,
+    construct,
+    expect_callable,
+    expect_finite,
+    expect_tensor,
+    max_diff,
+    reraise_with,
+)
+from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
+from .engine.example import SEEDS, tiny
+from .engine.function import Run
+from .engine.probes import gradient_probe
 
 __all__ = ["check_rope_tables", "check_apply_rotary", "check_rms_norm", "check_swiglu", "check_repeat_kv",
            "check_grouped_query_attention"]
@@ -37,11 +53,6 @@ def _shape(t: Any) -> tuple[int, ...]:
 
 
 # ============================================================================ 9.1 rope_tables
-
-# (head_dim, max_tokens, theta); None leaves theta at its default. Small head_dims with several theta,
-# so every slip of the frequencies moves some entry well past the tolerance.
-_TABLE_CASES = ((8, 12, None), (4, 5, None), (16, 40, 500000.0), (6, 9, 100.0), (2, 1, None))
-
 
 def _two_tables(result: Any, what: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """rope_tables returns (cos, sin): a pair (a tensor of two stacked tables unpacks the same way)."""
@@ -80,7 +91,7 @@ def _diagnose_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, max_to
                      what: str, defaulted: bool) -> None:
     """Raise the Failure that names the mistake in tables (cos, sin) that differ from the reference."""
     pair = (cos.double(), sin.double())
-    right = rope.tables(head_dim, max_tokens, theta)
+    right = variants.tables(head_dim, max_tokens, theta)
     if close(pair[0], right[1]) and close(pair[1], right[0]):
         fail("rope_rotation", f"{what}: sin and cos are swapped: return the cosines first, `return cos, sin`. "
                               f"Row 0 (position 0) of cos is all ones, of sin all zeros.")
@@ -94,11 +105,11 @@ def _diagnose_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, max_to
                                   f"positive angles.")
     default = " (This call left theta at its default: the default in your signature should be 10000.0.)" \
         if defaulted else ""
-    for code, why, kwargs in rope.table_mistakes(theta):
+    for code, why, kwargs in ((m.code, m.message, m.spec) for m in variants.table_mistakes(theta)):
         for layout in ("half", "interleaved"):
             if layout == "interleaved" and kwargs.get("layout"):
                 continue
-            mistaken = rope.tables(head_dim, max_tokens, theta, **dict(kwargs, layout=kwargs.get("layout", layout)))
+            mistaken = variants.tables(head_dim, max_tokens, theta, **dict(kwargs, layout=kwargs.get("layout", layout)))
             if close(pair[0], mistaken[0]) and close(pair[1], mistaken[1]):
                 extra = ("" if layout == "half" else
                          " Also, the angles should be repeated as two halves, cat([angles, angles], dim=-1), "
@@ -135,35 +146,57 @@ def _default_theta_wrong(fn: Callable[..., Any]) -> bool:
     return default is not inspect.Parameter.empty and default != 10000.0
 
 
-def _judge_rope_tables(fn: Callable[..., Any]) -> str:
-    expect_callable(fn, "rope_tables")
-    default_wrong = _default_theta_wrong(fn)
-    for head_dim, max_tokens, theta in _TABLE_CASES:
-        shown = f"rope_tables({head_dim}, {max_tokens}" + ("" if theta is None else f", theta={theta:g}") + ")"
-        args = (head_dim, max_tokens) if theta is None else (head_dim, max_tokens, theta)
-        result = call_student(fn, *args, what=shown)
-        cos, sin = _two_tables(result, shown, (max_tokens, head_dim))
-        right = rope.tables(head_dim, max_tokens, theta or 10000.0)
-        if not (close(cos, right[0]) and close(sin, right[1])):
-            _diagnose_tables(cos, sin, head_dim, max_tokens, theta or 10000.0, shown, theta is None and default_wrong)
-    return ("Both tables right for head_dim 2 to 16 and several theta: pair (i, i + head_dim/2) turns by "
-            "theta^(-2i/head_dim) per position.")
+def _table_case(head_dim: int, max_tokens: int, theta: float | None = None) -> Case:
+    """theta None leaves it at the student's default."""
+    args = (head_dim, max_tokens) if theta is None else (head_dim, max_tokens, theta)
+    return Case(args, f"rope_tables({head_dim}, {max_tokens}" + ("" if theta is None else f", theta={theta:g}") + ")")
 
 
-@checker("9.1")
+def _stacked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The student's rope_tables as one tensor, its two tables stacked (2, max_tokens, head_dim), once the
+    pair it returns is judged; its signature is the student's (the default of theta is read from it)."""
+    @functools.wraps(fn)
+    def tables(head_dim: int, max_tokens: int, *theta: float) -> torch.Tensor:
+        shown = _table_case(head_dim, max_tokens, *theta).what
+        return torch.stack(_two_tables(fn(head_dim, max_tokens, *theta), shown, (max_tokens, head_dim)))
+    return tables
+
+
+def _table_diagnosis(runs: list[Run], fn: Any) -> None:
+    (head_dim, max_tokens, *theta), what = runs[0].case.args, runs[0].case.what
+    _diagnose_tables(*runs[0].out, head_dim, max_tokens, *(theta or [10000.0]), what,
+                     not theta and _default_theta_wrong(fn))
+
+
+ROPE_TABLES = FunctionExercise(
+    "9.1", "rope_tables", lambda head_dim, max_tokens, theta=10000.0: torch.stack(
+        ref.rope_tables(head_dim, max_tokens, theta)),
+    # small head_dims with several theta, so every slip of the frequencies moves some entry past the tolerance
+    lambda: [_table_case(8, 12), _table_case(4, 5), _table_case(16, 40, 500000.0), _table_case(6, 9, 100.0),
+             _table_case(2, 1)],
+    ("head_dim", "max_tokens", "theta"),
+    success="Both tables right for head_dim 2 to 16 and several theta: pair (i, i + head_dim/2) turns by "
+            "theta^(-2i/head_dim) per position.",
+    mismatch=lambda run: "",   # _diagnose_tables always decides
+    each_case=True, dtype=False, diagnose=_table_diagnosis,
+    examples=lambda: [Case(case.args, f"{case.what}  (cos table first, then sin)") for case in (
+        _table_case(2, 2), _table_case(4, 2), _table_case(4, 3), _table_case(4, 3, 100.0), _table_case(8, 3, 100.0))],
+)
+
+
+def _tables_example(fn: Callable[..., Any], *_: Any, **__: Any) -> Any:
+    """The counter-example shows whatever came back, the pair stacked (wrong shapes included)."""
+    def stacked(*args: Any) -> Any:
+        tables = fn(*args)
+        return torch.stack([as_tensor(t) for t in tables]) if isinstance(tables, (tuple, list)) else tables
+    return function_example(ROPE_TABLES)(stacked)
+
+
+@checker("9.1", example=_tables_example)
 def check_rope_tables(fn: Callable[..., Any]) -> str:
     """``fn(head_dim, max_tokens, theta=10000.0)`` -> (cos, sin), each (max_tokens, head_dim), half-split."""
-    return _judge_rope_tables(fn)
-
-
-register("9.1", "rope_tables", [
-    "Pair i (dimensions i and i + head_dim/2) turns by the angle m * w_i at position m, with "
-    "w_i = theta^(-2i/head_dim): the first pair turns fastest, the last slowest.",
-    "Build the head_dim/2 frequencies from torch.arange(0, head_dim, 2) / head_dim, and the angles as the outer "
-    "product of the positions 0 .. max_tokens-1 with them: shape (max_tokens, head_dim/2).",
-    "Each row needs the angles for both halves of the head: concatenate the angles with themselves (not "
-    "repeat_interleave), then take .cos() and .sin(); return float32 tables.",
-])
+    expect_callable(fn, "rope_tables")
+    return judge(ROPE_TABLES, _stacked(fn))
 
 
 # ============================================================================ 9.2 apply_rotary
@@ -178,107 +211,99 @@ _ROTARY_CASES = (
     ((2, 2, 6, 16), 16, 500000.0, 2, torch.float64),
     ((2, 3, 5, 8), 12, 10.0, 1, torch.float16),       # a half-precision model: tables in x's dtype too
 )
-# float16 queries with the float32 tables a model keeps as buffers: the result stays in x's dtype
-_MIXED_CASE = ((2, 3, 5, 8), 12, 10.0, 1, torch.float16, torch.float32)
 
-_ROTARY_MISTAKES: tuple[Mistake, ...] = (
-    Mistake("rope_layout", "you turn interleaved pairs (2i, 2i+1) (GPT-J's and Meta's original Llama layout, e.g. "
-                           "through view_as_complex). This course, like Hugging Face Llama, pairs dimension i with "
-                           "i + head_dim/2: x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) of "
-                           "the two halves of the last axis.", {"kind": "pairs"}),
-    Mistake("rope_layout", "you turn interleaved pairs (2i, 2i+1) (x[..., ::2] and x[..., 1::2]) against the "
-                           "half-split tables, whose angle for dimension j is that of pair j mod head_dim/2. The "
-                           "tables pair dimension i with i + head_dim/2: rotate_half(x) = cat(-x2, x1) of the two "
-                           "HALVES of the last axis.", {"kind": "pairs_table"}),
-    Mistake("rope_rotation", "your rotation turns the wrong way: rotate_half(x) is cat(-x2, x1), the minus on "
-                             "the second half moved to the front; yours is cat(x2, -x1).", {"kind": "reverse"}),
-    Mistake("rope_rotation", "sin and cos are swapped: x * cos + rotate_half(x) * sin.", {"kind": "swapped"}),
-    Mistake("rope_rotation", "you multiply x itself by sin; the sin term needs the quarter-turned x: "
-                             "x * cos + rotate_half(x) * sin.", {"kind": "no_rotate_half"}),
-    Mistake("rope_positions", "you ignore `offset`: the rows of the tables for x are offset .. offset+L-1 (with a "
-                              "KV cache, the new tokens come after the cached ones), not 0 .. L-1.",
-            {"offset": "zero"}),
-    Mistake("rope_positions", "your rows are one position too far: take cos[offset : offset + L].",
-            {"offset": "plus_one"}),
-    Mistake("rope_positions", "you take the LAST L rows of the tables (cos[-L:]): row m is position m, so the "
-                              "rows for x are offset .. offset+L-1, cos[offset : offset + L].", {"offset": "end"}),
-    Mistake("rope_rotation", "only the first half of the head turns: both halves of each pair change, "
-                             "x * cos + rotate_half(x) * sin over the whole last axis (the second half gets "
-                             "x2 * cos + x1 * sin).", {"kind": "first_half"}),
-    Mistake("rope_rotation", "only the second half of the head turns: both halves of each pair change, "
-                             "x * cos + rotate_half(x) * sin over the whole last axis (the first half gets "
-                             "x1 * cos - x2 * sin).", {"kind": "second_half"}),
-    Mistake("rope_axes", "you read the positions along the head axis: x is (N, heads, L, head_dim), so the "
-                         "sequence length is x.shape[-2] and the table rows (L, head_dim) broadcast as they are "
-                         "over N and heads. Yours turn each head by its head index, as if x were "
-                         "(N, L, heads, head_dim).", {"axis": "heads"}),
-    Mistake("rope_axes", "you read the positions along the head axis (as if x were (N, L, heads, head_dim)) and "
-                         "ignore `offset`: x is (N, heads, L, head_dim), so L = x.shape[-2] and the rows are "
-                         "offset .. offset+L-1.", {"axis": "heads", "offset": "zero"}),
-    Mistake("rope_layout", "you turn interleaved pairs (2i, 2i+1) and ignore `offset`. Pair i is (i, i + "
-                           "head_dim/2) here (rotate_half), and the rows are offset .. offset+L-1.",
-            {"kind": "pairs", "offset": "zero"}),
+def _rotary_case(generator: torch.Generator, shape: tuple[int, ...], rows: int, theta: float, offset: int,
+                 dtype: torch.dtype) -> Case:
+    cos, sin = ref.rope_tables(shape[-1], rows, theta, dtype=dtype)
+    x = torch.randn(shape, generator=generator).to(dtype)
+    return Case((x, cos, sin, offset), f"apply_rotary(x, cos, sin{f', offset={offset}' if offset else ''}) with x "
+                                       f"of shape {shape}{'' if dtype == torch.float32 else f' ({dtype})'} and "
+                                       f"tables of {rows} rows")
+
+
+def _offset_by_keyword(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The student's apply_rotary called as the notebook calls it: offset by keyword, and only when not 0."""
+    return lambda x, cos, sin, offset: fn(x, cos, sin, offset=offset) if offset else fn(x, cos, sin)
+
+
+def _rotary_reword(failure: Failure, case: Case, out: Any, fn: Any) -> None:
+    """A call or shape that fails only with an offset, or a dtype lost only in half precision, says so."""
+    cases = APPLY_ROTARY.cases()
+    earlier = cases[:next(i for i, c in enumerate(cases) if c.what == case.what)]
+
+    def right(c: Case) -> bool:
+        try:
+            return close(call_student(fn, *c.given(), what=c.what), APPLY_ROTARY.reference(*c.args))
+        except Failure:
+            return False
+    x, offset = case.args[0], case.args[3]
+    if offset and failure.diagnosis in ("exception", "shape") and all(right(c) for c in earlier if not c.args[3]):
+        reraise_with(failure, "rope_positions", " Your function works with offset=0 but not with "
+                     f"offset={offset}: take the table rows offset .. offset+L-1, cos[offset:offset + L] "
+                     f"with L = x.shape[-2].")
+    if x.dtype != torch.float32 and failure.diagnosis == "dtype" and all(right(c) for c in earlier):
+        reraise_with(failure, "dtype", " Keep x's dtype: the tables here are already in it, so do not "
+                     "build new float32 tensors (or .float() x) on the way.")
+
+
+def _rotary_offsets(runs: list[Run], fn: Any) -> None:
+    offset = next(run for run in runs if not close(run.out, run.expected)).case.args[3]
+    if all(close(run.out, run.expected) for run in runs if not run.case.args[3]):
+        fail("rope_positions", f"apply_rotary is right with offset=0 but not with offset={offset}: the rows of the "
+                               f"tables for x are offset .. offset+L-1.")
+
+
+def _rotary_mismatch(run: Run) -> str:
+    x, _, _, offset = run.case.args
+    return (f"apply_rotary with x of shape {_shape(x)} and offset={offset} differs from the reference by up "
+            f"to {max_diff(run.out, run.expected):.3g}. It should return x * cos + rotate_half(x) * sin, with the "
+            f"table rows offset .. offset+L-1 and rotate_half(x) = cat(-x2, x1) of the two halves.")
+
+
+def _rotary_cases() -> list[Case]:
+    generator = torch.Generator().manual_seed(9)
+    return [_rotary_case(generator, *case) for case in _ROTARY_CASES]
+
+
+def _rotary_examples() -> list[Case]:
+    cases = []
+    for (length, d, offset), seed in [(size, seed) for size in ((1, 2, 0), (2, 2, 0), (1, 2, 1), (2, 4, 0), (2, 4, 1))
+                                      for seed in SEEDS]:
+        x, (cos, sin) = tiny(torch.Generator().manual_seed(seed), 1, 1, length, d), ref.rope_tables(d, 4, 10.0)
+        cases.append(Case((x, cos, sin, offset), f"apply_rotary(x, cos, sin, offset={offset}) with the tables of "
+                                                 f"rope_tables({d}, 4, theta=10)"))
+    return cases
+
+
+APPLY_ROTARY = FunctionExercise(
+    "9.2", "apply_rotary", lambda x, cos, sin, offset: ref.apply_rotary(x, cos, sin, offset=offset), _rotary_cases,
+    ("x", "cos", "sin", "offset"),
+    success="Right for offsets 0 to 9, one to four heads and float16 to float64 (also with float32 tables), and "
+            "gradients flow back to x: pair (i, i + head_dim/2) of each token turns to the token's position.",
+    mismatch=_rotary_mismatch,
+    mistakes=variants.ROTARY, variant=variants.rotary_variant, finite=True, reword=_rotary_reword,
+    diagnose=_rotary_offsets, examples=_rotary_examples,
+    probes=("gradient", "mutation", "reference_guard", "counterexample", "device"),
 )
 
 
-def _rotary_hypothesis(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int,
-                       spec: dict[str, Any]) -> torch.Tensor:
-    used = {"ok": offset, "zero": 0, "plus_one": offset + 1,
-            "end": cos.shape[0] - x.shape[-2]}[spec.get("offset", "ok")]
-    return rope.rotate(x, cos, sin, used, kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
-
-
-def _judge_apply_rotary(fn: Callable[..., Any]) -> str:
+@checker("9.2", example=lambda fn, *_, **__: function_example(APPLY_ROTARY)(_offset_by_keyword(fn)))
+def check_apply_rotary(fn: Callable[..., Any]) -> str:
+    """``fn(x (N, heads, L, head_dim), cos, sin, offset=0)`` -> x turned to positions offset .. offset+L-1.
+    The declaration, then x's dtype kept with float32 tables, the gradient reaching x, the device."""
     expect_callable(fn, "apply_rotary")
-    generator = torch.Generator().manual_seed(9)
-    runs = []
-    for shape, rows, theta, offset, dtype, table_dtype in [(*case, case[-1]) for case in _ROTARY_CASES]:
-        head_dim = shape[-1]
-        cos, sin = ref.rope_tables(head_dim, rows, theta, dtype=table_dtype)
-        x = torch.randn(shape, generator=generator).to(dtype)
-        shown = (f"apply_rotary(x, cos, sin{f', offset={offset}' if offset else ''}) with x of shape {shape}"
-                 f"{'' if dtype == torch.float32 else f' ({dtype})'} and tables of {rows} rows")
-        kwargs = {"offset": offset} if offset else {}
-        try:
-            out = call_student(fn, x.clone(), cos, sin, what=shown, **kwargs)
-            expect_tensor(out, shape, shown, dtype=dtype)
-        except Failure as failure:
-            earlier_right = all(close(o, e) for _, _, _, _, o, e in runs)
-            without_offset_right = all(close(o, e) for _, _, _, off, o, e in runs if not off)
-            if offset and without_offset_right and failure.diagnosis in ("exception", "shape"):
-                reraise_with(failure, "rope_positions", " Your function works with offset=0 but not with "
-                             f"offset={offset}: take the table rows offset .. offset+L-1, cos[offset:offset + L] "
-                             f"with L = x.shape[-2].")
-            if earlier_right and dtype != torch.float32 and failure.diagnosis == "dtype":
-                reraise_with(failure, "dtype", " Keep x's dtype: the tables here are already in it, so do not "
-                             "build new float32 tensors (or .float() x) on the way.")
-            raise
-        runs.append((x, cos, sin, offset, out, ref.apply_rotary(x, cos, sin, offset=offset)))
-    if all(close(out, expected) for *_, out, expected in runs):
-        _rotary_keeps_dtype(fn)
-        _rotary_learns(fn, runs[2])
-        x, cos, sin, offset = runs[2][:4]
-        probe_device(lambda: fn(meta(x), meta(cos), meta(sin), offset=offset),
-                     f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {_shape(x)}")
-        return ("Right for offsets 0 to 9, one to four heads and float16 to float64 (also with float32 tables), "
-                "and gradients flow back to x: pair (i, i + head_dim/2) of each token turns to the token's "
-                "position.")
-    found = first_match(_ROTARY_MISTAKES, [out for *_, out, _ in runs],
-                        lambda i, spec: _rotary_hypothesis(*runs[i][:4], spec))
-    if found is not None:
-        fail(found.code, f"apply_rotary: {found.message}")
-    x, cos, sin, offset, out, expected = next(r for r in runs if not close(r[4], r[5]))
-    if all(close(o, e) for _, _, _, off, o, e in runs if not off):
-        fail("rope_positions", f"apply_rotary is right with offset=0 but not with offset={offset}: the rows of the "
-                               f"tables for x are offset .. offset+L-1.")
-    fail("mismatch", f"apply_rotary with x of shape {_shape(x)} and offset={offset} differs from the reference by up "
-                     f"to {max_diff(out, expected):.3g}. It should return x * cos + rotate_half(x) * sin, with the "
-                     f"table rows offset .. offset+L-1 and rotate_half(x) = cat(-x2, x1) of the two halves.")
+    message = judge(APPLY_ROTARY, _offset_by_keyword(fn))
+    _rotary_keeps_dtype(fn)
+    x, cos, sin, offset = APPLY_ROTARY.cases()[2].args
+    what = f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {_shape(x)}"
+    gradient_probe(_offset_by_keyword(fn), APPLY_ROTARY.reference, (x, cos, sin, offset), ("x",), what)
+    probe_device(lambda: fn(meta(x), meta(cos), meta(sin), offset=offset), what)
+    return message
 
 
 def _rotary_keeps_dtype(fn: Callable[..., Any]) -> None:
     """A float16 model keeps float32 tables as buffers: the text says the result stays in x's dtype."""
-    shape, rows, theta, offset, dtype, table_dtype = _MIXED_CASE
+    shape, rows, theta, offset, dtype, table_dtype = (2, 3, 5, 8), 12, 10.0, 1, torch.float16, torch.float32
     cos, sin = ref.rope_tables(shape[-1], rows, theta, dtype=table_dtype)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(92)).to(dtype)
     shown = (f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {shape} in {dtype} and {table_dtype} "
@@ -291,30 +316,6 @@ def _rotary_keeps_dtype(fn: Callable[..., Any]) -> None:
     if not close(out, ref.apply_rotary(x, cos, sin, offset=offset)):
         fail("precision", f"{shown}: your result is wrong here though right when x and the tables share a dtype. "
                           f"Cast the table rows to x's dtype, then turn: x * cos + rotate_half(x) * sin.")
-
-
-def _rotary_learns(fn: Callable[..., Any], run: tuple[Any, ...]) -> None:
-    """One backward pass: the gradient must reach x (``x.detach()``, ``.data`` or no_grad would cut it)."""
-    x, cos, sin, offset = run[:4]
-    mine, theirs = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
-    check_gradients(lambda: fn(mine, cos, sin, offset=offset), lambda: ref.apply_rotary(theirs, cos, sin, offset),
-                    {"x": mine}, {"x": theirs}, inputs=["x"],
-                    what=f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {_shape(x)}")
-
-
-@checker("9.2")
-def check_apply_rotary(fn: Callable[..., Any]) -> str:
-    """``fn(x (N, heads, L, head_dim), cos, sin, offset=0)`` -> x turned to positions offset .. offset+L-1."""
-    return _judge_apply_rotary(fn)
-
-
-register("9.2", "apply_rotary", [
-    "x is (N, heads, L, head_dim): the tokens run along the second-to-last axis, so L = x.shape[-2], and their "
-    "positions are offset, offset+1, ..., offset+L-1.",
-    "Cut the rows of those positions out of cos and sin: (L, head_dim) broadcasts over N and heads by itself. "
-    "rotate_half(x) splits the last axis into two halves x1, x2 and returns cat(-x2, x1).",
-    "The turn is x * cos + rotate_half(x) * sin: write it as a new tensor (never in place), in x's dtype.",
-])
 
 
 # ============================================================================ 9.3 RMSNorm
@@ -339,9 +340,10 @@ def _rms(x: torch.Tensor, eps: float, dim: Any = -1) -> torch.Tensor:
     return (x.pow(2).mean(dim=dim, keepdim=True) + eps).sqrt()
 
 
-def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> list[Mistake]:
-    """Each known slip of RMSNorm.forward and what it outputs for x (float64) with weight w and self.eps."""
-    ms = x.pow(2).mean(-1, keepdim=True)
+def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> dict[str, Mistake]:
+    """Each known slip of RMSNorm.forward and what it outputs for x (float64) with weight w and self.eps,
+    keyed, so the same slip can be followed from one input to the next."""
+    ms, mean_abs = x.pow(2).mean(-1, keepdim=True), x.abs().mean(-1, keepdim=True)
     centred = x - x.mean(-1, keepdim=True)
     fixed = [
         Mistake("epsilon", "epsilon is missing: x / sqrt(mean(x^2)) blows up for rows near zero. Add self.eps "
@@ -370,15 +372,9 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> list[Mistake
         Mistake("norm_statistic", "you divide by the norm of x, not by its root mean square sqrt(mean(x^2)): the "
                                   "result is sqrt(dim) times too small.",
                 output=x / (x.pow(2).sum(-1, keepdim=True).sqrt() + eps) * w),
-        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
-                                  "mean square, sqrt(mean(x^2) + eps).",
-                output=x / (x.abs().mean(-1, keepdim=True) + eps) * w),
-        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
-                                  "mean square, sqrt(mean(x^2) + eps).",
-                output=x / (x.abs().mean(-1, keepdim=True) + eps).sqrt() * w),
-        Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the root "
-                                  "mean square, sqrt(mean(x^2) + eps).",
-                output=x / x.abs().mean(-1, keepdim=True) * w),
+        *(Mistake("norm_statistic", "you divide by the mean absolute value, mean(|x|); RMSNorm divides by the "
+                                    "root mean square, sqrt(mean(x^2) + eps).", output=x / d * w)
+          for d in (mean_abs + eps, (mean_abs + eps).sqrt(), mean_abs)),   # with eps, under a root, bare
         Mistake("norm_statistic", "you divide by the mean of the squares itself; take its square root: "
                                   "x / sqrt(mean(x^2) + eps).", output=x / (ms + eps) * w),
         Mistake("norm_statistic", "you multiply by the root mean square; divide by it (or multiply by rsqrt).",
@@ -389,25 +385,23 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> list[Mistake
                                   "RMSNorm uses sqrt(mean(x^2) + eps).",
                 output=x / (x.std(-1, keepdim=True) + eps) * w),
     ]
-    # keyed, so the same slip can be followed from one input to the next
-    out = [Mistake(m.code, m.message, {"key": f"fixed{i}"}, m.output) for i, m in enumerate(fixed)]
+    out = {f"fixed{i}": m for i, m in enumerate(fixed)}
     for axis in range(x.dim() - 1):
-        out.append(Mistake("norm_statistic", f"you take the mean over axis {axis}, not over the features: RMSNorm "
-                                             f"normalises each vector on its own, over the last axis (dim=-1, also "
-                                             f"for 4-D inputs such as (N, heads, L, head_dim)).",
-                           {"key": f"axis{axis}"}, x / _rms(x, eps, axis) * w))
+        out[f"axis{axis}"] = Mistake("norm_statistic", f"you take the mean over axis {axis}, not over the features: "
+                                                       f"RMSNorm normalises each vector on its own, over the last axis "
+                                                       f"(dim=-1, also for 4-D inputs such as (N, heads, L, head_dim)).",
+                                     output=x / _rms(x, eps, axis) * w)
     for constant in (1e-5, 1e-6, 1e-8):
         if constant != eps:
-            out.append(Mistake("epsilon", f"you use the constant {constant:g} instead of self.eps (here {eps:g}): the "
-                                          f"module was built with its own eps.",
-                               {"key": f"eps{constant}"}, x / _rms(x, constant) * w))
+            out[f"eps{constant}"] = Mistake("epsilon", f"you use the constant {constant:g} instead of self.eps (here "
+                                                       f"{eps:g}): the module was built with its own eps.",
+                                            output=x / _rms(x, constant) * w)
     return out
 
 
 def _diagnose_norm(runs: list[tuple[torch.Tensor, nn.Module, torch.Tensor, torch.Tensor, str]]) -> None:
     """The first mistake whose output the student's matches in every run where it is defined."""
-    per_run = [{m.spec["key"]: m for m in _norm_mistakes(x.double(), reference.weight.detach().double(),
-                                                          reference.eps)}
+    per_run = [_norm_mistakes(x.double(), reference.weight.detach().double(), reference.eps)
                for x, reference, _, _, _ in runs]
     first = next(i for i, (_, _, out, expected, _) in enumerate(runs) if not close(out, expected))
     for key, mistake in per_run[first].items():
@@ -430,7 +424,14 @@ def _build_norm(cls: Any, dim: int, eps: float | None, generator: torch.Generato
     return candidate, reference
 
 
-def _judge_rms_norm(cls: Any) -> str:
+def _norm_example(cls: Any, *_: Any, **__: Any) -> Any:
+    return first_difference([lambda dim=dim: module_example(f"RMSNorm({dim})", lambda: cls(dim), lambda: ref.RMSNorm(dim),
+                                                            dim, (1, 2)) for dim in (2, 3, 4)])
+
+
+@checker("9.3", example=_norm_example)
+def check_rms_norm(cls: Any) -> str:
+    """``cls(dim, eps=1e-6)`` with ``weight``; forward -> x / sqrt(mean(x^2) + eps) * weight, in x's dtype."""
     expect_callable(cls, "RMSNorm", "class")
     generator = torch.Generator().manual_seed(3)
     runs = []
@@ -457,17 +458,18 @@ def _judge_rms_norm(cls: Any) -> str:
         _diagnose_norm(runs)
     x, reference, _, _, shown = runs[0]
     candidate, reference = _build_norm(cls, x.shape[-1], None, generator)
-    check_module_gradients(candidate, reference, x, what=shown)
-    probe_device(lambda: _meta_call(candidate, x), shown)
+    _module_probes(candidate, reference, x, shown)
     _check_half_precision(cls, generator)
     return ("Right in float32 and float16, for 2-D to 4-D inputs and any eps: x / sqrt(mean(x^2) + eps) * weight "
             "over the last axis.")
 
 
-def _meta_call(module: nn.Module, *args: torch.Tensor) -> Any:
-    """The student's module, copied to the meta device, on meta copies of args (None: inconclusive)."""
-    moved = module_on_meta(module)
-    return None if moved is None else moved(*(meta(a) for a in args))
+def _module_probes(model: nn.Module, reference: nn.Module, x: torch.Tensor, what: str) -> None:
+    """One backward pass beside the reference's (every parameter must learn), then the module on meta."""
+    check_module_gradients(model, reference, x, what=what)
+    moved = module_on_meta(model)
+    if moved is not None:   # a module that cannot be copied or moved is inconclusive
+        probe_device(lambda: moved(meta(x)), what)
 
 
 def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
@@ -487,21 +489,6 @@ def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
         fail("precision", f"{shown}: your output is wrong in float16 (it is right in float32). x**2 overflows "
                           f"float16 (largest value 65504) for x of a few hundred: compute in float32 "
                           f"(x.float()), then cast the result back with .to(x.dtype).")
-
-
-@checker("9.3")
-def check_rms_norm(cls: Any) -> str:
-    """``cls(dim, eps=1e-6)`` with ``weight``; forward -> x / sqrt(mean(x^2) + eps) * weight, in x's dtype."""
-    return _judge_rms_norm(cls)
-
-
-register("9.3", "RMSNorm.forward", [
-    "RMSNorm is LayerNorm without the mean and the bias: divide each vector (the last axis) by its root mean "
-    "square, then multiply by the learned self.weight.",
-    "The root mean square is sqrt(mean(x^2) + eps) with the mean over dim=-1, keepdim=True; eps (self.eps) goes "
-    "inside the square root. torch.rsqrt(...) multiplies by 1/sqrt in one step.",
-    "float16 squares overflow above 65504: compute in float32 (x.float()) and cast the result back to x's dtype.",
-])
 
 
 # ============================================================================ 9.4 SwiGLU
@@ -546,7 +533,10 @@ def _swiglu_mistakes() -> list[Mistake]:
     ]
 
 
-def _judge_swiglu(cls: Any) -> str:
+@checker("9.4", example=lambda cls, *_, **__: module_example("SwiGLU(2, 3)", lambda: cls(2, 3),
+                                                            lambda: ref.SwiGLU(2, 3), 2))
+def check_swiglu(cls: Any) -> str:
+    """``cls(embed_dim, hidden_dim)`` with gate, up, down; forward -> down(silu(gate(x)) * up(x))."""
     expect_callable(cls, "SwiGLU", "class")
     generator = torch.Generator().manual_seed(4)
     shown = f"SwiGLU({_SWIGLU_EMBED}, {_SWIGLU_HIDDEN})"
@@ -556,6 +546,7 @@ def _judge_swiglu(cls: Any) -> str:
         for p in reference.parameters():   # weights large enough that SiLU is far from linear
             p.copy_(torch.randn(p.shape, generator=generator) * 1.5 / p.shape[1] ** 0.5)
     copy_weights(reference, candidate, "your SwiGLU")
+    layers = (reference.gate, reference.up, reference.down)   # the mistakes' outputs are f(x, *layers)
     for shape in _SWIGLU_SHAPES:
         x = torch.randn(shape, generator=generator)
         what = f"{shown} on x of shape {shape}"
@@ -567,43 +558,16 @@ def _judge_swiglu(cls: Any) -> str:
             expect_tensor(out, shape, what, dtype=x.dtype)
             expected = reference(x)
             if not close(out, expected):
-                r = reference
-                for mistake in _swiglu_mistakes():
-                    if close(out, mistake.output(x, r.gate, r.up, r.down)):
-                        fail(mistake.code, f"{what}: {mistake.message}")
+                first_mistake(_swiglu_mistakes(), lambda m, out=out, x=x: close(out, m.output(x, *layers)), f"{what}: ")
                 fail("mismatch", f"{what}: the output differs from down(silu(gate(x)) * up(x)) by up to "
                                  f"{max_diff(out, expected):.3g}.")
     x = torch.randn(_SWIGLU_SHAPES[0], generator=generator)
     what = f"{shown} on x of shape {_SWIGLU_SHAPES[0]}"
-    check_module_gradients(candidate, reference, x, what=what)
-    probe_device(lambda: _meta_call(candidate, x), what)
+    _module_probes(candidate, reference, x, what)
     return "down(silu(gate(x)) * up(x)) for 2-D and 3-D inputs: the gate branch through SiLU scales the up branch."
 
 
-@checker("9.4")
-def check_swiglu(cls: Any) -> str:
-    """``cls(embed_dim, hidden_dim)`` with gate, up, down; forward -> down(silu(gate(x)) * up(x))."""
-    return _judge_swiglu(cls)
-
-
-register("9.4", "SwiGLU.forward", [
-    "Two projections of x to hidden_dim: self.gate(x) goes through SiLU, self.up(x) stays linear.",
-    "Multiply the two element by element (the gate scales each hidden feature), then project back with self.down.",
-    "SiLU(z) = z * sigmoid(z) is F.silu; no residual here, the block adds it.",
-])
-
-
 # ============================================================================ 9.5 repeat_kv
-
-# (x shape (N, kv_heads, L, head_dim), groups, contiguous): v comes from a transpose, so not contiguous.
-_REPEAT_CASES = (
-    ((2, 2, 3, 4), 3, True),
-    ((1, 4, 5, 2), 2, False),
-    ((2, 1, 3, 4), 4, False),    # multi-query: one key/value head for all
-    ((2, 3, 2, 4), 1, True),     # groups = 1: multi-head attention, nothing to repeat
-    ((1, 2, 1, 8), 2, False),    # one new token with a cache
-)
-
 
 def _numbered(shape: tuple[int, ...], contiguous: bool) -> torch.Tensor:
     """0, 1, 2, ... so every entry has one place; non-contiguous like split_heads' output when asked."""
@@ -612,81 +576,474 @@ def _numbered(shape: tuple[int, ...], contiguous: bool) -> torch.Tensor:
     return x.contiguous() if contiguous else x                                  # (N, kv_heads, L, head_dim)
 
 
-def _judge_repeat_kv(fn: Callable[..., Any]) -> str:
-    expect_callable(fn, "repeat_kv")
-    for shape, groups, contiguous in _REPEAT_CASES:
-        n, kv, length, head_dim = shape
-        x = _numbered(shape, contiguous)
-        what = f"repeat_kv(x, {groups}) with x of shape {shape}"
-        out = as_tensor(call_student(fn, x, groups, what=what))
-        expected_shape = (n, kv * groups, length, head_dim)
-        if isinstance(out, torch.Tensor) and _shape(out) != expected_shape and groups > 1:
-            wrong = {(n, kv, length * groups, head_dim): "along the sequence axis (dim 2)",
-                     (n, kv, length, head_dim * groups): "along the features (the last axis)",
-                     (n * groups, kv, length, head_dim): "along the batch (dim 0)"}.get(_shape(out))
-            if wrong:
-                fail("shape", f"{what} returned shape {_shape(out)}, expected {expected_shape}: you repeat {wrong}. "
-                              f"Repeat the key/value heads, dim 1.")
-            if _shape(out) in ((n, kv, groups, length, head_dim), (n, groups, kv, length, head_dim)):
-                fail("shape", f"{what} returned shape {_shape(out)}, expected {expected_shape}: the head and group "
-                              f"axes are still apart. Flatten them into one axis of kv_heads * groups heads "
-                              f"(.reshape, which copies the expanded view).")
-        expect_tensor(out, expected_shape, what, dtype=x.dtype)
-        if torch.equal(out, ref.repeat_kv(x, groups)):
-            continue
-        if torch.equal(out, x.repeat(1, groups, 1, 1)):
-            fail("kv_grouping", f"{what}: the heads come out tiled, [0, 1, 0, 1, ...] (x.repeat, or expand on a new "
-                                f"axis in front of the heads): query head h would read key/value head h % kv_heads. "
-                                f"Each key/value head serves `groups` NEIGHBOURING query heads, so repeat each one "
-                                f"`groups` times in a row, [0, 0, 1, 1, ...]: repeat_interleave(groups, dim=1), or "
-                                f"expand on a new axis after the heads.")
-        if torch.equal(out.flatten().sort().values, ref.repeat_kv(x, groups).flatten().sort().values):
-            fail("kv_grouping", f"{what}: the right numbers in the wrong places. Output head h must be key/value "
-                                f"head h // groups, each head repeated `groups` times in a row.")
-        fail("mismatch", f"{what}: your output holds numbers that are not copies of x's heads. Output head h is a "
-                         f"copy of x[:, h // groups].")
-    x = torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(95))
-    what = "repeat_kv(x, 2) with x of shape (2, 2, 3, 4)"
-    mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    check_gradients(lambda: fn(mine, 2), lambda: ref.repeat_kv(theirs, 2), {"x": mine}, {"x": theirs},
-                    inputs=["x"], what=what)
-    probe_device(lambda: fn(meta(x), 2), what)
-    return ("Each key/value head repeated for its group of neighbouring query heads, for GQA, MQA (one kv head) "
-            "and MHA (groups = 1).")
+def _repeat_case(shape: tuple[int, ...], groups: int, contiguous: bool = True) -> Case:
+    return Case((_numbered(shape, contiguous), groups), f"repeat_kv(x, {groups}) with x of shape {shape}")
 
 
-@checker("9.5")
+def _repeat_axes(case: Case, out: Any) -> None:
+    """A repeat along another axis, or the group axis left apart, named before the shape check."""
+    x, groups = case.args
+    n, kv, length, head_dim = x.shape
+    expected = (n, kv * groups, length, head_dim)
+    if not isinstance(out, torch.Tensor) or _shape(out) == expected or groups == 1:
+        return
+    wrong = {(n, kv, length * groups, head_dim): "along the sequence axis (dim 2)",
+             (n, kv, length, head_dim * groups): "along the features (the last axis)",
+             (n * groups, kv, length, head_dim): "along the batch (dim 0)"}.get(_shape(out))
+    if wrong:
+        fail("shape", f"{case.what} returned shape {_shape(out)}, expected {expected}: you repeat {wrong}. "
+                      f"Repeat the key/value heads, dim 1.")
+    if _shape(out) in ((n, kv, groups, length, head_dim), (n, groups, kv, length, head_dim)):
+        fail("shape", f"{case.what} returned shape {_shape(out)}, expected {expected}: the head and group "
+                      f"axes are still apart. Flatten them into one axis of kv_heads * groups heads "
+                      f"(.reshape, which copies the expanded view).")
+
+
+def _misplaced(runs: list[Run], fn: Any) -> None:
+    run = runs[0]
+    if torch.equal(run.out.flatten().sort().values, run.expected.flatten().sort().values):
+        fail("kv_grouping", f"{run.case.what}: the right numbers in the wrong places. Output head h must be "
+                            f"key/value head h // groups, each head repeated `groups` times in a row.")
+
+
+REPEAT_KV = FunctionExercise(
+    "9.5", "repeat_kv", lambda x, groups: ref.repeat_kv(x, groups),
+    # v comes from a transpose, so not contiguous; kv_heads 1 is multi-query, groups 1 multi-head attention
+    lambda: [_repeat_case((2, 2, 3, 4), 3), _repeat_case((1, 4, 5, 2), 2, False),
+             _repeat_case((2, 1, 3, 4), 4, False), _repeat_case((2, 3, 2, 4), 1),
+             _repeat_case((1, 2, 1, 8), 2, False)],
+    ("x", "groups"),
+    success="Each key/value head repeated for its group of neighbouring query heads, for GQA, MQA (one kv head) "
+            "and MHA (groups = 1).",
+    mismatch=lambda run: (f"{run.case.what}: your output holds numbers that are not copies of x's heads. Output "
+                          f"head h is a copy of x[:, h // groups]."),
+    mistakes=(Mistake("kv_grouping", "the heads come out tiled, [0, 1, 0, 1, ...] (x.repeat, or expand on a new "
+                                     "axis in front of the heads): query head h would read key/value head h % "
+                                     "kv_heads. Each key/value head serves `groups` NEIGHBOURING query heads, so "
+                                     "repeat each one `groups` times in a row, [0, 0, 1, 1, ...]: "
+                                     "repeat_interleave(groups, dim=1), or expand on a new axis after the heads.",
+                      output=lambda x, groups: x.repeat(1, groups, 1, 1)),),
+    exact=True, each_case=True, finite=True, numpy_ok=True, raw=_repeat_axes, diagnose=_misplaced,
+    gradients=lambda: [Case((torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(95)), 2),
+                            "repeat_kv(x, 2) with x of shape (2, 2, 3, 4)")],
+    examples=lambda: [Case((torch.arange(float(kv * length)).reshape(1, kv, length, 1), groups),
+                           f"repeat_kv(x, {groups})") for kv, groups, length in ((1, 2, 1), (2, 2, 1), (2, 2, 2),
+                                                                                  (2, 3, 1))],
+    probes=("gradient", "mutation", "reference_guard", "counterexample", "device"),
+)
+
+
+@checker("9.5", example=function_example(REPEAT_KV))
 def check_repeat_kv(fn: Callable[..., Any]) -> str:
     """``fn(x (N, kv_heads, L, head_dim), groups)`` -> (N, kv_heads * groups, L, head_dim), interleaved order."""
-    return _judge_repeat_kv(fn)
-
-
-register("9.5", "repeat_kv", [
-    "Query head h shares key/value head h // groups: heads 0 .. groups-1 read kv head 0, the next group kv head 1.",
-    "So each kv head appears `groups` times in a row: [0, 0, 1, 1], not [0, 1, 0, 1] (which is what x.repeat "
-    "gives).",
-    "torch.repeat_interleave(x, groups, dim=1) does it; so does expanding a new axis right after the heads, "
-    "then reshaping to (N, kv_heads * groups, L, head_dim).",
-])
+    message = judge(REPEAT_KV, fn)
+    (x, groups), what = REPEAT_KV.gradients()[0].args, REPEAT_KV.gradients()[0].what
+    probe_device(lambda: fn(meta(x), groups), what)
+    return message
 
 
 # ============================================================================ 9.6 GroupedQueryAttention
+#
+# The class is built with the notebook's constructor for multi-head (num_kv_heads = num_heads), grouped-query
+# and multi-query attention, plus QK-norm and a sliding window when its constructor takes them; the
+# reference's weights are copied in by name. A wrong output is named by the mistake in ``_gqa_variants``
+# it matches. The forward uses the notebook's own apply_rotary and repeat_kv: when one of them fails its
+# own exercise's check, the message says so.
 
-@checker("9.6")
+EMBED_DIM, NUM_HEADS, MAX_TOKENS = 32, 4, 10
+HEAD_DIM = EMBED_DIM // NUM_HEADS
+# (num_kv_heads, rope_theta, constructor extras): multi-head first, so a module that only fails with
+# fewer key/value heads is told so; then grouped-query and multi-query attention.
+CONFIGS: tuple[tuple[int, float, dict[str, Any]], ...] = (
+    (NUM_HEADS, 500.0, {}),
+    (2, 10000.0, {}),
+    (1, 10000.0, {}),
+)
+OPTIONAL = (
+    (2, 10000.0, {"qk_norm": True}),
+    (2, 10000.0, {"sliding_window": 3}),
+)
+# (batch, length) of the full passes: the full length first, so a failure at a shorter one is told apart
+CASES = ((2, MAX_TOKENS), (3, 5), (1, 1))
+# the cached run: a prompt of 3, three tokens one at a time, then two at once; it stops short of
+# max_tokens, so an offset that runs ahead still finds rows in the tables and its outputs can be named
+PLAN = ((0, 3), (3, 1), (4, 1), (5, 1), (6, 2))
+PLAN_TOKENS = sum(length for _, length in PLAN)
+
+
+class RecordingCache(KVCache):
+    """A KVCache that keeps a copy of what was appended, to read back what the student's module caches."""
+
+    def __init__(self, max_tokens: int):
+        super().__init__(max_tokens)
+        self.appended: list[tuple[Any, Any]] = []
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        copy = (lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t)
+        self.appended.append((copy(k), copy(v)))
+        return super().append(k, v)
+
+
+@dataclass
+class Built:
+    kv_heads: int
+    extra: dict[str, Any]
+    model: nn.Module
+    reference: nn.Module
+    setup: Setup
+    runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)   # (x, out, expected)
+
+    @property
+    def label(self) -> str:
+        extra = "".join(f", {k}={v}" for k, v in self.extra.items())
+        return f"num_kv_heads={self.kv_heads}{extra}"
+
+
+def _randomize(reference: nn.Module, generator: torch.Generator) -> None:
+    # queries and keys a bit larger than the default: the softmax is neither flat nor one-hot
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.4 * torch.randn(p.shape, generator=generator))
+            else:
+                gain = 1.5 if name.split(".")[0] in ("query", "key") else 1.0
+                p.copy_(torch.randn(p.shape, generator=generator) * gain / math.sqrt(p.shape[1]))
+
+
+def _check_tables(model: nn.Module, reference: nn.Module, theta: float, shown: str) -> None:
+    """The constructor builds self.rope_cos / self.rope_sin, with the notebook's rope_tables (exercise 9.1)."""
+    cos, sin = getattr(model, "rope_cos", None), getattr(model, "rope_sin", None)
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        return
+    if cos.shape == reference.rope_cos.shape and close(cos, reference.rope_cos) and close(sin, reference.rope_sin):
+        return
+    try:
+        if cos.shape != reference.rope_cos.shape or sin.shape != cos.shape:
+            fail("shape", f"they have shapes {shape_str(cos.shape)} and {shape_str(sin.shape)}, expected "
+                          f"{shape_str(reference.rope_cos.shape)} (max_tokens, head_dim).")
+        _diagnose_tables(cos, sin, HEAD_DIM, MAX_TOKENS, theta, f"rope_tables({HEAD_DIM}, {MAX_TOKENS}, "
+                                                                f"theta={theta:g})", False)
+    except Failure as failure:
+        raise Failure(failure.diagnosis, f"The RoPE tables your constructor builds for {shown} (self.rope_cos, "
+                                         f"self.rope_sin, from your rope_tables of exercise 9.1) are wrong: "
+                                         f"{failure.message} Fix rope_tables first "
+                                         f"(checks.check_rope_tables(rope_tables)).") from None
+
+
+def _build(cls: Any, kv_heads: int, theta: float, extra: dict[str, Any], generator: torch.Generator) -> Built:
+    more = "".join(f", {k}={v!r}" for k, v in extra.items())
+    shown = f"GroupedQueryAttention({EMBED_DIM}, {NUM_HEADS}, {kv_heads}, {MAX_TOKENS}, {theta:g}{more})"
+    reference = ref.GroupedQueryAttention(EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, theta, **extra)
+    _randomize(reference, generator)
+    model = construct(cls, EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, theta, what="GroupedQueryAttention",
+                      shown=shown, **extra)
+    copy_weights(reference, model, "your GroupedQueryAttention")
+    call(model.eval, what="GroupedQueryAttention.eval()")
+    _check_tables(model, reference, theta, shown)
+    cos, sin = variants.tables(HEAD_DIM, MAX_TOKENS, theta)
+    params = {name: p.detach().double() for name, p in reference.named_parameters()}
+    setup = Setup(EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, params, cos, sin,
+                  qk_norm=bool(extra.get("qk_norm")), window=extra.get("sliding_window"),
+                  eps=reference.q_norm.eps if reference.q_norm is not None else 1e-6)
+    return Built(kv_heads, extra, model, reference.eval(), setup)
+
+
+def _rope_frame(failure: BaseException) -> dict[str, Any] | None:
+    """The locals of apply_rotary (or rotate_half) where the student's code raised, if it raised there."""
+    exc: BaseException | None = failure
+    while exc is not None and isinstance(exc, Failure):
+        exc = exc.__context__
+    tb = exc.__traceback__ if exc is not None else None
+    found = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name in ("apply_rotary", "rotate_half") and code.co_argcount:
+            # the tensor it turns is its first argument, whatever the student named it
+            found = dict(tb.tb_frame.f_locals, x=tb.tb_frame.f_locals.get(code.co_varnames[0]))
+        tb = tb.tb_next
+    return found
+
+
+def _forward(built: Built, x: torch.Tensor, what: str, *, start: int | None = None, **kwargs: Any) -> torch.Tensor:
+    """The student's module on x (``start``: the tokens already in the cache passed in kwargs)."""
+    with torch.no_grad():
+        try:
+            out = call_student(built.model, x.clone(), what=what, **kwargs)
+        except Failure as failure:
+            _explain_rope_error(failure, built, x.shape[1], start)
+            raise
+    return expect_tensor(out, (x.shape[0], x.shape[1], EMBED_DIM), what, dtype=x.dtype, finite=False)
+
+
+def _explain_rope_error(failure: Failure, built: Built, length: int, start: int | None) -> None:
+    """When the student's code raised inside apply_rotary, say what it was given that it cannot take."""
+    names = _rope_frame(failure) if failure.diagnosis == "exception" else None
+    turned, offset = (names.get("x"), names.get("offset")) if names else (None, None)
+    if not isinstance(turned, torch.Tensor):
+        return
+    if turned.dim() == 4 and turned.shape[-1] != HEAD_DIM and turned.shape[-2] == length:
+        features = turned.shape[1] * turned.shape[-1]
+        which = {NUM_HEADS * HEAD_DIM: "queries", built.kv_heads * HEAD_DIM: "keys or values"}.get(features)
+        if which is not None:
+            right = NUM_HEADS if which == "queries" else built.kv_heads
+            code = "kv_grouping" if which != "queries" else "head_split"
+            reraise_with(failure, code, f" apply_rotary was given {which} split into {turned.shape[1]} heads of "
+                         f"{turned.shape[-1]} features, shape {shape_str(turned.shape)}: the {which} have "
+                         f"{features} features, {right} heads of head_dim={HEAD_DIM} "
+                         f"({'self.num_heads' if which == 'queries' else 'self.num_kv_heads'} heads). Split them "
+                         f"into that many heads; head_dim is embed_dim // num_heads for all three.")
+    if turned.dim() != 4 or turned.shape[-1] != HEAD_DIM:
+        reraise_with(failure, "rope_axes", f" apply_rotary was given a tensor of shape {shape_str(turned.shape)}: "
+                     f"it takes queries or keys split into heads, (N, heads, L, head_dim) with head_dim={HEAD_DIM}. "
+                     f"Rotate after the head split and the transpose, not the (N, L, features) projections.")
+    if start is None or not isinstance(offset, int):
+        return
+    if turned.shape[-2] > length:
+        reraise_with(failure, "kv_cache", f" apply_rotary was given {turned.shape[-2]} positions from offset "
+                     f"{offset} although only {length} token(s) are new: you rotate the keys after appending "
+                     f"them to the cache, so the cached keys are turned again, to the wrong positions (and past "
+                     f"the tables). Rotate the new keys first (offset=cache.length), then append them rotated.")
+    if offset != start:
+        reraise_with(failure, "rope_positions", f" apply_rotary was given offset={offset} for {length} new "
+                     f"token(s) after {start} cached ones: the offset is the number of tokens already cached, "
+                     f"cache.length read BEFORE cache.append(...).")
+
+
+def _full_passes(built: Built, generator: torch.Generator, mha_right: bool) -> None:
+    for n, length in CASES:
+        x = torch.randn(n, length, EMBED_DIM, generator=generator)
+        what = f"GroupedQueryAttention({built.label}).forward(x) with x of shape {(n, length, EMBED_DIM)}"
+        try:
+            out = _forward(built, x, what)
+        except Failure as failure:
+            if failure.diagnosis in ("exception", "shape") and built.kv_heads < NUM_HEADS and mha_right:
+                reraise_with(failure, "kv_grouping", f" Your module works with num_kv_heads = num_heads but not "
+                             f"with num_kv_heads={built.kv_heads} < num_heads={NUM_HEADS}: split k and v into "
+                             f"num_kv_heads heads (self.num_kv_heads) and repeat each for its group of query "
+                             f"heads (repeat_kv) before the scores.")
+            full = built.runs[0] if built.runs else None
+            if full is not None and failure.diagnosis in ("exception", "shape") and close(full[1], full[2]):
+                reraise_with(failure, "causal_mask", f" Your module works for {MAX_TOKENS} tokens but not for "
+                             f"{length}: cut the causal mask to the current length.")
+            raise
+        with torch.no_grad():
+            built.runs.append((x, out, built.reference(x)))
+
+
+def _diagnose_full(built_all: list[Built], generator: torch.Generator) -> None:
+    """Some full pass differs from the reference: raise the most specific Failure we can. The probes'
+    answers are read from the student's module first (an exception there is reported at once: the
+    full passes before already used these batch sizes and this length); then every judgement runs in turn."""
+    built = built_all[0]
+    x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=generator)
+    batch_what = f"GroupedQueryAttention({built.label}) on x of shape {shape_str(x.shape)}"
+    together = _forward(built, x, batch_what)                                    # (3, L, E)
+    alone = [_forward(built, x[i:i + 1], batch_what.replace("(3,", "(1,")) for i in range(3)]   # 3 x (1, L, E)
+    x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=generator)
+    future_what = f"GroupedQueryAttention({built.label}) on x of shape {shape_str(x.shape)}"
+    changed = x.clone()
+    changed[:, MAX_TOKENS // 2:] += torch.randn(2, MAX_TOKENS - MAX_TOKENS // 2, EMBED_DIM, generator=generator)
+    before, after = _forward(built, x, future_what), _forward(built, changed, future_what)   # (2, L, E)
+
+    runs = [(b, x, out) for b in built_all for x, out, _ in b.runs]
+    qk = any(b.setup.qk_norm for b in built_all)
+    window = any(b.setup.window for b in built_all)
+    hypotheses = [m for m in FULL_PASS if (qk or "qk_norm" not in m.spec) and (window or "window" not in m.spec)]
+    found = first_match(hypotheses, [out for _, _, out in runs],
+                        lambda i, spec: simulate(runs[i][0].setup, runs[i][1], [(0, runs[i][1].shape[1])], spec))
+    if found is not None:
+        fail(found.code, found.message)
+    for b, x, out in runs:
+        expect_finite(out, f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)}")
+    # Rows never mix (before the future: a reshape that mixes rows also "leaks" positions).
+    for i in range(3):
+        if not close(alone[i][0], together[i], nan_ok=True):
+            fail("batch_mixing", f"{batch_what}: sequence {i} gives a different output in a batch of 3 than alone: "
+                                 f"your reshapes mix the sequences. Keep the batch axis first and take N and L from "
+                                 f"x.shape.")
+    # The future never leaks: changing the second half leaves the first half's outputs as they were.
+    if not close(after[:, :MAX_TOKENS // 2], before[:, :MAX_TOKENS // 2]):
+        fail("causal_mask", f"{future_what}: the future leaks: changing the tokens after position "
+                            f"{MAX_TOKENS // 2 - 1} changes the outputs before. Each query may see only keys at its "
+                            f"position or earlier.")
+    b, x, out, expected = next((b, x, out, e) for b in built_all for x, out, e in b.runs if not close(out, e))
+    fail("mismatch", f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)} differs from the "
+                     f"reference by up to {max_diff(out, expected):.3g}, and like none of the mistakes we know. The "
+                     f"steps: project, split into heads (num_heads for q, num_kv_heads for k and v), rotate q and k, "
+                     f"repeat k and v per group, causal attention scaled by 1/sqrt(head_dim), merge, self.proj.")
+
+
+# ---------------------------------------------------------------- the KV cache
+
+def _cached(built: Built) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RecordingCache]:
+    """Prompt, then one token at a time, then two: (x, the student's outputs, the reference full pass, cache).
+    The tokens are those of the first full pass (already right), so its reference outputs serve again."""
+    full, _, reference = built.runs[0]
+    x, expected = full[:, :PLAN_TOKENS], reference[:, :PLAN_TOKENS]    # causal: the first tokens' outputs
+    cache = RecordingCache(MAX_TOKENS)
+    outs = []
+    for start, length in PLAN:
+        what = (f"GroupedQueryAttention({built.label}).forward(x, cache) with {length} new token(s) and "
+                f"{start} cached")
+        out = _forward(built, x[:, start:start + length], what, start=start, cache=cache)
+        if start == 0 and not cache.appended:
+            fail("kv_cache", f"{what}: your forward never appends to the cache it is given, so the next tokens "
+                             f"cannot see the earlier ones. With a cache: read start = cache.length, rotate the new "
+                             f"keys, then k, v = cache.append(k, v) and attend over what it returns.")
+        outs.append(out)
+    return x, torch.cat(outs, dim=1), expected, cache
+
+
+def _fill_context(built: Built, cache: RecordingCache) -> None:
+    """After the plan, token by token to the last position: a position that runs ahead of cache.length
+    (say the keys placed one late) is invisible to RoPE's offsets until the tables run out."""
+    full, _, reference = built.runs[0]
+    for start in range(PLAN_TOKENS, MAX_TOKENS):
+        what = (f"GroupedQueryAttention({built.label}).forward(x, cache) with 1 new token and {start} cached "
+                f"(the context fills at {MAX_TOKENS})")
+        try:
+            out = _forward(built, full[:, start:start + 1], what, start=start, cache=cache)
+        except Failure as failure:
+            if failure.diagnosis in ("exception", "shape"):
+                reraise_with(failure, "rope_positions", f" Your module is right for the first {start} tokens and "
+                             f"fails only as the context fills: your positions run ahead of the cache (a new "
+                             f"token at cache.length + 1, or the keys placed one position late), which RoPE's "
+                             f"relative angles hide until the tables run out. Rotate the new tokens with "
+                             f"offset=cache.length, read before cache.append(...).")
+            raise
+        if not close(out, reference[:, start:start + 1]):
+            fail("rope_positions", f"{what}: your output differs from the full pass only now that the context "
+                                   f"fills ({max_diff(out, reference[:, start:start + 1]):.3g}): your positions run "
+                                   f"ahead of the cache (a new token at cache.length + 1, or the keys placed one "
+                                   f"position late), which RoPE's relative angles hide until the tables run out. "
+                                   f"Rotate with offset=cache.length, read before cache.append(...).")
+
+
+def _check_cache_contents(built: Built, x: torch.Tensor, cache: RecordingCache) -> None:
+    """The cache must hold num_kv_heads heads of rotated keys (so GQA's cache is smaller, and never re-rotated)."""
+    k, v = cache.appended[0]
+    length = PLAN[0][1]
+    what = f"GroupedQueryAttention({built.label}) with a cache"
+    if isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] != built.kv_heads:
+        fail("kv_cache", f"{what}: your cache receives keys of shape {shape_str(k.shape)}, {k.shape[1]} heads. It "
+                         f"should hold the num_kv_heads={built.kv_heads} heads: append k and v BEFORE repeat_kv, "
+                         f"and repeat what the cache returns. That is the point of GQA: the cache is "
+                         f"num_heads / num_kv_heads times smaller.")
+    s = built.setup
+    raw = (x[:, :length].double() @ s.params["key.weight"].T).reshape(2, length, built.kv_heads, HEAD_DIM)
+    raw = raw.transpose(1, 2)                                                   # (N, kv_heads, L, head_dim)
+    if s.qk_norm:
+        raw = raw * torch.rsqrt(raw.pow(2).mean(-1, keepdim=True) + s.eps) * s.params["k_norm.weight"]
+    turned = variants.rotate(raw, s.cos, s.sin, 0)
+    if isinstance(k, torch.Tensor) and close(k, raw) and not close(k, turned):
+        fail("kv_cache", f"{what}: your outputs are right, but your cache holds the keys before RoPE, so every "
+                         f"step turns all the cached keys again. Rotate the new keys (offset = cache.length) and append them rotated: each key is "
+                         f"turned once, to its own position, and never again.")
+
+
+def _diagnose_cached(built_all: list[Built], cached: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]]) -> None:
+    found = first_match(CACHED, [got for _, got, _, _ in cached],
+                        lambda i, spec: simulate(built_all[i].setup, cached[i][0], list(PLAN), spec, cached=True))
+    if found is not None:
+        fail(found.code, found.message)
+    index = next(i for i, (_, got, expected, _) in enumerate(cached) if not close(got, expected))
+    built, (_, got, expected, _) = built_all[index], cached[index]
+    wrong = [t for t in range(PLAN_TOKENS) if not close(got[:, t], expected[:, t])]
+    prompt = PLAN[0][1]
+    if wrong and wrong[0] < prompt:
+        where = (f"already for the prompt ({prompt} tokens into an empty cache): with an empty cache the "
+                 f"forward must give what it gives without one")
+    elif wrong and wrong[0] >= PLAN[-1][0]:
+        where = ("only when two new tokens come at once: the second may see the first, not the reverse. Mask the "
+                 "new queries with the rows start .. total-1 of a (total, total) causal mask")
+    else:
+        where = (f"from position {wrong[0]} on: a new token must get position cache.length (its RoPE offset) and "
+                 f"attend to every cached key")
+    fail("kv_cache", f"GroupedQueryAttention({built.label}) with a KV cache differs from the full pass {where} "
+                     f"(largest difference {max_diff(got, expected):.3g}).")
+
+
+# ---------------------------------------------------------------- which part is at fault
+
+def _parts_note(cls: Any) -> str:
+    """A sentence per helper of an earlier exercise that the class calls and that fails its own check."""
+    names: set[str] = set()      # the global names the class's methods use
+    namespace: dict[str, Any] = {}   # and where they are looked up
+    for value in vars(cls).values() if isinstance(cls, type) else ():
+        fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+        if isinstance(fn, types.FunctionType):
+            names |= set(fn.__code__.co_names)
+            namespace = namespace or fn.__globals__
+    notes = []
+    # the checkers undecorated (``__wrapped__``): a helper's own verdict is neither recorded nor shown
+    for name, exercise, own_check in (("apply_rotary", "9.2", check_apply_rotary.__wrapped__),
+                                      ("repeat_kv", "9.5", check_repeat_kv.__wrapped__)):
+        fn = namespace.get(name)
+        if name not in names or not callable(fn):
+            continue
+        try:
+            own_check(fn)
+        except Failure as failure:
+            notes.append(f" Your class calls your {name} (exercise {exercise}), which fails its own check "
+                         f"({failure.diagnosis}): fix it first, checks.check_{name}({name}).")
+    return "".join(notes)
+
+
+# ---------------------------------------------------------------- the check
+
+@checker("9.6", example=lambda cls, *_, **__: module_example(
+    "GroupedQueryAttention(4, 2, 1, 4, 10.0)", lambda: cls(4, 2, 1, 4, 10.0),
+    lambda: ref.GroupedQueryAttention(4, 2, 1, 4, 10.0), 4))
 def check_grouped_query_attention(cls: Any) -> str:
     """``cls(embed_dim, num_heads, num_kv_heads, max_tokens, rope_theta)``; forward(x, cache=None)."""
-    from ._gqa_check import check_class
+    expect_callable(cls, "GroupedQueryAttention", "class")
+    try:
+        return _check(cls)
+    except Failure as failure:
+        if failure.diagnosis in ("not_implemented", "timeout"):
+            raise
+        note = _parts_note(cls)
+        if not note:
+            raise
+        raise Failure(failure.diagnosis, failure.message.rstrip() + note, **failure.details) from None
 
-    return check_class(cls, parts={"apply_rotary": ("9.2", _judge_apply_rotary),
-                                   "repeat_kv": ("9.5", _judge_repeat_kv)},
-                       tables=_diagnose_tables)
+
+def _check(cls: Any) -> str:
+    torch.manual_seed(0)   # any dropout draws; the @checker decorator restores the caller's RNG state
+    generator = torch.Generator().manual_seed(96)
+    # The optional features (QK-norm, a sliding window) are judged after the plain module is right, so that
+    # a mistake in the common path is named from the plain configurations alone.
+    optional = [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
+    built = [_check_configs(cls, configs, generator) for configs in (CONFIGS, optional) if configs][0][1]
+    x = torch.randn(2, 5, EMBED_DIM, generator=generator)
+    # grouped-query (2 key/value heads): every projection learns, and the module stays on its device
+    _module_probes(built.model, built.reference, x, f"GroupedQueryAttention({built.label}) on x of shape "
+                                                    f"{shape_str(x.shape)}")
+    extras = [key for _, _, extra in optional for key in extra]
+    also = f", and with {' and '.join(extras)}" if extras else ""
+    return (f"Matches the reference for multi-head ({NUM_HEADS} kv heads), grouped-query (2) and multi-query (1) "
+            f"attention{also}, in a full pass and token by token with a KV cache that holds num_kv_heads heads of "
+            f"rotated keys.")
 
 
-register("9.6", "GroupedQueryAttention.forward", [
-    "Project x to q (num_heads heads) and to k, v (num_kv_heads heads each); split them into (N, heads, L, "
-    "head_dim); rotate q and k (never v) with apply_rotary, offset = the number of tokens already cached.",
-    "With a cache, append the ROTATED new keys and the values (num_kv_heads heads) and use everything it returns; "
-    "only then repeat_kv each to num_heads heads for the scores.",
-    "Causal attention scaled by 1/sqrt(head_dim): with a cache the new queries sit at positions start .. total-1, "
-    "so their mask rows are those of a (total, total) causal mask. Merge the heads, then self.proj.",
-])
+def _check_configs(cls: Any, configs: Any, generator: torch.Generator) -> list[Built]:
+    built_all: list[Built] = []
+    for kv_heads, theta, extra in configs:
+        built = _build(cls, kv_heads, theta, extra, generator)
+        mha_right = (bool(built_all) and built_all[0].kv_heads == NUM_HEADS
+                     and all(close(out, e) for _, out, e in built_all[0].runs))
+        _full_passes(built, generator, mha_right)
+        built_all.append(built)
+    if not all(close(out, e) for b in built_all for _, out, e in b.runs):
+        _diagnose_full(built_all, generator)
+    cached = []   # (x, the student's outputs, the reference's, the cache) per configuration
+    for built in built_all:
+        cached.append(_cached(built))
+        x, got, expected, cache = cached[-1]
+        if close(got, expected):
+            _check_cache_contents(built, x, cache)
+    if not all(close(got, expected) for _, got, expected, _ in cached):
+        _diagnose_cached(built_all, cached)
+    for built, (*_, cache) in zip(built_all, cached):
+        _fill_context(built, cache)
+    return built_all

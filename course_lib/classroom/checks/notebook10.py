@@ -1,9 +1,8 @@
 """Exercises of notebook 10 (FlashAttention): 10.1 online_softmax, 10.2 flash_attention (the tiled forward),
-10.3 FlashAttentionFunction (the backward by recomputation).
+10.3 FlashAttentionFunction (the backward by recomputation, judged on its stacked (dq, dk, dv)).
 
-Mistakes are named by hypothesis (``_flash_variants``: what each slip outputs on the same inputs); whether the
-student tiled at all is watched while their code runs (``_flash_probe``: the largest tensor it creates and the
-score blocks it computes).
+10.2 is two declarations (its output, then its log-sum-exp). Whether the student tiled at all is watched
+while their code runs (``_flash_probe``).
 """
 from __future__ import annotations
 
@@ -14,18 +13,16 @@ from typing import Any
 import torch
 
 from ... import flash as ref
+from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _flash_variants as variants
-from ._core import register
-from ._flash_probe import Recorder
-from ._harness import checker
-from ._student_code import call_student, close, expect_callable, expect_tensor, matches, max_diff
+from ._flash_probe import Record, Recorder
+from ._student_code import call_student, close, expect_callable, expect_tensor, max_diff
+from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine.example import tiny
+from .engine.function import Run
 
 __all__ = ["check_online_softmax", "check_flash_attention", "check_flash_backward"]
-
-
-def _shape(t: Any) -> tuple[int, ...]:
-    return tuple(t.shape)
 
 
 # ============================================================================ 10.1 online_softmax
@@ -57,94 +54,92 @@ _SOFTMAX_CASES = (
     (_large(first=False), 4),
 )
 
+def _softmax_mistake(code: str, why: str, **spec: str) -> Mistake:
+    return Mistake(code, f"online_softmax: {why}.", spec)
+
+
 _SOFTMAX_MISTAKES = (
-    ("online_rescale", "the running sum is not rescaled when the maximum changes: every earlier term was "
-                       "exp(x - m_old), so when a block raises the maximum the sum must be multiplied by "
-                       "exp(m_old - m_new) before the new block's terms are added", {"rescale": "none"}),
-    ("online_rescale", "the rescale factor is upside down: when the maximum grows from m_old to m_new, the old sum "
-                       "shrinks, l * exp(m_old - m_new), a factor of at most 1", {"rescale": "inverted"}),
-    ("running_max", "you keep the maximum of the latest block, not the running maximum of all blocks so far: "
-                    "it is right in exact arithmetic, but when a later block is much smaller than an earlier "
-                    "one the rescale factor exp(m_old - m_new) overflows. Use m_new = max(m, block.max())",
-     {"maximum": "last"}),
-    ("overflow", "no maximum is subtracted, so exp overflows to inf for scores above about 88 in float32 and "
-                 "you divide inf by inf. Subtract the running maximum m inside every exp", {"maximum": "none"}),
-    ("early_normalization", "each block is normalised with the sum seen so far; the earlier blocks never learn "
-                            "about the later ones. Only the statistics (m, l) are updated per block: divide by "
-                            "the final sum once, at the end", {"normalize": "every"}),
-    ("block_bounds", "the last entry of every block is never read: block s covers x[..., s : s + block_size] "
-                     "(the end is excluded already, no -1)", {"bounds": "short"}),
-    ("block_bounds", "every block starts one entry late: block s covers x[..., s : s + block_size]",
-     {"bounds": "shifted"}),
-    ("block_bounds", "your loop stops before the last block: range(0, L, block_size) visits every start, the last "
-                     "block may be shorter", {"bounds": "stop_early"}),
-    ("block_bounds", "a last block shorter than block_size is never read (L is not always a multiple of the "
-                     "block size): loop over range(0, L, block_size) and slice to the end", {"bounds": "whole_blocks"}),
+    _softmax_mistake("online_rescale", "the running sum is not rescaled when the maximum changes: every earlier term "
+                     "was exp(x - m_old), so when a block raises the maximum the sum must be multiplied by "
+                     "exp(m_old - m_new) before the new block's terms are added", rescale="none"),
+    _softmax_mistake("online_rescale", "the rescale factor is upside down: when the maximum grows from m_old to "
+                     "m_new, the old sum shrinks, l * exp(m_old - m_new), a factor of at most 1", rescale="inverted"),
+    _softmax_mistake("running_max", "you keep the maximum of the latest block, not the running maximum of all blocks "
+                     "so far: it is right in exact arithmetic, but when a later block is much smaller than an earlier "
+                     "one the rescale factor exp(m_old - m_new) overflows. Use m_new = max(m, block.max())",
+                     maximum="last"),
+    _softmax_mistake("overflow", "no maximum is subtracted, so exp overflows to inf for scores above about 88 in "
+                     "float32 and you divide inf by inf. Subtract the running maximum m inside every exp",
+                     maximum="none"),
+    _softmax_mistake("early_normalization", "each block is normalised with the sum seen so far; the earlier blocks "
+                     "never learn about the later ones. Only the statistics (m, l) are updated per block: divide by "
+                     "the final sum once, at the end", normalize="every"),
+    _softmax_mistake("block_bounds", "the last entry of every block is never read: block s covers x[..., s : s + "
+                     "block_size] (the end is excluded already, no -1)", bounds="short"),
+    _softmax_mistake("block_bounds", "every block starts one entry late: block s covers x[..., s : s + block_size]",
+                     bounds="shifted"),
+    _softmax_mistake("block_bounds", "your loop stops before the last block: range(0, L, block_size) visits every "
+                     "start, the last block may be shorter", bounds="stop_early"),
+    _softmax_mistake("block_bounds", "a last block shorter than block_size is never read (L is not always a multiple "
+                     "of the block size): loop over range(0, L, block_size) and slice to the end",
+                     bounds="whole_blocks"),
 )
 
 
-def _whole_row_reduction(fn: Callable[..., Any], x: torch.Tensor, size: int) -> str | None:
-    """An operation that reduces over a whole row at once (softmax, max, logsumexp...), if the student ran one."""
-    seen: list[str] = []
+def _softmax_cases(cases: Any) -> list[Case]:
+    return [Case((x, size), f"online_softmax(x, {size}) with x of shape {tuple(x.shape)}") for x, size in cases]
 
-    class Watch(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            name = func.overloadpacket.__name__
-            first = args[0] if args else None
-            if (name in ("_softmax", "_log_softmax", "logsumexp", "amax", "max", "sum", "mean", "amin", "min",
-                         "cumsum") and isinstance(first, torch.Tensor) and first.dim() and first.shape[-1] == x.shape[-1]
-                    and x.shape[-1] > size):
-                seen.append(name)
-            return func(*args, **(kwargs or {}))
 
-    with Watch():
+def _softmax_not_finite(runs: list[Run], fn: Any) -> None:
+    run = next(run for run in runs if not close(run.out, run.expected))
+    (x, size), out = run.case.args, run.out
+    if not torch.isfinite(out).all():
+        fail("overflow" if x.abs().max() > 50 else "nan",
+             f"online_softmax(x, {size}) gave NaN or inf for x of shape {tuple(x.shape)} (scores up to "
+             f"{float(x.max()):.0f}). Subtract the running maximum inside every exp, and rescale the sum "
+             f"with exp(m_old - m_new), which is at most 1.")
+
+
+def _softmax_mismatch(run: Run) -> str:
+    (x, size), out = run.case.args, run.out
+    return (f"online_softmax(x, {size}) differs from torch.softmax(x, dim=-1) by up to "
+            f"{max_diff(out, torch.softmax(x.double(), -1)):.3g} for x of shape {tuple(x.shape)}. Keep the "
+            f"running maximum m and sum l over the blocks, then return exp(x - m) / l.")
+
+
+def _tiny_rows() -> list[tuple[torch.Tensor, int]]:
+    generator = torch.Generator().manual_seed(0)
+    rows = [(tiny(generator, 1, length), size) for length, size in ((3, 1), (4, 2), (5, 2), (5, 3))]
+    return rows + [(tiny(generator, 1, 4) + torch.tensor([0.0, 0.0, 100.0, 100.0]), 2)]   # exp(100): overflow
+
+
+def _whole_row(runs: list[Run], fn: Any) -> None:
+    """Right values from an operation that reduces a whole row at once (softmax, max, logsumexp...)."""
+    x, size = runs[0].case.args
+    with Recorder(0) as watch:
         call_student(fn, x.clone(), size, what=f"online_softmax(x, {size})")
-    return seen[0] if seen else None
-
-
-@checker("10.1")
-def check_online_softmax(fn: Callable[..., Any]) -> str:
-    """``fn(x, block_size)`` -> softmax over the last axis of x (..., L), computed one block at a time."""
-    expect_callable(fn, "online_softmax")
-    outputs = []
-    for x, size in _SOFTMAX_CASES:
-        shown = f"online_softmax(x, {size}) with x of shape {_shape(x)}"
-        out = call_student(fn, x.clone(), size, what=shown)
-        outputs.append(expect_tensor(out, _shape(x), shown, dtype=x.dtype, finite=False))
-    wrong = [i for i, (out, (x, _)) in enumerate(zip(outputs, _SOFTMAX_CASES))
-             if not close(out, torch.softmax(x.double(), -1))]
-    if wrong:
-        for code, why, spec in _SOFTMAX_MISTAKES:
-            if all(matches(out, variants.softmax_variant(x, size, **spec))
-                   for out, (x, size) in zip(outputs, _SOFTMAX_CASES)):
-                fail(code, f"online_softmax: {why}.")
-        x, size = _SOFTMAX_CASES[wrong[0]]
-        out = outputs[wrong[0]]
-        if not torch.isfinite(out).all():
-            fail("overflow" if x.abs().max() > 50 else "nan",
-                 f"online_softmax(x, {size}) gave NaN or inf for x of shape {_shape(x)} (scores up to "
-                 f"{float(x.max()):.0f}). Subtract the running maximum inside every exp, and rescale the sum "
-                 f"with exp(m_old - m_new), which is at most 1.")
-        fail("mismatch", f"online_softmax(x, {size}) differs from torch.softmax(x, dim=-1) by up to "
-                         f"{max_diff(out, torch.softmax(x.double(), -1)):.3g} for x of shape {_shape(x)}. Keep the "
-                         f"running maximum m and sum l over the blocks, then return exp(x - m) / l.")
-    x, size = _SOFTMAX_CASES[0]
-    whole = _whole_row_reduction(fn, x, size)
+    whole = next((name for name, length in watch.record.reduced if length == x.shape[-1] > size), None)
     if whole:
         fail("not_tiled", f"online_softmax reduces over the whole row at once ({whole} over all {x.shape[-1]} "
                           f"entries): the point is to read the row one block of block_size entries at a time, "
                           f"keeping only the running maximum and sum between blocks.")
-    return ("Equal to torch.softmax for blocks that divide the row and blocks that do not, and stable for scores "
-            "near 100 wherever they are: the running sum is rescaled whenever the maximum grows.")
 
 
-register("10.1", "online_softmax", [
-    "Keep two numbers per row while reading the blocks: the largest score so far, m, and the sum so far, "
-    "l = sum of exp(x_j - m) over the entries read.",
-    "For a new block: m_new = max(m, block.max(-1)). The old sum was measured against m, so it becomes "
-    "l * exp(m - m_new) + exp(block - m_new).sum(-1). Start with m = -inf and l = 0 (exp(-inf) is 0).",
-    "After the last block every statistic is final: return torch.exp(x - m[..., None]) / l[..., None].",
-])
+ONLINE_SOFTMAX = FunctionExercise(
+    "10.1", "online_softmax", lambda x, block_size: ref.online_softmax(x, block_size),
+    lambda: _softmax_cases(_SOFTMAX_CASES), ("x", "block_size"),
+    success="Equal to torch.softmax for blocks that divide the row and blocks that do not, and stable for scores "
+            "near 100 wherever they are: the running sum is rescaled whenever the maximum grows.",
+    mismatch=_softmax_mismatch, mistakes=_SOFTMAX_MISTAKES,
+    variant=lambda x, size, *, spec: variants.softmax_variant(x, size, **spec),
+    diagnose=_softmax_not_finite, after=_whole_row, examples=lambda: _softmax_cases(_tiny_rows()),
+)
+
+
+@checker("10.1", example=function_example(ONLINE_SOFTMAX))
+def check_online_softmax(fn: Callable[..., Any]) -> str:
+    """``fn(x, block_size)`` -> softmax over the last axis of x (..., L), computed one block at a time."""
+    return judge(ONLINE_SOFTMAX, fn)
 
 
 # ============================================================================ 10.2 flash_attention
@@ -172,12 +167,12 @@ _FORWARD_CASES = (
 
 # The watched run: per head, the full score matrix is 64 x 64 = 4096 numbers, q is 64 x 12; d = 12 differs
 # from both block sizes so a score product (contracting over d) is told from weights @ values.
-_PROBE = dict(length=64, head_dim=12, block_q=16, block_k=8)
+_PROBE_SHAPE, _BLOCK_Q, _BLOCK_K = (1, 2, 64, 12), 16, 8
 
 
 def _pair(result: Any, shown: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
     if isinstance(result, torch.Tensor) or not isinstance(result, (tuple, list)) or len(result) != 2:
-        got = (f"one tensor of shape {_shape(result)}" if isinstance(result, torch.Tensor) else
+        got = (f"one tensor of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor) else
                "nothing" if result is None else f"a {type(result).__name__}"
                + (f" of {len(result)} values" if isinstance(result, (tuple, list)) else ""))
         fail("shape", f"{shown} returned {got}; it should return two tensors, `return out, lse`: the output "
@@ -185,10 +180,14 @@ def _pair(result: Any, shown: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
     return result[0], result[1]
 
 
+def _forward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int, causal: bool) -> str:
+    return (f"flash_attention(q, k, v, block_q={block_q}, block_k={block_k}, causal={causal}) with q of shape "
+            f"{tuple(q.shape)}" + (f" and k of shape {tuple(k.shape)}" if k.shape != q.shape else ""))
+
+
 def _call_forward(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int,
-                  block_k: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, str]:
-    shown = (f"flash_attention(q, k, v, block_q={block_q}, block_k={block_k}, causal={causal}) with q of shape "
-             f"{_shape(q)}" + (f" and k of shape {_shape(k)}" if k.shape != q.shape else ""))
+                  block_k: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    shown = _forward_call(q, k, v, block_q, block_k, causal)
     try:
         result = call_student(fn, q.clone(), k.clone(), v.clone(), block_q=block_q, block_k=block_k, causal=causal,
                               what=shown)
@@ -196,44 +195,27 @@ def _call_forward(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: t
         if failure.diagnosis == "exception":
             _name_an_empty_block(fn, q, k, v, block_q, block_k, causal, shown)
         raise
-    shape = _shape(q)[:-1] + (v.shape[-1],)
+    shape = tuple(q.shape)[:-1] + (v.shape[-1],)
     out, lse = _pair(result, shown, shape)
     out = expect_tensor(out, shape, f"{shown} (its output)", dtype=q.dtype, finite=False)
     lse = expect_tensor(lse, shape[:-1], f"{shown} (its log-sum-exp)", finite=False)
-    return out, lse, shown
-
-
-class _EmptyBlocks(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records every slice along the positions axis (-2) of a (..., L, d) tensor that leaves no rows."""
-
-    def __init__(self, lengths: set[int]):
-        super().__init__()
-        self.lengths, self.seen = lengths, []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ == "slice" and args and isinstance(args[0], torch.Tensor) \
-                and isinstance(out, torch.Tensor) and args[0].dim() >= 2:
-            source, dim = args[0], (args[1] if len(args) > 1 else 0) % args[0].dim()
-            if dim == source.dim() - 2 and source.shape[dim] in self.lengths and out.shape[dim] == 0:
-                start = args[2] if len(args) > 2 and args[2] is not None else 0
-                self.seen.append((int(source.shape[dim]), int(min(start, source.shape[dim]))))
-        return out
+    return out, lse
 
 
 def _name_an_empty_block(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int,
                          block_k: int, causal: bool, shown: str) -> None:
-    """After the student's forward raised: was it on a block of 0 positions (a loop bound one block too far)?"""
-    watch = _EmptyBlocks({q.shape[-2], k.shape[-2]})
-    try:
-        with watch:
+    """After the student's forward raised: was it on a block of 0 positions (a loop bound one block too far)?
+    Watched in a second run only then, so that every other call runs at full speed."""
+    with Recorder(0) as watch:
+        try:
             call_student(fn, q.clone(), k.clone(), v.clone(), block_q=block_q, block_k=block_k, causal=causal,
                          what=shown)
-    except Failure:
-        pass
-    if not watch.seen:
+        except Failure:
+            pass
+    seen = [(length, start) for length, start in watch.record.empty if length in (q.shape[-2], k.shape[-2])]
+    if not seen:
         return
-    length, start = watch.seen[0]
+    length, start = seen[0]
     fail("block_bounds", f"{shown}: your code took an empty block, positions {start}:{start} of {length}, and "
                          f"then raised on it (a max or a softmax over no scores). A loop bound goes one block too "
                          f"far. The query blocks start at range(0, Lq, block_q) and the key blocks at range(0, Lk, "
@@ -241,46 +223,52 @@ def _name_an_empty_block(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tenso
                          f"already one past its last query: range(0, min(Lk, qe), block_k), no + 1.")
 
 
-def _diagnose_forward(outputs: list[torch.Tensor]) -> None:
-    for code, why, spec in variants.FORWARD_MISTAKES:
-        if all(matches(out, variants.forward_variant(q, k, v, bq, bk, causal, **spec)[0])
-               for out, (q, k, v, bq, bk, causal) in zip(outputs, _FORWARD_CASES)):
-            fail(code, f"flash_attention: {why}")
-
-
-def _judge_lse(lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, causal: bool, shown: str) -> None:
-    scores = (q.double() @ k.double().transpose(-2, -1)) / q.shape[-1] ** 0.5       # (..., Lq, Lk)
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The scores the softmax sees, q k^T / sqrt(d), masked when causal, in float64: (..., Lq, Lk)."""
+    scores = (q.double() @ k.double().transpose(-2, -1)) / q.shape[-1] ** 0.5
     if causal:
         scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    right = torch.logsumexp(scores, -1)
-    if close(lse, right):
-        return
-    maximum = scores.amax(-1)
-    if close(lse, maximum):
-        why = "you return the running maximum m alone; the log-sum-exp is m + log(l)"
-    elif close(lse, right - maximum):
-        why = "you return log(l) alone; the sum l was measured against the maximum, so lse = m + log(l)"
-    elif close(lse, torch.exp(right)) or close(lse, torch.exp(right - maximum)):
-        why = "you return the sum itself, not its logarithm: lse = m + log(l)"
-    elif close(lse, right * q.shape[-1] ** 0.5) or close(lse, torch.logsumexp(scores * q.shape[-1] ** 0.5, -1)):
-        why = "your log-sum-exp is of the unscaled scores q k^T; it should be of the scores the softmax saw, q k^T / sqrt(d)"
-    else:
-        why = (f"it differs from log(sum_j exp(s_ij)) by up to {max_diff(lse, right):.3g}; with the running "
-               f"maximum m and sum l of each row, lse = m + log(l)")
-    fail("logsumexp", f"{shown}: the output is right but the log-sum-exp is not: {why}. The backward (10.3) "
-                      f"rebuilds every weight from it, as exp(s - lse).")
+    return scores
+
+
+def _lse_mistake(why: str, output: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]) -> Mistake:
+    return Mistake("logsumexp", f"the output is right but the log-sum-exp is not: {why}. The backward (10.3) "
+                                f"rebuilds every weight from it, as exp(s - lse).",
+                   output=lambda q, k, v, block_q, block_k, causal: output(_scores(q, k, causal), q, causal))
+
+
+def _lse(scores: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(scores, -1)
+
+
+# What a log-sum-exp that is not m + log(l) usually is, from the scores s and their maximum m.
+_LSE_MISTAKES = (
+    _lse_mistake("you return the running maximum m alone; the log-sum-exp is m + log(l)", lambda s, q, c: s.amax(-1)),
+    _lse_mistake("you return log(l) alone; the sum l was measured against the maximum, so lse = m + log(l)",
+                 lambda s, q, c: _lse(s) - s.amax(-1)),
+    *(_lse_mistake("you return the sum itself, not its logarithm: lse = m + log(l)", output) for output in
+      (lambda s, q, c: torch.exp(_lse(s)), lambda s, q, c: torch.exp(_lse(s) - s.amax(-1)))),
+    *(_lse_mistake("your log-sum-exp is of the unscaled scores q k^T; it should be of the scores the softmax saw, "
+                   "q k^T / sqrt(d)", output) for output in
+      (lambda s, q, c: _lse(s) * q.shape[-1] ** 0.5, lambda s, q, c: _lse(s * q.shape[-1] ** 0.5))),
+)
+
+
+def _watched(seed: int, run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]) -> Record:
+    """What the student's code does on the probe's q, k, v, under the recorder."""
+    q, k, v = _qkv(seed, _PROBE_SHAPE)
+    with Recorder(_PROBE_SHAPE[-1]) as recorder:
+        run(q, k, v)
+    return recorder.record
 
 
 def _probe_forward(fn: Callable[..., Any], causal: bool) -> None:
-    """Run the student's forward under the recorder: no L x L tensor, key blocks of block_k, future blocks skipped."""
-    length, head_dim, block_q, block_k = (_PROBE[key] for key in ("length", "head_dim", "block_q", "block_k"))
-    q, k, v = _qkv(21, (1, 2, length, head_dim))
+    """No L x L tensor, key blocks of block_k, future blocks skipped."""
+    batch, heads, length, _ = _PROBE_SHAPE
+    block_q, block_k, per_head = _BLOCK_Q, _BLOCK_K, batch * heads
     shown = f"flash_attention(q, k, v, block_q={block_q}, block_k={block_k}, causal={causal}) with L = {length}"
-    recorder = Recorder(head_dim)
-    with recorder:
-        call_student(fn, q, k, v, block_q=block_q, block_k=block_k, causal=causal, what=shown)
-    record = recorder.record
-    per_head = q.shape[0] * q.shape[1]
+    record = _watched(21, lambda q, k, v: call_student(fn, q, k, v, block_q=block_q, block_k=block_k,
+                                                         causal=causal, what=shown))
     if record.largest_numel >= length * length:
         fail("full_scores", f"{shown}: your code materialised the full score matrix: it built a tensor of shape "
                             f"{record.largest} ({record.largest_numel} numbers, at least L x L = {length * length}). "
@@ -303,44 +291,69 @@ def _probe_forward(fn: Callable[..., Any], causal: bool) -> None:
                                f"key comes after the query block's last query.")
 
 
-@checker("10.2")
+def _part(fn: Callable[..., Any], index: int) -> Callable[..., torch.Tensor]:
+    """The student's forward as a function of one case's arguments, giving its output (0) or its lse (1)."""
+    return lambda q, k, v, block_q, block_k, causal: _call_forward(fn, q, k, v, block_q, block_k, causal)[index]
+
+
+def _forward_cases(cases: Any) -> list[Case]:
+    return [Case(case, _forward_call(*case)) for case in cases]
+
+
+def _forward_not_finite(runs: list[Run], fn: Any) -> None:
+    run = next(run for run in runs if not close(run.out, run.expected))
+    if not torch.isfinite(run.out).all():
+        fail("nan", f"{run.case.what} gave NaN or inf. Start each query block with m = -inf, l = 0 and acc = 0, "
+                    f"and take exp(s - m_new) after updating m_new; a query must see key 0.")
+
+
+def _lse_unexplained(runs: list[Run], fn: Any) -> None:
+    run = runs[0]
+    fail("logsumexp", f"{run.case.what}: the output is right but the log-sum-exp is not: it differs from "
+                      f"log(sum_j exp(s_ij)) by up to {max_diff(run.out, run.expected):.3g}; with the running "
+                      f"maximum m and sum l of each row, lse = m + log(l). The backward (10.3) rebuilds every "
+                      f"weight from it, as exp(s - lse).")
+
+
+def _tiny_forward() -> list[tuple[Any, ...]]:
+    generator = torch.Generator().manual_seed(0)
+    sizes = ((2, 1, 1, True), (3, 2, 2, False), (3, 2, 2, True), (4, 2, 1, True), (5, 2, 3, True))
+    return [(*(tiny(generator, 1, 1, length, 2) for _ in range(3)), block_q, block_k, causal)
+            for length, block_q, block_k, causal in sizes]
+
+
+_FORWARD_ARGS = ("q", "k", "v", "block_q", "block_k", "causal")
+_FORWARD_OUT = FunctionExercise(
+    "10.2", "flash_attention",
+    lambda q, k, v, block_q, block_k, causal: ref.naive_attention(q.double(), k.double(), v.double(), causal=causal)[0],
+    lambda: _forward_cases(_FORWARD_CASES), _FORWARD_ARGS, success="",
+    mismatch=lambda run: (f"{run.case.what} differs from attention by up to {max_diff(run.out, run.expected):.3g}. "
+                          f"For every query block: loop over the key blocks, update m, l and acc (rescaled by "
+                          f"exp(m - m_new)), and divide acc by l at the end."),
+    mistakes=variants.FORWARD_MISTAKES, variant=lambda *case, spec: variants.forward_variant(*case, **spec)[0],
+    dtype=False, diagnose=_forward_not_finite, examples=lambda: _forward_cases(_tiny_forward()))
+_FORWARD_LSE = FunctionExercise(
+    "10.2", "flash_attention", lambda q, k, v, block_q, block_k, causal: _lse(_scores(q, k, causal)),
+    _FORWARD_OUT.cases, _FORWARD_ARGS, success="", mismatch=lambda run: "", mistakes=_LSE_MISTAKES, each_case=True,
+    dtype=False, diagnose=_lse_unexplained, examples=_FORWARD_OUT.examples)
+
+
+def _forward_example(fn: Any, *_: Any, **__: Any) -> Any:
+    """The tiny case where the output differs, else the one where the log-sum-exp does."""
+    return function_example(_FORWARD_OUT)(_part(fn, 0)) or function_example(_FORWARD_LSE)(_part(fn, 1))
+
+
+@checker("10.2", example=_forward_example)
 def check_flash_attention(fn: Callable[..., Any]) -> str:
     """``fn(q, k, v, *, block_q, block_k, causal)`` -> (out, lse), tiled, never building the L x L scores."""
     expect_callable(fn, "flash_attention")
-    outputs, lses, shown_all = [], [], []
-    for q, k, v, block_q, block_k, causal in _FORWARD_CASES:
-        out, lse, shown = _call_forward(fn, q, k, v, block_q, block_k, causal)
-        outputs.append(out)
-        lses.append(lse)
-        shown_all.append(shown)
-    for i, (out, (q, k, v, _, _, causal)) in enumerate(zip(outputs, _FORWARD_CASES)):
-        right = ref.naive_attention(q.double(), k.double(), v.double(), causal=causal)[0]
-        if not close(out, right):
-            _diagnose_forward(outputs)
-            if not torch.isfinite(out).all():
-                fail("nan", f"{shown_all[i]} gave NaN or inf. Start each query block with m = -inf, l = 0 and "
-                            f"acc = 0, and take exp(s - m_new) after updating m_new; a query must see key 0.")
-            fail("mismatch", f"{shown_all[i]} differs from attention by up to {max_diff(out, right):.3g}. For "
-                             f"every query block: loop over the key blocks, update m, l and acc (rescaled by "
-                             f"exp(m - m_new)), and divide acc by l at the end.")
-    for lse, shown, (q, k, _, _, _, causal) in zip(lses, shown_all, _FORWARD_CASES):
-        _judge_lse(lse, q, k, causal, shown)
+    judge(_FORWARD_OUT, _part(fn, 0))
+    judge(_FORWARD_LSE, _part(fn, 1))
     _probe_forward(fn, causal=False)
     _probe_forward(fn, causal=True)
-    needed, total = ref.causal_blocks(_PROBE["length"], _PROBE["block_q"], _PROBE["block_k"])
+    needed, total = ref.causal_blocks(_PROBE_SHAPE[-2], _BLOCK_Q, _BLOCK_K)
     return (f"Output and log-sum-exp equal to attention's, for blocks that do not divide L and block_q != "
             f"block_k; no L x L tensor built, and causal masking computed {needed} of {total} key blocks.")
-
-
-register("10.2", "flash_attention", [
-    "Two loops: over query blocks q[..., qs:qe, :] (qe = min(qs + block_q, Lq)), and inside over key blocks. "
-    "Per query block keep m (-inf), l (0) and acc (zeros, (..., Bq, dv)); scale q once by 1/sqrt(d).",
-    "Per key block: s = q_blk @ k_blk^T; m_new = max(m, s.amax(-1)); p = exp(s - m_new); c = exp(m - m_new); "
-    "l = l * c + p.sum(-1); acc = acc * c + p @ v_blk; m = m_new. At the end out = acc / l, lse = m + log(l).",
-    "Causal: query block [qs, qe) needs the key blocks starting before qe only (stop the key loop there), and "
-    "in a block crossing the diagonal, s = -inf where the key's position k_start + col is after the query's "
-    "q_start + row.",
-])
 
 
 # ============================================================================ 10.3 the backward
@@ -349,84 +362,90 @@ register("10.2", "flash_attention", [
 # so it is named there before the blocks that do not divide L, or block_q != block_k, make it crash.
 _BACKWARD_CASES = (((2, 1, 12, 4), 4, 4, True), ((1, 2, 12, 8), 4, 4, False), ((1, 2, 13, 8), 4, 5, False),
                    ((2, 1, 11, 4), 4, 3, True), ((1, 1, 9, 4), 16, 16, True))
+_GRADS = ("dq", "dk", "dv")
 
 
-def _grads(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, causal: bool,
-           block_q: int, block_k: int, shown: str) -> tuple[torch.Tensor, ...]:
+def _backward_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, block_q: int,
+                   block_k: int, causal: bool, shown: str = "") -> Case:
+    return Case((q, k, v, grad_out, causal, block_q, block_k), f"FlashAttentionFunction.apply(q, k, v, {causal}, "
+                f"{block_q}, {block_k}) with q of shape {tuple(q.shape)}{shown}")
+
+
+def _backward_cases() -> list[Case]:
+    return [_backward_case(*_qkv(31 + seed, shape, spread=1.5),
+                           torch.randn(shape, generator=torch.Generator().manual_seed(41 + seed)), *blocks)
+            for seed, (shape, *blocks) in enumerate(_BACKWARD_CASES)]
+
+
+def _tiny_backward() -> list[Case]:
+    """Tiny cases for the counter-example, which shows the gradients stacked: [0] dq, [1] dk, [2] dv."""
+    generator = torch.Generator().manual_seed(0)
+    return [_backward_case(*(tiny(generator, 1, 1, length, 2) for _ in range(4)), *blocks,
+                           shown=", its gradients stacked: [0] dq, [1] dk, [2] dv")
+            for length, *blocks in ((2, 1, 1, True), (3, 2, 2, False), (4, 2, 2, True), (3, 2, 1, True))]
+
+
+def _gradients_of(cls: Any) -> Callable[..., torch.Tensor]:
+    """The student's class as a function of one case's arguments: its (dq, dk, dv), stacked (3, *q.shape)."""
+    return lambda *case: torch.stack(_student_grads(cls, *case))
+
+
+def _student_grads(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, causal: bool,
+                   block_q: int, block_k: int) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv of the student's class, through its forward and its backward, each checked for its shape."""
+    shown = (f"FlashAttentionFunction.apply(q, k, v, {causal}, {block_q}, {block_k}) with q of shape "
+             f"{tuple(q.shape)}")
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     with torch.enable_grad():
         out = call_student(cls.apply, q, k, v, causal, block_q, block_k, what=f"{shown} (the forward)")
-        expect_tensor(out, _shape(q), f"{shown} (the forward)", finite=False)
+        expect_tensor(out, tuple(q.shape), f"{shown} (the forward)", finite=False)
         if out.grad_fn is None:
             fail("exception", f"{shown}: the output has no gradient function; return the forward's output "
                               f"from forward, as given.")
-        grads = call_student(torch.autograd.grad, out, (q, k, v), grad_out, allow_unused=True,
+        found = call_student(torch.autograd.grad, out, (q, k, v), grad_out, allow_unused=True,
                              what=f"{shown}: your backward")
-    result = []
-    for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+    for name, grad, like in zip(_GRADS, found, (q, k, v)):
         if grad is None:
             fail("shape", f"{shown}: your backward returned None for {name}; return dq, dk, dv (and None for "
                           f"causal, block_q and block_k).")
-        result.append(expect_tensor(grad, _shape(like), f"{shown}: your backward's {name}", finite=False))
-    return tuple(result)
+        expect_tensor(grad, tuple(like.shape), f"{shown}: your backward's {name}", finite=False)
+    return found
 
 
-@checker("10.3")
+def _backward_mismatch(run: Run) -> str:
+    wrong = [name for name, got, right in zip(_GRADS, run.out, run.expected) if not close(got, right)]
+    return (f"{', '.join(wrong)} differ from attention's gradients (by up to {max_diff(run.out, run.expected):.3g}). "
+            f"Per block: P = exp(S - lse), dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K / sqrt(d), "
+            f"dK += dS^T Q / sqrt(d), with D = rowsum(dO * O).")
+
+
+FLASH_BACKWARD = FunctionExercise(
+    "10.3", "FlashAttentionFunction", lambda *case: torch.stack(variants.backward_variant(*case)), _backward_cases,
+    ("q", "k", "v", "grad_out", "causal", "block_q", "block_k"),
+    success="dq, dk and dv equal attention's gradients, causal or not, for blocks that do not divide L; no L x L "
+            "tensor stored or built: each block's weights are recomputed from the log-sum-exp.",
+    mismatch=lambda run: f"{run.case.what}: {_backward_mismatch(run)}", mistakes=variants.BACKWARD_MISTAKES,
+    variant=lambda *case, spec: torch.stack(variants.backward_variant(*case, **spec)), each_case=True, dtype=False,
+    examples=_tiny_backward)
+
+
+@checker("10.3", example=lambda cls, *_, **__: function_example(FLASH_BACKWARD)(_gradients_of(cls)))
 def check_flash_backward(cls: Any) -> str:
     """``cls.apply(q, k, v, causal, block_q, block_k)``: gradients of q, k, v equal attention's, by recomputation."""
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
         fail("exception", f"Expected your class FlashAttentionFunction itself, a subclass of "
                           f"torch.autograd.Function, got {cls!r}.")
-    runs: list[tuple[Any, ...]] = []
-    for seed, (shape, block_q, block_k, causal) in enumerate(_BACKWARD_CASES):
-        q, k, v = _qkv(31 + seed, shape, spread=1.5)
-        grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(41 + seed))
-        shown = f"FlashAttentionFunction.apply(q, k, v, {causal}, {block_q}, {block_k}) with q of shape {shape}"
-        grads = _grads(cls, q, k, v, grad_out, causal, block_q, block_k, shown)
-        runs.append((q, k, v, grad_out, causal, block_q, block_k, grads))
-        right = variants.backward_variant(q, k, v, grad_out, causal, block_q, block_k)
-        if not all(close(g, r) for g, r in zip(grads, right)):
-            _diagnose_backward(runs)
-            wrong = [name for name, g, r in zip(("dq", "dk", "dv"), grads, right) if not close(g, r)]
-            fail("mismatch", f"{shown}: {', '.join(wrong)} differ from attention's gradients (by up to "
-                             f"{max(max_diff(g, r) for g, r in zip(grads, right)):.3g}). Per block: P = exp(S - "
-                             f"lse), dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K / sqrt(d), dK += "
-                             f"dS^T Q / sqrt(d), with D = rowsum(dO * O).")
+    success = judge(FLASH_BACKWARD, _gradients_of(cls))
     _probe_backward(cls)
-    return ("dq, dk and dv equal attention's gradients, causal or not, for blocks that do not divide L; no L x L "
-            "tensor stored or built: each block's weights are recomputed from the log-sum-exp.")
-
-
-def _diagnose_backward(runs: list[tuple[Any, ...]]) -> None:
-    for code, why, spec in variants.BACKWARD_MISTAKES:
-        try:
-            if all(all(close(g, h) for g, h in zip(grads, variants.backward_variant(*run[:7], **spec)))
-                   for *run, grads in runs):
-                fail(code, f"Your backward: {why}")
-        except RuntimeError:      # a transposed product does not fit these blocks: not this mistake
-            continue
+    return success
 
 
 def _probe_backward(cls: Any) -> None:
-    length, head_dim, block_q, block_k = (_PROBE[key] for key in ("length", "head_dim", "block_q", "block_k"))
-    q, k, v = _qkv(22, (1, 2, length, head_dim))
-    grad_out = torch.randn_like(q)
+    length = _PROBE_SHAPE[-2]
     shown = f"FlashAttentionFunction with L = {length}"
-    recorder = Recorder(head_dim)
-    with recorder:
-        _grads(cls, q, k, v, grad_out, True, block_q, block_k, shown)
-    if recorder.record.largest_numel >= length * length:
+    record = _watched(22, lambda q, k, v: _student_grads(cls, q, k, v, torch.randn_like(q), True, _BLOCK_Q, _BLOCK_K))
+    if record.largest_numel >= length * length:
         fail("full_scores", f"{shown}: your forward or backward materialised a tensor of shape "
-                            f"{recorder.record.largest} (at least L x L = {length * length} numbers). The backward "
+                            f"{record.largest} (at least L x L = {length * length} numbers). The backward "
                             f"should rebuild one (block_q, block_k) block of weights at a time, exp(s - lse), and "
                             f"never store or build them all.")
-
-
-register("10.3", "FlashAttentionFunction", [
-    "The forward saved q, k, v, out and lse. First D = (dO * out).sum(-1), one number per query; then loop over "
-    "query blocks and, inside, key blocks (skip the future ones when causal), as in the forward.",
-    "Per block: s = q_blk @ k_blk^T * scale (masked when causal), p = exp(s - lse_blk[..., None]): the weights, "
-    "exactly, without any running maximum. dv_blk += p^T @ do_blk; dp = do_blk @ v_blk^T.",
-    "ds = p * (dp - D_blk[..., None]); dq_blk += ds @ k_blk * scale; dk_blk += ds^T @ q_blk * scale. Return "
-    "dq, dk, dv, None, None, None: one gradient per forward argument.",
-])

@@ -1,13 +1,13 @@
 """Exercises of notebook 11 (what attention learns): 11.1 previous_token_score, 11.2 induction_score,
 11.3 ablate_head.
 
-The scores are judged on random causal attention weights against the slips of ``_heads_scores`` (and on
-their gradients: a score built from tensor operations stays differentiable). The context manager is
-judged in ``_heads_ablation``. Each checker sits next to its hints (``register``).
+11.1 and 11.2 are declarations the engine runs (``engine.judge``) on random causal attention weights, with the
+slips of ``_heads_scores``; a score built from tensor operations stays differentiable, which is checked after.
+11.3 is a procedure, judged in ``_heads_ablation``. Hints are in ``classroom.exercises``.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,136 +15,118 @@ import torch
 from ... import heads as ref
 from ..verdict import fail
 from . import _heads_scores as slips
-from ._attn_hypotheses import first_match
-from ._core import register
-from ._harness import checker
-from ._heads_ablation import judge_ablate_head
-from ._student_code import call_student, close, expect_callable, expect_tensor, max_diff
+from ._heads_ablation import ablation_example, judge_ablate_head
+from ._student_code import call_student, close, max_diff
+from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine.function import Run
 
 __all__ = ["check_previous_token_score", "check_induction_score", "check_ablate_head"]
 
 
-def _causal_weights(shape: tuple[int, int, int, int], generator: torch.Generator,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _causal_weights(shape: tuple[int, int, int, int], generator: torch.Generator) -> torch.Tensor:
     """Attention weights as a causal head makes them: (N, heads, L, L), each row a softmax over keys 0 .. i."""
     length = shape[-1]
     scores = 2.0 * torch.randn(shape, generator=generator, dtype=torch.float64)     # (N, heads, L, L)
     future = torch.ones(length, length, dtype=torch.bool).triu(1)                  # (L, L): True above the diagonal
-    return scores.masked_fill(future, float("-inf")).softmax(dim=-1).to(dtype)
+    return scores.masked_fill(future, float("-inf")).softmax(dim=-1).float()
 
 
-def _axes_shape_hint(got: tuple[int, ...], n: int, heads: int) -> str:
-    if got == (n,) and n != heads:
-        return (" That is one number per sequence of the batch: weights are (N, heads, L, L), so average over the "
-                "batch (axis 0) and the queries, and keep the heads (axis 1).")
-    if got == (n, heads):
-        return " You kept the batch axis: average over the batch too, one number per head."
-    if got == ():
-        return " You averaged the heads together as well: keep one number per head."
-    return " Keep one number per head: average over the batch (axis 0) and over the queries."
+def _cases(name: str, sizes: Sequence[tuple[tuple[int, int, int, int], int | None]], decimals: int | None = None
+           ) -> Callable[[], list[Case]]:
+    """The cases of a score: random causal weights of each shape (and ``half``), from one seeded generator."""
+    def cases() -> list[Case]:
+        generator = torch.Generator().manual_seed(11)
+        made = []
+        for shape, half in sizes:
+            weights = _causal_weights(shape, generator)
+            weights = weights if decimals is None else weights.round(decimals=decimals)   # tiny: by hand
+            made.append(Case((weights,) if half is None else (weights, half),
+                             f"{name}(weights{'' if half is None else f', half={half}'}) with weights of shape {shape}"))
+        return made
+    return cases
 
 
-def _hypothesis(weights: torch.Tensor, back: int, first: int) -> Callable[[int, dict[str, Any]], torch.Tensor]:
-    return lambda _, spec: slips.compute(weights, back, first, spec)
+def _one_per_head(case: Case, out: Any) -> None:
+    """A score of another shape: name the axes it kept, before the generic shape message."""
+    n, heads = case.args[0].shape[:2]
+    got = tuple(out.shape) if isinstance(out, torch.Tensor) else None
+    if got is None or got == (heads,):
+        return
+    hint = (" That is one number per sequence of the batch: weights are (N, heads, L, L), so average over the "
+            "batch (axis 0) and the queries, and keep the heads (axis 1)." if got == (n,) and n != heads else
+            " You kept the batch axis: average over the batch too, one number per head." if got == (n, heads) else
+            " You averaged the heads together as well: keep one number per head." if got == () else
+            " Keep one number per head: average over the batch (axis 0) and over the queries.")
+    fail("score_axes" if out.dim() <= 2 else "shape",
+         f"{case.what} returned shape {got}, expected ({heads},): one score per head.{hint}")
 
 
-def _judge_score(fn: Callable[..., Any], name: str, cases: list[tuple[tuple[int, int, int, int], int | None]],
-                 reference: Callable[..., torch.Tensor], copy_offset: bool) -> None:
-    expect_callable(fn, name)
-    generator = torch.Generator().manual_seed(11)
-    for shape, half in cases:
-        n, heads, length, _ = shape
-        weights = _causal_weights(shape, generator).requires_grad_(True)
-        args = (weights,) if half is None else (weights, half)
-        shown = f"{name}(weights{'' if half is None else f', half={half}'}) with weights of shape {shape}"
-        out = call_student(fn, *args, what=shown)
-        if isinstance(out, torch.Tensor) and tuple(out.shape) != (heads,):
-            fail("score_axes" if out.dim() <= 2 else "shape",
-                 f"{shown} returned shape {tuple(out.shape)}, expected ({heads},): one score per head."
-                 + _axes_shape_hint(tuple(out.shape), n, heads))
-        expect_tensor(out, (heads,), shown, finite=False)
-        right = reference(weights.detach(), *args[1:])
-        if not close(out, right):
-            back, first = (1, 1) if half is None else (half - 1, half)
-            found = first_match(slips.mistakes(back, first, copy_offset=copy_offset), [out.detach()],
-                                _hypothesis(weights.detach(), back, first))
-            if found is not None:
-                fail(found.code, f"{shown}: {found.message}")
-            fail("mismatch", f"{shown} returned {[round(float(v), 4) for v in out.detach()]}, expected "
-                             f"{[round(float(v), 4) for v in right]} (largest difference {max_diff(out, right):.3g}).")
-        if out.grad_fn is None:
-            fail("gradient", f"{shown} returned the right numbers, cut off from autograd (through .item(), "
-                                f".tolist(), numpy, torch.tensor(...) of Python numbers, or .detach()). Build the "
-                                f"score from tensor operations on `weights` (indexing, .diagonal, .mean), so that "
-                                f"it can be differentiated like any other loss.")
+def _values(run: Run) -> str:
+    return (f"{run.case.what} returned {[round(float(v), 4) for v in run.out.detach()]}, expected "
+            f"{[round(float(v), 4) for v in run.expected]} (largest difference {max_diff(run.out, run.expected):.3g}).")
+
+
+def _score(exercise_id: str, name: str, reference: Callable[..., torch.Tensor], arg_names: tuple[str, ...],
+           sizes: Sequence[Any], tiny: Sequence[Any], mistakes: Sequence[Any], success: str) -> FunctionExercise:
+    return FunctionExercise(exercise_id, name, reference, _cases(name, sizes), arg_names, success=success,
+                            mismatch=_values, mistakes=mistakes, variant=slips.variant, each_case=True, dtype=False,
+                            raw=_one_per_head, after=lambda runs, fn: _keeps_its_graph(reference, runs, fn),
+                            examples=_cases(name, tiny, decimals=2))
+
+
+def _keeps_its_graph(reference: Callable[..., torch.Tensor], runs: list[Run], fn: Any) -> None:
+    """Right numbers must keep their graph: each score moves by 1/count when an entry it averages moves by 1."""
+    for case in (run.case for run in runs):
+        weights = case.args[0].clone().requires_grad_(True)
+        out = call_student(fn, weights, *case.args[1:], what=case.what)
+        if getattr(out, "grad_fn", None) is None:
+            fail("gradient", f"{case.what} returned the right numbers, cut off from autograd (through .item(), "
+                             f".tolist(), numpy, torch.tensor(...) of Python numbers, or .detach()). Build the "
+                             f"score from tensor operations on `weights` (indexing, .diagonal, .mean), so that "
+                             f"it can be differentiated like any other loss.")
         (grad,) = torch.autograd.grad(out.sum(), weights, allow_unused=True)
-        expected = torch.autograd.grad(reference(*((weights,) + args[1:])).sum(), weights)[0]
+        expected = torch.autograd.grad(reference(weights, *case.args[1:]).sum(), weights)[0]
         if grad is None or not close(grad, expected):
-            fail("gradient", f"{shown}: the right numbers, but their gradient with respect to the weights is "
-                                f"wrong: each score should change by 1/count when one of the entries it averages "
-                                f"changes by 1. Compute it from `weights` with tensor operations only.")
+            fail("gradient", f"{case.what}: the right numbers, but their gradient with respect to the weights is "
+                             f"wrong: each score should change by 1/count when one of the entries it averages "
+                             f"changes by 1. Compute it from `weights` with tensor operations only.")
 
 
 # ============================================================================ 11.1 previous_token_score
 
-_PREVIOUS_CASES = [((3, 4, 7, 7), None), ((2, 5, 6, 6), None), ((4, 4, 5, 5), None), ((1, 2, 2, 2), None)]
+PREVIOUS_TOKEN_SCORE = _score(
+    "11.1", "previous_token_score", lambda weights: ref.previous_token_score(weights), ("weights",),
+    [((3, 4, 7, 7), None), ((2, 5, 6, 6), None), ((4, 4, 5, 5), None), ((1, 2, 2, 2), None)],
+    [((1, 1, 2, 2), None), ((1, 2, 3, 3), None), ((2, 2, 4, 4), None)], slips.PREVIOUS_MISTAKES,
+    "Right on batches of 1 to 4 sequences of 2 to 7 tokens, with 2 to 5 heads: the mean of the entries "
+    "(i, i - 1) for i >= 1, per head, with its gradient.")
 
 
-@checker("11.1")
+@checker("11.1", example=function_example(PREVIOUS_TOKEN_SCORE))
 def check_previous_token_score(fn: Callable[..., Any]) -> str:
     """``fn(weights)`` -> (heads,): each head's mean attention from i to i - 1 over i = 1 .. L-1 and the batch."""
-    _judge_score(fn, "previous_token_score", _PREVIOUS_CASES, ref.previous_token_score, copy_offset=False)
-    return ("Right on batches of 1 to 4 sequences of 2 to 7 tokens, with 2 to 5 heads: the mean of the entries "
-            "(i, i - 1) for i >= 1, per head, with its gradient.")
-
-
-register("11.1", "previous_token_score", [
-    "Entry [n, h, i, j] is how much query i of sequence n attends to key j in head h. The previous token of "
-    "query i is key i - 1: the entries (1, 0), (2, 1), ..., (L-1, L-2), just below the main diagonal.",
-    "weights.diagonal(offset=-1, dim1=-2, dim2=-1) gathers them: shape (N, heads, L-1). Position 0 has no "
-    "previous token and is not among them.",
-    "Average over the batch (axis 0) and over the L-1 positions (the last axis): .mean(dim=(0, 2)) gives "
-    "(heads,).",
-])
+    return judge(PREVIOUS_TOKEN_SCORE, fn)
 
 
 # ============================================================================ 11.2 induction_score
 
-_INDUCTION_CASES = [((3, 4, 12, 12), 6), ((2, 3, 10, 10), 5), ((4, 4, 8, 8), 4), ((1, 2, 6, 6), 3)]
+INDUCTION_SCORE = _score(
+    "11.2", "induction_score", lambda weights, half: ref.induction_score(weights, half), ("weights", "half"),
+    [((3, 4, 12, 12), 6), ((2, 3, 10, 10), 5), ((4, 4, 8, 8), 4), ((1, 2, 6, 6), 3)],
+    [((1, 1, 4, 4), 2), ((1, 2, 4, 4), 2), ((1, 2, 6, 6), 3)], slips.INDUCTION_MISTAKES,
+    "Right for halves of 3 to 6 tokens and 2 to 4 heads: the mean of the entries (i, i - half + 1) over "
+    "the second half's queries, per head, with its gradient.")
 
 
-@checker("11.2")
+@checker("11.2", example=function_example(INDUCTION_SCORE))
 def check_induction_score(fn: Callable[..., Any]) -> str:
     """``fn(weights, half)`` -> (heads,): mean attention from i to i - half + 1 over i = half .. L-1."""
-    _judge_score(fn, "induction_score", _INDUCTION_CASES, ref.induction_score, copy_offset=True)
-    return ("Right for halves of 3 to 6 tokens and 2 to 4 heads: the mean of the entries (i, i - half + 1) over "
-            "the second half's queries, per head, with its gradient.")
-
-
-register("11.2", "induction_score", [
-    "Query i of the second half (i >= half) holds the same token as position i - half. An induction head "
-    "attends to the token that FOLLOWED that copy: key i - half + 1.",
-    "The entries (i, i - half + 1) lie on the diagonal at offset -(half - 1). That diagonal starts at query "
-    "half - 1, which is still in the first half: keep only queries half .. L-1 (drop its first entry).",
-    "weights.diagonal(offset=-(half - 1), dim1=-2, dim2=-1)[..., 1:] has shape (N, heads, half) for L = 2*half; "
-    "average over the batch and the last axis: .mean(dim=(0, 2)).",
-])
+    return judge(INDUCTION_SCORE, fn)
 
 
 # ============================================================================ 11.3 ablate_head
 
-@checker("11.3")
+@checker("11.3", example=ablation_example)
 def check_ablate_head(fn: Callable[..., Any]) -> str:
     """``fn(model, layer, head)``: a context manager that zeroes one head's output and restores the model."""
     return judge_ablate_head(fn)
-
-
-register("11.3", "ablate_head", [
-    "Each block's attention computes the heads' outputs, merges them into (N, L, heads * head_dim) and passes "
-    "that to its output projection `proj`. Head h owns the columns h * head_dim .. (h+1) * head_dim - 1 of it.",
-    "A forward pre-hook on model.blocks[layer].attn.proj sees proj's input before proj runs and may return a "
-    "replacement: a copy of the input with the head's columns set to 0 (register_forward_pre_hook returns a "
-    "handle whose .remove() takes the hook off).",
-    "With @contextlib.contextmanager: register the hook, then `try: yield model` and `finally: handle.remove()`, "
-    "so the hook is removed even when the code inside the `with` raises.",
-])

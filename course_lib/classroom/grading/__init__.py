@@ -31,7 +31,7 @@ How a submission is run, and what it cannot do:
   in the sandbox is killed and every folder a student can write (``/tmp``, ``/dev``) is emptied;
 - ``text``: student text (names, file names, messages, notes) is cleaned where it enters and escaped
   where it is written; ``likeness``: a part equal to the course's solution is flagged, not failed;
-  ``course_lib.classroom.reference_guard``: the exercise's own reference is out of the student's reach;
+  ``checks.engine.run``'s reference guard: the exercise's own reference is out of the student's reach;
 - ``report``/``gradescope``: written by the grader alone, at the end, whole into a hidden staging folder and
   swapped in by renames: an interrupted run leaves the previous report as it was, never two runs mixed.
 

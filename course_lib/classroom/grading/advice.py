@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from ..exercises import BY_ID
+
 __all__ = ["ROOM_ADVICE", "EXERCISE_ADVICE", "GENERAL", "room_advice", "room_hint", "exercise_title", "first_hint"]
 
 # Codes whose advice is the same in every exercise.
@@ -100,14 +102,12 @@ EXERCISE_ADVICE = {
 
 
 def exercise_title(exercise: str) -> str:
-    from ..checks._core import EXERCISES
-    entry = EXERCISES.get(exercise)
+    entry = BY_ID.get(exercise)
     return entry.title if entry else ""
 
 
 def first_hint(exercise: str) -> str:
-    from ..checks._core import EXERCISES
-    entry = EXERCISES.get(exercise)
+    entry = BY_ID.get(exercise)
     return entry.hints[0] if entry and entry.hints else ""
 
 

@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .cli import exercise_ids
+from .cli import exercise_ids, number
 
 __all__ = ["write_autograder", "run_autograder", "failed_results", "main", "CONTAINER_LINE",
            "DISTRIBUTION", "TIMEOUT", "MEMORY_MB"]
@@ -165,32 +165,24 @@ def run_autograder(root: str | os.PathLike) -> dict[str, Any]:
                     memory_mb=config["memory_mb"], exercises=config["exercises"], gradescope=True)
     except Exception as exc:   # any refusal (no notebooks, a broken upload) is the student's to read
         content = failed_results(f"This submission could not be graded: {exc}")
-        _write_results(results, content)
-        return content
-    if len(run.submissions) != 1 or not (results / "results.json").is_file():
-        names = ", ".join(s.student for s in run.submissions)
-        content = failed_results(f"This submission could not be graded: expected the notebooks themselves (or one "
-                                 f"folder holding them), found {len(run.submissions)} folders ({names}); upload "
-                                 f"the .ipynb files")
-        _write_results(results, content)
-        return content
-    content = json.loads((results / "results.json").read_text(encoding="utf-8"))
-    if run.errors:   # grading's own failure, not the student's: say so beside the scores
-        content["output"] += " The grader hit an error of its own; ask your instructor: " + "; ".join(run.errors)
-        _write_results(results, content)
+    else:
+        if len(run.submissions) == 1 and (results / "results.json").is_file():
+            content = json.loads((results / "results.json").read_text(encoding="utf-8"))
+            if not run.errors:
+                return content
+            # grading's own failure, not the student's: say so beside the scores
+            content["output"] += " The grader hit an error of its own; ask your instructor: " + "; ".join(run.errors)
+        else:
+            names = ", ".join(s.student for s in run.submissions)
+            content = failed_results(f"This submission could not be graded: expected the notebooks themselves (or "
+                                     f"one folder holding them), found {len(run.submissions)} folders ({names}); "
+                                     f"upload the .ipynb files")
+    _write_results(results, content)
     return content
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-        return value
-    return parse
+_positive_float = number(float, lambda value: 0 < value < float("inf"), "a number > 0")
+_positive_int = number(int, lambda value: value > 0, "a number > 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,10 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--exercises", type=exercise_ids, default=None, metavar="IDS",
                         help="'2.1,2.2', notebook numbers '02,03', or 'all' (default: each submission on the "
                              "exercises of the notebooks it holds)")
-    parser.add_argument("--timeout", type=_positive(float), default=TIMEOUT, metavar="SECONDS",
+    parser.add_argument("--timeout", type=_positive_float, default=TIMEOUT, metavar="SECONDS",
                         help="time limit per notebook; its exercises share it (default %(default)g, so that "
                              "eleven notebooks stay inside Gradescope's 10 minutes)")
-    parser.add_argument("--memory-mb", type=_positive(int), default=MEMORY_MB, metavar="MB",
+    parser.add_argument("--memory-mb", type=_positive_int, default=MEMORY_MB, metavar="MB",
                         help="memory per exercise beyond the course's own (default %(default)s, inside "
                              "Gradescope's 768 MB)")
     return parser

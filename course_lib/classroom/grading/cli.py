@@ -13,8 +13,10 @@ import os
 import signal
 import sys
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "exercise_ids", "number"]
 
 EPILOG = """\
 report files:
@@ -35,34 +37,22 @@ exit status: 0 graded (whatever the grades); 1 grading itself failed; 2 bad argu
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return value
+def number(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)`` where ``ok`` of it, else "expected EXPECTED, got TEXT" (``autograder`` too)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return parse
 
 
-def _memory(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0 or 0 < value < 64:
-        raise argparse.ArgumentTypeError(f"expected megabytes (64 or more), or 0 for no limit, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
+_positive_int = number(int, lambda value: value > 0, "a positive whole number")
+_memory = number(int, lambda value: value == 0 or value >= 64, "megabytes (64 or more), or 0 for no limit")
+_seconds = number(float, lambda value: 0 < value < float("inf"), "a number of seconds > 0")
 
 
 def exercise_ids(text: str) -> list[str]:
@@ -119,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from tqdm import tqdm
 
+    from ..exercises import exercise_order
     from . import grade
     from .pool import SelfCheckFailed
     bar = None
@@ -162,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         if bar is not None:
             bar.close()
     students = len(run.submissions)
-    exercises = sorted({g.exercise for g in run.grades}, key=lambda e: tuple(int(p) for p in e.split(".")))
+    exercises = sorted({g.exercise for g in run.grades}, key=exercise_order)
     passed = sum(g.passed for g in run.grades)
     print(f"graded {students} student(s) x {len(exercises)} exercise(s) in {run.seconds:.1f} s with "
           f"{min(args.workers, students)} worker(s): {passed}/{len(run.grades)} passed")

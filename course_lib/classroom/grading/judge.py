@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checks.running import student_frame
+from ..checks._student_code import student_frame
 from ..collect import GPT_EXERCISES, course_names, course_namespace
 from ..verdict import CheckResult
 from .plan import CAPSTONE, ExercisePlan
@@ -113,13 +113,12 @@ def _judge_capstone(plan: ExercisePlan) -> dict[str, Any]:
 def _course_own(plan: ExercisePlan, defined: Any) -> dict[str, Any] | None:
     """The verdict when the student's name is bound to the course's own version (imported, assigned):
     ``calls_reference``; None when it is the student's own definition."""
-    from .. import reference_guard
-    reference = reference_guard.reference_of(plan.id)
-    how = reference_guard.is_reference(defined, reference) if reference is not None else None
+    from ..checks.engine.run import CallsReference, is_reference, reference_message, reference_of
+    reference = reference_of(plan.id)
+    how = is_reference(defined, reference) if reference is not None else None
     if how is None:
         return None
-    found = reference_guard.CallsReference(plan.id, plan.name, how)
-    return _verdict(plan.id, False, "calls_reference", reference_guard.message(found))
+    return _verdict(plan.id, False, "calls_reference", reference_message(CallsReference(plan.id, plan.name, how)))
 
 
 def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:

@@ -25,7 +25,8 @@ import nbformat
 
 from ...course_files import course_notebooks
 from .. import notebook_reader as reader
-from ..collect import Exercise, course_exercises
+from ..collect import every_exercise
+from ..exercises import exercise_order
 
 __all__ = ["ExercisePlan", "grading_plan", "graded_exercises", "default_exercises", "CAPSTONE", "CAPSTONE_CHECK"]
 
@@ -56,10 +57,6 @@ class ExercisePlan:
     def number(self) -> str:
         """The notebook's two-digit number, "02"."""
         return self.notebook[:2]
-
-
-def _order(exercise_id: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in exercise_id.split("."))
 
 
 def _calls_checker(node: ast.stmt) -> list[ast.Call]:
@@ -104,19 +101,15 @@ def _calls_checker_anywhere(source: str) -> bool:
         return False
 
 
-def graded_exercises(notebooks: list[Path] | None = None) -> dict[str, Exercise]:
+def graded_exercises(notebooks: list[Path] | None = None) -> dict[str, reader.ExerciseCell]:
     """Every exercise with an exercise cell, by id: ``collect``'s (one name per cell), and the cells
     that define helpers beside the exercise's name (9.2), which ``collect`` leaves out."""
     return dict(_graded_exercises(tuple(course_notebooks() if notebooks is None else notebooks)))
 
 
 @functools.lru_cache(maxsize=4)
-def _graded_exercises(notebooks: tuple[Path, ...]) -> dict[str, Exercise]:
-    found = dict(course_exercises(notebooks))
-    for path in notebooks:
-        for cell in reader.exercise_cells(reader.read_cells(path)):
-            found.setdefault(cell.id, Exercise(cell.id, cell.name, path.name, cell.cell_id, cell.solution))
-    return found
+def _graded_exercises(notebooks: tuple[Path, ...]) -> dict[str, reader.ExerciseCell]:
+    return every_exercise(notebooks)
 
 
 def grading_plan(exercises: list[str] | None = None) -> dict[str, ExercisePlan]:
@@ -127,13 +120,13 @@ def grading_plan(exercises: list[str] | None = None) -> dict[str, ExercisePlan]:
     notebooks = course_notebooks()
     found = graded_exercises(notebooks)
     by_name = {path.name: path for path in notebooks}
-    known = sorted([*found, CAPSTONE], key=_order)
+    known = sorted([*found, CAPSTONE], key=exercise_order)
     wanted = default_exercises() if exercises is None else list(exercises)
     unknown = [ex_id for ex_id in wanted if ex_id not in known]
     if unknown or not wanted:
         raise ValueError(f"exercises: expected ids among {known}, got {unknown or wanted}")
     plans: dict[str, ExercisePlan] = {}
-    for ex_id in sorted(set(wanted), key=_order):
+    for ex_id in sorted(set(wanted), key=exercise_order):
         if ex_id == CAPSTONE:
             plans[ex_id] = ExercisePlan(ex_id, "", CAPSTONE_NOTEBOOK, "", "", CAPSTONE_CHECK)
             continue
@@ -146,4 +139,4 @@ def grading_plan(exercises: list[str] | None = None) -> dict[str, ExercisePlan]:
 def default_exercises() -> list[str]:
     """Every exercise with an exercise cell (1.1 to 7.2 and 9.1 to 11.3): all but 8.1, which trains
     two models per student and is graded only when asked for (``--exercises all`` or ``8.1``)."""
-    return sorted(graded_exercises(), key=_order)
+    return sorted(graded_exercises(), key=exercise_order)

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._atomic import atomic_file, remove_stale_staging, staging_prefix
+from ..exercises import exercise_order
 from ..verdict import DIAGNOSES
 from .advice import exercise_title, first_hint, room_hint
 from .grades import Grade
@@ -120,22 +121,20 @@ def report_state(out: Path) -> tuple[str, int | None]:
     return str(marker.get("state", "whole")), pid if isinstance(pid, int) else None
 
 
-def _order(exercise: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in exercise.split("."))
+def _grouped(grades: list[Grade], by: str, order: Callable[[Grade], Any]) -> dict[str, list[Grade]]:
+    """The grades by their ``by`` field (student or exercise), each group in ``order``."""
+    groups: dict[str, list[Grade]] = {}
+    for grade in sorted(grades, key=order):
+        groups.setdefault(getattr(grade, by), []).append(grade)
+    return groups
 
 
 def _by_student(grades: list[Grade]) -> dict[str, list[Grade]]:
-    students: dict[str, list[Grade]] = {}
-    for grade in sorted(grades, key=lambda g: (g.student.casefold(), g.student, _order(g.exercise))):
-        students.setdefault(grade.student, []).append(grade)
-    return students
+    return _grouped(grades, "student", lambda g: (g.student.casefold(), g.student, exercise_order(g.exercise)))
 
 
 def _by_exercise(grades: list[Grade]) -> dict[str, list[Grade]]:
-    exercises: dict[str, list[Grade]] = {}
-    for grade in sorted(grades, key=lambda g: (_order(g.exercise), g.student.casefold())):
-        exercises.setdefault(grade.exercise, []).append(grade)
-    return exercises
+    return _grouped(grades, "exercise", lambda g: (exercise_order(g.exercise), g.student.casefold()))
 
 
 def _mistakes(grades: list[Grade]) -> list[tuple[str, int]]:
@@ -189,25 +188,25 @@ def summary_markdown(grades: list[Grade], info: RunInfo) -> str:
              + (f"{info.memory_mb} MB per exercise" if info.memory_mb else "no memory limit")
              + f"; {info.sandbox}.", "",
              "| exercise | passed | mistakes (students) |", "|---|---|---|"]
-    for ex_id, ex_grades in exercises.items():
-        passed = sum(g.passed for g in ex_grades)
-        mistakes = ", ".join(f"{code} {n}" for code, n in _mistakes(ex_grades)) or "-"
-        lines.append(f"| {ex_id} {_cell(exercise_title(ex_id))} | {passed}/{len(ex_grades)} | {mistakes} |")
+    sections: list[str] = []   # one per exercise, after the table
     for ex_id, ex_grades in exercises.items():
         passed = sum(g.passed for g in ex_grades)
         mistakes = _mistakes(ex_grades)
-        summary = "; " + ", ".join(f"{code} {n}" for code, n in mistakes) if mistakes else ""
-        lines += ["", f"## {ex_id}: {passed}/{len(ex_grades)} passed{summary}", "",
-                  f"*{exercise_title(ex_id)}*"]
+        counts = ", ".join(f"{code} {n}" for code, n in mistakes)
+        lines.append(f"| {ex_id} {_cell(exercise_title(ex_id))} | {passed}/{len(ex_grades)} | {counts or '-'} |")
+        sections += ["", f"## {ex_id}: {passed}/{len(ex_grades)} passed{'; ' + counts if counts else ''}", "",
+                     f"*{exercise_title(ex_id)}*"]
         if not mistakes:
             continue
-        lines += ["", "| diagnosis | students | who |", "|---|---|---|"]
+        sections += ["", "| diagnosis | students | who |", "|---|---|---|"]
         for code, count in mistakes:
             who = ", ".join(g.student for g in ex_grades if g.diagnosis == code)
-            lines.append(f"| {code} | {count} | {markdown_inline(who)} |")
+            sections.append(f"| {code} | {count} | {markdown_inline(who)} |")
         top, count = _most_common_mistake(mistakes)
         said = [g.message for g in ex_grades if g.diagnosis == top]
-        lines += ["", f"**Tell the room** ({top}, {count} student(s)): {markdown_inline(room_hint(ex_id, top, said))}"]
+        sections += ["", f"**Tell the room** ({top}, {count} student(s)): "
+                         f"{markdown_inline(room_hint(ex_id, top, said))}"]
+    lines += sections
     lines += ["", "## Students", "", "| student | passed | not yet |", "|---|---|---|"]
     for student, student_grades in students.items():
         failing = ", ".join(f"{g.exercise} ({g.diagnosis})" for g in student_grades if not g.passed) or "-"
@@ -218,7 +217,7 @@ def summary_markdown(grades: list[Grade], info: RunInfo) -> str:
         lines += ["", "## Flagged for the instructor", "", "Graded as usual; worth a conversation.", "",
                   "| student | exercise | flag |", "|---|---|---|"]
         lines += [f"| {markdown_inline(g.student)} | {g.exercise} | {g.flag} |"
-                  for g in sorted(flagged, key=lambda g: (g.student.casefold(), _order(g.exercise)))]
+                  for g in sorted(flagged, key=lambda g: (g.student.casefold(), exercise_order(g.exercise)))]
     if info.notes or info.errors:
         said = [markdown_inline(note) for note in info.notes] + \
             [f"grading error: {markdown_inline(error)}" for error in info.errors]
@@ -233,15 +232,15 @@ def feedback_markdown(student: str, grades: list[Grade], notes: list[str] | tupl
     lines = [f"# Feedback for {markdown_inline(student)}", "", f"{passed} of {len(grades)} exercises passed.", ""]
     lines += [f"- {markdown_inline(note)}" for note in notes] + ([""] if notes else [])
     lines += ["| exercise | verdict |", "|---|---|"]
+    sections: list[str] = []   # one per exercise, after the table
     for g in grades:
         verdict = "passed" if g.passed else f"not yet ({g.diagnosis})"
         lines.append(f"| {g.exercise} {_cell(exercise_title(g.exercise))} | {verdict} |")
-    for g in grades:
-        verdict = "passed" if g.passed else f"not yet ({g.diagnosis})"
-        lines += ["", f"## {g.exercise} {exercise_title(g.exercise)}: {verdict}", "", markdown_block(g.message)]
+        sections += ["", f"## {g.exercise} {exercise_title(g.exercise)}: {verdict}", "", markdown_block(g.message)]
         hint = first_hint(g.exercise)
         if not g.passed and hint and g.diagnosis not in ("missing", "crashed", "checker_error"):
-            lines += ["", f"Hint: {hint} (more with `checks.hint(\"{g.exercise}\")` in the notebook)"]
+            sections += ["", f"Hint: {hint} (more with `checks.hint(\"{g.exercise}\")` in the notebook)"]
+    lines += sections
     return "\n".join(lines) + "\n"
 
 

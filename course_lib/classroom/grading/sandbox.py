@@ -80,18 +80,24 @@ def _mapped_bytes() -> int:
     return 0
 
 
-def _set_limits(memory_mb: int | None, cpu_seconds: float | None) -> None:
-    try:
-        import resource
-    except ImportError:   # Windows: no resource limits (the grader still kills on its wall clock)
-        return
+def _bound(resource: Any, memory_mb: int | None, cpu_seconds: float | None, cpu_grace: int) -> None:
+    """Address space: what this process maps now plus ``memory_mb``; CPU: ``cpu_seconds`` + 2 s, then
+    SIGKILL ``cpu_grace`` seconds later (the hard limit)."""
     if memory_mb:
         mapped = _mapped_bytes()
         if mapped:
             _limit(resource, "RLIMIT_AS", mapped + memory_mb * 2 ** 20)
     if cpu_seconds:
         soft = int(cpu_seconds) + 2
-        _limit(resource, "RLIMIT_CPU", soft, soft + 3)
+        _limit(resource, "RLIMIT_CPU", soft, soft + cpu_grace)
+
+
+def _set_limits(memory_mb: int | None, cpu_seconds: float | None) -> None:
+    try:
+        import resource
+    except ImportError:   # Windows: no resource limits (the grader still kills on its wall clock)
+        return
+    _bound(resource, memory_mb, cpu_seconds, 3)
     _limit(resource, "RLIMIT_FSIZE", FILE_SIZE_LIMIT)
     _limit(resource, "RLIMIT_CORE", 0)
     if hasattr(signal, "SIGXFSZ"):
@@ -110,12 +116,7 @@ def bound_worker(memory_mb: int | None, cpu_seconds: float) -> None:
         import resource
     except ImportError:
         return
-    if memory_mb:
-        mapped = _mapped_bytes()
-        if mapped:
-            _limit(resource, "RLIMIT_AS", mapped + (memory_mb + WORKER_MB) * 2 ** 20)
-    soft = int(cpu_seconds) + 2
-    _limit(resource, "RLIMIT_CPU", soft, soft + 5)
+    _bound(resource, memory_mb and memory_mb + WORKER_MB, cpu_seconds, 5)
 
 
 def _quiet_standard_streams(close: Iterable[int]) -> None:

@@ -1,15 +1,8 @@
 """A student's definition of each exercise, read from their notebook without running any of it.
 
-For one exercise this takes, from the student's notebook, the ``def``/``class`` of the exercise
-cell (found by the course's cell id, else the last cell defining the exercise's name), the
-imports of that cell, and what the definition names from the student's other top-level code:
-helper functions and classes, imports and plain assignments of earlier cells or of the same cell,
-followed transitively. Names the course itself provides there (``causal_mask``, ``GPTConfig``,
-``torch``, ...) are left to the course's version, as the notebooks do after each exercise.
-
-Nothing here executes the student's code: it only parses it. An unfinished exercise (the learner
-copy's ``raise NotImplementedError``) is kept as it is, so that the checker gives it its own
-verdict (``not_implemented``), never a pass from the course's solution.
+What a definition takes with it is ``notebook_reader.student_definition``'s rule, the one every tool reads
+by. An unfinished exercise (the learner copy's ``raise NotImplementedError``) is kept as it is, so that the
+checker gives it its own verdict (``not_implemented``), never a pass from the course's solution.
 """
 from __future__ import annotations
 
@@ -20,7 +13,6 @@ from .. import notebook_reader as reader
 from .plan import ExercisePlan
 
 __all__ = ["StudentPart", "candidates", "find_notebook", "unfinished_exercises", "student_part"]
-
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,11 @@ def exercise_limits(budget: float, elapsed: float, left: int) -> float:
     return max(0.0, budget - elapsed) / max(1, left)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
 class _Channel:
     """The worker's line to the grader: JSON lines on a descriptor no child keeps."""
 
@@ -52,9 +57,7 @@ class _Channel:
         self.fd = fd
 
     def send(self, message: dict[str, Any]) -> None:
-        data = (json.dumps(message) + "\n").encode("utf-8")
-        while data:
-            data = data[os.write(self.fd, data):]
+        _write_all(self.fd, (json.dumps(message) + "\n").encode("utf-8"))
 
 
 def _become_subreaper() -> None:
@@ -117,11 +120,9 @@ def _run_child(plan: Any, source: str | None, home: str, deny: list[str], limit:
         try:
             os.close(read_end)
             sandbox.enter(home, deny, memory_mb=memory_mb, cpu_seconds=limit, close=close)
-            from ..checks.running import set_time_limit
+            from ..checks.engine.run import set_time_limit
             set_time_limit(max(0.5, 0.9 * limit))   # the checker's own timer rings first
-            data = json.dumps({"token": token, "verdict": judge(plan, source)}).encode("utf-8")
-            while data:
-                data = data[os.write(write_end, data):]
+            _write_all(write_end, json.dumps({"token": token, "verdict": judge(plan, source)}).encode("utf-8"))
         finally:
             os._exit(0)
     os.close(write_end)
@@ -300,7 +301,7 @@ def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *
                 # the working folder, where the code of earlier exercises could have written other notebooks
                 where = _as_handed_in(home, found["handed_in"]) if plan.id == CAPSTONE else home
                 if inline:   # only the checker's own timer here; the grader's kill of the whole process behind it
-                    from ..checks.running import set_time_limit
+                    from ..checks.engine.run import set_time_limit
                     set_time_limit(max(0.5, 0.9 * limit))
                     began = time.monotonic()
                     os.chdir(where)
@@ -334,9 +335,9 @@ def _warm_up(exercises: list[str], *, check: bool = True) -> list[str]:
         from ... import hf  # noqa: F401
     if CAPSTONE in plans:
         from .. import capstone  # noqa: F401
-    from .. import reference_guard
+    from ..checks.engine.run import reference_of
     for exercise in plans:   # read once here, not in every forked child
-        reference_guard.reference_of(exercise)
+        reference_of(exercise)
     if not check:
         from .judge import course_namespace
         course_namespace()

@@ -1,0 +1,188 @@
+"""The probing loop of an exercise whose answer is a function of tensors, written once (``judge``), and the
+one mistake loop (``first_mistake``), which judges of their own use too. The order is ``FunctionExercise``'s.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...exercises import Mistake
+from ...verdict import Failure, fail
+from .._model_common import as_tensor
+from .._student_code import call_student, close, expect_callable, expect_tensor, matches
+from .probes import gradient_probe
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input: the arguments as the student's function takes them, ``what`` names the call in messages,
+    ``notes`` are shown beside a counter-example on this input (the reference's scores, say)."""
+
+    args: tuple[Any, ...]
+    what: str
+    notes: tuple[tuple[str, torch.Tensor], ...] = ()
+
+    def given(self) -> tuple[Any, ...]:
+        """Fresh copies of the tensors: the student's code gets its own, the case stays as declared."""
+        return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in self.args)
+
+
+@dataclass(frozen=True)
+class Run:
+    case: Case
+    out: Any
+    expected: torch.Tensor
+
+
+@dataclass(frozen=True)
+class FunctionExercise:
+    """An exercise answered by a function: the declaration ``judge`` runs. Each case -> call the student
+    (``_student_code.call_student``: exceptions, ``sys.exit``, changed inputs are verdicts) -> expect a tensor
+    like the reference's -> compare -> on a difference: ``mistakes``, ``diagnose``, ``mismatch``; once every
+    case agrees: ``after``, the gradient probe, ``success``.
+
+    - ``cases()`` the inputs, in order; ``reference`` the course's function; ``arg_names`` name the arguments.
+    - ``mistakes``: the known mistakes, tried in order on the runs that differ (``Mistake.output(*args)``, or
+      ``variant(*args, spec=...)`` for a spec); the first that matches every one of them is the verdict.
+    - ``exact``: outputs are compared bit for bit (masks, rearrangements); otherwise within tolerance.
+    - ``each_case``: judge a case as soon as it runs, and quote it in the mistake's message ("causal_mask(5):
+      ..."; ``quote=False``: the message as written); otherwise all cases run first and a mistake must match
+      all of them. A mistake's message may name ``{got}``, ``{expected}`` (see ``quoted``) and what
+      ``values(run)`` gives, filled from the first run that differs.
+    - ``dtype``: the output must have the reference's dtype; ``finite``: NaN is refused before any diagnosis;
+      ``numpy_ok``: a numpy array counts as a tensor.
+    - ``raw(case, out)``: judge the raw output before its shape is checked (a layout of its own).
+    - ``reword(failure, case, out, fn)``: add to a failure of the call or of the shape (may raise another).
+    - ``diagnose(runs, fn)``: the exercise's own probes once no mistake matched (may return: then mismatch).
+    - ``mismatch(run)``: the last word on the first run that differs.
+    - ``after(runs, fn)``: the exercise's own probes once every case is right, before the gradients.
+    - ``gradients()``: the cases of the gradient probe; ``examples()``: tiny cases for the counter-example.
+    """
+
+    id: str
+    name: str
+    reference: Callable[..., Any]
+    cases: Callable[[], Sequence[Case]]
+    arg_names: tuple[str, ...]
+    success: str
+    mismatch: Callable[[Run], str]
+    mistakes: Sequence[Mistake] = ()
+    variant: Callable[..., Any] | None = None
+    exact: bool = False
+    each_case: bool = False
+    quote: bool = True
+    dtype: bool = True
+    finite: bool = False
+    numpy_ok: bool = False
+    raw: Callable[[Case, Any], None] | None = None
+    reword: Callable[[Failure, Case, Any, Any], None] | None = None
+    diagnose: Callable[[list[Run], Any], None] | None = None
+    after: Callable[[list[Run], Any], None] | None = None
+    values: Callable[[Run], Mapping[str, Any]] = lambda run: {}
+    gradients: Callable[[], Sequence[Case]] = lambda: ()
+    examples: Callable[[], Sequence[Case]] | None = None
+    probes: tuple[str, ...] = field(default=("gradient", "mutation", "reference_guard", "counterexample"))
+
+    def same(self, out: Any, expected: torch.Tensor) -> bool:
+        if self.exact:
+            return isinstance(out, torch.Tensor) and out.shape == expected.shape and bool(torch.equal(out, expected))
+        return close(out, expected)
+
+    def mistaken(self, mistake: Mistake, case: Case) -> Any:
+        """The mistake's output on the case (None where it does not apply)."""
+        if mistake.output is not None:
+            return mistake.output(*case.args)
+        assert self.variant is not None, f"exercise {self.id}: a mistake with a spec needs the exercise's variant"
+        return self.variant(*case.args, spec=mistake.spec)
+
+
+def judge(exercise: FunctionExercise, fn: Any) -> str:
+    """Run ``exercise`` on the student's ``fn``: the success message, or a Failure naming what is wrong."""
+    expect_callable(fn, exercise.name)
+    runs: list[Run] = []
+    for case in exercise.cases():
+        expected = exercise.reference(*case.args)
+        out = None
+        try:
+            out = call_student(fn, *case.given(), what=case.what)
+            if exercise.numpy_ok:
+                out = as_tensor(out)
+            if exercise.raw is not None:
+                exercise.raw(case, out)
+            expect_tensor(out, tuple(expected.shape), case.what, dtype=expected.dtype if exercise.dtype else None,
+                          finite=exercise.finite)
+        except Failure as failure:
+            if exercise.reword is not None:
+                exercise.reword(failure, case, out, fn)
+            raise
+        runs.append(Run(case, out, expected))
+        if exercise.each_case and not exercise.same(out, expected):
+            _diagnose(exercise, [runs[-1]], fn)
+    if any(not exercise.same(run.out, run.expected) for run in runs):
+        _diagnose(exercise, runs, fn)
+    if exercise.after is not None:
+        exercise.after(runs, fn)
+    for case in exercise.gradients():
+        gradient_probe(fn, exercise.reference, case.args, exercise.arg_names, case.what)
+    return exercise.success
+
+
+def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any) -> None:
+    """The first mistake that reproduces every run, else the exercise's own probes, else its mismatch."""
+    first = next(run for run in runs if not exercise.same(run.out, run.expected))
+    first_mistake(exercise.mistakes, lambda mistake: all(_reproduces(exercise, mistake, run) for run in runs),
+                  f"{first.case.what}: " if exercise.each_case and exercise.quote else "",
+                  got=quoted(first.out), expected=quoted(first.expected), **exercise.values(first))
+    if exercise.diagnose is not None:
+        exercise.diagnose(runs, fn)
+    fail("mismatch", exercise.mismatch(first))
+
+
+def _reproduces(exercise: FunctionExercise, mistake: Mistake, run: Run) -> bool:
+    wrong = exercise.mistaken(mistake, run.case)
+    if wrong is None:
+        return False
+    if exercise.exact:
+        return exercise.same(run.out, wrong)
+    return matches(run.out, wrong)
+
+
+def first_mistake(mistakes: Iterable[Mistake], reproduces: Callable[[Mistake], bool], prefix: str = "",
+                  **values: Any) -> None:
+    """Fail with the first of ``mistakes`` that ``reproduces(mistake)`` says the student's code made, its
+    message after ``prefix`` with its placeholders filled from ``values``; return when none does. A mistake
+    that does not apply to these inputs (``reproduces`` raises RuntimeError, ValueError or IndexError) is
+    passed over."""
+    for mistake in mistakes:
+        try:
+            found = reproduces(mistake)
+        except (RuntimeError, ValueError, IndexError):   # a mistake that does not apply to these shapes
+            continue
+        if found:
+            fail(mistake.code, prefix + fill(mistake.message, values))
+
+
+# {name}, {name!r}, {name:,.0f}: the placeholders a mistake's message may hold
+_PLACEHOLDER = re.compile(r"\{(\w+)(![rsa])?(:[^{}]*)?\}")
+
+
+def fill(message: str, values: Mapping[str, Any]) -> str:
+    """``message`` with each placeholder named in ``values`` formatted (``{got:,.0f}``); any other brace is
+    left as written, so a message without placeholders is shown as it is."""
+    def one(found: re.Match[str]) -> str:
+        name, conversion, spec = found.groups()
+        if name not in values:
+            return found.group(0)
+        return ("{0" + (conversion or "") + (spec or "") + "}").format(values[name])
+    return _PLACEHOLDER.sub(one, message)
+
+
+def quoted(value: Any) -> Any:
+    """A run's output as ``{got}``/``{expected}`` quote it: a number for a one-element tensor, else the shape."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else tuple(value.shape)
+    return value

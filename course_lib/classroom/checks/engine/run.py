@@ -1,0 +1,609 @@
+"""One run of a check, from a notebook's ``checks.check_x(candidate)`` to its verdict: ``checker(id, example=...)``.
+
+A checker never raises because of the student's code: its body returns a success message or raises
+:class:`Failure`, and one run turns that, and anything else, into a :class:`CheckResult`, in this order:
+
+1. options: the checker's own options (``norm_first``) are checked like the public API's arguments; the
+   student's work (the parameters without a default) is judged, never refused.
+2. time limit: where the platform can fork (Linux; not macOS, whose frameworks are unsafe after a fork; not
+   once CUDA is initialised; not in a check's child; not in the grader's sandbox, which refuses to fork; not
+   with ``COURSE_CHECK_IN_PROCESS=1``) the rest runs in a forked child, a copy of the kernel killed after
+   :data:`TIME_LIMIT_S` (+ :data:`GRACE_S`): no ``except:`` or ignored signal outlasts it, and nothing the child
+   changes reaches the kernel. In the child, and where there is no fork, SIGALRM (main thread only) raises
+   :class:`CheckTimeout` in the student's code, again every 0.1 s should it be caught. On Windows or from a
+   worker thread there is no limit; Ctrl-C (the stop button) always interrupts.
+3. isolation: the interpreter is left as found (``_save``), and course_lib is put back to the references
+   pinned when ``checks`` was imported (``_references``): a student's patch of a reference can neither make
+   a wrong answer pass nor a right one fail.
+4. the reference guard: the exercise's own reference doing the work is the verdict ``calls_reference``.
+5. the verdict: a ``Failure`` gets its counter-example (``example``, for ``checks.hint``); the student's
+   exception, ``sys.exit`` or endless loop is named; an exception raised by the checker itself (no student
+   frame in its traceback) is ``checker_error``, never blamed on the student.
+6. recording, unless ``graded=False`` (a demonstration on planted buggy code, a re-check used as a
+   condition): the live room and the last verdict of each exercise (:func:`last`, for ``checks.hint`` and
+   ``show_solution``). Under nbgrader (``NBGRADER_EXECUTION`` set) a failed graded check of an exercise with
+   a solution region raises :class:`CheckNotPassed` so its test cell scores zero, and a passed one is
+   displayed rather than returned, so nbgrader does not read the box as a partial score.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import math
+import numbers
+import os
+import pickle
+import random
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+
+from .... import _validate as validate
+from ... import progress
+from ...exercises import BY_ID, EXERCISES
+from ...verdict import CheckResult, Failure
+from .._references import attributes, bind_references, install_references, restore_namespace
+from .._student_code import is_student_file, raised_in_student_code, student_frame
+
+__all__ = ["checker", "set_time_limit", "last", "forget", "CheckNotPassed", "CheckTimeout", "TIME_LIMIT_S", "can_fork",
+           "CallsReference", "reference_of", "is_reference", "reference_message"]
+
+TIME_LIMIT_S = float(os.environ.get("COURSE_CHECK_TIME_LIMIT", "60"))
+GRACE_S = 2.0      # after the child's own alarm should have rung, before the kill
+_in_child = False  # True in a forked child: a check nested in a check runs in place
+_LAST: dict[str, CheckResult] = {}
+# Diagnoses with nothing to show side by side: no output, a crash, or a verdict about the course
+_NO_EXAMPLE = ("not_implemented", "exception", "timeout", "checker_error", "missing", "crashed", "mutation")
+
+
+def set_time_limit(seconds: float) -> None:
+    """Give every later check ``seconds`` for the student's code (the grader sets it below its own kill)."""
+    global TIME_LIMIT_S
+    TIME_LIMIT_S = validate.positive_float("seconds", seconds)
+
+
+def last(exercise: str) -> CheckResult | None:
+    """The last graded verdict of ``exercise`` in this kernel (None before its first check)."""
+    return _LAST.get(exercise)
+
+
+def forget() -> None:
+    """Forget every verdict, as a fresh kernel (tests)."""
+    _LAST.clear()
+
+
+class CheckTimeout(BaseException):
+    """Raised by the alarm inside student code: a BaseException, so ``except Exception:`` cannot swallow it."""
+
+
+class CheckNotPassed(AssertionError):
+    """A graded check failed while nbgrader ran the notebook; the text is the verdict."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback (nbgrader's feedback too): the verdict, not our frames
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+class _Displayed(CheckResult):
+    """A passed verdict under nbgrader: shown as a display, not as the cell result nbgrader reads as a score."""
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+        display({"text/plain": str(self), "text/html": self._repr_html_()}, raw=True)
+
+
+# ---------------------------------------------------------------- the decorator
+
+def checker(exercise: str, example: Callable[..., Any] | None = None
+            ) -> Callable[[Callable[..., str | None]], Callable[..., CheckResult]]:
+    """Decorate ``check(candidate, ...) -> str | None`` (a success message, or it raises Failure).
+    ``example(candidate, ...)`` finds the counter-example of a failure (``engine.example``). The decorated
+    checker takes one more keyword, ``graded`` (default True; see the module's docstring)."""
+
+    def wrap(body: Callable[..., str | None]) -> Callable[..., CheckResult]:
+        signature = inspect.signature(body)
+
+        @functools.wraps(body)
+        def check(*args: Any, graded: bool = True, **kwargs: Any) -> CheckResult:
+            validate.boolean("graded", graded)
+            _check_options(body.__name__, signature, args, kwargs)
+            judge = functools.partial(_judge, exercise, body, example, args, kwargs)
+            result = _forked(judge, exercise) if can_fork() else None   # None: this process may not fork
+            result = judge() if result is None else result   # (a failed verdict is falsy)
+            if not graded:
+                return result
+            if os.environ.get(progress.PROGRESS_DIR_ENV, "").strip():   # the live room, only where one is open
+                progress.record(result, getattr(args[0], "__name__", None) if args else None)   # never raises
+            _LAST[exercise] = result   # checks.hint follows the last verdict
+            entry = BY_ID.get(exercise)
+            if not os.environ.get("NBGRADER_EXECUTION") or (entry is not None and not entry.has_solution):
+                return result
+            if not result.passed:   # under nbgrader: the test cell scores zero
+                raise CheckNotPassed(str(result))
+            return _Displayed(result.exercise, True, result.diagnosis, result.message, result.details)
+        check.exercise = exercise   # type: ignore[attr-defined]
+        check.example = example     # type: ignore[attr-defined]
+        return check
+    return wrap
+
+
+# What an option's annotation accepts, by its name: the words of the message, and the test.
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "bool": ("True or False (a bool)", lambda v: isinstance(v, bool)),
+    "int": ("an int", lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)),
+    "float": ("a finite number", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
+              and math.isfinite(v)),
+    "str": ("a str", lambda v: isinstance(v, str)),
+    "None": ("None", lambda v: v is None),
+}
+
+
+def _check_options(name: str, signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
+    """``name: option: expected ..., got ...`` for an option (a parameter with a default) of the wrong kind."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        shown = ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+                          for p in signature.parameters.values())
+        raise TypeError(f"{name}: {exc}. Call it as {name}({shown}).") from None
+    for option, value in bound.arguments.items():
+        parameter = signature.parameters[option]
+        if parameter.default is parameter.empty:
+            continue
+        hint = parameter.annotation if parameter.annotation is not parameter.empty else type(parameter.default)
+        text = hint if isinstance(hint, str) else getattr(hint, "__name__", str(hint))
+        kinds = [_KINDS[word.strip()] for word in text.split("|") if word.strip() in _KINDS]
+        if kinds and not any(accepts(value) for _, accepts in kinds):
+            raise TypeError(f"{name}: {option}: expected {' or '.join(w for w, _ in kinds)}, "
+                            f"got {validate.describe(value)}")
+
+
+# ---------------------------------------------------------------- one run, in this process
+
+def _judge(exercise: str, body: Callable[..., str | None], example: Callable[..., Any] | None,
+           args: tuple, kwargs: dict) -> CheckResult:
+    """Run ``body`` isolated, under the pinned references, the alarm and the guard: always a verdict."""
+    state = _save()
+    try:
+        install_references()
+        # One thread: on tensors this small, waking a thread pool costs far more than it saves (up to 50x
+        # on a busy machine), and a check should answer at once.
+        torch.set_num_threads(1)
+        torch.set_grad_enabled(True)
+        if hasattr(torch, "set_default_device"):
+            torch.set_default_device(None)   # inputs and references on the CPU, whatever the notebook set
+        with _alarm(TIME_LIMIT_S), _guard(exercise, args):
+            try:
+                message = body(*args, **kwargs)
+            except Failure as failure:   # the smallest input that shows the mistake, for checks.hint
+                _attach(exercise, failure, args, kwargs, example)
+                raise
+        return CheckResult(exercise, True, None, message or "Matches the reference implementation.")
+    except Failure as failure:
+        return CheckResult(exercise, False, failure.diagnosis, failure.message, failure.details)
+    except CallsReference as found:   # the exercise's own reference did the work
+        return CheckResult(exercise, False, "calls_reference", reference_message(found))
+    except CheckTimeout:
+        return _timed_out(exercise)
+    except NotImplementedError as exc:
+        return CheckResult(exercise, False, "not_implemented",
+                           f"Not written yet ({str(exc) or 'NotImplementedError'}). Replace the "
+                           f"`raise NotImplementedError`, then re-run.")
+    except SystemExit as exc:
+        return CheckResult(exercise, False, "exception",
+                           f"Your code called sys.exit({'' if exc.code is None else repr(exc.code)}) "
+                           f"(or exit()): that would stop the kernel. Return a value instead.")
+    except KeyboardInterrupt:   # the stop button: it must still stop
+        raise
+    except BaseException as exc:  # a checker never raises: GeneratorExit, BaseException subclasses too
+        if raised_in_student_code(exc):
+            return CheckResult(exercise, False, "exception",
+                               f"Your code raised {type(exc).__name__}{student_frame(exc)}: {exc}")
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        at = f" at {os.path.basename(where.filename)}:{where.lineno}" if where else ""
+        return _checker_error(exercise, f"{type(exc).__name__}{at}: {exc}",
+                              " The cells below still run with the course's reference.", exc)
+    finally:
+        state()
+        bind_references()   # modules first imported during this check (course_lib.hf)
+
+
+def _attach(exercise: str, failure: Failure, args: tuple, kwargs: dict,
+            example: Callable[..., Any] | None) -> None:
+    """Put the counter-example on ``failure`` (details["counterexample"]) when one is found: the exercise's own
+    ``example(*args, **kwargs)``. Never raises but for Ctrl-C: a search that fails or runs out of time just
+    finds none."""
+    if failure.diagnosis in _NO_EXAMPLE or "counterexample" in failure.details or not args or example is None:
+        return
+    try:
+        found = example(*args, **kwargs)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - the time limit, or anything else: no counter-example
+        return
+    if found is not None:
+        failure.details["counterexample"] = found
+
+
+def _timed_out(exercise: str) -> CheckResult:
+    return CheckResult(exercise, False, "timeout",
+                       f"Your code did not finish within {TIME_LIMIT_S:g} seconds, so the check was "
+                       f"stopped. Look for a loop that never ends (a `while` whose condition never "
+                       f"changes), or work that grows with every step.")
+
+
+def _checker_error(exercise: str, what: str, more: str = "", exc: BaseException | None = None) -> CheckResult:
+    return CheckResult(exercise, False, "checker_error",
+                       f"The checker for exercise {exercise} failed ({what}). This is a bug in the course, not "
+                       f"necessarily in your code: please report it with this message.{more}",
+                       {"exception": exc} if exc is not None else {})
+
+
+# Settings a check may change, as (module, read, write): each is put back where it differs. Looked up by name
+# when used: a forked child replaces torch.set_num_threads.
+_SETTINGS = ((torch, "is_grad_enabled", "set_grad_enabled"), (torch, "get_default_dtype", "set_default_dtype"),
+             (torch, "get_default_device", "set_default_device"), (torch, "get_num_threads", "set_num_threads"),
+             (torch, "are_deterministic_algorithms_enabled", "use_deterministic_algorithms"),
+             (torch, "get_float32_matmul_precision", "set_float32_matmul_precision"), (random, "getstate", "setstate"))
+
+
+def _save() -> Callable[[], None]:
+    """Save the interpreter's state a check may change; the function returned puts it back."""
+    numpy = sys.modules.get("numpy")
+    settings = [(module, read, write, getattr(module, read)()) for module, read, write in _SETTINGS
+                if hasattr(module, read)]
+    anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    cwd, environ, spaces, rng = _cwd(), dict(os.environ), attributes(), torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    numpy_rng = numpy.random.get_state() if numpy is not None else None
+
+    def restore() -> None:
+        for module, read, write, value in settings:
+            if getattr(module, read)() != value:
+                getattr(module, write)(value)
+        if (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) != anomaly:
+            torch.set_anomaly_enabled(*anomaly)
+        if cwd is not None and _cwd() != cwd:
+            try:
+                os.chdir(cwd)
+            except OSError:
+                pass   # the folder is gone (the student's code deleted it): nothing to go back to
+        if dict(os.environ) != environ:
+            for name in [n for n in os.environ if n not in environ]:
+                del os.environ[name]
+            os.environ.update({n: v for n, v in environ.items() if os.environ.get(n) != v})
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        if numpy_rng is not None and sys.modules.get("numpy") is not None:
+            sys.modules["numpy"].random.set_state(numpy_rng)
+        for obj, saved in spaces.items():
+            restore_namespace(obj, saved)
+    return restore
+
+
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:   # the working directory was deleted under us
+        return None
+
+
+class _alarm:  # noqa: N801 - used as a context, like a function
+    """SIGALRM after ``seconds`` on the main thread where the platform has it; otherwise nothing."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.armed = seconds, False
+
+    def __enter__(self) -> None:
+        if (hasattr(signal, "SIGALRM") and hasattr(signal, "setitimer") and self.seconds > 0
+                and threading.current_thread() is threading.main_thread()
+                and signal.getitimer(signal.ITIMER_REAL)[0] == 0):   # never override a timer already set
+            self.previous = signal.signal(signal.SIGALRM, _ring)   # None: a handler not set from Python
+            signal.setitimer(signal.ITIMER_REAL, self.seconds, 0.1)   # again and again, should it be caught
+            self.armed = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+
+
+def _ring(signum: int, frame: Any) -> None:
+    raise CheckTimeout
+
+
+# ---------------------------------------------------------------- the reference guard
+# While an exercise is checked, the course's own version of it (one name away in the notebook, which carries on
+# with it) is out of the student's reach: a candidate that is it, wraps it (``def causal_mask(n, _c=causal_mask):
+# return _c(n)``) or subclasses it and inherits the work is refused before the check; the reference's own code
+# starting while the student's code is on the stack between it and the check (a profile hook that watches only
+# the reference's code objects) ends it. Either way: ``calls_reference``. A subclass that writes its own forward
+# on the constructor the exercise gives is judged like any code, and the checker's own calls of the reference
+# (to compare) run as before. A guard against the easy ways, not a wall: a copy of the reference's text is
+# flagged apart by the grader, which also refuses a student's name bound to the reference (``grading.judge``).
+
+# Where the course's references live, searched in this order for an exercise's name. A later notebook that
+# redefines an earlier one's name comes before it: 12.1's sliding_window_mask (with sinks) is variants', and
+# modern's window-only mask (notebook 09) is the student's to build on, not the reference.
+_REFERENCE_MODULES = ("attention", "model", "variants", "modern", "modern_gpt", "generate", "data", "train", "flash",
+                      "heads")
+
+
+class CallsReference(BaseException):
+    """The student's code handed the work to the course's own version of the exercise. A BaseException, so
+    that ``except Exception`` in the student's code cannot swallow it."""
+
+    def __init__(self, exercise: str, name: str, how: str):
+        self.exercise, self.name, self.how = exercise, name, how
+        super().__init__(f"{how} the course's own {name}")
+
+
+@functools.cache
+def reference_of(exercise: str) -> Any:
+    """The course's own object for ``exercise`` (a function or a class, by the name the table gives), or None."""
+    name = next((e.name for e in EXERCISES if e.id == exercise and e.has_solution), None)
+    for module_name in _REFERENCE_MODULES if name else ():
+        try:
+            module = importlib.import_module(f"course_lib.{module_name}")
+        except Exception:  # an optional module that cannot load here
+            continue
+        found = getattr(module, name, None)
+        if callable(found) and getattr(found, "__module__", "").startswith("course_lib."):
+            return found
+    return None
+
+
+def _own_code(value: Any) -> CodeType | None:
+    """The code of a function (a method, property, staticmethod; under its decorators), if it is the course's."""
+    value = getattr(value, "__func__", value)
+    value = value.fget if isinstance(value, property) else value
+    try:
+        code = getattr(inspect.unwrap(value), "__code__", None)
+    except ValueError:   # a cycle of __wrapped__
+        return None
+    if isinstance(code, CodeType) and "course_lib" in code.co_filename.replace("\\", "/").split("/"):
+        return code
+    return None
+
+
+def _codes(reference: Any) -> dict[str, CodeType]:
+    """The reference's own code by name: the function's, or the methods a class defines."""
+    values = vars(reference).items() if isinstance(reference, type) else [("", reference)]
+    return {name: code for name, value in values if (code := _own_code(value)) is not None}
+
+
+def _watched(reference: Any) -> frozenset[CodeType]:
+    """The code that is the reference's work; a class's constructor is left out: the exercise cell gives it, so
+    ``super().__init__()`` reuses no work."""
+    return frozenset(code for name, code in _codes(reference).items() if name != "__init__")
+
+
+def is_reference(candidate: Any, reference: Any) -> str | None:
+    """How ``candidate`` is the reference without being the student's code: "is", "subclasses", "wraps",
+    "is a copy of", or None when it is not."""
+    if candidate is reference:
+        return "is"
+    if isinstance(reference, type) and isinstance(candidate, type) and issubclass(candidate, reference):
+        # A subclass that writes one of the reference's work methods (all but the special ones; all but the
+        # constructor where it has no other) is the student's code; its calls of the reference run under the guard.
+        codes = _codes(reference)
+        work = {n for n in codes if not (n.startswith("__") and n.endswith("__"))} or set(codes) - {"__init__"}
+        above = candidate.__mro__[:candidate.__mro__.index(reference)]
+        written = any(_own_code(vars(k)[n]) not in _watched(reference) for k in above for n in work & set(vars(k)))
+        return None if written else "subclasses"
+    inner = candidate
+    for _ in range(10):   # functools.partial, functools.wraps, bound methods
+        inner = getattr(inner, "func", None) or getattr(inner, "__wrapped__", None) or getattr(inner, "__func__", None)
+        if inner is reference:
+            return "wraps"
+        if inner is None:
+            break
+    code = _own_code(candidate) if callable(candidate) and not isinstance(candidate, type) else None
+    return "is a copy of" if code is not None and code in _watched(reference) else None
+
+
+def reference_message(found: CallsReference) -> str:
+    """The verdict's message: what the code did, and what the exercise asks for instead."""
+    did = "is" if found.how == "is a copy of" else found.how if found.how in ("is", "subclasses", "wraps", "calls") \
+        else "uses"
+    return (f"Your code {did} the course's own {found.name} instead of doing the work itself. Exercise "
+            f"{found.exercise} asks you to write {found.name} yourself: replace the call with your own "
+            f"computation, then re-run the check.")
+
+
+_GUARDED = [0]   # guards entered and not left: a checker the checker itself calls is not guarded again
+
+
+class _guard:  # noqa: N801 - used as a context, like a function
+    """Refuse a candidate (``args[0]``) that is the exercise's reference in disguise, then watch the reference's
+    code while the check runs. The reference itself is let through: the course's tests and demonstrations
+    check it as the known-good answer."""
+
+    def __init__(self, exercise: str, args: tuple):
+        reference = reference_of(exercise) if not _GUARDED[0] else None   # inside a check: the outer guard holds
+        self.exercise, self.name = exercise, getattr(reference, "__name__", "reference")
+        how = is_reference(args[0], reference) if args and reference is not None else None
+        if how and how != "is":
+            raise CallsReference(exercise, self.name, how)
+        self.codes = _watched(reference) if reference is not None else frozenset()
+        self.tripped: CallsReference | None = None
+
+    def _hook(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_code not in self.codes:
+            return
+        caller = frame.f_back
+        while caller is not None and caller is not self.stop:
+            if caller.f_code not in self.codes and is_student_file(caller.f_code.co_filename):
+                self.tripped = CallsReference(self.exercise, self.name, "calls")
+                raise self.tripped
+            caller = caller.f_back
+
+    def __enter__(self) -> None:
+        _GUARDED[0] += 1
+        self.previous = sys.getprofile()
+        self.stop = sys._getframe(1)   # the check's own frame: the student's code is what runs above it
+        if self.codes:
+            sys.setprofile(self._hook)
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        sys.setprofile(self.previous)
+        _GUARDED[0] -= 1
+        if self.tripped is not None and exc is not self.tripped:   # their code swallowed it: the verdict stands
+            raise self.tripped
+
+
+# ---------------------------------------------------------------- one run, in a forked child
+
+def can_fork() -> bool:
+    """Whether checks can run in a forked child here (see the module's docstring for where not)."""
+    if _in_child or not hasattr(os, "fork") or sys.platform == "darwin":
+        return False
+    if os.environ.get("COURSE_CHECK_IN_PROCESS") == "1":
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+def _forked(judge: Callable[[], CheckResult], exercise: str) -> CheckResult | None:
+    """``judge()`` in a forked child, killed after the limit (+ a grace); None when this process may not fork.
+    A child that dies without a verdict (``os._exit``, a signal, memory) is a verdict of its own, ``crashed``."""
+    _flush()   # or the child would print the kernel's pending output a second time
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.fork()
+    except (OSError, RuntimeError):   # the grader's sandbox refuses (its worker already isolates), or no memory
+        os.close(read_end)
+        os.close(write_end)
+        return None
+    if pid == 0:
+        os.close(read_end)
+        _child(judge, write_end)   # never returns
+    os.close(write_end)
+    deadline = time.monotonic() + TIME_LIMIT_S + GRACE_S if TIME_LIMIT_S > 0 else None
+    data, late = b"", False
+    try:
+        while _message(data) is None:   # whole: a process the student's code left holding the pipe cannot stall it
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                late = True
+                break
+            if select.select([read_end], [], [], wait)[0]:
+                chunk = os.read(read_end, 1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+    except BaseException:   # Ctrl-C in the kernel: stop the child, then interrupt as usual
+        late = True
+        raise
+    finally:
+        if late:
+            _kill(pid)
+        status = _reap(pid)   # a child with its verdict sent ends by itself, its prints flushed
+        _kill(pid)   # anything the child left in its group
+        os.close(read_end)
+    kind, value = _message(data) or (None, None)
+    if late:
+        return _timed_out(exercise)
+    if kind == "result" and isinstance(value, CheckResult):
+        return value
+    if kind == "interrupted":
+        raise KeyboardInterrupt
+    if kind == "error":
+        return _checker_error(exercise, value)
+    return CheckResult(exercise, False, "crashed",
+                       f"The process running your code {_died(status)} before the check finished: look for "
+                       f"os._exit, os.kill or signal calls, or memory use far beyond what the exercise needs. "
+                       f"Your notebook's kernel is unharmed.")
+
+
+def _child(judge: Callable[[], CheckResult], write_end: int) -> None:
+    """In the forked child: judge, send the verdict, leave at once (no atexit, no kernel machinery)."""
+    global _in_child
+    _in_child = True
+    code = 0
+    try:
+        try:
+            os.setpgid(0, 0)   # its own group: the parent's kill reaches whatever it started
+        except OSError:
+            pass
+        torch.set_num_threads(1)   # a thread pool copied by fork is not usable; one thread needs none
+        # and stays at one: code that asks for more threads here would wake the copied pool and hang
+        # (seen: set_num_threads(3) in a student's function, then a matmul, never returned)
+        torch.set_num_threads = lambda threads: None
+        try:
+            payload = _portable(judge())
+        except KeyboardInterrupt:
+            payload = pickle.dumps(("interrupted", None))
+        except BaseException as exc:  # the run lets nothing else out; should it, say what
+            payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}"))
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(write_end, view):]
+        _flush()   # what the student's code printed
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _portable(result: CheckResult) -> bytes:
+    """The verdict as bytes for the pipe; a detail that cannot be pickled travels as its repr."""
+    details = {}
+    for key, value in result.details.items():
+        try:
+            pickle.dumps(value)
+            details[key] = value
+        except Exception:  # a student's class defined in a function, a lambda, an open file in the details
+            details[key] = repr(value)
+    return pickle.dumps(("result", CheckResult(result.exercise, result.passed, result.diagnosis, result.message,
+                                               details)))
+
+
+def _message(data: bytes) -> tuple[str, Any] | None:
+    try:
+        return pickle.loads(data) if data else None
+    except Exception:
+        return None
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _kill(pid: int) -> None:
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        try:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+
+
+def _reap(pid: int) -> int | None:
+    try:
+        return os.waitpid(pid, 0)[1]
+    except ChildProcessError:
+        return None
+
+
+def _died(status: int | None) -> str:
+    if status is not None and os.WIFSIGNALED(status):
+        try:
+            return f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        except ValueError:
+            return f"was killed by signal {os.WTERMSIG(status)}"
+    if status is not None and os.WIFEXITED(status):
+        return f"exited with status {os.WEXITSTATUS(status)}"
+    return "ended"

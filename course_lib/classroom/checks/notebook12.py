@@ -1,0 +1,395 @@
+"""Exercises of notebook 12 (where attention is going): 12.1 sliding_window_mask, 12.2 latent_attention,
+12.3 linear_attention_recurrent.
+
+All three are declarations the engine runs (``engine.judge``). 12.1 is compared bit for bit; 12.2 is a
+procedure on engine pieces: the student's forward runs on a copy of an MLA layer, in one call or in two
+with a fresh ``LatentCache`` (``_stream``), and every known mistake is the reference with one switch
+(``_mla``). Hints are in ``classroom.exercises``.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ... import modern
+from ... import variants as ref
+from ..exercises import Mistake
+from ..verdict import fail
+from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine.example import tiny
+from .engine.function import Run
+
+__all__ = ["check_sliding_window_mask", "check_latent_attention", "check_linear_attention_recurrent"]
+
+
+# ============================================================================ 12.1 sliding-window mask
+
+def _grid(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    i = torch.arange(length)[:, None]   # (L, 1) queries
+    j = torch.arange(length)[None, :]   # (1, L) keys
+    return i, j
+
+
+def _window(shift: int = 0, future: bool = False, both: bool = False, sink_future: bool = False,
+            no_sinks: bool = False) -> Callable[[int, int, int], torch.Tensor | None]:
+    """A wrong mask: the window ``shift`` keys too wide, facing the future, on both sides, or sinks wrong."""
+    def make(length: int, window: int, sinks: int = 0) -> torch.Tensor | None:
+        if window + shift < 1 or (no_sinks and not sinks):
+            return None
+        i, j = _grid(length)
+        near = (i - j >= 0) & (i - j < window + shift)
+        if future:
+            near = (j - i >= 0) & (j - i < window)
+        if both:
+            near = (i - j).abs() < window
+        sink = (j < (0 if no_sinks else sinks)) & ((j <= i) | sink_future)
+        return near | sink
+    return make
+
+
+def _raw_mask(case: Case, out: Any) -> None:
+    length = case.args[0]
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == (length, length) and out.dtype != torch.bool:
+        fail("dtype", f"{case.what} returned a mask of dtype {out.dtype}. This course's masks are bool, True "
+                      f"where a query may attend (an additive mask with -inf is another convention): return "
+                      f"dtype torch.bool.")
+
+
+def _first_wrong_entry(runs: list[Run], fn: Any) -> None:
+    run = runs[0]
+    i, j = (run.out != run.expected).nonzero()[0].tolist()
+    window, sinks = run.case.args[1], run.case.args[2]
+    fail("causal_mask", f"{run.case.what}: entry [{i}, {j}] should be {bool(run.expected[i, j])}. Query i sees "
+                        f"key j when 0 <= i - j < window (here {window}), or when j < sinks (here {sinks}) and "
+                        f"j <= i.")
+
+
+def _mask_cases(sizes: tuple[tuple[int, int, int], ...]) -> list[Case]:
+    return [Case((n, w, s), f"sliding_window_mask({n}, window={w}, sinks={s})") for n, w, s in sizes]
+
+
+SLIDING_WINDOW_MASK = FunctionExercise(
+    "12.1", "sliding_window_mask", lambda n, w, s: ref.sliding_window_mask(n, w, s),
+    lambda: _mask_cases(((7, 3, 0), (8, 3, 2), (6, 2, 1), (5, 8, 0), (5, 1, 0), (1, 1, 0), (9, 4, 3))),
+    ("length", "window", "sinks"),
+    success="Right for every size tried: each query sees itself and the window - 1 keys before it, and the first "
+            "sinks keys, never the future; dtype torch.bool.",
+    mismatch=lambda run: "",   # _first_wrong_entry always decides
+    mistakes=(
+        Mistake("causal_mask", "Your window is one key too wide: query i sees window + 1 keys (i - j <= window). "
+                               "It should see exactly window keys, itself included: 0 <= i - j < window.",
+                output=_window(shift=1)),
+        Mistake("causal_mask", "Your window is one key too narrow: query i sees only window - 1 keys. Count "
+                               "itself: 0 <= i - j < window gives exactly window keys.", output=_window(shift=-1)),
+        Mistake("causal_mask", "Your window faces the wrong side: query i sees itself and the keys AFTER it, the "
+                               "future. The window reaches back: 0 <= i - j < window.", output=_window(future=True)),
+        Mistake("causal_mask", "Your window is on both sides of the query (|i - j| < window), so the future leaks. "
+                               "Keep only the keys at or before the query: 0 <= i - j < window.",
+                output=_window(both=True)),
+        Mistake("causal_mask", "The sinks are evicted: the first sinks positions must stay visible to every later "
+                               "query, however far back they are (StreamingLLM).", output=_window(no_sinks=True)),
+        Mistake("causal_mask", "Your sinks leak the future: a query before position sinks - 1 sees sink keys that "
+                               "come after it. A sink is visible only when j < sinks AND j <= i.",
+                output=_window(sink_future=True)),
+    ),
+    exact=True, each_case=True, raw=_raw_mask, diagnose=_first_wrong_entry,
+    examples=lambda: _mask_cases(((3, 2, 0), (4, 2, 0), (4, 2, 1), (5, 2, 1))),
+)
+
+
+@checker("12.1", example=function_example(SLIDING_WINDOW_MASK))
+def check_sliding_window_mask(fn: Callable[..., Any]) -> str:
+    """``fn(length, window, sinks)`` -> bool (length, length), as course_lib.variants.sliding_window_mask."""
+    return judge(SLIDING_WINDOW_MASK, fn)
+
+
+# ============================================================================ 12.2 MLA with its latent cache
+
+_CALLS_LAYER = ("Your latent_attention called the layer's own forward (layer(x, cache), layer.forward, "
+                "MultiHeadLatentAttention.forward or its private _rotate): that is the course's MLA doing the work. "
+                "Use only its weights (layer.q_proj, layer.kv_a_proj_with_mqa, ...) and modern.apply_rotary, and "
+                "write the steps yourself.")
+
+
+class _Weights(ref.MultiHeadLatentAttention):
+    """The copy of the layer the student's function gets: its weights, but no forward of its own (the
+    reference's forward, called unbound, goes through ``_rotate``, so that is closed too)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        fail("calls_reference", _CALLS_LAYER)
+
+    def _rotate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        fail("calls_reference", _CALLS_LAYER)
+
+
+def _layer(seed: int, q_lora_rank: int | None, heads: int = 2) -> ref.MultiHeadLatentAttention:
+    torch.manual_seed(seed)
+    layer = ref.MultiHeadLatentAttention(8, heads, 16, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                                         v_head_dim=3, q_lora_rank=q_lora_rank, rope_interleave=False)
+    with torch.no_grad():
+        for p in layer.parameters():   # weights of unit scale: every mistake moves the output visibly
+            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    return layer.eval()
+
+
+def _stream(forward: Callable[..., Any], layer: Any, x: torch.Tensor, split: int) -> Any:
+    """``forward(layer, x, cache)`` on the whole of x (split 0, no cache), or on x[:, :split] then x[:, split:]
+    with one fresh LatentCache; the outputs side by side (N, L, embed_dim)."""
+    if not split:
+        return forward(layer, x, None)
+    cache = ref.LatentCache(layer.max_tokens)
+    first = forward(layer, x[:, :split], cache)
+    if isinstance(first, torch.Tensor) and cache.length != split:
+        fail("kv_cache", f"After latent_attention(layer, x[:, :{split}], cache) the cache holds {cache.length} "
+                         f"tokens, not {split}: append the new latents and rotary keys (cache.append(latent, "
+                         f"k_rope)) and attend to everything it returns.")
+    if cache.latent is not None and (cache.latent.shape[-1], cache.k_rope.shape[-1]) != \
+            (layer.kv_lora_rank, layer.qk_rope_head_dim):
+        fail("kv_cache", f"Your cache holds tensors of sizes {cache.latent.shape[-1]} and {cache.k_rope.shape[-1]} "
+                         f"per token; MLA caches only the normalised latent ({layer.kv_lora_rank} numbers) and the "
+                         f"shared rotary key ({layer.qk_rope_head_dim}), not up-projected keys or values: append "
+                         f"them before kv_b_proj.")
+    second = forward(layer, x[:, split:], cache)
+    if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
+        return second if not isinstance(second, torch.Tensor) else first
+    return torch.cat([first, second], dim=1)
+
+
+def _student(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The student's function, run as _stream runs the reference, on its own copy of the layer."""
+    def run(layer: Any, x: torch.Tensor, split: int) -> Any:
+        mine = copy.deepcopy(layer)
+        mine.__class__ = _Weights
+        return _stream(fn, mine, x, split)
+    return run
+
+
+def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale: str = "both",
+         norm: bool = True, offset: bool = True, mask_offset: bool = True, use_cache: bool = True,
+         rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1) -> torch.Tensor:
+    """The reference MLA forward with one mistake switched on (the defaults are right)."""
+    def forward(layer: Any, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        n, length, _ = x.shape
+        start = cache.length if cache is not None else 0
+        dn, dr, h = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads
+        pos = start if offset else 0
+        q = layer.q_proj(x) if layer.q_lora_rank is None else layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x)))
+        q = q.view(n, length, h, dn + dr).transpose(1, 2)                   # (N, H, L, dn + dr)
+        latent, k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, dr], dim=-1)
+        if norm:
+            latent = layer.kv_a_layernorm(latent)
+        if rope == "split" and not rotate_cached:
+            k_rope = modern.apply_rotary(k_rope, layer.rope_cos, layer.rope_sin, offset=pos)
+        if cache is not None:
+            latent, k_rope = cache.append(latent, k_rope)
+            if not use_cache:
+                latent, k_rope = latent[:, start:], k_rope[:, start:]
+        total = latent.shape[1]
+        if rope == "split" and rotate_cached:   # the whole cache turned again to the new chunk's positions
+            k_rope = modern.apply_rotary(k_rope, layer.rope_cos, layer.rope_sin, offset=pos)
+        kv = layer.kv_b_proj(latent).view(n, total, h, dn + layer.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split([dn, layer.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, None].expand(n, h, total, dr)], dim=-1)   # (N, H, T, dn + dr)
+        if rope == "split":
+            q_nope, q_rope = q.split([dn, dr], dim=-1)
+            q = torch.cat([q_nope, modern.apply_rotary(q_rope, layer.rope_cos, layer.rope_sin, offset=pos)], -1)
+        elif rope == "whole":
+            cos, sin = modern.rope_tables(dn + dr, layer.max_tokens)
+            q = modern.apply_rotary(q, cos, sin, offset=pos)
+            k = modern.apply_rotary(k, cos, sin)   # every key, cached or new, from position 0
+        factor = {"both": (dn + dr) ** -0.5, "nope": dn ** -0.5, "none": 1.0, "value": layer.v_head_dim ** -0.5}[scale]
+        scores = q @ k.transpose(-2, -1) * factor                           # (N, H, L, T)
+        first = total - length if mask_offset else 0
+        mask = torch.ones(total, total, dtype=torch.bool).tril()[first:first + length]
+        if masked:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = scores.softmax(softmax_dim) @ v                              # (N, H, L, dv)
+        return layer.o_proj(out.transpose(1, 2).reshape(n, length, h * layer.v_head_dim))
+    return _stream(forward, layer, x, split)
+
+
+def _mla_cases() -> list[Case]:
+    cases = []
+    for seed, (q_rank, n, length, split) in enumerate(((None, 2, 5, 0), (4, 1, 6, 0), (None, 2, 6, 4),
+                                                       (4, 1, 7, 3), (None, 1, 5, 1))):
+        layer = _layer(seed, q_rank)
+        x = torch.randn(n, length, 8, generator=torch.Generator().manual_seed(seed))
+        how = f"x of shape {(n, length, 8)}" + (f", in two calls ({split} tokens, then {length - split}) with "
+                                                 f"one LatentCache" if split else ", cache=None")
+        cases.append(Case((layer, x, split), f"latent_attention(layer, ...) on {how} (q_lora_rank={q_rank})"))
+    return cases
+
+
+def _mla_examples() -> list[Case]:
+    generator = torch.Generator().manual_seed(0)
+    return [Case((_layer(0, None, heads=1), tiny(generator, 1, length, 8), split),
+                 f"latent_attention on x of shape (1, {length}, 8)" + (f", split after {split} tokens" if split else ""))
+            for length, split in ((1, 0), (2, 0), (3, 0), (3, 2))]
+
+
+def _mla_gradients() -> list[Case]:
+    return [Case((_layer(7, 4), torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(7)), 0),
+                 "latent_attention(layer, x) with x of shape (1, 4, 8)")]
+
+
+_MLA_MISTAKES = (
+    Mistake("rope_axes", "RoPE turns the whole head: only the rotary part (the last qk_rope_head_dim numbers of each "
+                         "query, and the shared k_rope) is rotated; the part without position (qk_nope_head_dim) "
+                         "must stay as it is, or W_UK could not be folded into the query.",
+            output=lambda layer, x, split: _mla(layer, x, split, rope="whole")),
+    Mistake("rope_missing", "No rotary embedding: q_rope and k_rope must both be turned to their positions with "
+                            "modern.apply_rotary(..., layer.rope_cos, layer.rope_sin, offset=start).",
+            output=lambda layer, x, split: _mla(layer, x, split, rope="none")),
+    Mistake("rope_positions", "With a cache, the new tokens are rotated as if they started at position 0: turn them "
+                              "to start = cache.length (read before appending), the positions they hold in the stream.",
+            output=lambda layer, x, split: _mla(layer, x, split, offset=False)),
+    Mistake("kv_cache", "Your cache's rotary keys are turned again at every call: rotate k_rope once, at its own "
+                        "positions, BEFORE it enters the cache, and use what the cache returns as it is.",
+            output=lambda layer, x, split: _mla(layer, x, split, rotate_cached=True)),
+    Mistake("kv_cache", "With a cache, the new queries attend only to the new tokens: attend to everything "
+                        "cache.append(latent, k_rope) returns (the tokens held before, then the new ones).",
+            output=lambda layer, x, split: _mla(layer, x, split, use_cache=False)),
+    Mistake("causal_mask", "Your causal mask does not account for the cache: the new queries sit at positions "
+                           "start .. start + L - 1, so query i sees keys 0 .. start + i (take rows start: of the "
+                           "T x T lower triangle).",
+            output=lambda layer, x, split: _mla(layer, x, split, mask_offset=False)),
+    Mistake("causal_mask", "No causal mask: each query also sees the later tokens of its chunk. Query start + i "
+                           "may see keys 0 .. start + i only.",
+            output=lambda layer, x, split: _mla(layer, x, split, masked=False)),
+    Mistake("softmax_dim", "The softmax runs over the queries (dim=-2): each query's weights must sum to one over "
+                           "the keys, the last axis of the (N, H, L, T) scores.",
+            output=lambda layer, x, split: _mla(layer, x, split, softmax_dim=-2)),
+    Mistake("scale", "The scores are scaled by 1/sqrt(qk_nope_head_dim): the query and key have "
+                     "qk_nope_head_dim + qk_rope_head_dim numbers, so scale by (dn + dr) ** -0.5 "
+                     "(layer.softmax_scale).", output=lambda layer, x, split: _mla(layer, x, split, scale="nope")),
+    Mistake("scale", "The scores are not scaled: multiply them by layer.softmax_scale, (dn + dr) ** -0.5.",
+            output=lambda layer, x, split: _mla(layer, x, split, scale="none")),
+    Mistake("scale", "The scores are scaled by 1/sqrt(v_head_dim): the scale belongs to the width of the query "
+                     "and key, (qk_nope_head_dim + qk_rope_head_dim) ** -0.5.",
+            output=lambda layer, x, split: _mla(layer, x, split, scale="value")),
+    Mistake("norm_placement", "The latent is not normalised: apply layer.kv_a_layernorm to the latent part of "
+                              "kv_a_proj_with_mqa(x) (not to k_rope) before it is cached and up-projected.",
+            output=lambda layer, x, split: _mla(layer, x, split, norm=False)),
+)
+
+LATENT_ATTENTION = FunctionExercise(
+    "12.2", "latent_attention", lambda layer, x, split: _stream(lambda m, xx, c: m(xx, c), layer, x, split),
+    _mla_cases, ("layer", "x", "split"),
+    success="Right with and without a LatentCache, with and without a query latent (q_lora_rank): your MLA "
+            "caches one latent and one rotary key per token and gives the layer's outputs.",
+    mismatch=lambda run: f"{run.case.what} differs from the layer's own forward, and not like a mistake we know. "
+                         f"Go through the steps: queries split into nope and rope parts; latent and k_rope from "
+                         f"kv_a_proj_with_mqa; the norm; RoPE on the rotary parts at start; the cache; keys and "
+                         f"values from kv_b_proj; scores with layer.softmax_scale; the causal mask; o_proj.",
+    mistakes=_MLA_MISTAKES, gradients=_mla_gradients, examples=_mla_examples,
+)
+
+
+def _latent_example(fn: Callable[..., Any], *_: Any, **__: Any) -> Any:
+    """The engine's counter-example, with the student's function run as the check runs it (a copy of the layer,
+    the cache made by ``_stream``)."""
+    return function_example(LATENT_ATTENTION)(_student(fn))
+
+
+@checker("12.2", example=_latent_example)
+def check_latent_attention(fn: Callable[..., Any]) -> str:
+    """``fn(layer, x, cache=None)`` -> (N, L, embed_dim), as MultiHeadLatentAttention.forward (rope_interleave=False)."""
+    return judge(LATENT_ATTENTION, _student(fn))
+
+
+# ============================================================================ 12.3 recurrent linear attention
+
+def _phi(x: torch.Tensor) -> torch.Tensor:
+    return ref.elu_feature_map(x)
+
+
+def _linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, *, diagonal: int = 0, causal: bool = True,
+            normalise: bool = True, fq_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Linear attention from features: weights fq . fk over keys j <= i + diagonal (all if not causal)."""
+    weights = fq @ fk.transpose(-2, -1)                                     # (..., L, L)
+    length = weights.shape[-1]
+    if causal:
+        weights = weights * torch.ones(length, length).tril(diagonal)
+    if not normalise:
+        return weights @ v
+    below = (fq if fq_norm is None else fq_norm) @ fk.transpose(-2, -1)
+    if causal:
+        below = below * torch.ones(length, length).tril(diagonal)
+    return (weights @ v) / (below.sum(-1, keepdim=True) + 1e-6)
+
+
+def _linear_cases() -> list[Case]:
+    shapes = (((2, 3, 6, 4), 3), ((7, 4), 5), ((1, 1, 4), 2), ((2, 9, 3), 3))
+    cases = []
+    for seed, (shape, dv) in enumerate(shapes):
+        g = torch.Generator().manual_seed(seed)
+        q, k = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        v = torch.randn(*shape[:-1], dv, generator=g)
+        cases.append(Case((q, k, v), f"linear_attention_recurrent(q, k, v) with q, k {tuple(shape)}, "
+                                     f"v {tuple(v.shape)}"))
+    return cases
+
+
+def _linear_examples() -> list[Case]:
+    generator = torch.Generator().manual_seed(0)
+    return [Case((tiny(generator, length, 2), tiny(generator, length, 2), tiny(generator, length, 1)),
+                 f"linear_attention_recurrent(q, k, v) with q, k ({length}, 2), v ({length}, 1)") for length in (1, 2, 3)]
+
+
+def _tuple_returned(failure: Any, case: Case, out: Any, fn: Any) -> None:
+    """The course's version returns (outputs, state): a student who copied that shape is told what to keep."""
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        fail(failure.diagnosis, f"{failure.message} Return only the outputs (..., L, d_v): the course's "
+                                f"variants.linear_attention_recurrent also returns the state (S, z), this exercise "
+                                f"does not.")
+
+
+LINEAR_RECURRENT = FunctionExercise(
+    "12.3", "linear_attention_recurrent", lambda q, k, v: ref.linear_attention_recurrent(q, k, v)[0],
+    _linear_cases, ("q", "k", "v"),
+    success="Right on every shape tried: a state S of d x d_v and a normaliser z, updated once per token, give "
+            "the parallel form's outputs.",
+    mismatch=lambda run: f"{run.case.what} differs from the parallel form, and not like a mistake we know. Per "
+                         f"token i: S += outer(phi(k_i), v_i), z += phi(k_i), then o_i = phi(q_i) S / (phi(q_i) . z "
+                         f"+ 1e-6).",
+    mistakes=(
+        Mistake("normalization", "The normaliser is missing: divide phi(q_i) S_i by phi(q_i) . z_i (z_i the sum of "
+                                 "phi(k_j) so far, plus 1e-6), or the outputs grow with the number of tokens.",
+                output=lambda q, k, v: _linear(_phi(q), _phi(k), v, normalise=False)),
+        Mistake("state_order", "Your state is read before token i is added to it: query i misses its own key and "
+                               "value (the causal mask includes j = i). Add phi(k_i) v_i to S and phi(k_i) to z "
+                               "first, then read them with phi(q_i).",
+                output=lambda q, k, v: _linear(_phi(q), _phi(k), v, diagonal=-1)),
+        Mistake("feature_map", "The feature map is missing: the weights q_i . k_j can be negative, so the "
+                               "normaliser can reach 0. Apply phi(x) = elu(x) + 1 to q and k "
+                               "(variants.elu_feature_map).", output=lambda q, k, v: _linear(q, k, v)),
+        Mistake("feature_map", "phi is applied to the keys but not to the queries: both go through phi(x) = elu(x) "
+                               "+ 1, in the numerator and in the normaliser.",
+                output=lambda q, k, v: _linear(q, _phi(k), v)),
+        Mistake("feature_map", "phi is applied to the queries but not to the keys: both go through phi(x) = elu(x) "
+                               "+ 1, in the state S and in the normaliser z.",
+                output=lambda q, k, v: _linear(_phi(q), k, v)),
+        Mistake("feature_map", "Your feature map is relu: it is 0 for every negative number, so whole rows of "
+                               "weights (and the normaliser) vanish. Use phi(x) = elu(x) + 1, positive everywhere.",
+                output=lambda q, k, v: _linear(q.relu(), k.relu(), v)),
+        Mistake("feature_map", "Your normaliser uses the raw query: it is phi(q_i) . z_i, with the same phi(q_i) as "
+                               "the numerator.", output=lambda q, k, v: _linear(_phi(q), _phi(k), v, fq_norm=q)),
+        Mistake("feature_map", "That is softmax attention (weights exp(q . k / sqrt(d))): linear attention replaces "
+                               "the exponential by phi(q_i) . phi(k_j) with phi(x) = elu(x) + 1, which is what lets "
+                               "it run as a recurrence.",
+                output=lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        Mistake("causal_mask", "Every query sees every token, also the later ones: the state must hold only the "
+                               "tokens up to i when query i reads it (update, read, then move on).",
+                output=lambda q, k, v: _linear(_phi(q), _phi(k), v, causal=False)),
+    ),
+    reword=_tuple_returned, gradients=lambda: _linear_cases()[:1], examples=_linear_examples,
+)
+
+
+@checker("12.3", example=function_example(LINEAR_RECURRENT))
+def check_linear_attention_recurrent(fn: Callable[..., Any]) -> str:
+    """``fn(q, k, v)`` -> the outputs (..., L, d_v) of course_lib.variants.linear_attention_recurrent."""
+    return judge(LINEAR_RECURRENT, fn)

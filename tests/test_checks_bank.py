@@ -1,0 +1,133 @@
+"""The one runner of every bank of student attempts (tests/bank), driven by the exercise table.
+
+Each attempt is judged by the checker the table names for its exercise (``classroom.exercises``): a
+correct attempt passes, a buggy one gets its diagnosis and a message with the words the bank asks for.
+The table and the checkers agree both ways, and every checker ported to the engine has a counter-example.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+from bank import attention_bugs, flash_bugs, heads_bugs, model_bugs, modern_bugs, variants_bugs
+
+from course_lib.classroom import checks, verdict
+from course_lib.classroom.checks.engine import PROBES, FunctionExercise
+from course_lib.classroom.exercises import BY_ID, EXERCISES
+
+BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs)
+BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
+CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
+
+# Notebooks whose exercises run on the engine (checks/DESIGN.md): each declares its counter-example.
+PORTED = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12")   # every notebook
+
+
+def _answers(check) -> int:
+    """How many answers a checker takes from the student: its parameters without a default."""
+    return sum(p.default is inspect.Parameter.empty for p in inspect.signature(check).parameters.values())
+
+
+def judged(attempt):
+    """The verdict of the exercise's checker on the attempt. A checker of several answers (1.1: the weights and
+    the result) gets them from a tuple; some attempts carry options of the checker (``norm_first=False``)."""
+    check = getattr(checks, BY_ID[attempt.exercise].checker)
+    answers = attempt.candidate if _answers(check) > 1 else (attempt.candidate,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # students' code may warn (implicit softmax dim, ...)
+        return check(*answers, **getattr(attempt, "kwargs", {}))
+
+
+@pytest.mark.parametrize("attempt", CORRECT, ids=[a.id for a in CORRECT])
+def test_correct_attempt_passes(attempt):
+    result = judged(attempt)
+    assert result.passed, f"{attempt.id} rejected: {result}"
+
+
+@pytest.mark.parametrize("attempt", BUGGY, ids=[a.id for a in BUGGY])
+def test_buggy_attempt_gets_its_diagnosis(attempt):
+    result = judged(attempt)
+    assert not result.passed, f"{attempt.id} passed: {result}"
+    assert result.diagnosis == attempt.expected, f"{attempt.id}: {result}"
+    assert result.diagnosis in verdict.DIAGNOSES
+    assert len(result.message) > 30 and "Traceback" not in result.message
+    for word in getattr(attempt, "says", ()):   # the older banks name no words
+        assert word.lower() in result.message.lower(), f"{attempt.id}: {word!r} not in {result.message!r}"
+
+
+def test_every_attempt_is_at_an_exercise_of_the_table():
+    assert {a.exercise for a in BUGGY + CORRECT} <= set(BY_ID)
+    ids = [a.id for a in BUGGY + CORRECT]
+    assert len(ids) == len(set(ids)), "two attempts share a name"
+
+
+def test_the_table_and_the_checkers_agree():
+    checkers = {name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")}
+    assert {entry.checker for entry in EXERCISES} == set(checkers)
+    for entry in EXERCISES:
+        assert checkers[entry.checker].exercise == entry.id, entry
+    assert [entry.id for entry in EXERCISES] == sorted(BY_ID, key=lambda i: tuple(map(int, i.split("."))))
+
+
+def _declarations():
+    return [value for name in dir(checks) if name.startswith("notebook")
+            for value in vars(getattr(checks, name)).values() if isinstance(value, FunctionExercise)]
+
+
+def test_every_ported_checker_declares_its_counterexample():
+    ported = [entry for entry in EXERCISES if entry.notebook in PORTED]
+    assert {entry.notebook for entry in ported} == set(PORTED), "a ported notebook with no exercise in the table"
+    missing = [entry.id for entry in ported if getattr(checks, entry.checker).example is None]
+    assert not missing, f"checkers without a counter-example: {missing}"
+
+
+def test_every_declaration_is_in_the_table_and_lists_known_probes():
+    declared = _declarations()
+    assert {d.id for d in declared} >= {"1.2", "1.3", "2.1", "3.1", "3.2", "4.1"}
+    for declaration in declared:
+        assert BY_ID[declaration.id].name == declaration.name, declaration.id
+        assert set(declaration.probes) <= set(PROBES), (declaration.id, declaration.probes)
+        assert {"mutation", "reference_guard", "counterexample"} <= set(declaration.probes), declaration.id
+
+
+def test_every_declared_mistake_differs_from_the_reference_somewhere():
+    """A mistake whose output is the reference's on every case would name a correct attempt."""
+    for declaration in _declarations():
+        cases = declaration.cases()
+        for mistake in declaration.mistakes:
+            outputs = []
+            for case in cases:
+                try:
+                    outputs.append((declaration.mistaken(mistake, case), declaration.reference(*case.args)))
+                except (RuntimeError, ValueError):   # a mistake that does not apply to this case's shapes
+                    continue
+            assert any(wrong is not None and not declaration.same(wrong, right) for wrong, right in outputs), \
+                (declaration.id, mistake.message[:60])
+
+
+def test_notebook12s_bank_has_issue_48s_numbers():
+    """Issue 48 asks for at least 40 wrong and 10 correct attempts at notebook 12's exercises, all three covered."""
+    assert {a.exercise for a in variants_bugs.BUGGY + variants_bugs.CORRECT} == {"12.1", "12.2", "12.3"}
+    assert len(variants_bugs.BUGGY) >= 40 and len(variants_bugs.CORRECT) >= 10
+
+
+@pytest.mark.parametrize("name", ["window_one_too_wide", "mla_unscaled", "mla_rope_from_zero_each_call",
+                                  "linear_reads_before_the_update"])
+def test_a_wrong_output_comes_with_a_counterexample(name):
+    """The engine's counter-example runs the student's code as the check does (12.2: a copy of the layer and a
+    LatentCache), so an output mistake is shown on a tiny input, not left without one."""
+    attempt = next(a for a in variants_bugs.BUGGY if a.name == name)
+    result = judged(attempt)
+    assert not result.passed and "counterexample" in result.details, result
+
+
+def test_the_guard_watches_notebook_12s_own_references():
+    """modern.sliding_window_mask (notebook 09, window only) shares 12.1's name; the guard must watch variants'
+    mask with sinks, so a student who builds 12.1 on notebook 09's mask is not told they call the reference."""
+    from course_lib.classroom.checks.engine.run import reference_of
+    found = {entry.id: reference_of(entry.id) for entry in EXERCISES if entry.notebook == "12"}
+    found = {exercise: ref for exercise, ref in found.items() if ref is not None}   # 12.2 is a function of a layer
+    assert set(found) >= {"12.1", "12.3"}
+    for exercise, ref in found.items():
+        assert ref.__module__.startswith("course_lib.variants."), (exercise, ref.__module__)
