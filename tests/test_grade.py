@@ -188,7 +188,7 @@ def test_a_name_rebound_from_itself_takes_the_definition_before_it():
 def test_the_default_exercises_are_every_exercise_cell_9_2_and_9_6_included():
     assert list(PLANS) == ["1.1", "1.2", "1.3", "2.1", "2.2", "3.1", "3.2", "3.3", "4.1", "4.2", "4.3", "5.1", "5.2",
                            "5.3", "5.4", "6.1", "6.2", "7.1", "7.2", "9.1", "9.2", "9.3", "9.4", "9.5", "9.6",
-                           "10.1", "10.2", "10.3", "11.1", "11.2", "11.3"]
+                           "10.1", "10.2", "10.3", "11.1", "11.2", "11.3", "12.1", "12.2", "12.3"]
     assert PLANS["9.2"].name == "apply_rotary" and "def rotate_half" in PLANS["9.2"].solution
     help_text = build_parser().format_help()
     assert "1.1 to 7.2 and 9.1 to 11.3" in " ".join(help_text.split())
