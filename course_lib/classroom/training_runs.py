@@ -47,7 +47,7 @@ class TrainingRun:
         return self.val_loss[-1] if self.val_loss else float("nan")
 
     def summary(self) -> str:
-        end = f"validation loss {self.final_val_loss:.4f}" if self.failure is None else f"stopped: {self.failure}"
+        end = f"validation loss {self.final_val_loss:.3f}" if self.failure is None else f"stopped: {self.failure}"
         return f"{self.label}: {len(self.step)} steps, {end}"
 
 
@@ -85,12 +85,12 @@ def judge(yours: TrainingRun, reference: TrainingRun, tolerance: float = TOLERAN
     if verdict is None:
         gap = yours.final_val_loss - reference.final_val_loss
         return CheckResult("8.1", True, None,
-                           f"Your GPT trains like the reference: validation loss {yours.final_val_loss:.4f} "
-                           f"against {reference.final_val_loss:.4f} ({gap:+.4f}, tolerance {tolerance}).")
+                           f"Your GPT trains like the reference: validation loss {yours.final_val_loss:.3f} "
+                           f"against {reference.final_val_loss:.3f} ({gap:+.3f}, tolerance {tolerance}).")
     message = {"nan": f"Your GPT's loss became NaN at step {len(yours.step)}.",
                "raises": f"Training your GPT failed: {yours.failure}.",
                "stalls": "Your GPT's loss does not go down.",
-               "diverges": (f"Your GPT ends at validation loss {yours.final_val_loss:.4f}, the reference at "
-                            f"{reference.final_val_loss:.4f}: more than {tolerance} behind.")}[verdict]
+               "diverges": (f"Your GPT ends at validation loss {yours.final_val_loss:.3f}, the reference at "
+                            f"{reference.final_val_loss:.3f}: more than {tolerance} behind.")}[verdict]
     diagnosis = {"nan": "nan", "raises": "exception"}.get(verdict, "mismatch")
     return CheckResult("8.1", False, diagnosis, message + " find_blame(...) names the part.")
