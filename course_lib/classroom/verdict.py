@@ -55,7 +55,8 @@ DIAGNOSES = (
     "overlapping_windows",  # training windows that overlap: they start closer together than the stride
     "online_rescale",    # 10: the running sum (or output accumulator) not rescaled when the maximum grows
     "running_max",       # 10: the maximum of the latest block, not the running one (the rescale overflows)
-    "overflow",          # 10: exp of unshifted scores overflows (no maximum subtracted)
+    "overflow",          # exp of unshifted scores overflows (no maximum subtracted): NaN or inf on large inputs
+    "magnitude",         # right on well-scaled inputs, wrong on large, very negative or mixed-scale ones
     "early_normalization",  # 10: normalised at every block instead of once at the end
     "block_bounds",      # 10: a block boundary off by one, or a short last block dropped or padded unmasked
     "block_skip",        # 10: causal tiling skips the wrong key blocks, or none
@@ -70,6 +71,7 @@ DIAGNOSES = (
     "ablation_method",   # a head "switched off" by changing the wrong thing (its attention pattern), or not at all
     "ablation_slice",    # the wrong part of the merged heads zeroed: another head, the whole layer, proj's rows
     "not_restored",      # a context manager that leaves the model changed (hooks, weights), also after an exception
+    "patched",           # torch's or the course's own functions replaced (torch.equal = ...): no check can be trusted
     "calls_reference",   # the student's code is, wraps, subclasses or calls the course's own version of the exercise
     "mismatch",          # wrong, and like none of the mistakes we know
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code

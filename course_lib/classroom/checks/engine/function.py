@@ -13,8 +13,8 @@ import torch
 from ...exercises import Mistake
 from ...verdict import Failure, fail
 from .._model_common import as_tensor
-from .._student_code import call_student, close, expect_callable, expect_tensor, matches
-from .probes import gradient_probe
+from .._student_code import call_student, close, expect_callable, expect_tensor, matches, max_diff
+from .probes import gradient_probe, in_float64
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,11 @@ class FunctionExercise:
     - ``mismatch(run)``: the last word on the first run that differs.
     - ``after(runs, fn)``: the exercise's own probes once every case is right, before the gradients.
     - ``gradients()``: the cases of the gradient probe; ``examples()``: tiny cases for the counter-example.
+    - ``magnitude()``: the cases of the magnitude probe (``probes.magnitude_rows``/``magnitude_scores`` make
+      their inputs; ``what`` says which magnitude), judged once everything else holds: a difference is a
+      known mistake, else ``overflow`` (NaN or inf) or ``magnitude``, with ``stability`` as the advice.
+    - the dtype probe (``"dtype"`` in ``probes``, the default): every case again with float64 inputs and
+      float64 as the default dtype; the output's dtype must follow the reference's, its values too.
     """
 
     id: str
@@ -85,7 +90,12 @@ class FunctionExercise:
     values: Callable[[Run], Mapping[str, Any]] = lambda run: {}
     gradients: Callable[[], Sequence[Case]] = lambda: ()
     examples: Callable[[], Sequence[Case]] | None = None
-    probes: tuple[str, ...] = field(default=("gradient", "mutation", "reference_guard", "counterexample"))
+    magnitude: Callable[[], Sequence[Case]] = lambda: ()
+    stability: str = ("A softmax must hold for any scores: subtract each row's own maximum before exp (a "
+                      "running maximum that starts at -inf, never at 0, and never one shared by all rows), so "
+                      "that the largest term is exp(0) = 1 and no row underflows to 0/0.")
+    probes: tuple[str, ...] = field(default=("gradient", "mutation", "reference_guard", "counterexample", "dtype",
+                                             "global_state"))
 
     def same(self, out: Any, expected: torch.Tensor) -> bool:
         if self.exact:
@@ -128,7 +138,57 @@ def judge(exercise: FunctionExercise, fn: Any) -> str:
         exercise.after(runs, fn)
     for case in exercise.gradients():
         gradient_probe(fn, exercise.reference, case.args, exercise.arg_names, case.what)
+    for case in exercise.magnitude():
+        _at_magnitude(exercise, case, fn)
+    if "dtype" in exercise.probes:
+        _in_float64(exercise, fn)
     return exercise.success
+
+
+def _at_magnitude(exercise: FunctionExercise, case: Case, fn: Any) -> None:
+    """One case of the magnitude probe: right, a known mistake, or ``overflow``/``magnitude``."""
+    expected = exercise.reference(*case.args)
+    out = call_student(fn, *case.given(), what=case.what)
+    out = as_tensor(out) if exercise.numpy_ok else out
+    expect_tensor(out, tuple(expected.shape), case.what, dtype=expected.dtype if exercise.dtype else None,
+                  finite=False)
+    if exercise.same(out, expected):
+        return
+    run = Run(case, out, expected)
+    first_mistake(exercise.mistakes, lambda mistake: _reproduces(exercise, mistake, run),
+                  f"{case.what}: " if exercise.each_case and exercise.quote else "",
+                  got=quoted(out), expected=quoted(expected), **exercise.values(run))
+    if out.is_floating_point() and not bool(torch.isfinite(out).all()):
+        fail("overflow", f"{case.what}: your result holds NaN or inf where the reference's is finite, although "
+                         f"it is right on well-scaled inputs. {exercise.stability}")
+    fail("magnitude", f"{case.what}: your result differs from the reference's by up to "
+                      f"{max_diff(out, expected):.3g}, although it is right on well-scaled inputs. "
+                      f"{exercise.stability}")
+
+
+def _in_float64(exercise: FunctionExercise, fn: Any) -> None:
+    """The dtype probe: the cases again in a notebook whose default dtype is float64."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for case in exercise.cases():
+            case = Case(in_float64(case.args), f"{case.what} in a float64 notebook "
+                                               f"(torch.set_default_dtype(torch.float64), float64 inputs)")
+            expected = exercise.reference(*case.args)
+            out = call_student(fn, *case.given(), what=case.what)
+            out = as_tensor(out) if exercise.numpy_ok else out
+            if isinstance(out, torch.Tensor) and exercise.dtype and out.dtype != expected.dtype:
+                fail("dtype", f"{case.what}: your result is {out.dtype}, expected {expected.dtype}. A dtype is "
+                              f"written into your code (torch.float32, .float(), a fixed dtype=...): make new "
+                              f"tensors like the inputs (torch.zeros_like(x), x.new_zeros(...), dtype=x.dtype).")
+            expect_tensor(out, tuple(expected.shape), case.what, finite=False)
+            if not exercise.same(out, expected):
+                fail("precision", f"{case.what}: your result differs from the reference's by up to "
+                                  f"{max_diff(out, expected):.3g}, which float64 does not explain: part of your "
+                                  f"computation runs in a lower precision (a .float(), a float32 constant tensor). "
+                                  f"Keep the inputs' dtype throughout.")
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any) -> None:

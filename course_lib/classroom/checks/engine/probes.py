@@ -9,17 +9,23 @@ the table to the list that applies to it (``tests/test_checks_bank.py``). Where 
   entered by ``engine.run`` around every check).
 - ``counterexample``: the smallest input on which the student and the reference differ (``example``).
 - ``device``: the output on the inputs' device (``_student_code.expect_cpu``; ``_device_probe`` for modules).
+- ``magnitude``: the exercise's cases again at the magnitudes a softmax or a norm must survive: scores in
+  the hundreds, rows far below zero, rows of very different scales (``magnitude_rows``, ``magnitude_scores``
+  make them from a case's inputs; ``FunctionExercise.magnitude`` lists them).
+- ``dtype``: the cases again in a float64 notebook (``torch.set_default_dtype(torch.float64)``, float64
+  inputs): a dtype written into the code shows (``dtype_cases``, judged by ``engine.function``).
+- ``global_state``: torch's and the course's functions as the check found them at import; one replaced
+  (``torch.equal = ...``) is the verdict ``patched`` (``engine.pinned``).
 
-Slots of issue 43, named here so that an exercise can list them once they are written, one function
-each in this module: ``magnitude`` (large scores, very negative rows, rows of different scales),
-``dtype`` (the notebook's default dtype, float64 too), ``saved_tensors`` (tensors saved for backward
-unchanged), ``model_state`` (hooks, training mode, requires_grad restored), ``global_state`` (a
-patched torch or course function found during a check is a verdict of its own).
+Slots still to fill, one function each in this module: ``saved_tensors`` (tensors saved for backward
+unchanged), ``model_state`` (hooks, training mode, requires_grad restored).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 from .._gradients import check_function_gradients
 
@@ -34,3 +40,66 @@ def gradient_probe(fn: Callable[..., Any], reference: Callable[..., Any], args: 
     floating-point tensors among them are compared by their names in ``names`` (the others are skipped)."""
     floats = [name for name, a in zip(names, args) if getattr(a, "is_floating_point", lambda: False)()]
     check_function_gradients(fn, reference, *args, names=floats, what=what)
+
+
+# ---------------------------------------------------------------- magnitude
+
+# exp overflows float32 past 88 and float64 past 709, and underflows to 0 below about -104 (float32) and
+# -745 (float64): these inputs pass those bounds in both dtypes.
+_LARGE = 300.0      # a unit-spread row scaled to scores of several hundred
+_FAR = 1000.0       # how far below zero (or apart) whole rows are moved
+
+
+def _unit_spread(x: torch.Tensor) -> torch.Tensor:
+    """``x`` divided by the spread of its finite entries (a masked -inf stays -inf)."""
+    finite = x[x.isfinite()]
+    return x / finite.std().clamp_min(1e-6) if finite.numel() > 1 else x
+
+
+def magnitude_rows(x: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
+    """``x`` (..., L), read as rows of scores along its last axis, at three magnitudes a stable softmax (or
+    log-sum-exp) survives and a naive one does not, each with the words a message shows:
+
+    - every score scaled to several hundred: ``exp`` overflows unless the row's maximum is subtracted;
+    - every row far below zero: ``exp`` underflows to 0 (0/0) unless the maximum is, a maximum starting at 0 too;
+    - rows of very different scales and offsets: one maximum shared by all rows leaves some rows at 0/0.
+    """
+    unit = _unit_spread(x)
+    rows = unit.reshape(-1, x.shape[-1]) if x.dim() else unit.reshape(1, 1)        # (rows, L)
+    pattern = torch.tensor([(1.0, _FAR), (40.0, 0.0), (1.0, -_FAR), (0.05, 0.0)], dtype=x.dtype)
+    scale, offset = pattern[torch.arange(rows.shape[0]) % len(pattern)].unbind(-1)      # (rows,) each
+    mixed = (rows * scale[:, None] + offset[:, None]).reshape(x.shape)
+    negative = unit - _FAR
+    return [(unit * _LARGE, f"scores scaled to about \u00b1{_LARGE:.0f}"),
+            (negative, f"every score below {float(negative[negative.isfinite()].max()):.0f}"),
+            (mixed, f"rows {2 * _FAR:.0f} apart and of scales from 0.05 to 40")]
+
+
+def magnitude_scores(q: torch.Tensor, k: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """Queries and keys (..., L, d) whose scores q k^T / sqrt(d) have the magnitudes of ``magnitude_rows``:
+
+    - both scaled, scores of several hundred;
+    - one direction added to every key and, with alternating signs, to the queries: every score of one query
+      row near +S and of the next near -S (S of several hundred), so a maximum from 0 or shared by all rows
+      fails on the rows below zero.
+    """
+    d = q.shape[-1]
+    # a score is a sum of d products over sqrt(d): its spread is about std(q) * std(k); make it _LARGE / 3
+    grow = (_LARGE / 3 / max(float(q.std()) * float(k.std()), 1e-6)) ** 0.5 if q.numel() > 1 < k.numel() else 1.0
+    push = (2 * _LARGE * d ** 0.5) ** 0.5   # push**2 / sqrt(d) = 2 * _LARGE
+    direction = torch.zeros(d, dtype=q.dtype)
+    direction[0] = 1.0
+    signs = torch.ones(q.shape[-2], dtype=q.dtype)
+    signs[1::2] = -1.0                                                          # (L,): +, -, +, ...
+    apart_q = q + push * signs[:, None] * direction                             # (..., L, d)
+    apart_k = k + push * direction                                              # (..., L_k, d)
+    return [(q * grow, k * grow, f"scores scaled to about \u00b1{_LARGE:.0f}"),
+            (apart_q, apart_k, f"every score of one query near +{2 * _LARGE:.0f}, of the next near "
+                               f"-{2 * _LARGE:.0f}")]
+
+
+# ---------------------------------------------------------------- dtype
+
+def in_float64(args: Sequence[Any]) -> tuple[Any, ...]:
+    """The arguments with every floating-point tensor in float64 (the others as they are)."""
+    return tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
