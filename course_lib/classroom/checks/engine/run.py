@@ -14,7 +14,8 @@ A checker never raises because of the student's code: its body returns a success
    worker thread there is no limit; Ctrl-C (the stop button) always interrupts.
 3. isolation: the interpreter is left as found (``_save``), and course_lib is put back to the references
    pinned when ``checks`` was imported (``_references``): a student's patch of a reference can neither make
-   a wrong answer pass nor a right one fail.
+   a wrong answer pass nor a right one fail. torch's own functions replaced (``torch.equal = ...``), before
+   the check or by the student's code during it, are the verdict ``patched`` (``pinned``).
 4. the reference guard: the exercise's own reference doing the work is the verdict ``calls_reference``.
 5. the verdict: a ``Failure`` gets its counter-example (``example``, for ``checks.hint``); the student's
    exception, ``sys.exit`` or endless loop is named; an exception raised by the checker itself (no student
@@ -53,6 +54,7 @@ from ...exercises import BY_ID, EXERCISES
 from ...verdict import CheckResult, Failure
 from .._references import attributes, bind_references, install_references, restore_namespace
 from .._student_code import is_student_file, raised_in_student_code, student_frame
+from . import pinned
 
 __all__ = ["checker", "set_time_limit", "last", "forget", "CheckNotPassed", "CheckTimeout", "TIME_LIMIT_S", "can_fork",
            "CallsReference", "reference_of", "is_reference", "reference_message"]
@@ -62,7 +64,8 @@ GRACE_S = 2.0      # after the child's own alarm should have rung, before the ki
 _in_child = False  # True in a forked child: a check nested in a check runs in place
 _LAST: dict[str, CheckResult] = {}
 # Diagnoses with nothing to show side by side: no output, a crash, or a verdict about the course
-_NO_EXAMPLE = ("not_implemented", "exception", "timeout", "checker_error", "missing", "crashed", "mutation")
+_NO_EXAMPLE = ("not_implemented", "exception", "timeout", "checker_error", "missing", "crashed", "mutation",
+               "patched")
 
 
 def set_time_limit(seconds: float) -> None:
@@ -181,9 +184,11 @@ def _judge(exercise: str, body: Callable[..., str | None], example: Callable[...
         torch.set_grad_enabled(True)
         if hasattr(torch, "set_default_device"):
             torch.set_default_device(None)   # inputs and references on the CPU, whatever the notebook set
+        pinned.expect_unpatched(written=True)   # torch.equal replaced before the check: nothing can be compared
         with _alarm(TIME_LIMIT_S), _guard(exercise, args):
             try:
                 message = body(*args, **kwargs)
+                pinned.expect_unpatched()   # replaced by code the check ran outside _student_code.call
             except Failure as failure:   # the smallest input that shows the mistake, for checks.hint
                 _attach(exercise, failure, args, kwargs, example)
                 raise
@@ -265,8 +270,10 @@ def _save() -> Callable[[], None]:
     cwd, environ, spaces, rng = _cwd(), dict(os.environ), attributes(), torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     numpy_rng = numpy.random.get_state() if numpy is not None else None
+    functions = pinned.save()   # torch's functions as the kernel has them (replaced or not)
 
     def restore() -> None:
+        functions()
         for module, read, write, value in settings:
             if getattr(module, read)() != value:
                 getattr(module, write)(value)
@@ -539,6 +546,7 @@ def _child(judge: Callable[[], CheckResult], write_end: int) -> None:
         # and stays at one: code that asks for more threads here would wake the copied pool and hang
         # (seen: set_num_threads(3) in a student's function, then a matmul, never returned)
         torch.set_num_threads = lambda threads: None
+        pinned.accept(torch, "set_num_threads")   # the check's own replacement, not the student's
         try:
             payload = _portable(judge())
         except KeyboardInterrupt:

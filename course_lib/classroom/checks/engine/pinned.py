@@ -1,0 +1,181 @@
+"""torch's own functions as the checks found them: one replaced by the student's code is a verdict of its own.
+
+A check rests on torch's arithmetic (``torch.equal``, ``torch.allclose``, ``Tensor.__sub__``...) and runs the
+course's references on torch's functions (``F.softmax``, ``nn.Linear.forward``). Code that replaces one of them
+(``torch.equal = lambda *a: True``, even from a default argument evaluated when its cell runs) would make a
+wrong answer pass, and leak into every later cell, where a right answer then fails. So every function that the
+student's code can reach of torch, its tensors, its modules, ``math`` and the builtins is pinned when
+``checks`` is imported (before any exercise cell runs, in the notebook and in the grader); a check that finds
+one of them replaced, or one defined in the student's code, stops with the verdict ``patched`` before it
+compares anything (``run``), and again after each call of the student's code (``_student_code.call``). The
+course's own modules are pinned apart (``_references``).
+"""
+from __future__ import annotations
+
+import builtins
+import math
+import operator
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...verdict import fail
+
+
+def _namespaces() -> Iterator[tuple[str, Any]]:
+    """(the name a student writes, the object whose attributes are pinned)."""
+    yield from (("torch", torch), ("torch.nn.functional", F), ("torch.Tensor", torch.Tensor),
+                ("torch.Tensor", torch._C.TensorBase), ("torch.linalg", torch.linalg),
+                ("torch.special", torch.special), ("torch.autograd", torch.autograd), ("torch.nn.init", nn.init),
+                ("torch.nn", nn), ("math", math), ("builtins", builtins))
+    seen = set()
+    for cls in vars(nn).values():   # nn.Module and every layer: their forward, __call__, hooks
+        if isinstance(cls, type) and issubclass(cls, nn.Module):
+            for klass in cls.__mro__:
+                if klass not in seen and klass.__module__.startswith("torch."):
+                    seen.add(klass)
+                    yield f"torch.nn.{klass.__name__}", klass
+
+
+def _pinnable(value: Any) -> bool:
+    return callable(value) or isinstance(value, (staticmethod, classmethod, property))
+
+
+def _snapshot() -> dict[tuple[int, str], tuple[str, Any, Any]]:
+    """{(id of the namespace, attribute): (what the student would write, the namespace, the value)}."""
+    found: dict[tuple[int, str], tuple[str, Any, Any]] = {}
+    for shown, space in _namespaces():
+        for name, value in list(vars(space).items()):
+            # IPython keeps its last results in builtins._, __, ___: not Python's functions; torch.Storage
+            # follows the default dtype (torch.set_default_dtype rebinds it)
+            if _pinnable(value) and not (space is builtins and name.startswith("_")) and (space, name) != (torch, "Storage"):
+                found[(id(space), name)] = (f"{shown}.{name}", space, value)
+    return found
+
+
+PINNED = _snapshot()
+_BY_SPACE = []   # (namespace, its pinned names, their values, a getter of them all at once)
+for _space in {id(space): space for _, space, _ in PINNED.values()}.values():
+    _names = tuple(name for (key, name) in PINNED if key == id(_space))
+    _BY_SPACE.append((_space, _names, tuple(vars(_space)[n] for n in _names),
+                      operator.itemgetter(*_names) if len(_names) > 1 else (lambda d, n=_names[0]: (d[n],))))
+# A class's own names when pinned: a name set later on a class shadows its base's (``torch.Tensor.softmax = ...``
+# hides TensorBase's softmax without changing it)
+_CLASS_NAMES = {id(space): (shown, space, frozenset(vars(space))) for shown, space in _namespaces()
+                if isinstance(space, type)}
+
+
+def _code_of(value: Any) -> Any:
+    value = getattr(value, "__func__", value)
+    value = value.fget if isinstance(value, property) else value
+    return getattr(value, "__code__", None)
+
+
+def replaced(written: bool = False) -> list[str]:
+    """What the student's code has replaced: the names (``torch.equal``) whose value is no longer the pinned
+    one; with ``written``, also those whose pinned value is a function written in the student's code (a
+    replacement made before ``checks`` was imported: looked for once per check, it costs more)."""
+    from .._student_code import is_student_file  # (which imports this module)
+    found = []
+    for space, names, values, getter in _BY_SPACE:
+        try:
+            same = all(map(operator.is_, getter(vars(space)), values))   # one pass in C: the usual case
+        except KeyError:   # a name deleted
+            same = False
+        if same and not written:
+            continue
+        for name, value in zip(names, values):
+            shown = PINNED[(id(space), name)][0]
+            now = vars(space).get(name, _MISSING)
+            if now is not value and _torch_wraps(now, value):
+                accept(space, name)   # torch's own wrapper (importing torch._dynamo wraps torch.manual_seed)
+            elif now is not value:
+                found.append(shown)
+            elif written and (code := _code_of(now)) is not None and is_student_file(code.co_filename):
+                found.append(shown)
+    for shown, space, names in _CLASS_NAMES.values():
+        own = vars(space)
+        if len(own) == len(names) and all(map(own.__contains__, names)):
+            continue   # (the usual case, in C)
+        for name in own.keys() - names:
+            if any((id(base), name) in PINNED for base in space.__mro__[1:]):
+                found.append(f"{shown}.{name}")
+    return found
+
+
+_MISSING = object()
+_TORCH_FILES = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
+
+
+def _torch_wraps(new: Any, old: Any) -> bool:
+    """Whether ``new`` is torch's own wrapper of ``old`` (functools.wraps in torch's code): torch updating itself."""
+    code = _code_of(new)
+    if code is None or not os.path.realpath(code.co_filename).startswith(_TORCH_FILES):
+        return False
+    inner = new
+    for _ in range(5):
+        inner = getattr(inner, "__wrapped__", None)
+        if inner is old:
+            return True
+        if inner is None:
+            return False
+    return False
+
+
+def expect_unpatched(written: bool = False) -> None:
+    """Fail with ``patched`` when anything pinned is replaced (see the module's docstring and ``replaced``)."""
+    names = replaced(written)
+    if names:
+        fail("patched", patched_message(names))
+
+
+def patched_message(names: list[str]) -> str:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"{shown} {'is' if len(names) == 1 else 'are'} not torch's own any more: code in this notebook "
+            f"replaced {'it' if len(names) == 1 else 'them'} (an assignment such as `torch.equal = ...`, a "
+            f"setattr, perhaps in a default argument). Checks compare with torch's own functions, and every "
+            f"later cell would see the replacement too. Remove that code, restart the kernel (Kernel > Restart) "
+            f"and run the cells again.")
+
+
+def accept(space: Any, name: str) -> None:
+    """Pin ``space.name``'s present value (the check's own child replaces ``torch.set_num_threads``)."""
+    key = (id(space), name)
+    if key in PINNED:
+        shown, _, _ = PINNED[key]
+        PINNED[key] = (shown, space, getattr(space, name))
+        for i, (pinned_space, names, values, getter) in enumerate(_BY_SPACE):
+            if pinned_space is space:
+                values = tuple(PINNED[(id(space), n)][2] for n in names)
+                _BY_SPACE[i] = (pinned_space, names, values, getter)
+
+
+def save() -> Callable[[], None]:
+    """Remember the pinned names' present values (a kernel's, patched or not); the function returned puts back
+    any that a check's code changed, so a check leaves the kernel as it found it."""
+    present = {key: vars(space).get(key[1], _MISSING) for key, (_, space, _) in PINNED.items()}
+    added = {key: vars(space).keys() - names for key, (_, space, names) in _CLASS_NAMES.items()}
+
+    def restore() -> None:
+        for key, value in present.items():
+            _, space, _ = PINNED[key]
+            name = key[1]
+            if vars(space).get(name, _MISSING) is not value:
+                try:
+                    if value is _MISSING:
+                        delattr(space, name)
+                    else:
+                        setattr(space, name, value)
+                except (AttributeError, TypeError):   # a builtin type's slot cannot be set back
+                    pass
+        for key, (_, space, names) in _CLASS_NAMES.items():
+            for name in vars(space).keys() - names - added[key]:   # a name the check's code set on a class
+                try:
+                    delattr(space, name)
+                except (AttributeError, TypeError):
+                    pass
+    return restore
