@@ -10,13 +10,13 @@ import inspect
 import warnings
 
 import pytest
-from bank import attention_bugs, flash_bugs, heads_bugs, model_bugs, modern_bugs, variants_bugs
+from bank import attention_bugs, flash_bugs, heads_bugs, model_bugs, modern_bugs, probe_bugs, variants_bugs
 
 from course_lib.classroom import checks, verdict
 from course_lib.classroom.checks.engine import PROBES, FunctionExercise
 from course_lib.classroom.exercises import BY_ID, EXERCISES
 
-BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs)
+BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs, probe_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
 

@@ -22,6 +22,7 @@ from ._student_code import call, call_student, close, expect_finite, max_diff, r
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import SEEDS, tiny
 from .engine.function import Run
+from .engine.probes import magnitude_scores
 
 __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]
 
@@ -189,6 +190,9 @@ TOY_ATTENTION = FunctionExercise(
     ),
     reword=_toy_reword, diagnose=_toy_diagnose, examples=_toy_examples,
     gradients=lambda: [replace(_toy_cases()[2], what="toy_attention(query, keys, values) with values (n, dv)")],
+    magnitude=lambda: [Case((q, keys, values), f"toy_attention(query, keys, values) with {how}")
+                       for query, keys0, values in (c.args for c in _toy_cases()[1:3])
+                       for q, keys, how in magnitude_scores(query, keys0)],
 )
 
 
@@ -324,6 +328,9 @@ SCALED_DOT_PRODUCT_ATTENTION = FunctionExercise(
     mistakes=SDPA_HYPOTHESES,
     variant=lambda q, k, v, mask=None, *, spec: sdpa_variant(q, k, v, mask, spec),
     reword=_sdpa_reword, diagnose=_sdpa_diagnose, examples=_sdpa_examples, gradients=_sdpa_gradients,
+    # without a mask: masking after the softmax and renormalising is right, and underflows on large scores
+    magnitude=lambda: [_sdpa_case(q2, k2, v, call=f"{case.what} with {how}") for case in _sdpa_cases()[:2]
+                       for q, k, v in (case.args,) for q2, k2, how in magnitude_scores(q, k)],
 )
 
 

@@ -23,6 +23,7 @@ from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
+from .engine.probes import magnitude_rows
 
 __all__ = ["check_lm_windows", "check_lm_loss", "check_train_step", "check_sampling"]
 
@@ -247,6 +248,11 @@ LM_LOSS = FunctionExercise(
     each_case=True, dtype=False, finite=True, reword=_loss_error,
     gradients=lambda: LM_LOSS.cases(),
     examples=lambda: _loss_cases(((1, 1, 2, 0), (1, 2, 3, 0), (2, 2, 3, 1)), 1, small=True),
+    magnitude=lambda: [Case((x, targets), f"{case.what} with {how.replace('score', 'logit')}") for case in _loss_cases(
+        ((2, 5, 7, 0), (3, 6, 11, 2)), 5) for logits, targets in (case.args,) for x, how in magnitude_rows(logits)],
+    stability="A loss must hold for any logits: log(softmax(x)) underflows to log(0) = -inf when one logit is far "
+              "above the others, and exp overflows for large ones. Pass the raw logits to F.cross_entropy (or use "
+              "F.log_softmax, which subtracts each row's maximum).",
 )
 
 

@@ -283,7 +283,7 @@ APPLY_ROTARY = FunctionExercise(
     mismatch=_rotary_mismatch,
     mistakes=variants.ROTARY, variant=variants.rotary_variant, finite=True, reword=_rotary_reword,
     diagnose=_rotary_offsets, examples=_rotary_examples,
-    probes=("gradient", "mutation", "reference_guard", "counterexample", "device"),
+    probes=("gradient", "mutation", "reference_guard", "counterexample", "device", "dtype", "global_state"),
 )
 
 
@@ -629,7 +629,7 @@ REPEAT_KV = FunctionExercise(
     examples=lambda: [Case((torch.arange(float(kv * length)).reshape(1, kv, length, 1), groups),
                            f"repeat_kv(x, {groups})") for kv, groups, length in ((1, 2, 1), (2, 2, 1), (2, 2, 2),
                                                                                   (2, 3, 1))],
-    probes=("gradient", "mutation", "reference_guard", "counterexample", "device"),
+    probes=("gradient", "mutation", "reference_guard", "counterexample", "device", "dtype", "global_state"),
 )
 
 

@@ -155,7 +155,12 @@ def _at_magnitude(exercise: FunctionExercise, case: Case, fn: Any) -> None:
     if exercise.same(out, expected):
         return
     run = Run(case, out, expected)
-    first_mistake(exercise.mistakes, lambda mistake: _reproduces(exercise, mistake, run),
+
+    def reproduces(mistake: Mistake) -> bool:   # a mistake that overflows here too says nothing of which it is
+        wrong = exercise.mistaken(mistake, case)
+        finite = not isinstance(wrong, torch.Tensor) or not wrong.is_floating_point() or bool(wrong.isfinite().all())
+        return wrong is not None and finite and _reproduces(exercise, mistake, run)
+    first_mistake(exercise.mistakes, reproduces,
                   f"{case.what}: " if exercise.each_case and exercise.quote else "",
                   got=quoted(out), expected=quoted(expected), **exercise.values(run))
     if out.is_floating_point() and not bool(torch.isfinite(out).all()):

@@ -76,26 +76,29 @@ def magnitude_rows(x: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
 
 
 def magnitude_scores(q: torch.Tensor, k: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
-    """Queries and keys (..., L, d) whose scores q k^T / sqrt(d) have the magnitudes of ``magnitude_rows``:
+    """Queries and keys (..., L, d) (a single query (d,) too) whose scores q k^T / sqrt(d) have the magnitudes
+    of ``magnitude_rows``, each with the words a message shows:
 
-    - both scaled, scores of several hundred;
+    - both scaled: scores of several hundred;
     - one direction added to every key and, with alternating signs, to the queries: every score of one query
-      row near +S and of the next near -S (S of several hundred), so a maximum from 0 or shared by all rows
-      fails on the rows below zero.
+      row near +S and of the next near -S (S of several hundred): a maximum shared by all rows fails;
+    - the same direction subtracted from every query: every score near -S, so exp underflows to 0/0 unless
+      each row's maximum is subtracted (a maximum that starts at 0 fails too).
     """
     d = q.shape[-1]
     # a score is a sum of d products over sqrt(d): its spread is about std(q) * std(k); make it _LARGE / 3
-    grow = (_LARGE / 3 / max(float(q.std()) * float(k.std()), 1e-6)) ** 0.5 if q.numel() > 1 < k.numel() else 1.0
-    push = (2 * _LARGE * d ** 0.5) ** 0.5   # push**2 / sqrt(d) = 2 * _LARGE
+    spread = float(q.std()) * float(k.std()) if q.numel() > 1 and k.numel() > 1 else 1.0
+    grow = (_LARGE / 3 / max(spread, 1e-6)) ** 0.5
+    push = (2 * _LARGE * d ** 0.5) ** 0.5   # push**2 / sqrt(d) = 2 * _LARGE: a score of several hundred
     direction = torch.zeros(d, dtype=q.dtype)
-    direction[0] = 1.0
-    signs = torch.ones(q.shape[-2], dtype=q.dtype)
+    direction[0] = push
+    signs = torch.ones(q.shape[-2] if q.dim() > 1 else 1, dtype=q.dtype)
     signs[1::2] = -1.0                                                          # (L,): +, -, +, ...
-    apart_q = q + push * signs[:, None] * direction                             # (..., L, d)
-    apart_k = k + push * direction                                              # (..., L_k, d)
+    alternating = signs[:, None] * direction if q.dim() > 1 else direction      # (L, d), or (d,) for one query
     return [(q * grow, k * grow, f"scores scaled to about \u00b1{_LARGE:.0f}"),
-            (apart_q, apart_k, f"every score of one query near +{2 * _LARGE:.0f}, of the next near "
-                               f"-{2 * _LARGE:.0f}")]
+            (q + alternating, k + direction, f"every score of one query near +{2 * _LARGE:.0f}, of the next near "
+                                             f"-{2 * _LARGE:.0f}"),
+            (q - direction, k + direction, f"every score near -{2 * _LARGE:.0f}")]
 
 
 # ---------------------------------------------------------------- dtype
