@@ -57,8 +57,10 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     # lm_loss without its checks: the loop and evaluate() call it on batches checked once, up front.
-    # cross_entropy wants the classes in dimension 1, so flatten positions into the batch
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),   # (N*L, V), (N*L,)
+    # cross_entropy wants the classes in dimension 1, so flatten positions into the batch; half-precision
+    # logits are summed in float32 (float64 ones stay float64: a float64 notebook keeps its precision)
+    precision = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.flatten(0, 1).to(precision), targets.flatten(),   # (N*L, V), (N*L,)
                            ignore_index=IGNORE_INDEX, reduction=reduction)
 
 

@@ -230,6 +230,20 @@ def _mla_examples() -> list[Case]:
             for length, split in ((1, 0), (2, 0), (3, 0), (3, 2))]
 
 
+def _mla_magnitude() -> list[Case]:
+    """The first cases with the query and key weights 10 times larger: scores 100 times larger, several hundred."""
+    cases = []
+    for case in _mla_cases()[:2]:
+        layer, x, split = case.args
+        with torch.no_grad():
+            (layer.q_proj if layer.q_lora_rank is None else layer.q_b_proj).weight.mul_(10.0)
+            layer.kv_b_proj.weight.mul_(10.0)
+            layer.kv_a_proj_with_mqa.weight[-layer.qk_rope_head_dim:].mul_(10.0)   # the rotary keys
+        cases.append(Case((layer, x, split), f"{case.what}, with the query and key weights 10 times larger "
+                                             f"(scores of several hundred)"))
+    return cases
+
+
 def _mla_gradients() -> list[Case]:
     return [Case((_layer(7, 4), torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(7)), 0),
                  "latent_attention(layer, x) with x of shape (1, 4, 8)")]
@@ -285,7 +299,7 @@ LATENT_ATTENTION = FunctionExercise(
                          f"kv_a_proj_with_mqa; the norm; RoPE on the rotary parts at start; the cache; keys and "
                          f"values from kv_b_proj; scores with layer.softmax_scale; the causal mask; o_proj.",
     mistakes=_MLA_MISTAKES, variant=lambda layer, x, split, spec: _mla(layer, x, split, **spec),
-    gradients=_mla_gradients, examples=_mla_examples,
+    gradients=_mla_gradients, examples=_mla_examples, magnitude=_mla_magnitude,
 )
 
 

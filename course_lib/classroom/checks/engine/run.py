@@ -343,7 +343,7 @@ def _ring(signum: int, frame: Any) -> None:
 # redefines an earlier one's name comes before it: 12.1's sliding_window_mask (with sinks) is variants', and
 # modern's window-only mask (notebook 09) is the student's to build on, not the reference.
 _REFERENCE_MODULES = ("attention", "model", "variants", "modern", "modern_gpt", "generate", "data", "train", "flash",
-                      "heads")
+                      "heads", "hf")
 
 
 class CallsReference(BaseException):
