@@ -102,3 +102,19 @@ def loss_log_softmax_by_hand_without_maximum(logits, targets):
 def loss_logsumexp_by_hand(logits, targets):
     log_probs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
     return F.nll_loss(log_probs.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+# ============================================================================ 2.2: a module's dtype
+
+from bank.attention_bugs import GivenMaskedAttention  # noqa: E402  (the notebook's given constructor)
+
+
+@bug("2.2", "dtype", "float64")
+class MaskedFloat32Scores(GivenMaskedAttention):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x).float(), self.key(x).float(), self.value(x).float()
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(self.embed_dim)).masked_fill(
+            ~self.mask[:length, :length], float("-inf"))
+        weights = self.attn_dropout(torch.softmax(scores, dim=-1))
+        return self.proj_dropout(self.proj((weights @ v).to(self.proj.weight.dtype))).float()

@@ -295,6 +295,35 @@ class ModuleCheck:
                             f"{DROPOUT:.0%}: apply self.proj_dropout once, after self.proj.")
 
 
+def check_float64(check: ModuleCheck) -> None:
+    """The dtype probe of a module: built, loaded and run in a float64 notebook (torch.set_default_dtype(
+    torch.float64)); its output must be float64 and agree with the reference's."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        heads = check.heads[0]
+        run = next(run for run in check.runs if run.heads == heads)
+        model = construct(check.make_candidate, heads, DROPOUT, what=check.name)
+        reference = check.make_reference(heads, DROPOUT).eval()
+        params = {name: p.double() for name, p in run.params.items()}
+        load_parameters(model, params)
+        load_parameters(reference, params)
+        call(model.eval, what=f"{check.name}.eval()")
+        x, what = run.x.double(), f"{run.what} in a float64 notebook (torch.set_default_dtype(torch.float64))"
+        with torch.no_grad():
+            out = call(model, x.clone(), what=what)
+            expected = reference(x)
+        if isinstance(out, torch.Tensor) and out.dtype != torch.float64:
+            fail("dtype", f"{what}: your output is {out.dtype}, expected torch.float64. A dtype is written into "
+                          f"your code (torch.float32, .float(), a fixed dtype=...): make new tensors like the "
+                          f"input (torch.zeros_like(x), x.new_ones(...), dtype=x.dtype).")
+        if isinstance(out, torch.Tensor) and not close(out, expected):
+            fail("precision", f"{what}: your output differs from the reference's by up to "
+                              f"{max_diff(out, expected):.3g}: part of your computation runs in a lower precision.")
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def module_check(check: ModuleCheck, heads_text: str) -> str:
     """Run a ModuleCheck through: outputs, the known mistakes, gradients, then dropout; the success message."""
     check.run_all()
@@ -307,6 +336,9 @@ def module_check(check: ModuleCheck, heads_text: str) -> str:
         run = next(run for run in check.runs if run.heads == heads)
         check_module_gradients(check.models[heads], check.references[heads], run.x, what=run.what)
     check.check_train_dropout()
+    # No magnitude probe here: the scores come from the module's weights, and masking after the softmax then
+    # renormalising (right, and in the bank) underflows on large scores like a softmax without its maximum.
+    check_float64(check)
     lengths = sorted({length for _, length in CASES})
     return (f"Matches the reference for batch sizes 1-3 and lengths {lengths}{heads_text}; the future never "
             f"leaks and dropout only acts in training mode.")
