@@ -91,7 +91,7 @@ def test_every_hypothesised_mistake_changes_what_the_checker_sees():
     for spec in (mistake.spec for mistake in _flash_variants.FORWARD_MISTAKES):
         if spec == {"skip": "none"}:
             continue
-        assert any(not torch.allclose(_flash_variants.forward_variant(q, k, v, bq, bk, c, **spec)[0],
+        assert any(not torch.allclose(_flash_variants.forward_variant(q, k, v, bq, bk, c, **spec)[0].double(),
                                       flash.naive_attention(q.double(), k.double(), v.double(), causal=c)[0])
                    for q, k, v, bq, bk, c in notebook10._FORWARD_CASES), spec
 
@@ -185,3 +185,68 @@ def test_the_same_loop_with_the_right_bounds_passes_and_other_exceptions_stay_ex
         raise IndexError("a slip of the student's own")
     result = checks.check_flash_attention(raises_elsewhere)
     assert result.diagnosis == "exception" and "IndexError" in result.message
+
+
+# ---------------------------------------------------------------- issue 43: the saved_tensors probe
+
+class _Double(torch.autograd.Function):
+    """y = 2 x, saving x: the smallest Function whose backward can touch a saved input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+class _DoubleScalingX(_Double):
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x.mul_(0.5)                 # scratch use of the saved input: the gradient is still right
+        return 2 * grad
+
+
+class _DoubleSavingOut(_Double):
+    @staticmethod
+    def forward(ctx, x):
+        y = 2 * x
+        ctx.save_for_backward(x, y, y.sum(-1))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y, total = ctx.saved_tensors
+        total.zero_()
+        return 2 * grad
+
+
+def _probe(cls):
+    from course_lib.classroom.checks.engine.saved_tensors import forward_backward
+    from course_lib.classroom.verdict import Failure
+    x, grad = torch.randn(3, 4), torch.randn(3, 4)
+    try:
+        out, grads = forward_backward(cls, (x,), grad, names=("x",), what="_Double.apply(x)")
+    except Failure as failure:
+        return failure
+    return out, grads, x, grad
+
+
+def test_the_saved_tensors_probe_passes_a_clean_function_and_gives_its_gradients():
+    out, (dx,), x, grad = _probe(_Double)
+    assert torch.equal(out, 2 * x) and torch.equal(dx, 2 * grad)
+
+
+@pytest.mark.parametrize("cls, named", [(_DoubleScalingX, "changed x in place"),
+                                        (_DoubleSavingOut, "position 3 of ctx.save_for_backward")])
+def test_the_saved_tensors_probe_names_what_the_backward_changed(cls, named):
+    """Right gradients, but an input or a tensor saved for backward changed: the verdict is mutation, named."""
+    failure = _probe(cls)
+    assert failure.diagnosis == "mutation" and named in failure.message, failure.message
+
+
+def test_10_3_declares_the_saved_tensors_probe():
+    assert "saved_tensors" in notebook10.FLASH_BACKWARD.probes

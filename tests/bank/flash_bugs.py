@@ -519,3 +519,210 @@ class BackwardNotWritten(FlashAttentionFunction):
     @staticmethod
     def backward(ctx, grad_out):
         raise NotImplementedError("Exercise 10.3: the backward")
+
+
+# ============================================================================ issue 43: magnitudes (10.1, 10.2)
+
+@bug("10.1", "running_max", "-inf")
+def softmax_max_starts_at_zero(x, block_size):
+    m = torch.zeros(x.shape[:-1], dtype=x.dtype)             # "the maximum so far", from 0
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+@bug("10.1", "magnitude", "all rows")
+def softmax_one_max_for_all_rows(x, block_size):
+    m = torch.tensor(float("-inf"), dtype=x.dtype)
+    l = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.max())                 # no dim: the largest score anywhere
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new).sum(-1)
+        m = m_new
+    return torch.exp(x - m) / l[..., None]
+
+
+@bug("10.1", "magnitude", "dim=-1")
+def softmax_global_max_two_passes(x, block_size):
+    m = max(float(x[..., s:s + block_size].max()) for s in range(0, x.shape[-1], block_size))
+    l = sum(torch.exp(x[..., s:s + block_size] - m).sum(-1) for s in range(0, x.shape[-1], block_size))
+    return torch.exp(x - m) / l[..., None]
+
+
+@bug("10.1", "overflow", "maximum")
+def softmax_running_sum_of_exp(x, block_size):
+    chunks = [torch.exp(x[..., s:s + block_size]) for s in range(0, x.shape[-1], block_size)]
+    total = sum(c.sum(-1, keepdim=True) for c in chunks)
+    return torch.cat([c / total for c in chunks], -1)
+
+
+@correct("10.1")
+def softmax_max_from_minus_large(x, block_size):
+    # a very negative finite start instead of -inf: exp(m - m_new) is 0 at the first block, as it should be
+    m = torch.full(x.shape[:-1], -1e30 if x.dtype == torch.float32 else -1e300, dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+def _tiled_43(q, k, v, block_q, block_k, causal, *, m_start=float("-inf"), row_max=True, subtract=True,
+              lse_kind="ok"):
+    """A forward that writes into zeros, with the magnitude slips of issue 43 switched on."""
+    scale = q.shape[-1] ** -0.5
+    lq, lk = q.shape[-2], k.shape[-2]
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = torch.zeros(q.shape[:-1], dtype=q.dtype)
+    for qs in range(0, lq, block_q):
+        qe = min(qs + block_q, lq)
+        qb = q[..., qs:qe, :] * scale
+        m = torch.full(qb.shape[:-1], m_start, dtype=q.dtype)
+        l = torch.zeros_like(m)
+        raw = torch.zeros_like(m)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for ks in range(0, min(lk, qe) if causal else lk, block_k):
+            ke = min(ks + block_k, lk)
+            s = qb @ k[..., ks:ke, :].transpose(-2, -1)
+            if causal:
+                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+            if not subtract:
+                m_new = torch.zeros_like(m)
+            elif row_max:
+                m_new = torch.maximum(m, s.amax(-1))
+            else:
+                m_new = torch.maximum(m, s.max())
+            p = torch.exp(s - m_new[..., None])
+            c = torch.exp(m - m_new)
+            l = l * c + p.sum(-1)
+            raw = raw + torch.exp(s).sum(-1)
+            acc = acc * c[..., None] + p @ v[..., ks:ke, :]
+            m = m_new
+        out[..., qs:qe, :] = acc / l[..., None]
+        lse[..., qs:qe] = m + torch.log(l) if lse_kind == "ok" else torch.log(raw)
+    return out, lse
+
+
+@bug("10.2", "running_max", "-inf")
+def flash_max_starts_at_zero(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_43(q, k, v, block_q, block_k, causal, m_start=0.0)
+
+
+@bug("10.2", "magnitude", "dim=-1")
+def flash_one_max_per_block(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_43(q, k, v, block_q, block_k, causal, row_max=False)
+
+
+@bug("10.2", "overflow", "maximum")
+def flash_no_max_at_all(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_43(q, k, v, block_q, block_k, causal, subtract=False)
+
+
+@bug("10.2", "overflow", "log-sum-exp")
+def flash_lse_from_raw_exp(q, k, v, *, block_q, block_k, causal=False):
+    # the output is stable, but the log-sum-exp sums exp(s) itself
+    return _tiled_43(q, k, v, block_q, block_k, causal, lse_kind="raw")
+
+
+@correct("10.2")
+def flash_zeros_and_finite_start(q, k, v, *, block_q, block_k, causal=False):
+    big = torch.finfo(q.dtype).max
+    return _tiled_43(q, k, v, block_q, block_k, causal, m_start=-big)
+
+
+@bug("10.1", "running_max", "-inf")
+def softmax_max_starts_at_minus_100(x, block_size):
+    # "low enough": right for the well-scaled cases, 0/0 once every score is below -200
+    m = torch.full(x.shape[:-1], -100.0, dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+# ============================================================================ issue 43: saved tensors (10.3)
+
+@bug("10.3", "mutation", "changed q in place")
+class BackwardScalesSavedQInPlace(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        # scale q once, up front, "to save a multiplication per block": the gradients are right, q is not
+        q, k, v, out, lse = ctx.saved_tensors
+        scale = q.shape[-1] ** -0.5
+        q.mul_(scale)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = (grad_out * out).sum(-1)
+        for qs in range(0, q.shape[-2], ctx.block_q):
+            qe = min(qs + ctx.block_q, q.shape[-2])
+            dob = grad_out[..., qs:qe, :]
+            for ks in range(0, min(k.shape[-2], qe) if ctx.causal else k.shape[-2], ctx.block_k):
+                ke = min(ks + ctx.block_k, k.shape[-2])
+                s = q[..., qs:qe, :] @ k[..., ks:ke, :].transpose(-2, -1)
+                if ctx.causal:
+                    s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                p = torch.exp(s - lse[..., qs:qe, None])
+                dv[..., ks:ke, :] += p.transpose(-2, -1) @ dob
+                ds = p * (dob @ v[..., ks:ke, :].transpose(-2, -1) - delta[..., qs:qe, None])
+                dq[..., qs:qe, :] += ds @ k[..., ks:ke, :] * scale
+                dk[..., ks:ke, :] += ds.transpose(-2, -1) @ q[..., qs:qe, :]
+        return dq, dk, dv, None, None, None
+
+
+@bug("10.3", "mutation", "changed k in place")
+class BackwardShiftsKeysAndBack(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        k.add_(1.0)                      # a scratch use of k...
+        k.sub_(1.0)                      # ...undone, but not bit for bit
+        k.mul_(3.0).div_(3.0)
+        k.add_(1e-3)
+        return _backward(ctx, grad_out)
+
+
+@bug("10.3", "mutation", "grad_out")
+class BackwardEditsGradOut(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = _backward(ctx, grad_out)
+        grad_out.zero_()                 # "free" the incoming gradient
+        return grads
+
+
+@bug("10.3", "mutation", "output")
+class BackwardReusesSavedOutput(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _backward(ctx, grad_out)
+        out.mul_(grad_out)               # D's product written into the saved output, after use
+        return grads
+
+
+@bug("10.3", "mutation", "saved for backward")
+class BackwardExponentiatesLseInPlace(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = _backward(ctx, grad_out)
+        q, k, v, out, lse = ctx.saved_tensors
+        lse.neg_()                       # scratch space, after the gradients are computed
+        return grads
+
+
+@bug("10.3", "gradient", "None for dk")
+class BackwardNoneForDk(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        dq, dk, dv, *rest = _backward(ctx, grad_out)
+        return (dq, None, dv, *rest)
+

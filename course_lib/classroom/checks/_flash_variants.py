@@ -27,8 +27,10 @@ def _blocks(length: int, size: int, bounds: str) -> list[slice]:
 def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum: str = "running",
                     normalize: str = "end", bounds: str = "ok") -> torch.Tensor:
     """Online softmax of x (..., L) over blocks of ``size``, with the named slips switched on. It runs in x's
-    own dtype: whether exp overflows depends on it (float32 overflows past exp(88))."""
-    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    own dtype: whether exp overflows depends on it (float32 overflows past exp(88), underflows below -104).
+    ``maximum``: "running" (right), "none" (nothing subtracted), "last" (this block's only), "zero" (a running
+    maximum that starts at 0, not -inf), "shared" (one running maximum for all rows)."""
+    m = torch.full(x.shape[:-1], 0.0 if maximum == "zero" else float("-inf"), dtype=x.dtype)
     total = torch.zeros(x.shape[:-1], dtype=x.dtype)
     out = torch.empty_like(x)
     with torch.no_grad():
@@ -40,6 +42,8 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
                 m_new = torch.zeros_like(m)
             elif maximum == "last":      # the maximum of this block only, not the running one
                 m_new = block.amax(-1)
+            elif maximum == "shared":    # one maximum over every row (x.max() without dim=-1)
+                m_new = torch.maximum(m, block.amax().expand_as(m))
             else:
                 m_new = torch.maximum(m, block.amax(-1))
             old = torch.where(torch.isinf(m) & torch.isinf(m_new), torch.zeros_like(m), m - m_new)
@@ -59,19 +63,23 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
 def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int, causal: bool,
                     *, skip: str = "ok", diagonal_mask: bool = True, rescale_acc: bool = True,
                     rescale_sum: bool = True, scale_power: int = 1, last_block: str = "ok",
-                    normalize: str = "end", ignore_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tiled forward of (q, k, v) (..., L, d) in float64, with the named slips switched on: (out, lse)."""
+                    normalize: str = "end", ignore_causal: bool = False, maximum: str = "running"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tiled forward of (q, k, v) (..., L, d) in float64, with the named slips switched on: (out, lse).
+    ``maximum`` as in ``softmax_variant`` ("zero", "none", "shared" one maximum for all rows of a query block);
+    those run in q's own dtype, where exp overflows or underflows as the student's does."""
     causal = causal and not ignore_causal
-    q, k, v = q.double(), k.double(), v.double()
+    work = torch.float64 if maximum == "running" else q.dtype
+    q, k, v = q.to(work), k.to(work), v.to(work)
     scale = q.shape[-1] ** (-0.5 * scale_power)
     lq, lk = q.shape[-2], k.shape[-2]
-    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float64)
-    lse = torch.zeros(q.shape[:-1], dtype=torch.float64)
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=work)
+    lse = torch.zeros(q.shape[:-1], dtype=work)
     for i, q_start in enumerate(range(0, lq, block_q)):
         q_end = min(q_start + block_q, lq)
-        m = torch.full(q[..., q_start:q_end, 0].shape, float("-inf"), dtype=torch.float64)
+        m = torch.full(q[..., q_start:q_end, 0].shape, 0.0 if maximum == "zero" else float("-inf"), dtype=work)
         total = torch.zeros_like(m)
-        acc = torch.zeros(*m.shape, v.shape[-1], dtype=torch.float64)
+        acc = torch.zeros(*m.shape, v.shape[-1], dtype=work)
         for j, k_start in enumerate(range(0, lk, block_k)):
             k_end = min(k_start + block_k, lk)
             if last_block == "dropped" and k_end - k_start < block_k:
@@ -87,10 +95,17 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
                 rows = torch.arange(q_start, q_end)[:, None]
                 cols = torch.arange(k_start, k_start + s.shape[-1])[None, :]
                 s = s.masked_fill(cols > rows, float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1))
+            if maximum == "none":        # exp(s) itself: overflows past 88 in float32
+                m_new = torch.zeros_like(m)
+            elif maximum == "shared":    # s.max() without dim=-1: one maximum for every row of the block
+                m_new = torch.maximum(m, s.amax().expand_as(m))
+            else:
+                m_new = torch.maximum(m, s.amax(-1))
             safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - safe[..., None])
             correction = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf), m - safe))
+            if maximum == "none":        # nothing subtracted, nothing to rescale
+                correction = torch.ones_like(m)
             total = (total * correction if rescale_sum else total) + p.sum(-1)
             acc = (acc * correction[..., None] if rescale_acc else acc) + p @ vb
             if normalize == "every":
@@ -104,6 +119,16 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
 
 # What each forward slip looks like, with the switches that produce it (the order is the order tried).
 FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code, why, spec in (
+    ("magnitude", "one maximum is shared by all the rows of a query block (s.max() or s.amax() without dim=-1): "
+                  "a query whose scores are far below another's then gets exp(s - m) = 0 for every key, and 0/0. "
+                  "Keep one running maximum per query, m_new = torch.maximum(m, s.amax(dim=-1)).",
+     {"maximum": "shared"}),
+    ("running_max", "your running maximum starts at 0 (or another finite number), not at -inf: when every score of a query is below about "
+                    "-104 (float32), exp(s - 0) underflows to 0 for every key and you divide 0 by 0. Start each "
+                    "query block with m = -inf, so the first key block's maximum replaces it.", {"maximum": "zero"}),
+    ("overflow", "no maximum is subtracted: exp(s) overflows to inf for scores above about 88 (float32) and "
+                 "underflows to 0 below about -104, and inf/inf or 0/0 is NaN. Subtract the running maximum m in "
+                 "every exp and rescale l and acc by exp(m - m_new) when it grows.", {"maximum": "none"}),
     ("block_skip", "you skip a key block that some query of the block still needs: query block i needs every key "
                    "block whose FIRST key is not after the block's LAST query (k_start <= q_end - 1). Comparing the "
                    "block numbers (j <= i) is only right when block_q == block_k.", {"skip": "index"}),
