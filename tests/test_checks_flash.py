@@ -250,3 +250,54 @@ def test_the_saved_tensors_probe_names_what_the_backward_changed(cls, named):
 
 def test_10_3_declares_the_saved_tensors_probe():
     assert "saved_tensors" in notebook10.FLASH_BACKWARD.probes
+
+
+# ---------------------------------------------------------------- issue 43: magnitudes and messages
+
+def softmax_clamped(x, block_size):
+    """Right for every score within +-200 (all the well-scaled cases), wrong beyond: only magnitudes show it."""
+    x = x.clamp(-200.0, 200.0)
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+def test_a_softmax_wrong_only_at_large_magnitudes_gets_the_engines_verdict():
+    result = run("10.1", softmax_clamped)
+    assert not result.passed and result.diagnosis == "magnitude", result
+    assert "well-scaled" in result.message and "scores scaled to about" in result.message
+
+
+def test_the_magnitude_cases_are_beyond_what_exp_survives_in_float32():
+    """Each magnitude case of 10.1 and 10.2 holds scores exp cannot take unshifted (above 88 or below -104)."""
+    for case in notebook10._softmax_magnitudes():
+        x = case.args[0]
+        assert float(x.abs().max()) > 104, case.what
+    for case in notebook10._forward_magnitudes():
+        q, k, _, _, _, causal = case.args
+        scores = notebook10._scores(q, k, causal)
+        assert float(scores[scores.isfinite()].abs().max()) > 104, case.what
+
+
+def test_a_never_written_row_is_named_not_quoted_from_uninitialised_memory():
+    def drops_last_query_block(q, k, v, *, block_q, block_k, causal=False):
+        out, lse = flash_bounds_right(q, k, v, block_q=block_q, block_k=block_k, causal=causal)
+        out[..., -1, :] = 6.6e33                    # what torch.empty may hold where nothing was written
+        return out, lse
+    result = run("10.2", drops_last_query_block)
+    assert result.diagnosis == "block_bounds" and "never written" in result.message, result
+    assert "e+33" not in result.message
+
+
+def test_a_mismatch_counts_garbage_apart_from_the_difference():
+    expected = torch.randn(2, 5)
+    out = expected.clone()
+    out[0, 1], out[1, 2], out[1, 3] = 6.6e33, float("nan"), out[1, 3] + 0.5
+    said = notebook10._by_up_to(out, expected)
+    assert "2 entries" in said and "up to 0.5" in said and "torch.zeros" in said
+    assert notebook10._by_up_to(expected + 0.25, expected) == "by up to 0.25"

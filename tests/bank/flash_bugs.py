@@ -726,3 +726,333 @@ class BackwardNoneForDk(FlashAttentionFunction):
         dq, dk, dv, *rest = _backward(ctx, grad_out)
         return (dq, None, dv, *rest)
 
+
+# ============================================================================ issue 43: names (10.1-10.3)
+
+@bug("10.1", "block_bounds", "overlap")
+def softmax_blocks_overlap(x, block_size):
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size + 1]          # "inclusive" end: one entry read twice
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+@bug("10.1", "block_bounds", "last entry")
+def softmax_stops_one_short(x, block_size):
+    length = x.shape[-1]
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, length - 1, block_size):
+        block = x[..., start:min(start + block_size, length - 1)]   # the last index is L - 1... excluded
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+@bug("10.1", "early_normalization", "at the end")
+def softmax_normalise_blocks_and_cat(x, block_size):
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    pieces = []
+    for block in torch.split(x, block_size, dim=-1):
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+        pieces.append(torch.exp(block - m[..., None]) / l[..., None])   # normalised with what is known now
+    return torch.cat(pieces, -1)
+
+
+@bug("10.1", "precision", "half")
+def softmax_in_half(x, block_size):
+    h = x.half()
+    m = torch.full(h.shape[:-1], float("-inf"), dtype=h.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, h.shape[-1], block_size):
+        block = h[..., start:start + block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return (torch.exp(h - m[..., None]) / l[..., None]).to(x.dtype)
+
+
+def _tiled_names(q, k, v, block_q, block_k, causal, *, q_stop=None, q_end=None, k_end=None, k_stop=None,
+                 local_mask=False, always_causal=False, from_keys=False, half=False, init=torch.empty):
+    """A forward written into a preallocated out and lse (as the notebook suggests), with the slips of issue 43."""
+    dtype = q.dtype
+    if half:
+        q, k, v = q.half(), k.half(), v.half()
+    scale = q.shape[-1] ** -0.5
+    lq, lk = q.shape[-2], k.shape[-2]
+    out = init(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = init(q.shape[:-1], dtype=q.dtype)
+    for qs in range(0, q_stop(lq) if q_stop else lq, block_q):
+        qe = q_end(qs, lq) if q_end else min(qs + block_q, lq)
+        qb = q[..., qs:qe, :] * scale
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        stop = k_stop(lk) if k_stop else lk
+        for ks in range(0, min(stop, qe) if causal else stop, block_k):
+            ke = k_end(ks, lk) if k_end else min(ks + block_k, lk)
+            s = qb @ k[..., ks:ke, :].transpose(-2, -1)
+            if causal or always_causal:
+                if local_mask:
+                    future = torch.arange(ke - ks)[None, :] > torch.arange(qe - qs)[:, None]
+                else:
+                    future = torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None]
+                s = s.masked_fill(future, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            c = torch.exp(m - m_new)
+            l = l * c + p.sum(-1)
+            acc = acc * c[..., None] + p @ (k if from_keys else v)[..., ks:ke, :]
+            m = m_new
+        out[..., qs:qe, :] = acc / l[..., None]
+        lse[..., qs:qe] = m + torch.log(l)
+    return out.to(dtype), lse.to(dtype)
+
+
+@bug("10.2", "block_bounds", "never written")
+def flash_query_blocks_one_short(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, q_end=lambda qs, lq: min(qs + block_q - 1, lq))
+
+
+@bug("10.2", "block_bounds", "never written")
+def flash_drops_last_query_block(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, q_stop=lambda lq: lq - lq % block_q or lq)
+
+
+@bug("10.2", "block_bounds", "never written")
+def flash_query_loop_stops_early_zeros(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, q_stop=lambda lq: lq - block_q, init=torch.zeros)
+
+
+@bug("10.2", "block_bounds", "overlap")
+def flash_key_blocks_overlap(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, k_end=lambda ks, lk: min(ks + block_k + 1, lk))
+
+
+@bug("10.2", "block_bounds", "last key")
+def flash_key_loop_stops_one_block_early(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, k_stop=lambda lk: lk - block_k)
+
+
+@bug("10.2", "block_bounds", "last key")
+def flash_key_blocks_one_short(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, k_end=lambda ks, lk: min(ks + block_k, lk - 1))
+
+
+@bug("10.2", "causal_mask", "position")
+def flash_mask_in_block_coordinates(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, local_mask=True)
+
+
+@bug("10.2", "causal_mask", "causal=False")
+def flash_always_causal(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, always_causal=True)
+
+
+@bug("10.2", "values", "v")
+def flash_weights_times_keys(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, from_keys=True)
+
+
+@bug("10.2", "precision", "half")
+def flash_in_half(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, half=True)
+
+
+@correct("10.2")
+def flash_normalised_accumulator(q, k, v, *, block_q, block_k, causal=False):
+    # acc kept normalised at every step, renormalising the old part by l_old * c / l_new: right
+    scale = q.shape[-1] ** -0.5
+    outs, lses = [], []
+    for qs in range(0, q.shape[-2], block_q):
+        qe = min(qs + block_q, q.shape[-2])
+        qb = q[..., qs:qe, :] * scale
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        o = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for ks in range(0, min(k.shape[-2], qe) if causal else k.shape[-2], block_k):
+            ke = min(ks + block_k, k.shape[-2])
+            s = qb @ k[..., ks:ke, :].transpose(-2, -1)
+            if causal:
+                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            l_new = l * torch.exp(m - m_new) + p.sum(-1)
+            o = o * (l * torch.exp(m - m_new) / l_new)[..., None] + p @ v[..., ks:ke, :] / l_new[..., None]
+            m, l = m_new, l_new
+        outs.append(o)
+        lses.append(m + l.log())
+    return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+@bug("10.2", "early_normalization", "divide once")
+def flash_normalised_accumulator_not_renormalised(q, k, v, *, block_q, block_k, causal=False):
+    scale = q.shape[-1] ** -0.5
+    outs, lses = [], []
+    for qs in range(0, q.shape[-2], block_q):
+        qe = min(qs + block_q, q.shape[-2])
+        qb = q[..., qs:qe, :] * scale
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        o = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for ks in range(0, min(k.shape[-2], qe) if causal else k.shape[-2], block_k):
+            ke = min(ks + block_k, k.shape[-2])
+            s = qb @ k[..., ks:ke, :].transpose(-2, -1)
+            if causal:
+                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            c = torch.exp(m - m_new)
+            l = l * c + p.sum(-1)
+            o = o * c[..., None] + p @ v[..., ks:ke, :] / l[..., None]    # old part never renormalised
+            m = m_new
+        outs.append(o)
+        lses.append(m + l.log())
+    return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+def _backward_names(ctx, grad_out, *, delta="ok", dk_scale=True, dq_scale=True, dp="ok", always_causal=False,
+                    from_keys=False, half=False):
+    """The backward with the slips of issue 43 switched on."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dtype = q.dtype
+    if half:
+        q, k, v, out, lse, grad_out = (t.half() for t in (q, k, v, out, lse, grad_out))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d_all = {"ok": (grad_out * out).sum(-1), "everything": (grad_out * out).sum().expand(lse.shape)}.get(delta)
+    lq, lk = q.shape[-2], k.shape[-2]
+    for qs in range(0, lq, ctx.block_q):
+        qe = min(qs + ctx.block_q, lq)
+        qb, dob = q[..., qs:qe, :], grad_out[..., qs:qe, :]
+        for ks in range(0, min(lk, qe) if ctx.causal else lk, ctx.block_k):
+            ke = min(ks + ctx.block_k, lk)
+            kb, vb = k[..., ks:ke, :], (k if from_keys else v)[..., ks:ke, :]
+            s = qb @ kb.transpose(-2, -1) * scale
+            if ctx.causal or always_causal:
+                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+            p = torch.exp(s - lse[..., qs:qe, None])
+            dv[..., ks:ke, :] += p.transpose(-2, -1) @ dob
+            dp_blk = dob @ vb if dp == "no_t" else dob @ vb.transpose(-2, -1)
+            if delta == "block":
+                d_blk = (p * dp_blk).sum(-1, keepdim=True)       # over this key block only
+            elif delta == "query_block":
+                d_blk = (dob * out[..., qs:qe, :]).sum((-2, -1), keepdim=True)   # one number per block
+            else:
+                d_blk = d_all[..., qs:qe, None]
+            ds = p * (dp_blk - d_blk)
+            dq[..., qs:qe, :] += ds @ kb * (scale if dq_scale else 1.0)
+            dk[..., ks:ke, :] += ds.transpose(-2, -1) @ qb * (scale if dk_scale else 1.0)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
+
+
+@bug("10.3", "backward_delta", "one number per query")
+class BackwardDeltaOverEverything(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, delta="everything")
+
+
+@bug("10.3", "backward_delta", "every key")
+class BackwardDeltaPerKeyBlock(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, delta="block")
+
+
+@bug("10.3", "backward_delta", "one number per query")
+class BackwardDeltaPerQueryBlock(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, delta="query_block")
+
+
+@bug("10.3", "scale", "dK")
+class BackwardDkUnscaled(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, dk_scale=False)
+
+
+@bug("10.3", "scale", "dQ")
+class BackwardDqUnscaled(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, dq_scale=False)
+
+
+@bug("10.3", "transposed", "dP")
+class BackwardDpNotTransposed(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, dp="no_t")
+
+
+@bug("10.3", "causal_mask", "causal=False")
+class BackwardAlwaysCausal(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, always_causal=True)
+
+
+@bug("10.3", "values", "V")
+class BackwardValuesFromKeys(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, from_keys=True)
+
+
+@bug("10.3", "precision", "half")
+class BackwardInHalf(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, half=True)
+
+
+@bug("10.2", "causal_mask", "position")
+def flash_local_mask_on_diagonal_blocks(q, k, v, *, block_q, block_k, causal=False):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    lq, lk = q.shape[-2], k.shape[-2]
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = torch.zeros(q.shape[:-1], dtype=q.dtype)
+    for qs in range(0, lq, block_q):
+        qe = min(qs + block_q, lq)
+        q_blk = q[..., qs:qe, :] * scale
+        m = torch.full(q_blk.shape[:-1], float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*q_blk.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for ks in range(0, min(lk, qe) if causal else lk, block_k):
+            ke = min(ks + block_k, lk)
+            s = q_blk @ k[..., ks:ke, :].transpose(-2, -1)
+            if causal and ke - 1 > qs:
+                future = torch.ones(qe - qs, ke - ks, dtype=torch.bool).triu(1)   # the block's own diagonal
+                s = s.masked_fill(future, float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            p = torch.exp(s - m_new[..., None])
+            c = torch.exp(m - m_new)
+            l = l * c + p.sum(dim=-1)
+            acc = acc * c[..., None] + p @ v[..., ks:ke, :]
+            m = m_new
+        out[..., qs:qe, :] = acc / l[..., None]
+        lse[..., qs:qe] = m + torch.log(l)
+    return out, lse
+
+
+@bug("10.1", "precision", "half")
+def softmax_bfloat16_blocks(x, block_size):
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size].bfloat16()            # "to save memory"
+        m_new = torch.maximum(m, block.amax(-1).to(x.dtype))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None].bfloat16()).sum(-1).to(x.dtype)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]

@@ -91,6 +91,11 @@ _SOFTMAX_MISTAKES = (
                      "block_size] (the end is excluded already, no -1)", bounds="short"),
     _softmax_mistake("block_bounds", "every block starts one entry late: block s covers x[..., s : s + block_size]",
                      bounds="shifted"),
+    _softmax_mistake("block_bounds", "your blocks overlap: x[..., s : s + block_size + 1] reads the first entry of the "
+                     "next block too, so it is counted twice. The end of a slice is excluded already: x[..., s : s + "
+                     "block_size]", bounds="overlap"),
+    _softmax_mistake("block_bounds", "the row's last entry is never read: the blocks end at min(s + block_size, L) "
+                     "and a slice already excludes its end (no L - 1)", bounds="last_entry"),
     _softmax_mistake("block_bounds", "your loop stops before the last block: range(0, L, block_size) visits every "
                      "start, the last block may be shorter", bounds="stop_early"),
     _softmax_mistake("block_bounds", "a last block shorter than block_size is never read (L is not always a multiple "
@@ -117,12 +122,26 @@ def _softmax_not_finite(runs: list[Run], fn: Any) -> None:
              f"online_softmax(x, {size}) gave NaN or inf for x of shape {tuple(x.shape)} (scores up to "
              f"{float(x.max()):.0f}). Subtract the running maximum inside every exp, and rescale the sum "
              f"with exp(m_old - m_new), which is at most 1.")
+    if variants.coarse_precision(out, run.expected):
+        fail("precision", f"online_softmax(x, {size}) with x of shape {tuple(x.shape)}: {variants.PRECISION}")
+
+
+def _by_up_to(out: torch.Tensor, expected: torch.Tensor) -> str:
+    """"by up to X" from the entries a student computed; entries that hold NaN, inf or numbers far beyond the
+    reference's (memory from torch.empty that was never written) are counted apart, not quoted as a difference."""
+    out, expected = out.detach().double(), expected.detach().double()
+    wild = ~torch.isfinite(out) | (out.abs() > 1e6 * (1.0 + float(expected[expected.isfinite()].abs().max())))
+    if not bool(wild.any()):
+        return f"by up to {max_diff(out, expected):.3g}"
+    rest = f", and elsewhere by up to {max_diff(out[~wild], expected[~wild]):.3g}" if bool((~wild).any()) else ""
+    return (f"in {int(wild.sum())} entries that hold NaN, inf or numbers as large as {float(out[wild].abs().nan_to_num(0.0).max()):.3g} "
+            f"(never written? start from torch.zeros, not torch.empty){rest}")
 
 
 def _softmax_mismatch(run: Run) -> str:
     (x, size), out = run.case.args, run.out
-    return (f"online_softmax(x, {size}) differs from torch.softmax(x, dim=-1) by up to "
-            f"{max_diff(out, torch.softmax(x.double(), -1)):.3g} for x of shape {tuple(x.shape)}. Keep the "
+    return (f"online_softmax(x, {size}) differs from torch.softmax(x, dim=-1) "
+            f"{_by_up_to(out, torch.softmax(x.double(), -1))} for x of shape {tuple(x.shape)}. Keep the "
             f"running maximum m and sum l over the blocks, then return exp(x - m) / l.")
 
 
@@ -354,6 +373,11 @@ def _forward_magnitudes() -> list[Case]:
 
 def _forward_not_finite(runs: list[Run], fn: Any) -> None:
     run = next(run for run in runs if not close(run.out, run.expected))
+    if variants.coarse_precision(run.out, run.expected):
+        fail("precision", f"{run.case.what}: {variants.PRECISION}")
+    rows = variants.unwritten_rows(run.out, run.expected, run.case.args[3])
+    if rows:
+        fail("block_bounds", f"{run.case.what}: {rows}")
     if not torch.isfinite(run.out).all():
         fail("nan", f"{run.case.what} gave NaN or inf. Start each query block with m = -inf, l = 0 and acc = 0, "
                     f"and take exp(s - m_new) after updating m_new; a query must see key 0.")
@@ -387,7 +411,7 @@ _FORWARD_OUT = FunctionExercise(
     "10.2", "flash_attention",
     lambda q, k, v, block_q, block_k, causal: ref.naive_attention(q.double(), k.double(), v.double(), causal=causal)[0],
     lambda: _forward_cases(_FORWARD_CASES), _FORWARD_ARGS, success="",
-    mismatch=lambda run: (f"{run.case.what} differs from attention by up to {max_diff(run.out, run.expected):.3g}. "
+    mismatch=lambda run: (f"{run.case.what} differs from attention {_by_up_to(run.out, run.expected)}. "
                           f"For every query block: loop over the key blocks, update m, l and acc (rescaled by "
                           f"exp(m - m_new)), and divide acc by l at the end."),
     mistakes=variants.FORWARD_MISTAKES, variant=lambda *case, spec: variants.forward_variant(*case, **spec)[0],
@@ -477,9 +501,15 @@ def _student_grads(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def _backward_mismatch(run: Run) -> str:
     wrong = [name for name, got, right in zip(_GRADS, run.out, run.expected) if not close(got, right)]
-    return (f"{', '.join(wrong)} differ from attention's gradients (by up to {max_diff(run.out, run.expected):.3g}). "
+    return (f"{', '.join(wrong)} differ from attention's gradients ({_by_up_to(run.out, run.expected)}). "
             f"Per block: P = exp(S - lse), dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K / sqrt(d), "
             f"dK += dS^T Q / sqrt(d), with D = rowsum(dO * O).")
+
+
+def _backward_precision(runs: list[Run], fn: Any) -> None:
+    run = runs[-1]
+    if variants.coarse_precision(run.out, run.expected):
+        fail("precision", f"{run.case.what}: {variants.PRECISION}")
 
 
 FLASH_BACKWARD = FunctionExercise(
@@ -489,7 +519,7 @@ FLASH_BACKWARD = FunctionExercise(
             "tensor stored or built: each block's weights are recomputed from the log-sum-exp.",
     mismatch=lambda run: f"{run.case.what}: {_backward_mismatch(run)}", mistakes=variants.BACKWARD_MISTAKES,
     variant=lambda *case, spec: torch.stack(variants.backward_variant(*case, **spec)), each_case=True, dtype=False,
-    examples=_tiny_backward, probes=FunctionExercise.probes + ("saved_tensors",))
+    examples=_tiny_backward, probes=FunctionExercise.probes + ("saved_tensors",), diagnose=_backward_precision)
 
 
 @checker("10.3", example=lambda cls, *_, **__: function_example(FLASH_BACKWARD)(_gradients_of(cls)))
