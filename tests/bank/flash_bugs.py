@@ -1056,3 +1056,61 @@ def softmax_bfloat16_blocks(x, block_size):
         l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None].bfloat16()).sum(-1).to(x.dtype)
         m = m_new
     return torch.exp(x - m[..., None]) / l[..., None]
+
+
+@correct("10.3")
+class BackwardScalesACopyInPlace(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        # in place, but on copies: the saved tensors and grad_out are untouched
+        q, k, v, out, lse = (t.clone() for t in ctx.saved_tensors)
+        do = grad_out.clone()
+        scale = q.shape[-1] ** -0.5
+        q.mul_(scale)
+        delta = (do * out).sum(-1)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for qs in range(0, q.shape[-2], ctx.block_q):
+            qe = min(qs + ctx.block_q, q.shape[-2])
+            for ks in range(0, k.shape[-2], ctx.block_k):
+                ke = min(ks + ctx.block_k, k.shape[-2])
+                s = q[..., qs:qe, :] @ k[..., ks:ke, :].transpose(-2, -1)
+                if ctx.causal:
+                    s.masked_fill_(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                p = s.sub_(lse[..., qs:qe, None]).exp_()
+                dv[..., ks:ke, :] += p.transpose(-2, -1) @ do[..., qs:qe, :]
+                ds = p * (do[..., qs:qe, :] @ v[..., ks:ke, :].transpose(-2, -1) - delta[..., qs:qe, None])
+                dq[..., qs:qe, :] += ds @ k[..., ks:ke, :] * scale
+                dk[..., ks:ke, :] += ds.transpose(-2, -1) @ q[..., qs:qe, :]
+        return dq, dk, dv, None, None, None
+
+
+@correct("10.3")
+class BackwardEinsum(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = torch.einsum("...qd,...qd->...q", grad_out, out)
+        for qs in range(0, q.shape[-2], ctx.block_q):
+            qe = min(qs + ctx.block_q, q.shape[-2])
+            for ks in range(0, min(k.shape[-2], qe) if ctx.causal else k.shape[-2], ctx.block_k):
+                ke = min(ks + ctx.block_k, k.shape[-2])
+                s = torch.einsum("...qd,...kd->...qk", q[..., qs:qe, :], k[..., ks:ke, :]) * scale
+                if ctx.causal:
+                    s = torch.where(torch.arange(ks, ke)[None, :] <= torch.arange(qs, qe)[:, None], s,
+                                    torch.tensor(float("-inf"), dtype=s.dtype))
+                p = torch.exp(s - lse[..., qs:qe].unsqueeze(-1))
+                dv[..., ks:ke, :] += torch.einsum("...qk,...qd->...kd", p, grad_out[..., qs:qe, :])
+                dp = torch.einsum("...qd,...kd->...qk", grad_out[..., qs:qe, :], v[..., ks:ke, :])
+                ds = p * (dp - delta[..., qs:qe].unsqueeze(-1)) * scale
+                dq[..., qs:qe, :] += torch.einsum("...qk,...kd->...qd", ds, k[..., ks:ke, :])
+                dk[..., ks:ke, :] += torch.einsum("...qk,...qd->...kd", ds, q[..., qs:qe, :])
+        return dq, dk, dv, None, None, None
+
+
+@correct("10.2")
+def flash_accumulates_in_float64(q, k, v, *, block_q, block_k, causal=False):
+    # more precise than asked, returned in the inputs' dtype
+    out, lse = _tiled_names(q.double(), k.double(), v.double(), block_q, block_k, causal, init=torch.zeros)
+    return out.to(q.dtype), lse.to(q.dtype)

@@ -2,7 +2,9 @@
 10.3 FlashAttentionFunction (the backward by recomputation, judged on its stacked (dq, dk, dv)).
 
 10.2 is two declarations (its output, then its log-sum-exp). Whether the student tiled at all is watched
-while their code runs (``_flash_probe``).
+while their code runs (``_flash_probe``). 10.1 and 10.2 get the engine's magnitude probe (scores of hundreds,
+far below zero, rows far apart); 10.3 runs through the engine's saved_tensors probe (``forward_backward``).
+The mistakes of the topic (tiling, backward, precision, rows never written) are ``_flash_variants``'.
 """
 from __future__ import annotations
 
@@ -68,8 +70,8 @@ _SOFTMAX_MISTAKES = (
     _softmax_mistake("magnitude", "one maximum is shared by all rows (x.max() or x.amax() without dim=-1): a row "
                      "far below the largest row then has exp(x - m) = 0 everywhere and 0/0. Keep one running "
                      "maximum per row, m_new = torch.maximum(m, block.amax(dim=-1))", maximum="shared"),
-    _softmax_mistake("running_max", "your running maximum starts at 0 (or another finite number), not at -inf: when every score of a row is "
-                     "below about -104 (float32), exp(x - 0) underflows to 0 for all of them and you divide 0 by 0. "
+    _softmax_mistake("running_max", "your running maximum starts at 0 (or another finite number), not at -inf: "
+                     "when every score of a row is below about -104 (float32), exp(x - 0) underflows to 0 for all of them and you divide 0 by 0. "
                      "Start with m = torch.full(..., float('-inf')), so the first block's maximum replaces it",
                      maximum="zero"),
     _softmax_mistake("overflow", "no maximum is subtracted, so exp overflows to inf for scores above about 88 in "
@@ -130,12 +132,15 @@ def _by_up_to(out: torch.Tensor, expected: torch.Tensor) -> str:
     """"by up to X" from the entries a student computed; entries that hold NaN, inf or numbers far beyond the
     reference's (memory from torch.empty that was never written) are counted apart, not quoted as a difference."""
     out, expected = out.detach().double(), expected.detach().double()
-    wild = ~torch.isfinite(out) | (out.abs() > 1e6 * (1.0 + float(expected[expected.isfinite()].abs().max())))
+    finite = expected[expected.isfinite()]
+    largest = float(finite.abs().max()) if finite.numel() else 1.0
+    wild = ~torch.isfinite(out) | (out.abs() > 1e6 * (1.0 + largest))
     if not bool(wild.any()):
         return f"by up to {max_diff(out, expected):.3g}"
     rest = f", and elsewhere by up to {max_diff(out[~wild], expected[~wild]):.3g}" if bool((~wild).any()) else ""
-    return (f"in {int(wild.sum())} entries that hold NaN, inf or numbers as large as {float(out[wild].abs().nan_to_num(0.0).max()):.3g} "
-            f"(never written? start from torch.zeros, not torch.empty){rest}")
+    biggest = float(out[wild].abs().nan_to_num(0.0).max())
+    return (f"in {int(wild.sum())} entries that hold NaN, inf or numbers as large as {biggest:.3g} (never "
+            f"written? start from torch.zeros, not torch.empty){rest}")
 
 
 def _softmax_mismatch(run: Run) -> str:
