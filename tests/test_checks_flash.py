@@ -91,7 +91,7 @@ def test_every_hypothesised_mistake_changes_what_the_checker_sees():
     for spec in (mistake.spec for mistake in _flash_variants.FORWARD_MISTAKES):
         if spec == {"skip": "none"}:
             continue
-        assert any(not torch.allclose(_flash_variants.forward_variant(q, k, v, bq, bk, c, **spec)[0],
+        assert any(not torch.allclose(_flash_variants.forward_variant(q, k, v, bq, bk, c, **spec)[0].double(),
                                       flash.naive_attention(q.double(), k.double(), v.double(), causal=c)[0])
                    for q, k, v, bq, bk, c in notebook10._FORWARD_CASES), spec
 
@@ -185,3 +185,119 @@ def test_the_same_loop_with_the_right_bounds_passes_and_other_exceptions_stay_ex
         raise IndexError("a slip of the student's own")
     result = checks.check_flash_attention(raises_elsewhere)
     assert result.diagnosis == "exception" and "IndexError" in result.message
+
+
+# ---------------------------------------------------------------- issue 43: the saved_tensors probe
+
+class _Double(torch.autograd.Function):
+    """y = 2 x, saving x: the smallest Function whose backward can touch a saved input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+class _DoubleScalingX(_Double):
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x.mul_(0.5)                 # scratch use of the saved input: the gradient is still right
+        return 2 * grad
+
+
+class _DoubleSavingOut(_Double):
+    @staticmethod
+    def forward(ctx, x):
+        y = 2 * x
+        ctx.save_for_backward(x, y, y.sum(-1))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y, total = ctx.saved_tensors
+        total.zero_()
+        return 2 * grad
+
+
+def _probe(cls):
+    from course_lib.classroom.checks.engine.saved_tensors import forward_backward
+    from course_lib.classroom.verdict import Failure
+    x, grad = torch.randn(3, 4), torch.randn(3, 4)
+    try:
+        out, grads = forward_backward(cls, (x,), grad, names=("x",), what="_Double.apply(x)")
+    except Failure as failure:
+        return failure
+    return out, grads, x, grad
+
+
+def test_the_saved_tensors_probe_passes_a_clean_function_and_gives_its_gradients():
+    out, (dx,), x, grad = _probe(_Double)
+    assert torch.equal(out, 2 * x) and torch.equal(dx, 2 * grad)
+
+
+@pytest.mark.parametrize("cls, named", [(_DoubleScalingX, "changed x in place"),
+                                        (_DoubleSavingOut, "position 3 of ctx.save_for_backward")])
+def test_the_saved_tensors_probe_names_what_the_backward_changed(cls, named):
+    """Right gradients, but an input or a tensor saved for backward changed: the verdict is mutation, named."""
+    failure = _probe(cls)
+    assert failure.diagnosis == "mutation" and named in failure.message, failure.message
+
+
+def test_10_3_declares_the_saved_tensors_probe():
+    assert "saved_tensors" in notebook10.FLASH_BACKWARD.probes
+
+
+# ---------------------------------------------------------------- issue 43: magnitudes and messages
+
+def softmax_clamped(x, block_size):
+    """Right for every score within +-200 (all the well-scaled cases), wrong beyond: only magnitudes show it."""
+    x = x.clamp(-200.0, 200.0)
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+def test_a_softmax_wrong_only_at_large_magnitudes_gets_the_engines_verdict():
+    result = run("10.1", softmax_clamped)
+    assert not result.passed and result.diagnosis == "magnitude", result
+    assert "well-scaled" in result.message and "scores scaled to about" in result.message
+
+
+def test_the_magnitude_cases_are_beyond_what_exp_survives_in_float32():
+    """Each magnitude case of 10.1 and 10.2 holds scores exp cannot take unshifted (above 88 or below -104)."""
+    for case in notebook10._softmax_magnitudes():
+        x = case.args[0]
+        assert float(x.abs().max()) > 104, case.what
+    for case in notebook10._forward_magnitudes():
+        q, k, _, _, _, causal = case.args
+        scores = notebook10._scores(q, k, causal)
+        assert float(scores[scores.isfinite()].abs().max()) > 104, case.what
+
+
+def test_a_never_written_row_is_named_not_quoted_from_uninitialised_memory():
+    def drops_last_query_block(q, k, v, *, block_q, block_k, causal=False):
+        out, lse = flash_bounds_right(q, k, v, block_q=block_q, block_k=block_k, causal=causal)
+        out[..., -1, :] = 6.6e33                    # what torch.empty may hold where nothing was written
+        return out, lse
+    result = run("10.2", drops_last_query_block)
+    assert result.diagnosis == "block_bounds" and "never written" in result.message, result
+    assert "e+33" not in result.message
+
+
+def test_a_mismatch_counts_garbage_apart_from_the_difference():
+    expected = torch.randn(2, 5)
+    out = expected.clone()
+    out[0, 1], out[1, 2], out[1, 3] = 6.6e33, float("nan"), out[1, 3] + 0.5
+    said = notebook10._by_up_to(out, expected)
+    assert "2 entries" in said and "up to 0.5" in said and "torch.zeros" in said
+    assert notebook10._by_up_to(expected + 0.25, expected) == "by up to 0.25"

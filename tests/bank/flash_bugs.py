@@ -519,3 +519,598 @@ class BackwardNotWritten(FlashAttentionFunction):
     @staticmethod
     def backward(ctx, grad_out):
         raise NotImplementedError("Exercise 10.3: the backward")
+
+
+# ============================================================================ issue 43: magnitudes (10.1, 10.2)
+
+@bug("10.1", "running_max", "-inf")
+def softmax_max_starts_at_zero(x, block_size):
+    m = torch.zeros(x.shape[:-1], dtype=x.dtype)             # "the maximum so far", from 0
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+@bug("10.1", "magnitude", "all rows")
+def softmax_one_max_for_all_rows(x, block_size):
+    m = torch.tensor(float("-inf"), dtype=x.dtype)
+    l = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.max())                 # no dim: the largest score anywhere
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new).sum(-1)
+        m = m_new
+    return torch.exp(x - m) / l[..., None]
+
+
+@bug("10.1", "magnitude", "dim=-1")
+def softmax_global_max_two_passes(x, block_size):
+    m = max(float(x[..., s:s + block_size].max()) for s in range(0, x.shape[-1], block_size))
+    l = sum(torch.exp(x[..., s:s + block_size] - m).sum(-1) for s in range(0, x.shape[-1], block_size))
+    return torch.exp(x - m) / l[..., None]
+
+
+@bug("10.1", "overflow", "maximum")
+def softmax_running_sum_of_exp(x, block_size):
+    chunks = [torch.exp(x[..., s:s + block_size]) for s in range(0, x.shape[-1], block_size)]
+    total = sum(c.sum(-1, keepdim=True) for c in chunks)
+    return torch.cat([c / total for c in chunks], -1)
+
+
+@correct("10.1")
+def softmax_max_from_minus_large(x, block_size):
+    # a very negative finite start instead of -inf: exp(m - m_new) is 0 at the first block, as it should be
+    m = torch.full(x.shape[:-1], -1e30 if x.dtype == torch.float32 else -1e300, dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+def _tiled_43(q, k, v, block_q, block_k, causal, *, m_start=float("-inf"), row_max=True, subtract=True,
+              lse_kind="ok"):
+    """A forward that writes into zeros, with the magnitude slips of issue 43 switched on."""
+    scale = q.shape[-1] ** -0.5
+    lq, lk = q.shape[-2], k.shape[-2]
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = torch.zeros(q.shape[:-1], dtype=q.dtype)
+    for qs in range(0, lq, block_q):
+        qe = min(qs + block_q, lq)
+        qb = q[..., qs:qe, :] * scale
+        m = torch.full(qb.shape[:-1], m_start, dtype=q.dtype)
+        l = torch.zeros_like(m)
+        raw = torch.zeros_like(m)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for ks in range(0, min(lk, qe) if causal else lk, block_k):
+            ke = min(ks + block_k, lk)
+            s = qb @ k[..., ks:ke, :].transpose(-2, -1)
+            if causal:
+                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+            if not subtract:
+                m_new = torch.zeros_like(m)
+            elif row_max:
+                m_new = torch.maximum(m, s.amax(-1))
+            else:
+                m_new = torch.maximum(m, s.max())
+            p = torch.exp(s - m_new[..., None])
+            c = torch.exp(m - m_new)
+            l = l * c + p.sum(-1)
+            raw = raw + torch.exp(s).sum(-1)
+            acc = acc * c[..., None] + p @ v[..., ks:ke, :]
+            m = m_new
+        out[..., qs:qe, :] = acc / l[..., None]
+        lse[..., qs:qe] = m + torch.log(l) if lse_kind == "ok" else torch.log(raw)
+    return out, lse
+
+
+@bug("10.2", "running_max", "-inf")
+def flash_max_starts_at_zero(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_43(q, k, v, block_q, block_k, causal, m_start=0.0)
+
+
+@bug("10.2", "magnitude", "dim=-1")
+def flash_one_max_per_block(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_43(q, k, v, block_q, block_k, causal, row_max=False)
+
+
+@bug("10.2", "overflow", "maximum")
+def flash_no_max_at_all(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_43(q, k, v, block_q, block_k, causal, subtract=False)
+
+
+@bug("10.2", "overflow", "log-sum-exp")
+def flash_lse_from_raw_exp(q, k, v, *, block_q, block_k, causal=False):
+    # the output is stable, but the log-sum-exp sums exp(s) itself
+    return _tiled_43(q, k, v, block_q, block_k, causal, lse_kind="raw")
+
+
+@correct("10.2")
+def flash_zeros_and_finite_start(q, k, v, *, block_q, block_k, causal=False):
+    big = torch.finfo(q.dtype).max
+    return _tiled_43(q, k, v, block_q, block_k, causal, m_start=-big)
+
+
+@bug("10.1", "running_max", "-inf")
+def softmax_max_starts_at_minus_100(x, block_size):
+    # "low enough": right for the well-scaled cases, 0/0 once every score is below -200
+    m = torch.full(x.shape[:-1], -100.0, dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+# ============================================================================ issue 43: saved tensors (10.3)
+
+@bug("10.3", "mutation", "changed q in place")
+class BackwardScalesSavedQInPlace(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        # scale q once, up front, "to save a multiplication per block": the gradients are right, q is not
+        q, k, v, out, lse = ctx.saved_tensors
+        scale = q.shape[-1] ** -0.5
+        q.mul_(scale)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = (grad_out * out).sum(-1)
+        for qs in range(0, q.shape[-2], ctx.block_q):
+            qe = min(qs + ctx.block_q, q.shape[-2])
+            dob = grad_out[..., qs:qe, :]
+            for ks in range(0, min(k.shape[-2], qe) if ctx.causal else k.shape[-2], ctx.block_k):
+                ke = min(ks + ctx.block_k, k.shape[-2])
+                s = q[..., qs:qe, :] @ k[..., ks:ke, :].transpose(-2, -1)
+                if ctx.causal:
+                    s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                p = torch.exp(s - lse[..., qs:qe, None])
+                dv[..., ks:ke, :] += p.transpose(-2, -1) @ dob
+                ds = p * (dob @ v[..., ks:ke, :].transpose(-2, -1) - delta[..., qs:qe, None])
+                dq[..., qs:qe, :] += ds @ k[..., ks:ke, :] * scale
+                dk[..., ks:ke, :] += ds.transpose(-2, -1) @ q[..., qs:qe, :]
+        return dq, dk, dv, None, None, None
+
+
+@bug("10.3", "mutation", "changed k in place")
+class BackwardShiftsKeysAndBack(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        k.add_(1.0)                      # a scratch use of k...
+        k.sub_(1.0)                      # ...undone, but not bit for bit
+        k.mul_(3.0).div_(3.0)
+        k.add_(1e-3)
+        return _backward(ctx, grad_out)
+
+
+@bug("10.3", "mutation", "grad_out")
+class BackwardEditsGradOut(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = _backward(ctx, grad_out)
+        grad_out.zero_()                 # "free" the incoming gradient
+        return grads
+
+
+@bug("10.3", "mutation", "output")
+class BackwardReusesSavedOutput(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _backward(ctx, grad_out)
+        out.mul_(grad_out)               # D's product written into the saved output, after use
+        return grads
+
+
+@bug("10.3", "mutation", "saved for backward")
+class BackwardExponentiatesLseInPlace(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = _backward(ctx, grad_out)
+        q, k, v, out, lse = ctx.saved_tensors
+        lse.neg_()                       # scratch space, after the gradients are computed
+        return grads
+
+
+@bug("10.3", "gradient", "None for dk")
+class BackwardNoneForDk(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        dq, dk, dv, *rest = _backward(ctx, grad_out)
+        return (dq, None, dv, *rest)
+
+
+# ============================================================================ issue 43: names (10.1-10.3)
+
+@bug("10.1", "block_bounds", "overlap")
+def softmax_blocks_overlap(x, block_size):
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size + 1]          # "inclusive" end: one entry read twice
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+@bug("10.1", "block_bounds", "last entry")
+def softmax_stops_one_short(x, block_size):
+    length = x.shape[-1]
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, length - 1, block_size):
+        block = x[..., start:min(start + block_size, length - 1)]   # the last index is L - 1... excluded
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+@bug("10.1", "early_normalization", "at the end")
+def softmax_normalise_blocks_and_cat(x, block_size):
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    pieces = []
+    for block in torch.split(x, block_size, dim=-1):
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+        pieces.append(torch.exp(block - m[..., None]) / l[..., None])   # normalised with what is known now
+    return torch.cat(pieces, -1)
+
+
+@bug("10.1", "precision", "half")
+def softmax_in_half(x, block_size):
+    h = x.half()
+    m = torch.full(h.shape[:-1], float("-inf"), dtype=h.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, h.shape[-1], block_size):
+        block = h[..., start:start + block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return (torch.exp(h - m[..., None]) / l[..., None]).to(x.dtype)
+
+
+def _tiled_names(q, k, v, block_q, block_k, causal, *, q_stop=None, q_end=None, k_end=None, k_stop=None,
+                 local_mask=False, always_causal=False, from_keys=False, half=False, init=torch.empty):
+    """A forward written into a preallocated out and lse (as the notebook suggests), with the slips of issue 43."""
+    dtype = q.dtype
+    if half:
+        q, k, v = q.half(), k.half(), v.half()
+    scale = q.shape[-1] ** -0.5
+    lq, lk = q.shape[-2], k.shape[-2]
+    out = init(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = init(q.shape[:-1], dtype=q.dtype)
+    for qs in range(0, q_stop(lq) if q_stop else lq, block_q):
+        qe = q_end(qs, lq) if q_end else min(qs + block_q, lq)
+        qb = q[..., qs:qe, :] * scale
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        stop = k_stop(lk) if k_stop else lk
+        for ks in range(0, min(stop, qe) if causal else stop, block_k):
+            ke = k_end(ks, lk) if k_end else min(ks + block_k, lk)
+            s = qb @ k[..., ks:ke, :].transpose(-2, -1)
+            if causal or always_causal:
+                if local_mask:
+                    future = torch.arange(ke - ks)[None, :] > torch.arange(qe - qs)[:, None]
+                else:
+                    future = torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None]
+                s = s.masked_fill(future, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            c = torch.exp(m - m_new)
+            l = l * c + p.sum(-1)
+            acc = acc * c[..., None] + p @ (k if from_keys else v)[..., ks:ke, :]
+            m = m_new
+        out[..., qs:qe, :] = acc / l[..., None]
+        lse[..., qs:qe] = m + torch.log(l)
+    return out.to(dtype), lse.to(dtype)
+
+
+@bug("10.2", "block_bounds", "never written")
+def flash_query_blocks_one_short(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, q_end=lambda qs, lq: min(qs + block_q - 1, lq))
+
+
+@bug("10.2", "block_bounds", "never written")
+def flash_drops_last_query_block(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, q_stop=lambda lq: lq - lq % block_q or lq)
+
+
+@bug("10.2", "block_bounds", "never written")
+def flash_query_loop_stops_early_zeros(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, q_stop=lambda lq: lq - block_q, init=torch.zeros)
+
+
+@bug("10.2", "block_bounds", "overlap")
+def flash_key_blocks_overlap(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, k_end=lambda ks, lk: min(ks + block_k + 1, lk))
+
+
+@bug("10.2", "block_bounds", "last key")
+def flash_key_loop_stops_one_block_early(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, k_stop=lambda lk: lk - block_k)
+
+
+@bug("10.2", "block_bounds", "last key")
+def flash_key_blocks_one_short(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, k_end=lambda ks, lk: min(ks + block_k, lk - 1))
+
+
+@bug("10.2", "causal_mask", "position")
+def flash_mask_in_block_coordinates(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, local_mask=True)
+
+
+@bug("10.2", "causal_mask", "causal=False")
+def flash_always_causal(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, always_causal=True)
+
+
+@bug("10.2", "values", "v")
+def flash_weights_times_keys(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, from_keys=True)
+
+
+@bug("10.2", "precision", "half")
+def flash_in_half(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled_names(q, k, v, block_q, block_k, causal, half=True)
+
+
+@correct("10.2")
+def flash_normalised_accumulator(q, k, v, *, block_q, block_k, causal=False):
+    # acc kept normalised at every step, renormalising the old part by l_old * c / l_new: right
+    scale = q.shape[-1] ** -0.5
+    outs, lses = [], []
+    for qs in range(0, q.shape[-2], block_q):
+        qe = min(qs + block_q, q.shape[-2])
+        qb = q[..., qs:qe, :] * scale
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        o = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for ks in range(0, min(k.shape[-2], qe) if causal else k.shape[-2], block_k):
+            ke = min(ks + block_k, k.shape[-2])
+            s = qb @ k[..., ks:ke, :].transpose(-2, -1)
+            if causal:
+                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            l_new = l * torch.exp(m - m_new) + p.sum(-1)
+            o = o * (l * torch.exp(m - m_new) / l_new)[..., None] + p @ v[..., ks:ke, :] / l_new[..., None]
+            m, l = m_new, l_new
+        outs.append(o)
+        lses.append(m + l.log())
+    return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+@bug("10.2", "early_normalization", "divide once")
+def flash_normalised_accumulator_not_renormalised(q, k, v, *, block_q, block_k, causal=False):
+    scale = q.shape[-1] ** -0.5
+    outs, lses = [], []
+    for qs in range(0, q.shape[-2], block_q):
+        qe = min(qs + block_q, q.shape[-2])
+        qb = q[..., qs:qe, :] * scale
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        o = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for ks in range(0, min(k.shape[-2], qe) if causal else k.shape[-2], block_k):
+            ke = min(ks + block_k, k.shape[-2])
+            s = qb @ k[..., ks:ke, :].transpose(-2, -1)
+            if causal:
+                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            c = torch.exp(m - m_new)
+            l = l * c + p.sum(-1)
+            o = o * c[..., None] + p @ v[..., ks:ke, :] / l[..., None]    # old part never renormalised
+            m = m_new
+        outs.append(o)
+        lses.append(m + l.log())
+    return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+def _backward_names(ctx, grad_out, *, delta="ok", dk_scale=True, dq_scale=True, dp="ok", always_causal=False,
+                    from_keys=False, half=False):
+    """The backward with the slips of issue 43 switched on."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dtype = q.dtype
+    if half:
+        q, k, v, out, lse, grad_out = (t.half() for t in (q, k, v, out, lse, grad_out))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d_all = {"ok": (grad_out * out).sum(-1), "everything": (grad_out * out).sum().expand(lse.shape)}.get(delta)
+    lq, lk = q.shape[-2], k.shape[-2]
+    for qs in range(0, lq, ctx.block_q):
+        qe = min(qs + ctx.block_q, lq)
+        qb, dob = q[..., qs:qe, :], grad_out[..., qs:qe, :]
+        for ks in range(0, min(lk, qe) if ctx.causal else lk, ctx.block_k):
+            ke = min(ks + ctx.block_k, lk)
+            kb, vb = k[..., ks:ke, :], (k if from_keys else v)[..., ks:ke, :]
+            s = qb @ kb.transpose(-2, -1) * scale
+            if ctx.causal or always_causal:
+                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+            p = torch.exp(s - lse[..., qs:qe, None])
+            dv[..., ks:ke, :] += p.transpose(-2, -1) @ dob
+            dp_blk = dob @ vb if dp == "no_t" else dob @ vb.transpose(-2, -1)
+            if delta == "block":
+                d_blk = (p * dp_blk).sum(-1, keepdim=True)       # over this key block only
+            elif delta == "query_block":
+                d_blk = (dob * out[..., qs:qe, :]).sum((-2, -1), keepdim=True)   # one number per block
+            else:
+                d_blk = d_all[..., qs:qe, None]
+            ds = p * (dp_blk - d_blk)
+            dq[..., qs:qe, :] += ds @ kb * (scale if dq_scale else 1.0)
+            dk[..., ks:ke, :] += ds.transpose(-2, -1) @ qb * (scale if dk_scale else 1.0)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
+
+
+@bug("10.3", "backward_delta", "one number per query")
+class BackwardDeltaOverEverything(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, delta="everything")
+
+
+@bug("10.3", "backward_delta", "every key")
+class BackwardDeltaPerKeyBlock(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, delta="block")
+
+
+@bug("10.3", "backward_delta", "one number per query")
+class BackwardDeltaPerQueryBlock(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, delta="query_block")
+
+
+@bug("10.3", "scale", "dK")
+class BackwardDkUnscaled(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, dk_scale=False)
+
+
+@bug("10.3", "scale", "dQ")
+class BackwardDqUnscaled(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, dq_scale=False)
+
+
+@bug("10.3", "transposed", "dP")
+class BackwardDpNotTransposed(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, dp="no_t")
+
+
+@bug("10.3", "causal_mask", "causal=False")
+class BackwardAlwaysCausal(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, always_causal=True)
+
+
+@bug("10.3", "values", "V")
+class BackwardValuesFromKeys(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, from_keys=True)
+
+
+@bug("10.3", "precision", "half")
+class BackwardInHalf(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_names(ctx, grad_out, half=True)
+
+
+@bug("10.2", "causal_mask", "position")
+def flash_local_mask_on_diagonal_blocks(q, k, v, *, block_q, block_k, causal=False):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    lq, lk = q.shape[-2], k.shape[-2]
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = torch.zeros(q.shape[:-1], dtype=q.dtype)
+    for qs in range(0, lq, block_q):
+        qe = min(qs + block_q, lq)
+        q_blk = q[..., qs:qe, :] * scale
+        m = torch.full(q_blk.shape[:-1], float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*q_blk.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for ks in range(0, min(lk, qe) if causal else lk, block_k):
+            ke = min(ks + block_k, lk)
+            s = q_blk @ k[..., ks:ke, :].transpose(-2, -1)
+            if causal and ke - 1 > qs:
+                future = torch.ones(qe - qs, ke - ks, dtype=torch.bool).triu(1)   # the block's own diagonal
+                s = s.masked_fill(future, float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            p = torch.exp(s - m_new[..., None])
+            c = torch.exp(m - m_new)
+            l = l * c + p.sum(dim=-1)
+            acc = acc * c[..., None] + p @ v[..., ks:ke, :]
+            m = m_new
+        out[..., qs:qe, :] = acc / l[..., None]
+        lse[..., qs:qe] = m + torch.log(l)
+    return out, lse
+
+
+@bug("10.1", "precision", "half")
+def softmax_bfloat16_blocks(x, block_size):
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[-1], block_size):
+        block = x[..., start:start + block_size].bfloat16()            # "to save memory"
+        m_new = torch.maximum(m, block.amax(-1).to(x.dtype))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None].bfloat16()).sum(-1).to(x.dtype)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+@correct("10.3")
+class BackwardScalesACopyInPlace(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        # in place, but on copies: the saved tensors and grad_out are untouched
+        q, k, v, out, lse = (t.clone() for t in ctx.saved_tensors)
+        do = grad_out.clone()
+        scale = q.shape[-1] ** -0.5
+        q.mul_(scale)
+        delta = (do * out).sum(-1)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for qs in range(0, q.shape[-2], ctx.block_q):
+            qe = min(qs + ctx.block_q, q.shape[-2])
+            for ks in range(0, k.shape[-2], ctx.block_k):
+                ke = min(ks + ctx.block_k, k.shape[-2])
+                s = q[..., qs:qe, :] @ k[..., ks:ke, :].transpose(-2, -1)
+                if ctx.causal:
+                    s.masked_fill_(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                p = s.sub_(lse[..., qs:qe, None]).exp_()
+                dv[..., ks:ke, :] += p.transpose(-2, -1) @ do[..., qs:qe, :]
+                ds = p * (do[..., qs:qe, :] @ v[..., ks:ke, :].transpose(-2, -1) - delta[..., qs:qe, None])
+                dq[..., qs:qe, :] += ds @ k[..., ks:ke, :] * scale
+                dk[..., ks:ke, :] += ds.transpose(-2, -1) @ q[..., qs:qe, :]
+        return dq, dk, dv, None, None, None
+
+
+@correct("10.3")
+class BackwardEinsum(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = torch.einsum("...qd,...qd->...q", grad_out, out)
+        for qs in range(0, q.shape[-2], ctx.block_q):
+            qe = min(qs + ctx.block_q, q.shape[-2])
+            for ks in range(0, min(k.shape[-2], qe) if ctx.causal else k.shape[-2], ctx.block_k):
+                ke = min(ks + ctx.block_k, k.shape[-2])
+                s = torch.einsum("...qd,...kd->...qk", q[..., qs:qe, :], k[..., ks:ke, :]) * scale
+                if ctx.causal:
+                    s = torch.where(torch.arange(ks, ke)[None, :] <= torch.arange(qs, qe)[:, None], s,
+                                    torch.tensor(float("-inf"), dtype=s.dtype))
+                p = torch.exp(s - lse[..., qs:qe].unsqueeze(-1))
+                dv[..., ks:ke, :] += torch.einsum("...qk,...qd->...kd", p, grad_out[..., qs:qe, :])
+                dp = torch.einsum("...qd,...kd->...qk", grad_out[..., qs:qe, :], v[..., ks:ke, :])
+                ds = p * (dp - delta[..., qs:qe].unsqueeze(-1)) * scale
+                dq[..., qs:qe, :] += torch.einsum("...qk,...kd->...qd", ds, k[..., ks:ke, :])
+                dk[..., ks:ke, :] += torch.einsum("...qk,...qd->...kd", ds, q[..., qs:qe, :])
+        return dq, dk, dv, None, None, None
+
+
+@correct("10.2")
+def flash_accumulates_in_float64(q, k, v, *, block_q, block_k, causal=False):
+    # more precise than asked, returned in the inputs' dtype
+    out, lse = _tiled_names(q.double(), k.double(), v.double(), block_q, block_k, causal, init=torch.zeros)
+    return out.to(q.dtype), lse.to(q.dtype)

@@ -10,6 +10,45 @@ import torch
 import torch.nn.functional as F
 
 from ..exercises import Mistake
+from ._student_code import close
+
+# ============================================================================ every exercise of the topic
+
+
+def coarse_precision(out: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Right to the rounding of half precision (float16, bfloat16: 3 significant digits or fewer) but not to the
+    inputs' own: part of the computation ran in a lower precision."""
+    if not isinstance(out, torch.Tensor) or out.shape != expected.shape or close(out, expected):
+        return False
+    return bool(torch.allclose(out.detach().double(), expected.detach().double(), rtol=3e-2, atol=3e-3))
+
+
+PRECISION = ("your result is right to about three significant digits only: part of your computation runs in half "
+             "precision (.half(), torch.float16, torch.bfloat16, an autocast). Keep the inputs' dtype throughout "
+             "(create new tensors with dtype=x.dtype or torch.zeros_like).")
+
+
+def unwritten_rows(out: torch.Tensor, expected: torch.Tensor, block_q: int) -> str | None:
+    """When only some query rows (axis -2) are wrong and every other row is right, what that says about the query
+    loop's bounds (None otherwise). Such rows are usually never written: their numbers are whatever torch.empty
+    found in memory, so the message names rows, not a difference."""
+    if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape != expected.shape:
+        return None
+    length = out.shape[-2]
+    right = [close(out[..., i, :], expected[..., i, :]) for i in range(length)]
+    wrong = [i for i, ok in enumerate(right) if not ok]
+    if not wrong or len(wrong) == length:
+        return None
+    if wrong == list(range(wrong[0], length)):
+        shown = f"query rows {wrong[0]} to {length - 1} are" if len(wrong) > 1 else f"query row {wrong[0]} is"
+        return (f"{shown} wrong (the end of the sequence) while every other row is right: never written. Your "
+                f"query loop stops early: loop over range(0, Lq, block_q); the last block may be shorter "
+                f"(qe = min(qs + block_q, Lq)).")
+    if all((i + 1) % block_q == 0 for i in wrong):
+        return (f"the last query of each block ({', '.join(map(str, wrong[:6]))}{'...' if len(wrong) > 6 else ''}) "
+                f"is wrong while every other row is right: it is never written. A query block is q[..., qs:qe, :] "
+                f"with qe = min(qs + block_q, Lq); the slice already excludes qe (no - 1).")
+    return None
 
 # ============================================================================ 10.1 online softmax
 
@@ -18,17 +57,22 @@ def _blocks(length: int, size: int, bounds: str) -> list[slice]:
     """The blocks a loop reads: right, or with one of the usual off-by-one slips (``bounds``):
     "short" x[s : s + B - 1], "shifted" x[s + 1 : s + B + 1] (each block starts one entry late),
     "stop_early" range(0, L - B, B) (the last block or two never read), "whole_blocks" range(L // B) blocks
-    (a last, shorter block never read)."""
+    (a last, shorter block never read), "overlap" x[s : s + B + 1] (one entry read twice), "last_entry"
+    x[s : min(s + B, L - 1)] (the row's last entry never read)."""
+    if bounds == "last_entry":
+        return [slice(s, min(s + size, length - 1)) for s in range(0, length - 1, size)]
     stop = {"stop_early": length - size, "whole_blocks": length - length % size}.get(bounds, length)
-    start, end = {"shifted": (1, 1), "short": (0, -1)}.get(bounds, (0, 0))
+    start, end = {"shifted": (1, 1), "short": (0, -1), "overlap": (0, 1)}.get(bounds, (0, 0))
     return [slice(s + start, s + size + end) for s in range(0, stop, size)]
 
 
 def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum: str = "running",
                     normalize: str = "end", bounds: str = "ok") -> torch.Tensor:
     """Online softmax of x (..., L) over blocks of ``size``, with the named slips switched on. It runs in x's
-    own dtype: whether exp overflows depends on it (float32 overflows past exp(88))."""
-    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    own dtype: whether exp overflows depends on it (float32 overflows past exp(88), underflows below -104).
+    ``maximum``: "running" (right), "none" (nothing subtracted), "last" (this block's only), "zero" (a running
+    maximum that starts at 0, not -inf), "shared" (one running maximum for all rows)."""
+    m = torch.full(x.shape[:-1], 0.0 if maximum == "zero" else float("-inf"), dtype=x.dtype)
     total = torch.zeros(x.shape[:-1], dtype=x.dtype)
     out = torch.empty_like(x)
     with torch.no_grad():
@@ -40,6 +84,8 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
                 m_new = torch.zeros_like(m)
             elif maximum == "last":      # the maximum of this block only, not the running one
                 m_new = block.amax(-1)
+            elif maximum == "shared":    # one maximum over every row (x.max() without dim=-1)
+                m_new = torch.maximum(m, block.amax().expand_as(m))
             else:
                 m_new = torch.maximum(m, block.amax(-1))
             old = torch.where(torch.isinf(m) & torch.isinf(m_new), torch.zeros_like(m), m - m_new)
@@ -59,51 +105,85 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
 def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int, causal: bool,
                     *, skip: str = "ok", diagonal_mask: bool = True, rescale_acc: bool = True,
                     rescale_sum: bool = True, scale_power: int = 1, last_block: str = "ok",
-                    normalize: str = "end", ignore_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tiled forward of (q, k, v) (..., L, d) in float64, with the named slips switched on: (out, lse)."""
-    causal = causal and not ignore_causal
-    q, k, v = q.double(), k.double(), v.double()
+                    normalize: str = "end", ignore_causal: bool = False, maximum: str = "running",
+                    k_bounds: str = "ok", mask: str = "absolute", always_causal: bool = False,
+                    values: str = "v") -> tuple[torch.Tensor, torch.Tensor]:
+    """The tiled forward of (q, k, v) (..., L, d) in float64, with the named slips switched on: (out, lse).
+    ``maximum`` as in ``softmax_variant`` ("zero", "none", "shared" one maximum for all rows of a query block);
+    those run in q's own dtype, where exp overflows or underflows as the student's does. ``k_bounds``: "overlap"
+    (k[ks : ks + B + 1]), "short" (the last key never read), "stop_early" (range(0, Lk - B, B)); ``mask``: "local"
+    (positions counted inside the block, every block masked) or "local_diagonal" (only blocks that cross the
+    diagonal); ``always_causal``: masked even when causal=False; ``values="keys"``: p @ k; ``normalize``:
+    "every" (acc / l after each block) or "unrenormalised" (acc += p @ v / l_new, the old part never rescaled
+    by l_old / l_new)."""
+    causal = (causal and not ignore_causal) or always_causal
+    work = torch.float64 if maximum == "running" else q.dtype
+    q, k, v = q.to(work), k.to(work), v.to(work)
     scale = q.shape[-1] ** (-0.5 * scale_power)
     lq, lk = q.shape[-2], k.shape[-2]
-    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float64)
-    lse = torch.zeros(q.shape[:-1], dtype=torch.float64)
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=work)
+    lse = torch.zeros(q.shape[:-1], dtype=work)
     for i, q_start in enumerate(range(0, lq, block_q)):
         q_end = min(q_start + block_q, lq)
-        m = torch.full(q[..., q_start:q_end, 0].shape, float("-inf"), dtype=torch.float64)
+        m = torch.full(q[..., q_start:q_end, 0].shape, 0.0 if maximum == "zero" else float("-inf"), dtype=work)
         total = torch.zeros_like(m)
-        acc = torch.zeros(*m.shape, v.shape[-1], dtype=torch.float64)
-        for j, k_start in enumerate(range(0, lk, block_k)):
-            k_end = min(k_start + block_k, lk)
+        acc = torch.zeros(*m.shape, v.shape[-1], dtype=work)
+        k_stop = {"stop_early": lk - block_k, "short": lk - 1}.get(k_bounds, lk)
+        for j, k_start in enumerate(range(0, k_stop, block_k)):
+            k_end = min(k_start + block_k + (k_bounds == "overlap"), k_stop if k_bounds == "short" else lk)
             if last_block == "dropped" and k_end - k_start < block_k:
                 continue
             if causal:
                 if not {"ok": k_start <= q_end - 1, "index": j <= i, "strict": k_start < q_start}[skip]:
                     continue
-            kb, vb = k[..., k_start:k_end, :], v[..., k_start:k_end, :]
+            kb, vb = k[..., k_start:k_end, :], (k if values == "keys" else v)[..., k_start:k_end, :]
             if last_block == "padded" and k_end - k_start < block_k:   # zeros appended, never masked
                 kb, vb = (F.pad(t, (0, 0, 0, block_k - (k_end - k_start))) for t in (kb, vb))
             s = q[..., q_start:q_end, :] @ kb.transpose(-2, -1) * scale          # (..., Bq, Bk)
-            if causal and diagonal_mask:
-                rows = torch.arange(q_start, q_end)[:, None]
-                cols = torch.arange(k_start, k_start + s.shape[-1])[None, :]
+            crosses = k_start + s.shape[-1] - 1 > q_start
+            if causal and diagonal_mask and (mask != "local_diagonal" or crosses):
+                local = mask.startswith("local")          # positions counted from the block's corner
+                rows = torch.arange(0 if local else q_start, (0 if local else q_start) + s.shape[-2])[:, None]
+                cols = torch.arange(0 if local else k_start, (0 if local else k_start) + s.shape[-1])[None, :]
                 s = s.masked_fill(cols > rows, float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1))
+            if maximum == "none":        # exp(s) itself: overflows past 88 in float32
+                m_new = torch.zeros_like(m)
+            elif maximum == "shared":    # s.max() without dim=-1: one maximum for every row of the block
+                m_new = torch.maximum(m, s.amax().expand_as(m))
+            else:
+                m_new = torch.maximum(m, s.amax(-1))
             safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - safe[..., None])
             correction = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf), m - safe))
+            if maximum == "none":        # nothing subtracted, nothing to rescale
+                correction = torch.ones_like(m)
             total = (total * correction if rescale_sum else total) + p.sum(-1)
+            if normalize == "unrenormalised":
+                acc = acc * correction[..., None] + p @ vb / total[..., None]
+                m = m_new
+                continue
             acc = (acc * correction[..., None] if rescale_acc else acc) + p @ vb
             if normalize == "every":
                 acc = acc / total[..., None]
                 total = torch.ones_like(total)
             m = m_new
-        out[..., q_start:q_end, :] = acc / total[..., None]
+        out[..., q_start:q_end, :] = acc if normalize == "unrenormalised" else acc / total[..., None]
         lse[..., q_start:q_end] = m + torch.log(total)
     return out, lse
 
 
 # What each forward slip looks like, with the switches that produce it (the order is the order tried).
 FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code, why, spec in (
+    ("magnitude", "one maximum is shared by all the rows of a query block (s.max() or s.amax() without dim=-1): "
+                  "a query whose scores are far below another's then gets exp(s - m) = 0 for every key, and 0/0. "
+                  "Keep one running maximum per query, m_new = torch.maximum(m, s.amax(dim=-1)).",
+     {"maximum": "shared"}),
+    ("running_max", "your running maximum starts at 0 (or another finite number), not at -inf: when every score of a query is below about "
+                    "-104 (float32), exp(s - 0) underflows to 0 for every key and you divide 0 by 0. Start each "
+                    "query block with m = -inf, so the first key block's maximum replaces it.", {"maximum": "zero"}),
+    ("overflow", "no maximum is subtracted: exp(s) overflows to inf for scores above about 88 (float32) and "
+                 "underflows to 0 below about -104, and inf/inf or 0/0 is NaN. Subtract the running maximum m in "
+                 "every exp and rescale l and acc by exp(m - m_new) when it grows.", {"maximum": "none"}),
     ("block_skip", "you skip a key block that some query of the block still needs: query block i needs every key "
                    "block whose FIRST key is not after the block's LAST query (k_start <= q_end - 1). Comparing the "
                    "block numbers (j <= i) is only right when block_q == block_k.", {"skip": "index"}),
@@ -133,6 +213,26 @@ FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code
     ("block_bounds", "a last key block shorter than block_k is never read: when L is not a multiple of block_k, "
                      "the loop must still visit range(0, L, block_k) up to the end, with k_end = min(k_start + "
                      "block_k, L).", {"last_block": "dropped"}),
+    ("block_bounds", "your key blocks overlap: k[..., ks:ks + block_k + 1] reads the first key of the next "
+                     "block too, so it is counted twice. The end of a slice is excluded already: k[..., ks:ke] with "
+                     "ke = min(ks + block_k, Lk).", {"k_bounds": "overlap"}),
+    ("block_bounds", "your key loop stops one block early (range(0, Lk - block_k, block_k)): the last key block is "
+                     "never read. Loop over range(0, Lk, block_k).", {"k_bounds": "stop_early"}),
+    ("block_bounds", "the last key is never read: a key block ends at ke = min(ks + block_k, Lk), and the slice "
+                     "k[..., ks:ke] already excludes ke (no Lk - 1).", {"k_bounds": "short"}),
+    ("causal_mask", "your mask counts positions inside the block (arange(Bk) > arange(Bq)), not in the sequence: "
+                    "a query may see every key whose position is not after its own, so compare the absolute "
+                    "positions ks + col and qs + row.", {"mask": "local"}),
+    ("causal_mask", "your mask counts positions inside the block (arange(Bk) > arange(Bq)), not in the sequence: "
+                    "in a block that crosses the diagonal, compare the absolute positions ks + col and qs + row.",
+     {"mask": "local_diagonal"}),
+    ("causal_mask", "you mask the future although causal=False: only causal attention hides later keys; mask "
+                    "(and skip key blocks) only when causal is True.", {"always_causal": True}),
+    ("values", "the weights multiply the keys (p @ k): the output is the weighted sum of the VALUES, acc += p @ "
+               "v[..., ks:ke, :].", {"values": "keys"}),
+    ("early_normalization", "you keep the accumulator normalised (acc += p @ v / l) but never renormalise its old "
+                            "part when l grows: divide once, after the last key block (or rescale the old part by "
+                            "l_old * exp(m - m_new) / l_new).", {"normalize": "unrenormalised"}),
     ("early_normalization", "you divide by the running sum after every key block: the accumulator then holds "
                             "averages that later blocks mix up with the wrong weights. Keep the unnormalised sum "
                             "p @ v and divide once, after the last key block.", {"normalize": "every"}),
@@ -144,30 +244,41 @@ FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code
 
 def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, causal: bool,
                      block_q: int, block_k: int, *, delta: str = "ok", ds_scale: bool = True,
-                     dv_transposed: bool = False, dk_transposed: bool = False, mask: str = "ok"
-                     ) -> tuple[torch.Tensor, ...]:
+                     dv_transposed: bool = False, dk_transposed: bool = False, mask: str = "ok",
+                     dq_scale: bool = True, dk_scale: bool = True, dp: str = "ok", always_causal: bool = False,
+                     values: str = "v") -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) of attention in float64 by the recomputation formulas, block by block, with the named slips
-    switched on. A transposed product (P @ dO for P^T @ dO) only fits square blocks; elsewhere it raises."""
+    switched on. A transposed product (P @ dO for P^T @ dO) only fits square blocks; elsewhere it raises.
+    ``delta`` also "everything" (one D for all queries, heads and batches), "key_block" (rowsum(P * dP) over one
+    key block) and "query_block" (one D per query block); ``dp="no_transpose"``: dO @ V (fits only dv == block_k);
+    ``always_causal``: the recomputed weights masked although the forward was not; ``values="keys"``: dP = dO K^T."""
     q, k, v, do = q.double(), k.double(), v.double(), grad_out.double()
     scale = q.shape[-1] ** -0.5
     s = q @ k.transpose(-2, -1) * scale
     future = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
     masked = s.masked_fill(future, float("-inf")) if causal else s
     lse = torch.logsumexp(masked, -1, keepdim=True)
-    p = torch.exp((masked if mask == "ok" else s) - lse)
+    if always_causal and not causal:      # the forward's lse is unmasked; the recomputation masks
+        p = torch.exp(s.masked_fill(future, float("-inf")) - lse)
+    else:
+        p = torch.exp((masked if mask == "ok" else s) - lse)
     if causal and mask == "diagonal":     # unmasked inside the computed blocks; the future blocks are skipped
         rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
         last_query = torch.clamp((rows // block_q + 1) * block_q, max=q.shape[-2]) - 1
         p = p.masked_fill((cols // block_k) * block_k > last_query, 0.0)
     out = torch.softmax(masked, -1) @ v
-    dp = do @ v.transpose(-2, -1)
+    dp_all = do @ (k if values == "keys" else v).transpose(-2, -1)
     d = {"ok": (do * out).sum(-1, keepdim=True), "grad_only": do.sum(-1, keepdim=True),
          "zero": torch.zeros_like(lse), "values": (do * v).sum(-1, keepdim=True),
-         "dp": dp.sum(-1, keepdim=True)}[delta]
-    ds = p * (dp - d)
+         "dp": dp_all.sum(-1, keepdim=True), "everything": (do * out).sum().expand(lse.shape),
+         }.get(delta, (do * out).sum(-1, keepdim=True))
+    if delta in ("key_block", "query_block") or dp != "ok":
+        ds = _blocked_ds(p, do, v, out, d, block_q, block_k, delta, dp)
+    else:
+        ds = p * (dp_all - d)
     factor = scale if ds_scale else 1.0
-    dq = ds @ k * factor
-    dk = ds.transpose(-2, -1) @ q * factor
+    dq = ds @ k * factor * (1.0 if dq_scale else 1 / scale)
+    dk = ds.transpose(-2, -1) @ q * factor * (1.0 if dk_scale else 1 / scale)
     dv = p.transpose(-2, -1) @ do
     if dv_transposed or dk_transposed:
         lq, lk = q.shape[-2], k.shape[-2]
@@ -185,6 +296,28 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
     return dq, dk, dv
 
 
+def _blocked_ds(p: torch.Tensor, do: torch.Tensor, v: torch.Tensor, out: torch.Tensor, d: torch.Tensor,
+                block_q: int, block_k: int, delta: str, dp: str) -> torch.Tensor:
+    """dS = P * (dP - D), block by block, where a slip depends on the blocks: D from one key block or one query
+    block, or dP = dO @ V without its transpose (raises where dv != block_k: the slip does not apply)."""
+    ds = torch.zeros_like(p)
+    lq, lk = p.shape[-2], p.shape[-1]
+    for qs in range(0, lq, block_q):
+        qe = min(qs + block_q, lq)
+        for ks in range(0, lk, block_k):
+            ke = min(ks + block_k, lk)
+            p_blk, do_blk, v_blk = p[..., qs:qe, ks:ke], do[..., qs:qe, :], v[..., ks:ke, :]
+            dp_blk = do_blk @ v_blk if dp == "no_transpose" else do_blk @ v_blk.transpose(-2, -1)
+            if delta == "key_block":
+                d_blk = (p_blk * dp_blk).sum(-1, keepdim=True)
+            elif delta == "query_block":
+                d_blk = (do_blk * out[..., qs:qe, :]).sum((-2, -1), keepdim=True)
+            else:
+                d_blk = d[..., qs:qe, :]
+            ds[..., qs:qe, ks:ke] = p_blk * (dp_blk - d_blk)
+    return ds
+
+
 BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code, why, spec in (
     ("backward_delta", "D is computed from the wrong tensors: D = rowsum(dO * O), the gradient of the output times "
                        "the output itself, one number per query.", {"delta": "grad_only"}),
@@ -193,6 +326,23 @@ BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code,
      {"delta": "values"}),
     ("backward_delta", "D is rowsum(dP), not rowsum(dO * O): D is the row sum of P * dP, which equals "
                        "rowsum(dO * O), computed once from the saved output.", {"delta": "dp"}),
+    ("backward_delta", "D is one number summed over everything (every query, head and batch): D is one number "
+                       "per query, D = rowsum(dO * O) = (dO * O).sum(dim=-1).", {"delta": "everything"}),
+    ("backward_delta", "D is summed over one key block only (rowsum(P * dP) of the block): D is one number per "
+                       "query over every key, D = rowsum(dO * O), computed once before the loops.",
+     {"delta": "key_block"}),
+    ("backward_delta", "D is one number for a whole query block: it is one number per query, D = rowsum(dO * O) "
+                       "= (dO * O).sum(dim=-1), not summed over the block's rows too.", {"delta": "query_block"}),
+    ("scale", "the scale 1/sqrt(d) is missing from dK (dQ has it): the scores are q k^T / sqrt(d), so dK = "
+              "dS^T @ Q / sqrt(d) as dQ = dS @ K / sqrt(d).", {"dk_scale": False}),
+    ("scale", "the scale 1/sqrt(d) is missing from dQ (dK has it): the scores are q k^T / sqrt(d), so dQ = "
+              "dS @ K / sqrt(d) as dK = dS^T @ Q / sqrt(d).", {"dq_scale": False}),
+    ("transposed", "dP is dO @ V: it should be dP = dO @ V^T (one number per query and key: how the loss moves "
+                   "with each weight). It only fits here because d equals block_k.", {"dp": "no_transpose"}),
+    ("values", "dP is computed from the keys: dP = dO @ V^T, the gradient of the output times the values (the "
+               "output is P @ V).", {"values": "keys"}),
+    ("causal_mask", "the recomputed weights are masked although causal=False: the forward attended to every key, "
+                    "so its lse is over every key; mask only when ctx.causal.", {"always_causal": True}),
     ("scale", "the scale 1/sqrt(d) is missing from dQ and dK: the scores are q k^T / sqrt(d), so dQ = dS @ K / "
               "sqrt(d) and dK = dS^T @ Q / sqrt(d).", {"ds_scale": False}),
     ("transposed", "dV is P @ dO: it should be P^T @ dO (each key's value collects the gradients of the queries "

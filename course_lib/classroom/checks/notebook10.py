@@ -2,7 +2,9 @@
 10.3 FlashAttentionFunction (the backward by recomputation, judged on its stacked (dq, dk, dv)).
 
 10.2 is two declarations (its output, then its log-sum-exp). Whether the student tiled at all is watched
-while their code runs (``_flash_probe``).
+while their code runs (``_flash_probe``). 10.1 and 10.2 get the engine's magnitude probe (scores of hundreds,
+far below zero, rows far apart); 10.3 runs through the engine's saved_tensors probe (``forward_backward``).
+The mistakes of the topic (tiling, backward, precision, rows never written) are ``_flash_variants``'.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from ._student_code import call_student, close, expect_callable, expect_tensor, 
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
+from .engine.probes import magnitude_rows, magnitude_scores
+from .engine.saved_tensors import forward_backward
 
 __all__ = ["check_online_softmax", "check_flash_attention", "check_flash_backward"]
 
@@ -52,6 +56,8 @@ _SOFTMAX_CASES = (
     (_rows(5, (2, 9), ramp=5.0, scale=2.0).double(), 2),
     (_large(first=True), 4),
     (_large(first=False), 4),
+    (_rows(6, (2, 10), scale=2.0) - 150.0, 3),              # every score below -104: exp(x - 0) underflows
+    (_rows(8, (3, 8), scale=2.0) + torch.tensor([[150.0], [0.0], [-150.0]]), 3),   # rows far apart
 )
 
 def _softmax_mistake(code: str, why: str, **spec: str) -> Mistake:
@@ -59,6 +65,18 @@ def _softmax_mistake(code: str, why: str, **spec: str) -> Mistake:
 
 
 _SOFTMAX_MISTAKES = (
+    # the magnitude slips first: a student wrong only at large magnitudes is NaN there, which other
+    # slips' outputs can be too
+    _softmax_mistake("magnitude", "one maximum is shared by all rows (x.max() or x.amax() without dim=-1): a row "
+                     "far below the largest row then has exp(x - m) = 0 everywhere and 0/0. Keep one running "
+                     "maximum per row, m_new = torch.maximum(m, block.amax(dim=-1))", maximum="shared"),
+    _softmax_mistake("running_max", "your running maximum starts at 0 (or another finite number), not at -inf: "
+                     "when every score of a row is below about -104 (float32), exp(x - 0) underflows to 0 for all of them and you divide 0 by 0. "
+                     "Start with m = torch.full(..., float('-inf')), so the first block's maximum replaces it",
+                     maximum="zero"),
+    _softmax_mistake("overflow", "no maximum is subtracted, so exp overflows to inf for scores above about 88 in "
+                     "float32 and you divide inf by inf. Subtract the running maximum m inside every exp",
+                     maximum="none"),
     _softmax_mistake("online_rescale", "the running sum is not rescaled when the maximum changes: every earlier term "
                      "was exp(x - m_old), so when a block raises the maximum the sum must be multiplied by "
                      "exp(m_old - m_new) before the new block's terms are added", rescale="none"),
@@ -68,9 +86,6 @@ _SOFTMAX_MISTAKES = (
                      "so far: it is right in exact arithmetic, but when a later block is much smaller than an earlier "
                      "one the rescale factor exp(m_old - m_new) overflows. Use m_new = max(m, block.max())",
                      maximum="last"),
-    _softmax_mistake("overflow", "no maximum is subtracted, so exp overflows to inf for scores above about 88 in "
-                     "float32 and you divide inf by inf. Subtract the running maximum m inside every exp",
-                     maximum="none"),
     _softmax_mistake("early_normalization", "each block is normalised with the sum seen so far; the earlier blocks "
                      "never learn about the later ones. Only the statistics (m, l) are updated per block: divide by "
                      "the final sum once, at the end", normalize="every"),
@@ -78,6 +93,11 @@ _SOFTMAX_MISTAKES = (
                      "block_size] (the end is excluded already, no -1)", bounds="short"),
     _softmax_mistake("block_bounds", "every block starts one entry late: block s covers x[..., s : s + block_size]",
                      bounds="shifted"),
+    _softmax_mistake("block_bounds", "your blocks overlap: x[..., s : s + block_size + 1] reads the first entry of the "
+                     "next block too, so it is counted twice. The end of a slice is excluded already: x[..., s : s + "
+                     "block_size]", bounds="overlap"),
+    _softmax_mistake("block_bounds", "the row's last entry is never read: the blocks end at min(s + block_size, L) "
+                     "and a slice already excludes its end (no L - 1)", bounds="last_entry"),
     _softmax_mistake("block_bounds", "your loop stops before the last block: range(0, L, block_size) visits every "
                      "start, the last block may be shorter", bounds="stop_early"),
     _softmax_mistake("block_bounds", "a last block shorter than block_size is never read (L is not always a multiple "
@@ -90,6 +110,12 @@ def _softmax_cases(cases: Any) -> list[Case]:
     return [Case((x, size), f"online_softmax(x, {size}) with x of shape {tuple(x.shape)}") for x, size in cases]
 
 
+def _softmax_magnitudes() -> list[Case]:
+    """The magnitude probe: two cases again at scores of hundreds, far below zero, and rows far apart."""
+    return [Case((big, size), f"online_softmax(x, {size}) with x of shape {tuple(x.shape)}, {words}")
+            for x, size in (_SOFTMAX_CASES[0], _SOFTMAX_CASES[2]) for big, words in magnitude_rows(x)]
+
+
 def _softmax_not_finite(runs: list[Run], fn: Any) -> None:
     run = next(run for run in runs if not close(run.out, run.expected))
     (x, size), out = run.case.args, run.out
@@ -98,12 +124,29 @@ def _softmax_not_finite(runs: list[Run], fn: Any) -> None:
              f"online_softmax(x, {size}) gave NaN or inf for x of shape {tuple(x.shape)} (scores up to "
              f"{float(x.max()):.0f}). Subtract the running maximum inside every exp, and rescale the sum "
              f"with exp(m_old - m_new), which is at most 1.")
+    if variants.coarse_precision(out, run.expected):
+        fail("precision", f"online_softmax(x, {size}) with x of shape {tuple(x.shape)}: {variants.PRECISION}")
+
+
+def _by_up_to(out: torch.Tensor, expected: torch.Tensor) -> str:
+    """"by up to X" from the entries a student computed; entries that hold NaN, inf or numbers far beyond the
+    reference's (memory from torch.empty that was never written) are counted apart, not quoted as a difference."""
+    out, expected = out.detach().double(), expected.detach().double()
+    finite = expected[expected.isfinite()]
+    largest = float(finite.abs().max()) if finite.numel() else 1.0
+    wild = ~torch.isfinite(out) | (out.abs() > 1e6 * (1.0 + largest))
+    if not bool(wild.any()):
+        return f"by up to {max_diff(out, expected):.3g}"
+    rest = f", and elsewhere by up to {max_diff(out[~wild], expected[~wild]):.3g}" if bool((~wild).any()) else ""
+    biggest = float(out[wild].abs().nan_to_num(0.0).max())
+    return (f"in {int(wild.sum())} entries that hold NaN, inf or numbers as large as {biggest:.3g} (never "
+            f"written? start from torch.zeros, not torch.empty){rest}")
 
 
 def _softmax_mismatch(run: Run) -> str:
     (x, size), out = run.case.args, run.out
-    return (f"online_softmax(x, {size}) differs from torch.softmax(x, dim=-1) by up to "
-            f"{max_diff(out, torch.softmax(x.double(), -1)):.3g} for x of shape {tuple(x.shape)}. Keep the "
+    return (f"online_softmax(x, {size}) differs from torch.softmax(x, dim=-1) "
+            f"{_by_up_to(out, torch.softmax(x.double(), -1))} for x of shape {tuple(x.shape)}. Keep the "
             f"running maximum m and sum l over the blocks, then return exp(x - m) / l.")
 
 
@@ -133,6 +176,7 @@ ONLINE_SOFTMAX = FunctionExercise(
     mismatch=_softmax_mismatch, mistakes=_SOFTMAX_MISTAKES,
     variant=lambda x, size, *, spec: variants.softmax_variant(x, size, **spec),
     diagnose=_softmax_not_finite, after=_whole_row, examples=lambda: _softmax_cases(_tiny_rows()),
+    magnitude=_softmax_magnitudes,
 )
 
 
@@ -154,8 +198,24 @@ def _qkv(seed: int, shape_q: tuple[int, ...], length_k: int | None = None, sprea
     return q, k, v
 
 
+def _pushed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: float, alternate: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v with one direction added so every score is moved by about ``score`` (``alternate``: +score for
+    even queries, -score for odd ones), on top of its own spread."""
+    d = q.shape[-1]
+    push = (abs(score) * d ** 0.5) ** 0.5                      # push**2 / sqrt(d) = |score|
+    direction = torch.zeros(d, dtype=q.dtype)
+    direction[0] = 1.0
+    signs = torch.ones(q.shape[-2], dtype=q.dtype)
+    if alternate:
+        signs[1::2] = -1.0                                     # (Lq,): +, -, +, ...
+    toward = 1.0 if score > 0 else -1.0
+    return q + push * signs[:, None] * direction, k + toward * push * direction, v   # (..., L, d) each
+
+
 # (q, k, v, block_q, block_k, causal): blocks that divide L and blocks that do not, block_q != block_k
-# (where comparing block numbers goes wrong), Lq != Lk, blocks longer than the sequence.
+# (where comparing block numbers goes wrong), Lq != Lk, blocks longer than the sequence; every score far below
+# zero (a running maximum from 0 gives 0/0) and query rows far apart (one maximum for all rows gives 0/0).
 _FORWARD_CASES = (
     (*_qkv(11, (1, 2, 13, 4)), 4, 5, False),
     (*_qkv(12, (2, 1, 12, 8)), 4, 4, True),
@@ -163,6 +223,8 @@ _FORWARD_CASES = (
     (*_qkv(14, (1, 1, 6, 4), length_k=10), 4, 4, False),
     (*_qkv(15, (1, 1, 7, 4)), 16, 16, True),
     (*_qkv(16, (1, 2, 10, 4)), 3, 4, True),
+    (*_pushed(*_qkv(17, (1, 2, 9, 4)), -150.0, alternate=False), 4, 3, False),
+    (*_pushed(*_qkv(18, (1, 1, 10, 4)), 150.0, alternate=True), 3, 4, True),
 )
 
 # The watched run: per head, the full score matrix is 64 x 64 = 4096 numbers, q is 64 x 12; d = 12 differs
@@ -300,8 +362,27 @@ def _forward_cases(cases: Any) -> list[Case]:
     return [Case(case, _forward_call(*case)) for case in cases]
 
 
+def _forward_magnitudes() -> list[Case]:
+    """The magnitude probe: two cases again with scores of hundreds, every score far below zero, and query rows
+    far apart (``magnitude_scores`` gives the first and the last)."""
+    cases = []
+    for q, k, v, block_q, block_k, causal in (_FORWARD_CASES[0], _FORWARD_CASES[2]):
+        (big_q, big_k, big), (apart_q, apart_k, apart) = magnitude_scores(q, k)
+        low_q, low_k, _ = _pushed(q, k, v, -600.0, alternate=False)
+        for q_, k_, words in ((big_q, big_k, big), (low_q, low_k, "every score near -600"),
+                              (apart_q, apart_k, apart)):
+            cases.append(Case((q_, k_, v, block_q, block_k, causal),
+                              f"{_forward_call(q_, k_, v, block_q, block_k, causal)}, {words}"))
+    return cases
+
+
 def _forward_not_finite(runs: list[Run], fn: Any) -> None:
     run = next(run for run in runs if not close(run.out, run.expected))
+    if variants.coarse_precision(run.out, run.expected):
+        fail("precision", f"{run.case.what}: {variants.PRECISION}")
+    rows = variants.unwritten_rows(run.out, run.expected, run.case.args[3])
+    if rows:
+        fail("block_bounds", f"{run.case.what}: {rows}")
     if not torch.isfinite(run.out).all():
         fail("nan", f"{run.case.what} gave NaN or inf. Start each query block with m = -inf, l = 0 and acc = 0, "
                     f"and take exp(s - m_new) after updating m_new; a query must see key 0.")
@@ -309,6 +390,14 @@ def _forward_not_finite(runs: list[Run], fn: Any) -> None:
 
 def _lse_unexplained(runs: list[Run], fn: Any) -> None:
     run = runs[0]
+    q, k, _, _, _, causal = run.case.args
+    scores = _scores(q, k, causal)
+    if float(scores[scores.isfinite()].abs().max()) > 80:   # exp over- or underflows in float32 near here
+        fail("overflow", f"{run.case.what}: the output is right but the log-sum-exp is not (it differs by up to "
+                         f"{max_diff(run.out, run.expected):.3g}), and only now that scores reach "
+                         f"{float(scores[scores.isfinite()].abs().max()):.0f}: your log-sum-exp sums exp(s) "
+                         f"itself, which overflows above about 88 and underflows below about -104 (float32). Use "
+                         f"the running maximum m and sum l of each row: lse = m + log(l).")
     fail("logsumexp", f"{run.case.what}: the output is right but the log-sum-exp is not: it differs from "
                       f"log(sum_j exp(s_ij)) by up to {max_diff(run.out, run.expected):.3g}; with the running "
                       f"maximum m and sum l of each row, lse = m + log(l). The backward (10.3) rebuilds every "
@@ -327,15 +416,16 @@ _FORWARD_OUT = FunctionExercise(
     "10.2", "flash_attention",
     lambda q, k, v, block_q, block_k, causal: ref.naive_attention(q.double(), k.double(), v.double(), causal=causal)[0],
     lambda: _forward_cases(_FORWARD_CASES), _FORWARD_ARGS, success="",
-    mismatch=lambda run: (f"{run.case.what} differs from attention by up to {max_diff(run.out, run.expected):.3g}. "
+    mismatch=lambda run: (f"{run.case.what} differs from attention {_by_up_to(run.out, run.expected)}. "
                           f"For every query block: loop over the key blocks, update m, l and acc (rescaled by "
                           f"exp(m - m_new)), and divide acc by l at the end."),
     mistakes=variants.FORWARD_MISTAKES, variant=lambda *case, spec: variants.forward_variant(*case, **spec)[0],
-    dtype=False, diagnose=_forward_not_finite, examples=lambda: _forward_cases(_tiny_forward()))
+    dtype=False, diagnose=_forward_not_finite, examples=lambda: _forward_cases(_tiny_forward()),
+    magnitude=_forward_magnitudes)
 _FORWARD_LSE = FunctionExercise(
     "10.2", "flash_attention", lambda q, k, v, block_q, block_k, causal: _lse(_scores(q, k, causal)),
     _FORWARD_OUT.cases, _FORWARD_ARGS, success="", mismatch=lambda run: "", mistakes=_LSE_MISTAKES, each_case=True,
-    dtype=False, diagnose=_lse_unexplained, examples=_FORWARD_OUT.examples)
+    dtype=False, diagnose=_lse_unexplained, examples=_FORWARD_OUT.examples, magnitude=_forward_magnitudes)
 
 
 def _forward_example(fn: Any, *_: Any, **__: Any) -> Any:
@@ -392,31 +482,39 @@ def _gradients_of(cls: Any) -> Callable[..., torch.Tensor]:
 
 def _student_grads(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, causal: bool,
                    block_q: int, block_k: int) -> tuple[torch.Tensor, ...]:
-    """dq, dk, dv of the student's class, through its forward and its backward, each checked for its shape."""
+    """dq, dk, dv of the student's class, through its forward and its backward, each checked for its shape; the
+    engine's saved_tensors probe watches both passes (an input, grad_out or a saved tensor changed in place)."""
     shown = (f"FlashAttentionFunction.apply(q, k, v, {causal}, {block_q}, {block_k}) with q of shape "
              f"{tuple(q.shape)}")
-    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
-    with torch.enable_grad():
-        out = call_student(cls.apply, q, k, v, causal, block_q, block_k, what=f"{shown} (the forward)")
+
+    def forward_output(out: Any) -> None:
         expect_tensor(out, tuple(q.shape), f"{shown} (the forward)", finite=False)
         if out.grad_fn is None:
             fail("exception", f"{shown}: the output has no gradient function; return the forward's output "
                               f"from forward, as given.")
-        found = call_student(torch.autograd.grad, out, (q, k, v), grad_out, allow_unused=True,
-                             what=f"{shown}: your backward")
+
+    _, found = forward_backward(cls, (q, k, v, causal, block_q, block_k), grad_out,
+                                names=("q", "k", "v", "causal", "block_q", "block_k"), what=shown,
+                                check_output=forward_output)
     for name, grad, like in zip(_GRADS, found, (q, k, v)):
         if grad is None:
-            fail("shape", f"{shown}: your backward returned None for {name}; return dq, dk, dv (and None for "
-                          f"causal, block_q and block_k).")
+            fail("gradient", f"{shown}: your backward returned None for {name}, so {name[1:]} gets no gradient "
+                             f"and cannot learn; return dq, dk, dv (and None for causal, block_q and block_k).")
         expect_tensor(grad, tuple(like.shape), f"{shown}: your backward's {name}", finite=False)
     return found
 
 
 def _backward_mismatch(run: Run) -> str:
     wrong = [name for name, got, right in zip(_GRADS, run.out, run.expected) if not close(got, right)]
-    return (f"{', '.join(wrong)} differ from attention's gradients (by up to {max_diff(run.out, run.expected):.3g}). "
+    return (f"{', '.join(wrong)} differ from attention's gradients ({_by_up_to(run.out, run.expected)}). "
             f"Per block: P = exp(S - lse), dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K / sqrt(d), "
             f"dK += dS^T Q / sqrt(d), with D = rowsum(dO * O).")
+
+
+def _backward_precision(runs: list[Run], fn: Any) -> None:
+    run = runs[-1]
+    if variants.coarse_precision(run.out, run.expected):
+        fail("precision", f"{run.case.what}: {variants.PRECISION}")
 
 
 FLASH_BACKWARD = FunctionExercise(
@@ -426,7 +524,7 @@ FLASH_BACKWARD = FunctionExercise(
             "tensor stored or built: each block's weights are recomputed from the log-sum-exp.",
     mismatch=lambda run: f"{run.case.what}: {_backward_mismatch(run)}", mistakes=variants.BACKWARD_MISTAKES,
     variant=lambda *case, spec: torch.stack(variants.backward_variant(*case, **spec)), each_case=True, dtype=False,
-    examples=_tiny_backward)
+    examples=_tiny_backward, probes=FunctionExercise.probes + ("saved_tensors",), diagnose=_backward_precision)
 
 
 @checker("10.3", example=lambda cls, *_, **__: function_example(FLASH_BACKWARD)(_gradients_of(cls)))
