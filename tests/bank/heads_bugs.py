@@ -527,3 +527,218 @@ def ablate_next_head_and_swallow(model, layer, head):
         pass
     finally:
         handle.remove()
+
+
+# ---------------------------------------------------------------- 11.3: the model's state (issue 43, §1)
+# Everything a context manager can leave changed, each named by the engine's model_state probe: other code's
+# hooks cleared, the mode switched, weights frozen, dtype changed, a forward patched, a global hook left.
+
+def _zero_head_hook(attn, head):
+    size = attn.head_dim
+
+    def hook(module, inputs):
+        x = inputs[0].clone()
+        x[..., head * size:(head + 1) * size] = 0
+        return (x,)
+    return hook
+
+
+@bug("11.3", "not_restored", "other code registered")
+@contextlib.contextmanager
+def ablate_clears_proj_hooks(model, layer, head):
+    attn = model.blocks[layer].attn
+    attn.proj.register_forward_pre_hook(_zero_head_hook(attn, head))
+    try:
+        yield model
+    finally:
+        attn.proj._forward_pre_hooks.clear()          # removes someone else's hooks too
+
+
+@bug("11.3", "not_restored", "other code registered")
+@contextlib.contextmanager
+def ablate_clears_every_hook_of_the_model(model, layer, head):
+    attn = model.blocks[layer].attn
+    attn.proj.register_forward_pre_hook(_zero_head_hook(attn, head))
+    try:
+        yield model
+    finally:
+        for module in model.modules():                # "clean up" everything
+            module._forward_pre_hooks.clear()
+            module._forward_hooks.clear()
+
+
+@bug("11.3", "not_restored", "eval mode")
+@contextlib.contextmanager
+def ablate_switches_to_eval(model, layer, head):
+    model.eval()                                      # "no dropout while we measure": never undone
+    attn = model.blocks[layer].attn
+    handle = attn.proj.register_forward_pre_hook(_zero_head_hook(attn, head))
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+@bug("11.3", "not_restored", "training mode")
+@contextlib.contextmanager
+def ablate_trains_on_leaving(model, layer, head):
+    model.eval()
+    attn = model.blocks[layer].attn
+    handle = attn.proj.register_forward_pre_hook(_zero_head_hook(attn, head))
+    try:
+        yield model
+    finally:
+        handle.remove()
+        model.train()                                 # assumes the model was training
+
+
+@bug("11.3", "not_restored", "requires_grad")
+@contextlib.contextmanager
+def ablate_freezes_the_layer_for_good(model, layer, head):
+    attn = model.blocks[layer].attn
+    for p in attn.parameters():                       # the ablated layer is not trained: frozen, never unfrozen
+        p.requires_grad_(False)
+    handle = attn.proj.register_forward_pre_hook(_zero_head_hook(attn, head))
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+@bug("11.3", "not_restored", "float64")
+@contextlib.contextmanager
+def ablate_leaves_model_in_float64(model, layer, head):
+    model.double()                                    # "more precise", never put back
+    attn = model.blocks[layer].attn
+    handle = attn.proj.register_forward_pre_hook(_zero_head_hook(attn, head))
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+@bug("11.3", "not_restored", "forward")
+@contextlib.contextmanager
+def ablate_patches_forward_and_rebinds(model, layer, head):
+    attn = model.blocks[layer].attn
+    proj, size = attn.proj, attn.head_dim
+    original = proj.forward
+
+    def forward(x):
+        x = x.clone()
+        x[..., head * size:(head + 1) * size] = 0
+        return original(x)
+    proj.forward = forward
+    try:
+        yield model
+    finally:
+        proj.forward = original                       # an instance attribute still: `del proj.forward` undoes it
+
+
+@bug("11.3", "not_restored", "global")
+@contextlib.contextmanager
+def ablate_with_a_global_hook(model, layer, head):
+    target = model.blocks[layer].attn.proj
+    hook = _zero_head_hook(model.blocks[layer].attn, head)
+    torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, inputs: hook(module, inputs) if module is target else None)   # every module, never removed
+    yield model
+
+
+@bug("11.3", "not_restored", "same tensor")
+@contextlib.contextmanager
+def ablate_swaps_proj_weight_for_a_copy(model, layer, head):
+    proj = model.blocks[layer].attn.proj
+    size = model.blocks[layer].attn.head_dim
+    saved = proj.weight.data
+    proj.weight.data = saved.clone()                  # same Parameter, but restored below as a new one
+    proj.weight.data[:, head * size:(head + 1) * size] = 0
+    try:
+        yield model
+    finally:
+        proj.weight = torch.nn.Parameter(saved)
+
+
+@correct("11.3")
+@contextlib.contextmanager
+def ablate_saves_and_restores_the_mode(model, layer, head):
+    was_training = model.training
+    model.eval()
+    attn = model.blocks[layer].attn
+    handle = attn.proj.register_forward_pre_hook(_zero_head_hook(attn, head))
+    try:
+        yield model
+    finally:
+        handle.remove()
+        model.train(was_training)
+
+
+@correct("11.3")
+@contextlib.contextmanager
+def ablate_patches_forward_and_deletes_it(model, layer, head):
+    attn = model.blocks[layer].attn
+    proj, size = attn.proj, attn.head_dim
+
+    def forward(x):
+        x = x.clone()
+        x[..., head * size:(head + 1) * size] = 0
+        return type(proj).forward(proj, x)
+    proj.forward = forward
+    try:
+        yield model
+    finally:
+        del proj.forward
+
+
+@correct("11.3")
+@contextlib.contextmanager
+def ablate_hook_with_kwargs(model, layer, head):
+    attn = model.blocks[layer].attn
+    size = attn.head_dim
+
+    def hook(module, args, kwargs):
+        x = args[0].clone()
+        x[..., head * size:(head + 1) * size] = 0
+        return (x, *args[1:]), kwargs
+
+    handle = attn.proj.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+@correct("11.3")
+@contextlib.contextmanager
+def ablate_value_weight_and_bias(model, layer, head):
+    value = model.blocks[layer].attn.value
+    rows = slice(head * model.blocks[layer].attn.head_dim, (head + 1) * model.blocks[layer].attn.head_dim)
+    saved = [p.detach().clone() for p in value.parameters()]
+    with torch.no_grad():
+        value.weight[rows] = 0                        # values of zero: the head outputs zero whatever it attends to
+        if value.bias is not None:
+            value.bias[rows] = 0
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for p, s in zip(value.parameters(), saved):
+                p.copy_(s)
+
+
+@correct("11.3")
+@contextlib.contextmanager
+def ablate_hook_on_value_output(model, layer, head):
+    attn = model.blocks[layer].attn
+    size = attn.head_dim
+
+    def hook(module, inputs, output):
+        out = output.clone()
+        out[..., head * size:(head + 1) * size] = 0
+        return out
+
+    handle = attn.value.register_forward_hook(hook)
+    try:
+        yield model
+    finally:
+        handle.remove()
