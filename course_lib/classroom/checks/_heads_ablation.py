@@ -49,10 +49,12 @@ _WEIGHTS = tuple(Mistake(code, why, {"kind": kind}) for code, kind, why in (
     ("ablation_slice", "layer", "every head of the layer is switched off (the whole input of attn.proj, or all of "
                                 "its weight). Zero only head `head`'s columns, head * head_dim .. (head+1) * "
                                 "head_dim - 1."),
-    ("ablation_slice", "rows", "the ROWS of attn.proj.weight for the head are zeroed (proj.weight[slice, :]): those "
-                               "are output dimensions of the residual stream, not the head. The head's output is "
-                               "the input of proj, so its slice is the COLUMNS proj.weight[:, slice] (or zero "
-                               "proj's input there)."),
+    ("ablation_slice", "rows", "the head's slice of the attention's OUTPUT is zeroed, after proj: the ROWS of "
+                               "attn.proj.weight (proj.weight[slice, :]), or those columns of proj's output in a "
+                               "forward hook on attn or attn.proj. Those are output dimensions of the residual "
+                               "stream, each a mix of every head, not the head. The head's output is the input of "
+                               "proj, so its slice is the COLUMNS proj.weight[:, slice] (or zero proj's input "
+                               "there)."),
     ("ablation_slice", "strided", "every num_heads-th column is zeroed (head::num_heads). merge_heads puts each "
                                   "head's head_dim numbers side by side: head h owns the block of columns h * "
                                   "head_dim .. (h+1) * head_dim - 1."),
@@ -196,6 +198,11 @@ def _mistaken(model: nn.Module, layer: int, head: int, idx: torch.Tensor, spec: 
 _DTYPE_WORDS = ("dtype", "scalar type", "Double", "Float", "Half")
 
 
+def _sentence(text: str) -> str:
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?", "]")) else text + "."
+
+
 class _Probe(Exception):
     """Raised inside the student's ``with`` to see that the model is restored on the way out."""
 
@@ -249,7 +256,13 @@ class _Fresh:
         _expect_context_manager(self.manager, shown)
 
     def enter(self) -> None:
-        call_student(type(self.manager).__enter__, self.manager, what=f"entering `with {self.shown}`")
+        try:
+            call_student(type(self.manager).__enter__, self.manager, what=f"entering `with {self.shown}`")
+        except Failure as failure:
+            if failure.diagnosis == "exception" and "generator didn't yield" in failure.message:
+                fail("exception", f"{_sentence(failure.message)} Your generator ended before its `yield`: the "
+                                  f"`yield` must run on every call (not under an `if` that can be false).")
+            raise
 
     def leave(self, raised: BaseException | None = None) -> bool:
         """Leave the ``with`` (with ``raised`` inside it, or not): whether the manager swallowed ``raised``."""
@@ -265,8 +278,8 @@ class _Fresh:
             return call_student(exit_, what=f"leaving `with {self.shown}`")
         except Failure as failure:
             if failure.diagnosis == "exception" and "generator didn't stop" in failure.message:
-                fail("exception", f"{failure.message} Your generator must `yield` exactly once: one `yield` in a "
-                                  f"try/finally, not one in a loop or two.")
+                fail("exception", f"{_sentence(failure.message)} Your generator must `yield` exactly once: one "
+                                  f"`yield` in a try/finally, not one in a loop or two.")
             raise
 
     def run(self, idx: torch.Tensor, where: str) -> Any:
@@ -275,7 +288,7 @@ class _Fresh:
             return call_student(self.model, idx, what=f"the model {where} `with {self.shown}` (your hook runs in it)")
         except Failure as failure:
             if failure.diagnosis == "exception" and any(w in failure.message for w in _DTYPE_WORDS):
-                fail("dtype", f"{failure.message} A tensor of another dtype reached a layer (float64 in a float32 "
+                fail("dtype", f"{_sentence(failure.message)} A tensor of another dtype reached a layer (float64 in a float32 "
                               f"model, or float32 in a float64 one): a dtype is written into your code "
                               f"(torch.float32, .float(), dtype=torch.float64). Make new tensors like the one you "
                               f"change: torch.ones_like(x), x.new_zeros(...), dtype=x.dtype.")
