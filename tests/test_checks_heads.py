@@ -278,3 +278,20 @@ def test_an_ablation_that_clears_other_codes_hooks_is_not_restored():
 
     result = run("11.3", clears)
     assert result.diagnosis == "not_restored" and "other code registered" in result.message, result
+
+
+def test_global_module_hooks_are_put_back_after_a_check():
+    before = dict(torch.nn.modules.module._global_forward_pre_hooks)
+    with model_state.global_hooks_kept():
+        torch.nn.modules.module.register_module_forward_pre_hook(lambda module, inputs: None)
+        assert len(torch.nn.modules.module._global_forward_pre_hooks) == len(before) + 1
+    assert dict(torch.nn.modules.module._global_forward_pre_hooks) == before
+
+
+def test_model_state_survives_attributes_that_cannot_be_compared():
+    model, planted = _tiny_model()
+    model.blocks[0].pair = (torch.zeros(2), torch.ones(2))   # a tuple of tensors: == cannot answer
+    before = model_state.ModelState.of(model, planted)
+    assert before.changes(model) == []
+    model.blocks[0].pair = (torch.zeros(2), torch.zeros(2))
+    assert "blocks.0.pair was changed" in before.first_changes(model)

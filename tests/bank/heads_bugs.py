@@ -1196,3 +1196,29 @@ def ablate_with_a_mask_like_the_input(model, layer, head):
         handle = attn.proj.register_forward_pre_hook(hook)
         stack.callback(handle.remove)
         yield model
+
+
+@bug("11.3", "exception", "backward pass")
+@contextlib.contextmanager
+def ablate_with_a_backward_hook_that_raises(model, layer, head):
+    attn = model.blocks[layer].attn
+    handles = [attn.proj.register_forward_pre_hook(_zero_head_hook(attn, head)),
+               attn.proj.register_full_backward_hook(lambda module, grad_in, grad_out: 1 / 0)]   # a "debug" hook
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@bug("11.3", "not_restored", "the tensor")
+@contextlib.contextmanager
+def ablate_leaves_a_gradient_hook(model, layer, head):
+    attn = model.blocks[layer].attn
+    size = attn.head_dim
+    attn.proj.weight.register_hook(lambda grad: grad.index_fill(1, torch.arange(head * size, (head + 1) * size), 0))
+    handle = attn.proj.register_forward_pre_hook(_zero_head_hook(attn, head))
+    try:
+        yield model
+    finally:
+        handle.remove()

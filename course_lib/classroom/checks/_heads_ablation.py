@@ -24,10 +24,10 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._counterexample import Example, first_difference
 from ._model_common import randomize_
-from ._student_code import call_student, close, expect_callable
+from ._student_code import call_student, close, expect_callable, raised_in_student_code, student_frame
 from .engine import first_mistake
 from .engine.example import compare
-from .engine.model_state import ModelState, autograd_cause, plant_hooks
+from .engine.model_state import ModelState, autograd_cause, global_hooks_kept, plant_hooks
 
 _OWNS = "head h owns columns h * head_dim .. (h+1) * head_dim - 1"
 _OTHER_LAYER = "a head of another layer is switched off: `layer` counts model.blocks from 0."
@@ -308,8 +308,11 @@ def _inside(fresh: _Fresh, layer: int, idx: torch.Tensor, weights: torch.Tensor,
         if right:
             try:
                 grads = _grads(fresh.model, out, weights, layer)
-            except RuntimeError as exc:     # autograd on the student's state: no graph, frozen, changed in place
-                cause = autograd_cause(exc, fresh.before)
+            except Exception as exc:  # noqa: BLE001 - a backward through the student's model: theirs
+                if raised_in_student_code(exc):     # their backward hook raised
+                    fail("exception", f"the backward pass through the model inside `with {fresh.shown}` raised "
+                                      f"{type(exc).__name__}{student_frame(exc)}: {exc}")
+                cause = autograd_cause(exc, fresh.before)   # no graph, frozen, changed in place
             else:
                 if all(g is None for g in grads.values()):
                     cause = autograd_cause(None, fresh.before)
@@ -323,6 +326,11 @@ def _inside(fresh: _Fresh, layer: int, idx: torch.Tensor, weights: torch.Tensor,
 
 def judge_ablate_head(fn: Callable[..., Any]) -> str:
     expect_callable(fn, "ablate_head")
+    with global_hooks_kept():
+        return _judge(fn)
+
+
+def _judge(fn: Callable[..., Any]) -> str:
     generator = torch.Generator().manual_seed(12)
     for number, (described, built) in enumerate(_models()):
         idx = torch.randint(13, (2, 10), generator=generator)               # (N, L)

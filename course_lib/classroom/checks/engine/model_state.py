@@ -16,11 +16,13 @@ and, beside the tree, torch's global module hooks (``register_module_forward_hoo
 
 :meth:`ModelState.changes` lists the differences, most telling first; :func:`plant_hooks` registers hooks of
 "someone else" (a profiler, another analysis) that must still be there afterwards; :func:`autograd_cause`
-reads what made a backward through the student's model fail.
+reads what made a backward through the student's model fail; :func:`global_hooks_kept` puts torch's global
+module hooks back after a check.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +161,19 @@ def _attributes(module: nn.Module) -> dict[str, tuple[bool, Any]]:
             if not name.startswith("_") and name != "training"}
 
 
+def _differs(before: Any, now: Any, plain: bool) -> bool:
+    """A plain value by equality (a tuple holding tensors, whose == cannot answer, by identity), others by
+    identity."""
+    if now is before:
+        return False
+    if not plain or type(now) is not type(before):
+        return True
+    try:
+        return bool(now != before)
+    except Exception:  # noqa: BLE001 - a value whose comparison raises has changed as far as we can tell
+        return True
+
+
 @dataclass(frozen=True)
 class _Module:
     obj: nn.Module
@@ -197,8 +212,7 @@ class _Module:
             else:
                 plain, value = self.attributes[attribute]
                 now_value = attributes[attribute][1]
-                if (plain and (type(now_value) is not type(value) or now_value != value)) or \
-                        (not plain and now_value is not value):
+                if _differs(value, now_value, plain):
                     found.append(f"{where}.{attribute} was changed" + (f" from {value!r} to {now_value!r}"
                                                                         if plain else ""))
         for kind, held, current in (("parameter", self.parameters, vars(now).get("_parameters", {})),
@@ -287,6 +301,22 @@ class ModelState:
             return None
         more = f" (and {len(found) - most} more)" if len(found) > most else ""
         return "; ".join(found[:most]) + more
+
+
+@contextlib.contextmanager
+def global_hooks_kept() -> Iterator[None]:
+    """torch's global module hooks as they were on entering, put back on leaving: a global hook the student's
+    code left behind during a check (a verdict of its own) must not reach every module of their notebook."""
+    saved = {name: dict(hooks) for name, hooks in vars(_module).items()
+             if name.startswith("_global_") and "hooks" in name and isinstance(hooks, dict)}
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            now = getattr(_module, name)
+            if now != hooks:
+                now.clear()
+                now.update(hooks)
 
 
 def plant_hooks(model: nn.Module, modules: Iterable[nn.Module]) -> list[Callable[..., None]]:
