@@ -1222,3 +1222,63 @@ def ablate_leaves_a_gradient_hook(model, layer, head):
         yield model
     finally:
         handle.remove()
+
+
+class _ZeroColumns(torch.nn.Module):
+    """A parametrization: the weight seen by the module, with some columns zeroed."""
+
+    def __init__(self, columns):
+        super().__init__()
+        self.columns = columns
+
+    def forward(self, weight):
+        mask = torch.ones_like(weight)
+        mask[:, self.columns] = 0
+        return weight * mask
+
+
+@correct("11.3")
+@contextlib.contextmanager
+def ablate_by_parametrization(model, layer, head):
+    from torch.nn.utils import parametrize
+    attn = model.blocks[layer].attn
+    parametrize.register_parametrization(attn.proj, "weight",
+                                         _ZeroColumns(slice(head * attn.head_dim, (head + 1) * attn.head_dim)))
+    try:
+        yield model
+    finally:
+        parametrize.remove_parametrizations(attn.proj, "weight", leave_parametrized=False)
+
+
+@bug("11.3", "not_restored", "other numbers")
+@contextlib.contextmanager
+def ablate_by_parametrization_left_parametrized(model, layer, head):
+    from torch.nn.utils import parametrize
+    attn = model.blocks[layer].attn
+    parametrize.register_parametrization(attn.proj, "weight",
+                                         _ZeroColumns(slice(head * attn.head_dim, (head + 1) * attn.head_dim)))
+    try:
+        yield model
+    finally:
+        parametrize.remove_parametrizations(attn.proj, "weight")    # keeps the zeroed weight
+
+
+@correct("11.3")
+@contextlib.contextmanager
+def ablate_by_wrapping_the_attention_forward(model, layer, head):
+    attn = model.blocks[layer].attn
+    forward, size = attn.forward, attn.head_dim
+
+    def ablated(x, *args, **kwargs):
+        handle = attn.proj.register_forward_pre_hook(
+            lambda module, inputs: (inputs[0].index_fill(-1, torch.arange(head * size, (head + 1) * size), 0.0),))
+        try:
+            return forward(x, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    attn.forward = ablated
+    try:
+        yield model
+    finally:
+        del attn.forward
