@@ -75,15 +75,22 @@ def test_every_new_code_is_a_diagnosis_and_every_mistake_uses_one():
 
 
 def test_every_score_mistake_changes_the_score():
+    """On causal weights of two lengths (for the induction score: two copies, and a shorter second half), each
+    slip, hand-written or from the grid, gives another score than the right one."""
     generator = torch.Generator().manual_seed(0)
-    weights = torch.rand(3, 4, 10, 10, generator=generator).tril().softmax(-1)   # (N, heads, L, L)
+    future = torch.ones(10, 10, dtype=torch.bool).triu(1)
+    weights = torch.rand(3, 4, 10, 10, generator=generator).masked_fill(future, float("-inf")).softmax(-1)
     for half, mistakes in ((None, _heads_scores.PREVIOUS_MISTAKES), (5, _heads_scores.INDUCTION_MISTAKES)):
-        right = _heads_scores.variant(weights, half, spec={})
-        assert torch.allclose(right, heads.previous_token_score(weights) if half is None
-                              else heads.induction_score(weights, half))
+        lengths = (10, 9)
+        rights = [_heads_scores.variant(weights[..., :n, :n], half, spec={}) for n in lengths]
+        for n, right in zip(lengths, rights):
+            sub = weights[..., :n, :n]
+            assert torch.allclose(right, heads.previous_token_score(sub) if half is None
+                                  else heads.induction_score(sub, half))
+        assert len(mistakes) > 20   # the grid is there: slips of one or two places, wrapped or not, each divisor
         for mistake in mistakes:
-            wrong = _heads_scores.variant(weights, half, spec=mistake.spec)
-            assert wrong.shape != right.shape or not torch.allclose(wrong, right), mistake
+            wrongs = [_heads_scores.variant(weights[..., :n, :n], half, spec=mistake.spec) for n in lengths]
+            assert any(w.shape != r.shape or not torch.allclose(w, r) for w, r in zip(wrongs, rights)), mistake
 
 
 def test_every_ablation_mistake_changes_the_output():

@@ -1282,3 +1282,19 @@ def ablate_by_wrapping_the_attention_forward(model, layer, head):
         yield model
     finally:
         del attn.forward
+
+
+@bug("11.2", "score_offset", "L // 2")
+def induction_half_from_the_length(weights, half):
+    half = weights.shape[-1] // 2                      # "the second half starts in the middle"
+    i = torch.arange(half, weights.shape[-1])
+    return weights[:, :, i, i - half + 1].mean(dim=(0, 2))
+
+
+@correct("11.2")
+def induction_by_a_band_mask(weights, half):
+    length = weights.shape[-1]
+    rows = torch.arange(length)[:, None]
+    cols = torch.arange(length)[None, :]
+    band = ((cols == rows - half + 1) & (rows >= half)).to(weights.dtype)   # (L, L): 1 at (i, i - half + 1)
+    return (weights * band).sum(dim=(-1, -2)).mean(dim=0) / (length - half)

@@ -56,7 +56,9 @@ def _right(weights: torch.Tensor, half: int | None) -> tuple[int, int]:
 def variant(weights: torch.Tensor, half: int | None = None, *, spec: dict[str, Any]) -> torch.Tensor:
     """What the score with the slip ``spec`` outputs: the previous-token score without ``half`` (offset 1 from
     query 1), the induction score with it (offset half - 1 from query half). ``shift`` moves the offset,
-    ``first_shift`` the first query."""
+    ``first_shift`` the first query; ``half_of_length``: ``half`` taken as L // 2 instead of the argument."""
+    if half is not None and spec.get("half_of_length"):
+        half = weights.shape[-1] // 2
     back, first = _right(weights, half)
     return score(weights, back + spec.get("shift", 0), first + spec.get("first_shift", 0),
                  divide=spec.get("divide", "count"), keep=spec.get("keep", "heads"), wrap=spec.get("wrap", False),
@@ -86,6 +88,10 @@ PREVIOUS_MISTAKES = (
 )
 
 INDUCTION_MISTAKES = (
+    Mistake("score_offset", "you take the half as L // 2, half the sequence's length, instead of the argument "
+                            "`half`: a sequence need not hold exactly two copies (here L < 2 * half), so the "
+                            "earlier copy sits `half` tokens back whatever L is. Use `half` itself.",
+            {"half_of_length": True}),
     Mistake("score_offset", "you read the earlier copy of the current token itself (i - half). An "
                             "induction head looks at the token AFTER that copy, i - half + 1: the one "
                             "that came next last time, which is what it predicts now.", {"shift": 1}),

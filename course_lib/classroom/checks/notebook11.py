@@ -128,10 +128,11 @@ def check_previous_token_score(fn: Callable[..., Any]) -> str:
 
 INDUCTION_SCORE = _score(
     "11.2", "induction_score", lambda weights, half: ref.induction_score(weights, half), ("weights", "half"),
-    [((3, 4, 12, 12), 6), ((2, 3, 10, 10), 5), ((4, 4, 8, 8), 4), ((1, 2, 6, 6), 3)],
+    [((3, 4, 12, 12), 6), ((2, 3, 10, 10), 5), ((4, 4, 8, 8), 4), ((1, 2, 6, 6), 3),
+     ((2, 3, 9, 9), 5)],    # the last: a second half shorter than the first (L < 2 * half), as the reference allows
     [((1, 1, 4, 4), 2), ((1, 2, 4, 4), 2), ((1, 2, 6, 6), 3)], slips.INDUCTION_MISTAKES,
-    "Right for halves of 3 to 6 tokens and 2 to 4 heads: the mean of the entries (i, i - half + 1) over "
-    "the second half's queries, per head, with its gradient.")
+    "Right for halves of 3 to 6 tokens (a shorter second half too) and 2 to 4 heads: the mean of the entries "
+    "(i, i - half + 1) over the second half's queries, per head, with its gradient.")
 
 
 @checker("11.2", example=function_example(INDUCTION_SCORE))
