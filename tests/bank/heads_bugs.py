@@ -1298,3 +1298,10 @@ def induction_by_a_band_mask(weights, half):
     cols = torch.arange(length)[None, :]
     band = ((cols == rows - half + 1) & (rows >= half)).to(weights.dtype)   # (L, L): 1 at (i, i - half + 1)
     return (weights * band).sum(dim=(-1, -2)).mean(dim=0) / (length - half)
+
+
+@bug("11.3", "not_implemented", "not written yet")
+@contextlib.contextmanager
+def ablate_learner_copy_stub(model, layer, head):
+    raise NotImplementedError("Exercise 11.3: write ablate_head")   # the learner copy keeps the decorator
+    yield model
