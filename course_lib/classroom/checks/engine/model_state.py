@@ -14,6 +14,10 @@ What it holds (:meth:`ModelState.of`), for the module and every submodule:
 and, beside the tree, torch's global module hooks (``register_module_forward_hook``) and autograd's mode
 (grad mode, inference mode): a ``torch.no_grad()`` entered and never left is state the student's code changed.
 
+Public attributes are compared by identity (plain values by equality), and buffers by value: a module that
+writes to either on every forward (BatchNorm's running statistics in training mode, recorded attention
+weights) shows as changed after the checker's own forward passes, so probe such a model with that switched off.
+
 :meth:`ModelState.changes` lists the differences, most telling first; :func:`plant_hooks` registers hooks of
 "someone else" (a profiler, another analysis) that must still be there afterwards; :func:`autograd_cause`
 reads what made a backward through the student's model fail; :func:`global_hooks_kept` puts torch's global
