@@ -1305,3 +1305,13 @@ def induction_by_a_band_mask(weights, half):
 def ablate_learner_copy_stub(model, layer, head):
     raise NotImplementedError("Exercise 11.3: write ablate_head")   # the learner copy keeps the decorator
     yield model
+
+
+@bug("11.1", "score_offset", "add up (not average)")
+def prev_sums_two_back(weights):
+    return weights.diagonal(offset=-2, dim1=-2, dim2=-1).sum(dim=(0, 2))   # two slips: the key, and a sum
+
+
+@bug("11.2", "score_positions", "add up (not average)")
+def induction_sums_from_the_first_half(weights, half):
+    return weights.diagonal(offset=-(half - 1), dim1=-2, dim2=-1).sum(dim=(0, 2))   # query half - 1 too, summed

@@ -120,7 +120,7 @@ _WORDS = {
 }
 
 _DIVIDED = {"count": "", "nominal": ", counting the queries whose key does not exist as zeros",
-            "length": ", divided by L"}
+            "length": ", divided by L", "none": ""}
 
 
 def _offset(base: str, by: int) -> str:
@@ -136,7 +136,8 @@ def _message(which: str, shift: int, first_shift: int, wrap: bool, divide: str) 
     w = _WORDS[which]
     key, start = w["key"](shift), w["start"](first_shift)
     divided = f", divided by {w['count']}" if divide == "right" else _DIVIDED[divide]
-    said = [f"you average the entries (i, {key}) over the queries i = {start} .. L-1{divided}; the "
+    verb = "add up (not average)" if divide == "none" else "average"
+    said = [f"you {verb} the entries (i, {key}) over the queries i = {start} .. L-1{divided}; the "
             f"{w['score']} averages (i, {w['right_key']}) over i = {w['right_start']} .. L-1, {w['count']} entries "
             f"per sequence."]
     if shift > 0:
@@ -157,6 +158,8 @@ def _message(which: str, shift: int, first_shift: int, wrap: bool, divide: str) 
         said.append(f"Divide by the number of entries ({w['count']}), not by L.")
     elif divide == "nominal":
         said.append("Queries whose key does not exist are no entries: leave them out of the count.")
+    elif divide == "none":
+        said.append("A score is a mean: divide by the number of entries (.mean over the batch and the queries).")
     said.append(f"(The {w['score']} in one line: {w['diagonal']}.mean(dim=(0, 2)).)")
     return " ".join(said)
 
@@ -184,7 +187,7 @@ def _grid(which: str, written: tuple[Mistake, ...]) -> tuple[Mistake, ...]:
     found = []
     # the fewest changes first: a slip of one place is tried before a combination of two
     specs = sorted(itertools.product((0, 1, -1, 2, -2), (0, 1, -1, 2, -2), (False, True),
-                                     ("count", "nominal", "right", "length")),
+                                     ("count", "nominal", "right", "length", "none")),
                    key=lambda c: (abs(c[0]) + abs(c[1]) + c[2] + (c[3] != "count"), abs(c[0]), abs(c[1])))
     for shift, first_shift, wrap, divide in specs:
         if which == "previous" and 1 + first_shift < 0:
