@@ -3,8 +3,11 @@
 Inside the ``with``, the model must compute what the reference computes with that head's slice of the merged
 heads zeroed (any way that does so passes: a hook on ``proj``'s input, zeroed columns of ``proj`` or zeroed
 value weights without a bias), and gradients must still reach the other layers. After the ``with`` (also
-when the code inside it raised) the model must be as it was: the same parameters, values, hooks and outputs.
-Wrong outputs are named by the mistakes below (what each would compute, on a copy of the model).
+when the code inside it raised) the model must be as it was: the engine's ``model_state`` probe compares
+every hook (someone else's, planted before, too), mode, ``requires_grad``, parameter and buffer, and the
+outputs. Anything that fails while the student's code or its effects run (the model with their hook, a
+backward through it) is their verdict, with its cause. Wrong outputs are named by the mistakes below (what
+each would compute, on a copy of the model): one mistake model for the topic, searched on every case.
 """
 from __future__ import annotations
 
@@ -18,19 +21,27 @@ from torch import nn
 from ... import heads as ref
 from ...model import GPT, GPTConfig
 from ..exercises import Mistake
-from ..verdict import fail
+from ..verdict import Failure, fail
 from ._counterexample import Example, first_difference
 from ._model_common import randomize_
-from ._student_code import call_student, close, expect_callable
+from ._student_code import call_student, close, expect_callable, raised_in_student_code, student_frame
 from .engine import first_mistake
 from .engine.example import compare
+from .engine.model_state import ModelState, autograd_cause, global_hooks_kept, plant_hooks
 
 _OWNS = "head h owns columns h * head_dim .. (h+1) * head_dim - 1"
 _OTHER_LAYER = "a head of another layer is switched off: `layer` counts model.blocks from 0."
 _OUTPUT = "Zero the head's OUTPUT, its columns of the input of attn.proj."
+_LAST_AXIS = ("proj's input is the heads' outputs side by side, (N, L, heads * head_dim): axis 1 is the "
+              "POSITION (the token), and the head is a block of COLUMNS on the last axis, "
+              "x[..., head * head_dim:(head + 1) * head_dim].")
+_PROJ_SIDE = ("Hook the other side of the heads: a forward pre-hook on attn.proj, whose input holds each head's "
+              "output, and zero head `head`'s columns there.")
 
-# The slips of an ablation, each with the ``kind`` of change that ``_mistaken`` makes to a copy of the model.
-_MISTAKES = tuple(Mistake(code, why, {"kind": kind}) for code, kind, why in (
+# The slips of an ablation. A ``kind`` alone is a change that ``_mistaken`` makes to a copy of the model's
+# weights (or, for column kinds, the columns of proj's input it zeroes); ``site`` with ``select`` is a hook at
+# that site zeroing that selection of the tensor there.
+_WEIGHTS = tuple(Mistake(code, why, {"kind": kind}) for code, kind, why in (
     ("ablation_method", "qk", "the head's query and key weights are zeroed. That makes its attention uniform, not "
                               f"absent: the head still outputs the average of its values. {_OUTPUT}"),
     ("ablation_method", "value_weight", "the head's value weights are zeroed, but not its value bias: the head "
@@ -38,10 +49,12 @@ _MISTAKES = tuple(Mistake(code, why, {"kind": kind}) for code, kind, why in (
     ("ablation_slice", "layer", "every head of the layer is switched off (the whole input of attn.proj, or all of "
                                 "its weight). Zero only head `head`'s columns, head * head_dim .. (head+1) * "
                                 "head_dim - 1."),
-    ("ablation_slice", "rows", "the ROWS of attn.proj.weight for the head are zeroed (proj.weight[slice, :]): those "
-                               "are output dimensions of the residual stream, not the head. The head's output is "
-                               "the input of proj, so its slice is the COLUMNS proj.weight[:, slice] (or zero "
-                               "proj's input there)."),
+    ("ablation_slice", "rows", "the head's slice of the attention's OUTPUT is zeroed, after proj: the ROWS of "
+                               "attn.proj.weight (proj.weight[slice, :]), or those columns of proj's output in a "
+                               "forward hook on attn or attn.proj. Those are output dimensions of the residual "
+                               "stream, each a mix of every head, not the head. The head's output is the input of "
+                               "proj, so its slice is the COLUMNS proj.weight[:, slice] (or zero proj's input "
+                               "there)."),
     ("ablation_slice", "strided", "every num_heads-th column is zeroed (head::num_heads). merge_heads puts each "
                                   "head's head_dim numbers side by side: head h owns the block of columns h * "
                                   "head_dim .. (h+1) * head_dim - 1."),
@@ -56,14 +69,56 @@ _MISTAKES = tuple(Mistake(code, why, {"kind": kind}) for code, kind, why in (
     ("ablation_slice", "layer_previous", _OTHER_LAYER),
 ))
 
+_HOOKS = tuple(Mistake(code, why, {"site": site, "select": select}) for code, site, select, why in (
+    # the right site, the wrong axis: positions (token rows), a sequence, one column, a chunk of the sequence
+    ("ablation_slice", "proj_in", "tokens", "token ROWS were zeroed, not the head's columns: x[:, a:b] on proj's "
+                                            f"input picks positions a .. b-1 of every sequence. {_LAST_AXIS}"),
+    ("ablation_slice", "proj_in", "position", "token position `head` was zeroed (x[:, head], or x[..., head, :]): "
+                                              f"a row of positions, not a head. {_LAST_AXIS}"),
+    ("ablation_slice", "proj_in", "batch", "sequence `head` of the batch was zeroed (x[head]), not a head. "
+                                           f"{_LAST_AXIS}"),
+    ("ablation_slice", "proj_in", "column", "only column `head` of proj's input was zeroed: a head owns head_dim "
+                                            f"columns, {_OWNS}."),
+    ("ablation_slice", "proj_in", "chunk", "a chunk of each sequence's positions was zeroed: .view(N, heads, L, "
+                                           "head_dim) straight on the merged (N, L, heads * head_dim) cuts the "
+                                           "SEQUENCE into pieces, not the features. View it as (N, L, heads, "
+                                           "head_dim) and zero [:, :, head], or zero x[..., head * head_dim:"
+                                           "(head + 1) * head_dim]."),
+    # the attention's input (or the block's), where every head reads the same features
+    ("ablation_method", "attn_in", "own", "the hook is on the attention's INPUT (a pre-hook on "
+                                          "model.blocks[layer].attn): columns of x zeroed before the query, key "
+                                          "and value projections change what EVERY head sees, not what head "
+                                          f"`head` outputs. {_PROJ_SIDE}"),
+    ("ablation_method", "attn_in", "tokens", "the hook is on the attention's INPUT, and zeroes token rows there "
+                                             "(x[:, a:b]): every head loses those positions' features. "
+                                             f"{_PROJ_SIDE}"),
+    ("ablation_method", "block_in", "own", "the hook is on the block's INPUT, the residual stream (a pre-hook on "
+                                           "model.blocks[layer]): features every head reads, and the residual "
+                                           f"connection too, are zeroed. {_PROJ_SIDE}"),
+    # the attention's output, after proj has mixed the heads
+    ("ablation_slice", "proj_out", "own", "columns of the attention's OUTPUT were zeroed (a forward hook on "
+                                          "attn or on attn.proj, after proj): those are features of the residual "
+                                          "stream, each a mix of every head. The head's own output is proj's "
+                                          f"INPUT. {_PROJ_SIDE}"),
+    ("ablation_slice", "proj_out", "tokens", "token rows of the attention's OUTPUT were zeroed (a forward hook on "
+                                             "attn or attn.proj, x[:, a:b]): positions, after proj mixed the "
+                                             f"heads. {_PROJ_SIDE}"),
+))
+
+ABLATION_MISTAKES = _WEIGHTS + _HOOKS
+
 
 def _models() -> list[tuple[str, nn.Module]]:
+    """The two models of the check: one in eval mode, one in training mode (no dropout, so the same outputs),
+    so that a context manager that calls model.eval() or model.train() and leaves it shows on one of them."""
     generator = torch.Generator().manual_seed(11)
     small = ref.AttentionOnly(ref.InductionConfig(vocab_size=13, half=5, embed_dim=24, num_heads=3, num_layers=2,
                                                    min_period=2))
     gpt = GPT(GPTConfig(vocab_size=13, max_tokens=10, embed_dim=16, num_heads=4, num_layers=2, bias=True))
-    return [("a 2-layer attention-only model with 3 heads per layer", randomize_(small, generator).eval()),
-            ("a 2-layer GPT with 4 heads per layer and biases", randomize_(gpt, generator).eval())]
+    return [("a 2-layer attention-only model with 3 heads per layer (in eval mode)",
+             randomize_(small, generator).eval()),
+            ("a 2-layer GPT with 4 heads per layer and biases (in training mode, no dropout)",
+             randomize_(gpt, generator).train())]
 
 
 _CASES = {0: [(0, 1), (1, 2), (1, 0)], 1: [(1, 3), (0, 0)]}
@@ -79,10 +134,36 @@ def _columns(attn: nn.Module, kind: str, head: int) -> list[int]:
             "previous": list(range(((head - 1) % count) * size, ((head - 1) % count + 1) * size))}.get(kind, own)
 
 
+def _zeroed(x: torch.Tensor, select: str, head: int, size: int, count: int) -> torch.Tensor:
+    """``x`` (N, L, E) with the selection ``select`` of head ``head`` (head_dim ``size``, ``count`` heads) zeroed."""
+    x = x.clone()
+    n, length = x.shape[:2]
+    if select == "own":
+        x[..., head * size:(head + 1) * size] = 0.0
+    elif select == "tokens":
+        if head * size >= length:
+            raise ValueError("no such positions")   # the slip would zero nothing here: it does not apply
+        x[:, head * size:(head + 1) * size] = 0.0
+    elif select == "position":
+        if head >= length:
+            raise ValueError("no such position")
+        x[:, head] = 0.0
+    elif select == "batch":
+        if head >= n:
+            raise ValueError("no such sequence")
+        x[head] = 0.0
+    elif select == "column":
+        x[..., head] = 0.0
+    elif select == "chunk":
+        x.view(n, count, -1)[:, head] = 0.0       # (N, heads, L * E / heads): a slice of the flat sequence
+    return x
+
+
 @torch.no_grad()
-def _mistaken(model: nn.Module, layer: int, head: int, idx: torch.Tensor, kind: str) -> torch.Tensor:
-    """What the model outputs with the mistake ``kind`` applied to a copy of it."""
+def _mistaken(model: nn.Module, layer: int, head: int, idx: torch.Tensor, spec: dict[str, Any]) -> torch.Tensor:
+    """What the model outputs with the mistake ``spec`` applied to a copy of it."""
     model = copy.deepcopy(model)
+    kind = spec.get("kind", "hook")
     if kind.startswith("layer_"):
         layer = layer + (1 if kind == "layer_next" else -1)
         if not 0 <= layer < len(model.blocks):
@@ -90,7 +171,16 @@ def _mistaken(model: nn.Module, layer: int, head: int, idx: torch.Tensor, kind: 
         kind = "own"
     attn = model.blocks[layer].attn
     own = slice(head * attn.head_dim, (head + 1) * attn.head_dim)
-    if kind == "qk":
+    if kind == "hook":
+        def zero(x: torch.Tensor) -> torch.Tensor:
+            return _zeroed(x, spec["select"], head, attn.head_dim, attn.num_heads)
+        site = spec["site"]
+        if site == "proj_out":
+            attn.proj.register_forward_hook(lambda module, inputs, output: zero(output))
+        else:
+            module = {"proj_in": attn.proj, "attn_in": attn, "block_in": model.blocks[layer]}[site]
+            module.register_forward_pre_hook(lambda module, inputs: (zero(inputs[0]), *inputs[1:]))
+    elif kind == "qk":
         for linear in (attn.query, attn.key):
             linear.weight[own] = 0.0
             if linear.bias is not None:
@@ -104,40 +194,13 @@ def _mistaken(model: nn.Module, layer: int, head: int, idx: torch.Tensor, kind: 
     return model(idx)
 
 
-class _Snapshot:
-    """What ablate_head must leave as it found it: parameters, buffers, hooks, modes, attributes."""
+# Words of torch's errors when two dtypes meet in one operation ("expected scalar type Float but found Double").
+_DTYPE_WORDS = ("dtype", "scalar type", "Double", "Float", "Half")
 
-    def __init__(self, model: nn.Module):
-        self.tensors = [(name, t, t.detach().clone()) for name, t in
-                        list(model.named_parameters()) + list(model.named_buffers())]
-        self.modules = [(name, m, self._state(m)) for name, m in model.named_modules()]
 
-    @staticmethod
-    def _state(module: nn.Module) -> tuple[Any, ...]:
-        return (module.training, len(module._forward_hooks), len(module._forward_pre_hooks),
-                len(module._backward_hooks), sorted(k for k in vars(module) if not k.startswith("_")),
-                vars(module).get("forward"))
-
-    def changes(self, model: nn.Module) -> str | None:
-        now = dict(list(model.named_parameters()) + list(model.named_buffers()))
-        for name, tensor, values in self.tensors:
-            if now.get(name) is not tensor:
-                return f"{name} is no longer the same tensor object (an optimizer holding it would lose it)"
-            if not torch.equal(tensor.detach(), values):
-                return f"{name} holds other numbers than before"
-        modules = dict(model.named_modules())
-        for name, module, state in self.modules:
-            where = name or "the model"
-            if modules.get(name) is not module:
-                return f"{where} was replaced by another module"
-            now_state = self._state(module)
-            if now_state[0] != state[0]:
-                return f"{where} was left in {'training' if module.training else 'eval'} mode"
-            if now_state[1:4] != state[1:4]:
-                return f"{where} still has a hook that was not there before (remove it: handle.remove())"
-            if now_state[4:] != state[4:]:
-                return f"{where} has attributes that differ from before (a patched forward?)"
-        return None
+def _sentence(text: str) -> str:
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?", "]")) else text + "."
 
 
 class _Probe(Exception):
@@ -145,7 +208,7 @@ class _Probe(Exception):
 
 
 def _expect_context_manager(value: Any, shown: str) -> None:
-    if hasattr(value, "__enter__") and hasattr(value, "__exit__"):
+    if hasattr(type(value), "__enter__") and hasattr(type(value), "__exit__"):
         return
     if value is None:
         fail("exception", f"{shown} returned nothing, so it cannot be used in a `with` statement. Write it as a "
@@ -166,81 +229,209 @@ def _grads(model: nn.Module, out: torch.Tensor, weights: torch.Tensor, layer: in
     return {n: g for (n, _), g in zip(named, grads)}
 
 
-def _diagnose(model: nn.Module, layer: int, head: int, idx: torch.Tensor, out: torch.Tensor,
+def _diagnose(model: nn.Module, layer: int, head: int, idx: torch.Tensor, out: Any,
               base: torch.Tensor, shown: str) -> None:
     if close(out, base):
         fail("ablation_method", f"{shown}: inside the `with`, the model computes exactly what it computed before: "
                                 f"no head was switched off. (A hook registered on a copy of the model, or weights "
                                 f"changed only on leaving the block, do that.)")
-    first_mistake(_MISTAKES, lambda mistake: close(out, _mistaken(model, layer, head, idx, mistake.spec["kind"])),
-                  f"{shown}: ")     # a mistake that raises does not apply here (no layer before layer 0)
+    if isinstance(out, torch.Tensor):
+        first_mistake(ABLATION_MISTAKES, lambda mistake: close(out, _mistaken(model, layer, head, idx, mistake.spec)),
+                      f"{shown}: ")     # a mistake that raises does not apply here (no layer before layer 0)
     fail("mismatch", f"{shown}: inside the `with`, the model's output is not that of the model with head {head} of "
                      f"layer {layer} switched off, nor like any mistake we know. The head's output is its "
                      f"head_dim columns of the input of model.blocks[{layer}].attn.proj.")
 
 
-def _fresh(fn: Callable[..., Any], built: nn.Module, layer: int, head: int, shown: str
-           ) -> tuple[nn.Module, _Snapshot, Any]:
-    """A copy of the model, what it holds now, and the student's context manager on it."""
-    model = copy.deepcopy(built)
-    snapshot = _Snapshot(model)
-    manager = call_student(fn, model, layer, head, what=shown)
-    _expect_context_manager(manager, shown)
-    return model, snapshot, manager
+class _Fresh:
+    """A copy of the model with someone else's hooks planted on it, its state before the student's code, and
+    the student's context manager on it, entered and left through the one door to student code."""
+
+    def __init__(self, fn: Callable[..., Any], built: nn.Module, layer: int, head: int, shown: str):
+        self.model, self.shown = copy.deepcopy(built), shown
+        attn = self.model.blocks[layer].attn
+        planted = plant_hooks(self.model, [attn, attn.proj])
+        self.before = ModelState.of(self.model, planted)
+        self.manager = call_student(fn, self.model, layer, head, what=shown)
+        _expect_context_manager(self.manager, shown)
+
+    def enter(self) -> None:
+        try:
+            call_student(type(self.manager).__enter__, self.manager, what=f"entering `with {self.shown}`")
+        except Failure as failure:
+            if failure.diagnosis == "exception" and "generator didn't yield" in failure.message:
+                fail("exception", f"{_sentence(failure.message)} Your generator ended before its `yield`: the "
+                                  f"`yield` must run on every call (not under an `if` that can be false).")
+            raise
+
+    def leave(self, raised: BaseException | None = None) -> bool:
+        """Leave the ``with`` (with ``raised`` inside it, or not): whether the manager swallowed ``raised``."""
+        manager = self.manager
+
+        def exit_() -> bool:
+            try:
+                return bool(type(manager).__exit__(manager, type(raised) if raised else None, raised,
+                                                   raised.__traceback__ if raised else None))
+            except _Probe:    # re-raising the exception it was given is not swallowing it
+                return False
+        try:
+            return call_student(exit_, what=f"leaving `with {self.shown}`")
+        except Failure as failure:
+            if failure.diagnosis == "exception" and "generator didn't stop" in failure.message:
+                fail("exception", f"{_sentence(failure.message)} Your generator must `yield` exactly once: one "
+                                  f"`yield` in a try/finally, not one in a loop or two.")
+            raise
+
+    def run(self, idx: torch.Tensor, where: str) -> Any:
+        """The model on ``idx`` with the student's changes in place: what fails there is theirs."""
+        try:
+            return call_student(self.model, idx, what=f"the model {where} `with {self.shown}` (your hook runs in it)")
+        except Failure as failure:
+            if failure.diagnosis == "exception" and any(w in failure.message for w in _DTYPE_WORDS):
+                fail("dtype", f"{_sentence(failure.message)} A tensor of another dtype reached a layer (float64 in a float32 "
+                              f"model, or float32 in a float64 one): a dtype is written into your code "
+                              f"(torch.float32, .float(), dtype=torch.float64). Make new tensors like the one you "
+                              f"change: torch.ones_like(x), x.new_zeros(...), dtype=x.dtype.")
+            raise
+
+
+def _inside(fresh: _Fresh, layer: int, idx: torch.Tensor, weights: torch.Tensor, expected: torch.Tensor
+            ) -> tuple[Any, bool, dict[str, Any], tuple[str, str] | None]:
+    """Inside the student's ``with``: the output, whether it is right, its gradients and why they failed (their
+    cause read inside, where grad mode and frozen weights still show). A failure here is raised after leaving."""
+    fresh.enter()
+    problem: Failure | None = None
+    out, right, grads, cause = None, False, {}, None
+    try:
+        out = fresh.run(idx, "inside")
+        right = isinstance(out, torch.Tensor) and close(out, expected)
+        if right:
+            try:
+                grads = _grads(fresh.model, out, weights, layer)
+            except Exception as exc:  # noqa: BLE001 - a backward through the student's model: theirs
+                if raised_in_student_code(exc):     # their backward hook raised
+                    fail("exception", f"the backward pass through the model inside `with {fresh.shown}` raised "
+                                      f"{type(exc).__name__}{student_frame(exc)}: {exc}")
+                cause = autograd_cause(exc, fresh.before)   # no graph, frozen, changed in place
+            else:
+                if all(g is None for g in grads.values()):
+                    cause = autograd_cause(None, fresh.before)
+    except Failure as failure:     # left normally first, then named: a manager that swallows would hide it
+        problem = failure
+    fresh.leave()
+    if problem is not None:
+        raise problem
+    return out, right, grads, cause
 
 
 def judge_ablate_head(fn: Callable[..., Any]) -> str:
     expect_callable(fn, "ablate_head")
+    with global_hooks_kept():
+        return _judge(fn)
+
+
+def _judge(fn: Callable[..., Any]) -> str:
     generator = torch.Generator().manual_seed(12)
     for number, (described, built) in enumerate(_models()):
         idx = torch.randint(13, (2, 10), generator=generator)               # (N, L)
         weights = torch.randn(2, 10, 13, generator=generator)              # (N, L, vocab): a probe of the logits
-        with torch.no_grad():
-            base = built(idx)
         for layer, head in _CASES[number]:
-            shown = f"ablate_head(model, layer={layer}, head={head}) on {described}"
-            reference = copy.deepcopy(built)
-            with ref.ablate_head(reference, layer, head):
-                expected = reference(idx)
-                expected_grads = _grads(reference, expected, weights, layer)
-            model, snapshot, manager = _fresh(fn, built, layer, head, shown)
-            with manager:
-                out = model(idx)
-                right = isinstance(out, torch.Tensor) and close(out, expected)
-                grads = _grads(model, out, weights, layer) if right else {}
-            if not right:      # named outside the `with`: a manager that swallows exceptions would hide it
-                _diagnose(built, layer, head, idx, out, base, shown)
-            for name, grad in expected_grads.items():
-                if grad is not None and (grads[name] is None or not close(grads[name], grad)):
-                    fail("gradient", f"{shown}: the output is right, but gradients no longer flow as they "
-                                        f"should (first wrong at {name}): the ablation must stay part of the "
-                                        f"graph. Replace the head's columns with zeros in a copy of proj's input "
-                                        f"(clone, then assign), without torch.no_grad() or .detach().")
-            changed = snapshot.changes(model)
-            if changed is None and not close(model(idx), base):
-                changed = "its output differs from before"
-            if changed:
-                fail("not_restored", f"{shown}: after the `with`, the model is not as it was: {changed}. Undo "
-                                     f"everything on leaving the block: remove the hook, or copy the saved "
-                                     f"weights back.")
-            model, snapshot, manager = _fresh(fn, built, layer, head, shown)
-            try:
-                with manager:
-                    model(idx)
-                    raise _Probe("raised inside the with block by the checker")
-            except _Probe:
-                pass
-            else:
-                fail("exception", f"{shown}: an exception raised inside the `with` block disappeared: your "
-                                  f"context manager swallowed it. Use try/finally around the `yield`, not "
-                                  f"try/except.")
-            changed = snapshot.changes(model)
-            if changed:
-                fail("not_restored", f"{shown}: when the code inside the `with` raises, the model is not restored: "
-                                     f"{changed}. Put the undoing in a `finally:` around the `yield`, so it runs "
-                                     f"however the block ends.")
+            _one_case(fn, built, layer, head, idx, weights, f"ablate_head(model, layer={layer}, head={head}) on "
+                                                            f"{described}")
+    _in_float64(fn)
     return ("Inside the `with`, exactly that head is off (both models, five layer/head pairs, gradients still "
-            "flowing); afterwards, and after an exception inside, the model is exactly as before.")
+            "flowing, a float64 model too); afterwards, and after an exception inside, the model is exactly as "
+            "before, other code's hooks included.")
+
+
+def _one_case(fn: Callable[..., Any], built: nn.Module, layer: int, head: int, idx: torch.Tensor,
+              weights: torch.Tensor, shown: str) -> None:
+    with torch.no_grad():
+        base = built(idx)
+    reference = copy.deepcopy(built)
+    with torch.enable_grad(), ref.ablate_head(reference, layer, head):   # whatever mode the student's code left
+        expected = reference(idx)
+        expected_grads = _grads(reference, expected, weights, layer)
+    fresh = _Fresh(fn, built, layer, head, shown)
+    out, right, grads, cause = _inside(fresh, layer, idx, weights, expected)
+    if not right:
+        _diagnose(built, layer, head, idx, out, base, shown)
+    if cause is not None:
+        code, why = cause
+        fail(code, f"{shown}: the output is right, but the gradient cannot flow through it: {why}.")
+    for name, grad in expected_grads.items():
+        if grad is not None and (grads[name] is None or not close(grads[name], grad)):
+            fail("gradient", f"{shown}: the output is right, but gradients no longer flow as they "
+                             f"should (first wrong at {name}): the ablation must stay part of the "
+                             f"graph. Replace the head's columns with zeros in a copy of proj's input "
+                             f"(clone, then assign), without torch.no_grad() or .detach().")
+    _restored(fresh, idx, base, "after the `with`", "Undo everything on leaving the block: remove your hook "
+              "(its handle), or copy the saved weights back.")
+
+    fresh = _Fresh(fn, built, layer, head, shown)
+    fresh.enter()
+    try:
+        fresh.run(idx, "inside")
+        raise _Probe("raised inside the with block by the checker")
+    except _Probe as probe:
+        swallowed = fresh.leave(probe)
+    except Failure:
+        fresh.leave()
+        raise
+    if swallowed:
+        fail("exception", f"{shown}: an exception raised inside the `with` block disappeared: your "
+                          f"context manager swallowed it. Use try/finally around the `yield`, not "
+                          f"try/except.")
+    _restored(fresh, idx, base, "when the code inside the `with` raises", "Put the undoing in a `finally:` "
+              "around the `yield`, so it runs however the block ends.")
+
+
+def _restored(fresh: _Fresh, idx: torch.Tensor, base: torch.Tensor, when: str, advice: str) -> None:
+    """The ``model_state`` probe after leaving: every hook, mode, flag and tensor as before, then the outputs."""
+    changed = fresh.before.first_changes(fresh.model)
+    if changed is None:
+        try:
+            out = fresh.run(idx, "after")
+        except Failure as failure:
+            changed = f"running it raises ({failure.message})"
+        else:
+            changed = None if close(out, base) else "its output differs from before"
+    if changed:
+        fail("not_restored", f"{fresh.shown}: {when}, the model is not as it was: {changed}. {advice}")
+
+
+def _in_float64(fn: Callable[..., Any]) -> None:
+    """The dtype probe: one case again in a float64 notebook, the model built in float64."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        described, built = _models()[0]
+        layer, head = _CASES[0][0]
+        shown = (f"ablate_head(model, layer={layer}, head={head}) on {described} in a float64 notebook "
+                 f"(torch.set_default_dtype(torch.float64), the model in float64)")
+        idx = torch.randint(13, (2, 10), generator=torch.Generator().manual_seed(13))   # (N, L)
+        reference = copy.deepcopy(built)
+        with torch.no_grad(), ref.ablate_head(reference, layer, head):
+            expected = reference(idx)
+        fresh = _Fresh(fn, built, layer, head, shown)
+        fresh.enter()
+        try:
+            with torch.no_grad():
+                out = fresh.run(idx, "inside")
+        except Failure:
+            fresh.leave()
+            raise
+        fresh.leave()
+        if isinstance(out, torch.Tensor) and out.dtype != expected.dtype:
+            fail("dtype", f"{shown}: the model's output is {out.dtype}, expected {expected.dtype}: your hook "
+                          f"changes the dtype of what it returns (a .float(), a float32 tensor of zeros). Make new "
+                          f"tensors like the one you change (torch.zeros_like(x), dtype=x.dtype).")
+        if not close(out, expected):
+            fail("precision", f"{shown}: the output differs from the reference's, which float64 does not explain: "
+                              f"part of your ablation runs in a lower precision (a .float(), a float32 tensor). "
+                              f"Keep the model's dtype throughout.")
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def ablation_example(fn: Callable[..., Any], *_: Any, **__: Any) -> Example | None:

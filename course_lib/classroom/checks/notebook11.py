@@ -84,12 +84,28 @@ def _keeps_its_graph(reference: Callable[..., torch.Tensor], runs: list[Run], fn
                              f".tolist(), numpy, torch.tensor(...) of Python numbers, or .detach()). Build the "
                              f"score from tensor operations on `weights` (indexing, .diagonal, .mean), so that "
                              f"it can be differentiated like any other loss.")
-        (grad,) = torch.autograd.grad(out.sum(), weights, allow_unused=True)
-        expected = torch.autograd.grad(reference(weights, *case.args[1:]).sum(), weights)[0]
+        try:    # a backward through the student's graph: what fails there is theirs
+            (grad,) = torch.autograd.grad(out.sum(), weights, allow_unused=True)
+        except RuntimeError as exc:
+            inplace = "modified by an inplace operation" in str(exc)
+            fail("mutation" if inplace else "gradient",
+                 f"{case.what}: the right numbers, but the backward pass through your code fails "
+                 f"({str(exc).splitlines()[0]})." + (" A tensor that autograd saved was changed in place "
+                                                     "afterwards (x /= ..., x[...] = ..., .mul_): compute a new "
+                                                     "tensor instead (x = x / ...)." if inplace else ""))
+        expected = _reference_grad(reference, weights, case.args[1:])
         if grad is None or not close(grad, expected):
             fail("gradient", f"{case.what}: the right numbers, but their gradient with respect to the weights is "
                              f"wrong: each score should change by 1/count when one of the entries it averages "
                              f"changes by 1. Compute it from `weights` with tensor operations only.")
+
+
+def _reference_grad(reference: Callable[..., torch.Tensor], weights: torch.Tensor, rest: tuple[Any, ...]
+                    ) -> torch.Tensor:
+    """The reference's gradient on a leaf of its own, under grad mode whatever the student's code left."""
+    leaf = weights.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        return torch.autograd.grad(reference(leaf, *rest).sum(), leaf)[0]
 
 
 # ============================================================================ 11.1 previous_token_score
@@ -112,10 +128,11 @@ def check_previous_token_score(fn: Callable[..., Any]) -> str:
 
 INDUCTION_SCORE = _score(
     "11.2", "induction_score", lambda weights, half: ref.induction_score(weights, half), ("weights", "half"),
-    [((3, 4, 12, 12), 6), ((2, 3, 10, 10), 5), ((4, 4, 8, 8), 4), ((1, 2, 6, 6), 3)],
+    [((3, 4, 12, 12), 6), ((2, 3, 10, 10), 5), ((4, 4, 8, 8), 4), ((1, 2, 6, 6), 3),
+     ((2, 3, 9, 9), 5)],    # the last: a second half shorter than the first (L < 2 * half), as the reference allows
     [((1, 1, 4, 4), 2), ((1, 2, 4, 4), 2), ((1, 2, 6, 6), 3)], slips.INDUCTION_MISTAKES,
-    "Right for halves of 3 to 6 tokens and 2 to 4 heads: the mean of the entries (i, i - half + 1) over "
-    "the second half's queries, per head, with its gradient.")
+    "Right for halves of 3 to 6 tokens (a shorter second half too) and 2 to 4 heads: the mean of the entries "
+    "(i, i - half + 1) over the second half's queries, per head, with its gradient.")
 
 
 @checker("11.2", example=function_example(INDUCTION_SCORE))
