@@ -22,6 +22,8 @@ from course_lib.model import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
+TRAIN_RECORD = ROOT / "build" / "train-record"   # what `make notebooks` recorded (Makefile: train once)
+REPLAY_HOOK = ROOT / "tests" / "train_replay_hook"
 
 
 def _tiny_setup(steps: int = 60) -> TrainingSetup:
@@ -144,6 +146,13 @@ def test_the_learner_copy_of_notebook_08_blames_a_planted_part(tmp_path):
     # made them wait on each other (338 s instead of 47 s). Nothing below depends on the thread count.
     env = dict(os.environ, COURSE_DATA_DIR=str(SHARED), COURSE_THREADS="1", MPLBACKEND="Agg",
                COURSE_STATIC_WIDGETS="1")
+    # `make test` runs the solution notebooks first, which record their trainings (course_lib/train_replay.py):
+    # the reference run here is that same training (the same parts' code, data and settings), so it is replayed
+    # rather than trained again. The planted part's code differs, so its run (and each blame trial) trains for
+    # real; without a record everything trains.
+    if TRAIN_RECORD.is_dir():
+        env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPLAY_HOOK), os.environ.get("PYTHONPATH")])),
+                   COURSE_TRAIN_REPLAY=str(TRAIN_RECORD))
     done = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
                            "--output", "08_ran", "08_train_your_gpt.ipynb"], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=900)

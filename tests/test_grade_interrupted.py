@@ -8,6 +8,14 @@ has no such point (an older grader) is killed as soon as its new grades.csv appe
 every report file a reader opens must be whole and from one run, all of them from the same one, or, only
 for a SIGKILL inside the swap, new files beside stubs that say "report incomplete", summary.md among the
 stubs; and the message printed on Ctrl-C or SIGTERM must say what is true.
+
+The first report is written by a real ``python -m course_lib grade``. The second class is graded once, for real
+(the module's fixture); each interrupted run is then `grade`'s own command line (``cli.main``: its argument
+parsing, its SIGTERM handler, its exit status and message, ``grade``'s checks and the report writer) in a
+process forked from this one with that one grading handed back instead of graded again: the report is all
+that is interrupted, and a new ``python -m course_lib grade`` per case cost ~22 s of CPU each (its imports
+and its workers' start), 13 of them. The process starts in a session of its own with Python's default
+handlers for Ctrl-C and SIGTERM, as ``python -m`` does.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import pytest
 from synthetic_class import write_student
 
 import course_lib
+from course_lib.classroom import grading
 from course_lib.classroom.grading.report import INCOMPLETE, MARKER, PAUSE_VARIABLE
 
 FIRST = {"ann": True, "ben": False}                  # student -> solved: the first run's class
@@ -43,7 +52,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def first_report(tmp_path_factory):
-    """The first run's whole report, and the second run's class."""
+    """The first run's whole report, the second run's class, and that class's grading (done once here)."""
     root = tmp_path_factory.mktemp("interrupted")
     for folder, students in (("first", FIRST), ("second", SECOND)):
         for student, solved in students.items():
@@ -51,7 +60,75 @@ def first_report(tmp_path_factory):
     done = subprocess.run(_command(root / "first", root / "report"), capture_output=True, text=True, env=_env(),
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    return root
+    graded: list = []
+    real = grading.grade_submissions
+
+    def keep(*args, **kwargs):
+        graded.append(real(*args, **kwargs))
+        return graded[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grading, "grade_submissions", keep)
+        grading.grade(root / "second", root / "second-once", workers=1, exercises=["1.1"], isolate=False)
+    (grades, errors), = graded
+    assert errors == [] and {g.student: g.passed for g in grades} == SECOND, grades
+    return root, (grades, errors)
+
+
+class _Forked:
+    """`grade`'s command line in a child of this process, given the second class's grading (see the module's
+    docstring); what the test needs of ``subprocess.Popen``."""
+
+    def __init__(self, argv: list[str], graded: tuple, folder: Path, env: dict[str, str]):
+        self.out, self.err = folder / "grade.stdout", folder / "grade.stderr"
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:   # the child: never returns into pytest
+            code = 1
+            try:
+                os.setsid()
+                signal.signal(signal.SIGINT, signal.default_int_handler)   # what a fresh `python -m` has
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.environ.clear()
+                os.environ.update(env)
+                sys.stdout, sys.stderr = open(self.out, "w"), open(self.err, "w")
+                os.dup2(sys.stdout.fileno(), 1)
+                os.dup2(sys.stderr.fileno(), 2)
+                grading.grade_submissions = lambda found, plans, options, on_student: graded
+                from course_lib.classroom.grading.cli import main
+                code = main(argv[argv.index("grade") + 1:])
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+
+    def _status(self, status: int) -> int:
+        return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = self._status(status)
+        return self.returncode
+
+    def send_signal(self, number: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, number)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        deadline = time.monotonic() + (timeout or 600)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"grade (pid {self.pid})", timeout)
+            time.sleep(0.01)
+        return self.out.read_text(), self.err.read_text()
 
 
 def _stub(text: str) -> bool:
@@ -98,15 +175,15 @@ POINTS = [("ann.md", signal.SIGKILL), ("grades.csv", signal.SIGKILL), ("grades.c
 @pytest.mark.slow
 @pytest.mark.parametrize("point, number", POINTS, ids=[f"{p}-{signal.Signals(n).name}" for p, n in POINTS])
 def test_an_interrupted_run_leaves_one_whole_report_never_two_mixed(first_report, tmp_path, point, number):
+    first_report, graded = first_report
     report = tmp_path / "report"
     shutil.copytree(first_report / "report", report)
     first_csv = (report / "grades.csv").read_bytes()
     first_png = (report / "summary.png").read_bytes()
     assert set(_run_of(report, first_png).values()) == {"first"}
     flag = tmp_path / "paused"
-    grading = subprocess.Popen(_command(first_report / "second", report), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=_env(**{PAUSE_VARIABLE: f"{point}:{flag}"}),
-                               start_new_session=True)
+    grading = _Forked(_command(first_report / "second", report), graded, tmp_path,
+                      env=_env(**{PAUSE_VARIABLE: f"{point}:{flag}"}))
     try:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline and grading.poll() is None and not flag.exists():
@@ -154,8 +231,8 @@ def test_an_interrupted_run_leaves_one_whole_report_never_two_mixed(first_report
         old = time.time() - 2 * _atomic.STALE_AFTER_S
         for name in hidden:
             os.utime(report / name, (old, old))
-        done = subprocess.run(_command(first_report / "second", report), capture_output=True, text=True, env=_env(),
-                              timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
+        again = _Forked(_command(first_report / "second", report), graded, tmp_path, env=_env())
+        out, err = again.communicate(timeout=600)
+        assert again.returncode == 0, err[-2000:]
         assert [p.name for p in report.iterdir() if p.name.startswith(".") and p.name != MARKER] == []
         assert set(_run_of(report, first_png).values()) == {"second"}

@@ -216,6 +216,10 @@ def bare_kernel(tmp_path_factory):
     base = tmp_path_factory.mktemp("hosted")
     venv = base / "venv"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "COURSE_"))}
+    # PIP_COMPILE=0, here and for the set-up cell's %pip (its kernel inherits this environment): pip byte-compiles
+    # none of the thousands of files it installs (torch's, then the course's dependencies'); Python compiles what
+    # a notebook imports when it imports it. pip ignores a file that fails to compile anyway: nothing is hidden.
+    env["PIP_COMPILE"] = "0"
     assert subprocess.run([sys.executable, "-m", "venv", str(venv)], env=env, timeout=300).returncode == 0
     python = venv / "bin" / "python"
     pins = {line.split("==")[0].lower(): line for line in (ROOT / "constraints.txt").read_text().splitlines()
