@@ -99,7 +99,7 @@ def loss_log_softmax_by_hand_without_maximum(logits, targets):
 
 
 @correct("5.2")
-def loss_logsumexp_by_hand(logits, targets):
+def loss_log_softmax_as_logsumexp(logits, targets):
     log_probs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
     return F.nll_loss(log_probs.flatten(0, 1), targets.flatten(), ignore_index=-100)
 

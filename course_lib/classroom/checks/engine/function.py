@@ -139,14 +139,15 @@ def judge(exercise: FunctionExercise, fn: Any) -> str:
     for case in exercise.gradients():
         gradient_probe(fn, exercise.reference, case.args, exercise.arg_names, case.what)
     for case in exercise.magnitude():
-        _at_magnitude(exercise, case, fn)
+        _at_magnitude(exercise, case, fn, runs)
     if "dtype" in exercise.probes:
         _in_float64(exercise, fn)
     return exercise.success
 
 
-def _at_magnitude(exercise: FunctionExercise, case: Case, fn: Any) -> None:
-    """One case of the magnitude probe: right, a known mistake, or ``overflow``/``magnitude``."""
+def _at_magnitude(exercise: FunctionExercise, case: Case, fn: Any, runs: list[Run]) -> None:
+    """One case of the magnitude probe: right, a known mistake, or ``overflow``/``magnitude``. The student's code
+    was right on every ordinary case (``runs``), so only a mistake that is right there too can be theirs."""
     expected = exercise.reference(*case.args)
     out = call_student(fn, *case.given(), what=case.what)
     out = as_tensor(out) if exercise.numpy_ok else out
@@ -156,10 +157,19 @@ def _at_magnitude(exercise: FunctionExercise, case: Case, fn: Any) -> None:
         return
     run = Run(case, out, expected)
 
-    def reproduces(mistake: Mistake) -> bool:   # a mistake that overflows here too says nothing of which it is
+    def reproduces(mistake: Mistake) -> bool:
+        # Strictly: here NaN and inf are what a mistake produces, so a mistake's NaN (which elsewhere may stand for
+        # "undefined") must fall exactly where the student's does, and the finite rest agree.
+        if not all(_right_on(exercise, mistake, run) for run in runs):
+            return False
         wrong = exercise.mistaken(mistake, case)
-        finite = not isinstance(wrong, torch.Tensor) or not wrong.is_floating_point() or bool(wrong.isfinite().all())
-        return wrong is not None and finite and _reproduces(exercise, mistake, run)
+        if not isinstance(wrong, torch.Tensor) or wrong.shape != out.shape:
+            return False
+        if not (wrong.is_floating_point() and out.is_floating_point()):
+            return exercise.same(out, wrong)
+        finite = wrong.isfinite()
+        return (bool(torch.equal(finite, out.isfinite())) and bool(torch.equal(wrong.isnan(), out.isnan()))
+                and close(out[finite], wrong[finite]))
     first_mistake(exercise.mistakes, reproduces,
                   f"{case.what}: " if exercise.each_case and exercise.quote else "",
                   got=quoted(out), expected=quoted(expected), **exercise.values(run))
@@ -169,6 +179,15 @@ def _at_magnitude(exercise: FunctionExercise, case: Case, fn: Any) -> None:
     fail("magnitude", f"{case.what}: your result differs from the reference's by up to "
                       f"{max_diff(out, expected):.3g}, although it is right on well-scaled inputs. "
                       f"{exercise.stability}")
+
+
+def _right_on(exercise: FunctionExercise, mistake: Mistake, run: Run) -> bool:
+    """Whether ``mistake`` gives the reference's output on the run's case (it does not apply: then it may)."""
+    try:
+        wrong = exercise.mistaken(mistake, run.case)
+    except (RuntimeError, ValueError, IndexError):
+        return True
+    return wrong is None or exercise.same(wrong, run.expected)
 
 
 def _in_float64(exercise: FunctionExercise, fn: Any) -> None:

@@ -1,7 +1,8 @@
 """What every exercise gets besides the comparison of its outputs: the shared probes.
 
-Each exercise lists the probes it gets (``FunctionExercise.probes``); a test holds every exercise of
-the table to the list that applies to it (``tests/test_checks_bank.py``). Where a probe lives today:
+Each exercise lists the probes it gets (``FunctionExercise.probes``); ``tests/test_engine_probes.py`` holds every
+function exercise to them by behaviour (a correct attempt with the probe's mistake planted must get its verdict).
+Where a probe lives:
 
 - ``gradient``: one backward pass beside the reference's, gradient by gradient (``_gradients``).
 - ``mutation``: an input changed in place is a verdict (``_student_code.call``, on every call).
@@ -13,12 +14,14 @@ the table to the list that applies to it (``tests/test_checks_bank.py``). Where 
   the hundreds, rows far below zero, rows of very different scales (``magnitude_rows``, ``magnitude_scores``
   make them from a case's inputs; ``FunctionExercise.magnitude`` lists them).
 - ``dtype``: the cases again in a float64 notebook (``torch.set_default_dtype(torch.float64)``, float64
-  inputs): a dtype written into the code shows (``dtype_cases``, judged by ``engine.function``).
+  inputs): a dtype written into the code shows (``in_float64``, judged by ``engine.function``; modules 2.2 and
+  3.3: ``_attn_modules.check_float64``).
 - ``global_state``: torch's and the course's functions as the check found them at import; one replaced
   (``torch.equal = ...``) is the verdict ``patched`` (``engine.pinned``).
-
-Slots still to fill, one function each in this module: ``saved_tensors`` (tensors saved for backward
-unchanged), ``model_state`` (hooks, training mode, requires_grad restored).
+- ``saved_tensors``: an autograd.Function's forward and backward run by ``engine.saved_tensors.forward_backward``:
+  an input, ``grad_out`` or a tensor saved for backward changed in place is ``mutation``, the tensor named (10.3).
+- ``model_state``: everything a context manager or hook can change on a module tree, snapshotted before the
+  student's code and compared after, each difference named (``engine.model_state``; 11.3).
 """
 from __future__ import annotations
 

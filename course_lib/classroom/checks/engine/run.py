@@ -55,6 +55,7 @@ from ...verdict import CheckResult, Failure
 from .._references import attributes, bind_references, install_references, restore_namespace
 from .._student_code import is_student_file, raised_in_student_code, student_frame
 from . import pinned
+from .model_state import global_hooks_kept
 
 __all__ = ["checker", "set_time_limit", "last", "forget", "CheckNotPassed", "CheckTimeout", "TIME_LIMIT_S", "can_fork",
            "CallsReference", "reference_of", "is_reference", "reference_message"]
@@ -185,7 +186,7 @@ def _judge(exercise: str, body: Callable[..., str | None], example: Callable[...
         if hasattr(torch, "set_default_device"):
             torch.set_default_device(None)   # inputs and references on the CPU, whatever the notebook set
         pinned.expect_unpatched(written=True)   # torch.equal replaced before the check: nothing can be compared
-        with _alarm(TIME_LIMIT_S), _guard(exercise, args):
+        with _alarm(TIME_LIMIT_S), _guard(exercise, args), global_hooks_kept():
             try:
                 message = body(*args, **kwargs)
                 pinned.expect_unpatched()   # replaced by code the check ran outside _student_code.call
