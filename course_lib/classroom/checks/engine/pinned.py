@@ -91,8 +91,10 @@ def replaced(written: bool = False) -> list[str]:
         for name, value in zip(names, values):
             shown = PINNED[(id(space), name)][0]
             now = vars(space).get(name, _MISSING)
-            if now is not value and _torch_wraps(now, value):
-                accept(space, name)   # torch's own wrapper (importing torch._dynamo wraps torch.manual_seed)
+            if now is not value and (_torch_wraps(now, value) or space is builtins and _kernels(now)):
+                # torch's own wrapper (importing torch._dynamo wraps torch.manual_seed); the kernel's own
+                # builtins (ipykernel binds input() anew for every cell, to read from the notebook)
+                accept(space, name)
             elif now is not value:
                 found.append(shown)
             elif written and (code := _code_of(now)) is not None and is_student_file(code.co_filename):
@@ -109,6 +111,13 @@ def replaced(written: bool = False) -> list[str]:
 
 _MISSING = object()
 _TORCH_FILES = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
+
+
+def _kernels(new: Any) -> bool:
+    """Whether ``new`` is the Jupyter kernel's own (ipykernel's, IPython's): a builtin it rebinds per cell."""
+    code = _code_of(new)
+    path = code.co_filename.replace("\\", "/") if code is not None else ""
+    return "/ipykernel/" in path or "/IPython/" in path
 
 
 def _torch_wraps(new: Any, old: Any) -> bool:
