@@ -24,7 +24,8 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._counterexample import Example, first_difference
 from ._model_common import randomize_
-from ._student_code import call_student, close, expect_callable, raised_in_student_code, student_frame
+from ._student_code import call_student, close, expect_callable
+from ._student_files import raised_in_student_code, student_frame
 from .engine import first_mistake
 from .engine.example import compare
 from .engine.model_state import ModelState, autograd_cause, global_hooks_kept, plant_hooks

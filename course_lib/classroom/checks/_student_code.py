@@ -5,10 +5,6 @@ tolerance derived from the dtype. Tolerances that are not about float noise (a p
 1.1, a FLOP count in 6.1) stay with their exercise."""
 from __future__ import annotations
 
-import functools
-import os
-import sysconfig
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -16,37 +12,9 @@ import torch
 from torch import nn
 
 from ..verdict import Failure, fail
+from ._pinned import expect_unpatched
 from ._references import install_references
-
-# ---------------------------------------------------------------- whose frame is it?
-
-_LIBRARY_PREFIXES = tuple({os.path.realpath(path).replace("\\", "/") + "/" for key, path in sysconfig.get_paths().items()
-                           if key in ("stdlib", "purelib", "platlib") and path})
-
-
-@functools.lru_cache(maxsize=4096)   # the reference guard asks on every call of the reference's code
-def is_student_file(filename: str) -> bool:
-    """Whether code from ``filename`` is the student's: not the course's, torch's, or an installed library's
-    ("<your 02_masked_attention.ipynb, Exercise 2.1>", "<string>" and an IPython cell are the student's)."""
-    name = filename.replace("\\", "/")
-    if "/course_lib/" in name or "/torch/" in name or name.startswith("<frozen"):
-        return False
-    return not os.path.isabs(filename) or not os.path.realpath(filename).replace("\\", "/").startswith(
-        _LIBRARY_PREFIXES)
-
-
-def student_frame(exc: BaseException) -> str:
-    """'line 12 in forward' for the innermost frame of the student's code, if any."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if is_student_file(frame.filename):
-            return f" (line {frame.lineno}, in {frame.name})"
-    return ""
-
-
-def raised_in_student_code(exc: BaseException) -> bool:
-    """Whether any frame of the traceback is the student's: the harness blames the student, or itself."""
-    return any(is_student_file(frame.filename) for frame in traceback.extract_tb(exc.__traceback__))
-
+from ._student_files import student_frame
 
 # ---------------------------------------------------------------- calling student code
 
@@ -73,7 +41,6 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
             result = fn(*args, **kwargs)
         finally:
             install_references()   # student code that patched course_lib must not change the verdict
-        from .engine.pinned import expect_unpatched  # (the engine imports this module)
         expect_unpatched()   # nor one that replaced torch's own functions (torch.equal = ...)
     except Failure:
         raise

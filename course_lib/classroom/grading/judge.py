@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checks._student_code import student_frame
+from ..checks._student_files import student_frame
 from ..collect import GPT_EXERCISES, course_names, course_namespace
 from ..verdict import CheckResult
 from .plan import CAPSTONE, ExercisePlan

@@ -160,7 +160,7 @@ def _at_magnitude(exercise: FunctionExercise, case: Case, fn: Any, runs: list[Ru
     def reproduces(mistake: Mistake) -> bool:
         # Strictly: here NaN and inf are what a mistake produces, so a mistake's NaN (which elsewhere may stand for
         # "undefined") must fall exactly where the student's does, and the finite rest agree.
-        if not all(_right_on(exercise, mistake, run) for run in runs):
+        if not all(_right_on(exercise, mistake, ordinary) for ordinary in runs):
             return False
         wrong = exercise.mistaken(mistake, case)
         if not isinstance(wrong, torch.Tensor) or wrong.shape != out.shape:

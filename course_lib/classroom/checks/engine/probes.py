@@ -17,7 +17,7 @@ Where a probe lives:
   inputs): a dtype written into the code shows (``in_float64``, judged by ``engine.function``; modules 2.2 and
   3.3: ``_attn_modules.check_float64``).
 - ``global_state``: torch's and the course's functions as the check found them at import; one replaced
-  (``torch.equal = ...``) is the verdict ``patched`` (``engine.pinned``).
+  (``torch.equal = ...``) is the verdict ``patched`` (``checks._pinned``).
 - ``saved_tensors``: an autograd.Function's forward and backward run by ``engine.saved_tensors.forward_backward``:
   an input, ``grad_out`` or a tensor saved for backward changed in place is ``mutation``, the tensor named (10.3).
 - ``model_state``: everything a context manager or hook can change on a module tree, snapshotted before the

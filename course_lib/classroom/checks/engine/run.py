@@ -52,9 +52,9 @@ from .... import _validate as validate
 from ... import progress
 from ...exercises import BY_ID, EXERCISES
 from ...verdict import CheckResult, Failure
+from .. import _pinned as pinned
 from .._references import attributes, bind_references, install_references, restore_namespace
-from .._student_code import is_student_file, raised_in_student_code, student_frame
-from . import pinned
+from .._student_files import is_student_file, raised_in_student_code, student_frame
 from .model_state import global_hooks_kept
 
 __all__ = ["checker", "set_time_limit", "last", "forget", "CheckNotPassed", "CheckTimeout", "TIME_LIMIT_S", "can_fork",

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...verdict import fail
+from ..verdict import fail
+from ._student_files import is_student_file
 
 
 def _namespaces() -> Iterator[tuple[str, Any]]:
@@ -52,21 +53,31 @@ def _snapshot() -> dict[tuple[int, str], tuple[str, Any, Any]]:
         for name, value in list(vars(space).items()):
             # IPython keeps its last results in builtins._, __, ___: not Python's functions; torch.Storage
             # follows the default dtype (torch.set_default_dtype rebinds it)
-            if _pinnable(value) and not (space is builtins and name.startswith("_")) and (space, name) != (torch, "Storage"):
+            skipped = space is builtins and name.startswith("_") or space is torch and name == "Storage"
+            if _pinnable(value) and not skipped:
                 found[(id(space), name)] = (f"{shown}.{name}", space, value)
     return found
 
 
+def _by_space(pinned: dict[tuple[int, str], tuple[str, Any, Any]]) -> list[tuple[Any, tuple[str, ...], tuple, Any]]:
+    """Per namespace: (it, its pinned names, their values, a getter of them all at once), for one pass in C."""
+    spaces = {id(space): space for _, space, _ in pinned.values()}
+    found = []
+    for key, space in spaces.items():
+        names = tuple(name for (at, name) in pinned if at == key)
+        getter = operator.itemgetter(*names) if len(names) > 1 else (lambda d, n=names[0]: (d[n],))
+        found.append((space, names, tuple(pinned[(key, n)][2] for n in names), getter))
+    return found
+
+
 PINNED = _snapshot()
-_BY_SPACE = []   # (namespace, its pinned names, their values, a getter of them all at once)
-for _space in {id(space): space for _, space, _ in PINNED.values()}.values():
-    _names = tuple(name for (key, name) in PINNED if key == id(_space))
-    _BY_SPACE.append((_space, _names, tuple(vars(_space)[n] for n in _names),
-                      operator.itemgetter(*_names) if len(_names) > 1 else (lambda d, n=_names[0]: (d[n],))))
+_BY_SPACE = _by_space(PINNED)
 # A class's own names when pinned: a name set later on a class shadows its base's (``torch.Tensor.softmax = ...``
 # hides TensorBase's softmax without changing it)
 _CLASS_NAMES = {id(space): (shown, space, frozenset(vars(space))) for shown, space in _namespaces()
                 if isinstance(space, type)}
+_MISSING = object()
+_TORCH_FILES = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
 
 
 def _code_of(value: Any) -> Any:
@@ -79,7 +90,6 @@ def replaced(written: bool = False) -> list[str]:
     """What the student's code has replaced: the names (``torch.equal``) whose value is no longer the pinned
     one; with ``written``, also those whose pinned value is a function written in the student's code (a
     replacement made before ``checks`` was imported: looked for once per check, it costs more)."""
-    from .._student_code import is_student_file  # (which imports this module)
     found = []
     for space, names, values, getter in _BY_SPACE:
         try:
@@ -91,9 +101,7 @@ def replaced(written: bool = False) -> list[str]:
         for name, value in zip(names, values):
             shown = PINNED[(id(space), name)][0]
             now = vars(space).get(name, _MISSING)
-            if now is not value and (_torch_wraps(now, value) or space is builtins and _kernels(now)):
-                # torch's own wrapper (importing torch._dynamo wraps torch.manual_seed); the kernel's own
-                # builtins (ipykernel binds input() anew for every cell, to read from the notebook)
+            if now is not value and _own_rebinding(space, now):
                 accept(space, name)
             elif now is not value:
                 found.append(shown)
@@ -109,22 +117,14 @@ def replaced(written: bool = False) -> list[str]:
     return found
 
 
-_MISSING = object()
-_TORCH_FILES = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
-
-
-def _kernels(new: Any) -> bool:
-    """Whether ``new`` is the Jupyter kernel's own (ipykernel's, IPython's): a builtin it rebinds per cell."""
+def _own_rebinding(space: Any, new: Any) -> bool:
+    """Whether ``new`` was put there by torch's own code (importing torch._dynamo wraps torch.manual_seed;
+    torch.compile wraps nn.Module.__init__ and __setstate__) or, in builtins, by the Jupyter kernel's
+    (ipykernel binds input() anew for every cell): not a replacement by the student's code."""
     code = _code_of(new)
-    path = code.co_filename.replace("\\", "/") if code is not None else ""
-    return "/ipykernel/" in path or "/IPython/" in path
-
-
-def _torch_wraps(new: Any, old: Any) -> bool:
-    """Whether ``new`` is torch's own code: torch updating itself (importing torch._dynamo wraps
-    torch.manual_seed; torch.compile wraps nn.Module.__init__ and __setstate__, not always with __wrapped__)."""
-    code = _code_of(new)
-    return code is not None and os.path.realpath(code.co_filename).startswith(_TORCH_FILES)
+    path = os.path.realpath(code.co_filename) if code is not None else ""
+    kernels = space is builtins and any(part in path.replace("\\", "/") for part in ("/ipykernel/", "/IPython/"))
+    return path.startswith(_TORCH_FILES) or kernels
 
 
 def expect_unpatched(written: bool = False) -> None:
@@ -136,11 +136,10 @@ def expect_unpatched(written: bool = False) -> None:
 
 def patched_message(names: list[str]) -> str:
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"{shown} {'is' if len(names) == 1 else 'are'} not torch's own any more: code in this notebook "
-            f"replaced {'it' if len(names) == 1 else 'them'} (an assignment such as `torch.equal = ...`, a "
-            f"setattr, perhaps in a default argument). Checks compare with torch's own functions, and every "
-            f"later cell would see the replacement too. Remove that code, restart the kernel (Kernel > Restart) "
-            f"and run the cells again.")
+    return (f"{shown} {'has' if len(names) == 1 else 'have'} been replaced by code in this notebook (an "
+            f"assignment such as `torch.equal = ...`, a setattr, perhaps in a default argument). Checks compare "
+            f"with torch's own functions, and every later cell would see the replacement too. Remove that code, "
+            f"restart the kernel (Kernel > Restart) and run the cells again.")
 
 
 def accept(space: Any, name: str) -> None:
