@@ -17,10 +17,17 @@ from ._student_code import close
 
 def coarse_precision(out: torch.Tensor, expected: torch.Tensor) -> bool:
     """Right to the rounding of half precision (float16, bfloat16: 3 significant digits or fewer) but not to the
-    inputs' own: part of the computation ran in a lower precision."""
+    inputs' own: part of the computation ran in a lower precision. Rounding makes magnitudes both grow and
+    shrink; a result whose magnitudes all move one way (scaled by 1.01) is a mistake, not its precision."""
     if not isinstance(out, torch.Tensor) or out.shape != expected.shape or close(out, expected):
         return False
-    return bool(torch.allclose(out.detach().double(), expected.detach().double(), rtol=3e-2, atol=3e-3))
+    got, want = out.detach().double(), expected.detach().double()
+    if not bool(torch.allclose(got, want, rtol=3e-2, atol=3e-3)):
+        return False
+    moved = (got - want).abs() > 1e-6 + 1e-4 * want.abs()                 # the entries rounding moved
+    outward = ((got - want) * want.sign())[moved]                          # > 0: the magnitude grew
+    above = float((outward > 0).double().mean()) if outward.numel() else 0.5
+    return 0.2 <= above <= 0.8
 
 
 PRECISION = ("your result is right to about three significant digits only: part of your computation runs in half "

@@ -69,6 +69,8 @@ NUDGES = {
                       "to the sum (and the output) you accumulated with the old maximum?",
     "running_max": "Which maximum do you subtract: the largest score seen so far, or only the current block's?",
     "overflow": "What is exp(100) in float32? Which number do you subtract from the scores before exp?",
+    "magnitude": "If every score in a row were below -1000, what would exp give for each, and what is their sum? "
+                 "Which maximum (that row's own, from -inf) makes the largest term exp(0) = 1?",
     "early_normalization": "How many times should the output be divided by the sum of weights: once per block, "
                            "or once, after the last block?",
     "block_bounds": "Write the first and last index of every block for a length that is not a multiple of the "
@@ -97,6 +99,8 @@ NUDGES = {
                     "weight did you change, and where is it undone?",
     "missing": "Is the exercise's cell in your notebook, under its own name?",
     "calls_reference": "Which steps does the course's version do that your code should do itself?",
+    "patched": "Which line of your notebook assigns to something inside torch (torch.x = ..., setattr(torch, ...))? "
+               "Without it, and after a kernel restart, what does your function return?",
     "crashed": "Which line could end the process: a huge allocation, os._exit, a signal?",
     "mismatch": "Compare your output with the reference's on the smallest input where they differ: which "
                 "entries are wrong, and by how much?",
