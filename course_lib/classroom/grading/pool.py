@@ -309,7 +309,11 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
         finally:
             judged.set()
 
-    # Every worker grades one student; one more, first, grades the course's own notebooks.
+    # Every worker grades one student; one more, first, grades the course's own notebooks. With one slot the
+    # slot's worker starts once the self-check's has gone (Gradescope's 768 MB holds one worker, ~380 MB with
+    # torch and the course imported, beside the grader, not two; on half a CPU starting both at once saves
+    # nothing); with several slots they start together.
+    one_slot = min(options.workers, len(submissions)) == 1
     threading.Thread(target=self_check, daemon=True).start()
 
     def slot(number: int) -> None:
@@ -324,6 +328,11 @@ def grade_submissions(submissions: list[Submission], plans: dict[str, ExercisePl
                     worker.stop()
                     worker = None
                 if worker is None:
+                    if one_slot:   # the self-check's worker goes first: the two never hold memory together
+                        judged.wait()
+                        if stopped:
+                            todo.put(submission)
+                            return
                     worker = _Worker(exercises, options, number)
                     worker.wait_ready()
                 judged.wait()
