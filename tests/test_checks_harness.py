@@ -189,6 +189,59 @@ def test_a_checker_bug_is_not_blamed_on_the_student(monkeypatch):
     assert "Your code" not in result.message
 
 
+# Two checkers, compiled as course files (a frame in tests/ would count as the student's): one backpropagates
+# through what the student's function returns, outside any gradient probe of its own, so what a broken graph
+# turns into is the engine's rule; the other breaks a graph of its own before any student code ran.
+_COURSE_CHECKERS = """
+def check_grows(fn):
+    for _ in range(2):   # two calls, each backpropagated: a graph kept from the first breaks the second
+        x = torch.randn(3, requires_grad=True)
+        call(fn, x).sum().backward()
+    return "fine"
+
+
+def check_own_graph(fn):
+    torch.ones(2).sum().backward()
+"""
+
+
+def _course_checker(monkeypatch, name):
+    from course_lib.classroom.checks._student_code import call
+    from course_lib.classroom.exercises import BY_ID, Exercise
+    monkeypatch.setitem(BY_ID, "99.2", Exercise("99.2", "grows", "grows", name, hints=("h", "i")))
+    space = {"torch": torch, "call": call}
+    exec(compile(_COURSE_CHECKERS, "/installed/course_lib/classroom/checks/_a_checker.py", "exec"), space)
+    return run.checker("99.2")(space[name])
+
+
+_KEPT: list = []
+
+
+def _kept_from_the_first_call(x):
+    if not _KEPT:
+        _KEPT.append(x.exp())
+    return _KEPT[0] * x
+
+
+@pytest.mark.parametrize("student,diagnosis,words", [
+    (lambda x: x.exp().add_(1), "mutation", "changed in place"),   # exp saves its output for backward
+    (lambda x: torch.tensor(x.tolist()) * 2, "gradient", "not connected"),
+    (_kept_from_the_first_call, "gradient", "earlier call"),
+])
+def test_a_graph_the_students_code_broke_is_their_verdict_with_its_cause(monkeypatch, student, diagnosis, words):
+    _KEPT.clear()
+    check = _course_checker(monkeypatch, "check_grows")
+    result = check(student)
+    assert (result.passed, result.diagnosis) == (False, diagnosis), result
+    assert words in result.message and "bug in the course" not in result.message
+    assert check(lambda x: x.exp() * 2).passed   # a graph that holds
+
+
+def test_a_broken_graph_of_the_checkers_own_is_still_a_checker_error(monkeypatch):
+    result = _course_checker(monkeypatch, "check_own_graph")(lambda x: x)
+    assert result.diagnosis == "checker_error" and "bug in the course" in result.message
+
+
 def test_a_student_error_is_still_the_students(monkeypatch):
     def toy(query, keys, values):
         return [][0]

@@ -32,9 +32,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
+CALLS = [0]   # how many times this process called student code: a failure after one may be the student's graph
+
+
 def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: Any) -> Any:
     """Call student code. Its exceptions, ``sys.exit`` and in-place changes to its tensor inputs
     become a Failure with a readable message."""
+    CALLS[0] += 1
     inputs = [(name, value, value.detach().clone()) for name, value in _tensor_args(args, kwargs)]
     try:
         try:

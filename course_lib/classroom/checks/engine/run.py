@@ -18,8 +18,10 @@ A checker never raises because of the student's code: its body returns a success
    the check or by the student's code during it, are the verdict ``patched`` (``pinned``).
 4. the reference guard: the exercise's own reference doing the work is the verdict ``calls_reference``.
 5. the verdict: a ``Failure`` gets its counter-example (``example``, for ``checks.hint``); the student's
-   exception, ``sys.exit`` or endless loop is named; an exception raised by the checker itself (no student
-   frame in its traceback) is ``checker_error``, never blamed on the student.
+   exception, ``sys.exit`` or endless loop is named; autograd refusing to walk back a graph once the student's
+   code has run (a saved tensor changed in place, a result cut from its inputs) is ``mutation`` or
+   ``gradient``, the cause named; any other exception raised by the checker itself (no student frame in its
+   traceback) is ``checker_error``, never blamed on the student.
 6. recording, unless ``graded=False`` (a demonstration on planted buggy code, a re-check used as a
    condition): the live room and the last verdict of each exercise (:func:`last`, for ``checks.hint`` and
    ``show_solution``). Under nbgrader (``NBGRADER_EXECUTION`` set) a failed graded check of an exercise with
@@ -54,6 +56,7 @@ from ...exercises import BY_ID, EXERCISES
 from ...verdict import CheckResult, Failure
 from .. import _pinned as pinned
 from .._references import attributes, bind_references, install_references, restore_namespace
+from .._student_code import CALLS as STUDENT_CALLS
 from .._student_files import is_student_file, raised_in_student_code, student_frame
 from .model_state import global_hooks_kept
 
@@ -177,6 +180,7 @@ def _judge(exercise: str, body: Callable[..., str | None], example: Callable[...
            args: tuple, kwargs: dict) -> CheckResult:
     """Run ``body`` isolated, under the pinned references, the alarm and the guard: always a verdict."""
     state = _save()
+    calls_before = STUDENT_CALLS[0]
     try:
         install_references()
         # One thread: on tensors this small, waking a thread pool costs far more than it saves (up to 50x
@@ -214,6 +218,9 @@ def _judge(exercise: str, body: Callable[..., str | None], example: Callable[...
         if raised_in_student_code(exc):
             return CheckResult(exercise, False, "exception",
                                f"Your code raised {type(exc).__name__}{student_frame(exc)}: {exc}")
+        broken_graph = _autograd_failure(exc) if STUDENT_CALLS[0] > calls_before else None
+        if broken_graph is not None:   # autograd walked back through what the student's code returned
+            return CheckResult(exercise, False, *broken_graph)
         where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         at = f" at {os.path.basename(where.filename)}:{where.lineno}" if where else ""
         return _checker_error(exercise, f"{type(exc).__name__}{at}: {exc}",
@@ -238,6 +245,41 @@ def _attach(exercise: str, failure: Failure, args: tuple, kwargs: dict,
         return
     if found is not None:
         failure.details["counterexample"] = found
+
+
+# What autograd says when a graph the student's code built cannot be walked back, and what it means for them.
+_AUTOGRAD_CAUSES = (
+    ("modified by an inplace operation", "mutation",
+     "a tensor that autograd saved for the backward pass was changed in place afterwards (`x += ...`, "
+     "`t[...] = ...`, a method ending in `_`, or an edit of a hook's input): make a new tensor instead "
+     "(`y = x + ...`, `x = x.clone()` first)"),
+    ("does not require grad and does not have a grad_fn", "gradient",
+     "your result is not connected to its inputs' graph (a `.detach()`, `.item()`, `.numpy()`, `torch.tensor(...)` "
+     "of a result, `torch.no_grad()`, or `requires_grad_(False)` on the way), so no gradient can flow back"),
+    ("backward through the graph a second time", "gradient",
+     "your code keeps a tensor from an earlier call and builds on it (a cache or a global that outlives one "
+     "call), so a second backward meets a graph already freed: compute everything from this call's inputs"),
+    ("inference tensors cannot be saved for backward", "gradient",
+     "a tensor made under `torch.inference_mode()` entered the graph: leave autograd's modes alone"),
+)
+
+
+def _autograd_failure(exc: BaseException) -> tuple[str, str] | None:
+    """``(diagnosis, message)`` when ``exc`` is autograd refusing to walk back a graph (raised inside torch's
+    ``backward`` or ``autograd.grad``, for a check that backpropagates through what the student's code
+    returned): the student's verdict, with the cause named; None for anything else (the checker's own)."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    torch_root = os.path.dirname(torch.__file__)
+    if not any(f.filename.startswith(torch_root) and f.name in ("backward", "grad", "_engine_run_backward")
+               for f in frames):
+        return None
+    text = str(exc)
+    for needle, diagnosis, cause in _AUTOGRAD_CAUSES:
+        if needle in text:
+            return diagnosis, f"Backpropagating through your code failed: {cause}. (autograd: {text.splitlines()[0]})"
+    return "gradient", f"Backpropagating through your code failed: {text.splitlines()[0] if text else type(exc).__name__}."
 
 
 def _timed_out(exercise: str) -> CheckResult:
