@@ -23,7 +23,7 @@ from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
-from .engine.probes import magnitude_rows
+from .engine.probes import IN_FLOAT64, expect_dtype_kept, magnitude_rows, run_in_float64
 
 __all__ = ["check_lm_windows", "check_lm_loss", "check_train_step", "check_sampling"]
 
@@ -397,6 +397,7 @@ def check_train_step(fn: Callable[..., Any]) -> str:
         fail("dropout", "Your train_step runs the model in eval mode, so dropout is off during training. Call "
                         "model.train() at the start (an evaluation before may have switched it to eval).")
     _check_clipping(fn, model, optimizer, batches[0])
+    _check_step_float64(fn)
     return "zero_grad, forward, loss, backward and step, in that order; the loss comes back as a number." + note
 
 
@@ -433,6 +434,28 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                              f"to clip yet.")
         fail("clipping", f"{what}: the step was {ratio:.2f} times the gradient step, expected {expected:.2f} "
                          f"(clipped to max_grad_norm). Clip to the `max_grad_norm` argument, not a fixed number.")
+
+
+def _check_step_float64(fn: Callable[..., Any]) -> None:
+    """The dtype probe: a float64 model in a float64 notebook. The step must run, return the batch's loss, move
+    the weights along its gradient, and leave the model in float64 (``model.float()`` inside is ``dtype``)."""
+    what = f"train_step on a float64 model {IN_FLOAT64}"
+
+    def run() -> tuple[torch.Tensor, float, float, torch.Tensor]:
+        model = _tiny_gpt(seed=5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+        generator = torch.Generator().manual_seed(13)
+        vocab = model.config.vocab_size
+        inputs, targets = (torch.randint(0, vocab, (3, 8), generator=generator) for _ in range(2))
+        g, expected_loss = _gradient(model, inputs, targets)
+        loss, _, delta, _, _ = _one_step(fn, model, optimizer, inputs, targets, what)
+        expect_dtype_kept(model, torch.float64, what)
+        return g, expected_loss, loss, delta
+    g, expected_loss, loss, delta = run_in_float64(run)
+    if abs(loss - expected_loss) > 1e-4 * max(1.0, abs(expected_loss)) or _cosine(delta, -g) <= 0.9999:
+        fail("precision", f"{what}: the loss ({loss:.6f}, expected {expected_loss:.6f}) or the update differs from "
+                          f"the reference's, which float64 does not explain: part of your step runs in a lower "
+                          f"precision (a .float(), a float32 constant tensor). Keep the model's dtype throughout.")
 
 
 # two different rows, so that a batch mixes distributions; no ties anywhere
@@ -553,11 +576,11 @@ _SAMPLING_MISTAKES = (
 
 
 def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature: float,
-                        top_k: int | None) -> None:
+                        top_k: int | None, where: str = "") -> None:
     logits = base.repeat(_REPEATS, 1)                                  # (2 * repeats, vocab)
     kwargs = {"temperature": temperature, **({} if top_k is None else {"top_k": top_k})}
     setting = f"temperature={temperature}" + (f", top_k={top_k}" if top_k is not None else "")
-    what = f"sample_next_token({setting}) on {logits.shape[0]} rows"
+    what = f"sample_next_token({setting}) on {logits.shape[0]} rows{where}"
     freq = _frequencies(_draw(fn, logits, what, **kwargs), base.shape[0], logits.shape[1])   # (2, vocab)
     expected = _probabilities(base / temperature, top_k)
     if _matches(freq, expected):
@@ -614,6 +637,20 @@ def _check_top_k_per_row(fn: Callable[..., Any]) -> None:
                              f"each other's result: you take the k-th largest logit over the whole batch. Take it "
                              f"per row, logits.topk(top_k, dim=-1).values[:, -1:] (shape (N, 1)), and compare "
                              f"each row with its own threshold.")
+
+
+def _check_sampling_float64(fn: Callable[..., Any]) -> None:
+    """The dtype probe, on what the default dtype reaches: float64 logits in a float64 notebook must still give
+    long ids, greedy at temperature 0 and drawn from softmax(logits / temperature) within top_k otherwise (an
+    inverse-CDF sampler whose uniforms are float32 meets float64 probabilities in searchsorted: ``dtype``)."""
+    def run() -> None:
+        what = f"sample_next_token(temperature=0) on float64 logits {IN_FLOAT64}"
+        greedy = _draw(fn, _BASE.double(), what, temperature=0)
+        if not torch.equal(greedy, _BASE.argmax(-1)):
+            fail("precision", f"{what}: returned {greedy.tolist()}, expected the argmax of each row "
+                              f"{_BASE.argmax(-1).tolist()}. Keep the logits' dtype throughout.")
+        _check_distribution(fn, _BASE.double(), 1.0, 3, where=f" of float64 logits {IN_FLOAT64}")
+    run_in_float64(run)
 
 
 _EXAMPLE_DRAWS = 2000
@@ -680,5 +717,6 @@ def check_sampling(fn: Callable[..., Any]) -> str:
         fail("mismatch", "Two calls with generators seeded the same gave different tokens: pass `generator` on "
                          "to the random function you use (torch.multinomial(..., generator=generator)), so "
                          "that results can be reproduced.")
+    _check_sampling_float64(fn)
     return ("Greedy at temperature 0; otherwise draws follow softmax(logits / temperature), restricted to the top k "
             "when asked, and the generator makes them reproducible.")
