@@ -462,7 +462,7 @@ def check_rms_norm(cls: Any) -> str:
     _check_magnitude(cls, torch.Generator().manual_seed(5))
     _check_half_precision(cls, generator)
     module_in_float64(lambda: _build_norm(cls, x.shape[-1], None, torch.Generator().manual_seed(3)), x, shown)
-    return ("Right in float32, float16 and float64, for 2-D to 4-D inputs and any eps: x / sqrt(mean(x^2) + eps) * weight "
+    return ("Right in float32 and float16, for 2-D to 4-D inputs and any eps: x / sqrt(mean(x^2) + eps) * weight "
             "over the last axis.")
 
 
