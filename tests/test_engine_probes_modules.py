@@ -10,7 +10,10 @@ behaviour, a correct attempt of the bank with one probe's mistake planted around
   are written into (5.4);
 - ``global_state``: ``torch.equal`` replaced while the attempt runs;
 - ``reference_guard``: the attempt handing its work to the course's own version;
-- ``counterexample``: the checker derives one.
+- ``counterexample``: the checker derives one;
+- ``magnitude``, where the student writes a softmax or a normalisation: the sampler's softmax computed naively
+  (5.4), the norm fed its input clamped to +-1e4 (9.3), both right on ordinary inputs; every other exercise is in
+  ``NO_MAGNITUDE`` with the reason.
 
 Every exercise of the table that ``test_engine_probes`` does not hold to these is held here: a new exercise with
 no correct attempt in the bank, or one of these probes missing, fails, unless ``DOES_NOT_APPLY`` names the probe
@@ -24,7 +27,7 @@ import warnings
 import pytest
 import torch
 from test_checks_bank import CORRECT
-from test_engine_probes import DECLARATIONS
+from test_engine_probes import DECLARATIONS, NaiveSoftmax
 
 from course_lib.classroom import checks
 from course_lib.classroom.checks.engine.run import reference_of
@@ -239,3 +242,69 @@ def test_calling_the_courses_own_version_is_found(exercise):
 @pytest.mark.parametrize("exercise", OTHERS)
 def test_a_counterexample_is_derived(exercise):
     assert getattr(checks, BY_ID[exercise].checker).example is not None
+
+
+@pytest.mark.parametrize("exercise", [e for e in OTHERS if _applies(e, "dtype")])
+def test_a_correct_attempt_passes_in_a_float64_notebook(exercise):
+    """The checks run in the notebook's default dtype: a float64 notebook's right answer is right (the probes'
+    own float64 runs included)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        result = _check(exercise, _attempt(exercise))
+    finally:
+        torch.set_default_dtype(previous)
+    assert result.passed, result
+
+
+# ---------------------------------------------------------------- magnitude
+
+_MASKED = ("masked attention from the module's own weights: masking after the softmax and renormalising (right, "
+           "and in the bank) underflows on scores of several hundred like a softmax without its maximum, so a "
+           "magnitude probe would refuse right answers (_attn_modules.module_check)")
+NO_MAGNITUDE = {
+    "1.1": _NO_CODE + "a prediction written by hand",
+    "8.1": _NO_CODE + "two finished training runs",
+    "2.2": _MASKED, "3.3": _MASKED, "9.6": _MASKED, "7.2": _MASKED,
+    "4.2": "the block's only softmax is inside self.attn, the course's MultiHeadMaskedAttention: the student writes none",
+    "4.3": "the GPT's softmax is inside the blocks, the course's TransformerBlock: the student writes none",
+    "5.3": "the loss is the course's lm_loss (torch's cross-entropy, a stable log-softmax): the step writes none",
+    "6.2": "greedy generation takes an argmax of the logits: no softmax",
+    "9.4": "SwiGLU has no softmax and no normalisation (SiLU and products of the weights)",
+    "10.2": "judged by two engine declarations whose magnitude cases (scores of hundreds, rows far below zero or "
+            "far apart) run with every check; flash_bugs holds the slips they find",
+    "10.3": "the backward recomputes exp(S - lse) from the forward's log-sum-exp (the course's forward): a backward "
+            "without lse is wrong on ordinary inputs already",
+    "11.3": "an ablation zeroes a head's output: no softmax or normalisation of the student's",
+}
+
+
+def _naive_sampler(attempt):
+    def candidate(*args, **kwargs):
+        with NaiveSoftmax():
+            return attempt(*args, **kwargs)
+    return candidate
+
+
+def _clamped_norm(attempt):
+    class Clamped(attempt):
+        def forward(self, x):
+            return super().forward(x.clamp(-1e4, 1e4))   # right for ordinary x, wrong for rows of 1e15
+    Clamped.__name__ = Clamped.__qualname__ = attempt.__name__
+    return Clamped
+
+
+MAGNITUDE = {"5.4": _naive_sampler, "9.3": _clamped_norm}
+
+
+def test_every_exercise_has_a_magnitude_probe_or_the_reason_it_has_none():
+    assert set(MAGNITUDE) | set(NO_MAGNITUDE) == set(OTHERS)
+    assert not set(MAGNITUDE) & set(NO_MAGNITUDE)
+    flash = [d for d in vars(checks.notebook10).values() if getattr(d, "id", None) == "10.2"]
+    assert flash and all(d.magnitude() for d in flash), "10.2's declarations lost their magnitude cases"
+
+
+@pytest.mark.parametrize("exercise", sorted(MAGNITUDE))
+def test_a_softmax_or_norm_that_breaks_on_large_inputs_is_found(exercise):
+    result = _check(exercise, MAGNITUDE[exercise](_attempt(exercise)))
+    assert not result.passed and result.diagnosis in ("overflow", "magnitude"), result

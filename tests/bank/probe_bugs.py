@@ -260,3 +260,17 @@ class GQAFloat32Scores(GroupedQueryAttention):
 def ablate_hands_back_the_courses_manager(model, layer, head):
     from course_lib import heads
     return heads.ablate_head(model, layer, head)
+
+
+# ============================================================================ 5.4: the sampler's softmax
+
+@bug("5.4", "overflow", "maximum")
+def sample_softmax_by_hand(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    e = torch.exp(logits)                      # no maximum subtracted
+    return torch.multinomial(e / e.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)

@@ -639,6 +639,29 @@ def _check_top_k_per_row(fn: Callable[..., Any]) -> None:
                              f"each row with its own threshold.")
 
 
+def _check_sampling_magnitude(fn: Callable[..., Any]) -> None:
+    """The magnitude probe: a softmax written by hand without each row's maximum overflows on logits of several
+    hundred (inf / inf) and underflows on rows far below zero (0 / 0); multinomial then refuses the NaN."""
+    advice = ("A softmax must hold for any logits: use F.softmax, or subtract each row's maximum before exp, so "
+              "that the largest term is exp(0) = 1 and no row overflows or underflows to 0/0.")
+    for logits, words, peaked in ((_BASE * 200.0, "logits scaled to about \u00b1500", True),
+                                  (_BASE - 1000.0, "every logit below -997", False)):
+        batch = logits.repeat(20, 1)                                                       # (40, vocab)
+        what = f"sample_next_token(logits) on {batch.shape[0]} rows of {words}"
+        try:
+            drawn = _draw(fn, batch, what)
+        except Failure as failure:
+            if failure.diagnosis not in ("exception", "normalization"):
+                raise
+            raise Failure("overflow", f"{failure.message.rstrip().rstrip('.')}. Your sampler works on ordinary "
+                                      f"logits, so its softmax breaks on large ones. {advice}",
+                          **failure.details) from None
+        # logits 200 apart: every other token has a probability below exp(-200), so each draw is the argmax
+        if peaked and not torch.equal(drawn, batch.argmax(-1)):
+            fail("magnitude", f"{what}: drew tokens other than each row's most likely one, whose probability is "
+                              f"1 - exp(-200). {advice}")
+
+
 def _check_sampling_float64(fn: Callable[..., Any]) -> None:
     """The dtype probe, on what the default dtype reaches: float64 logits in a float64 notebook must still give
     long ids, greedy at temperature 0 and within the top k otherwise (top-k logits scattered into a float32
@@ -724,6 +747,7 @@ def check_sampling(fn: Callable[..., Any]) -> str:
         fail("mismatch", "Two calls with generators seeded the same gave different tokens: pass `generator` on "
                          "to the random function you use (torch.multinomial(..., generator=generator)), so "
                          "that results can be reproduced.")
+    _check_sampling_magnitude(fn)
     _check_sampling_float64(fn)
     return ("Greedy at temperature 0; otherwise draws follow softmax(logits / temperature), restricted to the top k "
             "when asked, and the generator makes them reproducible.")
