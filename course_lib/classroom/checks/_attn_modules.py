@@ -24,6 +24,7 @@ from ._student_code import (
     reraise_with,
 )
 from .engine import first_mistake
+from .engine.probes import module_in_float64
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -297,31 +298,19 @@ class ModuleCheck:
 
 def check_float64(check: ModuleCheck) -> None:
     """The dtype probe of a module: built, loaded and run in a float64 notebook (torch.set_default_dtype(
-    torch.float64)); its output must be float64 and agree with the reference's."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        heads = check.heads[0]
-        run = next(run for run in check.runs if run.heads == heads)
+    torch.float64)); its output must be float64 and agree with the reference's (``engine.probes``)."""
+    heads = check.heads[0]
+    run = next(run for run in check.runs if run.heads == heads)
+
+    def build() -> tuple[nn.Module, nn.Module]:
         model = construct(check.make_candidate, heads, DROPOUT, what=check.name)
         reference = check.make_reference(heads, DROPOUT).eval()
         params = {name: p.double() for name, p in run.params.items()}
         load_parameters(model, params)
         load_parameters(reference, params)
         call(model.eval, what=f"{check.name}.eval()")
-        x, what = run.x.double(), f"{run.what} in a float64 notebook (torch.set_default_dtype(torch.float64))"
-        with torch.no_grad():
-            out = call(model, x.clone(), what=what)
-            expected = reference(x)
-        if isinstance(out, torch.Tensor) and out.dtype != torch.float64:
-            fail("dtype", f"{what}: your output is {out.dtype}, expected torch.float64. A dtype is written into "
-                          f"your code (torch.float32, .float(), a fixed dtype=...): make new tensors like the "
-                          f"input (torch.zeros_like(x), x.new_ones(...), dtype=x.dtype).")
-        if isinstance(out, torch.Tensor) and not close(out, expected):
-            fail("precision", f"{what}: your output differs from the reference's by up to "
-                              f"{max_diff(out, expected):.3g}: part of your computation runs in a lower precision.")
-    finally:
-        torch.set_default_dtype(previous)
+        return model, reference
+    module_in_float64(build, run.x, run.what)
 
 
 def module_check(check: ModuleCheck, heads_text: str) -> str:

@@ -21,6 +21,7 @@ from ._model_common import accepts, copy_weights, randomize_, same_when_called_t
 from ._student_code import call, close, construct, expect_tensor
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
 from .engine.function import Run
+from .engine.probes import module_in_float64
 
 __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
 
@@ -335,6 +336,10 @@ def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
     if no_dropout:
         fail("dropout", f"In training mode (dropout_rate={_DROPOUT}) your block gives the same output twice, so "
                         f"no dropout happens. Call the sublayers self.attn and self.mlp: they carry the dropout.")
+    # No magnitude probe: the block's only softmax is inside self.attn, which the exercise builds from the course's
+    # MultiHeadMaskedAttention (the student writes none); LayerNorm's own scale is torch's.
+    x = _inputs(generator, 2, 5)
+    module_in_float64(lambda: _build_block(cls, norm_first)[::-1], x, f"your block on x of shape {tuple(x.shape)}")
     return f"Same outputs as the reference {kind} block, with residuals around both sublayers."
 
 
@@ -476,15 +481,22 @@ def _gpt_example(cls: Any, *_: Any, **__: Any) -> Any:
                           inputs=lambda generator, length: torch.randint(0, 5, (1, length), generator=generator))
 
 
+def _build_gpt(cls: Any, config: Any, generator: torch.Generator) -> tuple[nn.Module, nn.Module]:
+    """(the student's GPT, the reference) with the same random weights, in eval mode. No magnitude probe for the
+    GPT: its softmax is inside the blocks, which the exercise builds from the course's TransformerBlock."""
+    reference = randomize_(model_ref.GPT(config), generator).eval()
+    candidate = construct(cls, config, what=getattr(cls, "__name__", "cls"))
+    copy_weights(reference, candidate, "your GPT")
+    candidate.eval()
+    return candidate, reference
+
+
 @checker("4.3", example=_gpt_example)
 def check_gpt(cls: Any) -> str:
     """cls(config) with token_embedding, position_encoding, dropout, blocks, ln_f, head; forward -> logits."""
     config = _gpt_config()
     generator = torch.Generator().manual_seed(7)
-    reference = randomize_(model_ref.GPT(config), generator).eval()
-    candidate = construct(cls, config, what=getattr(cls, "__name__", "cls"))
-    copy_weights(reference, candidate, "your GPT")
-    candidate.eval()
+    candidate, reference = _build_gpt(cls, config, generator)
     vocab = config.vocab_size
     for batch, length in _SHAPES:
         idx = torch.randint(0, vocab, (batch, length), generator=generator)
@@ -519,6 +531,8 @@ def check_gpt(cls: Any) -> str:
         fail("mismatch", f"Your GPT accepted {config.max_tokens + 1} tokens with max_tokens={config.max_tokens}. "
                          f"It has no positions beyond max_tokens: raise a ValueError that says so (and how to "
                          f"crop) instead of returning something.")
+    module_in_float64(lambda: _build_gpt(cls, config, torch.Generator().manual_seed(7)), too_long[:, :5],
+                      "your GPT on idx of shape (1, 5): the logits")
     try:
         with torch.no_grad():
             note = _check_cache_path(candidate, reference, torch.randint(0, vocab, (2, 6), generator=generator))

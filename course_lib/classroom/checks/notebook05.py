@@ -23,7 +23,7 @@ from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
-from .engine.probes import magnitude_rows
+from .engine.probes import IN_FLOAT64, expect_dtype_kept, magnitude_rows, run_in_float64
 
 __all__ = ["check_lm_windows", "check_lm_loss", "check_train_step", "check_sampling"]
 
@@ -397,6 +397,7 @@ def check_train_step(fn: Callable[..., Any]) -> str:
         fail("dropout", "Your train_step runs the model in eval mode, so dropout is off during training. Call "
                         "model.train() at the start (an evaluation before may have switched it to eval).")
     _check_clipping(fn, model, optimizer, batches[0])
+    _check_step_float64(fn)
     return "zero_grad, forward, loss, backward and step, in that order; the loss comes back as a number." + note
 
 
@@ -433,6 +434,28 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                              f"to clip yet.")
         fail("clipping", f"{what}: the step was {ratio:.2f} times the gradient step, expected {expected:.2f} "
                          f"(clipped to max_grad_norm). Clip to the `max_grad_norm` argument, not a fixed number.")
+
+
+def _check_step_float64(fn: Callable[..., Any]) -> None:
+    """The dtype probe: a float64 model in a float64 notebook. The step must run, return the batch's loss, move
+    the weights along its gradient, and leave the model in float64 (``model.float()`` inside is ``dtype``)."""
+    what = f"train_step on a float64 model {IN_FLOAT64}"
+
+    def run() -> tuple[torch.Tensor, float, float, torch.Tensor]:
+        model = _tiny_gpt(seed=5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+        generator = torch.Generator().manual_seed(13)
+        vocab = model.config.vocab_size
+        inputs, targets = (torch.randint(0, vocab, (3, 8), generator=generator) for _ in range(2))
+        g, expected_loss = _gradient(model, inputs, targets)
+        loss, _, delta, _, _ = _one_step(fn, model, optimizer, inputs, targets, what)
+        expect_dtype_kept(model, torch.float64, what)
+        return g, expected_loss, loss, delta
+    g, expected_loss, loss, delta = run_in_float64(run)
+    if abs(loss - expected_loss) > 1e-4 * max(1.0, abs(expected_loss)) or _cosine(delta, -g) <= 0.9999:
+        fail("precision", f"{what}: the loss ({loss:.6f}, expected {expected_loss:.6f}) or the update differs from "
+                          f"the reference's, which float64 does not explain: part of your step runs in a lower "
+                          f"precision (a .float(), a float32 constant tensor). Keep the model's dtype throughout.")
 
 
 # two different rows, so that a batch mixes distributions; no ties anywhere
@@ -616,6 +639,50 @@ def _check_top_k_per_row(fn: Callable[..., Any]) -> None:
                              f"each row with its own threshold.")
 
 
+def _check_sampling_magnitude(fn: Callable[..., Any]) -> None:
+    """The magnitude probe: a softmax written by hand without each row's maximum overflows on logits of several
+    hundred (inf / inf) and underflows on rows far below zero (0 / 0); multinomial then refuses the NaN."""
+    advice = ("A softmax must hold for any logits: use F.softmax, or subtract each row's maximum before exp, so "
+              "that the largest term is exp(0) = 1 and no row overflows or underflows to 0/0.")
+    for logits, words, peaked in ((_BASE * 200.0, "logits scaled to about \u00b1500", True),
+                                  (_BASE - 1000.0, "every logit below -997", False)):
+        batch = logits.repeat(20, 1)                                                       # (40, vocab)
+        what = f"sample_next_token(logits) on {batch.shape[0]} rows of {words}"
+        try:
+            drawn = _draw(fn, batch, what)
+        except Failure as failure:
+            if failure.diagnosis not in ("exception", "normalization"):
+                raise
+            raise Failure("overflow", f"{failure.message.rstrip().rstrip('.')}. Your sampler works on ordinary "
+                                      f"logits, so its softmax breaks on large ones. {advice}",
+                          **failure.details) from None
+        # logits 200 apart: every other token has a probability below exp(-200), so each draw is the argmax
+        if peaked and not torch.equal(drawn, batch.argmax(-1)):
+            fail("magnitude", f"{what}: drew tokens other than each row's most likely one, whose probability is "
+                              f"1 - exp(-200). {advice}")
+
+
+def _check_sampling_float64(fn: Callable[..., Any]) -> None:
+    """The dtype probe, on what the default dtype reaches: float64 logits in a float64 notebook must still give
+    long ids, greedy at temperature 0 and within the top k otherwise (top-k logits scattered into a float32
+    buffer meet float64 ones: ``dtype``)."""
+    def run() -> None:
+        what = f"sample_next_token(temperature=0) on float64 logits {IN_FLOAT64}"
+        greedy = _draw(fn, _BASE.double(), what, temperature=0)
+        if not torch.equal(greedy, _BASE.argmax(-1)):
+            fail("precision", f"{what}: returned {greedy.tolist()}, expected the argmax of each row "
+                              f"{_BASE.argmax(-1).tolist()}. Keep the logits' dtype throughout.")
+        # a dtype written into the code raises or returns the wrong dtype; few draws show it (the distribution
+        # itself was judged in float32)
+        what = f"sample_next_token(top_k=3) on float64 logits {IN_FLOAT64}"
+        drawn = _draw(fn, _BASE.double().repeat(20, 1), what, top_k=3)                     # (40,)
+        allowed = _probabilities(_BASE, 3).repeat(20, 1) > 0                               # (40, vocab)
+        if not bool(allowed[torch.arange(drawn.shape[0]), drawn].all()):
+            fail("precision", f"{what}: drew tokens outside the 3 most likely of their row, which float64 does not "
+                              f"explain. Keep the logits' dtype throughout.")
+    run_in_float64(run)
+
+
 _EXAMPLE_DRAWS = 2000
 
 
@@ -680,5 +747,7 @@ def check_sampling(fn: Callable[..., Any]) -> str:
         fail("mismatch", "Two calls with generators seeded the same gave different tokens: pass `generator` on "
                          "to the random function you use (torch.multinomial(..., generator=generator)), so "
                          "that results can be reproduced.")
+    _check_sampling_magnitude(fn)
+    _check_sampling_float64(fn)
     return ("Greedy at temperature 0; otherwise draws follow softmax(logits / temperature), restricted to the top k "
             "when asked, and the generator makes them reproducible.")

@@ -20,6 +20,7 @@ from ._model_common import ProcedureExample, as_tensor, extend, randomize_, reco
 from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.function import Run
+from .engine.probes import IN_FLOAT64, expect_dtype_kept, run_in_float64
 
 __all__ = ["check_flops_per_token", "check_kv_cache"]
 
@@ -296,7 +297,29 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
                              f"it to the model with the cache.")
         if explanation:
             fail(explanation[0], f"{what}: the tokens are right, but {explanation[1]}")
+    _check_float64(fn)
     return "Token for token the same as generation without a cache." + _speed_note(fn)
+
+
+def _check_float64(fn: Callable[..., Any]) -> None:
+    """The dtype probe, on what the default dtype reaches: a float64 model in a float64 notebook must still
+    generate the reference's tokens and be left in float64 (``model.float()`` inside is ``dtype``)."""
+    idx, new = torch.tensor([[1, 2], [3, 4]]), 4
+    what = f"generate_with_cache(model, idx of shape {tuple(idx.shape)}, max_new_tokens={new}) on a float64 model " \
+           f"{IN_FLOAT64}"
+
+    def run() -> tuple[Any, torch.Tensor]:
+        model = _model(max_tokens=8, embed_dim=8, seed=0)
+        expected = _greedy(model, idx, new)
+        got, _ = _run(fn, model, idx, new, what)
+        expect_dtype_kept(model, torch.float64, what)
+        return got, expected
+    got, expected = run_in_float64(run)
+    expect_tensor(got, tuple(expected.shape), what, dtype=torch.long)
+    if not torch.equal(got, expected):
+        fail("precision", f"{what}: the tokens {got.tolist()} differ from greedy generation without a cache "
+                          f"{expected.tolist()}, which float64 does not explain: part of your generation runs in a "
+                          f"lower precision. Keep the model's dtype throughout.")
 
 
 def _speed_note(fn: Callable[..., Any]) -> str:

@@ -1,6 +1,7 @@
 """Exercises of notebook 07 (Hugging Face): 7.1 split_c_attn, 7.2 an attention function for transformers."""
 from __future__ import annotations
 
+import copy
 import importlib
 import itertools
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from ._model_common import ProcedureExample, as_tensor, randomize_
 from ._student_code import call, close, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
 from .engine.example import tiny
+from .engine.probes import IN_FLOAT64, expect_float64, run_in_float64
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
 
@@ -224,6 +226,24 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
     _check_fewer_queries(fn, module, k, v, scaling, generator)
 
 
+def _check_float64(fn: Callable[..., Any], module: nn.Module) -> None:
+    """The dtype probe: q, k, v and the layer in float64, in a float64 notebook; attn_output must follow them.
+    No magnitude probe: transformers hands the function scores of a pretrained model, and a correct mask applied
+    after the softmax (then renormalised) underflows on large scores, as in 2.2."""
+    reference = _hf().course_attention_forward
+    n, heads, length, head_dim = 2, 2, 5, 8
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, heads, length, head_dim, generator=generator, dtype=torch.float64) for _ in range(3))
+    what = f"your attention function (attention_mask=None) {IN_FLOAT64}"
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        layer = copy.deepcopy(module).double()
+        return (_direct(fn, layer, q, k, v, None, head_dim ** -0.5, what),
+                reference(layer, q, k, v, None, scaling=head_dim ** -0.5)[0])
+    got, expected = run_in_float64(run)
+    expect_float64(got, expected, what)
+
+
 def _check_fewer_queries(fn: Callable[..., Any], module: nn.Module, k: torch.Tensor, v: torch.Tensor,
                          scaling: float, generator: torch.Generator) -> None:
     """Step 1 of the spec with a KV cache: the Lq queries are the LAST Lq of the Lk positions."""
@@ -270,6 +290,7 @@ def check_hf_attention(fn: Callable[..., Any]) -> str:
     model = _tiny_gpt2()
     generator = torch.Generator().manual_seed(2)
     _check_direct(fn, model.transformer.h[0].attn, generator)
+    _check_float64(fn, model.transformer.h[0].attn)
     vocab = model.config.vocab_size
     for batch, length, padded in ((2, 6, False), (1, 1, False), (2, 7, True)):
         ids = torch.randint(0, vocab, (batch, length), generator=generator)

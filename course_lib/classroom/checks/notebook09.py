@@ -42,7 +42,7 @@ from ._student_code import (
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
 from .engine.example import SEEDS, tiny
 from .engine.function import Run
-from .engine.probes import gradient_probe
+from .engine.probes import gradient_probe, module_in_float64
 
 __all__ = ["check_rope_tables", "check_apply_rotary", "check_rms_norm", "check_swiglu", "check_repeat_kv",
            "check_grouped_query_attention"]
@@ -459,7 +459,9 @@ def check_rms_norm(cls: Any) -> str:
     x, reference, _, _, shown = runs[0]
     candidate, reference = _build_norm(cls, x.shape[-1], None, generator)
     _module_probes(candidate, reference, x, shown)
+    _check_magnitude(cls, torch.Generator().manual_seed(5))
     _check_half_precision(cls, generator)
+    module_in_float64(lambda: _build_norm(cls, x.shape[-1], None, torch.Generator().manual_seed(3)), x, shown)
     return ("Right in float32 and float16, for 2-D to 4-D inputs and any eps: x / sqrt(mean(x^2) + eps) * weight "
             "over the last axis.")
 
@@ -470,6 +472,36 @@ def _module_probes(model: nn.Module, reference: nn.Module, x: torch.Tensor, what
     moved = module_on_meta(model)
     if moved is not None:   # a module that cannot be copied or moved is inconclusive
         probe_device(lambda: moved(meta(x)), what)
+
+
+# The magnitude probe: in one batch, rows from 1e-4 (eps = 1e-6 then outweighs the mean of the squares) to 1e15
+# (squares of 1e30: finite in float32, far past float16's 65504).
+_MAGNITUDE_SCALES = (1e-4, 1e-2, 1.0, 1e2, 1e4, 1e15)
+
+
+def _check_magnitude(cls: Any, generator: torch.Generator) -> None:
+    """Each vector is normalised by its own root mean square, whatever its scale: a statistic shared by the rows,
+    eps outside the square root, a clamp or squares taken in float16 show on rows of very different scales."""
+    candidate, reference = _build_norm(cls, 16, None, generator)
+    scales = torch.tensor(_MAGNITUDE_SCALES)
+    x = _norm_input((2, len(scales), 16), "normal", generator) * scales[:, None]   # (2, 6, 16): row t at scale t
+    shown = (f"RMSNorm(16) on x of shape {tuple(x.shape)} whose rows range from {min(_MAGNITUDE_SCALES):g} to "
+             f"{max(_MAGNITUDE_SCALES):g}")
+    with torch.no_grad():
+        out = expect_tensor(call_student(candidate, x.clone(), what=shown), tuple(x.shape), shown, dtype=x.dtype,
+                            finite=False)
+        expected = reference(x)
+    if close(out, expected):
+        return
+    mistakes = _norm_mistakes(x.double(), reference.weight.detach().double(), reference.eps)
+    first_mistake(mistakes.values(), lambda m: close(out, m.output), f"{shown}: ")
+    advice = ("Normalise each vector by its own root mean square, over the last axis only, with eps inside the "
+              "square root (x / sqrt(mean(x^2) + eps)), in x's dtype (float32 at least): no clamp, no float16 step.")
+    if not bool(torch.isfinite(out).all()):
+        fail("overflow", f"{shown}: your output holds NaN or inf where the reference's is finite, although it is "
+                         f"right on ordinary inputs: a square or a sum overflows. {advice}")
+    fail("magnitude", f"{shown}: your output differs from the reference's by up to {max_diff(out, expected):.3g}, "
+                      f"although it is right on ordinary inputs. {advice}")
 
 
 def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
@@ -533,12 +565,8 @@ def _swiglu_mistakes() -> list[Mistake]:
     ]
 
 
-@checker("9.4", example=lambda cls, *_, **__: module_example("SwiGLU(2, 3)", lambda: cls(2, 3),
-                                                            lambda: ref.SwiGLU(2, 3), 2))
-def check_swiglu(cls: Any) -> str:
-    """``cls(embed_dim, hidden_dim)`` with gate, up, down; forward -> down(silu(gate(x)) * up(x))."""
-    expect_callable(cls, "SwiGLU", "class")
-    generator = torch.Generator().manual_seed(4)
+def _build_swiglu(cls: Any, generator: torch.Generator) -> tuple[nn.Module, nn.Module]:
+    """(the student's SwiGLU, the reference) with the same random weights."""
     shown = f"SwiGLU({_SWIGLU_EMBED}, {_SWIGLU_HIDDEN})"
     candidate = construct(cls, _SWIGLU_EMBED, _SWIGLU_HIDDEN, what="SwiGLU", shown=shown)
     reference = ref.SwiGLU(_SWIGLU_EMBED, _SWIGLU_HIDDEN)
@@ -546,6 +574,17 @@ def check_swiglu(cls: Any) -> str:
         for p in reference.parameters():   # weights large enough that SiLU is far from linear
             p.copy_(torch.randn(p.shape, generator=generator) * 1.5 / p.shape[1] ** 0.5)
     copy_weights(reference, candidate, "your SwiGLU")
+    return candidate, reference
+
+
+@checker("9.4", example=lambda cls, *_, **__: module_example("SwiGLU(2, 3)", lambda: cls(2, 3),
+                                                            lambda: ref.SwiGLU(2, 3), 2))
+def check_swiglu(cls: Any) -> str:
+    """``cls(embed_dim, hidden_dim)`` with gate, up, down; forward -> down(silu(gate(x)) * up(x))."""
+    expect_callable(cls, "SwiGLU", "class")
+    generator = torch.Generator().manual_seed(4)
+    shown = f"SwiGLU({_SWIGLU_EMBED}, {_SWIGLU_HIDDEN})"
+    candidate, reference = _build_swiglu(cls, generator)
     layers = (reference.gate, reference.up, reference.down)   # the mistakes' outputs are f(x, *layers)
     for shape in _SWIGLU_SHAPES:
         x = torch.randn(shape, generator=generator)
@@ -564,6 +603,7 @@ def check_swiglu(cls: Any) -> str:
     x = torch.randn(_SWIGLU_SHAPES[0], generator=generator)
     what = f"{shown} on x of shape {_SWIGLU_SHAPES[0]}"
     _module_probes(candidate, reference, x, what)
+    module_in_float64(lambda: _build_swiglu(cls, torch.Generator().manual_seed(4)), x, what)
     return "down(silu(gate(x)) * up(x)) for 2-D and 3-D inputs: the gate branch through SiLU scales the up branch."
 
 
@@ -1019,6 +1059,14 @@ def _check(cls: Any) -> str:
     # grouped-query (2 key/value heads): every projection learns, and the module stays on its device
     _module_probes(built.model, built.reference, x, f"GroupedQueryAttention({built.label}) on x of shape "
                                                     f"{shape_str(x.shape)}")
+    kv_heads, theta, extra = CONFIGS[1]
+
+    def build() -> tuple[nn.Module, nn.Module]:
+        again = _build(cls, kv_heads, theta, extra, torch.Generator().manual_seed(96))
+        return again.model, again.reference
+    module_in_float64(build, x, f"GroupedQueryAttention({built.label}) on x of shape {shape_str(x.shape)}")
+    # No magnitude probe, as for 2.2 and 3.3 (``_attn_modules.module_check``): the scores come from the module's
+    # weights, and a correct "mask after the softmax, then renormalise" underflows on large scores.
     extras = [key for _, _, extra in optional for key in extra]
     also = f", and with {' and '.join(extras)}" if extras else ""
     return (f"Matches the reference for multi-head ({NUM_HEADS} kv heads), grouped-query (2) and multi-query (1) "

@@ -14,8 +14,11 @@ Where a probe lives:
   the hundreds, rows far below zero, rows of very different scales (``magnitude_rows``, ``magnitude_scores``
   make them from a case's inputs; ``FunctionExercise.magnitude`` lists them).
 - ``dtype``: the cases again in a float64 notebook (``torch.set_default_dtype(torch.float64)``, float64
-  inputs): a dtype written into the code shows (``in_float64``, judged by ``engine.function``; modules 2.2 and
-  3.3: ``_attn_modules.check_float64``).
+  inputs): a dtype written into the code shows (``in_float64``, judged by ``engine.function``). An exercise that
+  is a module or a procedure builds and runs its work inside ``float64_notebook`` through ``run_in_float64``
+  (an exception that float32 did not raise is ``dtype``), then ``expect_float64`` judges a floating output and
+  ``expect_dtype_kept`` the model the student's procedure was given (``model.float()`` inside it is ``dtype``);
+  ``module_in_float64`` is all of it for a module beside its reference (2.2, 3.3, 4.2, 4.3, 9.3, 9.4, 9.6).
 - ``global_state``: torch's and the course's functions as the check found them at import; one replaced
   (``torch.equal = ...``) is the verdict ``patched`` (``checks._pinned``).
 - ``saved_tensors``: an autograd.Function's forward and backward run by ``engine.saved_tensors.forward_backward``:
@@ -25,12 +28,16 @@ Where a probe lives:
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
+from ...verdict import Failure, fail
 from .._gradients import check_function_gradients
+from .._student_code import call, close, expect_tensor, max_diff
 
 # Every probe an exercise may list, written or not yet: a declaration naming another is a typo.
 PROBES = ("gradient", "mutation", "reference_guard", "counterexample", "device",
@@ -109,3 +116,76 @@ def magnitude_scores(q: torch.Tensor, k: torch.Tensor) -> list[tuple[torch.Tenso
 def in_float64(args: Sequence[Any]) -> tuple[Any, ...]:
     """The arguments with every floating-point tensor in float64 (the others as they are)."""
     return tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+T = TypeVar("T")
+
+IN_FLOAT64 = "in a float64 notebook (torch.set_default_dtype(torch.float64))"
+DTYPE_ADVICE = ("A dtype is written into your code (torch.float32, .float(), a fixed dtype=...): make new tensors "
+                "like the input (torch.zeros_like(x), x.new_ones(...), dtype=x.dtype).")
+
+
+@contextlib.contextmanager
+def float64_notebook() -> Iterator[None]:
+    """A notebook whose default dtype is float64 while the block runs; the caller's default is put back after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def run_in_float64(run: Callable[[], T]) -> T:
+    """``run()`` (which calls the student's code through ``_student_code.call``) in a float64 notebook. The same
+    work ran in float32 without an exception, so one raised now comes from a dtype written into the code
+    (a float32 tensor meeting float64 ones in a matmul, searchsorted, a KVCache): the verdict ``dtype``."""
+    with float64_notebook():
+        try:
+            return run()
+        except Failure as failure:
+            if failure.diagnosis != "exception":
+                raise
+            raise Failure("dtype", f"{failure.message.rstrip().rstrip('.')}. The same code runs in float32, so the "
+                                   f"float64 inputs meet a float32 tensor somewhere. {DTYPE_ADVICE}",
+                          **failure.details) from None
+
+
+def expect_float64(out: Any, expected: torch.Tensor, what: str) -> torch.Tensor:
+    """The verdict of the dtype probe on one floating output: the reference's shape, its dtype (``dtype``), then its
+    values (``precision``: the dtype is right but a part of the work ran in a lower precision)."""
+    out = expect_tensor(out, tuple(expected.shape), what, finite=False)
+    lower = out.is_floating_point() and torch.finfo(out.dtype).eps > torch.finfo(expected.dtype).eps
+    if out.dtype != expected.dtype or lower:
+        fail("dtype", f"{what}: your output is {out.dtype}, expected {expected.dtype}. {DTYPE_ADVICE}")
+    if not close(out, expected):
+        fail("precision", f"{what}: your output differs from the reference's by up to {max_diff(out, expected):.3g}, "
+                          f"which float64 does not explain: part of your computation runs in a lower precision "
+                          f"(a .float(), a float32 constant tensor). Keep the input's dtype throughout.")
+    return out
+
+
+def expect_dtype_kept(model: nn.Module, dtype: torch.dtype, what: str) -> None:
+    """A procedure given a model leaves its dtype alone: ``model.float()`` inside it changes the caller's model."""
+    changed = next(((name, p.dtype) for name, p in model.named_parameters() if p.dtype != dtype), None)
+    if changed is not None:
+        fail("dtype", f"{what}: afterwards the model's parameter {changed[0]} is {changed[1]}, it was {dtype}: your "
+                      f"code changes the dtype of the model it is given (model.float(), model.to(torch.float32)). "
+                      f"Use the model as it comes; {DTYPE_ADVICE}")
+
+
+def module_in_float64(build: Callable[[], tuple[nn.Module, nn.Module]], x: torch.Tensor, what: str,
+                      output: Callable[[Any], Any] = lambda out: out) -> None:
+    """The dtype probe of a module: ``build()`` makes (the student's module, the reference) with the same weights, in
+    eval mode, inside a float64 notebook; both run on ``x`` (float64 where it is floating); the student's output
+    (``output`` picks it from what forward returns) must be float64 and agree with the reference's."""
+    what = f"{what} {IN_FLOAT64}"
+    x = x.double() if x.is_floating_point() else x
+
+    def run() -> tuple[Any, torch.Tensor]:
+        candidate, reference = build()
+        with torch.no_grad():
+            out = call(candidate, x.clone(), what=what)
+            return output(out), reference(x)
+    out, expected = run_in_float64(run)
+    expect_float64(out, expected, what)

@@ -30,6 +30,7 @@ A checker never raises because of the student's code: its body returns a success
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -471,6 +472,7 @@ def reference_message(found: CallsReference) -> str:
             f"computation, then re-run the check.")
 
 
+_MANAGER_HELPER = contextlib.contextmanager(lambda: iter(())).__code__   # the one helper of every @contextmanager
 _GUARDED = [0]   # guards entered and not left: a checker the checker itself calls is not guarded again
 
 
@@ -486,11 +488,20 @@ class _guard:  # noqa: N801 - used as a context, like a function
         if how and how != "is":
             raise CallsReference(exercise, self.name, how)
         self.codes = _watched(reference) if reference is not None else frozenset()
+        # A reference that is a context manager (11.3) does its work when the check enters it, after the student's
+        # function returned it: its creation is the call to watch, contextlib's helper (shared by every
+        # @contextmanager) with the reference's own generator function as its ``func``.
+        wrapped = getattr(reference, "__wrapped__", None)
+        self.manager = wrapped if getattr(reference, "__code__", None) is _MANAGER_HELPER else None
+        if self.manager is not None:
+            self.codes = self.codes | {_MANAGER_HELPER}
         self.tripped: CallsReference | None = None
 
     def _hook(self, frame: FrameType, event: str, arg: Any) -> None:
         if event != "call" or frame.f_code not in self.codes:
             return
+        if frame.f_code is _MANAGER_HELPER and frame.f_locals.get("func") is not self.manager:
+            return   # another context manager made by @contextmanager
         caller = frame.f_back
         while caller is not None and caller is not self.stop:
             if caller.f_code not in self.codes and is_student_file(caller.f_code.co_filename):
