@@ -6,13 +6,13 @@ from collections import Counter
 
 import pytest
 import torch
-from bank.model_bugs import BUGGY, CORRECT
+from bank.model_bugs import BUGGY, CORRECT, hf_attention_matmul
 
 from course_lib.classroom import checks, exercises, verdict
 from course_lib.classroom.checks import _core
 from course_lib.data import lm_windows
 from course_lib.generate import generate_with_cache, sample_next_token
-from course_lib.hf import course_attention_forward, split_c_attn
+from course_lib.hf import split_c_attn
 from course_lib.model import GPT, TransformerBlock, sinusoidal_table
 from course_lib.train import flops_per_token, lm_loss, train_step
 
@@ -30,20 +30,6 @@ CHECKERS = {
     "7.2": checks.check_hf_attention,
 }
 
-def _attention_forward_as_taught(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """course_lib.hf.course_attention_forward, with notebook 07's causal mask for fewer queries than keys.
-
-    The notebook (and its solution) align the queries with the LAST Lq keys; the library function aligns
-    them top-left, which transformers never asks of it (it passes a mask whenever 1 < Lq < Lk). Until
-    hf.py aligns bottom-right as well, the reference is the library call with the taught mask.
-    """
-    lq, lk = query.shape[2], key.shape[2]
-    if attention_mask is None and lq != lk:
-        attention_mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(diagonal=lk - lq)
-    return course_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                    **kwargs)
-
-
 REFERENCES = {
     "4.1": sinusoidal_table,
     "4.2": TransformerBlock,
@@ -55,7 +41,7 @@ REFERENCES = {
     "6.1": flops_per_token,
     "6.2": generate_with_cache,
     "7.1": split_c_attn,
-    "7.2": _attention_forward_as_taught,
+    "7.2": hf_attention_matmul,   # a student's: the course's hf.course_attention_forward is guarded for 7.2
 }
 
 CLASS_EXERCISES = ("4.2", "4.3")

@@ -46,9 +46,6 @@ DOES_NOT_APPLY: dict[str, dict[str, str]] = {
                         "update (zero_grad, clipping, one step along the batch's gradient)"},
     "5.4": {"gradient": "token ids drawn at random: nothing is trained through a sampler"},
     "6.2": {"gradient": "token ids of greedy generation under torch.no_grad: nothing is trained through them"},
-    "7.2": {"reference_guard": "transformers calls the function by the interface's name; the course's version "
-                               "(hf.course_attention_forward) is not the exercise's name, so the guard has none to "
-                               "watch (the grader's copy detection covers it)"},
     "10.2": {"gradient": "flash_attention is the tiled forward pass only: its gradients are exercise 10.3's, an "
                          "autograd.Function that recomputes them; nothing is trained through 10.2's loops"},
     "10.3": {"dtype": "autograd casts each gradient a backward returns to its input's dtype, so a float32 written "

@@ -19,8 +19,9 @@ __all__ = ["Exercise", "Mistake", "EXERCISES", "BY_ID", "exercise", "exercise_or
 @dataclass(frozen=True)
 class Exercise:
     """One exercise: ``id`` "2.2", ``name`` what the student defines, ``title``, ``checker`` (its name in
-    ``checks``), ``hints`` in order, and ``has_solution`` (False where the notebook has no solution region:
-    8.1 assembles the parts written before)."""
+    ``checks``), ``hints`` in order, ``has_solution`` (False where the notebook has no solution region:
+    8.1 assembles the parts written before), and ``reference``: the course's own version's name where it is
+    not ``name`` (7.2's is ``hf.course_attention_forward``), so the reference guard watches it all the same."""
 
     id: str
     name: str
@@ -28,6 +29,7 @@ class Exercise:
     checker: str
     has_solution: bool = True
     hints: tuple[str, ...] = ()
+    reference: str = ""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"\d+\.\d+", self.id):
@@ -192,7 +194,8 @@ EXERCISES: tuple[Exercise, ...] = (
         'weight.split(embed_dim, dim=1) (or chunk(3, dim=-1)) gives three (E, E) blocks; each needs a '
         'transpose.',
     )),
-    Exercise('7.2', 'attention_forward', 'attention function for transformers', 'check_hf_attention', hints=(
+    Exercise('7.2', 'attention_forward', 'attention function for transformers', 'check_hf_attention',
+             reference='course_attention_forward', hints=(
         'The function gets query, key, value as (N, heads, L, head_dim) and returns (attn_output, '
         'attn_weights), with attn_output as (N, L, heads, head_dim): the model merges the heads itself.',
         'Use the `scaling` argument for the scores. attention_mask is bool (True = may attend) or None; '

@@ -402,7 +402,7 @@ class CallsReference(BaseException):
 @functools.cache
 def reference_of(exercise: str) -> Any:
     """The course's own object for ``exercise`` (a function or a class, by the name the table gives), or None."""
-    name = next((e.name for e in EXERCISES if e.id == exercise and e.has_solution), None)
+    name = next((e.reference or e.name for e in EXERCISES if e.id == exercise and e.has_solution), None)
     for module_name in _REFERENCE_MODULES if name else ():
         try:
             module = importlib.import_module(f"course_lib.{module_name}")
