@@ -260,8 +260,6 @@ _AUTOGRAD_CAUSES = (
     ("backward through the graph a second time", "gradient",
      "your code keeps a tensor from an earlier call and builds on it (a cache or a global that outlives one "
      "call), so a second backward meets a graph already freed: compute everything from this call's inputs"),
-    ("inference tensors cannot be saved for backward", "gradient",
-     "a tensor made under `torch.inference_mode()` entered the graph: leave autograd's modes alone"),
 )
 
 
