@@ -242,6 +242,43 @@ def test_a_broken_graph_of_the_checkers_own_is_still_a_checker_error(monkeypatch
     assert result.diagnosis == "checker_error" and "bug in the course" in result.message
 
 
+def _autograd_refusal(make):
+    with pytest.raises(RuntimeError) as raised:
+        make()
+    return raised.value
+
+
+def _saved_tensor_changed():
+    x = torch.randn(3, requires_grad=True)
+    y = x.exp()   # exp saves its output for the backward pass
+    y.add_(1)
+    y.sum().backward()
+
+
+def _leaf_changed():
+    torch.randn(3, requires_grad=True).add_(1)
+
+
+def _backward_twice():
+    y = torch.randn(3, requires_grad=True).exp().sum()
+    y.backward()
+    y.backward()
+
+
+def test_autograd_errors_read_torchs_own_words():
+    """The one reader of autograd's errors must still know torch's words: each refusal made by torch itself."""
+    from course_lib.classroom.checks.engine import autograd_errors as errors
+    saved = _autograd_refusal(_saved_tensor_changed)
+    leaf = _autograd_refusal(_leaf_changed)
+    cut = _autograd_refusal(lambda: torch.tensor([1.0]).sum().backward())
+    twice = _autograd_refusal(_backward_twice)
+    assert errors.is_in_place_error(saved) and errors.saved_tensor_changed(saved)
+    assert errors.is_in_place_error(leaf) and not errors.saved_tensor_changed(leaf)
+    assert not errors.is_in_place_error(cut) and not errors.is_in_place_error(twice)
+    assert [errors.named_cause(e)[0] for e in (saved, cut, twice)] == ["mutation", "gradient", "gradient"]
+    assert errors.named_cause(RuntimeError("shape mismatch")) is None
+
+
 def test_a_student_error_is_still_the_students(monkeypatch):
     def toy(query, keys, values):
         return [][0]

@@ -12,7 +12,8 @@ behaviour, a correct attempt of the bank with one probe's mistake planted around
 - ``reference_guard``: the attempt handing its work to the course's own version;
 - ``counterexample``: the checker derives one;
 - ``magnitude``, where the student writes a softmax or a normalisation: the sampler's softmax computed naively
-  (5.4), the norm fed its input clamped to +-1e4 (9.3), both right on ordinary inputs; every other exercise is in
+  (5.4), the norm fed its input clamped to +-1e4 (9.3), the tiled loop's every maximum made 0 (10.2), all right on
+  ordinary inputs; every other exercise is in
   ``NO_MAGNITUDE`` with the reason.
 
 Every exercise of the table that ``test_engine_probes`` does not hold to these is held here: a new exercise with
@@ -28,6 +29,7 @@ import pytest
 import torch
 from test_checks_bank import CORRECT
 from test_engine_probes import DECLARATIONS, NaiveSoftmax
+from torch.overrides import TorchFunctionMode
 
 from course_lib.classroom import checks
 from course_lib.classroom.checks.engine.run import reference_of
@@ -268,8 +270,6 @@ NO_MAGNITUDE = {
     "5.3": "the loss is the course's lm_loss (torch's cross-entropy, a stable log-softmax): the step writes none",
     "6.2": "greedy generation takes an argmax of the logits: no softmax",
     "9.4": "SwiGLU has no softmax and no normalisation (SiLU and products of the weights)",
-    "10.2": "judged by two engine declarations whose magnitude cases (scores of hundreds, rows far below zero or "
-            "far apart) run with every check; flash_bugs holds the slips they find",
     "10.3": "the backward recomputes exp(S - lse) from the forward's log-sum-exp (the course's forward): a backward "
             "without lse is wrong on ordinary inputs already",
     "11.3": "an ablation zeroes a head's output: no softmax or normalisation of the student's",
@@ -291,17 +291,53 @@ def _clamped_norm(attempt):
     return Clamped
 
 
-MAGNITUDE = {"5.4": _naive_sampler, "9.3": _clamped_norm}
+class NoMaximum(TorchFunctionMode):
+    """Every maximum the code under it takes is 0: an online softmax then computes exp(s - 0), right on ordinary
+    scores and overflowing on scores of hundreds, the class of a running maximum that starts at 0, or none."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if name in ("maximum", "amax") or (name == "max" and isinstance(out, torch.Tensor)):
+            return torch.zeros_like(out)
+        if name == "max":   # max(dim=...): (values, indices)
+            return torch.return_types.max((torch.zeros_like(out.values), out.indices))
+        return out
+
+
+def _no_maximum(attempt):
+    def candidate(*args, **kwargs):
+        with NoMaximum():
+            return attempt(*args, **kwargs)
+    return candidate
+
+
+MAGNITUDE = {"5.4": _naive_sampler, "9.3": _clamped_norm, "10.2": _no_maximum}
 
 
 def test_every_exercise_has_a_magnitude_probe_or_the_reason_it_has_none():
     assert set(MAGNITUDE) | set(NO_MAGNITUDE) == set(OTHERS)
     assert not set(MAGNITUDE) & set(NO_MAGNITUDE)
-    flash = [d for d in vars(checks.notebook10).values() if getattr(d, "id", None) == "10.2"]
-    assert flash and all(d.magnitude() for d in flash), "10.2's declarations lost their magnitude cases"
 
 
 @pytest.mark.parametrize("exercise", sorted(MAGNITUDE))
 def test_a_softmax_or_norm_that_breaks_on_large_inputs_is_found(exercise):
     result = _check(exercise, MAGNITUDE[exercise](_attempt(exercise)))
     assert not result.passed and result.diagnosis in ("overflow", "magnitude"), result
+
+
+# exp(600) is finite in float64: a loop that works in float64 needs no maximum for the probe's scores of hundreds
+_WORKS_IN_FLOAT64 = {"flash_accumulates_in_float64"}
+
+
+@pytest.mark.parametrize("attempt", [a for a in _attempts("10.2") if a.__name__ not in _WORKS_IN_FLOAT64],
+                         ids=lambda a: a.__name__)
+def test_every_correct_tiled_loop_without_its_maximum_is_found(attempt):
+    """10.2's magnitude probe on every float32 layout of the bank, each right on ordinary scores without a maximum."""
+    assert _check("10.2", attempt).passed
+    result = _check("10.2", _no_maximum(attempt))
+    assert not result.passed and result.diagnosis in ("overflow", "magnitude", "nan"), result
+
+
+def test_the_float64_loop_kept_out_of_the_magnitude_test_exists():
+    assert _WORKS_IN_FLOAT64 <= {a.__name__ for a in _attempts("10.2")}

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..verdict import Failure, fail
 from ._student_code import call
+from .engine.autograd_errors import is_in_place_error
 
 # Why relative to the largest reference gradient, not element by element: a correct solution in
 # another layout (einsum, a fused projection, softmax written out) moves float32 gradients by ~1e-6
@@ -42,11 +43,6 @@ def _outputs(value: Any) -> list[torch.Tensor] | None:
 
 def _loss(outputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> torch.Tensor:
     return sum((out.double() * w).sum() for out, w in zip(outputs, weights))  # type: ignore[return-value]
-
-
-def _is_inplace_error(exc: BaseException) -> bool:
-    text = str(exc)
-    return "in-place operation" in text or "inplace operation" in text
 
 
 def _inplace_message(what: str, exc: BaseException) -> str:
@@ -83,7 +79,7 @@ def check_gradients(run_candidate: Callable[[], Any], run_reference: Callable[[]
             try:
                 got_value = call(run_candidate, what=what)
             except Failure as failure:
-                if failure.diagnosis == "exception" and _is_inplace_error(failure):
+                if failure.diagnosis == "exception" and is_in_place_error(failure):
                     fail("gradient", _inplace_message(what, failure))
                 raise
             got_out = _outputs(got_value)
@@ -96,7 +92,7 @@ def check_gradients(run_candidate: Callable[[], Any], run_reference: Callable[[]
             try:
                 _loss([o for o in got_out], weights).backward()
             except Exception as exc:  # the student's graph: a broken backward is their mistake
-                if _is_inplace_error(exc):
+                if is_in_place_error(exc):
                     fail("gradient", _inplace_message(what, exc))
                 fail("gradient", f"Backpropagating through {what} raised {type(exc).__name__}: {exc}")
         got = {name: leaf.grad for name, leaf in candidate_leaves.items()}

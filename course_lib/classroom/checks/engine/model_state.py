@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+from .autograd_errors import saved_tensor_changed
+
 # Taken when the checks are imported, before any student code runs: a patch of torch cannot reach them.
 _equal = torch.equal
 _is_grad_enabled = torch.is_grad_enabled
@@ -359,7 +361,7 @@ def autograd_cause(exc: BaseException | None, before: ModelState) -> tuple[str, 
         shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
         return "gradient", (f"requires_grad was switched off for {shown} (requires_grad_(False)), so those weights "
                             f"get no gradient. An ablation switches a head off; it does not freeze the model")
-    if "modified by an inplace operation" in text:
+    if saved_tensor_changed(text):
         return "mutation", ("a tensor that autograd saved for the backward pass was changed in place: a hook that "
                             "writes into its input (inputs[0][...] = 0) overwrites the attention's own output. "
                             "Clone it first, x = inputs[0].clone(), zero the copy and return it")

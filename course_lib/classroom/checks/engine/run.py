@@ -59,6 +59,7 @@ from .. import _pinned as pinned
 from .._references import attributes, bind_references, install_references, restore_namespace
 from .._student_code import CALLS as STUDENT_CALLS
 from .._student_files import is_student_file, raised_in_student_code, student_frame
+from .autograd_errors import named_cause
 from .model_state import global_hooks_kept
 
 __all__ = ["checker", "set_time_limit", "last", "forget", "CheckNotPassed", "CheckTimeout", "TIME_LIMIT_S", "can_fork",
@@ -248,21 +249,6 @@ def _attach(exercise: str, failure: Failure, args: tuple, kwargs: dict,
         failure.details["counterexample"] = found
 
 
-# What autograd says when a graph the student's code built cannot be walked back, and what it means for them.
-_AUTOGRAD_CAUSES = (
-    ("modified by an inplace operation", "mutation",
-     "a tensor that autograd saved for the backward pass was changed in place afterwards (`x += ...`, "
-     "`t[...] = ...`, a method ending in `_`, or an edit of a hook's input): make a new tensor instead "
-     "(`y = x + ...`, `x = x.clone()` first)"),
-    ("does not require grad and does not have a grad_fn", "gradient",
-     "your result is not connected to its inputs' graph (a `.detach()`, `.item()`, `.numpy()`, `torch.tensor(...)` "
-     "of a result, `torch.no_grad()`, or `requires_grad_(False)` on the way), so no gradient can flow back"),
-    ("backward through the graph a second time", "gradient",
-     "your code keeps a tensor from an earlier call and builds on it (a cache or a global that outlives one "
-     "call), so a second backward meets a graph already freed: compute everything from this call's inputs"),
-)
-
-
 def _autograd_failure(exc: BaseException) -> tuple[str, str] | None:
     """``(diagnosis, message)`` when ``exc`` is autograd refusing to walk back a graph (raised inside torch's
     ``backward`` or ``autograd.grad``, for a check that backpropagates through what the student's code
@@ -275,9 +261,9 @@ def _autograd_failure(exc: BaseException) -> tuple[str, str] | None:
                for f in frames):
         return None
     text = str(exc)
-    for needle, diagnosis, cause in _AUTOGRAD_CAUSES:
-        if needle in text:
-            return diagnosis, f"Backpropagating through your code failed: {cause}. (autograd: {text.splitlines()[0]})"
+    named = named_cause(text)
+    if named is not None:
+        return named[0], f"Backpropagating through your code failed: {named[1]}. (autograd: {text.splitlines()[0]})"
     return "gradient", f"Backpropagating through your code failed: {text.splitlines()[0] if text else type(exc).__name__}."
 
 
