@@ -7,6 +7,8 @@ The table and the checkers agree both ways, and every checker ported to the engi
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -120,6 +122,36 @@ def test_a_wrong_output_comes_with_a_counterexample(name):
     attempt = next(a for a in variants_bugs.BUGGY if a.name == name)
     result = judged(attempt)
     assert not result.passed and "counterexample" in result.details, result
+
+
+# Exercises with no course version for the guard to watch: a prediction, assembled parts, a function of a layer.
+NO_REFERENCE = {"1.1", "8.1", "12.2"}
+
+
+def test_every_reference_the_table_names_is_the_courses_own():
+    from course_lib.classroom.checks.engine.run import reference_of
+    for entry in EXERCISES:
+        found = reference_of(entry.id)
+        if entry.id in NO_REFERENCE:
+            assert found is None and not entry.reference, entry
+            continue
+        assert found is not None, f"{entry.id}: reference {entry.reference!r} is not a course function or class"
+        assert found.__name__ == entry.reference.rsplit(".", 1)[1] and found.__module__.startswith("course_lib.")
+
+
+def test_checks_before_notebook_07_never_load_transformers():
+    """The guard imports only the module the table names: a check of notebooks 01-06 in a kernel that never
+    imported transformers leaves it unimported (it costs seconds, in every forked check)."""
+    probe = ("import sys\n"
+             "from course_lib.classroom import checks\n"
+             "from course_lib.classroom.checks.engine.run import reference_of\n"
+             "from course_lib.classroom.exercises import EXERCISES\n"
+             "[reference_of(e.id) for e in EXERCISES if int(e.notebook) <= 6]\n"
+             "assert checks.check_toy_prediction([0.2, 0.5, 0.3], [0.0, 0.0]).diagnosis\n"
+             "print('transformers' in sys.modules)\n")
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "False"
 
 
 def test_the_guard_watches_notebook_12s_own_references():

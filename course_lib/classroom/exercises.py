@@ -20,8 +20,10 @@ __all__ = ["Exercise", "Mistake", "EXERCISES", "BY_ID", "exercise", "exercise_or
 class Exercise:
     """One exercise: ``id`` "2.2", ``name`` what the student defines, ``title``, ``checker`` (its name in
     ``checks``), ``hints`` in order, ``has_solution`` (False where the notebook has no solution region:
-    8.1 assembles the parts written before), and ``reference``: the course's own version's name where it is
-    not ``name`` (7.2's is ``hf.course_attention_forward``), so the reference guard watches it all the same."""
+    8.1 assembles the parts written before), and ``reference``: where the course's own version lives,
+    ``"module.name"`` under ``course_lib`` (``"attention.toy_attention"``; 7.2's is ``"hf.course_attention_forward"``),
+    or ``""`` where there is none (a prediction, a function of a layer). The reference guard imports exactly that
+    module: a check of notebook 01 never loads transformers to find out that 1.1 has no course version."""
 
     id: str
     name: str
@@ -36,6 +38,9 @@ class Exercise:
             raise ValueError(f"id: expected an exercise id such as '2.1', got {self.id!r}")
         if not 2 <= len(self.hints) <= 3:
             raise ValueError(f"exercise {self.id}: hints: expected two or three, got {len(self.hints)}")
+        if self.reference and not re.fullmatch(r"[a-z_]+(\.[a-z_]+)*\.[A-Za-z_]\w*", self.reference):
+            raise ValueError(f"exercise {self.id}: reference: expected 'module.name' under course_lib, got "
+                             f"{self.reference!r}")
 
     @property
     def notebook(self) -> str:
@@ -66,14 +71,15 @@ EXERCISES: tuple[Exercise, ...] = (
         'The result is the weighted average of TOY_VALUES: each value times its weight, added up. Notice '
         'that the first and third keys are mirror images.',
     )),
-    Exercise('1.2', 'toy_attention', 'toy_attention', 'check_toy_attention', hints=(
+    Exercise('1.2', 'toy_attention', 'toy_attention', 'check_toy_attention',
+             reference='attention.toy_attention', hints=(
         'Three steps: one score per key, a softmax over those scores, a weighted sum of the values.',
         'keys @ query gives all n scores at once; take the softmax along that single axis. No scaling '
         'here.',
         'weights @ values works for values of shape (n,) and (n, dv) alike.',
     )),
     Exercise('1.3', 'scaled_dot_product_attention', 'scaled_dot_product_attention',
-             'check_scaled_dot_product_attention', hints=(
+             'check_scaled_dot_product_attention', reference='attention.scaled_dot_product_attention', hints=(
         'The same three steps as toy attention, for whole batches of queries: the scores have shape (..., '
         'Lq, Lk).',
         'Transpose only the last two axes of k, divide the scores by sqrt(d) with d = q.shape[-1], and '
@@ -82,13 +88,14 @@ EXERCISES: tuple[Exercise, ...] = (
         'leave the scores alone when mask is None.',
     )),
     # notebook 02
-    Exercise('2.1', 'causal_mask', 'causal_mask', 'check_causal_mask', hints=(
+    Exercise('2.1', 'causal_mask', 'causal_mask', 'check_causal_mask', reference='attention.causal_mask', hints=(
         'Row i of the mask says which positions token i may look at: itself and everything before it.',
         'That is a lower-triangular pattern, True on and below the diagonal; torch.tril keeps exactly '
         'that part.',
         'Start from an (n, n) tensor of ones with dtype=torch.bool.',
     )),
-    Exercise('2.2', 'MaskedAttention', 'MaskedAttention.forward', 'check_masked_attention', hints=(
+    Exercise('2.2', 'MaskedAttention', 'MaskedAttention.forward', 'check_masked_attention',
+             reference='attention.MaskedAttention', hints=(
         'Project x into q, k and v with self.query, self.key and self.value, then attend as in exercise '
         '1.3 with the causal mask.',
         'The mask buffer is max_tokens x max_tokens: use only its first L rows and columns for a sequence '
@@ -98,19 +105,19 @@ EXERCISES: tuple[Exercise, ...] = (
         'self.proj_dropout. Dropout layers follow model.train() / model.eval() by themselves.',
     )),
     # notebook 03
-    Exercise('3.1', 'split_heads', 'split_heads', 'check_split_heads', hints=(
+    Exercise('3.1', 'split_heads', 'split_heads', 'check_split_heads', reference='attention.split_heads', hints=(
         'Each head gets its own contiguous block of head_dim = E // num_heads features, at every '
         'position.',
         'First give the last axis the shape (num_heads, head_dim): (N, L, E) -> (N, L, heads, head_dim).',
         'Then swap the sequence and head axes to get (N, heads, L, head_dim).',
     )),
-    Exercise('3.2', 'merge_heads', 'merge_heads', 'check_merge_heads', hints=(
+    Exercise('3.2', 'merge_heads', 'merge_heads', 'check_merge_heads', reference='attention.merge_heads', hints=(
         "merge_heads undoes split_heads: the heads' outputs end up side by side along the features.",
         'Swap the head and sequence axes back first: (N, heads, L, head_dim) -> (N, L, heads, head_dim).',
         'Then flatten the last two axes; after a transpose use .reshape (or .contiguous() before .view).',
     )),
     Exercise('3.3', 'MultiHeadMaskedAttention', 'MultiHeadMaskedAttention.forward', 'check_multi_head_attention',
-             hints=(
+             reference='attention.MultiHeadMaskedAttention', hints=(
         'The same steps as MaskedAttention, but q, k and v are split into heads before the scores and the '
         'heads are merged again before the output projection.',
         'The scores are now (N, heads, L, L): the (L, L) causal mask broadcasts over batch and heads. '
@@ -119,7 +126,8 @@ EXERCISES: tuple[Exercise, ...] = (
         'self.proj_dropout.',
     )),
     # notebook 04
-    Exercise('4.1', 'sinusoidal_table', 'sinusoidal_table', 'check_sinusoidal_table', hints=(
+    Exercise('4.1', 'sinusoidal_table', 'sinusoidal_table', 'check_sinusoidal_table',
+             reference='model.sinusoidal_table', hints=(
         'Build a column of positions (max_tokens, 1) and a row of frequencies (1, embed_dim // 2); their '
         'product is every angle at once, by broadcasting.',
         'Frequency of pair i: 1 / 10000^(2i / embed_dim). Computing it as exp(2i * -log(10000) / '
@@ -127,13 +135,14 @@ EXERCISES: tuple[Exercise, ...] = (
         'Start from torch.zeros(max_tokens, embed_dim) and fill the even columns (0::2) with the sines '
         'and the odd columns (1::2) with the cosines of the same angles.',
     )),
-    Exercise('4.2', 'TransformerBlock', 'TransformerBlock.forward', 'check_transformer_block', hints=(
+    Exercise('4.2', 'TransformerBlock', 'TransformerBlock.forward', 'check_transformer_block',
+             reference='model.TransformerBlock', hints=(
         'Two sublayers, each wrapped the same way: attention first, then the feed-forward network.',
         'Residual: x = x + sublayer(...). The residual stream x itself is never replaced, only added to.',
         'Pre-norm (norm_first=True, GPT-2) normalises what goes INTO each sublayer (ln1 before attn, ln2 '
         'before mlp); post-norm normalises the sum AFTER each residual addition.',
     )),
-    Exercise('4.3', 'GPT', 'GPT.forward', 'check_gpt', hints=(
+    Exercise('4.3', 'GPT', 'GPT.forward', 'check_gpt', reference='model.GPT', hints=(
         'Token embeddings (N, L, E) plus position encodings (L, E) broadcast over the batch; then '
         'dropout.',
         'Run x through every block in self.blocks, in order, then the final LayerNorm self.ln_f and the '
@@ -142,7 +151,7 @@ EXERCISES: tuple[Exercise, ...] = (
         'and raise a clear ValueError when it is too long.',
     )),
     # notebook 05
-    Exercise('5.1', 'lm_windows', 'lm_windows', 'check_lm_windows', hints=(
+    Exercise('5.1', 'lm_windows', 'lm_windows', 'check_lm_windows', reference='data.lm_windows', hints=(
         'A window needs max_tokens + 1 consecutive tokens: the inputs are the first max_tokens, the '
         'targets the last max_tokens (the same tokens shifted by one).',
         'Windows start every max_tokens tokens: 0, max_tokens, 2 * max_tokens, ... A start s fits when s '
@@ -150,21 +159,22 @@ EXERCISES: tuple[Exercise, ...] = (
         'Tensor.unfold(0, size, step) cuts all windows at once; a list of slices stacked with torch.stack '
         'works too.',
     )),
-    Exercise('5.2', 'lm_loss', 'lm_loss', 'check_lm_loss', hints=(
+    Exercise('5.2', 'lm_loss', 'lm_loss', 'check_lm_loss', reference='train.lm_loss', hints=(
         'F.cross_entropy takes raw logits (it applies log_softmax itself) and averages over the targets.',
         'It wants the classes in dimension 1: flatten logits (N, L, V) to (N*L, V) and targets (N, L) to '
         '(N*L,).',
         'Targets of -100 are padding; F.cross_entropy skips them by default (ignore_index=-100), and the '
         'mean runs over the remaining targets only.',
     )),
-    Exercise('5.3', 'train_step', 'train_step', 'check_train_step', hints=(
+    Exercise('5.3', 'train_step', 'train_step', 'check_train_step', reference='train.train_step', hints=(
         'Five lines: forget the old gradients, compute the logits, the loss, the gradients, then update.',
         'The optimizer clears the gradients and applies the update; the loss tensor computes the '
         'gradients. Old gradients must be gone before backward, and the update needs the new ones.',
         'Call model.train() first (evaluation switches dropout off), clip between backward and step '
         'unless max_grad_norm is None, and return loss.item(), a plain float.',
     )),
-    Exercise('5.4', 'sample_next_token', 'sample_next_token', 'check_sampling', hints=(
+    Exercise('5.4', 'sample_next_token', 'sample_next_token', 'check_sampling',
+             reference='generate.sample_next_token', hints=(
         'Temperature 0 is the greedy special case: handle it first, with argmax over the vocabulary.',
         'Otherwise divide the logits by the temperature, softmax over the last dimension, then draw one '
         'token per row with torch.multinomial (pass the generator).',
@@ -172,13 +182,15 @@ EXERCISES: tuple[Exercise, ...] = (
         'before the softmax.',
     )),
     # notebook 06
-    Exercise('6.1', 'flops_per_token', 'flops_per_token', 'check_flops_per_token', hints=(
+    Exercise('6.1', 'flops_per_token', 'flops_per_token', 'check_flops_per_token',
+             reference='train.flops_per_token', hints=(
         'Two terms: the weights (6 FLOPs per weight per token) and attention (12·n·H·Q·T per token).',
         'Read the sizes from config: L = config.num_layers, H = config.num_heads, Q = config.head_dim, T '
         '= config.max_tokens. N is the num_weights argument.',
         'return 6 * num_weights + 12 * L * H * Q * T, with each letter taken from config.',
     )),
-    Exercise('6.2', 'generate_with_cache', 'generate_with_cache', 'check_kv_cache', hints=(
+    Exercise('6.2', 'generate_with_cache', 'generate_with_cache', 'check_kv_cache',
+             reference='generate.generate_with_cache', hints=(
         'One cache for the whole generation: cache = model.new_cache(), before the loop.',
         'Feed the prompt once with the cache; afterwards feed ONLY the newest token (shape (N, 1)) with '
         'the same cache: the model continues its positions after the cached ones.',
@@ -186,7 +198,7 @@ EXERCISES: tuple[Exercise, ...] = (
         'it back.',
     )),
     # notebook 07
-    Exercise('7.1', 'split_c_attn', 'split_c_attn', 'check_split_c_attn', hints=(
+    Exercise('7.1', 'split_c_attn', 'split_c_attn', 'check_split_c_attn', reference='hf.split_c_attn', hints=(
         'c_attn is one Conv1D whose 3E outputs are the query, key and value side by side: split the last '
         'dimension.',
         'Conv1D computes x @ W with W of shape (in, out); nn.Linear computes x @ W.T with W of shape '
@@ -195,7 +207,7 @@ EXERCISES: tuple[Exercise, ...] = (
         'transpose.',
     )),
     Exercise('7.2', 'attention_forward', 'attention function for transformers', 'check_hf_attention',
-             reference='course_attention_forward', hints=(
+             reference='hf.course_attention_forward', hints=(
         'The function gets query, key, value as (N, heads, L, head_dim) and returns (attn_output, '
         'attn_weights), with attn_output as (N, L, heads, head_dim): the model merges the heads itself.',
         'Use the `scaling` argument for the scores. attention_mask is bool (True = may attend) or None; '
@@ -211,7 +223,7 @@ EXERCISES: tuple[Exercise, ...] = (
         'capstone.find_blame to swap your parts in one at a time and see which one moves the loss.',
     )),
     # notebook 09
-    Exercise('9.1', 'rope_tables', 'rope_tables', 'check_rope_tables', hints=(
+    Exercise('9.1', 'rope_tables', 'rope_tables', 'check_rope_tables', reference='modern.rope_tables', hints=(
         'Pair i (dimensions i and i + head_dim/2) turns by the angle m * w_i at position m, with w_i = '
         'theta^(-2i/head_dim): the first pair turns fastest, the last slowest.',
         'Build the head_dim/2 frequencies from torch.arange(0, head_dim, 2) / head_dim, and the angles as '
@@ -219,7 +231,7 @@ EXERCISES: tuple[Exercise, ...] = (
         'Each row needs the angles for both halves of the head: concatenate the angles with themselves '
         '(not repeat_interleave), then take .cos() and .sin(); return float32 tables.',
     )),
-    Exercise('9.2', 'apply_rotary', 'apply_rotary', 'check_apply_rotary', hints=(
+    Exercise('9.2', 'apply_rotary', 'apply_rotary', 'check_apply_rotary', reference='modern.apply_rotary', hints=(
         'x is (N, heads, L, head_dim): the tokens run along the second-to-last axis, so L = x.shape[-2], '
         'and their positions are offset, offset+1, ..., offset+L-1.',
         'Cut the rows of those positions out of cos and sin: (L, head_dim) broadcasts over N and heads by '
@@ -227,7 +239,7 @@ EXERCISES: tuple[Exercise, ...] = (
         "The turn is x * cos + rotate_half(x) * sin: write it as a new tensor (never in place), in x's "
         'dtype.',
     )),
-    Exercise('9.3', 'RMSNorm', 'RMSNorm.forward', 'check_rms_norm', hints=(
+    Exercise('9.3', 'RMSNorm', 'RMSNorm.forward', 'check_rms_norm', reference='modern.RMSNorm', hints=(
         'RMSNorm is LayerNorm without the mean and the bias: divide each vector (the last axis) by its '
         'root mean square, then multiply by the learned self.weight.',
         'The root mean square is sqrt(mean(x^2) + eps) with the mean over dim=-1, keepdim=True; eps '
@@ -235,13 +247,13 @@ EXERCISES: tuple[Exercise, ...] = (
         'float16 squares overflow above 65504: compute in float32 (x.float()) and cast the result back to '
         "x's dtype.",
     )),
-    Exercise('9.4', 'SwiGLU', 'SwiGLU.forward', 'check_swiglu', hints=(
+    Exercise('9.4', 'SwiGLU', 'SwiGLU.forward', 'check_swiglu', reference='modern.SwiGLU', hints=(
         'Two projections of x to hidden_dim: self.gate(x) goes through SiLU, self.up(x) stays linear.',
         'Multiply the two element by element (the gate scales each hidden feature), then project back '
         'with self.down.',
         'SiLU(z) = z * sigmoid(z) is F.silu; no residual here, the block adds it.',
     )),
-    Exercise('9.5', 'repeat_kv', 'repeat_kv', 'check_repeat_kv', hints=(
+    Exercise('9.5', 'repeat_kv', 'repeat_kv', 'check_repeat_kv', reference='modern.repeat_kv', hints=(
         'Query head h shares key/value head h // groups: heads 0 .. groups-1 read kv head 0, the next '
         'group kv head 1.',
         'So each kv head appears `groups` times in a row: [0, 0, 1, 1], not [0, 1, 0, 1] (which is what '
@@ -249,7 +261,8 @@ EXERCISES: tuple[Exercise, ...] = (
         'torch.repeat_interleave(x, groups, dim=1) does it; so does expanding a new axis right after the '
         'heads, then reshaping to (N, kv_heads * groups, L, head_dim).',
     )),
-    Exercise('9.6', 'GroupedQueryAttention', 'GroupedQueryAttention.forward', 'check_grouped_query_attention', hints=(
+    Exercise('9.6', 'GroupedQueryAttention', 'GroupedQueryAttention.forward', 'check_grouped_query_attention',
+             reference='modern.GroupedQueryAttention', hints=(
         'Project x to q (num_heads heads) and to k, v (num_kv_heads heads each); split them into (N, '
         'heads, L, head_dim); rotate q and k (never v) with apply_rotary, offset = the number of tokens '
         'already cached.',
@@ -260,7 +273,8 @@ EXERCISES: tuple[Exercise, ...] = (
         'self.proj.',
     )),
     # notebook 10
-    Exercise('10.1', 'online_softmax', 'online_softmax', 'check_online_softmax', hints=(
+    Exercise('10.1', 'online_softmax', 'online_softmax', 'check_online_softmax',
+             reference='flash.online_softmax', hints=(
         'Keep two numbers per row while reading the blocks: the largest score so far, m, and the sum so '
         'far, l = sum of exp(x_j - m) over the entries read.',
         'For a new block: m_new = max(m, block.max(-1)). The old sum was measured against m, so it '
@@ -269,7 +283,8 @@ EXERCISES: tuple[Exercise, ...] = (
         'After the last block every statistic is final: return torch.exp(x - m[..., None]) / l[..., '
         'None].',
     )),
-    Exercise('10.2', 'flash_attention', 'flash_attention', 'check_flash_attention', hints=(
+    Exercise('10.2', 'flash_attention', 'flash_attention', 'check_flash_attention',
+             reference='flash.flash_attention', hints=(
         'Two loops: over query blocks q[..., qs:qe, :] (qe = min(qs + block_q, Lq)), and inside over key '
         'blocks. Per query block keep m (-inf), l (0) and acc (zeros, (..., Bq, dv)); scale q once by '
         '1/sqrt(d).',
@@ -280,7 +295,8 @@ EXERCISES: tuple[Exercise, ...] = (
         "there), and in a block crossing the diagonal, s = -inf where the key's position k_start + col is "
         "after the query's q_start + row.",
     )),
-    Exercise('10.3', 'FlashAttentionFunction', 'FlashAttentionFunction', 'check_flash_backward', hints=(
+    Exercise('10.3', 'FlashAttentionFunction', 'FlashAttentionFunction', 'check_flash_backward',
+             reference='flash.FlashAttentionFunction', hints=(
         'The forward saved q, k, v, out and lse. First D = (dO * out).sum(-1), one number per query; then '
         'loop over query blocks and, inside, key blocks (skip the future ones when causal), as in the '
         'forward.',
@@ -291,7 +307,8 @@ EXERCISES: tuple[Exercise, ...] = (
         'Return dq, dk, dv, None, None, None: one gradient per forward argument.',
     )),
     # notebook 11
-    Exercise('11.1', 'previous_token_score', 'previous_token_score', 'check_previous_token_score', hints=(
+    Exercise('11.1', 'previous_token_score', 'previous_token_score', 'check_previous_token_score',
+             reference='heads.previous_token_score', hints=(
         'Entry [n, h, i, j] is how much query i of sequence n attends to key j in head h. The previous '
         'token of query i is key i - 1: the entries (1, 0), (2, 1), ..., (L-1, L-2), just below the main '
         'diagonal.',
@@ -300,7 +317,8 @@ EXERCISES: tuple[Exercise, ...] = (
         'Average over the batch (axis 0) and over the L-1 positions (the last axis): .mean(dim=(0, 2)) '
         'gives (heads,).',
     )),
-    Exercise('11.2', 'induction_score', 'induction_score', 'check_induction_score', hints=(
+    Exercise('11.2', 'induction_score', 'induction_score', 'check_induction_score',
+             reference='heads.induction_score', hints=(
         'Query i of the second half (i >= half) holds the same token as position i - half. An induction '
         'head attends to the token that FOLLOWED that copy: key i - half + 1.',
         'The entries (i, i - half + 1) lie on the diagonal at offset -(half - 1). That diagonal starts at '
@@ -309,7 +327,7 @@ EXERCISES: tuple[Exercise, ...] = (
         'weights.diagonal(offset=-(half - 1), dim1=-2, dim2=-1)[..., 1:] has shape (N, heads, half) for L '
         '= 2*half; average over the batch and the last axis: .mean(dim=(0, 2)).',
     )),
-    Exercise('11.3', 'ablate_head', 'ablate_head', 'check_ablate_head', hints=(
+    Exercise('11.3', 'ablate_head', 'ablate_head', 'check_ablate_head', reference='heads.ablate_head', hints=(
         "Each block's attention computes the heads' outputs, merges them into (N, L, heads * head_dim) "
         'and passes that to its output projection `proj`. Head h owns the columns h * head_dim .. (h+1) * '
         'head_dim - 1 of it.',
@@ -320,7 +338,8 @@ EXERCISES: tuple[Exercise, ...] = (
         'handle.remove()`, so the hook is removed even when the code inside the `with` raises.',
     )),
     # notebook 12
-    Exercise('12.1', 'sliding_window_mask', 'the sliding-window mask with sinks', 'check_sliding_window_mask', hints=(
+    Exercise('12.1', 'sliding_window_mask', 'the sliding-window mask with sinks', 'check_sliding_window_mask',
+             reference='variants.sliding_window_mask', hints=(
         'Build the query index i as a column (length, 1) and the key index j as a row (1, length): i - j is then '
         'a (length, length) grid of distances.',
         'A key is in the window when 0 <= i - j < window: itself and the window - 1 keys before it, never the '
@@ -341,7 +360,7 @@ EXERCISES: tuple[Exercise, ...] = (
         'T x T lower triangle, softmax, values, merge heads, o_proj.',
     )),
     Exercise('12.3', 'linear_attention_recurrent', 'linear attention as a recurrence', 'check_linear_attention_recurrent',
-             hints=(
+             reference='variants.linear_attention_recurrent', hints=(
         'phi(x) = elu(x) + 1 (variants.elu_feature_map) on q and k first. The state is S, zeros (..., d, d_v), '
         'and the normaliser z, zeros (..., d).',
         'For each token i: add the outer product phi(k_i) v_i^T to S and phi(k_i) to z FIRST (query i sees its '

@@ -126,7 +126,10 @@ def checker(exercise: str, example: Callable[..., Any] | None = None
             validate.boolean("graded", graded)
             _check_options(body.__name__, signature, args, kwargs)
             judge = functools.partial(_judge, exercise, body, example, args, kwargs)
-            result = _forked(judge, exercise) if can_fork() else None   # None: this process may not fork
+            forks = can_fork()
+            if forks:
+                reference_of(exercise)   # looked up once, here: what a child looks up is lost with the child
+            result = _forked(judge, exercise) if forks else None   # None: this process may not fork
             result = judge() if result is None else result   # (a failed verdict is falsy)
             if not graded:
                 return result
@@ -370,10 +373,6 @@ def _ring(signum: int, frame: Any) -> None:
 # Where the course's references live, searched in this order for an exercise's name. A later notebook that
 # redefines an earlier one's name comes before it: 12.1's sliding_window_mask (with sinks) is variants', and
 # modern's window-only mask (notebook 09) is the student's to build on, not the reference.
-_REFERENCE_MODULES = ("attention", "model", "variants", "modern", "modern_gpt", "generate", "data", "train", "flash",
-                      "heads", "hf")
-
-
 class CallsReference(BaseException):
     """The student's code handed the work to the course's own version of the exercise. A BaseException, so
     that ``except Exception`` in the student's code cannot swallow it."""
@@ -385,17 +384,18 @@ class CallsReference(BaseException):
 
 @functools.cache
 def reference_of(exercise: str) -> Any:
-    """The course's own object for ``exercise`` (a function or a class, by the name the table gives), or None."""
-    name = next((e.reference or e.name for e in EXERCISES if e.id == exercise and e.has_solution), None)
-    for module_name in _REFERENCE_MODULES if name else ():
-        try:
-            module = importlib.import_module(f"course_lib.{module_name}")
-        except Exception:  # an optional module that cannot load here
-            continue
-        found = getattr(module, name, None)
-        if callable(found) and getattr(found, "__module__", "").startswith("course_lib."):
-            return found
-    return None
+    """The course's own object for ``exercise`` (a function or a class), where the table says it lives; or None.
+    Only that one module is imported (a check forks, so whatever it imports is imported again in every child)."""
+    where = next((e.reference for e in EXERCISES if e.id == exercise and e.has_solution), "")
+    if not where:
+        return None
+    module_name, name = where.rsplit(".", 1)
+    try:
+        module = importlib.import_module(f"course_lib.{module_name}")
+    except Exception:  # an optional module that cannot load here
+        return None
+    found = getattr(module, name, None)
+    return found if callable(found) and getattr(found, "__module__", "").startswith("course_lib.") else None
 
 
 def _own_code(value: Any) -> CodeType | None:
