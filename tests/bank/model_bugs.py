@@ -85,7 +85,7 @@ def table_stack_numpy(max_tokens, embed_dim):
     return np.stack([np.sin(angles), np.cos(angles)], axis=-1).reshape(max_tokens, embed_dim)
 
 
-@bug("4.1", "mismatch", "swapped")
+@bug("4.1", "sincos_layout", "swapped")
 def table_sin_cos_swapped(max_tokens, embed_dim):
     pos = torch.arange(max_tokens).unsqueeze(1).float()
     div = 10000 ** (torch.arange(0, embed_dim, 2).float() / embed_dim)
@@ -95,7 +95,7 @@ def table_sin_cos_swapped(max_tokens, embed_dim):
     return pe
 
 
-@bug("4.1", "mismatch", "concatenated", "interleave")
+@bug("4.1", "sincos_layout", "concatenated", "interleave")
 def table_concat_halves(max_tokens, embed_dim):
     pos = torch.arange(max_tokens).unsqueeze(1).float()
     div = 10000 ** (torch.arange(0, embed_dim, 2).float() / embed_dim)
@@ -144,7 +144,7 @@ def table_multiplies_by_frequency(max_tokens, embed_dim):
     return pe
 
 
-@bug("4.1", "mismatch", "start at 1")
+@bug("4.1", "positions", "start at 1")
 def table_positions_from_one(max_tokens, embed_dim):
     pos = torch.arange(1, max_tokens + 1).unsqueeze(1).float()
     div = 10000 ** (torch.arange(0, embed_dim, 2).float() / embed_dim)
@@ -271,7 +271,7 @@ class BlockPostNormNoMlpResidual(GivenBlock):
         return self.ln2(self.mlp(x))
 
 
-@bug("4.2", "mismatch", "swapped")
+@bug("4.2", "norm_placement", "swapped")
 class BlockLayerNormsSwapped(GivenBlock):
     def forward(self, x):
         x = x + self.attn(self.ln2(x))
@@ -279,7 +279,7 @@ class BlockLayerNormsSwapped(GivenBlock):
         return x
 
 
-@bug("4.2", "mismatch", "feed-forward")
+@bug("4.2", "sublayer_missing", "feed-forward")
 class BlockForgotMlp(GivenBlock):
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -392,7 +392,7 @@ class GPTIgnoresCache(GPT):
         return self.head(self.ln_f(x))
 
 
-@bug("4.3", "mismatch", "positions")
+@bug("4.3", "positions", "positions")
 class GPTNoPositions(GPT):
     def forward(self, idx, cache=None):
         if idx.shape[1] > self.config.max_tokens:
@@ -413,7 +413,7 @@ class GPTNoFinalNorm(GPT):
         return self.head(x)
 
 
-@bug("4.3", "mismatch", "logits, not probabilities")
+@bug("4.3", "logits", "logits, not probabilities")
 class GPTReturnsProbabilities(GPT):
     def forward(self, idx, cache=None):
         x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
@@ -423,7 +423,7 @@ class GPTReturnsProbabilities(GPT):
         return F.softmax(logits, dim=-1)
 
 
-@bug("4.3", "mismatch", "logits")
+@bug("4.3", "logits", "logits")
 class GPTReturnsLogProbabilities(GPT):
     def forward(self, idx, cache=None):
         x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
@@ -432,7 +432,7 @@ class GPTReturnsLogProbabilities(GPT):
         return F.log_softmax(self.head(self.ln_f(x)), dim=-1)
 
 
-@bug("4.3", "mismatch", "sqrt")
+@bug("4.3", "scale", "sqrt")
 class GPTScaledEmbeddings(GPT):
     def forward(self, idx, cache=None):
         x = self.token_embedding(idx) * math.sqrt(self.config.embed_dim)
@@ -442,7 +442,7 @@ class GPTScaledEmbeddings(GPT):
         return self.head(self.ln_f(x))
 
 
-@bug("4.3", "mismatch", "previous block")
+@bug("4.3", "block_chain", "previous block")
 class GPTBlocksFromEmbeddings(GPT):
     def forward(self, idx, cache=None):
         emb = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
@@ -469,7 +469,7 @@ class GPTForgotHead(GPT):
         return self.ln_f(x)
 
 
-@bug("4.3", "mismatch", "positions", "cache")
+@bug("4.3", "positions", "positions", "cache")
 class GPTCachePositionsFromZero(GPT):
     def forward(self, idx, cache=None):
         x = self.token_embedding(idx) + self.position_encoding(idx.shape[1])   # always from position 0
@@ -501,7 +501,7 @@ class GPTReturnsLogitsAndLoss(GPT):
         return logits, loss
 
 
-@bug("4.3", "mismatch", "max_tokens")
+@bug("4.3", "context_limit", "max_tokens")
 class GPTSilentCrop(GPT):
     def forward(self, idx, cache=None):
         idx = idx[:, -self.config.max_tokens:]     # quietly drops the oldest tokens
@@ -1761,46 +1761,46 @@ def split_transpose_then_chunk_rows(weight):
 # ---------------------------------------------------------------- 4.2: the mistakes a pre-norm and a post-norm block
 # share, each written out both ways (the checker builds them from one pre/post block; these hold its outputs)
 
-@bug("4.2", "mismatch", "self.attn", "never applied")
+@bug("4.2", "sublayer_missing", "self.attn", "never applied")
 class BlockAttentionDropped(GivenBlock):
     def forward(self, x):
         return x + self.mlp(self.ln2(x))
 
 
-@bug("4.2", "mismatch", "self.attn", "never applied", norm_first=False)
+@bug("4.2", "sublayer_missing", "self.attn", "never applied", norm_first=False)
 class PostBlockAttentionDropped(GivenBlock):
     def forward(self, x):
         return self.ln2(x + self.mlp(x))
 
 
-@bug("4.2", "mismatch", "self.mlp", norm_first=False)
+@bug("4.2", "sublayer_missing", "self.mlp", norm_first=False)
 class PostBlockFeedForwardDropped(GivenBlock):
     def forward(self, x):
         return self.ln1(x + self.attn(x))
 
 
-@bug("4.2", "mismatch", "ln1 for both")
+@bug("4.2", "norm_placement", "ln1 for both")
 class BlockLn1Twice(GivenBlock):
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln1(x))
 
 
-@bug("4.2", "mismatch", "ln2 for both", norm_first=False)
+@bug("4.2", "norm_placement", "ln2 for both", norm_first=False)
 class PostBlockLn2Twice(GivenBlock):
     def forward(self, x):
         x = self.ln2(x + self.attn(x))
         return self.ln2(x + self.mlp(x))
 
 
-@bug("4.2", "mismatch", "ln1 and ln2 are swapped", norm_first=False)
+@bug("4.2", "norm_placement", "ln1 and ln2 are swapped", norm_first=False)
 class PostBlockNormsSwapped(GivenBlock):
     def forward(self, x):
         x = self.ln2(x + self.attn(x))
         return self.ln1(x + self.mlp(x))
 
 
-@bug("4.2", "mismatch", "never applied", "LayerNorms", norm_first=False)
+@bug("4.2", "norm_placement", "never applied", "LayerNorms", norm_first=False)
 class PostBlockNoNorms(GivenBlock):
     def forward(self, x):
         x = x + self.attn(x)
@@ -1832,3 +1832,83 @@ class PostBlockNormalisedTwice(GivenBlock):
     def forward(self, x):
         x = self.ln1(x + self.attn(self.ln1(x)))
         return self.ln2(x + self.mlp(self.ln2(x)))
+
+
+# ============================================================================ issue 43: one more of our own per name
+# Each class of mistake named for issue 43 meets an attempt written another way than the one it was named for.
+
+@bug("4.1", "sincos_layout", "cosines first", "interleave")
+def table_cosines_then_sines(max_tokens, embed_dim):
+    angles = torch.arange(max_tokens)[:, None] / 10000 ** (torch.arange(0, embed_dim, 2) / embed_dim)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+@bug("4.1", "positions", "start at 1")
+def table_positions_shifted_by_one(max_tokens, embed_dim):
+    pe = torch.zeros(max_tokens + 1, embed_dim)
+    angles = torch.arange(max_tokens + 1)[:, None] / 10000 ** (torch.arange(0, embed_dim, 2) / embed_dim)
+    pe[:, 0::2], pe[:, 1::2] = angles.sin(), angles.cos()
+    return pe[1:]                                   # drops row 0, the one for position 0
+
+
+@bug("4.2", "norm_placement", "feed-forward sublayer has no LayerNorm")
+class BlockForgotLn2(GivenBlock):
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(x)
+
+
+@bug("4.2", "sublayer_missing", "self.mlp", norm_first=False)
+class PostBlockMlpComputedNotAdded(GivenBlock):
+    def forward(self, x):
+        x = self.ln1(x + self.attn(x))
+        out = self.mlp(x)                           # computed, then forgotten
+        return self.ln2(x)
+
+
+@bug("4.3", "block_chain", "reverse")
+class GPTBlocksReversed(GPT):
+    def forward(self, idx, cache=None):
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        for block in reversed(self.blocks):
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@bug("4.3", "positions", "positions")
+class GPTEveryTokenAtPositionZero(GPT):
+    def forward(self, idx, cache=None):
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(1))   # broadcast: position 0 for all
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@bug("4.3", "logits", "logits, not probabilities")
+class GPTReturnsSoftmaxOverVocab(GPT):
+    def forward(self, idx, cache=None):
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return torch.exp(logits) / torch.exp(logits).sum(dim=-1, keepdim=True)
+
+
+@bug("4.3", "scale", "sqrt")
+class GPTScaledSum(GPT):
+    def forward(self, idx, cache=None):
+        x = self.token_embedding(idx) + self.position_encoding(idx.shape[1])
+        x = self.dropout(x * self.config.embed_dim ** 0.5)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@bug("4.3", "context_limit", "max_tokens")
+class GPTKeepsFirstTokens(GPT):
+    def forward(self, idx, cache=None):
+        idx = idx[:, :self.config.max_tokens]     # quietly drops the newest tokens
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
