@@ -537,13 +537,13 @@ def windows_with_stride(ids, max_tokens, stride=None):
     return x, y
 
 
-@bug("5.1", "mismatch", "next")
+@bug("5.1", "target_shift", "next")
 def windows_targets_not_shifted(ids, max_tokens):
     chunks = ids[: len(ids) // max_tokens * max_tokens].view(-1, max_tokens)
     return chunks, chunks.clone()
 
 
-@bug("5.1", "mismatch", "wrong way")
+@bug("5.1", "target_shift", "wrong way")
 def windows_shifted_backwards(ids, max_tokens):
     inputs, targets = [], []
     for start in range(0, len(ids) - max_tokens, max_tokens):
@@ -625,7 +625,7 @@ def loss_nll_of_log_softmax(logits, targets):
     return F.nll_loss(F.log_softmax(logits, -1).reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-@bug("5.2", "mismatch", "softmax")
+@bug("5.2", "logits", "softmax")
 def loss_softmax_first(logits, targets):
     probs = F.softmax(logits, dim=-1)
     return F.cross_entropy(probs.view(-1, probs.size(-1)), targets.view(-1))
@@ -641,24 +641,24 @@ def loss_only_logits_flattened(logits, targets):
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets)
 
 
-@bug("5.2", "mismatch", "sum")
+@bug("5.2", "loss_reduction", "sum")
 def loss_summed(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
 
-@bug("5.2", "mismatch", "padding")
+@bug("5.2", "loss_reduction", "padding")
 def loss_mean_over_all_positions(logits, targets):
     per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     return per_token.mean()
 
 
-@bug("5.2", "mismatch", "-100")
+@bug("5.2", "loss_reduction", "-100")
 def loss_gather_without_mask(logits, targets):
     logp = F.log_softmax(logits, dim=-1)
     return -logp.gather(-1, targets.unsqueeze(-1)).mean()
 
 
-@bug("5.2", "mismatch", "log-probabilities")
+@bug("5.2", "logits", "log-probabilities")
 def loss_nll_on_logits(logits, targets):
     return F.nll_loss(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -673,7 +673,7 @@ def loss_per_token(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
 
 
-@bug("5.2", "mismatch", "sequence")
+@bug("5.2", "loss_reduction", "sequence")
 def loss_mean_of_sequence_means(logits, targets):
     return torch.stack([F.cross_entropy(l, t) for l, t in zip(logits, targets)]).mean()
 
@@ -730,7 +730,7 @@ def step_no_zero_grad(model, optimizer, inputs, targets):
     return loss.item()
 
 
-@bug("5.3", "mismatch", "optimizer.step()")
+@bug("5.3", "step_order", "optimizer.step()")
 def step_no_step(model, optimizer, inputs, targets):
     model.train()
     optimizer.zero_grad()
@@ -739,7 +739,7 @@ def step_no_step(model, optimizer, inputs, targets):
     return loss.item()
 
 
-@bug("5.3", "mismatch", "loss.backward()")
+@bug("5.3", "step_order", "loss.backward()")
 def step_no_backward(model, optimizer, inputs, targets):
     model.train()
     optimizer.zero_grad()
@@ -758,7 +758,7 @@ def step_zero_grad_before_step(model, optimizer, inputs, targets):
     return loss.item()
 
 
-@bug("5.3", "mismatch", "after loss.backward()")
+@bug("5.3", "step_order", "after loss.backward()")
 def step_step_before_backward(model, optimizer, inputs, targets):
     model.train()
     optimizer.zero_grad()
@@ -786,7 +786,7 @@ def step_no_return(model, optimizer, inputs, targets):
     optimizer.step()
 
 
-@bug("5.3", "mismatch", "more than once")
+@bug("5.3", "step_order", "more than once")
 def step_backward_twice(model, optimizer, inputs, targets):
     model.train()
     optimizer.zero_grad()
@@ -797,7 +797,7 @@ def step_backward_twice(model, optimizer, inputs, targets):
     return loss.item()
 
 
-@bug("5.3", "mismatch", "before the update")
+@bug("5.3", "step_order", "before the update")
 def step_returns_loss_after_update(model, optimizer, inputs, targets):
     model.train()
     optimizer.zero_grad()
@@ -891,7 +891,7 @@ def sample_sorted_rows(logits, temperature=1.0, top_k=None, generator=None):
     return torch.stack(out).long()
 
 
-@bug("5.4", "mismatch", "randomness")
+@bug("5.4", "greedy", "randomness")
 def sample_always_argmax(logits, temperature=1.0, top_k=None, generator=None):
     return (logits / max(temperature, 1e-8)).argmax(-1)
 
@@ -930,7 +930,7 @@ def sample_temperature_after_softmax(logits, temperature=1.0, top_k=None, genera
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "-inf")
+@bug("5.4", "top_k", "-inf")
 def sample_topk_fill_zero(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -941,7 +941,7 @@ def sample_topk_fill_zero(logits, temperature=1.0, top_k=None, generator=None):
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "top_k has no effect")
+@bug("5.4", "top_k", "top_k has no effect")
 def sample_topk_ignored(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -949,7 +949,7 @@ def sample_topk_ignored(logits, temperature=1.0, top_k=None, generator=None):
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "keep 4 tokens instead of top_k=3")
+@bug("5.4", "top_k", "keep 4 tokens instead of top_k=3")
 def sample_topk_keeps_one_more(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -961,7 +961,7 @@ def sample_topk_keeps_one_more(logits, temperature=1.0, top_k=None, generator=No
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "keep 2 tokens instead of top_k=3")
+@bug("5.4", "top_k", "keep 2 tokens instead of top_k=3")
 def sample_topk_strict_threshold(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -972,7 +972,7 @@ def sample_topk_strict_threshold(logits, temperature=1.0, top_k=None, generator=
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "least likely")
+@bug("5.4", "top_k", "least likely")
 def sample_topk_smallest(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -1912,3 +1912,81 @@ class GPTKeepsFirstTokens(GPT):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+@bug("5.1", "target_shift", "roll", "wraps")
+def windows_targets_rolled(ids, max_tokens):
+    inputs = ids[:len(ids) - 1].unfold(0, max_tokens, max_tokens)
+    return inputs, inputs.roll(-1, dims=1)          # the last target wraps round to the first input
+
+
+@bug("5.1", "target_shift", "next")
+def windows_targets_copied(ids, max_tokens):
+    chunks = ids.unfold(0, max_tokens + 1, max_tokens)
+    inputs = chunks[:, :-1]
+    return inputs, inputs.clone()
+
+
+@bug("5.2", "logits", "log-probabilities")
+def loss_nll_of_softmax(logits, targets):
+    probs = logits.softmax(dim=-1)                  # the log forgotten
+    return F.nll_loss(probs.flatten(0, 1), targets.flatten())
+
+
+@bug("5.2", "loss_reduction", "batch size")
+def loss_summed_over_batch_size(logits, targets):
+    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return total / logits.shape[0]
+
+
+@bug("5.3", "step_order", "more than once")
+def step_steps_twice(model, optimizer, inputs, targets):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.step()                                # the same gradients applied again
+    return loss.item()
+
+
+@bug("5.3", "step_order", "loss.backward()")
+def step_backward_on_a_copy(model, optimizer, inputs, targets):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.detach().requires_grad_().backward()       # the graph to the weights is cut: no gradients
+    optimizer.step()
+    return loss.item()
+
+
+@bug("5.4", "greedy", "randomness")
+def sample_greedy_unless_hot(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature <= 1.0:
+        return logits.argmax(dim=-1)                # "low temperature means greedy"
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@bug("5.4", "top_k", "-inf")
+def sample_topk_where_zero(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
+        logits = torch.where(logits < kth, torch.zeros_like(logits), logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@bug("5.4", "top_k", "keep 4 tokens instead of top_k=3")
+def sample_topk_sorted_index_k(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.sort(dim=-1, descending=True).values[:, top_k:top_k + 1]   # the (k+1)-th, not the k-th
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
