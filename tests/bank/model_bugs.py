@@ -1091,7 +1091,7 @@ def flops_four_n(config, num_weights):
     return 4 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "not attention")
+@bug("6.1", "attention_flops", "not attention")
 def flops_weights_only(config, num_weights):
     return 6 * num_weights
 
@@ -1101,48 +1101,48 @@ def flops_attention_forward_only(config, num_weights):
     return 6 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "weighted sum")
+@bug("6.1", "attention_flops", "weighted sum")
 def flops_attention_one_product(config, num_weights):
     return 6 * num_weights + 6 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "number of heads")
+@bug("6.1", "attention_flops", "number of heads")
 def flops_no_heads(config, num_weights):
     return 6 * num_weights + 12 * config.num_layers * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "head_dim")
+@bug("6.1", "attention_flops", "head_dim")
 def flops_embed_dim_per_head(config, num_weights):
     return 6 * num_weights + 12 * config.num_layers * config.num_heads * config.embed_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "number of layers")
+@bug("6.1", "attention_flops", "number of layers")
 def flops_no_layers(config, num_weights):
     return 6 * num_weights + 12 * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "T twice")
+@bug("6.1", "attention_flops", "T twice")
 def flops_context_squared(config, num_weights):
     return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens ** 2
 
 
-@bug("6.1", "mismatch", "whole window")
+@bug("6.1", "flops_units", "whole window")
 def flops_per_window(config, num_weights):
     return (6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens) * config.max_tokens
 
 
-@bug("6.1", "mismatch", "GFLOPs")
+@bug("6.1", "flops_units", "GFLOPs")
 def flops_in_gflops(config, num_weights):
     return (6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens) / 1e9
 
 
-@bug("6.1", "mismatch", "num_weights argument")
+@bug("6.1", "weights_count", "num_weights argument")
 def flops_counts_its_own_weights(config, num_weights):
     n = 12 * config.num_layers * config.embed_dim ** 2   # the blocks only, ignoring the argument
     return 6 * n + 12 * config.num_layers * config.embed_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "expected")
+@bug("6.1", "attention_flops", "expected")
 def flops_vocab_in_attention(config, num_weights):
     return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.vocab_size
 
@@ -1230,7 +1230,7 @@ def cached_forgets_cache_later(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.2", "mismatch", "position 0")
+@bug("6.2", "positions", "position 0")
 def cached_positions_not_offset(model, idx, max_new_tokens):
     # their own forward for the new token, to "save" the position lookup
     cache = model.new_cache()
@@ -1280,7 +1280,7 @@ def cached_one_short(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.2", "mismatch", "differ")
+@bug("6.2", "greedy", "differ")
 def cached_samples_instead(model, idx, max_new_tokens):
     cache = model.new_cache()
     logits = model(idx, cache)
@@ -1990,3 +1990,56 @@ def sample_topk_sorted_index_k(logits, temperature=1.0, top_k=None, generator=No
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@bug("6.1", "attention_flops", "number of heads", "number of layers")
+def flops_attention_of_one_head_in_one_layer(config, num_weights):
+    return 6 * num_weights + 12 * config.head_dim * config.max_tokens
+
+
+@bug("6.1", "attention_flops", "vocab_size")
+def flops_vocab_for_context(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.vocab_size
+
+
+@bug("6.1", "flops_units", "whole window", "MFLOPs")
+def flops_per_window_in_mflops(config, num_weights):
+    per_token = 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens
+    return per_token * config.max_tokens / 1e6
+
+
+@bug("6.1", "weights_count", "embeddings")
+def flops_adds_token_embeddings(config, num_weights):
+    n = num_weights + config.vocab_size * config.embed_dim     # "the embeddings are weights too"
+    return 6 * n + 12 * config.num_layers * config.embed_dim * config.max_tokens
+
+
+@bug("6.1", "weights_count", "num_weights argument")
+def flops_counts_parameters_itself(config, num_weights):
+    n = GPT(config).num_parameters()                # every parameter, embeddings too; the argument unused
+    return 6 * n + 12 * config.num_layers * config.embed_dim * config.max_tokens
+
+
+@bug("6.2", "positions", "one position late")
+def cached_positions_read_after_append(model, idx, max_new_tokens):
+    cache = model.new_cache()
+    logits = model(idx, cache)
+    for _ in range(max_new_tokens):
+        next_id = logits[:, -1].argmax(-1, keepdim=True)
+        idx = torch.cat([idx, next_id], dim=1)
+        x = model.token_embedding(next_id) + model.position_encoding(1, idx.shape[1])   # after the append
+        for block, layer_cache in zip(model.blocks, cache):
+            x = block(x, layer_cache)
+        logits = model.head(model.ln_f(x))
+    return idx
+
+
+@bug("6.2", "greedy", "at random")
+def cached_samples_with_categorical(model, idx, max_new_tokens):
+    cache = model.new_cache()
+    logits = model(idx, cache)
+    for _ in range(max_new_tokens):
+        next_id = torch.distributions.Categorical(logits=logits[:, -1] / 2.0).sample()[:, None]
+        idx = torch.cat([idx, next_id], dim=1)
+        logits = model(next_id, cache)
+    return idx
