@@ -1862,7 +1862,7 @@ class BlockForgotLn2(GivenBlock):
 class PostBlockMlpComputedNotAdded(GivenBlock):
     def forward(self, x):
         x = self.ln1(x + self.attn(x))
-        out = self.mlp(x)                           # computed, then forgotten
+        self.mlp(x)                                 # computed, then forgotten
         return self.ln2(x)
 
 
