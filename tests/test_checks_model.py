@@ -99,6 +99,34 @@ class _NotAModule:
         pass
 
 
+# Issue 43: the mistakes of notebooks 04-06 that ended in mismatch, each named by a code of its own.
+DIAGNOSES_ADDED_FOR_43 = ("sincos_layout", "positions", "sublayer_missing", "block_chain", "logits", "context_limit",
+                          "target_shift", "loss_reduction", "step_order", "greedy", "top_k", "attention_flops",
+                          "flops_units", "weights_count")
+
+
+def test_issue_43s_codes_are_diagnoses_each_tested_by_two_attempts_at_least():
+    assert set(DIAGNOSES_ADDED_FOR_43) <= set(verdict.DIAGNOSES)
+    codes = Counter(a.expected for a in BUGGY if a.exercise[0] in "456")
+    assert all(codes[code] >= 2 for code in DIAGNOSES_ADDED_FOR_43), codes   # a class, not one example
+    wrong = [a for a in BUGGY if a.exercise[0] in "456"]
+    named = [a for a in wrong if a.expected != "mismatch"]
+    assert len(named) >= 0.95 * len(wrong), [a.id for a in wrong if a.expected == "mismatch"]
+
+
+def test_every_named_slip_of_the_flops_count_differs_from_the_count():
+    """The formula variants of 6.1 (one part of 12·n·H·Q·T changed, or several; other units; embeddings added):
+    none gives the right count on every configuration, and no two give the same numbers on all of them."""
+    from course_lib.classroom.checks import notebook06
+    cases = notebook06.FLOPS_PER_TOKEN.cases()
+    seen = {}
+    for mistake in notebook06._SLIPS:
+        counts = tuple(float(mistake.output(*case.args)) for case in cases)
+        assert counts != tuple(float(notebook06.FLOPS_PER_TOKEN.reference(*case.args)) for case in cases)
+        assert counts not in seen, (mistake.message, seen.get(counts))
+        seen[counts] = mistake.message
+
+
 class _RaisingModule(torch.nn.Module):
     def __init__(self, *args, **kwargs):
         super().__init__()
@@ -108,7 +136,8 @@ class _RaisingModule(torch.nn.Module):
 ODD_FUNCTIONS = [
     ("returns_none", lambda *args, **kwargs: None, {"shape", "dtype"}),
     ("returns_string", lambda *args, **kwargs: "tokens", {"dtype", "shape"}),
-    ("returns_scalar_tensor", lambda *args, **kwargs: torch.tensor(0.5), {"shape", "dtype", "mismatch"}),
+    # a train_step that returns a number and trains nothing has neither backward nor step: step_order (5.3)
+    ("returns_scalar_tensor", lambda *args, **kwargs: torch.tensor(0.5), {"shape", "dtype", "mismatch", "step_order"}),
     ("raises_value_error", _raises_value_error, {"exception"}),
     ("not_callable", 42, {"exception"}),
 ]

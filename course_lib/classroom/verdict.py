@@ -22,7 +22,7 @@ DIAGNOSES = (
     "nan",               # the result holds NaN or infinity (or training went NaN, 8.1)
     "precision",         # the right numbers, rounded too coarsely
     "softmax_dim",       # the softmax runs over the wrong axis
-    "scale",             # the scores (or positional frequencies) are scaled by the wrong factor
+    "scale",             # the scores, positional frequencies or embeddings are scaled by the wrong factor
     "normalization",     # weights that do not sum to one: no softmax, or half of one
     "causal_mask",       # the mask is wrong: the future leaks, or the wrong positions are hidden
     "head_split",        # heads split or merged along the wrong axes
@@ -30,7 +30,7 @@ DIAGNOSES = (
     "batch_mixing",      # a reshape that mixes batch entries or positions
     "dropout",           # dropout missing, in the wrong place, or active in eval mode
     "residual",          # a residual connection missing, adding the wrong tensor, or added where none belongs
-    "norm_placement",    # a norm in the wrong place: LayerNorm pre/post the other way, QK-norm missing or after RoPE
+    "norm_placement",    # a norm in the wrong place: pre/post swapped, ln1/ln2 swapped, reused or left out, QK-norm
     "clipping",          # the gradient norm not clipped to max_grad_norm, or clipped at the wrong moment
     "generator",         # sampling ignores the generator it was given (uses the global RNG)
     "rope_layout",       # RoPE pairs the wrong dimensions: interleaved (2i, 2i+1) against the half-split tables
@@ -73,6 +73,21 @@ DIAGNOSES = (
     "not_restored",      # a context manager that leaves the model changed (hooks, weights), also after an exception
     "patched",           # torch's or the course's own functions replaced (torch.equal = ...): no check can be trusted
     "calls_reference",   # the student's code is, wraps, subclasses or calls the course's own version of the exercise
+    # notebooks 04-06 (issue 43): the mistakes that ended in mismatch, named
+    "sincos_layout",     # 4.1: sines and cosines swapped, or the halves concatenated where they interleave
+    "positions",         # token positions wrong: left out, counted from 1, or not continued after the cache
+    "sublayer_missing",  # 4.2: the attention or the feed-forward sublayer never applied (or its result dropped)
+    "block_chain",       # 4.3: the blocks not chained in order: one skipped, reversed, or fed the embeddings
+    "logits",            # logits and probabilities confused: a softmax where logits belong, logits where log-probs do
+    "context_limit",     # 4.3: more than max_tokens tokens accepted silently (cropped) instead of an error
+    "target_shift",      # 5.1: targets not the next token: not shifted, or shifted the wrong way or too far
+    "loss_reduction",    # 5.2: per-token losses combined the wrong way: summed, padding counted, per sequence first
+    "step_order",        # 5.3: backward or step missing, repeated or out of order; the loss taken after the update
+    "greedy",            # argmax where a draw is asked (no randomness), or a random draw where greedy is asked
+    "top_k",             # 5.4: top-k keeps the wrong tokens: one too many or few, the least likely, 0 not -inf, none
+    "attention_flops",   # 6.1: the attention term of the FLOPs count wrong: left out, one product, a factor off
+    "flops_units",       # 6.1: FLOPs in the wrong unit: per window instead of per token, GFLOPs instead of FLOPs
+    "weights_count",     # 6.1: the N of 6N not the num_weights given (counted again from the config, or ignored)
     "mismatch",          # wrong, and like none of the mistakes we know
     "checker_error",     # the checker itself failed: a bug in the course, not in the student's code
     "missing",           # grading: the exercise (its notebook, or its cell) is not in the submission

@@ -85,7 +85,7 @@ def table_stack_numpy(max_tokens, embed_dim):
     return np.stack([np.sin(angles), np.cos(angles)], axis=-1).reshape(max_tokens, embed_dim)
 
 
-@bug("4.1", "mismatch", "swapped")
+@bug("4.1", "sincos_layout", "swapped")
 def table_sin_cos_swapped(max_tokens, embed_dim):
     pos = torch.arange(max_tokens).unsqueeze(1).float()
     div = 10000 ** (torch.arange(0, embed_dim, 2).float() / embed_dim)
@@ -95,7 +95,7 @@ def table_sin_cos_swapped(max_tokens, embed_dim):
     return pe
 
 
-@bug("4.1", "mismatch", "concatenated", "interleave")
+@bug("4.1", "sincos_layout", "concatenated", "interleave")
 def table_concat_halves(max_tokens, embed_dim):
     pos = torch.arange(max_tokens).unsqueeze(1).float()
     div = 10000 ** (torch.arange(0, embed_dim, 2).float() / embed_dim)
@@ -144,7 +144,7 @@ def table_multiplies_by_frequency(max_tokens, embed_dim):
     return pe
 
 
-@bug("4.1", "mismatch", "start at 1")
+@bug("4.1", "positions", "start at 1")
 def table_positions_from_one(max_tokens, embed_dim):
     pos = torch.arange(1, max_tokens + 1).unsqueeze(1).float()
     div = 10000 ** (torch.arange(0, embed_dim, 2).float() / embed_dim)
@@ -271,7 +271,7 @@ class BlockPostNormNoMlpResidual(GivenBlock):
         return self.ln2(self.mlp(x))
 
 
-@bug("4.2", "mismatch", "swapped")
+@bug("4.2", "norm_placement", "swapped")
 class BlockLayerNormsSwapped(GivenBlock):
     def forward(self, x):
         x = x + self.attn(self.ln2(x))
@@ -279,7 +279,7 @@ class BlockLayerNormsSwapped(GivenBlock):
         return x
 
 
-@bug("4.2", "mismatch", "feed-forward")
+@bug("4.2", "sublayer_missing", "feed-forward")
 class BlockForgotMlp(GivenBlock):
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -392,7 +392,7 @@ class GPTIgnoresCache(GPT):
         return self.head(self.ln_f(x))
 
 
-@bug("4.3", "mismatch", "positions")
+@bug("4.3", "positions", "positions")
 class GPTNoPositions(GPT):
     def forward(self, idx, cache=None):
         if idx.shape[1] > self.config.max_tokens:
@@ -413,7 +413,7 @@ class GPTNoFinalNorm(GPT):
         return self.head(x)
 
 
-@bug("4.3", "mismatch", "logits, not probabilities")
+@bug("4.3", "logits", "logits, not probabilities")
 class GPTReturnsProbabilities(GPT):
     def forward(self, idx, cache=None):
         x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
@@ -423,7 +423,7 @@ class GPTReturnsProbabilities(GPT):
         return F.softmax(logits, dim=-1)
 
 
-@bug("4.3", "mismatch", "logits")
+@bug("4.3", "logits", "logits")
 class GPTReturnsLogProbabilities(GPT):
     def forward(self, idx, cache=None):
         x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
@@ -432,7 +432,7 @@ class GPTReturnsLogProbabilities(GPT):
         return F.log_softmax(self.head(self.ln_f(x)), dim=-1)
 
 
-@bug("4.3", "mismatch", "sqrt")
+@bug("4.3", "scale", "sqrt")
 class GPTScaledEmbeddings(GPT):
     def forward(self, idx, cache=None):
         x = self.token_embedding(idx) * math.sqrt(self.config.embed_dim)
@@ -442,7 +442,7 @@ class GPTScaledEmbeddings(GPT):
         return self.head(self.ln_f(x))
 
 
-@bug("4.3", "mismatch", "previous block")
+@bug("4.3", "block_chain", "previous block")
 class GPTBlocksFromEmbeddings(GPT):
     def forward(self, idx, cache=None):
         emb = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
@@ -469,7 +469,7 @@ class GPTForgotHead(GPT):
         return self.ln_f(x)
 
 
-@bug("4.3", "mismatch", "positions", "cache")
+@bug("4.3", "positions", "positions", "cache")
 class GPTCachePositionsFromZero(GPT):
     def forward(self, idx, cache=None):
         x = self.token_embedding(idx) + self.position_encoding(idx.shape[1])   # always from position 0
@@ -501,7 +501,7 @@ class GPTReturnsLogitsAndLoss(GPT):
         return logits, loss
 
 
-@bug("4.3", "mismatch", "max_tokens")
+@bug("4.3", "context_limit", "max_tokens")
 class GPTSilentCrop(GPT):
     def forward(self, idx, cache=None):
         idx = idx[:, -self.config.max_tokens:]     # quietly drops the oldest tokens
@@ -537,13 +537,13 @@ def windows_with_stride(ids, max_tokens, stride=None):
     return x, y
 
 
-@bug("5.1", "mismatch", "next")
+@bug("5.1", "target_shift", "next")
 def windows_targets_not_shifted(ids, max_tokens):
     chunks = ids[: len(ids) // max_tokens * max_tokens].view(-1, max_tokens)
     return chunks, chunks.clone()
 
 
-@bug("5.1", "mismatch", "wrong way")
+@bug("5.1", "target_shift", "wrong way")
 def windows_shifted_backwards(ids, max_tokens):
     inputs, targets = [], []
     for start in range(0, len(ids) - max_tokens, max_tokens):
@@ -625,7 +625,7 @@ def loss_nll_of_log_softmax(logits, targets):
     return F.nll_loss(F.log_softmax(logits, -1).reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-@bug("5.2", "mismatch", "softmax")
+@bug("5.2", "logits", "softmax")
 def loss_softmax_first(logits, targets):
     probs = F.softmax(logits, dim=-1)
     return F.cross_entropy(probs.view(-1, probs.size(-1)), targets.view(-1))
@@ -641,24 +641,24 @@ def loss_only_logits_flattened(logits, targets):
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets)
 
 
-@bug("5.2", "mismatch", "sum")
+@bug("5.2", "loss_reduction", "sum")
 def loss_summed(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
 
-@bug("5.2", "mismatch", "padding")
+@bug("5.2", "loss_reduction", "padding")
 def loss_mean_over_all_positions(logits, targets):
     per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     return per_token.mean()
 
 
-@bug("5.2", "mismatch", "-100")
+@bug("5.2", "loss_reduction", "-100")
 def loss_gather_without_mask(logits, targets):
     logp = F.log_softmax(logits, dim=-1)
     return -logp.gather(-1, targets.unsqueeze(-1)).mean()
 
 
-@bug("5.2", "mismatch", "log-probabilities")
+@bug("5.2", "logits", "log-probabilities")
 def loss_nll_on_logits(logits, targets):
     return F.nll_loss(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -673,7 +673,7 @@ def loss_per_token(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
 
 
-@bug("5.2", "mismatch", "sequence")
+@bug("5.2", "loss_reduction", "sequence")
 def loss_mean_of_sequence_means(logits, targets):
     return torch.stack([F.cross_entropy(l, t) for l, t in zip(logits, targets)]).mean()
 
@@ -730,7 +730,7 @@ def step_no_zero_grad(model, optimizer, inputs, targets):
     return loss.item()
 
 
-@bug("5.3", "mismatch", "optimizer.step()")
+@bug("5.3", "step_order", "optimizer.step()")
 def step_no_step(model, optimizer, inputs, targets):
     model.train()
     optimizer.zero_grad()
@@ -739,7 +739,7 @@ def step_no_step(model, optimizer, inputs, targets):
     return loss.item()
 
 
-@bug("5.3", "mismatch", "loss.backward()")
+@bug("5.3", "step_order", "loss.backward()")
 def step_no_backward(model, optimizer, inputs, targets):
     model.train()
     optimizer.zero_grad()
@@ -758,7 +758,7 @@ def step_zero_grad_before_step(model, optimizer, inputs, targets):
     return loss.item()
 
 
-@bug("5.3", "mismatch", "after loss.backward()")
+@bug("5.3", "step_order", "after loss.backward()")
 def step_step_before_backward(model, optimizer, inputs, targets):
     model.train()
     optimizer.zero_grad()
@@ -786,7 +786,7 @@ def step_no_return(model, optimizer, inputs, targets):
     optimizer.step()
 
 
-@bug("5.3", "mismatch", "more than once")
+@bug("5.3", "step_order", "more than once")
 def step_backward_twice(model, optimizer, inputs, targets):
     model.train()
     optimizer.zero_grad()
@@ -797,7 +797,7 @@ def step_backward_twice(model, optimizer, inputs, targets):
     return loss.item()
 
 
-@bug("5.3", "mismatch", "before the update")
+@bug("5.3", "step_order", "before the update")
 def step_returns_loss_after_update(model, optimizer, inputs, targets):
     model.train()
     optimizer.zero_grad()
@@ -891,7 +891,7 @@ def sample_sorted_rows(logits, temperature=1.0, top_k=None, generator=None):
     return torch.stack(out).long()
 
 
-@bug("5.4", "mismatch", "randomness")
+@bug("5.4", "greedy", "randomness")
 def sample_always_argmax(logits, temperature=1.0, top_k=None, generator=None):
     return (logits / max(temperature, 1e-8)).argmax(-1)
 
@@ -930,7 +930,7 @@ def sample_temperature_after_softmax(logits, temperature=1.0, top_k=None, genera
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "-inf")
+@bug("5.4", "top_k", "-inf")
 def sample_topk_fill_zero(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -941,7 +941,7 @@ def sample_topk_fill_zero(logits, temperature=1.0, top_k=None, generator=None):
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "top_k has no effect")
+@bug("5.4", "top_k", "top_k has no effect")
 def sample_topk_ignored(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -949,7 +949,7 @@ def sample_topk_ignored(logits, temperature=1.0, top_k=None, generator=None):
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "keep 4 tokens instead of top_k=3")
+@bug("5.4", "top_k", "keep 4 tokens instead of top_k=3")
 def sample_topk_keeps_one_more(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -961,7 +961,7 @@ def sample_topk_keeps_one_more(logits, temperature=1.0, top_k=None, generator=No
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "keep 2 tokens instead of top_k=3")
+@bug("5.4", "top_k", "keep 2 tokens instead of top_k=3")
 def sample_topk_strict_threshold(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -972,7 +972,7 @@ def sample_topk_strict_threshold(logits, temperature=1.0, top_k=None, generator=
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
-@bug("5.4", "mismatch", "least likely")
+@bug("5.4", "top_k", "least likely")
 def sample_topk_smallest(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)
@@ -1091,7 +1091,7 @@ def flops_four_n(config, num_weights):
     return 4 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "not attention")
+@bug("6.1", "attention_flops", "not attention")
 def flops_weights_only(config, num_weights):
     return 6 * num_weights
 
@@ -1101,48 +1101,48 @@ def flops_attention_forward_only(config, num_weights):
     return 6 * num_weights + 4 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "weighted sum")
+@bug("6.1", "attention_flops", "weighted sum")
 def flops_attention_one_product(config, num_weights):
     return 6 * num_weights + 6 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "number of heads")
+@bug("6.1", "attention_flops", "number of heads")
 def flops_no_heads(config, num_weights):
     return 6 * num_weights + 12 * config.num_layers * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "head_dim")
+@bug("6.1", "attention_flops", "head_dim")
 def flops_embed_dim_per_head(config, num_weights):
     return 6 * num_weights + 12 * config.num_layers * config.num_heads * config.embed_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "number of layers")
+@bug("6.1", "attention_flops", "number of layers")
 def flops_no_layers(config, num_weights):
     return 6 * num_weights + 12 * config.num_heads * config.head_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "T twice")
+@bug("6.1", "attention_flops", "T twice")
 def flops_context_squared(config, num_weights):
     return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens ** 2
 
 
-@bug("6.1", "mismatch", "whole window")
+@bug("6.1", "flops_units", "whole window")
 def flops_per_window(config, num_weights):
     return (6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens) * config.max_tokens
 
 
-@bug("6.1", "mismatch", "GFLOPs")
+@bug("6.1", "flops_units", "GFLOPs")
 def flops_in_gflops(config, num_weights):
     return (6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens) / 1e9
 
 
-@bug("6.1", "mismatch", "num_weights argument")
+@bug("6.1", "weights_count", "num_weights argument")
 def flops_counts_its_own_weights(config, num_weights):
     n = 12 * config.num_layers * config.embed_dim ** 2   # the blocks only, ignoring the argument
     return 6 * n + 12 * config.num_layers * config.embed_dim * config.max_tokens
 
 
-@bug("6.1", "mismatch", "expected")
+@bug("6.1", "attention_flops", "expected")
 def flops_vocab_in_attention(config, num_weights):
     return 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.vocab_size
 
@@ -1230,7 +1230,7 @@ def cached_forgets_cache_later(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.2", "mismatch", "position 0")
+@bug("6.2", "positions", "position 0")
 def cached_positions_not_offset(model, idx, max_new_tokens):
     # their own forward for the new token, to "save" the position lookup
     cache = model.new_cache()
@@ -1280,7 +1280,7 @@ def cached_one_short(model, idx, max_new_tokens):
     return idx
 
 
-@bug("6.2", "mismatch", "differ")
+@bug("6.2", "greedy", "differ")
 def cached_samples_instead(model, idx, max_new_tokens):
     cache = model.new_cache()
     logits = model(idx, cache)
@@ -1761,46 +1761,46 @@ def split_transpose_then_chunk_rows(weight):
 # ---------------------------------------------------------------- 4.2: the mistakes a pre-norm and a post-norm block
 # share, each written out both ways (the checker builds them from one pre/post block; these hold its outputs)
 
-@bug("4.2", "mismatch", "self.attn", "never applied")
+@bug("4.2", "sublayer_missing", "self.attn", "never applied")
 class BlockAttentionDropped(GivenBlock):
     def forward(self, x):
         return x + self.mlp(self.ln2(x))
 
 
-@bug("4.2", "mismatch", "self.attn", "never applied", norm_first=False)
+@bug("4.2", "sublayer_missing", "self.attn", "never applied", norm_first=False)
 class PostBlockAttentionDropped(GivenBlock):
     def forward(self, x):
         return self.ln2(x + self.mlp(x))
 
 
-@bug("4.2", "mismatch", "self.mlp", norm_first=False)
+@bug("4.2", "sublayer_missing", "self.mlp", norm_first=False)
 class PostBlockFeedForwardDropped(GivenBlock):
     def forward(self, x):
         return self.ln1(x + self.attn(x))
 
 
-@bug("4.2", "mismatch", "ln1 for both")
+@bug("4.2", "norm_placement", "ln1 for both")
 class BlockLn1Twice(GivenBlock):
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln1(x))
 
 
-@bug("4.2", "mismatch", "ln2 for both", norm_first=False)
+@bug("4.2", "norm_placement", "ln2 for both", norm_first=False)
 class PostBlockLn2Twice(GivenBlock):
     def forward(self, x):
         x = self.ln2(x + self.attn(x))
         return self.ln2(x + self.mlp(x))
 
 
-@bug("4.2", "mismatch", "ln1 and ln2 are swapped", norm_first=False)
+@bug("4.2", "norm_placement", "ln1 and ln2 are swapped", norm_first=False)
 class PostBlockNormsSwapped(GivenBlock):
     def forward(self, x):
         x = self.ln2(x + self.attn(x))
         return self.ln1(x + self.mlp(x))
 
 
-@bug("4.2", "mismatch", "never applied", "LayerNorms", norm_first=False)
+@bug("4.2", "norm_placement", "never applied", "LayerNorms", norm_first=False)
 class PostBlockNoNorms(GivenBlock):
     def forward(self, x):
         x = x + self.attn(x)
@@ -1832,3 +1832,214 @@ class PostBlockNormalisedTwice(GivenBlock):
     def forward(self, x):
         x = self.ln1(x + self.attn(self.ln1(x)))
         return self.ln2(x + self.mlp(self.ln2(x)))
+
+
+# ============================================================================ issue 43: one more of our own per name
+# Each class of mistake named for issue 43 meets an attempt written another way than the one it was named for.
+
+@bug("4.1", "sincos_layout", "cosines first", "interleave")
+def table_cosines_then_sines(max_tokens, embed_dim):
+    angles = torch.arange(max_tokens)[:, None] / 10000 ** (torch.arange(0, embed_dim, 2) / embed_dim)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+@bug("4.1", "positions", "start at 1")
+def table_positions_shifted_by_one(max_tokens, embed_dim):
+    pe = torch.zeros(max_tokens + 1, embed_dim)
+    angles = torch.arange(max_tokens + 1)[:, None] / 10000 ** (torch.arange(0, embed_dim, 2) / embed_dim)
+    pe[:, 0::2], pe[:, 1::2] = angles.sin(), angles.cos()
+    return pe[1:]                                   # drops row 0, the one for position 0
+
+
+@bug("4.2", "norm_placement", "feed-forward sublayer has no LayerNorm")
+class BlockForgotLn2(GivenBlock):
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(x)
+
+
+@bug("4.2", "sublayer_missing", "self.mlp", norm_first=False)
+class PostBlockMlpComputedNotAdded(GivenBlock):
+    def forward(self, x):
+        x = self.ln1(x + self.attn(x))
+        self.mlp(x)                                 # computed, then forgotten
+        return self.ln2(x)
+
+
+@bug("4.3", "block_chain", "reverse")
+class GPTBlocksReversed(GPT):
+    def forward(self, idx, cache=None):
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        for block in reversed(self.blocks):
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@bug("4.3", "positions", "positions")
+class GPTEveryTokenAtPositionZero(GPT):
+    def forward(self, idx, cache=None):
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(1))   # broadcast: position 0 for all
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@bug("4.3", "logits", "logits, not probabilities")
+class GPTReturnsSoftmaxOverVocab(GPT):
+    def forward(self, idx, cache=None):
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return torch.exp(logits) / torch.exp(logits).sum(dim=-1, keepdim=True)
+
+
+@bug("4.3", "scale", "sqrt")
+class GPTScaledSum(GPT):
+    def forward(self, idx, cache=None):
+        x = self.token_embedding(idx) + self.position_encoding(idx.shape[1])
+        x = self.dropout(x * self.config.embed_dim ** 0.5)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@bug("4.3", "context_limit", "max_tokens")
+class GPTKeepsFirstTokens(GPT):
+    def forward(self, idx, cache=None):
+        idx = idx[:, :self.config.max_tokens]     # quietly drops the newest tokens
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@bug("5.1", "target_shift", "roll", "wraps")
+def windows_targets_rolled(ids, max_tokens):
+    inputs = ids[:len(ids) - 1].unfold(0, max_tokens, max_tokens)
+    return inputs, inputs.roll(-1, dims=1)          # the last target wraps round to the first input
+
+
+@bug("5.1", "target_shift", "next")
+def windows_targets_copied(ids, max_tokens):
+    chunks = ids.unfold(0, max_tokens + 1, max_tokens)
+    inputs = chunks[:, :-1]
+    return inputs, inputs.clone()
+
+
+@bug("5.2", "logits", "log-probabilities")
+def loss_nll_of_softmax(logits, targets):
+    probs = logits.softmax(dim=-1)                  # the log forgotten
+    return F.nll_loss(probs.flatten(0, 1), targets.flatten())
+
+
+@bug("5.2", "loss_reduction", "batch size")
+def loss_summed_over_batch_size(logits, targets):
+    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return total / logits.shape[0]
+
+
+@bug("5.3", "step_order", "more than once")
+def step_steps_twice(model, optimizer, inputs, targets):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.step()                                # the same gradients applied again
+    return loss.item()
+
+
+@bug("5.3", "step_order", "loss.backward()")
+def step_backward_on_a_copy(model, optimizer, inputs, targets):
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.detach().requires_grad_().backward()       # the graph to the weights is cut: no gradients
+    optimizer.step()
+    return loss.item()
+
+
+@bug("5.4", "greedy", "randomness")
+def sample_greedy_unless_hot(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature <= 1.0:
+        return logits.argmax(dim=-1)                # "low temperature means greedy"
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@bug("5.4", "top_k", "-inf")
+def sample_topk_where_zero(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
+        logits = torch.where(logits < kth, torch.zeros_like(logits), logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@bug("5.4", "top_k", "keep 4 tokens instead of top_k=3")
+def sample_topk_sorted_index_k(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.sort(dim=-1, descending=True).values[:, top_k:top_k + 1]   # the (k+1)-th, not the k-th
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@bug("6.1", "attention_flops", "number of heads", "number of layers")
+def flops_attention_of_one_head_in_one_layer(config, num_weights):
+    return 6 * num_weights + 12 * config.head_dim * config.max_tokens
+
+
+@bug("6.1", "attention_flops", "vocab_size")
+def flops_vocab_for_context(config, num_weights):
+    return 6 * num_weights + 12 * config.num_layers * config.num_heads * config.head_dim * config.vocab_size
+
+
+@bug("6.1", "flops_units", "whole window", "MFLOPs")
+def flops_per_window_in_mflops(config, num_weights):
+    per_token = 6 * num_weights + 12 * config.num_layers * config.embed_dim * config.max_tokens
+    return per_token * config.max_tokens / 1e6
+
+
+@bug("6.1", "weights_count", "embeddings")
+def flops_adds_token_embeddings(config, num_weights):
+    n = num_weights + config.vocab_size * config.embed_dim     # "the embeddings are weights too"
+    return 6 * n + 12 * config.num_layers * config.embed_dim * config.max_tokens
+
+
+@bug("6.1", "weights_count", "num_weights argument")
+def flops_counts_parameters_itself(config, num_weights):
+    n = GPT(config).num_parameters()                # every parameter, embeddings too; the argument unused
+    return 6 * n + 12 * config.num_layers * config.embed_dim * config.max_tokens
+
+
+@bug("6.2", "positions", "one position late")
+def cached_positions_read_after_append(model, idx, max_new_tokens):
+    cache = model.new_cache()
+    logits = model(idx, cache)
+    for _ in range(max_new_tokens):
+        next_id = logits[:, -1].argmax(-1, keepdim=True)
+        idx = torch.cat([idx, next_id], dim=1)
+        x = model.token_embedding(next_id) + model.position_encoding(1, idx.shape[1])   # after the append
+        for block, layer_cache in zip(model.blocks, cache):
+            x = block(x, layer_cache)
+        logits = model.head(model.ln_f(x))
+    return idx
+
+
+@bug("6.2", "greedy", "at random")
+def cached_samples_with_categorical(model, idx, max_new_tokens):
+    cache = model.new_cache()
+    logits = model(idx, cache)
+    for _ in range(max_new_tokens):
+        next_id = torch.distributions.Categorical(logits=logits[:, -1] / 2.0).sample()[:, None]
+        idx = torch.cat([idx, next_id], dim=1)
+        logits = model(next_id, cache)
+    return idx

@@ -128,3 +128,33 @@ NUDGES.update({
     "feature_map": "Which function turns q and k into the features whose dot product is the weight? Is it "
                    "applied to both, in the numerator and in the normaliser, and is it positive everywhere?",
 })
+
+# Notebooks 04-06's named mistakes (issue 43).
+NUDGES.update({
+    "sincos_layout": "Write row 1 of the table for embed_dim 4 by hand: which columns hold a sine, which a cosine, "
+                     "and which two columns share one angle?",
+    "positions": "Which position does each token sit at, counting from 0 and counting the tokens already in the "
+                 "cache? Where does your code add that position?",
+    "sublayer_missing": "Follow x through your forward: does the result of each sublayer (self.attn, self.mlp) reach "
+                        "what you return?",
+    "block_chain": "Follow x through the loop over self.blocks: does each block take the previous block's output, "
+                   "first to last?",
+    "logits": "Which function applies the softmax (or log-softmax) here, and does anything before it already "
+              "apply one, or leave it out?",
+    "context_limit": "What should happen when a sequence is longer than the model has positions for: should the "
+                     "model decide quietly which tokens to drop?",
+    "target_shift": "For the input token at position j, which token should the model predict? Write inputs and "
+                    "targets of one small window side by side.",
+    "loss_reduction": "Which targets count in the loss, and what do you divide their sum by? Count them by hand "
+                      "for a batch with padding.",
+    "step_order": "Write the five calls of one training step in order: which one computes the gradients, which "
+                  "one uses them, and how many times does each run?",
+    "greedy": "Which decoding does this exercise ask for: the most likely token every time, or a random draw? "
+              "Which line of yours decides?",
+    "top_k": "With top_k = 2 and logits [3, 1, 2, 0], which tokens may be drawn, and what probability do the "
+             "others get after the softmax?",
+    "attention_flops": "Count the attention FLOPs of one token by hand: how many products per head, over how many "
+                       "keys, in how many heads and layers, forward and backward?",
+    "flops_units": "What does the function return: FLOPs for one token, or for something else? In which unit?",
+    "weights_count": "Where does N in 6N come from: the num_weights you are given, or a count of your own?",
+})

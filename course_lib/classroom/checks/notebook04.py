@@ -69,18 +69,29 @@ def _wavelength(frequency: Callable[[torch.Tensor, torch.Tensor, int], torch.Ten
     return table
 
 
+def _table_slip(first: str, layout: str, offset: int) -> Mistake:
+    """One member of the family of layout slips (which function first, interleaved or concatenated) and position
+    slips (counted from 1): named ``sincos_layout`` when the layout is wrong, else ``positions``."""
+    said = []
+    if layout == "concat":
+        order = ("sines", "cosines") if first == "sin" else ("cosines", "sines")
+        said.append(f"you concatenated the halves: all the {order[0]} first, then all the {order[1]}. The table "
+                    f"interleaves them: dimension 2i is the sine and dimension 2i+1 the cosine of the same angle. "
+                    f"Fill the even and odd columns separately, or stack the two along a new last dimension and "
+                    f"flatten.")
+    elif first == "cos":
+        said.append("sine and cosine are swapped. Even dimensions (0, 2, 4, ...) hold the sines and odd dimensions "
+                    "the cosines, so row 0 (position 0) should read 0, 1, 0, 1, ...")
+    if offset:
+        said.append("your positions start at 1. Row 0 is position 0 (sin 0 = 0, cos 0 = 1).")
+    message = said[0] + "".join(f" Also, {more}" for more in said[1:])
+    return Mistake("sincos_layout" if layout == "concat" or first == "cos" else "positions", message,
+                   output=lambda t, d: _table(t, d, first=first, layout=layout, offset=offset))
+
+
 _TABLE_MISTAKES = (
-    Mistake("mismatch", "sine and cosine are swapped. Even dimensions (0, 2, 4, ...) hold the sines and odd "
-                        "dimensions the cosines, so row 0 (position 0) should read 0, 1, 0, 1, ...",
-            output=lambda t, d: _table(t, d, first="cos")),
-    *(Mistake("mismatch", f"you concatenated the halves: all the {first} first, then all the {second}. The table "
-                          f"interleaves them: dimension 2i is the sine and dimension 2i+1 the cosine of the same "
-                          f"angle. Fill the even and odd columns separately, or stack the two along a new last "
-                          f"dimension and flatten.",
-              output=lambda t, d, first=first: _table(t, d, layout="concat", first=first[:3]))
-      for first, second in (("sines", "cosines"), ("cosines", "sines"))),
-    Mistake("mismatch", "your positions start at 1. Row 0 is position 0 (sin 0 = 0, cos 0 = 1).",
-            output=lambda t, d: _table(t, d, offset=1)),
+    *(_table_slip(first, layout, offset) for offset in (0, 1) for first in ("sin", "cos")
+      for layout in ("interleave", "concat") if (first, layout, offset) != ("sin", "interleave", 0)),
     *(Mistake("scale", f"the wavelengths are wrong: {why}"
                        + ("." if layout == "interleave" else " (and the sines and cosines should interleave)."),
               output=_wavelength(frequency, layout))
@@ -152,6 +163,52 @@ def _residual_of_normalised(x, a, m, l1, l2):
     return x + m(x)
 
 
+_NORMS_SAID = {  # the choices of (attention's norm, feed-forward's norm) students make, in their words
+    ("ln2", "ln1"): "ln1 and ln2 are swapped: ln1 goes with the attention sublayer, ln2 with the feed-forward one "
+                    "(each LayerNorm has its own learned scale and shift).",
+    ("ln1", "ln1"): "you use ln1 for both sublayers; ln2 belongs to the feed-forward sublayer.",
+    ("ln2", "ln2"): "you use ln2 for both sublayers; ln1 belongs to the attention sublayer.",
+    (None, None): "the LayerNorms ln1 and ln2 are never applied; each sublayer needs its own.",
+}
+
+
+def _norm_choices(right: Callable[..., Any]) -> list[Mistake]:
+    """The family of norm choices: each sublayer gets ln1, ln2 or no LayerNorm (the right block otherwise),
+    built on the student's own weights; every choice but (ln1, ln2) is ``norm_placement``."""
+    def said(choice: tuple[str | None, str | None]) -> str:
+        if choice in _NORMS_SAID:
+            return _NORMS_SAID[choice]
+        parts = [f"the {sublayer} sublayer " + ("has no LayerNorm" if used is None else f"uses {used}")
+                 + f" where {wanted} belongs" for sublayer, used, wanted in
+                 zip(("attention", "feed-forward"), choice, ("ln1", "ln2")) if used != wanted]
+        return "; ".join(parts) + ". Each sublayer has its own LayerNorm: ln1 with self.attn, ln2 with self.mlp."
+
+    def output(choice: tuple[str | None, str | None]) -> Callable[..., Any]:
+        def block(x, a, m, l1, l2):
+            norms = {"ln1": l1, "ln2": l2, None: nn.Identity()}
+            return right(x, a, m, norms[choice[0]], norms[choice[1]])
+        return block
+    choices = [(first, second) for first in ("ln1", "ln2", None) for second in ("ln1", "ln2", None)]
+    return [Mistake("norm_placement", said(choice), output=output(choice))
+            for choice in sorted(choices, key=lambda c: c not in _NORMS_SAID) if choice != ("ln1", "ln2")]
+
+
+def _missing_sublayers(right: Callable[..., Any]) -> list[Mistake]:
+    """The family of dropped sublayers: self.attn or self.mlp adds nothing (its LayerNorm dropped with it, or
+    still applied where it sits on the residual stream, post-norm)."""
+    nothing, same = (lambda h: 0), nn.Identity()
+    return [
+        *(Mistake("sublayer_missing", "the feed-forward sublayer (self.mlp) is never applied, or its result is "
+                                      "dropped; the block is attention, then feed-forward.",
+                  output=lambda x, a, m, l1, l2, keep=keep: right(x, a, nothing, l1, l2 if keep else same))
+          for keep in (False, True)),
+        *(Mistake("sublayer_missing", "the attention sublayer (self.attn) is never applied, or its result is "
+                                      "dropped; the block is attention, then feed-forward.",
+                  output=lambda x, a, m, l1, l2, keep=keep: right(x, nothing, m, l1 if keep else same, l2))
+          for keep in (False, True)),
+    ]
+
+
 def _block_variants(norm_first: bool) -> list[Mistake]:
     """The mistakes we have seen; each output is f(x, attn, mlp, ln1, ln2)."""
     def pre(x, a, m, l1, l2):
@@ -162,24 +219,11 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
         h = l1(x + a(x))
         return l2(h + m(h))
 
-    right, same = (pre if norm_first else post), nn.Identity()
+    right = pre if norm_first else post
     kind = "pre-norm (GPT-2)" if norm_first else "post-norm (the 2017 paper)"
     common = [
-        Mistake("mismatch", "the feed-forward sublayer (self.mlp) is never applied, or its result is dropped; the "
-                            "block is attention, then feed-forward.",
-                output=lambda x, a, m, l1, l2: right(x, a, lambda h: 0, l1, same)),   # a sublayer that adds nothing
-        Mistake("mismatch", "the attention sublayer (self.attn) is never applied, or its result is dropped; the block "
-                            "is attention, then feed-forward.",
-                output=lambda x, a, m, l1, l2: right(x, lambda h: 0, m, same, l2)),
-        Mistake("mismatch", "ln1 and ln2 are swapped: ln1 goes with the attention sublayer, ln2 with the feed-forward "
-                            "one (each LayerNorm has its own learned scale and shift).",
-                output=lambda x, a, m, l1, l2: right(x, a, m, l2, l1)),
-        Mistake("mismatch", "you use ln1 for both sublayers; ln2 belongs to the feed-forward sublayer.",
-                output=lambda x, a, m, l1, l2: right(x, a, m, l1, l1)),
-        Mistake("mismatch", "you use ln2 for both sublayers; ln1 belongs to the attention sublayer.",
-                output=lambda x, a, m, l1, l2: right(x, a, m, l2, l2)),
-        Mistake("mismatch", "the LayerNorms ln1 and ln2 are never applied; each sublayer needs its own.",
-                output=lambda x, a, m, l1, l2: right(x, a, m, same, same)),
+        *_missing_sublayers(right),
+        *_norm_choices(right),
         Mistake("norm_placement", f"you normalise both before the sublayers and after the residual additions; this "
                                   f"block is {kind}, so each LayerNorm is used once.",
                 output=lambda x, a, m, l1, l2: l2((h := l1(x + a(l1(x)))) + m(l2(h)))),
@@ -294,8 +338,8 @@ def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor,
                                        f"output changes nothing), though not to its direction: a LayerNorm sits on "
                                        f"the sublayer's output. Normalise the sublayer's input (pre-norm) or the "
                                        f"residual sum (post-norm), never the sublayer's output alone.")
-            fail("mismatch", f"{what}: the output does not depend on self.{name}; make sure its result "
-                             f"goes into what forward returns.")
+            fail("sublayer_missing", f"{what}: the output does not depend on self.{name}; make sure its result "
+                                     f"goes into what forward returns.")
     fail("mismatch", f"{what}: the output differs from the reference {('pre' if norm_first else 'post')}-norm "
                      f"block (largest difference {(got - reference(x)).abs().max():.3g}). Check the order: "
                      + ("x + attn(...) of ln1(x), then the same with ln2 and mlp."
@@ -352,47 +396,72 @@ def _gpt_config(**overrides: Any):
 
 
 def _gpt_variants(ref: nn.Module) -> list[Mistake]:
-    def run(idx, *, positions=True, ln_f=True, scale=1.0, blocks=None):
+    """The GPT's known mistakes, each the reference's forward with one thing changed, on the student's weights:
+    the positions (left out, from 1), the embeddings' scale, the chain of blocks, the final LayerNorm."""
+    def run(idx, *, start=0, positions=True, ln_f=True, scale=1.0, both=False, blocks=None, summed=False):
         x = ref.token_embedding(idx) * scale
         if positions:
-            x = x + ref.position_encoding(idx.shape[1])
+            x = x + ref.position_encoding(idx.shape[1], start) * (scale if both else 1.0)
+        if summed:   # every block reads the embeddings, their outputs added up
+            x = sum(block(x) for block in ref.blocks)
         for block in (ref.blocks if blocks is None else blocks):
             x = block(x)
         return ref.head(ref.ln_f(x) if ln_f else x)
 
-    blocks = list(ref.blocks)
-    return [
-        Mistake("mismatch", "the positions are missing: you never add the position encodings, so the model cannot "
-                            "tell where a token sits. Add self.position_encoding(...) to the token embeddings.",
+    blocks, root = list(ref.blocks), math.sqrt(ref.config.embed_dim)
+    positions = [
+        Mistake("positions", "the positions are missing: you never add the position encodings, so the model cannot "
+                             "tell where a token sits. Add self.position_encoding(...) to the token embeddings.",
                 output=lambda idx: run(idx, positions=False)),
-        Mistake("final_norm", "the final LayerNorm self.ln_f is missing: apply it after the last block, before "
-                              "the output head.",
-                output=lambda idx: run(idx, ln_f=False)),
-        Mistake("mismatch", "the positions are missing and the final LayerNorm ln_f is not applied.",
+        Mistake("positions", "the positions are missing and the final LayerNorm ln_f is not applied.",
                 output=lambda idx: run(idx, positions=False, ln_f=False)),
-        Mistake("mismatch", "you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds "
-                            "token and position embeddings as they are.",
-                output=lambda idx: run(idx, scale=math.sqrt(ref.config.embed_dim))),
-        Mistake("mismatch", "the blocks run in reverse order; go through self.blocks first to last.",
-                output=lambda idx: run(idx, blocks=blocks[::-1])),
-        Mistake("mismatch", "only the first block is applied; every block in self.blocks should transform x in turn, "
-                            "each one taking the previous block's output.",
-                output=lambda idx: run(idx, blocks=blocks[:1])),
-        Mistake("mismatch", "only the last block's output is kept; each block should take the previous block's output, "
-                            "not the embeddings.",
-                output=lambda idx: run(idx, blocks=blocks[-1:])),
+        Mistake("positions", "your positions start at 1: the first token sits at position 0, "
+                             "self.position_encoding(L) (or start=0).",
+                output=lambda idx: run(idx, start=1)),   # raises (passed over) at the full length
     ]
+    scales = [
+        Mistake("scale", "you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds "
+                         "token and position embeddings as they are.",
+                output=lambda idx: run(idx, scale=root)),
+        Mistake("scale", "you scale the sum of token and position embeddings by sqrt(embed_dim); this GPT adds "
+                         "them as they are, unscaled.",
+                output=lambda idx: run(idx, scale=root, both=True)),
+        Mistake("scale", "you divide the token embeddings by sqrt(embed_dim); this GPT adds token and position "
+                         "embeddings as they are.",
+                output=lambda idx: run(idx, scale=1 / root)),
+    ]
+    chains = [
+        Mistake("block_chain", "the blocks run in reverse order; go through self.blocks first to last.",
+                output=lambda idx: run(idx, blocks=blocks[::-1])),
+        Mistake("block_chain", "only the first block is applied; every block in self.blocks should transform x in "
+                               "turn, each one taking the previous block's output.",
+                output=lambda idx: run(idx, blocks=blocks[:1])),
+        Mistake("block_chain", "only the last block's output is kept; each block should take the previous block's "
+                               "output, not the embeddings.",
+                output=lambda idx: run(idx, blocks=blocks[-1:])),
+        Mistake("block_chain", "the last block is never applied; every block in self.blocks should transform x in "
+                               "turn (loop over the blocks themselves, not a range that stops one short).",
+                output=lambda idx: run(idx, blocks=blocks[:-1])),
+        Mistake("block_chain", "every block reads the embeddings and you add up their outputs; each block should "
+                               "take the previous block's output instead (x = block(x), in turn).",
+                output=lambda idx: run(idx, blocks=[], summed=True)),
+    ]
+    return [*positions[:1],
+            Mistake("final_norm", "the final LayerNorm self.ln_f is missing: apply it after the last block, before "
+                                  "the output head.",
+                    output=lambda idx: run(idx, ln_f=False)),
+            *positions[1:], *scales, *chains]
 
 
 @torch.no_grad()
 def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor, got: torch.Tensor,
                   what: str) -> None:
     if bool((got >= 0).all()) and close(got.sum(-1), torch.ones(got.shape[:-1])):
-        fail("mismatch", f"{what}: every row is non-negative and sums to 1, so you return probabilities. "
+        fail("logits", f"{what}: every row is non-negative and sums to 1, so you return probabilities. "
                          f"Return logits, not probabilities: the loss (cross-entropy) and the sampler apply "
                          f"the softmax themselves.")
     if close(got.exp().sum(-1), torch.ones(got.shape[:-1])):
-        fail("mismatch", f"{what}: you return log-probabilities (a log_softmax of the logits). Return logits, "
+        fail("logits", f"{what}: you return log-probabilities (a log_softmax of the logits). Return logits, "
                          f"not probabilities: cross-entropy applies the log-softmax itself.")
     first_mistake(_gpt_variants(reference), lambda mistake: close(got, mistake.output(idx)), f"{what}: ")
     length = idx.shape[1]
@@ -406,7 +475,7 @@ def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor,
         same = torch.full((1, length), 3, dtype=torch.long)
         flat = call(candidate, same, what=what)
         if isinstance(flat, torch.Tensor) and flat.dim() == 3 and close(flat[0, :1].expand_as(flat[0]), flat[0]):
-            fail("mismatch", f"{what}: the same token at different positions gets the same logits, so the "
+            fail("positions", f"{what}: the same token at different positions gets the same logits, so the "
                              f"positions are missing. Add the position encodings to the token embeddings.")
     ln_f = candidate.ln_f.weight
     if close(_with_weight(ln_f, ln_f * 2.0 + 0.5, lambda: call(candidate, idx, what=what)), got):
@@ -415,6 +484,16 @@ def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor,
     fail("mismatch", f"{what}: the logits differ from the reference (largest difference "
                      f"{(got - reference(idx)).abs().max():.3g}). The recipe: token embeddings plus position "
                      f"encodings, dropout, every block in turn, ln_f, then the head.")
+
+
+def _step_from_position_zero(reference: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """The reference's logits of idx's last token fed with a cache of the others, but encoded at position 0."""
+    cache = reference.new_cache()
+    reference(idx[:, :-1], cache)
+    x = reference.token_embedding(idx[:, -1:]) + reference.position_encoding(1, 0)
+    for block, layer_cache in zip(reference.blocks, cache):
+        x = block(x, layer_cache)
+    return reference.head(reference.ln_f(x))[:, 0]
 
 
 def _check_cache_path(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor) -> str:
@@ -435,6 +514,10 @@ def _check_cache_path(candidate: nn.Module, reference: nn.Module, idx: torch.Ten
     expect_tensor(first, (idx.shape[0], 3, config.vocab_size), what)
     expect_tensor(step, (idx.shape[0], 1, config.vocab_size), what)
     if not close(step[:, 0], full[:, 3]):
+        if close(step[:, 0], _step_from_position_zero(reference, idx[:, :4])):
+            fail("positions", "With a KV cache, the logits of a new token differ from a full forward pass: the new "
+                              "token is encoded at position 0. Its positions must continue after the tokens already "
+                              "in the cache: start at cache[0].length, not at 0.")
         fail("mismatch", "With a KV cache, the logits of a new token differ from a full forward pass. Its "
                          "positions must continue after the tokens already in the cache (start at "
                          "cache[0].length, not at 0), and every block needs its own cache.")
@@ -528,7 +611,7 @@ def check_gpt(cls: Any) -> str:
     except Exception:  # raising is what we want here
         pass
     else:
-        fail("mismatch", f"Your GPT accepted {config.max_tokens + 1} tokens with max_tokens={config.max_tokens}. "
+        fail("context_limit", f"Your GPT accepted {config.max_tokens + 1} tokens with max_tokens={config.max_tokens}. "
                          f"It has no positions beyond max_tokens: raise a ValueError that says so (and how to "
                          f"crop) instead of returning something.")
     module_in_float64(lambda: _build_gpt(cls, config, torch.Generator().manual_seed(7)), too_long[:, :5],

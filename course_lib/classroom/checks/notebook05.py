@@ -110,6 +110,15 @@ def _windows_count(case: Case, out: Any) -> None:
     fail("shape", f"{case.what}: expected {count} windows (starting every {stride} tokens), got {out.shape[1]}.")
 
 
+def _shifted(ids: torch.Tensor, max_tokens: int, stride: int | None, shift: int) -> torch.Tensor | None:
+    """The reference's inputs with targets ``shift`` tokens ahead (None where the last window runs out)."""
+    inputs = data_ref.lm_windows(ids, max_tokens, stride)[0]
+    starts = (inputs[:, 0] - ids[0]).tolist()   # the cases' ids count up from ids[0]: a value names its place
+    if not starts or starts[-1] + shift + max_tokens > len(ids):
+        return None
+    return torch.stack([inputs, torch.stack([ids[s + shift:s + shift + max_tokens] for s in starts])])
+
+
 def _windows_spacing(runs: list[Run], fn: Any) -> None:
     run = runs[0]
     stride = run.case.args[2] or run.case.args[1]
@@ -131,12 +140,19 @@ LM_WINDOWS = FunctionExercise(
                           f"w * stride; its inputs are max_tokens tokens from there and its targets the same "
                           f"tokens one step later."),
     mistakes=(
-        Mistake("mismatch", "the targets are the inputs themselves. The target at each position is the NEXT token, "
-                            "so targets are the inputs shifted by one to the left (one step ahead).",
+        Mistake("target_shift", "the targets are the inputs themselves. The target at each position is the NEXT "
+                                "token, so targets are the inputs shifted by one to the left (one step ahead).",
                 output=lambda ids, t, s: data_ref.lm_windows(ids, t, s)[0].expand(2, -1, -1)),
-        Mistake("mismatch", "targets are shifted the wrong way: your target at position j is the token BEFORE input "
-                            "j. The model predicts what comes next, so target j is the token after input j.",
+        Mistake("target_shift", "targets are shifted the wrong way: your target at position j is the token BEFORE "
+                                "input j. The model predicts what comes next, so target j is the token after input j.",
                 output=lambda ids, t, s: torch.stack(data_ref.lm_windows(ids, t, s)[::-1])),
+        Mistake("target_shift", "you roll the inputs to make the targets, so each window's last target wraps round to "
+                                "its first input. The last target is the token AFTER the window: cut max_tokens + 1 "
+                                "tokens, inputs all but the last, targets all but the first.",
+                output=lambda ids, t, s: torch.stack([(w := data_ref.lm_windows(ids, t, s)[0]), w.roll(-1, 1)])),
+        Mistake("target_shift", "your targets are two tokens ahead of the inputs; the target at position j is the "
+                                "NEXT token, one step ahead.",
+                output=lambda ids, t, s: _shifted(ids, t, s, 2)),
     ),
     exact=True, each_case=True, raw=_windows_count, diagnose=_windows_spacing,
     examples=lambda: _windows_cases(((5, 2, None), (7, 2, None), (7, 3, None))),
@@ -198,8 +214,8 @@ def _loss_error(failure: Failure, case: Case, out: Any, fn: Any) -> None:
     if failure.diagnosis != "exception":
         return
     if "-100" in failure.message or "out of bounds" in failure.message:
-        fail("mismatch", extend(failure.message, "Targets of -100 mark padding: ignore them (F.cross_entropy does "
-                                                 "so by default) instead of using them as an index."))
+        fail("loss_reduction", extend(failure.message, "Targets of -100 mark padding: ignore them (F.cross_entropy "
+                                                       "does so by default) instead of using them as an index."))
     if _SHAPE_ERROR.search(failure.message):
         fail("shape", extend(failure.message, "F.cross_entropy expects logits (N, C) with targets (N,), or (N, C, L) "
                                               "with (N, L): the classes go in dimension 1. Flatten logits to "
@@ -218,31 +234,40 @@ LM_LOSS = FunctionExercise(
     mismatch=lambda run: (f"{run.case.what} returned {run.out.item():.5f}, expected {run.expected.item():.5f}: the "
                           f"mean cross-entropy of the logits against the targets, ignoring -100."),
     mistakes=(
-        Mistake("mismatch", "you apply a softmax before the cross-entropy. F.cross_entropy takes raw logits and "
-                            "applies the (log-)softmax itself, so yours is applied twice.",
+        Mistake("logits", "you apply a softmax before the cross-entropy. F.cross_entropy takes raw logits and "
+                          "applies the (log-)softmax itself, so yours is applied twice.",
                 output=lambda x, y: F.cross_entropy(x.flatten(0, 1).softmax(-1), y.flatten(), ignore_index=IGNORE)),
-        Mistake("mismatch", "you pass raw logits to F.nll_loss, which expects log-probabilities: use F.cross_entropy "
-                            "on the logits (or log_softmax first).",
+        Mistake("logits", "you pass raw logits to F.nll_loss, which expects log-probabilities: use F.cross_entropy "
+                          "on the logits (or log_softmax first).",
                 output=lambda x, y: F.nll_loss(x.flatten(0, 1), y.flatten(), ignore_index=IGNORE)),
-        Mistake("mismatch", "your loss is the SUM over tokens; the loss is the MEAN over the target tokens (so it does "
-                            "not grow with the batch size or length).", output=lambda x, y: _per_token(x, y).sum()),
-        Mistake("mismatch", "you average over every position, padding included: the ignored targets (-100) should not "
-                            "count in the mean either. Divide by the number of real targets.",
+        Mistake("logits", "you pass probabilities (a softmax without the log) to F.nll_loss, which expects "
+                          "log-probabilities: use F.cross_entropy on the raw logits (or F.log_softmax first).",
+                output=lambda x, y: F.nll_loss(x.flatten(0, 1).softmax(-1), y.flatten(), ignore_index=IGNORE)),
+        Mistake("loss_reduction", "your loss is the SUM over tokens; the loss is the MEAN over the target tokens (so "
+                                  "it does not grow with the batch size or length).",
+                output=lambda x, y: _per_token(x, y).sum()),
+        Mistake("loss_reduction", "you average over every position, padding included: the ignored targets (-100) "
+                                  "should not count in the mean either. Divide by the number of real targets.",
                 output=lambda x, y: _per_token(x, y).sum() / y.numel()),
-        Mistake("mismatch", "each sequence gets averaged separately and then the sequences are averaged: every target "
-                            "token should weigh the same, so average over all real targets at once.",
+        Mistake("loss_reduction", "each sequence gets averaged separately and then the sequences are averaged: every "
+                                  "target token should weigh the same, so average over all real targets at once.",
                 output=lambda x, y: torch.stack([F.cross_entropy(x[i], y[i], ignore_index=IGNORE)
                                                  for i in range(len(x)) if bool((y[i] != IGNORE).any())]).mean()),
-        Mistake("mismatch", "targets of -100 are not ignored: -100 marks padding and must not contribute to the loss "
-                            "(F.cross_entropy ignores it by default, unless you change ignore_index or the targets).",
+        Mistake("loss_reduction", "you divide the summed loss by the batch size N (one loss per sequence); the loss "
+                                  "is the MEAN over the real target tokens: divide by their number.",
+                output=lambda x, y: _per_token(x, y).sum() / x.shape[0] if x.shape[1] > 1 else None),
+        Mistake("loss_reduction", "targets of -100 are not ignored: -100 marks padding and must not contribute to the "
+                                  "loss (F.cross_entropy ignores it by default, unless you change ignore_index or the "
+                                  "targets).",
                 output=lambda x, y: F.cross_entropy(x.flatten(0, 1), y.flatten().clamp(min=0))),
         Mistake("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you pass (N, L, V) as "
                          "it is, so it takes the positions for the classes. Flatten to (N*L, V) and (N*L,), or move "
                          "the vocabulary to dimension 1.",
                 output=lambda x, y: F.cross_entropy(x, y, ignore_index=IGNORE) if 1 < x.shape[1] == x.shape[2]
                 else None),
-        Mistake("mismatch", "the -100 targets are not ignored the right way; the mean runs over the real targets "
-                            "only.", output=lambda x, y: _per_token(x, y)[y.flatten() != IGNORE].sum() / y.numel()
+        Mistake("loss_reduction", "the -100 targets are not ignored the right way; the mean runs over the real "
+                                  "targets only.",
+                output=lambda x, y: _per_token(x, y)[y.flatten() != IGNORE].sum() / y.numel()
                 if bool((y == IGNORE).any()) else None),
     ),
     each_case=True, dtype=False, finite=True, reword=_loss_error,
@@ -324,10 +349,10 @@ def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.O
     in_training = all(c["training"] for c in calls) if calls else model.training
     if not float(delta.abs().max()) > 0:
         if not backward_ran:
-            fail("mismatch", f"{what}: the weights did not change and no gradients were computed: call "
+            fail("step_order", f"{what}: the weights did not change and no gradients were computed: call "
                              f"loss.backward() before optimizer.step().")
         if bool(_flat_grad(params).abs().max() > 0):
-            fail("mismatch", f"{what}: gradients were computed but the weights did not change: call "
+            fail("step_order", f"{what}: gradients were computed but the weights did not change: call "
                              f"optimizer.step() after loss.backward().")
         fail("zero_grad", f"{what}: backward ran but the weights did not change, because the gradients were "
                           f"cleared before the step could use them. Order: zero_grad, forward, loss, backward, "
@@ -377,14 +402,21 @@ def check_train_step(fn: Callable[..., Any]) -> str:
         note = note or note_now
         training = training and in_training
         if abs(loss - expected_loss) > 1e-4 * max(1.0, abs(expected_loss)):
+            after = _gradient(model, inputs, targets)[1]   # the batch's loss at the weights the step left
+            if abs(loss - after) <= 1e-4 * max(1.0, abs(after)):
+                fail("step_order", f"{what} returned loss {loss:.5f}, the loss after the update; the loss of this "
+                                   f"batch before the update is {expected_loss:.5f}. Return the loss you called "
+                                   f"backward() on (loss.item() of the forward pass before optimizer.step()).")
             fail("mismatch", f"{what} returned loss {loss:.5f}; the loss of this batch before the update is "
                              f"{expected_loss:.5f}. Return the lm_loss of the model's logits on these inputs "
                              f"and targets.")
         if _cosine(delta, -g) > 0.9999:
             ratio = float(delta.norm() / (_LR * g.norm()))
             if ratio > 1.01:
-                fail("mismatch", f"{what}: the update is {ratio:.2f} times the gradient step: did you call "
-                                 f"loss.backward() (or optimizer.step()) more than once?")
+                # a whole number of gradient steps: a call repeated; any other factor: something else
+                fail("step_order" if abs(ratio - round(ratio)) <= 0.01 * ratio else "mismatch",
+                     f"{what}: the update is {ratio:.2f} times the gradient step: did you call "
+                     f"loss.backward() (or optimizer.step()) more than once?")
         elif left_over is not None and _cosine(delta, -(left_over + g)) > 0.9999:
             fail("zero_grad", f"{what}: the gradients of the previous step were still there: without "
                              f"optimizer.zero_grad() they accumulate, so each step also pushes in the direction "
@@ -542,8 +574,8 @@ def _top_k_mistake(code: str, message: str, make: Callable[..., torch.Tensor]) -
 # What a wrong sampler draws from, as the distribution its frequencies follow (None where it does not apply);
 # its message may name {setting}, {top_k}, {fewer} and {more} (top_k - 1 and top_k + 1).
 _SAMPLING_MISTAKES = (
-    Mistake("mismatch", "you always return the most likely token, so there is no randomness. At {setting} draw from "
-                        "the distribution (torch.multinomial on the probabilities); only temperature=0 means argmax.",
+    Mistake("greedy", "you always return the most likely token, so there is no randomness. At {setting} draw from "
+                      "the distribution (torch.multinomial on the probabilities); only temperature=0 means argmax.",
             output=lambda base, t, k: F.one_hot(base.argmax(-1), base.shape[1]).double()),
     Mistake("normalization", "you sample in proportion to the raw logits. Logits are not probabilities: apply a "
                              "softmax over the vocabulary first.",
@@ -558,19 +590,19 @@ _SAMPLING_MISTAKES = (
     Mistake("scale", "the temperature has no effect. Divide the logits by it BEFORE the softmax (dividing the "
                      "probabilities changes nothing once they are renormalised).",
             output=lambda base, t, k: _probabilities(base, k) if t != 1 else None),
-    *(_top_k_mistake("mismatch", f"you keep {{{name}}} tokens instead of top_k={{top_k}} (off by one in the threshold: "
-                                 f"keep the logits >= the k-th largest).",
+    *(_top_k_mistake("top_k", f"you keep {{{name}}} tokens instead of top_k={{top_k}} (off by one in the threshold: "
+                              f"keep the logits >= the k-th largest).",
                      lambda base, t, k, step=step: _probabilities(base / t, k + step) if 1 <= k + step <= base.shape[1]
                      else None)
       for name, step in (("fewer", -1), ("more", 1))),
-    _top_k_mistake("mismatch", "top_k has no effect: tokens outside the {top_k} most likely are still drawn. Set the "
-                               "other logits to -inf before the softmax.",
+    _top_k_mistake("top_k", "top_k has no effect: tokens outside the {top_k} most likely are still drawn. Set the "
+                            "other logits to -inf before the softmax.",
                    lambda base, t, k: _probabilities(base / t)),
-    _top_k_mistake("mismatch", "the tokens outside the top {top_k} are still drawn sometimes: you set their logits to "
-                               "0, which is still a fair chance. Use -inf, which gives exactly zero probability.",
+    _top_k_mistake("top_k", "the tokens outside the top {top_k} are still drawn sometimes: you set their logits to "
+                            "0, which is still a fair chance. Use -inf, which gives exactly zero probability.",
                    lambda base, t, k: _probabilities(base / t, k, fill=0.0)),
-    _top_k_mistake("mismatch", "you keep the {top_k} LEAST likely tokens; keep the most likely ones (topk returns the "
-                               "largest values first).",
+    _top_k_mistake("top_k", "you keep the {top_k} LEAST likely tokens; keep the most likely ones (topk returns the "
+                            "largest values first).",
                    lambda base, t, k: _probabilities(base / t, k, smallest=True)),
 )
 
@@ -590,8 +622,8 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
     first_mistake(_SAMPLING_MISTAKES, lambda m: _drawn_from(freq, m.output(base, temperature, top_k)), f"{what}: ",
                   setting=setting, top_k=top_k, fewer=(top_k or 0) - 1, more=(top_k or 0) + 1)
     if top_k is not None and bool((freq[expected == 0] > 0).any()):
-        fail("mismatch", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the k highest "
-                         f"logits may be drawn.")
+        fail("top_k", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the k highest "
+                      f"logits may be drawn.")
     fail("mismatch", f"{what}: the draws do not follow softmax(logits / temperature): {_describe(freq, expected)}.")
 
 
@@ -725,8 +757,8 @@ def check_sampling(fn: Callable[..., Any]) -> str:
     _draw(fn, small[:1], "sample_next_token(logits of shape (1, 6), temperature=0)", temperature=0)
     greedy = _draw(fn, small, "sample_next_token(temperature=0)", temperature=0)
     if not torch.equal(greedy, small.argmax(-1)):
-        fail("mismatch", "With temperature=0 the sampler should be greedy and return the argmax of each row; "
-                         f"yours returned {greedy.tolist()}, expected {small.argmax(-1).tolist()}.")
+        fail("greedy", "With temperature=0 the sampler should be greedy and return the argmax of each row; "
+                       f"yours returned {greedy.tolist()}, expected {small.argmax(-1).tolist()}.")
     _check_distribution(fn, _BASE, 1.0, None)
     _check_distribution(fn, _BASE + 3.0, 1.0, None)   # all positive: raw logits would not crash multinomial
     _check_distribution(fn, _BASE, 0.5, None)
@@ -735,7 +767,7 @@ def check_sampling(fn: Callable[..., Any]) -> str:
     _check_distribution(fn, _BASE, 2.0, 2)
     top1 = _draw(fn, _BASE.repeat(50, 1), "sample_next_token(top_k=1)", top_k=1)
     if not torch.equal(top1, _BASE.argmax(-1).repeat(50)):
-        fail("mismatch", "With top_k=1 only the most likely token may be drawn; yours drew others.")
+        fail("top_k", "With top_k=1 only the most likely token may be drawn; yours drew others.")
     logits = _BASE.repeat(20, 1)
     runs = []
     for seed in (1, 2):

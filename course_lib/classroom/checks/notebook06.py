@@ -1,6 +1,7 @@
 """Exercises of notebook 06 (inference cost): 6.1 flops_per_token, 6.2 generate_with_cache."""
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import time
@@ -84,10 +85,12 @@ class _Count(FunctionExercise):
 def _ignores_weights(runs: list[Run], fn: Any) -> None:
     run = next(run for run in runs if not FLOPS_PER_TOKEN.same(run.out, run.expected))
     config, weights = run.case.args
-    if FLOPS_PER_TOKEN.same(call(fn, config, weights + 1000, what=run.case.what), run.out):
-        fail("mismatch", f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f}, "
-                         f"and gives the same number when num_weights changes: use the num_weights argument (N) "
-                         f"for the 6N term.")
+    # a count that follows the configuration but not num_weights: N counted from the config (a constant is not)
+    follows_config = len({float(r.out) for r in runs}) > 1
+    if follows_config and FLOPS_PER_TOKEN.same(call(fn, config, weights + 1000, what=run.case.what), run.out):
+        fail("weights_count", f"{run.case.what} returned {float(run.out):,.0f}, expected "
+                              f"{float(run.expected):,.0f}, and gives the same number when num_weights changes: use "
+                              f"the num_weights argument (N) for the 6N term.")
 
 
 def _slip(code: str, advice: str, count: Callable[[Any, int], float]) -> Mistake:
@@ -95,10 +98,9 @@ def _slip(code: str, advice: str, count: Callable[[Any, int], float]) -> Mistake
 
 
 # Known slips, named only when one explains every configuration (with L = 2, leaving out the layers and
-# counting one product per head give the same number); the message quotes the first wrong one. The
-# attention term is written from the parts of 12·n·H·Q·T so that each slip changes exactly one thing;
-# flops_factor: 2N or 4N where training costs 6N.
-_SLIPS = (
+# counting one product per head give the same number); the message quotes the first wrong one.
+# flops_factor: 2N or 4N where training costs 6N, or the attention term of the forward pass alone.
+_FACTOR_SLIPS = (
     _slip("flops_factor", "you count the forward pass only (2N + 4·n·H·Q·T). Training also runs the backward "
           "pass, which needs two matrix multiplies for every one of the forward pass: three times the forward "
           "in all, so 6N and 12·n·H·Q·T.", lambda c, n: 2 * n + 4 * _lhqt(c)),
@@ -110,31 +112,80 @@ _SLIPS = (
     _slip("flops_factor", "the weights' term is 4N: forward (2N) plus only one of the two backward matrix "
           "multiplies. The backward pass computes both dL/dX and dL/dW, 2N each: 6N in all.",
           lambda c, n: 4 * n + 12 * _lhqt(c)),
-    _slip("mismatch", "you count the weights (6N) but not attention. The scores QK^T and the weighted sum of the "
-          "values multiply activations by activations, so they are not in N: add 12·n·H·Q·T.",
+    _slip("attention_flops", "you count the weights (6N) but not attention. The scores QK^T and the weighted sum of "
+          "the values multiply activations by activations, so they are not in N: add 12·n·H·Q·T.",
           lambda c, n: 6 * n),
     _slip("flops_factor", "the attention term counts only the forward pass (4·n·H·Q·T). Backward costs twice the "
           "forward here too: 12·n·H·Q·T.", lambda c, n: 6 * n + 4 * _lhqt(c)),
-    _slip("mismatch", "the attention term counts one product per head. There are two: the scores (QK^T) and the "
-          "weighted sum of the values, 2·Q·T FLOPs each per token in the forward pass, so 12·n·H·Q·T with the "
-          "backward pass.", lambda c, n: 6 * n + 6 * _lhqt(c)),
-    _slip("mismatch", "the attention term leaves out the number of heads: each of the H heads has its own scores "
-          "and weighted sum. Use 12·n·H·Q·T (H·Q is embed_dim).",
-          lambda c, n: 6 * n + 12 * c.num_layers * c.head_dim * c.max_tokens),
-    _slip("mismatch", "the attention term multiplies the number of heads by embed_dim. Q is the size of ONE "
-          "head, config.head_dim = embed_dim // num_heads, so H·Q = embed_dim.",
-          lambda c, n: 6 * n + 12 * c.num_layers * c.num_heads * c.embed_dim * c.max_tokens),
-    _slip("mismatch", "the attention term leaves out the number of layers: every block has its own attention. "
-          "Multiply by L = config.num_layers.", lambda c, n: 6 * n + 12 * c.num_heads * c.head_dim * c.max_tokens),
-    _slip("mismatch", "the attention term has T twice. Per token, its query meets T keys (and T values): T "
-          "appears once. Per window of T tokens it is T², but this function counts per token.",
-          lambda c, n: 6 * n + 12 * _lhqt(c) * c.max_tokens),
-    _slip("mismatch", "the result is T = max_tokens times too large: that is the count for a whole window of T "
-          "tokens. The function returns FLOPs per token.", lambda c, n: (6 * n + 12 * _lhqt(c)) * c.max_tokens),
-    *(Mistake("mismatch", "{what} returned {got:g}, which is the right count in " + unit + ". Return plain FLOPs "
-                          "({expected:,.0f}); divide only when you print.",
-              output=_flops(lambda c, n, scale=scale: (6 * n + 12 * _lhqt(c)) / scale))
-      for unit, scale in (("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3))),
+)
+
+# The attention term 12·n·H·Q·T as a product of parts: each part's right value first, then the values students
+# write instead, with what to tell them. Every combination of wrong parts is one slip (attention_flops).
+_ATTENTION_PARTS: tuple[tuple[tuple[Callable[[Any], int], str], ...], ...] = (
+    ((lambda c: 12, ""),
+     (lambda c: 6, "the attention term counts one product per head. There are two: the scores (QK^T) and the "
+                   "weighted sum of the values, 2·Q·T FLOPs each per token in the forward pass, so 12·n·H·Q·T with "
+                   "the backward pass.")),
+    ((lambda c: c.num_layers, ""),
+     (lambda c: 1, "the attention term leaves out the number of layers: every block has its own attention. "
+                   "Multiply by L = config.num_layers.")),
+    ((lambda c: c.num_heads * c.head_dim, ""),
+     (lambda c: c.head_dim, "the attention term leaves out the number of heads: each of the H heads has its own "
+                            "scores and weighted sum. Use 12·n·H·Q·T (H·Q is embed_dim)."),
+     (lambda c: c.num_heads * c.embed_dim, "the attention term multiplies the number of heads by embed_dim. Q is "
+                                           "the size of ONE head, config.head_dim = embed_dim // num_heads, so "
+                                           "H·Q = embed_dim.")),
+    ((lambda c: c.max_tokens, ""),
+     (lambda c: c.max_tokens ** 2, "the attention term has T twice. Per token, its query meets T keys (and T "
+                                   "values): T appears once. Per window of T tokens it is T², but this function "
+                                   "counts per token."),
+     (lambda c: c.vocab_size, "the attention term uses vocab_size where the context T = config.max_tokens "
+                              "belongs: a query meets the T keys of its window, however large the vocabulary.")),
+)
+
+
+def _attention_slip(choice: tuple[tuple[Callable[[Any], int], str], ...]) -> Mistake:
+    def count(c: Any, n: int) -> float:
+        return 6 * n + math.prod(part(c) for part, _ in choice)
+    return _slip("attention_flops", " Also, ".join(said for _, said in choice if said), count)
+
+
+def _attention_slips() -> list[Mistake]:
+    choices = [choice for choice in itertools.product(*_ATTENTION_PARTS) if any(said for _, said in choice)]
+    return [_attention_slip(choice) for choice in sorted(choices, key=lambda c: sum(bool(said) for _, said in c))]
+
+
+def _unit_slip(window: bool, unit: str, scale: float) -> Mistake:
+    """A right count in another unit: per window of T tokens instead of per token, or in G/M/kFLOPs."""
+    count = _flops(lambda c, n: (6 * n + 12 * _lhqt(c)) * (c.max_tokens if window else 1) / scale)
+    if not window:
+        return Mistake("flops_units", "{what} returned {got:g}, which is the right count in " + unit + ". Return "
+                                      "plain FLOPs ({expected:,.0f}); divide only when you print.", output=count)
+    got = "{got:,.0f}" if scale == 1 else "{got:g}"
+    return Mistake("flops_units", "{what} returned " + got + ", expected {expected:,.0f}: the result is T = max_tokens "
+                                  "times too large: that is the count for a whole window of T tokens"
+                                  + (f", in {unit}" if scale != 1 else "") + ". The function returns plain FLOPs "
+                                  "per token.", output=count)
+
+
+_UNITS = (("FLOPs", 1.0), ("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3))
+
+# The weights' term with weights of its own added to the num_weights given (N leaves the embeddings out).
+_WEIGHTS_SLIPS = (
+    _slip("weights_count", "you add the token embeddings (vocab_size·embed_dim) to N. num_weights already is the "
+          "count to use: the embeddings are a lookup, not a matrix multiply. Use 6·num_weights.",
+          lambda c, n: 6 * (n + c.vocab_size * c.embed_dim) + 12 * _lhqt(c)),
+    _slip("weights_count", "you add the token and position embeddings to N. num_weights already is the count to "
+          "use: the embeddings are a lookup, not a matrix multiply. Use 6·num_weights.",
+          lambda c, n: 6 * (n + (c.vocab_size + c.max_tokens) * c.embed_dim) + 12 * _lhqt(c)),
+)
+
+_SLIPS = (
+    *_FACTOR_SLIPS,
+    *_attention_slips(),
+    *(_unit_slip(window, unit, scale) for window in (True, False) for unit, scale in _UNITS
+      if window or scale != 1),
+    *_WEIGHTS_SLIPS,
 )
 
 FLOPS_PER_TOKEN = _Count(
@@ -167,19 +218,45 @@ def _model(max_tokens: int, embed_dim: int, seed: int) -> nn.Module:
     return randomize_(model_ref.GPT(config), torch.Generator().manual_seed(seed)).eval()
 
 
+# Where a loop with a forward of its own puts each new token: (the position, given the tokens already in the
+# cache and the new token's index, what to tell the student). The right position is the cache's length.
+_POSITION_SLIPS: tuple[tuple[Callable[[int, int], int], str], ...] = (
+    (lambda cached, step: 0,
+     "the positions of the new tokens are not offset: each new token is encoded at position 0. It sits at position "
+     "cache length (the number of tokens already in the cache)."),
+    (lambda cached, step: cached + 1,
+     "each new token is encoded one position late: you read its position after appending it (idx.shape[1]). It "
+     "sits at position cache length, the number of tokens already in the cache."),
+    (lambda cached, step: step,
+     "the positions of the new tokens count from the first generated token, leaving out the prompt. A new token "
+     "sits at position cache length: the prompt's tokens come first."),
+)
+
+
 @torch.no_grad()
-def _without_offset(model: nn.Module, idx: torch.Tensor, new: int) -> torch.Tensor:
-    """Greedy decoding with a cache whose new tokens all sit at position 0 (the classic slip)."""
+def _with_positions(model: nn.Module, idx: torch.Tensor, new: int, position: Callable[[int, int], int]
+                    ) -> torch.Tensor:
+    """Greedy decoding with a cache whose new tokens are encoded at ``position(cached, step)`` (a slip)."""
     cache = model.new_cache()
     logits = model(idx, cache)
-    for _ in range(new):
+    for step in range(new):
         next_id = logits[:, -1].argmax(-1, keepdim=True)           # (N, 1)
         idx = torch.cat([idx, next_id], dim=1)
-        x = model.token_embedding(next_id) + model.position_encoding(1, 0)
+        x = model.token_embedding(next_id) + model.position_encoding(1, position(cache[0].length, step))
         for block, layer_cache in zip(model.blocks, cache):
             x = block(x, layer_cache)
         logits = model.head(model.ln_f(x))
     return idx
+
+
+def _draws_at_random(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, what: str) -> bool:
+    """Whether the student's tokens change with the global random state (a sampler where greedy is asked)."""
+    with torch.random.fork_rng():   # the student's draws leave the notebook's random state as it was
+        runs = []
+        for seed in range(4):
+            torch.manual_seed(seed)
+            runs.append(_run(fn, model, idx, new, what)[0])
+    return any(not (isinstance(r, torch.Tensor) and torch.equal(r, runs[0])) for r in runs[1:])
 
 
 def _explain_calls(calls: list[dict[str, Any]]) -> tuple[str, str] | None:
@@ -287,10 +364,17 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
                                  f"one position late. The prompt's call already gives the logits for the first new "
                                  f"token: take the argmax of its last position, then feed only the tokens you "
                                  f"generate.")
-            if torch.equal(got, _without_offset(model, idx, new)):
-                fail("mismatch", f"{what}: the positions of the new tokens are not offset: each new token is "
-                                 f"encoded at position 0. It sits at position cache length (the number of "
-                                 f"tokens already in the cache).")
+            for position, said in _POSITION_SLIPS:
+                try:
+                    slipped = _with_positions(model, idx, new, position)
+                except (ValueError, IndexError):   # positions past max_tokens: this slip cannot be what ran
+                    continue
+                if torch.equal(got, slipped):
+                    fail("positions", f"{what}: {said}")
+            if _draws_at_random(fn, model, idx, new, what):
+                fail("greedy", f"{what}: the tokens differ from greedy generation and change from one call to the "
+                               f"next: you draw them at random (torch.multinomial). This generation is greedy: take "
+                               f"the argmax of the last position's logits at every step.")
             step = int((got != expected).any(0).nonzero()[0]) - length
             fail("mismatch", f"{what}: the tokens differ from greedy generation without a cache from new token "
                              f"{step} on. Each step: argmax of the last position's logits, append it, feed only "

@@ -98,6 +98,36 @@ EXERCISE_ADVICE = {
     ("5.3", "dropout"): "A training step starts by putting the model in training mode.",
     ("7.2", "causal_mask"): "With no mask given, the queries are the last positions of the keys: the causal "
                             "mask's diagonal is shifted to the bottom-right corner.",
+    # issue 43: notebooks 04-06's named mistakes
+    ("4.1", "sincos_layout"): "Sines on the even dimensions, cosines on the odd ones, interleaved: dimensions 2i and "
+                              "2i+1 share one angle.",
+    ("4.1", "positions"): "Positions count from 0: row 0 of the table reads 0, 1, 0, 1, ...",
+    ("4.2", "sublayer_missing"): "A block is attention, then feed-forward: each sublayer's result is added to x.",
+    ("4.2", "norm_placement"): "Each sublayer has its own LayerNorm, ln1 with attention and ln2 with the "
+                               "feed-forward; pre-norm normalises the sublayer's input, post-norm the residual sum.",
+    ("4.3", "positions"): "The model adds a position encoding to every token embedding, continuing after the "
+                          "tokens already in a cache.",
+    ("4.3", "block_chain"): "The blocks run in turn, first to last, each on the previous block's output.",
+    ("4.3", "logits"): "The model returns logits; the loss and the sampler apply the softmax themselves.",
+    ("4.3", "scale"): "This GPT adds token and position embeddings as they are: no sqrt(embed_dim) factor.",
+    ("4.3", "context_limit"): "A sequence longer than max_tokens is an error the model raises; cropping is the "
+                              "caller's choice.",
+    ("5.1", "target_shift"): "The target at each position is the next token: targets are the inputs one step "
+                             "ahead, cut from a chunk of max_tokens + 1 tokens.",
+    ("5.2", "logits"): "F.cross_entropy takes raw logits and applies the log-softmax itself.",
+    ("5.2", "loss_reduction"): "The loss is the mean over the real targets: padding (-100) ignored, every target "
+                               "token weighing the same.",
+    ("5.3", "step_order"): "One step: zero_grad, forward, loss, backward once, step once; return the loss of that "
+                           "forward pass.",
+    ("5.4", "greedy"): "Only temperature=0 means argmax; otherwise draw from the softmax with torch.multinomial.",
+    ("5.4", "top_k"): "top_k keeps the k largest logits of each row (>= the k-th) and sets the others to -inf "
+                      "before the softmax.",
+    ("6.1", "attention_flops"): "Attention adds 12·n·H·Q·T per token: two products per head, in every layer, "
+                                "forward and backward, over the T keys of the window.",
+    ("6.1", "flops_units"): "Return plain FLOPs per token: no division into GFLOPs, no product over the window.",
+    ("6.1", "weights_count"): "N is the num_weights argument (embeddings left out): 6N uses it as given.",
+    ("6.2", "positions"): "With the cache, the model itself places each new token at position cache length.",
+    ("6.2", "greedy"): "Generation with the cache here is greedy: the argmax at every step, no sampling.",
 }
 
 
