@@ -58,6 +58,7 @@ def solutions():
     return collect_student_parts(ROOT / "notebooks")
 
 
+@pytest.mark.slow
 def test_correct_parts_train_exactly_like_the_reference(solutions):
     setup = _tiny_setup()
     reference = train_parts(solutions, [], setup, label="reference")
@@ -179,6 +180,7 @@ def test_the_side_by_side_figure_draws_both_runs(solutions):
         capstone.plot_side_by_side(yours, None)
 
 
+@pytest.mark.slow
 def test_names_are_sampled_one_per_boundary_token(solutions):
     ids = torch.tensor([0, 1, 2, 3, 0] * 400)                                  # ".abc." repeated: one name, "abc"
     config = GPTConfig(vocab_size=4, embed_dim=16, num_heads=2, num_layers=1, max_tokens=8)
@@ -196,6 +198,7 @@ def test_names_are_sampled_one_per_boundary_token(solutions):
     assert names == ["abc"] * 5, names
 
 
+@pytest.mark.slow
 def test_a_learner_copy_with_none_of_its_parts_is_not_implemented(solutions):
     """Issue 27: with the course's parts standing in for the student's, both runs are the same code;
     8.1 must say not_implemented (as the grader does), never a green 'trains like the reference'."""

@@ -89,6 +89,7 @@ def test_a_replacement_made_before_the_checks_were_imported_is_found(monkeypatch
     assert result.diagnosis == "patched", result
 
 
+@pytest.mark.slow
 def test_torch_wrapping_its_own_functions_is_not_a_replacement():
     import torch._dynamo  # noqa: F401  (wraps torch.manual_seed in torch's own code)
     compiled = torch.compile(lambda x: torch.softmax(x, -1) * 2)   # wraps nn.Module.__init__, __setstate__

@@ -179,7 +179,8 @@ def _start_training(tmp_path, corpus, *extra):
     return process, out
 
 
-@pytest.mark.parametrize("signum,status", [(15, 143), pytest.param(2, 130, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("signum,status", [(15, 143), (2, 130)])
 def test_sigterm_and_ctrl_c_stop_cleanly_with_a_loadable_checkpoint(tmp_path, corpus, signum, status):
     from course_lib.checkpoints import load_checkpoint
     process, out = _start_training(tmp_path, corpus)

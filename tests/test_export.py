@@ -102,6 +102,7 @@ MODERN_EXPORTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODERN_EXPORTS))
 def test_a_modern_run_exports_as_the_family_with_its_options_and_generates_the_same_text(tmp_path, name):
     changes, cls = MODERN_EXPORTS[name]

@@ -71,6 +71,7 @@ def assert_opens_in_transformers(tmp_path, model, tok) -> str:
     return done.hf_type
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_exports_or_names_the_ngram_option_no_architecture_has(tmp_path, name):
     tok = CharTokenizer.from_text(TEXT)

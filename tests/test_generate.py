@@ -49,7 +49,8 @@ def test_seeded_generator_reproduces_samples():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("prompt_length,new_tokens", [(1, 12), (5, 40), (16, 30)])
+@pytest.mark.parametrize("prompt_length,new_tokens", [(1, 12), pytest.param(5, 40, marks=pytest.mark.slow),
+                                                      pytest.param(16, 30, marks=pytest.mark.slow)])
 def test_cached_greedy_equals_uncached_greedy(prompt_length, new_tokens):
     # 40 new tokens on a context of 16 crosses the window rule several times
     model = model_with()

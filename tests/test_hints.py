@@ -74,6 +74,7 @@ def test_show_solution_waits_for_an_attempt(capsys):
     assert capsys.readouterr().out.count("# Solution of exercise 9.5 (repeat_kv)") == 2
 
 
+@pytest.mark.slow
 def test_most_forward_mistakes_of_the_banks_get_a_counterexample():
     """Mistakes the outputs show (not crashes, gradients, devices or training-only slips)."""
     shown = ("softmax_dim", "scale", "causal_mask", "normalization", "head_split", "rope_layout", "rope_rotation",

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "course_lib"
 WINGS = ("course_lib.runs", "course_lib.classroom")   # the wings the reference may not import
 
@@ -311,6 +313,7 @@ def test_no_notebook_learner_copy_or_module_imports_through_the_shim():
     assert not found, "imports through the old-path shim (course_lib/_moved.py):\n  " + "\n  ".join(found)
 
 
+@pytest.mark.slow
 def test_the_notebooks_imports_run_with_the_shim_switched_off():
     """Every course_lib import line of every notebook and learner copy, run with the shim's finder and the
     old names of model/train gone: none needs them."""

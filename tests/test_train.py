@@ -282,6 +282,7 @@ def test_a_nan_loss_stops_the_run_and_no_checkpoint_after_the_last_good_one(monk
     assert saved_steps == [10, 20]
 
 
+@pytest.mark.slow
 def test_run_preset_keeps_the_last_good_checkpoint_when_the_loss_turns_nan(tmp_path, monkeypatch):
     import course_lib.train as train_module
     corpus = tmp_path / "corpus.txt"
