@@ -32,8 +32,9 @@ JOBS ?= 2
 # Elsewhere the section says in one line that it was skipped.
 comma := ,
 EXTRAS := test$(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),$(comma)triton,)
+# --durations: the slowest cells, in every CI log (where the minutes go)
 NBVAL_OPTS := -p no:cacheprovider --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
-              --nbval-cell-timeout=1200
+              --nbval-cell-timeout=1200 --durations=15
 
 .PHONY: setup lab lab-solutions test lint unit tests-all notebooks learner-copies browser student bench doctor data clean
 .PHONY: outputs
