@@ -166,7 +166,10 @@ def test_ctrl_c_from_the_students_code_still_interrupts():
 
 
 def test_the_stop_button_interrupts_the_wait_and_leaves_no_child(short_limit):
-    # the kernel receives SIGINT while the child loops: the wait ends with KeyboardInterrupt, the child is gone
+    # the kernel receives SIGINT while the child loops: the wait ends with KeyboardInterrupt, the child is gone.
+    # A kernel's SIGINT raises KeyboardInterrupt; a test process may have inherited another disposition (SIG_IGN
+    # from a library's worker set-up), so the test sets the kernel's own.
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGALRM, lambda *a: os.kill(os.getpid(), signal.SIGINT))
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.3)
@@ -175,6 +178,7 @@ def test_the_stop_button_interrupts_the_wait_and_leaves_no_child(short_limit):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, interrupt)
     with pytest.raises(ChildProcessError):
         os.waitpid(-1, os.WNOHANG)   # no child left to reap
 
