@@ -370,9 +370,6 @@ def _ring(signum: int, frame: Any) -> None:
 # (to compare) run as before. A guard against the easy ways, not a wall: a copy of the reference's text is
 # flagged apart by the grader, which also refuses a student's name bound to the reference (``grading.judge``).
 
-# Where the course's references live, searched in this order for an exercise's name. A later notebook that
-# redefines an earlier one's name comes before it: 12.1's sliding_window_mask (with sinks) is variants', and
-# modern's window-only mask (notebook 09) is the student's to build on, not the reference.
 class CallsReference(BaseException):
     """The student's code handed the work to the course's own version of the exercise. A BaseException, so
     that ``except Exception`` in the student's code cannot swallow it."""
