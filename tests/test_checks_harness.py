@@ -36,6 +36,18 @@ def test_a_patched_reference_cannot_make_a_wrong_answer_pass(monkeypatch):
     assert attention.causal_mask is _wrong_mask   # the student's patch is back after the check
 
 
+def test_a_reference_rebound_before_the_first_check_is_still_guarded(monkeypatch):
+    # a notebook rebinds the course's name to its own function before checking that exercise at all: the guard
+    # still watches the course's own, which the student may call by another name
+    original = attention.causal_mask
+    run.reference_of.cache_clear()
+    monkeypatch.setattr(attention, "causal_mask", _wrong_mask)
+    assert checks.check_causal_mask(_wrong_mask).diagnosis == "causal_mask"
+    result = checks.check_causal_mask(lambda n: original(n))
+    assert (result.passed, result.diagnosis) == (False, "calls_reference"), result
+    assert run.reference_of("2.1") is original
+
+
 def test_a_patched_reference_cannot_make_a_right_answer_fail(monkeypatch):
     original = attention.causal_mask
     monkeypatch.setattr(attention, "causal_mask", _wrong_mask)

@@ -61,6 +61,12 @@ def bind_references() -> None:
             _PRISTINE.setdefault(obj, saved)
 
 
+def pinned_attribute(module: ModuleType, name: str) -> Any:
+    """``module.name`` as pinned, whatever a notebook has bound to that name since (None if it has none)."""
+    bind_references()   # a module imported just now is pinned as it is
+    return _PRISTINE.get(module, vars(module)).get(name)
+
+
 def install_references() -> None:
     """Put course_lib back as it was when checks was imported (the student's patches are saved)."""
     for obj, saved in _PRISTINE.items():

@@ -56,7 +56,7 @@ from ... import progress
 from ...exercises import BY_ID, EXERCISES
 from ...verdict import CheckResult, Failure
 from .. import _pinned as pinned
-from .._references import attributes, bind_references, install_references, restore_namespace
+from .._references import attributes, bind_references, install_references, pinned_attribute, restore_namespace
 from .._student_code import CALLS as STUDENT_CALLS
 from .._student_files import is_student_file, raised_in_student_code, student_frame
 from .autograd_errors import named_cause
@@ -382,7 +382,8 @@ class CallsReference(BaseException):
 @functools.cache
 def reference_of(exercise: str) -> Any:
     """The course's own object for ``exercise`` (a function or a class), where the table says it lives; or None.
-    Only that one module is imported (a check forks, so whatever it imports is imported again in every child)."""
+    Only that one module is imported (a check forks, so whatever it imports is imported again in every child).
+    Read as pinned: a notebook that rebinds the name before its first check must not become the reference."""
     where = next((e.reference for e in EXERCISES if e.id == exercise and e.has_solution), "")
     if not where:
         return None
@@ -391,7 +392,7 @@ def reference_of(exercise: str) -> Any:
         module = importlib.import_module(f"course_lib.{module_name}")
     except Exception:  # an optional module that cannot load here
         return None
-    found = getattr(module, name, None)
+    found = pinned_attribute(module, name)
     return found if callable(found) and getattr(found, "__module__", "").startswith("course_lib.") else None
 
 
