@@ -44,6 +44,12 @@ def _loadgroup(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        # one worker per core: with torch's default (a thread per core) in each, the workers' threads spin
+        # waiting for each other, and tests that train ran up to 10 times slower under load than alone.
+        # A test about threads sets its own count.
+        import torch
+        torch.set_num_threads(1)
     if not hasattr(config, "workerinput") and _loadgroup(config):   # the controller, before it starts workers
         os.environ[GROUPS_ENV] = str(Path(tempfile.mkdtemp(prefix="course-xdist-")) / "groups.json")
 

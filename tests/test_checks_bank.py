@@ -15,7 +15,7 @@ import pytest
 from bank import attention_bugs, flash_bugs, heads_bugs, model_bugs, modern_bugs, probe_bugs, variants_bugs
 
 from course_lib.classroom import checks, verdict
-from course_lib.classroom.checks.engine import PROBES, FunctionExercise
+from course_lib.classroom.checks.engine import PROBES, FunctionExercise, run
 from course_lib.classroom.exercises import BY_ID, EXERCISES
 
 BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs, probe_bugs)
@@ -41,21 +41,49 @@ def judged(attempt):
         return check(*answers, **getattr(attempt, "kwargs", {}))
 
 
+@pytest.fixture
+def in_process(monkeypatch):
+    """The bank is about verdicts, so it judges in this process, as the grader's sandbox and macOS do: a
+    forked child of a pytest worker costs several times the check itself. The child that a Linux kernel
+    uses is tested on its own (test_check_time_limit, test_checks_harness) and gives the bank's verdicts
+    below (test_a_forked_child_gives_the_banks_verdict)."""
+    monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")
+    assert not run.can_fork()
+
+
 @pytest.mark.parametrize("attempt", CORRECT, ids=[a.id for a in CORRECT])
-def test_correct_attempt_passes(attempt):
+def test_correct_attempt_passes(attempt, in_process):
     result = judged(attempt)
     assert result.passed, f"{attempt.id} rejected: {result}"
 
 
 @pytest.mark.parametrize("attempt", BUGGY, ids=[a.id for a in BUGGY])
-def test_buggy_attempt_gets_its_diagnosis(attempt):
-    result = judged(attempt)
+def test_buggy_attempt_gets_its_diagnosis(attempt, in_process):
+    assert_diagnosed(attempt, judged(attempt))
+
+
+def assert_diagnosed(attempt, result):
     assert not result.passed, f"{attempt.id} passed: {result}"
     assert result.diagnosis == attempt.expected, f"{attempt.id}: {result}"
     assert result.diagnosis in verdict.DIAGNOSES
     assert len(result.message) > 30 and "Traceback" not in result.message
     for word in getattr(attempt, "says", ()):   # the older banks name no words
         assert word.lower() in result.message.lower(), f"{attempt.id}: {word!r} not in {result.message!r}"
+
+
+# the first right and the first wrong attempt at every exercise, judged in a forked child as a Linux kernel does
+FORKED = [(next(a for a in attempts if a.exercise == exercise), attempts is CORRECT)
+          for attempts in (CORRECT, BUGGY) for exercise in sorted({a.exercise for a in attempts})]
+
+
+@pytest.mark.skipif(not run.can_fork(), reason="this platform has no forked child (engine.run)")
+@pytest.mark.parametrize("attempt, correct", FORKED, ids=[a.id for a, _ in FORKED])
+def test_a_forked_child_gives_the_banks_verdict(attempt, correct):
+    result = judged(attempt)
+    if correct:
+        assert result.passed, f"{attempt.id} rejected: {result}"
+    else:
+        assert_diagnosed(attempt, result)
 
 
 def test_every_attempt_is_at_an_exercise_of_the_table():
