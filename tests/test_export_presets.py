@@ -1,13 +1,11 @@
-"""Every preset's architecture opens in transformers, or is refused for the one thing no architecture has.
+"""Every preset's architecture opens in transformers.
 
 Each preset's model (random, not trained: nothing is downloaded or trained here) is saved as `train`
 saves it and exported; the folder loads with AutoModelForCausalLM and AutoTokenizer offline and gives
-the same logits and the same greedy text as the course model. A preset with hashed n-gram tables or a
-counted n-gram prior is refused in one line naming that option, and the same recipe without them exports.
+the same logits and the same greedy text as the course model. No preset has hashed n-gram tables or a
+counted n-gram prior, which no transformers architecture has (test_export: refused in one line naming it).
 """
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from course_lib.data import CharTokenizer
 from course_lib.generate import generate_text
 from course_lib.model import GPT
 from course_lib.modern_gpt import ARCHITECTURES
-from course_lib.runs.export import ExportRefused, export_run
+from course_lib.runs.export import export_run
 from course_lib.runs.presets import PRESETS
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
@@ -73,19 +71,9 @@ def assert_opens_in_transformers(tmp_path, model, tok) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_every_preset_exports_or_names_the_ngram_option_no_architecture_has(tmp_path, name):
+def test_every_preset_opens_in_transformers(tmp_path, name):
     tok = CharTokenizer.from_text(TEXT)
     model = preset_model(name, tok)
-    counted = [option for option in NGRAM_OPTIONS if getattr(model.config, option, 0)]
-    if not counted:
-        assert assert_opens_in_transformers(tmp_path, model, tok) == expected_type(model)
-        return
-    save_checkpoint(tmp_path / "run" / "checkpoint.pt", model, tok)
-    with pytest.raises(ExportRefused) as refused:
-        export_run(tmp_path / "run", tmp_path / "hf")
-    message = str(refused.value)
-    assert "\n" not in message and f"the run's {counted[0]}: no transformers architecture" in message
-    # the same recipe without the counted parts is a transformer, and opens
-    plain = preset_model(name, tok, **{option: 0 for option in counted}, prior_features=False)
-    assert dataclasses.replace(model.config, **{o: 0 for o in counted}, prior_features=False) == plain.config
-    assert assert_opens_in_transformers(tmp_path / "plain", plain, tok) == expected_type(plain)
+    # a counted or hashed n-gram model has no transformers architecture (refused in one line: test_export)
+    assert not [option for option in NGRAM_OPTIONS if getattr(model.config, option, 0)], model.config
+    assert assert_opens_in_transformers(tmp_path, model, tok) == expected_type(model)

@@ -50,22 +50,22 @@ def _variant(label: str, base: Preset, *, architecture: str | None = None, model
 def _ablation() -> list[Variant]:
     baseline, notebook05 = PRESETS["baseline_cpu"], PRESETS["shakespeare_char_cpu"]
     course = PRESETS["shakespeare_char_modern_cpu"]
-    # The modern recipe grew from GPT-2's parts at the modern recipe's width (notebook 05's recipe
-    # until it became narrower): the path starts there, so that each row changes one thing.
-    before = replace(notebook05, model=dict(notebook05.model, embed_dim=course.model["embed_dim"],
-                                            num_heads=course.model["num_heads"], activation="gelu",
-                                            input_init_std=GPT2_INIT_STD),
+    # The path was walked at width 192 with 6 heads (ReLU² hidden 3E = 576); its last main row narrows it to the
+    # recipe's width. It starts from GPT-2's parts at that width (notebook 05's recipe until it became
+    # narrower), so that each row changes one thing.
+    wide = dict(course.model, embed_dim=192, num_heads=6, hidden_dim=576)
+    before = replace(notebook05, model=dict(notebook05.model, embed_dim=wide["embed_dim"], num_heads=wide["num_heads"],
+                                            activation="gelu", input_init_std=GPT2_INIT_STD),
                      train=replace(notebook05.train, learning_rate=course.train.learning_rate, weight_decay=0.1))
 
-    # The rows before the counted model read 64 characters, 32 windows a step, as the recipe did then.
-    short = replace(course, model=dict(course.model, max_tokens=64, ngram_prior=0, prior_features=False),
-                    train=replace(course.train, batch_size=32))
+    # The rows before the longer context read 64 characters, 32 windows a step, as the recipe did then.
+    short = replace(course, model=dict(wide, max_tokens=64), train=replace(course.train, batch_size=32))
+    long = replace(course, model=wide)
 
-    def modern(**model: Any) -> dict[str, Any]:   # the recipe before the counted n-grams
+    def modern(**model: Any) -> dict[str, Any]:   # the recipe at 64 characters
         return dict(short.model, **model)
     first = dict(muon_momentum=0.95)   # the momentum before its own row
     hashed = dict(hashed_ngrams=4, ngram_buckets=8192)   # the hashed n-gram embeddings of 2026-11-26
-    counted = dict(short.model, ngram_prior=course.model["ngram_prior"])
     no_qk_norm = "Muon momentum 0.9 instead of 0.95"   # the control's changes, on notebook 09's parts
     return [
         Variant("baseline_cpu (4 layers of 128, AdamW)", baseline),
@@ -76,22 +76,22 @@ def _ablation() -> list[Variant]:
         _variant("+ RoPE, RMSNorm, SwiGLU (notebook 09's parts)", short,
                  model=modern(mlp="swiglu", hidden_dim=None, tie_weights=True, qk_norm=False), **first),
         _variant("ReLU² (hidden 4E) instead of SwiGLU", short,
-                 model=modern(hidden_dim=4 * course.model["embed_dim"], tie_weights=True, qk_norm=False), **first),
+                 model=modern(hidden_dim=4 * wide["embed_dim"], tie_weights=True, qk_norm=False), **first),
         _variant("ReLU² hidden 3E instead of 4E", short, model=modern(tie_weights=True, qk_norm=False), **first),
         _variant("untied output head", short, model=modern(qk_norm=False), **first),
         _variant(no_qk_norm, short, model=modern(qk_norm=False)),
         _variant("+ QK-norm", short, model=modern()),
         _variant("hashed 2- to 4-gram embeddings (the recipe on 2026-11-26, side)", short, model=modern(**hashed),
                  side=True),
-        _variant("+ a counted 7-gram model added to the logits", short, model=counted),
-        _variant("+ the network reads its probabilities", short, model=dict(counted, prior_features=True)),
-        _variant("+ context 256, 8 windows a step (shakespeare_char_modern_cpu)", course),
-        _variant("hashed 2- to 4-gram embeddings as well (tried, not kept)", course,
-                 model=dict(course.model, **hashed), side=True),
+        _variant("+ context 256, 8 windows a step", long),
+        # Not a transformer: counts under the network (the recipe from 2026-11-26 to 2026-11-28)
+        _variant("a counted 7-gram model under the logits, its probabilities read too (side, not a transformer)",
+                 long, model=dict(wide, ngram_prior=7, prior_features=True), side=True),
+        _variant("+ width 128, 4 heads, hidden 384 (shakespeare_char_modern_cpu)", course),
         _variant("warmup 30 steps instead of 100 (tried, not kept)", course, warmup_steps=30, side=True),
         # The control: every change but notebook 09's parts and the n-grams, on GPT-2's (GELU feed-forward of 3E).
         # It is compared with the row that has the same changes on notebook 09's parts, so that its difference is
-        # what those parts buy, not what QK-norm, the counts and the context buy as well.
+        # what those parts buy, not what QK-norm and the context buy as well.
         _variant("control: GPT-2 parts, every other change but QK-norm and the n-grams", short, architecture="gpt",
                  model=dict(before.model, mlp_ratio=3, tie_weights=False), side=True, against=no_qk_norm),
     ]
