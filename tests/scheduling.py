@@ -8,7 +8,9 @@
   worker waits long for the other at the end. A module's tests stay together and in their order, so that
   one process never builds a module fixture twice either.
 
-Neither changes what a test runs or asserts; only where and when.
+- Each worker runs torch on one thread: two workers on two cores, not four threads spinning for two.
+
+None of these changes what a test runs or asserts; only where, when and on how many threads.
 
 xdist's own loadgroup reads ``xdist_group`` marks by renaming each test's node id, which pytest 9 no
 longer allows (the marks are ignored there); so the workers, which see each test's fixtures, write the
