@@ -114,10 +114,10 @@ PRESETS: dict[str, Preset] = {
         # SwiGLU or 4x; an untied head, Muon momentum 0.9 and QK-norm add the rest (QK-norm won in each
         # of three seeds, by 0.002 to 0.014). It reads 256 characters (8 windows a step, the same characters
         # as 32 of 64). A pure transformer, so it exports to transformers (as Qwen 3: QK-norm). Width 128 with
-        # 4 heads, not 192 with 6: a step takes half the time, and in a budget of one and a half to two and a half minutes more
-        # steps of a smaller model learn more (1.513 against 1.547 in 140 s; widths 96 and 160, 3 layers, 2
-        # heads and a 4x feed-forward all did worse). A counted n-gram model under the logits (ngram_prior)
-        # scores lower still, but is not a transformer; PERFORMANCE.md has it as a side row.
+        # 4 heads, not 192 with 6: a step takes half the time, and in a budget of 90 to 140 seconds more steps
+        # of a smaller model learn more (1.513 against 1.547 in 140 s; widths 96 and 160, 3 layers, 2 heads
+        # and a 4x feed-forward all did worse). A counted n-gram model under the logits (ngram_prior) scores
+        # lower still, but is not a transformer; `bench ablation` has it as a side row.
         Preset("shakespeare_char_modern_cpu",
                "the fastest CPU recipe: notebook 09's parts (RoPE, RMSNorm, ReLU², QK-norm) and Muon, 2 layers "
                "of 128",
