@@ -49,7 +49,9 @@ def test_a_step_is_torch_optim_muons_step(monkeypatch, nesterov):
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz",
                         lambda grad, coefficients, steps, eps: orthogonalize(grad, steps))
     torch.manual_seed(0)
-    weights = [torch.randn(12, 20), torch.randn(30, 10)]   # wide and tall: the learning rate's scale differs
+    # wide and tall, so the learning rate's scale differs; a (20, 12) and a second (12, 20) share a batch with
+    # the first (12, 20), so each must still get the update it would get alone
+    weights = [torch.randn(12, 20), torch.randn(30, 10), torch.randn(20, 12), torch.randn(12, 20)]
     ours = [torch.nn.Parameter(w.clone()) for w in weights]
     theirs = [torch.nn.Parameter(w.clone()) for w in weights]
     options = dict(lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
