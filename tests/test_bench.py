@@ -203,7 +203,7 @@ def test_ablation_command_prints_every_change_of_the_recipe(corpus, capsys, monk
     out = capsys.readouterr().out
     for variant in one_sequence:
         assert variant.label in out
-    assert "the best row is" in out
+    assert "the last main row is" in out
 
 
 def test_a_row_that_names_another_is_compared_with_that_row(capsys):
@@ -214,8 +214,20 @@ def test_a_row_that_names_another_is_compared_with_that_row(capsys):
                     first_windows=64, budget_seconds=1.0, setup_seconds=0.0, **more)
     print_ablation([row("base", 2.0), row("start", 1.9), row("parts", 1.7), row("more", 1.5),
                     row("control", 1.75, side=True, against="parts"), row("tried", 1.52, side=True)])
-    bought = {line.split()[0]: line.split()[4] for line in capsys.readouterr().out.splitlines()[5:9]}
+    out = capsys.readouterr().out
+    bought = {line.split()[0]: line.split()[4] for line in out.splitlines()[5:9]}
     assert bought == {"parts": "+0.200", "more": "+0.200", "control": "-0.050", "tried": "-0.020"}
+    assert "the last main row is 0.500 below the baseline;" in out and "lowest row" not in out
+
+
+def test_the_summary_gives_the_recipes_lead_and_names_a_side_row_that_ends_lower(capsys):
+    from course_lib.runs.ablation import print_ablation
+    rows = [dict(label=label, seconds_per_step=0.1, steps=10, val_loss=loss, val_loss_on_first_windows=loss,
+                 first_windows=64, budget_seconds=1.0, setup_seconds=0.0, side=side)
+            for label, loss, side in (("base", 2.0, False), ("recipe", 1.7, False), ("counted", 1.6, True))]
+    print_ablation(rows)
+    out = capsys.readouterr().out
+    assert "the last main row is 0.300 below the baseline; the lowest row, 'counted', is 0.400 below it" in out
 
 
 def test_a_row_cannot_name_a_row_that_does_not_come_before_it():

@@ -208,8 +208,13 @@ def print_ablation(rows: Sequence[dict[str, Any]]) -> None:
             losses[row["label"]] = row["val_loss"]
             if not row.get("side"):
                 previous = row["val_loss"]
-    lead = rows[0]["val_loss"] - min(r["val_loss"] for r in rows[1:]) if len(rows) > 1 else 0.0
+    # the recipe is the last main row; a side row (a counted model, say) may end lower, and is named then
+    main = [row for row in rows[1:] if not row.get("side")]
+    best = min(rows[1:], key=lambda row: row["val_loss"], default=None)
+    leads = f"; the last main row is {rows[0]['val_loss'] - main[-1]['val_loss']:.3f} below the baseline" if main else ""
+    if best is not None and (not main or best is not main[-1]):
+        leads += f"; the lowest row, {best['label']!r}, is {rows[0]['val_loss'] - best['val_loss']:.3f} below it"
     named = "".join(f", {row['label']!r} with {row['against']!r}" for row in rows if row.get("against"))
-    print(f"(bought: the main row above minus this row; side rows are compared with the main row above them{named}; "
-          f"the best row is {lead:.3f} below the baseline; {windows or 'at'}: the same model scored on the baseline's "
-          f"windows, since a longer context lowers the loss by itself)")
+    print(f"(bought: the main row above minus this row; side rows are compared with the main row above them{named}"
+          f"{leads}; {windows or 'at'}: the same model scored on the baseline's windows, since a longer context "
+          f"lowers the loss by itself)")

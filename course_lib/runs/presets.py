@@ -113,7 +113,7 @@ PRESETS: dict[str, Preset] = {
         # positions and LayerNorm; a ReLU² feed-forward of 3x the width runs more steps in the time than
         # SwiGLU or 4x; an untied head, Muon momentum 0.9 and QK-norm add the rest (QK-norm won in each
         # of three seeds, by 0.002 to 0.014). It reads 256 characters (8 windows a step, the same characters
-        # as 32 of 64). A pure transformer, so it exports to transformers (as Qwen 3: QK-norm). Width 128 with
+        # as 32 of 64). A pure transformer, so it exports to transformers (as Apertus: ReLU² and QK-norm). Width 128 with
         # 4 heads, not 192 with 6: a step takes half the time, and in a budget of 90 to 140 seconds more steps
         # of a smaller model learn more (1.513 against 1.547 in 140 s; widths 96 and 160, 3 layers, 2 heads
         # and a 4x feed-forward all did worse). A counted n-gram model under the logits (ngram_prior) scores
