@@ -50,10 +50,10 @@ def _variant(label: str, base: Preset, *, architecture: str | None = None, model
 def _ablation() -> list[Variant]:
     baseline, notebook05 = PRESETS["baseline_cpu"], PRESETS["shakespeare_char_cpu"]
     course = PRESETS["shakespeare_char_modern_cpu"]
-    # The path was walked at width 192 with 6 heads (ReLU² hidden 3E = 576); its last main row narrows it to the
-    # recipe's width. It starts from GPT-2's parts at that width (notebook 05's recipe until it became
-    # narrower), so that each row changes one thing.
-    wide = dict(course.model, embed_dim=192, num_heads=6, hidden_dim=576)
+    # The path was walked at width 192 with 6 heads (ReLU² hidden 3E = 576); its last main rows narrow it to the
+    # recipe's width, then trade ReLU² for SwiGLU of the same weights. It starts from GPT-2's parts at that width
+    # (notebook 05's recipe until it became narrower), so that each row changes one thing.
+    wide = dict(course.model, embed_dim=192, num_heads=6, mlp="relu2", hidden_dim=576)
     before = replace(notebook05, model=dict(notebook05.model, embed_dim=wide["embed_dim"], num_heads=wide["num_heads"],
                                             activation="gelu", input_init_std=GPT2_INIT_STD),
                      train=replace(notebook05.train, learning_rate=course.train.learning_rate, weight_decay=0.1))
@@ -87,7 +87,9 @@ def _ablation() -> list[Variant]:
         # Not a transformer: counts under the network (the recipe from 2026-11-26 to 2026-11-28)
         _variant("a counted 7-gram model under the logits, its probabilities read too (side, not a transformer)",
                  long, model=dict(wide, ngram_prior=7, prior_features=True), side=True),
-        _variant("+ width 128, 4 heads, hidden 384 (shakespeare_char_modern_cpu)", course),
+        _variant("+ width 128, 4 heads, ReLU² hidden 384", course, model=dict(course.model, mlp="relu2", hidden_dim=384)),
+        _variant("+ SwiGLU of hidden 256 instead of ReLU² of 384, the same weights (shakespeare_char_modern_cpu)",
+                 course),
         _variant("warmup 30 steps instead of 100 (tried, not kept)", course, warmup_steps=30, side=True),
         # The control: every change but notebook 09's parts and the n-grams, on GPT-2's (GELU feed-forward of 3E).
         # It is compared with the row that has the same changes on notebook 09's parts, so that its difference is

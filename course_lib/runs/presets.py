@@ -110,19 +110,20 @@ PRESETS: dict[str, Preset] = {
         # Notebook 09's parts and Muon, at the baseline's own wall time (PERFORMANCE.md: "what each change bought",
         # `bench ablation`): Muon for the blocks' matrices reaches a given loss in far fewer steps than
         # AdamW, which more than pays for its extra cost per step; RoPE and RMSNorm replace learned
-        # positions and LayerNorm; a ReLU² feed-forward of 3x the width runs more steps in the time than
-        # SwiGLU or 4x; an untied head, Muon momentum 0.9 and QK-norm add the rest (QK-norm won in each
-        # of three seeds, by 0.002 to 0.014). It reads 256 characters (8 windows a step, the same characters
-        # as 32 of 64). A pure transformer, so it exports to transformers (as Apertus: ReLU² and QK-norm). Width 128 with
-        # 4 heads, not 192 with 6: a step takes half the time, and in a budget of 90 to 140 seconds more steps
-        # of a smaller model learn more (1.513 against 1.547 in 140 s; widths 96 and 160, 3 layers, 2 heads
-        # and a 4x feed-forward all did worse). A counted n-gram model under the logits (ngram_prior) scores
-        # lower still, but is not a transformer; `bench ablation` has it as a side row.
+        # positions and LayerNorm; an untied head, Muon momentum 0.9 and QK-norm add the rest (QK-norm won in
+        # each of three seeds, by 0.002 to 0.014). It reads 256 characters (8 windows a step, the same
+        # characters as 32 of 64). Width 128 with 4 heads, not 192 with 6: a step takes half the time, and in
+        # a budget of 90 to 140 seconds more steps of a smaller model learn more (1.513 against 1.547 in 140 s;
+        # widths 96 and 160, 3 layers and 2 heads all did worse). SwiGLU of hidden 256, not ReLU² of 384 (the
+        # same weights, the same time a step): 0.002 to 0.016 lower on each of three seeds at 1,200 steps.
+        # A pure transformer, so it exports to transformers (as Qwen 3: SwiGLU and QK-norm). A counted n-gram
+        # model under the logits (ngram_prior) scores lower still, but is not a transformer; `bench ablation`
+        # has it as a side row.
         Preset("shakespeare_char_modern_cpu",
-               "the fastest CPU recipe: notebook 09's parts (RoPE, RMSNorm, ReLU², QK-norm) and Muon, 2 layers "
+               "the fastest CPU recipe: notebook 09's parts (RoPE, RMSNorm, SwiGLU, QK-norm) and Muon, 2 layers "
                "of 128",
                "tinyshakespeare",
-               dict(max_tokens=256, embed_dim=128, num_heads=4, num_layers=2, mlp="relu2", hidden_dim=384,
+               dict(max_tokens=256, embed_dim=128, num_heads=4, num_layers=2, mlp="swiglu", hidden_dim=256,
                     qk_norm=True, dropout_rate=0.0, tie_weights=False),
                TrainConfig(steps=5000, batch_size=8, learning_rate=3e-3, min_learning_rate=1e-4,
                            warmup_steps=100, beta2=0.99, weight_decay=0.1, eval_interval=500,
