@@ -88,9 +88,9 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
             # Matrices of one shape, device and dtype (a tall one counted by its wide side) are orthogonalised
-            # in one batch: on the course's CPU recipe that is 2 batches instead of 12 matrices, and the
-            # optimiser's share of a step fell from 22 ms to 9.7 ms (PERFORMANCE.md). Each matrix's result is
-            # the one it gets alone.
+            # in one batch: on the course's CPU recipe that is 2 batches instead of 14 matrices. Measured with the
+            # 12 matrices it had with ReLU², the optimiser's share of a step fell from 22 ms to 9.7 ms
+            # (PERFORMANCE.md). Each matrix's result is the one it gets alone.
             batches: dict[tuple[Any, ...], list[tuple[nn.Parameter, torch.Tensor]]] = {}
             for p in group["params"]:
                 if p.grad is None:

@@ -66,7 +66,6 @@ def test_a_step_is_torch_optim_muons_step(monkeypatch, nesterov):
         assert torch.allclose(a, b, atol=1e-6)
 
 
-
 def test_matrices_of_one_shape_in_other_dtypes_each_get_their_own_update():
     # one batch holds one dtype: a float64 matrix beside a float32 one of the same shape is stepped apart
     torch.manual_seed(0)
@@ -81,6 +80,7 @@ def test_matrices_of_one_shape_in_other_dtypes_each_get_their_own_update():
         Muon([p], lr=0.05).step()
     for a, b in zip(together, alone):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
 
 def test_a_torch_optim_muon_state_resumes_in_ours():
     # checkpoints written before the course had its own Muon hold torch.optim.Muon's state

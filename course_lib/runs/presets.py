@@ -113,9 +113,10 @@ PRESETS: dict[str, Preset] = {
         # positions and LayerNorm; an untied head, Muon momentum 0.9 and QK-norm add the rest (QK-norm won in
         # each of three seeds, by 0.002 to 0.014). It reads 256 characters (8 windows a step, the same
         # characters as 32 of 64). Width 128 with 4 heads, not 192 with 6: a step takes half the time, and in
-        # a budget of 90 to 140 seconds more steps of a smaller model learn more (1.513 against 1.547 in 140 s;
-        # widths 96 and 160, 3 layers and 2 heads all did worse). SwiGLU of hidden 256, not ReLU² of 384 (the
-        # same weights, the same time a step): 0.002 to 0.016 lower on each of three seeds at 1,200 steps.
+        # a budget of 90 to 140 seconds more steps of a smaller model learn more (with ReLU², 1.513 against
+        # 1.547 in 140 s; widths 96 and 160, 3 layers and 2 heads all did worse). SwiGLU of hidden 256, not
+        # ReLU² of 384 (the same weights, the same time a step): 0.002 to 0.016 lower on each of three seeds
+        # at 1,200 steps.
         # A pure transformer, so it exports to transformers (as Qwen 3: SwiGLU and QK-norm). A counted n-gram
         # model under the logits (ngram_prior) scores lower still, but is not a transformer; `bench ablation`
         # has it as a side row.
