@@ -5,14 +5,17 @@ so a student reading the traceback knows which line of theirs to change.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterable, Sequence
 from numbers import Integral, Real
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def _then(hint: str) -> str:
@@ -229,3 +232,15 @@ def instance(name: str, value: Any, types: type | tuple[type, ...], what: str, *
         return value
     raise TypeError(f"{name}: expected {what}, got {type(value).__name__ if brief else describe(value)}"
                     f"{_then(hint)}")
+
+
+def config_from_dict(cls: type[T], values: Any) -> T:
+    """A config dataclass rebuilt from its ``to_dict()``: a dict whose every key is a field of ``cls``
+    (missing ones take their defaults, so a config saved before a field was added still loads)."""
+    if not isinstance(values, dict):
+        raise TypeError(f"values: expected a dict from {cls.__name__}.to_dict(), got {describe(values)}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known fields are {sorted(known)}")
+    return cls(**values)

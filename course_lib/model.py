@@ -187,11 +187,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"GPTConfig: unknown field(s) {unknown}; known fields are {sorted(known)}")
-        return cls(**values)
+        return validate.config_from_dict(cls, values)
 
 
 def gpt2_init(module: nn.Module) -> None:

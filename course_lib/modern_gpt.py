@@ -132,13 +132,7 @@ class ModernGPTConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModernGPTConfig:
-        if not isinstance(values, dict):
-            raise TypeError(f"values: expected a dict from ModernGPTConfig.to_dict(), got {validate.describe(values)}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"ModernGPTConfig: unknown field(s) {unknown}; known fields are {sorted(known)}")
-        return cls(**values)
+        return validate.config_from_dict(cls, values)
 
 
 # ---------------------------------------------------------------- building the parts

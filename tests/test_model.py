@@ -144,6 +144,8 @@ def test_config_round_trip():
     assert GPTConfig.from_dict(c.to_dict()) == c
     with pytest.raises(ValueError, match="unknown field"):
         GPTConfig.from_dict({**c.to_dict(), "n_embd": 3})
+    with pytest.raises(TypeError, match=r"values: expected a dict from GPTConfig.to_dict\(\), got"):
+        GPTConfig.from_dict([("embed_dim", 32)])
 
 
 @pytest.mark.parametrize("overrides,match", [
