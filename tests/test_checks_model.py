@@ -234,6 +234,8 @@ def test_check_trains_like_reference_returns_judges_verdict(capsys):
     assert checks.check_trains_like_reference(runs[1], reference, tolerance=0.2).passed
     wrong = checks.check_trains_like_reference("not a run", reference)   # answers, never raises
     assert not wrong.passed and wrong.exercise == "8.1" and "TrainingRun" in wrong.message
+    swapped = checks.check_trains_like_reference(reference, runs[2])      # the failed run passed second
+    assert swapped.diagnosis == "exception" and "your run first" in swapped.message
     state = _core.hint_state("8.1")
     state.shown, state.step, state.followed = 0, 0, None
     # after the failed check, the first hint answers that verdict; the next ones are the spec's, in order

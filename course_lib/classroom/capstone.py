@@ -7,7 +7,7 @@ sees the same batches in the same order, so two runs differ only by the parts th
 
 ``judge`` (from ``training_runs``) says whether the student's GPT trains like the reference
 (exercise 8.1), and ``find_blame`` adds the student's parts one at a time, in the order they compose, and names
-the first after which the loss turns NaN, diverges or stalls.
+the first after which the loss turns NaN, diverges, falls far below the reference's or stalls.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class Blame:
 
     exercise: str
     name: str
-    verdict: str            # "nan", "diverges", "stalls" or "raises"
+    verdict: str            # "nan", "diverges", "below", "stalls" or "raises"
     run: TrainingRun
     checker: CheckResult | None
     notebook: str = ""      # where the part is written, to say where to fix it
@@ -70,6 +70,7 @@ class Blame:
         steps = len(self.run.step)
         how = {"nan": f"the loss becomes NaN at step {steps}",
                "diverges": "the loss ends well above the reference's",
+               "below": "the loss ends far below the reference's, as a model that sees the future does",
                "stalls": "the loss stops going down",
                "raises": f"training fails ({self.run.failure})"}[self.verdict]
         text = f"Exercise {self.exercise} ({self.name}): with {self.whose} {self.name}, {how}."

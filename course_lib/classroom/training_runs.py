@@ -62,6 +62,10 @@ def how_it_fails(run: TrainingRun, reference: TrainingRun, tolerance: float) -> 
         return "stalls"
     if last > reference.final_val_loss + tolerance:
         return "diverges"
+    if last < reference.final_val_loss - tolerance:
+        # equal parts give equal numbers: a loss far below the reference's is a model that sees what it
+        # predicts (a causal mask that leaks the future, targets equal to the inputs), not a better one
+        return "below"
     return None
 
 
@@ -91,6 +95,11 @@ def judge(yours: TrainingRun, reference: TrainingRun, tolerance: float = TOLERAN
                "raises": f"Training your GPT failed: {yours.failure}.",
                "stalls": "Your GPT's loss does not go down.",
                "diverges": (f"Your GPT ends at validation loss {yours.final_val_loss:.3f}, the reference at "
-                            f"{reference.final_val_loss:.3f}: more than {tolerance} behind.")}[verdict]
+                            f"{reference.final_val_loss:.3f}: more than {tolerance} behind."),
+               "below": (f"Your GPT ends at validation loss {yours.final_val_loss:.3f}, the reference at "
+                         f"{reference.final_val_loss:.3f}: more than {tolerance} BELOW it. Parts that compute what "
+                         f"the reference computes give its numbers up to rounding, so this is not a better model: "
+                         f"it sees what it predicts, as a causal mask that lets the future through does, or "
+                         f"targets that are not shifted.")}[verdict]
     diagnosis = {"nan": "nan", "raises": "exception"}.get(verdict, "mismatch")
     return CheckResult("8.1", False, diagnosis, message + " find_blame(...) names the part.")

@@ -35,6 +35,9 @@ def check_trains_like_reference(yours: Any, reference: Any, tolerance: float | N
             # judge raises on this; a checker answers instead (a wrong argument is the learner's slip)
             fail("exception", f"`{name}` should be a TrainingRun, the result of capstone.train_parts(...), "
                               f"got {type(run).__name__}.")
+    if reference.failure is not None and yours.failure is None:
+        fail("exception", f"The run passed as `reference` failed ({reference.failure}) and the one passed as `yours` "
+                          f"did not: the order is check_trains_like_reference(yours, reference), your run first.")
     verdict = judge(yours, reference, TOLERANCE if tolerance is None else tolerance)
     if not verdict.passed:
         # the harness builds the same CheckResult (8.1, not passed, judge's diagnosis and message)
