@@ -139,6 +139,10 @@ def test_a_dtype_written_into_the_code_is_found(exercise):
         return   # a mask, token ids, a count: the default dtype never enters
 
     result = _check(declaration, lambda *args, **kwargs: _each(attempt(*args, **kwargs), torch.Tensor.float))
+    if not any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in declaration.cases()[0].args):
+        # nothing to take a dtype from (4.1's two ints) and no dtype asked: float32 is as right as the default
+        assert result.passed, result
+        return
     assert (result.passed, result.diagnosis) == (False, "dtype"), result
     assert "float64" in result.message
 

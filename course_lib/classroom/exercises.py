@@ -23,7 +23,9 @@ class Exercise:
     8.1 assembles the parts written before), and ``reference``: where the course's own version lives,
     ``"module.name"`` under ``course_lib`` (``"attention.toy_attention"``; 7.2's is ``"hf.course_attention_forward"``),
     or ``""`` where there is none (a prediction, a function of a layer). The reference guard imports exactly that
-    module: a check of notebook 01 never loads transformers to find out that 1.1 has no course version."""
+    module: a check of notebook 01 never loads transformers to find out that 1.1 has no course version.
+    ``same_work``: other course functions, in the same form, that do the exercise's whole work under another
+    name (1.3 is ``attention_weights(q, k, mask) @ v``): calling one is handing the work over too."""
 
     id: str
     name: str
@@ -32,15 +34,17 @@ class Exercise:
     has_solution: bool = True
     hints: tuple[str, ...] = ()
     reference: str = ""
+    same_work: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"\d+\.\d+", self.id):
             raise ValueError(f"id: expected an exercise id such as '2.1', got {self.id!r}")
         if not 2 <= len(self.hints) <= 3:
             raise ValueError(f"exercise {self.id}: hints: expected two or three, got {len(self.hints)}")
-        if self.reference and not re.fullmatch(r"[a-z_]+(\.[a-z_]+)*\.[A-Za-z_]\w*", self.reference):
-            raise ValueError(f"exercise {self.id}: reference: expected 'module.name' under course_lib, got "
-                             f"{self.reference!r}")
+        for where in (self.reference, *self.same_work):
+            if where and not re.fullmatch(r"[a-z_]+(\.[a-z_]+)*\.[A-Za-z_]\w*", where):
+                raise ValueError(f"exercise {self.id}: reference: expected 'module.name' under course_lib, got "
+                                 f"{where!r}")
 
     @property
     def notebook(self) -> str:
@@ -79,7 +83,8 @@ EXERCISES: tuple[Exercise, ...] = (
         'weights @ values works for values of shape (n,) and (n, dv) alike.',
     )),
     Exercise('1.3', 'scaled_dot_product_attention', 'scaled_dot_product_attention',
-             'check_scaled_dot_product_attention', reference='attention.scaled_dot_product_attention', hints=(
+             'check_scaled_dot_product_attention', reference='attention.scaled_dot_product_attention',
+             same_work=('attention.attention_weights',), hints=(
         'The same three steps as toy attention, for whole batches of queries: the scores have shape (..., '
         'Lq, Lk).',
         'Transpose only the last two axes of k, divide the scores by sqrt(d) with d = q.shape[-1], and '
@@ -190,7 +195,7 @@ EXERCISES: tuple[Exercise, ...] = (
         'return 6 * num_weights + 12 * L * H * Q * T, with each letter taken from config.',
     )),
     Exercise('6.2', 'generate_with_cache', 'generate_with_cache', 'check_kv_cache',
-             reference='generate.generate_with_cache', hints=(
+             reference='generate.generate_with_cache', same_work=('generate.generate',), hints=(
         'One cache for the whole generation: cache = model.new_cache(), before the loop.',
         'Feed the prompt once with the cache; afterwards feed ONLY the newest token (shape (N, 1)) with '
         'the same cache: the model continues its positions after the cached ones.',

@@ -7,7 +7,7 @@ words the message must contain.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -18,6 +18,7 @@ class Attempt:
     candidate: Any
     expected: str | None                 # the diagnosis code, None for a correct attempt
     says: tuple[str, ...] = ()           # words the message must contain (case-insensitive)
+    kwargs: dict = field(default_factory=dict)   # the checker's options (norm_first=False)
 
     @property
     def id(self) -> str:
@@ -29,15 +30,15 @@ def new_bank() -> tuple[list[Attempt], list[Attempt], Callable[..., Any], Callab
     buggy: list[Attempt] = []
     good: list[Attempt] = []
 
-    def bug(exercise: str, expected: str, *says: str) -> Callable[[Any], Any]:
+    def bug(exercise: str, expected: str, *says: str, **kwargs: Any) -> Callable[[Any], Any]:
         def register(candidate: Any) -> Any:
-            buggy.append(Attempt(exercise, candidate.__name__, candidate, expected, says))
+            buggy.append(Attempt(exercise, candidate.__name__, candidate, expected, says, kwargs))
             return candidate
         return register
 
-    def correct(exercise: str) -> Callable[[Any], Any]:
+    def correct(exercise: str, **kwargs: Any) -> Callable[[Any], Any]:
         def register(candidate: Any) -> Any:
-            good.append(Attempt(exercise, candidate.__name__, candidate, None))
+            good.append(Attempt(exercise, candidate.__name__, candidate, None, (), kwargs))
             return candidate
         return register
 

@@ -96,7 +96,8 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
             else:
                 m_new = torch.maximum(m, block.amax(-1))
             old = torch.where(torch.isinf(m) & torch.isinf(m_new), torch.zeros_like(m), m - m_new)
-            factor = {"ok": torch.exp(old), "none": torch.ones_like(m), "inverted": torch.exp(-old)}[rescale]
+            factor = {"ok": torch.exp(old), "none": torch.ones_like(m), "inverted": torch.exp(-old),
+                      "block": torch.exp(block.amax(-1) - m_new)}[rescale]
             total = total * factor + torch.exp(block - m_new[..., None]).sum(-1)
             m = m_new
             if normalize == "every":     # each block normalised with the statistics seen so far
@@ -119,8 +120,9 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
     ``maximum`` as in ``softmax_variant`` ("zero", "none", "shared" one maximum for all rows of a query block);
     those run in q's own dtype, where exp overflows or underflows as the student's does. ``k_bounds``: "overlap"
     (k[ks : ks + B + 1]), "short" (the last key never read), "stop_early" (range(0, Lk - B, B)); ``mask``: "local"
-    (positions counted inside the block, every block masked) or "local_diagonal" (only blocks that cross the
-    diagonal); ``always_causal``: masked even when causal=False; ``values="keys"``: p @ k; ``normalize``:
+    (positions counted inside the block, every block masked), "local_diagonal" (only blocks that cross the
+    diagonal) or "diagonal" (each query hidden from its own key too); ``skip="first_query"``: the key loop stops
+    at the block's first query; ``always_causal``: masked even when causal=False; ``values="keys"``: p @ k; ``normalize``:
     "every" (acc / l after each block) or "unrenormalised" (acc += p @ v / l_new, the old part never rescaled
     by l_old / l_new)."""
     causal = (causal and not ignore_causal) or always_causal
@@ -141,7 +143,8 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
             if last_block == "dropped" and k_end - k_start < block_k:
                 continue
             if causal:
-                if not {"ok": k_start <= q_end - 1, "index": j <= i, "strict": k_start < q_start}[skip]:
+                if not {"ok": k_start <= q_end - 1, "index": j <= i, "strict": k_start < q_start,
+                        "first_query": k_start <= q_start}[skip]:
                     continue
             kb, vb = k[..., k_start:k_end, :], (k if values == "keys" else v)[..., k_start:k_end, :]
             if last_block == "padded" and k_end - k_start < block_k:   # zeros appended, never masked
@@ -152,7 +155,7 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
                 local = mask.startswith("local")          # positions counted from the block's corner
                 rows = torch.arange(0 if local else q_start, (0 if local else q_start) + s.shape[-2])[:, None]
                 cols = torch.arange(0 if local else k_start, (0 if local else k_start) + s.shape[-1])[None, :]
-                s = s.masked_fill(cols > rows, float("-inf"))
+                s = s.masked_fill(cols >= rows if mask == "diagonal" else cols > rows, float("-inf"))
             if maximum == "none":        # exp(s) itself: overflows past 88 in float32
                 m_new = torch.zeros_like(m)
             elif maximum == "shared":    # s.max() without dim=-1: one maximum for every row of the block
@@ -197,6 +200,12 @@ FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code
     ("block_skip", "you skip the diagonal block (the key block that crosses the diagonal): its keys up to each "
                    "query are needed. Skip only blocks whose first key is after the block's last query.",
      {"skip": "strict"}),
+    ("block_skip", "your key loop stops at the query block's FIRST query (range(0, q_start + 1, block_k)): the "
+                   "block's later queries need the keys up to the block's LAST query. Stop at q_end: a key "
+                   "block is needed while its first key is not after q_end - 1.", {"skip": "first_query"}),
+    ("causal_mask", "your mask hides each query's own key too (cols >= rows): a query may see the keys up to AND "
+                    "including its own position, so mask only cols > rows. The first query then has no key at "
+                    "all, and 0/0 is NaN.", {"mask": "diagonal"}),
     ("causal_mask", "`causal` is ignored: with causal=True, query i may only see keys 0..i; skip the key blocks "
                     "after the query block and mask inside the blocks that cross the diagonal.",
      {"ignore_causal": True}),
@@ -253,12 +262,14 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
                      block_q: int, block_k: int, *, delta: str = "ok", ds_scale: bool = True,
                      dv_transposed: bool = False, dk_transposed: bool = False, mask: str = "ok",
                      dq_scale: bool = True, dk_scale: bool = True, dp: str = "ok", always_causal: bool = False,
-                     values: str = "v") -> tuple[torch.Tensor, ...]:
+                     values: str = "v", recompute: str = "ok", twice: bool = False) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) of attention in float64 by the recomputation formulas, block by block, with the named slips
     switched on. A transposed product (P @ dO for P^T @ dO) only fits square blocks; elsewhere it raises.
     ``delta`` also "everything" (one D for all queries, heads and batches), "key_block" (rowsum(P * dP) over one
     key block) and "query_block" (one D per query block); ``dp="no_transpose"``: dO @ V (fits only dv == block_k);
-    ``always_causal``: the recomputed weights masked although the forward was not; ``values="keys"``: dP = dO K^T."""
+    ``always_causal``: the recomputed weights masked although the forward was not; ``values="keys"``: dP = dO K^T;
+    ``recompute="unscaled"``: P = exp(q k^T - lse), the scale left out; ``twice``: dQ and dK scaled by 1/d;
+    ``delta="outside"``: dS = P * dP - D in every block computed."""
     q, k, v, do = q.double(), k.double(), v.double(), grad_out.double()
     scale = q.shape[-1] ** -0.5
     s = q @ k.transpose(-2, -1) * scale
@@ -267,6 +278,8 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
     lse = torch.logsumexp(masked, -1, keepdim=True)
     if always_causal and not causal:      # the forward's lse is unmasked; the recomputation masks
         p = torch.exp(s.masked_fill(future, float("-inf")) - lse)
+    elif recompute == "unscaled":         # the forward's lse is of the scaled scores; these are not scaled
+        p = torch.exp((masked if mask == "ok" else s) / scale - lse)
     else:
         p = torch.exp((masked if mask == "ok" else s) - lse)
     if causal and mask == "diagonal":     # unmasked inside the computed blocks; the future blocks are skipped
@@ -281,9 +294,14 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
          }.get(delta, (do * out).sum(-1, keepdim=True))
     if delta in ("key_block", "query_block") or dp != "ok":
         ds = _blocked_ds(p, do, v, out, d, block_q, block_k, delta, dp)
+    elif delta == "outside":              # D outside the product: nonzero wherever a block is computed
+        rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+        last_query = torch.clamp((rows // block_q + 1) * block_q, max=q.shape[-2]) - 1
+        computed = (cols // block_k) * block_k <= last_query if causal else torch.ones_like(future)
+        ds = torch.where(computed, p * dp_all - d, torch.zeros_like(p))
     else:
         ds = p * (dp_all - d)
-    factor = scale if ds_scale else 1.0
+    factor = (scale ** 2 if twice else scale) if ds_scale else 1.0
     dq = ds @ k * factor * (1.0 if dq_scale else 1 / scale)
     dk = ds.transpose(-2, -1) @ q * factor * (1.0 if dk_scale else 1 / scale)
     dv = p.transpose(-2, -1) @ do
@@ -340,6 +358,12 @@ BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code,
      {"delta": "key_block"}),
     ("backward_delta", "D is one number for a whole query block: it is one number per query, D = rowsum(dO * O) "
                        "= (dO * O).sum(dim=-1), not summed over the block's rows too.", {"delta": "query_block"}),
+    ("backward_delta", "D is subtracted outside the product with P (dS = P * dP - D): dS = P * (dP - D), P "
+                       "multiplies both terms, so a key with no weight gets no gradient.", {"delta": "outside"}),
+    ("scale", "the recomputed scores are not scaled: P = exp(S - lse) needs S = q k^T / sqrt(d), as in the "
+              "forward, whose lse was taken over the scaled scores.", {"recompute": "unscaled"}),
+    ("scale", "dQ and dK are scaled by 1/d, the scale twice: the chain rule through S = q k^T / sqrt(d) brings "
+              "1/sqrt(d) once, dQ = dS @ K / sqrt(d) and dK = dS^T @ Q / sqrt(d).", {"twice": True}),
     ("scale", "the scale 1/sqrt(d) is missing from dK (dQ has it): the scores are q k^T / sqrt(d), so dK = "
               "dS^T @ Q / sqrt(d) as dQ = dS @ K / sqrt(d).", {"dk_scale": False}),
     ("scale", "the scale 1/sqrt(d) is missing from dQ (dK has it): the scores are q k^T / sqrt(d), so dQ = "

@@ -143,6 +143,9 @@ ROTARY: tuple[Mistake, ...] = (
     _rotary("rope_positions", "you ignore `offset`: the rows of the tables for x are offset .. offset+L-1 (with a KV "
                               "cache, the new tokens come after the cached ones), not 0 .. L-1.", offset="zero"),
     _rotary("rope_positions", "your rows are one position too far: take cos[offset : offset + L].", offset="plus_one"),
+    _rotary("rope_positions", "every token is turned by the one row cos[offset] (and sin[offset]): token m of x "
+                              "sits at position offset + m, so take the L rows cos[offset : offset + L].",
+            offset="one_row"),
     _rotary("rope_positions", "you take the LAST L rows of the tables (cos[-L:]): row m is position m, so the rows "
                               "for x are offset .. offset+L-1, cos[offset : offset + L].", offset="end"),
     _rotary("rope_rotation", "only the first half of the head turns: both halves of each pair change, x * cos + "
@@ -166,6 +169,10 @@ ROTARY: tuple[Mistake, ...] = (
 def rotary_variant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, *,
                    spec: dict[str, Any]) -> torch.Tensor:
     """apply_rotary with the slips of ``spec`` switched on: ``offset`` and ``rotate``'s kind and axis."""
+    if spec.get("offset") == "one_row":   # every token turned to position `offset` alone
+        rows = x.shape[-2]
+        cos, sin = cos[offset:offset + 1].expand(rows, -1), sin[offset:offset + 1].expand(rows, -1)
+        return rotate(x, cos, sin, 0, kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
     used = {"ok": offset, "zero": 0, "plus_one": offset + 1,
             "end": cos.shape[0] - x.shape[-2]}[spec.get("offset", "ok")]
     return rotate(x, cos, sin, used, kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
@@ -248,7 +255,7 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     queries' alone) "ok"/"zero"/"after_append"; mask "causal"/"none"/"top_left"/"top_left_chunks"/
     "none_cached"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"; split and merge "ok"/
     "no_transpose"/"bare"; value "value"/"key"; qk_norm "ok"/"none"/"after_rope"/"q_only"; softmax "keys"/
-    "queries"; theta (tables rebuilt with this theta); flat False/True (the flat projection turned with tiled
+    "queries"/"heads"; theta (tables rebuilt with this theta); flat False/True (the flat projection turned with tiled
     tables, before the head split).
     """
     p = setup.params
@@ -295,7 +302,7 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         scores = q @ all_k.transpose(-2, -1) * scale                             # (N, heads, L, total)
         allowed = _allowed(spec.get("mask", "causal"), start, length, total, setup.window,
                            spec.get("window", "ok"), cached)
-        axis = -2 if spec.get("softmax") == "queries" else -1
+        axis = {"queries": -2, "heads": 1}.get(spec.get("softmax"), -1)   # scores (N, heads, L, T)
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(axis)
         out = _merge(weights @ all_v, spec.get("merge", "ok"))                  # (N, L, heads * head_dim)
         outputs += [out @ p["proj.weight"].T]                                    # (N, L, E)
@@ -339,6 +346,10 @@ FULL_PASS: tuple[Mistake, ...] = (
     Mistake("softmax_dim", "Your softmax runs over the queries (dim=-2): each KEY's weights sum to one. Each "
                            "query's weights over the keys must sum to one: softmax over the last axis, dim=-1.",
             {"softmax": "queries"}),
+    Mistake("softmax_dim", "Your softmax runs over the heads (dim=1 of the (N, heads, L, T) scores): a masked "
+                           "position is -inf in every head, so its column is all -inf and gives NaN. Each query's "
+                           "weights over the keys must sum to one: softmax over the last axis, dim=-1.",
+            {"softmax": "heads"}),
     Mistake("rope_frequencies", "You rebuild the RoPE tables in forward with theta=10000 (the default), ignoring "
                                 "the module's rope_theta: use the tables the constructor built, self.rope_cos and "
                                 "self.rope_sin.", {"theta": 10000.0}),

@@ -23,18 +23,20 @@ from ..exercises import Mistake
 
 
 def score(weights: torch.Tensor, back: int, first: int, *, divide: str = "count", keep: str = "heads",
-          wrap: bool = False, right: int | None = None) -> torch.Tensor:
+          wrap: bool = False, right: int | None = None, most: int | None = None) -> torch.Tensor:
     """The mean of weights[n, h, i, i - back] over n and i = first .. L-1 (where i - back is a position).
 
     ``wrap``: a negative key i - back is read as Python reads it, from the end of the row (key L + i - back),
     instead of the query being skipped. ``divide``: "count" (a mean of the entries read), "nominal" (the sum
     divided by the number of queries first .. L-1, skipped ones too), "right" (divided by ``right``, the number
     of entries the right score averages), "length" (by L), "none" (a sum). ``keep``: the axis left, "heads"
-    (right) or "batch" (the batch and head axes taken the other way).
+    (right) or "batch" (the batch and head axes taken the other way). ``most``: only the first ``most`` queries
+    (a diagonal cut with [..., :most]).
     """
     length = weights.shape[-1]
     begin = max(first, 0) if wrap else max(first, back, 0)
     last = min(length, length + back)                     # a negative `back` looks ahead: stop before L
+    last = last if most is None else min(last, begin + most)
     if begin >= last:
         entries = weights[..., :0, 0]                     # (N, heads, 0): nothing to average
     else:
@@ -60,9 +62,10 @@ def variant(weights: torch.Tensor, half: int | None = None, *, spec: dict[str, A
     if half is not None and spec.get("half_of_length"):
         half = weights.shape[-1] // 2
     back, first = _right(weights, half)
+    back = -back if spec.get("ahead") else back   # the diagonal as far above the main one as it should be below
     return score(weights, back + spec.get("shift", 0), first + spec.get("first_shift", 0),
                  divide=spec.get("divide", "count"), keep=spec.get("keep", "heads"), wrap=spec.get("wrap", False),
-                 right=weights.shape[-1] - first)
+                 right=weights.shape[-1] - first, most=half if spec.get("first_half_entries") else None)
 
 
 _EITHER = (
@@ -100,6 +103,14 @@ INDUCTION_MISTAKES = (
     Mistake("score_positions", "you include query half - 1, the last query of the FIRST half (the diagonal "
                                "at offset -(half - 1) starts there). Only queries i = half .. L-1 have an "
                                "earlier copy to look at: drop the first entry of that diagonal.", {"first_shift": -1}),
+    Mistake("score_offset", "you read the diagonal ABOVE the main one (offset +(half - 1), key i + half - 1): "
+                            "keys after the query, which a causal mask keeps at zero. The earlier copy is behind "
+                            "the query: diagonal(offset=-(half - 1), ...) (a negative offset is below).",
+            {"ahead": True}),
+    Mistake("score_positions", "you keep the first `half` entries of the diagonal ([..., :half]): that includes "
+                               "query half - 1, the last of the FIRST half, and drops the last query. Drop the "
+                               "first entry instead, [..., 1:]: the queries i = half .. L-1.",
+            {"first_shift": -1, "first_half_entries": True}),
     Mistake("score_positions", "you average over every query, counting the ones of the first half as zeros "
                                "(a sum over the second half divided by L). Average over the second-half "
                                "queries i = half .. L-1 only.", {"divide": "length"}),

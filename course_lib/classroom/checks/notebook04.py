@@ -29,13 +29,14 @@ __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
 # ---------------------------------------------------------------- 4.1 sinusoidal_table
 
 def _table(max_tokens: int, embed_dim: int, *, frequency: torch.Tensor | None = None, first: str = "sin",
-           layout: str = "interleave", offset: int = 0) -> torch.Tensor:
-    """A family of tables: the reference and the ways students get it wrong."""
+           layout: str = "interleave", offset: int = 0, both: bool = False) -> torch.Tensor:
+    """A family of tables: the reference and the ways students get it wrong (``both``: one function twice)."""
     half = embed_dim // 2
     if frequency is None:
         frequency = 10000.0 ** (-torch.arange(0, embed_dim, 2, dtype=torch.float64)[:half] / embed_dim)
     angles = (torch.arange(max_tokens, dtype=torch.float64)[:, None] + offset) * frequency   # (T, d/2)
     a, b = (angles.sin(), angles.cos()) if first == "sin" else (angles.cos(), angles.sin())
+    b = a if both else b
     if layout == "interleave":
         return torch.stack([a, b], dim=-1).flatten(1)   # (T, d): a b a b ...
     return torch.cat([a, b], dim=-1)                    # (T, d): a a ... b b ...
@@ -96,7 +97,22 @@ _TABLE_MISTAKES = (
                        + ("." if layout == "interleave" else " (and the sines and cosines should interleave)."),
               output=_wavelength(frequency, layout))
       for frequency, why in _FREQUENCIES for layout in ("interleave", "concat")),
+    *(Mistake("sincos_layout", f"every column holds the {name} of its angle: dimension 2i is the sine and "
+                               f"dimension 2i+1 the COSINE of the same angle, so row 0 (position 0) reads 0, 1, 0, "
+                               f"1, ...", output=lambda t, d, f=f: _table(t, d, first=f, layout="interleave",
+                                                                           both=True))
+      for name, f in (("sine", "sin"), ("cosine", "cos"))),
+    Mistake("scale", "each column uses its own index j in the exponent, pos / 10000^(j/d): the two columns of a "
+                     "pair share one angle, so dimensions 2i and 2i+1 both use 10000^(2i/d).",
+            output=lambda t, d: _per_column(t, d)),
 )
+
+
+def _per_column(max_tokens: int, embed_dim: int) -> torch.Tensor:
+    """Column j at the angle pos / 10000^(j/d) (its own index, not its pair's): sine if j is even, else cosine."""
+    j = torch.arange(embed_dim, dtype=torch.float64)
+    angles = torch.arange(max_tokens, dtype=torch.float64)[:, None] / 10000.0 ** (j / embed_dim)   # (T, d)
+    return torch.where(j % 2 == 0, angles.sin(), angles.cos())
 
 
 def _table_layout(case: Case, out: Any) -> None:
@@ -237,6 +253,15 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
                             "attention step (the two sublayers run in parallel). Feed the updated x forward.",
                 output=(lambda x, a, m, l1, l2: x + a(l1(x)) + m(l2(x))) if norm_first
                 else (lambda x, a, m, l1, l2: l2(l1(x + a(x)) + m(x)))),
+        Mistake("residual", "the feed-forward's output is added to the block's input x, not to the output of the "
+                            "attention step, so the attention's update is lost. Add each sublayer's output to the "
+                            "x it updates: x = x + attn(...), then x = x + mlp(...).",
+                output=(lambda x, a, m, l1, l2: x + m(l2(x + a(l1(x))))) if norm_first
+                else (lambda x, a, m, l1, l2: l2(x + m(l1(x + a(x)))))),
+        Mistake("residual", "the feed-forward reads the attention's output alone, not the updated x (the input "
+                            "plus the attention's output). Each sublayer reads the residual stream.",
+                output=(lambda x, a, m, l1, l2: (h := a(l1(x))) + x + m(l2(h))) if norm_first
+                else (lambda x, a, m, l1, l2: l2(l1(x + (h := a(x))) + m(h)))),
     ]
     if norm_first:
         return [
@@ -258,6 +283,10 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
                                 "adding. The residual stream carries the un-normalised x; normalise only what goes "
                                 "into each sublayer.",
                     output=_residual_of_normalised),
+            Mistake("norm_placement", "ln2 normalises the block's output instead of the feed-forward's input: in "
+                                      "pre-norm each LayerNorm sits inside its sublayer, x + mlp(ln2(x)), and the "
+                                      "block returns the sum un-normalised.",
+                    output=lambda x, a, m, l1, l2: l2((h := x + a(l1(x))) + m(h))),
         ] + common
     return [
         Mistake("norm_placement", "you normalise the input of each sublayer (pre-norm, GPT-2). This block is post-norm "
@@ -273,6 +302,13 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
         Mistake("residual", "neither sublayer has a residual connection: each LayerNorm should see x plus the "
                             "sublayer's output.",
                 output=lambda x, a, m, l1, l2: l2(m(l1(a(x))))),
+        Mistake("norm_placement", "you add the sublayer's output to the NORMALISED input (ln1(x) + attn(x)). "
+                                  "Post-norm adds first and normalises the sum: x = ln1(x + attn(x)), then "
+                                  "ln2(x + mlp(x)).",
+                output=lambda x, a, m, l1, l2: l2(h := l1(x) + a(x)) + m(h)),
+        Mistake("norm_placement", "both LayerNorms are applied at the end, one after the other. Post-norm "
+                                  "normalises after each sublayer: x = ln1(x + attn(x)), then ln2(x + mlp(x)).",
+                output=lambda x, a, m, l1, l2: l2(l1((h := x + a(x)) + m(h)))),
     ] + common
 
 
@@ -398,15 +434,19 @@ def _gpt_config(**overrides: Any):
 def _gpt_variants(ref: nn.Module) -> list[Mistake]:
     """The GPT's known mistakes, each the reference's forward with one thing changed, on the student's weights:
     the positions (left out, from 1), the embeddings' scale, the chain of blocks, the final LayerNorm."""
-    def run(idx, *, start=0, positions=True, ln_f=True, scale=1.0, both=False, blocks=None, summed=False):
+    def run(idx, *, start=0, positions=True, ln_f=True, scale=1.0, both=False, blocks=None, summed=False,
+            reverse=False):
         x = ref.token_embedding(idx) * scale
         if positions:
-            x = x + ref.position_encoding(idx.shape[1], start) * (scale if both else 1.0)
+            table = ref.position_encoding(idx.shape[1], start)
+            x = x + (table.flip(0) if reverse else table) * (scale if both else 1.0)
+        if ln_f == "first":   # the final LayerNorm before the blocks, none after
+            x = ref.ln_f(x)
         if summed:   # every block reads the embeddings, their outputs added up
             x = sum(block(x) for block in ref.blocks)
         for block in (ref.blocks if blocks is None else blocks):
             x = block(x)
-        return ref.head(ref.ln_f(x) if ln_f else x)
+        return ref.head(ref.ln_f(x) if ln_f is True else x)
 
     blocks, root = list(ref.blocks), math.sqrt(ref.config.embed_dim)
     positions = [
@@ -418,6 +458,9 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
         Mistake("positions", "your positions start at 1: the first token sits at position 0, "
                              "self.position_encoding(L) (or start=0).",
                 output=lambda idx: run(idx, start=1)),   # raises (passed over) at the full length
+        Mistake("positions", "your positions run backwards (the last token gets position 0): token l gets the "
+                             "encoding of position l, self.position_encoding(L) row by row as it is.",
+                output=lambda idx: run(idx, reverse=True)),
     ]
     scales = [
         Mistake("scale", "you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds "
@@ -450,6 +493,9 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
             Mistake("final_norm", "the final LayerNorm self.ln_f is missing: apply it after the last block, before "
                                   "the output head.",
                     output=lambda idx: run(idx, ln_f=False)),
+            Mistake("final_norm", "the final LayerNorm self.ln_f is applied before the blocks, not after them: the "
+                                  "blocks run on the embeddings, then ln_f, then the head.",
+                    output=lambda idx: run(idx, ln_f="first")),
             *positions[1:], *scales, *chains]
 
 
@@ -524,8 +570,9 @@ def _check_cache_path(candidate: nn.Module, reference: nn.Module, idx: torch.Ten
     return " The cached path gives the same logits too."
 
 
-def _check_gpt_training(candidate: nn.Module, idx: torch.Tensor, rate: float) -> None:
-    """Training mode, by behaviour: finite logits, no dropout on the logits, dropout after the embeddings."""
+def _check_gpt_training(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor, rate: float) -> None:
+    """Training mode, by behaviour: finite logits, no dropout on the logits, dropout after the embeddings and
+    only there (with the blocks in eval mode and one seed, the reference's dropout zeroes the same numbers)."""
     what = f"your GPT in training mode (dropout_rate={rate}) on idx of shape {tuple(idx.shape)}"
     with torch.no_grad():
         eval_logits = call(candidate, idx, what=what.replace("training", "eval"))
@@ -551,8 +598,36 @@ def _check_gpt_training(candidate: nn.Module, idx: torch.Tensor, rate: float) ->
             if isinstance(blocks, nn.Module) and torch.equal(without_blocks, eval_logits):
                 fail("dropout", f"{what}: no dropout after the embeddings: x = self.dropout(token embeddings + "
                                 f"positions) before the first block.")
+            if isinstance(blocks, nn.Module) and not close(_seeded(candidate, idx, what), _seeded(reference, idx)):
+                fail("dropout", f"{what}: with the blocks in eval mode and one random seed, your dropout zeroes "
+                                f"other numbers than the reference's: it is applied somewhere else, or twice. It "
+                                f"acts once, on the sum x = self.dropout(token embeddings + positions), before the "
+                                f"first block: not on the token embeddings alone, not between or after the blocks.")
         finally:
             candidate.eval()
+            reference.eval()
+
+
+def _seeded(model: nn.Module, idx: torch.Tensor, what: str = "") -> Any:
+    """The model's logits in training mode with its blocks in eval mode, after one fixed seed: only the
+    dropout outside the blocks draws, so two models that drop the same tensor give the same logits."""
+    model.train()
+    model.blocks.eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        return call(model, idx, what=what) if what else model(idx)
+
+
+def _full_length_call(candidate: nn.Module, idx: torch.Tensor, max_tokens: int, what: str) -> Any:
+    """The GPT on idx; raising on exactly max_tokens tokens (the shorter shapes ran first) is the limit off by one."""
+    try:
+        return call(candidate, idx, what=what)
+    except Failure as failure:
+        if failure.diagnosis != "exception" or idx.shape[1] != max_tokens:
+            raise
+        fail("context_limit", f"{what}: your GPT raised on exactly max_tokens={max_tokens} tokens, though shorter "
+                              f"sequences ran. max_tokens tokens fit (positions 0 .. {max_tokens - 1}); refuse only "
+                              f"a longer sequence (L > max_tokens, not >=). {failure.message}")
 
 
 def _gpt_example(cls: Any, *_: Any, **__: Any) -> Any:
@@ -585,7 +660,7 @@ def check_gpt(cls: Any) -> str:
         idx = torch.randint(0, vocab, (batch, length), generator=generator)
         what = f"your GPT on idx of shape {tuple(idx.shape)}"
         with torch.no_grad():
-            got = call(candidate, idx, what=what)
+            got = _full_length_call(candidate, idx, config.max_tokens, what)
             if isinstance(got, tuple) and got and isinstance(got[0], torch.Tensor):
                 fail("dtype", f"{what} returned a tuple of {len(got)}; return only the logits tensor "
                               f"(N, L, vocab_size). The loss is computed outside the model, by lm_loss.")
@@ -600,7 +675,7 @@ def check_gpt(cls: Any) -> str:
                 _diagnose_gpt(candidate, reference, idx, got, what)
     idx = torch.randint(0, vocab, (2, config.max_tokens), generator=generator)
     check_module_gradients(candidate, reference, idx, what=f"your GPT on idx of shape {tuple(idx.shape)}")
-    _check_gpt_training(candidate, torch.randint(0, vocab, (4, config.max_tokens), generator=generator),
+    _check_gpt_training(candidate, reference, torch.randint(0, vocab, (4, config.max_tokens), generator=generator),
                         config.dropout_rate)
     too_long = torch.randint(0, vocab, (1, config.max_tokens + 1), generator=generator)
     try:

@@ -222,6 +222,14 @@ def _loss_error(failure: Failure, case: Case, out: Any, fn: Any) -> None:
                                               "(N*L, V) and targets to (N*L,)."))
 
 
+def _position_means(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss averaged over the batch at each position, then over the positions that hold a real target."""
+    per = _per_token(logits, targets).view(targets.shape)                   # (N, L)
+    real = (targets != IGNORE).double()
+    counts = real.sum(0)
+    return ((per * real).sum(0)[counts > 0] / counts[counts > 0]).mean()
+
+
 def _per_token(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none")
 
@@ -260,6 +268,19 @@ LM_LOSS = FunctionExercise(
                                   "loss (F.cross_entropy ignores it by default, unless you change ignore_index or the "
                                   "targets).",
                 output=lambda x, y: F.cross_entropy(x.flatten(0, 1), y.flatten().clamp(min=0))),
+        Mistake("loss_reduction", "you average each position over the batch first, then the positions: every "
+                                  "target token should weigh the same, so average over all real targets at once.",
+                output=lambda x, y: _position_means(x, y)),
+        Mistake("loss_reduction", "you ignore the targets equal to 0 (ignore_index=0): token 0 is a real token. "
+                                  "Padding is -100, which F.cross_entropy ignores by default.",
+                output=lambda x, y: None if bool((y == IGNORE).any())   # -100 is then out of bounds: raises
+                else F.cross_entropy(x.flatten(0, 1), y.flatten(), ignore_index=0)),
+        Mistake("target_shift", "you shift the logits and targets again (logits[:, :-1] against targets[:, 1:]): "
+                                "the targets lm_windows made are already the next tokens, one step ahead of the "
+                                "inputs, so each position is now scored against the token two ahead. Compare "
+                                "logits[:, t] with targets[:, t].",
+                output=lambda x, y: F.cross_entropy(x[:, :-1].flatten(0, 1), y[:, 1:].flatten(), ignore_index=IGNORE)
+                if x.shape[1] > 1 else None),
         Mistake("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you pass (N, L, V) as "
                          "it is, so it takes the positions for the classes. Flatten to (N*L, V) and (N*L,), or move "
                          "the vocabulary to dimension 1.",
@@ -627,12 +648,18 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
     fail("mismatch", f"{what}: the draws do not follow softmax(logits / temperature): {_describe(freq, expected)}.")
 
 
-def _check_generator_is_used(fn: Callable[..., Any], logits: torch.Tensor) -> None:
-    """With a generator, the draws come from it: its state advances and the global RNG is left alone."""
-    what = "sample_next_token(generator=...)"
+def _check_generator_is_used(fn: Callable[..., Any], logits: torch.Tensor, **options: Any) -> None:
+    """With a generator, the draws come from it: its state advances and the global RNG is left alone; and two
+    generators seeded alike give the same tokens whatever the global state (``options``: top_k on every path)."""
+    shown = "".join(f"{name}={value}, " for name, value in options.items())
+    what = f"sample_next_token({shown}generator=...)"
+    runs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)   # a different global state each time: only the generator may decide
+        runs.append(_draw(fn, logits, what, generator=torch.Generator().manual_seed(1234), **options))
     generator = torch.Generator().manual_seed(99)
     before_generator, before_global = generator.get_state(), torch.get_rng_state()
-    _draw(fn, logits, what, generator=generator)
+    _draw(fn, logits, what, generator=generator, **options)
     if not torch.equal(torch.get_rng_state(), before_global):
         fail("generator", f"{what} used (or reseeded) the global random state although a generator was given: "
                           f"draw with it, torch.multinomial(probs, 1, generator=generator), and never call "
@@ -640,6 +667,10 @@ def _check_generator_is_used(fn: Callable[..., Any], logits: torch.Tensor) -> No
     if torch.equal(generator.get_state(), before_generator):
         fail("generator", f"{what} never drew from the generator it was given: pass it on, "
                           f"torch.multinomial(probs, 1, generator=generator).")
+    if not torch.equal(runs[0], runs[1]):
+        fail("mismatch", f"{what}: two calls with generators seeded the same gave different tokens: pass "
+                         f"`generator` on to the random function you use (torch.multinomial(..., "
+                         f"generator=generator)), so that results can be reproduced.")
 
 
 def _check_top_k_per_row(fn: Callable[..., Any]) -> None:
@@ -768,17 +799,8 @@ def check_sampling(fn: Callable[..., Any]) -> str:
     top1 = _draw(fn, _BASE.repeat(50, 1), "sample_next_token(top_k=1)", top_k=1)
     if not torch.equal(top1, _BASE.argmax(-1).repeat(50)):
         fail("top_k", "With top_k=1 only the most likely token may be drawn; yours drew others.")
-    logits = _BASE.repeat(20, 1)
-    runs = []
-    for seed in (1, 2):
-        torch.manual_seed(seed)   # a different global state each time: only the generator may decide
-        runs.append(_draw(fn, logits, "sample_next_token(generator=...)",
-                          generator=torch.Generator().manual_seed(1234)))
-    _check_generator_is_used(fn, logits)
-    if not torch.equal(runs[0], runs[1]):
-        fail("mismatch", "Two calls with generators seeded the same gave different tokens: pass `generator` on "
-                         "to the random function you use (torch.multinomial(..., generator=generator)), so "
-                         "that results can be reproduced.")
+    for options in ({}, {"temperature": 0.5}, {"top_k": 3}):   # the generator reaches every path that draws
+        _check_generator_is_used(fn, _BASE.repeat(20, 1), **options)
     _check_sampling_magnitude(fn)
     _check_sampling_float64(fn)
     return ("Greedy at temperature 0; otherwise draws follow softmax(logits / temperature), restricted to the top k "

@@ -118,12 +118,15 @@ def _tiny_gpt2() -> nn.Module:
 
 
 def _attention(q, k, v, *, scale: float, mask: torch.Tensor | None = None, dim: int = -1,
-               additive: bool = False) -> torch.Tensor:
-    """Attention in the layout transformers wants back, (N, L, heads, d), with a chosen mistake."""
-    scores = q @ k.transpose(-2, -1) * scale                              # (N, heads, Lq, Lk)
+               additive: bool = False, after: bool = False, reshaped: bool = False) -> torch.Tensor:
+    """Attention in the layout transformers wants back, (N, L, heads, d), with a chosen mistake: ``after``
+    scales the weights instead of the scores, ``reshaped`` reshapes (N, heads, L, d) where it transposes."""
+    scores = q @ k.transpose(-2, -1) * (1.0 if after else scale)          # (N, heads, Lq, Lk)
     if mask is not None:
         scores = scores + mask.float() if additive else scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(dim) @ v).transpose(1, 2)                      # (N, Lq, heads, d)
+    out = scores.softmax(dim) * (scale if after else 1.0) @ v            # (N, heads, Lq, d)
+    n, heads, length, d = out.shape
+    return out.reshape(n, length, heads, d) if reshaped else out.transpose(1, 2)   # (N, Lq, heads, d)
 
 
 def _direct(fn: Callable[..., Any], module: nn.Module, q, k, v, mask, scaling: float, what: str) -> torch.Tensor:
@@ -145,6 +148,12 @@ def _direct(fn: Callable[..., Any], module: nn.Module, q, k, v, mask, scaling: f
     if isinstance(output, torch.Tensor) and tuple(output.shape) == (n, length, heads * head_dim):
         fail("shape", f"{what}: attn_output has shape {tuple(output.shape)}: the heads are already merged. "
                       f"Return (N, L, heads, head_dim); the model merges the heads itself.")
+    if isinstance(output, torch.Tensor) and output.is_floating_point() and not torch.isfinite(output).all() and \
+            close(output, _attention(q, k, v, scale=scaling, mask=_causal(q) if mask is None else mask, dim=1),
+                  nan_ok=True):
+        fail("softmax_dim", f"{what}: the softmax runs over the heads (dim=1 of the (N, heads, Lq, Lk) scores): "
+                            f"a masked position is -inf in every head, so its column is all -inf and gives NaN. "
+                            f"Each query's weights sum to one over the keys: softmax over the last axis, dim=-1.")
     if mask is not None and isinstance(output, torch.Tensor) and output.is_floating_point() and \
             not torch.isfinite(output).all():
         fail("causal_mask", f"{what}: NaN in the output with an attention mask: some query had every key "
@@ -170,6 +179,20 @@ _CAUSAL_MISTAKES = (
             output=lambda q, k, v, s, causal: _attention(q, k, v, scale=1.0, mask=causal)),
     Mistake("scale", "the scores are scaled by 1/head_dim; use the `scaling` argument (head_dim ** -0.5 here).",
             output=lambda q, k, v, s, causal: _attention(q, k, v, scale=1.0 / q.shape[-1], mask=causal)),
+    Mistake("scale", "the scores are divided by `scaling`; `scaling` is the factor itself (head_dim ** -0.5): "
+                     "multiply the scores by it.",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=1.0 / s, mask=causal)),
+    Mistake("scale", "`scaling` multiplies the weights after the softmax; it belongs to the scores that go into "
+                     "the softmax (afterwards it only shrinks the output, every row then sums to `scaling`).",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s, mask=causal, after=True)),
+    Mistake("causal_mask", "your causal mask lets one future key through (the diagonal above the main one): "
+                           "query i sees keys 0..i, the lower triangle with its diagonal, tril(diagonal=0).",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s,
+                                                         mask=torch.ones(causal.shape, dtype=torch.bool).tril(1))),
+    Mistake("head_split", "attn_output is reshaped from (N, heads, L, head_dim) to (N, L, heads, head_dim): a "
+                          "reshape keeps the memory order, so it mixes positions and heads. Move the axes with "
+                          "transpose(1, 2).",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s, mask=causal, reshaped=True)),
 )
 _PADDING_MISTAKES = (
     Mistake("causal_mask", "the attention_mask you were given is ignored, so padding tokens are attended to. When a "

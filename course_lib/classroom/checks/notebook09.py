@@ -357,6 +357,11 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> dict[str, Mi
                                "and multiplies directly: normalised x * self.weight.", output=x / _rms(x, eps) * (1 + w)),
         Mistake("norm_weight", "you add self.weight; it multiplies: normalised x * self.weight.",
                 output=x / _rms(x, eps) + w),
+        Mistake("norm_weight", "you multiply by self.weight before normalising, so the weight is divided out "
+                               "again: normalise x first, then multiply the result by self.weight.",
+                output=(x * w) / _rms(x * w, eps)),
+        Mistake("epsilon", "you add self.eps squared (eps ** 2) inside the square root; add self.eps itself: "
+                           "x / sqrt(mean(x^2) + eps).", output=x / _rms(x, eps ** 2) * w),
         Mistake("norm_statistic", "you subtract the mean first, as LayerNorm does. RMSNorm does not centre: divide "
                                   "x itself by sqrt(mean(x^2) + eps).",
                 output=centred / (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w),
@@ -526,7 +531,14 @@ def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
 # ============================================================================ 9.4 SwiGLU
 
 _SWIGLU_EMBED, _SWIGLU_HIDDEN = 16, 40
-_SWIGLU_SHAPES = ((2, 5, _SWIGLU_EMBED), (3, _SWIGLU_EMBED), (1, 1, _SWIGLU_EMBED))
+_SWIGLU_SHAPES = ((2, 5, _SWIGLU_EMBED), (1, 1, _SWIGLU_EMBED), (3, 4, _SWIGLU_EMBED))   # (N, L, E), as asked
+
+
+# the activations students put on the gate branch instead of SiLU, in their words
+_OTHER_ACTIVATIONS = (("GELU", F.gelu), ("GELU (tanh approximation)", lambda z: F.gelu(z, approximate="tanh")),
+                      ("ReLU", F.relu), ("Hardswish", F.hardswish), ("Mish", F.mish), ("tanh", torch.tanh),
+                      ("softplus", F.softplus), ("ELU", F.elu), ("SELU", F.selu), ("leaky ReLU", F.leaky_relu),
+                      ("ReLU²", lambda z: F.relu(z) ** 2))
 
 
 def _swiglu_mistakes() -> list[Mistake]:
@@ -543,12 +555,14 @@ def _swiglu_mistakes() -> list[Mistake]:
                           "element, before down.", output=lambda x, g, u, d: d(silu(g(x)))),
         Mistake("gating", "you use the sigmoid as the activation; SiLU is x * sigmoid(x) (F.silu): "
                           "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: d(sigmoid(g(x)) * u(x))),
-        Mistake("gating", "you use GELU; SwiGLU's activation is SiLU (F.silu), on the gate branch.",
-                output=lambda x, g, u, d: d(F.gelu(g(x)) * u(x))),
-        Mistake("gating", "you use GELU (tanh approximation); SwiGLU's activation is SiLU (F.silu).",
-                output=lambda x, g, u, d: d(F.gelu(g(x), approximate="tanh") * u(x))),
-        Mistake("gating", "you use ReLU; SwiGLU's activation is SiLU (F.silu), on the gate branch.",
-                output=lambda x, g, u, d: d(F.relu(g(x)) * u(x))),
+        *(Mistake("gating", f"you use {name}; SwiGLU's activation is SiLU (F.silu), on the gate branch.",
+                  output=lambda x, g, u, d, act=act: d(act(g(x)) * u(x)))
+          for name, act in _OTHER_ACTIVATIONS),
+        Mistake("gating", "SiLU is applied to x before the projections; it goes on the gate branch's output: "
+                          "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: d(g(silu(x)) * u(x))),
+        Mistake("gating", "SiLU is applied to x before the projections; it goes on the gate branch's output, "
+                          "and up(x) stays linear: down(silu(gate(x)) * up(x)).",
+                output=lambda x, g, u, d: d(g(silu(x)) * u(silu(x)))),
         Mistake("gating", "SiLU comes after the product; it goes on the gate branch alone: "
                           "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: d(silu(g(x) * u(x)))),
         Mistake("gating", "SiLU is on both branches; only the gate branch goes through it.",
@@ -604,7 +618,7 @@ def check_swiglu(cls: Any) -> str:
     what = f"{shown} on x of shape {_SWIGLU_SHAPES[0]}"
     _module_probes(candidate, reference, x, what)
     module_in_float64(lambda: _build_swiglu(cls, torch.Generator().manual_seed(4)), x, what)
-    return "down(silu(gate(x)) * up(x)) for 2-D and 3-D inputs: the gate branch through SiLU scales the up branch."
+    return "down(silu(gate(x)) * up(x)) for every batch and length: the gate branch through SiLU scales the up branch."
 
 
 # ============================================================================ 9.5 repeat_kv

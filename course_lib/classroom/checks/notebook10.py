@@ -80,6 +80,9 @@ _SOFTMAX_MISTAKES = (
     _softmax_mistake("online_rescale", "the running sum is not rescaled when the maximum changes: every earlier term "
                      "was exp(x - m_old), so when a block raises the maximum the sum must be multiplied by "
                      "exp(m_old - m_new) before the new block's terms are added", rescale="none"),
+    _softmax_mistake("online_rescale", "the running sum is rescaled by exp(block_max - m_new), with this block's "
+                     "own maximum: the earlier terms were exp(x - m_old), so the factor is exp(m_old - m_new), "
+                     "with the maximum before this block", rescale="block"),
     _softmax_mistake("online_rescale", "the rescale factor is upside down: when the maximum grows from m_old to "
                      "m_new, the old sum shrinks, l * exp(m_old - m_new), a factor of at most 1", rescale="inverted"),
     _softmax_mistake("running_max", "you keep the maximum of the latest block, not the running maximum of all blocks "

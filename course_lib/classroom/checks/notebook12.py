@@ -13,11 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ... import modern
 from ... import variants as ref
 from ..exercises import Mistake
 from ..verdict import fail
+from . import _gqa_variants as rotary
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
@@ -127,7 +129,8 @@ class _Weights(ref.MultiHeadLatentAttention):
 
 def _layer(seed: int, q_lora_rank: int | None, heads: int = 2) -> ref.MultiHeadLatentAttention:
     torch.manual_seed(seed)
-    layer = ref.MultiHeadLatentAttention(8, heads, 16, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
+    # qk_rope_head_dim 4: two rotary pairs, so interleaved and half-split pairs differ (with one pair they agree)
+    layer = ref.MultiHeadLatentAttention(8, heads, 16, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4,
                                          v_head_dim=3, q_lora_rank=q_lora_rank, rope_interleave=False)
     with torch.no_grad():
         for p in layer.parameters():   # weights of unit scale: every mistake moves the output visibly
@@ -169,8 +172,18 @@ def _student(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale: str = "both",
          norm: bool = True, offset: bool = True, mask_offset: bool = True, use_cache: bool = True,
-         rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1) -> torch.Tensor:
-    """The reference MLA forward with one mistake switched on (the defaults are right)."""
+         rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1, queries: str = "half",
+         keys: str = "half", values_first: bool = False, mask_ahead: bool = False,
+         merge: str = "ok") -> torch.Tensor:
+    """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
+    how each rotary part turns (``rotary.rotate``'s kinds, "pairs" or "pairs_table"; "none": not at all),
+    ``values_first`` kv_b_proj's output split as values then keys, ``mask_ahead`` one future key let through,
+    ``merge`` "no_transpose" (the heads merged without moving them back)."""
+    def turn(t: torch.Tensor, kind: str, at: int) -> torch.Tensor:
+        if kind == "none":
+            return t
+        return rotary.rotate(t, layer.rope_cos, layer.rope_sin, at, kind=kind).to(t.dtype)
+
     def forward(layer: Any, x: torch.Tensor, cache: Any) -> torch.Tensor:
         n, length, _ = x.shape
         start = cache.length if cache is not None else 0
@@ -182,20 +195,23 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         if norm:
             latent = layer.kv_a_layernorm(latent)
         if rope == "split" and not rotate_cached:
-            k_rope = modern.apply_rotary(k_rope, layer.rope_cos, layer.rope_sin, offset=pos)
+            k_rope = turn(k_rope, keys, pos)
         if cache is not None:
             latent, k_rope = cache.append(latent, k_rope)
             if not use_cache:
                 latent, k_rope = latent[:, start:], k_rope[:, start:]
         total = latent.shape[1]
         if rope == "split" and rotate_cached:   # the whole cache turned again to the new chunk's positions
-            k_rope = modern.apply_rotary(k_rope, layer.rope_cos, layer.rope_sin, offset=pos)
+            k_rope = turn(k_rope, keys, pos)
         kv = layer.kv_b_proj(latent).view(n, total, h, dn + layer.v_head_dim).transpose(1, 2)
-        k_nope, v = kv.split([dn, layer.v_head_dim], dim=-1)
+        if values_first:
+            v, k_nope = kv.split([layer.v_head_dim, dn], dim=-1)
+        else:
+            k_nope, v = kv.split([dn, layer.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope[:, None].expand(n, h, total, dr)], dim=-1)   # (N, H, T, dn + dr)
         if rope == "split":
             q_nope, q_rope = q.split([dn, dr], dim=-1)
-            q = torch.cat([q_nope, modern.apply_rotary(q_rope, layer.rope_cos, layer.rope_sin, offset=pos)], -1)
+            q = torch.cat([q_nope, turn(q_rope, queries, pos)], -1)
         elif rope == "whole":
             cos, sin = modern.rope_tables(dn + dr, layer.max_tokens)
             q = modern.apply_rotary(q, cos, sin, offset=pos)
@@ -203,11 +219,12 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         factor = {"both": (dn + dr) ** -0.5, "nope": dn ** -0.5, "none": 1.0, "value": layer.v_head_dim ** -0.5}[scale]
         scores = q @ k.transpose(-2, -1) * factor                           # (N, H, L, T)
         first = total - length if mask_offset else 0
-        mask = torch.ones(total, total, dtype=torch.bool).tril()[first:first + length]
+        mask = torch.ones(total, total, dtype=torch.bool).tril(int(mask_ahead))[first:first + length]
         if masked:
             scores = scores.masked_fill(~mask, float("-inf"))
         out = scores.softmax(softmax_dim) @ v                              # (N, H, L, dv)
-        return layer.o_proj(out.transpose(1, 2).reshape(n, length, h * layer.v_head_dim))
+        out = out.transpose(1, 2) if merge == "ok" else out                 # (N, L, H, dv)
+        return layer.o_proj(out.reshape(n, length, h * layer.v_head_dim))
     return _stream(forward, layer, x, split)
 
 
@@ -276,6 +293,40 @@ _MLA_MISTAKES = (
     Mistake("softmax_dim", "The softmax runs over the queries (dim=-2): each query's weights must sum to one over "
                            "the keys, the last axis of the (N, H, L, T) scores.",
             spec=dict(softmax_dim=-2)),
+    Mistake("softmax_dim", "The softmax runs over the heads (dim=1 of the (N, H, L, T) scores): a masked position "
+                           "is -inf in every head, so its column is all -inf and gives NaN. Each query's weights "
+                           "sum to one over the keys, the last axis.", spec=dict(softmax_dim=1)),
+    Mistake("rope_layout", "You turn interleaved pairs (0, 1), (2, 3), ... of the rotary parts: this layer pairs "
+                           "dimension i with i + qk_rope_head_dim/2 (rope_interleave=False), as "
+                           "modern.apply_rotary does with layer.rope_cos and layer.rope_sin.",
+            spec=dict(queries="pairs_table", keys="pairs_table")),
+    Mistake("rope_layout", "You turn interleaved pairs (0, 1), (2, 3), ... of the rotary parts, with angles of "
+                           "their own: this layer pairs dimension i with i + qk_rope_head_dim/2 "
+                           "(rope_interleave=False); use modern.apply_rotary with layer.rope_cos and layer.rope_sin.",
+            spec=dict(queries="pairs", keys="pairs")),
+    Mistake("rope_layout", "Your queries' rotary part is turned in interleaved pairs (0, 1), (2, 3), ... and the "
+                           "keys' in the layer's half-split pairs (i, i + qk_rope_head_dim/2): turn both with "
+                           "modern.apply_rotary, so that a query and a key turn alike.",
+            spec=dict(queries="pairs_table")),
+    Mistake("rope_layout", "Your rotary keys are turned in interleaved pairs (0, 1), (2, 3), ... and the queries "
+                           "in the layer's half-split pairs (i, i + qk_rope_head_dim/2): turn both with "
+                           "modern.apply_rotary, so that a query and a key turn alike.",
+            spec=dict(keys="pairs_table")),
+    Mistake("rope_missing", "Only the rotary keys are turned: turn q_rope too, with modern.apply_rotary(q_rope, "
+                            "layer.rope_cos, layer.rope_sin, offset=start), so that a score depends on the offset "
+                            "between the query and the key.", spec=dict(queries="none")),
+    Mistake("rope_missing", "Only the queries' rotary part is turned: turn k_rope too, at its own positions, "
+                            "before it enters the cache.", spec=dict(keys="none")),
+    Mistake("values", "kv_b_proj's output is split as values then keys: per head it holds qk_nope_head_dim key "
+                      "numbers first, then v_head_dim value numbers, kv.split([dn, dv], dim=-1).",
+            spec=dict(values_first=True)),
+    Mistake("causal_mask", "Your causal mask lets one future key through: the new query i (at position start + i) "
+                           "may see keys 0 .. start + i, the lower triangle shifted by start, not start + 1.",
+            spec=dict(mask_ahead=True)),
+    Mistake("head_split", "You merge the heads without moving them back: the (N, H, L, v_head_dim) output must "
+                          "become (N, L, H, v_head_dim) (transpose(1, 2)) before the reshape to (N, L, "
+                          "H * v_head_dim), or the reshape mixes positions and heads.",
+            spec=dict(merge="no_transpose")),
     Mistake("scale", "The scores are scaled by 1/sqrt(qk_nope_head_dim): the query and key have "
                      "qk_nope_head_dim + qk_rope_head_dim numbers, so scale by (dn + dr) ** -0.5 "
                      "(layer.softmax_scale).", spec=dict(scale="nope")),
@@ -322,8 +373,9 @@ def _phi(x: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, *, diagonal: int = 0, causal: bool = True,
-            normalise: bool = True, fq_norm: torch.Tensor | None = None) -> torch.Tensor:
-    """Linear attention from features: weights fq . fk over keys j <= i + diagonal (all if not causal)."""
+            normalise: bool = True, fq_norm: torch.Tensor | None = None, norm_keys: str = "same") -> torch.Tensor:
+    """Linear attention from features: weights fq . fk over keys j <= i + diagonal (all if not causal); the
+    normaliser over the same keys, or ``norm_keys`` "through_i" (j <= i whatever ``diagonal``) or "own" (j = i)."""
     weights = fq @ fk.transpose(-2, -1)                                     # (..., L, L)
     length = weights.shape[-1]
     if causal:
@@ -332,8 +384,21 @@ def _linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, *, diagonal: in
         return weights @ v
     below = (fq if fq_norm is None else fq_norm) @ fk.transpose(-2, -1)
     if causal:
-        below = below * torch.ones(length, length).tril(diagonal)
+        keys = {"same": torch.ones(length, length).tril(diagonal), "through_i": torch.ones(length, length).tril(),
+                "own": torch.eye(length)}[norm_keys]
+        below = below * keys
     return (weights @ v) / (below.sum(-1, keepdim=True) + 1e-6)
+
+
+# the feature maps students use instead of elu(x) + 1, with what goes wrong
+_OTHER_MAPS = (
+    ("elu(x) without the + 1", F.elu, "it is negative below zero, so a weight phi(q) . phi(k) and the normaliser "
+                                      "can be negative or 0"),
+    ("softplus", F.softplus, "it is positive, but it is not the map this exercise and its parallel form use"),
+    ("exp", torch.exp, "that is close to softmax's own weights, and overflows for large inputs"),
+    ("sigmoid", torch.sigmoid, "it flattens every large value to 1"),
+    ("x + 1", lambda x: x + 1, "it is negative below -1"),
+)
 
 
 def _linear_cases() -> list[Case]:
@@ -396,6 +461,20 @@ LINEAR_RECURRENT = FunctionExercise(
                                "the exponential by phi(q_i) . phi(k_j) with phi(x) = elu(x) + 1, which is what lets "
                                "it run as a recurrence.",
                 output=lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        *(Mistake("feature_map", f"Your feature map is {name}: {why}. Use phi(x) = elu(x) + 1 "
+                                 f"(variants.elu_feature_map) on q and k.",
+                  output=lambda q, k, v, phi=phi: _linear(phi(q), phi(k), v))
+          for name, phi, why in _OTHER_MAPS),
+        Mistake("feature_map", "phi is applied to the values too: only the queries and keys go through phi(x) = "
+                               "elu(x) + 1; S adds phi(k_i) times v_i itself.",
+                output=lambda q, k, v: _linear(_phi(q), _phi(k), _phi(v))),
+        Mistake("normalization", "Your normaliser holds only the current key: z must be the running sum of phi(k_j) "
+                                 "over every token so far, z += phi(k_i), as S is.",
+                output=lambda q, k, v: _linear(_phi(q), _phi(k), v, norm_keys="own")),
+        Mistake("state_order", "S is read before token i is added to it, while z already holds it: update both "
+                               "with token i (S += outer(phi(k_i), v_i), z += phi(k_i)), then read them with "
+                               "phi(q_i).", output=lambda q, k, v: _linear(_phi(q), _phi(k), v, diagonal=-1,
+                                                                           norm_keys="through_i")),
         Mistake("causal_mask", "Every query sees every token, also the later ones: the state must hold only the "
                                "tokens up to i when query i reads it (update, read, then move on).",
                 output=lambda q, k, v: _linear(_phi(q), _phi(k), v, causal=False)),

@@ -128,7 +128,7 @@ def checker(exercise: str, example: Callable[..., Any] | None = None
             judge = functools.partial(_judge, exercise, body, example, args, kwargs)
             forks = can_fork()
             if forks:
-                reference_of(exercise)   # looked up once, here: what a child looks up is lost with the child
+                reference_of(exercise), same_work_of(exercise)   # looked up here: a child's lookups die with it
             result = _forked(judge, exercise) if forks else None   # None: this process may not fork
             result = judge() if result is None else result   # (a failed verdict is falsy)
             if not graded:
@@ -374,9 +374,9 @@ class CallsReference(BaseException):
     """The student's code handed the work to the course's own version of the exercise. A BaseException, so
     that ``except Exception`` in the student's code cannot swallow it."""
 
-    def __init__(self, exercise: str, name: str, how: str):
-        self.exercise, self.name, self.how = exercise, name, how
-        super().__init__(f"{how} the course's own {name}")
+    def __init__(self, exercise: str, name: str, how: str, called: str = ""):
+        self.exercise, self.name, self.how, self.called = exercise, name, how, called or name
+        super().__init__(f"{how} the course's own {self.called}")
 
 
 @functools.cache
@@ -384,7 +384,19 @@ def reference_of(exercise: str) -> Any:
     """The course's own object for ``exercise`` (a function or a class), where the table says it lives; or None.
     Only that one module is imported (a check forks, so whatever it imports is imported again in every child).
     Read as pinned: a notebook that rebinds the name before its first check must not become the reference."""
-    where = next((e.reference for e in EXERCISES if e.id == exercise and e.has_solution), "")
+    return _course_object(next((e.reference for e in EXERCISES if e.id == exercise and e.has_solution), ""))
+
+
+@functools.cache
+def same_work_of(exercise: str) -> tuple[Any, ...]:
+    """The course's other functions that do the exercise's whole work (the table's ``same_work``)."""
+    entry = BY_ID.get(exercise)
+    found = (_course_object(where) for where in (entry.same_work if entry and entry.has_solution else ()))
+    return tuple(value for value in found if value is not None)
+
+
+def _course_object(where: str) -> Any:
+    """The callable named ``"module.name"`` under course_lib, as pinned; None where there is none."""
     if not where:
         return None
     module_name, name = where.rsplit(".", 1)
@@ -449,7 +461,7 @@ def reference_message(found: CallsReference) -> str:
     """The verdict's message: what the code did, and what the exercise asks for instead."""
     did = "is" if found.how == "is a copy of" else found.how if found.how in ("is", "subclasses", "wraps", "calls") \
         else "uses"
-    return (f"Your code {did} the course's own {found.name} instead of doing the work itself. Exercise "
+    return (f"Your code {did} the course's own {found.called} instead of doing the work itself. Exercise "
             f"{found.exercise} asks you to write {found.name} yourself: replace the call with your own "
             f"computation, then re-run the check.")
 
@@ -470,6 +482,10 @@ class _guard:  # noqa: N801 - used as a context, like a function
         if how and how != "is":
             raise CallsReference(exercise, self.name, how)
         self.codes = _watched(reference) if reference is not None else frozenset()
+        # the course's functions that do the same work under another name, each named in the verdict
+        same_work = same_work_of(exercise) if reference is not None else ()
+        self.names = {code: value.__name__ for value in same_work for code in _watched(value)}
+        self.codes = self.codes | frozenset(self.names)
         # A reference that is a context manager (11.3) does its work when the check enters it, after the student's
         # function returned it: its creation is the call to watch, contextlib's helper (shared by every
         # @contextmanager) with the reference's own generator function as its ``func``.
@@ -487,7 +503,8 @@ class _guard:  # noqa: N801 - used as a context, like a function
         caller = frame.f_back
         while caller is not None and caller is not self.stop:
             if caller.f_code not in self.codes and is_student_file(caller.f_code.co_filename):
-                self.tripped = CallsReference(self.exercise, self.name, "calls")
+                self.tripped = CallsReference(self.exercise, self.name, "calls",
+                                              self.names.get(frame.f_code, self.name))
                 raise self.tripped
             caller = caller.f_back
 
