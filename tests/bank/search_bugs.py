@@ -415,9 +415,7 @@ def flash_hides_the_own_key(q, k, v, *, block_q, block_k, causal=False):
 
 
 class _Backward(torch.autograd.Function):
-    """FlashAttentionFunction's forward as given; the backward below with one slip."""
-
-    slip = ""
+    """FlashAttentionFunction's forward as given; the backward is ``_backward`` with one slip."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, block_q=64, block_k=64):
@@ -427,7 +425,7 @@ class _Backward(torch.autograd.Function):
         return out
 
 
-def _backward(cls, ctx, grad_out):
+def _backward(slip, ctx, grad_out):
     q, k, v, out, lse = ctx.saved_tensors
     scale = 1.0 / math.sqrt(q.shape[-1])
     lq, lk = q.shape[-2], k.shape[-2]
@@ -441,54 +439,34 @@ def _backward(cls, ctx, grad_out):
                 continue
             ke = min(ks + ctx.block_k, lk)
             kb, vb = k[..., ks:ke, :], v[..., ks:ke, :]
-            s = qb @ kb.transpose(-2, -1) * (1.0 if cls.slip == "unscaled_scores" else scale)
+            s = qb @ kb.transpose(-2, -1) * (1.0 if slip == "unscaled_scores" else scale)
             if ctx.causal:
                 s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
             p = torch.exp(s - lse[..., qs:qe, None])
             dv[..., ks:ke, :] += p.transpose(-2, -1) @ dob
             dp = dob @ vb.transpose(-2, -1)
-            if cls.slip == "delta_outside":
+            if slip == "delta_outside":
                 ds = p * dp - delta[..., qs:qe, None]
             else:
                 ds = p * (dp - delta[..., qs:qe, None])
-            factor = scale * scale if cls.slip == "scale_twice" else scale
+            factor = scale * scale if slip == "scale_twice" else scale
             dq[..., qs:qe, :] += ds @ kb * factor
             dk[..., ks:ke, :] += ds.transpose(-2, -1) @ qb * factor
     return dq, dk, dv, None, None, None
 
 
-@bug("10.3", "scale", "recomputed scores")
-class BackwardUnscaledScores(_Backward):
-    slip = "unscaled_scores"
-
-    @staticmethod
+def _backward_class(name, slip=""):
+    """A FlashAttentionFunction whose backward is ``_backward`` with ``slip``, under the attempt's own name."""
     def backward(ctx, grad_out):
-        return _backward(BackwardUnscaledScores, ctx, grad_out)
+        return _backward(slip, ctx, grad_out)
+    return type(name, (_Backward,), {"backward": staticmethod(backward)})
 
 
-@bug("10.3", "backward_delta", "outside")
-class BackwardDeltaOutside(_Backward):
-    slip = "delta_outside"
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        return _backward(BackwardDeltaOutside, ctx, grad_out)
-
-
-@bug("10.3", "scale", "twice")
-class BackwardScaleTwice(_Backward):
-    slip = "scale_twice"
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        return _backward(BackwardScaleTwice, ctx, grad_out)
-
-
-@correct("10.3")
-class BackwardRight(_Backward):
-    @staticmethod
-    def backward(ctx, grad_out):
-        return _backward(BackwardRight, ctx, grad_out)
+BackwardUnscaledScores = bug("10.3", "scale", "recomputed scores")(
+    _backward_class("BackwardUnscaledScores", "unscaled_scores"))
+BackwardDeltaOutside = bug("10.3", "backward_delta", "outside")(_backward_class("BackwardDeltaOutside", "delta_outside"))
+BackwardScaleTwice = bug("10.3", "scale", "twice")(_backward_class("BackwardScaleTwice", "scale_twice"))
+BackwardRight = correct("10.3")(_backward_class("BackwardRight"))
 
 
 # ============================================================================ 11.2
