@@ -1,18 +1,20 @@
 """Student attempts that a scripted search for misjudged code found (2026-11-29), one per class of mistake.
 
 Before, each was passed, refused while right, or named only "mismatch" (or a wrong cause); now each gets the
-diagnosis of the mistake it makes. The search wrote about 380 attempts over every exercise; these are the ones
-whose verdict changed, as one representative of each class.
+diagnosis of the mistake it makes. The search wrote about 560 attempts over every exercise, in two rounds (the
+second after the first round's fixes, aimed at unusual right code, unusual shapes and misleading messages);
+these are the ones whose verdict changed, as one representative of each class, with a few right controls.
 """
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bank.attempts import new_bank
+from bank.attempts import Attempt, new_bank
 from bank.model_bugs import GivenBlock
 from course_lib import modern
 from course_lib.attention import causal_mask, merge_heads, split_heads
@@ -22,11 +24,73 @@ from course_lib.modern import RMSNorm, SwiGLU, apply_rotary, repeat_kv
 BUGGY, CORRECT, bug, correct = new_bank()
 
 
+# ============================================================================ 1.1, 1.2
+_E = Fraction(271828, 100000)   # e to five digits, in exact fractions: numbers torch cannot read as they are
+CORRECT.append(Attempt("1.1", "prediction_in_fractions", ([1 / (2 + _E), _E / (2 + _E), 1 / (2 + _E)], Fraction(2)),
+                       None))
+
+
+@bug("1.2", "shape", "(1,)")
+def toy_squeezes_one_value_feature(query, keys, values):
+    weights = torch.softmax(keys @ query, 0)
+    return (weights[:, None] * values.reshape(values.shape[0], -1)).sum(0).squeeze()   # (1,) becomes ()
+
+
 # ============================================================================ 1.3: the course's helper
 @bug("1.3", "calls_reference", "attention_weights")
 def sdpa_course_attention_weights(q, k, v, mask=None):
     from course_lib.attention import attention_weights
     return attention_weights(q, k, mask) @ v   # the whole exercise but the last product
+
+
+@bug("1.3", "exception", "q (4, 8)")
+def sdpa_needs_a_batch_axis(q, k, v, mask=None):
+    s = torch.bmm(q.flatten(0, -3), k.flatten(0, -3).mT) / math.sqrt(q.shape[-1])   # no batch axis: IndexError
+    s = s.view(*q.shape[:-1], k.shape[-2])
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s.softmax(-1) @ v
+
+
+@bug("1.3", "shape", "(2, 1, 6)")
+def sdpa_loop_reads_mask_rows(q, k, v, mask=None):
+    rows = []
+    for i in range(q.shape[-2]):
+        s = q[..., i:i + 1, :] @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            s = s.masked_fill(~mask[..., i:i + 1, :], float("-inf"))   # a (N, 1, Lk) mask has one row only
+        rows.append(s.softmax(-1) @ v)
+    return torch.cat(rows, dim=-2)
+
+
+# ============================================================================ 2.2
+class _GivenMasked(nn.Module):
+    """Notebook 02's constructor, as given."""
+
+    def __init__(self, embed_dim, max_tokens, dropout_rate=0.0):
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.query, self.key, self.value, self.proj = (nn.Linear(embed_dim, embed_dim, bias=False) for _ in range(4))
+        self.attn_dropout, self.proj_dropout = nn.Dropout(dropout_rate), nn.Dropout(dropout_rate)
+        self.register_buffer("mask", causal_mask(max_tokens))
+
+
+@bug("2.2", "scale", "written into your code")
+class MaskedScaleWrittenIn(_GivenMasked):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        s = (q @ k.mT / 4.0).masked_fill(~self.mask[:length, :length], float("-inf"))   # sqrt(16), at any width
+        return self.proj_dropout(self.proj(self.attn_dropout(s.softmax(-1)) @ v))
+
+
+@bug("2.2", "shape", "batch of 1")
+class MaskedSqueezesTheBatch(_GivenMasked):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        s = (q @ k.mT / math.sqrt(self.embed_dim)).masked_fill(~self.mask[:length, :length], float("-inf"))
+        return self.proj_dropout(self.proj((self.attn_dropout(s.softmax(-1)) @ v).squeeze()))
 
 
 # ============================================================================ 4.1: no dtype is asked
@@ -140,6 +204,34 @@ class GPTLimitOffByOne(_GPTBody):
         return self.head(self.ln_f(self.body(x)))
 
 
+@bug("4.3", "context_limit", "written into your code")
+class GPTLimitWrittenIn(_GPTBody):
+    def forward(self, idx):
+        if idx.shape[1] > 8:   # the checker's first config has max_tokens=8
+            raise ValueError("sequence longer than 8 tokens: crop it")
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        return self.head(self.ln_f(self.body(x)))
+
+
+@correct("4.3")
+class GPTRefusesACache(_GPTBody):
+    def forward(self, idx, cache=None):   # the text: the cache is notebook 06's, "you can leave it out here"
+        if cache is not None:
+            raise ValueError("this GPT has no KV cache yet (notebook 06)")
+        if idx.shape[1] > self.config.max_tokens:
+            raise ValueError("sequence longer than max_tokens: crop it")
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        return self.head(self.ln_f(self.body(x)))
+
+
+# ============================================================================ 5.1
+@correct("5.1")
+def windows_with_options_unused(ids, max_tokens, **options):   # **options is not a stride
+    starts = range(0, len(ids) - max_tokens, max_tokens)
+    chunks = torch.stack([ids[s:s + max_tokens + 1] for s in starts])
+    return chunks[:, :-1].long(), chunks[:, 1:].long()
+
+
 # ============================================================================ 5.2
 @bug("5.2", "target_shift", "two ahead")
 def loss_shifts_again(logits, targets):
@@ -170,6 +262,37 @@ def sample_generator_lost_with_top_k(logits, temperature=1.0, top_k=None, genera
     kth = logits.topk(top_k, -1).values[:, -1:]
     probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
     return torch.multinomial(probs, 1).squeeze(-1)   # the generator forgotten here
+
+
+@bug("5.3", "loss_reduction", "SUM")
+def step_backward_on_the_sum(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    model.train()
+    optimizer.zero_grad()
+    total = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
+    total.backward()
+    if max_grad_norm is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return total.item() / int((targets != -100).sum())   # the mean reported, the sum trained on
+
+
+@bug("5.4", "exception", "top_k=6")
+def sample_threshold_past_the_vocabulary(logits, temperature=1.0, top_k=None, generator=None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    z = logits / temperature
+    if top_k is not None:
+        nxt = z.sort(-1, descending=True).values[:, top_k:top_k + 1]   # empty when top_k is the vocabulary
+        z = z.masked_fill(z <= nxt, float("-inf"))
+    return torch.multinomial(z.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@bug("5.4", "exception", "temperature=0.0")
+def sample_zero_by_identity(logits, temperature=1.0, top_k=None, generator=None):
+    zero = 0
+    if temperature is zero:   # the slip itself: identity, so the float 0.0 is not the int 0
+        return logits.argmax(-1)
+    return torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).squeeze(-1)
 
 
 # ============================================================================ 6.1: one term off
@@ -262,6 +385,13 @@ def hf_mask_one_ahead(module, query, key, value, attention_mask, scaling=None, d
     return (s.softmax(-1) @ value).transpose(1, 2), None
 
 
+@bug("7.2", "scale", "scale twice")
+def hf_scaling_on_top_of_the_courses(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    from course_lib.attention import scaled_dot_product_attention  # divides by sqrt(d) itself
+    mask = _hf_mask(query, key, attention_mask)
+    return scaled_dot_product_attention(query * scaling, key, value, mask).transpose(1, 2), None
+
+
 @bug("7.2", "head_split", "transpose(1, 2)")
 def hf_reshape_instead_of_transpose(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     n, h, lq, d = query.shape
@@ -346,6 +476,21 @@ class GQASoftmaxOverHeads(_GivenGQA):
         s = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         s = s.masked_fill(~causal_mask(k.shape[2])[start:], float("-inf"))
         return self.proj(merge_heads(F.softmax(s, dim=1) @ v))
+
+
+@bug("9.6", "causal_mask", "rows start")
+class GQAMaskOfTheNewTokensOnly(_GivenGQA):
+    def forward(self, x, cache=None):
+        start = 0 if cache is None else cache.length
+        q = apply_rotary(split_heads(self.query(x), self.num_heads), self.rope_cos, self.rope_sin, offset=start)
+        k = apply_rotary(split_heads(self.key(x), self.num_kv_heads), self.rope_cos, self.rope_sin, offset=start)
+        v = split_heads(self.value(x), self.num_kv_heads)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        s = s.masked_fill(~causal_mask(x.shape[1]), float("-inf"))   # (L, L): right without a cache, or for one token
+        return self.proj(merge_heads(F.softmax(s, dim=-1) @ v))
 
 
 # ============================================================================ 10.1: a NaN gradient is not a cut one
@@ -480,6 +625,19 @@ def induction_keeps_the_first_entries(weights, half):
     return weights.diagonal(offset=-(half - 1), dim1=-2, dim2=-1)[..., :half].mean(dim=(0, 2))
 
 
+@correct("11.2")
+def induction_as_the_formula(weights, half):
+    after_copy = weights.diagonal(offset=-(half - 1), dim1=-2, dim2=-1)[..., 1:]      # (N, heads, L - half)
+    return after_copy.sum(dim=(0, 2)) / (weights.shape[0] * (weights.shape[-1] - half))
+
+
+# ============================================================================ 12.1
+@bug("12.1", "causal_mask", "sinks=4")
+def window_sinks_capped_by_the_window(length, window, sinks=0):
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    return ((i - j >= 0) & (i - j < window)) | ((j < min(sinks, window)) & (j <= i))
+
+
 # ============================================================================ 12.2 multi-head latent attention
 def _mla(layer, x, cache=None, slip=""):
     n, length, _ = x.shape
@@ -515,6 +673,26 @@ def _mla(layer, x, cache=None, slip=""):
 @correct("12.2")
 def mla_two_part_scores(layer, x, cache=None):
     return _mla(layer, x, cache)
+
+
+@bug("12.2", "kv_cache", "before RoPE")
+def mla_caches_unturned_keys(layer, x, cache=None):
+    n, length, _ = x.shape
+    dn, dr, h, dv = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads, layer.v_head_dim
+    start = 0 if cache is None else cache.length
+    q = layer.q_proj(x) if layer.q_lora_rank is None else layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x)))
+    q_nope, q_rope = q.view(n, length, h, dn + dr).transpose(1, 2).split([dn, dr], -1)
+    q_rope = apply_rotary(q_rope, layer.rope_cos, layer.rope_sin, offset=start)
+    latent, k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, dr], -1)
+    latent = layer.kv_a_layernorm(latent)
+    if cache is not None:
+        latent, k_rope = cache.append(latent, k_rope)   # cached before RoPE ...
+    k_rope = apply_rotary(k_rope, layer.rope_cos, layer.rope_sin)   # ... and the whole cache turned at every call
+    total = latent.shape[1]
+    k_nope, v = layer.kv_b_proj(latent).view(n, total, h, dn + dv).transpose(1, 2).split([dn, dv], -1)
+    s = (q_nope @ k_nope.transpose(-2, -1) + q_rope @ k_rope[:, None].transpose(-2, -1)) * layer.softmax_scale
+    s = s.masked_fill(~torch.ones(length, total, dtype=torch.bool).tril(diagonal=start), float("-inf"))
+    return layer.o_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(n, length, h * dv))
 
 
 @bug("12.2", "rope_layout", "interleaved")

@@ -75,6 +75,14 @@ class ModuleCheck:
 
     # -------------------------------------------------------------------- running
 
+    def _runs(self, model: nn.Module, n: int, what: str) -> bool:
+        """Whether the student's module runs on a batch of n at the full length, with the right shape."""
+        x = torch.randn(n, MAX_TOKENS, EMBED_DIM, generator=self.generator)
+        try:
+            return tuple(module_output(model, x, what).shape) == tuple(x.shape)
+        except Failure:
+            return False
+
     def run_all(self) -> None:
         """Every case through the student's module in eval mode, next to the reference with the same weights."""
         torch.manual_seed(0)   # dropout draws; the @checker decorator restores the caller's RNG state
@@ -101,6 +109,11 @@ class ModuleCheck:
                     full = self.runs[-index] if index else None
                     if (full is not None and failure.diagnosis in ("exception", "shape")
                             and close(full.out, full.expected)):
+                        if n != full.x.shape[0] and not self._runs(model, n, what):   # the batch, not the length
+                            reraise_with(failure, "shape", f" Your module works for a batch of {full.x.shape[0]} "
+                                         f"but not for a batch of {n}, even at max_tokens={MAX_TOKENS} tokens: "
+                                         f"take N from x.shape, and mind that .squeeze() without a dimension also "
+                                         f"drops a batch (or a length) of 1.")
                         reraise_with(failure, "shape", f" Your module works for sequences of max_tokens="
                                      f"{MAX_TOKENS} tokens but not for {length}: the causal mask must be "
                                      f"cut to the current sequence length, not used at its full max_tokens "

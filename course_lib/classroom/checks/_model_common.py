@@ -24,13 +24,15 @@ def as_tensor(value: Any) -> Any:
     return value
 
 
-def accepts(fn: Any, name: str) -> bool:
-    """Whether ``fn`` (a function, or a class's constructor) takes a parameter called ``name``."""
+def accepts(fn: Any, name: str, *, named: bool = False) -> bool:
+    """Whether ``fn`` (a function, or a class's constructor) takes a parameter called ``name``: by that name,
+    or through ``**kwargs`` (a constructor passing it on), unless ``named`` (an option the student chose to write,
+    such as 5.1's ``stride``, is only theirs if it has its name)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return name in params or (not named and any(p.kind is p.VAR_KEYWORD for p in params.values()))
 
 
 def copy_weights(reference: nn.Module, candidate: nn.Module, what: str) -> None:

@@ -7,6 +7,7 @@ When no known mistake reproduces the output, each probes the attention weights (
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -33,11 +34,20 @@ _TOY_QUERY = torch.tensor([0.0, 1.0])
 _TOY_TOLERANCE = 0.01   # predictions may be rounded to two decimals
 
 
+def _plain(value: Any) -> Any:
+    """Python numbers torch cannot read (a Fraction, a Decimal) as floats, in lists and tuples too."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, numbers.Real) or type(value).__name__ == "Decimal":
+        return float(value)
+    return value
+
+
 def _numbers(value: Any, name: str) -> torch.Tensor:
     if value is None:
         fail("not_implemented", f"`{name}` is still None: write down your prediction, then run this cell again.")
     try:
-        numbers = (value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value))
+        numbers = (value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(_plain(value)))
         return numbers.to(torch.float64)
     except Exception:  # anything that is not numbers
         fail("dtype", f"`{name}` should be numbers (a float, or a list or tensor of floats), got "
@@ -129,6 +139,7 @@ def _toy_cases() -> list[Case]:
         _toy_case(q, keys, torch.randn(5, generator=gen)),
         _toy_case(q, keys, torch.randn(5, 2, generator=gen)),
         _toy_case(torch.randn(4, generator=gen), torch.randn(1, 4, generator=gen), torch.randn(1, 3, generator=gen)),
+        _toy_case(q, keys, torch.randn(5, 1, generator=gen)),   # dv = 1: (1,) comes back, not a scalar
     ]
 
 
@@ -233,6 +244,8 @@ def _sdpa_cases() -> list[Case]:
         return torch.randn(*shape, generator=gen)
 
     head_mask = torch.stack([_random_mask(5, 5, gen) for _ in range(2)])[:, None]    # (2, 1, 5, 5)
+    padding = torch.ones(2, 1, 6, dtype=torch.bool)                                    # (N, 1, Lk)
+    padding[1, :, 4:] = False                                                          # the second sequence padded
     return [
         _sdpa_case(r(2, 5, 8), r(2, 6, 8), r(2, 6, 3)),
         _sdpa_case(r(2, 3, 4, 8), r(2, 3, 4, 8), r(2, 3, 4, 5)),
@@ -240,6 +253,8 @@ def _sdpa_cases() -> list[Case]:
         _sdpa_case(r(2, 6, 16), r(2, 6, 16), r(2, 6, 4), ref.causal_mask(6).expand(2, 6, 6).clone()),
         _sdpa_case(r(2, 2, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 4), head_mask),
         _sdpa_case(r(2, 1, 8), r(2, 4, 8), r(2, 4, 3)),
+        _sdpa_case(r(4, 8), r(5, 8), r(5, 3)),                                 # no batch axis at all
+        _sdpa_case(r(2, 4, 8), r(2, 6, 8), r(2, 6, 3), padding),               # one row of keys for every query
         # large scores (hundreds): a softmax written as exp(s) / sum(exp(s)) overflows here. No mask:
         # masking after the softmax and renormalising is right, but underflows to 0/0 with such scores.
         _sdpa_case(r(2, 4, 8) * _LARGE, r(2, 4, 8), r(2, 4, 3)),
@@ -322,7 +337,7 @@ def _sdpa_gradients() -> list[Case]:
 SCALED_DOT_PRODUCT_ATTENTION = FunctionExercise(
     "1.3", "scaled_dot_product_attention",
     lambda q, k, v, mask=None: ref.scaled_dot_product_attention(q, k, v, mask), _sdpa_cases, ("q", "k", "v", "mask"),
-    success="Matches the reference for 3-D and 4-D inputs, queries and keys of different lengths, with and "
+    success="Matches the reference for 2-D, 3-D and 4-D inputs, queries and keys of different lengths, with and "
             "without masks.",
     mismatch=lambda run: "",   # _sdpa_diagnose always decides
     mistakes=SDPA_HYPOTHESES,

@@ -14,7 +14,8 @@ from ... import attention as ref
 from ..exercises import Mistake
 from ..verdict import fail
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
-from ._student_code import expect_callable
+from ._model_common import copy_weights
+from ._student_code import call, close, construct, expect_callable, max_diff, module_output
 from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.function import Run
 
@@ -91,4 +92,35 @@ def check_masked_attention(cls: Callable[..., Any]) -> str:
     expect_callable(cls, "MaskedAttention", "class")
     check = ModuleCheck("MaskedAttention", lambda heads, p: cls(EMBED_DIM, MAX_TOKENS, p),
                         lambda heads, p: ref.MaskedAttention(EMBED_DIM, MAX_TOKENS, p), heads=(1,))
-    return module_check(check, "")
+    success = module_check(check, f" at embed_dim={EMBED_DIM} and {_OTHER_WIDTH}")
+    _check_other_width(cls, _OTHER_WIDTH)
+    return success
+
+
+_OTHER_WIDTH = 4   # one more embed_dim: a scale or size written for 16 shows here
+
+
+def _check_other_width(cls: Any, width: int) -> None:
+    """The module at another embed_dim, beside the reference with the same weights: every case above had 16."""
+    what = f"MaskedAttention({width}, {MAX_TOKENS}, 0.0).forward(x) with x of shape (2, {MAX_TOKENS}, {width})"
+    generator = torch.Generator().manual_seed(16)
+    reference = ref.MaskedAttention(width, MAX_TOKENS, 0.0).eval()
+    model = construct(cls, width, MAX_TOKENS, 0.0, what="MaskedAttention")
+    copy_weights(reference, model, "your MaskedAttention")
+    call(model.eval, what="MaskedAttention.eval()")
+    x = torch.randn(2, MAX_TOKENS, width, generator=generator)
+    out = module_output(model, x, what)
+    with torch.no_grad():
+        expected = reference(x)
+        q, k, v = reference.query(x), reference.key(x), reference.value(x)
+        scores = (q @ k.transpose(-2, -1) / EMBED_DIM ** 0.5).masked_fill(~ref.causal_mask(MAX_TOKENS), float("-inf"))
+        written_in = reference.proj(scores.softmax(-1) @ v)        # the scale of embed_dim 16 at any width
+    if close(out, expected):
+        return
+    if close(out, written_in):
+        fail("scale", f"{what}: your scores are divided by sqrt({EMBED_DIM}) = {EMBED_DIM ** 0.5:g} at embed_dim="
+                      f"{width}: the scale is a number written into your code. Divide by the square root of the "
+                      f"module's own embed_dim (q.shape[-1] ** 0.5, or self.embed_dim).")
+    fail("mismatch", f"{what} differs from the reference by up to {max_diff(out, expected):.3g}, though your "
+                     f"module is right at embed_dim={EMBED_DIM}: a size of 16 is written into your code somewhere. "
+                     f"Take every size from the module (self.embed_dim) or from x.shape.")

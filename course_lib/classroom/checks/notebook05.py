@@ -164,7 +164,7 @@ def check_lm_windows(fn: Callable[..., Any]) -> str:
     """fn(ids (T,) long, max_tokens) -> (inputs, targets), each (num_windows, max_tokens)."""
     expect_callable(fn, "lm_windows")
     strided = replace(LM_WINDOWS, cases=lambda: LM_WINDOWS.cases() + _windows_cases(((21, 4, 2), (17, 3, 5))))
-    return judge(strided if accepts(fn, "stride") else LM_WINDOWS, _windows_pair(fn))
+    return judge(strided if accepts(fn, "stride", named=True) else LM_WINDOWS, _windows_pair(fn))
 
 
 # ---------------------------------------------------------------- 5.2 lm_loss
@@ -434,10 +434,12 @@ def check_train_step(fn: Callable[..., Any]) -> str:
         if _cosine(delta, -g) > 0.9999:
             ratio = float(delta.norm() / (_LR * g.norm()))
             if ratio > 1.01:
+                _summed_loss(what, ratio, targets)
                 # a whole number of gradient steps: a call repeated; any other factor: something else
                 fail("step_order" if abs(ratio - round(ratio)) <= 0.01 * ratio else "mismatch",
-                     f"{what}: the update is {ratio:.2f} times the gradient step: did you call "
-                     f"loss.backward() (or optimizer.step()) more than once?")
+                     f"{what}: the update is {ratio:.2f} times the gradient step of the batch's mean loss: did "
+                     f"you call loss.backward() (or optimizer.step()) more than once, or backpropagate a "
+                     f"multiple of the loss?")
         elif left_over is not None and _cosine(delta, -(left_over + g)) > 0.9999:
             fail("zero_grad", f"{what}: the gradients of the previous step were still there: without "
                              f"optimizer.zero_grad() they accumulate, so each step also pushes in the direction "
@@ -452,6 +454,16 @@ def check_train_step(fn: Callable[..., Any]) -> str:
     _check_clipping(fn, model, optimizer, batches[0])
     _check_step_float64(fn)
     return "zero_grad, forward, loss, backward and step, in that order; the loss comes back as a number." + note
+
+
+def _summed_loss(what: str, ratio: float, targets: torch.Tensor) -> None:
+    """An update as many times the mean loss's step as there are target tokens: the loss was summed."""
+    count = int((targets != IGNORE).sum())
+    if abs(ratio - count) <= 0.01 * count:
+        fail("loss_reduction", f"{what}: the update is {ratio:.2f} times the gradient step of the batch's mean "
+                               f"loss, and the batch has {count} target tokens: you backpropagate the SUM of the "
+                               f"token losses. Backpropagate their mean (lm_loss, or reduction='mean'), the loss "
+                               f"you return.")
 
 
 def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -478,6 +490,7 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
         if abs(ratio - expected) <= 0.01 * expected:
             continue
         if fraction is None:
+            _summed_loss(what, ratio, targets)
             fail("clipping", f"{what}: with max_grad_norm=None the step should use the whole gradient, but it "
                              f"was {ratio:.2f} times as long. Clip only `if max_grad_norm is not None`.")
         if abs(ratio - 1.0) <= 0.01:
@@ -786,7 +799,7 @@ def check_sampling(fn: Callable[..., Any]) -> str:
     _draw(fn, small, "sample_next_token(logits of shape (3, 6))")
     _draw(fn, small[:1], "sample_next_token(logits of shape (1, 6))")                 # a batch of one
     _draw(fn, small[:1], "sample_next_token(logits of shape (1, 6), temperature=0)", temperature=0)
-    greedy = _draw(fn, small, "sample_next_token(temperature=0)", temperature=0)
+    greedy = _draw(fn, small, "sample_next_token(temperature=0.0)", temperature=0.0)   # a float zero too
     if not torch.equal(greedy, small.argmax(-1)):
         fail("greedy", "With temperature=0 the sampler should be greedy and return the argmax of each row; "
                        f"yours returned {greedy.tolist()}, expected {small.argmax(-1).tolist()}.")
@@ -796,6 +809,7 @@ def check_sampling(fn: Callable[..., Any]) -> str:
     _check_top_k_per_row(fn)
     _check_distribution(fn, _BASE, 1.0, 3)
     _check_distribution(fn, _BASE, 2.0, 2)
+    _check_distribution(fn, _BASE, 1.0, _BASE.shape[-1])   # top_k of the whole vocabulary keeps every token
     top1 = _draw(fn, _BASE.repeat(50, 1), "sample_next_token(top_k=1)", top_k=1)
     if not torch.equal(top1, _BASE.argmax(-1).repeat(50)):
         fail("top_k", "With top_k=1 only the most likely token may be drawn; yours drew others.")

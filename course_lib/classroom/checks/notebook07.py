@@ -177,7 +177,10 @@ _CAUSAL_MISTAKES = (
             output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s, mask=causal, dim=-2)),
     Mistake("scale", "the scores are not scaled: multiply them by the `scaling` argument.",
             output=lambda q, k, v, s, causal: _attention(q, k, v, scale=1.0, mask=causal)),
-    Mistake("scale", "the scores are scaled by 1/head_dim; use the `scaling` argument (head_dim ** -0.5 here).",
+    Mistake("scale", "the scores are scaled by 1/head_dim, the scale twice: multiply them by `scaling` once. (If "
+                     "you scale the queries by `scaling` and then call a function that divides by sqrt(head_dim) "
+                     "itself, such as the course's scaled_dot_product_attention, scale them by scaling * "
+                     "sqrt(head_dim) instead, as step 2 says.)",
             output=lambda q, k, v, s, causal: _attention(q, k, v, scale=1.0 / q.shape[-1], mask=causal)),
     Mistake("scale", "the scores are divided by `scaling`; `scaling` is the factor itself (head_dim ** -0.5): "
                      "multiply the scores by it.",

@@ -939,7 +939,16 @@ def _cached(built: Built) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Rec
     for start, length in PLAN:
         what = (f"GroupedQueryAttention({built.label}).forward(x, cache) with {length} new token(s) and "
                 f"{start} cached")
-        out = _forward(built, x[:, start:start + length], what, start=start, cache=cache)
+        try:
+            out = _forward(built, x[:, start:start + length], what, start=start, cache=cache)
+        except Failure as failure:
+            if failure.diagnosis in ("exception", "shape") and start > 0 and length > 1 and len(outs) > 1:
+                reraise_with(failure, "causal_mask", f" Your module runs on one new token at a time after a "
+                             f"cache, but not on {length}: the new queries sit at positions {start} .. "
+                             f"{start + length - 1} and see every cached key, so their mask is ({length}, "
+                             f"{start + length}): rows start .. total - 1 of causal_mask(total), not a "
+                             f"({length}, {length}) mask of the new tokens alone.")
+            raise
         if start == 0 and not cache.appended:
             fail("kv_cache", f"{what}: your forward never appends to the cache it is given, so the next tokens "
                              f"cannot see the earlier ones. With a cache: read start = cache.length, rotate the new "

@@ -20,6 +20,7 @@ from ... import variants as ref
 from ..exercises import Mistake
 from ..verdict import fail
 from . import _gqa_variants as rotary
+from ._student_code import close
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
@@ -75,7 +76,8 @@ def _mask_cases(sizes: tuple[tuple[int, int, int], ...]) -> list[Case]:
 
 SLIDING_WINDOW_MASK = FunctionExercise(
     "12.1", "sliding_window_mask", lambda n, w, s: ref.sliding_window_mask(n, w, s),
-    lambda: _mask_cases(((7, 3, 0), (8, 3, 2), (6, 2, 1), (5, 8, 0), (5, 1, 0), (1, 1, 0), (9, 4, 3))),
+    lambda: _mask_cases(((7, 3, 0), (8, 3, 2), (6, 2, 1), (5, 8, 0), (5, 1, 0), (1, 1, 0), (9, 4, 3),
+                         (8, 2, 4))),   # more sinks than the window is wide
     ("length", "window", "sinks"),
     success="Right for every size tried: each query sees itself and the window - 1 keys before it, and the first "
             "sinks keys, never the future; dtype torch.bool.",
@@ -138,13 +140,15 @@ def _layer(seed: int, q_lora_rank: int | None, heads: int = 2) -> ref.MultiHeadL
     return layer.eval()
 
 
-def _stream(forward: Callable[..., Any], layer: Any, x: torch.Tensor, split: int) -> Any:
+def _stream(forward: Callable[..., Any], layer: Any, x: torch.Tensor, split: int, *, student: bool = False) -> Any:
     """``forward(layer, x, cache)`` on the whole of x (split 0, no cache), or on x[:, :split] then x[:, split:]
-    with one fresh LatentCache; the outputs side by side (N, L, embed_dim)."""
+    with one fresh LatentCache; the outputs side by side (N, L, embed_dim). A ``student``'s cache is read too."""
     if not split:
         return forward(layer, x, None)
     cache = ref.LatentCache(layer.max_tokens)
     first = forward(layer, x[:, :split], cache)
+    if student and cache.k_rope is not None and cache.length == split:
+        _expect_rotated_cache(layer, x[:, :split], cache.k_rope)
     if isinstance(first, torch.Tensor) and cache.length != split:
         fail("kv_cache", f"After latent_attention(layer, x[:, :{split}], cache) the cache holds {cache.length} "
                          f"tokens, not {split}: append the new latents and rotary keys (cache.append(latent, "
@@ -161,12 +165,23 @@ def _stream(forward: Callable[..., Any], layer: Any, x: torch.Tensor, split: int
     return torch.cat([first, second], dim=1)
 
 
+def _expect_rotated_cache(layer: Any, x: torch.Tensor, cached: torch.Tensor) -> None:
+    """The cache's rotary keys are turned to their own positions when they enter it, not on every later read."""
+    with torch.no_grad():
+        k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, layer.qk_rope_head_dim], dim=-1)[1]
+    if cached.shape == k_rope.shape and close(cached, k_rope) and \
+            not close(k_rope, modern.apply_rotary(k_rope, layer.rope_cos, layer.rope_sin)):
+        fail("kv_cache", "Your cache holds the rotary keys before RoPE: your outputs can be right, but every call "
+                         "then turns the whole cache again. Rotate k_rope once, at its own positions, BEFORE "
+                         "cache.append(latent, k_rope), and use what the cache returns as it is.")
+
+
 def _student(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The student's function, run as _stream runs the reference, on its own copy of the layer."""
     def run(layer: Any, x: torch.Tensor, split: int) -> Any:
         mine = copy.deepcopy(layer)
         mine.__class__ = _Weights
-        return _stream(fn, mine, x, split)
+        return _stream(fn, mine, x, split, student=True)
     return run
 
 
