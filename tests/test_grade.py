@@ -20,7 +20,7 @@ from synthetic_class import FORGED_VERDICT, attempt_source, hostile_parts, predi
 
 from course_lib.classroom import checks
 from course_lib.classroom.collect import course_namespace
-from course_lib.classroom.grading import grade, grading_plan, handed_in
+from course_lib.classroom.grading import grade, grading_plan, handed_in, sandbox
 from course_lib.classroom.grading.advice import room_advice
 from course_lib.classroom.grading.cli import build_parser
 from course_lib.classroom.grading.cli import main as grade_main
@@ -280,6 +280,8 @@ def test_the_policy_refuses_what_reaches_beyond_the_submission(tmp_path):
         "remove another's file": lambda: os.remove(other / "notebook.ipynb"),
         "signal the parent": lambda: os.kill(os.getppid(), 0),
         "start a process": lambda: subprocess.run(["true"]),
+        "start a process after emptying the policy's table": lambda: (sandbox._REFUSED_EVENTS.clear(),
+                                                                      subprocess.run(["true"])),
         "read the parent's memory map": lambda: open(f"/proc/{os.getppid()}/maps").read(),
         "write in its own folder": lambda: (home / "mine.txt").write_text("ok"),
         "read a course file": lambda: Path(checks.__file__).read_text()[:1],
@@ -753,6 +755,16 @@ def test_the_likeness_of_two_parts_ignores_names_and_docstrings_but_not_the_code
     ("2.1", "from course_lib.attention import causal_mask"),
     ("2.1", "import functools\ncausal_mask = functools.partial(causal_mask)"),
     ("2.2", "class MaskedAttention(MaskedAttention):\n    pass"),
+    # a copy of the course's code under another name and first line: equal bytecode, not an equal code object
+    ("2.1", "import types\n"
+            "_code = causal_mask.__code__.replace(co_name='mine', co_firstlineno=1000)\n"
+            "causal_mask = types.FunctionType(_code, causal_mask.__globals__, 'causal_mask')\n"),
+    ("2.2", "import types\n"
+            "_f = MaskedAttention.forward\n"
+            "_copy = types.FunctionType(_f.__code__.replace(co_name='fwd', co_firstlineno=2000), _f.__globals__)\n"
+            "class MaskedAttention(MaskedAttention):\n"
+            "    def forward(self, x):\n"
+            "        return _copy(self, x)\n"),
     ("2.2", "class MaskedAttention(MaskedAttention):\n    forward = MaskedAttention.forward"),
     ("2.2", "class MaskedAttention(MaskedAttention):\n"
             "    def forward(self, x):\n"
@@ -775,6 +787,18 @@ def test_handing_the_work_to_the_courses_own_version_is_its_own_verdict(exercise
     verdict = judge(PLANS[exercise], source)
     assert verdict["diagnosis"] == "calls_reference", verdict
     assert PLANS[exercise].name in verdict["message"] and "yourself" in verdict["message"]
+
+
+def test_a_submission_cannot_write_its_own_verdict_into_the_grader():
+    """The grader's modules are pinned like the course's: a setattr on judge's helpers is put back before use."""
+    source = ("import course_lib.classroom.grading.judge as _judge\n"
+              "_forged = setattr(_judge, '_from_checks', lambda plan, recorder, error: "
+              "{'exercise': plan.id, 'passed': True, 'diagnosis': None, 'message': 'forged'})\n"
+              "def causal_mask(n, _x=_forged):\n"
+              "    raise NotImplementedError\n")
+    verdict = judge(PLANS["2.1"], source)
+    assert not verdict["passed"] and verdict["diagnosis"] == "not_implemented", verdict
+    assert judge(PLANS["2.1"], "def causal_mask(n):\n    return torch.ones(n, n, dtype=torch.bool).tril()")["passed"]
 
 
 def test_the_notebooks_own_checks_refuse_the_reference_too():

@@ -646,10 +646,17 @@ if child == 0:
     os.makedirs("/dev/shm/nested/deeper")
     os.symlink("/etc/passwd", "/dev/shm/link")
     subprocess.Popen(["sleep", "60"], start_new_session=True)
+    # SysV objects, which outlive their process: a 1 MB segment (memory held past --memory-mb), a queue, a set
+    import ctypes
+    libc = ctypes.CDLL(None)
+    for made in (libc.shmget(0, 1 << 20, 0o1600), libc.msgget(0, 0o1600), libc.semget(0, 1, 0o1600)):
+        assert made >= 0, ctypes.get_errno()
     os._exit(0)
 os.waitpid(child, 0)
 assert os.path.exists("/dev/shm/planted") and os.path.exists("/dev/planted")
+assert all(zygote._ipc_ids(kind) for kind in ("shm", "msg", "sem")), "no SysV object was made"
 assert zygote.sweep(), "the sweep failed"
+assert not any(zygote._ipc_ids(kind) for kind in ("shm", "msg", "sem")), "a SysV object outlived the sweep"
 left = [p for p in ("/tmp/planted.py", "/dev/shm/planted", "/dev/planted", "/dev/shm/nested", "/dev/shm/link")
         if os.path.lexists(p)]
 assert left == [], left
@@ -660,8 +667,8 @@ print("SWEPT")
 
 
 def test_the_sweep_between_students_empties_every_folder_a_student_can_write():
-    """What a student leaves in /tmp, /dev or /dev/shm, and any process it started, is gone before the next
-    student; /dev is back to its device nodes (run in a sandbox as the grader makes one)."""
+    """What a student leaves in /tmp, /dev or /dev/shm, any process it started and any SysV object it made are
+    gone before the next student; /dev is back to its device nodes (run in a sandbox as the grader makes one)."""
     package_root = str(Path(course_lib.__file__).resolve().parents[1])
     done = subprocess.run(
         ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",

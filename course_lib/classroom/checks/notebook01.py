@@ -19,7 +19,7 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._attn_hypotheses import SDPA_HYPOTHESES, diagnose_weights, identity_values, sdpa_variant, shape_str
 from ._counterexample import Example
-from ._student_code import call, call_student, close, expect_finite, max_diff, reraise_with
+from ._student_code import call, call_student, close, expect_finite, expect_tensor, max_diff, reraise_with
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import SEEDS, tiny
 from .engine.function import Run
@@ -139,8 +139,19 @@ def _toy_cases() -> list[Case]:
         _toy_case(q, keys, torch.randn(5, generator=gen)),
         _toy_case(q, keys, torch.randn(5, 2, generator=gen)),
         _toy_case(torch.randn(4, generator=gen), torch.randn(1, 4, generator=gen), torch.randn(1, 3, generator=gen)),
-        _toy_case(q, keys, torch.randn(5, 1, generator=gen)),   # dv = 1: (1,) comes back, not a scalar
     ]
+
+
+def _one_value_feature(runs: list[Run], fn: Any) -> None:
+    """Every case right: values of one feature, (n, 1), give a result of shape (1,), not a scalar (a .squeeze())."""
+    gen = torch.Generator().manual_seed(12)
+    case = _toy_case(torch.randn(3, generator=gen), torch.randn(5, 3, generator=gen), torch.randn(5, 1, generator=gen))
+    out = call_student(fn, *case.given(), what=case.what)
+    expect_tensor(out, (1,), case.what)
+    if not close(out, ref.toy_attention(*case.args)):
+        fail("mismatch", f"{case.what}: your result differs from the reference by up to "
+                         f"{max_diff(out, ref.toy_attention(*case.args)):.3g}, though it is right for values of "
+                         f"shape (n,) and (n, 2).")
 
 
 def _toy_examples() -> list[Case]:   # the same cases, tiny: (n keys, d features), one decimal
@@ -199,7 +210,7 @@ TOY_ATTENTION = FunctionExercise(
                             "dot products of the query with the keys.",
                 output=lambda q, keys, v: torch.full_like(keys @ q, 1 / keys.shape[0]) @ v),
     ),
-    reword=_toy_reword, diagnose=_toy_diagnose, examples=_toy_examples,
+    reword=_toy_reword, diagnose=_toy_diagnose, examples=_toy_examples, after=_one_value_feature,
     gradients=lambda: [replace(_toy_cases()[2], what="toy_attention(query, keys, values) with values (n, dv)")],
     magnitude=lambda: [Case((q, keys, values), f"toy_attention(query, keys, values) with {how}")
                        for query, keys0, values in (c.args for c in _toy_cases()[1:3])

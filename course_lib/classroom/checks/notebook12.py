@@ -140,15 +140,17 @@ def _layer(seed: int, q_lora_rank: int | None, heads: int = 2) -> ref.MultiHeadL
     return layer.eval()
 
 
-def _stream(forward: Callable[..., Any], layer: Any, x: torch.Tensor, split: int, *, student: bool = False) -> Any:
+def _stream(forward: Callable[..., Any], layer: Any, x: torch.Tensor, split: int,
+            caches: list[tuple[Any, torch.Tensor, torch.Tensor]] | None = None) -> Any:
     """``forward(layer, x, cache)`` on the whole of x (split 0, no cache), or on x[:, :split] then x[:, split:]
-    with one fresh LatentCache; the outputs side by side (N, L, embed_dim). A ``student``'s cache is read too."""
+    with one fresh LatentCache; the outputs side by side (N, L, embed_dim). ``caches`` collects (layer, the first
+    chunk, the rotary keys the cache held after it), for ``_rotated_when_cached``."""
     if not split:
         return forward(layer, x, None)
     cache = ref.LatentCache(layer.max_tokens)
     first = forward(layer, x[:, :split], cache)
-    if student and cache.k_rope is not None and cache.length == split:
-        _expect_rotated_cache(layer, x[:, :split], cache.k_rope)
+    if caches is not None and isinstance(cache.k_rope, torch.Tensor) and cache.length == split:
+        caches.append((layer, x[:, :split], cache.k_rope.detach().clone()))
     if isinstance(first, torch.Tensor) and cache.length != split:
         fail("kv_cache", f"After latent_attention(layer, x[:, :{split}], cache) the cache holds {cache.length} "
                          f"tokens, not {split}: append the new latents and rotary keys (cache.append(latent, "
@@ -165,23 +167,27 @@ def _stream(forward: Callable[..., Any], layer: Any, x: torch.Tensor, split: int
     return torch.cat([first, second], dim=1)
 
 
-def _expect_rotated_cache(layer: Any, x: torch.Tensor, cached: torch.Tensor) -> None:
-    """The cache's rotary keys are turned to their own positions when they enter it, not on every later read."""
-    with torch.no_grad():
-        k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, layer.qk_rope_head_dim], dim=-1)[1]
-    if cached.shape == k_rope.shape and close(cached, k_rope) and \
-            not close(k_rope, modern.apply_rotary(k_rope, layer.rope_cos, layer.rope_sin)):
-        fail("kv_cache", "Your cache holds the rotary keys before RoPE: your outputs can be right, but every call "
-                         "then turns the whole cache again. Rotate k_rope once, at its own positions, BEFORE "
-                         "cache.append(latent, k_rope), and use what the cache returns as it is.")
+def _rotated_when_cached(runs: list[Run], fn: Any) -> None:
+    """Every output right: the cache's rotary keys must still have been turned when they entered it, or every
+    later call turns the whole cache again (9.6 reads its cache the same way)."""
+    for layer, x, cached in getattr(fn, "caches", ()):
+        with torch.no_grad():
+            k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, layer.qk_rope_head_dim], dim=-1)[1]
+        if cached.shape == k_rope.shape and close(cached, k_rope) and \
+                not close(k_rope, modern.apply_rotary(k_rope, layer.rope_cos, layer.rope_sin)):
+            fail("kv_cache", "Your cache holds the rotary keys before RoPE: your outputs are right, but every call "
+                             "then turns the whole cache again. Rotate k_rope once, at its own positions, BEFORE "
+                             "cache.append(latent, k_rope), and use what the cache returns as it is.")
 
 
 def _student(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The student's function, run as _stream runs the reference, on its own copy of the layer."""
+    """The student's function, run as _stream runs the reference, on its own copy of the layer; the caches it
+    filled are kept on the wrapper (``run.caches``)."""
     def run(layer: Any, x: torch.Tensor, split: int) -> Any:
         mine = copy.deepcopy(layer)
         mine.__class__ = _Weights
-        return _stream(fn, mine, x, split, student=True)
+        return _stream(fn, mine, x, split, caches=run.caches)
+    run.caches = []
     return run
 
 
@@ -365,6 +371,7 @@ LATENT_ATTENTION = FunctionExercise(
                          f"kv_a_proj_with_mqa; the norm; RoPE on the rotary parts at start; the cache; keys and "
                          f"values from kv_b_proj; scores with layer.softmax_scale; the causal mask; o_proj.",
     mistakes=_MLA_MISTAKES, variant=lambda layer, x, split, spec: _mla(layer, x, split, **spec),
+    after=_rotated_when_cached,
     gradients=_mla_gradients, examples=_mla_examples, magnitude=_mla_magnitude,
 )
 

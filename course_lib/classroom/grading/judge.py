@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..checks._references import bind_references, install_references
 from ..checks._student_files import student_frame
 from ..collect import GPT_EXERCISES, course_names, course_namespace
 from ..verdict import CheckResult
@@ -107,6 +108,7 @@ def _judge_capstone(plan: ExercisePlan) -> dict[str, Any]:
         exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), namespace)
     except BaseException as exc:  # the student's parts train in here
         error = exc
+    install_references()
     return _from_checks(plan, recorder, error)
 
 
@@ -125,6 +127,9 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
     """The verdict on ``source`` (the student's definition) for ``plan``, as a plain dict
     (exercise, passed, diagnosis, message). Never raises."""
     try:
+        # the grader's own modules are pinned too, and put back before each of their functions is used below:
+        # a submission's setattr(judge, "_from_checks", ...) cannot write its own verdict
+        bind_references()
         if plan.id == CAPSTONE:
             return _judge_capstone(plan)
         namespace = course_namespace()
@@ -136,6 +141,7 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
             return _raised(plan.id, f"Defining {plan.name}", exc)
         recorder.forget()
         namespace["checks"] = recorder
+        install_references()
         refused = _course_own(plan, namespace.get(plan.name))
         if refused is not None:
             return refused
@@ -144,6 +150,7 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
             exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), namespace)
         except BaseException as exc:  # 1.1's cell calls the student's my_prediction() itself
             error = exc
+        install_references()
         return _from_checks(plan, recorder, error)
     except BaseException as exc:  # never let anything escape: the worker needs one verdict
         return _verdict(plan.id, False, "checker_error", f"The grader failed on exercise {plan.id} "

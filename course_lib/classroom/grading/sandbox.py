@@ -136,6 +136,12 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
     and away from ``deny``; returns the hook (for tests)."""
     home_dir = os.path.realpath(home)
     denied = tuple(os.path.realpath(os.fspath(path)) for path in deny)
+    # the policy as immutable values the hook closes over: a submission that empties the module's tables
+    # (_REFUSED_EVENTS.clear()) changes nothing here
+    refused_events = frozenset(_REFUSED_EVENTS)
+    refused_words = tuple(_REFUSED_EVENTS.items())
+    write_path_events, write_path_counts = frozenset(_WRITE_PATH_EVENTS), tuple(_WRITE_PATH_EVENTS.items())
+    write_flags = _WRITE_FLAGS
     writable = (home_dir,)
     own_pid = os.getpid()
     own_group = os.getpgid(0) if hasattr(os, "getpgid") else own_pid
@@ -176,7 +182,7 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None, None))[:3]
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
-                (isinstance(flags, int) and bool(flags & _WRITE_FLAGS))
+                (isinstance(flags, int) and bool(flags & write_flags))
             check_write(path) if writes else check_read(path)
         elif event in ("os.listdir", "os.scandir", "os.chdir"):
             check_read(args[0] if args else None)
@@ -184,8 +190,8 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
                 real = resolve(args[0] if args else None)
                 if real is not None and not inside(real, writable):
                     refuse("leaving the submission's working folder (os.chdir)")
-        elif event in _WRITE_PATH_EVENTS:
-            for path in args[:_WRITE_PATH_EVENTS[event]]:
+        elif event in write_path_events:
+            for path in args[:next(count for name, count in write_path_counts if name == event)]:
                 check_write(path)
         elif event == "os.symlink":
             check_write(args[1])
@@ -195,8 +201,8 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
                 refuse(f"signalling process {target}: a submission may only signal itself")
             if event == "os.killpg" and target not in (own_group, 0):
                 refuse(f"signalling process group {target}: a submission may only signal itself")
-        elif event in _REFUSED_EVENTS:
-            refuse(_REFUSED_EVENTS[event])
+        elif event in refused_events:
+            refuse(next(words for name, words in refused_words if name == event))
 
     sys.addaudithook(hook)
     return hook

@@ -10,7 +10,8 @@ must hold that a sandbox per student gave for free:
   ``kill(-1)`` reaches exactly the students' processes, and none can fork while it runs) and every
   folder a student can write in the sandbox is brought back to what it held before the first student:
   the scratch ``/tmp`` (the student's folder, and anything planted there for the next one) and ``/dev``
-  with ``/dev/shm`` (bubblewrap's own tmpfs, which a grader that is not root leaves writable);
+  with ``/dev/shm`` (bubblewrap's own tmpfs, which a grader that is not root leaves writable), and every
+  SysV shared-memory segment, message queue and semaphore set is removed;
 - nothing of the worker is readable by a student: it is not dumpable (no ``/proc/PID/mem``, ``fd``,
   ``environ``, no ptrace, for any process of the sandbox's user), and no folder a student can write is
   on ``sys.path``.
@@ -130,7 +131,42 @@ def sweep() -> bool:
             return False
         time.sleep(0.01)
     mounts = _mount_points()
-    return all(_restore(root, kept, mounts) for root, kept in _SKELETON.items() if os.path.isdir(root))
+    return _remove_ipc() and all(_restore(root, kept, mounts) for root, kept in _SKELETON.items()
+                                 if os.path.isdir(root))
+
+
+# SysV shared memory, message queues and semaphores outlive the process that made them (a segment holds its
+# memory, past --memory-mb, until it is removed): the sandbox's IPC namespace of its own holds only students'
+_IPC_TABLES = (("shm", "shmctl"), ("msg", "msgctl"), ("sem", "semctl"))
+_IPC_RMID = 0
+
+
+def _ipc_ids(kind: str) -> list[int]:
+    """The ids of the SysV objects of one kind in this IPC namespace (/proc/sysvipc), none where it is absent."""
+    try:
+        with open(f"/proc/sysvipc/{kind}", encoding="ascii") as table:
+            rows = table.read().splitlines()[1:]
+    except OSError:
+        return []
+    return [int(row.split()[1]) for row in rows if len(row.split()) > 1]
+
+
+def _remove_ipc() -> bool:
+    """Remove every SysV object a student made; True when none is left."""
+    if not any(_ipc_ids(kind) for kind, _ in _IPC_TABLES):
+        return True
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+    except Exception:  # no libc to call: the worker exits and its sandbox with it
+        return False
+    for kind, call in _IPC_TABLES:
+        for ident in _ipc_ids(kind):
+            if kind == "sem":
+                libc.semctl(ident, 0, _IPC_RMID)
+            else:
+                getattr(libc, call)(ident, _IPC_RMID, None)
+    return not any(_ipc_ids(kind) for kind, _ in _IPC_TABLES)
 
 
 def _restore(root: str, kept: set[str], mounts: set[str]) -> bool:

@@ -427,6 +427,20 @@ def _codes(reference: Any) -> dict[str, CodeType]:
     return {name: code for name, value in values if (code := _own_code(value)) is not None}
 
 
+@functools.cache
+def _print(code: CodeType) -> tuple:
+    """What a code object computes, whatever its name and first line: its file, bytecode, names and constants
+    (code among them by their own print). A copy made with ``code.replace(co_name=...)`` has the print of the
+    course's code it copies, though it is not equal to it."""
+    consts = tuple(_print(c) if isinstance(c, CodeType) else (type(c).__name__, repr(c)) for c in code.co_consts)
+    return code.co_filename, code.co_code, code.co_names, consts
+
+
+def _is_course_work(code: CodeType | None, watched: frozenset[CodeType]) -> bool:
+    """Whether ``code`` is one of ``watched`` or a copy of one (the same print)."""
+    return code is not None and (code in watched or _print(code) in {_print(c) for c in watched})
+
+
 def _watched(reference: Any) -> frozenset[CodeType]:
     """The code that is the reference's work; a class's constructor is left out: the exercise cell gives it, so
     ``super().__init__()`` reuses no work."""
@@ -444,7 +458,8 @@ def is_reference(candidate: Any, reference: Any) -> str | None:
         codes = _codes(reference)
         work = {n for n in codes if not (n.startswith("__") and n.endswith("__"))} or set(codes) - {"__init__"}
         above = candidate.__mro__[:candidate.__mro__.index(reference)]
-        written = any(_own_code(vars(k)[n]) not in _watched(reference) for k in above for n in work & set(vars(k)))
+        written = any(not _is_course_work(_own_code(vars(k)[n]), _watched(reference))
+                      for k in above for n in work & set(vars(k)))
         return None if written else "subclasses"
     inner = candidate
     for _ in range(10):   # functools.partial, functools.wraps, bound methods
@@ -454,7 +469,7 @@ def is_reference(candidate: Any, reference: Any) -> str | None:
         if inner is None:
             break
     code = _own_code(candidate) if callable(candidate) and not isinstance(candidate, type) else None
-    return "is a copy of" if code is not None and code in _watched(reference) else None
+    return "is a copy of" if _is_course_work(code, _watched(reference)) else None
 
 
 def reference_message(found: CallsReference) -> str:
@@ -486,6 +501,9 @@ class _guard:  # noqa: N801 - used as a context, like a function
         same_work = same_work_of(exercise) if reference is not None else ()
         self.names = {code: value.__name__ for value in same_work for code in _watched(value)}
         self.codes = self.codes | frozenset(self.names)
+        # a copy of that code (types.FunctionType(code.replace(co_name=...), ...)) is watched by its print
+        self.files = frozenset(code.co_filename for code in self.codes)
+        self.prints = {_print(code): self.names.get(code, self.name) for code in self.codes}
         # A reference that is a context manager (11.3) does its work when the check enters it, after the student's
         # function returned it: its creation is the call to watch, contextlib's helper (shared by every
         # @contextmanager) with the reference's own generator function as its ``func``.
@@ -496,7 +514,10 @@ class _guard:  # noqa: N801 - used as a context, like a function
         self.tripped: CallsReference | None = None
 
     def _hook(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call" or frame.f_code not in self.codes:
+        if event != "call":
+            return
+        code = frame.f_code
+        if code not in self.codes and (code.co_filename not in self.files or _print(code) not in self.prints):
             return
         if frame.f_code is _MANAGER_HELPER and frame.f_locals.get("func") is not self.manager:
             return   # another context manager made by @contextmanager
@@ -504,7 +525,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
         while caller is not None and caller is not self.stop:
             if caller.f_code not in self.codes and is_student_file(caller.f_code.co_filename):
                 self.tripped = CallsReference(self.exercise, self.name, "calls",
-                                              self.names.get(frame.f_code, self.name))
+                                              self.names.get(code) or self.prints.get(_print(code), self.name))
                 raise self.tripped
             caller = caller.f_back
 
