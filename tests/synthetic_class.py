@@ -267,3 +267,82 @@ def causal_mask(n):
             pass
     os._exit(0)
 '''
+
+
+# Submissions that try to write their own pass into the grader, each with a wrong answer (or, where the
+# attack is one the sandbox refuses, the right answer after it, raising if the attack got through).
+FORGERIES = {
+    # the recorder standing for `checks`: an attribute set on it
+    "1.1": '''
+_forged = setattr(checks, "verdicts", lambda: [])
+
+def my_prediction(_x=_forged):
+    return [0.0, 1.0, 0.0], 1.0
+''',
+    # json's encoder rewriting the worker's reply to "passed"
+    "1.2": '''
+import json
+
+_encode = json.JSONEncoder.encode
+
+def _forge(self, o):
+    if isinstance(o, dict) and isinstance(o.get("verdict"), dict):
+        o["verdict"].update(passed=True, diagnosis=None, message="forged")
+    return _encode(self, o)
+
+_forged = setattr(json.JSONEncoder, "encode", _forge)
+
+def toy_attention(query, keys, values, _x=_forged):
+    return values.sum(0) * 0
+''',
+    # os.write rewriting every false on its way out
+    "1.3": '''
+import os
+
+_write = os.write
+_forged = setattr(os, "write", lambda fd, data: _write(fd, data.replace(b"false", b"true ")))
+
+def scaled_dot_product_attention(q, k, v, mask=None, _x=_forged):
+    return v * 0
+''',
+    # a helper of the checker replaced
+    "2.1": '''
+import course_lib.classroom.checks.notebook02 as _checker
+
+_forged = setattr(_checker, "judge", lambda *args: "forged")
+
+def causal_mask(n, _x=_forged):
+    return torch.zeros(n, n, dtype=torch.bool)
+''',
+    # a process started through the C helper that raises no audit event
+    "3.1": '''
+import multiprocessing.util
+
+def split_heads(x, num_heads):
+    try:
+        multiprocessing.util.spawnv_passfds("/bin/true", ["true"], ())
+    except Exception:
+        n, length, embed = x.shape
+        return x.view(n, length, num_heads, embed // num_heads).transpose(1, 2)
+    raise RuntimeError("attack got through: fork_exec")
+''',
+    # a copy of the course's code that says it was compiled elsewhere
+    "3.2": '''
+import types
+
+_copy = types.FunctionType(merge_heads.__code__.replace(co_name="mine", co_filename="mine.py"),
+                           merge_heads.__globals__, "mine")
+
+def merge_heads(x, _f=_copy):
+    return _f(x)
+''',
+    # the reference guard switched off, then the course's class under the student's name
+    "3.3": '''
+import course_lib.classroom.checks.engine.run as _run
+
+_forged = setattr(_run, "reference_of", lambda exercise: None)
+
+class MultiHeadMaskedAttention(MultiHeadMaskedAttention):
+    off = _forged
+''',
+}

@@ -16,7 +16,14 @@ from pathlib import Path
 import nbformat
 import pytest
 from bank import attention_bugs
-from synthetic_class import FORGED_VERDICT, attempt_source, hostile_parts, prediction_source, write_student
+from synthetic_class import (
+    FORGED_VERDICT,
+    FORGERIES,
+    attempt_source,
+    hostile_parts,
+    prediction_source,
+    write_student,
+)
 
 from course_lib.classroom import checks
 from course_lib.classroom.collect import course_namespace
@@ -483,6 +490,7 @@ def graded_class(tmp_path_factory):
                   rename={"02": "02_masked_attention (1).ipynb"})
     write_student(submissions / "mallory", ["01", "02", "03"], hostile_parts(victim, submissions, report))
     write_student(submissions / "eve", ["02"], {"2.1": FORGED_VERDICT})
+    write_student(submissions / "trent", ["01", "02", "03"], FORGERIES)
     before = victim.read_bytes()
     # the process sandbox alone (what runs where bwrap does not); isolation: tests/test_grade_isolation.py
     run = grade(submissions, report, workers=2, timeout=8, memory_mb=512, exercises=CLASS_EXERCISES, isolate=False)
@@ -494,7 +502,7 @@ def graded_class(tmp_path_factory):
 def test_the_grades_are_what_the_checkers_say(graded_class):
     grades = graded_class["grades"]
     assert graded_class["run"].errors == []
-    assert len(graded_class["run"].grades) == 6 * len(CLASS_EXERCISES)
+    assert len(graded_class["run"].grades) == 7 * len(CLASS_EXERCISES)
     for ex_id in CLASS_EXERCISES:
         assert grades["alice", ex_id].passed, grades["alice", ex_id]
         assert (grades["learner", ex_id].passed, grades["learner", ex_id].diagnosis) == (False, "not_implemented")
@@ -521,6 +529,11 @@ def test_hostile_submissions_change_nothing_but_their_own_grades(graded_class):
     assert mallory["3.2"].passed, mallory["3.2"].message          # writing other notebooks, the report: refused
     assert mallory["3.3"].passed, mallory["3.3"].message          # reading others' files and memory: refused
     assert not grades["eve", "2.1"].passed                        # a forged verdict is not taken
+    trent = {ex: grades["trent", ex] for ex in FORGERIES}   # each tried to write its own pass
+    for ex in ("1.1", "1.2", "1.3", "2.1", "3.2", "3.3"):
+        assert not trent[ex].passed and "forged" not in trent[ex].message, (ex, trent[ex])
+    assert trent["3.1"].passed, trent["3.1"].message               # fork_exec refused, then the right answer
+    assert trent["3.2"].diagnosis == trent["3.3"].diagnosis == "calls_reference"
     assert graded_class["victim"].read_bytes() == graded_class["before"]
     assert not (report / "evil.md").exists()
     assert "tampered" not in (report / "feedback" / "alice.md").read_text()

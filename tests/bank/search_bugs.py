@@ -26,6 +26,7 @@ BUGGY, CORRECT, bug, correct = new_bank()
 
 # ============================================================================ 1.1, 1.2
 _E = Fraction(271828, 100000)   # e to five digits, in exact fractions: numbers torch cannot read as they are
+BUGGY.append(Attempt("1.1", "prediction_in_base_two", ([0.25, 0.5, 0.25], 2.0), "scale", ("not 2",)))
 CORRECT.append(Attempt("1.1", "prediction_in_fractions", ([1 / (2 + _E), _E / (2 + _E), 1 / (2 + _E)], Fraction(2)),
                        None))
 
@@ -91,6 +92,16 @@ class MaskedSqueezesTheBatch(_GivenMasked):
         q, k, v = self.query(x), self.key(x), self.value(x)
         s = (q @ k.mT / math.sqrt(self.embed_dim)).masked_fill(~self.mask[:length, :length], float("-inf"))
         return self.proj_dropout(self.proj((self.attn_dropout(s.softmax(-1)) @ v).squeeze()))
+
+
+@bug("2.2", "scale", "1/sqrt(embed_dim)")
+class MaskedScaledByTheLength(_GivenMasked):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        kt = k.transpose(-2, -1)
+        s = (q @ kt / math.sqrt(kt.size(-1))).masked_fill(~self.mask[:length, :length], float("-inf"))   # sqrt(L)
+        return self.proj_dropout(self.proj(self.attn_dropout(s.softmax(-1)) @ v))
 
 
 # ============================================================================ 4.1: no dtype is asked

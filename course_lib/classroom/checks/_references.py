@@ -47,17 +47,19 @@ def restore_namespace(obj: Any, saved: dict[str, Any]) -> None:
 _PRISTINE: dict[Any, dict[str, Any]] = {}
 
 
-def bind_references() -> None:
+def bind_references(*, checkers_too: bool = False) -> None:
     """Remember course_lib as it is now (called when ``checks`` is imported): checks run against it.
 
     The checkers' own modules are left out: they are not references a notebook imports, and tests
-    inject faults into them (they are still restored after every check, like all of course_lib)."""
+    inject faults into them (they are still restored after every check, like all of course_lib). The
+    grader pins them too (``checkers_too``), in the process that runs one submission, before its code runs:
+    there a ``setattr`` on the engine would be the submission writing its own verdict."""
     for obj, saved in attributes().items():
         owner = obj.__name__ if isinstance(obj, ModuleType) else getattr(obj, "__module__", "")
         # A module still being imported (one that imports checks at its top) holds only part of its
         # names yet: pinning that half would strip the rest during every check.
         initializing = isinstance(obj, ModuleType) and getattr(obj.__spec__, "_initializing", False)
-        if not owner.startswith("course_lib.classroom.checks") and not initializing:
+        if (checkers_too or not owner.startswith("course_lib.classroom.checks")) and not initializing:
             _PRISTINE.setdefault(obj, saved)
 
 

@@ -88,6 +88,10 @@ def check_toy_prediction(weights: Any, result: Any) -> str:
         if near(scores):
             fail("normalization", "These are the raw scores (the dot products of the query with each key). "
                                   "Turn them into weights with a softmax: positive numbers that sum to one.")
+        if near(2.0 ** scores / (2.0 ** scores).sum()):   # 1/4, 1/2, 1/4: before the scaled softmax, its neighbour
+            fail("scale", "Your weights are 2^score over their sum: a softmax raises e, not 2, to each score "
+                          "(e ≈ 2.718, so the middle key gets e / (e + 2) ≈ 0.58). (The same numbers, rounded, "
+                          "come from scaling the scores by 1/sqrt(2), which toy attention does not do either.)")
         if near((scores * 2 ** -0.5).softmax(0)):
             fail("scale", "You scaled the scores by 1/sqrt(2). Toy attention has no scaling (that comes in "
                           "exercise 1.3): take the softmax of the plain dot products.")

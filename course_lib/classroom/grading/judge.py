@@ -29,38 +29,31 @@ def known_names(plans: dict[str, ExercisePlan]) -> set[str]:
 
 class RecordingChecks:
     """Stands for ``checks`` in the course's check cell: each ``check_*`` call is the course's checker
-    (taken when this object is made, before any student code runs), and its verdict is kept."""
+    (taken when this object is made, before any student code runs), and its verdict is kept in a list the
+    grader holds (``verdicts``), not on this object: a submission can set attributes here (it has no
+    ``__slots__`` to fill), but none that the grader reads back."""
 
-    def __init__(self) -> None:
+    __slots__ = ()
+
+    def __new__(cls, verdicts: list[CheckResult]) -> RecordingChecks:
         from .. import checks
         checkers = {name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")}
-        verdicts: list[CheckResult] = []
 
-        def checker(name: str) -> Any:
+        def recorded(name: str) -> Any:
             real = checkers[name]
 
             def run(*args: Any, **kwargs: Any) -> CheckResult:
                 result = real(*args, **kwargs)
-                verdicts.append(result)
+                if isinstance(result, CheckResult):
+                    verdicts.append(result)
                 return result
             return run
 
-        self._checker = checker
-        self._verdicts = verdicts
-        self._names = frozenset(checkers)
-        self._module = checks
+        def lookup(self: RecordingChecks, name: str) -> Any:
+            return recorded(name) if name in checkers else getattr(checks, name)   # checks.hint(...) too
 
-    def __getattr__(self, name: str) -> Any:
-        if name in self._names:
-            return self._checker(name)
-        return getattr(self._module, name)   # checks.hint(...) and the like, as in the notebook
-
-    def verdicts(self) -> list[CheckResult]:
-        return list(self._verdicts)
-
-    def forget(self) -> None:
-        """Drop the verdicts so far (checks the student's own code made while being defined)."""
-        self._verdicts.clear()
+        # a class of its own per recorder, its one method closing over what it reads
+        return object.__new__(type(cls.__name__, (cls,), {"__slots__": (), "__getattr__": lookup}))
 
 
 def _verdict(exercise: str, passed: bool, diagnosis: str | None, message: str) -> dict[str, Any]:
@@ -78,8 +71,8 @@ def _raised(exercise: str, what: str, exc: BaseException) -> dict[str, Any]:
                     f"{what} raised {type(exc).__name__}{student_frame(exc)}: {exc}")
 
 
-def _from_checks(plan: ExercisePlan, recorder: RecordingChecks, error: BaseException | None) -> dict[str, Any]:
-    mine = [r for r in recorder.verdicts() if isinstance(r, CheckResult) and r.exercise == plan.id]
+def _from_checks(plan: ExercisePlan, verdicts: list[CheckResult], error: BaseException | None) -> dict[str, Any]:
+    mine = [r for r in verdicts if isinstance(r, CheckResult) and r.exercise == plan.id]
     failing = [r for r in mine if not r.passed]
     if failing:
         return _verdict(plan.id, False, failing[0].diagnosis, failing[0].message)
@@ -101,15 +94,15 @@ def _judge_capstone(plan: ExercisePlan) -> dict[str, Any]:
         return _verdict(plan.id, False, "not_implemented",
                         f"8.1 trains the GPT built from your parts of notebooks 02-05, and these are not usable "
                         f"yet: {', '.join(not_yours)}.")
-    recorder = RecordingChecks()
-    namespace = {"__name__": "course_check", "parts": parts, "capstone": capstone, "checks": recorder}
+    verdicts: list[CheckResult] = []
+    namespace = {"__name__": "course_check", "parts": parts, "capstone": capstone, "checks": RecordingChecks(verdicts)}
     error = None
     try:
         exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), namespace)
     except BaseException as exc:  # the student's parts train in here
         error = exc
     install_references()
-    return _from_checks(plan, recorder, error)
+    return _from_checks(plan, verdicts, error)
 
 
 def _course_own(plan: ExercisePlan, defined: Any) -> dict[str, Any] | None:
@@ -133,14 +126,15 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         if plan.id == CAPSTONE:
             return _judge_capstone(plan)
         namespace = course_namespace()
-        recorder = RecordingChecks()   # the course's checkers, taken before any student code runs
-        namespace["checks"] = recorder   # a line of theirs may call one (9.6's cell before: yours or ours)
+        verdicts: list[CheckResult] = []
+        # the course's checkers, taken before any student code runs: a line of theirs may call one (9.6's cell
+        # before: yours or ours), into a list of its own that the verdict never reads
+        namespace["checks"] = RecordingChecks([])
         try:
             exec(compile(source or "", f"<your {plan.notebook}, Exercise {plan.id}>", "exec"), namespace)
         except BaseException as exc:  # the student's definition itself failed to run
             return _raised(plan.id, f"Defining {plan.name}", exc)
-        recorder.forget()
-        namespace["checks"] = recorder
+        namespace["checks"] = RecordingChecks(verdicts)
         install_references()
         refused = _course_own(plan, namespace.get(plan.name))
         if refused is not None:
@@ -151,7 +145,7 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         except BaseException as exc:  # 1.1's cell calls the student's my_prediction() itself
             error = exc
         install_references()
-        return _from_checks(plan, recorder, error)
+        return _from_checks(plan, verdicts, error)
     except BaseException as exc:  # never let anything escape: the worker needs one verdict
         return _verdict(plan.id, False, "checker_error", f"The grader failed on exercise {plan.id} "
                                                          f"({type(exc).__name__}: {exc}).")

@@ -50,6 +50,31 @@ def _write_all(fd: int, data: bytes) -> None:
         data = data[os.write(fd, data):]
 
 
+# JSON's escapes for a string, as a table for str.translate (a method of str itself, which no submission can
+# replace): the quote, the backslash and every control character
+_ESCAPES = {**{code: f"\\u{code:04x}" for code in range(0x20)}, ord('"'): '\\"', ord("\\"): "\\\\"}
+
+
+def _sender(fd: int, token: str) -> Any:
+    """``send(verdict)``: the verdict with the token, as one JSON object, written whole to ``fd``. Everything it
+    uses is bound here, before the submission's code runs; a verdict is a dict of strings, booleans and None."""
+    write, escapes, is_str, as_list = os.write, dict(_ESCAPES), str, list
+
+    def text(value: Any) -> str:
+        if value is True or value is False or value is None:
+            return "true" if value is True else "false" if value is False else "null"
+        # a lone surrogate (a submission's message may hold one) cannot be UTF-8: it becomes U+FFFD
+        whole = is_str(value).encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return '"' + whole.translate(escapes) + '"'
+
+    def send(verdict: dict[str, Any]) -> None:
+        fields = ",".join(text(key) + ":" + text(value) for key, value in as_list(verdict.items()))
+        data = ('{"token":' + text(token) + ',"verdict":{' + fields + "}}").encode("utf-8")
+        while data:
+            data = data[write(fd, data):]
+    return send
+
+
 class _Channel:
     """The worker's line to the grader: JSON lines on a descriptor no child keeps."""
 
@@ -119,10 +144,13 @@ def _run_child(plan: Any, source: str | None, home: str, deny: list[str], limit:
     if pid == 0:   # the child: it never returns
         try:
             os.close(read_end)
-            sandbox.enter(home, deny, memory_mb=memory_mb, cpu_seconds=limit, close=close)
+            from ..checks._references import bind_references
             from ..checks.engine.run import set_time_limit
+            bind_references(checkers_too=True)   # before any student code: the checkers are put back like the rest
+            send = _sender(write_end, token)     # bound now, so no patch of json or os can write the verdict
+            sandbox.enter(home, deny, memory_mb=memory_mb, cpu_seconds=limit, close=close)
             set_time_limit(max(0.5, 0.9 * limit))   # the checker's own timer rings first
-            _write_all(write_end, json.dumps({"token": token, "verdict": judge(plan, source)}).encode("utf-8"))
+            send(judge(plan, source))
         finally:
             os._exit(0)
     os.close(write_end)
@@ -352,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     student; the grader ran the self-check elsewhere, so this one only imports what the checks need."""
     argv = sys.argv[1:] if argv is None else argv
     isolated = "--isolated" in argv
+    if isolated:
+        from .sandbox import IN_KERNEL_SANDBOX
+        IN_KERNEL_SANDBOX[0] = True
     if isolated:   # before anything else: an unprivileged user with a process limit, no inherited descriptor
         from .isolation import enter_worker
         uid = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--uid=")), None)

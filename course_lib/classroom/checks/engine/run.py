@@ -429,11 +429,11 @@ def _codes(reference: Any) -> dict[str, CodeType]:
 
 @functools.cache
 def _print(code: CodeType) -> tuple:
-    """What a code object computes, whatever its name and first line: its file, bytecode, names and constants
-    (code among them by their own print). A copy made with ``code.replace(co_name=...)`` has the print of the
-    course's code it copies, though it is not equal to it."""
+    """What a code object computes, whatever its name, file and first line: its bytecode, names and constants
+    (code among them by their own print). A copy made with ``code.replace(co_name=..., co_filename=...)``, or
+    compiled again from the course's source under another name, has the print of the course's code."""
     consts = tuple(_print(c) if isinstance(c, CodeType) else (type(c).__name__, repr(c)) for c in code.co_consts)
-    return code.co_filename, code.co_code, code.co_names, consts
+    return code.co_code, code.co_names, consts
 
 
 def _is_course_work(code: CodeType | None, watched: frozenset[CodeType]) -> bool:
@@ -458,7 +458,7 @@ def is_reference(candidate: Any, reference: Any) -> str | None:
         codes = _codes(reference)
         work = {n for n in codes if not (n.startswith("__") and n.endswith("__"))} or set(codes) - {"__init__"}
         above = candidate.__mro__[:candidate.__mro__.index(reference)]
-        written = any(not _is_course_work(_own_code(vars(k)[n]), _watched(reference))
+        written = any(not _is_course_work(_any_code(vars(k)[n]), _watched(reference))
                       for k in above for n in work & set(vars(k)))
         return None if written else "subclasses"
     inner = candidate
@@ -468,8 +468,17 @@ def is_reference(candidate: Any, reference: Any) -> str | None:
             return "wraps"
         if inner is None:
             break
-    code = _own_code(candidate) if callable(candidate) and not isinstance(candidate, type) else None
+    code = _any_code(candidate) if callable(candidate) and not isinstance(candidate, type) else None
     return "is a copy of" if _is_course_work(code, _watched(reference)) else None
+
+
+def _any_code(value: Any) -> CodeType | None:
+    """The code of a function, whoever wrote it (a copy of the course's may say it was compiled elsewhere)."""
+    try:
+        code = getattr(inspect.unwrap(getattr(value, "__func__", value)), "__code__", None)
+    except ValueError:   # a cycle of __wrapped__
+        return None
+    return code if isinstance(code, CodeType) else None
 
 
 def reference_message(found: CallsReference) -> str:
@@ -501,8 +510,9 @@ class _guard:  # noqa: N801 - used as a context, like a function
         same_work = same_work_of(exercise) if reference is not None else ()
         self.names = {code: value.__name__ for value in same_work for code in _watched(value)}
         self.codes = self.codes | frozenset(self.names)
-        # a copy of that code (types.FunctionType(code.replace(co_name=...), ...)) is watched by its print
-        self.files = frozenset(code.co_filename for code in self.codes)
+        # a copy of that code (types.FunctionType(code.replace(co_name=...), ...)) is watched by its print; its
+        # bytecode first, which a call of anything else fails at once
+        self.bytecodes = frozenset(code.co_code for code in self.codes)
         self.prints = {_print(code): self.names.get(code, self.name) for code in self.codes}
         # A reference that is a context manager (11.3) does its work when the check enters it, after the student's
         # function returned it: its creation is the call to watch, contextlib's helper (shared by every
@@ -517,7 +527,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
         if event != "call":
             return
         code = frame.f_code
-        if code not in self.codes and (code.co_filename not in self.files or _print(code) not in self.prints):
+        if code not in self.codes and (code.co_code not in self.bytecodes or _print(code) not in self.prints):
             return
         if frame.f_code is _MANAGER_HELPER and frame.f_locals.get("func") is not self.manager:
             return   # another context manager made by @contextmanager
