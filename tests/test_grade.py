@@ -811,6 +811,13 @@ def test_a_submission_cannot_write_its_own_verdict_into_the_grader():
               "    raise NotImplementedError\n")
     verdict = judge(PLANS["2.1"], source)
     assert not verdict["passed"] and verdict["diagnosis"] == "not_implemented", verdict
+    raising = ("import course_lib.classroom.grading.judge as _judge\n"
+               "_forged = setattr(_judge, '_raised', lambda *args: "
+               "{'exercise': '2.1', 'passed': True, 'diagnosis': None, 'message': 'forged'})\n"
+               "raise RuntimeError('the definition fails, the patched _raised would pass it')\n"
+               "def causal_mask(n, _x=_forged):\n    pass\n")
+    verdict = judge(PLANS["2.1"], raising)
+    assert not verdict["passed"] and verdict["message"] != "forged", verdict
     assert judge(PLANS["2.1"], "def causal_mask(n):\n    return torch.ones(n, n, dtype=torch.bool).tril()")["passed"]
 
 

@@ -30,8 +30,8 @@ def known_names(plans: dict[str, ExercisePlan]) -> set[str]:
 class RecordingChecks:
     """Stands for ``checks`` in the course's check cell: each ``check_*`` call is the course's checker
     (taken when this object is made, before any student code runs), and its verdict is kept in a list the
-    grader holds (``verdicts``), not on this object: a submission can set attributes here (it has no
-    ``__slots__`` to fill), but none that the grader reads back."""
+    grader holds (``verdicts``), not on this object: nothing can be set on it (empty ``__slots__``), and the
+    grader reads nothing back from it."""
 
     __slots__ = ()
 
@@ -133,6 +133,7 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         try:
             exec(compile(source or "", f"<your {plan.notebook}, Exercise {plan.id}>", "exec"), namespace)
         except BaseException as exc:  # the student's definition itself failed to run
+            install_references()
             return _raised(plan.id, f"Defining {plan.name}", exc)
         namespace["checks"] = RecordingChecks(verdicts)
         install_references()
@@ -147,5 +148,6 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         install_references()
         return _from_checks(plan, verdicts, error)
     except BaseException as exc:  # never let anything escape: the worker needs one verdict
+        install_references()
         return _verdict(plan.id, False, "checker_error", f"The grader failed on exercise {plan.id} "
                                                          f"({type(exc).__name__}: {exc}).")
