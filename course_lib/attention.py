@@ -256,6 +256,21 @@ def check_caches(cache: object, num_blocks: int) -> None:
                     f"lengths {lengths}; use a fresh model.new_cache()")
 
 
+def check_model_input(idx: object, cache: object, *, vocab_size: int, max_tokens: int, num_blocks: int,
+                      training: bool) -> int:
+    """A language model's ``idx`` (N, L) of token ids and its ``cache``; the position of idx's first token."""
+    validate.token_ids("idx", idx, dim=2)
+    if not torch.compiler.is_compiling() and not (idx.is_cuda and training):
+        # Reading the ids back waits for a GPU, so training on one checks its data once up front.
+        validate.in_vocabulary("idx", idx, vocab_size)
+    check_caches(cache, num_blocks)
+    start = cache[0].length if cache else 0
+    if start + idx.shape[1] > max_tokens:
+        raise ValueError(f"idx: sequence of {start + idx.shape[1]} tokens is longer than max_tokens={max_tokens}; "
+                         f"crop it to the last {max_tokens} tokens (idx[:, -{max_tokens}:])")
+    return start
+
+
 class MultiHeadMaskedAttention(nn.Module):
     """Causal self-attention with ``num_heads`` heads of size embed_dim // num_heads.
 

@@ -1,16 +1,15 @@
 """Positional encodings, the feed-forward layer, the transformer block and the GPT model."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from . import _validate as validate
-from .attention import KVCache, MultiHeadMaskedAttention, check_caches, check_input_dtype
+from ._config import SavedConfig
+from .attention import KVCache, MultiHeadMaskedAttention, check_input_dtype, check_model_input
 
 __all__ = [
     "sinusoidal_table",
@@ -137,7 +136,7 @@ class TransformerBlock(nn.Module):
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(SavedConfig):
     """Everything needed to build a GPT; validates itself when created."""
 
     vocab_size: int
@@ -181,13 +180,6 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
-        return validate.config_from_dict(cls, values)
 
 
 def gpt2_init(module: nn.Module) -> None:
@@ -243,17 +235,9 @@ class GPT(nn.Module):
         With ``cache`` (from :meth:`new_cache`), ``idx`` holds only the tokens not yet
         seen; their positions continue after the cached ones.
         """
-        validate.token_ids("idx", idx, dim=2)
-        if not torch.compiler.is_compiling() and not (idx.is_cuda and self.training):
-            # Reading the ids back waits for a GPU, so training on one checks its data once up front.
-            validate.in_vocabulary("idx", idx, self.config.vocab_size)
+        start = check_model_input(idx, cache, vocab_size=self.config.vocab_size, max_tokens=self.config.max_tokens,
+                                  num_blocks=len(self.blocks), training=self.training)
         n, length = idx.shape
-        check_caches(cache, len(self.blocks))
-        start = cache[0].length if cache else 0
-        if start + length > self.config.max_tokens:
-            raise ValueError(f"idx: sequence of {start + length} tokens is longer than "
-                             f"max_tokens={self.config.max_tokens}; crop it to the last "
-                             f"{self.config.max_tokens} tokens (idx[:, -{self.config.max_tokens}:])")
         x = self.token_embedding(idx) + self.position_encoding(length, start)   # (N, L, embed_dim)
         x = self.dropout(x)
         for i, block in enumerate(self.blocks):

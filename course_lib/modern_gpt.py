@@ -9,7 +9,6 @@ same model, and :func:`course_lib.hf.from_hf_llama` loads a Hugging Face Llama i
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 from collections.abc import Callable
@@ -20,7 +19,8 @@ import torch
 from torch import nn
 
 from . import _validate as validate
-from .attention import KVCache, check_caches
+from ._config import SavedConfig
+from .attention import KVCache, check_model_input
 from .data import IGNORE_INDEX
 from .model import GPT, GPTConfig, gpt2_init
 from .modern import GroupedQueryAttention, ReLUSquared, RMSNorm, SwiGLU
@@ -43,7 +43,7 @@ def default_hidden_dim(embed_dim: int, mlp: str) -> int:
 
 
 @dataclass
-class ModernGPTConfig:
+class ModernGPTConfig(SavedConfig):
     """Everything needed to build a :class:`ModernGPT`; validates itself when created.
 
     ``num_kv_heads``, ``hidden_dim`` and ``head_dim`` left at None are filled in when the config is
@@ -126,13 +126,6 @@ class ModernGPTConfig:
     def groups(self) -> int:
         """Query heads per key/value head: 1 is multi-head attention, num_heads is multi-query."""
         return self.num_heads // self.num_kv_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ModernGPTConfig:
-        return validate.config_from_dict(cls, values)
 
 
 # ---------------------------------------------------------------- building the parts
@@ -281,17 +274,8 @@ class ModernGPT(nn.Module):
         (N, L), given by the training loop, matter only to the counted n-gram model: in training it
         leaves each position's own occurrence out of its counts (:mod:`course_lib.ngram_prior`).
         """
-        validate.token_ids("idx", idx, dim=2)
-        if not torch.compiler.is_compiling() and not (idx.is_cuda and self.training):
-            # Reading the ids back waits for a GPU, so training on one checks its data once up front.
-            validate.in_vocabulary("idx", idx, self.config.vocab_size)
-        length = idx.shape[1]
-        check_caches(cache, len(self.blocks))
-        start = cache[0].length if cache else 0
-        if start + length > self.config.max_tokens:
-            raise ValueError(f"idx: sequence of {start + length} tokens is longer than "
-                             f"max_tokens={self.config.max_tokens}; crop it to the last "
-                             f"{self.config.max_tokens} tokens (idx[:, -{self.config.max_tokens}:])")
+        start = check_model_input(idx, cache, vocab_size=self.config.vocab_size, max_tokens=self.config.max_tokens,
+                                  num_blocks=len(self.blocks), training=self.training)
         if targets is not None and self.ngram_prior is not None:
             validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX)
             if targets.shape != idx.shape:
