@@ -14,7 +14,7 @@ class SavedConfig:
     defaults, so a config saved before a field was added still loads)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls: type[C], values: dict[str, Any]) -> C:

@@ -41,9 +41,9 @@ class Exercise:
             raise ValueError(f"id: expected an exercise id such as '2.1', got {self.id!r}")
         if not 2 <= len(self.hints) <= 3:
             raise ValueError(f"exercise {self.id}: hints: expected two or three, got {len(self.hints)}")
-        for where in (self.reference, *self.same_work):
+        for field_name, where in (("reference", self.reference), *(("same_work", w) for w in self.same_work)):
             if where and not re.fullmatch(r"[a-z_]+(\.[a-z_]+)*\.[A-Za-z_]\w*", where):
-                raise ValueError(f"exercise {self.id}: reference: expected 'module.name' under course_lib, got "
+                raise ValueError(f"exercise {self.id}: {field_name}: expected 'module.name' under course_lib, got "
                                  f"{where!r}")
 
     @property

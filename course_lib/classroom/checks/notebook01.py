@@ -7,6 +7,7 @@ When no known mistake reproduces the output, each probes the attention weights (
 """
 from __future__ import annotations
 
+import decimal
 import numbers
 from collections.abc import Callable
 from dataclasses import replace
@@ -38,7 +39,7 @@ def _plain(value: Any) -> Any:
     """Python numbers torch cannot read (a Fraction, a Decimal) as floats, in lists and tuples too."""
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    if isinstance(value, numbers.Real) or type(value).__name__ == "Decimal":
+    if isinstance(value, (numbers.Real, decimal.Decimal)):
         return float(value)
     return value
 
@@ -88,7 +89,8 @@ def check_toy_prediction(weights: Any, result: Any) -> str:
         if near(scores):
             fail("normalization", "These are the raw scores (the dot products of the query with each key). "
                                   "Turn them into weights with a softmax: positive numbers that sum to one.")
-        if near(2.0 ** scores / (2.0 ** scores).sum()):   # 1/4, 1/2, 1/4: before the scaled softmax, its neighbour
+        # 1/4, 1/2, 1/4, tried before the 1/sqrt(2)-scaled softmax, which rounds to the same numbers
+        if near(2.0 ** scores / (2.0 ** scores).sum()):
             fail("scale", "Your weights are 2^score over their sum: a softmax raises e, not 2, to each score "
                           "(e ≈ 2.718, so the middle key gets e / (e + 2) ≈ 0.58). (The same numbers, rounded, "
                           "come from scaling the scores by 1/sqrt(2), which toy attention does not do either.)")
@@ -150,12 +152,11 @@ def _one_value_feature(runs: list[Run], fn: Any) -> None:
     """Every case right: values of one feature, (n, 1), give a result of shape (1,), not a scalar (a .squeeze())."""
     gen = torch.Generator().manual_seed(12)
     case = _toy_case(torch.randn(3, generator=gen), torch.randn(5, 3, generator=gen), torch.randn(5, 1, generator=gen))
-    out = call_student(fn, *case.given(), what=case.what)
+    out, expected = call_student(fn, *case.given(), what=case.what), ref.toy_attention(*case.args)
     expect_tensor(out, (1,), case.what)
-    if not close(out, ref.toy_attention(*case.args)):
-        fail("mismatch", f"{case.what}: your result differs from the reference by up to "
-                         f"{max_diff(out, ref.toy_attention(*case.args)):.3g}, though it is right for values of "
-                         f"shape (n,) and (n, 2).")
+    if not close(out, expected):
+        fail("mismatch", f"{case.what}: your result differs from the reference by up to {max_diff(out, expected):.3g}, "
+                         f"though it is right for values of shape (n,) and (n, 2).")
 
 
 def _toy_examples() -> list[Case]:   # the same cases, tiny: (n keys, d features), one decimal

@@ -122,5 +122,5 @@ def _check_other_width(cls: Any, width: int) -> None:
                       f"{width}: the scale is a number written into your code. Divide by the square root of the "
                       f"module's own embed_dim (q.shape[-1] ** 0.5, or self.embed_dim).")
     fail("mismatch", f"{what} differs from the reference by up to {max_diff(out, expected):.3g}, though your "
-                     f"module is right at embed_dim={EMBED_DIM}: a size of 16 is written into your code somewhere. "
+                     f"module is right at embed_dim={EMBED_DIM}: most likely a size of 16 is written into your code. "
                      f"Take every size from the module (self.embed_dim) or from x.shape.")

@@ -417,7 +417,7 @@ _OTHER_MAPS = (
     ("elu(x) without the + 1", F.elu, "it is negative below zero, so a weight phi(q) . phi(k) and the normaliser "
                                       "can be negative or 0"),
     ("softplus", F.softplus, "it is positive, but it is not the map this exercise and its parallel form use"),
-    ("exp", torch.exp, "that is close to softmax's own weights, and overflows for large inputs"),
+    ("exp", torch.exp, "it overflows for large inputs, and it is not the map the parallel form uses"),
     ("sigmoid", torch.sigmoid, "it flattens every large value to 1"),
     ("x + 1", lambda x: x + 1, "it is negative below -1"),
 )
