@@ -12,13 +12,15 @@ import sys
 import warnings
 
 import pytest
-from bank import attention_bugs, flash_bugs, heads_bugs, model_bugs, modern_bugs, probe_bugs, search_bugs, variants_bugs
+from bank import (attention_bugs, flash_bugs, heads_bugs, model_bugs, modern_bugs, probe_bugs, scale_bugs, search_bugs,
+                  variants_bugs)
 
 from course_lib.classroom import checks, verdict
 from course_lib.classroom.checks.engine import PROBES, FunctionExercise, run
 from course_lib.classroom.exercises import BY_ID, EXERCISES
 
-BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs, probe_bugs, search_bugs)
+BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs, probe_bugs, search_bugs,
+         scale_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
 

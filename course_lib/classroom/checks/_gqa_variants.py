@@ -253,10 +253,10 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     spec keys (right value first): group "interleave"/"tile"; rope_q, rope_k True/False; rope_v False/True;
     kind "half"/... and axis "length"/"heads" (see rotate above); offset (and offset_q, the
     queries' alone) "ok"/"zero"/"after_append"; mask "causal"/"none"/"top_left"/"top_left_chunks"/
-    "none_cached"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"; split and merge "ok"/
-    "no_transpose"/"bare"; value "value"/"key"; qk_norm "ok"/"none"/"after_rope"/"q_only"; softmax "keys"/
-    "queries"/"heads"; theta (tables rebuilt with this theta); flat False/True (the flat projection turned with tiled
-    tables, before the head split).
+    "none_cached"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"/"times"/
+    "after" or a float (the factor itself); split and merge "ok"/"no_transpose"/"bare"; value "value"/"key";
+    qk_norm "ok"/"none"/"after_rope"/"q_only"; softmax "keys"/"queries"/"heads"; theta (tables rebuilt with this
+    theta); flat False/True (the flat projection turned with tiled tables, before the head split).
     """
     p = setup.params
     x = x.double()
@@ -297,13 +297,17 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         all_k, all_v = torch.cat(keys, dim=2), torch.cat(values, dim=2)         # (N, kv_heads, total, head_dim)
         all_k = _group(all_k, heads // kv_heads, spec.get("group", "interleave"))    # (N, heads, total, head_dim)
         all_v = _group(all_v, heads // kv_heads, spec.get("group", "interleave"))
-        scale = {"head_dim": head_dim ** -0.5, "none": 1.0, "embed_dim": setup.embed_dim ** -0.5,
-                 "d": 1.0 / head_dim}[spec.get("scale", "head_dim")]
+        mode = spec.get("scale", "head_dim")
+        scale = mode if isinstance(mode, float) else {   # a float: any other factor (the fitted one)
+            "head_dim": head_dim ** -0.5, "none": 1.0, "embed_dim": setup.embed_dim ** -0.5, "d": 1.0 / head_dim,
+            "times": head_dim ** 0.5, "after": 1.0}[mode]
         scores = q @ all_k.transpose(-2, -1) * scale                             # (N, heads, L, total)
         allowed = _allowed(spec.get("mask", "causal"), start, length, total, setup.window,
                            spec.get("window", "ok"), cached)
         axis = {"queries": -2, "heads": 1}.get(spec.get("softmax"), -1)   # scores (N, heads, L, T)
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(axis)
+        if mode == "after":                                                      # the factor on the weights
+            weights = weights * head_dim ** -0.5
         out = _merge(weights @ all_v, spec.get("merge", "ok"))                  # (N, L, heads * head_dim)
         outputs += [out @ p["proj.weight"].T]                                    # (N, L, E)
     return torch.cat(outputs, dim=1)
@@ -369,6 +373,10 @@ FULL_PASS: tuple[Mistake, ...] = (
     Mistake("scale", "You scale by 1/sqrt(embed_dim), but each head works in head_dim dimensions: scale by "
                      "1/sqrt(head_dim).", {"scale": "embed_dim"}),
     Mistake("scale", "You divide the scores by head_dim; divide by its square root.", {"scale": "d"}),
+    Mistake("scale", "You multiply the scores by sqrt(head_dim); divide them by it.", {"scale": "times"}),
+    Mistake("scale", "You apply the 1/sqrt(head_dim) factor after the softmax: it belongs to the scores that go "
+                     "into the softmax. Applied afterwards it only shrinks the output (each row of weights then "
+                     "sums to 1/sqrt(head_dim), not one).", {"scale": "after"}),
     Mistake("head_split", "Your heads are cut along the sequence: reshaping (N, L, features) straight to "
                           "(N, heads, L, head_dim) mixes positions. View as (N, L, heads, head_dim), then "
                           "transpose(1, 2).", {"split": "no_transpose"}),

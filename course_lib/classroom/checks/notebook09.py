@@ -21,7 +21,7 @@ from ...attention import KVCache
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _gqa_variants as variants
-from ._attn_hypotheses import first_match, shape_str
+from ._attn_hypotheses import first_match, fitted_factor, shape_str
 from ._counterexample import first_difference
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
@@ -775,7 +775,8 @@ def _check_tables(model: nn.Module, reference: nn.Module, theta: float, shown: s
         if cos.shape != reference.rope_cos.shape or sin.shape != cos.shape:
             fail("shape", f"they have shapes {shape_str(cos.shape)} and {shape_str(sin.shape)}, expected "
                           f"{shape_str(reference.rope_cos.shape)} (max_tokens, head_dim).")
-        _diagnose_tables(cos, sin, HEAD_DIM, MAX_TOKENS, theta, f"rope_tables({HEAD_DIM}, {MAX_TOKENS}, "
+        head_dim = reference.rope_cos.shape[-1]
+        _diagnose_tables(cos, sin, head_dim, MAX_TOKENS, theta, f"rope_tables({head_dim}, {MAX_TOKENS}, "
                                                                 f"theta={theta:g})", False)
     except Failure as failure:
         raise Failure(failure.diagnosis, f"The RoPE tables your constructor builds for {shown} (self.rope_cos, "
@@ -784,19 +785,20 @@ def _check_tables(model: nn.Module, reference: nn.Module, theta: float, shown: s
                                          f"(checks.check_rope_tables(rope_tables)).") from None
 
 
-def _build(cls: Any, kv_heads: int, theta: float, extra: dict[str, Any], generator: torch.Generator) -> Built:
+def _build(cls: Any, kv_heads: int, theta: float, extra: dict[str, Any], generator: torch.Generator,
+           embed_dim: int = EMBED_DIM, num_heads: int = NUM_HEADS) -> Built:
     more = "".join(f", {k}={v!r}" for k, v in extra.items())
-    shown = f"GroupedQueryAttention({EMBED_DIM}, {NUM_HEADS}, {kv_heads}, {MAX_TOKENS}, {theta:g}{more})"
-    reference = ref.GroupedQueryAttention(EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, theta, **extra)
+    shown = f"GroupedQueryAttention({embed_dim}, {num_heads}, {kv_heads}, {MAX_TOKENS}, {theta:g}{more})"
+    reference = ref.GroupedQueryAttention(embed_dim, num_heads, kv_heads, MAX_TOKENS, theta, **extra)
     _randomize(reference, generator)
-    model = construct(cls, EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, theta, what="GroupedQueryAttention",
+    model = construct(cls, embed_dim, num_heads, kv_heads, MAX_TOKENS, theta, what="GroupedQueryAttention",
                       shown=shown, **extra)
     copy_weights(reference, model, "your GroupedQueryAttention")
     call(model.eval, what="GroupedQueryAttention.eval()")
     _check_tables(model, reference, theta, shown)
-    cos, sin = variants.tables(HEAD_DIM, MAX_TOKENS, theta)
+    cos, sin = variants.tables(embed_dim // num_heads, MAX_TOKENS, theta)
     params = {name: p.detach().double() for name, p in reference.named_parameters()}
-    setup = Setup(EMBED_DIM, NUM_HEADS, kv_heads, MAX_TOKENS, params, cos, sin,
+    setup = Setup(embed_dim, num_heads, kv_heads, MAX_TOKENS, params, cos, sin,
                   qk_norm=bool(extra.get("qk_norm")), window=extra.get("sliding_window"),
                   eps=reference.q_norm.eps if reference.q_norm is not None else 1e-6)
     return Built(kv_heads, extra, model, reference.eval(), setup)
@@ -826,7 +828,7 @@ def _forward(built: Built, x: torch.Tensor, what: str, *, start: int | None = No
         except Failure as failure:
             _explain_rope_error(failure, built, x.shape[1], start)
             raise
-    return expect_tensor(out, (x.shape[0], x.shape[1], EMBED_DIM), what, dtype=x.dtype, finite=False)
+    return expect_tensor(out, tuple(x.shape), what, dtype=x.dtype, finite=False)   # (N, L, E) as x
 
 
 def _explain_rope_error(failure: Failure, built: Built, length: int, start: int | None) -> None:
@@ -835,20 +837,21 @@ def _explain_rope_error(failure: Failure, built: Built, length: int, start: int 
     turned, offset = (names.get("x"), names.get("offset")) if names else (None, None)
     if not isinstance(turned, torch.Tensor):
         return
-    if turned.dim() == 4 and turned.shape[-1] != HEAD_DIM and turned.shape[-2] == length:
+    heads, head_dim = built.setup.num_heads, built.setup.embed_dim // built.setup.num_heads
+    if turned.dim() == 4 and turned.shape[-1] != head_dim and turned.shape[-2] == length:
         features = turned.shape[1] * turned.shape[-1]
-        which = {NUM_HEADS * HEAD_DIM: "queries", built.kv_heads * HEAD_DIM: "keys or values"}.get(features)
+        which = {heads * head_dim: "queries", built.kv_heads * head_dim: "keys or values"}.get(features)
         if which is not None:
-            right = NUM_HEADS if which == "queries" else built.kv_heads
+            right = heads if which == "queries" else built.kv_heads
             code = "kv_grouping" if which != "queries" else "head_split"
             reraise_with(failure, code, f" apply_rotary was given {which} split into {turned.shape[1]} heads of "
                          f"{turned.shape[-1]} features, shape {shape_str(turned.shape)}: the {which} have "
-                         f"{features} features, {right} heads of head_dim={HEAD_DIM} "
+                         f"{features} features, {right} heads of head_dim={head_dim} "
                          f"({'self.num_heads' if which == 'queries' else 'self.num_kv_heads'} heads). Split them "
                          f"into that many heads; head_dim is embed_dim // num_heads for all three.")
-    if turned.dim() != 4 or turned.shape[-1] != HEAD_DIM:
+    if turned.dim() != 4 or turned.shape[-1] != head_dim:
         reraise_with(failure, "rope_axes", f" apply_rotary was given a tensor of shape {shape_str(turned.shape)}: "
-                     f"it takes queries or keys split into heads, (N, heads, L, head_dim) with head_dim={HEAD_DIM}. "
+                     f"it takes queries or keys split into heads, (N, heads, L, head_dim) with head_dim={head_dim}. "
                      f"Rotate after the head split and the transpose, not the (N, L, features) projections.")
     if start is None or not isinstance(offset, int):
         return
@@ -920,6 +923,13 @@ def _diagnose_full(built_all: list[Built], generator: torch.Generator) -> None:
         fail("causal_mask", f"{future_what}: the future leaks: changing the tokens after position "
                             f"{MAX_TOKENS // 2 - 1} changes the outputs before. Each query may see only keys at its "
                             f"position or earlier.")
+    factor = fitted_factor([out for _, _, out in runs], lambda i, f: simulate(
+        runs[i][0].setup, runs[i][1], [(0, runs[i][1].shape[1])], {"scale": f}))
+    if factor is not None:
+        head_dim = built.setup.embed_dim // built.setup.num_heads
+        fail("scale", f"Your scores are multiplied by {factor:.4g} before the softmax; with head_dim={head_dim} the "
+                      f"factor is 1/sqrt(head_dim) = {head_dim ** -0.5:.4g}. Divide q @ k^T by sqrt(head_dim), "
+                      f"self.head_dim, once.")
     b, x, out, expected = next((b, x, out, e) for b in built_all for x, out, e in b.runs if not close(out, e))
     fail("mismatch", f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)} differs from the "
                      f"reference by up to {max_diff(out, expected):.3g}, and like none of the mistakes we know. The "
@@ -1078,6 +1088,7 @@ def _check(cls: Any) -> str:
     # a mistake in the common path is named from the plain configurations alone.
     optional = [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
     built = [_check_configs(cls, configs, generator) for configs in (CONFIGS, optional) if configs][0][1]
+    _check_other_width(cls, torch.Generator().manual_seed(24))
     x = torch.randn(2, 5, EMBED_DIM, generator=generator)
     # grouped-query (2 key/value heads): every projection learns, and the module stays on its device
     _module_probes(built.model, built.reference, x, f"GroupedQueryAttention({built.label}) on x of shape "
@@ -1095,6 +1106,39 @@ def _check(cls: Any) -> str:
     return (f"Matches the reference for multi-head ({NUM_HEADS} kv heads), grouped-query (2) and multi-query (1) "
             f"attention{also}, in a full pass and token by token with a KV cache that holds num_kv_heads heads of "
             f"rotated keys.")
+
+
+# One more shape: every configuration above has embed_dim 32 and 4 heads of 8, so a size or a scale written
+# into the code for them shows only here.
+OTHER_WIDTH = (24, 2, 1)   # embed_dim, num_heads, num_kv_heads: heads of 12, two query heads per key/value head
+
+
+def _check_other_width(cls: Any, generator: torch.Generator) -> None:
+    embed_dim, num_heads, kv_heads = OTHER_WIDTH
+    built = _build(cls, kv_heads, 10000.0, {}, generator, embed_dim=embed_dim, num_heads=num_heads)
+    x = torch.randn(2, MAX_TOKENS, embed_dim, generator=generator)
+    what = (f"GroupedQueryAttention({embed_dim}, {num_heads}, {kv_heads}, {MAX_TOKENS}) on x of shape "
+            f"{shape_str(x.shape)}")
+    try:
+        out = _forward(built, x, what)
+    except Failure as failure:
+        reraise_with(failure, failure.diagnosis, f" Your module is right at embed_dim={EMBED_DIM} with "
+                     f"{NUM_HEADS} heads of {HEAD_DIM}: most likely a size is written into your code. Take every "
+                     f"size from the module (self.num_heads, self.head_dim) or from x.shape.")
+    with torch.no_grad():
+        expected = built.reference(x)
+    if close(out, expected):
+        return
+    head_dim = embed_dim // num_heads
+    factor = fitted_factor([out], lambda _, f: simulate(built.setup, x, [(0, MAX_TOKENS)], {"scale": f}))
+    if factor is not None:
+        fail("scale", f"{what}: your scores are multiplied by {factor:.4g}, where 1/sqrt(head_dim) = "
+                      f"{head_dim ** -0.5:.4g} for heads of {head_dim} (at head_dim={HEAD_DIM} yours were right): "
+                      f"the scale is a number written into your code. Use the module's own self.head_dim.")
+    fail("mismatch", f"{what} differs from the reference by up to {max_diff(out, expected):.3g}, though your module "
+                     f"is right at embed_dim={EMBED_DIM} with {NUM_HEADS} heads of {HEAD_DIM}: most likely a size is "
+                     f"written into your code. Take every size from the module (self.num_heads, self.num_kv_heads, "
+                     f"self.head_dim) or from x.shape.")
 
 
 def _check_configs(cls: Any, configs: Any, generator: torch.Generator) -> list[Built]:
