@@ -12,8 +12,17 @@ import sys
 import warnings
 
 import pytest
-from bank import (attention_bugs, flash_bugs, heads_bugs, model_bugs, modern_bugs, probe_bugs, scale_bugs, search_bugs,
-                  variants_bugs)
+from bank import (
+    attention_bugs,
+    flash_bugs,
+    heads_bugs,
+    model_bugs,
+    modern_bugs,
+    probe_bugs,
+    scale_bugs,
+    search_bugs,
+    variants_bugs,
+)
 
 from course_lib.classroom import checks, verdict
 from course_lib.classroom.checks.engine import PROBES, FunctionExercise, run

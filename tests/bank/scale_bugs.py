@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 
 from bank.attempts import new_bank
+from bank.flash_bugs import _tiled
 from bank.search_bugs import _GivenGQA
-from course_lib.attention import causal_mask, merge_heads, split_heads
+from course_lib.attention import MaskedAttention, MultiHeadMaskedAttention, causal_mask, merge_heads, split_heads
+from course_lib.flash import FlashAttentionFunction
 from course_lib.modern import apply_rotary, repeat_kv
 
 BUGGY, CORRECT, bug, correct = new_bank()
@@ -84,3 +87,212 @@ class GQAFourHeadsWrittenIn(_GQAScaled):
     def __init__(self, embed_dim, num_heads, num_kv_heads, max_tokens, rope_theta=10000.0):
         super().__init__(embed_dim, num_heads, num_kv_heads, max_tokens, rope_theta)
         self.num_heads = 4   # the notebook's example
+
+
+# ============================================================================ 2.2 and 3.3
+class _MaskedScaled(MaskedAttention):
+    """Notebook 02's steps, with the scores' factor of its own."""
+
+    def factor(self, q):
+        return q.shape[-1] ** -0.5
+
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)                      # (N, L, E)
+        s = (q @ k.transpose(-2, -1) * self.factor(q)).masked_fill(~self.mask[:length, :length], float("-inf"))
+        return self.proj_dropout(self.proj(self.attn_dropout(s.softmax(-1)) @ v))
+
+
+@bug("2.2", "batch_mixing", "batch size")
+class MaskedScaledByTheBatch(_MaskedScaled):
+    def factor(self, q):
+        return q.shape[0] ** -0.5   # the batch size read as the width
+
+
+class _MultiScaled(MultiHeadMaskedAttention):
+    """Notebook 03's steps, with the scores' factor of its own."""
+
+    def factor(self, q):
+        return q.shape[-1] ** -0.5
+
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = (split_heads(t, self.num_heads) for t in (self.query(x), self.key(x), self.value(x)))
+        s = (q @ k.transpose(-2, -1) * self.factor(q)).masked_fill(~self.mask[:length, :length], float("-inf"))
+        return self.proj_dropout(self.proj(merge_heads(self.attn_dropout(s.softmax(-1)) @ v)))
+
+
+@bug("3.3", "scale", "0.3536", "1/sqrt(head_dim) = 0.5")
+class MultiScaleOfEightWrittenIn(_MultiScaled):
+    def factor(self, q):
+        return 8 ** -0.5   # head_dim of 2 heads in embed_dim 16: right there only
+
+
+@bug("3.3", "scale", "no scaling")
+class MultiUnscaledWithOneHead(_MultiScaled):
+    def factor(self, q):
+        return q.shape[-1] ** -0.5 if self.num_heads > 1 else 1.0
+
+
+# ============================================================================ 6.2: no new token asked for
+@bug("6.2", "shape", "none was asked for")
+@torch.no_grad()
+def generate_first_token_before_the_loop(model, idx, max_new_tokens):
+    cache = model.new_cache()
+    logits = model(idx, cache)
+    next_id = logits[:, -1].argmax(dim=-1, keepdim=True)
+    idx = torch.cat([idx, next_id], dim=1)
+    for _ in range(max_new_tokens - 1):
+        next_id = model(next_id, cache)[:, -1].argmax(dim=-1, keepdim=True)
+        idx = torch.cat([idx, next_id], dim=1)
+    return idx
+
+
+# ============================================================================ 7.2: a factor that is not `scaling`
+def _hf_attention(module, query, key, value, attention_mask, factor):
+    lq, lk = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        attention_mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(diagonal=lk - lq)
+    scores = (query @ key.transpose(-2, -1) * factor).masked_fill(~attention_mask, float("-inf"))
+    weights = scores.softmax(dim=-1)
+    return (weights @ value).transpose(1, 2), weights
+
+
+@bug("7.2", "scale", "0.04419", "`scaling` argument is 0.3536")
+def hf_correction_upside_down(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    # step 2's correction upside down (scaling / sqrt(d), not * sqrt(d)) before a function that divides by sqrt(d)
+    return _hf_attention(module, query, key, value, attention_mask, scaling / query.shape[-1])
+
+
+@bug("7.2", "scale", "0.25")
+def hf_scaling_over_sqrt_heads(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    return _hf_attention(module, query, key, value, attention_mask, scaling / math.sqrt(query.shape[1]))
+
+
+@correct("7.2")
+def hf_scaling_on_the_keys(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    return _hf_attention(module, query, key * scaling, value, attention_mask, 1.0)
+
+
+# ============================================================================ 10.2: any factor
+def _flash_times(q, k, v, block_q, block_k, causal, factor):
+    """The tiled loop, its scores multiplied by ``factor`` instead of 1/sqrt(d)."""
+    return _tiled(q * factor * q.shape[-1] ** 0.5, k, v, block_q, block_k, causal)
+
+
+@bug("10.2", "scale", "0.5", "0.3536", "written into your code")
+def flash_scale_of_four_written_in(q, k, v, *, block_q, block_k, causal=False):
+    return _flash_times(q, k, v, block_q, block_k, causal, 0.5)
+
+
+@bug("10.2", "scale", "multiplied by 2")
+def flash_times_sqrt_d(q, k, v, *, block_q, block_k, causal=False):
+    return _flash_times(q, k, v, block_q, block_k, causal, q.shape[-1] ** 0.5)
+
+
+@bug("10.2", "scale", "0.4472")
+def flash_scaled_by_the_key_block(q, k, v, *, block_q, block_k, causal=False):
+    return _flash_times(q, k, v, block_q, block_k, causal, block_k ** -0.5)
+
+
+@bug("10.2", "scale", "after the softmax")
+def flash_output_scaled(q, k, v, *, block_q, block_k, causal=False):
+    out, lse = _flash_times(q, k, v, block_q, block_k, causal, 1.0)
+    return out * q.shape[-1] ** -0.5, lse
+
+
+@correct("10.2")
+def flash_quarter_power_on_queries_and_keys(q, k, v, *, block_q, block_k, causal=False):
+    f = q.shape[-1] ** -0.25
+    return _tiled(q * f * q.shape[-1] ** 0.5, k * f, v, block_q, block_k, causal)
+
+
+# ============================================================================ 10.3: a factor in the backward
+def _backward_scaled(ctx, grad_out, recompute=None, grads=None):
+    """The recomputing backward; ``recompute`` the scores' factor, ``grads`` dQ's and dK's (1/sqrt(d) each)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    recompute = q.shape[-1] ** -0.5 if recompute is None else recompute
+    grads = recompute if grads is None else grads
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    delta = (grad_out * out).sum(-1)
+    lq, lk = q.shape[-2], k.shape[-2]
+    for qs in range(0, lq, ctx.block_q):
+        qe = min(qs + ctx.block_q, lq)
+        qb, dob = q[..., qs:qe, :], grad_out[..., qs:qe, :]
+        for ks in range(0, min(lk, qe) if ctx.causal else lk, ctx.block_k):
+            ke = min(ks + ctx.block_k, lk)
+            kb, vb = k[..., ks:ke, :], v[..., ks:ke, :]
+            s = qb @ kb.transpose(-2, -1) * recompute
+            if ctx.causal:
+                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+            p = torch.exp(s - lse[..., qs:qe, None])
+            dv[..., ks:ke, :] += p.transpose(-2, -1) @ dob
+            ds = p * (dob @ vb.transpose(-2, -1) - delta[..., qs:qe, None])
+            dq[..., qs:qe, :] += ds @ kb * grads
+            dk[..., ks:ke, :] += ds.transpose(-2, -1) @ qb * grads
+    return dq, dk, dv, None, None, None
+
+
+@bug("10.3", "scale", "in the recomputed weights and in dQ and dK", "written into your code")
+class BackwardScaleOfFourWrittenIn(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward_scaled(ctx, grad_out, recompute=0.5)
+
+
+@bug("10.3", "scale", "recomputes the weights", "0.7071")
+class BackwardRecomputedByAFourthRoot(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        d = ctx.saved_tensors[0].shape[-1]
+        return _backward_scaled(ctx, grad_out, recompute=d ** -0.25, grads=d ** -0.5)
+
+
+@bug("10.3", "scale", "dQ and dK are multiplied by 2")
+class BackwardGradientsTimesSqrtD(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        d = ctx.saved_tensors[0].shape[-1]
+        return _backward_scaled(ctx, grad_out, grads=d ** 0.5)
+
+
+# ============================================================================ 12.2: a factor of another size
+def _latent(layer, x, cache, factor, after=1.0):
+    n, length, _ = x.shape
+    start = 0 if cache is None else cache.length
+    dn, dr, heads = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads
+    q = layer.q_proj(x) if layer.q_lora_rank is None else layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x)))
+    q_nope, q_rope = q.view(n, length, heads, dn + dr).transpose(1, 2).split([dn, dr], dim=-1)   # (N, H, L, .)
+    latent, k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, dr], dim=-1)
+    latent = layer.kv_a_layernorm(latent)
+    k_rope = apply_rotary(k_rope, layer.rope_cos, layer.rope_sin, offset=start)
+    if cache is not None:
+        latent, k_rope = cache.append(latent, k_rope)
+    total = latent.shape[1]
+    k_nope, v = layer.kv_b_proj(latent).view(n, total, heads, dn + layer.v_head_dim).transpose(1, 2).split(
+        [dn, layer.v_head_dim], dim=-1)                                            # (N, H, T, .)
+    q = torch.cat([q_nope, apply_rotary(q_rope, layer.rope_cos, layer.rope_sin, offset=start)], dim=-1)
+    k = torch.cat([k_nope, k_rope[:, None].expand(n, heads, total, dr)], dim=-1)
+    scores = (q @ k.transpose(-2, -1) * factor).masked_fill(~causal_mask(total)[start:], float("-inf"))
+    out = scores.softmax(dim=-1) * after @ v                                       # (N, H, L, dv)
+    return layer.o_proj(out.transpose(1, 2).reshape(n, length, heads * layer.v_head_dim))
+
+
+@correct("12.2")
+def latent_scale_from_the_widths(layer, x, cache=None):
+    return _latent(layer, x, cache, (layer.qk_nope_head_dim + layer.qk_rope_head_dim) ** -0.5)
+
+
+@bug("12.2", "scale", "softmax_scale")
+def latent_scaled_by_embed_dim(layer, x, cache=None):
+    return _latent(layer, x, cache, layer.embed_dim ** -0.5)
+
+
+@bug("12.2", "scale", "0.3536")
+def latent_scale_written_in(layer, x, cache=None):
+    return _latent(layer, x, cache, 0.35355)
+
+
+@bug("12.2", "scale", "after the softmax")
+def latent_scaled_after_the_softmax(layer, x, cache=None):
+    return _latent(layer, x, cache, 1.0, after=layer.softmax_scale)

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import math
-
 import torch
 
 from ..exercises import Mistake
@@ -314,23 +312,3 @@ def first_match(hypotheses: Iterable[Any], outputs: list[torch.Tensor],
             continue
     return None
 
-
-def fitted_factor(outputs: list[torch.Tensor], compute: Callable[[int, float], torch.Tensor],
-                  low: float = 1e-3, high: float = 1e3) -> float | None:
-    """The factor f in [low, high] with ``compute(i, f)`` matching every output, or None when none does.
-
-    For a scale that is none of the mistakes we name (scores * 0.3, / d**0.25, ...): the distance to the outputs
-    is searched on a grid of log f, then refined around the grid's best point by golden sections."""
-    def distance(log_f: float) -> float:
-        return sum(float(((compute(i, math.exp(log_f)) - out.double()) ** 2).nan_to_num(1e30).sum())
-                   for i, out in enumerate(outputs))
-
-    grid = [math.log(low) + (math.log(high) - math.log(low)) * j / 48 for j in range(49)]
-    best = min(range(len(grid)), key=lambda j: distance(grid[j]))
-    a, b = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
-    golden = (math.sqrt(5) - 1) / 2
-    for _ in range(40):                       # shrinks the bracket by 0.618 ** 40, about 1e-8
-        c, d = b - golden * (b - a), a + golden * (b - a)
-        a, b = (a, d) if distance(c) < distance(d) else (c, b)
-    factor = math.exp((a + b) / 2)
-    return factor if all(matches(out, compute(i, factor)) for i, out in enumerate(outputs)) else None

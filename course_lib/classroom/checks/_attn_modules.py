@@ -139,7 +139,7 @@ class ModuleCheck:
         that raises is reported at once, before any judgement: the cases before already ran batch sizes 1 to 3
         and lengths 1 to 8, so it has found a bug of its own."""
         heads = max(self.heads)
-        weights_heads = 2 if 2 in self.heads else self.heads[0]
+        weights_heads = bad[0].heads   # the weights read back where the output is wrong (a scale right elsewhere)
         model = self.models[heads]
         what = lambda x, h=heads: self.what(tuple(x.shape), h)
         batch_x = torch.randn(3, MAX_TOKENS, EMBED_DIM, generator=self.generator)    # (3, L, E)
@@ -183,10 +183,13 @@ class ModuleCheck:
         # since a reshape that mixes rows also "leaks" positions.
         for i, one in enumerate(alone):
             if not close(one[0], together[i], nan_ok=True):
+                reshape = (" view (N, L, E) as (N, L, heads, head_dim) with N and L from x.shape, then "
+                           "transpose(1, 2)." if several else "")
                 fail("batch_mixing", f"{what(batch_x)}: sequence {i} gives a different output in a batch of 3 "
-                                     f"than alone, so your reshapes mix the sequences of the batch. Keep the batch "
-                                     f"axis first and untouched: view (N, L, E) as (N, L, heads, head_dim) with N "
-                                     f"and L from x.shape, then transpose(1, 2).")
+                                     f"than alone, so your code mixes the sequences of the batch, or uses the "
+                                     f"batch size N = x.shape[0] as if it were another size. Keep the batch axis "
+                                     f"first and untouched, and compute each sequence on its own{':' if several else '.'}"
+                                     f"{reshape}")
 
         # Heads stay apart: with proj = identity, changing the query weights of head 1 may only change head 1's
         # block of output features.

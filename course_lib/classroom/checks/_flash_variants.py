@@ -262,24 +262,28 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
                      block_q: int, block_k: int, *, delta: str = "ok", ds_scale: bool = True,
                      dv_transposed: bool = False, dk_transposed: bool = False, mask: str = "ok",
                      dq_scale: bool = True, dk_scale: bool = True, dp: str = "ok", always_causal: bool = False,
-                     values: str = "v", recompute: str = "ok", twice: bool = False) -> tuple[torch.Tensor, ...]:
+                     values: str = "v", recompute: str = "ok", twice: bool = False, score_scale: float | None = None,
+                     grad_scale: float | None = None, recompute_scale: float | None = None
+                     ) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) of attention in float64 by the recomputation formulas, block by block, with the named slips
     switched on. A transposed product (P @ dO for P^T @ dO) only fits square blocks; elsewhere it raises.
     ``delta`` also "everything" (one D for all queries, heads and batches), "key_block" (rowsum(P * dP) over one
     key block) and "query_block" (one D per query block); ``dp="no_transpose"``: dO @ V (fits only dv == block_k);
     ``always_causal``: the recomputed weights masked although the forward was not; ``values="keys"``: dP = dO K^T;
     ``recompute="unscaled"``: P = exp(q k^T - lse), the scale left out; ``twice``: dQ and dK scaled by 1/d;
-    ``delta="outside"``: dS = P * dP - D in every block computed."""
+    ``delta="outside"``: dS = P * dP - D in every block computed; ``score_scale``: another factor on the scores,
+    forward and backward alike; ``grad_scale``: another factor on dQ and dK alone; ``recompute_scale``: another
+    factor on the recomputed scores alone, P = exp(q k^T * factor - lse)."""
     q, k, v, do = q.double(), k.double(), v.double(), grad_out.double()
-    scale = q.shape[-1] ** -0.5
+    scale = q.shape[-1] ** -0.5 if score_scale is None else score_scale
     s = q @ k.transpose(-2, -1) * scale
     future = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
     masked = s.masked_fill(future, float("-inf")) if causal else s
     lse = torch.logsumexp(masked, -1, keepdim=True)
     if always_causal and not causal:      # the forward's lse is unmasked; the recomputation masks
         p = torch.exp(s.masked_fill(future, float("-inf")) - lse)
-    elif recompute == "unscaled":         # the forward's lse is of the scaled scores; these are not scaled
-        p = torch.exp((masked if mask == "ok" else s) / scale - lse)
+    elif recompute == "unscaled" or recompute_scale is not None:   # the forward's lse is of the scaled scores
+        p = torch.exp((masked if mask == "ok" else s) / scale * (recompute_scale or 1.0) - lse)
     else:
         p = torch.exp((masked if mask == "ok" else s) - lse)
     if causal and mask == "diagonal":     # unmasked inside the computed blocks; the future blocks are skipped
@@ -302,6 +306,7 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
     else:
         ds = p * (dp_all - d)
     factor = (scale ** 2 if twice else scale) if ds_scale else 1.0
+    factor = factor if grad_scale is None else grad_scale
     dq = ds @ k * factor * (1.0 if dq_scale else 1 / scale)
     dk = ds.transpose(-2, -1) @ q * factor * (1.0 if dk_scale else 1 / scale)
     dv = p.transpose(-2, -1) @ do

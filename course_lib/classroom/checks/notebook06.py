@@ -372,7 +372,8 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
     """fn(model, idx (N, L), max_new_tokens) -> (N, L + new): greedy, with model.new_cache()."""
     model = _model(max_tokens=16, embed_dim=16, seed=2)
     generator = torch.Generator().manual_seed(3)
-    for batch, length, new in ((1, 1, 8), (2, 3, 6), (3, 7, 9), (2, 5, 1)):
+    # the last asks for no new token: the docstring's (N, L + max_new_tokens) is then the prompt itself
+    for batch, length, new in ((1, 1, 8), (2, 3, 6), (3, 7, 9), (2, 5, 1), (2, 4, 0)):
         idx = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator)
         what = f"generate_with_cache(model, idx of shape {tuple(idx.shape)}, max_new_tokens={new})"
         got, calls = _run(fn, model, idx, new, what)
@@ -381,11 +382,15 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
             if got.shape[1] == new and not starts_with_prompt:
                 fail("shape", f"{what} returned only the {new} new tokens; return the prompt followed by them, "
                               f"shape {(batch, length + new)}.")
-            if got.shape[1] == length and starts_with_prompt:
+            if new and got.shape[1] == length and starts_with_prompt:
                 fail("shape", f"{what} returned the prompt unchanged: append each new token to idx "
                               f"(torch.cat along dim 1).")
+            if not new and got.shape[1] > length and starts_with_prompt:
+                fail("shape", f"{what} returned {got.shape[1] - length} new token(s) although none was asked for: "
+                              f"return the prompt unchanged. (A first token taken before the loop, then range("
+                              f"max_new_tokens - 1), gives one token too many here.)")
             if got.shape[1] in (length + new - 1, length + new + 1):
-                fail("shape", f"{what} returned {got.shape[1] - length} new tokens; generate exactly "
+                fail("shape", f"{what} returned {got.shape[1] - length} new token(s); generate exactly "
                               f"max_new_tokens = {new}.")
         expect_tensor(got, (batch, length + new), what, dtype=torch.long)
         expected = _greedy(model, idx, new)

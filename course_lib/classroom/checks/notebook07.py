@@ -15,9 +15,10 @@ from ..verdict import fail
 from ._gradients import check_function_gradients
 from ._model_common import ProcedureExample, as_tensor, randomize_
 from ._student_code import call, close, expect_callable, expect_tensor
-from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
+from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, function_example, judge
 from .engine.example import tiny
 from .engine.probes import IN_FLOAT64, expect_float64, run_in_float64
+from .engine.scale_fit import fitted_scale
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
 
@@ -209,6 +210,13 @@ _PADDING_MISTAKES = (
 )
 
 
+# A factor on the scores that is none of _CAUSAL_MISTAKES': found by a search, and named with its value.
+_SCALE = ScaleFit(lambda q, k, v, causal, scaling, factor: _attention(q, k, v, scale=factor, mask=causal),
+                  lambda q, k, v, causal, scaling: scaling,
+                  "{what}: your scores are multiplied by {factor:.4g}, where the `scaling` argument is {right:.4g}. "
+                  "Multiply q @ k^T by `scaling` itself, once, before the softmax: the model chose it.")
+
+
 def _causal(q: torch.Tensor) -> torch.Tensor:
     return torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).tril()
 
@@ -226,6 +234,9 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
     expected = reference(module, q, k, v, None, scaling=scaling)[0]
     if not close(got, expected):
         first_mistake(_CAUSAL_MISTAKES, lambda m: close(got, m.output(q, k, v, scaling, causal)), f"{what}: ")
+        found = fitted_scale(_SCALE, [((q, k, v, causal, scaling), what, got)])
+        if found is not None:
+            fail("scale", found)
         fail("mismatch", f"{what}: the output differs from causal scaled dot-product attention (largest "
                          f"difference {(got - expected).abs().max():.3g}).")
     what = "your attention function (scaling=0.5)"

@@ -21,7 +21,7 @@ from ...attention import KVCache
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _gqa_variants as variants
-from ._attn_hypotheses import first_match, fitted_factor, shape_str
+from ._attn_hypotheses import first_match, shape_str
 from ._counterexample import first_difference
 from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
@@ -39,10 +39,11 @@ from ._student_code import (
     max_diff,
     reraise_with,
 )
-from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
+from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, function_example, judge, module_example
 from .engine.example import SEEDS, tiny
 from .engine.function import Run
 from .engine.probes import gradient_probe, module_in_float64
+from .engine.scale_fit import fitted_scale
 
 __all__ = ["check_rope_tables", "check_apply_rotary", "check_rms_norm", "check_swiglu", "check_repeat_kv",
            "check_grouped_query_attention"]
@@ -923,13 +924,10 @@ def _diagnose_full(built_all: list[Built], generator: torch.Generator) -> None:
         fail("causal_mask", f"{future_what}: the future leaks: changing the tokens after position "
                             f"{MAX_TOKENS // 2 - 1} changes the outputs before. Each query may see only keys at its "
                             f"position or earlier.")
-    factor = fitted_factor([out for _, _, out in runs], lambda i, f: simulate(
-        runs[i][0].setup, runs[i][1], [(0, runs[i][1].shape[1])], {"scale": f}))
-    if factor is not None:
-        head_dim = built.setup.embed_dim // built.setup.num_heads
-        fail("scale", f"Your scores are multiplied by {factor:.4g} before the softmax; with head_dim={head_dim} the "
-                      f"factor is 1/sqrt(head_dim) = {head_dim ** -0.5:.4g}. Divide q @ k^T by sqrt(head_dim), "
-                      f"self.head_dim, once.")
+    found = fitted_scale(_SCALE, [((b, x), f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)}",
+                                   out) for b, x, out in runs])
+    if found is not None:
+        fail("scale", found)
     b, x, out, expected = next((b, x, out, e) for b in built_all for x, out, e in b.runs if not close(out, e))
     fail("mismatch", f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)} differs from the "
                      f"reference by up to {max_diff(out, expected):.3g}, and like none of the mistakes we know. The "
@@ -1108,6 +1106,13 @@ def _check(cls: Any) -> str:
             f"rotated keys.")
 
 
+# A factor on the scores that is none of FULL_PASS's: found by a search, and named with its value.
+_SCALE = ScaleFit(lambda built, x, factor: simulate(built.setup, x, [(0, x.shape[1])], {"scale": factor}),
+                  lambda built, x: (built.setup.embed_dim // built.setup.num_heads) ** -0.5,
+                  "{what}: your scores are multiplied by {factor:.4g} before the softmax, where the exercise asks "
+                  "for 1/sqrt(head_dim) = {right:.4g}. Divide q @ k^T by sqrt(self.head_dim), once.")
+
+
 # One more shape: every configuration above has embed_dim 32 and 4 heads of 8, so a size or a scale written
 # into the code for them shows only here.
 OTHER_WIDTH = (24, 2, 1)   # embed_dim, num_heads, num_kv_heads: heads of 12, two query heads per key/value head
@@ -1129,12 +1134,10 @@ def _check_other_width(cls: Any, generator: torch.Generator) -> None:
         expected = built.reference(x)
     if close(out, expected):
         return
-    head_dim = embed_dim // num_heads
-    factor = fitted_factor([out], lambda _, f: simulate(built.setup, x, [(0, MAX_TOKENS)], {"scale": f}))
-    if factor is not None:
-        fail("scale", f"{what}: your scores are multiplied by {factor:.4g}, where 1/sqrt(head_dim) = "
-                      f"{head_dim ** -0.5:.4g} for heads of {head_dim} (at head_dim={HEAD_DIM} yours were right): "
-                      f"the scale is a number written into your code. Use the module's own self.head_dim.")
+    found = fitted_scale(_SCALE, [((built, x), what, out)])
+    if found is not None:
+        fail("scale", found + f" (At head_dim={HEAD_DIM} yours was right: the scale is a number written into your "
+                              f"code.)")
     fail("mismatch", f"{what} differs from the reference by up to {max_diff(out, expected):.3g}, though your module "
                      f"is right at embed_dim={EMBED_DIM} with {NUM_HEADS} heads of {HEAD_DIM}: most likely a size is "
                      f"written into your code. Take every size from the module (self.num_heads, self.num_kv_heads, "

@@ -20,7 +20,7 @@ from ..verdict import Failure, fail
 from . import _flash_variants as variants
 from ._flash_probe import Record, Recorder
 from ._student_code import call_student, close, expect_callable, expect_tensor, max_diff
-from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
 from .engine.probes import magnitude_rows, magnitude_scores
@@ -288,9 +288,10 @@ def _name_an_empty_block(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tenso
                          f"already one past its last query: range(0, min(Lk, qe), block_k), no + 1.")
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """The scores the softmax sees, q k^T / sqrt(d), masked when causal, in float64: (..., Lq, Lk)."""
-    scores = (q.double() @ k.double().transpose(-2, -1)) / q.shape[-1] ** 0.5
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, factor: float | None = None) -> torch.Tensor:
+    """The scores the softmax sees, q k^T / sqrt(d) (or q k^T * factor), masked when causal, in float64:
+    (..., Lq, Lk)."""
+    scores = (q.double() @ k.double().transpose(-2, -1)) * (q.shape[-1] ** -0.5 if factor is None else factor)
     if causal:
         scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
     return scores
@@ -412,6 +413,19 @@ def _tiny_forward() -> list[tuple[Any, ...]]:
             for length, block_q, block_k, causal in sizes]
 
 
+def _attention_with(factor: float, after: float = 1.0) -> Callable[..., torch.Tensor]:
+    """Attention whose scores are multiplied by ``factor``, and its output by ``after``, in float64."""
+    return lambda q, k, v, block_q, block_k, causal: (_scores(q, k, causal, factor).softmax(-1) @ v.double()) * after
+
+
+_FORWARD_SCALES = (
+    ScaleFit(lambda *case: _attention_with(case[-1])(*case[:-1]), lambda q, *_: q.shape[-1] ** -0.5,
+             "{what}: your scores are multiplied by {factor:.4g} before the softmax, where the exercise asks for "
+             "1/sqrt(d) = {right:.4g}, with d = q.shape[-1]."),
+    ScaleFit(lambda *case: _attention_with(1.0, case[-1])(*case[:-1]), lambda *_: math.nan,
+             "{what}: your scores are not scaled, and your output is multiplied by {factor:.4g} after the softmax. "
+             "The factor 1/sqrt(d) belongs to the scores, s = q k^T / sqrt(d), before the running maximum and exp."),
+)
 _FORWARD_ARGS = ("q", "k", "v", "block_q", "block_k", "causal")
 _FORWARD_OUT = FunctionExercise(
     "10.2", "flash_attention",
@@ -421,7 +435,8 @@ _FORWARD_OUT = FunctionExercise(
                           f"For every query block: loop over the key blocks, update m, l and acc (rescaled by "
                           f"exp(m - m_new)), and divide acc by l at the end."),
     mistakes=variants.FORWARD_MISTAKES, variant=lambda *case, spec: variants.forward_variant(*case, **spec)[0],
-    dtype=False, diagnose=_forward_not_finite, examples=lambda: _forward_cases(_tiny_forward()),
+    scales=_FORWARD_SCALES, dtype=False, diagnose=_forward_not_finite,
+    examples=lambda: _forward_cases(_tiny_forward()),
     magnitude=_forward_magnitudes)
 _FORWARD_LSE = FunctionExercise(
     "10.2", "flash_attention", lambda q, k, v, block_q, block_k, causal: _lse(_scores(q, k, causal)),
@@ -518,13 +533,38 @@ def _backward_precision(runs: list[Run], fn: Any) -> None:
         fail("precision", f"{run.case.what}: {variants.PRECISION}")
 
 
+def _backward_with(**spec: float) -> Callable[..., torch.Tensor]:
+    return lambda *case: torch.stack(variants.backward_variant(*case, **spec))
+
+
+_BACKWARD_SCALES = (
+    ScaleFit(lambda *case: _backward_with(score_scale=case[-1])(*case[:-1]), lambda q, *_: q.shape[-1] ** -0.5,
+             "{what}: your gradients are those of attention whose scores are multiplied by {factor:.4g}, where the "
+             "exercise asks for 1/sqrt(d) = {right:.4g}, with d = q.shape[-1]: S = q k^T / sqrt(d) in the forward "
+             "and in the recomputation alike."),
+    ScaleFit(lambda *case: _backward_with(grad_scale=case[-1])(*case[:-1]), lambda q, *_: q.shape[-1] ** -0.5,
+             "{what}: your dQ and dK are multiplied by {factor:.4g}, where the chain rule through S = q k^T / "
+             "sqrt(d) brings 1/sqrt(d) = {right:.4g} (d = q.shape[-1]): dQ = dS @ K / sqrt(d) and dK = dS^T @ Q / "
+             "sqrt(d)."),
+    ScaleFit(lambda *case: _backward_with(recompute_scale=case[-1])(*case[:-1]), lambda q, *_: q.shape[-1] ** -0.5,
+             "{what}: your backward recomputes the weights from scores multiplied by {factor:.4g}, where the forward "
+             "(whose log-sum-exp you read) multiplied them by 1/sqrt(d) = {right:.4g}, d = q.shape[-1]: P = exp(q "
+             "k^T / sqrt(d) - lse)."),
+    ScaleFit(lambda *case: _backward_with(recompute_scale=case[-1], grad_scale=case[-1])(*case[:-1]),
+             lambda q, *_: q.shape[-1] ** -0.5,
+             "{what}: your backward multiplies the scores by {factor:.4g}, in the recomputed weights and in dQ and "
+             "dK, where the forward (whose log-sum-exp you read) multiplied them by 1/sqrt(d) = {right:.4g}, d = "
+             "q.shape[-1]: P = exp(q k^T / sqrt(d) - lse), dQ = dS @ K / sqrt(d), dK = dS^T @ Q / sqrt(d)."),
+)
+
 FLASH_BACKWARD = FunctionExercise(
     "10.3", "FlashAttentionFunction", lambda *case: torch.stack(variants.backward_variant(*case)), _backward_cases,
     ("q", "k", "v", "grad_out", "causal", "block_q", "block_k"),
     success="dq, dk and dv equal attention's gradients, causal or not, for blocks that do not divide L; no L x L "
             "tensor stored or built: each block's weights are recomputed from the log-sum-exp.",
     mismatch=lambda run: f"{run.case.what}: {_backward_mismatch(run)}", mistakes=variants.BACKWARD_MISTAKES,
-    variant=lambda *case, spec: torch.stack(variants.backward_variant(*case, **spec)), each_case=True, dtype=False,
+    variant=lambda *case, spec: torch.stack(variants.backward_variant(*case, **spec)), scales=_BACKWARD_SCALES,
+    each_case=True, dtype=False,
     examples=_tiny_backward, probes=FunctionExercise.probes + ("saved_tensors",), diagnose=_backward_precision)
 
 

@@ -21,7 +21,7 @@ from ..exercises import Mistake
 from ..verdict import fail
 from . import _gqa_variants as rotary
 from ._student_code import close
-from .engine import Case, FunctionExercise, checker, function_example, judge
+from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
 
@@ -129,10 +129,15 @@ class _Weights(ref.MultiHeadLatentAttention):
         fail("calls_reference", _CALLS_LAYER)
 
 
+# Every size differs from every other and from their sums (embed_dim 16, heads * dn 12, dn + dr 10, 2 * dr 8,
+# kv_lora_rank 7, dn 6, dr 4, v_head_dim 3), so a scale taken from the wrong one shows.
+_EMBED = 16
+
+
 def _layer(seed: int, q_lora_rank: int | None, heads: int = 2) -> ref.MultiHeadLatentAttention:
     torch.manual_seed(seed)
     # qk_rope_head_dim 4: two rotary pairs, so interleaved and half-split pairs differ (with one pair they agree)
-    layer = ref.MultiHeadLatentAttention(8, heads, 16, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4,
+    layer = ref.MultiHeadLatentAttention(_EMBED, heads, 16, kv_lora_rank=7, qk_nope_head_dim=6, qk_rope_head_dim=4,
                                          v_head_dim=3, q_lora_rank=q_lora_rank, rope_interleave=False)
     with torch.no_grad():
         for p in layer.parameters():   # weights of unit scale: every mistake moves the output visibly
@@ -191,7 +196,7 @@ def _student(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale: str = "both",
+def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale: str | float = "both",
          norm: bool = True, offset: bool = True, mask_offset: bool = True, use_cache: bool = True,
          rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1, queries: str = "half",
          keys: str = "half", values_first: bool = False, mask_ahead: bool = False,
@@ -199,7 +204,8 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
     """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
     how each rotary part turns (``rotary.rotate``'s kinds, "pairs" or "pairs_table"; "none": not at all),
     ``values_first`` kv_b_proj's output split as values then keys, ``mask_ahead`` one future key let through,
-    ``merge`` "no_transpose" (the heads merged without moving them back)."""
+    ``merge`` "no_transpose" (the heads merged without moving them back), ``scale`` "both" (right), "nope",
+    "none", "value", "after" (softmax_scale on the weights) or a float, the factor on the scores."""
     def turn(t: torch.Tensor, kind: str, at: int) -> torch.Tensor:
         if kind == "none":
             return t
@@ -237,13 +243,16 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
             cos, sin = modern.rope_tables(dn + dr, layer.max_tokens)
             q = modern.apply_rotary(q, cos, sin, offset=pos)
             k = modern.apply_rotary(k, cos, sin)   # every key, cached or new, from position 0
-        factor = {"both": (dn + dr) ** -0.5, "nope": dn ** -0.5, "none": 1.0, "value": layer.v_head_dim ** -0.5}[scale]
+        factor = scale if isinstance(scale, float) else {
+            "both": (dn + dr) ** -0.5, "nope": dn ** -0.5, "none": 1.0, "value": layer.v_head_dim ** -0.5,
+            "after": 1.0}[scale]
         scores = q @ k.transpose(-2, -1) * factor                           # (N, H, L, T)
         first = total - length if mask_offset else 0
         mask = torch.ones(total, total, dtype=torch.bool).tril(int(mask_ahead))[first:first + length]
         if masked:
             scores = scores.masked_fill(~mask, float("-inf"))
-        out = scores.softmax(softmax_dim) @ v                              # (N, H, L, dv)
+        weights = scores.softmax(softmax_dim) * ((dn + dr) ** -0.5 if scale == "after" else 1.0)
+        out = weights @ v                                                   # (N, H, L, dv)
         out = out.transpose(1, 2) if merge == "ok" else out                 # (N, L, H, dv)
         return layer.o_proj(out.reshape(n, length, h * layer.v_head_dim))
     return _stream(forward, layer, x, split)
@@ -254,8 +263,8 @@ def _mla_cases() -> list[Case]:
     for seed, (q_rank, n, length, split) in enumerate(((None, 2, 5, 0), (4, 1, 6, 0), (None, 2, 6, 4),
                                                        (4, 1, 7, 3), (None, 1, 5, 1))):
         layer = _layer(seed, q_rank)
-        x = torch.randn(n, length, 8, generator=torch.Generator().manual_seed(seed))
-        how = f"x of shape {(n, length, 8)}" + (f", in two calls ({split} tokens, then {length - split}) with "
+        x = torch.randn(n, length, _EMBED, generator=torch.Generator().manual_seed(seed))
+        how = f"x of shape {(n, length, _EMBED)}" + (f", in two calls ({split} tokens, then {length - split}) with "
                                                  f"one LatentCache" if split else ", cache=None")
         cases.append(Case((layer, x, split), f"latent_attention(layer, ...) on {how} (q_lora_rank={q_rank})"))
     return cases
@@ -263,8 +272,8 @@ def _mla_cases() -> list[Case]:
 
 def _mla_examples() -> list[Case]:
     generator = torch.Generator().manual_seed(0)
-    return [Case((_layer(0, None, heads=1), tiny(generator, 1, length, 8), split),
-                 f"latent_attention on x of shape (1, {length}, 8)" + (f", split after {split} tokens" if split else ""))
+    return [Case((_layer(0, None, heads=1), tiny(generator, 1, length, _EMBED), split),
+                 f"latent_attention on x of shape (1, {length}, {_EMBED})" + (f", split after {split} tokens" if split else ""))
             for length, split in ((1, 0), (2, 0), (3, 0), (3, 2))]
 
 
@@ -283,8 +292,8 @@ def _mla_magnitude() -> list[Case]:
 
 
 def _mla_gradients() -> list[Case]:
-    return [Case((_layer(7, 4), torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(7)), 0),
-                 "latent_attention(layer, x) with x of shape (1, 4, 8)")]
+    return [Case((_layer(7, 4), torch.randn(1, 4, _EMBED, generator=torch.Generator().manual_seed(7)), 0),
+                 f"latent_attention(layer, x) with x of shape (1, 4, {_EMBED})")]
 
 
 _MLA_MISTAKES = (
@@ -356,6 +365,9 @@ _MLA_MISTAKES = (
     Mistake("scale", "The scores are scaled by 1/sqrt(v_head_dim): the scale belongs to the width of the query "
                      "and key, (qk_nope_head_dim + qk_rope_head_dim) ** -0.5.",
             spec=dict(scale="value")),
+    Mistake("scale", "The scale is applied to the weights after the softmax: layer.softmax_scale multiplies the "
+                     "scores that go into the softmax; afterwards it only shrinks the output.",
+            spec=dict(scale="after")),
     Mistake("norm_placement", "The latent is not normalised: apply layer.kv_a_layernorm to the latent part of "
                               "kv_a_proj_with_mqa(x) (not to k_rope) before it is cached and up-projected.",
             spec=dict(norm=False)),
@@ -371,6 +383,11 @@ LATENT_ATTENTION = FunctionExercise(
                          f"kv_a_proj_with_mqa; the norm; RoPE on the rotary parts at start; the cache; keys and "
                          f"values from kv_b_proj; scores with layer.softmax_scale; the causal mask; o_proj.",
     mistakes=_MLA_MISTAKES, variant=lambda layer, x, split, spec: _mla(layer, x, split, **spec),
+    scales=(ScaleFit(lambda layer, x, split, factor: _mla(layer, x, split, scale=factor),
+                     lambda layer, *_: layer.softmax_scale,
+                     "{what}: your scores are multiplied by {factor:.4g}, where the layer's softmax_scale is "
+                     "{right:.4g}, (qk_nope_head_dim + qk_rope_head_dim) ** -0.5: the query and the key have dn + dr "
+                     "numbers each. Multiply by layer.softmax_scale."),),
     after=_rotated_when_cached,
     gradients=_mla_gradients, examples=_mla_examples, magnitude=_mla_magnitude,
 )

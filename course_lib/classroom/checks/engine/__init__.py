@@ -9,6 +9,8 @@ from .example import function_example, module_example
 from .function import Case, FunctionExercise, Run, fill, first_mistake, judge
 from .probes import PROBES
 from .run import checker
+from .scale_fit import ScaleFit, fitted_factor
 
 __all__ = ["checker", "Case", "FunctionExercise", "Run", "judge", "first_mistake", "fill", "function_example",
-           "module_example", "PROBES"]
+           "module_example", "PROBES",
+           "ScaleFit", "fitted_factor"]

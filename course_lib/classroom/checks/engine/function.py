@@ -15,6 +15,7 @@ from ...verdict import Failure, fail
 from .._model_common import as_tensor
 from .._student_code import call_student, close, expect_callable, expect_tensor, matches, max_diff
 from .probes import gradient_probe, in_float64
+from .scale_fit import ScaleFit, fitted_scale
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class FunctionExercise:
       ``numpy_ok``: a numpy array counts as a tensor.
     - ``raw(case, out)``: judge the raw output before its shape is checked (a layout of its own).
     - ``reword(failure, case, out, fn)``: add to a failure of the call or of the shape (may raise another).
+    - ``scales``: where a factor on the scores may sit (``scale_fit.ScaleFit``); once no mistake matched, a
+      factor found for every run that differs from the right one is the verdict ``scale``, with its value.
     - ``diagnose(runs, fn)``: the exercise's own probes once no mistake matched (may return: then mismatch).
     - ``mismatch(run)``: the last word on the first run that differs.
     - ``after(runs, fn)``: the exercise's own probes once every case is right, before the gradients.
@@ -85,6 +88,7 @@ class FunctionExercise:
     numpy_ok: bool = False
     raw: Callable[[Case, Any], None] | None = None
     reword: Callable[[Failure, Case, Any, Any], None] | None = None
+    scales: Sequence[ScaleFit] = ()
     diagnose: Callable[[list[Run], Any], None] | None = None
     after: Callable[[list[Run], Any], None] | None = None
     values: Callable[[Run], Mapping[str, Any]] = lambda run: {}
@@ -131,7 +135,7 @@ def judge(exercise: FunctionExercise, fn: Any) -> str:
             raise
         runs.append(Run(case, out, expected))
         if exercise.each_case and not exercise.same(out, expected):
-            _diagnose(exercise, [runs[-1]], fn)
+            _diagnose(exercise, [runs[-1]], fn, earlier=runs[:-1])
     if any(not exercise.same(run.out, run.expected) for run in runs):
         _diagnose(exercise, runs, fn)
     if exercise.after is not None:
@@ -222,12 +226,19 @@ def _in_float64(exercise: FunctionExercise, fn: Any) -> None:
         torch.set_default_dtype(previous)
 
 
-def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any) -> None:
-    """The first mistake that reproduces every run, else the exercise's own probes, else its mismatch."""
+def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: list[Run] | None = None) -> None:
+    """The first mistake that reproduces every run, else a factor on the scores that explains them and the
+    ``earlier`` runs (right ones: a factor right there and wrong here is written into the code), else the
+    exercise's own probes, else its mismatch."""
     first = next(run for run in runs if not exercise.same(run.out, run.expected))
     first_mistake(exercise.mistakes, lambda mistake: all(_reproduces(exercise, mistake, run) for run in runs),
                   f"{first.case.what}: " if exercise.each_case and exercise.quote else "",
                   got=quoted(first.out), expected=quoted(first.expected), **exercise.values(first))
+    for fit in exercise.scales:
+        found = fitted_scale(fit, [(run.case.args, run.case.what, run.out) for run in runs + (earlier or [])
+                                   if isinstance(run.out, torch.Tensor)])
+        if found is not None:
+            fail("scale", found)
     if exercise.diagnose is not None:
         exercise.diagnose(runs, fn)
     fail("mismatch", exercise.mismatch(first))
