@@ -394,7 +394,10 @@ def flash_not_written(q, k, v, *, block_q, block_k, causal=False):
 
 # ============================================================================ 10.3 backward
 
-def _backward(ctx, grad_out, *, delta="ok", ds_scale=True, dv_t=False, dk_t=False, mask=True):
+def _backward(ctx, grad_out, *, delta="ok", ds_scale=True, dv_t=False, dk_t=False, mask=True, recompute=None,
+              grads=None):
+    """The recomputing backward with one slip switched on; ``recompute`` and ``grads`` are other factors for the
+    recomputed scores and for dQ and dK (1/sqrt(d) each)."""
     q, k, v, out, lse = ctx.saved_tensors
     scale = 1.0 / math.sqrt(q.shape[-1])
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -407,7 +410,7 @@ def _backward(ctx, grad_out, *, delta="ok", ds_scale=True, dv_t=False, dk_t=Fals
         for ks in range(0, min(lk, qe) if ctx.causal else lk, ctx.block_k):
             ke = min(ks + ctx.block_k, lk)
             kb, vb = k[..., ks:ke, :], v[..., ks:ke, :]
-            s = qb @ kb.transpose(-2, -1) * scale
+            s = qb @ kb.transpose(-2, -1) * (scale if recompute is None else recompute)
             if ctx.causal and mask:
                 s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
             p = torch.exp(s - lse[..., qs:qe, None])
@@ -415,7 +418,7 @@ def _backward(ctx, grad_out, *, delta="ok", ds_scale=True, dv_t=False, dk_t=Fals
             dv[..., ks:ke, :] += (p @ dob) if dv_t else p.transpose(-2, -1) @ dob
             dp = dob @ vb.transpose(-2, -1)
             ds = p * (dp - d_all[..., qs:qe, None])
-            f = scale if ds_scale else 1.0
+            f = (scale if ds_scale else 1.0) if grads is None else grads
             dq[..., qs:qe, :] += ds @ kb * f
             dk[..., ks:ke, :] += (ds @ qb if dk_t else ds.transpose(-2, -1) @ qb) * f
     return dq, dk, dv, None, None, None

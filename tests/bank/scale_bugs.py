@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from bank.attempts import new_bank
-from bank.flash_bugs import _tiled
+from bank.flash_bugs import _backward, _tiled
 from bank.search_bugs import _GivenGQA
 from course_lib.attention import MaskedAttention, MultiHeadMaskedAttention, causal_mask, merge_heads, split_heads
 from course_lib.flash import FlashAttentionFunction
@@ -208,36 +208,11 @@ def flash_quarter_power_on_queries_and_keys(q, k, v, *, block_q, block_k, causal
 
 
 # ============================================================================ 10.3: a factor in the backward
-def _backward_scaled(ctx, grad_out, recompute=None, grads=None):
-    """The recomputing backward; ``recompute`` the scores' factor, ``grads`` dQ's and dK's (1/sqrt(d) each)."""
-    q, k, v, out, lse = ctx.saved_tensors
-    recompute = q.shape[-1] ** -0.5 if recompute is None else recompute
-    grads = recompute if grads is None else grads
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    delta = (grad_out * out).sum(-1)
-    lq, lk = q.shape[-2], k.shape[-2]
-    for qs in range(0, lq, ctx.block_q):
-        qe = min(qs + ctx.block_q, lq)
-        qb, dob = q[..., qs:qe, :], grad_out[..., qs:qe, :]
-        for ks in range(0, min(lk, qe) if ctx.causal else lk, ctx.block_k):
-            ke = min(ks + ctx.block_k, lk)
-            kb, vb = k[..., ks:ke, :], v[..., ks:ke, :]
-            s = qb @ kb.transpose(-2, -1) * recompute
-            if ctx.causal:
-                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
-            p = torch.exp(s - lse[..., qs:qe, None])
-            dv[..., ks:ke, :] += p.transpose(-2, -1) @ dob
-            ds = p * (dob @ vb.transpose(-2, -1) - delta[..., qs:qe, None])
-            dq[..., qs:qe, :] += ds @ kb * grads
-            dk[..., ks:ke, :] += ds.transpose(-2, -1) @ qb * grads
-    return dq, dk, dv, None, None, None
-
-
 @bug("10.3", "scale", "in the recomputed weights and in dQ and dK", "written into your code")
 class BackwardScaleOfFourWrittenIn(FlashAttentionFunction):
     @staticmethod
     def backward(ctx, grad_out):
-        return _backward_scaled(ctx, grad_out, recompute=0.5)
+        return _backward(ctx, grad_out, recompute=0.5, grads=0.5)
 
 
 @bug("10.3", "scale", "recomputes the weights", "0.7071")
@@ -245,7 +220,7 @@ class BackwardRecomputedByAFourthRoot(FlashAttentionFunction):
     @staticmethod
     def backward(ctx, grad_out):
         d = ctx.saved_tensors[0].shape[-1]
-        return _backward_scaled(ctx, grad_out, recompute=d ** -0.25, grads=d ** -0.5)
+        return _backward(ctx, grad_out, recompute=d ** -0.25)
 
 
 @bug("10.3", "scale", "dQ and dK are multiplied by 2")
@@ -253,7 +228,7 @@ class BackwardGradientsTimesSqrtD(FlashAttentionFunction):
     @staticmethod
     def backward(ctx, grad_out):
         d = ctx.saved_tensors[0].shape[-1]
-        return _backward_scaled(ctx, grad_out, grads=d ** 0.5)
+        return _backward(ctx, grad_out, grads=d ** 0.5)
 
 
 # ============================================================================ 12.2: a factor of another size
