@@ -139,7 +139,7 @@ def _scales(size: str, dim: str, d: str) -> dict[str, str]:
     return {mode: why.format(size=size, dim=dim, d=d) for mode, why in _SCALES.items()}
 
 
-def _rows(code: str, switch: str, why: dict[Any, str]) -> tuple[Mistake, ...]:
+def mistake_rows(code: str, switch: str, why: dict[Any, str]) -> tuple[Mistake, ...]:
     """One mistake per value of one switch of the variant (``spec={switch: value}``), in order."""
     return tuple(Mistake(code, message, {switch: value}) for value, message in why.items())
 
@@ -150,14 +150,14 @@ _POST = ("You zero the masked weights after the softmax, so each row no longer s
          "scores before the softmax instead (or renormalise every row after zeroing).")
 
 SDPA_HYPOTHESES: tuple[Mistake, ...] = (
-    *_rows("softmax_dim", "softmax_dim", {
+    *mistake_rows("softmax_dim", "softmax_dim", {
         -2: _SOFTMAX_KEYS,
         "implicit": _SOFTMAX_IMPLICIT,
         1: "Your softmax runs over dim=1, which is not the key axis when q has more than 3 dimensions. Use the "
            "last axis (dim=-1) so any batch shape works.",
         0: "Your softmax normalises across the batch (dim 0) instead of over the keys (dim=-1)."}),
-    *_rows("scale", "scale", _scales("the size of the vectors", "the dimension", "d")),
-    *_rows("causal_mask", "mask", {
+    *mistake_rows("scale", "scale", _scales("the size of the vectors", "the dimension", "d")),
+    *mistake_rows("causal_mask", "mask", {
         "ignored": "Your function ignores `mask`: keys where the mask is False still get weight. Set their scores "
                    "to -inf before the softmax.",
         "inverted": "Your mask is applied the wrong way round: you hide the keys where the mask is True. In this "
@@ -182,17 +182,17 @@ _MASKS = {
 }
 
 MODULE_HYPOTHESES: tuple[Mistake, ...] = (
-    *_rows("softmax_dim", "softmax_dim", {
+    *mistake_rows("softmax_dim", "softmax_dim", {
         -2: _SOFTMAX_KEYS,
         0: "Your softmax normalises across the batch (dim 0) instead of over the keys; F.softmax without `dim=` "
            "does this for 3-D scores. Pass the key axis (dim=-1).",
         1: "Your softmax normalises across the heads (dim 1) instead of over the keys (the last axis of the "
            "scores)."}),
-    *_rows("scale", "scale", {
+    *mistake_rows("scale", "scale", {
         **_scales("{d}", "{d}", "{d}"),   # {d}: head_dim or embed_dim, filled in by the module's check
         "embed_dim": "You scale by 1/sqrt(embed_dim), but each head works in head_dim = embed_dim // num_heads "
                      "dimensions: scale by 1/sqrt(head_dim)."}),
-    *_rows("causal_mask", "mask", _MASKS),
+    *mistake_rows("causal_mask", "mask", _MASKS),
     Mistake("causal_mask", _FILL_ZERO, {"fill": "zero"}),
     Mistake("normalization", _POST, {"fill": "post"}),
     Mistake("head_split", "Your heads are cut along the sequence instead of along the features: reshaping "

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..exercises import Mistake
+from ._attn_hypotheses import mistake_rows
 
 # ---------------------------------------------------------------- the tables (9.1)
 
@@ -368,15 +369,15 @@ FULL_PASS: tuple[Mistake, ...] = (
                            "sliding_window - 1 tokens before it.", {"window": "ignored"}),
     Mistake("causal_mask", "Your sliding window is one token too wide: query i may see key j when "
                            "0 <= i - j < sliding_window.", {"window": "plus_one"}),
-    Mistake("scale", "Your scores are not scaled: divide them by sqrt(head_dim) before the softmax.",
-            {"scale": "none"}),
-    Mistake("scale", "You scale by 1/sqrt(embed_dim), but each head works in head_dim dimensions: scale by "
-                     "1/sqrt(head_dim).", {"scale": "embed_dim"}),
-    Mistake("scale", "You divide the scores by head_dim; divide by its square root.", {"scale": "d"}),
-    Mistake("scale", "You multiply the scores by sqrt(head_dim); divide them by it.", {"scale": "times"}),
-    Mistake("scale", "You apply the 1/sqrt(head_dim) factor after the softmax: it belongs to the scores that go "
-                     "into the softmax. Applied afterwards it only shrinks the output (each row of weights then "
-                     "sums to 1/sqrt(head_dim), not one).", {"scale": "after"}),
+    *mistake_rows("scale", "scale", {
+        "none": "Your scores are not scaled: divide them by sqrt(head_dim) before the softmax.",
+        "embed_dim": "You scale by 1/sqrt(embed_dim), but each head works in head_dim dimensions: scale by "
+                     "1/sqrt(head_dim).",
+        "d": "You divide the scores by head_dim; divide by its square root.",
+        "times": "You multiply the scores by sqrt(head_dim); divide them by it.",
+        "after": "You apply the 1/sqrt(head_dim) factor after the softmax: it belongs to the scores that go into "
+                 "the softmax. Applied afterwards it only shrinks the output (each row of weights then sums to "
+                 "1/sqrt(head_dim), not one)."}),
     Mistake("head_split", "Your heads are cut along the sequence: reshaping (N, L, features) straight to "
                           "(N, heads, L, head_dim) mixes positions. View as (N, L, heads, head_dim), then "
                           "transpose(1, 2).", {"split": "no_transpose"}),
