@@ -528,6 +528,10 @@ def test_run_with_attention_explains_wrong_outputs_and_restores_the_model():
         hf.run_with_attention(hf_model, forgot_transpose, ids)
     with pytest.raises(TypeError, match="fn: expected a tuple"):
         hf.run_with_attention(hf_model, lambda *args, **kwargs: args[1], ids)
+    # a list of the two is what transformers unpacks as well
+    as_list = hf.run_with_attention(hf_model, lambda *args, **kwargs: list(hf.course_attention_forward(*args, **kwargs)),
+                                    ids)
+    assert torch.equal(as_list, hf.run_with_attention(hf_model, hf.course_attention_forward, ids))
     assert hf_model.config._attn_implementation == "sdpa"
     assert set(transformers.AttentionInterface._global_mapping) == before
 

@@ -139,8 +139,9 @@ def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a student's attention function so a wrong return names what was wrong."""
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         result = fn(module, query, key, value, attention_mask, *args, **kwargs)
-        if not isinstance(result, tuple) or len(result) != 2:
+        if not isinstance(result, (tuple, list)) or len(result) != 2:   # transformers only unpacks the pair
             raise TypeError(f"fn: expected a tuple (attn_output, attn_weights or None), got {validate.describe(result)}")
+        result = tuple(result)
         output = result[0]
         n, heads, q_len, _ = query.shape
         expected = (n, q_len, heads, value.shape[-1])

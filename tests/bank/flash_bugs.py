@@ -395,20 +395,21 @@ def flash_not_written(q, k, v, *, block_q, block_k, causal=False):
 # ============================================================================ 10.3 backward
 
 def _backward(ctx, grad_out, *, delta="ok", ds_scale=True, dv_t=False, dk_t=False, mask=True, recompute=None,
-              grads=None):
+              grads=None, blocks=None):
     """The recomputing backward with one slip switched on; ``recompute`` and ``grads`` are other factors for the
-    recomputed scores and for dQ and dK (1/sqrt(d) each)."""
+    recomputed scores and for dQ and dK (1/sqrt(d) each), ``blocks`` (block_q, block_k) other than those given."""
+    block_q, block_k = blocks or (ctx.block_q, ctx.block_k)
     q, k, v, out, lse = ctx.saved_tensors
     scale = 1.0 / math.sqrt(q.shape[-1])
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d_all = {"ok": (grad_out * out).sum(-1), "grad_only": grad_out.sum(-1),
              "zero": torch.zeros_like(lse)}[delta]
     lq, lk = q.shape[-2], k.shape[-2]
-    for qs in range(0, lq, ctx.block_q):
-        qe = min(qs + ctx.block_q, lq)
+    for qs in range(0, lq, block_q):
+        qe = min(qs + block_q, lq)
         qb, dob = q[..., qs:qe, :], grad_out[..., qs:qe, :]
-        for ks in range(0, min(lk, qe) if ctx.causal else lk, ctx.block_k):
-            ke = min(ks + ctx.block_k, lk)
+        for ks in range(0, min(lk, qe) if ctx.causal else lk, block_k):
+            ke = min(ks + block_k, lk)
             kb, vb = k[..., ks:ke, :], v[..., ks:ke, :]
             s = qb @ kb.transpose(-2, -1) * (scale if recompute is None else recompute)
             if ctx.causal and mask:

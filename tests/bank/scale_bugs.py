@@ -1,10 +1,13 @@
-"""Student attempts from a fourth scripted search (2026-11-29): scales of the scores and sizes written into the code.
+"""Student attempts from a fourth and a fifth scripted search (2026-11-29): scales of the scores, and sizes written
+into the code that equal the notebook's (or the check's) in one configuration.
 
-Before, each was passed or named only "mismatch"; now each gets the diagnosis of the mistake it makes, with the
-factor it uses where there is one. A few right controls with unusual but correct code keep the checks honest.
+Before, each was passed, named only "mismatch" or given another cause; now each gets the diagnosis of the mistake
+it makes, with the factor it uses, or the note that a size is written into the code. A few right controls with
+unusual but correct code keep the checks honest.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -12,7 +15,8 @@ import torch.nn.functional as F
 
 from bank.attempts import new_bank
 from bank.flash_bugs import _backward, _tiled
-from bank.search_bugs import _GivenGQA
+from bank.model_bugs import GivenBlock
+from bank.search_bugs import _GivenGQA, _GPTBody
 from course_lib.attention import MaskedAttention, MultiHeadMaskedAttention, causal_mask, merge_heads, split_heads
 from course_lib.flash import FlashAttentionFunction
 from course_lib.modern import apply_rotary, repeat_kv
@@ -30,6 +34,9 @@ class _GQAScaled(_GivenGQA):
     def after(self):
         return 1.0
 
+    def mask(self, start, total):
+        return causal_mask(total)[start:]
+
     def forward(self, x, cache=None):
         start = 0 if cache is None else cache.length
         q = apply_rotary(split_heads(self.query(x), self.num_heads), self.rope_cos, self.rope_sin, offset=start)
@@ -39,7 +46,7 @@ class _GQAScaled(_GivenGQA):
             k, v = cache.append(k, v)
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
         s = (q @ k.transpose(-2, -1)) * self.factor()                          # (N, heads, L, T)
-        s = s.masked_fill(~causal_mask(k.shape[2])[start:].to(x.device), float("-inf"))
+        s = s.masked_fill(~self.mask(start, k.shape[2]).to(x.device), float("-inf"))
         return self.proj(merge_heads(F.softmax(s, dim=-1) * self.after() @ v))
 
 
@@ -232,10 +239,10 @@ class BackwardGradientsTimesSqrtD(FlashAttentionFunction):
 
 
 # ============================================================================ 12.2: a factor of another size
-def _latent(layer, x, cache, factor, after=1.0):
+def _latent(layer, x, cache, factor, after=1.0, heads=None):
     n, length, _ = x.shape
     start = 0 if cache is None else cache.length
-    dn, dr, heads = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads
+    dn, dr, heads = layer.qk_nope_head_dim, layer.qk_rope_head_dim, heads or layer.num_heads
     q = layer.q_proj(x) if layer.q_lora_rank is None else layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x)))
     q_nope, q_rope = q.view(n, length, heads, dn + dr).transpose(1, 2).split([dn, dr], dim=-1)   # (N, H, L, .)
     latent, k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, dr], dim=-1)
@@ -271,3 +278,131 @@ def latent_scale_written_in(layer, x, cache=None):
 @bug("12.2", "scale", "after the softmax")
 def latent_scaled_after_the_softmax(layer, x, cache=None):
     return _latent(layer, x, cache, 1.0, after=layer.softmax_scale)
+
+
+
+# ============================================================================ sizes written into the code
+@bug("2.1", "shape", "(8, 8)")
+def causal_mask_cut_from_eight(n):
+    return torch.ones(8, 8, dtype=torch.bool).tril()[:n, :n]   # the notebook's 8 positions
+
+
+@bug("2.2", "exception", "written into your code")
+class MaskedOwnMaskOfEight(_MaskedScaled):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        s = (q @ k.transpose(-2, -1) * self.factor(q)).masked_fill(~causal_mask(8)[:length, :length], float("-inf"))
+        return self.proj_dropout(self.proj(self.attn_dropout(s.softmax(-1)) @ v))
+
+
+@bug("3.3", "exception", "written into your code")
+class MultiHeadsOfSixteenFeatures(_MultiScaled):
+    def forward(self, x):
+        n, length, _ = x.shape
+        q, k, v = (t(x).view(n, length, self.num_heads, 16 // self.num_heads).transpose(1, 2)   # embed_dim 16
+                   for t in (self.query, self.key, self.value))
+        s = (q @ k.transpose(-2, -1) * self.factor(q)).masked_fill(~self.mask[:length, :length], float("-inf"))
+        return self.proj_dropout(self.proj(merge_heads(self.attn_dropout(s.softmax(-1)) @ v)))
+
+
+@bug("3.3", "head_split", "4 heads")
+class MultiFourHeadsWrittenIn(_MultiScaled):
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = (split_heads(t(x), 4) for t in (self.query, self.key, self.value))
+        s = (q @ k.transpose(-2, -1) / math.sqrt(x.shape[-1] // self.num_heads))
+        s = s.masked_fill(~self.mask[:length, :length], float("-inf"))
+        return self.proj_dropout(self.proj(merge_heads(self.attn_dropout(s.softmax(-1)) @ v)))
+
+
+@bug("4.2", "exception", "written into your code")
+class BlockLayerNormOfSixteen(GivenBlock):
+    def forward(self, x):
+        norm = lambda layer, t: F.layer_norm(t, (16,), layer.weight, layer.bias, layer.eps)   # embed_dim 16
+        x = x + self.attn(norm(self.ln1, x))
+        return x + self.mlp(norm(self.ln2, x))
+
+
+@bug("4.3", "block_chain", "last block is never applied")
+class GPTTwoBlocksByIndex(_GPTBody):
+    def forward(self, idx):
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        for i in range(2):   # the notebook's two layers
+            x = self.blocks[i](x)
+        return self.head(self.ln_f(x))
+
+
+@bug("4.3", "context_limit", "written into your code")
+class GPTLimitOfSixtyFour(_GPTBody):
+    def forward(self, idx):
+        if idx.shape[1] > 64:   # GPTConfig's default max_tokens
+            raise ValueError("crop idx to its last 64 tokens")
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))
+        return self.head(self.ln_f(self.body(x)))
+
+
+@bug("6.1", "attention_flops", "2 layers written")
+def flops_of_two_layers(config, num_weights):
+    return 6 * num_weights + 12 * 2 * config.num_heads * config.head_dim * config.max_tokens
+
+
+@correct("7.2")
+def hf_returns_a_list(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    return list(_hf_attention(module, query, key, value, attention_mask, scaling))   # transformers unpacks a pair
+
+
+@bug("7.2", "exception", "written into your code")
+def hf_two_heads_of_eight(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    out, weights = _hf_attention(module, query, key, value, attention_mask, scaling)
+    return out.reshape(query.shape[0], query.shape[2], 2, 8), weights   # GPT-2's tiny model in the notebook
+
+
+@bug("9.6", "exception", "written into your code")
+class GQAMaskOfTen(_GQAScaled):
+    def mask(self, start, total):
+        return causal_mask(10)[start:total, :total]   # max_tokens of the notebook's example
+
+
+@bug("10.1", "not_tiled", "not block_size")
+def online_softmax_blocks_of_four(x, block_size):
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    total = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    for start in range(0, x.shape[-1], 4):   # block_size ignored
+        block = x[..., start:start + 4]
+        m_new = torch.maximum(m, block.amax(-1))
+        total = total * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / total[..., None]
+
+
+@bug("10.2", "not_tiled", "(4, 4)")
+def flash_blocks_of_four(q, k, v, *, block_q, block_k, causal=False):
+    return _tiled(q, k, v, 4, 4, causal)   # block_q and block_k ignored
+
+
+@bug("10.3", "not_tiled", "(4, 4)")
+class BackwardBlocksOfFour(FlashAttentionFunction):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward(ctx, grad_out, blocks=(4, 4))
+
+
+@bug("11.3", "ablation_method", "head_dim")
+@contextlib.contextmanager
+def ablate_heads_of_eight(model, layer, head):
+    def hook(module, inputs):
+        x = inputs[0].clone()
+        x[..., head * 8:(head + 1) * 8] = 0   # head_dim 8 of notebook 11's model
+        return (x,)
+
+    handle = model.blocks[layer].attn.proj.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@bug("12.2", "exception", "written into it")
+def latent_two_heads_written_in(layer, x, cache=None):
+    return _latent(layer, x, cache, layer.softmax_scale, heads=2)

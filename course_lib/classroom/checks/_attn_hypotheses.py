@@ -26,8 +26,10 @@ def softmax_over(scores: torch.Tensor, dim: Any) -> torch.Tensor:
     return scores.softmax(dim=dim)
 
 
-def scale_factor(mode: str, dim: int, embed_dim: int | None = None) -> float:
-    """The factor the scores get (or, for "after", the weights get)."""
+def scale_factor(mode: str | float, dim: int, embed_dim: int | None = None) -> float:
+    """The factor the scores get (or, for "after", the weights get); a float is the factor itself."""
+    if isinstance(mode, float):
+        return mode
     return {"sqrt": dim ** -0.5, "after": dim ** -0.5, "none": 1.0, "d": 1.0 / dim,
             "times": dim ** 0.5, "embed_dim": (embed_dim or dim) ** -0.5}[mode]
 

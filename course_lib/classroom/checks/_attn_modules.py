@@ -11,6 +11,7 @@ from torch import nn
 from ..verdict import Failure, fail
 from ._attn_hypotheses import MODULE_HYPOTHESES, diagnose_weights, module_variant, shape_str
 from ._gradients import check_module_gradients
+from ._model_common import copy_weights
 from ._student_code import (
     call,
     close,
@@ -23,8 +24,9 @@ from ._student_code import (
     module_output,
     reraise_with,
 )
-from .engine import first_mistake
+from .engine import ScaleFit, first_mistake
 from .engine.probes import module_in_float64
+from .engine.scale_fit import fitted_scale
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -172,6 +174,13 @@ class ModuleCheck:
         reproduces = lambda mistake: all(matches(run.out, module_variant(run.x, run.params, run.heads, mistake.spec))
                                          for run in self.runs)
         first_mistake(hypotheses, reproduces, d="head_dim" if several else "embed_dim")
+        for count in (h for h in range(1, EMBED_DIM + 1) if EMBED_DIM % h == 0) if several else ():
+            # scaled for the heads it computes, or for the heads it was asked for (self.head_dim)
+            if any(all(matches(run.out, module_variant(run.x, run.params, count, spec(run))) for run in bad)
+                   for spec in (lambda run: {}, lambda run: {"scale": (EMBED_DIM // run.heads) ** -0.5})):
+                fail("head_split", f"{bad[0].what}: your module computes {count} heads, whatever num_heads is "
+                                   f"({bad[0].heads} here): a head count is written into your code. Split into "
+                                   f"self.num_heads heads of embed_dim // num_heads features.")
         if all(run.x.shape[1] < MAX_TOKENS for run in bad):
             fail("causal_mask", f"Your output is right for sequences of max_tokens={MAX_TOKENS} tokens but wrong "
                                 f"for shorter ones (e.g. x of shape {shape_str(bad[0].x.shape)}): the causal "
@@ -348,3 +357,38 @@ def module_check(check: ModuleCheck, heads_text: str) -> str:
     lengths = sorted({length for _, length in CASES})
     return (f"Matches the reference for batch sizes 1-3 and lengths {lengths}{heads_text}; the future never "
             f"leaks and dropout only acts in training mode.")
+
+
+def check_other_shape(name: str, make_candidate: Callable[[], Any], make_reference: Callable[[], nn.Module],
+                      shown: str, heads: int, sizes: str) -> None:
+    """The module at other sizes (embed_dim, heads, max_tokens), beside the reference with the same weights: every
+    case above had embed_dim 16 and max_tokens 8, so a size or a scale written for them shows only here.
+    ``shown`` names the call, ``sizes`` where the module was right ("embed_dim=16 with 2 and 4 heads")."""
+    reference = make_reference().eval()
+    model = construct(make_candidate, what=name, shown=shown)
+    copy_weights(reference, model, f"your {name}")
+    call(model.eval, what=f"{name}.eval()")
+    max_tokens, embed_dim = reference.mask.shape[0], reference.query.in_features
+    x = torch.randn(2, max_tokens, embed_dim, generator=torch.Generator().manual_seed(16))
+    what = f"{shown}.forward(x) with x of shape {shape_str(x.shape)}"
+    written = (f" Your module is right at {sizes} and max_tokens={MAX_TOKENS}: most likely a size is written into "
+               f"your code. Take every size from the module (self.mask, the layers) or from x.shape.")
+    try:
+        out = module_output(model, x, what)
+    except Failure as failure:
+        reraise_with(failure, failure.diagnosis, written)
+    with torch.no_grad():
+        expected = reference(x)
+    if close(out, expected):
+        return
+    params = {key: p.detach().double() for key, p in reference.named_parameters()}
+    head_dim = embed_dim // heads
+    found = fitted_scale(ScaleFit(lambda t, factor: module_variant(t.double(), params, heads, {"scale": factor}),
+                                  lambda t: head_dim ** -0.5,
+                                  "{what}: your scores are multiplied by {factor:.4g}, where 1/sqrt(" +
+                                  ("head_dim" if heads > 1 else "embed_dim") + f") = {{right:.4g}} for {head_dim} "
+                                  f"features."), [((x,), what, out)])
+    if found is not None:
+        fail("scale", found + f" Yours was right at {sizes}: the scale is a number written into your code. Divide by "
+                              f"the square root of the module's own size (q.shape[-1] ** 0.5).")
+    fail("mismatch", f"{what} differs from the reference by up to {max_diff(out, expected):.3g}." + written)

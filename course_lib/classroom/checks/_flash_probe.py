@@ -26,6 +26,7 @@ class Record:
     largest_numel: int = 0
     score_elements: int = 0                # output elements of products over d: the share of scores computed
     largest_tile: tuple[int, ...] = ()     # the largest single score product's last two axes
+    tiles: set[tuple[int, ...]] = field(default_factory=set)   # every score product's last two axes
     fused: list[str] = field(default_factory=list)   # fused attention kernels called
     reduced: list[tuple[str, int]] = field(default_factory=list)   # (reduction, its input's last axis)
     empty: list[tuple[int, int]] = field(default_factory=list)     # (length, start) of empty slices along -2
@@ -62,6 +63,7 @@ class Recorder(TorchDispatchMode):
             if first.dim() and first.shape[-1] == self.head_dim:      # contracts over d: q k^T scores
                 record.score_elements += out.numel()
                 tile = tuple(out.shape[-2:]) if out.dim() >= 2 else tuple(out.shape)
+                record.tiles.add(tile)
                 if math.prod(tile) > math.prod(record.largest_tile or (0,)):
                     record.largest_tile = tile
         return out

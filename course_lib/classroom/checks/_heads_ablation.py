@@ -233,9 +233,14 @@ def _grads(model: nn.Module, out: torch.Tensor, weights: torch.Tensor, layer: in
 def _diagnose(model: nn.Module, layer: int, head: int, idx: torch.Tensor, out: Any,
               base: torch.Tensor, shown: str) -> None:
     if close(out, base):
+        attn = model.blocks[layer].attn
+        head_dim = attn.proj.in_features // attn.num_heads
         fail("ablation_method", f"{shown}: inside the `with`, the model computes exactly what it computed before: "
                                 f"no head was switched off. (A hook registered on a copy of the model, or weights "
-                                f"changed only on leaving the block, do that.)")
+                                f"changed only on leaving the block, do that; so does an empty slice of features: "
+                                f"head {head} holds the columns {head * head_dim} .. {(head + 1) * head_dim - 1} of "
+                                f"the input of attn.proj here, head_dim = {head_dim}, so take head_dim from the "
+                                f"model, not a number.)")
     if isinstance(out, torch.Tensor):
         first_mistake(ABLATION_MISTAKES, lambda mistake: close(out, _mistaken(model, layer, head, idx, mistake.spec)),
                       f"{shown}: ")     # a mistake that raises does not apply here (no layer before layer 0)

@@ -13,9 +13,8 @@ import torch
 from ... import attention as ref
 from ..exercises import Mistake
 from ..verdict import fail
-from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
-from ._model_common import copy_weights
-from ._student_code import call, close, construct, expect_callable, max_diff, module_output
+from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, check_other_shape, module_check
+from ._student_code import expect_callable
 from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.function import Run
 
@@ -49,9 +48,10 @@ def _first_wrong_entry(runs: list[Run], fn: Any) -> None:
 
 
 CAUSAL_MASK = FunctionExercise(
-    "2.1", "causal_mask", lambda n: ref.causal_mask(n), lambda: [Case((n,), f"causal_mask({n})") for n in (5, 1, 2, 8)],
+    "2.1", "causal_mask", lambda n: ref.causal_mask(n),
+    lambda: [Case((n,), f"causal_mask({n})") for n in (5, 1, 2, 8, 13)],   # 13: past the notebook's 8
     ("n",),
-    success="Right for n = 1, 2, 5 and 8: True on and below the diagonal, dtype torch.bool.",
+    success="Right for n = 1, 2, 5, 8 and 13: True on and below the diagonal, dtype torch.bool.",
     mismatch=lambda run: "",   # _first_wrong_entry always decides
     mistakes=(
         Mistake("causal_mask", "Nothing is hidden: every position may attend to every other one, including the "
@@ -86,41 +86,19 @@ def _masked_example(cls: Any, *_: Any, **__: Any) -> Any:
                           lambda: ref.MaskedAttention(2, 4, 0.0), 2)
 
 
+# One more shape (embed_dim, max_tokens): every case of the module check has 16 and 8, so a size or a scale
+# written for them shows here.
+_OTHER = (4, 11)
+
+
 @checker("2.2", example=_masked_example)
 def check_masked_attention(cls: Callable[..., Any]) -> str:
     """``cls(embed_dim, max_tokens, dropout_rate)`` with Linear layers query, key, value, proj."""
     expect_callable(cls, "MaskedAttention", "class")
     check = ModuleCheck("MaskedAttention", lambda heads, p: cls(EMBED_DIM, MAX_TOKENS, p),
                         lambda heads, p: ref.MaskedAttention(EMBED_DIM, MAX_TOKENS, p), heads=(1,))
-    success = module_check(check, f" at embed_dim={EMBED_DIM} and {_OTHER_WIDTH}")
-    _check_other_width(cls, _OTHER_WIDTH)
+    success = module_check(check, f" at embed_dim={EMBED_DIM} and {_OTHER[0]}")
+    check_other_shape("MaskedAttention", lambda: cls(*_OTHER, 0.0), lambda: ref.MaskedAttention(*_OTHER, 0.0),
+                      f"MaskedAttention({_OTHER[0]}, {_OTHER[1]}, 0.0)", 1, f"embed_dim={EMBED_DIM}")
     return success
 
-
-_OTHER_WIDTH = 4   # one more embed_dim: a scale or size written for 16 shows here
-
-
-def _check_other_width(cls: Any, width: int) -> None:
-    """The module at another embed_dim, beside the reference with the same weights: every case above had 16."""
-    what = f"MaskedAttention({width}, {MAX_TOKENS}, 0.0).forward(x) with x of shape (2, {MAX_TOKENS}, {width})"
-    generator = torch.Generator().manual_seed(16)
-    reference = ref.MaskedAttention(width, MAX_TOKENS, 0.0).eval()
-    model = construct(cls, width, MAX_TOKENS, 0.0, what="MaskedAttention")
-    copy_weights(reference, model, "your MaskedAttention")
-    call(model.eval, what="MaskedAttention.eval()")
-    x = torch.randn(2, MAX_TOKENS, width, generator=generator)
-    out = module_output(model, x, what)
-    with torch.no_grad():
-        expected = reference(x)
-        q, k, v = reference.query(x), reference.key(x), reference.value(x)
-        scores = (q @ k.transpose(-2, -1) / EMBED_DIM ** 0.5).masked_fill(~ref.causal_mask(MAX_TOKENS), float("-inf"))
-        written_in = reference.proj(scores.softmax(-1) @ v)        # the scale of embed_dim 16 at any width
-    if close(out, expected):
-        return
-    if close(out, written_in):
-        fail("scale", f"{what}: your scores are divided by sqrt({EMBED_DIM}) = {EMBED_DIM ** 0.5:g} at embed_dim="
-                      f"{width}: the scale is a number written into your code. Divide by the square root of the "
-                      f"module's own embed_dim (q.shape[-1] ** 0.5, or self.embed_dim).")
-    fail("mismatch", f"{what} differs from the reference by up to {max_diff(out, expected):.3g}, though your "
-                     f"module is right at embed_dim={EMBED_DIM}: most likely a size of 16 is written into your code. "
-                     f"Take every size from the module (self.embed_dim) or from x.shape.")

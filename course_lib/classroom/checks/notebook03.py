@@ -16,7 +16,7 @@ from ... import attention as ref
 from ..exercises import Mistake
 from ..verdict import fail
 from ._attn_hypotheses import merge_heads_as, split_heads_as
-from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, module_check
+from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, check_other_shape, module_check
 from ._student_code import expect_callable
 from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.function import Run
@@ -138,4 +138,15 @@ def check_multi_head_attention(cls: Callable[..., Any]) -> str:
     check = ModuleCheck("MultiHeadMaskedAttention", lambda heads, p: cls(EMBED_DIM, heads, MAX_TOKENS, p),
                         lambda heads, p: ref.MultiHeadMaskedAttention(EMBED_DIM, heads, MAX_TOKENS, p),
                         heads=(2, 4, 1))
-    return module_check(check, " with 1, 2 and 4 heads")
+    success = module_check(check, " with 1, 2 and 4 heads")
+    embed_dim, heads, max_tokens = _OTHER
+    check_other_shape("MultiHeadMaskedAttention", lambda: cls(embed_dim, heads, max_tokens, 0.0),
+                      lambda: ref.MultiHeadMaskedAttention(embed_dim, heads, max_tokens, 0.0),
+                      f"MultiHeadMaskedAttention({embed_dim}, {heads}, {max_tokens}, 0.0)", heads,
+                      f"embed_dim={EMBED_DIM} with 1, 2 and 4 heads")
+    return success
+
+
+# One more shape (embed_dim, num_heads, max_tokens): heads of 12, which no case above has (16, 8 and 4), at
+# embed_dim 24 and max_tokens 11, so a size or a scale written for the cases above shows here.
+_OTHER = (24, 2, 11)

@@ -18,7 +18,7 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._gradients import check_module_gradients
 from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
-from ._student_code import call, close, construct, expect_tensor
+from ._student_code import call, close, construct, expect_tensor, max_diff, reraise_with
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
 from .engine.function import Run
 from .engine.probes import module_in_float64
@@ -312,13 +312,12 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
     ] + common
 
 
-def _build_block(cls: Any, norm_first: bool) -> tuple[nn.Module, nn.Module]:
+def _build_block(cls: Any, norm_first: bool, sizes: tuple[int, int, int] = (_EMBED, _HEADS, _MAX_TOKENS)
+                 ) -> tuple[nn.Module, nn.Module]:
     generator = torch.Generator().manual_seed(42)
-    reference = randomize_(model_ref.TransformerBlock(_EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, norm_first=norm_first),
-                           generator)
+    reference = randomize_(model_ref.TransformerBlock(*sizes, _DROPOUT, norm_first=norm_first), generator)
     kwargs = {"norm_first": norm_first} if accepts(cls, "norm_first") else {}
-    candidate = construct(cls, _EMBED, _HEADS, _MAX_TOKENS, _DROPOUT, what=getattr(cls, "__name__", "cls"),
-                          **kwargs)
+    candidate = construct(cls, *sizes, _DROPOUT, what=getattr(cls, "__name__", "cls"), **kwargs)
     for name in ("ln1", "attn", "ln2", "mlp"):
         if not isinstance(getattr(candidate, name, None), nn.Module):
             fail("mismatch", f"your block has no sublayer `self.{name}`. Keep the constructor as given: it "
@@ -327,9 +326,9 @@ def _build_block(cls: Any, norm_first: bool) -> tuple[nn.Module, nn.Module]:
     return reference.eval(), candidate.eval()
 
 
-def _inputs(generator: torch.Generator, batch: int, length: int) -> torch.Tensor:
+def _inputs(generator: torch.Generator, batch: int, length: int, embed_dim: int = _EMBED) -> torch.Tensor:
     # an offset and a spread per position, so that LayerNorm has something to undo
-    x = torch.randn(batch, length, _EMBED, generator=generator)
+    x = torch.randn(batch, length, embed_dim, generator=generator)
     return 1.5 * x + torch.randn(batch, length, 1, generator=generator)
 
 
@@ -420,7 +419,30 @@ def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
     # MultiHeadMaskedAttention (the student writes none); LayerNorm's own scale is torch's.
     x = _inputs(generator, 2, 5)
     module_in_float64(lambda: _build_block(cls, norm_first)[::-1], x, f"your block on x of shape {tuple(x.shape)}")
+    _check_other_block(cls, norm_first, generator)
     return f"Same outputs as the reference {kind} block, with residuals around both sublayers."
+
+
+# One more block: every case above has embed_dim 16, 4 heads and max_tokens 8, so a size written for them shows
+# only here.
+_OTHER_BLOCK = (12, 3, 11)
+
+
+def _check_other_block(cls: Any, norm_first: bool, generator: torch.Generator) -> None:
+    reference, candidate = _build_block(cls, norm_first, _OTHER_BLOCK)
+    x = _inputs(generator, 2, _OTHER_BLOCK[2], _OTHER_BLOCK[0])
+    what = f"your block built with ({', '.join(map(str, _OTHER_BLOCK))}, {_DROPOUT}) on x of shape {tuple(x.shape)}"
+    written = (f" Your block is right with embed_dim={_EMBED}, {_HEADS} heads and max_tokens={_MAX_TOKENS}: most "
+               f"likely a size is written into your code. Take every size from the sublayers or from x.shape.")
+    try:
+        with torch.no_grad():
+            got = expect_tensor(call(candidate, x, what=what), tuple(x.shape), what)
+    except Failure as failure:
+        reraise_with(failure, failure.diagnosis, written)
+    with torch.no_grad():
+        expected = reference(x)
+    if not close(got, expected):
+        fail("mismatch", f"{what} differs from the reference by up to {max_diff(got, expected):.3g}." + written)
 
 
 # ---------------------------------------------------------------- 4.3 GPT
@@ -624,20 +646,38 @@ def _seeded(model: nn.Module, idx: torch.Tensor, what: str = "") -> Any:
         return call(model, idx, what=what) if what else model(idx)
 
 
-def _check_limit_follows_config(cls: Any, max_tokens: int, generator: torch.Generator) -> None:
-    """A GPT of another max_tokens: its limit must move with config.max_tokens, not sit at a number written in."""
-    config = _gpt_config(max_tokens=max_tokens)
-    candidate, _ = _build_gpt(cls, config, generator)
-    what = f"your GPT with max_tokens={max_tokens} on idx of shape (1, {max_tokens})"
-    try:
+# One more configuration: every case above has vocab 13, max_tokens 8, embed_dim 16, 2 heads and 2 layers, so a
+# size written for them shows only here; max_tokens 70 is past a limit of 64 written in too.
+_OTHER_CONFIG = dict(vocab_size=7, max_tokens=70, embed_dim=12, num_heads=3, num_layers=3)
+
+
+def _check_other_config(cls: Any, generator: torch.Generator) -> None:
+    """A GPT of other sizes beside the reference: its logits must match, and its limit move with max_tokens."""
+    config = _gpt_config(**_OTHER_CONFIG)
+    candidate, reference = _build_gpt(cls, config, generator)
+    sizes = ", ".join(f"{key}={value}" for key, value in _OTHER_CONFIG.items())
+    written = (" Your GPT is right with vocab_size=13, max_tokens=8, embed_dim=16, 2 heads and 2 layers: most "
+               "likely a size is written into your code. Take every size from self.config (or from idx.shape).")
+    for length in (5, config.max_tokens):
+        idx = torch.randint(0, config.vocab_size, (2, length), generator=generator)
+        what = f"your GPT with GPTConfig({sizes}) on idx of shape (2, {length})"
+        try:
+            with torch.no_grad():
+                got = call(candidate, idx, what=what)
+        except Failure as failure:
+            if length == config.max_tokens and isinstance(failure.__context__, ValueError):
+                fail("context_limit", f"{what} raised ValueError, though {length} tokens fit its max_tokens: your "
+                                      f"limit is a number written into your code. Compare the length with "
+                                      f"self.config.max_tokens. {failure.message}")
+            reraise_with(failure, failure.diagnosis, written)
+        expect_tensor(got, (2, length, config.vocab_size), what)
         with torch.no_grad():
-            call(candidate, torch.randint(0, config.vocab_size, (1, max_tokens), generator=generator), what=what)
-    except Failure as failure:
-        if failure.diagnosis != "exception":
-            raise
-        fail("context_limit", f"{what} raised, though {max_tokens} tokens fit its max_tokens: your limit is a "
-                              f"number written into your code (right for max_tokens={max_tokens - 2} only). "
-                              f"Compare the length with self.config.max_tokens. {failure.message}")
+            expected = reference(idx)
+        if not close(got, expected):
+            try:
+                _diagnose_gpt(candidate, reference, idx, got, what)
+            except Failure as failure:   # a known mistake seen only at these sizes, or one written into the code
+                reraise_with(failure, failure.diagnosis, written)
 
 
 def _full_length_call(candidate: nn.Module, idx: torch.Tensor, max_tokens: int, what: str) -> Any:
@@ -711,7 +751,7 @@ def check_gpt(cls: Any) -> str:
         fail("context_limit", f"Your GPT accepted {config.max_tokens + 1} tokens with max_tokens={config.max_tokens}. "
                          f"It has no positions beyond max_tokens: raise a ValueError that says so (and how to "
                          f"crop) instead of returning something.")
-    _check_limit_follows_config(cls, config.max_tokens + 2, generator)
+    _check_other_config(cls, generator)
     module_in_float64(lambda: _build_gpt(cls, config, torch.Generator().manual_seed(7)), too_long[:, :5],
                       "your GPT on idx of shape (1, 5): the logits")
     try:

@@ -412,8 +412,9 @@ def check_train_step(fn: Callable[..., Any]) -> str:
     optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
     generator = torch.Generator().manual_seed(11)
     vocab = model.config.vocab_size
-    batches = [(torch.randint(0, vocab, (3, 8), generator=generator),
-                torch.randint(0, vocab, (3, 8), generator=generator)) for _ in range(3)]
+    # three batches of three shapes: a batch or a length written into the code shows
+    batches = [(torch.randint(0, vocab, shape, generator=generator),
+                torch.randint(0, vocab, shape, generator=generator)) for shape in ((3, 8), (2, 6), (4, 5))]
     batches[1][1][1, -3:] = IGNORE
     note, left_over, training = "", None, True
     for step, (inputs, targets) in enumerate(batches, start=1):

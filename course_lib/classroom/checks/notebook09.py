@@ -777,7 +777,8 @@ def _check_tables(model: nn.Module, reference: nn.Module, theta: float, shown: s
             fail("shape", f"they have shapes {shape_str(cos.shape)} and {shape_str(sin.shape)}, expected "
                           f"{shape_str(reference.rope_cos.shape)} (max_tokens, head_dim).")
         head_dim = reference.rope_cos.shape[-1]
-        _diagnose_tables(cos, sin, head_dim, MAX_TOKENS, theta, f"rope_tables({head_dim}, {MAX_TOKENS}, "
+        max_tokens = reference.rope_cos.shape[0]
+        _diagnose_tables(cos, sin, head_dim, max_tokens, theta, f"rope_tables({head_dim}, {max_tokens}, "
                                                                 f"theta={theta:g})", False)
     except Failure as failure:
         raise Failure(failure.diagnosis, f"The RoPE tables your constructor builds for {shown} (self.rope_cos, "
@@ -787,19 +788,19 @@ def _check_tables(model: nn.Module, reference: nn.Module, theta: float, shown: s
 
 
 def _build(cls: Any, kv_heads: int, theta: float, extra: dict[str, Any], generator: torch.Generator,
-           embed_dim: int = EMBED_DIM, num_heads: int = NUM_HEADS) -> Built:
+           embed_dim: int = EMBED_DIM, num_heads: int = NUM_HEADS, max_tokens: int = MAX_TOKENS) -> Built:
     more = "".join(f", {k}={v!r}" for k, v in extra.items())
-    shown = f"GroupedQueryAttention({embed_dim}, {num_heads}, {kv_heads}, {MAX_TOKENS}, {theta:g}{more})"
-    reference = ref.GroupedQueryAttention(embed_dim, num_heads, kv_heads, MAX_TOKENS, theta, **extra)
+    shown = f"GroupedQueryAttention({embed_dim}, {num_heads}, {kv_heads}, {max_tokens}, {theta:g}{more})"
+    reference = ref.GroupedQueryAttention(embed_dim, num_heads, kv_heads, max_tokens, theta, **extra)
     _randomize(reference, generator)
-    model = construct(cls, embed_dim, num_heads, kv_heads, MAX_TOKENS, theta, what="GroupedQueryAttention",
+    model = construct(cls, embed_dim, num_heads, kv_heads, max_tokens, theta, what="GroupedQueryAttention",
                       shown=shown, **extra)
     copy_weights(reference, model, "your GroupedQueryAttention")
     call(model.eval, what="GroupedQueryAttention.eval()")
     _check_tables(model, reference, theta, shown)
-    cos, sin = variants.tables(embed_dim // num_heads, MAX_TOKENS, theta)
+    cos, sin = variants.tables(embed_dim // num_heads, max_tokens, theta)
     params = {name: p.detach().double() for name, p in reference.named_parameters()}
-    setup = Setup(embed_dim, num_heads, kv_heads, MAX_TOKENS, params, cos, sin,
+    setup = Setup(embed_dim, num_heads, kv_heads, max_tokens, params, cos, sin,
                   qk_norm=bool(extra.get("qk_norm")), window=extra.get("sliding_window"),
                   eps=reference.q_norm.eps if reference.q_norm is not None else 1e-6)
     return Built(kv_heads, extra, model, reference.eval(), setup)
@@ -1113,23 +1114,26 @@ _SCALE = ScaleFit(lambda built, x, factor: simulate(built.setup, x, [(0, x.shape
                   "for 1/sqrt(head_dim) = {right:.4g}. Divide q @ k^T by sqrt(self.head_dim), once.")
 
 
-# One more shape: every configuration above has embed_dim 32 and 4 heads of 8, so a size or a scale written
-# into the code for them shows only here.
-OTHER_WIDTH = (24, 2, 1)   # embed_dim, num_heads, num_kv_heads: heads of 12, two query heads per key/value head
+# One more shape: every configuration above has embed_dim 32, 4 heads of 8 and max_tokens 10, so a size or a scale
+# written into the code for them shows only here. (embed_dim, num_heads, num_kv_heads, max_tokens): heads of 12,
+# two query heads per key/value head, 13 positions.
+OTHER_WIDTH = (24, 2, 1, 13)
 
 
 def _check_other_width(cls: Any, generator: torch.Generator) -> None:
-    embed_dim, num_heads, kv_heads = OTHER_WIDTH
-    built = _build(cls, kv_heads, 10000.0, {}, generator, embed_dim=embed_dim, num_heads=num_heads)
-    x = torch.randn(2, MAX_TOKENS, embed_dim, generator=generator)
-    what = (f"GroupedQueryAttention({embed_dim}, {num_heads}, {kv_heads}, {MAX_TOKENS}) on x of shape "
+    embed_dim, num_heads, kv_heads, max_tokens = OTHER_WIDTH
+    built = _build(cls, kv_heads, 10000.0, {}, generator, embed_dim=embed_dim, num_heads=num_heads,
+                   max_tokens=max_tokens)
+    x = torch.randn(2, max_tokens, embed_dim, generator=generator)
+    what = (f"GroupedQueryAttention({embed_dim}, {num_heads}, {kv_heads}, {max_tokens}) on x of shape "
             f"{shape_str(x.shape)}")
     try:
         out = _forward(built, x, what)
     except Failure as failure:
         reraise_with(failure, failure.diagnosis, f" Your module is right at embed_dim={EMBED_DIM} with "
-                     f"{NUM_HEADS} heads of {HEAD_DIM}: most likely a size is written into your code. Take every "
-                     f"size from the module (self.num_heads, self.head_dim) or from x.shape.")
+                     f"{NUM_HEADS} heads of {HEAD_DIM} and max_tokens={MAX_TOKENS}: most likely a size is written into "
+                     f"your code. Take every size from the module (self.num_heads, self.head_dim, its tables) or "
+                     f"from x.shape.")
     with torch.no_grad():
         expected = built.reference(x)
     if close(out, expected):

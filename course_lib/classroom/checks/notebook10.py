@@ -169,6 +169,11 @@ def _whole_row(runs: list[Run], fn: Any) -> None:
         fail("not_tiled", f"online_softmax reduces over the whole row at once ({whole} over all {x.shape[-1]} "
                           f"entries): the point is to read the row one block of block_size entries at a time, "
                           f"keeping only the running maximum and sum between blocks.")
+    widest = max((length for _, length in watch.record.reduced), default=size)
+    if widest != size:   # right values from blocks of another size: block_size is not what the loop reads
+        fail("not_tiled", f"online_softmax(x, {size}) reads blocks of {widest} entries, not block_size={size}: take "
+                          f"the blocks x[..., s:s + block_size] for s in range(0, L, block_size), with the size "
+                          f"given.")
 
 
 ONLINE_SOFTMAX = FunctionExercise(
@@ -346,6 +351,7 @@ def _probe_forward(fn: Callable[..., Any], causal: bool) -> None:
     if math.prod(record.largest_tile) > block_q * block_k:     # () when no score product was seen: 1
         fail("not_tiled", f"{shown}: one of your score blocks has shape {record.largest_tile}, more than a "
                           f"(block_q, block_k) = ({block_q}, {block_k}) block: take the keys block_k at a time.")
+    _tiles_as_given(record, shown)
     if causal and record.score_elements:
         needed, total = ref.causal_blocks(length, block_q, block_k)
         expected = needed * block_q * block_k * per_head
@@ -355,6 +361,18 @@ def _probe_forward(fn: Callable[..., Any], causal: bool) -> None:
                                f"only {needed} of the {total} key blocks ({needed / total:.0%}) hold any key a "
                                f"query of its block may see. Skip (do not compute) every key block whose first "
                                f"key comes after the query block's last query.")
+
+
+def _tiles_as_given(record: Record, shown: str) -> None:
+    """Every block of scores is (block_q, block_k), either way round (the probe's L is a multiple of both, so no
+    block is cut short): right values from blocks of other sizes mean the loops ignore the block sizes given.
+    Products with an axis of 1 (one query's row, a row-wise dot product through einsum) are no blocks."""
+    given = (_BLOCK_Q, _BLOCK_K)
+    for tile in sorted(record.tiles):
+        if len(tile) == 2 and min(tile) > 1 and sorted(tile) != sorted(given):
+            fail("not_tiled", f"{shown}: one of your blocks of scores has shape {tile}, not (block_q, block_k) = "
+                              f"{given}: the loops must take block_q queries and block_k keys at a time, the sizes "
+                              f"given (only the last block of each may be shorter).")
 
 
 def _part(fn: Callable[..., Any], index: int) -> Callable[..., torch.Tensor]:
@@ -588,3 +606,4 @@ def _probe_backward(cls: Any) -> None:
                             f"{record.largest} (at least L x L = {length * length} numbers). The backward "
                             f"should rebuild one (block_q, block_k) block of weights at a time, exp(s - lse), and "
                             f"never store or build them all.")
+    _tiles_as_given(record, f"{shown} (block_q={_BLOCK_Q}, block_k={_BLOCK_K})")

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from ... import modern
 from ... import variants as ref
 from ..exercises import Mistake
-from ..verdict import fail
+from ..verdict import Failure, fail
 from . import _gqa_variants as rotary
-from ._student_code import close
+from ._student_code import close, reraise_with
 from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
@@ -132,13 +132,18 @@ class _Weights(ref.MultiHeadLatentAttention):
 # Every size differs from every other and from their sums (embed_dim 16, heads * dn 12, dn + dr 10, 2 * dr 8,
 # kv_lora_rank 7, dn 6, dr 4, v_head_dim 3), so a scale taken from the wrong one shows.
 _EMBED = 16
+# A second geometry for one case (embed_dim, max_tokens, kv_lora_rank, dn, dr, v_head_dim; 3 heads): a size of the
+# first one written into the code shows there.
+_OTHER_GEOMETRY = (18, 24, 5, 2, 6, 4)
 
 
-def _layer(seed: int, q_lora_rank: int | None, heads: int = 2) -> ref.MultiHeadLatentAttention:
+def _layer(seed: int, q_lora_rank: int | None, heads: int = 2, other: bool = False) -> ref.MultiHeadLatentAttention:
     torch.manual_seed(seed)
+    embed_dim, max_tokens, rank, dn, dr, dv = _OTHER_GEOMETRY if other else (_EMBED, 16, 7, 6, 4, 3)
     # qk_rope_head_dim 4: two rotary pairs, so interleaved and half-split pairs differ (with one pair they agree)
-    layer = ref.MultiHeadLatentAttention(_EMBED, heads, 16, kv_lora_rank=7, qk_nope_head_dim=6, qk_rope_head_dim=4,
-                                         v_head_dim=3, q_lora_rank=q_lora_rank, rope_interleave=False)
+    layer = ref.MultiHeadLatentAttention(embed_dim, 3 if other else heads, max_tokens, kv_lora_rank=rank,
+                                         qk_nope_head_dim=dn, qk_rope_head_dim=dr, v_head_dim=dv,
+                                         q_lora_rank=q_lora_rank, rope_interleave=False)
     with torch.no_grad():
         for p in layer.parameters():   # weights of unit scale: every mistake moves the output visibly
             p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
@@ -260,13 +265,16 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
 
 def _mla_cases() -> list[Case]:
     cases = []
-    for seed, (q_rank, n, length, split) in enumerate(((None, 2, 5, 0), (4, 1, 6, 0), (None, 2, 6, 4),
-                                                       (4, 1, 7, 3), (None, 1, 5, 1))):
-        layer = _layer(seed, q_rank)
-        x = torch.randn(n, length, _EMBED, generator=torch.Generator().manual_seed(seed))
-        how = f"x of shape {(n, length, _EMBED)}" + (f", in two calls ({split} tokens, then {length - split}) with "
-                                                 f"one LatentCache" if split else ", cache=None")
-        cases.append(Case((layer, x, split), f"latent_attention(layer, ...) on {how} (q_lora_rank={q_rank})"))
+    for seed, (q_rank, n, length, split, other) in enumerate((
+            (None, 2, 5, 0, False), (4, 1, 6, 0, False), (None, 2, 6, 4, False), (4, 1, 7, 3, False),
+            (None, 1, 5, 1, False), (3, 2, 17, 2, True))):   # the last: 17 tokens, past 16
+        layer = _layer(seed, q_rank, other=other)
+        x = torch.randn(n, length, layer.embed_dim, generator=torch.Generator().manual_seed(seed))
+        how = f"x of shape {(n, length, layer.embed_dim)}" + (
+            f", in two calls ({split} tokens, then {length - split}) with one LatentCache" if split else ", cache=None")
+        sizes = (f", a layer of {layer.num_heads} heads, dn={layer.qk_nope_head_dim}, dr={layer.qk_rope_head_dim}, "
+                 f"kv_lora_rank={layer.kv_lora_rank}, max_tokens={layer.max_tokens}" if other else "")
+        cases.append(Case((layer, x, split), f"latent_attention(layer, ...) on {how} (q_lora_rank={q_rank}{sizes})"))
     return cases
 
 
@@ -373,6 +381,15 @@ _MLA_MISTAKES = (
             spec=dict(norm=False)),
 )
 
+def _other_geometry(failure: Failure, case: Case, out: Any, fn: Any) -> None:
+    """A failure on the layer of other sizes: the other layers share one geometry, so a size may be written in."""
+    if case.args[0].embed_dim != _EMBED:
+        reraise_with(failure, failure.diagnosis, " This layer's sizes differ from the other cases' (2 heads, dn=6, "
+                     "dr=4, kv_lora_rank=7, max_tokens=16): if your code runs on those, a size is most likely "
+                     "written into it. Take every size from the layer (layer.num_heads, layer.qk_nope_head_dim, ...) "
+                     "or from x.shape.")
+
+
 LATENT_ATTENTION = FunctionExercise(
     "12.2", "latent_attention", lambda layer, x, split: _stream(lambda m, xx, c: m(xx, c), layer, x, split),
     _mla_cases, ("layer", "x", "split"),
@@ -388,7 +405,7 @@ LATENT_ATTENTION = FunctionExercise(
                      "{what}: your scores are multiplied by {factor:.4g}, where the layer's softmax_scale is "
                      "{right:.4g}, (qk_nope_head_dim + qk_rope_head_dim) ** -0.5: the query and the key have dn + dr "
                      "numbers each. Multiply by layer.softmax_scale."),),
-    after=_rotated_when_cached,
+    after=_rotated_when_cached, reword=_other_geometry,
     gradients=_mla_gradients, examples=_mla_examples, magnitude=_mla_magnitude,
 )
 
