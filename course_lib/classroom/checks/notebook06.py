@@ -182,8 +182,17 @@ def _attention_slip(choice: tuple[tuple[Callable[[Any], int], str], ...]) -> Mis
 
 
 def _attention_slips() -> list[Mistake]:
+    """Every combination of wrong parts, the fewest first; a combination whose product equals a simpler one's
+    on every configuration (24·1 is 12·2) is left out: the simpler explanation names it."""
     choices = [choice for choice in itertools.product(*_ATTENTION_PARTS) if any(said for _, said in choice)]
-    return [_attention_slip(choice) for choice in sorted(choices, key=lambda c: sum(bool(said) for _, said in c))]
+    configs = [model_ref.GPTConfig(**sizes) for sizes in _CONFIGS]
+    seen, kept = set(), []
+    for choice in sorted(choices, key=lambda c: sum(bool(said) for _, said in c)):
+        products = tuple(math.prod(part(c) for part, _ in choice) for c in configs)
+        if products not in seen:
+            seen.add(products)
+            kept.append(_attention_slip(choice))
+    return kept
 
 
 def _unit_slip(window: bool, unit: str, scale: float) -> Mistake:
