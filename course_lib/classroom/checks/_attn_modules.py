@@ -24,9 +24,8 @@ from ._student_code import (
     module_output,
     reraise_with,
 )
-from .engine import ScaleFit, first_mistake
+from .engine import ScaleFit, at_other_sizes, first_mistake
 from .engine.probes import module_in_float64
-from .engine.scale_fit import fitted_scale
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -362,8 +361,8 @@ def module_check(check: ModuleCheck, heads_text: str) -> str:
 def check_other_shape(name: str, make_candidate: Callable[[], Any], make_reference: Callable[[], nn.Module],
                       shown: str, heads: int, sizes: str) -> None:
     """The module at other sizes (embed_dim, heads, max_tokens), beside the reference with the same weights: every
-    case above had embed_dim 16 and max_tokens 8, so a size or a scale written for them shows only here.
-    ``shown`` names the call, ``sizes`` where the module was right ("embed_dim=16 with 2 and 4 heads")."""
+    case above had embed_dim 16 and max_tokens 8 (``engine.at_other_sizes``). ``shown`` names the call, ``sizes``
+    where the module was right ("embed_dim=16 with 1, 2 and 4 heads")."""
     reference = make_reference().eval()
     model = construct(make_candidate, what=name, shown=shown)
     copy_weights(reference, model, f"your {name}")
@@ -371,24 +370,13 @@ def check_other_shape(name: str, make_candidate: Callable[[], Any], make_referen
     max_tokens, embed_dim = reference.mask.shape[0], reference.query.in_features
     x = torch.randn(2, max_tokens, embed_dim, generator=torch.Generator().manual_seed(16))
     what = f"{shown}.forward(x) with x of shape {shape_str(x.shape)}"
-    written = (f" Your module is right at {sizes} and max_tokens={MAX_TOKENS}: most likely a size is written into "
-               f"your code. Take every size from the module (self.mask, the layers) or from x.shape.")
-    try:
-        out = module_output(model, x, what)
-    except Failure as failure:
-        reraise_with(failure, failure.diagnosis, written)
-    with torch.no_grad():
-        expected = reference(x)
-    if close(out, expected):
-        return
     params = {key: p.detach().double() for key, p in reference.named_parameters()}
     head_dim = embed_dim // heads
-    found = fitted_scale(ScaleFit(lambda t, factor: module_variant(t.double(), params, heads, {"scale": factor}),
-                                  lambda t: head_dim ** -0.5,
-                                  "{what}: your scores are multiplied by {factor:.4g}, where 1/sqrt(" +
-                                  ("head_dim" if heads > 1 else "embed_dim") + f") = {{right:.4g}} for {head_dim} "
-                                  f"features."), [((x,), what, out)])
-    if found is not None:
-        fail("scale", found + f" Yours was right at {sizes}: the scale is a number written into your code. Divide by "
-                              f"the square root of the module's own size (q.shape[-1] ** 0.5).")
-    fail("mismatch", f"{what} differs from the reference by up to {max_diff(out, expected):.3g}." + written)
+    fit = ScaleFit(lambda t, factor: module_variant(t.double(), params, heads, {"scale": factor}),
+                   lambda t: head_dim ** -0.5,
+                   "{what}: your scores are multiplied by {factor:.4g}, where 1/sqrt(" +
+                   ("head_dim" if heads > 1 else "embed_dim") + f") = {{right:.4g}} for {head_dim} features.")
+    with torch.no_grad():
+        at_other_sizes(lambda: module_output(model, x, what), lambda: reference(x), what,
+                       f"at {sizes} and max_tokens={MAX_TOKENS}",
+                       "Take every size from the module (self.mask, the layers) or from x.shape.", scale=(fit, (x,)))

@@ -18,8 +18,17 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._gradients import check_module_gradients
 from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
-from ._student_code import call, close, construct, expect_tensor, max_diff, reraise_with
-from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
+from ._student_code import call, close, construct, expect_tensor
+from .engine import (
+    Case,
+    FunctionExercise,
+    at_other_sizes,
+    checker,
+    first_mistake,
+    function_example,
+    judge,
+    module_example,
+)
 from .engine.function import Run
 from .engine.probes import module_in_float64
 
@@ -432,17 +441,10 @@ def _check_other_block(cls: Any, norm_first: bool, generator: torch.Generator) -
     reference, candidate = _build_block(cls, norm_first, _OTHER_BLOCK)
     x = _inputs(generator, 2, _OTHER_BLOCK[2], _OTHER_BLOCK[0])
     what = f"your block built with ({', '.join(map(str, _OTHER_BLOCK))}, {_DROPOUT}) on x of shape {tuple(x.shape)}"
-    written = (f" Your block is right with embed_dim={_EMBED}, {_HEADS} heads and max_tokens={_MAX_TOKENS}: most "
-               f"likely a size is written into your code. Take every size from the sublayers or from x.shape.")
-    try:
-        with torch.no_grad():
-            got = expect_tensor(call(candidate, x, what=what), tuple(x.shape), what)
-    except Failure as failure:
-        reraise_with(failure, failure.diagnosis, written)
     with torch.no_grad():
-        expected = reference(x)
-    if not close(got, expected):
-        fail("mismatch", f"{what} differs from the reference by up to {max_diff(got, expected):.3g}." + written)
+        at_other_sizes(lambda: expect_tensor(call(candidate, x, what=what), tuple(x.shape), what), lambda: reference(x),
+                       what, f"with embed_dim={_EMBED}, {_HEADS} heads and max_tokens={_MAX_TOKENS}",
+                       "Take every size from the sublayers or from x.shape.")
 
 
 # ---------------------------------------------------------------- 4.3 GPT
@@ -656,28 +658,25 @@ def _check_other_config(cls: Any, generator: torch.Generator) -> None:
     config = _gpt_config(**_OTHER_CONFIG)
     candidate, reference = _build_gpt(cls, config, generator)
     sizes = ", ".join(f"{key}={value}" for key, value in _OTHER_CONFIG.items())
-    written = (" Your GPT is right with vocab_size=13, max_tokens=8, embed_dim=16, 2 heads and 2 layers: most "
-               "likely a size is written into your code. Take every size from self.config (or from idx.shape).")
     for length in (5, config.max_tokens):
         idx = torch.randint(0, config.vocab_size, (2, length), generator=generator)
         what = f"your GPT with GPTConfig({sizes}) on idx of shape (2, {length})"
-        try:
-            with torch.no_grad():
-                got = call(candidate, idx, what=what)
-        except Failure as failure:
-            if length == config.max_tokens and isinstance(failure.__context__, ValueError):
-                fail("context_limit", f"{what} raised ValueError, though {length} tokens fit its max_tokens: your "
-                                      f"limit is a number written into your code. Compare the length with "
-                                      f"self.config.max_tokens. {failure.message}")
-            reraise_with(failure, failure.diagnosis, written)
-        expect_tensor(got, (2, length, config.vocab_size), what)
-        with torch.no_grad():
-            expected = reference(idx)
-        if not close(got, expected):
+
+        def logits(idx: torch.Tensor = idx, what: str = what) -> torch.Tensor:
             try:
-                _diagnose_gpt(candidate, reference, idx, got, what)
-            except Failure as failure:   # a known mistake seen only at these sizes, or one written into the code
-                reraise_with(failure, failure.diagnosis, written)
+                got = call(candidate, idx, what=what)
+            except Failure as failure:
+                if idx.shape[1] == config.max_tokens and isinstance(failure.__context__, ValueError):
+                    fail("context_limit", f"{failure.message.rstrip('.')}; yet {idx.shape[1]} tokens fit its "
+                                          f"max_tokens: your limit is a number. Compare the length with "
+                                          f"self.config.max_tokens.")
+                raise
+            return expect_tensor(got, (2, idx.shape[1], config.vocab_size), what)
+        with torch.no_grad():
+            at_other_sizes(logits, lambda idx=idx: reference(idx), what,
+                           "with vocab_size=13, max_tokens=8, embed_dim=16, 2 heads and 2 layers",
+                           "Take every size from self.config (or from idx.shape).",
+                           diagnose=lambda got, idx=idx, what=what: _diagnose_gpt(candidate, reference, idx, got, what))
 
 
 def _full_length_call(candidate: nn.Module, idx: torch.Tensor, max_tokens: int, what: str) -> Any:

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from ..exercises import Mistake
-from ..verdict import Failure, fail
+from ..verdict import fail
 from ._gradients import check_function_gradients
 from ._model_common import ProcedureExample, as_tensor, randomize_
-from ._student_code import call, close, expect_callable, expect_tensor, max_diff, reraise_with
-from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, function_example, judge
+from ._student_code import call, close, expect_callable, expect_tensor
+from .engine import Case, FunctionExercise, ScaleFit, at_other_sizes, checker, first_mistake, function_example, judge
 from .engine.example import tiny
 from .engine.probes import IN_FLOAT64, expect_float64, run_in_float64
 from .engine.scale_fit import fitted_scale
@@ -265,24 +265,13 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
 
 
 def _check_other_heads(fn: Callable[..., Any], module: nn.Module, generator: torch.Generator) -> None:
-    """3 heads of 4 and 6 positions: the calls above, and the model, have 2 heads of 8, so a size written for them
-    shows only here."""
+    """3 heads of 4 and 6 positions: the calls above, and the model, have 2 heads of 8."""
     q, k, v = (torch.randn(1, 3, 6, 4, generator=generator) for _ in range(3))
     what = f"your attention function on query, key and value of shape {tuple(q.shape)} (scaling=0.5)"
-    written = (" Your function is right with 2 heads of 8: most likely a size is written into your code. Take the "
-               "sizes from query.shape, (N, heads, L, head_dim).")
-    try:
-        got = _direct(fn, module, q, k, v, None, 0.5, what)
-    except Failure as failure:
-        reraise_with(failure, failure.diagnosis, written)
-    expected = _hf().course_attention_forward(module, q, k, v, None, scaling=0.5)[0]
-    if close(got, expected):
-        return
-    found = fitted_scale(_SCALE, [((q, k, v, _causal(q), 0.5), what, got)])
-    if found is not None:
-        fail("scale", found + written)
-    fail("mismatch", f"{what}: the output differs from causal scaled dot-product attention by up to "
-                     f"{max_diff(got, expected):.3g}." + written)
+    at_other_sizes(lambda: _direct(fn, module, q, k, v, None, 0.5, what),
+                   lambda: _hf().course_attention_forward(module, q, k, v, None, scaling=0.5)[0], what,
+                   "with 2 heads of 8", "Take the sizes from query.shape, (N, heads, L, head_dim).",
+                   scale=(_SCALE, (q, k, v, _causal(q), 0.5)))
 
 
 def _check_float64(fn: Callable[..., Any], module: nn.Module) -> None:

@@ -39,7 +39,17 @@ from ._student_code import (
     max_diff,
     reraise_with,
 )
-from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, function_example, judge, module_example
+from .engine import (
+    Case,
+    FunctionExercise,
+    ScaleFit,
+    at_other_sizes,
+    checker,
+    first_mistake,
+    function_example,
+    judge,
+    module_example,
+)
 from .engine.example import SEEDS, tiny
 from .engine.function import Run
 from .engine.probes import gradient_probe, module_in_float64
@@ -1127,25 +1137,11 @@ def _check_other_width(cls: Any, generator: torch.Generator) -> None:
     x = torch.randn(2, max_tokens, embed_dim, generator=generator)
     what = (f"GroupedQueryAttention({embed_dim}, {num_heads}, {kv_heads}, {max_tokens}) on x of shape "
             f"{shape_str(x.shape)}")
-    try:
-        out = _forward(built, x, what)
-    except Failure as failure:
-        reraise_with(failure, failure.diagnosis, f" Your module is right at embed_dim={EMBED_DIM} with "
-                     f"{NUM_HEADS} heads of {HEAD_DIM} and max_tokens={MAX_TOKENS}: most likely a size is written into "
-                     f"your code. Take every size from the module (self.num_heads, self.head_dim, its tables) or "
-                     f"from x.shape.")
     with torch.no_grad():
-        expected = built.reference(x)
-    if close(out, expected):
-        return
-    found = fitted_scale(_SCALE, [((built, x), what, out)])
-    if found is not None:
-        fail("scale", found + f" (At head_dim={HEAD_DIM} yours was right: the scale is a number written into your "
-                              f"code.)")
-    fail("mismatch", f"{what} differs from the reference by up to {max_diff(out, expected):.3g}, though your module "
-                     f"is right at embed_dim={EMBED_DIM} with {NUM_HEADS} heads of {HEAD_DIM}: most likely a size is "
-                     f"written into your code. Take every size from the module (self.num_heads, self.num_kv_heads, "
-                     f"self.head_dim) or from x.shape.")
+        at_other_sizes(lambda: _forward(built, x, what), lambda: built.reference(x), what,
+                       f"at embed_dim={EMBED_DIM} with {NUM_HEADS} heads of {HEAD_DIM} and max_tokens={MAX_TOKENS}",
+                       "Take every size from the module (self.num_heads, self.num_kv_heads, self.head_dim, its "
+                       "tables) or from x.shape.", scale=(_SCALE, (built, x)))
 
 
 def _check_configs(cls: Any, configs: Any, generator: torch.Generator) -> list[Built]:

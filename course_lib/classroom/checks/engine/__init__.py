@@ -7,10 +7,11 @@ Calling student code is ``_student_code``'s.
 """
 from .example import function_example, module_example
 from .function import Case, FunctionExercise, Run, fill, first_mistake, judge
+from .other_sizes import at_other_sizes
 from .probes import PROBES
 from .run import checker
 from .scale_fit import ScaleFit, fitted_factor
 
 __all__ = ["checker", "Case", "FunctionExercise", "Run", "judge", "first_mistake", "fill", "function_example",
            "module_example", "PROBES",
-           "ScaleFit", "fitted_factor"]
+           "ScaleFit", "fitted_factor", "at_other_sizes"]
