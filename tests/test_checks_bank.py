@@ -16,6 +16,7 @@ from bank import (
     attention_bugs,
     flash_bugs,
     heads_bugs,
+    learning_bugs,
     model_bugs,
     modern_bugs,
     probe_bugs,
@@ -29,7 +30,7 @@ from course_lib.classroom.checks.engine import PROBES, FunctionExercise, run
 from course_lib.classroom.exercises import BY_ID, EXERCISES
 
 BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs, probe_bugs, search_bugs,
-         scale_bugs)
+         scale_bugs, learning_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
 

@@ -239,7 +239,7 @@ class BackwardGradientsTimesSqrtD(FlashAttentionFunction):
 
 
 # ============================================================================ 12.2: a factor of another size
-def _latent(layer, x, cache, factor, after=1.0, heads=None):
+def _latent(layer, x, cache, factor, after=1.0, heads=None, out_proj=None, up_proj=None):
     n, length, _ = x.shape
     start = 0 if cache is None else cache.length
     dn, dr, heads = layer.qk_nope_head_dim, layer.qk_rope_head_dim, heads or layer.num_heads
@@ -251,13 +251,13 @@ def _latent(layer, x, cache, factor, after=1.0, heads=None):
     if cache is not None:
         latent, k_rope = cache.append(latent, k_rope)
     total = latent.shape[1]
-    k_nope, v = layer.kv_b_proj(latent).view(n, total, heads, dn + layer.v_head_dim).transpose(1, 2).split(
+    k_nope, v = (up_proj or layer.kv_b_proj)(latent).view(n, total, heads, dn + layer.v_head_dim).transpose(1, 2).split(
         [dn, layer.v_head_dim], dim=-1)                                            # (N, H, T, .)
     q = torch.cat([q_nope, apply_rotary(q_rope, layer.rope_cos, layer.rope_sin, offset=start)], dim=-1)
     k = torch.cat([k_nope, k_rope[:, None].expand(n, heads, total, dr)], dim=-1)
     scores = (q @ k.transpose(-2, -1) * factor).masked_fill(~causal_mask(total)[start:], float("-inf"))
-    out = scores.softmax(dim=-1) * after @ v                                       # (N, H, L, dv)
-    return layer.o_proj(out.transpose(1, 2).reshape(n, length, heads * layer.v_head_dim))
+    attended = scores.softmax(dim=-1) * after @ v                                  # (N, H, L, dv)
+    return (out_proj or layer.o_proj)(attended.transpose(1, 2).reshape(n, length, heads * layer.v_head_dim))
 
 
 @correct("12.2")

@@ -319,6 +319,27 @@ class ModuleCheck:
         if zeros_after_proj > 1 - (1 - DROPOUT) ** 2 + 0.1:
             fail("dropout", f"{what}: {zeros_after_proj:.0%} of the output features are dropped, expected about "
                             f"{DROPOUT:.0%}: apply self.proj_dropout once, after self.proj.")
+        self.check_train_backward(model, run.x, what)
+
+    @staticmethod
+    def check_train_backward(model: nn.Module, x: torch.Tensor, what: str) -> None:
+        """Learning happens in training mode: a backward pass there must run too (the gradient probe runs in eval
+        mode, where an in-place dropout on the weights the softmax saved does nothing)."""
+        def forward_backward() -> None:
+            model.train()
+            try:
+                model(x.clone().requires_grad_(True)).sum().backward()
+            finally:
+                model.eval()
+        try:
+            call(forward_backward, what=f"{what}, then backward")
+        except Failure as failure:
+            if "inplace" not in failure.message:
+                raise
+            fail("mutation", f"{failure.message} In training mode your module changes in place a tensor that "
+                             f"autograd saved for the backward pass (for example F.dropout(..., inplace=True) on "
+                             f"the attention weights, which the softmax's gradient needs): write a new tensor "
+                             f"instead (weights = self.attn_dropout(weights)).")
 
 
 def check_float64(check: ModuleCheck) -> None:

@@ -150,9 +150,10 @@ def _compare(got: Mapping[str, torch.Tensor | None], expected: Mapping[str, torc
     names = [name for name, _, _ in wrong]
     name, diff, scale = wrong[0]
     if set(names) <= inputs and set(expected) - inputs:
-        cause = ("the parameters' gradients are right, so a path that skips them was cut: most likely a "
-                 "residual added as `x.detach()` (or a copy made under `torch.no_grad()`), or the input "
-                 "modified in place")
+        cause = ("the parameters' gradients are right, so only a path back to the input was cut: the input "
+                 "itself detached on its way into a layer (`self.key(x.detach())`), a residual added as "
+                 "`x.detach()`, a part computed from x under `torch.no_grad()`, a hook that changes x's gradient, "
+                 "or the input modified in place")
     else:
         cause = ("part of its path to the output was " + CAUSES + ", or the forward pass uses a tensor "
                  "other than the one the gradient should reach (an in-place op on a leaf, a detached weight)")
@@ -198,6 +199,17 @@ def check_module_gradients(candidate: nn.Module, reference: nn.Module, *args: An
     except Exception as exc:  # a broken module is the student's to fix
         fail("exception", f"Listing the parameters of {what} raised {type(exc).__name__}: {exc}")
     ref_params = dict(reference.named_parameters())
+    # The names were the reference's when the weights were copied in: a difference now is the forward's doing.
+    gone = [n for n in ref_params if n not in cand_params]
+    if gone:
+        fail("gradient", f"{what}: after your forward ran, `{gone[0]}` is no longer a parameter of your module (it "
+                         f"was replaced by a plain tensor, or deleted), so the optimizer would never update it. "
+                         f"Use the layer's weight as it is; never assign to it in forward.", parameter=gone[0])
+    new = [n for n in cand_params if n not in ref_params]
+    if new:
+        fail("gradient", f"{what}: after your forward ran, your module has a parameter `{new[0]}` that it did not "
+                         f"have when built: an optimizer would train it (a table of constants, a buffer, turned into "
+                         f"an nn.Parameter). Create nothing in forward; keep constants as buffers.", parameter=new[0])
     frozen = [n for n, p in ref_params.items() if n in cand_params and not cand_params[n].requires_grad]
     if frozen:
         fail("gradient", f"{what}: parameter `{frozen[0]}` has requires_grad=False, so it would never learn. "

@@ -216,7 +216,8 @@ TOY_ATTENTION = FunctionExercise(
                 output=lambda q, keys, v: torch.full_like(keys @ q, 1 / keys.shape[0]) @ v),
     ),
     reword=_toy_reword, diagnose=_toy_diagnose, examples=_toy_examples, after=_one_value_feature,
-    gradients=lambda: [replace(_toy_cases()[2], what="toy_attention(query, keys, values) with values (n, dv)")],
+    gradients=lambda: [replace(_toy_cases()[2], what="toy_attention(query, keys, values) with values (n, dv)"),
+                       replace(_toy_cases()[1], what="toy_attention(query, keys, values) with values (n,)")],
     magnitude=lambda: [Case((q, keys, values), f"toy_attention(query, keys, values) with {how}")
                        for query, keys0, values in (c.args for c in _toy_cases()[1:3])
                        for q, keys, how in magnitude_scores(query, keys0)],

@@ -19,7 +19,7 @@ from ... import train as train_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._model_common import ProcedureExample, accepts, as_tensor, extend, recording_calls
-from ._student_code import call, expect_callable, expect_tensor
+from ._student_code import call, expect_callable, expect_tensor, reraise_with
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
@@ -362,6 +362,12 @@ def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.O
     try:
         with recording_calls(model) as calls:
             result = call(fn, model, optimizer, inputs, targets, what=what, **kwargs)
+    except Failure as failure:
+        if "does not require grad" in failure.message:   # torch's words for a loss with no graph behind it
+            reraise_with(failure, "gradient", " Your loss has no path back to the weights: the forward ran under "
+                         "torch.no_grad() (or the logits were detached). Run the model with gradients on, in "
+                         "train_step itself.")
+        raise
     finally:
         handle.remove()
     loss, note = _loss_value(result, what)
@@ -370,8 +376,10 @@ def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.O
     in_training = all(c["training"] for c in calls) if calls else model.training
     if not float(delta.abs().max()) > 0:
         if not backward_ran:
-            fail("step_order", f"{what}: the weights did not change and no gradients were computed: call "
-                             f"loss.backward() before optimizer.step().")
+            fail("step_order", f"{what}: the weights did not change and no gradient reached them: call "
+                             f"loss.backward() before optimizer.step(), on the loss computed from the model's "
+                             f"output (a loss rebuilt from loss.item(), or from detached logits, has no path back "
+                             f"to the weights).")
         if bool(_flat_grad(params).abs().max() > 0):
             fail("step_order", f"{what}: gradients were computed but the weights did not change: call "
                              f"optimizer.step() after loss.backward().")
@@ -492,6 +500,13 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
             continue
         if fraction is None:
             _summed_loss(what, ratio, targets)
+            clipped_to = ratio * float(g.norm())              # the update's gradient norm
+            if ratio > 1.0 or abs(clipped_to - 1.0) > 0.01:   # no clipping makes a step longer, or ends at norm 1
+                fail("step_order" if abs(ratio - round(ratio)) <= 0.01 * ratio and ratio > 1 else "mismatch",
+                     f"{what}: the update is {ratio:.2f} times the gradient step of the batch's mean loss, with "
+                     f"nothing to clip: your gradient is scaled (a loss backpropagated more than once, a multiple "
+                     f"of the loss, or gradients changed before the step). Backpropagate lm_loss itself, once. "
+                     f"(With a max_grad_norm, clipping hid it.)")
             fail("clipping", f"{what}: with max_grad_norm=None the step should use the whole gradient, but it "
                              f"was {ratio:.2f} times as long. Clip only `if max_grad_norm is not None`.")
         if abs(ratio - 1.0) <= 0.01:

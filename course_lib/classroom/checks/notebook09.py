@@ -273,7 +273,12 @@ def _rotary_mismatch(run: Run) -> str:
 
 def _rotary_cases() -> list[Case]:
     generator = torch.Generator().manual_seed(9)
-    return [_rotary_case(generator, *case) for case in _ROTARY_CASES]
+    cases = [_rotary_case(generator, *case) for case in _ROTARY_CASES]
+    # as 9.6 hands it over, split into heads: a transposed view, not contiguous (x.view(...) raises on it)
+    x = torch.randn(2, 5, 3, 8, generator=generator).transpose(1, 2)          # (N, heads, L, head_dim), strided
+    cos, sin = ref.rope_tables(8, 7, 10000.0)
+    return cases + [Case((x, cos, sin, 0), "apply_rotary(x, cos, sin) with x of shape (2, 3, 5, 8) split into heads "
+                                           "(a transposed view, not contiguous) and tables of 7 rows")]
 
 
 def _rotary_examples() -> list[Case]:

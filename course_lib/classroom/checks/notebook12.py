@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ... import modern
 from ... import variants as ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _gqa_variants as rotary
+from ._gradients import check_module_gradients
 from ._student_code import close, reraise_with
 from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
 from .engine.example import tiny
@@ -419,7 +421,30 @@ def _latent_example(fn: Callable[..., Any], *_: Any, **__: Any) -> Any:
 @checker("12.2", example=_latent_example)
 def check_latent_attention(fn: Callable[..., Any]) -> str:
     """``fn(layer, x, cache=None)`` -> (N, L, embed_dim), as MultiHeadLatentAttention.forward (rope_interleave=False)."""
-    return judge(LATENT_ATTENTION, _student(fn))
+    success = judge(LATENT_ATTENTION, _student(fn))
+    _layer_gradients(fn)
+    return success
+
+
+class _Bound(nn.Module):
+    """A layer and a forward function of it (the student's, or the layer's own) as one module, whose parameters are
+    the layer's: so that the gradient probe compares every weight's gradient by name."""
+
+    def __init__(self, layer: nn.Module, forward: Callable[..., Any]):
+        super().__init__()
+        self.layer, self.run = layer, forward
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.run(self.layer, x, None)
+
+
+def _layer_gradients(fn: Callable[..., Any]) -> None:
+    """The engine's gradient probe compares x's gradient; the layer's weights must learn as the layer's own do."""
+    layer, x, _ = _mla_gradients()[0].args
+    mine = copy.deepcopy(layer)
+    mine.__class__ = _Weights
+    check_module_gradients(_Bound(mine, fn), _Bound(copy.deepcopy(layer), lambda m, t, cache: m(t, cache)), x,
+                           what=f"latent_attention(layer, x) with x of shape {tuple(x.shape)}: the layer's weights")
 
 
 # ============================================================================ 12.3 recurrent linear attention
