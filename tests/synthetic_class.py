@@ -346,3 +346,103 @@ class MultiHeadMaskedAttention(MultiHeadMaskedAttention):
     off = _forged
 ''',
 }
+
+
+# A third scripted attack on the grader (2026-11-29): each a way to a pass without the work. Every one must fail.
+FORGERIES_2 = {
+    # a Tensor subclass whose __torch_function__ answers the check's torch.equal with True
+    "1.2": '''
+class _Agreeable(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.equal, torch.allclose):
+            return True
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+def toy_attention(query, keys, values):
+    return (values.sum(0) * 0).as_subclass(_Agreeable)
+''',
+    # a TorchFunctionMode entered when the cell runs, answering every torch.equal with True
+    "1.3": '''
+from torch.overrides import TorchFunctionMode
+
+class _Yes(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.equal, torch.allclose, torch.Tensor.equal):
+            return True
+        return func(*args, **(kwargs or {}))
+
+_mode = _Yes().__enter__()
+
+def scaled_dot_product_attention(q, k, v, mask=None, _m=_mode):
+    return v * 0
+''',
+    # the course's checker replaced in its module before the grader's recorder takes it
+    "2.1": '''
+import course_lib.classroom.checks as _checks
+from course_lib.classroom.verdict import CheckResult as _Result
+
+_forged = setattr(_checks, "check_causal_mask", lambda *args, **kwargs: _Result("2.1", True, None, "forged"))
+
+def causal_mask(n, _x=_forged):
+    return torch.zeros(n, n, dtype=torch.bool)
+''',
+    # the profiler that watches for the course's own code switched off, then the course's class called
+    "2.2": '''
+import sys
+import course_lib.attention as _course
+
+class MaskedAttention(_course.MaskedAttention):
+    def forward(self, x):
+        try:
+            sys.setprofile(None)
+        except RuntimeError:
+            pass
+        return _course.MaskedAttention.forward(self, x)
+''',
+    # the course's function called from a thread, where the calling thread's profiler does not reach
+    "3.1": '''
+import threading
+import course_lib.attention as _course
+
+def split_heads(x, num_heads):
+    box = []
+    thread = threading.Thread(target=lambda: box.append(_course.split_heads(x, num_heads)))
+    thread.start()
+    thread.join()
+    return box[0] if box else x
+''',
+    # the course's function called from code compiled under a file name that looks like the course's
+    "3.2": '''
+import course_lib.attention as _course
+
+def _as_course(fn):
+    space = {"_course": _course}
+    exec(compile("def merge_heads(x):\\n    return _course.merge_heads(x)\\n", "/x/course_lib/helpers.py", "exec"),
+         space)
+    return space["merge_heads"]
+
+@_as_course
+def merge_heads(x):
+    pass
+''',
+    # memory outside the limit through os's C name for memfd_create; refused, then the right answer
+    "3.3": '''
+import posix
+
+class MultiHeadMaskedAttention(MultiHeadMaskedAttention):
+    def forward(self, x):
+        try:
+            posix.memfd_create("hoard")
+        except Exception:
+            n, length, embed = x.shape
+            q, k, v = (t(x).view(n, length, self.num_heads, embed // self.num_heads).transpose(1, 2)
+                       for t in (self.query, self.key, self.value))
+            s = (q @ k.transpose(-2, -1) / (embed // self.num_heads) ** 0.5).masked_fill(
+                ~self.mask[:length, :length], float("-inf"))
+            out = self.attn_dropout(s.softmax(-1)) @ v
+            return self.proj_dropout(self.proj(out.transpose(1, 2).reshape(n, length, embed)))
+        raise RuntimeError("attack got through: posix.memfd_create")
+''',
+}

@@ -19,6 +19,7 @@ from bank import attention_bugs
 from synthetic_class import (
     FORGED_VERDICT,
     FORGERIES,
+    FORGERIES_2,
     attempt_source,
     hostile_parts,
     prediction_source,
@@ -491,6 +492,7 @@ def graded_class(tmp_path_factory):
     write_student(submissions / "mallory", ["01", "02", "03"], hostile_parts(victim, submissions, report))
     write_student(submissions / "eve", ["02"], {"2.1": FORGED_VERDICT})
     write_student(submissions / "trent", ["01", "02", "03"], FORGERIES)
+    write_student(submissions / "ursula", ["01", "02", "03"], FORGERIES_2)
     before = victim.read_bytes()
     # the process sandbox alone (what runs where bwrap does not); isolation: tests/test_grade_isolation.py
     run = grade(submissions, report, workers=2, timeout=8, memory_mb=512, exercises=CLASS_EXERCISES, isolate=False)
@@ -502,7 +504,7 @@ def graded_class(tmp_path_factory):
 def test_the_grades_are_what_the_checkers_say(graded_class):
     grades = graded_class["grades"]
     assert graded_class["run"].errors == []
-    assert len(graded_class["run"].grades) == 7 * len(CLASS_EXERCISES)
+    assert len(graded_class["run"].grades) == 8 * len(CLASS_EXERCISES)
     for ex_id in CLASS_EXERCISES:
         assert grades["alice", ex_id].passed, grades["alice", ex_id]
         assert (grades["learner", ex_id].passed, grades["learner", ex_id].diagnosis) == (False, "not_implemented")
@@ -534,6 +536,11 @@ def test_hostile_submissions_change_nothing_but_their_own_grades(graded_class):
         assert not trent[ex].passed and "forged" not in trent[ex].message, (ex, trent[ex])
     assert trent["3.1"].passed, trent["3.1"].message               # fork_exec refused, then the right answer
     assert trent["3.2"].diagnosis == trent["3.3"].diagnosis == "calls_reference"
+    ursula = {ex: grades["ursula", ex] for ex in FORGERIES_2}   # a third attack: each a pass without the work
+    for ex in ("1.2", "1.3", "2.1", "2.2", "3.1", "3.2"):
+        assert not ursula[ex].passed and "forged" not in ursula[ex].message, (ex, ursula[ex])
+    assert [ursula[ex].diagnosis for ex in ("2.2", "3.1", "3.2")] == ["calls_reference"] * 3
+    assert ursula["3.3"].passed, ursula["3.3"].message             # posix.memfd_create refused, then the answer
     assert graded_class["victim"].read_bytes() == graded_class["before"]
     assert not (report / "evil.md").exists()
     assert "tampered" not in (report / "feedback" / "alice.md").read_text()

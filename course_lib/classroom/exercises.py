@@ -93,7 +93,8 @@ EXERCISES: tuple[Exercise, ...] = (
         'leave the scores alone when mask is None.',
     )),
     # notebook 02
-    Exercise('2.1', 'causal_mask', 'causal_mask', 'check_causal_mask', reference='attention.causal_mask', hints=(
+    Exercise('2.1', 'causal_mask', 'causal_mask', 'check_causal_mask', reference='attention.causal_mask',
+             same_work=('modern.sliding_window_mask', 'variants.sliding_window_mask'), hints=(   # window = n
         'Row i of the mask says which positions token i may look at: itself and everything before it.',
         'That is a lower-triangular pattern, True on and below the diagonal; torch.tril keeps exactly '
         'that part.',

@@ -179,3 +179,42 @@ def save() -> Callable[[], None]:
                 except (AttributeError, TypeError):
                     pass
     return restore
+
+
+# ---------------------------------------------------------------- torch's modes
+# A TorchFunctionMode (or TorchDispatchMode) on torch's stack answers every torch call made while it is there,
+# the checker's own `torch.equal` included. The check sets aside the modes it finds (a `with torch.device(...)`
+# too), and puts them back as they were when it ends; a mode that the student's code leaves on the stack during
+# the check is taken off and is the verdict `patched`.
+
+def set_aside_modes() -> tuple[list[Any], list[Any]]:
+    """Take every mode off torch's two stacks: (function modes, dispatch modes), innermost first."""
+    functions = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    dispatches = [torch._C._pop_torch_dispatch_stack() for _ in range(torch._C._len_torch_dispatch_stack())]
+    return functions, dispatches
+
+
+def restore_modes(saved: tuple[list[Any], list[Any]]) -> None:
+    """Put back what ``set_aside_modes`` took, outermost first, over whatever the check left."""
+    functions, dispatches = saved
+    for mode in reversed(functions):
+        torch._C._push_on_torch_function_stack(mode)
+    for mode in reversed(dispatches):
+        torch._C._push_on_torch_dispatch_stack(mode)
+
+
+def modes_depth() -> tuple[int, int]:
+    return torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()
+
+
+def expect_no_new_modes(before: tuple[int, int]) -> None:
+    """After a call of the student's code: modes it pushed and left are taken off, and the verdict is ``patched``."""
+    functions, dispatches = before
+    left = [type(torch._C._pop_torch_function_stack()).__name__
+            for _ in range(torch._C._len_torch_function_stack() - functions)]
+    left += [type(torch._C._pop_torch_dispatch_stack()).__name__
+             for _ in range(torch._C._len_torch_dispatch_stack() - dispatches)]
+    if left:
+        fail("patched", f"Your code left a torch mode active ({', '.join(left)}): it would answer every torch call "
+                        f"after it, the check's own comparisons too. Enter a mode only in a `with` block that ends "
+                        f"inside your function.")

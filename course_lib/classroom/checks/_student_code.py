@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..verdict import Failure, fail
-from ._pinned import expect_unpatched
+from ._pinned import expect_no_new_modes, expect_unpatched, modes_depth
 from ._references import install_references
 from ._student_files import student_frame
 
@@ -40,12 +40,15 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     become a Failure with a readable message."""
     CALLS[0] += 1
     inputs = [(name, value, value.detach().clone()) for name, value in _tensor_args(args, kwargs)]
+    depth = modes_depth()
     try:
         try:
             result = fn(*args, **kwargs)
         finally:
             install_references()   # student code that patched course_lib must not change the verdict
         expect_unpatched()   # nor one that replaced torch's own functions (torch.equal = ...)
+        expect_no_new_modes(depth)   # nor a torch mode left on the stack
+        result = plain_tensors(result)
     except Failure:
         raise
     except NotImplementedError as exc:
@@ -63,6 +66,16 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
                              f"fails when a tensor saved for backward is overwritten): write `x = x + ...` instead.",
                  argument=name)
     return result
+
+
+def plain_tensors(value: Any) -> Any:
+    """A tensor of a subclass of the student's as a plain tensor (the same numbers), in tuples and lists too: a
+    subclass's ``__torch_function__`` would answer the check's own comparisons (``torch.equal`` -> True)."""
+    if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, nn.Parameter):
+        return value.as_subclass(torch.Tensor)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(plain_tensors(v) for v in value) if type(value) in (tuple, list) else value
+    return value
 
 
 def reraise_with(failure: Failure, diagnosis: str, extra: str) -> None:

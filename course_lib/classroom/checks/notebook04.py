@@ -19,17 +19,9 @@ from ..verdict import Failure, fail
 from ._gradients import check_module_gradients
 from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
 from ._student_code import call, close, construct, expect_tensor
-from .engine import (
-    Case,
-    FunctionExercise,
-    at_other_sizes,
-    checker,
-    first_mistake,
-    function_example,
-    judge,
-    module_example,
-)
+from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
 from .engine.function import Run
+from .engine.other_sizes import at_other_sizes
 from .engine.probes import module_in_float64
 
 __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]

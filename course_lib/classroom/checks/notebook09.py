@@ -39,19 +39,10 @@ from ._student_code import (
     max_diff,
     reraise_with,
 )
-from .engine import (
-    Case,
-    FunctionExercise,
-    ScaleFit,
-    at_other_sizes,
-    checker,
-    first_mistake,
-    function_example,
-    judge,
-    module_example,
-)
+from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, function_example, judge, module_example
 from .engine.example import SEEDS, tiny
 from .engine.function import Run
+from .engine.other_sizes import at_other_sizes
 from .engine.probes import gradient_probe, module_in_float64
 from .engine.scale_fit import fitted_scale
 

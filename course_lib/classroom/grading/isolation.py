@@ -177,13 +177,21 @@ def available() -> bool:
     return status()[0]
 
 
+OWN_USER = [False]   # whether this worker runs as a user of the grader's own (BASE_UID + slot)
+
+
 def enter_worker(uid: int | None) -> None:
     """First thing in an isolated worker, before it reads anything: drop to ``uid`` (the grader is
     root), limit the processes of this user, close every inherited descriptor but the standard ones."""
     import resource
+
+    from . import keyrings
     if uid is not None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)   # every capability goes with root
+        OWN_USER[0] = True
+        keyrings.clear_user_keyrings()   # this user's: what an earlier run left there
+    keyrings.own_session_keyring()   # not the instructor's
     resource.setrlimit(resource.RLIMIT_NPROC, (PROCESS_LIMIT, PROCESS_LIMIT))
     os.closerange(3, 1 << 16)

@@ -135,8 +135,8 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         except BaseException as exc:  # the student's definition itself failed to run
             install_references()
             return _raised(plan.id, f"Defining {plan.name}", exc)
+        install_references()   # first: the recorder takes the checkers as they are now, the course's again
         namespace["checks"] = RecordingChecks(verdicts)
-        install_references()
         refused = _course_own(plan, namespace.get(plan.name))
         if refused is not None:
             return refused

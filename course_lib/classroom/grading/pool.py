@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -133,6 +134,12 @@ class _Worker:
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=cwd, env=env,
                 start_new_session=forks(),
                 creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0) if not forks() else 0)
+        # Every message the worker sends carries this token, which it reads first, before any student's code
+        # runs: a line a submission writes into the channel on its own (inline, its code runs in the worker)
+        # is no message.
+        self.token = secrets.token_hex(16)
+        self.process.stdin.write((json.dumps({"token": self.token}) + "\n").encode("utf-8"))
+        self.process.stdin.flush()
         self.messages: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         with _LIVE_LOCK:
@@ -141,9 +148,11 @@ class _Worker:
     def _read(self) -> None:
         for line in self.process.stdout:
             try:
-                self.messages.put(json.loads(line))
+                message = json.loads(line)
             except ValueError:
                 continue   # not ours: ignored
+            if isinstance(message, dict) and message.pop("token", None) == self.token:
+                self.messages.put(message)
         self.messages.put(None)   # end of the stream: the worker is gone
 
     def next(self, deadline: float) -> dict[str, Any] | None | bool:

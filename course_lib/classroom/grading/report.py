@@ -31,6 +31,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -158,12 +159,14 @@ def _cell(text: str) -> str:
 
 
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_SPLIT_FORMULA = re.compile(r"([;,|\t])([=+\-@])")
 
 
 def spreadsheet_safe(text: str) -> str:
     """A cell a spreadsheet shows as text: one starting like a formula (``= + - @``, a tab or a carriage
     return) gets a leading apostrophe, so that ``=HYPERLINK(...)`` in a student's name or message
     is never run when the instructor opens grades.csv (OWASP's advice on CSV injection)."""
+    text = _SPLIT_FORMULA.sub(r"\1 \2", text)   # a spreadsheet that splits on ";" (or "|", a tab) starts a cell there
     return "'" + text if text.startswith(_FORMULA_START) else text
 
 
@@ -174,7 +177,7 @@ def grades_csv(grades: list[Grade]) -> str:
     for student_grades in _by_student(grades).values():
         for g in student_grades:
             writer.writerow([spreadsheet_safe(g.student), g.exercise, "true" if g.passed else "false",
-                             spreadsheet_safe(g.diagnosis or ""), spreadsheet_safe(g.message), f"{g.seconds:.3f}", g.flag])
+                             spreadsheet_safe(g.diagnosis or ""), spreadsheet_safe(g.message), f"{g.seconds:.3f}", spreadsheet_safe(g.flag)])
     return buffer.getvalue()
 
 
@@ -216,7 +219,7 @@ def summary_markdown(grades: list[Grade], info: RunInfo) -> str:
     if flagged:   # a flag, not a fail: copying a solution the course shows is a teaching matter
         lines += ["", "## Flagged for the instructor", "", "Graded as usual; worth a conversation.", "",
                   "| student | exercise | flag |", "|---|---|---|"]
-        lines += [f"| {markdown_inline(g.student)} | {g.exercise} | {g.flag} |"
+        lines += [f"| {markdown_inline(g.student)} | {g.exercise} | {markdown_inline(g.flag)} |"
                   for g in sorted(flagged, key=lambda g: (g.student.casefold(), exercise_order(g.exercise)))]
     if info.notes or info.errors:
         said = [markdown_inline(note) for note in info.notes] + \

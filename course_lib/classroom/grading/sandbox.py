@@ -31,6 +31,8 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import keyrings
+
 __all__ = ["enter", "enter_inline", "install_policy", "bound_worker", "SandboxRefused", "WORKER_MB"]
 
 FILE_SIZE_LIMIT = 64 * 2 ** 20   # bytes per file the student's code writes
@@ -237,6 +239,7 @@ def enter(home: str, deny: Iterable[str], *, memory_mb: int | None, cpu_seconds:
             os.setpgid(0, 0)
         except OSError:
             pass   # already a group leader
+    keyrings.own_session_keyring()   # the grader's session keyring (the instructor's keys) is not the student's
     _work_in(home)
     _set_limits(memory_mb, cpu_seconds)
     _quiet_standard_streams(close)
@@ -253,6 +256,7 @@ IN_KERNEL_SANDBOX = [False]
 _UNAUDITED_PROCESSES = (("_posixsubprocess", "fork_exec", "starting another process"),
                         ("subprocess", "_fork_exec", "starting another process"))
 _UNAUDITED_MEMORY = (("os", "memfd_create", "memory files (memfd_create)"),
+                     ("posix", "memfd_create", "memory files (memfd_create)"),   # os's own, under its C name
                      ("_posixshmem", "shm_open", "POSIX shared memory"))
 
 

@@ -75,7 +75,10 @@ def _walk(folder: Path, depth: int) -> list[Path]:
 
 
 def _has_notebooks(folder: Path) -> bool:
-    return any(p.suffix == ".ipynb" and _visible(p) and p.is_file() for p in folder.iterdir())
+    try:
+        return any(p.suffix == ".ipynb" and _visible(p) and p.is_file() for p in folder.iterdir())
+    except OSError:   # a folder the grader may not read: it holds nothing to grade
+        return False
 
 
 def _read_student(student: str, folder: Path) -> Submission:

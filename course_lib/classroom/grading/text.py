@@ -50,8 +50,10 @@ def from_student(text: object, limit: int = 4000, *, lines: int = LINE_LIMIT) ->
 
 
 def name_from_student(name: str | bytes) -> str:
-    """A name (a student's folder, a file): one clean line; never empty."""
+    """A name (a student's folder, a file): one clean line; never empty. Invisible format characters (a
+    zero-width space) are dropped too, so that no two students' names read alike and differ."""
     flat = re.sub(r"[\r\n\t]+", " ", _decoded(name))
+    flat = "".join(c for c in flat if unicodedata.category(c) != "Cf")
     cleaned = from_student(flat, NAME_LIMIT, lines=1).strip()
     return cleaned or "(no name)"
 
@@ -60,17 +62,30 @@ _INLINE_SPECIAL = re.compile(r"([\\`*_\[\]{}()#!|~])")
 _LINE_START = re.compile(r"^(\s*(?:\d+)?)([-+=>.)])")
 
 
+# An address a Markdown viewer would turn into a link by itself (GitHub, JupyterLab, VS Code): shown as code.
+_ADDRESS = re.compile(r"(?i)(?:\b[a-z][a-z0-9+.-]*://|\bwww\.)[^\s`]*")
+
+
+def _escaped(line: str) -> str:
+    """One line of student text as literal Markdown: special characters escaped, addresses as code spans."""
+    parts, last = [], 0
+    for found in _ADDRESS.finditer(line):
+        parts += [_INLINE_SPECIAL.sub(r"\\\1", html.escape(line[last:found.start()], quote=False)),
+                  f"`{found.group(0)}`"]
+        last = found.end()
+    return "".join(parts) + _INLINE_SPECIAL.sub(r"\\\1", html.escape(line[last:], quote=False))
+
+
 def markdown_inline(text: str) -> str:
     """Student text as literal Markdown on one line (a table cell, a list item, a heading)."""
-    text = html.escape(" ".join(from_student(text).split("\n")), quote=False)
-    return _INLINE_SPECIAL.sub(r"\\\1", text)
+    return _escaped(" ".join(from_student(text).split("\n")))
 
 
 def markdown_block(text: str) -> str:
     """Student text as literal Markdown over several lines: each line escaped, line breaks kept."""
     lines = []
     for line in from_student(text).split("\n"):
-        line = _INLINE_SPECIAL.sub(r"\\\1", html.escape(line, quote=False))
+        line = _escaped(line)
         lines.append(_LINE_START.sub(lambda m: m[1] + "\\" + m[2], line).strip() or "")
     return "  \n".join(line for line in lines if line) or ""
 

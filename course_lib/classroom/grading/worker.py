@@ -76,13 +76,17 @@ def _sender(fd: int, token: str) -> Any:
 
 
 class _Channel:
-    """The worker's line to the grader: JSON lines on a descriptor no child keeps."""
+    """The worker's line to the grader: JSON lines on a descriptor no child keeps, each with the token the
+    grader sent first (held in ``send``'s closure, not on this object: a submission graded inline would have to
+    dig it out of the garbage collector)."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, token: str):
         self.fd = fd
+        encode = json.dumps
 
-    def send(self, message: dict[str, Any]) -> None:
-        _write_all(self.fd, (json.dumps(message) + "\n").encode("utf-8"))
+        def send(message: dict[str, Any]) -> None:
+            _write_all(fd, (encode({**message, "token": token}) + "\n").encode("utf-8"))
+        self.send = send
 
 
 def _become_subreaper() -> None:
@@ -135,12 +139,23 @@ def _run_child(plan: Any, source: str | None, home: str, deny: list[str], limit:
     """Fork a child to judge one exercise; its verdict (or why there is none) and the seconds it took."""
     from . import sandbox
     from .judge import judge
-    read_end, write_end = os.pipe()
     # The child's verdict must carry this token: bytes a submission writes into the pipe on its own
     # (without digging the token out of its process's memory) are not taken for a verdict.
     token = os.urandom(16).hex()
     start = time.monotonic()
-    pid = os.fork()
+    try:
+        read_end, write_end = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(read_end)
+            os.close(write_end)
+            raise
+    except OSError as exc:   # processes or files the student's code left fill the sandbox's limits
+        return {"exercise": plan.id, "passed": False, "diagnosis": "crashed",
+                "message": f"The grader could not start this exercise's check ({exc.strerror or exc}): processes "
+                           f"or open files that your code left behind fill the sandbox's limits. Do not start "
+                           f"processes from your notebook's code."}, 0.0
     if pid == 0:   # the child: it never returns
         try:
             os.close(read_end)
@@ -389,7 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         enter_worker(uid)
     inline = "--inline" in argv or not hasattr(os, "fork")
     exercises = next((a for a in argv if not a.startswith("--")), "").split(",")
-    channel = _Channel(os.dup(1))
+    first = sys.stdin.buffer.readline()   # the grader's token, before anything else is read or run
+    try:
+        token = str(json.loads(first)["token"])
+    except (ValueError, KeyError, TypeError):
+        return 1
+    channel = _Channel(os.dup(1), token)
     os.dup2(2, 1)   # whatever a library prints goes to the worker's log, never into the channel
     try:
         problems = _warm_up(exercises, check=not (isolated or "--checked" in argv))

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from . import isolation, keyrings
+
 __all__ = ["seal", "alone_in_sandbox", "sweep", "SWEEP_SECONDS"]
 
 SWEEP_SECONDS = 10.0   # to end every process a student left, and empty the scratch; else the sandbox goes
@@ -130,6 +132,8 @@ def sweep() -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
+    if isolation.OWN_USER[0]:   # a key one student left in the user's keyrings must not reach the next
+        keyrings.clear_user_keyrings()
     mounts = _mount_points()
     return _remove_ipc() and all(_restore(root, kept, mounts) for root, kept in _SKELETON.items()
                                  if os.path.isdir(root))

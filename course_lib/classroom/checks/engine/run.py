@@ -54,7 +54,7 @@ import torch
 from .... import _validate as validate
 from ... import progress
 from ...exercises import BY_ID, EXERCISES
-from ...verdict import CheckResult, Failure
+from ...verdict import CheckResult, Failure, fail
 from .. import _pinned as pinned
 from .._references import attributes, bind_references, install_references, pinned_attribute, restore_namespace
 from .._student_code import CALLS as STUDENT_CALLS
@@ -129,8 +129,12 @@ def checker(exercise: str, example: Callable[..., Any] | None = None
             forks = can_fork()
             if forks:
                 reference_of(exercise), same_work_of(exercise)   # looked up here: a child's lookups die with it
-            result = _forked(judge, exercise) if forks else None   # None: this process may not fork
-            result = judge() if result is None else result   # (a failed verdict is falsy)
+            modes = pinned.set_aside_modes()   # a torch mode of the kernel's would answer the check's comparisons
+            try:
+                result = _forked(judge, exercise) if forks else None   # None: this process may not fork
+                result = judge() if result is None else result   # (a failed verdict is falsy)
+            finally:
+                pinned.restore_modes(modes)   # the kernel keeps its own, as it had them
             if not graded:
                 return result
             if os.environ.get(progress.PROGRESS_DIR_ENV, "").strip():   # the live room, only where one is open
@@ -536,6 +540,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
             if caller.f_code not in self.codes and is_student_file(caller.f_code.co_filename):
                 self.tripped = CallsReference(self.exercise, self.name, "calls",
                                               self.names.get(code) or self.prints.get(_print(code), self.name))
+                _OWN_SETTING[0] = True   # Python unsets a hook that raises: that is the guard's own doing
                 raise self.tripped
             caller = caller.f_back
 
@@ -543,14 +548,53 @@ class _guard:  # noqa: N801 - used as a context, like a function
         _GUARDED[0] += 1
         self.previous = sys.getprofile()
         self.stop = sys._getframe(1)   # the check's own frame: the student's code is what runs above it
+        self.threading_previous = threading.getprofile()
         if self.codes:
-            sys.setprofile(self._hook)
+            _own_setprofile(self._hook)
+            threading.setprofile(self._hook)   # a thread the student's code starts is watched too
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        sys.setprofile(self.previous)
+        switched_off = bool(self.codes) and (sys.getprofile() != self._hook or threading.getprofile() != self._hook)
+        _own_setprofile(self.previous)
+        threading.setprofile(self.threading_previous)
         _GUARDED[0] -= 1
-        if self.tripped is not None and exc is not self.tripped:   # their code swallowed it: the verdict stands
-            raise self.tripped
+        tampered, _TAMPERED[0] = _TAMPERED[0] or switched_off, False
+        if self.tripped is not None:   # (Python unset the hook that raised it)
+            if exc is not self.tripped:   # their code swallowed it: the verdict stands
+                raise self.tripped
+            return
+        if tampered and not isinstance(exc, Failure):
+            fail("patched", "Your code changed the profiler (sys.setprofile, or threading's) while the check ran: "
+                            "the check watches which of the course's functions your code calls, so that the "
+                            "course's own answer is not taken for yours. Remove that code, restart the kernel "
+                            "(Kernel > Restart) and run the cells again.")
+
+
+# The guard's profiler is the check's own: set by it, and by nothing the student's code runs while it watches.
+_OWN_SETTING = [False]
+_TAMPERED = [False]
+
+
+def _own_setprofile(hook: Any) -> None:
+    _OWN_SETTING[0] = True
+    try:
+        sys.setprofile(hook)
+    finally:
+        _OWN_SETTING[0] = False
+
+
+def _refuse_profiler_changes(event: str, args: tuple) -> None:
+    """Audit hook: while a check watches, sys.setprofile from anything but the guard is refused (and remembered)."""
+    if event == "sys.setprofile" and _GUARDED[0] and not _OWN_SETTING[0]:
+        if sys._getframe(1).f_code is _THREAD_START:   # a new thread taking threading's hook: the guard's own
+            return
+        _TAMPERED[0] = True
+        raise RuntimeError("sys.setprofile is not allowed while a check runs: the check watches which of the "
+                           "course's functions your code calls")
+
+
+_THREAD_START = threading.Thread._bootstrap_inner.__code__   # type: ignore[attr-defined]
+sys.addaudithook(_refuse_profiler_changes)
 
 
 # ---------------------------------------------------------------- one run, in a forked child
