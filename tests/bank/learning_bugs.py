@@ -1,7 +1,9 @@
 """Student attempts from a sixth scripted search (2026-11-29): code whose outputs are right but which cannot learn
-as the reference does, or which breaks only when it trains.
+as the reference does, or which breaks only when it trains; and a later exercise built on an earlier answer that
+fails its own check, reached through a wrapper or a default argument.
 
-Before, each passed or got another cause; now each gets the diagnosis that says what stops learning and where.
+Before, each passed or got another cause; now each gets the diagnosis that says what stops learning and where, or
+names the earlier exercise.
 """
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from bank.attempts import new_bank
+from bank.modern_bugs import rotary_interleaved_pairs
 from bank.scale_bugs import _latent, _MaskedScaled, _MultiScaled
 from bank.search_bugs import _GivenGQA
 from course_lib.attention import causal_mask, merge_heads, split_heads
-from course_lib.modern import apply_rotary, repeat_kv
+from course_lib.modern import GroupedQueryAttention, apply_rotary, repeat_kv
 from course_lib.train import lm_loss
 
 BUGGY, CORRECT, bug, correct = new_bank()
@@ -155,3 +158,47 @@ def step_through_autograd_grad(model, optimizer, inputs, targets, max_grad_norm=
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     return loss.item()
+
+
+# ============================================================================ 9.6 on a 9.2 that fails its own check
+# The notebook's cell, where apply_rotary is the student's own (here interleaved pairs, wrong for these tables).
+_THROUGH_HELPERS = """
+def apply_rotary(x, cos, sin, offset=0):   # exercise 9.2's cell: pairs (2i, 2i+1), wrong for these tables
+    return rotary_interleaved_pairs(x, cos, sin, offset)
+
+
+def rotate_both(q, k, cos, sin, start):
+    return apply_rotary(q, cos, sin, offset=start), apply_rotary(k, cos, sin, offset=start)
+
+
+class GQARotatingThroughAWrapper(GroupedQueryAttention):
+    def forward(self, x, cache=None):
+        start = 0 if cache is None else cache.length
+        q, k = rotate_both(split_heads(self.query(x), self.num_heads), split_heads(self.key(x), self.num_kv_heads),
+                           self.rope_cos, self.rope_sin, start)
+        v = split_heads(self.value(x), self.num_kv_heads)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        mask = causal_mask(k.shape[2])[start:].to(x.device)
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, self.groups), repeat_kv(v, self.groups), attn_mask=mask)
+        return self.proj(merge_heads(out))
+
+
+class GQARotatingByADefault(GQARotatingThroughAWrapper):
+    def forward(self, x, cache=None, rotate=apply_rotary):
+        start = 0 if cache is None else cache.length
+        q = rotate(split_heads(self.query(x), self.num_heads), self.rope_cos, self.rope_sin, offset=start)
+        k = rotate(split_heads(self.key(x), self.num_kv_heads), self.rope_cos, self.rope_sin, offset=start)
+        v = split_heads(self.value(x), self.num_kv_heads)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        mask = causal_mask(k.shape[2])[start:].to(x.device)
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, self.groups), repeat_kv(v, self.groups), attn_mask=mask)
+        return self.proj(merge_heads(out))
+"""
+_cell = dict(torch=torch, F=F, GroupedQueryAttention=GroupedQueryAttention, split_heads=split_heads,
+             merge_heads=merge_heads, repeat_kv=repeat_kv, causal_mask=causal_mask,
+             rotary_interleaved_pairs=rotary_interleaved_pairs)
+exec(compile(_THROUGH_HELPERS, "<your 09_modern_attention.ipynb, Exercise 9.6>", "exec"), _cell)
+bug("9.6", "rope_layout", "exercise 9.2", "check_apply_rotary")(_cell["GQARotatingThroughAWrapper"])
+bug("9.6", "rope_layout", "exercise 9.2", "check_apply_rotary")(_cell["GQARotatingByADefault"])

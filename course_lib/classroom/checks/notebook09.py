@@ -39,6 +39,7 @@ from ._student_code import (
     max_diff,
     reraise_with,
 )
+from ._student_files import is_student_file
 from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, function_example, judge, module_example
 from .engine.example import SEEDS, tiny
 from .engine.function import Run
@@ -1043,21 +1044,37 @@ def _diagnose_cached(built_all: list[Built], cached: list[tuple[torch.Tensor, to
 
 # ---------------------------------------------------------------- which part is at fault
 
+def _helpers_used(cls: Any) -> dict[str, Any]:
+    """The functions the class's methods reach by name: the globals they use, and through the student's own
+    functions among those (a wrapper), or as default arguments (``rotate=apply_rotary``), theirs, a few deep."""
+    reached: dict[str, Any] = {}
+    todo = [value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            for value in (vars(cls).values() if isinstance(cls, type) else ())]
+    seen: list[Any] = []
+    while todo and len(seen) < 20:
+        fn = todo.pop()
+        if not isinstance(fn, types.FunctionType) or any(fn is done for done in seen):
+            continue
+        seen.append(fn)
+        found = {name: fn.__globals__.get(name) for name in fn.__code__.co_names if name in fn.__globals__}
+        found.update({d.__name__: d for d in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values())
+                      if isinstance(d, types.FunctionType)})
+        for name, value in found.items():
+            reached.setdefault(name, value)
+            if isinstance(value, types.FunctionType) and is_student_file(value.__code__.co_filename):
+                todo.append(value)
+    return reached
+
+
 def _parts_note(cls: Any) -> str:
     """A sentence per helper of an earlier exercise that the class calls and that fails its own check."""
-    names: set[str] = set()      # the global names the class's methods use
-    namespace: dict[str, Any] = {}   # and where they are looked up
-    for value in vars(cls).values() if isinstance(cls, type) else ():
-        fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
-        if isinstance(fn, types.FunctionType):
-            names |= set(fn.__code__.co_names)
-            namespace = namespace or fn.__globals__
+    used = _helpers_used(cls)
     notes = []
     # the checkers undecorated (``__wrapped__``): a helper's own verdict is neither recorded nor shown
     for name, exercise, own_check in (("apply_rotary", "9.2", check_apply_rotary.__wrapped__),
                                       ("repeat_kv", "9.5", check_repeat_kv.__wrapped__)):
-        fn = namespace.get(name)
-        if name not in names or not callable(fn):
+        fn = used.get(name)
+        if not callable(fn):
             continue
         try:
             own_check(fn)
