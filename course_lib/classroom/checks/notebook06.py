@@ -154,8 +154,8 @@ _ATTENTION_PARTS: tuple[tuple[tuple[Callable[[Any], int], str], ...], ...] = (
     ((lambda c: c.num_layers, ""),
      (lambda c: 1, "the attention term leaves out the number of layers: every block has its own attention. "
                    "Multiply by L = config.num_layers."),
-     (lambda c: 2, "the attention term has 2 layers written into it (the baseline's): every block has its own "
-                   "attention, so multiply by L = config.num_layers, whatever it is.")),
+     (lambda c: 2, "the attention term has 2 layers written into it: every block has its own attention, so "
+                   "multiply by L = config.num_layers, whatever it is.")),
     ((lambda c: c.num_heads * c.head_dim, ""),
      (lambda c: c.head_dim, "the attention term leaves out the number of heads: each of the H heads has its own "
                             "scores and weighted sum. Use 12·n·H·Q·T (H·Q is embed_dim)."),
