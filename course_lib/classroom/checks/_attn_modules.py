@@ -11,7 +11,7 @@ from torch import nn
 from ..verdict import Failure, fail
 from ._attn_hypotheses import MODULE_HYPOTHESES, diagnose_weights, module_variant, shape_str
 from ._gradients import check_module_gradients
-from ._model_common import copy_weights
+from ._model_common import copy_weights, same_when_called_twice
 from ._student_code import (
     call,
     close,
@@ -276,6 +276,20 @@ class ModuleCheck:
             fail("dropout", f"{what}: NaN appears in training mode. Dropout reaches the scores after they were "
                             f"set to -inf (0 * -inf = NaN): apply dropout to the attention weights AFTER the "
                             f"softmax (self.attn_dropout(weights)).")
+        # Dropout draws anew at every call: a seed set inside forward, or a mask kept from an earlier call, drops
+        # the same weights every time (every draw above was seeded alike, so only two unseeded calls show it).
+        call(model.train, what=f"model.train() before {what}")
+        try:
+            with torch.no_grad():
+                repeats = same_when_called_twice(lambda: call(model, run.x.clone(), what=what))
+        finally:
+            model.eval()
+        if repeats:
+            fail("dropout", f"{what}: your module gives the same output twice on the same input, so it drops the "
+                            f"same attention weights at every call (a torch.manual_seed inside forward resets the "
+                            f"notebook's random numbers too; a dropout mask kept from an earlier call does the "
+                            f"same). Dropout draws new weights to drop at every call: apply self.attn_dropout to "
+                            f"the weights each time, and leave the seed to the notebook.")
 
         # One-hot tokens and value = proj = identity: output feature j of query i is the weight w_ij, so the
         # training-mode output over the eval output reads each weight's dropout factor directly.

@@ -66,6 +66,19 @@ def check_gradients(run_candidate: Callable[[], Any], run_reference: Callable[[]
     leaves = [t for t in (*candidate_leaves.values(), *reference_leaves.values())]
     for leaf in leaves:
         leaf.grad = None
+    first: list[torch.Tensor] = []   # the student's answer, as it was before the backward pass
+
+    def kept() -> None:
+        how = first and _answers_as_before(run_candidate, run_reference, candidate_leaves, reference_leaves,
+                                           first, what)
+        if how:
+            did = ("returned exactly what it returned before, where the reference's answer changed" if how == "as "
+                   "before" else "no longer agrees with the reference's answer, though it did before")
+            fail("kept_state", f"{what}: after its inputs and weights changed in place (as an optimizer step changes "
+                               f"them), your code {did}. It keeps something from an earlier call (in an attribute, a "
+                               f"global or a cache keyed on the shape, the length or the tensor itself), so a new "
+                               f"batch, or the weights after an optimizer step, get an old answer. Compute the "
+                               f"output from the inputs and weights at every call.")
     try:
         with torch.enable_grad():
             expected_out = _outputs(run_reference())
@@ -85,21 +98,77 @@ def check_gradients(run_candidate: Callable[[], Any], run_reference: Callable[[]
             got_out = _outputs(got_value)
             if got_out is None or [o.shape for o in got_out] != [o.shape for o in expected_out]:
                 return   # the forward checks judge the output itself; nothing to compare here
-            if not any(out.requires_grad for out in got_out):
-                fail("gradient", f"{what} returns the right numbers, but no gradient can flow back through them: "
-                                 f"the output was {CAUSES}. Training would never change anything. Compute the "
-                                 f"output with ordinary torch operations on the inputs and parameters.")
+            first[:] = [out.detach().clone() for out in got_out]
             try:
-                _loss([o for o in got_out], weights).backward()
-            except Exception as exc:  # the student's graph: a broken backward is their mistake
-                if is_in_place_error(exc):
-                    fail("gradient", _inplace_message(what, exc))
-                fail("gradient", f"Backpropagating through {what} raised {type(exc).__name__}: {exc}")
-        got = {name: leaf.grad for name, leaf in candidate_leaves.items()}
-        _compare(got, expected, what, set(inputs))
+                if not any(out.requires_grad for out in got_out):
+                    fail("gradient", f"{what} returns the right numbers, but no gradient can flow back through "
+                                     f"them: the output was {CAUSES}. Training would never change anything. "
+                                     f"Compute the output with ordinary torch operations on the inputs and "
+                                     f"parameters.")
+                try:
+                    _loss([o for o in got_out], weights).backward()
+                except Exception as exc:  # the student's graph: a broken backward is their mistake
+                    if is_in_place_error(exc):
+                        fail("gradient", _inplace_message(what, exc))
+                    fail("gradient", f"Backpropagating through {what} raised {type(exc).__name__}: {exc}")
+                got = {name: leaf.grad for name, leaf in candidate_leaves.items()}
+                _compare(got, expected, what, set(inputs))
+            except Failure as failure:
+                if failure.diagnosis == "gradient":   # a graph from an earlier call has no path to these inputs
+                    kept()
+                raise
+        kept()
     finally:
         for leaf in leaves:
             leaf.grad = None
+
+
+def _answers_as_before(run_candidate: Callable[[], Any], run_reference: Callable[[], Any],
+                       candidate_leaves: Mapping[str, torch.Tensor], reference_leaves: Mapping[str, torch.Tensor],
+                       before: Sequence[torch.Tensor], what: str) -> str | None:
+    """How the student's run answers once every input and weight moved in place (the same random step on both
+    sides, the same tensors): "as before" (bit for bit, where the reference's answer moved) or "wrong" (it was
+    right before, so something from the earlier call is kept); None when it answers as the reference does. The
+    leaves are put back after; the backward pass that read them has run already."""
+    generator = torch.Generator().manual_seed(1)
+    steps = {}
+    for name, leaf in reference_leaves.items():
+        if (name in candidate_leaves and leaf.is_floating_point() and leaf.numel() and leaf.device.type == "cpu"
+                and bool(torch.isfinite(leaf).all())):   # a mask of -inf moved by a step is no mask
+            size = float(leaf.detach().abs().mean()) or 1.0
+            steps[name] = 0.5 * size * torch.randn(leaf.shape, generator=generator, dtype=leaf.dtype)
+    moved = [leaf for name in steps for leaf in (candidate_leaves[name], reference_leaves[name])]
+    saved = [leaf.detach().clone() for leaf in moved]
+    try:
+        with torch.no_grad():
+            for name, step in steps.items():
+                candidate_leaves[name].add_(step)
+                reference_leaves[name].add_(step)
+        with torch.enable_grad():   # the mode of the first run: a cache keyed on it answers alike
+            expected = _outputs(run_reference())
+            try:
+                again = _outputs(call(run_candidate, what=what))
+            except Failure:   # refused the moved inputs: the probes before judge the code, not this one
+                return None
+    finally:
+        with torch.no_grad():
+            for leaf, value in zip(moved, saved):
+                leaf.copy_(value)
+            for leaf in moved:
+                leaf.grad = None
+    if (not steps or again is None or expected is None or len(again) != len(before)
+            or [a.shape for a in again] != [b.shape for b in before]):
+        return None
+    if all(_close(e, b) for e, b in zip(expected, before)):
+        return None   # the reference's answer did not move: nothing to tell
+    if all(bool(torch.equal(a.detach(), b)) for a, b in zip(again, before)):
+        return "as before"
+    return None if all(_close(a, e) for a, e in zip(again, expected)) else "wrong"
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a.detach().double(), b.detach().double(), rtol=1e-3,
+                                                      atol=1e-4, equal_nan=True))
 
 
 def _describe(name: str, inputs: set[str]) -> str:

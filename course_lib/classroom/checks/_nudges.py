@@ -97,6 +97,8 @@ NUDGES = {
     "ablation_slice": "In the merged output of shape (N, L, heads * head_dim), which columns belong to head h?",
     "not_restored": "After the with-block ends (or raises), is the model exactly as before? Which hook or "
                     "weight did you change, and where is it undone?",
+    "kept_state": "Call your code twice with different inputs (or after changing a weight): does the second "
+                  "answer change? What does your code store on self, or in a global, that a later call reads?",
     "missing": "Is the exercise's cell in your notebook, under its own name?",
     "calls_reference": "Which steps does the course's version do that your code should do itself?",
     "patched": "Which line of your notebook assigns to something inside torch (torch.x = ..., setattr(torch, ...))? "

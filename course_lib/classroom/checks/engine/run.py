@@ -445,10 +445,21 @@ def _is_course_work(code: CodeType | None, watched: frozenset[CodeType]) -> bool
     return code is not None and (code in watched or _print(code) in {_print(c) for c in watched})
 
 
+def _work_names(reference: Any) -> frozenset[str]:
+    """The names of the reference's methods that are the exercise's work. Of a module, ``forward``: the exercise
+    cell gives the rest written out as the course writes it (the constructor, 9.6's ``new_cache``), so calling
+    them is using what the cell gave. Of another class, every method but the constructor (10.3 asks for
+    ``forward`` and ``backward``); of a function, itself."""
+    codes = _codes(reference)
+    if isinstance(reference, type) and issubclass(reference, torch.nn.Module):
+        return frozenset({"forward"} & set(codes))
+    return frozenset(set(codes) - {"__init__"})
+
+
 def _watched(reference: Any) -> frozenset[CodeType]:
-    """The code that is the reference's work; a class's constructor is left out: the exercise cell gives it, so
-    ``super().__init__()`` reuses no work."""
-    return frozenset(code for name, code in _codes(reference).items() if name != "__init__")
+    """The code that is the reference's work (``_work_names``)."""
+    work = _work_names(reference)
+    return frozenset(code for name, code in _codes(reference).items() if name in work)
 
 
 def is_reference(candidate: Any, reference: Any) -> str | None:
@@ -457,10 +468,9 @@ def is_reference(candidate: Any, reference: Any) -> str | None:
     if candidate is reference:
         return "is"
     if isinstance(reference, type) and isinstance(candidate, type) and issubclass(candidate, reference):
-        # A subclass that writes one of the reference's work methods (all but the special ones; all but the
-        # constructor where it has no other) is the student's code; its calls of the reference run under the guard.
-        codes = _codes(reference)
-        work = {n for n in codes if not (n.startswith("__") and n.endswith("__"))} or set(codes) - {"__init__"}
+        # A subclass that writes one of the reference's work methods is the student's code; its calls of the
+        # reference run under the guard.
+        work = _work_names(reference)
         above = candidate.__mro__[:candidate.__mro__.index(reference)]
         written = any(not _is_course_work(_any_code(vars(k)[n]), _watched(reference))
                       for k in above for n in work & set(vars(k)))

@@ -1,0 +1,117 @@
+"""Student attempts from a seventh scripted search (2026-11-29): right code in styles the checks had not met, and
+code that keeps state between calls (a random seed set in forward, a result or a hook kept for later).
+
+Before, each right one was refused and each wrong one passed or got another cause; now each is judged as the
+exercise's text says.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from bank.attempts import new_bank
+from bank.attention_bugs import GivenMaskedAttention, GivenMultiHeadAttention
+from bank.search_bugs import _GivenGQA
+from course_lib.attention import KVCache, causal_mask, merge_heads, split_heads
+from course_lib.modern import RMSNorm, apply_rotary, repeat_kv
+
+BUGGY, CORRECT, bug, correct = new_bank()
+
+
+# ============================================================================ the cell's own helpers
+class _GQAWithGivenCache(_GivenGQA):
+    """Notebook 09's cell as given: its new_cache is the course's, line for line."""
+
+    def new_cache(self):
+        return KVCache(self.max_tokens)
+
+    def attend(self, x, cache):
+        start = cache.length
+        q = apply_rotary(split_heads(self.query(x), self.num_heads), self.rope_cos, self.rope_sin, offset=start)
+        k = apply_rotary(split_heads(self.key(x), self.num_kv_heads), self.rope_cos, self.rope_sin, offset=start)
+        k, v = cache.append(k, split_heads(self.value(x), self.num_kv_heads))
+        k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
+        mask = causal_mask(start + x.shape[1])[start:].to(x.device)
+        return self.proj(merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))
+
+
+@correct("9.6")
+class GQAFreshCacheFromGivenHelper(_GQAWithGivenCache):
+    """Without a cache, one from the cell's own self.new_cache(): one code path for both (it was taken for the
+    course's GroupedQueryAttention doing the work)."""
+
+    def forward(self, x, cache=None):
+        return self.attend(x, self.new_cache() if cache is None else cache)
+
+
+# ============================================================================ dropout that repeats
+@bug("2.2", "dropout", "same output twice", "manual_seed")
+class MaskedSeedsInForward(GivenMaskedAttention):
+    """A seed set at the top of forward: every training call drops the same weights (and resets the notebook's
+    random numbers). It passed: every dropout probe seeds alike before each call."""
+
+    def forward(self, x):
+        torch.manual_seed(0)
+        length = x.shape[1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(self.embed_dim)).masked_fill(
+            ~self.mask[:length, :length], float("-inf"))
+        return self.proj_dropout(self.proj(self.attn_dropout(scores.softmax(-1)) @ v))
+
+
+@bug("3.3", "dropout", "same output twice")
+class MultiSeedsInForward(GivenMultiHeadAttention):
+    def forward(self, x):
+        torch.random.manual_seed(1234)
+        length = x.shape[1]
+        q, k, v = (split_heads(f(x), self.num_heads) for f in (self.query, self.key, self.value))
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)).masked_fill(
+            ~self.mask[:length, :length], float("-inf"))
+        return self.proj_dropout(self.proj(merge_heads(self.attn_dropout(scores.softmax(-1)) @ v)))
+
+
+# ============================================================================ results kept between calls
+_SCORES_BY_SHAPE: dict = {}
+
+
+@bug("1.3", "kept_state", "earlier call")
+def sdpa_kept_by_shape(q, k, v, mask=None):
+    """The answer kept per shape: a later call of the same shapes gets the first one's (it was blamed on
+    torch.no_grad())."""
+    key = (q.shape, k.shape, v.shape, mask is None, q.dtype, torch.is_grad_enabled())
+    if key not in _SCORES_BY_SHAPE:
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        _SCORES_BY_SHAPE[key] = torch.softmax(scores, -1) @ v
+    return _SCORES_BY_SHAPE[key]
+
+
+@bug("3.3", "kept_state", "optimizer step")
+class MultiProjectionsKeptForSameX(GivenMultiHeadAttention):
+    """q, k and v recomputed only when x is another tensor: a second step on the same batch reads the weights of
+    the first. It passed."""
+
+    def forward(self, x):
+        if getattr(self, "_last_x", None) is not x:
+            self._last_x = x
+            self._qkv = tuple(split_heads(f(x), self.num_heads) for f in (self.query, self.key, self.value))
+        q, k, v = self._qkv
+        length = x.shape[1]
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)).masked_fill(
+            ~self.mask[:length, :length], float("-inf"))
+        return self.proj_dropout(self.proj(merge_heads(self.attn_dropout(scores.softmax(-1)) @ v)))
+
+
+@bug("9.3", "kept_state")
+class RMSNormKeepsItsStatistic(RMSNorm):
+    """The root mean square of the first input of each shape kept: a new input of that shape is divided by the
+    old one. It passed."""
+
+    def forward(self, x):
+        kept = self.__dict__.setdefault("_rms", {})
+        if x.shape not in kept:
+            kept[x.shape] = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x / kept[x.shape] * self.weight
