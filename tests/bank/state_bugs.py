@@ -6,6 +6,7 @@ exercise's text says.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -72,6 +73,19 @@ class MultiSeedsInForward(GivenMultiHeadAttention):
         return self.proj_dropout(self.proj(merge_heads(self.attn_dropout(scores.softmax(-1)) @ v)))
 
 
+@bug("2.2", "kept_state", "buffer `mask`")
+class MaskedCutsItsBuffer(GivenMaskedAttention):
+    """The mask buffer replaced by its L x L corner in forward: a later, longer input finds it cut. It was blamed on
+    a mask not cut to the length, which the code does cut."""
+
+    def forward(self, x):
+        length = x.shape[1]
+        self.mask = self.mask[:length, :length]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(self.embed_dim)).masked_fill(~self.mask, float("-inf"))
+        return self.proj_dropout(self.proj(self.attn_dropout(scores.softmax(-1)) @ v))
+
+
 # ============================================================================ results kept between calls
 _SCORES_BY_SHAPE: dict = {}
 
@@ -115,3 +129,55 @@ class RMSNormKeepsItsStatistic(RMSNorm):
         if x.shape not in kept:
             kept[x.shape] = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x / kept[x.shape] * self.weight
+
+
+# ============================================================================ sampling: the random state
+def _draw_one(logits, generator):
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@bug("5.4", "generator", "global random state")
+def sample_new_generator_when_none(logits, temperature=1.0, top_k=None, generator=None):
+    """No generator given: a new torch.Generator() each call, so every call draws the same tokens and the
+    notebook's torch.manual_seed does nothing. It passed."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+    return _draw_one(logits, generator if generator is not None else torch.Generator())
+
+
+_OWN_STATE = torch.Generator().manual_seed(0)
+
+
+@bug("5.4", "generator", "of your own")
+def sample_own_state_when_none(logits, temperature=1.0, top_k=None, generator=None):
+    """No generator given: one kept beside the function, so the notebook's torch.manual_seed does nothing."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+    return _draw_one(logits, generator or _OWN_STATE)
+
+
+# ============================================================================ an ablation that leaves a trace
+@bug("11.3", "not_restored", "_ablation", "still there")
+@contextlib.contextmanager
+def ablate_keeps_handle_on_module(model, layer, head):
+    """The hook's handle kept on the attention module, and left there: "leave no trace". It passed: only public
+    attributes were compared."""
+    attn = model.blocks[layer].attn
+    size = attn.head_dim
+
+    def hook(module, inputs):
+        x = inputs[0].clone()
+        x[..., head * size:(head + 1) * size] = 0
+        return (x,)
+
+    attn._ablation = attn.proj.register_forward_pre_hook(hook)
+    try:
+        yield model
+    finally:
+        attn._ablation.remove()

@@ -229,14 +229,44 @@ def module_output(model: nn.Module, x: torch.Tensor, what: str, *, params: dict[
         if train_seed is not None:
             call(model.train, what=f"model.train() before {what}")
             torch.manual_seed(train_seed)
+        before = _own_state(model)
         with torch.no_grad():
             out = call_student(model, x.clone(), what=what)
+        _expect_state_kept(model, before, what)
     finally:
         if train_seed is not None:
             model.eval()
         if own is not None:
             load_parameters(model, own)
     return expect_tensor(out, tuple(x.shape), what, dtype=x.dtype, finite=False)
+
+
+def _own_state(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    """The module's parameters (their values) and buffers (their shapes) by name, as a forward must leave them."""
+    try:
+        return {**{name: ("weight", p.detach().clone()) for name, p in model.named_parameters()},
+                **{name: ("buffer", torch.empty(b.shape, device="meta")) for name, b in model.named_buffers()}}
+    except Exception:  # noqa: BLE001 - a module that cannot list them fails where it is called
+        return {}
+
+
+def _expect_state_kept(model: nn.Module, before: dict[str, tuple[str, torch.Tensor]], what: str) -> None:
+    """A forward computes from the module's weights and buffers and leaves them as they were: a mask buffer cut to
+    this call's length, or a weight changed in place, is what the next call finds (``kept_state``)."""
+    after = _own_state(model)
+    for name, (kind, old) in before.items():
+        new = after.get(name, (kind, None))[1]
+        if new is None:
+            continue   # gone: the parameter checks name it
+        if kind == "buffer" and new.shape != old.shape:
+            fail("kept_state", f"{what}: your forward replaced the buffer `{name}` of shape {tuple(old.shape)} by one "
+                               f"of shape {tuple(new.shape)}, so the next call finds it cut (a longer input no "
+                               f"longer fits). Cut it into a local variable, mask = self.{name}[:L, :L], and leave "
+                               f"the buffer as the constructor made it.")
+        if kind == "weight" and (new.shape != old.shape or not bool(torch.equal(new, old))):
+            fail("kept_state", f"{what}: your forward changed the weight `{name}` in place, so the next call (and the "
+                               f"optimizer) finds other numbers. A forward reads its weights: compute with them, "
+                               f"never write to them.")
 
 
 # ---------------------------------------------------------------- comparing with the reference

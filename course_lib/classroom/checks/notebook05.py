@@ -702,6 +702,28 @@ def _check_generator_is_used(fn: Callable[..., Any], logits: torch.Tensor, **opt
                          f"generator=generator)), so that results can be reproduced.")
 
 
+def _check_global_state_without_generator(fn: Callable[..., Any]) -> None:
+    """With ``generator=None`` the draws come from torch's global random state: the notebook's torch.manual_seed
+    decides them. A new torch.Generator() made in each call, or a seed set inside, draws the same tokens whatever
+    that state."""
+    what = "sample_next_token(logits) with no generator"
+    runs = []
+    for seed in (1, 2, 1):
+        torch.manual_seed(seed)
+        runs.append(_draw(fn, _BASE.repeat(20, 1), what))                                 # (40,)
+    advice = ("With generator=None, pass None on: torch.multinomial(probs, 1, generator=None) draws from torch's "
+              "global random state, which the notebook's torch.manual_seed sets.")
+    if torch.equal(runs[0], runs[1]):
+        fail("generator", f"{what}: the notebook's torch.manual_seed(1) and torch.manual_seed(2) gave the same 40 "
+                          f"tokens, so your draws ignore torch's global random state (a new torch.Generator() made "
+                          f"in each call, or a seed set inside your function: every call then draws alike). "
+                          f"{advice}")
+    if not torch.equal(runs[0], runs[2]):
+        fail("generator", f"{what}: torch.manual_seed(1) twice gave different tokens, so your draws come from a "
+                          f"random state of your own (a generator kept outside the function), not the global one "
+                          f"the notebook seeds. {advice}")
+
+
 def _check_top_k_per_row(fn: Callable[..., Any]) -> None:
     """top_k keeps the k largest logits OF EACH ROW: rows of very different scales show a threshold taken
     over the whole batch (each row alone is fine, together they are not)."""
@@ -831,6 +853,7 @@ def check_sampling(fn: Callable[..., Any]) -> str:
         fail("top_k", "With top_k=1 only the most likely token may be drawn; yours drew others.")
     for options in ({}, {"temperature": 0.5}, {"top_k": 3}):   # the generator reaches every path that draws
         _check_generator_is_used(fn, _BASE.repeat(20, 1), **options)
+    _check_global_state_without_generator(fn)
     _check_sampling_magnitude(fn)
     _check_sampling_float64(fn)
     return ("Greedy at temperature 0; otherwise draws follow softmax(logits / temperature), restricted to the top k "

@@ -189,12 +189,14 @@ class _Module:
     attributes: dict[str, tuple[bool, Any]]
     parameters: dict[str, _Tensor]
     buffers: dict[str, _Tensor]
+    names: frozenset[str]   # every attribute it had, private ones too: one added (a handle kept) is a trace
 
     @classmethod
     def of(cls, module: nn.Module) -> _Module:
         return cls(module, type(module), bool(module.training), _hook_dicts(module), _attributes(module),
                    {n: _Tensor.of(p) for n, p in vars(module).get("_parameters", {}).items() if p is not None},
-                   {n: _Tensor.of(b) for n, b in vars(module).get("_buffers", {}).items() if b is not None})
+                   {n: _Tensor.of(b) for n, b in vars(module).get("_buffers", {}).items() if b is not None},
+                   frozenset(vars(module)))
 
     def changes(self, name: str, now: nn.Module, planted: frozenset[int]) -> list[str]:
         where = name or "the model"
@@ -221,6 +223,9 @@ class _Module:
                 if _differs(value, now_value, plain):
                     found.append(f"{where}.{attribute} was changed" + (f" from {value!r} to {now_value!r}"
                                                                         if plain else ""))
+        for attribute in sorted(set(vars(now)) - self.names - set(attributes)):   # the private ones added
+            found.append(f"{where}.{attribute} was set on the module and is still there (a handle or a value kept "
+                         f"there: keep it in a local variable of your function instead)")
         for kind, held, current in (("parameter", self.parameters, vars(now).get("_parameters", {})),
                                     ("buffer", self.buffers, vars(now).get("_buffers", {}))):
             for tensor_name, tensor in held.items():
