@@ -47,6 +47,19 @@ class GQAFreshCacheFromGivenHelper(_GQAWithGivenCache):
         return self.attend(x, self.new_cache() if cache is None else cache)
 
 
+@bug("9.6", "kept_state", "self._own", "cache the caller passes")
+class GQAKeepsACacheOfItsOwn(_GQAWithGivenCache):
+    """Without a cache, one kept on the module from call to call: a later call attends to the earlier calls' tokens.
+    It was told to cut its causal mask."""
+
+    def forward(self, x, cache=None):
+        if cache is None:
+            if getattr(self, "_own", None) is None:
+                self._own = self.new_cache()
+            cache = self._own
+        return self.attend(x, cache)
+
+
 # ============================================================================ dropout that repeats
 @bug("2.2", "dropout", "same output twice", "manual_seed")
 class MaskedSeedsInForward(GivenMaskedAttention):

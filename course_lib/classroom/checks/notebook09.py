@@ -888,6 +888,11 @@ def _full_passes(built: Built, generator: torch.Generator, mha_right: bool) -> N
                              f"num_kv_heads heads (self.num_kv_heads) and repeat each for its group of query "
                              f"heads (repeat_kv) before the scores.")
             full = built.runs[0] if built.runs else None
+            kept = [name for name, value in vars(built.model).items() if isinstance(value, KVCache)]
+            if full is not None and failure.diagnosis in ("exception", "shape") and kept:
+                reraise_with(failure, "kept_state", f" Your module keeps a KV cache of its own, self.{kept[0]}, from "
+                             f"one call to the next, so the tokens of the earlier calls are still in it. Use the "
+                             f"cache the caller passes (cache=...), and attend to x alone when none is passed.")
             if full is not None and failure.diagnosis in ("exception", "shape") and close(full[1], full[2]):
                 reraise_with(failure, "causal_mask", f" Your module works for {MAX_TOKENS} tokens but not for "
                              f"{length}: cut the causal mask to the current length.")
