@@ -48,7 +48,7 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
             install_references()   # student code that patched course_lib must not change the verdict
         expect_unpatched()   # nor one that replaced torch's own functions (torch.equal = ...)
         expect_no_new_modes(depth)   # nor a torch mode left on the stack
-        result = plain_tensors(result)
+        result = plain_tensors(result, what)
     except Failure:
         raise
     except NotImplementedError as exc:
@@ -68,13 +68,22 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     return result
 
 
-def plain_tensors(value: Any) -> Any:
+def plain_tensors(value: Any, what: str = "your code") -> Any:
     """A tensor of a subclass of the student's as a plain tensor (the same numbers), in tuples and lists too: a
-    subclass's ``__torch_function__`` would answer the check's own comparisons (``torch.equal`` -> True)."""
-    if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, nn.Parameter):
-        return value.as_subclass(torch.Tensor)
-    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
-        return type(value)(plain_tensors(v) for v in value) if type(value) in (tuple, list) else value
+    subclass's ``__torch_function__`` would answer the check's own comparisons (``torch.equal`` -> True). Judged
+    by the real class (``type``): ``isinstance`` asks the object's ``__class__``, which any object can fake, and
+    an object that claims to be a tensor without being one is refused (``dtype``)."""
+    kind = type(value)
+    if issubclass(kind, torch.Tensor):
+        if kind in (torch.Tensor, nn.Parameter):
+            return value
+        with torch._C.DisableTorchFunctionSubclass():   # the subclass's own as_subclass is not asked
+            return torch.Tensor.as_subclass(value, torch.Tensor)
+    if kind in (tuple, list):
+        return kind(plain_tensors(v, what) for v in value)
+    if isinstance(value, torch.Tensor):
+        fail("dtype", f"{what} returned an object of class {kind.__name__} that claims to be a torch.Tensor (its "
+                      f"__class__ says so) without being one. Return a real tensor, built with torch operations.")
     return value
 
 

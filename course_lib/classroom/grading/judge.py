@@ -8,6 +8,8 @@ standing for the course's checkers, whose verdicts are kept. The verdict is the 
 """
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from typing import Any
 
 from ..checks._references import bind_references, install_references
@@ -56,6 +58,54 @@ class RecordingChecks:
         return object.__new__(type(cls.__name__, (cls,), {"__slots__": (), "__getattr__": lookup}))
 
 
+class _Items(tuple):
+    """A dict's items as they were, to compare key by key and value by value, by identity."""
+
+
+def _held(recorder: RecordingChecks) -> list[tuple[Callable[[], Any], Any]]:
+    """What the recorder holds, to compare once the check cell has run: its class and that class's lookup, and
+    every closure cell reachable from the lookup with its contents (the checkers, the verdict list). A
+    submission reaches all of it from ``checks`` by plain attribute access, so the grader looks afterwards.
+    Each entry: how to read it again, and what it read now."""
+    kind = type(recorder)
+    lookup = kind.__dict__.get("__getattr__")
+    held: list[tuple[Callable[[], Any], Any]] = [(lambda: type(recorder), kind),
+                                                 (lambda: kind.__dict__.get("__getattr__"), lookup)]
+    functions, seen = [lookup], set()
+    while functions:
+        function = functions.pop()
+        if id(function) in seen or not isinstance(function, types.FunctionType):
+            continue
+        seen.add(id(function))
+        for cell in function.__closure__ or ():
+            value = cell.cell_contents
+            held.append((lambda cell=cell: cell.cell_contents, value))
+            if isinstance(value, dict):
+                held.append((lambda value=value: _Items(value.items()), _Items(value.items())))
+            functions.append(value)
+    return held
+
+
+def _tampered(held: list[tuple[Callable[[], Any], Any]], verdicts: list[CheckResult]) -> bool:
+    """Whether anything the recorder held changed while the check cell ran (compared by identity), or the
+    verdicts are not the checkers' own kind."""
+    for read, value in held:
+        try:
+            now = read()
+        except Exception:  # noqa: BLE001 - a cell emptied, a dict that no longer reads: changed
+            return True
+        if isinstance(value, _Items):   # a dict's items, each key and value by identity
+            if len(now) != len(value) or any(a is not b or c is not d for (a, c), (b, d) in zip(now, value)):
+                return True
+        elif now is not value:
+            return True
+    return type(verdicts) is not list or any(type(result) is not CheckResult for result in verdicts)
+
+
+_TAMPERED = ("Your code changed the grader's record of the checks (the `checks` object, its functions or what they "
+             "hold) while the check ran, so no verdict of this exercise can be trusted.")
+
+
 def _verdict(exercise: str, passed: bool, diagnosis: str | None, message: str) -> dict[str, Any]:
     return {"exercise": exercise, "passed": bool(passed), "diagnosis": diagnosis,
             "message": str(message)[:MESSAGE_LIMIT]}
@@ -95,13 +145,17 @@ def _judge_capstone(plan: ExercisePlan) -> dict[str, Any]:
                         f"8.1 trains the GPT built from your parts of notebooks 02-05, and these are not usable "
                         f"yet: {', '.join(not_yours)}.")
     verdicts: list[CheckResult] = []
-    namespace = {"__name__": "course_check", "parts": parts, "capstone": capstone, "checks": RecordingChecks(verdicts)}
+    recorder = RecordingChecks(verdicts)
+    held = _held(recorder)
+    namespace = {"__name__": "course_check", "parts": parts, "capstone": capstone, "checks": recorder}
     error = None
     try:
         exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), namespace)
     except BaseException as exc:  # the student's parts train in here
         error = exc
     install_references()
+    if _tampered(held, verdicts):
+        return _verdict(plan.id, False, "patched", _TAMPERED)
     return _from_checks(plan, verdicts, error)
 
 
@@ -136,7 +190,8 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
             install_references()
             return _raised(plan.id, f"Defining {plan.name}", exc)
         install_references()   # first: the recorder takes the checkers as they are now, the course's again
-        namespace["checks"] = RecordingChecks(verdicts)
+        namespace["checks"] = recorder = RecordingChecks(verdicts)
+        held = _held(recorder)
         refused = _course_own(plan, namespace.get(plan.name))
         if refused is not None:
             return refused
@@ -146,6 +201,8 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         except BaseException as exc:  # 1.1's cell calls the student's my_prediction() itself
             error = exc
         install_references()
+        if _tampered(held, verdicts):
+            return _verdict(plan.id, False, "patched", _TAMPERED)
         return _from_checks(plan, verdicts, error)
     except BaseException as exc:  # never let anything escape: the worker needs one verdict
         install_references()

@@ -62,8 +62,10 @@ _INLINE_SPECIAL = re.compile(r"([\\`*_\[\]{}()#!|~])")
 _LINE_START = re.compile(r"^(\s*(?:\d+)?)([-+=>.)])")
 
 
-# An address a Markdown viewer would turn into a link by itself (GitHub, JupyterLab, VS Code): shown as code.
-_ADDRESS = re.compile(r"(?i)(?:\b[a-z][a-z0-9+.-]*://|\bwww\.)[^\s`]*")
+# An address a Markdown viewer would turn into a link by itself (GitHub, JupyterLab, VS Code): shown as code. A
+# scheme's or www.'s address, and an e-mail address (GFM's extended autolinks, with mailto: or xmpp: too).
+_ADDRESS = re.compile(r"(?i)(?:\b[a-z][a-z0-9+.-]*://|\bwww\.)[^\s`]*"
+                      r"|(?:\b(?:mailto|xmpp):)?[a-z0-9._+-]+@[a-z0-9-]+(?:\.[a-z0-9_-]+)+")
 
 
 def _escaped(line: str) -> str:

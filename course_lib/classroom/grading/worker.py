@@ -280,7 +280,10 @@ def _write_files(home: str, files: dict[str, str], notebooks: set[str]) -> dict[
 
 
 def _as_handed_in(home: str, notebooks: dict[str, bytes]) -> str:
-    """A fresh folder inside ``home`` holding the student's notebooks as read at the start."""
+    """A fresh folder inside ``home`` holding the student's notebooks as read at the start. ``home`` is the
+    student's working folder, whose mode their earlier code may have changed (``os.chmod(".", 0o555)``): it is
+    made writable for its owner again first; an OSError left is the student's (the caller's verdict)."""
+    os.chmod(home, 0o700)
     folder = tempfile.mkdtemp(prefix="as-handed-in-", dir=home)
     for name, data in notebooks.items():
         try:
@@ -342,7 +345,15 @@ def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *
                 limit = exercise_limits(job["timeout"], time.monotonic() - start, len(group) - index)
                 # 8.1 reads the student's notebooks from disk: a fresh folder of them as handed in, never
                 # the working folder, where the code of earlier exercises could have written other notebooks
-                where = _as_handed_in(home, found["handed_in"]) if plan.id == CAPSTONE else home
+                try:
+                    where = _as_handed_in(home, found["handed_in"]) if plan.id == CAPSTONE else home
+                except OSError as exc:   # their earlier code made the working folder unusable
+                    send({"type": "grade", "student": student, "exercise": plan.id, "seconds": 0.0,
+                          "verdict": {"exercise": plan.id, "passed": False, "diagnosis": "crashed",
+                                      "message": f"8.1 could not copy your notebooks into your working folder "
+                                                 f"({type(exc).__name__}: {exc}): code of an earlier exercise "
+                                                 f"changed that folder or filled it. Remove that code."}})
+                    continue
                 if inline:   # only the checker's own timer here; the grader's kill of the whole process behind it
                     from ..checks.engine.run import set_time_limit
                     set_time_limit(max(0.5, 0.9 * limit))
