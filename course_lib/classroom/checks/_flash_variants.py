@@ -269,7 +269,8 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
     switched on. A transposed product (P @ dO for P^T @ dO) only fits square blocks; elsewhere it raises.
     ``delta`` also "everything" (one D for all queries, heads and batches), "key_block" (rowsum(P * dP) over one
     key block) and "query_block" (one D per query block); ``dp="no_transpose"``: dO @ V (fits only dv == block_k);
-    ``always_causal``: the recomputed weights masked although the forward was not; ``values="keys"``: dP = dO K^T;
+    ``always_causal``: the recomputed weights masked although the forward was not; ``mask="strict"``: they hide the
+    diagonal too; ``values="keys"``: dP = dO K^T;
     ``recompute="unscaled"``: P = exp(q k^T - lse), the scale left out; ``twice``: dQ and dK scaled by 1/d;
     ``delta="outside"``: dS = P * dP - D in every block computed; ``score_scale``: another factor on the scores,
     forward and backward alike; ``grad_scale``: another factor on dQ and dK alone; ``recompute_scale``: another
@@ -286,6 +287,8 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
         p = torch.exp((masked if mask == "ok" else s) / scale * (recompute_scale or 1.0) - lse)
     else:
         p = torch.exp((masked if mask == "ok" else s) - lse)
+    if causal and mask == "strict":       # the recomputation hides each query's own key too
+        p = torch.exp(s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(0), float("-inf")) - lse)
     if causal and mask == "diagonal":     # unmasked inside the computed blocks; the future blocks are skipped
         rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
         last_query = torch.clamp((rows // block_q + 1) * block_q, max=q.shape[-2]) - 1
@@ -389,4 +392,7 @@ BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code,
                     "must use the masked scores, or the future keys get gradient.", {"mask": "diagonal"}),
     ("causal_mask", "the recomputed weights are not masked: P = exp(S - lse) must use the masked scores, or the "
                     "future keys get gradient.", {"mask": "none"}),
+    ("causal_mask", "the recomputed weights hide each query's own key too (a mask of key >= query, not key > "
+                    "query): query i sees keys 0..i, its own included, as in the forward, whose lse counts it.",
+     {"mask": "strict"}),
 ))

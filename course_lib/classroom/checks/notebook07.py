@@ -119,13 +119,18 @@ def _tiny_gpt2() -> nn.Module:
 
 
 def _attention(q, k, v, *, scale: float, mask: torch.Tensor | None = None, dim: int = -1,
-               additive: bool = False, after: bool = False, reshaped: bool = False) -> torch.Tensor:
+               additive: bool = False, after: bool = False, reshaped: bool = False,
+               masked_after: bool = False) -> torch.Tensor:
     """Attention in the layout transformers wants back, (N, L, heads, d), with a chosen mistake: ``after``
-    scales the weights instead of the scores, ``reshaped`` reshapes (N, heads, L, d) where it transposes."""
+    scales the weights instead of the scores, ``reshaped`` reshapes (N, heads, L, d) where it transposes,
+    ``masked_after`` zeroes the hidden weights after the softmax instead of hiding the scores before it."""
     scores = q @ k.transpose(-2, -1) * (1.0 if after else scale)          # (N, heads, Lq, Lk)
-    if mask is not None:
+    if mask is not None and not masked_after:
         scores = scores + mask.float() if additive else scores.masked_fill(~mask, float("-inf"))
-    out = scores.softmax(dim) * (scale if after else 1.0) @ v            # (N, heads, Lq, d)
+    weights = scores.softmax(dim)
+    if mask is not None and masked_after:
+        weights = weights.masked_fill(~mask, 0.0)                          # rows no longer sum to one
+    out = weights * (scale if after else 1.0) @ v                         # (N, heads, Lq, d)
     n, heads, length, d = out.shape
     return out.reshape(n, length, heads, d) if reshaped else out.transpose(1, 2)   # (N, Lq, heads, d)
 
@@ -189,6 +194,10 @@ _CAUSAL_MISTAKES = (
     Mistake("scale", "`scaling` multiplies the weights after the softmax; it belongs to the scores that go into "
                      "the softmax (afterwards it only shrinks the output, every row then sums to `scaling`).",
             output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s, mask=causal, after=True)),
+    Mistake("normalization", "the mask is applied after the softmax: the hidden weights are set to 0 afterwards, "
+                             "so each query's weights no longer sum to one. Hide the scores before the softmax "
+                             "(masked_fill with -inf), so that it normalises over the visible keys only.",
+            output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s, mask=causal, masked_after=True)),
     Mistake("causal_mask", "your causal mask lets one future key through (the diagonal above the main one): "
                            "query i sees keys 0..i, the lower triangle with its diagonal, tril(diagonal=0).",
             output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s,

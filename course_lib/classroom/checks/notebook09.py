@@ -936,16 +936,19 @@ def _diagnose_full(built_all: list[Built], generator: torch.Generator) -> None:
     if not close(after[:, :MAX_TOKENS // 2], before[:, :MAX_TOKENS // 2]):
         fail("causal_mask", f"{future_what}: the future leaks: changing the tokens after position "
                             f"{MAX_TOKENS // 2 - 1} changes the outputs before. Each query may see only keys at its "
-                            f"position or earlier.")
+                            f"position or earlier. Check the mask, and whatever else mixes positions: a softmax "
+                            f"over the queries instead of the keys (the last axis), or heads split or merged by a "
+                            f"reshape without the transpose.")
     found = fitted_scale(_SCALE, [((b, x), f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)}",
                                    out) for b, x, out in runs])
     if found is not None:
         fail("scale", found)
     b, x, out, expected = next((b, x, out, e) for b in built_all for x, out, e in b.runs if not close(out, e))
     fail("mismatch", f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)} differs from the "
-                     f"reference by up to {max_diff(out, expected):.3g}, and like none of the mistakes we know. The "
-                     f"steps: project, split into heads (num_heads for q, num_kv_heads for k and v), rotate q and k, "
-                     f"repeat k and v per group, causal attention scaled by 1/sqrt(head_dim), merge, self.proj.")
+                     f"reference by up to {max_diff(out, expected):.3g}, and no single mistake we know explains it "
+                     f"(there may be two at once). The steps: project, split into heads (num_heads for q, "
+                     f"num_kv_heads for k and v), rotate q and k, repeat k and v per group, causal attention scaled "
+                     f"by 1/sqrt(head_dim), merge, self.proj.")
 
 
 # ---------------------------------------------------------------- the KV cache

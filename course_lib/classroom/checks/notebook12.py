@@ -207,11 +207,12 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
          norm: bool = True, offset: bool = True, mask_offset: bool = True, use_cache: bool = True,
          rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1, queries: str = "half",
          keys: str = "half", values_first: bool = False, mask_ahead: bool = False,
-         merge: str = "ok") -> torch.Tensor:
+         merge: str = "ok", heads_view: str = "ok") -> torch.Tensor:
     """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
     how each rotary part turns (``rotary.rotate``'s kinds, "pairs" or "pairs_table"; "none": not at all),
     ``values_first`` kv_b_proj's output split as values then keys, ``mask_ahead`` one future key let through,
-    ``merge`` "no_transpose" (the heads merged without moving them back), ``scale`` "both" (right), "nope",
+    ``merge`` "no_transpose" (the heads merged without moving them back), ``heads_view`` "queries" or
+    "keys_values" (viewed straight as (N, H, L, ...), without the transpose), ``scale`` "both" (right), "nope",
     "none", "value", "after" (softmax_scale on the weights) or a float, the factor on the scores."""
     def turn(t: torch.Tensor, kind: str, at: int) -> torch.Tensor:
         if kind == "none":
@@ -224,7 +225,8 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         dn, dr, h = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads
         pos = start if offset else 0
         q = layer.q_proj(x) if layer.q_lora_rank is None else layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x)))
-        q = q.view(n, length, h, dn + dr).transpose(1, 2)                   # (N, H, L, dn + dr)
+        q = (q.view(n, h, length, dn + dr) if heads_view == "queries"
+             else q.view(n, length, h, dn + dr).transpose(1, 2))              # (N, H, L, dn + dr)
         latent, k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, dr], dim=-1)
         if norm:
             latent = layer.kv_a_layernorm(latent)
@@ -237,7 +239,9 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         total = latent.shape[1]
         if rope == "split" and rotate_cached:   # the whole cache turned again to the new chunk's positions
             k_rope = turn(k_rope, keys, pos)
-        kv = layer.kv_b_proj(latent).view(n, total, h, dn + layer.v_head_dim).transpose(1, 2)
+        kv = layer.kv_b_proj(latent)
+        kv = (kv.view(n, h, total, dn + layer.v_head_dim) if heads_view == "keys_values"
+              else kv.view(n, total, h, dn + layer.v_head_dim).transpose(1, 2))   # (N, H, T, dn + dv)
         if values_first:
             v, k_nope = kv.split([layer.v_head_dim, dn], dim=-1)
         else:
@@ -367,6 +371,13 @@ _MLA_MISTAKES = (
                           "become (N, L, H, v_head_dim) (transpose(1, 2)) before the reshape to (N, L, "
                           "H * v_head_dim), or the reshape mixes positions and heads.",
             spec=dict(merge="no_transpose")),
+    Mistake("split_transpose", "kv_b_proj's output is viewed straight as (N, H, T, ...), without the transpose: "
+                               "its memory holds each token's heads side by side, so view it as (N, T, H, dn + dv) "
+                               "first, then .transpose(1, 2), or the view mixes positions and heads.",
+            spec=dict(heads_view="keys_values")),
+    Mistake("split_transpose", "The queries are viewed straight as (N, H, L, ...), without the transpose: view them "
+                               "as (N, L, H, dn + dr) first, then .transpose(1, 2), or the view mixes positions and "
+                               "heads.", spec=dict(heads_view="queries")),
     Mistake("scale", "The scores are scaled by 1/sqrt(qk_nope_head_dim): the query and key have "
                      "qk_nope_head_dim + qk_rope_head_dim numbers, so scale by (dn + dr) ** -0.5 "
                      "(layer.softmax_scale).", spec=dict(scale="nope")),
@@ -397,7 +408,8 @@ LATENT_ATTENTION = FunctionExercise(
     _mla_cases, ("layer", "x", "split"),
     success="Right with and without a LatentCache, with and without a query latent (q_lora_rank): your MLA "
             "caches one latent and one rotary key per token and gives the layer's outputs.",
-    mismatch=lambda run: f"{run.case.what} differs from the layer's own forward, and not like a mistake we know. "
+    mismatch=lambda run: f"{run.case.what} differs from the layer's own forward, and no single mistake we "
+                         f"know explains it (there may be two at once). "
                          f"Go through the steps: queries split into nope and rope parts; latent and k_rope from "
                          f"kv_a_proj_with_mqa; the norm; RoPE on the rotary parts at start; the cache; keys and "
                          f"values from kv_b_proj; scores with layer.softmax_scale; the causal mask; o_proj.",
@@ -513,7 +525,8 @@ LINEAR_RECURRENT = FunctionExercise(
     _linear_cases, ("q", "k", "v"),
     success="Right on every shape tried: a state S of d x d_v and a normaliser z, updated once per token, give "
             "the parallel form's outputs.",
-    mismatch=lambda run: f"{run.case.what} differs from the parallel form, and not like a mistake we know. Per "
+    mismatch=lambda run: f"{run.case.what} differs from the parallel form, and no single mistake we know "
+                         f"explains it (there may be two at once). Per "
                          f"token i: S += outer(phi(k_i), v_i), z += phi(k_i), then o_i = phi(q_i) S / (phi(q_i) . z "
                          f"+ 1e-6).",
     mistakes=(

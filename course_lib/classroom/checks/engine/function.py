@@ -241,7 +241,26 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
             fail("scale", found)
     if exercise.diagnose is not None:
         exercise.diagnose(runs, fn)
+    _one_of_two(exercise, runs)
     fail("mismatch", exercise.mismatch(first))
+
+
+def _one_of_two(exercise: FunctionExercise, runs: list[Run]) -> None:
+    """Two mistakes at once: no known mistake explains every run, but one may explain a run on which the other
+    has no effect (a scale mistake on a case without a mask). Named with that run, and said to be one of two."""
+    for run in runs:
+        if exercise.same(run.out, run.expected):
+            continue
+        for mistake in exercise.mistakes:
+            try:
+                found = _reproduces(exercise, mistake, run)
+            except (RuntimeError, ValueError, IndexError):   # a mistake that does not apply to this case
+                continue
+            if found:
+                message = fill(mistake.message, {"got": quoted(run.out), "expected": quoted(run.expected),
+                                                 **exercise.values(run)}).rstrip()
+                fail(mistake.code, f"{run.case.what}: {message} On other inputs your output differs in another way "
+                                   f"too: there may be a second mistake.")
 
 
 def _reproduces(exercise: FunctionExercise, mistake: Mistake, run: Run) -> bool:
