@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .runtime import course_threads
+
 __all__ = ["DistributedContext", "setup_distributed", "teardown_distributed"]
 
 
@@ -27,9 +29,9 @@ class DistributedContext:
 
 def _threads_per_process(local_world_size: int) -> int:
     """Split the cores between the processes on this machine (COURSE_THREADS overrides)."""
-    wanted = os.environ.get("COURSE_THREADS")
-    if wanted:
-        return max(1, int(wanted))
+    wanted = course_threads()
+    if wanted is not None:
+        return wanted
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 

@@ -48,6 +48,19 @@ def set_seed(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def course_threads() -> int | None:
+    """``COURSE_THREADS`` as a number of CPU threads (0 or less: one), None when it is not set; a value that is
+    not a whole number is refused, naming the variable."""
+    threads = os.environ.get("COURSE_THREADS", "").strip()
+    if not threads:
+        return None
+    try:
+        return max(1, int(threads))
+    except ValueError:
+        raise ValueError(f"COURSE_THREADS: expected a whole number of CPU threads, got {threads!r}; set e.g. "
+                         f"COURSE_THREADS=2, or unset it to use every core") from None
+
+
 def setup_notebook(seed: int = 0) -> torch.device:
     """First cell of every notebook: seed, thread count, device; prints one summary line.
 
@@ -58,17 +71,12 @@ def setup_notebook(seed: int = 0) -> torch.device:
     what was chosen and how to change it mid-notebook (``set_threads``).
     """
     set_seed(seed)
-    threads = os.environ.get("COURSE_THREADS", "").strip()
-    if threads:
-        try:
-            count = int(threads)
-        except ValueError:
-            raise ValueError(f"COURSE_THREADS: expected a whole number of CPU threads, got {threads!r}; "
-                             f"set e.g. COURSE_THREADS=2, or unset it to use every core") from None
-        torch.set_num_threads(max(1, count))   # as distributed.py reads it: 0 or less means one thread
+    threads = course_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     chosen = device()
     choice = None
-    if not threads and chosen.type == "cpu" and torch.get_num_threads() > 1 and slowdown() > CROWDED_SLOWDOWN:
+    if threads is None and chosen.type == "cpu" and torch.get_num_threads() > 1 and slowdown() > CROWDED_SLOWDOWN:
         choice = choose_threads()
         _state.pop("slowdown", None)           # compare this machine as it now runs, with the chosen threads
     print(f"course_lib {__version__} | torch {torch.__version__.split('+')[0]} | device {chosen} | "

@@ -93,7 +93,7 @@ def _check_corpora(say, problems: list[str]) -> None:
 
 def run_doctor(stream=None) -> int:
     """Print what a workshop needs and whether it is here; 0 when ready, 1 otherwise."""
-    from ..runtime import device
+    from ..runtime import course_threads, device
 
     problems: list[str] = []
     stream = stream or sys.stdout
@@ -116,6 +116,10 @@ def run_doctor(stream=None) -> int:
         say(f"  device        ERROR: {exc}")
         problems.append(str(exc))
     say(f"  threads       {torch.get_num_threads()} torch threads on {os.cpu_count()} CPUs")
+    try:
+        course_threads()
+    except ValueError as exc:   # every notebook and `train` would stop on it
+        problems.append(str(exc))
     _check_kernel(say, problems)
     _check_corpora(say, problems)
     say()

@@ -37,7 +37,7 @@ from ..train import (
     flops_per_token,
     resolve_device,
 )
-from .run_folder import RunFolder, RunRefused, SaveFailed
+from .run_folder import METRICS, RunFolder, RunRefused, SaveFailed
 from .stopping import StopRequest
 
 __all__ = ["Preset", "PRESETS", "prepare_preset", "RunRequest", "run_request", "run_preset", "RunFinished"]
@@ -323,11 +323,16 @@ class _Plan:
         folder, last_saved = self.folder, self.saved_step
         try:
             yield
-        except OSError as exc:
-            why = exc.strerror or type(exc).__name__
-            kept = (f"the checkpoint of step {last_saved} in {folder.checkpoint} is intact: make room, then "
-                    f"resume with: python -m course_lib train --resume {folder.path}" if last_saved is not None
-                    else "no checkpoint was written yet: make room, then start again")
+        except (OSError, ValueError) as exc:   # ValueError: a file there that is no longer one this run may replace
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+            resume = f"resume with: python -m course_lib train --resume {folder.path}"
+            if what == "the checkpoint" and folder.checkpoint_step == step:   # the checkpoint went, metrics.json not
+                what, kept = (f"{METRICS}", f"the checkpoint of step {step} in {folder.checkpoint} was written and "
+                              f"is what a resume reads: make room, then {resume}")
+            else:
+                kept = (f"the checkpoint of step {last_saved} in {folder.checkpoint} is intact: make room, then "
+                        f"{resume}" if last_saved is not None else
+                        "no checkpoint was written yet: make room, then start again")
             raise SaveFailed(f"out: could not write {what} of step {step} to {folder.path} ({why}); {kept}") from None
 
 
@@ -392,6 +397,11 @@ def _plan(request: RunRequest, folder: RunFolder, device: torch.device, ctx: Dis
         if not saved:
             raise RunRefused(f"resume: {folder.checkpoint} holds weights but no training state (a final or "
                              f"hand-saved checkpoint); start a new run with --overwrite")
+        missing = [key for key in ("preset", "train_config", "run_id") if key not in saved]
+        if missing or not isinstance(saved.get("train_config"), dict):
+            raise RunRefused(f"resume: {folder.checkpoint} holds a training state that no run of `train` wrote (it "
+                             f"lacks {', '.join(repr(k) for k in missing) or 'a train_config dict'}); start a new run "
+                             f"with --overwrite")
         # a resumed run keeps its recipe, batch and seed: asking for others is refused, not ignored
         if name is not None and name != saved["preset"]:
             raise RunRefused(f"preset: the run in {folder.path} is preset {saved['preset']!r}, got {name!r}; "
@@ -415,8 +425,13 @@ def _plan(request: RunRequest, folder: RunFolder, device: torch.device, ctx: Dis
     budget = {k: v for k, v in dict(steps=request.steps, seconds=request.seconds).items() if v is not None}
     state = None
     if saved is not None:
-        config = replace(TrainConfig(**saved["train_config"]), **budget,
-                         **({} if request.compile is None else {"compile": request.compile}))
+        try:
+            config = replace(TrainConfig(**saved["train_config"]), **budget,
+                             **({} if request.compile is None else {"compile": request.compile}))
+        except TypeError as exc:   # fields another version of course_lib wrote
+            raise RunRefused(f"resume: the training settings saved in {folder.checkpoint} are not this course_lib's "
+                             f"({exc}); resume with the version that wrote them, or start again with --overwrite") \
+                from None
         if device.type != "cuda":   # a GPU run continued on a CPU: as prepare_preset does
             config = replace(config, amp=False, pin_memory=False, compile=bool(request.compile))
         trained_on = saved.get("corpus") or _preset(name).corpus

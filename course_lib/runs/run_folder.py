@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from .._atomic import check_replaceable
 from ..checkpoints import TMP_SUFFIX, remove_stale_temporaries, save_checkpoint, write_atomically
 
 try:
@@ -53,6 +54,7 @@ class RunFolder:
         self.run_id = uuid.uuid4().hex[:12]
         self._lock_fd: int | None = None
         self.previous_holder: str = ""   # what a dead run's lock file said, when one was taken over
+        self.checkpoint_step: int | None = None   # the step of the checkpoint this run last wrote
 
     @staticmethod
     def check_arguments(path: Any, *, resume: Any, overwrite: Any) -> None:
@@ -94,6 +96,12 @@ class RunFolder:
         self._lock()
         # Safe now: no other run writes here while we hold the lock.
         remove_stale_temporaries(self.path)
+        for target in (self.checkpoint, self.metrics):   # replaced at every save: found now, not after training
+            try:
+                check_replaceable(target)
+            except ValueError as exc:
+                raise RunRefused(f"out: {target.name} in {self.path} must be a file this run can replace at "
+                                 f"every save; {str(exc).removeprefix('path: ')}") from None
         if self.holds_a_run() and not self.resume:
             if not self.overwrite:
                 raise RunRefused(f"out: {self.path} already holds a run{self._describe()}; continue it with "
@@ -162,6 +170,7 @@ class RunFolder:
                                                                   "val_loss": metrics.get("val_loss"),
                                                                   "steps": training["step"], **stamp},
                         training=training)
+        self.checkpoint_step = training["step"]
         write_atomically(self.metrics, json.dumps(metrics, indent=2).encode("utf-8"))
 
 
