@@ -8,6 +8,7 @@ import sys
 
 def _train(args: argparse.Namespace) -> int:
     from .runs.presets import RunRequest, run_request
+    from .runs.run_folder import command
     from .runs.stopping import exit_status
     from .train import NonFiniteLoss, patience_stop_note
     out = args.resume or args.out
@@ -28,11 +29,11 @@ def _train(args: argparse.Namespace) -> int:
     if metrics["status"] == "stopped" and metrics.get("pending") == "final evaluation":
         print(f"stopped during the final evaluation ({metrics.get('signal', 'signal')}): all {metrics['steps']} "
               f"steps are trained and saved in {out}, but the final validation loss is not measured yet; "
-              f"finish it with: python -m course_lib train --resume {out}", file=sys.stderr)
+              f"finish it with: {command('--resume', out)}", file=sys.stderr)
         return exit_status(_signal_number(metrics.get("signal")))
     if metrics["status"] == "stopped":
         print(f"stopped at step {metrics['steps']} ({metrics.get('signal', 'signal')}); saved in {out}; "
-              f"resume with: python -m course_lib train --resume {out}", file=sys.stderr)
+              f"resume with: {command('--resume', out)}", file=sys.stderr)
         return exit_status(_signal_number(metrics.get("signal")))
     shown = {k: metrics[k] for k in ("preset", "val_loss", "steps", "train_seconds", "tokens_per_second",
                                      "parameters")}
@@ -51,11 +52,11 @@ def _interrupted_note(out: str) -> str:
     from pathlib import Path
 
     from .checkpoints import load_checkpoint
-    from .runs.run_folder import CHECKPOINT
+    from .runs.run_folder import CHECKPOINT, command
     checkpoint = Path(out) / CHECKPOINT
     if not checkpoint.is_file():
         return (f"interrupted: no checkpoint was saved in {out}, so there is nothing to resume; start "
-                f"again with: python -m course_lib train --out {out} ...")
+                f"again with: {command('--out', out)} ...")
     try:
         training = load_checkpoint(checkpoint).training
     except Exception as exc:  # whatever is wrong with it, say so rather than call it intact
@@ -63,7 +64,7 @@ def _interrupted_note(out: str) -> str:
     if not training:
         return f"interrupted; {checkpoint} holds weights but no training state, so it cannot be resumed"
     return (f"interrupted: anything trained after the last save is not kept; the checkpoint in {out} "
-            f"(step {training['step']}) is intact; resume with: python -m course_lib train --resume {out}")
+            f"(step {training['step']}) is intact; resume with: {command('--resume', out)}")
 
 
 def _signal_number(name: str | None) -> int:

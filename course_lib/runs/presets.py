@@ -37,7 +37,7 @@ from ..train import (
     flops_per_token,
     resolve_device,
 )
-from .run_folder import METRICS, RunFolder, RunRefused, SaveFailed
+from .run_folder import METRICS, RunFolder, RunRefused, SaveFailed, command
 from .stopping import StopRequest
 
 __all__ = ["Preset", "PRESETS", "prepare_preset", "RunRequest", "run_request", "run_preset", "RunFinished"]
@@ -173,7 +173,7 @@ class RunRequest:
             settle("preset", _registered_name(self.preset))
             if self.preset is None and not self.resume:
                 raise RunRefused("preset: expected a preset name (or --resume DIR), got none")
-            if self.corpus is not None and not isinstance(self.corpus, str):
+            if self.corpus is not None and (not isinstance(self.corpus, str) or not self.corpus.strip()):
                 raise RunRefused(f"corpus: expected a corpus name or a file path, got {self.corpus!r}")
             for field_name, check in (("seconds", _positive_seconds), ("steps", validate.positive_int),
                                       ("batch_size", validate.positive_int), ("seed", validate.non_negative_int),
@@ -325,7 +325,7 @@ class _Plan:
             yield
         except (OSError, ValueError) as exc:   # ValueError: a file there that is no longer one this run may replace
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
-            resume = f"resume with: python -m course_lib train --resume {folder.path}"
+            resume = f"resume with: {command('--resume', folder.path)}"
             if what == "the checkpoint" and folder.checkpoint_step == step:   # the checkpoint went, metrics.json not
                 what, kept = (f"{METRICS}", f"the checkpoint of step {step} in {folder.checkpoint} was written and "
                               f"is what a resume reads: make room, then {resume}")
@@ -534,6 +534,8 @@ def _run(request: RunRequest) -> dict[str, Any]:
             except NonFiniteLoss as exc:
                 saved = "no checkpoint was written yet" if not folder.checkpoint.exists() else \
                     f"the last good checkpoint is kept in {folder.checkpoint}"
+                if ctx.is_main:
+                    _mark_failed(folder, str(exc))
                 raise _with_checkpoint_note(exc, saved) from None
             metrics = plan.finish(history, stop) if ctx.is_main else {}
         finished = True
@@ -543,6 +545,18 @@ def _run(request: RunRequest) -> dict[str, Any]:
             folder.release()
         # After a failure the other ranks may never arrive: wait for them only on success.
         teardown_distributed(wait_for_all=finished)
+
+
+def _mark_failed(folder: RunFolder, why: str) -> None:
+    """metrics.json of the last save says "running"; a run that ended on a NaN says "failed", and why, so that a
+    script (a requeue, a dashboard) tells it from a live run. Best effort: the checkpoint is what counts."""
+    try:
+        metrics = json.loads(folder.metrics.read_text(encoding="utf-8"))
+        if isinstance(metrics, dict):
+            metrics.update(status="failed", failure=why.splitlines()[0])
+            write_atomically(folder.metrics, json.dumps(metrics, indent=2).encode("utf-8"))
+    except (OSError, ValueError):
+        pass
 
 
 def _with_checkpoint_note(exc: NonFiniteLoss, note: str) -> NonFiniteLoss:

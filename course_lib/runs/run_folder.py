@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shlex
 import tempfile
 import uuid
 from pathlib import Path
@@ -20,13 +21,19 @@ try:
 except ImportError:   # Windows: no advisory locks here; the folder is then not guarded
     fcntl = None
 
-__all__ = ["RunFolder", "RunRefused", "CHECKPOINT", "METRICS", "LOCK"]
+__all__ = ["RunFolder", "RunRefused", "CHECKPOINT", "METRICS", "LOCK", "command"]
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.json"
 # Held (flock) for the whole run; it names the holder. The OS drops the lock when the holder's
 # process ends, however it ends, so a file left by a dead run is simply taken over.
 LOCK = ".course_lib-run.lock"
+
+
+def command(option: str, folder: str | os.PathLike) -> str:
+    """The command a message tells the reader to run for ``folder``, quoted for the shell (a path with spaces
+    or other special characters pastes as one argument)."""
+    return f"python -m course_lib train {option} {shlex.quote(str(folder))}"
 
 
 class RunRefused(ValueError):
