@@ -131,8 +131,9 @@ _SCALES = {
     "none": "Your scores are not scaled: divide the dot products by the square root of {size} before the softmax, "
             "so the logits keep unit variance.",
     "d": "You divide the scores by {dim} itself; divide by its square root instead.",
-    "after": "You apply the 1/sqrt({d}) factor after the softmax. It belongs to the scores that go into the softmax; "
-             "applied afterwards it only shrinks the output (each row then sums to 1/sqrt({d}) instead of one).",
+    "after": "Your output is 1/sqrt({d}) times the right one: the factor is applied after the softmax (to the "
+             "weights, the values or the output), where it only shrinks the result. It belongs to the scores that "
+             "go into the softmax.",
     "times": "You multiply the scores by sqrt({d}); they should be divided by it.",
 }
 
@@ -155,8 +156,8 @@ SDPA_HYPOTHESES: tuple[Mistake, ...] = (
     *mistake_rows("softmax_dim", "softmax_dim", {
         -2: _SOFTMAX_KEYS,
         "implicit": _SOFTMAX_IMPLICIT,
-        1: "Your softmax runs over dim=1, which is not the key axis when q has more than 3 dimensions. Use the "
-           "last axis (dim=-1) so any batch shape works.",
+        1: "Your softmax runs over dim=1, which is the key axis only when q is 2-D (for 3-D inputs it is the "
+           "queries, for 4-D the heads). Use the last axis (dim=-1) so any batch shape works.",
         0: "Your softmax normalises across the batch (dim 0) instead of over the keys (dim=-1)."}),
     *mistake_rows("scale", "scale", _scales("the size of the vectors", "the dimension", "d")),
     *mistake_rows("causal_mask", "mask", {
@@ -278,17 +279,22 @@ def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch
                                     f"the softmax runs along the wrong axis. Each query needs its own "
                                     f"distribution over the keys.")
         row = weights.sum(-1).flatten()
-        fail("normalization", f"The attention weights of a query should sum to one, but yours sum to values "
-                              f"like {float(row[0]):.3g} and {float(row[-1]):.3g}. Check that you take a "
-                              f"softmax over the keys, and that nothing changes the weights after it.")
+        fail("normalization", f"Your output is not softmax weights times the values: read back with the values "
+                              f"set to the identity, its rows sum to values like {float(row[0]):.3g} and "
+                              f"{float(row[-1]):.3g} instead of one. Either the weights are not a softmax over "
+                              f"the keys, or something after the softmax changes the result (a factor, a residual "
+                              f"x + ..., an activation, a reshape, values from another tensor): the output is the "
+                              f"weights times v, and nothing else.")
     if weights.min() < -1e-6:
         fail("normalization", "Some of your attention weights are negative: they should come out of a "
                               "softmax, which gives positive weights that sum to one.")
     if allowed is not None:
         leak = weights.masked_fill(allowed, 0.0).abs().max()
         if leak > 1e-5:
-            fail("causal_mask", f"The {hidden} still get weight (up to {float(leak):.3g}). Set their scores to "
-                                f"-inf before the softmax so their weight is exactly zero.")
+            fail("causal_mask", f"The {hidden} still get weight (up to {float(leak):.3g}): when the softmax runs, "
+                                f"their scores are not -inf. Check which positions you fill (mask False means "
+                                f"hidden), and that nothing after the fill (a clamp, an addition) changes them; "
+                                f"their weight must be exactly zero.")
     full = torch.ones_like(weights, dtype=torch.bool) if allowed is None else allowed.expand_as(weights)
     factor = fit_scale(weights, scores, full)
     if factor is not None and abs(factor - expected_scale) > 1e-2 * expected_scale:

@@ -123,9 +123,10 @@ class ModuleCheck:
                 # eval mode is deterministic: the same input twice gives the same output
                 if index == 0 and not close(module_output(model, x, what), out, nan_ok=True):
                     fail("dropout", f"In eval mode your module gives different outputs for the same input: "
-                                    f"dropout is still active (dropout_rate={DROPOUT}). Use dropout that follows "
-                                    f"the module's mode (the nn.Dropout layers, or training=self.training), so "
-                                    f"model.eval() switches it off.")
+                                    f"something random is still active (dropout_rate={DROPOUT}: dropout that does "
+                                    f"not follow the module's mode, or other random numbers). Use the nn.Dropout "
+                                    f"layers (or training=self.training), so model.eval() switches it off, and "
+                                    f"nothing else random.")
                 with torch.no_grad():
                     expected = reference(x)
                 self.runs += [Run(heads, params, x, out, expected, what)]

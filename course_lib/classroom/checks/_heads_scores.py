@@ -91,9 +91,10 @@ PREVIOUS_MISTAKES = (
 )
 
 INDUCTION_MISTAKES = (
-    Mistake("score_offset", "you take the half as L // 2, half the sequence's length, instead of the argument "
-                            "`half`: a sequence need not hold exactly two copies (here L < 2 * half), so the "
-                            "earlier copy sits `half` tokens back whatever L is. Use `half` itself.",
+    Mistake("score_offset", "you read the earlier copy at a distance that depends on L (as with half = L // 2, "
+                            "half the sequence's length), not on the argument `half`: a sequence need not hold "
+                            "exactly two copies (here L < 2 * half), so the earlier copy sits `half` tokens back "
+                            "whatever L is. Use `half` itself.",
             {"half_of_length": True}),
     Mistake("score_offset", "you read the earlier copy of the current token itself (i - half). An "
                             "induction head looks at the token AFTER that copy, i - half + 1: the one "

@@ -136,11 +136,11 @@ def expect_cpu(value: torch.Tensor, what: str, device: torch.device | str | None
 
 def expect_finite(value: torch.Tensor, what: str) -> None:
     if value.is_floating_point() and not torch.isfinite(value).all():
-        fail("nan", f"{what} returned NaN or infinite values. A softmax over scores that are all -inf gives NaN: "
-                    f"a softmax along the wrong axis (over the queries or the heads, where a key hidden from "
-                    f"every query is a whole line of -inf) makes them, and so does a query that sees no key. "
-                    f"Check that your softmax runs over the keys (the last axis), that every query sees at least "
-                    f"one key, and that you do not divide by zero.")
+        fail("nan", f"{what} returned NaN or infinite values. Find the first step that makes them: a softmax over "
+                    f"scores that are all -inf (a softmax along the wrong axis, over the queries or the heads, "
+                    f"where a key hidden from every query is a whole line of -inf; or a query that sees no key), "
+                    f"a division by zero or by a NaN statistic (the std of one number), a log of zero, or exp of a "
+                    f"large number. The softmax runs over the keys, the last axis.")
 
 
 def _kind(value: Any) -> str:

@@ -87,8 +87,9 @@ def check_toy_prediction(weights: Any, result: Any) -> str:
 
     if not near(expected):
         if near(scores):
-            fail("normalization", "These are the raw scores (the dot products of the query with each key). "
-                                  "Turn them into weights with a softmax: positive numbers that sum to one.")
+            fail("normalization", "These are the raw scores (the dot products of the query with each key), or "
+                                  "all the weight on the best key. A softmax gives every key a share: "
+                                  "exp(score) divided by the sum of the three exps.")
         # 1/4, 1/2, 1/4, tried before the 1/sqrt(2)-scaled softmax, which rounds to the same numbers
         if near(2.0 ** scores / (2.0 ** scores).sum()):
             fail("scale", "Your weights are 2^score over their sum: a softmax raises e, not 2, to each score "
@@ -107,9 +108,10 @@ def check_toy_prediction(weights: Any, result: Any) -> str:
             fail("mismatch", "Equal weights ignore the query: the key that points the same way as the query "
                              "should get the largest weight.")
         if bool(torch.allclose(w, expected, atol=0.05 + 1e-9, rtol=0)):   # within one-decimal rounding
-            fail("precision", f"Your weights {[round(float(x), 3) for x in w]} are the softmax of the scores, "
-                              f"but only to one decimal. Give two decimals or more (e^1 = 2.718...; or compute "
-                              f"them with math.exp).")
+            fail("precision", f"Your weights {[round(float(x), 3) for x in w]} are close to the softmax of the "
+                              f"scores, but off by up to {float((w - expected).abs().max()):.2g}, more than "
+                              f"rounding to two decimals explains: compute them to two decimals or more, with "
+                              f"e = 2.718... (math.exp), from the plain dot products.")
         fail("mismatch", f"Your weights {[round(float(x), 3) for x in w]} are not the softmax of the scores. "
                          f"Compute the dot product of [0, 1] with each key, then the softmax of those three "
                          f"scores (keep them in the order of TOY_KEYS).")
@@ -205,8 +207,9 @@ TOY_ATTENTION = FunctionExercise(
         Mistake("normalization", "You exponentiate the scores but never divide by their sum, so the weights do "
                                  "not sum to one: that division is the other half of the softmax.",
                 output=lambda q, keys, v: (keys @ q).exp() @ v),
-        Mistake("softmax_dim", "Every key gets weight 1: your softmax runs over an axis of length one. Take it "
-                               "over the n scores, one per key.",
+        Mistake("softmax_dim", "Every key gets weight 1: your result is the plain sum of the values, as a softmax "
+                               "over an axis of length one gives. Weight each value by the softmax of the n scores, "
+                               "one per key.",
                 output=lambda q, keys, v: torch.ones_like(keys @ q) @ v),
         Mistake("mismatch", "Your weights favour the keys that point away from the query: a larger dot product "
                             "means a better match, and should get more weight.",

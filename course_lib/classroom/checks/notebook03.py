@@ -47,8 +47,9 @@ def _split_layout(case: Case, out: Any) -> None:
     if isinstance(out, torch.Tensor) and tuple(out.shape) == (n, length, heads, embed_dim // heads) \
             and length != heads:
         fail("shape", f"{case.what} returned shape {tuple(out.shape)}, expected "
-                      f"{(n, heads, length, embed_dim // heads)}: you split the features into heads but left the "
-                      f"head axis after the sequence axis. Move it in front.")
+                      f"{(n, heads, length, embed_dim // heads)}: the head axis sits after the sequence axis. Reshape "
+                      f"the last axis into (heads, head_dim), giving (N, L, heads, head_dim), then transpose(1, 2); "
+                      f"a reshape straight to (N, heads, L, head_dim) would cut the sequence instead.")
 
 
 def _split_cases() -> list[Case]:
@@ -89,7 +90,9 @@ def _merge_layout(case: Case, out: Any) -> None:
     if isinstance(out, torch.Tensor) and out.shape != (n, length, heads * head_dim):
         if tuple(out.shape) == (n, length, heads, head_dim):
             fail("shape", f"{case.what} returned shape {tuple(out.shape)}, expected {(n, length, heads * head_dim)}: "
-                          f"the axes are in the right order; now flatten heads and head_dim into one axis.")
+                          f"flatten heads and head_dim into one axis, after making sure this shape came from "
+                          f"transpose(1, 2) of the input (a reshape alone to (N, L, heads, head_dim) mixes "
+                          f"positions and heads).")
         if tuple(out.shape) == (n, heads * length, head_dim):
             fail("shape", f"{case.what} returned shape {tuple(out.shape)}, expected {(n, length, heads * head_dim)}: "
                           f"you stacked the heads along the sequence; they belong side by side along the "

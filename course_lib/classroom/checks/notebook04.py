@@ -137,8 +137,9 @@ def _table_angles(runs: list[Run], fn: Any) -> None:
         starts_at_zero = torch.allclose(even[0], torch.zeros_like(even[0]))
         if on_circle and starts_at_zero:
             fail("scale", f"{run.case.what}: every pair of dimensions holds the sine and cosine of one angle, but "
-                          f"the angles are wrong: dimension pair i should turn at the rate 1 / 10000^(2i/embed_dim) "
-                          f"per position. Check the base, the exponent and that you divide the position by it.")
+                          f"the angles are wrong: the angle of pair i at position pos is pos / 10000^(2i/embed_dim), "
+                          f"with pos = 0, 1, 2, ... one step apart. Check the positions, the base, the exponent and "
+                          f"that you divide the position by it.")
 
 
 def _table_mismatch(run: Run) -> str:
@@ -537,8 +538,9 @@ def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor,
         same = torch.full((1, length), 3, dtype=torch.long)
         flat = call(candidate, same, what=what)
         if isinstance(flat, torch.Tensor) and flat.dim() == 3 and close(flat[0, :1].expand_as(flat[0]), flat[0]):
-            fail("positions", f"{what}: the same token at different positions gets the same logits, so the "
-                             f"positions are missing. Add the position encodings to the token embeddings.")
+            fail("positions", f"{what}: the same token at different positions gets the same logits: every "
+                             f"position gets the same encoding, or none. Add self.position_encoding(L), one row "
+                             f"per position 0 .. L-1, to the token embeddings.")
     ln_f = candidate.ln_f.weight
     if close(_with_weight(ln_f, ln_f * 2.0 + 0.5, lambda: call(candidate, idx, what=what)), got):
         fail("final_norm", f"{what}: the output does not depend on the final LayerNorm self.ln_f; apply it "
