@@ -87,3 +87,27 @@ def test_course_threads_that_is_no_number_is_named(monkeypatch):
     assert course_threads() == 1
     monkeypatch.delenv("COURSE_THREADS")
     assert course_threads() is None
+
+
+def test_a_full_disk_while_writing_the_learner_copies_is_one_line_naming_the_folder(tmp_path, monkeypatch, capsys):
+    from course_lib.classroom import assignments
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "01_attention_toy.ipynb").write_text("{}")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "out" / "01_attention_toy.ipynb"))
+    monkeypatch.setattr(assignments, "update_learner_copies", full)
+    assert assignments._write_and_report(src, tmp_path / "out") is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: out_dir: could not read or write ") and "make room" in err[0]
+
+
+def test_a_lock_file_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    from course_lib.runs.run_folder import RunFolder
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(run_folder.os, "pwrite", full)
+    with pytest.raises(RunRefused, match=r"^out: cannot write the lock file .*No space left on device.*make room"):
+        RunFolder(tmp_path / "run").prepare()

@@ -318,7 +318,11 @@ def _write_and_report(src_dir: Path, out_dir: Path) -> list[CopyOutcome] | None:
                                     f"got '{src_dir}', which has none")
         outcomes = update_learner_copies(src_dir, out_dir)
     except (ValueError, TypeError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        if isinstance(err, OSError) and err.errno is not None:   # the file system's answer, not one of our checks
+            print(f"error: out_dir: could not read or write {err.filename or out_dir} ({err.strerror or err}); "
+                  f"make room, or choose a folder you can write", file=sys.stderr)
+        else:
+            print(f"error: {err}", file=sys.stderr)
         return None
     except RuntimeError as err:   # pathlib's "Symlink loop from ..." (a RuntimeError before Python 3.13)
         if "Symlink loop" not in str(err):

@@ -133,8 +133,13 @@ class RunFolder:
                              f"stop it ({f'kill {pid}' if pid else 'kill it'}), or choose another --out") from None
         self.previous_holder = _read_holder(fd)[1] if os.fstat(fd).st_size else ""
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "started": started}).encode("utf-8") + b"\n", 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "started": started}).encode("utf-8") + b"\n", 0)
+        except OSError as exc:   # a disk that is full
+            os.close(fd)
+            raise RunRefused(f"out: cannot write the lock file {path} ({exc.strerror or exc}); make room, or "
+                             f"choose another --out") from None
         self._lock_fd = fd
 
     def release(self) -> None:
