@@ -711,17 +711,16 @@ def _check_global_state_without_generator(fn: Callable[..., Any]) -> None:
     for seed in (1, 2, 1):
         torch.manual_seed(seed)
         runs.append(_draw(fn, _BASE.repeat(20, 1), what))                                 # (40,)
-    advice = ("With generator=None, pass None on: torch.multinomial(probs, 1, generator=None) draws from torch's "
-              "global random state, which the notebook's torch.manual_seed sets.")
-    if torch.equal(runs[0], runs[1]):
-        fail("generator", f"{what}: the notebook's torch.manual_seed(1) and torch.manual_seed(2) gave the same 40 "
-                          f"tokens, so your draws ignore torch's global random state (a new torch.Generator() made "
-                          f"in each call, or a seed set inside your function: every call then draws alike). "
-                          f"{advice}")
-    if not torch.equal(runs[0], runs[2]):
-        fail("generator", f"{what}: torch.manual_seed(1) twice gave different tokens, so your draws come from a "
-                          f"random state of your own (a generator kept outside the function), not the global one "
-                          f"the notebook seeds. {advice}")
+    ignored = torch.equal(runs[0], runs[1])   # seeds 1 and 2 alike: a generator made (or seeded) in each call
+    if ignored or not torch.equal(runs[0], runs[2]):   # seed 1 twice unlike: a random state of its own
+        why = ("the notebook's torch.manual_seed(1) and torch.manual_seed(2) gave the same 40 tokens, so your draws "
+               "ignore torch's global random state (a new torch.Generator() made in each call, or a seed set inside "
+               "your function: every call then draws alike)" if ignored else
+               "torch.manual_seed(1) twice gave different tokens, so your draws come from a random state of your own "
+               "(a generator kept outside the function), not the global one the notebook seeds")
+        fail("generator", f"{what}: {why}. With generator=None, pass None on: torch.multinomial(probs, 1, "
+                          f"generator=None) draws from torch's global random state, which the notebook's "
+                          f"torch.manual_seed sets.")
 
 
 def _check_top_k_per_row(fn: Callable[..., Any]) -> None:
