@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import shlex
+import subprocess
 import tempfile
 import uuid
 from pathlib import Path
@@ -31,9 +32,10 @@ LOCK = ".course_lib-run.lock"
 
 
 def command(option: str, folder: str | os.PathLike) -> str:
-    """The command a message tells the reader to run for ``folder``, quoted for the shell (a path with spaces
-    or other special characters pastes as one argument)."""
-    return f"python -m course_lib train {option} {shlex.quote(str(folder))}"
+    """The command a message tells the reader to run for ``folder``, quoted for this system's shell (a path with
+    spaces or other special characters pastes as one argument; Windows' cmd does not read POSIX quotes)."""
+    quote = subprocess.list2cmdline([str(folder)]) if os.name == "nt" else shlex.quote(str(folder))
+    return f"python -m course_lib train {option} {quote}"
 
 
 class RunRefused(ValueError):

@@ -145,7 +145,13 @@ class RMSNormKeepsItsStatistic(RMSNorm):
 
 
 # ============================================================================ sampling: the random state
-def _draw_one(logits, generator):
+def _sample(logits, temperature, top_k, generator):
+    """Steps 1 to 4 of 5.4, right: the attempts below differ only in the generator they pass."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
@@ -153,12 +159,7 @@ def _draw_one(logits, generator):
 def sample_new_generator_when_none(logits, temperature=1.0, top_k=None, generator=None):
     """No generator given: a new torch.Generator() each call, so every call draws the same tokens and the
     notebook's torch.manual_seed does nothing. It passed."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None:
-        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
-    return _draw_one(logits, generator if generator is not None else torch.Generator())
+    return _sample(logits, temperature, top_k, generator if generator is not None else torch.Generator())
 
 
 _OWN_STATE = torch.Generator().manual_seed(0)
@@ -167,12 +168,7 @@ _OWN_STATE = torch.Generator().manual_seed(0)
 @bug("5.4", "generator", "of your own")
 def sample_own_state_when_none(logits, temperature=1.0, top_k=None, generator=None):
     """No generator given: one kept beside the function, so the notebook's torch.manual_seed does nothing."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None:
-        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
-    return _draw_one(logits, generator or _OWN_STATE)
+    return _sample(logits, temperature, top_k, generator or _OWN_STATE)
 
 
 # ============================================================================ an ablation that leaves a trace

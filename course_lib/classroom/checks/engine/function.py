@@ -247,29 +247,34 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
 
 def _one_of_two(exercise: FunctionExercise, runs: list[Run]) -> None:
     """Two mistakes at once: no known mistake explains every run, but one may explain a run on which the other
-    has no effect (a scale mistake on a case without a mask). Named with that run, and said to be one of two."""
-    for run in runs:
-        if exercise.same(run.out, run.expected):
-            continue
+    has no effect (a scale mistake on a case without a mask). Named with that run; said to be one of two only
+    where another run differs in a way it does not explain."""
+    differing = [run for run in runs if not exercise.same(run.out, run.expected)]
+    for run in differing:
         for mistake in exercise.mistakes:
-            try:
-                found = _reproduces(exercise, mistake, run)
-            except (RuntimeError, ValueError, IndexError):   # a mistake that does not apply to this case
+            if _explains(exercise, mistake, run) is not True:
                 continue
-            if found:
-                message = fill(mistake.message, {"got": quoted(run.out), "expected": quoted(run.expected),
-                                                 **exercise.values(run)}).rstrip()
-                fail(mistake.code, f"{run.case.what}: {message} On other inputs your output differs in another way "
-                                   f"too: there may be a second mistake.")
+            message = fill(mistake.message, {"got": quoted(run.out), "expected": quoted(run.expected),
+                                             **exercise.values(run)}).rstrip()
+            second = any(_explains(exercise, mistake, other) is False for other in differing if other is not run)
+            fail(mistake.code, f"{run.case.what}: {message}" + (" On other inputs your output differs in another "
+                                                                "way too: there may be a second mistake."
+                                                                if second else ""))
+
+
+def _explains(exercise: FunctionExercise, mistake: Mistake, run: Run) -> bool | None:
+    """Whether ``mistake`` gives the student's output on the run; None where it does not apply to that case."""
+    try:
+        wrong = exercise.mistaken(mistake, run.case)
+    except (RuntimeError, ValueError, IndexError):   # a mistake that does not apply to these shapes
+        return None
+    if wrong is None:
+        return None
+    return exercise.same(run.out, wrong) if exercise.exact else matches(run.out, wrong)
 
 
 def _reproduces(exercise: FunctionExercise, mistake: Mistake, run: Run) -> bool:
-    wrong = exercise.mistaken(mistake, run.case)
-    if wrong is None:
-        return False
-    if exercise.exact:
-        return exercise.same(run.out, wrong)
-    return matches(run.out, wrong)
+    return _explains(exercise, mistake, run) is True
 
 
 def first_mistake(mistakes: Iterable[Mistake], reproduces: Callable[[Mistake], bool], prefix: str = "",
