@@ -123,6 +123,11 @@ def test_an_interrupted_final_evaluation_is_finished_by_resume(tmp_path, corpus,
     assert metrics["steps"] == 3 and metrics["val_tokens"] is None
     monkeypatch.undo()
 
+    # --steps is the new total: one below the steps already trained is refused, and nothing is evaluated
+    assert main(["train", "--resume", str(run), "--steps", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "has trained 3 steps already, got --steps 2" in err and "Traceback" not in err
+    assert json.loads((run / "metrics.json").read_text()) == metrics
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "final evaluation did not finish; doing it now" in out

@@ -453,6 +453,11 @@ def _plan(request: RunRequest, folder: RunFolder, device: torch.device, ctx: Dis
             if _final_evaluation_done(folder, state.step):
                 raise RunFinished(f"the run in {folder.path} already finished at step {state.step} (steps="
                                   f"{config.steps}); give a larger --steps to train it further")
+            if config.steps < state.step:
+                # --steps is the run's new total: below the steps already trained it cannot be met
+                raise RunRefused(f"steps: the run in {folder.path} has trained {state.step} steps already, got "
+                                 f"--steps {config.steps} (the new total); give {state.step} to end it there, or "
+                                 f"more to train it further")
             print(f"the run in {folder.path} trained all {state.step} steps, but its final evaluation did not "
                   f"finish; doing it now")
     else:
