@@ -14,6 +14,7 @@ import warnings
 import pytest
 from bank import (
     attention_bugs,
+    contract_bugs,
     flash_bugs,
     heads_bugs,
     learning_bugs,
@@ -32,7 +33,7 @@ from course_lib.classroom.checks.engine import PROBES, FunctionExercise, run
 from course_lib.classroom.exercises import BY_ID, EXERCISES
 
 BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs, probe_bugs, search_bugs,
-         scale_bugs, learning_bugs, state_bugs, pairs_bugs)
+         scale_bugs, learning_bugs, state_bugs, pairs_bugs, contract_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
 

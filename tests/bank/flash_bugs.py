@@ -183,7 +183,7 @@ def softmax_returns_statistics(x, block_size):
 # ============================================================================ 10.2 flash_attention
 
 def _tiled(q, k, v, block_q, block_k, causal, *, skip="ok", mask_diagonal=True, rescale_acc=True, scale_power=1,
-           pad_last=False, lse_kind="ok", every=False):
+           pad_last=False, lse_kind="ok", every=False, keys_to_lq=False):
     """The loop most forward attempts share, with one slip switched on."""
     scale = q.shape[-1] ** (-0.5 * scale_power)
     lq, lk = q.shape[-2], k.shape[-2]
@@ -194,7 +194,7 @@ def _tiled(q, k, v, block_q, block_k, causal, *, skip="ok", mask_diagonal=True, 
         m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
         l = torch.zeros_like(m)
         acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
-        for j, ks in enumerate(range(0, lk, block_k)):
+        for j, ks in enumerate(range(0, lq if keys_to_lq else lk, block_k)):   # the slip: the queries' count
             ke = min(ks + block_k, lk)
             if causal and not {"ok": ks < qe, "index": j <= i, "strict": ks < qs, "none": True}[skip]:
                 continue

@@ -37,13 +37,16 @@ class _GQAScaled(_GivenGQA):
     def mask(self, start, total):
         return causal_mask(total)[start:]
 
+    def cached(self, cache, k, v):
+        return cache.append(k, v)
+
     def forward(self, x, cache=None):
         start = 0 if cache is None else cache.length
         q = apply_rotary(split_heads(self.query(x), self.num_heads), self.rope_cos, self.rope_sin, offset=start)
         k = apply_rotary(split_heads(self.key(x), self.num_kv_heads), self.rope_cos, self.rope_sin, offset=start)
         v = split_heads(self.value(x), self.num_kv_heads)
         if cache is not None:
-            k, v = cache.append(k, v)
+            k, v = self.cached(cache, k, v)
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
         s = (q @ k.transpose(-2, -1)) * self.factor()                          # (N, heads, L, T)
         s = s.masked_fill(~self.mask(start, k.shape[2]).to(x.device), float("-inf"))

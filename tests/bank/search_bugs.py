@@ -659,7 +659,8 @@ def _mla(layer, x, cache=None, slip=""):
     if slip != "queries_unturned":
         q_rope = apply_rotary(q_rope, layer.rope_cos, layer.rope_sin, offset=start)
     latent, k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, dr], -1)
-    latent = layer.kv_a_layernorm(latent)
+    if slip != "norm_after_cache":
+        latent = layer.kv_a_layernorm(latent)
     if slip == "keys_interleaved":   # pairs (0, 1), (2, 3), ... turned with the half-split tables
         c, s = layer.rope_cos[start:start + length], layer.rope_sin[start:start + length]
         k_rope = k_rope * c + torch.stack([-k_rope[..., 1::2], k_rope[..., ::2]], -1).flatten(-2) * s
@@ -667,6 +668,8 @@ def _mla(layer, x, cache=None, slip=""):
         k_rope = apply_rotary(k_rope, layer.rope_cos, layer.rope_sin, offset=start)
     if cache is not None:
         latent, k_rope = cache.append(latent, k_rope)
+    if slip == "norm_after_cache":   # the same outputs: the norm is per token
+        latent = layer.kv_a_layernorm(latent)
     total = latent.shape[1]
     kv = layer.kv_b_proj(latent).view(n, total, h, dn + dv).transpose(1, 2)
     if slip == "values_first":

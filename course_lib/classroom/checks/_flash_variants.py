@@ -226,9 +226,10 @@ FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code
     ("block_bounds", "a last key block shorter than block_k is padded with zeros that are not masked: a zero "
                      "key scores 0 and takes weight. Slice the last block short (k[..., k_start:k_end]), or set "
                      "the padded scores to -inf.", {"last_block": "padded"}),
-    ("block_bounds", "a last key block shorter than block_k is never read: when L is not a multiple of block_k, "
-                     "the loop must still visit range(0, L, block_k) up to the end, with k_end = min(k_start + "
-                     "block_k, L).", {"last_block": "dropped"}),
+    ("block_bounds", "the last keys are never read: the key loop must visit range(0, Lk, block_k) to the end, "
+                     "with Lk = k.shape[-2], the number of keys (not of queries), and k_end = min(k_start + "
+                     "block_k, Lk), so that a last block shorter than block_k is read too.",
+     {"last_block": "dropped"}),
     ("block_bounds", "your key blocks overlap: k[..., ks:ks + block_k + 1] reads the first key of the next "
                      "block too, so it is counted twice. The end of a slice is excluded already: k[..., ks:ke] with "
                      "ke = min(ks + block_k, Lk).", {"k_bounds": "overlap"}),

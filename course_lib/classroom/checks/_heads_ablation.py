@@ -245,8 +245,8 @@ def _diagnose(model: nn.Module, layer: int, head: int, idx: torch.Tensor, out: A
         first_mistake(ABLATION_MISTAKES, lambda mistake: close(out, _mistaken(model, layer, head, idx, mistake.spec)),
                       f"{shown}: ")     # a mistake that raises does not apply here (no layer before layer 0)
     fail("mismatch", f"{shown}: inside the `with`, the model's output is not that of the model with head {head} of "
-                     f"layer {layer} switched off, and no single mistake we know explains it (there may be two at "
-                     f"once). The head's output is its head_dim columns of the input of "
+                     f"layer {layer} switched off, and none of the mistakes we test for explains it on its own (it "
+                     f"may be another, or two at once). The head's output is its head_dim columns of the input of "
                      f"model.blocks[{layer}].attn.proj.")
 
 

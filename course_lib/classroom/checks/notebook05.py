@@ -30,15 +30,20 @@ __all__ = ["check_lm_windows", "check_lm_loss", "check_train_step", "check_sampl
 
 # ---------------------------------------------------------------- 5.1 lm_windows
 
-_OFFSET = 100   # token values 100, 101, ...: every value names its position
+_OFFSET = 100   # token values 100, 101, ...: no value is a position, and each names one place in ids
+_SHUFFLED = 12   # a case of this many ids in shuffled order: the next token is not the value plus one
 
 
 def _windows_what(n: int, max_tokens: int, stride: int | None) -> str:
     return f"lm_windows(ids of length {n}, max_tokens={max_tokens}{'' if stride is None else f', stride={stride}'})"
 
 
-def _windows_cases(sizes: tuple[tuple[int, int, int | None], ...]) -> list[Case]:
-    return [Case((torch.arange(_OFFSET, _OFFSET + n), t, s), _windows_what(n, t, s)) for n, t, s in sizes]
+def _windows_cases(sizes: tuple[tuple[int, int, int | None], ...], shuffled: bool = False) -> list[Case]:
+    cases = [Case((torch.arange(_OFFSET, _OFFSET + n), t, s), _windows_what(n, t, s)) for n, t, s in sizes]
+    if shuffled:
+        ids = _OFFSET + torch.randperm(_SHUFFLED, generator=torch.Generator().manual_seed(0))
+        cases.append(Case((ids, 3, None), _windows_what(_SHUFFLED, 3, None) + f" with ids {ids.tolist()}"))
+    return cases
 
 
 def _windows_pair(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
@@ -78,17 +83,23 @@ def _windows_pair(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     return windows
 
 
-def _starts(out: torch.Tensor) -> tuple[list[int], set[int]]:
+def _places(ids: torch.Tensor, values: torch.Tensor) -> list[int | None]:
+    """Where each value stands in ids (the cases' ids are distinct), None for a value ids does not hold."""
+    where = {int(v): place for place, v in enumerate(ids.tolist())}
+    return [where.get(int(v)) for v in values]
+
+
+def _starts(out: torch.Tensor, ids: torch.Tensor) -> tuple[list[int | None], set[int]]:
     """Where each of the student's windows starts in ids, and the steps between them."""
-    starts = [int(v) - _OFFSET for v in out[0, :, 0]] if out.numel() else []
-    return starts, {b - a for a, b in zip(starts, starts[1:])}
+    starts = _places(ids, out[0, :, 0]) if out.numel() else []
+    return starts, {b - a for a, b in zip(starts, starts[1:]) if a is not None and b is not None}
 
 
 def _windows_count(case: Case, out: Any) -> None:
     """Too many or too few windows: overlapping, spaced too far, the last missing, or one too many."""
     ids, max_tokens, stride = case.args
     stride = stride or max_tokens
-    count, (starts, steps) = len(range(0, len(ids) - max_tokens, stride)), _starts(out)
+    count, (starts, steps) = len(range(0, len(ids) - max_tokens, stride)), _starts(out, ids)
     if steps and 0 < min(steps) and max(steps) < stride:
         every = "at every token" if steps == {1} else f"every {sorted(steps)[0]} tokens"
         fail("overlapping_windows", f"{case.what}: your windows overlap: one starts {every} ({len(starts)} "
@@ -113,7 +124,7 @@ def _windows_count(case: Case, out: Any) -> None:
 def _shifted(ids: torch.Tensor, max_tokens: int, stride: int | None, shift: int) -> torch.Tensor | None:
     """The reference's inputs with targets ``shift`` tokens ahead (None where the last window runs out)."""
     inputs = data_ref.lm_windows(ids, max_tokens, stride)[0]
-    starts = (inputs[:, 0] - ids[0]).tolist()   # the cases' ids count up from ids[0]: a value names its place
+    starts = _places(ids, inputs[:, 0])
     if not starts or starts[-1] + shift + max_tokens > len(ids):
         return None
     return torch.stack([inputs, torch.stack([ids[s + shift:s + shift + max_tokens] for s in starts])])
@@ -122,7 +133,12 @@ def _shifted(ids: torch.Tensor, max_tokens: int, stride: int | None, shift: int)
 def _windows_spacing(runs: list[Run], fn: Any) -> None:
     run = runs[0]
     stride = run.case.args[2] or run.case.args[1]
-    starts, steps = _starts(run.out)
+    ids = run.case.args[0]
+    starts, steps = _starts(run.out, ids)
+    if starts and starts[0] is None:
+        fail("mismatch", f"{run.case.what}: your first window begins with the value {int(run.out[0, 0, 0])}, "
+                         f"which is not a token of ids: cut the windows out of ids (ids[s : s + max_tokens + 1]), "
+                         f"not out of positions such as torch.arange.")
     if steps and steps != {stride}:
         fail("mismatch", f"{run.case.what}: your windows start {sorted(steps)} tokens apart; they should start "
                          f"every {stride} tokens.")
@@ -133,7 +149,7 @@ def _windows_spacing(runs: list[Run], fn: Any) -> None:
 
 LM_WINDOWS = FunctionExercise(
     "5.1", "lm_windows", lambda ids, max_tokens, stride: torch.stack(data_ref.lm_windows(ids, max_tokens, stride)),
-    lambda: _windows_cases(((21, 4, None), (20, 4, None), (9, 8, None), (30, 3, None), (6, 1, None))),
+    lambda: _windows_cases(((21, 4, None), (20, 4, None), (9, 8, None), (30, 3, None), (6, 1, None)), shuffled=True),
     ("ids", "max_tokens", "stride"),
     success="Windows of max_tokens inputs, targets one step ahead, a last window that doesn't fit dropped.",
     mismatch=lambda run: (f"{run.case.what}: the windows hold other tokens than expected. Window w starts at token "
@@ -153,6 +169,10 @@ LM_WINDOWS = FunctionExercise(
         Mistake("target_shift", "your targets are two tokens ahead of the inputs; the target at position j is the "
                                 "NEXT token, one step ahead.",
                 output=lambda ids, t, s: _shifted(ids, t, s, 2)),
+        Mistake("target_shift", "your targets are the input VALUES plus one, not the next tokens: token ids are "
+                                "names, not numbers that count up. The targets are the tokens that follow the "
+                                "inputs in ids, ids[s + 1 : s + max_tokens + 1].",
+                output=lambda ids, t, s: torch.stack([(w := data_ref.lm_windows(ids, t, s)[0]), w + 1])),
     ),
     exact=True, each_case=True, raw=_windows_count, diagnose=_windows_spacing,
     examples=lambda: _windows_cases(((5, 2, None), (7, 2, None), (7, 3, None))),
@@ -314,6 +334,17 @@ def check_lm_loss(fn: Callable[..., Any]) -> str:
 _LR = 0.1
 
 
+class _StepCountingSGD(torch.optim.SGD):
+    """The optimizer handed to the student: plain SGD that counts its steps, so that weights moved by hand (or by
+    an optimizer train_step built itself) are told apart from a step of the one it was given."""
+
+    steps_taken = 0
+
+    def step(self, closure: Any = None) -> Any:
+        self.steps_taken += 1
+        return super().step(closure)
+
+
 def _tiny_gpt(seed: int, **overrides: Any) -> nn.Module:
     torch.manual_seed(seed)
     return model_ref.GPT(model_ref.GPTConfig(**{**dict(vocab_size=11, max_tokens=8, embed_dim=16, num_heads=2,
@@ -357,6 +388,8 @@ def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.O
               targets: torch.Tensor, what: str, **kwargs: Any) -> tuple[float, str, torch.Tensor, torch.Tensor, bool]:
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
+    steps_before = getattr(optimizer, "steps_taken", None)
+    rates = [group.get("lr") for group in optimizer.param_groups]
     backward_ran = []
     handle = params[0].register_hook(lambda grad: backward_ran.append(True))
     try:
@@ -371,6 +404,11 @@ def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.O
     finally:
         handle.remove()
     loss, note = _loss_value(result, what)
+    now = [group.get("lr") for group in optimizer.param_groups]
+    if now != rates:
+        fail("kept_state", f"{what} changed the optimizer's learning rate from {rates[0]} to {now[0]}, so every later "
+                           f"step is different: a schedule belongs to the training loop, and train_step leaves the "
+                           f"optimizer's settings as it was given them.")
     delta = _flat([p.detach() - b for p, b in zip(params, before)])
     # model.forward(...) called directly bypasses the hook; then the mode it was left in must do
     in_training = all(c["training"] for c in calls) if calls else model.training
@@ -386,6 +424,11 @@ def _one_step(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.O
         fail("zero_grad", f"{what}: backward ran but the weights did not change, because the gradients were "
                           f"cleared before the step could use them. Order: zero_grad, forward, loss, backward, "
                           f"step.")
+    if steps_before is not None and optimizer.steps_taken == steps_before:
+        fail("step_order", f"{what}: the weights moved, but the optimizer you were given never stepped: call "
+                           f"optimizer.step(). Updating the weights yourself, or with an optimizer train_step "
+                           f"builds, skips what the given one does (AdamW's moments and weight decay, its "
+                           f"learning-rate schedule).")
     return loss, note, delta, _flat_grad(params), in_training
 
 
@@ -417,7 +460,7 @@ _STEP_EXAMPLE = ProcedureExample(_stepped(lambda *args: train_ref.train_step(*ar
 def check_train_step(fn: Callable[..., Any]) -> str:
     """fn(model, optimizer, inputs, targets) -> float: zero_grad, forward, loss, backward, (clip,) step."""
     model = _tiny_gpt(seed=3).eval()   # as after an evaluation: train_step must switch dropout back on
-    optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+    optimizer = _StepCountingSGD(model.parameters(), lr=_LR)
     generator = torch.Generator().manual_seed(11)
     vocab = model.config.vocab_size
     # three batches of three shapes: a batch or a length written into the code shows
@@ -454,8 +497,11 @@ def check_train_step(fn: Callable[..., Any]) -> str:
                              f"optimizer.zero_grad() they accumulate, so each step also pushes in the direction "
                              f"of every earlier batch. Clear them at the start of every step.")
         else:
-            fail("mismatch", f"{what}: the weights moved, but not along the gradient of this batch's loss. "
-                             f"Use lm_loss(model(inputs), targets), backward, and one optimizer.step().")
+            fail("mismatch", f"{what}: the weights moved, but not along the gradient of this batch's loss: "
+                             f"something between the loss and the step turned it. Backpropagate "
+                             f"lm_loss(model(inputs), targets) once, clip all the parameters together with one "
+                             f"clip_grad_norm_(model.parameters(), max_grad_norm) (each parameter on its own, or "
+                             f"by value, turns the direction), then call optimizer.step() once.")
         left_over = left
     if not training:
         fail("dropout", "Your train_step runs the model in eval mode, so dropout is off during training. Call "
@@ -483,7 +529,10 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                          "`train_step(model, optimizer, inputs, targets, max_grad_norm=1.0)` and clip the gradient "
                          "norm to it.")
     inputs, targets = batch
-    for fraction in (0.3, None):
+
+    def stepped(fraction: float | None) -> tuple[str, torch.Tensor, float, float | None]:
+        """One step with max_grad_norm at ``fraction`` of the gradient's norm: what was called, the gradient,
+        the update as a multiple of the whole gradient step (1 when nothing was clipped), and the limit."""
         g = _gradient(model, inputs, targets)[0]
         limit = None if fraction is None else fraction * float(g.norm())
         what = f"train_step(..., max_grad_norm={'None' if limit is None else f'{limit:.3g}'})"
@@ -494,7 +543,10 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                 fail("clipping", extend(failure.message, "max_grad_norm=None means: do not clip (the exercise's "
                                         "step 5). Clip only `if max_grad_norm is not None`."))
             raise
-        ratio = float(delta.norm() / (_LR * g.norm()))      # 1 when the full gradient step was taken
+        return what, g, float(delta.norm() / (_LR * g.norm())), limit
+
+    for fraction in (0.3, None):
+        what, g, ratio, limit = stepped(fraction)
         expected = 1.0 if fraction is None else fraction
         if abs(ratio - expected) <= 0.01 * expected:
             continue
@@ -514,8 +566,16 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                              f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) after "
                              f"loss.backward() and before optimizer.step(): before backward there is nothing "
                              f"to clip yet.")
-        fail("clipping", f"{what}: the step was {ratio:.2f} times the gradient step, expected {expected:.2f} "
-                         f"(clipped to max_grad_norm). Clip to the `max_grad_norm` argument, not a fixed number.")
+        clipped_to = ratio * float(g.norm())                 # the norm the update's gradient had
+        _, g_again, ratio_again, limit_again = stepped(2 * fraction)   # does that norm follow max_grad_norm?
+        if abs(ratio_again * float(g_again.norm()) - clipped_to) <= 0.01 * clipped_to:
+            fail("clipping", f"train_step clipped the gradient to norm {clipped_to:.3g} with max_grad_norm="
+                             f"{limit:.3g} and again with max_grad_norm={limit_again:.3g}: a fixed number. Clip to "
+                             f"the argument, clip_grad_norm_(model.parameters(), max_grad_norm).")
+        fail("clipping", f"{what}: the step was {ratio:.2f} times the gradient step, expected {expected:.2f}: the "
+                         f"gradient's norm over all the parameters together, clipped to max_grad_norm. Clip with "
+                         f"one torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) after backward, "
+                         f"with its default L2 norm.")
 
 
 def _check_step_float64(fn: Callable[..., Any]) -> None:
@@ -525,7 +585,7 @@ def _check_step_float64(fn: Callable[..., Any]) -> None:
 
     def run() -> tuple[torch.Tensor, float, float, torch.Tensor]:
         model = _tiny_gpt(seed=5)
-        optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+        optimizer = _StepCountingSGD(model.parameters(), lr=_LR)
         generator = torch.Generator().manual_seed(13)
         vocab = model.config.vocab_size
         inputs, targets = (torch.randint(0, vocab, (3, 8), generator=generator) for _ in range(2))
@@ -637,8 +697,9 @@ _SAMPLING_MISTAKES = (
     Mistake("scale", "you multiply the logits by the temperature; divide them by it, so that a low temperature "
                      "sharpens the distribution and a high one flattens it.",
             output=lambda base, t, k: _probabilities(base * t, k) if t != 1 else None),
-    Mistake("scale", "the temperature has no effect. Divide the logits by it BEFORE the softmax (dividing the "
-                     "probabilities changes nothing once they are renormalised).",
+    Mistake("scale", "at {setting} the temperature has no effect. Divide the logits by it before the softmax, on "
+                     "every path (with and without top_k), not the probabilities (dividing them changes nothing "
+                     "once they are renormalised).",
             output=lambda base, t, k: _probabilities(base, k) if t != 1 else None),
     *(_top_k_mistake("top_k", f"you keep {{{name}}} tokens instead of top_k={{top_k}} (off by one in the threshold: "
                               f"keep the logits >= the k-th largest).",

@@ -145,9 +145,10 @@ _FACTOR_SLIPS = (
 # write instead, with what to tell them. Every combination of wrong parts is one slip (attention_flops).
 _ATTENTION_PARTS: tuple[tuple[tuple[Callable[[Any], int], str], ...], ...] = (
     ((lambda c: 12, ""),
-     (lambda c: 6, "the attention term counts one product per head. There are two: the scores (QK^T) and the "
-                   "weighted sum of the values, 2·Q·T FLOPs each per token in the forward pass, so 12·n·H·Q·T with "
-                   "the backward pass."),
+     (lambda c: 6, "the attention term is half of 12·n·H·Q·T: either it counts one product per head (there are "
+                   "two: the scores QK^T and the weighted sum of the values, 2·Q·T FLOPs each per token in the "
+                   "forward pass, 12·n·H·Q·T with the backward pass), or it halves the term for the causal mask "
+                   "(the estimate ignores that saving and counts all T keys)."),
      (lambda c: 24, "the attention term is counted twice over (24·n·H·Q·T): the two products per head, the scores "
                     "(QK^T) and the weighted sum of the values, cost 2·Q·T FLOPs each per token forward, three "
                     "times that with the backward pass: 12·n·H·Q·T in all.")),
@@ -323,10 +324,13 @@ def _explain_calls(calls: list[dict[str, Any]]) -> tuple[str, str] | None:
     if any(c["cache"] is None for c in later):
         return ("no_kv_cache", "after the first call you call the model without the cache: the new token then sees "
                                "no earlier token. Pass the same cache to every call.")
-    if any(c["cache_length"] and c["shape"] and c["shape"][1] > 1 for c in later):
-        return ("kv_cache", "you feed the whole sequence again at every step into a cache that already holds it, so "
-                            "the cache stores the same tokens twice (and soon overflows). Once the prompt is in the "
-                            "cache, feed only the newest token.")
+    refed = [c["shape"][1] for c in later if c["cache_length"] and c["shape"] and c["shape"][1] > 1]
+    if refed:
+        fed = ("the whole sequence again at every step" if len(refed) > 1 and all(
+            b == a + 1 for a, b in zip(refed, refed[1:])) else f"{refed[0]} tokens at a step")
+        return ("kv_cache", f"after the prompt you feed {fed} into a cache that already holds every token before "
+                            f"the newest, so the cache stores tokens twice (and soon overflows). Once the prompt is "
+                            f"in the cache, feed only the newest token, shape (N, 1).")
     fresh = [c for c in later if c["cache_length"] == 0]
     if fresh and all(c["shape"] and c["shape"][1] == 1 for c in fresh):
         return ("no_kv_cache", "you start a new cache at every step, so each new token sees only itself. Create "
@@ -361,6 +365,11 @@ def _run(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, 
                 code = "shape" if explanation[0] == "shape" else "exception"
                 fail(code, extend(failure.message, f"It looks like {explanation[1]}"))
             raise
+    switched = [name or "model" for name, module in model.named_modules() if module.training]
+    if switched:   # handed over in eval mode, as generation runs
+        fail("dropout", f"{what}: your generation left {switched[0]} in training mode (model.train()); it was "
+                        f"handed over in eval mode. In training mode dropout changes the logits at random, so "
+                        f"greedy generation is no longer reproducible: leave the mode as the caller set it.")
     return result, calls
 
 

@@ -945,8 +945,8 @@ def _diagnose_full(built_all: list[Built], generator: torch.Generator) -> None:
         fail("scale", found)
     b, x, out, expected = next((b, x, out, e) for b in built_all for x, out, e in b.runs if not close(out, e))
     fail("mismatch", f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)} differs from the "
-                     f"reference by up to {max_diff(out, expected):.3g}, and no single mistake we know explains it "
-                     f"(there may be two at once). The steps: project, split into heads (num_heads for q, "
+                     f"reference by up to {max_diff(out, expected):.3g}, and none of the mistakes we test for "
+                     f"explains it on its own (it may be another, or two at once). The steps: project, split into heads (num_heads for q, "
                      f"num_kv_heads for k and v), rotate q and k, repeat k and v per group, causal attention scaled "
                      f"by 1/sqrt(head_dim), merge, self.proj.")
 
@@ -1026,6 +1026,19 @@ def _check_cache_contents(built: Built, x: torch.Tensor, cache: RecordingCache) 
         fail("kv_cache", f"{what}: your outputs are right, but your cache holds the keys before RoPE, so every "
                          f"step turns all the cached keys again. Rotate the new keys (offset = cache.length) and append them rotated: each key is "
                          f"turned once, to its own position, and never again.")
+    # keys turned to other positions, the queries with them, give right outputs until the tables run out:
+    # _fill_context names that (rope_positions)
+    shifted = any(close(k, variants.rotate(raw, s.cos, s.sin, offset)) for offset in (1, 2)) \
+        if isinstance(k, torch.Tensor) and k.shape == turned.shape else False
+    if isinstance(k, torch.Tensor) and k.shape == turned.shape and not close(k, turned) and not shifted:
+        values = x[:, :length].double() @ s.params["value.weight"].T              # (N, L, kv_heads * head_dim)
+        values = values.reshape(2, length, built.kv_heads, HEAD_DIM).transpose(1, 2)   # (N, kv_heads, L, head_dim)
+        fail("kv_cache", f"{what}: your outputs are right, but " + (
+            "your cache holds the values where the keys go: append keys first, k, v = cache.append(k, v)."
+            if close(k, values) else
+            "the keys your cache receives are not the layer's keys as attention uses them (normalised where "
+            "qk_norm is on, then turned by RoPE): append those, k, v = cache.append(k, v), so that every later "
+            "step can read them as they are."))
 
 
 def _diagnose_cached(built_all: list[Built], cached: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]]) -> None:

@@ -156,13 +156,14 @@ def _stream(forward: Callable[..., Any], layer: Any, x: torch.Tensor, split: int
             caches: list[tuple[Any, torch.Tensor, torch.Tensor]] | None = None) -> Any:
     """``forward(layer, x, cache)`` on the whole of x (split 0, no cache), or on x[:, :split] then x[:, split:]
     with one fresh LatentCache; the outputs side by side (N, L, embed_dim). ``caches`` collects (layer, the first
-    chunk, the rotary keys the cache held after it), for ``_rotated_when_cached``."""
+    chunk, the latents and the rotary keys the cache held after it), for ``_rotated_when_cached``."""
     if not split:
         return forward(layer, x, None)
     cache = ref.LatentCache(layer.max_tokens)
     first = forward(layer, x[:, :split], cache)
     if caches is not None and isinstance(cache.k_rope, torch.Tensor) and cache.length == split:
-        caches.append((layer, x[:, :split], cache.k_rope.detach().clone()))
+        latent = cache.latent.detach().clone() if isinstance(cache.latent, torch.Tensor) else None
+        caches.append((layer, x[:, :split], latent, cache.k_rope.detach().clone()))
     if isinstance(first, torch.Tensor) and cache.length != split:
         fail("kv_cache", f"After latent_attention(layer, x[:, :{split}], cache) the cache holds {cache.length} "
                          f"tokens, not {split}: append the new latents and rotary keys (cache.append(latent, "
@@ -180,11 +181,17 @@ def _stream(forward: Callable[..., Any], layer: Any, x: torch.Tensor, split: int
 
 
 def _rotated_when_cached(runs: list[Run], fn: Any) -> None:
-    """Every output right: the cache's rotary keys must still have been turned when they entered it, or every
-    later call turns the whole cache again (9.6 reads its cache the same way)."""
-    for layer, x, cached in getattr(fn, "caches", ()):
+    """Every output right: the cache's latents must already be normalised, and its rotary keys turned, when they
+    entered it, or every later call does that again to the whole cache (9.6 reads its cache the same way)."""
+    for layer, x, latents, cached in getattr(fn, "caches", ()):
         with torch.no_grad():
-            k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, layer.qk_rope_head_dim], dim=-1)[1]
+            latent, k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, layer.qk_rope_head_dim], dim=-1)
+            normed = layer.kv_a_layernorm(latent)
+        if latents is not None and latents.shape == latent.shape and close(latents, latent) and \
+                not close(latent, normed):
+            fail("kv_cache", "Your cache holds the latents before kv_a_layernorm: your outputs are right, but every "
+                             "call then normalises the whole cache again. Normalise the latent once, BEFORE "
+                             "cache.append(latent, k_rope): the cache holds what kv_b_proj reads.")
         if cached.shape == k_rope.shape and close(cached, k_rope) and \
                 not close(k_rope, modern.apply_rotary(k_rope, layer.rope_cos, layer.rope_sin)):
             fail("kv_cache", "Your cache holds the rotary keys before RoPE: your outputs are right, but every call "
@@ -408,8 +415,8 @@ LATENT_ATTENTION = FunctionExercise(
     _mla_cases, ("layer", "x", "split"),
     success="Right with and without a LatentCache, with and without a query latent (q_lora_rank): your MLA "
             "caches one latent and one rotary key per token and gives the layer's outputs.",
-    mismatch=lambda run: f"{run.case.what} differs from the layer's own forward, and no single mistake we "
-                         f"know explains it (there may be two at once). "
+    mismatch=lambda run: f"{run.case.what} differs from the layer's own forward, and none of the mistakes "
+                         f"we test for explains it on its own (it may be another, or two at once). "
                          f"Go through the steps: queries split into nope and rope parts; latent and k_rope from "
                          f"kv_a_proj_with_mqa; the norm; RoPE on the rotary parts at start; the cache; keys and "
                          f"values from kv_b_proj; scores with layer.softmax_scale; the causal mask; o_proj.",
@@ -525,8 +532,8 @@ LINEAR_RECURRENT = FunctionExercise(
     _linear_cases, ("q", "k", "v"),
     success="Right on every shape tried: a state S of d x d_v and a normaliser z, updated once per token, give "
             "the parallel form's outputs.",
-    mismatch=lambda run: f"{run.case.what} differs from the parallel form, and no single mistake we know "
-                         f"explains it (there may be two at once). Per "
+    mismatch=lambda run: f"{run.case.what} differs from the parallel form, and none of the mistakes we "
+                         f"test for explains it on its own (it may be another, or two at once). Per "
                          f"token i: S += outer(phi(k_i), v_i), z += phi(k_i), then o_i = phi(q_i) S / (phi(q_i) . z "
                          f"+ 1e-6).",
     mistakes=(
