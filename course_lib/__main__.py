@@ -78,7 +78,7 @@ def _data(args: argparse.Namespace) -> int:
     for name in args.names or list(CORPORA):
         try:
             print(f"{name}: {corpus_path(name, download=not args.no_download)}")
-        except CorpusError as exc:
+        except (CorpusError, ValueError) as exc:   # not there; a name that is no corpus
             print(f"{name}: {exc}", file=sys.stderr)
             missing.append(name)
     if missing and args.warn_only:

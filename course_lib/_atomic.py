@@ -97,9 +97,9 @@ def check_replaceable(target: Path) -> None:
         if not stat.S_ISREG(mode):
             raise ValueError(f"path: expected a regular file (or a new name), got {target}, a link to "
                              f"something else")
-        raise ValueError(f"path: expected a regular file (or a new name), got {target}, a symbolic link "
-                         f"(writing would replace the link, not the file it points to); write to the "
-                         f"file itself: {os.path.realpath(target)}")
+        raise ValueError(f"path: expected a regular file (or a new name), got {target}, a symbolic link to "
+                         f"{os.path.realpath(target)} (writing would replace the link, not the file it points "
+                         f"to); remove the link, or choose another folder")
     if not stat.S_ISREG(mode):
         kind = ("a folder" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
                 else "a pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")

@@ -98,6 +98,14 @@ def test_a_submission_that_cannot_be_graded_gets_a_results_json_that_says_why(tm
     written = json.loads((root / "results" / "results.json").read_text())
     assert written == content and written["score"] == 0.0 and written["tests"] == []
     assert written["output"].startswith("This submission could not be graded: ")
+    assert "no notebook was found in your upload" in written["output"]   # the student's words, not the grader's
+    # an archive whose settings are missing or broken: still a results.json (Gradescope shows "no output" else)
+    for broken in ("{not json", json.dumps({"exercises": ["1.1"]})):
+        (root / "source" / "autograder.json").write_text(broken)
+        (root / "results" / "results.json").unlink()
+        content = autograder.run_autograder(root)
+        assert json.loads((root / "results" / "results.json").read_text()) == content
+        assert "the autograder itself is broken" in content["output"] and "tell your instructor" in content["output"]
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -160,3 +160,26 @@ def test_the_room_per_exercise_latest_attempts_count(tmp_path, capsys, monkeypat
     assert "every 0.5 s" in capsys.readouterr().out
     assert progress.main([str(tmp_path / "nowhere")]) == 2
     assert "expected the live room's folder" in capsys.readouterr().err
+
+
+def test_files_students_can_put_in_the_room_neither_hang_flood_nor_crash_it(tmp_path, capsys):
+    """The room's folder is writable by every student: a FIFO, a link to /dev/zero, a folder, a line nested deep
+    enough to recurse, unknown exercise ids and terminal escapes are skipped or shown as plain text."""
+    import os
+    _write(tmp_path, "s1", ("T1", "2.1", False, "causal_mask"))
+    os.mkfifo(tmp_path / "fifo.jsonl")                       # read: it would wait for a writer for ever
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")       # read: it would fill the memory
+    (tmp_path / "folder.jsonl").mkdir()
+    with open(tmp_path / "s2.jsonl", "w") as handle:
+        handle.write("[" * 200_000 + "\n")
+        for exercise, diagnosis, stamp in (("2.\u00b2", "causal_mask", "T2"), ("9" * 5000, None, "T2"),
+                                           ("2.1", "\x1b]0;owned\x07", "T2"), ("3.1", None, "T3\x1b[2J")):
+            handle.write(json.dumps({"v": 1, "time": stamp, "student": "s2", "exercise": exercise,
+                                     "passed": False, "diagnosis": diagnosis}) + "\n")
+    room = progress.read_room(tmp_path)
+    assert list(room.exercises) == ["2.1", "3.1"] and room.skipped == 3
+    assert room.exercises["2.1"].failing_now() == {"causal_mask": 1, "?": 1}
+    assert course_main(["progress", str(tmp_path)]) == 0
+    assert "\x1b" not in capsys.readouterr().out
+    assert course_main(["progress", ""]) == 2
+    assert "Traceback" not in capsys.readouterr().err

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from .exercises import EXERCISES
+from .verdict import DIAGNOSES
 
 __all__ = ["PROGRESS_DIR_ENV", "NAME_ENV", "record", "set_name", "student_id", "ExerciseRoom", "read_room",
            "room_table", "main"]
@@ -55,6 +56,7 @@ NAME_ENV = "COURSE_STUDENT_NAME"
 ID_FILE = "student-id"
 _ID_RE = re.compile(r"[0-9a-f]{16}")
 NAME_LIMIT = 80
+ROOM_FILE_LIMIT = 16 * 2**20   # bytes read of one student's file: far more than a day of checks (~200 bytes each)
 
 # Kept in one dict mutated in place: the checks harness restores course_lib's module attributes
 # around every check, and a dict that stays the same object keeps its contents through that.
@@ -203,8 +205,35 @@ def _order(exercise_id: str) -> tuple:
     return tuple(int(p) if p.isdigit() else 0 for p in exercise_id.split("."))
 
 
+def _room_file(path: Path) -> bytes | None:
+    """The first ROOM_FILE_LIMIT bytes of ``path`` if it is a regular file, else None. The room's folder is writable
+    by every student: a link (to /dev/zero), a FIFO or a folder named ``*.jsonl`` must not hang or flood this."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        import stat
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks, size = [], 0
+        while size < ROOM_FILE_LIMIT and (chunk := os.read(fd, min(1 << 20, ROOM_FILE_LIMIT - size))):
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+_KNOWN = frozenset(entry.id for entry in EXERCISES)
+_KNOWN_DIAGNOSES = frozenset(DIAGNOSES)
+
+
 def read_room(folder: str | os.PathLike) -> Room:
-    """Every ``*.jsonl`` line of ``folder``; lines that do not parse (a write in progress) are skipped."""
+    """Every ``*.jsonl`` line of ``folder``; lines that do not parse (a write in progress), or name an exercise
+    or a diagnosis the course does not have, are skipped. Only regular files are read, each up to a limit."""
     from .. import _validate as validate
     root = validate.path("folder", folder, "the live room's folder")
     if not root.is_dir():
@@ -216,19 +245,19 @@ def read_room(folder: str | os.PathLike) -> Room:
     lines = skipped = 0
     last = None
     for path in sorted(root.glob("*.jsonl")):
-        try:
-            data = path.read_bytes()
-        except OSError:
+        data = _room_file(path)
+        if data is None:
             continue
         for raw in data.split(b"\n")[:-1]:   # the last piece has no newline yet: a write in progress
             lines += 1
             try:
                 entry = json.loads(raw)
                 student, exercise, passed = str(entry["student"]), str(entry["exercise"]), entry["passed"]
-                stamp, diagnosis = str(entry["time"]), entry.get("diagnosis")
-                if not isinstance(passed, bool):
-                    raise ValueError("passed")
-            except (ValueError, KeyError, TypeError):
+                stamp, diagnosis = _shown_name(entry["time"]), entry.get("diagnosis")
+                if not isinstance(passed, bool) or exercise not in _KNOWN or stamp is None:
+                    raise ValueError("passed, exercise or time")
+                diagnosis = diagnosis if diagnosis in _KNOWN_DIAGNOSES else None
+            except (ValueError, KeyError, TypeError, RecursionError):   # a student's line, nested deep enough
                 skipped += 1
                 continue
             who = student   # a name, when set, is only shown; the id is who it is
@@ -238,7 +267,7 @@ def read_room(folder: str | os.PathLike) -> Room:
             room = exercises.setdefault(exercise, ExerciseRoom(exercise))
             room.attempts += 1
             if who not in room.latest or room.latest[who][0] <= stamp:
-                room.latest[who] = (stamp, passed, diagnosis if isinstance(diagnosis, str) else None)
+                room.latest[who] = (stamp, passed, diagnosis)
             students.add(who)
             last = max(last or stamp, stamp)
     return Room(dict(sorted(exercises.items(), key=lambda kv: _order(kv[0]))), students, lines, skipped, last,
@@ -298,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             clear = "\033[2J\033[H" if sys.stdout.isatty() else ""
             print(f"{clear}{text}\n(every {args.watch:g} s; Ctrl-C to stop)", flush=True)
             time.sleep(args.watch)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:   # no such folder; an empty or unusable path
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

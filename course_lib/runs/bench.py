@@ -171,6 +171,8 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
                 print(f"training {name} ({f'{budget:.1f} s' if budget else 'its own steps'}) ...", flush=True)
             metrics = run_preset(name, root / name, seconds=budget, steps=steps, corpus=corpus,
                                  device=device, progress=False, seed=seed, overwrite=True)
+            if metrics.get("status") == "stopped":   # Ctrl-C or SIGTERM stopped this preset: the bench stops too
+                raise BenchStopped(name, metrics.get("signal"))
             if i == 0 and seconds is None:
                 budget = metrics["train_seconds"]   # the baseline's own time, for every later preset
             metrics["budget_seconds"] = budget if i or seconds is not None else None
@@ -189,6 +191,10 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
         metrics["peak_gflops"] = peak_gflops
         metrics["share_of_peak"] = metrics["achieved_flops"] / (peak_gflops * 1e9)
     return results
+
+
+class BenchStopped(Exception):
+    """A preset's training was stopped (Ctrl-C, SIGTERM): the benchmark ends there, with no figures."""
 
 
 def _score_on_windows(folder: Path, max_tokens: int, corpus: str) -> float:
@@ -675,9 +681,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if seed is not None:
                 print(f"seed {seed}:", flush=True)
             out = None if args.out is None else Path(args.out) / (f"seed-{seed}" if args.seeds else "")
-            results = training_benchmark(args.seconds, args.presets, corpus=args.corpus, steps=args.steps,
-                                         out_dir=out, device=device, peak_sizes=args.peak_sizes, seed=seed,
-                                         verbose=True)
+            try:
+                results = training_benchmark(args.seconds, args.presets, corpus=args.corpus, steps=args.steps,
+                                             out_dir=out, device=device, peak_sizes=args.peak_sizes, seed=seed,
+                                             verbose=True)
+            except BenchStopped as stopped:
+                preset, signal_name = stopped.args
+                print(f"interrupted: {preset} was stopped ({signal_name or 'a signal'}); the benchmark ends "
+                      f"without figures", file=sys.stderr)
+                return 143 if signal_name == "SIGTERM" else 130
             _print_training(results, next(iter(results.values()))["peak_gflops"])
             _print_leads(results, args.seconds)
             runs.append(results)
@@ -701,13 +713,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _triton(args, device)
     if args.benchmark == "attention":
         for i, (embed_dim, heads) in enumerate(zip(args.embed_dim, args.heads)):
-            rows = attention_benchmark(args.lengths, embed_dim, heads, args.batch, args.repeats, device=device)
+            try:   # the sizes are checked where they are used: a wrong one is a refused run, in one line
+                rows = attention_benchmark(args.lengths, embed_dim, heads, args.batch, args.repeats, device=device)
+            except ValueError as exc:
+                raise RunRefused(str(exc).splitlines()[0]) from None
             if i:
                 print()
             _print_attention(rows, embed_dim, heads)
         return 0
     config = dict(GENERATION_CONFIG, num_layers=args.layers, embed_dim=args.embed_dim, max_tokens=args.context)
-    result = generation_benchmark(config, args.new_tokens, device=device)
+    try:
+        result = generation_benchmark(config, args.new_tokens, device=device)
+    except ValueError as exc:
+        raise RunRefused(str(exc).splitlines()[0]) from None
     _print_generation(result)
     if not result["identical"]:
         print("error: cached and uncached greedy outputs differ", file=sys.stderr)

@@ -158,6 +158,12 @@ def main(run_dir: str, out_dir: str) -> int:
     except ExportRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # the export is staged, then renamed in whole: nothing half-written is left
+        from pathlib import Path
+        finished = (Path(out_dir) / "config.json").is_file()   # renamed in before the interruption
+        print(f"interrupted: {f'the export in {out_dir} was finished' if finished else f'nothing was written to {out_dir}'}",
+              file=sys.stderr)
+        return 130
     kind = _kinds().get(done.hf_type, done.hf_type)
     print(f"wrote {done.folder} as {kind}, {done.parameters:,} parameters, in {done.seconds:.1f} s")
     print(f"use it with: transformers.pipeline(\"text-generation\", model=\"{done.folder}\")")

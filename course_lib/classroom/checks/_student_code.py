@@ -14,7 +14,7 @@ from torch import nn
 from ..verdict import Failure, fail
 from ._pinned import expect_no_new_modes, expect_unpatched, modes_depth
 from ._references import install_references
-from ._student_files import student_frame
+from ._student_files import is_student_file, student_frame
 
 # ---------------------------------------------------------------- calling student code
 
@@ -33,6 +33,19 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 CALLS = [0]   # how many times this process called student code: a failure after one may be the student's graph
+_VERDICT_FILE = Failure.__init__.__code__.co_filename
+
+
+def raised_by_student(failure: Failure) -> bool:
+    """Whether the student's own code raised this Failure (``raise Failure(...)`` or ``fail(...)`` written in it),
+    not a course function it called (a recording cache the check handed over, which fails on misuse)."""
+    tb = failure.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    frame = tb.tb_frame if tb is not None else None
+    while frame is not None and frame.f_code.co_filename == _VERDICT_FILE:   # fail() raises for its caller
+        frame = frame.f_back
+    return frame is not None and is_student_file(frame.f_code.co_filename)
 
 
 def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: Any) -> Any:
@@ -49,7 +62,10 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
         expect_unpatched()   # nor one that replaced torch's own functions (torch.equal = ...)
         expect_no_new_modes(depth)   # nor a torch mode left on the stack
         result = plain_tensors(result, what)
-    except Failure:
+    except Failure as failure:
+        if raised_by_student(failure):   # a verdict is the checker's to give: the student's is an exception
+            fail("exception", f"{what} raised the course's Failure itself{student_frame(failure)}: a check's "
+                              f"verdict cannot come from the code it checks. Return your result instead.")
         raise
     except NotImplementedError as exc:
         fail("not_implemented", f"{what} is not written yet ({str(exc) or 'NotImplementedError'}). "
@@ -75,12 +91,15 @@ def plain_tensors(value: Any, what: str = "your code") -> Any:
     an object that claims to be a tensor without being one is refused (``dtype``)."""
     kind = type(value)
     if issubclass(kind, torch.Tensor):
-        if kind in (torch.Tensor, nn.Parameter):
-            return value
-        with torch._C.DisableTorchFunctionSubclass():   # the subclass's own as_subclass is not asked
-            return torch.Tensor.as_subclass(value, torch.Tensor)
-    if kind in (tuple, list):
-        return kind(plain_tensors(v, what) for v in value)
+        if kind not in (torch.Tensor, nn.Parameter):
+            with torch._C.DisableTorchFunctionSubclass():   # the subclass's own as_subclass is not asked
+                value = torch.Tensor.as_subclass(value, torch.Tensor)
+        if value.layout != torch.strided or value.is_nested:   # the check's comparisons are for dense tensors
+            fail("dtype", f"{what} returned a {'nested' if value.is_nested else str(value.layout)} tensor. Return "
+                          f"an ordinary dense tensor (.to_dense(), or built without torch.sparse / torch.nested).")
+        return value
+    if issubclass(kind, (tuple, list)):   # a subclass's own methods are not asked either: plain containers
+        return (tuple if issubclass(kind, tuple) else list)(plain_tensors(v, what) for v in value)
     if isinstance(value, torch.Tensor):
         fail("dtype", f"{what} returned an object of class {kind.__name__} that claims to be a torch.Tensor (its "
                       f"__class__ says so) without being one. Return a real tensor, built with torch operations.")

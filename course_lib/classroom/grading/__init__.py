@@ -55,14 +55,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..._atomic import remove_stale_staging, staging_prefix
 from . import isolation
 from .grades import Grade
 from .likeness import fingerprint
 from .plan import CAPSTONE, ExercisePlan, default_exercises, grading_plan
 from .pool import GradingOptions, forks, grade_submissions
-from .report import RunInfo, claim_report_folder, write_report
+from .report import RunInfo, claim_report_folder, hold_report_folder, release_report_folder, write_report
 from .sources import candidates
 from .submissions import Submission, find_submissions
+
+WORK = "course-grade-work"   # the hidden work folder of a run in the temporary folder: .course-grade-work.pidN.*.d
 
 __all__ = ["grade", "GradeRun", "Grade", "ExercisePlan", "grading_plan", "default_exercises", "find_submissions",
            "CAPSTONE"]
@@ -130,36 +133,43 @@ def grade(submissions: str | os.PathLike, out: str | os.PathLike, *, workers: in
     if not found:
         raise FileNotFoundError(f"submissions: expected one folder per student (or notebooks) in '{root_in}', "
                                 f"found none")
-    claim_report_folder(report)
-    if on_start is not None:
-        on_start(len(found))
-    start = time.monotonic()
-    work = tempfile.mkdtemp(prefix="course-grade-")
+    lock = hold_report_folder(report)   # one run at a time writes a report folder
     try:
-        stubs = None
-        if isolated:   # what the sandbox sees of the course's notebooks: every solution taken out
-            from ...course_files import course_notebooks
-            from .stubs import write_stub_notebooks
-            stubs = str(write_stub_notebooks(course_notebooks(), Path(work, "notebooks")))
-        options = GradingOptions(workers=workers, timeout=timeout, memory_mb=memory_mb,
-                                 deny=(str(root_in), str(report), work), root=work,
-                                 inline=inline or not forks(), isolated=isolated, stubs=stubs,
-                                 fingerprints={p.id: fingerprint(p.solution, p.name) for p in plans.values()})
-        grades, errors = grade_submissions(found, plans, options, on_student or (lambda s, g: None))
+        claim_report_folder(report)
+        if on_start is not None:
+            on_start(len(found))
+        start = time.monotonic()
+        # a run killed with SIGKILL leaves its work folder (the stub notebooks, the workers' logs): named by its
+        # pid, so that the next run removes it once that process is gone
+        remove_stale_staging(tempfile.gettempdir(), WORK, suffix=".d")
+        work = tempfile.mkdtemp(prefix=staging_prefix(WORK), suffix=".d")
+        try:
+            stubs = None
+            if isolated:   # what the sandbox sees of the course's notebooks: every solution taken out
+                from ...course_files import course_notebooks
+                from .stubs import write_stub_notebooks
+                stubs = str(write_stub_notebooks(course_notebooks(), Path(work, "notebooks")))
+            options = GradingOptions(workers=workers, timeout=timeout, memory_mb=memory_mb,
+                                     deny=(str(root_in), str(report), work), root=work,
+                                     inline=inline or not forks(), isolated=isolated, stubs=stubs,
+                                     fingerprints={p.id: fingerprint(p.solution, p.name) for p in plans.values()})
+            grades, errors = grade_submissions(found, plans, options, on_student or (lambda s, g: None))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        seconds = time.monotonic() - start
+        sandbox = ("each exercise in its own limited process" if not options.inline
+                   else "each student in one fresh process (no fork here: no per-exercise process or memory limit)")
+        sandbox = f"{sandbox}; {isolation_line}"
+        notes = [f"{s.student}: {note}" for s in found for note in s.notes]
+        if CAPSTONE not in plans:
+            notes.append("8.1 (train your GPT) was not graded; add it with --exercises all (10 to 20 s more per student)")
+        info = RunInfo(len(found), min(workers, len(found)), timeout, memory_mb, seconds, sandbox, notes, errors,
+                       {s.student: list(s.notes) for s in found},
+                       {s.student: handed_in(s, plans) for s in found} if exercises is None else {})
+        written = write_report(report, grades, info, gradescope=gradescope)
+        return GradeRun(grades, written, errors, seconds, found)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-    seconds = time.monotonic() - start
-    sandbox = ("each exercise in its own limited process" if not options.inline
-               else "each student in one fresh process (no fork here: no per-exercise process or memory limit)")
-    sandbox = f"{sandbox}; {isolation_line}"
-    notes = [f"{s.student}: {note}" for s in found for note in s.notes]
-    if CAPSTONE not in plans:
-        notes.append("8.1 (train your GPT) was not graded; add it with --exercises all (10 to 20 s more per student)")
-    info = RunInfo(len(found), min(workers, len(found)), timeout, memory_mb, seconds, sandbox, notes, errors,
-                   {s.student: list(s.notes) for s in found},
-                   {s.student: handed_in(s, plans) for s in found} if exercises is None else {})
-    written = write_report(report, grades, info, gradescope=gradescope)
-    return GradeRun(grades, written, errors, seconds, found)
+        release_report_folder(lock)
 
 
 def _require_corpora_for_capstone() -> None:

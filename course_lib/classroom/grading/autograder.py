@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .cli import exercise_ids, number
+from .cli import MEMORY_FLOOR_MB, exercise_ids, number
 
 __all__ = ["write_autograder", "run_autograder", "failed_results", "main", "CONTAINER_LINE",
            "DISTRIBUTION", "TIMEOUT", "MEMORY_MB"]
@@ -114,7 +114,9 @@ def write_autograder(out: str | os.PathLike, exercises: list[str] | None = None,
     if not target.parent.is_dir():
         raise FileNotFoundError(f"out: expected an existing folder for '{target.name}', got '{target.parent}'")
     timeout = validate.positive_float("timeout", timeout)
-    validate.positive_int("memory_mb", memory_mb)
+    if validate.positive_int("memory_mb", memory_mb) < MEMORY_FLOOR_MB:   # as `grade --memory-mb` refuses it
+        raise ValueError(f"memory_mb: expected megabytes, {MEMORY_FLOOR_MB} or more (less than the course's own "
+                         f"solutions need), got {memory_mb}")
     if exercises is not None:
         exercises = list(grading_plan(exercises))   # refuses unknown ids, with the known ones
     torch = _pinned_torch()
@@ -157,13 +159,24 @@ def run_autograder(root: str | os.PathLike) -> dict[str, Any]:
     root = Path(root)
     results = root / "results"
     results.mkdir(parents=True, exist_ok=True)
-    config = json.loads((root / "source" / "autograder.json").read_text(encoding="utf-8"))
+    try:
+        config = json.loads((root / "source" / "autograder.json").read_text(encoding="utf-8"))
+        config = {key: config[key] for key in ("timeout", "memory_mb", "exercises")}
+    except (OSError, ValueError, KeyError, TypeError) as exc:   # a results.json still: else "no output"
+        content = failed_results(f"This submission could not be graded: the autograder itself is broken (its "
+                                 f"source/autograder.json: {type(exc).__name__}: {exc}); tell your instructor")
+        _write_results(results, content)
+        return content
     isolated, line = isolation.status()
     print(line if isolated else CONTAINER_LINE, flush=True)   # once, and never the not-isolated warning
     try:
         run = grade(root / "submission", results, workers=1, timeout=config["timeout"],
                     memory_mb=config["memory_mb"], exercises=config["exercises"], gradescope=True)
-    except Exception as exc:   # any refusal (no notebooks, a broken upload) is the student's to read
+    except FileNotFoundError as exc:   # the grader's words are an instructor's ("one folder per student")
+        content = failed_results("This submission could not be graded: no notebook was found in your upload; "
+                                 "upload the course's .ipynb files themselves")
+        print(exc, flush=True)   # the instructor's log keeps the grader's own words
+    except Exception as exc:   # any refusal (a broken upload) is the student's to read
         content = failed_results(f"This submission could not be graded: {exc}")
     else:
         if len(run.submissions) == 1 and (results / "results.json").is_file():
@@ -182,7 +195,7 @@ def run_autograder(root: str | os.PathLike) -> dict[str, Any]:
 
 
 _positive_float = number(float, lambda value: 0 < value < float("inf"), "a number > 0")
-_positive_int = number(int, lambda value: value > 0, "a number > 0")
+_memory_mb = number(int, lambda value: value >= MEMORY_FLOOR_MB, f"megabytes ({MEMORY_FLOOR_MB} or more)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=_positive_float, default=TIMEOUT, metavar="SECONDS",
                         help="time limit per notebook; its exercises share it (default %(default)g, so that "
                              "eleven notebooks stay inside Gradescope's 10 minutes)")
-    parser.add_argument("--memory-mb", type=_positive_int, default=MEMORY_MB, metavar="MB",
+    parser.add_argument("--memory-mb", type=_memory_mb, default=MEMORY_MB, metavar="MB",
                         help="memory per exercise beyond the course's own (default %(default)s, inside "
                              "Gradescope's 768 MB)")
     return parser

@@ -51,7 +51,9 @@ def number(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[st
 
 
 _positive_int = number(int, lambda value: value > 0, "a positive whole number")
-_memory = number(int, lambda value: value == 0 or value >= 64, "megabytes (64 or more), or 0 for no limit")
+MEMORY_FLOOR_MB = 64   # below this not even the course's own solutions run: every student would be `crashed`
+_memory = number(int, lambda value: value == 0 or value >= MEMORY_FLOOR_MB,
+                 f"megabytes ({MEMORY_FLOOR_MB} or more), or 0 for no limit")
 _seconds = number(float, lambda value: 0 < value < float("inf"), "a number of seconds > 0")
 
 
@@ -144,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except (ValueError, FileNotFoundError, TypeError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:   # a report folder that cannot be written (read-only, full, a file in the way)
+        print(f"error: out: could not write the report in {args.out} ({exc.strerror or exc}"
+              f"{f': {exc.filename}' if exc.filename else ''}); choose a folder you can write, with room",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"interrupted: {_what_was_left(args.out)}", file=sys.stderr)

@@ -8,6 +8,7 @@ standing for the course's checkers, whose verdicts are kept. The verdict is the 
 """
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -46,8 +47,8 @@ class RecordingChecks:
 
             def run(*args: Any, **kwargs: Any) -> CheckResult:
                 result = real(*args, **kwargs)
-                if isinstance(result, CheckResult):
-                    verdicts.append(result)
+                if type(result) is CheckResult:   # a copy, which no code of the student's was handed
+                    verdicts.append(CheckResult(result.exercise, result.passed, result.diagnosis, result.message))
                 return result
             return run
 
@@ -86,6 +87,14 @@ def _held(recorder: RecordingChecks) -> list[tuple[Callable[[], Any], Any]]:
     return held
 
 
+def _same_items(now: _Items, then: _Items) -> bool:
+    return len(now) == len(then) and all(a is b and c is d for (a, c), (b, d) in zip(now, then))
+
+
+# CheckResult's own attributes before any student: a property put on the class would answer every verdict's read
+_VERDICT_CLASS = _Items(vars(CheckResult).items())
+
+
 def _tampered(held: list[tuple[Callable[[], Any], Any]], verdicts: list[CheckResult]) -> bool:
     """Whether anything the recorder held changed while the check cell ran (compared by identity), or the
     verdicts are not the checkers' own kind."""
@@ -95,15 +104,17 @@ def _tampered(held: list[tuple[Callable[[], Any], Any]], verdicts: list[CheckRes
         except Exception:  # noqa: BLE001 - a cell emptied, a dict that no longer reads: changed
             return True
         if isinstance(value, _Items):   # a dict's items, each key and value by identity
-            if len(now) != len(value) or any(a is not b or c is not d for (a, c), (b, d) in zip(now, value)):
+            if not _same_items(now, value):
                 return True
         elif now is not value:
             return True
-    return type(verdicts) is not list or any(type(result) is not CheckResult for result in verdicts)
+    return type(verdicts) is not list or any(type(result) is not CheckResult for result in verdicts) \
+        or not _same_items(_Items(vars(CheckResult).items()), _VERDICT_CLASS)
 
 
-_TAMPERED = ("Your code changed the grader's record of the checks (the `checks` object, its functions or what they "
-             "hold) while the check ran, so no verdict of this exercise can be trusted.")
+_TAMPERED = ("Your code changed the grader's record of the checks (the `checks` object or the name `checks`, its "
+             "functions or what they hold, or a trace function over the grader's own code) while the check ran, "
+             "so no verdict of this exercise can be trusted.")
 
 
 def _verdict(exercise: str, passed: bool, diagnosis: str | None, message: str) -> dict[str, Any]:
@@ -121,15 +132,27 @@ def _raised(exercise: str, what: str, exc: BaseException) -> dict[str, Any]:
                     f"{what} raised {type(exc).__name__}{student_frame(exc)}: {exc}")
 
 
-def _from_checks(plan: ExercisePlan, verdicts: list[CheckResult], error: BaseException | None) -> dict[str, Any]:
-    mine = [r for r in verdicts if isinstance(r, CheckResult) and r.exercise == plan.id]
-    failing = [r for r in mine if not r.passed]
+Record = tuple[tuple[str, bool, "str | None", str], ...]   # the verdicts, (exercise, passed, diagnosis, message)
+
+
+def _record(verdicts: list[CheckResult]) -> Record | None:
+    """The verdicts as they are now, as values no code can change afterwards (None: they could not be read, as a
+    property the student's code put on the class may refuse)."""
+    try:
+        return tuple((r.exercise, r.passed, r.diagnosis, r.message) for r in verdicts if type(r) is CheckResult)
+    except Exception:  # noqa: BLE001 - whatever it raised, the record is not the checkers'
+        return None
+
+
+def _from_checks(plan: ExercisePlan, record: Record, error: BaseException | None) -> dict[str, Any]:
+    mine = [r for r in record if r[0] == plan.id]
+    failing = [r for r in mine if not r[1]]
     if failing:
-        return _verdict(plan.id, False, failing[0].diagnosis, failing[0].message)
+        return _verdict(plan.id, False, failing[0][2], failing[0][3])
     if error is not None:
         return _raised(plan.id, "Your code", error)
     if mine:
-        return _verdict(plan.id, True, None, mine[-1].message)
+        return _verdict(plan.id, True, None, mine[-1][3])
     return _verdict(plan.id, False, "checker_error", f"The course's check of exercise {plan.id} gave no verdict "
                                                      f"(a bug in the course, not in your code).")
 
@@ -144,19 +167,36 @@ def _judge_capstone(plan: ExercisePlan) -> dict[str, Any]:
         return _verdict(plan.id, False, "not_implemented",
                         f"8.1 trains the GPT built from your parts of notebooks 02-05, and these are not usable "
                         f"yet: {', '.join(not_yours)}.")
+    install_references()   # collecting ran the student's parts: the recorder takes the course's checkers again
     verdicts: list[CheckResult] = []
     recorder = RecordingChecks(verdicts)
-    held = _held(recorder)
     namespace = {"__name__": "course_check", "parts": parts, "capstone": capstone, "checks": recorder}
+    return _run_check_cell(plan, namespace, recorder, verdicts)
+
+
+def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], recorder: RecordingChecks,
+                    verdicts: list[CheckResult]) -> dict[str, Any]:
+    """Run the course's check cell in ``namespace`` (where ``checks`` is ``recorder``), then judge: ``patched``
+    when the student's code, run by the cell, changed what records the verdicts (the recorder, what it holds,
+    the name ``checks`` in the namespace) or left a trace or profile function that would run in the grader's
+    own bookkeeping after the cell; else the verdict of the checks."""
+    held = _held(recorder)
+    tracing = sys.gettrace(), sys.getprofile()
     error = None
     try:
         exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), namespace)
-    except BaseException as exc:  # the student's parts train in here
+    except BaseException as exc:  # 1.1's cell calls the student's my_prediction() itself; 8.1's parts train here
         error = exc
+    traced = (sys.gettrace(), sys.getprofile()) != tracing   # first: no function of the student's runs past here
+    if traced:
+        sys.settrace(tracing[0])
+        sys.setprofile(tracing[1])
+    record = _record(verdicts)   # before install_references drops the student's objects (a __del__ is code too)
     install_references()
-    if _tampered(held, verdicts):
+    if record is None or traced or namespace.get("checks") is not recorder or _tampered(held, verdicts) \
+            or _record(verdicts) != record:
         return _verdict(plan.id, False, "patched", _TAMPERED)
-    return _from_checks(plan, verdicts, error)
+    return _from_checks(plan, record, error)
 
 
 def _course_own(plan: ExercisePlan, defined: Any) -> dict[str, Any] | None:
@@ -191,19 +231,10 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
             return _raised(plan.id, f"Defining {plan.name}", exc)
         install_references()   # first: the recorder takes the checkers as they are now, the course's again
         namespace["checks"] = recorder = RecordingChecks(verdicts)
-        held = _held(recorder)
         refused = _course_own(plan, namespace.get(plan.name))
         if refused is not None:
             return refused
-        error = None
-        try:
-            exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), namespace)
-        except BaseException as exc:  # 1.1's cell calls the student's my_prediction() itself
-            error = exc
-        install_references()
-        if _tampered(held, verdicts):
-            return _verdict(plan.id, False, "patched", _TAMPERED)
-        return _from_checks(plan, verdicts, error)
+        return _run_check_cell(plan, namespace, recorder, verdicts)
     except BaseException as exc:  # never let anything escape: the worker needs one verdict
         install_references()
         return _verdict(plan.id, False, "checker_error", f"The grader failed on exercise {plan.id} "

@@ -64,8 +64,10 @@ class SelfCheckFailed(GradingFailed):
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__("the grader's self-check failed, so nobody was graded (a bug in the course or in this "
-                         "installation): grading the course's own notebooks,\n  " + "\n  ".join(problems))
+        limits = all(problem.startswith("timeout:") for problem in problems)   # the run's limit, not the course
+        super().__init__("the grader's self-check failed, so nobody was graded ("
+                         + ("the limits given are too tight" if limits else "a bug in the course or in this "
+                            "installation") + "): grading the course's own notebooks,\n  " + "\n  ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class _Worker:
         command = [sys.executable, "-m", "course_lib.classroom.grading.worker", ",".join(exercises)]
         if checked:
             command.append("--checked")   # the self-check ran in a worker of its own
+        else:   # the self-check's worker: the course's solutions must fit the time a student gets
+            command.append(f"--timeout={options.timeout!r}")
         if options.inline or not forks():
             command.append("--inline")
         cwd = options.root
@@ -149,7 +153,7 @@ class _Worker:
         for line in self.process.stdout:
             try:
                 message = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue   # not ours: ignored
             if isinstance(message, dict) and message.pop("token", None) == self.token:
                 self.messages.put(message)

@@ -95,16 +95,74 @@ def check_report_folder(out: Path) -> None:
                              f"choose a new or empty folder (nothing was overwritten)")
 
 
-def _mark(out: Path, state: str) -> None:
+def _mark(out: Path, state: str, files: list[str] | None = None) -> None:
+    """The marker: who wrote the folder and how far; once whole, the files it wrote in its folders."""
     with atomic_file(out / MARKER) as handle:
         handle.write(json.dumps({"written_by": "python -m course_lib grade", "state": state, "pid": os.getpid(),
-                                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+                                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                 **({"files": files} if files is not None else {})}) + "\n")
+
+
+_FOLDERS = ("feedback", "gradescope")   # the report's folders, replaced whole by the next run
+
+
+def _in_folders(root: Path) -> list[str]:
+    return sorted(f"{folder}/{path.name}" for folder in _FOLDERS if (root / folder).is_dir()
+                  for path in (root / folder).iterdir())
+
+
+def _check_own_folders(out: Path) -> None:
+    """Refuse a report folder whose feedback/ (or gradescope/) holds files the last run did not write (notes
+    an instructor added): the next run replaces those folders whole, and the files would be lost."""
+    try:
+        written = json.loads((out / MARKER).read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(written, list):   # a run that did not finish, or an older version's: nothing to compare
+        return
+    added = sorted(set(_in_folders(out)) - set(written))
+    if added:
+        raise ValueError(f"--out: {out} holds files that `grade` did not write ({', '.join(added[:5])}"
+                         f"{', ...' if len(added) > 5 else ''}); this run would replace their folder: move them "
+                         f"out of the report folder first (nothing was overwritten)")
+
+
+LOCK = ".course-grade-lock"   # held (flock) by the run writing the folder; names its pid; the OS drops it at exit
+
+
+def hold_report_folder(out: Path) -> int | None:
+    """Hold ``out`` for this run, or refuse naming the run that holds it: two runs writing one report folder
+    would leave one's files beside the other's. The descriptor to give :func:`release_report_folder` (None
+    where the OS has no flock)."""
+    try:
+        import fcntl
+    except ImportError:   # Windows: one run at a time is the instructor's to keep
+        return None
+    check_report_folder(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 100, 0).decode("utf-8", "replace").strip()
+        os.close(fd)
+        raise RuntimeError(f"out: {out} is being written by another grade run ({holder or 'pid unknown'}); "
+                           f"wait for it to end, or choose another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}\n".encode("ascii"), 0)
+    return fd
+
+
+def release_report_folder(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)   # closing the descriptor drops the flock (the file stays: removing it would race a waiting run)
 
 
 def claim_report_folder(out: Path) -> None:
     """Check ``out`` (see :func:`check_report_folder`) and mark it as the grader's now, before any student
     code runs: a file a submission managed to put there cannot make the final report refused."""
     check_report_folder(out)
+    _check_own_folders(out)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out, STAGING)   # what a killed run left hidden: its staging, the report it replaced
     _mark(out, "grading")
@@ -166,6 +224,7 @@ def spreadsheet_safe(text: str) -> str:
     """A cell a spreadsheet shows as text: one starting like a formula (``= + - @``, a tab or a carriage
     return) gets a leading apostrophe, so that ``=HYPERLINK(...)`` in a student's name or message
     is never run when the instructor opens grades.csv (OWASP's advice on CSV injection)."""
+    text = re.sub(r"[\r\n]+", " ", text)   # one line per row: a reader that ignores quoting starts a row there
     text = _SPLIT_FORMULA.sub(r"\1 \2", text)   # a spreadsheet that splits on ";" (or "|", a tab) starts a cell there
     return "'" + text if text.startswith(_FORMULA_START) else text
 
@@ -357,7 +416,9 @@ def _stubs(folder: Path, names: set[str]) -> None:
     an empty class). The figure has no stub: it is simply absent meanwhile."""
     why = (f"{INCOMPLETE}: a `python -m course_lib grade` run (pid {os.getpid()}) was replacing the report "
            f"in this folder and stopped before it finished. Run the same grade command again.")
-    texts = {"summary.md": f"# {why}\n", "grades.csv": f"# {why}\n",
+    # grades.csv: a table of one column, named by its first line, and one row, so that a reader of the grades'
+    # columns fails (KeyError: 'student') rather than read an empty class
+    texts = {"summary.md": f"# {why}\n", "grades.csv": f"\"# {why}\"\nrun the same grade command again\n",
              "results.json": json.dumps({"report_incomplete": why}) + "\n"}
     for name in names & set(texts):
         (folder / name).write_text(texts[name], encoding="utf-8")
@@ -370,11 +431,16 @@ def _swap_in(out: Path, staging: Path) -> None:
     """Replace the report in ``out`` by what ``staging`` holds: each old file out and, where the new report
     has that file, its stub in (``summary.md`` first); then the new files over the stubs, ``summary.md``
     last (see the module docstring)."""
-    _mark(out, "replacing")
+    files = _in_folders(staging)
     old = Path(tempfile.mkdtemp(prefix=staging_prefix(STAGING), suffix=".tmp", dir=out))
-    stubs = old / ".stubs"
-    stubs.mkdir()
-    _stubs(stubs, {name for name in OURS if os.path.lexists(staging / name)})
+    try:   # the stubs first: a disk that is full here leaves the previous report, and its marker, as they were
+        stubs = old / ".stubs"
+        stubs.mkdir()
+        _stubs(stubs, {name for name in OURS if os.path.lexists(staging / name)})
+        _mark(out, "replacing")
+    except BaseException:
+        shutil.rmtree(old, ignore_errors=True)
+        raise
     with _signals_held():
         for name in reversed(SWAP_ORDER):
             if os.path.lexists(out / name):
@@ -389,9 +455,11 @@ def _swap_in(out: Path, staging: Path) -> None:
                 os.replace(out / name, stubs / name)   # a folder cannot be renamed over a full one
             os.replace(staging / name, out / name)
             _pause_at(f"in:{name}")
-        _mark(out, "whole")
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(staging, ignore_errors=True)
+        _mark(out, "whole", files)
+        # still holding the signals: a Ctrl-C held through the swap is raised as the block ends, and would
+        # leave the previous report's files hidden in the folder until the next run
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_report(out: Path, grades: list[Grade], info: RunInfo, *, gradescope: bool = False) -> list[Path]:

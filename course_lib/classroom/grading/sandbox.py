@@ -149,6 +149,8 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
     own_group = os.getpgid(0) if hasattr(os, "getpgid") else own_pid
     proc = os.path.realpath("/proc") + os.sep if os.path.isdir("/proc") else None
     own_proc = (f"{proc}{own_pid}", f"{proc}self", f"{proc}thread-self") if proc else ()
+    # the modules whose unaudited functions _close_unaudited_ways replaces: imported afresh they are whole again
+    closed_modules = frozenset(module for module, _, _ in _UNAUDITED_WAYS) - {"os"}
 
     def inside(path: str, roots: tuple[str, ...]) -> bool:
         return any(path == root or path.startswith(root + os.sep) for root in roots)
@@ -205,6 +207,8 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
                 refuse(f"signalling process group {target}: a submission may only signal itself")
         elif event in refused_events:
             refuse(next(words for name, words in refused_words if name == event))
+        elif event == "import" and args and args[0] in closed_modules:
+            refuse(f"importing {args[0]} again (its functions go past this sandbox's audit)")
 
     sys.addaudithook(hook)
     return hook
@@ -244,12 +248,8 @@ def enter(home: str, deny: Iterable[str], *, memory_mb: int | None, cpu_seconds:
     _set_limits(memory_mb, cpu_seconds)
     _quiet_standard_streams(close)
     install_policy(home, deny)
-    _close_unaudited_ways(processes=not IN_KERNEL_SANDBOX[0])
+    _close_unaudited_ways()
 
-
-# Whether this worker runs inside bubblewrap (set by the worker before any student): there a process started
-# past the audit hook stays in the sandbox's PID namespace and dies with the sweep, so only memory is closed.
-IN_KERNEL_SANDBOX = [False]
 
 # Ways out that raise no audit event: starting a program through the C helper subprocess uses (and
 # multiprocessing's spawnv_passfds), and memory outside the address-space limit (memfd, POSIX shared memory).
@@ -258,14 +258,21 @@ _UNAUDITED_PROCESSES = (("_posixsubprocess", "fork_exec", "starting another proc
 _UNAUDITED_MEMORY = (("os", "memfd_create", "memory files (memfd_create)"),
                      ("posix", "memfd_create", "memory files (memfd_create)"),   # os's own, under its C name
                      ("_posixshmem", "shm_open", "POSIX shared memory"))
+# and one way into torch itself: a kernel registered for aten::equal (torch.library) answers every comparison
+# of the check's, below anything the pinned references can see
+_UNAUDITED_DISPATCH = (("torch._C", "_dispatch_library", "registering kernels in torch's dispatcher "
+                                                         "(torch.library)"),)
+_UNAUDITED_WAYS = _UNAUDITED_PROCESSES + _UNAUDITED_MEMORY + _UNAUDITED_DISPATCH
 
 
-def _close_unaudited_ways(*, processes: bool) -> None:
-    """Replace each way of ``_UNAUDITED_MEMORY`` (and ``_UNAUDITED_PROCESSES``) in this process with a refusal
-    (a submission would have to dig the original out of the garbage collector: the deliberate effort the
-    policy does not claim to stop)."""
+def _close_unaudited_ways() -> None:
+    """Replace each of ``_UNAUDITED_WAYS`` (processes, memory, torch's dispatcher) in this process with a refusal
+    (importing their modules afresh is refused by the policy; a submission would have to dig the original out
+    of the garbage collector: the deliberate effort the policy does not claim to stop). Inside bubblewrap too:
+    a process started past the audit hook runs free of the policy while it lives, and can change the limits,
+    the priority or the CPUs of the sandbox's other processes (the zygote every later student is forked from)."""
     import importlib
-    for module_name, name, what in _UNAUDITED_MEMORY + (_UNAUDITED_PROCESSES if processes else ()):
+    for module_name, name, what in _UNAUDITED_WAYS:
         try:
             module = importlib.import_module(module_name)
         except ImportError:   # a platform without it

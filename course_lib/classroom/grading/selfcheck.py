@@ -11,6 +11,7 @@ run, with an error naming the exercises, if any problem is found (``pool.SelfChe
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import nbformat
@@ -29,14 +30,16 @@ def course_texts(notebook: str) -> tuple[str, str]:
     return Path(path).read_text(encoding="utf-8"), nbformat.writes(learner)
 
 
-def self_check(plans: dict[str, ExercisePlan]) -> list[str]:
+def self_check(plans: dict[str, ExercisePlan], timeout: float | None = None) -> list[str]:
     """The problems found grading the course's solutions and learner copies on ``plans``: a solution
-    that fails, a blank exercise that passes. Empty when the judge is sound."""
+    that fails, a blank exercise that passes, or (``timeout``: the run's seconds per notebook) solutions
+    that take longer here than a student is given. Empty when the judge is sound."""
     from .judge import judge, known_names
     from .sources import student_part
     known = known_names(plans)
     texts = {plan.notebook: course_texts(plan.notebook) for plan in plans.values() if plan.id != CAPSTONE}
     problems = []
+    seconds: dict[str, float] = {}   # per notebook: what its solutions took here
     for plan in plans.values():
         if plan.id == CAPSTONE:
             continue
@@ -44,9 +47,16 @@ def self_check(plans: dict[str, ExercisePlan]) -> list[str]:
         for text, should_pass, what in ((solution, True, "the course's solution"),
                                         (blank, False, "the learner copy's blank exercise")):
             part = student_part(text, plan, known)
+            start = time.monotonic()
             verdict = judge(plan, part.source) if part.source is not None else \
                 {"passed": False, "diagnosis": part.diagnosis, "message": part.message}
+            if should_pass:
+                seconds[plan.notebook] = seconds.get(plan.notebook, 0.0) + time.monotonic() - start
             if verdict["passed"] != should_pass:
                 got = "passed" if verdict["passed"] else f"failed ({verdict['diagnosis']}: {verdict['message'][:300]})"
                 problems.append(f"exercise {plan.id} ({plan.name}): {what} {got}")
+    problems += [f"timeout: the course's own solutions of {notebook} took {took:.1f} s here, more than the "
+                 f"{timeout:g} s per notebook a student is given, so every student would run out of time; "
+                 f"give a larger --timeout" for notebook, took in seconds.items()
+                 if timeout is not None and took > timeout]
     return problems

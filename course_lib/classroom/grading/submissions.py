@@ -57,20 +57,29 @@ def _visible(path: Path) -> bool:
     return not path.name.startswith(".") and path.name not in _SKIPPED_DIRS and not path.is_symlink()
 
 
-def _walk(folder: Path, depth: int) -> list[Path]:
-    """The regular files under ``folder`` (not following links), at most ``depth`` folders down."""
+def _walk(folder: Path, depth: int, skipped: list[str], top: Path) -> list[Path]:
+    """The regular files under ``folder`` (not following links), at most ``depth`` folders down; a link or a
+    special file (a FIFO) among them is named in ``skipped``, relative to ``top``, rather than left out unsaid."""
     found: list[Path] = []
     try:
         entries = sorted(folder.iterdir())
     except OSError:
         return found
     for entry in entries:
-        if not _visible(entry):
+        if entry.name.startswith(".") or entry.name in _SKIPPED_DIRS:
             continue
-        if entry.is_file():
+        shown = "/".join(name_from_student(part) for part in entry.relative_to(top).parts)
+        if entry.is_symlink():
+            skipped.append(f"{shown} skipped: a link (the grader follows no link inside a submission)")
+        elif entry.is_file():
             found.append(entry)
-        elif entry.is_dir() and depth > 0:
-            found += _walk(entry, depth - 1)
+        elif entry.is_dir() and entry.suffix == ".ipynb":
+            skipped.append(f"{shown} is a folder, not a notebook: its files were not read")
+        elif entry.is_dir():
+            if depth > 0:
+                found += _walk(entry, depth - 1, skipped, top)
+        elif entry.suffix == ".ipynb":
+            skipped.append(f"{shown} skipped: not a regular file")
     return found
 
 
@@ -88,14 +97,10 @@ def _read_student(student: str, folder: Path) -> Submission:
     else:   # nbgrader: one folder per assignment
         roots = sorted(p for p in folder.iterdir() if _visible(p) and p.is_dir() and _has_notebooks(p))
     chosen: dict[str, Path] = {}
-    not_notebooks: set[str] = set()
+    skipped: list[str] = []
     for root in roots:
-        for path in _walk(root, 2):
-            parts = [name_from_student(part) for part in path.relative_to(root).parts]
-            if any(part.endswith(".ipynb") for part in parts[:-1]):   # a folder named like a notebook
-                not_notebooks.add(parts[0])
-                continue
-            name = "/".join(parts)
+        for path in _walk(root, 2, skipped, root):
+            name = "/".join(name_from_student(part) for part in path.relative_to(root).parts)
             if name in chosen:
                 older, newer = sorted([chosen[name], path], key=lambda p: p.stat().st_mtime)
                 submission.notes.append(f"{name} is in two places; graded {newer.parent.name}/{name}, "
@@ -103,8 +108,7 @@ def _read_student(student: str, folder: Path) -> Submission:
                 chosen[name] = newer
             else:
                 chosen[name] = path
-    submission.notes += [f"{folder_name} is a folder, not a notebook: its files were not read"
-                         for folder_name in sorted(not_notebooks)]
+    submission.notes += skipped
     ordered = sorted(chosen.items(), key=lambda kv: (not kv[0].endswith(".ipynb"), kv[0]))
     if len(ordered) > FILES_LIMIT:
         submission.notes.append(f"{len(ordered)} files handed in: only the first {FILES_LIMIT} were read "
@@ -140,7 +144,9 @@ def find_submissions(folder: str | os.PathLike) -> list[Submission]:
         return [_read_student(name_from_student(root.resolve().name or "submission"), root)]
     found: list[Submission] = []
     taken: set[str] = set()
-    for path in sorted(p for p in root.iterdir() if _visible(p) and p.is_dir() and not p.name.endswith(".ipynb")):
+    # a student's folder may be a link (a class folder of links to the students' homes on a JupyterHub)
+    for path in sorted(p for p in root.iterdir() if not p.name.startswith(".") and p.name not in _SKIPPED_DIRS
+                       and p.is_dir() and not p.name.endswith(".ipynb")):
         name = base = name_from_student(path.name)
         number = 1
         while name.casefold() in taken:   # "Jos\xe9" and "Jos\xe8" from a zip both read "Jos\ufffd"

@@ -215,7 +215,7 @@ def _run_child(plan: Any, source: str | None, home: str, deny: list[str], limit:
     _kill_strays()
     try:
         sent = json.loads(b"".join(chunks)) if chunks and size <= READ_LIMIT else None
-    except ValueError:
+    except (ValueError, RecursionError):   # bytes the student's code wrote (nesting deep enough to recurse out)
         sent = None
     verdict = sent.get("verdict") if isinstance(sent, dict) and sent.get("token") == token else None
     if isinstance(verdict, dict) and verdict.get("exercise") == plan.id:
@@ -374,7 +374,7 @@ def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *
         shutil.rmtree(home, ignore_errors=True)
 
 
-def _warm_up(exercises: list[str], *, check: bool = True) -> list[str]:
+def _warm_up(exercises: list[str], *, check: bool = True, timeout: float | None = None) -> list[str]:
     """Import what the checks need and (``check``) grade the course's own solutions and learner copies
     here in the worker (``selfcheck``), so that each forked child starts with every import done and
     every lazy initialisation paid; returns the self-check's problems (none: the judge is sound)."""
@@ -397,7 +397,7 @@ def _warm_up(exercises: list[str], *, check: bool = True) -> list[str]:
         course_namespace()
         return []
     from .selfcheck import self_check
-    return self_check(plans)
+    return self_check(plans, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,9 +406,6 @@ def main(argv: list[str] | None = None) -> int:
     student; the grader ran the self-check elsewhere, so this one only imports what the checks need."""
     argv = sys.argv[1:] if argv is None else argv
     isolated = "--isolated" in argv
-    if isolated:
-        from .sandbox import IN_KERNEL_SANDBOX
-        IN_KERNEL_SANDBOX[0] = True
     if isolated:   # before anything else: an unprivileged user with a process limit, no inherited descriptor
         from .isolation import enter_worker
         uid = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--uid=")), None)
@@ -423,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     channel = _Channel(os.dup(1), token)
     os.dup2(2, 1)   # whatever a library prints goes to the worker's log, never into the channel
     try:
-        problems = _warm_up(exercises, check=not (isolated or "--checked" in argv))
+        timeout = next((float(a.split("=", 1)[1]) for a in argv if a.startswith("--timeout=")), None)
+        problems = _warm_up(exercises, check=not (isolated or "--checked" in argv), timeout=timeout)
         _become_subreaper()
     except Exception as exc:  # the grader reports this as grading itself failing
         channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})

@@ -12,6 +12,9 @@ must hold that a sandbox per student gave for free:
   the scratch ``/tmp`` (the student's folder, and anything planted there for the next one) and ``/dev``
   with ``/dev/shm`` (bubblewrap's own tmpfs, which a grader that is not root leaves writable), and every
   SysV shared-memory segment, message queue and semaphore set is removed;
+- nothing a student did to the worker itself lasts: its resource limits, priority, CPUs and OOM score (which
+  every later student's process inherits, and which any process of the sandbox's user may lower) are
+  compared after each student with what they were before the first; a change ends the sandbox;
 - nothing of the worker is readable by a student: it is not dumpable (no ``/proc/PID/mem``, ``fd``,
   ``environ``, no ptrace, for any process of the sandbox's user), and no folder a student can write is
   on ``sys.path``.
@@ -37,6 +40,7 @@ __all__ = ["seal", "alone_in_sandbox", "sweep", "SWEEP_SECONDS"]
 SWEEP_SECONDS = 10.0   # to end every process a student left, and empty the scratch; else the sandbox goes
 
 _SKELETON: dict[str, set[str]] = {}   # per writable folder: what it held before the first student
+_OWN_STATE: list[dict[str, object]] = []   # the worker's limits, priority, CPUs, OOM score before the first student
 DEV = "/dev"   # a tmpfs of bubblewrap's: owned by the grader's own user where that is not root
 SHM = "/dev/shm"
 
@@ -68,11 +72,29 @@ def alone_in_sandbox() -> bool:
     except OSError:
         return False
     if alone:
+        _OWN_STATE[:] = [_own_state()]
         scratch = tempfile.gettempdir()
         _SKELETON[scratch] = _skeleton(scratch)
         _SKELETON[DEV] = _skeleton(DEV) | _present(DEV)
         _SKELETON[SHM] = set()   # a mount of its own below /dev, which the walk of /dev leaves alone
     return alone
+
+
+def _own_state() -> dict[str, object]:
+    """What this process passes on to every process it forks and a process of the same user can lower from
+    outside (prlimit, setpriority, sched_setaffinity, oom_score_adj)."""
+    import resource
+    state: dict[str, object] = {name: resource.getrlimit(getattr(resource, name))
+                                for name in dir(resource) if name.startswith("RLIMIT_")}
+    state["priority"] = os.getpriority(os.PRIO_PROCESS, 0)
+    if hasattr(os, "sched_getaffinity"):
+        state["cpus"] = os.sched_getaffinity(0)
+    try:
+        with open("/proc/self/oom_score_adj", encoding="ascii") as score:
+            state["oom_score_adj"] = score.read().strip()
+    except OSError:
+        pass
+    return state
 
 
 def _present(root: str) -> set[str]:
@@ -132,6 +154,8 @@ def sweep() -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
+    if _OWN_STATE and _own_state() != _OWN_STATE[0]:   # lowered from outside: every later student would inherit it
+        return False
     if isolation.OWN_USER[0]:   # a key one student left in the user's keyrings must not reach the next
         keyrings.clear_user_keyrings()
     mounts = _mount_points()

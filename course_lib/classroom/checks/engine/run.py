@@ -214,6 +214,10 @@ def _judge(exercise: str, body: Callable[..., str | None], example: Callable[...
     except CheckTimeout:
         return _timed_out(exercise)
     except NotImplementedError as exc:
+        if not raised_in_student_code(exc):   # torch, on an odd tensor the student's code returned
+            return CheckResult(exercise, False, "dtype", f"What your code returned cannot be compared "
+                                                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                                                         f"): return ordinary dense tensors.")
         return CheckResult(exercise, False, "not_implemented",
                            f"Not written yet ({str(exc) or 'NotImplementedError'}). Replace the "
                            f"`raise NotImplementedError`, then re-run.")
