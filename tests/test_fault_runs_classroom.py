@@ -159,3 +159,14 @@ def test_a_full_disk_while_making_the_stubs_leaves_the_previous_report_and_its_m
     assert (tmp_path / "report" / "grades.csv").read_text() == before
     assert report.report_state(tmp_path / "report")[0] != "replacing"
     assert not [p for p in (tmp_path / "report").iterdir() if p.name.startswith(".course-grade-report.pid")]
+
+
+def test_a_notebook_name_too_long_for_its_staged_copy_is_named(tmp_path, capsys):
+    from course_lib.classroom.assignments import main as student_main
+    source = tmp_path / "src"
+    source.mkdir()
+    long_name = "n" * (255 - len(".ipynb")) + ".ipynb"   # legal here; its staged copy's name is not
+    (source / long_name).write_text('{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}')
+    assert student_main([str(source), str(tmp_path / "out")]) != 0
+    err = capsys.readouterr().err
+    assert "name is too long" in err and "rename it shorter" in err and "Traceback" not in err

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import errno
 import json
 import os
 import re
@@ -318,7 +319,11 @@ def _write_and_report(src_dir: Path, out_dir: Path) -> list[CopyOutcome] | None:
                                     f"got '{src_dir}', which has none")
         outcomes = update_learner_copies(src_dir, out_dir)
     except (ValueError, TypeError, OSError) as err:
-        if isinstance(err, OSError) and err.errno is not None:   # the file system's answer, not one of our checks
+        if isinstance(err, OSError) and err.errno == errno.ENAMETOOLONG:   # a copy is staged under a longer name
+            print(f"error: src_dir: a notebook's name is too long to write a copy of ({err.filename or out_dir}); "
+                  f"rename it shorter (a copy is written under its name plus about 25 characters first)",
+                  file=sys.stderr)
+        elif isinstance(err, OSError) and err.errno is not None:   # the file system's answer, not one of our checks
             print(f"error: out_dir: could not read or write {err.filename or out_dir} ({err.strerror or err}); "
                   f"make room, or choose a folder you can write", file=sys.stderr)
         else:
