@@ -82,6 +82,40 @@ def my_prediction():
     return [0.9, 0.05, 0.05], 42.0
 '''
 
+# The same, but the stub puts the recorder back at its first call: nothing is left rebound after the cell.
+CHECKS_REBOUND_AND_BACK = _VERDICTS + '''
+from course_lib.classroom.verdict import CheckResult as _Result
+
+class _Stub:
+    def __init__(self, verdicts, real):
+        self.verdicts, self.real = verdicts, real
+    def __getattr__(self, name):
+        def check(*args, **kwargs):
+            self.verdicts.append(_Result("1.1", True, None, "Right."))
+            globals()["checks"] = self.real
+        return check
+
+def my_prediction():
+    globals()["checks"] = _Stub(_verdicts(), checks)
+    return [0.9, 0.05, 0.05], 42.0
+'''
+
+# A garbage-collector callback, run at every collection, that flips the failure wherever it finds it.
+FLIPPED_BY_GC = _VERDICTS + '''
+import gc as _gc
+
+def _collected(phase, info):
+    _flip(_verdicts_seen)
+
+def causal_mask(n):
+    global _verdicts_seen
+    _verdicts_seen = _verdicts()
+    if _collected not in _gc.callbacks:
+        _gc.callbacks.append(_collected)
+        _gc.set_threshold(1, 1, 1)
+    return torch.zeros(n, n, dtype=torch.bool)
+'''
+
 # A property on the verdicts' own class, which every read of `passed` would ask.
 CLASS_PATCHED = '''
 from course_lib.classroom.verdict import CheckResult as _Result
@@ -93,15 +127,19 @@ def causal_mask(n):
 
 
 @pytest.mark.parametrize("exercise,source", [("1.1", FLIPPED_BY_DEL), ("2.1", FLIPPED_BY_TRACE),
-                                             ("1.1", CHECKS_REBOUND), ("2.1", CLASS_PATCHED)],
-                         ids=["del", "trace", "rebound", "class"])
+                                             ("1.1", CHECKS_REBOUND), ("1.1", CHECKS_REBOUND_AND_BACK),
+                                             ("2.1", FLIPPED_BY_GC), ("2.1", CLASS_PATCHED)],
+                         ids=["del", "trace", "rebound", "rebound-and-back", "gc", "class"])
 def test_a_verdict_changed_after_the_check_wrote_it_is_patched_or_kept(exercise, source, monkeypatch):
     monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")   # as in the grader's exercise process: no fork below it
-    trace = sys.gettrace()
+    import gc
+    trace, callbacks, threshold = sys.gettrace(), list(gc.callbacks), gc.get_threshold()
     try:
         verdict = judge(grading_plan([exercise])[exercise], source)
     finally:
         sys.settrace(trace)
+        gc.callbacks[:] = callbacks
+        gc.set_threshold(*threshold)
     assert verdict["passed"] is False, verdict
     # patched; or, where the engine already put the course back before the grader read anything, the check's own
     # failure (the class's property gone, the verdict it never stored is the student's exception)
@@ -155,7 +193,6 @@ def test_containers_of_other_classes_are_plain_and_their_tensors_too():
 # their modules is refused.
 _CLOSED_PROBE = r"""
 import os, sys
-import torch
 from course_lib.classroom.grading import sandbox
 home = sys.argv[1]
 sandbox.enter(home, [], memory_mb=None, cpu_seconds=None)   # standard output closed: the answer goes to a file
@@ -170,21 +207,22 @@ try:
     import _posixsubprocess
 except sandbox.SandboxRefused:
     refused.append("import")
-try:
-    torch.library.Library("aten", "IMPL")
-except sandbox.SandboxRefused:
-    refused.append("torch.library")
+for way in (lambda: os.pidfd_open(1), lambda: sys.settrace(lambda *args: None)):
+    try:
+        way()
+    except sandbox.SandboxRefused:
+        refused.append("refused")
 with open("refused.txt", "w") as out:
     out.write(",".join(refused))
 """
 
 
-def test_processes_and_kernels_past_the_audit_are_refused_in_an_exercise_process(tmp_path):
+def test_processes_signals_and_trace_functions_past_the_audit_are_refused_in_an_exercise_process(tmp_path):
     package_root = str(Path(course_lib.__file__).resolve().parents[1])
     done = subprocess.run([sys.executable, "-c", _CLOSED_PROBE, str(tmp_path)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": package_root})
     answer = tmp_path / "refused.txt"
-    assert answer.exists() and answer.read_text() == "fork_exec,import,torch.library", \
+    assert answer.exists() and answer.read_text() == "fork_exec,import,refused,refused", \
         (answer.read_text() if answer.exists() else "") + done.stderr[-2000:]
 
 
@@ -223,3 +261,20 @@ def test_no_line_of_grades_csv_starts_a_formula_whatever_the_message_holds():
     text = grades_csv([Grade("ada", "2.1", False, "exception", 'wrong\n=HYPERLINK("http://x","click")\r\n+1', 0.1)])
     assert all(not line.startswith(("=", "+", "-", "@")) for line in text.splitlines()), text
     assert len(text.splitlines()) == 2
+
+
+def test_in_the_sandbox_8_1s_reference_run_is_built_from_the_courses_own_parts(tmp_path):
+    """The sandbox's notebooks hold no solutions: the reference GPT of 8.1 took them and raised for every student,
+    the course's own solution included. A withheld solution now leaves course_lib's version in its place."""
+    import dataclasses
+
+    import course_lib
+    from course_lib.classroom import collect
+    from course_lib.classroom.grading.stubs import without_solutions
+    found = collect.collect_student_parts(tmp_path)   # no notebook: every part is the course's
+    withheld = collect.Collection(tmp_path, {ex_id: dataclasses.replace(part, exercise=dataclasses.replace(
+        part.exercise, solution=without_solutions(part.exercise.solution))) for ex_id, part in found.parts.items()})
+    assert any(collect.WITHHELD in p.exercise.solution for p in withheld.parts.values())
+    namespace = withheld.namespace(yours=())
+    assert namespace["MultiHeadMaskedAttention"] is course_lib.MultiHeadMaskedAttention
+    assert namespace["causal_mask"](3).dtype == torch.bool   # runs: not the withheld stub

@@ -29,6 +29,8 @@ from .._validate import describe
 from ..course_files import course_notebooks
 from . import notebook_reader as reader
 
+WITHHELD = "withheld by the grader"   # what a solution says in the grader's sandbox (grading.stubs)
+
 __all__ = ["CollectedPart", "Collection", "every_exercise", "course_exercises", "collect_student_parts",
            "course_namespace", "course_names", "GPT_EXERCISES"]
 
@@ -190,8 +192,10 @@ class Collection:
                     namespace[alias] = namespace[target]
             if ex_id in chosen:
                 _execute(part.source, namespace, f"<your {part.exercise.notebook}, Exercise {ex_id}>")
-            else:
+            elif WITHHELD not in part.exercise.solution:
                 _execute(part.exercise.solution, namespace, f"<course solution, Exercise {ex_id}>")
+            # else: the grader's sandbox, whose notebooks hold no solution: course_namespace()'s own version
+            # (course_lib's, which the solution equals) stands for it under the same name
         return namespace
 
     def with_part(self, exercise_id: str, source: str) -> Collection:

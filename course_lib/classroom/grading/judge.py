@@ -8,6 +8,7 @@ standing for the course's checkers, whose verdicts are kept. The verdict is the 
 """
 from __future__ import annotations
 
+import gc
 import sys
 import types
 from collections.abc import Callable
@@ -47,7 +48,10 @@ class RecordingChecks:
 
             def run(*args: Any, **kwargs: Any) -> CheckResult:
                 result = real(*args, **kwargs)
-                if type(result) is CheckResult:   # a copy, which no code of the student's was handed
+                if sys.gettrace() is not _TRACE or sys._getframe().f_trace is not None:
+                    # a trace function of the student's runs here, between the checker's return and the copy
+                    verdicts.append(CheckResult(getattr(result, "exercise", "?"), False, "patched", _TAMPERED))
+                elif type(result) is CheckResult:   # a copy, which no code of the student's was handed
                     verdicts.append(CheckResult(result.exercise, result.passed, result.diagnosis, result.message))
                 return result
             return run
@@ -93,6 +97,12 @@ def _same_items(now: _Items, then: _Items) -> bool:
 
 # CheckResult's own attributes before any student: a property put on the class would answer every verdict's read
 _VERDICT_CLASS = _Items(vars(CheckResult).items())
+_TRACE = sys.gettrace()   # this process's trace function before any student (None; a coverage tool's in tests)
+
+
+def _collector() -> tuple[Any, ...]:
+    """The garbage collector's hooks and thresholds: a callback runs code at every collection."""
+    return tuple(gc.callbacks), gc.get_threshold(), gc.isenabled()
 
 
 def _tampered(held: list[tuple[Callable[[], Any], Any]], verdicts: list[CheckResult]) -> bool:
@@ -181,20 +191,28 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], recorder: Rec
     the name ``checks`` in the namespace) or left a trace or profile function that would run in the grader's
     own bookkeeping after the cell; else the verdict of the checks."""
     held = _held(recorder)
-    tracing = sys.gettrace(), sys.getprofile()
+    tracing, collector = (sys.gettrace(), sys.getprofile()), _collector()
+    # the cell's own globals: a function of the student's that rebinds `checks` in its globals (the namespace)
+    # does not reach the name the cell reads
+    cell = dict(namespace)
     error = None
     try:
-        exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), namespace)
+        exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), cell)
     except BaseException as exc:  # 1.1's cell calls the student's my_prediction() itself; 8.1's parts train here
         error = exc
     traced = (sys.gettrace(), sys.getprofile()) != tracing   # first: no function of the student's runs past here
     if traced:
         sys.settrace(tracing[0])
         sys.setprofile(tracing[1])
+    if _collector() != collector:
+        traced = True
+        gc.callbacks[:] = collector[0]
+        gc.set_threshold(*collector[1])
+        (gc.enable if collector[2] else gc.disable)()
     record = _record(verdicts)   # before install_references drops the student's objects (a __del__ is code too)
     install_references()
-    if record is None or traced or namespace.get("checks") is not recorder or _tampered(held, verdicts) \
-            or _record(verdicts) != record:
+    if record is None or traced or namespace.get("checks") is not recorder or cell.get("checks") is not recorder \
+            or _tampered(held, verdicts) or _record(verdicts) != record:
         return _verdict(plan.id, False, "patched", _TAMPERED)
     return _from_checks(plan, record, error)
 

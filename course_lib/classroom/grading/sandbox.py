@@ -47,6 +47,8 @@ _REFUSED_EVENTS = {
     "ctypes.dlopen": "loading C libraries through ctypes", "ctypes.dlsym": "C functions through ctypes",
     "ctypes.dlsym/handle": "C functions through ctypes", "ctypes.call_function": "C functions through ctypes",
     "resource.setrlimit": "changing the resource limits", "resource.prlimit": "changing the resource limits",
+    # a trace function runs the student's code between the checker's return and the grader's record of it
+    "sys.settrace": "trace functions (sys.settrace)",
 }
 # Events whose first argument (or first two) is a path that is changed.
 _WRITE_PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1,
@@ -150,7 +152,7 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
     proc = os.path.realpath("/proc") + os.sep if os.path.isdir("/proc") else None
     own_proc = (f"{proc}{own_pid}", f"{proc}self", f"{proc}thread-self") if proc else ()
     # the modules whose unaudited functions _close_unaudited_ways replaces: imported afresh they are whole again
-    closed_modules = frozenset(module for module, _, _ in _UNAUDITED_WAYS) - {"os"}
+    closed_modules = frozenset(module for module, _, _ in _UNAUDITED_WAYS) - {"os", "signal"}   # pure Python
 
     def inside(path: str, roots: tuple[str, ...]) -> bool:
         return any(path == root or path.startswith(root + os.sep) for root in roots)
@@ -258,15 +260,16 @@ _UNAUDITED_PROCESSES = (("_posixsubprocess", "fork_exec", "starting another proc
 _UNAUDITED_MEMORY = (("os", "memfd_create", "memory files (memfd_create)"),
                      ("posix", "memfd_create", "memory files (memfd_create)"),   # os's own, under its C name
                      ("_posixshmem", "shm_open", "POSIX shared memory"))
-# and one way into torch itself: a kernel registered for aten::equal (torch.library) answers every comparison
-# of the check's, below anything the pinned references can see
-_UNAUDITED_DISPATCH = (("torch._C", "_dispatch_library", "registering kernels in torch's dispatcher "
-                                                         "(torch.library)"),)
-_UNAUDITED_WAYS = _UNAUDITED_PROCESSES + _UNAUDITED_MEMORY + _UNAUDITED_DISPATCH
+# and signals through a process descriptor, which the audit hook's os.kill rule never sees
+_UNAUDITED_SIGNALS = (("os", "pidfd_open", "signalling other processes (pidfd_open)"),
+                      ("posix", "pidfd_open", "signalling other processes (pidfd_open)"),
+                      ("signal", "pidfd_send_signal", "signalling other processes (pidfd_send_signal)"),
+                      ("_signal", "pidfd_send_signal", "signalling other processes (pidfd_send_signal)"))
+_UNAUDITED_WAYS = _UNAUDITED_PROCESSES + _UNAUDITED_MEMORY + _UNAUDITED_SIGNALS
 
 
 def _close_unaudited_ways() -> None:
-    """Replace each of ``_UNAUDITED_WAYS`` (processes, memory, torch's dispatcher) in this process with a refusal
+    """Replace each of ``_UNAUDITED_WAYS`` (processes, memory, signals) in this process with a refusal
     (importing their modules afresh is refused by the policy; a submission would have to dig the original out
     of the garbage collector: the deliberate effort the policy does not claim to stop). Inside bubblewrap too:
     a process started past the audit hook runs free of the policy while it lives, and can change the limits,

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from .. import notebook_reader as reader
+from ..collect import WITHHELD
 
 __all__ = ["write_stub_notebooks", "without_solutions"]
 
@@ -24,7 +25,7 @@ def without_solutions(source: str) -> str:
         found = reader.marker(line)
         if found is not None and found.kind == "begin":
             inside = True
-            kept += [line, f"{found.indent}raise NotImplementedError('withheld by the grader')\n"]
+            kept += [line, f"{found.indent}raise NotImplementedError({WITHHELD!r})\n"]
         elif found is not None and found.kind == "end":
             inside = False
             kept.append(line)

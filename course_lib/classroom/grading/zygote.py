@@ -12,9 +12,9 @@ must hold that a sandbox per student gave for free:
   the scratch ``/tmp`` (the student's folder, and anything planted there for the next one) and ``/dev``
   with ``/dev/shm`` (bubblewrap's own tmpfs, which a grader that is not root leaves writable), and every
   SysV shared-memory segment, message queue and semaphore set is removed;
-- nothing a student did to the worker itself lasts: its resource limits, priority, CPUs and OOM score (which
-  every later student's process inherits, and which any process of the sandbox's user may lower) are
-  compared after each student with what they were before the first; a change ends the sandbox;
+- nothing a student did to the worker itself lasts: its resource limits, priority, scheduler, CPUs and OOM
+  score (which every later student's process inherits, and which any process of the sandbox's user may
+  lower) are compared after each student with what they were before the first; a change ends the sandbox;
 - nothing of the worker is readable by a student: it is not dumpable (no ``/proc/PID/mem``, ``fd``,
   ``environ``, no ptrace, for any process of the sandbox's user), and no folder a student can write is
   on ``sys.path``.
@@ -89,6 +89,7 @@ def _own_state() -> dict[str, object]:
     state["priority"] = os.getpriority(os.PRIO_PROCESS, 0)
     if hasattr(os, "sched_getaffinity"):
         state["cpus"] = os.sched_getaffinity(0)
+        state["scheduler"] = os.sched_getscheduler(0), os.sched_getparam(0).sched_priority   # SCHED_IDLE starves it
     try:
         with open("/proc/self/oom_score_adj", encoding="ascii") as score:
             state["oom_score_adj"] = score.read().strip()
