@@ -105,19 +105,25 @@ def test_a_timeout_the_courses_own_solutions_cannot_meet_is_refused_before_gradi
     assert not (tmp_path / "report" / "grades.csv").exists()   # nobody graded, every student told to look for a loop
 
 
-def test_files_an_instructor_added_to_feedback_are_never_replaced_by_a_new_run(tmp_path, capsys):
-    write_student(tmp_path / "class" / "ann", ["01"], solved=True)
-    argv = ["grade", str(tmp_path / "class"), "--out", str(tmp_path / "report"), "--isolation", "off",
-            "--exercises", "1.1", "--quiet"]
-    assert main(argv) == 0
-    notes = tmp_path / "report" / "feedback" / "notes-for-ann.txt"
+def _written_report(out):
+    """A report as a finished run leaves it: its marker lists the files it wrote in feedback/."""
+    from course_lib.classroom.grading.grades import Grade
+    info = report.RunInfo(students=1, workers=1, timeout=60, memory_mb=2048, seconds=1.0, sandbox="test")
+    report.claim_report_folder(out)
+    report.write_report(out, [Grade("ann", "1.1", True, None, "Right.", 0.1)], info)
+    return info
+
+
+def test_files_an_instructor_added_to_feedback_are_never_replaced_by_a_new_run(tmp_path):
+    out = tmp_path / "report"
+    _written_report(out)
+    notes = out / "feedback" / "notes-for-ann.txt"
     notes.write_text("the instructor's own notes")
-    capsys.readouterr()
-    assert main(argv) == 2
-    assert "feedback/notes-for-ann.txt" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="feedback/notes-for-ann.txt"):
+        report.claim_report_folder(out)   # the next run: refused before anyone is graded
     assert notes.read_text() == "the instructor's own notes"
     notes.unlink()
-    assert main(argv) == 0   # once moved out, the run goes ahead
+    report.claim_report_folder(out)   # once moved out, the run goes ahead
 
 
 def test_the_work_folder_a_killed_run_left_is_removed_by_the_next(tmp_path, monkeypatch):
@@ -129,6 +135,7 @@ def test_the_work_folder_a_killed_run_left_is_removed_by_the_next(tmp_path, monk
     (left / "notebooks").mkdir(parents=True)
     os.utime(left, (0, 0))   # old: a folder of a process that is gone, not one being made now
     write_student(tmp_path / "class" / "ann", ["01"], solved=True)
+    monkeypatch.setattr("course_lib.classroom.grading.grade_submissions", lambda *args: ([], []))   # no worker
     assert main(["grade", str(tmp_path / "class"), "--out", str(tmp_path / "report"), "--isolation", "off",
                  "--exercises", "1.1", "--quiet"]) == 0
     assert not left.exists() and not list(scratch.iterdir())   # and this run's own is gone too
@@ -146,19 +153,20 @@ def test_ctrl_c_during_export_is_one_line(tmp_path, monkeypatch, capsys):
 
 def test_a_full_disk_while_making_the_stubs_leaves_the_previous_report_and_its_marker(tmp_path, monkeypatch):
     import errno
-    write_student(tmp_path / "class" / "ann", ["01"], solved=True)
-    argv = ["grade", str(tmp_path / "class"), "--out", str(tmp_path / "report"), "--isolation", "off",
-            "--exercises", "1.1", "--quiet"]
-    assert main(argv) == 0
-    before = (tmp_path / "report" / "grades.csv").read_text()
+
+    from course_lib.classroom.grading.grades import Grade
+    out = tmp_path / "report"
+    info = _written_report(out)
+    before = (out / "grades.csv").read_text()
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(report, "_stubs", full)
-    assert main(argv) == 2
-    assert (tmp_path / "report" / "grades.csv").read_text() == before
-    assert report.report_state(tmp_path / "report")[0] != "replacing"
-    assert not [p for p in (tmp_path / "report").iterdir() if p.name.startswith(".course-grade-report.pid")]
+    with pytest.raises(OSError):
+        report.write_report(out, [Grade("ann", "1.1", False, "shape", "Wrong.", 0.1)], info)
+    assert (out / "grades.csv").read_text() == before
+    assert report.report_state(out)[0] != "replacing"
+    assert not [p for p in out.iterdir() if p.name.startswith(".course-grade-report.pid")]
 
 
 def test_a_notebook_name_too_long_for_its_staged_copy_is_named(tmp_path, capsys):
