@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import json
 import os
 import re
 import shutil
@@ -12,7 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_file", "check_replaceable", "staging_prefix", "remove_stale_staging"]
+try:
+    import fcntl
+except ImportError:   # Windows: no advisory locks here; a folder is then not guarded
+    fcntl = None
+
+__all__ = ["atomic_file", "check_replaceable", "staging_prefix", "remove_stale_staging", "hold_lock", "LockHeld"]
 
 # A staging name says which process writes it (".NAME.pid1234.abcd1234.tmp"), so a later run can tell one left
 # by a killed run from one a live run is still writing. A stale one is removed only once it is this old: a
@@ -135,3 +142,54 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", *, suffix: str = ".tmp
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class LockHeld(Exception):
+    """Another live process holds the lock: ``pid`` (None while it starts) and ``holder``, in words."""
+
+    def __init__(self, pid: int | None, holder: str):
+        super().__init__(holder)
+        self.pid, self.holder = pid, holder
+
+
+def _lock_holder(fd: int) -> tuple[int | None, str]:
+    """(1234, 'PID 1234, started 2026-11-24T14:35:02+00:00'), from a lock file's contents."""
+    try:
+        saved = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+        pid = int(saved["pid"])
+        return pid, f"PID {pid}, started {saved['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, "its PID is not written yet: it is starting"
+
+
+def hold_lock(path: Path) -> tuple[int | None, str]:
+    """Hold an exclusive flock on ``path`` (created if need be, never through a link) for as long as the returned
+    descriptor stays open, and write this process's PID and start time into it. The OS drops the lock when the
+    holder's process ends, however it ends, so a file left by a dead process is simply taken over.
+
+    Returns (the descriptor, what the file said of its last holder, "" when empty); (None, "") where the OS has
+    no flock. Raises :class:`LockHeld` naming a live holder, or the OSError of a file that cannot be made or
+    written (its ``stage`` attribute: "create" or "write")."""
+    if fcntl is None:
+        return None, ""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as exc:
+        exc.stage = "create"
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pid, holder = _lock_holder(fd)
+        os.close(fd)
+        raise LockHeld(pid, holder) from None
+    previous = _lock_holder(fd)[1] if os.fstat(fd).st_size else ""
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "started": started}).encode("utf-8") + b"\n", 0)
+    except OSError as exc:   # a disk that is full
+        os.close(fd)
+        exc.stage = "write"
+        raise
+    return fd, previous

@@ -29,7 +29,7 @@ def test_a_report_folder_another_run_holds_is_refused_naming_it(tmp_path):
     out = tmp_path / "report"
     held = report.hold_report_folder(out)
     try:
-        with pytest.raises(RuntimeError, match=rf"another grade run \(pid {os.getpid()}\)"):
+        with pytest.raises(RuntimeError, match=rf"another grade run \(PID {os.getpid()}, started "):
             report.hold_report_folder(out)
     finally:
         report.release_report_folder(held)

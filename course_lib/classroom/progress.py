@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import stat
 import sys
 import time
 from collections import Counter
@@ -213,7 +214,6 @@ def _room_file(path: Path) -> bytes | None:
     except OSError:
         return None
     try:
-        import stat
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
         chunks, size = [], 0

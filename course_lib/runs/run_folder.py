@@ -2,7 +2,6 @@
 always written as one consistent unit (the same run id and step in both)."""
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import shlex
@@ -14,13 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from .._atomic import check_replaceable
+from .._atomic import LockHeld, check_replaceable, hold_lock
 from ..checkpoints import TMP_SUFFIX, remove_stale_temporaries, save_checkpoint, write_atomically
-
-try:
-    import fcntl
-except ImportError:   # Windows: no advisory locks here; the folder is then not guarded
-    fcntl = None
 
 __all__ = ["RunFolder", "RunRefused", "CHECKPOINT", "METRICS", "LOCK", "command"]
 
@@ -118,31 +112,21 @@ class RunFolder:
 
     def _lock(self) -> None:
         """Hold the folder for this run, or refuse naming the run that holds it."""
-        if fcntl is None or self._lock_fd is not None:
+        if self._lock_fd is not None:
             return
         path = self.path / LOCK
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            self._lock_fd, self.previous_holder = hold_lock(path)
+        except LockHeld as held:
+            raise RunRefused(f"out: {self.path} is in use by another run ({held.holder}); wait for it to end, "
+                             f"stop it ({f'kill {held.pid}' if held.pid else 'kill it'}), or choose another "
+                             f"--out") from None
         except OSError as exc:
+            if getattr(exc, "stage", "") == "write":
+                raise RunRefused(f"out: cannot write the lock file {path} ({exc.strerror or exc}); make room, or "
+                                 f"choose another --out") from None
             raise RunRefused(f"out: cannot create the lock file {path} ({exc.strerror or exc}); "
                              f"choose another --out") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            pid, holder = _read_holder(fd)
-            os.close(fd)
-            raise RunRefused(f"out: {self.path} is in use by another run ({holder}); wait for it to end, "
-                             f"stop it ({f'kill {pid}' if pid else 'kill it'}), or choose another --out") from None
-        self.previous_holder = _read_holder(fd)[1] if os.fstat(fd).st_size else ""
-        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps({"pid": os.getpid(), "started": started}).encode("utf-8") + b"\n", 0)
-        except OSError as exc:   # a disk that is full
-            os.close(fd)
-            raise RunRefused(f"out: cannot write the lock file {path} ({exc.strerror or exc}); make room, or "
-                             f"choose another --out") from None
-        self._lock_fd = fd
 
     def release(self) -> None:
         """Let another run use the folder (the lock file stays: removing it would race a waiting run)."""
@@ -186,13 +170,3 @@ class RunFolder:
                         training=training)
         self.checkpoint_step = training["step"]
         write_atomically(self.metrics, json.dumps(metrics, indent=2).encode("utf-8"))
-
-
-def _read_holder(fd: int) -> tuple[int | None, str]:
-    """(1234, 'PID 1234, started 2026-11-24T14:35:02+00:00'), from a lock file's contents."""
-    try:
-        saved = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
-        pid = int(saved["pid"])
-        return pid, f"PID {pid}, started {saved['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, "its PID is not written yet: it is starting"

@@ -28,6 +28,7 @@ from ._student_code import call_student, close, expect_callable
 from ._student_files import raised_in_student_code, student_frame
 from .engine import first_mistake
 from .engine.example import compare
+from .engine.function import UNEXPLAINED
 from .engine.model_state import ModelState, autograd_cause, global_hooks_kept, plant_hooks
 
 _OWNS = "head h owns columns h * head_dim .. (h+1) * head_dim - 1"
@@ -245,9 +246,8 @@ def _diagnose(model: nn.Module, layer: int, head: int, idx: torch.Tensor, out: A
         first_mistake(ABLATION_MISTAKES, lambda mistake: close(out, _mistaken(model, layer, head, idx, mistake.spec)),
                       f"{shown}: ")     # a mistake that raises does not apply here (no layer before layer 0)
     fail("mismatch", f"{shown}: inside the `with`, the model's output is not that of the model with head {head} of "
-                     f"layer {layer} switched off, and none of the mistakes we test for explains it on its own (it "
-                     f"may be another, or two at once). The head's output is its head_dim columns of the input of "
-                     f"model.blocks[{layer}].attn.proj.")
+                     f"layer {layer} switched off, and {UNEXPLAINED}. The head's output is its "
+                     f"head_dim columns of the input of model.blocks[{layer}].attn.proj.")
 
 
 class _Fresh:

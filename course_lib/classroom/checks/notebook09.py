@@ -42,7 +42,7 @@ from ._student_code import (
 from ._student_files import is_student_file
 from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, function_example, judge, module_example
 from .engine.example import SEEDS, tiny
-from .engine.function import Run
+from .engine.function import UNEXPLAINED, Run
 from .engine.other_sizes import at_other_sizes
 from .engine.probes import gradient_probe, module_in_float64
 from .engine.scale_fit import fitted_scale
@@ -945,10 +945,9 @@ def _diagnose_full(built_all: list[Built], generator: torch.Generator) -> None:
         fail("scale", found)
     b, x, out, expected = next((b, x, out, e) for b in built_all for x, out, e in b.runs if not close(out, e))
     fail("mismatch", f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)} differs from the "
-                     f"reference by up to {max_diff(out, expected):.3g}, and none of the mistakes we test for "
-                     f"explains it on its own (it may be another, or two at once). The steps: project, split into heads (num_heads for q, "
-                     f"num_kv_heads for k and v), rotate q and k, repeat k and v per group, causal attention scaled "
-                     f"by 1/sqrt(head_dim), merge, self.proj.")
+                     f"reference by up to {max_diff(out, expected):.3g}, and {UNEXPLAINED}. The steps: "
+                     f"project, split into heads (num_heads for q, num_kv_heads for k and v), rotate q and k, "
+                     f"repeat k and v per group, causal attention scaled by 1/sqrt(head_dim), merge, self.proj.")
 
 
 # ---------------------------------------------------------------- the KV cache

@@ -25,7 +25,7 @@ from ._gradients import check_module_gradients
 from ._student_code import close, reraise_with
 from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
 from .engine.example import tiny
-from .engine.function import Run
+from .engine.function import UNEXPLAINED, Run
 
 __all__ = ["check_sliding_window_mask", "check_latent_attention", "check_linear_attention_recurrent"]
 
@@ -415,8 +415,7 @@ LATENT_ATTENTION = FunctionExercise(
     _mla_cases, ("layer", "x", "split"),
     success="Right with and without a LatentCache, with and without a query latent (q_lora_rank): your MLA "
             "caches one latent and one rotary key per token and gives the layer's outputs.",
-    mismatch=lambda run: f"{run.case.what} differs from the layer's own forward, and none of the mistakes "
-                         f"we test for explains it on its own (it may be another, or two at once). "
+    mismatch=lambda run: f"{run.case.what} differs from the layer's own forward, and {UNEXPLAINED}. "
                          f"Go through the steps: queries split into nope and rope parts; latent and k_rope from "
                          f"kv_a_proj_with_mqa; the norm; RoPE on the rotary parts at start; the cache; keys and "
                          f"values from kv_b_proj; scores with layer.softmax_scale; the causal mask; o_proj.",
@@ -532,8 +531,7 @@ LINEAR_RECURRENT = FunctionExercise(
     _linear_cases, ("q", "k", "v"),
     success="Right on every shape tried: a state S of d x d_v and a normaliser z, updated once per token, give "
             "the parallel form's outputs.",
-    mismatch=lambda run: f"{run.case.what} differs from the parallel form, and none of the mistakes we "
-                         f"test for explains it on its own (it may be another, or two at once). Per "
+    mismatch=lambda run: f"{run.case.what} differs from the parallel form, and {UNEXPLAINED}. Per "
                          f"token i: S += outer(phi(k_i), v_i), z += phi(k_i), then o_i = phi(q_i) S / (phi(q_i) . z "
                          f"+ 1e-6).",
     mistakes=(

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..._atomic import atomic_file, remove_stale_staging, staging_prefix
+from ..._atomic import LockHeld, atomic_file, hold_lock, remove_stale_staging, staging_prefix
 from ..exercises import exercise_order
 from ..verdict import DIAGNOSES
 from .advice import exercise_title, first_hint, room_hint
@@ -134,22 +134,13 @@ def hold_report_folder(out: Path) -> int | None:
     """Hold ``out`` for this run, or refuse naming the run that holds it: two runs writing one report folder
     would leave one's files beside the other's. The descriptor to give :func:`release_report_folder` (None
     where the OS has no flock)."""
-    try:
-        import fcntl
-    except ImportError:   # Windows: one run at a time is the instructor's to keep
-        return None
     check_report_folder(out)
     out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 100, 0).decode("utf-8", "replace").strip()
-        os.close(fd)
-        raise RuntimeError(f"out: {out} is being written by another grade run ({holder or 'pid unknown'}); "
-                           f"wait for it to end, or choose another --out") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}\n".encode("ascii"), 0)
+        fd, _ = hold_lock(out / LOCK)
+    except LockHeld as held:
+        raise RuntimeError(f"out: {out} is being written by another grade run ({held.holder}); wait for it to "
+                           f"end, or choose another --out") from None
     return fd
 
 

@@ -32,6 +32,10 @@ class Case:
         return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in self.args)
 
 
+# What a message says when the output differs and no mistake in the exercise's table reproduces it
+UNEXPLAINED = "none of the mistakes we test for explains it on its own (it may be another, or two at once)"
+
+
 @dataclass(frozen=True)
 class Run:
     case: Case
