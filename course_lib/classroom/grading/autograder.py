@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "exercises of the notebooks it holds)")
     parser.add_argument("--timeout", type=_positive_float, default=TIMEOUT, metavar="SECONDS",
                         help="time limit per notebook; its exercises share it (default %(default)g, so that "
-                             "eleven notebooks stay inside Gradescope's 10 minutes)")
+                             "twelve notebooks stay inside Gradescope's 10 minutes)")
     parser.add_argument("--memory-mb", type=_memory_mb, default=MEMORY_MB, metavar="MB",
                         help="memory per exercise beyond the course's own (default %(default)s, inside "
                              "Gradescope's 768 MB)")
