@@ -191,9 +191,9 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise('6.1', 'flops_per_token', 'flops_per_token', 'check_flops_per_token',
              reference='train.flops_per_token', hints=(
         'Two terms: the weights (6 FLOPs per weight per token) and attention (12·n·H·Q·T per token).',
-        'Read the sizes from config: L = config.num_layers, H = config.num_heads, Q = config.head_dim, T '
+        'Read the sizes from config: n = config.num_layers, H = config.num_heads, Q = config.head_dim, T '
         '= config.max_tokens. N is the num_weights argument.',
-        'return 6 * num_weights + 12 * L * H * Q * T, with each letter taken from config.',
+        'return 6 * num_weights + 12 * n * H * Q * T, with each letter taken from config.',
     )),
     Exercise('6.2', 'generate_with_cache', 'generate_with_cache', 'check_kv_cache',
              reference='generate.generate_with_cache', same_work=('generate.generate',), hints=(

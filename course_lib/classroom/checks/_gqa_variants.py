@@ -34,13 +34,15 @@ def tables(head_dim: int, max_tokens: int, theta: float, *, exponent: str = "2i/
            layout: str = "half", first_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (max_tokens, head_dim) in float64: pair i turns by base ** -exponent per position
     (base = theta when right). layout "half" repeats the head_dim/2 angles as two halves (right);
-    "interleaved" repeats each angle twice in a row."""
+    "flipped" repeats them in reverse order; "interleaved" repeats each angle twice in a row."""
     pairs = torch.arange(head_dim // 2, dtype=torch.float64)
     turns = float(theta if base is None else base) ** -_EXPONENTS[exponent](pairs, head_dim)   # (d/2,)
     positions = torch.arange(max_tokens, dtype=torch.float64) + first_position             # (T,)
     angles = torch.outer(positions, turns)                                                  # (T, d/2)
     if layout == "half":
         angles = torch.cat([angles, angles], dim=-1)                                        # (T, d)
+    elif layout == "flipped":
+        angles = torch.cat([angles, angles.flip(-1)], dim=-1)                               # (T, d)
     else:
         angles = angles.repeat_interleave(2, dim=-1)                                        # (T, d)
     return angles.cos(), angles.sin()
@@ -54,6 +56,9 @@ def table_mistakes(theta: float) -> list[Mistake]:
                         "flattening), which pairs dimensions (2i, 2i+1). This course (like Hugging Face "
                         "Llama) pairs dimension i with i + head_dim/2: concatenate the head_dim/2 angles with "
                         "themselves, torch.cat([angles, angles], dim=-1)", {"layout": "interleaved"}),
+        ("rope_layout", "the second half of the angles is the first half in reverse order: dimension i and "
+                        "i + head_dim/2 must turn by the same angle, so repeat the first half in the same order, "
+                        "torch.cat([angles, angles], dim=-1)", {"layout": "flipped"}),
         ("rope_frequencies", "the exponent uses the pair index i over head_dim; it should be 2i/head_dim "
                              "(step through 0, 2, 4, ... or multiply i by 2)", {"exponent": "i/d"}),
         ("rope_frequencies", "the exponent counts the dimension index twice: you step through 0, 2, 4, ... "

@@ -738,8 +738,13 @@ def check_gpt(cls: Any) -> str:
             candidate(too_long)
     except Failure:
         raise
-    except Exception:  # raising is what we want here
+    except ValueError:   # what the text asks for
         pass
+    except Exception as error:   # refused, but not as the text asks
+        fail("context_limit", f"Your GPT raised {type(error).__name__} for {config.max_tokens + 1} tokens with "
+                              f"max_tokens={config.max_tokens}. Raise a ValueError that says how to crop the input "
+                              f"(idx[:, -max_tokens:]): a caller catches ValueError for a bad argument, and an assert "
+                              f"is skipped altogether under python -O.")
     else:
         fail("context_limit", f"Your GPT accepted {config.max_tokens + 1} tokens with max_tokens={config.max_tokens}. "
                          f"It has no positions beyond max_tokens: raise a ValueError that says so (and how to "

@@ -41,7 +41,7 @@ def _lhqt(config: Any) -> int:
 
 
 def _flops_what(config: Any, weights: int) -> str:
-    return (f"flops_per_token(config with L={config.num_layers} layers, H={config.num_heads} heads of "
+    return (f"flops_per_token(config with n={config.num_layers} layers, H={config.num_heads} heads of "
             f"Q={config.head_dim}, T={config.max_tokens}; num_weights={weights:,})")
 
 
@@ -109,17 +109,30 @@ def _ignores_weights(runs: list[Run], fn: Any) -> None:
     config, weights = run.case.args
     # a count that follows the configuration but not num_weights: N counted from the config (a constant is not)
     follows_config = len({float(r.out) for r in runs}) > 1
-    if follows_config and FLOPS_PER_TOKEN.same(call(fn, config, weights + 1000, what=run.case.what), run.out):
+    more = call(fn, config, weights + 1000, what=run.case.what)
+    if follows_config and FLOPS_PER_TOKEN.same(more, run.out):
         fail("weights_count", f"{run.case.what} returned {float(run.out):,.0f}, expected "
                               f"{float(run.expected):,.0f}, and gives the same number when num_weights changes: use "
                               f"the num_weights argument (N) for the 6N term.")
+    if isinstance(more, torch.Tensor) and math.isclose(float(more) - float(run.out), 6000, abs_tol=1e-6):
+        # the count grows by 6 per weight: 6N is there, and what does not depend on N is most likely attention
+        rest = float(run.out) - 6 * weights
+        fail("attention_flops", f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f}. "
+                                f"Your count grows by 6 for every weight added, so 6N is there; what does not depend "
+                                f"on num_weights is {rest:,.0f}, where the attention term 12·n·H·Q·T = 12·"
+                                f"{config.num_layers}·{config.num_heads}·{config.head_dim}·{config.max_tokens} = "
+                                f"{12 * _lhqt(config):,}. Look at the attention term first: per token and layer, "
+                                f"each of the H heads makes two products over the T keys (the scores QK^T and the "
+                                f"weighted sum of the values), 2·Q·T FLOPs each forward, three times that with the "
+                                f"backward pass, and all T keys count. If it is right, something else is added to "
+                                f"(or taken from) 6N.")
 
 
 def _slip(code: str, advice: str, count: Callable[[Any, int], float]) -> Mistake:
     return Mistake(code, "{what} returned {got:,.0f}, expected {expected:,.0f}: " + advice, output=_flops(count))
 
 
-# Known slips, named only when one explains every configuration (with L = 2, leaving out the layers and
+# Known slips, named only when one explains every configuration (with n = 2, leaving out the layers and
 # counting one product per head give the same number); the message quotes the first wrong one.
 # flops_factor: 2N or 4N where training costs 6N, or the attention term of the forward pass alone.
 _FACTOR_SLIPS = (
@@ -154,9 +167,9 @@ _ATTENTION_PARTS: tuple[tuple[tuple[Callable[[Any], int], str], ...], ...] = (
                     "times that with the backward pass: 12·n·H·Q·T in all.")),
     ((lambda c: c.num_layers, ""),
      (lambda c: 1, "the attention term leaves out the number of layers: every block has its own attention. "
-                   "Multiply by L = config.num_layers."),
+                   "Multiply by n = config.num_layers."),
      (lambda c: 2, "the attention term has 2 layers written into it: every block has its own attention, so "
-                   "multiply by L = config.num_layers, whatever it is.")),
+                   "multiply by n = config.num_layers, whatever it is.")),
     ((lambda c: c.num_heads * c.head_dim, ""),
      (lambda c: c.head_dim, "the attention term leaves out the number of heads: each of the H heads has its own "
                             "scores and weighted sum. Use 12·n·H·Q·T (H·Q is embed_dim)."),
@@ -211,18 +224,25 @@ def _unit_slip(window: bool, unit: str, scale: float) -> Mistake:
 
 _UNITS = (("FLOPs", 1.0), ("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3))
 
-# The weights' term with weights of its own added to the num_weights given (N leaves the embeddings out).
-_WEIGHTS_SLIPS = (
-    _slip("weights_count", "you add the token embeddings (vocab_size·embed_dim) to N. num_weights already is the "
-          "count to use: the embeddings are a lookup, not a matrix multiply. Use 6·num_weights.",
-          lambda c, n: 6 * (n + c.vocab_size * c.embed_dim) + 12 * _lhqt(c)),
-    _slip("weights_count", "you add the token and position embeddings to N. num_weights already is the count to "
-          "use: the embeddings are a lookup, not a matrix multiply. Use 6·num_weights.",
-          lambda c, n: 6 * (n + (c.vocab_size + c.max_tokens) * c.embed_dim) + 12 * _lhqt(c)),
-    _slip("weights_count", "you subtract the token embeddings (vocab_size·embed_dim) from N. num_weights already "
-          "leaves the embeddings out: use 6·num_weights as given.",
-          lambda c, n: 6 * (n - c.vocab_size * c.embed_dim) + 12 * _lhqt(c)),
-)
+# The weights' term with the embeddings added to, or taken from, the num_weights given (N leaves them out already).
+_EMBEDDINGS = (("the token embeddings (vocab_size·embed_dim)", lambda c: c.vocab_size * c.embed_dim),
+               ("the position embeddings (max_tokens·embed_dim)", lambda c: c.max_tokens * c.embed_dim),
+               ("the token and position embeddings", lambda c: (c.vocab_size + c.max_tokens) * c.embed_dim))
+
+
+def _weights_slip(which: str, size: Callable[[Any], int], sign: int) -> Mistake:
+    said = (f"you add {which} to N. num_weights already is the count to use: the embeddings are a lookup, not a "
+            f"matrix multiply." if sign > 0 else f"you subtract {which} from N. num_weights already leaves the "
+            f"embeddings out.")
+    return _slip("weights_count", said + " Use 6·num_weights as given.",
+                 lambda c, n: 6 * (n + sign * size(c)) + 12 * _lhqt(c))
+
+
+# N plus the position embeddings is what GPT(config).num_parameters() gives: left to _ignores_weights, which
+# says to use the argument, as the code that counts the parameters itself has to be told.
+_WEIGHTS_SLIPS = tuple(_weights_slip(which, size, sign) for sign in (1, -1) for which, size in _EMBEDDINGS
+                       if (sign, which) != (1, _EMBEDDINGS[1][0]))
+
 
 _SLIPS = (
     *_FACTOR_SLIPS,
@@ -303,8 +323,77 @@ def _draws_at_random(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor
     return any(not (isinstance(r, torch.Tensor) and torch.equal(r, runs[0])) for r in runs[1:])
 
 
-def _explain_calls(calls: list[dict[str, Any]]) -> tuple[str, str] | None:
-    """(diagnosis, explanation) of what the recorded model calls say about a misused cache, if it was."""
+def _rows_holding(sequence: torch.Tensor, held: torch.Tensor, start: int = 0) -> list[int]:
+    """The rows r at which the (b, n) tokens ``held`` are ``sequence[r:r + b, start:start + n]``."""
+    b, n = held.shape
+    if start + n > sequence.shape[1] or b > sequence.shape[0]:
+        return []
+    return [r for r in range(sequence.shape[0] - b + 1) if torch.equal(sequence[r:r + b, start:start + n], held)]
+
+
+def _explain_cache_contents(calls: list[dict[str, Any]], sequence: torch.Tensor | None, prompt_length: int
+                            ) -> tuple[str, str] | None:
+    """What each cache was given, call by call (the tokens fed into it), against the student's own sequence:
+    a cache used as intended holds the first tokens of its rows, each once, whatever the chunks fed."""
+    held: dict[int, torch.Tensor] = {}   # per cache object, in the order of first use: the tokens fed into it
+    refeeds: dict[int, int] = {}
+    cached = [c for c in calls if c["cache"] is not None and c["ids"] is not None and c["ids"].dim() == 2]
+    for number, c in enumerate(cached):
+        key, ids = id(c["cache"]), c["ids"]
+        before = held.get(key)
+        if before is None:
+            held[key] = ids
+            continue
+        if before.shape[0] != ids.shape[0]:
+            return None   # a cache fed batches of two sizes: nothing simple to say
+        # fed again: the call starts with tokens the cache holds (its first ones, or its last ones)
+        k = min(before.shape[1], ids.shape[1] - 1)
+        refed = k > 0 and (torch.equal(ids[:, :k], before[:, :k]) or torch.equal(ids[:, :k], before[:, -k:]))
+        refeeds[key] = refeeds.get(key, 0) + refed
+        # with the student's tokens, a call is refeeding only if the cache then holds something no stretch of them
+        # is (a prompt fed in chunks is not); without them, only a cache refed twice over counts
+        if refed and (refeeds[key] >= 2 if sequence is None else not any(
+                _rows_holding(sequence, torch.cat([before, ids], 1), s) for s in range(sequence.shape[1]))):
+            growing = [x["ids"].shape[1] for x in cached[number:] if id(x["cache"]) == key]
+            fed = ("the whole sequence again at every step" if len(growing) > 1 and all(
+                b == a + 1 for a, b in zip(growing, growing[1:])) else f"{ids.shape[1]} tokens at a step")
+            return ("kv_cache", f"after the prompt you feed {fed} into a cache that already holds every token "
+                                f"before the newest, so the cache stores tokens twice (and soon overflows). Once the "
+                                f"prompt is in the cache, feed only the newest token, shape (N, 1).")
+        held[key] = torch.cat([before, ids], 1)
+    if sequence is None:
+        return None
+    starts, claimed, restarts = [], set(), 0
+    for tokens in held.values():   # where each cache's tokens begin in the sequence, and for which rows
+        start = next((s for s in range(sequence.shape[1]) if _rows_holding(sequence, tokens, s)), None)
+        starts.append(start)
+        if start == 0:
+            rows = [(r, tokens.shape[0]) for r in _rows_holding(sequence, tokens)]
+            free = [r for r in rows if r not in claimed]
+            restarts += not free
+            claimed.add((free or rows)[0])
+    late = [start for start in starts if start]
+    if late:
+        if len(held) == len(cached) > 2 and all(c["ids"].shape[1] == 1 for c in cached[1:]):
+            return ("no_kv_cache", "you start a new cache at every step, so each new token sees only itself. Create "
+                                   "the cache once, before the loop, and keep passing it.")
+        if min(late) < prompt_length:
+            return ("kv_cache", f"the cache gets the prompt only from its token {min(late)} on, so the tokens before "
+                                f"it are never seen. Run the whole prompt through the model with the cache first "
+                                f"(model(idx, cache)), then feed only the newest token.")
+        return ("kv_cache", "after the prompt, the new tokens go into a cache that never held the prompt (a new "
+                            "cache, or the prompt run without one), so they see none of it. Run the prompt with the "
+                            "cache the loop uses (model(idx, cache)) and pass that same cache to every later call.")
+    if restarts:
+        return ("no_kv_cache", "you create a new cache at every step and feed it the whole sequence, so nothing is "
+                               "saved. Create the cache once before the loop, then feed only the newest token.")
+    return None
+
+
+def _explain_calls(calls: list[dict[str, Any]], sequence: torch.Tensor | None = None, prompt_length: int = 0
+                   ) -> tuple[str, str] | None:
+    """(diagnosis, explanation) of what the recorded model calls say about a misused cache, if it was.
+    ``sequence``: the student's tokens (N, L + new), where they returned them."""
     if not calls:
         return None   # model.forward(...) called directly bypasses the hook: nothing to say
     flat = next((c for c in calls if c["shape"] is not None and len(c["shape"]) != 2), None)
@@ -316,7 +405,8 @@ def _explain_calls(calls: list[dict[str, Any]]) -> tuple[str, str] | None:
                                "Create one with model.new_cache() before the loop and pass it to every call.")
     later = calls[1:]
     batch = calls[0]["shape"][0] if calls[0]["shape"] else None
-    turned = next((c for c in later if c["shape"] and batch is not None and c["shape"][0] != batch), None)
+    turned = next((c for c in later if c["shape"] and batch is not None and c["shape"][0] != batch
+                   and c["shape"][1] == batch > 1), None)
     if turned is not None:
         return ("shape", f"after the prompt (a batch of {batch}) you feed token ids of shape {turned['shape']}: the "
                          f"batch and the token axes are swapped. The new tokens are (N, 1), one per sequence: "
@@ -324,21 +414,7 @@ def _explain_calls(calls: list[dict[str, Any]]) -> tuple[str, str] | None:
     if any(c["cache"] is None for c in later):
         return ("no_kv_cache", "after the first call you call the model without the cache: the new token then sees "
                                "no earlier token. Pass the same cache to every call.")
-    refed = [c["shape"][1] for c in later if c["cache_length"] and c["shape"] and c["shape"][1] > 1]
-    if refed:
-        fed = ("the whole sequence again at every step" if len(refed) > 1 and all(
-            b == a + 1 for a, b in zip(refed, refed[1:])) else f"{refed[0]} tokens at a step")
-        return ("kv_cache", f"after the prompt you feed {fed} into a cache that already holds every token before "
-                            f"the newest, so the cache stores tokens twice (and soon overflows). Once the prompt is "
-                            f"in the cache, feed only the newest token, shape (N, 1).")
-    fresh = [c for c in later if c["cache_length"] == 0]
-    if fresh and all(c["shape"] and c["shape"][1] == 1 for c in fresh):
-        return ("no_kv_cache", "you start a new cache at every step, so each new token sees only itself. Create "
-                               "the cache once, before the loop, and keep passing it.")
-    if fresh:
-        return ("no_kv_cache", "you create a new cache at every step and feed it the whole sequence, so nothing is "
-                               "saved. Create the cache once before the loop, then feed only the newest token.")
-    return None
+    return _explain_cache_contents(calls, sequence, prompt_length)
 
 
 @torch.no_grad()
@@ -416,7 +492,7 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
         expected = _greedy(model, idx, new)
         if not torch.equal(got[:, :length], idx):
             fail("mismatch", f"{what}: the first {length} tokens of the result should be the prompt itself.")
-        explanation = _explain_calls(calls)
+        explanation = _explain_calls(calls, got, length)
         if not torch.equal(got, expected):
             if explanation:
                 fail(explanation[0], f"{what}: the tokens differ from generation without a cache; {explanation[1]}")

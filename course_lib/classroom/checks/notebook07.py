@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from ..exercises import Mistake
-from ..verdict import fail
+from ..verdict import Failure, fail
 from ._gradients import check_function_gradients
 from ._model_common import ProcedureExample, as_tensor, randomize_
-from ._student_code import call, close, expect_callable, expect_tensor
+from ._student_code import call, close, expect_callable, expect_tensor, reraise_with
 from .engine import Case, FunctionExercise, ScaleFit, at_other_sizes, checker, first_mistake, function_example, judge
 from .engine.example import tiny
 from .engine.probes import IN_FLOAT64, expect_float64, run_in_float64
@@ -107,11 +107,11 @@ def check_split_c_attn(fn: Callable[..., Any]) -> str:
 
 # ---------------------------------------------------------------- 7.2 attention function for transformers
 
-def _tiny_gpt2() -> nn.Module:
+def _tiny_gpt2(heads: int = 2, head_dim: int = 8) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=None,
-                        eos_token_id=None)
+    config = GPT2Config(vocab_size=40, n_positions=16, n_embd=heads * head_dim, n_layer=2, n_head=heads,
+                        bos_token_id=None, eos_token_id=None)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
@@ -256,7 +256,7 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
                           f"choose their own scale (some divide by the layer index as well): use the one given.")
         fail("scale", f"{what}: with scaling=0.5 the output is wrong: multiply the scores by `scaling` before the "
                       f"softmax.")
-    _check_other_heads(fn, module, generator)
+    _check_other_heads(fn, generator)
     keep = torch.ones(n, length, dtype=torch.bool)
     keep[1, -2:] = False                                                  # right padding in the second row
     mask = causal[None, None] & keep[:, None, None, :]                    # (N, 1, Lq, Lk)
@@ -273,8 +273,10 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
     _check_fewer_queries(fn, module, k, v, scaling, generator)
 
 
-def _check_other_heads(fn: Callable[..., Any], module: nn.Module, generator: torch.Generator) -> None:
-    """3 heads of 4 and 6 positions: the calls above, and the model, have 2 heads of 8."""
+def _check_other_heads(fn: Callable[..., Any], generator: torch.Generator) -> None:
+    """3 heads of 4 and 6 positions: the calls above, and the model, have 2 heads of 8. The layer handed over has
+    3 heads of 4 too, as in a real call (a function may read module.head_dim)."""
+    module = _tiny_gpt2(heads=3, head_dim=4).transformer.h[0].attn
     q, k, v = (torch.randn(1, 3, 6, 4, generator=generator) for _ in range(3))
     what = f"your attention function on query, key and value of shape {tuple(q.shape)} (scaling=0.5)"
     at_other_sizes(lambda: _direct(fn, module, q, k, v, None, 0.5, what),
@@ -308,7 +310,17 @@ def _check_fewer_queries(fn: Callable[..., Any], module: nn.Module, k: torch.Ten
     for q_len in (1, 2):
         q = torch.randn(n, heads, q_len, head_dim, generator=generator)        # (N, heads, Lq, d)
         what = f"your attention function ({q_len} quer{'y' if q_len == 1 else 'ies'}, {k_len} keys, no mask)"
-        got = _direct(fn, module, q, k, v, None, scaling, what)
+        try:
+            got = _direct(fn, module, q, k, v, None, scaling, what)
+        except Failure as failure:
+            if failure.diagnosis != "nan":
+                raise
+            # with as many queries as keys the function gave no NaN (checked before): a query sees no key here
+            reraise_with(failure, "causal_mask", " Here it appears only with fewer queries than keys, so your causal "
+                                                 "mask most likely leaves a query with no key. The queries are the "
+                                                 "last Lq of the Lk positions: query i may see keys 0..i + (Lk - Lq), "
+                                                 "tril(diagonal=Lk - Lq) (a diagonal of Lq - Lk hides every key from "
+                                                 "the first queries).")
         bottom_right = torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)   # (Lq, Lk)
         if close(got, _attention(q, k, v, scale=scaling, mask=bottom_right)):
             continue
@@ -322,7 +334,8 @@ def _check_fewer_queries(fn: Callable[..., Any], module: nn.Module, k: torch.Ten
 
 
 def _attention_cases() -> list[Case]:
-    module, generator = _tiny_gpt2().transformer.h[0].attn, torch.Generator().manual_seed(0)
+    # a layer of one head of 2, the cases' sizes: the function may read them from the layer as from the query
+    module, generator = _tiny_gpt2(heads=1, head_dim=2).transformer.h[0].attn, torch.Generator().manual_seed(0)
     cases = []
     for length in (1, 2, 3):
         q, k, v = (tiny(generator, 1, 1, length, 2) for _ in range(3))   # (N, heads, L, head_dim)

@@ -167,6 +167,16 @@ def _stacked(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _table_diagnosis(runs: list[Run], fn: Any) -> None:
     (head_dim, max_tokens, *theta), what = runs[0].case.args, runs[0].case.what
+    if theta and theta[0] != 10000.0 and close(runs[0].out.double(), torch.stack(
+            variants.tables(head_dim, max_tokens, 10000.0))):
+        # the tables of the default theta: kept from the call of these sizes before, if new sizes take theta
+        fresh = call(fn, 10, 7, theta[0], what=f"rope_tables(10, 7, theta={theta[0]:g})")   # (2, 7, 10): stacked
+        if close(fresh.double(), torch.stack(variants.tables(10, 7, theta[0]))):
+            fail("kept_state", f"{what} returned the tables of theta=10000, which rope_tables({head_dim}, "
+                               f"{max_tokens}) returned before, while rope_tables(10, 7, theta={theta[0]:g}) is "
+                               f"right: your function keeps the tables of an earlier call of the same sizes (a "
+                               f"cache keyed on head_dim and max_tokens only). Key it on theta too, or compute the "
+                               f"tables at every call.")
     _diagnose_tables(*runs[0].out, head_dim, max_tokens, *(theta or [10000.0]), what,
                      not theta and _default_theta_wrong(fn))
 
@@ -175,8 +185,9 @@ ROPE_TABLES = FunctionExercise(
     "9.1", "rope_tables", lambda head_dim, max_tokens, theta=10000.0: torch.stack(
         ref.rope_tables(head_dim, max_tokens, theta)),
     # small head_dims with several theta, so every slip of the frequencies moves some entry past the tolerance
+    # (8, 12) twice, with another theta: tables kept from an earlier call of the same sizes are a slip too
     lambda: [_table_case(8, 12), _table_case(4, 5), _table_case(16, 40, 500000.0), _table_case(6, 9, 100.0),
-             _table_case(2, 1)],
+             _table_case(2, 1), _table_case(8, 12, 500.0)],
     ("head_dim", "max_tokens", "theta"),
     success="Both tables right for head_dim 2 to 16 and several theta: pair (i, i + head_dim/2) turns by "
             "theta^(-2i/head_dim) per position.",
@@ -534,6 +545,15 @@ def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
         fail("precision", f"{shown}: your output is wrong in float16 (it is right in float32). x**2 overflows "
                           f"float16 (largest value 65504) for x of a few hundred: compute in float32 "
                           f"(x.float()), then cast the result back with .to(x.dtype).")
+    # a float16 layer handed float32 x (a float32 residual stream): the result follows x, not the weight (code
+    # that multiplies x's dtype by the weight last, as Hugging Face's, gives float32 here too)
+    layer = _build_norm(cls, 16, None, generator)[0].half()
+    shown = "RMSNorm(16) in float16 (model.half()) on float32 x of shape (2, 4, 16)"
+    with torch.no_grad():
+        out = call_student(layer, x.float() / 300, what=shown)
+    if isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == torch.float16:
+        fail("dtype", f"{shown} returned float16: the text asks for x's dtype back. Cast the result with "
+                      f".to(x.dtype) (or .type_as(x)), not to the weight's dtype.")
 
 
 # ============================================================================ 9.4 SwiGLU

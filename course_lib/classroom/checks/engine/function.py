@@ -249,12 +249,19 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
     fail("mismatch", exercise.mismatch(first))
 
 
+# Outputs of fewer numbers than this are never named by a mistake that fits one run alone (_one_of_two): a count
+# or a score can equal one of many wrong variants by chance, as a tensor of many values cannot.
+_FEW = 4
+
+
 def _one_of_two(exercise: FunctionExercise, runs: list[Run]) -> None:
     """Two mistakes at once: no known mistake explains every run, but one may explain a run on which the other
     has no effect (a scale mistake on a case without a mask). Named with that run; said to be one of two only
     where another run differs in a way it does not explain."""
     differing = [run for run in runs if not exercise.same(run.out, run.expected)]
     for run in differing:
+        if not isinstance(run.out, torch.Tensor) or run.out.numel() < _FEW:
+            continue   # one number matched by one mistake of many, and missed by it elsewhere, is a coincidence
         for mistake in exercise.mistakes:
             if _explains(exercise, mistake, run) is not True:
                 continue

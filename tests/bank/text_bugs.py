@@ -1,0 +1,174 @@
+"""Student attempts from a thirteenth scripted search (2026-11-29): code the exercise's text allows that a check
+refused (a prompt fed in chunks, a cache per row), and messages that said something false of the code that
+reached them, in notebooks 04, 06, 07, 09 and 12.
+
+Before, the correct ones below were refused and the buggy ones were told of a mistake they do not make (or passed).
+Now each correct one passes and each buggy one gets the diagnosis of what it does, in words that hold for it.
+"""
+from __future__ import annotations
+
+import torch
+
+from bank.attempts import new_bank
+from course_lib import GPT, scaled_dot_product_attention
+from course_lib.modern import RMSNorm
+
+BUGGY, CORRECT, bug, correct = new_bank()
+
+
+# ============================================================================ 4.3: the error the text asks for
+@bug("4.3", "context_limit", "raise a ValueError", "python -O")
+class GPTAssertsTheLength(GPT):
+    """An assert where the text asks for a ValueError: it passed (any exception was taken)."""
+
+    def forward(self, idx):
+        length = idx.shape[1]
+        assert length <= self.config.max_tokens, "crop it: idx[:, -max_tokens:]"
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(length))   # (N, L, E)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))                                                # (N, L, V)
+
+
+# ============================================================================ 9.1 and 9.3: what the text asks
+def _angles(head_dim, max_tokens, theta):
+    pair = torch.arange(head_dim // 2, dtype=torch.float64)
+    return torch.outer(torch.arange(max_tokens, dtype=torch.float64), theta ** (-2 * pair / head_dim))  # (T, d/2)
+
+
+@bug("9.1", "rope_layout", "reverse order")
+def rope_tables_flip_the_second_half(head_dim, max_tokens, theta=10000.0):
+    """It was told to check the base, the exponent and the positions, which are right."""
+    angles = _angles(head_dim, max_tokens, theta)
+    angles = torch.cat([angles, angles.flip(-1)], dim=-1)                                  # (T, d)
+    return angles.cos().float(), angles.sin().float()
+
+
+_KEPT_TABLES = {}
+
+
+@bug("9.1", "kept_state", "keyed on head_dim and max_tokens only")
+def rope_tables_kept_by_size(head_dim, max_tokens, theta=10000.0):
+    """Tables memoised on the sizes alone: it passed (each size was asked with one theta)."""
+    if (head_dim, max_tokens) not in _KEPT_TABLES:
+        angles = torch.cat([_angles(head_dim, max_tokens, theta)] * 2, dim=-1)
+        _KEPT_TABLES[head_dim, max_tokens] = angles.cos().float(), angles.sin().float()
+    return _KEPT_TABLES[head_dim, max_tokens]
+
+
+@bug("9.3", "dtype", "x's dtype")
+class RMSNormReturnsTheWeightsDtype(RMSNorm):
+    """The weight's dtype where the text asks for x's: it passed (x always had the layer's dtype)."""
+
+    def forward(self, x):
+        x32 = x.float()
+        normed = x32 / (x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()   # (..., dim)
+        return (normed * self.weight.float()).to(self.weight.dtype)
+
+
+# ============================================================================ 6.1: one count matched by chance
+def _attention_term(config, context):
+    return 12 * config.num_layers * config.num_heads * config.head_dim * context
+
+
+@bug("6.1", "attention_flops", "grows by 6 for every weight", "12·n·H·Q·T")
+def flops_counts_one_key_more(config, num_weights):
+    """T + 1 keys: it was told it uses vocab_size where T belongs (65 = 64 + 1 on one configuration)."""
+    return 6 * num_weights + _attention_term(config, config.max_tokens + 1)
+
+
+@bug("6.1", "attention_flops", "grows by 6 for every weight")
+def flops_counts_the_mean_causal_context(config, num_weights):
+    """(T + 1) / 2 keys on average under the causal mask: it was told it leaves out the layers and uses vocab_size."""
+    return 6 * num_weights + _attention_term(config, (config.max_tokens + 1) / 2)
+
+
+@bug("6.1", "weights_count", "subtract the position embeddings")
+def flops_subtracts_the_position_embeddings(config, num_weights):
+    """It was told three slips of the attention term, which is right."""
+    return 6 * (num_weights - config.max_tokens * config.embed_dim) + _attention_term(config, config.max_tokens)
+
+
+# ============================================================================ 6.2: what each cache holds
+@correct("6.2")
+@torch.no_grad()
+def generation_feeds_the_prompt_in_two_chunks(model, idx, max_new_tokens):
+    """The prompt in two calls, then one token a step: the cache holds every token once."""
+    cache = model.new_cache()
+    half = max(1, idx.shape[1] // 2)
+    logits = model(idx[:, :half], cache)
+    if idx.shape[1] > half:   # a one-token prompt is one chunk
+        logits = model(idx[:, half:], cache)
+    for _ in range(max_new_tokens):
+        next_id = logits[:, -1].argmax(-1, keepdim=True)   # (N, 1)
+        idx = torch.cat([idx, next_id], dim=1)
+        logits = model(next_id, cache)
+    return idx
+
+
+@correct("6.2")
+@torch.no_grad()
+def generation_row_by_row(model, idx, max_new_tokens):
+    """Each sequence with a cache of its own (it was told it makes a new cache at every step)."""
+    rows = []
+    for row in idx:
+        row, cache = row[None], model.new_cache()          # (1, L)
+        logits = model(row, cache)
+        for _ in range(max_new_tokens):
+            next_id = logits[:, -1].argmax(-1, keepdim=True)
+            row = torch.cat([row, next_id], dim=1)
+            logits = model(next_id, cache)
+        rows.append(row)
+    return torch.cat(rows, dim=0)                            # (N, L + new)
+
+
+def _loop(model, logits, idx, cache, max_new_tokens):
+    for _ in range(max_new_tokens):
+        next_id = logits[:, -1].argmax(-1, keepdim=True)
+        idx = torch.cat([idx, next_id], dim=1)
+        logits = model(next_id, cache)
+    return idx
+
+
+@bug("6.2", "kv_cache", "never held the prompt")
+@torch.no_grad()
+def generation_runs_the_prompt_without_the_cache(model, idx, max_new_tokens):
+    """It was told it starts a new cache at every step: it makes one, once, after the prompt."""
+    return _loop(model, model(idx), idx, model.new_cache(), max_new_tokens)
+
+
+@bug("6.2", "kv_cache", "never held the prompt")
+@torch.no_grad()
+def generation_resets_the_cache_after_the_prompt(model, idx, max_new_tokens):
+    logits = model(idx, model.new_cache())
+    return _loop(model, logits, idx, model.new_cache(), max_new_tokens)
+
+
+@bug("6.2", "kv_cache", "only from its token")
+@torch.no_grad()
+def generation_caches_the_last_prompt_token_only(model, idx, max_new_tokens):
+    cache = model.new_cache()
+    return _loop(model, model(idx[:, -1:], cache), idx, cache, max_new_tokens)
+
+
+# ============================================================================ 7.2: the layer that calls it
+def _hf_attention(module, query, key, value, attention_mask, scaling, head_dim, diagonal):
+    lq, lk = query.shape[2], key.shape[2]
+    mask = attention_mask if attention_mask is not None else \
+        torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=diagonal(lq, lk))   # (Lq, Lk)
+    out = scaled_dot_product_attention(query * (scaling * head_dim ** 0.5), key, value, mask)   # (N, heads, Lq, d)
+    return out.transpose(1, 2), None                                                            # (N, Lq, heads, d)
+
+
+@correct("7.2")
+def attention_reads_head_dim_from_the_layer(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                                            **kwargs):
+    """module.head_dim is query.shape[-1] in every real call (it was told a size is written into its code)."""
+    return _hf_attention(module, query, key, value, attention_mask, scaling, module.head_dim, lambda q, k: k - q)
+
+
+@bug("7.2", "causal_mask", "fewer queries than keys", "tril(diagonal=Lk - Lq)")
+def attention_flips_the_diagonals_sign(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                                       **kwargs):
+    """tril(diagonal=Lq - Lk): right while Lq = Lk, no key at all for the first queries of a cached call."""
+    return _hf_attention(module, query, key, value, attention_mask, scaling, query.shape[-1], lambda q, k: q - k)
