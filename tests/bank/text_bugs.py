@@ -11,7 +11,7 @@ import torch
 
 from bank.attempts import new_bank
 from course_lib import GPT, scaled_dot_product_attention
-from course_lib.modern import RMSNorm
+from course_lib.modern import RMSNorm, SwiGLU
 
 BUGGY, CORRECT, bug, correct = new_bank()
 
@@ -172,3 +172,21 @@ def attention_flips_the_diagonals_sign(module, query, key, value, attention_mask
                                        **kwargs):
     """tril(diagonal=Lq - Lk): right while Lq = Lk, no key at all for the first queries of a cached call."""
     return _hf_attention(module, query, key, value, attention_mask, scaling, query.shape[-1], lambda q, k: q - k)
+
+
+@bug("7.2", "causal_mask", "lost its heads axis")
+def attention_squeezes_the_heads_axis_of_the_mask(module, query, key, value, attention_mask, scaling=None,
+                                                  dropout=0.0, **kwargs):
+    """(N, Lq, Lk) lines the batch up with the heads: it was told only that the output differs."""
+    mask = attention_mask.squeeze(1) if attention_mask is not None else None
+    return _hf_attention(module, query, key, value, mask, scaling, query.shape[-1], lambda q, k: k - q)
+
+
+# ============================================================================ 9.4: one more activation
+@bug("9.4", "gating", "beta = 2")
+class SwiGLUSwishBetaTwo(SwiGLU):
+    """z * sigmoid(2z) on the gate: it was told only that the output differs."""
+
+    def forward(self, x):
+        gate = self.gate(x)                                                   # (..., hidden)
+        return self.down(gate * torch.sigmoid(2 * gate) * self.up(x))        # (..., E)

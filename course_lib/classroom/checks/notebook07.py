@@ -211,6 +211,10 @@ _PADDING_MISTAKES = (
     Mistake("causal_mask", "the attention_mask you were given is ignored, so padding tokens are attended to. When a "
                            "mask is passed, use it (bool, True = may attend).",
             output=lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=_causal(q))),
+    Mistake("causal_mask", "the attention_mask lost its heads axis (squeeze(1), or mask[:, 0]): an (N, Lq, Lk) mask "
+                           "lines the batch up with the heads, so a head gets another sequence's padding. Use the "
+                           "(N, 1, Lq, Lk) mask as it is given; it broadcasts over the heads.",
+            output=lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=mask.squeeze(1))),
     *(Mistake("causal_mask", "you add the mask to the scores, but it is a bool mask (True = may attend): adding it "
                              "shifts the allowed scores by one instead of blocking the others. Fill the blocked "
                              "positions with -inf.", output=output)

@@ -566,7 +566,7 @@ _SWIGLU_SHAPES = ((2, 5, _SWIGLU_EMBED), (1, 1, _SWIGLU_EMBED), (3, 4, _SWIGLU_E
 _OTHER_ACTIVATIONS = (("GELU", F.gelu), ("GELU (tanh approximation)", lambda z: F.gelu(z, approximate="tanh")),
                       ("ReLU", F.relu), ("Hardswish", F.hardswish), ("Mish", F.mish), ("tanh", torch.tanh),
                       ("softplus", F.softplus), ("ELU", F.elu), ("SELU", F.selu), ("leaky ReLU", F.leaky_relu),
-                      ("ReLU²", lambda z: F.relu(z) ** 2))
+                      ("ReLU²", lambda z: F.relu(z) ** 2), ("Swish with beta = 2", lambda z: z * torch.sigmoid(2 * z)))
 
 
 def _swiglu_mistakes() -> list[Mistake]:
