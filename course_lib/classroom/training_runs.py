@@ -6,6 +6,7 @@ train like the reference?
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -53,8 +54,8 @@ class TrainingRun:
 
 def how_it_fails(run: TrainingRun, reference: TrainingRun, tolerance: float) -> str | None:
     """None when ``run`` trains like ``reference``, else how it fails."""
-    if run.failure == "nan":
-        return "nan"
+    if run.failure == "nan" or not all(math.isfinite(loss) for loss in run.train_loss + run.val_loss):
+        return "nan"   # a NaN loss is never within a tolerance, whatever a comparison with it says
     if run.failure is not None:
         return "raises"
     first, last = sum(run.train_loss[:10]) / min(10, len(run.train_loss)), run.final_val_loss

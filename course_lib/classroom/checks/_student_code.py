@@ -84,6 +84,10 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     return result
 
 
+# More numbers than any check's answer holds (its inputs are small): a tensor this large is a slip, not an answer.
+_MOST_NUMBERS = 2 ** 27
+
+
 def plain_tensors(value: Any, what: str = "your code") -> Any:
     """A tensor of a subclass of the student's as a plain tensor (the same numbers), in tuples and lists too: a
     subclass's ``__torch_function__`` would answer the check's own comparisons (``torch.equal`` -> True). Judged
@@ -97,6 +101,13 @@ def plain_tensors(value: Any, what: str = "your code") -> Any:
         if value.layout != torch.strided or value.is_nested:   # the check's comparisons are for dense tensors
             fail("dtype", f"{what} returned a {'nested' if value.is_nested else str(value.layout)} tensor. Return "
                           f"an ordinary dense tensor (.to_dense(), or built without torch.sparse / torch.nested).")
+        if value.is_meta:   # shapes without numbers: nothing to compare, and .item() raises
+            fail("device", f"{what} returned a tensor on the meta device, which holds a shape but no numbers. "
+                           f"Compute it on the device of the inputs (x.device).")
+        if value.numel() > _MOST_NUMBERS:   # an expanded view of a few numbers: comparing it would fill memory
+            fail("shape", f"{what} returned a tensor of shape {tuple(value.shape)}, {value.numel():,} numbers: far "
+                          f"more than the check's inputs could give. Check the shapes you build (an expand or a "
+                          f"broadcast over the wrong axes).")
         return value
     if issubclass(kind, (tuple, list)):   # a subclass's own methods are not asked either: plain containers
         return (tuple if issubclass(kind, tuple) else list)(plain_tensors(v, what) for v in value)

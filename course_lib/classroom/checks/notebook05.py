@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import numbers
 import re
 from collections.abc import Callable
@@ -374,11 +375,21 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _loss_value(result: Any, what: str) -> tuple[float, str]:
+    value, note = None, ""
     if isinstance(result, torch.Tensor) and result.numel() == 1:
-        return float(result.detach().reshape(())), (" (You return a tensor; `loss.item()` gives the plain float "
-                                                     "the training loop logs, without keeping the graph alive.)")
-    if isinstance(result, numbers.Real) and not isinstance(result, bool):
-        return float(result), ""
+        if result.is_meta or result.is_complex():
+            fail("dtype", f"{what} returned a {'meta' if result.is_meta else 'complex'} tensor, which is no loss "
+                          f"value: return loss.item(), the float of the forward pass's loss.")
+        value, note = float(result.detach().reshape(())), (" (You return a tensor; `loss.item()` gives the plain "
+                                                           "float the training loop logs, without keeping the graph "
+                                                           "alive.)")
+    elif isinstance(result, numbers.Real) and not isinstance(result, bool):
+        value = float(result)
+    if value is not None:
+        if not math.isfinite(value):   # never within a tolerance, whatever a comparison with it says
+            fail("nan", f"{what} returned loss {value}: the loss of this batch is a finite number. Return "
+                        f"loss.item() of the loss you called backward() on.")
+        return value, note
     fail("dtype", f"{what} should return the loss as a float (loss.item()), but returned "
                   f"{'nothing (did you forget `return`?)' if result is None else type(result).__name__}.")
     return 0.0, ""

@@ -6,6 +6,8 @@ compares two finished runs through ``training_runs.judge``.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -35,6 +37,17 @@ def check_trains_like_reference(yours: Any, reference: Any, tolerance: float | N
             # judge raises on this; a checker answers instead (a wrong argument is the learner's slip)
             fail("exception", f"`{name}` should be a TrainingRun, the result of capstone.train_parts(...), "
                               f"got {type(run).__name__}.")
+        losses = run.train_loss + run.val_loss
+        if run.failure is None and (not run.train_loss or not run.val_loss):   # a failed run may stop at step 1
+            fail("exception", f"`{name}` holds no losses: pass the TrainingRun that capstone.train_parts(...) "
+                              f"returned after it trained.")
+        odd = next((loss for loss in losses if isinstance(loss, bool) or not isinstance(loss, numbers.Real)), None)
+        if odd is not None:
+            fail("exception", f"`{name}`'s losses should be numbers, as capstone.train_parts(...) records them; one "
+                              f"is {type(odd).__name__}.")
+    if reference.failure is None and not all(math.isfinite(x) for x in reference.train_loss + reference.val_loss):
+        fail("exception", "The run passed as `reference` has a NaN or infinite loss but no failure: pass the "
+                          "TrainingRun capstone.train_parts(parts, [], ...) returned, as it is.")
     if reference.failure is not None and yours.failure is None:
         fail("exception", f"The run passed as `reference` failed ({reference.failure}) and the one passed as `yours` "
                           f"did not: the order is check_trains_like_reference(yours, reference), your run first.")

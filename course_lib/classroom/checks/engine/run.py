@@ -11,8 +11,12 @@ A checker never raises because of the student's code: its body returns a success
    :data:`TIME_LIMIT_S` (+ :data:`GRACE_S`): no ``except:`` or ignored signal outlasts it, and nothing the child
    changes reaches the kernel. In the child, and where there is no fork, SIGALRM (main thread only) raises
    :class:`CheckTimeout` in the student's code, again every 0.1 s should it be caught. On Windows or from a
-   worker thread there is no limit; Ctrl-C (the stop button) always interrupts.
-3. isolation: the interpreter is left as found (``_save``), and course_lib is put back to the references
+   worker thread there is no limit; Ctrl-C (the stop button) always interrupts, except, where there is no
+   fork, a loop of the student's that catches BaseException and goes on (then only restarting the kernel
+   stops it; the grader's worker is killed from outside).
+3. isolation: the check runs outside the cell's inference mode and autocast (``_plain_modes``); the interpreter
+   is left as found (``_save``: settings, random states, warnings, sys.path, Ctrl-C's handler, the garbage
+   collector ...), and course_lib is put back to the references
    pinned when ``checks`` was imported (``_references``): a student's patch of a reference can neither make
    a wrong answer pass nor a right one fail. torch's own functions replaced (``torch.equal = ...``), before
    the check or by the student's code during it, are the verdict ``patched`` (``pinned``).
@@ -31,9 +35,12 @@ A checker never raises because of the student's code: its body returns a success
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import gc
 import importlib
 import inspect
+import logging
 import math
 import numbers
 import os
@@ -45,6 +52,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
@@ -199,7 +207,9 @@ def _judge(exercise: str, body: Callable[..., str | None], example: Callable[...
         if hasattr(torch, "set_default_device"):
             torch.set_default_device(None)   # inputs and references on the CPU, whatever the notebook set
         pinned.expect_unpatched(written=True)   # torch.equal replaced before the check: nothing can be compared
-        with _alarm(TIME_LIMIT_S), _guard(exercise, args), global_hooks_kept():
+        # a check runs as a cell does outside any mode the notebook is in: under torch.inference_mode() nothing
+        # it builds could be differentiated, and under autocast the reference would compute in half precision
+        with _plain_modes(), _alarm(TIME_LIMIT_S), _guard(exercise, args), global_hooks_kept():
             try:
                 message = body(*args, **kwargs)
                 pinned.expect_unpatched()   # replaced by code the check ran outside _student_code.call
@@ -241,6 +251,17 @@ def _judge(exercise: str, body: Callable[..., str | None], example: Callable[...
     finally:
         state()
         bind_references()   # modules first imported during this check (course_lib.hf)
+
+
+@contextlib.contextmanager
+def _plain_modes() -> Any:
+    """Inference mode and autocast off for the check, as they were after it (both are the thread's own)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        for device in ("cpu", "cuda"):
+            if device == "cpu" or torch.cuda.is_available():
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def _attach(exercise: str, failure: Failure, args: tuple, kwargs: dict,
@@ -310,9 +331,11 @@ def _save() -> Callable[[], None]:
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     numpy_rng = numpy.random.get_state() if numpy is not None else None
     functions = pinned.save()   # torch's functions as the kernel has them (replaced or not)
+    interpreter = _interpreter_state()
 
     def restore() -> None:
         functions()
+        _restore_interpreter(interpreter)
         for module, read, write, value in settings:
             if getattr(module, read)() != value:
                 getattr(module, write)(value)
@@ -335,6 +358,38 @@ def _save() -> Callable[[], None]:
         for obj, saved in spaces.items():
             restore_namespace(obj, saved)
     return restore
+
+
+def _interpreter_state() -> dict[str, Any]:
+    """What a student's code can switch in the interpreter while a check runs it in this process (a forked child
+    takes its own copy): warnings, the recursion limit, sys.path, Ctrl-C's handler, the garbage collector,
+    oneDNN, torch's print options, logging's switch."""
+    state = {"filters": list(warnings.filters), "recursion": sys.getrecursionlimit(), "path": list(sys.path),
+             "gc": gc.isenabled(), "mkldnn": torch.backends.mkldnn.enabled,
+             "print": copy.copy(torch._tensor_str.PRINT_OPTS),
+             "logging": logging.root.manager.disable}
+    if threading.current_thread() is threading.main_thread():
+        state["sigint"] = signal.getsignal(signal.SIGINT)
+    return state
+
+
+def _restore_interpreter(state: dict[str, Any]) -> None:
+    if warnings.filters != state["filters"]:
+        warnings.filters[:] = state["filters"]
+        warnings._filters_mutated()   # type: ignore[attr-defined]
+    if sys.getrecursionlimit() != state["recursion"]:
+        sys.setrecursionlimit(state["recursion"])
+    if sys.path != state["path"]:
+        sys.path[:] = state["path"]
+    if gc.isenabled() != state["gc"]:
+        (gc.enable if state["gc"] else gc.disable)()
+    if torch.backends.mkldnn.enabled != state["mkldnn"]:
+        torch.backends.mkldnn.enabled = state["mkldnn"]
+    vars(torch._tensor_str.PRINT_OPTS).update(vars(state["print"]))
+    if logging.root.manager.disable != state["logging"]:
+        logging.disable(state["logging"])
+    if "sigint" in state and signal.getsignal(signal.SIGINT) is not state["sigint"] and state["sigint"] is not None:
+        signal.signal(signal.SIGINT, state["sigint"])
 
 
 def _cwd() -> str | None:
@@ -540,8 +595,19 @@ class _guard:  # noqa: N801 - used as a context, like a function
         if self.manager is not None:
             self.codes = self.codes | {_MANAGER_HELPER}
         self.tripped: CallsReference | None = None
+        self.unwound = False   # an exception went through the hook, which Python then unset
 
     def _hook(self, frame: FrameType, event: str, arg: Any) -> None:
+        try:
+            self._watch(frame, event)
+        except BaseException:
+            # Python unsets a profile function that raises: the trip below, or Ctrl-C and the time limit landing
+            # while it runs. That is the guard's own doing, not the student's.
+            self.unwound = True
+            _OWN_SETTING[0] = True
+            raise
+
+    def _watch(self, frame: FrameType, event: str) -> None:
         if event != "call":
             return
         code = frame.f_code
@@ -554,7 +620,6 @@ class _guard:  # noqa: N801 - used as a context, like a function
             if caller.f_code not in self.codes and is_student_file(caller.f_code.co_filename):
                 self.tripped = CallsReference(self.exercise, self.name, "calls",
                                               self.names.get(code) or self.prints.get(_print(code), self.name))
-                _OWN_SETTING[0] = True   # Python unsets a hook that raises: that is the guard's own doing
                 raise self.tripped
             caller = caller.f_back
 
@@ -568,7 +633,8 @@ class _guard:  # noqa: N801 - used as a context, like a function
             threading.setprofile(self._hook)   # a thread the student's code starts is watched too
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        switched_off = bool(self.codes) and (sys.getprofile() != self._hook or threading.getprofile() != self._hook)
+        switched_off = bool(self.codes) and not self.unwound and (
+            sys.getprofile() != self._hook or threading.getprofile() != self._hook)
         _own_setprofile(self.previous)
         threading.setprofile(self.threading_previous)
         _GUARDED[0] -= 1
