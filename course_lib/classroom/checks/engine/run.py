@@ -412,15 +412,38 @@ class _alarm:  # noqa: N801 - used as a context, like a function
             self.previous = signal.signal(signal.SIGALRM, _ring)   # None: a handler not set from Python
             signal.setitimer(signal.ITIMER_REAL, self.seconds, 0.1)   # again and again, should it be caught
             self.armed = True
+        self.interrupting = (threading.current_thread() is threading.main_thread()
+                             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if self.interrupting:   # the same KeyboardInterrupt, told apart when it lands in the guard's hook
+            signal.signal(signal.SIGINT, _interrupt)
 
     def __exit__(self, *exc: Any) -> None:
         if self.armed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, self.previous)
+        if self.interrupting and signal.getsignal(signal.SIGINT) is _interrupt:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _ring(signum: int, frame: Any) -> None:
+    _mark_unwinding(frame)
     raise CheckTimeout
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C while a check runs: Python's own KeyboardInterrupt, marked when it lands in the guard's hook."""
+    _mark_unwinding(frame)
+    raise KeyboardInterrupt
+
+
+def _mark_unwinding(frame: Any) -> None:
+    """A signal landing in the guard's hook (even before its ``try``) makes Python unset it: the guard's own doing."""
+    hooks = (_guard._hook.__code__, _guard._watch.__code__)
+    while frame is not None:
+        if frame.f_code in hooks:
+            _UNWINDING[0] = True
+            return
+        frame = frame.f_back
 
 
 # ---------------------------------------------------------------- the reference guard
@@ -595,16 +618,17 @@ class _guard:  # noqa: N801 - used as a context, like a function
         if self.manager is not None:
             self.codes = self.codes | {_MANAGER_HELPER}
         self.tripped: CallsReference | None = None
-        self.unwound = False   # an exception went through the hook, which Python then unset
+        self.unwound: BaseException | None = None   # an exception that went through the hook, which Python unset
 
     def _hook(self, frame: FrameType, event: str, arg: Any) -> None:
         try:
             self._watch(frame, event)
-        except BaseException:
+        except BaseException as exc:
             # Python unsets a profile function that raises: the trip below, or Ctrl-C and the time limit landing
-            # while it runs. That is the guard's own doing, not the student's.
-            self.unwound = True
-            _OWN_SETTING[0] = True
+            # while it runs. That one unset is the guard's own doing (_UNWINDING lets exactly it through); the
+            # profiler is then off, which only the exception itself reaching __exit__ excuses.
+            self.unwound = exc
+            _UNWINDING[0] = True
             raise
 
     def _watch(self, frame: FrameType, event: str) -> None:
@@ -633,8 +657,10 @@ class _guard:  # noqa: N801 - used as a context, like a function
             threading.setprofile(self._hook)   # a thread the student's code starts is watched too
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        switched_off = bool(self.codes) and not self.unwound and (
+        excused = self.unwound is not None and exc is self.unwound
+        switched_off = bool(self.codes) and not excused and (
             sys.getprofile() != self._hook or threading.getprofile() != self._hook)
+        _UNWINDING[0] = False
         _own_setprofile(self.previous)
         threading.setprofile(self.threading_previous)
         _GUARDED[0] -= 1
@@ -643,7 +669,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
             if exc is not self.tripped:   # their code swallowed it: the verdict stands
                 raise self.tripped
             return
-        if tampered and not isinstance(exc, Failure):
+        if tampered and not isinstance(exc, (Failure, CheckTimeout, KeyboardInterrupt)):   # those are the verdict
             fail("patched", "Your code changed the profiler (sys.setprofile, or threading's) while the check ran: "
                             "the check watches which of the course's functions your code calls, so that the "
                             "course's own answer is not taken for yours. Remove that code, restart the kernel "
@@ -653,6 +679,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
 # The guard's profiler is the check's own: set by it, and by nothing the student's code runs while it watches.
 _OWN_SETTING = [False]
 _TAMPERED = [False]
+_UNWINDING = [False]   # the guard's hook raised: Python's unset of it, the next sys.setprofile event, is let through
 
 
 def _own_setprofile(hook: Any) -> None:
@@ -666,6 +693,9 @@ def _own_setprofile(hook: Any) -> None:
 def _refuse_profiler_changes(event: str, args: tuple) -> None:
     """Audit hook: while a check watches, sys.setprofile from anything but the guard is refused (and remembered)."""
     if event == "sys.setprofile" and _GUARDED[0] and not _OWN_SETTING[0]:
+        if _UNWINDING[0]:   # Python unsetting the guard's hook that raised: once
+            _UNWINDING[0] = False
+            return
         if sys._getframe(1).f_code is _THREAD_START:   # a new thread taking threading's hook: the guard's own
             return
         _TAMPERED[0] = True
