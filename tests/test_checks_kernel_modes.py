@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from bank.model_bugs import step_classic
 
 from course_lib.classroom import checks
 from course_lib.classroom.checks.engine import run
@@ -59,16 +60,7 @@ def _apply_rotary(x, cos, sin, offset=0):
 
 # ---------------------------------------------------------------- NaN is never within a tolerance
 
-def _good_step(model, optimizer, inputs, targets, max_grad_norm=None):
-    from course_lib.train import lm_loss
-    model.train()
-    optimizer.zero_grad()
-    loss = lm_loss(model(inputs), targets)
-    loss.backward()
-    if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    return loss.item()
+_good_step = step_classic   # a right 5.3 from the bank
 
 
 def test_a_train_step_that_returns_nan_is_refused_as_nan():
