@@ -172,3 +172,23 @@ def test_a_signal_landing_in_the_checks_watcher_is_that_signal(signal_raised, mo
         assert result.diagnosis == "timeout", result
     assert calls and sys.getprofile() is None
     assert checks.check_causal_mask(lambda n: torch.ones(n, n, dtype=torch.bool).tril(), graded=False).passed
+
+
+def test_interpreter_objects_a_students_code_replaces_come_back_as_they_were(where):
+    """Not the same contents in another object: the kernel's own list of paths, of warning filters, its print
+    options, its logging root."""
+    import copy
+    objects = (sys.path, warnings.filters, torch._tensor_str.PRINT_OPTS, logging.root)
+
+    def replacing(q, k, v, mask=None):
+        sys.path = [*sys.path, "/nowhere"]
+        warnings.filters = []
+        torch._tensor_str.PRINT_OPTS = copy.copy(torch._tensor_str.PRINT_OPTS)
+        logging.root = logging.RootLogger(logging.WARNING)
+        return _attention(q, k, v, mask)
+    try:
+        assert checks.check_scaled_dot_product_attention(replacing, graded=False).passed
+        assert all(now is then for now, then in zip(
+            (sys.path, warnings.filters, torch._tensor_str.PRINT_OPTS, logging.root), objects))
+    finally:
+        sys.path, warnings.filters, torch._tensor_str.PRINT_OPTS, logging.root = objects

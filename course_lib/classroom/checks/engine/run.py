@@ -363,31 +363,42 @@ def _save() -> Callable[[], None]:
 def _interpreter_state() -> dict[str, Any]:
     """What a student's code can switch in the interpreter while a check runs it in this process (a forked child
     takes its own copy): warnings, the recursion limit, sys.path, Ctrl-C's handler, the garbage collector,
-    oneDNN, torch's print options, logging's switch."""
-    state = {"filters": list(warnings.filters), "recursion": sys.getrecursionlimit(), "path": list(sys.path),
-             "gc": gc.isenabled(), "mkldnn": torch.backends.mkldnn.enabled,
-             "print": copy.copy(torch._tensor_str.PRINT_OPTS),
-             "logging": logging.root.manager.disable}
+    oneDNN, torch's print options, logging's switch. The objects themselves are kept too: code that replaces
+    them (``sys.path = None``) gets them back as they were, and putting them back cannot fail."""
+    state = {"filters": (warnings.filters, list(warnings.filters)), "recursion": sys.getrecursionlimit(),
+             "path": (sys.path, list(sys.path)), "gc": gc.isenabled(), "mkldnn": torch.backends.mkldnn.enabled,
+             "print": (torch._tensor_str.PRINT_OPTS, copy.copy(torch._tensor_str.PRINT_OPTS)),
+             "logging": (logging.root, logging.Logger.manager, logging.Logger.manager.disable)}
     if threading.current_thread() is threading.main_thread():
         state["sigint"] = signal.getsignal(signal.SIGINT)
     return state
 
 
 def _restore_interpreter(state: dict[str, Any]) -> None:
-    if warnings.filters != state["filters"]:
-        warnings.filters[:] = state["filters"]
+    filters, kept = state["filters"]
+    if warnings.filters is not filters or filters != kept:
+        warnings.filters = filters
+        filters[:] = kept
         warnings._filters_mutated()   # type: ignore[attr-defined]
     if sys.getrecursionlimit() != state["recursion"]:
         sys.setrecursionlimit(state["recursion"])
-    if sys.path != state["path"]:
-        sys.path[:] = state["path"]
+    path, kept = state["path"]
+    if sys.path is not path or path != kept:
+        sys.path = path
+        path[:] = kept
     if gc.isenabled() != state["gc"]:
         (gc.enable if state["gc"] else gc.disable)()
     if torch.backends.mkldnn.enabled != state["mkldnn"]:
         torch.backends.mkldnn.enabled = state["mkldnn"]
-    vars(torch._tensor_str.PRINT_OPTS).update(vars(state["print"]))
-    if logging.root.manager.disable != state["logging"]:
-        logging.disable(state["logging"])
+    options, kept = state["print"]
+    torch._tensor_str.PRINT_OPTS = options
+    vars(options).update(vars(kept))
+    root, manager, disabled = state["logging"]
+    logging.root = logging.Logger.root = root
+    logging.Logger.manager = manager
+    if manager.disable != disabled:
+        manager.disable = disabled
+        manager._clear_cache()
     if "sigint" in state and signal.getsignal(signal.SIGINT) is not state["sigint"] and state["sigint"] is not None:
         signal.signal(signal.SIGINT, state["sigint"])
 
