@@ -190,3 +190,12 @@ class SwiGLUSwishBetaTwo(SwiGLU):
     def forward(self, x):
         gate = self.gate(x)                                                   # (..., hidden)
         return self.down(gate * torch.sigmoid(2 * gate) * self.up(x))        # (..., E)
+
+
+# ============================================================================ 7.1: a reshape for a split
+@bug("7.1", "mismatch", "reshaped the (E, 3E) weight into (3, E, E)")
+def split_c_attn_by_reshape(weight):
+    """It was told only that the matrices differ."""
+    embed_dim = weight.shape[0]
+    wq, wk, wv = weight.reshape(3, embed_dim, embed_dim)   # three blocks of whole rows, not of columns
+    return wq.T, wk.T, wv.T

@@ -83,6 +83,16 @@ def _every_third(transposed: bool) -> Mistake:
                                                                              0 if transposed else 1))
 
 
+def _reshaped_rows(transposed: bool) -> Mistake:
+    """weight.reshape(3, E, E): the (E, 3E) weight's memory cut into three blocks of E rows' worth, not columns."""
+    return Mistake("mismatch", "you reshaped the (E, 3E) weight into (3, E, E) (a view or reshape keeps the memory "
+                               "order, so each block holds whole rows of c_attn, the query's, key's and value's "
+                               "columns mixed). Split the columns into three consecutive blocks instead: "
+                               "weight.split(E, dim=1) (or chunk(3, dim=1)), then transpose each.",
+                   output=lambda w: w.reshape(3, w.shape[0], w.shape[0]).transpose(1, 2) if transposed
+                   else w.reshape(3, w.shape[0], w.shape[0]))
+
+
 SPLIT_C_ATTN = FunctionExercise(
     "7.1", "split_c_attn", lambda weight: torch.stack(_hf().split_c_attn(weight)),
     lambda: _split_cases((8, 6, 4), 9), ("weight",),
@@ -92,7 +102,7 @@ SPLIT_C_ATTN = FunctionExercise(
                           f"(out, in) layout."),
     mistakes=(*(_split_mistake(order, transposed) for order in itertools.permutations(range(3))
                 for transposed in (True, False) if (order, transposed) != ((0, 1, 2), True)),
-              _every_third(True), _every_third(False)),
+              _every_third(True), _every_third(False), _reshaped_rows(True), _reshaped_rows(False)),
     each_case=True, dtype=False,
     examples=lambda: _split_cases((1, 2, 3), 0, small=True),
 )
