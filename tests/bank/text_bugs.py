@@ -199,3 +199,14 @@ def split_c_attn_by_reshape(weight):
     embed_dim = weight.shape[0]
     wq, wk, wv = weight.reshape(3, embed_dim, embed_dim)   # three blocks of whole rows, not of columns
     return wq.T, wk.T, wv.T
+
+
+# ============================================================================ 9.3: two square roots
+@bug("9.3", "epsilon", "sqrt(eps)")
+class RMSNormTakesTheRootOfEpsApart(RMSNorm):
+    """sqrt(mean(x^2)) + sqrt(eps): it was told only that the output differs."""
+
+    def forward(self, x):
+        x32 = x.float()
+        rms = x32.pow(2).mean(-1, keepdim=True).sqrt() + self.eps ** 0.5   # (..., 1)
+        return (x32 / rms * self.weight.float()).to(x.dtype)

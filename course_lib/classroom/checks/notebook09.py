@@ -370,6 +370,9 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> dict[str, Mi
         Mistake("epsilon", "epsilon is outside the square root: x / (sqrt(mean(x^2)) + eps). It belongs inside: "
                            "x / sqrt(mean(x^2) + eps) (or x * rsqrt(mean(x^2) + eps)).",
                 output=x / (ms.sqrt() + eps) * w),
+        Mistake("epsilon", "the square root is taken of mean(x^2) and of eps apart and then added: sqrt(mean(x^2)) + "
+                           "sqrt(eps) is not sqrt(mean(x^2) + eps). Add eps inside one square root: x / "
+                           "sqrt(mean(x^2) + eps).", output=x / (ms.sqrt() + eps ** 0.5) * w),
         Mistake("norm_weight", "the learned weight is missing: multiply the normalised x by self.weight.",
                 output=x / _rms(x, eps)),
         Mistake("norm_weight", "you multiply by (1 + weight), Gemma's convention; here the weight starts at one "
