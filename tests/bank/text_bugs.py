@@ -210,3 +210,11 @@ class RMSNormTakesTheRootOfEpsApart(RMSNorm):
         x32 = x.float()
         rms = x32.pow(2).mean(-1, keepdim=True).sqrt() + self.eps ** 0.5   # (..., 1)
         return (x32 / rms * self.weight.float()).to(x.dtype)
+
+
+# ============================================================================ 11.1: a sum over the batch
+@bug("11.1", "scale", "grows with the batch size")
+def previous_token_score_summed_over_the_batch(weights):
+    """A mean over the queries, a sum over the batch: it was told only that the scores differ."""
+    below = weights.diagonal(offset=-1, dim1=-2, dim2=-1)   # (N, heads, L-1)
+    return below.sum(dim=(0, 2)) / below.shape[-1]          # (heads,)

@@ -29,7 +29,8 @@ def score(weights: torch.Tensor, back: int, first: int, *, divide: str = "count"
     ``wrap``: a negative key i - back is read as Python reads it, from the end of the row (key L + i - back),
     instead of the query being skipped. ``divide``: "count" (a mean of the entries read), "nominal" (the sum
     divided by the number of queries first .. L-1, skipped ones too), "right" (divided by ``right``, the number
-    of entries the right score averages), "length" (by L), "none" (a sum). ``keep``: the axis left, "heads"
+    of entries the right score averages), "length" (by L), "none" (a sum), "queries" (a mean over the queries
+    only: the batch summed). ``keep``: the axis left, "heads"
     (right) or "batch" (the batch and head axes taken the other way). ``most``: only the first ``most`` queries
     (a diagonal cut with [..., :most]).
     """
@@ -45,8 +46,8 @@ def score(weights: torch.Tensor, back: int, first: int, *, divide: str = "count"
     total = entries.sum(dim=-1)                           # (N, heads)
     total = total.sum(dim=0 if keep == "heads" else 1)    # (heads,) or (N,)
     per = {"count": entries.shape[-1], "nominal": length - max(first, 0), "length": length,
-           "right": length if right is None else right, "none": 1}[divide]
-    count = per * (weights.shape[0 if keep == "heads" else 1] if divide != "none" else 1)
+           "right": length if right is None else right, "none": 1, "queries": entries.shape[-1]}[divide]
+    count = per * (weights.shape[0 if keep == "heads" else 1] if divide not in ("none", "queries") else 1)
     return total / max(count, 1)
 
 
@@ -74,6 +75,8 @@ _EITHER = (
                           "batch and the queries, keep one number per head.", {"keep": "batch"}),
     Mistake("scale", "you add the entries instead of averaging them: divide by how many there are "
                      "(.mean over the batch and the queries).", {"divide": "none"}),
+    Mistake("scale", "you average over the queries but add over the batch, so the score grows with the batch "
+                     "size N: average over both, .mean(dim=(0, 2)) of the diagonal's entries.", {"divide": "queries"}),
 )
 
 PREVIOUS_MISTAKES = (
