@@ -47,7 +47,7 @@ def rope_tables_flip_the_second_half(head_dim, max_tokens, theta=10000.0):
 _KEPT_TABLES = {}
 
 
-@bug("9.1", "kept_state", "keyed on head_dim and max_tokens only")
+@bug("9.1", "kept_state", "leaves theta out")
 def rope_tables_kept_by_size(head_dim, max_tokens, theta=10000.0):
     """Tables memoised on the sizes alone: it passed (each size was asked with one theta)."""
     if (head_dim, max_tokens) not in _KEPT_TABLES:
@@ -55,6 +55,18 @@ def rope_tables_kept_by_size(head_dim, max_tokens, theta=10000.0):
         _KEPT_TABLES[head_dim, max_tokens] = angles.cos().float(), angles.sin().float()
     return _KEPT_TABLES[head_dim, max_tokens]
 
+
+_TABLES_BY_HEAD_DIM = {}
+
+
+@bug("9.1", "kept_state", "leaves theta out")
+def rope_tables_kept_by_head_dim(head_dim, max_tokens, theta=10000.0):
+    """Long tables memoised on head_dim alone, cut to max_tokens: the theta of the first call stays."""
+    if head_dim not in _TABLES_BY_HEAD_DIM:
+        angles = torch.cat([_angles(head_dim, 4096, theta)] * 2, dim=-1)
+        _TABLES_BY_HEAD_DIM[head_dim] = angles.cos().float(), angles.sin().float()
+    cos, sin = _TABLES_BY_HEAD_DIM[head_dim]
+    return cos[:max_tokens], sin[:max_tokens]
 
 @bug("9.3", "dtype", "x's dtype")
 class RMSNormReturnsTheWeightsDtype(RMSNorm):
@@ -88,6 +100,18 @@ def flops_subtracts_the_position_embeddings(config, num_weights):
     """It was told three slips of the attention term, which is right."""
     return 6 * (num_weights - config.max_tokens * config.embed_dim) + _attention_term(config, config.max_tokens)
 
+
+@bug("6.1", "weights_count", "add the position embeddings")
+def flops_adds_the_position_embeddings(config, num_weights):
+    """It was told to look at the attention term, which is right."""
+    return 6 * (num_weights + config.max_tokens * config.embed_dim) + _attention_term(config, config.max_tokens)
+
+
+@bug("6.1", "attention_flops", "grows by 6 for every weight")
+def flops_caps_the_context_at_64(config, num_weights):
+    """Right on the configurations of up to 64 tokens; at 128 it was told it subtracts the position embeddings,
+    whose 6·T·E equals the 12·n·H·Q·(T - 64) it leaves out there."""
+    return 6 * num_weights + _attention_term(config, min(config.max_tokens, 64))
 
 # ============================================================================ 6.2: what each cache holds
 @correct("6.2")
@@ -150,6 +174,54 @@ def generation_caches_the_last_prompt_token_only(model, idx, max_new_tokens):
     cache = model.new_cache()
     return _loop(model, model(idx[:, -1:], cache), idx, cache, max_new_tokens)
 
+
+@correct("6.2")
+@torch.no_grad()
+def generation_hands_over_a_new_list_of_the_same_layers(model, idx, max_new_tokens):
+    """model(t, [*cache]): one cache in a new list each call (it was told it starts a new cache at every step)."""
+    cache = model.new_cache()
+    logits = model(idx, [*cache])
+    for _ in range(max_new_tokens):
+        next_id = logits[:, -1].argmax(-1, keepdim=True)
+        idx = torch.cat([idx, next_id], dim=1)
+        logits = model(next_id, [*cache])
+    return idx
+
+
+@bug("6.2", "no_kv_cache", "never pass a cache")
+@torch.no_grad()
+def generation_calls_forward_itself_without_a_cache(model, idx, max_new_tokens):
+    """model.forward(idx) skips the model's hooks: it passed, no cache and all."""
+    for _ in range(max_new_tokens):
+        idx = torch.cat([idx, model.forward(idx)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+@bug("6.2", "no_kv_cache", "the same one emptied")
+@torch.no_grad()
+def generation_empties_the_cache_at_every_step(model, idx, max_new_tokens):
+    """It was told its cache already holds every token before the newest, and stores them twice."""
+    cache = model.new_cache()
+    for _ in range(max_new_tokens):
+        for layer in cache:
+            layer.length = 0
+        idx = torch.cat([idx, model(idx, cache)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+@bug("6.2", "no_kv_cache", "more than the newest token")
+@torch.no_grad()
+def generation_fills_a_cache_it_never_reads(model, idx, max_new_tokens):
+    """It was told the new token sees no earlier token; its calls without the cache see them all."""
+    cache = model.new_cache()
+    model(idx, cache)
+    logits = model(idx)
+    for _ in range(max_new_tokens):
+        next_id = logits[:, -1].argmax(-1, keepdim=True)
+        idx = torch.cat([idx, next_id], dim=1)
+        model(next_id, cache)
+        logits = model(idx)
+    return idx
 
 # ============================================================================ 7.2: the layer that calls it
 def _hf_attention(module, query, key, value, attention_mask, scaling, head_dim, diagonal):

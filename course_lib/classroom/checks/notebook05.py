@@ -519,7 +519,8 @@ def check_train_step(fn: Callable[..., Any]) -> str:
                         "model.train() at the start (an evaluation before may have switched it to eval).")
     _check_clipping(fn, model, optimizer, batches[0])
     _check_step_float64(fn)
-    return "zero_grad, forward, loss, backward and step, in that order; the loss comes back as a number." + note
+    return ("Forward, loss, backward and step on gradients of this batch alone (cleared before its backward), "
+            "clipped as asked; the loss comes back as a number." + note)
 
 
 def _summed_loss(what: str, ratio: float, targets: torch.Tensor) -> None:

@@ -117,6 +117,12 @@ def _ignores_weights(runs: list[Run], fn: Any) -> None:
     if isinstance(more, torch.Tensor) and math.isclose(float(more) - float(run.out), 6000, abs_tol=1e-6):
         # the count grows by 6 per weight: 6N is there, and what does not depend on N is most likely attention
         rest = float(run.out) - 6 * weights
+        for which, size in _EMBEDDINGS:   # ... unless on every configuration it is 12·n·H·Q·T and 6 embeddings
+            for sign in (1, -1):
+                if all(math.isclose(float(r.out), 6 * (r.case.args[1] + sign * size(r.case.args[0]))
+                                    + 12 * _lhqt(r.case.args[0]), abs_tol=1e-6) for r in runs):
+                    fail("weights_count", f"{run.case.what} returned {float(run.out):,.0f}, expected "
+                                          f"{float(run.expected):,.0f}: " + _weights_said(which, sign))
         fail("attention_flops", f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f}. "
                                 f"Your count grows by 6 for every weight added, so 6N is there; what does not depend "
                                 f"on num_weights is {rest:,.0f}, where the attention term 12·n·H·Q·T = 12·"
@@ -230,12 +236,14 @@ _EMBEDDINGS = (("the token embeddings (vocab_size·embed_dim)", lambda c: c.voca
                ("the token and position embeddings", lambda c: (c.vocab_size + c.max_tokens) * c.embed_dim))
 
 
-def _weights_slip(which: str, size: Callable[[Any], int], sign: int) -> Mistake:
-    said = (f"you add {which} to N. num_weights already is the count to use: the embeddings are a lookup, not a "
+def _weights_said(which: str, sign: int) -> str:
+    return (f"you add {which} to N. num_weights already is the count to use: the embeddings are a lookup, not a "
             f"matrix multiply." if sign > 0 else f"you subtract {which} from N. num_weights already leaves the "
-            f"embeddings out.")
-    return _slip("weights_count", said + " Use 6·num_weights as given.",
-                 lambda c, n: 6 * (n + sign * size(c)) + 12 * _lhqt(c))
+            f"embeddings out.") + " Use 6·num_weights as given."
+
+
+def _weights_slip(which: str, size: Callable[[Any], int], sign: int) -> Mistake:
+    return _slip("weights_count", _weights_said(which, sign), lambda c, n: 6 * (n + sign * size(c)) + 12 * _lhqt(c))
 
 
 # N plus the position embeddings is what GPT(config).num_parameters() gives: left to _ignores_weights, which
@@ -323,6 +331,19 @@ def _draws_at_random(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor
     return any(not (isinstance(r, torch.Tensor) and torch.equal(r, runs[0])) for r in runs[1:])
 
 
+def _model_calls(calls: list[dict[str, Any]], block_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The model's calls; where model.forward(...) was called directly (no hook of the model runs), its first
+    block's, which it calls in turn: their length and whether a cache went in, without the token ids."""
+    if calls or not block_calls:
+        return calls
+    return [dict(c, shape=c["shape"][:2] if c["shape"] else None, ids=None, cache_length=None) for c in block_calls]
+
+
+def _cache_key(cache: Any) -> Any:
+    """One cache however it is handed over: model.new_cache()'s list, or a new list of the same layers."""
+    return tuple(map(id, cache)) if isinstance(cache, (list, tuple)) else id(cache)
+
+
 def _rows_holding(sequence: torch.Tensor, held: torch.Tensor, start: int = 0) -> list[int]:
     """The rows r at which the (b, n) tokens ``held`` are ``sequence[r:r + b, start:start + n]``."""
     b, n = held.shape
@@ -335,15 +356,21 @@ def _explain_cache_contents(calls: list[dict[str, Any]], sequence: torch.Tensor 
                             ) -> tuple[str, str] | None:
     """What each cache was given, call by call (the tokens fed into it), against the student's own sequence:
     a cache used as intended holds the first tokens of its rows, each once, whatever the chunks fed."""
-    held: dict[int, torch.Tensor] = {}   # per cache object, in the order of first use: the tokens fed into it
-    refeeds: dict[int, int] = {}
+    held: dict[Any, torch.Tensor] = {}   # per cache, in the order of first use: the tokens fed into it
+    refeeds: dict[Any, int] = {}
+    emptied: list[torch.Tensor] = []     # what a cache held before it was emptied and fed again
     cached = [c for c in calls if c["cache"] is not None and c["ids"] is not None and c["ids"].dim() == 2]
     for number, c in enumerate(cached):
-        key, ids = id(c["cache"]), c["ids"]
+        key, ids = _cache_key(c["cache"]), c["ids"]
         before = held.get(key)
+        if before is not None and c["cache_length"] == 0:   # the same cache emptied: it starts over
+            emptied.append(held.pop(key))
+            before = None
         if before is None:
             held[key] = ids
             continue
+        if c["cache_length"] is not None and c["cache_length"] != before.shape[1]:
+            return None   # tokens went into it, or out of it, some other way: nothing simple to say
         if before.shape[0] != ids.shape[0]:
             return None   # a cache fed batches of two sizes: nothing simple to say
         # fed again: the call starts with tokens the cache holds (its first ones, or its last ones)
@@ -354,7 +381,7 @@ def _explain_cache_contents(calls: list[dict[str, Any]], sequence: torch.Tensor 
         # is (a prompt fed in chunks is not); without them, only a cache refed twice over counts
         if refed and (refeeds[key] >= 2 if sequence is None else not any(
                 _rows_holding(sequence, torch.cat([before, ids], 1), s) for s in range(sequence.shape[1]))):
-            growing = [x["ids"].shape[1] for x in cached[number:] if id(x["cache"]) == key]
+            growing = [x["ids"].shape[1] for x in cached[number:] if _cache_key(x["cache"]) == key]
             fed = ("the whole sequence again at every step" if len(growing) > 1 and all(
                 b == a + 1 for a, b in zip(growing, growing[1:])) else f"{ids.shape[1]} tokens at a step")
             return ("kv_cache", f"after the prompt you feed {fed} into a cache that already holds every token "
@@ -364,7 +391,7 @@ def _explain_cache_contents(calls: list[dict[str, Any]], sequence: torch.Tensor 
     if sequence is None:
         return None
     starts, claimed, restarts = [], set(), 0
-    for tokens in held.values():   # where each cache's tokens begin in the sequence, and for which rows
+    for tokens in [*emptied, *held.values()]:   # where each cache's tokens begin in the sequence, for which rows
         start = next((s for s in range(sequence.shape[1]) if _rows_holding(sequence, tokens, s)), None)
         starts.append(start)
         if start == 0:
@@ -374,7 +401,7 @@ def _explain_cache_contents(calls: list[dict[str, Any]], sequence: torch.Tensor 
             claimed.add((free or rows)[0])
     late = [start for start in starts if start]
     if late:
-        if len(held) == len(cached) > 2 and all(c["ids"].shape[1] == 1 for c in cached[1:]):
+        if len(held) + len(emptied) == len(cached) > 2 and all(c["ids"].shape[1] == 1 for c in cached[1:]):
             return ("no_kv_cache", "you start a new cache at every step, so each new token sees only itself. Create "
                                    "the cache once, before the loop, and keep passing it.")
         if min(late) < prompt_length:
@@ -385,8 +412,9 @@ def _explain_cache_contents(calls: list[dict[str, Any]], sequence: torch.Tensor 
                             "cache, or the prompt run without one), so they see none of it. Run the prompt with the "
                             "cache the loop uses (model(idx, cache)) and pass that same cache to every later call.")
     if restarts:
-        return ("no_kv_cache", "you create a new cache at every step and feed it the whole sequence, so nothing is "
-                               "saved. Create the cache once before the loop, then feed only the newest token.")
+        return ("no_kv_cache", "you start over with an empty cache at every step (a new one, or the same one "
+                               "emptied) and feed it the whole sequence, so nothing is saved. Create the cache once "
+                               "before the loop, then feed only the newest token.")
     return None
 
 
@@ -411,9 +439,14 @@ def _explain_calls(calls: list[dict[str, Any]], sequence: torch.Tensor | None = 
         return ("shape", f"after the prompt (a batch of {batch}) you feed token ids of shape {turned['shape']}: the "
                          f"batch and the token axes are swapped. The new tokens are (N, 1), one per sequence: "
                          f"argmax(-1, keepdim=True), or next_id[:, None], not unsqueeze(0).")
-    if any(c["cache"] is None for c in later):
+    uncached = [c for c in later if c["cache"] is None]
+    if uncached and all(c["shape"] and c["shape"][1] == 1 for c in uncached):
         return ("no_kv_cache", "after the first call you call the model without the cache: the new token then sees "
                                "no earlier token. Pass the same cache to every call.")
+    if uncached:
+        return ("no_kv_cache", "after the first call you call the model without the cache, on more than the newest "
+                               "token: those calls recompute what the cache was to keep. Pass the same cache to "
+                               "every call and feed it only the newest token.")
     return _explain_cache_contents(calls, sequence, prompt_length)
 
 
@@ -431,16 +464,18 @@ def _refeeding_last_prompt_token(model: nn.Module, idx: torch.Tensor, new: int) 
 
 def _run(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, what: str
          ) -> tuple[Any, list[dict[str, Any]]]:
-    with recording_calls(model) as calls:
+    with recording_calls(model) as calls, recording_calls(model.blocks[0]) as block_calls:
         try:
             with torch.no_grad():
                 result = call(fn, model, idx.clone(), new, what=what)
         except Failure as failure:
-            explanation = _explain_calls(calls) if failure.diagnosis == "exception" else None
+            explanation = _explain_calls(_model_calls(calls, block_calls)) \
+                if failure.diagnosis == "exception" else None
             if explanation:
                 code = "shape" if explanation[0] == "shape" else "exception"
                 fail(code, extend(failure.message, f"It looks like {explanation[1]}"))
             raise
+    calls = _model_calls(calls, block_calls)
     switched = [name or "model" for name, module in model.named_modules() if module.training]
     if switched:   # handed over in eval mode, as generation runs
         fail("dropout", f"{what}: your generation left {switched[0]} in training mode (model.train()); it was "

@@ -175,8 +175,8 @@ def _table_diagnosis(runs: list[Run], fn: Any) -> None:
             fail("kept_state", f"{what} returned the tables of theta=10000, which rope_tables({head_dim}, "
                                f"{max_tokens}) returned before, while rope_tables(10, 7, theta={theta[0]:g}) is "
                                f"right: your function keeps the tables of an earlier call of the same sizes (a "
-                               f"cache keyed on head_dim and max_tokens only). Key it on theta too, or compute the "
-                               f"tables at every call.")
+                               f"cache whose key leaves theta out). Key it on every argument, or compute the tables "
+                               f"at every call.")
     _diagnose_tables(*runs[0].out, head_dim, max_tokens, *(theta or [10000.0]), what,
                      not theta and _default_theta_wrong(fn))
 
@@ -185,9 +185,10 @@ ROPE_TABLES = FunctionExercise(
     "9.1", "rope_tables", lambda head_dim, max_tokens, theta=10000.0: torch.stack(
         ref.rope_tables(head_dim, max_tokens, theta)),
     # small head_dims with several theta, so every slip of the frequencies moves some entry past the tolerance
-    # (8, 12) twice, with another theta: tables kept from an earlier call of the same sizes are a slip too
+    # head_dim 8 again with more positions, and (8, 12) again with another theta: tables kept from an earlier call
+    # (keyed on some of the arguments only) are a slip too
     lambda: [_table_case(8, 12), _table_case(4, 5), _table_case(16, 40, 500000.0), _table_case(6, 9, 100.0),
-             _table_case(2, 1), _table_case(8, 12, 500.0)],
+             _table_case(2, 1), _table_case(8, 20), _table_case(8, 12, 500.0)],
     ("head_dim", "max_tokens", "theta"),
     success="Both tables right for head_dim 2 to 16 and several theta: pair (i, i + head_dim/2) turns by "
             "theta^(-2i/head_dim) per position.",
