@@ -34,8 +34,8 @@ A checker never raises because of the student's code: its body returns a success
 """
 from __future__ import annotations
 
+import _thread
 import contextlib
-import copy
 import functools
 import gc
 import importlib
@@ -195,8 +195,21 @@ def _check_options(name: str, signature: inspect.Signature, args: tuple, kwargs:
 
 def _judge(exercise: str, body: Callable[..., str | None], example: Callable[..., Any] | None,
            args: tuple, kwargs: dict) -> CheckResult:
-    """Run ``body`` isolated, under the pinned references, the alarm and the guard: always a verdict."""
+    """Run ``body`` isolated, under the pinned references, the alarm and the guard: always a verdict. The run gives
+    its fields (a tuple: no CheckResult is made while the student's code may have changed its class), and the
+    verdict is made after the interpreter is put back: nothing left for the restore to run can change it."""
     state = _save()
+    try:
+        fields = _outcome(exercise, body, example, args, kwargs)
+    finally:
+        state()
+        bind_references()   # modules first imported during this check (course_lib.hf)
+    return CheckResult(*fields)
+
+
+def _outcome(exercise: str, body: Callable[..., str | None], example: Callable[..., Any] | None,
+             args: tuple, kwargs: dict) -> tuple[Any, ...]:
+    """``_judge``'s run, before the interpreter is put back: the verdict's fields."""
     calls_before = STUDENT_CALLS[0]
     try:
         install_references()
@@ -216,41 +229,38 @@ def _judge(exercise: str, body: Callable[..., str | None], example: Callable[...
             except Failure as failure:   # the smallest input that shows the mistake, for checks.hint
                 _attach(exercise, failure, args, kwargs, example)
                 raise
-        return CheckResult(exercise, True, None, message or "Matches the reference implementation.")
+        return _fields(exercise, True, None, message or "Matches the reference implementation.")
     except Failure as failure:
-        return CheckResult(exercise, False, failure.diagnosis, failure.message, failure.details)
+        return _fields(exercise, False, failure.diagnosis, failure.message, failure.details)
     except CallsReference as found:   # the exercise's own reference did the work
-        return CheckResult(exercise, False, "calls_reference", reference_message(found))
+        return _fields(exercise, False, "calls_reference", reference_message(found))
     except CheckTimeout:
-        return _timed_out(exercise)
+        return _timed_out_fields(exercise)
     except NotImplementedError as exc:
         if not raised_in_student_code(exc):   # torch, on an odd tensor the student's code returned
-            return CheckResult(exercise, False, "dtype", f"What your code returned cannot be compared "
+            return _fields(exercise, False, "dtype", f"What your code returned cannot be compared "
                                                          f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
                                                          f"): return ordinary dense tensors.")
-        return CheckResult(exercise, False, "not_implemented",
+        return _fields(exercise, False, "not_implemented",
                            f"Not written yet ({str(exc) or 'NotImplementedError'}). Replace the "
                            f"`raise NotImplementedError`, then re-run.")
     except SystemExit as exc:
-        return CheckResult(exercise, False, "exception",
+        return _fields(exercise, False, "exception",
                            f"Your code called sys.exit({'' if exc.code is None else repr(exc.code)}) "
                            f"(or exit()): that would stop the kernel. Return a value instead.")
     except KeyboardInterrupt:   # the stop button: it must still stop
         raise
     except BaseException as exc:  # a checker never raises: GeneratorExit, BaseException subclasses too
         if raised_in_student_code(exc):
-            return CheckResult(exercise, False, "exception",
+            return _fields(exercise, False, "exception",
                                f"Your code raised {type(exc).__name__}{student_frame(exc)}: {exc}")
         broken_graph = _autograd_failure(exc) if STUDENT_CALLS[0] > calls_before else None
         if broken_graph is not None:   # autograd walked back through what the student's code returned
-            return CheckResult(exercise, False, *broken_graph)
+            return _fields(exercise, False, *broken_graph)
         where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         at = f" at {os.path.basename(where.filename)}:{where.lineno}" if where else ""
-        return _checker_error(exercise, f"{type(exc).__name__}{at}: {exc}",
+        return _checker_error_fields(exercise, f"{type(exc).__name__}{at}: {exc}",
                               " The cells below still run with the course's reference.", exc)
-    finally:
-        state()
-        bind_references()   # modules first imported during this check (course_lib.hf)
 
 
 @contextlib.contextmanager
@@ -299,18 +309,32 @@ def _autograd_failure(exc: BaseException) -> tuple[str, str] | None:
     return "gradient", f"Backpropagating through your code failed: {text.splitlines()[0] if text else type(exc).__name__}."
 
 
+def _fields(exercise: str, passed: bool, diagnosis: str | None, message: str, details: Any = None
+            ) -> tuple[Any, ...]:
+    """A verdict's fields, as CheckResult takes them."""
+    return exercise, passed, diagnosis, message, {} if details is None else details
+
+
+def _timed_out_fields(exercise: str) -> tuple[Any, ...]:
+    return _fields(exercise, False, "timeout", f"Your code did not finish within {TIME_LIMIT_S:g} seconds, so the "
+                                               f"check was stopped. Look for a loop that never ends (a `while` whose "
+                                               f"condition never changes), or work that grows with every step.")
+
+
 def _timed_out(exercise: str) -> CheckResult:
-    return CheckResult(exercise, False, "timeout",
-                       f"Your code did not finish within {TIME_LIMIT_S:g} seconds, so the check was "
-                       f"stopped. Look for a loop that never ends (a `while` whose condition never "
-                       f"changes), or work that grows with every step.")
+    return CheckResult(*_timed_out_fields(exercise))
+
+
+def _checker_error_fields(exercise: str, what: str, more: str = "", exc: BaseException | None = None
+                          ) -> tuple[Any, ...]:
+    return _fields(exercise, False, "checker_error",
+                   f"The checker for exercise {exercise} failed ({what}). This is a bug in the course, not "
+                   f"necessarily in your code: please report it with this message.{more}",
+                   {"exception": exc} if exc is not None else {})
 
 
 def _checker_error(exercise: str, what: str, more: str = "", exc: BaseException | None = None) -> CheckResult:
-    return CheckResult(exercise, False, "checker_error",
-                       f"The checker for exercise {exercise} failed ({what}). This is a bug in the course, not "
-                       f"necessarily in your code: please report it with this message.{more}",
-                       {"exception": exc} if exc is not None else {})
+    return CheckResult(*_checker_error_fields(exercise, what, more, exc))
 
 
 # Settings a check may change, as (module, read, write): each is put back where it differs. Looked up by name
@@ -360,47 +384,74 @@ def _save() -> Callable[[], None]:
     return restore
 
 
+# The interpreter's own setters and the objects they act on, taken when the course is imported (before any
+# student's code runs): putting the interpreter back calls these, never what the modules hold by then.
+_SET_RECURSION_LIMIT, _RECURSION_LIMIT = sys.setrecursionlimit, sys.getrecursionlimit
+_GC_ENABLE, _GC_DISABLE, _GC_ENABLED = gc.enable, gc.disable, gc.isenabled
+_MKLDNN_MODULE, _MKLDNN_ENABLED, _SET_MKLDNN = torch.backends.mkldnn, torch._C._get_mkldnn_enabled, \
+    torch._C._set_mkldnn_enabled
+_FILTERS_MUTATED, _SIGNAL, _GETSIGNAL = warnings._filters_mutated, signal.signal, signal.getsignal   # type: ignore
+_LOGGER = logging.Logger
+
+
 def _interpreter_state() -> dict[str, Any]:
     """What a student's code can switch in the interpreter while a check runs it in this process (a forked child
     takes its own copy): warnings, the recursion limit, sys.path, Ctrl-C's handler, the garbage collector,
     oneDNN, torch's print options, logging's switch. The objects themselves are kept too: code that replaces
-    them (``sys.path = None``) gets them back as they were, and putting them back cannot fail."""
-    state = {"filters": (warnings.filters, list(warnings.filters)), "recursion": sys.getrecursionlimit(),
-             "path": (sys.path, list(sys.path)), "gc": gc.isenabled(), "mkldnn": torch.backends.mkldnn.enabled,
-             "print": (torch._tensor_str.PRINT_OPTS, copy.copy(torch._tensor_str.PRINT_OPTS)),
-             "logging": (logging.root, logging.Logger.manager, logging.Logger.manager.disable)}
+    them (``sys.path = None``) gets them back as they were."""
+    options = torch._tensor_str.PRINT_OPTS
+    state = {"filters": (warnings.filters, list(warnings.filters)), "recursion": _RECURSION_LIMIT(),
+             "path": (sys.path, list(sys.path)), "gc": _GC_ENABLED(), "mkldnn": _MKLDNN_ENABLED(),
+             "print": (options, dict(vars(options))),
+             "logging": (logging.root, _LOGGER.manager, _LOGGER.manager.disable)}
     if threading.current_thread() is threading.main_thread():
-        state["sigint"] = signal.getsignal(signal.SIGINT)
+        state["sigint"] = _GETSIGNAL(signal.SIGINT)
     return state
 
 
 def _restore_interpreter(state: dict[str, Any]) -> None:
-    filters, kept = state["filters"]
-    if warnings.filters is not filters or filters != kept:
-        warnings.filters = filters
-        filters[:] = kept
-        warnings._filters_mutated()   # type: ignore[attr-defined]
-    if sys.getrecursionlimit() != state["recursion"]:
-        sys.setrecursionlimit(state["recursion"])
-    path, kept = state["path"]
-    if sys.path is not path or path != kept:
-        sys.path = path
-        path[:] = kept
-    if gc.isenabled() != state["gc"]:
-        (gc.enable if state["gc"] else gc.disable)()
-    if torch.backends.mkldnn.enabled != state["mkldnn"]:
-        torch.backends.mkldnn.enabled = state["mkldnn"]
-    options, kept = state["print"]
-    torch._tensor_str.PRINT_OPTS = options
-    vars(options).update(vars(kept))
-    root, manager, disabled = state["logging"]
-    logging.root = logging.Logger.root = root
-    logging.Logger.manager = manager
-    if manager.disable != disabled:
+    """Every setting put back as saved, whatever it is now: nothing is compared or read that the student's code
+    could have replaced (a value whose ``!=`` runs code), and a step that fails leaves the others to run."""
+    def filters() -> None:
+        kept, contents = state["filters"]
+        warnings.filters = kept
+        kept[:] = contents
+        _FILTERS_MUTATED()
+
+    def path() -> None:
+        kept, contents = state["path"]
+        sys.path = kept
+        kept[:] = contents
+
+    def options() -> None:
+        kept, contents = state["print"]
+        torch._tensor_str.PRINT_OPTS = kept
+        vars(kept).update(contents)
+
+    def logs() -> None:
+        root, manager, disabled = state["logging"]
+        logging.root = _LOGGER.root = root
+        _LOGGER.manager = manager
         manager.disable = disabled
-        manager._clear_cache()
-    if "sigint" in state and signal.getsignal(signal.SIGINT) is not state["sigint"] and state["sigint"] is not None:
-        signal.signal(signal.SIGINT, state["sigint"])
+        loggers = vars(manager).get("loggerDict")
+        for logger in [root, *(dict.values(loggers) if type(loggers) is dict else ())]:   # the levels they cached
+            cache = vars(logger).get("_cache") if isinstance(logger, _LOGGER) else None
+            if type(cache) is dict:
+                cache.clear()
+
+    def mkldnn() -> None:
+        torch.backends.mkldnn = _MKLDNN_MODULE
+        _SET_MKLDNN(state["mkldnn"])
+
+    steps = [filters, path, options, logs, mkldnn, lambda: _SET_RECURSION_LIMIT(state["recursion"]),
+             _GC_ENABLE if state["gc"] else _GC_DISABLE]
+    if "sigint" in state:
+        steps.append(lambda: _GETSIGNAL(signal.SIGINT) is state["sigint"] or _SIGNAL(signal.SIGINT, state["sigint"]))
+    for step in steps:
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - the rest is still put back; the check's verdict stands
+            pass
 
 
 def _cwd() -> str | None:
@@ -607,7 +658,10 @@ class _guard:  # noqa: N801 - used as a context, like a function
     check it as the known-good answer."""
 
     def __init__(self, exercise: str, args: tuple):
-        reference = reference_of(exercise) if not _GUARDED[0] else None   # inside a check: the outer guard holds
+        # inside a check (a check the student's code calls) the outer guard holds, and this one does nothing at
+        # all: were it to set the profiler back on leaving, it would cover for whatever switched it off inside
+        self.nested = _GUARDED[0] > 0
+        reference = reference_of(exercise) if not self.nested else None
         self.exercise, self.name = exercise, getattr(reference, "__name__", "reference")
         how = is_reference(args[0], reference) if args and reference is not None else None
         if how and how != "is":
@@ -660,14 +714,21 @@ class _guard:  # noqa: N801 - used as a context, like a function
 
     def __enter__(self) -> None:
         _GUARDED[0] += 1
+        if self.nested:
+            return
         self.previous = sys.getprofile()
         self.stop = sys._getframe(1)   # the check's own frame: the student's code is what runs above it
         self.threading_previous = threading.getprofile()
         if self.codes:
             _own_setprofile(self._hook)
             threading.setprofile(self._hook)   # a thread the student's code starts is watched too
+            _WATCHING[0] = self._hook
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if self.nested:
+            _GUARDED[0] -= 1
+            return
+        _WATCHING[0] = None
         excused = self.unwound is not None and exc is self.unwound
         switched_off = bool(self.codes) and not excused and (
             sys.getprofile() != self._hook or threading.getprofile() != self._hook)
@@ -691,6 +752,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
 _OWN_SETTING = [False]
 _TAMPERED = [False]
 _UNWINDING = [False]   # the guard's hook raised: Python's unset of it, the next sys.setprofile event, is let through
+_WATCHING: list[Any] = [None]   # the hook of the guard that watches, while one does
 
 
 def _own_setprofile(hook: Any) -> None:
@@ -707,8 +769,8 @@ def _refuse_profiler_changes(event: str, args: tuple) -> None:
         if _UNWINDING[0]:   # Python unsetting the guard's hook that raised: once
             _UNWINDING[0] = False
             return
-        if sys._getframe(1).f_code is _THREAD_START:   # a new thread taking threading's hook: the guard's own
-            return
+        if sys._getframe(1).f_code is _THREAD_START and getattr(threading, "_profile_hook", None) is _WATCHING[0]:
+            return   # a new thread taking threading's hook, the guard's own
         _TAMPERED[0] = True
         raise RuntimeError("sys.setprofile is not allowed while a check runs: the check watches which of the "
                            "course's functions your code calls")
@@ -716,6 +778,25 @@ def _refuse_profiler_changes(event: str, args: tuple) -> None:
 
 _THREAD_START = threading.Thread._bootstrap_inner.__code__   # type: ignore[attr-defined]
 sys.addaudithook(_refuse_profiler_changes)
+
+# Every thread started while a guard watches starts watched. threading.setprofile raises no audit event, and a
+# thread started through _thread takes no profiler at all: either way the student's code could run the course's
+# answer in a thread the guard never sees. Wrapped when the course is imported, before any student's code runs.
+_START_NEW_THREAD = _thread.start_new_thread
+
+
+def _start_watched(function: Callable[..., Any], args: tuple, *kwargs: Any) -> int:
+    hook = _WATCHING[0]
+    if hook is None:
+        return _START_NEW_THREAD(function, args, *kwargs)
+
+    def watched(*a: Any, **k: Any) -> Any:
+        _own_setprofile(hook)
+        return function(*a, **k)
+    return _START_NEW_THREAD(watched, args, *kwargs)
+
+
+_thread.start_new_thread = _thread.start_new = threading._start_new_thread = _start_watched   # type: ignore
 
 
 # ---------------------------------------------------------------- one run, in a forked child

@@ -1,0 +1,125 @@
+"""The reference guard and the check's restore under a seventh attack (2026-11-29): code left for the restore to
+run, threads started with the profiler off, a check nested in a check, a restore made to raise. None makes the
+course's answer pass as the student's, a wrong answer pass, or a checker raise."""
+from __future__ import annotations
+
+import _thread
+import gc
+import logging
+import threading
+
+import pytest
+import torch
+
+import course_lib.attention as attention
+from course_lib.classroom import checks
+
+
+@pytest.fixture(params=["forked", "in process"])
+def where(request, monkeypatch):
+    if request.param == "in process":
+        monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")
+    return request.param
+
+
+def test_code_left_for_the_restore_cannot_change_the_verdict(where):
+    """A value whose != flips the verdict it finds in memory: the restore compared it, after the verdict was made."""
+    class Level(int):
+        def __ne__(self, other):
+            for found in gc.get_objects():
+                if type(found).__name__ == "CheckResult" and getattr(found, "exercise", None) == "2.1":
+                    found.passed, found.diagnosis = True, None
+            return int.__ne__(self, other)
+
+    def causal_mask(n):
+        logging.Logger.manager.disable = Level(0)
+        return torch.zeros(n, n, dtype=torch.bool)   # wrong: every key hidden
+    manager, disabled = logging.Logger.manager, logging.Logger.manager.disable
+    try:
+        result = checks.check_causal_mask(causal_mask, graded=False)
+        assert (result.passed, result.diagnosis) == (False, "causal_mask"), result
+        assert type(logging.Logger.manager.disable) is int
+    finally:
+        logging.Logger.manager, manager.disable = manager, disabled
+
+
+def _in_a_thread(start):
+    def causal_mask(n):
+        done, finished = [], _thread.allocate_lock()
+        finished.acquire()
+
+        def job():
+            try:
+                done.append(attention.causal_mask(n))
+            finally:   # the guard raises in the thread when it sees the course's answer called
+                finished.release()
+        start(job)
+        finished.acquire()
+        return done[0] if done else torch.ones(n, n, dtype=torch.bool).tril()
+    return causal_mask
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the guard's, in the thread
+@pytest.mark.parametrize("start", [
+    lambda job: (threading.setprofile(None), threading.Thread(target=job).start()),
+    lambda job: _thread.start_new_thread(job, ()),
+], ids=["threading's profiler switched off", "a thread of _thread"])
+def test_the_courses_answer_in_a_thread_is_seen(start, where):
+    hook = threading.getprofile()
+    try:
+        result = checks.check_causal_mask(_in_a_thread(start), graded=False)
+    finally:
+        threading.setprofile(hook)
+    assert (result.passed, result.diagnosis) == (False, "calls_reference"), result
+
+
+def test_a_check_nested_in_a_check_cannot_cover_for_a_profiler_switched_off(monkeypatch):
+    """Ctrl-C landing in the guard's hook switches the profiler off (Python unsets a hook that raises); code that
+    catches it and calls the course's answer inside a check of another exercise was covered for: the inner check's
+    guard put back, when it ended, the profiler it had found."""
+    from course_lib.classroom.checks.engine import run
+    monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")   # the watcher of this very process
+    watch, stash = run._guard._watch, {}
+
+    def landing(self, frame, event):
+        if event == "call" and frame.f_code is knock.__code__ and not stash:
+            stash["knocked"] = True
+            raise KeyboardInterrupt   # as the signal would, inside the hook
+        return watch(self, frame, event)
+    monkeypatch.setattr(run._guard, "_watch", landing)
+
+    def knock():
+        return None
+
+    def inner(logits, targets):
+        try:
+            knock()
+        except KeyboardInterrupt:
+            pass
+        stash["mask"] = attention.causal_mask(5)   # unwatched now
+        return torch.zeros(())
+
+    def causal_mask(n):
+        checks.check_lm_loss(inner, graded=False)
+        return torch.ones(n, n, dtype=torch.bool).tril() if n != 5 else stash["mask"]
+    result = checks.check_causal_mask(causal_mask, graded=False)
+    assert stash.get("knocked") and not result.passed and result.diagnosis in ("patched", "calls_reference"), result
+
+
+def test_a_restore_made_to_raise_leaves_a_verdict_and_the_kernel_as_it_was(where):
+    mkldnn = torch.backends.mkldnn
+
+    class Raising:
+        @property
+        def enabled(self):
+            raise KeyError("planted")
+
+    def causal_mask(n):
+        torch.backends.mkldnn = Raising()
+        return torch.ones(n, n, dtype=torch.bool).tril()   # right
+    try:
+        assert checks.check_causal_mask(causal_mask, graded=False).passed
+        assert torch.backends.mkldnn is mkldnn
+        assert checks.check_causal_mask(lambda n: torch.ones(n, n, dtype=torch.bool).tril(), graded=False).passed
+    finally:
+        torch.backends.mkldnn = mkldnn
