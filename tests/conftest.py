@@ -38,3 +38,12 @@ def unguarded(monkeypatch):
     from course_lib.classroom.checks.engine import run
     # on the run's own name: a check puts course_lib's modules back as they were, but not checks' own
     monkeypatch.setattr(run, "_guard", lambda exercise, args: nullcontext())
+
+
+@pytest.fixture(params=["forked", "in process"])
+def check_process(request, monkeypatch):
+    """Each check of the test both ways it can run: in a forked child (Linux) and in the kernel's own process
+    (macOS, Windows, CUDA; COURSE_CHECK_IN_PROCESS=1)."""
+    if request.param == "in process":
+        monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")
+    return request.param

@@ -15,14 +15,7 @@ import course_lib.attention as attention
 from course_lib.classroom import checks
 
 
-@pytest.fixture(params=["forked", "in process"])
-def where(request, monkeypatch):
-    if request.param == "in process":
-        monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")
-    return request.param
-
-
-def test_code_left_for_the_restore_cannot_change_the_verdict(where):
+def test_code_left_for_the_restore_cannot_change_the_verdict(check_process):
     """A value whose != flips the verdict it finds in memory: the restore compared it, after the verdict was made."""
     class Level(int):
         def __ne__(self, other):
@@ -64,7 +57,7 @@ def _in_a_thread(start):
     lambda job: (threading.setprofile(None), threading.Thread(target=job).start()),
     lambda job: _thread.start_new_thread(job, ()),
 ], ids=["threading's profiler switched off", "a thread of _thread"])
-def test_the_courses_answer_in_a_thread_is_seen(start, where):
+def test_the_courses_answer_in_a_thread_is_seen(start, check_process):
     hook = threading.getprofile()
     try:
         result = checks.check_causal_mask(_in_a_thread(start), graded=False)
@@ -106,7 +99,7 @@ def test_a_check_nested_in_a_check_cannot_cover_for_a_profiler_switched_off(monk
     assert stash.get("knocked") and not result.passed and result.diagnosis in ("patched", "calls_reference"), result
 
 
-def test_a_restore_made_to_raise_leaves_a_verdict_and_the_kernel_as_it_was(where):
+def test_a_restore_made_to_raise_leaves_a_verdict_and_the_kernel_as_it_was(check_process):
     mkldnn = torch.backends.mkldnn
 
     class Raising:

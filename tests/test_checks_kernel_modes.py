@@ -28,23 +28,16 @@ def _attention(q, k, v, mask=None):
     return torch.softmax(scores, dim=-1) @ v
 
 
-@pytest.fixture(params=["forked", "in process"])
-def where(request, monkeypatch):
-    if request.param == "in process":
-        monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")
-    return request.param
-
-
 # ---------------------------------------------------------------- the cell's modes are not the check's
 
-def test_right_code_passes_from_a_cell_in_inference_mode_and_the_mode_is_kept(where):
+def test_right_code_passes_from_a_cell_in_inference_mode_and_the_mode_is_kept(check_process):
     with torch.inference_mode():
         result = checks.check_scaled_dot_product_attention(_attention, graded=False)
         assert torch.is_inference_mode_enabled()
     assert result.passed, result
 
 
-def test_right_code_passes_from_a_cell_under_autocast_and_autocast_is_kept(where):
+def test_right_code_passes_from_a_cell_under_autocast_and_autocast_is_kept(check_process):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         result = checks.check_apply_rotary(_apply_rotary, graded=False)
         assert torch.is_autocast_enabled("cpu")
@@ -122,7 +115,7 @@ def _settings():
             signal.getsignal(signal.SIGINT))
 
 
-def test_interpreter_settings_a_students_code_switches_are_put_back(where):
+def test_interpreter_settings_a_students_code_switches_are_put_back(check_process):
     def switching(q, k, v, mask=None):
         warnings.simplefilter("ignore")
         sys.setrecursionlimit(123456)
@@ -174,7 +167,7 @@ def test_a_signal_landing_in_the_checks_watcher_is_that_signal(signal_raised, mo
     assert checks.check_causal_mask(lambda n: torch.ones(n, n, dtype=torch.bool).tril(), graded=False).passed
 
 
-def test_interpreter_objects_a_students_code_replaces_come_back_as_they_were(where):
+def test_interpreter_objects_a_students_code_replaces_come_back_as_they_were(check_process):
     """Not the same contents in another object: the kernel's own list of paths, of warning filters, its print
     options, its logging root."""
     import copy

@@ -69,14 +69,15 @@ def variant(weights: torch.Tensor, half: int | None = None, *, spec: dict[str, A
                  right=weights.shape[-1] - first, most=half if spec.get("first_half_entries") else None)
 
 
+_SUMMED_OVER_THE_BATCH = ("you average over the queries but add over the batch, so the score grows with the batch "
+                          "size N: average over both, .mean(dim=(0, 2)) of the diagonal's entries.")
 _EITHER = (
     Mistake("score_axes", "you averaged over the head axis and kept the batch axis: weights are laid out "
                           "(N, heads, L, L), so the batch is axis 0 and the heads axis 1; average over the "
                           "batch and the queries, keep one number per head.", {"keep": "batch"}),
     Mistake("scale", "you add the entries instead of averaging them: divide by how many there are "
                      "(.mean over the batch and the queries).", {"divide": "none"}),
-    Mistake("scale", "you average over the queries but add over the batch, so the score grows with the batch "
-                     "size N: average over both, .mean(dim=(0, 2)) of the diagonal's entries.", {"divide": "queries"}),
+    Mistake("scale", _SUMMED_OVER_THE_BATCH, {"divide": "queries"}),
 )
 
 PREVIOUS_MISTAKES = (

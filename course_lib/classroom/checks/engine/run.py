@@ -500,9 +500,8 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def _mark_unwinding(frame: Any) -> None:
     """A signal landing in the guard's hook (even before its ``try``) makes Python unset it: the guard's own doing."""
-    hooks = (_guard._hook.__code__, _guard._watch.__code__)
     while frame is not None:
-        if frame.f_code in hooks:
+        if frame.f_code in _HOOK_CODES:
             _UNWINDING[0] = True
             return
         frame = frame.f_back
@@ -747,6 +746,8 @@ class _guard:  # noqa: N801 - used as a context, like a function
                             "course's own answer is not taken for yours. Remove that code, restart the kernel "
                             "(Kernel > Restart) and run the cells again.")
 
+
+_HOOK_CODES = (_guard._hook.__code__, _guard._watch.__code__)   # the guard's watcher, where a signal may land
 
 # The guard's profiler is the check's own: set by it, and by nothing the student's code runs while it watches.
 _OWN_SETTING = [False]
