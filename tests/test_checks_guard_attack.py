@@ -6,6 +6,7 @@ from __future__ import annotations
 import _thread
 import gc
 import logging
+import sys
 import threading
 
 import pytest
@@ -116,3 +117,74 @@ def test_a_restore_made_to_raise_leaves_a_verdict_and_the_kernel_as_it_was(check
         assert checks.check_causal_mask(lambda n: torch.ones(n, n, dtype=torch.bool).tril(), graded=False).passed
     finally:
         torch.backends.mkldnn = mkldnn
+
+
+# ---------------------------------------------------------------- an eighth attack, on the fixes above
+
+def test_right_code_that_uses_a_thread_passes(check_process):
+    def causal_mask(n):
+        out = []
+        worker = threading.Thread(target=lambda: out.append(torch.ones(n, n, dtype=torch.bool).tril()))
+        worker.start()
+        worker.join()
+        return out[0]
+    assert checks.check_causal_mask(causal_mask, graded=False).passed
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_the_courses_answer_from_a_watched_worker_thread_is_seen(check_process):
+    """In a pool's thread no frame of the student's is on the stack: a call from any thread but the checking one
+    is the student's doing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def causal_mask(n):
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(attention.causal_mask, n).result()
+    result = checks.check_causal_mask(causal_mask, graded=False)
+    assert (result.passed, result.diagnosis) == (False, "calls_reference"), result
+
+
+def test_an_environment_replaced_by_the_students_code_is_put_back_unasked(check_process):
+    import os
+    environ = os.environ
+
+    class Environment(dict):
+        def get(self, key, default=None):   # asked after the verdict existed: it rewrote it
+            for found in gc.get_objects():
+                if type(found).__name__ == "CheckResult" and getattr(found, "exercise", None) == "2.1":
+                    found.passed = True
+            return dict.get(self, key, default)
+
+    def causal_mask(n):
+        os.environ = Environment(os.environ)   # noqa: B003 - the attack
+        return torch.zeros(n, n, dtype=torch.bool)   # wrong
+    try:
+        result = checks.check_causal_mask(causal_mask, graded=False)
+        assert (result.passed, result.diagnosis) == (False, "causal_mask"), result
+        assert os.environ is environ
+    finally:
+        os.environ = environ   # noqa: B003 - the kernel's own object back
+
+
+def test_a_numpy_setter_that_raises_leaves_a_verdict(check_process, monkeypatch):
+    import numpy
+
+    def causal_mask(n):
+        numpy.random.set_state = lambda state: 1 / 0
+        return torch.ones(n, n, dtype=torch.bool).tril()   # right
+    monkeypatch.setattr(numpy.random, "set_state", numpy.random.set_state)   # put back after the test
+    assert checks.check_causal_mask(causal_mask, graded=False).passed
+    assert checks.check_causal_mask(lambda n: torch.ones(n, n, dtype=torch.bool).tril(), graded=False).passed
+
+
+def test_the_engines_own_profiler_setter_is_not_the_students(check_process):
+    from course_lib.classroom.checks.engine import run
+
+    def causal_mask(n):
+        hook = sys.getprofile()
+        run._own_setprofile(None)
+        mask = attention.causal_mask(n)
+        run._own_setprofile(hook)
+        return mask
+    result = checks.check_causal_mask(causal_mask, graded=False)
+    assert not result.passed and result.diagnosis in ("patched", "exception", "calls_reference"), result

@@ -337,50 +337,66 @@ def _checker_error(exercise: str, what: str, more: str = "", exc: BaseException 
     return CheckResult(*_checker_error_fields(exercise, what, more, exc))
 
 
-# Settings a check may change, as (module, read, write): each is put back where it differs. Looked up by name
-# when used: a forked child replaces torch.set_num_threads.
-_SETTINGS = ((torch, "is_grad_enabled", "set_grad_enabled"), (torch, "get_default_dtype", "set_default_dtype"),
-             (torch, "get_default_device", "set_default_device"), (torch, "get_num_threads", "set_num_threads"),
-             (torch, "are_deterministic_algorithms_enabled", "use_deterministic_algorithms"),
-             (torch, "get_float32_matmul_precision", "set_float32_matmul_precision"), (random, "getstate", "setstate"))
+# Settings a check may change, as (read, write) taken when the course is imported (before any student's code
+# runs): each is put back as it was. The number of threads is looked up by name when used: a forked child
+# replaces torch.set_num_threads (and pins the replacement).
+_SETTINGS = ((torch.is_grad_enabled, torch.set_grad_enabled), (torch.get_default_dtype, torch.set_default_dtype),
+             *(((torch.get_default_device, torch.set_default_device),) if hasattr(torch, "get_default_device") else ()),
+             (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms),
+             (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+             (random.getstate, random.setstate))
+_ANOMALY, _SET_ANOMALY = (torch.is_anomaly_enabled, torch.is_anomaly_check_nan_enabled), torch.set_anomaly_enabled
+_GET_RNG, _SET_RNG, _GETCWD, _CHDIR, _ENVIRON = torch.get_rng_state, torch.set_rng_state, os.getcwd, os.chdir, \
+    os.environ
 
 
 def _save() -> Callable[[], None]:
-    """Save the interpreter's state a check may change; the function returned puts it back."""
+    """Save the interpreter's state a check may change; the function returned puts it back, each part on its own
+    (one that fails leaves the others to run, and the check's verdict stands) and with nothing the student's code
+    could have replaced: the functions taken at import, the objects themselves."""
     numpy = sys.modules.get("numpy")
-    settings = [(module, read, write, getattr(module, read)()) for module, read, write in _SETTINGS
-                if hasattr(module, read)]
-    anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-    cwd, environ, spaces, rng = _cwd(), dict(os.environ), attributes(), torch.get_rng_state()
+    settings = [(read, write, read()) for read, write in _SETTINGS]
+    threads = torch.get_num_threads()
+    anomaly = tuple(read() for read in _ANOMALY)
+    cwd, spaces, rng = _cwd(), attributes(), _GET_RNG()
+    environ = dict(_ENVIRON)
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    numpy_rng = numpy.random.get_state() if numpy is not None else None
+    # numpy's own setter as the kernel has it now (numpy may be imported after the course)
+    numpy_state = (numpy.random.set_state, numpy.random.get_state()) if numpy is not None else None
     functions = pinned.save()   # torch's functions as the kernel has them (replaced or not)
     interpreter = _interpreter_state()
 
-    def restore() -> None:
-        functions()
-        _restore_interpreter(interpreter)
-        for module, read, write, value in settings:
-            if getattr(module, read)() != value:
-                getattr(module, write)(value)
-        if (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) != anomaly:
-            torch.set_anomaly_enabled(*anomaly)
-        if cwd is not None and _cwd() != cwd:
-            try:
-                os.chdir(cwd)
-            except OSError:
-                pass   # the folder is gone (the student's code deleted it): nothing to go back to
-        if dict(os.environ) != environ:
-            for name in [n for n in os.environ if n not in environ]:
-                del os.environ[name]
-            os.environ.update({n: v for n, v in environ.items() if os.environ.get(n) != v})
-        torch.set_rng_state(rng)
+    def environment() -> None:
+        os.environ = _ENVIRON   # noqa: B003 - the object itself, which code may have replaced; its contents below
+        if dict(_ENVIRON) != environ:
+            for name in [n for n in _ENVIRON if n not in environ]:
+                del _ENVIRON[name]
+            _ENVIRON.update({n: v for n, v in environ.items() if _ENVIRON.get(n) != v})
+
+    def steps() -> list[Callable[[], None]]:
+        done = [functions, lambda: _restore_interpreter(interpreter)]
+        # compared first (values of torch's and random's own types): setting a default device that is already
+        # the default would still put a mode on torch's stack
+        done += [lambda read=read, write=write, value=value: read() == value or write(value)
+                 for read, write, value in settings]
+        done += [lambda: torch.get_num_threads() == threads or torch.set_num_threads(threads),
+                 lambda: _SET_ANOMALY(*anomaly), environment, lambda: _SET_RNG(rng)]
+        if cwd is not None:
+            done.append(lambda: _GETCWD() == cwd or _CHDIR(cwd))
         if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        if numpy_rng is not None and sys.modules.get("numpy") is not None:
-            sys.modules["numpy"].random.set_state(numpy_rng)
-        for obj, saved in spaces.items():
-            restore_namespace(obj, saved)
+            done.append(lambda: torch.cuda.set_rng_state_all(cuda_rng))
+        if numpy_state is not None:
+            set_state, state = numpy_state
+            done.append(lambda: set_state(state))
+        done += [lambda obj=obj, saved=saved: restore_namespace(obj, saved) for obj, saved in spaces.items()]
+        return done
+
+    def restore() -> None:
+        for step in steps():
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - the rest is still put back; the check's verdict stands
+                pass
     return restore
 
 
@@ -703,6 +719,10 @@ class _guard:  # noqa: N801 - used as a context, like a function
             return
         if frame.f_code is _MANAGER_HELPER and frame.f_locals.get("func") is not self.manager:
             return   # another context manager made by @contextmanager
+        if threading.get_ident() != self.thread:   # a thread the student's code started: nothing else runs one
+            self.tripped = CallsReference(self.exercise, self.name, "calls",
+                                          self.names.get(code) or self.prints.get(_print(code), self.name))
+            raise self.tripped
         caller = frame.f_back
         while caller is not None and caller is not self.stop:
             if caller.f_code not in self.codes and is_student_file(caller.f_code.co_filename):
@@ -718,10 +738,12 @@ class _guard:  # noqa: N801 - used as a context, like a function
         self.previous = sys.getprofile()
         self.stop = sys._getframe(1)   # the check's own frame: the student's code is what runs above it
         self.threading_previous = threading.getprofile()
+        self.thread = threading.get_ident()   # the checking thread: the reference called from any other is a trip
         if self.codes:
-            _own_setprofile(self._hook)
-            threading.setprofile(self._hook)   # a thread the student's code starts is watched too
-            _WATCHING[0] = self._hook
+            self.watcher = self._hook   # one bound method, the same object everywhere it is set and compared
+            _own_setprofile(self.watcher)
+            threading.setprofile(self.watcher)   # a thread the student's code starts is watched too
+            _WATCHING[0] = self.watcher
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         if self.nested:
@@ -730,7 +752,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
         _WATCHING[0] = None
         excused = self.unwound is not None and exc is self.unwound
         switched_off = bool(self.codes) and not excused and (
-            sys.getprofile() != self._hook or threading.getprofile() != self._hook)
+            sys.getprofile() is not self.watcher or threading.getprofile() is not self.watcher)
         _UNWINDING[0] = False
         _own_setprofile(self.previous)
         threading.setprofile(self.threading_previous)
@@ -757,6 +779,10 @@ _WATCHING: list[Any] = [None]   # the hook of the guard that watches, while one 
 
 
 def _own_setprofile(hook: Any) -> None:
+    if sys._getframe(1).f_code.co_filename != __file__:   # the engine's own, not a student's way round the guard
+        _TAMPERED[0] = True
+        raise RuntimeError("sys.setprofile is not allowed while a check runs: the check watches which of the "
+                           "course's functions your code calls")
     _OWN_SETTING[0] = True
     try:
         sys.setprofile(hook)
@@ -783,21 +809,23 @@ sys.addaudithook(_refuse_profiler_changes)
 # Every thread started while a guard watches starts watched. threading.setprofile raises no audit event, and a
 # thread started through _thread takes no profiler at all: either way the student's code could run the course's
 # answer in a thread the guard never sees. Wrapped when the course is imported, before any student's code runs.
-_START_NEW_THREAD = _thread.start_new_thread
+def _watched_threads(start_new_thread: Callable[..., int]) -> Callable[..., int]:
+    """_thread's own starter, held in a closure rather than a name of this module: every thread it starts while a
+    guard watches starts watched."""
+    def start_watched(function: Callable[..., Any], args: tuple, *kwargs: Any) -> int:
+        hook = _WATCHING[0]
+        if hook is None:
+            return start_new_thread(function, args, *kwargs)
+
+        def watched(*a: Any, **k: Any) -> Any:
+            _own_setprofile(hook)
+            return function(*a, **k)
+        return start_new_thread(watched, args, *kwargs)
+    return start_watched
 
 
-def _start_watched(function: Callable[..., Any], args: tuple, *kwargs: Any) -> int:
-    hook = _WATCHING[0]
-    if hook is None:
-        return _START_NEW_THREAD(function, args, *kwargs)
-
-    def watched(*a: Any, **k: Any) -> Any:
-        _own_setprofile(hook)
-        return function(*a, **k)
-    return _START_NEW_THREAD(watched, args, *kwargs)
-
-
-_thread.start_new_thread = _thread.start_new = threading._start_new_thread = _start_watched   # type: ignore
+_thread.start_new_thread = _thread.start_new = threading._start_new_thread = _watched_threads(  # type: ignore
+    _thread.start_new_thread)
 
 
 # ---------------------------------------------------------------- one run, in a forked child
@@ -863,6 +891,10 @@ def _forked(judge: Callable[[], CheckResult], exercise: str) -> CheckResult | No
                        f"Your notebook's kernel is unharmed.")
 
 
+# Bound when the course is imported: the child's verdict is written by these, whatever the student's code replaced.
+_DUMPS, _WRITE = pickle.dumps, os.write
+
+
 def _child(judge: Callable[[], CheckResult], write_end: int) -> None:
     """In the forked child: judge, send the verdict, leave at once (no atexit, no kernel machinery)."""
     global _in_child
@@ -881,12 +913,12 @@ def _child(judge: Callable[[], CheckResult], write_end: int) -> None:
         try:
             payload = _portable(judge())
         except KeyboardInterrupt:
-            payload = pickle.dumps(("interrupted", None))
+            payload = _DUMPS(("interrupted", None))
         except BaseException as exc:  # the run lets nothing else out; should it, say what
-            payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}"))
+            payload = _DUMPS(("error", f"{type(exc).__name__}: {exc}"))
         view = memoryview(payload)
         while view:
-            view = view[os.write(write_end, view):]
+            view = view[_WRITE(write_end, view):]
         _flush()   # what the student's code printed
     except BaseException:
         code = 1
@@ -899,11 +931,11 @@ def _portable(result: CheckResult) -> bytes:
     details = {}
     for key, value in result.details.items():
         try:
-            pickle.dumps(value)
+            _DUMPS(value)
             details[key] = value
         except Exception:  # a student's class defined in a function, a lambda, an open file in the details
             details[key] = repr(value)
-    return pickle.dumps(("result", CheckResult(result.exercise, result.passed, result.diagnosis, result.message,
+    return _DUMPS(("result", CheckResult(result.exercise, result.passed, result.diagnosis, result.message,
                                                details)))
 
 
