@@ -406,7 +406,10 @@ _SET_RECURSION_LIMIT, _RECURSION_LIMIT = sys.setrecursionlimit, sys.getrecursion
 _GC_ENABLE, _GC_DISABLE, _GC_ENABLED = gc.enable, gc.disable, gc.isenabled
 _MKLDNN_MODULE, _MKLDNN_ENABLED, _SET_MKLDNN = torch.backends.mkldnn, torch._C._get_mkldnn_enabled, \
     torch._C._set_mkldnn_enabled
-_FILTERS_MUTATED, _SIGNAL, _GETSIGNAL = warnings._filters_mutated, signal.signal, signal.getsignal   # type: ignore
+# warnings' cache of "already shown" is told the filters changed (its name differs between Python versions)
+_FILTERS_MUTATED = getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held",
+                                                                           lambda: None)
+_SIGNAL, _GETSIGNAL = signal.signal, signal.getsignal
 _LOGGER = logging.Logger
 
 
