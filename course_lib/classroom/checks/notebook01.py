@@ -49,8 +49,10 @@ def _numbers(value: Any, name: str) -> torch.Tensor:
         fail("not_implemented", f"`{name}` is still None: write down your prediction, then run this cell again.")
     try:
         numbers = (value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(_plain(value)))
-        if numbers.is_meta or numbers.is_complex() or numbers.numel() > 1000:
-            raise TypeError("not a few real numbers")
+        if numbers.is_meta or numbers.is_complex():
+            raise TypeError("not real numbers")
+        if numbers.numel() > 1000:   # the callers name its shape as wrong; converting it could fill memory
+            return torch.empty(numbers.shape, dtype=torch.float64, device="meta")
         return numbers.to(torch.float64)
     except Exception:  # anything that is not numbers
         fail("dtype", f"`{name}` should be numbers (a float, or a list or tensor of floats), got "
