@@ -66,6 +66,13 @@ def test_correct_parts_train_exactly_like_the_reference(solutions):
     assert reference.failure is None and reference.final_val_loss < reference.train_loss[0] - 0.5, "it learns"
     assert yours.val_loss == reference.val_loss, "same code, same start, same batches: the same numbers"
     assert judge(yours, reference).passed
+    # the check knows the two runs apart by how train_parts was asked for them, not by their numbers (equal here)
+    assert checks.check_trains_like_reference(yours, reference).passed
+    for mine, theirs, words in ((reference, yours, "your run first"), (yours, yours, "same run"),
+                                (reference, reference, "same run"), (yours, dataclasses.replace(
+                                    yours, yours_asked=("2.1",), not_yours=None), "trained your parts")):
+        verdict = checks.check_trains_like_reference(mine, theirs)
+        assert (verdict.passed, verdict.diagnosis) == (False, "exception") and words in verdict.message
 
 
 def test_dropout_on_the_masked_scores_is_nan_in_training_and_blamed_on_3_3(solutions):

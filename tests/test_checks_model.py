@@ -236,6 +236,17 @@ def test_check_trains_like_reference_returns_judges_verdict(capsys):
     assert not wrong.passed and wrong.exercise == "8.1" and "TrainingRun" in wrong.message
     swapped = checks.check_trains_like_reference(reference, runs[2])      # the failed run passed second
     assert swapped.diagnosis == "exception" and "your run first" in swapped.message
+    # runs as train_parts marks them: the reference's asked for none of your parts, yours for every usable one
+    mine, course = TrainingRun("yours", [1, 2], [3.0, 2.0], [2], [1.8], not_yours=()), \
+        TrainingRun("reference", [1, 2], [3.0, 2.0], [2], [1.5], yours_asked=())
+    assert checks.check_trains_like_reference(mine, course).diagnosis == "mismatch"   # behind, as it is
+    failed = TrainingRun("yours", [1], [3.0], [], [], failure="nan", not_yours=())
+    for misuse, words in (((course, course), "same run"), ((mine, mine), "same run"), ((failed, failed), "same run"),
+                          ((course, mine), "your run first"), ((course, reference), "course's parts only"),
+                          ((mine, TrainingRun("r", [1, 2], [3.0, 2.0], [2], [1.5], not_yours=())),
+                           "trained your parts")):
+        result = checks.check_trains_like_reference(*misuse)   # never 'BELOW', never a bug in the course
+        assert (result.passed, result.diagnosis) == (False, "exception") and words in result.message, result.message
     state = _core.hint_state("8.1")
     state.shown, state.step, state.followed = 0, 0, None
     # after the failed check, the first hint answers that verdict; the next ones are the spec's, in order

@@ -155,6 +155,7 @@ def train_parts(collection: Collection, yours: Sequence[str] | None, setup: Trai
     steps = setup.steps if steps is None else steps
     validate.positive_int("steps", steps)
     run = TrainingRun(label or ("yours" if yours is None else f"yours: {', '.join(yours) or 'none'}"))
+    run.yours_asked = None if yours is None else tuple(yours)
     if yours is None:
         run.not_yours = tuple(f"{ex} ({STATUS_TEXT[part.status]})" for ex, part in collection.parts.items()
                               if ex in GPT_EXERCISES and not part.is_yours)

@@ -214,11 +214,12 @@ EXERCISES: tuple[Exercise, ...] = (
     )),
     Exercise('7.2', 'attention_forward', 'attention function for transformers', 'check_hf_attention',
              reference='hf.course_attention_forward', hints=(
-        'The function gets query, key, value as (N, heads, L, head_dim) and returns (attn_output, '
-        'attn_weights), with attn_output as (N, L, heads, head_dim): the model merges the heads itself.',
+        'The function gets query, key, value as (N, heads, L, head_dim) and returns (attn_output, None), '
+        'with attn_output as (N, L, heads, head_dim): the model merges the heads itself.',
         'Use the `scaling` argument for the scores. attention_mask is bool (True = may attend) or None; '
         'None means a plain causal mask, which you then apply yourself.',
-        'Dropout on the weights: F.dropout(weights, p=dropout, training=module.training).',
+        "The course's scaled_dot_product_attention scales by head_dim ** -0.5 itself: multiply the query by "
+        'scaling * head_dim ** 0.5 first. Ignore dropout (the models run in eval mode here).',
     )),
     # notebook 08
     Exercise('8.1', 'GPT', 'train your GPT like the reference', 'check_trains_like_reference',
@@ -366,7 +367,7 @@ EXERCISES: tuple[Exercise, ...] = (
         'T x T lower triangle, softmax, values, merge heads, o_proj.',
     )),
     Exercise('12.3', 'linear_attention_recurrent', 'linear attention as a recurrence', 'check_linear_attention_recurrent',
-             reference='variants.linear_attention_recurrent', hints=(
+             reference='variants.linear_attention_recurrent', same_work=('variants.linear_attention',), hints=(
         'phi(x) = elu(x) + 1 (variants.elu_feature_map) on q and k first. The state is S, zeros (..., d, d_v), '
         'and the normaliser z, zeros (..., d).',
         'For each token i: add the outer product phi(k_i) v_i^T to S and phi(k_i) to z FIRST (query i sees its '

@@ -42,6 +42,9 @@ class TrainingRun:
     # the parts of the GPT that are not the student's in this run, with why ("2.1 (not written yet)"),
     # when the run was asked to use all of them (train_parts(..., None)); None when unknown
     not_yours: tuple[str, ...] | None = None
+    # the exercises whose parts the run was asked to take from the student (train_parts(..., yours)); () is
+    # the reference's run, the course's parts only; None when every usable part was asked for, or unknown
+    yours_asked: tuple[str, ...] | None = None
 
     @property
     def final_val_loss(self) -> float:

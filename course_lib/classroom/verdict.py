@@ -95,6 +95,7 @@ DIAGNOSES = (
     "crashed",           # grading: the process running the student's code died (os._exit, a signal, memory)
     "state_order",       # 12: a recurrent state read before the current token is added to it (or after the next)
     "feature_map",       # 12: linear attention's feature map phi left out, on one side only, or another map
+    "bias",              # a layer's biases left out: its projections computed with their weights alone
 )
 
 @dataclass

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from bank.attempts import new_bank
-from course_lib import GPT, scaled_dot_product_attention
+from course_lib import GPT, modern, scaled_dot_product_attention, variants
 from course_lib.modern import RMSNorm, SwiGLU
+from course_lib.train import lm_loss
 
 BUGGY, CORRECT, bug, correct = new_bank()
 
@@ -290,3 +291,112 @@ def previous_token_score_summed_over_the_batch(weights):
     """A mean over the queries, a sum over the batch: it was told only that the scores differ."""
     below = weights.diagonal(offset=-1, dim1=-2, dim2=-1)   # (N, heads, L-1)
     return below.sum(dim=(0, 2)) / below.shape[-1]          # (heads,)
+
+
+# ============================================================================ an audit of the texts (second)
+# What the exercise's text asks, and no check held: 4.3's error "says what to do", 5.3's loss "as a plain float".
+@bug("4.3", "context_limit", "no message")
+class GPTRaisesABareValueError(GPT):
+    """ValueError() with nothing in it: it passed (any ValueError was taken)."""
+
+    def forward(self, idx):
+        if idx.shape[1] > self.config.max_tokens:
+            raise ValueError
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))   # (N, L, E)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))                                                     # (N, L, V)
+
+
+@bug("5.3", "dtype", "holds the graph")
+def train_step_returns_the_loss_tensor(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    """The loss itself, graph and all: it passed with a note (a loop that sums these keeps every graph)."""
+    model.train()
+    optimizer.zero_grad()
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return loss
+
+
+# ============================================================================ 4.3, 12.2, 12.3: the parts a check never built
+# A fifteenth search: options the constructor or the layer accepts that every case left at one value.
+@bug("4.3", "exception", "sinusoidal positions")
+class GPTReadsTheLearnedTable(GPT):
+    """The learned table's weight read directly: right for learned positions only, the only kind the check built."""
+
+    def forward(self, idx):
+        length = idx.shape[1]
+        if length > self.config.max_tokens:
+            raise ValueError(f"idx: {length} tokens, max_tokens={self.config.max_tokens}; crop it")
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding.embedding.weight[:length])   # (N, L, E)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))                                                                # (N, L, V)
+
+
+@bug("4.3", "final_norm", "post-norm blocks")
+class GPTSkipsTheFinalNormAfterPostNormBlocks(GPT):
+    """No ln_f when the blocks are post-norm: the text's logits = LN_f(h) W^T holds for every block."""
+
+    def forward(self, idx):
+        length = idx.shape[1]
+        if length > self.config.max_tokens:
+            raise ValueError(f"idx: {length} tokens, max_tokens={self.config.max_tokens}; crop it")
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(length))   # (N, L, E)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x) if self.config.norm_first else x)               # (N, L, V)
+
+
+@bug("4.3", "scale", "sqrt(embed_dim)")
+class GPTScalesTokensForSinusoids(GPT):
+    """The 2017 paper's sqrt(E) on the token embeddings, with sinusoidal positions only."""
+
+    def forward(self, idx):
+        length = idx.shape[1]
+        if length > self.config.max_tokens:
+            raise ValueError(f"idx: {length} tokens, max_tokens={self.config.max_tokens}; crop it")
+        tokens = self.token_embedding(idx)                                             # (N, L, E)
+        if self.config.positional != "learned":
+            tokens = tokens * self.config.embed_dim ** 0.5
+        x = self.dropout(tokens + self.position_encoding(length))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))                                                 # (N, L, V)
+
+
+@bug("12.2", "bias", "biases")
+def latent_attention_without_biases(layer, x, cache=None):
+    """Every projection as x @ W.T: right while the layer has no biases, the only kind the check built."""
+    n, length, _ = x.shape
+    start = 0 if cache is None else cache.length
+    dn, dr, heads, dv = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads, layer.v_head_dim
+    if layer.q_lora_rank is None:
+        q = x @ layer.q_proj.weight.T
+    else:
+        q = layer.q_a_layernorm(x @ layer.q_a_proj.weight.T) @ layer.q_b_proj.weight.T
+    q = q.view(n, length, heads, dn + dr).transpose(1, 2)                              # (N, H, L, dn + dr)
+    q_nope, q_rope = q.split([dn, dr], -1)
+    q_rope = modern.apply_rotary(q_rope, layer.rope_cos, layer.rope_sin, offset=start)
+    latent, k_rope = (x @ layer.kv_a_proj_with_mqa.weight.T).split([layer.kv_lora_rank, dr], -1)
+    latent = layer.kv_a_layernorm(latent)
+    k_rope = modern.apply_rotary(k_rope, layer.rope_cos, layer.rope_sin, offset=start)
+    if cache is not None:
+        latent, k_rope = cache.append(latent, k_rope)
+    total = latent.shape[1]
+    kv = (latent @ layer.kv_b_proj.weight.T).view(n, total, heads, dn + dv).transpose(1, 2)   # (N, H, T, dn + dv)
+    k_nope, v = kv.split([dn, dv], -1)
+    k = torch.cat([k_nope, k_rope[:, None].expand(n, heads, total, dr)], -1)              # (N, H, T, dn + dr)
+    scores = torch.cat([q_nope, q_rope], -1) @ k.transpose(-2, -1) * layer.softmax_scale   # (N, H, L, T)
+    scores = scores.masked_fill(~torch.ones(length, total, dtype=torch.bool).tril(start), float("-inf"))
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(n, length, heads * dv)          # (N, L, H * dv)
+    return out @ layer.o_proj.weight.T
+
+
+@bug("12.3", "calls_reference", "linear_attention")
+def linear_attention_recurrent_by_the_course_parallel_form(q, k, v):
+    """The course's parallel form called: the same numbers, none of the recurrence the exercise asks for."""
+    return variants.linear_attention(q, k, v)

@@ -159,4 +159,5 @@ NUDGES.update({
                        "keys, in how many heads and layers, forward and backward?",
     "flops_units": "What does the function return: FLOPs for one token, or for something else? In which unit?",
     "weights_count": "Where does N in 6N come from: the num_weights you are given, or a count of your own?",
+    "bias": "Print the layer: which of its projections carry a bias, and does each of your products add it?",
 })

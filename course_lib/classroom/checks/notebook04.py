@@ -673,6 +673,30 @@ def _check_other_config(cls: Any, generator: torch.Generator) -> None:
                            diagnose=lambda got, idx=idx, what=what: _diagnose_gpt(candidate, reference, idx, got, what))
 
 
+# The constructor picks the parts from the config: the cases above use learned positions and pre-norm blocks, so a
+# forward that reaches inside one kind of part, or branches on the config, shows only with the other kinds.
+_OTHER_PARTS = ((dict(positional="sinusoidal"), "sinusoidal positions (GPTConfig(positional='sinusoidal'))"),
+                (dict(norm_first=False), "post-norm blocks (GPTConfig(norm_first=False))"))
+
+
+def _check_other_parts(cls: Any, generator: torch.Generator) -> None:
+    """A GPT with the other position encoding and the other blocks: the same three lines give its logits."""
+    for overrides, parts in _OTHER_PARTS:
+        config = _gpt_config(**overrides)
+        candidate, reference = _build_gpt(cls, config, generator)
+        idx = torch.randint(0, config.vocab_size, (2, 5), generator=generator)
+        what = f"your GPT with {parts} on idx of shape (2, 5)"
+        with torch.no_grad():
+            got = expect_tensor(call(candidate, idx, what=what), (2, 5, config.vocab_size), what)
+            if not close(got, reference(idx)):
+                _diagnose_gpt(candidate, reference, idx, got, what)
+                fail("mismatch", f"{what}: the logits differ from the reference's, though they matched with "
+                                 f"learned positions and pre-norm blocks. forward is the same three lines whatever "
+                                 f"parts the constructor chose: self.position_encoding(L) added to the token "
+                                 f"embeddings (never its table read directly), every block, then ln_f and the head; "
+                                 f"no branch on the config.")
+
+
 def _full_length_call(candidate: nn.Module, idx: torch.Tensor, max_tokens: int, what: str) -> Any:
     """The GPT on idx; raising on exactly max_tokens tokens (the shorter shapes ran first) is the limit off by one."""
     try:
@@ -738,8 +762,11 @@ def check_gpt(cls: Any) -> str:
             candidate(too_long)
     except Failure:
         raise
-    except ValueError:   # what the text asks for
-        pass
+    except ValueError as error:   # what the text asks for, with words that say what to do
+        if not str(error).strip():
+            fail("context_limit", f"Your GPT raised a ValueError with no message for {config.max_tokens + 1} tokens "
+                                  f"with max_tokens={config.max_tokens}. Say what to do in it: the limit and how to "
+                                  f"crop the input (idx[:, -max_tokens:]).")
     except Exception as error:   # refused, but not as the text asks
         fail("context_limit", f"Your GPT raised {type(error).__name__} for {config.max_tokens + 1} tokens with "
                               f"max_tokens={config.max_tokens}. Raise a ValueError that says how to crop the input "
@@ -750,6 +777,7 @@ def check_gpt(cls: Any) -> str:
                          f"It has no positions beyond max_tokens: raise a ValueError that says so (and how to "
                          f"crop) instead of returning something.")
     _check_other_config(cls, generator)
+    _check_other_parts(cls, generator)
     module_in_float64(lambda: _build_gpt(cls, config, torch.Generator().manual_seed(7)), too_long[:, :5],
                       "your GPT on idx of shape (1, 5): the logits")
     try:

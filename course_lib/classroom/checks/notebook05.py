@@ -380,6 +380,10 @@ def _loss_value(result: Any, what: str) -> tuple[float, str]:
         if result.is_meta or result.is_complex():
             fail("dtype", f"{what} returned a {'meta' if result.is_meta else 'complex'} tensor, which is no loss "
                           f"value: return loss.item(), the float of the forward pass's loss.")
+        if result.requires_grad:   # the text asks for a float: a loop that keeps these keeps every graph
+            fail("dtype", f"{what} returned the loss tensor itself, which still holds the graph of the forward "
+                          f"pass: a training loop that logs or adds up these losses keeps every step's graph in "
+                          f"memory. Return loss.item(), the plain float.")
         value, note = float(result.detach().reshape(())), (" (You return a tensor; `loss.item()` gives the plain "
                                                            "float the training loop logs, without keeping the graph "
                                                            "alive.)")

@@ -29,6 +29,29 @@ def _curves(yours: Any, reference: Any, *_: Any, **__: Any) -> Any:
                    lambda: torch.tensor(reference.val_loss, dtype=torch.float64))
 
 
+def _check_which_run_is_which(yours: TrainingRun, reference: TrainingRun) -> None:
+    """The two runs are two, and each is what its place says: how train_parts was asked for it tells (the
+    reference's with none of the student's parts, the student's with every usable one)."""
+    order = "the order is check_trains_like_reference(yours, reference), your run first"
+    if yours is reference:
+        fail("exception", "The same run is passed as `yours` and as `reference`: it can only agree with itself. "
+                          "Pass your run, capstone.train_parts(parts, None, ...), and the reference's, "
+                          "capstone.train_parts(parts, [], ...).")
+    yours_is_the_course = yours.yours_asked == ()
+    reference_is_yours = reference.not_yours is not None or bool(reference.yours_asked)
+    if yours_is_the_course and reference_is_yours:
+        fail("exception", f"The run passed as `yours` trained the course's parts only, and the one passed as "
+                          f"`reference` trained yours: {order}.")
+    if yours_is_the_course:
+        fail("exception", "The run passed as `yours` trained the course's parts only (capstone.train_parts(parts, "
+                          "[], ...)): it is a reference run. Pass the run of your parts, capstone.train_parts(parts, "
+                          "None, ...).")
+    if reference_is_yours:
+        fail("exception", "The run passed as `reference` trained your parts: the reference is "
+                          "capstone.train_parts(parts, [], ...), the course's parts only: the yardstick your parts are "
+                          "measured against.")
+
+
 @checker("8.1", example=_curves)
 def check_trains_like_reference(yours: Any, reference: Any, tolerance: float | None = None) -> str:
     """``yours`` and ``reference``: TrainingRuns from ``capstone.train_parts``; the verdict is ``judge``'s."""
@@ -45,6 +68,7 @@ def check_trains_like_reference(yours: Any, reference: Any, tolerance: float | N
         if odd is not None:
             fail("exception", f"`{name}`'s losses should be numbers, as capstone.train_parts(...) records them; one "
                               f"is {type(odd).__name__}.")
+    _check_which_run_is_which(yours, reference)
     if reference.failure is None and not all(math.isfinite(x) for x in reference.train_loss + reference.val_loss):
         fail("exception", "The run passed as `reference` has a NaN or infinite loss but no failure: pass the "
                           "TrainingRun capstone.train_parts(parts, [], ...) returned, as it is.")

@@ -142,8 +142,8 @@ def _by_up_to(out: torch.Tensor, expected: torch.Tensor) -> str:
         return f"by up to {max_diff(out, expected):.3g}"
     rest = f", and elsewhere by up to {max_diff(out[~wild], expected[~wild]):.3g}" if bool((~wild).any()) else ""
     biggest = float(out[wild].abs().nan_to_num(0.0).max())
-    return (f"in {int(wild.sum())} entries that hold NaN, inf or numbers as large as {biggest:.3g} (never "
-            f"written? start from torch.zeros, not torch.empty){rest}")
+    return (f"in {int(wild.sum())} entries that hold NaN, inf or numbers as large as {biggest:.3g} (rows never "
+            f"written: memory from torch.empty holds whatever was there before; do your loops reach every row?){rest}")
 
 
 def _softmax_mismatch(run: Run) -> str:

@@ -139,13 +139,14 @@ _EMBED = 16
 _OTHER_GEOMETRY = (18, 24, 5, 2, 6, 4)
 
 
-def _layer(seed: int, q_lora_rank: int | None, heads: int = 2, other: bool = False) -> ref.MultiHeadLatentAttention:
+def _layer(seed: int, q_lora_rank: int | None, heads: int = 2, other: bool = False,
+           bias: bool = False) -> ref.MultiHeadLatentAttention:
     torch.manual_seed(seed)
     embed_dim, max_tokens, rank, dn, dr, dv = _OTHER_GEOMETRY if other else (_EMBED, 16, 7, 6, 4, 3)
     # qk_rope_head_dim 4: two rotary pairs, so interleaved and half-split pairs differ (with one pair they agree)
     layer = ref.MultiHeadLatentAttention(embed_dim, 3 if other else heads, max_tokens, kv_lora_rank=rank,
                                          qk_nope_head_dim=dn, qk_rope_head_dim=dr, v_head_dim=dv,
-                                         q_lora_rank=q_lora_rank, rope_interleave=False)
+                                         q_lora_rank=q_lora_rank, rope_interleave=False, bias=bias)
     with torch.no_grad():
         for p in layer.parameters():   # weights of unit scale: every mistake moves the output visibly
             p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
@@ -214,13 +215,14 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
          norm: bool = True, offset: bool = True, mask_offset: bool = True, use_cache: bool = True,
          rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1, queries: str = "half",
          keys: str = "half", values_first: bool = False, mask_ahead: bool = False,
-         merge: str = "ok", heads_view: str = "ok") -> torch.Tensor:
+         merge: str = "ok", heads_view: str = "ok", biases: bool = True) -> torch.Tensor:
     """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
     how each rotary part turns (``rotary.rotate``'s kinds, "pairs" or "pairs_table"; "none": not at all),
     ``values_first`` kv_b_proj's output split as values then keys, ``mask_ahead`` one future key let through,
     ``merge`` "no_transpose" (the heads merged without moving them back), ``heads_view`` "queries" or
     "keys_values" (viewed straight as (N, H, L, ...), without the transpose), ``scale`` "both" (right), "nope",
-    "none", "value", "after" (softmax_scale on the weights) or a float, the factor on the scores."""
+    "none", "value", "after" (softmax_scale on the weights) or a float, the factor on the scores; ``biases``
+    False: the projections as products with their weights alone, a layer's biases left out."""
     def turn(t: torch.Tensor, kind: str, at: int) -> torch.Tensor:
         if kind == "none":
             return t
@@ -231,10 +233,14 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         start = cache.length if cache is not None else 0
         dn, dr, h = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads
         pos = start if offset else 0
-        q = layer.q_proj(x) if layer.q_lora_rank is None else layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x)))
+        def project(linear: nn.Linear, t: torch.Tensor) -> torch.Tensor:
+            return linear(t) if biases else t @ linear.weight.T
+
+        q = layer.q_proj(x) if layer.q_lora_rank is None else \
+            layer.q_b_proj(layer.q_a_layernorm(project(layer.q_a_proj, x)))
         q = (q.view(n, h, length, dn + dr) if heads_view == "queries"
              else q.view(n, length, h, dn + dr).transpose(1, 2))              # (N, H, L, dn + dr)
-        latent, k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, dr], dim=-1)
+        latent, k_rope = project(layer.kv_a_proj_with_mqa, x).split([layer.kv_lora_rank, dr], dim=-1)
         if norm:
             latent = layer.kv_a_layernorm(latent)
         if rope == "split" and not rotate_cached:
@@ -272,21 +278,24 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         weights = scores.softmax(softmax_dim) * ((dn + dr) ** -0.5 if scale == "after" else 1.0)
         out = weights @ v                                                   # (N, H, L, dv)
         out = out.transpose(1, 2) if merge == "ok" else out                 # (N, L, H, dv)
-        return layer.o_proj(out.reshape(n, length, h * layer.v_head_dim))
+        return project(layer.o_proj, out.reshape(n, length, h * layer.v_head_dim))
     return _stream(forward, layer, x, split)
 
 
 def _mla_cases() -> list[Case]:
     cases = []
-    for seed, (q_rank, n, length, split, other) in enumerate((
-            (None, 2, 5, 0, False), (4, 1, 6, 0, False), (None, 2, 6, 4, False), (4, 1, 7, 3, False),
-            (None, 1, 5, 1, False), (3, 2, 17, 2, True))):   # the last: 17 tokens, past 16
-        layer = _layer(seed, q_rank, other=other)
+    for seed, (q_rank, n, length, split, other, bias) in enumerate((
+            (None, 2, 5, 0, False, False), (4, 1, 6, 0, False, False), (None, 2, 6, 4, False, False),
+            (4, 1, 7, 3, False, False), (None, 1, 5, 1, False, False),
+            (3, 2, 17, 2, True, False),    # 17 tokens, past 16
+            (4, 1, 5, 2, False, True))):   # DeepSeek's attention_bias: the layer's own weights include its biases
+        layer = _layer(seed, q_rank, other=other, bias=bias)
         x = torch.randn(n, length, layer.embed_dim, generator=torch.Generator().manual_seed(seed))
         how = f"x of shape {(n, length, layer.embed_dim)}" + (
             f", in two calls ({split} tokens, then {length - split}) with one LatentCache" if split else ", cache=None")
         sizes = (f", a layer of {layer.num_heads} heads, dn={layer.qk_nope_head_dim}, dr={layer.qk_rope_head_dim}, "
                  f"kv_lora_rank={layer.kv_lora_rank}, max_tokens={layer.max_tokens}" if other else "")
+        sizes += ", bias=True: q_a_proj, kv_a_proj_with_mqa and o_proj carry biases" if bias else ""
         cases.append(Case((layer, x, split), f"latent_attention(layer, ...) on {how} (q_lora_rank={q_rank}{sizes})"))
     return cases
 
@@ -371,6 +380,9 @@ _MLA_MISTAKES = (
     Mistake("values", "kv_b_proj's output is split as values then keys: per head it holds qk_nope_head_dim key "
                       "numbers first, then v_head_dim value numbers, kv.split([dn, dv], dim=-1).",
             spec=dict(values_first=True)),
+    Mistake("bias", "Your projections leave the layer's biases out (x @ weight.T): with bias=True, q_a_proj, "
+                    "kv_a_proj_with_mqa and o_proj each add theirs. Call the layer's Linear modules, layer.o_proj(out), "
+                    "or add layer.o_proj.bias yourself.", spec=dict(biases=False)),
     Mistake("causal_mask", "Your causal mask lets one future key through: the new query i (at position start + i) "
                            "may see keys 0 .. start + i, the lower triangle shifted by start, not start + 1.",
             spec=dict(mask_ahead=True)),
