@@ -73,7 +73,7 @@ $(VENV)/.instructor: $(VENV)/.installed
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[$(EXTRAS),instructor]"
 	@touch $@
 
-# Offline with no corpora is a warning with the exact fix: notebooks 01, 03 and 04 need none.
+# Offline with no corpora is a warning with the exact fix: notebooks 01, 03, 04, 09 and 10 need none.
 data: $(VENV)/.installed
 	@$(PY) -m course_lib data --warn-only
 

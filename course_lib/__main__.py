@@ -83,8 +83,8 @@ def _data(args: argparse.Namespace) -> int:
             missing.append(name)
     if missing and args.warn_only:
         print(f"WARNING: {', '.join(missing)} not available yet; the notebooks that need "
-              f"{'it' if len(missing) == 1 else 'them'} (02, 05–09, 11 and 12) will say so. The fix is above; "
-              f"notebooks 01, 03, 04 and 10 need no corpus.", file=sys.stderr)
+              f"{'it' if len(missing) == 1 else 'them'} (02, 05-08, 11 and 12) will say so. The fix is above; "
+              f"notebooks 01, 03, 04, 09 and 10 need no corpus.", file=sys.stderr)
         return 0
     return 1 if missing else 0
 
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--no-download", action="store_true", help="only look, never download")
     data.add_argument("--warn-only", action="store_true",
                       help="a corpus that cannot be had is a warning (exit 0), not an error: notebooks "
-                           "01, 03, 04 and 10 need none")
+                           "01, 03, 04, 09 and 10 need none")
 
     train = sub.add_parser(
         "train", help="train a named preset", epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "that grades each submission with the course's checkers")
     autograder.add_argument("args", nargs=argparse.REMAINDER)
 
-    bench = sub.add_parser("bench", help="benchmarks: training | attention | generate")
+    bench = sub.add_parser("bench", help="benchmarks: training | ablation | attention | generate | triton | nanogpt")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
@@ -183,17 +183,32 @@ def _autograder(argv: list[str]) -> int:
     return autograder_main(argv)
 
 
+def _start(argv: list[str]) -> int:
+    from .classroom.assignments import start_main
+    return start_main(argv)
+
+
+def _student(argv: list[str]) -> int:
+    from .classroom.assignments import main as student_main
+    return student_main(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    from .runs.bench import main as bench_main
+    return bench_main(argv)
+
+
 # Subcommands with parsers of their own: their arguments (--help included) go straight to them.
-DELEGATED = {"grade": _grade, "progress": _progress, "autograder": _autograder}
+DELEGATED = {"grade": _grade, "progress": _progress, "autograder": _autograder, "start": _start,
+             "student": _student, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in DELEGATED:
-        return DELEGATED[argv[0]](argv[1:])
-    args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        if argv and argv[0] in DELEGATED:
+            return DELEGATED[argv[0]](argv[1:])
+        return _run(build_parser().parse_args(argv))
     except Exception as exc:  # only a refused run is shown without its traceback
         from .runs.run_folder import RunRefused
         if not isinstance(exc, RunRefused):
@@ -213,14 +228,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "export":
         from .runs.export import main as export_main
         return export_main(args.run_dir, args.out_dir)
-    if args.command == "start":
-        from .classroom.assignments import start_main
-        return start_main(args.args)
-    if args.command == "student":
-        from .classroom.assignments import main as student_main
-        return student_main(args.args)
-    from .runs.bench import main as bench_main
-    return bench_main(args.args)
+    return DELEGATED[args.command](args.args)   # reached only through build_parser's own callers
 
 
 if __name__ == "__main__":

@@ -222,3 +222,25 @@ def test_start_on_a_symlink_loop_and_progress_watch_inf_are_clear_errors(tmp_pat
             main(["progress", "--watch", value, str(tmp_path)])
         assert exit_.value.code == 2
         assert "--watch: expected a number of seconds > 0 and at most 86400" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command,usage", [("start", "start [-h] [dir]"), ("student", "student [-h] src out"),
+                                           ("bench", "{training,attention,ablation,nanogpt,triton,generate}")])
+def test_each_subcommand_shows_its_own_usage(command, usage, capsys):
+    """--help reaches the subcommand's own parser (it printed only 'args' before)."""
+    try:
+        code = main([command, "--help"])
+    except SystemExit as done:   # argparse's own exit, where the subcommand lets it through
+        code = done.code
+    assert code == 0
+    assert usage in " ".join(capsys.readouterr().out.split())
+
+
+def test_grades_help_names_the_default_exercises_as_they_are(capsys):
+    from course_lib.classroom.grading.plan import default_exercises
+    with pytest.raises(SystemExit):
+        main(["grade", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    ids = default_exercises()
+    assert f"1.1 to 7.2 and 9.1 to {ids[-1]}" in shown and "8.1" not in ids
+    assert "message, seconds, flag" in shown

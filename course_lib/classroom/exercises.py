@@ -84,7 +84,7 @@ EXERCISES: tuple[Exercise, ...] = (
     )),
     Exercise('1.3', 'scaled_dot_product_attention', 'scaled_dot_product_attention',
              'check_scaled_dot_product_attention', reference='attention.scaled_dot_product_attention',
-             same_work=('attention.attention_weights',), hints=(
+             same_work=('attention.attention_weights', 'flash.naive_attention'), hints=(
         'The same three steps as toy attention, for whole batches of queries: the scores have shape (..., '
         'Lq, Lk).',
         'Transpose only the last two axes of k, divide the scores by sqrt(d) with d = q.shape[-1], and '
@@ -94,7 +94,8 @@ EXERCISES: tuple[Exercise, ...] = (
     )),
     # notebook 02
     Exercise('2.1', 'causal_mask', 'causal_mask', 'check_causal_mask', reference='attention.causal_mask',
-             same_work=('modern.sliding_window_mask', 'variants.sliding_window_mask'), hints=(   # window = n
+             same_work=('modern.sliding_window_mask', 'variants.sliding_window_mask',   # window = n
+                        'variants.sliding.window_mask_at'), hints=(
         'Row i of the mask says which positions token i may look at: itself and everything before it.',
         'That is a lower-triangular pattern, True on and below the diagonal; torch.tril keeps exactly '
         'that part.',
@@ -165,14 +166,16 @@ EXERCISES: tuple[Exercise, ...] = (
         'Tensor.unfold(0, size, step) cuts all windows at once; a list of slices stacked with torch.stack '
         'works too.',
     )),
-    Exercise('5.2', 'lm_loss', 'lm_loss', 'check_lm_loss', reference='train.lm_loss', hints=(
+    Exercise('5.2', 'lm_loss', 'lm_loss', 'check_lm_loss', reference='train.lm_loss',
+             same_work=('train._cross_entropy',), hints=(
         'F.cross_entropy takes raw logits (it applies log_softmax itself) and averages over the targets.',
         'It wants the classes in dimension 1: flatten logits (N, L, V) to (N*L, V) and targets (N, L) to '
         '(N*L,).',
         'Targets of -100 are padding; F.cross_entropy skips them by default (ignore_index=-100), and the '
         'mean runs over the remaining targets only.',
     )),
-    Exercise('5.3', 'train_step', 'train_step', 'check_train_step', reference='train.train_step', hints=(
+    Exercise('5.3', 'train_step', 'train_step', 'check_train_step', reference='train.train_step',
+             same_work=('train.update',), hints=(
         'Five lines: forget the old gradients, compute the logits, the loss, the gradients, then update.',
         'The optimizer clears the gradients and applies the update; the loss tensor computes the '
         'gradients. Old gradients must be gone before backward, and the update needs the new ones.',
@@ -230,7 +233,8 @@ EXERCISES: tuple[Exercise, ...] = (
         'capstone.find_blame to swap your parts in one at a time and see which one moves the loss.',
     )),
     # notebook 09
-    Exercise('9.1', 'rope_tables', 'rope_tables', 'check_rope_tables', reference='modern.rope_tables', hints=(
+    Exercise('9.1', 'rope_tables', 'rope_tables', 'check_rope_tables', reference='modern.rope_tables',
+             same_work=('variants.sliding.rope_rows',), hints=(
         'Pair i (dimensions i and i + head_dim/2) turns by the angle m * w_i at position m, with w_i = '
         'theta^(-2i/head_dim): the first pair turns fastest, the last slowest.',
         'Build the head_dim/2 frequencies from torch.arange(0, head_dim, 2) / head_dim, and the angles as '

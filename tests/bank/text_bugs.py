@@ -11,8 +11,11 @@ import torch
 
 from bank.attempts import new_bank
 from course_lib import GPT, modern, scaled_dot_product_attention, variants
+from course_lib import train as train_module
+from course_lib.flash import naive_attention
 from course_lib.modern import RMSNorm, SwiGLU
 from course_lib.train import lm_loss
+from course_lib.variants.sliding import rope_rows, window_mask_at
 
 BUGGY, CORRECT, bug, correct = new_bank()
 
@@ -400,3 +403,34 @@ def latent_attention_without_biases(layer, x, cache=None):
 def linear_attention_recurrent_by_the_course_parallel_form(q, k, v):
     """The course's parallel form called: the same numbers, none of the recurrence the exercise asks for."""
     return variants.linear_attention(q, k, v)
+
+
+# ============================================================================ the course's work under other names
+# A ninth attack on the grader: course functions that do an exercise's whole work, not in its same-work table.
+@bug("2.1", "calls_reference", "window_mask_at")
+def causal_mask_by_the_courses_window_mask(n):
+    positions = torch.arange(n)
+    return window_mask_at(positions, positions, max(n, 1))   # a window of n is the causal mask
+
+
+@bug("5.2", "calls_reference", "_cross_entropy")
+def lm_loss_by_the_courses_helper(logits, targets, reduction="mean"):
+    return train_module._cross_entropy(logits, targets, reduction)
+
+
+@bug("5.3", "calls_reference", "update")
+def train_step_by_the_courses_update(model, optimizer, inputs, targets, max_grad_norm=1.0):
+    return train_module.update(model, optimizer, inputs, targets, max_grad_norm).item()
+
+
+@bug("9.1", "calls_reference", "rope_rows")
+def rope_tables_by_the_courses_rows(head_dim, max_tokens, theta=10000.0, **kwargs):
+    return rope_rows(head_dim, 0, max_tokens, theta, **kwargs)
+
+
+@bug("1.3", "calls_reference", "naive_attention")
+def attention_by_the_courses_naive_attention_when_unmasked(q, k, v, mask=None):
+    if mask is None:
+        return naive_attention(q, k, v)[0]
+    scores = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).masked_fill(~mask, float("-inf"))   # (..., Lq, Lk)
+    return torch.softmax(scores, dim=-1) @ v

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..verdict import fail
+from ._student_files import exception_message
 
 # what torch says when meta meets the CPU: mixed in one operation, or copied out to it (.cpu(), a CPU buffer)
 _MIXED = ("is not on the expected device", "Expected all tensors to be on the same device",
@@ -47,7 +48,7 @@ def probe(run: Callable[[], Any], what: str) -> None:
             warnings.simplefilter("ignore")
             out = run()
     except Exception as exc:  # noqa: BLE001 - only a device mix is judged; anything else is inconclusive
-        if any(marker in str(exc) for marker in _MIXED):
+        if any(marker in exception_message(exc) for marker in _MIXED):
             fail("device", _advice(what))
         return
     for tensor in _tensors(out):

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..verdict import Failure, fail
 from ._student_code import call, close
+from ._student_files import exception_line, exception_message
 from .engine.autograd_errors import is_in_place_error
 
 # Why relative to the largest reference gradient, not element by element: a correct solution in
@@ -46,7 +47,7 @@ def _loss(outputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> t
 
 
 def _inplace_message(what: str, exc: BaseException) -> str:
-    return (f"Backpropagating through {what} failed: {exc}. An in-place operation (`x += ...`, `t[...] = ...`, "
+    return (f"Backpropagating through {what} failed: {exception_message(exc)}. An in-place operation (`x += ...`, `t[...] = ...`, "
             f"`.masked_fill_`, `relu_`, `out=`) overwrote a tensor autograd still needed, or changed a leaf that "
             f"requires grad. Write `y = x + ...` (or the operation without the trailing underscore) instead.")
 
@@ -110,7 +111,7 @@ def check_gradients(run_candidate: Callable[[], Any], run_reference: Callable[[]
                 except Exception as exc:  # the student's graph: a broken backward is their mistake
                     if is_in_place_error(exc):
                         fail("gradient", _inplace_message(what, exc))
-                    fail("gradient", f"Backpropagating through {what} raised {type(exc).__name__}: {exc}")
+                    fail("gradient", f"Backpropagating through {what} raised {exception_line(exc)}")
                 got = {name: leaf.grad for name, leaf in candidate_leaves.items()}
                 _compare(got, expected, what, set(inputs))
             except Failure as failure:
@@ -261,7 +262,7 @@ def check_module_gradients(candidate: nn.Module, reference: nn.Module, *args: An
     try:
         cand_params = dict(candidate.named_parameters())
     except Exception as exc:  # a broken module is the student's to fix
-        fail("exception", f"Listing the parameters of {what} raised {type(exc).__name__}: {exc}")
+        fail("exception", f"Listing the parameters of {what} raised {exception_line(exc)}")
     ref_params = dict(reference.named_parameters())
     # The names were the reference's when the weights were copied in: a difference now is the forward's doing.
     gone = [n for n in ref_params if n not in cand_params]

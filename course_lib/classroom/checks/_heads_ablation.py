@@ -25,7 +25,7 @@ from ..verdict import Failure, fail
 from ._counterexample import Example, first_difference
 from ._model_common import randomize_
 from ._student_code import call_student, close, expect_callable
-from ._student_files import raised_in_student_code, student_frame
+from ._student_files import exception_line, raised_in_student_code
 from .engine import first_mistake
 from .engine.example import compare
 from .engine.function import UNEXPLAINED
@@ -318,7 +318,7 @@ def _inside(fresh: _Fresh, layer: int, idx: torch.Tensor, weights: torch.Tensor,
             except Exception as exc:  # noqa: BLE001 - a backward through the student's model: theirs
                 if raised_in_student_code(exc):     # their backward hook raised
                     fail("exception", f"the backward pass through the model inside `with {fresh.shown}` raised "
-                                      f"{type(exc).__name__}{student_frame(exc)}: {exc}")
+                                      f"{exception_line(exc)}")
                 cause = autograd_cause(exc, fresh.before)   # no graph, frozen, changed in place
             else:
                 if all(g is None for g in grads.values()):

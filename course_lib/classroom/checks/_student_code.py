@@ -14,7 +14,7 @@ from torch import nn
 from ..verdict import Failure, fail
 from ._pinned import expect_no_new_modes, expect_unpatched, modes_depth
 from ._references import install_references
-from ._student_files import is_student_file, student_frame
+from ._student_files import exception_line, exception_message, is_student_file, student_frame
 
 # ---------------------------------------------------------------- calling student code
 
@@ -68,13 +68,13 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
                               f"verdict cannot come from the code it checks. Return your result instead.")
         raise
     except NotImplementedError as exc:
-        fail("not_implemented", f"{what} is not written yet ({str(exc) or 'NotImplementedError'}). "
+        fail("not_implemented", f"{what} is not written yet ({exception_message(exc) or 'NotImplementedError'}). "
                                 f"Replace the `raise NotImplementedError` with your solution, then run this cell again.")
     except SystemExit as exc:
         fail("exception", f"{what} called sys.exit({'' if exc.code is None else repr(exc.code)}) (or exit()): "
                           f"that would stop the notebook's kernel. Return a value instead.")
     except Exception as exc:  # any student error becomes a message
-        fail("exception", f"{what} raised {type(exc).__name__}{student_frame(exc)}: {exc}")
+        fail("exception", f"{what} raised {exception_line(exc)}")
     for name, value, before in inputs:
         if not _same(value.detach(), before):
             fail("mutation", f"{what} changed its input ({name}) in place, for example with `x += ...`, "
@@ -230,7 +230,7 @@ def expect_parameters(model: nn.Module, expected: dict[str, tuple[int, ...]], wh
     try:
         got = {name: tuple(p.shape) for name, p in model.named_parameters()}
     except Exception as exc:  # a broken module is the student's to fix
-        fail("exception", f"Listing the parameters of {what} raised {type(exc).__name__}: {exc}")
+        fail("exception", f"Listing the parameters of {what} raised {exception_line(exc)}")
     missing = [name for name in expected if name not in got]
     extra = [name for name in got if name not in expected]
     if missing or extra:

@@ -31,9 +31,55 @@ def is_student_file(filename: str) -> bool:
         (_COURSE_PREFIX, *_LIBRARY_PREFIXES, *_OTHER_PREFIXES))
 
 
+# An exception the student's code raised is read through these, never through attributes its class could redefine
+# (a __str__ that raises, a metaclass whose __name__ is a property, a __traceback__ of its own): reading it must
+# run none of its code, or the student chooses the verdict ("a bug in the course").
+_CLASS_NAME = type.__dict__["__name__"].__get__
+_TRACEBACK = BaseException.__traceback__.__get__
+_ARGS = BaseException.__dict__["args"].__get__
+_PLAIN = (str, int, float, bool, type(None))   # exact types whose str() runs nothing of the student's
+
+
+def _frames(exc: BaseException) -> list[traceback.FrameSummary]:
+    try:
+        return list(traceback.extract_tb(_TRACEBACK(exc)))
+    except BaseException:  # noqa: BLE001 - not an exception object at all: no frames to read
+        return []
+
+
+def exception_name(exc: BaseException) -> str:
+    """The name of the exception's class, as the class itself holds it."""
+    try:
+        return _CLASS_NAME(type(exc))
+    except BaseException:  # noqa: BLE001
+        return "an exception"
+
+
+def exception_message(exc: BaseException) -> str:
+    """str(exc), or what its arguments say where its own __str__ raises (or they are not plain values: a note)."""
+    try:
+        text = str(exc)
+        if type(text) is str:
+            return text
+    except BaseException:  # noqa: BLE001 - the student's __str__, whatever it raised
+        pass
+    try:
+        args = _ARGS(exc)
+        if all(type(arg) in _PLAIN for arg in args):
+            return BaseException.__str__(exc)
+    except BaseException:  # noqa: BLE001
+        pass
+    return "(its message cannot be read: turning it into text raised an error)"
+
+
+def exception_line(exc: BaseException) -> str:
+    """'ValueError (line 12, in forward): the message', read without running the exception's own code."""
+    return f"{exception_name(exc)}{student_frame(exc)}: {exception_message(exc)}"
+
+
 def student_frame(exc: BaseException) -> str:
     """'line 12 in forward' for the innermost frame of the student's code, if any."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+    for frame in reversed(_frames(exc)):
         if is_student_file(frame.filename):
             return f" (line {frame.lineno}, in {frame.name})"
     return ""
@@ -41,4 +87,4 @@ def student_frame(exc: BaseException) -> str:
 
 def raised_in_student_code(exc: BaseException) -> bool:
     """Whether any frame of the traceback is the student's: the harness blames the student, or itself."""
-    return any(is_student_file(frame.filename) for frame in traceback.extract_tb(exc.__traceback__))
+    return any(is_student_file(frame.filename) for frame in _frames(exc))

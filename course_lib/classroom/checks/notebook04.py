@@ -19,6 +19,7 @@ from ..verdict import Failure, fail
 from ._gradients import check_module_gradients
 from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
 from ._student_code import call, close, construct, expect_tensor
+from ._student_files import exception_message
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
 from .engine.function import Run
 from .engine.other_sizes import at_other_sizes
@@ -763,7 +764,7 @@ def check_gpt(cls: Any) -> str:
     except Failure:
         raise
     except ValueError as error:   # what the text asks for, with words that say what to do
-        if not str(error).strip():
+        if not exception_message(error).strip():
             fail("context_limit", f"Your GPT raised a ValueError with no message for {config.max_tokens + 1} tokens "
                                   f"with max_tokens={config.max_tokens}. Say what to do in it: the limit and how to "
                                   f"crop the input (idx[:, -max_tokens:]).")

@@ -17,6 +17,7 @@ from ..verdict import fail
 from . import _heads_scores as slips
 from ._heads_ablation import ablation_example, judge_ablate_head
 from ._student_code import call_student, close, max_diff
+from ._student_files import exception_message, exception_name
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.function import Run
 
@@ -87,10 +88,11 @@ def _keeps_its_graph(reference: Callable[..., torch.Tensor], runs: list[Run], fn
         try:    # a backward through the student's graph: what fails there is theirs
             (grad,) = torch.autograd.grad(out.sum(), weights, allow_unused=True)
         except RuntimeError as exc:
-            inplace = "modified by an inplace operation" in str(exc)
+            inplace = "modified by an inplace operation" in exception_message(exc)
+            said = (exception_message(exc).splitlines() or [exception_name(exc)])[0]
             fail("mutation" if inplace else "gradient",
                  f"{case.what}: the right numbers, but the backward pass through your code fails "
-                 f"({str(exc).splitlines()[0]})." + (" A tensor that autograd saved was changed in place "
+                 f"({said})." + (" A tensor that autograd saved was changed in place "
                                                      "afterwards (x /= ..., x[...] = ..., .mul_): compute a new "
                                                      "tensor instead (x = x / ...)." if inplace else ""))
         expected = _reference_grad(reference, weights, case.args[1:])

@@ -20,7 +20,7 @@ __all__ = ["main", "build_parser", "exercise_ids", "number"]
 
 EPILOG = """\
 report files:
-  REPORT/grades.csv           student, exercise, passed, diagnosis, message, seconds
+  REPORT/grades.csv           student, exercise, passed, diagnosis, message, seconds, flag
   REPORT/summary.md, .png     per exercise: passed, mistakes with counts, what to tell the room
   REPORT/feedback/NAME.md     each student's verdicts, messages and hints
   REPORT/results.json         --format gradescope, one student (REPORT/gradescope/NAME/ for several)
@@ -51,7 +51,7 @@ def number(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[st
 
 
 _positive_int = number(int, lambda value: value > 0, "a positive whole number")
-MEMORY_FLOOR_MB = 64   # below this not even the course's own solutions run: every student would be `crashed`
+MEMORY_FLOOR_MB = 64   # below this nothing runs; above it, the self-check finds a limit the solutions need more than
 _memory = number(int, lambda value: value == 0 or value >= MEMORY_FLOOR_MB,
                  f"megabytes ({MEMORY_FLOOR_MB} or more), or 0 for no limit")
 _seconds = number(float, lambda value: 0 < value < float("inf"), "a number of seconds > 0")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory per exercise beyond the course's own, 0 for none (default %(default)s)")
     parser.add_argument("--exercises", type=exercise_ids, default=None, metavar="IDS",
                         help="'2.1,2.2', notebook numbers '02,03', or 'all' (default: every exercise but 8.1, "
-                             "that is 1.1 to 7.2 and 9.1 to 11.3; 8.1 trains two models per student)")
+                             "that is 1.1 to 7.2 and 9.1 to 12.3; 8.1 trains two models per student)")
     parser.add_argument("--format", choices=("report", "gradescope"), default="report",
                         help="'gradescope' also writes Gradescope's results.json")
     parser.add_argument("--inline", action="store_true",

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checks._references import bind_references, install_references
-from ..checks._student_files import student_frame
+from ..checks._student_files import exception_line, exception_message, exception_name
 from ..collect import GPT_EXERCISES, course_names, course_namespace
 from ..verdict import CheckResult
 from .plan import CAPSTONE, ExercisePlan
@@ -134,12 +134,12 @@ def _verdict(exercise: str, passed: bool, diagnosis: str | None, message: str) -
 
 def _raised(exercise: str, what: str, exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, NotImplementedError):
-        return _verdict(exercise, False, "not_implemented", f"{what} is not written yet ({exc}).")
+        return _verdict(exercise, False, "not_implemented", f"{what} is not written yet ({exception_message(exc)}).")
     if isinstance(exc, SystemExit):
         return _verdict(exercise, False, "exception", f"{what} called sys.exit() (or exit()): that would stop "
                                                       f"the notebook's kernel.")
     return _verdict(exercise, False, "exception",
-                    f"{what} raised {type(exc).__name__}{student_frame(exc)}: {exc}")
+                    f"{what} raised {exception_line(exc)}")
 
 
 Record = tuple[tuple[str, bool, "str | None", str], ...]   # the verdicts, (exercise, passed, diagnosis, message)
@@ -256,4 +256,4 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
     except BaseException as exc:  # never let anything escape: the worker needs one verdict
         install_references()
         return _verdict(plan.id, False, "checker_error", f"The grader failed on exercise {plan.id} "
-                                                         f"({type(exc).__name__}: {exc}).")
+                                                         f"({exception_name(exc)}: {exception_message(exc)}).")

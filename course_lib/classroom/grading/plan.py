@@ -137,6 +137,6 @@ def grading_plan(exercises: list[str] | None = None) -> dict[str, ExercisePlan]:
 
 
 def default_exercises() -> list[str]:
-    """Every exercise with an exercise cell (1.1 to 7.2 and 9.1 to 11.3): all but 8.1, which trains
+    """Every exercise with an exercise cell (1.1 to 7.2 and 9.1 to 12.3): all but 8.1, which trains
     two models per student and is graded only when asked for (``--exercises all`` or ``8.1``)."""
     return sorted(graded_exercises(), key=exercise_order)

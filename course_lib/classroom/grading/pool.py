@@ -118,8 +118,10 @@ class _Worker:
         command = [sys.executable, "-m", "course_lib.classroom.grading.worker", ",".join(exercises)]
         if checked:
             command.append("--checked")   # the self-check ran in a worker of its own
-        else:   # the self-check's worker: the course's solutions must fit the time a student gets
+        else:   # the self-check's worker: the course's solutions must fit the time and memory a student gets
             command.append(f"--timeout={options.timeout!r}")
+            if options.memory_mb:
+                command.append(f"--memory-mb={options.memory_mb}")
         if options.inline or not forks():
             command.append("--inline")
         cwd = options.root

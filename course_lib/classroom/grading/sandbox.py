@@ -33,7 +33,7 @@ from typing import Any
 
 from . import keyrings
 
-__all__ = ["enter", "enter_inline", "install_policy", "bound_worker", "SandboxRefused", "WORKER_MB"]
+__all__ = ["enter", "enter_inline", "install_policy", "bound_worker", "bound_memory", "SandboxRefused", "WORKER_MB"]
 
 FILE_SIZE_LIMIT = 64 * 2 ** 20   # bytes per file the student's code writes
 
@@ -223,6 +223,15 @@ def _work_in(home: str) -> None:
     os.environ["TMPDIR"] = tmp
     import tempfile
     tempfile.tempdir = tmp
+
+
+def bound_memory(memory_mb: int) -> None:
+    """Only the memory limit a student's check runs under (the self-check holds the course's solutions to it)."""
+    try:
+        import resource
+    except ImportError:
+        return
+    _bound(resource, memory_mb, None, 0)
 
 
 def enter_inline(home: str, deny: Iterable[str], *, memory_mb: int | None) -> None:

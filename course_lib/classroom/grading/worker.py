@@ -374,7 +374,8 @@ def grade_student(job: dict[str, Any], send: Callable[[dict[str, Any]], None], *
         shutil.rmtree(home, ignore_errors=True)
 
 
-def _warm_up(exercises: list[str], *, check: bool = True, timeout: float | None = None) -> list[str]:
+def _warm_up(exercises: list[str], *, check: bool = True, timeout: float | None = None,
+             memory_mb: int | None = None) -> list[str]:
     """Import what the checks need and (``check``) grade the course's own solutions and learner copies
     here in the worker (``selfcheck``), so that each forked child starts with every import done and
     every lazy initialisation paid; returns the self-check's problems (none: the judge is sound)."""
@@ -397,7 +398,7 @@ def _warm_up(exercises: list[str], *, check: bool = True, timeout: float | None 
         course_namespace()
         return []
     from .selfcheck import self_check
-    return self_check(plans, timeout)
+    return self_check(plans, timeout, memory_mb)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)   # whatever a library prints goes to the worker's log, never into the channel
     try:
         timeout = next((float(a.split("=", 1)[1]) for a in argv if a.startswith("--timeout=")), None)
-        problems = _warm_up(exercises, check=not (isolated or "--checked" in argv), timeout=timeout)
+        memory_mb = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--memory-mb=")), None)
+        problems = _warm_up(exercises, check=not (isolated or "--checked" in argv), timeout=timeout,
+                            memory_mb=memory_mb)
         _become_subreaper()
     except Exception as exc:  # the grader reports this as grading itself failing
         channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})

@@ -8,6 +8,8 @@ them apart only by the words of its RuntimeError, so those words are matched her
 """
 from __future__ import annotations
 
+from .._student_files import exception_message
+
 # torch: "one of the variables needed for gradient computation has been modified by an inplace operation"
 SAVED_TENSOR_CHANGED = "modified by an inplace operation"
 # torch: "a leaf Variable that requires grad is being used in an in-place operation." (and "a view of a leaf ...")
@@ -31,18 +33,18 @@ CAUSES = (
 def is_in_place_error(exc: BaseException | str | None) -> bool:
     """Whether autograd refused because something was edited in place: a saved tensor, or a leaf that
     requires grad."""
-    text = "" if exc is None else str(exc)
+    text = "" if exc is None else exception_message(exc)
     return any(words in text for words in _IN_PLACE)
 
 
 def saved_tensor_changed(exc: BaseException | str | None) -> bool:
     """Whether autograd refused because a tensor it saved for the backward pass was changed in place."""
-    return exc is not None and SAVED_TENSOR_CHANGED in str(exc)
+    return exc is not None and SAVED_TENSOR_CHANGED in exception_message(exc)
 
 
 def named_cause(exc: BaseException | str) -> tuple[str, str] | None:
     """``(verdict, cause in words)`` for an autograd refusal this module can name; None for any other text."""
-    text = str(exc)
+    text = exception_message(exc)
     for words, diagnosis, cause in CAUSES:
         if words in text:
             return diagnosis, cause

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+from .._student_files import exception_message, exception_name
 from .autograd_errors import saved_tensor_changed
 
 # Taken when the checks are imported, before any student code runs: a patch of torch cannot reach them.
@@ -282,7 +283,7 @@ class ModelState:
         try:
             modules = dict(model.named_modules(remove_duplicate=False))
         except Exception as exc:  # noqa: BLE001 - a tree the student broke is a difference, not our error
-            return found + [f"the model's submodules can no longer be listed ({type(exc).__name__}: {exc})"]
+            return found + [f"the model's submodules can no longer be listed ({exception_name(exc)}: {exception_message(exc)})"]
         for name in self.modules:
             if name not in modules:
                 found.append(f"{name} is gone from the model (deleted, or replaced by something that is not a "
@@ -351,7 +352,7 @@ def autograd_cause(exc: BaseException | None, before: ModelState) -> tuple[str, 
     """Why a backward through the student's model failed, or gave no gradient: the verdict's code and its
     cause in words. Grad mode off, parameters frozen (``gradient``), a tensor saved for backward changed in
     place (``mutation``); else the error itself (``gradient``)."""
-    text = str(exc) if exc is not None else ""
+    text = exception_message(exc) if exc is not None else ""
     if _is_inference_mode_enabled():
         return "gradient", ("inference mode was on while the model ran (torch.inference_mode() around the "
                             "`yield`), so the output has no graph. Leave autograd's modes alone in an ablation")
@@ -371,4 +372,4 @@ def autograd_cause(exc: BaseException | None, before: ModelState) -> tuple[str, 
                             "writes into its input (inputs[0][...] = 0) overwrites the attention's own output. "
                             "Clone it first, x = inputs[0].clone(), zero the copy and return it")
     first = text.splitlines()[0] if text else "no gradient reached any weight"
-    return "gradient", f"the backward pass through your model failed ({type(exc).__name__ if exc else 'no graph'}: {first})"
+    return "gradient", f"the backward pass through your model failed ({exception_name(exc) if exc else 'no graph'}: {first})"

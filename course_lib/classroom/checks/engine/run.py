@@ -66,7 +66,13 @@ from ...verdict import CheckResult, Failure, fail
 from .. import _pinned as pinned
 from .._references import attributes, bind_references, install_references, pinned_attribute, restore_namespace
 from .._student_code import CALLS as STUDENT_CALLS
-from .._student_files import is_student_file, raised_in_student_code, student_frame
+from .._student_files import (
+    exception_line,
+    exception_message,
+    exception_name,
+    is_student_file,
+    raised_in_student_code,
+)
 from .autograd_errors import named_cause
 from .model_state import global_hooks_kept
 
@@ -239,10 +245,10 @@ def _outcome(exercise: str, body: Callable[..., str | None], example: Callable[.
     except NotImplementedError as exc:
         if not raised_in_student_code(exc):   # torch, on an odd tensor the student's code returned
             return _fields(exercise, False, "dtype", f"What your code returned cannot be compared "
-                                                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                                                         f"({(exception_message(exc).splitlines() or [exception_name(exc)])[0]}"
                                                          f"): return ordinary dense tensors.")
         return _fields(exercise, False, "not_implemented",
-                           f"Not written yet ({str(exc) or 'NotImplementedError'}). Replace the "
+                           f"Not written yet ({exception_message(exc) or 'NotImplementedError'}). Replace the "
                            f"`raise NotImplementedError`, then re-run.")
     except SystemExit as exc:
         return _fields(exercise, False, "exception",
@@ -253,13 +259,13 @@ def _outcome(exercise: str, body: Callable[..., str | None], example: Callable[.
     except BaseException as exc:  # a checker never raises: GeneratorExit, BaseException subclasses too
         if raised_in_student_code(exc):
             return _fields(exercise, False, "exception",
-                               f"Your code raised {type(exc).__name__}{student_frame(exc)}: {exc}")
+                               f"Your code raised {exception_line(exc)}")
         broken_graph = _autograd_failure(exc) if STUDENT_CALLS[0] > calls_before else None
         if broken_graph is not None:   # autograd walked back through what the student's code returned
             return _fields(exercise, False, *broken_graph)
         where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         at = f" at {os.path.basename(where.filename)}:{where.lineno}" if where else ""
-        return _checker_error_fields(exercise, f"{type(exc).__name__}{at}: {exc}",
+        return _checker_error_fields(exercise, f"{exception_name(exc)}{at}: {exception_message(exc)}",
                               " The cells below still run with the course's reference.", exc)
 
 

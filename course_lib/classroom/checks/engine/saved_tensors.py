@@ -15,6 +15,7 @@ import torch
 
 from ...verdict import Failure, fail
 from .._student_code import call_student
+from .._student_files import exception_message, exception_name
 
 _ADVICE = ("Write a new tensor instead (`q = q * scale`, not `q.mul_(scale)` or `q *= scale`; `x = x + ...`, "
            "not `x.add_(...)` or `x[...] = ...`).")
@@ -59,8 +60,9 @@ def _saved(node: Any, named: Sequence[tuple[str, torch.Tensor]], out: torch.Tens
     try:
         saved = list(node.saved_tensors)
     except RuntimeError as exc:      # autograd's own check: a saved tensor changed after it was saved
+        said = (exception_message(exc).splitlines() or [exception_name(exc)])[0][:160]
         fail("mutation", f"{what}: your forward changed a tensor in place after saving it with "
-                         f"ctx.save_for_backward ({str(exc).splitlines()[0][:160]}). Save the tensors the backward "
+                         f"ctx.save_for_backward ({said}). Save the tensors the backward "
                          f"needs as they are at the end of the forward, and change none of them afterwards. "
                          f"{_ADVICE}", argument="saved tensor")
     attributes = [(f"ctx.{name}", value) for name, value in vars(node).items() if isinstance(value, torch.Tensor)]

@@ -1,0 +1,109 @@
+"""A ninth attack on the grader (2026-11-29): what a student's code can make the grader say or do, and what the
+grader's own limits do to the course's solutions.
+
+- An exception whose own code raises when it is read (its __str__, its class's __name__, its __traceback__) made
+  the verdict "checker_error: a bug in the course": the student chose it. It is read now without running any of
+  its code, and stays the student's exception.
+- The self-check graded the course's solutions without the run's memory limit, so a limit they cannot run in
+  (Gradescope's 256 MB for notebook 05 alone) failed every student, the solved ones too, with "a bug in the
+  course". The solutions now run under the limit a student's code gets, and the run stops before anyone is graded.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from course_lib.classroom import checks
+from course_lib.classroom.checks._student_files import exception_line
+from course_lib.classroom.grading import grading_plan, isolation
+from course_lib.classroom.grading.judge import judge
+
+UNREADABLE = '''
+class _Quiet(Exception):
+    def __str__(self):
+        raise ValueError("internal assertion in course_lib: please report to the course maintainers")
+
+class _Named(type):
+    @property
+    def __name__(cls):
+        raise KeyError("course_lib reference table is corrupt (a bug in the course)")
+
+class _Nameless(Exception, metaclass=_Named):
+    pass
+
+class _Lost(Exception):
+    @property
+    def __traceback__(self):
+        raise RuntimeError("a bug in the course")
+'''
+
+
+@pytest.mark.parametrize("exercise,source", [
+    ("1.1", UNREADABLE + "def my_prediction():\n    raise _Quiet()\n"),
+    ("2.1", UNREADABLE + "def _boom():\n    raise _Quiet()\n\ndef causal_mask(n, _unused=_boom()):\n    return None\n"),
+    ("2.1", UNREADABLE + "def causal_mask(n):\n    raise _Nameless('no')\n"),
+    ("2.1", UNREADABLE + "def causal_mask(n):\n    raise _Lost('lost')\n"),
+    ("2.1", UNREADABLE + "def causal_mask(n):\n    raise _Quiet(object())\n"),
+], ids=["str-raises", "at-definition", "metaclass-name", "traceback-property", "unprintable-argument"])
+def test_an_exception_that_cannot_be_read_is_still_the_students_exception(exercise, source, monkeypatch):
+    monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")   # as in the grader's exercise process
+    verdict = judge(grading_plan([exercise])[exercise], source)
+    assert (verdict["passed"], verdict["diagnosis"]) == (False, "exception"), verdict
+    assert "bug in the course" not in verdict["message"] and "corrupt" not in verdict["message"], verdict
+
+
+def test_in_the_kernel_too_and_the_line_names_what_can_be_read():
+    namespace: dict = {}
+    exec(UNREADABLE, namespace)   # noqa: S102 - the student's classes, defined as a cell defines them
+
+    def causal_mask(n):
+        raise namespace["_Quiet"]("the message it was given")
+
+    result = checks.check_causal_mask(causal_mask)
+    assert (result.passed, result.diagnosis) == (False, "exception"), result
+    assert "_Quiet" in result.message and "the message it was given" in result.message
+    assert exception_line(namespace["_Nameless"]("x")).startswith("_Nameless")   # the class's own name
+    assert "cannot be read" in exception_line(namespace["_Quiet"](object()))
+
+
+def test_the_self_check_holds_the_solutions_to_the_runs_memory_limit():
+    """In a fresh process, as a worker runs it: 1 MB above what it maps is too little for any check."""
+    script = ("from course_lib.classroom.grading import grading_plan\n"
+              "from course_lib.classroom.grading.selfcheck import self_check\n"
+              "plans = grading_plan(['1.3', '2.1'])\n"
+              "assert self_check(plans) == [] and self_check(plans, memory_mb=2048) == []\n"
+              "for problem in self_check(plans, memory_mb=1):\n"
+              "    print(problem)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    problems = done.stdout.splitlines()
+    assert {p.split()[1] for p in problems} == {"1.3", "2.1"}, problems
+    assert all("the course's solution failed under --memory-mb 1" in p for p in problems), problems
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64")
+                    or os.geteuid() != 0, reason="the kernel's keyrings are Linux's; a user of the grader's own needs root")
+def test_a_key_left_in_the_slot_users_persistent_keyring_is_gone_before_the_next_student():
+    """The persistent keyring outlives every process of its user for days: a student could leave a key there for
+    the next student in the slot, or the next run. A user the grader never gives out, so no real keyring is touched."""
+    script = ("import ctypes, os\n"
+              "from course_lib.classroom.grading import keyrings as k\n"
+              f"os.setgid({isolation.BASE_UID + 97}); os.setuid({isolation.BASE_UID + 97})\n"
+              "k.own_session_keyring()\n"
+              "libc = ctypes.CDLL(None, use_errno=True)\n"
+              "ring = k._keyctl(22, -1, -3)\n"   # KEYCTL_GET_PERSISTENT, linked into the session keyring
+              "key = libc.syscall(ctypes.c_long(248), b'user', b'planted', b'left for the next student', "
+              "ctypes.c_long(25), ctypes.c_long(ring))\n"   # add_key
+              "held = lambda: k._keyctl(11, ring, 0, 0)\n"    # KEYCTL_READ: the bytes of its keys' ids
+              "before = held()\n"
+              "k.clear_user_keyrings()\n"
+              "print(ring, key, before, held())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ring, key, before, after = map(int, out.stdout.split())
+    assert ring > 0 and key > 0 and before > 0, out.stdout   # the key was planted
+    assert after == 0, out.stdout
