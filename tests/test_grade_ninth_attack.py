@@ -107,3 +107,33 @@ def test_a_key_left_in_the_slot_users_persistent_keyring_is_gone_before_the_next
     ring, key, before, after = map(int, out.stdout.split())
     assert ring > 0 and key > 0 and before > 0, out.stdout   # the key was planted
     assert after == 0, out.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"),
+                    reason="seccomp filters are Linux's")
+def test_below_python_the_kernel_refuses_memory_files_in_an_exercise_process(tmp_path):
+    """memfd_create holds memory past the address-space limit (1.5 GB under --memory-mb 256, through cffi, which
+    raises no audit event). Kept from before the sandbox, as code past the audit hook would call it, the kernel
+    now refuses it; cffi is refused at import."""
+    script = ("import os\n"
+              "from course_lib.classroom.grading import sandbox\n"
+              "memfd = os.memfd_create   # the real one, as native code would reach it\n"
+              f"sandbox.enter({str(tmp_path)!r}, [], memory_mb=None, cpu_seconds=None)\n"
+              "said = []\n"
+              "try:\n"
+              "    memfd('held'); said.append('memfd allowed')\n"
+              "except PermissionError:\n"
+              "    said.append('memfd refused')\n"
+              "try:\n"
+              "    import cffi; said.append('cffi imported')\n"
+              "except ImportError:\n"
+              "    said.append('no cffi here')\n"
+              "except PermissionError:\n"
+              "    said.append('cffi refused')\n"
+              "said.append('filtered' if 'Seccomp:\\t2' in open('/proc/self/status').read() else 'unfiltered')\n"
+              "open('said.txt', 'w').write(' '.join(said))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = (tmp_path / "said.txt").read_text().split()
+    assert said[:2] == ["memfd", "refused"] and said[-1] == "filtered", said
+    assert " ".join(said[2:4]) in ("cffi refused", "no cffi"), said

@@ -12,7 +12,7 @@ import torch
 from bank.attempts import new_bank
 from course_lib import GPT, modern, scaled_dot_product_attention, variants
 from course_lib import train as train_module
-from course_lib.flash import naive_attention
+from course_lib.flash import flash_attention, naive_attention
 from course_lib.modern import RMSNorm, SwiGLU
 from course_lib.train import lm_loss
 from course_lib.variants.sliding import rope_rows, window_mask_at
@@ -298,7 +298,7 @@ def previous_token_score_summed_over_the_batch(weights):
 
 # ============================================================================ an audit of the texts (second)
 # What the exercise's text asks, and no check held: 4.3's error "says what to do", 5.3's loss "as a plain float".
-@bug("4.3", "context_limit", "no message")
+@bug("4.3", "context_limit", "neither the limit nor what to do")
 class GPTRaisesABareValueError(GPT):
     """ValueError() with nothing in it: it passed (any ValueError was taken)."""
 
@@ -371,32 +371,44 @@ class GPTScalesTokensForSinusoids(GPT):
         return self.head(self.ln_f(x))                                                 # (N, L, V)
 
 
-@bug("12.2", "bias", "biases")
-def latent_attention_without_biases(layer, x, cache=None):
-    """Every projection as x @ W.T: right while the layer has no biases, the only kind the check built."""
+def _latent_attention(layer, x, cache=None, *, biases=True, tables=None):
+    """MLA from the layer's weights, with one of the layer's own settings replaced by what a student assumed."""
+    def project(linear, t):
+        return linear(t) if biases else t @ linear.weight.T
+
     n, length, _ = x.shape
     start = 0 if cache is None else cache.length
     dn, dr, heads, dv = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads, layer.v_head_dim
-    if layer.q_lora_rank is None:
-        q = x @ layer.q_proj.weight.T
-    else:
-        q = layer.q_a_layernorm(x @ layer.q_a_proj.weight.T) @ layer.q_b_proj.weight.T
+    cos, sin = tables if tables is not None else (layer.rope_cos, layer.rope_sin)
+    q = layer.q_proj(x) if layer.q_lora_rank is None else layer.q_b_proj(layer.q_a_layernorm(project(layer.q_a_proj, x)))
     q = q.view(n, length, heads, dn + dr).transpose(1, 2)                              # (N, H, L, dn + dr)
     q_nope, q_rope = q.split([dn, dr], -1)
-    q_rope = modern.apply_rotary(q_rope, layer.rope_cos, layer.rope_sin, offset=start)
-    latent, k_rope = (x @ layer.kv_a_proj_with_mqa.weight.T).split([layer.kv_lora_rank, dr], -1)
+    q_rope = modern.apply_rotary(q_rope, cos, sin, offset=start)
+    latent, k_rope = project(layer.kv_a_proj_with_mqa, x).split([layer.kv_lora_rank, dr], -1)
     latent = layer.kv_a_layernorm(latent)
-    k_rope = modern.apply_rotary(k_rope, layer.rope_cos, layer.rope_sin, offset=start)
+    k_rope = modern.apply_rotary(k_rope, cos, sin, offset=start)
     if cache is not None:
         latent, k_rope = cache.append(latent, k_rope)
     total = latent.shape[1]
-    kv = (latent @ layer.kv_b_proj.weight.T).view(n, total, heads, dn + dv).transpose(1, 2)   # (N, H, T, dn + dv)
+    kv = layer.kv_b_proj(latent).view(n, total, heads, dn + dv).transpose(1, 2)          # (N, H, T, dn + dv)
     k_nope, v = kv.split([dn, dv], -1)
     k = torch.cat([k_nope, k_rope[:, None].expand(n, heads, total, dr)], -1)              # (N, H, T, dn + dr)
     scores = torch.cat([q_nope, q_rope], -1) @ k.transpose(-2, -1) * layer.softmax_scale   # (N, H, L, T)
     scores = scores.masked_fill(~torch.ones(length, total, dtype=torch.bool).tril(start), float("-inf"))
     out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(n, length, heads * dv)          # (N, L, H * dv)
-    return out @ layer.o_proj.weight.T
+    return project(layer.o_proj, out)
+
+
+@bug("12.2", "bias", "biases")
+def latent_attention_without_biases(layer, x, cache=None):
+    """Every projection as x @ W.T: right while the layer has no biases, the only kind the check built."""
+    return _latent_attention(layer, x, cache, biases=False)
+
+
+@bug("12.2", "rope_frequencies", "rope_theta")
+def latent_attention_with_tables_of_its_own(layer, x, cache=None):
+    """Tables with the default theta where the text names layer.rope_cos and layer.rope_sin."""
+    return _latent_attention(layer, x, cache, tables=modern.rope_tables(layer.qk_rope_head_dim, layer.max_tokens))
 
 
 @bug("12.3", "calls_reference", "linear_attention")
@@ -434,3 +446,55 @@ def attention_by_the_courses_naive_attention_when_unmasked(q, k, v, mask=None):
         return naive_attention(q, k, v)[0]
     scores = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).masked_fill(~mask, float("-inf"))   # (..., Lq, Lk)
     return torch.softmax(scores, dim=-1) @ v
+
+
+@bug("4.3", "context_limit", "neither the limit nor what to do")
+class GPTRaisesAValueErrorThatSaysNothing(GPT):
+    """A message of one dot: it passed once the empty message was refused."""
+
+    def forward(self, idx):
+        if idx.shape[1] > self.config.max_tokens:
+            raise ValueError(".")
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1]))   # (N, L, E)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))                                                     # (N, L, V)
+
+
+# ============================================================================ 10.3: fewer queries than keys
+class _FlashBackwardOfOneLength(torch.autograd.Function):
+    """The backward loops over the keys as far as the queries go, and sizes dk and dv like q: right while Lq == Lk,
+    the only kind of case the check built (10.2's forward takes fewer queries than keys without causal)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False, block_q=64, block_k=64):
+        out, lse = flash_attention(q, k, v, block_q=block_q, block_k=block_k, causal=causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.block_q, ctx.block_k = causal, block_q, block_k
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale = q.shape[-1] ** -0.5
+        length = q.shape[-2]                                          # the slip: one length for both loops
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(q)
+        delta = (grad_out * out).sum(dim=-1)                          # (N, heads, Lq)
+        for qs in range(0, length, ctx.block_q):
+            qe = min(qs + ctx.block_q, length)
+            q_blk, do_blk = q[..., qs:qe, :], grad_out[..., qs:qe, :]
+            for ks in range(0, min(length, qe) if ctx.causal else length, ctx.block_k):
+                ke = min(ks + ctx.block_k, length)
+                k_blk, v_blk = k[..., ks:ke, :], v[..., ks:ke, :]
+                s = q_blk @ k_blk.transpose(-2, -1) * scale          # (N, heads, Bq, Bk)
+                if ctx.causal and ke - 1 > qs:
+                    s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                p = torch.exp(s - lse[..., qs:qe, None])
+                dv[..., ks:ke, :] += p.transpose(-2, -1) @ do_blk
+                ds = p * (do_blk @ v_blk.transpose(-2, -1) - delta[..., qs:qe, None])
+                dq[..., qs:qe, :] += ds @ k_blk * scale
+                dk[..., ks:ke, :] += ds.transpose(-2, -1) @ q_blk * scale
+        return dq, dk, dv, None, None, None
+
+
+bug("10.3", "exception", "k of shape (1, 2, 10, 8)")(_FlashBackwardOfOneLength)

@@ -296,10 +296,10 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
         p = p.masked_fill((cols // block_k) * block_k > last_query, 0.0)
     out = torch.softmax(masked, -1) @ v
     dp_all = do @ (k if values == "keys" else v).transpose(-2, -1)
-    d = {"ok": (do * out).sum(-1, keepdim=True), "grad_only": do.sum(-1, keepdim=True),
-         "zero": torch.zeros_like(lse), "values": (do * v).sum(-1, keepdim=True),
-         "dp": dp_all.sum(-1, keepdim=True), "everything": (do * out).sum().expand(lse.shape),
-         }.get(delta, (do * out).sum(-1, keepdim=True))
+    d = {"ok": lambda: (do * out).sum(-1, keepdim=True), "grad_only": lambda: do.sum(-1, keepdim=True),
+         "zero": lambda: torch.zeros_like(lse), "values": lambda: (do * v).sum(-1, keepdim=True),   # Lq == Lk only
+         "dp": lambda: dp_all.sum(-1, keepdim=True), "everything": lambda: (do * out).sum().expand(lse.shape),
+         }.get(delta, lambda: (do * out).sum(-1, keepdim=True))()
     if delta in ("key_block", "query_block") or dp != "ok":
         ds = _blocked_ds(p, do, v, out, d, block_q, block_k, delta, dp)
     elif delta == "outside":              # D outside the product: nonzero wherever a block is computed

@@ -763,11 +763,13 @@ def check_gpt(cls: Any) -> str:
             candidate(too_long)
     except Failure:
         raise
-    except ValueError as error:   # what the text asks for, with words that say what to do
-        if not exception_message(error).strip():
-            fail("context_limit", f"Your GPT raised a ValueError with no message for {config.max_tokens + 1} tokens "
-                                  f"with max_tokens={config.max_tokens}. Say what to do in it: the limit and how to "
-                                  f"crop the input (idx[:, -max_tokens:]).")
+    except ValueError as error:   # what the text asks for, with words that say what to do: the limit, or the crop
+        said = exception_message(error)
+        if not any(words in said.lower() for words in ("max_tokens", str(config.max_tokens), "crop")):
+            fail("context_limit", f"Your GPT raised a ValueError for {config.max_tokens + 1} tokens with "
+                                  f"max_tokens={config.max_tokens}, but its message ({said.strip()[:80]!r}) says "
+                                  f"neither the limit nor what to do. Say both: the model takes at most max_tokens "
+                                  f"tokens, so crop the input (idx[:, -max_tokens:]).")
     except Exception as error:   # refused, but not as the text asks
         fail("context_limit", f"Your GPT raised {type(error).__name__} for {config.max_tokens + 1} tokens with "
                               f"max_tokens={config.max_tokens}. Raise a ValueError that says how to crop the input "

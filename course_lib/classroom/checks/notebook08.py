@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..collect import GPT_EXERCISES
 from ..training_runs import TOLERANCE, TrainingRun, judge
 from ..verdict import fail
 from .engine import checker
@@ -50,6 +51,20 @@ def _check_which_run_is_which(yours: TrainingRun, reference: TrainingRun) -> Non
         fail("exception", "The run passed as `reference` trained your parts: the reference is "
                           "capstone.train_parts(parts, [], ...), the course's parts only: the yardstick your parts are "
                           "measured against.")
+    some = yours.yours_asked
+    if some is not None and not set(GPT_EXERCISES) <= set(some):
+        fail("exception", f"The run passed as `yours` trained only some of your parts ({', '.join(some)}), the "
+                          f"course's standing in for the rest: 8.1 judges the GPT built from all of them. Pass "
+                          f"capstone.train_parts(parts, None, ...).")
+    trained = {"yours": yours.training, "the reference": reference.training}
+    if None not in trained.values() and yours.training != reference.training:
+        shown = "; ".join(f"{name}: setup {t[0]!r}, seed {t[1]}, {t[2]} steps, learning rate {t[3]}"
+                          for name, t in trained.items())
+        fail("exception", f"The two runs are not the same training ({shown}): train both with one setup and the "
+                          f"same steps, so that only the parts differ.")
+    if yours.failure is None and reference.failure is None and yours.val_step != reference.val_step:
+        fail("exception", f"The two runs are not the same training: yours was validated at steps {yours.val_step}, "
+                          f"the reference at {reference.val_step}. Train both with one setup and the same steps.")
 
 
 @checker("8.1", example=_curves)

@@ -1,5 +1,5 @@
 """Exercises of notebook 10 (FlashAttention): 10.1 online_softmax, 10.2 flash_attention (the tiled forward),
-10.3 FlashAttentionFunction (the backward by recomputation, judged on its stacked (dq, dk, dv)).
+10.3 FlashAttentionFunction (the backward by recomputation, judged on its dq, dk and dv joined along the sequence).
 
 10.2 is two declarations (its output, then its log-sum-exp). Whether the student tiled at all is watched
 while their code runs (``_flash_probe``). 10.1 and 10.2 get the engine's magnitude probe (scores of hundreds,
@@ -486,6 +486,8 @@ def check_flash_attention(fn: Callable[..., Any]) -> str:
 # so it is named there before the blocks that do not divide L, or block_q != block_k, make it crash.
 _BACKWARD_CASES = (((2, 1, 12, 4), 4, 4, True), ((1, 2, 12, 8), 4, 4, False), ((1, 2, 13, 8), 4, 5, False),
                    ((2, 1, 11, 4), 4, 3, True), ((1, 1, 9, 4), 16, 16, True))
+# and fewer queries than keys, which 10.2's forward takes without causal: dk and dv have the keys' length
+_BACKWARD_CASES_LK = (((1, 2, 6, 8), 10, 4, 4, False),)
 _GRADS = ("dq", "dk", "dv")
 
 
@@ -496,22 +498,30 @@ def _backward_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
 
 
 def _backward_cases() -> list[Case]:
-    return [_backward_case(*_qkv(31 + seed, shape, spread=1.5),
-                           torch.randn(shape, generator=torch.Generator().manual_seed(41 + seed)), *blocks)
-            for seed, (shape, *blocks) in enumerate(_BACKWARD_CASES)]
+    cases = [(shape, None, *blocks) for shape, *blocks in _BACKWARD_CASES] + list(_BACKWARD_CASES_LK)
+    return [_backward_case(*_qkv(31 + seed, shape, length_k, spread=1.5),
+                           torch.randn(shape, generator=torch.Generator().manual_seed(41 + seed)), *blocks,
+                           shown=f" and k of shape {shape[:-2] + (length_k, shape[-1])}" if length_k else "")
+            for seed, (shape, length_k, *blocks) in enumerate(cases)]
+
+
+def _joined(grads: Any) -> torch.Tensor:
+    """dq, dk and dv as one tensor, one after another along the sequence axis (dk and dv have the keys' length)."""
+    return torch.cat(tuple(grads), dim=-2)   # (N, heads, Lq + 2 Lk, d)
 
 
 def _tiny_backward() -> list[Case]:
-    """Tiny cases for the counter-example, which shows the gradients stacked: [0] dq, [1] dk, [2] dv."""
+    """Tiny cases for the counter-example, which shows the gradients joined: dq's rows, then dk's, then dv's."""
     generator = torch.Generator().manual_seed(0)
     return [_backward_case(*(tiny(generator, 1, 1, length, 2) for _ in range(4)), *blocks,
-                           shown=", its gradients stacked: [0] dq, [1] dk, [2] dv")
+                           shown=", its gradients one after another along the sequence axis: dq's rows, then dk's, "
+                                 "then dv's")
             for length, *blocks in ((2, 1, 1, True), (3, 2, 2, False), (4, 2, 2, True), (3, 2, 1, True))]
 
 
 def _gradients_of(cls: Any) -> Callable[..., torch.Tensor]:
-    """The student's class as a function of one case's arguments: its (dq, dk, dv), stacked (3, *q.shape)."""
-    return lambda *case: torch.stack(_student_grads(cls, *case))
+    """The student's class as a function of one case's arguments: its dq, dk and dv, joined (``_joined``)."""
+    return lambda *case: _joined(_student_grads(cls, *case))
 
 
 def _student_grads(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, causal: bool,
@@ -519,7 +529,7 @@ def _student_grads(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """dq, dk, dv of the student's class, through its forward and its backward, each checked for its shape; the
     engine's saved_tensors probe watches both passes (an input, grad_out or a saved tensor changed in place)."""
     shown = (f"FlashAttentionFunction.apply(q, k, v, {causal}, {block_q}, {block_k}) with q of shape "
-             f"{tuple(q.shape)}")
+             f"{tuple(q.shape)}" + (f" and k of shape {tuple(k.shape)}" if k.shape != q.shape else ""))
 
     def forward_output(out: Any) -> None:
         expect_tensor(out, tuple(q.shape), f"{shown} (the forward)", finite=False)
@@ -539,7 +549,9 @@ def _student_grads(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def _backward_mismatch(run: Run) -> str:
-    wrong = [name for name, got, right in zip(_GRADS, run.out, run.expected) if not close(got, right)]
+    lengths = (run.case.args[0].shape[-2], *[run.case.args[1].shape[-2]] * 2)   # dq's rows, dk's, dv's
+    wrong = [name for name, got, right in zip(_GRADS, run.out.split(lengths, -2), run.expected.split(lengths, -2))
+             if not close(got, right)]
     return (f"{', '.join(wrong)} differ from attention's gradients ({_by_up_to(run.out, run.expected)}). "
             f"Per block: P = exp(S - lse), dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K / sqrt(d), "
             f"dK += dS^T Q / sqrt(d), with D = rowsum(dO * O).")
@@ -552,7 +564,7 @@ def _backward_precision(runs: list[Run], fn: Any) -> None:
 
 
 def _backward_with(**spec: float) -> Callable[..., torch.Tensor]:
-    return lambda *case: torch.stack(variants.backward_variant(*case, **spec))
+    return lambda *case: _joined(variants.backward_variant(*case, **spec))
 
 
 _BACKWARD_SCALES = (
@@ -576,12 +588,12 @@ _BACKWARD_SCALES = (
 )
 
 FLASH_BACKWARD = FunctionExercise(
-    "10.3", "FlashAttentionFunction", lambda *case: torch.stack(variants.backward_variant(*case)), _backward_cases,
+    "10.3", "FlashAttentionFunction", lambda *case: _joined(variants.backward_variant(*case)), _backward_cases,
     ("q", "k", "v", "grad_out", "causal", "block_q", "block_k"),
     success="dq, dk and dv equal attention's gradients, causal or not, for blocks that do not divide L; no L x L "
             "tensor stored or built: each block's weights are recomputed from the log-sum-exp.",
     mismatch=lambda run: f"{run.case.what}: {_backward_mismatch(run)}", mistakes=variants.BACKWARD_MISTAKES,
-    variant=lambda *case, spec: torch.stack(variants.backward_variant(*case, **spec)), scales=_BACKWARD_SCALES,
+    variant=lambda *case, spec: _joined(variants.backward_variant(*case, **spec)), scales=_BACKWARD_SCALES,
     each_case=True, dtype=False,
     examples=_tiny_backward, probes=FunctionExercise.probes + ("saved_tensors",), diagnose=_backward_precision)
 

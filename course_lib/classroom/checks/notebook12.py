@@ -140,13 +140,13 @@ _OTHER_GEOMETRY = (18, 24, 5, 2, 6, 4)
 
 
 def _layer(seed: int, q_lora_rank: int | None, heads: int = 2, other: bool = False,
-           bias: bool = False) -> ref.MultiHeadLatentAttention:
+           **options: Any) -> ref.MultiHeadLatentAttention:
     torch.manual_seed(seed)
     embed_dim, max_tokens, rank, dn, dr, dv = _OTHER_GEOMETRY if other else (_EMBED, 16, 7, 6, 4, 3)
     # qk_rope_head_dim 4: two rotary pairs, so interleaved and half-split pairs differ (with one pair they agree)
     layer = ref.MultiHeadLatentAttention(embed_dim, 3 if other else heads, max_tokens, kv_lora_rank=rank,
                                          qk_nope_head_dim=dn, qk_rope_head_dim=dr, v_head_dim=dv,
-                                         q_lora_rank=q_lora_rank, rope_interleave=False, bias=bias)
+                                         q_lora_rank=q_lora_rank, rope_interleave=False, **options)
     with torch.no_grad():
         for p in layer.parameters():   # weights of unit scale: every mistake moves the output visibly
             p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
@@ -215,18 +215,21 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
          norm: bool = True, offset: bool = True, mask_offset: bool = True, use_cache: bool = True,
          rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1, queries: str = "half",
          keys: str = "half", values_first: bool = False, mask_ahead: bool = False,
-         merge: str = "ok", heads_view: str = "ok", biases: bool = True) -> torch.Tensor:
+         merge: str = "ok", heads_view: str = "ok", biases: bool = True, own_tables: bool = False) -> torch.Tensor:
     """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
     how each rotary part turns (``rotary.rotate``'s kinds, "pairs" or "pairs_table"; "none": not at all),
     ``values_first`` kv_b_proj's output split as values then keys, ``mask_ahead`` one future key let through,
     ``merge`` "no_transpose" (the heads merged without moving them back), ``heads_view`` "queries" or
     "keys_values" (viewed straight as (N, H, L, ...), without the transpose), ``scale`` "both" (right), "nope",
     "none", "value", "after" (softmax_scale on the weights) or a float, the factor on the scores; ``biases``
-    False: the projections as products with their weights alone, a layer's biases left out."""
+    False: the projections as products with their weights alone, a layer's biases left out; ``own_tables``: the
+    rotary parts turned by tables of their own (the default theta), not the layer's rope_cos and rope_sin."""
     def turn(t: torch.Tensor, kind: str, at: int) -> torch.Tensor:
         if kind == "none":
             return t
-        return rotary.rotate(t, layer.rope_cos, layer.rope_sin, at, kind=kind).to(t.dtype)
+        cos, sin = modern.rope_tables(layer.qk_rope_head_dim, layer.max_tokens) if own_tables else \
+            (layer.rope_cos, layer.rope_sin)
+        return rotary.rotate(t, cos, sin, at, kind=kind).to(t.dtype)
 
     def forward(layer: Any, x: torch.Tensor, cache: Any) -> torch.Tensor:
         n, length, _ = x.shape
@@ -268,7 +271,7 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
             q = modern.apply_rotary(q, cos, sin, offset=pos)
             k = modern.apply_rotary(k, cos, sin)   # every key, cached or new, from position 0
         factor = scale if isinstance(scale, float) else {
-            "both": (dn + dr) ** -0.5, "nope": dn ** -0.5, "none": 1.0, "value": layer.v_head_dim ** -0.5,
+            "both": layer.softmax_scale, "nope": dn ** -0.5, "none": 1.0, "value": layer.v_head_dim ** -0.5,
             "after": 1.0}[scale]
         scores = q @ k.transpose(-2, -1) * factor                           # (N, H, L, T)
         first = total - length if mask_offset else 0
@@ -284,18 +287,22 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
 
 def _mla_cases() -> list[Case]:
     cases = []
-    for seed, (q_rank, n, length, split, other, bias) in enumerate((
-            (None, 2, 5, 0, False, False), (4, 1, 6, 0, False, False), (None, 2, 6, 4, False, False),
-            (4, 1, 7, 3, False, False), (None, 1, 5, 1, False, False),
-            (3, 2, 17, 2, True, False),    # 17 tokens, past 16
-            (4, 1, 5, 2, False, True))):   # DeepSeek's attention_bias: the layer's own weights include its biases
-        layer = _layer(seed, q_rank, other=other, bias=bias)
+    for seed, (q_rank, n, length, split, other, options) in enumerate((
+            (None, 2, 5, 0, False, {}), (4, 1, 6, 0, False, {}), (None, 2, 6, 4, False, {}),
+            (4, 1, 7, 3, False, {}), (None, 1, 5, 1, False, {}),
+            (3, 2, 17, 2, True, {}),    # 17 tokens, past 16
+            (4, 1, 5, 2, False, {"bias": True}),   # DeepSeek's attention_bias: the layer's weights include biases
+            # the layer's own settings away from their defaults: its tables and its norms come from the layer (its
+            # scale may be computed from the widths, as the text's formula does: the bank holds that as right)
+            (None, 2, 6, 3, False, {"rope_theta": 50.0, "norm_eps": 0.5}))):
+        layer = _layer(seed, q_rank, other=other, **options)
         x = torch.randn(n, length, layer.embed_dim, generator=torch.Generator().manual_seed(seed))
         how = f"x of shape {(n, length, layer.embed_dim)}" + (
             f", in two calls ({split} tokens, then {length - split}) with one LatentCache" if split else ", cache=None")
         sizes = (f", a layer of {layer.num_heads} heads, dn={layer.qk_nope_head_dim}, dr={layer.qk_rope_head_dim}, "
                  f"kv_lora_rank={layer.kv_lora_rank}, max_tokens={layer.max_tokens}" if other else "")
-        sizes += ", bias=True: q_a_proj, kv_a_proj_with_mqa and o_proj carry biases" if bias else ""
+        sizes += ", bias=True: q_a_proj, kv_a_proj_with_mqa and o_proj carry biases" if options.get("bias") else ""
+        sizes += "".join(f", {key}={value}" for key, value in options.items() if key != "bias")
         cases.append(Case((layer, x, split), f"latent_attention(layer, ...) on {how} (q_lora_rank={q_rank}{sizes})"))
     return cases
 
@@ -380,6 +387,9 @@ _MLA_MISTAKES = (
     Mistake("values", "kv_b_proj's output is split as values then keys: per head it holds qk_nope_head_dim key "
                       "numbers first, then v_head_dim value numbers, kv.split([dn, dv], dim=-1).",
             spec=dict(values_first=True)),
+    Mistake("rope_frequencies", "Your rotary parts are turned by tables of your own, made with the default theta: "
+                                "this layer's rope_theta is its own. Turn them with layer.rope_cos and "
+                                "layer.rope_sin, the tables the layer built.", spec=dict(own_tables=True)),
     Mistake("bias", "Your projections leave the layer's biases out (x @ weight.T): with bias=True, q_a_proj, "
                     "kv_a_proj_with_mqa and o_proj each add theirs. Call the layer's Linear modules, layer.o_proj(out), "
                     "or add layer.o_proj.bias yourself.", spec=dict(biases=False)),
@@ -435,8 +445,8 @@ LATENT_ATTENTION = FunctionExercise(
     scales=(ScaleFit(lambda layer, x, split, factor: _mla(layer, x, split, scale=factor),
                      lambda layer, *_: layer.softmax_scale,
                      "{what}: your scores are multiplied by {factor:.4g}, where the layer's softmax_scale is "
-                     "{right:.4g}, (qk_nope_head_dim + qk_rope_head_dim) ** -0.5: the query and the key have dn + dr "
-                     "numbers each. Multiply by layer.softmax_scale."),),
+                     "{right:.4g} (by default (qk_nope_head_dim + qk_rope_head_dim) ** -0.5: the query and the key "
+                     "have dn + dr numbers each; a layer may set it). Multiply by layer.softmax_scale."),),
     after=_rotated_when_cached, reword=_other_geometry,
     gradients=_mla_gradients, examples=_mla_examples, magnitude=_mla_magnitude,
 )

@@ -14,8 +14,10 @@ any of the student's code runs. It
   student's own working folder; reading or listing the other students' submissions, the report
   folder, the grader's working folders (other students' copies) and other processes' ``/proc``
   entries; starting processes (fork, exec, subprocess, os.system); signalling any process but
-  itself; opening sockets to anything; loading or calling C functions through ctypes; and raising
-  its own resource limits.
+  itself; opening sockets to anything; loading or calling C functions through ctypes (or importing
+  cffi, which calls them with no audit event); and raising its own resource limits;
+- below Python, has the kernel refuse the calls that reach past those limits (``syscalls``: memory files,
+  keyrings, other processes' memory, namespaces, mounts, modules) for this process and all it starts.
 
 An audit hook is a tripwire, not a wall: code determined to escape its own process (say, by
 corrupting the interpreter's memory) can. What keeps the grades safe even then is the design
@@ -31,7 +33,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import keyrings
+from . import keyrings, syscalls
 
 __all__ = ["enter", "enter_inline", "install_policy", "bound_worker", "bound_memory", "SandboxRefused", "WORKER_MB"]
 
@@ -211,6 +213,8 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
             refuse(next(words for name, words in refused_words if name == event))
         elif event == "import" and args and args[0] in closed_modules:
             refuse(f"importing {args[0]} again (its functions go past this sandbox's audit)")
+        elif event == "import" and args and args[0].partition(".")[0] in _UNAUDITED_PACKAGES:
+            refuse(f"importing {args[0]} (it calls C functions past this sandbox's audit)")
 
     sys.addaudithook(hook)
     return hook
@@ -239,6 +243,7 @@ def enter_inline(home: str, deny: Iterable[str], *, memory_mb: int | None) -> No
     the folder and the policy, the memory limit where the platform has one; the streams stay."""
     _work_in(home)
     _set_limits(memory_mb, None)
+    syscalls.refuse_escapes()
     install_policy(home, deny)
 
 
@@ -258,6 +263,7 @@ def enter(home: str, deny: Iterable[str], *, memory_mb: int | None, cpu_seconds:
     _work_in(home)
     _set_limits(memory_mb, cpu_seconds)
     _quiet_standard_streams(close)
+    syscalls.refuse_escapes()   # before the policy, which refuses ctypes: the kernel's own wall behind it
     install_policy(home, deny)
     _close_unaudited_ways()
 
@@ -275,6 +281,9 @@ _UNAUDITED_SIGNALS = (("os", "pidfd_open", "signalling other processes (pidfd_op
                       ("signal", "pidfd_send_signal", "signalling other processes (pidfd_send_signal)"),
                       ("_signal", "pidfd_send_signal", "signalling other processes (pidfd_send_signal)"))
 _UNAUDITED_WAYS = _UNAUDITED_PROCESSES + _UNAUDITED_MEMORY + _UNAUDITED_SIGNALS
+# Packages that call C functions with no audit event at all, as ctypes does with one (the kernel calls that
+# matter are refused underneath by ``syscalls`` anyway)
+_UNAUDITED_PACKAGES = frozenset({"cffi", "_cffi_backend"})
 
 
 def _close_unaudited_ways() -> None:

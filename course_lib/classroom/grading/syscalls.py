@@ -1,0 +1,89 @@
+"""The kernel calls a student's process may not make, refused by the kernel itself (seccomp), not by Python.
+
+The audit hook (``sandbox``) refuses what Python code asks for; code that reaches C another way (a package that
+calls C functions without an audit event, a library of its own loaded by torch) calls the kernel directly. The
+calls below reach past what the sandbox bounds: memory outside the address-space limit (memfd_create), the
+kernel's keyrings that outlive the process (keyctl, add_key, request_key), other processes' memory and
+descriptors (ptrace, process_vm_*, pidfd_*), new namespaces and mounts, kernel modules, and interfaces that have
+carried kernel exploits (bpf, userfaultfd, io_uring, perf_event_open). :func:`refuse_escapes`, in the freshly
+forked process that runs the student's code, makes each fail with EPERM for that process and all it starts,
+for good. Linux on x86_64 and aarch64; elsewhere it does nothing and the audit hook stands alone.
+"""
+from __future__ import annotations
+
+import platform
+import struct
+import sys
+
+__all__ = ["REFUSED", "refuse_escapes", "filter_program"]
+
+REFUSED = ("memfd_create", "memfd_secret", "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv",
+           "process_vm_writev", "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "process_madvise", "unshare",
+           "setns", "mount", "umount2", "pivot_root", "swapon", "swapoff", "reboot", "kexec_load",
+           "kexec_file_load", "init_module", "finit_module", "delete_module", "bpf", "userfaultfd",
+           "perf_event_open", "io_uring_setup", "io_uring_enter", "io_uring_register", "personality")
+
+# (the architecture's audit number, the system call numbers of REFUSED on it)
+_ARCHES = {
+    "x86_64": (0xC000003E, dict(memfd_create=319, memfd_secret=447, keyctl=250, add_key=248, request_key=249,
+                                ptrace=101, process_vm_readv=310, process_vm_writev=311, pidfd_open=434,
+                                pidfd_getfd=438, pidfd_send_signal=424, process_madvise=440, unshare=272, setns=308,
+                                mount=165, umount2=166, pivot_root=155, swapon=167, swapoff=168, reboot=169,
+                                kexec_load=246, kexec_file_load=320, init_module=175, finit_module=313,
+                                delete_module=176, bpf=321, userfaultfd=323, perf_event_open=298,
+                                io_uring_setup=425, io_uring_enter=426, io_uring_register=427, personality=135)),
+    "aarch64": (0xC00000B7, dict(memfd_create=279, memfd_secret=447, keyctl=219, add_key=217, request_key=218,
+                                 ptrace=117, process_vm_readv=270, process_vm_writev=271, pidfd_open=434,
+                                 pidfd_getfd=438, pidfd_send_signal=424, process_madvise=440, unshare=97, setns=268,
+                                 mount=40, umount2=39, pivot_root=41, swapon=224, swapoff=225, reboot=142,
+                                 kexec_load=104, kexec_file_load=294, init_module=105, finit_module=273,
+                                 delete_module=106, bpf=280, userfaultfd=282, perf_event_open=241,
+                                 io_uring_setup=425, io_uring_enter=426, io_uring_register=427, personality=92)),
+}
+_ARCHES["arm64"] = _ARCHES["aarch64"]
+
+_LOAD, _JUMP_IF_EQUAL, _JUMP_IF_AT_LEAST, _RETURN = 0x20, 0x15, 0x35, 0x06   # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
+_ALLOW, _EPERM = 0x7FFF0000, 0x00050000 | 1                                   # SECCOMP_RET_ALLOW, RET_ERRNO | EPERM
+_X32 = 0x40000000   # x86_64's x32 calls: the same calls under other numbers
+
+
+def _instruction(code: int, k: int, jump_true: int = 0, jump_false: int = 0) -> bytes:
+    return struct.pack("=HBBI", code, jump_true, jump_false, k)
+
+
+def filter_program(machine: str) -> bytes | None:
+    """The seccomp filter (classic BPF) for ``machine``: EPERM for REFUSED (and x32's numbers), every other call
+    allowed; a call from another architecture (a 32-bit one on a 64-bit kernel) is refused outright."""
+    known = _ARCHES.get(machine)
+    if known is None:
+        return None
+    arch, numbers = known
+    refused = sorted({numbers[name] for name in REFUSED})
+    program = [_instruction(_LOAD, 4),                              # seccomp_data.arch
+               _instruction(_JUMP_IF_EQUAL, arch, 1, 0),
+               _instruction(_RETURN, _EPERM),                       # another architecture's numbering
+               _instruction(_LOAD, 0)]                              # seccomp_data.nr
+    if machine == "x86_64":
+        program.append(_instruction(_JUMP_IF_AT_LEAST, _X32, len(refused) + 1, 0))   # to the EPERM below
+    for index, number in enumerate(refused):   # a match jumps over the rest and the ALLOW, to the EPERM
+        program.append(_instruction(_JUMP_IF_EQUAL, number, len(refused) - index, 0))
+    program += [_instruction(_RETURN, _ALLOW), _instruction(_RETURN, _EPERM)]
+    return b"".join(program)
+
+
+def refuse_escapes() -> bool:
+    """Install the filter in this process (inherited by all it starts, never removed); False where it cannot."""
+    program = filter_program(platform.machine())
+    if program is None or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    fprog = Program(len(program) // 8, program)
+    pr_set_no_new_privs, pr_set_seccomp, seccomp_mode_filter = 38, 22, 2
+    if libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0:
+        return False
+    return libc.prctl(pr_set_seccomp, seccomp_mode_filter, ctypes.byref(fprog), 0, 0) == 0
