@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -168,46 +169,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _grade(argv: list[str]) -> int:
-    from .classroom.grading.cli import main as grade_main
-    return grade_main(argv)
+# Subcommands with parsers of their own: their arguments (--help included) go straight to them. Each names the
+# module (under course_lib) and the function that takes the arguments after the subcommand; imported when used.
+DELEGATED = {"grade": ("classroom.grading.cli", "main"), "progress": ("classroom.progress", "main"),
+             "autograder": ("classroom.grading.autograder", "main"), "start": ("classroom.assignments", "start_main"),
+             "student": ("classroom.assignments", "main"), "bench": ("runs.bench", "main")}
 
 
-def _progress(argv: list[str]) -> int:
-    from .classroom.progress import main as progress_main
-    return progress_main(argv)
-
-
-def _autograder(argv: list[str]) -> int:
-    from .classroom.grading.autograder import main as autograder_main
-    return autograder_main(argv)
-
-
-def _start(argv: list[str]) -> int:
-    from .classroom.assignments import start_main
-    return start_main(argv)
-
-
-def _student(argv: list[str]) -> int:
-    from .classroom.assignments import main as student_main
-    return student_main(argv)
-
-
-def _bench(argv: list[str]) -> int:
-    from .runs.bench import main as bench_main
-    return bench_main(argv)
-
-
-# Subcommands with parsers of their own: their arguments (--help included) go straight to them.
-DELEGATED = {"grade": _grade, "progress": _progress, "autograder": _autograder, "start": _start,
-             "student": _student, "bench": _bench}
+def _delegated(command: str, argv: list[str]) -> int:
+    module, function = DELEGATED[command]
+    return getattr(importlib.import_module(f".{module}", __package__), function)(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv and argv[0] in DELEGATED:
-            return DELEGATED[argv[0]](argv[1:])
+            return _delegated(argv[0], argv[1:])
         return _run(build_parser().parse_args(argv))
     except Exception as exc:  # only a refused run is shown without its traceback
         from .runs.run_folder import RunRefused
@@ -228,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "export":
         from .runs.export import main as export_main
         return export_main(args.run_dir, args.out_dir)
-    return DELEGATED[args.command](args.args)   # reached only through build_parser's own callers
+    return _delegated(args.command, args.args)   # reached only through build_parser's own callers
 
 
 if __name__ == "__main__":

@@ -17,30 +17,21 @@ import sys
 
 __all__ = ["REFUSED", "refuse_escapes", "filter_program"]
 
-REFUSED = ("memfd_create", "memfd_secret", "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv",
-           "process_vm_writev", "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "process_madvise", "unshare",
-           "setns", "mount", "umount2", "pivot_root", "swapon", "swapoff", "reboot", "kexec_load",
-           "kexec_file_load", "init_module", "finit_module", "delete_module", "bpf", "userfaultfd",
-           "perf_event_open", "io_uring_setup", "io_uring_enter", "io_uring_register", "personality")
-
-# (the architecture's audit number, the system call numbers of REFUSED on it)
-_ARCHES = {
-    "x86_64": (0xC000003E, dict(memfd_create=319, memfd_secret=447, keyctl=250, add_key=248, request_key=249,
-                                ptrace=101, process_vm_readv=310, process_vm_writev=311, pidfd_open=434,
-                                pidfd_getfd=438, pidfd_send_signal=424, process_madvise=440, unshare=272, setns=308,
-                                mount=165, umount2=166, pivot_root=155, swapon=167, swapoff=168, reboot=169,
-                                kexec_load=246, kexec_file_load=320, init_module=175, finit_module=313,
-                                delete_module=176, bpf=321, userfaultfd=323, perf_event_open=298,
-                                io_uring_setup=425, io_uring_enter=426, io_uring_register=427, personality=135)),
-    "aarch64": (0xC00000B7, dict(memfd_create=279, memfd_secret=447, keyctl=219, add_key=217, request_key=218,
-                                 ptrace=117, process_vm_readv=270, process_vm_writev=271, pidfd_open=434,
-                                 pidfd_getfd=438, pidfd_send_signal=424, process_madvise=440, unshare=97, setns=268,
-                                 mount=40, umount2=39, pivot_root=41, swapon=224, swapoff=225, reboot=142,
-                                 kexec_load=104, kexec_file_load=294, init_module=105, finit_module=273,
-                                 delete_module=106, bpf=280, userfaultfd=282, perf_event_open=241,
-                                 io_uring_setup=425, io_uring_enter=426, io_uring_register=427, personality=92)),
+# Each refused call and its numbers: (x86_64, aarch64)
+_NUMBERS = {
+    "memfd_create": (319, 279), "memfd_secret": (447, 447), "keyctl": (250, 219), "add_key": (248, 217),
+    "request_key": (249, 218), "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
+    "pidfd_open": (434, 434), "pidfd_getfd": (438, 438), "pidfd_send_signal": (424, 424),
+    "process_madvise": (440, 440), "unshare": (272, 97), "setns": (308, 268), "mount": (165, 40),
+    "umount2": (166, 39), "pivot_root": (155, 41), "swapon": (167, 224), "swapoff": (168, 225),
+    "reboot": (169, 142), "kexec_load": (246, 104), "kexec_file_load": (320, 294), "init_module": (175, 105),
+    "finit_module": (313, 273), "delete_module": (176, 106), "bpf": (321, 280), "userfaultfd": (323, 282),
+    "perf_event_open": (298, 241), "io_uring_setup": (425, 425), "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427), "personality": (135, 92),
 }
-_ARCHES["arm64"] = _ARCHES["aarch64"]
+REFUSED = tuple(_NUMBERS)
+# the architecture's audit number, and which column of _NUMBERS is its own
+_ARCHES = {"x86_64": (0xC000003E, 0), "aarch64": (0xC00000B7, 1), "arm64": (0xC00000B7, 1)}
 
 _LOAD, _JUMP_IF_EQUAL, _JUMP_IF_AT_LEAST, _RETURN = 0x20, 0x15, 0x35, 0x06   # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
 _ALLOW, _EPERM = 0x7FFF0000, 0x00050000 | 1                                   # SECCOMP_RET_ALLOW, RET_ERRNO | EPERM
@@ -57,8 +48,8 @@ def filter_program(machine: str) -> bytes | None:
     known = _ARCHES.get(machine)
     if known is None:
         return None
-    arch, numbers = known
-    refused = sorted({numbers[name] for name in REFUSED})
+    arch, column = known
+    refused = sorted({numbers[column] for numbers in _NUMBERS.values()})
     program = [_instruction(_LOAD, 4),                              # seccomp_data.arch
                _instruction(_JUMP_IF_EQUAL, arch, 1, 0),
                _instruction(_RETURN, _EPERM),                       # another architecture's numbering
