@@ -98,10 +98,12 @@ def self_check(plans: dict[str, ExercisePlan], timeout: float | None = None,
     solutions = [(plan, student_part(texts[plan.notebook][0], plan, known)) for plan in graded]
     problems = []
     seconds: dict[str, float] = {}   # per notebook: what its solutions took here
-    for (plan, _), (verdict, took) in zip(solutions, _judged_within(memory_mb, solutions)):
+    for (plan, part), (verdict, took) in zip(solutions, _judged_within(memory_mb, solutions)):
         seconds[plan.notebook] = seconds.get(plan.notebook, 0.0) + took
         if not verdict["passed"]:
-            limit = f" under --memory-mb {memory_mb} (give more memory, or none)" if memory_mb else ""
+            # the limit's doing only if the solution passes without it
+            limit = f" under --memory-mb {memory_mb} (it passes without: give more memory)" \
+                if memory_mb and _judged(plan, part)["passed"] else ""
             problems.append(f"exercise {plan.id} ({plan.name}): the course's solution failed{limit} "
                             f"({verdict['diagnosis']}: {verdict['message'][:300]})")
     for plan in graded:
