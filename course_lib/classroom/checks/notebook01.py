@@ -124,12 +124,13 @@ def check_toy_prediction(weights: Any, result: Any) -> str:
         fail("shape", f"`result` should be a single number (the values are scalars), got shape "
                       f"{tuple(r.shape)}.")
     r = float(r.flatten()[0])
-    if abs(r - float(expected @ values)) > _TOY_TOLERANCE:
+    own = float(w @ values)   # a result worked out from the student's own rounded weights is right too
+    if abs(r - float(expected @ values)) > _TOY_TOLERANCE and abs(r - own) > _TOY_TOLERANCE:
         hint = (" You added the values without weighting them." if abs(r - float(values.sum())) < 1e-6
                 else " Did you use the scores instead of the weights?" if abs(r - float(scores @ values)) < 1e-6
                 else "")
         fail("mismatch", f"Your weights are right, but the result {r:.4g} is not their weighted average of the "
-                         f"values: multiply each value by its weight and add up.{hint}")
+                         f"values ({own:.4g} with your weights): multiply each value by its weight and add up.{hint}")
     return ("Right: the second key matches the query, the first and third tie, and by symmetry the "
             "weighted average lands exactly on the middle value.")
 

@@ -7,6 +7,7 @@ Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common`
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -763,13 +764,13 @@ def check_gpt(cls: Any) -> str:
             candidate(too_long)
     except Failure:
         raise
-    except ValueError as error:   # what the text asks for, with words that say what to do: the limit, or the crop
+    except ValueError as error:   # what the text asks for, with words that say what to do (which words is theirs)
         said = exception_message(error)
-        if not any(words in said.lower() for words in ("max_tokens", str(config.max_tokens), "crop")):
+        if not re.search(r"[^\W\d_]{2}", said):   # no word at all: empty, a dot, invisible characters
             fail("context_limit", f"Your GPT raised a ValueError for {config.max_tokens + 1} tokens with "
                                   f"max_tokens={config.max_tokens}, but its message ({said.strip()[:80]!r}) says "
-                                  f"neither the limit nor what to do. Say both: the model takes at most max_tokens "
-                                  f"tokens, so crop the input (idx[:, -max_tokens:]).")
+                                  f"nothing. Say what to do in words: for example, that the model takes at most "
+                                  f"max_tokens tokens, so crop the input (idx[:, -max_tokens:]).")
     except Exception as error:   # refused, but not as the text asks
         fail("context_limit", f"Your GPT raised {type(error).__name__} for {config.max_tokens + 1} tokens with "
                               f"max_tokens={config.max_tokens}. Raise a ValueError that says how to crop the input "
