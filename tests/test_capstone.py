@@ -68,7 +68,7 @@ def test_correct_parts_train_exactly_like_the_reference(solutions):
     assert judge(yours, reference).passed
     # the check knows the two runs apart by how train_parts was asked for them, not by their numbers (equal here)
     assert checks.check_trains_like_reference(yours, reference).passed
-    assert yours.training == reference.training == (setup.name, setup.seed, setup.steps, setup.learning_rate)
+    assert yours.trained_on == reference.trained_on == (setup.name, setup.seed, setup.learning_rate)
     for mine, theirs, words in ((reference, yours, "your run first"), (yours, yours, "same run"),
                                 (reference, reference, "same run"), (yours, dataclasses.replace(
                                     yours, yours_asked=("2.1",), not_yours=None), "trained your parts")):

@@ -247,9 +247,9 @@ def test_check_trains_like_reference_returns_judges_verdict(capsys):
                            "trained your parts"),
                           ((TrainingRun("yours", [1, 2], [3.0, 2.0], [2], [1.5], yours_asked=("2.1",)), course),
                            "only some of your parts"),
-                          ((TrainingRun("yours", [1, 2], [3.0, 2.0], [2], [1.5], training=("names", 0, 60, 3e-3)),
-                            TrainingRun("reference", [1], [3.0], [1], [1.6], yours_asked=(),
-                                        training=("names", 0, 20, 3e-3))), "not the same training"),
+                          ((TrainingRun("yours", [1, 2], [3.0, 2.0], [2], [1.5], trained_on=("names", 0, 3e-3)),
+                            TrainingRun("reference", [1, 2], [3.0, 2.0], [2], [1.6], yours_asked=(),
+                                        trained_on=("names", 1, 3e-3))), "not the same training"),
                           ((mine, TrainingRun("reference", [1, 2, 3], [3.0, 2.0, 1.9], [3], [1.5], yours_asked=())),
                            "validated at steps")):
         result = checks.check_trains_like_reference(*misuse)   # never 'BELOW', never a bug in the course

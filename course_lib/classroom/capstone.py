@@ -156,7 +156,7 @@ def train_parts(collection: Collection, yours: Sequence[str] | None, setup: Trai
     validate.positive_int("steps", steps)
     run = TrainingRun(label or ("yours" if yours is None else f"yours: {', '.join(yours) or 'none'}"))
     run.yours_asked = None if yours is None else tuple(yours)
-    run.training = (setup.name, setup.seed, steps, setup.learning_rate)
+    run.trained_on = (setup.name, setup.seed, setup.learning_rate)
     if yours is None:
         run.not_yours = tuple(f"{ex} ({STATUS_TEXT[part.status]})" for ex, part in collection.parts.items()
                               if ex in GPT_EXERCISES and not part.is_yours)

@@ -45,8 +45,9 @@ class TrainingRun:
     # the exercises whose parts the run was asked to take from the student (train_parts(..., yours)); () is
     # the reference's run, the course's parts only; None when every usable part was asked for, or unknown
     yours_asked: tuple[str, ...] | None = None
-    # what was trained: the setup's name, its batches' seed, the steps and the learning rate (None: unknown)
-    training: tuple | None = None
+    # what it was trained on: the setup's name, its batches' seed and the learning rate (None: unknown); the
+    # steps show in val_step
+    trained_on: tuple | None = None
 
     @property
     def final_val_loss(self) -> float:

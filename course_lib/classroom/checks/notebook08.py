@@ -56,10 +56,9 @@ def _check_which_run_is_which(yours: TrainingRun, reference: TrainingRun) -> Non
         fail("exception", f"The run passed as `yours` trained only some of your parts ({', '.join(some)}), the "
                           f"course's standing in for the rest: 8.1 judges the GPT built from all of them. Pass "
                           f"capstone.train_parts(parts, None, ...).")
-    trained = {"yours": yours.training, "the reference": reference.training}
-    if None not in trained.values() and yours.training != reference.training:
-        shown = "; ".join(f"{name}: setup {t[0]!r}, seed {t[1]}, {t[2]} steps, learning rate {t[3]}"
-                          for name, t in trained.items())
+    trained = {"yours": yours.trained_on, "the reference": reference.trained_on}
+    if None not in trained.values() and yours.trained_on != reference.trained_on:
+        shown = "; ".join(f"{name}: setup {t[0]!r}, seed {t[1]}, learning rate {t[2]}" for name, t in trained.items())
         fail("exception", f"The two runs are not the same training ({shown}): train both with one setup and the "
                           f"same steps, so that only the parts differ.")
     if yours.failure is None and reference.failure is None and yours.val_step != reference.val_step:
