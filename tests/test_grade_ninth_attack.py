@@ -112,8 +112,8 @@ def test_a_key_left_in_the_slot_users_persistent_keyring_is_gone_before_the_next
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"),
                     reason="seccomp filters are Linux's")
 def test_below_python_the_kernel_refuses_memory_files_in_an_exercise_process(tmp_path):
-    """memfd_create holds memory past the address-space limit (1.5 GB under --memory-mb 256, through cffi, which
-    raises no audit event). Kept from before the sandbox, as code past the audit hook would call it, the kernel
+    """memfd_create and a socket's buffers hold memory past the address-space limit (1.5 GB under --memory-mb 256
+    through cffi, which raises no audit event; 3 GB in socket pairs). Kept from before the sandbox, as code past the audit hook would call it, the kernel
     now refuses it; cffi is refused at import."""
     script = ("import os\n"
               "from course_lib.classroom.grading import sandbox\n"
@@ -124,6 +124,11 @@ def test_below_python_the_kernel_refuses_memory_files_in_an_exercise_process(tmp
               "    memfd('held'); said.append('memfd allowed')\n"
               "except PermissionError:\n"
               "    said.append('memfd refused')\n"
+              "import socket\n"
+              "try:\n"
+              "    socket.socketpair(); said.append('sockets allowed')\n"
+              "except PermissionError:\n"
+              "    said.append('sockets refused')\n"
               "try:\n"
               "    import cffi; said.append('cffi imported')\n"
               "except ImportError:\n"
@@ -135,5 +140,45 @@ def test_below_python_the_kernel_refuses_memory_files_in_an_exercise_process(tmp
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     said = (tmp_path / "said.txt").read_text().split()
-    assert said[:2] == ["memfd", "refused"] and said[-1] == "filtered", said
-    assert " ".join(said[2:4]) in ("cffi refused", "no cffi"), said
+    assert said[:4] == ["memfd", "refused", "sockets", "refused"] and said[-1] == "filtered", said
+    assert " ".join(said[4:6]) in ("cffi refused", "no cffi"), said
+
+
+# A tenth attack (a re-attack of the ninth's fixes): the course's work bound to the exercise's name, the checks' own
+# models of the answers, and student objects whose dunders are C callables (no frame of theirs when they raise).
+@pytest.mark.parametrize("exercise,source,called", [
+    ("5.2", "def lm_loss(logits, targets):\n    raise NotImplementedError\n"
+            "from course_lib.train import _cross_entropy as lm_loss\n", "_cross_entropy"),
+    ("12.3", "from course_lib.variants import linear_attention as linear_attention_recurrent\n", "linear_attention"),
+    ("2.1", "def causal_mask(n):\n    from course_lib.classroom.checks._attn_hypotheses import allowed_pattern\n"
+            "    return allowed_pattern(n)\n", "allowed_pattern"),
+    ("4.1", "from course_lib.classroom.checks.notebook04 import _table\n\n"
+            "def sinusoidal_table(max_tokens, embed_dim):\n    return _table(max_tokens, embed_dim)\n", "_table"),
+    ("9.2", "from course_lib.classroom.checks._gqa_variants import rotary_variant\n\n"
+            "def rotate_half(x):\n    x1, x2 = x.chunk(2, dim=-1)\n    return torch.cat([-x2, x1], dim=-1)\n\n"
+            "def apply_rotary(x, cos, sin, offset=0):\n    return rotary_variant(x, cos, sin, offset, spec={}).to(x.dtype)\n",
+     "rotary_variant"),
+], ids=["bound-by-import", "bound-by-import-alone", "checks-pattern", "checks-table", "checks-variant"])
+def test_the_courses_work_under_another_name_or_from_the_checks_is_calls_reference(exercise, source, called,
+                                                                                  monkeypatch):
+    monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")
+    verdict = judge(grading_plan([exercise])[exercise], source)
+    assert (verdict["passed"], verdict["diagnosis"]) == (False, "calls_reference"), verdict
+    assert f"course's own {called}" in verdict["message"], verdict
+    assert f"asks you to write {grading_plan([exercise])[exercise].name} yourself" in verdict["message"], verdict
+
+
+@pytest.mark.parametrize("exercise,source,diagnosis", [
+    ("1.1", "import functools\n\nclass Weights:\n    __repr__ = functools.partial(int, 'a bug in the course')\n\n"
+            "def my_prediction():\n    return Weights(), 2.0\n", "dtype"),
+    ("11.3", "import functools\n\nclass _Handle:\n    __getattr__ = functools.partial(int, 'a bug in the course')\n\n"
+             "def ablate_head(model, layer, head):\n    return _Handle()\n", "exception"),
+    ("2.2", "import functools\n\nclass _Layer:\n    __class__ = property(functools.partial(next, map(int, ['0'] + "
+            "['a bug in the course'] * 50)))\n\nclass MaskedAttention:\n    def __new__(cls, *args, **kwargs):\n"
+            "        return _Layer()\n", "exception"),
+], ids=["repr", "getattr", "class-property"])
+def test_a_dunder_that_is_a_c_callable_is_still_the_students_verdict(exercise, source, diagnosis, monkeypatch):
+    monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")
+    verdict = judge(grading_plan([exercise])[exercise], source)
+    assert (verdict["passed"], verdict["diagnosis"]) == (False, diagnosis), verdict
+    assert "bug in the course" not in verdict["message"], verdict

@@ -215,7 +215,7 @@ def _expect_context_manager(value: Any, shown: str) -> None:
     if value is None:
         fail("exception", f"{shown} returned nothing, so it cannot be used in a `with` statement. Write it as a "
                           f"generator decorated with @contextlib.contextmanager, which `yield`s once.")
-    if hasattr(value, "__next__") and hasattr(value, "send"):
+    if hasattr(type(value), "__next__") and hasattr(type(value), "send"):   # the class's, run no code of theirs
         fail("exception", f"{shown} returned a plain generator, which `with` cannot use: decorate the function "
                           f"with @contextlib.contextmanager.")
     fail("exception", f"{shown} returned a {type(value).__name__}, which is not a context manager: write it as a "

@@ -212,7 +212,7 @@ def construct(cls: Any, *args: Any, what: str, shown: str | None = None, **kwarg
         fail("exception", f"Pass the class itself (e.g. `{what}`), not {type(cls).__name__}: it should be an "
                           f"nn.Module subclass.")
     module = call(cls, *args, what=f"{shown} (the constructor)", **kwargs)
-    if not isinstance(module, nn.Module):
+    if not issubclass(type(module), nn.Module):   # its real class: a __class__ of its own is not read here
         fail("exception", f"{shown} should build an nn.Module, but gave {type(module).__name__}. "
                           f"Pass the class (not an instance) and keep `super().__init__()` in the constructor.")
     return module

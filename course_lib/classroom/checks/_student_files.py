@@ -72,6 +72,17 @@ def exception_message(exc: BaseException) -> str:
     return "(its message cannot be read: turning it into text raised an error)"
 
 
+def value_text(value: object, limit: int) -> str:
+    """repr(value) cut to ``limit`` characters, or its class's name where its own repr raises."""
+    try:
+        text = repr(value)
+        if type(text) is str:
+            return text[:limit]
+    except BaseException:  # noqa: BLE001 - the student's __repr__, whatever it raised
+        pass
+    return f"<a {_CLASS_NAME(type(value))} whose repr cannot be read>"
+
+
 def exception_line(exc: BaseException) -> str:
     """'ValueError (line 12, in forward): the message', read without running the exception's own code."""
     return f"{exception_name(exc)}{student_frame(exc)}: {exception_message(exc)}"

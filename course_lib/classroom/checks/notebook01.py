@@ -21,6 +21,7 @@ from ..verdict import Failure, fail
 from ._attn_hypotheses import SDPA_HYPOTHESES, diagnose_weights, identity_values, sdpa_variant, shape_str
 from ._counterexample import Example
 from ._student_code import call, call_student, close, expect_finite, expect_tensor, max_diff, reraise_with
+from ._student_files import value_text
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import SEEDS, tiny
 from .engine.function import Run
@@ -56,7 +57,7 @@ def _numbers(value: Any, name: str) -> torch.Tensor:
         return numbers.to(torch.float64)
     except Exception:  # anything that is not numbers
         fail("dtype", f"`{name}` should be numbers (a float, or a list or tensor of floats), got "
-                      f"{type(value).__name__}: {value!r:.60}")
+                      f"{type(value).__name__}: {value_text(value, 60)}")
 
 
 def _prediction_example(weights: Any, result: Any) -> Example | None:

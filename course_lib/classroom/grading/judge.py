@@ -220,12 +220,13 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], recorder: Rec
 def _course_own(plan: ExercisePlan, defined: Any) -> dict[str, Any] | None:
     """The verdict when the student's name is bound to the course's own version (imported, assigned):
     ``calls_reference``; None when it is the student's own definition."""
-    from ..checks.engine.run import CallsReference, is_reference, reference_message, reference_of
+    from ..checks.engine.run import CallsReference, bound_to_course_work, is_reference, reference_message, reference_of
     reference = reference_of(plan.id)
     how = is_reference(defined, reference) if reference is not None else None
-    if how is None:
-        return None
-    return _verdict(plan.id, False, "calls_reference", reference_message(CallsReference(plan.id, plan.name, how)))
+    if how is not None:
+        return _verdict(plan.id, False, "calls_reference", reference_message(CallsReference(plan.id, plan.name, how)))
+    bound = bound_to_course_work(plan.id, defined) if reference is not None else None
+    return None if bound is None else _verdict(plan.id, False, "calls_reference", reference_message(bound))
 
 
 def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:

@@ -4,8 +4,9 @@ The audit hook (``sandbox``) refuses what Python code asks for; code that reache
 calls C functions without an audit event, a library of its own loaded by torch) calls the kernel directly. The
 calls below reach past what the sandbox bounds: memory outside the address-space limit (memfd_create), the
 kernel's keyrings that outlive the process (keyctl, add_key, request_key), other processes' memory and
-descriptors (ptrace, process_vm_*, pidfd_*), new namespaces and mounts, kernel modules, and interfaces that have
-carried kernel exploits (bpf, userfaultfd, io_uring, perf_event_open). :func:`refuse_escapes`, in the freshly
+descriptors (ptrace, process_vm_*, pidfd_*), new namespaces (unshare, setns, clone with a namespace flag) and
+mounts, kernel modules, sockets (whose buffers hold memory past the limit too; nothing graded needs one), and
+interfaces that have carried kernel exploits (bpf, userfaultfd, io_uring, perf_event_open). :func:`refuse_escapes`, in the freshly
 forked process that runs the student's code, makes each fail with EPERM for that process and all it starts,
 for good. Linux on x86_64 and aarch64; elsewhere it does nothing and the audit hook stands alone.
 """
@@ -28,13 +29,20 @@ _NUMBERS = {
     "finit_module": (313, 273), "delete_module": (176, 106), "bpf": (321, 280), "userfaultfd": (323, 282),
     "perf_event_open": (298, 241), "io_uring_setup": (425, 425), "io_uring_enter": (426, 426),
     "io_uring_register": (427, 427), "personality": (135, 92),
+    # sockets: nothing graded needs one, and a socket's buffers hold memory past the address-space limit
+    "socket": (41, 198), "socketpair": (53, 199),
 }
+# clone is how threads are made: refused only with a namespace flag (a new user namespace is a way out); clone3
+# carries its flags where a filter cannot read them, so it is answered "not implemented" and the C library
+# falls back to clone
+_CLONE, _CLONE3 = (56, 220), (435, 435)
+_NAMESPACE_FLAGS = 0x7E020000   # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 REFUSED = tuple(_NUMBERS)
 # the architecture's audit number, and which column of _NUMBERS is its own
 _ARCHES = {"x86_64": (0xC000003E, 0), "aarch64": (0xC00000B7, 1), "arm64": (0xC00000B7, 1)}
 
-_LOAD, _JUMP_IF_EQUAL, _JUMP_IF_AT_LEAST, _RETURN = 0x20, 0x15, 0x35, 0x06   # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
-_ALLOW, _EPERM = 0x7FFF0000, 0x00050000 | 1                                   # SECCOMP_RET_ALLOW, RET_ERRNO | EPERM
+_LOAD, _JUMP_IF_EQUAL, _JUMP_IF_AT_LEAST, _JUMP_IF_SET, _RETURN = 0x20, 0x15, 0x35, 0x45, 0x06   # BPF_LD|W|ABS, ...
+_ALLOW, _EPERM, _ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38   # SECCOMP_RET_ALLOW, RET_ERRNO | errno
 _X32 = 0x40000000   # x86_64's x32 calls: the same calls under other numbers
 
 
@@ -53,7 +61,14 @@ def filter_program(machine: str) -> bytes | None:
     program = [_instruction(_LOAD, 4),                              # seccomp_data.arch
                _instruction(_JUMP_IF_EQUAL, arch, 1, 0),
                _instruction(_RETURN, _EPERM),                       # another architecture's numbering
-               _instruction(_LOAD, 0)]                              # seccomp_data.nr
+               _instruction(_LOAD, 0),                              # seccomp_data.nr
+               _instruction(_JUMP_IF_EQUAL, _CLONE3[column], 0, 1),
+               _instruction(_RETURN, _ENOSYS),
+               _instruction(_JUMP_IF_EQUAL, _CLONE[column], 0, 4),
+               _instruction(_LOAD, 16),                             # seccomp_data.args[0], its low half: the flags
+               _instruction(_JUMP_IF_SET, _NAMESPACE_FLAGS, 0, 1),
+               _instruction(_RETURN, _EPERM),
+               _instruction(_RETURN, _ALLOW)]   # another call: the number is still loaded, and judged below
     if machine == "x86_64":
         program.append(_instruction(_JUMP_IF_AT_LEAST, _X32, len(refused) + 1, 0))   # to the EPERM below
     for index, number in enumerate(refused):   # a match jumps over the rest and the ALLOW, to the EPERM

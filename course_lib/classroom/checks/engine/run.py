@@ -559,12 +559,33 @@ def reference_of(exercise: str) -> Any:
     return _course_object(next((e.reference for e in EXERCISES if e.id == exercise and e.has_solution), ""))
 
 
+# The checks' own models of the answers: each is the course's answer with every slip switched off (by default), so
+# that a student's code that calls one hands the work over as surely as a call of the reference does.
+CHECKS_ANSWERS = ("classroom.checks._attn_hypotheses.sdpa_variant", "classroom.checks._attn_hypotheses.allowed_pattern",
+                  "classroom.checks._attn_hypotheses.module_variant", "classroom.checks._flash_variants.softmax_variant",
+                  "classroom.checks._flash_variants.forward_variant", "classroom.checks._flash_variants.backward_variant",
+                  "classroom.checks._gqa_variants.rotary_variant", "classroom.checks._heads_scores.variant",
+                  "classroom.checks.notebook04._table", "classroom.checks.notebook12._mla")
+
+
 @functools.cache
 def same_work_of(exercise: str) -> tuple[Any, ...]:
-    """The course's other functions that do the exercise's whole work (the table's ``same_work``)."""
+    """The course's other functions that do the exercise's whole work: the table's ``same_work``, and the checks'
+    own models of the answers (``CHECKS_ANSWERS``)."""
     entry = BY_ID.get(exercise)
-    found = (_course_object(where) for where in (entry.same_work if entry and entry.has_solution else ()))
+    named = entry.same_work if entry and entry.has_solution else ()
+    found = (_course_object(where) for where in (*named, *(CHECKS_ANSWERS if entry and entry.has_solution else ())))
     return tuple(value for value in found if value is not None)
+
+
+def bound_to_course_work(exercise: str, candidate: Any) -> CallsReference | None:
+    """The verdict's exception when ``candidate`` (what the student's name is bound to) is one of the course's
+    other functions that do the exercise's work (imported under the exercise's name, wrapped, copied)."""
+    for value in same_work_of(exercise):
+        how = is_reference(candidate, value)
+        if how is not None:
+            return CallsReference(exercise, BY_ID[exercise].name, how, getattr(value, "__name__", "function"))
+    return None
 
 
 def _course_object(where: str) -> Any:
@@ -690,6 +711,9 @@ class _guard:  # noqa: N801 - used as a context, like a function
         how = is_reference(args[0], reference) if args and reference is not None else None
         if how and how != "is":
             raise CallsReference(exercise, self.name, how)
+        bound = bound_to_course_work(exercise, args[0]) if args and reference is not None else None
+        if bound is not None:
+            raise bound
         self.codes = _watched(reference) if reference is not None else frozenset()
         # the course's functions that do the same work under another name, each named in the verdict
         same_work = same_work_of(exercise) if reference is not None else ()
