@@ -182,3 +182,50 @@ def test_a_dunder_that_is_a_c_callable_is_still_the_students_verdict(exercise, s
     verdict = judge(grading_plan([exercise])[exercise], source)
     assert (verdict["passed"], verdict["diagnosis"]) == (False, diagnosis), verdict
     assert "bug in the course" not in verdict["message"], verdict
+
+
+@pytest.mark.parametrize("exercise,source,called", [
+    ("1.3", "from course_lib.classroom.checks._attn_hypotheses import attend\n\n"
+            "def scaled_dot_product_attention(q, k, v, mask=None):\n"
+            "    return attend(q, k, v, mask, scale=q.shape[-1] ** -0.5)\n", "attend"),
+    ("3.1", "from course_lib.classroom.checks import _attn_hypotheses as h\n\n"
+            "def split_heads(x, num_heads):\n    return h.split_heads_as(x, num_heads, 'ok')\n", "split_heads_as"),
+    ("9.1", "from course_lib.classroom.checks._gqa_variants import tables\n\n"
+            "def rope_tables(head_dim, max_tokens, theta=10000.0):\n"
+            "    return tuple(t.float() for t in tables(head_dim, max_tokens, theta))\n", "tables"),
+], ids=["attend", "split", "tables"])
+def test_the_helpers_the_checks_build_their_answers_from_are_the_courses_work(exercise, source, called,
+                                                                             monkeypatch):
+    """An eleventh attack: the helpers under the checks' models of the answers passed where the models did not."""
+    monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")
+    verdict = judge(grading_plan([exercise])[exercise], source)
+    assert (verdict["passed"], verdict["diagnosis"]) == (False, "calls_reference"), verdict
+    assert f"course's own {called}" in verdict["message"], verdict
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() != "x86_64",
+                    reason="the system call numbers below are x86_64's")
+def test_the_kernel_filter_refuses_what_holds_memory_or_makes_processes_and_lets_threads_run():
+    """Shared memory segments outlive their process, and each new process has a memory limit of its own (4.5 GB
+    held through native forks under a 384 MB limit): refused. Threads, which torch and the checks use, still run."""
+    script = ("import ctypes, os, threading\n"
+              "from course_lib.classroom.grading.syscalls import refuse_escapes\n"
+              "libc = ctypes.CDLL(None, use_errno=True)\n"
+              "assert refuse_escapes()\n"
+              "said = []\n"
+              "for name, number, args in (('shmget', 29, (0, 1 << 20, 0o1600)), ('fork', 57, ()),\n"
+              "                           ('clone-process', 56, (17, 0, 0, 0, 0)), ('clone3', 435, (0, 0))):\n"
+              "    result = libc.syscall(number, *args)\n"
+              "    if result == 0:\n"
+              "        os._exit(0)\n"
+              "    said.append(f'{name}={result},{ctypes.get_errno()}')\n"
+              "ran = []\n"
+              "thread = threading.Thread(target=lambda: ran.append(1)); thread.start(); thread.join()\n"
+              "import torch\n"
+              "torch.set_num_threads(2)\n"
+              "said.append(f'threads={len(ran)},{float((torch.ones(300, 300) @ torch.ones(300, 300))[0, 0]):.0f}')\n"
+              "print(' '.join(said))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["shmget=-1,1", "fork=-1,1", "clone-process=-1,1", "clone3=-1,38",
+                                   "threads=1,300"], done.stdout

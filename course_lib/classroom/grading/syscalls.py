@@ -5,7 +5,8 @@ calls C functions without an audit event, a library of its own loaded by torch) 
 calls below reach past what the sandbox bounds: memory outside the address-space limit (memfd_create), the
 kernel's keyrings that outlive the process (keyctl, add_key, request_key), other processes' memory and
 descriptors (ptrace, process_vm_*, pidfd_*), new namespaces (unshare, setns, clone with a namespace flag) and
-mounts, kernel modules, sockets (whose buffers hold memory past the limit too; nothing graded needs one), and
+mounts, kernel modules, new processes (each would have a memory limit of its own), sockets and System V or POSIX
+shared memory (which hold memory past the limit too; nothing graded needs them), and
 interfaces that have carried kernel exploits (bpf, userfaultfd, io_uring, perf_event_open). :func:`refuse_escapes`, in the freshly
 forked process that runs the student's code, makes each fail with EPERM for that process and all it starts,
 for good. Linux on x86_64 and aarch64; elsewhere it does nothing and the audit hook stands alone.
@@ -29,14 +30,19 @@ _NUMBERS = {
     "finit_module": (313, 273), "delete_module": (176, 106), "bpf": (321, 280), "userfaultfd": (323, 282),
     "perf_event_open": (298, 241), "io_uring_setup": (425, 425), "io_uring_enter": (426, 426),
     "io_uring_register": (427, 427), "personality": (135, 92),
-    # sockets: nothing graded needs one, and a socket's buffers hold memory past the address-space limit
-    "socket": (41, 198), "socketpair": (53, 199),
+    # sockets, System V and POSIX shared memory and queues: nothing graded needs one, and each holds memory past the
+    # address-space limit (a socket's buffers, a segment left in the kernel)
+    "socket": (41, 198), "socketpair": (53, 199), "shmget": (29, 194), "shmat": (30, 196), "msgget": (68, 186),
+    "semget": (64, 190), "mq_open": (240, 180),
+    # a new process multiplies the address-space limit (each has its own); aarch64 makes processes by clone only
+    "fork": (57, None), "vfork": (58, None),
 }
-# clone is how threads are made: refused only with a namespace flag (a new user namespace is a way out); clone3
-# carries its flags where a filter cannot read them, so it is answered "not implemented" and the C library
-# falls back to clone
+# clone is how threads are made: allowed for a thread (CLONE_THREAD) without a namespace flag, refused otherwise
+# (a new process multiplies the memory limit, a new user namespace is a way out); clone3 carries its flags where
+# a filter cannot read them, so it is answered "not implemented" and the C library falls back to clone
 _CLONE, _CLONE3 = (56, 220), (435, 435)
 _NAMESPACE_FLAGS = 0x7E020000   # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+_CLONE_THREAD = 0x00010000
 REFUSED = tuple(_NUMBERS)
 # the architecture's audit number, and which column of _NUMBERS is its own
 _ARCHES = {"x86_64": (0xC000003E, 0), "aarch64": (0xC00000B7, 1), "arm64": (0xC00000B7, 1)}
@@ -57,18 +63,19 @@ def filter_program(machine: str) -> bytes | None:
     if known is None:
         return None
     arch, column = known
-    refused = sorted({numbers[column] for numbers in _NUMBERS.values()})
+    refused = sorted({numbers[column] for numbers in _NUMBERS.values() if numbers[column] is not None})
     program = [_instruction(_LOAD, 4),                              # seccomp_data.arch
                _instruction(_JUMP_IF_EQUAL, arch, 1, 0),
                _instruction(_RETURN, _EPERM),                       # another architecture's numbering
                _instruction(_LOAD, 0),                              # seccomp_data.nr
                _instruction(_JUMP_IF_EQUAL, _CLONE3[column], 0, 1),
                _instruction(_RETURN, _ENOSYS),
-               _instruction(_JUMP_IF_EQUAL, _CLONE[column], 0, 4),
+               _instruction(_JUMP_IF_EQUAL, _CLONE[column], 0, 5),
                _instruction(_LOAD, 16),                             # seccomp_data.args[0], its low half: the flags
-               _instruction(_JUMP_IF_SET, _NAMESPACE_FLAGS, 0, 1),
-               _instruction(_RETURN, _EPERM),
-               _instruction(_RETURN, _ALLOW)]   # another call: the number is still loaded, and judged below
+               _instruction(_JUMP_IF_SET, _NAMESPACE_FLAGS, 2, 0),  # a namespace: to the EPERM
+               _instruction(_JUMP_IF_SET, _CLONE_THREAD, 0, 1),     # a thread: ALLOW; a process: EPERM
+               _instruction(_RETURN, _ALLOW),
+               _instruction(_RETURN, _EPERM)]   # another call: the number is still loaded, and judged below
     if machine == "x86_64":
         program.append(_instruction(_JUMP_IF_AT_LEAST, _X32, len(refused) + 1, 0))   # to the EPERM below
     for index, number in enumerate(refused):   # a match jumps over the rest and the ALLOW, to the EPERM

@@ -578,6 +578,34 @@ def same_work_of(exercise: str) -> tuple[Any, ...]:
     return tuple(value for value in found if value is not None)
 
 
+# The checks' own code that computes answers: their models of each exercise (the variants above and the helpers
+# they are built from) and the declarations. The harness (calling the student, hooks, probes, pinned references)
+# is left out: it runs beside the student's code by design.
+_ANSWERING_MODULES = ("_attn_hypotheses", "_flash_variants", "_gqa_variants", "_heads_scores",
+                      *(f"notebook{number:02d}" for number in range(1, 13)))
+
+
+def _nested_codes(code: CodeType) -> list[CodeType]:
+    return [code] + [inner for const in code.co_consts if isinstance(const, CodeType) for inner in _nested_codes(const)]
+
+
+@functools.cache
+def checks_answering_codes() -> frozenset[CodeType]:
+    """Every function the checks' answering modules define at their top level (with the functions nested in it).
+    Their classes are left out: those are objects a check hands to the student's code to use (9.6's cache whose
+    ``append`` the student calls, 12.2's layer)."""
+    codes: set[CodeType] = set()
+    for name in _ANSWERING_MODULES:
+        module = importlib.import_module(f"course_lib.classroom.checks.{name}")
+        for value in vars(module).values():
+            if isinstance(value, type) or getattr(value, "__module__", None) != module.__name__:
+                continue
+            code = _own_code(value)
+            if code is not None:
+                codes.update(inner for inner in _nested_codes(code) if not inner.co_name.startswith("__"))
+    return frozenset(codes)
+
+
 def bound_to_course_work(exercise: str, candidate: Any) -> CallsReference | None:
     """The verdict's exception when ``candidate`` (what the student's name is bound to) is one of the course's
     other functions that do the exercise's work (imported under the exercise's name, wrapped, copied)."""
@@ -730,6 +758,9 @@ class _guard:  # noqa: N801 - used as a context, like a function
         self.manager = wrapped if getattr(reference, "__code__", None) is _MANAGER_HELPER else None
         if self.manager is not None:
             self.codes = self.codes | {_MANAGER_HELPER}
+        # the checks' own answers, called straight from the student's code (a hook or probe of the checks runs
+        # from torch's frames, never straight from the student's)
+        self.answering = checks_answering_codes() if reference is not None else frozenset()
         self.tripped: CallsReference | None = None
         self.unwound: BaseException | None = None   # an exception that went through the hook, which Python unset
 
@@ -748,6 +779,12 @@ class _guard:  # noqa: N801 - used as a context, like a function
         if event != "call":
             return
         code = frame.f_code
+        if code in self.answering:
+            caller = frame.f_back
+            if caller is not None and caller is not self.stop and caller.f_code.co_filename != "<string>" and \
+                    caller.f_code not in self.answering and is_student_file(caller.f_code.co_filename):
+                self.tripped = CallsReference(self.exercise, self.name, "calls", code.co_name)
+                raise self.tripped
         if code not in self.codes and (code.co_code not in self.bytecodes or _print(code) not in self.prints):
             return
         if frame.f_code is _MANAGER_HELPER and frame.f_locals.get("func") is not self.manager:
