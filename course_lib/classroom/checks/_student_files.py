@@ -31,9 +31,9 @@ def is_student_file(filename: str) -> bool:
         (_COURSE_PREFIX, *_LIBRARY_PREFIXES, *_OTHER_PREFIXES))
 
 
-# An exception the student's code raised is read through these, never through attributes its class could redefine
-# (a __str__ that raises, a metaclass whose __name__ is a property, a __traceback__ of its own): reading it must
-# run none of its code, or the student chooses the verdict ("a bug in the course").
+# An exception the student's code raised is read through these: its class's name and its traceback from the slots
+# themselves (a metaclass's __name__ property, a __traceback__ of its own are not run), its text through its own
+# __str__ only inside a guard. Whatever its code raises, the verdict stays the student's, never "a bug in the course".
 _CLASS_NAME = type.__dict__["__name__"].__get__
 _TRACEBACK = BaseException.__traceback__.__get__
 _ARGS = BaseException.__dict__["args"].__get__

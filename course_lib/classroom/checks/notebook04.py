@@ -764,7 +764,7 @@ def check_gpt(cls: Any) -> str:
             candidate(too_long)
     except Failure:
         raise
-    except ValueError as error:   # what the text asks for, with words that say what to do (which words is theirs)
+    except ValueError as error:   # what the text asks for, with words that say what to do (the words are theirs)
         said = exception_message(error)
         if not re.search(r"[^\W\d_]{2}", said):   # no word at all: empty, a dot, invisible characters
             fail("context_limit", f"Your GPT raised a ValueError for {config.max_tokens + 1} tokens with "

@@ -17,7 +17,8 @@ any of the student's code runs. It
   itself; opening sockets to anything; loading or calling C functions through ctypes (or importing
   cffi, which calls them with no audit event); and raising its own resource limits;
 - below Python, has the kernel refuse the calls that reach past those limits (``syscalls``: memory files,
-  keyrings, other processes' memory, namespaces, mounts, modules) for this process and all it starts.
+  shared memory, sockets, new processes, keyrings, other processes' memory, namespaces, mounts, modules) for
+  this process and the threads it starts.
 
 An audit hook is a tripwire, not a wall: code determined to escape its own process (say, by
 corrupting the interpreter's memory) can. What keeps the grades safe even then is the design

@@ -6,10 +6,9 @@ calls below reach past what the sandbox bounds: memory outside the address-space
 kernel's keyrings that outlive the process (keyctl, add_key, request_key), other processes' memory and
 descriptors (ptrace, process_vm_*, pidfd_*), new namespaces (unshare, setns, clone with a namespace flag) and
 mounts, kernel modules, new processes (each would have a memory limit of its own), sockets and System V or POSIX
-shared memory (which hold memory past the limit too; nothing graded needs them), and
-interfaces that have carried kernel exploits (bpf, userfaultfd, io_uring, perf_event_open). :func:`refuse_escapes`, in the freshly
-forked process that runs the student's code, makes each fail with EPERM for that process and all it starts,
-for good. Linux on x86_64 and aarch64; elsewhere it does nothing and the audit hook stands alone.
+shared memory (which hold memory past the limit too; nothing graded needs them), and interfaces that have carried
+kernel exploits (bpf, userfaultfd, io_uring, perf_event_open). :func:`refuse_escapes`, in the freshly forked
+process that runs the student's code, makes each fail with EPERM for that process and its threads, for good. Linux on x86_64 and aarch64; elsewhere it does nothing and the audit hook stands alone.
 """
 from __future__ import annotations
 
@@ -57,8 +56,9 @@ def _instruction(code: int, k: int, jump_true: int = 0, jump_false: int = 0) -> 
 
 
 def filter_program(machine: str) -> bytes | None:
-    """The seccomp filter (classic BPF) for ``machine``: EPERM for REFUSED (and x32's numbers), every other call
-    allowed; a call from another architecture (a 32-bit one on a 64-bit kernel) is refused outright."""
+    """The seccomp filter (classic BPF) for ``machine``: EPERM for REFUSED (and x32's numbers) and for clone but for
+    a thread, ENOSYS for clone3, every other call allowed; a call from another architecture (a 32-bit one on a
+    64-bit kernel) is refused outright."""
     known = _ARCHES.get(machine)
     if known is None:
         return None
@@ -70,12 +70,12 @@ def filter_program(machine: str) -> bytes | None:
                _instruction(_LOAD, 0),                              # seccomp_data.nr
                _instruction(_JUMP_IF_EQUAL, _CLONE3[column], 0, 1),
                _instruction(_RETURN, _ENOSYS),
-               _instruction(_JUMP_IF_EQUAL, _CLONE[column], 0, 5),
+               _instruction(_JUMP_IF_EQUAL, _CLONE[column], 0, 5),   # not clone: on to the list below
                _instruction(_LOAD, 16),                             # seccomp_data.args[0], its low half: the flags
                _instruction(_JUMP_IF_SET, _NAMESPACE_FLAGS, 2, 0),  # a namespace: to the EPERM
                _instruction(_JUMP_IF_SET, _CLONE_THREAD, 0, 1),     # a thread: ALLOW; a process: EPERM
                _instruction(_RETURN, _ALLOW),
-               _instruction(_RETURN, _EPERM)]   # another call: the number is still loaded, and judged below
+               _instruction(_RETURN, _EPERM)]
     if machine == "x86_64":
         program.append(_instruction(_JUMP_IF_AT_LEAST, _X32, len(refused) + 1, 0))   # to the EPERM below
     for index, number in enumerate(refused):   # a match jumps over the rest and the ALLOW, to the EPERM
@@ -85,7 +85,7 @@ def filter_program(machine: str) -> bytes | None:
 
 
 def refuse_escapes() -> bool:
-    """Install the filter in this process (inherited by all it starts, never removed); False where it cannot."""
+    """Install the filter in this process (inherited by its threads, never removed); False where it cannot."""
     program = filter_program(platform.machine())
     if program is None or not sys.platform.startswith("linux"):
         return False

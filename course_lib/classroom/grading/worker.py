@@ -401,6 +401,11 @@ def _warm_up(exercises: list[str], *, check: bool = True, timeout: float | None 
     return self_check(plans, timeout, memory_mb)
 
 
+def _option(argv: list[str], name: str, kind: Callable[[str], Any]) -> Any:
+    """The value of ``name=VALUE`` among the worker's arguments, as ``kind``; None when it is not there."""
+    return next((kind(a.split("=", 1)[1]) for a in argv if a.startswith(f"{name}=")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m course_lib.classroom.grading.worker EXERCISES [--inline] [--isolated [--uid=N]]``: EXERCISES is
     "1.1,1.2,...". ``--isolated``: inside the grader's bubblewrap sandbox (``isolation``), for one
@@ -409,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     isolated = "--isolated" in argv
     if isolated:   # before anything else: an unprivileged user with a process limit, no inherited descriptor
         from .isolation import enter_worker
-        uid = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--uid=")), None)
+        uid = _option(argv, "--uid", int)
         enter_worker(uid)
     inline = "--inline" in argv or not hasattr(os, "fork")
     exercises = next((a for a in argv if not a.startswith("--")), "").split(",")
@@ -421,10 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     channel = _Channel(os.dup(1), token)
     os.dup2(2, 1)   # whatever a library prints goes to the worker's log, never into the channel
     try:
-        timeout = next((float(a.split("=", 1)[1]) for a in argv if a.startswith("--timeout=")), None)
-        memory_mb = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--memory-mb=")), None)
-        problems = _warm_up(exercises, check=not (isolated or "--checked" in argv), timeout=timeout,
-                            memory_mb=memory_mb)
+        problems = _warm_up(exercises, check=not (isolated or "--checked" in argv),
+                            timeout=_option(argv, "--timeout", float), memory_mb=_option(argv, "--memory-mb", int))
         _become_subreaper()
     except Exception as exc:  # the grader reports this as grading itself failing
         channel.send({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
