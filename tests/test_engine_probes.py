@@ -148,6 +148,40 @@ def test_a_dtype_written_into_the_code_is_found(exercise):
 
 
 @pytest.mark.parametrize("exercise", IDS)
+def test_a_result_in_the_default_dtype_is_found(exercise):
+    """A new tensor made without dtype= takes the notebook's default: float32 out for float64 in, as float16 in
+    would give float32 out (the probe's first pass keeps the notebook's default)."""
+    declaration, attempt = DECLARATIONS[exercise], _attempts(exercise)[0]
+    case = declaration.cases()[0]
+    floats = [a for a in case.args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    if any(isinstance(a, torch.nn.Module) for a in case.args):
+        return   # a layer made in the default dtype takes no float64 input (12.2): the float64 notebook's pass
+    out = declaration.reference(*in_float64(case.args)) if floats else None
+    if not (isinstance(out, torch.Tensor) and out.dtype == torch.float64) or exercise in NUMBER_ANSWERS:
+        return   # nothing to take a dtype from, or no floating output
+
+    def candidate(*args, **kwargs):
+        result = attempt(*args, **kwargs)
+        return _each(result, lambda t: torch.zeros(t.shape, device=t.device).copy_(t) if t.is_floating_point() else t)
+
+    result = _check(declaration, candidate)
+    assert (result.passed, result.diagnosis) == (False, "dtype"), result
+    assert "float64" in result.message
+
+
+@pytest.mark.parametrize("exercise", [e for e in IDS if "device" in DECLARATIONS[e].probes])
+def test_a_result_copied_to_the_cpu_is_found(exercise):
+    """Where the text asks for x's device: the attempt's result moved with .cpu() (a no-op on a CPU)."""
+    attempt = _attempts(exercise)[0]
+    result = _check(DECLARATIONS[exercise], lambda *args, **kwargs: _each(attempt(*args, **kwargs), torch.Tensor.cpu))
+    assert (result.passed, result.diagnosis) == (False, "device"), result
+
+
+def test_the_device_probe_is_asked_where_the_text_asks_for_the_device():
+    assert sorted(e for e in IDS if "device" in DECLARATIONS[e].probes) == ["3.1", "3.2", "9.2", "9.5"]
+
+
+@pytest.mark.parametrize("exercise", IDS)
 def test_torch_replaced_while_the_code_runs_is_found(exercise):
     declaration, attempt = DECLARATIONS[exercise], _attempts(exercise)[0]
     equal = torch.equal

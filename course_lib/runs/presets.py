@@ -94,7 +94,7 @@ PRESETS: dict[str, Preset] = {
         # Notebook 05's recipe, GPT-2's parts with AdamW. In a budget of a minute or two a small model
         # learns most: 2 layers of width 96 take about a third of the time per step of 2 layers of 192
         # and, at a learning rate of 1e-2 (a model this small takes it), end below the wider model in
-        # its training time, and a little above it in half that time (five seeds; PERFORMANCE.md).
+        # its training time, and about the same loss (0.005 lower) in half that time (five seeds; PERFORMANCE.md).
         # Few layers, since depth costs time per step without paying for it this early. The GELU is
         # GPT-2's own tanh approximation, which a CPU also runs 2.7 times faster than the exact erf.
         # Weight decay 0.2 beat 0.1 in each of five seeds; 3 heads beat 2, 4 and 6, and batch 32 beat 16

@@ -2008,7 +2008,7 @@ def flops_per_window_in_mflops(config, num_weights):
     return per_token * config.max_tokens / 1e6
 
 
-@bug("6.1", "weights_count", "embeddings")
+@bug("6.1", "weights_count", "embeddings", "the token embedding included")
 def flops_adds_token_embeddings(config, num_weights):
     n = num_weights + config.vocab_size * config.embed_dim     # "the embeddings are weights too"
     return 6 * n + 12 * config.num_layers * config.embed_dim * config.max_tokens

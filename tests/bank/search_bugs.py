@@ -331,7 +331,7 @@ def flops_attention_eighteen(config, num_weights):
     return 6 * num_weights + 18 * _lhqt(config)
 
 
-@bug("6.1", "weights_count", "subtract")
+@bug("6.1", "weights_count", "subtract", "the token embedding included")
 def flops_minus_token_embeddings(config, num_weights):
     return 6 * (num_weights - config.vocab_size * config.embed_dim) + 12 * _lhqt(config)
 

@@ -7,7 +7,11 @@ Now each correct one passes and each buggy one gets the diagnosis of what it doe
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from bank.attempts import Attempt, new_bank
 from course_lib import GPT, modern, scaled_dot_product_attention, variants
@@ -527,3 +531,63 @@ def apply_rotary_through_complex_numbers(x, cos, sin, offset=0):
     angles = torch.atan2(sin[offset:offset + length, :half], cos[offset:offset + length, :half]).double()   # (L, d/2)
     z = torch.complex(x[..., :half].double(), x[..., half:].double()) * torch.polar(torch.ones_like(angles), angles)
     return torch.cat([z.real, z.imag], -1).to(x.dtype)
+
+
+# ============================================================================ an eighteenth search (R18)
+# 1.1's result left as NaN (a placeholder): every comparison with NaN is false, so it passed.
+BUGGY.append(Attempt("1.1", "prediction_with_a_nan_result", ([0.21, 0.58, 0.21], float("nan")), "nan", ("`result`",)))
+# Weights in numpy's long double, which torch cannot read: they were "not numbers".
+CORRECT.append(Attempt("1.1", "prediction_in_long_double",
+                       (np.array([1 / (2 + math.e), math.e / (2 + math.e), 1 / (2 + math.e)], dtype=np.longdouble), 2.0), None))
+
+
+@bug("3.1", "device", "copies numbers to the CPU")
+def split_heads_then_to_the_cpu(x, num_heads):
+    """Right on a CPU; on a GPU its heads came back on the CPU. It passed (3.1 had no device probe)."""
+    n, length, embed_dim = x.shape
+    return x.reshape(n, length, num_heads, embed_dim // num_heads).transpose(1, 2).cpu()   # (N, heads, L, d)
+
+
+@bug("3.2", "device", "copies numbers to the CPU")
+def merge_heads_into_a_new_buffer(x):
+    """Each head written into torch.zeros(...) made without device= or dtype=: it passed."""
+    n, heads, length, head_dim = x.shape
+    out = torch.zeros(n, length, heads * head_dim)                                          # (N, L, E)
+    for h in range(heads):
+        out[:, :, h * head_dim:(h + 1) * head_dim] = x[:, h]
+    return out
+
+
+@bug("9.5", "dtype", "with float64 inputs", "without one")
+def repeat_kv_into_a_buffer_of_the_default_dtype(x, groups):
+    """A buffer made on x's device but in the default dtype: float32 out for float16 in. It passed, since the
+    float64 probe made float64 the default too."""
+    n, kv_heads, length, head_dim = x.shape
+    out = torch.zeros(n, kv_heads * groups, length, head_dim, device=x.device)           # (N, H, L, d)
+    for h in range(kv_heads * groups):
+        out[:, h] = x[:, h // groups]
+    return out
+
+
+@bug("9.4", "exception", "SwiGLU(8, 24)")
+class SwiGLUOfTheProbedWidth(SwiGLU):
+    """The width of the one size the check built written in: it passed."""
+
+    def forward(self, x):
+        flat = x.reshape(-1, 16)                                                             # (N*L, 16)
+        return self.down(F.silu(self.gate(flat)) * self.up(flat)).view(*x.shape[:-1], 16)
+
+
+@bug("5.1", "shape", "the first starts at token 4")
+def lm_windows_without_the_first(ids, max_tokens, stride=None):
+    """The first window dropped: it was told the last one was missing."""
+    stride = stride or max_tokens
+    starts = range(stride, len(ids) - max_tokens, stride)
+    return (torch.stack([ids[s:s + max_tokens] for s in starts]),
+            torch.stack([ids[s + 1:s + max_tokens + 1] for s in starts]))
+
+
+@correct("7.1")
+def split_c_attn_as_a_generator(weight):
+    """Unpacks into three like a tuple (the notebook unpacks it): it was refused as "returned generator"."""
+    return (third.T for third in weight.chunk(3, dim=1))

@@ -34,9 +34,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _advice(what: str) -> str:
+def _advice(what: str, copied: bool = False) -> str:
+    did = ("copies numbers to the CPU (a .cpu() or .to('cpu') on a result, or a tensor it created on the CPU and "
+           "writes into)" if copied else "mixes in a tensor it created on the CPU")
     return (f"{what}: on inputs of another device (here the `meta` device; on a GPU it would be cuda) your code "
-            f"mixes in a tensor it created on the CPU. Create new tensors on the input's device, "
+            f"{did}. Create new tensors on the input's device, "
             f"`torch.ones(L, L, device=x.device)` or `torch.zeros_like(x)`; register fixed tensors such as masks "
             f"with self.register_buffer(...) so that model.to(device) moves them; never call .cpu() on a result.")
 
@@ -48,8 +50,9 @@ def probe(run: Callable[[], Any], what: str) -> None:
             warnings.simplefilter("ignore")
             out = run()
     except Exception as exc:  # noqa: BLE001 - only a device mix is judged; anything else is inconclusive
-        if any(marker in exception_message(exc) for marker in _MIXED):
-            fail("device", _advice(what))
+        said = exception_message(exc)
+        if any(marker in said for marker in _MIXED):
+            fail("device", _advice(what, copied="Cannot copy out of meta tensor" in said))
         return
     for tensor in _tensors(out):
         if tensor.device.type != "meta":

@@ -8,6 +8,7 @@ When no known mistake reproduces the output, each probes the attention weights (
 from __future__ import annotations
 
 import decimal
+import math
 import numbers
 from collections.abc import Callable
 from dataclasses import replace
@@ -42,6 +43,8 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, (numbers.Real, decimal.Decimal)):
         return float(value)
+    if getattr(getattr(value, "dtype", None), "kind", None) == "f" and hasattr(value, "astype"):
+        return value.astype("float64")   # numpy's long double, which torch cannot read
     return value
 
 
@@ -125,6 +128,9 @@ def check_toy_prediction(weights: Any, result: Any) -> str:
         fail("shape", f"`result` should be a single number (the values are scalars), got shape "
                       f"{tuple(r.shape)}.")
     r = float(r.flatten()[0])
+    if not math.isfinite(r):   # NaN compares as far from nothing
+        fail("nan", f"`result` is {r}: it is the weighted average of the values, a number between the smallest and "
+                    f"the largest of them.")
     own = float(w @ values)   # a result worked out from the student's own rounded weights is right too
     if abs(r - float(expected @ values)) > _TOY_TOLERANCE and abs(r - own) > _TOY_TOLERANCE:
         hint = (" You added the values without weighting them." if abs(r - float(values.sum())) < 1e-6

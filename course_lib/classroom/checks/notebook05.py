@@ -112,6 +112,9 @@ def _windows_count(case: Case, out: Any) -> None:
         fail("shape", f"{case.what}: consecutive windows start max_tokens + 1 = {max_tokens + 1} tokens apart, so "
                       f"one token in every window is never a target. Start them max_tokens = {max_tokens} apart: "
                       f"the last target of one window is the first input of the next.")
+    if starts and starts[0] not in (None, 0):
+        fail("shape", f"{case.what}: {out.shape[1]} windows where {count} fit, and the first starts at token "
+                      f"{starts[0]}: start at the beginning of ids, token 0, then every {stride} tokens.")
     if steps <= {stride} and out.shape[1] == count - 1:
         fail("shape", f"{case.what}: the last window is missing although it fits: a window starting at s needs "
                       f"tokens s .. s + max_tokens, so it fits when s + max_tokens + 1 <= len(ids) ({len(ids)} "

@@ -230,16 +230,17 @@ def _unit_slip(window: bool, unit: str, scale: float) -> Mistake:
 
 _UNITS = (("FLOPs", 1.0), ("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3))
 
-# The weights' term with the embeddings added to, or taken from, the num_weights given (N leaves them out already).
+# The weights' term with the embeddings added to, or taken from, the num_weights given (N holds the token embedding,
+# which is the tied head, and leaves the position embeddings out).
 _EMBEDDINGS = (("the token embeddings (vocab_size·embed_dim)", lambda c: c.vocab_size * c.embed_dim),
                ("the position embeddings (max_tokens·embed_dim)", lambda c: c.max_tokens * c.embed_dim),
                ("the token and position embeddings", lambda c: (c.vocab_size + c.max_tokens) * c.embed_dim))
 
 
 def _weights_said(which: str, sign: int) -> str:
-    return (f"you add {which} to N. num_weights already is the count to use: the embeddings are a lookup, not a "
-            f"matrix multiply." if sign > 0 else f"you subtract {which} from N. num_weights already leaves the "
-            f"embeddings out.") + " Use 6·num_weights as given."
+    return (f"you {'add' if sign > 0 else 'subtract'} {which} {'to' if sign > 0 else 'from'} N. num_weights already "
+            f"is N: every weight but the position embeddings (a lookup, not a matrix multiply), the token embedding "
+            f"included (tied, it is the output head, which multiplies). Use 6·num_weights as given.")
 
 
 def _weights_slip(which: str, size: Callable[[Any], int], sign: int) -> Mistake:

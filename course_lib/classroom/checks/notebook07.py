@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import importlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +46,8 @@ def _thirds(fn: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
         result = as_tensor(fn(weight))
         if isinstance(result, torch.Tensor) and result.dim() == 3 and result.shape[0] == 3:
             result = tuple(result.unbind(0))   # a stacked (3, E, E) unpacks just as well
+        if isinstance(result, Iterator):
+            result = tuple(itertools.islice(result, 4))   # so does a generator or a map (4: more than three shows)
         if not isinstance(result, (tuple, list)) or len(result) != 3:
             fail("dtype" if result is not None else "shape",
                  f"{what} should return three tensors (Wq, Wk, Wv), but returned "

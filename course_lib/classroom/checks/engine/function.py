@@ -12,6 +12,8 @@ import torch
 
 from ...exercises import Mistake
 from ...verdict import Failure, fail
+from .._device_probe import meta
+from .._device_probe import probe as probe_device
 from .._model_common import as_tensor
 from .._student_code import call_student, close, expect_callable, expect_tensor, matches, max_diff
 from .probes import gradient_probe, in_float64
@@ -148,9 +150,20 @@ def judge(exercise: FunctionExercise, fn: Any) -> str:
         gradient_probe(fn, exercise.reference, case.args, exercise.arg_names, case.what)
     for case in exercise.magnitude():
         _at_magnitude(exercise, case, fn, runs)
+    if "device" in exercise.probes:
+        _on_meta(exercise, fn)
     if "dtype" in exercise.probes:
         _in_float64(exercise, fn)
     return exercise.success
+
+
+def _on_meta(exercise: FunctionExercise, fn: Any) -> None:
+    """The device probe: the first case again with its tensors on the meta device (free to run), where a tensor
+    the code made on the CPU, or a result moved there, shows. Cases without a tensor have no device to follow."""
+    case = next(iter(exercise.cases()))
+    if any(isinstance(a, torch.Tensor) for a in case.args):
+        args = [meta(a) if isinstance(a, torch.Tensor) else a for a in case.args]
+        probe_device(lambda: fn(*args), case.what)
 
 
 def _at_magnitude(exercise: FunctionExercise, case: Case, fn: Any, runs: list[Run]) -> None:
@@ -199,35 +212,45 @@ def _right_on(exercise: FunctionExercise, mistake: Mistake, run: Run) -> bool:
 
 
 def _in_float64(exercise: FunctionExercise, fn: Any) -> None:
-    """The dtype probe: the cases again in a notebook whose default dtype is float64."""
+    """The dtype probe: the cases again with float64 inputs, first in the notebook's own default dtype (a new
+    tensor made without dtype=, torch.zeros(...), comes out float32 there), then in a notebook whose default is
+    float64 (a dtype written into the code, .float(), still comes out float32)."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        for case in exercise.cases():
-            case = Case(in_float64(case.args), f"{case.what} in a float64 notebook "
-                                               f"(torch.set_default_dtype(torch.float64), float64 inputs)")
-            expected = exercise.reference(*case.args)
-            out = call_student(fn, *case.given(), what=case.what)
-            out = as_tensor(out) if exercise.numpy_ok else out
-            lower = (isinstance(out, torch.Tensor) and out.is_floating_point() and expected.is_floating_point()
-                     and torch.finfo(out.dtype).eps > torch.finfo(expected.dtype).eps)   # float32 for float64
-            if not any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in case.args):
-                # nothing to take a dtype from (4.1's two ints): the text asks for no dtype, so float32 is
-                # as right as the default; its values are judged at float32's tolerance below
-                lower = False
-                out = out.to(expected.dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
-            if isinstance(out, torch.Tensor) and (exercise.dtype and out.dtype != expected.dtype or lower):
-                fail("dtype", f"{case.what}: your result is {out.dtype}, expected {expected.dtype}. A dtype is "
-                              f"written into your code (torch.float32, .float(), a fixed dtype=...): make new "
-                              f"tensors like the inputs (torch.zeros_like(x), x.new_zeros(...), dtype=x.dtype).")
-            expect_tensor(out, tuple(expected.shape), case.what, finite=False)
-            if not exercise.same(out, expected):
-                fail("precision", f"{case.what}: your result differs from the reference's by up to "
-                                  f"{max_diff(out, expected):.3g}, which float64 does not explain: part of your "
-                                  f"computation runs in a lower precision (a .float(), a float32 constant tensor). "
-                                  f"Keep the inputs' dtype throughout.")
-    finally:
-        torch.set_default_dtype(previous)
+    for default, where in ((previous, "with float64 inputs"),
+                           (torch.float64, "in a float64 notebook (torch.set_default_dtype(torch.float64), "
+                                           "float64 inputs)")):
+        torch.set_default_dtype(default)
+        try:
+            for case in exercise.cases():
+                if default is previous and any(isinstance(a, torch.nn.Module) for a in case.args):
+                    continue   # a layer built in the default dtype takes no float64 input (12.2)
+                _judged_in_float64(exercise, fn, Case(in_float64(case.args), f"{case.what} {where}"))
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def _judged_in_float64(exercise: FunctionExercise, fn: Any, case: Case) -> None:
+    expected = exercise.reference(*case.args)
+    out = call_student(fn, *case.given(), what=case.what)
+    out = as_tensor(out) if exercise.numpy_ok else out
+    lower = (isinstance(out, torch.Tensor) and out.is_floating_point() and expected.is_floating_point()
+             and torch.finfo(out.dtype).eps > torch.finfo(expected.dtype).eps)   # float32 for float64
+    if not any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in case.args):
+        # nothing to take a dtype from (4.1's two ints): the text asks for no dtype, so float32 is
+        # as right as the default; its values are judged at float32's tolerance below
+        lower = False
+        out = out.to(expected.dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+    if isinstance(out, torch.Tensor) and (exercise.dtype and out.dtype != expected.dtype or lower):
+        fail("dtype", f"{case.what}: your result is {out.dtype}, expected {expected.dtype}. A dtype is "
+                      f"written into your code (torch.float32, .float(), a fixed dtype=..., or a new tensor made "
+                      f"without one, which takes the default): make new tensors like the inputs "
+                      f"(torch.zeros_like(x), x.new_zeros(...), dtype=x.dtype).")
+    expect_tensor(out, tuple(expected.shape), case.what, finite=False)
+    if not exercise.same(out, expected):
+        fail("precision", f"{case.what}: your result differs from the reference's by up to "
+                          f"{max_diff(out, expected):.3g}, which float64 does not explain: part of your "
+                          f"computation runs in a lower precision (a .float(), a float32 constant tensor). "
+                          f"Keep the inputs' dtype throughout.")
 
 
 def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: list[Run] | None = None) -> None:

@@ -9,12 +9,15 @@ Where a probe lives:
 - ``reference_guard``: the exercise's own reference doing the work is a verdict (``reference_guard``,
   entered by ``engine.run`` around every check).
 - ``counterexample``: the smallest input on which the student and the reference differ (``example``).
-- ``device``: the output on the inputs' device (``_student_code.expect_cpu``; ``_device_probe`` for modules).
+- ``device``: the output on the inputs' device (``_student_code.expect_cpu``); where the text asks for the
+  input's device, a case again on the meta device, where a tensor made on the CPU or a result copied there shows
+  (``_device_probe``: ``engine.function`` runs it for the function exercises that list it, and module checks).
 - ``magnitude``: the exercise's cases again at the magnitudes a softmax or a norm must survive: scores in
   the hundreds, rows far below zero, rows of very different scales (``magnitude_rows``, ``magnitude_scores``
   make them from a case's inputs; ``FunctionExercise.magnitude`` lists them).
-- ``dtype``: the cases again in a float64 notebook (``torch.set_default_dtype(torch.float64)``, float64
-  inputs): a dtype written into the code shows (``in_float64``, judged by ``engine.function``). An exercise that
+- ``dtype``: the cases again with float64 inputs, first in the notebook's own default dtype (a new tensor made
+  without dtype= shows), then in a float64 notebook (``torch.set_default_dtype(torch.float64)``): a dtype written
+  into the code shows (``in_float64``, judged by ``engine.function``). An exercise that
   is a module or a procedure builds and runs its work inside ``float64_notebook`` through ``run_in_float64``
   (an exception that float32 did not raise is ``dtype``), then ``expect_float64`` judges a floating output and
   ``expect_dtype_kept`` the model the student's procedure was given (``model.float()`` inside it is ``dtype``);
