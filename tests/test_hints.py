@@ -195,3 +195,15 @@ def test_show_solution_prints_the_code_without_the_markers(exercise, capsys):
     assert len(kept) == len(cell) - 2 and "\n".join(kept).strip() in printed
     header = printed.splitlines()[0]
     assert header.startswith(f"# Solution of exercise {exercise} (")
+
+
+def test_an_exercise_whose_mistake_shares_a_diagnosis_gets_its_own_question():
+    """7.1's split_transpose is Conv1D's (in, out) layout, not a head axis left behind (3.x, 12.2)."""
+    from bank.model_bugs import BUGGY as MODEL_BUGGY
+    layout = next(a for a in MODEL_BUGGY if a.exercise == "7.1" and a.expected == "split_transpose")
+    _reset("7.1")
+    result = checks.check_split_c_attn(layout.candidate)
+    assert result.diagnosis == "split_transpose"
+    first = checks.hint("7.1")
+    assert "Conv1D" in first and "heads" not in first
+    _reset("7.1")

@@ -145,7 +145,8 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise('4.2', 'TransformerBlock', 'TransformerBlock.forward', 'check_transformer_block',
              reference='model.TransformerBlock', hints=(
         'Two sublayers, each wrapped the same way: attention first, then the feed-forward network.',
-        'Residual: x = x + sublayer(...). The residual stream x itself is never replaced, only added to.',
+        "Residual: each sublayer's output is added to the x it read, x + sublayer(...). Pre-norm keeps that sum "
+        'as the new x; post-norm replaces x by the sum normalised, ln(x + sublayer(x)).',
         'Pre-norm (norm_first=True, GPT-2) normalises what goes INTO each sublayer (ln1 before attn, ln2 '
         'before mlp); post-norm normalises the sum AFTER each residual addition.',
     )),
@@ -288,9 +289,9 @@ EXERCISES: tuple[Exercise, ...] = (
              reference='flash.online_softmax', hints=(
         'Keep two numbers per row while reading the blocks: the largest score so far, m, and the sum so '
         'far, l = sum of exp(x_j - m) over the entries read.',
-        'For a new block: m_new = max(m, block.max(-1)). The old sum was measured against m, so it '
-        'becomes l * exp(m - m_new) + exp(block - m_new).sum(-1). Start with m = -inf and l = 0 '
-        '(exp(-inf) is 0).',
+        'For a new block: m_new = torch.maximum(m, block.amax(dim=-1)). The old sum was measured against '
+        'm, so it becomes l * exp(m - m_new) + exp(block - m_new[..., None]).sum(-1). Start with m = -inf '
+        'and l = 0 (exp(-inf) is 0).',
         'After the last block every statistic is final: return torch.exp(x - m[..., None]) / l[..., '
         'None].',
     )),
@@ -299,9 +300,9 @@ EXERCISES: tuple[Exercise, ...] = (
         'Two loops: over query blocks q[..., qs:qe, :] (qe = min(qs + block_q, Lq)), and inside over key '
         'blocks. Per query block keep m (-inf), l (0) and acc (zeros, (..., Bq, dv)); scale q once by '
         '1/sqrt(d).',
-        'Per key block: s = q_blk @ k_blk^T; m_new = max(m, s.amax(-1)); p = exp(s - m_new); c = exp(m - '
-        'm_new); l = l * c + p.sum(-1); acc = acc * c + p @ v_blk; m = m_new. At the end out = acc / l, '
-        'lse = m + log(l).',
+        'Per key block: s = q_blk @ k_blk^T; m_new = torch.maximum(m, s.amax(-1)); p = exp(s - m_new[..., '
+        'None]); c = exp(m - m_new); l = l * c + p.sum(-1); acc = acc * c[..., None] + p @ v_blk; m = m_new. '
+        'At the end out = acc / l[..., None], lse = m + log(l).',
         'Causal: query block [qs, qe) needs the key blocks starting before qe only (stop the key loop '
         "there), and in a block crossing the diagonal, s = -inf where the key's position k_start + col is "
         "after the query's q_start + row.",

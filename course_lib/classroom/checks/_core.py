@@ -80,7 +80,7 @@ def _following(entry: Exercise, state: HintState, result: CheckResult) -> str:
     head = f"Hint for exercise {entry.id} ({entry.title}), after your last check ({result.diagnosis})"
     if step < len(steps) and steps[step] == "nudge":
         more = " The next hint shows a counter-example." if example is not None else ""
-        return f"{head}: {nudge(result.diagnosis, example=example is not None)}{more}"
+        return f"{head}: {nudge(result.diagnosis, example=example is not None, exercise=entry.id)}{more}"
     if step < len(steps):
         given = "inputs and weights" if any(name.startswith("self.") for name, _ in example.notes) else "inputs"
         return (f"{head}: a counter-example.\n{example.text()}\nFind the first entry that differs and work it "

@@ -5,7 +5,7 @@ says what is wrong; the spec's hints say how to write it).
 """
 from __future__ import annotations
 
-NUDGES = {
+NUDGES: dict[str | tuple[str, str], str] = {
     "shape": "Write the shape of every tensor next to the line that makes it, (N, L, E) and so on, and find the "
              "first line whose shape is not what the text says.",
     "dtype": "Which line creates a tensor of another dtype than the input's? A new tensor, a .float(), a table "
@@ -25,7 +25,9 @@ NUDGES = {
     "values": "Which projection should the weights mix, and which one does your code use?",
     "batch_mixing": "Does any reshape put two sequences of the batch (or two positions) into the same row?",
     "dropout": "Where does dropout act in the reference, and is it off in eval mode?",
-    "residual": "Write the block as two lines of the form x = x + f(norm(x)): which one differs in yours?",
+    "residual": "Follow x through your block: is each sublayer's output added back to the x that went into it, "
+                "once, around attention and around the MLP (with the LayerNorm before the sublayer or after the "
+                "sum, as the placement says)?",
     "norm_placement": "Where does the normalisation sit: on the input of the sublayer, or on its output?",
     "rope_layout": "Which two dimensions form a pair that turns together: (i, i + d/2), or (2i, 2i + 1)?",
     "rope_rotation": "Turn the 2-D vector (1, 0) by 90 degrees by hand: what do cos and sin multiply, and where "
@@ -116,8 +118,11 @@ _MISMATCH_WITHOUT_EXAMPLE = (
     "differs: which part of your code computes it?")
 
 
-def nudge(diagnosis: str, example: bool = True) -> str:
-    """The nudge for a diagnosis; ``example`` says whether a counter-example will be shown after it."""
+def nudge(diagnosis: str, example: bool = True, exercise: str = "") -> str:
+    """The nudge for a diagnosis (the exercise's own where it has one); ``example`` says whether a counter-example
+    will be shown after it."""
+    if (exercise, diagnosis) in NUDGES:
+        return NUDGES[exercise, diagnosis]
     if diagnosis not in NUDGES or diagnosis == "mismatch":
         return NUDGES["mismatch"] if example else _MISMATCH_WITHOUT_EXAMPLE
     return NUDGES[diagnosis]
@@ -160,4 +165,10 @@ NUDGES.update({
     "flops_units": "What does the function return: FLOPs for one token, or for something else? In which unit?",
     "weights_count": "Where does N in 6N come from: the num_weights you are given, or a count of your own?",
     "bias": "Print the layer: which of its projections carry a bias, and does each of your products add it?",
+})
+
+# Where one exercise's mistake shares a diagnosis with another's but not its question.
+NUDGES.update({
+    ("7.1", "split_transpose"): "Conv1D keeps its weight as (in, out), nn.Linear as (out, in): which layout is each "
+                                "of your three (E, E) thirds in, and what turns one into the other?",
 })

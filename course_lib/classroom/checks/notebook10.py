@@ -87,7 +87,8 @@ _SOFTMAX_MISTAKES = (
                      "m_new, the old sum shrinks, l * exp(m_old - m_new), a factor of at most 1", rescale="inverted"),
     _softmax_mistake("running_max", "you keep the maximum of the latest block, not the running maximum of all blocks "
                      "so far: it is right in exact arithmetic, but when a later block is much smaller than an earlier "
-                     "one the rescale factor exp(m_old - m_new) overflows. Use m_new = max(m, block.max())",
+                     "one the rescale factor exp(m_old - m_new) overflows. Use m_new = torch.maximum(m, "
+                     "block.amax(dim=-1))",
                      maximum="last"),
     _softmax_mistake("early_normalization", "each block is normalised with the sum seen so far; the earlier blocks "
                      "never learn about the later ones. Only the statistics (m, l) are updated per block: divide by "

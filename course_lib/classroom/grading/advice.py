@@ -77,14 +77,14 @@ EXERCISE_ADVICE = {
                           "backward, or every step uses the sum of all steps so far.",
     ("6.1", "flops_factor"): "Training costs 6 FLOPs per weight and token (2 forward, 4 backward), not 2: the "
                              "forward pass alone is a third of it.",
-    ("7.1", "split_transpose"): "After splitting c_attn's output into heads, (N, L, heads, head_dim) must become "
-                                "(N, heads, L, head_dim): move the head axis before the positions.",
+    ("7.1", "split_transpose"): "Conv1D keeps c_attn's weight as (in, out) and nn.Linear as (out, in): transpose "
+                                "each of the three (E, E) thirds after the split.",
     ("4.3", "final_norm"): "The GPT normalises the last block's output (ln_f) before the output layer.",
     ("6.2", "no_kv_cache"): "Generation with the cache feeds only the new token once the prompt is in: the keys and "
                             "values of earlier positions come from the cache, not from running the whole prefix again.",
-    ("5.1", "overlapping_windows"): "Consecutive training windows must not share tokens: step by the window's "
-                                    "length (block_size + 1 tokens, or block_size with the target shifted), "
-                                    "not by one.",
+    ("5.1", "overlapping_windows"): "Consecutive training windows start max_tokens tokens apart (the stride): "
+                                    "each window cuts max_tokens + 1 tokens, and the last target of one is the "
+                                    "first input of the next, so each token is a target once.",
     ("2.1", "causal_mask"): "The mask is lower-triangular (tril): True on and below the diagonal, so a position "
                             "sees itself and the past, never the future.",
     ("1.3", "causal_mask"): "Where the mask is False the score becomes -inf, before the softmax (not 0, not after "
