@@ -374,6 +374,9 @@ def test_the_rooms_advice_is_chosen_per_exercise_and_diagnosis():
     assert "temperature" in room_advice("5.4", "scale") and "square root" not in room_advice("5.4", "scale")
     assert "square root" in room_advice("1.3", "scale")
     assert "no scaling" in room_advice("1.2", "scale")
+    # a general code keeps to what holds everywhere: 9.2's half precision is not 1.1's rounding
+    assert "decimals" in room_advice("1.1", "precision") and "decimals" not in room_advice("9.2", "precision")
+    assert "token embedding" in room_advice("6.1", "weights_count")
     # a code with no advice written for this exercise: what the checker told most of them, never another's advice
     said = ["You add the residual after the norm.", "You add the residual after the norm.", "Other."]
     assert room_advice("9.3", "residual", said) == 'The checker told 2 of them: "You add the residual after the norm."'
@@ -381,8 +384,8 @@ def test_the_rooms_advice_is_chosen_per_exercise_and_diagnosis():
     assert "2N" in room_advice("6.1", "mismatch", ["Your FLOPs count is 2N."])
     # the codes for the mistakes that had none, each with advice for its exercise
     for key, word in {("5.3", "zero_grad"): "zero_grad", ("6.1", "flops_factor"): "6 FLOPs",
-                      ("7.1", "split_transpose"): "head axis", ("4.3", "final_norm"): "ln_f",
-                      ("6.2", "no_kv_cache"): "cache", ("5.1", "overlapping_windows"): "share tokens"}.items():
+                      ("7.1", "split_transpose"): "Conv1D", ("4.3", "final_norm"): "ln_f",
+                      ("6.2", "no_kv_cache"): "cache", ("5.1", "overlapping_windows"): "max_tokens tokens apart"}.items():
         assert word in room_advice(*key), key
     # codes that mean the same everywhere keep their one sentence
     assert room_advice("9.6", "timeout") == room_advice("2.1", "timeout") != ""

@@ -35,7 +35,8 @@ ROOM_ADVICE = {
     "dtype": "Check the type of what is returned: a tensor, of the dtype the exercise asks for.",
     "device": "New tensors should be made on the input's device.",
     "nan": "NaN or infinity: usually a row of the scores that is all -inf, or a division by zero.",
-    "precision": "The right numbers, rounded too coarsely: keep two decimals.",
+    "precision": "Close to the right numbers, but further off than rounding explains: a step runs in a lower "
+                 "precision (a .float(), float16) or rounds its numbers on the way.",
     "softmax_dim": "The softmax runs over the keys: the last axis of the scores.",
     "scale": "Divide the scores by the square root of the head size, before the softmax.",
     "normalization": "The weights must sum to one over the keys: one softmax, over the last axis.",
@@ -59,10 +60,12 @@ ROOM_ADVICE = {
     "split_transpose": "After the split into heads, move the head axis before the positions (transpose).",
     "final_norm": "The last block's output is normalised (ln_f) before the output layer.",
     "no_kv_cache": "After the prompt, feed only the new token: earlier keys and values come from the cache.",
-    "overlapping_windows": "Training windows must not overlap: step by the window's length, not by one.",
+    "overlapping_windows": "Training windows start max_tokens tokens apart, not one: each token is a target once.",
 }
 
 EXERCISE_ADVICE = {
+    ("1.1", "precision"): "Nearly the softmax, but rounded too coarsely: compute the weights to two decimals or "
+                          "more, with e = 2.718...",
     ("1.1", "normalization"): "The weights are the softmax of the scores: e^s over the sum of e^s, summing to one.",
     ("1.2", "scale"): "Toy attention has no scaling yet (1/sqrt(d) comes in 1.3): softmax of the raw scores.",
     ("1.3", "scale"): "Divide the scores by the square root of the key size, before the softmax.",
@@ -125,7 +128,8 @@ EXERCISE_ADVICE = {
     ("6.1", "attention_flops"): "Attention adds 12·n·H·Q·T per token: two products per head, in every layer, "
                                 "forward and backward, over the T keys of the window.",
     ("6.1", "flops_units"): "Return plain FLOPs per token: no division into GFLOPs, no product over the window.",
-    ("6.1", "weights_count"): "N is the num_weights argument (embeddings left out): 6N uses it as given.",
+    ("6.1", "weights_count"): "N is the num_weights argument (every weight but the position embeddings; the token "
+                              "embedding, tied to the head, is in it): 6N uses it as given.",
     ("6.2", "positions"): "With the cache, the model itself places each new token at position cache length.",
     ("6.2", "greedy"): "Generation with the cache here is greedy: the argmax at every step, no sampling.",
 }
