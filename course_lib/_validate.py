@@ -30,7 +30,18 @@ def describe(value: Any) -> str:
         return f"a {value.dtype} array of shape {value.shape}"
     if isinstance(value, (list, tuple)) and len(value) > 6:
         return f"a {type(value).__name__} of length {len(value)}"
-    return f"{value!r} ({type(value).__name__})"
+    if isinstance(value, torch.nn.Module):
+        # a model's repr is pages long: its class says which object was passed
+        return f"a {type(value).__name__} (nn.Module)"
+    if isinstance(value, str) and len(value) > _LONGEST_REPR:
+        return f"{value[:60]!r}... (str of length {len(value)})"
+    text = repr(value)
+    if "\n" in text or len(text) > _LONGEST_REPR:
+        return f"a {type(value).__name__}"
+    return f"{text} ({type(value).__name__})"
+
+
+_LONGEST_REPR = 200   # longer (or multi-line) reprs are described by their type alone
 
 
 def tensor(name: str, value: Any, *, min_dim: int = 0, dim: int | None = None,
@@ -102,23 +113,30 @@ def finite_number(name: str, value: Any, *, minimum: float | None = None,
     return float(value)
 
 
+def is_int(value: Any) -> bool:
+    """An integer (numpy's included), and not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 def positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    """A positive int (numpy's included), returned as an int."""
+    if not is_int(value) or value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {describe(value)}")
-    return value
+    return int(value)
 
 
 def non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """An int >= 0 (numpy's included), returned as an int."""
+    if not is_int(value) or value < 0:
         raise ValueError(f"{name}: expected an int >= 0, got {describe(value)}")
-    return value
+    return int(value)
 
 
 def positive_int_or_none(name: str, value: Any) -> int | None:
     """None (the feature is off) or a positive int (numpy's included), returned as an int."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ValueError(f"{name}: expected None or a positive int, got {describe(value)}")
     return int(value)
 
@@ -132,10 +150,9 @@ def int_list(name: str, value: Any, *, minimum: int = 1, below: int | None = Non
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
         raise ValueError(f"{name}: expected a non-empty list of {what}, got {describe(value)}")
     for item in value:
-        if isinstance(item, bool) or not isinstance(item, int) or item < minimum \
-                or (below is not None and item >= below):
+        if not is_int(item) or item < minimum or (below is not None and item >= below):
             raise ValueError(f"{name}: expected a non-empty list of {what}, got an item {describe(item)}")
-    return list(value)
+    return [int(item) for item in value]
 
 
 def probability(name: str, value: Any, *, allow_one: bool = False, hint: str = "") -> float:
@@ -155,6 +172,20 @@ def positive_float(name: str, value: Any, *, finite: bool = False, hint: str = "
         raise ValueError(f"{name}: expected a {'finite ' if finite else ''}number > 0, got "
                          f"{describe(value)}{_then(hint)}")
     return float(value)
+
+
+def finite_positive(name: str, value: Any, hint: str = "") -> float:
+    """A finite number > 0: a value <= 0 or not a number gets positive_float's message, inf its own (a RoPE base
+    or a norm's epsilon of inf gives numbers that mean nothing)."""
+    positive_float(name, value, hint=hint)
+    return positive_float(name, value, finite=True, hint=hint)
+
+
+def floating_dtype(name: str, value: Any, what: str = "") -> torch.dtype:
+    """A floating-point torch.dtype (``what`` says what it holds, in the message)."""
+    if not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise TypeError(f"{name}: expected a floating torch.dtype such as torch.float32{what}, got {describe(value)}")
+    return value
 
 
 def number_in(name: str, value: Any, *, low: float, high: float, low_open: bool = False,

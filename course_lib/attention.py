@@ -46,6 +46,8 @@ def toy_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     validate.expect(keys.shape[1] == d, "keys", f"shape (n, {d}) to match query of shape ({d},)", tuple(keys.shape))
     validate.expect(values.dim() in (1, 2) and values.shape[0] == n, "values",
                     f"shape ({n},) or ({n}, dv), one value per key", tuple(values.shape))
+    _same_dtype("keys", keys, "query", query)
+    _same_dtype("values", values, "query", query)
     scores = keys @ query                    # (n,)  one compatibility score per key
     weights = torch.softmax(scores, dim=0)   # (n,)  positive, sums to one
     return weights @ values                  # () or (dv,)
@@ -57,20 +59,75 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | Non
     q (..., Lq, d), k (..., Lk, d), mask bool broadcastable to (..., Lq, Lk)  ->  (..., Lq, Lk)
     Each row (one query) sums to one over the keys it may attend to.
     """
-    validate.tensor("q", q, min_dim=2, floating=True)
-    validate.tensor("k", k, min_dim=2, floating=True)
-    validate.expect(q.shape[-1] == k.shape[-1], "k", f"last dimension {q.shape[-1]} to match q {tuple(q.shape)}",
-                    tuple(k.shape))
+    _check_qk_mask(q, k, mask)
+    return _attention_weights(q, k, mask)
+
+
+def _attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    # attention_weights without its checks (_check_qk_mask made them)
     scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5   # (..., Lq, Lk)
     if mask is not None:
-        lq, lk = scores.shape[-2:]
-        validate.tensor("mask", mask, min_dim=2, dtype=torch.bool)
-        validate.expect(mask.shape[-2] in (1, lq) and mask.shape[-1] in (1, lk), "mask", f"a bool tensor broadcastable "
-                        f"to (..., {lq}, {lk}) (queries x keys, True = may attend)", f"shape {tuple(mask.shape)}")
         # -inf becomes exactly zero weight after the softmax, and the remaining
         # weights of the row still sum to one.
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(dim=-1)   # normalise over the keys, one distribution per query
+
+
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape that shapes ``a`` and ``b`` broadcast to, or None when they do not (sizes only: no tensor work)."""
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x = a[-i] if i <= len(a) else 1
+        y = b[-i] if i <= len(b) else 1
+        if x != y and x != 1 and y != 1:
+            return None
+        out.append(y if x == 1 else x)
+    return tuple(reversed(out))
+
+
+def _fits(batch: tuple[int, ...], other: tuple[int, ...]) -> bool:
+    """Whether batch shape ``other`` broadcasts into ``batch`` without enlarging it (a leading 1 aside): a mask
+    or values may repeat over the batch, never add sequences to it."""
+    joined = _broadcast(batch, other)
+    if joined is None:
+        return False
+    extra = len(joined) - len(batch)
+    return all(size == 1 for size in joined[:extra]) and tuple(joined[extra:]) == tuple(batch)
+
+
+def _same_dtype(name: str, x: torch.Tensor, of: str, ref: torch.Tensor) -> None:
+    """``x`` in the dtype of ``ref`` (autocast mixes dtypes on purpose: then any dtype goes).
+
+    Devices are left to torch: its "Expected all tensors to be on the same device" is what the checks' device
+    probe recognises in a student's layer that builds its mask on the CPU."""
+    if x.dtype != ref.dtype and not torch.is_autocast_enabled(ref.device.type):
+        raise TypeError(f"{name}: expected dtype {ref.dtype} (the dtype of {of}), got {x.dtype}; "
+                        f"convert it with {name}.to({of}.dtype)")
+
+
+def _check_qk_mask(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> tuple[int, ...]:
+    """attention_weights' arguments (shapes, dtypes and devices only); the batch shape of the weights."""
+    validate.tensor("q", q, min_dim=2, floating=True)
+    validate.tensor("k", k, min_dim=2, floating=True)
+    validate.expect(q.shape[-1] == k.shape[-1], "k", f"last dimension {q.shape[-1]} to match q {tuple(q.shape)}",
+                    tuple(k.shape))
+    if q.shape[-1] == 0:
+        raise ValueError(f"q: expected a feature dimension d >= 1 (the scores divide by sqrt(d)), got shape "
+                         f"{tuple(q.shape)}")
+    _same_dtype("k", k, "q", q)
+    batch = _broadcast(q.shape[:-2], k.shape[:-2])
+    if batch is None:
+        raise ValueError(f"k: expected batch dimensions that match q's {tuple(q.shape[:-2])} (or are 1), got "
+                         f"shape {tuple(k.shape)} against q {tuple(q.shape)}")
+    if mask is not None:
+        lq, lk = q.shape[-2], k.shape[-2]
+        validate.tensor("mask", mask, min_dim=2, dtype=torch.bool)
+        validate.expect(mask.shape[-2] in (1, lq) and mask.shape[-1] in (1, lk), "mask", f"a bool tensor broadcastable "
+                        f"to (..., {lq}, {lk}) (queries x keys, True = may attend)", f"shape {tuple(mask.shape)}")
+        if not _fits(batch, mask.shape[:-2]):
+            raise ValueError(f"mask: expected a bool tensor broadcastable to the scores {batch + (lq, lk)} "
+                             f"(its batch dimensions matching q and k, or 1), got shape {tuple(mask.shape)}")
+    return batch
 
 
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -81,14 +138,24 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     ->  (..., Lq, dv)
     """
     validate.tensor("v", v, min_dim=2, floating=True)
+    validate.tensor("k", k, min_dim=2, floating=True)   # before its shape is read
     validate.expect(k.shape[-2] == v.shape[-2], "v", f"{k.shape[-2]} rows, one per key (k has shape {tuple(k.shape)})",
                     tuple(v.shape))
-    return attention_weights(q, k, mask) @ v   # (..., Lq, dv)
+    batch = _check_qk_mask(q, k, mask)
+    _same_dtype("v", v, "q", q)
+    if not _fits(batch, v.shape[:-2]):
+        raise ValueError(f"v: expected one value per key, with the batch dimensions of q and k "
+                         f"({tuple(batch) if batch else 'none'}) or 1s, got shape {tuple(v.shape)} with k "
+                         f"{tuple(k.shape)}")
+    return _attention_weights(q, k, mask) @ v   # (..., Lq, dv)
 
 
 def causal_mask(n: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Bool (n, n): True on and below the diagonal, so position i sees positions 0..i."""
-    validate.positive_int("n", n)
+    n = validate.positive_int("n", n)
+    # a meta tensor's device (x.device) is taken as is: shape-only runs, such as the checks' device probe
+    if device is not None and not (isinstance(device, torch.device) and device.type == "meta"):
+        device = validate.device("device", device)
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
@@ -216,6 +283,10 @@ class KVCache:
         validate.tensor("v", v, dim=4, floating=True)
         validate.expect(v.shape == k.shape, "v", f"the shape of k {tuple(k.shape)} (N, heads, L, head_dim)",
                         tuple(v.shape))
+        # each is written into a buffer of its own kind: a mix would fail later, or attend across devices
+        _same_dtype("v", v, "k", k)
+        if v.device != k.device:
+            raise ValueError(f"v: expected a tensor on {k.device} (the device of k), got {v.device}")
         if self._k is not None:
             held = (self._k.shape[1], self._k.shape[3], self._k.dtype, self._k.device)
             if (k.shape[1], k.shape[3], k.dtype, k.device) != held:

@@ -182,6 +182,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, tokenizer: Any = 
     half-written checkpoint behind. ``extra`` and ``training`` must be plain data (see the
     error message otherwise): what could not be loaded back safely is refused now, not later.
     """
+    validate.path("path", path, "a file path for the checkpoint")
     model = unwrap_model(model)
     architecture = architecture_of(model)
     if extra is not None and not isinstance(extra, dict):
@@ -197,7 +198,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, tokenizer: Any = 
     payload = {
         "format_version": FORMAT_VERSION,
         "architecture": architecture,
-        "config": model.config.to_dict(),
+        "config": _plain("config", model.config.to_dict()),   # a numpy int in a config becomes an int
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "tokenizer": _tokenizer_to_dict(tokenizer),
         "extra": dict(extra or {}),
@@ -263,9 +264,16 @@ def load_checkpoint(path: str | os.PathLike, model: GPT | ModernGPT | None = Non
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a file path, got {validate.describe(path)}")
+    if isinstance(path, str) and not path.strip():   # Path("") is ".", the current folder
+        raise ValueError(f"path: expected the path of a checkpoint file, got {validate.describe(path)}")
     path = Path(path)
     if device is not None:
         device = validate.device("device", device)   # before reading: 'gpu' is named, not torch's own error
+    if path.is_dir():
+        inside = path / "checkpoint.pt"
+        hint = (f"; the checkpoint in it is {inside}" if inside.is_file() else
+                "; pass the checkpoint file itself (a run folder holds checkpoint.pt)")
+        raise IsADirectoryError(f"path: {path} is a folder, not a checkpoint file{hint}")
     if not path.is_file():
         raise FileNotFoundError(f"path: no checkpoint at {path}; train one with "
                                 f"`python -m course_lib train --preset tiny --out DIR`")

@@ -321,6 +321,8 @@ def load_text(path: str | os.PathLike) -> str:
     """Read any UTF-8 text file (bring your own corpus); a leading byte-order mark is dropped."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a file path (str or Path), got {validate.describe(path)}")
+    if str(path).strip() == "":   # Path("") is ".", the current folder
+        raise ValueError(f"path: expected the path of a text file, got {validate.describe(path)}")
     file = Path(path).expanduser()
     if not file.exists():
         raise FileNotFoundError(f"path: no file at {file} (absolute: {file.absolute()})")

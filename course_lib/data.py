@@ -8,6 +8,7 @@ are re-exported here, so ``data.load_corpus("tinyshakespeare")`` works as the no
 """
 from __future__ import annotations
 
+import difflib
 import os
 import random
 from collections.abc import Sequence
@@ -74,11 +75,12 @@ class CharTokenizer:
 
     def __init__(self, chars: str | Sequence[str], unknown: str = "error") -> None:
         validate.one_of("unknown", unknown, UNKNOWN_POLICIES)
+        given = chars
         if isinstance(chars, str):
             chars = list(chars)
         if not isinstance(chars, (list, tuple)) or not chars:
             raise ValueError(f"chars: expected a non-empty string or list of characters, "
-                             f"got {validate.describe(chars)}")
+                             f"got {validate.describe(given)}")
         seen: set[str] = set()
         for i, ch in enumerate(chars):
             if not isinstance(ch, str) or len(ch) != 1:
@@ -250,7 +252,10 @@ def lm_windows(ids: torch.Tensor, max_tokens: int, stride: int | None = None):
 def split_by_position(ids: torch.Tensor, train_fraction: float = 0.9):
     """First ``train_fraction`` of the tokens for training, the rest for validation."""
     validate.token_ids("ids", ids, dim=1)
-    return _split_at(ids, train_fraction)
+    try:
+        return _split_at(ids, train_fraction)
+    except _TooFewToSplit as exc:
+        raise ValueError(str(exc)) from None   # the private class is corpus_splits' business
 
 
 def _split_at(ids: torch.Tensor, train_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,12 +264,18 @@ def _split_at(ids: torch.Tensor, train_fraction: float) -> tuple[torch.Tensor, t
     n_train = int(ids.numel() * fraction)
     if n_train == 0 or n_train == ids.numel():
         raise _TooFewToSplit(f"ids: {ids.numel()} tokens are too few to split with "
-                             f"train_fraction={train_fraction} (one side would be empty)")
+                             f"train_fraction={train_fraction} (one side would be empty)", ids.numel())
     return ids[:n_train], ids[n_train:]
 
 
 class _TooFewToSplit(ValueError):
-    """A text too short for a training and a validation part (corpus_splits says what it needs)."""
+    """A text too short for a training and a validation part (corpus_splits says what it needs).
+
+    Private: the public functions turn it into a plain ValueError naming their own argument."""
+
+    def __init__(self, message: str, count: int):
+        super().__init__(message)
+        self.count = count
 
 
 def random_batch(ids: torch.Tensor, batch_size: int, max_tokens: int,
@@ -401,6 +412,8 @@ class Examples:
         self.targets = validate.token_ids("targets", targets, dim=2).long()
         if inputs.shape != targets.shape:
             raise ValueError(f"targets: expected shape {tuple(inputs.shape)}, got {tuple(targets.shape)}")
+        if inputs.shape[0] == 0:   # nothing to sample or evaluate
+            raise ValueError(f"inputs: expected at least one example (row), got shape {tuple(inputs.shape)}")
 
     @classmethod
     def _of(cls, inputs: torch.Tensor, targets: torch.Tensor) -> Examples:
@@ -437,9 +450,19 @@ def char_corpus(name_or_text: str | os.PathLike, train_fraction: float = 0.9) ->
     """A corpus name ("tinyshakespeare"), a Path to a UTF-8 file, or the text itself -> tokenizer and splits.
 
     A file is read only when given as a ``pathlib.Path``: a string is a corpus name or text, and a
-    string that looks like a file path (one word with a slash or a file extension) is refused,
-    rather than trained on as the characters of the path.
+    string that looks like a file path (one word with a slash or a file extension) or like a misspelt
+    corpus name (one short word close to one: "Tinyshakespeare") is refused, rather than trained on as
+    its own characters.
     """
+    try:
+        return _char_corpus(name_or_text, train_fraction)
+    except _TooFewToSplit as exc:
+        raise ValueError(f"name_or_text: {exc.count} characters are too few to split with "
+                         f"train_fraction={train_fraction} (one side would be empty); pass a longer text") from None
+
+
+def _char_corpus(name_or_text: str | os.PathLike, train_fraction: float) -> CharCorpus:
+    # char_corpus, raising _TooFewToSplit for a text too short (corpus_splits says what it needs instead)
     if isinstance(name_or_text, os.PathLike):
         text = load_text(name_or_text)
     elif isinstance(name_or_text, str) and name_or_text in CORPORA:
@@ -449,6 +472,10 @@ def char_corpus(name_or_text: str | os.PathLike, train_fraction: float = 0.9) ->
             raise ValueError(f"name_or_text: got {name_or_text!r}, which looks like a file path, not text; "
                              f"read the file with char_corpus(Path({name_or_text!r})) (from pathlib import "
                              f"Path), or pass the text itself")
+        close = _close_corpus_name(name_or_text)
+        if close is not None:
+            raise ValueError(f"name_or_text: got {name_or_text!r}, which looks like a misspelt corpus name, not "
+                             f"text; did you mean {close!r}? (the corpora are {sorted(CORPORA)}, in lower case)")
         text = name_or_text
     else:
         raise ValueError(f"name_or_text: expected one of {sorted(CORPORA)}, a Path to a text file, "
@@ -465,20 +492,21 @@ def corpus_splits(corpus: str | os.PathLike, max_tokens: int) -> tuple[CharToken
     ``"names"``: one padded row per name (:class:`Examples`); any other corpus name, or the path of
     a UTF-8 text file: one long run of characters (:class:`TokenStream`).
     """
-    if corpus == "names":
+    max_tokens = validate.positive_int("max_tokens", max_tokens)
+    if isinstance(corpus, str) and corpus == "names":
         names = load_names()
         tokenizer = names_tokenizer(names)
         train_names, val_names = split_names(names)
         return (tokenizer, Examples._of(*names_dataset(train_names, tokenizer, max_tokens)),
                 Examples._of(*names_dataset(val_names, tokenizer, max_tokens)))
-    source = corpus if corpus in CORPORA else _corpus_file(corpus)
+    source = corpus if isinstance(corpus, str) and corpus in CORPORA else _corpus_file(corpus)
     # each part must hold at least one window of max_tokens + 1 characters; the validation part is 10%
     too_short = ValueError(f"corpus: {source} is too short to train on: a character-level run with "
                            f"max_tokens={max_tokens} needs at least {10 * (max_tokens + 1)} characters (a training "
                            f"part and a validation part of 10%, each at least one window of {max_tokens + 1}), "
                            f"and a few thousand to learn anything; use a longer text")
     try:
-        prepared = char_corpus(source)
+        prepared = _char_corpus(source, 0.9)
     except _TooFewToSplit:
         raise too_short from None
     if min(prepared.train_ids.numel(), prepared.val_ids.numel()) < max_tokens + 1:
@@ -499,6 +527,19 @@ def _corpus_file(corpus: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"corpus: expected one of {sorted(CORPORA)} or the path of a UTF-8 text file, "
                                 f"got {str(corpus)!r}{hint}")
     return file
+
+
+def _close_corpus_name(text: str) -> str | None:
+    """The corpus that a short one-word string seems to misspell ("Tinyshakespeare", "shakespeare"), or None.
+
+    Text worth training on is longer, or has spaces or line breaks."""
+    if len(text) > 40 or any(c.isspace() for c in text):
+        return None
+    word = text.lower()
+    close = difflib.get_close_matches(word, sorted(CORPORA), n=1, cutoff=0.7)
+    if close:
+        return close[0]
+    return next((name for name in sorted(CORPORA) if len(word) >= 5 and word in name), None)
 
 
 def _looks_like_a_path(text: str) -> bool:

@@ -28,7 +28,8 @@ def online_softmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     A block whose entries are all -inf (a padded prefix) leaves m at -inf, and -inf - (-inf) is NaN:
     while nothing has been seen, the maximum is subtracted as 0 instead (every term is exp(-inf) = 0 then).
     A row that is -inf everywhere has nothing to weigh: its probabilities are all 0, as attention over no
-    keys gives in :func:`naive_attention` (``torch.softmax`` would give NaN).
+    keys gives in :func:`naive_attention` (``torch.softmax`` would give NaN). A row holding +inf or NaN gives
+    NaN, as ``torch.softmax`` does: no finite probabilities can say where an infinite score's weight goes.
     """
     validate.tensor("x", x, min_dim=1, floating=True)
     block_size = validate.positive_int("block_size", block_size)
@@ -49,8 +50,10 @@ def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
 
 
 def _divide_or_zero(numerator: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """numerator / total, and 0 where the total is 0 (a row with no key to weigh)."""
-    return torch.where(total > 0, numerator / torch.where(total > 0, total, torch.ones_like(total)),
+    """numerator / total, and 0 where the total is 0 (a row with no key to weigh); a NaN total (a row that
+    held +inf or NaN) stays NaN, as torch.softmax and naive_attention give, rather than a silent 0."""
+    some = total != 0
+    return torch.where(some, numerator / torch.where(some, total, torch.ones_like(total)),
                        torch.zeros_like(numerator))
 
 

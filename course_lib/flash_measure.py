@@ -53,10 +53,14 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
-    """The largest number of bytes held at once by tensors that ``fn()`` creates (its result included)."""
+def _check_fn(fn: object) -> None:
     if not callable(fn):
         raise TypeError(f"fn: expected a function of no arguments, got {validate.describe(fn)}")
+
+
+def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
+    """The largest number of bytes held at once by tensors that ``fn()`` creates (its result included)."""
+    _check_fn(fn)
     counter = _LiveBytes()
     with torch.no_grad(), counter:
         result = fn()
@@ -74,6 +78,7 @@ def _status(field: str) -> int:
 def peak_rss_bytes(fn: Callable[[], Any]) -> int | None:
     """Peak resident memory of the process during ``fn()``, above its resident memory before; None where the
     platform cannot reset the peak (only Linux can: /proc/self/clear_refs)."""
+    _check_fn(fn)
     try:
         Path("/proc/self/clear_refs").write_text("5")    # resets VmHWM to the current RSS
         before = _status("VmRSS")
@@ -87,6 +92,7 @@ def peak_rss_bytes(fn: Callable[[], Any]) -> int | None:
 
 def seconds(fn: Callable[[], Any], repeats: int = 1) -> float:
     """The fastest of ``repeats`` timed calls of ``fn()`` after one untimed warm-up call."""
+    _check_fn(fn)
     repeats = validate.positive_int("repeats", repeats)
     with torch.no_grad():
         fn()

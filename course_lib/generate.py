@@ -27,6 +27,7 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int
         validate.positive_int("top_k", top_k)
     if top_p is not None:
         validate.number_in("top_p", top_p, low=0, high=1, low_open=True)
+    _check_generator(generator)
     _check_samplable(logits)
     if temperature == 0:
         return logits.argmax(dim=-1)                                          # (N,)
@@ -66,6 +67,19 @@ def _check_samplable(logits: torch.Tensor) -> None:
                          f"banning all {logits.shape[-1]} tokens")
 
 
+def _check_generator(generator: Any) -> None:
+    validate.instance("generator", generator, torch.Generator,
+                      "a torch.Generator or None (torch.Generator().manual_seed(42) for repeatable samples)",
+                      or_none=True)
+
+
+def _check_prompt(idx: torch.Tensor) -> None:
+    """A prompt idx (N, L), its ids checked already, with at least one token per row."""
+    if idx.shape[1] == 0:
+        raise ValueError("idx: expected at least one token per row to start from, got shape "
+                         f"{tuple(idx.shape)}; use a newline or a start token as the prompt")
+
+
 def _check_stop_token(stop_token: Any, vocab_size: int | None) -> int | None:
     """None, or one token id (an int, a numpy or 0-d tensor integer) in 0..vocab_size-1."""
     if stop_token is None:
@@ -88,7 +102,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def _vocab_size(model: nn.Module) -> int | None:
     size = getattr(getattr(model, "config", None), "vocab_size", None)
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+    return int(size) if validate.is_int(size) and size > 0 else None
 
 
 def _context_length(model: nn.Module) -> int:
@@ -96,11 +110,11 @@ def _context_length(model: nn.Module) -> int:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {validate.describe(model)}")
     size = getattr(getattr(model, "config", None), "max_tokens", None)
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+    if not validate.is_int(size) or size <= 0:
         raise TypeError(f"model: expected a model whose config.max_tokens gives its context length (a GPT or "
                         f"ModernGPT), got {type(model).__name__} with config.max_tokens={size!r}; generate() "
                         f"crops the text to that length")
-    return size
+    return int(size)
 
 
 @torch.no_grad()
@@ -124,11 +138,10 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     validate.non_negative_int("max_new_tokens", max_new_tokens)
     validate.boolean("use_cache", use_cache)
     _check_prompt_vocabulary(model, idx)
-    if idx.shape[1] == 0:
-        raise ValueError("idx: expected at least one token per row to start from, got shape "
-                         f"{tuple(idx.shape)}; use a newline or a start token as the prompt")
+    _check_prompt(idx)
     max_tokens = _context_length(model)
     stop_token = _check_stop_token(stop_token, _vocab_size(model))
+    _check_generator(generator)
     keep = max(1, max_tokens // 2)
     if use_cache and not hasattr(model, "new_cache"):
         raise TypeError(f"model: use_cache=True needs a model with new_cache(), got {type(model).__name__}")
@@ -168,9 +181,12 @@ def generate_with_cache(model: nn.Module, idx: torch.Tensor, max_new_tokens: int
     validate.token_ids("idx", idx, dim=2)
     validate.non_negative_int("max_new_tokens", max_new_tokens)
     _check_prompt_vocabulary(model, idx)
+    _check_prompt(idx)
     if idx.shape[1] + max_new_tokens - 1 > _context_length(model):
         raise ValueError(f"max_new_tokens: prompt ({idx.shape[1]}) + new tokens - 1 must fit in "
                          f"max_tokens={model.config.max_tokens}, got max_new_tokens={max_new_tokens}")
+    if not hasattr(model, "new_cache"):
+        raise TypeError(f"model: generate_with_cache needs a model with new_cache(), got {type(model).__name__}")
     cache = model.new_cache()
     logits = model(idx, cache)                                    # 1. the whole prompt once
     for step in range(max_new_tokens):
@@ -184,6 +200,12 @@ def generate_with_cache(model: nn.Module, idx: torch.Tensor, max_new_tokens: int
 def generate_text(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int = 200,
                   **kwargs: Any) -> str:
     """Encode ``prompt``, generate, decode: text in, text out (prompt included)."""
+    validate.instance("model", model, nn.Module, "a torch.nn.Module")   # as generate() says it
+    # a str has an encode() of its own (str.encode("ab") looks for an encoding named "ab")
+    validate.expect(not isinstance(tokenizer, (str, bytes)) and callable(getattr(tokenizer, "encode", None))
+                    and callable(getattr(tokenizer, "decode", None)), "tokenizer",
+                    "a tokenizer with encode() and decode() (a CharTokenizer or a transformers tokenizer)",
+                    validate.describe(tokenizer), TypeError)
     if not isinstance(prompt, str):
         raise TypeError(f"prompt: expected a str, got {validate.describe(prompt)}")
     ids = list(tokenizer.encode(prompt)) if prompt else []

@@ -12,9 +12,11 @@ The scores read attention weights laid out (N, heads, L, L), as the course recor
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
 import torch.nn.functional as F
@@ -124,12 +126,17 @@ def repeated_tokens(batch_size: int, half: int, vocab_size: int, *, length: int 
     validate.positive_int("half", half)
     validate.positive_int("vocab_size", vocab_size)
     length = 2 * half if length is None else validate.positive_int("length", length)
+    validate.instance("generator", generator, torch.Generator, "a torch.Generator or None", or_none=True,
+                      hint="torch.Generator().manual_seed(0), say")
     first = torch.randint(vocab_size, (batch_size, half), generator=generator)   # (N, half)
     repeats = -(-length // half)                                                 # ceil(length / half)
     return first.repeat(1, repeats)[:, :length]                                  # (N, length)
 
 
 # ---------------------------------------------------------------- the model
+
+_DEFAULT_MIN_PERIOD = 8
+
 
 @dataclass(frozen=True)
 class InductionConfig:
@@ -151,13 +158,24 @@ class InductionConfig:
     log_every: int = 10
     # Each training batch repeats with its own period, drawn from min_period .. half, so no head can
     # find the copy by its position alone (a fixed period would let layer 0 look back `half` places).
-    min_period: int = 8
+    min_period: int = _DEFAULT_MIN_PERIOD
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "half", "embed_dim", "num_heads", "num_layers", "batch_size", "steps",
                      "log_every"):
             validate.positive_int(f"InductionConfig.{name}", getattr(self, name))
         validate.positive_float("InductionConfig.learning_rate", self.learning_rate)
+        validate.positive_float("InductionConfig.learning_rate", self.learning_rate, finite=True)
+        if isinstance(self.min_period, bool) or not isinstance(self.min_period, int):
+            raise ValueError(f"InductionConfig.min_period: expected an int in 2 .. half={self.half}, got "
+                             f"{validate.describe(self.min_period)}")
+        if self.half < 2:
+            raise ValueError(f"InductionConfig.half: expected an int >= 2 (a batch repeats with a period of 2 .. half "
+                             f"tokens), got {self.half}")
+        if self.min_period > self.half and self.min_period == _DEFAULT_MIN_PERIOD:
+            raise ValueError(f"InductionConfig.half: half={self.half} is below the default min_period="
+                             f"{_DEFAULT_MIN_PERIOD} (each batch repeats with a period of min_period .. half tokens); "
+                             f"set min_period too, to 2 .. {self.half}")
         if not 2 <= self.min_period <= self.half:
             raise ValueError(f"InductionConfig.min_period: expected 2 .. half={self.half}, got {self.min_period}")
         validate.non_negative_int("InductionConfig.seed", self.seed)
@@ -197,6 +215,12 @@ class AttentionOnly(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (N, L) -> logits (N, L, vocab_size)."""
         validate.token_ids("idx", idx, dim=2, vocab_size=self.config.vocab_size)   # not the embedding's IndexError
+        max_tokens = 2 * self.config.half
+        if idx.shape[1] > max_tokens:   # here, where the message can name idx, not the position table
+            raise ValueError(f"idx: sequence of {idx.shape[1]} tokens is longer than max_tokens={max_tokens} "
+                             f"(2 * half); crop it to the last {max_tokens} tokens (idx[:, -{max_tokens}:])")
+        if idx.dtype != torch.long and idx.dtype != torch.int32:
+            idx = idx.long()   # any integer ids: nn.Embedding takes only int32 and int64
         x = self.token_embedding(idx) + self.position_encoding(idx.shape[1])   # (N, L, embed_dim)
         for block in self.blocks:
             x = block(x)                                                       # (N, L, embed_dim)
@@ -223,8 +247,21 @@ def half_losses(model: nn.Module, tokens: torch.Tensor, half: int) -> tuple[torc
     The first half's targets are positions 1 .. half-1 (random, unpredictable); the second half's are
     half .. 2*half-1, each a copy of a token seen ``half`` positions before.
     """
+    if not callable(model):
+        raise TypeError(f"model: expected a model that maps token ids (N, L) to logits (N, L, vocab), got "
+                        f"{validate.describe(model)}")
     tokens = validate.token_ids("tokens", tokens, dim=2)
+    length = tokens.shape[1]
+    if length < 3:
+        raise ValueError(f"tokens: expected at least 3 tokens per sequence (a target in each half), got shape "
+                         f"{tuple(tokens.shape)}")
+    if isinstance(half, bool) or not isinstance(half, Integral) or not 2 <= half <= length - 1:
+        raise ValueError(f"half: expected an int in 2 .. {length - 1} (the first half's length, so that each half has "
+                         f"a target in tokens of length {length}), got {validate.describe(half)}")
     logits = model(tokens[:, :-1])                                       # (N, L-1, vocab)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != (tokens.shape[0], length - 1):
+        raise ValueError(f"model: expected logits (N, L-1, vocab) with (N, L-1) = {(tokens.shape[0], length - 1)} "
+                         f"for tokens[:, :-1], got {validate.describe(logits)}")
     losses = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")   # (N, L-1)
     # Target j + 1 is predicted at position j: the first half's targets are columns 0 .. half-2.
     return losses[:, :half - 1].mean(), losses[:, half - 1:].mean()
@@ -281,8 +318,30 @@ def _log(run: InductionRun, step: int, probe: torch.Tensor) -> None:
     run.second_half.append(float(second))
 
 
+def _numbers(name: str, values: object, *, whole: bool) -> list:
+    """A list (tuple, array, 1-D tensor) of ints (``whole``) or finite numbers, as InductionRun logs them."""
+    what = "ints" if whole else "finite numbers"
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name}: expected a list of {what} (as InductionRun logs them), got {validate.describe(values)}")
+    items = []
+    for i, item in enumerate(values):
+        if isinstance(item, torch.Tensor) and item.numel() == 1:
+            item = item.item()
+        ok = isinstance(item, Integral) and not isinstance(item, bool) if whole \
+            else validate.is_number(item) and math.isfinite(item)
+        if not ok:
+            number = validate.is_number(item)
+            hint = "; a diverged run (nan or inf loss) has no phase change to find" if number and not whole else ""
+            raise (ValueError if number else TypeError)(
+                f"{name}: expected a list of {what}, got {validate.describe(item)} at index {i}{hint}")
+        items.append(item)
+    return items
+
+
 def phase_change_step(steps: list[int], losses: list[float]) -> int:
     """The logged step where the loss falls fastest (the largest drop between two logged points)."""
+    steps = _numbers("steps", steps, whole=True)
+    losses = _numbers("losses", losses, whole=False)
     if len(steps) != len(losses) or len(steps) < 2:
         raise ValueError(f"steps, losses: expected two equal-length lists of at least 2 points, got "
                          f"{len(steps)} and {len(losses)}")

@@ -12,9 +12,10 @@ host, and prints one line saying what was done.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, MutableMapping, Sequence
 from importlib import metadata
 
+from . import _validate as validate
 from .corpora import CORPORA, CorpusError, corpus_path, locate_corpus, user_data_dir
 from .runtime import __version__
 
@@ -28,6 +29,11 @@ READY_LINE = "set-up: the course is installed in this kernel; nothing to do"
 def hosting(environ: dict | None = None, modules: Sequence[str] | None = None) -> str:
     """'colab', 'kaggle' or 'local': the host this kernel runs on, from what each host is known to set."""
     import sys
+    validate.instance("environ", environ, Mapping, "a mapping of environment variables such as os.environ, or None",
+                      or_none=True)
+    if modules is not None and (isinstance(modules, (str, bytes)) or not isinstance(modules, Collection)):
+        raise TypeError(f"modules: expected a collection of module names such as sys.modules, or None, got "
+                        f"{validate.describe(modules)}")
     environ = os.environ if environ is None else environ
     modules = sys.modules if modules is None else modules
     if "google.colab" in modules or "COLAB_RELEASE_TAG" in environ:
@@ -43,6 +49,8 @@ def widget_mode(host: str, environ: dict | None = None) -> str:
     (COURSE_STATIC_WIDGETS=1). An explicit COURSE_STATIC_WIDGETS is always kept."""
     if host not in ("colab", "kaggle", "local"):
         raise ValueError(f"host: expected 'colab', 'kaggle' or 'local', got {host!r}")
+    validate.instance("environ", environ, MutableMapping, "a mapping of environment variables such as os.environ, "
+                      "or None", or_none=True)
     environ = os.environ if environ is None else environ
     if "COURSE_STATIC_WIDGETS" not in environ and host == "kaggle":
         environ["COURSE_STATIC_WIDGETS"] = "1"
@@ -50,10 +58,16 @@ def widget_mode(host: str, environ: dict | None = None) -> str:
     return "static" if static else "widgets"
 
 
+def _check_names(name: str, names: object) -> None:
+    if isinstance(names, str) or not isinstance(names, Sequence) \
+            or not all(isinstance(n, str) and n in CORPORA for n in names):
+        raise ValueError(f"{name}: expected a list of corpus names from {sorted(CORPORA)}, got {names!r}")
+
+
 def prepare_corpora(names: Sequence[str], download: bool = True) -> list[str]:
     """One short phrase per corpus: where it was found, that it was downloaded, or where to put it."""
-    if isinstance(names, str) or not all(isinstance(n, str) and n in CORPORA for n in names):
-        raise ValueError(f"names: expected a list of corpus names from {sorted(CORPORA)}, got {names!r}")
+    _check_names("names", names)
+    validate.boolean("download", download)
     said = []
     for name in names:
         if locate_corpus(name).ok:
@@ -83,6 +97,12 @@ def finish(corpora: Sequence[str] = (), *, torch_before: str | None = None, sour
     """After the cell's install: corpora, widgets, and the one line that says what was done (returned too).
 
     ``torch_before``: the torch version the kernel had before the install (None: it had none)."""
+    _check_names("corpora", corpora)
+    validate.instance("torch_before", torch_before, str, "the version string torch had before the install "
+                      "(torch.__version__, such as '2.5.1'), or None if it had none", or_none=True)
+    validate.instance("source", source, str, "where the course was installed from (a package name, wheel, folder "
+                      "or git URL), or None", or_none=True)
+    validate.boolean("download", download)
     source = source or os.environ.get(SOURCE_ENV) or DISTRIBUTION
     host = hosting()
     now = _torch_version()

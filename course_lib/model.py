@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 from torch import nn
@@ -73,10 +74,26 @@ class SinusoidalPositionalEncoding(nn.Module):
         return self.table[start:start + length]
 
 
+def _check_position_count(name: str, value: object) -> None:
+    """``value`` an int >= 0 (numpy's too); cheap, since a positional encoding runs on every forward."""
+    if type(value) is int and value >= 0:
+        return
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+        hint = "; pass the number of positions, x.shape[1], not the tensor" if isinstance(value, torch.Tensor) else ""
+        raise ValueError(f"{name}: expected an int >= 0, got {validate.describe(value)}{hint}")
+
+
 def _check_positions(length: int, start: int, max_tokens: int) -> None:
+    _check_position_count("length", length)
+    _check_position_count("start", start)
     if start + length > max_tokens:
         raise ValueError(f"length: positions {start}..{start + length - 1} go past max_tokens={max_tokens}; "
                          f"crop the sequence to its last {max_tokens} tokens")
+
+
+def _check_last_dim(x: torch.Tensor, embed_dim: int) -> None:
+    if x.shape[-1] != embed_dim:   # the message is built only when it is needed: this runs on every forward
+        raise ValueError(f"x: expected last dimension embed_dim={embed_dim}, got shape {tuple(x.shape)}")
 
 
 class FeedForward(nn.Module):
@@ -89,6 +106,8 @@ class FeedForward(nn.Module):
         hidden_dim = 4 * embed_dim if hidden_dim is None else validate.positive_int("hidden_dim", hidden_dim)
         validate.probability("dropout_rate", dropout_rate)
         validate.one_of("activation", activation, ACTIVATIONS)
+        validate.boolean("bias", bias)
+        self.embed_dim = embed_dim
         self.fc = nn.Linear(embed_dim, hidden_dim, bias=bias)
         self.act = nn.ReLU() if activation == "relu" else nn.GELU(
             approximate="tanh" if activation == "gelu_tanh" else "none")
@@ -98,6 +117,7 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         validate.tensor("x", x, min_dim=1, floating=True)
         check_input_dtype("x", x, self)
+        _check_last_dim(x, self.embed_dim)
         return self.dropout(self.proj(self.act(self.fc(x))))   # (N, L, embed_dim)
 
 
@@ -112,9 +132,10 @@ class TransformerBlock(nn.Module):
                  norm_first: bool = True, *, bias: bool = False, activation: str = "gelu",
                  layer_norm_eps: float = 1e-5, mlp_ratio: int = 4, fused: bool = True):
         super().__init__()
+        self.embed_dim = validate.positive_int("embed_dim", embed_dim)   # here, not in nn.LayerNorm's own error
         validate.positive_int("mlp_ratio", mlp_ratio)
-        validate.positive_float("layer_norm_eps", layer_norm_eps)
-        self.norm_first = bool(norm_first)
+        validate.finite_positive("layer_norm_eps", layer_norm_eps)
+        self.norm_first = validate.boolean("norm_first", norm_first)
         self.ln1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
         self.attn = MultiHeadMaskedAttention(embed_dim, num_heads, max_tokens, dropout_rate,
                                              bias=bias, fused=fused)
@@ -126,6 +147,7 @@ class TransformerBlock(nn.Module):
         """x (N, L, embed_dim) -> (N, L, embed_dim)."""
         validate.tensor("x", x, dim=3, floating=True)
         check_input_dtype("x", x, self)   # before ln1, whose own error would not name x
+        _check_last_dim(x, self.embed_dim)
         if self.norm_first:
             x = x + self.attn(self.ln1(x), cache)
             x = x + self.mlp(self.ln2(x))
@@ -161,7 +183,8 @@ class GPTConfig(SavedConfig):
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_tokens", "embed_dim", "num_heads", "num_layers", "mlp_ratio"):
-            validate.positive_int(f"GPTConfig.{name}", getattr(self, name))
+            # stored as a plain int (a numpy integer is taken too), so that the config saves as JSON
+            setattr(self, name, validate.positive_int(f"GPTConfig.{name}", getattr(self, name)))
         if self.embed_dim % self.num_heads:
             divisors = [h for h in range(1, self.embed_dim + 1) if self.embed_dim % h == 0 and h <= 64]
             raise ValueError(f"GPTConfig.embed_dim={self.embed_dim} is not divisible by "
@@ -171,7 +194,7 @@ class GPTConfig(SavedConfig):
                              hint="0.0 turns dropout off, 0.1-0.2 is typical")
         validate.one_of("GPTConfig.positional", self.positional, POSITIONAL)
         validate.one_of("GPTConfig.activation", self.activation, ACTIVATIONS)
-        validate.positive_float("GPTConfig.layer_norm_eps", self.layer_norm_eps, hint="1e-5 is typical")
+        validate.finite_positive("GPTConfig.layer_norm_eps", self.layer_norm_eps, hint="1e-5 is typical")
         validate.positive_float("GPTConfig.input_init_std", self.input_init_std, finite=True,
                                 hint=f"GPT-2 uses {GPT2_INIT_STD}")
         for name in ("norm_first", "tie_weights", "bias", "fused_attention"):
@@ -237,6 +260,8 @@ class GPT(nn.Module):
         """
         start = check_model_input(idx, cache, vocab_size=self.config.vocab_size, max_tokens=self.config.max_tokens,
                                   num_blocks=len(self.blocks), training=self.training)
+        if idx.dtype != torch.long and idx.dtype != torch.int32:
+            idx = idx.long()   # any integer ids: nn.Embedding takes only int32 and int64
         n, length = idx.shape
         x = self.token_embedding(idx) + self.position_encoding(length, start)   # (N, L, embed_dim)
         x = self.dropout(x)
@@ -246,6 +271,7 @@ class GPT(nn.Module):
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Number of trainable numbers; a tied head/embedding is counted once."""
+        validate.boolean("include_embeddings", include_embeddings)
         unique = {id(p): p for p in self.parameters()}
         total = sum(p.numel() for p in unique.values())
         if not include_embeddings and self.config.positional == "learned":

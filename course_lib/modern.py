@@ -41,7 +41,10 @@ def rope_tables(head_dim: int, max_tokens: int, theta: float = 10000.0, *,
     validate.positive_int("head_dim", head_dim)
     validate.positive_int("max_tokens", max_tokens)
     validate.expect(head_dim % 2 == 0, "head_dim", "an even number (RoPE turns pairs of dimensions)", head_dim)
-    theta = validate.positive_float("theta", theta, hint="Llama uses 10000.0 or 500000.0")
+    theta = validate.finite_positive("theta", theta, hint="Llama uses 10000.0 or 500000.0")
+    if device is not None:
+        validate.device("device", device)
+    validate.floating_dtype("dtype", dtype, " (cosines and sines of angles)")
     pair = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim   # 2i/d, (head_dim/2,)
     frequencies = theta ** -pair                                                         # (head_dim/2,)
     positions = torch.arange(max_tokens, dtype=torch.float64, device=device)             # (max_tokens,)
@@ -53,6 +56,9 @@ def rope_tables(head_dim: int, max_tokens: int, theta: float = 10000.0, *,
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[x1, x2] -> [-x2, x1]`` over the last dimension: a quarter turn of every pair ``(i, i + d/2)``."""
     validate.tensor("x", x, min_dim=1)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x: expected an even last dimension (pairs i, i + d/2 turn together), got shape "
+                         f"{tuple(x.shape)}")
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
@@ -64,9 +70,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: 
     :math:`x \cos(m\omega) + \mathrm{rotate\_half}(x) \sin(m\omega)`. With a KV cache, ``offset`` is the
     number of tokens already cached, so a new token gets its true position, not 0.
     """
-    validate.tensor("x", x, min_dim=2)
-    validate.tensor("cos", cos, dim=2)
-    validate.tensor("sin", sin, dim=2)
+    validate.tensor("x", x, min_dim=2, floating=True)
+    validate.tensor("cos", cos, dim=2, floating=True)
+    validate.tensor("sin", sin, dim=2, floating=True)
     offset = validate.non_negative_int("offset", offset)
     length, head_dim = x.shape[-2], x.shape[-1]
     validate.expect(cos.shape == sin.shape and cos.shape[1] == head_dim, "cos, sin", f"two (max_tokens, {head_dim}) "
@@ -91,11 +97,11 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.dim = validate.positive_int("dim", dim)
-        self.eps = validate.positive_float("eps", eps, hint="Llama uses 1e-5 or 1e-6")
+        self.eps = validate.finite_positive("eps", eps, hint="Llama uses 1e-5 or 1e-6")
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        validate.tensor("x", x, min_dim=1)
+        validate.tensor("x", x, min_dim=1, floating=True)
         validate.expect(x.shape[-1] == self.dim, "x", f"a last dimension of {self.dim}", f"shape {tuple(x.shape)}")
         # at least float32: the mean of squares overflows float16's range (float64 stays float64)
         wide = torch.promote_types(x.dtype, torch.float32)
@@ -117,7 +123,7 @@ class SwiGLU(nn.Module):
 
     def __init__(self, embed_dim: int, hidden_dim: int):
         super().__init__()
-        validate.positive_int("embed_dim", embed_dim)
+        self.embed_dim = validate.positive_int("embed_dim", embed_dim)
         validate.positive_int("hidden_dim", hidden_dim)
         self.gate = nn.Linear(embed_dim, hidden_dim, bias=False)
         self.up = nn.Linear(embed_dim, hidden_dim, bias=False)
@@ -126,6 +132,8 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         validate.tensor("x", x, min_dim=1, floating=True)
         check_input_dtype("x", x, self)
+        if x.shape[-1] != self.embed_dim:
+            raise ValueError(f"x: expected last dimension embed_dim={self.embed_dim}, got shape {tuple(x.shape)}")
         return self.down(F.silu(self.gate(x)) * self.up(x))   # (N, L, embed_dim)
 
 
@@ -137,7 +145,7 @@ class ReLUSquared(nn.Module):
 
     def __init__(self, embed_dim: int, hidden_dim: int):
         super().__init__()
-        validate.positive_int("embed_dim", embed_dim)
+        self.embed_dim = validate.positive_int("embed_dim", embed_dim)
         validate.positive_int("hidden_dim", hidden_dim)
         self.up = nn.Linear(embed_dim, hidden_dim, bias=False)
         self.down = nn.Linear(hidden_dim, embed_dim, bias=False)
@@ -145,6 +153,8 @@ class ReLUSquared(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         validate.tensor("x", x, min_dim=1, floating=True)
         check_input_dtype("x", x, self)
+        if x.shape[-1] != self.embed_dim:
+            raise ValueError(f"x: expected last dimension embed_dim={self.embed_dim}, got shape {tuple(x.shape)}")
         return self.down(F.relu(self.up(x)).square())   # (N, L, embed_dim)
 
 
@@ -202,6 +212,8 @@ class GroupedQueryAttention(nn.Module):
         validate.boolean("qk_norm", qk_norm)
         validate.positive_int_or_none("sliding_window", sliding_window)
         validate.probability("dropout_rate", dropout_rate)
+        rope_theta = validate.finite_positive("rope_theta", rope_theta, hint="Llama uses 10000.0 or 500000.0")
+        norm_eps = validate.finite_positive("norm_eps", norm_eps, hint="Llama uses 1e-5 or 1e-6")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads: must divide num_heads={num_heads} (each key/value head serves "
                              f"a whole group of query heads), got {num_kv_heads}")
@@ -215,7 +227,7 @@ class GroupedQueryAttention(nn.Module):
         self.groups = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.max_tokens = max_tokens
-        self.rope_theta = float(rope_theta)
+        self.rope_theta = rope_theta
         self.sliding_window = sliding_window
         self.dropout_rate = dropout_rate
         self.query = nn.Linear(embed_dim, num_heads * head_dim, bias=False)

@@ -74,7 +74,8 @@ class ModernGPTConfig(SavedConfig):
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_tokens", "embed_dim", "num_heads", "num_layers"):
-            validate.positive_int(f"ModernGPTConfig.{name}", getattr(self, name))
+            # stored as a plain int (a numpy integer is taken too), so that the config saves as JSON
+            setattr(self, name, validate.positive_int(f"ModernGPTConfig.{name}", getattr(self, name)))
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         validate.positive_int("ModernGPTConfig.num_kv_heads", self.num_kv_heads)
@@ -99,10 +100,9 @@ class ModernGPTConfig(SavedConfig):
             raise ValueError(f"ModernGPTConfig.head_dim: expected an even number (RoPE turns pairs of "
                              f"dimensions), got {self.head_dim} (embed_dim={self.embed_dim}, "
                              f"num_heads={self.num_heads})")
-        self.rope_theta = validate.positive_float("ModernGPTConfig.rope_theta", self.rope_theta,
-                                                  hint="Llama uses 10000.0 or 500000.0")
-        self.norm_eps = validate.positive_float("ModernGPTConfig.norm_eps", self.norm_eps,
-                                                hint="Llama uses 1e-5 or 1e-6")
+        self.rope_theta = validate.finite_positive("ModernGPTConfig.rope_theta", self.rope_theta,
+                                           hint="Llama uses 10000.0 or 500000.0")
+        self.norm_eps = validate.finite_positive("ModernGPTConfig.norm_eps", self.norm_eps, hint="Llama uses 1e-5 or 1e-6")
         validate.boolean("ModernGPTConfig.qk_norm", self.qk_norm)
         validate.boolean("ModernGPTConfig.tie_weights", self.tie_weights)
         self.sliding_window = validate.positive_int_or_none("ModernGPTConfig.sliding_window",
@@ -131,8 +131,32 @@ class ModernGPTConfig(SavedConfig):
 # ---------------------------------------------------------------- building the parts
 
 def _check_part_class(name: str, cls: Any) -> None:
+    if isinstance(cls, nn.Module):   # callable too, but it is called with sizes to build a part, not with x
+        raise TypeError(f"{name}: expected a class (an nn.Module subclass), got an instance of {type(cls).__name__}; "
+                        f"pass the class itself, {name}={type(cls).__name__}, and the model builds its parts")
     if not callable(cls):
         raise TypeError(f"{name}: expected a class (an nn.Module subclass), got {validate.describe(cls)}")
+
+
+# How ModernBlock calls each part's class, and the course's class that takes it, for the message.
+_PART_CALLS = {"attention_cls": ("(embed_dim, num_heads, num_kv_heads, max_tokens, rope_theta, **options)",
+                                 "GroupedQueryAttention"),
+               "norm_cls": ("(embed_dim, norm_eps)", "RMSNorm"), "mlp_cls": ("(embed_dim, hidden_dim)", "SwiGLU")}
+
+
+def _check_callable_as(name: str, cls: Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any]) -> None:
+    """Refuse a part class that cannot take the arguments ModernBlock passes (read from its signature)."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):   # no signature to read (a builtin): let the call decide
+        return
+    try:
+        signature.bind(*args, **options)
+    except TypeError as error:
+        call, course = _PART_CALLS[name]
+        raise TypeError(f"{name}: expected a class the model can call as {name}{call}, got "
+                        f"{getattr(cls, '__name__', type(cls).__name__)}{signature} ({error}); use "
+                        f"course_lib.modern.{course} or a class with that signature") from None
 
 
 def _accepts(cls: Callable[..., Any], keyword: str) -> bool:
@@ -196,6 +220,10 @@ class ModernBlock(nn.Module):
             raise TypeError(f"attention_cls: {getattr(attention_cls, '__name__', attention_cls)} does not take "
                             f"{', '.join(refused)}, and the config asks for {settings}; use "
                             f"course_lib.modern.GroupedQueryAttention or a config without them")
+        _check_callable_as("attention_cls", attention_cls,
+                           (c.embed_dim, c.num_heads, c.num_kv_heads, c.max_tokens, c.rope_theta), options)
+        _check_callable_as("norm_cls", norm_cls, (c.embed_dim, c.norm_eps), {})
+        _check_callable_as("mlp_cls", mlp_cls, (c.embed_dim, c.hidden_dim), {})
         self.attn_norm = _built("norm_cls", norm_cls, norm_cls(c.embed_dim, c.norm_eps))
         self.attn = _built("attention_cls", attention_cls,
                            attention_cls(c.embed_dim, c.num_heads, c.num_kv_heads, c.max_tokens, c.rope_theta,
@@ -276,6 +304,8 @@ class ModernGPT(nn.Module):
         """
         start = check_model_input(idx, cache, vocab_size=self.config.vocab_size, max_tokens=self.config.max_tokens,
                                   num_blocks=len(self.blocks), training=self.training)
+        if idx.dtype != torch.long and idx.dtype != torch.int32:
+            idx = idx.long()   # any integer ids: nn.Embedding takes only int32 and int64
         if targets is not None and self.ngram_prior is not None:
             validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX)
             if targets.shape != idx.shape:

@@ -44,6 +44,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     ``reduction="mean"`` averages over the targets that count (not IGNORE_INDEX); ``"sum"`` adds them.
     """
     validate.tensor("logits", logits, dim=3, floating=True)
+    validate.tensor("targets", targets)   # before its device is read below
     # padding (IGNORE_INDEX) is allowed; any other id must be a class of the logits (reading the
     # ids back waits for a GPU, so there only their type is checked)
     checkable = not torch.compiler.is_compiling() and not targets.is_cuda
@@ -52,7 +53,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     validate.one_of("reduction", reduction, ["mean", "sum"])
     validate.expect(logits.shape[:2] == targets.shape, "targets",
                     f"shape {tuple(logits.shape[:2])} to match logits {tuple(logits.shape)}", tuple(targets.shape))
-    return _cross_entropy(logits, targets, reduction)
+    # any integer dtype is accepted as token ids; cross-entropy wants long (a no-op when they are)
+    return _cross_entropy(logits, targets.long(), reduction)
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -94,15 +96,39 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
     validate.instance("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
     if max_grad_norm is not None:
         validate.positive_float("max_grad_norm", max_grad_norm)
-    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    validate.token_ids("inputs", inputs, dim=2)   # their vocabulary: the model's forward checks it
+    inputs, targets = _check_batch(model, inputs, targets)
+    return update(model, optimizer, inputs, targets, max_grad_norm,
+                  show_targets=has_ngram_prior(model)).item()
+
+
+def _model_limits(model: nn.Module) -> tuple[int | None, int | None]:
+    """(vocab_size, max_tokens) from ``model.config``, each None where the model does not say."""
+    config = getattr(model, "config", None)
+    sizes = (getattr(config, "vocab_size", None), getattr(config, "max_tokens", None))
+    return tuple(size if validate.is_int(size) and size > 0 else None for size in sizes)
+
+
+def _check_length(inputs: torch.Tensor, max_tokens: int | None) -> None:
+    if max_tokens is not None and inputs.shape[1] > max_tokens:
+        raise ValueError(f"inputs: sequence of {inputs.shape[1]} tokens is longer than the model's "
+                         f"max_tokens={max_tokens}; crop the windows to {max_tokens} tokens "
+                         f"(inputs[:, -{max_tokens}:], and targets alike)")
+
+
+def _check_batch(model: nn.Module, inputs: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """train_step's ``inputs`` and ``targets``, checked against the model under the names the
+    student passed (the model's own forward would name them ``idx``), as long token ids."""
+    vocab_size, max_tokens = _model_limits(model)
     # reading the ids back waits for a GPU, so there only their type is checked
+    validate.tensor("inputs", inputs)     # before its device is read
+    validate.token_ids("inputs", inputs, dim=2, vocab_size=None if inputs.is_cuda else vocab_size)
+    validate.tensor("targets", targets)
     validate.token_ids("targets", targets, dim=2, padding=IGNORE_INDEX,
                        vocab_size=None if targets.is_cuda else vocab_size)
     validate.expect(inputs.shape == targets.shape, "targets", f"the shape of inputs {tuple(inputs.shape)}",
                     tuple(targets.shape))
-    return update(model, optimizer, inputs, targets, max_grad_norm,
-                  show_targets=has_ngram_prior(model)).item()
+    _check_length(inputs, max_tokens)
+    return inputs.long(), targets.long()   # any integer dtype is accepted: a no-op for long ids
 
 
 def has_ngram_prior(model: nn.Module) -> bool:
@@ -138,12 +164,15 @@ def _one_text(split: Split) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 64) -> float:
     """Mean loss per predicted token over every window given (no sampling, no dropout)."""
-    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    validate.token_ids("inputs", inputs, dim=2)   # their vocabulary: the model's forward checks it
+    validate.instance("model", model, nn.Module, "an nn.Module (a course_lib GPT or ModernGPT)")
+    vocab_size, max_tokens = _model_limits(model)   # the ids are checked here, under the names given
+    validate.token_ids("inputs", inputs, dim=2, vocab_size=vocab_size)
     validate.token_ids("targets", targets, dim=2, vocab_size=vocab_size, padding=IGNORE_INDEX)
     validate.positive_int("batch_size", batch_size)
     validate.expect(inputs.shape == targets.shape and inputs.shape[0] > 0, "targets",
                     f"the shape of inputs {tuple(inputs.shape)} (at least one window)", tuple(targets.shape))
+    _check_length(inputs, max_tokens)
+    inputs, targets = inputs.long(), targets.long()   # any integer dtype is accepted: a no-op for long ids
     if not bool((targets != IGNORE_INDEX).any()):
         # the mean over no targets is not a loss of 0 (a perfect model): there is nothing to measure
         raise ValueError(f"targets: expected at least one target that is not padding ({IGNORE_INDEX}), got "
@@ -198,10 +227,10 @@ class TrainConfig:
     pin_memory: bool = False            # page-locked batches for faster host-to-GPU copies
 
     def __post_init__(self) -> None:
-        validate.positive_int("steps", self.steps)
+        self.steps = validate.positive_int("steps", self.steps)
         if self.seconds is not None:
             validate.positive_float("seconds", self.seconds, finite=True)
-        validate.positive_int("batch_size", self.batch_size)
+        self.batch_size = validate.positive_int("batch_size", self.batch_size)
         validate.positive_float("learning_rate", self.learning_rate, finite=True)
         # a negative floor turns the end of the cosine into gradient ascent
         validate.number_in("min_learning_rate", self.min_learning_rate, low=0, high=self.learning_rate)
@@ -213,10 +242,10 @@ class TrainConfig:
             validate.positive_float("max_grad_norm", self.max_grad_norm, finite=True)
         validate.one_of("optimizer", self.optimizer, ("adamw", "muon"))
         validate.positive_float("muon_learning_rate", self.muon_learning_rate, finite=True)
-        validate.positive_int("eval_interval", self.eval_interval)
-        validate.positive_int("eval_windows", self.eval_windows)
+        self.eval_interval = validate.positive_int("eval_interval", self.eval_interval)
+        self.eval_windows = validate.positive_int("eval_windows", self.eval_windows)
         validate.positive_int_or_none("patience", self.patience)
-        validate.positive_int("log_interval", self.log_interval)
+        self.log_interval = validate.positive_int("log_interval", self.log_interval)
         validate.non_negative_int("seed", self.seed)
         validate.positive_float("checkpoint_seconds", self.checkpoint_seconds, finite=True)
         for name in ("amp", "compile", "pin_memory"):
@@ -229,6 +258,9 @@ def learning_rate(config: TrainConfig, step: int, progress: float) -> float:
     ``progress`` (0 to 1) is how much of the budget after warmup is used: steps or seconds,
     whichever binds, so a wall-clock budget still ends on the small learning rate.
     """
+    validate.instance("config", config, TrainConfig, "a TrainConfig", brief=True)
+    validate.non_negative_int("step", step)
+    validate.finite_number("progress", progress)   # NaN is refused; outside [0, 1] counts as its nearest end
     if step < config.warmup_steps:
         return config.learning_rate * (step + 1) / (config.warmup_steps + 1)
     progress = min(max(progress, 0.0), 1.0)

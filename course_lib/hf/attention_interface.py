@@ -57,6 +57,12 @@ def course_attention_forward(module: torch.nn.Module | None, query: torch.Tensor
     if key.shape[0] != n or key.shape[-1] != head_dim or key.shape[:3] != value.shape[:3]:
         raise ValueError(f"key: expected (N={n}, kv_heads, Lk, {head_dim}) and value with the same "
                          f"(N, kv_heads, Lk), got key {tuple(key.shape)}, value {tuple(value.shape)}")
+    for name, other in (("key", key), ("value", value)):   # each checked here, not in a matmul's error
+        if other.dtype != query.dtype and not torch.is_autocast_enabled(query.device.type):   # autocast mixes them
+            raise TypeError(f"{name}: expected dtype {query.dtype} (the dtype of query), got {other.dtype}; "
+                            f"convert it with .to(query.dtype)")
+        if other.device != query.device:
+            raise ValueError(f"{name}: expected a tensor on {query.device} (the device of query), got {other.device}")
     if heads % key.shape[1]:
         raise ValueError(f"key: {key.shape[1]} key/value heads must divide the {heads} query heads, "
                          f"got key {tuple(key.shape)}")

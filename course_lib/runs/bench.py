@@ -142,8 +142,8 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
     peak, measured before and after the runs unless given), ``share_of_peak`` (achieved
     FLOP/s / peak) and ``peak_rss_mb`` (this process's peak memory once that preset has run).
     """
-    if seconds is not None:
-        validate.positive_float("seconds", seconds)
+    if seconds is not None:   # inf is no budget: the baseline would never stop
+        validate.positive_float("seconds", seconds, finite=True)
     if steps is not None:
         validate.positive_int("steps", steps)
     if isinstance(presets, str) or not presets:
@@ -664,8 +664,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise RunRefused(str(exc)) from None
     if args.benchmark == "training":
         try:
-            if args.seconds is not None:
-                validate.positive_float("seconds", args.seconds)
+            if args.seconds is not None:   # as `train --seconds` checks it: inf is no budget
+                validate.positive_float("seconds", args.seconds, finite=True)
             if args.steps is not None:
                 validate.positive_int("steps", args.steps)
             for name in args.presets:

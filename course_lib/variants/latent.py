@@ -117,7 +117,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_rope_head_dim = validate.positive_int("qk_rope_head_dim", qk_rope_head_dim)
         self.v_head_dim = validate.positive_int("v_head_dim", v_head_dim)
         self.q_lora_rank = validate.positive_int_or_none("q_lora_rank", q_lora_rank)
-        self.rope_theta = validate.positive_float("rope_theta", rope_theta)
+        self.rope_theta = validate.finite_positive("rope_theta", rope_theta)
+        norm_eps = validate.finite_positive("norm_eps", norm_eps)   # named here, not as RMSNorm's eps
         self.rope_interleave = validate.boolean("rope_interleave", rope_interleave)
         validate.boolean("bias", bias)
         if qk_rope_head_dim % 2:

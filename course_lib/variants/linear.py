@@ -48,6 +48,9 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"v: expected shape {tuple(q.shape[:-1])} + (d_v,), one value per key, got {tuple(v.shape)}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, other in (("k", k), ("v", v)):
+        if other.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device} (the device of q), got {other.device}")
 
 
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -94,6 +97,8 @@ def linear_attention_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                              f"{tuple(s.shape)} and {tuple(z.shape)}")
         if s.dtype != q.dtype or z.dtype != q.dtype:
             raise TypeError(f"state: expected S and z in q's dtype {q.dtype}, got {s.dtype} and {z.dtype}")
+        if s.device != q.device or z.device != q.device:
+            raise ValueError(f"state: expected S and z on q's device {q.device}, got {s.device} and {z.device}")
     fq, fk = elu_feature_map(q), elu_feature_map(k)   # (..., L, d)
     outputs = []
     for i in range(length):

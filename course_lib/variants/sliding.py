@@ -28,8 +28,10 @@ def window_mask_at(query_positions: torch.Tensor, key_positions: torch.Tensor, w
                    sinks: int = 0) -> torch.Tensor:
     """Bool (Lq, Lk) from absolute positions: a query at ``p`` sees a key at ``j`` when ``j <= p`` and
     ``p - j < window`` or ``j < sinks``. Positions need not be sorted (a ring buffer's are not)."""
-    validate.tensor("query_positions", query_positions, dim=1)
-    validate.tensor("key_positions", key_positions, dim=1)
+    for name, positions in (("query_positions", query_positions), ("key_positions", key_positions)):
+        validate.tensor(name, positions, dim=1)
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+            raise TypeError(f"{name}: expected integer positions (torch.long), got dtype {positions.dtype}")
     validate.positive_int("window", window)
     validate.non_negative_int("sinks", sinks)
     p = query_positions[:, None]   # (Lq, 1)
@@ -66,7 +68,10 @@ def rope_rows(head_dim: int, start: int, length: int, theta: float = 10000.0, *,
     validate.positive_int("length", length)
     if head_dim % 2:
         raise ValueError(f"head_dim: expected an even number (RoPE turns pairs of dimensions), got {head_dim}")
-    theta = validate.positive_float("theta", theta)
+    theta = validate.finite_positive("theta", theta)
+    if device is not None:
+        validate.device("device", device)
+    validate.floating_dtype("dtype", dtype, " (cosines and sines of angles)")
     pair = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim        # (head_dim/2,)
     positions = torch.arange(start, start + length, dtype=torch.float64, device=device)      # (length,)
     angles = torch.outer(positions, theta ** -pair)                                          # (length, head_dim/2)
@@ -108,6 +113,10 @@ class RingKVCache:
         validate.tensor("v", v, dim=4, floating=True)
         if v.shape[:3] != k.shape[:3]:
             raise ValueError(f"v: expected shape (N, heads, L, ...) = {tuple(k.shape[:3])} like k, got {tuple(v.shape)}")
+        if v.dtype != k.dtype:
+            raise TypeError(f"v: expected dtype {k.dtype} (the dtype of k), got {v.dtype}")
+        if v.device != k.device:
+            raise ValueError(f"v: expected a tensor on {k.device} (the device of k), got {v.device}")
         if self._k is None:
             # allocated once: the cache never grows, however long the stream
             self._k = k.new_zeros(k.shape[0], k.shape[1], self.capacity, k.shape[3])
@@ -168,7 +177,7 @@ class SlidingWindowAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         if self.head_dim % 2:
             raise ValueError(f"num_heads: head_dim = embed_dim // num_heads must be even for RoPE, got {self.head_dim}")
-        self.rope_theta = validate.positive_float("rope_theta", rope_theta)
+        self.rope_theta = validate.finite_positive("rope_theta", rope_theta)
         self.query = nn.Linear(embed_dim, num_heads * self.head_dim, bias=False)
         self.key = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=False)
         self.value = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=False)
