@@ -34,6 +34,9 @@ __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_prod
 # ============================================================================ 1.1 toy prediction
 
 _TOY_QUERY = torch.tensor([0.0, 1.0])
+# The worked example's keys and values as the course defines them, copied when the checks load: the notebook's own
+# tensors are the student's to change (an in-place change must not move the answer to match a wrong prediction).
+_TOY_KEYS, _TOY_VALUES = ref.TOY_KEYS.clone(), ref.TOY_VALUES.clone()
 _TOY_TOLERANCE = 0.01   # predictions may be rounded to two decimals
 
 
@@ -69,7 +72,7 @@ def _prediction_example(weights: Any, result: Any) -> Example | None:
         w = _numbers(weights, "weights").flatten()
     except Failure:
         return None
-    query, keys = _TOY_QUERY.double(), ref.TOY_KEYS.double()
+    query, keys = _TOY_QUERY.double(), _TOY_KEYS.double()
     expected = (keys @ query).softmax(0)                                       # (3,)
     if w.shape != expected.shape or torch.allclose(w, expected, atol=_TOY_TOLERANCE, rtol=0):
         return None
@@ -86,7 +89,7 @@ def check_toy_prediction(weights: Any, result: Any) -> str:
     w = w.flatten()
     if not torch.isfinite(w).all():
         fail("nan", "`weights` contains NaN or infinity: every weight is a number between 0 and 1.")
-    keys, values = ref.TOY_KEYS.double(), ref.TOY_VALUES.double()
+    keys, values = _TOY_KEYS.double(), _TOY_VALUES.double()
     scores = keys @ _TOY_QUERY.double()                                       # (3,)
     expected = scores.softmax(0)
 
@@ -155,7 +158,7 @@ def _toy_cases() -> list[Case]:
     gen = torch.Generator().manual_seed(11)
     q, keys = torch.randn(3, generator=gen), torch.randn(5, 3, generator=gen)
     return [
-        _toy_case(_TOY_QUERY.clone(), ref.TOY_KEYS.clone(), ref.TOY_VALUES.clone()),
+        _toy_case(_TOY_QUERY.clone(), _TOY_KEYS.clone(), _TOY_VALUES.clone()),
         _toy_case(q, keys, torch.randn(5, generator=gen)),
         _toy_case(q, keys, torch.randn(5, 2, generator=gen)),
         _toy_case(torch.randn(4, generator=gen), torch.randn(1, 4, generator=gen), torch.randn(1, 3, generator=gen)),

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..checks._references import bind_references, install_references
 from ..checks._student_files import exception_line, exception_message, exception_name
+from ..checks.engine.run import CheckNotPassed, Displayed
 from ..collect import GPT_EXERCISES, course_names, course_namespace
 from ..verdict import CheckResult
 from .plan import CAPSTONE, ExercisePlan
@@ -47,12 +48,19 @@ class RecordingChecks:
             real = checkers[name]
 
             def run(*args: Any, **kwargs: Any) -> CheckResult:
-                result = real(*args, **kwargs)
+                try:
+                    result = real(*args, **kwargs)
+                except CheckNotPassed as refused:   # nbgrader's way, where the notebook set NBGRADER_EXECUTION
+                    result, raised = refused.result, refused
+                else:
+                    raised = None
                 if sys.gettrace() is not _TRACE or sys._getframe().f_trace is not None:
                     # a trace function of the student's runs here, between the checker's return and the copy
                     verdicts.append(CheckResult(getattr(result, "exercise", "?"), False, "patched", _TAMPERED))
-                elif type(result) is CheckResult:   # a copy, which no code of the student's was handed
+                elif type(result) in (CheckResult, Displayed):   # a copy, which no code of the student's was handed
                     verdicts.append(CheckResult(result.exercise, result.passed, result.diagnosis, result.message))
+                if raised is not None:
+                    raise raised
                 return result
             return run
 

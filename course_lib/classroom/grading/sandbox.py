@@ -6,7 +6,8 @@ any of the student's code runs. It
 - puts the child in its own process group, so the worker can kill it and anything it started;
 - sets resource limits (Linux, macOS): address space (``memory_mb`` above what the child already
   maps: torch and the course, about 0.8 GB), CPU seconds (a backstop behind the worker's
-  wall-clock limit), 64 MiB per written file, no core dumps;
+  wall-clock limit), 64 MiB per written file, 1024 open descriptors (epoll's watches are kernel
+  memory), no core dumps;
 - points stdin, stdout and stderr at /dev/null and closes the worker's channel to the grader, so
   nothing the student prints or writes there can reach the grader;
 - installs a Python audit hook (``sys.addaudithook``, which cannot be removed) that refuses, with
@@ -39,6 +40,7 @@ from . import keyrings, syscalls
 __all__ = ["enter", "enter_inline", "install_policy", "bound_worker", "bound_memory", "SandboxRefused", "WORKER_MB"]
 
 FILE_SIZE_LIMIT = 64 * 2 ** 20   # bytes per file the student's code writes
+OPEN_FILES_LIMIT = 1024          # descriptors open at once in an exercise's process (so ~262k epoll watches)
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _SPAWN_EVENTS = ("os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
@@ -107,6 +109,9 @@ def _set_limits(memory_mb: int | None, cpu_seconds: float | None) -> None:
     _bound(resource, memory_mb, cpu_seconds, 3)
     _limit(resource, "RLIMIT_FSIZE", FILE_SIZE_LIMIT)
     _limit(resource, "RLIMIT_CORE", 0)
+    # each descriptor can watch and be watched in epoll instances, whose watches are kernel memory past the
+    # address-space limit (5.5 million, 1.1 GB, with 8000); with OPEN_FILES_LIMIT, at most (limit / 2) ** 2
+    _limit(resource, "RLIMIT_NOFILE", OPEN_FILES_LIMIT)
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a too-large write fails (OSError), not kills
 
@@ -246,6 +251,7 @@ def enter_inline(home: str, deny: Iterable[str], *, memory_mb: int | None) -> No
     _set_limits(memory_mb, None)
     syscalls.refuse_escapes()
     install_policy(home, deny)
+    _close_compilation()
 
 
 def enter(home: str, deny: Iterable[str], *, memory_mb: int | None, cpu_seconds: float | None,
@@ -267,6 +273,7 @@ def enter(home: str, deny: Iterable[str], *, memory_mb: int | None, cpu_seconds:
     syscalls.refuse_escapes()   # before the policy, which refuses ctypes: the kernel's own wall behind it
     install_policy(home, deny)
     _close_unaudited_ways()
+    _close_compilation()
 
 
 # Ways out that raise no audit event: starting a program through the C helper subprocess uses (and
@@ -303,3 +310,41 @@ def _close_unaudited_ways() -> None:
             def refused(*_: Any, what: str = what, **__: Any) -> None:
                 raise SandboxRefused(f"the grader's sandbox does not allow {what}")
             setattr(module, name, refused)
+
+
+_NO_COMPILE = ("torch.compile: the code it compiles runs past the checks' guard on the course's own functions, so "
+               "torch.compile is not available while grading (call your function directly)")
+
+
+def _close_compilation() -> None:
+    """Refuse torch.compile in this process. Dynamo runs rewritten bytecode that fires no call event, so the course's
+    reference compiled passed the reference guard. Importing torch._dynamo cannot be refused (torch's optimizers
+    import it to run without it), nor torch.compile replaced (the checks take a replaced torch function for the
+    student's patch): what is refused, beneath every entry of dynamo's (torch.compile, torch._dynamo.optimize, a
+    decorator), is installing a frame-evaluation callback (``set_eval_frame``) when a compiled function is called;
+    clearing it (None: what torch's own "run without dynamo" wrappers do) still works."""
+    torch = sys.modules.get("torch")
+    frames = sys.modules.get("torch._C._dynamo.eval_frame")
+    if torch is None:
+        return
+    if frames is None:
+        try:
+            import torch._C._dynamo.eval_frame as frames  # noqa: PLC0415
+        except ImportError:   # a torch without dynamo: nothing to compile with
+            return
+    original = frames.set_eval_frame
+
+    def refused(*_: Any, **__: Any) -> Any:
+        raise SandboxRefused(f"the grader's sandbox does not allow {_NO_COMPILE}")
+
+    def set_eval_frame(callback: Any, *args: Any, **kwargs: Any) -> Any:
+        if callback is not None:
+            refused()
+        return original(callback, *args, **kwargs)
+
+    frames.set_eval_frame = set_eval_frame
+    python_side = sys.modules.get("torch._dynamo.eval_frame")   # already imported: it holds the original by name
+    if python_side is not None:
+        for name in ("set_eval_frame", "_maybe_set_eval_frame"):
+            if getattr(python_side, name, None) is original:
+                setattr(python_side, name, set_eval_frame)

@@ -18,9 +18,15 @@ and the files of a folder named like a notebook (``02_masked_attention.ipynb/``)
 Names are student text: each student's and each file's name is cleaned here, where it enters
 (``text.name_from_student``: undecodable bytes replaced, control characters dropped, capped), and
 two students whose cleaned names are the same are told apart by a number.
+
+A student who can still write their folder while it is read (a live home on a JupyterHub) can swap a
+folder for a link between the walk and the read: each file is therefore opened one path component at a
+time below the student's folder, refusing a link in any of them (``O_NOFOLLOW``), without waiting on a
+FIFO (``O_NONBLOCK``), and read only if the opened file is a regular one (``fstat``), within the limits.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 from dataclasses import dataclass, field
@@ -83,6 +89,58 @@ def _walk(folder: Path, depth: int, skipped: list[str], top: Path) -> list[Path]
     return found
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_BY_DESCRIPTOR = bool(_NOFOLLOW) and os.open in os.supports_dir_fd and hasattr(os, "O_DIRECTORY")
+
+
+class _NotRegular(OSError):
+    """The opened file is not a regular file (a FIFO, a device, a folder)."""
+
+
+def _open_below(top: Path, parts: tuple[str, ...]) -> int:
+    """A descriptor for ``top/parts...``, each part opened relative to the one above with O_NOFOLLOW (a link in
+    any part: OSError ELOOP or ENOTDIR), the file without blocking (a FIFO); ``top`` itself may be a link (a
+    class folder of links to the students' homes)."""
+    folder = os.open(top, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            below = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=folder)
+            os.close(folder)
+            folder = below
+        return os.open(parts[-1], os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | _CLOEXEC,
+                       dir_fd=folder)
+    finally:
+        os.close(folder)
+
+
+def _read_capped(top: Path, path: Path, room: int) -> tuple[int, bytes | None]:
+    """(size, bytes) of the regular file ``path`` below ``top``, read with no link followed; bytes is None when
+    the file is over ``room`` bytes (read no further than that)."""
+    if not _BY_DESCRIPTOR:   # Windows: no O_NOFOLLOW nor dir_fd
+        size = path.stat().st_size
+        return size, (path.read_bytes() if size <= room else None)
+    import stat
+    fd = _open_below(top, path.relative_to(top).parts)
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise _NotRegular("not a regular file")
+        if status.st_size > room:
+            return status.st_size, None
+        os.set_blocking(fd, True)
+        chunks, size = [], 0
+        while size <= room:   # the file may grow after fstat: read one byte past the room at most
+            chunk = os.read(fd, min(2 ** 20, room + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return size, (b"".join(chunks) if size <= room else None)
+    finally:
+        os.close(fd)
+
+
 def _has_notebooks(folder: Path) -> bool:
     try:
         return any(p.suffix == ".ipynb" and _visible(p) and p.is_file() for p in folder.iterdir())
@@ -117,18 +175,20 @@ def _read_student(student: str, folder: Path) -> Submission:
     total = 0
     for name, path in ordered:
         try:
-            size = path.stat().st_size
-        except OSError as err:
-            submission.notes.append(f"{name} skipped: cannot be read ({err.strerror})")
+            size, data = _read_capped(folder, path, min(FILE_LIMIT, STUDENT_LIMIT - total))
+        except _NotRegular:
+            submission.notes.append(f"{name} skipped: not a regular file")
             continue
-        if size > FILE_LIMIT or total + size > STUDENT_LIMIT:
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                submission.notes.append(f"{name} skipped: a link (the grader follows no link inside a submission)")
+            else:
+                submission.notes.append(f"{name} skipped: cannot be read ({err.strerror or err})")
+            continue
+        if data is None:
             submission.notes.append(f"{name} skipped: {size:,} bytes, over the grader's limit")
             continue
-        try:
-            submission.files[name] = path.read_bytes()
-        except OSError as err:
-            submission.notes.append(f"{name} skipped: cannot be read ({err.strerror})")
-            continue
+        submission.files[name] = data
         total += size
     submission.notes = cap_lines(submission.notes, NOTES_LIMIT, "notes")
     return submission

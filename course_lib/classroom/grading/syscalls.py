@@ -5,7 +5,7 @@ calls C functions without an audit event, a library of its own loaded by torch) 
 calls below reach past what the sandbox bounds: memory outside the address-space limit (memfd_create), the
 kernel's keyrings that outlive the process (keyctl, add_key, request_key), other processes' memory and
 descriptors (ptrace, process_vm_*, pidfd_*), new namespaces (unshare, setns, clone with a namespace flag) and
-mounts, kernel modules, new processes (each would have a memory limit of its own), sockets and System V or POSIX
+mounts, kernel modules, extended attributes (kernel memory too), new processes (each would have a memory limit of its own), sockets and System V or POSIX
 shared memory (which hold memory past the limit too; nothing graded needs them), and interfaces that have carried
 kernel exploits (bpf, userfaultfd, io_uring, perf_event_open). :func:`refuse_escapes`, in the freshly forked
 process that runs the student's code, makes each fail with EPERM for that process and its threads, for good. Linux on x86_64 and aarch64; elsewhere it does nothing and the audit hook stands alone.
@@ -33,6 +33,9 @@ _NUMBERS = {
     # address-space limit (a socket's buffers, a segment left in the kernel)
     "socket": (41, 198), "socketpair": (53, 199), "shmget": (29, 194), "shmat": (30, 196), "msgget": (68, 186),
     "semget": (64, 190), "mq_open": (240, 180),
+    # extended attributes: up to 64 KB each, as many as a file system takes, in kernel memory (a tmpfs's) that no
+    # limit of the process counts (1.5 GB under a 384 MB limit); nothing graded sets one
+    "setxattr": (188, 5), "lsetxattr": (189, 6), "fsetxattr": (190, 7), "setxattrat": (463, 463),
     # a new process multiplies the address-space limit (each has its own); aarch64 makes processes by clone only
     "fork": (57, None), "vfork": (58, None),
 }

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import dis
 import functools
 import gc
 import importlib
@@ -66,6 +67,7 @@ from ...verdict import CheckResult, Failure, fail
 from .. import _pinned as pinned
 from .._references import attributes, bind_references, install_references, pinned_attribute, restore_namespace
 from .._student_code import CALLS as STUDENT_CALLS
+from .._student_code import call as _call_student_code
 from .._student_files import (
     exception_line,
     exception_message,
@@ -109,14 +111,18 @@ class CheckTimeout(BaseException):
 
 
 class CheckNotPassed(AssertionError):
-    """A graded check failed while nbgrader ran the notebook; the text is the verdict."""
+    """A graded check failed while nbgrader ran the notebook; the text is the verdict, ``result`` the verdict."""
+
+    def __init__(self, result: CheckResult):
+        super().__init__(str(result))
+        self.result = result
 
     def _render_traceback_(self) -> list[str]:
         # IPython shows this instead of a traceback (nbgrader's feedback too): the verdict, not our frames
         return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
 
 
-class _Displayed(CheckResult):
+class Displayed(CheckResult):
     """A passed verdict under nbgrader: shown as a display, not as the cell result nbgrader reads as a score."""
 
     def _ipython_display_(self) -> None:
@@ -158,8 +164,8 @@ def checker(exercise: str, example: Callable[..., Any] | None = None
             if not os.environ.get("NBGRADER_EXECUTION") or (entry is not None and not entry.has_solution):
                 return result
             if not result.passed:   # under nbgrader: the test cell scores zero
-                raise CheckNotPassed(str(result))
-            return _Displayed(result.exercise, True, result.diagnosis, result.message, result.details)
+                raise CheckNotPassed(result)
+            return Displayed(result.exercise, True, result.diagnosis, result.message, result.details)
         check.exercise = exercise   # type: ignore[attr-defined]
         check.example = example     # type: ignore[attr-defined]
         return check
@@ -648,13 +654,23 @@ def _codes(reference: Any) -> dict[str, CodeType]:
     return {name: code for name, value in values if (code := _own_code(value)) is not None}
 
 
+# Instructions that say nothing of what a function computes, and the ones a compiler picks by context for the same
+# source: the course's module (``from __future__ import annotations``) loads a method with LOAD_ATTR where the same
+# text compiled alone uses LOAD_METHOD, and jumps land at other offsets.
+_UNSAID = frozenset({"CACHE", "NOP", "RESUME", "EXTENDED_ARG", "PRECALL", "PUSH_NULL"})
+_SAME_AS = {"LOAD_METHOD": "LOAD_ATTR"}
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+
+
 @functools.cache
 def _print(code: CodeType) -> tuple:
-    """What a code object computes, whatever its name, file and first line: its bytecode, names and constants
-    (code among them by their own print). A copy made with ``code.replace(co_name=..., co_filename=...)``, or
-    compiled again from the course's source under another name, has the print of the course's code."""
-    consts = tuple(_print(c) if isinstance(c, CodeType) else (type(c).__name__, repr(c)) for c in code.co_consts)
-    return code.co_code, code.co_names, consts
+    """What a code object computes, whatever its name, file and first line: its instructions with what they load
+    and call by name or value (code among them by its own print). A copy made with ``code.replace(co_name=...)``,
+    or compiled again from the course's source under another name or alone, has the print of the course's code."""
+    def said(value: Any) -> Any:
+        return _print(value) if isinstance(value, CodeType) else (type(value).__name__, repr(value))
+    return tuple((_SAME_AS.get(i.opname, i.opname), None if i.opcode in _JUMPS else said(i.argval))
+                 for i in dis.get_instructions(code) if i.opname not in _UNSAID)
 
 
 def _is_course_work(code: CodeType | None, watched: frozenset[CodeType]) -> bool:
@@ -722,6 +738,16 @@ def reference_message(found: CallsReference) -> str:
 
 
 _MANAGER_HELPER = contextlib.contextmanager(lambda: iter(())).__code__   # the one helper of every @contextmanager
+# The frame in which the check calls the student's code (``_student_code.call``): the reference's code starting
+# above it runs on the student's behalf, whether a frame of theirs or C (a ``__call__`` that is the reference, a
+# metaclass's, ``operator.call``, torch calling a ``forward`` copied onto their class) called it.
+_STUDENT_CALL = _call_student_code.__code__
+
+
+def _course_made(fn: Any) -> bool:
+    """Whether what ``_student_code.call`` was handed is the course's own (a check's lambda around the reference,
+    the reference's module): then the reference runs at the check's request."""
+    return _own_code(fn) is not None or getattr(type(fn), "__module__", "").startswith("course_lib.")
 _GUARDED = [0]   # guards entered and not left: a checker the checker itself calls is not guarded again
 
 
@@ -739,6 +765,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
         how = is_reference(args[0], reference) if args and reference is not None else None
         if how and how != "is":
             raise CallsReference(exercise, self.name, how)
+        self.lets_reference = how == "is"   # the course's tests check the reference itself as the known-good answer
         bound = bound_to_course_work(exercise, args[0]) if args and reference is not None else None
         if bound is not None:
             raise bound
@@ -747,9 +774,9 @@ class _guard:  # noqa: N801 - used as a context, like a function
         same_work = same_work_of(exercise) if reference is not None else ()
         self.names = {code: value.__name__ for value in same_work for code in _watched(value)}
         self.codes = self.codes | frozenset(self.names)
-        # a copy of that code (types.FunctionType(code.replace(co_name=...), ...)) is watched by its print; its
-        # bytecode first, which a call of anything else fails at once
-        self.bytecodes = frozenset(code.co_code for code in self.codes)
+        # a copy of that code (types.FunctionType(code.replace(co_name=...), ...), its source compiled again) is
+        # watched by its print; the names it uses first, which a call of anything else fails at once
+        self.namesets = frozenset(code.co_names for code in self.codes)
         self.prints = {_print(code): self.names.get(code, self.name) for code in self.codes}
         # A reference that is a context manager (11.3) does its work when the check enters it, after the student's
         # function returned it: its creation is the call to watch, contextlib's helper (shared by every
@@ -781,11 +808,11 @@ class _guard:  # noqa: N801 - used as a context, like a function
         code = frame.f_code
         if code in self.answering:
             caller = frame.f_back
-            if caller is not None and caller is not self.stop and caller.f_code.co_filename != "<string>" and \
+            if caller is not None and caller is not self.stop and \
                     caller.f_code not in self.answering and is_student_file(caller.f_code.co_filename):
                 self.tripped = CallsReference(self.exercise, self.name, "calls", code.co_name)
                 raise self.tripped
-        if code not in self.codes and (code.co_code not in self.bytecodes or _print(code) not in self.prints):
+        if code not in self.codes and (code.co_names not in self.namesets or _print(code) not in self.prints):
             return
         if frame.f_code is _MANAGER_HELPER and frame.f_locals.get("func") is not self.manager:
             return   # another context manager made by @contextmanager
@@ -795,7 +822,9 @@ class _guard:  # noqa: N801 - used as a context, like a function
             raise self.tripped
         caller = frame.f_back
         while caller is not None and caller is not self.stop:
-            if caller.f_code not in self.codes and is_student_file(caller.f_code.co_filename):
+            if caller.f_code not in self.codes and (is_student_file(caller.f_code.co_filename) or (
+                    caller.f_code is _STUDENT_CALL and not self.lets_reference
+                    and not _course_made(caller.f_locals.get("fn")))):
                 self.tripped = CallsReference(self.exercise, self.name, "calls",
                                               self.names.get(code) or self.prints.get(_print(code), self.name))
                 raise self.tripped
