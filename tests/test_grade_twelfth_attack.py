@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.classroom.grading import grading_plan, submissions
-from course_lib.classroom.grading.judge import judge
+from course_lib.classroom.grading import submissions
 
 LINUX = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
 

@@ -216,9 +216,10 @@ def _in_float64(exercise: FunctionExercise, fn: Any) -> None:
     tensor made without dtype=, torch.zeros(...), comes out float32 there), then in a notebook whose default is
     float64 (a dtype written into the code, .float(), still comes out float32)."""
     previous = torch.get_default_dtype()
-    for default, where in ((previous, "with float64 inputs"),
-                           (torch.float64, "in a float64 notebook (torch.set_default_dtype(torch.float64), "
-                                           "float64 inputs)")):
+    passes = [(torch.float64, "in a float64 notebook (torch.set_default_dtype(torch.float64), float64 inputs)")]
+    if previous != torch.float64:
+        passes.insert(0, (previous, "with float64 inputs"))
+    for default, where in passes:
         torch.set_default_dtype(default)
         try:
             for case in exercise.cases():
