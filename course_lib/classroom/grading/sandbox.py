@@ -334,12 +334,9 @@ def _close_compilation() -> None:
             return
     original = frames.set_eval_frame
 
-    def refused(*_: Any, **__: Any) -> Any:
-        raise SandboxRefused(f"the grader's sandbox does not allow {_NO_COMPILE}")
-
     def set_eval_frame(callback: Any, *args: Any, **kwargs: Any) -> Any:
         if callback is not None:
-            refused()
+            raise SandboxRefused(f"the grader's sandbox does not allow {_NO_COMPILE}")
         return original(callback, *args, **kwargs)
 
     frames.set_eval_frame = set_eval_frame

@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,7 +121,6 @@ def _read_capped(top: Path, path: Path, room: int) -> tuple[int, bytes | None]:
     if not _BY_DESCRIPTOR:   # Windows: no O_NOFOLLOW nor dir_fd
         size = path.stat().st_size
         return size, (path.read_bytes() if size <= room else None)
-    import stat
     fd = _open_below(top, path.relative_to(top).parts)
     try:
         status = os.fstat(fd)

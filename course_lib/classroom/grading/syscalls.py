@@ -5,10 +5,12 @@ calls C functions without an audit event, a library of its own loaded by torch) 
 calls below reach past what the sandbox bounds: memory outside the address-space limit (memfd_create), the
 kernel's keyrings that outlive the process (keyctl, add_key, request_key), other processes' memory and
 descriptors (ptrace, process_vm_*, pidfd_*), new namespaces (unshare, setns, clone with a namespace flag) and
-mounts, kernel modules, extended attributes (kernel memory too), new processes (each would have a memory limit of its own), sockets and System V or POSIX
-shared memory (which hold memory past the limit too; nothing graded needs them), and interfaces that have carried
-kernel exploits (bpf, userfaultfd, io_uring, perf_event_open). :func:`refuse_escapes`, in the freshly forked
-process that runs the student's code, makes each fail with EPERM for that process and its threads, for good. Linux on x86_64 and aarch64; elsewhere it does nothing and the audit hook stands alone.
+mounts, kernel modules, extended attributes (kernel memory too), new processes (each would have a memory limit of
+its own), sockets and System V or POSIX shared memory (which hold memory past the limit too; nothing graded needs
+them), and interfaces that have carried kernel exploits (bpf, userfaultfd, io_uring, perf_event_open).
+:func:`refuse_escapes`, in the freshly forked process that runs the student's code, makes each fail with EPERM
+for that process and its threads, for good. Linux on x86_64 and aarch64; elsewhere it does nothing and the
+audit hook stands alone.
 """
 from __future__ import annotations
 
