@@ -121,7 +121,10 @@ def test_judge_verdicts_on_recorded_runs():
     behind = judge(TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.6]), reference)
     assert not behind.passed and behind.diagnosis == "mismatch" and "1.600" in behind.message
     ahead = judge(TrainingRun("y", [1, 2], [3.0, 2.0], [2], [1.45]), reference)
-    assert not ahead.passed and ahead.diagnosis == "mismatch" and "BELOW" in ahead.message   # a mask that leaks
+    assert not ahead.passed and ahead.diagnosis == "mismatch" and "BELOW" in ahead.message
+    assert "less dropout" in ahead.message and "So far below" not in ahead.message   # a dropout left out
+    leaks = judge(TrainingRun("y", [1, 2], [3.0, 2.0], [2], [0.05]), reference)
+    assert not leaks.passed and "So far below, it sees what it predicts" in leaks.message   # a mask that leaks
     stalled = judge(TrainingRun("y", [1, 2], [3.0, 3.0], [2], [3.0]), reference)
     assert not stalled.passed and "does not go down" in stalled.message
     with pytest.raises(TypeError, match="yours: expected a TrainingRun"):

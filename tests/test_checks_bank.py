@@ -23,6 +23,7 @@ from bank import (
     pairs_bugs,
     probe_bugs,
     scale_bugs,
+    search19_bugs,
     search_bugs,
     state_bugs,
     text_bugs,
@@ -34,7 +35,7 @@ from course_lib.classroom.checks.engine import PROBES, FunctionExercise, run
 from course_lib.classroom.exercises import BY_ID, EXERCISES
 
 BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs, probe_bugs, search_bugs,
-         scale_bugs, learning_bugs, state_bugs, pairs_bugs, contract_bugs, text_bugs)
+         search19_bugs, scale_bugs, learning_bugs, state_bugs, pairs_bugs, contract_bugs, text_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
 

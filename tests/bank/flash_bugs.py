@@ -444,7 +444,7 @@ class BackwardDeltaPerBlock(FlashAttentionFunction):
             qe = min(qs + ctx.block_q, q.shape[-2])
             dob = grad_out[..., qs:qe, :]
             d_blk = (dob * out[..., qs:qe, :]).sum(-1, keepdim=True)
-            for ks in range(0, k.shape[-2], ctx.block_k):      # no skipping: the future blocks give p = 0
+            for ks in range(0, min(k.shape[-2], qe) if ctx.causal else k.shape[-2], ctx.block_k):
                 ke = min(ks + ctx.block_k, k.shape[-2])
                 s = q[..., qs:qe, :] @ k[..., ks:ke, :].transpose(-2, -1) * scale
                 if ctx.causal:
@@ -1075,7 +1075,7 @@ class BackwardScalesACopyInPlace(FlashAttentionFunction):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for qs in range(0, q.shape[-2], ctx.block_q):
             qe = min(qs + ctx.block_q, q.shape[-2])
-            for ks in range(0, k.shape[-2], ctx.block_k):
+            for ks in range(0, min(k.shape[-2], qe) if ctx.causal else k.shape[-2], ctx.block_k):
                 ke = min(ks + ctx.block_k, k.shape[-2])
                 s = q[..., qs:qe, :] @ k[..., ks:ke, :].transpose(-2, -1)
                 if ctx.causal:

@@ -14,7 +14,7 @@ import torch
 
 from ..exercises import Mistake
 from ..verdict import fail
-from ._student_code import matches, sums_to_one
+from ._student_code import close, matches, max_diff, sums_to_one
 
 NEG_INF = float("-inf")
 
@@ -264,8 +264,10 @@ def fit_scale(weights: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor
 
 def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor | None,
                      expected_scale: float, *, key_axis: str = "the keys (dim=-1)",
-                     hidden: str = "masked keys", scale_name: str = "1/sqrt(d)") -> None:
-    """Raise the Failure that best explains wrong attention weights (..., Lq, Lk); do nothing if they look right.
+                     hidden: str = "masked keys", scale_name: str = "1/sqrt(d)", scores_name: str = "q k^T",
+                     inputs: str = "the queries and the keys you multiply (which tensor is which)") -> None:
+    """Raise the Failure that best explains wrong attention weights (..., Lq, Lk); do nothing if they are
+    the softmax of ``scores`` times ``expected_scale`` over the ``allowed`` keys.
 
     ``scores`` are the raw dot products q k^T (same shape), ``allowed`` which keys a query may see.
     """
@@ -301,6 +303,14 @@ def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch
         what = ("no scaling at all" if abs(factor - 1) < 1e-2 else f"a factor of {factor:.4g}")
         fail("scale", f"Your weights are a softmax of the scores with {what}; the expected factor is "
                       f"{scale_name} = {expected_scale:.4g}. Check how (and where) you scale the scores.")
+    # A distribution over the right keys can still weigh them wrongly: the scores themselves are wrong.
+    expected = (scores * expected_scale).masked_fill(~full, float("-inf")).softmax(-1)
+    seen = full.any(-1)   # a query with no key to see has no weights to compare
+    if not close(weights[seen], expected[seen]):
+        fail("mismatch", f"Your attention weights are a distribution over the keys each query may see, but not "
+                         f"the softmax of the scores {scores_name} times {scale_name} (off by up to "
+                         f"{max_diff(weights[seen], expected[seen]):.3g}): the scores going into the softmax are "
+                         f"wrong. Check {inputs}, and that nothing else is added to the scores.")
 
 
 def identity_values(k: torch.Tensor) -> torch.Tensor:

@@ -230,7 +230,9 @@ class ModuleCheck:
         diagnose_weights(weights, q @ k.transpose(-2, -1), torch.ones(length, length, dtype=torch.bool).tril(),
                          head_dim ** -0.5, key_axis="the keys (the last axis of the scores)",
                          hidden="future positions",
-                         scale_name="1/sqrt(head_dim)" if len(self.heads) > 1 else "1/sqrt(embed_dim)")
+                         scale_name="1/sqrt(head_dim)" if len(self.heads) > 1 else "1/sqrt(embed_dim)",
+                         inputs="the queries and the keys themselves (which layer makes each, what it is applied to"
+                                + (", which slice each head takes)" if len(self.heads) > 1 else ")"))
 
         # The future never leaks: changing the tokens after position t leaves the outputs up to t as they were.
         for t, changed in future_changed:

@@ -78,7 +78,9 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
     """Online softmax of x (..., L) over blocks of ``size``, with the named slips switched on. It runs in x's
     own dtype: whether exp overflows depends on it (float32 overflows past exp(88), underflows below -104).
     ``maximum``: "running" (right), "none" (nothing subtracted), "last" (this block's only), "zero" (a running
-    maximum that starts at 0, not -inf), "shared" (one running maximum for all rows)."""
+    maximum that starts at 0, not -inf), "shared" (one running maximum for all rows). ``rescale``: "ok",
+    "none" (never rescaled), "inverted" (exp(m_new - m_old)), "block" (by this block's own maximum), "after"
+    (the old sum and the new terms both rescaled), "new" (the new terms rescaled, the old sum not)."""
     m = torch.full(x.shape[:-1], 0.0 if maximum == "zero" else float("-inf"), dtype=x.dtype)
     total = torch.zeros(x.shape[:-1], dtype=x.dtype)
     out = torch.empty_like(x)
@@ -97,8 +99,14 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
                 m_new = torch.maximum(m, block.amax(-1))
             old = torch.where(torch.isinf(m) & torch.isinf(m_new), torch.zeros_like(m), m - m_new)
             factor = {"ok": torch.exp(old), "none": torch.ones_like(m), "inverted": torch.exp(-old),
-                      "block": torch.exp(block.amax(-1) - m_new)}[rescale]
-            total = total * factor + torch.exp(block - m_new[..., None]).sum(-1)
+                      "block": torch.exp(block.amax(-1) - m_new), "after": None, "new": None}[rescale]
+            terms = torch.exp(block - m_new[..., None]).sum(-1)
+            if rescale == "after":       # (l + new terms) * factor: the new terms shrunk too
+                total = (total + terms) * torch.exp(old)
+            elif rescale == "new":       # l + new terms * factor: the new terms shrunk, the old sum never
+                total = total + terms * torch.exp(old)
+            else:
+                total = total * factor + terms
             m = m_new
             if normalize == "every":     # each block normalised with the statistics seen so far
                 out[..., cut] = torch.exp(block - m[..., None]) / total[..., None]
@@ -115,7 +123,7 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
                     rescale_sum: bool = True, scale_power: int = 1, last_block: str = "ok",
                     normalize: str = "end", ignore_causal: bool = False, maximum: str = "running",
                     k_bounds: str = "ok", mask: str = "absolute", always_causal: bool = False,
-                    values: str = "v") -> tuple[torch.Tensor, torch.Tensor]:
+                    values: str = "v", factor_on: str = "old") -> tuple[torch.Tensor, torch.Tensor]:
     """The tiled forward of (q, k, v) (..., L, d) in float64, with the named slips switched on: (out, lse).
     ``maximum`` as in ``softmax_variant`` ("zero", "none", "shared" one maximum for all rows of a query block);
     those run in q's own dtype, where exp overflows or underflows as the student's does. ``k_bounds``: "overlap"
@@ -124,7 +132,8 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
     diagonal) or "diagonal" (each query hidden from its own key too); ``skip="first_query"``: the key loop stops
     at the block's first query; ``always_causal``: masked even when causal=False; ``values="keys"``: p @ k; ``normalize``:
     "every" (acc / l after each block) or "unrenormalised" (acc += p @ v / l_new, the old part never rescaled
-    by l_old / l_new)."""
+    by l_old / l_new); ``factor_on``: what exp(m_old - m_new) multiplies in l and acc, "old" (right), "all"
+    (the old part and the new block's) or "new" (the new block's only)."""
     causal = (causal and not ignore_causal) or always_causal
     work = torch.float64 if maximum == "running" else q.dtype
     q, k, v = q.to(work), k.to(work), v.to(work)
@@ -167,6 +176,13 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
             correction = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf), m - safe))
             if maximum == "none":        # nothing subtracted, nothing to rescale
                 correction = torch.ones_like(m)
+            if factor_on != "old":       # the factor on the new block's terms too ("all") or only ("new")
+                before, after = ((torch.ones_like(correction), correction) if factor_on == "all" else
+                                 (correction, torch.ones_like(correction)))
+                total = (total + p.sum(-1) * before) * after
+                acc = (acc + p @ vb * before[..., None]) * after[..., None]
+                m = m_new
+                continue
             total = (total * correction if rescale_sum else total) + p.sum(-1)
             if normalize == "unrenormalised":
                 acc = acc * correction[..., None] + p @ vb / total[..., None]
@@ -220,6 +236,12 @@ FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code
      {"rescale_sum": False}),
     ("online_rescale", "neither the running sum nor the accumulator is rescaled when the maximum grows: both "
                        "must be multiplied by exp(m_old - m_new).", {"rescale_sum": False, "rescale_acc": False}),
+    ("online_rescale", "the factor exp(m_old - m_new) multiplies the new block's terms too, (l + p.sum) * factor "
+                       "and (acc + p @ v) * factor: p is exp(s - m_new) already. Only the old l and acc are "
+                       "rescaled before the new block's are added.", {"factor_on": "all"}),
+    ("online_rescale", "the factor exp(m_old - m_new) multiplies the new block's terms instead of the old l and "
+                       "acc: p is exp(s - m_new) already, and the old sums, made with m_old, are what need it: "
+                       "l = l * factor + p.sum(-1), acc = acc * factor + p @ v.", {"factor_on": "new"}),
     ("scale", "the scores are scaled by 1/sqrt(d) twice (say, q scaled once and the scores again): scale once.",
      {"scale_power": 2}),
     ("scale", "the scores are not scaled by 1/sqrt(d).", {"scale_power": 0}),

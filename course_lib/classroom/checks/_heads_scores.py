@@ -86,7 +86,8 @@ PREVIOUS_MISTAKES = (
                             "weights.diagonal(offset=-1, dim1=-2, dim2=-1).", {"shift": -1, "first_shift": -1}),
     Mistake("score_offset", "you read the diagonal ABOVE the main one (key i + 1, the next token), which a "
                             "causal mask keeps at zero. The previous token is key i - 1: "
-                            "diagonal(offset=-1, ...) (a negative offset is below).", {"shift": -2, "first_shift": -1}),
+                            "diagonal(offset=-1, dim1=-2, dim2=-1): a negative offset is below, with dim1 the "
+                            "queries' axis (dims swapped, it is above).", {"shift": -2, "first_shift": -1}),
     Mistake("score_offset", "you read key i - 2, two tokens back; the previous token is key i - 1.", {"shift": 1}),
     Mistake("score_positions", "you include position 0, which has no previous token: your mean divides "
                                "the L - 1 entries (i, i - 1) by L, as if position 0 gave a zero. Average "
@@ -110,7 +111,8 @@ INDUCTION_MISTAKES = (
                                "earlier copy to look at: drop the first entry of that diagonal.", {"first_shift": -1}),
     Mistake("score_offset", "you read the diagonal ABOVE the main one (offset +(half - 1), key i + half - 1): "
                             "keys after the query, which a causal mask keeps at zero. The earlier copy is behind "
-                            "the query: diagonal(offset=-(half - 1), ...) (a negative offset is below).",
+                            "the query: diagonal(offset=-(half - 1), dim1=-2, dim2=-1): a negative offset is "
+                            "below, with dim1 the queries' axis (dims swapped, it is above).",
             {"ahead": True}),
     Mistake("score_positions", "you keep the first `half` entries of the diagonal ([..., :half]): that includes "
                                "query half - 1, the last of the FIRST half, and drops the last query. Drop the "

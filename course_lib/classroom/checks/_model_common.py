@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,14 @@ def as_tensor(value: Any) -> Any:
     if type(value).__module__.startswith("numpy") and hasattr(value, "shape"):
         return torch.as_tensor(value)
     return value
+
+
+def as_values(result: Any, count: int) -> Any:
+    """A generator, map or zip a student returned where ``count`` values are asked (`a, b = f(...)` unpacks it
+    the same) becomes a tuple of its first ``count + 1`` values (one more shows a surplus); the rest is left."""
+    if isinstance(result, Iterator):
+        return tuple(itertools.islice(result, count + 1))
+    return result
 
 
 def accepts(fn: Any, name: str, *, named: bool = False) -> bool:

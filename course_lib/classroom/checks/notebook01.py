@@ -200,7 +200,8 @@ def _toy_diagnose(runs: list[Run], fn: Any) -> None:
         weights = None
     if isinstance(weights, torch.Tensor) and weights.shape == (keys.shape[0],):
         diagnose_weights(weights[None].double(), (keys @ query)[None].double(), None, 1.0,
-                         key_axis="the keys", scale_name="1 (no scaling in toy attention)")
+                         key_axis="the keys", scale_name="1 (no scaling in toy attention)",
+                         scores_name="keys @ query", inputs="what you multiply: each key with the query")
 
 
 TOY_ATTENTION = FunctionExercise(

@@ -419,6 +419,12 @@ def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
     if no_dropout:
         fail("dropout", f"In training mode (dropout_rate={_DROPOUT}) your block gives the same output twice, so "
                         f"no dropout happens. Call the sublayers self.attn and self.mlp: they carry the dropout.")
+    reference.train()
+    if not close(_seeded_block(candidate, x, "your block in training mode"), _seeded_block(reference, x)):
+        fail("dropout", f"In training mode (dropout_rate={_DROPOUT}) your block differs from the reference block "
+                        f"given the same random draws, though it matches in eval mode: dropout is applied "
+                        f"somewhere else or twice, or a sublayer is kept in eval mode. self.attn and self.mlp "
+                        f"carry the block's dropout: call each once, and add no dropout of your own.")
     # No magnitude probe: the block's only softmax is inside self.attn, which the exercise builds from the course's
     # MultiHeadMaskedAttention (the student writes none); LayerNorm's own scale is torch's.
     x = _inputs(generator, 2, 5)
@@ -632,6 +638,14 @@ def _check_gpt_training(candidate: nn.Module, reference: nn.Module, idx: torch.T
         finally:
             candidate.eval()
             reference.eval()
+
+
+def _seeded_block(block: nn.Module, x: torch.Tensor, what: str = "") -> Any:
+    """The block's output in training mode after one fixed seed: two blocks that drop the same tensors, in the
+    same order, give the same output."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        return call(block, x, what=what) if what else block(x)
 
 
 def _seeded(model: nn.Module, idx: torch.Tensor, what: str = "") -> Any:

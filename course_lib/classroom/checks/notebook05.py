@@ -19,7 +19,7 @@ from ... import model as model_ref
 from ... import train as train_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
-from ._model_common import ProcedureExample, accepts, as_tensor, extend, recording_calls
+from ._model_common import ProcedureExample, accepts, as_tensor, as_values, extend, recording_calls
 from ._student_code import call, expect_callable, expect_tensor, reraise_with
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
 from .engine.example import tiny
@@ -51,7 +51,7 @@ def _windows_pair(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     """The student's (inputs, targets) as one (2, num_windows, max_tokens) tensor, after the checks of a pair."""
     def windows(ids: torch.Tensor, max_tokens: int, stride: int | None) -> torch.Tensor:
         what = _windows_what(len(ids), max_tokens, stride)
-        result = fn(ids, max_tokens) if stride is None else fn(ids, max_tokens, stride=stride)
+        result = as_values(fn(ids, max_tokens) if stride is None else fn(ids, max_tokens, stride=stride), 2)
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             fail("dtype" if result is not None else "shape",
                  f"{what} should return a pair (inputs, targets), but returned "

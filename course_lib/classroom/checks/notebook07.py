@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import importlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from torch import nn
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._gradients import check_function_gradients
-from ._model_common import ProcedureExample, as_tensor, randomize_
+from ._model_common import ProcedureExample, as_tensor, as_values, randomize_
 from ._student_code import call, close, expect_callable, expect_tensor, reraise_with
 from .engine import Case, FunctionExercise, ScaleFit, at_other_sizes, checker, first_mistake, function_example, judge
 from .engine.example import tiny
@@ -46,8 +46,7 @@ def _thirds(fn: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
         result = as_tensor(fn(weight))
         if isinstance(result, torch.Tensor) and result.dim() == 3 and result.shape[0] == 3:
             result = tuple(result.unbind(0))   # a stacked (3, E, E) unpacks just as well
-        if isinstance(result, Iterator):
-            result = tuple(itertools.islice(result, 4))   # so does a generator or a map (4: more than three shows)
+        result = as_values(result, 3)   # so does a generator or a map
         if not isinstance(result, (tuple, list)) or len(result) != 3:
             fail("dtype" if result is not None else "shape",
                  f"{what} should return three tensors (Wq, Wk, Wv), but returned "

@@ -27,7 +27,7 @@ from ._device_probe import meta, module_on_meta
 from ._device_probe import probe as probe_device
 from ._gqa_variants import CACHED, FULL_PASS, Setup, simulate
 from ._gradients import check_module_gradients
-from ._model_common import accepts, as_tensor, copy_weights
+from ._model_common import accepts, as_tensor, as_values, copy_weights
 from ._student_code import (
     call,
     call_student,
@@ -61,6 +61,7 @@ def _two_tables(result: Any, what: str, shape: tuple[int, int]) -> tuple[torch.T
     """rope_tables returns (cos, sin): a pair (a tensor of two stacked tables unpacks the same way)."""
     if isinstance(result, torch.Tensor) and result.dim() == 3 and result.shape[0] == 2:
         result = tuple(result)
+    result = as_values(result, 2)   # a generator of the two unpacks as `cos, sin = ...` does
     if not isinstance(result, (tuple, list)):
         if isinstance(result, torch.Tensor) or result is None:
             got = "nothing" if result is None else f"one tensor of shape {_shape(result)}"
@@ -118,6 +119,15 @@ def _diagnose_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, max_to
                          " Also, the angles should be repeated as two halves, cat([angles, angles], dim=-1), "
                          "not element by element.")
                 fail(code, f"{what}: {why}.{extra}{default if code == 'rope_frequencies' else ''}")
+    half = head_dim // 2
+    if head_dim > 1 and all(close(table[:, :half], good[:, :half]) for table, good in zip(pair, right)):
+        fail("rope_layout", f"{what}: the first head_dim/2 columns of both tables are right, the second half is not. "
+                            f"The half-split layout repeats the same head_dim/2 angles: column j + head_dim/2 is "
+                            f"column j again, torch.cat([angles, angles], dim=-1), then cos and sin.")
+    if close(pair[0], right[0]) and close(pair[1].abs(), right[1].abs()):
+        fail("rope_rotation", f"{what}: your cos table is right and your sines have the right size, but not always "
+                              f"the right sign (a sine from sqrt(1 - cos^2) is never negative): take the sine of "
+                              f"the angles themselves, angles.sin().")
     off_by = max(max_diff(pair[0], right[0]), max_diff(pair[1], right[1]))
     if off_by < 0.05:
         fail("precision", f"{what}: your tables are right to about {off_by:.2g} but not to 1e-3: the angles (or the frequencies) are "
@@ -202,7 +212,7 @@ ROPE_TABLES = FunctionExercise(
 def _tables_example(fn: Callable[..., Any], *_: Any, **__: Any) -> Any:
     """The counter-example shows whatever came back, the pair stacked (wrong shapes included)."""
     def stacked(*args: Any) -> Any:
-        tables = fn(*args)
+        tables = as_values(fn(*args), 2)
         return torch.stack([as_tensor(t) for t in tables]) if isinstance(tables, (tuple, list)) else tables
     return function_example(ROPE_TABLES)(stacked)
 
@@ -351,6 +361,7 @@ def _rotary_keeps_dtype(fn: Callable[..., Any]) -> None:
 _NORM_CASES = (
     (16, None, (2, 5, 16), "mixed"),     # some rows tiny: the default eps (1e-6) changes them
     (8, 0.1, (3, 8), "normal"),          # a large eps: inside or outside the square root differs
+    (8, 0.1, (4, 8), "mixed"),           # some rows' root mean square below eps: added or clamped at differs
     (8, None, (2, 3, 4, 8), "normal"),   # (N, heads, L, head_dim), as QK-norm calls it
 )
 
@@ -381,6 +392,11 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> dict[str, Mi
         Mistake("epsilon", "the square root is taken of mean(x^2) and of eps apart and then added: sqrt(mean(x^2)) + "
                            "sqrt(eps) is not sqrt(mean(x^2) + eps). Add eps inside one square root: x / "
                            "sqrt(mean(x^2) + eps).", output=x / (ms.sqrt() + eps ** 0.5) * w),
+        Mistake("epsilon", "you clamp the root mean square at eps (clamp_min or max(rms, eps)) instead of adding "
+                           "eps inside the square root: a row's scale then jumps where it crosses eps. Add it: x / "
+                           "sqrt(mean(x^2) + eps).", output=x / ms.sqrt().clamp_min(eps) * w),
+        Mistake("epsilon", "you clamp mean(x^2) at eps (clamp_min or max) instead of adding eps to it: x / "
+                           "sqrt(mean(x^2) + eps).", output=x / ms.clamp_min(eps).sqrt() * w),
         Mistake("norm_weight", "the learned weight is missing: multiply the normalised x by self.weight.",
                 output=x / _rms(x, eps)),
         Mistake("norm_weight", "you multiply by (1 + weight), Gemma's convention; here the weight starts at one "

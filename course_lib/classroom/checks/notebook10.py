@@ -19,6 +19,7 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _flash_variants as variants
 from ._flash_probe import Record, Recorder
+from ._model_common import as_values
 from ._student_code import call_student, close, expect_callable, expect_tensor, max_diff
 from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
 from .engine.example import tiny
@@ -85,6 +86,12 @@ _SOFTMAX_MISTAKES = (
                      "with the maximum before this block", rescale="block"),
     _softmax_mistake("online_rescale", "the rescale factor is upside down: when the maximum grows from m_old to "
                      "m_new, the old sum shrinks, l * exp(m_old - m_new), a factor of at most 1", rescale="inverted"),
+    _softmax_mistake("online_rescale", "the factor exp(m_old - m_new) multiplies the new block's terms too: "
+                     "(l + new terms) * factor. Those terms are exp(x - m_new) already; only the old sum is "
+                     "rescaled, l = l * exp(m_old - m_new) + the new terms", rescale="after"),
+    _softmax_mistake("online_rescale", "the factor exp(m_old - m_new) multiplies the new block's terms instead of "
+                     "the old sum. The new terms are exp(x - m_new) already; the old sum, made of exp(x - m_old), "
+                     "is what needs it: l = l * exp(m_old - m_new) + the new terms", rescale="new"),
     _softmax_mistake("running_max", "you keep the maximum of the latest block, not the running maximum of all blocks "
                      "so far: it is right in exact arithmetic, but when a later block is much smaller than an earlier "
                      "one the rescale factor exp(m_old - m_new) overflows. Use m_new = torch.maximum(m, "
@@ -170,7 +177,14 @@ def _whole_row(runs: list[Run], fn: Any) -> None:
         fail("not_tiled", f"online_softmax reduces over the whole row at once ({whole} over all {x.shape[-1]} "
                           f"entries): the point is to read the row one block of block_size entries at a time, "
                           f"keeping only the running maximum and sum between blocks.")
-    widest = max((length for _, length in watch.record.reduced), default=size)
+    lengths = {length for _, length in watch.record.reduced}
+    widest = max(lengths, default=size)
+    blocks = -(-x.shape[-1] // size)
+    if widest != size and widest == blocks and size in lengths:   # blocks of the size given, statistics kept
+        fail("not_tiled", f"online_softmax(x, {size}) with x of shape {tuple(x.shape)} reads blocks of {size} "
+                          f"entries, then reduces over {blocks} numbers at once: one per block, the blocks' own "
+                          f"maxima or sums combined at the end. Keep one running maximum m and sum l instead, and "
+                          f"update them as each block is read, as the exercise asks: m and l are all that is kept between blocks.")
     if widest != size:   # right values from blocks of another size: block_size is not what the loop reads
         fail("not_tiled", f"online_softmax(x, {size}) reads blocks of {widest} entries, not block_size={size}: take "
                           f"the blocks x[..., s:s + block_size] for s in range(0, L, block_size), with the size "
@@ -242,6 +256,7 @@ _PROBE_SHAPE, _BLOCK_Q, _BLOCK_K = (1, 2, 64, 12), 16, 8
 
 
 def _pair(result: Any, shown: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    result = as_values(result, 2)   # a generator of the two unpacks as `out, lse = ...` does
     if isinstance(result, torch.Tensor) or not isinstance(result, (tuple, list)) or len(result) != 2:
         got = (f"one tensor of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor) else
                "nothing" if result is None else f"a {type(result).__name__}"
@@ -326,9 +341,10 @@ _LSE_MISTAKES = (
 )
 
 
-def _watched(seed: int, run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]) -> Record:
-    """What the student's code does on the probe's q, k, v, under the recorder."""
-    q, k, v = _qkv(seed, _PROBE_SHAPE)
+def _watched(seed: int, run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any],
+             length_k: int | None = None) -> Record:
+    """What the student's code does on the probe's q, k, v (k and v of ``length_k``), under the recorder."""
+    q, k, v = _qkv(seed, _PROBE_SHAPE, length_k)
     with Recorder(_PROBE_SHAPE[-1]) as recorder:
         run(q, k, v)
     return recorder.record
@@ -364,6 +380,31 @@ def _probe_forward(fn: Callable[..., Any], causal: bool) -> None:
                                f"key comes after the query block's last query.")
 
 
+# The keys' length of the probe that tells block_q from block_k: a multiple of block_k (8), not of block_q (16),
+# so loops with the two sizes swapped cut an (8, 8) block of scores that the right loops never make. Equal
+# lengths cannot tell them apart: the blocks come out the same, either way round.
+_SWAP_LENGTH_K = 24
+
+
+def _tile_shapes(length_q: int, length_k: int, block_q: int, block_k: int) -> set[tuple[int, ...]]:
+    """The blocks of scores that loops over these sizes make, each (smaller, larger)."""
+    return {tuple(sorted((min(block_q, length_q - qs), min(block_k, length_k - ks))))
+            for qs in range(0, length_q, block_q) for ks in range(0, length_k, block_k)}
+
+
+def _sizes_not_swapped(record: Record, shown: str) -> None:
+    """The blocks of a non-causal run with k of _SWAP_LENGTH_K keys are the ones block_q queries and block_k keys
+    make, not the ones the sizes swapped make."""
+    seen = {tuple(sorted(tile)) for tile in record.tiles if len(tile) == 2 and min(tile) > 1}
+    right = _tile_shapes(_PROBE_SHAPE[-2], _SWAP_LENGTH_K, _BLOCK_Q, _BLOCK_K)
+    swapped = _tile_shapes(_PROBE_SHAPE[-2], _SWAP_LENGTH_K, _BLOCK_K, _BLOCK_Q)
+    if seen - right and seen <= right | swapped:
+        fail("not_tiled", f"{shown}: your loops take block_k = {_BLOCK_K} queries and block_q = {_BLOCK_Q} keys at "
+                          f"a time (a block of scores of shape {min(seen - right)} appears, which only the two "
+                          f"sizes swapped make): the query loop steps by block_q, range(0, Lq, block_q), and the "
+                          f"key loop by block_k, range(0, Lk, block_k).")
+
+
 def _tiles_as_given(record: Record, shown: str) -> None:
     """Every block of scores is (block_q, block_k), either way round (the probe's L is a multiple of both, so no
     block is cut short): right values from blocks of other sizes mean the loops ignore the block sizes given.
@@ -397,10 +438,59 @@ def _forward_magnitudes() -> list[Case]:
     return cases
 
 
+def _future_leaks(run: Run, fn: Any) -> None:
+    """Causal: the outputs up to a position stay as they were when the keys and values after it change."""
+    q, k, v, block_q, block_k, causal = run.case.args
+    if not causal or k.shape[-2] != q.shape[-2]:
+        return
+    generator = torch.Generator().manual_seed(5)
+    for t in range(q.shape[-2] - 1):   # a few small calls: only where the output is wrong already
+        k2, v2 = k.clone(), v.clone()
+        k2[..., t + 1:, :] = torch.randn(k2[..., t + 1:, :].shape, generator=generator) * 2
+        v2[..., t + 1:, :] = torch.randn(v2[..., t + 1:, :].shape, generator=generator)
+        changed = fn(q.clone(), k2, v2, block_q, block_k, causal)
+        if not close(changed[..., :t + 1, :], run.out[..., :t + 1, :]):
+            fail("causal_mask", f"{run.case.what}: the future leaks: changing the keys and values after position "
+                                f"{t} changes your output at position {t} or before. In every key block that "
+                                f"crosses the diagonal, set the scores of keys after their query to -inf, with "
+                                f"positions counted from the start of the sequence (qs + row and ks + col), not "
+                                f"from the block's corner.")
+
+
+def _rows_short_of_keys(run: Run) -> str | None:
+    """When every wrong query row is attention over its first keys only (some it may see left out at the end),
+    what that says about the key loop's bound (None otherwise): such rows are written, from too few keys."""
+    q, k, v, _, _, causal = run.case.args
+    out, expected = run.out.double(), run.expected.double()
+    length_q, length_k = q.shape[-2], k.shape[-2]
+    wrong = [i for i in range(length_q) if not close(out[..., i, :], expected[..., i, :])]
+    if not wrong or len(wrong) == length_q:
+        return None
+    scores = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5   # (..., Lq, Lk)
+    seen = {}
+    for i in wrong:
+        visible = i + 1 if causal else length_k
+        seen[i] = next((stop for stop in range(visible - 1, 0, -1)
+                        if close(out[..., i:i + 1, :],
+                                 scores[..., i:i + 1, :stop].softmax(-1) @ v.double()[..., :stop, :])), None)
+        if seen[i] is None:
+            return None
+    shown = ", ".join(f"row {i} keys 0 to {stop - 1}" for i, stop in list(seen.items())[:3])
+    return (f"some query rows are attention over too few keys ({shown}{', ...' if len(seen) > 3 else ''}), while "
+            f"every other row is right: your key loop stops before the key block that holds a key they may see. "
+            + ("With causal, the key loop runs over range(0, min(Lk, qe), block_k), where qe = min(qs + block_q, "
+               "Lq) is already one past the block's last query: not qe - 1, not qs + block_k." if causal else
+               "Without causal, every query sees every key: the key loop runs over range(0, Lk, block_k)."))
+
+
 def _forward_not_finite(runs: list[Run], fn: Any) -> None:
     run = next(run for run in runs if not close(run.out, run.expected))
     if variants.coarse_precision(run.out, run.expected):
         fail("precision", f"{run.case.what}: {variants.PRECISION}")
+    _future_leaks(run, fn)
+    short = _rows_short_of_keys(run)
+    if short:   # causal: a key block skipped that holds a key the query may see
+        fail("block_skip" if run.case.args[5] else "block_bounds", f"{run.case.what}: {short}")
     rows = variants.unwritten_rows(run.out, run.expected, run.case.args[3])
     if rows:
         fail("block_bounds", f"{run.case.what}: {rows}")
@@ -476,6 +566,10 @@ def check_flash_attention(fn: Callable[..., Any]) -> str:
     judge(_FORWARD_LSE, _part(fn, 1))
     _probe_forward(fn, causal=False)
     _probe_forward(fn, causal=True)
+    shown = (f"flash_attention(q, k, v, block_q={_BLOCK_Q}, block_k={_BLOCK_K}, causal=False) with Lq = "
+             f"{_PROBE_SHAPE[-2]} and Lk = {_SWAP_LENGTH_K}")
+    _sizes_not_swapped(_watched(23, lambda q, k, v: call_student(fn, q, k, v, block_q=_BLOCK_Q, block_k=_BLOCK_K,
+                                                                 causal=False, what=shown), _SWAP_LENGTH_K), shown)
     needed, total = ref.causal_blocks(_PROBE_SHAPE[-2], _BLOCK_Q, _BLOCK_K)
     return (f"Output and log-sum-exp equal to attention's, for blocks that do not divide L and block_q != "
             f"block_k; no L x L tensor built, and causal masking computed {needed} of {total} key blocks.")
@@ -620,3 +714,26 @@ def _probe_backward(cls: Any) -> None:
                             f"should rebuild one (block_q, block_k) block of weights at a time, exp(s - lse), and "
                             f"never store or build them all.")
     _tiles_as_given(record, f"{shown} (block_q={_BLOCK_Q}, block_k={_BLOCK_K})")
+    _backward_skips(record, shown)
+    shown = f"FlashAttentionFunction with Lq = {length} and Lk = {_SWAP_LENGTH_K}, causal=False"
+    _sizes_not_swapped(_watched(24, lambda q, k, v: _student_grads(cls, q, k, v, torch.randn_like(q), False, _BLOCK_Q,
+                                                                  _BLOCK_K), _SWAP_LENGTH_K),
+                       f"{shown} (block_q={_BLOCK_Q}, block_k={_BLOCK_K})")
+
+
+def _backward_skips(record: Record, shown: str) -> None:
+    """Causal: every pass over the blocks (the forward's, and the backward's scores and dO V^T, in one loop or
+    several) skips the future key blocks. The score products computed are then a whole number of skipping
+    passes; a pass that skips none adds a whole matrix's worth, and no small number of skipping passes makes
+    the same total (20 and 32 blocks at the probe's sizes)."""
+    batch, heads, length, _ = _PROBE_SHAPE
+    needed, total = ref.causal_blocks(length, _BLOCK_Q, _BLOCK_K)
+    blocks, rest = divmod(record.score_elements, _BLOCK_Q * _BLOCK_K * batch * heads)
+    passes = [(skipping, full) for skipping in range(8) for full in range(8 - skipping)
+              if skipping * needed + full * total == blocks]
+    if rest == 0 and passes and all(full for _, full in passes):
+        fail("block_skip", f"{shown}, causal: your backward computes the scores of every key block, also those "
+                           f"whose first key comes after the query block's last query ({total} blocks a pass "
+                           f"where {needed} hold a key any query of the block may see). Skip them as the forward "
+                           f"does: the key loop stops before the query block's end, range(0, min(Lk, qe), "
+                           f"block_k).")

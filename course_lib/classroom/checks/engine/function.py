@@ -286,6 +286,8 @@ def _one_of_two(exercise: FunctionExercise, runs: list[Run]) -> None:
     for run in differing:
         if not isinstance(run.out, torch.Tensor) or run.out.numel() < _FEW:
             continue   # one number matched by one mistake of many, and missed by it elsewhere, is a coincidence
+        if not bool(torch.isfinite(run.out).any()):
+            continue   # so is an output with no finite number: many mistakes end in inf or NaN everywhere
         for mistake in exercise.mistakes:
             if _explains(exercise, mistake, run) is not True:
                 continue

@@ -45,16 +45,22 @@ class ScaleFit:
 
 
 def fitted_scale(fit: ScaleFit, runs: list[tuple[tuple[Any, ...], str, torch.Tensor]]) -> str | None:
-    """The message for a factor that explains every run ((args, what, the student's output)), else None."""
-    factors = []
-    for args, _, out in runs:
+    """The message for a factor that explains every run ((args, what, the student's output)), else None. A run
+    whose output is the same whatever the factor (one key per query: its weight is 1) says nothing about it and
+    is left out."""
+    factors, telling = [], []
+    for args, what, out in runs:
         try:
+            if matches(fit.output(*args, 0.1), fit.output(*args, 10.0)):
+                continue
             factor = fitted_factor(out, lambda f, args=args: fit.output(*args, f))
         except (RuntimeError, ValueError, IndexError):
             return None
         if factor is None:
             return None
         factors.append(factor)
+        telling.append((args, what, out))
+    runs = telling
     wrong = [i for i, (args, _, _) in enumerate(runs) if not math.isclose(factors[i], fit.right(*args), rel_tol=1e-3)]
     if not wrong:
         return None
