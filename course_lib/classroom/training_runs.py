@@ -111,11 +111,11 @@ def judge(yours: TrainingRun, reference: TrainingRun, tolerance: float = TOLERAN
                          f"{reference.final_val_loss:.3f}: more than {tolerance} BELOW it. Parts that compute what "
                          f"the reference computes give its numbers up to rounding (and dropout drawn in another "
                          f"layout), so one of yours differs. "
-                         + (f"So far below, it sees what it predicts: a causal mask that lets the future through, "
-                            f"or targets that are not shifted." if reference.final_val_loss - yours.final_val_loss
+                         + ("So far below, it sees what it predicts: a causal mask that lets the future through, "
+                            "or targets that are not shifted." if reference.final_val_loss - yours.final_val_loss
                             > FAR_BELOW else
-                            f"A little below is what less dropout gives over these steps (a dropout left out, or "
-                            f"the model in eval mode while it trains); a model that sees what it predicts (a mask "
-                            f"that leaks the future) ends far lower."))}[verdict]
+                            "A little below is what less dropout gives over these steps (a dropout left out, or "
+                            "the model in eval mode while it trains); a model that sees what it predicts (a mask "
+                            "that leaks the future) ends far lower."))}[verdict]
     diagnosis = {"nan": "nan", "raises": "exception"}.get(verdict, "mismatch")
     return CheckResult("8.1", False, diagnosis, message + " find_blame(...) names the part.")
