@@ -97,3 +97,22 @@ def test_without_a_live_room_the_run_never_enters_progress(monkeypatch):
     monkeypatch.setenv(progress.PROGRESS_DIR_ENV, "a room")
     assert checks.check_causal_mask(attention.causal_mask).passed
     assert [(r.exercise, subject) for r, subject in recorded] == [("2.1", "causal_mask")]
+
+
+def test_wrong_outputs_before_a_call_that_raises_are_named_before_the_exception():
+    """A mistake that shows on the first case and crashes on a later one is that mistake, not the crash: the
+    crash is where the wrong numbers ended, and a reword about it would guess (12.2 said a size was written in)."""
+    reworded = []
+
+    def tripled_then_raises(x):
+        if x.shape[0] == 1:
+            raise IndexError("index 1 is out of bounds")
+        return 3 * x
+
+    exercise = _double(reword=lambda failure, case, out, fn: reworded.append(case.what))
+    assert _verdict(exercise, tripled_then_raises) == ("scale", "tripled") and reworded == []
+
+    def raises_first(x):   # nothing wrong before it: the exception, reworded
+        raise IndexError("index 1 is out of bounds")
+
+    assert _verdict(exercise, raises_first)[0] == "exception" and reworded == ["double(x)"]

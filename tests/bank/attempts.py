@@ -1,8 +1,9 @@
 """The record of one student attempt and the decorators that file attempts into a bank.
 
 A bank module makes its own lists with ``BUGGY, CORRECT, bug, correct = new_bank()``: each decorated
-function or class is filed under its own name, buggy ones with the diagnosis its checker must give and
-words the message must contain.
+function or class is filed under its own name, buggy ones with the diagnosis its checker must give, the
+words the message must contain and, where a message once named a mistake the code does not make, words it must
+not.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class Attempt:
     expected: str | None                 # the diagnosis code, None for a correct attempt
     says: tuple[str, ...] = ()           # words the message must contain (case-insensitive)
     kwargs: dict = field(default_factory=dict)   # the checker's options (norm_first=False)
+    avoids: tuple[str, ...] = ()         # words the message must not contain (a mistake the code does not make)
 
     @property
     def id(self) -> str:
@@ -30,9 +32,10 @@ def new_bank() -> tuple[list[Attempt], list[Attempt], Callable[..., Any], Callab
     buggy: list[Attempt] = []
     good: list[Attempt] = []
 
-    def bug(exercise: str, expected: str, *says: str, **kwargs: Any) -> Callable[[Any], Any]:
+    def bug(exercise: str, expected: str, *says: str, avoids: tuple[str, ...] = (), **kwargs: Any
+            ) -> Callable[[Any], Any]:
         def register(candidate: Any) -> Any:
-            buggy.append(Attempt(exercise, candidate.__name__, candidate, expected, says, kwargs))
+            buggy.append(Attempt(exercise, candidate.__name__, candidate, expected, says, kwargs, avoids))
             return candidate
         return register
 
@@ -55,3 +58,5 @@ def assert_judged(result: Any, attempt: Attempt) -> None:
     assert len(result.message) > 30 and "Traceback" not in result.message
     for word in attempt.says:
         assert word.lower() in result.message.lower(), f"{attempt.id}: {word!r} not in {result.message!r}"
+    for word in attempt.avoids:
+        assert word.lower() not in result.message.lower(), f"{attempt.id}: {word!r} in {result.message!r}"

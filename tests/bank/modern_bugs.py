@@ -239,7 +239,7 @@ def rotary_ignores_offset(x, cos, sin, offset=0):
     return x * cos[:length] + rotate_half(x) * sin[:length]
 
 
-@bug("9.2", "rope_positions", "cos[offset:offset + L]", "offset=9")
+@bug("9.2", "rope_positions", "cos[offset:offset + L]", "offset=4")
 def rotary_slices_to_length(x, cos, sin, offset=0):
     length = x.shape[-2]
     return x * cos[offset:length] + rotate_half(x) * sin[offset:length]

@@ -95,6 +95,11 @@ def check_gradients(run_candidate: Callable[[], Any], run_reference: Callable[[]
             except Failure as failure:
                 if failure.diagnosis == "exception" and is_in_place_error(failure):
                     fail("gradient", _inplace_message(what, failure))
+                if failure.diagnosis == "exception" and "requires grad" in failure.message:
+                    fail("gradient", f"{failure.message.rstrip()} It runs on plain tensors, but not on inputs that "
+                                     f"require gradients, as in training: your code leaves torch (.numpy(), "
+                                     f".tolist(), Python numbers), where no gradient can follow, so nothing "
+                                     f"before it could learn. Compute with torch operations on the tensors.")
                 raise
             got_out = _outputs(got_value)
             if got_out is None or [o.shape for o in got_out] != [o.shape for o in expected_out]:

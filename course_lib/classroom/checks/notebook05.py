@@ -743,10 +743,12 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
     kwargs = {"temperature": temperature, **({} if top_k is None else {"top_k": top_k})}
     setting = f"temperature={temperature}" + (f", top_k={top_k}" if top_k is not None else "")
     what = f"sample_next_token({setting}) on {logits.shape[0]} rows"
-    freq = _frequencies(_draw(fn, logits, what, **kwargs), base.shape[0], logits.shape[1])   # (2, vocab)
+    draws = _draw(fn, logits, what, **kwargs)
+    freq = _frequencies(draws, base.shape[0], logits.shape[1])   # (2, vocab)
     expected = _probabilities(base / temperature, top_k)
     if _matches(freq, expected):
         return
+    _one_draw_for_all_rows(fn, logits, base.shape[0], what, kwargs, draws)
     # a token drawn where the mistake gives it no chance rules the mistake out (2500 draws a row: every token
     # of probability >= 0.5% shows up), which tells k + 1 kept tokens from no top_k at all
     first_mistake(_SAMPLING_MISTAKES, lambda m: _drawn_from(freq, m.output(base, temperature, top_k)), f"{what}: ",
@@ -755,6 +757,21 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
         fail("top_k", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the k highest "
                       f"logits may be drawn.")
     fail("mismatch", f"{what}: the draws do not follow softmax(logits / temperature): {_describe(freq, expected)}.")
+
+
+def _one_draw_for_all_rows(fn: Callable[..., Any], logits: torch.Tensor, rows: int, what: str,
+                           kwargs: dict[str, Any], draws: torch.Tensor) -> None:
+    """Every copy of a row got the same token in one call, and the calls differ: one draw serves the batch
+    (which, when it lands on the most likely token, looks greedy within one call)."""
+    first = draws.long().flatten().view(-1, rows)                        # (repeats, rows)
+    if not bool((first == first[0]).all()):
+        return
+    again = [_draw(fn, logits, what, **kwargs).long().flatten().view(-1, rows)[0] for _ in range(4)]
+    if any(not torch.equal(tokens, first[0]) for tokens in again):
+        fail("mismatch", f"{what}: within one call every copy of a row got the same token, and other calls gave "
+                         f"other tokens: one random draw serves the whole batch (one torch.rand for every row, or "
+                         f"one sample repeated). Draw one token per row: torch.multinomial(probs, num_samples=1) "
+                         f"samples each row on its own.")
 
 
 def _check_generator_is_used(fn: Callable[..., Any], logits: torch.Tensor, **options: Any) -> None:

@@ -283,7 +283,8 @@ def _rotary_offsets(runs: list[Run], fn: Any) -> None:
                           f"dtype on the way) rounds differently.")
     if wrong[0].case.args[3] and all(close(run.out, run.expected) for run in full if not run.case.args[3]):
         fail("rope_positions", f"apply_rotary is right with offset=0 but not with offset={wrong[0].case.args[3]}: the "
-                               f"rows of the tables for x are offset .. offset+L-1.")
+                               f"rows of the tables for x are offset .. offset+L-1, cos[offset:offset + L] with L = "
+                               f"x.shape[-2].")
 
 
 def _rotary_mismatch(run: Run) -> str:

@@ -136,6 +136,8 @@ def judge(exercise: FunctionExercise, fn: Any) -> str:
             expect_tensor(out, tuple(expected.shape), case.what, dtype=expected.dtype if exercise.dtype else None,
                           finite=exercise.finite)
         except Failure as failure:
+            if any(not exercise.same(run.out, run.expected) for run in runs):
+                _diagnose(exercise, runs, fn)   # wrong outputs before the call that failed say more than it does
             if exercise.reword is not None:
                 exercise.reword(failure, case, out, fn)
             raise
