@@ -275,3 +275,70 @@ def config_from_dict(cls: type[T], values: Any) -> T:
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known fields are {sorted(known)}")
     return cls(**values)
+
+
+def most_threads() -> int:
+    """The most CPU threads a count may ask for: 4 per core. Far more makes torch's thread pool fail outright
+    (100,000 threads crashed the process with a segmentation fault, 2**31 overflowed torch's int)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def thread_count(name: str, value: Any) -> int:
+    """A number of CPU threads, 1 to :func:`most_threads` (numpy's ints included), returned as an int."""
+    if not is_int(value):
+        raise TypeError(f"{name}: expected a whole number of CPU threads such as 1 or 2, got {describe(value)}")
+    most = most_threads()
+    if not 1 <= value <= most:
+        raise ValueError(f"{name}: expected 1 to {most} threads (this machine has {os.cpu_count() or 1} cores), "
+                         f"got {value}")
+    return int(value)
+
+
+SEED_LIMIT = 2**64   # torch seeds are unsigned 64-bit: a larger seed overflows inside torch.manual_seed
+
+
+def seed(name: str, value: Any) -> int:
+    """A random seed: an int (numpy's included) in 0 .. 2**64 - 1, returned as a Python int (random.seed
+    refuses numpy's ints)."""
+    non_negative_int(name, value)   # its message for what is no seed at all
+    if value >= SEED_LIMIT:
+        raise ValueError(f"{name}: expected an int >= 0 and below 2**64, got {describe(value)}")
+    return int(value)
+
+
+def callable_taking(name: str, value: Any, count: int, signature: str) -> Any:
+    """A callable that can be called with ``count`` positional arguments; ``signature`` shows the call expected,
+    e.g. "(prompt, temperature, top_k, max_new_tokens) -> str". Checked before the first call, so that a
+    function of the wrong shape is named here, not by a TypeError from deep inside the caller. A callable
+    whose signature cannot be read (some builtins) is taken as it is."""
+    import inspect
+    if not callable(value):
+        raise TypeError(f"{name}: expected a function {signature}, got {describe(value)}")
+    try:
+        found = inspect.signature(value)
+    except (TypeError, ValueError):   # no signature to read: trust it
+        return value
+    try:
+        found.bind(*range(count))
+    except TypeError:
+        raise TypeError(f"{name}: expected a function {signature} (called with {count} positional arguments), "
+                        f"got {getattr(value, '__name__', type(value).__name__)}{found}") from None
+    return value
+
+
+def env_text(name: str, value: Any) -> str:
+    """An environment variable's value: a str (os.environ holds nothing else)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str (environment variables are text, e.g. '1'), got {describe(value)}")
+    return value
+
+
+MOST_STEPS = 10**9   # far beyond any course run (its longest preset takes 5,000): more is an endless run
+
+
+def steps(name: str, value: Any) -> int:
+    """A number of training steps: a positive int (numpy's included) up to :data:`MOST_STEPS`."""
+    positive_int(name, value)   # its message for what is no count at all
+    if value > MOST_STEPS:
+        raise ValueError(f"{name}: expected a positive int up to {MOST_STEPS:,}, got {describe(value)}")
+    return int(value)

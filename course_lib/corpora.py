@@ -99,7 +99,13 @@ def _corpus(name: Any) -> Corpus:
 def _env_data_dir() -> Path | None:
     # Read at call time so a notebook can set os.environ after importing course_lib.
     value = os.environ.get(DATA_DIR_ENV, "").strip()
-    return Path(value).expanduser() if value else None
+    if not value:
+        return None
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:   # pathlib's "Could not determine home directory" would not name the variable
+        raise ValueError(f"{DATA_DIR_ENV}: expected a folder path, got {value!r}, whose ~user names no user "
+                         f"here; write the folder's full path") from None
 
 
 def user_data_dir() -> Path:
@@ -298,6 +304,7 @@ def _download(corpus: Corpus, dest: Path, source: str, what: str) -> Path:
 
 def corpus_path(name: str, download: bool = True) -> Path:
     """The verified path of a corpus, downloading it when it is nowhere on disk."""
+    validate.boolean("download", download)   # "no" or None are truthy stand-ins, never meant as a choice
     location = locate_corpus(name)
     corpus = CORPORA[location.name]
     if location.path is not None:

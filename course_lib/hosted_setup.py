@@ -52,6 +52,8 @@ def widget_mode(host: str, environ: dict | None = None) -> str:
     validate.instance("environ", environ, MutableMapping, "a mapping of environment variables such as os.environ, "
                       "or None", or_none=True)
     environ = os.environ if environ is None else environ
+    if "COURSE_STATIC_WIDGETS" in environ:   # a stand-in dict may hold 1 or True: os.environ holds only text
+        validate.env_text("environ['COURSE_STATIC_WIDGETS']", environ["COURSE_STATIC_WIDGETS"])
     if "COURSE_STATIC_WIDGETS" not in environ and host == "kaggle":
         environ["COURSE_STATIC_WIDGETS"] = "1"
     static = environ.get("COURSE_STATIC_WIDGETS", "").strip().lower() in ("1", "true", "yes")
@@ -100,6 +102,9 @@ def finish(corpora: Sequence[str] = (), *, torch_before: str | None = None, sour
     _check_names("corpora", corpora)
     validate.instance("torch_before", torch_before, str, "the version string torch had before the install "
                       "(torch.__version__, such as '2.5.1'), or None if it had none", or_none=True)
+    # an empty version would print "WARNING: torch  was replaced", about a torch that was never named
+    validate.expect(torch_before is None or torch_before.strip() != "", "torch_before",
+                    "a version string such as '2.5.1', or None if torch was not installed", "an empty string")
     validate.instance("source", source, str, "where the course was installed from (a package name, wheel, folder "
                       "or git URL), or None", or_none=True)
     validate.boolean("download", download)

@@ -32,7 +32,10 @@ def device() -> torch.device:
         if kind == "mps" and not torch.backends.mps.is_available():
             raise RuntimeError(f"COURSE_DEVICE={wanted!r} but Apple MPS is not available here; "
                                f"unset COURSE_DEVICE or set it to 'cpu'")
-        return torch.device(wanted)
+        try:
+            return torch.device(wanted)
+        except (RuntimeError, ValueError):   # torch's own "Invalid device string" would not name the variable
+            raise ValueError(f"COURSE_DEVICE: expected 'cpu', 'cuda', 'cuda:N' or 'mps', got {wanted!r}") from None
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():
@@ -42,7 +45,7 @@ def device() -> torch.device:
 
 def set_seed(seed: int) -> torch.Generator:
     """Seed Python, torch (CPU and GPU) and return a CPU generator seeded the same way."""
-    validate.non_negative_int("seed", seed)
+    seed = validate.seed("seed", seed)   # a Python int: random.seed refuses numpy's, torch overflows past 2**64
     random.seed(seed)
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
@@ -55,10 +58,11 @@ def course_threads() -> int | None:
     if not threads:
         return None
     try:
-        return max(1, int(threads))
+        count = max(1, int(threads))
     except ValueError:
         raise ValueError(f"COURSE_THREADS: expected a whole number of CPU threads, got {threads!r}; set e.g. "
                          f"COURSE_THREADS=2, or unset it to use every core") from None
+    return validate.thread_count("COURSE_THREADS", count)   # far too many threads crash torch
 
 
 def setup_notebook(seed: int = 0) -> torch.device:
@@ -121,10 +125,11 @@ def set_threads(count: int) -> int:
 
     For a machine shared with other work, mid-notebook: ``course_lib.runtime.set_threads(1)``.
     """
-    if isinstance(count, bool) or not isinstance(count, int):
+    if not validate.is_int(count):
         raise TypeError(f"count: expected a whole number of CPU threads such as 1 or 2, got {count!r}")
     if count < 1:
         raise ValueError(f"count: expected a whole number of CPU threads >= 1, got {count}")
+    count = validate.thread_count("count", count)   # far too many threads crash torch's thread pool
     torch.set_num_threads(count)
     _state.pop("slowdown", None)               # the machine now runs differently: calibrate again when asked
     return torch.get_num_threads()
@@ -169,6 +174,8 @@ def choose_threads(candidates: list[int] | None = None, repeats: int = 15) -> Th
     if candidates is None:
         candidates = sorted({1, min(2, before), before})
     candidates = validate.int_list("candidates", candidates)
+    for count in candidates:   # far too many threads crash torch's thread pool
+        validate.thread_count("candidates", count)
     repeats = validate.positive_int("repeats", repeats)
     tensors = _small_op_step(torch.Generator().manual_seed(0))
     samples: dict[int, list[float]] = {count: [] for count in candidates}
@@ -201,6 +208,7 @@ REFERENCE_GFLOPS = 190.0
 MOST_SLOWDOWN_SHOWN = 20.0
 _CALIBRATION_SIZE = 256        # (256, 256) @ (256, 256): about the size of the CPU models' own matmuls
 _state: dict[str, float] = {}
+MOST_CALIBRATION_SECONDS = 60.0
 
 
 def calibrate(seconds: float = 0.2) -> float:
@@ -209,7 +217,10 @@ def calibrate(seconds: float = 0.2) -> float:
     The median of many short products, so one interruption does not decide it, but a machine
     busy with other work (or threads waiting on each other) measures slow, as its runs will be.
     """
-    validate.positive_float("seconds", seconds)
+    # finite and bounded: the loop below runs for ``seconds``, so inf (or 1e308) would never end
+    validate.positive_float("seconds", seconds, finite=True)
+    validate.expect(seconds <= MOST_CALIBRATION_SECONDS, "seconds", f"at most {MOST_CALIBRATION_SECONDS:g} "
+                    f"(a longer calibration measures nothing more)", validate.describe(seconds))
     n = _CALIBRATION_SIZE
     generator = torch.Generator().manual_seed(0)   # its own generator: the notebook's random stream is untouched
     a = torch.randn(n, n, generator=generator)
@@ -260,12 +271,18 @@ def _seconds_text(seconds: float) -> str:
     return f"{seconds:.0f} s ({math.ceil(seconds / 60)} minutes)"
 
 
+MOST_REFERENCE_SECONDS = 7 * 24 * 3600
+
+
 def expect_time(reference_seconds: float, what: str) -> float:
     """Print how long ``what`` should take here, before a long run starts; return those seconds.
 
     ``reference_seconds`` is its time on the reference laptop; this machine's calibration scales it.
     """
-    validate.positive_float("reference_seconds", reference_seconds)
+    # bounded: a time past a week is no notebook cell's, and 1e308 seconds overflows the minutes shown
+    validate.positive_float("reference_seconds", reference_seconds, finite=True)
+    validate.expect(reference_seconds <= MOST_REFERENCE_SECONDS, "reference_seconds",
+                    f"at most {MOST_REFERENCE_SECONDS:,} seconds (a week)", validate.describe(reference_seconds))
     if not isinstance(what, str) or not what.strip():
         raise TypeError(f"what: expected a short description such as 'training on Shakespeare', got {what!r}")
     factor = slowdown()

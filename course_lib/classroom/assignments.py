@@ -353,7 +353,28 @@ def main(argv: list[str] | None = None) -> int:
     args = _arguments_or_exit_code(parser, argv, "student")
     if isinstance(args, int):
         return args
-    return 0 if _write_and_report(Path(args.src), Path(args.out)) is not None else 2
+    folders = _folders_or_none(src=args.src, out=args.out)
+    if folders is None:
+        return 2
+    return 0 if _write_and_report(folders["src"], folders["out"]) is not None else 2
+
+
+def _folders_or_none(expand: bool = False, **given: str) -> dict[str, Path] | None:
+    """The command line's folders as Paths, or None after printing why: an empty string would be Path(''), the
+    current folder, silently written into (grade, progress and export refuse it so too)."""
+    folders = {}
+    for name, value in given.items():
+        try:
+            folders[name] = validate.path(name, value, "a folder")
+            if expand:   # start's DIR: "~/course" quoted still means the home folder
+                folders[name] = folders[name].expanduser()
+        except (ValueError, TypeError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return None
+        except RuntimeError as err:   # pathlib's expanduser: "Could not determine home directory" (~nouser)
+            print(f"error: {name}: expected a folder, got {value!r} ({err})", file=sys.stderr)
+            return None
+    return folders
 
 
 DEFAULT_START_DIR = "attention-course"
@@ -377,7 +398,10 @@ def start_main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out_dir = Path(args.dir).expanduser()
+    folders = _folders_or_none(expand=True, dir=args.dir)
+    if folders is None:
+        return 2
+    out_dir = folders["dir"]
     outcomes = _write_and_report(source, out_dir)
     if outcomes is None:
         return 2

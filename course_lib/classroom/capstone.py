@@ -95,6 +95,8 @@ class Blame:
 
 def names_setup(steps: int = 300, seed: int = 0) -> TrainingSetup:
     """Character-level names: a small GPT that learns in a few seconds."""
+    validate.positive_int("steps", steps)
+    validate.seed("seed", seed)
     names = load_names()
     tokenizer = names_tokenizer(names)
     train_names, val_names = split_names(names)
@@ -114,6 +116,8 @@ def names_setup(steps: int = 300, seed: int = 0) -> TrainingSetup:
 
 def shakespeare_setup(steps: int = 300, seed: int = 0) -> TrainingSetup:
     """Character-level Shakespeare, the corpus of notebook 05, with a model small enough for a CPU."""
+    validate.positive_int("steps", steps)
+    validate.seed("seed", seed)
     corpus = char_corpus("tinyshakespeare")
     max_tokens = 64
     config = GPTConfig(vocab_size=corpus.vocab_size, embed_dim=96, num_heads=4, num_layers=2,
@@ -154,6 +158,13 @@ def train_parts(collection: Collection, yours: Sequence[str] | None, setup: Trai
         raise TypeError(f"setup: expected names_setup() or shakespeare_setup(), got {describe(setup)}")
     steps = setup.steps if steps is None else steps
     validate.positive_int("steps", steps)
+    if yours is not None:
+        if isinstance(yours, str) or not isinstance(yours, Sequence):
+            raise TypeError(f"yours: expected a list of exercise ids such as ['2.1', '3.3'] (or None for every "
+                            f"part of yours), got {describe(yours)}")
+        unknown = [ex for ex in yours if ex not in collection.parts]
+        if unknown:
+            raise ValueError(f"yours: expected ids among {sorted(collection.parts)}, got {unknown}")
     run = TrainingRun(label or ("yours" if yours is None else f"yours: {', '.join(yours) or 'none'}"))
     run.yours_asked = None if yours is None else tuple(yours)
     run.trained_on = (setup.name, setup.seed, setup.learning_rate)

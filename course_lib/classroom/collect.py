@@ -23,6 +23,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .. import _validate as validate
 from .._validate import describe
@@ -75,8 +76,20 @@ class CollectedPart:
 
 def every_exercise(notebooks: Iterable[Path] | None = None) -> dict[str, reader.ExerciseCell]:
     """Every exercise cell of the solution notebooks, by id (1.1's defines only numbers: not one)."""
-    return {cell.id: cell for path in (course_notebooks() if notebooks is None else notebooks)
+    return {cell.id: cell for path in (course_notebooks() if notebooks is None else _notebook_paths(notebooks))
             for cell in reader.exercise_cells(reader.read_cells(path), Path(path).name)}
+
+
+def _notebook_paths(notebooks: Any) -> list[Path]:
+    """``notebooks`` as a list of existing .ipynb files, else an error naming the argument."""
+    if isinstance(notebooks, (str, os.PathLike)) or not isinstance(notebooks, Iterable):
+        raise TypeError(f"notebooks: expected a list of notebook paths, got {describe(notebooks)}")
+    paths = [validate.path("notebooks", each, "a notebook (.ipynb) of the course") for each in notebooks]
+    for path in paths:
+        if path.suffix != ".ipynb" or not path.is_file():
+            raise FileNotFoundError(f"notebooks: expected existing .ipynb files, got '{path}' "
+                                    f"({'not a notebook' if path.is_file() else 'not found'})")
+    return paths
 
 
 def course_exercises(notebooks: Iterable[Path] | None = None) -> dict[str, reader.ExerciseCell]:
@@ -236,8 +249,9 @@ def collect_student_parts(folder: str | os.PathLike = ".", exercises: Iterable[s
     if not root.is_dir():
         raise FileNotFoundError(f"folder: expected a folder holding your notebooks, got '{root}' "
                                 f"({'a file' if root.exists() else 'not found'})")
-    if isinstance(exercises, str):
-        raise TypeError(f"exercises: expected a list of exercise ids such as ['2.1', '3.3'], got {exercises!r}")
+    if isinstance(exercises, str) or not isinstance(exercises, Iterable):
+        raise TypeError(f"exercises: expected a list of exercise ids such as ['2.1', '3.3'], got "
+                        f"{describe(exercises)}")
     known = course_exercises(notebooks)
     wanted = list(exercises)
     unknown = [ex_id for ex_id in wanted if ex_id not in known]

@@ -10,6 +10,7 @@ from importlib import metadata
 
 import torch
 
+from .._validate import describe
 from ..course_files import KERNEL_NAME
 
 PACKAGES = ("torch", "transformers", "tokenizers", "jupyterlab", "ipykernel", "ipywidgets",
@@ -97,6 +98,9 @@ def run_doctor(stream=None) -> int:
 
     problems: list[str] = []
     stream = stream or sys.stdout
+    if not callable(getattr(stream, "write", None)):
+        raise TypeError(f"stream: expected a text stream with .write (sys.stdout, a file, io.StringIO), got "
+                        f"{describe(stream)}")
     say = lambda text="": print(text, file=stream)
 
     say("course_lib doctor")

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._validate import describe
 from .exercises import EXERCISES
 from .verdict import DIAGNOSES
 
@@ -280,6 +281,8 @@ def _titles() -> dict[str, str]:
 
 def room_table(room: Room, titles: dict[str, str] | None = None) -> str:
     """The room as a plain-text table, one row per exercise."""
+    if not isinstance(room, Room):
+        raise TypeError(f"room: expected a Room from read_room(...), got {describe(room)}")
     titles = _titles() if titles is None else titles
     head = (f"The room: {len(room.students)} student(s), {room.lines - room.skipped} check(s)"
             + (f", the last at {room.last}" if room.last else "")

@@ -145,7 +145,7 @@ def training_benchmark(seconds: float | None = None, presets: Sequence[str] = DE
     if seconds is not None:   # inf is no budget: the baseline would never stop
         validate.positive_float("seconds", seconds, finite=True)
     if steps is not None:
-        validate.positive_int("steps", steps)
+        validate.steps("steps", steps)
     if isinstance(presets, str) or not presets:
         raise ValueError(f"presets: expected a non-empty list of preset names, got {validate.describe(presets)}")
     for name in presets:
@@ -655,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     try:
         if args.threads is not None:
-            torch.set_num_threads(validate.positive_int("threads", args.threads))
+            torch.set_num_threads(validate.thread_count("threads", args.threads))   # far too many crash torch
         device = resolve_device(args.device)
         if args.benchmark == "attention" and len(args.embed_dim) != len(args.heads):
             raise ValueError(f"heads: expected one value per --embed-dim ({len(args.embed_dim)}), "
@@ -667,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.seconds is not None:   # as `train --seconds` checks it: inf is no budget
                 validate.positive_float("seconds", args.seconds, finite=True)
             if args.steps is not None:
-                validate.positive_int("steps", args.steps)
+                validate.steps("steps", args.steps)
             for name in args.presets:
                 validate.one_of("presets", name, sorted(PRESETS))
             for seed in args.seeds or []:

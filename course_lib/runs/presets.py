@@ -175,8 +175,8 @@ class RunRequest:
                 raise RunRefused("preset: expected a preset name (or --resume DIR), got none")
             if self.corpus is not None and (not isinstance(self.corpus, str) or not self.corpus.strip()):
                 raise RunRefused(f"corpus: expected a corpus name or a file path, got {self.corpus!r}")
-            for field_name, check in (("seconds", _positive_seconds), ("steps", validate.positive_int),
-                                      ("batch_size", validate.positive_int), ("seed", validate.non_negative_int),
+            for field_name, check in (("seconds", _positive_seconds), ("steps", validate.steps),
+                                      ("batch_size", validate.positive_int), ("seed", validate.seed),
                                       ("compile", validate.boolean)):
                 if getattr(self, field_name) is not None:
                     check(field_name, getattr(self, field_name))

@@ -63,7 +63,7 @@ class RunFolder:
     def check_arguments(path: Any, *, resume: Any, overwrite: Any) -> None:
         """Refuse what no folder could take, before anything is touched (a RunRequest checks so too)."""
         if not isinstance(path, (str, os.PathLike)) or not str(path):
-            raise RunRefused(f"out: expected a folder path, got {path!r}")
+            raise RunRefused(f"{'resume' if resume else 'out'}: expected a folder path, got {path!r}")
         if resume and overwrite:
             raise RunRefused("overwrite: expected either --resume or --overwrite, got both")
 
@@ -81,6 +81,9 @@ class RunFolder:
     def prepare(self) -> None:
         """Check the folder can take this run; create it; clear what a killed run left. Raises RunRefused."""
         if self.path.exists() and not self.path.is_dir():
+            if self.resume:   # the folder came from --resume: name that option, not --out
+                raise RunRefused(f"resume: expected a run folder holding {CHECKPOINT}, got the existing file "
+                                 f"{self.path}; give --resume the folder a run wrote")
             raise RunRefused(f"out: expected a folder for {CHECKPOINT} and {METRICS}, got the existing "
                              f"file {self.path}; choose another --out")
         if self.resume and not self.checkpoint.is_file():

@@ -69,7 +69,7 @@ def plot_attention(weights, tokens=None, title: str | None = None, ax=None, mask
     the rows get the last Lq tokens. Values are written in the cells for up to
     12 tokens. Draws into ``ax`` when given; returns the Figure.
     """
-    w = as_array("weights", weights, ndims=(2,), shape="(Lq, Lk)")
+    w = as_array("weights", weights, ndims=(2,), shape="(Lq, Lk)", attention=True)
     lq, lk = w.shape
     if lq > lk:
         raise ValueError(f"weights: expected at most as many queries as keys (Lq <= Lk), got shape {w.shape}")
@@ -114,7 +114,8 @@ def plot_attention_heads(weights, tokens=None, layer: int | None = None, mask=No
         raise ValueError(f"weights: expected (heads, L, L) or (layers, heads, L, L), got shape "
                          f"{tuple(weights.shape)}; for GPT.attention_maps output (layers, N, heads, L, L) "
                          f"pick one sequence, e.g. maps[:, 0]")
-    w = as_array("weights", weights, ndims=(3, 4), shape="(heads, L, L) or (layers, heads, L, L)")
+    w = as_array("weights", weights, ndims=(3, 4), shape="(heads, L, L) or (layers, heads, L, L)",
+                 attention=True)
     if layer is not None:
         validate.non_negative_int("layer", layer)
     if w.ndim == 4:

@@ -105,7 +105,7 @@ def plot_rope_scores(scores, curves: Mapping[str, Any] | None = None, title: str
 
     With RoPE the heat map is constant along every diagonal: the score depends only on m - n.
     """
-    s = as_array("scores", scores, ndims=(2,), shape="(query positions, key positions)")
+    s = as_array("scores", scores, ndims=(2,), shape="(query positions, key positions)", attention=True)
     if title is not None and not isinstance(title, str):
         raise TypeError(f"title: expected a str or None, got {validate.describe(title)}")
     lines = {}

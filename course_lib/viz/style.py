@@ -51,14 +51,26 @@ class Figure(mpl_figure.Figure):
         return f"<Figure size {self.bbox.size[0]:g}x{self.bbox.size[1]:g} with {len(self.axes)} Axes>"
 
 
-def as_array(name: str, value: Any, *, ndims: Sequence[int], shape: str, kind: str = "float") -> np.ndarray:
+MASKED_SCORES_HINT = "if these are masked scores, plot the weights after the softmax instead"
+
+
+def as_array(name: str, value: Any, *, ndims: Sequence[int], shape: str, kind: str = "float",
+             attention: bool = False) -> np.ndarray:
     """``value`` (tensor, array or nested list) as a numpy array with one of ``ndims`` dimensions.
 
-    kind "float": real, finite numbers (returned as float64); kind "bool": a bool mask.
+    kind "float": real, finite numbers (returned as float64); kind "bool": a bool mask. ``attention``: the
+    value is attention weights or scores, so a NaN/inf message may say that masked scores hold -inf.
     """
     given = None   # the caller's dtype, for messages (tensors are converted below)
     if isinstance(value, torch.Tensor):
         given = str(value.dtype).replace("torch.", "")
+        # no numbers to draw (meta), or a layout numpy cannot take (sparse): named here, not by torch
+        if value.is_meta:
+            raise ValueError(f"{name}: expected a tensor holding numbers, got a tensor on the meta device "
+                             f"(a shape with no data); compute it on 'cpu' or 'cuda'")
+        if value.layout != torch.strided:
+            raise TypeError(f"{name}: expected a dense tensor, got a {value.layout} tensor; convert it with "
+                            f".to_dense()")
         value = value.detach().cpu()
         if value.is_complex():
             raise TypeError(f"{name}: expected real numbers, got dtype {value.dtype}")
@@ -88,8 +100,8 @@ def as_array(name: str, value: Any, *, ndims: Sequence[int], shape: str, kind: s
     arr = arr.astype(np.float64)
     bad = int((~np.isfinite(arr)).sum())
     if bad:
-        raise ValueError(f"{name}: expected finite numbers, got {bad} NaN/inf entries; if these are "
-                         f"masked scores, plot the weights after the softmax instead")
+        raise ValueError(f"{name}: expected finite numbers, got {bad} NaN/inf entries"
+                         + (f"; {MASKED_SCORES_HINT}" if attention else ""))
     return arr
 
 

@@ -40,6 +40,8 @@ def _widgets_or_none(static: bool | None) -> Any:
     """The ipywidgets module, or None when the static fallback should be shown instead."""
     if static is None:
         static = use_static_widgets()
+    else:   # "yes" or 1 are truthy stand-ins, never meant as the choice
+        validate.boolean("static", static)
     if static:
         return None
     try:
@@ -51,6 +53,9 @@ def _widgets_or_none(static: bool | None) -> Any:
 
 # ---------------------------------------------------------------------- query explorer
 
+LARGEST_TOY_NUMBER = 1e6
+
+
 def _toy_inputs(keys, values) -> tuple[torch.Tensor, torch.Tensor]:
     keys = TOY_KEYS if keys is None else keys
     values = TOY_VALUES if values is None else values
@@ -60,6 +65,10 @@ def _toy_inputs(keys, values) -> tuple[torch.Tensor, torch.Tensor]:
     v = torch.as_tensor(as_array("values", values, ndims=(1, 2), shape=f"({k.shape[0]},) or ({k.shape[0]}, dv)"))
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"values: expected one value per key ({k.shape[0]} rows), got shape {tuple(v.shape)}")
+    for name, given in (("keys", k), ("values", v)):   # drawn in float32: 1e30 squared is inf, and no axis fits it
+        largest = float(given.abs().max())
+        validate.expect(largest <= LARGEST_TOY_NUMBER, name, f"numbers of size at most {LARGEST_TOY_NUMBER:g} "
+                        f"(the explorer draws them to scale)", f"one of size {largest:g}")
     return k.float(), v.float()
 
 
@@ -225,6 +234,9 @@ class SampleTable(str):
         return str(self)
 
 
+GENERATE_FN_SIGNATURE = "(prompt, temperature, top_k, max_new_tokens) -> str"
+
+
 def playground_samples(generate_fn: Callable[..., str], prompt: str, settings,
                        max_new_tokens: int = 80) -> list[tuple[float, int | None, str]]:
     """Call ``generate_fn(prompt, temperature, top_k, max_new_tokens)`` once per (temperature, top_k).
@@ -232,9 +244,7 @@ def playground_samples(generate_fn: Callable[..., str], prompt: str, settings,
     ``settings`` is a list of (temperature, top_k) pairs, top_k None meaning off.
     Returns [(temperature, top_k, text), ...] in the same order.
     """
-    if not callable(generate_fn):
-        raise TypeError(f"generate_fn: expected a function (prompt, temperature, top_k, max_new_tokens) -> str, "
-                        f"got {validate.describe(generate_fn)}")
+    validate.callable_taking("generate_fn", generate_fn, 4, GENERATE_FN_SIGNATURE)
     if not isinstance(prompt, str):
         raise TypeError(f"prompt: expected a str, got {validate.describe(prompt)}")
     validate.positive_int("max_new_tokens", max_new_tokens)
@@ -280,9 +290,7 @@ def generation_playground(generate_fn: Callable[..., str], prompt: str = "",
     ``top_k`` (0 = off), ``button``, ``output``, ``samples`` (list of
     (temperature, top_k, text)) and ``error`` (the last exception, or None).
     """
-    if not callable(generate_fn):
-        raise TypeError(f"generate_fn: expected a function (prompt, temperature, top_k, max_new_tokens) -> str, "
-                        f"got {validate.describe(generate_fn)}")
+    validate.callable_taking("generate_fn", generate_fn, 4, GENERATE_FN_SIGNATURE)
     if not isinstance(prompt, str):
         raise TypeError(f"prompt: expected a str, got {validate.describe(prompt)}")
     if isinstance(temperatures, (str, bytes)) or not isinstance(temperatures, Sequence) or not temperatures:

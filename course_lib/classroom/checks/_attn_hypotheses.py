@@ -303,6 +303,12 @@ def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch
         what = ("no scaling at all" if abs(factor - 1) < 1e-2 else f"a factor of {factor:.4g}")
         fail("scale", f"Your weights are a softmax of the scores with {what}; the expected factor is "
                       f"{scale_name} = {expected_scale:.4g}. Check how (and where) you scale the scores.")
+    if weights.shape[-1] == weights.shape[-2] > 1 and close(weights, torch.eye(weights.shape[-1],
+                                                                             dtype=weights.dtype).expand_as(weights)):
+        fail("mismatch", "Read back, your attention weights are the identity: each query gives all its weight to "
+                         "itself (your output is its input, or a mask hides every key but the query's own). Each "
+                         f"query should spread its weight over the keys it may see: the softmax of {scores_name} "
+                         f"times {scale_name}.")
     # A distribution over the right keys can still weigh them wrongly: the scores themselves are wrong.
     expected = (scores * expected_scale).masked_fill(~full, float("-inf")).softmax(-1)
     seen = full.any(-1)   # a query with no key to see has no weights to compare

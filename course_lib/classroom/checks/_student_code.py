@@ -53,12 +53,14 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     become a Failure with a readable message."""
     CALLS[0] += 1
     inputs = [(name, value, value.detach().clone()) for name, value in _tensor_args(args, kwargs)]
-    depth = modes_depth()
+    depth, default = modes_depth(), torch.get_default_dtype()
     try:
         try:
             result = fn(*args, **kwargs)
         finally:
             install_references()   # student code that patched course_lib must not change the verdict
+            # put back at once, not only when the check ends: the check's own tensors follow the default too
+            torch.set_default_dtype(default)
         expect_unpatched()   # nor one that replaced torch's own functions (torch.equal = ...)
         expect_no_new_modes(depth)   # nor a torch mode left on the stack
         result = plain_tensors(result, what)
@@ -149,7 +151,8 @@ def expect_callable(candidate: Any, name: str, kind: str = "function") -> None:
         fail("exception", f"You passed an instance of your module; pass the class itself, {name}, so the "
                           f"checker can build it with its own sizes.")
     if not callable(candidate):
-        fail("exception", f"Expected your {kind} {name} itself, got {type(candidate).__name__}: pass the {kind}, "
+        itself = f"{name} itself" + (" (an nn.Module subclass)" if kind == "class" else "")
+        fail("exception", f"Expected your {kind} {itself}, got {type(candidate).__name__}: pass the {kind}, "
                           f"not the result of calling it.")
 
 
@@ -211,7 +214,17 @@ def construct(cls: Any, *args: Any, what: str, shown: str | None = None, **kwarg
     if not callable(cls):
         fail("exception", f"Pass the class itself (e.g. `{what}`), not {type(cls).__name__}: it should be an "
                           f"nn.Module subclass.")
-    module = call(cls, *args, what=f"{shown} (the constructor)", **kwargs)
+    if isinstance(cls, nn.Module):
+        fail("exception", f"You passed an instance of your module ({type(cls).__name__}); pass the class itself, "
+                          f"so the checker can build it with its own sizes.")
+    what_built = f"{shown} (the constructor)"
+    try:
+        module = call(cls, *args, what=what_built, **kwargs)
+    except Failure as failure:   # a tensor that comes back is judged as a result: here it is no module at all
+        if failure.diagnosis in ("device", "dtype", "shape") and failure.message.startswith(f"{what_built} returned"):
+            fail("exception", f"{shown} should build an nn.Module, but gave a tensor. Pass the class (not a "
+                              f"function that computes something) and keep `super().__init__()` in the constructor.")
+        raise
     if not issubclass(type(module), nn.Module):   # its real class: a __class__ of its own is not read here
         fail("exception", f"{shown} should build an nn.Module, but gave {type(module).__name__}. "
                           f"Pass the class (not an instance) and keep `super().__init__()` in the constructor.")

@@ -19,7 +19,7 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._gradients import check_module_gradients
 from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
-from ._student_code import call, close, construct, expect_tensor
+from ._student_code import call, close, construct, expect_callable, expect_tensor
 from ._student_files import exception_message
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
 from .engine.function import Run
@@ -395,6 +395,7 @@ def _block_example(cls: Any, norm_first: bool = True, **_: Any) -> Any:
 @checker("4.2", example=_block_example)
 def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
     """cls(embed_dim, num_heads, max_tokens, dropout_rate) with ln1, attn, ln2, mlp; pre- or post-norm."""
+    expect_callable(cls, "TransformerBlock", "class")
     reference, candidate = _build_block(cls, norm_first)
     generator = torch.Generator().manual_seed(0)
     kind = "pre-norm" if norm_first else "post-norm"
@@ -747,6 +748,7 @@ def _build_gpt(cls: Any, config: Any, generator: torch.Generator) -> tuple[nn.Mo
 @checker("4.3", example=_gpt_example)
 def check_gpt(cls: Any) -> str:
     """cls(config) with token_embedding, position_encoding, dropout, blocks, ln_f, head; forward -> logits."""
+    expect_callable(cls, "GPT", "class")
     config = _gpt_config()
     generator = torch.Generator().manual_seed(7)
     candidate, reference = _build_gpt(cls, config, generator)

@@ -477,6 +477,7 @@ _STEP_EXAMPLE = ProcedureExample(_stepped(lambda *args: train_ref.train_step(*ar
 @checker("5.3", example=lambda fn, *_, **__: function_example(_STEP_EXAMPLE)(_stepped(fn)))
 def check_train_step(fn: Callable[..., Any]) -> str:
     """fn(model, optimizer, inputs, targets) -> float: zero_grad, forward, loss, backward, (clip,) step."""
+    expect_callable(fn, "train_step")
     model = _tiny_gpt(seed=3).eval()   # as after an evaluation: train_step must switch dropout back on
     optimizer = _StepCountingSGD(model.parameters(), lr=_LR)
     generator = torch.Generator().manual_seed(11)
@@ -926,6 +927,7 @@ _SAMPLING_EXAMPLE = ProcedureExample(_expected_frequencies, _sampling_cases, ("l
 @checker("5.4", example=lambda fn, *_, **__: function_example(_SAMPLING_EXAMPLE)(_drawn(fn)))
 def check_sampling(fn: Callable[..., Any]) -> str:
     """fn(logits (N, V), temperature=1.0, top_k=None, generator=None) -> (N,) long."""
+    expect_callable(fn, "sample_next_token")
     torch.manual_seed(0)
     small = torch.tensor([[0.1, 3.0, -1.0, 0.5, 0.0, 1.0],
                           [2.0, -0.5, 0.3, 0.0, 1.5, -2.0],

@@ -20,7 +20,7 @@ from ..verdict import Failure, fail
 from ._model_common import ProcedureExample, as_tensor, extend, randomize_, recording_calls
 from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, function_example, judge
-from .engine.function import Run
+from .engine.function import Number, Run
 from .engine.probes import IN_FLOAT64, expect_dtype_kept, run_in_float64
 
 __all__ = ["check_flops_per_token", "check_kv_cache"]
@@ -67,7 +67,12 @@ def _counted(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             fail("dtype", f"{what} should return a number of FLOPs (an int or a float), but returned "
                           f"{'nothing (did you forget `return`?)' if value is None else type(value).__name__}.")
-        if not math.isfinite(value):
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:   # a whole number past any float
+            fail("shape", f"{what} returned a whole number of {len(str(abs(int(value))))} digits, far past any count "
+                          f"of FLOPs (and any float).")
+        if not finite:
             fail("nan", f"{what} returned {value}; expected a finite number of FLOPs.")
         return torch.tensor(float(value), dtype=torch.float64)
     return count
@@ -88,7 +93,7 @@ def _one_term_off(runs: list[Run]) -> None:
     def factors(left: Callable[[Any, int], float], unit: Callable[[Any, int], float]) -> set[float]:
         return {round((float(r.out) - left(*r.case.args)) / unit(*r.case.args), 6) for r in runs}
     run = runs[0]
-    said = f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f}"
+    said = f"{run.case.what} returned {Number(run.out):,.0f}, expected {Number(run.expected):,.0f}"
     weights_factor = factors(lambda c, n: 12 * _lhqt(c), lambda c, n: n)
     if len(weights_factor) == 1:
         fail("flops_factor", f"{said}: the attention term is right, but the weights' term is "
@@ -111,8 +116,8 @@ def _ignores_weights(runs: list[Run], fn: Any) -> None:
     follows_config = len({float(r.out) for r in runs}) > 1
     more = call(fn, config, weights + 1000, what=run.case.what)
     if follows_config and FLOPS_PER_TOKEN.same(more, run.out):
-        fail("weights_count", f"{run.case.what} returned {float(run.out):,.0f}, expected "
-                              f"{float(run.expected):,.0f}, and gives the same number when num_weights changes: use "
+        fail("weights_count", f"{run.case.what} returned {Number(run.out):,.0f}, expected "
+                              f"{Number(run.expected):,.0f}, and gives the same number when num_weights changes: use "
                               f"the num_weights argument (N) for the 6N term.")
     if isinstance(more, torch.Tensor) and math.isclose(float(more) - float(run.out), 6000, abs_tol=1e-6):
         # the count grows by 6 per weight: 6N is there, and what does not depend on N is most likely attention
@@ -121,11 +126,11 @@ def _ignores_weights(runs: list[Run], fn: Any) -> None:
             for sign in (1, -1):
                 if all(math.isclose(float(r.out), 6 * (r.case.args[1] + sign * size(r.case.args[0]))
                                     + 12 * _lhqt(r.case.args[0]), abs_tol=1e-6) for r in runs):
-                    fail("weights_count", f"{run.case.what} returned {float(run.out):,.0f}, expected "
-                                          f"{float(run.expected):,.0f}: " + _weights_said(which, sign))
-        fail("attention_flops", f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f}. "
+                    fail("weights_count", f"{run.case.what} returned {Number(run.out):,.0f}, expected "
+                                          f"{Number(run.expected):,.0f}: " + _weights_said(which, sign))
+        fail("attention_flops", f"{run.case.what} returned {Number(run.out):,.0f}, expected {Number(run.expected):,.0f}. "
                                 f"Your count grows by 6 for every weight added, so 6N is there; what does not depend "
-                                f"on num_weights is {rest:,.0f}, where the attention term 12·n·H·Q·T = 12·"
+                                f"on num_weights is {Number(rest):,.0f}, where the attention term 12·n·H·Q·T = 12·"
                                 f"{config.num_layers}·{config.num_heads}·{config.head_dim}·{config.max_tokens} = "
                                 f"{12 * _lhqt(config):,}. Look at the attention term first: per token and layer, "
                                 f"each of the H heads makes two products over the T keys (the scores QK^T and the "
@@ -265,7 +270,7 @@ FLOPS_PER_TOKEN = _Count(
     "6.1", "flops_per_token", lambda config, weights: _flops(train_ref.flops_per_token)(config, weights),
     lambda: _flops_cases(_CONFIGS), ("config", "num_weights"),
     success="6N + 12·n·H·Q·T, right for every configuration tried.",
-    mismatch=lambda run: (f"{run.case.what} returned {float(run.out):,.0f}, expected {float(run.expected):,.0f} = "
+    mismatch=lambda run: (f"{run.case.what} returned {Number(run.out):,.0f}, expected {Number(run.expected):,.0f} = "
                           f"6·{run.case.args[1]:,} + 12·{run.case.args[0].num_layers}·{run.case.args[0].num_heads}·"
                           f"{run.case.args[0].head_dim}·{run.case.args[0].max_tokens}."),
     mistakes=_SLIPS, values=lambda run: {"what": run.case.what}, exact=True, dtype=False, diagnose=_ignores_weights,
@@ -502,6 +507,7 @@ _GENERATION_EXAMPLE = ProcedureExample(_greedy, _generation_cases, ("model", "id
 @checker("6.2", example=function_example(_GENERATION_EXAMPLE))
 def check_kv_cache(fn: Callable[..., Any]) -> str:
     """fn(model, idx (N, L), max_new_tokens) -> (N, L + new): greedy, with model.new_cache()."""
+    expect_callable(fn, "generate_with_cache")
     model = _model(max_tokens=16, embed_dim=16, seed=2)
     generator = torch.Generator().manual_seed(3)
     # the last asks for no new token: the docstring's (N, L + max_new_tokens) is then the prompt itself

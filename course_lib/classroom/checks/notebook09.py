@@ -125,9 +125,12 @@ def _diagnose_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, max_to
                             f"The half-split layout repeats the same head_dim/2 angles: column j + head_dim/2 is "
                             f"column j again, torch.cat([angles, angles], dim=-1), then cos and sin.")
     if close(pair[0], right[0]) and close(pair[1].abs(), right[1].abs()):
+        never_negative = bool((pair[1] >= 0).all())
         fail("rope_rotation", f"{what}: your cos table is right and your sines have the right size, but not always "
-                              f"the right sign (a sine from sqrt(1 - cos^2) is never negative): take the sine of "
-                              f"the angles themselves, angles.sin().")
+                              f"the right sign"
+                              + (" (a sine from sqrt(1 - cos^2) is never negative)" if never_negative else
+                                 " (some are negated, and those pairs would turn backwards)")
+                              + ": take the sine of the angles themselves, angles.sin().")
     off_by = max(max_diff(pair[0], right[0]), max_diff(pair[1], right[1]))
     if off_by < 0.05:
         fail("precision", f"{what}: your tables are right to about {off_by:.2g} but not to 1e-3: the angles (or the frequencies) are "

@@ -441,8 +441,8 @@ def _forward_magnitudes() -> list[Case]:
 def _future_leaks(run: Run, fn: Any) -> None:
     """Causal: the outputs up to a position stay as they were when the keys and values after it change."""
     q, k, v, block_q, block_k, causal = run.case.args
-    if not causal or k.shape[-2] != q.shape[-2]:
-        return
+    if not causal or k.shape[-2] != q.shape[-2] or not bool(torch.isfinite(run.out).all()):
+        return   # NaN compares unequal to itself: a NaN output is judged as such, below
     generator = torch.Generator().manual_seed(5)
     for t in range(q.shape[-2] - 1):   # a few small calls: only where the output is wrong already
         k2, v2 = k.clone(), v.clone()

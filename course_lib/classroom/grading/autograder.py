@@ -157,8 +157,13 @@ def _write_results(results: Path, content: dict[str, Any]) -> None:
 def run_autograder(root: str | os.PathLike) -> dict[str, Any]:
     """Grade ``root``/submission into ``root``/results/results.json with ``root``/source/autograder.json's
     exercises and limits; a submission that cannot be graded gets a results.json that says why."""
+    from ... import _validate as validate
     from . import grade, isolation
-    root = Path(root)
+    root = validate.path("root", root, "Gradescope's /autograder folder")
+    # a missing root or a file is no Gradescope layout: refused, never a results/ made up beside it
+    if not root.is_dir():
+        raise NotADirectoryError(f"root: expected Gradescope's /autograder folder (holding source/ and "
+                                 f"submission/), got '{root}' ({'a file' if root.exists() else 'missing'})")
     results = root / "results"
     results.mkdir(parents=True, exist_ok=True)
     try:
@@ -226,11 +231,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:   # the file system's answer (no permission, a full disk): one line, not a traceback
+        print(f"error: out: could not write {args.out} ({exc.strerror or exc}); choose a folder you can write",
+              file=sys.stderr)
+        return 2
     print(f"wrote {args.out}: {', '.join(names)}")
     print("Gradescope: a programming assignment, Configure Autograder, Zip file upload, base image Ubuntu 22.04; "
           "students upload their .ipynb files.")
     return 0
 
 
+def _run_autograder_main(argv: list[str]) -> int:
+    """``python -m course_lib.classroom.grading.autograder [ROOT]`` (run_autograder's command); a ROOT that is
+    no folder is one line and exit status 2."""
+    try:
+        run_autograder(argv[0] if argv else os.environ.get("AUTOGRADER_ROOT", "/autograder"))
+    except (ValueError, TypeError, NotADirectoryError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":   # run_autograder: python -m course_lib.classroom.grading.autograder /autograder
-    run_autograder(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("AUTOGRADER_ROOT", "/autograder"))
+    sys.exit(_run_autograder_main(sys.argv[1:]))

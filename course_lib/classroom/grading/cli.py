@@ -54,7 +54,7 @@ _positive_int = number(int, lambda value: value > 0, "a positive whole number")
 MEMORY_FLOOR_MB = 64   # below this nothing runs; above it, the self-check finds a limit the solutions need more than
 _memory = number(int, lambda value: value == 0 or value >= MEMORY_FLOOR_MB,
                  f"megabytes ({MEMORY_FLOOR_MB} or more), or 0 for no limit")
-_seconds = number(float, lambda value: 0 < value < float("inf"), "a number of seconds > 0")
+_seconds = number(float, lambda value: 0 < value <= 86_400, "a number of seconds > 0, at most 86400 (a day)")
 
 
 def exercise_ids(text: str) -> list[str]:
@@ -65,7 +65,7 @@ def exercise_ids(text: str) -> list[str]:
         return known
     chosen: list[str] = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        if item.isdigit():
+        if item.isascii() and item.isdigit():   # "²" is a digit to str.isdigit, not to int()
             matches = [ex for ex in known if int(ex.split(".")[0]) == int(item)]
         else:
             matches = [item] if item in known else []

@@ -3,6 +3,7 @@ one mistake loop (``first_mistake``), which judges of their own use too. The ord
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -346,8 +347,20 @@ def fill(message: str, values: Mapping[str, Any]) -> str:
     return _PLACEHOLDER.sub(one, message)
 
 
+class Number(float):
+    """A number in a message: a spec that rounds to a whole number (``,.0f``) shows it in full where it is not
+    whole, so a result of 2,663,424.5 never reads as the 2,663,424 expected."""
+
+    def __format__(self, spec: str) -> str:
+        if spec.endswith(".0f") and math.isfinite(self) and not self.is_integer():
+            spec = spec[:-3]
+        return format(float(self), spec)
+
+
 def quoted(value: Any) -> Any:
     """A run's output as ``{got}``/``{expected}`` quote it: a number for a one-element tensor, else the shape."""
     if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else tuple(value.shape)
-    return value
+        if value.numel() != 1:
+            return tuple(value.shape)
+        value = value.item()
+    return Number(value) if isinstance(value, float) else value

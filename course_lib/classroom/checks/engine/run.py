@@ -81,7 +81,27 @@ from .model_state import global_hooks_kept
 __all__ = ["checker", "set_time_limit", "last", "forget", "CheckNotPassed", "CheckTimeout", "TIME_LIMIT_S", "can_fork",
            "CallsReference", "reference_of", "is_reference", "reference_message"]
 
-TIME_LIMIT_S = float(os.environ.get("COURSE_CHECK_TIME_LIMIT", "60"))
+_MOST_S = 86_400.0   # a day: past it the alarm's timestamps overflow, and no check needs it
+
+
+def _time_limit(name: str, value: Any) -> float:
+    """A limit in seconds, > 0 and at most a day (0, a negative number or NaN would switch it off)."""
+    seconds = validate.positive_float(name, value, finite=True)
+    if seconds > _MOST_S:
+        raise ValueError(f"{name}: expected at most {_MOST_S:,.0f} seconds (a day), got {validate.describe(value)}")
+    return seconds
+
+
+def _time_limit_from_environment() -> float:
+    text = os.environ.get("COURSE_CHECK_TIME_LIMIT", "60")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"COURSE_CHECK_TIME_LIMIT: expected a number of seconds > 0, got {text!r}") from None
+    return _time_limit("COURSE_CHECK_TIME_LIMIT", value)
+
+
+TIME_LIMIT_S = _time_limit_from_environment()
 GRACE_S = 2.0      # after the child's own alarm should have rung, before the kill
 _in_child = False  # True in a forked child: a check nested in a check runs in place
 _LAST: dict[str, CheckResult] = {}
@@ -93,7 +113,7 @@ _NO_EXAMPLE = ("not_implemented", "exception", "timeout", "checker_error", "miss
 def set_time_limit(seconds: float) -> None:
     """Give every later check ``seconds`` for the student's code (the grader sets it below its own kill)."""
     global TIME_LIMIT_S
-    TIME_LIMIT_S = validate.positive_float("seconds", seconds)
+    TIME_LIMIT_S = _time_limit("seconds", seconds)
 
 
 def last(exercise: str) -> CheckResult | None:
