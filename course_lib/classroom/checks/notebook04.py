@@ -421,7 +421,9 @@ def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
         fail("dropout", f"In training mode (dropout_rate={_DROPOUT}) your block gives the same output twice, so "
                         f"no dropout happens. Call the sublayers self.attn and self.mlp: they carry the dropout.")
     reference.train()
-    if not close(_seeded_block(candidate, x, "your block in training mode"), _seeded_block(reference, x)):
+    with torch.no_grad():
+        seeded = _after_one_seed(candidate, x, "your block in training mode"), _after_one_seed(reference, x)
+    if not close(*seeded):
         fail("dropout", f"In training mode (dropout_rate={_DROPOUT}) your block differs from the reference block "
                         f"given the same random draws, though it matches in eval mode: dropout is applied "
                         f"somewhere else or twice, or a sublayer is kept in eval mode. self.attn and self.mlp "
@@ -641,12 +643,12 @@ def _check_gpt_training(candidate: nn.Module, reference: nn.Module, idx: torch.T
             reference.eval()
 
 
-def _seeded_block(block: nn.Module, x: torch.Tensor, what: str = "") -> Any:
-    """The block's output in training mode after one fixed seed: two blocks that drop the same tensors, in the
-    same order, give the same output."""
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+def _after_one_seed(module: nn.Module, x: torch.Tensor, what: str = "") -> Any:
+    """The module's output after one fixed seed, in the modes it is in: two modules that drop the same tensors,
+    in the same order, give the same output (the caller's random streams are left as they were)."""
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
-        return call(block, x, what=what) if what else block(x)
+        return call(module, x, what=what) if what else module(x)
 
 
 def _seeded(model: nn.Module, idx: torch.Tensor, what: str = "") -> Any:
@@ -654,9 +656,7 @@ def _seeded(model: nn.Module, idx: torch.Tensor, what: str = "") -> Any:
     dropout outside the blocks draws, so two models that drop the same tensor give the same logits."""
     model.train()
     model.blocks.eval()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1234)
-        return call(model, idx, what=what) if what else model(idx)
+    return _after_one_seed(model, idx, what)
 
 
 # One more configuration: every case above has vocab 13, max_tokens 8, embed_dim 16, 2 heads and 2 layers, so a
