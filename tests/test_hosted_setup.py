@@ -121,17 +121,19 @@ def test_where_the_course_is_missing_the_cell_installs_it_before_anything_else(t
             f"sys.path[:] = [p for p in sys.path if p not in ('', {str(ROOT)!r})]\n")
     code = hide + _as_python(cell.source).replace(
         # IPython expands {names} in a magic's line from the kernel's namespace before running it
-        "get_ipython().run_line_magic", "(lambda name, line: print('PIP', name, line.format(**globals())))")
+        "get_ipython().run_line_magic",
+        "(lambda name, line: print('PIP', name, line.format(**globals()), '| KEEP', repr(open(_keep.name).read())))")
     env = dict(os.environ, COURSE_SOURCE="/wheels/attention_course-9.9-py3-none-any.whl")
     env.pop("PYTHONPATH", None)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
                           cwd=tmp_path)
     assert "PIP pip install --quiet -c " in done.stdout, done.stdout + done.stderr
-    pip_line = next(line for line in done.stdout.splitlines() if line.startswith("PIP"))
+    pip_line, kept = next(line for line in done.stdout.splitlines() if line.startswith("PIP")).split(" | KEEP ")
     assert pip_line.endswith('"/wheels/attention_course-9.9-py3-none-any.whl"'), pip_line
-    keep = Path(re.search(r'-c "([^"]+)"', pip_line).group(1))
     from importlib import metadata
-    assert keep.read_text() == f"torch=={metadata.version('torch')}\n"
+    assert kept == repr(f"torch=={metadata.version('torch')}\n"), kept   # what pip was held to
+    keep = Path(re.search(r'-c "([^"]+)"', pip_line).group(1))
+    assert not keep.exists(), f"the set-up cell left its constraints file behind: {keep}"
     # course_lib still missing after the (pretend) install: one clear error naming the source, not an import crash
     assert "RuntimeError: set-up: /wheels/attention_course-9.9-py3-none-any.whl could not be installed" in done.stderr
 
