@@ -121,7 +121,7 @@ def _collect_one(folder: Path, exercise: reader.ExerciseCell, known: set[str]) -
     if found.problem == "too_deep":
         return CollectedPart(exercise, "broken", detail=f"too deeply nested to compile ({found.detail})")
     if found.problem == "not_defined":
-        return CollectedPart(exercise, "missing", detail=f"the exercise cell no longer defines {exercise.name}")
+        return CollectedPart(exercise, "missing", detail=f"the exercise cell no longer defines {exercise.name} {reader.TOP_LEVEL}")
     return CollectedPart(exercise, "yours", found.source)
 
 

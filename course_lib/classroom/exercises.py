@@ -155,8 +155,9 @@ EXERCISES: tuple[Exercise, ...] = (
         'dropout.',
         'Run x through every block in self.blocks, in order, then the final LayerNorm self.ln_f and the '
         'head.',
-        'Return the raw logits (N, L, vocab_size): no softmax. Check the length against max_tokens first '
-        'and raise a clear ValueError when it is too long.',
+        'Return the raw logits (N, L, vocab_size): no softmax. Too long an idx must end in a ValueError that '
+        'says to crop: self.position_encoding raises one already; checking idx.shape[1] against '
+        'self.config.max_tokens first lets yours name idx.',
     )),
     # notebook 05
     Exercise('5.1', 'lm_windows', 'lm_windows', 'check_lm_windows', reference='data.lm_windows', hints=(

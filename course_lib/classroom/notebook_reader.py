@@ -171,13 +171,26 @@ def exercise_cells(cells: list, notebook: str = "") -> list[ExerciseCell]:
     return found
 
 
+# where a definition counts, for the message that says none was found
+TOP_LEVEL = ("at its top level (a `def` or `class` of that name, or a lambda assigned to it, outside any if, loop "
+             "or function)")
+
+
+def _is_definition(node: ast.stmt, name: str) -> bool:
+    """``node`` defines ``name``: a ``def``/``class`` of that name, or ``name = lambda ...`` (a function too)."""
+    if isinstance(node, _DEFINITIONS):
+        return node.name == name
+    return isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda) and \
+        any(isinstance(target, ast.Name) and target.id == name for target in node.targets)
+
+
 def _defines(source: str, name: str) -> bool:
-    """True when the cell defines ``name`` at its top level (``def``/``class``)."""
+    """True when the cell defines ``name`` at its top level (``def``/``class``, or a lambda assigned to it)."""
     try:
         tree = ast.parse(without_magics(source))
     except _UNPARSABLE:
         return bool(re.search(rf"^(class|def)\s+{re.escape(name)}\b", source, re.M))   # reported as not compiling
-    return any(isinstance(n, _DEFINITIONS) and n.name == name for n in tree.body)
+    return any(_is_definition(n, name) for n in tree.body)
 
 
 def find_cell(cells: list, name: str, cell_id: str) -> tuple[int | None, bool]:
@@ -230,7 +243,7 @@ def student_definition(cells: list, name: str, cell_id: str, known: set[str]) ->
         return Definition(None, index, moved, "too_deep", type(err).__name__)
     statements = _statements(cells, index)
     own = [s for s in statements if s.position[0] == index]
-    definitions = [s for s in own if name in s.binds and isinstance(s.node, _DEFINITIONS)]
+    definitions = [s for s in own if name in s.binds and _is_definition(s.node, name)]
     if not definitions:
         return Definition(None, index, moved, "not_defined")
     chosen = {s.position for s in definitions}

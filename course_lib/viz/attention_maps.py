@@ -54,7 +54,7 @@ def _masked_cells(w: np.ndarray, mask) -> np.ndarray | None:
 
 def _masked_legend(fig_or_ax, **where) -> None:
     fig_or_ax.legend(handles=[Patch(facecolor=MASKED, edgecolor=MUTED, hatch=MASK_HATCH,
-                                    label="masked: no weight (not a weight of 0)")],
+                                    label="masked: weight exactly 0 (hatched, not coloured)")],
                      fontsize=8, frameon=False, **where)
 
 
@@ -245,7 +245,7 @@ def plot_softmax_saturation(dims: Sequence[int] = (4, 16, 64, 256, 1024), sample
                             seed: int = 0, num_keys: int = 16) -> Figure:
     """Why attention divides by sqrt(d): q.k of random unit-variance vectors has variance d.
 
-    Left: the variance of the logits with and without the 1/sqrt(d) scale.
+    Left: the variance of the scores with and without the 1/sqrt(d) scale.
     Right: the mean largest softmax weight over ``num_keys`` keys; without the
     scale it creeps to 1 (the softmax saturates to one-hot and its gradients
     vanish). The numbers are in ``fig.course_data``.
@@ -284,8 +284,8 @@ def plot_softmax_saturation(dims: Sequence[int] = (4, 16, 64, 256, 1024), sample
     ax_var.set_xscale("log", base=2)
     ax_var.set_yscale("log")
     ax_var.set_xlabel("dimension d of q and k", fontsize=10)
-    ax_var.set_ylabel("variance of the logits", fontsize=10)
-    ax_var.set_title("logit variance grows like d", fontsize=11)
+    ax_var.set_ylabel("variance of the scores", fontsize=10)
+    ax_var.set_title("score variance grows like d", fontsize=11)
     ax_max.plot(dims, data["max_weight_unscaled"], "o-", color=ACCENT, label="no scaling")
     ax_max.plot(dims, data["max_weight_scaled"], "o-", color=PALETTE[0], label="scaled by 1/sqrt(d)")
     ax_max.axhline(1 / num_keys, linestyle=":", color=MUTED, label=f"uniform (1/{num_keys})")

@@ -241,10 +241,15 @@ class ModuleCheck:
                                     f"output at position {t} or before. Each query may only attend to keys at "
                                     f"its own position or earlier; mask the scores before the softmax.")
         run = bad[0]
+        off = max_diff(run.out, run.expected)
+        small = off <= 1e-2 * max(1.0, float(run.expected.abs().max()))
         fail("mismatch", f"For x of shape {shape_str(run.x.shape)} your output differs from the reference by up "
-                         f"to {max_diff(run.out, run.expected):.3g}, although the attention weights look right: "
-                         f"check what happens after the softmax (the values, merging the heads, the output "
-                         f"projection `proj`).")
+                         f"to {off:.3g}, although the attention weights look right"
+                         + (" to that rounding: differences this small come from a lower precision on the way (a "
+                            ".half(), float16 or bfloat16 in the softmax or after it). Keep x's dtype throughout."
+                            if small else
+                            ": check what happens after the softmax (the values, "
+                            + ("merging the heads, " if len(self.heads) > 1 else "") + "the output projection `proj`)."))
 
     # -------------------------------------------------------------------- training mode
 

@@ -2,7 +2,8 @@
 
 A meta tensor has a shape, a dtype and a device but no numbers, so every operation is free. A
 tensor the student's code creates without ``device=x.device`` (a mask from ``torch.ones(L, L)``, a
-table from ``torch.arange``) lands on the CPU, and mixing it with meta inputs raises at once; a
+table from ``torch.arange``) lands on the CPU, and mixing it with meta inputs raises at once (a
+dispatch mode checks the operations whose meta kernels do not look, such as ``index_select``); a
 result moved with ``.cpu()`` comes back on the CPU. On a GPU the same code would fail or slow down.
 
 The probe only ever *adds* a diagnosis: code that cannot run on meta for another reason (it reads
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ..verdict import fail
 from ._student_files import exception_message
@@ -43,13 +46,39 @@ def _advice(what: str, copied: bool = False) -> str:
             f"with self.register_buffer(...) so that model.to(device) moves them; never call .cpu() on a result.")
 
 
+# Where a GPU takes a CPU tensor beside its own: indices (x[idx], x[idx] = v), copies to the device, and
+# tensor_split's split points, which must be on the CPU.
+_CPU_ALLOWED = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_", "aten::copy_",
+                "aten::_to_copy", "aten::tensor_split"}
+
+
+class _CpuBesideMeta(Exception):
+    """An operation given a meta tensor and a CPU tensor (not a 0-d one, which a GPU takes as a number)."""
+
+
+class _NoCpuBesideMeta(TorchDispatchMode):
+    """Meta kernels of some operations never look at their other tensors' device (index_select, gather and
+    the like take a CPU index beside meta inputs, where CUDA raises): every operation is checked here."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+        if func._schema.name not in _CPU_ALLOWED and any(t.device.type == "meta" for t in tensors) \
+                and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors):
+            raise _CpuBesideMeta(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
 def probe(run: Callable[[], Any], what: str) -> None:
     """Call ``run()`` (the student's code on meta inputs); fail with ``device`` on a device slip."""
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _NoCpuBesideMeta():
             warnings.simplefilter("ignore")
             out = run()
+    except _CpuBesideMeta:
+        fail("device", _advice(what))
     except Exception as exc:  # noqa: BLE001 - only a device mix is judged; anything else is inconclusive
+        if isinstance(exc.__cause__ or exc.__context__, _CpuBesideMeta):
+            fail("device", _advice(what))
         said = exception_message(exc)
         if any(marker in said for marker in _MIXED):
             fail("device", _advice(what, copied="Cannot copy out of meta tensor" in said))
@@ -70,3 +99,11 @@ def module_on_meta(module: nn.Module) -> nn.Module | None:
         return copy.deepcopy(module).to("meta")
     except Exception:  # noqa: BLE001
         return None
+
+
+def probe_module(model: nn.Module, x: torch.Tensor, what: str) -> None:
+    """The student's module, copied to meta, on ``x`` there (a module that cannot be copied or moved is
+    inconclusive)."""
+    moved = module_on_meta(model)
+    if moved is not None:
+        probe(lambda: moved(meta(x)), what)

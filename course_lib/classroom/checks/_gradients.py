@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..verdict import Failure, fail
-from ._student_code import call, close
+from ._student_code import call, close, max_diff
 from ._student_files import exception_line, exception_message
 from .engine.autograd_errors import is_in_place_error
 
@@ -72,6 +72,13 @@ def check_gradients(run_candidate: Callable[[], Any], run_reference: Callable[[]
     def kept() -> None:
         how = first and _answers_as_before(run_candidate, run_reference, candidate_leaves, reference_leaves,
                                            first, what)
+        if how == "wrong" and not all(close(b, e.detach(), nan_ok=True) for b, e in zip(first, expected_out)):
+            # wrong already before anything moved, on these random inputs (the forward checks' may be whole
+            # numbers, which survive a rounding): a value mistake, not something kept from an earlier call
+            fail("mismatch", f"{what}: your output differs from the reference's by up to "
+                             f"{max(max_diff(b, e.detach()) for b, e in zip(first, expected_out)):.3g} on these "
+                             f"random inputs. Check the steps that change values (a rounding, a lower precision, a "
+                             f"constant), not only the shapes.")
         if how:
             did = ("returned exactly what it returned before, where the reference's answer changed" if how == "as "
                    "before" else "no longer agrees with the reference's answer, though it did before")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import decimal
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, ValuesView
 from dataclasses import replace
 from typing import Any
 
@@ -41,11 +41,14 @@ _TOY_TOLERANCE = 0.01   # predictions may be rounded to two decimals
 
 
 def _plain(value: Any) -> Any:
-    """Python numbers torch cannot read (a Fraction, a Decimal) as floats, in lists and tuples too."""
-    if isinstance(value, (list, tuple)):
+    """Python numbers torch cannot read (a Fraction, a Decimal, numpy's 0-d arrays) as floats, in lists, tuples
+    and any ordered collection of numbers (a generator, a map, a dict's values, a range) too."""
+    if isinstance(value, (list, tuple, range, Iterator, ValuesView)):
         return [_plain(v) for v in value]
     if isinstance(value, (numbers.Real, decimal.Decimal)):
         return float(value)
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item") and not isinstance(value, torch.Tensor):
+        return _plain(value.item())   # a numpy 0-d array: a number in a box
     if getattr(getattr(value, "dtype", None), "kind", None) == "f" and hasattr(value, "astype"):
         return value.astype("float64")   # numpy's long double, which torch cannot read
     return value
@@ -84,7 +87,7 @@ def _prediction_example(weights: Any, result: Any) -> Example | None:
 def check_toy_prediction(weights: Any, result: Any) -> str:
     """Your predicted ``weights`` (3,) and ``result`` for query [0, 1] on TOY_KEYS / TOY_VALUES."""
     w = _numbers(weights, "weights")
-    if w.numel() != 3 or w.dim() > 2:
+    if w.numel() != 3:
         fail("shape", f"`weights` should hold three numbers, one per key, got shape {tuple(w.shape)}.")
     w = w.flatten()
     if not torch.isfinite(w).all():

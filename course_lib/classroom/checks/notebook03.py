@@ -1,8 +1,8 @@
 """Exercises of notebook 03 (multi-head attention): 3.1 split_heads, 3.2 merge_heads,
 3.3 MultiHeadMaskedAttention.
 
-3.1 and 3.2 are declarations the engine runs (``engine.judge``) on inputs holding 0, 1, 2, ... so that
-every number has one place; 3.3 runs through ``_attn_modules.ModuleCheck``. Hints are in
+3.1 and 3.2 are declarations the engine runs (``engine.judge``) on inputs holding 0, 1, 2, ... plus a
+third, so that every number has one place and none survives rounding; 3.3 runs through ``_attn_modules.ModuleCheck``. Hints are in
 ``classroom.exercises``.
 """
 from __future__ import annotations
@@ -30,13 +30,25 @@ def _arange(*shape: int) -> torch.Tensor:
     return torch.arange(float(torch.Size(shape).numel())).reshape(shape)
 
 
+def _distinct(*shape: int) -> torch.Tensor:
+    """0, 1, 2, ... each plus a third: every number has one place, and none survives rounding (float16,
+    bfloat16, float32 for float64 inputs, .round()), which whole numbers this small all do."""
+    return _arange(*shape) + 1 / 3
+
+
 def _rearranged(purpose: str) -> Callable[[list[Run], Any], None]:
-    """After the known layouts: the same numbers in other places are heads split wrongly, others a mismatch."""
+    """After the known layouts: the same numbers in other places are heads split wrongly, x's numbers rounded
+    are a precision loss, others a mismatch."""
     def diagnose(runs: list[Run], fn: Any) -> None:
         run = runs[0]
         x = run.case.args[0]
-        if torch.equal(run.out.flatten().sort().values, x.flatten().sort().values):
+        got, wanted = run.out.flatten().sort().values, x.flatten().sort().values
+        if torch.equal(got, wanted):
             fail("head_split", f"{run.case.what}: the right numbers end up in the wrong places. {purpose}")
+        if got.is_floating_point() and torch.allclose(got.double(), wanted.double(), rtol=1e-2, atol=1e-2):
+            fail("precision", f"{run.case.what}: your output holds x's numbers rounded (x holds 0.333..., 1.333..., "
+                              f"...). Something on the way computes in a lower precision or rounds (.half(), "
+                              f".bfloat16(), .float() on float64 inputs, .round()): only rearrange x, in its dtype.")
         fail("mismatch", f"{run.case.what}: your output holds different numbers from x; {purpose}")
     return diagnose
 
@@ -53,7 +65,7 @@ def _split_layout(case: Case, out: Any) -> None:
 
 
 def _split_cases() -> list[Case]:
-    return [Case((_arange(*shape), heads), f"split_heads(x, {heads}) with x of shape {shape}")
+    return [Case((_distinct(*shape), heads), f"split_heads(x, {heads}) with x of shape {shape}")
             for shape, heads in (((2, 3, 8), 2), ((2, 3, 8), 4), ((3, 5, 12), 3), ((1, 1, 8), 1), ((2, 4, 6), 1))]
 
 
@@ -102,7 +114,7 @@ def _merge_layout(case: Case, out: Any) -> None:
 
 MERGE_HEADS = FunctionExercise(
     "3.2", "merge_heads", lambda x: ref.merge_heads(x),
-    lambda: [Case((_arange(*shape),), f"merge_heads(x) with x of shape {shape}")
+    lambda: [Case((_distinct(*shape),), f"merge_heads(x) with x of shape {shape}")
              for shape in ((2, 2, 3, 4), (2, 4, 3, 2), (3, 3, 5, 4), (1, 1, 1, 8), (2, 1, 4, 4))],
     ("x",),
     success="Right for 1 to 4 heads: merge_heads puts the heads side by side and undoes split_heads.",

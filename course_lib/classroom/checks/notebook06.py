@@ -45,12 +45,17 @@ def _flops_what(config: Any, weights: int) -> str:
             f"Q={config.head_dim}, T={config.max_tokens}; num_weights={weights:,})")
 
 
-def _flops_cases(configs: tuple[dict[str, int], ...]) -> list[Case]:
+def _flops_cases(configs: tuple[dict[str, int], ...], other_weights: int | None = None) -> list[Case]:
+    """Each configuration with its GPT's own count of weights; with ``other_weights``, the first again with
+    that count, which no configuration gives (the text: N is the argument, whatever model it counts)."""
     cases = []
     for sizes in configs:
         config = model_ref.GPTConfig(**sizes)
         weights = model_ref.GPT(config).num_parameters(include_embeddings=False)
         cases.append(Case((config, weights), _flops_what(config, weights)))
+    if other_weights is not None:
+        config = cases[0].args[0]
+        cases.append(Case((config, other_weights), _flops_what(config, other_weights)))
     return cases
 
 
@@ -268,7 +273,7 @@ _SLIPS = (
 
 FLOPS_PER_TOKEN = _Count(
     "6.1", "flops_per_token", lambda config, weights: _flops(train_ref.flops_per_token)(config, weights),
-    lambda: _flops_cases(_CONFIGS), ("config", "num_weights"),
+    lambda: _flops_cases(_CONFIGS, other_weights=1_000_000), ("config", "num_weights"),
     success="6N + 12·n·H·Q·T, right for every configuration tried.",
     mismatch=lambda run: (f"{run.case.what} returned {Number(run.out):,.0f}, expected {Number(run.expected):,.0f} = "
                           f"6·{run.case.args[1]:,} + 12·{run.case.args[0].num_layers}·{run.case.args[0].num_heads}·"

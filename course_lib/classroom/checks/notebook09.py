@@ -23,8 +23,7 @@ from ..verdict import Failure, fail
 from . import _gqa_variants as variants
 from ._attn_hypotheses import first_match, shape_str
 from ._counterexample import first_difference
-from ._device_probe import meta, module_on_meta
-from ._device_probe import probe as probe_device
+from ._device_probe import probe_module
 from ._gqa_variants import CACHED, FULL_PASS, Setup, simulate
 from ._gradients import check_module_gradients
 from ._model_common import accepts, as_tensor, as_values, copy_weights
@@ -524,9 +523,7 @@ def check_rms_norm(cls: Any) -> str:
 def _module_probes(model: nn.Module, reference: nn.Module, x: torch.Tensor, what: str) -> None:
     """One backward pass beside the reference's (every parameter must learn), then the module on meta."""
     check_module_gradients(model, reference, x, what=what)
-    moved = module_on_meta(model)
-    if moved is not None:   # a module that cannot be copied or moved is inconclusive
-        probe_device(lambda: moved(meta(x)), what)
+    probe_module(model, x, what)
 
 
 # The magnitude probe: in one batch, rows from 1e-4 (eps = 1e-6 then outweighs the mean of the squares) to 1e15

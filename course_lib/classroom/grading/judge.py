@@ -8,8 +8,10 @@ standing for the course's checkers, whose verdicts are kept. The verdict is the 
 """
 from __future__ import annotations
 
+import _thread
 import gc
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +42,7 @@ class RecordingChecks:
 
     __slots__ = ()
 
-    def __new__(cls, verdicts: list[CheckResult]) -> RecordingChecks:
+    def __new__(cls, verdicts: list[CheckResult], clean: Hooks | None = None) -> RecordingChecks:
         from .. import checks
         checkers = {name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")}
 
@@ -54,8 +56,10 @@ class RecordingChecks:
                     result, raised = refused.result, refused
                 else:
                     raised = None
-                if sys.gettrace() is not _TRACE or sys._getframe().f_trace is not None:
-                    # a trace function of the student's runs here, between the checker's return and the copy
+                if sys.gettrace() is not _TRACE or sys._getframe().f_trace is not None \
+                        or (clean is not None and _hooks() != clean):
+                    # code of the student's would run here, between the checker's return and the copy (a trace
+                    # or profile function, a garbage collector's callback, a thread)
                     verdicts.append(CheckResult(getattr(result, "exercise", "?"), False, "patched", _TAMPERED))
                 elif type(result) in (CheckResult, Displayed):   # a copy, which no code of the student's was handed
                     verdicts.append(CheckResult(result.exercise, result.passed, result.diagnosis, result.message))
@@ -108,9 +112,30 @@ _VERDICT_CLASS = _Items(vars(CheckResult).items())
 _TRACE = sys.gettrace()   # this process's trace function before any student (None; a coverage tool's in tests)
 
 
-def _collector() -> tuple[Any, ...]:
-    """The garbage collector's hooks and thresholds: a callback runs code at every collection."""
-    return tuple(gc.callbacks), gc.get_threshold(), gc.isenabled()
+Hooks = tuple[Any, ...]
+
+
+def _hooks() -> Hooks:
+    """Every way code runs later without being called: trace and profile functions (this thread's and those
+    new threads get), the garbage collector's callbacks and thresholds (a callback runs at every collection),
+    the switch interval, and the threads alive (``_thread`` counts those ``threading`` does not see)."""
+    return (sys.gettrace(), sys.getprofile(), threading.gettrace(), threading.getprofile(), tuple(gc.callbacks),
+            gc.get_threshold(), gc.isenabled(), sys.getswitchinterval(), _thread._count())
+
+
+def _restore(clean: Hooks) -> None:
+    """Put back what ``_hooks`` read before any student code (a thread cannot be stopped: the verdict already
+    says ``patched``, and the exercise's process ends with it)."""
+    if sys.gettrace() is not clean[0]:   # each only where it changed: the sandbox refuses sys.settrace to anyone
+        sys.settrace(clean[0])
+    if sys.getprofile() is not clean[1]:
+        sys.setprofile(clean[1])
+    threading.settrace(clean[2])
+    threading.setprofile(clean[3])
+    gc.callbacks[:] = clean[4]
+    gc.set_threshold(*clean[5])
+    (gc.enable if clean[6] else gc.disable)()
+    sys.setswitchinterval(clean[7])
 
 
 def _tampered(held: list[tuple[Callable[[], Any], Any]], verdicts: list[CheckResult]) -> bool:
@@ -131,8 +156,9 @@ def _tampered(held: list[tuple[Callable[[], Any], Any]], verdicts: list[CheckRes
 
 
 _TAMPERED = ("Your code changed the grader's record of the checks (the `checks` object or the name `checks`, its "
-             "functions or what they hold, or a trace function over the grader's own code) while the check ran, "
-             "so no verdict of this exercise can be trusted.")
+             "functions or what they hold) or left code to run unasked over the grader's own (a trace or profile "
+             "function, a garbage collector's callback or threshold, a thread still running), so no verdict of "
+             "this exercise can be trusted.")
 
 
 def _verdict(exercise: str, passed: bool, diagnosis: str | None, message: str) -> dict[str, Any]:
@@ -175,7 +201,7 @@ def _from_checks(plan: ExercisePlan, record: Record, error: BaseException | None
                                                      f"(a bug in the course, not in your code).")
 
 
-def _judge_capstone(plan: ExercisePlan) -> dict[str, Any]:
+def _judge_capstone(plan: ExercisePlan, clean: Hooks) -> dict[str, Any]:
     from .. import capstone
     from ..collect import collect_student_parts
     parts = collect_student_parts(".")
@@ -186,20 +212,23 @@ def _judge_capstone(plan: ExercisePlan) -> dict[str, Any]:
                         f"8.1 trains the GPT built from your parts of notebooks 02-05, and these are not usable "
                         f"yet: {', '.join(not_yours)}.")
     install_references()   # collecting ran the student's parts: the recorder takes the course's checkers again
+    if _hooks() != clean:   # defining the parts left code that runs unasked
+        _restore(clean)
+        return _verdict(plan.id, False, "patched", _TAMPERED)
     verdicts: list[CheckResult] = []
-    recorder = RecordingChecks(verdicts)
+    recorder = RecordingChecks(verdicts, clean)
     namespace = {"__name__": "course_check", "parts": parts, "capstone": capstone, "checks": recorder}
-    return _run_check_cell(plan, namespace, recorder, verdicts)
+    return _run_check_cell(plan, namespace, recorder, verdicts, clean)
 
 
 def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], recorder: RecordingChecks,
-                    verdicts: list[CheckResult]) -> dict[str, Any]:
+                    verdicts: list[CheckResult], clean: Hooks) -> dict[str, Any]:
     """Run the course's check cell in ``namespace`` (where ``checks`` is ``recorder``), then judge: ``patched``
-    when the student's code, run by the cell, changed what records the verdicts (the recorder, what it holds,
-    the name ``checks`` in the namespace) or left a trace or profile function that would run in the grader's
-    own bookkeeping after the cell; else the verdict of the checks."""
+    when the student's code changed what records the verdicts (the recorder, what it holds, the name ``checks``
+    in the namespace) or left anything that runs code unasked (``_hooks``, compared with ``clean``, read before
+    the student's definition ran) that would run in the grader's own bookkeeping after the cell; else the
+    verdict of the checks."""
     held = _held(recorder)
-    tracing, collector = (sys.gettrace(), sys.getprofile()), _collector()
     # the cell's own globals: a function of the student's that rebinds `checks` in its globals (the namespace)
     # does not reach the name the cell reads
     cell = dict(namespace)
@@ -208,15 +237,9 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], recorder: Rec
         exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), cell)
     except BaseException as exc:  # 1.1's cell calls the student's my_prediction() itself; 8.1's parts train here
         error = exc
-    traced = (sys.gettrace(), sys.getprofile()) != tracing   # first: no function of the student's runs past here
+    traced = _hooks() != clean   # first: no function of the student's runs past here
     if traced:
-        sys.settrace(tracing[0])
-        sys.setprofile(tracing[1])
-    if _collector() != collector:
-        traced = True
-        gc.callbacks[:] = collector[0]
-        gc.set_threshold(*collector[1])
-        (gc.enable if collector[2] else gc.disable)()
+        _restore(clean)
     record = _record(verdicts)   # before install_references drops the student's objects (a __del__ is code too)
     install_references()
     if record is None or traced or namespace.get("checks") is not recorder or cell.get("checks") is not recorder \
@@ -244,8 +267,9 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         # the grader's own modules are pinned too, and put back before each of their functions is used below:
         # a submission's setattr(judge, "_from_checks", ...) cannot write its own verdict
         bind_references()
+        clean = _hooks()   # before any code of the student's: a hook set while defining must not count as given
         if plan.id == CAPSTONE:
-            return _judge_capstone(plan)
+            return _judge_capstone(plan, clean)
         namespace = course_namespace()
         verdicts: list[CheckResult] = []
         # the course's checkers, taken before any student code runs: a line of theirs may call one (9.6's cell
@@ -256,12 +280,16 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         except BaseException as exc:  # the student's definition itself failed to run
             install_references()
             return _raised(plan.id, f"Defining {plan.name}", exc)
+        if _hooks() != clean:   # defining a function left code that runs unasked (a default argument's call)
+            _restore(clean)
+            install_references()
+            return _verdict(plan.id, False, "patched", _TAMPERED)
         install_references()   # first: the recorder takes the checkers as they are now, the course's again
-        namespace["checks"] = recorder = RecordingChecks(verdicts)
+        namespace["checks"] = recorder = RecordingChecks(verdicts, clean)
         refused = _course_own(plan, namespace.get(plan.name))
         if refused is not None:
             return refused
-        return _run_check_cell(plan, namespace, recorder, verdicts)
+        return _run_check_cell(plan, namespace, recorder, verdicts, clean)
     except BaseException as exc:  # never let anything escape: the worker needs one verdict
         install_references()
         return _verdict(plan.id, False, "checker_error", f"The grader failed on exercise {plan.id} "

@@ -98,7 +98,7 @@ def student_part(notebook_text: str | None, plan: ExercisePlan, known: set[str],
                            f"Your cell defining {plan.name} is too deeply nested for Python to compile "
                            f"({found.detail}). Simplify it, run the cell, then save the notebook.")
     if found.problem == "not_defined":
-        return StudentPart(plan.id, None, "missing", f"the exercise cell no longer defines {plan.name}")
+        return StudentPart(plan.id, None, "missing", f"the exercise cell no longer defines {plan.name} {reader.TOP_LEVEL}")
     note = (f"(Graded your definition of {plan.name} in code cell {_code_number(cells, found.cell)}: "
             f"the exercise's own cell no longer defines it.)") if found.moved else ""
     return StudentPart(plan.id, found.source, note=note)

@@ -219,29 +219,40 @@ def _in_float64(exercise: FunctionExercise, fn: Any) -> None:
     tensor made without dtype=, torch.zeros(...), comes out float32 there), then in a notebook whose default is
     float64 (a dtype written into the code, .float(), still comes out float32)."""
     previous = torch.get_default_dtype()
-    passes = [(torch.float64, "in a float64 notebook (torch.set_default_dtype(torch.float64), float64 inputs)")]
+    passes = [(torch.float64, True)]   # (the default dtype, whether that is a float64 notebook)
     if previous != torch.float64:
-        passes.insert(0, (previous, "with float64 inputs"))
-    for default, where in passes:
+        passes.insert(0, (previous, False))
+    for default, float64_notebook in passes:
         torch.set_default_dtype(default)
         try:
             for case in exercise.cases():
-                if default is previous and any(isinstance(a, torch.nn.Module) for a in case.args):
-                    continue   # a layer built in the default dtype takes no float64 input (12.2)
-                _judged_in_float64(exercise, fn, Case(in_float64(case.args), f"{case.what} {where}"))
+                floating = any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in case.args)
+                if not float64_notebook and (not floating or any(isinstance(a, torch.nn.Module) for a in case.args)):
+                    continue   # nothing float64 to give (4.1's ints); a layer built in the default dtype (12.2)
+                said = (f"in a float64 notebook (torch.set_default_dtype(torch.float64)"
+                        f"{', float64 inputs' if floating else ''})" if float64_notebook else "with float64 inputs")
+                _judged_in_float64(exercise, fn, Case(in_float64(case.args), f"{case.what} {said}"))
         finally:
             torch.set_default_dtype(previous)
 
 
 def _judged_in_float64(exercise: FunctionExercise, fn: Any, case: Case) -> None:
     expected = exercise.reference(*case.args)
-    out = call_student(fn, *case.given(), what=case.what)
+    # nothing to take a dtype from (4.1's two ints): the text asks for no dtype, so float32 is as right as
+    # the default, and code that mixes the two (a float32 arange times a default-dtype tensor) is right in
+    # the notebook it was written for: only its values are judged here, at float32's tolerance
+    dtype_free = not any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in case.args)
+    try:
+        out = call_student(fn, *case.given(), what=case.what)
+    except Failure as failure:
+        if dtype_free and failure.diagnosis == "exception":
+            return
+        raise
     out = as_tensor(out) if exercise.numpy_ok else out
     lower = (isinstance(out, torch.Tensor) and out.is_floating_point() and expected.is_floating_point()
              and torch.finfo(out.dtype).eps > torch.finfo(expected.dtype).eps)   # float32 for float64
-    if not any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in case.args):
-        # nothing to take a dtype from (4.1's two ints): the text asks for no dtype, so float32 is
-        # as right as the default; its values are judged at float32's tolerance below
+    coarse = lower and torch.finfo(out.dtype).eps > torch.finfo(torch.float32).eps   # float16, bfloat16
+    if dtype_free:
         lower = False
         out = out.to(expected.dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
     if isinstance(out, torch.Tensor) and (exercise.dtype and out.dtype != expected.dtype or lower):
@@ -251,6 +262,12 @@ def _judged_in_float64(exercise: FunctionExercise, fn: Any, case: Case) -> None:
                       f"(torch.zeros_like(x), x.new_zeros(...), dtype=x.dtype).")
     expect_tensor(out, tuple(expected.shape), case.what, finite=False)
     if not exercise.same(out, expected):
+        if dtype_free:
+            how = "your result is a half-precision tensor" if coarse else "float16 or bfloat16 on the way"
+            fail("precision", f"{case.what}: your result differs from the reference's by up to "
+                              f"{max_diff(out, expected):.3g}, more than float32's rounding explains: part of "
+                              f"your computation runs in a lower precision ({how}). Compute in float32 or the "
+                              f"default dtype.")
         fail("precision", f"{case.what}: your result differs from the reference's by up to "
                           f"{max_diff(out, expected):.3g}, which float64 does not explain: part of your "
                           f"computation runs in a lower precision (a .float(), a float32 constant tensor). "

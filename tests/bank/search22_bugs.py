@@ -1,0 +1,120 @@
+"""Student attempts that the twenty-second scripted search of the checks found misjudged (2026-11-30), one per class.
+
+Before, each was passed while wrong (a detour through a lower precision that whole-number inputs survive, an index
+made on the CPU that only index_select's and gather's meta kernels let through, N recounted from the
+configuration), refused while right (1.1's predictions as a generator, a dict's values or numpy's 0-d arrays,
+5.1's pair stacked in one tensor, 4.1's float32 positions beside default-dtype frequencies in a float64
+notebook), or told a mistake it does not make ("it keeps something from an earlier call" for a rounding).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from bank.attempts import Attempt, new_bank
+from course_lib.attention import MaskedAttention
+from course_lib.model import GPT
+
+BUGGY, CORRECT, bug, correct = new_bank()
+
+
+# ============================================================================ 1.1: predictions in any ordered form
+
+CORRECT.append(Attempt("1.1", "prediction_as_dict_values",
+                       ({"k0": 0.21194, "k1": 0.57612, "k2": 0.21194}.values(), 2.0), None))
+CORRECT.append(Attempt("1.1", "prediction_as_numpy_scalars",
+                       ([np.float64(0.21194), np.array(0.57612), np.float32(0.21194)], 2.0), None))
+CORRECT.append(Attempt("1.1", "prediction_as_a_row_of_a_batch", (torch.tensor([[[0.2119, 0.5761, 0.2119]]]), 2.0), None))
+
+
+# ============================================================================ 3.1, 3.2: only rearrange, on x's device
+
+@bug("3.1", "precision", "rounded", ".half()")
+def split_through_half(x, num_heads):
+    n, length, e = x.shape
+    return x.half().view(n, length, num_heads, e // num_heads).transpose(1, 2).to(x.dtype)
+
+
+@bug("3.1", "precision", "lower precision")
+def split_through_float32(x, num_heads):   # float64 inputs come back float64, their digits past float32 lost
+    n, length, e = x.shape
+    return x.float().view(n, length, num_heads, e // num_heads).transpose(1, 2).to(x.dtype)
+
+
+@bug("3.2", "mismatch", "different numbers from x", avoids=("keeps something",))
+def merge_rounded(x):
+    n, h, length, d = x.shape
+    return x.transpose(1, 2).reshape(n, length, h * d).round()
+
+
+@bug("3.1", "device", "created on the cpu")
+def split_with_a_cpu_index(x, num_heads):   # index_select needs its index on x's device (CUDA raises)
+    n, length, e = x.shape
+    return x.index_select(-1, torch.arange(e)).view(n, length, num_heads, e // num_heads).transpose(1, 2)
+
+
+@bug("3.2", "device", "created on the cpu")
+def merge_with_a_cpu_gather(x):
+    n, h, length, d = x.shape
+    merged = x.transpose(1, 2).reshape(n, length, h * d)
+    return merged.gather(-1, torch.arange(h * d).expand(n, length, h * d))
+
+
+# ============================================================================ 2.2: a softmax in half precision
+
+@bug("2.2", "mismatch", "lower precision", avoids=("merging the heads",))
+class MaskedSoftmaxInHalf(MaskedAttention):
+    def forward(self, x):
+        length = x.shape[1]
+        scores = (self.query(x) @ self.key(x).mT / self.embed_dim ** 0.5).masked_fill(
+            ~self.mask[:length, :length], float("-inf"))
+        weights = self.attn_dropout(scores.half().softmax(-1).to(x.dtype))
+        return self.proj_dropout(self.proj(weights @ self.value(x)))
+
+
+# ============================================================================ 4.1: no input to take a dtype from
+
+@correct("4.1")
+def table_float32_positions_default_frequencies(max_tokens, embed_dim):
+    position = torch.arange(max_tokens, dtype=torch.float32)[:, None]                        # (T, 1), as the hint
+    frequency = torch.exp(torch.arange(0, embed_dim, 2) * (-math.log(10000.0) / embed_dim))  # the default dtype
+    angles = position @ frequency[None, :].float()                                           # (T, d/2)
+    table = torch.zeros(max_tokens, embed_dim)
+    table[:, 0::2], table[:, 1::2] = angles.sin(), angles.cos()
+    return table
+
+
+@correct("4.1")
+def table_mixed_dtypes_in_mm(max_tokens, embed_dim):   # float32 @ default dtype: fails in a float64 notebook only
+    position = torch.arange(max_tokens, dtype=torch.float32)[:, None]
+    frequency = 10000.0 ** (-torch.arange(0, embed_dim, 2) / embed_dim)
+    angles = torch.mm(position, frequency[None, :])
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)
+
+
+@bug("4.1", "precision", "half-precision", avoids=(".float()",))
+def table_in_bfloat16(max_tokens, embed_dim):
+    position = torch.arange(max_tokens, dtype=torch.float32)[:, None]
+    frequency = 10000.0 ** (-torch.arange(0, embed_dim, 2, dtype=torch.float32) / embed_dim)
+    table = torch.zeros(max_tokens, embed_dim, dtype=torch.bfloat16)
+    table[:, 0::2], table[:, 1::2] = torch.sin(position * frequency), torch.cos(position * frequency)
+    return table
+
+
+# ============================================================================ 5.1, 6.1
+
+@correct("5.1")
+def windows_stacked_in_one_tensor(ids, max_tokens):
+    chunks = ids.unfold(0, max_tokens + 1, max_tokens)
+    return torch.stack([chunks[:, :-1], chunks[:, 1:]])   # (2, W, T): `inputs, targets = ...` unpacks it
+
+
+@bug("6.1", "weights_count", "num_weights argument")
+def flops_recounting_the_weights(config, num_weights):   # N from the configuration, not the argument
+    n = GPT(config).num_parameters(include_embeddings=False)
+    return 6 * n + 12 * config.num_layers * config.num_heads * config.head_dim * config.max_tokens
+
+
+
