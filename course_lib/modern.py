@@ -197,8 +197,8 @@ class GroupedQueryAttention(nn.Module):
     ``num_heads / num_kv_heads`` times smaller than multi-head attention's.
 
     ``qk_norm`` normalises each query and key head (RMSNorm over ``head_dim``) before the rotation
-    (OLMo 2, Qwen 3, Gemma 3); ``sliding_window`` lets each token see only the last ``sliding_window``
-    tokens.
+    (Qwen 3, Gemma 3; OLMo 2 normalises the whole query and key vectors instead); ``sliding_window`` lets
+    each token see only the last ``sliding_window`` tokens.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, max_tokens: int,
