@@ -91,10 +91,10 @@ lab-solutions: setup
 # browser test replay.
 test: setup lint notebooks learner-copies tests-all browser
 
-# Learner copies 01, 02 and 05 run whole in tests-all as well, in a kernel without the course where their set-up
+# Learner copies 01 and 05 run whole in tests-all as well, in a kernel without the course where their set-up
 # cell installs it (tests/test_hosted_setup.py, which asserts what nbval-lax asserts of them; it checks that this
 # list is the one it runs). Under `make test` they run there only, not twice; `make learner-copies` alone runs all.
-HOSTED_COPIES := 01 02 05
+HOSTED_COPIES := 01 05
 LEARNER_COPIES_ELSEWHERE ?=
 test: LEARNER_COPIES_ELSEWHERE := $(HOSTED_COPIES)
 

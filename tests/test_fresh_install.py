@@ -165,7 +165,7 @@ def test_learner_copies_run_in_the_fresh_venv_and_nothing_is_written_into_the_pa
     copies = work / "mine"
 
     # Every copy `start` writes from the installed package is, cell for cell, the copy the checkout makes: the
-    # copies that `make learner-copies` runs whole, and 01, 02 and 05 that tests/test_hosted_setup.py runs whole
+    # copies that `make learner-copies` runs whole, and 01 and 05 that tests/test_hosted_setup.py runs whole
     # with the course installed from the same wheel, in the same versions. So none runs whole again here.
     from course_lib.classroom.assignments import update_learner_copies
     update_learner_copies(ROOT / "notebooks", tmp_path / "checkout")

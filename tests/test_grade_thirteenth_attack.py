@@ -1,4 +1,4 @@
-"""A thirteenth attack on the grader (2026-11-30): code a submission leaves to run unasked.
+"""A thirteenth and a fourteenth attack on the grader (2026-11-30): code a submission leaves to run unasked.
 
 A default argument runs when its ``def`` runs, so a definition could install a garbage collector's callback (with a
 threshold of 1, a collection at nearly every allocation), a profile function or a thread, each reaching the
@@ -6,6 +6,11 @@ grader's list of verdicts through the closures of ``checks`` and putting a pass 
 the moment between the checker's return and the grader's record. The grader compared these with what it read
 after the definition had run, so they counted as given. They are read now before any code of the student's, again
 as soon as a checker returns, and after the check cell; any difference is the verdict ``patched``.
+
+A fourteenth attack broke that: an audit hook (the sandbox now refuses them), a profiler whose ``__eq__`` says
+equal (compared by identity now), ``threading.gettrace`` rebound (the grader's getters are its own, taken at
+import), and a gc callback that removed itself after rewriting the checker's result (the collector is put back
+after every call into the student's code). tqdm's monitor thread made honest code ``patched``: it is off.
 
 An honest definition written as ``name = lambda ...`` was "missing"; it is a definition.
 """
@@ -46,18 +51,51 @@ _AT_DEFINITION = {
     "thread": ("import sys, threading\ndef _loop():\n    while True:\n        _forge()\n"
                "def _install():\n    sys.setswitchinterval(1e-6)\n    threading.Thread(target=_loop, daemon=True).start()\n"),
 }
-# the same installed by the student's function itself, while the checker calls it
+# Rewrites the checker's own result, wherever a frame of the grader's holds it.
+_REWRITE = """
+import sys
+from course_lib.classroom.verdict import CheckResult as _CR
+def _rewrite(result):
+    if type(result) is _CR and result.exercise == "2.1" and not result.passed:
+        result.passed, result.diagnosis, result.message = True, None, "Right."
+def _rewrite_above(frame):
+    while frame is not None:
+        _rewrite(frame.f_locals.get("result"))
+        frame = frame.f_back
+"""
+_AT_DEFINITION.update({
+    # an audit hook sees sys._getframe's frame, and can never be removed
+    "audit-hook": "def _install():\n    sys.addaudithook(lambda event, args: event == 'sys._getframe' and args "
+                  "and _rewrite_above(args[0]))\n",
+    # a profiler equal to anything: a comparison with == would believe it
+    "profiler-equal-to-anything": ("class _Equal:\n    def __eq__(self, other):\n        return True\n"
+                                   "    def __ne__(self, other):\n        return False\n    __hash__ = object.__hash__\n"
+                                   "    def __call__(self, frame, event, arg):\n        _rewrite_above(frame)\n"
+                                   "def _install():\n    sys.setprofile(_Equal())\n"),
+    # the grader's detector itself, rebound in the module it is read from
+    "threading-gettrace-rebound": ("import threading\n_real = threading.gettrace\ndef _lying():\n"
+                                   "    _rewrite_above(sys._getframe(1))\n    return _real()\n"
+                                   "def _install():\n    threading.gettrace = _lying\n"),
+})
+# installed by the student's function itself, while the checker calls it: a callback that removes itself
 _DURING_CHECK = {
-    "gc-callback-in-a-call": "import gc\ndef _install():\n    if _forge not in gc.callbacks:\n"
-                             "        gc.callbacks.append(_forge)\n        gc.set_threshold(1, 100000, 100000)\n",
+    "gc-callback-removing-itself": ("import gc\ndef _once(phase, info):\n    _rewrite_above(sys._getframe(1))\n"
+                                    "def _install():\n    if _once not in gc.callbacks:\n"
+                                    "        gc.callbacks.append(_once)\n        gc.set_threshold(1, 1000000, 1000000)\n"),
 }
 ATTACKS = {
-    **{name: _FORGE + code + "def causal_mask(n, _i=_install()):\n" + _WRONG for name, code in _AT_DEFINITION.items()},
-    **{name: _FORGE + code + "def causal_mask(n):\n    _install()\n" + _WRONG for name, code in _DURING_CHECK.items()},
+    **{name: _FORGE + _REWRITE + code + "def causal_mask(n, _i=_install()):\n" + _WRONG
+       for name, code in _AT_DEFINITION.items()},
+    **{name: _FORGE + _REWRITE + code + "def causal_mask(n):\n    _install()\n" + _WRONG
+       for name, code in _DURING_CHECK.items()},
 }
 # the thread last: nothing stops a thread once started, and it goes on forging in this process
-ORDER = ["gc-callback", "profiler", "gc-callback-in-a-call", "thread"]
-
+ORDER = ["gc-callback", "profiler", "audit-hook", "profiler-equal-to-anything", "threading-gettrace-rebound",
+         "gc-callback-removing-itself", "thread"]
+# honest code that starts a library's thread: tqdm's monitor is off while grading
+PROGRESS_BAR = ("from tqdm import tqdm\n\ndef causal_mask(n, device=None):\n"
+                "    rows = [torch.arange(n, device=device) <= i for i in tqdm(range(n))]\n"
+                "    return torch.stack(rows) if n else torch.ones(0, 0, dtype=torch.bool, device=device)\n")
 
 @pytest.mark.slow
 @pytest.mark.skipif(not LINUX, reason="the sandbox as a forked exercise's process enters it")
@@ -71,14 +109,16 @@ def test_code_left_to_run_unasked_is_patched_never_a_forged_pass(tmp_path):
               "course_namespace()\n"
               "bind_references(checkers_too=True)\n"
               f"sandbox.enter({str(tmp_path)!r}, [], memory_mb=None, cpu_seconds=None)\n"
-              f"verdicts = [judge(plan, source) for source in {[ATTACKS[name] for name in ORDER]!r}]\n"
+              f"verdicts = [judge(plan, source) for source in {[PROGRESS_BAR] + [ATTACKS[name] for name in ORDER]!r}]\n"
               "open('verdicts.json', 'w').write(json.dumps(verdicts))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    verdicts = dict(zip(ORDER, json.loads((tmp_path / "verdicts.json").read_text())))
-    for name, verdict in verdicts.items():
-        assert (verdict["passed"], verdict["diagnosis"]) == (False, "patched"), (name, verdict)
-        assert "left code to run unasked" in verdict["message"], (name, verdict)
+    honest, *verdicts = json.loads((tmp_path / "verdicts.json").read_text())
+    assert honest["passed"], honest
+    for name, verdict in zip(ORDER, verdicts):
+        # refused where it was set (the audit hook: never added, so the wrong mask fails as itself) or patched
+        assert not verdict["passed"] and verdict["diagnosis"] in ("patched", "causal_mask"), (name, verdict)
+        assert verdict["diagnosis"] == "patched" or name in ("audit-hook", "threading-gettrace-rebound"), (name, verdict)
 
 
 def _cells(source: str) -> list:

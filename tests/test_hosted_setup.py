@@ -3,8 +3,8 @@
 
 The slow tests meet the cell as a hosted kernel would: a fresh venv with only torch (the CPU build) and
 Jupyter's kernel, a folder of wheels built from the checkout standing in for the package index. The cell
-is the same in every notebook but for the corpora it prepares (a fast test holds that). Learner copies 01, 02
-and 05 (no corpus, one, both and a training) run top to bottom there, each copied alone into an empty folder;
+is the same in every notebook but for the corpora it prepares (a fast test holds that). Learner copies 01 and
+05 (no corpus; both corpora and a training) run top to bottom there, each copied alone into an empty folder;
 05's run ends with every notebook's imports: torch is the same files after each, and nothing was written into
 the installed course. These runs are also those copies' learner-copies run: `make test` leaves them out of
 `make learner-copies` (the Makefile's HOSTED_COPIES), so each asserts what nbval-lax asserts there.
@@ -312,7 +312,9 @@ def _imports(path: Path) -> list[str]:
 
 # The learner copies run whole here. `make test` runs them here only (the Makefile's HOSTED_COPIES, which
 # `make learner-copies` then leaves out): one run of each per CI, not two.
-WHOLE = (("01", []), ("02", ["tinyshakespeare"]), ("05", ["names", "tinyshakespeare"]))
+# 01 has no corpus, 05 both; a notebook with one runs the same cell with a shorter list (the fast test above), so
+# its whole run here took 24 s alone (more beside the other tests) and showed nothing the two do not.
+WHOLE = (("01", []), ("05", ["names", "tinyshakespeare"]))
 # The marks that change nbval-lax's verdict on a copy (ignoring a cell's output changes nothing there: nbval-lax
 # compares only the cells marked for it).
 NBVAL_MARKS = ("raises-exception", "check-output", "skip")
@@ -381,7 +383,7 @@ def _with_every_notebooks_imports(copy: Path) -> Path:
 def test_in_a_kernel_without_the_course_learner_copies_run_and_every_notebooks_imports_resolve(bare_kernel):
     """One test, so that the bare kernel (a venv with torch) is built once, whichever pytest-xdist worker runs it.
 
-    Learner copies 01 (no corpus), 02 (one) and 05 (both, and it trains), each alone in an empty folder, top to
+    Learner copies 01 (no corpus) and 05 (both, and it trains), each alone in an empty folder, top to
     bottom, in a kernel without the course, with nbval-lax's verdict on them; 05's kernel then imports what every
     notebook imports (05's set-up cell prepares both corpora, and every notebook's set-up cell is 05's but for
     its corpora: a fast test above). None changes the kernel's torch, and none writes into the installed course."""

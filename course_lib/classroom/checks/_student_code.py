@@ -5,6 +5,7 @@ tolerance derived from the dtype. Tolerances that are not about float noise (a p
 1.1, a FLOP count in 6.1) stay with their exercise."""
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,21 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 CALLS = [0]   # how many times this process called student code: a failure after one may be the student's graph
+# The garbage collector's list of callbacks and its thresholds, taken when the course is imported: a callback left
+# by the student's code runs at every later collection, inside the check's own code (where a verdict is made).
+_GC_CALLBACKS, _GC_THRESHOLD, _SET_GC_THRESHOLD = gc.callbacks, gc.get_threshold, gc.set_threshold
+
+
+def _collector_put_back(callbacks: tuple[Any, ...], threshold: tuple[int, ...]) -> bool:
+    """Put the collector's callbacks and thresholds back as they were before a call; whether they had changed
+    (compared by identity and as ints: nothing of the student's runs here)."""
+    now = tuple(_GC_CALLBACKS)
+    changed = len(now) != len(callbacks) or any(a is not b for a, b in zip(now, callbacks)) \
+        or tuple(map(int, _GC_THRESHOLD())) != threshold
+    if changed:
+        _GC_CALLBACKS[:] = callbacks
+        _SET_GC_THRESHOLD(*threshold)
+    return changed
 _VERDICT_FILE = Failure.__init__.__code__.co_filename
 
 
@@ -54,13 +70,19 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     CALLS[0] += 1
     inputs = [(name, value, value.detach().clone()) for name, value in _tensor_args(args, kwargs)]
     depth, default = modes_depth(), torch.get_default_dtype()
+    collector = tuple(_GC_CALLBACKS), tuple(map(int, _GC_THRESHOLD()))
     try:
         try:
             result = fn(*args, **kwargs)
         finally:
+            collected = _collector_put_back(*collector)   # first: no callback of theirs runs in what follows
             install_references()   # student code that patched course_lib must not change the verdict
             # put back at once, not only when the check ends: the check's own tensors follow the default too
             torch.set_default_dtype(default)
+        if collected:
+            fail("patched", f"{what} changed the garbage collector's callbacks or thresholds (gc.callbacks, "
+                            f"gc.set_threshold): a callback runs code of yours inside the check itself. Remove "
+                            f"that code, restart the kernel (Kernel > Restart) and run the cells again.")
         expect_unpatched()   # nor one that replaced torch's own functions (torch.equal = ...)
         expect_no_new_modes(depth)   # nor a torch mode left on the stack
         result = plain_tensors(result, what)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import gc
+import importlib.util
 import sys
 import threading
 import types
@@ -56,8 +57,8 @@ class RecordingChecks:
                     result, raised = refused.result, refused
                 else:
                     raised = None
-                if sys.gettrace() is not _TRACE or sys._getframe().f_trace is not None \
-                        or (clean is not None and _hooks() != clean):
+                if _GETTRACE() is not _TRACE or _GETFRAME().f_trace is not None \
+                        or (clean is not None and _changed(_hooks(), clean)):
                     # code of the student's would run here, between the checker's return and the copy (a trace
                     # or profile function, a garbage collector's callback, a thread)
                     verdicts.append(CheckResult(getattr(result, "exercise", "?"), False, "patched", _TAMPERED))
@@ -114,28 +115,54 @@ _TRACE = sys.gettrace()   # this process's trace function before any student (No
 
 Hooks = tuple[Any, ...]
 
+# The interpreter's getters and setters, and gc's own list of callbacks, taken when the grader is imported (before
+# any student's code): a submission that rebinds threading.gettrace or gc.callbacks changes what these never read.
+_GETTRACE, _GETPROFILE, _SETTRACE, _SETPROFILE = sys.gettrace, sys.getprofile, sys.settrace, sys.setprofile
+_THREADING_HOOKS = threading.gettrace, threading.getprofile, threading.settrace, threading.setprofile
+_GC_CALLBACKS, _GC_THRESHOLD, _SET_GC_THRESHOLD = gc.callbacks, gc.get_threshold, gc.set_threshold
+_GC_ENABLED, _GC_ENABLE, _GC_DISABLE = gc.isenabled, gc.enable, gc.disable
+_SWITCH_INTERVAL, _SET_SWITCH_INTERVAL, _THREADS = sys.getswitchinterval, sys.setswitchinterval, _thread._count
+_GETFRAME = sys._getframe
+
 
 def _hooks() -> Hooks:
     """Every way code runs later without being called: trace and profile functions (this thread's and those
     new threads get), the garbage collector's callbacks and thresholds (a callback runs at every collection),
     the switch interval, and the threads alive (``_thread`` counts those ``threading`` does not see)."""
-    return (sys.gettrace(), sys.getprofile(), threading.gettrace(), threading.getprofile(), tuple(gc.callbacks),
-            gc.get_threshold(), gc.isenabled(), sys.getswitchinterval(), _thread._count())
+    return (_GETTRACE(), _GETPROFILE(), _THREADING_HOOKS[0](), _THREADING_HOOKS[1](), tuple(_GC_CALLBACKS),
+            _GC_THRESHOLD(), _GC_ENABLED(), _SWITCH_INTERVAL(), _THREADS())
+
+
+def _changed(now: Hooks, clean: Hooks) -> bool:
+    """Whether anything differs from ``clean``, each object by identity: a student's hook may define ``__eq__``
+    to equal anything, so ``!=`` would run its code and believe it."""
+    functions = [*now[:4], *now[4]], [*clean[:4], *clean[4]]
+    return len(functions[0]) != len(functions[1]) or any(a is not b for a, b in zip(*functions)) \
+        or tuple(map(int, now[5])) != tuple(map(int, clean[5])) or bool(now[6]) is not bool(clean[6]) \
+        or float(now[7]) != float(clean[7]) or int(now[8]) != int(clean[8])
+
+
+def _quiet_progress_bars() -> None:
+    """tqdm starts a monitor thread with its first bar, which would count as a thread of the student's (a
+    ``for i in tqdm(range(n))`` is honest code): where tqdm is installed, its monitor is off while grading."""
+    if importlib.util.find_spec("tqdm") is not None:
+        import tqdm
+        tqdm.tqdm.monitor_interval = 0
 
 
 def _restore(clean: Hooks) -> None:
     """Put back what ``_hooks`` read before any student code (a thread cannot be stopped: the verdict already
     says ``patched``, and the exercise's process ends with it)."""
-    if sys.gettrace() is not clean[0]:   # each only where it changed: the sandbox refuses sys.settrace to anyone
-        sys.settrace(clean[0])
-    if sys.getprofile() is not clean[1]:
-        sys.setprofile(clean[1])
-    threading.settrace(clean[2])
-    threading.setprofile(clean[3])
-    gc.callbacks[:] = clean[4]
-    gc.set_threshold(*clean[5])
-    (gc.enable if clean[6] else gc.disable)()
-    sys.setswitchinterval(clean[7])
+    if _GETTRACE() is not clean[0]:   # each only where it changed: the sandbox refuses sys.settrace to anyone
+        _SETTRACE(clean[0])
+    if _GETPROFILE() is not clean[1]:
+        _SETPROFILE(clean[1])
+    _THREADING_HOOKS[2](clean[2])
+    _THREADING_HOOKS[3](clean[3])
+    _GC_CALLBACKS[:] = clean[4]
+    _SET_GC_THRESHOLD(*clean[5])
+    (_GC_ENABLE if clean[6] else _GC_DISABLE)()
+    _SET_SWITCH_INTERVAL(clean[7])
 
 
 def _tampered(held: list[tuple[Callable[[], Any], Any]], verdicts: list[CheckResult]) -> bool:
@@ -212,7 +239,7 @@ def _judge_capstone(plan: ExercisePlan, clean: Hooks) -> dict[str, Any]:
                         f"8.1 trains the GPT built from your parts of notebooks 02-05, and these are not usable "
                         f"yet: {', '.join(not_yours)}.")
     install_references()   # collecting ran the student's parts: the recorder takes the course's checkers again
-    if _hooks() != clean:   # defining the parts left code that runs unasked
+    if _changed(_hooks(), clean):   # defining the parts left code that runs unasked
         _restore(clean)
         return _verdict(plan.id, False, "patched", _TAMPERED)
     verdicts: list[CheckResult] = []
@@ -237,7 +264,7 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], recorder: Rec
         exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), cell)
     except BaseException as exc:  # 1.1's cell calls the student's my_prediction() itself; 8.1's parts train here
         error = exc
-    traced = _hooks() != clean   # first: no function of the student's runs past here
+    traced = _changed(_hooks(), clean)   # first: no function of the student's runs past here
     if traced:
         _restore(clean)
     record = _record(verdicts)   # before install_references drops the student's objects (a __del__ is code too)
@@ -267,6 +294,7 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         # the grader's own modules are pinned too, and put back before each of their functions is used below:
         # a submission's setattr(judge, "_from_checks", ...) cannot write its own verdict
         bind_references()
+        _quiet_progress_bars()
         clean = _hooks()   # before any code of the student's: a hook set while defining must not count as given
         if plan.id == CAPSTONE:
             return _judge_capstone(plan, clean)
@@ -280,7 +308,7 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         except BaseException as exc:  # the student's definition itself failed to run
             install_references()
             return _raised(plan.id, f"Defining {plan.name}", exc)
-        if _hooks() != clean:   # defining a function left code that runs unasked (a default argument's call)
+        if _changed(_hooks(), clean):   # defining a function left code that runs unasked (a default argument's call)
             _restore(clean)
             install_references()
             return _verdict(plan.id, False, "patched", _TAMPERED)

@@ -52,8 +52,9 @@ _REFUSED_EVENTS = {
     "ctypes.dlopen": "loading C libraries through ctypes", "ctypes.dlsym": "C functions through ctypes",
     "ctypes.dlsym/handle": "C functions through ctypes", "ctypes.call_function": "C functions through ctypes",
     "resource.setrlimit": "changing the resource limits", "resource.prlimit": "changing the resource limits",
-    # a trace function runs the student's code between the checker's return and the grader's record of it
-    "sys.settrace": "trace functions (sys.settrace)",
+    # a trace function runs the student's code between the checker's return and the grader's record of it; an
+    # audit hook at every audited event, and none can be removed (Python drops the new hook when this refuses)
+    "sys.settrace": "trace functions (sys.settrace)", "sys.addaudithook": "audit hooks (sys.addaudithook)",
 }
 # Events whose first argument (or first two) is a path that is changed.
 _WRITE_PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1,
