@@ -7,8 +7,9 @@ which the notebook shows, the grader records and the live room counts.
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 DIAGNOSES = (
     # What a CheckResult's ``diagnosis`` can say, one code per kind of mistake (Failure rejects others).
@@ -98,18 +99,24 @@ DIAGNOSES = (
     "bias",              # a layer's biases left out: its projections computed with their weights alone
 )
 
-@dataclass
-class CheckResult:
-    """The verdict on one exercise: ``passed``, a ``diagnosis`` code and a ``message`` to act on."""
+class CheckResult(NamedTuple):
+    """The verdict on one exercise: ``passed``, a ``diagnosis`` code and a ``message`` to act on.
+
+    A tuple, so that nothing can change a verdict once made: code of a student's that finds it in memory (through
+    the garbage collector, a frame, a finalizer) cannot set ``passed`` on it, ``object.__setattr__`` included."""
 
     exercise: str
     passed: bool
     diagnosis: str | None
     message: str
-    details: dict[str, Any] = field(default_factory=dict, repr=False)
+    details: Mapping[str, Any] = MappingProxyType({})
 
     def __bool__(self) -> bool:
         return self.passed
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(exercise={self.exercise!r}, passed={self.passed!r}, "
+                f"diagnosis={self.diagnosis!r}, message={self.message!r})")
 
     def __str__(self) -> str:
         mark = "PASSED" if self.passed else f"NOT YET ({self.diagnosis})"

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checks._references import bind_references, install_references
-from ..checks._student_files import exception_line, exception_message, exception_name
+from ..checks._student_files import exception_line, exception_message, exception_name, is_student_file
 from ..checks.engine.run import CheckNotPassed, Displayed
 from ..collect import GPT_EXERCISES, course_names, course_namespace
 from ..verdict import CheckResult
@@ -140,6 +140,17 @@ def _changed(now: Hooks, clean: Hooks) -> bool:
     return len(functions[0]) != len(functions[1]) or any(a is not b for a, b in zip(*functions)) \
         or tuple(map(int, now[5])) != tuple(map(int, clean[5])) or bool(now[6]) is not bool(clean[6]) \
         or float(now[7]) != float(clean[7]) or int(now[8]) != int(clean[8])
+
+
+def _raised_in_student_code(exc: BaseException) -> bool:
+    """Whether the exception that reached the grader's own code came through a frame of the student's: code of
+    theirs ran where only the grader's should (a trace function, a finalizer), and what it did is not to trust."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if is_student_file(tb.tb_frame.f_code.co_filename):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _quiet_progress_bars() -> None:
@@ -320,5 +331,7 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         return _run_check_cell(plan, namespace, recorder, verdicts, clean)
     except BaseException as exc:  # never let anything escape: the worker needs one verdict
         install_references()
+        if _raised_in_student_code(exc):   # a trace function or finalizer of theirs ran in the grader's own code
+            return _verdict(plan.id, False, "patched", _TAMPERED)
         return _verdict(plan.id, False, "checker_error", f"The grader failed on exercise {plan.id} "
                                                          f"({exception_name(exc)}: {exception_message(exc)}).")

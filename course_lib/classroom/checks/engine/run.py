@@ -145,6 +145,8 @@ class CheckNotPassed(AssertionError):
 class Displayed(CheckResult):
     """A passed verdict under nbgrader: shown as a display, not as the cell result nbgrader reads as a score."""
 
+    __slots__ = ()   # a tuple still: no attribute can be set on it either
+
     def _ipython_display_(self) -> None:
         from IPython.display import display
         display({"text/plain": str(self), "text/html": self._repr_html_()}, raw=True)
