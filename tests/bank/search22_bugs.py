@@ -12,10 +12,13 @@ import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from bank.attempts import Attempt, new_bank
-from course_lib.attention import MaskedAttention
+from bank.search_bugs import _GivenGQA
+from course_lib.attention import MaskedAttention, causal_mask, merge_heads, split_heads
 from course_lib.model import GPT
+from course_lib.modern import apply_rotary, repeat_kv, rotate_half
 
 BUGGY, CORRECT, bug, correct = new_bank()
 
@@ -43,7 +46,7 @@ def split_through_float32(x, num_heads):   # float64 inputs come back float64, t
     return x.float().view(n, length, num_heads, e // num_heads).transpose(1, 2).to(x.dtype)
 
 
-@bug("3.2", "mismatch", "different numbers from x", avoids=("keeps something",))
+@bug("3.2", "precision", "whole numbers", avoids=("keeps something",))
 def merge_rounded(x):
     n, h, length, d = x.shape
     return x.transpose(1, 2).reshape(n, length, h * d).round()
@@ -118,3 +121,72 @@ def flops_recounting_the_weights(config, num_weights):   # N from the configurat
 
 
 
+
+
+# ============================================================================ the twenty-third search, of these fixes
+
+@bug("3.1", "precision", "whole numbers", ".round()")
+def split_rounded(x, num_heads):
+    n, length, e = x.shape
+    return x.view(n, length, num_heads, e // num_heads).transpose(1, 2).round()
+
+
+@bug("3.1", "precision", "integer dtype")
+def split_through_long(x, num_heads):
+    n, length, e = x.shape
+    return x.long().to(x.dtype).view(n, length, num_heads, e // num_heads).transpose(1, 2)
+
+
+_SPLITS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@bug("3.1", "kept_state", "earlier call")
+def split_cached_on_id(x, num_heads):   # the same tensor, changed in place by an optimizer step, is not seen anew
+    if id(x) not in _SPLITS:
+        n, length, e = x.shape
+        _SPLITS[id(x)] = (x, x.view(n, length, num_heads, e // num_heads).transpose(1, 2).clone())
+    return _SPLITS[id(x)][1]
+
+
+@bug("9.2", "device", "created on the cpu")
+def rope_cpu_positions_only_past_zero(x, cos, sin, offset=0):   # the cached path alone builds a CPU index
+    length = x.shape[-2]
+    if offset == 0:
+        c, s = cos[:length], sin[:length]
+    else:
+        positions = torch.arange(offset, offset + length)
+        c, s = cos.index_select(0, positions), sin.index_select(0, positions)
+    return x * c.to(x.dtype) + rotate_half(x) * s.to(x.dtype)
+
+
+@bug("9.2", "device", "created on the cpu")
+def rope_sign_written_from_the_cpu(x, cos, sin, offset=0):   # index_put_ with CPU values (not the indices)
+    length, d = x.shape[-2:]
+    sign = torch.ones(d, dtype=x.dtype, device=x.device)
+    sign[torch.arange(d // 2, device=x.device)] = -torch.ones(d // 2, dtype=x.dtype)
+    turned = torch.roll(x, d // 2, dims=-1) * sign
+    return x * cos[offset:offset + length].to(x.dtype) + turned * sin[offset:offset + length].to(x.dtype)
+
+
+@bug("9.6", "device", "kv cache")
+class GQAMaskOnTheCpuOnlyWithACache(_GivenGQA):
+    def forward(self, x, cache=None):
+        start = 0 if cache is None else cache.length
+        q = apply_rotary(split_heads(self.query(x), self.num_heads), self.rope_cos, self.rope_sin, offset=start)
+        k = apply_rotary(split_heads(self.key(x), self.num_kv_heads), self.rope_cos, self.rope_sin, offset=start)
+        v = split_heads(self.value(x), self.num_kv_heads)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, repeat_kv(k, self.groups), repeat_kv(v, self.groups),
+                                                 is_causal=True)
+        else:
+            k, v = cache.append(k, v)
+            mask = causal_mask(start + x.shape[1])[start:]   # made on the CPU: a GPU refuses it
+            out = F.scaled_dot_product_attention(q, repeat_kv(k, self.groups), repeat_kv(v, self.groups),
+                                                 attn_mask=mask)
+        return self.proj(merge_heads(out))
+
+
+@correct("5.1")
+def windows_stacked_by_numpy(ids, max_tokens):
+    chunks = ids.unfold(0, max_tokens + 1, max_tokens).numpy()
+    return np.stack([chunks[:, :-1], chunks[:, 1:]])

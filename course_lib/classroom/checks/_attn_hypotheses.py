@@ -281,9 +281,9 @@ def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch
                                     f"the softmax runs along the wrong axis. Each query needs its own "
                                     f"distribution over the keys.")
         row = weights.sum(-1).flatten()
+        farthest = float(row[(row - 1).abs().argmax()])   # the one that shows it, whatever the others round to
         fail("normalization", f"Your output is not softmax weights times the values: read back with the values "
-                              f"set to the identity, its rows sum to values like {float(row[0]):.3g} and "
-                              f"{float(row[-1]):.3g} instead of one. Either the weights are not a softmax over "
+                              f"set to the identity, a row sums to {farthest:.6g} instead of one. Either the weights are not a softmax over "
                               f"the keys, or something after the softmax changes the result (a factor, a residual "
                               f"x + ..., an activation, a reshape, values from another tensor): the output is the "
                               f"weights times v, and nothing else.")

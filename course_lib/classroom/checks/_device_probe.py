@@ -46,10 +46,10 @@ def _advice(what: str, copied: bool = False) -> str:
             f"with self.register_buffer(...) so that model.to(device) moves them; never call .cpu() on a result.")
 
 
-# Where a GPU takes a CPU tensor beside its own: indices (x[idx], x[idx] = v), copies to the device, and
-# tensor_split's split points, which must be on the CPU.
-_CPU_ALLOWED = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_", "aten::copy_",
-                "aten::_to_copy", "aten::tensor_split"}
+# Where a GPU takes a CPU tensor beside its own: copies to the device, tensor_split's split points (which must be
+# on the CPU), and the indices of advanced indexing (x[idx], x[idx] = v), though not the values written there.
+_CPU_ALLOWED = {"aten::copy_", "aten::_to_copy", "aten::tensor_split"}
+_INDICES_ALLOWED = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 
 
 class _CpuBesideMeta(Exception):
@@ -61,10 +61,13 @@ class _NoCpuBesideMeta(TorchDispatchMode):
     the like take a CPU index beside meta inputs, where CUDA raises): every operation is checked here."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        tensors = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
-        if func._schema.name not in _CPU_ALLOWED and any(t.device.type == "meta" for t in tensors) \
+        name = func._schema.name
+        # the second argument of an indexing operation is its indices, which may stay on the CPU
+        checked = (args[:1] + args[2:]) if name in _INDICES_ALLOWED else args
+        tensors = [t for t in tree_flatten((checked, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+        if name not in _CPU_ALLOWED and any(t.device.type == "meta" for t in tensors) \
                 and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors):
-            raise _CpuBesideMeta(func._schema.name)
+            raise _CpuBesideMeta(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -101,9 +104,15 @@ def module_on_meta(module: nn.Module) -> nn.Module | None:
         return None
 
 
-def probe_module(model: nn.Module, x: torch.Tensor, what: str) -> None:
+def probe_module(model: nn.Module, x: torch.Tensor, what: str, cache: Callable[[], Any] | None = None) -> None:
     """The student's module, copied to meta, on ``x`` there (a module that cannot be copied or moved is
-    inconclusive)."""
+    inconclusive); with ``cache`` (a new, empty cache each call), also a prompt and then one token with a cache,
+    since a branch taken only then may make its tensors on the CPU."""
     moved = module_on_meta(model)
-    if moved is not None:
-        probe(lambda: moved(meta(x)), what)
+    if moved is None:
+        return
+    probe(lambda: moved(meta(x)), what)
+    if cache is not None and x.shape[1] > 1:
+        held = cache()
+        probe(lambda: (moved(meta(x[:, :-1]), held), moved(meta(x[:, -1:]), held))[-1],
+              f"{what}, the prompt then one token with a KV cache")

@@ -163,6 +163,9 @@ def _answers_as_before(run_candidate: Callable[[], Any], run_reference: Callable
                 again = _outputs(call(run_candidate, what=what))
             except Exception:  # noqa: BLE001 - inputs the moved values make invalid: the probes before judge
                 return None
+            # copies, both: a view of a leaf (split_heads returns one) moves back with the leaves just below
+            expected = None if expected is None else [e.detach().clone() for e in expected]
+            again = None if again is None else [a.detach().clone() for a in again]
     finally:
         with torch.no_grad():
             for leaf, value in zip(moved, saved):

@@ -52,8 +52,9 @@ def _windows_pair(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     def windows(ids: torch.Tensor, max_tokens: int, stride: int | None) -> torch.Tensor:
         what = _windows_what(len(ids), max_tokens, stride)
         result = as_values(fn(ids, max_tokens) if stride is None else fn(ids, max_tokens, stride=stride), 2)
-        if isinstance(result, torch.Tensor) and result.dim() == 3 and len(result) == 2:
-            result = tuple(result)   # the pair stacked, (2, num_windows, max_tokens): `x, y = ...` unpacks it alike
+        stacked = as_tensor(result)   # numpy's stack too
+        if isinstance(stacked, torch.Tensor) and stacked.dim() == 3 and len(stacked) == 2:
+            result = tuple(stacked)   # the pair stacked, (2, num_windows, max_tokens): `x, y = ...` unpacks it alike
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             fail("dtype" if result is not None else "shape",
                  f"{what} should return a pair (inputs, targets), but returned "

@@ -520,10 +520,12 @@ def check_rms_norm(cls: Any) -> str:
             "over the last axis.")
 
 
-def _module_probes(model: nn.Module, reference: nn.Module, x: torch.Tensor, what: str) -> None:
-    """One backward pass beside the reference's (every parameter must learn), then the module on meta."""
+def _module_probes(model: nn.Module, reference: nn.Module, x: torch.Tensor, what: str,
+                   cache: Callable[[], Any] | None = None) -> None:
+    """One backward pass beside the reference's (every parameter must learn), then the module on meta (with
+    ``cache``, its cached path too)."""
     check_module_gradients(model, reference, x, what=what)
-    probe_module(model, x, what)
+    probe_module(model, x, what, cache)
 
 
 # The magnitude probe: in one batch, rows from 1e-4 (eps = 1e-6 then outweighs the mean of the squares) to 1e15
@@ -1184,7 +1186,7 @@ def _check(cls: Any) -> str:
     x = torch.randn(2, 5, EMBED_DIM, generator=generator)
     # grouped-query (2 key/value heads): every projection learns, and the module stays on its device
     _module_probes(built.model, built.reference, x, f"GroupedQueryAttention({built.label}) on x of shape "
-                                                    f"{shape_str(x.shape)}")
+                                                    f"{shape_str(x.shape)}", cache=lambda: KVCache(MAX_TOKENS))
     kv_heads, theta, extra = CONFIGS[1]
 
     def build() -> tuple[nn.Module, nn.Module]:

@@ -161,12 +161,13 @@ def judge(exercise: FunctionExercise, fn: Any) -> str:
 
 
 def _on_meta(exercise: FunctionExercise, fn: Any) -> None:
-    """The device probe: the first case again with its tensors on the meta device (free to run), where a tensor
-    the code made on the CPU, or a result moved there, shows. Cases without a tensor have no device to follow."""
-    case = next(iter(exercise.cases()))
-    if any(isinstance(a, torch.Tensor) for a in case.args):
-        args = [meta(a) if isinstance(a, torch.Tensor) else a for a in case.args]
-        probe_device(lambda: fn(*args), case.what)
+    """The device probe: every case again with its tensors on the meta device (free to run), where a tensor the
+    code made on the CPU, or a result moved there, shows; every case, since a branch (an offset, a cache) may
+    make one only on some. Cases without a tensor have no device to follow."""
+    for case in exercise.cases():
+        if any(isinstance(a, torch.Tensor) for a in case.args):
+            args = [meta(a) if isinstance(a, torch.Tensor) else a for a in case.args]
+            probe_device(lambda args=args: fn(*args), case.what)
 
 
 def _at_magnitude(exercise: FunctionExercise, case: Case, fn: Any, runs: list[Run]) -> None:
