@@ -12,6 +12,10 @@ equal (compared by identity now), ``threading.gettrace`` rebound (the grader's g
 import), and a gc callback that removed itself after rewriting the checker's result (the collector is put back
 after every call into the student's code). tqdm's monitor thread made honest code ``patched``: it is off.
 
+A fifteenth attack wrote a verdict into the worker's pipe with the token it found in a frame's locals, and swapped
+the verdict in the list from a signal handler rung by a timer: frames and gc.get_objects are refused to the
+student's code (and to inspect and traceback when it asks), and signal handlers and timers are hooks too.
+
 An honest definition written as ``name = lambda ...`` was "missing"; it is a definition.
 """
 from __future__ import annotations
@@ -89,9 +93,21 @@ ATTACKS = {
     **{name: _FORGE + _REWRITE + code + "def causal_mask(n):\n    _install()\n" + _WRONG
        for name, code in _DURING_CHECK.items()},
 }
+# a fifteenth attack: a signal handler that a repeating timer rings, swapping the verdict in the list
+_AT_DEFINITION["signal-timer"] = ("import signal\ndef _install():\n    signal.signal(signal.SIGALRM, lambda *_: _forge())\n"
+                                  "    signal.setitimer(signal.ITIMER_REAL, 2e-4, 2e-4)\n")
+ATTACKS["signal-timer"] = _FORGE + _REWRITE + _AT_DEFINITION["signal-timer"] + "def causal_mask(n, _i=_install()):\n" + _WRONG
+# and frames, the way to the grader's records (the worker's pipe and its token among them): refused to the student
+INTROSPECTION = {
+    "sys._getframe": "import sys\ndef causal_mask(n, _f=sys._getframe()):\n" + _WRONG,
+    "inspect.currentframe": "import inspect\ndef causal_mask(n):\n    inspect.currentframe().f_back\n" + _WRONG,
+    "a traceback's frame": ("def causal_mask(n):\n    try:\n        raise ValueError\n    except ValueError as e:\n"
+                            "        e.__traceback__.tb_frame.f_back\n" + _WRONG),
+    "gc.get_objects": "import gc\ndef causal_mask(n, _o=gc.get_objects()):\n" + _WRONG,
+}
 # the thread last: nothing stops a thread once started, and it goes on forging in this process
 ORDER = ["gc-callback", "profiler", "audit-hook", "profiler-equal-to-anything", "threading-gettrace-rebound",
-         "gc-callback-removing-itself", "thread"]
+         "gc-callback-removing-itself", "signal-timer", "thread"]
 # honest code that starts a library's thread: tqdm's monitor is off while grading
 PROGRESS_BAR = ("from tqdm import tqdm\n\ndef causal_mask(n, device=None):\n"
                 "    rows = [torch.arange(n, device=device) <= i for i in tqdm(range(n))]\n"
@@ -109,12 +125,17 @@ def test_code_left_to_run_unasked_is_patched_never_a_forged_pass(tmp_path):
               "course_namespace()\n"
               "bind_references(checkers_too=True)\n"
               f"sandbox.enter({str(tmp_path)!r}, [], memory_mb=None, cpu_seconds=None)\n"
-              f"verdicts = [judge(plan, source) for source in {[PROGRESS_BAR] + [ATTACKS[name] for name in ORDER]!r}]\n"
+              f"verdicts = [judge(plan, source) for source in "
+              f"{[PROGRESS_BAR, *INTROSPECTION.values()] + [ATTACKS[name] for name in ORDER]!r}]\n"
               "open('verdicts.json', 'w').write(json.dumps(verdicts))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     honest, *verdicts = json.loads((tmp_path / "verdicts.json").read_text())
     assert honest["passed"], honest
+    for name, verdict in zip(INTROSPECTION, verdicts):
+        assert (verdict["passed"], verdict["diagnosis"]) == (False, "exception"), (name, verdict)
+        assert "sandbox does not allow frames" in verdict["message"], (name, verdict)
+    verdicts = verdicts[len(INTROSPECTION):]
     for name, verdict in zip(ORDER, verdicts):
         # refused where it was set (the audit hook: never added, so the wrong mask fails as itself) or patched
         assert not verdict["passed"] and verdict["diagnosis"] in ("patched", "causal_mask"), (name, verdict)

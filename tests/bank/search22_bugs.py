@@ -190,3 +190,49 @@ class GQAMaskOnTheCpuOnlyWithACache(_GivenGQA):
 def windows_stacked_by_numpy(ids, max_tokens):
     chunks = ids.unfold(0, max_tokens + 1, max_tokens).numpy()
     return np.stack([chunks[:, :-1], chunks[:, 1:]])
+
+
+# ============================================================================ the twenty-fourth search, across exercises
+
+@bug("9.5", "precision", "lower precision")
+def repeat_kv_through_half(x, groups):   # copies of x's heads, each rounded to float16 on the way
+    return x.half().to(x.dtype).repeat_interleave(groups, dim=1)
+
+
+@bug("9.5", "precision", "whole numbers")
+def repeat_kv_rounded(x, groups):
+    return x.round().repeat_interleave(groups, dim=1)
+
+
+@bug("5.2", "precision", "lower precision", avoids=("keeps something",))
+def loss_of_bfloat16_logits(logits, targets):   # rounded logits: off by a rounding's size, nothing kept
+    return F.cross_entropy(logits.bfloat16().to(logits.dtype).flatten(0, 1), targets.flatten())
+
+
+class _GQAWithMask(_GivenGQA):
+    """Notebook 09's layer with the mask left to ``mask(start, total, x)``: the slips below differ only there."""
+
+    def forward(self, x, cache=None):
+        start = 0 if cache is None else cache.length
+        q = apply_rotary(split_heads(self.query(x), self.num_heads), self.rope_cos, self.rope_sin, offset=start)
+        k = apply_rotary(split_heads(self.key(x), self.num_kv_heads), self.rope_cos, self.rope_sin, offset=start)
+        v = split_heads(self.value(x), self.num_kv_heads)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        mask = self.mask(start, start + x.shape[1], x)
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, self.groups), repeat_kv(v, self.groups), attn_mask=mask)
+        return self.proj(merge_heads(out))
+
+
+@bug("9.6", "device", "created on the cpu")
+class GQAMaskOnTheCpuForLongInputs(_GQAWithMask):
+    def mask(self, start, total, x):
+        rows = causal_mask(total)[start:total]
+        return rows if total > 6 else rows.to(x.device)   # made on the CPU once the sequence is long
+
+
+@bug("9.6", "device", "training mode")
+class GQAMaskOnTheCpuInTraining(_GQAWithMask):
+    def mask(self, start, total, x):
+        rows = causal_mask(total)[start:total]
+        return rows if self.training else rows.to(x.device)

@@ -113,6 +113,13 @@ def probe_module(model: nn.Module, x: torch.Tensor, what: str, cache: Callable[[
         return
     probe(lambda: moved(meta(x)), what)
     if cache is not None and x.shape[1] > 1:
-        held = cache()
-        probe(lambda: (moved(meta(x[:, :-1]), held), moved(meta(x[:, -1:]), held))[-1],
-              f"{what}, the prompt then one token with a KV cache")
+        for split in sorted({1, x.shape[1] // 2, x.shape[1] - 1}):   # a prompt, then a chunk or one token
+            held = cache()
+            probe(lambda held=held, split=split: (moved(meta(x[:, :split]), held), moved(meta(x[:, split:]), held)),
+                  f"{what}, the first {split} tokens then the rest with a KV cache")
+    if moved.training is False:   # a branch taken only in training mode (dropout's)
+        try:
+            moved.train()
+        except Exception:  # noqa: BLE001 - a module whose train() fails is judged elsewhere
+            return
+        probe(lambda: moved(meta(x)), f"{what} in training mode")

@@ -364,6 +364,23 @@ def tolerance(*tensors: torch.Tensor) -> tuple[float, float]:
     return rtol, rtol / 10
 
 
+_ROUNDINGS = (("round", torch.round), ("trunc", torch.trunc), ("floor", torch.floor), ("ceil", torch.ceil))
+
+
+def rounding_of(got: torch.Tensor, wanted: torch.Tensor) -> str | None:
+    """How ``got`` holds ``wanted``'s numbers rounded, both sorted (an exercise that only moves numbers about):
+    "rounds them to whole numbers (...)", "computes in a lower precision (...)", or None when it does not."""
+    got, wanted = got.detach().double().flatten().sort().values, wanted.detach().double().flatten().sort().values
+    if got.shape != wanted.shape:
+        return None
+    rounded = [f".{name}()" for name, rounding in _ROUNDINGS if torch.equal(got, rounding(wanted))]
+    if rounded:   # each rounding is monotone: the rounded numbers come in the same order
+        return f"rounds them to whole numbers ({', '.join(rounded)}, or a detour through an integer dtype)"
+    if torch.allclose(got, wanted, rtol=1e-2, atol=1e-2):
+        return "computes in a lower precision (.half(), .bfloat16(), .float() on float64 inputs)"
+    return None
+
+
 def close(a: object, b: object, *, nan_ok: bool = False) -> bool:
     """Both tensors, same shape, same numbers up to :func:`tolerance` (NaN matches NaN only when ``nan_ok``)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:

@@ -17,7 +17,7 @@ from ..exercises import Mistake
 from ..verdict import fail
 from ._attn_hypotheses import merge_heads_as, split_heads_as
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, check_other_shape, module_check
-from ._student_code import expect_callable
+from ._student_code import expect_callable, rounding_of
 from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.function import Run
 
@@ -36,9 +36,6 @@ def _distinct(*shape: int) -> torch.Tensor:
     return _arange(*shape) + 1 / 3
 
 
-_ROUNDINGS = (("round", torch.round), ("trunc", torch.trunc), ("floor", torch.floor), ("ceil", torch.ceil))
-
-
 def _rearranged(purpose: str) -> Callable[[list[Run], Any], None]:
     """After the known layouts: the same numbers in other places are heads split wrongly, x's numbers rounded
     are a precision loss, others a mismatch."""
@@ -48,13 +45,8 @@ def _rearranged(purpose: str) -> Callable[[list[Run], Any], None]:
         got, wanted = run.out.flatten().sort().values, x.flatten().sort().values
         if torch.equal(got, wanted):
             fail("head_split", f"{run.case.what}: the right numbers end up in the wrong places. {purpose}")
-        # each a rounding, monotone: x's numbers rounded are the rounded numbers, in the same order
-        rounded = [name for name, rounding in _ROUNDINGS if torch.equal(got.double(), rounding(wanted.double()))]
-        if rounded or (got.is_floating_point() and torch.allclose(got.double(), wanted.double(), rtol=1e-2,
-                                                                  atol=1e-2)):
-            how = (f"rounds them to whole numbers ({', '.join(f'.{name}()' for name in rounded)}, or a detour "
-                   f"through an integer dtype)" if rounded
-                   else "computes in a lower precision (.half(), .bfloat16(), .float() on float64 inputs)")
+        how = rounding_of(run.out, x)
+        if how:
             fail("precision", f"{run.case.what}: your output holds x's numbers rounded (x holds 0.333..., 1.333..., "
                               f"...): something on the way {how}. Only rearrange x, in its dtype.")
         fail("mismatch", f"{run.case.what}: your output holds different numbers from x; {purpose}")

@@ -37,6 +37,7 @@ from ._student_code import (
     expect_tensor,
     max_diff,
     reraise_with,
+    rounding_of,
 )
 from ._student_files import is_student_file
 from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, function_example, judge, module_example
@@ -687,9 +688,11 @@ def check_swiglu(cls: Any) -> str:
 # ============================================================================ 9.5 repeat_kv
 
 def _numbered(shape: tuple[int, ...], contiguous: bool) -> torch.Tensor:
-    """0, 1, 2, ... so every entry has one place; non-contiguous like split_heads' output when asked."""
+    """0, 1, 2, ... plus a third, so every entry has one place and none survives a rounding (whole numbers this
+    small survive float16); non-contiguous like split_heads' output when asked."""
     n, heads, length, head_dim = shape
     x = torch.arange(float(n * heads * length * head_dim)).reshape(n, length, heads, head_dim).transpose(1, 2)
+    x = x + 1 / 3
     return x.contiguous() if contiguous else x                                  # (N, kv_heads, L, head_dim)
 
 
@@ -721,6 +724,10 @@ def _misplaced(runs: list[Run], fn: Any) -> None:
     if torch.equal(run.out.flatten().sort().values, run.expected.flatten().sort().values):
         fail("kv_grouping", f"{run.case.what}: the right numbers in the wrong places. Output head h must be "
                             f"key/value head h // groups, each head repeated `groups` times in a row.")
+    how = rounding_of(run.out, run.expected)
+    if how:
+        fail("precision", f"{run.case.what}: your output holds x's numbers rounded (x holds 0.333..., 1.333..., "
+                          f"...): something on the way {how}. Only copy x's heads, in its dtype.")
 
 
 REPEAT_KV = FunctionExercise(
@@ -1183,7 +1190,7 @@ def _check(cls: Any) -> str:
     optional = [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
     built = [_check_configs(cls, configs, generator) for configs in (CONFIGS, optional) if configs][0][1]
     _check_other_width(cls, torch.Generator().manual_seed(24))
-    x = torch.randn(2, 5, EMBED_DIM, generator=generator)
+    x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=generator)   # the whole context: a branch for long inputs
     # grouped-query (2 key/value heads): every projection learns, and the module stays on its device
     _module_probes(built.model, built.reference, x, f"GroupedQueryAttention({built.label}) on x of shape "
                                                     f"{shape_str(x.shape)}", cache=lambda: KVCache(MAX_TOKENS))

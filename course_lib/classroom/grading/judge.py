@@ -11,6 +11,7 @@ from __future__ import annotations
 import _thread
 import gc
 import importlib.util
+import signal
 import sys
 import threading
 import types
@@ -123,23 +124,32 @@ _GC_CALLBACKS, _GC_THRESHOLD, _SET_GC_THRESHOLD = gc.callbacks, gc.get_threshold
 _GC_ENABLED, _GC_ENABLE, _GC_DISABLE = gc.isenabled, gc.enable, gc.disable
 _SWITCH_INTERVAL, _SET_SWITCH_INTERVAL, _THREADS = sys.getswitchinterval, sys.setswitchinterval, _thread._count
 _GETFRAME = sys._getframe
+# Signal handlers run between any two bytecodes, and interval timers make them ring on their own.
+_GETSIGNAL, _SETSIGNAL = signal.getsignal, signal.signal
+_GETITIMER, _SETITIMER = getattr(signal, "getitimer", None), getattr(signal, "setitimer", None)
+_SIGNALS = tuple(getattr(signal, name) for name in ("SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2", "SIGIO")
+                 if hasattr(signal, name))
+_TIMERS = tuple(getattr(signal, name) for name in ("ITIMER_REAL", "ITIMER_VIRTUAL", "ITIMER_PROF")
+                if hasattr(signal, name)) if _GETITIMER else ()
 
 
 def _hooks() -> Hooks:
     """Every way code runs later without being called: trace and profile functions (this thread's and those
     new threads get), the garbage collector's callbacks and thresholds (a callback runs at every collection),
-    the switch interval, and the threads alive (``_thread`` counts those ``threading`` does not see)."""
+    the switch interval, the threads alive (``_thread`` counts those ``threading`` does not see), the handlers of
+    the signals a timer or the process itself can send, and the interval timers (as floats: none runs)."""
     return (_GETTRACE(), _GETPROFILE(), _THREADING_HOOKS[0](), _THREADING_HOOKS[1](), tuple(_GC_CALLBACKS),
-            _GC_THRESHOLD(), _GC_ENABLED(), _SWITCH_INTERVAL(), _THREADS())
+            _GC_THRESHOLD(), _GC_ENABLED(), _SWITCH_INTERVAL(), _THREADS(),
+            tuple(_GETSIGNAL(number) for number in _SIGNALS), tuple(float(_GETITIMER(t)[0]) for t in _TIMERS))
 
 
 def _changed(now: Hooks, clean: Hooks) -> bool:
     """Whether anything differs from ``clean``, each object by identity: a student's hook may define ``__eq__``
     to equal anything, so ``!=`` would run its code and believe it."""
-    functions = [*now[:4], *now[4]], [*clean[:4], *clean[4]]
+    functions = [*now[:4], *now[4], *now[9]], [*clean[:4], *clean[4], *clean[9]]
     return len(functions[0]) != len(functions[1]) or any(a is not b for a, b in zip(*functions)) \
         or tuple(map(int, now[5])) != tuple(map(int, clean[5])) or bool(now[6]) is not bool(clean[6]) \
-        or float(now[7]) != float(clean[7]) or int(now[8]) != int(clean[8])
+        or float(now[7]) != float(clean[7]) or int(now[8]) != int(clean[8]) or now[10] != clean[10]
 
 
 def _raised_in_student_code(exc: BaseException) -> bool:
@@ -174,6 +184,11 @@ def _restore(clean: Hooks) -> None:
     _SET_GC_THRESHOLD(*clean[5])
     (_GC_ENABLE if clean[6] else _GC_DISABLE)()
     _SET_SWITCH_INTERVAL(clean[7])
+    for timer in _TIMERS:   # first the timers, so that no handler rings while they are put back
+        _SETITIMER(timer, 0)
+    for number, handler in zip(_SIGNALS, clean[9]):
+        if handler is not None:   # None: a handler not set from Python, which Python cannot put back
+            _SETSIGNAL(number, handler)
 
 
 def _tampered(held: list[tuple[Callable[[], Any], Any]], verdicts: list[CheckResult]) -> bool:
@@ -195,8 +210,8 @@ def _tampered(held: list[tuple[Callable[[], Any], Any]], verdicts: list[CheckRes
 
 _TAMPERED = ("Your code changed the grader's record of the checks (the `checks` object or the name `checks`, its "
              "functions or what they hold) or left code to run unasked over the grader's own (a trace or profile "
-             "function, a garbage collector's callback or threshold, a thread still running), so no verdict of "
-             "this exercise can be trusted.")
+             "function, a garbage collector's callback or threshold, a thread still running, a signal handler or "
+             "timer), so no verdict of this exercise can be trusted.")
 
 
 def _verdict(exercise: str, passed: bool, diagnosis: str | None, message: str) -> dict[str, Any]:

@@ -56,6 +56,13 @@ _REFUSED_EVENTS = {
     # audit hook at every audited event, and none can be removed (Python drops the new hook when this refuses)
     "sys.settrace": "trace functions (sys.settrace)", "sys.addaudithook": "audit hooks (sys.addaudithook)",
 }
+# Ways to a frame or to every object in memory. From there a submission reaches the grader's own state (the
+# verdicts, the pipe and its token) through f_back and f_locals, which no event audits: refused when the student's
+# code asks, or asks through a library that hands frames back (inspect.currentframe, inspect.stack).
+_INTROSPECTION_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "gc.get_objects", "gc.get_referrers",
+                                   "gc.get_referents"})
+_FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+_FRAME_HANDING_MODULES = ("inspect.py", "traceback.py")
 # Events whose first argument (or first two) is a path that is changed.
 _WRITE_PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1,
                       "os.utime": 1, "os.truncate": 1, "os.chflags": 1, "os.lchflags": 1, "os.setxattr": 1,
@@ -163,6 +170,30 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
     # the modules whose unaudited functions _close_unaudited_ways replaces: imported afresh they are whole again
     closed_modules = frozenset(module for module, _, _ in _UNAUDITED_WAYS) - {"os", "signal"}   # pure Python
 
+    from ..checks._student_files import is_student_file
+    getframe, student_files, asking = sys._getframe, {}, [False]
+
+    def students(filename: str) -> bool:
+        known = student_files.get(filename)
+        if known is None:
+            known = student_files[filename] = is_student_file(filename)
+        return known
+
+    def introspected_by_student() -> bool:
+        """Whether the code that raised this event is the student's, or a frame-handing library they called."""
+        if asking[0]:   # the getframe below raises this event too
+            return False
+        asking[0] = True
+        try:
+            caller = getframe(2)   # 0: this function, 1: the hook, 2: the code that asked
+        finally:
+            asking[0] = False
+        # past inspect's and traceback's own frames, to the code that called them: the student's, or a library's
+        # (torch's lazy CUDA set-up formats the stack; the course's checks read tracebacks)
+        while caller is not None and caller.f_code.co_filename.endswith(_FRAME_HANDING_MODULES):
+            caller = caller.f_back
+        return caller is not None and students(caller.f_code.co_filename)
+
     def inside(path: str, roots: tuple[str, ...]) -> bool:
         return any(path == root or path.startswith(root + os.sep) for root in roots)
 
@@ -218,6 +249,10 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
                 refuse(f"signalling process group {target}: a submission may only signal itself")
         elif event in refused_events:
             refuse(next(words for name, words in refused_words if name == event))
+        elif (event in _INTROSPECTION_EVENTS or (event == "object.__getattr__" and len(args) > 1
+                                                 and args[1] in _FRAME_ATTRIBUTES)) and introspected_by_student():
+            refuse("frames or the objects in memory (sys._getframe, inspect.currentframe, a traceback's tb_frame, "
+                   "gc.get_objects): they lead to the grader's own records")
         elif event == "import" and args and args[0] in closed_modules:
             refuse(f"importing {args[0]} again (its functions go past this sandbox's audit)")
         elif event == "import" and args and args[0].partition(".")[0] in _UNAUDITED_PACKAGES:
