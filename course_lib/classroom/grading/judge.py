@@ -152,12 +152,16 @@ def _changed(now: Hooks, clean: Hooks) -> bool:
         or float(now[7]) != float(clean[7]) or int(now[8]) != int(clean[8]) or now[10] != clean[10]
 
 
+_CHECK_CELL = "<course check of exercise "   # the file name the course's check cell runs under: not the student's
+
+
 def _raised_in_student_code(exc: BaseException) -> bool:
     """Whether the exception that reached the grader's own code came through a frame of the student's: code of
     theirs ran where only the grader's should (a trace function, a finalizer), and what it did is not to trust."""
     tb = exc.__traceback__
     while tb is not None:
-        if is_student_file(tb.tb_frame.f_code.co_filename):
+        name = tb.tb_frame.f_code.co_filename
+        if is_student_file(name) and not name.startswith(_CHECK_CELL):
             return True
         tb = tb.tb_next
     return False
@@ -287,7 +291,7 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], recorder: Rec
     cell = dict(namespace)
     error = None
     try:
-        exec(compile(plan.check, f"<course check of exercise {plan.id}>", "exec"), cell)
+        exec(compile(plan.check, f"{_CHECK_CELL}{plan.id}>", "exec"), cell)
     except BaseException as exc:  # 1.1's cell calls the student's my_prediction() itself; 8.1's parts train here
         error = exc
     traced = _changed(_hooks(), clean)   # first: no function of the student's runs past here
