@@ -106,8 +106,9 @@ def module_on_meta(module: nn.Module) -> nn.Module | None:
 
 def probe_module(model: nn.Module, x: torch.Tensor, what: str, cache: Callable[[], Any] | None = None) -> None:
     """The student's module, copied to meta, on ``x`` there (a module that cannot be copied or moved is
-    inconclusive); with ``cache`` (a new, empty cache each call), also a prompt and then one token with a cache,
-    since a branch taken only then may make its tensors on the CPU."""
+    inconclusive), then in training mode; with ``cache`` (a new, empty cache each call), also ``x`` split into a
+    prompt and the rest three ways, a token, half or all but one token first: a branch taken only with a cache,
+    a chunk, or in training mode may make its tensors on the CPU."""
     moved = module_on_meta(model)
     if moved is None:
         return
