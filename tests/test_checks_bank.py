@@ -21,10 +21,12 @@ from bank import (
     model_bugs,
     modern_bugs,
     pairs_bugs,
+    precision_bugs,
     probe_bugs,
     scale_bugs,
     search19_bugs,
     search22_bugs,
+    search25_bugs,
     search_bugs,
     state_bugs,
     text_bugs,
@@ -36,7 +38,8 @@ from course_lib.classroom.checks.engine import PROBES, FunctionExercise, run
 from course_lib.classroom.exercises import BY_ID, EXERCISES
 
 BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs, probe_bugs, search_bugs,
-         search19_bugs, search22_bugs, scale_bugs, learning_bugs, state_bugs, pairs_bugs, contract_bugs, text_bugs)
+         search19_bugs, search22_bugs, scale_bugs, learning_bugs, state_bugs, pairs_bugs, contract_bugs, text_bugs,
+         precision_bugs, search25_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
 

@@ -66,7 +66,7 @@ def test_each_case_quotes_the_case_unless_told_not_to():
     assert _verdict(_double(each_case=True), lambda x: 3 * x) == ("scale", "double(x): tripled")
     assert _verdict(_double(each_case=True, quote=False), lambda x: 3 * x) == ("scale", "tripled")
     # without a known mistake the mismatch message is the exercise's own, quote or not
-    assert _verdict(_double(each_case=True, quote=False), lambda x: 5 * x) == ("mismatch", "double(x) is wrong")
+    assert _verdict(_double(each_case=True, quote=False), lambda x: 5 * x + 1) == ("mismatch", "double(x) is wrong")
 
 
 def test_first_mistake_names_the_first_that_reproduces_and_passes_over_those_that_do_not_apply():
@@ -116,3 +116,17 @@ def test_wrong_outputs_before_a_call_that_raises_are_named_before_the_exception(
         raise IndexError("index 1 is out of bounds")
 
     assert _verdict(exercise, raises_first)[0] == "exception" and reworded == ["double(x)"]
+
+
+def test_an_output_exactly_a_multiple_of_the_reference_names_the_factor():
+    """No mistake of the table explains it, yet 8x for 2x is a factor the message can name (a sum for a mean)."""
+    diagnosis, message = _verdict(_double(), lambda x: 8 * x)
+    assert diagnosis == "scale" and "exactly 4 times the reference's" in message
+    assert _verdict(_double(), lambda x: x / 2)[1].count("1/4 of the reference's") == 1
+
+
+def test_a_result_kept_from_an_earlier_call_is_kept_state():
+    """Right on every case, then wrong on the same tensor holding other numbers: a cache keyed on the shape."""
+    kept: dict = {}
+    diagnosis, message = _verdict(_double(), lambda x: kept.setdefault(tuple(x.shape), 2 * x))
+    assert diagnosis == "kept_state" and "same shapes but other numbers" in message

@@ -41,7 +41,7 @@ DIAGNOSES = (
     "rope_axes",         # RoPE applied on the wrong axes: before the head split, or along the head axis
     "rope_missing",      # RoPE left out on the queries, the keys, or both
     "rotated_values",    # RoPE applied to the values too (only queries and keys turn)
-    "epsilon",           # RMSNorm's epsilon forgotten, outside the square root, or not self.eps
+    "epsilon",           # a norm's epsilon forgotten, outside the square root, not self.eps, or another value
     "norm_weight",       # a norm's learned weight forgotten or applied the wrong way (added, 1 + weight)
     "norm_statistic",    # RMSNorm divides by the wrong statistic: centred, a plain norm, over the wrong axis
     "gating",            # SwiGLU's gate is wrong: SiLU on the wrong branch, no gate, another activation

@@ -67,7 +67,7 @@ def merge_with_a_cpu_gather(x):
 
 # ============================================================================ 2.2: a softmax in half precision
 
-@bug("2.2", "mismatch", "lower precision", avoids=("merging the heads",))
+@bug("2.2", "precision", "half precision", avoids=("merging the heads",))
 class MaskedSoftmaxInHalf(MaskedAttention):
     def forward(self, x):
         length = x.shape[1]

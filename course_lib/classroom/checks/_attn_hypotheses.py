@@ -14,7 +14,7 @@ import torch
 
 from ..exercises import Mistake
 from ..verdict import fail
-from ._student_code import close, matches, max_diff, sums_to_one
+from ._student_code import close, coarse_precision, matches, max_diff, sums_to_one
 
 NEG_INF = float("-inf")
 
@@ -58,6 +58,8 @@ def sdpa_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     """scaled_dot_product_attention with the mistakes in ``spec`` (scale, softmax_dim, mask, fill)."""
     mode = spec.get("scale", "sqrt")
     allowed = None if mask is None else {"ignored": None, "inverted": ~mask}.get(spec.get("mask"), mask)
+    if mask is None and spec.get("mask") == "causal_by_default":   # (Lq, Lk): is_causal's top-left triangle
+        allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     return attend(q, k, v, allowed, scale=scale_factor(mode, q.shape[-1]), scale_after=mode == "after",
                   softmax_dim=spec.get("softmax_dim", -1), fill=spec.get("fill", "-inf"))
 
@@ -164,7 +166,10 @@ SDPA_HYPOTHESES: tuple[Mistake, ...] = (
         "ignored": "Your function ignores `mask`: keys where the mask is False still get weight. Set their scores "
                    "to -inf before the softmax.",
         "inverted": "Your mask is applied the wrong way round: you hide the keys where the mask is True. In this "
-                    "course True means 'may attend', so hide the positions where it is False."}),
+                    "course True means 'may attend', so hide the positions where it is False.",
+        "causal_by_default": "Without a mask your function still hides the future (a causal mask, is_causal=True or "
+                             "a tril of its own): mask=None means no mask at all, every query sees every key. "
+                             "Mask only where a mask is passed."}),
     Mistake("causal_mask", _FILL_ZERO, {"fill": "zero"}),
     Mistake("normalization", _POST, {"fill": "post"}),
 )
@@ -273,6 +278,18 @@ def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch
     """
     if not torch.isfinite(weights).all():
         return
+    full = torch.ones_like(weights, dtype=torch.bool) if allowed is None else allowed.expand_as(weights)
+    expected = (scores * expected_scale).masked_fill(~full, float("-inf")).softmax(-1)
+    seen = full.any(-1)   # a query with no key to see has no weights to compare
+    factor = fit_scale(weights, scores, full)
+    wrong_scale = factor is not None and abs(factor - expected_scale) > 1e-2 * expected_scale
+    # Before any structural verdict: weights right to a rounding's size (a row then sums to 1.002) are no
+    # mistake of structure, and a clean wrong factor is a scale however small.
+    if not wrong_scale and coarse_precision(weights[seen], expected[seen]):
+        fail("precision", f"Read back, your attention weights are the reference's to about three significant "
+                          f"digits (off by up to {max_diff(weights[seen], expected[seen]):.3g}): part of your "
+                          f"computation runs in a lower precision or rounds (.half(), torch.bfloat16, an "
+                          f"autocast, a .round()). Keep the inputs' dtype throughout.")
     if not sums_to_one(weights, -1):
         for dim in range(weights.dim() - 1):
             if weights.shape[dim] > 1 and sums_to_one(weights, dim):
@@ -297,9 +314,7 @@ def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch
                                 f"their scores are not -inf. Check which positions you fill (mask False means "
                                 f"hidden), and that nothing after the fill (a clamp, an addition) changes them; "
                                 f"their weight must be exactly zero.")
-    full = torch.ones_like(weights, dtype=torch.bool) if allowed is None else allowed.expand_as(weights)
-    factor = fit_scale(weights, scores, full)
-    if factor is not None and abs(factor - expected_scale) > 1e-2 * expected_scale:
+    if wrong_scale:
         what = ("no scaling at all" if abs(factor - 1) < 1e-2 else f"a factor of {factor:.4g}")
         fail("scale", f"Your weights are a softmax of the scores with {what}; the expected factor is "
                       f"{scale_name} = {expected_scale:.4g}. Check how (and where) you scale the scores.")
@@ -310,8 +325,6 @@ def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch
                          f"query should spread its weight over the keys it may see: the softmax of {scores_name} "
                          f"times {scale_name}.")
     # A distribution over the right keys can still weigh them wrongly: the scores themselves are wrong.
-    expected = (scores * expected_scale).masked_fill(~full, float("-inf")).softmax(-1)
-    seen = full.any(-1)   # a query with no key to see has no weights to compare
     if not close(weights[seen], expected[seen]):
         fail("mismatch", f"Your attention weights are a distribution over the keys each query may see, but not "
                          f"the softmax of the scores {scores_name} times {scale_name} (off by up to "

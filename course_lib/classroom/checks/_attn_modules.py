@@ -13,8 +13,10 @@ from ._attn_hypotheses import MODULE_HYPOTHESES, diagnose_weights, module_varian
 from ._gradients import check_module_gradients
 from ._model_common import copy_weights, same_when_called_twice
 from ._student_code import (
+    HALF_PRECISION,
     call,
     close,
+    coarse_precision,
     construct,
     expect_finite,
     expect_parameters,
@@ -187,6 +189,9 @@ class ModuleCheck:
                                 f"mask must be cut to the current sequence length, its top-left L x L corner.")
         for run in self.runs:
             expect_finite(run.out, run.what)
+        # Right to a rounding's size everywhere: a lower precision, before any probe compares two roundings.
+        if all(coarse_precision(run.out, run.expected) for run in bad):
+            fail("precision", f"{bad[0].what}: {HALF_PRECISION} (Off by up to {max_diff(bad[0].out, bad[0].expected):.3g}.)")
 
         # Rows never mix: each sequence of a batch gives what it gives alone. This comes before the future,
         # since a reshape that mixes rows also "leaks" positions.

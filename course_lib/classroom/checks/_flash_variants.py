@@ -15,26 +15,6 @@ from ._student_code import close
 # ============================================================================ every exercise of the topic
 
 
-def coarse_precision(out: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Right to the rounding of half precision (float16, bfloat16: 3 significant digits or fewer) but not to the
-    inputs' own: part of the computation ran in a lower precision. Rounding makes magnitudes both grow and
-    shrink; a result whose magnitudes all move one way (scaled by 1.01) is a mistake, not its precision."""
-    if not isinstance(out, torch.Tensor) or out.shape != expected.shape or close(out, expected):
-        return False
-    got, want = out.detach().double(), expected.detach().double()
-    if not bool(torch.allclose(got, want, rtol=3e-2, atol=3e-3)):
-        return False
-    moved = (got - want).abs() > 1e-6 + 1e-4 * want.abs()                 # the entries rounding moved
-    outward = ((got - want) * want.sign())[moved]                          # > 0: the magnitude grew
-    above = float((outward > 0).double().mean()) if outward.numel() else 0.5
-    return 0.2 <= above <= 0.8
-
-
-PRECISION = ("your result is right to about three significant digits only: part of your computation runs in half "
-             "precision (.half(), torch.float16, torch.bfloat16, an autocast). Keep the inputs' dtype throughout "
-             "(create new tensors with dtype=x.dtype or torch.zeros_like).")
-
-
 def unwritten_rows(out: torch.Tensor, expected: torch.Tensor, block_q: int) -> str | None:
     """When only some query rows (axis -2) are wrong and every other row is right, what that says about the query
     loop's bounds (None otherwise). Such rows are usually never written: their numbers are whatever torch.empty
@@ -79,7 +59,7 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
     own dtype: whether exp overflows depends on it (float32 overflows past exp(88), underflows below -104).
     ``maximum``: "running" (right), "none" (nothing subtracted), "last" (this block's only), "zero" (a running
     maximum that starts at 0, not -inf), "shared" (one running maximum for all rows). ``rescale``: "ok",
-    "none" (never rescaled), "inverted" (exp(m_new - m_old)), "block" (by this block's own maximum), "after"
+    "none" (never rescaled), "inverted" (exp(m_new - m_old); "inverted_guarded": 0 while m is -inf), "block" (by this block's own maximum), "after"
     (the old sum and the new terms both rescaled), "new" (the new terms rescaled, the old sum not)."""
     m = torch.full(x.shape[:-1], 0.0 if maximum == "zero" else float("-inf"), dtype=x.dtype)
     total = torch.zeros(x.shape[:-1], dtype=x.dtype)
@@ -99,6 +79,7 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
                 m_new = torch.maximum(m, block.amax(-1))
             old = torch.where(torch.isinf(m) & torch.isinf(m_new), torch.zeros_like(m), m - m_new)
             factor = {"ok": torch.exp(old), "none": torch.ones_like(m), "inverted": torch.exp(-old),
+                      "inverted_guarded": torch.where(torch.isinf(m), torch.zeros_like(m), torch.exp(-old)),
                       "block": torch.exp(block.amax(-1) - m_new), "after": None, "new": None}[rescale]
             terms = torch.exp(block - m_new[..., None]).sum(-1)
             if rescale == "after":       # (l + new terms) * factor: the new terms shrunk too

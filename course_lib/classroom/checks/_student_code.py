@@ -381,6 +381,46 @@ def rounding_of(got: torch.Tensor, wanted: torch.Tensor) -> str | None:
     return None
 
 
+# A float64 pass (a float64 notebook, float64 inputs) meets float64 with float64: a reordering moves the two by
+# about 1e-15, a float32 step on the way (a float32 constant, 9.3's hint's x.float()) by up to ~1e-5 relative, and
+# a float16 or bfloat16 one by 5e-4 or more. 1e-4 keeps the first two right and tells the third, which
+# tolerance()'s floor cannot.
+_FLOAT64_RTOL = 1e-4
+
+
+def close_in_float64(a: object, b: torch.Tensor) -> bool:
+    """:func:`close`, at the float64 pass's tolerance where both are float64 tensors."""
+    if not isinstance(a, torch.Tensor) or a.dtype != torch.float64 or b.dtype != torch.float64 or a.shape != b.shape:
+        return close(a, b)
+    return bool(torch.allclose(a.detach().cpu(), b.detach().cpu(), rtol=_FLOAT64_RTOL, atol=_FLOAT64_RTOL / 10))
+
+
+def coarse_precision(out: object, expected: torch.Tensor) -> bool:
+    """Right to the rounding of half precision (float16, bfloat16: 3 significant digits or fewer) but not to the
+    inputs' own: part of the computation ran in a lower precision, or rounded. Rounding makes magnitudes both
+    grow and shrink; a result whose magnitudes all move one way (scaled by 1.01) is a mistake, not a rounding."""
+    if not isinstance(out, torch.Tensor) or out.shape != expected.shape or close(out, expected):
+        return False
+    got, want = out.detach().double().cpu(), expected.detach().double().cpu()
+    if not bool(torch.isfinite(got).all()):
+        return False
+    for digits in range(2, 7):   # rounded to a decimal grid: (x * 100).round() / 100, x.round(decimals=3)
+        grid = got * 10.0 ** digits
+        if bool(torch.allclose(grid, grid.round(), rtol=0, atol=1e-6)):
+            return bool((got - want).abs().max() <= 0.5 * 10.0 ** -digits + 1e-9)
+    if not bool(torch.allclose(got, want, rtol=3e-2, atol=3e-3)):
+        return False
+    moved = (got - want).abs() > 1e-6 + 1e-4 * want.abs()                 # the entries rounding moved
+    outward = ((got - want) * want.sign())[moved]                          # > 0: the magnitude grew
+    above = float((outward > 0).double().mean()) if outward.numel() else 0.5
+    return 0.2 <= above <= 0.8
+
+
+HALF_PRECISION = ("your result is right to about three significant digits only: part of your computation runs in "
+                  "half precision or rounds (.half(), torch.float16, torch.bfloat16, an autocast, a .round()). "
+                  "Keep the inputs' dtype throughout (create new tensors with dtype=x.dtype or torch.zeros_like).")
+
+
 def close(a: object, b: object, *, nan_ok: bool = False) -> bool:
     """Both tensors, same shape, same numbers up to :func:`tolerance` (NaN matches NaN only when ``nan_ok``)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:

@@ -21,7 +21,17 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._attn_hypotheses import SDPA_HYPOTHESES, diagnose_weights, identity_values, sdpa_variant, shape_str
 from ._counterexample import Example
-from ._student_code import call, call_student, close, expect_finite, expect_tensor, max_diff, reraise_with
+from ._student_code import (
+    HALF_PRECISION,
+    call,
+    call_student,
+    close,
+    coarse_precision,
+    expect_finite,
+    expect_tensor,
+    max_diff,
+    reraise_with,
+)
 from ._student_files import value_text
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import SEEDS, tiny
@@ -362,6 +372,9 @@ def _sdpa_diagnose(runs: list[Run], fn: Any) -> None:
             probed = True
     run = next(run for run in runs if not close(run.out, run.expected))
     q, k, v = run.case.args[:3]
+    if all(coarse_precision(run.out, run.expected) for run in runs if not close(run.out, run.expected)):
+        fail("precision", f"For q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)} "
+                          f"{HALF_PRECISION} (Off by up to {max_diff(run.out, run.expected):.3g}.)")
     where = ("although the attention weights look right: check how you combine them with v." if probed else
              "Check each step: scores q k^T over the last two axes, scaling, mask, softmax over the keys, times v.")
     fail("mismatch", f"For q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)} your output "

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ... import model as model_ref
@@ -19,7 +20,16 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._gradients import check_module_gradients
 from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
-from ._student_code import call, close, construct, expect_callable, expect_tensor
+from ._student_code import (
+    HALF_PRECISION,
+    call,
+    close,
+    coarse_precision,
+    construct,
+    expect_callable,
+    expect_tensor,
+    max_diff,
+)
 from ._student_files import exception_message
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
 from .engine.function import Run
@@ -213,6 +223,19 @@ def _norm_choices(right: Callable[..., Any]) -> list[Mistake]:
             for choice in sorted(choices, key=lambda c: c not in _NORMS_SAID) if choice != ("ln1", "ln2")]
 
 
+def _norm_epsilons(right: Callable[..., Any]) -> list[Mistake]:
+    """Both LayerNorms with another epsilon than nn.LayerNorm's 1e-5 (an F.layer_norm or a LayerNorm of one's
+    own): a small but structural difference, told apart here from a rounding of the same size."""
+    def output(eps: float) -> Callable[..., Any]:
+        def block(x, a, m, l1, l2):
+            with_eps = lambda ln: lambda t: F.layer_norm(t, ln.normalized_shape, ln.weight, ln.bias, eps)
+            return right(x, a, m, with_eps(l1), with_eps(l2))
+        return block
+    return [Mistake("epsilon", f"your LayerNorms add an epsilon of {eps:g} to the variance, not nn.LayerNorm's "
+                               f"1e-5: use self.ln1 and self.ln2 as given (or eps=1e-5 in your own).",
+                    output=output(eps)) for eps in (1e-3, 1e-2, 1e-1, 1.0)]
+
+
 def _missing_sublayers(right: Callable[..., Any]) -> list[Mistake]:
     """The family of dropped sublayers: self.attn or self.mlp adds nothing (its LayerNorm dropped with it, or
     still applied where it sits on the residual stream, post-norm)."""
@@ -243,6 +266,7 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
     kind = "pre-norm (GPT-2)" if norm_first else "post-norm (the 2017 paper)"
     common = [
         *_missing_sublayers(right),
+        *_norm_epsilons(right),
         *_norm_choices(right),
         Mistake("norm_placement", f"you normalise both before the sublayers and after the residual additions; this "
                                   f"block is {kind}, so each LayerNorm is used once.",
@@ -346,6 +370,32 @@ def _with_weight(weight: torch.Tensor, value: torch.Tensor, rerun: Callable[[], 
         weight.copy_(saved)
 
 
+def _silenced(block: nn.Module, run: Callable[[], Any]) -> Any:
+    """``run()`` with the block's self.attn and self.mlp answering zeros (forward hooks, removed afterwards): what
+    is left is the residual stream alone, x in a pre-norm block, ln2(ln1(x)) in a post-norm one."""
+    quiet = lambda module, inputs, output: torch.zeros_like(output) if isinstance(output, torch.Tensor) else output
+    handles = [sublayer.register_forward_hook(quiet) for sublayer in (block.attn, block.mlp)
+               if isinstance(sublayer, nn.Module)]
+    try:
+        return run()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _stream_said(got: torch.Tensor, wanted: torch.Tensor, x: torch.Tensor, block: nn.Module) -> str:
+    """What a block whose sublayers say nothing returns, in words."""
+    for name, value in (("x", x), ("the residual stream", wanted)):
+        ratio = float((got * value).sum() / (value * value).sum().clamp_min(1e-12))
+        if abs(ratio - 1) > 1e-3 and close(got, ratio * value):
+            return f"{ratio:.3g} times {name}"
+    for name in ("ln1", "ln2"):
+        norm = getattr(block, name, None)
+        if isinstance(norm, nn.Module) and close(got, call(norm, x, what=f"self.{name}")):
+            return f"{name}(x), x normalised"
+    return f"something else (off by up to {max_diff(got, wanted):.3g})"
+
+
 def _future_leaks(candidate: nn.Module, changed: torch.Tensor, got: torch.Tensor, what: str) -> bool:
     """Whether the outputs before the last position moved, on an input whose last position alone was changed."""
     later = call(candidate, changed, what=what)
@@ -358,6 +408,9 @@ def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor,
     r = reference
     first_mistake(_block_variants(norm_first), lambda m: close(got, m.output(x, r.attn, r.mlp, r.ln1, r.ln2)),
                   f"{what}: ")
+    expected = reference(x)
+    if coarse_precision(got, expected):   # a rounding's size (LayerNorm's eps was a listed mistake above)
+        fail("precision", f"{what}: {HALF_PRECISION} (Off by up to {max_diff(got, expected):.3g}.)")
     # behaviour probes, for mistakes we did not list
     if x.shape[1] > 1:
         changed = x.clone()
@@ -379,8 +432,18 @@ def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor,
                                        f"residual sum (post-norm), never the sublayer's output alone.")
             fail("sublayer_missing", f"{what}: the output does not depend on self.{name}; make sure its result "
                                      f"goes into what forward returns.")
+    # the residual stream alone: with both sublayers answering zeros, what the block adds to them
+    silent, wanted = _silenced(candidate, rerun), _silenced(reference, lambda: reference(x))
+    if isinstance(silent, torch.Tensor) and silent.shape == wanted.shape and not close(silent, wanted):
+        fail("residual", f"{what}: with self.attn and self.mlp both answering zeros your block returns "
+                         f"{_stream_said(silent, wanted, x, candidate)}, where the reference returns "
+                         + ("x itself: each sublayer's output is added to the residual stream, x = x + "
+                            "attn(ln1(x)), and nothing else changes the stream (not doubled, not averaged, not "
+                            "normalised)." if norm_first else
+                            "ln2(ln1(x)): each sublayer's output is added to its input, then normalised, "
+                            "x = ln1(x + attn(x)), and nothing else changes the stream."))
     fail("mismatch", f"{what}: the output differs from the reference {('pre' if norm_first else 'post')}-norm "
-                     f"block (largest difference {(got - reference(x)).abs().max():.3g}). Check the order: "
+                     f"block (largest difference {max_diff(got, expected):.3g}). Check the order: "
                      + ("x + attn(...) of ln1(x), then the same with ln2 and mlp."
                         if norm_first else "ln1 of (x + attention of x), then ln2 of (x + mlp of x)."))
 

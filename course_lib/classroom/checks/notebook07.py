@@ -104,7 +104,7 @@ SPLIT_C_ATTN = FunctionExercise(
     mistakes=(*(_split_mistake(order, transposed) for order in itertools.permutations(range(3))
                 for transposed in (True, False) if (order, transposed) != ((0, 1, 2), True)),
               _every_third(True), _every_third(False), _reshaped_rows(True), _reshaped_rows(False)),
-    each_case=True, dtype=False,
+    each_case=True, dtype=False, exact=True,
     examples=lambda: _split_cases((1, 2, 3), 0, small=True),
 )
 

@@ -20,7 +20,15 @@ from ..verdict import Failure, fail
 from . import _flash_variants as variants
 from ._flash_probe import Record, Recorder
 from ._model_common import as_values
-from ._student_code import call_student, close, expect_callable, expect_tensor, max_diff
+from ._student_code import (
+    HALF_PRECISION,
+    call_student,
+    close,
+    coarse_precision,
+    expect_callable,
+    expect_tensor,
+    max_diff,
+)
 from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
@@ -84,8 +92,9 @@ _SOFTMAX_MISTAKES = (
     _softmax_mistake("online_rescale", "the running sum is rescaled by exp(block_max - m_new), with this block's "
                      "own maximum: the earlier terms were exp(x - m_old), so the factor is exp(m_old - m_new), "
                      "with the maximum before this block", rescale="block"),
-    _softmax_mistake("online_rescale", "the rescale factor is upside down: when the maximum grows from m_old to "
-                     "m_new, the old sum shrinks, l * exp(m_old - m_new), a factor of at most 1", rescale="inverted"),
+    *(_softmax_mistake("online_rescale", "the rescale factor is upside down: when the maximum grows from m_old to "
+                       "m_new, the old sum shrinks, l * exp(m_old - m_new), a factor of at most 1", rescale=inverted)
+      for inverted in ("inverted", "inverted_guarded")),   # guarded: no factor before the first block (m = -inf)
     _softmax_mistake("online_rescale", "the factor exp(m_old - m_new) multiplies the new block's terms too: "
                      "(l + new terms) * factor. Those terms are exp(x - m_new) already; only the old sum is "
                      "rescaled, l = l * exp(m_old - m_new) + the new terms", rescale="after"),
@@ -135,8 +144,8 @@ def _softmax_not_finite(runs: list[Run], fn: Any) -> None:
              f"online_softmax(x, {size}) gave NaN or inf for x of shape {tuple(x.shape)} (scores up to "
              f"{float(x.max()):.0f}). Subtract the running maximum inside every exp, and rescale the sum "
              f"with exp(m_old - m_new), which is at most 1.")
-    if variants.coarse_precision(out, run.expected):
-        fail("precision", f"online_softmax(x, {size}) with x of shape {tuple(x.shape)}: {variants.PRECISION}")
+    if coarse_precision(out, run.expected):
+        fail("precision", f"online_softmax(x, {size}) with x of shape {tuple(x.shape)}: {HALF_PRECISION}")
 
 
 def _by_up_to(out: torch.Tensor, expected: torch.Tensor) -> str:
@@ -485,15 +494,16 @@ def _rows_short_of_keys(run: Run) -> str | None:
 
 def _forward_not_finite(runs: list[Run], fn: Any) -> None:
     run = next(run for run in runs if not close(run.out, run.expected))
-    if variants.coarse_precision(run.out, run.expected):
-        fail("precision", f"{run.case.what}: {variants.PRECISION}")
-    _future_leaks(run, fn)
+    if coarse_precision(run.out, run.expected):
+        fail("precision", f"{run.case.what}: {HALF_PRECISION}")
     short = _rows_short_of_keys(run)
     if short:   # causal: a key block skipped that holds a key the query may see
         fail("block_skip" if run.case.args[5] else "block_bounds", f"{run.case.what}: {short}")
+    # before the future: rows never written hold whatever memory held, which a second call may find changed
     rows = variants.unwritten_rows(run.out, run.expected, run.case.args[3])
     if rows:
         fail("block_bounds", f"{run.case.what}: {rows}")
+    _future_leaks(run, fn)
     if not torch.isfinite(run.out).all():
         fail("nan", f"{run.case.what} gave NaN or inf. Start each query block with m = -inf, l = 0 and acc = 0, "
                     f"and take exp(s - m_new) after updating m_new; a query must see key 0.")
@@ -654,8 +664,8 @@ def _backward_mismatch(run: Run) -> str:
 
 def _backward_precision(runs: list[Run], fn: Any) -> None:
     run = runs[-1]
-    if variants.coarse_precision(run.out, run.expected):
-        fail("precision", f"{run.case.what}: {variants.PRECISION}")
+    if coarse_precision(run.out, run.expected):
+        fail("precision", f"{run.case.what}: {HALF_PRECISION}")
 
 
 def _backward_with(**spec: float) -> Callable[..., torch.Tensor]:

@@ -79,7 +79,8 @@ def _mask_cases(sizes: tuple[tuple[int, int, int], ...]) -> list[Case]:
 SLIDING_WINDOW_MASK = FunctionExercise(
     "12.1", "sliding_window_mask", lambda n, w, s: ref.sliding_window_mask(n, w, s),
     lambda: _mask_cases(((7, 3, 0), (8, 3, 2), (6, 2, 1), (5, 8, 0), (5, 1, 0), (1, 1, 0), (9, 4, 3),
-                         (8, 2, 4))),   # more sinks than the window is wide
+                         (8, 2, 4),     # more sinks than the window is wide
+                         (7, 3, 2))),   # the first case's sizes with sinks: a mask kept by (length, window) shows
     ("length", "window", "sinks"),
     success="Right for every size tried: each query sees itself and the window - 1 keys before it, and the first "
             "sinks keys, never the future; dtype torch.bool.",

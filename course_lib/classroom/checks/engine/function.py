@@ -16,7 +16,17 @@ from ...verdict import Failure, fail
 from .._device_probe import meta
 from .._device_probe import probe as probe_device
 from .._model_common import as_tensor
-from .._student_code import call_student, close, expect_callable, expect_tensor, matches, max_diff
+from .._student_code import (
+    HALF_PRECISION,
+    call_student,
+    close,
+    close_in_float64,
+    coarse_precision,
+    expect_callable,
+    expect_tensor,
+    matches,
+    max_diff,
+)
 from .probes import gradient_probe, in_float64
 from .scale_fit import ScaleFit, fitted_scale
 
@@ -147,6 +157,7 @@ def judge(exercise: FunctionExercise, fn: Any) -> str:
             _diagnose(exercise, [runs[-1]], fn, earlier=runs[:-1])
     if any(not exercise.same(run.out, run.expected) for run in runs):
         _diagnose(exercise, runs, fn)
+    _other_numbers(exercise, fn, runs)
     if exercise.after is not None:
         exercise.after(runs, fn)
     for case in exercise.gradients():
@@ -262,7 +273,7 @@ def _judged_in_float64(exercise: FunctionExercise, fn: Any, case: Case) -> None:
                       f"without one, which takes the default): make new tensors like the inputs "
                       f"(torch.zeros_like(x), x.new_zeros(...), dtype=x.dtype).")
     expect_tensor(out, tuple(expected.shape), case.what, finite=False)
-    if not exercise.same(out, expected):
+    if not (exercise.same(out, expected) if exercise.exact or dtype_free else close_in_float64(out, expected)):
         if dtype_free:
             how = "your result is a half-precision tensor" if coarse else "float16 or bfloat16 on the way"
             fail("precision", f"{case.what}: your result differs from the reference's by up to "
@@ -271,8 +282,8 @@ def _judged_in_float64(exercise: FunctionExercise, fn: Any, case: Case) -> None:
                               f"default dtype.")
         fail("precision", f"{case.what}: your result differs from the reference's by up to "
                           f"{max_diff(out, expected):.3g}, which float64 does not explain: part of your "
-                          f"computation runs in a lower precision (a .float(), a float32 constant tensor). "
-                          f"Keep the inputs' dtype throughout.")
+                          f"computation runs in a lower precision (.half(), torch.bfloat16, an autocast, a "
+                          f"float16 tensor). Keep the inputs' dtype throughout.")
 
 
 def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: list[Run] | None = None) -> None:
@@ -280,8 +291,10 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
     ``earlier`` runs (right ones: a factor right there and wrong here is written into the code), else the
     exercise's own probes, else its mismatch."""
     first = next(run for run in runs if not exercise.same(run.out, run.expected))
-    first_mistake(exercise.mistakes, lambda mistake: all(_reproduces(exercise, mistake, run) for run in runs),
-                  f"{first.case.what}: " if exercise.each_case and exercise.quote else "",
+    # a mistake explains these runs, and changes none of the earlier ones the student's code got right
+    explains = lambda mistake: all(_reproduces(exercise, mistake, run) for run in runs) and \
+        all(_explains(exercise, mistake, run) is not False for run in earlier or [])
+    first_mistake(exercise.mistakes, explains, f"{first.case.what}: " if exercise.each_case and exercise.quote else "",
                   got=quoted(first.out), expected=quoted(first.expected), **exercise.values(first))
     for fit in exercise.scales:
         found = fitted_scale(fit, [(run.case.args, run.case.what, run.out) for run in runs + (earlier or [])
@@ -290,8 +303,110 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
             fail("scale", found)
     if exercise.diagnose is not None:
         exercise.diagnose(runs, fn)
+    _stale(exercise, runs, earlier or [])   # no verdict of the exercise's own: an output of an earlier call?
+    # no verdict of the exercise's own: an output off by a rounding's size everywhere is a lower precision
+    rounded = lambda run: coarse_precision(run.out, run.expected) or exercise.exact and close(run.out, run.expected)
+    if all(rounded(run) for run in runs if not exercise.same(run.out, run.expected)):
+        fail("precision", f"{first.case.what}: {HALF_PRECISION} (Off by up to {max_diff(first.out, first.expected):.3g}.)")
+    factors = [_factor(run.out, run.expected) for run in runs if not exercise.same(run.out, run.expected)
+               and _numbers(run.expected) >= _FEW]   # one number (a loss) is a multiple of any other: it says nothing
+    if factors and None not in factors:
+        fail("scale", f"{first.case.what}: your result is exactly {_said(factors[0])} the reference's"
+                      f"{' (in every case, by a factor of its own)' if len(set(factors)) > 1 else ''}: a sum where a "
+                      f"mean is meant, a mean over the wrong count, or a factor written into your code.")
     _one_of_two(exercise, runs)
     fail("mismatch", exercise.mismatch(first))
+
+
+def _stale(exercise: FunctionExercise, runs: list[Run], earlier: list[Run]) -> None:
+    """``kept_state`` when a wrong output is exactly the student's right output of an earlier case with other
+    numbers of the same shapes: a result kept from that call."""
+    every = earlier + runs
+    for place, run in enumerate(every):
+        if place < len(earlier) or exercise.same(run.out, run.expected):
+            continue
+        for before in every[:place]:
+            if isinstance(before.out, torch.Tensor) and isinstance(run.out, torch.Tensor) \
+                    and before.out.shape == run.out.shape and exercise.same(before.out, before.expected) \
+                    and exercise.same(run.out, before.out) and not exercise.same(run.expected, before.expected):
+                fail("kept_state", f"{run.case.what} returned exactly what your function returned for an earlier "
+                                   f"call with other inputs ({before.case.what}): it keeps its result from an "
+                                   f"earlier call (a cache keyed on the shapes, or on the tensor's id) instead of "
+                                   f"computing it from its inputs each time.")
+
+
+def _flipped(arg: Any, back: int) -> Any:
+    """A floating tensor's numbers in another order, its shape kept: flipped along its ``back``-th axis from the
+    last, where that axis has more than one entry; anything else as it is."""
+    if not isinstance(arg, torch.Tensor) or not arg.is_floating_point() or arg.dim() <= back \
+            or arg.shape[-1 - back] < 2:
+        return arg
+    return arg.flip(-1 - back)
+
+
+def _other_numbers(exercise: FunctionExercise, fn: Any, runs: list[Run]) -> None:
+    """Every case right: the first again, then the same tensors holding other numbers (the case's, reordered along
+    the last axis whose order the output shows). A result kept from an earlier call (a cache keyed on the shapes,
+    on the tensor's id, on anything but the numbers) comes back unchanged."""
+    first = runs[0]
+    rank = max((arg.dim() for arg in first.case.args if isinstance(arg, torch.Tensor)), default=0)
+    for back in range(rank):
+        case = Case(tuple(_flipped(arg, back) for arg in first.case.args), first.case.what)
+        if all(a is b for a, b in zip(case.args, first.case.args)):
+            continue
+        try:
+            expected = exercise.reference(*case.args)
+        except (RuntimeError, ValueError):   # inputs this exercise takes only in their order
+            continue
+        if not exercise.same(expected, first.expected):
+            break
+    else:
+        return   # no floating input, or no order of it that the output shows
+    given = first.case.given()
+    call_student(fn, *given, what=case.what)
+    with torch.no_grad():   # the same tensors, other numbers: a cache on the tensor's id is found out too
+        for mine, other in zip(given, case.args):
+            if mine is not other and isinstance(mine, torch.Tensor):
+                mine.copy_(other)
+    out = call_student(fn, *given, what=case.what)
+    out = as_tensor(out) if exercise.numpy_ok else out
+    if exercise.same(out, expected):
+        return
+    if isinstance(out, torch.Tensor) and exercise.same(out, first.expected):
+        fail("kept_state", f"{case.what}, called again with the same shapes but other numbers, returned what it "
+                           f"returned for the first numbers: your function keeps its result from an earlier call (a "
+                           f"cache keyed on the shapes or on the tensor's id) instead of computing it from its "
+                           f"inputs each time.")
+    expect_tensor(out, tuple(expected.shape), case.what, dtype=expected.dtype if exercise.dtype else None,
+                  finite=exercise.finite)
+    _diagnose(exercise, [Run(case, out, expected)], fn, earlier=runs)
+
+
+def _factor(out: Any, expected: torch.Tensor) -> float | None:
+    """c where ``out`` is c times ``expected`` (c not 1, and ``expected`` not all zero), else None."""
+    if not isinstance(out, torch.Tensor) or out.shape != expected.shape or not out.is_floating_point() \
+            or not expected.is_floating_point():
+        return None
+    got, want = out.detach().double().cpu().flatten(), expected.detach().double().cpu().flatten()
+    largest = int(want.abs().argmax())
+    if float(want[largest].abs()) < 1e-9:
+        return None
+    factor = float(got[largest] / want[largest])
+    return round(factor, 6) if abs(factor - 1) > 1e-3 and close(got, factor * want) else None
+
+
+def _numbers(tensor: torch.Tensor) -> int:
+    """How many numbers of ``tensor`` are not zero."""
+    return int((tensor.detach().abs() > 1e-9).sum()) if tensor.is_floating_point() else 0
+
+
+def _said(factor: float) -> str:
+    """3 times, 1/4 of, 0.37 times."""
+    if abs(factor - round(factor)) < 1e-6:
+        return f"{round(factor)} times"
+    if abs(1 / factor - round(1 / factor)) < 1e-6:
+        return f"1/{round(1 / factor)} of"
+    return f"{factor:.4g} times"
 
 
 # Outputs of fewer numbers than this are never named by a mistake that fits one run alone (_one_of_two): a count

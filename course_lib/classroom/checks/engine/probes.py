@@ -40,7 +40,7 @@ from torch import nn
 
 from ...verdict import Failure, fail
 from .._gradients import check_function_gradients
-from .._student_code import call, close, expect_tensor, max_diff
+from .._student_code import call, close_in_float64, expect_tensor, max_diff
 
 # Every probe an exercise may list, written or not yet: a declaration naming another is a typo.
 PROBES = ("gradient", "mutation", "reference_guard", "counterexample", "device",
@@ -161,10 +161,11 @@ def expect_float64(out: Any, expected: torch.Tensor, what: str) -> torch.Tensor:
     lower = out.is_floating_point() and torch.finfo(out.dtype).eps > torch.finfo(expected.dtype).eps
     if out.dtype != expected.dtype or lower:
         fail("dtype", f"{what}: your output is {out.dtype}, expected {expected.dtype}. {DTYPE_ADVICE}")
-    if not close(out, expected):
+    if not close_in_float64(out, expected):
         fail("precision", f"{what}: your output differs from the reference's by up to {max_diff(out, expected):.3g}, "
                           f"which float64 does not explain: part of your computation runs in a lower precision "
-                          f"(a .float(), a float32 constant tensor). Keep the input's dtype throughout.")
+                          f"(.half(), torch.bfloat16, an autocast, a float16 tensor). Keep the input's dtype "
+                          f"throughout.")
     return out
 
 
