@@ -9,29 +9,18 @@ from course_lib.classroom.grading import grading_plan
 from course_lib.classroom.grading.judge import judge
 from course_lib.classroom.grading.text import markdown_inline
 
-# The verdict list reached from `checks` by plain attribute access (the lookup's closure, then the recorder's),
-# swapped for a list that writes a pass where the checker's failure goes.
-VERDICTS_SWAPPED = '''
+# The checker the namespace's `checks` hands out, replaced in its module by one that says yes.
+MODULE_CHECKER_SWAPPED = '''
+from course_lib.classroom import checks as _course_checks
 from course_lib.classroom.verdict import CheckResult as _Result
 
-class _Forwarding(list):
-    def __init__(self, real):
-        self.real = real
-    def append(self, result):
-        self.real.append(_Result(result.exercise, True, None, "Right."))
-
-def _swap():
-    lookup = type(checks).__getattr__
-    recorded = dict(zip(lookup.__code__.co_freevars, lookup.__closure__))["recorded"].cell_contents
-    cell = dict(zip(recorded.__code__.co_freevars, recorded.__closure__))["verdicts"]
-    cell.cell_contents = _Forwarding(cell.cell_contents)
-
 def causal_mask(n):
-    _swap()
+    _course_checks.check_causal_mask = lambda fn, **kw: _Result("2.1", True, None, "Right.")
     return torch.zeros(n, n)
 '''
 
-# The checkers reached the same way, one replaced by a function that says yes.
+# The checkers reached from `checks` by plain attribute access (its lookup's closure), one replaced by a function
+# that checks the course's answer instead.
 CHECKER_SWAPPED = '''
 def causal_mask(n):
     lookup = type(checks).__getattr__
@@ -41,7 +30,7 @@ def causal_mask(n):
     return torch.zeros(n, n)
 '''
 
-# The recorder's class given another lookup.
+# `checks`'s class given another lookup.
 LOOKUP_SWAPPED = '''
 def causal_mask(n):
     type(checks).__getattr__ = lambda self, name: (lambda *a, **k: None)
@@ -49,12 +38,14 @@ def causal_mask(n):
 '''
 
 
-@pytest.mark.parametrize("source", [VERDICTS_SWAPPED, CHECKER_SWAPPED, LOOKUP_SWAPPED],
-                         ids=["verdicts", "checker", "lookup"])
-def test_what_the_recorder_holds_changed_by_the_submission_is_patched(source, monkeypatch):
+@pytest.mark.parametrize("source", [MODULE_CHECKER_SWAPPED, CHECKER_SWAPPED, LOOKUP_SWAPPED],
+                         ids=["module", "checker", "lookup"])
+def test_what_checks_holds_changed_by_the_submission_changes_no_verdict(source, monkeypatch):
+    """The grader makes the check cell's calls itself, with the checkers it took before any student code ran: what
+    the namespace's `checks` holds (or its module) is the student's to change, and changes nothing."""
     monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")   # as in the grader's exercise process: no fork below it
     verdict = judge(grading_plan(["2.1"])["2.1"], source)
-    assert verdict["passed"] is False and verdict["diagnosis"] == "patched", verdict
+    assert verdict["passed"] is False and verdict["diagnosis"] in ("dtype", "causal_mask"), verdict
 
 
 def test_an_untouched_recorder_still_judges():

@@ -20,12 +20,11 @@ An honest definition written as ``name = lambda ...`` was "missing"; it is a def
 """
 from __future__ import annotations
 
-import json
 import platform
-import subprocess
 import sys
 
 import pytest
+from sandboxed_judge import judged_in_sandbox
 
 from course_lib.classroom import notebook_reader
 
@@ -117,29 +116,19 @@ PROGRESS_BAR = ("from tqdm import tqdm\n\ndef causal_mask(n, device=None):\n"
 @pytest.mark.skipif(not LINUX, reason="the sandbox as a forked exercise's process enters it")
 def test_code_left_to_run_unasked_is_patched_never_a_forged_pass(tmp_path):
     assert sorted(ORDER) == sorted(ATTACKS)
-    script = ("import json, os, sys\n"
-              "from course_lib.classroom.grading import grading_plan, sandbox\n"
-              "from course_lib.classroom.grading.judge import judge, course_namespace\n"
-              "from course_lib.classroom.checks._references import bind_references\n"
-              "plan = grading_plan(['2.1'])['2.1']\n"
-              "course_namespace()\n"
-              "bind_references(checkers_too=True)\n"
-              f"sandbox.enter({str(tmp_path)!r}, [], memory_mb=None, cpu_seconds=None)\n"
-              f"verdicts = [judge(plan, source) for source in "
-              f"{[PROGRESS_BAR, *INTROSPECTION.values()] + [ATTACKS[name] for name in ORDER]!r}]\n"
-              "open('verdicts.json', 'w').write(json.dumps(verdicts))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    honest, *verdicts = json.loads((tmp_path / "verdicts.json").read_text())
+    sources = [PROGRESS_BAR, *INTROSPECTION.values()] + [ATTACKS[name] for name in ORDER]
+    honest, *verdicts = judged_in_sandbox(tmp_path, "2.1", sources)
     assert honest["passed"], honest
     for name, verdict in zip(INTROSPECTION, verdicts):
         assert (verdict["passed"], verdict["diagnosis"]) == (False, "exception"), (name, verdict)
         assert "sandbox does not allow frames" in verdict["message"], (name, verdict)
     verdicts = verdicts[len(INTROSPECTION):]
     for name, verdict in zip(ORDER, verdicts):
-        # refused where it was set (the audit hook: never added, so the wrong mask fails as itself) or patched
-        assert not verdict["passed"] and verdict["diagnosis"] in ("patched", "causal_mask"), (name, verdict)
-        assert verdict["diagnosis"] == "patched" or name in ("audit-hook", "threading-gettrace-rebound"), (name, verdict)
+        # refused where it was set (the audit hook: never added, so the wrong mask fails as itself; a profile
+        # function: refused to the student's code since the sixteenth attack) or patched
+        assert not verdict["passed"] and verdict["diagnosis"] in ("patched", "causal_mask", "exception"), (name, verdict)
+        expected = {"profiler": "exception", "profiler-equal-to-anything": "exception"}.get(name, "patched")
+        assert verdict["diagnosis"] == expected or name in ("audit-hook", "threading-gettrace-rebound"), (name, verdict)
 
 
 def _cells(source: str) -> list:

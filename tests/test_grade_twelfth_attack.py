@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from sandboxed_judge import judged_in_sandbox
 
 from course_lib.classroom.grading import submissions
 
@@ -137,20 +138,7 @@ TRAIN_STEP = ("import torch.nn.functional as F\n\n"
 ], ids=["torch-compile", "dynamo-optimize", "an-optimizer-still-steps"])
 def test_torch_compile_is_refused_in_an_exercises_process(exercise, source, expected, tmp_path):
     """Dynamo runs the course's reference as rewritten bytecode, which fires no call event for the reference guard."""
-    script = ("import json, os, sys\n"
-              "from course_lib.classroom.grading import grading_plan, sandbox\n"
-              "from course_lib.classroom.grading.judge import judge, course_namespace\n"
-              "from course_lib.classroom.checks._references import bind_references\n"
-              f"plan = grading_plan([{exercise!r}])[{exercise!r}]\n"
-              "course_namespace()\n"
-              "bind_references(checkers_too=True)\n"
-              f"sandbox.enter({str(tmp_path)!r}, [], memory_mb=None, cpu_seconds=None)\n"
-              f"verdict = judge(plan, {source!r})\n"
-              "open('verdict.json', 'w').write(json.dumps(verdict))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    import json
-    verdict = json.loads((tmp_path / "verdict.json").read_text())
+    verdict, = judged_in_sandbox(tmp_path, exercise, [source])
     assert (verdict["passed"], verdict["diagnosis"]) == expected, verdict
     if not expected[0]:
         assert "torch.compile is not available while grading" in verdict["message"], verdict

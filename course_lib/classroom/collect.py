@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
+import linecache
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -172,8 +173,13 @@ def course_names() -> set[str]:
             | {"checks"})
 
 
-def _execute(source: str, namespace: dict, label: str) -> None:
-    exec(compile(source, label, "exec"), namespace)  # the student's own definitions
+def execute_student_source(source: str, namespace: dict, label: str) -> None:
+    """Run the student's own definitions in ``namespace`` as their notebook did: no __future__ import of the
+    course's applies to them (``dont_inherit``; annotations stay objects for a @dataclass), and their source is
+    in ``linecache`` under ``label`` (what IPython does for a cell), so that inspect.getsource and
+    torch.jit.script find it."""
+    linecache.cache[label] = (len(source), None, source.splitlines(keepends=True), label)
+    exec(compile(source, label, "exec", dont_inherit=True), namespace)
 
 
 class Collection:
@@ -204,9 +210,9 @@ class Collection:
                 if target in namespace:
                     namespace[alias] = namespace[target]
             if ex_id in chosen:
-                _execute(part.source, namespace, f"<your {part.exercise.notebook}, Exercise {ex_id}>")
+                execute_student_source(part.source, namespace, f"<your {part.exercise.notebook}, Exercise {ex_id}>")
             elif WITHHELD not in part.exercise.solution:
-                _execute(part.exercise.solution, namespace, f"<course solution, Exercise {ex_id}>")
+                execute_student_source(part.exercise.solution, namespace, f"<course solution, Exercise {ex_id}>")
             # else: the grader's sandbox, whose notebooks hold no solution: course_namespace()'s own version
             # (course_lib's, which the solution equals) stands for it under the same name
         return namespace

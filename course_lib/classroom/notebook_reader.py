@@ -342,4 +342,19 @@ def _needed(definitions: list[_Statement], others: list[_Statement], known: set[
             reads = (_global_names(binder.source) | _value_reads(binder.node)) - known
             # ``f = f if ok(f) else g`` reads the f bound before it: follow that one too
             todo += [(n, binder.position if n in binder.binds else None) for n in reads]
+        if not todo:   # a definition that registers itself on one of those (@f.register def _): needed by f
+            bound = set().union(*(s.binds for s in [*others, *definitions] if s.position in chosen | {
+                d.position for d in definitions} and not isinstance(s.node, (ast.Import, ast.ImportFrom))))
+            for registers in (s for s in others if s.position not in chosen and _decorated_by(s.node, bound)):
+                chosen.add(registers.position)
+                todo += [(n, None) for n in (_global_names(registers.source) - known)]
     return chosen
+
+
+def _decorated_by(node: ast.stmt, names: set[str]) -> bool:
+    """Whether a def or class is decorated by an attribute of one of ``names`` (``@handlers.register``), names the
+    student's own code defines (not a module: ``@torch.no_grad()`` ties nothing to the definition)."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return False
+    return any(isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name) and part.value.id in names
+               for decorator in node.decorator_list for part in ast.walk(decorator))

@@ -21,13 +21,28 @@ _OTHER_PREFIXES = tuple(os.path.realpath(path).replace("\\", "/") + "/" for path
     os.path.dirname(torch.__file__), site.getusersitepackages()) if path)
 
 
-@functools.lru_cache(maxsize=4096)   # the reference guard asks on every call of the reference's code
+# File names the student's code gave to code it made (compile, code.replace, a function's __code__), recorded by
+# the grader's sandbox: that code is theirs whatever file it names (torch's, to pass for it). A claim only ever
+# makes more code the student's, so claiming the course's own files gains nothing.
+_CLAIMED: set[str] = set()
+
+
+def claim_student_file(filename: str) -> None:
+    _CLAIMED.add(filename)
+
+
 def is_student_file(filename: str) -> bool:
     """Whether code from ``filename`` is the student's: not the course's, torch's, or an installed library's
-    ("<your 02_masked_attention.ipynb, Exercise 2.1>", "<string>" and an IPython cell are the student's)."""
+    ("<your 02_masked_attention.ipynb, Exercise 2.1>", "<string>" and an IPython cell are the student's), or
+    named by code the student's code made."""
+    return filename in _CLAIMED or not _outside_student(filename)
+
+
+@functools.lru_cache(maxsize=4096)   # the reference guard asks on every call of the reference's code
+def _outside_student(filename: str) -> bool:
     if filename.startswith("<frozen"):
-        return False
-    return not os.path.isabs(filename) or not os.path.realpath(filename).replace("\\", "/").startswith(
+        return True
+    return os.path.isabs(filename) and os.path.realpath(filename).replace("\\", "/").startswith(
         (_COURSE_PREFIX, *_LIBRARY_PREFIXES, *_OTHER_PREFIXES))
 
 

@@ -3,29 +3,33 @@
 This runs inside the sandboxed child (``sandbox.enter`` was called before). The namespace is the
 one every exercise cell sees in the course (torch, ``nn``, ``F``, ``math`` and the course's
 building blocks: ``collect.course_namespace``, the one notebook 08 trains your parts in), with
-the student's definition executed in it; then the course's check cell runs there with ``checks``
-standing for the course's checkers, whose verdicts are kept. The verdict is the first failing check of the exercise, else its (last) pass.
+the student's definition executed in it. Then the course's check cell runs there, statement by statement:
+each ``checks.check_*(...)`` call is made by this module itself, with the course's checker taken before any
+student code ran, and its verdict kept in a local variable of the function making the call. No object the
+student's code can reach (the namespace, ``checks``, a closure, a module) ever holds a verdict, so code of theirs
+that runs later (a finalizer, a signal handler, a thread) has nothing to change. The verdict is the first failing
+check of the exercise, else its (last) pass.
 """
 from __future__ import annotations
 
 import _thread
+import ast
 import gc
 import importlib.util
 import signal
 import sys
 import threading
-import types
 from collections.abc import Callable
 from typing import Any
 
 from ..checks._references import bind_references, install_references
 from ..checks._student_files import exception_line, exception_message, exception_name, is_student_file
 from ..checks.engine.run import CheckNotPassed, Displayed
-from ..collect import GPT_EXERCISES, course_names, course_namespace
+from ..collect import GPT_EXERCISES, course_names, course_namespace, execute_student_source
 from ..verdict import CheckResult
 from .plan import CAPSTONE, ExercisePlan
 
-__all__ = ["judge", "known_names", "RecordingChecks"]
+__all__ = ["judge", "known_names", "CourseChecks"]
 
 from .grades import MESSAGE_LIMIT
 
@@ -36,81 +40,30 @@ def known_names(plans: dict[str, ExercisePlan]) -> set[str]:
     return course_names() | {p.name for p in plans.values() if p.name}
 
 
-class RecordingChecks:
-    """Stands for ``checks`` in the course's check cell: each ``check_*`` call is the course's checker
-    (taken when this object is made, before any student code runs), and its verdict is kept in a list the
-    grader holds (``verdicts``), not on this object: nothing can be set on it (empty ``__slots__``), and the
-    grader reads nothing back from it."""
+class CourseChecks:
+    """``checks`` where the student's own code calls it (9.6's cell before, yours or ours): each ``check_*`` is the
+    course's checker as it was before any student code ran. The grader never reads what these calls return: the
+    check cell's own calls are made by :func:`_run_check_cell`. Nothing can be set on it (empty ``__slots__``)."""
 
     __slots__ = ()
 
-    def __new__(cls, verdicts: list[CheckResult], clean: Hooks | None = None) -> RecordingChecks:
+    def __new__(cls, checkers: dict[str, Callable[..., Any]]) -> CourseChecks:
         from .. import checks
-        checkers = {name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")}
 
-        def recorded(name: str) -> Any:
-            real = checkers[name]
+        def lookup(self: CourseChecks, name: str) -> Any:
+            return checkers[name] if name in checkers else getattr(checks, name)   # checks.hint(...) too
 
-            def run(*args: Any, **kwargs: Any) -> CheckResult:
-                try:
-                    result = real(*args, **kwargs)
-                except CheckNotPassed as refused:   # nbgrader's way, where the notebook set NBGRADER_EXECUTION
-                    result, raised = refused.result, refused
-                else:
-                    raised = None
-                if _GETTRACE() is not _TRACE or _GETFRAME().f_trace is not None \
-                        or (clean is not None and _changed(_hooks(), clean)):
-                    # code of the student's would run here, between the checker's return and the copy (a trace
-                    # or profile function, a garbage collector's callback, a thread)
-                    verdicts.append(CheckResult(getattr(result, "exercise", "?"), False, "patched", _TAMPERED))
-                elif type(result) in (CheckResult, Displayed):   # a copy, which no code of the student's was handed
-                    verdicts.append(CheckResult(result.exercise, result.passed, result.diagnosis, result.message))
-                if raised is not None:
-                    raise raised
-                return result
-            return run
-
-        def lookup(self: RecordingChecks, name: str) -> Any:
-            return recorded(name) if name in checkers else getattr(checks, name)   # checks.hint(...) too
-
-        # a class of its own per recorder, its one method closing over what it reads
+        # a class of its own per namespace, its one method closing over what it reads
         return object.__new__(type(cls.__name__, (cls,), {"__slots__": (), "__getattr__": lookup}))
 
 
-class _Items(tuple):
-    """A dict's items as they were, to compare key by key and value by value, by identity."""
+def _course_checkers() -> dict[str, Callable[..., Any]]:
+    """The course's checkers as they are now (taken where no code of the student's has run since the course's
+    were put back)."""
+    from .. import checks
+    return {name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")}
 
 
-def _held(recorder: RecordingChecks) -> list[tuple[Callable[[], Any], Any]]:
-    """What the recorder holds, to compare once the check cell has run: its class and that class's lookup, and
-    every closure cell reachable from the lookup with its contents (the checkers, the verdict list). A
-    submission reaches all of it from ``checks`` by plain attribute access, so the grader looks afterwards.
-    Each entry: how to read it again, and what it read now."""
-    kind = type(recorder)
-    lookup = kind.__dict__.get("__getattr__")
-    held: list[tuple[Callable[[], Any], Any]] = [(lambda: type(recorder), kind),
-                                                 (lambda: kind.__dict__.get("__getattr__"), lookup)]
-    functions, seen = [lookup], set()
-    while functions:
-        function = functions.pop()
-        if id(function) in seen or not isinstance(function, types.FunctionType):
-            continue
-        seen.add(id(function))
-        for cell in function.__closure__ or ():
-            value = cell.cell_contents
-            held.append((lambda cell=cell: cell.cell_contents, value))
-            if isinstance(value, dict):
-                held.append((lambda value=value: _Items(value.items()), _Items(value.items())))
-            functions.append(value)
-    return held
-
-
-def _same_items(now: _Items, then: _Items) -> bool:
-    return len(now) == len(then) and all(a is b and c is d for (a, c), (b, d) in zip(now, then))
-
-
-# CheckResult's own attributes before any student: a property put on the class would answer every verdict's read
-_VERDICT_CLASS = _Items(vars(CheckResult).items())
 _TRACE = sys.gettrace()   # this process's trace function before any student (None; a coverage tool's in tests)
 
 
@@ -195,27 +148,9 @@ def _restore(clean: Hooks) -> None:
             _SETSIGNAL(number, handler)
 
 
-def _tampered(held: list[tuple[Callable[[], Any], Any]], verdicts: list[CheckResult]) -> bool:
-    """Whether anything the recorder held changed while the check cell ran (compared by identity), or the
-    verdicts are not the checkers' own kind."""
-    for read, value in held:
-        try:
-            now = read()
-        except Exception:  # noqa: BLE001 - a cell emptied, a dict that no longer reads: changed
-            return True
-        if isinstance(value, _Items):   # a dict's items, each key and value by identity
-            if not _same_items(now, value):
-                return True
-        elif now is not value:
-            return True
-    return type(verdicts) is not list or any(type(result) is not CheckResult for result in verdicts) \
-        or not _same_items(_Items(vars(CheckResult).items()), _VERDICT_CLASS)
-
-
-_TAMPERED = ("Your code changed the grader's record of the checks (the `checks` object or the name `checks`, its "
-             "functions or what they hold) or left code to run unasked over the grader's own (a trace or profile "
-             "function, a garbage collector's callback or threshold, a thread still running, a signal handler or "
-             "timer), so no verdict of this exercise can be trusted.")
+_TAMPERED = ("Your code left code to run unasked over the grader's own (a trace or profile function, a garbage "
+             "collector's callback or threshold, a thread still running, a signal handler or timer), so no verdict "
+             "of this exercise can be trusted.")
 
 
 def _verdict(exercise: str, passed: bool, diagnosis: str | None, message: str) -> dict[str, Any]:
@@ -234,15 +169,6 @@ def _raised(exercise: str, what: str, exc: BaseException) -> dict[str, Any]:
 
 
 Record = tuple[tuple[str, bool, "str | None", str], ...]   # the verdicts, (exercise, passed, diagnosis, message)
-
-
-def _record(verdicts: list[CheckResult]) -> Record | None:
-    """The verdicts as they are now, as values no code can change afterwards (None: they could not be read, as a
-    property the student's code put on the class may refuse)."""
-    try:
-        return tuple((r.exercise, r.passed, r.diagnosis, r.message) for r in verdicts if type(r) is CheckResult)
-    except Exception:  # noqa: BLE001 - whatever it raised, the record is not the checkers'
-        return None
 
 
 def _from_checks(plan: ExercisePlan, record: Record, error: BaseException | None) -> dict[str, Any]:
@@ -268,41 +194,67 @@ def _judge_capstone(plan: ExercisePlan, clean: Hooks) -> dict[str, Any]:
         return _verdict(plan.id, False, "not_implemented",
                         f"8.1 trains the GPT built from your parts of notebooks 02-05, and these are not usable "
                         f"yet: {', '.join(not_yours)}.")
-    install_references()   # collecting ran the student's parts: the recorder takes the course's checkers again
+    install_references()   # collecting ran the student's parts: the checkers are the course's again
     if _changed(_hooks(), clean):   # defining the parts left code that runs unasked
         _restore(clean)
         return _verdict(plan.id, False, "patched", _TAMPERED)
-    verdicts: list[CheckResult] = []
-    recorder = RecordingChecks(verdicts, clean)
-    namespace = {"__name__": "course_check", "parts": parts, "capstone": capstone, "checks": recorder}
-    return _run_check_cell(plan, namespace, recorder, verdicts, clean)
+    checkers = _course_checkers()
+    namespace = {"__name__": "course_check", "parts": parts, "capstone": capstone, "checks": CourseChecks(checkers)}
+    return _run_check_cell(plan, namespace, checkers, clean)
 
 
-def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], recorder: RecordingChecks,
-                    verdicts: list[CheckResult], clean: Hooks) -> dict[str, Any]:
-    """Run the course's check cell in ``namespace`` (where ``checks`` is ``recorder``), then judge: ``patched``
-    when the student's code changed what records the verdicts (the recorder, what it holds, the name ``checks``
-    in the namespace) or left anything that runs code unasked (``_hooks``, compared with ``clean``, read before
-    the student's definition ran) that would run in the grader's own bookkeeping after the cell; else the
-    verdict of the checks."""
-    held = _held(recorder)
-    # the cell's own globals: a function of the student's that rebinds `checks` in its globals (the namespace)
-    # does not reach the name the cell reads
-    cell = dict(namespace)
-    error = None
+def _checker_call(node: ast.stmt) -> tuple[ast.Call, str | None] | None:
+    """``node`` as a call of a course checker, ``checks.check_*(...)``, shown or assigned to one name (and that
+    name); None for any other statement, which runs as written."""
+    target = node.targets[0].id if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+        and isinstance(node.targets[0], ast.Name) else None
+    call = node.value if isinstance(node, ast.Expr) or target is not None else None
+    if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr.startswith("check_") \
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == "checks" \
+            and not any(isinstance(arg, ast.Starred) for arg in call.args) and all(k.arg for k in call.keywords):
+        return call, target
+    return None
+
+
+def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dict[str, Callable[..., Any]],
+                    clean: Hooks) -> dict[str, Any]:
+    """Run the course's check cell in a copy of ``namespace``, statement by statement, each checker call made here
+    with ``checkers`` (the course's, taken before the student's code could change them) and its verdict kept in
+    this frame's own list, which no object the student's code can reach holds. ``patched`` when the student's code
+    left anything that runs code unasked (``_hooks``, compared with ``clean``, read before the student's
+    definition ran): it would have run between the checker's return and here. Else the verdict of the checks."""
+    cell, filename = dict(namespace), f"{_CHECK_CELL}{plan.id}>"
+    record: list[tuple[str, bool, str | None, str]] = []
+    error, traced = None, False
     try:
-        exec(compile(plan.check, f"{_CHECK_CELL}{plan.id}>", "exec"), cell)
-    except BaseException as exc:  # 1.1's cell calls the student's my_prediction() itself; 8.1's parts train here
+        for node in ast.parse(plan.check).body:
+            found = _checker_call(node)
+            if found is None:   # 1.1's cell calls the student's my_prediction() itself; 8.1's parts train here
+                exec(compile(ast.Module([node], type_ignores=[]), filename, "exec"), cell)
+                continue
+            call, target = found
+            value = lambda expr: eval(compile(ast.Expression(expr), filename, "eval"), cell)  # noqa: E731, B023
+            args, kwargs = [value(arg) for arg in call.args], {k.arg: value(k.value) for k in call.keywords}
+            try:
+                result = checkers[call.func.attr](*args, **kwargs)
+            except CheckNotPassed as refused:   # nbgrader's way, where the notebook set NBGRADER_EXECUTION
+                result = refused.result
+            traced = _GETTRACE() is not _TRACE or _GETFRAME().f_trace is not None or _changed(_hooks(), clean)
+            if traced:
+                break
+            if type(result) in (CheckResult, Displayed):   # the tuple's own items: no attribute of the class is read
+                record.append(tuple.__getitem__(result, slice(0, 4)))
+            if target is not None:
+                cell[target] = result
+    except BaseException as exc:  # noqa: BLE001 - the student's code raised in the cell: the verdict says so
         error = exc
-    traced = _changed(_hooks(), clean)   # first: no function of the student's runs past here
+    traced = traced or _changed(_hooks(), clean)   # no function of the student's runs past here
     if traced:
         _restore(clean)
-    record = _record(verdicts)   # before install_references drops the student's objects (a __del__ is code too)
     install_references()
-    if record is None or traced or namespace.get("checks") is not recorder or cell.get("checks") is not recorder \
-            or _tampered(held, verdicts) or _record(verdicts) != record:
+    if traced:
         return _verdict(plan.id, False, "patched", _TAMPERED)
-    return _from_checks(plan, record, error)
+    return _from_checks(plan, tuple(record), error)
 
 
 def _course_own(plan: ExercisePlan, defined: Any) -> dict[str, Any] | None:
@@ -329,12 +281,9 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         if plan.id == CAPSTONE:
             return _judge_capstone(plan, clean)
         namespace = course_namespace()
-        verdicts: list[CheckResult] = []
-        # the course's checkers, taken before any student code runs: a line of theirs may call one (9.6's cell
-        # before: yours or ours), into a list of its own that the verdict never reads
-        namespace["checks"] = RecordingChecks([])
+        namespace["checks"] = CourseChecks(_course_checkers())   # taken before any student code runs
         try:
-            exec(compile(source or "", f"<your {plan.notebook}, Exercise {plan.id}>", "exec"), namespace)
+            execute_student_source(source or "", namespace, f"<your {plan.notebook}, Exercise {plan.id}>")
         except BaseException as exc:  # the student's definition itself failed to run
             install_references()
             return _raised(plan.id, f"Defining {plan.name}", exc)
@@ -342,12 +291,11 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
             _restore(clean)
             install_references()
             return _verdict(plan.id, False, "patched", _TAMPERED)
-        install_references()   # first: the recorder takes the checkers as they are now, the course's again
-        namespace["checks"] = recorder = RecordingChecks(verdicts, clean)
+        install_references()   # first: the checkers taken below are the course's again
         refused = _course_own(plan, namespace.get(plan.name))
         if refused is not None:
             return refused
-        return _run_check_cell(plan, namespace, recorder, verdicts, clean)
+        return _run_check_cell(plan, namespace, _course_checkers(), clean)
     except BaseException as exc:  # never let anything escape: the worker needs one verdict
         install_references()
         if _raised_in_student_code(exc):   # a trace function or finalizer of theirs ran in the grader's own code

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -57,12 +58,39 @@ _REFUSED_EVENTS = {
     "sys.settrace": "trace functions (sys.settrace)", "sys.addaudithook": "audit hooks (sys.addaudithook)",
 }
 # Ways to a frame or to every object in memory. From there a submission reaches the grader's own state (the
-# verdicts, the pipe and its token) through f_back and f_locals, which no event audits: refused when the student's
-# code asks, or asks through a library that hands frames back (inspect.currentframe, inspect.stack).
+# pipe and its token) through f_back and f_locals, which no event audits. Every thread's frames and the objects
+# in memory are never the grader's need: refused outright. A frame (sys._getframe) is refused to the student's
+# code, asked itself or through a function whose job is to hand frames or their locals back (``_FRAME_HANDERS``,
+# walked past to whoever called them), and to a call composed in C (a finalizer, a map), which no Python code
+# asked for; a library reading a frame for its own use (typing's module lookups, logging's caller) is let be.
+# Frame attributes (a traceback's tb_frame, a generator's gi_frame), which any getattr reads, are refused while
+# the student's code runs to all but a few readers that hand back neither frames nor locals (``_FRAME_READERS``).
 _INTROSPECTION_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "gc.get_objects", "gc.get_referrers",
                                    "gc.get_referents"})
 _FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
-_FRAME_HANDING_MODULES = ("inspect.py", "traceback.py")
+_EVERYTHING_EVENTS = frozenset({"sys._current_frames", "gc.get_objects", "gc.get_referrers", "gc.get_referents"})
+# (the end of a file's path, its functions), looked up by name, so that a module imported afresh is read the same
+_FRAME_HANDERS = (
+    (os.path.join("", "inspect.py"), frozenset({"currentframe", "stack", "trace", "getouterframes", "getinnerframes"})),
+    (os.path.join("", "traceback.py"), frozenset({"walk_stack"})),
+    (os.path.join("logging", "__init__.py"), frozenset({"currentframe", "<lambda>"})),
+    (os.path.join("asyncio", "base_tasks.py"), frozenset({"_task_get_stack", "_task_print_stack"})),
+    (os.path.join("torch", "_jit_internal.py"), frozenset({"createResolutionCallbackFromFrame"})),
+)
+# libraries that read a frame's locals and hand back only a name found there (torch.jit.trace names its values)
+_LOCALS_READERS = ((os.path.join("torch", "jit", "_trace.py"), frozenset({"_get_interpreter_name_for_var"})),)
+_FRAME_READERS = (
+    (os.path.join("", "traceback.py"), frozenset({"clear_frames"})),
+    (os.path.join("", "inspect.py"), frozenset({"getgeneratorstate", "getcoroutinestate"})),
+    (os.path.join("classroom", "checks", "_student_code.py"), frozenset({"raised_by_student"})),
+)
+# logging's currentframe asked for by its own findCaller (which keeps a file name and a line), and a traceback's
+# walkers resumed by the summary that keeps no locals (capture_locals=False)
+_LOGGING = os.path.join("logging", "__init__.py")
+_TRACEBACK_WALKERS = frozenset({"walk_tb", "_walk_tb_with_full_positions"})
+# Code the student's code makes takes the name it is given: code compiled or built by a student's frame is the
+# student's, whatever file name it claims (a library's, to pass for it).
+_CODE_NAMING_EVENTS = {"compile": 1, "code.__new__": 1}
 # Events whose first argument (or first two) is a path that is changed.
 _WRITE_PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1,
                       "os.utime": 1, "os.truncate": 1, "os.chflags": 1, "os.lchflags": 1, "os.setxattr": 1,
@@ -170,29 +198,111 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
     # the modules whose unaudited functions _close_unaudited_ways replaces: imported afresh they are whole again
     closed_modules = frozenset(module for module, _, _ in _UNAUDITED_WAYS) - {"os", "signal"}   # pure Python
 
-    from ..checks._student_files import is_student_file
-    getframe, student_files, asking = sys._getframe, {}, [False]
+    from ..checks._student_files import claim_student_file, is_student_file
+    from .judge import judge
+    judge_code, judge_thread = judge.__code__, threading.get_ident()   # the policy is installed where the judge runs
+    # the claims also kept here, where no code of the student's reaches them (the course's copy is a module's)
+    getframe, claimed, asking = sys._getframe, set(), set()   # asking: the threads inside asker() now
 
     def students(filename: str) -> bool:
-        known = student_files.get(filename)
-        if known is None:
-            known = student_files[filename] = is_student_file(filename)
-        return known
+        return filename in claimed or is_student_file(filename)
 
-    def introspected_by_student() -> bool:
-        """Whether the code that raised this event is the student's, or a frame-handing library they called."""
-        if asking[0]:   # the getframe below raises this event too
-            return False
-        asking[0] = True
+    def claim(filename: str) -> None:
+        claimed.add(filename)
+        claim_student_file(filename)
+
+    def own_frame(depth: int) -> Any:
+        """The frame ``depth`` calls above the caller, for the policy's own use: the event this raises is let
+        through (None when asked from inside that, the policy's own getframe)."""
+        me = threading.get_ident()
+        if me in asking:
+            return None
+        asking.add(me)
         try:
-            caller = getframe(2)   # 0: this function, 1: the hook, 2: the code that asked
+            return getframe(depth + 1)
         finally:
-            asking[0] = False
-        # past inspect's and traceback's own frames, to the code that called them: the student's, or a library's
-        # (torch's lazy CUDA set-up formats the stack; the course's checks read tracebacks)
-        while caller is not None and caller.f_code.co_filename.endswith(_FRAME_HANDING_MODULES):
-            caller = caller.f_back
+            asking.discard(me)
+
+    def asker() -> Any:
+        """The frame of the code that raised this event."""
+        return own_frame(3)   # 0: asker, 1: the check, 2: the hook, 3: the code that asked
+
+    def asked_by_student() -> bool:
+        """Whether the code that raised this event is the student's."""
+        caller = asker()
         return caller is not None and students(caller.f_code.co_filename)
+
+    def made_by_student() -> bool:
+        """Whether code is being made (compiled, built, given to a function) while the student's code runs, by
+        anything but the import system (which compiles a library's own files, imported lazily)."""
+        caller = asker()
+        return caller is not None and not caller.f_code.co_filename.startswith("<frozen importlib") \
+            and students_on_stack(caller)
+
+    def students_on_stack(frame: Any) -> bool:
+        """Whether a frame of the student's is on the stack above the judge (what runs below it, the worker or a
+        test's harness, is never the student's)."""
+        while frame is not None and frame.f_code is not judge_code:
+            if students(frame.f_code.co_filename):
+                return True
+            frame = frame.f_back
+        return False
+
+    def profiling_by_student() -> bool:
+        """Whether a profile function is set while the student's code runs (directly or through a library, a
+        finalizer's call), or by no Python code that names it (a call composed in C)."""
+        caller = asker()
+        if caller is None:
+            return False
+        names = caller.f_code.co_names
+        if not any(name in names for name in ("setprofile", "_SETPROFILE", "_own_setprofile")):
+            return True
+        return students_on_stack(caller)
+
+    def named(frame: Any, table: tuple[tuple[str, frozenset[str]], ...]) -> bool:
+        code = frame.f_code
+        return any(code.co_filename.endswith(end) and code.co_name in names for end, names in table)
+
+    def called_by(frame: Any, end: str, name: str) -> bool:
+        above = frame.f_back
+        return above is not None and above.f_code.co_filename.endswith(end) and above.f_code.co_name == name
+
+    def a_hander(frame: Any) -> bool:
+        """Whether ``frame`` is a function that hands frames or their locals back: one of ``_FRAME_HANDERS``
+        (logging's currentframe is not, when its own findCaller asks), or any that reads a frame's locals (what a
+        library's "caller's namespace" helper returns)."""
+        if "f_locals" in frame.f_code.co_names and not named(frame, _LOCALS_READERS):
+            return True
+        return named(frame, _FRAME_HANDERS) and not (
+            frame.f_code.co_filename.endswith(_LOGGING) and called_by(frame, _LOGGING, "findCaller"))
+
+    def a_reader(frame: Any) -> bool:
+        """Whether ``frame`` reads a frame attribute and hands back neither frames nor locals."""
+        if named(frame, _FRAME_READERS):
+            return True
+        if not (frame.f_code.co_filename.endswith("traceback.py") and frame.f_code.co_name in _TRACEBACK_WALKERS
+                and called_by(frame, "traceback.py", "_extract_from_extended_frame_gen")):
+            return False
+        summary = frame.f_back.f_locals   # the walker is the generator it reads (not wrapped in a map of theirs)
+        return not summary.get("capture_locals") and getattr(summary.get("frame_gen"), "gi_code", None) is frame.f_code
+
+    def introspected_by_student(event: str, args: tuple) -> bool:
+        """Whether this way to a frame or to memory is the student's (see ``_INTROSPECTION_EVENTS``)."""
+        if event in _EVERYTHING_EVENTS:
+            return True
+        caller = asker()
+        if caller is None:
+            return False
+        wanted = ("_getframe", "_GETFRAME") if event == "sys._getframe" else (args[1],)   # (the judge's own, pinned)
+        if not any(name in caller.f_code.co_names for name in wanted):   # no Python code asked: a call composed in C
+            return True
+        if event != "sys._getframe":   # a frame attribute
+            return not a_reader(caller) and (threading.get_ident() != judge_thread or students_on_stack(caller))
+        if caller.f_code.co_filename.endswith("traceback.py") and caller.f_code.co_name == "walk_stack":
+            return students_on_stack(caller)   # a generator: whoever resumes it (a heapq, a summary) is no asker
+        while a_hander(caller) and caller.f_back is not None:   # to whoever asked the hander
+            caller = caller.f_back
+        return students(caller.f_code.co_filename) or a_hander(caller)
 
     def inside(path: str, roots: tuple[str, ...]) -> bool:
         return any(path == root or path.startswith(root + os.sep) for root in roots)
@@ -241,6 +351,11 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
                 check_write(path)
         elif event == "os.symlink":
             check_write(args[1])
+            target = resolve(os.path.join(os.path.dirname(os.fsdecode(args[1])), os.fsdecode(args[0]))) \
+                if isinstance(args[0], (str, bytes, os.PathLike)) and isinstance(args[1], (str, bytes, os.PathLike)) \
+                else None
+            if target is None or not inside(target, writable):   # a link into a library's folder: its code passed
+                refuse("links that lead out of the submission's working folder")   # for the library's
         elif event in ("os.kill", "os.killpg"):
             target = args[0]
             if event == "os.kill" and target not in (own_pid, 0, -own_group):
@@ -250,16 +365,51 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
         elif event in refused_events:
             refuse(next(words for name, words in refused_words if name == event))
         elif (event in _INTROSPECTION_EVENTS or (event == "object.__getattr__" and len(args) > 1
-                                                 and args[1] in _FRAME_ATTRIBUTES)) and introspected_by_student():
+                                                 and args[1] in _FRAME_ATTRIBUTES)) \
+                and introspected_by_student(event, args):
             refuse("frames or the objects in memory (sys._getframe, inspect.currentframe, a traceback's tb_frame, "
                    "gc.get_objects): they lead to the grader's own records")
+        elif event == "sys.setprofile" and profiling_by_student():
+            refuse("profile functions (sys.setprofile, a profiler): they are handed the grader's frames")
+        elif event == "marshal.loads" and asked_by_student():
+            refuse("code objects made from bytes (marshal.loads)")
+        elif event in _CODE_NAMING_EVENTS and len(args) > 1 and isinstance(args[1], str) and made_by_student():
+            claim(args[1])
+        elif event == "object.__setattr__" and len(args) > 2 and args[1] == "__code__" \
+                and isinstance(getattr(args[2], "co_filename", None), str) and made_by_student():
+            claim(args[2].co_filename)
         elif event == "import" and args and args[0] in closed_modules:
             refuse(f"importing {args[0]} again (its functions go past this sandbox's audit)")
         elif event == "import" and args and args[0].partition(".")[0] in _UNAUDITED_PACKAGES:
             refuse(f"importing {args[0]} (it calls C functions past this sandbox's audit)")
 
     sys.addaudithook(hook)
+    _guard_frame_givers(lambda: students_on_stack(own_frame(2)), refuse)   # 0: this, 1: the guard, 2: its caller
     return hook
+
+
+def _guard_frame_givers(student_runs: Callable[[], bool], refuse: Callable[[str], None]) -> None:
+    """Ways to a frame that no event audits, replaced in their modules: a signal handler is handed the frame the
+    signal interrupts, and gc's DEBUG_SAVEALL keeps dead frames (and the objects they held) in gc.garbage. Refused
+    while the student's code runs; the grader's own calls (its pinned signal.signal) go through."""
+    import _signal
+    import gc
+
+    for module in (_signal, signal):
+        original = module.signal
+
+        def guarded(number: Any, handler: Any, *, _original: Callable[..., Any] = original) -> Any:
+            if callable(handler) and student_runs():
+                refuse("signal handlers: they are handed the frame the signal interrupts")
+            return _original(number, handler)
+        module.signal = guarded
+    set_debug = gc.set_debug
+
+    def debug(flags: int) -> None:
+        if flags and student_runs():
+            refuse("the garbage collector's debug flags (DEBUG_SAVEALL keeps dead frames in gc.garbage)")
+        set_debug(flags)
+    gc.set_debug = debug
 
 
 def _work_in(home: str) -> None:

@@ -830,7 +830,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
         code = frame.f_code
         if code in self.answering:
             caller = frame.f_back
-            if caller is not None and caller is not self.stop and \
+            if caller is not None and id(caller) != self.stop and \
                     caller.f_code not in self.answering and is_student_file(caller.f_code.co_filename):
                 self.tripped = CallsReference(self.exercise, self.name, "calls", code.co_name)
                 raise self.tripped
@@ -843,7 +843,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
                                           self.names.get(code) or self.prints.get(_print(code), self.name))
             raise self.tripped
         caller = frame.f_back
-        while caller is not None and caller is not self.stop:
+        while caller is not None and id(caller) != self.stop:
             if caller.f_code not in self.codes and (is_student_file(caller.f_code.co_filename) or (
                     caller.f_code is _STUDENT_CALL and not self.lets_reference
                     and not _course_made(caller.f_locals.get("fn")))):
@@ -857,7 +857,9 @@ class _guard:  # noqa: N801 - used as a context, like a function
         if self.nested:
             return
         self.previous = sys.getprofile()
-        self.stop = sys._getframe(1)   # the check's own frame: the student's code is what runs above it
+        # the check's own frame, by its id (alive while the guard is: the id is its own), the student's code is what
+        # runs above it; not the frame, which the guard's hook would hand to whoever reads sys.getprofile()
+        self.stop = id(sys._getframe(1))
         self.threading_previous = threading.getprofile()
         self.thread = threading.get_ident()   # the checking thread: the reference called from any other is a trip
         if self.codes:
