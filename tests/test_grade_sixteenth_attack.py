@@ -77,6 +77,10 @@ FRAMES = {
     "a signal handler": ("import signal\ndef causal_mask(n, _h=signal.signal(signal.SIGUSR1, lambda s, f: None)):\n"
                          + _WRONG),
     "gc's DEBUG_SAVEALL": "import gc\ndef causal_mask(n, _d=gc.set_debug(gc.DEBUG_SAVEALL)):\n" + _WRONG,
+    # a nineteenth: memory read as memory, no frame asked for at all
+    "ctypes at an address": ("import ctypes\ndef causal_mask(n, _o=ctypes.py_object.from_address(id(torch))):\n"
+                             + _WRONG),
+    "/proc/self/mem": "def causal_mask(n, _m=open('/proc/self/mem', 'rb')):\n" + _WRONG,
     "a link into torch's folder": ("import os\ndef _link():\n    os.symlink(os.path.dirname(torch.__file__), "
                                    "'lib_d')\ndef causal_mask(n, _l=_link()):\n" + _WRONG),
 }

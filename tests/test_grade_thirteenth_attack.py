@@ -127,7 +127,8 @@ def test_code_left_to_run_unasked_is_patched_never_a_forged_pass(tmp_path):
         # refused where it was set (the audit hook: never added, so the wrong mask fails as itself; a profile
         # function: refused to the student's code since the sixteenth attack) or patched
         assert not verdict["passed"] and verdict["diagnosis"] in ("patched", "causal_mask", "exception"), (name, verdict)
-        expected = {"profiler": "exception", "profiler-equal-to-anything": "exception"}.get(name, "patched")
+        expected = {"profiler": "exception", "profiler-equal-to-anything": "exception",   # refused since the 16th
+                    "signal-timer": "exception"}.get(name, "patched")                     # and the 18th attacks
         assert verdict["diagnosis"] == expected or name in ("audit-hook", "threading-gettrace-rebound"), (name, verdict)
 
 

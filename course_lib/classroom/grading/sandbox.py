@@ -52,6 +52,9 @@ _REFUSED_EVENTS = {
     "socket.sendto": "network connections", "socket.sendmsg": "network connections",
     "ctypes.dlopen": "loading C libraries through ctypes", "ctypes.dlsym": "C functions through ctypes",
     "ctypes.dlsym/handle": "C functions through ctypes", "ctypes.call_function": "C functions through ctypes",
+    # memory read or written at an address (from_address, from_buffer, string_at): frames and anything else
+    "ctypes.cdata": "memory at an address through ctypes", "ctypes.cdata/buffer": "memory through ctypes",
+    "ctypes.string_at": "memory at an address through ctypes", "ctypes.wstring_at": "memory at an address through ctypes",
     "resource.setrlimit": "changing the resource limits", "resource.prlimit": "changing the resource limits",
     # a trace function runs the student's code between the checker's return and the grader's record of it; an
     # audit hook at every audited event, and none can be removed (Python drops the new hook when this refuses)
@@ -79,6 +82,14 @@ _FRAME_HANDERS = (
 )
 # libraries that read a frame's locals and hand back only a name found there (torch.jit.trace names its values)
 _LOCALS_READERS = ((os.path.join("torch", "jit", "_trace.py"), frozenset({"_get_interpreter_name_for_var"})),)
+# libraries the student's code calls that ask for a frame and keep only a module's name, a file and a line, or text
+_GETFRAME_READERS = _LOCALS_READERS + (
+    (os.path.join("collections", "__init__.py"), frozenset({"namedtuple"})),
+    (os.path.join("", "typing.py"), frozenset({"_caller"})),
+    (os.path.join("", "enum.py"), frozenset({"_create_"})),
+    (os.path.join("", "warnings.py"), frozenset({"warn"})),
+    (os.path.join("", "traceback.py"), frozenset({"print_stack", "format_stack", "extract_stack"})),
+)
 _FRAME_READERS = (
     (os.path.join("", "traceback.py"), frozenset({"clear_frames"})),
     (os.path.join("", "inspect.py"), frozenset({"getgeneratorstate", "getcoroutinestate"})),
@@ -207,7 +218,11 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
     def students(filename: str) -> bool:
         return filename in claimed or is_student_file(filename)
 
+    grader = os.path.dirname(os.path.realpath(__file__)) + os.sep
+
     def claim(filename: str) -> None:
+        if os.path.realpath(filename).startswith(grader):
+            return   # CPython's own traceback printer compiles the line it shows under its file's name
         claimed.add(filename)
         claim_student_file(filename)
 
@@ -236,8 +251,11 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
         """Whether code is being made (compiled, built, given to a function) while the student's code runs, by
         anything but the import system (which compiles a library's own files, imported lazily)."""
         caller = asker()
-        return caller is not None and not caller.f_code.co_filename.startswith("<frozen importlib") \
-            and students_on_stack(caller)
+        if caller is None or caller.f_code.co_filename.startswith("<frozen importlib"):
+            return False
+        if caller.f_code.co_filename.endswith(os.sep + "ast.py") and caller.f_code.co_name == "parse":
+            return False   # a tree, not code (a traceback's text parses the line it shows)
+        return students_on_stack(caller)
 
     def students_on_stack(frame: Any) -> bool:
         """Whether a frame of the student's is on the stack above the judge (what runs below it, the worker or a
@@ -302,7 +320,12 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
             return students_on_stack(caller)   # a generator: whoever resumes it (a heapq, a summary) is no asker
         while a_hander(caller) and caller.f_back is not None:   # to whoever asked the hander
             caller = caller.f_back
-        return students(caller.f_code.co_filename) or a_hander(caller)
+        if students(caller.f_code.co_filename) or a_hander(caller):
+            return True
+        # a library asking for itself: a reader known to keep only a name, a line or a module, or one the
+        # student's code did not call directly (a library's "give me a frame" helper is a hander by another name)
+        return not named(caller, _GETFRAME_READERS) and caller.f_back is not None \
+            and students(caller.f_back.f_code.co_filename)
 
     def inside(path: str, roots: tuple[str, ...]) -> bool:
         return any(path == root or path.startswith(root + os.sep) for root in roots)
@@ -327,6 +350,8 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
         if proc and real.startswith(proc) and real[len(proc):].split(os.sep)[0].isdigit() \
                 and not inside(real, own_proc):
             refuse(f"reading {real}: other processes are off limits")
+        if proc and real.startswith(proc) and os.path.basename(real) in ("mem", "pagemap", "environ"):
+            refuse(f"reading {real}: this process's memory is the grader's too")
 
     def check_write(path: Any) -> None:
         real = resolve(path)
@@ -453,6 +478,7 @@ def enter(home: str, deny: Iterable[str], *, memory_mb: int | None, cpu_seconds:
         except OSError:
             pass   # already a group leader
     keyrings.own_session_keyring()   # the grader's session keyring (the instructor's keys) is not the student's
+    syscalls.not_dumpable()   # before the policy, which refuses ctypes; isolated, the zygote already is
     _work_in(home)
     _set_limits(memory_mb, cpu_seconds)
     _quiet_standard_streams(close)

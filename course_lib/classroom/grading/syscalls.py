@@ -105,3 +105,14 @@ def refuse_escapes() -> bool:
     if libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0:
         return False
     return libc.prctl(pr_set_seccomp, seccomp_mode_filter, ctypes.byref(fprog), 0, 0) == 0
+
+
+def not_dumpable() -> None:
+    """This process (and every child it forks) not dumpable (Linux): its memory is not readable through
+    /proc/<pid>/mem, not even by itself, and no other process of the same user may attach to it."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE, 0
+        except Exception:  # noqa: BLE001 - best effort: the policy refuses /proc/self/mem as well
+            pass

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from . import isolation, keyrings
+from . import isolation, keyrings, syscalls
 
 __all__ = ["seal", "alone_in_sandbox", "sweep", "SWEEP_SECONDS"]
 
@@ -49,12 +49,7 @@ def seal() -> None:
     """Before any student: this process is not dumpable (inherited by every child it forks), and the
     working folder is off ``sys.path`` (``python -m`` put it first; isolated it is the scratch ``/tmp``,
     where a module one student planted would be imported by the next)."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE, 0
-        except Exception:  # best effort: the sweep before the next student still holds
-            pass
+    syscalls.not_dumpable()
     here = os.path.realpath(os.getcwd())
     sys.path[:] = [entry for entry in sys.path if entry and os.path.realpath(entry) != here]
 
