@@ -373,7 +373,7 @@ def _sdpa_diagnose(runs: list[Run], fn: Any) -> None:
     run = next(run for run in runs if not close(run.out, run.expected))
     q, k, v = run.case.args[:3]
     if all(coarse_precision(run.out, run.expected) for run in runs if not close(run.out, run.expected)):
-        fail("precision", f"For q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)} "
+        fail("precision", f"For q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)}: "
                           f"{HALF_PRECISION} (Off by up to {max_diff(run.out, run.expected):.3g}.)")
     where = ("although the attention weights look right: check how you combine them with v." if probed else
              "Check each step: scores q k^T over the last two axes, scaling, mask, softmax over the keys, times v.")

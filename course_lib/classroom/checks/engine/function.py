@@ -318,6 +318,10 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
     fail("mismatch", exercise.mismatch(first))
 
 
+_KEPT = ("keeps its result from an earlier call (a cache keyed on the shapes, or on the tensor's id) instead of "
+         "computing it from its inputs each time.")
+
+
 def _stale(exercise: FunctionExercise, runs: list[Run], earlier: list[Run]) -> None:
     """``kept_state`` when a wrong output is exactly the student's right output of an earlier case with other
     numbers of the same shapes: a result kept from that call."""
@@ -330,9 +334,7 @@ def _stale(exercise: FunctionExercise, runs: list[Run], earlier: list[Run]) -> N
                     and before.out.shape == run.out.shape and exercise.same(before.out, before.expected) \
                     and exercise.same(run.out, before.out) and not exercise.same(run.expected, before.expected):
                 fail("kept_state", f"{run.case.what} returned exactly what your function returned for an earlier "
-                                   f"call with other inputs ({before.case.what}): it keeps its result from an "
-                                   f"earlier call (a cache keyed on the shapes, or on the tensor's id) instead of "
-                                   f"computing it from its inputs each time.")
+                                   f"call with other inputs ({before.case.what}): it {_KEPT}")
 
 
 def _flipped(arg: Any, back: int) -> Any:
@@ -374,9 +376,7 @@ def _other_numbers(exercise: FunctionExercise, fn: Any, runs: list[Run]) -> None
         return
     if isinstance(out, torch.Tensor) and exercise.same(out, first.expected):
         fail("kept_state", f"{case.what}, called again with the same shapes but other numbers, returned what it "
-                           f"returned for the first numbers: your function keeps its result from an earlier call (a "
-                           f"cache keyed on the shapes or on the tensor's id) instead of computing it from its "
-                           f"inputs each time.")
+                           f"returned for the first numbers: your function {_KEPT}")
     expect_tensor(out, tuple(expected.shape), case.what, dtype=expected.dtype if exercise.dtype else None,
                   finite=exercise.finite)
     _diagnose(exercise, [Run(case, out, expected)], fn, earlier=runs)
