@@ -80,9 +80,10 @@ def test_a_replacement_made_before_the_checks_were_imported_is_found(monkeypatch
     code found where torch's own belongs is the same verdict."""
     fake = eval(compile("lambda *a, **k: True", "<your 02_masked_attention.ipynb, Exercise 2.1>", "eval"))
     monkeypatch.setattr(torch, "equal", fake)
-    monkeypatch.setattr(pinned, "PINNED", dict(pinned.PINNED))   # a pin taken now, undone after the test
-    monkeypatch.setattr(pinned, "_BY_SPACE", list(pinned._BY_SPACE))
-    pinned.accept(torch, "equal")
+    # a pin taken now, undone after the test (accept() pins nothing for a caller outside the course, as this test is)
+    now = {key: (shown, space, vars(space)[key[1]]) for key, (shown, space, _) in pinned.PINNED.items()}
+    monkeypatch.setattr(pinned, "PINNED", now)
+    monkeypatch.setattr(pinned, "_BY_SPACE", pinned._by_space(now))
     assert pinned.replaced() == []
     assert pinned.replaced(written=True) == ["torch.equal"]
     result = checks.check_causal_mask(lambda n: torch.ones(n, n, dtype=torch.bool))

@@ -355,8 +355,11 @@ def test_every_attack_was_stopped_and_only_hurt_the_attacker(attacked):
     grades = attacked["grades"]
     outcome = {(s, ex): (g["passed"], g["diagnosis"], g["message"][:160]) for (s, ex), g in grades.items()
                if s in ("trudy", "oscar")}
-    for key in [("trudy", "1.1"), ("trudy", "1.2"), ("trudy", "1.3"), ("oscar", "1.1"), ("oscar", "1.2")]:
+    for key in [("trudy", "1.3"), ("oscar", "1.1"), ("oscar", "1.2")]:
         assert outcome[key][0] == "true", (key, outcome[key])          # refused, then the right answer
+    for key in [("trudy", "1.1"), ("trudy", "1.2")]:   # a descriptor of "/" for dir_fd is refused outright
+        assert outcome[key][:2] == ("false", "exception") and "opening the folder /:" in grades[key]["message"], \
+            grades[key]
     # a process past the audit hook (fork_exec) is refused too: the attack stops at its first line
     assert outcome["trudy", "2.1"][1] == "exception" and "starting another process" in outcome["trudy", "2.1"][2]
     assert outcome["oscar", "1.3"][0] == "true", outcome["oscar", "1.3"]   # the grader was not visible

@@ -130,3 +130,19 @@ def test_collection_and_grading_take_the_same_source_and_it_runs_in_both(tmp_pat
     assert judge(plans["2.1"], graded.source)["passed"]
     yours = collection.namespace(["2.1"])["causal_mask"](4)   # what notebook 08's GPT calls
     assert torch.equal(yours, torch.ones(4, 4).tril().bool())
+
+
+
+def test_a_registration_on_a_needed_function_is_taken_whatever_order_the_names_are_followed_in(reader):
+    """The names a definition reads are followed in a set's order (it differs with the names and between processes):
+    the registration must be found whichever name comes last (it was lost when the last one followed had been seen
+    before). Thirty helpers' names give thirty orders."""
+    for index in range(30):
+        helper = f"helper_{index}_{'x' * (index % 7)}"
+        cells = _cells("import functools, operator\n@functools.singledispatch\ndef size(x):\n    raise TypeError(x)\n",
+                       f"def {helper}(n):\n    return size(n)\n", "@size.register\ndef _(x: int):\n    return x\n",
+                       f"def causal_mask(n):\n    k = functools.reduce(operator.add, [0, size(n), {helper}(n)])\n"
+                       f"    return torch.ones(k, k).tril().bool()\n", ids=("a", "b", "c", "exercise"))
+        found = reader.student_definition(cells, "causal_mask", "exercise", KNOWN)
+        assert "@size.register" in found.source, helper
+        assert torch.equal(_run(found.source, "causal_mask")(2), torch.ones(4, 4).tril().bool())

@@ -332,17 +332,17 @@ def _needed(definitions: list[_Statement], others: list[_Statement], known: set[
     seen: set[tuple[str, tuple[int, int] | None]] = set()
     while todo:
         name, before = todo.pop()
-        if (name, before) in seen:
-            continue
+        binders = [] if (name, before) in seen else \
+            [s for s in others if name in s.binds and (before is None or s.position < before)]
         seen.add((name, before))
-        binders = [s for s in others if name in s.binds and (before is None or s.position < before)]
         if binders and binders[-1].position not in chosen:
             binder = binders[-1]
             chosen.add(binder.position)
             reads = (_global_names(binder.source) | _value_reads(binder.node)) - known
             # ``f = f if ok(f) else g`` reads the f bound before it: follow that one too
             todo += [(n, binder.position if n in binder.binds else None) for n in reads]
-        if not todo:   # a definition that registers itself on one of those (@f.register def _): needed by f
+        if not todo:   # (whichever name came last) a definition that registers itself on one of those (@f.register
+            # def _): needed by f
             bound = set().union(*(s.binds for s in [*others, *definitions] if s.position in chosen | {
                 d.position for d in definitions} and not isinstance(s.node, (ast.Import, ast.ImportFrom))))
             for registers in (s for s in others if s.position not in chosen and _decorated_by(s.node, bound)):

@@ -58,10 +58,34 @@ class CourseChecks:
 
 
 def _course_checkers() -> dict[str, Callable[..., Any]]:
-    """The course's checkers as they are now (taken where no code of the student's has run since the course's
-    were put back)."""
+    """The course's checkers as they are now (taken before any code of the student's runs: an import after it would
+    read sys.modules, where a submission can put a package of its own)."""
     from .. import checks
     return {name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")}
+
+
+State = tuple[tuple[Any, str, Any], ...]
+_MISSING = object()
+
+
+def _course_state() -> State:
+    """Every name of the course's modules and classes as pinned (``_references``), and the course's entries of
+    sys.modules: (namespace, name, value), taken before any code of the student's runs."""
+    from ..checks import _references
+    state = [(vars(space), name, value) for space, saved in _references._PRISTINE.items() for name, value in saved.items()]
+    modules = sys.modules
+    return tuple(state + [(modules, name, module) for name, module in list(modules.items())
+                          if name == "course_lib" or name.startswith("course_lib.")])
+
+
+def _tampered(state: State, missing: Any = _MISSING) -> bool:
+    """Whether a name of ``state`` is bound to something else after the course was put back: the student's code
+    changed the course where its own restore (which that code can reach too: ``_references``) did not undo it. It
+    reads the namespaces themselves only (their own ``get``), no function a submission could have rebound."""
+    for namespace, name, value in state:
+        if namespace.get(name, missing) is not value:
+            return True
+    return False
 
 
 _TRACE = sys.gettrace()   # this process's trace function before any student (None; a coverage tool's in tests)
@@ -77,8 +101,9 @@ _GC_CALLBACKS, _GC_THRESHOLD, _SET_GC_THRESHOLD = gc.callbacks, gc.get_threshold
 _GC_ENABLED, _GC_ENABLE, _GC_DISABLE = gc.isenabled, gc.enable, gc.disable
 _SWITCH_INTERVAL, _SET_SWITCH_INTERVAL, _THREADS = sys.getswitchinterval, sys.setswitchinterval, _thread._count
 _GETFRAME = sys._getframe
-# Signal handlers run between any two bytecodes, and interval timers make them ring on their own.
-_GETSIGNAL, _SETSIGNAL = signal.getsignal, signal.signal
+# Signal handlers run between any two bytecodes, and interval timers make them ring on their own. (signal.signal
+# itself is kept in _restore's defaults, not a module's name: see sandbox._guard_frame_givers.)
+_GETSIGNAL = signal.getsignal
 _GETITIMER, _SETITIMER = getattr(signal, "getitimer", None), getattr(signal, "setitimer", None)
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2", "SIGIO")
                  if hasattr(signal, name))
@@ -128,7 +153,7 @@ def _quiet_progress_bars() -> None:
         tqdm.tqdm.monitor_interval = 0
 
 
-def _restore(clean: Hooks) -> None:
+def _restore(clean: Hooks, _setsignal: Callable[..., Any] = signal.signal) -> None:
     """Put back what ``_hooks`` read before any student code (a thread cannot be stopped: the verdict already
     says ``patched``, and the exercise's process ends with it)."""
     if _GETTRACE() is not clean[0]:   # each only where it changed: the sandbox refuses sys.settrace to anyone
@@ -145,12 +170,16 @@ def _restore(clean: Hooks) -> None:
         _SETITIMER(timer, 0)
     for number, handler in zip(_SIGNALS, clean[9]):
         if handler is not None:   # None: a handler not set from Python, which Python cannot put back
-            _SETSIGNAL(number, handler)
+            _setsignal(number, handler)
 
 
 _TAMPERED = ("Your code left code to run unasked over the grader's own (a trace or profile function, a garbage "
              "collector's callback or threshold, a thread still running, a signal handler or timer), so no verdict "
              "of this exercise can be trusted.")
+
+
+_CHANGED_COURSE = ("Your code changed the course's own code (a function or table of the checks or the grader, or "
+                   "its modules), so no verdict of this exercise can be trusted.")
 
 
 def _verdict(exercise: str, passed: bool, diagnosis: str | None, message: str) -> dict[str, Any]:
@@ -184,7 +213,8 @@ def _from_checks(plan: ExercisePlan, record: Record, error: BaseException | None
                                                      f"(a bug in the course, not in your code).")
 
 
-def _judge_capstone(plan: ExercisePlan, clean: Hooks) -> dict[str, Any]:
+def _judge_capstone(plan: ExercisePlan, clean: Hooks, checkers: dict[str, Callable[..., Any]],
+                    state: State) -> dict[str, Any]:
     from .. import capstone
     from ..collect import collect_student_parts
     parts = collect_student_parts(".")
@@ -198,9 +228,8 @@ def _judge_capstone(plan: ExercisePlan, clean: Hooks) -> dict[str, Any]:
     if _changed(_hooks(), clean):   # defining the parts left code that runs unasked
         _restore(clean)
         return _verdict(plan.id, False, "patched", _TAMPERED)
-    checkers = _course_checkers()
     namespace = {"__name__": "course_check", "parts": parts, "capstone": capstone, "checks": CourseChecks(checkers)}
-    return _run_check_cell(plan, namespace, checkers, clean)
+    return _run_check_cell(plan, namespace, checkers, clean, state)
 
 
 def _checker_call(node: ast.stmt) -> tuple[ast.Call, str | None] | None:
@@ -217,12 +246,14 @@ def _checker_call(node: ast.stmt) -> tuple[ast.Call, str | None] | None:
 
 
 def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dict[str, Callable[..., Any]],
-                    clean: Hooks) -> dict[str, Any]:
+                    clean: Hooks, state: State, tampered: Callable[[State], bool] = _tampered) -> dict[str, Any]:
     """Run the course's check cell in a copy of ``namespace``, statement by statement, each checker call made here
     with ``checkers`` (the course's, taken before the student's code could change them) and its verdict kept in
     this frame's own list, which no object the student's code can reach holds. ``patched`` when the student's code
     left anything that runs code unasked (``_hooks``, compared with ``clean``, read before the student's
-    definition ran): it would have run between the checker's return and here. Else the verdict of the checks."""
+    definition ran): it would have run between the checker's return and here; ``patched`` too when the course is not
+    as ``state`` (read before any student code) once put back: ``tampered`` and its defaults are taken when this
+    module is defined, so that no rebinding reaches them. Else the verdict of the checks."""
     cell, filename = dict(namespace), f"{_CHECK_CELL}{plan.id}>"
     record: list[tuple[str, bool, str | None, str]] = []
     error, traced = None, False
@@ -252,6 +283,8 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dic
     if traced:
         _restore(clean)
     install_references()
+    if tampered(state):   # first: the functions below are the course's only if it holds
+        return {"exercise": plan.id, "passed": False, "diagnosis": "patched", "message": _CHANGED_COURSE}
     if traced:
         return _verdict(plan.id, False, "patched", _TAMPERED)
     return _from_checks(plan, tuple(record), error)
@@ -278,10 +311,12 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         bind_references()
         _quiet_progress_bars()
         clean = _hooks()   # before any code of the student's: a hook set while defining must not count as given
+        # the checkers, the course as pinned and this module's own functions, before any code of the student's runs
+        checkers, state, run_check_cell = _course_checkers(), _course_state(), _run_check_cell
         if plan.id == CAPSTONE:
-            return _judge_capstone(plan, clean)
+            return _judge_capstone(plan, clean, checkers, state)
         namespace = course_namespace()
-        namespace["checks"] = CourseChecks(_course_checkers())   # taken before any student code runs
+        namespace["checks"] = CourseChecks(dict(checkers))
         try:
             execute_student_source(source or "", namespace, f"<your {plan.notebook}, Exercise {plan.id}>")
         except BaseException as exc:  # the student's definition itself failed to run
@@ -295,7 +330,7 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         refused = _course_own(plan, namespace.get(plan.name))
         if refused is not None:
             return refused
-        return _run_check_cell(plan, namespace, _course_checkers(), clean)
+        return run_check_cell(plan, namespace, checkers, clean, state)
     except BaseException as exc:  # never let anything escape: the worker needs one verdict
         install_references()
         if _raised_in_student_code(exc):   # a trace function or finalizer of theirs ran in the grader's own code

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Any
 
 from . import keyrings, syscalls
@@ -71,6 +73,11 @@ _REFUSED_EVENTS = {
 _INTROSPECTION_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "gc.get_objects", "gc.get_referrers",
                                    "gc.get_referents"})
 _FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+# A function's defaults are read through an audited attribute (its closure is not): the grader's guards keep the
+# originals they stand for there, and the course's functions their own references. No one but the course reads them
+# while the student's code runs, and no one changes a course function's code or defaults then.
+_HIDDEN_ATTRIBUTES = frozenset({"__defaults__", "__kwdefaults__"})
+_CODE_ATTRIBUTES = frozenset({"__code__", "__defaults__", "__kwdefaults__"})
 _EVERYTHING_EVENTS = frozenset({"sys._current_frames", "gc.get_objects", "gc.get_referrers", "gc.get_referents"})
 # (the end of a file's path, its functions), looked up by name, so that a module imported afresh is read the same
 _FRAME_HANDERS = (
@@ -89,6 +96,19 @@ _GETFRAME_READERS = _LOCALS_READERS + (
     (os.path.join("", "enum.py"), frozenset({"_create_"})),
     (os.path.join("", "warnings.py"), frozenset({"warn"})),
     (os.path.join("", "traceback.py"), frozenset({"print_stack", "format_stack", "extract_stack"})),
+)
+# libraries that read the locals of the frame that defines a class (pydantic's models resolve their annotations
+# there): let be where that frame is the student's own code, whose locals are theirs already
+_OWN_LOCALS_READERS = ((os.path.join("pydantic", "_internal", "_typing_extra.py"), frozenset({"parent_frame_namespace"})),)
+# the standard library's functions that call what they are given and hand back its result: a frame helper called
+# through them is called by whoever called them
+_FORWARDERS = (
+    (os.path.join("", "weakref.py"), frozenset({"__call__"})),
+    (os.path.join("", "functools.py"), frozenset({"wrapper", "_method", "__get__", "_unwrap_partial"})),
+    (os.path.join("", "contextlib.py"), frozenset({"inner", "__enter__", "__exit__", "helper", "callback"})),
+    (os.path.join("", "copy.py"), frozenset({"deepcopy", "copy", "_reconstruct"})),
+    (os.path.join("", "threading.py"), frozenset({"run"})),
+    (os.path.join("unittest", "mock.py"), frozenset({"__call__", "_mock_call", "_execute_mock_call"})),
 )
 _FRAME_READERS = (
     (os.path.join("", "traceback.py"), frozenset({"clear_frames"})),
@@ -192,7 +212,58 @@ def _quiet_standard_streams(close: Iterable[int]) -> None:
 
 def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], None]:
     """Install (for good) the audit hook that keeps this process's reads and writes to ``home``
-    and away from ``deny``; returns the hook (for tests)."""
+    and away from ``deny``; returns the hook (for tests). The hook is this module's code run from a private copy
+    of it (``_policy_copy``), so that nothing the student's code rebinds changes what it decides with."""
+    return _policy_copy()._install_policy(home, deny)
+
+
+def _load_copy(name: str, filename: str, own_builtins: dict[str, Any], package: str | None = None) -> Any:
+    """The module in ``filename`` executed afresh under ``name`` (never put in sys.modules), its functions looking up
+    the builtins in ``own_builtins``."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, filename)
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__["__builtins__"] = own_builtins
+    if package is not None:
+        module.__package__ = package
+    spec.loader.exec_module(module)
+    return module
+
+
+def _policy_copy() -> Any:
+    """This module once more, for the policy alone, taken before any code of the student's runs: its functions look
+    up the builtins, ``os`` (with a copy of ``os.path`` of its own, whose ``os`` and ``stat`` are copies too) and
+    ``threading`` in namespaces no other code holds, and whose functions are those of now (C functions, which no one
+    can change). A submission that rebinds ``builtins.isinstance``, ``os.path.realpath``, ``os.lstat`` or
+    ``threading.get_ident``, or a course module's function, changes what its own code sees, never what the policy
+    decides with; the copy is reachable only through the hook, which no code can reach."""
+    import _thread
+    import builtins
+    import stat
+    import types
+    own_builtins = dict(vars(builtins))
+    path = _load_copy("_sandbox_path", os.path.__file__, own_builtins)
+    path.os, path.stat = types.SimpleNamespace(**vars(os)), types.SimpleNamespace(**vars(stat))
+    copy = _load_copy(f"{__name__}_policy", __file__, own_builtins, package=__package__)
+    copy.os = types.SimpleNamespace(**{**vars(os), "path": path, "fsdecode": copy._fsdecode})
+    copy.threading = types.SimpleNamespace(get_ident=_thread.get_ident)
+    copy.SandboxRefused = SandboxRefused
+    # the guards it installs in modules are this module's: a function's __globals__ (which no event audits) would
+    # lead from a guard defined in the copy to the copy's own tables and builtins
+    copy._guard_frame_givers, copy._guard_dispatcher = _guard_frame_givers, _guard_dispatcher
+    return copy
+
+
+def _fsdecode(path: Any) -> str:
+    """os.fsdecode with this module's own names (the policy's copy: see ``_policy_copy``)."""
+    path = os.fspath(path)
+    return path.decode(_FS_ENCODING, "surrogateescape") if isinstance(path, bytes) else path
+
+
+_FS_ENCODING = sys.getfilesystemencoding()
+
+
+def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], None]:
     home_dir = os.path.realpath(home)
     denied = tuple(os.path.realpath(os.fspath(path)) for path in deny)
     # the policy as immutable values the hook closes over: a submission that empties the module's tables
@@ -207,21 +278,44 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
     proc = os.path.realpath("/proc") + os.sep if os.path.isdir("/proc") else None
     own_proc = (f"{proc}{own_pid}", f"{proc}self", f"{proc}thread-self") if proc else ()
     # the modules whose unaudited functions _close_unaudited_ways replaces: imported afresh they are whole again
-    closed_modules = frozenset(module for module, _, _ in _UNAUDITED_WAYS) - {"os", "signal"}   # pure Python
+    # (and gc: afresh, its garbage is the collector's own list again, not the stand-in _guard_frame_givers puts)
+    # (torch._C: afresh, an extension module is its first state again, the dispatcher's unguarded entry with it)
+    closed_modules = frozenset(module for module, _, _ in _UNAUDITED_WAYS) - {"os", "signal"} | {"gc", "torch._C"}
 
-    from ..checks._student_files import claim_student_file, is_student_file
+    from ..checks import _student_files as files
     from .judge import judge
+    claim_student_file = files.claim_student_file
     judge_code, judge_thread = judge.__code__, threading.get_ident()   # the policy is installed where the judge runs
     # the claims also kept here, where no code of the student's reaches them (the course's copy is a module's)
     getframe, claimed, asking = sys._getframe, set(), set()   # asking: the threads inside asker() now
+    # whose code a file is: the course's, torch's and the installed libraries' folders, as the checks read them now
+    # (the checks' own is_student_file looks up names a submission can rebind: this is the policy's)
+    outside_roots = (files._COURSE_PREFIX, *files._LIBRARY_PREFIXES, *files._OTHER_PREFIXES)
+    real_names: dict[str, str] = {}
+    directory_flags = getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_PATH", 0)
+    own_stat, is_directory = os.stat, stat.S_ISDIR
+
+    def real_name(filename: str) -> str:
+        known = real_names.get(filename)
+        if known is None:
+            known = real_names[filename] = os.path.realpath(filename).replace("\\", "/")
+        return known
 
     def students(filename: str) -> bool:
-        return filename in claimed or is_student_file(filename)
+        """Whether code from ``filename`` is the student's (``files.is_student_file``'s rule, with the policy's
+        own claims): not the course's, torch's or an installed library's, or named by code the student's made."""
+        if filename in claimed:
+            return True
+        if filename.startswith("<frozen"):
+            return False
+        return not (os.path.isabs(filename) and real_name(filename).startswith(outside_roots))
 
-    grader = os.path.dirname(os.path.realpath(__file__)) + os.sep
+    course = files._COURSE_PREFIX   # the course_lib folder
+
+    grader = os.path.dirname(real_name(__file__)) + "/"
 
     def claim(filename: str) -> None:
-        if os.path.realpath(filename).startswith(grader):
+        if real_name(filename).startswith(grader):
             return   # CPython's own traceback printer compiles the line it shows under its file's name
         claimed.add(filename)
         claim_student_file(filename)
@@ -241,6 +335,12 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
     def asker() -> Any:
         """The frame of the code that raised this event."""
         return own_frame(3)   # 0: asker, 1: the check, 2: the hook, 3: the code that asked
+
+    def asked_near_student() -> bool:
+        """Whether code other than the course's raised this event while the student's code runs."""
+        caller = asker()
+        return caller is not None and not real_name(caller.f_code.co_filename).startswith(course) \
+            and students_on_stack(caller)
 
     def asked_by_student() -> bool:
         """Whether the code that raised this event is the student's."""
@@ -302,7 +402,10 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
                 and called_by(frame, "traceback.py", "_extract_from_extended_frame_gen")):
             return False
         summary = frame.f_back.f_locals   # the walker is the generator it reads (not wrapped in a map of theirs)
-        return not summary.get("capture_locals") and getattr(summary.get("frame_gen"), "gi_code", None) is frame.f_code
+        walked = summary.get("frame_gen")
+        if type(walked) is islice:   # a limit (format_exc(limit=2)): the summary's own slice of the walker
+            walked = islice.__reduce__(walked)[1][0]
+        return not summary.get("capture_locals") and getattr(walked, "gi_code", None) is frame.f_code
 
     def introspected_by_student(event: str, args: tuple) -> bool:
         """Whether this way to a frame or to memory is the student's (see ``_INTROSPECTION_EVENTS``)."""
@@ -318,17 +421,41 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
             return not a_reader(caller) and (threading.get_ident() != judge_thread or students_on_stack(caller))
         if caller.f_code.co_filename.endswith("traceback.py") and caller.f_code.co_name == "walk_stack":
             return students_on_stack(caller)   # a generator: whoever resumes it (a heapq, a summary) is no asker
+        if named(caller, _OWN_LOCALS_READERS) and args and students(args[0].f_code.co_filename):
+            return False   # a class's namespace read from the frame that defines it, the student's own
         while a_hander(caller) and caller.f_back is not None:   # to whoever asked the hander
             caller = caller.f_back
         if students(caller.f_code.co_filename) or a_hander(caller):
             return True
         # a library asking for itself: a reader known to keep only a name, a line or a module, or one the
-        # student's code did not call directly (a library's "give me a frame" helper is a hander by another name)
-        return not named(caller, _GETFRAME_READERS) and caller.f_back is not None \
-            and students(caller.f_back.f_code.co_filename)
+        # student's code did not call (a library's "give me a frame" helper is a hander by another name)
+        return not named(caller, _GETFRAME_READERS) and called_by_student(caller)
+
+    def called_by_student(frame: Any) -> bool:
+        """Whether the student's code called ``frame``'s function: directly, or through the standard library's
+        functions that call what they are given and hand back what it returns (``_FORWARDERS``: a finalizer's
+        ``__call__``, a dispatch wrapper)."""
+        above = frame.f_back
+        while above is not None and named(above, _FORWARDERS):
+            above = above.f_back
+        return above is not None and students(above.f_code.co_filename)
+
+    def course_function(value: Any) -> bool:
+        code = getattr(value, "__code__", None)
+        return isinstance(getattr(code, "co_filename", None), str) and real_name(code.co_filename).startswith(course)
 
     def inside(path: str, roots: tuple[str, ...]) -> bool:
         return any(path == root or path.startswith(root + os.sep) for root in roots)
+
+    def outside_directory(real: str, flags: Any) -> bool:
+        """Whether an open outside the working folder gives a descriptor of a folder: a path relative to it
+        (``os.open(name, dir_fd=...)``, which the open event shows without the descriptor) escapes every rule."""
+        if isinstance(flags, int) and flags & directory_flags:
+            return True
+        try:
+            return is_directory(own_stat(real).st_mode)
+        except (OSError, ValueError):
+            return False
 
     def resolve(path: Any) -> str | None:
         if path is None or isinstance(path, int):
@@ -365,6 +492,9 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
                 (isinstance(flags, int) and bool(flags & write_flags))
             check_write(path) if writes else check_read(path)
+            real = None if writes else resolve(path)
+            if real is not None and not inside(real, writable) and outside_directory(real, flags):
+                refuse(f"opening the folder {real}: only the working folder's own folders may be opened")
         elif event in ("os.listdir", "os.scandir", "os.chdir"):
             check_read(args[0] if args else None)
             if event == "os.chdir":
@@ -400,6 +530,12 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
             refuse("code objects made from bytes (marshal.loads)")
         elif event in _CODE_NAMING_EVENTS and len(args) > 1 and isinstance(args[1], str) and made_by_student():
             claim(args[1])
+        elif event == "object.__getattr__" and len(args) > 1 and args[1] in _HIDDEN_ATTRIBUTES \
+                and course_function(args[0]) and asked_near_student():
+            refuse("reading the course's own functions' defaults (where the grader keeps what it needs)")
+        elif event == "object.__setattr__" and len(args) > 1 and args[1] in _CODE_ATTRIBUTES \
+                and course_function(args[0]) and made_by_student():
+            refuse("changing the course's own functions (their code or defaults)")
         elif event == "object.__setattr__" and len(args) > 2 and args[1] == "__code__" \
                 and isinstance(getattr(args[2], "co_filename", None), str) and made_by_student():
             claim(args[2].co_filename)
@@ -408,33 +544,65 @@ def install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], Non
         elif event == "import" and args and args[0].partition(".")[0] in _UNAUDITED_PACKAGES:
             refuse(f"importing {args[0]} (it calls C functions past this sandbox's audit)")
 
+    def student_runs() -> bool:
+        return students_on_stack(own_frame(2))   # 0: this, 1: the guard, 2: its caller
+
+    def student_calls() -> bool:
+        caller = own_frame(2)
+        return caller is not None and (students(caller.f_code.co_filename) or called_by_student(caller))
+
     sys.addaudithook(hook)
-    _guard_frame_givers(lambda: students_on_stack(own_frame(2)), refuse)   # 0: this, 1: the guard, 2: its caller
+    _guard_frame_givers(student_runs, refuse)
+    _guard_dispatcher(student_calls, refuse)
     return hook
 
 
+# The guards below keep what they stand for in their keyword defaults, which only an audited attribute reads (the
+# policy refuses it near the student's code), never in a closure, which any code reads through __closure__.
 def _guard_frame_givers(student_runs: Callable[[], bool], refuse: Callable[[str], None]) -> None:
     """Ways to a frame that no event audits, replaced in their modules: a signal handler is handed the frame the
     signal interrupts, and gc's DEBUG_SAVEALL keeps dead frames (and the objects they held) in gc.garbage. Refused
-    while the student's code runs; the grader's own calls (its pinned signal.signal) go through."""
+    while the student's code runs; the grader's own calls (its pinned signal.signal) go through. Beneath it, the
+    kernel refuses a new handler to the process (``syscalls``), and gc.garbage is a stand-in: the collector keeps
+    what DEBUG_SAVEALL saves in its own list, which no name reaches (importing gc afresh is refused)."""
     import _signal
     import gc
 
     for module in (_signal, signal):
-        original = module.signal
-
-        def guarded(number: Any, handler: Any, *, _original: Callable[..., Any] = original) -> Any:
-            if callable(handler) and student_runs():
-                refuse("signal handlers: they are handed the frame the signal interrupts")
+        def guarded(number: Any, handler: Any, *, _original: Callable[..., Any] = module.signal,
+                    _student_runs: Callable[[], bool] = student_runs, _refuse: Callable[[str], None] = refuse,
+                    _callable: Callable[[Any], bool] = callable) -> Any:
+            if _callable(handler) and _student_runs():
+                _refuse("signal handlers: they are handed the frame the signal interrupts")
             return _original(number, handler)
         module.signal = guarded
-    set_debug = gc.set_debug
 
-    def debug(flags: int) -> None:
-        if flags and student_runs():
-            refuse("the garbage collector's debug flags (DEBUG_SAVEALL keeps dead frames in gc.garbage)")
-        set_debug(flags)
+    def debug(flags: int, *, _set_debug: Callable[[int], None] = gc.set_debug,
+              _student_runs: Callable[[], bool] = student_runs, _refuse: Callable[[str], None] = refuse) -> None:
+        if flags and _student_runs():
+            _refuse("the garbage collector's debug flags (DEBUG_SAVEALL keeps dead frames in gc.garbage)")
+        _set_debug(flags)
     gc.set_debug = debug
+    gc.garbage = []
+
+
+def _guard_dispatcher(student_calls: Callable[[], bool], refuse: Callable[[str], None]) -> None:
+    """torch's dispatcher takes new kernels for its operators from Python (``torch.library``, and the C call beneath
+    it): a submission that registers its own CPU kernel for ``aten::equal`` makes every comparison answer True, with
+    torch's functions untouched. Refused when the student's code calls it (directly, or through other libraries' calls
+    only); torch's own modules registering theirs, imported lazily, go through."""
+    torch = sys.modules.get("torch")
+    original = getattr(getattr(torch, "_C", None), "_dispatch_library", None)
+    if original is None:
+        return
+
+    def dispatch_library(*args: Any, _original: Callable[..., Any] = original,
+                         _student_calls: Callable[[], bool] = student_calls,
+                         _refuse: Callable[[str], None] = refuse, **kwargs: Any) -> Any:
+        if _student_calls():
+            _refuse("registering kernels with torch's dispatcher (torch.library): every comparison would run them")
+        return _original(*args, **kwargs)
+    torch._C._dispatch_library = dispatch_library
 
 
 def _work_in(home: str) -> None:
@@ -546,10 +714,10 @@ def _close_compilation() -> None:
             return
     original = frames.set_eval_frame
 
-    def set_eval_frame(callback: Any, *args: Any, **kwargs: Any) -> Any:
+    def set_eval_frame(callback: Any, *args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
         if callback is not None:
             raise SandboxRefused(f"the grader's sandbox does not allow {_NO_COMPILE}")
-        return original(callback, *args, **kwargs)
+        return _original(callback, *args, **kwargs)
 
     frames.set_eval_frame = set_eval_frame
     python_side = sys.modules.get("torch._dynamo.eval_frame")   # already imported: it holds the original by name
