@@ -290,8 +290,10 @@ def check_flops_per_token(fn: Callable[..., Any]) -> str:
     verdict = judge(FLOPS_PER_TOKEN, _counted(fn))
     config, weights = FLOPS_PER_TOKEN.cases()[0].args
     return (f"{verdict} With embed {config.embed_dim} and a context of {config.max_tokens} the weights' term is "
-            f"{6 * weights / (12 * _lhqt(config)):.0f} times the attention term: 6N ≈ 72·n·E² against 12·n·E·T, so "
-            f"attention takes over once the context T is longer than about 6 × embed_dim.")
+            f"{6 * weights / (12 * _lhqt(config)):.0f} times the attention term (N counts the embeddings too; the "
+            f"blocks alone give 6N ≈ 72·n·E² against 12·n·E·T, a ratio of 6E/T = "
+            f"{6 * config.embed_dim / config.max_tokens:.0f}), so attention takes over once the context T is longer "
+            f"than about 6 × embed_dim.")
 
 
 def _model(max_tokens: int, embed_dim: int, seed: int) -> nn.Module:
