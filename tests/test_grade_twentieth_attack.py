@@ -1,4 +1,5 @@
-"""A twentieth attack on the grader (2026-11-30): five classes past the sandbox, and honest code it refused.
+"""A twentieth and a twenty-first attack on the grader (2026-11-30): eleven classes past the sandbox, and honest code
+it refused.
 
 - The guards' originals were reachable: ``_signal.signal.__kwdefaults__`` and ``gc.set_debug.__closure__`` held the
   functions they stand for (a signal handler is handed a frame; DEBUG_SAVEALL keeps dead frames). The guards keep
@@ -14,6 +15,13 @@
   any student code and says ``patched`` when the course is not as it was once put back; ``accept`` is not the
   student's.
 - torch's dispatcher: a kernel registered for ``aten::equal`` from Python made every comparison True.
+
+The twenty-first went past those fixes: a frame helper through another standard-library module (reprlib: any module
+of the standard library between the student and a frame helper now counts as passing the call on), torch's Python
+dispatcher (``py_impl`` kernels; switching it on is refused to the student), a symbolic link flipped by a thread
+between the check of a path and its open (no links at all now), another torch function in ``torch.equal``'s place
+(torch's own rebinding must wrap the pinned function), and the course's objects changed in place (a frozen
+declaration's field, the pin tables, a checker's closure cell: the judge compares those too).
 
 Honest code refused: a pydantic model (pydantic reads the defining frame's locals), ``traceback.format_exc(limit=2)``
 (traceback slices its walker) and a singledispatch registration that notebook_reader sometimes left behind.
@@ -59,6 +67,15 @@ REFUSED = {
         "import _signal, sys\ndef _frame():\n    tables = _signal.signal.__globals__\n"
         "    tables['_GETFRAME_READERS'] = tables.get('_GETFRAME_READERS', ()) + (('.py', frozenset({'_frame'})),)\n"
         "    tables['_FRAME_HANDERS'] = ()\n    return sys._getframe(1)\ndef causal_mask(n, _f=_frame()):\n" + _WRONG),
+    # the twenty-first: a standard library's module between (reprlib), the Python dispatcher, a link flipped by a thread
+    "a frame helper through reprlib": (
+        "import reprlib\nfrom pydantic import TypeAdapter\n"
+        "def causal_mask(n, _f=reprlib.recursive_repr()(TypeAdapter._fetch_parent_frame)(TypeAdapter(int))):\n"
+        + _WRONG),
+    "torch's Python dispatcher": ("def _on():\n    torch.ops.aten.equal.default.py_impl(torch._C.DispatchKey.CPU)"
+                                  "(lambda a, b: True)\n    return [torch._C._EnablePythonDispatcher()]\n"
+                                  "def causal_mask(n, _k=_on()):\n" + _WRONG),
+    "a symbolic link": "import os\ndef causal_mask(n, _l=os.symlink('.', 'here')):\n" + _WRONG,
     "a kernel for aten::equal": ("def _register():\n    lib = torch._C._dispatch_library('IMPL', 'aten', '', 'x.py', 1)\n"
                                  "    lib.impl('equal', 'CPU', lambda a, b: True, False)\n    return lib\n"
                                  "def causal_mask(n, _l=_register()):\n" + _WRONG),
@@ -77,6 +94,22 @@ PATCHED = {
         "    fake.__dict__.update({k: v for k, v in vars(real).items() if k != 'checks'})\n"
         "    fake.checks = types.SimpleNamespace(check_causal_mask=lambda *a, **k: CheckResult('2.1', True, None, 'ok'))\n"
         "    _M['course_lib.classroom'] = fake\ndef causal_mask(n, _s=_swap()):\n" + _WRONG),
+    # the twenty-first: torch's own code in torch.equal's place, the course's objects changed in place
+    "torch.equal bound to another of torch's functions": (
+        "def _go():\n    import torch.testing._comparison as c\n    torch.equal = c.default_tolerances\n"
+        "def causal_mask(n, _g=_go()):\n" + _WRONG),
+    "a frozen declaration's field": (
+        _MODULES + "def _go():\n    declared = _M['course_lib.classroom.checks.notebook02'].CAUSAL_MASK\n"
+        "    object.__setattr__(declared, 'reference', lambda n: torch.zeros(n, n, dtype=torch.bool))\n"
+        "def causal_mask(n, _g=_go()):\n" + _WRONG),
+    "the pin tables emptied": (
+        _MODULES + "def _go():\n    p = _M['course_lib.classroom.checks._pinned']\n"
+        "    p._BY_SPACE.clear(); p._CLASS_NAMES.clear(); p.PINNED.clear()\n    torch.equal = lambda a, b: True\n"
+        "def causal_mask(n, _g=_go()):\n" + _WRONG),
+    "a checker's closure cell": (
+        _MODULES + "def _go():\n    check = _M['course_lib.classroom.checks.notebook02'].check_causal_mask\n"
+        "    dict(zip(check.__code__.co_freevars, check.__closure__))['body'].cell_contents = lambda fn: 'ok'\n"
+        "def causal_mask(n, _g=_go()):\n" + _WRONG),
     "a replacement pinned through accept": (
         _MODULES + "import operator\ndef _accept():\n    torch.equal = operator.is_not\n"
         "    _M['course_lib.classroom.checks._pinned'].accept(torch, 'equal')\n"

@@ -27,7 +27,7 @@ from ._student_code import (
     reraise_with,
 )
 from .engine import ScaleFit, at_other_sizes, first_mistake
-from .engine.probes import module_in_float64
+from .engine.probes import batch_mixing, module_in_float64
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -195,15 +195,11 @@ class ModuleCheck:
 
         # Rows never mix: each sequence of a batch gives what it gives alone. This comes before the future,
         # since a reshape that mixes rows also "leaks" positions.
-        for i, one in enumerate(alone):
-            if not close(one[0], together[i], nan_ok=True):
-                reshape = (" view (N, L, E) as (N, L, heads, head_dim) with N and L from x.shape, then "
-                           "transpose(1, 2)." if several else "")
-                fail("batch_mixing", f"{what(batch_x)}: sequence {i} gives a different output in a batch of 3 "
-                                     f"than alone, so your code mixes the sequences of the batch, or uses the "
-                                     f"batch size N = x.shape[0] as if it were another size. Keep the batch axis "
-                                     f"first and untouched, and compute each sequence on its own{':' if several else '.'}"
-                                     f"{reshape}")
+        reshape = " view (N, L, E) as (N, L, heads, head_dim) with N and L from x.shape, then transpose(1, 2)."
+        batch_mixing(what(batch_x), together, alone, "your code mixes the sequences of the batch, or uses the batch "
+                                                     "size N = x.shape[0] as if it were another size. Keep the batch "
+                                                     "axis first and untouched, and compute each sequence on its own"
+                                                     + (f":{reshape}" if several else "."))
 
         # Heads stay apart: with proj = identity, changing the query weights of head 1 may only change head 1's
         # block of output features.

@@ -22,14 +22,23 @@ class Record:
     """A reduction over a whole row at once is not a tiled loop; an empty slice along the positions is a loop
     bound one block too far."""
 
-    largest: tuple[int, ...] = ()          # the largest tensor returned: L x L is the full score matrix
-    largest_numel: int = 0
+    shapes: set[tuple[int, ...]] = field(default_factory=set)   # of every tensor returned (``score_shaped``)
     score_elements: int = 0                # output elements of products over d: the share of scores computed
     largest_tile: tuple[int, ...] = ()     # the largest single score product's last two axes
     tiles: set[tuple[int, ...]] = field(default_factory=set)   # every score product's last two axes
     fused: list[str] = field(default_factory=list)   # fused attention kernels called
     reduced: list[tuple[str, int]] = field(default_factory=list)   # (reduction, its input's last axis)
     empty: list[tuple[int, int]] = field(default_factory=list)     # (length, start) of empty slices along -2
+
+    def score_shaped(self, length_q: int, length_k: int) -> tuple[int, ...] | None:
+        """The largest tensor made that is shaped like the full score matrix: a query axis and a key axis as long as
+        the sequences (heads or batch folded in), or an axis of whole Lq x Lk score matrices flattened; None if
+        none. A stack of q, k, v or of their gradients may hold as many numbers, but not in that shape."""
+        def full(shape: tuple[int, ...]) -> bool:
+            axes = sorted(shape, reverse=True)
+            return any(axis and axis % (length_q * length_k) == 0 for axis in axes) or \
+                len(axes) >= 2 and axes[1] >= min(length_q, length_k) and axes[0] >= max(length_q, length_k)
+        return max((shape for shape in self.shapes if full(shape)), key=math.prod, default=None)
 
 
 class Recorder(TorchDispatchMode):
@@ -46,9 +55,7 @@ class Recorder(TorchDispatchMode):
         record = self.record
         if "scaled_dot_product" in name or "flash_attention" in name:
             record.fused.append(name)
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.numel() > record.largest_numel:
-                record.largest_numel, record.largest = tensor.numel(), tuple(tensor.shape)
+        record.shapes.update(tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         first = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
         if first is not None and name in _REDUCTIONS:
             record.reduced.append((name, first.shape[-1]))

@@ -267,7 +267,7 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
                      dv_transposed: bool = False, dk_transposed: bool = False, mask: str = "ok",
                      dq_scale: bool = True, dk_scale: bool = True, dp: str = "ok", always_causal: bool = False,
                      values: str = "v", recompute: str = "ok", twice: bool = False, score_scale: float | None = None,
-                     grad_scale: float | None = None, recompute_scale: float | None = None
+                     grad_scale: float | None = None, recompute_scale: float | None = None, ds_sign: bool = False
                      ) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) of attention in float64 by the recomputation formulas, block by block, with the named slips
     switched on. A transposed product (P @ dO for P^T @ dO) only fits square blocks; elsewhere it raises.
@@ -276,7 +276,8 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
     ``always_causal``: the recomputed weights masked although the forward was not; ``mask="strict"``: they hide the
     diagonal too; ``values="keys"``: dP = dO K^T;
     ``recompute="unscaled"``: P = exp(q k^T - lse), the scale left out; ``twice``: dQ and dK scaled by 1/d;
-    ``delta="outside"``: dS = P * dP - D in every block computed; ``score_scale``: another factor on the scores,
+    ``delta="outside"``: dS = P * dP - D in every block computed; ``mask="skip_diagonal"``: the key loop stops
+    before the query block's start (range(0, q_start, block_k)); ``ds_sign``: dS = P * (D - dP); ``score_scale``: another factor on the scores,
     forward and backward alike; ``grad_scale``: another factor on dQ and dK alone; ``recompute_scale``: another
     factor on the recomputed scores alone, P = exp(q k^T * factor - lse)."""
     q, k, v, do = q.double(), k.double(), v.double(), grad_out.double()
@@ -297,6 +298,9 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
         rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
         last_query = torch.clamp((rows // block_q + 1) * block_q, max=q.shape[-2]) - 1
         p = p.masked_fill((cols // block_k) * block_k > last_query, 0.0)
+    if causal and mask == "skip_diagonal":
+        rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+        p = p.masked_fill((cols // block_k) * block_k >= (rows // block_q) * block_q, 0.0)
     out = torch.softmax(masked, -1) @ v
     dp_all = do @ (k if values == "keys" else v).transpose(-2, -1)
     d = {"ok": lambda: (do * out).sum(-1, keepdim=True), "grad_only": lambda: do.sum(-1, keepdim=True),
@@ -312,6 +316,7 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
         ds = torch.where(computed, p * dp_all - d, torch.zeros_like(p))
     else:
         ds = p * (dp_all - d)
+    ds = -ds if ds_sign else ds
     factor = (scale ** 2 if twice else scale) if ds_scale else 1.0
     factor = factor if grad_scale is None else grad_scale
     dq = ds @ k * factor * (1.0 if dq_scale else 1 / scale)
@@ -399,4 +404,9 @@ BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code,
     ("causal_mask", "the recomputed weights hide each query's own key too (a mask of key >= query, not key > "
                     "query): query i sees keys 0..i, its own included, as in the forward, whose lse counts it.",
      {"mask": "strict"}),
+    ("block_skip", "your key loop stops at the query block's start (range(0, q_start, block_k)), so it skips the "
+                   "diagonal block: its keys up to each query are needed, as in the forward. A key block is needed "
+                   "while its first key is not after the block's last query.", {"mask": "skip_diagonal"}),
+    ("scale", "dQ and dK are exactly -1 times the right ones: dS has its sign flipped. dS = P * (dP - D), not "
+              "P * (D - dP).", {"ds_sign": True}),
 ))

@@ -256,7 +256,7 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     """The outputs (N, sum of lengths, E), in float64, of a module with the mistakes in ``spec`` called
     once per (start, length) of ``plan``, with a KV cache when ``cached`` (a prefix, then new tokens).
 
-    spec keys (right value first): group "interleave"/"tile"; rope_q, rope_k True/False; rope_v False/True;
+    spec keys (right value first): group "interleave"/"tile" (group_v: the values' alone); rope_q, rope_k True/False; rope_v False/True;
     kind "half"/... and axis "length"/"heads" (see rotate above); offset (and offset_q, the
     queries' alone) "ok"/"zero"/"after_append"; mask "causal"/"none"/"top_left"/"top_left_chunks"/
     "none_cached"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"/"times"/
@@ -302,7 +302,7 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         total = start + length
         all_k, all_v = torch.cat(keys, dim=2), torch.cat(values, dim=2)         # (N, kv_heads, total, head_dim)
         all_k = _group(all_k, heads // kv_heads, spec.get("group", "interleave"))    # (N, heads, total, head_dim)
-        all_v = _group(all_v, heads // kv_heads, spec.get("group", "interleave"))
+        all_v = _group(all_v, heads // kv_heads, spec.get("group_v", spec.get("group", "interleave")))
         mode = spec.get("scale", "head_dim")
         scale = mode if isinstance(mode, float) else {   # a float: any other factor (the fitted one)
             "head_dim": head_dim ** -0.5, "none": 1.0, "embed_dim": setup.embed_dim ** -0.5, "d": 1.0 / head_dim,
@@ -331,6 +331,11 @@ FULL_PASS: tuple[Mistake, ...] = (
                            "head h % num_kv_heads, as `repeat` (or expand on a new first axis) tiles the whole "
                            "stack. Each key/value head serves num_heads // num_kv_heads NEIGHBOURING query heads: "
                            "h reads h // groups, which is repeat_interleave(groups, dim=1).", {"group": "tile"}),
+    *(Mistake("kv_grouping", f"Your {wrong} heads are shared in another order than your {right}': query head h "
+                             f"must read the key AND the value of key/value head h // groups. Repeat both the same "
+                             f"way, repeat_interleave(groups, dim=1) (`repeat` tiles the stack: h % num_kv_heads).",
+              spec) for wrong, right, spec in (("values'", "keys", {"group_v": "tile"}),
+                                               ("keys'", "values", {"group": "tile", "group_v": "interleave"}))),
     Mistake("rotated_values", "You rotate the values too. RoPE turns only the queries and the keys, so that "
                               "their dot product depends on the offset between positions; the values are "
                               "mixed by the attention weights as they are.", {"rope_v": True}),

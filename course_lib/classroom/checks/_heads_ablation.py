@@ -69,6 +69,10 @@ _WEIGHTS = tuple(Mistake(code, why, {"kind": kind}) for code, kind, why in (
     ("ablation_slice", "previous", f"the head before the chosen one is switched off: {_OWNS}, counting heads from 0."),
     ("ablation_slice", "layer_next", _OTHER_LAYER),
     ("ablation_slice", "layer_previous", _OTHER_LAYER),
+    ("ablation_slice", "every_layer", "head `head` is switched off in every layer: switch it off in "
+                                      "model.blocks[layer] only."),
+    ("ablation_slice", "one_more", f"one column too many is zeroed, (head+1) * head_dim too: {_OWNS}."),
+    ("ablation_slice", "one_fewer", f"one column too few is zeroed, the head's last is kept: {_OWNS}."),
 ))
 
 _HOOKS = tuple(Mistake(code, why, {"site": site, "select": select}) for code, site, select, why in (
@@ -133,6 +137,7 @@ def _columns(attn: nn.Module, kind: str, head: int) -> list[int]:
             "unscaled": list(range(head, min(head + size, size * count))),
             "others": [c for c in range(size * count) if c not in own],
             "next": list(range(((head + 1) % count) * size, ((head + 1) % count + 1) * size)),
+            "one_more": own + [own[-1] + 1] if own[-1] + 1 < size * count else own, "one_fewer": own[:-1],
             "previous": list(range(((head - 1) % count) * size, ((head - 1) % count + 1) * size))}.get(kind, own)
 
 
@@ -191,6 +196,9 @@ def _mistaken(model: nn.Module, layer: int, head: int, idx: torch.Tensor, spec: 
         attn.value.weight[own] = 0.0
     elif kind == "rows":
         attn.proj.weight[own] = 0.0
+    elif kind == "every_layer":
+        for block in model.blocks:
+            block.attn.proj.weight[:, own] = 0.0
     else:
         attn.proj.weight[:, _columns(attn, kind, head)] = 0.0
     return model(idx)

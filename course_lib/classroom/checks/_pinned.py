@@ -18,6 +18,7 @@ import operator
 import os
 import sys
 from collections.abc import Callable, Iterator
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ def replaced(written: bool = False) -> list[str]:
         for name, value in zip(names, values):
             shown = PINNED[(id(space), name)][0]
             now = vars(space).get(name, _MISSING)
-            if now is not value and _own_rebinding(space, now):
+            if now is not value and _own_rebinding(space, now, value):
                 accept(space, name)
             elif now is not value:
                 found.append(shown)
@@ -119,14 +120,36 @@ def replaced(written: bool = False) -> list[str]:
     return found
 
 
-def _own_rebinding(space: Any, new: Any) -> bool:
-    """Whether ``new`` was put there by torch's own code (importing torch._dynamo wraps torch.manual_seed;
-    torch.compile wraps nn.Module.__init__ and __setstate__) or, in builtins, by the Jupyter kernel's
-    (ipykernel binds input() anew for every cell): not a replacement by the student's code."""
+def _own_rebinding(space: Any, new: Any, pinned: Any) -> bool:
+    """Whether ``new`` was put there by torch's own code, wrapping what was pinned (importing torch._dynamo wraps
+    torch.manual_seed; torch.compile wraps nn.Module.__init__ and __setstate__) or, in builtins, by the Jupyter
+    kernel's (ipykernel binds input() anew for every cell): not a replacement by the student's code. Another of
+    torch's functions put in a pinned one's place (``torch.equal = <a function of torch's that returns a tuple>``)
+    is a replacement like any other."""
     code = _code_of(new)
     path = os.path.realpath(code.co_filename) if code is not None else ""
     kernels = space is builtins and any(part in path.replace("\\", "/") for part in ("/ipykernel/", "/IPython/"))
-    return path.startswith(_TORCH_FILES) or kernels
+    return (path.startswith(_TORCH_FILES) and _same_function(new, pinned)) or kernels
+
+
+def _same_function(new: Any, pinned: Any) -> bool:
+    """Whether ``new`` is ``pinned``, a wrapper of it, or what it wraps (a check leaves torch as it found it: the
+    pinned wrapper's original back in its place)."""
+    return _wraps(new, pinned) or _wraps(pinned, new)
+
+
+def _wraps(new: Any, pinned: Any) -> bool:
+    """Whether ``new`` is ``pinned`` or wraps it: its ``__wrapped__`` (functools.wraps) or a cell of its closure
+    (torch.compile's patched ``nn.Module.__init__``) holds it, or holds what does."""
+    for _ in range(8):
+        if new is pinned:
+            return True
+        if not isinstance(new, FunctionType):
+            return False
+        if any(cell.cell_contents is pinned for cell in new.__closure__ or () if cell.cell_contents is not None):
+            return True
+        new = vars(new).get("__wrapped__")
+    return False
 
 
 def expect_unpatched(written: bool = False) -> None:
@@ -157,6 +180,28 @@ def accept(space: Any, name: str) -> None:
             if pinned_space is space:
                 values = tuple(PINNED[(id(space), n)][2] for n in names)
                 _BY_SPACE[i] = (pinned_space, names, values, getter)
+
+
+def tables() -> tuple[Any, ...]:
+    """Copies of the pin tables as they are now: the grader compares the tables with them once the student's code has
+    run (a submission that empties them, or pins its own function in one, makes its replacement pass unseen)."""
+    return dict(PINNED), tuple(_BY_SPACE), dict(_CLASS_NAMES)
+
+
+def tables_intact(then: tuple[Any, ...]) -> bool:
+    """Whether the pin tables still hold what ``tables()`` gave, but for torch's own wrappers of a pinned function."""
+    pinned, by_space, class_names = then
+    if len(PINNED) < len(pinned) or len(_BY_SPACE) != len(by_space) or len(_CLASS_NAMES) != len(class_names):
+        return False
+    for key, (_, space, value) in pinned.items():
+        now = PINNED.get(key)
+        if now is None or now[1] is not space or not _same_function(now[2], value):
+            return False
+    for (space, names, values, getter), (now_space, now_names, now_values, now_getter) in zip(by_space, _BY_SPACE):
+        if now_space is not space or now_names != names or now_getter is not getter or len(now_values) != len(values) \
+                or not all(map(_same_function, now_values, values)):
+            return False
+    return all(_CLASS_NAMES.get(key) is value for key, value in class_names.items())
 
 
 def _called_by_student() -> bool:

@@ -69,6 +69,12 @@ def pinned_attribute(module: ModuleType, name: str) -> Any:
     return _PRISTINE.get(module, vars(module)).get(name)
 
 
+def pinned_state() -> tuple[tuple[Any, str, Any], ...]:
+    """Every pinned name as (its namespace, the name, the pinned value): what the grader compares the course with
+    after putting it back."""
+    return tuple((vars(space), name, value) for space, saved in _PRISTINE.items() for name, value in saved.items())
+
+
 def install_references() -> None:
     """Put course_lib back as it was when checks was imported (the student's patches are saved)."""
     for obj, saved in _PRISTINE.items():

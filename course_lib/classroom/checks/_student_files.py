@@ -21,6 +21,11 @@ _OTHER_PREFIXES = tuple(os.path.realpath(path).replace("\\", "/") + "/" for path
     os.path.dirname(torch.__file__), site.getusersitepackages()) if path)
 
 
+# Where code is not the student's: the course's folder first (the grader's sandbox takes these for its own rule)
+COURSE_ROOT = _COURSE_PREFIX
+OUTSIDE_STUDENT_ROOTS = (_COURSE_PREFIX, *_LIBRARY_PREFIXES, *_OTHER_PREFIXES)
+
+
 # File names the student's code gave to code it made (compile, code.replace, a function's __code__), recorded by
 # the grader's sandbox: that code is theirs whatever file it names (torch's, to pass for it). A claim only ever
 # makes more code the student's, so claiming the course's own files gains nothing.
@@ -42,8 +47,7 @@ def is_student_file(filename: str) -> bool:
 def _outside_student(filename: str) -> bool:
     if filename.startswith("<frozen"):
         return True
-    return os.path.isabs(filename) and os.path.realpath(filename).replace("\\", "/").startswith(
-        (_COURSE_PREFIX, *_LIBRARY_PREFIXES, *_OTHER_PREFIXES))
+    return os.path.isabs(filename) and os.path.realpath(filename).replace("\\", "/").startswith(OUTSIDE_STUDENT_ROOTS)
 
 
 # An exception the student's code raised is read through these: its class's name and its traceback from the slots

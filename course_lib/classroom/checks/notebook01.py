@@ -35,7 +35,7 @@ from ._student_code import (
 from ._student_files import value_text
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import SEEDS, tiny
-from .engine.function import Run
+from .engine.function import Run, kept_part
 from .engine.probes import magnitude_scores
 
 __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]
@@ -185,6 +185,9 @@ def _one_value_feature(runs: list[Run], fn: Any) -> None:
     out, expected = call_student(fn, *case.given(), what=case.what), ref.toy_attention(*case.args)
     expect_tensor(out, (1,), case.what)
     if not close(out, expected):
+        query, keys, values = case.given()
+        if not close(call_student(fn, query, keys, values[:, 0], what=case.what), expected[0]):   # (n,) too
+            fail("kept_state", kept_part(case.what, "on new keys", out, expected))
         fail("mismatch", f"{case.what}: your result differs from the reference by up to {max_diff(out, expected):.3g}, "
                          f"though it is right for values of shape (n,) and (n, 2).")
 

@@ -526,7 +526,7 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
     """The GPT's known mistakes, each the reference's forward with one thing changed, on the student's weights:
     the positions (left out, from 1), the embeddings' scale, the chain of blocks, the final LayerNorm."""
     def run(idx, *, start=0, positions=True, ln_f=True, scale=1.0, both=False, blocks=None, summed=False,
-            reverse=False):
+            reverse=False, tied=False):
         x = ref.token_embedding(idx) * scale
         if positions:
             table = ref.position_encoding(idx.shape[1], start)
@@ -537,7 +537,8 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
             x = sum(block(x) for block in ref.blocks)
         for block in (ref.blocks if blocks is None else blocks):
             x = block(x)
-        return ref.head(ref.ln_f(x) if ln_f is True else x)
+        x = ref.ln_f(x) if ln_f is True else x
+        return x @ ref.token_embedding.weight.T if tied else ref.head(x)
 
     blocks, root = list(ref.blocks), math.sqrt(ref.config.embed_dim)
     positions = [
@@ -587,7 +588,10 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
             Mistake("final_norm", "the final LayerNorm self.ln_f is applied before the blocks, not after them: the "
                                   "blocks run on the embeddings, then ln_f, then the head.",
                     output=lambda idx: run(idx, ln_f="first")),
-            *positions[1:], *scales, *chains]
+            *positions[1:], *scales, *chains,
+            Mistake("mismatch", "your logits come from the token embedding (ln_f(x) @ token_embedding.weight.T, a "
+                                "tied head); this GPT has an output layer of its own: self.head(self.ln_f(x)).",
+                    output=lambda idx: run(idx, tied=True))]
 
 
 @torch.no_grad()
@@ -727,6 +731,11 @@ def _seeded(model: nn.Module, idx: torch.Tensor, what: str = "") -> Any:
 _OTHER_CONFIG = dict(vocab_size=7, max_tokens=70, embed_dim=12, num_heads=3, num_layers=3)
 
 
+# A message that says what to do about too long an idx: names the limit (or the number), or a way under it.
+_SAYS_WHAT_TO_DO = re.compile(r"crop|truncat|shorten|\bcut|trim|slic|drop|\bkeep|fewer|less|reduc|split|\bmax|at most|"
+                              r"limit|context|block.?size|allow|up to|exceed|larger than|longer than|more than", re.I)
+
+
 def _check_other_config(cls: Any, generator: torch.Generator) -> None:
     """A GPT of other sizes beside the reference: its logits must match, and its limit move with max_tokens."""
     config = _gpt_config(**_OTHER_CONFIG)
@@ -845,11 +854,11 @@ def check_gpt(cls: Any) -> str:
         raise
     except ValueError as error:   # what the text asks for, with words that say what to do (the words are theirs)
         said = exception_message(error)
-        if not re.search(r"[^\W\d_]{2}", said):   # no word at all: empty, a dot, invisible characters
+        if not (_SAYS_WHAT_TO_DO.search(said) or re.search(rf"(?<!\d){config.max_tokens}(?!\d)", said)):
             fail("context_limit", f"Your GPT raised a ValueError for {config.max_tokens + 1} tokens with "
                                   f"max_tokens={config.max_tokens}, but its message ({said.strip()[:80]!r}) says "
-                                  f"nothing. Say what to do in words: for example, that the model takes at most "
-                                  f"max_tokens tokens, so crop the input (idx[:, -max_tokens:]).")
+                                  f"nothing of what to do. Name the limit and the way under it: for example, that the model "
+                                  f"takes at most max_tokens tokens, so crop the input (idx[:, -max_tokens:]).")
     except Exception as error:   # refused, but not as the text asks
         fail("context_limit", f"Your GPT raised {type(error).__name__} for {config.max_tokens + 1} tokens with "
                               f"max_tokens={config.max_tokens}. Raise a ValueError that says how to crop the input "

@@ -317,6 +317,13 @@ LM_LOSS = FunctionExercise(
                                   "targets only.",
                 output=lambda x, y: _per_token(x, y)[y.flatten() != IGNORE].sum() / y.numel()
                 if bool((y == IGNORE).any()) else None),
+        *(Mistake("softmax_dim", f"your log-softmax runs over the {axis}, not over the vocabulary: each position's "
+                                 f"probabilities are over its V tokens, log_softmax(logits, dim=-1).",
+                  output=lambda x, y, dim=dim: -x.log_softmax(dim).gather(-1, y.clamp(min=0)[..., None])[..., 0][
+                      y != IGNORE].mean() if x.shape[dim] > 1 else None)
+          for dim, axis in ((1, "positions (dim=1)"), (0, "batch (dim=0)"))),
+        Mistake("logits", "you return exp(loss), the perplexity; the loss is the mean cross-entropy itself, without "
+                          "the exp.", output=lambda x, y: train_ref.lm_loss(x, y).exp()),
     ),
     each_case=True, dtype=False, finite=True, reword=_loss_error,
     gradients=lambda: LM_LOSS.cases(),
@@ -947,6 +954,12 @@ def check_sampling(fn: Callable[..., Any]) -> str:
     _check_distribution(fn, _BASE, 0.5, None)
     _check_top_k_per_row(fn)
     _check_distribution(fn, _BASE, 1.0, 3)
+    try:   # the same shape and top_k, other logits: what a call keeps (a top-k threshold cached) shows
+        _check_distribution(fn, _BASE.flip(-1) + torch.tensor([[1.0], [-1.0]]), 1.0, 3)   # other thresholds
+    except Failure as failure:
+        reraise_with(failure, "kept_state", " Yet it was right just before on logits of the same shape with the "
+                                            "same top_k: your function keeps something from an earlier call (a "
+                                            "cached threshold or result) instead of computing it from the logits.")
     _check_distribution(fn, _BASE, 2.0, 2)
     _check_distribution(fn, _BASE, 1.0, _BASE.shape[-1])   # top_k of the whole vocabulary keeps every token
     top1 = _draw(fn, _BASE.repeat(50, 1), "sample_next_token(top_k=1)", top_k=1)

@@ -77,6 +77,15 @@ def _split_mistake(order: tuple[int, ...], transposed: bool) -> Mistake:
                                                       for p in _hf().split_c_attn(weight)])[list(order)])
 
 
+def _some_transposed(kept: tuple[int, ...]) -> Mistake:
+    """The thirds in order, those in ``kept`` left in Conv1D's (in, out) layout, the others transposed."""
+    names = " and ".join(_NAMES[j] for j in kept)
+    return Mistake("split_transpose", f"{names} {'is' if len(kept) == 1 else 'are'} still in Conv1D's (in, out) "
+                                      f"layout: transpose each of the three blocks, not only some.",
+                   output=lambda weight: torch.stack([p.T if j in kept else p
+                                                      for j, p in enumerate(_hf().split_c_attn(weight))]))
+
+
 def _every_third(transposed: bool) -> Mistake:
     return Mistake("mismatch", "you took every third column. The query, key and value are three consecutive blocks "
                                "of embed_dim columns each.",
@@ -103,6 +112,7 @@ SPLIT_C_ATTN = FunctionExercise(
                           f"(out, in) layout."),
     mistakes=(*(_split_mistake(order, transposed) for order in itertools.permutations(range(3))
                 for transposed in (True, False) if (order, transposed) != ((0, 1, 2), True)),
+              *(_some_transposed(kept) for size in (1, 2) for kept in itertools.combinations(range(3), size)),
               _every_third(True), _every_third(False), _reshaped_rows(True), _reshaped_rows(False)),
     each_case=True, dtype=False, exact=True,
     examples=lambda: _split_cases((1, 2, 3), 0, small=True),

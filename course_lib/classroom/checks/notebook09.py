@@ -44,7 +44,7 @@ from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, fu
 from .engine.example import SEEDS, tiny
 from .engine.function import UNEXPLAINED, Run
 from .engine.other_sizes import at_other_sizes
-from .engine.probes import gradient_probe, module_in_float64
+from .engine.probes import batch_mixing, gradient_probe, module_in_float64
 from .engine.scale_fit import fitted_scale
 
 __all__ = ["check_rope_tables", "check_apply_rotary", "check_rms_norm", "check_swiglu", "check_repeat_kv",
@@ -576,15 +576,18 @@ def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
         fail("precision", f"{shown}: your output is wrong in float16 (it is right in float32). x**2 overflows "
                           f"float16 (largest value 65504) for x of a few hundred: compute in float32 "
                           f"(x.float()), then cast the result back with .to(x.dtype).")
-    # a float16 layer handed float32 x (a float32 residual stream): the result follows x, not the weight (code
-    # that multiplies x's dtype by the weight last, as Hugging Face's, gives float32 here too)
-    layer = _build_norm(cls, 16, None, generator)[0].half()
-    shown = "RMSNorm(16) in float16 (model.half()) on float32 x of shape (2, 4, 16)"
-    with torch.no_grad():
-        out = call_student(layer, x.float() / 300, what=shown)
-    if isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == torch.float16:
-        fail("dtype", f"{shown} returned float16: the text asks for x's dtype back. Cast the result with "
-                      f".to(x.dtype) (or .type_as(x)), not to the weight's dtype.")
+    # the weight in one dtype, x in another (a float32 residual stream into a float16 layer; float16 activations
+    # into a float32 layer, as under mixed precision): the result follows x, not the weight (Hugging Face's
+    # `self.weight * h.to(x.dtype)` follows whichever is wider)
+    for weight, given in ((torch.float16, torch.float32), (torch.float32, torch.float16)):
+        layer = _build_norm(cls, 16, None, generator)[0].to(weight)
+        shown = f"RMSNorm(16) with a {str(weight)[6:]} weight on {str(given)[6:]} x of shape (2, 4, 16)"
+        with torch.no_grad():
+            out = call_student(layer, (x.float() / 300).to(given), what=shown)
+        if isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype != given:
+            fail("dtype", f"{shown} returned {str(out.dtype)[6:]}: the text asks for x's dtype back, whatever the "
+                          f"weight's. Cast the result with .to(x.dtype) (or .type_as(x)), after the multiplication "
+                          f"by the weight.")
 
 
 # ============================================================================ 9.4 SwiGLU
@@ -629,6 +632,11 @@ def _swiglu_mistakes() -> list[Mistake]:
                 output=lambda x, g, u, d: d(silu(g(x)) * silu(u(x)))),
         Mistake("gating", "you add the two branches; the gate multiplies: silu(gate(x)) * up(x).",
                 output=lambda x, g, u, d: d(silu(g(x)) + u(x))),
+        Mistake("gating", "your gate is sigmoid(g)², not g * sigmoid(g): an in-place sigmoid (g.sigmoid_()) "
+                          "overwrote g before it was multiplied. Use F.silu(g), or an out-of-place sigmoid.",
+                output=lambda x, g, u, d: d(sigmoid(g(x)) ** 2 * u(x))),
+        Mistake("gating", "you project each branch down and multiply the results; multiply first, then project "
+                          "once: down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: d(silu(g(x))) * d(u(x))),
         Mistake("gating", "SiLU comes after self.down; it goes on the gate branch, before the product: "
                           "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: silu(d(g(x) * u(x)))),
         Mistake("gating", "you apply SiLU again after self.down; SwiGLU ends with the linear down projection: "
@@ -986,11 +994,8 @@ def _diagnose_full(built_all: list[Built], generator: torch.Generator) -> None:
     for b, x, out in runs:
         expect_finite(out, f"GroupedQueryAttention({b.label}) on x of shape {shape_str(x.shape)}")
     # Rows never mix (before the future: a reshape that mixes rows also "leaks" positions).
-    for i in range(3):
-        if not close(alone[i][0], together[i], nan_ok=True):
-            fail("batch_mixing", f"{batch_what}: sequence {i} gives a different output in a batch of 3 than alone: "
-                                 f"your reshapes mix the sequences. Keep the batch axis first and take N and L from "
-                                 f"x.shape.")
+    batch_mixing(batch_what, together, alone, "your reshapes mix the sequences. Keep the batch axis first and take "
+                                              "N and L from x.shape.")
     # The future never leaks: changing the second half leaves the first half's outputs as they were.
     if not close(after[:, :MAX_TOKENS // 2], before[:, :MAX_TOKENS // 2]):
         fail("causal_mask", f"{future_what}: the future leaks: changing the tokens after position "

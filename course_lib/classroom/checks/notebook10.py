@@ -366,9 +366,10 @@ def _probe_forward(fn: Callable[..., Any], causal: bool) -> None:
     shown = f"flash_attention(q, k, v, block_q={block_q}, block_k={block_k}, causal={causal}) with L = {length}"
     record = _watched(21, lambda q, k, v: call_student(fn, q, k, v, block_q=block_q, block_k=block_k,
                                                          causal=causal, what=shown))
-    if record.largest_numel >= length * length:
+    full = record.score_shaped(length, length)
+    if full is not None:
         fail("full_scores", f"{shown}: your code materialised the full score matrix: it built a tensor of shape "
-                            f"{record.largest} ({record.largest_numel} numbers, at least L x L = {length * length}). "
+                            f"{full}, L x L = {length} x {length} scores or more. "
                             f"The point of tiling is that no tensor bigger than a (block_q, block_k) block of "
                             f"scores ever exists; build the causal mask per block too, from the positions.")
     if record.fused:
@@ -718,9 +719,10 @@ def _probe_backward(cls: Any) -> None:
     length = _PROBE_SHAPE[-2]
     shown = f"FlashAttentionFunction with L = {length}"
     record = _watched(22, lambda q, k, v: _student_grads(cls, q, k, v, torch.randn_like(q), True, _BLOCK_Q, _BLOCK_K))
-    if record.largest_numel >= length * length:
-        fail("full_scores", f"{shown}: your forward or backward materialised a tensor of shape "
-                            f"{record.largest} (at least L x L = {length * length} numbers). The backward "
+    full = record.score_shaped(length, length)
+    if full is not None:
+        fail("full_scores", f"{shown}: your forward or backward materialised a tensor of shape {full}, the "
+                            f"L x L = {length} x {length} scores or more. The backward "
                             f"should rebuild one (block_q, block_k) block of weights at a time, exp(s - lse), and "
                             f"never store or build them all.")
     _tiles_as_given(record, f"{shown} (block_q={_BLOCK_Q}, block_k={_BLOCK_K})")

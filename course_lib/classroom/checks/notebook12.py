@@ -213,14 +213,15 @@ def _student(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale: str | float = "both",
-         norm: bool = True, offset: bool = True, mask_offset: bool = True, use_cache: bool = True,
+         norm: bool = True, q_norm: bool = True, offset: bool = True, mask_offset: bool = True, use_cache: bool = True,
          rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1, queries: str = "half",
          keys: str = "half", values_first: bool = False, mask_ahead: bool = False,
          merge: str = "ok", heads_view: str = "ok", biases: bool = True, own_tables: bool = False) -> torch.Tensor:
     """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
     how each rotary part turns (``rotary.rotate``'s kinds, "pairs" or "pairs_table"; "none": not at all),
     ``values_first`` kv_b_proj's output split as values then keys, ``mask_ahead`` one future key let through,
-    ``merge`` "no_transpose" (the heads merged without moving them back), ``heads_view`` "queries" or
+    ``merge`` "no_transpose" (the heads merged without moving them back) or "interleaved" (each feature's heads
+    side by side), ``q_norm`` False: the query latent not normalised, ``heads_view`` "queries" or
     "keys_values" (viewed straight as (N, H, L, ...), without the transpose), ``scale`` "both" (right), "nope",
     "none", "value", "after" (softmax_scale on the weights) or a float, the factor on the scores; ``biases``
     False: the projections as products with their weights alone, a layer's biases left out; ``own_tables``: the
@@ -241,7 +242,7 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
             return linear(t) if biases else t @ linear.weight.T
 
         q = layer.q_proj(x) if layer.q_lora_rank is None else \
-            layer.q_b_proj(layer.q_a_layernorm(project(layer.q_a_proj, x)))
+            layer.q_b_proj((layer.q_a_layernorm if q_norm else nn.Identity())(project(layer.q_a_proj, x)))
         q = (q.view(n, h, length, dn + dr) if heads_view == "queries"
              else q.view(n, length, h, dn + dr).transpose(1, 2))              # (N, H, L, dn + dr)
         latent, k_rope = project(layer.kv_a_proj_with_mqa, x).split([layer.kv_lora_rank, dr], dim=-1)
@@ -281,7 +282,7 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
             scores = scores.masked_fill(~mask, float("-inf"))
         weights = scores.softmax(softmax_dim) * ((dn + dr) ** -0.5 if scale == "after" else 1.0)
         out = weights @ v                                                   # (N, H, L, dv)
-        out = out.transpose(1, 2) if merge == "ok" else out                 # (N, L, H, dv)
+        out = {"ok": out.transpose(1, 2), "interleaved": out.permute(0, 2, 3, 1)}.get(merge, out)   # (N, L, H, dv)
         return project(layer.o_proj, out.reshape(n, length, h * layer.v_head_dim))
     return _stream(forward, layer, x, split)
 
@@ -422,6 +423,12 @@ _MLA_MISTAKES = (
     Mistake("norm_placement", "The latent is not normalised: apply layer.kv_a_layernorm to the latent part of "
                               "kv_a_proj_with_mqa(x) (not to k_rope) before it is cached and up-projected.",
             spec=dict(norm=False)),
+    Mistake("norm_placement", "The query latent is not normalised: the queries are q_b_proj(q_a_layernorm("
+                              "q_a_proj(x))) when the layer has a q_lora_rank.", spec=dict(q_norm=False)),
+    Mistake("head_split", "Your merge interleaves the heads: (N, H, L, v_head_dim) must become (N, L, H, "
+                          "v_head_dim), transpose(1, 2), before the reshape, so each head's features stay together; "
+                          "a permute that puts the heads last puts one feature of every head side by side.",
+            spec=dict(merge="interleaved")),
 )
 
 def _other_geometry(failure: Failure, case: Case, out: Any, fn: Any) -> None:
@@ -495,16 +502,18 @@ def _phi(x: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, *, diagonal: int = 0, causal: bool = True,
-            normalise: bool = True, fq_norm: torch.Tensor | None = None, norm_keys: str = "same") -> torch.Tensor:
+            normalise: bool = True, fq_norm: torch.Tensor | None = None, fk_norm: torch.Tensor | None = None,
+            norm_keys: str = "same") -> torch.Tensor:
     """Linear attention from features: weights fq . fk over keys j <= i + diagonal (all if not causal); the
-    normaliser over the same keys, or ``norm_keys`` "through_i" (j <= i whatever ``diagonal``) or "own" (j = i)."""
+    normaliser (of ``fq_norm``, ``fk_norm`` where given) over the same keys, or ``norm_keys`` "through_i" (j <= i
+    whatever ``diagonal``) or "own" (j = i)."""
     weights = fq @ fk.transpose(-2, -1)                                     # (..., L, L)
     length = weights.shape[-1]
     if causal:
         weights = weights * torch.ones(length, length).tril(diagonal)
     if not normalise:
         return weights @ v
-    below = (fq if fq_norm is None else fq_norm) @ fk.transpose(-2, -1)
+    below = (fq if fq_norm is None else fq_norm) @ (fk if fk_norm is None else fk_norm).transpose(-2, -1)
     if causal:
         keys = {"same": torch.ones(length, length).tril(diagonal), "through_i": torch.ones(length, length).tril(),
                 "own": torch.eye(length)}[norm_keys]
@@ -579,6 +588,9 @@ LINEAR_RECURRENT = FunctionExercise(
                 output=lambda q, k, v: _linear(q.relu(), k.relu(), v)),
         Mistake("feature_map", "Your normaliser uses the raw query: it is phi(q_i) . z_i, with the same phi(q_i) as "
                                "the numerator.", output=lambda q, k, v: _linear(_phi(q), _phi(k), v, fq_norm=q)),
+        Mistake("normalization", "Your normaliser z sums the queries' features: z is the sum of phi(k_j) over the "
+                                 "keys so far, z += phi(k_i), as S sums phi(k_j) v_j.",
+                output=lambda q, k, v: _linear(_phi(q), _phi(k), v, fk_norm=_phi(q))),
         Mistake("feature_map", "That is softmax attention (weights exp(q . k / sqrt(d))): linear attention replaces "
                                "the exponential by phi(q_i) . phi(k_j) with phi(x) = elu(x) + 1, which is what lets "
                                "it run as a recurrence.",
@@ -602,6 +614,7 @@ LINEAR_RECURRENT = FunctionExercise(
                 output=lambda q, k, v: _linear(_phi(q), _phi(k), v, causal=False)),
     ),
     reword=_tuple_returned, gradients=lambda: _linear_cases()[:1], examples=_linear_examples,
+    probes=FunctionExercise.probes + ("batch",),
 )
 
 

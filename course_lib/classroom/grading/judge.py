@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import _thread
 import ast
+import dataclasses
 import gc
 import importlib.util
 import signal
 import sys
 import threading
 from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
-from ..checks._references import bind_references, install_references
+from ..checks._pinned import tables as pinned_tables
+from ..checks._pinned import tables_intact as pinned_tables_intact
+from ..checks._references import bind_references, install_references, pinned_state
 from ..checks._student_files import exception_line, exception_message, exception_name, is_student_file
 from ..checks.engine.run import CheckNotPassed, Displayed
 from ..collect import GPT_EXERCISES, course_names, course_namespace, execute_student_source
@@ -64,28 +68,59 @@ def _course_checkers() -> dict[str, Callable[..., Any]]:
     return {name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")}
 
 
-State = tuple[tuple[Any, str, Any], ...]
+# (namespace, name, value) of the course's names; (cell, contents) of its functions' closures; the pin tables
+State = tuple[tuple[tuple[Any, str, Any], ...], tuple[tuple[Any, Any], ...], tuple[Any, ...]]
 _MISSING = object()
 
 
-def _course_state() -> State:
-    """Every name of the course's modules and classes as pinned (``_references``), and the course's entries of
-    sys.modules: (namespace, name, value), taken before any code of the student's runs."""
-    from ..checks import _references
-    state = [(vars(space), name, value) for space, saved in _references._PRISTINE.items() for name, value in saved.items()]
+def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
+    """What the student's code could change in the course, taken before any of it runs: every name of the course's
+    modules and classes as pinned (``_references``) and the course's entries of sys.modules; the fields of the frozen
+    declarations they hold (an exercise's reference, its mistakes: ``object.__setattr__`` writes them); the closure
+    cells of the course's functions and of the checkers (a cell's contents is writable); the pin tables."""
+    names, cells, seen = list(pinned_state()), [], set()
     modules = sys.modules
-    return tuple(state + [(modules, name, module) for name, module in list(modules.items())
-                          if name == "course_lib" or name.startswith("course_lib.")])
+    names += [(modules, name, module) for name, module in list(modules.items())
+              if name == "course_lib" or name.startswith("course_lib.")]
+    todo = [value for _, _, value in names] + list(checkers.values())
+    while todo:
+        value = todo.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, FunctionType) and value.__closure__:
+            for cell in value.__closure__:
+                try:
+                    cells.append((cell, cell.cell_contents))
+                except ValueError:   # a cell not filled yet
+                    continue
+                todo.append(cell.cell_contents)
+        elif isinstance(value, tuple | frozenset):
+            todo += list(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type) and type(value).__dataclass_params__.frozen \
+                and hasattr(value, "__dict__"):
+            fields = vars(value)
+            names += [(fields, name, field) for name, field in fields.items()]
+            todo += list(fields.values())
+    return tuple(names), tuple(cells), pinned_tables()
 
 
 def _tampered(state: State, missing: Any = _MISSING) -> bool:
-    """Whether a name of ``state`` is bound to something else after the course was put back: the student's code
-    changed the course where its own restore (which that code can reach too: ``_references``) did not undo it. It
-    reads the namespaces themselves only (their own ``get``), no function a submission could have rebound."""
-    for namespace, name, value in state:
+    """Whether anything of ``state`` is other than it was, once the course was put back: the student's code changed
+    the course where its own restore (which that code can reach too: ``_references``) did not undo it. It reads the
+    namespaces and cells themselves (a dict's own ``get``, a cell's contents), no function a submission could have
+    rebound; the pin tables last, through _pinned's own check, once its names are known to be the course's."""
+    names, cells, tables = state
+    for namespace, name, value in names:
         if namespace.get(name, missing) is not value:
             return True
-    return False
+    for cell, value in cells:
+        try:
+            if cell.cell_contents is not value:
+                return True
+        except ValueError:   # emptied
+            return True
+    return not pinned_tables_intact(tables)
 
 
 _TRACE = sys.gettrace()   # this process's trace function before any student (None; a coverage tool's in tests)
@@ -312,7 +347,8 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
         _quiet_progress_bars()
         clean = _hooks()   # before any code of the student's: a hook set while defining must not count as given
         # the checkers, the course as pinned and this module's own functions, before any code of the student's runs
-        checkers, state, run_check_cell = _course_checkers(), _course_state(), _run_check_cell
+        checkers, run_check_cell = _course_checkers(), _run_check_cell
+        state = _course_state(checkers)
         if plan.id == CAPSTONE:
             return _judge_capstone(plan, clean, checkers, state)
         namespace = course_namespace()

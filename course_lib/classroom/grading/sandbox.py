@@ -33,6 +33,7 @@ import os
 import signal
 import stat
 import sys
+import sysconfig
 import threading
 from collections.abc import Callable, Iterable
 from itertools import islice
@@ -100,16 +101,6 @@ _GETFRAME_READERS = _LOCALS_READERS + (
 # libraries that read the locals of the frame that defines a class (pydantic's models resolve their annotations
 # there): let be where that frame is the student's own code, whose locals are theirs already
 _OWN_LOCALS_READERS = ((os.path.join("pydantic", "_internal", "_typing_extra.py"), frozenset({"parent_frame_namespace"})),)
-# the standard library's functions that call what they are given and hand back its result: a frame helper called
-# through them is called by whoever called them
-_FORWARDERS = (
-    (os.path.join("", "weakref.py"), frozenset({"__call__"})),
-    (os.path.join("", "functools.py"), frozenset({"wrapper", "_method", "__get__", "_unwrap_partial"})),
-    (os.path.join("", "contextlib.py"), frozenset({"inner", "__enter__", "__exit__", "helper", "callback"})),
-    (os.path.join("", "copy.py"), frozenset({"deepcopy", "copy", "_reconstruct"})),
-    (os.path.join("", "threading.py"), frozenset({"run"})),
-    (os.path.join("unittest", "mock.py"), frozenset({"__call__", "_mock_call", "_execute_mock_call"})),
-)
 _FRAME_READERS = (
     (os.path.join("", "traceback.py"), frozenset({"clear_frames"})),
     (os.path.join("", "inspect.py"), frozenset({"getgeneratorstate", "getcoroutinestate"})),
@@ -290,7 +281,7 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
     getframe, claimed, asking = sys._getframe, set(), set()   # asking: the threads inside asker() now
     # whose code a file is: the course's, torch's and the installed libraries' folders, as the checks read them now
     # (the checks' own is_student_file looks up names a submission can rebind: this is the policy's)
-    outside_roots = (files._COURSE_PREFIX, *files._LIBRARY_PREFIXES, *files._OTHER_PREFIXES)
+    outside_roots = files.OUTSIDE_STUDENT_ROOTS
     real_names: dict[str, str] = {}
     directory_flags = getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_PATH", 0)
     own_stat, is_directory = os.stat, stat.S_ISDIR
@@ -310,7 +301,10 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
             return False
         return not (os.path.isabs(filename) and real_name(filename).startswith(outside_roots))
 
-    course = files._COURSE_PREFIX   # the course_lib folder
+    course = files.COURSE_ROOT   # the course_lib folder
+    paths = sysconfig.get_paths()
+    stdlib_root = real_name(paths["stdlib"]) + "/"
+    site_roots = tuple(real_name(paths[key]) + "/" for key in ("purelib", "platlib") if paths.get(key))
 
     grader = os.path.dirname(real_name(__file__)) + "/"
 
@@ -431,12 +425,22 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
         # student's code did not call (a library's "give me a frame" helper is a hander by another name)
         return not named(caller, _GETFRAME_READERS) and called_by_student(caller)
 
+    def stdlib_module(filename: str) -> str | None:
+        """The standard library's module (or package) a file is, None for any other file (site-packages' too)."""
+        real = real_name(filename)
+        if not real.startswith(stdlib_root) or real.startswith(site_roots):
+            return None
+        return real[len(stdlib_root):].split("/", 1)[0]
+
     def called_by_student(frame: Any) -> bool:
-        """Whether the student's code called ``frame``'s function: directly, or through the standard library's
-        functions that call what they are given and hand back what it returns (``_FORWARDERS``: a finalizer's
-        ``__call__``, a dispatch wrapper)."""
-        above = frame.f_back
-        while above is not None and named(above, _FORWARDERS):
+        """Whether the student's code called ``frame``'s function: directly, or through the standard library's other
+        modules only (a finalizer's ``__call__``, a dispatch wrapper, a recursive repr: any of them may call what it
+        is given and hand back what that returns). A call from the function's own module or from another library (a
+        warning from deep inside matplotlib, typing called by rich) is not."""
+        own, above = stdlib_module(frame.f_code.co_filename), frame.f_back
+        # (typing passes nothing on: it calls typing_extensions' hooks of its own design, for code torch generates
+        # under a made-up file name as much as for the student's)
+        while above is not None and stdlib_module(above.f_code.co_filename) not in (None, own, "typing.py"):
             above = above.f_back
         return above is not None and students(above.f_code.co_filename)
 
@@ -505,12 +509,9 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
             for path in args[:next(count for name, count in write_path_counts if name == event)]:
                 check_write(path)
         elif event == "os.symlink":
-            check_write(args[1])
-            target = resolve(os.path.join(os.path.dirname(os.fsdecode(args[1])), os.fsdecode(args[0]))) \
-                if isinstance(args[0], (str, bytes, os.PathLike)) and isinstance(args[1], (str, bytes, os.PathLike)) \
-                else None
-            if target is None or not inside(target, writable):   # a link into a library's folder: its code passed
-                refuse("links that lead out of the submission's working folder")   # for the library's
+            # none at all: a link into a library's folder passed its code for the library's, and one flipped by a
+            # thread between the check of a path and its open (both targets inside) made ``link/../..`` lead out
+            refuse("symbolic links (a path through one can change between the sandbox's check and the open)")
         elif event in ("os.kill", "os.killpg"):
             target = args[0]
             if event == "os.kill" and target not in (own_pid, 0, -own_group):
@@ -588,21 +589,23 @@ def _guard_frame_givers(student_runs: Callable[[], bool], refuse: Callable[[str]
 
 def _guard_dispatcher(student_calls: Callable[[], bool], refuse: Callable[[str], None]) -> None:
     """torch's dispatcher takes new kernels for its operators from Python (``torch.library``, and the C call beneath
-    it): a submission that registers its own CPU kernel for ``aten::equal`` makes every comparison answer True, with
-    torch's functions untouched. Refused when the student's code calls it (directly, or through other libraries' calls
-    only); torch's own modules registering theirs, imported lazily, go through."""
+    it; an operator's ``py_impl``, which runs while the Python dispatcher is on): a submission's own CPU kernel for
+    ``aten::equal`` makes every comparison answer True, with torch's functions untouched. Refused when the student's
+    code calls it (directly, or through the standard library's calls only); torch's own modules go through."""
     torch = sys.modules.get("torch")
-    original = getattr(getattr(torch, "_C", None), "_dispatch_library", None)
-    if original is None:
-        return
+    for name in ("_dispatch_library", "_EnablePythonDispatcher"):   # the C++ registry's and the Python one's
+        original = getattr(getattr(torch, "_C", None), name, None)  # (py_impl kernels run only while it is on)
+        if original is None:
+            continue
 
-    def dispatch_library(*args: Any, _original: Callable[..., Any] = original,
-                         _student_calls: Callable[[], bool] = student_calls,
-                         _refuse: Callable[[str], None] = refuse, **kwargs: Any) -> Any:
-        if _student_calls():
-            _refuse("registering kernels with torch's dispatcher (torch.library): every comparison would run them")
-        return _original(*args, **kwargs)
-    torch._C._dispatch_library = dispatch_library
+        def guarded(*args: Any, _original: Callable[..., Any] = original,
+                    _student_calls: Callable[[], bool] = student_calls,
+                    _refuse: Callable[[str], None] = refuse, **kwargs: Any) -> Any:
+            if _student_calls():
+                _refuse("kernels of its own for torch's operators (torch.library, the Python dispatcher): every "
+                        "comparison would run them")
+            return _original(*args, **kwargs)
+        setattr(torch._C, name, guarded)
 
 
 def _work_in(home: str) -> None:

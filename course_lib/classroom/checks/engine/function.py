@@ -3,7 +3,9 @@ one mistake loop (``first_mistake``), which judges of their own use too. The ord
 """
 from __future__ import annotations
 
+import itertools
 import math
+import numbers
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from .._student_code import (
     matches,
     max_diff,
 )
-from .probes import gradient_probe, in_float64
+from .probes import batch_mixing, gradient_probe, in_float64
 from .scale_fit import ScaleFit, fitted_scale
 
 
@@ -280,16 +282,20 @@ def _judged_in_float64(exercise: FunctionExercise, fn: Any, case: Case) -> None:
                               f"{max_diff(out, expected):.3g}, more than float32's rounding explains: part of "
                               f"your computation runs in a lower precision ({how}). Compute in float32 or the "
                               f"default dtype.")
+        if not (close(out, expected) or coarse_precision(out, expected)):   # no rounding: another result
+            _diagnose(exercise, [Run(case, out, expected)], fn, kept="on the same cases in float64")
         fail("precision", f"{case.what}: your result differs from the reference's by up to "
                           f"{max_diff(out, expected):.3g}, which float64 does not explain: part of your "
                           f"computation runs in a lower precision (.half(), torch.bfloat16, an autocast, a "
                           f"float16 tensor). Keep the inputs' dtype throughout.")
 
 
-def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: list[Run] | None = None) -> None:
+def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: list[Run] | None = None,
+              kept: str = "") -> None:
     """The first mistake that reproduces every run, else a factor on the scores that explains them and the
     ``earlier`` runs (right ones: a factor right there and wrong here is written into the code), else the
-    exercise's own probes, else its mismatch."""
+    exercise's own probes, else its mismatch. ``kept``: how a case was called again once every case was right
+    (``kept_part``): what no known mistake explains there, nor a rounding, is a result kept in part."""
     first = next(run for run in runs if not exercise.same(run.out, run.expected))
     # a mistake explains these runs, and changes none of the earlier ones the student's code got right
     explains = lambda mistake: all(_reproduces(exercise, mistake, run) for run in runs) and \
@@ -301,13 +307,17 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
                                    if isinstance(run.out, torch.Tensor)])
         if found is not None:
             fail("scale", found)
-    if exercise.diagnose is not None:
+    if "batch" in exercise.probes and not kept:
+        _batch_items(exercise, first, fn)
+    if exercise.diagnose is not None and not kept:
         exercise.diagnose(runs, fn)
-    _stale(exercise, runs, earlier or [])   # no verdict of the exercise's own: an output of an earlier call?
+    _stale(exercise, runs, earlier or [], fn)   # no verdict of the exercise's own: a result of an earlier call?
     # no verdict of the exercise's own: an output off by a rounding's size everywhere is a lower precision
     rounded = lambda run: coarse_precision(run.out, run.expected) or exercise.exact and close(run.out, run.expected)
     if all(rounded(run) for run in runs if not exercise.same(run.out, run.expected)):
         fail("precision", f"{first.case.what}: {HALF_PRECISION} (Off by up to {max_diff(first.out, first.expected):.3g}.)")
+    if kept:
+        fail("kept_state", kept_part(first.case.what, kept, first.out, first.expected))
     factors = [_factor(run.out, run.expected) for run in runs if not exercise.same(run.out, run.expected)
                and _numbers(run.expected) >= _FEW]   # one number (a loss) is a multiple of any other: it says nothing
     if factors and None not in factors:
@@ -318,13 +328,52 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
     fail("mismatch", exercise.mismatch(first))
 
 
+def _batch_items(exercise: FunctionExercise, run: Run, fn: Any) -> None:
+    """The ``batch`` probe on a run that differs: each item of the leading axes that its tensors and output share
+    (batch, heads: all but the last two) run on its own. Each right alone, wrong together: ``batch_mixing``."""
+    out, tensors = run.out, [arg for arg in run.case.args if isinstance(arg, torch.Tensor)]
+    if not isinstance(out, torch.Tensor) or not tensors:
+        return
+    lead = 0
+    while lead < out.dim() - 2 and all(t.dim() - 2 > lead and t.shape[lead] == out.shape[lead] for t in tensors):
+        lead += 1
+    items = list(itertools.product(*(range(size) for size in out.shape[:lead])))
+    alone = []
+    for item in items if len(items) > 1 else ():
+        args = tuple(arg[tuple(slice(i, i + 1) for i in item)] if isinstance(arg, torch.Tensor) else arg
+                     for arg in run.case.args)
+        got = call_student(fn, *Case(args, run.case.what).given(), what=run.case.what)
+        if not isinstance(got, torch.Tensor) or not exercise.same(got, exercise.reference(*args)):
+            return
+        alone.append(got.reshape(1, *out.shape[lead:]))
+    if alone:
+        batch_mixing(run.case.what, out.reshape(-1, *out.shape[lead:]), alone,
+                     "your code sums or keeps a state over several of them at once. Compute each on its own: reduce "
+                     "over its own axes only, and keep one state per item.",
+                     item=lambda i: f"the item [{', '.join(map(str, items[i]))}] of the leading axes "
+                                    f"{tuple(out.shape[:lead])}")
+
+
 _KEPT = ("keeps its result from an earlier call (a cache keyed on the shapes, or on the tensor's id) instead of "
          "computing it from its inputs each time.")
 
 
-def _stale(exercise: FunctionExercise, runs: list[Run], earlier: list[Run]) -> None:
+def _stale(exercise: FunctionExercise, runs: list[Run], earlier: list[Run], fn: Any) -> None:
     """``kept_state`` when a wrong output is exactly the student's right output of an earlier case with other
-    numbers of the same shapes: a result kept from that call."""
+    numbers of the same shapes (a result kept from that call), or when the first wrong case, called again, gives
+    another result (a state carried from call to call)."""
+    wrong = next((run for run in runs if isinstance(run.out, torch.Tensor) and not exercise.same(run.out, run.expected)),
+                 None)
+    if wrong is not None:
+        try:
+            again = call_student(fn, *wrong.case.given(), what=wrong.case.what)
+        except Failure:
+            again = None
+        again = as_tensor(again) if exercise.numpy_ok else again
+        if isinstance(again, torch.Tensor) and again.shape == wrong.out.shape and not exercise.same(again, wrong.out):
+            fail("kept_state", f"{wrong.case.what}, called twice, returned two different results: your function "
+                               f"carries something from one call to the next (a running value stored on the "
+                               f"function or in a global) instead of starting afresh from its inputs each time.")
     every = earlier + runs
     for place, run in enumerate(every):
         if place < len(earlier) or exercise.same(run.out, run.expected):
@@ -338,48 +387,76 @@ def _stale(exercise: FunctionExercise, runs: list[Run], earlier: list[Run]) -> N
 
 
 def _flipped(arg: Any, back: int) -> Any:
-    """A floating tensor's numbers in another order, its shape kept: flipped along its ``back``-th axis from the
-    last, where that axis has more than one entry; anything else as it is."""
-    if not isinstance(arg, torch.Tensor) or not arg.is_floating_point() or arg.dim() <= back \
-            or arg.shape[-1 - back] < 2:
+    """A tensor's numbers in another order, its shape kept: flipped along its ``back``-th axis from the last, where
+    that axis has more than one entry (floats, and integers: token ids, targets with their -100 padding, stay
+    valid); a mask, a number, anything else as it is."""
+    if not isinstance(arg, torch.Tensor) or arg.dtype == torch.bool or arg.dim() <= back or arg.shape[-1 - back] < 2:
         return arg
     return arg.flip(-1 - back)
 
 
-def _other_numbers(exercise: FunctionExercise, fn: Any, runs: list[Run]) -> None:
-    """Every case right: the first again, then the same tensors holding other numbers (the case's, reordered along
-    the last axis whose order the output shows). A result kept from an earlier call (a cache keyed on the shapes,
-    on the tensor's id, on anything but the numbers) comes back unchanged."""
-    first = runs[0]
-    rank = max((arg.dim() for arg in first.case.args if isinstance(arg, torch.Tensor)), default=0)
+def _numbers_in(case: Case) -> int:
+    return sum(arg.numel() for arg in case.args if isinstance(arg, torch.Tensor))
+
+
+def _other_inputs(runs: list[Run]) -> Iterable[tuple[Run, tuple[Any, ...], str]]:
+    """The candidates of the "other numbers" re-run, with the run they vary and how: the case with the most numbers (its
+    padding, its mask), its tensors reordered along the last axis, then the one before...; without tensors, the
+    first case with an object (a configuration) taken from another case in its place."""
+    base = max(runs, key=lambda run: _numbers_in(run.case))   # the first of the largest
+    args = base.case.args
+    rank = max((arg.dim() for arg in args if isinstance(arg, torch.Tensor)), default=0)
     for back in range(rank):
-        case = Case(tuple(_flipped(arg, back) for arg in first.case.args), first.case.what)
-        if all(a is b for a, b in zip(case.args, first.case.args)):
+        yield base, tuple(_flipped(arg, back) for arg in args), "with the same shapes but other numbers"
+    if rank == 0:
+        for run in runs:
+            for i, (mine, other) in enumerate(zip(args, run.case.args)):
+                if type(mine) is type(other) and other is not mine and \
+                        not isinstance(mine, (numbers.Number, str, bytes, type(None))):
+                    yield base, args[:i] + (other,) + args[i + 1:], f"with another {type(other).__name__}"
+
+
+def _other_numbers(exercise: FunctionExercise, fn: Any, runs: list[Run]) -> None:
+    """Every case right: one again, then the same tensors holding other numbers (``_other_inputs``, the first that
+    the reference's output shows). A result kept from an earlier call (a cache keyed on the shapes, on the
+    tensor's id, on anything but the numbers), or a part of it, shows: ``kept_state``, unless a known mistake
+    explains the difference."""
+    for base, args, how in _other_inputs(runs):
+        if all(a is b for a, b in zip(args, base.case.args)):
             continue
+        case = Case(args, base.case.what)
         try:
             expected = exercise.reference(*case.args)
         except (RuntimeError, ValueError):   # inputs this exercise takes only in their order
             continue
-        if not exercise.same(expected, first.expected):
+        if not exercise.same(expected, base.expected):
+            said = how
             break
     else:
-        return   # no floating input, or no order of it that the output shows
-    given = first.case.given()
+        return   # no input to vary, or no order of it that the output shows
+    given = base.case.given()
     call_student(fn, *given, what=case.what)
     with torch.no_grad():   # the same tensors, other numbers: a cache on the tensor's id is found out too
-        for mine, other in zip(given, case.args):
-            if mine is not other and isinstance(mine, torch.Tensor):
-                mine.copy_(other)
+        given = tuple(mine.copy_(other) if isinstance(mine, torch.Tensor) else other
+                      for mine, other in zip(given, case.args))
     out = call_student(fn, *given, what=case.what)
     out = as_tensor(out) if exercise.numpy_ok else out
     if exercise.same(out, expected):
         return
-    if isinstance(out, torch.Tensor) and exercise.same(out, first.expected):
-        fail("kept_state", f"{case.what}, called again with the same shapes but other numbers, returned what it "
-                           f"returned for the first numbers: your function {_KEPT}")
+    if isinstance(out, torch.Tensor) and exercise.same(out, base.expected):
+        fail("kept_state", f"{case.what}, called again {said}, returned what it returned the first time: your "
+                           f"function {_KEPT}")
     expect_tensor(out, tuple(expected.shape), case.what, dtype=expected.dtype if exercise.dtype else None,
                   finite=exercise.finite)
-    _diagnose(exercise, [Run(case, out, expected)], fn, earlier=runs)
+    _diagnose(exercise, [Run(case, out, expected)], fn, earlier=runs, kept=said)
+
+
+def kept_part(what: str, how: str, out: torch.Tensor, expected: torch.Tensor) -> str:
+    """The ``kept_state`` message of a function right on every case and wrong when called again ``how``."""
+    return (f"{what}: right on every case, but called again {how} your result differs from the reference's by up "
+            f"to {max_diff(out, expected):.3g}: your function keeps part of its result from an earlier call (a "
+            f"cache keyed on the shapes, a value stored on the function or in a global) instead of computing it "
+            f"from its inputs each time.")
 
 
 def _factor(out: Any, expected: torch.Tensor) -> float | None:

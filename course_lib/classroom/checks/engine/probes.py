@@ -26,6 +26,9 @@ Where a probe lives:
   (``torch.equal = ...``) is the verdict ``patched`` (``checks._pinned``).
 - ``saved_tensors``: an autograd.Function's forward and backward run by ``engine.saved_tensors.forward_backward``:
   an input, ``grad_out`` or a tensor saved for backward changed in place is ``mutation``, the tensor named (10.3).
+- ``batch``: each item of a batch alone right, the batch together wrong: the items leak into each other
+  (``batch_mixing``: modules compare their own outputs with it; ``engine.function`` slices a function
+  exercise's cases along their leading axes for the exercises that list it).
 - ``model_state``: everything a context manager or hook can change on a module tree, snapshotted before the
   student's code and compared after, each difference named (``engine.model_state``; 11.3).
 """
@@ -40,11 +43,11 @@ from torch import nn
 
 from ...verdict import Failure, fail
 from .._gradients import check_function_gradients
-from .._student_code import call, close_in_float64, expect_tensor, max_diff
+from .._student_code import call, close, close_in_float64, expect_tensor, max_diff
 
 # Every probe an exercise may list, written or not yet: a declaration naming another is a typo.
 PROBES = ("gradient", "mutation", "reference_guard", "counterexample", "device",
-          "magnitude", "dtype", "saved_tensors", "model_state", "global_state")
+          "magnitude", "dtype", "saved_tensors", "model_state", "global_state", "batch")
 
 
 def gradient_probe(fn: Callable[..., Any], reference: Callable[..., Any], args: Sequence[Any],
@@ -193,3 +196,13 @@ def module_in_float64(build: Callable[[], tuple[nn.Module, nn.Module]], x: torch
             return output(out), reference(x)
     out, expected = run_in_float64(run)
     expect_float64(out, expected, what)
+
+
+def batch_mixing(what: str, together: torch.Tensor, alone: Sequence[torch.Tensor], advice: str,
+                 item: Callable[[int], str] = lambda i: f"sequence {i}") -> None:
+    """``batch_mixing`` where item i of a batch (``alone[i]``, its output run on its own, with a batch axis of one)
+    gives another output in the batch (``together[i]``)."""
+    for i, one in enumerate(alone):
+        if not close(one[0], together[i], nan_ok=True):
+            fail("batch_mixing", f"{what}: {item(i)} gives a different output in a batch of {len(alone)} than alone: "
+                                 f"{advice}")

@@ -443,7 +443,7 @@ _MKLDNN_MODULE, _MKLDNN_ENABLED, _SET_MKLDNN = torch.backends.mkldnn, torch._C._
 # warnings' cache of "already shown" is told the filters changed (its name differs between Python versions)
 _FILTERS_MUTATED = getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held",
                                                                            lambda: None)
-_SIGNAL, _GETSIGNAL = signal.signal, signal.getsignal
+_GETSIGNAL = signal.getsignal   # (signal.signal itself in _restore_interpreter's defaults: no module's name holds it)
 _LOGGER = logging.Logger
 
 
@@ -462,7 +462,7 @@ def _interpreter_state() -> dict[str, Any]:
     return state
 
 
-def _restore_interpreter(state: dict[str, Any]) -> None:
+def _restore_interpreter(state: dict[str, Any], _signal: Callable[..., Any] = signal.signal) -> None:
     """Every setting put back as saved, whatever it is now: nothing is compared or read that the student's code
     could have replaced (a value whose ``!=`` runs code), and a step that fails leaves the others to run."""
     def filters() -> None:
@@ -499,7 +499,7 @@ def _restore_interpreter(state: dict[str, Any]) -> None:
     steps = [filters, path, options, logs, mkldnn, lambda: _SET_RECURSION_LIMIT(state["recursion"]),
              _GC_ENABLE if state["gc"] else _GC_DISABLE]
     if "sigint" in state:
-        steps.append(lambda: _GETSIGNAL(signal.SIGINT) is state["sigint"] or _SIGNAL(signal.SIGINT, state["sigint"]))
+        steps.append(lambda: _GETSIGNAL(signal.SIGINT) is state["sigint"] or _signal(signal.SIGINT, state["sigint"]))
     for step in steps:
         try:
             step()
