@@ -354,9 +354,9 @@ def _sdpa_diagnose(runs: list[Run], fn: Any) -> None:
         q, k = runs[-1].case.args[:2]
         largest = float((q @ k.transpose(-2, -1)).abs().max()) * q.shape[-1] ** -0.5
         fail("nan", f"Your function gives NaN when the scores are large (here up to about {largest:.0f}): exp of "
-                    f"a large number overflows to inf, and inf / inf is NaN. Subtract each row's maximum score "
-                    f"before exponentiating (the softmax does not change), or use torch.softmax, which does this "
-                    f"for you.")
+                    f"a large number overflows to inf (inf / inf is NaN), or every weight of a row rounds to 0 "
+                    f"(0 / 0 is NaN). Subtract each row's maximum score before exponentiating (the softmax does not "
+                    f"change), or use torch.softmax, which does this for you.")
     for run in runs:
         expect_finite(run.out, f"scaled_dot_product_attention with q {shape_str(run.case.args[0].shape)}")
     probed = False

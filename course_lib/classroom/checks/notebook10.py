@@ -521,9 +521,10 @@ def _lse_unexplained(runs: list[Run], fn: Any) -> None:
                          f"itself, which overflows above about 88 and underflows below about -104 (float32). Use "
                          f"the running maximum m and sum l of each row: lse = m + log(l).")
     fail("logsumexp", f"{run.case.what}: the output is right but the log-sum-exp is not: it differs from "
-                      f"log(sum_j exp(s_ij)) by up to {max_diff(run.out, run.expected):.3g}; with the running "
-                      f"maximum m and sum l of each row, lse = m + log(l). The backward (10.3) rebuilds every "
-                      f"weight from it, as exp(s - lse).")
+                      f"log(sum_j exp(s_ij)) by up to {max_diff(run.out, run.expected):.3g}, with s the scaled "
+                      f"scores; with the running maximum m of those scaled scores and the sum l of each row, lse = "
+                      f"m + log(l) (a maximum taken before the scale makes it scale * m + log(l)). The backward "
+                      f"(10.3) rebuilds every weight from it, as exp(s - lse).")
 
 
 def _tiny_forward() -> list[tuple[Any, ...]]:
