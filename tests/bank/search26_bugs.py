@@ -6,7 +6,7 @@ results kept between calls where the inputs are integers or no tensors (5.1, 5.2
 result kept (1.2, 1.3, 9.2, 10.1, 12.3: "precision", "right for values of shape ..." or "none of the mistakes");
 Hugging Face's RMSNorm order with a float32 weight on float16 x (9.3: passed); sequences or heads summed together
 in 12.3 (not named); a ValueError that says nothing of what to do (4.3: passed). And mistakes told only "wrong
-values" (4.3, 5.2, 7.1, 9.4, 10.3, 11.3, 12.3), now named.
+values" (4.3, 5.2, 7.1, 9.4, 9.6, 10.3, 11.3, 12.3), now named.
 """
 from __future__ import annotations
 
@@ -18,9 +18,18 @@ import torch.nn.functional as F
 
 from bank.attempts import new_bank
 from bank.flash_bugs import _backward, _tiled
+from course_lib.attention import causal_mask, merge_heads, split_heads
 from course_lib.flash import FlashAttentionFunction
 from course_lib.model import GPT
-from course_lib.modern import RMSNorm, SwiGLU, rotate_half
+from course_lib.modern import (
+    GroupedQueryAttention,
+    RMSNorm,
+    SwiGLU,
+    apply_rotary,
+    repeat_kv,
+    rotate_half,
+    sliding_window_mask,
+)
 
 BUGGY, CORRECT, bug, correct = new_bank()
 
@@ -305,3 +314,29 @@ def ablate_head_and_one_more_column(model, layer, head):
     size = model.blocks[layer].attn.head_dim
     with _zeroed([model.blocks[layer]], slice(head * size, (head + 1) * size + 1)):
         yield model
+
+
+# ============================================================================ 9.6: keys and values grouped apart
+
+@bug("9.6", "kv_grouping", "another order")
+class GQAValuesTiledKeysInterleaved(GroupedQueryAttention):
+    """Keys shared with repeat_kv (each key head next to its queries), values tiled with .repeat: query head h reads
+    the keys of one group and the values of another."""
+
+    def forward(self, x, cache=None):
+        start = 0 if cache is None else cache.length
+        q = split_heads(self.query(x), self.num_heads)
+        k = split_heads(self.key(x), self.num_kv_heads)
+        v = split_heads(self.value(x), self.num_kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, self.rope_cos, self.rope_sin, offset=start)
+        k = apply_rotary(k, self.rope_cos, self.rope_sin, offset=start)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        k, v = repeat_kv(k, self.groups), v.repeat(1, self.groups, 1, 1)
+        total = k.shape[2]
+        mask = causal_mask(total, device=x.device)[start:total]
+        if self.sliding_window is not None:
+            mask = mask & sliding_window_mask(total, self.sliding_window, device=x.device)[start:total]
+        return self.proj(merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))
