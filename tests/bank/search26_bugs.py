@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from bank.attempts import new_bank
 from bank.flash_bugs import _backward, _tiled
-from course_lib.attention import causal_mask, merge_heads, split_heads
+from bank.modern_bugs import _attend
+from course_lib.attention import split_heads
 from course_lib.flash import FlashAttentionFunction
 from course_lib.model import GPT
 from course_lib.modern import (
@@ -28,7 +29,6 @@ from course_lib.modern import (
     apply_rotary,
     repeat_kv,
     rotate_half,
-    sliding_window_mask,
 )
 
 BUGGY, CORRECT, bug, correct = new_bank()
@@ -334,9 +334,4 @@ class GQAValuesTiledKeysInterleaved(GroupedQueryAttention):
         k = apply_rotary(k, self.rope_cos, self.rope_sin, offset=start)
         if cache is not None:
             k, v = cache.append(k, v)
-        k, v = repeat_kv(k, self.groups), v.repeat(1, self.groups, 1, 1)
-        total = k.shape[2]
-        mask = causal_mask(total, device=x.device)[start:total]
-        if self.sliding_window is not None:
-            mask = mask & sliding_window_mask(total, self.sliding_window, device=x.device)[start:total]
-        return self.proj(merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))
+        return _attend(self, q, repeat_kv(k, self.groups), v.repeat(1, self.groups, 1, 1), start)

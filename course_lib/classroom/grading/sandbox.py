@@ -472,7 +472,8 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
     def refuse(what: str) -> None:
         raise SandboxRefused(f"the grader's sandbox does not allow {what}")
 
-    def check_read(path: Any) -> None:
+    def check_read(path: Any, opened: bool = False, flags: Any = None) -> None:
+        """``opened``: an open with ``flags`` (not a listing), whose descriptor must not be a folder's outside."""
         real = resolve(path)
         if real is None or inside(real, writable):
             return
@@ -483,6 +484,8 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
             refuse(f"reading {real}: other processes are off limits")
         if proc and real.startswith(proc) and os.path.basename(real) in ("mem", "pagemap", "environ"):
             refuse(f"reading {real}: this process's memory is the grader's too")
+        if opened and outside_directory(real, flags):
+            refuse(f"opening the folder {real}: only the working folder's own folders may be opened")
 
     def check_write(path: Any) -> None:
         real = resolve(path)
@@ -495,10 +498,7 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
             path, mode, flags = (tuple(args) + (None, None, None))[:3]
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
                 (isinstance(flags, int) and bool(flags & write_flags))
-            check_write(path) if writes else check_read(path)
-            real = None if writes else resolve(path)
-            if real is not None and not inside(real, writable) and outside_directory(real, flags):
-                refuse(f"opening the folder {real}: only the working folder's own folders may be opened")
+            check_write(path) if writes else check_read(path, opened=True, flags=flags)
         elif event in ("os.listdir", "os.scandir", "os.chdir"):
             check_read(args[0] if args else None)
             if event == "os.chdir":
