@@ -395,9 +395,10 @@ def flash_not_written(q, k, v, *, block_q, block_k, causal=False):
 # ============================================================================ 10.3 backward
 
 def _backward(ctx, grad_out, *, delta="ok", ds_scale=True, dv_t=False, dk_t=False, mask=True, recompute=None,
-              grads=None, blocks=None):
+              grads=None, blocks=None, diagonal=True):
     """The recomputing backward with one slip switched on; ``recompute`` and ``grads`` are other factors for the
-    recomputed scores and for dQ and dK (1/sqrt(d) each), ``blocks`` (block_q, block_k) other than those given."""
+    recomputed scores and for dQ and dK (1/sqrt(d) each), ``blocks`` (block_q, block_k) other than those given;
+    ``diagonal`` False: a causal key loop that stops at the query block's start."""
     block_q, block_k = blocks or (ctx.block_q, ctx.block_k)
     q, k, v, out, lse = ctx.saved_tensors
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -408,7 +409,7 @@ def _backward(ctx, grad_out, *, delta="ok", ds_scale=True, dv_t=False, dk_t=Fals
     for qs in range(0, lq, block_q):
         qe = min(qs + block_q, lq)
         qb, dob = q[..., qs:qe, :], grad_out[..., qs:qe, :]
-        for ks in range(0, min(lk, qe) if ctx.causal else lk, block_k):
+        for ks in range(0, (min(lk, qe) if diagonal else qs) if ctx.causal else lk, block_k):
             ke = min(ks + block_k, lk)
             kb, vb = k[..., ks:ke, :], v[..., ks:ke, :]
             s = qb @ kb.transpose(-2, -1) * (scale if recompute is None else recompute)

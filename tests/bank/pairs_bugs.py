@@ -66,11 +66,12 @@ class FlashBackwardHidesTheDiagonal(torch.autograd.Function):
 
 
 # ============================================================================ 12.2: .view without the transpose, and pairs
-def _latent(layer, x, cache=None, *, kv_view=False, mask="ok", merge="ok"):
+def _latent(layer, x, cache=None, *, kv_view=False, mask="ok", merge="ok", q_norm=True):
     n, length, _ = x.shape
     start = 0 if cache is None else cache.length
     dn, dr, heads = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads
-    q = layer.q_proj(x) if layer.q_lora_rank is None else layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x)))
+    q = layer.q_proj(x) if layer.q_lora_rank is None else layer.q_b_proj(
+        (layer.q_a_layernorm if q_norm else torch.nn.Identity())(layer.q_a_proj(x)))
     q_nope, q_rope = q.view(n, length, heads, dn + dr).transpose(1, 2).split([dn, dr], dim=-1)
     q_rope = modern.apply_rotary(q_rope, layer.rope_cos, layer.rope_sin, offset=start)
     latent, k_rope = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, dr], dim=-1)
@@ -88,7 +89,7 @@ def _latent(layer, x, cache=None, *, kv_view=False, mask="ok", merge="ok"):
     allowed = (torch.ones(length, total, dtype=torch.bool).tril() if mask == "top_left"
                else torch.ones(total, total, dtype=torch.bool).tril()[start:])
     out = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v                  # (N, H, L, dv)
-    out = out if merge == "bare" else out.transpose(1, 2)
+    out = {"bare": out, "heads_last": out.permute(0, 2, 3, 1)}.get(merge, out.transpose(1, 2))
     return layer.o_proj(out.reshape(n, length, heads * layer.v_head_dim))
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from bank.attempts import new_bank
 from bank.flash_bugs import _backward, _tiled
 from bank.modern_bugs import _attend
+from bank.pairs_bugs import _latent
 from course_lib.attention import split_heads
 from course_lib.flash import FlashAttentionFunction
 from course_lib.model import GPT
@@ -335,3 +336,26 @@ class GQAValuesTiledKeysInterleaved(GroupedQueryAttention):
         if cache is not None:
             k, v = cache.append(k, v)
         return _attend(self, q, repeat_kv(k, self.groups), v.repeat(1, self.groups, 1, 1), start)
+
+
+# ============================================================================ 10.3, 12.2: mistakes the search named
+
+@bug("10.3", "block_skip", "skips the diagonal block")
+class BackwardKeyLoopStopsBeforeTheDiagonal(FlashAttentionFunction):
+    """The causal backward's key loop runs to the query block's start: the diagonal block's keys get no gradient."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _backward(ctx, grad_out, diagonal=False)
+
+
+@bug("12.2", "norm_placement", "query latent is not normalised")
+def latent_queries_without_their_norm(layer, x, cache=None):
+    """q_b_proj(q_a_proj(x)): the query latent never meets q_a_layernorm."""
+    return _latent(layer, x, cache, q_norm=False)
+
+
+@bug("12.2", "head_split", "interleaves the heads")
+def latent_heads_merged_with_the_heads_last(layer, x, cache=None):
+    """(N, H, L, dv) permuted to (N, L, dv, H) before the reshape: one feature of every head side by side."""
+    return _latent(layer, x, cache, merge="heads_last")
