@@ -28,10 +28,6 @@ NBVAL_ENV := COURSE_STATIC_WIDGETS=1 COURSE_THREADS=2 MPLBACKEND=Agg PYTHONHASHS
 # uses both cores (COURSE_THREADS=2, which their stored outputs were computed with), and two at once
 # made CPU threads wait on each other (notebook 05 took over 8 minutes instead of 3).
 JOBS ?= 2
-# Under `make test`, tests-all runs one worker more than there are cores: a worker often waits (on a venv's pip
-# install writing files, on a kernel it started, on the Gradescope test's half-CPU quota), and the third keeps
-# the cores busy then. Each worker runs torch on one thread (tests/scheduling.py), so three do not spin.
-TEST_JOBS ?= 3
 # Notebook 10's Triton section runs (in Triton's CPU interpreter) wherever Triton ships wheels: Linux x86_64.
 # Elsewhere the section says in one line that it was skipped.
 comma := ,
@@ -92,12 +88,8 @@ lab-solutions: setup
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/01_attention_toy.ipynb
 
 # The notebooks run first: they record the trainings that the learner copies, the hosted set-up test and the
-# browser test replay. Then the learner copies and the browser test run side by side (each mostly keeps one
-# core busy: a kernel's Python, a browser), their logs kept whole; then all the tests.
-test: setup lint notebooks
-	$(MAKE) --no-print-directory -j 2 --output-sync=target learner-copies browser \
-	  LEARNER_COPIES_ELSEWHERE="$(LEARNER_COPIES_ELSEWHERE)"
-	$(MAKE) --no-print-directory tests-all JOBS=$(TEST_JOBS)
+# browser test replay.
+test: setup lint notebooks learner-copies tests-all browser
 
 # Learner copies 01 and 05 run whole in tests-all as well, in a kernel without the course where their set-up
 # cell installs it (tests/test_hosted_setup.py, which asserts what nbval-lax asserts of them; it checks that this
