@@ -21,15 +21,24 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from types import FunctionType
+from types import FunctionType, ModuleType
 from typing import Any
 
+from .. import capstone
 from ..checks._pinned import tables as pinned_tables
 from ..checks._pinned import tables_intact as pinned_tables_intact
 from ..checks._references import bind_references, install_references, pinned_state
 from ..checks._student_files import exception_line, exception_message, exception_name, is_student_file
-from ..checks.engine.run import CheckNotPassed, Displayed
-from ..collect import GPT_EXERCISES, course_names, course_namespace, execute_student_source
+from ..checks.engine.run import (
+    CallsReference,
+    CheckNotPassed,
+    Displayed,
+    bound_to_course_work,
+    is_reference,
+    reference_message,
+    reference_of,
+)
+from ..collect import GPT_EXERCISES, collect_student_parts, course_names, course_namespace, execute_student_source
 from ..verdict import CheckResult
 from .plan import CAPSTONE, ExercisePlan
 
@@ -77,12 +86,14 @@ def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
     """What the student's code could change in the course, taken before any of it runs: every name of the course's
     modules and classes as pinned (``_references``) and the course's entries of sys.modules; the fields of the frozen
     declarations they hold (an exercise's reference, its mistakes: ``object.__setattr__`` writes them); the closure
-    cells of the course's functions and of the checkers (a cell's contents is writable); the pin tables."""
+    cells of the course's functions and of the checkers (a cell's contents is writable); the names of the globals
+    of its own that a class's method has (``CheckResult.__new__``'s ``_tuple_new``); the pin tables."""
     names, cells, seen = list(pinned_state()), [], set()
     modules = sys.modules
     names += [(modules, name, module) for name, module in list(modules.items())
               if name == "course_lib" or name.startswith("course_lib.")]
     todo = [value for _, _, value in names] + list(checkers.values())
+    module_globals = {id(vars(module)) for module in list(modules.values()) if isinstance(module, ModuleType)}
     while todo:
         value = todo.pop()
         if id(value) in seen:
@@ -97,6 +108,11 @@ def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
                 todo.append(cell.cell_contents)
         elif isinstance(value, tuple | frozenset):
             todo += list(value)
+        elif isinstance(value, type):   # a method made with globals of its own (a NamedTuple's __new__): its names
+            for method in vars(value).values():
+                method = getattr(method, "__func__", method)
+                if isinstance(method, FunctionType) and id(method.__globals__) not in module_globals:
+                    names += [(method.__globals__, name, field) for name, field in method.__globals__.items()]
         elif dataclasses.is_dataclass(value) and not isinstance(value, type) and type(value).__dataclass_params__.frozen \
                 and hasattr(value, "__dict__"):
             fields = vars(value)
@@ -146,6 +162,34 @@ _TIMERS = tuple(getattr(signal, name) for name in ("ITIMER_REAL", "ITIMER_VIRTUA
                 if hasattr(signal, name)) if _GETITIMER else ()
 
 
+# torch's own operators (the comparisons', the references'), and the keys of the kernels torch itself registers for
+# them lazily while a student's code runs (vmap's batching rules, fake tensors' meta kernels), which compute nothing
+# on a tensor: the sandbox refuses any other kernel for them to the student's code. Not ``prims``: importing
+# torch._dynamo defines some of them, and no check computes with them.
+TORCH_OWN_OPERATORS = frozenset({"aten"})
+LAZY_KERNEL_KEYS = frozenset({"FuncTorchBatched", "FuncTorchBatchedDecomposition", "Meta"})
+# torch's own registries of code that runs unasked: the module hooks every module runs (a forward hook rewrote the
+# course's MaskedAttention's output into the student's), the Python dispatcher's switch (its py_impl kernels run
+# while it is on) and the kernels registered for torch's own operators (a kernel of aten::equal answered True)
+_TORCH_MODULE = sys.modules["torch.nn.modules.module"]
+_HOOK_TABLES = tuple((name, table) for name, table in sorted(vars(_TORCH_MODULE).items())
+                     if name.startswith("_global_") and isinstance(table, dict))
+_TORCH_C, _TORCH_LIBRARY = sys.modules["torch._C"], sys.modules["torch.library"]
+_PYTHON_DISPATCHER = _TORCH_C.DispatchKey.PythonDispatcher
+_KERNELS = _TORCH_LIBRARY._impls
+
+
+def _torch_hooks() -> tuple[Any, ...]:
+    """(each hook table's name bound now, its items), the Python dispatcher's switch, torch's registered kernels
+    of its own operators but those it registers lazily (``LAZY_KERNEL_KEYS``)."""
+    names = vars(_TORCH_MODULE)
+    tables = tuple((names.get(name), tuple(table.items())) for name, table in _HOOK_TABLES)
+    kernels = vars(_TORCH_LIBRARY).get("_impls")
+    own = frozenset(k for k in _KERNELS if k.partition("/")[0] in TORCH_OWN_OPERATORS
+                    and k.rpartition("/")[2] not in LAZY_KERNEL_KEYS)
+    return tables, bool(_TORCH_C._dispatch_tls_is_dispatch_key_included(_PYTHON_DISPATCHER)), kernels is _KERNELS, own
+
+
 def _hooks() -> Hooks:
     """Every way code runs later without being called: trace and profile functions (this thread's and those
     new threads get), the garbage collector's callbacks and thresholds (a callback runs at every collection),
@@ -153,16 +197,20 @@ def _hooks() -> Hooks:
     the signals a timer or the process itself can send, and the interval timers (as floats: none runs)."""
     return (_GETTRACE(), _GETPROFILE(), _THREADING_HOOKS[0](), _THREADING_HOOKS[1](), tuple(_GC_CALLBACKS),
             _GC_THRESHOLD(), _GC_ENABLED(), _SWITCH_INTERVAL(), _THREADS(),
-            tuple(_GETSIGNAL(number) for number in _SIGNALS), tuple(float(_GETITIMER(t)[0]) for t in _TIMERS))
+            tuple(_GETSIGNAL(number) for number in _SIGNALS), tuple(float(_GETITIMER(t)[0]) for t in _TIMERS),
+            _torch_hooks())
 
 
 def _changed(now: Hooks, clean: Hooks) -> bool:
     """Whether anything differs from ``clean``, each object by identity: a student's hook may define ``__eq__``
     to equal anything, so ``!=`` would run its code and believe it."""
-    functions = [*now[:4], *now[4], *now[9]], [*clean[:4], *clean[4], *clean[9]]
+    tables = [item for bound, items in now[11][0] for item in (bound, *(x for pair in items for x in pair))], \
+        [item for bound, items in clean[11][0] for item in (bound, *(x for pair in items for x in pair))]
+    functions = [*now[:4], *now[4], *now[9], *tables[0]], [*clean[:4], *clean[4], *clean[9], *tables[1]]
     return len(functions[0]) != len(functions[1]) or any(a is not b for a, b in zip(*functions)) \
         or tuple(map(int, now[5])) != tuple(map(int, clean[5])) or bool(now[6]) is not bool(clean[6]) \
-        or float(now[7]) != float(clean[7]) or int(now[8]) != int(clean[8]) or now[10] != clean[10]
+        or float(now[7]) != float(clean[7]) or int(now[8]) != int(clean[8]) or now[10] != clean[10] \
+        or now[11][1:3] != clean[11][1:3] or not now[11][3] <= clean[11][3]
 
 
 _CHECK_CELL = "<course check of exercise "   # the file name the course's check cell runs under: not the student's
@@ -201,6 +249,10 @@ def _restore(clean: Hooks, _setsignal: Callable[..., Any] = signal.signal) -> No
     _SET_GC_THRESHOLD(*clean[5])
     (_GC_ENABLE if clean[6] else _GC_DISABLE)()
     _SET_SWITCH_INTERVAL(clean[7])
+    for (name, table), (_, items) in zip(_HOOK_TABLES, clean[11][0]):
+        vars(_TORCH_MODULE)[name] = table
+        table.clear()
+        table.update(items)
     for timer in _TIMERS:   # first the timers, so that no handler rings while they are put back
         _SETITIMER(timer, 0)
     for number, handler in zip(_SIGNALS, clean[9]):
@@ -250,8 +302,6 @@ def _from_checks(plan: ExercisePlan, record: Record, error: BaseException | None
 
 def _judge_capstone(plan: ExercisePlan, clean: Hooks, checkers: dict[str, Callable[..., Any]],
                     state: State) -> dict[str, Any]:
-    from .. import capstone
-    from ..collect import collect_student_parts
     parts = collect_student_parts(".")
     not_yours = [f"{ex_id} ({parts.parts[ex_id].detail or parts.parts[ex_id].status})" for ex_id in GPT_EXERCISES
                  if not parts.parts[ex_id].is_yours]
@@ -280,33 +330,58 @@ def _checker_call(node: ast.stmt) -> tuple[ast.Call, str | None] | None:
     return None
 
 
+# What the check cell is read and run with, taken when this module is imported (before any student's code): a
+# rebound ast.parse handed the checker the course's own function, a rebound compile or eval could do the same.
+_PARSE, _COMPILE, _EVAL, _EXEC = ast.parse, compile, eval, exec
+_MODULE, _EXPRESSION = ast.Module, ast.Expression
+
+
 def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dict[str, Callable[..., Any]],
-                    clean: Hooks, state: State, tampered: Callable[[State], bool] = _tampered) -> dict[str, Any]:
+                    clean: Hooks, state: State, tampered: Callable[[State], bool] = _tampered,
+                    put_back: Callable[[], None] = install_references) -> dict[str, Any]:
     """Run the course's check cell in a copy of ``namespace``, statement by statement, each checker call made here
     with ``checkers`` (the course's, taken before the student's code could change them) and its verdict kept in
     this frame's own list, which no object the student's code can reach holds. ``patched`` when the student's code
     left anything that runs code unasked (``_hooks``, compared with ``clean``, read before the student's
     definition ran): it would have run between the checker's return and here; ``patched`` too when the course is not
-    as ``state`` (read before any student code) once put back: ``tampered`` and its defaults are taken when this
-    module is defined, so that no rebinding reaches them. Else the verdict of the checks."""
+    as ``state`` (read before any student code) once put back, or was not just before or just after any checker
+    call (a change undone before the end, by a finalizer or the student's own last call, would pass the last look
+    alone): ``tampered`` and its defaults are taken when this module is defined, so that no rebinding reaches them.
+    A checker handed the course's own version of the exercise (the course's tests call it so) is the course's
+    work, not the student's: ``calls_reference``. Else the verdict of the checks."""
     cell, filename = dict(namespace), f"{_CHECK_CELL}{plan.id}>"
     record: list[tuple[str, bool, str | None, str]] = []
-    error, traced = None, False
+    error, traced, changed = None, False, False
+    reference = reference_of(plan.id)
     try:
-        for node in ast.parse(plan.check).body:
+        for node in _PARSE(plan.check).body:
             found = _checker_call(node)
             if found is None:   # 1.1's cell calls the student's my_prediction() itself; 8.1's parts train here
-                exec(compile(ast.Module([node], type_ignores=[]), filename, "exec"), cell)
+                _EXEC(_COMPILE(_MODULE([node], type_ignores=[]), filename, "exec"), cell)
                 continue
             call, target = found
-            value = lambda expr: eval(compile(ast.Expression(expr), filename, "eval"), cell)  # noqa: E731, B023
+            value = lambda expr: _EVAL(_COMPILE(_EXPRESSION(expr), filename, "eval"), cell)  # noqa: E731, B023
             args, kwargs = [value(arg) for arg in call.args], {k.arg: value(k.value) for k in call.keywords}
+            put_back()
+            changed = tampered(state)
+            if changed:
+                break
+            ours = next((how for how in (is_reference(a, reference) for a in args) if how), None) \
+                if reference is not None else None
+            if ours is not None:
+                message = reference_message(CallsReference(plan.id, plan.name, ours))
+                record.append((plan.id, False, "calls_reference", message))
+                break
             try:
                 result = checkers[call.func.attr](*args, **kwargs)
             except CheckNotPassed as refused:   # nbgrader's way, where the notebook set NBGRADER_EXECUTION
                 result = refused.result
             traced = _GETTRACE() is not _TRACE or _GETFRAME().f_trace is not None or _changed(_hooks(), clean)
             if traced:
+                break
+            put_back()
+            changed = tampered(state)
+            if changed:
                 break
             if type(result) in (CheckResult, Displayed):   # the tuple's own items: no attribute of the class is read
                 record.append(tuple.__getitem__(result, slice(0, 4)))
@@ -317,8 +392,8 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dic
     traced = traced or _changed(_hooks(), clean)   # no function of the student's runs past here
     if traced:
         _restore(clean)
-    install_references()
-    if tampered(state):   # first: the functions below are the course's only if it holds
+    put_back()
+    if changed or tampered(state):   # first: the functions below are the course's only if it holds
         return {"exercise": plan.id, "passed": False, "diagnosis": "patched", "message": _CHANGED_COURSE}
     if traced:
         return _verdict(plan.id, False, "patched", _TAMPERED)
@@ -328,7 +403,6 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dic
 def _course_own(plan: ExercisePlan, defined: Any) -> dict[str, Any] | None:
     """The verdict when the student's name is bound to the course's own version (imported, assigned):
     ``calls_reference``; None when it is the student's own definition."""
-    from ..checks.engine.run import CallsReference, bound_to_course_work, is_reference, reference_message, reference_of
     reference = reference_of(plan.id)
     how = is_reference(defined, reference) if reference is not None else None
     if how is not None:

@@ -469,6 +469,10 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
         except (TypeError, ValueError):
             return None
 
+    def directory(path: Any) -> bool:
+        real = resolve(path)
+        return real is not None and os.path.isdir(real)
+
     def refuse(what: str) -> None:
         raise SandboxRefused(f"the grader's sandbox does not allow {what}")
 
@@ -505,6 +509,10 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
                 real = resolve(args[0] if args else None)
                 if real is not None and not inside(real, writable):
                     refuse("leaving the submission's working folder (os.chdir)")
+        elif event in ("os.rename", "os.replace") and args and directory(args[0]):
+            # none of a folder: one renamed back and forth by a thread while a path through it is opened (`d/../..`
+            # checked inside, walked by the kernel after the move) leads out, as a flipped link did
+            refuse("renaming folders (a path through one can change between the sandbox's check and the open)")
         elif event in write_path_events:
             for path in args[:next(count for name, count in write_path_counts if name == event)]:
                 check_write(path)
@@ -554,7 +562,7 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
 
     sys.addaudithook(hook)
     _guard_frame_givers(student_runs, refuse)
-    _guard_dispatcher(student_calls, refuse)
+    _guard_dispatcher(student_runs, student_calls, refuse)
     return hook
 
 
@@ -587,25 +595,44 @@ def _guard_frame_givers(student_runs: Callable[[], bool], refuse: Callable[[str]
     gc.garbage = []
 
 
-def _guard_dispatcher(student_calls: Callable[[], bool], refuse: Callable[[str], None]) -> None:
+def _guard_dispatcher(student_runs: Callable[[], bool], student_calls: Callable[[], bool],
+                      refuse: Callable[[str], None]) -> None:
     """torch's dispatcher takes new kernels for its operators from Python (``torch.library``, and the C call beneath
     it; an operator's ``py_impl``, which runs while the Python dispatcher is on): a submission's own CPU kernel for
-    ``aten::equal`` makes every comparison answer True, with torch's functions untouched. Refused when the student's
-    code calls it (directly, or through the standard library's calls only); torch's own modules go through."""
+    ``aten::equal`` makes every comparison answer True, with torch's functions untouched. Refused: the Python
+    dispatcher while the student's code runs (at any depth: a library's call of it is the student's too), a library
+    of kernels that the student's code asks for itself, and one for torch's own operators (``aten``) while
+    the student's code runs, but for the keys torch registers lazily. Every name torch bound them to is replaced,
+    not only ``torch._C``'s (``torch._dispatch.python.enable_python_dispatcher`` is the same class)."""
+    from .judge import LAZY_KERNEL_KEYS, TORCH_OWN_OPERATORS
     torch = sys.modules.get("torch")
-    for name in ("_dispatch_library", "_EnablePythonDispatcher"):   # the C++ registry's and the Python one's
-        original = getattr(getattr(torch, "_C", None), name, None)  # (py_impl kernels run only while it is on)
+    messages = "kernels of its own for torch's operators (torch.library, the Python dispatcher): every comparison " \
+               "would run them"
+
+    for name in ("_dispatch_library", "_EnablePythonDispatcher"):
+        original = getattr(getattr(torch, "_C", None), name, None)
         if original is None:
             continue
-
-        def guarded(*args: Any, _original: Callable[..., Any] = original,
-                    _student_calls: Callable[[], bool] = student_calls,
-                    _refuse: Callable[[str], None] = refuse, **kwargs: Any) -> Any:
-            if _student_calls():
-                _refuse("kernels of its own for torch's operators (torch.library, the Python dispatcher): every "
-                        "comparison would run them")
-            return _original(*args, **kwargs)
-        setattr(torch._C, name, guarded)
+        if name == "_dispatch_library":
+            def guarded(kind: Any, namespace: Any = None, key: Any = "", *args: Any, _original: Any = original,
+                        _student_runs: Callable[[], bool] = student_runs,
+                        _student_calls: Callable[[], bool] = student_calls, _refuse: Callable[[str], None] = refuse,
+                        _own: frozenset[str] = TORCH_OWN_OPERATORS, _lazy: frozenset[str] = LAZY_KERNEL_KEYS,
+                        _words: str = messages, **kwargs: Any) -> Any:
+                if _student_calls() or (namespace in _own and str(key) not in _lazy and _student_runs()):
+                    _refuse(_words)
+                return _original(kind, namespace, key, *args, **kwargs)
+        else:
+            def guarded(*args: Any, _original: Any = original, _student_runs: Callable[[], bool] = student_runs,
+                        _refuse: Callable[[str], None] = refuse, _words: str = messages, **kwargs: Any) -> Any:
+                if _student_runs():
+                    _refuse(_words)
+                return _original(*args, **kwargs)
+        for module in list(sys.modules.values()):   # every name torch bound it to at import
+            if isinstance(module, type(sys)) and module.__name__.partition(".")[0] == "torch":
+                for alias, value in list(vars(module).items()):
+                    if value is original:
+                        setattr(module, alias, guarded)
 
 
 def _work_in(home: str) -> None:
@@ -633,6 +660,7 @@ def enter_inline(home: str, deny: Iterable[str], *, memory_mb: int | None) -> No
     _set_limits(memory_mb, None)
     syscalls.refuse_escapes()
     install_policy(home, deny)
+    _audit_torch_files()
     _close_compilation()
 
 
@@ -656,6 +684,7 @@ def enter(home: str, deny: Iterable[str], *, memory_mb: int | None, cpu_seconds:
     syscalls.refuse_escapes()   # before the policy, which refuses ctypes: the kernel's own wall behind it
     install_policy(home, deny)
     _close_unaudited_ways()
+    _audit_torch_files()
     _close_compilation()
 
 
@@ -693,6 +722,39 @@ def _close_unaudited_ways() -> None:
             def refused(*_: Any, what: str = what, **__: Any) -> None:
                 raise SandboxRefused(f"the grader's sandbox does not allow {what}")
             setattr(module, name, refused)
+
+
+def _audit_torch_files() -> None:
+    """torch opens some files in C++, past the open event the policy reads: ``torch.from_file`` and a storage's
+    ``from_file`` (a notebook of another student's read, a file written outside with ``shared=True``), and the
+    archive writer and reader ``torch.save`` and ``torch.load`` use with a file name. Each now raises the open event
+    for its file first (read, or read and write), so that the policy's path rules hold there too."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+
+    def audited(original: Any, mode: Callable[..., str]) -> Callable[..., Any]:
+        def opened(*args: Any, _original: Any = original, _mode: Callable[..., str] = mode,
+                   _audit: Callable[..., None] = sys.audit, **kwargs: Any) -> Any:
+            path = args[0] if args else kwargs.get("filename")
+            if isinstance(path, (str, bytes, os.PathLike)):
+                _audit("open", path, _mode(*args, **kwargs), 0)
+            return _original(*args, **kwargs)
+        return opened
+
+    def shared(*args: Any, **kwargs: Any) -> str:
+        return "r+b" if (args[1:2] or [kwargs.get("shared", False)])[0] else "rb"
+
+    torch.from_file = audited(torch.from_file, shared)
+    storage = torch.UntypedStorage.from_file
+    torch.UntypedStorage.from_file = staticmethod(audited(storage, shared))
+    for name, mode in (("PyTorchFileWriter", "wb"), ("PyTorchFileReader", "rb")):
+        if hasattr(torch._C, name):
+            setattr(torch._C, name, audited(getattr(torch._C, name), lambda *_, _m=mode, **__: _m))
+    from ..checks import _pinned  # the checks take a torch function other than the pinned one for a student's patch
+    for space, name in ((torch, "from_file"), (torch.UntypedStorage, "from_file"), (torch._C, "PyTorchFileWriter"),
+                        (torch._C, "PyTorchFileReader")):
+        _pinned.accept(space, name)
 
 
 _NO_COMPILE = ("torch.compile: the code it compiles runs past the checks' guard on the course's own functions, so "
