@@ -1352,7 +1352,7 @@ def hf_attention_matmul(module, query, key, value, attention_mask, scaling=None,
 def hf_attention_sdpa_with_cache(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     lq, lk = query.shape[2], key.shape[2]
     if attention_mask is None and lq != lk:     # is_causal aligns top-left: build the cached case's mask
-        attention_mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+        attention_mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(diagonal=lk - lq)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          is_causal=attention_mask is None and lq > 1, scale=scaling)
     return out.transpose(1, 2), None
@@ -1363,7 +1363,7 @@ def hf_attention_loop_float64(module, query, key, value, attention_mask, scaling
     n, heads, lq, d = query.shape
     lk = key.shape[2]
     scale = d ** -0.5 if scaling is None else scaling
-    out = torch.zeros(n, lq, heads, d, dtype=torch.float64)
+    out = torch.zeros(n, lq, heads, d, dtype=torch.float64, device=query.device)
     for i in range(lq):
         scores = (key.double() @ query[:, :, i, :, None].double()).squeeze(-1) * scale     # (N, heads, Lk)
         if attention_mask is None:

@@ -235,7 +235,7 @@ def generation_fills_a_cache_it_never_reads(model, idx, max_new_tokens):
 def _hf_attention(module, query, key, value, attention_mask, scaling, head_dim, diagonal):
     lq, lk = query.shape[2], key.shape[2]
     mask = attention_mask if attention_mask is not None else \
-        torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=diagonal(lq, lk))   # (Lq, Lk)
+        torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(diagonal=diagonal(lq, lk))   # (Lq, Lk)
     out = scaled_dot_product_attention(query * (scaling * head_dim ** 0.5), key, value, mask)   # (N, heads, Lq, d)
     return out.transpose(1, 2), None                                                            # (N, Lq, heads, d)
 

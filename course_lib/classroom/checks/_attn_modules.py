@@ -27,7 +27,7 @@ from ._student_code import (
     reraise_with,
 )
 from .engine import ScaleFit, at_other_sizes, first_mistake
-from .engine.probes import batch_mixing, module_in_float64
+from .engine.probes import batch_mixing, called_in_turn, module_in_float64
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -342,6 +342,15 @@ class ModuleCheck:
         if zeros_after_proj > 1 - (1 - DROPOUT) ** 2 + 0.1:
             fail("dropout", f"{what}: {zeros_after_proj:.0%} of the output features are dropped, expected about "
                             f"{DROPOUT:.0%}: apply self.proj_dropout once, after self.proj.")
+        # Dropout draws anew at every call, seeded alike or not: with other seeds, position 0's dropped weights
+        # (whole blocks of a head's features, above) fall elsewhere; a mask kept from an earlier call drops the same.
+        again = module_output(model, inputs["many"][1], labels["many"], params=identity, train_seed=8)
+        dropped = lambda out: (out[:, 0].reshape(-1, heads, head_dim) == 0).all(-1)    # (256, heads)
+        if float((dropped(again) == dropped(got["many"])).double().mean()) > 0.97:
+            fail("kept_state", f"{what}: two calls in training mode drop exactly the same attention weights: your "
+                               f"module keeps a dropout mask from an earlier call (drawn once, stored on the module "
+                               f"or in a global). Each call must depend only on its inputs: apply self.attn_dropout "
+                               f"to the weights at every call, so that it draws a new mask each time.")
         self.check_train_backward(model, run.x, what)
 
     @staticmethod
@@ -393,6 +402,14 @@ def module_check(check: ModuleCheck, heads_text: str) -> str:
     for heads in check.heads:
         run = next(run for run in check.runs if run.heads == heads)
         check_module_gradients(check.models[heads], check.references[heads], run.x, what=run.what)
+    # One module, called in turn on short inputs of one batch (keys, values or a cache kept "while they fit" are used
+    # then) and another input of the same shape: each as a fresh module gives it.
+    for heads in check.heads:
+        xs = [torch.randn(2, length, EMBED_DIM, generator=torch.Generator().manual_seed(seed))
+              for seed, length in enumerate((3, 3, MAX_TOKENS // 2))]
+        called_in_turn([(what, lambda x=x, what=what, model=check.models[heads]: module_output(model, x, what),
+                         lambda x=x, reference=check.references[heads]: reference(x).detach())
+                        for x in xs for what in (check.what(tuple(x.shape), heads),)])
     check.check_train_dropout()
     # No magnitude probe here: the scores come from the module's weights, and masking after the softmax then
     # renormalising (right, and in the bank) underflows on large scores like a softmax without its maximum.

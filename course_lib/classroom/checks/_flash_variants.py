@@ -267,8 +267,8 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
                      dv_transposed: bool = False, dk_transposed: bool = False, mask: str = "ok",
                      dq_scale: bool = True, dk_scale: bool = True, dp: str = "ok", always_causal: bool = False,
                      values: str = "v", recompute: str = "ok", twice: bool = False, score_scale: float | None = None,
-                     grad_scale: float | None = None, recompute_scale: float | None = None, ds_sign: bool = False
-                     ) -> tuple[torch.Tensor, ...]:
+                     grad_scale: float | None = None, recompute_scale: float | None = None, ds_sign: bool = False,
+                     swapped: bool = False) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) of attention in float64 by the recomputation formulas, block by block, with the named slips
     switched on. A transposed product (P @ dO for P^T @ dO) only fits square blocks; elsewhere it raises.
     ``delta`` also "everything" (one D for all queries, heads and batches), "key_block" (rowsum(P * dP) over one
@@ -279,7 +279,8 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
     ``delta="outside"``: dS = P * dP - D in every block computed; ``mask="skip_diagonal"``: the key loop stops
     before the query block's start (range(0, q_start, block_k)); ``ds_sign``: dS = P * (D - dP); ``score_scale``: another factor on the scores,
     forward and backward alike; ``grad_scale``: another factor on dQ and dK alone; ``recompute_scale``: another
-    factor on the recomputed scores alone, P = exp(q k^T * factor - lse)."""
+    factor on the recomputed scores alone, P = exp(q k^T * factor - lse); ``swapped``: dk returned as dq and dq as
+    dk (only where they have one shape)."""
     q, k, v, do = q.double(), k.double(), v.double(), grad_out.double()
     scale = q.shape[-1] ** -0.5 if score_scale is None else score_scale
     s = q @ k.transpose(-2, -1) * scale
@@ -335,7 +336,9 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
                 dk_blocks[..., ks:ke, :] += (ds_blk @ q[..., qs:qe, :] if dk_transposed
                                              else ds_blk.transpose(-2, -1) @ q[..., qs:qe, :]) * factor
         dk, dv = dk_blocks, dv_blocks
-    return dq, dk, dv
+    if swapped and dq.shape != dk.shape:
+        raise ValueError("dq and dk of different shapes cannot be swapped")
+    return (dk, dq, dv) if swapped else (dq, dk, dv)
 
 
 def _blocked_ds(p: torch.Tensor, do: torch.Tensor, v: torch.Tensor, out: torch.Tensor, d: torch.Tensor,
@@ -389,6 +392,9 @@ BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code,
                    "with each weight). It only fits here because d equals block_k.", {"dp": "no_transpose"}),
     ("values", "dP is computed from the keys: dP = dO @ V^T, the gradient of the output times the values (the "
                "output is P @ V).", {"values": "keys"}),
+    ("gradient", "your dq and dk are each other's: backward returns one gradient per argument of forward, in "
+                 "the same order: return dq, dk, dv, None, None, None (q, k, v, causal, block_q, block_k).",
+     {"swapped": True}),
     ("causal_mask", "the recomputed weights are masked although causal=False: the forward attended to every key, "
                     "so its lse is over every key; mask only when ctx.causal.", {"always_causal": True}),
     ("scale", "the scale 1/sqrt(d) is missing from dQ and dK: the scores are q k^T / sqrt(d), so dQ = dS @ K / "

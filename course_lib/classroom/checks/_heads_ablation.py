@@ -69,6 +69,10 @@ _WEIGHTS = tuple(Mistake(code, why, {"kind": kind}) for code, kind, why in (
     ("ablation_slice", "previous", f"the head before the chosen one is switched off: {_OWNS}, counting heads from 0."),
     ("ablation_slice", "layer_next", _OTHER_LAYER),
     ("ablation_slice", "layer_previous", _OTHER_LAYER),
+    ("ablation_slice", "swapped", "`layer` and `head` are swapped: you switch off head `layer` of "
+                                  "model.blocks[head]. The arguments come in the order (model, layer, head): the "
+                                  "block is model.blocks[layer], and the head's columns are head * head_dim .. "
+                                  "(head+1) * head_dim - 1 of its attn.proj's input."),
     ("ablation_slice", "every_layer", "head `head` is switched off in every layer: switch it off in "
                                       "model.blocks[layer] only."),
     ("ablation_slice", "one_more", f"one column too many is zeroed, (head+1) * head_dim too: {_OWNS}."),
@@ -176,6 +180,10 @@ def _mistaken(model: nn.Module, layer: int, head: int, idx: torch.Tensor, spec: 
         if not 0 <= layer < len(model.blocks):
             raise ValueError("no such layer")
         kind = "own"
+    if kind == "swapped":   # model.blocks[head], head `layer`
+        if layer == head or head >= len(model.blocks) or layer >= model.blocks[head].attn.num_heads:
+            raise ValueError("the same ablation, or no such layer or head")
+        layer, head, kind = head, layer, "own"
     attn = model.blocks[layer].attn
     own = slice(head * attn.head_dim, (head + 1) * attn.head_dim)
     if kind == "hook":

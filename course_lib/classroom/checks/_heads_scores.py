@@ -64,9 +64,16 @@ def variant(weights: torch.Tensor, half: int | None = None, *, spec: dict[str, A
         half = weights.shape[-1] // 2
     back, first = _right(weights, half)
     back = -back if spec.get("ahead") else back   # the diagonal as far above the main one as it should be below
-    return score(weights, back + spec.get("shift", 0), first + spec.get("first_shift", 0),
+    # ``drop_half``: the diagonal's first `half` entries dropped, not one (a mean of nothing is NaN, as torch's);
+    # ``most``: only the first entries kept, `half` of them, or `half - 1` (the keys cut to the first half)
+    first += spec.get("first_shift", 0) + (half - 1 if spec.get("drop_half") else 0)
+    if spec.get("drop_half") and first >= weights.shape[-1]:
+        return torch.full(weights.shape[1:2], float("nan"), dtype=weights.dtype)
+    most = {"first_half_entries": half, "keys_first_half": None if half is None else half - 1}
+    return score(weights, back + spec.get("shift", 0), first,
                  divide=spec.get("divide", "count"), keep=spec.get("keep", "heads"), wrap=spec.get("wrap", False),
-                 right=weights.shape[-1] - first, most=half if spec.get("first_half_entries") else None)
+                 right=weights.shape[-1] - _right(weights, half)[1],
+                 most=next((most[key] for key in most if spec.get(key)), None))
 
 
 _SUMMED_OVER_THE_BATCH = ("you average over the queries but add over the batch, so the score grows with the batch "
@@ -118,6 +125,15 @@ INDUCTION_MISTAKES = (
                                "query half - 1, the last of the FIRST half, and drops the last query. Drop the "
                                "first entry instead, [..., 1:]: the queries i = half .. L-1.",
             {"first_shift": -1, "first_half_entries": True}),
+    Mistake("score_positions", "you drop the first `half` entries of the diagonal ([..., half:]); the diagonal at "
+                               "offset -(half - 1) starts at query half - 1, so only its FIRST entry has no earlier "
+                               "copy to look at. Drop one entry, [..., 1:]: the queries i = half .. L-1.",
+            {"drop_half": True}),
+    Mistake("score_positions", "you cut the keys to the first half before taking the diagonal (weights[..., half:, "
+                               ":half]): the last query's key, i - half + 1 = half for i = 2 * half - 1, lies in the "
+                               "second half, so that query is dropped. Read the diagonal of the whole (L, L) "
+                               "weights: diagonal(offset=-(half - 1), dim1=-2, dim2=-1)[..., 1:].",
+            {"keys_first_half": True}),
     Mistake("score_positions", "you average over every query, counting the ones of the first half as zeros "
                                "(a sum over the second half divided by L). Average over the second-half "
                                "queries i = half .. L-1 only.", {"divide": "length"}),

@@ -19,7 +19,7 @@ import torch
 from ... import attention as ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
-from ._attn_hypotheses import SDPA_HYPOTHESES, diagnose_weights, identity_values, sdpa_variant, shape_str
+from ._attn_hypotheses import SDPA_HYPOTHESES, diagnose_weights, fit_scale, identity_values, sdpa_variant, shape_str
 from ._counterexample import Example
 from ._student_code import (
     HALF_PRECISION,
@@ -35,8 +35,9 @@ from ._student_code import (
 from ._student_files import value_text
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import SEEDS, tiny
-from .engine.function import Run, kept_part
+from .engine.function import Run, keeps_state, kept_part
 from .engine.probes import magnitude_scores
+from .engine.scale_fit import kept_factor
 
 __all__ = ["check_toy_prediction", "check_toy_attention", "check_scaled_dot_product_attention"]
 
@@ -359,9 +360,8 @@ def _sdpa_diagnose(runs: list[Run], fn: Any) -> None:
                     f"change), or use torch.softmax, which does this for you.")
     for run in runs:
         expect_finite(run.out, f"scaled_dot_product_attention with q {shape_str(run.case.args[0].shape)}")
-    probed = False
-    # masked cases first: they show the most
-    for run in sorted(runs, key=lambda run: len(run.case.args) == 3):
+    read = []   # (run, its weights read back, the keys each query may see), in the order of the calls
+    for run in runs:
         q, k = run.case.args[:2]
         mask = run.case.args[3] if len(run.case.args) == 4 else None
         try:
@@ -370,9 +370,17 @@ def _sdpa_diagnose(runs: list[Run], fn: Any) -> None:
         except Failure:
             continue
         if isinstance(weights, torch.Tensor) and weights.shape == q.shape[:-1] + (k.shape[-2],):
-            allowed = None if mask is None else mask.expand(weights.shape)
-            diagnose_weights(weights.double(), (q @ k.transpose(-2, -1)).double(), allowed, q.shape[-1] ** -0.5)
-            probed = True
+            read.append((run, weights.double(), None if mask is None else mask.expand(weights.shape)))
+    scores = lambda run: (run.case.args[0] @ run.case.args[1].transpose(-2, -1)).double()
+    full = lambda weights, allowed: torch.ones_like(weights, dtype=torch.bool) if allowed is None else allowed
+    if keeps_state(fn):   # a factor that was right for an earlier call was kept from it (not written in)
+        kept_factor([(f"scaled_dot_product_attention with q {shape_str(run.case.args[0].shape)}",
+                      fit_scale(weights, scores(run), full(weights, allowed)) if bool(torch.isfinite(weights).all())
+                      else None, run.case.args[0].shape[-1] ** -0.5) for run, weights, allowed in read])
+    # masked cases first: they show the most
+    for run, weights, allowed in sorted(read, key=lambda item: item[2] is None):
+        diagnose_weights(weights, scores(run), allowed, run.case.args[0].shape[-1] ** -0.5)
+    probed = bool(read)
     run = next(run for run in runs if not close(run.out, run.expected))
     q, k, v = run.case.args[:3]
     if all(coarse_precision(run.out, run.expected) for run in runs if not close(run.out, run.expected)):

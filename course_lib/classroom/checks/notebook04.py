@@ -528,15 +528,16 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
     def run(idx, *, start=0, positions=True, ln_f=True, scale=1.0, both=False, blocks=None, summed=False,
             reverse=False, tied=False):
         x = ref.token_embedding(idx) * scale
-        if positions:
-            table = ref.position_encoding(idx.shape[1], start)
+        table = ref.position_encoding(idx.shape[1], start) if positions else None
+        if positions is True:   # else "after" the blocks (before ln_f), or before "every" block
             x = x + (table.flip(0) if reverse else table) * (scale if both else 1.0)
         if ln_f == "first":   # the final LayerNorm before the blocks, none after
             x = ref.ln_f(x)
         if summed:   # every block reads the embeddings, their outputs added up
             x = sum(block(x) for block in ref.blocks)
         for block in (ref.blocks if blocks is None else blocks):
-            x = block(x)
+            x = block(x + table if positions == "every" else x)
+        x = x + table if positions == "after" else x
         x = ref.ln_f(x) if ln_f is True else x
         return x @ ref.token_embedding.weight.T if tied else ref.head(x)
 
@@ -553,6 +554,13 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
         Mistake("positions", "your positions run backwards (the last token gets position 0): token l gets the "
                              "encoding of position l, self.position_encoding(L) row by row as it is.",
                 output=lambda idx: run(idx, reverse=True)),
+        Mistake("positions", "you add the position encodings after the blocks (before ln_f), so no block knows where "
+                             "a token sits: add them once, to the token embeddings, before the first block.",
+                output=lambda idx: run(idx, positions="after")),
+        Mistake("positions", "you add the position encodings again before every block: add them once, to the token "
+                             "embeddings, before the first block; each block then takes the previous one's output "
+                             "as it is.",
+                output=lambda idx: run(idx, positions="every")),
     ]
     scales = [
         Mistake("scale", "you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds "

@@ -308,6 +308,12 @@ LM_LOSS = FunctionExercise(
                                 "logits[:, t] with targets[:, t].",
                 output=lambda x, y: F.cross_entropy(x[:, :-1].flatten(0, 1), y[:, 1:].flatten(), ignore_index=IGNORE)
                 if x.shape[1] > 1 else None),
+        Mistake("target_shift", "your targets are flattened in another order than the logits (targets.T, or a "
+                                "transpose or permute on one of the two only): the logits flattened to (N*L, V) "
+                                "go sequence by sequence, so each is scored against another position's target. "
+                                "Flatten both the same way, logits.reshape(-1, V) with targets.reshape(-1).",
+                output=lambda x, y: F.cross_entropy(x.flatten(0, 1), y.T.reshape(-1), ignore_index=IGNORE)
+                if x.shape[0] > 1 and x.shape[1] > 1 else None),
         Mistake("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you pass (N, L, V) as "
                          "it is, so it takes the positions for the classes. Flatten to (N*L, V) and (N*L,), or move "
                          "the vocabulary to dimension 1.",
@@ -637,6 +643,18 @@ _REPEATS = 2500     # draws per row: a frequency's standard deviation is at most
 _TOLERANCE = 0.045  # 4.5 standard deviations: a correct sampler fails by chance about once in 2000 checks
 
 
+# a sampler's result that holds the logits' values, not their positions (floats where ids are asked)
+_NOT_IDS = tuple(Mistake("dtype", f"you return the {said}, not their positions: a token id is the index of the "
+                                  f"chosen entry in the vocabulary, logits.argmax(-1) (or .max(-1).indices), and the "
+                                  f"index torch.multinomial returns.", output=output)
+                 for said, output in (("largest logits themselves",
+                                       lambda logits, temperature: logits.max(-1).values),
+                                      ("largest logits divided by the temperature",
+                                       lambda logits, temperature: (logits / temperature).max(-1).values),
+                                      ("largest probabilities",
+                                       lambda logits, temperature: (logits / temperature).softmax(-1).max(-1).values)))
+
+
 def _draw(fn: Callable[..., Any], logits: torch.Tensor, what: str, **kwargs: Any) -> torch.Tensor:
     try:
         result = as_tensor(call(fn, logits.clone(), what=what, **kwargs))
@@ -660,6 +678,10 @@ def _draw(fn: Callable[..., Any], logits: torch.Tensor, what: str, **kwargs: Any
                       f"for a batch of one. `.squeeze()` drops every axis of size 1, the batch too: use "
                       f".squeeze(-1) (or [:, 0]).")
     expect_tensor(result, (logits.shape[0],), what)
+    if result.is_floating_point():
+        temperature = kwargs.get("temperature") or 1.0
+        first_mistake(_NOT_IDS, lambda mistake: bool(torch.equal(result, mistake.output(logits, temperature)
+                                                                  .to(result.dtype))), f"{what}: ")
     if result.is_floating_point() or result.dtype == torch.bool:
         fail("dtype", f"{what} returned dtype {result.dtype}; token ids are integers (torch.long).")
     if result.dtype != torch.long:

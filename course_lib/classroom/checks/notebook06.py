@@ -21,7 +21,7 @@ from ._model_common import ProcedureExample, as_tensor, extend, randomize_, reco
 from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.function import Number, Run
-from .engine.probes import IN_FLOAT64, expect_dtype_kept, run_in_float64
+from .engine.probes import IN_FLOAT64, called_in_turn, expect_dtype_kept, run_in_float64
 
 __all__ = ["check_flops_per_token", "check_kv_cache"]
 
@@ -569,6 +569,15 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
                              f"it to the model with the cache.")
         if explanation:
             fail(explanation[0], f"{what}: the tokens are right, but {explanation[1]}")
+    # the same model, two short prompts of one batch in turn: a cache kept between calls (on the model, in a
+    # global) while it fits shows here
+    prompts = [torch.randint(0, model.config.vocab_size, (2, 2), generator=torch.Generator().manual_seed(seed))
+               for seed in (11, 12)]
+    called_in_turn([(f"generate_with_cache(model, idx={idx.tolist()}, max_new_tokens=3)",
+                     lambda idx=idx: _run(fn, model, idx, 3, "generate_with_cache(model, idx, 3)")[0],
+                     lambda idx=idx: _greedy(model, idx, 3)) for idx in prompts],
+                   thing="generation", same=lambda got, want: isinstance(got, torch.Tensor)
+                   and got.shape == want.shape and bool(torch.equal(got, want)))
     _check_float64(fn)
     return "Token for token the same as generation without a cache." + _speed_note(fn)
 

@@ -12,12 +12,13 @@ from torch import nn
 
 from ..exercises import Mistake
 from ..verdict import Failure, fail
+from ._device_probe import probe as probe_device
 from ._gradients import check_function_gradients
 from ._model_common import ProcedureExample, as_tensor, as_values, randomize_
 from ._student_code import call, close, expect_callable, expect_tensor, reraise_with
 from .engine import Case, FunctionExercise, ScaleFit, at_other_sizes, checker, first_mistake, function_example, judge
 from .engine.example import tiny
-from .engine.probes import IN_FLOAT64, expect_float64, run_in_float64
+from .engine.probes import IN_FLOAT64, called_in_turn, expect_float64, run_in_float64
 from .engine.scale_fit import fitted_scale
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
@@ -353,9 +354,20 @@ def _check_fewer_queries(fn: Callable[..., Any], module: nn.Module, k: torch.Ten
         if close(got, _attention(q, k, v, scale=scaling, mask=top_left)):
             fail("causal_mask", f"{what}: your causal mask is aligned top-left, so query i sees keys 0..i. With a "
                                 f"KV cache the queries are the last Lq of the Lk positions: query i may see keys "
-                                f"0..i + (Lk - Lq), torch.ones(Lq, Lk, dtype=torch.bool).tril(diagonal=Lk - Lq).")
+                                f"0..i + (Lk - Lq), torch.ones(Lq, Lk, dtype=torch.bool, device=query.device)"
+                                f".tril(diagonal=Lk - Lq).")
         fail("mismatch", f"{what}: the output differs from causal attention where the queries are the last "
                          f"{q_len} of the {k_len} positions (query i sees keys 0..i + {k_len - q_len}).")
+
+
+def _check_on_device(fn: Callable[..., Any]) -> None:
+    """The text makes the causal mask on the query's device: one made on the CPU cannot meet a GPU's scores. Last,
+    so that every other mistake is named first; the meta device stands for the GPU (a tensor made without
+    ``device=`` lands on the CPU, and meets the meta scores as it would a GPU's)."""
+    module = _tiny_gpt2(heads=1, head_dim=2).transformer.h[0].attn
+    what = "your attention function (1 query, 3 keys, no mask, on another device than the CPU)"
+    q, k, v = (torch.empty(1, 1, length, 2, device="meta") for length in (1, 3, 3))   # (N, heads, L, head_dim)
+    probe_device(lambda: _direct(fn, module, q, k, v, None, 0.5, what), what)
 
 
 def _attention_cases() -> list[Case]:
@@ -410,4 +422,15 @@ def check_hf_attention(fn: Callable[..., Any]) -> str:
                                     f"causality when attention_mask is None).")
             fail("mismatch", f"{what}: the logits differ from GPT-2's own attention (largest difference "
                              f"{(got[real] - expected[real]).abs().max():.3g}).")
+    # the same model, two short inputs of one batch in turn: keys and values kept between calls show here
+    shorts = [torch.randint(0, vocab, (2, 3), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+    called_in_turn([(f"GPT-2 with your attention on input_ids {ids.tolist()}",
+                     lambda ids=ids: call(run_with_attention, model, fn, ids, None, what=f"GPT-2 with your attention "
+                                                                                          f"on input_ids {ids.tolist()}"),
+                     lambda ids=ids: logits(ids)) for ids in shorts], thing="attention function")
+    _check_on_device(fn)
     return "GPT-2 gives the same logits with your attention as with its own, padding included."

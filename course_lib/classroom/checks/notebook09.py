@@ -44,7 +44,7 @@ from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, fu
 from .engine.example import SEEDS, tiny
 from .engine.function import UNEXPLAINED, Run
 from .engine.other_sizes import at_other_sizes
-from .engine.probes import batch_mixing, gradient_probe, module_in_float64
+from .engine.probes import batch_mixing, called_in_turn, gradient_probe, module_in_float64
 from .engine.scale_fit import fitted_scale
 
 __all__ = ["check_rope_tables", "check_apply_rotary", "check_rms_norm", "check_swiglu", "check_repeat_kv",
@@ -514,6 +514,17 @@ def check_rms_norm(cls: Any) -> str:
     x, reference, _, _, shown = runs[0]
     candidate, reference = _build_norm(cls, x.shape[-1], None, generator)
     _module_probes(candidate, reference, x, shown)
+    # the text has no training mode for a norm: a statistic kept in training and used in eval (BatchNorm's) shows
+    # on one layer trained on x, then judged in eval mode on another input of its shape
+    other = _norm_input(tuple(x.shape), "normal", torch.Generator().manual_seed(7))
+
+    def in_mode(training: bool, given: torch.Tensor) -> Any:
+        call(candidate.train, training, what=f"{shown}: model.train({training})")
+        with torch.no_grad():
+            return call_student(candidate, given.clone(), what=shown)
+    called_in_turn([(f"{shown} in {mode} mode", lambda given=given, mode=mode: in_mode(mode == "training", given),
+                     lambda given=given: reference(given).detach())
+                    for mode, given in (("training", x), ("eval", other), ("eval", x))], thing="norm")
     _check_magnitude(cls, torch.Generator().manual_seed(5))
     _check_half_precision(cls, generator)
     module_in_float64(lambda: _build_norm(cls, x.shape[-1], None, torch.Generator().manual_seed(3)), x, shown)
@@ -1195,6 +1206,12 @@ def _check(cls: Any) -> str:
     optional = [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
     built = [_check_configs(cls, configs, generator) for configs in (CONFIGS, optional) if configs][0][1]
     _check_other_width(cls, torch.Generator().manual_seed(24))
+    # one module called in turn without a cache, on short inputs of one batch: none of them may see another's keys
+    shorts = [torch.randn(2, length, EMBED_DIM, generator=torch.Generator().manual_seed(length + seed))
+              for seed, length in enumerate((3, 3, MAX_TOKENS // 2))]
+    called_in_turn([(f"GroupedQueryAttention({built.label}).forward(x) with x of shape {shape_str(short.shape)}",
+                     lambda short=short: _forward(built, short, "GroupedQueryAttention.forward(x)"),
+                     lambda short=short: built.reference(short).detach()) for short in shorts], cache=True)
     x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=generator)   # the whole context: a branch for long inputs
     # grouped-query (2 key/value heads): every projection learns, and the module stays on its device
     _module_probes(built.model, built.reference, x, f"GroupedQueryAttention({built.label}) on x of shape "

@@ -216,7 +216,8 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
          norm: bool = True, q_norm: bool = True, offset: bool = True, mask_offset: bool = True, use_cache: bool = True,
          rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1, queries: str = "half",
          keys: str = "half", values_first: bool = False, mask_ahead: bool = False,
-         merge: str = "ok", heads_view: str = "ok", biases: bool = True, own_tables: bool = False) -> torch.Tensor:
+         merge: str = "ok", heads_view: str = "ok", biases: bool = True, own_tables: bool = False,
+         keys_at_zero: bool = False) -> torch.Tensor:
     """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
     how each rotary part turns (``rotary.rotate``'s kinds, "pairs" or "pairs_table"; "none": not at all),
     ``values_first`` kv_b_proj's output split as values then keys, ``mask_ahead`` one future key let through,
@@ -225,7 +226,8 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
     "keys_values" (viewed straight as (N, H, L, ...), without the transpose), ``scale`` "both" (right), "nope",
     "none", "value", "after" (softmax_scale on the weights) or a float, the factor on the scores; ``biases``
     False: the projections as products with their weights alone, a layer's biases left out; ``own_tables``: the
-    rotary parts turned by tables of their own (the default theta), not the layer's rope_cos and rope_sin."""
+    rotary parts turned by tables of their own (the default theta), not the layer's rope_cos and rope_sin;
+    ``keys_at_zero``: the new rotary keys alone turned from position 0 with a cache (``offset``: queries too)."""
     def turn(t: torch.Tensor, kind: str, at: int) -> torch.Tensor:
         if kind == "none":
             return t
@@ -249,7 +251,7 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         if norm:
             latent = layer.kv_a_layernorm(latent)
         if rope == "split" and not rotate_cached:
-            k_rope = turn(k_rope, keys, pos)
+            k_rope = turn(k_rope, keys, 0 if keys_at_zero else pos)
         if cache is not None:
             latent, k_rope = cache.append(latent, k_rope)
             if not use_cache:
@@ -349,6 +351,9 @@ _MLA_MISTAKES = (
     Mistake("kv_cache", "Your cache's rotary keys are turned again at every call: rotate k_rope once, at its own "
                         "positions, BEFORE it enters the cache, and use what the cache returns as it is.",
             spec=dict(rotate_cached=True)),
+    Mistake("rope_positions", "With a cache, the new rotary KEYS are turned as if they started at position 0 (the "
+                              "queries at start): turn k_rope with offset=start = cache.length, read before "
+                              "appending, as the queries.", spec=dict(keys_at_zero=True)),
     Mistake("kv_cache", "With a cache, the new queries attend only to the new tokens: attend to everything "
                         "cache.append(latent, k_rope) returns (the tokens held before, then the new ones).",
             spec=dict(use_cache=False)),

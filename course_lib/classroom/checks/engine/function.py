@@ -133,9 +133,44 @@ class FunctionExercise:
         return self.variant(*case.args, spec=mistake.spec)
 
 
+# What each function being judged held when its judgement began (``keeps_state``), by id
+_HELD: dict[int, tuple[Any, ...]] = {}
+
+
+def _held(fn: Any) -> tuple[Any, ...]:
+    """What a function can carry from one call to the next, as it stands: each container among its defaults, its
+    attributes, its closure and the globals its code names by its size, anything else there by identity."""
+    places = [*(getattr(fn, "__defaults__", None) or ()), *(getattr(fn, "__kwdefaults__", None) or {}).values(),
+              getattr(fn, "__dict__", None)]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            places.append(cell.cell_contents)
+        except ValueError:   # a cell not filled yet
+            continue
+    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", None) or {}
+    places += [names.get(name) for name in (code.co_names if code is not None else ())]
+    return tuple(len(place) if isinstance(place, (dict, list, set)) else id(place) for place in places)
+
+
+def keeps_state(fn: Any) -> bool:
+    """Whether the function ``judge`` is judging holds something other now than when its judgement began (a global
+    dict filled, a default list appended to, an attribute set): it keeps state between calls. A number written into
+    the code does not; so a factor that was right for an earlier call is told kept only where this holds."""
+    before = _HELD.get(id(fn))
+    return before is not None and before != _held(fn)
+
+
 def judge(exercise: FunctionExercise, fn: Any) -> str:
     """Run ``exercise`` on the student's ``fn``: the success message, or a Failure naming what is wrong."""
     expect_callable(fn, exercise.name)
+    _HELD[id(fn)] = _held(fn)
+    try:
+        return _judge(exercise, fn)
+    finally:
+        _HELD.pop(id(fn), None)
+
+
+def _judge(exercise: FunctionExercise, fn: Any) -> str:
     runs: list[Run] = []
     for case in exercise.cases():
         expected = exercise.reference(*case.args)
@@ -303,8 +338,8 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
     first_mistake(exercise.mistakes, explains, f"{first.case.what}: " if exercise.each_case and exercise.quote else "",
                   got=quoted(first.out), expected=quoted(first.expected), **exercise.values(first))
     for fit in exercise.scales:
-        found = fitted_scale(fit, [(run.case.args, run.case.what, run.out) for run in runs + (earlier or [])
-                                   if isinstance(run.out, torch.Tensor)])
+        found = fitted_scale(fit, [(run.case.args, run.case.what, run.out) for run in (earlier or []) + runs
+                                   if isinstance(run.out, torch.Tensor)], in_turn=keeps_state(fn))
         if found is not None:
             fail("scale", found)
     if "batch" in exercise.probes and not kept:

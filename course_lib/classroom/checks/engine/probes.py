@@ -29,6 +29,9 @@ Where a probe lives:
 - ``batch``: each item of a batch alone right, the batch together wrong: the items leak into each other
   (``batch_mixing``: modules compare their own outputs with it; ``engine.function`` slices a function
   exercise's cases along their leading axes for the exercises that list it).
+- ``kept_state`` of a module or a procedure (the function exercises: ``engine.function``): the same object called
+  several times in a row (short inputs of one batch, another input of the same shape, a change of mode), each call
+  beside what a fresh one gives (``called_in_turn``).
 - ``model_state``: everything a context manager or hook can change on a module tree, snapshotted before the
   student's code and compared after, each difference named (``engine.model_state``; 11.3).
 """
@@ -206,3 +209,33 @@ def batch_mixing(what: str, together: torch.Tensor, alone: Sequence[torch.Tensor
         if not close(one[0], together[i], nan_ok=True):
             fail("batch_mixing", f"{what}: {item(i)} gives a different output in a batch of {len(alone)} than alone: "
                                  f"{advice}")
+
+
+# ---------------------------------------------------------------- kept state
+
+def called_in_turn(calls: Sequence[tuple[str, Callable[[], Any], Callable[[], Any]]], *, thing: str = "module",
+                   cache: bool = False, same: Callable[[Any, Any], bool] = close) -> None:
+    """``kept_state`` where the same module (or a procedure on the same model) called several times in a row does
+    not give what a fresh one gives. ``calls`` are (what, the student's call, the reference's result), run in
+    order: short inputs of one batch, so that keys, values or a cache carried "while they fit" are used, another
+    input of the same shape, a mode switched. Every case was right on a fresh object, so a call that differs now
+    depends on an earlier one. ``cache``: the exercise passes a cache, the one state a call may depend on."""
+    done: list[str] = []
+    for what, run, reference in calls:
+        out, expected = run(), reference()
+        if same(out, expected):
+            done.append(what)
+            continue
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.shape == expected.shape:
+            how = f"differs from what a fresh {thing} gives by up to {max_diff(out, expected):.3g}"
+        else:
+            shown = lambda t: (t.tolist() if t.numel() <= 40 else f"a tensor of shape {tuple(t.shape)}") \
+                if isinstance(t, torch.Tensor) else repr(t)
+            how = f"returned {shown(out)} where a fresh {thing} gives {shown(expected)}"
+        after = (", called after the checker's earlier calls," if not done else ", called again on other numbers "
+                 "right after the same shape," if done[-1] == what else f", called right after {done[-1]},")
+        fail("kept_state", f"{what}{after} {how}: your {thing} keeps something from one call to the next (keys and "
+                           f"values of earlier calls, a cache, a dropout mask, a running statistic, stored on it or "
+                           f"in a global). Each call must depend only on its inputs"
+                           f"{' and the cache the caller passes' if cache else ''}: keep what a call computes in "
+                           f"local variables.")

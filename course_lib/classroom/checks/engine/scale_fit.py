@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...verdict import fail
 from .._student_code import matches
 
 _GOLDEN = (math.sqrt(5) - 1) / 2
@@ -44,10 +45,13 @@ class ScaleFit:
     says: str
 
 
-def fitted_scale(fit: ScaleFit, runs: list[tuple[tuple[Any, ...], str, torch.Tensor]]) -> str | None:
+def fitted_scale(fit: ScaleFit, runs: list[tuple[tuple[Any, ...], str, torch.Tensor]], *,
+                 in_turn: bool = False) -> str | None:
     """The message for a factor that explains every run ((args, what, the student's output)), else None. A run
     whose output is the same whatever the factor (one key per query: its weight is 1) says nothing about it and
-    is left out."""
+    is left out. ``in_turn``: the runs are calls, in the order they were made, of one function that keeps state
+    (``function.keeps_state``), so a wrong factor that is the right one of an earlier call (of other sizes) was kept
+    from that call: ``kept_state``."""
     factors, telling = [], []
     for args, what, out in runs:
         try:
@@ -66,9 +70,28 @@ def fitted_scale(fit: ScaleFit, runs: list[tuple[tuple[Any, ...], str, torch.Ten
         return None
     first = wrong[0]
     args, what, _ = runs[first]
+    if in_turn:
+        kept_factor([(runs[i][1], factors[i], fit.right(*runs[i][0])) for i in range(len(runs))])
     message = fit.says.format(what=what, factor=factors[first], right=fit.right(*args))
     right_elsewhere = [runs[i][1] for i in range(len(runs)) if i not in wrong]
     if right_elsewhere:
         message += (f" For {right_elsewhere[0]} your factor is right: it must follow the size of the inputs, so a "
                     f"number or another size is written into your code.")
     return message
+
+
+def kept_factor(calls: list[tuple[str, float | None, float]]) -> None:
+    """``kept_state`` where calls of one function, in the order they were made ((what, the factor found on its
+    scores or None, the factor right there)), first go wrong with the factor that was right for an earlier call of
+    other sizes: the factor was kept from that call, not computed again."""
+    for place, (what, factor, right) in enumerate(calls):
+        if factor is None or math.isclose(factor, right, rel_tol=1e-3):
+            continue
+        kept = next((said for said, _, earlier in calls[:place] if not math.isclose(earlier, right, rel_tol=1e-3)
+                     and math.isclose(factor, earlier, rel_tol=1e-3)), None)
+        if kept is not None:
+            fail("kept_state", f"{what}: your factor on the scores is {factor:.4g}, the one that is right for an "
+                               f"earlier call ({kept}); here it should be {right:.4g}. Your code keeps the factor "
+                               f"from an earlier call (a global, a cache, a default filled on the first call) "
+                               f"instead of computing it from this call's inputs (their last axis) every time.")
+        return
