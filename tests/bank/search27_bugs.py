@@ -1,5 +1,5 @@
-"""Student attempts from the twenty-seventh search of the checks (2026-11-30), in styles the tester's bank did not
-hold: each was misjudged before.
+"""Student attempts from the twenty-seventh and twenty-eighth searches of the checks (2026-11-30), in styles the
+tester's bank did not hold: each was misjudged before.
 
 State kept between calls by a module, or by a function that takes a model (2.2, 3.3, 6.2, 7.2, 9.3, 9.6: passed):
 keys and values carried from call to call while they fit, a cache kept on the model, a running mean square, a
@@ -150,6 +150,112 @@ def attention_with_its_mask_on_the_cpu(module, query, key, value, attention_mask
     mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq) if attention_mask is None else attention_mask
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)   # (N, heads, Lq, d)
     return out.transpose(1, 2), None
+
+
+# ============================================================================ the twenty-eighth search: state past the probe
+
+@bug("2.2", "kept_state", "keeps something from one call to the next")
+class MaskedAttentionThatRemembersOneSequence(MaskedAttention):
+    """Keys and values carried for a batch of one only (a "generation" path): batches of two never show it."""
+
+    def forward(self, x):
+        k, v = self.key(x), self.value(x)                                     # (N, L, E)
+        past = getattr(self, "past", None) if x.shape[0] == 1 else None
+        if past is not None and past[0].shape[1] + x.shape[1] <= self.max_tokens:
+            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
+        if x.shape[0] == 1:
+            self.past = (k.detach(), v.detach())
+        total, length = k.shape[1], x.shape[1]
+        s = self.query(x) @ k.transpose(-2, -1) / math.sqrt(self.embed_dim)    # (N, L, T)
+        s = s.masked_fill(~self.mask[total - length:total, :total], float("-inf"))
+        return self.proj_dropout(self.proj(self.attn_dropout(s.softmax(dim=-1)) @ v))
+
+
+@bug("2.2", "kept_state", "keeps something from one call to the next")
+class MaskedAttentionDropsAtEvalToo(MaskedAttention):
+    """The last training call's dropout mask kept, and applied again in eval mode."""
+
+    def forward(self, x):
+        length = x.shape[1]
+        s = self.query(x) @ self.key(x).transpose(-2, -1) / math.sqrt(self.embed_dim)
+        w = s.masked_fill(~self.mask[:length, :length], float("-inf")).softmax(dim=-1)
+        if self.training and self.dropout_rate > 0:
+            self.keep = (torch.rand_like(w) >= self.dropout_rate) / (1 - self.dropout_rate)
+        keep = getattr(self, "keep", None)
+        w = w * keep if keep is not None and keep.shape == w.shape else w
+        return self.proj_dropout(self.proj(w @ self.value(x)))
+
+
+@bug("9.6", "kept_state", "the cache the caller passes")
+class GQAReusesTheLastCachePassed(_GQAPlain):
+    """cache=None takes the last cache a caller passed, while it has room."""
+
+    def forward(self, x, cache=None):
+        if cache is not None:
+            self.last = cache
+        elif getattr(self, "last", None) is not None and self.last.length + x.shape[1] <= self.max_tokens:
+            cache = self.last
+        return super().forward(x, cache)
+
+
+@bug("6.2", "kept_state", "keeps something from one call to the next")
+@torch.no_grad()
+def generate_with_a_cache_kept_for_one_prompt(model, idx, max_new_tokens):
+    """The cache kept per model for a batch of one only, handed on while it has room."""
+    kept = _SEEN.get(("6.2b", id(model))) if idx.shape[0] == 1 else None   # [the model, its cache, tokens in it]
+    if idx.shape[0] == 1 and (kept is None or kept[0] is not model or kept[2] + idx.shape[1] + max_new_tokens
+                              > model.config.max_tokens):
+        kept = _SEEN[("6.2b", id(model))] = [model, model.new_cache(), 0]
+    if kept is not None:
+        kept[2] += idx.shape[1] + max_new_tokens - 1
+    cache = kept[1] if kept is not None else model.new_cache()
+    logits = model(idx, cache)
+    for step in range(max_new_tokens):
+        token = logits[:, -1].argmax(dim=-1, keepdim=True)                     # (N, 1)
+        idx = torch.cat([idx, token], dim=1)
+        if step + 1 < max_new_tokens:
+            logits = model(token, cache)
+    return idx
+
+
+@correct("7.2")
+def attention_with_its_mask_on_the_layers_device(module, query, key, value, attention_mask, scaling=None,
+                                                 dropout=0.0, **kwargs):
+    """The mask made on the layer's device (its weights'), which is the query's in every real call."""
+    lq, lk = query.shape[-2], key.shape[-2]
+    device = next(module.parameters()).device
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq) if attention_mask is None \
+        else attention_mask
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)   # (N, heads, Lq, d)
+    return out.transpose(1, 2), None
+
+
+_CALLS: list = []
+
+
+@bug("1.3", "scale", "0.3536", avoids=("earlier call",))
+def sdpa_scale_of_eight_written_in_beside_a_log(q, k, v, mask=None):
+    """1/sqrt(8) written in; a log of the shapes kept beside it (state, but not the factor's)."""
+    _CALLS.append(tuple(q.shape))
+    s = q @ k.transpose(-2, -1) / math.sqrt(8)
+    if mask is not None:
+        s = s.masked_fill(mask == 0, float("-inf"))
+    return s.softmax(-1) @ v
+
+
+class _ScaledAttention:
+    scales: dict = {}   # one per batch layout, on the class, computed once
+
+    def __call__(self, q, k, v, mask=None):
+        s = q @ k.transpose(-2, -1) * type(self).scales.setdefault(q.shape[:-2], q.shape[-1] ** -0.5)
+        if mask is not None:
+            s = s.masked_fill(mask == 0, float("-inf"))
+        return s.softmax(-1) @ v
+
+
+sdpa_scale_kept_on_the_class = _ScaledAttention()
+sdpa_scale_kept_on_the_class.__name__ = "sdpa_scale_kept_on_the_class"
+bug("1.3", "kept_state", "earlier call")(sdpa_scale_kept_on_the_class)
 
 
 # ============================================================================ 1.3: a factor kept from the first call

@@ -27,7 +27,7 @@ from ._student_code import (
     reraise_with,
 )
 from .engine import ScaleFit, at_other_sizes, first_mistake
-from .engine.probes import batch_mixing, called_in_turn, module_in_float64
+from .engine.probes import IN_TURN, batch_mixing, called_in_turn, module_in_float64
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -402,15 +402,18 @@ def module_check(check: ModuleCheck, heads_text: str) -> str:
     for heads in check.heads:
         run = next(run for run in check.runs if run.heads == heads)
         check_module_gradients(check.models[heads], check.references[heads], run.x, what=run.what)
-    # One module, called in turn on short inputs of one batch (keys, values or a cache kept "while they fit" are used
-    # then) and another input of the same shape: each as a fresh module gives it.
+    check.check_train_dropout()
+    # One module, called in turn in eval mode right after a training call of the first input's shape (a dropout mask
+    # kept for eval shows), on short inputs of one batch (keys, values or a cache kept "while they fit" are used
+    # then), another input of the same shape, and a batch of one twice: each as a fresh module gives it.
     for heads in check.heads:
-        xs = [torch.randn(2, length, EMBED_DIM, generator=torch.Generator().manual_seed(seed))
-              for seed, length in enumerate((3, 3, MAX_TOKENS // 2))]
+        xs = [torch.randn(batch, length, EMBED_DIM, generator=torch.Generator().manual_seed(seed))
+              for seed, (batch, length) in enumerate(IN_TURN)]
+        module_output(check.models[heads], xs[0], check.what(tuple(xs[0].shape), heads) + " in training mode",
+                      train_seed=11)
         called_in_turn([(what, lambda x=x, what=what, model=check.models[heads]: module_output(model, x, what),
                          lambda x=x, reference=check.references[heads]: reference(x).detach())
                         for x in xs for what in (check.what(tuple(x.shape), heads),)])
-    check.check_train_dropout()
     # No magnitude probe here: the scores come from the module's weights, and masking after the softmax then
     # renormalising (right, and in the bank) underflows on large scores like a softmax without its maximum.
     check_float64(check)

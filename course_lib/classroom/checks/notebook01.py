@@ -35,7 +35,7 @@ from ._student_code import (
 from ._student_files import value_text
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.example import SEEDS, tiny
-from .engine.function import Run, keeps_state, kept_part
+from .engine.function import Run, keeps_number, kept_part
 from .engine.probes import magnitude_scores
 from .engine.scale_fit import kept_factor
 
@@ -373,10 +373,11 @@ def _sdpa_diagnose(runs: list[Run], fn: Any) -> None:
             read.append((run, weights.double(), None if mask is None else mask.expand(weights.shape)))
     scores = lambda run: (run.case.args[0] @ run.case.args[1].transpose(-2, -1)).double()
     full = lambda weights, allowed: torch.ones_like(weights, dtype=torch.bool) if allowed is None else allowed
-    if keeps_state(fn):   # a factor that was right for an earlier call was kept from it (not written in)
-        kept_factor([(f"scaled_dot_product_attention with q {shape_str(run.case.args[0].shape)}",
-                      fit_scale(weights, scores(run), full(weights, allowed)) if bool(torch.isfinite(weights).all())
-                      else None, run.case.args[0].shape[-1] ** -0.5) for run, weights, allowed in read])
+    # a factor that was right for an earlier call, kept from it (held by the function, not written in)
+    kept_factor([(f"scaled_dot_product_attention with q {shape_str(run.case.args[0].shape)}",
+                  fit_scale(weights, scores(run), full(weights, allowed)) if bool(torch.isfinite(weights).all())
+                  else None, run.case.args[0].shape[-1] ** -0.5) for run, weights, allowed in read],
+                lambda factor: keeps_number(fn, factor))
     # masked cases first: they show the most
     for run, weights, allowed in sorted(read, key=lambda item: item[2] is None):
         diagnose_weights(weights, scores(run), allowed, run.case.args[0].shape[-1] ** -0.5)

@@ -569,10 +569,10 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
                              f"it to the model with the cache.")
         if explanation:
             fail(explanation[0], f"{what}: the tokens are right, but {explanation[1]}")
-    # the same model, two short prompts of one batch in turn: a cache kept between calls (on the model, in a
-    # global) while it fits shows here
-    prompts = [torch.randint(0, model.config.vocab_size, (2, 2), generator=torch.Generator().manual_seed(seed))
-               for seed in (11, 12)]
+    # the same model, short prompts in turn (two of one batch, two of a batch of one): a cache kept between calls
+    # (on the model, in a global) while it fits shows here
+    prompts = [torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+               for seed, shape in ((11, (2, 2)), (12, (2, 2)), (13, (1, 2)), (14, (1, 2)))]   # a batch of one too
     called_in_turn([(f"generate_with_cache(model, idx={idx.tolist()}, max_new_tokens=3)",
                      lambda idx=idx: _run(fn, model, idx, 3, "generate_with_cache(model, idx, 3)")[0],
                      lambda idx=idx: _greedy(model, idx, 3)) for idx in prompts],

@@ -364,7 +364,7 @@ def _check_on_device(fn: Callable[..., Any]) -> None:
     """The text makes the causal mask on the query's device: one made on the CPU cannot meet a GPU's scores. Last,
     so that every other mistake is named first; the meta device stands for the GPU (a tensor made without
     ``device=`` lands on the CPU, and meets the meta scores as it would a GPU's)."""
-    module = _tiny_gpt2(heads=1, head_dim=2).transformer.h[0].attn
+    module = _tiny_gpt2(heads=1, head_dim=2).transformer.h[0].attn.to("meta")   # the layer on the device too
     what = "your attention function (1 query, 3 keys, no mask, on another device than the CPU)"
     q, k, v = (torch.empty(1, 1, length, 2, device="meta") for length in (1, 3, 3))   # (N, heads, L, head_dim)
     probe_device(lambda: _direct(fn, module, q, k, v, None, 0.5, what), what)
@@ -422,8 +422,10 @@ def check_hf_attention(fn: Callable[..., Any]) -> str:
                                     f"causality when attention_mask is None).")
             fail("mismatch", f"{what}: the logits differ from GPT-2's own attention (largest difference "
                              f"{(got[real] - expected[real]).abs().max():.3g}).")
-    # the same model, two short inputs of one batch in turn: keys and values kept between calls show here
-    shorts = [torch.randint(0, vocab, (2, 3), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+    # the same model, short inputs in turn (two of one batch, two of a batch of one): keys and values kept between
+    # calls show here
+    shorts = [torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+              for seed, shape in ((1, (2, 3)), (2, (2, 3)), (3, (1, 3)), (4, (1, 3)))]   # a batch of one too
 
     def logits(ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

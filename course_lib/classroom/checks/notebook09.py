@@ -44,7 +44,7 @@ from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, fu
 from .engine.example import SEEDS, tiny
 from .engine.function import UNEXPLAINED, Run
 from .engine.other_sizes import at_other_sizes
-from .engine.probes import batch_mixing, called_in_turn, gradient_probe, module_in_float64
+from .engine.probes import IN_TURN, batch_mixing, called_in_turn, gradient_probe, module_in_float64
 from .engine.scale_fit import fitted_scale
 
 __all__ = ["check_rope_tables", "check_apply_rotary", "check_rms_norm", "check_swiglu", "check_repeat_kv",
@@ -1206,12 +1206,16 @@ def _check(cls: Any) -> str:
     optional = [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
     built = [_check_configs(cls, configs, generator) for configs in (CONFIGS, optional) if configs][0][1]
     _check_other_width(cls, torch.Generator().manual_seed(24))
-    # one module called in turn without a cache, on short inputs of one batch: none of them may see another's keys
-    shorts = [torch.randn(2, length, EMBED_DIM, generator=torch.Generator().manual_seed(length + seed))
-              for seed, length in enumerate((3, 3, MAX_TOKENS // 2))]
-    called_in_turn([(f"GroupedQueryAttention({built.label}).forward(x) with x of shape {shape_str(short.shape)}",
-                     lambda short=short: _forward(built, short, "GroupedQueryAttention.forward(x)"),
-                     lambda short=short: built.reference(short).detach()) for short in shorts], cache=True)
+    # one module called in turn, first with a fresh cache of the caller's, then without one, on short inputs of one
+    # batch and a batch of one: none of them may see another's keys (nor the cache passed before)
+    shorts = [torch.randn(batch, length, EMBED_DIM, generator=torch.Generator().manual_seed(length + seed))
+              for seed, (batch, length) in enumerate(IN_TURN)]
+    called_in_turn([(f"GroupedQueryAttention({built.label}).forward(x{', cache=KVCache(...)' if first else ''}) "
+                     f"with x of shape {shape_str(short.shape)}",
+                     lambda short=short, first=first: _forward(built, short, "GroupedQueryAttention.forward(x)",
+                                                               **({"cache": KVCache(MAX_TOKENS)} if first else {})),
+                     lambda short=short: built.reference(short).detach())
+                    for first, short in zip((True, *[False] * len(shorts)), (shorts[0], *shorts))], cache=True)
     x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=generator)   # the whole context: a branch for long inputs
     # grouped-query (2 key/value heads): every projection learns, and the module stays on its device
     _module_probes(built.model, built.reference, x, f"GroupedQueryAttention({built.label}) on x of shape "

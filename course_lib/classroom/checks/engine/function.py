@@ -9,6 +9,7 @@ import numbers
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -133,44 +134,41 @@ class FunctionExercise:
         return self.variant(*case.args, spec=mistake.spec)
 
 
-# What each function being judged held when its judgement began (``keeps_state``), by id
-_HELD: dict[int, tuple[Any, ...]] = {}
-
-
-def _held(fn: Any) -> tuple[Any, ...]:
-    """What a function can carry from one call to the next, as it stands: each container among its defaults, its
-    attributes, its closure and the globals its code names by its size, anything else there by identity."""
+def keeps_number(fn: Any, value: float) -> bool:
+    """Whether ``fn`` holds the number ``value`` where a call can leave it for the next: among its defaults, its
+    attributes (and its class's, for a callable object), its closure or the globals its code names, directly or as
+    an item of a dict, list, tuple or set there. A factor kept from an earlier call sits there; one written into the
+    code (a constant, or a name bound once) and a log or a warn-once flag kept beside it do not make the number
+    appear there."""
     places = [*(getattr(fn, "__defaults__", None) or ()), *(getattr(fn, "__kwdefaults__", None) or {}).values(),
-              getattr(fn, "__dict__", None)]
+              *(vars(fn).values() if hasattr(fn, "__dict__") else ())]
+    if not isinstance(fn, FunctionType):   # a callable object: its class's attributes too, and its __call__'s
+        places += [v for k, v in vars(type(fn)).items() if not k.startswith("__")]
+        fn = vars(type(fn)).get("__call__", fn)
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             places.append(cell.cell_contents)
         except ValueError:   # a cell not filled yet
             continue
     code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", None) or {}
-    places += [names.get(name) for name in (code.co_names if code is not None else ())]
-    return tuple(len(place) if isinstance(place, (dict, list, set)) else id(place) for place in places)
+    places += [names.get(name) for name in (code.co_names if code is not None else ()) if name in names]
 
-
-def keeps_state(fn: Any) -> bool:
-    """Whether the function ``judge`` is judging holds something other now than when its judgement began (a global
-    dict filled, a default list appended to, an attribute set): it keeps state between calls. A number written into
-    the code does not; so a factor that was right for an earlier call is told kept only where this holds."""
-    before = _HELD.get(id(fn))
-    return before is not None and before != _held(fn)
+    def same(item: Any) -> bool:
+        if isinstance(item, torch.Tensor) and item.numel() == 1:
+            item = float(item)
+        return isinstance(item, (int, float)) and not isinstance(item, bool) and math.isclose(item, value,
+                                                                                            rel_tol=1e-3)
+    for place in places:
+        items = list(place.values()) if isinstance(place, dict) else list(place) \
+            if isinstance(place, (list, tuple, set)) else [place]
+        if any(same(item) for item in items):
+            return True
+    return False
 
 
 def judge(exercise: FunctionExercise, fn: Any) -> str:
     """Run ``exercise`` on the student's ``fn``: the success message, or a Failure naming what is wrong."""
     expect_callable(fn, exercise.name)
-    _HELD[id(fn)] = _held(fn)
-    try:
-        return _judge(exercise, fn)
-    finally:
-        _HELD.pop(id(fn), None)
-
-
-def _judge(exercise: FunctionExercise, fn: Any) -> str:
     runs: list[Run] = []
     for case in exercise.cases():
         expected = exercise.reference(*case.args)
@@ -339,7 +337,7 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
                   got=quoted(first.out), expected=quoted(first.expected), **exercise.values(first))
     for fit in exercise.scales:
         found = fitted_scale(fit, [(run.case.args, run.case.what, run.out) for run in (earlier or []) + runs
-                                   if isinstance(run.out, torch.Tensor)], in_turn=keeps_state(fn))
+                                   if isinstance(run.out, torch.Tensor)], held=lambda factor: keeps_number(fn, factor))
         if found is not None:
             fail("scale", found)
     if "batch" in exercise.probes and not kept:

@@ -213,6 +213,11 @@ def batch_mixing(what: str, together: torch.Tensor, alone: Sequence[torch.Tensor
 
 # ---------------------------------------------------------------- kept state
 
+# (batch, length) of the inputs a module is called with in turn (within a context of 8): short ones that fit
+# together, another of the same shape, then a batch of one twice (state kept only for a batch of one)
+IN_TURN = ((2, 3), (2, 3), (2, 4), (1, 3), (1, 3))
+
+
 def called_in_turn(calls: Sequence[tuple[str, Callable[[], Any], Callable[[], Any]]], *, thing: str = "module",
                    cache: bool = False, same: Callable[[Any, Any], bool] = close) -> None:
     """``kept_state`` where the same module (or a procedure on the same model) called several times in a row does

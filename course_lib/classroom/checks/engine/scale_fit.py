@@ -46,12 +46,12 @@ class ScaleFit:
 
 
 def fitted_scale(fit: ScaleFit, runs: list[tuple[tuple[Any, ...], str, torch.Tensor]], *,
-                 in_turn: bool = False) -> str | None:
+                 held: Callable[[float], bool] | None = None) -> str | None:
     """The message for a factor that explains every run ((args, what, the student's output)), else None. A run
     whose output is the same whatever the factor (one key per query: its weight is 1) says nothing about it and
-    is left out. ``in_turn``: the runs are calls, in the order they were made, of one function that keeps state
-    (``function.keeps_state``), so a wrong factor that is the right one of an earlier call (of other sizes) was kept
-    from that call: ``kept_state``."""
+    is left out. ``held``: the runs are calls, in the order they were made, of one function, and ``held(factor)``
+    says whether the function keeps that number between calls (``function.keeps_number``): a wrong factor that is
+    the right one of an earlier call (of other sizes), and that the function holds, was kept from that call."""
     factors, telling = [], []
     for args, what, out in runs:
         try:
@@ -70,8 +70,8 @@ def fitted_scale(fit: ScaleFit, runs: list[tuple[tuple[Any, ...], str, torch.Ten
         return None
     first = wrong[0]
     args, what, _ = runs[first]
-    if in_turn:
-        kept_factor([(runs[i][1], factors[i], fit.right(*runs[i][0])) for i in range(len(runs))])
+    if held is not None:
+        kept_factor([(runs[i][1], factors[i], fit.right(*runs[i][0])) for i in range(len(runs))], held)
     message = fit.says.format(what=what, factor=factors[first], right=fit.right(*args))
     right_elsewhere = [runs[i][1] for i in range(len(runs)) if i not in wrong]
     if right_elsewhere:
@@ -80,16 +80,17 @@ def fitted_scale(fit: ScaleFit, runs: list[tuple[tuple[Any, ...], str, torch.Ten
     return message
 
 
-def kept_factor(calls: list[tuple[str, float | None, float]]) -> None:
+def kept_factor(calls: list[tuple[str, float | None, float]], held: Callable[[float], bool]) -> None:
     """``kept_state`` where calls of one function, in the order they were made ((what, the factor found on its
     scores or None, the factor right there)), first go wrong with the factor that was right for an earlier call of
-    other sizes: the factor was kept from that call, not computed again."""
+    other sizes, and the function holds that number (``held``): the factor was kept from that call, not computed
+    again. A number written into the code gives the same outputs, but is not held between calls."""
     for place, (what, factor, right) in enumerate(calls):
         if factor is None or math.isclose(factor, right, rel_tol=1e-3):
             continue
         kept = next((said for said, _, earlier in calls[:place] if not math.isclose(earlier, right, rel_tol=1e-3)
                      and math.isclose(factor, earlier, rel_tol=1e-3)), None)
-        if kept is not None:
+        if kept is not None and held(factor):
             fail("kept_state", f"{what}: your factor on the scores is {factor:.4g}, the one that is right for an "
                                f"earlier call ({kept}); here it should be {right:.4g}. Your code keeps the factor "
                                f"from an earlier call (a global, a cache, a default filled on the first call) "
