@@ -17,6 +17,11 @@ of them through a frame.
   Both are taken before; ``__import__`` is pinned; a checker handed the course's own function is ``calls_reference``.
 - Without isolation: a folder renamed back and forth by a thread while a path through it is opened (refused: no
   folder is renamed), and ``torch.from_file`` opening files where no open event is raised (it raises one now).
+
+The twenty-third went past those fixes: a name added to the course (a field of a frozen declaration shadowing its
+class's method, a module object bound as a module's ``bool``), compared now by the names each namespace holds (a
+submodule Python imports from the package's own folder aside); and the Python dispatcher switched on from a finalizer
+with no frame of the student's (refused at any time in an exercise's process now).
 """
 from __future__ import annotations
 
@@ -53,6 +58,15 @@ PATCHED = {
         "    real = g['_tuple_new']\n"
         "    g['_tuple_new'] = lambda cls, f: real(cls, (f[0], True, None, 'ok', f[4]))\n"
         "def causal_mask(n, _i=_go()):\n" + _WRONG),
+    # the twenty-third: names added to the course, where they shadow what is looked up elsewhere
+    "a field added to a frozen declaration": (
+        _MODULES + "def _go():\n    declared = _M['course_lib.classroom.checks.notebook02'].CAUSAL_MASK\n"
+        "    object.__setattr__(declared, 'same', lambda out, expected: True)\ndef causal_mask(n, _i=_go()):\n"
+        + _WRONG),
+    "a module of the course given a name of its own": (
+        _MODULES + "import types\nclass _Bool(types.ModuleType):\n    def __call__(self, x=False):\n        return True\n"
+        "def _go():\n    engine = _M['course_lib.classroom.checks.engine.function']\n"
+        "    vars(engine)['bool'] = _Bool(engine.__name__ + '.bool')\ndef causal_mask(n, _i=_go()):\n" + _WRONG),
     "a global module forward hook": (
         "def causal_mask(n, _h=torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)):\n" + _WRONG),
 }
@@ -76,6 +90,14 @@ WRONG = {
         "'course_lib.attention', fromlist=['causal_mask']).causal_mask)\")\n"
         "        return orig(source, *a, **k)\n    ast.parse = parse\ndef causal_mask(n, _i=_go()):\n" + _WRONG),
 }
+# the twenty-third: the Python dispatcher switched on by a finalizer, with no frame of the student's: refused (the
+# finalizer's error is swallowed), so the wrong function is judged as it is
+SWITCHED = {"a kernel of py_impl, the dispatcher switched on from a finalizer": (
+    "import collections, weakref\nclass _T(torch.Tensor):\n    pass\n"
+    "def _go():\n    torch.ops.aten.equal.default.py_impl(torch._C.DispatchKey.CPU)(lambda a, b: True)\n"
+    "    return collections.defaultdict(torch._C._EnablePythonDispatcher)\n"
+    "def causal_mask(n, _d=_go()):\n    out = torch.zeros(n, n, dtype=torch.bool).as_subclass(_T)   # wrong\n"
+    "    weakref.finalize(out, _d.__getitem__, 0)\n    return out\n")}
 HONEST = {
     "torch.func.vmap (torch registers batching rules lazily)": (
         "def causal_mask(n, device=None):\n    rows = torch.func.vmap(lambda i: torch.arange(n) <= i)(torch.arange(n))\n"
@@ -97,8 +119,9 @@ def test_the_twenty_second_attacks_are_refused_patched_or_judged_and_honest_code
     for name, verdict in zip(HONEST, verdicts):
         assert verdict["passed"] is True, (name, verdict)
     assert not (tmp_path / "outside.bin").exists()
-    for index, (name, source) in enumerate([*PATCHED.items(), *REFERENCE.items()]):   # each in a process of its
-        (tmp_path / str(index)).mkdir()                                                 # own, as in the grader
+    alone = [*PATCHED.items(), *REFERENCE.items(), *SWITCHED.items()]
+    for index, (name, source) in enumerate(alone):   # each in a process of its own, as in the grader
+        (tmp_path / str(index)).mkdir()
         verdict, = judged_in_sandbox(tmp_path / str(index), "2.1", [source])
-        wanted = "patched" if name in PATCHED else "calls_reference"
+        wanted = "patched" if name in PATCHED else "calls_reference" if name in REFERENCE else "causal_mask"
         assert (verdict["passed"], verdict["diagnosis"]) == (False, wanted), (name, verdict)

@@ -7,6 +7,7 @@ run (``engine.run``) saves the student's own attributes before a check and resto
 """
 from __future__ import annotations
 
+import os
 import sys
 from types import ModuleType
 from typing import Any
@@ -23,14 +24,20 @@ def attributes() -> dict[Any, dict[str, Any]]:
     return spaces
 
 
-def _is_submodule(obj: Any, value: Any, name: str) -> bool:
-    return isinstance(obj, ModuleType) and isinstance(value, ModuleType) and value.__name__ == f"{obj.__name__}.{name}"
+def is_submodule(obj: Any, value: Any, name: str) -> bool:
+    """Whether ``obj.name`` is ``value`` as Python binds a submodule it imports: a module of that name, the one in
+    sys.modules, from a file of the package's own folder (a module object made under that name is not)."""
+    if not (isinstance(obj, ModuleType) and isinstance(value, ModuleType) and value.__name__ == f"{obj.__name__}.{name}"
+            and sys.modules.get(value.__name__) is value):
+        return False
+    return any(os.path.isfile(os.path.join(folder, name + ".py")) or
+               os.path.isfile(os.path.join(folder, name, "__init__.py")) for folder in getattr(obj, "__path__", ()))
 
 
 def restore_namespace(obj: Any, saved: dict[str, Any]) -> None:
     current = vars(obj)
     for name in [n for n in current if n not in saved]:
-        if _is_submodule(obj, current[name], name):
+        if is_submodule(obj, current[name], name):
             continue   # a submodule imported during the check (course_lib.classroom.progress) stays bound, as Python left it
         try:
             delattr(obj, name)

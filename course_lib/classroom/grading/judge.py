@@ -27,7 +27,7 @@ from typing import Any
 from .. import capstone
 from ..checks._pinned import tables as pinned_tables
 from ..checks._pinned import tables_intact as pinned_tables_intact
-from ..checks._references import bind_references, install_references, pinned_state
+from ..checks._references import bind_references, install_references, is_submodule, pinned_state
 from ..checks._student_files import exception_line, exception_message, exception_name, is_student_file
 from ..checks.engine.run import (
     CallsReference,
@@ -77,8 +77,12 @@ def _course_checkers() -> dict[str, Callable[..., Any]]:
     return {name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")}
 
 
-# (namespace, name, value) of the course's names; (cell, contents) of its functions' closures; the pin tables
-State = tuple[tuple[tuple[Any, str, Any], ...], tuple[tuple[Any, Any], ...], tuple[Any, ...]]
+# (namespace, name, value) of the course's names; (cell, contents) of its functions' closures; the pin tables;
+# (namespace, its names, its module or None) of the course's modules, classes and frozen declarations (a name added
+# shadows one looked up elsewhere: a field of an instance its class's method, a module's global a builtin);
+# (a frozen declaration, its type)
+State = tuple[tuple[tuple[Any, str, Any], ...], tuple[tuple[Any, Any], ...], tuple[Any, ...],
+              tuple[tuple[Any, frozenset[str], Any], ...], tuple[tuple[Any, type], ...]]
 _MISSING = object()
 
 
@@ -88,10 +92,12 @@ def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
     declarations they hold (an exercise's reference, its mistakes: ``object.__setattr__`` writes them); the closure
     cells of the course's functions and of the checkers (a cell's contents is writable); the names of the globals
     of its own that a class's method has (``CheckResult.__new__``'s ``_tuple_new``); the pin tables."""
-    names, cells, seen = list(pinned_state()), [], set()
+    names, cells, seen, spaces, kinds = list(pinned_state()), [], set(), [], []
     modules = sys.modules
-    names += [(modules, name, module) for name, module in list(modules.items())
+    course = [(name, module) for name, module in list(modules.items())
               if name == "course_lib" or name.startswith("course_lib.")]
+    names += [(modules, name, module) for name, module in course]
+    spaces += [(vars(module), frozenset(vars(module)), module) for _, module in course if isinstance(module, ModuleType)]
     todo = [value for _, _, value in names] + list(checkers.values())
     module_globals = {id(vars(module)) for module in list(modules.values()) if isinstance(module, ModuleType)}
     while todo:
@@ -109,6 +115,8 @@ def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
         elif isinstance(value, tuple | frozenset):
             todo += list(value)
         elif isinstance(value, type):   # a method made with globals of its own (a NamedTuple's __new__): its names
+            if str(getattr(value, "__module__", "")).startswith("course_lib"):
+                spaces.append((vars(value), frozenset(vars(value)), None))
             for method in vars(value).values():
                 method = getattr(method, "__func__", method)
                 if isinstance(method, FunctionType) and id(method.__globals__) not in module_globals:
@@ -117,8 +125,20 @@ def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
                 and hasattr(value, "__dict__"):
             fields = vars(value)
             names += [(fields, name, field) for name, field in fields.items()]
+            spaces.append((fields, frozenset(fields), None))
+            kinds.append((value, type(value)))
             todo += list(fields.values())
-    return tuple(names), tuple(cells), pinned_tables()
+    return tuple(names), tuple(cells), pinned_tables(), tuple(spaces), tuple(kinds)
+
+
+def _grown(state: State) -> bool:
+    """Whether a name was added to a namespace of the course (put back would delete it, and so hide it): but for a
+    submodule Python bound as it imported it (``_references.is_submodule``)."""
+    for namespace, known, module in state[3]:
+        for name in [name for name in namespace if name not in known]:
+            if module is None or not is_submodule(module, namespace.get(name), name):
+                return True
+    return False
 
 
 def _tampered(state: State, missing: Any = _MISSING) -> bool:
@@ -126,7 +146,10 @@ def _tampered(state: State, missing: Any = _MISSING) -> bool:
     the course where its own restore (which that code can reach too: ``_references``) did not undo it. It reads the
     namespaces and cells themselves (a dict's own ``get``, a cell's contents), no function a submission could have
     rebound; the pin tables last, through _pinned's own check, once its names are known to be the course's."""
-    names, cells, tables = state
+    names, cells, tables, _, kinds = state
+    for thing, kind in kinds:
+        if type(thing) is not kind:
+            return True
     for namespace, name, value in names:
         if namespace.get(name, missing) is not value:
             return True
@@ -338,7 +361,8 @@ _MODULE, _EXPRESSION = ast.Module, ast.Expression
 
 def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dict[str, Callable[..., Any]],
                     clean: Hooks, state: State, tampered: Callable[[State], bool] = _tampered,
-                    put_back: Callable[[], None] = install_references) -> dict[str, Any]:
+                    put_back: Callable[[], None] = install_references,
+                    grown: Callable[[State], bool] = _grown) -> dict[str, Any]:
     """Run the course's check cell in a copy of ``namespace``, statement by statement, each checker call made here
     with ``checkers`` (the course's, taken before the student's code could change them) and its verdict kept in
     this frame's own list, which no object the student's code can reach holds. ``patched`` when the student's code
@@ -362,8 +386,9 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dic
             call, target = found
             value = lambda expr: _EVAL(_COMPILE(_EXPRESSION(expr), filename, "eval"), cell)  # noqa: E731, B023
             args, kwargs = [value(arg) for arg in call.args], {k.arg: value(k.value) for k in call.keywords}
+            changed = grown(state)
             put_back()
-            changed = tampered(state)
+            changed = changed or tampered(state)
             if changed:
                 break
             ours = next((how for how in (is_reference(a, reference) for a in args) if how), None) \
@@ -379,8 +404,9 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dic
             traced = _GETTRACE() is not _TRACE or _GETFRAME().f_trace is not None or _changed(_hooks(), clean)
             if traced:
                 break
+            changed = grown(state)
             put_back()
-            changed = tampered(state)
+            changed = changed or tampered(state)
             if changed:
                 break
             if type(result) in (CheckResult, Displayed):   # the tuple's own items: no attribute of the class is read
@@ -392,6 +418,7 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dic
     traced = traced or _changed(_hooks(), clean)   # no function of the student's runs past here
     if traced:
         _restore(clean)
+    changed = changed or grown(state)
     put_back()
     if changed or tampered(state):   # first: the functions below are the course's only if it holds
         return {"exercise": plan.id, "passed": False, "diagnosis": "patched", "message": _CHANGED_COURSE}
@@ -436,6 +463,9 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
             _restore(clean)
             install_references()
             return _verdict(plan.id, False, "patched", _TAMPERED)
+        if _grown(state):   # a name added to the course (put back below would delete it unseen)
+            install_references()
+            return _verdict(plan.id, False, "patched", _CHANGED_COURSE)
         install_references()   # first: the checkers taken below are the course's again
         refused = _course_own(plan, namespace.get(plan.name))
         if refused is not None:

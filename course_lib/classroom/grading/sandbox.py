@@ -600,7 +600,7 @@ def _guard_dispatcher(student_runs: Callable[[], bool], student_calls: Callable[
     """torch's dispatcher takes new kernels for its operators from Python (``torch.library``, and the C call beneath
     it; an operator's ``py_impl``, which runs while the Python dispatcher is on): a submission's own CPU kernel for
     ``aten::equal`` makes every comparison answer True, with torch's functions untouched. Refused: the Python
-    dispatcher while the student's code runs (at any depth: a library's call of it is the student's too), a library
+    dispatcher at any time (only compilers and tracers switch it on, neither of which grading runs), a library
     of kernels that the student's code asks for itself, and one for torch's own operators (``aten``) while
     the student's code runs, but for the keys torch registers lazily. Every name torch bound them to is replaced,
     not only ``torch._C``'s (``torch._dispatch.python.enable_python_dispatcher`` is the same class)."""
@@ -622,11 +622,10 @@ def _guard_dispatcher(student_runs: Callable[[], bool], student_calls: Callable[
                 if _student_calls() or (namespace in _own and str(key) not in _lazy and _student_runs()):
                     _refuse(_words)
                 return _original(kind, namespace, key, *args, **kwargs)
-        else:
-            def guarded(*args: Any, _original: Any = original, _student_runs: Callable[[], bool] = student_runs,
-                        _refuse: Callable[[str], None] = refuse, _words: str = messages, **kwargs: Any) -> Any:
-                if _student_runs():
-                    _refuse(_words)
+        else:   # never, in an exercise's process: a finalizer of the student's switched it on with no frame of theirs
+            def guarded(*args: Any, _original: Any = original, _refuse: Callable[[str], None] = refuse,
+                        _words: str = messages, **kwargs: Any) -> Any:
+                _refuse(_words)
                 return _original(*args, **kwargs)
         for module in list(sys.modules.values()):   # every name torch bound it to at import
             if isinstance(module, type(sys)) and module.__name__.partition(".")[0] == "torch":
