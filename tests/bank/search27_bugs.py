@@ -110,6 +110,17 @@ class GQAWithAHiddenCache(_GQAPlain):
 
 # ============================================================================ state kept between calls (procedures)
 
+def _greedy_into(model, idx, cache, max_new_tokens):
+    """Greedy generation through ``cache``, whatever it already holds (the attempts' own slip is which cache)."""
+    logits = model(idx, cache)
+    for step in range(max_new_tokens):
+        token = logits[:, -1].argmax(dim=-1, keepdim=True)                     # (N, 1)
+        idx = torch.cat([idx, token], dim=1)
+        if step + 1 < max_new_tokens:
+            logits = model(token, cache)
+    return idx
+
+
 @bug("6.2", "kept_state", "keeps something from one call to the next")
 @torch.no_grad()
 def generate_with_a_cache_kept_per_model(model, idx, max_new_tokens):
@@ -119,13 +130,7 @@ def generate_with_a_cache_kept_per_model(model, idx, max_new_tokens):
             model.config.max_tokens:
         kept = _SEEN[("6.2", id(model))] = (model, model.new_cache())
     cache = kept[1]
-    logits = model(idx, cache)
-    for step in range(max_new_tokens):
-        token = logits[:, -1].argmax(dim=-1, keepdim=True)                     # (N, 1)
-        idx = torch.cat([idx, token], dim=1)
-        if step + 1 < max_new_tokens:
-            logits = model(token, cache)
-    return idx
+    return _greedy_into(model, idx, cache, max_new_tokens)
 
 
 @bug("7.2", "kept_state", "keeps something from one call to the next")
@@ -209,13 +214,7 @@ def generate_with_a_cache_kept_for_one_prompt(model, idx, max_new_tokens):
     if kept is not None:
         kept[2] += idx.shape[1] + max_new_tokens - 1
     cache = kept[1] if kept is not None else model.new_cache()
-    logits = model(idx, cache)
-    for step in range(max_new_tokens):
-        token = logits[:, -1].argmax(dim=-1, keepdim=True)                     # (N, 1)
-        idx = torch.cat([idx, token], dim=1)
-        if step + 1 < max_new_tokens:
-            logits = model(token, cache)
-    return idx
+    return _greedy_into(model, idx, cache, max_new_tokens)
 
 
 @correct("7.2")
