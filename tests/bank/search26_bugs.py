@@ -18,16 +18,13 @@ import torch.nn.functional as F
 
 from bank.attempts import new_bank
 from bank.flash_bugs import _backward, _tiled
-from bank.modern_bugs import _attend
+from bank.modern_bugs import _attend, _GQAPlain
 from bank.pairs_bugs import _latent
-from course_lib.attention import split_heads
 from course_lib.flash import FlashAttentionFunction
 from course_lib.model import GPT
 from course_lib.modern import (
-    GroupedQueryAttention,
     RMSNorm,
     SwiGLU,
-    apply_rotary,
     repeat_kv,
     rotate_half,
 )
@@ -320,19 +317,14 @@ def ablate_head_and_one_more_column(model, layer, head):
 # ============================================================================ 9.6: keys and values grouped apart
 
 @bug("9.6", "kv_grouping", "another order")
-class GQAValuesTiledKeysInterleaved(GroupedQueryAttention):
+class GQAValuesTiledKeysInterleaved(_GQAPlain):
     """Keys shared with repeat_kv (each key head next to its queries), values tiled with .repeat: query head h reads
     the keys of one group and the values of another."""
 
     def forward(self, x, cache=None):
         start = 0 if cache is None else cache.length
-        q = split_heads(self.query(x), self.num_heads)
-        k = split_heads(self.key(x), self.num_kv_heads)
-        v = split_heads(self.value(x), self.num_kv_heads)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, self.rope_cos, self.rope_sin, offset=start)
-        k = apply_rotary(k, self.rope_cos, self.rope_sin, offset=start)
+        q, k, v = self.normed(x)
+        q, k = self.turn(q, k, start, x.shape[1])
         if cache is not None:
             k, v = cache.append(k, v)
         return _attend(self, q, repeat_kv(k, self.groups), v.repeat(1, self.groups, 1, 1), start)
