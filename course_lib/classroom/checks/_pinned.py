@@ -34,7 +34,7 @@ def _namespaces() -> Iterator[tuple[str, Any]]:
     yield from (("torch", torch), ("torch.nn.functional", F), ("torch.Tensor", torch.Tensor),
                 ("torch.Tensor", torch._C.TensorBase), ("torch.linalg", torch.linalg),
                 ("torch.special", torch.special), ("torch.autograd", torch.autograd), ("torch.nn.init", nn.init),
-                ("torch.nn", nn), ("math", math), ("builtins", builtins))
+                ("torch.nn", nn), ("torch.nn.Parameter", nn.Parameter), ("math", math), ("builtins", builtins))
     seen = set()
     for cls in vars(nn).values():   # nn.Module and every layer: their forward, __call__, hooks
         if isinstance(cls, type) and issubclass(cls, nn.Module):
@@ -120,9 +120,20 @@ def replaced(written: bool = False) -> list[str]:
         if len(own) == len(names) and all(map(own.__contains__, names)):
             continue   # (the usual case, in C)
         for name in own.keys() - names:
-            if any((id(base), name) in PINNED for base in space.__mro__[1:]):
+            if _shadows(space, name, own[name]):
                 found.append(f"{shown}.{name}")
     return found
+
+
+def _shadows(space: type, name: str, value: Any) -> bool:
+    """Whether a name set on a pinned class since it was pinned changes what the checks get: a function of the
+    student's code, or anything but a library's function where it is a special method (Python looks those up on
+    the class: ``__getattribute__`` answers every attribute read) or a name a base has (``object``'s too). torch and
+    the libraries add names of their own as they load their parts (transformers: ``nn.Module.smart_apply``)."""
+    code = _code_of(value)
+    if code is not None:
+        return is_student_file(code.co_filename)
+    return (name.startswith("__") and name.endswith("__")) or any(name in vars(base) for base in space.__mro__[1:])
 
 
 def _own_rebinding(space: Any, new: Any, pinned: Any) -> bool:

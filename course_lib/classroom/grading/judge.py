@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import gc
 import importlib.util
+import operator
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ from .. import capstone
 from ..checks._pinned import tables as pinned_tables
 from ..checks._pinned import tables_intact as pinned_tables_intact
 from ..checks._references import bind_references, install_references, is_submodule, pinned_state
+from ..checks._student_files import _CLAIMED as _COURSE_CLAIMS
 from ..checks._student_files import exception_line, exception_message, exception_name, is_student_file
 from ..checks.engine.run import (
     CallsReference,
@@ -42,7 +44,7 @@ from ..collect import GPT_EXERCISES, collect_student_parts, course_names, course
 from ..verdict import CheckResult
 from .plan import CAPSTONE, ExercisePlan
 
-__all__ = ["judge", "known_names", "CourseChecks"]
+__all__ = ["judge", "known_names", "CourseChecks", "hold_claims"]
 
 from .grades import MESSAGE_LIMIT
 
@@ -80,10 +82,49 @@ def _course_checkers() -> dict[str, Callable[..., Any]]:
 # (namespace, name, value) of the course's names; (cell, contents) of its functions' closures; the pin tables;
 # (namespace, its names, its module or None) of the course's modules, classes and frozen declarations (a name added
 # shadows one looked up elsewhere: a field of an instance its class's method, a module's global a builtin);
-# (a frozen declaration, its type)
+# (a frozen declaration, a class or a module, its type); (a dict, list or set of the course's, what it held, whether
+# it may grow)
 State = tuple[tuple[tuple[Any, str, Any], ...], tuple[tuple[Any, Any], ...], tuple[Any, ...],
-              tuple[tuple[Any, frozenset[str], Any], ...], tuple[tuple[Any, type], ...]]
+              tuple[tuple[Any, frozenset[str], Any], ...], tuple[tuple[Any, type], ...],
+              tuple[tuple[Any, tuple[Any, ...], bool], ...]]
 _MISSING = object()
+_DBG = []
+# The containers the course itself changes as it checks: (module, name) -> whether their entries are only ever added
+# (the pinned namespaces of a module imported since, the files of the student's code claimed as it runs: one taken
+# away would be the student's) or change freely (caches, the last verdicts, hint states, a count of calls)
+_GROWING = {("course_lib.classroom.checks._references", "_PRISTINE"): True,
+            ("course_lib.classroom.checks._student_files", "_CLAIMED"): True,
+            ("course_lib.classroom.checks.engine.run", "_LAST"): False,
+            ("course_lib.classroom.checks._core", "_STATES"): False,
+            ("course_lib.classroom.checks._student_code", "CALLS"): False,
+            ("course_lib.corpora", "_SHA_CACHE"): False,
+            ("course_lib.runtime", "_state"): False,
+            # the pin tables: torch's own wrappers of a pinned function are pinned as they come, and _pinned's own
+            # check compares the tables (``pinned_tables_intact``)
+            ("course_lib.classroom.checks._pinned", "PINNED"): False,
+            ("course_lib.classroom.checks._pinned", "_BY_SPACE"): False,
+            ("course_lib.classroom.checks._pinned", "_CLASS_NAMES"): False}
+_CONTAINERS = (dict, list, set)
+
+
+def _held(container: Any) -> tuple[Any, ...]:
+    """What a container holds, as objects compared by identity (no __eq__ or __hash__ of theirs runs): a dict's keys
+    and values, a list's items in order, a set's items."""
+    if isinstance(container, dict):
+        return tuple(dict.items(container))
+    return tuple(list.__iter__(container)) if isinstance(container, list) else tuple(set.__iter__(container))
+
+
+def _holds(container: Any, held: tuple[Any, ...], growing: bool) -> bool:
+    now = _held(container)
+    if isinstance(container, dict):
+        now, held = [item for pair in now for item in pair], [item for pair in held for item in pair]
+    if isinstance(container, set) or (growing and isinstance(container, dict)):
+        ids = {id(item) for item in now}
+        return all(id(item) in ids for item in held) and (growing or len(now) == len(held))
+    if growing:
+        return list(map(id, now[:len(held)])) == list(map(id, held))
+    return len(now) == len(held) and all(map(operator.is_, now, held))
 
 
 def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
@@ -92,13 +133,29 @@ def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
     declarations they hold (an exercise's reference, its mistakes: ``object.__setattr__`` writes them); the closure
     cells of the course's functions and of the checkers (a cell's contents is writable); the names of the globals
     of its own that a class's method has (``CheckResult.__new__``'s ``_tuple_new``); the pin tables."""
-    names, cells, seen, spaces, kinds = list(pinned_state()), [], set(), [], []
+    names, cells, seen, spaces, kinds, held = list(pinned_state()), [], set(), [], [], []
     modules = sys.modules
     course = [(name, module) for name, module in list(modules.items())
               if name == "course_lib" or name.startswith("course_lib.")]
     names += [(modules, name, module) for name, module in course]
     spaces += [(vars(module), frozenset(vars(module)), module) for _, module in course if isinstance(module, ModuleType)]
-    todo = [value for _, _, value in names] + list(checkers.values())
+    # every module's class (one given a class of its own answers every name read from it: ``torch.equal``)
+    kinds += [(module, type(module)) for module in list(modules.values()) if isinstance(module, ModuleType)]
+    # the course's dicts, lists and sets at module level: the reference guard's counters, registries, tables (not a
+    # library's that a course module names too, torch.library's kernels: the hooks above compare what matters there)
+    found: dict[int, tuple[Any, bool | None]] = {}   # by the container: one imported under two names is one
+    for name, module in course:
+        for key, value in list(vars(module).items()) if isinstance(module, ModuleType) else ():
+            if type(value) in _CONTAINERS:
+                mode, then = _GROWING.get((name, key)), found.get(id(value), (value, None))[1]
+                found[id(value)] = (value, False if False in (mode, then) else mode or then)
+    libraries = {id(value) for name, module in list(modules.items()) if isinstance(module, ModuleType)
+                 and not (name == "course_lib" or name.startswith("course_lib.")) for value in list(vars(module).values())
+                 if id(value) in found}
+    held += [(value, _held(value), mode is True) for key, (value, mode) in found.items()
+             if mode is not False and key not in libraries]
+    todo = [value for _, _, value in names] + list(checkers.values()) + \
+        [item for container, contents, growing in held if not growing for item in contents]
     module_globals = {id(vars(module)) for module in list(modules.values()) if isinstance(module, ModuleType)}
     while todo:
         value = todo.pop()
@@ -117,6 +174,7 @@ def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
         elif isinstance(value, type):   # a method made with globals of its own (a NamedTuple's __new__): its names
             if str(getattr(value, "__module__", "")).startswith("course_lib"):
                 spaces.append((vars(value), frozenset(vars(value)), None))
+                kinds.append((value, type(value)))   # its metaclass answers the names read from it
             for method in vars(value).values():
                 method = getattr(method, "__func__", method)
                 if isinstance(method, FunctionType) and id(method.__globals__) not in module_globals:
@@ -128,7 +186,7 @@ def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
             spaces.append((fields, frozenset(fields), None))
             kinds.append((value, type(value)))
             todo += list(fields.values())
-    return tuple(names), tuple(cells), pinned_tables(), tuple(spaces), tuple(kinds)
+    return tuple(names), tuple(cells), pinned_tables(), tuple(spaces), tuple(kinds), tuple(held)
 
 
 def _grown(state: State) -> bool:
@@ -137,22 +195,35 @@ def _grown(state: State) -> bool:
     for namespace, known, module in state[3]:
         for name in [name for name in namespace if name not in known]:
             if module is None or not is_submodule(module, namespace.get(name), name):
-                return True
+                _DBG.append(("grown", name)); return True
     return False
 
 
-def _tampered(state: State, missing: Any = _MISSING) -> bool:
+def hold_claims(claims: set[str]) -> None:
+    """Have every comparison of the course's state also ask that ``claims`` (the sandbox's own record of the files
+    the student's code named its code after, kept where no code of theirs reaches it) are all in the course's
+    record of them, which the checks read (``is_student_file``): one taken away there hides code of theirs."""
+    _tampered.__kwdefaults__["claims"] = claims
+
+
+def _tampered(state: State, missing: Any = _MISSING, *, claims: Any = frozenset(),
+              course_claims: set[str] = _COURSE_CLAIMS) -> bool:
     """Whether anything of ``state`` is other than it was, once the course was put back: the student's code changed
     the course where its own restore (which that code can reach too: ``_references``) did not undo it. It reads the
     namespaces and cells themselves (a dict's own ``get``, a cell's contents), no function a submission could have
     rebound; the pin tables last, through _pinned's own check, once its names are known to be the course's."""
-    names, cells, tables, _, kinds = state
+    names, cells, tables, _, kinds, held = state
+    if not all(map(course_claims.__contains__, claims)):
+        _DBG.append(("claims", sorted(claims - course_claims)[:3])); return True
     for thing, kind in kinds:
         if type(thing) is not kind:
-            return True
+            _DBG.append(("kind", repr(thing)[:80])); return True
+    for container, contents, growing in held:
+        if not _holds(container, contents, growing):
+            _DBG.append(("held", repr(container)[:120], len(contents))); return True
     for namespace, name, value in names:
         if namespace.get(name, missing) is not value:
-            return True
+            _DBG.append(("name", name)); return True
     for cell, value in cells:
         try:
             if cell.cell_contents is not value:
@@ -421,7 +492,7 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dic
     changed = changed or grown(state)
     put_back()
     if changed or tampered(state):   # first: the functions below are the course's only if it holds
-        return {"exercise": plan.id, "passed": False, "diagnosis": "patched", "message": _CHANGED_COURSE}
+        return {"exercise": plan.id, "passed": False, "diagnosis": "patched", "message": str(_DBG)}
     if traced:
         return _verdict(plan.id, False, "patched", _TAMPERED)
     return _from_checks(plan, tuple(record), error)
@@ -465,7 +536,7 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
             return _verdict(plan.id, False, "patched", _TAMPERED)
         if _grown(state):   # a name added to the course (put back below would delete it unseen)
             install_references()
-            return _verdict(plan.id, False, "patched", _CHANGED_COURSE)
+            return _verdict(plan.id, False, "patched", str(_DBG))
         install_references()   # first: the checkers taken below are the course's again
         refused = _course_own(plan, namespace.get(plan.name))
         if refused is not None:

@@ -37,6 +37,7 @@ import sysconfig
 import threading
 from collections.abc import Callable, Iterable
 from itertools import islice
+from types import ModuleType
 from typing import Any
 
 from . import keyrings, syscalls
@@ -78,6 +79,7 @@ _FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 # originals they stand for there, and the course's functions their own references. No one but the course reads them
 # while the student's code runs, and no one changes a course function's code or defaults then.
 _HIDDEN_ATTRIBUTES = frozenset({"__defaults__", "__kwdefaults__"})
+_MODULE_DICT = ModuleType.__dict__["__dict__"]
 _CODE_ATTRIBUTES = frozenset({"__code__", "__defaults__", "__kwdefaults__"})
 _EVERYTHING_EVENTS = frozenset({"sys._current_frames", "gc.get_objects", "gc.get_referrers", "gc.get_referents"})
 # (the end of a file's path, its functions), looked up by name, so that a module imported afresh is read the same
@@ -274,11 +276,13 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
     closed_modules = frozenset(module for module, _, _ in _UNAUDITED_WAYS) - {"os", "signal"} | {"gc", "torch._C"}
 
     from ..checks import _student_files as files
-    from .judge import judge
+    from .judge import hold_claims, judge
     claim_student_file = files.claim_student_file
     judge_code, judge_thread = judge.__code__, threading.get_ident()   # the policy is installed where the judge runs
-    # the claims also kept here, where no code of the student's reaches them (the course's copy is a module's)
+    # the claims also kept here, where no code of the student's reaches them (the course's copy is a module's, which
+    # the judge compares with this one)
     getframe, claimed, asking = sys._getframe, set(), set()   # asking: the threads inside asker() now
+    hold_claims(claimed)
     # whose code a file is: the course's, torch's and the installed libraries' folders, as the checks read them now
     # (the checks' own is_student_file looks up names a submission can rebind: this is the policy's)
     outside_roots = files.OUTSIDE_STUDENT_ROOTS
@@ -340,6 +344,27 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
         """Whether the code that raised this event is the student's."""
         caller = asker()
         return caller is not None and students(caller.f_code.co_filename)
+
+    def class_swap_refused(target: Any) -> bool:
+        """Whether ``target.__class__ = ...`` is refused: at any time for a class (its metaclass answers its
+        lookups) and for the course's objects, and for a module but while its own file's top-level code runs (a
+        library giving itself a class as it is imported: torch.utils.deterministic, torch's config modules); a
+        finalizer or a C function makes the call with no frame of the student's. For torch's objects, when the
+        student's code asks (torch's own parametrizations give a layer a class of their own)."""
+        kind = type(target)   # not isinstance, which would ask the object's own __class__
+        if issubclass(kind, type):
+            return True
+        caller = asker()
+        if issubclass(kind, ModuleType):   # let through while the module's own file runs as it is imported
+            space = _MODULE_DICT.__get__(target)   # ModuleType's own: no subclass's property
+            while caller is not None and not (caller.f_code.co_name == "<module>" and caller.f_globals is space
+                                              and not students(caller.f_code.co_filename)):
+                caller = caller.f_back
+            return caller is None
+        owner = vars(kind).get("__module__")   # the class's own entry: no lookup a metaclass answers
+        owner = owner if isinstance(owner, str) else ""
+        return owner.startswith("course_lib") or (owner.startswith("torch") and caller is not None
+                                                  and students(caller.f_code.co_filename))
 
     def made_by_student() -> bool:
         """Whether code is being made (compiled, built, given to a function) while the student's code runs, by
@@ -545,6 +570,9 @@ def _install_policy(home: str, deny: Iterable[str]) -> Callable[[str, tuple], No
         elif event == "object.__setattr__" and len(args) > 1 and args[1] in _CODE_ATTRIBUTES \
                 and course_function(args[0]) and made_by_student():
             refuse("changing the course's own functions (their code or defaults)")
+        elif event == "object.__setattr__" and len(args) > 1 and args[1] == "__class__" and class_swap_refused(args[0]):
+            refuse("changing the class of a module, of a class, or of the course's or torch's objects (__class__ = "
+                   "...): the new class answers every lookup the grader makes there")
         elif event == "object.__setattr__" and len(args) > 2 and args[1] == "__code__" \
                 and isinstance(getattr(args[2], "co_filename", None), str) and made_by_student():
             claim(args[2].co_filename)
