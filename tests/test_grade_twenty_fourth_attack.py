@@ -106,3 +106,5 @@ def test_the_twenty_fourth_attacks_are_refused_or_patched_and_honest_code_passes
         (tmp_path / str(index)).mkdir()
         verdict, = judged_in_sandbox(tmp_path / str(index), "2.1", [source])
         assert (verdict["passed"], verdict["diagnosis"]) == (False, "patched"), (name, verdict)
+        assert "changed the course's own code" in verdict["message"] or "has been replaced" in verdict["message"], \
+            (name, verdict)

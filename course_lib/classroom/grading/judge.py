@@ -88,7 +88,6 @@ State = tuple[tuple[tuple[Any, str, Any], ...], tuple[tuple[Any, Any], ...], tup
               tuple[tuple[Any, frozenset[str], Any], ...], tuple[tuple[Any, type], ...],
               tuple[tuple[Any, tuple[Any, ...], bool], ...]]
 _MISSING = object()
-_DBG = []
 # The containers the course itself changes as it checks: (module, name) -> whether their entries are only ever added
 # (the pinned namespaces of a module imported since, the files of the student's code claimed as it runs: one taken
 # away would be the student's) or change freely (caches, the last verdicts, hint states, a count of calls)
@@ -195,7 +194,7 @@ def _grown(state: State) -> bool:
     for namespace, known, module in state[3]:
         for name in [name for name in namespace if name not in known]:
             if module is None or not is_submodule(module, namespace.get(name), name):
-                _DBG.append(("grown", name)); return True
+                return True
     return False
 
 
@@ -214,16 +213,16 @@ def _tampered(state: State, missing: Any = _MISSING, *, claims: Any = frozenset(
     rebound; the pin tables last, through _pinned's own check, once its names are known to be the course's."""
     names, cells, tables, _, kinds, held = state
     if not all(map(course_claims.__contains__, claims)):
-        _DBG.append(("claims", sorted(claims - course_claims)[:3])); return True
+        return True
     for thing, kind in kinds:
         if type(thing) is not kind:
-            _DBG.append(("kind", repr(thing)[:80])); return True
+            return True
     for container, contents, growing in held:
         if not _holds(container, contents, growing):
-            _DBG.append(("held", repr(container)[:120], len(contents))); return True
+            return True
     for namespace, name, value in names:
         if namespace.get(name, missing) is not value:
-            _DBG.append(("name", name)); return True
+            return True
     for cell, value in cells:
         try:
             if cell.cell_contents is not value:
@@ -492,7 +491,7 @@ def _run_check_cell(plan: ExercisePlan, namespace: dict[str, Any], checkers: dic
     changed = changed or grown(state)
     put_back()
     if changed or tampered(state):   # first: the functions below are the course's only if it holds
-        return {"exercise": plan.id, "passed": False, "diagnosis": "patched", "message": str(_DBG)}
+        return {"exercise": plan.id, "passed": False, "diagnosis": "patched", "message": _CHANGED_COURSE}
     if traced:
         return _verdict(plan.id, False, "patched", _TAMPERED)
     return _from_checks(plan, tuple(record), error)
@@ -536,7 +535,7 @@ def judge(plan: ExercisePlan, source: str | None) -> dict[str, Any]:
             return _verdict(plan.id, False, "patched", _TAMPERED)
         if _grown(state):   # a name added to the course (put back below would delete it unseen)
             install_references()
-            return _verdict(plan.id, False, "patched", str(_DBG))
+            return _verdict(plan.id, False, "patched", _CHANGED_COURSE)
         install_references()   # first: the checkers taken below are the course's again
         refused = _course_own(plan, namespace.get(plan.name))
         if refused is not None:
