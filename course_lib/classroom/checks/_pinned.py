@@ -13,6 +13,7 @@ course's own modules are pinned apart (``_references``).
 from __future__ import annotations
 
 import builtins
+import inspect
 import math
 import operator
 import os
@@ -127,12 +128,14 @@ def replaced(written: bool = False) -> list[str]:
 
 def _shadows(space: type, name: str, value: Any) -> bool:
     """Whether a name set on a pinned class since it was pinned changes what the checks get: a function of the
-    student's code, or anything but a library's function where it is a special method (Python looks those up on
-    the class: ``__getattribute__`` answers every attribute read) or a name a base has (``object``'s too). torch and
-    the libraries add names of their own as they load their parts (transformers: ``nn.Module.smart_apply``)."""
+    student's code, or any other callable or descriptor where it is a special method (Python looks those up on the
+    class: ``__getattribute__`` answers every attribute read) or a name a base has (``object``'s too). torch and
+    the libraries add functions of their own as they load their parts (transformers: ``nn.Module.smart_apply``)."""
     code = _code_of(value)
     if code is not None:
         return is_student_file(code.co_filename)
+    if not (callable(value) or inspect.getattr_static(type(value), "__get__", None) is not None):
+        return False   # data, which no lookup calls (copyreg caches a class's __slotnames__ on it)
     return (name.startswith("__") and name.endswith("__")) or any(name in vars(base) for base in space.__mro__[1:])
 
 

@@ -36,6 +36,12 @@ def claim_student_file(filename: str) -> None:
     _CLAIMED.add(filename)
 
 
+def claimed_files() -> set[str]:
+    """The course's record of the files claimed, the set itself (the grader's judge compares it with the sandbox's
+    own record, which no code of the student's reaches)."""
+    return _CLAIMED
+
+
 def is_student_file(filename: str) -> bool:
     """Whether code from ``filename`` is the student's: not the course's, torch's, or an installed library's
     ("<your 02_masked_attention.ipynb, Exercise 2.1>", "<string>" and an IPython cell are the student's), or

@@ -29,8 +29,7 @@ from .. import capstone
 from ..checks._pinned import tables as pinned_tables
 from ..checks._pinned import tables_intact as pinned_tables_intact
 from ..checks._references import bind_references, install_references, is_submodule, pinned_state
-from ..checks._student_files import _CLAIMED as _COURSE_CLAIMS
-from ..checks._student_files import exception_line, exception_message, exception_name, is_student_file
+from ..checks._student_files import claimed_files, exception_line, exception_message, exception_name, is_student_file
 from ..checks.engine.run import (
     CallsReference,
     CheckNotPassed,
@@ -196,6 +195,9 @@ def _grown(state: State) -> bool:
             if module is None or not is_submodule(module, namespace.get(name), name):
                 return True
     return False
+
+
+_COURSE_CLAIMS = claimed_files()
 
 
 def hold_claims(claims: set[str]) -> None:
