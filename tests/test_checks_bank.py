@@ -29,6 +29,8 @@ from bank import (
     search25_bugs,
     search26_bugs,
     search27_bugs,
+    search28_bugs,
+    search29_bugs,
     search_bugs,
     state_bugs,
     text_bugs,
@@ -41,7 +43,8 @@ from course_lib.classroom.exercises import BY_ID, EXERCISES
 
 BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs, probe_bugs, search_bugs,
          search19_bugs, search22_bugs, scale_bugs, learning_bugs, state_bugs, pairs_bugs, contract_bugs, text_bugs,
-         precision_bugs, search25_bugs, search26_bugs, search27_bugs)
+         precision_bugs, search25_bugs, search26_bugs, search27_bugs, search28_bugs,
+         search29_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
 

@@ -288,3 +288,36 @@ def test_a_softmax_without_its_maximum_is_found_where_the_exercise_computes_one(
 
     result = _check(declaration, candidate)
     assert not result.passed and result.diagnosis in ("overflow", "magnitude", "nan"), result
+
+
+# ---------------------------------------------------------------- kept state: the engine's helpers
+
+def test_a_weight_step_changes_shared_parameters_alike_and_is_undone():
+    from course_lib.classroom.checks.engine.probes import weight_step
+    one, two = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    two.load_state_dict(one.state_dict())
+    before = {name: p.detach().clone() for name, p in one.named_parameters()}
+    undo = weight_step(one, two)
+    for (name, p), q in zip(one.named_parameters(), two.parameters()):
+        assert not torch.equal(p, before[name]) and torch.equal(p, q)
+    undo()
+    assert all(torch.equal(p, before[name]) for name, p in one.named_parameters())
+
+
+def test_a_draw_repeated_at_any_period_is_found():
+    from course_lib.classroom.checks.engine.probes import repeated_draw
+    new = [torch.tensor([i]) for i in range(6)]
+    assert repeated_draw(new, torch.equal) is None
+    for period in (2, 3, 4, 5):
+        kept = [torch.tensor([i // period]) for i in range(6)]          # redrawn every `period` calls only
+        cycled = [torch.tensor([i % (period - 1)]) for i in range(6)]   # `period - 1` masks used in turn
+        assert repeated_draw(kept, torch.equal) is not None
+        assert repeated_draw(cycled, torch.equal) is not None
+
+
+def test_a_result_that_changes_with_earlier_calls_is_told_from_a_random_draw():
+    from course_lib.classroom.checks.engine.probes import random_or_kept
+    calls = []
+    assert random_or_kept(lambda: torch.rand(3), torch.equal) == "random"
+    assert random_or_kept(lambda: calls.append(1) or torch.tensor([len(calls)]), torch.equal) == "kept"
+    assert random_or_kept(lambda: torch.zeros(3), torch.equal) is None

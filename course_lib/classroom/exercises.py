@@ -292,7 +292,9 @@ EXERCISES: tuple[Exercise, ...] = (
         'far, l = sum of exp(x_j - m) over the entries read.',
         'For a new block: m_new = torch.maximum(m, block.amax(dim=-1)). The old sum was measured against '
         'm, so it becomes l * exp(m - m_new) + exp(block - m_new[..., None]).sum(-1). Start with m = -inf '
-        'and l = 0 (exp(-inf) is 0).',
+        'and l = 0 (exp(-inf) is 0). A row whose first block is all -inf still has m_new = -inf, and '
+        'exp(-inf - (-inf)) is NaN: there, measure against 0 (torch.where(m_new == float("-inf"), 0, m_new)) in '
+        'both exps.',
         'After the last block every statistic is final: return torch.exp(x - m[..., None]) / l[..., '
         'None].',
     )),

@@ -705,7 +705,7 @@ class MaskedNoBuffer(nn.Module):
     def forward(self, x):
         n, length, embed_dim = x.shape
         scores = self.query(x) @ self.key(x).mT / embed_dim ** 0.5
-        future = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+        future = torch.triu(torch.ones(length, length, dtype=torch.bool, device=x.device), diagonal=1)
         scores = scores.masked_fill(future, -1e9)
         weights = F.dropout(scores.softmax(-1), self.dropout_rate, training=self.training)
         out = self.proj(weights @ self.value(x))
@@ -996,7 +996,7 @@ class MultiLoopOverHeads(GivenMultiHeadAttention):
     def forward(self, x):
         length = x.shape[1]
         q, k, v = self.query(x), self.key(x), self.value(x)
-        mask = torch.tril(torch.ones(length, length)) == 0
+        mask = torch.tril(torch.ones(length, length, device=x.device)) == 0
         heads = []
         for h in range(self.num_heads):
             cols = slice(h * self.head_dim, (h + 1) * self.head_dim)
@@ -1032,7 +1032,7 @@ class MultiFunctionalDropout(nn.Module):
         split = lambda t: t.unflatten(-1, (self.num_heads, -1)).permute(0, 2, 1, 3)
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
         scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
-        allowed = torch.arange(length)[:, None] >= torch.arange(length)
+        allowed = torch.arange(length, device=x.device)[:, None] >= torch.arange(length, device=x.device)
         scores = torch.where(allowed, scores, torch.full_like(scores, -1e9))
         weights = F.dropout(scores.softmax(-1), self.p, self.training)
         out = torch.matmul(weights, v).permute(0, 2, 1, 3).flatten(2)

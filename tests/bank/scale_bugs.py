@@ -258,7 +258,7 @@ def _latent(layer, x, cache, factor, after=1.0, heads=None, out_proj=None, up_pr
         [dn, layer.v_head_dim], dim=-1)                                            # (N, H, T, .)
     q = torch.cat([q_nope, apply_rotary(q_rope, layer.rope_cos, layer.rope_sin, offset=start)], dim=-1)
     k = torch.cat([k_nope, k_rope[:, None].expand(n, heads, total, dr)], dim=-1)
-    scores = (q @ k.transpose(-2, -1) * factor).masked_fill(~causal_mask(total)[start:], float("-inf"))
+    scores = (q @ k.transpose(-2, -1) * factor).masked_fill(~causal_mask(total)[start:].to(x.device), float("-inf"))
     attended = scores.softmax(dim=-1) * after @ v                                  # (N, H, L, dv)
     return (out_proj or layer.o_proj)(attended.transpose(1, 2).reshape(n, length, heads * layer.v_head_dim))
 

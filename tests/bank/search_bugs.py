@@ -678,7 +678,8 @@ def _mla(layer, x, cache=None, slip=""):
         k_nope, v = kv.split([dn, dv], -1)
     s = (q_nope @ k_nope.transpose(-2, -1) + q_rope @ k_rope[:, None].transpose(-2, -1)) * layer.softmax_scale
     ahead = 1 if slip == "mask_ahead" else 0
-    s = s.masked_fill(~torch.ones(length, total, dtype=torch.bool).tril(diagonal=start + ahead), float("-inf"))
+    s = s.masked_fill(~torch.ones(length, total, dtype=torch.bool, device=x.device).tril(diagonal=start + ahead),
+                     float("-inf"))
     out = s.softmax(-1) @ v                                                   # (N, H, L, dv)
     out = out if slip == "merge_unmoved" else out.transpose(1, 2)
     return layer.o_proj(out.reshape(n, length, h * dv))
@@ -705,7 +706,8 @@ def mla_caches_unturned_keys(layer, x, cache=None):
     total = latent.shape[1]
     k_nope, v = layer.kv_b_proj(latent).view(n, total, h, dn + dv).transpose(1, 2).split([dn, dv], -1)
     s = (q_nope @ k_nope.transpose(-2, -1) + q_rope @ k_rope[:, None].transpose(-2, -1)) * layer.softmax_scale
-    s = s.masked_fill(~torch.ones(length, total, dtype=torch.bool).tril(diagonal=start), float("-inf"))
+    s = s.masked_fill(~torch.ones(length, total, dtype=torch.bool, device=x.device).tril(diagonal=start),
+                     float("-inf"))
     return layer.o_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(n, length, h * dv))
 
 

@@ -191,9 +191,10 @@ def _mla(layer, x, cache=None, *, rope="split", offset=True, norm=True, scale=No
         k = modern.apply_rotary(k, cos, sin)   # every key, cached or new, from position 0
     scores = q @ k.transpose(-2, -1) * (layer.softmax_scale if scale is None else scale)
     if mask == "causal":
-        scores = scores.masked_fill(~torch.ones(total, total, dtype=torch.bool).tril()[total - length:], float("-inf"))
+        scores = scores.masked_fill(~torch.ones(total, total, dtype=torch.bool, device=x.device).tril()[total - length:],
+                                    float("-inf"))
     elif mask == "top_left":
-        scores = scores.masked_fill(~torch.ones(length, total, dtype=torch.bool).tril(), float("-inf"))
+        scores = scores.masked_fill(~torch.ones(length, total, dtype=torch.bool, device=x.device).tril(), float("-inf"))
     out = scores.softmax(dim=softmax_dim) @ v
     return layer.o_proj(out.transpose(1, 2).reshape(n, length, h * dv))
 
@@ -218,7 +219,7 @@ def mla_with_sdpa(layer, x, cache=None):
     total = latent.shape[1]
     kv = layer.kv_b_proj(latent).reshape(n, total, h, dn + dv).permute(0, 2, 1, 3)
     k = torch.cat([kv[..., :dn], k_rope.unsqueeze(1).repeat(1, h, 1, 1)], dim=-1)
-    allowed = torch.arange(total)[None, :] <= torch.arange(start, start + length)[:, None]
+    allowed = torch.arange(total, device=x.device)[None, :] <= torch.arange(start, start + length, device=x.device)[:, None]
     out = F.scaled_dot_product_attention(torch.cat([q_nope, q_rope], -1), k, kv[..., dn:], attn_mask=allowed,
                                          scale=layer.softmax_scale)
     return layer.o_proj(out.permute(0, 2, 1, 3).flatten(2))
@@ -244,7 +245,7 @@ def mla_absorbed_by_hand(layer, x, cache=None):
     scores = (torch.einsum("nhlr,ntr->nhlt", q_latent, latent)
               + torch.einsum("nhld,ntd->nhlt", q_rope, k_rope)) / math.sqrt(dn + dr)
     total = latent.shape[1]
-    future = torch.ones(length, total, dtype=torch.bool).triu(start + 1)
+    future = torch.ones(length, total, dtype=torch.bool, device=x.device).triu(start + 1)
     weights = scores.masked_fill(future, float("-inf")).softmax(-1)
     out = torch.einsum("nhlr,hvr->nlhv", torch.einsum("nhlt,ntr->nhlr", weights, latent), w_uv)
     return layer.o_proj(out.reshape(n, length, h * dv))

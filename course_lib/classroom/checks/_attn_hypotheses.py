@@ -133,9 +133,9 @@ _SCALES = {
     "none": "Your scores are not scaled: divide the dot products by the square root of {size} before the softmax, "
             "so the logits keep unit variance.",
     "d": "You divide the scores by {dim} itself; divide by its square root instead.",
-    "after": "Your output is 1/sqrt({d}) times the right one: the factor is applied after the softmax (to the "
-             "weights, the values or the output), where it only shrinks the result. It belongs to the scores that "
-             "go into the softmax.",
+    "after": "Your 1/sqrt({d}) comes after the softmax (on the weights, the values or the output): the softmax "
+             "sees the unscaled scores, so its weights come out too peaked, and the factor then only shrinks the "
+             "result. It belongs on the scores that go into the softmax.",
     "times": "You multiply the scores by sqrt({d}); they should be divided by it.",
 }
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..verdict import Failure, fail
 from ._attn_hypotheses import MODULE_HYPOTHESES, diagnose_weights, module_variant, shape_str
+from ._device_probe import probe_kept_on_device, probe_module
 from ._gradients import check_module_gradients
 from ._model_common import copy_weights, same_when_called_twice
 from ._student_code import (
@@ -27,7 +28,7 @@ from ._student_code import (
     reraise_with,
 )
 from .engine import ScaleFit, at_other_sizes, first_mistake
-from .engine.probes import IN_TURN, batch_mixing, called_in_turn, module_in_float64
+from .engine.probes import IN_TURN, batch_mixing, called_in_turn, module_in_float64, repeated_draw
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
 # (batch, length): full length first, so a failure at a shorter length can be told apart
@@ -176,6 +177,7 @@ class ModuleCheck:
         reproduces = lambda mistake: all(matches(run.out, module_variant(run.x, run.params, run.heads, mistake.spec))
                                          for run in self.runs)
         first_mistake(hypotheses, reproduces, d="head_dim" if several else "embed_dim")
+        self._weights_untransposed()
         for count in (h for h in range(1, EMBED_DIM + 1) if EMBED_DIM % h == 0) if several else ():
             # scaled for the heads it computes, or for the heads it was asked for (self.head_dim)
             if any(all(matches(run.out, module_variant(run.x, run.params, count, spec(run))) for run in bad)
@@ -252,6 +254,26 @@ class ModuleCheck:
                             ": check what happens after the softmax (the values, "
                             + ("merging the heads, " if len(self.heads) > 1 else "") + "the output projection `proj`)."))
 
+    def _weights_untransposed(self) -> None:
+        """x @ layer.weight (a flax or numpy habit) where nn.Linear computes x @ weight.T: the reference with those
+        layers' weights transposed gives the student's output in every run."""
+        subsets = [PARAMETERS, PARAMETERS[:3], *((name,) for name in PARAMETERS)]
+
+        def transposed(run: Run, subset: tuple[str, ...]) -> torch.Tensor:
+            params = {name: (w.T if name in subset else w) for name, w in run.params.items()}
+            with torch.no_grad():
+                return torch.func.functional_call(self.references[run.heads], params, (run.x,))
+        for subset in subsets:
+            try:
+                if all(matches(run.out, transposed(run, subset)) for run in self.runs):
+                    layers = ", ".join(f"self.{name.split('.')[0]}" for name in subset)
+                    fail("mismatch", f"{self.runs[0].what}: your output is the reference's with the weights of "
+                                     f"{layers} transposed: x @ layer.weight uses the weight the other way round "
+                                     f"(nn.Linear computes x @ weight.T, F.linear too). Call the layers themselves, "
+                                     f"self.query(x), or write x @ layer.weight.T.")
+            except (RuntimeError, ValueError, IndexError):
+                continue
+
     # -------------------------------------------------------------------- training mode
 
     def check_train_dropout(self) -> None:
@@ -317,6 +339,16 @@ class ModuleCheck:
                             f"weights after the softmax, then self.proj_dropout after self.proj), but yours passes "
                             f"only one: the dropout on the attention weights is missing or sits elsewhere.")
 
+        # The 64 one-hot sequences are copies of one: each draws its own dropout, so an attention weight dropped in
+        # every copy (a chance of about 0.36**64) is one mask for the whole batch, broadcast over N.
+        if bool(((got["one_hot"] == 0).all(0) & visible.all(0)).any()):
+            shape, shared = (("(N, L, L)", "(L, L)") if len(self.heads) == 1 else
+                             ("(N, heads, L, L)", "(heads, L, L) or (L, L)"))
+            fail("dropout", f"{what}: every sequence of the batch gets the same dropout mask: 64 copies of one "
+                            f"sequence drop exactly the same attention weights. Dropout draws for every weight of "
+                            f"every sequence: apply self.attn_dropout to the weights {shape} (or draw the mask with "
+                            f"torch.rand_like(weights)), not a mask of shape {shared} broadcast over the batch.")
+
         # Dense values, value = proj = identity: position 0 sees only itself, with weight 1, so its output is
         # x_0 times that one weight's dropout factor, per head. Dropping the weight zeroes a head's whole block
         # of features; dropout on v or on the merged heads zeroes single features, which one-hot values cannot
@@ -331,6 +363,15 @@ class ModuleCheck:
                             f"Dropout acts on v or on the attention output before self.proj: apply "
                             f"self.attn_dropout to the attention WEIGHTS, right after the softmax.")
 
+        # Each head draws its own: position 0's weight dropped in every head of each sequence or in none (a chance
+        # of about 0.68 per sequence with two heads) is one mask for all heads, broadcast over them.
+        dropped_heads = (blocks == 0).all(-1)                                       # (256, heads)
+        if heads > 1 and float((dropped_heads == dropped_heads[:, :1]).all(-1).double().mean()) > 0.97:
+            fail("dropout", f"{what}: every head gets the same dropout mask: at position 0 (weight 1 in each head) "
+                            f"a sequence's heads are dropped all together or not at all. Dropout draws for every "
+                            f"weight of every head: apply self.attn_dropout to the weights (N, heads, L, L), not a "
+                            f"mask of shape (N, 1, L, L) broadcast over the heads.")
+
         # With value = proj = identity and a dense x, only dropout on the output features makes exact zeros;
         # with a dense proj, only dropout after proj does.
         zeros_identity = float((got["dense"] == 0).double().mean())
@@ -344,13 +385,19 @@ class ModuleCheck:
                             f"{DROPOUT:.0%}: apply self.proj_dropout once, after self.proj.")
         # Dropout draws anew at every call, seeded alike or not: with other seeds, position 0's dropped weights
         # (whole blocks of a head's features, above) fall elsewhere; a mask kept from an earlier call drops the same.
-        again = module_output(model, inputs["many"][1], labels["many"], params=identity, train_seed=8)
+        # Several calls in a row of one shape: a mask redrawn only now and then (once per shape, every other or
+        # every fourth call) is reused by some two of them.
         dropped = lambda out: (out[:, 0].reshape(-1, heads, head_dim) == 0).all(-1)    # (256, heads)
-        if float((dropped(again) == dropped(got["many"])).double().mean()) > 0.97:
-            fail("kept_state", f"{what}: two calls in training mode drop exactly the same attention weights: your "
-                               f"module keeps a dropout mask from an earlier call (drawn once, stored on the module "
-                               f"or in a global). Each call must depend only on its inputs: apply self.attn_dropout "
-                               f"to the weights at every call, so that it draws a new mask each time.")
+        draws = [dropped(got["many"])] + [dropped(module_output(model, inputs["many"][1], labels["many"],
+                                                                params=identity, train_seed=8 + i)) for i in range(5)]
+        pair = repeated_draw(draws, lambda a, b: float((a == b).double().mean()) > 0.97)
+        if pair is not None:
+            calls = "two calls" if pair == (0, 1) else f"calls {pair[0] + 1} and {pair[1] + 1} of {len(draws)} in a row"
+            fail("kept_state", f"{what}: {calls} in training mode drop exactly the same attention weights: your "
+                               f"module keeps a dropout mask from an earlier call (drawn once or only now and then, "
+                               f"stored on the module or in a global). Each call must depend only on its inputs: "
+                               f"apply self.attn_dropout to the weights at every call, so that it draws a new mask "
+                               f"each time.")
         self.check_train_backward(model, run.x, what)
 
     @staticmethod
@@ -413,13 +460,25 @@ def module_check(check: ModuleCheck, heads_text: str) -> str:
                       train_seed=11)
         called_in_turn([(what, lambda x=x, what=what, model=check.models[heads]: module_output(model, x, what),
                          lambda x=x, reference=check.references[heads]: reference(x).detach())
-                        for x in xs for what in (check.what(tuple(x.shape), heads),)])
+                        for x in xs for what in (check.what(tuple(x.shape), heads),)],
+                       step=(check.models[heads], check.references[heads]))
+        # moved to another device after those calls: a tensor it kept from them (a mask cached by length) stays behind
+        unseen = torch.randn(2, 6, EMBED_DIM, generator=torch.Generator().manual_seed(6))   # a length not run before
+        probe_kept_on_device(check.models[heads], xs[0], unseen, f"{check.name} after model.to(device)")
     # No magnitude probe here: the scores come from the module's weights, and masking after the softmax then
     # renormalising (right, and in the bank) underflows on large scores like a softmax without its maximum.
     check_float64(check)
     lengths = sorted({length for _, length in CASES})
     return (f"Matches the reference for batch sizes 1-3 and lengths {lengths}{heads_text}; the future never "
             f"leaks and dropout only acts in training mode.")
+
+
+def check_on_device(check: ModuleCheck) -> None:
+    """Last (after the other sizes too): the modules on another device (meta), in eval and training mode; a mask or
+    bias made on the CPU inside forward (no device=x.device, the buffer not read) shows."""
+    for heads in check.heads:
+        x = torch.randn(2, 5, EMBED_DIM, generator=torch.Generator().manual_seed(7))
+        probe_module(check.models[heads], x, check.what(tuple(x.shape), heads))
 
 
 def check_other_shape(name: str, make_candidate: Callable[[], Any], make_reference: Callable[[], nn.Module],

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..verdict import fail
+from ..verdict import Failure, fail
 from ._student_files import exception_message
 
 # what torch says when meta meets the CPU: mixed in one operation, or copied out to it (.cpu(), a CPU buffer)
@@ -39,7 +39,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _advice(what: str, copied: bool = False) -> str:
     did = ("copies numbers to the CPU (a .cpu() or .to('cpu') on a result, or a tensor it created on the CPU and "
-           "writes into)" if copied else "mixes in a tensor it created on the CPU")
+           "writes into)" if copied else "mixes in a tensor it created on the CPU (in this call, or in an earlier "
+           "one and kept, as in a cache keyed by shape but not by device)")
     return (f"{what}: on inputs of another device (here the `meta` device; on a GPU it would be cuda) your code "
             f"{did}. Create new tensors on the input's device, "
             f"`torch.ones(L, L, device=x.device)` or `torch.zeros_like(x)`; register fixed tensors such as masks "
@@ -124,3 +125,29 @@ def probe_module(model: nn.Module, x: torch.Tensor, what: str, cache: Callable[[
         except Exception:  # noqa: BLE001 - a module whose train() fails is judged elsewhere
             return
         probe(lambda: moved(meta(x)), f"{what} in training mode")
+
+
+def probe_kept_on_device(model: nn.Module, seen: torch.Tensor, unseen: torch.Tensor, what: str) -> None:
+    """The student's module, after its calls on the CPU, moved to meta (a copy) and run there on an input of a shape
+    it has not seen (``unseen``), then on one of a shape it has (``seen``): a tensor kept from those calls (a mask
+    cached by length, on the module or in a global) is still on the CPU, and only the shape seen before meets it.
+    Judged only where the new shape runs: a module that makes a CPU tensor at every call is the device probe's to
+    judge, where the exercise has one."""
+    moved = module_on_meta(model)
+    if moved is None:
+        return
+    try:
+        probe(lambda: moved(meta(unseen)), what)
+    except Failure:
+        return
+    try:
+        probe(lambda: moved(meta(seen)), what)
+    except Failure as failure:
+        if failure.diagnosis != "device":
+            raise
+        fail("device", f"{what} on x of shape {tuple(seen.shape)}: your module, moved to another device after calls "
+                       f"on the CPU (here the `meta` device; on a GPU it would be cuda), mixes in a tensor it kept "
+                       f"from those calls (a mask cached by its length, on the module or in a global), which stayed "
+                       f"on the CPU; at a length it had not seen it runs. Key such a cache by the device too, or make "
+                       f"the tensor on x.device at every call, or register it with self.register_buffer(...) so that "
+                       f"model.to(device) moves it.")

@@ -220,6 +220,8 @@ def _group(t: torch.Tensor, groups: int, how: str) -> torch.Tensor:
     if how == "tile":
         return t.repeat(1, groups, 1, 1)                                        # head h reads h % kv_heads
     n, kv_heads, length, head_dim = t.shape                                     # head h reads h // groups
+    if how == "first":                                                          # every head reads kv head 0
+        return t[:, :1].expand(n, kv_heads * groups, length, head_dim)
     return t[:, :, None].expand(n, kv_heads, groups, length, head_dim).reshape(n, kv_heads * groups, length, head_dim)
 
 
@@ -256,7 +258,7 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     """The outputs (N, sum of lengths, E), in float64, of a module with the mistakes in ``spec`` called
     once per (start, length) of ``plan``, with a KV cache when ``cached`` (a prefix, then new tokens).
 
-    spec keys (right value first): group "interleave"/"tile" (group_v: the values' alone); rope_q, rope_k True/False; rope_v False/True;
+    spec keys (right value first): group "interleave"/"tile"/"first" (group_v: the values' alone); rope_q, rope_k True/False; rope_v False/True;
     kind "half"/... and axis "length"/"heads" (see rotate above); offset (and offset_q, the
     queries' alone) "ok"/"zero"/"after_append"; mask "causal"/"none"/"top_left"/"top_left_chunks"/
     "none_cached"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"/"times"/
@@ -336,6 +338,11 @@ FULL_PASS: tuple[Mistake, ...] = (
                              f"way, repeat_interleave(groups, dim=1) (`repeat` tiles the stack: h % num_kv_heads).",
               spec) for wrong, right, spec in (("values'", "keys", {"group_v": "tile"}),
                                                ("keys'", "values", {"group": "tile", "group_v": "interleave"}))),
+    Mistake("kv_grouping", "Every query head reads key/value head 0 (k[:, :1] or k[:, 0] expanded, multi-query "
+                           "attention by hand): the other key/value heads are never used. Repeat each of the "
+                           "num_kv_heads heads for its groups = num_heads // num_kv_heads neighbouring query heads, "
+                           "repeat_kv(k, groups) (repeat_interleave(groups, dim=1)), so query head h reads key/value "
+                           "head h // groups.", {"group": "first"}),
     Mistake("rotated_values", "You rotate the values too. RoPE turns only the queries and the keys, so that "
                               "their dot product depends on the offset between positions; the values are "
                               "mixed by the attention weights as they are.", {"rope_v": True}),

@@ -30,6 +30,7 @@ from .engine import first_mistake
 from .engine.example import compare
 from .engine.function import UNEXPLAINED
 from .engine.model_state import ModelState, autograd_cause, global_hooks_kept, plant_hooks
+from .engine.probes import AFTER_A_STEP, weight_step
 
 _OWNS = "head h owns columns h * head_dim .. (h+1) * head_dim - 1"
 _OTHER_LAYER = "a head of another layer is switched off: `layer` counts model.blocks from 0."
@@ -270,8 +271,9 @@ class _Fresh:
     """A copy of the model with someone else's hooks planted on it, its state before the student's code, and
     the student's context manager on it, entered and left through the one door to student code."""
 
-    def __init__(self, fn: Callable[..., Any], built: nn.Module, layer: int, head: int, shown: str):
-        self.model, self.shown = copy.deepcopy(built), shown
+    def __init__(self, fn: Callable[..., Any], built: nn.Module, layer: int, head: int, shown: str,
+                 copied: bool = True):
+        self.model, self.shown = copy.deepcopy(built) if copied else built, shown
         attn = self.model.blocks[layer].attn
         planted = plant_hooks(self.model, [attn, attn.proj])
         self.before = ModelState.of(self.model, planted)
@@ -361,6 +363,7 @@ def _judge(fn: Callable[..., Any]) -> str:
         for layer, head in _CASES[number]:
             _one_case(fn, built, layer, head, idx, weights, f"ablate_head(model, layer={layer}, head={head}) on "
                                                             f"{described}")
+    _after_a_step(fn)
     _in_float64(fn)
     return ("Inside the `with`, exactly that head is off (both models, five layer/head pairs, gradients still "
             "flowing, a float64 model too); afterwards, and after an exception inside, the model is exactly as "
@@ -421,6 +424,47 @@ def _restored(fresh: _Fresh, idx: torch.Tensor, base: torch.Tensor, when: str, a
             changed = None if close(out, base) else "its output differs from before"
     if changed:
         fail("not_restored", f"{fresh.shown}: {when}, the model is not as it was: {changed}. {advice}")
+
+
+def _after_a_step(fn: Callable[..., Any]) -> None:
+    """The first case twice on one model, with a weight step between (``engine.probes.weight_step``): the second time,
+    the head is off on the weights as they are now, and afterwards those weights are back, not the ones the first
+    call saved (in a global, or on the model)."""
+    described, built = _models()[0]
+    layer, head = _CASES[0][0]
+    idx = torch.randint(13, (2, 10), generator=torch.Generator().manual_seed(14))   # (N, L)
+    shown = f"ablate_head(model, layer={layer}, head={head}) on {described}"
+    first = _Fresh(fn, built, layer, head, shown)
+    first.enter()
+    first.leave()
+    model = first.model
+    weight_step(model)
+    shown = f"{shown}, used again on the same model {AFTER_A_STEP}"
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        base = model(idx)
+        with ref.ablate_head(reference, layer, head):
+            expected = reference(idx)
+    again = _Fresh(fn, model, layer, head, shown, copied=False)
+    again.enter()
+    try:
+        with torch.no_grad():
+            out = again.run(idx, "inside")
+    except Failure:
+        again.leave()
+        raise
+    again.leave()
+    kept = ("your code uses weights it saved in an earlier call (in a global, or on the model), not what they are "
+            "now: save them inside each call, right before you change them.")
+    if not (isinstance(out, torch.Tensor) and close(out, expected)):
+        fail("kept_state", f"{shown}: inside the `with`, the output is not the model's with that head off: {kept}")
+    changed = again.before.first_changes(model)
+    if changed is None:
+        with torch.no_grad():
+            after = again.run(idx, "after")
+        changed = None if isinstance(after, torch.Tensor) and close(after, base) else "its output differs from before"
+    if changed:
+        fail("kept_state", f"{shown}: after the `with`, the model is not as it was: {changed}. Here {kept}")
 
 
 def _in_float64(fn: Callable[..., Any]) -> None:

@@ -59,14 +59,18 @@ def _right(weights: torch.Tensor, half: int | None) -> tuple[int, int]:
 def variant(weights: torch.Tensor, half: int | None = None, *, spec: dict[str, Any]) -> torch.Tensor:
     """What the score with the slip ``spec`` outputs: the previous-token score without ``half`` (offset 1 from
     query 1), the induction score with it (offset half - 1 from query half). ``shift`` moves the offset,
-    ``first_shift`` the first query; ``half_of_length``: ``half`` taken as L // 2 instead of the argument."""
+    ``first_shift`` the first query; ``half_of_length``: ``half`` taken as L // 2 instead of the argument; ``past``: every earlier key's weight
+    added up per query (all the attention to the past)."""
     if half is not None and spec.get("half_of_length"):
         half = weights.shape[-1] // 2
     back, first = _right(weights, half)
     back = -back if spec.get("ahead") else back   # the diagonal as far above the main one as it should be below
-    # ``drop_half``: the diagonal's first `half` entries dropped, not one (a mean of nothing is NaN, as torch's);
+    # ``drop_half``: the diagonal's first `half` entries dropped, not one, or `drop_more` more (a mean of nothing is
+    # NaN, as torch's);
     # ``most``: only the first entries kept, `half` of them, or `half - 1` (the keys cut to the first half)
-    first += spec.get("first_shift", 0) + (half - 1 if spec.get("drop_half") else 0)
+    if spec.get("past"):   # every earlier key's weight added up, not key i - back's alone
+        return weights.tril(-1).sum(dim=-1)[..., max(first + spec.get("first_shift", 0), 0):].mean(dim=(0, -1))
+    first += spec.get("first_shift", 0) + (half - 1 + spec.get("drop_more", 0) if spec.get("drop_half") else 0)
     if spec.get("drop_half") and first >= weights.shape[-1]:
         return torch.full(weights.shape[1:2], float("nan"), dtype=weights.dtype)
     most = {"first_half_entries": half, "keys_first_half": None if half is None else half - 1}
@@ -99,6 +103,12 @@ PREVIOUS_MISTAKES = (
     Mistake("score_positions", "you include position 0, which has no previous token: your mean divides "
                                "the L - 1 entries (i, i - 1) by L, as if position 0 gave a zero. Average "
                                "the L - 1 entries only.", {"divide": "length"}),
+    # all the attention to the past (every key j < i) added up, not the one key i - 1; with or without query 0
+    *(Mistake("score_offset", "you add up the weights of every earlier key (as weights.tril(-1).sum(-1) does): "
+                              "that is all of query i's attention to the past, not to its previous token. Read "
+                              "only key i - 1, the diagonal just below the main one, weights.diagonal(offset=-1, "
+                              "dim1=-2, dim2=-1), and average those entries.", {"past": True, "first_shift": shift})
+      for shift in (0, -1)),
     *_EITHER,
 )
 
@@ -125,10 +135,12 @@ INDUCTION_MISTAKES = (
                                "query half - 1, the last of the FIRST half, and drops the last query. Drop the "
                                "first entry instead, [..., 1:]: the queries i = half .. L-1.",
             {"first_shift": -1, "first_half_entries": True}),
-    Mistake("score_positions", "you drop the first `half` entries of the diagonal ([..., half:]); the diagonal at "
-                               "offset -(half - 1) starts at query half - 1, so only its FIRST entry has no earlier "
-                               "copy to look at. Drop one entry, [..., 1:]: the queries i = half .. L-1.",
-            {"drop_half": True}),
+    # the diagonal's first entries dropped by a count that follows `half` (half of them, or one fewer or more)
+    *(Mistake("score_positions", f"you drop the first `{count}` entries of the diagonal ([..., {count}:]); the "
+                                 f"diagonal at offset -(half - 1) starts at query half - 1, so only its FIRST entry "
+                                 f"has no earlier copy to look at. Drop one entry, [..., 1:]: the queries i = half .. "
+                                 f"L-1.", {"drop_half": True, "drop_more": more})
+      for more, count in ((0, "half"), (-1, "half - 1"), (1, "half + 1"))),
     Mistake("score_positions", "you cut the keys to the first half before taking the diagonal (weights[..., half:, "
                                ":half]): the last query's key, i - half + 1 = half for i = 2 * half - 1, lies in the "
                                "second half, so that query is dropped. Read the diagonal of the whole (L, L) "

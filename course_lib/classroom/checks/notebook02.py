@@ -13,7 +13,7 @@ import torch
 from ... import attention as ref
 from ..exercises import Mistake
 from ..verdict import fail
-from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, check_other_shape, module_check
+from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, check_on_device, check_other_shape, module_check
 from ._student_code import expect_callable
 from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.function import Run
@@ -100,5 +100,6 @@ def check_masked_attention(cls: Callable[..., Any]) -> str:
     success = module_check(check, f" at embed_dim={EMBED_DIM} and {_OTHER[0]}")
     check_other_shape("MaskedAttention", lambda: cls(*_OTHER, 0.0), lambda: ref.MaskedAttention(*_OTHER, 0.0),
                       f"MaskedAttention({_OTHER[0]}, {_OTHER[1]}, 0.0)", 1, f"embed_dim={EMBED_DIM}")
+    check_on_device(check)
     return success
 

@@ -16,7 +16,7 @@ from ... import attention as ref
 from ..exercises import Mistake
 from ..verdict import fail
 from ._attn_hypotheses import merge_heads_as, split_heads_as
-from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, check_other_shape, module_check
+from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, check_on_device, check_other_shape, module_check
 from ._student_code import expect_callable, rounding_of
 from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.function import Run
@@ -161,6 +161,7 @@ def check_multi_head_attention(cls: Callable[..., Any]) -> str:
                       lambda: ref.MultiHeadMaskedAttention(embed_dim, heads, max_tokens, 0.0),
                       f"MultiHeadMaskedAttention({embed_dim}, {heads}, {max_tokens}, 0.0)", heads,
                       f"embed_dim={EMBED_DIM} with 1, 2 and 4 heads")
+    check_on_device(check)
     return success
 
 

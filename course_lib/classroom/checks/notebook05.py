@@ -314,6 +314,14 @@ LM_LOSS = FunctionExercise(
                                 "Flatten both the same way, logits.reshape(-1, V) with targets.reshape(-1).",
                 output=lambda x, y: F.cross_entropy(x.flatten(0, 1), y.T.reshape(-1), ignore_index=IGNORE)
                 if x.shape[0] > 1 and x.shape[1] > 1 else None),
+        Mistake("target_shift", "your logits are flattened in another order than the targets (logits.transpose(0, 1) "
+                                "or a permute before the reshape, the targets as they are): the logits go position "
+                                "by position, the targets sequence by sequence, so each position is scored against "
+                                "another position's target. Flatten both the same way, logits.reshape(-1, V) with "
+                                "targets.reshape(-1).",
+                output=lambda x, y: F.cross_entropy(x.transpose(0, 1).reshape(-1, x.shape[-1]), y.reshape(-1),
+                                                    ignore_index=IGNORE)
+                if x.shape[0] > 1 and x.shape[1] > 1 else None),
         Mistake("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you pass (N, L, V) as "
                          "it is, so it takes the positions for the classes. Flatten to (N*L, V) and (N*L,), or move "
                          "the vocabulary to dimension 1.",

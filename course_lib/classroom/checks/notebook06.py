@@ -21,7 +21,14 @@ from ._model_common import ProcedureExample, as_tensor, extend, randomize_, reco
 from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, function_example, judge
 from .engine.function import Number, Run
-from .engine.probes import IN_FLOAT64, called_in_turn, expect_dtype_kept, run_in_float64
+from .engine.probes import (
+    IN_FLOAT64,
+    called_in_turn,
+    expect_dtype_kept,
+    kept_state_message,
+    random_or_kept,
+    run_in_float64,
+)
 
 __all__ = ["check_flops_per_token", "check_kv_cache"]
 
@@ -334,14 +341,12 @@ def _with_positions(model: nn.Module, idx: torch.Tensor, new: int, position: Cal
     return idx
 
 
-def _draws_at_random(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, what: str) -> bool:
-    """Whether the student's tokens change with the global random state (a sampler where greedy is asked)."""
-    with torch.random.fork_rng():   # the student's draws leave the notebook's random state as it was
-        runs = []
-        for seed in range(4):
-            torch.manual_seed(seed)
-            runs.append(_run(fn, model, idx, new, what)[0])
-    return any(not (isinstance(r, torch.Tensor) and torch.equal(r, runs[0])) for r in runs[1:])
+def _draws_at_random(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, what: str) -> str | None:
+    """Why the student's tokens change from one call to the next (``random_or_kept``): "random" with the global random
+    state (a sampler where greedy is asked), "kept" with an earlier call (a cache kept between calls), or None."""
+    return random_or_kept(lambda: _run(fn, model, idx, new, what)[0],
+                          lambda a, b: isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                          and a.shape == b.shape and bool(torch.equal(a, b)))
 
 
 def _model_calls(calls: list[dict[str, Any]], block_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -559,7 +564,12 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
                     continue
                 if torch.equal(got, slipped):
                     fail("positions", f"{what}: {said}")
-            if _draws_at_random(fn, model, idx, new, what):
+            changes = _draws_at_random(fn, model, idx, new, what)
+            if changes == "kept":
+                fail("kept_state", kept_state_message(
+                    what, ", called twice in a row with torch's random state seeded alike before each call,",
+                    "gives other tokens the second time", "generation"))
+            if changes == "random":
                 fail("greedy", f"{what}: the tokens differ from greedy generation and change from one call to the "
                                f"next: you draw them at random (torch.multinomial). This generation is greedy: take "
                                f"the argmax of the last position's logits at every step.")

@@ -365,9 +365,13 @@ def _check_on_device(fn: Callable[..., Any]) -> None:
     so that every other mistake is named first; the meta device stands for the GPU (a tensor made without
     ``device=`` lands on the CPU, and meets the meta scores as it would a GPU's)."""
     module = _tiny_gpt2(heads=1, head_dim=2).transformer.h[0].attn.to("meta")   # the layer on the device too
-    what = "your attention function (1 query, 3 keys, no mask, on another device than the CPU)"
-    q, k, v = (torch.empty(1, 1, length, 2, device="meta") for length in (1, 3, 3))   # (N, heads, L, head_dim)
-    probe_device(lambda: _direct(fn, module, q, k, v, None, 0.5, what), what)
+    # 1 query and 3 keys (a step with a cache), then 3 and 3, the sizes GPT-2 just ran on the CPU (in turn, above): a
+    # mask kept from those calls and looked up by its size alone is still on the CPU
+    for queries in (1, 3):
+        what = (f"your attention function ({queries} quer{'y' if queries == 1 else 'ies'}, 3 keys, no mask, on another "
+                f"device than the CPU{', after calls of that size on the CPU' if queries == 3 else ''})")
+        q, k, v = (torch.empty(1, 1, length, 2, device="meta") for length in (queries, 3, 3))   # (N, heads, L, hd)
+        probe_device(lambda q=q, k=k, v=v, what=what: _direct(fn, module, q, k, v, None, 0.5, what), what)
 
 
 def _attention_cases() -> list[Case]:

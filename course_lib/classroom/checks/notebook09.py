@@ -44,7 +44,15 @@ from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, fu
 from .engine.example import SEEDS, tiny
 from .engine.function import UNEXPLAINED, Run
 from .engine.other_sizes import at_other_sizes
-from .engine.probes import IN_TURN, batch_mixing, called_in_turn, gradient_probe, module_in_float64
+from .engine.probes import (
+    IN_TURN,
+    batch_mixing,
+    called_in_turn,
+    copy_of,
+    gradient_probe,
+    in_turn_beside_a_new_copy,
+    module_in_float64,
+)
 from .engine.scale_fit import fitted_scale
 
 __all__ = ["check_rope_tables", "check_apply_rotary", "check_rms_norm", "check_swiglu", "check_repeat_kv",
@@ -131,6 +139,7 @@ def _diagnose_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, max_to
                               + (" (a sine from sqrt(1 - cos^2) is never negative)" if never_negative else
                                  " (some are negated, and those pairs would turn backwards)")
                               + ": take the sine of the angles themselves, angles.sin().")
+    _pairs_at_wrong_speed(pair, right, head_dim, max_tokens, what, default)
     off_by = max(max_diff(pair[0], right[0]), max_diff(pair[1], right[1]))
     if off_by < 0.05:
         fail("precision", f"{what}: your tables are right to about {off_by:.2g} but not to 1e-3: the angles (or the frequencies) are "
@@ -149,6 +158,35 @@ def _diagnose_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, max_to
                      f"the {name} table ({name} {float(pair[index][pos, dim]):.4f}, expected "
                      f"{float(right[index][pos, dim]):.4f}). Entry (m, j) is the cos (and sin) of "
                      f"m * theta^(-2i/head_dim) with i = j mod head_dim/2.")
+
+
+def _pairs_at_wrong_speed(pair: tuple[torch.Tensor, torch.Tensor], right: tuple[torch.Tensor, torch.Tensor],
+                          head_dim: int, max_tokens: int, what: str, default: str) -> None:
+    """Tables of angles (on the circle, 0 at position 0) where some pairs turn at another speed than theta^(-2i/d):
+    a frequency mistake (scaled slow frequencies, as Llama 3's), not a rounding, which moves every angle by a
+    relative 1e-3 at most. Each pair's speed is read at the latest position whose angle is below 1.5 radians."""
+    half = head_dim // 2
+    if max_tokens < 2 or half < 1 or not close(pair[0] ** 2 + pair[1] ** 2, torch.ones_like(pair[0])) or not (
+            close(pair[1][0], torch.zeros_like(pair[1][0])) and close(pair[0][0], torch.ones_like(pair[0][0]))):
+        return
+    ratios = []
+    for i in range(half):
+        speed = float(torch.atan2(right[1][1, i], right[0][1, i]))            # the right angle per position
+        if speed <= 0:
+            return
+        m = max(1, min(max_tokens - 1, int(1.5 / speed)))
+        ratios.append(float(torch.atan2(pair[1][m, i], pair[0][m, i])) / (m * speed))
+    wrong = [i for i, ratio in enumerate(ratios) if abs(ratio - 1) > 0.05]
+    if not wrong:
+        return
+    others = "; the other pairs are right" if all(abs(ratios[i] - 1) < 1e-3 for i in range(half) if i not in wrong) \
+        and len(wrong) < half else ""
+    speeds = ", ".join(f"pair {i}: {ratios[i]:.3g} times its speed" for i in wrong[:4]) + \
+        (", ..." if len(wrong) > 4 else "")
+    fail("rope_frequencies", f"{what}: some pairs turn at the wrong speed ({speeds}){others}. This is not a "
+                             f"rounding (that moves every angle by a relative 1e-3 at most). Every pair i turns by "
+                             f"w_i = theta^(-2i/head_dim) per position, with no scaling of the slow frequencies (no "
+                             f"Llama 3 rope scaling, NTK or context-extension factor here).{default}")
 
 
 def _default_theta_wrong(fn: Callable[..., Any]) -> bool:
@@ -451,6 +489,13 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> dict[str, Mi
             out[f"eps{constant}"] = Mistake("epsilon", f"you use the constant {constant:g} instead of self.eps (here "
                                                        f"{eps:g}): the module was built with its own eps.",
                                             output=x / _rms(x, constant) * w)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):   # F.rms_norm / nn.RMSNorm with eps=None
+        default = torch.finfo(dtype).eps
+        if default != eps:
+            out[f"finfo{dtype}"] = Mistake(
+                "epsilon", f"you use torch's default epsilon, torch.finfo({dtype}).eps = {default:.3g} (what "
+                           f"F.rms_norm(x, shape, weight) and nn.RMSNorm take when eps is left out or None), not "
+                           f"self.eps (here {eps:g}): pass eps=self.eps.", output=x / _rms(x, default) * w)
     return out
 
 
@@ -524,7 +569,8 @@ def check_rms_norm(cls: Any) -> str:
             return call_student(candidate, given.clone(), what=shown)
     called_in_turn([(f"{shown} in {mode} mode", lambda given=given, mode=mode: in_mode(mode == "training", given),
                      lambda given=given: reference(given).detach())
-                    for mode, given in (("training", x), ("eval", other), ("eval", x))], thing="norm")
+                    for mode, given in (("training", x), ("eval", other), ("eval", x))], thing="norm",
+                   step=(candidate, reference))
     _check_magnitude(cls, torch.Generator().manual_seed(5))
     _check_half_precision(cls, generator)
     module_in_float64(lambda: _build_norm(cls, x.shape[-1], None, torch.Generator().manual_seed(3)), x, shown)
@@ -587,11 +633,21 @@ def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
         fail("precision", f"{shown}: your output is wrong in float16 (it is right in float32). x**2 overflows "
                           f"float16 (largest value 65504) for x of a few hundred: compute in float32 "
                           f"(x.float()), then cast the result back with .to(x.dtype).")
+    # the same float16 layer called in turn, then after a weight step: what a half-precision path keeps shows
+    other = (torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(17)) * 300).half()
+
+    def half_call(given: torch.Tensor) -> Any:
+        with torch.no_grad():
+            return call_student(candidate, given.clone(), what=shown)
+    called_in_turn([(shown, lambda: half_call(x), lambda: reference(x).detach()),
+                    ("the same float16 RMSNorm(16) on another x of shape (2, 4, 16)", lambda: half_call(other),
+                     lambda: reference(other).detach())], thing="norm", step=(candidate, reference))
     # the weight in one dtype, x in another (a float32 residual stream into a float16 layer; float16 activations
     # into a float32 layer, as under mixed precision): the result follows x, not the weight (Hugging Face's
     # `self.weight * h.to(x.dtype)` follows whichever is wider)
     for weight, given in ((torch.float16, torch.float32), (torch.float32, torch.float16)):
         layer = _build_norm(cls, 16, None, generator)[0].to(weight)
+        pristine = copy_of(layer)
         shown = f"RMSNorm(16) with a {str(weight)[6:]} weight on {str(given)[6:]} x of shape (2, 4, 16)"
         with torch.no_grad():
             out = call_student(layer, (x.float() / 300).to(given), what=shown)
@@ -599,6 +655,13 @@ def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
             fail("dtype", f"{shown} returned {str(out.dtype)[6:]}: the text asks for x's dtype back, whatever the "
                           f"weight's. Cast the result with .to(x.dtype) (or .type_as(x)), after the multiplication "
                           f"by the weight.")
+        # and in turn, beside a new copy of the same layer (its roundings are the ones to match here)
+        def run(module: nn.Module, given: torch.Tensor, what: str) -> Any:
+            with torch.no_grad():
+                return call_student(module, given.clone(), what=what)
+        in_turn_beside_a_new_copy(layer, pristine, [(shown, (x.float() / 300).to(given)),
+                                                    (shown.replace(" on ", " on another ", 1),
+                                                     (other.float() / 300).to(given))], run, thing="norm")
 
 
 # ============================================================================ 9.4 SwiGLU
@@ -738,8 +801,30 @@ def _repeat_axes(case: Case, out: Any) -> None:
                       f"(.reshape, which copies the expanded view).")
 
 
+def _heads_copied(out: torch.Tensor, x: torch.Tensor) -> list[int] | None:
+    """Which of x's heads each output head is an exact copy of (the first that fits), or None where one is not."""
+    if out.dim() != 4 or out.shape[0] != x.shape[0] or out.shape[2:] != x.shape[2:]:
+        return None
+    found = []
+    for h in range(out.shape[1]):
+        source = next((k for k in range(x.shape[1]) if torch.equal(out[:, h].to(x.dtype), x[:, k])), None)
+        if source is None:
+            return None
+        found.append(source)
+    return found
+
+
 def _misplaced(runs: list[Run], fn: Any) -> None:
     run = runs[0]
+    x, groups = run.case.args
+    found = _heads_copied(run.out, x) if isinstance(run.out, torch.Tensor) else None
+    if found is not None:
+        right = [h // groups for h in range(x.shape[1] * groups)]
+        fail("kv_grouping", f"{run.case.what}: your output heads are copies of x's heads, but in the wrong order: "
+                            f"{found}, where head h should be x[:, h // groups], {right}. Each key/value head "
+                            f"serves `groups` neighbouring query heads: repeat each one `groups` times in a row "
+                            f"(repeat_interleave(groups, dim=1), or expand on a new axis after the heads), with no "
+                            f"index arithmetic of your own.")
     if torch.equal(run.out.flatten().sort().values, run.expected.flatten().sort().values):
         fail("kv_grouping", f"{run.case.what}: the right numbers in the wrong places. Output head h must be "
                             f"key/value head h // groups, each head repeated `groups` times in a row.")
@@ -1215,7 +1300,8 @@ def _check(cls: Any) -> str:
                      lambda short=short, first=first: _forward(built, short, "GroupedQueryAttention.forward(x)",
                                                                **({"cache": KVCache(MAX_TOKENS)} if first else {})),
                      lambda short=short: built.reference(short).detach())
-                    for first, short in zip((True, *[False] * len(shorts)), (shorts[0], *shorts))], cache=True)
+                    for first, short in zip((True, *[False] * len(shorts)), (shorts[0], *shorts))], cache=True,
+                   step=(built.model, built.reference))
     x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=generator)   # the whole context: a branch for long inputs
     # grouped-query (2 key/value heads): every projection learns, and the module stays on its device
     _module_probes(built.model, built.reference, x, f"GroupedQueryAttention({built.label}) on x of shape "

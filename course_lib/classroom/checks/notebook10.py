@@ -55,6 +55,14 @@ def _large(first: bool) -> torch.Tensor:
     return x
 
 
+def _masked_start(seed: int, shape: tuple[int, int], masked: tuple[int, ...]) -> torch.Tensor:
+    """Rows whose first ``masked[r]`` entries are -inf."""
+    x = _rows(seed, shape, ramp=2.0, scale=2.0)
+    for row, count in enumerate(masked):
+        x[row, :count] = float("-inf")
+    return x
+
+
 # (x, block_size): blocks that divide L and blocks that do not, a block of 1, a block longer than the row,
 # a maximum that keeps rising, float64, and large scores first or last (overflow, and which maximum is used).
 _SOFTMAX_CASES = (
@@ -67,6 +75,15 @@ _SOFTMAX_CASES = (
     (_large(first=False), 4),
     (_rows(6, (2, 10), scale=2.0) - 150.0, 3),              # every score below -104: exp(x - 0) underflows
     (_rows(8, (3, 8), scale=2.0) + torch.tensor([[150.0], [0.0], [-150.0]]), 3),   # rows far apart
+)
+
+# Rows that start with whole blocks of -inf (left padding, a window, 10.2's causal blocks): weight 0 there, the rest
+# of the row its softmax. One block, two, and a block size that does not divide the row. Judged last
+# (_masked_rows), once the check has passed: a student who has another mistake too hears of that one first.
+_MASKED_CASES = (
+    (_masked_start(9, (2, 10), (3, 0)), 3),
+    (_masked_start(10, (3, 7), (4, 2, 5)), 2),
+    (_masked_start(11, (2, 9), (8, 4)), 4),
 )
 
 def _softmax_mistake(code: str, why: str, **spec: str) -> Mistake:
@@ -140,7 +157,7 @@ def _softmax_not_finite(runs: list[Run], fn: Any) -> None:
     run = next(run for run in runs if not close(run.out, run.expected))
     (x, size), out = run.case.args, run.out
     if not torch.isfinite(out).all():
-        fail("overflow" if x.abs().max() > 50 else "nan",
+        fail("overflow" if x[x.isfinite()].abs().max() > 50 else "nan",
              f"online_softmax(x, {size}) gave NaN or inf for x of shape {tuple(x.shape)} (scores up to "
              f"{float(x.max()):.0f}). Subtract the running maximum inside every exp, and rescale the sum "
              f"with exp(m_old - m_new), which is at most 1.")
@@ -200,11 +217,36 @@ def _whole_row(runs: list[Run], fn: Any) -> None:
                           f"given.")
 
 
+def _masked_rows(fn: Any) -> None:
+    """Rows whose first block (or more) is all -inf, as the exercise asks: weight 0 there, no NaN."""
+    for x, size in _MASKED_CASES:
+        what = f"online_softmax(x, {size}) with x of shape {tuple(x.shape)}"
+        out = expect_tensor(call_student(fn, x.clone(), size, what=what), tuple(x.shape), what, finite=False)
+        expected = ref.online_softmax(x, size)
+        if close(out, expected):
+            continue
+        lead = (x == float("-inf")).int().cumprod(-1).sum(-1)                  # leading -inf entries per row
+        row = next((tuple(r) for r in (~torch.isclose(out.detach().double(), expected.double())).any(-1)
+                    .nonzero().tolist()), (0,))
+        starts = (f"row {row}, which starts with {int(lead[row])} entries of -inf ({int(lead[row]) // size} "
+                  f"whole block(s) of {size})")
+        if bool(torch.isnan(out).any()):
+            fail("nan", f"{what}: NaN in {starts}, where the reference gives those entries weight 0 and the rest "
+                        f"of the row its softmax. A row whose first block is all -inf has a running maximum of "
+                        f"-inf after it, and exp(-inf - (-inf)) is NaN. Guard: while m_new is -inf subtract 0 "
+                        f"instead, shift = torch.where(m_new == float('-inf'), 0, m_new), in exp(block - shift) and "
+                        f"in the rescale exp(m - shift) (every term is exp(-inf) = 0 there).")
+        fail("mismatch", f"{what}: {starts} differs from torch.softmax(x, dim=-1) "
+                         f"{_by_up_to(out, expected)}. The -inf entries get weight 0 and the rest of the row its "
+                         f"softmax: while m is -inf, subtract 0 instead of m (-inf - (-inf) is NaN).")
+
+
 ONLINE_SOFTMAX = FunctionExercise(
     "10.1", "online_softmax", lambda x, block_size: ref.online_softmax(x, block_size),
     lambda: _softmax_cases(_SOFTMAX_CASES), ("x", "block_size"),
-    success="Equal to torch.softmax for blocks that divide the row and blocks that do not, and stable for scores "
-            "near 100 wherever they are: the running sum is rescaled whenever the maximum grows.",
+    success="Equal to torch.softmax for blocks that divide the row and blocks that do not, rows that start with "
+            "blocks of -inf included, and stable for scores near 100 wherever they are: the running sum is "
+            "rescaled whenever the maximum grows.",
     mismatch=_softmax_mismatch, mistakes=_SOFTMAX_MISTAKES,
     variant=lambda x, size, *, spec: variants.softmax_variant(x, size, **spec),
     diagnose=_softmax_not_finite, after=_whole_row, examples=lambda: _softmax_cases(_tiny_rows()),
@@ -215,7 +257,9 @@ ONLINE_SOFTMAX = FunctionExercise(
 @checker("10.1", example=function_example(ONLINE_SOFTMAX))
 def check_online_softmax(fn: Callable[..., Any]) -> str:
     """``fn(x, block_size)`` -> softmax over the last axis of x (..., L), computed one block at a time."""
-    return judge(ONLINE_SOFTMAX, fn)
+    message = judge(ONLINE_SOFTMAX, fn)
+    _masked_rows(fn)
+    return message
 
 
 # ============================================================================ 10.2 flash_attention

@@ -21,6 +21,7 @@ from ... import variants as ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _gqa_variants as rotary
+from ._device_probe import probe_module
 from ._gradients import check_module_gradients
 from ._student_code import close, reraise_with
 from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
@@ -217,7 +218,7 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
          rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1, queries: str = "half",
          keys: str = "half", values_first: bool = False, mask_ahead: bool = False,
          merge: str = "ok", heads_view: str = "ok", biases: bool = True, own_tables: bool = False,
-         keys_at_zero: bool = False) -> torch.Tensor:
+         keys_at_zero: bool = False, queries_at: str = "start", norm_over: str = "latent") -> torch.Tensor:
     """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
     how each rotary part turns (``rotary.rotate``'s kinds, "pairs" or "pairs_table"; "none": not at all),
     ``values_first`` kv_b_proj's output split as values then keys, ``mask_ahead`` one future key let through,
@@ -248,7 +249,14 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         q = (q.view(n, h, length, dn + dr) if heads_view == "queries"
              else q.view(n, length, h, dn + dr).transpose(1, 2))              # (N, H, L, dn + dr)
         latent, k_rope = project(layer.kv_a_proj_with_mqa, x).split([layer.kv_lora_rank, dr], dim=-1)
-        if norm:
+        if norm and norm_over != "latent":   # kv_a_layernorm's statistic over the latent and k_rope together
+            both, ln = torch.cat([latent, k_rope], dim=-1), layer.kv_a_layernorm
+            weight = torch.cat([ln.weight, ln.weight.new_ones(dr)])
+            normed = F.layer_norm(both, both.shape[-1:]) * weight if norm_over == "both_layer" else \
+                both * torch.rsqrt(both.pow(2).mean(-1, keepdim=True) + ln.eps) * weight
+            latent, turned = normed.split([layer.kv_lora_rank, dr], dim=-1)
+            k_rope = k_rope if norm_over == "stat_rms" else turned
+        elif norm:
             latent = layer.kv_a_layernorm(latent)
         if rope == "split" and not rotate_cached:
             k_rope = turn(k_rope, keys, 0 if keys_at_zero else pos)
@@ -269,7 +277,7 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         k = torch.cat([k_nope, k_rope[:, None].expand(n, h, total, dr)], dim=-1)   # (N, H, T, dn + dr)
         if rope == "split":
             q_nope, q_rope = q.split([dn, dr], dim=-1)
-            q = torch.cat([q_nope, turn(q_rope, queries, pos)], -1)
+            q = torch.cat([q_nope, turn(q_rope, queries, total if queries_at == "after_append" else pos)], -1)
         elif rope == "whole":
             cos, sin = modern.rope_tables(dn + dr, layer.max_tokens)
             q = modern.apply_rotary(q, cos, sin, offset=pos)
@@ -338,6 +346,15 @@ def _mla_gradients() -> list[Case]:
 
 
 _MLA_MISTAKES = (
+    Mistake("rope_positions", "Your queries are turned to the positions after the new tokens (start + L onwards, "
+                              "or L without a cache: the cache's length read after cache.append): query i sits at "
+                              "start + i. Read start = cache.length before the append and turn q_rope and k_rope "
+                              "with offset=start.", spec=dict(queries_at="after_append")),
+    *(Mistake("norm_placement", "kv_a_layernorm is applied to the latent and k_rope together (before the split, "
+                                "or its statistic over both): only the latent, the first kv_lora_rank numbers of "
+                                "kv_a_proj_with_mqa's output, goes through the norm; k_rope is turned by RoPE as "
+                                "it comes. Split first, then latent = layer.kv_a_layernorm(latent).",
+              spec=dict(norm_over=over)) for over in ("both_rms", "stat_rms", "both_layer")),
     Mistake("rope_axes", "RoPE turns the whole head: only the rotary part (the last qk_rope_head_dim numbers of each "
                          "query, and the shared k_rope) is rotated; the part without position (qk_nope_head_dim) "
                          "must stay as it is, or W_UK could not be folded into the query.",
@@ -476,6 +493,7 @@ def check_latent_attention(fn: Callable[..., Any]) -> str:
     """``fn(layer, x, cache=None)`` -> (N, L, embed_dim), as MultiHeadLatentAttention.forward (rope_interleave=False)."""
     success = judge(LATENT_ATTENTION, _student(fn))
     _layer_gradients(fn)
+    _layer_on_device(fn)
     return success
 
 
@@ -500,6 +518,14 @@ def _layer_gradients(fn: Callable[..., Any]) -> None:
                            what=f"latent_attention(layer, x) with x of shape {tuple(x.shape)}: the layer's weights")
 
 
+def _layer_on_device(fn: Callable[..., Any]) -> None:
+    """Last: the layer and x on another device (meta); a mask or table made on the CPU (no device=x.device) shows."""
+    layer, x, _ = _mla_gradients()[0].args
+    mine = copy.deepcopy(layer)
+    mine.__class__ = _Weights
+    probe_module(_Bound(mine, fn), x, f"latent_attention(layer, x) with x of shape {tuple(x.shape)}")
+
+
 # ============================================================================ 12.3 recurrent linear attention
 
 def _phi(x: torch.Tensor) -> torch.Tensor:
@@ -511,7 +537,7 @@ def _linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, *, diagonal: in
             norm_keys: str = "same") -> torch.Tensor:
     """Linear attention from features: weights fq . fk over keys j <= i + diagonal (all if not causal); the
     normaliser (of ``fq_norm``, ``fk_norm`` where given) over the same keys, or ``norm_keys`` "through_i" (j <= i
-    whatever ``diagonal``) or "own" (j = i)."""
+    whatever ``diagonal``), "before_i" (j < i) or "own" (j = i)."""
     weights = fq @ fk.transpose(-2, -1)                                     # (..., L, L)
     length = weights.shape[-1]
     if causal:
@@ -521,7 +547,7 @@ def _linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, *, diagonal: in
     below = (fq if fq_norm is None else fq_norm) @ (fk if fk_norm is None else fk_norm).transpose(-2, -1)
     if causal:
         keys = {"same": torch.ones(length, length).tril(diagonal), "through_i": torch.ones(length, length).tril(),
-                "own": torch.eye(length)}[norm_keys]
+                "own": torch.eye(length), "before_i": torch.ones(length, length).tril(-1)}[norm_keys]
         below = below * keys
     return (weights @ v) / (below.sum(-1, keepdim=True) + 1e-6)
 
@@ -533,6 +559,9 @@ _OTHER_MAPS = (
     ("softplus", F.softplus, "it is positive, but it is not the map this exercise and its parallel form use"),
     ("exp", torch.exp, "it overflows for large inputs, and it is not the map the parallel form uses"),
     ("sigmoid", torch.sigmoid, "it flattens every large value to 1"),
+    ("elu(x + 1), the 1 added inside", lambda t: F.elu(t + 1), "the 1 is added after the elu, phi(x) = elu(x) + 1 "
+                                                             "(F.elu(x) + 1), which is positive everywhere; elu(x + 1) "
+                                                             "is negative below -1"),
     ("x + 1", lambda x: x + 1, "it is negative below -1"),
 )
 
@@ -614,6 +643,10 @@ LINEAR_RECURRENT = FunctionExercise(
                                "with token i (S += outer(phi(k_i), v_i), z += phi(k_i)), then read them with "
                                "phi(q_i).", output=lambda q, k, v: _linear(_phi(q), _phi(k), v, diagonal=-1,
                                                                            norm_keys="through_i")),
+        Mistake("state_order", "z is read before token i is added to it, while S already holds it: the normaliser "
+                               "must include token i too. Update both with token i (S += outer(phi(k_i), v_i), z += "
+                               "phi(k_i)), then read them with phi(q_i).",
+                output=lambda q, k, v: _linear(_phi(q), _phi(k), v, norm_keys="before_i")),
         Mistake("causal_mask", "Every query sees every token, also the later ones: the state must hold only the "
                                "tokens up to i when query i reads it (update, read, then move on).",
                 output=lambda q, k, v: _linear(_phi(q), _phi(k), v, causal=False)),

@@ -30,14 +30,18 @@ Where a probe lives:
   (``batch_mixing``: modules compare their own outputs with it; ``engine.function`` slices a function
   exercise's cases along their leading axes for the exercises that list it).
 - ``kept_state`` of a module or a procedure (the function exercises: ``engine.function``): the same object called
-  several times in a row (short inputs of one batch, another input of the same shape, a change of mode), each call
-  beside what a fresh one gives (``called_in_turn``).
+  several times in a row (short inputs of one batch, another input of the same shape, a change of mode, a change of
+  its weights as an optimizer's step makes: ``weight_step``), each call beside what a fresh one gives
+  (``called_in_turn``); what is drawn at random must be new at every call of a few in a row (``repeated_draw``), and
+  a result that changes from call to call with torch's random state seeded alike comes from an earlier call, not
+  from a draw (``random_or_kept``).
 - ``model_state``: everything a context manager or hook can change on a module tree, snapshotted before the
   student's code and compared after, each difference named (``engine.model_state``; 11.3).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -218,29 +222,136 @@ def batch_mixing(what: str, together: torch.Tensor, alone: Sequence[torch.Tensor
 IN_TURN = ((2, 3), (2, 3), (2, 4), (1, 3), (1, 3))
 
 
+def kept_state_message(what: str, after: str, how: str, thing: str = "module", cache: bool = False) -> str:
+    """The words of ``kept_state`` for a call that differs from what a fresh object gives: ``what`` the call, ``after``
+    what came before it (", called right after ...,"), ``how`` the difference."""
+    return (f"{what}{after} {how}: your {thing} keeps something from one call to the next (keys and values of earlier "
+            f"calls, a cache, a dropout mask, a running statistic, stored on it or in a global). Each call must depend "
+            f"only on its inputs{' and the cache the caller passes' if cache else ''}: keep what a call computes in "
+            f"local variables.")
+
+
+# What an optimizer's step does to a module between two calls, in words
+AFTER_A_STEP = "after its weights changed in place (as an optimizer step changes them)"
+
+
+def weight_step(*modules: nn.Module) -> Callable[[], None]:
+    """The same in-place change to every floating parameter that all ``modules`` have (by name), as an optimizer's
+    step makes between two calls; a parameter is changed once however many names it has. Returns the undo.
+    Something a module (or code given it) computed from its weights and kept shows afterwards: it still has the
+    old values."""
+    named = [dict(module.named_parameters()) for module in modules]
+    shared = [name for name in named[0] if all(name in other for other in named[1:])]
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.no_grad():
+        for name in shared:
+            for params in named:
+                p = params[name]
+                if id(p) in saved or not p.is_floating_point():
+                    continue
+                saved[id(p)] = (p, p.detach().clone())
+                pattern = torch.cos(torch.arange(p.numel(), dtype=torch.float64)).reshape(p.shape)
+                p.mul_(1.25).add_((0.05 * pattern).to(p.dtype))
+
+    def undo() -> None:
+        with torch.no_grad():
+            for p, before in saved.values():
+                p.copy_(before)
+    return undo
+
+
 def called_in_turn(calls: Sequence[tuple[str, Callable[[], Any], Callable[[], Any]]], *, thing: str = "module",
-                   cache: bool = False, same: Callable[[Any, Any], bool] = close) -> None:
+                   cache: bool = False, same: Callable[[Any, Any], bool] = close,
+                   step: Sequence[nn.Module] = ()) -> None:
     """``kept_state`` where the same module (or a procedure on the same model) called several times in a row does
     not give what a fresh one gives. ``calls`` are (what, the student's call, the reference's result), run in
     order: short inputs of one batch, so that keys, values or a cache carried "while they fit" are used, another
     input of the same shape, a mode switched. Every case was right on a fresh object, so a call that differs now
-    depends on an earlier one. ``cache``: the exercise passes a cache, the one state a call may depend on."""
+    depends on an earlier one. ``cache``: the exercise passes a cache, the one state a call may depend on.
+    ``step``: the student's module and the reference; the first call runs once more after the same change to both
+    one's weights (``weight_step``; undone after), so that a weight (a cast, a copy) kept from an earlier call shows."""
     done: list[str] = []
-    for what, run, reference in calls:
-        out, expected = run(), reference()
+
+    def differs(what: str, out: Any, expected: Any) -> str | None:
         if same(out, expected):
             done.append(what)
-            continue
+            return None
         if isinstance(out, torch.Tensor) and out.is_floating_point() and out.shape == expected.shape:
-            how = f"differs from what a fresh {thing} gives by up to {max_diff(out, expected):.3g}"
-        else:
-            shown = lambda t: (t.tolist() if t.numel() <= 40 else f"a tensor of shape {tuple(t.shape)}") \
-                if isinstance(t, torch.Tensor) else repr(t)
-            how = f"returned {shown(out)} where a fresh {thing} gives {shown(expected)}"
+            return f"differs from what a fresh {thing} gives by up to {max_diff(out, expected):.3g}"
+        shown = lambda t: (t.tolist() if t.numel() <= 40 else f"a tensor of shape {tuple(t.shape)}") \
+            if isinstance(t, torch.Tensor) else repr(t)
+        return f"returned {shown(out)} where a fresh {thing} gives {shown(expected)}"
+
+    for what, run, reference in calls:
+        how = differs(what, run(), reference())
+        if how is None:
+            continue
         after = (", called after the checker's earlier calls," if not done else ", called again on other numbers "
                  "right after the same shape," if done[-1] == what else f", called right after {done[-1]},")
-        fail("kept_state", f"{what}{after} {how}: your {thing} keeps something from one call to the next (keys and "
-                           f"values of earlier calls, a cache, a dropout mask, a running statistic, stored on it or "
-                           f"in a global). Each call must depend only on its inputs"
-                           f"{' and the cache the caller passes' if cache else ''}: keep what a call computes in "
-                           f"local variables.")
+        fail("kept_state", kept_state_message(what, after, how, thing, cache))
+    if not step or not calls:
+        return
+    what, run, reference = calls[0]
+    undo = weight_step(*step)
+    try:
+        how = differs(what, run(), reference())
+    finally:
+        undo()
+    if how is not None:
+        fail("kept_state", f"{what}, called again {AFTER_A_STEP}, {how}: your {thing} keeps something it made from "
+                           f"its weights in an earlier call (a cast or a copy of a weight, stored on it or in a "
+                           f"global), so it does not see their new values. Read the weights (self.weight, "
+                           f"self.query.weight, ...) at every call.")
+
+
+def repeated_draw(draws: Sequence[Any], same: Callable[[Any, Any], bool]) -> tuple[int, int] | None:
+    """The first two of ``draws`` (what calls in a row drew at random: a dropout mask, sampled tokens) that are the
+    same, as (earlier, later); None when every one is new. A mask kept and redrawn only now and then (every other
+    call, every fourth, once per shape) shows among a few calls in a row whatever its period."""
+    for later in range(1, len(draws)):
+        for earlier in range(later):
+            if same(draws[earlier], draws[later]):
+                return earlier, later
+    return None
+
+
+def random_or_kept(run: Callable[[], Any], same: Callable[[Any, Any], bool], seeds: Sequence[int] = (0, 1, 2)
+                   ) -> str | None:
+    """Why the same call gives other results from one call to the next: ``run()`` twice for each seed of torch's
+    random state (the caller's state kept). "kept" when the same seed gives two results (something kept from an
+    earlier call: the random state does not explain it), "random" when only other seeds do (a random draw), None
+    when every result is the same."""
+    results = []
+    with torch.random.fork_rng():
+        for seed in seeds:
+            for _ in range(2):
+                torch.manual_seed(seed)
+                results.append(run())
+    if any(not same(results[i], results[i + 1]) for i in range(0, len(results), 2)):
+        return "kept"
+    if any(not same(results[0], other) for other in results[1:]):
+        return "random"
+    return None
+
+
+def copy_of(module: nn.Module) -> nn.Module | None:
+    """A copy of the student's module as it is now (before the calls of ``in_turn_beside_a_new_copy``); None when it
+    cannot be copied (that probe is then skipped)."""
+    try:
+        return copy.deepcopy(module)
+    except Exception:  # noqa: BLE001 - a module that cannot be copied: the probe is inconclusive
+        return None
+
+
+def in_turn_beside_a_new_copy(module: nn.Module, pristine: nn.Module | None,
+                              inputs: Sequence[tuple[str, torch.Tensor]],
+                              run: Callable[[nn.Module, torch.Tensor, str], Any], *, thing: str = "module") -> None:
+    """``called_in_turn`` where the fresh object is the student's own: a new copy of ``pristine`` (``copy_of`` the
+    module before any of these calls) for every call, so that the student's code is held only to itself where the
+    reference's roundings may differ from a right answer's (a weight and an input of two dtypes). ``inputs``:
+    (what, x) in order; the weight step changes the module and ``pristine`` alike."""
+    if pristine is None:
+        return
+    called_in_turn([(what, lambda x=x, what=what: run(module, x, what),
+                     lambda x=x, what=what: run(copy.deepcopy(pristine), x, f"{what} (a new copy of your {thing})"))
+                    for what, x in inputs], thing=thing, step=(module, pristine))
