@@ -232,19 +232,18 @@ class MaskedAttentionWithNumpyProducts(MaskedAttention):
 
 # ============================================================================ 9.6: every query head on kv head 0
 
+from bank.modern_bugs import _GQAPlain  # noqa: E402
 from course_lib.attention import causal_mask  # noqa: E402
-from course_lib.modern import GroupedQueryAttention, apply_rotary  # noqa: E402
 
 
 @bug("9.6", "kv_grouping", "key/value head 0")
-class GQAReadingTheFirstKvHeadOnly(GroupedQueryAttention):
+class GQAReadingTheFirstKvHeadOnly(_GQAPlain):
     """Multi-query attention by hand: k[:, 0] and v[:, 0] broadcast over the query heads with a None axis."""
 
     def forward(self, x, cache=None):
         start = 0 if cache is None else cache.length
-        q = apply_rotary(split_heads(self.query(x), self.num_heads), self.rope_cos, self.rope_sin, offset=start)
-        k = apply_rotary(split_heads(self.key(x), self.num_kv_heads), self.rope_cos, self.rope_sin, offset=start)
-        v = split_heads(self.value(x), self.num_kv_heads)
+        q, k, v = self.normed(x)
+        q, k = self.turn(q, k, start, x.shape[1])
         if cache is not None:
             k, v = cache.append(k, v)
         k0, v0 = k[:, 0][:, None], v[:, 0][:, None]                               # (N, 1, T, head_dim)
