@@ -15,7 +15,7 @@ def _train(args: argparse.Namespace) -> int:
     out = args.resume or args.out
     # the command line's run is the same one value run_preset makes, checked where it is made
     request = RunRequest(args.preset, out, seconds=args.seconds, steps=args.steps, corpus=args.corpus,
-                         device=args.device, progress=not args.quiet, compile=True if args.compile else None,
+                         device=args.device, progress=not args.quiet, compile=args.compile,
                          batch_size=args.batch_size, resume=args.resume is not None, overwrite=args.overwrite)
     try:
         metrics = run_request(request)
@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, help="sequences per step and per process (overrides the preset)")
     train.add_argument("--corpus", help="a corpus name or the path of any UTF-8 text file")
     train.add_argument("--device", help="cpu, cuda, cuda:N or mps (default: the fastest available)")
-    train.add_argument("--compile", action="store_true", help="torch.compile the model")
+    train.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                       help="torch.compile the model, or not (default: as the preset says)")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
 
     export = sub.add_parser("export", help="write a trained run as a Hugging Face folder (GPT runs as GPT-2, "

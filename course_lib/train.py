@@ -294,6 +294,7 @@ class History:
     train_seconds: float = 0.0
     eval_seconds: float = 0.0
     checkpoint_seconds: float = 0.0     # spent writing checkpoints (not counted in train_seconds)
+    first_step_seconds: float = 0.0     # the first step of a fresh run, torch.compile's compiling included
     stop_reason: str = ""               # "steps", "seconds", "patience" or "stopped" (a signal asked)
     best_step: int | None = None        # the step of the lowest validation estimate so far
     best_val_loss: float | None = None
@@ -538,6 +539,8 @@ def train(model: GPT | ModernGPT, train_split: Split, val_split: Split | None, c
                     dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
                 if not math.isfinite(mean_loss.item()):
                     raise NonFiniteLoss(step, "training loss", config)
+                if step == 1:   # .item() above waited for the device: the first step is done
+                    history.first_step_seconds = time.perf_counter() - started
                 history.step.append(step)
                 history.train_loss.append(mean_loss.item())
                 history.learning_rate.append(lr)

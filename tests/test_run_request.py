@@ -75,9 +75,13 @@ def test_run_preset_and_the_command_line_make_the_same_request(tmp_path, request
     assert main(["train", "--preset", "tiny", "--out", out, "--steps", "3", "--corpus", "names", "--device", "cpu",
                  "--quiet", "--compile", "--batch-size", "4"]) == 0
     assert main(["train", "--resume", out, "--seconds", "2.5"]) == 0
-    by_hand, by_cli, resumed = requests_made
+    assert main(["train", "--preset", "shakespeare_char_gpu", "--out", out, "--no-compile", "--device", "cpu"]) == 0
+    assert main(["train", "--preset", "shakespeare_char_gpu", "--out", out, "--device", "cpu"]) == 0
+    by_hand, by_cli, resumed, not_compiled, as_preset = requests_made
     assert by_hand == by_cli
     assert resumed == RunRequest(None, out, seconds=2.5, resume=True)
+    # --no-compile turns off a preset's compile; without either flag the preset decides
+    assert (not_compiled.compile, as_preset.compile) == (False, None)
     assert list(tmp_path.iterdir()) == []   # a request is only asked for: nothing was touched
 
 

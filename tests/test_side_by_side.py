@@ -99,7 +99,7 @@ def test_bench_nanogpt_prints_both_rows(checkout, tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.search(r"^nanoGPT train_shakespeare_char +2\.5500 +10 +20 ", out, re.M), out
     assert re.search(r"^course tiny +\d\.\d{4} +- +3 ", out, re.M), out   # 3 steps: no estimate yet
-    assert "our wall time / nanoGPT's:" in out
+    assert re.search(r"^tiny: wall time / nanoGPT.s \d+\.\d\d; first step \d+\.\d s; stopped on steps", out, re.M), out
 
 
 def test_bench_nanogpt_refuses_what_is_not_a_checkout(tmp_path, checkout):
@@ -137,3 +137,63 @@ def test_without_requests_prepare_gets_a_stand_in_that_cannot_download(tmp_path,
     assert done.returncode != 0 and "no download here: input.txt is given" in done.stderr
     monkeypatch.setattr(module, "_can_import", lambda name: True)
     assert module._nanogpt_env(tmp_path) is None   # the real one is there: nothing is changed
+
+
+def test_several_presets_run_after_one_nanogpt_run_each_from_empty_compile_caches(checkout, tmp_path, monkeypatch):
+    from course_lib.runs import side_by_side as module
+    seen = []
+    real_run = module._run
+
+    def recording_run(command, cwd, what, env=None, caches=None):
+        seen.append((what, caches))
+        return real_run(command, cwd, what, env, caches)
+
+    monkeypatch.setattr(module, "_run", recording_run)
+    result = side_by_side(checkout, preset=["tiny", "tiny"], device="cpu", corpus=str(_corpus(tmp_path)),
+                          course_args=["--steps", "3"])
+    assert [what for what, _ in seen] == ["nanoGPT's prepare.py", "nanoGPT's train.py", "course_lib tiny",
+                                          "course_lib tiny"]
+    caches = [c for what, c in seen if what != "nanoGPT's prepare.py"]
+    assert None not in caches and len(set(caches)) == 3   # each training run compiles from nothing
+    assert [c["preset"] for c in result["courses"]] == ["tiny", "tiny"] and result["course"] is result["courses"][0]
+    assert all(c["steps"] == 3 and c["wall_ratio"] > 0 for c in result["courses"])
+    # the rate leaves out the first step, as nanoGPT's median does: it is above the whole run's
+    for c in result["courses"]:
+        assert 0 < c["first_step_seconds"] < c["train_seconds"]
+        whole = 3 * 16 * 32 / c["train_seconds"]   # tiny: 16 windows of 32 a step
+        assert c["tokens_per_second"] == pytest.approx(2 * 16 * 32 / (c["train_seconds"] - c["first_step_seconds"]))
+        assert c["tokens_per_second"] > whole
+
+
+def test_the_fresh_caches_reach_the_command(tmp_path):
+    from course_lib.runs.side_by_side import _run
+    import sys
+    out, _ = _run([sys.executable, "-c", "import os; print(os.environ['TORCHINDUCTOR_CACHE_DIR'], "
+                   "os.environ['TRITON_CACHE_DIR'])"], tmp_path, "a probe", caches=tmp_path / "c")
+    assert out.split() == [str(tmp_path / "c" / "inductor"), str(tmp_path / "c" / "triton")]
+
+
+def test_a_failing_preset_is_a_row_of_its_own_and_the_exit_status_says_so(checkout, tmp_path, monkeypatch, capsys):
+    from course_lib.runs import side_by_side as module
+    real = module._course_run
+
+    def failing_second(preset, run, *args):
+        if run.name.endswith("-1"):
+            raise RuntimeError("course_lib tiny failed (exit status 1): CUDA error: out of memory")
+        return real(preset, run, *args)
+
+    monkeypatch.setattr(module, "_course_run", failing_second)
+    status = bench.main(["nanogpt", "--nanogpt", str(checkout), "--preset", "tiny", "tiny", "--peak-sizes", "64",
+                         "--corpus", str(_corpus(tmp_path)), "--course-args", "--steps 3"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert re.search(r"^course tiny +\d\.\d{4} +- +3 ", out, re.M), out        # the first still counts
+    assert re.search(r"^course tiny +failed: .*out of memory", out, re.M), out
+    assert "nanoGPT's estimates 0:4.282, 10:2.550, 20:2.600" in out
+
+
+def test_preset_must_name_presets(checkout):
+    with pytest.raises(TypeError, match=r"preset: expected a preset name or a non-empty list of them, got"):
+        side_by_side(checkout, preset=[], device="cpu")
+    with pytest.raises(ValueError, match=r"preset: expected one of .*got 'huge'"):
+        side_by_side(checkout, preset=["tiny", "huge"], device="cpu")

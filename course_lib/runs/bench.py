@@ -581,7 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     nanogpt.add_argument("--nanogpt", required=True, metavar="DIR",
                          help="a nanoGPT checkout (git clone https://github.com/karpathy/nanoGPT); it is copied, "
                               "never written to")
-    nanogpt.add_argument("--preset", default="shakespeare_char_gpu", help="our recipe (default: %(default)s)")
+    nanogpt.add_argument("--preset", nargs="+", default=["shakespeare_char_gpu"],
+                         help="our recipes, run one after the other after nanoGPT's (default: %(default)s)")
     nanogpt.add_argument("--nanogpt-args", default="", metavar="'ARGS'",
                          help="more of nanoGPT's overrides, in one quoted string: '--max_iters=20 --compile=False'")
     nanogpt.add_argument("--course-args", default="", metavar="'ARGS'",
@@ -612,7 +613,8 @@ def _nanogpt(args: argparse.Namespace, device: torch.device) -> int:
     try:
         # refused before the peak measurement, not after it
         check_nanogpt(args.nanogpt)
-        validate.one_of("preset", args.preset, sorted(PRESETS))
+        for name in args.preset:
+            validate.one_of("preset", name, sorted(PRESETS))
         nanogpt_args, course_args = shlex.split(args.nanogpt_args), shlex.split(args.course_args)
         validate.int_list("peak_sizes", args.peak_sizes)
         if device.type == "cuda":
@@ -626,7 +628,7 @@ def _nanogpt(args: argparse.Namespace, device: torch.device) -> int:
     except (ValueError, TypeError) as exc:
         raise RunRefused(str(exc)) from None
     print_side_by_side(result, name)
-    return 0
+    return 1 if any("error" in course for course in result["courses"]) else 0
 
 
 def _triton(args: argparse.Namespace, device: torch.device) -> int:

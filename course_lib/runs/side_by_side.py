@@ -4,9 +4,10 @@ nanoGPT is not part of the course: point ``--nanogpt`` at a checkout of it (``gi
 https://github.com/karpathy/nanoGPT``). Its files are copied into a scratch folder first, so the
 checkout is never written to; its data is made by its own ``prepare.py`` from the course's copy of
 tinyshakespeare (given as ``input.txt``, so nothing is downloaded), and it trains with its own
-``train.py`` and ``config/train_shakespeare_char.py``. Ours runs as ``python -m course_lib train``,
-so both wall times count the same things: starting Python, reading the data, compiling, training
-and evaluating.
+``train.py`` and ``config/train_shakespeare_char.py``. Ours runs as ``python -m course_lib train``
+(several presets one after the other, after one nanoGPT run), so both wall times count the same things:
+starting Python, reading the data, compiling (each run from empty caches of its own), training and
+evaluating.
 
 Both split the text the same way (the first 90% to train on, the rest to validate). nanoGPT's
 loss is its best estimate (``eval_iters`` random batches); ours is the final evaluation over every
@@ -80,8 +81,16 @@ def check_nanogpt(folder: Any) -> Path:
     return folder
 
 
-def _run(command: list[str], cwd: Path, what: str, env: dict[str, str] | None = None) -> tuple[str, float]:
-    """Run ``command``; return its output and its wall time. A failure raises, with the output's end."""
+def _run(command: list[str], cwd: Path, what: str, env: dict[str, str] | None = None,
+         caches: Path | None = None) -> tuple[str, float]:
+    """Run ``command``; return its output and its wall time. A failure raises, with the output's end.
+
+    ``caches``: an empty folder for torch.compile's and Triton's caches, so that every run compiles from
+    nothing, as a first run on a new machine does, whichever ran before it.
+    """
+    if caches is not None:
+        env = {**(env or os.environ), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+               "TRITON_CACHE_DIR": str(caches / "triton")}
     started = time.perf_counter()
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - started
@@ -108,17 +117,24 @@ def _nanogpt_env(scratch: Path) -> dict[str, str] | None:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(stub), os.environ.get("PYTHONPATH")]))}
 
 
-def side_by_side(nanogpt: str | Path, *, preset: str = "shakespeare_char_gpu", device: str = "cuda",
+def side_by_side(nanogpt: str | Path, *, preset: str | Sequence[str] = "shakespeare_char_gpu", device: str = "cuda",
                  corpus: str = "tinyshakespeare", nanogpt_args: Sequence[str] = (),
                  course_args: Sequence[str] = (), peak_flops: float | None = None) -> dict[str, Any]:
-    """Train nanoGPT's Shakespeare recipe, then ``preset``, on ``device``; return both results.
+    """Train nanoGPT's Shakespeare recipe, then ``preset`` (a name, or several run one after the other),
+    on ``device``; return the results.
 
     ``nanogpt_args`` and ``course_args`` go to each command line as they are (``--max_iters=20`` for
     nanoGPT, ``--steps 20`` for ours: for smoke runs). ``peak_flops``: the device's peak FLOP/s for
-    the share of peak (the caller measures it; None leaves the shares out).
+    the share of peak (the caller measures it; None leaves the shares out). ``result["courses"]`` has
+    one row per preset (a preset whose run failed has only ``error``, and the others still run);
+    ``result["course"]`` and ``result["wall_ratio"]`` are the first's.
     """
     folder = check_nanogpt(nanogpt)
-    validate.one_of("preset", preset, sorted(PRESETS))
+    presets = [preset] if isinstance(preset, str) else list(preset) if isinstance(preset, (list, tuple)) else None
+    if not presets:
+        raise TypeError(f"preset: expected a preset name or a non-empty list of them, got {validate.describe(preset)}")
+    for name in presets:
+        validate.one_of("preset", name, sorted(PRESETS))
     if not isinstance(device, str) or not device:
         raise TypeError(f"device: expected a device name such as 'cuda' or 'cpu', got {validate.describe(device)}")
     for name, args in (("nanogpt_args", nanogpt_args), ("course_args", course_args)):
@@ -136,30 +152,53 @@ def side_by_side(nanogpt: str | Path, *, preset: str = "shakespeare_char_gpu", d
         env = _nanogpt_env(scratch)
         _run([sys.executable, "prepare.py"], data, "nanoGPT's prepare.py", env)
         log, nano_seconds = _run([sys.executable, "train.py", NANOGPT_CONFIG, f"--device={device}",
-                                  f"--out_dir={scratch / 'nanogpt-out'}", *nanogpt_args], copy, "nanoGPT's train.py")
+                                  f"--out_dir={scratch / 'nanogpt-out'}", *nanogpt_args], copy, "nanoGPT's train.py",
+                                 env, caches=scratch / "nanogpt-caches")
         nano = {**parse_nanogpt_log(log), "wall_seconds": nano_seconds}
 
-        run = scratch / "course-run"
         if corpus not in CORPORA:
             course_args = ["--corpus", str(Path(corpus).resolve()), *course_args]
-        _, course_seconds = _run([sys.executable, "-m", "course_lib", "train", "--preset", preset, "--out", str(run),
-                                  "--device", device, "--quiet", *course_args], Path.cwd(), f"course_lib {preset}")
-        metrics = json.loads((run / "metrics.json").read_text(encoding="utf-8"))
+        courses = []
+        for i, name in enumerate(presets):
+            try:
+                courses.append(_course_run(name, scratch / f"course-run-{i}", device, course_args, peak_flops,
+                                           nano_seconds))
+            except RuntimeError as failed:   # nanoGPT's figures and the other presets' still count
+                courses.append({"preset": name, "error": str(failed)})
+    if peak_flops is not None:
+        nano["share_of_peak"] = nano["mfu_a100"] * A100_BF16_PEAK / peak_flops
+    return {"device": device, "preset": presets[0], "peak_flops": peak_flops, "nanogpt": nano,
+            "course": courses[0], "courses": courses, "wall_ratio": courses[0].get("wall_ratio")}
+
+
+def _course_run(preset: str, run: Path, device: str, course_args: Sequence[str], peak_flops: float | None,
+                nano_seconds: float) -> dict[str, Any]:
+    """``python -m course_lib train --preset preset`` in a fresh process, read back from its metrics.json."""
+    _, seconds = _run([sys.executable, "-m", "course_lib", "train", "--preset", preset, "--out", str(run),
+                       "--device", device, "--quiet", *course_args], Path.cwd(), f"course_lib {preset}",
+                      caches=run.with_name(run.name + "-caches"))
+    metrics = json.loads((run / "metrics.json").read_text(encoding="utf-8"))
     history = metrics["history"]
-    course = {"val_loss": metrics["val_loss"], "best_step": history["best_step"],
+    course = {"preset": preset, "val_loss": metrics["val_loss"], "best_step": history["best_step"],
               "best_val_loss": history["best_val_loss"], "steps": metrics["steps"],
               "stop_reason": history["stop_reason"], "tokens_per_second": metrics["tokens_per_second"],
               "achieved_flops": metrics["achieved_flops"], "train_seconds": metrics["train_seconds"],
-              "wall_seconds": course_seconds}
+              "val_steps": history["val_step"], "val_estimates": history["val_loss"],
+              "wall_seconds": seconds, "wall_ratio": seconds / nano_seconds}
+    # nanoGPT's rate leaves out its first steps (compiling); ours does the same, where the run timed its first step
+    first = history.get("first_step_seconds", 0.0)
+    if 0 < first < metrics["train_seconds"] and metrics["steps"] > 1:
+        tokens_per_step = history["tokens_seen"] / metrics["steps"]
+        steady = (history["tokens_seen"] - tokens_per_step) / (metrics["train_seconds"] - first)
+        course["achieved_flops"] *= steady / course["tokens_per_second"]
+        course["tokens_per_second"], course["first_step_seconds"] = steady, first
     if peak_flops is not None:
-        nano["share_of_peak"] = nano["mfu_a100"] * A100_BF16_PEAK / peak_flops
         course["share_of_peak"] = course["achieved_flops"] / peak_flops
-    return {"device": device, "preset": preset, "peak_flops": peak_flops, "nanogpt": nano, "course": course,
-            "wall_ratio": course_seconds / nano_seconds}
+    return course
 
 
 def print_side_by_side(result: dict[str, Any], device_name: str) -> None:
-    nano, course = result["nanogpt"], result["course"]
+    nano = result["nanogpt"]
     share = (lambda r: f"{100 * r['share_of_peak']:.1f}%") if result["peak_flops"] else (lambda r: "n/a")
     peak = result["peak_flops"]
     print(f"on {device_name}" + (f" (measured matmul peak {peak / 1e9:,.0f} GFLOP/s)" if peak else ""))
@@ -168,10 +207,20 @@ def print_side_by_side(result: dict[str, Any], device_name: str) -> None:
     print("-" * len(header))
     print(f"{'nanoGPT train_shakespeare_char':<34}{nano['best_val_loss']:>9.4f}{nano['best_step']:>9d}"
           f"{nano['steps']:>7d}{nano['wall_seconds']:>8.1f}{nano['tokens_per_second']:>11.0f}{share(nano):>8}")
-    best_step = "-" if course["best_step"] is None else str(course["best_step"])   # no estimate was made
-    print(f"{'course ' + result['preset']:<34}{course['val_loss']:>9.4f}{best_step:>9}"
-          f"{course['steps']:>7d}{course['wall_seconds']:>8.1f}{course['tokens_per_second']:>11.0f}"
-          f"{share(course):>8}")
+    for course in result["courses"]:
+        if "error" in course:
+            print(f"{'course ' + course['preset']:<34} failed: {course['error']}")
+            continue
+        best_step = "-" if course["best_step"] is None else str(course["best_step"])   # no estimate was made
+        print(f"{'course ' + course['preset']:<34}{course['val_loss']:>9.4f}{best_step:>9}"
+              f"{course['steps']:>7d}{course['wall_seconds']:>8.1f}{course['tokens_per_second']:>11.0f}"
+              f"{share(course):>8}")
     print("(nanoGPT: its best estimate, eval_iters random batches; ours: every validation window, with the "
-          "weights the run kept. Wall time: the whole command, start-up and compiling included)")
-    print(f"our wall time / nanoGPT's: {result['wall_ratio']:.2f}; our run stopped on {course['stop_reason']}")
+          "weights the run kept. Wall time: the whole command, start-up and compiling included; tokens/s: "
+          "training steps after the first, which compiles)")
+    print("nanoGPT's estimates " + ", ".join(f"{step}:{loss:.3f}" for step, loss in nano["estimates"]))
+    for course in (c for c in result["courses"] if "error" not in c):
+        print(f"{course['preset']}: wall time / nanoGPT's {course['wall_ratio']:.2f}; first step "
+              f"{course.get('first_step_seconds', 0.0):.1f} s; stopped on "
+              f"{course['stop_reason']}; estimates " + ", ".join(
+                  f"{step}:{loss:.3f}" for step, loss in zip(course["val_steps"], course["val_estimates"])))
