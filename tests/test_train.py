@@ -368,15 +368,16 @@ def test_resume_with_a_bigger_budget_and_refusals(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_gpu_recipe_code_path_runs_on_a_cpu_with_compile():
-    # shakespeare_char_gpu as the GPU runs it (compile, fused AdamW, its model), minus what a CPU
+@pytest.mark.parametrize("name", ["shakespeare_char_gpu", "shakespeare_char_modern_gpu"])
+def test_the_gpu_recipe_code_path_runs_on_a_cpu_with_compile(name):
+    # the GPU recipes as the GPU runs them (compile, fused AdamW or Muon, their models), minus what a CPU
     # cannot do (bf16 autocast, pinned memory), for a few steps: breakage shows without a GPU.
     from dataclasses import replace
-    model, tok, train_split, val_split, config = prepare_preset(
-        "shakespeare_char_gpu", corpus=None, device="cpu", compile=True)
+    model, tok, train_split, val_split, config = prepare_preset(name, corpus=None, device="cpu", compile=True)
     assert config.compile and not config.amp
-    assert replace(PRESETS["shakespeare_char_gpu"].train, compile=True, amp=False, pin_memory=False) == config
-    config = replace(config, steps=3, batch_size=2, eval_interval=2, eval_windows=2, log_interval=1)
+    assert replace(PRESETS[name].train, compile=True, amp=False, pin_memory=False) == config
+    # no warmup: three steps at the full learning rate, so that learning shows above dropout's noise
+    config = replace(config, steps=3, batch_size=2, eval_interval=2, eval_windows=2, log_interval=1, warmup_steps=0)
     history = train(model, train_split, val_split, config, device="cpu", progress=False)
     assert history.steps_taken == 3 and all(math.isfinite(v) for v in history.train_loss + history.val_loss)
     assert history.train_loss[-1] < history.train_loss[0]
