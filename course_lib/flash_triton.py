@@ -7,6 +7,7 @@ no CUDA device is present (the interpreter is chosen when a kernel is defined). 
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -51,8 +52,36 @@ def load() -> ModuleType | None:
     except Exception as exc:  # a broken install: say so, never fail the notebook
         UNAVAILABLE = f"Triton does not import here: {type(exc).__name__}: {exc}"
         return None
+    if os.environ.get("TRITON_INTERPRET") == "1" and not _interpreter_loops_to_an_argument():
+        UNAVAILABLE = (f"the interpreter of Triton {triton.__version__} cannot run a loop whose bound is a kernel "
+                       f"argument, as this kernel's is (Triton 3.9's can)")
+        return None
     _define()
+    UNAVAILABLE = ""
     return sys.modules[__name__]
+
+
+@functools.cache
+def _interpreter_loops_to_an_argument() -> bool:
+    """Whether Triton's interpreter runs ``for i in range(0, n, 1)`` with ``n`` an argument. Triton 3.6's
+    holds scalar arguments as one-element arrays and cannot turn them into a loop bound with NumPy 2.4 or
+    newer (seen with 3.6.0; 3.9.0 can)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def count_to(out_ptr, n):
+        total = 0
+        for _ in range(0, n, 1):
+            total += 1
+        tl.store(out_ptr, total)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        count_to[(1,)](out, 3)
+    except Exception:   # the interpreter's InterpreterError, whatever it wraps
+        return False
+    return int(out[0]) == 3
 
 
 _kernel = None
@@ -105,14 +134,17 @@ def _define() -> None:
 
 
 def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_q: int = 16,
-                           block_k: int = 16, causal: bool = False, precision: str = "ieee"
+                           block_k: int = 16, causal: bool = False, precision: str = "ieee", num_warps: int = 4
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash.flash_attention`` for q, k, v (..., L, d) of one length, run by the Triton kernel: (out, lse).
 
     Block sizes and d must be powers of two of at least 16 (what ``tl.dot`` takes). On a GPU the kernel is
     compiled and q, k, v must be CUDA tensors. ``precision="ieee"`` multiplies in full float32, so the result
     equals ``flash.flash_attention`` within 1e-5; ``"tf32"`` lets the tensor cores round the products' inputs
-    to 10 bits of mantissa (faster; about 1e-3 off, measured on an H200)."""
+    to 10 bits of mantissa (faster; about 1e-3 off, measured on an H200). ``num_warps``: the warps of each
+    program on a GPU (Triton's default, 4, or 1 to 32; the interpreter ignores it). Full float32 tiles need
+    many registers: on an H200, 64 x 64 tiles in 4 warps spilled 2,180 of them to memory in the causal kernel
+    and took 67 ms at L = 4,096, against 3.5 ms in 8 warps (PERFORMANCE.md)."""
     if _kernel is None:
         raise RuntimeError(f"the Triton kernel is not defined: call flash_triton.load() first ({UNAVAILABLE})")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -123,6 +155,8 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         if validate.positive_int(name, n) < 16 or n & (n - 1):
             raise ValueError(f"{name}: expected a power of two of at least 16 (tl.dot's smallest tile), got {n}")
     validate.one_of("precision", precision, ["ieee", "tf32"])
+    if validate.positive_int("num_warps", num_warps) > 32 or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps: expected a power of two from 1 to 32, got {num_warps}")
     compiled = os.environ.get("TRITON_INTERPRET") != "1"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type != ("cuda" if compiled else "cpu"):
@@ -135,5 +169,5 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     lse = torch.empty(flat[0].shape[:-1], dtype=torch.float32, device=q.device)          # (heads, L)
     grid = (math.ceil(length / block_q), flat[0].shape[0])
     _kernel[grid](*flat, out, lse, length, 1.0 / math.sqrt(head_dim), CAUSAL=bool(causal), BLOCK_Q=block_q,
-                  BLOCK_K=block_k, HEAD_DIM=head_dim, PRECISION=precision)
+                  BLOCK_K=block_k, HEAD_DIM=head_dim, PRECISION=precision, num_warps=num_warps)
     return out.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:-1]).to(q.dtype)

@@ -468,9 +468,11 @@ def triton_benchmark(lengths: Sequence[int] = (1024, 4096, 16384), head_dims: Se
                 exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
                 row = {"head_dim": head_dim, "causal": causal, "length": length}
                 for precision in ("ieee", "tf32"):
-                    block_k = 32 if precision == "ieee" and head_dim > 64 else 64   # fp32 tiles fill shared memory
+                    # full float32 tiles of 64 x 32 in 8 warps spill no registers (an H200, d = 64 and 128);
+                    # 64 x 64 in 4 warps spilled thousands and ran up to 20 times slower (PERFORMANCE.md)
+                    block_k, warps = (32, 8) if precision == "ieee" else (64, 4)
                     run = partial(kernel.flash_attention_triton, q, k, v, block_q=64, block_k=block_k,
-                                  causal=causal, precision=precision)
+                                  causal=causal, precision=precision, num_warps=warps)
                     row[f"{precision}_ms"] = time_call(run, repeats, warmup=2, device=device) * 1e3
                     row[f"{precision}_diff"] = float((run()[0] - exact).abs().max())
                 sdpa = F.scaled_dot_product_attention
