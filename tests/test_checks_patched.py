@@ -106,3 +106,16 @@ def test_the_grader_gives_the_same_verdict_to_the_scripted_attack():
     finally:
         torch.equal = equal   # the grader's worker is a fresh child per student; this test runs in process
     assert (verdict["passed"], verdict["diagnosis"]) == (False, "patched"), verdict
+
+
+def test_libraries_in_the_interpreters_other_site_folders_are_not_the_students():
+    # Debian's and Ubuntu's system Python keeps apt's libraries (IPython, ipykernel) in /usr/lib/python3/dist-packages,
+    # which sysconfig's paths leave out: IPython's own builtins.display was taken for a student's patch
+    import subprocess
+    import sys
+    probe = ("import site; site.getsitepackages = lambda: ['/usr/lib/python3/dist-packages']\n"
+             "from course_lib.classroom.checks import _student_files as files\n"
+             "print(files.is_student_file('/usr/lib/python3/dist-packages/IPython/core/display_functions.py'),\n"
+             "      files.is_student_file('/home/student/helper.py'))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True"], done.stderr[-2000:]

@@ -16,9 +16,11 @@ _LIBRARY_PREFIXES = tuple({os.path.realpath(path).replace("\\", "/") + "/" for k
 # "/course_lib/" is not the course's
 _COURSE_PREFIX = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")).replace(
     "\\", "/") + "/"
-# torch and the user's site-packages, wherever they are installed
+# torch, the user's site-packages and the interpreter's other site folders (Debian's and Ubuntu's system Python
+# keeps the libraries apt installs, Jupyter's among them, in /usr/lib/python3/dist-packages, which sysconfig's
+# paths leave out), wherever they are
 _OTHER_PREFIXES = tuple(os.path.realpath(path).replace("\\", "/") + "/" for path in (
-    os.path.dirname(torch.__file__), site.getusersitepackages()) if path)
+    os.path.dirname(torch.__file__), site.getusersitepackages(), *getattr(site, "getsitepackages", list)()) if path)
 
 
 # Where code is not the student's: the course's folder first (the grader's sandbox takes these for its own rule)
