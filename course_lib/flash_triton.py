@@ -64,8 +64,8 @@ def load() -> ModuleType | None:
 @functools.cache
 def _interpreter_loops_to_an_argument() -> bool:
     """Whether Triton's interpreter runs ``for i in range(0, n, 1)`` with ``n`` an argument. Triton 3.6's
-    holds scalar arguments as one-element arrays and cannot turn them into a loop bound with NumPy 2.4 or
-    newer (seen with 3.6.0; 3.9.0 can)."""
+    holds scalar arguments as one-element arrays, which NumPy 2.4 and 2.5 refuse to turn into a loop bound
+    (seen with 3.6.0; 3.9.0 can)."""
     import triton
     import triton.language as tl
 
