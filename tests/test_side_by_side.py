@@ -166,8 +166,9 @@ def test_several_presets_run_after_one_nanogpt_run_each_from_empty_compile_cache
 
 
 def test_the_fresh_caches_reach_the_command(tmp_path):
-    from course_lib.runs.side_by_side import _run
     import sys
+
+    from course_lib.runs.side_by_side import _run
     out, _ = _run([sys.executable, "-c", "import os; print(os.environ['TORCHINDUCTOR_CACHE_DIR'], "
                    "os.environ['TRITON_CACHE_DIR'])"], tmp_path, "a probe", caches=tmp_path / "c")
     assert out.split() == [str(tmp_path / "c" / "inductor"), str(tmp_path / "c" / "triton")]
