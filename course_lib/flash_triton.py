@@ -17,7 +17,7 @@ import torch
 
 from . import _validate as validate
 
-__all__ = ["load", "flash_attention_triton", "UNAVAILABLE"]
+__all__ = ["load", "flash_attention_triton", "compiled_registers", "UNAVAILABLE"]
 
 UNAVAILABLE = ""   # why Triton cannot run here ("" when it can): set by load()
 
@@ -171,3 +171,22 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     _kernel[grid](*flat, out, lse, length, 1.0 / math.sqrt(head_dim), CAUSAL=bool(causal), BLOCK_Q=block_q,
                   BLOCK_K=block_k, HEAD_DIM=head_dim, PRECISION=precision, num_warps=num_warps)
     return out.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:-1]).to(q.dtype)
+
+
+def compiled_registers(head_dim: int, *, block_q: int, block_k: int, causal: bool = False, precision: str = "ieee",
+                       num_warps: int = 4, device: str | torch.device = "cuda") -> tuple[int, int]:
+    """(registers per thread, registers spilled to memory) of the kernel as compiled for these settings.
+
+    Spills are what make a tile shape slow: each one is a trip to memory inside the inner loop. Needs a CUDA
+    device, since the interpreter compiles nothing."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        raise ValueError(f"device: expected a CUDA device with the compiled kernel (the interpreter compiles "
+                         f"nothing), got {device}")
+    q = torch.zeros(1, block_q, head_dim, device=device)                 # one block of one head: compiling is all
+    out, lse = torch.empty_like(q), torch.empty(1, block_q, device=device)
+    flash_attention_triton(q, q, q, block_q=block_q, block_k=block_k, causal=causal, precision=precision,
+                           num_warps=num_warps)                            # checks the settings, as a call would
+    handle = _kernel[(1, 1)](q, q, q, out, lse, block_q, 1.0, CAUSAL=bool(causal), BLOCK_Q=block_q, BLOCK_K=block_k,
+                             HEAD_DIM=head_dim, PRECISION=precision, num_warps=num_warps)
+    return int(handle.n_regs), int(handle.n_spills)

@@ -515,6 +515,52 @@ def triton_memory_benchmark(lengths: Sequence[int] = (1024, 4096, 16384), *, hea
     return rows
 
 
+TRITON_TILES = ((64, 64), (64, 32), (64, 16), (32, 32), (128, 64))   # (queries, keys) a program holds
+
+
+def triton_tile_probe(length: int = 4096, head_dims: Sequence[int] = (64, 128), *,
+                      tiles: Sequence[tuple[int, int]] = TRITON_TILES, warps: Sequence[int] = (4, 8), heads: int = 16,
+                      repeats: int = 10, device: str | torch.device = "cuda") -> list[dict]:
+    """Full float32 (``ieee``) only: ms per call for each tile shape and warp count, with the compiled kernel's
+    registers per thread and registers spilled (None where the kernel is interpreted). PERFORMANCE.md's table
+    of why full float32 was slow comes from this."""
+    check_triton_sizes([length], head_dims, heads, repeats)
+    for tile in tiles:
+        if (not isinstance(tile, (tuple, list)) or len(tile) != 2 or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 16 and not n & (n - 1) for n in tile)):
+            raise ValueError(f"tiles: expected (queries, keys) pairs of powers of two of at least 16 (tl.dot's "
+                             f"smallest tile), got {tile!r}")
+    for count in warps:
+        if validate.positive_int("warps", count) > 32 or count & (count - 1):
+            raise ValueError(f"warps: expected powers of two from 1 to 32, got {count}")
+    device, kernel, rows = torch.device(device), _triton_kernel(), []
+    for head_dim in head_dims:
+        generator = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(1, heads, length, head_dim, device=device, generator=generator) for _ in range(3))
+        for causal in (False, True):
+            for block_q, block_k in tiles:
+                for count in warps:
+                    run = partial(kernel.flash_attention_triton, q, k, v, block_q=block_q, block_k=block_k,
+                                  causal=causal, num_warps=count)
+                    registers = spilled = None
+                    if device.type == "cuda":
+                        registers, spilled = kernel.compiled_registers(head_dim, block_q=block_q, block_k=block_k,
+                                                                       causal=causal, num_warps=count, device=device)
+                    rows.append({"head_dim": head_dim, "causal": causal, "tile": (block_q, block_k), "warps": count,
+                                 "ms": time_call(run, repeats, warmup=1, device=device) * 1e3,
+                                 "registers": registers, "spilled": spilled})
+    return rows
+
+
+def print_triton_tiles(rows: list[dict], length: int, device_name: str) -> None:
+    print(f"on {device_name}: full float32 at L = {length}, ms per call (median), the compiled kernel's registers")
+    print(f"{'d':>4}{'causal':>8}{'tile':>10}{'warps':>7}{'ms':>10}{'registers':>11}{'spilled':>9}")
+    for r in rows:
+        tile = f"{r['tile'][0]}x{r['tile'][1]}"
+        print(f"{r['head_dim']:>4}{'yes' if r['causal'] else 'no':>8}{tile:>10}{r['warps']:>7}{r['ms']:>10.3f}"
+              f"{'-' if r['registers'] is None else r['registers']:>11}{'-' if r['spilled'] is None else r['spilled']:>9}")
+
+
 def print_triton_rows(rows: list[dict], memory: list[dict], device_name: str) -> None:
     print(f"on {device_name}: ms per call (median), largest |difference| from float64")
     print(f"{'d':>4}{'causal':>8}{'L':>7}{'ieee':>9}{'tf32':>9}{'sdpa fp32':>10}{'sdpa bf16':>10}"
@@ -599,6 +645,9 @@ def build_parser() -> argparse.ArgumentParser:
     triton.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     triton.add_argument("--heads", type=int, default=16)
     triton.add_argument("--repeats", type=int, default=10)
+    triton.add_argument("--tiles", action="store_true",
+                        help="instead: full float32 at the first --lengths for each tile shape and warp count, with "
+                             "the compiled kernel's registers and spills")
     gen = sub.add_parser("generate", parents=[common], help="tokens/s with and without the KV cache")
     gen.add_argument("--new-tokens", type=int, default=500)
     gen.add_argument("--layers", type=int, default=GENERATION_CONFIG["num_layers"], help=argparse.SUPPRESS)
@@ -644,11 +693,18 @@ def _triton(args: argparse.Namespace, device: torch.device) -> int:
               f"notebook 10 runs it in Triton's interpreter instead")
         return 0
     try:
-        rows = triton_benchmark(args.lengths, args.head_dims, heads=args.heads, repeats=args.repeats, device=device)
-        memory = triton_memory_benchmark(args.lengths, device=device)
+        if args.tiles:
+            tiles = triton_tile_probe(args.lengths[0], args.head_dims, heads=args.heads, repeats=args.repeats,
+                                      device=device)
+        else:
+            rows = triton_benchmark(args.lengths, args.head_dims, heads=args.heads, repeats=args.repeats, device=device)
+            memory = triton_memory_benchmark(args.lengths, device=device)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise RunRefused(str(exc)) from None
-    print_triton_rows(rows, memory, torch.cuda.get_device_name(device))
+    if args.tiles:
+        print_triton_tiles(tiles, args.lengths[0], torch.cuda.get_device_name(device))
+    else:
+        print_triton_rows(rows, memory, torch.cuda.get_device_name(device))
     return 0
 
 

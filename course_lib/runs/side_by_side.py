@@ -126,7 +126,7 @@ def side_by_side(nanogpt: str | Path, *, preset: str | Sequence[str] = "shakespe
     ``nanogpt_args`` and ``course_args`` go to each command line as they are (``--max_iters=20`` for
     nanoGPT, ``--steps 20`` for ours: for smoke runs). ``peak_flops``: the device's peak FLOP/s for
     the share of peak (the caller measures it; None leaves the shares out). ``result["courses"]`` has
-    one row per preset (a preset whose run failed has only ``error``, and the others still run);
+    one row per preset (a preset whose run failed has only its name and ``error``; the others still run);
     ``result["course"]`` and ``result["wall_ratio"]`` are the first's.
     """
     folder = check_nanogpt(nanogpt)
