@@ -157,12 +157,11 @@ def test_several_presets_run_after_one_nanogpt_run_each_from_empty_compile_cache
     assert None not in caches and len(set(caches)) == 3   # each training run compiles from nothing
     assert [c["preset"] for c in result["courses"]] == ["tiny", "tiny"] and result["course"] is result["courses"][0]
     assert all(c["steps"] == 3 and c["wall_ratio"] > 0 for c in result["courses"])
-    # the rate leaves out the first step, as nanoGPT's median does: it is above the whole run's
+    # the rate leaves out the first step, as nanoGPT's median does: the tokens of the other two steps over their time
+    # (whether that is above the whole run's rate depends on the machine's timing, so it is not asserted)
     for c in result["courses"]:
         assert 0 < c["first_step_seconds"] < c["train_seconds"]
-        whole = 3 * 16 * 32 / c["train_seconds"]   # tiny: 16 windows of 32 a step
         assert c["tokens_per_second"] == pytest.approx(2 * 16 * 32 / (c["train_seconds"] - c["first_step_seconds"]))
-        assert c["tokens_per_second"] > whole
 
 
 def test_the_fresh_caches_reach_the_command(tmp_path):
