@@ -431,6 +431,13 @@ def test_the_figures_colours_are_colour_blind_safe_and_never_repeat():
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_figure_of_a_class_with_no_grades_yet_draws_without_a_warning():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # matplotlib warns of a legend with nothing in it
+        assert summary_figure([])[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_second_run_replaces_its_own_report_and_refuses_anyone_elses(tmp_path):
     out = tmp_path / "report"
     write_report(out, _grades(), _info())

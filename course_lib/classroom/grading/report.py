@@ -329,7 +329,9 @@ def summary_figure(grades: list[Grade]) -> bytes:
     """A PNG: one horizontal bar per exercise, passed and each diagnosis stacked."""
     from matplotlib.figure import Figure
     exercises = _by_exercise(grades)
-    codes = [code for code in DIAGNOSES if any(g.diagnosis == code for g in grades)]
+    seen = {g.diagnosis for g in grades if not g.passed and g.diagnosis}
+    # the table's order, then any diagnosis the table lacks, so that every grade is drawn
+    codes = [code for code in DIAGNOSES if code in seen] + sorted(seen - set(DIAGNOSES))
     names = list(exercises)[::-1]   # first exercise at the top
     fig = Figure(figsize=(9, 1.2 + 0.32 * len(names)))
     ax = fig.add_subplot()
@@ -351,7 +353,8 @@ def summary_figure(grades: list[Grade]) -> bytes:
     students = len({g.student for g in grades})
     ax.set_title(f"{students} student(s): passed, and each kind of mistake")
     ax.set_xlim(0, max(students, 1))
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    if ax.get_legend_handles_labels()[0]:   # no bars (no grades yet): no legend to draw
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
