@@ -433,12 +433,12 @@ CACHED: tuple[Mistake, ...] = (
     Mistake("causal_mask", "With a KV cache your new queries see only the first keys: is_causal=True (or a "
                            "top-left triangle) aligns query i with key i, but the new queries sit at the END, "
                            "at positions cache.length ... total-1. Use a mask whose rows are those positions "
-                           "(e.g. causal_mask(total)[start:total]), or no mask for a single new token.",
+                           "(e.g. causal_mask(total, device=x.device)[start:total]), or no mask for a single new token.",
             {"mask": "top_left"}),
     Mistake("causal_mask", "With several new tokens at once and a cache, your queries see only the first keys: "
                            "is_causal=(L > 1) aligns query i with key i, but the new queries sit at positions "
                            "cache.length ... total-1. Mask with the rows of those positions, "
-                           "causal_mask(total)[start:total].", {"mask": "top_left_chunks"}),
+                           "causal_mask(total, device=x.device)[start:total].", {"mask": "top_left_chunks"}),
     Mistake("causal_mask", "With a KV cache you drop the causal mask, but the tokens of one call still must not "
                            "see each other's future (a prompt, or several new tokens at once): query i, at "
                            "position cache.length + i, may see keys up to there only.", {"mask": "none_cached"}),
