@@ -31,6 +31,11 @@ from bank import (
     search27_bugs,
     search28_bugs,
     search29_bugs,
+    search30_bugs,
+    search30b_bugs,
+    search30c_bugs,
+    search30d_bugs,
+    search30e_bugs,
     search_bugs,
     state_bugs,
     text_bugs,
@@ -44,7 +49,8 @@ from course_lib.classroom.exercises import BY_ID, EXERCISES
 BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, variants_bugs, probe_bugs, search_bugs,
          search19_bugs, search22_bugs, scale_bugs, learning_bugs, state_bugs, pairs_bugs, contract_bugs, text_bugs,
          precision_bugs, search25_bugs, search26_bugs, search27_bugs, search28_bugs,
-         search29_bugs)
+         search29_bugs, search30_bugs, search30b_bugs, search30c_bugs, search30d_bugs,
+         search30e_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
 

@@ -7,6 +7,7 @@ none does, ``diagnose_weights`` reads the attention weights back and says what i
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -244,6 +245,21 @@ MODULE_HYPOTHESES: tuple[Mistake, ...] = (
 )
 
 
+# ---------------------------------------------------------------- heads of the wrong size (3.3, 9.6)
+
+def split_into(which: str, heads: int, size: int, features: int, right: int, head_dim: int, attribute: str) -> str:
+    """The words for ``which`` tensors split into ``heads`` heads of ``size`` features where their ``features`` make
+    ``right`` heads of ``head_dim`` (``attribute``, the module's count of them)."""
+    return (f"the {which} are split into {heads} heads of {size} features, where their {features} features make "
+            f"{right} heads of head_dim={head_dim} ({attribute} heads).")
+
+
+# torch.split's second argument, read as a number of pieces (the mistake behind heads of the wrong size)
+SPLIT_SIZE = ("torch.split(t, n, dim=-1) cuts pieces of n features each: n is the size of a piece, not the number of "
+              "pieces (torch.chunk(t, n, dim=-1) cuts n pieces). Split into that many heads of head_dim = embed_dim "
+              "// num_heads features: view as (N, L, heads, head_dim), then transpose(1, 2).")
+
+
 # ---------------------------------------------------------------- recognising a mistake
 
 def shape_str(shape: Iterable[int]) -> str:
@@ -299,6 +315,13 @@ def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch
                                     f"distribution over the keys.")
         row = weights.sum(-1).flatten()
         farthest = float(row[(row - 1).abs().argmax()])   # the one that shows it, whatever the others round to
+        if close(weights[seen], farthest * expected[seen]):   # the right weights, each row times one factor
+            named = f" = {scale_name}" if math.isclose(farthest, expected_scale, rel_tol=1e-3) else ""
+            fail("normalization", f"Read back with the values set to the identity, every row of your weights sums "
+                                  f"to {farthest:.4g}{named} instead of one: your weights are the right softmax times "
+                                  f"a factor of {farthest:.4g}, applied after the softmax (to the weights, to v or to "
+                                  f"the output). The factor belongs on the scores only, before the softmax; nothing "
+                                  f"after it is scaled.")
         fail("normalization", f"Your output is not softmax weights times the values: read back with the values "
                               f"set to the identity, a row sums to {farthest:.6g} instead of one. Either the weights are not a softmax over "
                               f"the keys, or something after the softmax changes the result (a factor, a residual "

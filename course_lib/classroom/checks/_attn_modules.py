@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from ..verdict import Failure, fail
-from ._attn_hypotheses import MODULE_HYPOTHESES, diagnose_weights, module_variant, shape_str
+from ._attn_hypotheses import (
+    MODULE_HYPOTHESES,
+    SPLIT_SIZE,
+    diagnose_weights,
+    module_variant,
+    shape_str,
+    split_into,
+)
 from ._device_probe import probe_kept_on_device, probe_module
 from ._gradients import check_module_gradients
 from ._model_common import copy_weights, same_when_called_twice
@@ -28,6 +35,7 @@ from ._student_code import (
     reraise_with,
 )
 from .engine import ScaleFit, at_other_sizes, first_mistake
+from .engine.function import Afresh, kept_from_start
 from .engine.probes import IN_TURN, batch_mixing, called_in_turn, module_in_float64, repeated_draw
 
 EMBED_DIM, MAX_TOKENS, DROPOUT = 16, 8, 0.2
@@ -72,6 +80,7 @@ class ModuleCheck:
     models: dict[int, nn.Module] = field(default_factory=dict)
     references: dict[int, nn.Module] = field(default_factory=dict)
     runs: list[Run] = field(default_factory=list)
+    start: Afresh | None = None   # the student's code before the first module was built
 
     def what(self, shape: tuple[int, ...], heads: int) -> str:
         extra = f", num_heads={heads}" if len(self.heads) > 1 else ""
@@ -90,6 +99,7 @@ class ModuleCheck:
     def run_all(self) -> None:
         """Every case through the student's module in eval mode, next to the reference with the same weights."""
         torch.manual_seed(0)   # dropout draws; the @checker decorator restores the caller's RNG state
+        self.start = Afresh(self.make_candidate)
         for heads in self.heads:
             params = random_params(self.generator)
             label = self.name + (f"(embed_dim={EMBED_DIM}, num_heads={heads}, max_tokens={MAX_TOKENS}, "
@@ -136,6 +146,24 @@ class ModuleCheck:
 
     # -------------------------------------------------------------------- diagnosing
 
+    def _kept_since_start(self, run: Run) -> None:
+        """``kept_state`` where a wrong run is right on a module built and called as the first one was, with the
+        student's code as it was before the check (``Afresh``): a scale or a size kept on the class, in a global or
+        a default from the module built first."""
+        if self.start is None or not self.start.places:
+            return
+        with self.start.restored():
+            try:
+                model = construct(self.make_candidate, run.heads, DROPOUT, what=self.name)
+                load_parameters(model, run.params)
+                call(model.eval, what=f"{self.name}.eval()")
+                out = module_output(model, run.x, run.what)
+            except Failure:
+                return
+        if close(out, run.expected):
+            fail("kept_state", kept_from_start(run.what, f"differs from the reference by up to "
+                                                         f"{max_diff(run.out, run.expected):.3g}"))
+
     def diagnose(self, bad: list[Run]) -> None:
         """Called with the runs whose outputs differ from the reference: raise the most specific Failure we can.
 
@@ -143,6 +171,7 @@ class ModuleCheck:
         in turn, from a known mistake that reproduces the output exactly to "something after the softmax". A probe
         that raises is reported at once, before any judgement: the cases before already ran batch sizes 1 to 3
         and lengths 1 to 8, so it has found a bug of its own."""
+        self._kept_since_start(bad[0])   # before any mistake its symptom looks like
         heads = max(self.heads)
         weights_heads = bad[0].heads   # the weights read back where the output is wrong (a scale right elsewhere)
         model = self.models[heads]
@@ -178,13 +207,20 @@ class ModuleCheck:
                                          for run in self.runs)
         first_mistake(hypotheses, reproduces, d="head_dim" if several else "embed_dim")
         self._weights_untransposed()
+        # scaled for the heads it computes, or for the heads it was asked for (self.head_dim)
+        computes = lambda count: any(all(matches(run.out, module_variant(run.x, run.params, count(run), spec(run)))
+                                         for run in bad)
+                                     for spec in (lambda run: {}, lambda run: {"scale": (EMBED_DIM // run.heads) ** -0.5}))
         for count in (h for h in range(1, EMBED_DIM + 1) if EMBED_DIM % h == 0) if several else ():
-            # scaled for the heads it computes, or for the heads it was asked for (self.head_dim)
-            if any(all(matches(run.out, module_variant(run.x, run.params, count, spec(run))) for run in bad)
-                   for spec in (lambda run: {}, lambda run: {"scale": (EMBED_DIM // run.heads) ** -0.5})):
+            if computes(lambda run, count=count: count):
                 fail("head_split", f"{bad[0].what}: your module computes {count} heads, whatever num_heads is "
                                    f"({bad[0].heads} here): a head count is written into your code. Split into "
                                    f"self.num_heads heads of embed_dim // num_heads features.")
+        if several and computes(lambda run: EMBED_DIM // run.heads):   # heads of num_heads features
+            run = bad[0]
+            fail("head_split", f"{run.what}: your module makes embed_dim // num_heads heads of num_heads features: "
+                               + split_into("queries, keys and values", EMBED_DIM // run.heads, run.heads, EMBED_DIM,
+                                            run.heads, EMBED_DIM // run.heads, "self.num_heads") + " " + SPLIT_SIZE)
         if all(run.x.shape[1] < MAX_TOKENS for run in bad):
             fail("causal_mask", f"Your output is right for sequences of max_tokens={MAX_TOKENS} tokens but wrong "
                                 f"for shorter ones (e.g. x of shape {shape_str(bad[0].x.shape)}): the causal "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def _advice(what: str, copied: bool = False) -> str:
     did = ("copies numbers to the CPU (a .cpu() or .to('cpu') on a result, or a tensor it created on the CPU and "
            "writes into)" if copied else "mixes in a tensor it created on the CPU (in this call, or in an earlier "
-           "one and kept, as in a cache keyed by shape but not by device)")
+           "one and kept, as in a cache of masks, tables or cast weights keyed by shape or dtype but not by device)")
     return (f"{what}: on inputs of another device (here the `meta` device; on a GPU it would be cuda) your code "
             f"{did}. Create new tensors on the input's device, "
             f"`torch.ones(L, L, device=x.device)` or `torch.zeros_like(x)`; register fixed tensors such as masks "
@@ -105,26 +105,81 @@ def module_on_meta(module: nn.Module) -> nn.Module | None:
         return None
 
 
+def kept_advice(what: str) -> str:
+    """The words of a device slip seen only after calls on the CPU at the same shapes: a tensor kept from them."""
+    return (f"{what}: after calls on the CPU at these very shapes, your code, moved to another device (here the "
+            f"`meta` device; on a GPU it would be cuda; the module moved with model.to(device)), mixes in a tensor "
+            f"it kept from those calls (a mask, a table of positions or a cast weight, cached on the module, in a "
+            f"global or with functools.lru_cache, keyed by its length or dtype but not by its device), which stayed "
+            f"on the CPU. Key such a cache by x.device too, make the tensor on x.device at every call, or register "
+            f"it with self.register_buffer(...) so that model.to(device) moves it.")
+
+
+def probe_after_cpu_calls(calls: Sequence[tuple[str, Callable[[], Any], Callable[[], Any]]],
+                          move: Callable[[], Any] = lambda: None) -> None:
+    """The device probe after the same calls on the CPU: ``calls`` are (what, the call on the CPU, the same call on
+    meta). Every CPU call runs first (torch's random state kept; one that raises leaves the probe inconclusive), then
+    ``move()`` (a module moved to meta, as model.to(device) moves it), so that a cache keyed by shape or dtype but not
+    by device (a memo on the module, in a global, an lru_cache) holds the shapes the meta calls then look up: a
+    device slip there is a tensor kept from the CPU calls."""
+    with torch.random.fork_rng(), warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            for _, on_cpu, _ in calls:
+                on_cpu()
+            move()
+        except Exception:  # noqa: BLE001 - code that does not run (or move) here is judged elsewhere
+            return
+        for what, _, on_meta in calls:
+            try:
+                probe(on_meta, what)
+            except Failure as failure:
+                if failure.diagnosis != "device":
+                    raise
+                fail("device", kept_advice(what))
+
+
+Placed = Callable[[Callable[[torch.Tensor], torch.Tensor]], Any]   # a call, given where to place its inputs
+
+
+def _module_calls(model: nn.Module, x: torch.Tensor, what: str, cache: Callable[[], Any] | None
+                  ) -> list[tuple[str, Placed]]:
+    """(what, a call of ``model`` given how to place its input): ``x`` whole, then with ``cache`` (a new, empty one
+    each call) split into a prompt and the rest three ways, a token, half or all but one token first."""
+    calls: list[tuple[str, Placed]] = [(what, lambda place: model(place(x)))]
+    if cache is not None and x.shape[1] > 1:
+        for split in sorted({1, x.shape[1] // 2, x.shape[1] - 1}):   # a prompt, then a chunk or one token
+            def run(place: Callable[[torch.Tensor], torch.Tensor], split: int = split) -> Any:
+                held = cache()
+                return model(place(x[:, :split]), held), model(place(x[:, split:]), held)
+            calls.append((f"{what}, the first {split} tokens then the rest with a KV cache", run))
+    return calls
+
+
 def probe_module(model: nn.Module, x: torch.Tensor, what: str, cache: Callable[[], Any] | None = None) -> None:
     """The student's module, copied to meta, on ``x`` there (a module that cannot be copied or moved is
     inconclusive), then in training mode; with ``cache`` (a new, empty cache each call), also ``x`` split into a
     prompt and the rest three ways, a token, half or all but one token first: a branch taken only with a cache,
-    a chunk, or in training mode may make its tensors on the CPU."""
+    a chunk, or in training mode may make its tensors on the CPU. Then the same calls on another copy, first on the
+    CPU, then moved to meta (``probe_after_cpu_calls``): a tensor kept from those calls (a cache keyed by shape or
+    dtype, not by device, on the module or in a global) meets meta inputs."""
     moved = module_on_meta(model)
     if moved is None:
         return
-    probe(lambda: moved(meta(x)), what)
-    if cache is not None and x.shape[1] > 1:
-        for split in sorted({1, x.shape[1] // 2, x.shape[1] - 1}):   # a prompt, then a chunk or one token
-            held = cache()
-            probe(lambda held=held, split=split: (moved(meta(x[:, :split]), held), moved(meta(x[:, split:]), held)),
-                  f"{what}, the first {split} tokens then the rest with a KV cache")
+    for shown, run in _module_calls(moved, x, what, cache):
+        probe(lambda run=run: run(meta), shown)
     if moved.training is False:   # a branch taken only in training mode (dropout's)
         try:
             moved.train()
         except Exception:  # noqa: BLE001 - a module whose train() fails is judged elsewhere
             return
         probe(lambda: moved(meta(x)), f"{what} in training mode")
+    try:
+        warm = copy.deepcopy(model)
+    except Exception:  # noqa: BLE001 - a module that cannot be copied: inconclusive
+        return
+    probe_after_cpu_calls([(shown, lambda run=run: run(torch.Tensor.clone), lambda run=run: run(meta))
+                           for shown, run in _module_calls(warm, x, what, cache)], move=lambda: warm.to("meta"))
 
 
 def probe_kept_on_device(model: nn.Module, seen: torch.Tensor, unseen: torch.Tensor, what: str) -> None:

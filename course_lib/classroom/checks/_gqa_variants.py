@@ -91,6 +91,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+def rotate_halves(x: torch.Tensor, pattern: str) -> torch.Tensor:
+    """rotate_half as ``pattern`` writes it, e.g. "cat(x2, x1)": the halves x1, x2 of the last axis, each one maybe
+    negated, in either order."""
+    half = x.shape[-1] // 2
+    halves = {"x1": x[..., :half], "x2": x[..., half:]}
+    return torch.cat([-halves[t[1:]] if t.startswith("-") else halves[t] for t in pattern[4:-1].split(", ")], dim=-1)
+
+
 def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     """The quarter turn of interleaved pairs (2i, 2i+1): [x0, x1, x2, x3] -> [-x1, x0, -x3, x2]."""
     return torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
@@ -103,7 +111,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, *
     kind: "half" (right), "reverse" (the other way), "swapped" (sin and cos swapped), "no_rotate_half"
     (x * sin instead of rotate_half(x) * sin), "pairs_table" (interleaved pairs with the half-split tables
     as they are), "pairs" (interleaved pairs with their own angles, GPT-J / Meta's Llama code),
-    "first_half" / "second_half" (only that half of the last axis turned, the other passed through).
+    "first_half" / "second_half" (only that half of the last axis turned, the other passed through), or
+    rotate_half written as a pattern of ``rotate_halves`` ("cat(x2, x1)": a sign or the order of the halves wrong).
     axis: "length" (right) or "heads" (positions read along the head axis, as for (N, L, heads, head_dim)).
     """
     x = x.double()
@@ -124,12 +133,33 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, *
         keep = slice(half, None) if kind == "first_half" else slice(None, half)
         full[..., keep] = x[..., keep]
         return full
-    return x * c + turned[kind](x) * s
+    return x * c + (turned[kind](x) if kind in turned else rotate_halves(x, kind)) * s
 
 
 # The slips of apply_rotary (9.2), as the switches of rotary_variant; each message names the function.
 def _rotary(code: str, why: str, **spec: str) -> Mistake:
     return Mistake(code, f"apply_rotary: {why}", spec)
+
+
+def _halves_slip(pattern: str) -> str:
+    """What is wrong with rotate_half written as ``pattern``: a sign of a half, or the order of the halves."""
+    terms = pattern[4:-1].split(", ")
+    wrong = ["your halves stay in place (x1 first): rotate_half swaps them, the second half first"] \
+        if terms[0].endswith("x1") else []
+    if "-x2" not in terms:
+        wrong.append("the second half x2 needs a minus sign")
+    if "-x1" in terms:
+        wrong.append("the first half x1 keeps its sign (no minus)")
+    return (f"your rotate_half(x) is {pattern}, not cat(-x2, x1): {'; '.join(wrong)}. With x1 = x[..., :head_dim/2] "
+            f"and x2 = x[..., head_dim/2:], negate x2 alone and put it first: x * cos + cat(-x2, x1) * sin (a roll by "
+            f"head_dim/2 gives cat(x2, x1): its first half still needs the minus).")
+
+
+# every other sign of the two halves, in either order (the right one, cat(-x2, x1), and the slips named on their own,
+# cat(x2, -x1) and cat(x1, x2), left out): the kinds of ``rotate`` for 9.2 and 9.6
+_HALVES_SLIPS = tuple(f"cat({a}{first}, {b}{second})" for first, second in (("x2", "x1"), ("x1", "x2"))
+                      for a in ("", "-") for b in ("", "-")
+                      if f"{a}{first}, {b}{second}" not in ("-x2, x1", "x2, -x1", "x1, x2"))
 
 
 ROTARY: tuple[Mistake, ...] = (
@@ -160,6 +190,7 @@ ROTARY: tuple[Mistake, ...] = (
     _rotary("rope_rotation", "only the second half of the head turns: both halves of each pair change, x * cos + "
                              "rotate_half(x) * sin over the whole last axis (the first half gets x1 * cos - x2 * "
                              "sin).", kind="second_half"),
+    *(_rotary("rope_rotation", _halves_slip(pattern), kind=pattern) for pattern in _HALVES_SLIPS),
     _rotary("rope_axes", "you read the positions along the head axis: x is (N, heads, L, head_dim), so the sequence "
                          "length is x.shape[-2] and the table rows (L, head_dim) broadcast as they are over N and "
                          "heads. Yours turn each head by its head index, as if x were (N, L, heads, head_dim).",
@@ -361,6 +392,7 @@ FULL_PASS: tuple[Mistake, ...] = (
     Mistake("rope_rotation", "Your rotation turns the wrong way: x*cos + rotate_half(x)*sin with rotate_half(x) "
                              "= cat(-x2, x1); yours has the minus sign on the other half.", {"kind": "reverse"}),
     Mistake("rope_rotation", "Your rotation swaps sin and cos: x*cos + rotate_half(x)*sin.", {"kind": "swapped"}),
+    *(Mistake("rope_rotation", "Y" + _halves_slip(pattern)[1:], {"kind": pattern}) for pattern in _HALVES_SLIPS),
     Mistake("rope_axes", "You rotate q and k while they are (N, L, heads, head_dim), before the transpose: "
                          "apply_rotary reads positions along the second-to-last axis, which is then the heads, "
                          "so each head is turned by its head index instead of each token by its position. "

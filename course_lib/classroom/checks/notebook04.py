@@ -61,8 +61,9 @@ _FREQUENCIES: tuple[tuple[Callable[[torch.Tensor, torch.Tensor, int], torch.Tens
      "the exponent uses the pair index i over embed_dim; it should be the even dimension index 2i over "
      "embed_dim (i.e. step through 0, 2, 4, ... or multiply i by 2)"),
     (lambda pair, even, d: 10000.0 ** (-2 * even / d),
-     "the exponent counts the dimension index twice: you step through the even indices (0, 2, 4, ...) and then "
-     "multiply by 2 again"),
+     "the exponent is twice what it should be, 4i/embed_dim for pair i where 2i/embed_dim is meant: either you "
+     "step through the even indices (0, 2, 4, ...) and then multiply by 2 again, or you divide 2i by the number "
+     "of pairs (embed_dim / 2) instead of by embed_dim (the two give the same numbers)"),
     (lambda pair, even, d: 10000.0 ** (even / d),
      "the frequencies grow with the dimension instead of shrinking: you multiply the position by 10000^(2i/d) "
      "where you should divide by it"),
@@ -199,7 +200,12 @@ _NORMS_SAID = {  # the choices of (attention's norm, feed-forward's norm) studen
     ("ln1", "ln1"): "you use ln1 for both sublayers; ln2 belongs to the feed-forward sublayer.",
     ("ln2", "ln2"): "you use ln2 for both sublayers; ln1 belongs to the attention sublayer.",
     (None, None): "the LayerNorms ln1 and ln2 are never applied; each sublayer needs its own.",
+    ("bare", "bare"): "your LayerNorms leave out ln1's and ln2's learned weight and bias (a plain F.layer_norm(x, "
+                      "(E,)) normalises, but neither scales nor shifts): they are 1 and 0 only at initialisation, "
+                      "and training moves them. Call self.ln1(x) and self.ln2(x) (or pass weight= and bias= of each).",
 }
+# A norm without its learned weight and bias: what F.layer_norm(x, (E,)) computes (the eps of the norm it replaces)
+_BARE = lambda ln: lambda t: F.layer_norm(t, ln.normalized_shape, eps=ln.eps)
 
 
 def _norm_choices(right: Callable[..., Any]) -> list[Mistake]:
@@ -208,17 +214,20 @@ def _norm_choices(right: Callable[..., Any]) -> list[Mistake]:
     def said(choice: tuple[str | None, str | None]) -> str:
         if choice in _NORMS_SAID:
             return _NORMS_SAID[choice]
-        parts = [f"the {sublayer} sublayer " + ("has no LayerNorm" if used is None else f"uses {used}")
-                 + f" where {wanted} belongs" for sublayer, used, wanted in
+        parts = [f"the {sublayer} sublayer " + ("has no LayerNorm" if used is None else
+                                                 f"normalises without {wanted}'s learned weight and bias (a plain "
+                                                 f"F.layer_norm)" if used == "bare" else f"uses {used}")
+                 + ("" if used == "bare" else f" where {wanted} belongs") for sublayer, used, wanted in
                  zip(("attention", "feed-forward"), choice, ("ln1", "ln2")) if used != wanted]
         return "; ".join(parts) + ". Each sublayer has its own LayerNorm: ln1 with self.attn, ln2 with self.mlp."
 
     def output(choice: tuple[str | None, str | None]) -> Callable[..., Any]:
         def block(x, a, m, l1, l2):
             norms = {"ln1": l1, "ln2": l2, None: nn.Identity()}
-            return right(x, a, m, norms[choice[0]], norms[choice[1]])
+            return right(x, a, m, *(_BARE(own) if used == "bare" else norms[used]
+                                    for used, own in zip(choice, (l1, l2))))
         return block
-    choices = [(first, second) for first in ("ln1", "ln2", None) for second in ("ln1", "ln2", None)]
+    choices = [(first, second) for first in ("ln1", "ln2", None, "bare") for second in ("ln1", "ln2", None, "bare")]
     return [Mistake("norm_placement", said(choice), output=output(choice))
             for choice in sorted(choices, key=lambda c: c not in _NORMS_SAID) if choice != ("ln1", "ln2")]
 
@@ -538,7 +547,7 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
         for block in (ref.blocks if blocks is None else blocks):
             x = block(x + table if positions == "every" else x)
         x = x + table if positions == "after" else x
-        x = ref.ln_f(x) if ln_f is True else x
+        x = ref.ln_f(x) if ln_f is True else _BARE(ref.ln_f)(x) if ln_f == "bare" else x
         return x @ ref.token_embedding.weight.T if tied else ref.head(x)
 
     blocks, root = list(ref.blocks), math.sqrt(ref.config.embed_dim)
@@ -593,6 +602,10 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
             Mistake("final_norm", "the final LayerNorm self.ln_f is missing: apply it after the last block, before "
                                   "the output head.",
                     output=lambda idx: run(idx, ln_f=False)),
+            Mistake("final_norm", "your final norm leaves out self.ln_f's learned weight and bias (a plain "
+                                  "F.layer_norm(x, (E,)) normalises, but neither scales nor shifts; they are 1 and 0 "
+                                  "only at initialisation): apply self.ln_f(x) itself after the last block.",
+                    output=lambda idx: run(idx, ln_f="bare")),
             Mistake("final_norm", "the final LayerNorm self.ln_f is applied before the blocks, not after them: the "
                                   "blocks run on the embeddings, then ln_f, then the head.",
                     output=lambda idx: run(idx, ln_f="first")),

@@ -528,18 +528,17 @@ def check_train_step(fn: Callable[..., Any]) -> str:
                              f"and targets.")
         if _cosine(delta, -g) > 0.9999:
             ratio = float(delta.norm() / (_LR * g.norm()))
-            if ratio > 1.01:
-                _summed_loss(what, ratio, targets)
-                # a whole number of gradient steps: a call repeated; any other factor: something else
-                fail("step_order" if abs(ratio - round(ratio)) <= 0.01 * ratio else "mismatch",
-                     f"{what}: the update is {ratio:.2f} times the gradient step of the batch's mean loss: did "
-                     f"you call loss.backward() (or optimizer.step()) more than once, or backpropagate a "
-                     f"multiple of the loss?")
+            # longer than the gradient step, which clipping never makes: a scaled gradient. One ending at norm
+            # max_grad_norm (1.0 here) is a gradient rescaled up to it, or a scaled one clipped: the clipping
+            # probes (max_grad_norm=None among them) tell which, with the scale itself
+            if ratio > 1.01 and abs(ratio * float(g.norm()) - 1.0) > 0.01:
+                _scaled_gradient(what, ratio, targets)
         elif left_over is not None and _cosine(delta, -(left_over + g)) > 0.9999:
             fail("zero_grad", f"{what}: the gradients of the previous step were still there: without "
                              f"optimizer.zero_grad() they accumulate, so each step also pushes in the direction "
                              f"of every earlier batch. Clear them at the start of every step.")
         else:
+            _name_clipping(what, delta, g, model, 1.0)
             fail("mismatch", f"{what}: the weights moved, but not along the gradient of this batch's loss: "
                              f"something between the loss and the step turned it. Backpropagate "
                              f"lm_loss(model(inputs), targets) once, clip all the parameters together with one "
@@ -549,10 +548,28 @@ def check_train_step(fn: Callable[..., Any]) -> str:
     if not training:
         fail("dropout", "Your train_step runs the model in eval mode, so dropout is off during training. Call "
                         "model.train() at the start (an evaluation before may have switched it to eval).")
-    _check_clipping(fn, model, optimizer, batches[0])
+    _check_clipping(fn, model, optimizer, batches[0], batches[2])
     _check_step_float64(fn)
     return ("Forward, loss, backward and step on gradients of this batch alone (cleared before its backward), "
             "clipped as asked; the loss comes back as a number." + note)
+
+
+def _scaled_gradient(what: str, ratio: float, targets: torch.Tensor, clipped: str = "") -> None:
+    """Fail on an update along the batch's gradient but ``ratio`` times its SGD step, with nothing clipped: a
+    multiple of the loss backpropagated (or backward, or the step, repeated; or the gradients multiplied).
+    ``clipped`` says how a clipped step showed it."""
+    _summed_loss(what, ratio, targets)
+    if ratio > 1 and abs(ratio - round(ratio)) <= 0.01 * ratio:   # a whole number of gradient steps
+        how = (f"did you call loss.backward() (or optimizer.step()) more than once ({round(ratio)} times), or "
+               f"backpropagate a multiple of the loss ({round(ratio)} * loss)?")
+    else:
+        how = (f"you backpropagate a multiple of the loss, {ratio:.3g} * loss ("
+               + ("a loss divided for gradient accumulation or by the batch size, " if ratio < 1 else "")
+               + "or the gradients multiplied before the step).")
+    fail("step_order", f"{what}: the update is {ratio:.2f} times the gradient step of the batch's mean loss, with "
+                       f"nothing to clip: {how} train_step makes one update from one batch: backpropagate "
+                       f"lm_loss(model(inputs), targets) itself, once, and let only the clipping change the "
+                       f"gradient.{clipped}")
 
 
 def _summed_loss(what: str, ratio: float, targets: torch.Tensor) -> None:
@@ -566,19 +583,24 @@ def _summed_loss(what: str, ratio: float, targets: torch.Tensor) -> None:
 
 
 def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.optim.Optimizer,
-                    batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Step 5 of the spec: the gradient norm is clipped to ``max_grad_norm``, after backward; None clips nothing."""
+                    batch: tuple[torch.Tensor, torch.Tensor], other: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Step 5 of the spec: the gradient norm is clipped to ``max_grad_norm``, after backward; None clips nothing.
+    ``other``, a batch whose gradient has another norm, tells a scaled gradient from one clipped to a fixed norm."""
     if not accepts(fn, "max_grad_norm"):
         fail("clipping", "Your train_step has no `max_grad_norm` parameter: keep the given signature "
                          "`train_step(model, optimizer, inputs, targets, max_grad_norm=1.0)` and clip the gradient "
                          "norm to it.")
     inputs, targets = batch
 
-    def stepped(fraction: float | None) -> tuple[str, torch.Tensor, float, float | None]:
-        """One step with max_grad_norm at ``fraction`` of the gradient's norm: what was called, the gradient,
-        the update as a multiple of the whole gradient step (1 when nothing was clipped), and the limit."""
+    def stepped(fraction: float | None, limit_of: Callable[[torch.Tensor], float] | None = None,
+                on: tuple[torch.Tensor, torch.Tensor] = batch
+                ) -> tuple[str, torch.Tensor, float, float | None, torch.Tensor]:
+        """One step (on ``batch`` unless told) with max_grad_norm at ``fraction`` of the gradient's norm (or
+        ``limit_of(gradient)``): what was called, the gradient, the update as a multiple of the whole gradient step
+        (1 when nothing was clipped), the limit, and the update."""
+        inputs, targets = on
         g = _gradient(model, inputs, targets)[0]
-        limit = None if fraction is None else fraction * float(g.norm())
+        limit = None if fraction is None else fraction * float(g.norm()) if limit_of is None else limit_of(g)
         what = f"train_step(..., max_grad_norm={'None' if limit is None else f'{limit:.3g}'})"
         try:
             _, _, delta, _, _ = _one_step(fn, model, optimizer, inputs, targets, what, max_grad_norm=limit)
@@ -587,22 +609,74 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                 fail("clipping", extend(failure.message, "max_grad_norm=None means: do not clip (the exercise's "
                                         "step 5). Clip only `if max_grad_norm is not None`."))
             raise
-        return what, g, float(delta.norm() / (_LR * g.norm())), limit
+        return what, g, float(delta.norm() / (_LR * g.norm())), limit, delta
 
-    for fraction in (0.3, None):
-        what, g, ratio, limit = stepped(fraction)
-        expected = 1.0 if fraction is None else fraction
+    def scaled_by(factor: float, g: torch.Tensor, delta: torch.Tensor) -> str | None:
+        """Is an unclipped step ``factor`` times the gradient step (``g``, the update ``delta``) a scaled gradient?
+        On the other batch, whose gradient has another norm, a gradient clipped to a fixed norm (max_grad_norm
+        ignored) keeps the update's norm; a scaled one is scaled there too. None if not, else what to add."""
+        if abs(factor - 1.0) <= 0.01 or _cosine(delta, -g) <= 0.9999:
+            return None
+        try:
+            _, g_other, factor_other, _, delta_other = stepped(None, on=other)
+        except Failure:
+            return None
+        fixed_norm = factor * float(g.norm()) / float(g_other.norm())   # the factor a fixed norm gives there
+        if (abs(fixed_norm / factor - 1.0) <= 0.03 or abs(factor_other - fixed_norm) <= 0.01 * fixed_norm
+                or abs(factor_other - 1.0) <= 0.01 or _cosine(delta_other, -g_other) <= 0.9999):
+            return None
+        if abs(factor_other - factor) <= 0.01 * factor:
+            return ""
+        sizes = (len(batch[0]), len(other[0]))
+        by_size = all(abs(f * n - 1.0) <= 0.01 for f, n in zip((factor, factor_other), sizes))
+        return (f" Your factor changes with the batch: {factor:.3g} on {sizes[0]} sequences, {factor_other:.3g} on "
+                + (f"{sizes[1]}: you divide the loss by the batch size, but lm_loss is already the mean over "
+                   f"every target token." if by_size else f"{sizes[1]}."))
+
+    def scaled_then_clipped(limit: float, ratio: float, fraction: float, expected: float) -> None:
+        """A step that misses the clipped one at ``fraction`` of the norm, because the gradient was scaled (a
+        multiple of the loss; clipped after, or before, the scale): with nothing to clip its factor shows."""
+        try:
+            what_none, g_none, factor, _, delta_none = stepped(None)
+        except Failure:   # max_grad_norm=None itself goes wrong: judged below, in its turn
+            return
+        if not any(abs(ratio - scaled) <= 0.01 * scaled for scaled in (min(factor, fraction),
+                                                                        factor * min(1.0, fraction))):
+            return
+        note = scaled_by(factor, g_none, delta_none)
+        if note is not None:
+            _scaled_gradient(what_none, factor, targets,
+                             f"{note} (With max_grad_norm={limit:.3g} the step was {ratio:.2f} times the "
+                             f"gradient step where clipping gives {expected:.2f}: the scale made it, not the "
+                             f"clipping.)")
+
+    # a limit below the norm, none, one above it (nothing to clip: a rescale to max_grad_norm shows; after None,
+    # which tells a gradient scaled by the loss, clipped down to the limit, from one rescaled up to it)
+    for fraction in (0.3, None, 2.0):
+        what, g, ratio, limit, delta = stepped(fraction)
+        expected = 1.0 if fraction is None or fraction >= 1 else fraction
         if abs(ratio - expected) <= 0.01 * expected:
             continue
+        if fraction is not None:
+            scaled_then_clipped(limit, ratio, fraction, expected)   # a scaled gradient is no clipping mistake
+            _name_clipping(what, delta, g, model, limit)
+        if limit is not None and abs(ratio - 1.0) <= 0.01:
+            # nothing clipped at 0.3 of the norm: clipped each value, or measured by the mean? A limit below the
+            # typical entry of the gradient clips those too.
+            what_small, g_small, _, limit_small, delta_small = stepped(1.0, lambda g: 0.5 * float(g.abs().mean()))
+            _name_clipping(what_small, delta_small, g_small, model, limit_small)
         if fraction is None:
             _summed_loss(what, ratio, targets)
             clipped_to = ratio * float(g.norm())              # the update's gradient norm
             if ratio > 1.0 or abs(clipped_to - 1.0) > 0.01:   # no clipping makes a step longer, or ends at norm 1
-                fail("step_order" if abs(ratio - round(ratio)) <= 0.01 * ratio and ratio > 1 else "mismatch",
-                     f"{what}: the update is {ratio:.2f} times the gradient step of the batch's mean loss, with "
-                     f"nothing to clip: your gradient is scaled (a loss backpropagated more than once, a multiple "
-                     f"of the loss, or gradients changed before the step). Backpropagate lm_loss itself, once. "
-                     f"(With a max_grad_norm, clipping hid it.)")
+                note = scaled_by(ratio, g, delta)             # scaled on another batch too, not clipped
+                if note is not None:
+                    _scaled_gradient(what, ratio, targets, f"{note} (With a max_grad_norm, clipping hid it.)")
+                fail("mismatch", f"{what}: the update is {ratio:.2f} times the gradient step of the batch's mean "
+                                 f"loss, with nothing to clip: your gradient is scaled or changed before the "
+                                 f"step (a multiple of the loss, gradients clipped or changed by hand). "
+                                 f"Backpropagate lm_loss itself, once, and step on that gradient, clipped only "
+                                 f"when max_grad_norm is not None.")
             fail("clipping", f"{what}: with max_grad_norm=None the step should use the whole gradient, but it "
                              f"was {ratio:.2f} times as long. Clip only `if max_grad_norm is not None`.")
         if abs(ratio - 1.0) <= 0.01:
@@ -611,7 +685,7 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                              f"loss.backward() and before optimizer.step(): before backward there is nothing "
                              f"to clip yet.")
         clipped_to = ratio * float(g.norm())                 # the norm the update's gradient had
-        _, g_again, ratio_again, limit_again = stepped(2 * fraction)   # does that norm follow max_grad_norm?
+        _, g_again, ratio_again, limit_again, _ = stepped(2 * fraction)   # does that norm follow max_grad_norm?
         if abs(ratio_again * float(g_again.norm()) - clipped_to) <= 0.01 * clipped_to:
             fail("clipping", f"train_step clipped the gradient to norm {clipped_to:.3g} with max_grad_norm="
                              f"{limit:.3g} and again with max_grad_norm={limit_again:.3g}: a fixed number. Clip to "
@@ -620,6 +694,61 @@ def _check_clipping(fn: Callable[..., Any], model: nn.Module, optimizer: torch.o
                          f"gradient's norm over all the parameters together, clipped to max_grad_norm. Clip with "
                          f"one torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) after backward, "
                          f"with its default L2 norm.")
+
+
+def _clippings(g: torch.Tensor, sizes: list[int], limit: float) -> dict[str, torch.Tensor]:
+    """The gradient ``g`` (flat, parameters of ``sizes`` one after the other) as each way of clipping it to
+    ``limit`` that is not one global L2 norm scaled down would leave it."""
+    norm = float(g.norm())
+    parts = g.split(sizes)
+
+    def scaled(total: float, always: bool = False) -> torch.Tensor:
+        return g * (limit / total if always or total > limit else 1.0) if total > 0 else g
+    return {
+        "value": g.clamp(-limit, limit),
+        "parameter": torch.cat([p * min(1.0, limit / float(p.norm())) if float(p.norm()) > 0 else p for p in parts]),
+        "squared": scaled(norm ** 2),
+        "mean": scaled(float(g.abs().mean())),
+        "rms": scaled(float(g.pow(2).mean().sqrt())),
+        "always": scaled(norm, always=True),
+    }
+
+
+def _name_clipping(what: str, delta: torch.Tensor, g: torch.Tensor, model: nn.Module, limit: float) -> None:
+    """Fail, naming it, when the update ``delta`` is the SGD step of ``g`` clipped to ``limit`` in a way other than
+    one global norm: by value, each parameter on its own, the norm squared, the mean, or always rescaled."""
+    right = g * min(1.0, limit / float(g.norm()))
+    sizes = [p.numel() for p in model.parameters()]
+    if delta.numel() != g.numel() or sum(sizes) != g.numel():
+        return
+    for name, clipped in _clippings(g, sizes, limit).items():
+        expected = -_LR * clipped
+        close = float((delta - expected).norm()) <= 1e-3 * max(float(expected.norm()), 1e-12)
+        # the same as the right one, or as no clipping at all (nothing above the limit): it tells nothing apart
+        if not close or any(float((expected + _LR * same).norm()) <= 1e-3 * float((_LR * same).norm())
+                            for same in (right, g)):
+            continue
+        how = "torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) after loss.backward()"
+        if name == "value":
+            fail("clipping", f"{what}: your code clips each value of the gradient to [-{limit:.3g}, {limit:.3g}] "
+                             f"(clip_grad_value_, or clamp) instead of scaling the whole gradient down by its global "
+                             f"norm: clipping each value turns the gradient's direction. Use {how}.")
+        if name == "parameter":
+            fail("mismatch", f"{what}: your code clips each parameter on its own, by its own gradient norm, "
+                             f"instead of all of them together by the global norm (the norm of every gradient "
+                             f"together): that turns the gradient's direction. Use one {how}.")
+        if name == "squared":
+            fail("clipping", f"{what}: your code scales the gradient by max_grad_norm over its norm squared (the sum "
+                             f"of squares, without its square root): the norm is the square root of that sum. "
+                             f"Use {how}.")
+        if name in ("mean", "rms"):
+            fail("clipping", f"{what}: your code measures the gradient by the mean of its entries "
+                             f"({'of their absolute values' if name == 'mean' else 'the root mean square'}) instead "
+                             f"of its norm, the square root of the sum of squares over all the parameters "
+                             f"together. Use {how}.")
+        fail("clipping", f"{what}: your code rescales the gradient to norm max_grad_norm={limit:.3g} even when its "
+                         f"norm ({float(g.norm()):.3g}) is below max_grad_norm, which makes the step longer: clipping "
+                         f"only scales a gradient down, by min(1, max_grad_norm / norm). Use {how}.")
 
 
 def _check_step_float64(fn: Callable[..., Any]) -> None:
@@ -724,6 +853,11 @@ def _drawn_from(freq: torch.Tensor, probs: torch.Tensor | None) -> bool:
     return probs is not None and _matches(freq, probs) and not bool((freq[probs == 0] > 0).any())
 
 
+def _permuted(freq: torch.Tensor, probs: torch.Tensor) -> bool:
+    """The draws follow each row's probabilities in another order (and not in the right one)."""
+    return _matches(freq.sort(-1).values, probs.sort(-1).values) and not _matches(freq, probs)
+
+
 def _describe(freq: torch.Tensor, probs: torch.Tensor) -> str:
     row, token = divmod(int((freq - probs).abs().argmax()), probs.shape[1])
     return (f"token {token} of row {row} came up {freq[row, token]:.1%} of the time; it should be "
@@ -775,6 +909,20 @@ _SAMPLING_MISTAKES = (
     _top_k_mistake("top_k", "you keep the {top_k} LEAST likely tokens; keep the most likely ones (topk returns the "
                             "largest values first).",
                    lambda base, t, k: _probabilities(base / t, k, smallest=True)),
+    # the right probabilities on the wrong tokens: a position in a reordered vocabulary returned as the token id
+    *(Mistake("mismatch", f"your draws follow the probabilities {order}: you return the position in the sorted "
+                          f"order{first}, not the token id. Map it back to the token id with the sort's indices, "
+                          f"indices.gather(-1, position) (with topk, its .indices).",
+              output=lambda base, t, k, descending=descending: _probabilities(base / t, k).sort(
+                  -1, descending=descending).values)
+      for order, first, descending in (("sorted from the largest (sort(descending=True), or topk)",
+                                        " (0 for the most likely token)", True),
+                                       ("sorted from the smallest (sort's default order)",
+                                        " (the last for the most likely token)", False))),
+    Mistake("mismatch", "your draws follow the probabilities in reversed order: token V - 1 - i comes up as often as "
+                        "token i should. You reverse the vocabulary (flip) and return the position in the reversed "
+                        "order, not the token id: map it back, V - 1 - position (or flip back).",
+            output=lambda base, t, k: _probabilities(base / t, k).flip(-1)),
 )
 
 
@@ -794,6 +942,12 @@ def _check_distribution(fn: Callable[..., Any], base: torch.Tensor, temperature:
     # of probability >= 0.5% shows up), which tells k + 1 kept tokens from no top_k at all
     first_mistake(_SAMPLING_MISTAKES, lambda m: _drawn_from(freq, m.output(base, temperature, top_k)), f"{what}: ",
                   setting=setting, top_k=top_k, fewer=(top_k or 0) - 1, more=(top_k or 0) + 1)
+    if _permuted(freq, expected):
+        fail("mismatch", f"{what}: your draws have the right probabilities but on the wrong tokens: "
+                         f"{_describe(freq, expected)}, while the probabilities of each row, in any order, are "
+                         f"right. You return a position in a reordered vocabulary (after a sort, topk, flip or "
+                         f"shuffle), not the token id: map the position back to the token id with the same indices "
+                         f"(indices.gather(-1, position)).")
     if top_k is not None and bool((freq[expected == 0] > 0).any()):
         fail("top_k", f"{what}: tokens outside the {top_k} most likely were drawn. With top_k, only the k highest "
                       f"logits may be drawn.")
@@ -977,6 +1131,18 @@ def check_sampling(fn: Callable[..., Any]) -> str:
     _draw(fn, small[:1], "sample_next_token(logits of shape (1, 6), temperature=0)", temperature=0)
     greedy = _draw(fn, small, "sample_next_token(temperature=0.0)", temperature=0.0)   # a float zero too
     if not torch.equal(greedy, small.argmax(-1)):
+        for position, how in ((0, "sorted from the largest, always 0"),
+                              (small.shape[-1] - 1, "sorted from the smallest, always the last")):
+            if bool((greedy == position).all()):
+                fail("greedy", f"With temperature=0 the sampler should return the argmax of each row, "
+                               f"{small.argmax(-1).tolist()}; yours returned {greedy.tolist()}, the same token for every "
+                               f"row. If you sorted the logits, that is the position of the largest logit in the "
+                               f"logits {how}, not its token id. Take logits.argmax(-1) of the logits themselves, or "
+                               f"map the position back with the sort's indices.")
+        if torch.equal(greedy, small.shape[-1] - 1 - small.argmax(-1)):
+            fail("greedy", f"With temperature=0 the sampler should return the argmax of each row, "
+                           f"{small.argmax(-1).tolist()}; yours returned {greedy.tolist()}, its position in the "
+                           f"reversed vocabulary, not its token id: map it back, V - 1 - position (or flip back).")
         fail("greedy", "With temperature=0 the sampler should be greedy and return the argmax of each row; "
                        f"yours returned {greedy.tolist()}, expected {small.argmax(-1).tolist()}.")
     _check_distribution(fn, _BASE, 1.0, None)

@@ -349,12 +349,30 @@ def _draws_at_random(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor
                           and a.shape == b.shape and bool(torch.equal(a, b)))
 
 
-def _model_calls(calls: list[dict[str, Any]], block_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _model_calls(calls: list[dict[str, Any]], block_calls: list[dict[str, Any]],
+                 last_calls: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """The model's calls; where model.forward(...) was called directly (no hook of the model runs), its first
-    block's, which it calls in turn: their length and whether a cache went in, without the token ids."""
+    block's, which it calls in turn: their length and whether a cache went in, without the token ids; the cache
+    then the first and the last block's of that call (``last_calls``), so that one shared by both shows."""
     if calls or not block_calls:
         return calls
-    return [dict(c, shape=c["shape"][:2] if c["shape"] else None, ids=None, cache_length=None) for c in block_calls]
+    lasts = [c["cache"] for c in last_calls][:len(block_calls)]   # the last block's call of each, if it came
+    lasts += [None] * (len(block_calls) - len(lasts))
+    return [dict(c, shape=c["shape"][:2] if c["shape"] else None, ids=None, cache_length=None,
+                 cache=c["cache"] if c["cache"] is None or last is None else [c["cache"], last])
+            for c, last in zip(block_calls, lasts)]
+
+
+def _shared_cache(calls: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """One cache object handed to several blocks in one call: a list made with `*`, or one object reused."""
+    for c in calls:
+        cache = c["cache"]
+        if isinstance(cache, (list, tuple)) and len({id(layer) for layer in cache}) < len(cache):
+            return ("kv_cache", "the same cache object goes to more than one block, so those blocks append their "
+                                "keys and values to one cache and each reads the others' (it soon overflows). A list "
+                                "made with `*` ([KVCache(...)] * n) repeats one object: make one KVCache per block, "
+                                "model.new_cache() (or a list comprehension), and give block i its own cache[i].")
+    return None
 
 
 def _cache_key(cache: Any) -> Any:
@@ -446,6 +464,8 @@ def _explain_calls(calls: list[dict[str, Any]], sequence: torch.Tensor | None = 
     if flat is not None:
         return ("shape", f"you feed the model token ids of shape {flat['shape']}; it takes (N, L). Keep the new "
                          f"token as (N, 1): argmax(-1, keepdim=True), or next_id[:, None].")
+    if _shared_cache(calls):
+        return _shared_cache(calls)
     if all(c["cache"] is None for c in calls):
         return ("no_kv_cache", "you never pass a cache to the model, so every step recomputes the whole sequence. "
                                "Create one with model.new_cache() before the loop and pass it to every call.")
@@ -482,18 +502,23 @@ def _refeeding_last_prompt_token(model: nn.Module, idx: torch.Tensor, new: int) 
 
 def _run(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, what: str
          ) -> tuple[Any, list[dict[str, Any]]]:
-    with recording_calls(model) as calls, recording_calls(model.blocks[0]) as block_calls:
+    with recording_calls(model) as calls, recording_calls(model.blocks[0]) as block_calls, \
+            recording_calls(model.blocks[-1]) as last_calls:
         try:
             with torch.no_grad():
                 result = call(fn, model, idx.clone(), new, what=what)
         except Failure as failure:
-            explanation = _explain_calls(_model_calls(calls, block_calls)) \
-                if failure.diagnosis == "exception" else None
+            recorded = _model_calls(calls, block_calls, last_calls)
+            shared = _shared_cache(recorded) if failure.diagnosis == "exception" else None
+            if shared:   # the model's error (a cache overflowing) follows from it: named first
+                fail(shared[0], f"{what}: {shared[1]} The model's error comes from that (do not crop the prompt): "
+                                f"{failure.message}")
+            explanation = _explain_calls(recorded) if failure.diagnosis == "exception" else None
             if explanation:
                 code = "shape" if explanation[0] == "shape" else "exception"
                 fail(code, extend(failure.message, f"It looks like {explanation[1]}"))
             raise
-    calls = _model_calls(calls, block_calls)
+    calls = _model_calls(calls, block_calls, last_calls)
     switched = [name or "model" for name, module in model.named_modules() if module.training]
     if switched:   # handed over in eval mode, as generation runs
         fail("dropout", f"{what}: your generation left {switched[0]} in training mode (model.train()); it was "

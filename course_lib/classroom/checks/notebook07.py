@@ -12,7 +12,9 @@ from torch import nn
 
 from ..exercises import Mistake
 from ..verdict import Failure, fail
+from ._attn_hypotheses import diagnose_weights
 from ._device_probe import probe as probe_device
+from ._device_probe import probe_after_cpu_calls
 from ._gradients import check_function_gradients
 from ._model_common import ProcedureExample, as_tensor, as_values, randomize_
 from ._student_code import call, close, expect_callable, expect_tensor, reraise_with
@@ -190,6 +192,16 @@ def _direct(fn: Callable[..., Any], module: nn.Module, q, k, v, mask, scaling: f
     return expect_tensor(output, (n, length, heads, head_dim), f"{what}: attn_output")
 
 
+# A bool mask (the one given, or a causal one made when none is) added to the scores: nothing is hidden.
+_ADDED = tuple(Mistake("causal_mask", "you add the mask to the scores, but it is a bool mask (True = may attend): "
+                                      "adding it shifts the allowed scores by one instead of blocking the others, so "
+                                      "the keys it should hide (the future, padding) still get weight. Fill the "
+                                      "blocked positions with -inf (masked_fill(~mask, float('-inf'))).", output=output)
+               for output in (lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=mask, additive=True),
+                              lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=_causal(q) & mask,
+                                                                  additive=True)))
+
+
 # Wrong attention on the direct calls: each output is f(q, k, v, scaling, mask), where mask is the causal
 # mask (no attention_mask given) or the padding one (attention_mask given).
 _CAUSAL_MISTAKES = (
@@ -237,11 +249,7 @@ _PADDING_MISTAKES = (
                            "lines the batch up with the heads, so a head gets another sequence's padding. Use the "
                            "(N, 1, Lq, Lk) mask as it is given; it broadcasts over the heads.",
             output=lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=mask.squeeze(1))),
-    *(Mistake("causal_mask", "you add the mask to the scores, but it is a bool mask (True = may attend): adding it "
-                             "shifts the allowed scores by one instead of blocking the others. Fill the blocked "
-                             "positions with -inf.", output=output)
-      for output in (lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=mask, additive=True),
-                     lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=_causal(q) & mask, additive=True))),
+    *_ADDED,
 )
 
 
@@ -268,10 +276,12 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
                         f"argument (and module.training) instead of a fixed rate.")
     expected = reference(module, q, k, v, None, scaling=scaling)[0]
     if not close(got, expected):
-        first_mistake(_CAUSAL_MISTAKES, lambda m: close(got, m.output(q, k, v, scaling, causal)), f"{what}: ")
+        first_mistake(_CAUSAL_MISTAKES + _ADDED, lambda m: close(got, m.output(q, k, v, scaling, causal)),
+                      f"{what}: ")
         found = fitted_scale(_SCALE, [((q, k, v, causal, scaling), what, got)])
         if found is not None:
             fail("scale", found)
+        _read_weights_back(fn, module, q, k, None, scaling, what)
         fail("mismatch", f"{what}: the output differs from causal scaled dot-product attention (largest "
                          f"difference {(got - expected).abs().max():.3g}).")
     what = "your attention function (scaling=0.5)"
@@ -291,12 +301,29 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
     expected = reference(module, q, k, v, mask, scaling=scaling)[0]
     if not close(got, expected):
         first_mistake(_PADDING_MISTAKES, lambda m: close(got, m.output(q, k, v, scaling, mask)), f"{what}: ")
+        _read_weights_back(fn, module, q, k, mask, scaling, what)
         fail("mismatch", f"{what}: with a padding mask the output differs from the reference (largest "
                          f"difference {(got - expected).abs().max():.3g}). The mask is bool, True = may attend.")
     check_function_gradients(lambda *qkv: _direct(fn, module, *qkv, causal[None, None], scaling, what),
                              lambda *qkv: reference(module, *qkv, causal[None, None], scaling=scaling)[0],
                              q, k, v, names=("query", "key", "value"), what="your attention function")
     _check_fewer_queries(fn, module, k, v, scaling, generator)
+
+
+def _read_weights_back(fn: Callable[..., Any], module: nn.Module, q: torch.Tensor, k: torch.Tensor,
+                       mask: torch.Tensor | None, scaling: float, what: str) -> None:
+    """The attention weights read back, as 3.3 reads them (``diagnose_weights``): with one-hot values (value j is
+    e_j, padded to head_dim) query i's output row is its weights. The hidden keys still weighed (a bool mask added to
+    the scores, a fill that is not -inf), weights that do not sum to one, a wrong scale are named from them."""
+    length = k.shape[-2]
+    v = torch.eye(length, k.shape[-1], dtype=k.dtype).expand_as(k)              # (N, heads, Lk, d), Lk <= d
+    weights = _direct(fn, module, q, k, v, mask, scaling, what).transpose(1, 2)[..., :length]   # (N, heads, Lq, Lk)
+    try:
+        diagnose_weights(weights, q @ k.transpose(-2, -1), _causal(q) if mask is None else mask, scaling,
+                         hidden="future keys" if mask is None else "future and padding keys", scale_name="`scaling`",
+                         inputs="the query and the key you were given")
+    except Failure as failure:
+        raise Failure(failure.diagnosis, f"{what}: {failure.message}", **failure.details) from None
 
 
 def _check_other_heads(fn: Callable[..., Any], generator: torch.Generator) -> None:
@@ -360,18 +387,31 @@ def _check_fewer_queries(fn: Callable[..., Any], module: nn.Module, k: torch.Ten
                          f"{q_len} of the {k_len} positions (query i sees keys 0..i + {k_len - q_len}).")
 
 
-def _check_on_device(fn: Callable[..., Any]) -> None:
+def _check_on_device(fn: Callable[..., Any], layer: nn.Module) -> None:
     """The text makes the causal mask on the query's device: one made on the CPU cannot meet a GPU's scores. Last,
     so that every other mistake is named first; the meta device stands for the GPU (a tensor made without
-    ``device=`` lands on the CPU, and meets the meta scores as it would a GPU's)."""
-    module = _tiny_gpt2(heads=1, head_dim=2).transformer.h[0].attn.to("meta")   # the layer on the device too
+    ``device=`` lands on the CPU, and meets the meta scores as it would a GPU's). ``layer`` is the one GPT-2 ran with
+    on the CPU: a copy of it moves to meta (as model.to(device) moves it), with whatever the function kept on it."""
+    heads, head_dim = layer.num_heads, layer.head_dim
     # 1 query and 3 keys (a step with a cache), then 3 and 3, the sizes GPT-2 just ran on the CPU (in turn, above): a
     # mask kept from those calls and looked up by its size alone is still on the CPU
-    for queries in (1, 3):
-        what = (f"your attention function ({queries} quer{'y' if queries == 1 else 'ies'}, 3 keys, no mask, on another "
-                f"device than the CPU{', after calls of that size on the CPU' if queries == 3 else ''})")
-        q, k, v = (torch.empty(1, 1, length, 2, device="meta") for length in (queries, 3, 3))   # (N, heads, L, hd)
-        probe_device(lambda q=q, k=k, v=v, what=what: _direct(fn, module, q, k, v, None, 0.5, what), what)
+    sizes = [(queries, f"your attention function ({queries} quer{'y' if queries == 1 else 'ies'}, 3 keys, no mask")
+             for queries in (1, 3)]
+    moved = copy.deepcopy(layer).to("meta")
+    for queries, what in sizes:
+        what += f", on another device than the CPU{', after calls of that size on the CPU' if queries == 3 else ''})"
+        q, k, v = (torch.empty(1, heads, length, head_dim, device="meta") for length in (queries, 3, 3))
+        probe_device(lambda q=q, k=k, v=v, what=what: _direct(fn, moved, q, k, v, None, 0.5, what), what)
+    # then the same calls on the CPU first, with another copy of the layer, which then moves to meta: a mask kept on
+    # the layer or in a global (an lru_cache too) keyed by its sizes, or by the layer, but not by the device shows
+    warm, generator = copy.deepcopy(layer), torch.Generator().manual_seed(8)
+    cpu = {queries: [torch.randn(1, heads, length, head_dim, generator=generator) for length in (queries, 3, 3)]
+           for queries, _ in sizes}
+    probe_after_cpu_calls(
+        [(what + ")",
+          lambda qkv=cpu[queries], what=what: _direct(fn, warm, *qkv, None, 0.5, what),
+          lambda qkv=cpu[queries], what=what: _direct(fn, warm, *(t.to("meta") for t in qkv), None, 0.5, what))
+         for queries, what in sizes], move=lambda: warm.to("meta"))
 
 
 def _attention_cases() -> list[Case]:
@@ -438,5 +478,5 @@ def check_hf_attention(fn: Callable[..., Any]) -> str:
                      lambda ids=ids: call(run_with_attention, model, fn, ids, None, what=f"GPT-2 with your attention "
                                                                                           f"on input_ids {ids.tolist()}"),
                      lambda ids=ids: logits(ids)) for ids in shorts], thing="attention function")
-    _check_on_device(fn)
+    _check_on_device(fn, model.transformer.h[0].attn)
     return "GPT-2 gives the same logits with your attention as with its own, padding included."

@@ -642,6 +642,7 @@ def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
     called_in_turn([(shown, lambda: half_call(x), lambda: reference(x).detach()),
                     ("the same float16 RMSNorm(16) on another x of shape (2, 4, 16)", lambda: half_call(other),
                      lambda: reference(other).detach())], thing="norm", step=(candidate, reference))
+    probed = [(candidate, x, shown)]
     # the weight in one dtype, x in another (a float32 residual stream into a float16 layer; float16 activations
     # into a float32 layer, as under mixed precision): the result follows x, not the weight (Hugging Face's
     # `self.weight * h.to(x.dtype)` follows whichever is wider)
@@ -662,6 +663,11 @@ def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
         in_turn_beside_a_new_copy(layer, pristine, [(shown, (x.float() / 300).to(given)),
                                                     (shown.replace(" on ", " on another ", 1),
                                                      (other.float() / 300).to(given))], run, thing="norm")
+        probed.append((layer, (x.float() / 300).to(given), shown))
+    # last, each layer moved to another device after those calls: a weight it cast or copied once for float16 (on
+    # itself, in a global or an lru_cache) stays behind on the CPU
+    for probed_layer, probed_x, probed_what in probed:
+        probe_module(probed_layer, probed_x, probed_what)
 
 
 # ============================================================================ 9.4 SwiGLU
@@ -976,20 +982,50 @@ def _build(cls: Any, kv_heads: int, theta: float, extra: dict[str, Any], generat
     return Built(kv_heads, extra, model, reference.eval(), setup)
 
 
-def _rope_frame(failure: BaseException) -> dict[str, Any] | None:
-    """The locals of apply_rotary (or rotate_half) where the student's code raised, if it raised there."""
+def _raised_frames(failure: BaseException) -> list[types.FrameType]:
+    """The frames the student's error came up through, outermost first (none when it is no error of theirs)."""
     exc: BaseException | None = failure
     while exc is not None and isinstance(exc, Failure):
         exc = exc.__context__
     tb = exc.__traceback__ if exc is not None else None
-    found = None
+    frames = []
     while tb is not None:
-        code = tb.tb_frame.f_code
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
+
+
+def _rope_frame(failure: BaseException) -> dict[str, Any] | None:
+    """The locals of apply_rotary (or rotate_half) where the student's code raised, if it raised there."""
+    found = None
+    for frame in _raised_frames(failure):
+        code = frame.f_code
         if code.co_name in ("apply_rotary", "rotate_half") and code.co_argcount:
             # the tensor it turns is its first argument, whatever the student named it
-            found = dict(tb.tb_frame.f_locals, x=tb.tb_frame.f_locals.get(code.co_varnames[0]))
-        tb = tb.tb_next
+            found = dict(frame.f_locals, x=frame.f_locals.get(code.co_varnames[0]))
     return found
+
+
+def _explain_repeat_count(failure: Failure, built: Built) -> None:
+    """When the student's code raised where queries of num_heads heads meet keys or values of another multiple of
+    num_kv_heads heads: the key/value heads were repeated by another count than the group size."""
+    if failure.diagnosis != "exception":
+        return
+    setup = built.setup
+    heads, kv, head_dim = setup.num_heads, built.kv_heads, setup.embed_dim // setup.num_heads
+    for frame in reversed(_raised_frames(failure)):   # the innermost frame that holds them
+        counts = {t.shape[1] for t in frame.f_locals.values()
+                  if isinstance(t, torch.Tensor) and t.dim() == 4 and head_dim in t.shape[-2:]}
+        wrong = sorted(h for h in counts if h not in (heads, kv) and h % kv == 0)
+        if heads not in counts or not wrong:
+            continue
+        times = wrong[0] // kv
+        named = " = ".join(name for name, count in (("num_kv_heads", kv), ("num_heads", heads)) if count == times)
+        reraise_with(failure, "kv_grouping", f" Your keys or values have {wrong[0]} heads where the queries have "
+                     f"{heads}: each of the num_kv_heads={kv} key/value heads is repeated {times} times"
+                     f"{f' (= {named})' if named else ''}, but it serves a group of groups = num_heads // "
+                     f"num_kv_heads = {heads // kv} query head(s). Repeat each by the group size: repeat_kv(k, "
+                     f"self.num_heads // self.num_kv_heads), and v the same.")
 
 
 def _forward(built: Built, x: torch.Tensor, what: str, *, start: int | None = None, **kwargs: Any) -> torch.Tensor:
@@ -999,6 +1035,7 @@ def _forward(built: Built, x: torch.Tensor, what: str, *, start: int | None = No
             out = call_student(built.model, x.clone(), what=what, **kwargs)
         except Failure as failure:
             _explain_rope_error(failure, built, x.shape[1], start)
+            _explain_repeat_count(failure, built)
             raise
     return expect_tensor(out, tuple(x.shape), what, dtype=x.dtype, finite=False)   # (N, L, E) as x
 

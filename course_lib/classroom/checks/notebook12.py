@@ -505,8 +505,8 @@ class _Bound(nn.Module):
         super().__init__()
         self.layer, self.run = layer, forward
 
-    def forward(self, x: torch.Tensor) -> Any:
-        return self.run(self.layer, x, None)
+    def forward(self, x: torch.Tensor, cache: Any = None) -> Any:
+        return self.run(self.layer, x, cache)
 
 
 def _layer_gradients(fn: Callable[..., Any]) -> None:
@@ -519,11 +519,14 @@ def _layer_gradients(fn: Callable[..., Any]) -> None:
 
 
 def _layer_on_device(fn: Callable[..., Any]) -> None:
-    """Last: the layer and x on another device (meta); a mask or table made on the CPU (no device=x.device) shows."""
+    """Last: the layer and x on another device (meta), without a cache and with a LatentCache (x in a prompt and the
+    rest, three ways), each also after the same calls on the CPU; a mask, positions or a table made on the CPU (no
+    device=x.device), on the cached path only or kept from an earlier call, shows."""
     layer, x, _ = _mla_gradients()[0].args
     mine = copy.deepcopy(layer)
     mine.__class__ = _Weights
-    probe_module(_Bound(mine, fn), x, f"latent_attention(layer, x) with x of shape {tuple(x.shape)}")
+    probe_module(_Bound(mine, fn), x, f"latent_attention(layer, x) with x of shape {tuple(x.shape)}",
+                 cache=lambda: ref.LatentCache(layer.max_tokens))
 
 
 # ============================================================================ 12.3 recurrent linear attention
@@ -534,10 +537,10 @@ def _phi(x: torch.Tensor) -> torch.Tensor:
 
 def _linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, *, diagonal: int = 0, causal: bool = True,
             normalise: bool = True, fq_norm: torch.Tensor | None = None, fk_norm: torch.Tensor | None = None,
-            norm_keys: str = "same") -> torch.Tensor:
+            norm_keys: str = "same", z0: float = 0.0) -> torch.Tensor:
     """Linear attention from features: weights fq . fk over keys j <= i + diagonal (all if not causal); the
     normaliser (of ``fq_norm``, ``fk_norm`` where given) over the same keys, or ``norm_keys`` "through_i" (j <= i
-    whatever ``diagonal``), "before_i" (j < i) or "own" (j = i)."""
+    whatever ``diagonal``), "before_i" (j < i) or "own" (j = i), with z started at ``z0`` in every feature."""
     weights = fq @ fk.transpose(-2, -1)                                     # (..., L, L)
     length = weights.shape[-1]
     if causal:
@@ -549,7 +552,8 @@ def _linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, *, diagonal: in
         keys = {"same": torch.ones(length, length).tril(diagonal), "through_i": torch.ones(length, length).tril(),
                 "own": torch.eye(length), "before_i": torch.ones(length, length).tril(-1)}[norm_keys]
         below = below * keys
-    return (weights @ v) / (below.sum(-1, keepdim=True) + 1e-6)
+    start = z0 * (fq if fq_norm is None else fq_norm).sum(-1, keepdim=True)   # phi(q_i) . z_0
+    return (weights @ v) / (below.sum(-1, keepdim=True) + start + 1e-6)
 
 
 # the feature maps students use instead of elu(x) + 1, with what goes wrong
@@ -636,6 +640,9 @@ LINEAR_RECURRENT = FunctionExercise(
         Mistake("feature_map", "phi is applied to the values too: only the queries and keys go through phi(x) = "
                                "elu(x) + 1; S adds phi(k_i) times v_i itself.",
                 output=lambda q, k, v: _linear(_phi(q), _phi(k), _phi(v))),
+        Mistake("normalization", "Your normaliser z starts at ones, not zeros: phi(q_i) . z_i comes out larger by "
+                                 "phi(q_i) . 1, so every output is too small, most for the first tokens. Start z at "
+                                 "torch.zeros(...), like S.", output=lambda q, k, v: _linear(_phi(q), _phi(k), v, z0=1.0)),
         Mistake("normalization", "Your normaliser holds only the current key: z must be the running sum of phi(k_j) "
                                  "over every token so far, z += phi(k_i), as S is.",
                 output=lambda q, k, v: _linear(_phi(q), _phi(k), v, norm_keys="own")),

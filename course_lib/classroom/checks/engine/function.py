@@ -3,13 +3,16 @@ one mistake loop (``first_mistake``), which judges of their own use too. The ord
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
 import itertools
 import math
 import numbers
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import FunctionType
+from types import FunctionType, MethodType
 from typing import Any
 
 import torch
@@ -166,8 +169,197 @@ def keeps_number(fn: Any, value: float) -> bool:
     return False
 
 
+# Modules whose functions and classes are not the student's: their state is no place a student's call keeps one.
+_NOT_STUDENTS = ("torch", "course_lib", "builtins", "typing", "abc", "functools", "numpy", "math", "collections")
+_MISSING = object()   # a place empty when taken (a global or a class attribute made by a later call)
+
+
+def _students(obj: Any) -> bool:
+    return (getattr(obj, "__module__", None) or "builtins").split(".")[0] not in _NOT_STUDENTS
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Data a call can leave for the next and a copy can stand for: numbers, strings, small tensors and containers
+    of them (a function, a module, a class, a large object is kept as it is)."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.numel() <= 1 << 16 and not isinstance(value, torch.nn.Parameter)
+    if isinstance(value, (list, tuple, set, frozenset, dict)) and depth < 4 and len(value) <= 1000:
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        return all(_plain(item, depth + 1) for item in items)
+    return False
+
+
+def _copy(value: Any) -> Any:
+    """A copy of what a place holds, item by item for the tuple of a function's defaults or a dict of attributes:
+    plain data copied, anything else kept as it is."""
+    if _plain(value):
+        try:
+            return copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - a tensor autograd will not copy: kept as it is
+            return value
+    if type(value) is tuple:
+        return tuple(_copy(item) for item in value)
+    if type(value) is dict:
+        return {key: _copy(item) for key, item in value.items()}
+    return value
+
+
+def _code_names(code: Any) -> set[str]:
+    """The global names a code object and the functions, lambdas and comprehensions inside it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+class Afresh:
+    """The places where the student's code can keep something from one call to the next, as they were when taken
+    (before the check's first call): a function's defaults, attributes and closure, the globals its code reads,
+    the attributes of the student's classes (and so on for the student's functions and classes these name).
+    ``with start.restored():`` runs code as a first call in a fresh kernel would, then puts back what is there."""
+
+    def __init__(self, root: Any) -> None:
+        self.places: list[tuple[str, Any, Any]] = []   # (kind, owner, key)
+        self._visit(root, set())
+        self.saved = [_copy(self._get(place)) for place in self.places]
+
+    def _visit(self, obj: Any, seen: set[int]) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (staticmethod, classmethod, MethodType)):
+            obj = obj.__func__
+        if isinstance(obj, FunctionType) and not _students(obj):   # the course's wrapper: what it closes over
+            for cell in obj.__closure__ or ():
+                contents = self._get(("cell", cell, None))
+                if callable(contents) and _students(contents if isinstance(contents, (FunctionType, type))
+                                                    else type(contents)):
+                    self._visit(contents, seen)
+            return
+        if isinstance(obj, FunctionType):
+            self.places += [("attr", obj, "__defaults__"), ("attr", obj, "__kwdefaults__"),
+                            ("dict", obj.__dict__, None)]
+            self.places += [("cell", cell, None) for cell in obj.__closure__ or ()]
+            for name in sorted(_code_names(obj.__code__)):
+                self.places.append(("global", obj.__globals__, name))
+                found = obj.__globals__.get(name)
+                if isinstance(found, (FunctionType, type)) and _students(found):
+                    self._visit(found, seen)
+            return
+        if not isinstance(obj, type):   # a callable object: its class, and what it holds if it is no module
+            if hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module) and _students(type(obj)):
+                self.places.append(("dict", vars(obj), None))
+            obj = type(obj)
+        for cls in obj.__mro__:
+            if _students(cls):
+                self.places.append(("class", cls, None))
+                for item in list(vars(cls).values()):
+                    if isinstance(item, (FunctionType, staticmethod, classmethod)):
+                        self._visit(item, seen)
+
+    @staticmethod
+    def _get(place: tuple[str, Any, Any]) -> Any:
+        kind, owner, key = place
+        if kind == "attr":
+            return getattr(owner, key)
+        if kind == "cell":
+            try:
+                return owner.cell_contents
+            except ValueError:
+                return _MISSING
+        if kind == "global":
+            return owner.get(key, _MISSING)
+        items = vars(owner) if kind == "class" else owner
+        return {name: value for name, value in items.items() if kind != "class" or not name.startswith("__")}
+
+    @staticmethod
+    def _set(place: tuple[str, Any, Any], value: Any) -> None:
+        kind, owner, key = place
+        if kind == "attr":
+            setattr(owner, key, value)
+        elif kind == "cell":
+            if value is _MISSING:
+                del owner.cell_contents
+            else:
+                owner.cell_contents = value
+        elif kind == "global":
+            if value is _MISSING:
+                owner.pop(key, None)
+            else:
+                owner[key] = value
+        else:
+            now = Afresh._get(place)
+            for name in now.keys() - value.keys():
+                delattr(owner, name) if kind == "class" else owner.pop(name)
+            for name, item in value.items():
+                if now.get(name, _MISSING) is not item:
+                    setattr(owner, name, item) if kind == "class" else owner.__setitem__(name, item)
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        now = [self._get(place) for place in self.places]
+        try:
+            for place, value in zip(self.places, self.saved):
+                self._set(place, _copy(value))
+            yield
+        finally:
+            for place, value in zip(self.places, now):
+                self._set(place, value)
+
+
+def kept_from_start(what: str, how: str) -> str:
+    """The ``kept_state`` message of a call that is wrong in turn and right when the student's code starts afresh
+    (``Afresh``): ``how`` says what was wrong."""
+    return (f"{what} {how}, yet the same call is right when your code starts afresh (its default arguments, "
+            f"globals and class attributes as they were before the checker's first call): your code keeps a value "
+            f"from an earlier call (a scale, a size, a count or a whole result, worked out on an earlier call and "
+            f"stored in a default argument, a global or on the class, or cached under a key that leaves out some of "
+            f"the inputs) and reuses it on inputs it does not fit. Compute it from each call's own inputs.")
+
+
+# The state of the student's code when the running ``judge`` began (``Afresh``)
+_START: contextvars.ContextVar[Afresh | None] = contextvars.ContextVar("start", default=None)
+
+
+def _kept_since_start(exercise: FunctionExercise, case: Case, out: Any, fn: Any) -> None:
+    """``kept_state`` where the case, wrong (or failing) in the course of the check, is right when called with the
+    student's code as it was before the check's first call: what it got wrong it took from an earlier call."""
+    start = _START.get()
+    if start is None or not start.places:
+        return
+    expected = exercise.reference(*case.args)
+    with start.restored():
+        try:   # held to all that the case is held to in ``judge``: its layout, shape, dtype, finite numbers
+            fresh = call_student(fn, *case.given(), what=case.what)
+            fresh = as_tensor(fresh) if exercise.numpy_ok else fresh
+            if exercise.raw is not None:
+                exercise.raw(case, fresh)
+            expect_tensor(fresh, tuple(expected.shape), case.what, dtype=expected.dtype if exercise.dtype else None,
+                          finite=exercise.finite)
+        except Failure:
+            return
+    if exercise.same(fresh, expected):
+        _stale(exercise, [Run(case, out, expected)], [], fn)   # a running value carried from call to call: its words
+        same_shape = isinstance(out, torch.Tensor) and out.shape == expected.shape
+        how = (f"differs from the reference by up to {max_diff(out, expected):.3g}" if same_shape
+               and out.is_floating_point() else f"differs from the reference in {int((out != expected).sum())} of "
+               f"its {out.numel()} entries" if same_shape else "is wrong")
+        fail("kept_state", kept_from_start(case.what, how))
+
+
 def judge(exercise: FunctionExercise, fn: Any) -> str:
     """Run ``exercise`` on the student's ``fn``: the success message, or a Failure naming what is wrong."""
+    token = _START.set(Afresh(fn))
+    try:
+        return _judge(exercise, fn)
+    finally:
+        _START.reset(token)
+
+
+def _judge(exercise: FunctionExercise, fn: Any) -> str:
     expect_callable(fn, exercise.name)
     runs: list[Run] = []
     for case in exercise.cases():
@@ -184,6 +376,7 @@ def judge(exercise: FunctionExercise, fn: Any) -> str:
         except Failure as failure:
             if any(not exercise.same(run.out, run.expected) for run in runs):
                 _diagnose(exercise, runs, fn)   # wrong outputs before the call that failed say more than it does
+            _kept_since_start(exercise, case, out, fn)
             if exercise.reword is not None:
                 exercise.reword(failure, case, out, fn)
             raise
@@ -227,6 +420,7 @@ def _at_magnitude(exercise: FunctionExercise, case: Case, fn: Any, runs: list[Ru
     if exercise.same(out, expected):
         return
     run = Run(case, out, expected)
+    _kept_since_start(exercise, case, out, fn)
 
     def reproduces(mistake: Mistake) -> bool:
         # Strictly: here NaN and inf are what a mistake produces, so a mistake's NaN (which elsewhere may stand for
@@ -330,6 +524,7 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
     exercise's own probes, else its mismatch. ``kept``: how a case was called again once every case was right
     (``kept_part``): what no known mistake explains there, nor a rounding, is a result kept in part."""
     first = next(run for run in runs if not exercise.same(run.out, run.expected))
+    _kept_since_start(exercise, first.case, first.out, fn)   # before any mistake its symptom looks like
     # a mistake explains these runs, and changes none of the earlier ones the student's code got right
     explains = lambda mistake: all(_reproduces(exercise, mistake, run) for run in runs) and \
         all(_explains(exercise, mistake, run) is not False for run in earlier or [])

@@ -11,7 +11,9 @@ Where a probe lives:
 - ``counterexample``: the smallest input on which the student and the reference differ (``example``).
 - ``device``: the output on the inputs' device (``_student_code.expect_cpu``); where the text asks for the
   input's device, a case again on the meta device, where a tensor made on the CPU or a result copied there shows
-  (``_device_probe``: ``engine.function`` runs it for the function exercises that list it, and module checks).
+  (``_device_probe``: ``engine.function`` runs it for the function exercises that list it, and module checks; a
+  module's, ``probe_module``, also after the same calls on the CPU, then moved to meta, ``probe_after_cpu_calls``,
+  so that a cache keyed by shape or dtype but not by device meets meta inputs).
 - ``magnitude``: the exercise's cases again at the magnitudes a softmax or a norm must survive: scores in
   the hundreds, rows far below zero, rows of very different scales (``magnitude_rows``, ``magnitude_scores``
   make them from a case's inputs; ``FunctionExercise.magnitude`` lists them).
@@ -21,7 +23,9 @@ Where a probe lives:
   is a module or a procedure builds and runs its work inside ``float64_notebook`` through ``run_in_float64``
   (an exception that float32 did not raise is ``dtype``), then ``expect_float64`` judges a floating output and
   ``expect_dtype_kept`` the model the student's procedure was given (``model.float()`` inside it is ``dtype``);
-  ``module_in_float64`` is all of it for a module beside its reference (2.2, 3.3, 4.2, 4.3, 9.3, 9.4, 9.6).
+  ``module_in_float64`` is all of it for a module beside its reference (2.2, 3.3, 4.2, 4.3, 9.3, 9.4, 9.6), run on a
+  fresh module and again on one called first in the default dtype, then converted with model.double() (what its
+  first call kept, a dtype or a cast weight, shows).
 - ``global_state``: torch's and the course's functions as the check found them at import; one replaced
   (``torch.equal = ...``) is the verdict ``patched`` (``checks._pinned``).
 - ``saved_tensors``: an autograd.Function's forward and backward run by ``engine.saved_tensors.forward_backward``:
@@ -192,9 +196,11 @@ def module_in_float64(build: Callable[[], tuple[nn.Module, nn.Module]], x: torch
                       output: Callable[[Any], Any] = lambda out: out) -> None:
     """The dtype probe of a module: ``build()`` makes (the student's module, the reference) with the same weights, in
     eval mode, inside a float64 notebook; both run on ``x`` (float64 where it is floating); the student's output
-    (``output`` picks it from what forward returns) must be float64 and agree with the reference's."""
+    (``output`` picks it from what forward returns) must be float64 and agree with the reference's. Then once more
+    on a module built and called in the default dtype first, then converted with model.double()
+    (``_float64_after_a_call``): what its first call kept shows."""
     what = f"{what} {IN_FLOAT64}"
-    x = x.double() if x.is_floating_point() else x
+    given, x = x, (x.double() if x.is_floating_point() else x)
 
     def run() -> tuple[Any, torch.Tensor]:
         candidate, reference = build()
@@ -203,6 +209,47 @@ def module_in_float64(build: Callable[[], tuple[nn.Module, nn.Module]], x: torch
             return output(out), reference(x)
     out, expected = run_in_float64(run)
     expect_float64(out, expected, what)
+    _float64_after_a_call(build, given, x, what, output)
+
+
+AFTER_A_CALL = "after a first call in the notebook's default dtype and model.double()"
+
+
+def _float64_after_a_call(build: Callable[[], tuple[nn.Module, nn.Module]], given: torch.Tensor, x: torch.Tensor,
+                          what: str, output: Callable[[Any], Any]) -> None:
+    """The dtype probe once more, on a module built and called once in the notebook's default dtype (on ``given``),
+    then converted with model.double() (the reference too) and run on ``x`` (float64): something the student's code
+    made in its first call and kept (a dtype, a cast weight, a table or a mask cached by length but not by dtype)
+    was made in float32, and model.double() does not convert it. Inconclusive where that first call or the
+    conversion fails (the fresh float64 run above judged the code)."""
+    try:
+        candidate, reference = build()
+        with torch.no_grad():
+            call(candidate, given.clone(), what=what)
+        candidate.double()
+        reference.double()
+    except Exception:  # noqa: BLE001 - Failure included: the first call is judged by the exercise's other runs
+        return
+    what = f"{what}, {AFTER_A_CALL}"
+
+    def run() -> tuple[Any, torch.Tensor]:
+        with torch.no_grad():
+            return output(call(candidate, x.clone(), what=what)), reference(x)
+    try:
+        out, expected = run_in_float64(run)
+        expect_float64(out, expected, what)
+    except Failure as failure:
+        if failure.diagnosis not in ("dtype", "precision"):
+            raise
+        said = failure.message.replace(DTYPE_ADVICE, "").rstrip()   # no dtype is written in: a fresh one is right
+        raise Failure(failure.diagnosis, f"{said} A fresh module built in float64 is right, so "
+                                         f"your module keeps something from its first call, made in float32 then (a "
+                                         f"dtype it remembers, a weight it cast, a table or a mask it cached on "
+                                         f"itself, in a global or with functools.lru_cache, keyed by its length but "
+                                         f"not by its dtype), which model.double() does not convert. Key such a "
+                                         f"cache by x.dtype too, make the tensor in x.dtype at every call "
+                                         f"(self.weight.to(x.dtype)), or register it with self.register_buffer(...) "
+                                         f"so that model.to(dtype) converts it.", **failure.details) from None
 
 
 def batch_mixing(what: str, together: torch.Tensor, alone: Sequence[torch.Tensor], advice: str,
