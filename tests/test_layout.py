@@ -334,12 +334,6 @@ def test_the_notebooks_imports_run_with_the_shim_switched_off():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-# The check engine puts a finder on sys.meta_path only while it imports again a library package that a check's
-# time-out cut short in the kernel's process, and takes it off right after (_reattaching; the finder, _Reattaching,
-# reads the others).
-TEMPORARY_FINDER = ("course_lib.classroom.checks.engine.run", {"_reattaching", "_Reattaching"})
-
-
 def test_only_the_shim_hooks_imports_or_answers_missing_module_names():
     """The shim is the one module that touches the import system or gives a module a ``__getattr__``; the
     files students read (model.py, train.py, ...) hold only the lesson."""
@@ -348,12 +342,8 @@ def test_only_the_shim_hooks_imports_or_answers_missing_module_names():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         if module == SHIM:
             continue
-        allowed = set()
-        if module == TEMPORARY_FINDER[0]:
-            allowed = {id(n) for top in tree.body if getattr(top, "name", None) in TEMPORARY_FINDER[1]
-                       for n in ast.walk(top)}
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in ("meta_path", "path_hooks") and id(node) not in allowed:
+            if isinstance(node, ast.Attribute) and node.attr in ("meta_path", "path_hooks"):
                 found.append(f"{module}: sys.{node.attr}")
         for node in tree.body:
             targets = node.targets if isinstance(node, ast.Assign) else []

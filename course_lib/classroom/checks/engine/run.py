@@ -3,8 +3,10 @@
 A checker never raises because of the student's code: its body returns a success message or raises
 :class:`Failure`, and one run turns that, and anything else, into a :class:`CheckResult`, in this order:
 
-1. options: the checker's own options (``norm_first``) are checked like the public API's arguments; the
-   student's work (the parameters without a default) is judged, never refused.
+1. options: the checker's own options (``norm_first``) are checked like the public API's arguments, their kind by
+   the annotation and their range by the validator the checker declares (``options``), so that no value let
+   through here is refused by an inner layer later (a ``checker_error``); the student's work (the parameters
+   without a default) is judged, never refused.
 2. time limit: where the platform can fork (Linux; not macOS, whose frameworks are unsafe after a fork; not
    once CUDA is initialised; not in a check's child; not in the grader's sandbox, which refuses to fork; not
    with ``COURSE_CHECK_IN_PROCESS=1``) the rest runs in a forked child, a copy of the kernel killed after
@@ -55,8 +57,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from importlib.machinery import BuiltinImporter, ExtensionFileLoader, ModuleSpec
-from types import CodeType, FrameType, ModuleType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -155,23 +156,34 @@ class Displayed(CheckResult):
 
 # ---------------------------------------------------------------- the decorator
 
-def checker(exercise: str, example: Callable[..., Any] | None = None
+def checker(exercise: str, example: Callable[..., Any] | None = None,
+            options: dict[str, Callable[[Any], Any]] | None = None
             ) -> Callable[[Callable[..., str | None]], Callable[..., CheckResult]]:
     """Decorate ``check(candidate, ...) -> str | None`` (a success message, or it raises Failure).
-    ``example(candidate, ...)`` finds the counter-example of a failure (``engine.example``). The decorated
-    checker takes one more keyword, ``graded`` (default True; see the module's docstring)."""
+    ``example(candidate, ...)`` finds the counter-example of a failure (``engine.example``). ``options``: for an
+    option whose annotation's kind lets through values the checker's inner layers refuse (a negative tolerance
+    is a finite number), the inner layer's own validator (``validate(value)`` raises TypeError or ValueError
+    naming the option), run here on any value but None. The decorated checker takes one more keyword, ``graded``
+    (default True; see the module's docstring)."""
+    validators = dict(options or {})
 
     def wrap(body: Callable[..., str | None]) -> Callable[..., CheckResult]:
         signature = inspect.signature(body)
+        unknown = [name for name in validators if name not in signature.parameters
+                   or signature.parameters[name].default is inspect.Parameter.empty]
+        if unknown:
+            raise ValueError(f"checker {exercise}: options {unknown} are not options of {body.__name__}")
 
         @functools.wraps(body)
         def check(*args: Any, graded: bool = True, **kwargs: Any) -> CheckResult:
             validate.boolean("graded", graded)
-            _check_options(body.__name__, signature, args, kwargs)
+            _check_options(body.__name__, signature, args, kwargs, validators)
             judge = functools.partial(_judge, exercise, body, example, args, kwargs)
             forks = can_fork()
             if forks:
                 reference_of(exercise), same_work_of(exercise)   # looked up here: a child's lookups die with it
+            else:   # the kernel's own process (not the grader's sandbox: its judge compares torch's state)
+                import_lazy_modules()   # before the time limit, which would otherwise cut them short
             modes = pinned.set_aside_modes()   # a torch mode of the kernel's would answer the check's comparisons
             try:
                 result = _forked(judge, exercise) if forks else None   # None: this process may not fork
@@ -195,6 +207,25 @@ def checker(exercise: str, example: Callable[..., Any] | None = None
     return wrap
 
 
+# Modules torch imports lazily, the first time a check's code reaches them: torch._dynamo (with sympy under it) on
+# the first optimizer step or autograd.Function. In the kernel's own process a time limit landing inside such an
+# import left the package half-imported (sympy without sympy.core), and every later check was a checker_error until
+# the kernel restarted. They are imported once, before the first check's time limit, where checks run in the
+# kernel's process (about 2 s, which a later check would have spent anyway). A forked child's imports die with it.
+LAZY_MODULES = ("torch._dynamo",)
+_LAZY_DONE = [False]
+
+
+def import_lazy_modules() -> None:
+    """Import ``LAZY_MODULES`` once per process (a torch without one of them: nothing to do)."""
+    if _LAZY_DONE[0]:
+        return
+    _LAZY_DONE[0] = True
+    for name in LAZY_MODULES:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
 # What an option's annotation accepts, by its name: the words of the message, and the test.
 _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "bool": ("True or False (a bool)", lambda v: isinstance(v, bool)),
@@ -206,8 +237,10 @@ _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 }
 
 
-def _check_options(name: str, signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
-    """``name: option: expected ..., got ...`` for an option (a parameter with a default) of the wrong kind."""
+def _check_options(name: str, signature: inspect.Signature, args: tuple, kwargs: dict,
+                   validators: dict[str, Callable[[Any], Any]] | None = None) -> None:
+    """``name: option: expected ..., got ...`` for an option (a parameter with a default) of the wrong kind
+    (TypeError), or of the right kind but a value its validator refuses (its error, the checker named)."""
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
@@ -224,6 +257,12 @@ def _check_options(name: str, signature: inspect.Signature, args: tuple, kwargs:
         if kinds and not any(accepts(value) for _, accepts in kinds):
             raise TypeError(f"{name}: {option}: expected {' or '.join(w for w, _ in kinds)}, "
                             f"got {validate.describe(value)}")
+        check_value = (validators or {}).get(option)
+        if check_value is not None and value is not None:
+            try:
+                check_value(value)
+            except (TypeError, ValueError) as exc:   # the inner layer's words: the option, what it takes, the value
+                raise type(exc)(f"{name}: {exc}") from None
 
 
 # ---------------------------------------------------------------- one run, in this process
@@ -234,12 +273,10 @@ def _judge(exercise: str, body: Callable[..., str | None], example: Callable[...
     its fields (a tuple: no CheckResult is made while the student's code may have changed its class), and the
     verdict is made after the interpreter is put back: nothing left for the restore to run can change it."""
     state = _save()
-    modules = set(_MODULES)   # what is imported before the student's code runs
     try:
         fields = _outcome(exercise, body, example, args, kwargs)
     finally:
         state()
-        _finish_imports(modules)   # under the kernel's own settings, put back just above
         bind_references()   # modules first imported during this check (course_lib.hf)
     return CheckResult(*fields)
 
@@ -544,8 +581,6 @@ class _alarm:  # noqa: N801 - used as a context, like a function
 
 
 def _ring(signum: int, frame: Any) -> None:
-    if _in_import_machinery(frame):
-        return   # importlib's own bookkeeping is never cut short: the timer rings again 0.1 s later
     _mark_unwinding(frame)
     raise CheckTimeout
 
@@ -563,229 +598,6 @@ def _mark_unwinding(frame: Any) -> None:
             _UNWINDING[0] = True
             return
         frame = frame.f_back
-
-
-# ---------------------------------------------------------------- imports cut short
-# A module the student's code (or torch, lazily: torch._dynamo on the first optimizer step, and sympy under it)
-# imports for the first time while a check runs in the kernel's process may be cut short by the time limit or
-# Ctrl-C. Python takes the failed modules out of sys.modules, but not the submodules they had finished (sympy.core,
-# with sympy gone): the next import of the package runs its code again, finds those done and never sets them on
-# the new package, so ``sympy.core`` is missing and every later check that reaches it was a checker_error until
-# the kernel restarted. Taking the finished submodules out as well is no cure: imported again, they register
-# their work twice (torch._dynamo.pgo: "already registered"). And an interruption landing in importlib's own
-# bookkeeping (between putting a module in sys.modules and taking a failed one out) leaves the module itself
-# half-initialised there. So the alarm never rings in importlib's bootstrap (``_ring``), and after each run in the
-# kernel's process ``_finish_imports`` finishes what the run left unfinished. What was imported before the check
-# is never touched.
-
-_MODULES = sys.modules   # the interpreter's own table, whatever the student's code rebinds sys.modules to
-_BOOTSTRAP = sys.modules["importlib._bootstrap"]
-_IMPORT_MACHINERY = frozenset({_BOOTSTRAP._find_and_load.__code__.co_filename})   # "<frozen importlib._bootstrap>"
-_MODULE_DICT = ModuleType.__dict__["__dict__"]   # a module's namespace, whatever a subclass says its __dict__ is
-_IMPORT_MODULE = importlib.import_module
-
-
-def _in_import_machinery(frame: Any) -> bool:
-    """Whether a signal landing in ``frame`` lands in importlib's bookkeeping: the frame, past the check's own
-    hooks (the guard's profiler, the audit hook) that run on its events, is importlib's bootstrap. Only the
-    innermost frame counts: a module's own top-level code (the student's ``while True``) runs above bootstrap
-    frames and is interrupted as any code is."""
-    while frame is not None and frame.f_code in _SIGNAL_HOOK_CODES:
-        frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename in _IMPORT_MACHINERY
-
-
-def _namespace(module: Any) -> dict | None:
-    """A module's own namespace, read without running any code of the module's class; None for anything else."""
-    if ModuleType not in type(module).__mro__:
-        return None
-    space = _MODULE_DICT.__get__(module)
-    return space if type(space) is dict else None
-
-
-def _spec(module: Any) -> ModuleSpec | None:
-    space = _namespace(module)
-    spec = space.get("__spec__") if space is not None else None
-    return spec if type(spec) is ModuleSpec else None
-
-
-def _unfinished(module: Any) -> bool:
-    """Whether ``module``'s import started and never finished (importlib marks it initialising until it is done),
-    and no other thread is importing it now (a thread's own import in progress is left alone)."""
-    spec = _spec(module)
-    if spec is None or vars(spec).get("_initializing") is not True:
-        return False
-    found = getattr(_BOOTSTRAP, "_module_locks", {}).get(spec.name)
-    lock = found() if callable(found) else None
-    owner = getattr(lock, "owner", None)
-    return owner is None or owner == _thread.get_ident()
-
-
-def _reloadable(module: Any) -> bool:
-    """Whether ``module`` can be imported again: found by the import system (not made by its package's code, as an
-    extension's submodules are), and not an extension module (compiled code initialised once per process: numpy's
-    refuses a second load)."""
-    spec = _spec(module)
-    loader = vars(spec).get("loader") if spec is not None else None
-    return loader is not None and type(loader) is not ExtensionFileLoader and loader is not BuiltinImporter
-
-
-def _library(module: Any) -> bool:
-    """Whether ``module`` is an installed library's, torch's or the course's (not the student's own file)."""
-    spec = _spec(module)
-    origin = vars(spec).get("origin") if spec is not None else None
-    return type(origin) is str and not is_student_file(origin)
-
-
-def _depth(name: str) -> int:
-    return name.count(".")
-
-
-def _missing_package(name: str) -> str | None:
-    """The outermost package of ``name`` that is not in sys.modules (``sympy`` for ``sympy.core.numbers``)."""
-    parts = name.split(".")
-    for end in range(1, len(parts)):
-        package = ".".join(parts[:end])
-        if package not in _MODULES:
-            return package
-    return None
-
-
-def _missing_packages(name: str) -> list[str]:
-    """Every package of ``name`` that is not in sys.modules."""
-    parts = name.split(".")
-    return [package for end in range(1, len(parts)) if (package := ".".join(parts[:end])) not in _MODULES]
-
-
-class _Reattached:
-    """A package's loader, which first sets on the new module the submodules already in sys.modules (finished the
-    first time), as the package had them then: its code, and the code it imports, may read them off it before it
-    imports them again (torch._inductor reads torch._dynamo.utils while torch._dynamo imports it), and an import
-    finding a submodule in sys.modules never sets it on its package. Everything else is the loader's own."""
-
-    def __init__(self, loader: Any, name: str):
-        self.loader, self.name = loader, name
-
-    def create_module(self, spec: ModuleSpec) -> Any:
-        create = getattr(self.loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: ModuleType) -> None:
-        space = _namespace(module)
-        spec = _spec(module)
-        if spec is not None:
-            spec.loader = self.loader
-        if space is not None:
-            space["__loader__"] = self.loader
-            prefix = self.name + "."
-            for key, child in list(_MODULES.items()):
-                if type(key) is str and key.startswith(prefix) and "." not in key[len(prefix):]:
-                    space.setdefault(key[len(prefix):], child)
-        self.loader.exec_module(module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
-
-
-class _Reattaching:
-    """A finder first on sys.meta_path while packages cut short are imported again: each of ``packages`` is found as
-    the other finders find it, its loader wrapped by :class:`_Reattached`."""
-
-    def __init__(self, packages: set[str]):
-        self.packages = packages
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
-        if name not in self.packages:
-            return None
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None) if finder is not self else None
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Reattached(spec.loader, name)
-                return spec
-        return None
-
-
-@contextlib.contextmanager
-def _reattaching(packages: set[str]) -> Any:
-    finder = _Reattaching(packages)
-    sys.meta_path.insert(0, finder)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(finder)
-
-
-def _take_out(name: str, module: Any) -> None:
-    """``module`` out of sys.modules and off its package, as importlib takes out a module whose import failed."""
-    if _MODULES.get(name) is module:
-        del _MODULES[name]
-    parent, _, child = name.rpartition(".")
-    space = _namespace(_MODULES.get(parent)) if parent else None
-    if space is not None and space.get(child) is module:
-        del space[child]
-
-
-def _finish_imports(before: set[Any]) -> None:
-    """Leave sys.modules as a whole import would have: after a run in the kernel's process (a forked child dies with
-    what it imported), the modules first imported during it are put in order.
-
-    1. A module still half-initialised (importlib's mark on it, no other thread importing it) is taken out, with
-       its attribute on its package, as importlib takes out one whose import failed.
-    2. A package whose import was cut short after some of its submodules had finished (those are left orphaned) is
-       imported again now, outside the student's code and under a time limit of its own, when those submodules are
-       a library's (torch, sympy): its code runs again, as Python's next import of it would, and finds them done,
-       so nothing they registered is registered twice. Orphans of the student's own modules (which could sleep or
-       loop again), or of a package whose import fails again, are taken out: the next import runs them in full.
-       An extension module is never taken out (it cannot be initialised twice).
-    3. Every module first imported during the run that is now in a package missing it as an attribute (a package
-       imported again finds its finished submodules and does not set them) is set on it, as importlib does.
-
-    Never raises, but for Ctrl-C pressed while a package is imported again (after the rest is put in order)."""
-    if _in_child:
-        return
-    interrupted: BaseException | None = None
-    try:
-        added = sorted((n for n in list(_MODULES) if type(n) is str and n not in before), key=_depth)
-        if not added:
-            return
-        for name in added:
-            module = _MODULES.get(name)
-            if name in _MODULES and _unfinished(module) and _reloadable(module):
-                _take_out(name, module)
-        roots = sorted({root for name in added if name in _MODULES and (root := _missing_package(name)) is not None},
-                       key=_depth)
-        for root in roots:
-            orphans = [_MODULES.get(n) for n in added if n.startswith(root + ".") and n in _MODULES]
-            if root in _MODULES or not orphans or not all(_library(module) for module in orphans):
-                continue
-            # (every package cut short, whichever root imports it again)
-            packages = {package for name in added if name in _MODULES for package in _missing_packages(name)}
-            try:
-                with _alarm(TIME_LIMIT_S), _reattaching(packages):
-                    _IMPORT_MODULE(root)
-            except KeyboardInterrupt as exc:
-                interrupted = exc
-            except BaseException:  # noqa: BLE001 - cut short or failing again: its orphans are taken out below
-                pass
-        # again, with what the imports above added (finished submodules of a package that failed again)
-        added = sorted((n for n in list(_MODULES) if type(n) is str and n not in before), key=_depth)
-        for name in added:   # a package before its submodules
-            module = _MODULES.get(name)
-            if name in _MODULES and _missing_package(name) is not None and _reloadable(module):
-                _take_out(name, module)
-        for name in added:
-            parent, _, child = name.rpartition(".")
-            module = _MODULES.get(name)
-            space = _namespace(_MODULES.get(parent)) if parent else None
-            if space is not None and name in _MODULES and _spec(module) is not None and child not in space:
-                space[child] = module
-    except Exception:  # noqa: BLE001 - the check's verdict stands; sys.modules is left as it is
-        pass
-    if interrupted is not None:
-        raise interrupted
 
 
 # ---------------------------------------------------------------- the reference guard
@@ -1156,8 +968,6 @@ def _refuse_profiler_changes(event: str, args: tuple) -> None:
 
 _THREAD_START = threading.Thread._bootstrap_inner.__code__   # type: ignore[attr-defined]
 sys.addaudithook(_refuse_profiler_changes)
-# the check's own hooks, which run on the events of the code where a signal lands (``_in_import_machinery``)
-_SIGNAL_HOOK_CODES = frozenset({*_HOOK_CODES, _refuse_profiler_changes.__code__, _own_setprofile.__code__})
 
 # Every thread started while a guard watches starts watched. threading.setprofile raises no audit event, and a
 # thread started through _thread takes no profiler at all: either way the student's code could run the course's
