@@ -63,7 +63,7 @@ class TrainingRun:
         return f"{self.label}: {len(self.step)} steps, {end}"
 
 
-def _tolerance(value: object) -> float:
+def valid_tolerance(value: object) -> float:
     """A tolerance on the final loss: a finite number >= 0 (0 asks for the same numbers)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
         raise ValueError(f"tolerance: expected a finite number >= 0 (the course uses {TOLERANCE}), got "
@@ -76,7 +76,7 @@ def how_it_fails(run: TrainingRun, reference: TrainingRun, tolerance: float) -> 
     for name, given in (("run", run), ("reference", reference)):
         if not isinstance(given, TrainingRun):
             raise TypeError(f"{name}: expected a TrainingRun from train_parts(...), got {describe(given)}")
-    tolerance = _tolerance(tolerance)
+    tolerance = valid_tolerance(tolerance)
     if run.failure == "nan" or not all(math.isfinite(loss) for loss in run.train_loss + run.val_loss):
         return "nan"   # a NaN loss is never within a tolerance, whatever a comparison with it says
     if run.failure is not None:
@@ -98,7 +98,7 @@ def judge(yours: TrainingRun, reference: TrainingRun, tolerance: float = TOLERAN
     for name, run in (("yours", yours), ("reference", reference)):
         if not isinstance(run, TrainingRun):
             raise TypeError(f"{name}: expected a TrainingRun from train_parts(...), got {describe(run)}")
-    tolerance = _tolerance(tolerance)
+    tolerance = valid_tolerance(tolerance)
     if reference.failure is not None:
         raise ValueError(f"reference: the reference run itself failed ({reference.failure}); "
                          f"this is a bug in the course, please report it")

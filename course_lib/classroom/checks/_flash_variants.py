@@ -37,6 +37,15 @@ def unwritten_rows(out: torch.Tensor, expected: torch.Tensor, block_q: int) -> s
                 f"with qe = min(qs + block_q, Lq); the slice already excludes qe (no - 1).")
     return None
 
+
+def block_corner(advice: str) -> str:
+    """The words of one mistake that 10.2 and 10.3 (and the future-leak probe) share: a causal mask built from
+    positions counted from the block's corner, then ``advice``."""
+    return (f"your causal mask counts positions from the block's corner (arange(Bk) > arange(Bq), or triu(1) of "
+            f"the block), not from the start of the sequence: it is right only for a block that sits on the "
+            f"diagonal. {advice}")
+
+
 # ============================================================================ 10.1 online softmax
 
 
@@ -104,7 +113,8 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
                     rescale_sum: bool = True, scale_power: int = 1, last_block: str = "ok",
                     normalize: str = "end", ignore_causal: bool = False, maximum: str = "running",
                     k_bounds: str = "ok", mask: str = "absolute", always_causal: bool = False,
-                    values: str = "v", factor_on: str = "old") -> tuple[torch.Tensor, torch.Tensor]:
+                    values: str = "v", factor_on: str = "old", exp_against: str = "new"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tiled forward of (q, k, v) (..., L, d) in float64, with the named slips switched on: (out, lse).
     ``maximum`` as in ``softmax_variant`` ("zero", "none", "shared" one maximum for all rows of a query block);
     those run in q's own dtype, where exp overflows or underflows as the student's does. ``k_bounds``: "overlap"
@@ -114,7 +124,8 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
     at the block's first query; ``always_causal``: masked even when causal=False; ``values="keys"``: p @ k; ``normalize``:
     "every" (acc / l after each block) or "unrenormalised" (acc += p @ v / l_new, the old part never rescaled
     by l_old / l_new); ``factor_on``: what exp(m_old - m_new) multiplies in l and acc, "old" (right), "all"
-    (the old part and the new block's) or "new" (the new block's only)."""
+    (the old part and the new block's) or "new" (the new block's only); ``exp_against="old"``: p = exp(s - m_old),
+    against the running maximum before this block (the block's own maximum at the first block)."""
     causal = (causal and not ignore_causal) or always_causal
     work = torch.float64 if maximum == "running" else q.dtype
     q, k, v = q.to(work), k.to(work), v.to(work)
@@ -154,6 +165,9 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
                 m_new = torch.maximum(m, s.amax(-1))
             safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - safe[..., None])
+            if exp_against == "old":     # the exponentials taken before the maximum is updated
+                base = torch.where(torch.isinf(m), s.amax(-1), m)
+                p = torch.exp(s - torch.where(torch.isinf(base), torch.zeros_like(base), base)[..., None])
             correction = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf), m - safe))
             if maximum == "none":        # nothing subtracted, nothing to rescale
                 correction = torch.ones_like(m)
@@ -223,6 +237,16 @@ FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code
     ("online_rescale", "the factor exp(m_old - m_new) multiplies the new block's terms instead of the old l and "
                        "acc: p is exp(s - m_new) already, and the old sums, made with m_old, are what need it: "
                        "l = l * factor + p.sum(-1), acc = acc * factor + p @ v.", {"factor_on": "new"}),
+    ("online_rescale", "your exponentials are taken against the old running maximum, p = exp(s - m_old), before "
+                       "it is updated with this block, and nothing corrects them: each key block's terms are then "
+                       "measured against another maximum, and a block whose scores exceed m_old can overflow. "
+                       "Update the maximum first, m_new = torch.maximum(m, s.amax(-1)), then take p = exp(s - "
+                       "m_new) and rescale the old l and acc by exp(m_old - m_new).",
+     {"exp_against": "old", "rescale_sum": False, "rescale_acc": False}),
+    ("online_rescale", "your exponentials are taken against the old running maximum, p = exp(s - m_old), before "
+                       "it is updated with this block, while l and acc are rescaled to the new one: the new terms "
+                       "are then too large by exp(m_new - m_old). Update the maximum first, m_new = "
+                       "torch.maximum(m, s.amax(-1)), then take p = exp(s - m_new).", {"exp_against": "old"}),
     ("scale", "the scores are scaled by 1/sqrt(d) twice (say, q scaled once and the scores again): scale once.",
      {"scale_power": 2}),
     ("scale", "the scores are not scaled by 1/sqrt(d).", {"scale_power": 0}),
@@ -240,12 +264,10 @@ FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code
                      "never read. Loop over range(0, Lk, block_k).", {"k_bounds": "stop_early"}),
     ("block_bounds", "the last key is never read: a key block ends at ke = min(ks + block_k, Lk), and the slice "
                      "k[..., ks:ke] already excludes ke (no Lk - 1).", {"k_bounds": "short"}),
-    ("causal_mask", "your mask counts positions inside the block (arange(Bk) > arange(Bq)), not in the sequence: "
-                    "a query may see every key whose position is not after its own, so compare the absolute "
-                    "positions ks + col and qs + row.", {"mask": "local"}),
-    ("causal_mask", "your mask counts positions inside the block (arange(Bk) > arange(Bq)), not in the sequence: "
-                    "in a block that crosses the diagonal, compare the absolute positions ks + col and qs + row.",
-     {"mask": "local_diagonal"}),
+    ("causal_mask", block_corner("A query may see every key whose position is not after its own, so compare "
+                                 "the absolute positions ks + col and qs + row."), {"mask": "local"}),
+    ("causal_mask", block_corner("In a block that crosses the diagonal, compare the absolute positions ks + col "
+                                 "and qs + row."), {"mask": "local_diagonal"}),
     ("causal_mask", "you mask the future although causal=False: only causal attention hides later keys; mask "
                     "(and skip key blocks) only when causal is True.", {"always_causal": True}),
     ("values", "the weights multiply the keys (p @ k): the output is the weighted sum of the VALUES, acc += p @ "
@@ -268,7 +290,7 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
                      dq_scale: bool = True, dk_scale: bool = True, dp: str = "ok", always_causal: bool = False,
                      values: str = "v", recompute: str = "ok", twice: bool = False, score_scale: float | None = None,
                      grad_scale: float | None = None, recompute_scale: float | None = None, ds_sign: bool = False,
-                     swapped: bool = False) -> tuple[torch.Tensor, ...]:
+                     swapped: bool = False, assigned: str = "") -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) of attention in float64 by the recomputation formulas, block by block, with the named slips
     switched on. A transposed product (P @ dO for P^T @ dO) only fits square blocks; elsewhere it raises.
     ``delta`` also "everything" (one D for all queries, heads and batches), "key_block" (rowsum(P * dP) over one
@@ -280,7 +302,10 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
     before the query block's start (range(0, q_start, block_k)); ``ds_sign``: dS = P * (D - dP); ``score_scale``: another factor on the scores,
     forward and backward alike; ``grad_scale``: another factor on dQ and dK alone; ``recompute_scale``: another
     factor on the recomputed scores alone, P = exp(q k^T * factor - lse); ``swapped``: dk returned as dq and dq as
-    dk (only where they have one shape)."""
+    dk (only where they have one shape); ``mask="local"``: every block computed masked with positions counted from
+    its corner ("local_diagonal": only those that cross the diagonal); ``assigned``: "dq", "dk" or "dv" written
+    with = where += is meant, so that only the last block of the inner loop counts (the last key block a query
+    block computes, for dq; the last query block, for dk and dv)."""
     q, k, v, do = q.double(), k.double(), v.double(), grad_out.double()
     scale = q.shape[-1] ** -0.5 if score_scale is None else score_scale
     s = q @ k.transpose(-2, -1) * scale
@@ -299,6 +324,9 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
         rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
         last_query = torch.clamp((rows // block_q + 1) * block_q, max=q.shape[-2]) - 1
         p = p.masked_fill((cols // block_k) * block_k > last_query, 0.0)
+    if causal and mask in ("local", "local_diagonal"):
+        p = torch.exp(s.masked_fill(_corner_mask(q.shape[-2], k.shape[-2], block_q, block_k, mask), float("-inf"))
+                      - lse)
     if causal and mask == "skip_diagonal":
         rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
         p = p.masked_fill((cols // block_k) * block_k >= (rows // block_q) * block_q, 0.0)
@@ -336,9 +364,45 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
                 dk_blocks[..., ks:ke, :] += (ds_blk @ q[..., qs:qe, :] if dk_transposed
                                              else ds_blk.transpose(-2, -1) @ q[..., qs:qe, :]) * factor
         dk, dv = dk_blocks, dv_blocks
+    if assigned:
+        dq, dk, dv = _last_block_only(assigned, p, ds, q, k, do, dq, dk, dv, factor, block_q, block_k, causal)
     if swapped and dq.shape != dk.shape:
         raise ValueError("dq and dk of different shapes cannot be swapped")
     return (dk, dq, dv) if swapped else (dq, dk, dv)
+
+
+def _corner_mask(length_q: int, length_k: int, block_q: int, block_k: int, mask: str) -> torch.Tensor:
+    """(Lq, Lk): what a causal mask in block coordinates hides, triu(1) of each block the key loop computes
+    ("local": every one; "local_diagonal": those that cross the diagonal), and every block it skips."""
+    hide = torch.ones(length_q, length_k, dtype=torch.bool)
+    for qs in range(0, length_q, block_q):
+        qe = min(qs + block_q, length_q)
+        for ks in range(0, min(length_k, qe), block_k):
+            ke = min(ks + block_k, length_k)
+            crosses = ke - 1 > qs
+            block = hide[qs:qe, ks:ke]
+            block.copy_(torch.ones_like(block).triu(1) if mask == "local" or crosses else torch.zeros_like(block))
+    return hide
+
+
+def _last_block_only(name: str, p: torch.Tensor, ds: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     do: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, factor: float,
+                     block_q: int, block_k: int, causal: bool) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) with ``name`` holding only the last block's share of its sum: dq[qs:qe] = (the last key block
+    the query block computes), dk[ks:ke] and dv[ks:ke] = (the last query block's)."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    if name == "dq":
+        dq = torch.zeros_like(dq)
+        for qs in range(0, lq, block_q):
+            qe = min(qs + block_q, lq)
+            ks = (((min(lk, qe) if causal else lk) - 1) // block_k) * block_k
+            ke = min(ks + block_k, lk)
+            dq[..., qs:qe, :] = ds[..., qs:qe, ks:ke] @ k[..., ks:ke, :] * factor
+        return dq, dk, dv
+    qs = ((lq - 1) // block_q) * block_q
+    if name == "dk":
+        return dq, ds[..., qs:, :].transpose(-2, -1) @ q[..., qs:, :] * factor, dv
+    return dq, dk, p[..., qs:, :].transpose(-2, -1) @ do[..., qs:, :]
 
 
 def _blocked_ds(p: torch.Tensor, do: torch.Tensor, v: torch.Tensor, out: torch.Tensor, d: torch.Tensor,
@@ -413,6 +477,18 @@ BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code,
     ("block_skip", "your key loop stops at the query block's start (range(0, q_start, block_k)), so it skips the "
                    "diagonal block: its keys up to each query are needed, as in the forward. A key block is needed "
                    "while its first key is not after the block's last query.", {"mask": "skip_diagonal"}),
+    ("causal_mask", block_corner("Your backward recomputes P = exp(S - lse) with it, so in the blocks below the "
+                                 "diagonal keys a query may see get no weight. Mask where ks + col > qs + row, the "
+                                 "absolute positions, as in the forward."), {"mask": "local"}),
+    ("causal_mask", block_corner("In the blocks that cross the diagonal but do not sit on it (block_q != block_k, "
+                                 "or a block that does not divide L), your recomputed P = exp(S - lse) then hides "
+                                 "the wrong keys. Mask where ks + col > qs + row, the absolute positions, as in the "
+                                 "forward."), {"mask": "local_diagonal"}),
+    *(("gradient", f"{name} is written with = where += is meant ({name}[...] = ... inside the loop over the "
+                   f"{inner} blocks): each block overwrites the share of the blocks before it, so {name} holds only "
+                   f"the last {inner} block's. {name} is a sum over every {inner} block: start it at zeros and "
+                   f"add, {name}[...] += ...", {"assigned": name})
+      for name, inner in (("dq", "key"), ("dk", "query"), ("dv", "query"))),
     ("scale", "dQ and dK are exactly -1 times the right ones: dS has its sign flipped. dS = P * (dP - D), not "
               "P * (D - dP).", {"ds_sign": True}),
 ))

@@ -12,6 +12,7 @@ each would compute, on a copy of the model): one mistake model for the topic, se
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from ._student_code import call_student, close, expect_callable
 from ._student_files import exception_line, raised_in_student_code
 from .engine import first_mistake
 from .engine.example import compare
-from .engine.function import UNEXPLAINED
+from .engine.function import UNEXPLAINED, Afresh
 from .engine.model_state import ModelState, autograd_cause, global_hooks_kept, plant_hooks
 from .engine.probes import AFTER_A_STEP, weight_step
 
@@ -132,7 +133,9 @@ def _models() -> list[tuple[str, nn.Module]]:
              randomize_(gpt, generator).train())]
 
 
-_CASES = {0: [(0, 1), (1, 2), (1, 0)], 1: [(1, 3), (0, 0)]}
+# the second model repeats a head (0) and a (layer, head) pair (1, 0) of the first, at other widths: a mask, a slice
+# or a size kept from an earlier call under a key that leaves the model out shows there
+_CASES = {0: [(0, 1), (1, 2), (1, 0)], 1: [(1, 3), (0, 0), (1, 0)]}
 
 
 def _columns(attn: nn.Module, kind: str, head: int) -> list[int]:
@@ -277,6 +280,8 @@ class _Fresh:
         attn = self.model.blocks[layer].attn
         planted = plant_hooks(self.model, [attn, attn.proj])
         self.before = ModelState.of(self.model, planted)
+        _distinctive_random_state()
+        self.random = _random_state()   # the caller's, before the student's code (a class may reseed in __init__)
         self.manager = call_student(fn, self.model, layer, head, what=shown)
         _expect_context_manager(self.manager, shown)
 
@@ -288,6 +293,7 @@ class _Fresh:
                 fail("exception", f"{_sentence(failure.message)} Your generator ended before its `yield`: the "
                                   f"`yield` must run on every call (not under an `if` that can be false).")
             raise
+        _random_kept(self.random, self.shown, "on entering the `with`")
 
     def leave(self, raised: BaseException | None = None) -> bool:
         """Leave the ``with`` (with ``raised`` inside it, or not): whether the manager swallowed ``raised``."""
@@ -299,13 +305,16 @@ class _Fresh:
                                                    raised.__traceback__ if raised else None))
             except _Probe:    # re-raising the exception it was given is not swallowing it
                 return False
+        before = _random_state()
         try:
-            return call_student(exit_, what=f"leaving `with {self.shown}`")
+            swallowed = call_student(exit_, what=f"leaving `with {self.shown}`")
         except Failure as failure:
             if failure.diagnosis == "exception" and "generator didn't stop" in failure.message:
                 fail("exception", f"{_sentence(failure.message)} Your generator must `yield` exactly once: one "
                                   f"`yield` in a try/finally, not one in a loop or two.")
             raise
+        _random_kept(before, self.shown, "on leaving the `with`")
+        return swallowed
 
     def run(self, idx: torch.Tensor, where: str) -> Any:
         """The model on ``idx`` with the student's changes in place: what fails there is theirs."""
@@ -318,6 +327,36 @@ class _Fresh:
                               f"(torch.float32, .float(), dtype=torch.float64). Make new tensors like the one you "
                               f"change: torch.ones_like(x), x.new_zeros(...), dtype=x.dtype.")
             raise
+
+
+def _distinctive_random_state() -> None:
+    """Put torch's and Python's global random state where no one seeds it, before the student's code: a reseed to any
+    usual seed (0, 42, 1337) then shows whatever state the caller had left (a test that seeded 0 and drew nothing
+    since would hide ``random.seed(0)``). The check puts the caller's own state back when it ends."""
+    torch.manual_seed(0x113_5EED)
+    random.seed(0x113_5EED)
+
+
+def _random_state() -> tuple[torch.Tensor, Any]:
+    """torch's global random state and Python's: what the caller's own draws come from."""
+    return torch.get_rng_state(), random.getstate()
+
+
+def _random_kept(before: tuple[torch.Tensor, Any], shown: str, when: str) -> None:
+    """The student's code, entering or leaving the ``with``, left the caller's random state as it found it (the
+    run's guard puts it back after the check, so only a comparison here shows a reseed)."""
+    torch_before, python_before = before
+    torch_now, python_now = _random_state()
+    changed = ("torch's global random state" if not torch.equal(torch_before, torch_now) else
+               "Python's random state (the random module)" if python_before != python_now else None)
+    if changed:
+        fail("not_restored", f"{shown}: {when}, your context manager changed {changed}: it reseeds it "
+                             f"(torch.manual_seed, random.seed) or draws from it (torch.rand, torch.randn). The "
+                             f"caller's random numbers, inside the block and after it, are then no longer the ones "
+                             f"their own seed gives. A context manager must not touch the caller's random state: "
+                             f"switching a head off needs no random numbers, so remove the seed; if you do need "
+                             f"some, draw them from a torch.Generator of your own (torch.Generator().manual_seed(0)), "
+                             f"or inside torch.random.fork_rng().")
 
 
 def _inside(fresh: _Fresh, layer: int, idx: torch.Tensor, weights: torch.Tensor, expected: torch.Tensor
@@ -356,16 +395,24 @@ def judge_ablate_head(fn: Callable[..., Any]) -> str:
 
 
 def _judge(fn: Callable[..., Any]) -> str:
+    # the places the student's code could keep something in (globals, defaults, closure), as before the first call;
+    # @contextmanager's wrapper keeps the student's generator function as __wrapped__
+    start = Afresh(getattr(fn, "__wrapped__", fn))
     generator = torch.Generator().manual_seed(12)
     for number, (described, built) in enumerate(_models()):
         idx = torch.randint(13, (2, 10), generator=generator)               # (N, L)
         weights = torch.randn(2, 10, 13, generator=generator)              # (N, L, vocab): a probe of the logits
-        for layer, head in _CASES[number]:
-            _one_case(fn, built, layer, head, idx, weights, f"ablate_head(model, layer={layer}, head={head}) on "
-                                                            f"{described}")
+        for index, (layer, head) in enumerate(_CASES[number]):
+            shown = f"ablate_head(model, layer={layer}, head={head}) on {described}"
+            try:
+                _one_case(fn, built, layer, head, idx, weights, shown)
+            except Failure as failure:
+                if number or index:   # an earlier call could have left something behind
+                    _kept_from_earlier(failure, start, fn, built, layer, head, idx, weights, shown)
+                raise
     _after_a_step(fn)
     _in_float64(fn)
-    return ("Inside the `with`, exactly that head is off (both models, five layer/head pairs, gradients still "
+    return ("Inside the `with`, exactly that head is off (both models, six layer/head pairs, gradients still "
             "flowing, a float64 model too); afterwards, and after an exception inside, the model is exactly as "
             "before, other code's hooks included.")
 
@@ -410,6 +457,36 @@ def _one_case(fn: Callable[..., Any], built: nn.Module, layer: int, head: int, i
                           f"try/except.")
     _restored(fresh, idx, base, "when the code inside the `with` raises", "Put the undoing in a `finally:` "
               "around the `yield`, so it runs however the block ends.")
+
+
+def _head_dim(model: nn.Module, layer: int) -> int:
+    attn = model.blocks[layer].attn
+    return attn.proj.in_features // attn.num_heads
+
+
+def _kept_from_earlier(failure: Failure, start: Afresh, fn: Callable[..., Any], built: nn.Module, layer: int,
+                       head: int, idx: torch.Tensor, weights: torch.Tensor, shown: str) -> None:
+    """``kept_state`` where a case that failed in the course of the check passes when the student's code starts
+    afresh (its globals, defaults and closure as before the check's first call): a mask, a slice or a size made for
+    an earlier model or call was reused on this one."""
+    if failure.diagnosis == "kept_state" or not start.places:
+        return
+    with start.restored():
+        try:
+            _one_case(fn, built, layer, head, idx, weights, shown)
+        except Failure:
+            return   # wrong afresh too: the first verdict stands
+    said = failure.message.removeprefix(f"{shown}: ").splitlines()[0].rstrip(".")
+    if len(said) > 300:
+        said = said[:300].rstrip() + " [...]"
+    fail("kept_state", f"{shown}: this case fails ({said}), yet the same case is right when your code starts afresh "
+                       f"(its globals, default arguments and closure as they were before the checker's first call). "
+                       f"Your context manager keeps something from an earlier call (a keep-mask, a slice of columns "
+                       f"or a head_dim, stored in a global or a default argument, or cached under a key that leaves "
+                       f"out the model, such as the head alone) and reuses it on a model it does not fit: this "
+                       f"model's heads are {_head_dim(built, layer)} numbers wide. Make it in each call "
+                       f"from the model you are given (attn.head_dim, attn.num_heads, x.shape), or key a cache by "
+                       f"everything it depends on.")
 
 
 def _restored(fresh: _Fresh, idx: torch.Tensor, base: torch.Tensor, when: str, advice: str) -> None:

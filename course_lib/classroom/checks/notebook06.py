@@ -1,6 +1,7 @@
 """Exercises of notebook 06 (inference cost): 6.1 flops_per_token, 6.2 generate_with_cache."""
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import numbers
@@ -52,9 +53,25 @@ def _flops_what(config: Any, weights: int) -> str:
             f"Q={config.head_dim}, T={config.max_tokens}; num_weights={weights:,})")
 
 
-def _flops_cases(configs: tuple[dict[str, int], ...], other_weights: int | None = None) -> list[Case]:
+# GPT-2 XL's sizes: about 1.6e9 weights, so 6N (about 1e10) is past what a 32-bit integer holds (2**31 - 1).
+_LARGE = dict(vocab_size=50257, max_tokens=1024, embed_dim=1600, num_heads=25, num_layers=48)
+_INT32 = 2 ** 31 - 1
+
+
+def _weights_of(config: Any) -> int:
+    """N of ``GPT(config).num_parameters(include_embeddings=False)``, counted from the sizes alone (a model of a
+    billion weights is never built): the token embedding and the untied head (V·E each), the final LayerNorm
+    (2E), and per block the four attention projections (4E²), the feed-forward (2·r·E²) and two LayerNorms (4E);
+    no biases (the config's ``bias=False``)."""
+    e, layers = config.embed_dim, config.num_layers
+    return 2 * config.vocab_size * e + 2 * e + layers * ((4 + 2 * config.mlp_ratio) * e * e + 4 * e)
+
+
+def _flops_cases(configs: tuple[dict[str, int], ...], other_weights: int | None = None, large: bool = False
+                 ) -> list[Case]:
     """Each configuration with its GPT's own count of weights; with ``other_weights``, the first again with
-    that count, which no configuration gives (the text: N is the argument, whatever model it counts)."""
+    that count, which no configuration gives (the text: N is the argument, whatever model it counts); with
+    ``large``, last, GPT-2 XL's sizes and count (counted from the config), where a count in int32 overflows."""
     cases = []
     for sizes in configs:
         config = model_ref.GPTConfig(**sizes)
@@ -63,7 +80,40 @@ def _flops_cases(configs: tuple[dict[str, int], ...], other_weights: int | None 
     if other_weights is not None:
         config = cases[0].args[0]
         cases.append(Case((config, other_weights), _flops_what(config, other_weights)))
+    if large:
+        config = model_ref.GPTConfig(**_LARGE)
+        weights = _weights_of(config)
+        cases.append(Case((config, weights), _flops_what(config, weights) + " (GPT-2 XL's sizes)"))
     return cases
+
+
+def _config_fields(config: Any) -> dict[str, Any]:
+    """Every field of the config as it is now (a copy: a list field changed in place shows too)."""
+    fields = dict(vars(config)) if hasattr(config, "__dict__") else {}
+    try:
+        return copy.deepcopy(fields)
+    except Exception:  # noqa: BLE001 - a field that will not copy is compared as it is
+        return fields
+
+
+def _config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    missing = object()
+    changes = []
+    for name in [*before, *(name for name in after if name not in before)]:
+        old, new = before.get(name, missing), after.get(name, missing)
+        try:
+            same = old is new or bool(old == new)
+        except Exception:  # noqa: BLE001 - a value whose comparison raises has changed as far as we can tell
+            same = False
+        if same:
+            continue
+        if new is missing:
+            changes.append(f"config.{name} was deleted")
+        elif old is missing:
+            changes.append(f"config.{name} was set to {new!r} (it was not there before)")
+        else:
+            changes.append(f"config.{name} was {old!r} and is {new!r} after the call")
+    return changes
 
 
 def _flops(count: Callable[[Any, int], float]) -> Callable[[Any, int], torch.Tensor]:
@@ -73,7 +123,18 @@ def _flops(count: Callable[[Any, int], float]) -> Callable[[Any, int], torch.Ten
 def _counted(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     """The student's count as a float64 tensor, once it is a finite number."""
     def count(config: Any, weights: int) -> torch.Tensor:
-        what, value = _flops_what(config, weights), as_tensor(fn(config, weights))   # numpy becomes a tensor
+        what, before = _flops_what(config, weights), _config_fields(config)
+        value = as_tensor(fn(config, weights))   # numpy becomes a tensor
+        changed = _config_changes(before, _config_fields(config))
+        if changed:   # before the number: a right count from a changed config still leaves the caller's changed
+            if hasattr(config, "__dict__"):   # the case's config put back: the probes after this one read it
+                vars(config).clear()
+                vars(config).update(before)
+            fail("mutation", f"{what} changed the config it was given: {'; '.join(changed[:3])}"
+                             f"{f' (and {len(changed) - 3} more)' if len(changed) > 3 else ''}. The config is the "
+                             f"caller's, the one their model was built from: do not change the config you are given. "
+                             f"Read its fields into local variables (T = config.max_tokens), or change a copy "
+                             f"(dataclasses.replace(config, max_tokens=...)).")
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -95,8 +156,11 @@ class _Count(FunctionExercise):
     """A count is right up to float rounding, not within the tolerance of computed tensors."""
 
     def same(self, out: Any, expected: torch.Tensor) -> bool:
+        # past 2**31 a float32 count (24 bits) is off by its rounding, a few parts in 1e8: an estimate of FLOPs,
+        # right; below it every count is a whole number float32 holds, and any slip shows there
+        rel = 1e-9 if abs(float(expected)) < 2 ** 31 else 1e-6
         return isinstance(out, torch.Tensor) and out.shape == expected.shape and \
-            math.isclose(float(out), float(expected), rel_tol=1e-9, abs_tol=1e-6)
+            math.isclose(float(out), float(expected), rel_tol=rel, abs_tol=1e-6)
 
 
 def _one_term_off(runs: list[Run]) -> None:
@@ -120,7 +184,24 @@ def _one_term_off(runs: list[Run]) -> None:
                                 f"backward pass.")
 
 
+def _overflowed(runs: list[Run]) -> None:
+    """``dtype`` where the count is right on the small configurations and, on GPT-2 XL's, off by a multiple of
+    2**32: it was computed in 32-bit integers (np.int32, torch.int32), which wrap past 2**31 - 1."""
+    wrong = [run for run in runs if not FLOPS_PER_TOKEN.same(run.out, run.expected)]
+    if not wrong or any(abs(float(run.expected)) <= _INT32 for run in wrong):
+        return
+    run = wrong[0]
+    got, expected = float(run.out), float(run.expected)
+    if got.is_integer() and (int(got) - int(expected)) % 2 ** 32 == 0:
+        fail("dtype", f"{run.case.what} returned {Number(run.out):,.0f}, expected {Number(run.expected):,.0f}: your "
+                      f"count overflowed a 32-bit integer. It is right on the small configurations, but here 6N "
+                      f"alone is {6 * run.case.args[1]:,}, past the int32 limit of {_INT32:,}, and int32 arithmetic "
+                      f"(np.int32, torch.int32, a tensor of dtype int32) wraps around silently. Count with Python "
+                      f"ints (int(...), which never overflow), or with int64 or float64.")
+
+
 def _ignores_weights(runs: list[Run], fn: Any) -> None:
+    _overflowed(runs)
     _one_term_off(runs)
     run = next(run for run in runs if not FLOPS_PER_TOKEN.same(run.out, run.expected))
     config, weights = run.case.args
@@ -280,7 +361,7 @@ _SLIPS = (
 
 FLOPS_PER_TOKEN = _Count(
     "6.1", "flops_per_token", lambda config, weights: _flops(train_ref.flops_per_token)(config, weights),
-    lambda: _flops_cases(_CONFIGS, other_weights=1_000_000), ("config", "num_weights"),
+    lambda: _flops_cases(_CONFIGS, other_weights=1_000_000, large=True), ("config", "num_weights"),
     success="6N + 12·n·H·Q·T, right for every configuration tried.",
     mismatch=lambda run: (f"{run.case.what} returned {Number(run.out):,.0f}, expected {Number(run.expected):,.0f} = "
                           f"6·{run.case.args[1]:,} + 12·{run.case.args[0].num_layers}·{run.case.args[0].num_heads}·"

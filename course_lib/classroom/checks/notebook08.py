@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..collect import GPT_EXERCISES
-from ..training_runs import TOLERANCE, TrainingRun, judge
+from ..training_runs import TOLERANCE, TrainingRun, judge, valid_tolerance
 from ..verdict import fail
 from .engine import checker
 from .engine.example import compare
@@ -66,7 +66,7 @@ def _check_which_run_is_which(yours: TrainingRun, reference: TrainingRun) -> Non
                           f"the reference at {reference.val_step}. Train both with one setup and the same steps.")
 
 
-@checker("8.1", example=_curves)
+@checker("8.1", example=_curves, options={"tolerance": valid_tolerance})   # >= 0: judge refuses a negative one
 def check_trains_like_reference(yours: Any, reference: Any, tolerance: float | None = None) -> str:
     """``yours`` and ``reference``: TrainingRuns from ``capstone.train_parts``; the verdict is ``judge``'s."""
     for name, run in (("yours", yours), ("reference", reference)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 import types
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from ._student_files import is_student_file
 from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, function_example, judge, module_example
 from .engine.example import SEEDS, tiny
 from .engine.function import UNEXPLAINED, Run
+from .engine.model_state import parameters_changed, parameters_held
 from .engine.other_sizes import at_other_sizes
 from .engine.probes import (
     IN_TURN,
@@ -479,6 +481,46 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> dict[str, Mi
                 output=x / (x.std(-1, keepdim=True) + eps) * w),
     ]
     out = {f"fixed{i}": m for i, m in enumerate(fixed)}
+    # eps scaled with the row: x divided first by a size of its own (its largest |value|, its norm, its mean |x|)
+    # and eps then added to the mean of the squares of that scaled vector, which is eps·size² on x's scale
+    for key, said, size in (("max", "its largest absolute value (x.abs().amax(-1))", x.abs().amax(-1, keepdim=True)),
+                            ("norm", "its norm (x.norm(dim=-1))", x.pow(2).sum(-1, keepdim=True).sqrt()),
+                            ("mean_abs", "its mean absolute value", mean_abs)):
+        out[f"scaled_eps_{key}"] = Mistake(
+            "epsilon", f"you divide x by {said} first and add eps to the mean of the squares of the scaled vector: "
+                       f"on x's own scale that adds eps·{key.replace('_', ' ')}², not eps, so epsilon grows and "
+                       f"shrinks with each row (rows far from 1 are normalised wrongly). Add self.eps to the mean of "
+                       f"the squares of x itself: x / sqrt(mean(x^2) + eps). Scaling x first changes nothing in the "
+                       f"result, so it is not needed; if you keep it, add eps / {key.replace('_', ' ')}² to the scaled "
+                       f"vector's mean of squares instead.",
+            output=x / (ms + eps * size.pow(2)).sqrt() * w)
+    # the sum of the squares divided by another axis's length than the features' (x.shape[1] in a 3-D x is L)
+    dim = x.shape[-1]
+    for axis in range(x.dim() - 1):
+        for index in (axis, axis - x.dim()):
+            if x.shape[axis] != dim:
+                out[f"count{index}"] = Mistake(
+                    "norm_statistic", f"you divide the sum of the squares by x.shape[{index}] (here {x.shape[axis]}), "
+                                      f"the length of axis {index}, not by the number of features dim = x.shape[-1] "
+                                      f"(here {dim}): the mean of the squares is over the last axis only, per token. "
+                                      f"Use x.pow(2).mean(-1, keepdim=True) (or divide the sum by x.shape[-1]).",
+                    output=x / (x.pow(2).sum(-1, keepdim=True) / x.shape[axis] + eps).sqrt() * w)
+    # one mean of the squares over several axes together (the tokens and the features, every axis but the batch)
+    every = tuple(range(x.dim()))
+    for size in range(2, x.dim()):
+        for axes in itertools.combinations(every, size):
+            shown = ", ".join(str(a) for a in axes)
+            mistake = lambda said, axes=axes: Mistake(
+                "norm_statistic", f"you take one mean of the squares over {said} together, so every vector in it "
+                                  f"shares one statistic: RMSNorm normalises each token's vector on its own, so the "
+                                  f"mean of the squares is over the last axis only, per token: "
+                                  f"x.pow(2).mean(dim=-1, keepdim=True), whatever the number of axes.",
+                output=x / _rms(x, eps, axes) * w)
+            out[f"axes{axes}"] = mistake(f"axes ({shown}) (dim=({shown}))")
+            negative = tuple(a - x.dim() for a in axes)
+            out[f"axes{negative}"] = mistake(f"axes {negative} (dim={negative})")
+            if axes == every[1:]:
+                out["axes_but_batch"] = mistake("every axis but the batch (axes 1 to the last)")
     for axis in range(x.dim() - 1):
         out[f"axis{axis}"] = Mistake("norm_statistic", f"you take the mean over axis {axis}, not over the features: "
                                                        f"RMSNorm normalises each vector on its own, over the last axis "
@@ -499,8 +541,8 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> dict[str, Mi
     return out
 
 
-def _diagnose_norm(runs: list[tuple[torch.Tensor, nn.Module, torch.Tensor, torch.Tensor, str]]) -> None:
-    """The first mistake whose output the student's matches in every run where it is defined."""
+def _known_norm_mistake(runs: list[tuple[torch.Tensor, nn.Module, torch.Tensor, torch.Tensor, str]]) -> None:
+    """The first mistake whose output the student's matches in every run where it is defined, if one does."""
     per_run = [_norm_mistakes(x.double(), reference.weight.detach().double(), reference.eps)
                for x, reference, _, _, _ in runs]
     first = next(i for i, (_, _, out, expected, _) in enumerate(runs) if not close(out, expected))
@@ -508,6 +550,12 @@ def _diagnose_norm(runs: list[tuple[torch.Tensor, nn.Module, torch.Tensor, torch
         if all(key not in mistakes or close(out, mistakes[key].output)
                for (_, _, out, _, _), mistakes in zip(runs, per_run)):
             fail(mistake.code, f"{runs[first][4]}: {mistake.message}")
+
+
+def _diagnose_norm(runs: list[tuple[torch.Tensor, nn.Module, torch.Tensor, torch.Tensor, str]]) -> None:
+    """The first mistake whose output the student's matches in every run where it is defined, else mismatch."""
+    _known_norm_mistake(runs)
+    first = next(i for i, (_, _, out, expected, _) in enumerate(runs) if not close(out, expected))
     _, _, out, expected, shown = runs[first]
     fail("mismatch", f"{shown}: the output differs from x / sqrt(mean(x^2) + eps) * weight by up to "
                      f"{max_diff(out, expected):.3g} (mean over the last axis, eps = self.eps).")
@@ -522,6 +570,40 @@ def _build_norm(cls: Any, dim: int, eps: float | None, generator: torch.Generato
         reference.weight.copy_(1.0 + 0.5 * torch.randn(dim, generator=generator))
     copy_weights(reference, candidate, "your RMSNorm")
     return candidate, reference
+
+
+def _norm_call(module: nn.Module, x: torch.Tensor, shown: str) -> Any:
+    """The student's forward on a copy of x, under no_grad: ``mutation`` when it changed one of the module's
+    parameters in place (a clamp_, an abs_, ``weight.data = ...``), whatever it returned."""
+    held = parameters_held(module)
+    with torch.no_grad():
+        out = call_student(module, x.clone(), what=shown)
+    changed = parameters_changed(module, held)
+    if changed:
+        name, how = changed[0]
+        fail("mutation", f"{shown}: your forward changes self.{name} in place ({how}): after one call the layer's "
+                         f"weight is no longer the one it was given, so the next call, the optimizer and a saved "
+                         f"checkpoint all see other numbers. forward only reads its weights: compute "
+                         f"x / sqrt(mean(x^2) + eps) * self.weight with the weight as it is (no clamp_, abs_, "
+                         f"copy_ or .data = on it). A weight may be negative.")
+    return out
+
+
+# The mutation probe's weight: signs, a zero and sizes far from one, as a trained RMSNorm's weight may hold, so a
+# forward that clamps, takes the absolute value of or rescales its weight in place changes it.
+_SIGNED_WEIGHT = (-1.5, -0.25, 0.0, 0.5, 1.0, 2.0, 7.5, -3.0)
+
+
+def _check_weight_left_alone(cls: Any, generator: torch.Generator) -> None:
+    candidate, reference = _build_norm(cls, len(_SIGNED_WEIGHT), None, generator)
+    with torch.no_grad():
+        for module in (candidate, reference):
+            for p in module.parameters():
+                if p.shape == (len(_SIGNED_WEIGHT),):
+                    p.copy_(torch.tensor(_SIGNED_WEIGHT, dtype=p.dtype))
+    x = _norm_input((2, 3, len(_SIGNED_WEIGHT)), "normal", generator)
+    shown = f"RMSNorm({len(_SIGNED_WEIGHT)}) with the weight {list(_SIGNED_WEIGHT)} on x of shape {tuple(x.shape)}"
+    _norm_call(candidate, x, shown)
 
 
 def _norm_example(cls: Any, *_: Any, **__: Any) -> Any:
@@ -541,8 +623,11 @@ def check_rms_norm(cls: Any) -> str:
         shown = f"RMSNorm({dim}{'' if eps is None else f', eps={eps:g}'}) on x of shape {shape}"
         with torch.no_grad():
             try:
-                out = expect_tensor(call_student(candidate, x.clone(), what=shown), shape, shown, dtype=x.dtype)
+                out = expect_tensor(_norm_call(candidate, x, shown), shape, shown, dtype=x.dtype)
             except Failure as failure:
+                if failure.diagnosis in ("exception", "shape") and runs and \
+                        not all(close(o, e) for _, _, o, e, _ in runs):
+                    _known_norm_mistake(runs)   # a wrong statistic named on the inputs it ran on, else its error
                 if failure.diagnosis in ("exception", "shape") and x.dim() != 3 and runs and \
                         all(close(o, e) for _, _, o, e, _ in runs):
                     reraise_with(failure, "norm_statistic", f" Your forward works for (N, L, dim) inputs but not "
@@ -556,6 +641,7 @@ def check_rms_norm(cls: Any) -> str:
         runs.append((x, reference, out, expected, shown))
     if not all(close(out, expected) for _, _, out, expected, _ in runs):
         _diagnose_norm(runs)
+    _check_weight_left_alone(cls, torch.Generator().manual_seed(11))
     x, reference, _, _, shown = runs[0]
     candidate, reference = _build_norm(cls, x.shape[-1], None, generator)
     _module_probes(candidate, reference, x, shown)
@@ -565,8 +651,7 @@ def check_rms_norm(cls: Any) -> str:
 
     def in_mode(training: bool, given: torch.Tensor) -> Any:
         call(candidate.train, training, what=f"{shown}: model.train({training})")
-        with torch.no_grad():
-            return call_student(candidate, given.clone(), what=shown)
+        return _norm_call(candidate, given, shown)
     called_in_turn([(f"{shown} in {mode} mode", lambda given=given, mode=mode: in_mode(mode == "training", given),
                      lambda given=given: reference(given).detach())
                     for mode, given in (("training", x), ("eval", other), ("eval", x))], thing="norm",
@@ -600,8 +685,7 @@ def _check_magnitude(cls: Any, generator: torch.Generator) -> None:
     shown = (f"RMSNorm(16) on x of shape {tuple(x.shape)} whose rows range from {min(_MAGNITUDE_SCALES):g} to "
              f"{max(_MAGNITUDE_SCALES):g}")
     with torch.no_grad():
-        out = expect_tensor(call_student(candidate, x.clone(), what=shown), tuple(x.shape), shown, dtype=x.dtype,
-                            finite=False)
+        out = expect_tensor(_norm_call(candidate, x, shown), tuple(x.shape), shown, dtype=x.dtype, finite=False)
         expected = reference(x)
     if close(out, expected):
         return
@@ -637,8 +721,7 @@ def _check_half_precision(cls: Any, generator: torch.Generator) -> None:
     other = (torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(17)) * 300).half()
 
     def half_call(given: torch.Tensor) -> Any:
-        with torch.no_grad():
-            return call_student(candidate, given.clone(), what=shown)
+        return _norm_call(candidate, given, shown)
     called_in_turn([(shown, lambda: half_call(x), lambda: reference(x).detach()),
                     ("the same float16 RMSNorm(16) on another x of shape (2, 4, 16)", lambda: half_call(other),
                      lambda: reference(other).detach())], thing="norm", step=(candidate, reference))

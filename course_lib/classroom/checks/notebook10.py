@@ -3,7 +3,8 @@
 
 10.2 is two declarations (its output, then its log-sum-exp). Whether the student tiled at all is watched
 while their code runs (``_flash_probe``). 10.1 and 10.2 get the engine's magnitude probe (scores of hundreds,
-far below zero, rows far apart); 10.3 runs through the engine's saved_tensors probe (``forward_backward``).
+far below zero, rows far apart); 10.3 runs through the engine's saved_tensors probe (``forward_backward``),
+and once right, two calls with their backwards pending at once (``in_flight_together``: state kept off ctx).
 The mistakes of the topic (tiling, backward, precision, rows never written) are ``_flash_variants``'.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .engine import Case, FunctionExercise, ScaleFit, checker, function_example,
 from .engine.example import tiny
 from .engine.function import Run
 from .engine.probes import magnitude_rows, magnitude_scores
-from .engine.saved_tensors import forward_backward
+from .engine.saved_tensors import forward_backward, in_flight_together
 
 __all__ = ["check_online_softmax", "check_flash_attention", "check_flash_backward"]
 
@@ -756,8 +757,54 @@ def check_flash_backward(cls: Any) -> str:
         fail("exception", f"Expected your class FlashAttentionFunction itself, a subclass of "
                           f"torch.autograd.Function, got {cls!r}.")
     success = judge(FLASH_BACKWARD, _gradients_of(cls))
+    _two_layers(cls)
     _probe_backward(cls)
     return success
+
+
+# Two calls whose backwards are pending at once, as two attention layers of a model make them: other numbers,
+# and causal then not (an encoder-decoder's two kinds of attention), one shape so that nothing fails on it.
+_TWO_LAYERS = (((1, 2, 12, 8), 4, 3, True), ((1, 2, 12, 8), 4, 3, False))
+
+
+def _two_layers(cls: Any) -> None:
+    """``kept_state`` when the gradients go wrong (or the backward raises) once two forwards ran before their
+    backwards, the later call's backward first, as autograd runs two layers: the Function keeps what its backward
+    needs on the class, the module or a global, where the second forward overwrites the first one's."""
+    calls = []
+    for seed, (shape, block_q, block_k, causal) in enumerate(_TWO_LAYERS):
+        q, k, v = _qkv(51 + seed, shape, spread=1.5)
+        grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(61 + seed))
+        calls.append(((q, k, v, causal, block_q, block_k), grad_out))
+    (shape, block_q, block_k, _), _ = _TWO_LAYERS
+    shown = (f"FlashAttentionFunction.apply called twice, as two attention layers do (q, k, v of shape {shape}, "
+             f"block_q={block_q}, block_k={block_k}, causal=True, then other numbers with causal=False), and then "
+             f"their two backwards, the second call's first, as autograd runs them")
+    advice = ("Keep everything the backward needs on ctx, which is the call's own: ctx.save_for_backward(q, k, v, "
+              "out, lse) for tensors and ctx.causal = causal (and the block sizes) for the rest, and read them back "
+              "from ctx (ctx.saved_tensors) in backward.")
+    try:
+        found, kept = in_flight_together(cls, calls, what=shown)
+    except Failure as failure:
+        if failure.diagnosis != "exception":
+            raise
+        fail("kept_state", f"{shown}: your backward raised ({failure.message.split(': ', 1)[-1][:160]}), though "
+                           f"each call alone, forward then backward, works: it reads something a later forward "
+                           f"changed. {advice}")
+    places = ", ".join(kept[:3])
+    for index, (((q, k, v, causal, block_q, block_k), grad_out), grads) in enumerate(zip(calls, found)):
+        expected = variants.backward_variant(q, k, v, grad_out, causal, block_q, block_k)
+        if grads is not None and all(isinstance(g, torch.Tensor) and g.shape == e.shape
+                                     for g, e in zip(grads, expected)) and close(_joined(grads), _joined(expected)):
+            continue
+        off = (f" (by up to {max_diff(_joined(grads), _joined(expected)):.3g})" if grads is not None and all(
+            isinstance(g, torch.Tensor) and g.shape == e.shape for g, e in zip(grads, expected)) else "")
+        fail("kept_state", f"{shown}: the {('first', 'second')[index]} call's dq, dk and dv are wrong{off}, though "
+                           f"each call alone, forward then backward, gets them right. Your forward keeps what its "
+                           f"backward needs outside ctx"
+                           + (f" ({places}, set by the forward)" if places else " (on the class, the module or a "
+                                                                                 "global)")
+                           + f", so the second forward overwrote what the first call's backward reads. {advice}")
 
 
 def _probe_backward(cls: Any) -> None:

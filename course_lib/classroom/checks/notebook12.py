@@ -208,9 +208,36 @@ def _student(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(layer: Any, x: torch.Tensor, split: int) -> Any:
         mine = copy.deepcopy(layer)
         mine.__class__ = _Weights
-        return _stream(fn, mine, x, split, caches=run.caches)
+        out = _stream(fn, mine, x, split, caches=run.caches)
+        _layer_unchanged(layer, mine)
+        return out
     run.caches = []
     return run
+
+
+def _layer_unchanged(layer: nn.Module, mine: nn.Module) -> None:
+    """The student's forward left its copy of the layer as it was given: the same weights and tables, the same
+    settings (softmax_scale, the sizes). A weight scaled in place once (a scale folded into q_proj, a norm's weight
+    changed) gives the right output on the first call, but changes the model the layer belongs to."""
+    mine_tensors = dict(mine.state_dict(keep_vars=True)) if isinstance(mine, nn.Module) else {}
+    for name, before in layer.state_dict(keep_vars=True).items():
+        now = mine_tensors.get(name)
+        if not isinstance(now, torch.Tensor) or now.shape != before.shape or now.dtype != before.dtype:
+            continue   # replaced or removed: the gradient probe names that
+        if not torch.equal(now.detach(), before.detach()):
+            change = float((now.detach().double() - before.detach().double()).abs().max())
+            fail("mutation", f"Your latent_attention changed the layer's weights in place: after the call, "
+                             f"layer.{name} holds other numbers than before (largest change {change:.3g}), for "
+                             f"example a scale folded into the weight (weight.mul_(layer.softmax_scale)) or a weight "
+                             f"normalised with an in-place operation under torch.no_grad(). The layer belongs to "
+                             f"the model: the next call, the optimizer and every other user read the changed "
+                             f"weight. Leave the weights as they are and compute with them (multiply the scores by "
+                             f"layer.softmax_scale).", parameter=name)
+    for name, before in vars(layer).items():
+        if isinstance(before, (bool, int, float)) and getattr(mine, name, before) != before:
+            fail("mutation", f"Your latent_attention changed the layer's setting layer.{name} (from {before!r} to "
+                             f"{getattr(mine, name)!r}) and left it so: the next call reads the changed value. Read "
+                             f"the layer's settings; never assign to them in the forward.")
 
 
 def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale: str | float = "both",
@@ -218,7 +245,8 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
          rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1, queries: str = "half",
          keys: str = "half", values_first: bool = False, mask_ahead: bool = False,
          merge: str = "ok", heads_view: str = "ok", biases: bool = True, own_tables: bool = False,
-         keys_at_zero: bool = False, queries_at: str = "start", norm_over: str = "latent") -> torch.Tensor:
+         keys_at_zero: bool = False, queries_at: str = "start", norm_over: str = "latent",
+         fill: str = "-inf") -> torch.Tensor:
     """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
     how each rotary part turns (``rotary.rotate``'s kinds, "pairs" or "pairs_table"; "none": not at all),
     ``values_first`` kv_b_proj's output split as values then keys, ``mask_ahead`` one future key let through,
@@ -228,7 +256,9 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
     "none", "value", "after" (softmax_scale on the weights) or a float, the factor on the scores; ``biases``
     False: the projections as products with their weights alone, a layer's biases left out; ``own_tables``: the
     rotary parts turned by tables of their own (the default theta), not the layer's rope_cos and rope_sin;
-    ``keys_at_zero``: the new rotary keys alone turned from position 0 with a cache (``offset``: queries too)."""
+    ``keys_at_zero``: the new rotary keys alone turned from position 0 with a cache (``offset``: queries too);
+    ``fill`` what the hidden scores become: "-inf" (right), "zero" (0, as scores * mask or masked_fill(~mask, 0)
+    give) or "add" (the 0/1 mask added to the scores)."""
     def turn(t: torch.Tensor, kind: str, at: int) -> torch.Tensor:
         if kind == "none":
             return t
@@ -288,8 +318,10 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         scores = q @ k.transpose(-2, -1) * factor                           # (N, H, L, T)
         first = total - length if mask_offset else 0
         mask = torch.ones(total, total, dtype=torch.bool).tril(int(mask_ahead))[first:first + length]
-        if masked:
-            scores = scores.masked_fill(~mask, float("-inf"))
+        if masked and fill == "add":
+            scores = scores + mask.to(scores.dtype)
+        elif masked:
+            scores = scores.masked_fill(~mask, float("-inf") if fill == "-inf" else 0.0)
         weights = scores.softmax(softmax_dim) * ((dn + dr) ** -0.5 if scale == "after" else 1.0)
         out = weights @ v                                                   # (N, H, L, dv)
         out = {"ok": out.transpose(1, 2), "interleaved": out.permute(0, 2, 3, 1)}.get(merge, out)   # (N, L, H, dv)
@@ -341,9 +373,25 @@ def _mla_magnitude() -> list[Case]:
 
 
 def _mla_gradients() -> list[Case]:
-    return [Case((_layer(7, 4), torch.randn(1, 4, _EMBED, generator=torch.Generator().manual_seed(7)), 0),
-                 f"latent_attention(layer, x) with x of shape (1, 4, {_EMBED})")]
+    """Both query paths the exercise allows: with a query latent (q_a_proj, q_b_proj) and without (q_proj); code cut
+    from autograd on one path only shows on that path. (Not through a LatentCache: its append writes into its
+    buffers in place, so no backward runs through two calls, the layer's own forward included.)"""
+    cases = []
+    for seed, (q_rank, split) in zip((7, 8), ((4, 0), (None, 0))):
+        x = torch.randn(1, 4, _EMBED, generator=torch.Generator().manual_seed(seed))
+        how = f", in two calls ({split} tokens, then {4 - split}) with one LatentCache" if split else ""
+        cases.append(Case((_layer(seed, q_rank), x, split),
+                          f"latent_attention(layer, x) with x of shape (1, 4, {_EMBED}){how} (q_lora_rank={q_rank})"))
+    return cases
 
+
+_TURNED_AGAIN = ("Your cache's rotary keys are turned again at every call: rotate k_rope once, at its own positions, "
+                 "BEFORE it enters the cache, and use what the cache returns as it is.")
+_QUERIES_FROM_ZERO = ("With a cache, your queries' rotary part is turned as if the new tokens started at position 0 "
+                      "(offset=0), while your keys are turned right (the cache holds them rotated to their own "
+                      "positions): the new query i sits at position start + i. Turn q_rope with "
+                      "modern.apply_rotary(q_rope, layer.rope_cos, layer.rope_sin, offset=start), start = "
+                      "cache.length read before appending, as you do for k_rope.")
 
 _MLA_MISTAKES = (
     Mistake("rope_positions", "Your queries are turned to the positions after the new tokens (start + L onwards, "
@@ -365,9 +413,9 @@ _MLA_MISTAKES = (
     Mistake("rope_positions", "With a cache, the new tokens are rotated as if they started at position 0: turn them "
                               "to start = cache.length (read before appending), the positions they hold in the stream.",
             spec=dict(offset=False)),
-    Mistake("kv_cache", "Your cache's rotary keys are turned again at every call: rotate k_rope once, at its own "
-                        "positions, BEFORE it enters the cache, and use what the cache returns as it is.",
-            spec=dict(rotate_cached=True)),
+    # the same outputs as queries turned from position 0 (a score depends only on the offset between query and key):
+    # check_latent_attention reads the cache to tell them apart (``_queries_from_zero``)
+    Mistake("kv_cache", _TURNED_AGAIN, spec=dict(rotate_cached=True)),
     Mistake("rope_positions", "With a cache, the new rotary KEYS are turned as if they started at position 0 (the "
                               "queries at start): turn k_rope with offset=start = cache.length, read before "
                               "appending, as the queries.", spec=dict(keys_at_zero=True)),
@@ -381,6 +429,15 @@ _MLA_MISTAKES = (
     Mistake("causal_mask", "No causal mask: each query also sees the later tokens of its chunk. Query start + i "
                            "may see keys 0 .. start + i only.",
             spec=dict(masked=False)),
+    Mistake("causal_mask", "Your hidden scores are 0, not -inf (the scores multiplied by a 0/1 mask, or "
+                           "masked_fill(~mask, 0)): exp(0) = 1, so every future key still gets weight e^0 in the "
+                           "softmax, as much as a key of score 0 that the query may see. Hide a key with "
+                           "scores.masked_fill(~mask, float('-inf')) before the softmax: its weight is then exactly 0.",
+            spec=dict(fill="zero")),
+    Mistake("causal_mask", "Your 0/1 mask is added to the scores (scores + mask): the keys a query may see get +1, "
+                           "the future keys keep their own scores, so the future still gets weight. A bool mask "
+                           "hides keys: fill their scores with -inf, scores.masked_fill(~mask, float('-inf')), "
+                           "before the softmax.", spec=dict(fill="add")),
     Mistake("softmax_dim", "The softmax runs over the queries (dim=-2): each query's weights must sum to one over "
                            "the keys, the last axis of the (N, H, L, T) scores.",
             spec=dict(softmax_dim=-2)),
@@ -491,10 +548,35 @@ def _latent_example(fn: Callable[..., Any], *_: Any, **__: Any) -> Any:
 @checker("12.2", example=_latent_example)
 def check_latent_attention(fn: Callable[..., Any]) -> str:
     """``fn(layer, x, cache=None)`` -> (N, L, embed_dim), as MultiHeadLatentAttention.forward (rope_interleave=False)."""
-    success = judge(LATENT_ATTENTION, _student(fn))
+    student = _student(fn)
+    try:
+        success = judge(LATENT_ATTENTION, student)
+    except Failure as failure:
+        _queries_from_zero(failure, student.caches)
+        raise
     _layer_gradients(fn)
     _layer_on_device(fn)
     return success
+
+
+def _queries_from_zero(failure: Failure, caches: list[tuple[Any, torch.Tensor, Any, torch.Tensor]]) -> None:
+    """Keys turned again at every call and queries turned from position 0 give the same outputs (a score depends
+    only on the offset between query and key): the cache tells them apart. Where every cache the student's code
+    filled holds its rotary keys turned to their positions, the keys are right and the queries are not."""
+    if failure.diagnosis != "kv_cache" or _TURNED_AGAIN not in failure.message or not caches:
+        return
+    shown = False
+    for layer, x, _, cached in caches:
+        with torch.no_grad():
+            k_rope = layer.kv_a_proj_with_mqa(x)[..., layer.kv_lora_rank:]
+            turned = modern.apply_rotary(k_rope, layer.rope_cos, layer.rope_sin)
+        if close(k_rope, turned):   # a prompt of one token: position 0 turns nothing, so it tells nothing
+            continue
+        if cached.shape != turned.shape or not close(cached, turned):
+            return
+        shown = True
+    if shown:
+        fail("rope_positions", _QUERIES_FROM_ZERO)
 
 
 class _Bound(nn.Module):
@@ -510,12 +592,14 @@ class _Bound(nn.Module):
 
 
 def _layer_gradients(fn: Callable[..., Any]) -> None:
-    """The engine's gradient probe compares x's gradient; the layer's weights must learn as the layer's own do."""
-    layer, x, _ = _mla_gradients()[0].args
-    mine = copy.deepcopy(layer)
-    mine.__class__ = _Weights
-    check_module_gradients(_Bound(mine, fn), _Bound(copy.deepcopy(layer), lambda m, t, cache: m(t, cache)), x,
-                           what=f"latent_attention(layer, x) with x of shape {tuple(x.shape)}: the layer's weights")
+    """The engine's gradient probe compares x's gradient; the layer's weights must learn as the layer's own do, on
+    every gradient case (with and without a query latent)."""
+    for case in _mla_gradients():
+        layer, x, _ = case.args
+        mine = copy.deepcopy(layer)
+        mine.__class__ = _Weights
+        check_module_gradients(_Bound(mine, fn), _Bound(copy.deepcopy(layer), lambda m, t, cache: m(t, cache)), x,
+                               what=f"{case.what}: the layer's weights")
 
 
 def _layer_on_device(fn: Callable[..., Any]) -> None:

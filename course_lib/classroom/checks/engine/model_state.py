@@ -373,3 +373,33 @@ def autograd_cause(exc: BaseException | None, before: ModelState) -> tuple[str, 
                             "Clone it first, x = inputs[0].clone(), zero the copy and return it")
     first = text.splitlines()[0] if text else "no gradient reached any weight"
     return "gradient", f"the backward pass through your model failed ({exception_name(exc) if exc else 'no graph'}: {first})"
+
+
+def parameters_held(module: nn.Module) -> dict[str, _Tensor]:
+    """Every parameter of ``module`` (its submodules' too) as it is now, by name: what ``parameters_changed``
+    compares a forward's end against. Parameters only: a module may record what it likes in attributes and
+    buffers (the last attention weights), but its weights are the optimizer's."""
+    try:
+        return {name: _Tensor.of(p) for name, p in module.named_parameters()}
+    except Exception:  # noqa: BLE001 - a module whose parameters cannot be listed: other probes name it
+        return {}
+
+
+def parameters_changed(module: nn.Module, held: dict[str, _Tensor]) -> list[tuple[str, str]]:
+    """(name, what changed) for each parameter ``held`` whose numbers a call changed in place (``weight.clamp_``,
+    ``weight.data.abs_()``, ``weight.data = ...``): its values compared, the tensor found by name."""
+    try:
+        now = dict(module.named_parameters())
+    except Exception:  # noqa: BLE001
+        return []
+    found = []
+    for name, before in held.items():
+        tensor = now.get(name)
+        if tensor is None or tuple(tensor.shape) != before.shape:
+            continue   # gone or reshaped: the gradient probe names a parameter replaced
+        values = tensor.detach()
+        if values.dtype != before.values.dtype:
+            values = values.to(before.values.dtype)
+        if not _same_values(values, before.values):
+            found.append((name, f"largest change {_largest_change(values, before.values):.3g}"))
+    return found

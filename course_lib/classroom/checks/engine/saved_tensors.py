@@ -149,3 +149,47 @@ def forward_backward(cls: Any, args: Sequence[Any], grad_out: torch.Tensor, *, n
                          f"after loss.backward() the caller would find other numbers in it, and a second backward "
                          f"(retain_graph=True) would compute with them. {_ADVICE}", argument=changed)
     return out, tuple(grads)
+
+
+def _bindings(cls: Any) -> dict[str, tuple[Any, int]]:
+    """What the class and its code's module hold, each name with (its value, held so that its id is not reused,
+    and the length of a container): a forward that stores on either outside ctx changes one of them."""
+    forward = getattr(cls, "forward", None)
+    places = [(f"{cls.__name__}.", vars(cls)), ("", getattr(forward, "__globals__", {}))]
+    found = {}
+    for prefix, names in places:
+        for name, value in list(names.items()):
+            if not (name.startswith("__") and name.endswith("__")):
+                found[prefix + name] = (value, len(value) if isinstance(value, (dict, list, set)) else -1)
+    return found
+
+
+def in_flight_together(cls: Any, calls: Sequence[tuple[Sequence[Any], torch.Tensor]], *, what: str
+                       ) -> tuple[list[tuple[Any, ...] | None], list[str]]:
+    """Every call's forward first, as the layers of a model run, then their backwards in reverse order, as autograd
+    runs them: (each call's gradients of its floating-point tensors, in the calls' order, None for a call whose
+    forward gave no differentiable output; the names, on the class or in its module, that the forwards set or
+    changed). A Function that keeps what its backward needs on the class or in a global, not on ctx, gives the
+    earlier calls the later call's numbers."""
+    before = _bindings(cls)
+    pending = []
+    with torch.enable_grad():
+        for index, (args, _) in enumerate(calls):
+            given = [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                     else a for a in args]
+            out = call_student(lambda given=given: cls.apply(*given), what=f"{what} (forward {index + 1})")
+            pending.append((given, _first_tensor(out)))
+        after = _bindings(cls)
+        kept = [name for name, (value, size) in after.items()
+                if name not in before or before[name][0] is not value or before[name][1] != size]
+        grads: list[tuple[Any, ...] | None] = [None] * len(calls)
+        for index in reversed(range(len(calls))):
+            given, first = pending[index]
+            differentiable = [a for a in given if isinstance(a, torch.Tensor) and a.requires_grad]
+            if first is None or first.grad_fn is None:
+                continue
+            grad_out = calls[index][1].detach().clone()
+            grads[index] = call_student(
+                lambda first=first, differentiable=differentiable, grad_out=grad_out: torch.autograd.grad(
+                    first, differentiable, grad_out, allow_unused=True), what=f"{what} (backward {index + 1})")
+    return grads, kept
