@@ -7,7 +7,7 @@ is compared before and after each call. Right counts that change a copy (datacla
 back what they changed pass.
 
 6.1 dtype: a count in 32-bit integers (np.int32, torch.int32, an int32 array) is right on small configurations
-and wraps around on GPT-2 XL's (N about 1.6e9, counted from the config): ``dtype``, the overflow named. Counts in
+and wraps around on GPT-2 XL's count (N about 1.6e9, given with a small config): ``dtype``, the overflow named. Counts in
 int64, float64 and float32 (off by its rounding only) pass.
 
 9.3 mutation: a forward that changes self.weight in place (a clamp_ under no_grad, abs_, a rescale of .data) is

@@ -53,7 +53,9 @@ def _flops_what(config: Any, weights: int) -> str:
             f"Q={config.head_dim}, T={config.max_tokens}; num_weights={weights:,})")
 
 
-# GPT-2 XL's sizes: about 1.6e9 weights, so 6N (about 1e10) is past what a 32-bit integer holds (2**31 - 1).
+# GPT-2 XL's sizes: about 1.6e9 weights, so 6N (about 1e10) is past what a 32-bit integer holds (2**31 - 1). Only
+# its count is used, with a small configuration: code that builds the configuration's model (a recount of N, which
+# the case of another count names) never builds a billion weights (6.5 GB and 45 s on a 2-core machine).
 _LARGE = dict(vocab_size=50257, max_tokens=1024, embed_dim=1600, num_heads=25, num_layers=48)
 _INT32 = 2 ** 31 - 1
 
@@ -71,7 +73,8 @@ def _flops_cases(configs: tuple[dict[str, int], ...], other_weights: int | None 
                  ) -> list[Case]:
     """Each configuration with its GPT's own count of weights; with ``other_weights``, the first again with
     that count, which no configuration gives (the text: N is the argument, whatever model it counts); with
-    ``large``, last, GPT-2 XL's sizes and count (counted from the config), where a count in int32 overflows."""
+    ``large``, last, the first again with GPT-2 XL's count (counted from its sizes), where a count in int32
+    overflows."""
     cases = []
     for sizes in configs:
         config = model_ref.GPTConfig(**sizes)
@@ -81,9 +84,9 @@ def _flops_cases(configs: tuple[dict[str, int], ...], other_weights: int | None 
         config = cases[0].args[0]
         cases.append(Case((config, other_weights), _flops_what(config, other_weights)))
     if large:
-        config = model_ref.GPTConfig(**_LARGE)
-        weights = _weights_of(config)
-        cases.append(Case((config, weights), _flops_what(config, weights) + " (GPT-2 XL's sizes)"))
+        config = cases[0].args[0]
+        weights = _weights_of(model_ref.GPTConfig(**_LARGE))
+        cases.append(Case((config, weights), _flops_what(config, weights) + " (GPT-2 XL's count of weights)"))
     return cases
 
 
@@ -185,7 +188,7 @@ def _one_term_off(runs: list[Run]) -> None:
 
 
 def _overflowed(runs: list[Run]) -> None:
-    """``dtype`` where the count is right on the small configurations and, on GPT-2 XL's, off by a multiple of
+    """``dtype`` where the count is right on the small counts and, on GPT-2 XL's count, off by a multiple of
     2**32: it was computed in 32-bit integers (np.int32, torch.int32), which wrap past 2**31 - 1."""
     wrong = [run for run in runs if not FLOPS_PER_TOKEN.same(run.out, run.expected)]
     if not wrong or any(abs(float(run.expected)) <= _INT32 for run in wrong):
@@ -194,7 +197,7 @@ def _overflowed(runs: list[Run]) -> None:
     got, expected = float(run.out), float(run.expected)
     if got.is_integer() and (int(got) - int(expected)) % 2 ** 32 == 0:
         fail("dtype", f"{run.case.what} returned {Number(run.out):,.0f}, expected {Number(run.expected):,.0f}: your "
-                      f"count overflowed a 32-bit integer. It is right on the small configurations, but here 6N "
+                      f"count overflowed a 32-bit integer. It is right on the small models, but here 6N "
                       f"alone is {6 * run.case.args[1]:,}, past the int32 limit of {_INT32:,}, and int32 arithmetic "
                       f"(np.int32, torch.int32, a tensor of dtype int32) wraps around silently. Count with Python "
                       f"ints (int(...), which never overflow), or with int64 or float64.")
