@@ -16,6 +16,7 @@ from ..verdict import Failure, fail
 from ._pinned import expect_no_new_modes, expect_unpatched, modes_depth
 from ._references import install_references
 from ._student_files import exception_line, exception_message, is_student_file, student_frame
+from .engine.model_state import parameters_changed, parameters_held
 
 # ---------------------------------------------------------------- calling student code
 
@@ -69,6 +70,8 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     become a Failure with a readable message."""
     CALLS[0] += 1
     inputs = [(name, value, value.detach().clone()) for name, value in _tensor_args(args, kwargs)]
+    layer = _layer_of(fn)
+    weights = parameters_held(layer) if layer is not None else {}
     depth, default = modes_depth(), torch.get_default_dtype()
     collector = tuple(_GC_CALLBACKS), tuple(map(int, _GC_THRESHOLD()))
     try:
@@ -105,7 +108,28 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
                              f"`q /= ...` or `t[...] = ...`. The caller still needs that tensor (and autograd "
                              f"fails when a tensor saved for backward is overwritten): write `x = x + ...` instead.",
                  argument=name)
+    if weights:
+        _expect_weights_left_alone(layer, weights, what)
     return result
+
+
+def _layer_of(fn: Any) -> nn.Module | None:
+    """The module a call runs: the module itself or the owner of a bound method (``model.forward``)."""
+    owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def _expect_weights_left_alone(layer: nn.Module, weights: dict[str, Any], what: str) -> None:
+    """``mutation`` when a forward changed one of its module's parameters in place (a ``clamp_``, ``abs_``,
+    ``mul_`` or ``.data = ...`` on a weight): the values fed to the next call, the optimizer and a checkpoint."""
+    changed = parameters_changed(layer, weights)
+    if changed:
+        name, how = changed[0]
+        fail("mutation", f"{what}: your forward changes self.{name} in place ({how}): after one call the layer's "
+                         f"weight is no longer the one it was given, so the next call, the optimizer and a saved "
+                         f"checkpoint all see other numbers. forward only reads its weights: use them as they are "
+                         f"(no clamp_, abs_, mul_, copy_ or .data = on them; a weight may be negative or zero), and "
+                         f"build any changed copy as a new tensor (w = self.weight * 2).", parameter=name)
 
 
 # More numbers than any check's answer holds (its inputs are small): a tensor this large is a slip, not an answer.

@@ -395,8 +395,8 @@ def parameters_changed(module: nn.Module, held: dict[str, _Tensor]) -> list[tupl
     found = []
     for name, before in held.items():
         tensor = now.get(name)
-        if tensor is None or tuple(tensor.shape) != before.shape:
-            continue   # gone or reshaped: the gradient probe names a parameter replaced
+        if tensor is None or tuple(tensor.shape) != before.shape or tensor.is_meta or before.values.is_meta:
+            continue   # gone or reshaped: the gradient probe names a parameter replaced; meta holds no numbers
         values = tensor.detach()
         if values.dtype != before.values.dtype:
             values = values.to(before.values.dtype)
