@@ -44,7 +44,6 @@ from ._student_files import is_student_file
 from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, function_example, judge, module_example
 from .engine.example import SEEDS, tiny
 from .engine.function import UNEXPLAINED, Run
-from .engine.model_state import parameters_changed, parameters_held
 from .engine.other_sizes import at_other_sizes
 from .engine.probes import (
     IN_TURN,
