@@ -205,15 +205,15 @@ FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code
     ("overflow", "no maximum is subtracted: exp(s) overflows to inf for scores above about 88 (float32) and "
                  "underflows to 0 below about -104, and inf/inf or 0/0 is NaN. Subtract the running maximum m in "
                  "every exp and rescale l and acc by exp(m - m_new) when it grows.", {"maximum": "none"}),
-    ("block_skip", "you skip a key block that some query of the block still needs: query block i needs every key "
-                   "block whose FIRST key is not after the block's LAST query (k_start <= q_end - 1). Comparing the "
-                   "block numbers (j <= i) is only right when block_q == block_k.", {"skip": "index"}),
-    ("block_skip", "you skip the diagonal block (the key block that crosses the diagonal): its keys up to each "
-                   "query are needed. Skip only blocks whose first key is after the block's last query.",
-     {"skip": "strict"}),
-    ("block_skip", "your key loop stops at the query block's FIRST query (range(0, q_start + 1, block_k)): the "
-                   "block's later queries need the keys up to the block's LAST query. Stop at q_end: a key "
-                   "block is needed while its first key is not after q_end - 1.", {"skip": "first_query"}),
+    *(("block_skip", why, {"skip": skip}) for skip, why in {
+        "index": "you skip a key block that some query of the block still needs: query block i needs every key "
+                 "block whose FIRST key is not after the block's LAST query (k_start <= q_end - 1). Comparing the "
+                 "block numbers (j <= i) is only right when block_q == block_k.",
+        "strict": "you skip the diagonal block (the key block that crosses the diagonal): its keys up to each "
+                  "query are needed. Skip only blocks whose first key is after the block's last query.",
+        "first_query": "your key loop stops at the query block's FIRST query (range(0, q_start + 1, block_k)): the "
+                       "block's later queries need the keys up to the block's LAST query. Stop at q_end: a key "
+                       "block is needed while its first key is not after q_end - 1."}.items()),
     ("causal_mask", "your mask hides each query's own key too (cols >= rows): a query may see the keys up to AND "
                     "including its own position, so mask only cols > rows. The first query then has no key at "
                     "all, and 0/0 is NaN.", {"mask": "diagonal"}),
@@ -227,16 +227,16 @@ FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code
                        "is multiplied by exp(m_old - m_new), and so must the accumulated p @ v.",
      {"rescale_acc": False}),
     ("online_rescale", "the running sum is not rescaled when the running maximum grows (the accumulator is): "
-                       "multiply it by exp(m_old - m_new) before adding the new block's sum.",
-     {"rescale_sum": False}),
+                       "multiply it by exp(m_old - m_new) before adding the new block's sum.", {"rescale_sum": False}),
     ("online_rescale", "neither the running sum nor the accumulator is rescaled when the maximum grows: both "
                        "must be multiplied by exp(m_old - m_new).", {"rescale_sum": False, "rescale_acc": False}),
-    ("online_rescale", "the factor exp(m_old - m_new) multiplies the new block's terms too, (l + p.sum) * factor "
-                       "and (acc + p @ v) * factor: p is exp(s - m_new) already. Only the old l and acc are "
-                       "rescaled before the new block's are added.", {"factor_on": "all"}),
-    ("online_rescale", "the factor exp(m_old - m_new) multiplies the new block's terms instead of the old l and "
-                       "acc: p is exp(s - m_new) already, and the old sums, made with m_old, are what need it: "
-                       "l = l * factor + p.sum(-1), acc = acc * factor + p @ v.", {"factor_on": "new"}),
+    *(("online_rescale", why, {"factor_on": factor_on}) for factor_on, why in {
+        "all": "the factor exp(m_old - m_new) multiplies the new block's terms too, (l + p.sum) * factor and (acc "
+               "+ p @ v) * factor: p is exp(s - m_new) already. Only the old l and acc are rescaled before the new "
+               "block's are added.",
+        "new": "the factor exp(m_old - m_new) multiplies the new block's terms instead of the old l and acc: p is "
+               "exp(s - m_new) already, and the old sums, made with m_old, are what need it: l = l * factor + "
+               "p.sum(-1), acc = acc * factor + p @ v."}.items()),
     ("online_rescale", "your exponentials are taken against the old running maximum, p = exp(s - m_old), before "
                        "it is updated with this block, and nothing corrects them: each key block's terms are then "
                        "measured against another maximum, and a block whose scores exceed m_old can overflow. "
@@ -247,37 +247,40 @@ FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code
                        "it is updated with this block, while l and acc are rescaled to the new one: the new terms "
                        "are then too large by exp(m_new - m_old). Update the maximum first, m_new = "
                        "torch.maximum(m, s.amax(-1)), then take p = exp(s - m_new).", {"exp_against": "old"}),
-    ("scale", "the scores are scaled by 1/sqrt(d) twice (say, q scaled once and the scores again): scale once.",
-     {"scale_power": 2}),
-    ("scale", "the scores are not scaled by 1/sqrt(d).", {"scale_power": 0}),
-    ("block_bounds", "a last key block shorter than block_k is padded with zeros that are not masked: a zero "
-                     "key scores 0 and takes weight. Slice the last block short (k[..., k_start:k_end]), or set "
-                     "the padded scores to -inf.", {"last_block": "padded"}),
-    ("block_bounds", "the last keys are never read: the key loop must visit range(0, Lk, block_k) to the end, "
-                     "with Lk = k.shape[-2], the number of keys (not of queries), and k_end = min(k_start + "
-                     "block_k, Lk), so that a last block shorter than block_k is read too.",
-     {"last_block": "dropped"}),
-    ("block_bounds", "your key blocks overlap: k[..., ks:ks + block_k + 1] reads the first key of the next "
-                     "block too, so it is counted twice. The end of a slice is excluded already: k[..., ks:ke] with "
-                     "ke = min(ks + block_k, Lk).", {"k_bounds": "overlap"}),
-    ("block_bounds", "your key loop stops one block early (range(0, Lk - block_k, block_k)): the last key block is "
-                     "never read. Loop over range(0, Lk, block_k).", {"k_bounds": "stop_early"}),
-    ("block_bounds", "the last key is never read: a key block ends at ke = min(ks + block_k, Lk), and the slice "
-                     "k[..., ks:ke] already excludes ke (no Lk - 1).", {"k_bounds": "short"}),
-    ("causal_mask", block_corner("A query may see every key whose position is not after its own, so compare "
-                                 "the absolute positions ks + col and qs + row."), {"mask": "local"}),
-    ("causal_mask", block_corner("In a block that crosses the diagonal, compare the absolute positions ks + col "
-                                 "and qs + row."), {"mask": "local_diagonal"}),
+    *(("scale", why, {"scale_power": power}) for power, why in {
+        2: "the scores are scaled by 1/sqrt(d) twice (say, q scaled once and the scores again): scale once.",
+        0: "the scores are not scaled by 1/sqrt(d)."}.items()),
+    *(("block_bounds", why, {"last_block": last}) for last, why in {
+        "padded": "a last key block shorter than block_k is padded with zeros that are not masked: a zero key "
+                  "scores 0 and takes weight. Slice the last block short (k[..., k_start:k_end]), or set the "
+                  "padded scores to -inf.",
+        "dropped": "the last keys are never read: the key loop must visit range(0, Lk, block_k) to the end, with "
+                   "Lk = k.shape[-2], the number of keys (not of queries), and k_end = min(k_start + block_k, Lk), "
+                   "so that a last block shorter than block_k is read too."}.items()),
+    *(("block_bounds", why, {"k_bounds": bounds}) for bounds, why in {
+        "overlap": "your key blocks overlap: k[..., ks:ks + block_k + 1] reads the first key of the next block "
+                   "too, so it is counted twice. The end of a slice is excluded already: k[..., ks:ke] with ke = "
+                   "min(ks + block_k, Lk).",
+        "stop_early": "your key loop stops one block early (range(0, Lk - block_k, block_k)): the last key block "
+                      "is never read. Loop over range(0, Lk, block_k).",
+        "short": "the last key is never read: a key block ends at ke = min(ks + block_k, Lk), and the slice "
+                 "k[..., ks:ke] already excludes ke (no Lk - 1)."}.items()),
+    *(("causal_mask", block_corner(advice), {"mask": mask}) for mask, advice in {
+        "local": "A query may see every key whose position is not after its own, so compare the absolute "
+                 "positions ks + col and qs + row.",
+        "local_diagonal": "In a block that crosses the diagonal, compare the absolute positions ks + col and qs + "
+                          "row."}.items()),
     ("causal_mask", "you mask the future although causal=False: only causal attention hides later keys; mask "
                     "(and skip key blocks) only when causal is True.", {"always_causal": True}),
     ("values", "the weights multiply the keys (p @ k): the output is the weighted sum of the VALUES, acc += p @ "
                "v[..., ks:ke, :].", {"values": "keys"}),
-    ("early_normalization", "you keep the accumulator normalised (acc += p @ v / l) but never renormalise its old "
-                            "part when l grows: divide once, after the last key block (or rescale the old part by "
-                            "l_old * exp(m - m_new) / l_new).", {"normalize": "unrenormalised"}),
-    ("early_normalization", "you divide by the running sum after every key block: the accumulator then holds "
-                            "averages that later blocks mix up with the wrong weights. Keep the unnormalised sum "
-                            "p @ v and divide once, after the last key block.", {"normalize": "every"}),
+    *(("early_normalization", why, {"normalize": normalize}) for normalize, why in {
+        "unrenormalised": "you keep the accumulator normalised (acc += p @ v / l) but never renormalise its old "
+                          "part when l grows: divide once, after the last key block (or rescale the old part by "
+                          "l_old * exp(m - m_new) / l_new).",
+        "every": "you divide by the running sum after every key block: the accumulator then holds averages that "
+                 "later blocks mix up with the wrong weights. Keep the unnormalised sum p @ v and divide once, "
+                 "after the last key block."}.items()),
 ))
 
 
@@ -428,30 +431,30 @@ def _blocked_ds(p: torch.Tensor, do: torch.Tensor, v: torch.Tensor, out: torch.T
 
 
 BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code, why, spec in (
-    ("backward_delta", "D is computed from the wrong tensors: D = rowsum(dO * O), the gradient of the output times "
-                       "the output itself, one number per query.", {"delta": "grad_only"}),
-    ("backward_delta", "D is left out (or zero): dS = P * (dP - D) with D = rowsum(dO * O).", {"delta": "zero"}),
-    ("backward_delta", "D is computed from the wrong tensors (dO and V): D = rowsum(dO * O), with the output O.",
-     {"delta": "values"}),
-    ("backward_delta", "D is rowsum(dP), not rowsum(dO * O): D is the row sum of P * dP, which equals "
-                       "rowsum(dO * O), computed once from the saved output.", {"delta": "dp"}),
-    ("backward_delta", "D is one number summed over everything (every query, head and batch): D is one number "
-                       "per query, D = rowsum(dO * O) = (dO * O).sum(dim=-1).", {"delta": "everything"}),
-    ("backward_delta", "D is summed over one key block only (rowsum(P * dP) of the block): D is one number per "
-                       "query over every key, D = rowsum(dO * O), computed once before the loops.",
-     {"delta": "key_block"}),
-    ("backward_delta", "D is one number for a whole query block: it is one number per query, D = rowsum(dO * O) "
-                       "= (dO * O).sum(dim=-1), not summed over the block's rows too.", {"delta": "query_block"}),
-    ("backward_delta", "D is subtracted outside the product with P (dS = P * dP - D): dS = P * (dP - D), P "
-                       "multiplies both terms, so a key with no weight gets no gradient.", {"delta": "outside"}),
+    *(("backward_delta", why, {"delta": delta}) for delta, why in {
+        "grad_only": "D is computed from the wrong tensors: D = rowsum(dO * O), the gradient of the output times "
+                     "the output itself, one number per query.",
+        "zero": "D is left out (or zero): dS = P * (dP - D) with D = rowsum(dO * O).",
+        "values": "D is computed from the wrong tensors (dO and V): D = rowsum(dO * O), with the output O.",
+        "dp": "D is rowsum(dP), not rowsum(dO * O): D is the row sum of P * dP, which equals rowsum(dO * O), "
+              "computed once from the saved output.",
+        "everything": "D is one number summed over everything (every query, head and batch): D is one number per "
+                      "query, D = rowsum(dO * O) = (dO * O).sum(dim=-1).",
+        "key_block": "D is summed over one key block only (rowsum(P * dP) of the block): D is one number per query "
+                     "over every key, D = rowsum(dO * O), computed once before the loops.",
+        "query_block": "D is one number for a whole query block: it is one number per query, D = rowsum(dO * O) = "
+                       "(dO * O).sum(dim=-1), not summed over the block's rows too.",
+        "outside": "D is subtracted outside the product with P (dS = P * dP - D): dS = P * (dP - D), P multiplies "
+                   "both terms, so a key with no weight gets no gradient."}.items()),
     ("scale", "the recomputed scores are not scaled: P = exp(S - lse) needs S = q k^T / sqrt(d), as in the "
               "forward, whose lse was taken over the scaled scores.", {"recompute": "unscaled"}),
     ("scale", "dQ and dK are scaled by 1/d, the scale twice: the chain rule through S = q k^T / sqrt(d) brings "
               "1/sqrt(d) once, dQ = dS @ K / sqrt(d) and dK = dS^T @ Q / sqrt(d).", {"twice": True}),
-    ("scale", "the scale 1/sqrt(d) is missing from dK (dQ has it): the scores are q k^T / sqrt(d), so dK = "
-              "dS^T @ Q / sqrt(d) as dQ = dS @ K / sqrt(d).", {"dk_scale": False}),
-    ("scale", "the scale 1/sqrt(d) is missing from dQ (dK has it): the scores are q k^T / sqrt(d), so dQ = "
-              "dS @ K / sqrt(d) as dK = dS^T @ Q / sqrt(d).", {"dq_scale": False}),
+    *(("scale", why, {switch: False}) for switch, why in {   # the scale left out of one gradient
+        "dk_scale": "the scale 1/sqrt(d) is missing from dK (dQ has it): the scores are q k^T / sqrt(d), so dK = "
+                    "dS^T @ Q / sqrt(d) as dQ = dS @ K / sqrt(d).",
+        "dq_scale": "the scale 1/sqrt(d) is missing from dQ (dK has it): the scores are q k^T / sqrt(d), so dQ = "
+                    "dS @ K / sqrt(d) as dK = dS^T @ Q / sqrt(d)."}.items()),
     ("transposed", "dP is dO @ V: it should be dP = dO @ V^T (one number per query and key: how the loss moves "
                    "with each weight). It only fits here because d equals block_k.", {"dp": "no_transpose"}),
     ("values", "dP is computed from the keys: dP = dO @ V^T, the gradient of the output times the values (the "
@@ -463,27 +466,27 @@ BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code,
                     "so its lse is over every key; mask only when ctx.causal.", {"always_causal": True}),
     ("scale", "the scale 1/sqrt(d) is missing from dQ and dK: the scores are q k^T / sqrt(d), so dQ = dS @ K / "
               "sqrt(d) and dK = dS^T @ Q / sqrt(d).", {"ds_scale": False}),
-    ("transposed", "dV is P @ dO: it should be P^T @ dO (each key's value collects the gradients of the queries "
-                   "that weighted it).", {"dv_transposed": True}),
-    ("transposed", "dK is dS @ Q: it should be dS^T @ Q (the keys are the columns of dS).",
-     {"dk_transposed": True}),
-    ("causal_mask", "the recomputed weights are not masked in the blocks that cross the diagonal: P = exp(S - lse) "
-                    "must use the masked scores, or the future keys get gradient.", {"mask": "diagonal"}),
-    ("causal_mask", "the recomputed weights are not masked: P = exp(S - lse) must use the masked scores, or the "
-                    "future keys get gradient.", {"mask": "none"}),
-    ("causal_mask", "the recomputed weights hide each query's own key too (a mask of key >= query, not key > "
-                    "query): query i sees keys 0..i, its own included, as in the forward, whose lse counts it.",
-     {"mask": "strict"}),
+    *(("transposed", why, {switch: True}) for switch, why in {
+        "dv_transposed": "dV is P @ dO: it should be P^T @ dO (each key's value collects the gradients of the "
+                         "queries that weighted it).",
+        "dk_transposed": "dK is dS @ Q: it should be dS^T @ Q (the keys are the columns of dS)."}.items()),
+    *(("causal_mask", why, {"mask": mask}) for mask, why in {
+        "diagonal": "the recomputed weights are not masked in the blocks that cross the diagonal: P = exp(S - lse) "
+                    "must use the masked scores, or the future keys get gradient.",
+        "none": "the recomputed weights are not masked: P = exp(S - lse) must use the masked scores, or the future "
+                "keys get gradient.",
+        "strict": "the recomputed weights hide each query's own key too (a mask of key >= query, not key > query): "
+                  "query i sees keys 0..i, its own included, as in the forward, whose lse counts it."}.items()),
     ("block_skip", "your key loop stops at the query block's start (range(0, q_start, block_k)), so it skips the "
                    "diagonal block: its keys up to each query are needed, as in the forward. A key block is needed "
                    "while its first key is not after the block's last query.", {"mask": "skip_diagonal"}),
-    ("causal_mask", block_corner("Your backward recomputes P = exp(S - lse) with it, so in the blocks below the "
-                                 "diagonal keys a query may see get no weight. Mask where ks + col > qs + row, the "
-                                 "absolute positions, as in the forward."), {"mask": "local"}),
-    ("causal_mask", block_corner("In the blocks that cross the diagonal but do not sit on it (block_q != block_k, "
-                                 "or a block that does not divide L), your recomputed P = exp(S - lse) then hides "
-                                 "the wrong keys. Mask where ks + col > qs + row, the absolute positions, as in the "
-                                 "forward."), {"mask": "local_diagonal"}),
+    *(("causal_mask", block_corner(advice), {"mask": mask}) for mask, advice in {
+        "local": "Your backward recomputes P = exp(S - lse) with it, so in the blocks below the diagonal keys a "
+                 "query may see get no weight. Mask where ks + col > qs + row, the absolute positions, as in the "
+                 "forward.",
+        "local_diagonal": "In the blocks that cross the diagonal but do not sit on it (block_q != block_k, or a "
+                          "block that does not divide L), your recomputed P = exp(S - lse) then hides the wrong "
+                          "keys. Mask where ks + col > qs + row, the absolute positions, as in the forward."}.items()),
     *(("gradient", f"{name} is written with = where += is meant ({name}[...] = ... inside the loop over the "
                    f"{inner} blocks): each block overwrites the share of the blocks before it, so {name} holds only "
                    f"the last {inner} block's. {name} is a sum over every {inner} block: start it at zeros and "

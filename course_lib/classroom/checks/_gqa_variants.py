@@ -52,24 +52,23 @@ def table_mistakes(theta: float) -> list[Mistake]:
     """The slips students make in rope_tables, each with its tables() keywords as its spec."""
     default = theta == 10000.0
     found = [
-        ("rope_layout", "the angles are repeated element by element (repeat_interleave, or stacking and "
-                        "flattening), which pairs dimensions (2i, 2i+1). This course (like Hugging Face "
-                        "Llama) pairs dimension i with i + head_dim/2: concatenate the head_dim/2 angles with "
-                        "themselves, torch.cat([angles, angles], dim=-1)", {"layout": "interleaved"}),
-        ("rope_layout", "the second half of the angles is the first half in reverse order: dimension i and "
-                        "i + head_dim/2 must turn by the same angle, so repeat the first half in the same order, "
-                        "torch.cat([angles, angles], dim=-1)", {"layout": "flipped"}),
-        ("rope_frequencies", "the exponent uses the pair index i over head_dim; it should be 2i/head_dim "
-                             "(step through 0, 2, 4, ... or multiply i by 2)", {"exponent": "i/d"}),
-        ("rope_frequencies", "the exponent counts the dimension index twice: you step through 0, 2, 4, ... "
-                             "and multiply by 2 again", {"exponent": "4i/d"}),
-        ("rope_frequencies", "the frequencies grow with the dimension instead of shrinking: pair i turns by "
-                             "theta^(-2i/head_dim) per position, so divide by theta^(2i/head_dim), do not multiply",
-         {"exponent": "-2i/d"}),
-        ("rope_frequencies", "the exponent divides by head_dim - 1; it should divide by head_dim",
-         {"exponent": "2i/(d-1)"}),
-        ("rope_frequencies", "the base is e: with exp(), the exponent needs the factor log(theta)",
-         {"base": math.e}),
+        *(("rope_layout", why, {"layout": layout}) for layout, why in {
+            "interleaved": "the angles are repeated element by element (repeat_interleave, or stacking and "
+                           "flattening), which pairs dimensions (2i, 2i+1). This course (like Hugging Face Llama) "
+                           "pairs dimension i with i + head_dim/2: concatenate the head_dim/2 angles with themselves, "
+                           "torch.cat([angles, angles], dim=-1)",
+            "flipped": "the second half of the angles is the first half in reverse order: dimension i and i + "
+                       "head_dim/2 must turn by the same angle, so repeat the first half in the same order, "
+                       "torch.cat([angles, angles], dim=-1)"}.items()),
+        *(("rope_frequencies", why, {"exponent": exponent}) for exponent, why in {
+            "i/d": "the exponent uses the pair index i over head_dim; it should be 2i/head_dim (step through 0, 2, "
+                   "4, ... or multiply i by 2)",
+            "4i/d": "the exponent counts the dimension index twice: you step through 0, 2, 4, ... and multiply by 2 "
+                    "again",
+            "-2i/d": "the frequencies grow with the dimension instead of shrinking: pair i turns by "
+                     "theta^(-2i/head_dim) per position, so divide by theta^(2i/head_dim), do not multiply",
+            "2i/(d-1)": "the exponent divides by head_dim - 1; it should divide by head_dim"}.items()),
+        ("rope_frequencies", "the base is e: with exp(), the exponent needs the factor log(theta)", {"base": math.e}),
         ("rope_positions", "your positions start at 1. Row 0 is position 0, which is not turned at all "
                            "(cos = 1, sin = 0)", {"first_position": 1}),
     ]
@@ -176,20 +175,20 @@ ROTARY: tuple[Mistake, ...] = (
     _rotary("rope_rotation", "sin and cos are swapped: x * cos + rotate_half(x) * sin.", kind="swapped"),
     _rotary("rope_rotation", "you multiply x itself by sin; the sin term needs the quarter-turned x: x * cos + "
                              "rotate_half(x) * sin.", kind="no_rotate_half"),
-    _rotary("rope_positions", "you ignore `offset`: the rows of the tables for x are offset .. offset+L-1 (with a KV "
-                              "cache, the new tokens come after the cached ones), not 0 .. L-1.", offset="zero"),
-    _rotary("rope_positions", "your rows are one position too far: take cos[offset : offset + L].", offset="plus_one"),
-    _rotary("rope_positions", "every token is turned by the one row cos[offset] (and sin[offset]): token m of x "
-                              "sits at position offset + m, so take the L rows cos[offset : offset + L].",
-            offset="one_row"),
-    _rotary("rope_positions", "you take the LAST L rows of the tables (cos[-L:]): row m is position m, so the rows "
-                              "for x are offset .. offset+L-1, cos[offset : offset + L].", offset="end"),
-    _rotary("rope_rotation", "only the first half of the head turns: both halves of each pair change, x * cos + "
-                             "rotate_half(x) * sin over the whole last axis (the second half gets x2 * cos + x1 * "
-                             "sin).", kind="first_half"),
-    _rotary("rope_rotation", "only the second half of the head turns: both halves of each pair change, x * cos + "
-                             "rotate_half(x) * sin over the whole last axis (the first half gets x1 * cos - x2 * "
-                             "sin).", kind="second_half"),
+    *(_rotary("rope_positions", why, offset=offset) for offset, why in {
+        "zero": "you ignore `offset`: the rows of the tables for x are offset .. offset+L-1 (with a KV cache, the new "
+                "tokens come after the cached ones), not 0 .. L-1.",
+        "plus_one": "your rows are one position too far: take cos[offset : offset + L].",
+        "one_row": "every token is turned by the one row cos[offset] (and sin[offset]): token m of x sits at position "
+                   "offset + m, so take the L rows cos[offset : offset + L].",
+        "end": "you take the LAST L rows of the tables (cos[-L:]): row m is position m, so the rows for x are offset "
+               ".. offset+L-1, cos[offset : offset + L]."}.items()),
+    *(_rotary("rope_rotation", why, kind=kind) for kind, why in {
+        "first_half": "only the first half of the head turns: both halves of each pair change, x * cos + "
+                      "rotate_half(x) * sin over the whole last axis (the second half gets x2 * cos + x1 * sin).",
+        "second_half": "only the second half of the head turns: both halves of each pair change, x * cos + "
+                       "rotate_half(x) * sin over the whole last axis (the first half gets x1 * cos - x2 * sin)."
+    }.items()),
     *(_rotary("rope_rotation", _halves_slip(pattern), kind=pattern) for pattern in _HALVES_SLIPS),
     _rotary("rope_axes", "you read the positions along the head axis: x is (N, heads, L, head_dim), so the sequence "
                          "length is x.shape[-2] and the table rows (L, head_dim) broadcast as they are over N and "

@@ -21,6 +21,7 @@ from ... import variants as ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _gqa_variants as rotary
+from ._attn_hypotheses import mistake_rows
 from ._device_probe import probe_module
 from ._gradients import check_module_gradients
 from ._student_code import close, reraise_with
@@ -405,8 +406,7 @@ _MLA_MISTAKES = (
               spec=dict(norm_over=over)) for over in ("both_rms", "stat_rms", "both_layer")),
     Mistake("rope_axes", "RoPE turns the whole head: only the rotary part (the last qk_rope_head_dim numbers of each "
                          "query, and the shared k_rope) is rotated; the part without position (qk_nope_head_dim) "
-                         "must stay as it is, or W_UK could not be folded into the query.",
-            spec=dict(rope="whole")),
+                         "must stay as it is, or W_UK could not be folded into the query.", spec=dict(rope="whole")),
     Mistake("rope_missing", "No rotary embedding: q_rope and k_rope must both be turned to their positions with "
                             "modern.apply_rotary(..., layer.rope_cos, layer.rope_sin, offset=start).",
             spec=dict(rope="none")),
@@ -424,26 +424,23 @@ _MLA_MISTAKES = (
             spec=dict(use_cache=False)),
     Mistake("causal_mask", "Your causal mask does not account for the cache: the new queries sit at positions "
                            "start .. start + L - 1, so query i sees keys 0 .. start + i (take rows start: of the "
-                           "T x T lower triangle).",
-            spec=dict(mask_offset=False)),
+                           "T x T lower triangle).", spec=dict(mask_offset=False)),
     Mistake("causal_mask", "No causal mask: each query also sees the later tokens of its chunk. Query start + i "
-                           "may see keys 0 .. start + i only.",
-            spec=dict(masked=False)),
-    Mistake("causal_mask", "Your hidden scores are 0, not -inf (the scores multiplied by a 0/1 mask, or "
-                           "masked_fill(~mask, 0)): exp(0) = 1, so every future key still gets weight e^0 in the "
-                           "softmax, as much as a key of score 0 that the query may see. Hide a key with "
-                           "scores.masked_fill(~mask, float('-inf')) before the softmax: its weight is then exactly 0.",
-            spec=dict(fill="zero")),
-    Mistake("causal_mask", "Your 0/1 mask is added to the scores (scores + mask): the keys a query may see get +1, "
-                           "the future keys keep their own scores, so the future still gets weight. A bool mask "
-                           "hides keys: fill their scores with -inf, scores.masked_fill(~mask, float('-inf')), "
-                           "before the softmax.", spec=dict(fill="add")),
-    Mistake("softmax_dim", "The softmax runs over the queries (dim=-2): each query's weights must sum to one over "
-                           "the keys, the last axis of the (N, H, L, T) scores.",
-            spec=dict(softmax_dim=-2)),
-    Mistake("softmax_dim", "The softmax runs over the heads (dim=1 of the (N, H, L, T) scores): a masked position "
-                           "is -inf in every head, so its column is all -inf and gives NaN. Each query's weights "
-                           "sum to one over the keys, the last axis.", spec=dict(softmax_dim=1)),
+                           "may see keys 0 .. start + i only.", spec=dict(masked=False)),
+    *mistake_rows("causal_mask", "fill", {
+        "zero": "Your hidden scores are 0, not -inf (the scores multiplied by a 0/1 mask, or masked_fill(~mask, 0)): "
+                "exp(0) = 1, so every future key still gets weight e^0 in the softmax, as much as a key of score 0 "
+                "that the query may see. Hide a key with scores.masked_fill(~mask, float('-inf')) before the "
+                "softmax: its weight is then exactly 0.",
+        "add": "Your 0/1 mask is added to the scores (scores + mask): the keys a query may see get +1, the future "
+               "keys keep their own scores, so the future still gets weight. A bool mask hides keys: fill their "
+               "scores with -inf, scores.masked_fill(~mask, float('-inf')), before the softmax."}),
+    *mistake_rows("softmax_dim", "softmax_dim", {
+        -2: "The softmax runs over the queries (dim=-2): each query's weights must sum to one over the keys, the "
+            "last axis of the (N, H, L, T) scores.",
+        1: "The softmax runs over the heads (dim=1 of the (N, H, L, T) scores): a masked position is -inf in every "
+           "head, so its column is all -inf and gives NaN. Each query's weights sum to one over the keys, the last "
+           "axis."}),
     Mistake("rope_layout", "You turn interleaved pairs (0, 1), (2, 3), ... of the rotary parts: this layer pairs "
                            "dimension i with i + qk_rope_head_dim/2 (rope_interleave=False), as "
                            "modern.apply_rotary does with layer.rope_cos and layer.rope_sin.",
@@ -458,8 +455,7 @@ _MLA_MISTAKES = (
             spec=dict(queries="pairs_table")),
     Mistake("rope_layout", "Your rotary keys are turned in interleaved pairs (0, 1), (2, 3), ... and the queries "
                            "in the layer's half-split pairs (i, i + qk_rope_head_dim/2): turn both with "
-                           "modern.apply_rotary, so that a query and a key turn alike.",
-            spec=dict(keys="pairs_table")),
+                           "modern.apply_rotary, so that a query and a key turn alike.", spec=dict(keys="pairs_table")),
     Mistake("rope_missing", "Only the rotary keys are turned: turn q_rope too, with modern.apply_rotary(q_rope, "
                             "layer.rope_cos, layer.rope_sin, offset=start), so that a score depends on the offset "
                             "between the query and the key.", spec=dict(queries="none")),
@@ -481,24 +477,20 @@ _MLA_MISTAKES = (
                           "become (N, L, H, v_head_dim) (transpose(1, 2)) before the reshape to (N, L, "
                           "H * v_head_dim), or the reshape mixes positions and heads.",
             spec=dict(merge="no_transpose")),
-    Mistake("split_transpose", "kv_b_proj's output is viewed straight as (N, H, T, ...), without the transpose: "
-                               "its memory holds each token's heads side by side, so view it as (N, T, H, dn + dv) "
-                               "first, then .transpose(1, 2), or the view mixes positions and heads.",
-            spec=dict(heads_view="keys_values")),
-    Mistake("split_transpose", "The queries are viewed straight as (N, H, L, ...), without the transpose: view them "
-                               "as (N, L, H, dn + dr) first, then .transpose(1, 2), or the view mixes positions and "
-                               "heads.", spec=dict(heads_view="queries")),
-    Mistake("scale", "The scores are scaled by 1/sqrt(qk_nope_head_dim): the query and key have "
-                     "qk_nope_head_dim + qk_rope_head_dim numbers, so scale by (dn + dr) ** -0.5 "
-                     "(layer.softmax_scale).", spec=dict(scale="nope")),
-    Mistake("scale", "The scores are not scaled: multiply them by layer.softmax_scale, (dn + dr) ** -0.5.",
-            spec=dict(scale="none")),
-    Mistake("scale", "The scores are scaled by 1/sqrt(v_head_dim): the scale belongs to the width of the query "
-                     "and key, (qk_nope_head_dim + qk_rope_head_dim) ** -0.5.",
-            spec=dict(scale="value")),
-    Mistake("scale", "The scale is applied to the weights after the softmax: layer.softmax_scale multiplies the "
-                     "scores that go into the softmax; afterwards it only shrinks the output.",
-            spec=dict(scale="after")),
+    *mistake_rows("split_transpose", "heads_view", {
+        "keys_values": "kv_b_proj's output is viewed straight as (N, H, T, ...), without the transpose: its memory "
+                       "holds each token's heads side by side, so view it as (N, T, H, dn + dv) first, then "
+                       ".transpose(1, 2), or the view mixes positions and heads.",
+        "queries": "The queries are viewed straight as (N, H, L, ...), without the transpose: view them as (N, L, H, "
+                   "dn + dr) first, then .transpose(1, 2), or the view mixes positions and heads."}),
+    *mistake_rows("scale", "scale", {
+        "nope": "The scores are scaled by 1/sqrt(qk_nope_head_dim): the query and key have qk_nope_head_dim + "
+                "qk_rope_head_dim numbers, so scale by (dn + dr) ** -0.5 (layer.softmax_scale).",
+        "none": "The scores are not scaled: multiply them by layer.softmax_scale, (dn + dr) ** -0.5.",
+        "value": "The scores are scaled by 1/sqrt(v_head_dim): the scale belongs to the width of the query and key, "
+                 "(qk_nope_head_dim + qk_rope_head_dim) ** -0.5.",
+        "after": "The scale is applied to the weights after the softmax: layer.softmax_scale multiplies the scores "
+                 "that go into the softmax; afterwards it only shrinks the output."}),
     Mistake("norm_placement", "The latent is not normalised: apply layer.kv_a_layernorm to the latent part of "
                               "kv_a_proj_with_mqa(x) (not to k_rope) before it is cached and up-projected.",
             spec=dict(norm=False)),
