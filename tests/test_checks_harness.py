@@ -79,8 +79,6 @@ def _state():
 
 
 def _meddling_mask(n):
-    torch.set_grad_enabled(False)
-    torch.set_default_dtype(torch.float64)
     torch.set_num_threads(3)
     torch.manual_seed(0)
     random.seed(0)
@@ -100,6 +98,20 @@ def test_a_check_leaves_the_kernel_as_it_found_it():
     assert torch.equal(before[3], after[3]) and before[4] == after[4] and (before[5] == after[5]).all()
     assert before[6] == after[6] and not hasattr(attention, "SOMETHING_NEW")
     assert checks.check_causal_mask(attention.causal_mask).passed   # and later correct code still passes
+
+
+def test_a_default_dtype_or_grad_mode_left_changed_is_named_and_put_back():
+    before = _state()
+
+    def leaves_settings_changed(n):
+        torch.set_grad_enabled(False)
+        torch.set_default_dtype(torch.float64)
+        return torch.ones(n, n, dtype=torch.bool).tril()
+    result = checks.check_causal_mask(leaves_settings_changed)
+    assert result.diagnosis == "global_setting", result
+    assert "torch.get_default_dtype() was torch.float32, is now torch.float64" in result.message
+    assert "torch.is_grad_enabled() was True, is now False" in result.message
+    assert _state()[:3] == before[:3]
 
 
 def test_state_is_restored_after_a_failure_too():

@@ -72,6 +72,7 @@ DIAGNOSES = (
     "ablation_method",   # a head "switched off" by changing the wrong thing (its attention pattern), or not at all
     "ablation_slice",    # the wrong part of the merged heads zeroed: another head, the whole layer, proj's rows
     "not_restored",      # a context manager that leaves the model changed (hooks, weights), also after an exception
+    "global_setting",    # a setting of the whole process left changed: the default dtype, gradients turned off
     "kept_state",        # something kept between calls: an old result, a buffer cut in forward, a handle left behind
     "patched",           # torch's or the course's own functions replaced (torch.equal = ...): no check can be trusted
     "calls_reference",   # the student's code is, wraps, subclasses or calls the course's own version of the exercise

@@ -25,7 +25,7 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._counterexample import Example, first_difference
 from ._model_common import randomize_
-from ._student_code import call_student, close, expect_callable
+from ._student_code import call_student, close, expect_callable, with_block_step
 from ._student_files import exception_line, raised_in_student_code
 from .engine import first_mistake
 from .engine.example import compare
@@ -287,7 +287,8 @@ class _Fresh:
 
     def enter(self) -> None:
         try:
-            call_student(type(self.manager).__enter__, self.manager, what=f"entering `with {self.shown}`")
+            with with_block_step():
+                call_student(type(self.manager).__enter__, self.manager, what=f"entering `with {self.shown}`")
         except Failure as failure:
             if failure.diagnosis == "exception" and "generator didn't yield" in failure.message:
                 fail("exception", f"{_sentence(failure.message)} Your generator ended before its `yield`: the "
@@ -307,7 +308,8 @@ class _Fresh:
                 return False
         before = _random_state()
         try:
-            swallowed = call_student(exit_, what=f"leaving `with {self.shown}`")
+            with with_block_step():
+                swallowed = call_student(exit_, what=f"leaving `with {self.shown}`")
         except Failure as failure:
             if failure.diagnosis == "exception" and "generator didn't stop" in failure.message:
                 fail("exception", f"{_sentence(failure.message)} Your generator must `yield` exactly once: one "
@@ -327,6 +329,18 @@ class _Fresh:
                               f"(torch.float32, .float(), dtype=torch.float64). Make new tensors like the one you "
                               f"change: torch.ones_like(x), x.new_zeros(...), dtype=x.dtype.")
             raise
+
+    def output_inside(self, idx: torch.Tensor) -> Any:
+        """One run inside the ``with``, without gradients; it leaves the ``with`` even when the run fails."""
+        self.enter()
+        try:
+            with torch.no_grad():
+                out = self.run(idx, "inside")
+        except Failure:
+            self.leave()
+            raise
+        self.leave()
+        return out
 
 
 def _distinctive_random_state() -> None:
@@ -523,14 +537,7 @@ def _after_a_step(fn: Callable[..., Any]) -> None:
         with ref.ablate_head(reference, layer, head):
             expected = reference(idx)
     again = _Fresh(fn, model, layer, head, shown, copied=False)
-    again.enter()
-    try:
-        with torch.no_grad():
-            out = again.run(idx, "inside")
-    except Failure:
-        again.leave()
-        raise
-    again.leave()
+    out = again.output_inside(idx)
     kept = ("your code uses weights it saved in an earlier call (in a global, or on the model), not what they are "
             "now: save them inside each call, right before you change them.")
     if not (isinstance(out, torch.Tensor) and close(out, expected)):
@@ -557,15 +564,7 @@ def _in_float64(fn: Callable[..., Any]) -> None:
         reference = copy.deepcopy(built)
         with torch.no_grad(), ref.ablate_head(reference, layer, head):
             expected = reference(idx)
-        fresh = _Fresh(fn, built, layer, head, shown)
-        fresh.enter()
-        try:
-            with torch.no_grad():
-                out = fresh.run(idx, "inside")
-        except Failure:
-            fresh.leave()
-            raise
-        fresh.leave()
+        out = _Fresh(fn, built, layer, head, shown).output_inside(idx)
         if isinstance(out, torch.Tensor) and out.dtype != expected.dtype:
             fail("dtype", f"{shown}: the model's output is {out.dtype}, expected {expected.dtype}: your hook "
                           f"changes the dtype of what it returns (a .float(), a float32 tensor of zeros). Make new "

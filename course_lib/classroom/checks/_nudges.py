@@ -99,6 +99,8 @@ NUDGES: dict[str | tuple[str, str], str] = {
     "ablation_slice": "In the merged output of shape (N, L, heads * head_dim), which columns belong to head h?",
     "not_restored": "After the with-block ends (or raises), is the model exactly as before? Which hook or "
                     "weight did you change, and where is it undone?",
+    "global_setting": "Which line sets something for the whole process (torch.set_default_dtype, "
+                      "torch.set_grad_enabled) without putting it back before your code returns?",
     "kept_state": "Call your code twice with different inputs (or after changing a weight): does the second "
                   "answer change? What does your code store on self, or in a global, that a later call reads?",
     "missing": "Is the exercise's cell in your notebook, under its own name?",

@@ -5,8 +5,9 @@ tolerance derived from the dtype. Tolerances that are not about float noise (a p
 1.1, a FLOP count in 6.1) stay with their exercise."""
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -72,7 +73,7 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     inputs = [(name, value, value.detach().clone()) for name, value in _tensor_args(args, kwargs)]
     layer = _layer_of(fn)
     weights = parameters_held(layer) if layer is not None else {}
-    depth, default = modes_depth(), torch.get_default_dtype()
+    depth, settings = modes_depth(), (None if _WITH_BLOCK_STEP[0] else _settings())
     collector = tuple(_GC_CALLBACKS), tuple(map(int, _GC_THRESHOLD()))
     try:
         try:
@@ -81,11 +82,17 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
             collected = _collector_put_back(*collector)   # first: no callback of theirs runs in what follows
             install_references()   # student code that patched course_lib must not change the verdict
             # put back at once, not only when the check ends: the check's own tensors follow the default too
-            torch.set_default_dtype(default)
+            left = _settings_put_back(settings) if settings is not None else []
         if collected:
             fail("patched", f"{what} changed the garbage collector's callbacks or thresholds (gc.callbacks, "
                             f"gc.set_threshold): a callback runs code of yours inside the check itself. Remove "
                             f"that code, restart the kernel (Kernel > Restart) and run the cells again.")
+        if left:
+            fail("global_setting", f"{what} changed a setting of the whole process and left it changed: "
+                                   f"{'; '.join(left)}. Every later cell of your notebook, training included, would "
+                                   f"run with it. Make your tensors with dtype= and device= (or torch.zeros_like) "
+                                   f"instead of changing the default, and turn gradients off for a block only "
+                                   f"(with torch.no_grad():), never for the process.")
         expect_unpatched()   # nor one that replaced torch's own functions (torch.equal = ...)
         expect_no_new_modes(depth)   # nor a torch mode left on the stack
         result = plain_tensors(result, what)
@@ -111,6 +118,42 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     if weights:
         _expect_weights_left_alone(layer, weights, what)
     return result
+
+
+# The process-wide settings a function may not leave changed (read, write, name): a training recipe may choose its
+# matmul precision or determinism for good, but no exercise changes the default dtype or turns gradients off.
+_SETTINGS = ((torch.get_default_dtype, torch.set_default_dtype, "torch.get_default_dtype()"),
+             (torch.is_grad_enabled, torch.set_grad_enabled, "torch.is_grad_enabled()"))
+
+
+_WITH_BLOCK_STEP = [0]   # > 0 while a student's __enter__ or __exit__ runs
+
+
+@contextlib.contextmanager
+def with_block_step() -> Iterator[None]:
+    """Around a student's ``__enter__`` or ``__exit__``: a setting it changes is the block's own until the block
+    ends (``torch.no_grad()`` is such a block), so it is neither put back nor a verdict there; the check that runs
+    the block judges what its body sees and what its end leaves."""
+    _WITH_BLOCK_STEP[0] += 1
+    try:
+        yield
+    finally:
+        _WITH_BLOCK_STEP[0] -= 1
+
+
+def _settings() -> tuple[Any, ...]:
+    return tuple(read() for read, _, _ in _SETTINGS)
+
+
+def _settings_put_back(before: tuple[Any, ...]) -> list[str]:
+    """Put the settings back as they were before a call; what the call had changed, as 'name was a, is b'."""
+    left = []
+    for (read, write, name), value in zip(_SETTINGS, before):
+        now = read()
+        if now != value:
+            write(value)
+            left.append(f"{name} was {value}, is now {now}")
+    return left
 
 
 def _layer_of(fn: Any) -> nn.Module | None:

@@ -104,43 +104,40 @@ _SOFTMAX_MISTAKES = (
     _softmax_mistake("overflow", "no maximum is subtracted, so exp overflows to inf for scores above about 88 in "
                      "float32 and you divide inf by inf. Subtract the running maximum m inside every exp",
                      maximum="none"),
-    _softmax_mistake("online_rescale", "the running sum is not rescaled when the maximum changes: every earlier term "
-                     "was exp(x - m_old), so when a block raises the maximum the sum must be multiplied by "
-                     "exp(m_old - m_new) before the new block's terms are added", rescale="none"),
-    _softmax_mistake("online_rescale", "the running sum is rescaled by exp(block_max - m_new), with this block's "
-                     "own maximum: the earlier terms were exp(x - m_old), so the factor is exp(m_old - m_new), "
-                     "with the maximum before this block", rescale="block"),
-    *(_softmax_mistake("online_rescale", "the rescale factor is upside down: when the maximum grows from m_old to "
-                       "m_new, the old sum shrinks, l * exp(m_old - m_new), a factor of at most 1", rescale=inverted)
-      for inverted in ("inverted", "inverted_guarded")),   # guarded: no factor before the first block (m = -inf)
-    _softmax_mistake("online_rescale", "the factor exp(m_old - m_new) multiplies the new block's terms too: "
-                     "(l + new terms) * factor. Those terms are exp(x - m_new) already; only the old sum is "
-                     "rescaled, l = l * exp(m_old - m_new) + the new terms", rescale="after"),
-    _softmax_mistake("online_rescale", "the factor exp(m_old - m_new) multiplies the new block's terms instead of "
-                     "the old sum. The new terms are exp(x - m_new) already; the old sum, made of exp(x - m_old), "
-                     "is what needs it: l = l * exp(m_old - m_new) + the new terms", rescale="new"),
+    *(_softmax_mistake("online_rescale", why, rescale=rescale) for rescale, why in {
+        "none": "the running sum is not rescaled when the maximum changes: every earlier term was exp(x - m_old), "
+                "so when a block raises the maximum the sum must be multiplied by exp(m_old - m_new) before the new "
+                "block's terms are added",
+        "block": "the running sum is rescaled by exp(block_max - m_new), with this block's own maximum: the earlier "
+                 "terms were exp(x - m_old), so the factor is exp(m_old - m_new), with the maximum before this block",
+        # guarded: no factor before the first block (m = -inf)
+        **dict.fromkeys(("inverted", "inverted_guarded"), "the rescale factor is upside down: when the maximum grows "
+                        "from m_old to m_new, the old sum shrinks, l * exp(m_old - m_new), a factor of at most 1"),
+        "after": "the factor exp(m_old - m_new) multiplies the new block's terms too: (l + new terms) * factor. Those "
+                 "terms are exp(x - m_new) already; only the old sum is rescaled, l = l * exp(m_old - m_new) + the "
+                 "new terms",
+        "new": "the factor exp(m_old - m_new) multiplies the new block's terms instead of the old sum. The new terms "
+               "are exp(x - m_new) already; the old sum, made of exp(x - m_old), is what needs it: l = l * "
+               "exp(m_old - m_new) + the new terms"}.items()),
     _softmax_mistake("running_max", "you keep the maximum of the latest block, not the running maximum of all blocks "
                      "so far: it is right in exact arithmetic, but when a later block is much smaller than an earlier "
                      "one the rescale factor exp(m_old - m_new) overflows. Use m_new = torch.maximum(m, "
-                     "block.amax(dim=-1))",
-                     maximum="last"),
+                     "block.amax(dim=-1))", maximum="last"),
     _softmax_mistake("early_normalization", "each block is normalised with the sum seen so far; the earlier blocks "
                      "never learn about the later ones. Only the statistics (m, l) are updated per block: divide by "
                      "the final sum once, at the end", normalize="every"),
-    _softmax_mistake("block_bounds", "the last entry of every block is never read: block s covers x[..., s : s + "
-                     "block_size] (the end is excluded already, no -1)", bounds="short"),
-    _softmax_mistake("block_bounds", "every block starts one entry late: block s covers x[..., s : s + block_size]",
-                     bounds="shifted"),
-    _softmax_mistake("block_bounds", "your blocks overlap: x[..., s : s + block_size + 1] reads the first entry of the "
-                     "next block too, so it is counted twice. The end of a slice is excluded already: x[..., s : s + "
-                     "block_size]", bounds="overlap"),
-    _softmax_mistake("block_bounds", "the row's last entry is never read: the blocks end at min(s + block_size, L) "
-                     "and a slice already excludes its end (no L - 1)", bounds="last_entry"),
-    _softmax_mistake("block_bounds", "your loop stops before the last block: range(0, L, block_size) visits every "
-                     "start, the last block may be shorter", bounds="stop_early"),
-    _softmax_mistake("block_bounds", "a last block shorter than block_size is never read (L is not always a multiple "
-                     "of the block size): loop over range(0, L, block_size) and slice to the end",
-                     bounds="whole_blocks"),
+    *(_softmax_mistake("block_bounds", why, bounds=bounds) for bounds, why in {
+        "short": "the last entry of every block is never read: block s covers x[..., s : s + block_size] (the end is "
+                 "excluded already, no -1)",
+        "shifted": "every block starts one entry late: block s covers x[..., s : s + block_size]",
+        "overlap": "your blocks overlap: x[..., s : s + block_size + 1] reads the first entry of the next block too, "
+                   "so it is counted twice. The end of a slice is excluded already: x[..., s : s + block_size]",
+        "last_entry": "the row's last entry is never read: the blocks end at min(s + block_size, L) and a slice "
+                      "already excludes its end (no L - 1)",
+        "stop_early": "your loop stops before the last block: range(0, L, block_size) visits every start, the last "
+                      "block may be shorter",
+        "whole_blocks": "a last block shorter than block_size is never read (L is not always a multiple of the block "
+                        "size): loop over range(0, L, block_size) and slice to the end"}.items()),
 )
 
 
@@ -414,9 +411,9 @@ def _probe_forward(fn: Callable[..., Any], causal: bool) -> None:
     full = record.score_shaped(length, length)
     if full is not None:
         fail("full_scores", f"{shown}: your code materialised the full score matrix: it built a tensor of shape "
-                            f"{full}, L x L = {length} x {length} scores or more. "
-                            f"The point of tiling is that no tensor bigger than a (block_q, block_k) block of "
-                            f"scores ever exists; build the causal mask per block too, from the positions.")
+                            f"{full}, L x L = {length} x {length} scores or more. The point of tiling is that no "
+                            f"tensor bigger than a (block_q, block_k) block of scores ever exists; build the causal "
+                            f"mask per block too, from the positions.")
     if record.fused:
         fail("not_tiled", f"{shown}: your code calls PyTorch's fused attention ({record.fused[0]}); write the "
                           f"loops over query and key blocks yourself.")
@@ -776,15 +773,22 @@ def _two_layers(cls: Any) -> None:
         q, k, v = _qkv(51 + seed, shape, spread=1.5)
         grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(61 + seed))
         calls.append(((q, k, v, causal, block_q, block_k), grad_out))
+    for first_backward_first in (False, True):
+        _backwards_in_order(cls, calls, first_backward_first)
+
+
+def _backwards_in_order(cls: Any, calls: list[Any], first_backward_first: bool) -> None:
     (shape, block_q, block_k, _), _ = _TWO_LAYERS
+    order = ("the first call's first, as two losses' backwards run one after the other" if first_backward_first
+             else "the second call's first, as autograd runs them")
     shown = (f"FlashAttentionFunction.apply called twice, as two attention layers do (q, k, v of shape {shape}, "
              f"block_q={block_q}, block_k={block_k}, causal=True, then other numbers with causal=False), and then "
-             f"their two backwards, the second call's first, as autograd runs them")
+             f"their two backwards, {order}")
     advice = ("Keep everything the backward needs on ctx, which is the call's own: ctx.save_for_backward(q, k, v, "
               "out, lse) for tensors and ctx.causal = causal (and the block sizes) for the rest, and read them back "
               "from ctx (ctx.saved_tensors) in backward.")
     try:
-        found, kept = in_flight_together(cls, calls, what=shown)
+        found, kept = in_flight_together(cls, calls, what=shown, first_backward_first=first_backward_first)
     except Failure as failure:
         if failure.diagnosis != "exception":
             raise
@@ -804,7 +808,8 @@ def _two_layers(cls: Any) -> None:
                            f"backward needs outside ctx"
                            + (f" ({places}, set by the forward)" if places else " (on the class, the module or a "
                                                                                  "global)")
-                           + f", so the second forward overwrote what the first call's backward reads. {advice}")
+                           + f", so the second forward overwrote what the first call's backward reads (or a stack there "
+                             f"handed one call's backward the other's). {advice}")
 
 
 def _probe_backward(cls: Any) -> None:
@@ -813,10 +818,9 @@ def _probe_backward(cls: Any) -> None:
     record = _watched(22, lambda q, k, v: _student_grads(cls, q, k, v, torch.randn_like(q), True, _BLOCK_Q, _BLOCK_K))
     full = record.score_shaped(length, length)
     if full is not None:
-        fail("full_scores", f"{shown}: your forward or backward materialised a tensor of shape {full}, the "
-                            f"L x L = {length} x {length} scores or more. The backward "
-                            f"should rebuild one (block_q, block_k) block of weights at a time, exp(s - lse), and "
-                            f"never store or build them all.")
+        fail("full_scores", f"{shown}: your forward or backward materialised a tensor of shape {full}, the L x L = "
+                            f"{length} x {length} scores or more. The backward should rebuild one (block_q, "
+                            f"block_k) block of weights at a time, exp(s - lse), and never store or build them all.")
     _tiles_as_given(record, f"{shown} (block_q={_BLOCK_Q}, block_k={_BLOCK_K})")
     _backward_skips(record, shown)
     shown = f"FlashAttentionFunction with Lq = {length} and Lk = {_SWAP_LENGTH_K}, causal=False"

@@ -164,13 +164,15 @@ def _bindings(cls: Any) -> dict[str, tuple[Any, int]]:
     return found
 
 
-def in_flight_together(cls: Any, calls: Sequence[tuple[Sequence[Any], torch.Tensor]], *, what: str
-                       ) -> tuple[list[tuple[Any, ...] | None], list[str]]:
+def in_flight_together(cls: Any, calls: Sequence[tuple[Sequence[Any], torch.Tensor]], *, what: str,
+                       first_backward_first: bool = False) -> tuple[list[tuple[Any, ...] | None], list[str]]:
     """Every call's forward first, as the layers of a model run, then their backwards in reverse order, as autograd
-    runs them: (each call's gradients of its floating-point tensors, in the calls' order, None for a call whose
+    runs them (or, with ``first_backward_first``, in the calls' order, as two losses' backwards run one after the
+    other): (each call's gradients of its floating-point tensors, in the calls' order, None for a call whose
     forward gave no differentiable output; the names, on the class or in its module, that the forwards set or
     changed). A Function that keeps what its backward needs on the class or in a global, not on ctx, gives the
-    earlier calls the later call's numbers."""
+    earlier calls the later call's numbers; one that keeps a stack there, the backwards the wrong call's in one
+    of the two orders."""
     before = _bindings(cls)
     pending = []
     with torch.enable_grad():
@@ -183,7 +185,7 @@ def in_flight_together(cls: Any, calls: Sequence[tuple[Sequence[Any], torch.Tens
         kept = [name for name, (value, size) in after.items()
                 if name not in before or before[name][0] is not value or before[name][1] != size]
         grads: list[tuple[Any, ...] | None] = [None] * len(calls)
-        for index in reversed(range(len(calls))):
+        for index in (range(len(calls)) if first_backward_first else reversed(range(len(calls)))):
             given, first = pending[index]
             differentiable = [a for a in given if isinstance(a, torch.Tensor) and a.requires_grad]
             if first is None or first.grad_fn is None:
