@@ -5,7 +5,8 @@ function exercise to them by behaviour (a correct attempt with the probe's mista
 Where a probe lives:
 
 - ``gradient``: one backward pass beside the reference's, gradient by gradient (``_gradients``).
-- ``mutation``: an input changed in place is a verdict (``_student_code.call``, on every call).
+- ``mutation``: an input changed in place is a verdict (``_student_code.call``, on every call), and so is a
+  module's parameter that its own forward changed (a clamp_, a weight decay, ``.data = ...``).
 - ``reference_guard``: the exercise's own reference doing the work is a verdict (``reference_guard``,
   entered by ``engine.run`` around every check).
 - ``counterexample``: the smallest input on which the student and the reference differ (``example``).
@@ -27,7 +28,9 @@ Where a probe lives:
   fresh module and again on one called first in the default dtype, then converted with model.double() (what its
   first call kept, a dtype or a cast weight, shows).
 - ``global_state``: torch's and the course's functions as the check found them at import; one replaced
-  (``torch.equal = ...``) is the verdict ``patched`` (``checks._pinned``).
+  (``torch.equal = ...``) is the verdict ``patched`` (``checks._pinned``). The default dtype or grad mode left
+  changed by a call is ``global_setting`` (``_student_code.call``; a with-block's own ``__enter__`` and
+  ``__exit__`` may change them, ``with_block_step``).
 - ``saved_tensors``: an autograd.Function's forward and backward run by ``engine.saved_tensors.forward_backward``:
   an input, ``grad_out`` or a tensor saved for backward changed in place is ``mutation``, the tensor named (10.3).
 - ``batch``: each item of a batch alone right, the batch together wrong: the items leak into each other
