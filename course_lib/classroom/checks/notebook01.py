@@ -380,7 +380,12 @@ def _sdpa_diagnose(runs: list[Run], fn: Any) -> None:
                 lambda factor: keeps_number(fn, factor))
     # masked cases first: they show the most
     for run, weights, allowed in sorted(read, key=lambda item: item[2] is None):
-        diagnose_weights(weights, scores(run), allowed, run.case.args[0].shape[-1] ** -0.5)
+        try:
+            diagnose_weights(weights, scores(run), allowed, run.case.args[0].shape[-1] ** -0.5)
+        except Failure as failure:
+            if failure.diagnosis == "scale":
+                _scale_from_a_size(run, runs)
+            raise
     probed = bool(read)
     run = next(run for run in runs if not close(run.out, run.expected))
     q, k, v = run.case.args[:3]
@@ -391,6 +396,56 @@ def _sdpa_diagnose(runs: list[Run], fn: Any) -> None:
              "Check each step: scores q k^T over the last two axes, scaling, mask, softmax over the keys, times v.")
     fail("mismatch", f"For q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)} your output "
                      f"differs from the reference by up to {max_diff(run.out, run.expected):.3g}, {where}")
+
+
+# What each axis of q, k and v holds, counted from the end (the batch axes before them have no name of their own).
+_AXES = {("q", -1): "d, the size of each vector", ("q", -2): "Lq, the number of queries",
+         ("k", -1): "d, the size of each vector", ("k", -2): "Lk, the number of keys",
+         ("v", -1): "dv, the size of each value", ("v", -2): "Lk, the number of keys"}
+_POWERS = ((0.5, "1/sqrt({size})"), (1.0, "1/{size}"))   # a size under a square root, or the size itself
+
+
+def _axis_meaning(name: str, shape: torch.Size, axis: int) -> str:
+    back = axis - len(shape) if axis >= 0 else axis
+    if (name, back) in _AXES:
+        return _AXES[name, back]
+    return "H, the number of heads" if len(shape) == 4 and back == -3 else "N, the batch size"
+
+
+def _size(run: Run, index: int, axis: int) -> int | None:
+    """The size of axis ``axis`` of the call's argument ``index`` (q, k, v), None where it has no such axis."""
+    shape = run.case.args[index].shape
+    return shape[axis] if -len(shape) <= axis < len(shape) else None
+
+
+def _sdpa_scaled(run: Run, factor: float) -> torch.Tensor:
+    """The reference on the call's own inputs, with ``factor`` on the scores."""
+    q, k, v, *mask = run.case.args
+    return sdpa_variant(q, k, v, mask[0] if mask else None, {"scale": float(factor)})
+
+
+def _scale_from_a_size(run: Run, runs: list[Run]) -> None:
+    """``scale`` with the size of the inputs the wrong factor came from: the one read of a shape (``q.shape[2]``,
+    ``v.shape[-1]``) whose 1/sqrt (or 1/size) as the factor on the scores gives the student's output on every call,
+    right where that axis happens to hold d (q.shape[2] of a 3-D q) and wrong elsewhere."""
+    for index, name in enumerate("qkv"):
+        for axis in range(-4, 4):
+            for power, said in _POWERS:
+                if any(_size(r, index, axis) is None
+                       or not close(r.out, _sdpa_scaled(r, _size(r, index, axis) ** -power)) for r in runs):
+                    continue
+                shape, size_here = run.case.args[index].shape, _size(run, index, axis)
+                d, factor = run.case.args[0].shape[-1], float(size_here) ** -power
+                meaning = _axis_meaning(name, shape, axis)
+                where = f"For q {shape_str(run.case.args[0].shape)}, your factor on the scores is {factor:.4g} = " \
+                        f"{said.format(size=size_here)}"
+                if size_here == d and meaning.startswith("d,"):   # d itself: divided by d, not its square root
+                    fail("scale", f"{where}, 1/{name}.shape[{axis}]: you divide by d itself. Divide by its square "
+                                  f"root, 1/sqrt(d) = {d ** -0.5:.4g}.")
+                of = "" if name == "q" else f" for {name} of shape {shape_str(shape)}"
+                fail("scale", f"{where}, and {size_here} is {name}.shape[{axis}]:{of} that is {meaning}, not d. "
+                              f"The factor is 1/sqrt(d) = {d ** -0.5:.4g}, d the size of each query and key: the LAST "
+                              f"axis, q.shape[-1] = {d}, whatever the number of axes before it.")
 
 
 def _sdpa_gradients() -> list[Case]:

@@ -261,6 +261,40 @@ def _per_token(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none")
 
 
+def _label_smoothing(logits: torch.Tensor, targets: torch.Tensor, loss: float) -> float | None:
+    """The label_smoothing e that gives ``loss`` on these logits, or None: a smoothed loss is (1 - e) times the
+    cross-entropy plus e times the mean over the vocabulary of -log p, so e is a straight line's solution."""
+    real = targets != IGNORE
+    plain = float(_per_token(logits, targets)[real.flatten()].mean())
+    uniform = float(-logits.double().log_softmax(-1)[real].mean())
+    if abs(uniform - plain) < 1e-6:
+        return None
+    smoothing = (loss - plain) / (uniform - plain)
+    return smoothing if 1e-3 < smoothing <= 1 else None
+
+
+def _smoothed_labels(runs: list[Run], fn: Any) -> None:
+    """``mismatch`` naming label smoothing: the first wrong loss is the smoothed loss for some e, and the other
+    cases' losses are too, with that same e (a recipe's label_smoothing=0.1 left in)."""
+    run = runs[-1]
+    smoothing = _label_smoothing(*run.case.args, float(run.out))
+    if smoothing is None:
+        return
+    for case in LM_LOSS.cases():
+        try:
+            got = call(fn, *case.given(), what=case.what)
+        except Failure:
+            return
+        smoothed = F.cross_entropy(case.args[0].flatten(0, 1), case.args[1].flatten(), ignore_index=IGNORE,
+                                   label_smoothing=smoothing)
+        if not (isinstance(got, torch.Tensor) and got.numel() == 1 and abs(float(got) - float(smoothed)) < 1e-4):
+            return
+    fail("mismatch", f"{run.case.what} returned {float(run.out):.5f}, expected {float(run.expected):.5f}: your loss "
+                     f"is the cross-entropy with label smoothing (label_smoothing={smoothing:.3g}), which mixes a "
+                     f"uniform target over the vocabulary into each real one. The loss asked is the plain mean "
+                     f"cross-entropy against the targets: leave label_smoothing out of F.cross_entropy.")
+
+
 LM_LOSS = FunctionExercise(
     "5.2", "lm_loss", lambda logits, targets: train_ref.lm_loss(logits, targets),
     lambda: _loss_cases(((2, 5, 7, 0), (3, 4, 4, 0), (1, 1, 9, 0), (3, 6, 11, 2), (2, 7, 7, 3)), 5),
@@ -339,7 +373,7 @@ LM_LOSS = FunctionExercise(
         Mistake("logits", "you return exp(loss), the perplexity; the loss is the mean cross-entropy itself, without "
                           "the exp.", output=lambda x, y: train_ref.lm_loss(x, y).exp()),
     ),
-    each_case=True, dtype=False, finite=True, reword=_loss_error,
+    each_case=True, dtype=False, finite=True, reword=_loss_error, diagnose=_smoothed_labels,
     gradients=lambda: LM_LOSS.cases(),
     examples=lambda: _loss_cases(((1, 1, 2, 0), (1, 2, 3, 0), (2, 2, 3, 1)), 1, small=True),
     magnitude=lambda: [Case((x, targets), f"{case.what} with {how.replace('score', 'logit')}") for case in _loss_cases(
@@ -806,6 +840,7 @@ def _draw(fn: Callable[..., Any], logits: torch.Tensor, what: str, **kwargs: Any
             fail("normalization", extend(text, "torch.multinomial needs non-negative weights, one distribution "
                                                "per row: turn the logits into probabilities with a softmax over "
                                                "the vocabulary (the last dimension) first."))
+        _top_k_for_one_row(fn, logits, text, **kwargs)
         raise
     if isinstance(result, torch.Tensor) and result.shape == (logits.shape[0], 1):
         fail("shape", f"{what} returned shape {tuple(result.shape)}; expected ({logits.shape[0]},), one token id "
@@ -828,6 +863,29 @@ def _draw(fn: Callable[..., Any], logits: torch.Tensor, what: str, **kwargs: Any
         fail("mismatch", f"{what} returned ids outside 0 .. {logits.shape[1] - 1}; the id of a token is its "
                          f"column in the logits.")
     return result
+
+
+def _runs(fn: Callable[..., Any], logits: torch.Tensor, **kwargs: Any) -> bool:
+    try:
+        call(fn, logits.clone(), what="sample_next_token", **kwargs)
+    except Failure:
+        return False
+    return True
+
+
+def _top_k_for_one_row(fn: Callable[..., Any], logits: torch.Tensor, text: str, **kwargs: Any) -> None:
+    """``top_k`` where the call with top_k raised on a batch but runs on its first row alone, and on the batch
+    without top_k: the k-th largest logit (or the mask) of each row lost its axis, (N,) where (N, 1) lines up with
+    the rows (values[:, -1], a min or kthvalue without keepdim=True), so it meets the vocabulary axis instead."""
+    if kwargs.get("top_k") is None or logits.shape[0] == 1:
+        return
+    without = {name: value for name, value in kwargs.items() if name != "top_k"}
+    if _runs(fn, logits[:1], **kwargs) and _runs(fn, logits, **without):
+        fail("top_k", extend(text, f"It runs on one row, and on these {logits.shape[0]} rows without top_k: your "
+                                   f"top-k threshold has lost the row axis. The k-th largest logit of each row, "
+                                   f"topk(...).values[:, -1], has shape (N,), which lines up with the vocabulary "
+                                   f"(the last axis of the logits), not with the rows. Keep the axis: "
+                                   f"values[:, -1:] (or keepdim=True), shape (N, 1), one threshold per row."))
 
 
 def _frequencies(draws: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:

@@ -572,6 +572,38 @@ def _explain_calls(calls: list[dict[str, Any]], sequence: torch.Tensor | None = 
     return _explain_cache_contents(calls, sequence, prompt_length)
 
 
+_ONE_ROW = "logits[0, -1], .item(), a .squeeze() that drops the batch axis, or one token for every row"
+
+
+def _right_row_by_row(fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int, what: str) -> bool:
+    """A batch of several prompts, each run alone (a batch of one), gives the right tokens every time."""
+    if idx.shape[0] == 1:
+        return False
+    for row in idx.split(1):
+        try:
+            got, _ = _run(fn, model, row, new, what)
+        except Failure:
+            return False
+        if not (isinstance(got, torch.Tensor) and got.shape == (1, row.shape[1] + new)
+                and torch.equal(got, _greedy(model, row, new))):
+            return False
+    return True
+
+
+def _one_sequence_for_all(got: torch.Tensor, expected: torch.Tensor, length: int, what: str) -> None:
+    """``shape`` where one sequence's new tokens are right and every sequence got them: one token per step for
+    the whole batch, taken from that sequence's logits (logits[0, -1].argmax(), broadcast to every row)."""
+    new_tokens, right = got[:, length:], expected[:, length:]
+    if new_tokens.shape[1] < 2:   # one token alike in every row may be chance
+        return
+    for row in range(got.shape[0]):
+        if torch.equal(new_tokens[row], right[row]) and bool((new_tokens == new_tokens[row]).all()):
+            fail("shape", f"{what}: your new tokens are right for sequence {row} only, and every other sequence "
+                          f"gets the same ones: you take one token per step for the whole batch, from the logits of "
+                          f"sequence {row} (logits[{row}, -1].argmax(), a batch of one assumed). Take the argmax per "
+                          f"row: logits[:, -1].argmax(-1, keepdim=True), shape (N, 1), one new token per sequence.")
+
+
 @torch.no_grad()
 def _refeeding_last_prompt_token(model: nn.Module, idx: torch.Tensor, new: int) -> torch.Tensor:
     """Greedy decoding that feeds the prompt, then its last token again before the first argmax (the slip of a
@@ -635,7 +667,15 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
     for batch, length, new in ((1, 1, 8), (2, 3, 6), (3, 7, 9), (2, 5, 1), (2, 4, 0)):
         idx = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator)
         what = f"generate_with_cache(model, idx of shape {tuple(idx.shape)}, max_new_tokens={new})"
-        got, calls = _run(fn, model, idx, new, what)
+        try:
+            got, calls = _run(fn, model, idx, new, what)
+        except Failure as failure:
+            if failure.diagnosis == "exception" and _right_row_by_row(fn, model, idx, new, what):
+                fail("shape", extend(failure.message, f"Each sequence alone, a batch of one, generates the right "
+                                                      f"tokens: your code assumes a batch of one ({_ONE_ROW}). Keep "
+                                                      f"the batch axis: logits[:, -1].argmax(-1, keepdim=True), "
+                                                      f"shape (N, 1), one new token per sequence."))
+            raise
         if isinstance(got, torch.Tensor) and got.dim() == 2 and got.shape[0] == batch:
             starts_with_prompt = got.shape[1] >= length and torch.equal(got[:, :length], idx)
             if got.shape[1] == new and not starts_with_prompt:
@@ -682,6 +722,12 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
                 fail("greedy", f"{what}: the tokens differ from greedy generation and change from one call to the "
                                f"next: you draw them at random (torch.multinomial). This generation is greedy: take "
                                f"the argmax of the last position's logits at every step.")
+            _one_sequence_for_all(got, expected, length, what)
+            if _right_row_by_row(fn, model, idx, new, what):
+                fail("shape", f"{what}: each sequence alone, a batch of one, generates the right tokens, but in a "
+                              f"batch of {batch} they differ: your code assumes a batch of one ({_ONE_ROW}). Keep the "
+                              f"batch axis: logits[:, -1].argmax(-1, keepdim=True), shape (N, 1), one new token per "
+                              f"sequence.")
             step = int((got != expected).any(0).nonzero()[0]) - length
             fail("mismatch", f"{what}: the tokens differ from greedy generation without a cache from new token "
                              f"{step} on. Each step: argmax of the last position's logits, append it, feed only "
