@@ -366,6 +366,7 @@ class ModuleCheck:
         near = lambda value: (ratio - value).abs() <= 1e-3 * max(value, 1.0)
         kinds = {0.0: near(0.0), s: near(s), s * s: near(s * s)}
         if float((~(kinds[0.0] | kinds[s] | kinds[s * s])).double().mean()) > 0.01:
+            _rate_written_in(what, ratio, got, heads, head_dim)
             fail("dropout", f"{what}: in training mode your attention weights are changed, not just dropped: "
                             f"dropout acts before the softmax (on the scores), or rescales wrongly. Drop the "
                             f"weights AFTER the softmax: self.attn_dropout(weights), which also scales the kept "
@@ -455,6 +456,34 @@ class ModuleCheck:
                              f"autograd saved for the backward pass (for example F.dropout(..., inplace=True) on "
                              f"the attention weights, which the softmax's gradient needs): write a new tensor "
                              f"instead (weights = self.attn_dropout(weights)).")
+
+
+def _rate_written_in(what: str, ratio: torch.Tensor, got: dict[str, torch.Tensor], heads: int, head_dim: int
+                     ) -> None:
+    """Dropout that only drops and rescales, but at a rate other than the constructor's: every kept weight scaled by
+    one factor c = 1/((1 - p_attn)(1 - p_proj)). The shares dropped (whole heads' blocks at position 0, which sees
+    only itself; single features after a dense proj) say which rate is off (the hypothesis nearest them); c gives
+    its exact value."""
+    kept = ratio[ratio.abs() > 1e-3]
+    if kept.numel() == 0 or not bool(((kept - kept[0]).abs() <= 1e-3 * kept[0].abs()).all()) or kept[0] <= 1:
+        return
+    c = float(kept.mean())
+    rotated = got["rotated"][(got["rotated"] != 0).any(-1)]   # positions whose every weight was dropped left out
+    measured = (float((got["many"][:, 0].reshape(-1, heads, head_dim) == 0).all(-1).double().mean()),
+                float((rotated == 0).double().mean()))
+    one = 1 - 1 / (c * (1 - DROPOUT))   # the rate of one dropout where the other one is right
+    rates = [(1 - c ** -0.5,) * 2, (one, DROPOUT), (DROPOUT, one)]
+    rates = [r for r in rates if all(0 <= p < 1 and abs(p - m) < 0.06 for p, m in zip(r, measured))
+             and any(abs(p - DROPOUT) > 0.02 for p in r)]
+    if not rates:
+        return
+    closest = min(rates, key=lambda r: sum((p - m) ** 2 for p, m in zip(r, measured)))
+    said = [f"{p:.0%} of the {where}" for p, where in zip(closest, ("attention weights", "output features"))
+            if abs(p - DROPOUT) > 0.02]
+    fail("dropout", f"{what}: your dropout drops about {' and '.join(said)}, expected {DROPOUT:.0%} "
+                    f"(dropout_rate={DROPOUT}): a rate is written into your code. Use the constructor's dropout_rate: "
+                    f"self.attn_dropout on the weights and self.proj_dropout after self.proj (or F.dropout(..., "
+                    f"p=dropout_rate, training=self.training)).")
 
 
 def check_float64(check: ModuleCheck) -> None:

@@ -12,9 +12,9 @@ import torch
 
 from ... import attention as ref
 from ..exercises import Mistake
-from ..verdict import fail
+from ..verdict import Failure, fail
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, check_on_device, check_other_shape, module_check
-from ._student_code import expect_callable
+from ._student_code import call_student, expect_callable, reraise_with
 from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.function import Run
 
@@ -47,6 +47,25 @@ def _first_wrong_entry(runs: list[Run], fn: Any) -> None:
                         f"attend to position j exactly when j <= i.")
 
 
+# Past every context of the course (8 to 1024): a mask cut from one of a fixed size shows here.
+_LONG = 1100
+
+
+def _long_mask(runs: list[Run], fn: Any) -> None:
+    """Once every case is right: causal_mask(_LONG), where a mask sliced from a fixed one comes back too small."""
+    what = f"causal_mask({_LONG})"
+    written = (" Every n up to 13 was right: a size is written into your code (a fixed mask sliced to [:n, :n]). "
+               "Build the mask from n itself: torch.ones(n, n, dtype=torch.bool).tril().")
+    try:
+        out = call_student(fn, _LONG, what=what)
+    except Failure as failure:
+        reraise_with(failure, "shape", written)
+    if isinstance(out, torch.Tensor) and tuple(out.shape) != (_LONG, _LONG):
+        fail("shape", f"{what} returned shape {tuple(out.shape)}, expected {(_LONG, _LONG)}." + written)
+    if not (isinstance(out, torch.Tensor) and torch.equal(out, ref.causal_mask(_LONG))):
+        fail("causal_mask", f"{what} differs from the causal mask of {_LONG} x {_LONG}." + written)
+
+
 CAUSAL_MASK = FunctionExercise(
     "2.1", "causal_mask", lambda n: ref.causal_mask(n),
     lambda: [Case((n,), f"causal_mask({n})") for n in (5, 1, 2, 8, 13)],   # 13: past the notebook's 8
@@ -68,7 +87,7 @@ CAUSAL_MASK = FunctionExercise(
         Mistake("causal_mask", "Your mask is off by one: it also lets each position see the next one. Keep the "
                                "diagonal and below.", output=_pattern(lambda ones: ones.tril(1))),
     ),
-    exact=True, each_case=True, raw=_raw_mask, diagnose=_first_wrong_entry,
+    exact=True, each_case=True, raw=_raw_mask, diagnose=_first_wrong_entry, after=_long_mask,
     examples=lambda: [Case((n,), f"causal_mask({n})") for n in (1, 2, 3, 4)],
 )
 

@@ -14,12 +14,13 @@ import torch
 
 from ... import attention as ref
 from ..exercises import Mistake
-from ..verdict import fail
+from ..verdict import Failure, fail
 from ._attn_hypotheses import merge_heads_as, split_heads_as
 from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, check_on_device, check_other_shape, module_check
-from ._student_code import expect_callable, rounding_of
+from ._student_code import call_student, expect_callable, reraise_with, rounding_of
 from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.function import Run
+from .engine.probes import batch_mixing
 
 __all__ = ["check_split_heads", "check_merge_heads", "check_multi_head_attention"]
 
@@ -36,12 +37,13 @@ def _distinct(*shape: int) -> torch.Tensor:
     return _arange(*shape) + 1 / 3
 
 
-def _rearranged(purpose: str) -> Callable[[list[Run], Any], None]:
+def _rearranged(purpose: str, reference: Reference) -> Callable[[list[Run], Any], None]:
     """After the known layouts: the same numbers in other places are heads split wrongly, x's numbers rounded
     are a precision loss, others a mismatch."""
     def diagnose(runs: list[Run], fn: Any) -> None:
         run = runs[0]
         x = run.case.args[0]
+        _sequences_mixed(run, fn, reference)
         got, wanted = run.out.flatten().sort().values, x.flatten().sort().values
         if torch.equal(got, wanted):
             fail("head_split", f"{run.case.what}: the right numbers end up in the wrong places. {purpose}")
@@ -51,6 +53,51 @@ def _rearranged(purpose: str) -> Callable[[list[Run], Any], None]:
                               f"...): something on the way {how}. Only rearrange x, in its dtype.")
         fail("mismatch", f"{run.case.what}: your output holds different numbers from x; {purpose}")
     return diagnose
+
+
+Reference = Callable[..., torch.Tensor]
+
+
+def _alone(case: Case, i: int, fn: Any, reference: Reference) -> tuple[Any, torch.Tensor]:
+    """The student's output and the reference's on sequence i of the case's batch alone (a batch of one)."""
+    x, *rest = case.args
+    args = (x[i:i + 1], *rest)
+    return call_student(fn, *args, what=case.what), reference(*args)
+
+
+def _sequences_mixed(run: Run, fn: Any, reference: Reference) -> None:
+    """``batch`` probe: every sequence right on its own, the batch together wrong, so the reshape reads across
+    sequences (x's batch axis folded into the positions, or read as if sequence-first)."""
+    x = run.case.args[0]
+    if x.shape[0] < 2:
+        return
+    alone = []
+    for i in range(x.shape[0]):
+        out, expected = _alone(run.case, i, fn, reference)
+        if not (isinstance(out, torch.Tensor) and out.shape == expected.shape and torch.equal(out, expected)):
+            return
+        alone.append(out)
+    batch_mixing(run.case.what, run.out, alone,
+                 "its slots hold values from another sequence of the batch. Keep the batch axis first and apart: "
+                 "never fold N into the positions (N*L) nor read x as (L, N, ...); reshape with N and L from x.shape "
+                 "and move only the head axis.")
+
+
+def _one_sequence(reference: Reference) -> Callable[[Failure, Case, Any, Any], None]:
+    """``reword``: a failed call or shape on a batch of several, where a batch of one is right: written for one
+    sequence."""
+    def reword(failure: Failure, case: Case, out: Any, fn: Any) -> None:
+        if case.args[0].shape[0] < 2:
+            return
+        try:
+            got, expected = _alone(case, 0, fn, reference)
+        except Failure:
+            return
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and torch.equal(got, expected):
+            reraise_with(failure, "shape", " Your code is right for a batch of one sequence (x[:1]) only: it "
+                                           "assumes a batch of one (x[0], .squeeze(0), a 1 written as the batch "
+                                           "size). Keep the batch axis: take N from x.shape and reshape with it.")
+    return reword
 
 
 def _split_layout(case: Case, out: Any) -> None:
@@ -82,8 +129,9 @@ SPLIT_HEADS = FunctionExercise(
                               "neighbouring features: split the last axis as (heads, head_dim), in that order.",
                 output=lambda x, h: split_heads_as(x, h, "interleaved")),
     ),
-    exact=True, each_case=True, finite=True, raw=_split_layout,
-    diagnose=_rearranged("Head h should hold features h*head_dim ... (h+1)*head_dim - 1 of every position."),
+    exact=True, each_case=True, finite=True, raw=_split_layout, reword=_one_sequence(ref.split_heads),
+    diagnose=_rearranged("Head h should hold features h*head_dim ... (h+1)*head_dim - 1 of every position.",
+                         lambda x, heads: ref.split_heads(x, heads)),
     gradients=lambda: [Case((torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0)), 2),
                             "split_heads(x, 2) with x of shape (2, 3, 8)")],
     examples=lambda: [Case((_arange(1, length, 4), 2), "split_heads(x, 2)") for length in (1, 2, 3)],
@@ -126,8 +174,9 @@ MERGE_HEADS = FunctionExercise(
         Mistake("head_split", "the heads' features are interleaved: flatten as (heads, head_dim), head after head.",
                 output=lambda x: merge_heads_as(x, "interleaved")),
     ),
-    exact=True, each_case=True, finite=True, raw=_merge_layout,
-    diagnose=_rearranged("Position l of the output should hold head 0's features, then head 1's, and so on."),
+    exact=True, each_case=True, finite=True, raw=_merge_layout, reword=_one_sequence(ref.merge_heads),
+    diagnose=_rearranged("Position l of the output should hold head 0's features, then head 1's, and so on.",
+                         lambda x: ref.merge_heads(x)),
     gradients=lambda: [Case((torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(0)),),
                             "merge_heads(x) with x of shape (2, 2, 3, 4)")],
     examples=lambda: [Case((_arange(1, 2, length, 2),), "merge_heads(x)") for length in (1, 2, 3)],

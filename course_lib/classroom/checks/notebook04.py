@@ -73,6 +73,10 @@ _FREQUENCIES: tuple[tuple[Callable[[torch.Tensor, torch.Tensor, int], torch.Tens
      "the base is e: if you write it with exp(), remember the factor log(10000)"),
     (lambda pair, even, d: 10000.0 ** (-even / (d - 1 if d > 1 else 1)),
      "the exponent divides by embed_dim - 1; it should divide by embed_dim"),
+    (lambda pair, even, d: torch.ones_like(pair),
+     "every frequency is 1 (every pair has the angle pos): the exponent 2i / embed_dim is 0 for every pair, an "
+     "integer division (two_i // embed_dim on integers, or the exponent cast to an integer with .long() or int()). "
+     "Divide in floating point: 2i / embed_dim with / on a float tensor"),
 )
 
 
@@ -140,9 +144,32 @@ def _table_layout(case: Case, out: Any) -> None:
                       f"(start from torch.arange(..., dtype=torch.float32)).")
 
 
+# (dtype, its unit roundoff): the precisions an angle pos * frequency may have been rounded to
+_COARSE = (("float16", 2.0 ** -11), ("bfloat16", 2.0 ** -8))
+
+
+def _angles_rounded(run: Run) -> None:
+    """``precision``: every value within a few roundings of float16 (or bfloat16) of its angle, an error that grows
+    with the angle: the positions, frequencies or angles were computed in that dtype."""
+    (max_tokens, embed_dim), got = run.case.args, run.out.double()
+    expected = _table(max_tokens, embed_dim)
+    frequency = 10000.0 ** (-torch.arange(0, embed_dim, 2, dtype=torch.float64)[:embed_dim // 2] / embed_dim)
+    angles = torch.arange(max_tokens, dtype=torch.float64)[:, None] * frequency                # (T, d/2)
+    angles = angles.repeat_interleave(2, dim=1)                                                 # (T, d)
+    error = (got - expected).abs()
+    for dtype, unit in _COARSE:
+        if bool((error <= 3 * unit * (angles + 1)).all()):
+            pos, dim = divmod(int(error.argmax()), embed_dim)
+            fail("precision", f"{run.case.what}: your table is right only to the rounding of {dtype}, off by up to "
+                              f"{float(error.max()):.3g} at position {pos}, dimension {dim}, more the larger the angle: "
+                              f"the positions, frequencies or angles are computed in {dtype} (or cast to it before "
+                              f"sin and cos). Compute them in float32 (torch.arange(..., dtype=torch.float32)).")
+
+
 def _table_angles(runs: list[Run], fn: Any) -> None:
     """sin and cos of one angle per pair, starting at angle 0, but other angles: the frequencies are off."""
     run = runs[0]
+    _angles_rounded(run)
     (max_tokens, embed_dim), got = run.case.args, run.out.double()
     if embed_dim >= 2 and max_tokens >= 2:
         even, odd = got[:, 0:2 * (embed_dim // 2):2], got[:, 1:2 * (embed_dim // 2):2]
@@ -346,7 +373,36 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
         Mistake("norm_placement", "both LayerNorms are applied at the end, one after the other. Post-norm "
                                   "normalises after each sublayer: x = ln1(x + attn(x)), then ln2(x + mlp(x)).",
                 output=lambda x, a, m, l1, l2: l2(l1((h := x + a(x)) + m(h)))),
+        *_sums_not_normalised(),
     ] + common
+
+
+# How a post-norm step ln(x + f(x)) is written with its sum never normalised: the sublayer added to ln(x), reading
+# x or ln(x).
+_POST_STEPS = {
+    "right": lambda t, f, ln: ln(t + f(t)),
+    "added": lambda t, f, ln: ln(t) + f(t),
+    "normed": lambda t, f, ln: (g := ln(t)) + f(g),
+}
+
+
+def _sums_not_normalised() -> list[Mistake]:
+    """The family of post-norm blocks where one step or both add the sublayer's output to the NORMALISED x (ln(x) +
+    f(x), or x = ln(x) then x + f(x)): that sum is never normalised. Single steps first."""
+    def said(step: str, how: str, ln: str, f: str) -> str:
+        reads = f"{f}(x)" if how == "added" else f"{f}({ln}(x))"
+        return f"the {step} step returns {ln}(x) + {reads}, the sublayer added to the normalised x"
+
+    def output(first: str, second: str) -> Callable[..., Any]:
+        return lambda x, a, m, l1, l2: _POST_STEPS[second](_POST_STEPS[first](x, a, l1), m, l2)
+    hows = [(first, second) for first in _POST_STEPS for second in _POST_STEPS
+            if (first, second) not in (("right", "right"), ("added", "added"))]
+    hows.sort(key=lambda pair: "right" not in pair)
+    return [Mistake("norm_placement", "; ".join(said(step, how, ln, f) for step, how, ln, f in
+                                                 zip(("attention", "feed-forward"), pair, ("ln1", "ln2"),
+                                                     ("attn", "mlp")) if how != "right")
+                    + ": the sum is never normalised. Post-norm adds first and normalises the sum: x = ln1(x + "
+                      "attn(x)), then ln2(x + mlp(x)).", output=output(*pair)) for pair in hows]
 
 
 def _build_block(cls: Any, norm_first: bool, sizes: tuple[int, int, int] = (_EMBED, _HEADS, _MAX_TOKENS)
@@ -721,6 +777,8 @@ def _check_gpt_training(candidate: nn.Module, reference: nn.Module, idx: torch.T
             if isinstance(blocks, nn.Module) and torch.equal(without_blocks, eval_logits):
                 fail("dropout", f"{what}: no dropout after the embeddings: x = self.dropout(token embeddings + "
                                 f"positions) before the first block.")
+            if isinstance(blocks, nn.Module):
+                _embedding_rate(candidate, blocks, idx, rate, what)
             if isinstance(blocks, nn.Module) and not close(_seeded(candidate, idx, what), _seeded(reference, idx)):
                 fail("dropout", f"{what}: with the blocks in eval mode and one random seed, your dropout zeroes "
                                 f"other numbers than the reference's: it is applied somewhere else, or twice. It "
@@ -729,6 +787,43 @@ def _check_gpt_training(candidate: nn.Module, reference: nn.Module, idx: torch.T
         finally:
             candidate.eval()
             reference.eval()
+
+
+def _embedding_rate(candidate: nn.Module, blocks: nn.Module, idx: torch.Tensor, rate: float, what: str) -> None:
+    """The first block's input in training mode (the blocks in eval mode) over the one in eval mode: a dropout keeps
+    each number scaled by 1/(1 - p), so one factor on every kept number is a dropout of rate p. Another p than the
+    config's (and not the config's applied twice) is a rate written into the code."""
+    try:
+        first = next(iter(blocks))
+    except (TypeError, StopIteration):
+        return
+    seen: list[torch.Tensor] = []
+    hook = first.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()) if args else None)
+    try:
+        candidate.eval()
+        call(candidate, idx, what=what.replace("training", "eval"))
+        candidate.train()
+        blocks.eval()
+        call(candidate, idx, what=what)
+    finally:
+        hook.remove()
+        blocks.train()
+    if len(seen) != 2 or seen[0].shape != seen[1].shape:
+        return
+    before, after = seen
+    kept = (after != 0) & (before.abs() > 1e-6)
+    factors = (after[kept] / before[kept]).double()
+    if factors.numel() == 0 or not bool(((factors - factors[0]).abs() <= 1e-4 * factors[0].abs()).all()):
+        return
+    factor = float(factors.mean())
+    twice = any(abs(factor * (1 - rate) ** k - 1) < 1e-4 for k in (1, 2, 3))
+    if factor <= 1 or twice:
+        return
+    p = 1 - 1 / factor
+    fail("dropout", f"{what}: your dropout after the embeddings has a rate of {p:.2g} (it drops about {p:.0%} and "
+                    f"scales the kept numbers by 1/(1 - {p:.2g})), not the config's {rate}: a rate is written into your "
+                    f"code. Use config.dropout_rate: self.dropout (the nn.Dropout(config.dropout_rate) the "
+                    f"constructor builds), or F.dropout(x, self.config.dropout_rate, self.training).")
 
 
 def _after_one_seed(module: nn.Module, x: torch.Tensor, what: str = "") -> Any:
@@ -838,6 +933,28 @@ def _build_gpt(cls: Any, config: Any, generator: torch.Generator) -> tuple[nn.Mo
     return candidate, reference
 
 
+_TRAIN_DROPOUT = 0.2
+
+
+def _length_from_batch(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor, failure: Failure,
+                       what: str) -> None:
+    """``positions``: a call that raised on idx (N, L) with N != L but is right on a square idx (L, L): the length
+    comes from the batch axis (idx.shape[0], len(idx))."""
+    n, length = idx.shape
+    if failure.diagnosis != "exception" or n == length:
+        return
+    square = idx[:1].repeat(length, 1)
+    try:
+        got = call(candidate, square, what=what)
+    except Failure:
+        return
+    if close(got, reference(square)):
+        fail("positions", f"{failure.message.rstrip('.')}. Yet on idx of shape ({length}, {length}) your GPT is right: "
+                          f"it takes the length from the batch axis, idx.shape[0] (len(idx) too, or length, n = "
+                          f"idx.shape). idx is (N, L), batch first: the positions are "
+                          f"self.position_encoding(idx.shape[1]).")
+
+
 @checker("4.3", example=_gpt_example)
 def check_gpt(cls: Any) -> str:
     """cls(config) with token_embedding, position_encoding, dropout, blocks, ln_f, head; forward -> logits."""
@@ -850,7 +967,11 @@ def check_gpt(cls: Any) -> str:
         idx = torch.randint(0, vocab, (batch, length), generator=generator)
         what = f"your GPT on idx of shape {tuple(idx.shape)}"
         with torch.no_grad():
-            got = _full_length_call(candidate, idx, config.max_tokens, what)
+            try:
+                got = _full_length_call(candidate, idx, config.max_tokens, what)
+            except Failure as failure:
+                _length_from_batch(candidate, reference, idx, failure, what)
+                raise
             if isinstance(got, tuple) and got and isinstance(got[0], torch.Tensor):
                 fail("dtype", f"{what} returned a tuple of {len(got)}; return only the logits tensor "
                               f"(N, L, vocab_size). The loss is computed outside the model, by lm_loss.")
@@ -865,8 +986,9 @@ def check_gpt(cls: Any) -> str:
                 _diagnose_gpt(candidate, reference, idx, got, what)
     idx = torch.randint(0, vocab, (2, config.max_tokens), generator=generator)
     check_module_gradients(candidate, reference, idx, what=f"your GPT on idx of shape {tuple(idx.shape)}")
-    _check_gpt_training(candidate, reference, torch.randint(0, vocab, (4, config.max_tokens), generator=generator),
-                        config.dropout_rate)
+    # in training mode at another rate than the cases' 0.1: a rate written into the code shows
+    trained = _build_gpt(cls, _gpt_config(dropout_rate=_TRAIN_DROPOUT), torch.Generator().manual_seed(8))
+    _check_gpt_training(*trained, torch.randint(0, vocab, (4, config.max_tokens), generator=generator), _TRAIN_DROPOUT)
     too_long = torch.randint(0, vocab, (1, config.max_tokens + 1), generator=generator)
     try:
         with torch.no_grad():
