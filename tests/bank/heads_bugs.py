@@ -36,7 +36,7 @@ def prev_by_loop(weights):
 @correct("11.1")
 def prev_by_mask(weights):
     length = weights.shape[-1]
-    below = torch.ones(length, length).tril(-1).triu(-1)
+    below = torch.ones(length, length, device=weights.device).tril(-1).triu(-1)
     return (weights * below).sum(dim=(-1, -2)).mean(dim=0) / (length - 1)
 
 
@@ -235,7 +235,7 @@ def ablate_with_pre_hook(model, layer, head):
 @contextlib.contextmanager
 def ablate_by_masking(model, layer, head):
     attn = model.blocks[layer].attn
-    keep = torch.ones(attn.num_heads * attn.head_dim)
+    keep = torch.ones(attn.num_heads * attn.head_dim, device=attn.proj.weight.device)
     keep[head * attn.head_dim:(head + 1) * attn.head_dim] = 0
 
     def hook(module, inputs):
@@ -1270,8 +1270,8 @@ def ablate_by_wrapping_the_attention_forward(model, layer, head):
     forward, size = attn.forward, attn.head_dim
 
     def ablated(x, *args, **kwargs):
-        handle = attn.proj.register_forward_pre_hook(
-            lambda module, inputs: (inputs[0].index_fill(-1, torch.arange(head * size, (head + 1) * size), 0.0),))
+        handle = attn.proj.register_forward_pre_hook(lambda module, inputs: (inputs[0].index_fill(
+            -1, torch.arange(head * size, (head + 1) * size, device=inputs[0].device), 0.0),))
         try:
             return forward(x, *args, **kwargs)
         finally:
@@ -1294,8 +1294,8 @@ def induction_half_from_the_length(weights, half):
 @correct("11.2")
 def induction_by_a_band_mask(weights, half):
     length = weights.shape[-1]
-    rows = torch.arange(length)[:, None]
-    cols = torch.arange(length)[None, :]
+    rows = torch.arange(length, device=weights.device)[:, None]
+    cols = torch.arange(length, device=weights.device)[None, :]
     band = ((cols == rows - half + 1) & (rows >= half)).to(weights.dtype)   # (L, L): 1 at (i, i - half + 1)
     return (weights * band).sum(dim=(-1, -2)).mean(dim=0) / (length - half)
 

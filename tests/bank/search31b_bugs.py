@@ -209,7 +209,7 @@ def ablate_mask_cached_by_everything_it_depends_on(model, layer, head):
         _MASKS_BY_EVERYTHING[key] = keep
 
     def hook(module, inputs):
-        return (inputs[0] * _MASKS_BY_EVERYTHING[key].to(inputs[0].dtype),)
+        return (inputs[0] * _MASKS_BY_EVERYTHING[key].to(inputs[0]),)   # its dtype and device
 
     handle = attn.proj.register_forward_pre_hook(hook)
     try:

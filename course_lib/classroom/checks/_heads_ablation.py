@@ -7,7 +7,8 @@ when the code inside it raised) the model must be as it was: the engine's ``mode
 every hook (someone else's, planted before, too), mode, ``requires_grad``, parameter and buffer, and the
 outputs. Anything that fails while the student's code or its effects run (the model with their hook, a
 backward through it) is their verdict, with its cause. Wrong outputs are named by the mistakes below (what
-each would compute, on a copy of the model): one mistake model for the topic, searched on every case.
+each would compute, on a copy of the model): one mistake model for the topic, searched on every case. The text
+asks for new tensors on the activations' device: the model's blocks run inside the ``with`` on meta (``_on_meta``).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ...model import GPT, GPTConfig
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._counterexample import Example, first_difference
+from ._device_probe import probe_module
 from ._model_common import randomize_
 from ._student_code import call_student, close, expect_callable, with_block_step
 from ._student_files import exception_line, raised_in_student_code
@@ -425,9 +427,10 @@ def _judge(fn: Callable[..., Any]) -> str:
                     _kept_from_earlier(failure, start, fn, built, layer, head, idx, weights, shown)
                 raise
     _after_a_step(fn)
+    _on_meta(fn)
     _in_float64(fn)
     return ("Inside the `with`, exactly that head is off (both models, six layer/head pairs, gradients still "
-            "flowing, a float64 model too); afterwards, and after an exception inside, the model is exactly as "
+            "flowing, a float64 model too, on another device too); afterwards, and after an exception inside, the model is exactly as "
             "before, other code's hooks included.")
 
 
@@ -549,6 +552,40 @@ def _after_a_step(fn: Callable[..., Any]) -> None:
         changed = None if isinstance(after, torch.Tensor) and close(after, base) else "its output differs from before"
     if changed:
         fail("kept_state", f"{shown}: after the `with`, the model is not as it was: {changed}. Here {kept}")
+
+
+class _Ablated(nn.Module):
+    """The model's blocks run inside the student's ``with``, on hidden states (N, L, embed_dim): one module, so
+    that the engine's device probe for modules (``_device_probe.probe_module``) can copy it to meta and run it
+    there with the student's hook in it. The blocks, not the model: the model reads its token ids' values to
+    validate them, which meta tensors do not hold."""
+
+    def __init__(self, fn: Callable[..., Any], model: nn.Module, layer: int, head: int):
+        super().__init__()
+        self.fn, self.model, self.layer, self.head = fn, model, layer, head
+
+    def forward(self, x: torch.Tensor) -> Any:
+        with self.fn(self.model, self.layer, self.head):
+            for block in self.model.blocks:
+                x = block(x)                        # (N, L, embed_dim)
+            return x
+
+
+def _on_meta(fn: Callable[..., Any]) -> None:
+    """The device probe (the text asks for new tensors on the activations' device): the first case of each model
+    again on the meta device, where a keep-mask or zeros made on the CPU meet the heads' outputs."""
+    generator = torch.Generator().manual_seed(15)
+    for number, (described, built) in enumerate(_models()):
+        layer, head = _CASES[number][0]
+        shown = f"the model's blocks inside `with ablate_head(model, layer={layer}, head={head})` on {described}"
+        x = torch.randn(2, 10, built.blocks[0].attn.proj.in_features, generator=generator)   # (N, L, embed_dim)
+        try:
+            probe_module(_Ablated(fn, built, layer, head).train(built.training), x, shown)
+        except Failure as failure:
+            if failure.diagnosis != "device":
+                raise
+            fail("device", f"{_sentence(failure.message)} In your hook, make new tensors like the one it changes: "
+                           f"torch.ones_like(x), x.new_zeros(...), or device=x.device (and dtype=x.dtype).")
 
 
 def _in_float64(fn: Callable[..., Any]) -> None:

@@ -5,10 +5,11 @@ Both scores read one diagonal of the attention weights (N, heads, L, L): query i
 behind itself, for the queries ``first`` .. L-1, averaged over the batch and those queries. Each slip is a
 :class:`Mistake` whose spec changes those choices: the key (``shift``), the first query (``first_shift``),
 whether a negative key wraps to the end of the row as Python's indexing does (``wrap``), what the sum is
-divided by (``divide``), the axis kept (``keep``). :func:`variant` computes what it would output. The slips
-written by hand come first; then every combination of one or two places off in the key and the first query,
-wrapped or not, with each divisor (:func:`_grid`), each with a message composed from what it changes, so that
-a score one place off in any style gets its own diagnosis.
+divided by (``divide``), the axis kept (``keep``), one sequence of the batch scored alone (``sequence``).
+:func:`variant` computes what it would output. The slips written by hand come first; then every combination
+of one or two places off in the key and the first query, wrapped or not, with each divisor (:func:`_grid`),
+each with a message composed from what it changes, so that a score one place off in any style gets its own
+diagnosis.
 """
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ def variant(weights: torch.Tensor, half: int | None = None, *, spec: dict[str, A
     query 1), the induction score with it (offset half - 1 from query half). ``shift`` moves the offset,
     ``first_shift`` the first query; ``half_of_length``: ``half`` taken as L // 2 instead of the argument; ``past``: every earlier key's weight
     added up per query (all the attention to the past)."""
+    if "sequence" in spec:   # one sequence of the batch scored alone (weights[0], weights[-1])
+        weights = weights.narrow(0, spec["sequence"] % weights.shape[0], 1)
     if half is not None and spec.get("half_of_length"):
         half = weights.shape[-1] // 2
     back, first = _right(weights, half)
@@ -86,6 +89,12 @@ _EITHER = (
     Mistake("score_axes", "you averaged over the head axis and kept the batch axis: weights are laid out "
                           "(N, heads, L, L), so the batch is axis 0 and the heads axis 1; average over the "
                           "batch and the queries, keep one number per head.", {"keep": "batch"}),
+    # a batch of one assumed: the first (or last) sequence's score returned as the head's
+    *(Mistake("score_axes", f"you score only {which} sequence of the batch ({indexed}): weights are (N, heads, L, "
+                            f"L), and the score averages over all N sequences of the batch (axis 0) as well as the "
+                            f"queries. Keep the batch axis until the mean: .mean(dim=(0, 2)) of the diagonal's "
+                            f"entries, with no {indexed}.", {"sequence": sequence})
+      for sequence, which, indexed in ((0, "the first", "weights[0]"), (-1, "the last", "weights[-1]"))),
     Mistake("scale", "you add the entries instead of averaging them: divide by how many there are "
                      "(.mean over the batch and the queries).", {"divide": "none"}),
     Mistake("scale", _SUMMED_OVER_THE_BATCH, {"divide": "queries"}),

@@ -72,6 +72,7 @@ def _score(exercise_id: str, name: str, reference: Callable[..., torch.Tensor], 
     return FunctionExercise(exercise_id, name, reference, _cases(name, sizes), arg_names, success=success,
                             mismatch=_values, mistakes=mistakes, variant=slips.variant, each_case=True, dtype=False,
                             raw=_one_per_head, after=lambda runs, fn: _keeps_its_graph(reference, runs, fn),
+                            probes=FunctionExercise.probes + ("device",),   # the text asks for the weights' device
                             examples=_cases(name, tiny, decimals=2))
 
 
