@@ -231,6 +231,11 @@ class Setup:
     window: int | None = None
     eps: float = 1e-6
 
+    @property
+    def head_dim(self) -> int:
+        # the tables' width: embed_dim // num_heads unless the layer was built with a head_dim of its own
+        return self.cos.shape[-1]
+
 
 def _split(t: torch.Tensor, heads: int, how: str) -> torch.Tensor:
     n, length, features = t.shape
@@ -292,13 +297,13 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     kind "half"/... and axis "length"/"heads" (see rotate above); offset (and offset_q, the
     queries' alone) "ok"/"zero"/"after_append"; mask "causal"/"none"/"top_left"/"top_left_chunks"/
     "none_cached"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"/"times"/
-    "after" or a float (the factor itself); split and merge "ok"/"no_transpose"/"bare"; value "value"/"key";
+    "after"/"embed_over_heads" or a float (the factor itself); split and merge "ok"/"no_transpose"/"bare"; value "value"/"key";
     qk_norm "ok"/"none"/"after_rope"/"q_only"; softmax "keys"/"queries"/"heads"; theta (tables rebuilt with this
     theta); flat False/True (the flat projection turned with tiled tables, before the head split).
     """
     p = setup.params
     x = x.double()
-    heads, kv_heads, head_dim = setup.num_heads, setup.num_kv_heads, setup.embed_dim // setup.num_heads
+    heads, kv_heads, head_dim = setup.num_heads, setup.num_kv_heads, setup.head_dim
     rope = dict(kind=spec.get("kind", "half"), axis=spec.get("axis", "length"))
     cos, sin = (setup.cos, setup.sin) if "theta" not in spec else tables(head_dim, setup.max_tokens, spec["theta"])
     norm = spec.get("qk_norm", "ok") if setup.qk_norm else "off"
@@ -338,7 +343,7 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         mode = spec.get("scale", "head_dim")
         scale = mode if isinstance(mode, float) else {   # a float: any other factor (the fitted one)
             "head_dim": head_dim ** -0.5, "none": 1.0, "embed_dim": setup.embed_dim ** -0.5, "d": 1.0 / head_dim,
-            "times": head_dim ** 0.5, "after": 1.0}[mode]
+            "times": head_dim ** 0.5, "after": 1.0, "embed_over_heads": (setup.embed_dim // heads) ** -0.5}[mode]
         scores = q @ all_k.transpose(-2, -1) * scale                             # (N, heads, L, total)
         allowed = _allowed(spec.get("mask", "causal"), start, length, total, setup.window,
                            spec.get("window", "ok"), cached)
@@ -421,6 +426,10 @@ FULL_PASS: tuple[Mistake, ...] = (
         "none": "Your scores are not scaled: divide them by sqrt(head_dim) before the softmax.",
         "embed_dim": "You scale by 1/sqrt(embed_dim), but each head works in head_dim dimensions: scale by "
                      "1/sqrt(head_dim).",
+        # the same as head_dim for a layer built without a head_dim of its own: shows only where it differs
+        "embed_over_heads": "You scale by 1/sqrt(embed_dim // num_heads), but this layer was built with a head_dim "
+                            "of its own (Qwen and Gemma layers are): each head works in self.head_dim dimensions. "
+                            "Scale by 1/sqrt(self.head_dim) (or q.shape[-1]).",
         "d": "You divide the scores by head_dim; divide by its square root.",
         "times": "You multiply the scores by sqrt(head_dim); divide them by it.",
         "after": "You apply the 1/sqrt(head_dim) factor after the softmax: it belongs to the scores that go into "

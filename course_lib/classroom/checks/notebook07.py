@@ -106,6 +106,35 @@ def _reshaped_rows(transposed: bool) -> Mistake:
                    else w.reshape(3, w.shape[0], w.shape[0]))
 
 
+# GPT-2's widths (small, medium, large, XL): a split that fails at the cases' widths but is right at one of these has
+# that width written into it
+_GPT2_WIDTHS = (768, 1024, 1280, 1600)
+
+
+def _width_written(failure: Failure, case: Case, out: Any, fn: Any) -> None:
+    """A call or shape that fails at this width, where the split is right at one of GPT-2's or at a width of the
+    cases before: a size is written into the code."""
+    if failure.diagnosis not in ("exception", "shape", "dtype"):
+        return
+    earlier = [c.args[0].shape[0] for c in SPLIT_C_ATTN.cases()]
+    earlier = earlier[:earlier.index(case.args[0].shape[0])] if case.args[0].shape[0] in earlier else []
+    for width in _GPT2_WIDTHS:
+        weight = torch.randn(width, 3 * width, generator=torch.Generator().manual_seed(width))
+        try:
+            right = torch.equal(call(fn, weight, what=f"split_c_attn(weight of shape {tuple(weight.shape)})"),
+                                torch.stack(_hf().split_c_attn(weight)))
+        except Failure:
+            continue
+        if right:
+            reraise_with(failure, "shape", f" Your split is right for a ({width}, {3 * width}) weight, GPT-2's width "
+                                           f"{width}, and for no other: a size is written into your code. Take E "
+                                           f"from the weight, E = weight.shape[0].")
+    if earlier:
+        reraise_with(failure, "shape", f" Your split is right for E = {', '.join(map(str, earlier))} but not "
+                                       f"{case.args[0].shape[0]}: most likely a size is written into your code. "
+                                       f"Take E from the weight, E = weight.shape[0].")
+
+
 SPLIT_C_ATTN = FunctionExercise(
     "7.1", "split_c_attn", lambda weight: torch.stack(_hf().split_c_attn(weight)),
     lambda: _split_cases((8, 6, 4), 9), ("weight",),
@@ -117,7 +146,7 @@ SPLIT_C_ATTN = FunctionExercise(
                 for transposed in (True, False) if (order, transposed) != ((0, 1, 2), True)),
               *(_some_transposed(kept) for size in (1, 2) for kept in itertools.combinations(range(3), size)),
               _every_third(True), _every_third(False), _reshaped_rows(True), _reshaped_rows(False)),
-    each_case=True, dtype=False, exact=True,
+    each_case=True, dtype=False, exact=True, reword=_width_written,
     examples=lambda: _split_cases((1, 2, 3), 0, small=True),
 )
 

@@ -53,6 +53,7 @@ from .engine.probes import (
     gradient_probe,
     in_turn_beside_a_new_copy,
     module_in_float64,
+    random_or_kept,
 )
 from .engine.scale_fit import fitted_scale
 
@@ -161,30 +162,61 @@ def _diagnose_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, max_to
                      f"m * theta^(-2i/head_dim) with i = j mod head_dim/2.")
 
 
+def _turned(table: tuple[torch.Tensor, torch.Tensor], pair: int, last: int) -> float:
+    """The angle pair ``pair`` of the tables has turned through from position 0 to ``last``, followed position by
+    position (each step read between -pi and pi), so a pair that turns faster than asked is not read around the
+    circle."""
+    angles = torch.atan2(table[1][:last + 1, pair], table[0][:last + 1, pair])          # (last + 1,), wrapped
+    steps = torch.remainder(angles.diff() + math.pi, 2 * math.pi) - math.pi           # (last,)
+    return float(steps.sum())
+
+
 def _pairs_at_wrong_speed(pair: tuple[torch.Tensor, torch.Tensor], right: tuple[torch.Tensor, torch.Tensor],
                           head_dim: int, max_tokens: int, what: str, default: str) -> None:
     """Tables of angles (on the circle, 0 at position 0) where some pairs turn at another speed than theta^(-2i/d):
     a frequency mistake (scaled slow frequencies, as Llama 3's), not a rounding, which moves every angle by a
-    relative 1e-3 at most. Each pair's speed is read at the latest position whose angle is below 1.5 radians."""
+    relative 1e-3 at most. One factor shared by every pair, pair 0 (theta^0 = 1 for any theta) included, is the
+    positions'; every pair at one speed is an exponent that does not change with i. Each pair's speed is read at the
+    latest position whose right angle is below 1.5 radians."""
     half = head_dim // 2
     if max_tokens < 2 or half < 1 or not close(pair[0] ** 2 + pair[1] ** 2, torch.ones_like(pair[0])) or not (
             close(pair[1][0], torch.zeros_like(pair[1][0])) and close(pair[0][0], torch.ones_like(pair[0][0]))):
         return
-    ratios = []
+    ratios, speeds = [], []
     for i in range(half):
         speed = float(torch.atan2(right[1][1, i], right[0][1, i]))            # the right angle per position
         if speed <= 0:
             return
         m = max(1, min(max_tokens - 1, int(1.5 / speed)))
-        ratios.append(float(torch.atan2(pair[1][m, i], pair[0][m, i])) / (m * speed))
+        speeds.append(_turned(pair, i, m) / m)
+        ratios.append(speeds[-1] / speed)
     wrong = [i for i, ratio in enumerate(ratios) if abs(ratio - 1) > 0.05]
     if not wrong:
         return
+    if max(ratios) - min(ratios) < 1e-3 * max(abs(r) for r in ratios):
+        factor = ratios[0]
+        why = ("torch.linspace(0, max_tokens, max_tokens) steps by max_tokens/(max_tokens-1), not 1"
+               if abs(factor - max_tokens / (max_tokens - 1)) < 1e-3 else
+               "RoPE counts positions in whole tokens, not as fractions of the length"
+               if any(abs(factor - 1 / n) < 1e-4 for n in (max_tokens, max_tokens - 1)) else
+               f"position m counts as {factor:.4g} * m")
+        fail("rope_positions", f"{what}: every pair, pair 0 included, turns {factor:.4g} times as far as it should "
+                               f"at every position. Pair 0 turns by 1 radian per position whatever theta is, so one "
+                               f"factor on every angle comes from your positions ({why}): row m is position m, "
+                               f"torch.arange(max_tokens), 0 .. max_tokens-1 (or a factor on every frequency).")
+    if half > 1 and max(speeds) - min(speeds) < 1e-3 * max(abs(s) for s in speeds):
+        one = abs(speeds[0] - 1) < 1e-3
+        fail("rope_frequencies", f"{what}: every pair turns by the same {speeds[0]:.4g} radian{'' if one else 's'} per position: "
+                                 f"your exponent does not change with the pair i"
+                                 + (", every frequency is theta^0 = 1. An integer division does that: "
+                                    "arange(0, head_dim, 2) // head_dim (or 2 * i // head_dim) is 0 for every pair; "
+                                    "divide as floats, 2 * i / head_dim" if one else "")
+                                 + f". Pair i turns by w_i = theta^(-2i/head_dim).{default}")
     others = "; the other pairs are right" if all(abs(ratios[i] - 1) < 1e-3 for i in range(half) if i not in wrong) \
         and len(wrong) < half else ""
-    speeds = ", ".join(f"pair {i}: {ratios[i]:.3g} times its speed" for i in wrong[:4]) + \
+    shown = ", ".join(f"pair {i}: {ratios[i]:.3g} times its speed" for i in wrong[:4]) + \
         (", ..." if len(wrong) > 4 else "")
-    fail("rope_frequencies", f"{what}: some pairs turn at the wrong speed ({speeds}){others}. This is not a "
+    fail("rope_frequencies", f"{what}: some pairs turn at the wrong speed ({shown}){others}. This is not a "
                              f"rounding (that moves every angle by a relative 1e-3 at most). Every pair i turns by "
                              f"w_i = theta^(-2i/head_dim) per position, with no scaling of the slow frequencies (no "
                              f"Llama 3 rope scaling, NTK or context-extension factor here).{default}")
@@ -810,6 +842,22 @@ def _build_swiglu(cls: Any, generator: torch.Generator, embed: int, hidden: int)
     return candidate, reference
 
 
+def _swiglu_dropout(candidate: nn.Module, x: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """A wrong output that is drawn anew at each call, or right once the module is in eval mode: dropout, which
+    SwiGLU does not have (the layer is built in training mode, as nn.Module is)."""
+    if random_or_kept(lambda: call_student(candidate, x.clone(), what=what), close) == "random":
+        fail("dropout", f"{what}: your output changes from call to call on the same x, with torch's random state: "
+                        f"something random, such as dropout, runs in forward. SwiGLU has no dropout: "
+                        f"down(silu(gate(x)) * up(x)), in training mode as in eval mode.")
+    call(candidate.eval, what=f"{what}: model.eval()")
+    right_in_eval = close(call_student(candidate, x.clone(), what=f"{what} in eval mode"), expected)
+    call(candidate.train, what=f"{what}: model.train()")
+    if right_in_eval:
+        fail("dropout", f"{what}: your output is right in eval mode but not in training mode: forward does "
+                        f"something only while self.training is True (dropout?). SwiGLU has no dropout: "
+                        f"down(silu(gate(x)) * up(x)) in both modes.")
+
+
 @checker("9.4", example=lambda cls, *_, **__: module_example("SwiGLU(2, 3)", lambda: cls(2, 3),
                                                             lambda: ref.SwiGLU(2, 3), 2))
 def check_swiglu(cls: Any) -> str:
@@ -833,6 +881,7 @@ def check_swiglu(cls: Any) -> str:
                 if not close(out, expected):
                     first_mistake(_swiglu_mistakes(),
                                   lambda m, out=out, x=x, layers=layers: close(out, m.output(x, *layers)), f"{what}: ")
+                    _swiglu_dropout(candidate, x, expected, what)
                     fail("mismatch", f"{what}: the output differs from down(silu(gate(x)) * up(x)) by up to "
                                      f"{max_diff(out, expected):.3g}.")
     (embed, hidden), generator = _SWIGLU_SIZES[0], torch.Generator().manual_seed(4)
@@ -964,6 +1013,8 @@ CONFIGS: tuple[tuple[int, float, dict[str, Any]], ...] = (
 OPTIONAL = (
     (2, 10000.0, {"qk_norm": True}),
     (2, 10000.0, {"sliding_window": 3}),
+    (2, 10000.0, {"dropout_rate": 0.5}),   # judged in eval mode, where dropout is off
+    (2, 10000.0, {"head_dim": 12}),        # heads wider than embed_dim // num_heads: the scale is 1/sqrt(head_dim)
 )
 # (batch, length) of the full passes: the full length first, so a failure at a shorter one is told apart
 CASES = ((2, MAX_TOKENS), (3, 5), (1, 1))
@@ -1045,7 +1096,7 @@ def _build(cls: Any, kv_heads: int, theta: float, extra: dict[str, Any], generat
     copy_weights(reference, model, "your GroupedQueryAttention")
     call(model.eval, what="GroupedQueryAttention.eval()")
     _check_tables(model, reference, theta, shown)
-    cos, sin = variants.tables(embed_dim // num_heads, max_tokens, theta)
+    cos, sin = variants.tables(extra.get("head_dim") or embed_dim // num_heads, max_tokens, theta)
     params = {name: p.detach().double() for name, p in reference.named_parameters()}
     setup = Setup(embed_dim, num_heads, kv_heads, max_tokens, params, cos, sin,
                   qk_norm=bool(extra.get("qk_norm")), window=extra.get("sliding_window"),
@@ -1083,7 +1134,7 @@ def _explain_repeat_count(failure: Failure, built: Built) -> None:
     if failure.diagnosis != "exception":
         return
     setup = built.setup
-    heads, kv, head_dim = setup.num_heads, built.kv_heads, setup.embed_dim // setup.num_heads
+    heads, kv, head_dim = setup.num_heads, built.kv_heads, setup.head_dim
     for frame in reversed(_raised_frames(failure)):   # the innermost frame that holds them
         counts = {t.shape[1] for t in frame.f_locals.values()
                   if isinstance(t, torch.Tensor) and t.dim() == 4 and head_dim in t.shape[-2:]}
@@ -1117,7 +1168,7 @@ def _explain_rope_error(failure: Failure, built: Built, length: int, start: int 
     turned, offset = (names.get("x"), names.get("offset")) if names else (None, None)
     if not isinstance(turned, torch.Tensor):
         return
-    heads, head_dim = built.setup.num_heads, built.setup.embed_dim // built.setup.num_heads
+    heads, head_dim = built.setup.num_heads, built.setup.head_dim
     if turned.dim() == 4 and turned.shape[-1] != head_dim and turned.shape[-2] == length:
         features = turned.shape[1] * turned.shape[-1]
         which = {heads * head_dim: "queries", built.kv_heads * head_dim: "keys or values"}.get(features)
@@ -1128,7 +1179,7 @@ def _explain_rope_error(failure: Failure, built: Built, length: int, start: int 
                          f"{turned.shape[-1]} features, shape {shape_str(turned.shape)}: the {which} have "
                          f"{features} features, {right} heads of head_dim={head_dim} "
                          f"({'self.num_heads' if which == 'queries' else 'self.num_kv_heads'} heads). Split them "
-                         f"into that many heads; head_dim is embed_dim // num_heads for all three.")
+                         f"into that many heads; head_dim (self.head_dim) is the same for all three.")
     if turned.dim() != 4 or turned.shape[-1] != head_dim:
         reraise_with(failure, "rope_axes", f" apply_rotary was given a tensor of shape {shape_str(turned.shape)}: "
                      f"it takes queries or keys split into heads, (N, heads, L, head_dim) with head_dim={head_dim}. "
@@ -1170,6 +1221,13 @@ def _full_passes(built: Built, generator: torch.Generator, mha_right: bool) -> N
             raise
         with torch.no_grad():
             built.runs.append((x, out, built.reference(x)))
+        # a wrong output drawn anew at each call with torch's random state (not one kept from an earlier call)
+        if built.extra.get("dropout_rate") and not close(out, built.runs[-1][2]) and \
+                random_or_kept(lambda x=x, what=what: _forward(built, x, what), close) == "random":
+            fail("dropout", f"{what}: in eval mode (model.eval()) your layer gives other outputs for the same x at "
+                            f"each call: dropout still runs. F.scaled_dot_product_attention's dropout_p and "
+                            f"F.dropout do not follow the module's mode: pass dropout_p=self.dropout_rate if "
+                            f"self.training else 0.0 (or training=self.training).")
 
 
 def _diagnose_full(built_all: list[Built], generator: torch.Generator) -> None:
@@ -1284,7 +1342,7 @@ def _check_cache_contents(built: Built, x: torch.Tensor, cache: RecordingCache) 
                          f"and repeat what the cache returns. That is the point of GQA: the cache is "
                          f"num_heads / num_kv_heads times smaller.")
     s = built.setup
-    raw = (x[:, :length].double() @ s.params["key.weight"].T).reshape(2, length, built.kv_heads, HEAD_DIM)
+    raw = (x[:, :length].double() @ s.params["key.weight"].T).reshape(2, length, built.kv_heads, s.head_dim)
     raw = raw.transpose(1, 2)                                                   # (N, kv_heads, L, head_dim)
     if s.qk_norm:
         raw = raw * torch.rsqrt(raw.pow(2).mean(-1, keepdim=True) + s.eps) * s.params["k_norm.weight"]
@@ -1299,7 +1357,7 @@ def _check_cache_contents(built: Built, x: torch.Tensor, cache: RecordingCache) 
         if isinstance(k, torch.Tensor) and k.shape == turned.shape else False
     if isinstance(k, torch.Tensor) and k.shape == turned.shape and not close(k, turned) and not shifted:
         values = x[:, :length].double() @ s.params["value.weight"].T              # (N, L, kv_heads * head_dim)
-        values = values.reshape(2, length, built.kv_heads, HEAD_DIM).transpose(1, 2)   # (N, kv_heads, L, head_dim)
+        values = values.reshape(2, length, built.kv_heads, s.head_dim).transpose(1, 2)   # (N, kv_heads, L, head_dim)
         fail("kv_cache", f"{what}: your outputs are right, but " + (
             "your cache holds the values where the keys go: append keys first, k, v = cache.append(k, v)."
             if close(k, values) else
@@ -1394,8 +1452,8 @@ def check_grouped_query_attention(cls: Any) -> str:
 def _check(cls: Any) -> str:
     torch.manual_seed(0)   # any dropout draws; the @checker decorator restores the caller's RNG state
     generator = torch.Generator().manual_seed(96)
-    # The optional features (QK-norm, a sliding window) are judged after the plain module is right, so that
-    # a mistake in the common path is named from the plain configurations alone.
+    # The optional features (QK-norm, a sliding window, dropout, a head_dim of its own) are judged after the plain
+    # module is right, so that a mistake in the common path is named from the plain configurations alone.
     optional = [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
     built = [_check_configs(cls, configs, generator) for configs in (CONFIGS, optional) if configs][0][1]
     _check_other_width(cls, torch.Generator().manual_seed(24))
@@ -1423,7 +1481,7 @@ def _check(cls: Any) -> str:
     # No magnitude probe, as for 2.2 and 3.3 (``_attn_modules.module_check``): the scores come from the module's
     # weights, and a correct "mask after the softmax, then renormalise" underflows on large scores.
     extras = [key for _, _, extra in optional for key in extra]
-    also = f", and with {' and '.join(extras)}" if extras else ""
+    also = f", and with {', '.join(extras[:-1])}{' and ' if len(extras) > 1 else ''}{extras[-1]}" if extras else ""
     return (f"Matches the reference for multi-head ({NUM_HEADS} kv heads), grouped-query (2) and multi-query (1) "
             f"attention{also}, in a full pass and token by token with a KV cache that holds num_kv_heads heads of "
             f"rotated keys.")
@@ -1431,7 +1489,7 @@ def _check(cls: Any) -> str:
 
 # A factor on the scores that is none of FULL_PASS's: found by a search, and named with its value.
 _SCALE = ScaleFit(lambda built, x, factor: simulate(built.setup, x, [(0, x.shape[1])], {"scale": factor}),
-                  lambda built, x: (built.setup.embed_dim // built.setup.num_heads) ** -0.5,
+                  lambda built, x: built.setup.head_dim ** -0.5,
                   "{what}: your scores are multiplied by {factor:.4g} before the softmax, where the exercise asks "
                   "for 1/sqrt(head_dim) = {right:.4g}. Divide q @ k^T by sqrt(self.head_dim), once.")
 
