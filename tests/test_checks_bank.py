@@ -40,6 +40,7 @@ from bank import (
     search31b_bugs,
     search31c_bugs,
     search32_bugs,
+    search32p_bugs,
     search32q_bugs,
     search32r_bugs,
     search32s_bugs,
@@ -59,7 +60,7 @@ BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, varian
          precision_bugs, search25_bugs, search26_bugs, search27_bugs, search28_bugs,
          search29_bugs, search30_bugs, search30b_bugs, search30c_bugs, search30d_bugs,
          search30e_bugs, search31a_bugs, search31b_bugs, search31c_bugs,
-         search32_bugs, search32q_bugs, search32r_bugs, search32s_bugs,
+         search32_bugs, search32p_bugs, search32q_bugs, search32r_bugs, search32s_bugs,
          search32t_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]

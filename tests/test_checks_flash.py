@@ -138,14 +138,15 @@ def _tiled_with_bounds(q, k, v, block_q, block_k, causal, key_stop):
     for qs in range(0, lq, block_q):
         qe = min(qs + block_q, lq)
         qb = q[..., qs:qe, :] * scale
-        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         for ks in range(0, key_stop(lk, qe, causal), block_k):
             ke = min(ks + block_k, lk)
             s = qb @ k[..., ks:ke, :].transpose(-2, -1)
             if causal:
-                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                future = torch.arange(ks, ke, device=q.device)[None, :] > torch.arange(qs, qe, device=q.device)[:, None]
+                s = s.masked_fill(future, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             p = torch.exp(s - m_new[..., None])
             c = torch.exp(m - m_new)

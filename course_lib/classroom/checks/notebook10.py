@@ -9,6 +9,7 @@ The mistakes of the topic (tiling, backward, precision, rows never written) are 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,8 @@ from ... import flash as ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from . import _flash_variants as variants
+from ._device_probe import meta
+from ._device_probe import probe as probe_device
 from ._flash_probe import Record, Recorder
 from ._model_common import as_values
 from ._student_code import (
@@ -33,7 +36,7 @@ from ._student_code import (
 from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
-from .engine.probes import magnitude_rows, magnitude_scores
+from .engine.probes import float64_notebook, magnitude_rows, magnitude_scores
 from .engine.saved_tensors import forward_backward, in_flight_together
 
 __all__ = ["check_online_softmax", "check_flash_attention", "check_flash_backward"]
@@ -257,7 +260,16 @@ def check_online_softmax(fn: Callable[..., Any]) -> str:
     """``fn(x, block_size)`` -> softmax over the last axis of x (..., L), computed one block at a time."""
     message = judge(ONLINE_SOFTMAX, fn)
     _masked_rows(fn)
+    _softmax_on_device(fn)
     return message
+
+
+def _softmax_on_device(fn: Callable[..., Any]) -> None:
+    """The device probe (the text asks for x's device), last, after the masked rows: every case again on meta, where
+    statistics made with torch.full or torch.zeros without device= show."""
+    for case in ONLINE_SOFTMAX.cases():
+        x, size = case.args
+        probe_device(lambda x=x, size=size: fn(meta(x), size), case.what)
 
 
 # ============================================================================ 10.2 flash_attention
@@ -624,9 +636,20 @@ def check_flash_attention(fn: Callable[..., Any]) -> str:
              f"{_PROBE_SHAPE[-2]} and Lk = {_SWAP_LENGTH_K}")
     _sizes_not_swapped(_watched(23, lambda q, k, v: call_student(fn, q, k, v, block_q=_BLOCK_Q, block_k=_BLOCK_K,
                                                                  causal=False, what=shown), _SWAP_LENGTH_K), shown)
+    _forward_on_device(fn)
     needed, total = ref.causal_blocks(_PROBE_SHAPE[-2], _BLOCK_Q, _BLOCK_K)
     return (f"Output and log-sum-exp equal to attention's, for blocks that do not divide L and block_q != "
             f"block_k; no L x L tensor built, and causal masking computed {needed} of {total} key blocks.")
+
+
+def _forward_on_device(fn: Callable[..., Any]) -> None:
+    """The device probe (the text asks for q's device): every case again on meta, the student's function called
+    as it is (its output and log-sum-exp both judged): a block's positions, a mask or a buffer made on the CPU
+    shows, on the causal path only too."""
+    for q, k, v, block_q, block_k, causal in _FORWARD_CASES:
+        probe_device(lambda q=q, k=k, v=v, block_q=block_q, block_k=block_k, causal=causal: fn(
+            meta(q), meta(k), meta(v), block_q=block_q, block_k=block_k, causal=causal),
+            _forward_call(q, k, v, block_q, block_k, causal))
 
 
 # ============================================================================ 10.3 the backward
@@ -756,7 +779,53 @@ def check_flash_backward(cls: Any) -> str:
     success = judge(FLASH_BACKWARD, _gradients_of(cls))
     _two_layers(cls)
     _probe_backward(cls)
+    _backward_on_device(cls)
+    _backward_dtype(cls)
     return success
+
+
+def _raw_gradients(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, causal: bool,
+                   block_q: int, block_k: int) -> tuple[Any, ...]:
+    """The forward, then the student's backward called by hand on its ctx (the output's grad_fn): dq, dk, dv as the
+    backward returns them, before autograd casts them to the inputs' dtype (and refuses another device)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        out = cls.apply(*leaves, causal, block_q, block_k)
+        return tuple(cls.backward(out.grad_fn, grad_out)[:3])
+
+
+def _backward_on_device(cls: Any) -> None:
+    """The device probe (the text asks for the inputs' device): every case again on meta, forward and backward: dq,
+    dk, dv or a mask made on the CPU shows."""
+    for case in _backward_cases():
+        q, k, v, grad_out, causal, block_q, block_k = case.args
+        on_meta = (meta(q), meta(k), meta(v), meta(grad_out))
+        settings = (causal, block_q, block_k)
+        probe_device(lambda on_meta=on_meta, settings=settings: _raw_gradients(cls, *on_meta, *settings),
+                     f"{case.what}, forward then backward")
+
+
+def _backward_dtype(cls: Any) -> None:
+    """The dtype probe: float64 q, k, v, in the notebook's default dtype and then in a float64 notebook. Autograd
+    casts a float32 dq back to q's dtype, so only the backward's own return shows that the sums ran in float32."""
+    q, k, v, grad_out, causal, block_q, block_k = _backward_cases()[3].args
+    for notebook in (contextlib.nullcontext, float64_notebook):
+        with notebook():
+            shown = (f"FlashAttentionFunction.apply(q, k, v, {causal}, {block_q}, {block_k}) with float64 q, k, v "
+                     f"of shape {tuple(q.shape)}" + (" in a float64 notebook" if notebook is float64_notebook else ""))
+            try:
+                grads = call_student(lambda: _raw_gradients(cls, q.double(), k.double(), v.double(), grad_out.double(),
+                                                            causal, block_q, block_k), what=shown)
+            except Failure as failure:
+                if failure.diagnosis != "exception":
+                    raise
+                return   # a backward that runs through autograd only: judged there
+            for name, grad in zip(_GRADS, grads):
+                if isinstance(grad, torch.Tensor) and grad.dtype != torch.float64:
+                    fail("dtype", f"{shown}: your backward returns {name} of dtype {grad.dtype}. Autograd casts it "
+                                  f"back to float64, but every sum into it was rounded to {grad.dtype} first. Make "
+                                  f"dq, dk and dv like q, k and v: torch.zeros_like(q) (torch.zeros(q.shape) takes "
+                                  f"the default dtype, and the CPU).")
 
 
 # Two calls whose backwards are pending at once, as two attention layers of a model make them: other numbers,

@@ -245,7 +245,8 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
          norm: bool = True, q_norm: bool = True, offset: bool = True, mask_offset: bool = True, use_cache: bool = True,
          rotate_cached: bool = False, masked: bool = True, softmax_dim: int = -1, queries: str = "half",
          keys: str = "half", values_first: bool = False, mask_ahead: bool = False,
-         merge: str = "ok", heads_view: str = "ok", biases: bool = True, own_tables: bool = False,
+         merge: str = "ok", heads_view: str = "ok", biases: bool = True, unbiased: tuple[str, ...] = (),
+         own_tables: bool = False,
          keys_at_zero: bool = False, queries_at: str = "start", norm_over: str = "latent",
          fill: str = "-inf") -> torch.Tensor:
     """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
@@ -255,7 +256,8 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
     side by side), ``q_norm`` False: the query latent not normalised, ``heads_view`` "queries" or
     "keys_values" (viewed straight as (N, H, L, ...), without the transpose), ``scale`` "both" (right), "nope",
     "none", "value", "after" (softmax_scale on the weights) or a float, the factor on the scores; ``biases``
-    False: the projections as products with their weights alone, a layer's biases left out; ``own_tables``: the
+    False: the projections as products with their weights alone, a layer's biases left out (``unbiased``: those of
+    the projections named only); ``own_tables``: the
     rotary parts turned by tables of their own (the default theta), not the layer's rope_cos and rope_sin;
     ``keys_at_zero``: the new rotary keys alone turned from position 0 with a cache (``offset``: queries too);
     ``fill`` what the hidden scores become: "-inf" (right), "zero" (0, as scores * mask or masked_fill(~mask, 0)
@@ -273,7 +275,8 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
         dn, dr, h = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads
         pos = start if offset else 0
         def project(linear: nn.Linear, t: torch.Tensor) -> torch.Tensor:
-            return linear(t) if biases else t @ linear.weight.T
+            left_out = not biases or any(getattr(layer, name, None) is linear for name in unbiased)
+            return t @ linear.weight.T if left_out else linear(t)
 
         q = layer.q_proj(x) if layer.q_lora_rank is None else \
             layer.q_b_proj((layer.q_a_layernorm if q_norm else nn.Identity())(project(layer.q_a_proj, x)))
@@ -339,7 +342,9 @@ def _mla_cases() -> list[Case]:
             (4, 1, 5, 2, False, {"bias": True}),   # DeepSeek's attention_bias: the layer's weights include biases
             # the layer's own settings away from their defaults: its tables and its norms come from the layer (its
             # scale may be computed from the widths, as the text's formula does: the bank holds that as right)
-            (None, 2, 6, 3, False, {"rope_theta": 50.0, "norm_eps": 0.5}))):
+            (None, 2, 6, 3, False, {"rope_theta": 50.0, "norm_eps": 0.5}),
+            # a softmax_scale of its own (YaRN's models set one): the text asks for layer.softmax_scale
+            (4, 1, 6, 2, False, {"softmax_scale": 0.15}))):
         layer = _layer(seed, q_rank, other=other, **options)
         x = torch.randn(n, length, layer.embed_dim, generator=torch.Generator().manual_seed(seed))
         how = f"x of shape {(n, length, layer.embed_dim)}" + (
@@ -470,6 +475,14 @@ _MLA_MISTAKES = (
     Mistake("bias", "Your projections leave the layer's biases out (x @ weight.T): with bias=True, q_a_proj, "
                     "kv_a_proj_with_mqa and o_proj each add theirs. Call the layer's Linear modules, layer.o_proj(out), "
                     "or add layer.o_proj.bias yourself.", spec=dict(biases=False)),
+    # one or two of the three left out (o_proj written as out @ o_proj.weight.T, the others called)
+    *(Mistake("bias", f"Your {' and '.join(left)} leave{'s' if len(left) == 1 else ''} out "
+                      f"{'its' if len(left) == 1 else 'their'} bias (t @ layer.{left[0]}.weight.T), while the other "
+                      f"projections add theirs: with bias=True, q_a_proj, kv_a_proj_with_mqa and o_proj each carry "
+                      f"one. Call the layer's Linear modules, layer.{left[0]}(t), or add layer.{left[0]}.bias "
+                      f"yourself.", spec=dict(unbiased=left))
+      for left in (("o_proj",), ("q_a_proj",), ("kv_a_proj_with_mqa",), ("q_a_proj", "kv_a_proj_with_mqa"),
+                   ("q_a_proj", "o_proj"), ("kv_a_proj_with_mqa", "o_proj"))),
     Mistake("causal_mask", "Your causal mask lets one future key through: the new query i (at position start + i) "
                            "may see keys 0 .. start + i, the lower triangle shifted by start, not start + 1.",
             spec=dict(mask_ahead=True)),
@@ -613,10 +626,11 @@ def _phi(x: torch.Tensor) -> torch.Tensor:
 
 def _linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, *, diagonal: int = 0, causal: bool = True,
             normalise: bool = True, fq_norm: torch.Tensor | None = None, fk_norm: torch.Tensor | None = None,
-            norm_keys: str = "same", z0: float = 0.0) -> torch.Tensor:
+            norm_keys: str = "same", z0: float = 0.0, eps: str = "denominator") -> torch.Tensor:
     """Linear attention from features: weights fq . fk over keys j <= i + diagonal (all if not causal); the
     normaliser (of ``fq_norm``, ``fk_norm`` where given) over the same keys, or ``norm_keys`` "through_i" (j <= i
-    whatever ``diagonal``), "before_i" (j < i) or "own" (j = i), with z started at ``z0`` in every feature."""
+    whatever ``diagonal``), "before_i" (j < i) or "own" (j = i), with z started at ``z0`` in every feature; the 1e-6
+    added to the ``eps`` "denominator" (right), the "output" after the division or "both" numerator and denominator."""
     weights = fq @ fk.transpose(-2, -1)                                     # (..., L, L)
     length = weights.shape[-1]
     if causal:
@@ -629,7 +643,9 @@ def _linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, *, diagonal: in
                 "own": torch.eye(length), "before_i": torch.ones(length, length).tril(-1)}[norm_keys]
         below = below * keys
     start = z0 * (fq if fq_norm is None else fq_norm).sum(-1, keepdim=True)   # phi(q_i) . z_0
-    return (weights @ v) / (below.sum(-1, keepdim=True) + start + 1e-6)
+    num, den = weights @ v, below.sum(-1, keepdim=True) + start
+    return {"denominator": lambda: num / (den + 1e-6), "output": lambda: num / den + 1e-6,
+            "both": lambda: (num + 1e-6) / (den + 1e-6)}[eps]()
 
 
 # the feature maps students use instead of elu(x) + 1, with what goes wrong
@@ -655,6 +671,13 @@ def _linear_cases() -> list[Case]:
         v = torch.randn(*shape[:-1], dv, generator=g)
         cases.append(Case((q, k, v), f"linear_attention_recurrent(q, k, v) with q, k {tuple(shape)}, "
                                      f"v {tuple(v.shape)}"))
+    # q and k near -7: phi near 1e-3, so phi(q_i) . z_i is 4e-6 to 4e-5 and the 1e-6 the text adds to it weighs
+    # 2 to 25 percent (phi still far above F.elu(x) + 1's float32 rounding)
+    g = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(2, 8, 4, generator=g) * 0.3 - 7.0 for _ in range(2))
+    v = torch.randn(2, 8, 3, generator=g)
+    cases.append(Case((q, k, v), "linear_attention_recurrent(q, k, v) with q, k (2, 8, 4) near -7, where "
+                                 "phi(q_i) . z_i is 4e-6 to 4e-5, v (2, 8, 3)"))
     return cases
 
 
@@ -730,12 +753,20 @@ LINEAR_RECURRENT = FunctionExercise(
                                "must include token i too. Update both with token i (S += outer(phi(k_i), v_i), z += "
                                "phi(k_i)), then read them with phi(q_i).",
                 output=lambda q, k, v: _linear(_phi(q), _phi(k), v, norm_keys="before_i")),
+        *(Mistake("normalization", why, output=lambda q, k, v, eps=eps: _linear(_phi(q), _phi(k), v, eps=eps))
+          for eps, why in {
+            # after the division, 1e-6 moves an output by 1e-6 only: the same outputs as none at all
+            "output": "Your denominator has no 1e-6 (left out, or added after the division, num / den + 1e-6): the "
+                      "text adds it to the denominator, o_i = phi(q_i) S_i / (phi(q_i) . z_i + 1e-6). Where "
+                      "phi(q_i) . z_i is small (queries and keys far below zero) it weighs.",
+            "both": "Your 1e-6 is added to the numerator too: only the denominator gets it, o_i = phi(q_i) S_i / "
+                    "(phi(q_i) . z_i + 1e-6)."}.items()),
         Mistake("causal_mask", "Every query sees every token, also the later ones: the state must hold only the "
                                "tokens up to i when query i reads it (update, read, then move on).",
                 output=lambda q, k, v: _linear(_phi(q), _phi(k), v, causal=False)),
     ),
     reword=_tuple_returned, gradients=lambda: _linear_cases()[:1], examples=_linear_examples,
-    probes=FunctionExercise.probes + ("batch",),
+    probes=FunctionExercise.probes + ("batch", "device"),   # the text asks for the inputs' device and dtype
 )
 
 
