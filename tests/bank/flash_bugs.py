@@ -54,7 +54,7 @@ def softmax_reference_loop(x, block_size):
 
 @correct("10.1")
 def softmax_logaddexp(x, block_size):
-    lse = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    lse = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device)
     for start in range(0, x.shape[-1], block_size):
         lse = torch.logaddexp(lse, torch.logsumexp(x[..., start:start + block_size], dim=-1))
     return torch.exp(x - lse[..., None])
@@ -80,7 +80,7 @@ def softmax_split_blocks(x, block_size):
 @correct("10.1")
 def softmax_two_passes_by_block(x, block_size):
     # first the maximum, block by block; then the sum, block by block: per-block reductions only
-    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device)
     for start in range(0, x.shape[-1], block_size):
         m = torch.maximum(m, x[..., start:start + block_size].amax(-1))
     l = torch.zeros_like(m)
@@ -193,9 +193,9 @@ def _tiled(q, k, v, block_q, block_k, causal, *, skip="ok", mask_diagonal=True, 
     for i, qs in enumerate(range(0, lq, block_q)):
         qe = min(qs + block_q, lq)
         qb = q[..., qs:qe, :]
-        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         for j, ks in enumerate(range(0, lq if keys_to_lq else lk, block_k)):   # the slip: the queries' count
             ke = min(ks + block_k, lk)
             if causal and not {"ok": ks < qe, "index": j <= i, "strict": ks < qs, "none": True}[skip]:
@@ -206,8 +206,8 @@ def _tiled(q, k, v, block_q, block_k, causal, *, skip="ok", mask_diagonal=True, 
                 vb = F.pad(vb, (0, 0, 0, block_k - (ke - ks)))
             s = qb @ kb.transpose(-2, -1) * scale
             if causal and mask_diagonal:
-                rows = torch.arange(qs, qe)[:, None]
-                cols = torch.arange(ks, ks + s.shape[-1])[None, :]
+                rows = torch.arange(qs, qe, device=q.device)[:, None]
+                cols = torch.arange(ks, ks + s.shape[-1], device=q.device)[None, :]
                 s = s.masked_fill(cols > rows, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             p = torch.exp(s - m_new[..., None])
@@ -230,21 +230,22 @@ def flash_reference_style(q, k, v, *, block_q, block_k, causal=False):
 @correct("10.2")
 def flash_einsum_preallocated(q, k, v, *, block_q, block_k, causal=False):
     lq, lk, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-    lse = torch.zeros(q.shape[:-1], dtype=q.dtype)
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device)
     for qs in range(0, lq, block_q):
         qb = q[..., qs:qs + block_q, :] / math.sqrt(d)
         n = qb.shape[-2]
-        m = torch.full(qb.shape[:-1], -1e30, dtype=q.dtype)    # a large negative number instead of -inf
+        m = torch.full(qb.shape[:-1], -1e30, dtype=q.dtype, device=q.device)   # a large negative instead of -inf
         l = torch.zeros_like(m)
-        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         last_key = min(lk, qs + n) if causal else lk
         for ks in range(0, last_key, block_k):
             kb, vb = k[..., ks:ks + block_k, :], v[..., ks:ks + block_k, :]
             s = torch.einsum("...qd,...kd->...qk", qb, kb)
             if causal:
-                allowed = torch.arange(ks, ks + kb.shape[-2])[None, :] <= torch.arange(qs, qs + n)[:, None]
-                s = torch.where(allowed, s, torch.tensor(-1e30, dtype=s.dtype))
+                allowed = (torch.arange(ks, ks + kb.shape[-2], device=q.device)[None, :]
+                           <= torch.arange(qs, qs + n, device=q.device)[:, None])
+                s = torch.where(allowed, s, torch.tensor(-1e30, dtype=s.dtype, device=s.device))
             m_new = torch.maximum(m, s.amax(-1))
             p = torch.exp(s - m_new[..., None])
             alpha = torch.exp(m - m_new)
@@ -259,8 +260,8 @@ def flash_einsum_preallocated(q, k, v, *, block_q, block_k, causal=False):
 @correct("10.2")
 def flash_per_head_loops(q, k, v, *, block_q, block_k, causal=False):
     # one head at a time, each a 2-D problem: still never more than a block of scores
-    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-    lse = torch.empty(q.shape[:-1], dtype=q.dtype)
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
     for n in range(q.shape[0]):
         for h in range(q.shape[1]):
             o, s = _tiled(q[n, h], k[n, h], v[n, h], block_q, block_k, causal)
@@ -416,7 +417,8 @@ def _backward(ctx, grad_out, *, delta="ok", ds_scale=True, dv_t=False, dk_t=Fals
             kb, vb = k[..., ks:ke, :], v[..., ks:ke, :]
             s = qb @ kb.transpose(-2, -1) * (scale if recompute is None else recompute)
             if ctx.causal and mask:
-                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                s = s.masked_fill(torch.arange(ks, ke, device=q.device)[None, :]
+                                  > torch.arange(qs, qe, device=q.device)[:, None], float("-inf"))
             p = torch.exp(s - lse[..., qs:qe, None])
             # transposed, P @ dO only fits square blocks: elsewhere the attempt crashes
             dv[..., ks:ke, :] += (p @ dob) if dv_t else p.transpose(-2, -1) @ dob
@@ -451,7 +453,8 @@ class BackwardDeltaPerBlock(FlashAttentionFunction):
                 ke = min(ks + ctx.block_k, k.shape[-2])
                 s = q[..., qs:qe, :] @ k[..., ks:ke, :].transpose(-2, -1) * scale
                 if ctx.causal:
-                    s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                    s = s.masked_fill(torch.arange(ks, ke, device=q.device)[None, :]
+                                      > torch.arange(qs, qe, device=q.device)[:, None], float("-inf"))
                 p = torch.exp(s - lse[..., qs:qe, None])
                 dv[..., ks:ke, :] += p.transpose(-2, -1) @ dob
                 ds = p * (dob @ v[..., ks:ke, :].transpose(-2, -1) - d_blk)
@@ -571,7 +574,7 @@ def softmax_running_sum_of_exp(x, block_size):
 @correct("10.1")
 def softmax_max_from_minus_large(x, block_size):
     # a very negative finite start instead of -inf: exp(m - m_new) is 0 at the first block, as it should be
-    m = torch.full(x.shape[:-1], -1e30 if x.dtype == torch.float32 else -1e300, dtype=x.dtype)
+    m = torch.full(x.shape[:-1], -1e30 if x.dtype == torch.float32 else -1e300, dtype=x.dtype, device=x.device)
     l = torch.zeros_like(m)
     for start in range(0, x.shape[-1], block_size):
         block = x[..., start:start + block_size]
@@ -586,20 +589,21 @@ def _tiled_43(q, k, v, block_q, block_k, causal, *, m_start=float("-inf"), row_m
     """A forward that writes into zeros, with the magnitude slips of issue 43 switched on."""
     scale = q.shape[-1] ** -0.5
     lq, lk = q.shape[-2], k.shape[-2]
-    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-    lse = torch.zeros(q.shape[:-1], dtype=q.dtype)
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device)
     for qs in range(0, lq, block_q):
         qe = min(qs + block_q, lq)
         qb = q[..., qs:qe, :] * scale
-        m = torch.full(qb.shape[:-1], m_start, dtype=q.dtype)
+        m = torch.full(qb.shape[:-1], m_start, dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
         raw = torch.zeros_like(m)
-        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         for ks in range(0, min(lk, qe) if causal else lk, block_k):
             ke = min(ks + block_k, lk)
             s = qb @ k[..., ks:ke, :].transpose(-2, -1)
             if causal:
-                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                s = s.masked_fill(torch.arange(ks, ke, device=q.device)[None, :]
+                                  > torch.arange(qs, qe, device=q.device)[:, None], float("-inf"))
             if not subtract:
                 m_new = torch.zeros_like(m)
             elif row_max:
@@ -795,23 +799,25 @@ def _tiled_names(q, k, v, block_q, block_k, causal, *, q_stop=None, q_end=None, 
         q, k, v = q.half(), k.half(), v.half()
     scale = q.shape[-1] ** -0.5
     lq, lk = q.shape[-2], k.shape[-2]
-    out = init(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-    lse = init(q.shape[:-1], dtype=q.dtype)
+    out = init(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = init(q.shape[:-1], dtype=q.dtype, device=q.device)
     for qs in range(0, q_stop(lq) if q_stop else lq, block_q):
         qe = q_end(qs, lq) if q_end else min(qs + block_q, lq)
         qb = q[..., qs:qe, :] * scale
-        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         stop = k_stop(lk) if k_stop else lk
         for ks in range(0, min(stop, qe) if causal else stop, block_k):
             ke = k_end(ks, lk) if k_end else min(ks + block_k, lk)
             s = qb @ k[..., ks:ke, :].transpose(-2, -1)
             if causal or always_causal:
                 if local_mask:
-                    future = torch.arange(ke - ks)[None, :] > torch.arange(qe - qs)[:, None]
+                    future = (torch.arange(ke - ks, device=q.device)[None, :]
+                              > torch.arange(qe - qs, device=q.device)[:, None])
                 else:
-                    future = torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None]
+                    future = (torch.arange(ks, ke, device=q.device)[None, :]
+                              > torch.arange(qs, qe, device=q.device)[:, None])
                 s = s.masked_fill(future, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             p = torch.exp(s - m_new[..., None])
@@ -882,14 +888,15 @@ def flash_normalised_accumulator(q, k, v, *, block_q, block_k, causal=False):
     for qs in range(0, q.shape[-2], block_q):
         qe = min(qs + block_q, q.shape[-2])
         qb = q[..., qs:qe, :] * scale
-        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
-        o = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        o = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         for ks in range(0, min(k.shape[-2], qe) if causal else k.shape[-2], block_k):
             ke = min(ks + block_k, k.shape[-2])
             s = qb @ k[..., ks:ke, :].transpose(-2, -1)
             if causal:
-                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                s = s.masked_fill(torch.arange(ks, ke, device=q.device)[None, :]
+                                  > torch.arange(qs, qe, device=q.device)[:, None], float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             p = torch.exp(s - m_new[..., None])
             l_new = l * torch.exp(m - m_new) + p.sum(-1)
@@ -1082,7 +1089,8 @@ class BackwardScalesACopyInPlace(FlashAttentionFunction):
                 ke = min(ks + ctx.block_k, k.shape[-2])
                 s = q[..., qs:qe, :] @ k[..., ks:ke, :].transpose(-2, -1)
                 if ctx.causal:
-                    s.masked_fill_(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                    s.masked_fill_(torch.arange(ks, ke, device=q.device)[None, :]
+                                   > torch.arange(qs, qe, device=q.device)[:, None], float("-inf"))
                 p = s.sub_(lse[..., qs:qe, None]).exp_()
                 dv[..., ks:ke, :] += p.transpose(-2, -1) @ do[..., qs:qe, :]
                 ds = p * (do[..., qs:qe, :] @ v[..., ks:ke, :].transpose(-2, -1) - delta[..., qs:qe, None])
@@ -1105,8 +1113,9 @@ class BackwardEinsum(FlashAttentionFunction):
                 ke = min(ks + ctx.block_k, k.shape[-2])
                 s = torch.einsum("...qd,...kd->...qk", q[..., qs:qe, :], k[..., ks:ke, :]) * scale
                 if ctx.causal:
-                    s = torch.where(torch.arange(ks, ke)[None, :] <= torch.arange(qs, qe)[:, None], s,
-                                    torch.tensor(float("-inf"), dtype=s.dtype))
+                    s = torch.where(torch.arange(ks, ke, device=q.device)[None, :]
+                                    <= torch.arange(qs, qe, device=q.device)[:, None], s,
+                                    torch.tensor(float("-inf"), dtype=s.dtype, device=s.device))
                 p = torch.exp(s - lse[..., qs:qe].unsqueeze(-1))
                 dv[..., ks:ke, :] += torch.einsum("...qk,...qd->...kd", p, grad_out[..., qs:qe, :])
                 dp = torch.einsum("...qd,...kd->...qk", grad_out[..., qs:qe, :], v[..., ks:ke, :])

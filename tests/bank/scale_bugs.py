@@ -263,7 +263,9 @@ def _latent(layer, x, cache, factor, after=1.0, heads=None, out_proj=None, up_pr
     return (out_proj or layer.o_proj)(attended.transpose(1, 2).reshape(n, length, heads * layer.v_head_dim))
 
 
-@correct("12.2")
+# right before 12.2 built a layer with a softmax_scale of its own: the text asks for layer.softmax_scale, and
+# (dn + dr) ** -0.5 from the widths is only its default
+@bug("12.2", "scale", "softmax_scale")
 def latent_scale_from_the_widths(layer, x, cache=None):
     return _latent(layer, x, cache, (layer.qk_nope_head_dim + layer.qk_rope_head_dim) ** -0.5)
 

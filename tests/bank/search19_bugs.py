@@ -232,7 +232,8 @@ class BackwardKeyBlocksOutside(FlashAttentionFunction):
                 qe = min(qs + ctx.block_q, lq)
                 s = q[..., qs:qe, :] @ k[..., ks:ke, :].transpose(-2, -1) * scale
                 if ctx.causal:
-                    s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], -math.inf)
+                    s = s.masked_fill(torch.arange(ks, ke, device=q.device)[None, :]
+                                      > torch.arange(qs, qe, device=q.device)[:, None], -math.inf)
                 p = torch.exp(s - lse[..., qs:qe, None])
                 dv[..., ks:ke, :] += p.transpose(-2, -1) @ grad_out[..., qs:qe, :]
                 ds = p * (grad_out[..., qs:qe, :] @ v[..., ks:ke, :].transpose(-2, -1) - delta[..., qs:qe, None])

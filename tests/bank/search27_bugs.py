@@ -374,7 +374,7 @@ def latent_attention_keys_turned_from_zero(layer, x, cache=None):
 @correct("10.1")
 def online_softmax_guarded_by_nan_to_num(x, block_size):
     """The guard written as nan_to_num on the factor: exp(-inf - (-inf)) is NaN only while nothing was seen."""
-    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device)
     l = torch.zeros_like(m)
     for start in range(0, x.shape[-1], block_size):
         chunk = x[..., start:start + block_size]

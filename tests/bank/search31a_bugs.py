@@ -27,19 +27,20 @@ _NEG = float("-inf")
 def _flash(q, k, v, block_q, block_k, causal, *, against_old=False, rescale=True, lazy=False):
     scale = 1.0 / math.sqrt(q.shape[-1])
     lq, lk = q.shape[-2], k.shape[-2]
-    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-    lse = torch.empty(q.shape[:-1], dtype=q.dtype)
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
     for qs in range(0, lq, block_q):
         qe = min(qs + block_q, lq)
         qb = q[..., qs:qe, :] * scale
-        m = torch.full(qb.shape[:-1], _NEG, dtype=q.dtype)
+        m = torch.full(qb.shape[:-1], _NEG, dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         for ks in range(0, min(lk, qe) if causal else lk, block_k):
             ke = min(ks + block_k, lk)
             s = qb @ k[..., ks:ke, :].transpose(-2, -1)
             if causal and ke - 1 > qs:
-                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], _NEG)
+                s = s.masked_fill(torch.arange(ks, ke, device=q.device)[None, :]
+                                  > torch.arange(qs, qe, device=q.device)[:, None], _NEG)
             if against_old:   # p before the maximum is updated; the first block against its own maximum
                 p = torch.exp(s - torch.where(torch.isinf(m), s.amax(-1), m)[..., None])
             m_new = torch.maximum(m, s.amax(-1))
@@ -118,9 +119,10 @@ def _backward_loops(ctx, grad_out, q, k, v, out, lse, *, assign="", local_mask="
             s = qb @ kb.transpose(-2, -1) * scale
             if causal and (local_mask == "every" or ke - 1 > qs):
                 if local_mask:
-                    hide = torch.ones(qe - qs, ke - ks, dtype=torch.bool).triu(1)
+                    hide = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=q.device).triu(1)
                 else:
-                    hide = torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None]
+                    hide = (torch.arange(ks, ke, device=q.device)[None, :]
+                            > torch.arange(qs, qe, device=q.device)[:, None])
                 s = s.masked_fill(hide, _NEG)
             p = torch.exp(s - lse[..., qs:qe, None])
             ds = p * (dob @ vb.transpose(-2, -1) - delta[..., qs:qe, None])

@@ -538,15 +538,16 @@ def _tiled(q, k, v, *, block_q, block_k, causal=False, slip=""):
     for qs in range(0, lq, block_q):
         qe = min(qs + block_q, lq)
         qb = q[..., qs:qe, :]
-        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype)
+        m = torch.full(qb.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         total = torch.zeros_like(m)
-        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         stop = (min(lk, qs + 1) if slip == "stop_at_first_query" else min(lk, qe)) if causal else lk
         for ks in range(0, stop, block_k):
             ke = min(ks + block_k, lk)
             s = qb @ k[..., ks:ke, :].transpose(-2, -1) * scale                  # (..., Bq, Bk)
             if causal:
-                rows, cols = torch.arange(qs, qe)[:, None], torch.arange(ks, ke)[None, :]
+                rows = torch.arange(qs, qe, device=q.device)[:, None]
+                cols = torch.arange(ks, ke, device=q.device)[None, :]
                 future = cols >= rows if slip == "hides_own_key" else cols > rows
                 s = s.masked_fill(future, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
@@ -597,7 +598,8 @@ def _backward(slip, ctx, grad_out):
             kb, vb = k[..., ks:ke, :], v[..., ks:ke, :]
             s = qb @ kb.transpose(-2, -1) * (1.0 if slip == "unscaled_scores" else scale)
             if ctx.causal:
-                s = s.masked_fill(torch.arange(ks, ke)[None, :] > torch.arange(qs, qe)[:, None], float("-inf"))
+                s = s.masked_fill(torch.arange(ks, ke, device=q.device)[None, :]
+                                  > torch.arange(qs, qe, device=q.device)[:, None], float("-inf"))
             p = torch.exp(s - lse[..., qs:qe, None])
             dv[..., ks:ke, :] += p.transpose(-2, -1) @ dob
             dp = dob @ vb.transpose(-2, -1)

@@ -225,9 +225,12 @@ def mla_with_sdpa(layer, x, cache=None):
     return layer.o_proj(out.permute(0, 2, 1, 3).flatten(2))
 
 
-@correct("12.2")
+# right before 12.2 built a layer with a softmax_scale of its own: the text asks for layer.softmax_scale, and
+# 1 / sqrt(dn + dr) is only its default
+@bug("12.2", "scale", "softmax_scale")
 def mla_absorbed_by_hand(layer, x, cache=None):
-    """The absorbed form: W_UK folded into the query, W_UV applied after the softmax."""
+    """The absorbed form: W_UK folded into the query, W_UV applied after the softmax; the scores scaled by
+    1 / sqrt(dn + dr) from the widths instead of layer.softmax_scale."""
     n, length, _ = x.shape
     start = cache.length if cache is not None else 0
     dn, dr, h, dv, r = (layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads, layer.v_head_dim,
@@ -402,15 +405,17 @@ def linear_by_cumulative_sums(q, k, v):
 def linear_by_the_parallel_form(q, k, v):
     fq, fk = torch.where(q > 0, q + 1, q.exp()), torch.where(k > 0, k + 1, k.exp())
     length = q.shape[-2]
-    weights = (fq @ fk.transpose(-2, -1)) * torch.ones(length, length).tril()
+    weights = (fq @ fk.transpose(-2, -1)) * torch.ones(length, length, dtype=q.dtype, device=q.device).tril()
     return weights @ v / (weights.sum(-1, keepdim=True) + 1e-6)
 
 
-@correct("12.3")
+# right before 12.3 had a case where the epsilon shows: the text asks for + 1e-6 in the denominator
+@bug("12.3", "normalization", "1e-6")
 def linear_with_einsum_and_no_epsilon(q, k, v):
+    """The recurrence in einsum, its denominator phi(q_i) . z_i without the text's + 1e-6."""
     fq, fk = _phi(q), _phi(k)
-    s = torch.zeros(*q.shape[:-2], q.shape[-1], v.shape[-1])
-    z = torch.zeros(*q.shape[:-2], q.shape[-1])
+    s = torch.zeros(*q.shape[:-2], q.shape[-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    z = torch.zeros(*q.shape[:-2], q.shape[-1], dtype=q.dtype, device=q.device)
     outs = []
     for i in range(q.shape[-2]):
         s = s + torch.einsum("...d,...e->...de", fk[..., i, :], v[..., i, :])
