@@ -45,8 +45,8 @@ VERDICTS = [
      "device of the inputs"),
     (lambda: checks.check_rms_norm(_meta_tensor), "exception", "should build an nn.Module, but gave a tensor",
      "device of the inputs"),
-    (lambda: checks.check_masked_attention(_SetsTheDefaultDtype), "mismatch", "weights are the identity",
-     "bug in the course"),   # judged as what it returns; the default is put back before the check goes on
+    (lambda: checks.check_masked_attention(_SetsTheDefaultDtype), "global_setting",
+     "torch.get_default_dtype() was torch.float32, is now torch.float64", "bug in the course"),   # and put back
     (lambda: checks.check_flops_per_token(_flops_plus_a_half), "attention_flops", "2,663,424.5", "returned 2,663,424,"),
     (lambda: checks.check_flops_per_token(lambda config, n: 10 ** 400), "shape", "401 digits", "OverflowError"),
 ]

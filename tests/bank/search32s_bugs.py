@@ -153,7 +153,7 @@ class MultiFixedProjDropout(_Multi):
 
 
 @correct("3.3")
-class MultiFunctionalDropout(_Multi):
+class MultiFunctionalDropoutAtTheLayersRates(_Multi):
     """F.dropout at the layers' own rate, training=self.training."""
 
     def forward(self, x):
