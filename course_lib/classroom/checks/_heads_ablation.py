@@ -27,7 +27,7 @@ from ..verdict import Failure, fail
 from ._counterexample import Example, first_difference
 from ._device_probe import probe_module
 from ._model_common import randomize_
-from ._student_code import call_student, close, expect_callable, with_block_step
+from ._student_code import call_student, close, expect_callable, expect_settings_as, settings_now, with_block_step
 from ._student_files import exception_line, raised_in_student_code
 from .engine import first_mistake
 from .engine.example import compare
@@ -284,10 +284,12 @@ class _Fresh:
         self.before = ModelState.of(self.model, planted)
         _distinctive_random_state()
         self.random = _random_state()   # the caller's, before the student's code (a class may reseed in __init__)
+        self.settings = settings_now()
         self.manager = call_student(fn, self.model, layer, head, what=shown)
         _expect_context_manager(self.manager, shown)
 
     def enter(self) -> None:
+        self.settings = settings_now()   # the block may change them until it ends, not after
         try:
             with with_block_step():
                 call_student(type(self.manager).__enter__, self.manager, what=f"entering `with {self.shown}`")
@@ -318,6 +320,7 @@ class _Fresh:
                                   f"`yield` in a try/finally, not one in a loop or two.")
             raise
         _random_kept(before, self.shown, "on leaving the `with`")
+        expect_settings_as(self.settings, f"`with {self.shown}`, from entering to leaving,")
         return swallowed
 
     def run(self, idx: torch.Tensor, where: str) -> Any:

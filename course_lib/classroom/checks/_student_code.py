@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,7 +74,7 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     inputs = [(name, value, value.detach().clone()) for name, value in _tensor_args(args, kwargs)]
     layer = _layer_of(fn)
     weights = parameters_held(layer) if layer is not None else {}
-    depth, settings = modes_depth(), (None if _WITH_BLOCK_STEP[0] else _settings())
+    depth, settings = modes_depth(), (None if _WITH_BLOCK_STEP[0] else settings_now())
     collector = tuple(_GC_CALLBACKS), tuple(map(int, _GC_THRESHOLD()))
     try:
         try:
@@ -82,17 +83,12 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
             collected = _collector_put_back(*collector)   # first: no callback of theirs runs in what follows
             install_references()   # student code that patched course_lib must not change the verdict
             # put back at once, not only when the check ends: the check's own tensors follow the default too
-            left = _settings_put_back(settings) if settings is not None else []
+            left = settings_put_back(settings) if settings is not None else []
         if collected:
             fail("patched", f"{what} changed the garbage collector's callbacks or thresholds (gc.callbacks, "
                             f"gc.set_threshold): a callback runs code of yours inside the check itself. Remove "
                             f"that code, restart the kernel (Kernel > Restart) and run the cells again.")
-        if left:
-            fail("global_setting", f"{what} changed a setting of the whole process and left it changed: "
-                                   f"{'; '.join(left)}. Every later cell of your notebook, training included, would "
-                                   f"run with it. Make your tensors with dtype= and device= (or torch.zeros_like) "
-                                   f"instead of changing the default, and turn gradients off for a block only "
-                                   f"(with torch.no_grad():), never for the process.")
+        _expect_no_setting_left(left, what)
         expect_unpatched()   # nor one that replaced torch's own functions (torch.equal = ...)
         expect_no_new_modes(depth)   # nor a torch mode left on the stack
         result = plain_tensors(result, what)
@@ -141,11 +137,26 @@ def with_block_step() -> Iterator[None]:
         _WITH_BLOCK_STEP[0] -= 1
 
 
-def _settings() -> tuple[Any, ...]:
+def settings_now() -> tuple[Any, ...]:
+    """The process-wide settings no exercise may leave changed, as they are now."""
     return tuple(read() for read, _, _ in _SETTINGS)
 
 
-def _settings_put_back(before: tuple[Any, ...]) -> list[str]:
+def expect_settings_as(before: tuple[Any, ...], what: str) -> None:
+    """``global_setting`` when a setting is no longer as ``before`` (``settings_now()``); put back either way."""
+    _expect_no_setting_left(settings_put_back(before), what)
+
+
+def _expect_no_setting_left(left: list[str], what: str) -> None:
+    if left:
+        fail("global_setting", f"{what} changed a setting of the whole process and left it changed: "
+                               f"{'; '.join(left)}. Every later cell of your notebook, training included, would "
+                               f"run with it. Make your tensors with dtype= and device= (or torch.zeros_like) "
+                               f"instead of changing the default, and turn gradients off for a block only "
+                               f"(with torch.no_grad():), never for the process.")
+
+
+def settings_put_back(before: tuple[Any, ...]) -> list[str]:
     """Put the settings back as they were before a call; what the call had changed, as 'name was a, is b'."""
     left = []
     for (read, write, name), value in zip(_SETTINGS, before):
@@ -317,7 +328,16 @@ def construct(cls: Any, *args: Any, what: str, shown: str | None = None, **kwarg
     if not issubclass(type(module), nn.Module):   # its real class: a __class__ of its own is not read here
         fail("exception", f"{shown} should build an nn.Module, but gave {type(module).__name__}. "
                           f"Pass the class (not an instance) and keep `super().__init__()` in the constructor.")
+    try:
+        _CONSTRUCTOR_BUFFERS[module] = frozenset(name for name, _ in module.named_buffers())
+    except Exception:  # noqa: BLE001 - a module whose buffers cannot be listed: every buffer is judged
+        pass
     return module
+
+
+# The buffers each module had when its constructor returned: a forward may record what it likes in buffers of its
+# own making (the last attention weights), but a buffer the constructor made (a mask) is what every call reads.
+_CONSTRUCTOR_BUFFERS: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def _names(names: list[str]) -> str:
@@ -385,10 +405,10 @@ def module_output(model: nn.Module, x: torch.Tensor, what: str, *, params: dict[
 
 
 def _own_state(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
-    """The module's parameters (their values) and buffers (their shapes) by name, as a forward must leave them."""
+    """The module's parameters and buffers (their values) by name, as a forward must leave them."""
     try:
         return {**{name: ("weight", p.detach().clone()) for name, p in model.named_parameters()},
-                **{name: ("buffer", torch.empty(b.shape, device="meta")) for name, b in model.named_buffers()}}
+                **{name: ("buffer", b.detach().clone()) for name, b in model.named_buffers()}}
     except Exception:  # noqa: BLE001 - a module that cannot list them fails where it is called
         return {}
 
@@ -396,12 +416,12 @@ def _own_state(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
 def _expect_state_kept(model: nn.Module, before: dict[str, tuple[str, torch.Tensor]], what: str) -> None:
     """A forward computes from the module's weights and buffers and leaves them as they were: a mask buffer cut to
     this call's length, or a weight changed in place, is what the next call finds (``kept_state``)."""
-    after = _own_state(model)
+    after, made = _own_state(model), _CONSTRUCTOR_BUFFERS.get(model)
     for name, (kind, old) in before.items():
         new = after.get(name, (kind, None))[1]
-        if new is None:
-            continue   # gone: the parameter checks name it
-        if kind == "buffer" and new.shape != old.shape:
+        if new is None or (kind == "buffer" and made is not None and name not in made):
+            continue   # gone (the parameter checks name it), or a buffer the forward made to record something
+        if kind == "buffer" and new.shape != old.shape and _cut_from(old, new):
             fail("kept_state", f"{what}: your forward replaced the buffer `{name}` of shape {tuple(old.shape)} by one "
                                f"of shape {tuple(new.shape)}, so the next call finds it cut (a longer input no "
                                f"longer fits). Cut it into a local variable, mask = self.{name}[:L, :L], and leave "
@@ -410,6 +430,18 @@ def _expect_state_kept(model: nn.Module, before: dict[str, tuple[str, torch.Tens
             fail("kept_state", f"{what}: your forward changed the weight `{name}` in place, so the next call (and the "
                                f"optimizer) finds other numbers. A forward reads its weights: compute with them, "
                                f"never write to them.")
+
+
+def _cut_from(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether ``new`` is ``old`` cut to a corner (mask[:L, :L]), what the next, longer call no longer fits; a buffer
+    that records something else at each call (the last attention weights) is the module's own business."""
+    if new.dim() != old.dim() or any(n > o for n, o in zip(new.shape, old.shape)) or new.device != old.device:
+        return False
+    if old.is_meta or new.is_meta:
+        return True   # no numbers to compare: a buffer that shrank is read as cut
+    corner = old[tuple(slice(0, n) for n in new.shape)]
+    # one number alone proves nothing (the first query's causal weight is always 1), one flag of a mask does
+    return corner.dtype == new.dtype and bool(torch.equal(corner, new)) and (new.numel() > 1 or new.dtype == torch.bool)
 
 
 # ---------------------------------------------------------------- comparing with the reference

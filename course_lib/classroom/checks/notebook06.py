@@ -744,7 +744,18 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
                    thing="generation", same=lambda got, want: isinstance(got, torch.Tensor)
                    and got.shape == want.shape and bool(torch.equal(got, want)))
     _check_float64(fn)
+    _check_grad_mode_left(fn, model)
     return "Token for token the same as generation without a cache." + _speed_note(fn)
+
+
+def _check_grad_mode_left(fn: Callable[..., Any], model: nn.Module) -> None:
+    """One call as a notebook cell makes it, with gradients on: every other call here runs under torch.no_grad(),
+    where code that turns gradients off for the process (torch.set_grad_enabled(False)) changes nothing visible,
+    and the student's later cells, training included, would run without them (``global_setting``)."""
+    idx = torch.tensor([[1, 2]])
+    with torch.enable_grad():
+        call(fn, model, idx, 1, what=f"generate_with_cache(model, idx of shape {tuple(idx.shape)}, max_new_tokens=1) "
+                                     f"called with gradients on, as a notebook cell calls it")
 
 
 def _check_float64(fn: Callable[..., Any]) -> None:
