@@ -508,7 +508,7 @@ def linear_eps_new_tensor(q, k, v):
     return torch.stack(outs, dim=-2)
 
 
-@bug("12.3", "normalization", "1e-6")
+@bug("12.3", "normalization", "1e-6", "clamp_min")
 def linear_eps_clamped(q, k, v):
     """den.clamp_min(1e-6) where the text adds 1e-6."""
     fq, fk = _phi(q), _phi(k)

@@ -756,7 +756,8 @@ LINEAR_RECURRENT = FunctionExercise(
         *(Mistake("normalization", why, output=lambda q, k, v, eps=eps: _linear(_phi(q), _phi(k), v, eps=eps))
           for eps, why in {
             # after the division, 1e-6 moves an output by 1e-6 only: the same outputs as none at all
-            "output": "Your denominator has no 1e-6 (left out, or added after the division, num / den + 1e-6): the "
+            "output": "Your denominator has no 1e-6 (left out, added after the division, num / den + 1e-6, or used "
+                      "as a floor, den.clamp_min(1e-6), which leaves every denominator above 1e-6 as it is): the "
                       "text adds it to the denominator, o_i = phi(q_i) S_i / (phi(q_i) . z_i + 1e-6). Where "
                       "phi(q_i) . z_i is small (queries and keys far below zero) it weighs.",
             "both": "Your 1e-6 is added to the numerator too: only the denominator gets it, o_i = phi(q_i) S_i / "
