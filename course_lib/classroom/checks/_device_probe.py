@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..verdict import Failure, fail
 from ._student_files import exception_message
@@ -30,6 +29,8 @@ _MIXED = ("is not on the expected device", "Expected all tensors to be on the sa
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of one argument or result of an ATen operation: a tensor, or a list of them (Tensor[], Tensor?[]).
+    Not torch's pytree, whose Python calls cost more than the meta kernels themselves."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
@@ -65,7 +66,7 @@ class _NoCpuBesideMeta(TorchDispatchMode):
         name = func._schema.name
         # the second argument of an indexing operation is its indices, which may stay on the CPU
         checked = (args[:1] + args[2:]) if name in _INDICES_ALLOWED else args
-        tensors = [t for t in tree_flatten((checked, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+        tensors = [t for value in (*checked, *(kwargs or {}).values()) for t in _tensors(value)]
         if name not in _CPU_ALLOWED and any(t.device.type == "meta" for t in tensors) \
                 and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors):
             raise _CpuBesideMeta(name)

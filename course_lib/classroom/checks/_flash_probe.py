@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 _PRODUCTS = {"mm", "bmm", "mv", "dot", "addmm", "baddbmm", "addmv", "addbmm"}
 _REDUCTIONS = {"_softmax", "_log_softmax", "logsumexp", "amax", "max", "sum", "mean", "amin", "min", "cumsum"}
@@ -55,7 +54,8 @@ class Recorder(TorchDispatchMode):
         record = self.record
         if "scaled_dot_product" in name or "flash_attention" in name:
             record.fused.append(name)
-        record.shapes.update(tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        outs = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ()
+        record.shapes.update(tuple(t.shape) for t in outs if isinstance(t, torch.Tensor))
         first = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
         if first is not None and name in _REDUCTIONS:
             record.reduced.append((name, first.shape[-1]))

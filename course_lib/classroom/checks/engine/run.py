@@ -850,12 +850,17 @@ class _guard:  # noqa: N801 - used as a context, like a function
         # the checks' own answers, called straight from the student's code (a hook or probe of the checks runs
         # from torch's frames, never straight from the student's)
         self.answering = checks_answering_codes() if reference is not None else frozenset()
+        self.unwatched: dict[int, CodeType] = {}
         self.tripped: CallsReference | None = None
         self.unwound: BaseException | None = None   # an exception that went through the hook, which Python unset
 
     def _hook(self, frame: FrameType, event: str, arg: Any) -> None:
+        # Python calls this on every call and return, of C functions too (millions in a check whose code runs on
+        # meta, where torch's shape rules are Python): all but a call of Python code return at once
+        if event != "call" or self.unwatched.get(id(frame.f_code)) is frame.f_code:   # seen, and not watched
+            return
         try:
-            self._watch(frame, event)
+            self._watch(frame)
         except BaseException as exc:
             # Python unsets a profile function that raises: the trip below, or Ctrl-C and the time limit landing
             # while it runs. That one unset is the guard's own doing (_UNWINDING lets exactly it through); the
@@ -864,9 +869,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
             _UNWINDING[0] = True
             raise
 
-    def _watch(self, frame: FrameType, event: str) -> None:
-        if event != "call":
-            return
+    def _watch(self, frame: FrameType) -> None:
         code = frame.f_code
         if code in self.answering:
             caller = frame.f_back
@@ -875,6 +878,8 @@ class _guard:  # noqa: N801 - used as a context, like a function
                 self.tripped = CallsReference(self.exercise, self.name, "calls", code.co_name)
                 raise self.tripped
         if code not in self.codes and (code.co_names not in self.namesets or _print(code) not in self.prints):
+            if code not in self.answering:
+                self.unwatched[id(code)] = code   # held, so that its id names no other code while the guard runs
             return
         if frame.f_code is _MANAGER_HELPER and frame.f_locals.get("func") is not self.manager:
             return   # another context manager made by @contextmanager
