@@ -73,14 +73,20 @@ def test_a_check_nested_in_a_check_cannot_cover_for_a_profiler_switched_off(monk
     guard put back, when it ended, the profiler it had found."""
     from course_lib.classroom.checks.engine import run
     monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")   # the watcher of this very process
-    watch, stash = run._guard._watch, {}
+    watching, stash = run._watch, {}
 
-    def landing(self, frame):   # the watcher of calls (the guard's hook lets only calls of Python code through)
+    def landing(watch, frame):   # the watcher of calls (the guard's hook lets only calls of Python code through)
         if frame.f_code is knock.__code__ and not stash:
             stash["knocked"] = True
             raise KeyboardInterrupt   # as the signal would, inside the hook
-        return watch(self, frame)
-    monkeypatch.setattr(run._guard, "_watch", landing)
+        return watching(watch, frame)
+    monkeypatch.setattr(run._hook, "__defaults__", (landing,))   # the hook's watcher
+    of = run._guard._watch_of
+
+    def watch_of(self, stop):   # knock's calls pass the hook's filter, as a watched code's do, and reach the watcher
+        watch = of(self, stop)
+        return watch[:run._IDS] + (watch[run._IDS] | {id(knock.__code__)},) + watch[run._IDS + 1:]
+    monkeypatch.setattr(run._guard, "_watch_of", watch_of)
 
     def knock():
         return None

@@ -142,18 +142,24 @@ def test_a_signal_landing_in_the_checks_watcher_is_that_signal(signal_raised, mo
     """The guard watches calls with a profile function; the time limit or Ctrl-C raised while it runs makes Python
     unset it. That is the signal's doing: the verdict is the time limit's, and Ctrl-C stops the check."""
     monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")   # the watcher of this very process
-    watch = run._guard._watch
+    watching = run._watch
     calls = []
 
-    def landing(self, frame):   # the watcher of calls (the guard's hook lets only calls of Python code through)
+    def landing(watch, frame):   # the watcher of calls (the guard's hook lets only calls of Python code through)
         if frame.f_code is helper.__code__ and not calls:   # once: the signal is one signal
             calls.append(1)
             raise signal_raised()
-        return watch(self, frame)
+        return watching(watch, frame)
 
     def helper(n):
         return torch.ones(n, n, dtype=torch.bool).tril()
-    monkeypatch.setattr(run._guard, "_watch", landing)
+    monkeypatch.setattr(run._hook, "__defaults__", (landing,))   # the hook's watcher
+    of = run._guard._watch_of
+
+    def watch_of(self, stop):   # helper's calls pass the hook's filter, as a watched code's do, and reach the watcher
+        watch = of(self, stop)
+        return watch[:run._IDS] + (watch[run._IDS] | {id(helper.__code__)},) + watch[run._IDS + 1:]
+    monkeypatch.setattr(run._guard, "_watch_of", watch_of)
 
     def causal_mask(n):
         return helper(n)

@@ -38,7 +38,10 @@ def restore_namespace(obj: Any, saved: dict[str, Any]) -> None:
     current = vars(obj)
     for name in [n for n in current if n not in saved]:
         if is_submodule(obj, current[name], name):
-            continue   # a submodule imported during the check (course_lib.classroom.progress) stays bound, as Python left it
+            # a submodule imported during the check (course_lib.classroom.progress) stays bound, as Python left it,
+            # and is pinned from now on (no file looked for again after each call of the student's code)
+            saved[name] = current[name]
+            continue
         try:
             delattr(obj, name)
         except (AttributeError, TypeError):

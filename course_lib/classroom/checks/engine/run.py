@@ -43,6 +43,7 @@ import functools
 import gc
 import importlib
 import inspect
+import itertools
 import logging
 import math
 import numbers
@@ -55,6 +56,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import warnings
 from collections.abc import Callable
 from types import CodeType, FrameType
@@ -813,6 +815,74 @@ def _course_made(fn: Any) -> bool:
 _GUARDED = [0]   # guards entered and not left: a checker the checker itself calls is not guarded again
 
 
+# The guard's watch: what its watcher watches, as one exact tuple (``_guard._watch_of`` builds it). The student's code
+# reaches the watcher through ``sys.getprofile()``; a tuple's items cannot be rebound and its class cannot be swapped,
+# where an object's attributes could be (the reference's codes emptied while the student's code calls it).
+# the watch's items, by position
+(_CODES, _NAMESETS, _PRINTS, _ANSWERING, _MANAGER, _NAMES, _EXERCISE, _NAME, _LETS_REFERENCE, _STOP, _THREAD, _TRIPS,
+ _FOUND, _IDS, _ANSWER_NAMES, _ANSWER_PLACES) = range(16)
+
+
+def _trip(watch: tuple, code: CodeType, *, said: Callable[[CodeType], tuple] = _print) -> CallsReference:
+    """Count a trip (a counter only counts up: no code of the student's can take one back) and say which function."""
+    next(watch[_TRIPS])
+    named = watch[_NAMES].get(code) or watch[_PRINTS].get(said(code)) or code.co_name
+    return CallsReference(watch[_EXERCISE], watch[_NAME], "calls", named)
+
+
+def _watch(watch: tuple, frame: FrameType, *, trip: Callable[..., CallsReference] = _trip,
+           said: Callable[[CodeType], tuple] = _print, students: Callable[[str], bool] = is_student_file,
+           made: Callable[[Any], bool] = _course_made, thread: Callable[[], int] = threading.get_ident) -> None:
+    """Trip on a call of the reference (or an answer of the checks) made for the student's code; its helpers bound as
+    defaults (see ``_hook``)."""
+    code = frame.f_code
+    codes, answering = watch[_CODES], watch[_ANSWERING]
+    if code in answering:
+        caller = frame.f_back
+        if caller is not None and id(caller) != watch[_STOP] and \
+                caller.f_code not in answering and students(caller.f_code.co_filename):
+            raise trip(watch, code)
+    if code not in codes and (code.co_names not in watch[_NAMESETS] or said(code) not in watch[_PRINTS]):
+        return
+    if code is _MANAGER_HELPER and frame.f_locals.get("func") is not watch[_MANAGER]:
+        return   # another context manager made by @contextmanager
+    if thread() != watch[_THREAD]:   # a thread the student's code started: nothing else runs one
+        raise trip(watch, code)
+    caller = frame.f_back
+    while caller is not None and id(caller) != watch[_STOP]:
+        if caller.f_code not in codes and (students(caller.f_code.co_filename) or (
+                caller.f_code is _STUDENT_CALL and not watch[_LETS_REFERENCE]
+                and not made(caller.f_locals.get("fn")))):
+            raise trip(watch, code)
+        caller = caller.f_back
+
+
+def _hook(watch: tuple, frame: FrameType, event: str, arg: Any, watching: Callable[..., None] = _watch) -> None:
+    """The guard's profile function, bound to its watch (``types.MethodType``, whose ``__self__`` is the tuple). Python
+    calls it on every call and return, of C functions too (millions in a check whose code runs on meta, where torch's
+    shape rules are Python): all but a call of code that might be watched return at once. The watched codes by their
+    ids (held by the watch, so the ids are theirs); a copy of the reference's by the names it uses, as ``_watch``
+    tells copies; a copy equal to an answer of the checks by its name and first line, which equal codes share.
+    The watcher is bound as a default, not looked up: a name of the module could be rebound while the student's code
+    runs and put back before the check ends (a default is a code attribute, which the grader's sandbox refuses).
+    """
+    if event != "call":
+        return
+    code = frame.f_code
+    if id(code) not in watch[_IDS] and code.co_names not in watch[_NAMESETS] and not (
+            code.co_name in watch[_ANSWER_NAMES] and (code.co_name, code.co_firstlineno) in watch[_ANSWER_PLACES]):
+        return
+    try:
+        watching(watch, frame)
+    except BaseException as exc:
+        # Python unsets a profile function that raises: the trip below, or Ctrl-C and the time limit landing
+        # while it runs. That one unset is the guard's own doing (_UNWINDING lets exactly it through); the
+        # profiler is then off, which only the exception itself reaching __exit__ excuses.
+        watch[_FOUND].append(exc)
+        _UNWINDING[0] = True
+        raise
+
+
 class _guard:  # noqa: N801 - used as a context, like a function
     """Refuse a candidate (``args[0]``) that is the exercise's reference in disguise, then watch the reference's
     code while the check runs. The reference itself is let through: the course's tests and demonstrations
@@ -850,65 +920,28 @@ class _guard:  # noqa: N801 - used as a context, like a function
         # the checks' own answers, called straight from the student's code (a hook or probe of the checks runs
         # from torch's frames, never straight from the student's)
         self.answering = checks_answering_codes() if reference is not None else frozenset()
-        self.unwatched: dict[int, CodeType] = {}
-        self.tripped: CallsReference | None = None
-        self.unwound: BaseException | None = None   # an exception that went through the hook, which Python unset
 
-    def _hook(self, frame: FrameType, event: str, arg: Any) -> None:
-        # Python calls this on every call and return, of C functions too (millions in a check whose code runs on
-        # meta, where torch's shape rules are Python): all but a call of Python code return at once
-        if event != "call" or self.unwatched.get(id(frame.f_code)) is frame.f_code:   # seen, and not watched
-            return
-        try:
-            self._watch(frame)
-        except BaseException as exc:
-            # Python unsets a profile function that raises: the trip below, or Ctrl-C and the time limit landing
-            # while it runs. That one unset is the guard's own doing (_UNWINDING lets exactly it through); the
-            # profiler is then off, which only the exception itself reaching __exit__ excuses.
-            self.unwound = exc
-            _UNWINDING[0] = True
-            raise
-
-    def _watch(self, frame: FrameType) -> None:
-        code = frame.f_code
-        if code in self.answering:
-            caller = frame.f_back
-            if caller is not None and id(caller) != self.stop and \
-                    caller.f_code not in self.answering and is_student_file(caller.f_code.co_filename):
-                self.tripped = CallsReference(self.exercise, self.name, "calls", code.co_name)
-                raise self.tripped
-        if code not in self.codes and (code.co_names not in self.namesets or _print(code) not in self.prints):
-            if code not in self.answering:
-                self.unwatched[id(code)] = code   # held, so that its id names no other code while the guard runs
-            return
-        if frame.f_code is _MANAGER_HELPER and frame.f_locals.get("func") is not self.manager:
-            return   # another context manager made by @contextmanager
-        if threading.get_ident() != self.thread:   # a thread the student's code started: nothing else runs one
-            self.tripped = CallsReference(self.exercise, self.name, "calls",
-                                          self.names.get(code) or self.prints.get(_print(code), self.name))
-            raise self.tripped
-        caller = frame.f_back
-        while caller is not None and id(caller) != self.stop:
-            if caller.f_code not in self.codes and (is_student_file(caller.f_code.co_filename) or (
-                    caller.f_code is _STUDENT_CALL and not self.lets_reference
-                    and not _course_made(caller.f_locals.get("fn")))):
-                self.tripped = CallsReference(self.exercise, self.name, "calls",
-                                              self.names.get(code) or self.prints.get(_print(code), self.name))
-                raise self.tripped
-            caller = caller.f_back
+    def _watch_of(self, stop: int) -> tuple:
+        """The watch, as an exact tuple (no attribute to rebind, no class to swap): what ``_hook`` reads. Mappings
+        are read-only views; the trip counter only counts up; the list holds what went through the hook."""
+        return tuple((self.codes, self.namesets, types.MappingProxyType(self.prints), self.answering, self.manager,
+                      types.MappingProxyType(self.names), self.exercise, self.name, self.lets_reference, stop,
+                      threading.get_ident(), itertools.count(), [], frozenset(map(id, self.codes | self.answering)),
+                      frozenset(code.co_name for code in self.answering),
+                      frozenset((code.co_name, code.co_firstlineno) for code in self.answering)))
 
     def __enter__(self) -> None:
         _GUARDED[0] += 1
         if self.nested:
             return
         self.previous = sys.getprofile()
+        self.threading_previous = threading.getprofile()
         # the check's own frame, by its id (alive while the guard is: the id is its own), the student's code is what
         # runs above it; not the frame, which the guard's hook would hand to whoever reads sys.getprofile()
-        self.stop = id(sys._getframe(1))
-        self.threading_previous = threading.getprofile()
-        self.thread = threading.get_ident()   # the checking thread: the reference called from any other is a trip
+        self.watch = self._watch_of(id(sys._getframe(1)))
+        self.trips = next(self.watch[_TRIPS])   # kept here, where the student's code does not reach
         if self.codes:
-            self.watcher = self._hook   # one bound method, the same object everywhere it is set and compared
+            self.watcher = types.MethodType(_hook, self.watch)   # one object, the same everywhere it is set and compared
             _own_setprofile(self.watcher)
             threading.setprofile(self.watcher)   # a thread the student's code starts is watched too
             _WATCHING[0] = self.watcher
@@ -918,7 +951,8 @@ class _guard:  # noqa: N801 - used as a context, like a function
             _GUARDED[0] -= 1
             return
         _WATCHING[0] = None
-        excused = self.unwound is not None and exc is self.unwound
+        found = list(self.watch[_FOUND])
+        excused = exc is not None and any(exc is went for went in found)
         switched_off = bool(self.codes) and not excused and (
             sys.getprofile() is not self.watcher or threading.getprofile() is not self.watcher)
         _UNWINDING[0] = False
@@ -926,10 +960,11 @@ class _guard:  # noqa: N801 - used as a context, like a function
         threading.setprofile(self.threading_previous)
         _GUARDED[0] -= 1
         tampered, _TAMPERED[0] = _TAMPERED[0] or switched_off, False
-        if self.tripped is not None:   # (Python unset the hook that raised it)
-            if exc is not self.tripped:   # their code swallowed it: the verdict stands
-                raise self.tripped
-            return
+        if next(self.watch[_TRIPS]) != self.trips + 1:   # tripped (Python unset the hook that raised it)
+            if isinstance(exc, CallsReference):
+                return
+            tripped = [went for went in found if isinstance(went, CallsReference)]
+            raise tripped[-1] if tripped else CallsReference(self.exercise, self.name, "calls")
         if tampered and not isinstance(exc, (Failure, CheckTimeout, KeyboardInterrupt)):   # those are the verdict
             fail("patched", "Your code changed the profiler (sys.setprofile, or threading's) while the check ran: "
                             "the check watches which of the course's functions your code calls, so that the "
@@ -937,7 +972,7 @@ class _guard:  # noqa: N801 - used as a context, like a function
                             "(Kernel > Restart) and run the cells again.")
 
 
-_HOOK_CODES = (_guard._hook.__code__, _guard._watch.__code__)   # the guard's watcher, where a signal may land
+_HOOK_CODES = (_hook.__code__, _watch.__code__, _trip.__code__)   # the guard's watcher, where a signal may land
 
 # The guard's profiler is the check's own: set by it, and by nothing the student's code runs while it watches.
 _OWN_SETTING = [False]
