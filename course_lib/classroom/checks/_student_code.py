@@ -38,6 +38,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter, which every in-place write bumps, even one that leaves the numbers as they were
+    (``ids.clamp_(min=0)`` on valid ids); None for an inference tensor, which keeps none."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 CALLS = [0]   # how many times this process called student code: a failure after one may be the student's graph
 # The garbage collector's list of callbacks and its thresholds, taken when the course is imported: a callback left
 # by the student's code runs at every later collection, inside the check's own code (where a verdict is made).
@@ -73,7 +82,7 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
     """Call student code. Its exceptions, ``sys.exit`` and in-place changes to its tensor inputs
     become a Failure with a readable message."""
     CALLS[0] += 1
-    inputs = [(name, value, value.detach().clone()) for name, value in _tensor_args(args, kwargs)]
+    inputs = [(name, value, value.detach().clone(), _version(value)) for name, value in _tensor_args(args, kwargs)]
     layer = _layer_of(fn)
     weights = parameters_held(layer) if layer is not None else {}
     depth, settings = modes_depth(), (None if _WITH_BLOCK_STEP[0] else settings_now())
@@ -107,11 +116,14 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
                           f"that would stop the notebook's kernel. Return a value instead.")
     except Exception as exc:  # any student error becomes a message
         fail("exception", f"{what} raised {exception_line(exc)}")
-    for name, value, before in inputs:
-        if not _same(value.detach(), before):
-            fail("mutation", f"{what} changed its input ({name}) in place, for example with `x += ...`, "
-                             f"`q /= ...` or `t[...] = ...`. The caller still needs that tensor (and autograd "
-                             f"fails when a tensor saved for backward is overwritten): write `x = x + ...` instead.",
+    for name, value, before, version in inputs:
+        changed = not _same(value.detach(), before)
+        if changed or _version(value) != version:
+            fail("mutation", f"{what} {'changed' if changed else 'wrote into'} its input ({name}) in place, for "
+                             f"example with `x += ...`, `q /= ...`, `t[...] = ...` or `ids.clamp_(...)`"
+                             + ("" if changed else " (here with the numbers it held: other inputs would change)")
+                             + ". The caller still needs that tensor (and autograd fails when a tensor saved for "
+                               "backward is overwritten): write `x = x + ...` instead.",
                  argument=name)
     if weights:
         _expect_weights_left_alone(layer, weights, what)

@@ -394,7 +394,10 @@ def _fields(exercise: str, passed: bool, diagnosis: str | None, message: str, de
 def _timed_out_fields(exercise: str) -> tuple[Any, ...]:
     return _fields(exercise, False, "timeout", f"Your code did not finish within {TIME_LIMIT_S:g} seconds, so the "
                                                f"check was stopped. Look for a loop that never ends (a `while` whose "
-                                               f"condition never changes), or work that grows with every step.")
+                                               f"condition never changes), or work that grows with every step. "
+                                               f"On a busy machine (other programs running, a shared server) right "
+                                               f"code can take longer too: run the cell again when it is quieter, "
+                                               f"or start Jupyter with COURSE_CHECK_TIME_LIMIT=120.")
 
 
 def _timed_out(exercise: str) -> CheckResult:
