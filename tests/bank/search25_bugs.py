@@ -115,7 +115,7 @@ def window_mask_kept_without_its_sinks(length, window, sinks=0):
 
 # ============================================================================ right, in other styles
 
-@correct("1.3")
+@bug("1.3", "device", "device")   # refiled: the text asks for new tensors on q's device (round 34)
 def sdpa_additive_bias(q, k, v, mask=None):
     bias = torch.zeros(q.shape[-2], k.shape[-2], dtype=q.dtype) if mask is None else \
         torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))

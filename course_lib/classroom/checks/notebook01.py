@@ -21,6 +21,8 @@ from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._attn_hypotheses import SDPA_HYPOTHESES, diagnose_weights, fit_scale, identity_values, sdpa_variant, shape_str
 from ._counterexample import Example
+from ._device_probe import meta
+from ._device_probe import probe as probe_device
 from ._student_code import (
     HALF_PRECISION,
     call,
@@ -473,4 +475,15 @@ SCALED_DOT_PRODUCT_ATTENTION = FunctionExercise(
 @checker("1.3", example=function_example(SCALED_DOT_PRODUCT_ATTENTION))
 def check_scaled_dot_product_attention(fn: Callable[..., Any]) -> str:
     """``fn(q, k, v, mask=None)`` as ``course_lib.scaled_dot_product_attention``."""
-    return judge(SCALED_DOT_PRODUCT_ATTENTION, fn)
+    said = judge(SCALED_DOT_PRODUCT_ATTENTION, fn)
+    _sdpa_on_meta(fn)
+    return said
+
+
+def _sdpa_on_meta(fn: Callable[..., Any]) -> None:
+    """The device probe (the text asks for new tensors on q's device): every case again on the meta device, where a
+    tensor made on the CPU (a -inf fill for torch.where) shows. Run once the whole check holds, after the dtype
+    probe, so that a mask kept from an earlier call is named as kept (``kept_state``) before its device."""
+    for case in _sdpa_cases():
+        args = [meta(a) if isinstance(a, torch.Tensor) else a for a in case.args]
+        probe_device(lambda args=args: fn(*args), case.what)

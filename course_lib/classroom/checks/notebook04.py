@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,10 +20,11 @@ from ... import model as model_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._gradients import check_module_gradients
-from ._model_common import accepts, copy_weights, randomize_, same_when_called_twice
+from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice
 from ._student_code import (
     HALF_PRECISION,
     call,
+    call_student,
     close,
     coarse_precision,
     construct,
@@ -191,13 +193,40 @@ def _table_mismatch(run: Run) -> str:
             f"sin(pos / 10000^(2i/d)), odd dimension 2i+1 the cosine.")
 
 
+# Calls that reuse one argument of a case with the other changed: (12, 8)'s length with (40, 16)'s width, then
+# (12, 8)'s width, longer. A table cached under a key that leaves out one of them comes back from the earlier call.
+_REUSED = ((12, 16), (20, 8))
+
+
+def _table_kept(runs: list[Run], fn: Any) -> None:
+    """``kept_state``: every case right, then the calls of ``_REUSED``; one that returns the table of an earlier call
+    sharing one argument with it is a cache keyed by that argument alone (the other named). Another wrong result
+    there gets the check's verdict on that call alone."""
+    for size in _REUSED:
+        case = Case(size, f"sinusoidal_table{size}")
+        out = as_tensor(call_student(fn, *size, what=case.what))
+        expected = model_ref.sinusoidal_table(*size)
+        if isinstance(out, torch.Tensor) and out.shape == expected.shape and close(out, expected):
+            continue
+        for run in runs:
+            shared = [name for name, a, b in zip(("max_tokens", "embed_dim"), run.case.args, size) if a == b]
+            if shared and isinstance(out, torch.Tensor) and out.shape == run.out.shape and close(out, run.expected):
+                left_out = "embed_dim" if shared == ["max_tokens"] else "max_tokens"
+                fail("kept_state", f"{case.what} returned the table of an earlier call, {run.case.what}, of shape "
+                                   f"{tuple(out.shape)}: your code caches the table under a key that leaves out "
+                                   f"{left_out} (keyed by {shared[0]} alone). Look at the line that reads or fills "
+                                   f"the cache: key it by everything the table depends on, (max_tokens, embed_dim), "
+                                   f"or build the table at each call.")
+        judge(replace(SINUSOIDAL_TABLE, cases=lambda case=case: [case], after=None), fn)   # its verdict on this call
+
+
 SINUSOIDAL_TABLE = FunctionExercise(
     "4.1", "sinusoidal_table", lambda max_tokens, embed_dim: model_ref.sinusoidal_table(max_tokens, embed_dim),
     lambda: [Case(size, f"sinusoidal_table{size}") for size in ((12, 8), (5, 6), (1, 4), (40, 16))],
     ("max_tokens", "embed_dim"),
     success="Sines on the even dimensions, cosines on the odd ones, wavelengths from 2π to 10000·2π.",
     mismatch=_table_mismatch, mistakes=_TABLE_MISTAKES, each_case=True, dtype=False, finite=True, numpy_ok=True,
-    raw=_table_layout, diagnose=_table_angles,
+    raw=_table_layout, diagnose=_table_angles, after=_table_kept,
     examples=lambda: [Case(size, f"sinusoidal_table{size}") for size in ((1, 2), (2, 2), (3, 2), (2, 4), (3, 4))],
 )
 

@@ -63,6 +63,11 @@ def _windows_pair(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         for name, value in (("inputs", inputs), ("targets", targets)):
             if not isinstance(value, torch.Tensor):
                 fail("dtype", f"{what}: {name} should be a torch.Tensor, got {type(value).__name__}.")
+            if value.dtype != torch.long and value.dtype == ids.dtype:
+                fail("dtype", f"{what}: {name} have dtype {value.dtype}, the dtype of ids: your windows keep the "
+                              f"dtype they were cut from. Token ids must be torch.long whatever the dtype of ids "
+                              f"(the embedding and the cross-entropy targets need it): cast with ids.long() before "
+                              f"cutting, or .long() on each result.")
             if value.dtype != torch.long:
                 fail("dtype", f"{what}: {name} have dtype {value.dtype}; token ids must be torch.long "
                               f"(the embedding and the cross-entropy targets need integers).")
@@ -137,6 +142,13 @@ def _shifted(ids: torch.Tensor, max_tokens: int, stride: int | None, shift: int)
     return torch.stack([inputs, torch.stack([ids[s + shift:s + shift + max_tokens] for s in starts])])
 
 
+def _windows_of_int32_ids(runs: list[Run], fn: Any) -> None:
+    """``dtype``: every case right (int64 ids), then ids of int32, as a tokenizer's numpy array may give them: the
+    windows are torch.long whatever the dtype of ids (``_windows_pair`` judges the pair's dtype)."""
+    call(fn, torch.arange(_OFFSET, _OFFSET + 13, dtype=torch.int32), 4, None,
+         what=_windows_what(13, 4, None) + " with int32 ids")
+
+
 def _windows_spacing(runs: list[Run], fn: Any) -> None:
     run = runs[0]
     stride = run.case.args[2] or run.case.args[1]
@@ -181,7 +193,7 @@ LM_WINDOWS = FunctionExercise(
                                 "inputs in ids, ids[s + 1 : s + max_tokens + 1].",
                 output=lambda ids, t, s: torch.stack([(w := data_ref.lm_windows(ids, t, s)[0]), w + 1])),
     ),
-    exact=True, each_case=True, raw=_windows_count, diagnose=_windows_spacing,
+    exact=True, each_case=True, raw=_windows_count, diagnose=_windows_spacing, after=_windows_of_int32_ids,
     examples=lambda: _windows_cases(((5, 2, None), (7, 2, None), (7, 3, None))),
 )
 
@@ -584,6 +596,7 @@ def check_train_step(fn: Callable[..., Any]) -> str:
                         "model.train() at the start (an evaluation before may have switched it to eval).")
     _check_clipping(fn, model, optimizer, batches[0], batches[2])
     _check_step_float64(fn)
+    _check_new_dropout_masks(fn)
     return ("Forward, loss, backward and step on gradients of this batch alone (cleared before its backward), "
             "clipped as asked; the loss comes back as a number." + note)
 
@@ -783,6 +796,51 @@ def _name_clipping(what: str, delta: torch.Tensor, g: torch.Tensor, model: nn.Mo
         fail("clipping", f"{what}: your code rescales the gradient to norm max_grad_norm={limit:.3g} even when its "
                          f"norm ({float(g.norm()):.3g}) is below max_grad_norm, which makes the step longer: clipping "
                          f"only scales a gradient down, by min(1, max_grad_norm / norm). Use {how}.")
+
+
+_DROPOUT = 0.5   # the dropout rate of the model where the masks each step draws are compared
+
+
+def _check_new_dropout_masks(fn: Callable[..., Any]) -> None:
+    """``dropout``: every step must draw new dropout masks from the caller's generator. One step on a model with
+    dropout on, from two random states and the first again (each on a fresh model): a step that seeds torch's
+    generator itself (or puts back a state it saved) returns the same loss from both, or another loss from the
+    same state where its seed changes from call to call; one that puts the caller's state back after it (fork_rng) leaves the generator
+    where it found it, so the next step draws the same masks. Torch's random state is the caller's again after."""
+    generator = torch.Generator().manual_seed(17)
+    inputs, targets = (torch.randint(0, 11, (2, 8), generator=generator) for _ in range(2))
+    what = f"train_step on a tiny GPT with dropout_rate={_DROPOUT}"
+
+    def step(run: Callable[..., Any], seed: int) -> tuple[float, bool]:
+        model = _tiny_gpt(seed=7, dropout_rate=_DROPOUT)
+        optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+        torch.manual_seed(seed)
+        before = torch.get_rng_state()
+        loss = run(model, optimizer, inputs, targets)
+        return loss, bool(torch.equal(torch.get_rng_state(), before))
+
+    with torch.random.fork_rng(devices=[]):
+        reference = [step(lambda *args: train_ref.train_step(*args), seed) for seed in (1, 2)]
+        if reference[0][0] == reference[1][0] or reference[0][1]:
+            return   # no mask drawn here: nothing to compare
+        (first, kept), (second, _), (again, _) = [
+            step(lambda *args: _loss_value(call(fn, *args, what=what), what)[0], seed) for seed in (1, 2, 1)]
+    if first == second:
+        fail("dropout", f"{what}, started from two different random states, returned the same loss ({first:.5f}) "
+                        f"both times: your train_step seeds torch's generator itself (a torch.manual_seed(...), or a "
+                        f"saved state put back with set_rng_state, inside it), so every step draws the same dropout "
+                        f"masks. train_step must not seed the generator: seed once, before training.")
+    if first != again:
+        fail("dropout", f"{what}, started twice from the same random state, returned two different losses ({first:.5f} "
+                        f"and {again:.5f}): your train_step seeds torch's generator itself, with a seed that changes "
+                        f"(a step counter, torch.seed(), the time), so the masks it draws are not the ones the "
+                        f"caller's seed gives and a run cannot be repeated. train_step must not seed the generator: "
+                        f"seed once, before training.")
+    if kept:
+        fail("dropout", f"{what}: your train_step leaves torch's random state exactly as it found it (a "
+                        f"torch.random.fork_rng() or get_rng_state/set_rng_state around the step), so the next step "
+                        f"draws the same dropout masks again. Let the step's draws move the generator on: seed once, "
+                        f"before training, and nowhere in train_step.")
 
 
 def _check_step_float64(fn: Callable[..., Any]) -> None:

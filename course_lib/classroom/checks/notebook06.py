@@ -18,6 +18,8 @@ from ... import model as model_ref
 from ... import train as train_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
+from ._device_probe import meta, module_on_meta
+from ._device_probe import probe as probe_device
 from ._model_common import ProcedureExample, as_tensor, extend, randomize_, recording_calls
 from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, function_example, judge
@@ -745,7 +747,37 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
                    and got.shape == want.shape and bool(torch.equal(got, want)))
     _check_float64(fn)
     _check_grad_mode_left(fn, model)
+    _check_device(fn, model)
     return "Token for token the same as generation without a cache." + _speed_note(fn)
+
+
+class _GPTOnMeta(model_ref.GPT):
+    """The course's GPT, its forward without the one check that reads the ids' numbers (that they lie in the
+    vocabulary), so that it runs on meta ids: the same layers, the positions continuing after the cache's."""
+
+    def forward(self, idx: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        start = cache[0].length if cache else 0
+        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1], start))
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache[i] if cache is not None else None)
+        return self.head(self.ln_f(x))
+
+
+def _check_device(fn: Callable[..., Any], model: nn.Module) -> None:
+    """The device probe (the text asks for new tensors on the prompt's device): one generation with a copy of the
+    model and the prompt on the meta device. Greedy generation reads no number (argmax, cat and the cache run on
+    meta; the model's own range check of the ids is left out, ``_GPTOnMeta``), so a tensor made on the CPU (an output
+    buffer without device=) or a token copied there shows; code that cannot run on meta for another reason (.item(),
+    a branch on a token) is not judged here."""
+    moved = module_on_meta(model)
+    if moved is None:
+        return
+    moved.__class__ = _GPTOnMeta
+    idx, new = torch.tensor([[1, 2], [3, 4]]), 3
+    with torch.no_grad():
+        probe_device(lambda: fn(moved, meta(idx), new),
+                     f"generate_with_cache(model, idx of shape {tuple(idx.shape)}, max_new_tokens={new}) with the "
+                     f"model and idx on another device")
 
 
 def _check_grad_mode_left(fn: Callable[..., Any], model: nn.Module) -> None:
