@@ -31,13 +31,15 @@ _EXPONENTS = {
 
 
 def tables(head_dim: int, max_tokens: int, theta: float, *, exponent: str = "2i/d", base: float | None = None,
-           layout: str = "half", first_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           layout: str = "half", first_position: int = 0, down: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (max_tokens, head_dim) in float64: pair i turns by base ** -exponent per position
     (base = theta when right). layout "half" repeats the head_dim/2 angles as two halves (right);
-    "flipped" repeats them in reverse order; "interleaved" repeats each angle twice in a row."""
+    "flipped" repeats them in reverse order; "interleaved" repeats each angle twice in a row. ``down``: the
+    positions counted down, row m at position max_tokens - 1 - m (+ first_position)."""
     pairs = torch.arange(head_dim // 2, dtype=torch.float64)
     turns = float(theta if base is None else base) ** -_EXPONENTS[exponent](pairs, head_dim)   # (d/2,)
     positions = torch.arange(max_tokens, dtype=torch.float64) + first_position             # (T,)
+    positions = positions.flip(0) if down else positions
     angles = torch.outer(positions, turns)                                                  # (T, d/2)
     if layout == "half":
         angles = torch.cat([angles, angles], dim=-1)                                        # (T, d)
@@ -71,6 +73,10 @@ def table_mistakes(theta: float) -> list[Mistake]:
         ("rope_frequencies", "the base is e: with exp(), the exponent needs the factor log(theta)", {"base": math.e}),
         ("rope_positions", "your positions start at 1. Row 0 is position 0, which is not turned at all "
                            "(cos = 1, sin = 0)", {"first_position": 1}),
+        # positions counted down (a flip, arange(max_tokens - 1, -1, -1), or from max_tokens down to 1)
+        *(("rope_positions", f"your positions count DOWN, from {top} at row 0 to {first} at the last row. Row m is "
+                             f"position m, counted up from 0 (torch.arange(max_tokens)), with no flip",
+           {"down": True, "first_position": first}) for first, top in ((0, "max_tokens - 1"), (1, "max_tokens"))),
     ]
     if not default:
         found.insert(1, ("rope_frequencies", f"you ignore `theta`: these are the tables of theta=10000, "

@@ -1,9 +1,10 @@
 """The check of exercise 11.3, ``ablate_head(model, layer, head)``: a context manager that switches one head off.
 
 Inside the ``with``, the model must compute what the reference computes with that head's slice of the merged
-heads zeroed (any way that does so passes: a hook on ``proj``'s input, zeroed columns of ``proj`` or zeroed
-value weights without a bias), and gradients must still reach the other layers. After the ``with`` (also
-when the code inside it raised) the model must be as it was: the engine's ``model_state`` probe compares
+heads zeroed (any way that does so passes: a hook on ``proj``'s input, zeroed columns of ``proj``; zeroed value
+weights pass on the models whose heads each have a value head of their own, not on the grouped one), and
+gradients must still reach the other layers. After the ``with`` (also when the code inside it raised) the model
+must be as it was: the engine's ``model_state`` probe compares
 every hook (someone else's, planted before, too), mode, ``requires_grad``, parameter and buffer, and the
 outputs. Anything that fails while the student's code or its effects run (the model with their hook, a
 backward through it) is their verdict, with its cause. Wrong outputs are named by the mistakes below (what
@@ -22,6 +23,7 @@ from torch import nn
 
 from ... import heads as ref
 from ...model import GPT, GPTConfig
+from ...modern_gpt import ModernGPT, ModernGPTConfig
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._counterexample import Example, first_difference
@@ -43,6 +45,10 @@ _LAST_AXIS = ("proj's input is the heads' outputs side by side, (N, L, heads * h
               "x[..., head * head_dim:(head + 1) * head_dim].")
 _PROJ_SIDE = ("Hook the other side of the heads: a forward pre-hook on attn.proj, whose input holds each head's "
               "output, and zero head `head`'s columns there.")
+_SHARED_VALUE = ("Here the model has fewer key/value heads than query heads (attn.num_kv_heads < attn.num_heads): "
+                 "the value projection's output holds num_kv_heads heads, and each feeds EVERY query head of its "
+                 "group, so zeroing it silences other heads too (or the wrong ones). Zero the head's own output: its "
+                 "columns of the input of attn.proj, head * head_dim .. (head+1) * head_dim - 1.")
 
 # The slips of an ablation. A ``kind`` alone is a change that ``_mistaken`` makes to a copy of the model's
 # weights (or, for column kinds, the columns of proj's input it zeroes); ``site`` with ``select`` is a hook at
@@ -50,6 +56,10 @@ _PROJ_SIDE = ("Hook the other side of the heads: a forward pre-hook on attn.proj
 _WEIGHTS = tuple(Mistake(code, why, {"kind": kind}) for code, kind, why in (
     ("ablation_method", "qk", "the head's query and key weights are zeroed. That makes its attention uniform, not "
                               f"absent: the head still outputs the average of its values. {_OUTPUT}"),
+    ("ablation_slice", "embed_width", "the head's width is taken from the embedding (embed_dim // num_heads, or "
+                                      "proj.out_features // num_heads), but here heads * head_dim is not "
+                                      "embed_dim: a head is attn.head_dim numbers wide (proj.in_features // "
+                                      f"num_heads), so {_OWNS} of proj's INPUT."),
     ("ablation_method", "value_weight", "the head's value weights are zeroed, but not its value bias: the head "
                                         f"still outputs the bias. {_OUTPUT}"),
     ("ablation_slice", "layer", "every head of the layer is switched off (the whole input of attn.proj, or all of "
@@ -119,7 +129,16 @@ _HOOKS = tuple(Mistake(code, why, {"site": site, "select": select}) for code, si
                                              f"heads. {_PROJ_SIDE}"),
 ))
 
-ABLATION_MISTAKES = _WEIGHTS + _HOOKS
+# The value projection's output: with grouped key/value heads one value head feeds a whole group of query heads.
+# Searched first: without a value bias, zeroed value weights (``value_weight``) are the same slip there, and on a
+# model with as many value heads as query heads these give the right answer, so they never name a wrong one.
+_VALUE_HEADS = tuple(Mistake("ablation_method", why, {"site": "value_out", "select": select}) for select, why in (
+    ("own", f"columns head * head_dim .. (head+1) * head_dim - 1 of the value projection (attn.value's output, or "
+            f"its weights) were zeroed. {_SHARED_VALUE}"),
+    ("group", f"the value head of the head's group (head // groups) was zeroed. {_SHARED_VALUE}"),
+))
+
+ABLATION_MISTAKES = _VALUE_HEADS + _WEIGHTS + _HOOKS
 
 
 def _models() -> list[tuple[str, nn.Module]]:
@@ -135,9 +154,25 @@ def _models() -> list[tuple[str, nn.Module]]:
              randomize_(gpt, generator).train())]
 
 
+def _grouped_model() -> tuple[str, nn.Module]:
+    """Notebook 09's model, whose heads are not embed_dim / heads wide and share key/value heads in pairs: a head's
+    width taken from the embedding, or its value head zeroed, shows here only. The main cases only (it costs)."""
+    generator = torch.Generator().manual_seed(16)
+    config = ModernGPTConfig(vocab_size=13, max_tokens=10, embed_dim=16, num_heads=4, num_kv_heads=2, head_dim=6,
+                             num_layers=2)
+    model = randomize_(ModernGPT(config), generator)
+    with torch.no_grad():   # RMSNorm weights near 1, as a trained model's (randomize_ leaves them near 0)
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=generator))
+    return ("notebook 09's 2-layer ModernGPT with 4 heads of head_dim 6 (embed_dim 16) sharing 2 key/value heads "
+            "(in eval mode)", model.eval())
+
+
 # the second model repeats a head (0) and a (layer, head) pair (1, 0) of the first, at other widths: a mask, a slice
-# or a size kept from an earlier call under a key that leaves the model out shows there
-_CASES = {0: [(0, 1), (1, 2), (1, 0)], 1: [(1, 3), (0, 0), (1, 0)]}
+# or a size kept from an earlier call under a key that leaves the model out shows there; the third's head 1 has a
+# value head of its own (1) and a group's (0) to tell apart
+_CASES = {0: [(0, 1), (1, 2), (1, 0)], 1: [(1, 3), (0, 0), (1, 0)], 2: [(1, 1), (0, 2)]}
 
 
 def _columns(attn: nn.Module, kind: str, head: int) -> list[int]:
@@ -155,7 +190,7 @@ def _zeroed(x: torch.Tensor, select: str, head: int, size: int, count: int) -> t
     """``x`` (N, L, E) with the selection ``select`` of head ``head`` (head_dim ``size``, ``count`` heads) zeroed."""
     x = x.clone()
     n, length = x.shape[:2]
-    if select == "own":
+    if select in ("own", "group"):   # "group": ``head`` is already the group's value head (_mistaken)
         x[..., head * size:(head + 1) * size] = 0.0
     elif select == "tokens":
         if head * size >= length:
@@ -196,7 +231,14 @@ def _mistaken(model: nn.Module, layer: int, head: int, idx: torch.Tensor, spec: 
         def zero(x: torch.Tensor) -> torch.Tensor:
             return _zeroed(x, spec["select"], head, attn.head_dim, attn.num_heads)
         site = spec["site"]
-        if site == "proj_out":
+        if site == "value_out":
+            groups = attn.num_heads // getattr(attn, "num_kv_heads", attn.num_heads)
+            if groups == 1:   # every head has a value head of its own: zeroing it is the right ablation
+                raise ValueError("no shared value heads")
+            if spec["select"] == "group":
+                head = head // groups
+            attn.value.register_forward_hook(lambda module, inputs, output: zero(output))
+        elif site == "proj_out":
             attn.proj.register_forward_hook(lambda module, inputs, output: zero(output))
         else:
             module = {"proj_in": attn.proj, "attn_in": attn, "block_in": model.blocks[layer]}[site]
@@ -206,6 +248,11 @@ def _mistaken(model: nn.Module, layer: int, head: int, idx: torch.Tensor, spec: 
             linear.weight[own] = 0.0
             if linear.bias is not None:
                 linear.bias[own] = 0.0
+    elif kind == "embed_width":   # head * E/H .. (head+1) * E/H - 1 of proj's input
+        width = attn.proj.out_features // attn.num_heads
+        if width == attn.head_dim:
+            raise ValueError("the embedding's width per head is head_dim here")
+        attn.proj.weight[:, head * width:(head + 1) * width] = 0.0
     elif kind == "value_weight":
         attn.value.weight[own] = 0.0
     elif kind == "rows":
@@ -418,7 +465,7 @@ def _judge(fn: Callable[..., Any]) -> str:
     # @contextmanager's wrapper keeps the student's generator function as __wrapped__
     start = Afresh(getattr(fn, "__wrapped__", fn))
     generator = torch.Generator().manual_seed(12)
-    for number, (described, built) in enumerate(_models()):
+    for number, (described, built) in enumerate([*_models(), _grouped_model()]):
         idx = torch.randint(13, (2, 10), generator=generator)               # (N, L)
         weights = torch.randn(2, 10, 13, generator=generator)              # (N, L, vocab): a probe of the logits
         for index, (layer, head) in enumerate(_CASES[number]):
@@ -432,7 +479,8 @@ def _judge(fn: Callable[..., Any]) -> str:
     _after_a_step(fn)
     _on_meta(fn)
     _in_float64(fn)
-    return ("Inside the `with`, exactly that head is off (both models, six layer/head pairs, gradients still "
+    return ("Inside the `with`, exactly that head is off (three models, one with grouped key/value heads and "
+            "head_dim != embed_dim / heads, eight layer/head pairs, gradients still "
             "flowing, a float64 model too, on another device too); afterwards, and after an exception inside, the model is exactly as "
             "before, other code's hooks included.")
 

@@ -359,6 +359,33 @@ def _rotary_offsets(runs: list[Run], fn: Any) -> None:
         fail("rope_positions", f"apply_rotary is right with offset=0 but not with offset={wrong[0].case.args[3]}: the "
                                f"rows of the tables for x are offset .. offset+L-1, cos[offset:offset + L] with L = "
                                f"x.shape[-2].")
+    _sequences_alone(wrong[0], fn, APPLY_ROTARY.reference)
+
+
+def _sequences_alone(run: Run, fn: Any, reference: Callable[..., Any]) -> None:
+    """``batch_mixing`` where each sequence of x's batch is right on its own and the batch together is not (the
+    engine's batch probe slices every tensor argument along the batch; 9.2's tables have no batch axis)."""
+    x, *rest = run.case.args
+    if x.shape[0] < 2 or not (isinstance(run.out, torch.Tensor) and run.out.shape == run.expected.shape):
+        return
+    alone = []
+    for i in range(x.shape[0]):
+        args = (x[i:i + 1], *rest)
+        try:
+            out = call_student(fn, *Case(args, run.case.what).given(), what=run.case.what)
+        except Failure:
+            return
+        if not (isinstance(out, torch.Tensor) and close(out, reference(*args))):
+            return
+        alone.append(out)
+    if all(close(run.out[i], alone[0][0]) for i in range(len(alone))):
+        fail("batch_mixing", f"{run.case.what}: every sequence of the batch gets the result of the FIRST "
+                             f"sequence: each sequence alone is right, but your code works on x[0] (or x[:1]) and "
+                             f"copies it over the batch (expand, [None], broadcasting). Work on the whole x, batch "
+                             f"axis first: no x[0], no N written as 1.")
+    batch_mixing(run.case.what, run.out, alone, "your code mixes the sequences of the batch (an axis taken for "
+                                                "another, a reshape across the batch). Keep the batch axis first "
+                                                "and apart.")
 
 
 def _rotary_mismatch(run: Run) -> str:
@@ -943,6 +970,7 @@ def _heads_copied(out: torch.Tensor, x: torch.Tensor) -> list[int] | None:
 def _misplaced(runs: list[Run], fn: Any) -> None:
     run = runs[0]
     x, groups = run.case.args
+    _sequences_alone(run, fn, REPEAT_KV.reference)
     found = _heads_copied(run.out, x) if isinstance(run.out, torch.Tensor) else None
     if found is not None:
         right = [h // groups for h in range(x.shape[1] * groups)]
@@ -1459,15 +1487,11 @@ def _check(cls: Any) -> str:
     _check_other_width(cls, torch.Generator().manual_seed(24))
     # one module called in turn, first with a fresh cache of the caller's, then without one, on short inputs of one
     # batch and a batch of one: none of them may see another's keys (nor the cache passed before)
-    shorts = [torch.randn(batch, length, EMBED_DIM, generator=torch.Generator().manual_seed(length + seed))
-              for seed, (batch, length) in enumerate(IN_TURN)]
-    called_in_turn([(f"GroupedQueryAttention({built.label}).forward(x{', cache=KVCache(...)' if first else ''}) "
-                     f"with x of shape {shape_str(short.shape)}",
-                     lambda short=short, first=first: _forward(built, short, "GroupedQueryAttention.forward(x)",
-                                                               **({"cache": KVCache(MAX_TOKENS)} if first else {})),
-                     lambda short=short: built.reference(short).detach())
-                    for first, short in zip((True, *[False] * len(shorts)), (shorts[0], *shorts))], cache=True,
-                   step=(built.model, built.reference))
+    try:
+        _called_in_turn(built)
+    except Failure as failure:
+        _kept_since_the_checks_calls(failure, cls, built)
+        raise
     x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=generator)   # the whole context: a branch for long inputs
     # grouped-query (2 key/value heads): every projection learns, and the module stays on its device
     _module_probes(built.model, built.reference, x, f"GroupedQueryAttention({built.label}) on x of shape "
@@ -1485,6 +1509,39 @@ def _check(cls: Any) -> str:
     return (f"Matches the reference for multi-head ({NUM_HEADS} kv heads), grouped-query (2) and multi-query (1) "
             f"attention{also}, in a full pass and token by token with a KV cache that holds num_kv_heads heads of "
             f"rotated keys.")
+
+
+def _called_in_turn(built: Built) -> None:
+    shorts = [torch.randn(batch, length, EMBED_DIM, generator=torch.Generator().manual_seed(length + seed))
+              for seed, (batch, length) in enumerate(IN_TURN)]
+    called_in_turn([(f"GroupedQueryAttention({built.label}).forward(x{', cache=KVCache(...)' if first else ''}) "
+                     f"with x of shape {shape_str(short.shape)}",
+                     lambda short=short, first=first: _forward(built, short, "GroupedQueryAttention.forward(x)",
+                                                               **({"cache": KVCache(MAX_TOKENS)} if first else {})),
+                     lambda short=short: built.reference(short).detach())
+                    for first, short in zip((True, *[False] * len(shorts)), (shorts[0], *shorts))], cache=True,
+                   step=(built.model, built.reference))
+
+
+def _kept_since_the_checks_calls(failure: Failure, cls: Any, built: Built) -> None:
+    """``kept_state`` where the calls in turn fail (an exception too: a position counter on the module runs past the
+    tables) on the module the full passes and the cached generations used, and pass on a fresh one."""
+    if failure.diagnosis == "kept_state":
+        return
+    kv_heads, theta, extra = CONFIGS[1]
+    try:
+        _called_in_turn(_build(cls, kv_heads, theta, extra, torch.Generator().manual_seed(96)))
+    except Failure:
+        return   # wrong on a fresh module too: the first verdict stands
+    said = failure.message.splitlines()[0].rstrip()
+    said = said if len(said) <= 300 else said[:300].rstrip() + " [...]"
+    said = said if said.endswith((".", "!", "?", "]")) else said + "."
+    fail("kept_state", f"{said} Yet the same calls are right on a fresh GroupedQueryAttention({built.label}): this "
+                       f"one fails only after its earlier calls (full passes, then a generation with a KV cache up to "
+                       f"{MAX_TOKENS} tokens). Your module keeps something from call to call (a position counter such "
+                       f"as self._pos, keys of an earlier call, stored on self or in a global). Each call must depend "
+                       f"only on its inputs and the cache the caller passes: read the start position from "
+                       f"cache.length, and keep what a call computes in local variables.")
 
 
 # A factor on the scores that is none of FULL_PASS's: found by a search, and named with its value.

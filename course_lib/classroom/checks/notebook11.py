@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ... import heads as ref
+from ..exercises import Mistake
 from ..verdict import fail
 from . import _heads_scores as slips
 from ._heads_ablation import ablation_example, judge_ablate_head
@@ -129,11 +130,20 @@ def check_previous_token_score(fn: Callable[..., Any]) -> str:
 
 # ============================================================================ 11.2 induction_score
 
+# A fixed count of queries from the END (the diagonal's last `half` entries, or the last `half` rows): right when
+# the second half is as long as the first, and brings in first-half queries when it is shorter (L < 2 * half).
+_LAST_ENTRIES = Mistake(
+    "score_positions", "you keep the LAST `half` entries of the diagonal ([..., -half:], or the last `half` queries, "
+                       "weights[..., -half:, :]): that is the second half only when it is as long as the first. Here "
+                       "L < 2 * half, so they start at query L - half, in the FIRST half. Keep the queries i = half .. "
+                       "L-1: drop the diagonal's first entry, diagonal(offset=-(half - 1), dim1=-2, dim2=-1)[..., 1:].",
+    output=lambda weights, half: slips.score(weights, half - 1, weights.shape[-1] - half))
+
 INDUCTION_SCORE = _score(
     "11.2", "induction_score", lambda weights, half: ref.induction_score(weights, half), ("weights", "half"),
     [((3, 4, 12, 12), 6), ((2, 3, 10, 10), 5), ((4, 4, 8, 8), 4), ((1, 2, 6, 6), 3),
      ((2, 3, 9, 9), 5)],    # the last: a second half shorter than the first (L < 2 * half), as the reference allows
-    [((1, 1, 4, 4), 2), ((1, 2, 4, 4), 2), ((1, 2, 6, 6), 3)], slips.INDUCTION_MISTAKES,
+    [((1, 1, 4, 4), 2), ((1, 2, 4, 4), 2), ((1, 2, 6, 6), 3)], (*slips.INDUCTION_MISTAKES, _LAST_ENTRIES),
     "Right for halves of 3 to 6 tokens (a shorter second half too) and 2 to 4 heads: the mean of the entries "
     "(i, i - half + 1) over the second half's queries, per head, with its gradient.")
 
