@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from bank.attempts import new_bank
-from course_lib.attention import KVCache, causal_mask, merge_heads, split_heads
+from course_lib.attention import causal_mask, merge_heads, split_heads
 from course_lib.modern import apply_rotary, repeat_kv, rope_tables, rotate_half
 
 BUGGY, CORRECT, bug, correct = new_bank()

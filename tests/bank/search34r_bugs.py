@@ -105,7 +105,7 @@ def table_cached_by_both_arguments(max_tokens, embed_dim):
     return _BOTH[max_tokens, embed_dim].clone()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # noqa: UP033 - as students write it
 def _cached_table(max_tokens, embed_dim):
     return _sin_cos(max_tokens, embed_dim)
 
