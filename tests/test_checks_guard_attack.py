@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from guard_watcher import raise_once_in_the_watcher
 
 import course_lib.attention as attention
 from course_lib.classroom import checks
@@ -71,22 +72,9 @@ def test_a_check_nested_in_a_check_cannot_cover_for_a_profiler_switched_off(monk
     """Ctrl-C landing in the guard's hook switches the profiler off (Python unsets a hook that raises); code that
     catches it and calls the course's answer inside a check of another exercise was covered for: the inner check's
     guard put back, when it ended, the profiler it had found."""
-    from course_lib.classroom.checks.engine import run
     monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")   # the watcher of this very process
-    watching, stash = run._watch, {}
-
-    def landing(watch, frame):   # the watcher of calls (the guard's hook lets only calls of Python code through)
-        if frame.f_code is knock.__code__ and not stash:
-            stash["knocked"] = True
-            raise KeyboardInterrupt   # as the signal would, inside the hook
-        return watching(watch, frame)
-    monkeypatch.setattr(run._hook, "__defaults__", (landing,))   # the hook's watcher
-    of = run._guard._watch_of
-
-    def watch_of(self, stop):   # knock's calls pass the hook's filter, as a watched code's do, and reach the watcher
-        watch = of(self, stop)
-        return watch[:run._IDS] + (watch[run._IDS] | {id(knock.__code__)},) + watch[run._IDS + 1:]
-    monkeypatch.setattr(run._guard, "_watch_of", watch_of)
+    stash = {}
+    stash["landed"] = raise_once_in_the_watcher(monkeypatch, lambda: knock.__code__, KeyboardInterrupt)
 
     def knock():
         return None
@@ -103,7 +91,7 @@ def test_a_check_nested_in_a_check_cannot_cover_for_a_profiler_switched_off(monk
         checks.check_lm_loss(inner, graded=False)
         return torch.ones(n, n, dtype=torch.bool).tril() if n != 5 else stash["mask"]
     result = checks.check_causal_mask(causal_mask, graded=False)
-    assert stash.get("knocked") and not result.passed and result.diagnosis in ("patched", "calls_reference"), result
+    assert stash["landed"] and not result.passed and result.diagnosis in ("patched", "calls_reference"), result
 
 
 def test_a_restore_made_to_raise_leaves_a_verdict_and_the_kernel_as_it_was(check_process):

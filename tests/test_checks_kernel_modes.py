@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from bank.model_bugs import step_classic
+from guard_watcher import raise_once_in_the_watcher
 
 from course_lib.classroom import checks
 from course_lib.classroom.checks.engine import run
@@ -142,24 +143,10 @@ def test_a_signal_landing_in_the_checks_watcher_is_that_signal(signal_raised, mo
     """The guard watches calls with a profile function; the time limit or Ctrl-C raised while it runs makes Python
     unset it. That is the signal's doing: the verdict is the time limit's, and Ctrl-C stops the check."""
     monkeypatch.setenv("COURSE_CHECK_IN_PROCESS", "1")   # the watcher of this very process
-    watching = run._watch
-    calls = []
-
-    def landing(watch, frame):   # the watcher of calls (the guard's hook lets only calls of Python code through)
-        if frame.f_code is helper.__code__ and not calls:   # once: the signal is one signal
-            calls.append(1)
-            raise signal_raised()
-        return watching(watch, frame)
+    calls = raise_once_in_the_watcher(monkeypatch, lambda: helper.__code__, signal_raised)
 
     def helper(n):
         return torch.ones(n, n, dtype=torch.bool).tril()
-    monkeypatch.setattr(run._hook, "__defaults__", (landing,))   # the hook's watcher
-    of = run._guard._watch_of
-
-    def watch_of(self, stop):   # helper's calls pass the hook's filter, as a watched code's do, and reach the watcher
-        watch = of(self, stop)
-        return watch[:run._IDS] + (watch[run._IDS] | {id(helper.__code__)},) + watch[run._IDS + 1:]
-    monkeypatch.setattr(run._guard, "_watch_of", watch_of)
 
     def causal_mask(n):
         return helper(n)
