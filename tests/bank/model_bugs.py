@@ -519,6 +519,12 @@ def windows_unfold(ids, max_tokens):
     return chunks[:, :-1], chunks[:, 1:]
 
 
+@correct("5.1")
+def windows_unfold_as_long(ids, max_tokens):
+    chunks = ids.long().unfold(0, max_tokens + 1, max_tokens)   # (windows, max_tokens + 1)
+    return chunks[:, :-1], chunks[:, 1:]
+
+
 @bug("5.1", "dtype", "long")   # refiled: the windows are torch.long whatever the ids' dtype (round 34)
 def windows_loop(ids, max_tokens):
     inputs, targets = [], []
