@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import random
 import warnings
+import weakref
 from collections import Counter
 
 import numpy as np
@@ -312,3 +313,30 @@ def test_solutions_come_from_notebook_09(exercise, capsys):
     source = checks.show_solution(exercise, force=True)
     assert source.startswith(f"# Solution of exercise {exercise} (") and "SOLUTION" not in source
     assert "def " in source or "class " in source
+
+
+def test_the_gqa_check_frees_no_module_it_built_before_it_ends(tmp_path):
+    """A module the check builds is never freed while the check still builds others: CPython gives a freed object's
+    id to the next one, so a wrong module that keeps its tokens in a global keyed by id(self) would otherwise hand its
+    count to the 'fresh' module the check compares it with, and its verdict would depend on memory reuse."""
+    from bank.search34q_bugs import GQAStartFromCacheEachCall
+
+    log = tmp_path / "events"    # the check runs in a child process: it writes what happened here
+    log.write_text("")
+
+    def note(event):
+        with log.open("a") as file:
+            file.write(event + "\n")
+
+    class Tracked(GQAStartFromCacheEachCall):
+        def __init__(self, embed_dim, num_heads, num_kv_heads, max_tokens, rope_theta=10000.0):
+            super().__init__(embed_dim, num_heads, num_kv_heads, max_tokens, rope_theta)
+            note("built")
+            weakref.finalize(self, note, "freed")
+
+    result = run("9.6", Tracked)
+    assert result.passed, result.message
+    events = log.read_text().split()
+    last_built = max(i for i, event in enumerate(events) if event == "built")
+    assert events.count("built") >= 5
+    assert "freed" not in events[:last_built], events

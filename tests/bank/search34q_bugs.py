@@ -15,6 +15,7 @@ is shorter (``score_positions``).
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -160,16 +161,18 @@ class GQACountsPositionsItself(NotebookGQA):
         return self.attend(x, cache, start)
 
 
-_TOKENS_SEEN = {}
+# Keyed by the module itself, not id(self): a freed module's id is given to later ones, so a dict keyed by id
+# would hand an earlier test's count to a fresh module and make this attempt's verdict depend on memory reuse.
+_TOKENS_SEEN = weakref.WeakKeyDictionary()
 
 
 @bug("9.6", "kept_state", "cache.length", "fresh")
 class GQAPositionCounterInGlobal(NotebookGQA):
     """Wrong: the tokens seen counted in a module-level dict keyed by the module: the same slip outside self."""
     def forward(self, x, cache=None):
-        start = _TOKENS_SEEN.get(id(self), 0) if cache is not None else 0
+        start = _TOKENS_SEEN.get(self, 0) if cache is not None else 0
         if cache is not None:
-            _TOKENS_SEEN[id(self)] = start + x.shape[1]
+            _TOKENS_SEEN[self] = start + x.shape[1]
         return self.attend(x, cache, start)
 
 

@@ -1483,8 +1483,11 @@ def _check(cls: Any) -> str:
     # The optional features (QK-norm, a sliding window, dropout, a head_dim of its own) are judged after the plain
     # module is right, so that a mistake in the common path is named from the plain configurations alone.
     optional = [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
-    built = [_check_configs(cls, configs, generator) for configs in (CONFIGS, optional) if configs][0][1]
-    _check_other_width(cls, torch.Generator().manual_seed(24))
+    # Every module built stays alive to the end of the check: a freed one's id may be given to the next, and
+    # state a wrong module keeps in a global keyed by id(self) would then pass from one to the other.
+    all_built = [_check_configs(cls, configs, generator) for configs in (CONFIGS, optional) if configs]
+    built = all_built[0][1]
+    all_built.append([_check_other_width(cls, torch.Generator().manual_seed(24))])
     # one module called in turn, first with a fresh cache of the caller's, then without one, on short inputs of one
     # batch and a batch of one: none of them may see another's keys (nor the cache passed before)
     try:
@@ -1500,6 +1503,7 @@ def _check(cls: Any) -> str:
 
     def build() -> tuple[nn.Module, nn.Module]:
         again = _build(cls, kv_heads, theta, extra, torch.Generator().manual_seed(96))
+        all_built.append([again])
         return again.model, again.reference
     module_in_float64(build, x, f"GroupedQueryAttention({built.label}) on x of shape {shape_str(x.shape)}")
     # No magnitude probe, as for 2.2 and 3.3 (``_attn_modules.module_check``): the scores come from the module's
@@ -1557,7 +1561,7 @@ _SCALE = ScaleFit(lambda built, x, factor: simulate(built.setup, x, [(0, x.shape
 OTHER_WIDTH = (24, 2, 1, 13)
 
 
-def _check_other_width(cls: Any, generator: torch.Generator) -> None:
+def _check_other_width(cls: Any, generator: torch.Generator) -> Built:
     embed_dim, num_heads, kv_heads, max_tokens = OTHER_WIDTH
     built = _build(cls, kv_heads, 10000.0, {}, generator, embed_dim=embed_dim, num_heads=num_heads,
                    max_tokens=max_tokens)
@@ -1569,6 +1573,7 @@ def _check_other_width(cls: Any, generator: torch.Generator) -> None:
                        f"at embed_dim={EMBED_DIM} with {NUM_HEADS} heads of {HEAD_DIM} and max_tokens={MAX_TOKENS}",
                        "Take every size from the module (self.num_heads, self.num_kv_heads, self.head_dim, its "
                        "tables) or from x.shape.", scale=(_SCALE, (built, x)))
+    return built
 
 
 def _check_configs(cls: Any, configs: Any, generator: torch.Generator) -> list[Built]:
