@@ -258,8 +258,7 @@ class GPT(nn.Module):
         With ``cache`` (from :meth:`new_cache`), ``idx`` holds only the tokens not yet
         seen; their positions continue after the cached ones.
         """
-        start = check_model_input(idx, cache, vocab_size=self.config.vocab_size, max_tokens=self.config.max_tokens,
-                                  num_blocks=len(self.blocks), training=self.training)
+        start = self._start_position(idx, cache)
         if idx.dtype != torch.long and idx.dtype != torch.int32:
             idx = idx.long()   # any integer ids: nn.Embedding takes only int32 and int64
         n, length = idx.shape
@@ -268,6 +267,12 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, cache[i] if cache is not None else None)               # (N, L, embed_dim)
         return self.head(self.ln_f(x))                                          # (N, L, vocab_size)
+
+    def _start_position(self, idx: torch.Tensor, cache: list[KVCache] | None) -> int:
+        """The boundary check of forward's inputs (ids in the vocabulary, a cache of one layer per block, room left
+        in the context); returns the position of idx's first token, the tokens already cached."""
+        return check_model_input(idx, cache, vocab_size=self.config.vocab_size, max_tokens=self.config.max_tokens,
+                                 num_blocks=len(self.blocks), training=self.training)
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Number of trainable numbers; a tied head/embedding is counted once."""

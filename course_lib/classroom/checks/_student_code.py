@@ -121,7 +121,8 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "your code", **kwargs: 
         if changed or _version(value) != version:
             fail("mutation", f"{what} {'changed' if changed else 'wrote into'} its input ({name}) in place, for "
                              f"example with `x += ...`, `q /= ...`, `t[...] = ...` or `ids.clamp_(...)`"
-                             + ("" if changed else " (here with the numbers it held: other inputs would change)")
+                             + ("" if changed else " (its numbers happened to stay the same here; with other "
+                                                   "inputs they would not)")
                              + ". The caller still needs that tensor (and autograd fails when a tensor saved for "
                                "backward is overwritten): write `x = x + ...` instead.",
                  argument=name)

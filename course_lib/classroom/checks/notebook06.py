@@ -752,15 +752,11 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
 
 
 class _GPTOnMeta(model_ref.GPT):
-    """The course's GPT, its forward without the one check that reads the ids' numbers (that they lie in the
-    vocabulary), so that it runs on meta ids: the same layers, the positions continuing after the cache's."""
+    """The course's GPT without the boundary check of its inputs, which reads the ids' numbers (that they lie in
+    the vocabulary), so that it runs on meta ids: the same forward, the positions continuing after the cache's."""
 
-    def forward(self, idx: torch.Tensor, cache: Any = None) -> torch.Tensor:
-        start = cache[0].length if cache else 0
-        x = self.dropout(self.token_embedding(idx) + self.position_encoding(idx.shape[1], start))
-        for i, block in enumerate(self.blocks):
-            x = block(x, cache[i] if cache is not None else None)
-        return self.head(self.ln_f(x))
+    def _start_position(self, idx: torch.Tensor, cache: Any) -> int:
+        return cache[0].length if cache else 0
 
 
 def _check_device(fn: Callable[..., Any], model: nn.Module) -> None:
