@@ -3,8 +3,11 @@
 
 10.2 is two declarations (its output, then its log-sum-exp). Whether the student tiled at all is watched
 while their code runs (``_flash_probe``). 10.1 and 10.2 get the engine's magnitude probe (scores of hundreds,
-far below zero, rows far apart); 10.3 runs through the engine's saved_tensors probe (``forward_backward``),
-and once right, two calls with their backwards pending at once (``in_flight_together``: state kept off ctx).
+far below zero, rows far apart), 10.1 also rows near -1e20 and -1e100 (a running maximum from a finite stand-in for
+-inf), and both a bfloat16 call whose output's dtype is judged (``engine.probes.in_bfloat16``: statistics made in
+float32 are promoted away in float64, not in bfloat16); 10.3 runs through the engine's saved_tensors probe
+(``forward_backward``), and once right, with its output's heads merged before the loss (a non-contiguous gradient:
+``.view`` on it raises) and two calls with their backwards pending at once (``in_flight_together``: state kept off ctx).
 The mistakes of the topic (tiling, backward, precision, rows never written) are ``_flash_variants``'.
 """
 from __future__ import annotations
@@ -36,7 +39,14 @@ from ._student_code import (
 from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
 from .engine.example import tiny
 from .engine.function import Run
-from .engine.probes import float64_notebook, magnitude_rows, magnitude_scores
+from .engine.probes import (
+    called_in_bfloat16,
+    expect_dtype_in_bfloat16,
+    float64_notebook,
+    in_bfloat16,
+    magnitude_rows,
+    magnitude_scores,
+)
 from .engine.saved_tensors import forward_backward, in_flight_together
 
 __all__ = ["check_online_softmax", "check_flash_attention", "check_flash_backward"]
@@ -89,6 +99,21 @@ _MASKED_CASES = (
     (_masked_start(10, (3, 7), (4, 2, 5)), 2),
     (_masked_start(11, (2, 9), (8, 4)), 4),
 )
+
+
+def _far_below(level: float, dtype: torch.dtype) -> torch.Tensor:
+    """Two rows of 10 whose every score is between ``level`` and twice it (far below any finite stand-in for -inf a
+    student may start the running maximum at): the maximum in the first block, then in the last. Each row's other
+    scores are lower by 1e19 or more, so its softmax is exactly one-hot in every right way of computing it (a flat
+    row's would be 1/L, which a log-sum-exp of -1e20 cannot hold in float32: -1e20 + log(10) rounds to -1e20)."""
+    rising = torch.linspace(2.0, 1.0, 10, dtype=dtype)                              # (10,)
+    return level * torch.stack((rising.flip(0), rising))                            # (2, 10)
+
+
+# (x, block_size): rows near -1e20 in float32 and -1e100 in float64. A running maximum started at a finite number
+# above them (-1e4, -1e9, -1e30 in float64) never moves: exp(x - m) underflows to 0 and the row is 0/0. One
+# started below them stays right (torch.finfo(x.dtype).min, or -1e30 in float32 and -1e300 in float64).
+_FAR_BELOW_CASES = ((_far_below(-1e20, torch.float32), 3), (_far_below(-1e100, torch.float64), 4))
 
 def _softmax_mistake(code: str, why: str, **spec: str) -> Mistake:
     return Mistake(code, f"online_softmax: {why}.", spec)
@@ -259,14 +284,60 @@ ONLINE_SOFTMAX = FunctionExercise(
 def check_online_softmax(fn: Callable[..., Any]) -> str:
     """``fn(x, block_size)`` -> softmax over the last axis of x (..., L), computed one block at a time."""
     message = judge(ONLINE_SOFTMAX, fn)
+    _rows_far_below(fn)
     _masked_rows(fn)
     _softmax_on_device(fn)
+    _softmax_in_bfloat16(fn)   # after the device probe, as the engine runs its dtype probe after its device probe
     return message
 
 
+def _rows_far_below(fn: Callable[..., Any]) -> None:
+    """Rows whose every score is far below zero, beyond the engine's magnitude probe (-1e20, -1e100): 0/0 there
+    (or a row of zeros) is a running maximum that starts at a finite number instead of -inf (``overflow``, as the
+    engine names a start of -100 on its rows)."""
+    for x, size in _FAR_BELOW_CASES:
+        what = (f"online_softmax(x, {size}) with {str(x.dtype).replace('torch.', '')} x of shape {tuple(x.shape)}, "
+                f"every score near {float(x.amax()):.0e}".replace("e+", "e"))
+        out = expect_tensor(call_student(fn, x.clone(), size, what=what), tuple(x.shape), what, finite=False)
+        expected = ref.online_softmax(x, size)
+        if close(out, expected):
+            continue
+        if not bool(torch.isfinite(out).all()) or bool((out == 0).all(-1).any()):   # 0/0, or 0/(0 + eps)
+            fail("overflow", f"{what}: your result holds NaN, inf or a row of zeros (0/0) where the reference's is "
+                             f"finite, although it is right on every other row. Your running maximum starts at a "
+                             f"finite number (-1e4, -1e9, ...) instead of -inf, or is compared with one: when every "
+                             f"score of a row lies below it, m never moves from it, exp(x - m) underflows to 0 for "
+                             f"every entry and the sum l is 0. Start with m = torch.full(..., float('-inf'), "
+                             f"dtype=x.dtype, device=x.device) (or the first block's maximum), so that the first "
+                             f"block's maximum replaces it; torch.finfo(x.dtype).min, the lowest number of x's own "
+                             f"dtype, works too.")
+        # other values at such magnitudes are not judged: the text asks for no precision there
+
+
+def _softmax_in_bfloat16(fn: Callable[..., Any]) -> None:
+    """The dtype probe in bfloat16 (the text asks for m and l in x's dtype): statistics made in float32 pass the
+    float64 probe, promoted there, but make a float32 result here. Only the dtype is judged: the values of a right
+    answer in bfloat16 are three digits."""
+    for x, size in (_SOFTMAX_CASES[0], _MASKED_CASES[0]):
+        (x,) = in_bfloat16((x,))
+        what = f"online_softmax(x, {size}) with bfloat16 x of shape {tuple(x.shape)}"
+        made = _FLOAT32_STATISTICS.format(stats="m and l")
+        out = called_in_bfloat16(lambda x=x, size=size, what=what: call_student(fn, x.clone(), size, what=what),
+                                 what, made)
+        if out is None:
+            return   # an operation without a bfloat16 kernel: inconclusive
+        expect_dtype_in_bfloat16(expect_tensor(out, tuple(x.shape), what, finite=False), what, made)
+
+
+# what in a student's code comes out float32 for bfloat16 inputs: its statistics, made in float32
+_FLOAT32_STATISTICS = ("Your {stats} are made in float32 whatever the input's dtype (torch.full or torch.zeros "
+                       "without dtype=, which take the default, dtype=torch.float32, or .float()); float64 inputs hide "
+                       "it, since float32 with float64 gives float64, but float32 with bfloat16 gives float32.")
+
+
 def _softmax_on_device(fn: Callable[..., Any]) -> None:
-    """The device probe (the text asks for x's device), last, after the masked rows: every case again on meta, where
-    statistics made with torch.full or torch.zeros without device= show."""
+    """The device probe (the text asks for x's device), after the masked rows (only the bfloat16 probe comes after it):
+    every case again on meta, where statistics made with torch.full or torch.zeros without device= show."""
     for case in ONLINE_SOFTMAX.cases():
         x, size = case.args
         probe_device(lambda x=x, size=size: fn(meta(x), size), case.what)
@@ -637,9 +708,33 @@ def check_flash_attention(fn: Callable[..., Any]) -> str:
     _sizes_not_swapped(_watched(23, lambda q, k, v: call_student(fn, q, k, v, block_q=_BLOCK_Q, block_k=_BLOCK_K,
                                                                  causal=False, what=shown), _SWAP_LENGTH_K), shown)
     _forward_on_device(fn)
+    _forward_in_bfloat16(fn)   # after the device probe, as the engine runs its dtype probe after its device probe
     needed, total = ref.causal_blocks(_PROBE_SHAPE[-2], _BLOCK_Q, _BLOCK_K)
     return (f"Output and log-sum-exp equal to attention's, for blocks that do not divide L and block_q != "
             f"block_k; no L x L tensor built, and causal masking computed {needed} of {total} key blocks.")
+
+
+def _forward_in_bfloat16(fn: Callable[..., Any]) -> None:
+    """The dtype probe in bfloat16 (the text asks for every new tensor in q's dtype), without causal and with: m, l
+    or acc made in float32 pass the float64 probe, promoted there, but here make a float32 output or log-sum-exp,
+    or meet the bfloat16 values in p @ v, which raises. Only the dtypes are judged (a right answer in bfloat16 has
+    three digits); statistics kept in float32 with out and lse cast back to q's dtype are right."""
+    for case in (_FORWARD_CASES[0], _FORWARD_CASES[2]):
+        q, k, v, block_q, block_k, causal = (*in_bfloat16(case[:3]), *case[3:])
+        shown = f"{_forward_call(q, k, v, block_q, block_k, causal)}, q, k and v in bfloat16"
+        made = _FLOAT32_STATISTICS.format(stats="m and l, or the accumulator acc,")
+        result = called_in_bfloat16(lambda q=q, k=k, v=v, block_q=block_q, block_k=block_k, causal=causal, shown=shown:
+                                    call_student(fn, q.clone(), k.clone(), v.clone(), block_q=block_q,
+                                                 block_k=block_k, causal=causal, what=shown), shown, made)
+        if result is None:
+            return   # an operation without a bfloat16 kernel: inconclusive
+        shape = tuple(q.shape)[:-1] + (v.shape[-1],)
+        out, lse = _pair(result, shown, shape)
+        expect_dtype_in_bfloat16(expect_tensor(out, shape, f"{shown} (its output)", finite=False),
+                                 f"{shown} (its output)", made)
+        expect_dtype_in_bfloat16(expect_tensor(lse, shape[:-1], f"{shown} (its log-sum-exp)", finite=False),
+                                 f"{shown} (its log-sum-exp)", made + " The log-sum-exp is cast back too: lse in "
+                                 "q's dtype, as the exercise asks of every tensor it makes.")
 
 
 def _forward_on_device(fn: Callable[..., Any]) -> None:
@@ -777,11 +872,61 @@ def check_flash_backward(cls: Any) -> str:
         fail("exception", f"Expected your class FlashAttentionFunction itself, a subclass of "
                           f"torch.autograd.Function, got {cls!r}.")
     success = judge(FLASH_BACKWARD, _gradients_of(cls))
+    _heads_merged(cls)
     _two_layers(cls)
     _probe_backward(cls)
     _backward_on_device(cls)
     _backward_dtype(cls)
     return success
+
+
+# (q shape, block_q, block_k, causal) of the call whose output's heads are merged before the loss: heads > 1, so the
+# gradient that comes back through the merge is a transposed view
+_MERGED = ((2, 3, 10, 4), 4, 3, True)
+
+
+def _heads_merged(cls: Any) -> None:
+    """The output's heads merged as a model does before its output projection, out.transpose(1, 2).reshape(N, L,
+    heads * d), then a loss: the gradient the student's backward is given is then a transposed view, not contiguous
+    (autograd hands it over as the merge's backward makes it), and .view on it raises. Run first with a contiguous
+    gradient of the same shape: an error there is not about memory, and is judged as it is."""
+    shape, block_q, block_k, causal = _MERGED
+    n, heads, length, d = shape
+    q, k, v = _qkv(71, shape, spread=1.5)
+    merged = torch.randn(n, length, heads * d, generator=torch.Generator().manual_seed(72))   # (N, L, heads * d)
+    grad_out = merged.view(n, length, heads, d).transpose(1, 2)             # (N, heads, L, d), not contiguous
+    args, names = (q, k, v, causal, block_q, block_k), ("q", "k", "v", "causal", "block_q", "block_k")
+    shown = (f"FlashAttentionFunction.apply(q, k, v, {causal}, {block_q}, {block_k}) with q of shape {shape}, its "
+             f"output's heads then merged as a model does, out.transpose(1, 2).reshape({n}, {length}, {heads * d}), "
+             f"before the loss")
+    _, plain = forward_backward(cls, args, grad_out.contiguous(), names=names,
+                                what=f"FlashAttentionFunction.apply(q, k, v, {causal}, {block_q}, {block_k}) with q "
+                                     f"of shape {shape}")
+    try:
+        _, found = forward_backward(cls, args, grad_out, names=names, what=shown)
+    except Failure as failure:
+        if failure.diagnosis != "exception":
+            raise
+        said = failure.message.split(" raised ", 1)[-1].split(" Tip:", 1)[0].rstrip(". ")
+        fail("exception", f"{shown}: your backward raised {said[:200]}. It runs when grad_out is contiguous, but "
+                          f"through the merge the gradient your backward is given is a transposed view, not "
+                          f"contiguous in memory, and .view needs contiguous memory. Use .reshape(...) (it copies "
+                          f"only where it must), or grad_out.contiguous() before .view(...).")
+    expected = variants.backward_variant(q, k, v, grad_out, causal, block_q, block_k)
+    if all(isinstance(g, torch.Tensor) and g.shape == e.shape for g, e in zip(found, expected)) and \
+            close(_joined(found), _joined(expected)):
+        return
+    right_when_contiguous = all(isinstance(g, torch.Tensor) and g.shape == e.shape for g, e in zip(plain, expected)) \
+        and close(_joined(plain), _joined(expected))
+    if right_when_contiguous:
+        fail("mismatch", f"{shown}: your dq, dk and dv are wrong, though right for the same gradient laid out "
+                         f"contiguously: through the merge grad_out is a transposed view, and your backward reads "
+                         f"its memory as if it were in order (untyped_storage, as_strided, .numpy().ravel(), "
+                         f"data_ptr). Use grad_out as a tensor: its indexing follows its strides; .contiguous() lays "
+                         f"it out in order first where a copy in order is needed.")
+    found = tuple(g if isinstance(g, torch.Tensor) and g.shape == e.shape else torch.full_like(e, float("nan"))
+                  for g, e in zip(found, expected))
+    fail("mismatch", f"{shown}: {_backward_mismatch(Run(Case(args, shown), _joined(found), _joined(expected)))}")
 
 
 def _raw_gradients(cls: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, causal: bool,

@@ -4,11 +4,15 @@
 All three are declarations the engine runs (``engine.judge``). 12.1 is compared bit for bit; 12.2 is a
 procedure on engine pieces: the student's forward runs on a copy of an MLA layer, in one call or in two
 with a fresh ``LatentCache`` (``_stream``), and every known mistake is the reference with one switch
-(``_mla``). Hints are in ``classroom.exercises``.
+(``_mla``). 12.2 and 12.3 end with a call in bfloat16 (``_in_bfloat16``): a float32 tensor made on the way (a
+state, an additive mask, without dtype=) is promoted away by the engine's float64 probe, not by bfloat16. 12.3 also
+backpropagates q and k of 60 to 120 (``_large_features``): elu(x) + 1 by hand with torch.where gives NaN there.
+Hints are in ``classroom.exercises``.
 """
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +28,11 @@ from . import _gqa_variants as rotary
 from ._attn_hypotheses import mistake_rows
 from ._device_probe import probe_module
 from ._gradients import check_module_gradients
-from ._student_code import close, reraise_with
+from ._student_code import call_student, close, expect_tensor, reraise_with
 from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
 from .engine.example import tiny
 from .engine.function import UNEXPLAINED, Run
+from .engine.probes import called_in_bfloat16, expect_dtype_in_bfloat16, gradient_probe
 
 __all__ = ["check_sliding_window_mask", "check_latent_attention", "check_linear_attention_recurrent"]
 
@@ -248,7 +253,7 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
          merge: str = "ok", heads_view: str = "ok", biases: bool = True, unbiased: tuple[str, ...] = (),
          own_tables: bool = False,
          keys_at_zero: bool = False, queries_at: str = "start", norm_over: str = "latent",
-         fill: str = "-inf") -> torch.Tensor:
+         fill: str = "-inf", rope_first: str = "") -> torch.Tensor:
     """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
     how each rotary part turns (``rotary.rotate``'s kinds, "pairs" or "pairs_table"; "none": not at all),
     ``values_first`` kv_b_proj's output split as values then keys, ``mask_ahead`` one future key let through,
@@ -261,7 +266,9 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
     rotary parts turned by tables of their own (the default theta), not the layer's rope_cos and rope_sin;
     ``keys_at_zero``: the new rotary keys alone turned from position 0 with a cache (``offset``: queries too);
     ``fill`` what the hidden scores become: "-inf" (right), "zero" (0, as scores * mask or masked_fill(~mask, 0)
-    give) or "add" (the 0/1 mask added to the scores)."""
+    give) or "add" (the 0/1 mask added to the scores); ``rope_first`` "queries": the query's rotary part read from
+    the front of each head (q.split([dr, dn])), "keys": the keys built as [k_rope, k_nope] while the queries are
+    [q_nope, q_rope]."""
     def turn(t: torch.Tensor, kind: str, at: int) -> torch.Tensor:
         if kind == "none":
             return t
@@ -308,9 +315,13 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
             v, k_nope = kv.split([layer.v_head_dim, dn], dim=-1)
         else:
             k_nope, v = kv.split([dn, layer.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope[:, None].expand(n, h, total, dr)], dim=-1)   # (N, H, T, dn + dr)
+        k_parts = [k_nope, k_rope[:, None].expand(n, h, total, dr)]
+        k = torch.cat(k_parts[::-1] if rope_first == "keys" else k_parts, dim=-1)   # (N, H, T, dn + dr)
         if rope == "split":
-            q_nope, q_rope = q.split([dn, dr], dim=-1)
+            if rope_first == "queries":
+                q_rope, q_nope = q.split([dr, dn], dim=-1)
+            else:
+                q_nope, q_rope = q.split([dn, dr], dim=-1)
             q = torch.cat([q_nope, turn(q_rope, queries, total if queries_at == "after_append" else pos)], -1)
         elif rope == "whole":
             cos, sin = modern.rope_tables(dn + dr, layer.max_tokens)
@@ -318,7 +329,7 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
             k = modern.apply_rotary(k, cos, sin)   # every key, cached or new, from position 0
         factor = scale if isinstance(scale, float) else {
             "both": layer.softmax_scale, "nope": dn ** -0.5, "none": 1.0, "value": layer.v_head_dim ** -0.5,
-            "after": 1.0}[scale]
+            "after": 1.0, "latent": layer.kv_lora_rank ** -0.5, "cached": (layer.kv_lora_rank + dr) ** -0.5}[scale]
         scores = q @ k.transpose(-2, -1) * factor                           # (N, H, L, T)
         first = total - length if mask_offset else 0
         mask = torch.ones(total, total, dtype=torch.bool).tril(int(mask_ahead))[first:first + length]
@@ -503,7 +514,21 @@ _MLA_MISTAKES = (
         "value": "The scores are scaled by 1/sqrt(v_head_dim): the scale belongs to the width of the query and key, "
                  "(qk_nope_head_dim + qk_rope_head_dim) ** -0.5.",
         "after": "The scale is applied to the weights after the softmax: layer.softmax_scale multiplies the scores "
-                 "that go into the softmax; afterwards it only shrinks the output."}),
+                 "that go into the softmax; afterwards it only shrinks the output.",
+        # the latent is what the keys come from and what is cached, but a score is a dot product of dn + dr numbers
+        "latent": "The scores are scaled by 1/sqrt(kv_lora_rank), the latent's width: the keys are made from the "
+                  "latent, but a score is the dot product of a query and a key of qk_nope_head_dim + "
+                  "qk_rope_head_dim numbers each. Multiply by layer.softmax_scale ((dn + dr) ** -0.5 by default).",
+        "cached": "The scores are scaled by 1/sqrt(kv_lora_rank + qk_rope_head_dim), the numbers cached per token: a "
+                  "score is the dot product of a query and a key of qk_nope_head_dim + qk_rope_head_dim numbers "
+                  "each. Multiply by layer.softmax_scale ((dn + dr) ** -0.5 by default)."}),
+    *mistake_rows("rope_axes", "rope_first", {
+        "queries": "Your query's rotary part is read from the front of each head (q.split([dr, dn])): per head, "
+                   "q_proj gives the qk_nope_head_dim numbers without position FIRST, then the qk_rope_head_dim "
+                   "rotary ones: q_nope, q_rope = q.split([dn, dr], dim=-1), and turn q_rope.",
+        "keys": "Your keys put the rotary part first (torch.cat([k_rope, k_nope])) while your queries put it last "
+                "([q_nope, q_rope]): a score then multiplies a query's nope numbers by a key's rotary ones. Build "
+                "both the same way: k = torch.cat([k_nope, k_rope], dim=-1), like q."}),
     Mistake("norm_placement", "The latent is not normalised: apply layer.kv_a_layernorm to the latent part of "
                               "kv_a_proj_with_mqa(x) (not to k_rope) before it is cached and up-projected.",
             spec=dict(norm=False)),
@@ -515,8 +540,30 @@ _MLA_MISTAKES = (
             spec=dict(merge="interleaved")),
 )
 
+_SIZES_DIFFER = re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)")
+
+
+def _mask_of_new_tokens(failure: Failure, case: Case) -> None:
+    """A stream's second call that fails on its L new queries against its T = start + L keys: the scores are L x T,
+    and a causal mask of the new tokens alone (torch.ones(L, L).tril()) does not fit them."""
+    _, x, split = case.args
+    sizes = _SIZES_DIFFER.search(failure.message) if failure.diagnosis == "exception" and split else None
+    new, total = x.shape[1] - split, x.shape[1]
+    if sizes is not None and {int(sizes[1]), int(sizes[2])} == {new, total}:
+        fail("causal_mask", f"{failure.message.rstrip().rstrip('.')}. In the second call the {new} new queries meet all {total} "
+                            f"tokens (start = {split} cached, then the {new} new ones): the scores are {new} x "
+                            f"{total}, and something made for the new tokens alone does not fit them, most likely "
+                            f"the causal mask ({new} x {new}, torch.ones(L, L).tril()). New query i stands at "
+                            f"position start + i and sees keys 0 .. start + i: take the rows start: of the T x T "
+                            f"lower triangle, torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[start:]. "
+                            f"(If your mask is that already: every key part, k_rope too, comes from what "
+                            f"cache.append returns.)", **failure.details)
+
+
 def _other_geometry(failure: Failure, case: Case, out: Any, fn: Any) -> None:
-    """A failure on the layer of other sizes: the other layers share one geometry, so a size may be written in."""
+    """A failure on the layer of other sizes: the other layers share one geometry, so a size may be written in. (A
+    mask of the new tokens alone, in a stream's second call, is named first.)"""
+    _mask_of_new_tokens(failure, case)
     if case.args[0].embed_dim != _EMBED:
         reraise_with(failure, failure.diagnosis, " This layer's sizes differ from the other cases' (2 heads, dn=6, "
                      "dr=4, kv_lora_rank=7, max_tokens=16): if your code runs on those, a size is most likely "
@@ -561,6 +608,7 @@ def check_latent_attention(fn: Callable[..., Any]) -> str:
         raise
     _layer_gradients(fn)
     _layer_on_device(fn)
+    _layer_in_bfloat16(fn)
     return success
 
 
@@ -616,6 +664,31 @@ def _layer_on_device(fn: Callable[..., Any]) -> None:
     mine.__class__ = _Weights
     probe_module(_Bound(mine, fn), x, f"latent_attention(layer, x) with x of shape {tuple(x.shape)}",
                  cache=lambda: ref.LatentCache(layer.max_tokens))
+
+
+def _in_bfloat16(run: Callable[[], Any], expected: torch.Tensor, what: str, made: str) -> None:
+    """The engine's bfloat16 probe on one call (``run``, the inputs already in bfloat16): the output's shape and
+    dtype are judged, not its values (judged in float32 and float64); an error where two dtypes meet is ``dtype``,
+    any other (no bfloat16 kernel) inconclusive. ``made``: which new tensors are likely made in float32."""
+    out = called_in_bfloat16(run, what, made)
+    if out is not None:   # None: an operation without a bfloat16 kernel, inconclusive
+        expect_dtype_in_bfloat16(expect_tensor(out, tuple(expected.shape), what, finite=False), what, made)
+
+
+def _layer_in_bfloat16(fn: Callable[..., Any]) -> None:
+    """Last: the layer and x in bfloat16, without a cache and in a stream of two calls; the output must be bfloat16."""
+    cases = _mla_cases()
+    for case in (cases[0], cases[3]):   # without a cache, and a stream of two calls with a query latent
+        layer, x, split = case.args
+        layer, x = layer.to(torch.bfloat16), x.to(torch.bfloat16)
+        what = f"{case.what}, with the layer and x in bfloat16 (layer.to(torch.bfloat16))"
+        with torch.no_grad():
+            expected = _stream(lambda m, xx, c: m(xx, c), copy.deepcopy(layer), x, split)
+        student = _student(lambda m, xx, c=None, what=what: call_student(fn, m, xx, c, what=what))
+        _in_bfloat16(lambda run=student, args=(layer, x, split): run(*args), expected, what,
+                     "An additive mask made without dtype= (torch.zeros(L, T), torch.full(..., float('-inf'))) or "
+                     "with dtype=torch.float32 takes float32 and turns the scores float32 (a bool mask with "
+                     "scores.masked_fill(~mask, float('-inf')) has no dtype to get wrong).")
 
 
 # ============================================================================ 12.3 recurrent linear attention
@@ -687,6 +760,51 @@ def _linear_examples() -> list[Case]:
                  f"linear_attention_recurrent(q, k, v) with q, k ({length}, 2), v ({length}, 1)") for length in (1, 2, 3)]
 
 
+def _linear_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return ref.linear_attention_recurrent(q, k, v)[0]
+
+
+def _large_features(runs: list[Run], fn: Any) -> None:
+    """Every output right: the gradients once more, with q and k of 60 to 120. elu(x) + 1 written by hand as
+    torch.where(t > 0, t + 1, torch.exp(t)) is right forward, but exp overflows float32 past 88 in the branch not
+    taken, and where's backward multiplies that inf by 0: NaN (masks multiplied in, (t <= 0) * t.exp(), give 0 * inf
+    = NaN forward too). F.elu, or the exp of t clamped to at most 0, has no inf anywhere."""
+    g = torch.Generator().manual_seed(12)
+    q, k = (60.0 + 60.0 * torch.rand(2, 5, 4, generator=g) for _ in range(2))   # (2, 5, 4), entries 60 .. 120
+    v = torch.randn(2, 5, 3, generator=g)
+    what = "linear_attention_recurrent(q, k, v) with q, k (2, 5, 4) of entries 60 to 120, v (2, 5, 3)"
+    why = ("torch.exp(t) overflows to inf for t past 88 in float32, in the branch not taken, and 0 times that inf "
+           "is NaN. A layer with NaN gradients cannot learn. Use F.elu(t) + 1, or clamp the exp's argument: "
+           "torch.where(t > 0, t + 1, torch.exp(t.clamp(max=0))).")
+    out = call_student(fn, q, k, v, what=what)
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and not bool(out.isfinite().all()):
+        # masks multiplied in: (t <= 0) * t.exp() is 0 * inf = NaN already forward
+        fail("gradient", f"{what}: your output holds NaN where the reference's is finite, although it is right on "
+                         f"ordinary inputs. Most likely your feature map is elu(x) + 1 written with masks multiplied "
+                         f"in, (t > 0) * (t + 1) + (t <= 0) * t.exp(), or with torch.where: {why}")
+    try:
+        gradient_probe(fn, _linear_reference, (q, k, v), ("q", "k", "v"), what)
+    except Failure as failure:
+        if failure.diagnosis != "gradient" or "NaN" not in failure.message:
+            raise
+        fail("gradient", f"{what}: the gradient holds NaN where the reference's is finite, although your outputs are "
+                         f"right on ordinary inputs. Most likely your feature map is elu(x) + 1 written with "
+                         f"torch.where(t > 0, t + 1, torch.exp(t)): the forward takes the right branch, but the "
+                         f"backward goes through both: {why}", **failure.details)
+
+
+def _linear_in_bfloat16(fn: Callable[..., Any]) -> None:
+    """Last: q, k and v in bfloat16; the output must be bfloat16 (S and z kept in float32 inside, the output cast
+    back, is right)."""
+    for case in _linear_cases()[:2]:
+        args = tuple(a.to(torch.bfloat16) for a in case.args)
+        what = f"{case.what}, in bfloat16"
+        _in_bfloat16(lambda args=args, what=what: call_student(fn, *args, what=what), _linear_reference(*args), what,
+                     "S and z (or another new tensor) are made in float32: torch.zeros(...) without dtype= takes "
+                     "the default, float32, and so does dtype=torch.float32; the text asks for them in the "
+                     "inputs' dtype (q.new_zeros(...), or dtype=q.dtype).")
+
+
 def _tuple_returned(failure: Any, case: Case, out: Any, fn: Any) -> None:
     """The course's version returns (outputs, state): a student who copied that shape is told what to keep."""
     if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
@@ -696,7 +814,7 @@ def _tuple_returned(failure: Any, case: Case, out: Any, fn: Any) -> None:
 
 
 LINEAR_RECURRENT = FunctionExercise(
-    "12.3", "linear_attention_recurrent", lambda q, k, v: ref.linear_attention_recurrent(q, k, v)[0],
+    "12.3", "linear_attention_recurrent", _linear_reference,
     _linear_cases, ("q", "k", "v"),
     success="Right on every shape tried: a state S of d x d_v and a normaliser z, updated once per token, give "
             "the parallel form's outputs.",
@@ -766,7 +884,7 @@ LINEAR_RECURRENT = FunctionExercise(
                                "tokens up to i when query i reads it (update, read, then move on).",
                 output=lambda q, k, v: _linear(_phi(q), _phi(k), v, causal=False)),
     ),
-    reword=_tuple_returned, gradients=lambda: _linear_cases()[:1], examples=_linear_examples,
+    reword=_tuple_returned, after=_large_features, gradients=lambda: _linear_cases()[:1], examples=_linear_examples,
     probes=FunctionExercise.probes + ("batch", "device"),   # the text asks for the inputs' device and dtype
 )
 
@@ -774,4 +892,6 @@ LINEAR_RECURRENT = FunctionExercise(
 @checker("12.3", example=function_example(LINEAR_RECURRENT))
 def check_linear_attention_recurrent(fn: Callable[..., Any]) -> str:
     """``fn(q, k, v)`` -> the outputs (..., L, d_v) of course_lib.variants.linear_attention_recurrent."""
-    return judge(LINEAR_RECURRENT, fn)
+    success = judge(LINEAR_RECURRENT, fn)
+    _linear_in_bfloat16(fn)
+    return success

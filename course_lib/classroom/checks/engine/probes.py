@@ -27,6 +27,10 @@ Where a probe lives:
   ``module_in_float64`` is all of it for a module beside its reference (2.2, 3.3, 4.2, 4.3, 9.3, 9.4, 9.6), run on a
   fresh module and again on one called first in the default dtype, then converted with model.double() (what its
   first call kept, a dtype or a cast weight, shows).
+- ``dtype`` in bfloat16 (an exercise's own probe, not listed in ``PROBES``): the inputs in bfloat16 (``in_bfloat16``),
+  where a statistic made in float32 is not promoted away as it is in float64: the result's dtype is judged
+  (``expect_dtype_in_bfloat16``; a raise of two dtypes meeting is ``dtype``: ``called_in_bfloat16``), not its values
+  (10.1, 10.2, 12.2, 12.3).
 - ``global_state``: torch's and the course's functions as the check found them at import; one replaced
   (``torch.equal = ...``) is the verdict ``patched`` (``checks._pinned``). The default dtype or grad mode left
   changed by a call is ``global_setting`` (``_student_code.call``; a with-block's own ``__enter__`` and
@@ -253,6 +257,65 @@ def _float64_after_a_call(build: Callable[[], tuple[nn.Module, nn.Module]], give
                                          f"cache by x.dtype too, make the tensor in x.dtype at every call "
                                          f"(self.weight.to(x.dtype)), or register it with self.register_buffer(...) "
                                          f"so that model.to(dtype) converts it.", **failure.details) from None
+
+
+# ---------------------------------------------------------------- bfloat16
+
+BFLOAT16_ADVICE = ("Make new tensors like the input (torch.zeros_like(x), dtype=x.dtype); a tensor kept in float32 on "
+                   "purpose (statistics, as FlashAttention's kernels keep them) is fine if you cast the results back "
+                   "at the end: .to(x.dtype).")
+
+
+def in_bfloat16(args: Sequence[Any]) -> tuple[Any, ...]:
+    """The arguments with every floating-point tensor in bfloat16 (the others as they are). Where the float64 probe
+    is blind: a tensor made in float32 (torch.full without dtype=, dtype=torch.float32, .float()) meets float64
+    inputs and is promoted to float64, but meets bfloat16 ones and promotes them to float32, so the result comes
+    back float32 (or a matmul of the two raises)."""
+    return tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+FLOAT32_MADE = ("A tensor of your code is made in float32 whatever the inputs' dtype (torch.full or torch.zeros "
+                "without dtype=, which take the default, dtype=torch.float32, .float()): float64 inputs hide it, "
+                "since float32 with float64 gives float64, but float32 with bfloat16 gives float32.")
+
+
+def expect_dtype_in_bfloat16(out: Any, what: str, made: str = FLOAT32_MADE) -> None:
+    """The verdict ``dtype`` when ``out`` (a floating tensor the student returned for bfloat16 inputs) is not
+    bfloat16; ``made``: what in the student's code is likely float32, in words. Its values are not judged."""
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.bfloat16:
+        fail("dtype", f"{what}: your result is {out.dtype}, expected torch.bfloat16, the inputs' dtype. {made} "
+                      f"{BFLOAT16_ADVICE}")
+
+
+# words of torch's errors where two dtypes meet: a matmul ("expected m1 and m2 to have the same dtype"), einsum and
+# bmm ("expected scalar type Float but found BFloat16"), an index_put ("the source and destination dtypes match")
+_DTYPES_MEET = ("dtype", "scalar type")
+
+
+def raised_in_bfloat16(failure: Failure, what: str, made: str = FLOAT32_MADE) -> None:
+    """After the student's code raised (``failure``, ``exception``) on bfloat16 inputs where it ran on float32 and
+    float64 ones: ``dtype`` when the error is two dtypes meeting (a float32 tensor of the code and a bfloat16 input
+    in a matmul, an index_put); returns (inconclusive) for any other error, such as an operation torch has no
+    bfloat16 kernel for ("not implemented for 'BFloat16'") or numpy, which has no bfloat16. ``made``: what in the
+    student's code is likely float32, in words."""
+    said = failure.message.removeprefix(what).strip().removeprefix("raised").strip()   # the error, as call() shows it
+    if "not implemented for" in said or not any(word in said for word in _DTYPES_MEET):
+        return
+    raise Failure("dtype", f"{what}: your code raised {said[:200].rstrip(' .')}, though it runs on float32 and float64 "
+                           f"inputs: a float32 tensor of your code meets the bfloat16 inputs. {made} {BFLOAT16_ADVICE}",
+                  **failure.details) from None
+
+
+def called_in_bfloat16(run: Callable[[], Any], what: str, made: str = FLOAT32_MADE) -> Any:
+    """``run()``, the student's code on bfloat16 inputs (after it was judged right in float32 and float64): its
+    result, or None where it raised an error other than two dtypes meeting (inconclusive); ``dtype`` where it did."""
+    try:
+        return run()
+    except Failure as failure:
+        if failure.diagnosis != "exception":
+            raise
+        raised_in_bfloat16(failure, what, made)
+        return None
 
 
 def batch_mixing(what: str, together: torch.Tensor, alone: Sequence[torch.Tensor], advice: str,
