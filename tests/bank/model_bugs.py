@@ -869,7 +869,9 @@ def sample_classic(logits, temperature=1.0, top_k=None, generator=None):
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
 
 
-@correct("5.4")
+# wrong since round 35d: the noise is drawn on the CPU (no device=), so logits on a GPU meet CPU noise (the text
+# asks for new tensors on the logits' device)
+@bug("5.4", "device")
 def sample_gumbel_max(logits, temperature=1.0, top_k=None, generator=None):
     if temperature == 0:
         return logits.argmax(-1)

@@ -257,9 +257,10 @@ def sample_flipped_and_flipped_back(logits, temperature=1.0, top_k=None, generat
     return logits.shape[-1] - 1 - torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
-@correct("5.4")
+@bug("5.4", "device")
 def sample_sorted_ascending_searchsorted_mapped_back(logits, temperature=1.0, top_k=None, generator=None):
-    """Ascending sort, inverse CDF over it, the position mapped back through the sort's indices."""
+    """Wrong since round 35d: ascending sort, inverse CDF over it, the position mapped back through the sort's
+    indices, but its uniform number drawn on the CPU (no device=): on a GPU it meets the logits' device."""
     if temperature == 0:
         return logits.argmax(-1)
     values, order = (logits / temperature).sort(-1)

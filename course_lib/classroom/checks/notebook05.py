@@ -19,6 +19,7 @@ from ... import model as model_ref
 from ... import train as train_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
+from ._device_probe import probe as probe_device
 from ._model_common import ProcedureExample, accepts, as_tensor, as_values, extend, recording_calls
 from ._student_code import call, expect_callable, expect_tensor, reraise_with
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge
@@ -213,8 +214,9 @@ _SHAPE_ERROR = re.compile(r"batch_size|target size|spatial targets|size mismatch
 
 
 def _loss_what(logits: torch.Tensor, targets: torch.Tensor) -> str:
+    padded = targets.device.type != "meta" and bool((targets == IGNORE).any())   # meta: the device probe's copy
     return (f"lm_loss(logits {tuple(logits.shape)}, targets {tuple(targets.shape)}"
-            + (", with -100 padding)" if bool((targets == IGNORE).any()) else ")"))
+            + (", with -100 padding)" if padded else ")"))
 
 
 def _loss_cases(sizes: tuple[tuple[int, int, int, int], ...], seed: int, small: bool = False) -> list[Case]:
@@ -267,6 +269,13 @@ def _position_means(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     real = (targets != IGNORE).double()
     counts = real.sum(0)
     return ((per * real).sum(0)[counts > 0] / counts[counts > 0]).mean()
+
+
+def _kept_rows(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
+    """The loss of the rows ``keep`` marks alone (None where it keeps them all, or none)."""
+    if bool(keep.all()) or not bool(keep.any()):
+        return None
+    return F.cross_entropy(logits[keep].flatten(0, 1), targets[keep].flatten(), ignore_index=IGNORE)
 
 
 def _per_token(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -368,11 +377,34 @@ LM_LOSS = FunctionExercise(
                 output=lambda x, y: F.cross_entropy(x.transpose(0, 1).reshape(-1, x.shape[-1]), y.reshape(-1),
                                                     ignore_index=IGNORE)
                 if x.shape[0] > 1 and x.shape[1] > 1 else None),
+        Mistake("shape", "you reshape the logits (N, L, V) to (N, V, L) with view or reshape to put the classes in "
+                         "dimension 1, but a reshape keeps the memory order: it does not move the vocabulary, it "
+                         "cuts each sequence's numbers into V rows of L, mixing positions and tokens. Move the axis "
+                         "with logits.transpose(1, 2) (or permute(0, 2, 1)), or flatten to (N*L, V) and (N*L,).",
+                output=lambda x, y: F.cross_entropy(x.reshape(x.shape[0], x.shape[2], x.shape[1]), y,
+                                                    ignore_index=IGNORE) if 1 < x.shape[1] != x.shape[2] else None),
         Mistake("shape", "F.cross_entropy expects the classes in dimension 1, (N, C, ...), but you pass (N, L, V) as "
                          "it is, so it takes the positions for the classes. Flatten to (N*L, V) and (N*L,), or move "
                          "the vocabulary to dimension 1.",
                 output=lambda x, y: F.cross_entropy(x, y, ignore_index=IGNORE) if 1 < x.shape[1] == x.shape[2]
                 else None),
+        Mistake("loss_reduction", "you drop every sequence that holds any padding, its real targets too: the "
+                                  "mean is over the tokens that are not ignored, not over whole sequences. Keep "
+                                  "every sequence and ignore only the targets equal to -100 (F.cross_entropy does "
+                                  "so by default).",
+                output=lambda x, y: _kept_rows(x, y, ~(y == IGNORE).any(1))),
+        Mistake("loss_reduction", "you cut every sequence to the shortest one's length (the positions where any "
+                                  "sequence is padded are dropped for all of them): the mean is over the tokens that "
+                                  "are not ignored, each sequence's own. Keep every position and ignore only the "
+                                  "targets equal to -100 (F.cross_entropy does so by default).",
+                output=lambda x, y: _kept_rows(x.transpose(0, 1), y.T, ~(y == IGNORE).any(0))),
+        *(Mistake("batch_mixing", f"your loss is the loss of the {which} sequence of the batch alone: the other "
+                                  f"sequences are left out. The loss is the mean over every real target of every "
+                                  f"sequence: flatten the batch and the positions together, logits.reshape(-1, V) "
+                                  f"with targets.reshape(-1), and never index one sequence (logits[0]) or keep only "
+                                  f"the last one a loop over the batch computed.",
+                  output=lambda x, y, rows=rows: train_ref.lm_loss(x[rows], y[rows]) if x.shape[0] > 1 else None)
+          for which, rows in (("first", slice(None, 1)), ("last", slice(-1, None)))),
         Mistake("loss_reduction", "the -100 targets are not ignored the right way; the mean runs over the real "
                                   "targets only.",
                 output=lambda x, y: _per_token(x, y)[y.flatten() != IGNORE].sum() / y.numel()
@@ -386,6 +418,9 @@ LM_LOSS = FunctionExercise(
                           "the exp.", output=lambda x, y: train_ref.lm_loss(x, y).exp()),
     ),
     each_case=True, dtype=False, finite=True, reword=_loss_error, diagnose=_smoothed_labels,
+    # the text asks for new tensors on the logits' device; the batch probe does not fit a loss that reduces over the
+    # batch (its mean mixes the sequences by design): a loss of one sequence alone is a mistake above
+    probes=FunctionExercise.probes + ("device",),
     gradients=lambda: LM_LOSS.cases(),
     examples=lambda: _loss_cases(((1, 1, 2, 0), (1, 2, 3, 0), (2, 2, 3, 1)), 1, small=True),
     magnitude=lambda: [Case((x, targets), f"{case.what} with {how.replace('score', 'logit')}") for case in _loss_cases(
@@ -901,8 +936,13 @@ def _draw(fn: Callable[..., Any], logits: torch.Tensor, what: str, **kwargs: Any
         _top_k_for_one_row(fn, logits, text, **kwargs)
         raise
     if isinstance(result, torch.Tensor) and result.shape == (logits.shape[0], 1):
+        greedy = kwargs.get("temperature") == 0   # only argmax runs there: the axis comes from its keepdim
+        kept = ("argmax(-1, keepdim=True), max(-1, keepdim=True) or topk(1) on the greedy path keeps" if greedy else
+                "torch.multinomial(probs, 1) keeps a last dimension of size 1, and so do argmax and max with "
+                "keepdim=True (on the greedy path, or a top-k threshold's path); each keeps")
         fail("shape", f"{what} returned shape {tuple(result.shape)}; expected ({logits.shape[0]},), one token id "
-                      f"per row. torch.multinomial(..., 1) keeps a last dimension of size 1: squeeze it.")
+                      f"per row. {kept} a last dimension of size 1: squeeze it, .squeeze(-1) (or [:, 0]), on every "
+                      f"path that returns ids.")
     if isinstance(result, torch.Tensor) and result.dim() == 0 and logits.shape[0] == 1:
         fail("shape", f"{what} returned a single number of shape (); expected (1,), one token id per row even "
                       f"for a batch of one. `.squeeze()` drops every axis of size 1, the batch too: use "
@@ -1204,6 +1244,20 @@ def _check_sampling_float64(fn: Callable[..., Any]) -> None:
     run_in_float64(run)
 
 
+def _check_sampling_device(fn: Callable[..., Any]) -> None:
+    """The device probe (``_device_probe``), last: every path again (greedy, the temperature, top-k) on logits on the
+    meta device, where a tensor made on the CPU (a -inf filler, a threshold, uniform noise made without device=)
+    meets them and raises, and ids copied to the CPU show. A meta tensor holds no numbers, so nothing is drawn: the
+    draws themselves were judged above, and torch's random state is put back after (``fork_rng``). No generator is
+    passed: a CPU generator cannot draw on a GPU's tensors, so the text's generator is the caller's to place."""
+    logits = torch.empty(4, _BASE.shape[-1], device="meta")                            # (4, vocab)
+    with torch.random.fork_rng():
+        for options in ({"temperature": 0}, {}, {"temperature": 0.5}, {"top_k": 3}, {"temperature": 0.5, "top_k": 3}):
+            shown = ", ".join(f"{name}={value}" for name, value in options.items())
+            probe_device(lambda options=options: fn(logits.clone(), **options),
+                         f"sample_next_token({shown}{', ' if shown else ''}logits on another device than the CPU)")
+
+
 _EXAMPLE_DRAWS = 2000
 
 
@@ -1282,5 +1336,6 @@ def check_sampling(fn: Callable[..., Any]) -> str:
     _check_global_state_without_generator(fn)
     _check_sampling_magnitude(fn)
     _check_sampling_float64(fn)
+    _check_sampling_device(fn)
     return ("Greedy at temperature 0; otherwise draws follow softmax(logits / temperature), restricted to the top k "
             "when asked, and the generator makes them reproducible.")

@@ -205,8 +205,27 @@ def _overflowed(runs: list[Run]) -> None:
                       f"ints (int(...), which never overflow), or with int64 or float64.")
 
 
+def _whole_factor(runs: list[Run]) -> None:
+    """No known slip explains the count, but on every configuration it is the same multiple of the right one (both
+    terms off by one factor): ``flops_factor``, the factor named (a multiply-add counted as 1 FLOP, the forward or
+    the backward counted a wrong number of times)."""
+    factors = {round(float(r.out) / float(r.expected), 6) for r in runs if float(r.expected)}
+    if len(factors) != 1 or not all(r.case.args[1] for r in runs):
+        return
+    factor = factors.pop()
+    said = (f"{round(factor)} times" if abs(factor - round(factor)) < 1e-6 else
+            f"1/{round(1 / factor)} of" if abs(1 / factor - round(1 / factor)) < 1e-6 else f"{factor:.4g} times")
+    run = runs[0]
+    fail("flops_factor", f"{run.case.what} returned {Number(run.out):,.0f}, expected {Number(run.expected):,.0f}: "
+                         f"your count is exactly {said} the right one on every configuration, so both terms carry "
+                         f"the same wrong factor. Count a multiply-add as 2 FLOPs (a multiply and an add): the forward "
+                         f"pass costs 2N + 4·n·H·Q·T, and the backward twice the forward (the gradients for the input "
+                         f"and for the weights), 6 = 2 forward + 4 backward: 6N + 12·n·H·Q·T.")
+
+
 def _ignores_weights(runs: list[Run], fn: Any) -> None:
     _overflowed(runs)
+    _whole_factor(runs)
     _one_term_off(runs)
     run = next(run for run in runs if not FLOPS_PER_TOKEN.same(run.out, run.expected))
     config, weights = run.case.args
@@ -256,6 +275,20 @@ _FACTOR_SLIPS = (
     _slip("flops_factor", "the weights' term is 4N: forward (2N) plus only one of the two backward matrix "
           "multiplies. The backward pass computes both dL/dX and dL/dW, 2N each: 6N in all.",
           lambda c, n: 4 * n + 12 * _lhqt(c)),
+    _slip("flops_factor", "your count is exactly 1/2 of the right one (3N + 6·n·H·Q·T): you count a multiply-add "
+          "as one FLOP. A multiply-add is 2 FLOPs (a multiply and an add), so the forward pass costs 2N and "
+          "4·n·H·Q·T, and training, three times the forward, 6N + 12·n·H·Q·T.",
+          lambda c, n: 3 * n + 6 * _lhqt(c)),
+    _slip("flops_factor", "your count is exactly 2/3 of the right one (4N + 8·n·H·Q·T): you count the backward pass "
+          "as one more forward. The backward is twice the forward (the gradient for the input and the gradient for "
+          "the weights, one matrix multiply each): 6 = 2 forward + 4 backward, so 6N + 12·n·H·Q·T.",
+          lambda c, n: 4 * n + 8 * _lhqt(c)),
+    _slip("flops_factor", "your count is exactly 1/6 of the right one (N + 2·n·H·Q·T): you count the forward pass "
+          "only, and a multiply-add as one FLOP. A multiply-add is 2 FLOPs, and training runs the backward pass "
+          "too, twice the forward: 6N + 12·n·H·Q·T.", lambda c, n: n + 2 * _lhqt(c)),
+    _slip("flops_factor", "your count is exactly 2 times the right one (12N + 24·n·H·Q·T): the factor 2 of a "
+          "multiply-add (or of the backward pass) is counted twice. A multiply-add is 2 FLOPs, forward and backward "
+          "together are three times the forward: 6N + 12·n·H·Q·T.", lambda c, n: 12 * n + 24 * _lhqt(c)),
     _slip("attention_flops", "you count the weights (6N) but not attention. The scores QK^T and the weighted sum of "
           "the values multiply activations by activations, so they are not in N: add 12·n·H·Q·T.",
           lambda c, n: 6 * n),

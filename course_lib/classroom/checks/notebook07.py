@@ -20,7 +20,7 @@ from ._model_common import ProcedureExample, as_tensor, as_values, randomize_
 from ._student_code import call, close, expect_callable, expect_tensor, reraise_with
 from .engine import Case, FunctionExercise, ScaleFit, at_other_sizes, checker, first_mistake, function_example, judge
 from .engine.example import tiny
-from .engine.probes import IN_FLOAT64, called_in_turn, expect_float64, run_in_float64
+from .engine.probes import IN_FLOAT64, batch_mixing, called_in_turn, expect_float64, kept_state_message, run_in_float64
 from .engine.scale_fit import fitted_scale
 
 __all__ = ["check_split_c_attn", "check_hf_attention"]
@@ -147,6 +147,8 @@ SPLIT_C_ATTN = FunctionExercise(
               *(_some_transposed(kept) for size in (1, 2) for kept in itertools.combinations(range(3), size)),
               _every_third(True), _every_third(False), _reshaped_rows(True), _reshaped_rows(False)),
     each_case=True, dtype=False, exact=True, reword=_width_written,
+    # the weights go into a model that may sit on a GPU: new tensors (buffers copied into) on the weight's device
+    probes=FunctionExercise.probes + ("device",),
     examples=lambda: _split_cases((1, 2, 3), 0, small=True),
 )
 
@@ -270,10 +272,12 @@ _CAUSAL_MISTAKES = (
                           "transpose(1, 2).",
             output=lambda q, k, v, s, causal: _attention(q, k, v, scale=s, mask=causal, reshaped=True)),
 )
+_IGNORED = Mistake("causal_mask", "the attention_mask you were given is ignored, so padding tokens are attended to. "
+                                  "When a mask is passed, use it (bool, True = may attend).",
+                   output=lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=_causal(q)))
+# judged before the sequences are run one by one (_each_sequence_alone), the mask ignored after: a mask of one
+# sequence used for all is right for each sequence alone, and equals the mask ignored where that one has no padding
 _PADDING_MISTAKES = (
-    Mistake("causal_mask", "the attention_mask you were given is ignored, so padding tokens are attended to. When a "
-                           "mask is passed, use it (bool, True = may attend).",
-            output=lambda q, k, v, s, mask: _attention(q, k, v, scale=s, mask=_causal(q))),
     Mistake("causal_mask", "the attention_mask lost its heads axis (squeeze(1), or mask[:, 0]): an (N, Lq, Lk) mask "
                            "lines the batch up with the heads, so a head gets another sequence's padding. Use the "
                            "(N, 1, Lq, Lk) mask as it is given; it broadcasts over the heads.",
@@ -329,14 +333,68 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
     got = _direct(fn, module, q, k, v, mask, scaling, what)
     expected = reference(module, q, k, v, mask, scaling=scaling)[0]
     if not close(got, expected):
+        _kept_on_layer(fn, module, q, k, v, mask, scaling, what, got)
         first_mistake(_PADDING_MISTAKES, lambda m: close(got, m.output(q, k, v, scaling, mask)), f"{what}: ")
+        _each_sequence_alone(fn, module, q, k, v, mask, scaling, what, got)
+        first_mistake((_IGNORED,), lambda m: close(got, m.output(q, k, v, scaling, mask)), f"{what}: ")
         _read_weights_back(fn, module, q, k, mask, scaling, what)
         fail("mismatch", f"{what}: with a padding mask the output differs from the reference (largest "
                          f"difference {(got - expected).abs().max():.3g}). The mask is bool, True = may attend.")
-    check_function_gradients(lambda *qkv: _direct(fn, module, *qkv, causal[None, None], scaling, what),
-                             lambda *qkv: reference(module, *qkv, causal[None, None], scaling=scaling)[0],
-                             q, k, v, names=("query", "key", "value"), what="your attention function")
+    try:
+        check_function_gradients(lambda *qkv: _direct(fn, module, *qkv, causal[None, None], scaling, what),
+                                 lambda *qkv: reference(module, *qkv, causal[None, None], scaling=scaling)[0],
+                                 q, k, v, names=("query", "key", "value"), what="your attention function")
+    except Failure as failure:
+        if failure.diagnosis == "mismatch":   # right before, on this layer: what did it keep from those calls?
+            what = "your attention function (with the causal mask as attention_mask)"
+            got = _direct(fn, module, q, k, v, causal[None, None], scaling, what)
+            _kept_on_layer(fn, module, q, k, v, causal[None, None], scaling, what, got)
+        raise
     _check_fewer_queries(fn, module, k, v, scaling, generator)
+
+
+def _kept_on_layer(fn: Callable[..., Any], module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None, scaling: float, what: str, got: torch.Tensor) -> None:
+    """``kept_state`` where ``got``, wrong on ``module`` after the calls before it, is right on the same inputs given a
+    fresh layer of the same sizes: the function kept something on the layer (a mask, a scale, a result) from an
+    earlier call, or keyed a cache by the layer."""
+    fresh = _tiny_gpt2(heads=module.num_heads, head_dim=module.head_dim).transformer.h[0].attn
+    expected = _hf().course_attention_forward(fresh, q, k, v, mask, scaling=scaling)[0]
+    if close(got, expected):
+        return
+    try:
+        again = _direct(fn, fresh, q, k, v, mask, scaling, what)
+    except Failure:
+        return
+    if close(again, expected):
+        fail("kept_state", kept_state_message(
+            what, ", called on the layer after the calls before it,", f"differs from the reference by up to "
+            f"{(got - expected).abs().max():.3g}, yet the same call given a fresh layer is right", thing="attention "
+            "function") + " transformers calls it on the same layer for every batch, each with its own "
+            "attention_mask: never store the mask (or anything worked out from an earlier call) on `module`; use "
+            "the arguments of each call.")
+
+
+def _each_sequence_alone(fn: Callable[..., Any], module: nn.Module, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, mask: torch.Tensor, scaling: float, what: str, got: torch.Tensor) -> None:
+    """``batch_mixing`` where the batch's output is wrong and each sequence, run alone with its own rows of the
+    attention_mask, is right: one sequence's padding mask (mask[:1], mask[0]) used for every sequence, or the masks
+    combined over the batch."""
+    alone = []
+    for i in range(q.shape[0]):
+        one = slice(i, i + 1)
+        try:
+            out = _direct(fn, module, q[one], k[one], v[one], mask[one], scaling, what)
+        except Failure:
+            return
+        if not close(out, _hf().course_attention_forward(module, q[one], k[one], v[one], mask[one],
+                                                         scaling=scaling)[0]):
+            return
+        alone.append(out)
+    batch_mixing(what, got, alone, "the attention_mask holds one padding mask per sequence, (N, 1, Lq, Lk), and "
+                                   "each sequence must use its own: use the mask as it is given (it broadcasts over "
+                                   "the heads), never one sequence's rows (attention_mask[:1], attention_mask[0]) "
+                                   "for all, nor the masks combined over the batch.")
 
 
 def _read_weights_back(fn: Callable[..., Any], module: nn.Module, q: torch.Tensor, k: torch.Tensor,

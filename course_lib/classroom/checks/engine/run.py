@@ -799,8 +799,11 @@ def reference_message(found: CallsReference) -> str:
     """The verdict's message: what the code did, and what the exercise asks for instead."""
     did = "is" if found.how == "is a copy of" else found.how if found.how in ("is", "subclasses", "wraps", "calls") \
         else "uses"
+    # the exercise's name, not the reference's (7.2's reference is course_attention_forward, the student's
+    # function attention_forward)
+    asked = BY_ID[found.exercise].name if found.exercise in BY_ID else found.name
     return (f"Your code {did} the course's own {found.called} instead of doing the work itself. Exercise "
-            f"{found.exercise} asks you to write {found.name} yourself: replace the call with your own "
+            f"{found.exercise} asks you to write {asked} yourself: replace the call with your own "
             f"computation, then re-run the check.")
 
 
