@@ -6,6 +6,7 @@ Hints are in ``classroom.exercises``; the shared helpers are in ``_model_common`
 """
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from torch import nn
 from ... import model as model_ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
+from ._device_probe import probe_module
 from ._gradients import check_module_gradients
 from ._model_common import accepts, as_tensor, copy_weights, randomize_, same_when_called_twice
 from ._student_code import (
@@ -31,12 +33,13 @@ from ._student_code import (
     expect_callable,
     expect_tensor,
     max_diff,
+    reraise_with,
 )
 from ._student_files import exception_message
 from .engine import Case, FunctionExercise, checker, first_mistake, function_example, judge, module_example
 from .engine.function import Run
 from .engine.other_sizes import at_other_sizes
-from .engine.probes import module_in_float64
+from .engine.probes import batch_mixing, module_in_float64
 
 __all__ = ["check_sinusoidal_table", "check_transformer_block", "check_gpt"]
 
@@ -380,6 +383,11 @@ def _block_variants(norm_first: bool) -> list[Mistake]:
                                       "pre-norm each LayerNorm sits inside its sublayer, x + mlp(ln2(x)), and the "
                                       "block returns the sum un-normalised.",
                     output=lambda x, a, m, l1, l2: l2((h := x + a(l1(x))) + m(h))),
+            Mistake("norm_placement", "ln2 is applied twice: to the feed-forward's input, as it should be, and "
+                                      "again to the block's output. In pre-norm each LayerNorm sits inside its "
+                                      "sublayer, x + mlp(ln2(x)), and the block returns that sum un-normalised (the "
+                                      "GPT's own final LayerNorm, ln_f, comes after the last block).",
+                    output=lambda x, a, m, l1, l2: l2((h := x + a(l1(x))) + m(l2(h)))),
         ] + common
     return [
         Mistake("norm_placement", "you normalise the input of each sublayer (pre-norm, GPT-2). This block is post-norm "
@@ -490,10 +498,64 @@ def _stream_said(got: torch.Tensor, wanted: torch.Tensor, x: torch.Tensor, block
     return f"something else (off by up to {max_diff(got, wanted):.3g})"
 
 
-def _future_leaks(candidate: nn.Module, changed: torch.Tensor, got: torch.Tensor, what: str) -> bool:
-    """Whether the outputs before the last position moved, on an input whose last position alone was changed."""
-    later = call(candidate, changed, what=what)
-    return isinstance(later, torch.Tensor) and later.shape == got.shape and not close(later[:, :-1], got[:, :-1])
+def _future_leak(candidate: nn.Module, x: torch.Tensor, got: torch.Tensor, what: str,
+                 changed_from: Callable[[torch.Tensor, int], torch.Tensor]) -> str | None:
+    """Where the future leaks into the past: for k = L-1 down to 1, the input changed at positions k.. alone
+    (``changed_from(x, k)``); the first k whose change moves an output before k, in words, or None. The last
+    position first (a leak from the end, the usual one), then earlier ones (a leak that stops short of the end)."""
+    length = x.shape[1]
+    for k in range(length - 1, 0, -1):
+        later = call(candidate, changed_from(x, k), what=what)
+        if isinstance(later, torch.Tensor) and later.shape == got.shape and not close(later[:, :k], got[:, :k]):
+            return f"position {k} (the last)" if k == length - 1 else f"positions {k} to {length - 1}"
+    return None
+
+
+def _noised_from(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x with random noise (a fixed draw) added to its positions k.. alone. Noise, not a constant shift: a
+    LayerNorm removes a shift (and a scale) of a whole position, so a leak behind ln1 or ln2 would not move."""
+    noise = torch.randn(x[:, k:].shape, generator=torch.Generator().manual_seed(35), dtype=x.dtype)   # (N, L-k, E)
+    changed = x.clone()
+    changed[:, k:] += 2.0 * noise.to(x.device)
+    return changed
+
+
+def _tokens_changed_from(vocab_size: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """idx with its tokens at positions k.. replaced by the next token of the vocabulary (the earlier ones kept)."""
+    def changed_from(idx: torch.Tensor, k: int) -> torch.Tensor:
+        changed = idx.clone()
+        changed[:, k:] = (changed[:, k:] + 1) % vocab_size
+        return changed
+    return changed_from
+
+
+def _sequences_alone(candidate: nn.Module, reference: nn.Module, x: torch.Tensor, got: torch.Tensor, what: str,
+                     thing: str) -> None:
+    """``batch_mixing`` (once the batch's output is wrong): each sequence of the batch run alone, a batch of one,
+    is right, and the batch together is not. Every row equal to row 0's own output: row 0's work broadcast."""
+    if x.shape[0] < 2 or not isinstance(got, torch.Tensor) or got.shape[:1] != x.shape[:1]:
+        return
+    alone = []
+    for i in range(x.shape[0]):
+        one = x[i:i + 1]   # (1, L, ...): sequence i alone
+        try:
+            out = call(candidate, one, what=what)
+        except Failure:
+            return
+        if not close(out, reference(one)):
+            return
+        alone.append(out)
+    said = (f"each sequence run alone (a batch of one) is right, but in a batch of {x.shape[0]} your {thing} "
+            f"mixes the sequences")
+    if all(close(got[i], alone[0][0]) for i in range(len(alone))):
+        fail("batch_mixing", f"{what}: every sequence of the batch gets the output of the FIRST sequence: {said}. "
+                             f"Something works on the first row only (x[:1], x[0], idx[:1]) and is copied over the "
+                             f"batch (expand, broadcasting). Work on the whole batch: no [0] or [:1] on the batch "
+                             f"axis.")
+    batch_mixing(what, got, alone, f"{said}: something works on the first row only (x[:1], x[0]) and is broadcast "
+                                   f"over the others, or takes a mean, a sum or a reshape across the batch axis. "
+                                   f"Every step acts on each sequence on its own: keep the batch axis first and "
+                                   f"untouched.")
 
 
 @torch.no_grad()
@@ -503,16 +565,19 @@ def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor,
     first_mistake(_block_variants(norm_first), lambda m: close(got, m.output(x, r.attn, r.mlp, r.ln1, r.ln2)),
                   f"{what}: ")
     expected = reference(x)
+    # behaviour probes, for mistakes we did not list: the sequences of a batch, then the positions of one; both
+    # before the rounding's size, which a small leak would otherwise seem to be
+    _sequences_alone(candidate, reference, x, got, what, "block")
+    leak = _future_leak(candidate, x, got, what, _noised_from)
+    if leak:
+        fail("causal_mask", f"{what}: when only x at {leak} changed, the outputs at earlier positions "
+                            f"changed too: an earlier position's output depends on a later position's input, so "
+                            f"the future leaks into the past. Let self.attn do all the mixing between positions "
+                            f"(it applies the causal mask); the LayerNorms, the feed-forward and the residual act on "
+                            f"each position alone (no mean, sum, cumsum, roll or shift along the sequence axis, "
+                            f"dim 1).")
     if coarse_precision(got, expected):   # a rounding's size (LayerNorm's eps was a listed mistake above)
         fail("precision", f"{what}: {HALF_PRECISION} (Off by up to {max_diff(got, expected):.3g}.)")
-    # behaviour probes, for mistakes we did not list
-    if x.shape[1] > 1:
-        changed = x.clone()
-        changed[:, -1] += 3.0
-        if _future_leaks(candidate, changed, got, what):
-            fail("causal_mask", f"{what}: changing the last position changes the outputs at earlier positions, "
-                                f"so the future leaks into the past. Let self.attn do all the mixing between "
-                                f"positions (it applies the causal mask); everything else acts per position.")
     rerun = lambda: call(candidate, x, what=what)
     for name in ("attn", "mlp"):
         proj = getattr(getattr(candidate, name), "proj", None)
@@ -540,6 +605,31 @@ def _diagnose_block(candidate: nn.Module, reference: nn.Module, x: torch.Tensor,
                      f"block (largest difference {max_diff(got, expected):.3g}). Check the order: "
                      + ("x + attn(...) of ln1(x), then the same with ln2 and mlp."
                         if norm_first else "ln1 of (x + attention of x), then ln2 of (x + mlp of x)."))
+
+
+class _PassThrough(nn.Module):
+    """A course part's stand-in in the device probe: its input back, on the device it came on."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+
+def _course_parts_passed(module: nn.Module, *names: str) -> nn.Module | None:
+    """A copy of the student's module whose parts ``names``, the course's own (self.attn and self.mlp, the GPT's
+    blocks; the student writes none of them), return their input: the device probe runs only the student's lines
+    on meta, where the course's attention and feed-forward cost ten times theirs. A CPU tensor that would have met
+    a part's weights meets the next meta operation instead. None when it cannot be copied (inconclusive)."""
+    try:
+        probed = copy.deepcopy(module)
+    except Exception:  # noqa: BLE001 - a module that cannot be copied is judged elsewhere
+        return None
+    for name in names:
+        part = getattr(probed, name, None)
+        if isinstance(part, nn.ModuleList):
+            setattr(probed, name, nn.ModuleList(_PassThrough() for _ in part))
+        elif isinstance(part, nn.Module):
+            setattr(probed, name, _PassThrough())
+    return probed
 
 
 def _block_example(cls: Any, norm_first: bool = True, **_: Any) -> Any:
@@ -590,6 +680,12 @@ def check_transformer_block(cls: Any, norm_first: bool = True) -> str:
     x = _inputs(generator, 2, 5)
     module_in_float64(lambda: _build_block(cls, norm_first)[::-1], x, f"your block on x of shape {tuple(x.shape)}")
     _check_other_block(cls, norm_first, generator)
+    # the block copied to the meta device, in eval then training mode, its sublayers passed through: a tensor made
+    # on the CPU (a buffer without device=) or a result copied there shows (the text asks for x's device)
+    candidate.eval()
+    probed = _course_parts_passed(candidate, "attn", "mlp")
+    if probed is not None:
+        probe_module(probed, x, f"your block on x of shape {tuple(x.shape)}")
     return f"Same outputs as the reference {kind} block, with residuals around both sublayers."
 
 
@@ -711,14 +807,16 @@ def _diagnose_gpt(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor,
         fail("logits", f"{what}: you return log-probabilities (a log_softmax of the logits). Return logits, "
                          f"not probabilities: cross-entropy applies the log-softmax itself.")
     first_mistake(_gpt_variants(reference), lambda mistake: close(got, mistake.output(idx)), f"{what}: ")
+    _sequences_alone(candidate, reference, idx, got, what, "GPT")
     length = idx.shape[1]
     if length > 1:
-        changed = idx.clone()
-        changed[:, -1] = (changed[:, -1] + 1) % reference.config.vocab_size
-        if _future_leaks(candidate, changed, got, what):
-            fail("causal_mask", f"{what}: changing the last token changes the logits at earlier positions: "
-                                f"the future leaks into the past. Only the attention layers should mix "
-                                f"positions, and they apply the causal mask.")
+        leak = _future_leak(candidate, idx, got, what, _tokens_changed_from(reference.config.vocab_size))
+        if leak:
+            fail("causal_mask", f"{what}: when only the tokens of idx at {leak} changed, the logits at earlier "
+                                f"positions changed too: an earlier position's output depends on a later token, so "
+                                f"the future leaks into the past. Only the attention layers inside the blocks mix "
+                                f"positions, and they apply the causal mask; the embeddings, positions, ln_f and the "
+                                f"head act on each position alone (no mean, sum, cumsum, roll or shift along dim 1).")
         same = torch.full((1, length), 3, dtype=torch.long)
         flat = call(candidate, same, what=what)
         if isinstance(flat, torch.Tensor) and flat.dim() == 3 and close(flat[0, :1].expand_as(flat[0]), flat[0]):
@@ -921,7 +1019,17 @@ def _check_other_parts(cls: Any, generator: torch.Generator) -> None:
         idx = torch.randint(0, config.vocab_size, (2, 5), generator=generator)
         what = f"your GPT with {parts} on idx of shape (2, 5)"
         with torch.no_grad():
-            got = expect_tensor(call(candidate, idx, what=what), (2, 5, config.vocab_size), what)
+            try:
+                got = call(candidate, idx, what=what)
+            except Failure as failure:
+                if failure.diagnosis != "exception":
+                    raise
+                reraise_with(failure, "exception", " It ran with learned positions and pre-norm blocks: your forward "
+                                                   "reaches inside one kind of part (self.position_encoding.embedding"
+                                                   " or .table, a block's attribute) or branches on the config. "
+                                                   "The positions come from self.position_encoding(L, start) "
+                                                   "whatever the config, and each block is called as it is.")
+            got = expect_tensor(got, (2, 5, config.vocab_size), what)
             if not close(got, reference(idx)):
                 _diagnose_gpt(candidate, reference, idx, got, what)
                 fail("mismatch", f"{what}: the logits differ from the reference's, though they matched with "
@@ -1032,6 +1140,9 @@ def check_gpt(cls: Any) -> str:
                                   f"nothing of what to do. Name the limit and the way under it: for example, that the model "
                                   f"takes at most max_tokens tokens, so crop the input (idx[:, -max_tokens:]).")
     except Exception as error:   # refused, but not as the text asks
+        # an IndexError may be a table read past its end, where a table of one kind of part is read directly:
+        # that mistake first (the sinusoidal config), with a generator of its own
+        _check_other_parts(cls, torch.Generator().manual_seed(9))
         fail("context_limit", f"Your GPT raised {type(error).__name__} for {config.max_tokens + 1} tokens with "
                               f"max_tokens={config.max_tokens}. Raise a ValueError that says how to crop the input "
                               f"(idx[:, -max_tokens:]): a caller catches ValueError for a bad argument, and an assert "
@@ -1051,4 +1162,11 @@ def check_gpt(cls: Any) -> str:
         if failure.diagnosis != "not_implemented":
             raise
         note = " (The cache path of your forward is not written yet; notebook 06 comes back to it.)"
+    # the GPT copied to the meta device with meta ids (integers still: an embedding takes them), in eval then
+    # training mode, its blocks passed through: a tensor made on the CPU or a result copied there shows (the text
+    # asks for idx's device). A forward that reads the ids' numbers (that they lie in the vocabulary) cannot run
+    # there: inconclusive.
+    probed = _course_parts_passed(candidate, "blocks")
+    if probed is not None:
+        probe_module(probed, too_long[:, :5], "your GPT on idx of shape (1, 5)")
     return "Logits match the reference GPT for every batch size and length." + note
