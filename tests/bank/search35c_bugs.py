@@ -81,7 +81,6 @@ class BlockHandAttentionTril0(_Block):
 
 
 @correct("4.2")
-@correct("4.2", norm_first=False)
 class BlockLayerNormByHand(_Block):
     """Right: each LayerNorm by hand, a mean and a variance over the features (dim -1), never over the sequence."""
 
@@ -96,6 +95,11 @@ class BlockLayerNormByHand(_Block):
             return x + self.mlp(self._norm(self.ln2, x))
         x = self._norm(self.ln1, x + self.attn(x))
         return self._norm(self.ln2, x + self.mlp(x))
+
+
+@correct("4.2", norm_first=False)
+class BlockLayerNormByHandPostNorm(BlockLayerNormByHand):
+    """Right: the same LayerNorms by hand, checked as the post-norm block (one attempt's name per option)."""
 
 
 @correct("4.2")
