@@ -466,6 +466,8 @@ SCALED_DOT_PRODUCT_ATTENTION = FunctionExercise(
     mistakes=SDPA_HYPOTHESES,
     variant=lambda q, k, v, mask=None, *, spec: sdpa_variant(q, k, v, mask, spec),
     reword=_sdpa_reword, diagnose=_sdpa_diagnose, examples=_sdpa_examples, gradients=_sdpa_gradients,
+    # each sequence (and head) of a batch alone: q, k and v flattened to 2-D let every query see every sequence
+    probes=FunctionExercise.probes + ("batch",),
     # without a mask: masking after the softmax and renormalising is right, and underflows on large scores
     magnitude=lambda: [_sdpa_case(q2, k2, v, call=f"{case.what} with {how}") for case in _sdpa_cases()[:2]
                        for q, k, v in (case.args,) for q2, k2, how in magnitude_scores(q, k)],
