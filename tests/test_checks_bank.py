@@ -56,6 +56,10 @@ from bank import (
     search35c_bugs,
     search35d_bugs,
     search36a_bugs,
+    search36b_bugs,
+    search37a_bugs,
+    search37b_bugs,
+    search38_bugs,
     search_bugs,
     state_bugs,
     text_bugs,
@@ -74,7 +78,8 @@ BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, varian
          search32_bugs, search32p_bugs, search32q_bugs, search32r_bugs, search32s_bugs,
          search32t_bugs, search33a_bugs, search33b_bugs, search33c_bugs, search33d_bugs,
          search34q_bugs, search34r_bugs, search35a_bugs, search35b_bugs,
-         search35c_bugs, search35d_bugs, search36a_bugs)
+         search35c_bugs, search35d_bugs, search36a_bugs, search36b_bugs,
+         search37a_bugs, search37b_bugs, search38_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
 

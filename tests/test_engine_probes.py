@@ -169,6 +169,40 @@ def test_a_result_in_the_default_dtype_is_found(exercise):
     assert "float64" in result.message
 
 
+@pytest.mark.parametrize("exercise", [e for e in IDS if "bfloat16" in DECLARATIONS[e].probes])
+def test_a_float32_tensor_that_float64_hides_is_found_in_bfloat16(exercise):
+    """Where the text asks for the inputs' dtype: a zero made in the default dtype added to the result. Float64
+    inputs promote it away (the dtype probe passes); bfloat16 ones are promoted by it to float32."""
+    attempt = _attempts(exercise)[0]
+
+    def candidate(*args, **kwargs):
+        return _each(attempt(*args, **kwargs), lambda t: t + torch.zeros(t.shape[-1:], device=t.device)
+                     if t.is_floating_point() and t.dtype != torch.float32 else t)
+
+    result = _check(DECLARATIONS[exercise], candidate)
+    assert (result.passed, result.diagnosis) == (False, "dtype"), result
+    assert "bfloat16" in result.message or "float16" in result.message   # 9.2's own cases hold float16 x
+
+
+@pytest.mark.parametrize("exercise", [e for e in IDS if e not in NUMBER_ANSWERS])
+def test_a_random_draw_in_the_result_is_dropout(exercise):
+    """Noise drawn from torch's random state at every call, on a floating result: the same seed gives the same
+    output (nothing kept), other seeds another (a draw), and the reference has none: ``dropout``."""
+    declaration, attempt = DECLARATIONS[exercise], _attempts(exercise)[0]
+    out = declaration.reference(*declaration.cases()[0].args)
+    if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
+        return   # a mask, token ids: no noise to add
+
+    def candidate(*args, **kwargs):
+        # never near zero: a draw that happened to be tiny would make the output right by chance
+        return _each(attempt(*args, **kwargs), lambda t: t + 0.1 + 0.1 * torch.rand(t.shape, dtype=t.dtype,
+                                                                                    device=t.device)
+                     if t.is_floating_point() else t)
+
+    result = _check(declaration, candidate)
+    assert (result.passed, result.diagnosis) == (False, "dropout"), result
+
+
 @pytest.mark.parametrize("exercise", [e for e in IDS if "device" in DECLARATIONS[e].probes])
 def test_a_result_copied_to_the_cpu_is_found(exercise):
     """Where the text asks for x's device: the attempt's result moved with .cpu() (a no-op on a CPU)."""

@@ -242,7 +242,7 @@ def sdpa_manual_softmax(q, k, v, mask=None):
 def sdpa_log_mask(q, k, v, mask=None):
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if mask is not None:
-        scores = scores + torch.log(mask.float())   # log(0) = -inf, log(1) = 0
+        scores = scores + torch.log(mask.to(q.dtype))   # log(0) = -inf, log(1) = 0; mask.float(): search36a
     return scores.softmax(dim=-1) @ v
 
 

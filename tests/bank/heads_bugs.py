@@ -235,8 +235,8 @@ def ablate_with_pre_hook(model, layer, head):
 @contextlib.contextmanager
 def ablate_by_masking(model, layer, head):
     attn = model.blocks[layer].attn
-    keep = torch.ones(attn.num_heads * attn.head_dim, device=attn.proj.weight.device)
-    keep[head * attn.head_dim:(head + 1) * attn.head_dim] = 0
+    keep = torch.ones(attn.num_heads * attn.head_dim, device=attn.proj.weight.device, dtype=attn.proj.weight.dtype)
+    keep[head * attn.head_dim:(head + 1) * attn.head_dim] = 0   # without dtype=: search38_bugs
 
     def hook(module, inputs):
         return (inputs[0] * keep,)

@@ -283,6 +283,27 @@ def fit_scale(weights: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor
     return factor if residual < 1e-4 else None
 
 
+def _column_max_shift(weights: torch.Tensor, scaled: torch.Tensor, full: torch.Tensor, seen: torch.Tensor,
+                      key_axis: str) -> None:
+    """``softmax_dim`` where the weights are exp(s - m) over the keys with m each KEY's maximum over the queries
+    (amax(dim=-2)), renormalised: a shift that changes along a row changes the softmax, which only a shift
+    constant along the row (each row's own maximum) leaves alone."""
+    if weights.shape[-2] < 2:
+        return
+    right = scaled.masked_fill(~full, float("-inf")).softmax(-1)
+    for column in (scaled.masked_fill(~full, float("-inf")).amax(-2, keepdim=True),   # (..., 1, Lk): over the
+                   scaled.amax(-2, keepdim=True)):                                       # queries that see it, or all
+        if not bool(torch.isfinite(column).all()):
+            continue
+        shifted = (scaled - column).exp().masked_fill(~full, 0.0)
+        wrong = shifted / shifted.sum(-1, keepdim=True)
+        if close(weights[seen], wrong[seen]) and not close(wrong[seen], right[seen]):
+            fail("softmax_dim", f"Read back, your attention weights are exp(s - m) over the keys with m each key's "
+                                f"maximum over the QUERIES (amax(dim=-2)): that shift changes along a row, so it "
+                                f"changes the softmax (it is no softmax at all). Subtract each row's own maximum, over "
+                                f"{key_axis}: scores.amax(dim=-1, keepdim=True), or use torch.softmax(scores, dim=-1).")
+
+
 def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor | None,
                      expected_scale: float, *, key_axis: str = "the keys (dim=-1)",
                      hidden: str = "masked keys", scale_name: str = "1/sqrt(d)", scores_name: str = "q k^T",
@@ -306,6 +327,7 @@ def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch
                           f"digits (off by up to {max_diff(weights[seen], expected[seen]):.3g}): part of your "
                           f"computation runs in a lower precision or rounds (.half(), torch.bfloat16, an "
                           f"autocast, a .round()). Keep the inputs' dtype throughout.")
+    _column_max_shift(weights, scores * expected_scale, full, seen, key_axis)
     if not sums_to_one(weights, -1):
         for dim in range(weights.dim() - 1):
             if weights.shape[dim] > 1 and sums_to_one(weights, dim):

@@ -120,6 +120,8 @@ class ModuleCheck:
                 try:
                     out = module_output(model, x, what)
                 except Failure as failure:
+                    if index == 0 and failure.diagnosis in ("exception", "shape"):
+                        self._first_call_failed(failure, model, reference, x, what)
                     full = self.runs[-index] if index else None
                     if (full is not None and failure.diagnosis in ("exception", "shape")
                             and close(full.out, full.expected)):
@@ -143,6 +145,31 @@ class ModuleCheck:
                 with torch.no_grad():
                     expected = reference(x)
                 self.runs += [Run(heads, params, x, out, expected, what)]
+
+    def _right_on(self, model: nn.Module, reference: nn.Module, x: torch.Tensor, what: str) -> bool:
+        try:
+            out = module_output(model, x, what)
+        except Failure:
+            return False
+        with torch.no_grad():
+            return close(out, reference(x))
+
+    def _first_call_failed(self, failure: Failure, model: nn.Module, reference: nn.Module, x: torch.Tensor,
+                           what: str) -> None:
+        """The first call failed: where the module is right on a batch of one (x[:1]), or on a batch as large as
+        the sequence is long, name the size it assumes."""
+        n, length, _ = x.shape
+        if n > 1 and self._right_on(model, reference, x[:1], what):
+            reraise_with(failure, "shape", " Your module is right for a batch of one sequence (x[:1]) only: it "
+                                           "assumes a batch of one (x[0], .squeeze(0), a 1 written as the batch "
+                                           "size). Keep the batch axis: take N from x.shape and reshape with it.")
+        square = torch.randn(length, length, EMBED_DIM, generator=torch.Generator().manual_seed(length))
+        if n != length and self._right_on(model, reference, square, what):
+            reraise_with(failure, "causal_mask", f" Your module is right on x of shape {(length, length, EMBED_DIM)}, "
+                                                 f"where the batch is as large as the sequence is long, but not on a "
+                                                 f"batch of {n}: it reads the length L from the batch axis (len(x), "
+                                                 f"x.shape[0], x.size(0) are N), so the causal mask is cut to N x N. "
+                                                 f"L is x.shape[1]: self.mask[:L, :L].")
 
     # -------------------------------------------------------------------- diagnosing
 

@@ -68,7 +68,8 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
     own dtype: whether exp overflows depends on it (float32 overflows past exp(88), underflows below -104).
     ``maximum``: "running" (right), "none" (nothing subtracted), "last" (this block's only), "zero" (a running
     maximum that starts at 0, not -inf), "shared" (one running maximum for all rows). ``rescale``: "ok",
-    "none" (never rescaled), "inverted" (exp(m_new - m_old); "inverted_guarded": 0 while m is -inf), "block" (by this block's own maximum), "after"
+    "none" (never rescaled), "inverted" (exp(m_new - m_old); "inverted_guarded": 0 while m is -inf), "block" (by this block's own maximum), "old_over_block"
+    (exp(m_old - block_max), against this block's maximum, not the new running one), "after"
     (the old sum and the new terms both rescaled), "new" (the new terms rescaled, the old sum not)."""
     m = torch.full(x.shape[:-1], 0.0 if maximum == "zero" else float("-inf"), dtype=x.dtype)
     total = torch.zeros(x.shape[:-1], dtype=x.dtype)
@@ -89,7 +90,9 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
             old = torch.where(torch.isinf(m) & torch.isinf(m_new), torch.zeros_like(m), m - m_new)
             factor = {"ok": torch.exp(old), "none": torch.ones_like(m), "inverted": torch.exp(-old),
                       "inverted_guarded": torch.where(torch.isinf(m), torch.zeros_like(m), torch.exp(-old)),
-                      "block": torch.exp(block.amax(-1) - m_new), "after": None, "new": None}[rescale]
+                      "block": torch.exp(block.amax(-1) - m_new), "after": None, "new": None,
+                      "old_over_block": torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf),
+                                                              m - block.amax(-1)))}[rescale]
             terms = torch.exp(block - m_new[..., None]).sum(-1)
             if rescale == "after":       # (l + new terms) * factor: the new terms shrunk too
                 total = (total + terms) * torch.exp(old)
@@ -120,8 +123,9 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
     those run in q's own dtype, where exp overflows or underflows as the student's does. ``k_bounds``: "overlap"
     (k[ks : ks + B + 1]), "short" (the last key never read), "stop_early" (range(0, Lk - B, B)); ``mask``: "local"
     (positions counted inside the block, every block masked), "local_diagonal" (only blocks that cross the
-    diagonal) or "diagonal" (each query hidden from its own key too); ``skip="first_query"``: the key loop stops
-    at the block's first query; ``always_causal``: masked even when causal=False; ``values="keys"``: p @ k; ``normalize``:
+    diagonal), "diagonal" (each query hidden from its own key too) or "flipped" (tril(ks - qs) of the block, the
+    offset negated); ``skip="first_query"``: the key loop stops at the block's first query, ``"from_diagonal"``: it
+    starts at the query block's diagonal key block; ``always_causal``: masked even when causal=False; ``values="keys"``: p @ k; ``normalize``:
     "every" (acc / l after each block) or "unrenormalised" (acc += p @ v / l_new, the old part never rescaled
     by l_old / l_new); ``factor_on``: what exp(m_old - m_new) multiplies in l and acc, "old" (right), "all"
     (the old part and the new block's) or "new" (the new block's only); ``exp_against="old"``: p = exp(s - m_old),
@@ -145,7 +149,8 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
                 continue
             if causal:
                 if not {"ok": k_start <= q_end - 1, "index": j <= i, "strict": k_start < q_start,
-                        "first_query": k_start <= q_start}[skip]:
+                        "first_query": k_start <= q_start,
+                        "from_diagonal": (q_start // block_k) * block_k <= k_start <= q_end - 1}[skip]:
                     continue
             kb, vb = k[..., k_start:k_end, :], (k if values == "keys" else v)[..., k_start:k_end, :]
             if last_block == "padded" and k_end - k_start < block_k:   # zeros appended, never masked
@@ -156,7 +161,11 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
                 local = mask.startswith("local")          # positions counted from the block's corner
                 rows = torch.arange(0 if local else q_start, (0 if local else q_start) + s.shape[-2])[:, None]
                 cols = torch.arange(0 if local else k_start, (0 if local else k_start) + s.shape[-1])[None, :]
-                s = s.masked_fill(cols >= rows if mask == "diagonal" else cols > rows, float("-inf"))
+                if mask == "flipped":                     # tril(ks - qs): the block's offset negated
+                    rows, cols = rows - q_start, cols - k_start
+                    s = s.masked_fill(cols - rows > k_start - q_start, float("-inf"))
+                else:
+                    s = s.masked_fill(cols >= rows if mask == "diagonal" else cols > rows, float("-inf"))
             if maximum == "none":        # exp(s) itself: overflows past 88 in float32
                 m_new = torch.zeros_like(m)
             elif maximum == "shared":    # s.max() without dim=-1: one maximum for every row of the block
@@ -164,6 +173,8 @@ def forward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
             else:
                 m_new = torch.maximum(m, s.amax(-1))
             safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            if mask == "flipped":        # as written with it: a row with no key in a block gives -inf - -inf = NaN
+                safe = m_new
             p = torch.exp(s - safe[..., None])
             if exp_against == "old":     # the exponentials taken before the maximum is updated
                 base = torch.where(torch.isinf(m), s.amax(-1), m)
@@ -270,6 +281,13 @@ FORWARD_MISTAKES = tuple(Mistake(code, f"flash_attention: {why}", spec) for code
                  "positions ks + col and qs + row.",
         "local_diagonal": "In a block that crosses the diagonal, compare the absolute positions ks + col and qs + "
                           "row."}.items()),
+    ("causal_mask", "your block's mask is tril(ks - qs), the offset's sign reversed: in the blocks below the "
+                    "diagonal it hides keys the queries may see (every one of them, where a block is far enough "
+                    "down, so a row has no key at all and 0/0 is NaN). Key ks + col is visible to query qs + row "
+                    "when ks + col <= qs + row: tril(qs - ks) of the block.", {"mask": "flipped"}),
+    ("block_skip", "with causal, your key loop starts at the query block's diagonal key block: the key blocks "
+                   "before it, which every query of the block may see, are never read. A query sees every key from "
+                   "position 0: the key loop runs over range(0, min(Lk, qe), block_k).", {"skip": "from_diagonal"}),
     ("causal_mask", "you mask the future although causal=False: only causal attention hides later keys; mask "
                     "(and skip key blocks) only when causal is True.", {"always_causal": True}),
     ("values", "the weights multiply the keys (p @ k): the output is the weighted sum of the VALUES, acc += p @ "

@@ -272,7 +272,7 @@ def _rms(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _offset(how: str, start: int, length: int) -> int:
     # (A constant shift of every position is no mistake the outputs can show: RoPE only sees offsets.)
-    return {"ok": start, "zero": 0, "after_append": start + length}[how]
+    return {"ok": start, "zero": 0, "after_append": start + length, "one_row": start}[how]
 
 
 def _allowed(how: str, start: int, length: int, total: int, window: int | None, window_how: str,
@@ -286,6 +286,8 @@ def _allowed(how: str, start: int, length: int, total: int, window: int | None, 
         causal = torch.ones(length, total, dtype=torch.bool)
     elif how == "top_left":                                   # is_causal=True with fewer queries than keys
         causal = j <= i - start
+    elif how == "rows_early" and cached and start > 0:        # rows start-1 .. total-2: no query sees itself
+        causal = j <= i - 1
     else:
         causal = j <= i
     if window is None or window_how == "ignored":
@@ -301,8 +303,8 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
 
     spec keys (right value first): group "interleave"/"tile"/"first" (group_v: the values' alone); rope_q, rope_k True/False; rope_v False/True;
     kind "half"/... and axis "length"/"heads" (see rotate above); offset (and offset_q, the
-    queries' alone) "ok"/"zero"/"after_append"; mask "causal"/"none"/"top_left"/"top_left_chunks"/
-    "none_cached"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"/"times"/
+    queries' alone) "ok"/"zero"/"after_append"/"one_row" (with a cache, every new token turned by the one row
+    cos[start]); mask "causal"/"none"/"top_left"/"top_left_chunks"/"none_cached"/"rows_early"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"/"times"/
     "after"/"embed_over_heads" or a float (the factor itself); split and merge "ok"/"no_transpose"/"bare"; value "value"/"key";
     qk_norm "ok"/"none"/"after_rope"/"q_only"; softmax "keys"/"queries"/"heads"; theta (tables rebuilt with this
     theta); flat False/True (the flat projection turned with tiled tables, before the head split).
@@ -332,12 +334,16 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
         if norm == "ok":
             k = _rms(k, p["k_norm.weight"], setup.eps)
         turn = not spec.get("flat")
+        rows = (cos, sin)
+        if spec.get("offset") == "one_row" and cached and start > 0:   # every new token at position start
+            rows, offset = (cos[start:start + 1].expand(length, -1), sin[start:start + 1].expand(length, -1)), 0
+        offset_q = offset if "offset_q" not in spec else _offset(spec["offset_q"], start, length)
         if turn and spec.get("rope_q", True):
-            q = rotate(q, cos, sin, _offset(spec.get("offset_q", spec.get("offset", "ok")), start, length), **rope)
+            q = rotate(q, *rows, offset_q, **rope)
         if turn and spec.get("rope_k", True):
-            k = rotate(k, cos, sin, offset, **rope)
+            k = rotate(k, *rows, offset, **rope)
         if spec.get("rope_v", False):
-            v = rotate(v, cos, sin, offset, **rope)
+            v = rotate(v, *rows, offset, **rope)
         if norm == "after_rope":
             q, k = _rms(q, p["q_norm.weight"], setup.eps), _rms(k, p["k_norm.weight"], setup.eps)
         keys += [k]
@@ -485,6 +491,14 @@ CACHED: tuple[Mistake, ...] = (
                            "is_causal=(L > 1) aligns query i with key i, but the new queries sit at positions "
                            "cache.length ... total-1. Mask with the rows of those positions, "
                            "causal_mask(total, device=x.device)[start:total].", {"mask": "top_left_chunks"}),
+    Mistake("rope_positions", "With a KV cache every new token is turned by the one row cos[start] (sin[start]), "
+                              "as if one token came at a time: token i of x sits at position start + i, so rotate "
+                              "the new tokens with the rows start .. start + L - 1 (apply_rotary(..., "
+                              "offset=cache.length)).", {"offset": "one_row"}),
+    Mistake("causal_mask", "With a KV cache your mask's rows are one too early, so no new token sees its own key: "
+                           "query i of x sits at position start + i and may see keys 0 .. start + i, itself "
+                           "included. Take the rows start .. total - 1 of causal_mask(total), "
+                           "causal_mask(total, device=x.device)[start:total].", {"mask": "rows_early"}),
     Mistake("causal_mask", "With a KV cache you drop the causal mask, but the tokens of one call still must not "
                            "see each other's future (a prompt, or several new tokens at once): query i, at "
                            "position cache.length + i, may see keys up to there only.", {"mask": "none_cached"}),

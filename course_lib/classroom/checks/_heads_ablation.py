@@ -35,7 +35,7 @@ from .engine import first_mistake
 from .engine.example import compare
 from .engine.function import UNEXPLAINED, Afresh
 from .engine.model_state import ModelState, autograd_cause, global_hooks_kept, plant_hooks
-from .engine.probes import AFTER_A_STEP, weight_step
+from .engine.probes import AFTER_A_STEP, called_in_bfloat16, expect_dtype_in_bfloat16, weight_step
 
 _OWNS = "head h owns columns h * head_dim .. (h+1) * head_dim - 1"
 _OTHER_LAYER = "a head of another layer is switched off: `layer` counts model.blocks from 0."
@@ -377,7 +377,7 @@ class _Fresh:
         except Failure as failure:
             if failure.diagnosis == "exception" and any(w in failure.message for w in _DTYPE_WORDS):
                 fail("dtype", f"{_sentence(failure.message)} A tensor of another dtype reached a layer (float64 in a float32 "
-                              f"model, or float32 in a float64 one): a dtype is written into your code "
+                              f"model, or float32 in a float64 or bfloat16 one): a dtype is written into your code "
                               f"(torch.float32, .float(), dtype=torch.float64). Make new tensors like the one you "
                               f"change: torch.ones_like(x), x.new_zeros(...), dtype=x.dtype.")
             raise
@@ -479,9 +479,10 @@ def _judge(fn: Callable[..., Any]) -> str:
     _after_a_step(fn)
     _on_meta(fn)
     _in_float64(fn)
+    _in_bfloat16(fn)
     return ("Inside the `with`, exactly that head is off (three models, one with grouped key/value heads and "
             "head_dim != embed_dim / heads, eight layer/head pairs, gradients still "
-            "flowing, a float64 model too, on another device too); afterwards, and after an exception inside, the model is exactly as "
+            "flowing, a float64 and a bfloat16 model too, on another device too); afterwards, and after an exception inside, the model is exactly as "
             "before, other code's hooks included.")
 
 
@@ -663,6 +664,22 @@ def _in_float64(fn: Callable[..., Any]) -> None:
                               f"Keep the model's dtype throughout.")
     finally:
         torch.set_default_dtype(previous)
+
+
+def _in_bfloat16(fn: Callable[..., Any]) -> None:
+    """The bfloat16 probe (the text asks for new tensors in the activations' dtype): one case on the model in
+    bfloat16, where a float32 tensor of the hook (torch.ones(D) without dtype=) is not promoted away as float64
+    promotes it. The output must be bfloat16; its values are not judged (judged in float32 and float64)."""
+    described, built = _models()[0]
+    layer, head = _CASES[0][0]
+    shown = f"ablate_head(model, layer={layer}, head={head}) on {described} in bfloat16 (model.to(torch.bfloat16))"
+    idx = torch.randint(13, (2, 10), generator=torch.Generator().manual_seed(13))   # (N, L)
+    model = copy.deepcopy(built).to(torch.bfloat16)
+    made = ("A tensor of your hook is made in float32 whatever the activations' dtype (torch.ones(D) or torch.zeros "
+            "without dtype=, .float()): a float64 model hides it, since float32 with float64 gives float64.")
+    out = called_in_bfloat16(lambda: _Fresh(fn, model, layer, head, shown, copied=False).output_inside(idx), shown,
+                             made)
+    expect_dtype_in_bfloat16(out, shown, made)
 
 
 def ablation_example(fn: Callable[..., Any], *_: Any, **__: Any) -> Example | None:

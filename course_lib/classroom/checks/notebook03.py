@@ -135,7 +135,7 @@ SPLIT_HEADS = FunctionExercise(
     gradients=lambda: [Case((torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0)), 2),
                             "split_heads(x, 2) with x of shape (2, 3, 8)")],
     examples=lambda: [Case((_arange(1, length, 4), 2), "split_heads(x, 2)") for length in (1, 2, 3)],
-    probes=FunctionExercise.probes + ("device",),   # the text asks for x's device
+    probes=FunctionExercise.probes + ("device", "bfloat16"),   # the text asks for x's device and dtype
 )
 
 
@@ -180,7 +180,7 @@ MERGE_HEADS = FunctionExercise(
     gradients=lambda: [Case((torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(0)),),
                             "merge_heads(x) with x of shape (2, 2, 3, 4)")],
     examples=lambda: [Case((_arange(1, 2, length, 2),), "merge_heads(x)") for length in (1, 2, 3)],
-    probes=FunctionExercise.probes + ("device",),   # the text asks for x's device
+    probes=FunctionExercise.probes + ("device", "bfloat16"),   # the text asks for x's device and dtype
 )
 
 

@@ -727,6 +727,7 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
             x = sum(block(x) for block in ref.blocks)
         for block in (ref.blocks if blocks is None else blocks):
             x = block(x + table if positions == "every" else x)
+            x = ref.ln_f(x) if ln_f == "every" else x   # the final LayerNorm after each block
         x = x + table if positions == "after" else x
         x = ref.ln_f(x) if ln_f is True else _BARE(ref.ln_f)(x) if ln_f == "bare" else x
         return x @ ref.token_embedding.weight.T if tied else ref.head(x)
@@ -790,6 +791,10 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
             Mistake("final_norm", "the final LayerNorm self.ln_f is applied before the blocks, not after them: the "
                                   "blocks run on the embeddings, then ln_f, then the head.",
                     output=lambda idx: run(idx, ln_f="first")),
+            Mistake("norm_placement", "the final LayerNorm self.ln_f is applied after every block (x = "
+                                      "self.ln_f(block(x)) in the loop): it comes once, after the last block, before "
+                                      "the head. Each block normalises its own sublayers' inputs already.",
+                    output=lambda idx: run(idx, ln_f="every")),
             *positions[1:], *scales, *chains,
             Mistake("mismatch", "your logits come from the token embedding (ln_f(x) @ token_embedding.weight.T, a "
                                 "tied head); this GPT has an output layer of its own: self.head(self.ln_f(x)).",
@@ -1073,6 +1078,24 @@ def _build_gpt(cls: Any, config: Any, generator: torch.Generator) -> tuple[nn.Mo
 _TRAIN_DROPOUT = 0.2
 
 
+def _right_on_a_new_gpt(cls: Any, config: Any, idx: torch.Tensor, failure: Failure | None, what: str,
+                        first: bool = False) -> None:
+    """``kept_state`` where a call that failed (``failure``, or returned the wrong shape: None) after earlier calls
+    is right on a new GPT with the same weights: what broke it the model kept from an earlier call."""
+    if first or failure is not None and failure.diagnosis not in ("exception", "shape"):
+        return
+    candidate, reference = _build_gpt(cls, config, torch.Generator().manual_seed(7))   # the check's own weights
+    try:
+        got = _full_length_call(candidate, idx, config.max_tokens, what)
+    except Failure:
+        return
+    if isinstance(got, torch.Tensor) and got.shape == (*idx.shape, config.vocab_size) and close(got, reference(idx)):
+        fail("kept_state", f"{what} {'raised an error' if failure is not None else 'returned the wrong shape'}, yet "
+                           f"a new GPT with the same weights is right on it: your GPT keeps something from an earlier "
+                           f"call (positions or a table of one length stored on self) and reuses it on inputs it does "
+                           f"not fit. Compute the positions from each call's idx: torch.arange(L, device=idx.device).")
+
+
 def _length_from_batch(candidate: nn.Module, reference: nn.Module, idx: torch.Tensor, failure: Failure,
                        what: str) -> None:
     """``positions``: a call that raised on idx (N, L) with N != L but is right on a square idx (L, L): the length
@@ -1108,7 +1131,11 @@ def check_gpt(cls: Any) -> str:
                 got = _full_length_call(candidate, idx, config.max_tokens, what)
             except Failure as failure:
                 _length_from_batch(candidate, reference, idx, failure, what)
+                _right_on_a_new_gpt(cls, config, idx, failure, what, first=(batch, length) == _SHAPES[0])
                 raise
+            if isinstance(got, torch.Tensor) and tuple(got.shape) != (batch, length, vocab) and \
+                    (batch, length) != _SHAPES[0]:
+                _right_on_a_new_gpt(cls, config, idx, None, what)
             if isinstance(got, tuple) and got and isinstance(got[0], torch.Tensor):
                 fail("dtype", f"{what} returned a tuple of {len(got)}; return only the logits tensor "
                               f"(N, L, vocab_size). The loss is computed outside the model, by lm_loss.")

@@ -195,8 +195,18 @@ LM_WINDOWS = FunctionExercise(
                 output=lambda ids, t, s: torch.stack([(w := data_ref.lm_windows(ids, t, s)[0]), w + 1])),
     ),
     exact=True, each_case=True, raw=_windows_count, diagnose=_windows_spacing, after=_windows_of_int32_ids,
+    reword=lambda failure, case, out, fn: _windows_of_unequal_size(failure),
     examples=lambda: _windows_cases(((5, 2, None), (7, 2, None), (7, 3, None))),
 )
+
+
+def _windows_of_unequal_size(failure: Failure) -> None:
+    """A stack of windows of unequal sizes: the last window, cut short, was kept."""
+    if failure.diagnosis == "exception" and "stack expects each tensor to be equal size" in failure.message:
+        reraise_with(failure, "exception", " Your last window is shorter than the others: a window needs max_tokens "
+                                           "+ 1 tokens (its inputs and, one step ahead, its targets), so (len(ids) - "
+                                           "1) // max_tokens windows fit at stride max_tokens. Drop a last window "
+                                           "that does not fit.")
 
 
 @checker("5.1", example=lambda fn, *_, **__: function_example(LM_WINDOWS)(_windows_pair(fn)))
@@ -414,6 +424,12 @@ LM_LOSS = FunctionExercise(
                   output=lambda x, y, dim=dim: -x.log_softmax(dim).gather(-1, y.clamp(min=0)[..., None])[..., 0][
                       y != IGNORE].mean() if x.shape[dim] > 1 else None)
           for dim, axis in ((1, "positions (dim=1)"), (0, "batch (dim=0)"))),
+        Mistake("softmax_dim", "your log-softmax runs over the rows of the flattened logits (dim=0 of logits.reshape(-1, "
+                               "V)), every position of every sequence, not over the vocabulary: each row's "
+                               "probabilities are over its V tokens, log_softmax(flat, dim=-1).",
+                output=lambda x, y: -x.reshape(-1, x.shape[-1]).log_softmax(0).gather(
+                    1, y.reshape(-1, 1).clamp(min=0))[:, 0][y.reshape(-1) != IGNORE].mean()
+                if x.shape[0] * x.shape[1] > 1 else None),
         Mistake("logits", "you return exp(loss), the perplexity; the loss is the mean cross-entropy itself, without "
                           "the exp.", output=lambda x, y: train_ref.lm_loss(x, y).exp()),
     ),

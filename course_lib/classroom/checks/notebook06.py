@@ -23,7 +23,7 @@ from ._device_probe import probe as probe_device
 from ._model_common import ProcedureExample, as_tensor, extend, randomize_, recording_calls
 from ._student_code import call, expect_callable, expect_tensor
 from .engine import Case, FunctionExercise, checker, function_example, judge
-from .engine.function import Number, Run
+from .engine.function import Afresh, Number, Run
 from .engine.probes import (
     IN_FLOAT64,
     called_in_turn,
@@ -692,12 +692,33 @@ def _greedy(model: nn.Module, idx: torch.Tensor, new: int) -> torch.Tensor:
 _GENERATION_EXAMPLE = ProcedureExample(_greedy, _generation_cases, ("model", "idx", "max_new_tokens"))
 
 
+def _cache_kept(what: str, how: str) -> str:
+    return (f"{what} {how}, yet the same call is right with your code as it was before the checker's first call "
+            f"(its globals, default arguments and class attributes): your code keeps something from one call to the "
+            f"next. A cache made once and kept (in a global, a default argument, on the model) still holds an earlier "
+            f"call's tokens: make a new cache, model.new_cache(), in every call.")
+
+
+def _right_afresh(start: Afresh, fn: Callable[..., Any], model: nn.Module, idx: torch.Tensor, new: int,
+                  what: str) -> bool:
+    """Whether the call gives the right tokens when the student's code starts afresh (``Afresh``: its globals,
+    defaults and class attributes as before the check's first call)."""
+    with start.restored():
+        try:
+            got, _ = _run(fn, model, idx, new, what)
+        except Failure:
+            return False
+    return isinstance(got, torch.Tensor) and got.shape == (idx.shape[0], idx.shape[1] + new) and \
+        bool(torch.equal(got, _greedy(model, idx, new)))
+
+
 @checker("6.2", example=function_example(_GENERATION_EXAMPLE))
 def check_kv_cache(fn: Callable[..., Any]) -> str:
     """fn(model, idx (N, L), max_new_tokens) -> (N, L + new): greedy, with model.new_cache()."""
     expect_callable(fn, "generate_with_cache")
     model = _model(max_tokens=16, embed_dim=16, seed=2)
     generator = torch.Generator().manual_seed(3)
+    start = Afresh(fn)   # the student's code before the first call: a call that fails later may have kept state
     # the last asks for no new token: the docstring's (N, L + max_new_tokens) is then the prompt itself
     for batch, length, new in ((1, 1, 8), (2, 3, 6), (3, 7, 9), (2, 5, 1), (2, 4, 0)):
         idx = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator)
@@ -705,6 +726,8 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
         try:
             got, calls = _run(fn, model, idx, new, what)
         except Failure as failure:
+            if failure.diagnosis == "exception" and _right_afresh(start, fn, model, idx, new, what):
+                fail("kept_state", _cache_kept(what, "raised an error"))
             if failure.diagnosis == "exception" and _right_row_by_row(fn, model, idx, new, what):
                 fail("shape", extend(failure.message, f"Each sequence alone, a batch of one, generates the right "
                                                       f"tokens: your code assumes a batch of one ({_ONE_ROW}). Keep "
@@ -731,6 +754,8 @@ def check_kv_cache(fn: Callable[..., Any]) -> str:
         if not torch.equal(got[:, :length], idx):
             fail("mismatch", f"{what}: the first {length} tokens of the result should be the prompt itself.")
         explanation = _explain_calls(calls, got, length)
+        if not torch.equal(got, expected) and _right_afresh(start, fn, model, idx, new, what):
+            fail("kept_state", _cache_kept(what, "gives other tokens than generation without a cache"))
         if not torch.equal(got, expected):
             if explanation:
                 fail(explanation[0], f"{what}: the tokens differ from generation without a cache; {explanation[1]}")

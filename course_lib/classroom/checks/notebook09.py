@@ -43,13 +43,15 @@ from ._student_code import (
 from ._student_files import is_student_file
 from .engine import Case, FunctionExercise, ScaleFit, checker, first_mistake, function_example, judge, module_example
 from .engine.example import SEEDS, tiny
-from .engine.function import UNEXPLAINED, Run
+from .engine.function import UNEXPLAINED, Afresh, Run
 from .engine.other_sizes import at_other_sizes
 from .engine.probes import (
     IN_TURN,
     batch_mixing,
     called_in_turn,
     copy_of,
+    dtypes_met,
+    generations_with_fresh_caches,
     gradient_probe,
     in_turn_beside_a_new_copy,
     module_in_float64,
@@ -182,19 +184,26 @@ def _pairs_at_wrong_speed(pair: tuple[torch.Tensor, torch.Tensor], right: tuple[
     if max_tokens < 2 or half < 1 or not close(pair[0] ** 2 + pair[1] ** 2, torch.ones_like(pair[0])) or not (
             close(pair[1][0], torch.zeros_like(pair[1][0])) and close(pair[0][0], torch.ones_like(pair[0][0]))):
         return
-    ratios, speeds = [], []
+    ratios, speeds, rights = [], [], []
     for i in range(half):
         speed = float(torch.atan2(right[1][1, i], right[0][1, i]))            # the right angle per position
         if speed <= 0:
             return
         m = max(1, min(max_tokens - 1, int(1.5 / speed)))
         speeds.append(_turned(pair, i, m) / m)
+        rights.append(speed)
         ratios.append(speeds[-1] / speed)
     wrong = [i for i, ratio in enumerate(ratios) if abs(ratio - 1) > 0.05]
     if not wrong:
         return
     if max(ratios) - min(ratios) < 1e-3 * max(abs(r) for r in ratios):
         factor = ratios[0]
+        if half > 1 and abs(factor - rights[1]) < 1e-3 * rights[1]:   # theta^(-2/d): every pair one pair along
+            fail("rope_frequencies", f"{what}: every pair turns at the speed of the pair after it (pair 0 at "
+                                     f"theta^(-2/head_dim) = {factor:.4g} radians per position, not 1): your pairs "
+                                     f"are counted from 1 (torch.arange(1, head_dim // 2 + 1), or 2 * (i + 1)). Pair "
+                                     f"i, counted from 0, turns by w_i = theta^(-2i/head_dim): "
+                                     f"torch.arange(0, head_dim, 2) / head_dim as the exponent.{default}")
         why = ("torch.linspace(0, max_tokens, max_tokens) steps by max_tokens/(max_tokens-1), not 1"
                if abs(factor - max_tokens / (max_tokens - 1)) < 1e-3 else
                "RoPE counts positions in whole tokens, not as fractions of the length"
@@ -423,7 +432,7 @@ APPLY_ROTARY = FunctionExercise(
     mismatch=_rotary_mismatch,
     mistakes=variants.ROTARY, variant=variants.rotary_variant, finite=True, reword=_rotary_reword,
     diagnose=_rotary_offsets, examples=_rotary_examples,
-    probes=FunctionExercise.probes + ("device",),   # the text asks for x's device
+    probes=FunctionExercise.probes + ("device", "bfloat16"),   # the text asks for x's device and dtype
 )
 
 
@@ -447,7 +456,15 @@ def _rotary_keeps_dtype(fn: Callable[..., Any]) -> None:
     x = torch.randn(shape, generator=torch.Generator().manual_seed(92)).to(dtype)
     shown = (f"apply_rotary(x, cos, sin, offset={offset}) with x of shape {shape} in {dtype} and {table_dtype} "
              f"tables")
-    out = call_student(fn, x.clone(), cos, sin, what=shown, offset=offset)
+    try:
+        out = call_student(fn, x.clone(), cos, sin, what=shown, offset=offset)
+    except Failure as failure:
+        said = dtypes_met(failure, shown) if failure.diagnosis == "exception" else None
+        if said is None:
+            raise
+        raise Failure("dtype", f"{shown} raised {said}: the float32 table rows meet x's float16 in your code. Keep "
+                               f"x's dtype: cast the rows you take, cos[...].to(x.dtype), before they meet x.",
+                      **failure.details) from None
     if isinstance(out, torch.Tensor) and _shape(out) == shape and out.dtype != dtype:
         fail("dtype", f"{shown} returned {out.dtype}: the float32 table rows promote the product. Keep x's dtype: "
                       f"cast the rows you take, cos[...].to(x.dtype) (or the result, .to(x.dtype)).")
@@ -615,8 +632,37 @@ def _diagnose_norm(runs: list[tuple[torch.Tensor, nn.Module, torch.Tensor, torch
     _known_norm_mistake(runs)
     first = next(i for i, (_, _, out, expected, _) in enumerate(runs) if not close(out, expected))
     _, _, out, expected, shown = runs[first]
+    if _statistic_rounded([(out, expected) for _, _, out, expected, _ in runs if not close(out, expected)]):
+        fail("precision", f"{shown}: your output is the right one with each row scaled by a factor within a few "
+                          f"thousandths of one (off by up to {max_diff(out, expected):.3g}): the statistic is "
+                          f"rounded, mean(x^2) taken in float16 or bfloat16. Compute it in float32 (x.float()), "
+                          f"then cast the result back to x's dtype.")
     fail("mismatch", f"{shown}: the output differs from x / sqrt(mean(x^2) + eps) * weight by up to "
                      f"{max_diff(out, expected):.3g} (mean over the last axis, eps = self.eps).")
+
+
+def _row_factors(out: torch.Tensor, expected: torch.Tensor) -> torch.Tensor | None:
+    """The factor of each row (last axis) where ``out`` is ``expected`` with each row times a factor of its own within
+    1% of one; None where it is not."""
+    if out.shape != expected.shape or not out.is_floating_point():
+        return None
+    got, want = out.detach().double(), expected.detach().double()
+    largest = want.abs().argmax(-1, keepdim=True)
+    factor = got.gather(-1, largest) / want.gather(-1, largest)                  # (..., 1): each row's factor
+    if not bool(torch.isfinite(factor).all()) or not bool(((factor - 1).abs() < 1e-2).all()) or \
+            not close(got, factor * want):
+        return None
+    return factor.flatten()
+
+
+def _statistic_rounded(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether every (output, expected) pair is off by a factor per row (``_row_factors``), some above one and some
+    below: a per-row statistic rounded (a mistake of structure, a wrong eps, moves every row the same way)."""
+    factors = [_row_factors(out, expected) for out, expected in pairs]
+    if not factors or any(f is None for f in factors):
+        return False
+    every = torch.cat(factors)
+    return float(every.max()) > 1 + 1e-5 and float(every.min()) < 1 - 1e-5
 
 
 def _build_norm(cls: Any, dim: int, eps: float | None, generator: torch.Generator) -> tuple[nn.Module, nn.Module]:
@@ -811,7 +857,8 @@ _SWIGLU_SHAPES = ((2, 5), (1, 1), (3, 4))   # (N, L) of x (N, L, E), as asked
 _OTHER_ACTIVATIONS = (("GELU", F.gelu), ("GELU (tanh approximation)", lambda z: F.gelu(z, approximate="tanh")),
                       ("ReLU", F.relu), ("Hardswish", F.hardswish), ("Mish", F.mish), ("tanh", torch.tanh),
                       ("softplus", F.softplus), ("ELU", F.elu), ("SELU", F.selu), ("leaky ReLU", F.leaky_relu),
-                      ("ReLU²", lambda z: F.relu(z) ** 2), ("Swish with beta = 2", lambda z: z * torch.sigmoid(2 * z)))
+                      ("ReLU²", lambda z: F.relu(z) ** 2), ("Swish with beta = 2", lambda z: z * torch.sigmoid(2 * z)),
+                      ("quick GELU, z * sigmoid(1.702 z)", lambda z: z * torch.sigmoid(1.702 * z)))
 
 
 def _swiglu_mistakes() -> list[Mistake]:
@@ -828,6 +875,10 @@ def _swiglu_mistakes() -> list[Mistake]:
                           "element, before down.", output=lambda x, g, u, d: d(silu(g(x)))),
         Mistake("gating", "you use the sigmoid as the activation; SiLU is x * sigmoid(x) (F.silu): "
                           "down(silu(gate(x)) * up(x)).", output=lambda x, g, u, d: d(sigmoid(g(x)) * u(x))),
+        Mistake("gating", "you gate gate(x) with a sigmoid of up(x), as F.glu does with its two halves (the first "
+                          "times the sigmoid of the second): that is GLU, not SwiGLU. SwiGLU puts SiLU on the gate "
+                          "branch itself and multiplies by the linear up branch: down(silu(gate(x)) * up(x)).",
+                output=lambda x, g, u, d: d(g(x) * sigmoid(u(x)))),
         *(Mistake("gating", f"you use {name}; SwiGLU's activation is SiLU (F.silu), on the gate branch.",
                   output=lambda x, g, u, d, act=act: d(act(g(x)) * u(x)))
           for name, act in _OTHER_ACTIVATIONS),
@@ -1011,7 +1062,7 @@ REPEAT_KV = FunctionExercise(
     examples=lambda: [Case((torch.arange(float(kv * length)).reshape(1, kv, length, 1), groups),
                            f"repeat_kv(x, {groups})") for kv, groups, length in ((1, 2, 1), (2, 2, 1), (2, 2, 2),
                                                                                   (2, 3, 1))],
-    probes=FunctionExercise.probes + ("device",),   # the text asks for x's device
+    probes=FunctionExercise.probes + ("device", "bfloat16"),   # the text asks for x's device and dtype
 )
 
 
@@ -1250,12 +1301,16 @@ def _full_passes(built: Built, generator: torch.Generator, mha_right: bool) -> N
         with torch.no_grad():
             built.runs.append((x, out, built.reference(x)))
         # a wrong output drawn anew at each call with torch's random state (not one kept from an earlier call)
-        if built.extra.get("dropout_rate") and not close(out, built.runs[-1][2]) and \
+        if not close(out, built.runs[-1][2]) and \
                 random_or_kept(lambda x=x, what=what: _forward(built, x, what), close) == "random":
             fail("dropout", f"{what}: in eval mode (model.eval()) your layer gives other outputs for the same x at "
-                            f"each call: dropout still runs. F.scaled_dot_product_attention's dropout_p and "
-                            f"F.dropout do not follow the module's mode: pass dropout_p=self.dropout_rate if "
-                            f"self.training else 0.0 (or training=self.training).")
+                            f"each call: " + (
+                                "dropout still runs. F.scaled_dot_product_attention's dropout_p and F.dropout do "
+                                "not follow the module's mode: pass dropout_p=self.dropout_rate if self.training "
+                                "else 0.0 (or training=self.training)." if built.extra.get("dropout_rate") else
+                                "something random runs in forward (F.dropout, whose training= defaults to True, "
+                                "or dropout_p= of F.scaled_dot_product_attention, torch.rand). This layer has no "
+                                "dropout: remove it."))
 
 
 def _diagnose_full(built_all: list[Built], generator: torch.Generator) -> None:
@@ -1485,7 +1540,8 @@ def _check(cls: Any) -> str:
     optional = [c for c in OPTIONAL if all(accepts(cls, key) for key in c[2])]
     # Every module built stays alive to the end of the check: a freed one's id may be given to the next, and
     # state a wrong module keeps in a global keyed by id(self) would then pass from one to the other.
-    all_built = [_check_configs(cls, configs, generator) for configs in (CONFIGS, optional) if configs]
+    start = Afresh(cls)   # the student's class and globals before the first module: a position kept there shows
+    all_built = [_check_configs(cls, configs, generator, start) for configs in (CONFIGS, optional) if configs]
     built = all_built[0][1]
     all_built.append([_check_other_width(cls, torch.Generator().manual_seed(24))])
     # one module called in turn, first with a fresh cache of the caller's, then without one, on short inputs of one
@@ -1495,6 +1551,7 @@ def _check(cls: Any) -> str:
     except Failure as failure:
         _kept_since_the_checks_calls(failure, cls, built)
         raise
+    _generations_with_fresh_caches(built)
     x = torch.randn(2, MAX_TOKENS, EMBED_DIM, generator=generator)   # the whole context: a branch for long inputs
     # grouped-query (2 key/value heads): every projection learns, and the module stays on its device
     _module_probes(built.model, built.reference, x, f"GroupedQueryAttention({built.label}) on x of shape "
@@ -1525,6 +1582,19 @@ def _called_in_turn(built: Built) -> None:
                      lambda short=short: built.reference(short).detach())
                     for first, short in zip((True, *[False] * len(shorts)), (shorts[0], *shorts))], cache=True,
                    step=(built.model, built.reference))
+
+
+def _generations_with_fresh_caches(built: Built) -> None:
+    """Generations with a new cache each, then two caches in turn (``generations_with_fresh_caches``)."""
+    full, _, reference = built.runs[0]
+
+    def step(cache: KVCache, start: int, length: int) -> None:
+        what = f"GroupedQueryAttention({built.label}).forward(x, cache) with {length} new token(s) and {start} cached"
+        out, expected = _forward(built, full[:, start:start + length], what, start=start, cache=cache), \
+            reference[:, start:start + length]
+        if not close(out, expected):
+            fail("kv_cache", f"{what}: your output differs from the full pass by up to {max_diff(out, expected):.3g}.")
+    generations_with_fresh_caches(lambda: KVCache(MAX_TOKENS), step, PLAN[0][1])
 
 
 def _kept_since_the_checks_calls(failure: Failure, cls: Any, built: Built) -> None:
@@ -1576,7 +1646,27 @@ def _check_other_width(cls: Any, generator: torch.Generator) -> Built:
     return built
 
 
-def _check_configs(cls: Any, configs: Any, generator: torch.Generator) -> list[Built]:
+def _cached_afresh(built: Built, start: Afresh, failure: Failure | None = None) -> None:
+    """``kept_state`` where a cached generation that failed (``failure``) or went wrong is right when run again on
+    the same module with the student's class attributes and globals as they were before the check (``Afresh``):
+    what went wrong it took from the modules and generations before, through the class or a global."""
+    if not start.places or failure is not None and failure.diagnosis in ("kept_state", "not_implemented", "timeout"):
+        return
+    with start.restored():
+        try:
+            _, got, expected, _ = _cached(built)
+        except Failure:
+            return
+    if close(got, expected):
+        how = "raised an error" if failure is not None else "differs from the full pass"
+        fail("kept_state", f"GroupedQueryAttention({built.label}) with a KV cache {how}, yet the same generation is "
+                           f"right when your code starts afresh (its class attributes and globals as they were before "
+                           f"the checker's first module): your module keeps a position (or keys) on the class or in "
+                           f"a global, shared by every module and every generation. Read start = cache.length, and "
+                           f"keep what a call computes in local variables.")
+
+
+def _check_configs(cls: Any, configs: Any, generator: torch.Generator, start: Afresh) -> list[Built]:
     built_all: list[Built] = []
     for kv_heads, theta, extra in configs:
         built = _build(cls, kv_heads, theta, extra, generator)
@@ -1588,11 +1678,17 @@ def _check_configs(cls: Any, configs: Any, generator: torch.Generator) -> list[B
         _diagnose_full(built_all, generator)
     cached = []   # (x, the student's outputs, the reference's, the cache) per configuration
     for built in built_all:
-        cached.append(_cached(built))
+        try:
+            cached.append(_cached(built))
+        except Failure as failure:
+            _cached_afresh(built, start, failure)
+            raise
         x, got, expected, cache = cached[-1]
         if close(got, expected):
             _check_cache_contents(built, x, cache)
     if not all(close(got, expected) for _, got, expected, _ in cached):
+        _cached_afresh(next(b for b, (_, got, expected, _) in zip(built_all, cached) if not close(got, expected)),
+                       start)
         _diagnose_cached(built_all, cached)
     for built, (*_, cache) in zip(built_all, cached):
         _fill_context(built, cache)

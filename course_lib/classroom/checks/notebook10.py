@@ -138,6 +138,10 @@ _SOFTMAX_MISTAKES = (
                 "block's terms are added",
         "block": "the running sum is rescaled by exp(block_max - m_new), with this block's own maximum: the earlier "
                  "terms were exp(x - m_old), so the factor is exp(m_old - m_new), with the maximum before this block",
+        "old_over_block": "the running sum is rescaled by exp(m_old - block_max), against this block's own maximum, "
+                          "not the new running one: where a block's maximum is below the running maximum, that "
+                          "blows the old sum up. The earlier terms were exp(x - m_old) and the sum is now kept "
+                          "against m_new = max(m_old, block_max): the factor is exp(m_old - m_new)",
         # guarded: no factor before the first block (m = -inf)
         **dict.fromkeys(("inverted", "inverted_guarded"), "the rescale factor is upside down: when the maximum grows "
                         "from m_old to m_new, the old sum shrinks, l * exp(m_old - m_new), a factor of at most 1"),
@@ -627,7 +631,9 @@ def _forward_not_finite(runs: list[Run], fn: Any) -> None:
         fail("block_skip" if run.case.args[5] else "block_bounds", f"{run.case.what}: {short}")
     # before the future: rows never written hold whatever memory held, which a second call may find changed
     rows = variants.unwritten_rows(run.out, run.expected, run.case.args[3])
-    if rows:
+    # the query loop is the same with and without causal: right on a case without it, it writes every row
+    loop_right = any(not r.case.args[5] and close(r.out, r.expected) for r in runs)
+    if rows and not (run.case.args[5] and loop_right):
         fail("block_bounds", f"{run.case.what}: {rows}")
     _future_leaks(run, fn)
     if not torch.isfinite(run.out).all():

@@ -28,11 +28,16 @@ from . import _gqa_variants as rotary
 from ._attn_hypotheses import mistake_rows
 from ._device_probe import probe_module
 from ._gradients import check_module_gradients
-from ._student_code import call_student, close, expect_tensor, reraise_with
+from ._student_code import call_student, close, expect_tensor, max_diff, reraise_with
 from .engine import Case, FunctionExercise, ScaleFit, checker, function_example, judge
 from .engine.example import tiny
 from .engine.function import UNEXPLAINED, Run
-from .engine.probes import called_in_bfloat16, expect_dtype_in_bfloat16, gradient_probe
+from .engine.probes import (
+    called_in_bfloat16,
+    expect_dtype_in_bfloat16,
+    generations_with_fresh_caches,
+    gradient_probe,
+)
 
 __all__ = ["check_sliding_window_mask", "check_latent_attention", "check_linear_attention_recurrent"]
 
@@ -609,7 +614,36 @@ def check_latent_attention(fn: Callable[..., Any]) -> str:
     _layer_gradients(fn)
     _layer_on_device(fn)
     _layer_in_bfloat16(fn)
+    _generations_with_fresh_caches(fn)
     return success
+
+
+def _generations_with_fresh_caches(fn: Callable[..., Any]) -> None:
+    """Generations with a new LatentCache each, then two caches in turn (``generations_with_fresh_caches``); after a
+    prompt the cache must hold its rotary keys turned to positions 0 .. L - 1 (a start kept on the layer is off by
+    the same amount for every token, which RoPE's relative angles hide from the outputs)."""
+    layer, x, _ = _mla_cases()[2].args   # a prompt of 4 tokens, then more
+    mine = copy.deepcopy(layer)
+    mine.__class__ = _Weights
+    with torch.no_grad():
+        expected = layer(x)
+        turned = modern.apply_rotary(layer.kv_a_proj_with_mqa(x)[..., layer.kv_lora_rank:], layer.rope_cos,
+                                     layer.rope_sin)                              # (N, L, dr): positions 0 ..
+
+    def step(cache: Any, start: int, length: int) -> None:
+        what = f"latent_attention(layer, x, cache) with {length} new token(s) and {start} cached"
+        with torch.no_grad():
+            out = expect_tensor(call_student(fn, mine, x[:, start:start + length].clone(), cache, what=what),
+                                (x.shape[0], length, x.shape[2]), what, finite=False)
+        if not close(out, expected[:, start:start + length]):
+            fail("kv_cache", f"{what}: your output differs from the layer's by up to "
+                             f"{max_diff(out, expected[:, start:start + length]):.3g}.")
+        held = cache.k_rope
+        if isinstance(held, torch.Tensor) and held.shape == turned[:, :start + length].shape and \
+                not close(held, turned[:, :start + length]):
+            fail("kv_cache", f"{what}: your outputs are right, but the cache holds rotary keys turned to other "
+                             f"positions than 0 .. {start + length - 1}.")
+    generations_with_fresh_caches(lambda: ref.LatentCache(layer.max_tokens), step, 4)
 
 
 def _queries_from_zero(failure: Failure, caches: list[tuple[Any, torch.Tensor, Any, torch.Tensor]]) -> None:

@@ -33,7 +33,17 @@ from .._student_code import (
     matches,
     max_diff,
 )
-from .probes import batch_mixing, gradient_probe, in_float64
+from .probes import (
+    DTYPE_ADVICE,
+    batch_mixing,
+    called_in_bfloat16,
+    dtypes_met,
+    expect_dtype_in_bfloat16,
+    gradient_probe,
+    in_bfloat16,
+    in_float64,
+    random_or_kept,
+)
 from .scale_fit import ScaleFit, fitted_scale
 
 
@@ -92,6 +102,10 @@ class FunctionExercise:
       known mistake, else ``overflow`` (NaN or inf) or ``magnitude``, with ``stability`` as the advice.
     - the dtype probe (``"dtype"`` in ``probes``, the default): every case again with float64 inputs and
       float64 as the default dtype; the output's dtype must follow the reference's, its values too.
+    - the bfloat16 probe (``"bfloat16"``, for the exercises whose text asks for the inputs' dtype): every case
+      with floating inputs again in bfloat16, where a tensor made in float32 is not promoted away; only the
+      output's dtype is judged.
+    - a wrong output that torch's random state changes while the reference's does not is ``dropout``.
     """
 
     id: str
@@ -377,6 +391,7 @@ def _judge(exercise: FunctionExercise, fn: Any) -> str:
             if any(not exercise.same(run.out, run.expected) for run in runs):
                 _diagnose(exercise, runs, fn)   # wrong outputs before the call that failed say more than it does
             _kept_since_start(exercise, case, out, fn)
+            _dtypes_meet(case, failure)
             if exercise.reword is not None:
                 exercise.reword(failure, case, out, fn)
             raise
@@ -396,7 +411,39 @@ def _judge(exercise: FunctionExercise, fn: Any) -> str:
         _on_meta(exercise, fn)
     if "dtype" in exercise.probes:
         _in_float64(exercise, fn)
+    if "bfloat16" in exercise.probes:
+        _in_bfloat16(exercise, fn)
     return exercise.success
+
+
+def _in_bfloat16(exercise: FunctionExercise, fn: Any) -> None:
+    """The bfloat16 probe, after the float64 one: every case with floating inputs again in bfloat16, where a tensor
+    the code makes in float32 (torch.zeros(shape) without dtype=) is not promoted away as float64 promotes it. Only
+    the output's shape and dtype are judged (``probes.expect_dtype_in_bfloat16``; its values were judged in float32
+    and float64); an error of two dtypes meeting is ``dtype``, any other (no bfloat16 kernel, numpy) inconclusive."""
+    for case in exercise.cases():
+        if not any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in case.args):
+            continue
+        shape = tuple(exercise.reference(*case.args).shape)
+        given = Case(in_bfloat16(case.args), f"{case.what} in bfloat16")
+        out = called_in_bfloat16(lambda given=given: call_student(fn, *given.given(), what=given.what), given.what)
+        if out is None:
+            return
+        expect_dtype_in_bfloat16(expect_tensor(out, shape, given.what, finite=False), given.what)
+
+
+def _dtypes_meet(case: Case, failure: Failure) -> None:
+    """``dtype`` where a case whose floating inputs are not all in the default dtype (float16, float64) raised an
+    error of two dtypes meeting: a tensor of the code made in the default dtype meets them."""
+    floats = sorted({str(a.dtype).removeprefix("torch.") for a in case.args
+                     if isinstance(a, torch.Tensor) and a.is_floating_point()})
+    said = dtypes_met(failure, case.what) if failure.diagnosis == "exception" else None
+    if said is None or not floats or floats == [str(torch.get_default_dtype()).removeprefix("torch.")]:
+        return
+    raise Failure("dtype", f"{case.what}: your code raised {said}: two dtypes meet in it, the inputs' "
+                           f"{' and '.join(floats)} and another (a tensor made without dtype=, in the default "
+                           f"float32, or an input not cast to the dtype of the result). {DTYPE_ADVICE}",
+                  **failure.details) from None
 
 
 def _on_meta(exercise: FunctionExercise, fn: Any) -> None:
@@ -488,6 +535,12 @@ def _judged_in_float64(exercise: FunctionExercise, fn: Any, case: Case) -> None:
     except Failure as failure:
         if dtype_free and failure.diagnosis == "exception":
             return
+        said = dtypes_met(failure, case.what) if failure.diagnosis == "exception" else None
+        if said is not None:   # it ran on float32 inputs: a float32 tensor of the code meets the float64 ones
+            raise Failure("dtype", f"{case.what}: your code raised {said}, though it runs on float32 inputs: a "
+                                   f"float32 tensor of your code (or a dtype written in, softmax(..., "
+                                   f"dtype=torch.float32)) meets the float64 inputs. {DTYPE_ADVICE}",
+                          **failure.details) from None
         raise
     out = as_tensor(out) if exercise.numpy_ok else out
     lower = (isinstance(out, torch.Tensor) and out.is_floating_point() and expected.is_floating_point()
@@ -525,6 +578,7 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
     (``kept_part``): what no known mistake explains there, nor a rounding, is a result kept in part."""
     first = next(run for run in runs if not exercise.same(run.out, run.expected))
     _kept_since_start(exercise, first.case, first.out, fn)   # before any mistake its symptom looks like
+    _drawn_at_random(exercise, first, fn)
     # a mistake explains these runs, and changes none of the earlier ones the student's code got right
     explains = lambda mistake: all(_reproduces(exercise, mistake, run) for run in runs) and \
         all(_explains(exercise, mistake, run) is not False for run in earlier or [])
@@ -554,6 +608,23 @@ def _diagnose(exercise: FunctionExercise, runs: list[Run], fn: Any, earlier: lis
                       f"mean is meant, a mean over the wrong count, or a factor written into your code.")
     _one_of_two(exercise, runs)
     fail("mismatch", exercise.mismatch(first))
+
+
+def _drawn_at_random(exercise: FunctionExercise, run: Run, fn: Any) -> None:
+    """``dropout`` where the wrong output changes with torch's random state (the same seed, the same output: not a
+    state kept from call to call) while the reference's does not: something random runs in the student's code."""
+    same = lambda a, b: isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+        and bool(torch.equal(a, b) or exercise.same(a, b))
+    try:
+        drawn = random_or_kept(lambda: as_tensor(call_student(fn, *run.case.given(), what=run.case.what))
+                               if exercise.numpy_ok else call_student(fn, *run.case.given(), what=run.case.what), same)
+    except Failure:
+        return
+    if drawn == "random" and random_or_kept(lambda: exercise.reference(*run.case.args), same) is None:
+        fail("dropout", f"{run.case.what}: your output changes from call to call on the same inputs, with torch's "
+                        f"random state: something random runs in your code (F.dropout, whose training= defaults to "
+                        f"True, torch.rand, a random mask). {exercise.name} has nothing random: remove it (dropout "
+                        f"belongs to a module, as nn.Dropout, which model.eval() switches off).")
 
 
 def _batch_items(exercise: FunctionExercise, run: Run, fn: Any) -> None:

@@ -27,10 +27,11 @@ Where a probe lives:
   ``module_in_float64`` is all of it for a module beside its reference (2.2, 3.3, 4.2, 4.3, 9.3, 9.4, 9.6), run on a
   fresh module and again on one called first in the default dtype, then converted with model.double() (what its
   first call kept, a dtype or a cast weight, shows).
-- ``dtype`` in bfloat16 (an exercise's own probe, not listed in ``PROBES``): the inputs in bfloat16 (``in_bfloat16``),
-  where a statistic made in float32 is not promoted away as it is in float64: the result's dtype is judged
-  (``expect_dtype_in_bfloat16``; a raise of two dtypes meeting is ``dtype``: ``called_in_bfloat16``), not its values
-  (10.1, 10.2, 12.2, 12.3).
+- ``bfloat16``: the inputs in bfloat16 (``in_bfloat16``), where a tensor made in float32 is not promoted away as it
+  is in float64: the result's dtype is judged (``expect_dtype_in_bfloat16``; a raise of two dtypes meeting is
+  ``dtype``: ``called_in_bfloat16``), not its values. ``engine.function`` runs it for the function exercises that
+  list it (1.3, 3.1, 3.2, 9.2: their text asks for the inputs' dtype); 10.1, 10.2, 12.2 and 12.3 call it
+  themselves.
 - ``global_state``: torch's and the course's functions as the check found them at import; one replaced
   (``torch.equal = ...``) is the verdict ``patched`` (``checks._pinned``). The default dtype or grad mode left
   changed by a call is ``global_setting`` (``_student_code.call``; a with-block's own ``__enter__`` and
@@ -45,7 +46,8 @@ Where a probe lives:
   its weights as an optimizer's step makes: ``weight_step``), each call beside what a fresh one gives
   (``called_in_turn``); what is drawn at random must be new at every call of a few in a row (``repeated_draw``), and
   a result that changes from call to call with torch's random state seeded alike comes from an earlier call, not
-  from a draw (``random_or_kept``).
+  from a draw (``random_or_kept``); generations with a new cache each, the last one freed before the next is made
+  (``generations_with_fresh_caches``: 9.6, 12.2).
 - ``model_state``: everything a context manager or hook can change on a module tree, snapshotted before the
   student's code and compared after, each difference named (``engine.model_state``; 11.3).
 """
@@ -65,7 +67,7 @@ from .._student_code import call, close, close_in_float64, expect_tensor, max_di
 
 # Every probe an exercise may list, written or not yet: a declaration naming another is a typo.
 PROBES = ("gradient", "mutation", "reference_guard", "counterexample", "device",
-          "magnitude", "dtype", "saved_tensors", "model_state", "global_state", "batch")
+          "magnitude", "dtype", "bfloat16", "saved_tensors", "model_state", "global_state", "batch")
 
 
 def gradient_probe(fn: Callable[..., Any], reference: Callable[..., Any], args: Sequence[Any],
@@ -288,21 +290,33 @@ def expect_dtype_in_bfloat16(out: Any, what: str, made: str = FLOAT32_MADE) -> N
 
 
 # words of torch's errors where two dtypes meet: a matmul ("expected m1 and m2 to have the same dtype"), einsum and
-# bmm ("expected scalar type Float but found BFloat16"), an index_put ("the source and destination dtypes match")
+# bmm ("expected scalar type Float but found BFloat16"), an index_put ("the source and destination dtypes match");
+# and of those where one operation has no kernel for a dtype ("view_as_complex is only supported for half, float and
+# double tensors, but got a tensor of scalar type: BFloat16"), which is no tensor of the code in another dtype
 _DTYPES_MEET = ("dtype", "scalar type")
+_NO_KERNEL = ("not implemented for", "only supported for", "not supported", "unsupported", "does not support")
+
+
+def dtypes_met(failure: Failure, what: str) -> str | None:
+    """The error of a failed call (``failure``, ``exception``) where two dtypes meet (a float32 tensor of the code and
+    an input of another dtype in a matmul, an index_put), as call() shows it; None for any other error, such as an
+    operation torch has no kernel for in that dtype ("not implemented for 'BFloat16'") or numpy, which has no
+    bfloat16."""
+    said = failure.message.removeprefix(what).strip().removeprefix("raised").strip()   # the error, as call() shows it
+    if any(word in said.lower() for word in _NO_KERNEL) or not any(word in said for word in _DTYPES_MEET):
+        return None
+    return said[:200].rstrip(" .")
 
 
 def raised_in_bfloat16(failure: Failure, what: str, made: str = FLOAT32_MADE) -> None:
     """After the student's code raised (``failure``, ``exception``) on bfloat16 inputs where it ran on float32 and
-    float64 ones: ``dtype`` when the error is two dtypes meeting (a float32 tensor of the code and a bfloat16 input
-    in a matmul, an index_put); returns (inconclusive) for any other error, such as an operation torch has no
-    bfloat16 kernel for ("not implemented for 'BFloat16'") or numpy, which has no bfloat16. ``made``: what in the
-    student's code is likely float32, in words."""
-    said = failure.message.removeprefix(what).strip().removeprefix("raised").strip()   # the error, as call() shows it
-    if "not implemented for" in said or not any(word in said for word in _DTYPES_MEET):
+    float64 ones: ``dtype`` when the error is two dtypes meeting (``dtypes_met``); returns (inconclusive) for any
+    other error. ``made``: what in the student's code is likely float32, in words."""
+    said = dtypes_met(failure, what)
+    if said is None:
         return
-    raise Failure("dtype", f"{what}: your code raised {said[:200].rstrip(' .')}, though it runs on float32 and float64 "
-                           f"inputs: a float32 tensor of your code meets the bfloat16 inputs. {made} {BFLOAT16_ADVICE}",
+    raise Failure("dtype", f"{what}: your code raised {said}, though it runs on float32 and float64 inputs: a float32 "
+                           f"tensor of your code meets the bfloat16 inputs. {made} {BFLOAT16_ADVICE}",
                   **failure.details) from None
 
 
@@ -371,6 +385,47 @@ def weight_step(*modules: nn.Module) -> Callable[[], None]:
             for p, before in saved.values():
                 p.copy_(before)
     return undo
+
+
+FRESH_CACHE = ("Your code carries a position (or keys) from one generation into the next: something kept outside the "
+               "cache, keyed by id(cache) or stored on self, outlives the cache it was about, and a new cache can get "
+               "a freed one's id. Read the start position from the cache itself, start = cache.length.")
+
+
+def generations_with_fresh_caches(new_cache: Callable[[], Any], step: Callable[[Any, int, int], None],
+                                  prompt: int, turns: int = 3) -> None:
+    """Generations as a loop over prompts runs them, each with a cache of its own: ``step(cache, start, length)``
+    feeds tokens start .. start + length - 1 of one sequence with ``cache`` and fails on a wrong output. First a few
+    generations (a prompt of ``prompt`` tokens, then one token) in a row, each cache dropped before the next is made:
+    CPython gives a new cache the id of a freed one (freed at once, with no gc.collect() between, which allocates),
+    so a position kept by id(cache) carries into the next. Then two caches in turn (prompts of ``prompt`` and
+    ``prompt - 1`` tokens, then a token for each): a position kept anywhere but in the cache, even one reset when a
+    cache comes empty, is the other cache's. Run once the exercise's cached calls were judged right: any failure
+    here is ``kept_state`` (the first generation's too: its cache may get the id of one the check freed before)."""
+    def kept(run: Callable[[], None], how: str) -> None:
+        try:
+            run()
+        except Failure as failure:
+            if failure.diagnosis == "kept_state":
+                raise
+            said = failure.message.splitlines()[0].rstrip(" .")
+            raise Failure("kept_state", f"{said[:300]}: {how}, though the same calls were right before. "
+                                        f"{FRESH_CACHE}") from None
+
+    def generation(cache: Any) -> None:
+        step(cache, 0, prompt)
+        step(cache, prompt, 1)
+    for turn in range(turns):
+        cache = new_cache()
+        kept(lambda cache=cache: generation(cache), f"in generation {turn + 1} of a loop that makes a new cache for "
+                                                   f"each")
+        del cache   # its memory, and its id, go to the next one
+    first, second = new_cache(), new_cache()
+    for cache, start, length in ((first, 0, prompt), (second, 0, prompt - 1), (first, prompt, 1),
+                                 (second, prompt - 1, 1)):
+        kept(lambda cache=cache, start=start, length=length: step(cache, start, length),
+             f"with two caches used in turn (a prompt of {prompt} tokens in one, of {prompt - 1} in the other, then "
+             f"a token for each)")
 
 
 def called_in_turn(calls: Sequence[tuple[str, Callable[[], Any], Callable[[], Any]]], *, thing: str = "module",
