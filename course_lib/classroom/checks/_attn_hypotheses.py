@@ -328,6 +328,14 @@ def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch
                           f"computation runs in a lower precision or rounds (.half(), torch.bfloat16, an "
                           f"autocast, a .round()). Keep the inputs' dtype throughout.")
     _column_max_shift(weights, scores * expected_scale, full, seen, key_axis)
+    if weights.shape[-1] == weights.shape[-2] > 1 and close(weights, expected.transpose(-2, -1)) and \
+            not close(expected, expected.transpose(-2, -1)):
+        fail("causal_mask" if allowed is not None else "mismatch",
+             "Read back, your attention weights are the right ones transposed (weights.transpose(-2, -1) @ v): "
+             "output i then mixes the values with column i of the weights, the weight every query gives key i"
+             + (", so the future leaks although the mask and the softmax are right" if allowed is not None else "")
+             + ". The output is weights @ v: row i of the weights, query i's distribution over the keys, times the "
+               "values.")
     if not sums_to_one(weights, -1):
         for dim in range(weights.dim() - 1):
             if weights.shape[dim] > 1 and sums_to_one(weights, dim):

@@ -318,7 +318,8 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
     key block) and "query_block" (one D per query block); ``dp="no_transpose"``: dO @ V (fits only dv == block_k);
     ``always_causal``: the recomputed weights masked although the forward was not; ``mask="strict"``: they hide the
     diagonal too; ``values="keys"``: dP = dO K^T;
-    ``recompute="unscaled"``: P = exp(q k^T - lse), the scale left out; ``twice``: dQ and dK scaled by 1/d;
+    ``recompute="unscaled"``: P = exp(q k^T - lse), the scale left out; ``recompute="key_lse"``: P = exp(S - lse)
+    with lse read at the key block's rows (lse[..., ks:ke, None]: row i of a block takes lse[ks + i]); ``twice``: dQ and dK scaled by 1/d;
     ``delta="outside"``: dS = P * dP - D in every block computed; ``mask="skip_diagonal"``: the key loop stops
     before the query block's start (range(0, q_start, block_k)); ``ds_sign``: dS = P * (D - dP); ``score_scale``: another factor on the scores,
     forward and backward alike; ``grad_scale``: another factor on dQ and dK alone; ``recompute_scale``: another
@@ -335,6 +336,16 @@ def backward_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
     lse = torch.logsumexp(masked, -1, keepdim=True)
     if always_causal and not causal:      # the forward's lse is unmasked; the recomputation masks
         p = torch.exp(s.masked_fill(future, float("-inf")) - lse)
+    elif recompute == "key_lse":          # lse[..., ks:ke, None] for a block: row i of it reads lse[ks + i]
+        rows = torch.empty_like(s)
+        for q_start in range(0, q.shape[-2], block_q):
+            q_end = min(q_start + block_q, q.shape[-2])
+            for k_start in range(0, k.shape[-2], block_k):
+                k_end = min(k_start + block_k, k.shape[-2])
+                if k_end - k_start not in (q_end - q_start, 1):
+                    raise ValueError("lse's rows of the key block do not broadcast against the block")
+                rows[..., q_start:q_end, k_start:k_end] = lse[..., k_start:k_end, :]
+        p = torch.exp((masked if mask == "ok" else s) - rows)
     elif recompute == "unscaled" or recompute_scale is not None:   # the forward's lse is of the scaled scores
         p = torch.exp((masked if mask == "ok" else s) / scale * (recompute_scale or 1.0) - lse)
     else:
@@ -466,6 +477,9 @@ BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code,
                    "both terms, so a key with no weight gets no gradient."}.items()),
     ("scale", "the recomputed scores are not scaled: P = exp(S - lse) needs S = q k^T / sqrt(d), as in the "
               "forward, whose lse was taken over the scaled scores.", {"recompute": "unscaled"}),
+    ("logsumexp", "the log-sum-exp is read at the key block's rows (lse[..., ks:ke]): lse holds one number per "
+                  "QUERY, so a block's P = exp(S - lse[..., qs:qe, None]), the query block's rows.",
+     {"recompute": "key_lse"}),
     ("scale", "dQ and dK are scaled by 1/d, the scale twice: the chain rule through S = q k^T / sqrt(d) brings "
               "1/sqrt(d) once, dQ = dS @ K / sqrt(d) and dK = dS^T @ Q / sqrt(d).", {"twice": True}),
     *(("scale", why, {switch: False}) for switch, why in {   # the scale left out of one gradient

@@ -48,9 +48,11 @@ from .engine.other_sizes import at_other_sizes
 from .engine.probes import (
     IN_TURN,
     batch_mixing,
+    called_in_bfloat16,
     called_in_turn,
     copy_of,
     dtypes_met,
+    expect_dtype_in_bfloat16,
     generations_with_fresh_caches,
     gradient_probe,
     in_turn_beside_a_new_copy,
@@ -527,6 +529,9 @@ def _norm_mistakes(x: torch.Tensor, w: torch.Tensor, eps: float) -> dict[str, Mi
                 output=(x * w) / _rms(x * w, eps)),
         Mistake("epsilon", "you add self.eps squared (eps ** 2) inside the square root; add self.eps itself: "
                            "x / sqrt(mean(x^2) + eps).", output=x / _rms(x, eps ** 2) * w),
+        Mistake("epsilon", "you add self.eps to the SUM of the squares and then divide by dim, which adds eps / dim: "
+                           "add self.eps to the mean itself, x / sqrt(sum(x^2) / dim + eps).",
+                output=x / _rms(x, eps / x.shape[-1]) * w),
         Mistake("norm_statistic", "you subtract the mean first, as LayerNorm does. RMSNorm does not centre: divide "
                                   "x itself by sqrt(mean(x^2) + eps).",
                 output=centred / (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w),
@@ -752,6 +757,7 @@ def check_rms_norm(cls: Any) -> str:
     _check_magnitude(cls, torch.Generator().manual_seed(5))
     _check_half_precision(cls, generator)
     module_in_float64(lambda: _build_norm(cls, x.shape[-1], None, torch.Generator().manual_seed(3)), x, shown)
+    _norm_in_bfloat16(cls)
     return ("Right in float32 and float16, for 2-D to 4-D inputs and any eps: x / sqrt(mean(x^2) + eps) * weight "
             "over the last axis.")
 
@@ -791,6 +797,20 @@ def _check_magnitude(cls: Any, generator: torch.Generator) -> None:
                          f"right on ordinary inputs: a square or a sum overflows. {advice}")
     fail("magnitude", f"{shown}: your output differs from the reference's by up to {max_diff(out, expected):.3g}, "
                       f"although it is right on ordinary inputs. {advice}")
+
+
+def _norm_in_bfloat16(cls: Any) -> None:
+    """The bfloat16 probe (the text asks for x's dtype back): a bfloat16 layer on bfloat16 x must return bfloat16, a
+    result cast with .half() or .float() shows; its values are not judged (float32, float16 and float64 did)."""
+    candidate, _ = _build_norm(cls, 16, None, torch.Generator().manual_seed(19))
+    candidate = candidate.to(torch.bfloat16)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(19)).to(torch.bfloat16)
+    shown = "RMSNorm(16) in bfloat16 (model.to(torch.bfloat16)) on bfloat16 x of shape (2, 4, 16)"
+    made = ("Your result is cast to a dtype of its own (.half() for any two-byte input, .float()), or made from a "
+            "float32 tensor: cast it back with .to(x.dtype) or .type_as(x).")
+    out = called_in_bfloat16(lambda: _norm_call(candidate, x, shown), shown, made)
+    if out is not None:
+        expect_dtype_in_bfloat16(expect_tensor(out, _shape(x), shown, finite=False), shown, made)
 
 
 def _check_half_precision(cls: Any, generator: torch.Generator) -> None:

@@ -977,6 +977,17 @@ def _backward_dtype(cls: Any) -> None:
                                   f"back to float64, but every sum into it was rounded to {grad.dtype} first. Make "
                                   f"dq, dk and dv like q, k and v: torch.zeros_like(q) (torch.zeros(q.shape) takes "
                                   f"the default dtype, and the CPU).")
+    # bfloat16, where a float32 tensor of the backward (D summed with dtype=torch.float32) is not promoted away as
+    # float64 promotes it: it meets a bfloat16 block in a matmul, or comes out float32
+    shown = (f"FlashAttentionFunction.apply(q, k, v, {causal}, {block_q}, {block_k}) with bfloat16 q, k, v of shape "
+             f"{tuple(q.shape)}")
+    made = ("A tensor of your backward is made in float32 whatever the inputs' dtype (D or a statistic summed with "
+            "dtype=torch.float32, torch.zeros without dtype=, .float()): float64 inputs hide it.")
+    low = [t.to(torch.bfloat16) for t in (q, k, v, grad_out)]
+    grads = called_in_bfloat16(lambda: call_student(lambda: _raw_gradients(cls, *low, causal, block_q, block_k),
+                                                    what=shown), shown, made)
+    for grad in grads or ():
+        expect_dtype_in_bfloat16(grad, shown, made)
 
 
 # Two calls whose backwards are pending at once, as two attention layers of a model make them: other numbers,
