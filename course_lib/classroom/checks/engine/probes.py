@@ -30,8 +30,8 @@ Where a probe lives:
 - ``bfloat16``: the inputs in bfloat16 (``in_bfloat16``), where a tensor made in float32 is not promoted away as it
   is in float64: the result's dtype is judged (``expect_dtype_in_bfloat16``; a raise of two dtypes meeting is
   ``dtype``: ``called_in_bfloat16``), not its values. ``engine.function`` runs it for the function exercises that
-  list it (1.3, 3.1, 3.2, 9.2: their text asks for the inputs' dtype); 10.1, 10.2, 12.2 and 12.3 call it
-  themselves.
+  list it (1.3, 3.1, 3.2, 9.2, 9.5: their text asks for the inputs' dtype); 9.3, 10.1, 10.2, 10.3, 11.3, 12.2 and
+  12.3 call it themselves.
 - ``global_state``: torch's and the course's functions as the check found them at import; one replaced
   (``torch.equal = ...``) is the verdict ``patched`` (``checks._pinned``). The default dtype or grad mode left
   changed by a call is ``global_setting`` (``_student_code.call``; a with-block's own ``__enter__`` and
