@@ -283,14 +283,13 @@ def fit_scale(weights: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor
     return factor if residual < 1e-4 else None
 
 
-def _column_max_shift(weights: torch.Tensor, scaled: torch.Tensor, full: torch.Tensor, seen: torch.Tensor,
-                      key_axis: str) -> None:
+def _column_max_shift(weights: torch.Tensor, scaled: torch.Tensor, right: torch.Tensor, full: torch.Tensor,
+                      seen: torch.Tensor, key_axis: str) -> None:
     """``softmax_dim`` where the weights are exp(s - m) over the keys with m each KEY's maximum over the queries
     (amax(dim=-2)), renormalised: a shift that changes along a row changes the softmax, which only a shift
     constant along the row (each row's own maximum) leaves alone."""
     if weights.shape[-2] < 2:
         return
-    right = scaled.masked_fill(~full, float("-inf")).softmax(-1)
     for column in (scaled.masked_fill(~full, float("-inf")).amax(-2, keepdim=True),   # (..., 1, Lk): over the
                    scaled.amax(-2, keepdim=True)):                                       # queries that see it, or all
         if not bool(torch.isfinite(column).all()):
@@ -327,7 +326,7 @@ def diagnose_weights(weights: torch.Tensor, scores: torch.Tensor, allowed: torch
                           f"digits (off by up to {max_diff(weights[seen], expected[seen]):.3g}): part of your "
                           f"computation runs in a lower precision or rounds (.half(), torch.bfloat16, an "
                           f"autocast, a .round()). Keep the inputs' dtype throughout.")
-    _column_max_shift(weights, scores * expected_scale, full, seen, key_axis)
+    _column_max_shift(weights, scores * expected_scale, expected, full, seen, key_axis)
     if weights.shape[-1] == weights.shape[-2] > 1 and close(weights, expected.transpose(-2, -1)) and \
             not close(expected, expected.transpose(-2, -1)):
         fail("causal_mask" if allowed is not None else "mismatch",

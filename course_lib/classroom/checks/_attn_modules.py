@@ -68,6 +68,13 @@ def random_params(generator: torch.Generator) -> dict[str, torch.Tensor]:
             for name in PARAMETERS}
 
 
+def one_sequence_only(thing: str) -> str:
+    """The words added to a failure where the student's code is right on x[:1] alone (3.1, 3.2, 2.2, 3.3)."""
+    return (f" Your {thing} is right for a batch of one sequence (x[:1]) only: it assumes a batch of one (x[0], "
+            f".squeeze(0), a 1 written as the batch size). Keep the batch axis: take N from x.shape and reshape with "
+            f"it.")
+
+
 @dataclass
 class ModuleCheck:
     """Everything one exercise (2.2 or 3.3) does with the student's class."""
@@ -160,9 +167,7 @@ class ModuleCheck:
         the sequence is long, name the size it assumes."""
         n, length, _ = x.shape
         if n > 1 and self._right_on(model, reference, x[:1], what):
-            reraise_with(failure, "shape", " Your module is right for a batch of one sequence (x[:1]) only: it "
-                                           "assumes a batch of one (x[0], .squeeze(0), a 1 written as the batch "
-                                           "size). Keep the batch axis: take N from x.shape and reshape with it.")
+            reraise_with(failure, "shape", one_sequence_only("module"))
         square = torch.randn(length, length, EMBED_DIM, generator=torch.Generator().manual_seed(length))
         if n != length and self._right_on(model, reference, square, what):
             reraise_with(failure, "causal_mask", f" Your module is right on x of shape {(length, length, EMBED_DIM)}, "

@@ -16,7 +16,15 @@ from ... import attention as ref
 from ..exercises import Mistake
 from ..verdict import Failure, fail
 from ._attn_hypotheses import merge_heads_as, split_heads_as
-from ._attn_modules import EMBED_DIM, MAX_TOKENS, ModuleCheck, check_on_device, check_other_shape, module_check
+from ._attn_modules import (
+    EMBED_DIM,
+    MAX_TOKENS,
+    ModuleCheck,
+    check_on_device,
+    check_other_shape,
+    module_check,
+    one_sequence_only,
+)
 from ._student_code import call_student, expect_callable, reraise_with, rounding_of
 from .engine import Case, FunctionExercise, checker, function_example, judge, module_example
 from .engine.function import Run
@@ -94,9 +102,7 @@ def _one_sequence(reference: Reference) -> Callable[[Failure, Case, Any, Any], N
         except Failure:
             return
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and torch.equal(got, expected):
-            reraise_with(failure, "shape", " Your code is right for a batch of one sequence (x[:1]) only: it "
-                                           "assumes a batch of one (x[0], .squeeze(0), a 1 written as the batch "
-                                           "size). Keep the batch axis: take N from x.shape and reshape with it.")
+            reraise_with(failure, "shape", one_sequence_only("code"))
     return reword
 
 

@@ -1078,11 +1078,10 @@ def _build_gpt(cls: Any, config: Any, generator: torch.Generator) -> tuple[nn.Mo
 _TRAIN_DROPOUT = 0.2
 
 
-def _right_on_a_new_gpt(cls: Any, config: Any, idx: torch.Tensor, failure: Failure | None, what: str,
-                        first: bool = False) -> None:
+def _right_on_a_new_gpt(cls: Any, config: Any, idx: torch.Tensor, failure: Failure | None, what: str) -> None:
     """``kept_state`` where a call that failed (``failure``, or returned the wrong shape: None) after earlier calls
     is right on a new GPT with the same weights: what broke it the model kept from an earlier call."""
-    if first or failure is not None and failure.diagnosis not in ("exception", "shape"):
+    if failure is not None and failure.diagnosis not in ("exception", "shape"):
         return
     candidate, reference = _build_gpt(cls, config, torch.Generator().manual_seed(7))   # the check's own weights
     try:
@@ -1131,7 +1130,8 @@ def check_gpt(cls: Any) -> str:
                 got = _full_length_call(candidate, idx, config.max_tokens, what)
             except Failure as failure:
                 _length_from_batch(candidate, reference, idx, failure, what)
-                _right_on_a_new_gpt(cls, config, idx, failure, what, first=(batch, length) == _SHAPES[0])
+                if (batch, length) != _SHAPES[0]:   # after an earlier call
+                    _right_on_a_new_gpt(cls, config, idx, failure, what)
                 raise
             if isinstance(got, torch.Tensor) and tuple(got.shape) != (batch, length, vocab) and \
                     (batch, length) != _SHAPES[0]:
