@@ -655,6 +655,9 @@ def test_student_text_is_cleaned_where_it_enters_and_escaped_where_it_is_written
     assert name_from_student(os.fsdecode(b"Jos\xe9")) == "Jos\ufffd"            # Latin-1 from a zip
     assert name_from_student("a\x1b[31mb\u202ec\nd") == "a[31mbc d"             # control and bidi characters
     assert len(from_student("x\n" * 10000).splitlines()) <= 61
+    # Unicode's line and paragraph separators are line breaks to str.splitlines(): newlines, cut and shown as such
+    assert from_student("a\u2028=HYPERLINK(1)\u2029b") == "a\n=HYPERLINK(1)\nb"
+    assert name_from_student("x\u2028## passed") == "x ## passed"
     forged = "oops\n## 2.1 passed\n![x](http://evil.example/x.png)\n<!-- hide"
     grade = Grade("eve <!--", "2.1", False, "exception", forged, 0.1)
     text = feedback_markdown("eve <!--", [grade], ["<img src=x> [link](http://evil.example)"])

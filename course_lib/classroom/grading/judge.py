@@ -82,11 +82,21 @@ def _course_checkers() -> dict[str, Callable[..., Any]]:
 # (namespace, its names, its module or None) of the course's modules, classes and frozen declarations (a name added
 # shadows one looked up elsewhere: a field of an instance its class's method, a module's global a builtin);
 # (a frozen declaration, a class or a module, its type); (a dict, list or set of the course's, what it held, whether
-# it may grow)
+# it may grow); the course's functions and torch's pinned ones with their code, defaults, closure and globals
 State = tuple[tuple[tuple[Any, str, Any], ...], tuple[tuple[Any, Any], ...], tuple[Any, ...],
               tuple[tuple[Any, frozenset[str], Any], ...], tuple[tuple[Any, type], ...],
-              tuple[tuple[Any, tuple[Any, ...], bool], ...]]
+              tuple[tuple[Any, tuple[Any, ...], bool], ...], tuple[tuple[Any, ...], ...]]
 _MISSING = object()
+
+
+def _inside(function: FunctionType) -> tuple[Any, ...]:
+    """A function with what it runs: its code, defaults, closure and globals. Python refuses to rebind these for a
+    submission (the sandbox's audit hook); a write to the function's memory (numpy over a raw address) does not
+    ask, and a reference that runs the student's code gives their answer as the expected one."""
+    return (function, function.__code__, function.__defaults__, function.__kwdefaults__, function.__closure__,
+            function.__globals__)
+
+
 # The containers the course itself changes as it checks: (module, name) -> whether their entries are only ever added
 # (the pinned namespaces of a module imported since, the files of the student's code claimed as it runs: one taken
 # away would be the student's) or change freely (caches, the last verdicts, hint states, a count of calls)
@@ -132,6 +142,7 @@ def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
     cells of the course's functions and of the checkers (a cell's contents is writable); the names of the globals
     of its own that a class's method has (``CheckResult.__new__``'s ``_tuple_new``); the pin tables."""
     names, cells, seen, spaces, kinds, held = list(pinned_state()), [], set(), [], [], []
+    insides: dict[int, tuple[Any, ...]] = {}
     modules = sys.modules
     course = [(name, module) for name, module in list(modules.items())
               if name == "course_lib" or name.startswith("course_lib.")]
@@ -160,6 +171,12 @@ def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
         if id(value) in seen:
             continue
         seen.add(id(value))
+        if isinstance(value, (staticmethod, classmethod)):
+            todo.append(value.__func__)
+        elif isinstance(value, property):
+            todo += [part for part in (value.fget, value.fset, value.fdel) if part is not None]
+        if isinstance(value, FunctionType):
+            insides[id(value)] = _inside(value)
         if isinstance(value, FunctionType) and value.__closure__:
             for cell in value.__closure__:
                 try:
@@ -184,7 +201,12 @@ def _course_state(checkers: dict[str, Callable[..., Any]]) -> State:
             spaces.append((fields, frozenset(fields), None))
             kinds.append((value, type(value)))
             todo += list(fields.values())
-    return tuple(names), tuple(cells), pinned_tables(), tuple(spaces), tuple(kinds), tuple(held)
+    tables = pinned_tables()
+    for _, _, value in tables[0].values():   # torch's functions the checks and the references run on, as pinned
+        value = getattr(value, "__func__", value)
+        if isinstance(value, FunctionType):
+            insides.setdefault(id(value), _inside(value))
+    return tuple(names), tuple(cells), tables, tuple(spaces), tuple(kinds), tuple(held), tuple(insides.values())
 
 
 def _grown(state: State) -> bool:
@@ -213,9 +235,12 @@ def _tampered(state: State, missing: Any = _MISSING, *, claims: Any = frozenset(
     the course where its own restore (which that code can reach too: ``_references``) did not undo it. It reads the
     namespaces and cells themselves (a dict's own ``get``, a cell's contents), no function a submission could have
     rebound; the pin tables last, through _pinned's own check, once its names are known to be the course's."""
-    names, cells, tables, _, kinds, held = state
+    names, cells, tables, _, kinds, held, insides = state
     if not all(map(course_claims.__contains__, claims)):
         return True
+    for parts in insides:
+        if any(map(operator.is_not, _inside(parts[0]), parts)):
+            return True
     for thing, kind in kinds:
         if type(thing) is not kind:
             return True

@@ -41,7 +41,9 @@ def from_student(text: object, limit: int = 4000, *, lines: int = LINE_LIMIT) ->
     """``text`` (str, bytes, anything) as clean text: valid Unicode, no control characters but newlines
     and tabs, at most ``lines`` lines and ``limit`` characters (an ellipsis says where it was cut)."""
     text = _decoded(text if isinstance(text, (str, bytes)) else str(text))
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    # every line break str.splitlines() knows is a newline here (U+2028 and U+2029 too), so that no line of a
+    # report read line by line starts where a student chose
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\u2028", "\n").replace("\u2029", "\n")
     kept = "".join(c for c in text if c in "\n\t" or (c not in _BIDI and unicodedata.category(c) not in ("Cc", "Cs")))
     split = kept.split("\n")
     if len(split) > lines:
@@ -52,7 +54,7 @@ def from_student(text: object, limit: int = 4000, *, lines: int = LINE_LIMIT) ->
 def name_from_student(name: str | bytes) -> str:
     """A name (a student's folder, a file): one clean line; never empty. Invisible format characters (a
     zero-width space) are dropped too, so that no two students' names read alike and differ."""
-    flat = re.sub(r"[\r\n\t]+", " ", _decoded(name))
+    flat = re.sub(r"[\r\n\t\u2028\u2029]+", " ", _decoded(name))
     flat = "".join(c for c in flat if unicodedata.category(c) != "Cf")
     cleaned = from_student(flat, NAME_LIMIT, lines=1).strip()
     return cleaned or "(no name)"
