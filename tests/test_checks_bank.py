@@ -61,6 +61,11 @@ from bank import (
     search37b_bugs,
     search38_bugs,
     search39_bugs,
+    search40a_bugs,
+    search40b_bugs,
+    search41a_bugs,
+    search42a_bugs,
+    search42b_bugs,
     search_bugs,
     state_bugs,
     text_bugs,
@@ -80,7 +85,8 @@ BANKS = (attention_bugs, model_bugs, modern_bugs, flash_bugs, heads_bugs, varian
          search32t_bugs, search33a_bugs, search33b_bugs, search33c_bugs, search33d_bugs,
          search34q_bugs, search34r_bugs, search35a_bugs, search35b_bugs,
          search35c_bugs, search35d_bugs, search36a_bugs, search36b_bugs,
-         search37a_bugs, search37b_bugs, search38_bugs, search39_bugs)
+         search37a_bugs, search37b_bugs, search38_bugs, search39_bugs, search40a_bugs, search40b_bugs,
+         search41a_bugs, search42a_bugs, search42b_bugs)
 BUGGY = [attempt for bank in BANKS for attempt in bank.BUGGY]
 CORRECT = [attempt for bank in BANKS for attempt in bank.CORRECT]
 

@@ -71,6 +71,12 @@ def valid_tolerance(value: object) -> float:
     return float(value)
 
 
+def _fall(run: TrainingRun) -> float:
+    """How far a run's loss fell: from its start (the mean of its first 10 training losses) to its final
+    validation loss."""
+    return sum(run.train_loss[:10]) / max(1, min(10, len(run.train_loss))) - run.final_val_loss
+
+
 def how_it_fails(run: TrainingRun, reference: TrainingRun, tolerance: float) -> str | None:
     """None when ``run`` trains like ``reference``, else how it fails."""
     for name, given in (("run", run), ("reference", reference)):
@@ -81,9 +87,11 @@ def how_it_fails(run: TrainingRun, reference: TrainingRun, tolerance: float) -> 
         return "nan"   # a NaN loss is never within a tolerance, whatever a comparison with it says
     if run.failure is not None:
         return "raises"
-    first, last = sum(run.train_loss[:10]) / min(10, len(run.train_loss)), run.final_val_loss
-    if first - last < STALL and reference.train_loss[0] - reference.final_val_loss >= STALL:
+    # "stalls" only where the reference learned on the same steps: a run too short for anyone to learn tells
+    # nothing about the parts. Both starts are measured alike, the mean of the first 10 training losses.
+    if _fall(run) < STALL and _fall(reference) >= STALL:
         return "stalls"
+    last = run.final_val_loss
     if last > reference.final_val_loss + tolerance:
         return "diverges"
     if last < reference.final_val_loss - tolerance:

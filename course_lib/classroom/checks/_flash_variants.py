@@ -70,7 +70,8 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
     maximum that starts at 0, not -inf), "shared" (one running maximum for all rows). ``rescale``: "ok",
     "none" (never rescaled), "inverted" (exp(m_new - m_old); "inverted_guarded": 0 while m is -inf), "block" (by this block's own maximum), "old_over_block"
     (exp(m_old - block_max), against this block's maximum, not the new running one), "after"
-    (the old sum and the new terms both rescaled), "new" (the new terms rescaled, the old sum not)."""
+    (the old sum and the new terms both rescaled), "new" (the new terms rescaled, the old sum not), "block_own" (the
+    block's own sum taken against its own maximum, merged without exp(block_max - m_new))."""
     m = torch.full(x.shape[:-1], 0.0 if maximum == "zero" else float("-inf"), dtype=x.dtype)
     total = torch.zeros(x.shape[:-1], dtype=x.dtype)
     out = torch.empty_like(x)
@@ -88,12 +89,14 @@ def softmax_variant(x: torch.Tensor, size: int, *, rescale: str = "ok", maximum:
             else:
                 m_new = torch.maximum(m, block.amax(-1))
             old = torch.where(torch.isinf(m) & torch.isinf(m_new), torch.zeros_like(m), m - m_new)
-            factor = {"ok": torch.exp(old), "none": torch.ones_like(m), "inverted": torch.exp(-old),
+            factor = {"ok": torch.exp(old), "block_own": torch.exp(old), "none": torch.ones_like(m),
+                      "inverted": torch.exp(-old),
                       "inverted_guarded": torch.where(torch.isinf(m), torch.zeros_like(m), torch.exp(-old)),
                       "block": torch.exp(block.amax(-1) - m_new), "after": None, "new": None,
                       "old_over_block": torch.exp(torch.where(torch.isinf(m), torch.full_like(m, -math.inf),
                                                               m - block.amax(-1)))}[rescale]
-            terms = torch.exp(block - m_new[..., None]).sum(-1)
+            own = block.amax(-1) if rescale == "block_own" else m_new   # the block merged without its own factor
+            terms = torch.exp(block - own[..., None]).sum(-1)
             if rescale == "after":       # (l + new terms) * factor: the new terms shrunk too
                 total = (total + terms) * torch.exp(old)
             elif rescale == "new":       # l + new terms * factor: the new terms shrunk, the old sum never
@@ -482,11 +485,11 @@ BACKWARD_MISTAKES = tuple(Mistake(code, f"Your backward: {why}", spec) for code,
      {"recompute": "key_lse"}),
     ("scale", "dQ and dK are scaled by 1/d, the scale twice: the chain rule through S = q k^T / sqrt(d) brings "
               "1/sqrt(d) once, dQ = dS @ K / sqrt(d) and dK = dS^T @ Q / sqrt(d).", {"twice": True}),
-    *(("scale", why, {switch: False}) for switch, why in {   # the scale left out of one gradient
-        "dk_scale": "the scale 1/sqrt(d) is missing from dK (dQ has it): the scores are q k^T / sqrt(d), so dK = "
-                    "dS^T @ Q / sqrt(d) as dQ = dS @ K / sqrt(d).",
-        "dq_scale": "the scale 1/sqrt(d) is missing from dQ (dK has it): the scores are q k^T / sqrt(d), so dQ = "
-                    "dS @ K / sqrt(d) as dK = dS^T @ Q / sqrt(d)."}.items()),
+    # the scale left out of one gradient
+    ("scale", "the scale 1/sqrt(d) is missing from dK (dQ has it): the scores are q k^T / sqrt(d), so dK = dS^T @ Q "
+              "/ sqrt(d) as dQ = dS @ K / sqrt(d).", {"dk_scale": False}),
+    ("scale", "the scale 1/sqrt(d) is missing from dQ (dK has it): the scores are q k^T / sqrt(d), so dQ = dS @ K "
+              "/ sqrt(d) as dK = dS^T @ Q / sqrt(d).", {"dq_scale": False}),
     ("transposed", "dP is dO @ V: it should be dP = dO @ V^T (one number per query and key: how the loss moves "
                    "with each weight). It only fits here because d equals block_k.", {"dp": "no_transpose"}),
     ("values", "dP is computed from the keys: dP = dO @ V^T, the gradient of the output times the values (the "

@@ -272,7 +272,7 @@ def _rms(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _offset(how: str, start: int, length: int) -> int:
     # (A constant shift of every position is no mistake the outputs can show: RoPE only sees offsets.)
-    return {"ok": start, "zero": 0, "after_append": start + length, "one_row": start}[how]
+    return {"ok": start, "zero": 0, "after_append": start + length, "one_row": start, "twice": 2 * start}[how]
 
 
 def _allowed(how: str, start: int, length: int, total: int, window: int | None, window_how: str,
@@ -304,7 +304,7 @@ def simulate(setup: Setup, x: torch.Tensor, plan: list[tuple[int, int]], spec: d
     spec keys (right value first): group "interleave"/"tile"/"first" (group_v: the values' alone); rope_q, rope_k True/False; rope_v False/True;
     kind "half"/... and axis "length"/"heads" (see rotate above); offset (and offset_q, the
     queries' alone) "ok"/"zero"/"after_append"/"one_row" (with a cache, every new token turned by the one row
-    cos[start]); mask "causal"/"none"/"top_left"/"top_left_chunks"/"none_cached"/"rows_early"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"/"times"/
+    cos[start])/"twice" (the tables sliced at start and the offset start as well: position 2 * start); mask "causal"/"none"/"top_left"/"top_left_chunks"/"none_cached"/"rows_early"; window "ok"/"ignored"/"plus_one"; scale "head_dim"/"none"/"embed_dim"/"d"/"times"/
     "after"/"embed_over_heads" or a float (the factor itself); split and merge "ok"/"no_transpose"/"bare"; value "value"/"key";
     qk_norm "ok"/"none"/"after_rope"/"q_only"; softmax "keys"/"queries"/"heads"; theta (tables rebuilt with this
     theta); flat False/True (the flat projection turned with tiled tables, before the head split).
@@ -482,6 +482,10 @@ CACHED: tuple[Mistake, ...] = (
     Mistake("rope_positions", "With a KV cache your new tokens are rotated too far: the offset is the cache length "
                               "read AFTER appending them. Read start = cache.length before cache.append(...).",
             {"offset": "after_append"}),
+    Mistake("rope_positions", "With a KV cache your new tokens are turned to position 2 * cache.length: the tables "
+                              "are sliced at start (cos[start:], sin[start:]) AND offset=start is passed too, so "
+                              "the offset counts twice (and the tables run out half way). Do one of the two: "
+                              "apply_rotary(..., offset=cache.length) with the whole tables.", {"offset": "twice"}),
     Mistake("causal_mask", "With a KV cache your new queries see only the first keys: is_causal=True (or a "
                            "top-left triangle) aligns query i with key i, but the new queries sit at the END, "
                            "at positions cache.length ... total-1. Use a mask whose rows are those positions "

@@ -108,6 +108,18 @@ _HOOKS = tuple(Mistake(code, why, {"site": site, "select": select}) for code, si
                                            "SEQUENCE into pieces, not the features. View it as (N, L, heads, "
                                            "head_dim) and zero [:, :, head], or zero x[..., head * head_dim:"
                                            "(head + 1) * head_dim]."),
+    # the right site and columns, but not zeros: mean-ablation and resample-ablation, the interpretability papers'
+    *(("ablation_method", "proj_in", select, f"the head's columns of proj's input are replaced by {how}, not by "
+                                             f"zeros: that is {name}, which keeps what the head outputs on average "
+                                             f"(or on another input). This exercise switches the head off: its "
+                                             f"output is 0, x[..., head * head_dim:(head + 1) * head_dim] = 0 on "
+                                             f"proj's input.")
+      for select, how, name in (
+          ("mean_all", "their mean over the batch and the positions", "mean-ablation"),
+          ("mean_positions", "their mean over each sequence's positions", "mean-ablation"),
+          ("mean_batch", "their mean over the batch", "mean-ablation"),
+          ("resample", "another sequence's (the batch rolled by one)", "resample-ablation"),
+          ("resample_back", "another sequence's (the batch rolled back by one)", "resample-ablation"))),
     # the attention's input (or the block's), where every head reads the same features
     ("ablation_method", "attn_in", "own", "the hook is on the attention's INPUT (a pre-hook on "
                                           "model.blocks[layer].attn): columns of x zeroed before the query, key "
@@ -206,6 +218,13 @@ def _zeroed(x: torch.Tensor, select: str, head: int, size: int, count: int) -> t
         x[head] = 0.0
     elif select == "column":
         x[..., head] = 0.0
+    elif select.startswith(("mean", "resample")):
+        if select.startswith("resample") and n == 1:
+            raise ValueError("no other sequence")
+        own = x[..., head * size:(head + 1) * size]                       # (N, L, head_dim)
+        x[..., head * size:(head + 1) * size] = (
+            own.roll(1 if select == "resample" else -1, dims=0) if select.startswith("resample") else
+            own.mean(dim={"mean_all": (0, 1), "mean_positions": 1, "mean_batch": 0}[select], keepdim=True))
     elif select == "chunk":
         x.view(n, count, -1)[:, head] = 0.0       # (N, heads, L * E / heads): a slice of the flat sequence
     return x

@@ -17,11 +17,19 @@ from ._student_code import close, expect_parameters, load_parameters
 
 
 def as_tensor(value: Any) -> Any:
-    """A numpy array (or anything numpy-like) becomes a tensor; everything else is left alone."""
+    """A numpy array (or anything numpy-like) becomes a tensor (one of a dtype torch cannot read, such as numpy's
+    long double, in float64); everything else is left alone."""
     if isinstance(value, torch.Tensor) or value is None:
         return value
     if type(value).__module__.startswith("numpy") and hasattr(value, "shape"):
-        return torch.as_tensor(value)
+        try:
+            return torch.as_tensor(value)
+        except (TypeError, RuntimeError, ValueError):   # a dtype torch cannot read: numpy's long double, objects
+            wider = {"f": "float64", "c": "complex128"}.get(getattr(value.dtype, "kind", ""), "float64")
+            try:
+                return torch.as_tensor(value.astype(wider))
+            except (TypeError, RuntimeError, ValueError):
+                return value   # not numbers: the caller names what came back
     return value
 
 
@@ -72,7 +80,8 @@ def randomize_(module: nn.Module, generator: torch.Generator) -> nn.Module:
 
 @contextlib.contextmanager
 def recording_calls(module: nn.Module) -> Iterator[list[dict[str, Any]]]:
-    """Record how ``module`` is called: its first argument (and shape), the cache and its length."""
+    """Record how ``module`` is called: its first argument (and shape), the cache and its length, its mode and
+    the dtype of the torch.autocast it ran under (None outside one)."""
     calls: list[dict[str, Any]] = []
 
     def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -84,7 +93,9 @@ def recording_calls(module: nn.Module) -> Iterator[list[dict[str, Any]]]:
                 length = cache[0].length
         calls.append({"shape": tuple(first.shape) if isinstance(first, torch.Tensor) else None,
                       "ids": first.detach().clone() if isinstance(first, torch.Tensor) else None,
-                      "cache": cache, "cache_length": length, "training": module.training})
+                      "cache": cache, "cache_length": length, "training": module.training,
+                      "autocast": next((torch.get_autocast_dtype(device) for device in ("cpu", "cuda")
+                                        if torch.is_autocast_enabled(device)), None)})
 
     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     try:

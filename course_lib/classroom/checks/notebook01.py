@@ -178,6 +178,8 @@ def _toy_cases() -> list[Case]:
         _toy_case(q, keys, torch.randn(5, generator=gen)),
         _toy_case(q, keys, torch.randn(5, 2, generator=gen)),
         _toy_case(torch.randn(4, generator=gen), torch.randn(1, 4, generator=gen), torch.randn(1, 3, generator=gen)),
+        # one feature (d = 1), as "any dimension d" allows: a query.squeeze() makes it a number
+        _toy_case(torch.randn(1, generator=gen), torch.randn(4, 1, generator=gen), torch.randn(4, 2, generator=gen)),
     ]
 
 

@@ -95,7 +95,7 @@ def _wavelength(frequency: Callable[[torch.Tensor, torch.Tensor, int], torch.Ten
 
 def _table_slip(first: str, layout: str, offset: int) -> Mistake:
     """One member of the family of layout slips (which function first, interleaved or concatenated) and position
-    slips (counted from 1): named ``sincos_layout`` when the layout is wrong, else ``positions``."""
+    slips (counted from 1, or from -1): named ``sincos_layout`` when the layout is wrong, else ``positions``."""
     said = []
     if layout == "concat":
         order = ("sines", "cosines") if first == "sin" else ("cosines", "sines")
@@ -107,14 +107,15 @@ def _table_slip(first: str, layout: str, offset: int) -> Mistake:
         said.append("sine and cosine are swapped. Even dimensions (0, 2, 4, ...) hold the sines and odd dimensions "
                     "the cosines, so row 0 (position 0) should read 0, 1, 0, 1, ...")
     if offset:
-        said.append("your positions start at 1. Row 0 is position 0 (sin 0 = 0, cos 0 = 1).")
+        said.append(f"your positions start at {offset} (arange(max_tokens) {'+' if offset > 0 else '-'} "
+                    f"{abs(offset)}). Row 0 is position 0 (sin 0 = 0, cos 0 = 1).")
     message = said[0] + "".join(f" Also, {more}" for more in said[1:])
     return Mistake("sincos_layout" if layout == "concat" or first == "cos" else "positions", message,
                    output=lambda t, d: _table(t, d, first=first, layout=layout, offset=offset))
 
 
 _TABLE_MISTAKES = (
-    *(_table_slip(first, layout, offset) for offset in (0, 1) for first in ("sin", "cos")
+    *(_table_slip(first, layout, offset) for offset in (0, 1, -1) for first in ("sin", "cos")
       for layout in ("interleave", "concat") if (first, layout, offset) != ("sin", "interleave", 0)),
     *(Mistake("scale", f"the wavelengths are wrong: {why}"
                        + ("." if layout == "interleave" else " (and the sines and cosines should interleave)."),
@@ -128,13 +129,19 @@ _TABLE_MISTAKES = (
     Mistake("scale", "each column uses its own index j in the exponent, pos / 10000^(j/d): the two columns of a "
                      "pair share one angle, so dimensions 2i and 2i+1 both use 10000^(2i/d).",
             output=lambda t, d: _per_column(t, d)),
+    Mistake("scale", "each column uses twice its own index in the exponent, pos / 10000^(2j/d) (the TensorFlow "
+                     "tutorial's get_angles with 2 * i where 2 * (i // 2) is meant): the two columns of a pair share "
+                     "one angle, so dimensions 2i and 2i+1 both use 10000^(2i/d).",
+            output=lambda t, d: _per_column(t, d, doubled=True)),
 )
 
 
-def _per_column(max_tokens: int, embed_dim: int) -> torch.Tensor:
-    """Column j at the angle pos / 10000^(j/d) (its own index, not its pair's): sine if j is even, else cosine."""
+def _per_column(max_tokens: int, embed_dim: int, doubled: bool = False) -> torch.Tensor:
+    """Column j at the angle pos / 10000^(j/d) (its own index, not its pair's; 2j with ``doubled``): sine if j is
+    even, else cosine."""
     j = torch.arange(embed_dim, dtype=torch.float64)
-    angles = torch.arange(max_tokens, dtype=torch.float64)[:, None] / 10000.0 ** (j / embed_dim)   # (T, d)
+    angles = torch.arange(max_tokens, dtype=torch.float64)[:, None] / 10000.0 ** ((2 if doubled else 1) * j
+                                                                                 / embed_dim)   # (T, d)
     return torch.where(j % 2 == 0, angles.sin(), angles.cos())
 
 
@@ -190,7 +197,9 @@ def _table_angles(runs: list[Run], fn: Any) -> None:
 def _table_mismatch(run: Run) -> str:
     (max_tokens, embed_dim), got = run.case.args, run.out.double()
     expected = _table(max_tokens, embed_dim)
-    pos, dim = divmod(int((got - expected).abs().argmax()), embed_dim)
+    off = ~torch.isclose(got, expected, rtol=1e-4, atol=1e-5)                       # (T, d): the entries that differ
+    pos, dim = divmod(int(off.flatten().nonzero()[0]) if bool(off.any()) else int((got - expected).abs().argmax()),
+                      embed_dim)                                                    # the first, row by row
     return (f"{run.case.what}: values differ from the reference, first at position {pos}, dimension {dim} "
             f"(got {got[pos, dim]:.4f}, expected {expected[pos, dim]:.4f}). Even dimension 2i holds "
             f"sin(pos / 10000^(2i/d)), odd dimension 2i+1 the cosine.")
@@ -732,65 +741,53 @@ def _gpt_variants(ref: nn.Module) -> list[Mistake]:
         x = ref.ln_f(x) if ln_f is True else _BARE(ref.ln_f)(x) if ln_f == "bare" else x
         return x @ ref.token_embedding.weight.T if tied else ref.head(x)
 
+    def outputs(code, *rows):   # (why, run's switches): one mistake each, in order
+        return [Mistake(code, why, output=lambda idx, switches=switches: run(idx, **switches))
+                for why, switches in rows]
+
     blocks, root = list(ref.blocks), math.sqrt(ref.config.embed_dim)
-    positions = [
-        Mistake("positions", "the positions are missing: you never add the position encodings, so the model cannot "
-                             "tell where a token sits. Add self.position_encoding(...) to the token embeddings.",
-                output=lambda idx: run(idx, positions=False)),
-        Mistake("positions", "the positions are missing and the final LayerNorm ln_f is not applied.",
-                output=lambda idx: run(idx, positions=False, ln_f=False)),
-        Mistake("positions", "your positions start at 1: the first token sits at position 0, "
-                             "self.position_encoding(L) (or start=0).",
-                output=lambda idx: run(idx, start=1)),   # raises (passed over) at the full length
-        Mistake("positions", "your positions run backwards (the last token gets position 0): token l gets the "
-                             "encoding of position l, self.position_encoding(L) row by row as it is.",
-                output=lambda idx: run(idx, reverse=True)),
-        Mistake("positions", "you add the position encodings after the blocks (before ln_f), so no block knows where "
-                             "a token sits: add them once, to the token embeddings, before the first block.",
-                output=lambda idx: run(idx, positions="after")),
-        Mistake("positions", "you add the position encodings again before every block: add them once, to the token "
-                             "embeddings, before the first block; each block then takes the previous one's output "
-                             "as it is.",
-                output=lambda idx: run(idx, positions="every")),
-    ]
-    scales = [
-        Mistake("scale", "you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds "
-                         "token and position embeddings as they are.",
-                output=lambda idx: run(idx, scale=root)),
-        Mistake("scale", "you scale the sum of token and position embeddings by sqrt(embed_dim); this GPT adds "
-                         "them as they are, unscaled.",
-                output=lambda idx: run(idx, scale=root, both=True)),
-        Mistake("scale", "you divide the token embeddings by sqrt(embed_dim); this GPT adds token and position "
-                         "embeddings as they are.",
-                output=lambda idx: run(idx, scale=1 / root)),
-    ]
-    chains = [
-        Mistake("block_chain", "the blocks run in reverse order; go through self.blocks first to last.",
-                output=lambda idx: run(idx, blocks=blocks[::-1])),
-        Mistake("block_chain", "only the first block is applied; every block in self.blocks should transform x in "
-                               "turn, each one taking the previous block's output.",
-                output=lambda idx: run(idx, blocks=blocks[:1])),
-        Mistake("block_chain", "only the last block's output is kept; each block should take the previous block's "
-                               "output, not the embeddings.",
-                output=lambda idx: run(idx, blocks=blocks[-1:])),
-        Mistake("block_chain", "the last block is never applied; every block in self.blocks should transform x in "
-                               "turn (loop over the blocks themselves, not a range that stops one short).",
-                output=lambda idx: run(idx, blocks=blocks[:-1])),
-        Mistake("block_chain", "every block reads the embeddings and you add up their outputs; each block should "
-                               "take the previous block's output instead (x = block(x), in turn).",
-                output=lambda idx: run(idx, blocks=[], summed=True)),
-    ]
-    return [*positions[:1],
-            Mistake("final_norm", "the final LayerNorm self.ln_f is missing: apply it after the last block, before "
-                                  "the output head.",
-                    output=lambda idx: run(idx, ln_f=False)),
-            Mistake("final_norm", "your final norm leaves out self.ln_f's learned weight and bias (a plain "
-                                  "F.layer_norm(x, (E,)) normalises, but neither scales nor shifts; they are 1 and 0 "
-                                  "only at initialisation): apply self.ln_f(x) itself after the last block.",
-                    output=lambda idx: run(idx, ln_f="bare")),
-            Mistake("final_norm", "the final LayerNorm self.ln_f is applied before the blocks, not after them: the "
-                                  "blocks run on the embeddings, then ln_f, then the head.",
-                    output=lambda idx: run(idx, ln_f="first")),
+    positions = outputs(
+        "positions",
+        ("the positions are missing: you never add the position encodings, so the model cannot tell where a token "
+         "sits. Add self.position_encoding(...) to the token embeddings.", dict(positions=False)),
+        ("the positions are missing and the final LayerNorm ln_f is not applied.", dict(positions=False, ln_f=False)),
+        ("your positions start at 1: the first token sits at position 0, self.position_encoding(L) (or start=0).",
+         dict(start=1)),   # raises (passed over) at the full length
+        ("your positions run backwards (the last token gets position 0): token l gets the encoding of position l, "
+         "self.position_encoding(L) row by row as it is.", dict(reverse=True)),
+        ("you add the position encodings after the blocks (before ln_f), so no block knows where a token sits: add "
+         "them once, to the token embeddings, before the first block.", dict(positions="after")),
+        ("you add the position encodings again before every block: add them once, to the token embeddings, before "
+         "the first block; each block then takes the previous one's output as it is.", dict(positions="every")))
+    final_norms = outputs(
+        "final_norm",
+        ("the final LayerNorm self.ln_f is missing: apply it after the last block, before the output head.",
+         dict(ln_f=False)),
+        ("your final norm leaves out self.ln_f's learned weight and bias (a plain F.layer_norm(x, (E,)) normalises, "
+         "but neither scales nor shifts; they are 1 and 0 only at initialisation): apply self.ln_f(x) itself after "
+         "the last block.", dict(ln_f="bare")),
+        ("the final LayerNorm self.ln_f is applied before the blocks, not after them: the blocks run on the "
+         "embeddings, then ln_f, then the head.", dict(ln_f="first")))
+    scales = outputs(
+        "scale",
+        ("you scale the token embeddings by sqrt(embed_dim) (as in the 2017 paper); this GPT adds token and position "
+         "embeddings as they are.", dict(scale=root)),
+        ("you scale the sum of token and position embeddings by sqrt(embed_dim); this GPT adds them as they are, "
+         "unscaled.", dict(scale=root, both=True)),
+        ("you divide the token embeddings by sqrt(embed_dim); this GPT adds token and position embeddings as they "
+         "are.", dict(scale=1 / root)))
+    chains = outputs(
+        "block_chain",
+        ("the blocks run in reverse order; go through self.blocks first to last.", dict(blocks=blocks[::-1])),
+        ("only the first block is applied; every block in self.blocks should transform x in turn, each one taking "
+         "the previous block's output.", dict(blocks=blocks[:1])),
+        ("only the last block's output is kept; each block should take the previous block's output, not the "
+         "embeddings.", dict(blocks=blocks[-1:])),
+        ("the last block is never applied; every block in self.blocks should transform x in turn (loop over the "
+         "blocks themselves, not a range that stops one short).", dict(blocks=blocks[:-1])),
+        ("every block reads the embeddings and you add up their outputs; each block should take the previous "
+         "block's output instead (x = block(x), in turn).", dict(blocks=[], summed=True)))
+    return [*positions[:1], *final_norms,
             Mistake("norm_placement", "the final LayerNorm self.ln_f is applied after every block (x = "
                                       "self.ln_f(block(x)) in the loop): it comes once, after the last block, before "
                                       "the head. Each block normalises its own sublayers' inputs already.",

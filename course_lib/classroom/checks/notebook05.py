@@ -611,7 +611,8 @@ def check_train_step(fn: Callable[..., Any]) -> str:
     for step, (inputs, targets) in enumerate(batches, start=1):
         what = f"train_step (step {step})"
         g, expected_loss = _gradient(model, inputs, targets)
-        loss, note_now, delta, left, in_training = _one_step(fn, model, optimizer, inputs, targets, what)
+        with recording_calls(model) as calls:
+            loss, note_now, delta, left, in_training = _one_step(fn, model, optimizer, inputs, targets, what)
         note = note or note_now
         training = training and in_training
         if abs(loss - expected_loss) > 1e-4 * max(1.0, abs(expected_loss)):
@@ -620,6 +621,13 @@ def check_train_step(fn: Callable[..., Any]) -> str:
                 fail("step_order", f"{what} returned loss {loss:.5f}, the loss after the update; the loss of this "
                                    f"batch before the update is {expected_loss:.5f}. Return the loss you called "
                                    f"backward() on (loss.item() of the forward pass before optimizer.step()).")
+            half = next((call["autocast"] for call in calls if call["autocast"] is not None), None)
+            if half is not None:
+                fail("precision", f"{what} returned loss {loss:.5f}; the loss of this batch before the update is "
+                                  f"{expected_loss:.5f}: your model ran under torch.autocast with "
+                                  f"{str(half).replace('torch.', '')}, so its matmuls rounded to half precision. Run "
+                                  f"the step in the model's own dtype: mixed precision is a choice of the training "
+                                  f"loop, not of this step.")
             fail("mismatch", f"{what} returned loss {loss:.5f}; the loss of this batch before the update is "
                              f"{expected_loss:.5f}. Return the lm_loss of the model's logits on these inputs "
                              f"and targets.")
@@ -646,10 +654,31 @@ def check_train_step(fn: Callable[..., Any]) -> str:
         fail("dropout", "Your train_step runs the model in eval mode, so dropout is off during training. Call "
                         "model.train() at the start (an evaluation before may have switched it to eval).")
     _check_clipping(fn, model, optimizer, batches[0], batches[2])
+    _check_gradients_found(fn, batches[0])
     _check_step_float64(fn)
     _check_new_dropout_masks(fn)
     return ("Forward, loss, backward and step on gradients of this batch alone (cleared before its backward), "
             "clipped as asked; the loss comes back as a number." + note)
+
+
+def _check_gradients_found(fn: Callable[..., Any], batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Step 1 of the text: gradients already on the model when train_step is called (an earlier backward, an
+    evaluation that called it) are cleared before this batch's backward. A step that clears them only at its end
+    passes a loop of its own steps, and adds those gradients into the first step after anything else."""
+    inputs, targets = batch
+    model = _tiny_gpt(seed=9)
+    generator = torch.Generator().manual_seed(21)
+    for param in model.parameters():
+        param.grad = torch.randn(param.shape, generator=generator)
+    found = _flat_grad(model.parameters()).clone()
+    g, _ = _gradient(model, inputs, targets)
+    what = "train_step on a model that already holds gradients (an earlier backward's), max_grad_norm=None"
+    _, _, delta, _, _ = _one_step(fn, model, torch.optim.SGD(model.parameters(), lr=_LR), inputs, targets, what,
+                                  max_grad_norm=None)
+    if _cosine(delta, -g) <= 0.9999 and _cosine(delta, -(g + found)) > 0.9999:
+        fail("zero_grad", f"{what}: your step added the gradients the model already held to this batch's. "
+                          f"PyTorch adds new gradients to old ones: call optimizer.zero_grad() at the START of "
+                          f"train_step, before loss.backward(), not only at its end.")
 
 
 def _scaled_gradient(what: str, ratio: float, targets: torch.Tensor, clipped: str = "") -> None:
@@ -808,6 +837,8 @@ def _clippings(g: torch.Tensor, sizes: list[int], limit: float) -> dict[str, tor
         "squared": scaled(norm ** 2),
         "mean": scaled(float(g.abs().mean())),
         "rms": scaled(float(g.pow(2).mean().sqrt())),
+        "inf": scaled(float(g.abs().max())),       # clip_grad_norm_(..., norm_type=float("inf")): the largest entry
+        "l1": scaled(float(g.abs().sum())),        # norm_type=1: the sum of absolute values
         "always": scaled(norm, always=True),
     }
 
@@ -839,6 +870,12 @@ def _name_clipping(what: str, delta: torch.Tensor, g: torch.Tensor, model: nn.Mo
             fail("clipping", f"{what}: your code scales the gradient by max_grad_norm over its norm squared (the sum "
                              f"of squares, without its square root): the norm is the square root of that sum. "
                              f"Use {how}.")
+        if name in ("inf", "l1"):
+            measure = ("its largest absolute entry (norm_type=inf)" if name == "inf" else
+                       "its L1 norm, the sum of absolute values (norm_type=1)")
+            fail("clipping", f"{what}: your code measures the gradient by {measure} instead of its L2 norm, the "
+                             f"square root of the sum of squares over all the parameters together (clip_grad_norm_'s "
+                             f"default norm_type=2). Use {how}.")
         if name in ("mean", "rms"):
             fail("clipping", f"{what}: your code measures the gradient by the mean of its entries "
                              f"({'of their absolute values' if name == 'mean' else 'the root mean square'}) instead "
@@ -1067,6 +1104,10 @@ _SAMPLING_MISTAKES = (
                      "every path (with and without top_k), not the probabilities (dividing them changes nothing "
                      "once they are renormalised).",
             output=lambda base, t, k: _probabilities(base, k) if t != 1 else None),
+    Mistake("scale", "at {setting} the logits are divided by the temperature twice (by its square): divide them once, "
+                     "before the softmax, on every path (a division before the top-k branch and another in it "
+                     "counts twice).",
+            output=lambda base, t, k: _probabilities(base / (t * t), k) if t != 1 else None),
     *(_top_k_mistake("top_k", f"you keep {{{name}}} tokens instead of top_k={{top_k}} (off by one in the threshold: "
                               f"keep the logits >= the k-th largest).",
                      lambda base, t, k, step=step: _probabilities(base / t, k + step) if 1 <= k + step <= base.shape[1]

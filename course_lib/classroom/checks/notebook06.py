@@ -223,7 +223,24 @@ def _whole_factor(runs: list[Run]) -> None:
                          f"and for the weights), 6 = 2 forward + 4 backward: 6N + 12·n·H·Q·T.")
 
 
+def _rounded(runs: list[Run]) -> None:
+    """``precision`` where every wrong count is the right one rounded to a power of ten (round(count, -3), a
+    count to three significant digits, a floor or a ceiling there): the formula is right, its result rounded."""
+    wrong = [run for run in runs if not FLOPS_PER_TOKEN.same(run.out, run.expected)]
+
+    def rounded(got: float, exact: float) -> bool:
+        return any(got == how(exact / 10 ** k) * 10 ** k for k in range(1, 16)
+                   for how in (round, math.floor, math.ceil) if abs(exact) >= 10 ** k)
+    if wrong and all(isinstance(run.out, torch.Tensor) and rounded(float(run.out), float(run.expected))
+                     for run in wrong):
+        run = wrong[0]
+        fail("precision", f"{run.case.what} returned {Number(run.out):,.0f}, expected {Number(run.expected):,.0f}: "
+                          f"your formula is right, but its result is rounded (to a power of ten, or to a few "
+                          f"significant digits). Return the count exactly; round only where you print it.")
+
+
 def _ignores_weights(runs: list[Run], fn: Any) -> None:
+    _rounded(runs)
     _overflowed(runs)
     _whole_factor(runs)
     _one_term_off(runs)
@@ -514,7 +531,10 @@ def _explain_cache_contents(calls: list[dict[str, Any]], sequence: torch.Tensor 
     held: dict[Any, torch.Tensor] = {}   # per cache, in the order of first use: the tokens fed into it
     refeeds: dict[Any, int] = {}
     emptied: list[torch.Tensor] = []     # what a cache held before it was emptied and fed again
-    cached = [c for c in calls if c["cache"] is not None and c["ids"] is not None and c["ids"].dim() == 2]
+    # a call of no tokens (a prefill of all the prompt but its last token, on a prompt of one) leaves a cache as it
+    # was: neither a first use nor a start over
+    cached = [c for c in calls if c["cache"] is not None and c["ids"] is not None and c["ids"].dim() == 2
+              and c["ids"].shape[1] > 0]
     for number, c in enumerate(cached):
         key, ids = _cache_key(c["cache"]), c["ids"]
         before = held.get(key)

@@ -351,6 +351,7 @@ def _check_direct(fn: Callable[..., Any], module: nn.Module, generator: torch.Ge
             _kept_on_layer(fn, module, q, k, v, causal[None, None], scaling, what, got)
         raise
     _check_fewer_queries(fn, module, k, v, scaling, generator)
+    _check_fewer_queries_masked(fn, module, k, v, scaling, generator)
 
 
 def _kept_on_layer(fn: Callable[..., Any], module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -472,6 +473,41 @@ def _check_fewer_queries(fn: Callable[..., Any], module: nn.Module, k: torch.Ten
                                 f".tril(diagonal=Lk - Lq).")
         fail("mismatch", f"{what}: the output differs from causal attention where the queries are the last "
                          f"{q_len} of the {k_len} positions (query i sees keys 0..i + {k_len - q_len}).")
+
+
+def _check_fewer_queries_masked(fn: Callable[..., Any], module: nn.Module, k: torch.Tensor, v: torch.Tensor,
+                                scaling: float, generator: torch.Generator) -> None:
+    """Step 1 with a KV cache and padding: a mask is given and the Lq queries are the last of the Lk positions (as a
+    cached step of generate() with left padding calls it). The given mask is the whole answer: it holds causality
+    and the padding. Every query keeps a key to see (the text asks nothing of a query that sees none)."""
+    n, heads, k_len, head_dim = k.shape
+    for q_len in (1, 2):
+        q = torch.randn(n, heads, q_len, head_dim, generator=generator)                 # (N, heads, Lq, d)
+        causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)   # (Lq, Lk)
+        mask = causal.expand(n, 1, q_len, k_len).clone()                                  # (N, 1, Lq, Lk)
+        mask[-1, :, :, :2] = False   # the last sequence left-padded by two tokens
+        what = (f"your attention function ({q_len} quer{'y' if q_len == 1 else 'ies'}, {k_len} keys, an "
+                f"attention_mask with padding: a cached step of generate())")
+        said = (" With a mask given, the mask is the whole answer: it already holds causality (for the last Lq "
+                "of the Lk positions) and the padding. Use attention_mask as it comes.")
+        try:
+            got = _direct(fn, module, q, k, v, mask, scaling, what)
+        except Failure as failure:
+            if failure.diagnosis in ("nan", "causal_mask") and "NaN" in failure.message:
+                fail("causal_mask", f"{what}: NaN in the output, though every query here has keys it may see: a "
+                                    f"query of yours sees none (a causal mask of your own, aligned top-left and "
+                                    f"combined with the one given, leaves the first query only key 0, which is "
+                                    f"padding here)." + said)
+            raise
+        if close(got, _attention(q, k, v, scale=scaling, mask=mask)):
+            continue
+        top_left = torch.ones(q_len, k_len, dtype=torch.bool).tril()
+        for wrong, how in ((causal, "ignores the given attention_mask here (the padded keys get weight)"),
+                           (mask & top_left, "combines the given mask with a causal mask of its own aligned "
+                                             "top-left (query i sees keys 0..i)")):
+            if close(got, _attention(q, k, v, scale=scaling, mask=wrong)):
+                fail("causal_mask", f"{what}: your function {how}.{said}")
+        fail("mismatch", f"{what}: the output differs from attention with the given mask.{said}")
 
 
 def _check_on_device(fn: Callable[..., Any], layer: nn.Module) -> None:

@@ -484,6 +484,7 @@ _NORM_CASES = (
     (8, 0.1, (3, 8), "normal"),          # a large eps: inside or outside the square root differs
     (8, 0.1, (4, 8), "mixed"),           # some rows' root mean square below eps: added or clamped at differs
     (8, None, (2, 3, 4, 8), "normal"),   # (N, heads, L, head_dim), as QK-norm calls it
+    (8, None, (8,), "normal"),           # one vector: (..., dim) with no leading axis
 )
 
 
@@ -758,7 +759,7 @@ def check_rms_norm(cls: Any) -> str:
     _check_half_precision(cls, generator)
     module_in_float64(lambda: _build_norm(cls, x.shape[-1], None, torch.Generator().manual_seed(3)), x, shown)
     _norm_in_bfloat16(cls)
-    return ("Right in float32 and float16, for 2-D to 4-D inputs and any eps: x / sqrt(mean(x^2) + eps) * weight "
+    return ("Right in float32 and float16, for 1-D to 4-D inputs and any eps: x / sqrt(mean(x^2) + eps) * weight "
             "over the last axis.")
 
 
@@ -1075,7 +1076,15 @@ REPEAT_KV = FunctionExercise(
                                      "kv_heads. Each key/value head serves `groups` NEIGHBOURING query heads, so "
                                      "repeat each one `groups` times in a row, [0, 0, 1, 1, ...]: "
                                      "repeat_interleave(groups, dim=1), or expand on a new axis after the heads.",
-                      output=lambda x, groups: x.repeat(1, groups, 1, 1)),),
+                      output=lambda x, groups: x.repeat(1, groups, 1, 1)),
+               Mistake("kv_grouping", "your new axis sits after the POSITIONS, x[:, :, :, None, :] (Meta's "
+                                      "repeat_kv, written for (N, L, kv_heads, head_dim)), so the reshape to (N, "
+                                      "kv_heads * groups, L, head_dim) mixes positions into heads: output head h holds "
+                                      "one position of x's head h // groups, repeated. Here the heads are axis 1: "
+                                      "expand a new axis right after them, x[:, :, None].expand(N, kv_heads, groups, "
+                                      "L, head_dim), then reshape, or repeat_interleave(groups, dim=1).",
+                       output=lambda x, groups: x[:, :, :, None, :].expand(*x.shape[:3], groups, x.shape[3])
+                       .reshape(x.shape[0], x.shape[1] * groups, x.shape[2], x.shape[3]))),
     exact=True, each_case=True, finite=True, numpy_ok=True, raw=_repeat_axes, diagnose=_misplaced,
     gradients=lambda: [Case((torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(95)), 2),
                             "repeat_kv(x, 2) with x of shape (2, 2, 3, 4)")],
@@ -1394,6 +1403,8 @@ def _cached(built: Built) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Rec
         try:
             out = _forward(built, x[:, start:start + length], what, start=start, cache=cache)
         except Failure as failure:
+            if failure.diagnosis in ("exception", "shape"):   # unnamed: earlier wrong outputs may say more
+                _named_before(built, x, expected, outs, start)
             if failure.diagnosis in ("exception", "shape") and start > 0 and length > 1 and len(outs) > 1:
                 reraise_with(failure, "causal_mask", f" Your module runs on one new token at a time after a "
                              f"cache, but not on {length}: the new queries sit at positions {start} .. "
@@ -1407,6 +1418,19 @@ def _cached(built: Built) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Rec
                              f"keys, then k, v = cache.append(k, v) and attend over what it returns.")
         outs.append(out)
     return x, torch.cat(outs, dim=1), expected, cache
+
+
+def _named_before(built: Built, x: torch.Tensor, expected: torch.Tensor, outs: list[torch.Tensor], start: int
+                  ) -> None:
+    """Where a cached call fails after earlier calls already gave wrong outputs, a known mistake that explains those
+    outputs says more than the failure does (the tables that run out at the end of a wrong offset, say)."""
+    if not outs or close(torch.cat(outs, dim=1), expected[:, :start]):
+        return
+    plan = [(begin, length) for begin, length in PLAN if begin < start]
+    found = first_match(CACHED, [torch.cat(outs, dim=1)],
+                        lambda _, spec: simulate(built.setup, x[:, :start], plan, spec, cached=True))
+    if found is not None:
+        fail(found.code, found.message)
 
 
 def _fill_context(built: Built, cache: RecordingCache) -> None:

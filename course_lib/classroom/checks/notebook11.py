@@ -54,6 +54,11 @@ def _one_per_head(case: Case, out: Any) -> None:
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else None
     if got is None or got == (heads,):
         return
+    if heads == 1 and got == ():
+        fail("shape", f"{case.what} returned a 0-d tensor, expected shape (1,): one score per head, and this model "
+                      f"has one head. A .squeeze() (or .item(), or indexing [0]) drops the heads axis when it has "
+                      f"size 1, as in the notebook's one-head model. Average over the batch and the queries only, "
+                      f".mean(dim=(0, 2)), and keep the heads axis whatever its size.")
     hint = (" That is one number per sequence of the batch: weights are (N, heads, L, L), so average over the "
             "batch (axis 0) and the queries, and keep the heads (axis 1)." if got == (n,) and n != heads else
             " You kept the batch axis: average over the batch too, one number per head." if got == (n, heads) else
@@ -116,9 +121,10 @@ def _reference_grad(reference: Callable[..., torch.Tensor], weights: torch.Tenso
 
 PREVIOUS_TOKEN_SCORE = _score(
     "11.1", "previous_token_score", lambda weights: ref.previous_token_score(weights), ("weights",),
-    [((3, 4, 7, 7), None), ((2, 5, 6, 6), None), ((4, 4, 5, 5), None), ((1, 2, 2, 2), None)],
+    [((3, 4, 7, 7), None), ((2, 5, 6, 6), None), ((4, 4, 5, 5), None), ((1, 2, 2, 2), None),
+     ((2, 1, 6, 6), None)],   # one head, as the notebook's model has: a .squeeze() drops the heads axis
     [((1, 1, 2, 2), None), ((1, 2, 3, 3), None), ((2, 2, 4, 4), None)], slips.PREVIOUS_MISTAKES,
-    "Right on batches of 1 to 4 sequences of 2 to 7 tokens, with 2 to 5 heads: the mean of the entries "
+    "Right on batches of 1 to 4 sequences of 2 to 7 tokens, with 1 to 5 heads: the mean of the entries "
     "(i, i - 1) for i >= 1, per head, with its gradient.")
 
 
@@ -142,9 +148,10 @@ _LAST_ENTRIES = Mistake(
 INDUCTION_SCORE = _score(
     "11.2", "induction_score", lambda weights, half: ref.induction_score(weights, half), ("weights", "half"),
     [((3, 4, 12, 12), 6), ((2, 3, 10, 10), 5), ((4, 4, 8, 8), 4), ((1, 2, 6, 6), 3),
-     ((2, 3, 9, 9), 5)],    # the last: a second half shorter than the first (L < 2 * half), as the reference allows
+     ((2, 3, 9, 9), 5),     # a second half shorter than the first (L < 2 * half), as the reference allows
+     ((2, 1, 8, 8), 4)],    # one head, as the notebook's model has: a .squeeze() drops the heads axis
     [((1, 1, 4, 4), 2), ((1, 2, 4, 4), 2), ((1, 2, 6, 6), 3)], (*slips.INDUCTION_MISTAKES, _LAST_ENTRIES),
-    "Right for halves of 3 to 6 tokens (a shorter second half too) and 2 to 4 heads: the mean of the entries "
+    "Right for halves of 3 to 6 tokens (a shorter second half too) and 1 to 4 heads: the mean of the entries "
     "(i, i - half + 1) over the second half's queries, per head, with its gradient.")
 
 

@@ -258,7 +258,8 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
          merge: str = "ok", heads_view: str = "ok", biases: bool = True, unbiased: tuple[str, ...] = (),
          own_tables: bool = False,
          keys_at_zero: bool = False, queries_at: str = "start", norm_over: str = "latent",
-         fill: str = "-inf", rope_first: str = "") -> torch.Tensor:
+         fill: str = "-inf", rope_first: str = "", norm_eps: float | None = None, norm_weight: bool = True,
+         hide_own: bool = False) -> torch.Tensor:
     """The reference MLA forward with one mistake switched on (the defaults are right): ``queries`` and ``keys``
     how each rotary part turns (``rotary.rotate``'s kinds, "pairs" or "pairs_table"; "none": not at all),
     ``values_first`` kv_b_proj's output split as values then keys, ``mask_ahead`` one future key let through,
@@ -273,7 +274,8 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
     ``fill`` what the hidden scores become: "-inf" (right), "zero" (0, as scores * mask or masked_fill(~mask, 0)
     give) or "add" (the 0/1 mask added to the scores); ``rope_first`` "queries": the query's rotary part read from
     the front of each head (q.split([dr, dn])), "keys": the keys built as [k_rope, k_nope] while the queries are
-    [q_nope, q_rope]."""
+    [q_nope, q_rope]; ``norm_eps`` the latent's RMSNorm written out with an epsilon of its own, ``norm_weight``
+    False: written out without kv_a_layernorm's weight; ``hide_own``: the mask hides each query's own key too."""
     def turn(t: torch.Tensor, kind: str, at: int) -> torch.Tensor:
         if kind == "none":
             return t
@@ -302,6 +304,11 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
                 both * torch.rsqrt(both.pow(2).mean(-1, keepdim=True) + ln.eps) * weight
             latent, turned = normed.split([layer.kv_lora_rank, dr], dim=-1)
             k_rope = k_rope if norm_over == "stat_rms" else turned
+        elif norm and (norm_eps is not None or not norm_weight):   # the RMSNorm written out, one part changed
+            ln = layer.kv_a_layernorm
+            latent = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + (ln.eps if norm_eps is None else
+                                                                                   norm_eps))
+            latent = latent * ln.weight if norm_weight else latent
         elif norm:
             latent = layer.kv_a_layernorm(latent)
         if rope == "split" and not rotate_cached:
@@ -337,7 +344,7 @@ def _mla(layer: Any, x: torch.Tensor, split: int, *, rope: str = "split", scale:
             "after": 1.0, "latent": layer.kv_lora_rank ** -0.5, "cached": (layer.kv_lora_rank + dr) ** -0.5}[scale]
         scores = q @ k.transpose(-2, -1) * factor                           # (N, H, L, T)
         first = total - length if mask_offset else 0
-        mask = torch.ones(total, total, dtype=torch.bool).tril(int(mask_ahead))[first:first + length]
+        mask = torch.ones(total, total, dtype=torch.bool).tril(-1 if hide_own else int(mask_ahead))[first:first + length]
         if masked and fill == "add":
             scores = scores + mask.to(scores.dtype)
         elif masked:
@@ -446,6 +453,10 @@ _MLA_MISTAKES = (
     Mistake("causal_mask", "Your causal mask does not account for the cache: the new queries sit at positions "
                            "start .. start + L - 1, so query i sees keys 0 .. start + i (take rows start: of the "
                            "T x T lower triangle).", spec=dict(mask_offset=False)),
+    Mistake("causal_mask", "Your causal mask hides each query's own key too (a strict lower triangle: tril(-1), or "
+                           "-inf from triu(start) where it starts at triu(start + 1)): query start + i sees keys "
+                           "0 .. start + i, its own included, so the first query is not left with no key at all.",
+            spec=dict(hide_own=True)),
     Mistake("causal_mask", "No causal mask: each query also sees the later tokens of its chunk. Query start + i "
                            "may see keys 0 .. start + i only.", spec=dict(masked=False)),
     *mistake_rows("causal_mask", "fill", {
@@ -534,6 +545,13 @@ _MLA_MISTAKES = (
         "keys": "Your keys put the rotary part first (torch.cat([k_rope, k_nope])) while your queries put it last "
                 "([q_nope, q_rope]): a score then multiplies a query's nope numbers by a key's rotary ones. Build "
                 "both the same way: k = torch.cat([k_nope, k_rope], dim=-1), like q."}),
+    Mistake("norm_weight", "Your RMSNorm of the latent leaves out kv_a_layernorm's learned weight: after dividing by "
+                           "the root mean square it multiplies by layer.kv_a_layernorm.weight. Call "
+                           "layer.kv_a_layernorm(latent) itself.", spec=dict(norm_weight=False)),
+    *(Mistake("epsilon", f"Your RMSNorm of the latent adds an epsilon of your own ({eps:g}) under the root: this "
+                         f"layer's kv_a_layernorm has its own, layer.kv_a_layernorm.eps. Call "
+                         f"layer.kv_a_layernorm(latent) itself, or read its .eps.", spec=dict(norm_eps=eps))
+      for eps in (1e-6, 1e-5, 1e-8, 0.0)),
     Mistake("norm_placement", "The latent is not normalised: apply layer.kv_a_layernorm to the latent part of "
                               "kv_a_proj_with_mqa(x) (not to k_rope) before it is cached and up-projected.",
             spec=dict(norm=False)),
@@ -770,7 +788,8 @@ _OTHER_MAPS = (
 
 
 def _linear_cases() -> list[Case]:
-    shapes = (((2, 3, 6, 4), 3), ((7, 4), 5), ((1, 1, 4), 2), ((2, 9, 3), 3))
+    # the last: one value feature (d_v = 1) in a batch, where a .squeeze() of the read drops more than it means to
+    shapes = (((2, 3, 6, 4), 3), ((7, 4), 5), ((1, 1, 4), 2), ((2, 9, 3), 3), ((2, 5, 4), 1))
     cases = []
     for seed, (shape, dv) in enumerate(shapes):
         g = torch.Generator().manual_seed(seed)

@@ -123,6 +123,7 @@ class FunctionExercise:
     dtype: bool = True
     finite: bool = False
     numpy_ok: bool = False
+    item_axes: int = 2    # the batch probe: how many trailing axes make one item (2: a matrix; 1: a row)
     raw: Callable[[Case, Any], None] | None = None
     reword: Callable[[Failure, Case, Any, Any], None] | None = None
     scales: Sequence[ScaleFit] = ()
@@ -629,12 +630,14 @@ def _drawn_at_random(exercise: FunctionExercise, run: Run, fn: Any) -> None:
 
 def _batch_items(exercise: FunctionExercise, run: Run, fn: Any) -> None:
     """The ``batch`` probe on a run that differs: each item of the leading axes that its tensors and output share
-    (batch, heads: all but the last two) run on its own. Each right alone, wrong together: ``batch_mixing``."""
+    (batch, heads: all but the last ``item_axes``) run on its own. Each right alone, wrong together:
+    ``batch_mixing``."""
     out, tensors = run.out, [arg for arg in run.case.args if isinstance(arg, torch.Tensor)]
     if not isinstance(out, torch.Tensor) or not tensors:
         return
-    lead = 0
-    while lead < out.dim() - 2 and all(t.dim() - 2 > lead and t.shape[lead] == out.shape[lead] for t in tensors):
+    lead, inner = 0, exercise.item_axes
+    while lead < out.dim() - inner and all(t.dim() - inner > lead and t.shape[lead] == out.shape[lead]
+                                           for t in tensors):
         lead += 1
     items = list(itertools.product(*(range(size) for size in out.shape[:lead])))
     alone = []
@@ -669,7 +672,9 @@ def _stale(exercise: FunctionExercise, runs: list[Run], earlier: list[Run], fn: 
         except Failure:
             again = None
         again = as_tensor(again) if exercise.numpy_ok else again
-        if isinstance(again, torch.Tensor) and again.shape == wrong.out.shape and not exercise.same(again, wrong.out):
+        # NaN where a query sees no key is the same answer twice, not a state carried over (NaN != NaN)
+        if isinstance(again, torch.Tensor) and again.shape == wrong.out.shape and not exercise.same(again, wrong.out) \
+                and not close(again, wrong.out, nan_ok=True):
             fail("kept_state", f"{wrong.case.what}, called twice, returned two different results: your function "
                                f"carries something from one call to the next (a running value stored on the "
                                f"function or in a global) instead of starting afresh from its inputs each time.")
