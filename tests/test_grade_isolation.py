@@ -312,8 +312,10 @@ def attacked(tmp_path_factory):
     env = {**os.environ, "GRADER_TOKEN": TOKEN,
            "PYTHONPATH": os.pathsep.join([str(Path(course_lib.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
+    # 60 s a notebook, 30 s an exercise: oscar's 1.2 fills its 512 MB scratch before it answers, which took past
+    # a 20 s share on a loaded 2-core CI machine (a timeout there is no attack stopped, only a slow disk)
     grading = subprocess.Popen([sys.executable, "-m", "course_lib", "grade", str(submissions), "--out", str(report),
-                                "--workers", "2", "--exercises", ",".join(EXERCISES), "--timeout", "40",
+                                "--workers", "2", "--exercises", ",".join(EXERCISES), "--timeout", "60",
                                 "--memory-mb", "512", "--isolation", "on", "--quiet"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=env, cwd=grader, start_new_session=True)
     on_command_lines = _watch_command_lines(grading)
