@@ -494,10 +494,10 @@ def _check_fewer_queries_masked(fn: Callable[..., Any], module: nn.Module, k: to
             got = _direct(fn, module, q, k, v, mask, scaling, what)
         except Failure as failure:
             if failure.diagnosis in ("nan", "causal_mask") and "NaN" in failure.message:
-                fail("causal_mask", f"{what}: NaN in the output, though every query here has keys it may see: a "
-                                    f"query of yours sees none (a causal mask of your own, aligned top-left and "
-                                    f"combined with the one given, leaves the first query only key 0, which is "
-                                    f"padding here)." + said)
+                fail("causal_mask", f"{what}: NaN in the output, though every query here has keys it may see: in "
+                                    f"your code a query sees none. A causal mask of your own, aligned top-left and "
+                                    f"combined with the one given, does that: it leaves the first query only key 0, "
+                                    f"which is padding here." + said)
             raise
         if close(got, _attention(q, k, v, scale=scaling, mask=mask)):
             continue
